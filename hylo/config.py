@@ -1,0 +1,220 @@
+"""HybridConfig: the HyLo architecture (which layers are MLA, which are linear, and their shapes).
+
+Keys follow the released HyLo checkpoints (`n_layer`, `mla_layers`, `kv_lora_rank`, ...) plus the
+linear-block keys (`linear_type`, `gdn_*`). Saved as `hybrid_config.json` beside `config.json`.
+Validation runs on construction and on load; each error names the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import PretrainedConfig
+
+LINEAR_TYPES = ("gdn", "mamba2")
+HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+HYBRID_CONFIG_NAME = "hybrid_config.json"
+
+
+class HybridConfigError(ValueError):
+    """Invalid HybridConfig: the message names the key and the allowed values."""
+
+
+class HybridConfig(PretrainedConfig):
+    model_type = "hylo"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 49152,
+        hidden_size: int = 576,
+        intermediate_size: int = 1536,
+        hidden_act: str = "silu",
+        n_layer: int = 30,
+        mla_layers: list[int] | None = None,
+        rms_norm_eps: float = 1e-5,
+        num_attention_heads: int = 9,
+        num_key_value_heads: int = 3,
+        head_dim: int | None = None,
+        kv_lora_rank: int = 128,
+        q_lora_rank: int | None = None,
+        qk_rope_head_dim: int = 32,
+        qk_nope_head_dim: int = 32,
+        v_head_dim: int = 64,
+        max_position_embeddings: int = 8192,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+        attention_bias: bool = False,
+        mlp_bias: bool = False,
+        linear_type: str = "gdn",
+        gdn_num_heads: int = 9,
+        gdn_head_dim: int = 64,
+        gdn_expand_v: float = 1.0,
+        gdn_conv_size: int = 4,
+        gdn_chunk_size: int = 64,
+        mamba2_num_heads: int | None = None,
+        mamba2_head_dim: int = 64,
+        mamba2_state_size: int = 64,
+        mamba2_n_groups: int = 1,
+        initializer_range: float = 0.02,
+        tie_word_embeddings: bool = True,
+        base_model_type: str | None = None,
+        base_num_key_value_heads: int | None = None,
+        base_head_dim: int | None = None,
+        use_cache: bool = True,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = 1,
+        eos_token_id: int | list[int] | None = 2,
+        **kwargs: Any,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
+        self.n_layer = n_layer
+        self.mla_layers = sorted(int(i) for i in (mla_layers if mla_layers is not None else []))
+        self.rms_norm_eps = rms_norm_eps
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.q_lora_rank = q_lora_rank if q_lora_rank else None
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.v_head_dim = v_head_dim
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = float(rope_theta)
+        self.rope_scaling = dict(rope_scaling) if rope_scaling else None
+        self.attention_bias = attention_bias
+        self.mlp_bias = mlp_bias
+        self.linear_type = linear_type
+        self.gdn_num_heads = gdn_num_heads
+        self.gdn_head_dim = gdn_head_dim
+        self.gdn_expand_v = gdn_expand_v
+        self.gdn_conv_size = gdn_conv_size
+        self.gdn_chunk_size = gdn_chunk_size
+        self.mamba2_num_heads = mamba2_num_heads
+        self.mamba2_head_dim = mamba2_head_dim
+        self.mamba2_state_size = mamba2_state_size
+        self.mamba2_n_groups = mamba2_n_groups
+        self.initializer_range = initializer_range
+        self.base_model_type = base_model_type
+        self.base_num_key_value_heads = base_num_key_value_heads
+        self.base_head_dim = base_head_dim
+        self.use_cache = use_cache
+        # transformers' generic code reads num_hidden_layers
+        self.num_hidden_layers = n_layer
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        self.validate()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return int(self.gdn_head_dim * self.gdn_expand_v)
+
+    @property
+    def linear_layers(self) -> list[int]:
+        mla = set(self.mla_layers)
+        return [i for i in range(self.n_layer) if i not in mla]
+
+    def layer_type(self, idx: int) -> str:
+        return "mla" if idx in set(self.mla_layers) else self.linear_type
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        def bad(key: str, msg: str) -> None:
+            raise HybridConfigError(f"HybridConfig.{key}: {msg}")
+
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "n_layer", "num_attention_heads",
+                    "num_key_value_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim",
+                    "gdn_num_heads", "gdn_head_dim", "gdn_conv_size", "max_position_embeddings",
+                    "gdn_chunk_size"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(key, f"must be a positive integer, got {v!r}")
+        if self.qk_nope_head_dim < 0:
+            bad("qk_nope_head_dim", f"must be >= 0, got {self.qk_nope_head_dim}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            bad("hidden_act", f"{self.hidden_act!r} is not supported; allowed: {', '.join(HIDDEN_ACTS)}")
+        if self.linear_type not in LINEAR_TYPES:
+            bad("linear_type", f"{self.linear_type!r} is unknown; allowed: {', '.join(LINEAR_TYPES)}")
+        if len(set(self.mla_layers)) != len(self.mla_layers):
+            bad("mla_layers", f"contains duplicates: {self.mla_layers}")
+        for i in self.mla_layers:
+            if not 0 <= i < self.n_layer:
+                bad("mla_layers", f"layer index {i} is out of range; allowed: 0..{self.n_layer - 1} (n_layer={self.n_layer})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            bad("num_key_value_heads", f"{self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}")
+        if self.kv_lora_rank % 8:
+            bad("kv_lora_rank", f"must be a multiple of 8, got {self.kv_lora_rank}")
+        if self.q_lora_rank is not None and (self.q_lora_rank <= 0 or self.q_lora_rank % 8):
+            bad("q_lora_rank", f"must be null (no query compression) or a positive multiple of 8, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            bad("qk_rope_head_dim", f"must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+        if self.base_head_dim is not None and self.qk_nope_head_dim + self.qk_rope_head_dim != self.base_head_dim:
+            bad("qk_nope_head_dim", (
+                f"qk_nope_head_dim + qk_rope_head_dim = {self.qk_nope_head_dim} + {self.qk_rope_head_dim} "
+                f"= {self.qk_head_dim} must equal the base model's head_dim {self.base_head_dim}"))
+        if self.gdn_head_dim % 2:
+            bad("gdn_head_dim", f"must be even, got {self.gdn_head_dim}")
+        if self.gdn_value_dim <= 0 or self.gdn_head_dim * self.gdn_expand_v != self.gdn_value_dim:
+            bad("gdn_expand_v", f"gdn_head_dim * gdn_expand_v must be a positive integer, got {self.gdn_head_dim} * {self.gdn_expand_v}")
+        if self.rope_scaling is not None:
+            rtype = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if rtype not in ("yarn", "default", "linear", None):
+                bad("rope_scaling", f"rope_type {rtype!r} is not supported; allowed: yarn, linear, default")
+            if rtype == "yarn" and float(self.rope_scaling.get("factor", 0)) < 1.0:
+                bad("rope_scaling", "yarn needs factor >= 1")
+
+    # ------------------------------------------------------------------ accounting
+    def kv_cache_values_per_token(self) -> int:
+        """Cached values per token over all layers: MLA keeps latent + shared roped key; linear layers keep none."""
+        return len(self.mla_layers) * (self.kv_lora_rank + self.qk_rope_head_dim)
+
+    # ------------------------------------------------------------------ io
+    def save_hybrid_config(self, directory: str | Path) -> Path:
+        path = Path(directory) / HYBRID_CONFIG_NAME
+        data = self.to_dict()
+        for k in ("transformers_version", "architectures", "auto_map", "num_hidden_layers"):
+            data.pop(k, None)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def from_hybrid_json(cls, path: str | Path) -> HybridConfig:
+        p = Path(path)
+        if p.is_dir():
+            p = p / HYBRID_CONFIG_NAME
+        if not p.is_file():
+            raise HybridConfigError(f"{p}: no {HYBRID_CONFIG_NAME} found (is this a HyLo checkpoint?)")
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise HybridConfigError(f"{p}: not valid JSON ({e})") from e
+        data.pop("model_type", None)
+        try:
+            return cls(**data)
+        except HybridConfigError as e:
+            raise HybridConfigError(f"{p}: {e}") from None
+
+
+def base_kv_values_per_token(base_config: Any) -> int:
+    """Cached values per token of a GQA base model: 2 * n_kv_heads * head_dim per layer."""
+    n_heads = base_config.num_attention_heads
+    n_kv = getattr(base_config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(base_config, "head_dim", None) or base_config.hidden_size // n_heads
+    return base_config.num_hidden_layers * 2 * n_kv * head_dim

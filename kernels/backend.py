@@ -1,0 +1,60 @@
+"""The one switch between the GPU path (fla / Triton kernels) and the pure-torch CPU path.
+
+Every op in `kernels/` and every layer in `hylo/layers/` asks `use_gpu_kernels(tensor)` instead of
+testing devices itself. Set `HYLO_KERNELS=torch` to force the pure-torch path everywhere (debugging,
+numerics checks on a GPU) or `HYLO_KERNELS=triton` to force Triton even on CPU tensors (only
+meaningful with `TRITON_INTERPRET=1`, which is how the Triton kernels are tested on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+_CHOICES = ("auto", "torch", "triton")
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get("HYLO_KERNELS", "auto").lower()
+    if mode not in _CHOICES:
+        raise ValueError(f"HYLO_KERNELS={mode!r} is not valid; allowed: {', '.join(_CHOICES)}")
+    return mode
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@functools.cache
+def fla_available() -> bool:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_gpu_kernels(x: torch.Tensor) -> bool:
+    """True when `x` should go through the Triton/fla kernels rather than the torch path."""
+    mode = kernel_mode()
+    if mode == "torch":
+        return False
+    if mode == "triton":
+        return triton_available() and (x.is_cuda or triton_interpret())
+    return x.is_cuda and triton_available()
+
+
+def use_fla(x: torch.Tensor) -> bool:
+    """fla's kernels run only on GPU tensors (they fail on CPU even under the Triton interpreter)."""
+    return x.is_cuda and kernel_mode() != "torch" and fla_available()
