@@ -1,0 +1,60 @@
+"""Saving and loading HyLo checkpoints atomically (safetensors + config.json + hybrid_config.json + tokenizer).
+
+A checkpoint directory is written under a temporary name beside the target and renamed into place only
+when complete, so a crash never leaves a directory that looks like a finished checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from hylo.config import HYBRID_CONFIG_NAME, HybridConfigError
+
+
+def atomic_replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished `tmp` directory to `final`, replacing any previous one."""
+    final = Path(final)
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def save_hylo(model, out_dir: str | Path, tokenizer=None) -> Path:
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        atomic_replace_dir(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_hylo(path: str | Path, dtype=None, device: str | None = None):
+    """Load a HyLo checkpoint with clear errors for missing or incomplete directories."""
+    import torch
+
+    from hylo.config import HybridConfig
+    from hylo.modeling import HyLoForCausalLM
+
+    p = Path(path)
+    if not p.is_dir():
+        raise HybridConfigError(f"HyLo checkpoint {p} does not exist or is not a directory")
+    if not (p / HYBRID_CONFIG_NAME).is_file():
+        raise HybridConfigError(f"{p}: no {HYBRID_CONFIG_NAME}; not a HyLo checkpoint (convert one with jobs/convert.py)")
+    cfg = HybridConfig.from_hybrid_json(p)
+    model = HyLoForCausalLM.from_pretrained(p, config=cfg, dtype=dtype or torch.float32)
+    if device is not None:
+        model = model.to(device)
+    return model

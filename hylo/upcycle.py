@@ -1,0 +1,462 @@
+"""Upcycle a Llama / Qwen3 checkpoint into a HyLo hybrid (MLA + linear layers).
+
+Legend: D hidden, H query heads, G KV heads, dh base head dim, Pn nope dims, Pr rope dims (both per head),
+dv value head dim, R kv_lora_rank, Rq q_lora_rank.
+
+Design choices:
+* MLA from attention by SVD (X-EcoMLA): queries are kept whole (`q_lora_rank: null`, exact) or factored by
+  a truncated SVD; the nope-keys and values of all KV heads are stacked and factored by ONE joint SVD into
+  `kv_a_proj_with_mqa` (latent rows) and `kv_b_proj` (per-head nope-key and value rows, GQA groups expanded
+  to the query heads); the shared roped key is the mean of the KV heads' RoPE rows.
+* RoPE dims: Llama rotates halves (dim j pairs with j + dh/2). We keep the Pr/2 highest-frequency pairs
+  together and set the MLA `rope_theta = theta ** (Pr / dh)`, which reproduces exactly the base model's
+  frequencies for those pairs (inv_freq_i = theta'^(-2i/Pr) = theta^(-2i/dh)).
+* The latent RMSNorms of MLA have no counterpart in the base model. With calibration tokens we set their
+  weight to the mean RMS of the latent so that, on average, the norm is a no-op at initialisation.
+* GDN from attention: W_q -> q_proj, W_k -> k_proj, W_v -> v_proj (KV heads expanded to GDN heads), W_o ->
+  o_proj; truncation / zero padding where head dims differ. Qwen3's q/k RMSNorm weights fold exactly into
+  q_proj / k_proj because GDN L2-normalises q and k. Gates, decay and beta keep their default init; the
+  short convolutions start as identity (last tap 1) so the copied projections are not scrambled.
+* MLP, norms, embeddings and LM head are copied.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hylo.config import HybridConfig, base_kv_values_per_token
+
+SUPPORTED_BASE_TYPES = ("llama", "qwen3", "mistral", "qwen2")
+
+
+class UpcycleError(ValueError):
+    """The base model cannot be converted; the message says why and what is supported."""
+
+
+# ---------------------------------------------------------------------------------------------- placement
+def parse_placement(spec: str | list[int] | tuple[int, ...], n_layer: int) -> list[int]:
+    """MLA layer indices from an explicit list, 'even', 'odd', 'uniform:N', 'all', 'none' or '0,5,10'."""
+    if isinstance(spec, list | tuple):
+        layers = [int(i) for i in spec]
+    else:
+        s = str(spec).strip().lower()
+        if s == "even":
+            layers = list(range(0, n_layer, 2))
+        elif s == "odd":
+            layers = list(range(1, n_layer, 2))
+        elif s == "all":
+            layers = list(range(n_layer))
+        elif s in ("none", ""):
+            layers = []
+        elif s.startswith("uniform:"):
+            try:
+                n = int(s.split(":", 1)[1])
+            except ValueError as e:
+                raise UpcycleError(f"placement {spec!r}: 'uniform:N' needs an integer N") from e
+            if not 0 <= n <= n_layer:
+                raise UpcycleError(f"placement {spec!r}: N must be in 0..{n_layer}")
+            # centre of each of N equal bins
+            layers = sorted({int(math.floor((i + 0.5) * n_layer / n)) for i in range(n)})
+        else:
+            try:
+                layers = [int(x) for x in s.strip("[]").split(",") if x.strip()]
+            except ValueError as e:
+                raise UpcycleError(
+                    f"placement {spec!r} not understood; use a list like 0,5,10, 'even', 'odd', 'uniform:N', 'all', 'none'"
+                ) from e
+    bad = [i for i in layers if not 0 <= i < n_layer]
+    if bad:
+        raise UpcycleError(f"mla layer index {bad[0]} is out of range; allowed: 0..{n_layer - 1}")
+    return sorted(set(layers))
+
+
+# ---------------------------------------------------------------------------------------------- config
+def _base_dims(base_cfg: Any) -> tuple[int, int, int, int]:
+    h = base_cfg.num_attention_heads
+    g = getattr(base_cfg, "num_key_value_heads", None) or h
+    dh = getattr(base_cfg, "head_dim", None) or base_cfg.hidden_size // h
+    return h, g, dh, base_cfg.num_hidden_layers
+
+
+def _base_rope_theta(base_cfg: Any) -> float:
+    theta = getattr(base_cfg, "rope_theta", None)
+    params = getattr(base_cfg, "rope_parameters", None)
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    return float(theta or 10000.0)
+
+
+def _base_rope_scaling(base_cfg: Any) -> dict | None:
+    params = getattr(base_cfg, "rope_parameters", None) or getattr(base_cfg, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    rtype = params.get("rope_type", params.get("type"))
+    if rtype in ("yarn", "linear"):
+        return {k: v for k, v in params.items() if k != "rope_theta"}
+    return None
+
+
+def hybrid_config_from_base(
+    base_cfg: Any,
+    mla_layers: str | list[int] = "even",
+    kv_lora_rank: int | None = None,
+    q_lora_rank: int | None = None,
+    qk_rope_head_dim: int | None = None,
+    qk_nope_head_dim: int | None = None,
+    v_head_dim: int | None = None,
+    gdn_num_heads: int | None = None,
+    gdn_head_dim: int | None = None,
+    gdn_expand_v: float | None = None,
+    linear_type: str = "gdn",
+    rope_scaling: dict | None = None,
+    max_position_embeddings: int | None = None,
+) -> HybridConfig:
+    """Derive a HybridConfig from a base model config (a transformers config object or a dict)."""
+    if isinstance(base_cfg, dict):
+        from transformers import AutoConfig
+
+        mt = base_cfg.get("model_type")
+        if mt not in SUPPORTED_BASE_TYPES:
+            raise UpcycleError(f"base model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_BASE_TYPES)}")
+        base_cfg = AutoConfig.for_model(**base_cfg)
+    mt = getattr(base_cfg, "model_type", None)
+    if mt not in SUPPORTED_BASE_TYPES:
+        raise UpcycleError(f"base model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_BASE_TYPES)}")
+    h, g, dh, n_layer = _base_dims(base_cfg)
+    d_rope = qk_rope_head_dim if qk_rope_head_dim is not None else min(64, dh // 2)
+    d_nope = qk_nope_head_dim if qk_nope_head_dim is not None else dh - d_rope
+    dv = v_head_dim if v_head_dim is not None else dh
+    full_kv_rank = g * (d_nope + dv)
+    r_kv = kv_lora_rank if kv_lora_rank is not None else min(128, full_kv_rank - full_kv_rank % 8)
+    theta = _base_rope_theta(base_cfg)
+    eos = getattr(base_cfg, "eos_token_id", None)
+    return HybridConfig(
+        vocab_size=base_cfg.vocab_size,
+        hidden_size=base_cfg.hidden_size,
+        intermediate_size=base_cfg.intermediate_size,
+        hidden_act=getattr(base_cfg, "hidden_act", "silu"),
+        n_layer=n_layer,
+        mla_layers=parse_placement(mla_layers, n_layer),
+        rms_norm_eps=base_cfg.rms_norm_eps,
+        num_attention_heads=h,
+        num_key_value_heads=g,
+        head_dim=dh,
+        kv_lora_rank=r_kv,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=d_rope,
+        qk_nope_head_dim=d_nope,
+        v_head_dim=dv,
+        max_position_embeddings=max_position_embeddings or base_cfg.max_position_embeddings,
+        # reproduce the base frequencies of the kept (highest-frequency) RoPE pairs exactly
+        rope_theta=theta ** (d_rope / dh),
+        rope_scaling=rope_scaling if rope_scaling is not None else _base_rope_scaling(base_cfg),
+        attention_bias=bool(getattr(base_cfg, "attention_bias", False)),
+        mlp_bias=bool(getattr(base_cfg, "mlp_bias", False)),
+        linear_type=linear_type,
+        gdn_num_heads=gdn_num_heads or h,
+        gdn_head_dim=gdn_head_dim or dh,
+        gdn_expand_v=gdn_expand_v if gdn_expand_v is not None else 1.0,
+        tie_word_embeddings=bool(getattr(base_cfg, "tie_word_embeddings", False)),
+        base_model_type=mt,
+        base_num_key_value_heads=g,
+        base_head_dim=dh,
+        pad_token_id=getattr(base_cfg, "pad_token_id", None),
+        bos_token_id=getattr(base_cfg, "bos_token_id", None),
+        eos_token_id=eos,
+    )
+
+
+def kv_summary(base_cfg: Any, hcfg: HybridConfig, bytes_per_value: int = 2) -> dict[str, Any]:
+    """KV-cache accounting (values per token; bytes at `bytes_per_value`, bf16 by default)."""
+    base_vals = base_kv_values_per_token(base_cfg)
+    hyb_vals = hcfg.kv_cache_values_per_token()
+    return {
+        "layers": hcfg.n_layer,
+        "mla_layers": hcfg.mla_layers,
+        "linear_layers": hcfg.linear_layers,
+        "linear_type": hcfg.linear_type,
+        "n_mla": len(hcfg.mla_layers),
+        "n_linear": len(hcfg.linear_layers),
+        "kv_lora_rank": hcfg.kv_lora_rank,
+        "qk_rope_head_dim": hcfg.qk_rope_head_dim,
+        "base_kv_bytes_per_token": base_vals * bytes_per_value,
+        "hybrid_kv_bytes_per_token": hyb_vals * bytes_per_value,
+        "kv_cache_ratio": hyb_vals / base_vals,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Load a base HF causal LM directory with clear errors for missing/corrupt/unsupported input."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    p = Path(path)
+    if not p.exists():
+        raise UpcycleError(f"base model directory {p} does not exist")
+    if not p.is_dir():
+        raise UpcycleError(f"base model path {p} is not a directory")
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise UpcycleError(f"{p}: no config.json (is this a Hugging Face model directory?)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise UpcycleError(f"{cfg_file}: not valid JSON ({e})") from e
+    mt = raw.get("model_type")
+    if mt not in SUPPORTED_BASE_TYPES:
+        arch = raw.get("architectures")
+        raise UpcycleError(
+            f"{cfg_file}: model_type {mt!r} (architectures {arch}) is not supported; "
+            f"supported: {', '.join(SUPPORTED_BASE_TYPES)}"
+        )
+    weights = list(p.glob("*.safetensors")) + list(p.glob("*.bin"))
+    if not weights:
+        raise UpcycleError(f"{p}: no weight files (*.safetensors) found")
+    try:
+        AutoConfig.from_pretrained(p)
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype)
+    except Exception as e:  # transformers raises many kinds for corrupt files
+        raise UpcycleError(f"{p}: could not load the base model weights: {type(e).__name__}: {e}") from e
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def rope_dim_split(dh: int, d_rope: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nope_idx, rope_idx) into a rotate-half head of size dh; rope keeps the d_rope/2 highest-freq pairs."""
+    half = dh // 2
+    pairs = torch.arange(d_rope // 2)
+    rope_idx = torch.cat([pairs, pairs + half])
+    mask = torch.ones(dh, dtype=torch.bool)
+    mask[rope_idx] = False
+    nope_idx = torch.arange(dh)[mask]
+    return nope_idx, rope_idx
+
+
+def _fit(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """Truncate or zero-pad the first dim of w to `rows`."""
+    if w.shape[0] >= rows:
+        return w[:rows]
+    return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])], dim=0)
+
+
+def _qk_norm_weights(attn: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    qn = getattr(attn, "q_norm", None)
+    kn = getattr(attn, "k_norm", None)
+    return (qn.weight.detach().float() if qn is not None else None, kn.weight.detach().float() if kn is not None else None)
+
+
+@torch.no_grad()
+def mla_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[str, torch.Tensor]:
+    """SVD initialisation of one MLA layer from a Llama/Qwen3 attention module (float64 SVD)."""
+    h, g, dh = hcfg.num_attention_heads, hcfg.num_key_value_heads, hcfg.base_head_dim or hcfg.head_dim
+    d_rope, d_nope, dv, r = hcfg.qk_rope_head_dim, hcfg.qk_nope_head_dim, hcfg.v_head_dim, hcfg.kv_lora_rank
+    nope_idx, rope_idx = rope_dim_split(dh, d_rope)
+    wq = attn.q_proj.weight.detach().double().view(h, dh, -1)
+    wk = attn.k_proj.weight.detach().double().view(g, dh, -1)
+    wv = attn.v_proj.weight.detach().double().view(g, dh, -1)
+    qw, kw = _qk_norm_weights(attn)
+    if qw is not None:
+        wq = wq * qw.double().view(1, dh, 1)
+    if kw is not None:
+        wk = wk * kw.double().view(1, dh, 1)
+    d = wq.shape[-1]
+    out: dict[str, torch.Tensor] = {}
+    # queries: per head [nope | rope]
+    q_full = torch.cat([wq[:, nope_idx], wq[:, rope_idx]], dim=1).reshape(h * (d_nope + d_rope), d)
+    if hcfg.q_lora_rank is None:
+        out["q_proj.weight"] = q_full
+    else:
+        u, s, vh = torch.linalg.svd(q_full, full_matrices=False)
+        rq = min(hcfg.q_lora_rank, s.numel())
+        out["q_a_proj.weight"] = _fit(s[:rq, None] * vh[:rq], hcfg.q_lora_rank)
+        out["q_b_proj.weight"] = _fit(u[:, :rq].T, hcfg.q_lora_rank).T.contiguous()
+    # shared roped key: mean over KV heads of their RoPE rows
+    k_pe = wk[:, rope_idx].mean(dim=0)  # [Pr, D]
+    # joint SVD of stacked per-KV-head nope keys and values
+    k_nope = wk[:, nope_idx]  # [G, Pn, D]
+    v = _fit(wv.transpose(0, 1), dv).transpose(0, 1) if dv != dh else wv  # [G, dv, D]
+    stacked = torch.cat([k_nope.reshape(g * d_nope, d), v.reshape(g * dv, d)], dim=0)
+    u, s, vh = torch.linalg.svd(stacked, full_matrices=False)
+    rk = min(r, s.numel())
+    latent = _fit(s[:rk, None] * vh[:rk], r)  # [R, D]
+    up = _fit(u[:, :rk].T, r).T  # [G*(Pn+dv), R]
+    up_k = up[: g * d_nope].view(g, d_nope, r)
+    up_v = up[g * d_nope :].view(g, dv, r)
+    group = h // g
+    kv_b = torch.cat([up_k.repeat_interleave(group, 0), up_v.repeat_interleave(group, 0)], dim=1)  # [H, Pn+dv, R]
+    out["kv_a_proj_with_mqa.weight"] = torch.cat([latent, k_pe], dim=0)
+    out["kv_b_proj.weight"] = kv_b.reshape(h * (d_nope + dv), r)
+    wo = attn.o_proj.weight.detach().double().view(d, h, dh)
+    if dv != dh:
+        wo = _fit(wo.permute(2, 0, 1), dv).permute(1, 2, 0)
+    out["o_proj.weight"] = wo.reshape(d, h * dv)
+    if getattr(attn.o_proj, "bias", None) is not None:
+        out["o_proj.bias"] = attn.o_proj.bias.detach().double()
+    return out
+
+
+@torch.no_grad()
+def gdn_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[str, torch.Tensor]:
+    """Copy attention projections into a GDN layer (heads wrapped, dims truncated/zero-padded)."""
+    h, g, dh = hcfg.num_attention_heads, hcfg.num_key_value_heads, hcfg.base_head_dim or hcfg.head_dim
+    hg, kd, vd = hcfg.gdn_num_heads, hcfg.gdn_head_dim, hcfg.gdn_value_dim
+    wq = attn.q_proj.weight.detach().double().view(h, dh, -1)
+    wk = attn.k_proj.weight.detach().double().view(g, dh, -1)
+    wv = attn.v_proj.weight.detach().double().view(g, dh, -1)
+    qw, kw = _qk_norm_weights(attn)
+    if qw is not None:
+        wq = wq * qw.double().view(1, dh, 1)
+    if kw is not None:
+        wk = wk * kw.double().view(1, dh, 1)
+    d = wq.shape[-1]
+    group = h // g
+    q_heads = [i % h for i in range(hg)]
+    kv_heads = [qi // group for qi in q_heads]
+    q = torch.stack([_fit(wq[qi], kd) for qi in q_heads])
+    k = torch.stack([_fit(wk[ki], kd) for ki in kv_heads])
+    v = torch.stack([_fit(wv[ki], vd) for ki in kv_heads])
+    wo = attn.o_proj.weight.detach().double().view(d, h, dh)
+    # a base head used by several GDN heads shares its output projection among them
+    uses = torch.bincount(torch.tensor(q_heads), minlength=h).double()
+    o = torch.stack([_fit(wo[:, qi].T, vd).T / uses[qi] for qi in q_heads], dim=1)  # [D, Hg, vd]
+    out = {
+        "q_proj.weight": q.reshape(hg * kd, d),
+        "k_proj.weight": k.reshape(hg * kd, d),
+        "v_proj.weight": v.reshape(hg * vd, d),
+        "o_proj.weight": o.reshape(d, hg * vd),
+    }
+    return out
+
+
+def _identity_conv_(conv: nn.Module) -> None:
+    w = conv.weight
+    w.zero_()
+    w[:, 0, -1] = 1.0
+    if getattr(conv, "bias", None) is not None:
+        conv.bias.zero_()
+
+
+@torch.no_grad()
+def _calibrate_mla_norms(base_model, model, calibration_ids: torch.Tensor) -> None:
+    """Set MLA latent-norm weights to the mean RMS of the latents on calibration tokens."""
+    captured: dict[int, torch.Tensor] = {}
+    hooks = []
+    base_layers = base_model.model.layers
+    for i in model.config.mla_layers:
+        def hook(mod, args, kwargs, i=i):
+            x = args[0] if args else kwargs["hidden_states"]
+            captured[i] = x.detach()
+
+        hooks.append(base_layers[i].self_attn.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        base_model(input_ids=calibration_ids)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    for i, x in captured.items():
+        mixer = model.model.layers[i].mixer
+        x = x.to(mixer.kv_a_proj_with_mqa.weight.dtype)
+        r = model.config.kv_lora_rank
+        c_kv = mixer.kv_a_proj_with_mqa(x)[..., :r]
+        rms = c_kv.float().pow(2).mean(-1).sqrt().mean()
+        mixer.kv_a_layernorm.weight.fill_(float(rms))
+        if model.config.q_lora_rank is not None:
+            c_q = mixer.q_a_proj(x)
+            mixer.q_a_layernorm.weight.fill_(float(c_q.float().pow(2).mean(-1).sqrt().mean()))
+
+
+@torch.no_grad()
+def upcycle(
+    base_model,
+    hcfg: HybridConfig | None = None,
+    *,
+    init: str = "attention",
+    calibration_ids: torch.Tensor | None = None,
+    progress: bool = False,
+    **config_kwargs: Any,
+):
+    """Convert a loaded base `LlamaForCausalLM`/`Qwen3ForCausalLM` into a `HyLoForCausalLM`.
+
+    `init="attention"` (default) initialises mixers from the attention weights; `init="random"` keeps
+    the mixers' random init (the ablation used by bench/upcycle_quality.py). Extra keyword arguments go
+    to `hybrid_config_from_base` when `hcfg` is None.
+    """
+    from hylo.modeling import HyLoForCausalLM
+
+    if init not in ("attention", "random"):
+        raise UpcycleError(f"init={init!r}; allowed: attention, random")
+    base_cfg = base_model.config
+    if getattr(base_cfg, "model_type", None) not in SUPPORTED_BASE_TYPES:
+        raise UpcycleError(
+            f"base model_type {getattr(base_cfg, 'model_type', None)!r} is not supported; supported: {', '.join(SUPPORTED_BASE_TYPES)}"
+        )
+    if hcfg is None:
+        hcfg = hybrid_config_from_base(base_cfg, **config_kwargs)
+    dtype = next(base_model.parameters()).dtype
+    model = HyLoForCausalLM(hcfg).to(dtype)
+    base = base_model.model
+    tgt = model.model
+    tgt.embed_tokens.weight.copy_(base.embed_tokens.weight)
+    tgt.norm.weight.copy_(base.norm.weight)
+    if not hcfg.tie_word_embeddings:
+        model.lm_head.weight.copy_(base_model.lm_head.weight)
+    layers = range(hcfg.n_layer)
+    if progress:
+        from tqdm import tqdm
+
+        layers = tqdm(layers, desc="upcycling layers", unit="layer")
+    for i in layers:
+        src, dst = base.layers[i], tgt.layers[i]
+        dst.input_layernorm.weight.copy_(src.input_layernorm.weight)
+        dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+        dst.mlp.load_state_dict(src.mlp.state_dict())
+        if init == "random":
+            continue
+        if dst.layer_type == "mla":
+            weights = mla_weights_from_attention(src.self_attn, hcfg)
+        elif dst.layer_type == "gdn":
+            weights = gdn_weights_from_attention(src.self_attn, hcfg)
+            for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+                conv = getattr(dst.mixer, name, None)
+                if conv is not None:
+                    _identity_conv_(conv)
+        else:
+            from hylo.layers.mamba2 import mamba2_weights_from_attention
+
+            weights = mamba2_weights_from_attention(src.self_attn, hcfg)
+        params = dict(dst.mixer.named_parameters())
+        for name, w in weights.items():
+            if name not in params:
+                raise UpcycleError(f"layer {i}: converter produced {name!r} which the {dst.layer_type} mixer lacks")
+            if params[name].shape != w.shape:
+                raise UpcycleError(f"layer {i}: {name} shape {tuple(w.shape)} != mixer's {tuple(params[name].shape)}")
+            params[name].copy_(w.to(params[name].dtype))
+    if init == "attention" and calibration_ids is not None and hcfg.mla_layers:
+        _calibrate_mla_norms(base_model, model, calibration_ids)
+    if hcfg.tie_word_embeddings:
+        model.tie_weights()
+    model.generation_config = base_model.generation_config
+    return model
+
+
+# A short, fixed calibration text (English prose + code + chat), so conversion needs no dataset.
+CALIBRATION_TEXT = (
+    "<|im_start|>user\nCan you explain how a hash map works and give a short Python example?<|im_end|>\n"
+    "<|im_start|>assistant\nA hash map stores key-value pairs in an array of buckets. A hash function turns "
+    "each key into an index; collisions are resolved by chaining or open addressing. Lookups, inserts and "
+    "deletes take constant time on average.\n\n```python\nphone_book = {}\nphone_book['alice'] = '555-1234'\n"
+    "print(phone_book.get('alice'))\n```\nThe history of the city dates back to the Roman period, when a small "
+    "settlement grew along the river. By the twelfth century it had become an important market town, and its "
+    "cathedral, finished in 1320, still dominates the skyline.<|im_end|>\n"
+)
+
+
+def calibration_ids_for(tokenizer) -> torch.Tensor:
+    ids = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids
+    return ids[:, :512]

@@ -1,0 +1,168 @@
+"""Convert a Llama / Qwen3 checkpoint into a HyLo hybrid and print what it saves.
+
+    python jobs/convert.py --base smollm2-135m-instruct --out runs/hylo-smollm2 --mla-layers even
+    python jobs/convert.py --dry-run --base-config path/to/config.json --mla-layers 0,5,10,16,21,26 \
+        --kv-lora-rank 128 --qk-rope-head-dim 64
+
+Prints one JSON summary on stdout (layers, parameters, KV-cache bytes per token of base and hybrid at bf16,
+`kv_cache_ratio` as a fraction). `--dry-run` loads no weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", help="base HF model directory or asset name (e.g. smollm2-135m-instruct)")
+    p.add_argument("--out", help="output directory for the HyLo checkpoint")
+    p.add_argument("--mla-layers", default="even", help="0,5,10 | even | odd | uniform:N | all | none")
+    p.add_argument("--linear-type", default="gdn", choices=["gdn", "mamba2"])
+    p.add_argument("--kv-lora-rank", type=int, default=None)
+    p.add_argument("--q-lora-rank", type=int, default=None, help="omit for uncompressed queries")
+    p.add_argument("--qk-rope-head-dim", type=int, default=None)
+    p.add_argument("--qk-nope-head-dim", type=int, default=None)
+    p.add_argument("--v-head-dim", type=int, default=None)
+    p.add_argument("--gdn-num-heads", type=int, default=None)
+    p.add_argument("--gdn-head-dim", type=int, default=None)
+    p.add_argument("--gdn-expand-v", type=float, default=None)
+    p.add_argument("--max-position-embeddings", type=int, default=None)
+    p.add_argument("--yarn-factor", type=float, default=None,
+                   help="enable YaRN on the MLA RoPE with this factor (original window = base max positions)")
+    p.add_argument("--init", default="attention", choices=["attention", "random"])
+    p.add_argument("--no-calibrate", action="store_true", help="skip the MLA latent-norm calibration pass")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dry-run", action="store_true", help="print the summary from --base-config alone")
+    p.add_argument("--base-config", help="config.json of the base model (for --dry-run)")
+    return p
+
+
+def config_kwargs(args: argparse.Namespace) -> dict:
+    kw = {
+        "mla_layers": args.mla_layers,
+        "linear_type": args.linear_type,
+        "kv_lora_rank": args.kv_lora_rank,
+        "q_lora_rank": args.q_lora_rank,
+        "qk_rope_head_dim": args.qk_rope_head_dim,
+        "qk_nope_head_dim": args.qk_nope_head_dim,
+        "v_head_dim": args.v_head_dim,
+        "gdn_num_heads": args.gdn_num_heads,
+        "gdn_head_dim": args.gdn_head_dim,
+        "gdn_expand_v": args.gdn_expand_v,
+        "max_position_embeddings": args.max_position_embeddings,
+    }
+    return kw
+
+
+def yarn_scaling(args: argparse.Namespace, base_max_pos: int) -> dict | None:
+    if args.yarn_factor is None:
+        return None
+    return {"rope_type": "yarn", "factor": args.yarn_factor, "original_max_position_embeddings": base_max_pos,
+            "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def count_params(hcfg, base_cfg) -> dict:
+    """Parameter counts from shapes alone (meta device), so --dry-run needs no weights."""
+    import torch
+
+    from hylo.modeling import HyLoForCausalLM
+
+    with torch.device("meta"):
+        model = HyLoForCausalLM(hcfg)
+    hybrid = sum(p.numel() for p in model.parameters())
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(base_cfg)
+        base_n = sum(p.numel() for p in base.parameters())
+    except Exception:
+        base_n = None
+    return {"base_parameters": base_n, "hybrid_parameters": hybrid}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from hylo.upcycle import UpcycleError, hybrid_config_from_base, kv_summary
+
+    try:
+        if args.dry_run:
+            if not args.base_config:
+                raise UpcycleError("--dry-run needs --base-config CONFIG_JSON")
+            from transformers import AutoConfig
+
+            path = Path(args.base_config)
+            if not path.is_file():
+                raise UpcycleError(f"--base-config {path} does not exist")
+            try:
+                raw = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise UpcycleError(f"{path}: not valid JSON ({e})") from e
+            from hylo.upcycle import SUPPORTED_BASE_TYPES
+
+            if raw.get("model_type") not in SUPPORTED_BASE_TYPES:
+                raise UpcycleError(f"{path}: model_type {raw.get('model_type')!r} is not supported; "
+                                   f"supported: {', '.join(SUPPORTED_BASE_TYPES)}")
+            base_cfg = AutoConfig.for_model(**raw)
+            hcfg = hybrid_config_from_base(base_cfg, rope_scaling=yarn_scaling(args, base_cfg.max_position_embeddings),
+                                           **config_kwargs(args))
+            summary = {"dry_run": True, **kv_summary(base_cfg, hcfg), **count_params(hcfg, base_cfg)}
+            print(json.dumps(summary, indent=2))
+            return 0
+
+        if not args.base or not args.out:
+            raise UpcycleError("--base and --out are required (or --dry-run --base-config)")
+        import torch
+
+        from hylo.upcycle import calibration_ids_for, load_base_model, upcycle
+
+        base_path = Path(args.base)
+        if not base_path.exists() and "/" not in args.base:
+            from hylo.assets import fetch_asset
+
+            base_path = fetch_asset(args.base)
+        t0 = time.time()
+        dtype = getattr(torch, args.dtype)
+        base = load_base_model(base_path, dtype=dtype)
+        hcfg = hybrid_config_from_base(base.config, rope_scaling=yarn_scaling(args, base.config.max_position_embeddings),
+                                       **config_kwargs(args))
+        tokenizer = None
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(base_path)
+        except Exception as e:
+            print(f"[convert] no tokenizer in {base_path} ({type(e).__name__}); the output will have none",
+                  file=sys.stderr)
+        calib = None
+        if tokenizer is not None and not args.no_calibrate and args.init == "attention":
+            calib = calibration_ids_for(tokenizer)
+        model = upcycle(base, hcfg, init=args.init, calibration_ids=calib, progress=True)
+        out = Path(args.out)
+        from hylo.io import save_hylo
+
+        save_hylo(model, out, tokenizer=tokenizer)
+        summary = {
+            "base": str(base_path),
+            "out": str(out),
+            **kv_summary(base.config, hcfg),
+            "base_parameters": sum(p.numel() for p in base.parameters()),
+            "hybrid_parameters": sum(p.numel() for p in model.parameters()),
+            "seconds": round(time.time() - t0, 1),
+        }
+        print(json.dumps(summary, indent=2))
+        return 0
+    except UpcycleError as e:
+        print(f"convert: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
