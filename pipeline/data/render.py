@@ -1,0 +1,192 @@
+"""Chat template rendering + tokenisation with a per-token assistant mask.
+
+Legend: L = tokens of one document, S = assistant character spans of one document.
+
+Design choices:
+* The text is the tokenizer's own `apply_chat_template(messages, tokenize=False)`, tokenised once
+  without added special tokens (the template already writes BOS/markers), exactly as
+  `apply_chat_template(tokenize=True)` does.
+* Assistant spans are found in characters, then mapped to tokens through the fast tokenizer's
+  offsets. Two ways to find the spans:
+  - "generation": templates with `{% generation %}` markers; the spans come from
+    `apply_chat_template(..., return_assistant_tokens_mask=True)`'s own machinery.
+  - "prefix": any template that renders conversations prefix-stably (ChatML, Llama 3, ...). For
+    assistant turn i the span is `render(m[:i+1])` minus `render(m[:i], add_generation_prompt=True)`:
+    the reply plus the template's end-of-turn marker, without the role header. Trailing whitespace
+    after the marker is template glue and is left out. Both prefixes are checked to be prefixes of
+    the full text; a template that rewrites history (e.g. drops past reasoning) fails the check and
+    the record is rejected with that reason instead of getting a wrong mask.
+  "auto" picks "generation" when the template has markers, else "prefix".
+* A token is an assistant token when any of its characters lies in a span (a token straddling
+  header and reply must be predicted to produce the reply).
+* Every failure is per record: it becomes a reject with a reason, never an exception for the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MASK_METHODS = ("auto", "generation", "prefix")
+
+
+class RenderError(ValueError):
+    """A record cannot be rendered; the message is the reject reason."""
+
+
+@dataclass
+class Encoded:
+    """One rendered + tokenised conversation: input_ids [L] int32, assistant_mask [L] bool."""
+
+    doc_id: str
+    input_ids: np.ndarray
+    assistant_mask: np.ndarray
+
+
+@dataclass
+class Rejected:
+    doc_id: str
+    reason: str
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """Fingerprint of what decides the tokens: vocab/merges/normaliser, chat template, special tokens."""
+    h = hashlib.sha256()
+    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(str(tokenizer.chat_template or "").encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def _validate_messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise RenderError("messages: expected a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RenderError(f"messages[{i}]: expected an object, got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise RenderError(f"messages[{i}].role: missing or not a string")
+        if not isinstance(content, str):
+            raise RenderError(f"messages[{i}].content: not a string ({type(content).__name__})")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RenderError(f"messages[{i}].content: undecodable text ({e.reason} at {e.start})") from None
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RenderError("no assistant turn")
+    return messages
+
+
+def tokens_in_spans(offsets_L2: np.ndarray, spans_S2: np.ndarray) -> np.ndarray:
+    """assistant_mask [L]: token [a, b) overlaps some span [s, e) (spans sorted, disjoint)."""
+    if len(spans_S2) == 0 or len(offsets_L2) == 0:
+        return np.zeros(len(offsets_L2), dtype=np.bool_)
+    tok_start, tok_end = offsets_L2[:, 0], offsets_L2[:, 1]
+    # The last span starting before the token ends is the only one that can overlap it.
+    j = np.searchsorted(spans_S2[:, 0], tok_end, side="left") - 1
+    ok = j >= 0
+    jj = np.clip(j, 0, None)
+    return ok & (spans_S2[jj, 1] > tok_start) & (tok_end > tok_start)
+
+
+class ChatRenderer:
+    """Renders + tokenises records `{"doc_id" | "id", "messages": [{"role", "content"}]}` in batches."""
+
+    def __init__(self, tokenizer: Any, mask_method: str = "auto") -> None:
+        if mask_method not in MASK_METHODS:
+            raise ValueError(f"mask_method {mask_method!r} is not one of {MASK_METHODS}")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template")
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("a fast tokenizer (with character offsets) is required")
+        self.tokenizer = tokenizer
+        has_markers = "generation" in tokenizer.chat_template and "endgeneration" in tokenizer.chat_template
+        if mask_method == "auto":
+            mask_method = "generation" if has_markers else "prefix"
+        if mask_method == "generation" and not has_markers:
+            raise ValueError("mask_method 'generation' needs {% generation %} markers in the chat template")
+        self.mask_method = mask_method
+        self._backend = tokenizer.backend_tokenizer
+
+    @classmethod
+    def from_pretrained(cls, path: str, mask_method: str = "auto") -> ChatRenderer:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(path), mask_method)
+
+    # -- text and spans ----------------------------------------------------------------------
+    def _render(self, messages: list[dict[str, str]], gen: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        except Exception as e:
+            # Templates raise (e.g. "roles must alternate") through jinja; the message is the reason.
+            raise RenderError(f"chat template failed: {type(e).__name__}: {e}") from None
+
+    def render(self, messages: list[dict[str, str]]) -> tuple[str, np.ndarray]:
+        """Full text and assistant character spans [S, 2] (int64, sorted, disjoint)."""
+        messages = _validate_messages(messages)
+        if self.mask_method == "generation":
+            return self._render_generation(messages)
+        text = self._render(messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self._render(messages[:i], gen=True) if i else ""
+            upto = self._render(messages[: i + 1])
+            if not (text.startswith(upto) and upto.startswith(before)):
+                raise RenderError(
+                    f"chat template is not prefix-stable at messages[{i}]; cannot locate the assistant reply"
+                )
+            s, e = len(before), len(upto.rstrip())
+            if e > s:
+                spans.append((s, e))
+        return text, np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+
+    def _render_generation(self, messages: list[dict[str, str]]) -> tuple[str, np.ndarray]:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            rendered, indices = render_jinja_template(
+                conversations=[messages], chat_template=self.tokenizer.chat_template,
+                return_assistant_tokens_mask=True, **self.tokenizer.special_tokens_map,
+            )
+        except Exception as e:
+            raise RenderError(f"chat template failed: {type(e).__name__}: {e}") from None
+        spans = sorted((int(s), int(e)) for s, e in indices[0] if e > s)
+        return rendered[0], np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+
+    # -- batches -----------------------------------------------------------------------------
+    def encode_batch(self, records: list[dict[str, Any]]) -> list[Encoded | Rejected]:
+        """Render + tokenise; one result per record, in order (Encoded or Rejected with a reason)."""
+        out: list[Encoded | Rejected | None] = [None] * len(records)
+        texts, spans, where = [], [], []
+        for k, rec in enumerate(records):
+            doc_id = str(rec.get("doc_id") or rec.get("id") or "")
+            try:
+                if not doc_id:
+                    raise RenderError("record has no id")
+                text, sp = self.render(rec.get("messages"))
+                if len(sp) == 0:
+                    raise RenderError("assistant replies render to no text")
+            except RenderError as e:
+                out[k] = Rejected(doc_id, str(e))
+                continue
+            texts.append(text)
+            spans.append(sp)
+            where.append((k, doc_id))
+        if texts:
+            encs = self._backend.encode_batch(texts, add_special_tokens=False)
+            for (k, doc_id), enc, sp in zip(where, encs, spans):
+                ids = np.asarray(enc.ids, dtype=np.int32)
+                mask = tokens_in_spans(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2), sp)
+                if not mask.any():
+                    out[k] = Rejected(doc_id, "no assistant tokens after tokenisation")
+                else:
+                    out[k] = Encoded(doc_id, ids, mask)
+        return out  # type: ignore[return-value]
