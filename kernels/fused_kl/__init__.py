@@ -1,3 +1,12 @@
+from kernels.fused_kl.chunked import auto_chunk_size, fused_linear_kl_div
+from kernels.fused_kl.naive import naive_kl_div
 from kernels.fused_kl.topk import TeacherTopK, tail_logmass_from_topk, topk_from_logits
 
-__all__ = ["TeacherTopK", "tail_logmass_from_topk", "topk_from_logits"]
+__all__ = [
+    "TeacherTopK",
+    "auto_chunk_size",
+    "fused_linear_kl_div",
+    "naive_kl_div",
+    "tail_logmass_from_topk",
+    "topk_from_logits",
+]

@@ -1,0 +1,342 @@
+"""Fused linear KL(teacher || student): logits, loss and gradients chunk by chunk over tokens.
+
+Design choices:
+* One autograd.Function whose forward computes the loss AND the gradients w.r.t. student_hidden and
+  student_weight, one chunk of rows at a time; backward only scales them by grad_output. No [N, V]
+  tensor exists at any time: the largest tensors are a few [C, V] chunk buffers.
+* Logits are produced by the matmul in fp32 (fp64 for fp64 inputs): bf16/fp16 hidden states are upcast
+  per chunk and the weight once, so nothing is rounded to bf16 before the softmax.
+* dW is accumulated across chunks in an fp32 [V, H] buffer (`addmm_`, no per-chunk temporary); dH is
+  written once per row. Both are cast to the input dtype at the end of the forward.
+* Masked rows are dropped before any logits are computed (their loss and gradient are zero), so a
+  mostly masked row costs little; "mean" divides by the number of unmasked tokens.
+* The per-chunk softmax / KL / gradient step is swappable: pure torch here (CPU, fallback) or the
+  Triton kernel in `triton_kernel.py`, chosen by `kernels.backend.use_gpu_kernels`.
+* The chunk size, when not given, bounds the chunk buffers to a fixed byte budget (`auto_chunk_size`).
+* Teacher tensors never get gradients; gradients are computed only for inputs that require them.
+
+Legend: N tokens, C rows in a chunk, H student hidden, H' teacher hidden, V vocabulary, k top-k width,
+B = k + 1 teacher buckets (top-k plus tail). Temperature convention and math: README.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from kernels.backend import use_gpu_kernels
+from kernels.fused_kl.inputs import LogitsFn, Teacher, check_inputs, check_teacher_logits
+from kernels.fused_kl.naive import compute_dtype
+from kernels.fused_kl.topk import TeacherTopK
+
+# Byte budget for the live [C, V] buffers of one chunk (about four of them at once).
+CHUNK_BUDGET_BYTES = {"cpu": 256 << 20, "other": 1 << 30}
+_LIVE_CHUNK_BUFFERS = 4
+
+
+def auto_chunk_size(n_rows: int, vocab: int, device: torch.device, dtype: torch.dtype = torch.float32) -> int:
+    """Rows per chunk so that ~4 [C, V] buffers of `dtype` fit the device's byte budget."""
+    budget = CHUNK_BUDGET_BYTES["cpu" if device.type == "cpu" else "other"]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows = budget // (_LIVE_CHUNK_BUFFERS * vocab * itemsize)
+    # Multiples of 16 keep matmul tiles aligned; never fewer than 16 rows unless N is smaller.
+    rows = max(16, rows // 16 * 16)
+    return max(1, min(rows, n_rows))
+
+
+def fused_linear_kl_div(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    *,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    teacher_topk: TeacherTopK | tuple | None = None,
+    teacher_logits_fn: LogitsFn | None = None,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Forward KL(teacher || student) per token, summed ("sum") or averaged over unmasked tokens ("mean").
+
+    student_hidden: [N, H], student_weight: [V, H] (student logits = student_hidden @ student_weight.T).
+    Exactly one teacher form:
+      * teacher_hidden [N, H'] + teacher_weight [V, H']: teacher logits computed chunk by chunk;
+      * teacher_topk: TeacherTopK or (logprobs [N, k], indices [N, k][, tail_logmass [N]]), log-probs at
+        temperature 1. With a tail, the student's probability outside the k ids is one bucket matched
+        against the teacher's tail mass; without one, the teacher's top-k are renormalised (zero tail).
+        With k = V this is exactly the full-vocabulary loss;
+      * teacher_logits_fn(i, j) -> [j - i, V] teacher logits for rows i:j (streamed; any float dtype).
+    mask: [N] bool (or 0/1 ints); False rows contribute nothing.
+    temperature T: both distributions are softmax(logits / T); the loss is NOT multiplied by T^2
+      (multiply by T**2 yourself for Hinton's convention). For top-k, the k+1 bucket log-probs are
+      divided by T and renormalised.
+    chunk_size: rows per chunk; None picks one that bounds the chunk buffers (`auto_chunk_size`).
+    Returns a scalar in fp32 (fp64 for fp64 inputs); 0 when no token is unmasked. Gradients flow to
+    student_hidden and student_weight only; they are computed during this call (double backward is
+    not supported).
+    """
+    teacher, mask = check_inputs(
+        "fused_linear_kl_div", student_hidden, student_weight, teacher_hidden, teacher_weight,
+        teacher_topk, teacher_logits_fn, mask, temperature, reduction, chunk_size,
+    )
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(
+            student_hidden.shape[0], student_weight.shape[0], student_hidden.device,
+            compute_dtype(student_hidden.dtype),
+        )
+    options = _Options(
+        teacher=teacher,
+        mask=mask,
+        inv_temp=1.0 / float(temperature),
+        reduction=reduction,
+        chunk_size=chunk_size,
+        use_triton=use_gpu_kernels(student_hidden),
+    )
+    needs_grad = torch.is_grad_enabled() and (student_hidden.requires_grad or student_weight.requires_grad)
+    if not needs_grad:
+        loss, _, _ = _forward_backward(student_hidden, student_weight, options, False, False)
+        return loss
+    return _FusedLinearKL.apply(student_hidden, student_weight, options)
+
+
+class _Options:
+    """Non-tensor arguments of the autograd.Function (teacher tensors travel here: they get no grad)."""
+
+    def __init__(
+        self,
+        teacher: Teacher,
+        mask: torch.Tensor | None,
+        inv_temp: float,
+        reduction: str,
+        chunk_size: int,
+        use_triton: bool,
+    ) -> None:
+        self.teacher = teacher
+        self.mask = mask
+        self.inv_temp = inv_temp
+        self.reduction = reduction
+        self.chunk_size = chunk_size
+        self.use_triton = use_triton
+
+
+class _FusedLinearKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student_hidden: torch.Tensor, student_weight: torch.Tensor, options: _Options):
+        loss, grad_hidden, grad_weight = _forward_backward(
+            student_hidden, student_weight, options, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        )
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.has_grad = (grad_hidden is not None, grad_weight is not None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        out = []
+        for has, g in zip(ctx.has_grad, (grad_hidden, grad_weight)):
+            out.append(g * grad_loss.to(g.dtype) if has else None)
+        return out[0], out[1], None
+
+
+def _rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+@torch.no_grad()
+def _forward_backward(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    options: _Options,
+    want_grad_hidden: bool,
+    want_grad_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Loss, and the gradients of the loss w.r.t. student_hidden / student_weight (None if not wanted)."""
+    n_rows, hidden = student_hidden.shape
+    vocab = student_weight.shape[0]
+    device = student_hidden.device
+    cdtype = compute_dtype(student_hidden.dtype)
+    teacher = options.teacher
+    weight_VH = student_weight.detach().to(cdtype)
+    teacher_weight_VH = None
+    if teacher.kind == "hidden":
+        teacher_weight_VH = teacher.weight_VH.to(compute_dtype(teacher.hidden_NH.dtype))
+
+    grad_hidden_NH = torch.zeros(n_rows, hidden, dtype=cdtype, device=device) if want_grad_hidden else None
+    grad_weight_VH = torch.zeros(vocab, hidden, dtype=cdtype, device=device) if want_grad_weight else None
+    need_grad = want_grad_hidden or want_grad_weight
+    loss = torch.zeros((), dtype=cdtype, device=device)
+
+    n_valid = n_rows if options.mask is None else int(options.mask.sum())
+    if n_valid == 0:
+        return loss, _cast(grad_hidden_NH, student_hidden), _cast(grad_weight_VH, student_weight)
+    scale = 1.0 / n_valid if options.reduction == "mean" else 1.0
+    # d(loss)/d(student logits) = scale / T * (q - p): the 1/T comes from logits / T.
+    grad_scale = scale * options.inv_temp
+    dense_step, topk_step = _chunk_steps(options.use_triton)
+
+    for rows, teacher_CV in _chunks(student_hidden, options, n_rows, vocab):
+        hidden_CH = _rows(student_hidden, rows).detach().to(cdtype)
+        logits_CV = hidden_CH @ weight_VH.t()
+        if teacher.kind == "topk":
+            logprobs_Ck, indices_Ck, tail_C = (None if t is None else _rows(t, rows) for t in teacher.topk)
+            indices_Ck = indices_Ck.long()
+            logp_CB = teacher_bucket_logprobs(logprobs_Ck, tail_C, options.inv_temp, vocab, cdtype)
+            kl_C = topk_step(logits_CV, indices_Ck, logp_CB, grad_scale, options.inv_temp, need_grad)
+        else:
+            owned = teacher.kind == "hidden"
+            if owned:
+                teacher_hidden_CH = _rows(teacher.hidden_NH, rows).to(teacher_weight_VH.dtype)
+                teacher_CV = (teacher_hidden_CH @ teacher_weight_VH.t()).to(cdtype)
+            else:
+                owned = teacher_CV.dtype != cdtype
+                teacher_CV = teacher_CV.to(cdtype)
+            kl_C = dense_step(logits_CV, teacher_CV, owned, grad_scale, options.inv_temp, need_grad)
+        loss += kl_C.sum() * scale
+        if need_grad:
+            # logits_CV now holds d(loss)/d(logits) for these rows.
+            if grad_hidden_NH is not None:
+                if isinstance(rows, slice):
+                    torch.mm(logits_CV, weight_VH, out=grad_hidden_NH[rows])
+                else:
+                    grad_hidden_NH.index_copy_(0, rows, logits_CV @ weight_VH)
+            if grad_weight_VH is not None:
+                grad_weight_VH.addmm_(logits_CV.t(), hidden_CH)
+        del logits_CV, teacher_CV
+    return loss, _cast(grad_hidden_NH, student_hidden), _cast(grad_weight_VH, student_weight)
+
+
+def _cast(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    return None if grad is None else grad.to(like.dtype)
+
+
+def _chunks(
+    student_hidden: torch.Tensor, options: _Options, n_rows: int, vocab: int
+) -> Iterator[tuple[slice | torch.Tensor, torch.Tensor | None]]:
+    """Yield (rows, streamed teacher logits or None): rows is a slice, or an index tensor under a mask."""
+    size = options.chunk_size
+    mask = options.mask
+    if options.teacher.kind == "logits_fn":
+        # The callback is defined on contiguous row ranges of the original order: chunk those, then
+        # drop masked rows inside each chunk.
+        for i in range(0, n_rows, size):
+            j = min(i + size, n_rows)
+            if mask is not None and not bool(mask[i:j].any()):
+                continue
+            logits = options.teacher.logits_fn(i, j)
+            logits_CV = check_teacher_logits("fused_linear_kl_div", logits, i, j, vocab)
+            logits_CV = logits_CV.detach()
+            if mask is None or bool(mask[i:j].all()):
+                yield slice(i, j), logits_CV
+            else:
+                keep = mask[i:j].nonzero().squeeze(1)
+                yield keep + i, logits_CV.index_select(0, keep)
+        return
+    if mask is None or bool(mask.all()):
+        for i in range(0, n_rows, size):
+            yield slice(i, min(i + size, n_rows)), None
+        return
+    valid = mask.nonzero().squeeze(1)
+    for a in range(0, valid.numel(), size):
+        yield valid[a : a + size], None
+
+
+def teacher_bucket_logprobs(
+    logprobs_Ck: torch.Tensor, tail_C: torch.Tensor | None, inv_temp: float, vocab: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Teacher log-probs of the k+1 buckets at temperature T, renormalised: [C, k + 1] (tail last).
+
+    The tail is -inf (zero mass) when absent or when k = V (no token lies outside the top-k).
+    """
+    n, k = logprobs_Ck.shape
+    buckets_CB = torch.empty(n, k + 1, dtype=dtype, device=logprobs_Ck.device)
+    buckets_CB[:, :k] = logprobs_Ck
+    if tail_C is None or k == vocab:
+        buckets_CB[:, k] = float("-inf")
+    else:
+        buckets_CB[:, k] = tail_C
+    if inv_temp != 1.0:
+        buckets_CB.mul_(inv_temp)
+    return torch.log_softmax(buckets_CB, dim=-1)
+
+
+# Per-chunk steps. Both overwrite logits_CV with d(loss)/d(logits) when need_grad and return the
+# per-row KL [C] (unscaled).
+DenseStep = Callable[[torch.Tensor, torch.Tensor, bool, float, float, bool], torch.Tensor]
+TopkStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float, bool], torch.Tensor]
+
+
+def _chunk_steps(use_triton: bool) -> tuple[DenseStep, TopkStep]:
+    if use_triton:
+        from kernels.fused_kl import triton_kernel
+
+        return triton_kernel.dense_kl_step, triton_kernel.topk_kl_step
+    return dense_kl_step_torch, topk_kl_step_torch
+
+
+def dense_kl_step_torch(
+    logits_CV: torch.Tensor,
+    teacher_CV: torch.Tensor,
+    teacher_owned: bool,
+    grad_scale: float,
+    inv_temp: float,
+    need_grad: bool,
+) -> torch.Tensor:
+    """KL(softmax(t/T) || softmax(s/T)) per row; logits_CV <- grad_scale * (q - p) when need_grad.
+
+    Works in place on logits_CV (and on teacher_CV when `teacher_owned`), so at most four [C, V]
+    buffers are alive: student, teacher, p, and logsumexp's temporary.
+    """
+    if inv_temp != 1.0:
+        logits_CV.mul_(inv_temp)
+        teacher_CV = teacher_CV.mul_(inv_temp) if teacher_owned else teacher_CV * inv_temp
+        teacher_owned = True
+    logq_CV = logits_CV.sub_(torch.logsumexp(logits_CV, dim=-1, keepdim=True))
+    lse_t_C1 = torch.logsumexp(teacher_CV, dim=-1, keepdim=True)
+    logp_CV = teacher_CV.sub_(lse_t_C1) if teacher_owned else teacher_CV - lse_t_C1
+    p_CV = logp_CV.exp()
+    # Terms where the teacher has zero mass (-inf logits) must add 0, not 0 * -inf = NaN.
+    pointwise_CV = logp_CV.clamp_(min=torch.finfo(logp_CV.dtype).min).sub_(logq_CV).mul_(p_CV)
+    kl_C = pointwise_CV.sum(dim=-1)
+    del pointwise_CV, logp_CV
+    if need_grad:
+        logq_CV.exp_().sub_(p_CV).mul_(grad_scale)
+    return kl_C
+
+
+def topk_kl_step_torch(
+    logits_CV: torch.Tensor,
+    indices_Ck: torch.Tensor,
+    logp_CB: torch.Tensor,
+    grad_scale: float,
+    inv_temp: float,
+    need_grad: bool,
+) -> torch.Tensor:
+    """(k+1)-bucket KL per row against teacher bucket log-probs logp_CB [C, k + 1] (tail last).
+
+    Gradient w.r.t. the tempered logits u: q_v - p_v inside the top-k; outside,
+    q_v - p_tail * q_v / q_tail = exp(u_v - lse_out) * (q_tail - p_tail), where lse_out is the
+    logsumexp over the ids outside the top-k (bounded factors: no 0 / 0 when q_tail underflows).
+    """
+    k = indices_Ck.shape[1]
+    vocab = logits_CV.shape[1]
+    u_CV = logits_CV.mul_(inv_temp) if inv_temp != 1.0 else logits_CV
+    lse_all_C1 = torch.logsumexp(u_CV, dim=-1, keepdim=True)
+    logq_Ck = u_CV.gather(1, indices_Ck).sub_(lse_all_C1)
+    # u_CV keeps only the ids outside the top-k from here on.
+    u_CV.scatter_(1, indices_Ck, float("-inf"))
+    lse_out_C1 = torch.logsumexp(u_CV, dim=-1, keepdim=True)
+    logq_tail_C1 = lse_out_C1 - lse_all_C1
+    logq_CB = torch.cat([logq_Ck, logq_tail_C1], dim=1)
+    p_CB = logp_CB.exp()
+    pointwise_CB = torch.where(p_CB > 0, p_CB * (logp_CB - logq_CB), torch.zeros_like(p_CB))
+    kl_C = pointwise_CB.sum(dim=-1)
+    if need_grad:
+        if k < vocab:
+            coef_C1 = (logq_tail_C1.exp() - p_CB[:, k:]).mul_(grad_scale)
+            u_CV.sub_(lse_out_C1).exp_().mul_(coef_C1)
+        else:
+            u_CV.zero_()
+        u_CV.scatter_(1, indices_Ck, (logq_Ck.exp() - p_CB[:, :k]).mul_(grad_scale))
+    return kl_C

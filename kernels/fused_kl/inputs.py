@@ -1,0 +1,263 @@
+"""Argument checking shared by `fused_linear_kl_div` and `naive_kl_div`.
+
+Every problem becomes a `ValueError` that names the function and the argument (and, for streamed
+teacher logits, the rows), because these inputs arrive from other processes (the teacher pool, the
+offline top-k cache) where a silent NaN or an off-by-one vocabulary would poison a whole run.
+
+Legend: N tokens, H student hidden size, H' teacher hidden size, V vocabulary, k top-k width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from kernels.fused_kl.topk import TeacherTopK
+
+LogitsFn = Callable[[int, int], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+    """Exactly one teacher form, already checked. `kind` is 'hidden', 'topk' or 'logits_fn'."""
+
+    kind: str
+    hidden_NH: torch.Tensor | None = None
+    weight_VH: torch.Tensor | None = None
+    topk: TeacherTopK | None = None
+    logits_fn: LogitsFn | None = None
+
+
+def _fail(where: str, msg: str) -> None:
+    raise ValueError(f"{where}: {msg}")
+
+
+def _shape(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def _check_no_nan_or_posinf(where: str, name: str, x: torch.Tensor) -> None:
+    """NaN and +inf are rejected; -inf is a legitimate log-probability / logit (zero probability)."""
+    if torch.isnan(x).any():
+        _fail(where, f"{name} contains NaN")
+    if torch.isposinf(x).any():
+        _fail(where, f"{name} contains +inf")
+
+
+def check_inputs(
+    where: str,
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor | None,
+    teacher_weight: torch.Tensor | None,
+    teacher_topk: TeacherTopK | tuple | None,
+    teacher_logits_fn: LogitsFn | None,
+    mask: torch.Tensor | None,
+    temperature: float,
+    reduction: str,
+    chunk_size: int | None,
+) -> tuple[Teacher, torch.Tensor | None]:
+    """Validate everything; return the teacher spec and the mask as a bool tensor (or None)."""
+    if not isinstance(student_hidden, torch.Tensor) or student_hidden.dim() != 2:
+        _fail(where, f"student_hidden must be a [N, H] tensor, got {_describe(student_hidden)}")
+    if not isinstance(student_weight, torch.Tensor) or student_weight.dim() != 2:
+        _fail(where, f"student_weight must be a [V, H] tensor, got {_describe(student_weight)}")
+    if not student_hidden.dtype.is_floating_point:
+        _fail(where, f"student_hidden must be floating point, got {student_hidden.dtype}")
+    if student_weight.dtype != student_hidden.dtype:
+        _fail(
+            where,
+            f"student_weight dtype {student_weight.dtype} does not match student_hidden dtype "
+            f"{student_hidden.dtype}",
+        )
+    n_rows, hidden = student_hidden.shape
+    vocab = student_weight.shape[0]
+    if student_weight.shape[1] != hidden:
+        _fail(
+            where,
+            f"student_weight has hidden size {student_weight.shape[1]} (shape {_shape(student_weight)}) "
+            f"but student_hidden has {hidden} (shape {_shape(student_hidden)})",
+        )
+    if vocab == 0:
+        _fail(where, "student_weight has an empty vocabulary (V = 0)")
+    device = student_hidden.device
+    if student_weight.device != device:
+        _fail(where, f"student_weight is on {student_weight.device} but student_hidden is on {device}")
+
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        _fail(where, f"temperature must be a positive number, got {temperature!r}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        _fail(where, f"temperature must be a positive finite number, got {temperature!r}")
+    if reduction not in ("mean", "sum"):
+        _fail(where, f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        _fail(where, f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+    given = [
+        name
+        for name, value in (
+            ("teacher_hidden/teacher_weight", teacher_hidden if teacher_hidden is not None else teacher_weight),
+            ("teacher_topk", teacher_topk),
+            ("teacher_logits_fn", teacher_logits_fn),
+        )
+        if value is not None
+    ]
+    if len(given) != 1:
+        _fail(
+            where,
+            "exactly one teacher form is required (teacher_hidden + teacher_weight, teacher_topk, or "
+            f"teacher_logits_fn); got {', '.join(given) if given else 'none'}",
+        )
+
+    if given[0] == "teacher_hidden/teacher_weight":
+        teacher = _check_hidden_teacher(where, teacher_hidden, teacher_weight, n_rows, vocab, device)
+    elif given[0] == "teacher_topk":
+        teacher = Teacher("topk", topk=_check_topk(where, teacher_topk, n_rows, vocab, device))
+    else:
+        if not callable(teacher_logits_fn):
+            _fail(where, f"teacher_logits_fn must be callable(i, j) -> [j - i, V], got {teacher_logits_fn!r}")
+        teacher = Teacher("logits_fn", logits_fn=teacher_logits_fn)
+
+    return teacher, _check_mask(where, mask, n_rows, device)
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"shape {_shape(x)}"
+    return type(x).__name__
+
+
+def _check_hidden_teacher(
+    where: str,
+    teacher_hidden: torch.Tensor | None,
+    teacher_weight: torch.Tensor | None,
+    n_rows: int,
+    vocab: int,
+    device: torch.device,
+) -> Teacher:
+    if teacher_hidden is None or teacher_weight is None:
+        missing = "teacher_weight" if teacher_weight is None else "teacher_hidden"
+        _fail(where, f"{missing} is required together with the other (hidden-state teacher)")
+    if not isinstance(teacher_hidden, torch.Tensor) or teacher_hidden.dim() != 2:
+        _fail(where, f"teacher_hidden must be a [N, H'] tensor, got {_describe(teacher_hidden)}")
+    if not isinstance(teacher_weight, torch.Tensor) or teacher_weight.dim() != 2:
+        _fail(where, f"teacher_weight must be a [V, H'] tensor, got {_describe(teacher_weight)}")
+    if not teacher_hidden.dtype.is_floating_point:
+        _fail(where, f"teacher_hidden must be floating point, got {teacher_hidden.dtype}")
+    if teacher_weight.dtype != teacher_hidden.dtype:
+        _fail(
+            where,
+            f"teacher_weight dtype {teacher_weight.dtype} does not match teacher_hidden dtype {teacher_hidden.dtype}",
+        )
+    if teacher_hidden.shape[0] != n_rows:
+        _fail(where, f"teacher_hidden has {teacher_hidden.shape[0]} rows but student_hidden has {n_rows}")
+    if teacher_weight.shape[0] != vocab:
+        _fail(
+            where,
+            f"teacher_weight has vocab size {teacher_weight.shape[0]} but student_weight has {vocab}",
+        )
+    if teacher_weight.shape[1] != teacher_hidden.shape[1]:
+        _fail(
+            where,
+            f"teacher_weight has hidden size {teacher_weight.shape[1]} but teacher_hidden has "
+            f"{teacher_hidden.shape[1]}",
+        )
+    for name, x in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
+        if x.device != device:
+            _fail(where, f"{name} is on {x.device} but student_hidden is on {device}")
+        if not torch.isfinite(x).all():
+            _fail(where, f"{name} contains NaN or inf")
+    return Teacher("hidden", hidden_NH=teacher_hidden.detach(), weight_VH=teacher_weight.detach())
+
+
+def _check_topk(
+    where: str, topk: TeacherTopK | tuple, n_rows: int, vocab: int, device: torch.device
+) -> TeacherTopK:
+    if not isinstance(topk, TeacherTopK):
+        if not isinstance(topk, tuple | list) or len(topk) not in (2, 3):
+            _fail(
+                where,
+                "teacher_topk must be a TeacherTopK or a tuple (logprobs [N, k], indices [N, k]"
+                f"[, tail_logmass [N]]), got {type(topk).__name__}",
+            )
+        topk = TeacherTopK(*topk)
+    logprobs, indices, tail = topk
+    if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 2:
+        _fail(where, f"teacher_topk.logprobs must be a [N, k] tensor, got {_describe(logprobs)}")
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 2:
+        _fail(where, f"teacher_topk.indices must be a [N, k] tensor, got {_describe(indices)}")
+    if not logprobs.dtype.is_floating_point:
+        _fail(where, f"teacher_topk.logprobs must be floating point, got {logprobs.dtype}")
+    if indices.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
+        _fail(where, f"teacher_topk.indices must be an integer tensor, got {indices.dtype}")
+    if logprobs.shape != indices.shape:
+        _fail(
+            where,
+            f"teacher_topk.logprobs shape {_shape(logprobs)} does not match teacher_topk.indices shape "
+            f"{_shape(indices)}",
+        )
+    if logprobs.shape[0] != n_rows:
+        _fail(where, f"teacher_topk has {logprobs.shape[0]} rows but student_hidden has {n_rows}")
+    k = logprobs.shape[1]
+    if not 1 <= k <= vocab:
+        _fail(where, f"teacher_topk has k={k}; it must be in 1..V={vocab}")
+    for name, x in (("teacher_topk.logprobs", logprobs), ("teacher_topk.indices", indices)):
+        if x.device != device:
+            _fail(where, f"{name} is on {x.device} but student_hidden is on {device}")
+    if n_rows:
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= vocab:
+            _fail(where, f"teacher_topk.indices out of range: found [{lo}, {hi}], vocab size is {vocab}")
+        sorted_idx = indices.sort(dim=1).values
+        dup_rows = (sorted_idx[:, 1:] == sorted_idx[:, :-1]).any(dim=1).nonzero()
+        if dup_rows.numel():
+            _fail(where, f"teacher_topk.indices has duplicate ids in row {int(dup_rows[0])}")
+    _check_no_nan_or_posinf(where, "teacher_topk.logprobs", logprobs)
+    if tail is not None:
+        if not isinstance(tail, torch.Tensor) or tail.shape != (n_rows,):
+            _fail(where, f"teacher_topk.tail_logmass must be a [N={n_rows}] tensor, got {_describe(tail)}")
+        if not tail.dtype.is_floating_point:
+            _fail(where, f"teacher_topk.tail_logmass must be floating point, got {tail.dtype}")
+        if tail.device != device:
+            _fail(where, f"teacher_topk.tail_logmass is on {tail.device} but student_hidden is on {device}")
+        _check_no_nan_or_posinf(where, "teacher_topk.tail_logmass", tail)
+    mass = torch.logsumexp(logprobs.float(), dim=1)
+    if tail is not None and k < vocab:
+        mass = torch.logaddexp(mass, tail.float())
+    empty = torch.isneginf(mass).nonzero()
+    if empty.numel():
+        _fail(where, f"teacher_topk row {int(empty[0])} has no probability mass (all log-probs -inf)")
+    return TeacherTopK(logprobs, indices, tail)
+
+
+def _check_mask(where: str, mask: torch.Tensor | None, n_rows: int, device: torch.device) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.shape != (n_rows,):
+        _fail(where, f"mask must be a [N={n_rows}] tensor, got {_describe(mask)}")
+    if mask.device != device:
+        _fail(where, f"mask is on {mask.device} but student_hidden is on {device}")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        _fail(where, f"mask must be bool or an integer 0/1 tensor, got {mask.dtype}")
+    if ((mask != 0) & (mask != 1)).any():
+        _fail(where, "mask must hold only 0 and 1")
+    return mask != 0
+
+
+def check_teacher_logits(where: str, logits: object, i: int, j: int, vocab: int) -> torch.Tensor:
+    """Check one chunk returned by `teacher_logits_fn(i, j)`."""
+    if not isinstance(logits, torch.Tensor) or logits.shape != (j - i, vocab):
+        got = _describe(logits)
+        _fail(where, f"teacher_logits_fn({i}, {j}) must return a [{j - i}, V={vocab}] tensor, got {got}")
+    if not logits.dtype.is_floating_point:
+        _fail(where, f"teacher_logits_fn({i}, {j}) returned dtype {logits.dtype}; expected floating point")
+    _check_no_nan_or_posinf(where, f"teacher_logits_fn({i}, {j}) output", logits)
+    empty = torch.isneginf(logits).all(dim=1).nonzero()
+    if empty.numel():
+        _fail(where, f"teacher_logits_fn({i}, {j}) output row {i + int(empty[0])} is all -inf")
+    return logits
