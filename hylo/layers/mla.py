@@ -1,0 +1,230 @@
+"""Multi-head Latent Attention (DeepSeek-V2 style) with partial RoPE/YaRN, packed rows and a latent cache.
+
+Design choices:
+* Parameter names and row layouts are DeepSeek-V3's (HF): `q_proj` or `q_a_proj`/`q_a_layernorm`/
+  `q_b_proj`, `kv_a_proj_with_mqa` (rows: latent R, then the shared k_pe P), `kv_a_layernorm`,
+  `kv_b_proj` (per head: d_nope key rows, then d_v value rows), `o_proj`. Per-head query is
+  [nope | rope]. Bias on q/q_a, kv_a and o only when `config.attention_bias` (DeepSeek keeps
+  `q_proj` bias-free; here one switch covers all three, which is what an upcycled biased base needs).
+* Two attention paths, chosen by whether a cache is given:
+  - training / scoring (no cache): K/V are decompressed through `kv_b_proj` and fed to
+    `scaled_dot_product_attention`. Packed rows (`cu_seqlens`, B == 1) run one causal SDPA call per
+    document, so no [T, T] block-diagonal mask is ever built and documents never see each other.
+  - generation (cache): only the normalised latent `c_kv` and the roped shared `k_pe` are cached. The
+    key part of `kv_b_proj` is absorbed into the query (`q_nope W_uk -> q_lat`, [R] per head) and the
+    value part is applied after attention, so attention runs in latent space against [c_kv | k_pe]
+    shared by all heads (one K/V head, `enable_gqa`) and full K/V are never rebuilt.
+* SDPA's fused CPU (flash) kernel needs equal q/k/v head dims. The decompressed path zero-pads the
+  shorter of (d_nope + d_rope) and d_v (zeros add nothing to q.k and the padded output columns are
+  dropped); the latent path uses [c_kv | k_pe] as both key and value and keeps the first R output
+  columns. Both paths therefore stay on the memory-efficient kernels.
+* Positions: `position_ids` are used as given; when None they are arange, restarting at 0 at every
+  document of `cu_seqlens`, or continuing after the cached tokens with a cache.
+* Softmax scale 1/sqrt(d_nope + d_rope), with DeepSeek's YaRN rule (see `hylo/layers/rope.py`).
+
+Legend: B batch, T new tokens, S cached + new tokens, D hidden, H heads, N d_nope, P d_rope (rotary),
+E d_nope + d_rope, V d_v, R kv_lora_rank, Q q_lora_rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hylo.cache import MLALayerCache
+from hylo.layers.norm import RMSNorm
+from hylo.layers.rope import RotaryEmbedding, apply_rotary, mla_softmax_scale
+
+
+class MLAInputError(ValueError):
+    """Bad shapes or packing metadata given to MLAttention; the message names the argument."""
+
+
+def default_position_ids(
+    B: int, T: int, device: torch.device, cu_seqlens: list[int] | None = None, offset: int = 0
+) -> torch.Tensor:
+    """[B, T] int64 positions: `offset + arange(T)`, or restarting at 0 at each document start."""
+    pos_T = torch.arange(offset, offset + T, dtype=torch.long, device=device)
+    if cu_seqlens is not None:
+        starts = torch.tensor(cu_seqlens[:-1], dtype=torch.long, device=device)
+        lengths = torch.tensor([e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])], device=device)
+        pos_T = pos_T - torch.repeat_interleave(starts, lengths, output_size=T)
+    return pos_T.unsqueeze(0).expand(B, T)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        H, E, V, R, P, D = (self.num_heads, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank,
+                            self.qk_rope_head_dim, self.hidden_size)
+        bias = bool(config.attention_bias)
+        eps = config.rms_norm_eps
+
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * E, bias=bias)
+        else:
+            self.q_a_proj = nn.Linear(D, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, H * E, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, R + P, bias=bias)
+        self.kv_a_layernorm = RMSNorm(R, eps=eps)
+        self.kv_b_proj = nn.Linear(R, H * (self.qk_nope_head_dim + V), bias=False)
+        self.o_proj = nn.Linear(H * V, D, bias=bias)
+
+        self.rotary_emb = RotaryEmbedding(P, config.rope_theta, config.rope_scaling,
+                                          config.max_position_embeddings)
+        self.softmax_scale = mla_softmax_scale(E, config.rope_scaling, config.max_position_embeddings)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def cache_values_per_token(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def _err(self, msg: str) -> MLAInputError:
+        return MLAInputError(f"MLAttention(layer {self.layer_idx}): {msg}")
+
+    def _check_cu_seqlens(self, cu_seqlens: torch.Tensor, B: int, T: int) -> list[int]:
+        if B != 1:
+            raise self._err(f"cu_seqlens is given, so hidden_states must hold one packed row (B == 1); got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise self._err(f"cu_seqlens must be 1-D [n_docs + 1], got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            raise self._err(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+        cu = [int(c) for c in cu_seqlens.tolist()]
+        if cu[0] != 0:
+            raise self._err(f"cu_seqlens[0] must be 0, got {cu[0]}")
+        if cu[-1] != T:
+            raise self._err(f"cu_seqlens[-1]={cu[-1]} must equal the row length T={T}")
+        if any(b < a for a, b in zip(cu[:-1], cu[1:])):
+            raise self._err(f"cu_seqlens must be non-decreasing, got {cu}")
+        return cu
+
+    def _position_ids(self, position_ids: torch.Tensor | None, B: int, T: int, device: torch.device,
+                      cu: list[int] | None, offset: int) -> torch.Tensor:
+        if position_ids is None:
+            return default_position_ids(B, T, device, cu, offset)
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        if position_ids.dim() != 2 or position_ids.shape[1] != T or position_ids.shape[0] not in (1, B):
+            raise self._err(f"position_ids must be [B, T] = [{B}, {T}], got shape {tuple(position_ids.shape)}")
+        return position_ids.expand(B, T)
+
+    def _query(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        B, T, _ = x_BTD.shape
+        return q.view(B, T, self.num_heads, self.qk_head_dim)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: MLALayerCache | None = None,
+    ) -> torch.Tensor:
+        x_BTD = hidden_states
+        if x_BTD.dim() != 3 or x_BTD.shape[-1] != self.hidden_size:
+            raise self._err(f"hidden_states must be [B, T, {self.hidden_size}], got shape {tuple(x_BTD.shape)}")
+        B, T, _ = x_BTD.shape
+        N, P, R = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+        cu: list[int] | None = None
+        if cu_seqlens is not None:
+            if cache is not None:
+                raise self._err("cu_seqlens (packed rows) cannot be combined with a cache; "
+                                "generation runs unpacked batches")
+            cu = self._check_cu_seqlens(cu_seqlens, B, T)
+        offset = cache.seq_len if cache is not None else 0
+        pos_BT = self._position_ids(position_ids, B, T, x_BTD.device, cu, offset)
+
+        q_BTHE = self._query(x_BTD)
+        q_nope_BTHN, q_pe_BTHP = q_BTHE.split([N, P], dim=-1)
+        c_kv_BTR, k_pe_BTP = self.kv_a_proj_with_mqa(x_BTD).split([R, P], dim=-1)
+        c_kv_BTR = self.kv_a_layernorm(c_kv_BTR)
+
+        cos_BTP, sin_BTP = self.rotary_emb(pos_BT, q_pe_BTHP.dtype)
+        q_pe_BTHP = apply_rotary(q_pe_BTHP, cos_BTP.unsqueeze(2), sin_BTP.unsqueeze(2))
+        k_pe_BTP = apply_rotary(k_pe_BTP, cos_BTP, sin_BTP)
+
+        if cache is None:
+            o_BTHV = self._attend_decompressed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, cu)
+        else:
+            o_BTHV = self._attend_latent(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, cache)
+        return self.o_proj(o_BTHV.reshape(B, T, self.num_heads * self.v_head_dim))
+
+    def _attend_decompressed(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
+                             k_pe_BTP: torch.Tensor, cu: list[int] | None) -> torch.Tensor:
+        B, T, H, N = q_nope_BTHN.shape
+        P, V, E = self.qk_rope_head_dim, self.v_head_dim, self.qk_head_dim
+        kv_BTHX = self.kv_b_proj(c_kv_BTR).view(B, T, H, N + V)
+        k_nope_BTHN, v_BTHV = kv_BTHX.split([N, V], dim=-1)
+        q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
+        k_BHTE = torch.cat([k_nope_BTHN, k_pe_BTP.unsqueeze(2).expand(B, T, H, P)], dim=-1).transpose(1, 2)
+        v_BHTV = v_BTHV.transpose(1, 2)
+        # equal q/k/v head dims keep SDPA on its fused (flash) kernels; zero columns change nothing
+        if V < E:
+            v_BHTV = F.pad(v_BHTV, (0, E - V))
+        elif E < V:
+            q_BHTE, k_BHTE = F.pad(q_BHTE, (0, V - E)), F.pad(k_BHTE, (0, V - E))
+
+        if cu is None or len(cu) == 2:
+            o_BHTX = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTV, is_causal=True,
+                                                    scale=self.softmax_scale)
+        else:
+            # one causal call per document: block-diagonal attention without a [T, T] mask
+            outs = []
+            for s, e in zip(cu[:-1], cu[1:]):
+                if e == s:
+                    continue
+                outs.append(F.scaled_dot_product_attention(
+                    q_BHTE[:, :, s:e], k_BHTE[:, :, s:e], v_BHTV[:, :, s:e], is_causal=True,
+                    scale=self.softmax_scale))
+            o_BHTX = torch.cat(outs, dim=2)
+        return o_BHTX[..., :V].transpose(1, 2)
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: key part W_uk [H, N, R] and value part W_uv [H, V, R]."""
+        H, N, V = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
+        w_HXR = self.kv_b_proj.weight.view(H, N + V, self.kv_lora_rank)
+        return w_HXR[:, :N], w_HXR[:, N:]
+
+    def _attend_latent(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
+                       k_pe_BTP: torch.Tensor, cache: MLALayerCache) -> torch.Tensor:
+        B, T, H, N = q_nope_BTHN.shape
+        R = self.kv_lora_rank
+        past = cache.seq_len
+        c_kv_BSR, k_pe_BSP = cache.update(c_kv_BTR, k_pe_BTP)
+        S = c_kv_BSR.shape[1]
+        w_uk_HNR, w_uv_HVR = self._absorbed_weights()
+
+        # q_nope . (W_uk c) == (q_nope W_uk) . c: the query moves into latent space instead of K out of it
+        q_lat_BHTR = torch.einsum("bthn,hnr->bhtr", q_nope_BTHN, w_uk_HNR)
+        q_BHTX = torch.cat([q_lat_BHTR, q_pe_BTHP.transpose(1, 2)], dim=-1)
+        # one key/value head shared by all query heads; [c_kv | k_pe] serves as both key and value
+        kv_B1SX = torch.cat([c_kv_BSR, k_pe_BSP], dim=-1).unsqueeze(1)
+
+        if T == 1:
+            attn_kw: dict = {}
+        elif past == 0:
+            attn_kw = {"is_causal": True}
+        else:
+            # new token t (absolute past + t) sees cached tokens and new ones up to itself
+            mask_TS = torch.ones(T, S, dtype=torch.bool, device=q_BHTX.device).tril(diagonal=past)
+            attn_kw = {"attn_mask": mask_TS}
+        o_BHTX = F.scaled_dot_product_attention(q_BHTX, kv_B1SX, kv_B1SX, scale=self.softmax_scale,
+                                                enable_gqa=True, **attn_kw)
+        o_lat_BHTR = o_BHTX[..., :R]
+        return torch.einsum("bhtr,hvr->bthv", o_lat_BHTR, w_uv_HVR)
