@@ -500,31 +500,39 @@ def _is_hub(spec: SourceSpec) -> bool:
     return spec.container == "hub" or spec.path.startswith("hub:")
 
 
-def iter_source(spec: SourceSpec) -> Iterator[Record | Reject]:
-    """Every record and reject of a source, in file order (see the module docstring)."""
+def iter_raw(spec: SourceSpec) -> Iterator[tuple[str, int, Any, str | None]]:
+    """Raw rows of a source before normalisation: (file, index, row, parse_error or None).
+
+    Used by iter_source and by anything that reads non-chat tables (e.g. benchmark items).
+    """
     if _is_hub(spec):
         files: list[tuple[str, Iterator[RawItem]]] = [(spec.path, _iter_hub(spec))]
     else:
         files = [(str(f), _READERS[kind](f)) for f, kind in resolve_files(spec)]
-    n = 0
     for fname, rows in files:
-        short = Path(fname).name
         for idx, obj, parse_err in rows:
-            if spec.limit is not None and n >= spec.limit:
-                return
-            n += 1
-            if parse_err is not None:
-                yield {"source": spec.name, "file": fname, "record": idx, "id": None,
-                       "reason": parse_err, "raw": _raw(obj)}
-                continue
-            rec, err = normalize_record(obj, spec, f"{spec.name}/{short}#{idx}")
-            if err is not None:
-                rid = obj.get(spec.id_field) if isinstance(obj, dict) else None
-                yield {"source": spec.name, "file": fname, "record": idx,
-                       "id": None if rid is None else _clean(str(rid)), "reason": err, "raw": _raw(obj)}
-            else:
-                assert rec is not None
-                yield rec
+            yield fname, idx, obj, parse_err
+
+
+def iter_source(spec: SourceSpec) -> Iterator[Record | Reject]:
+    """Every record and reject of a source, in file order (see the module docstring)."""
+    n = 0
+    for fname, idx, obj, parse_err in iter_raw(spec):
+        if spec.limit is not None and n >= spec.limit:
+            return
+        n += 1
+        if parse_err is not None:
+            yield {"source": spec.name, "file": fname, "record": idx, "id": None,
+                   "reason": parse_err, "raw": _raw(obj)}
+            continue
+        rec, err = normalize_record(obj, spec, f"{spec.name}/{Path(fname).name}#{idx}")
+        if err is not None:
+            rid = obj.get(spec.id_field) if isinstance(obj, dict) else None
+            yield {"source": spec.name, "file": fname, "record": idx,
+                   "id": None if rid is None else _clean(str(rid)), "reason": err, "raw": _raw(obj)}
+        else:
+            assert rec is not None
+            yield rec
 
 
 def iter_records(spec: SourceSpec, on_reject: Callable[[Reject], None]) -> Iterator[Record]:
