@@ -142,18 +142,26 @@ class HyLoPreTrainedModel(PreTrainedModel):
 @dataclass
 class HyLoModelOutput(ModelOutput):
     last_hidden_state: torch.Tensor | None = None
-    past_key_values: HyLoCache | None = None
+    cache: HyLoCache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     mixer_outputs: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def past_key_values(self) -> HyLoCache | None:
+        return self.cache
 
 
 @dataclass
 class HyLoCausalLMOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    past_key_values: HyLoCache | None = None
+    cache: HyLoCache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     mixer_outputs: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def past_key_values(self) -> HyLoCache | None:
+        return self.cache
 
 
 class HyLoModel(HyLoPreTrainedModel):
@@ -212,7 +220,7 @@ class HyLoModel(HyLoPreTrainedModel):
             cache.advance(t)
         return HyLoModelOutput(
             last_hidden_state=h,
-            past_key_values=cache,
+            cache=cache,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
             mixer_outputs=tuple(mixer_outputs) if output_mixer_outputs else None,
         )
@@ -287,7 +295,7 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
         return HyLoCausalLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=out.past_key_values,
+            cache=out.cache,
             hidden_states=out.hidden_states,
             mixer_outputs=out.mixer_outputs,
         )

@@ -1,0 +1,212 @@
+"""Upcycling Llama/Qwen3 into HyLo, and whole-model behaviour: packing, cached decoding, save/load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from hylo.io import load_hylo, save_hylo
+from hylo.modeling import HyLoForCausalLM
+from hylo.upcycle import (
+    UpcycleError,
+    gdn_weights_from_attention,
+    hybrid_config_from_base,
+    load_base_model,
+    mla_weights_from_attention,
+    rope_dim_split,
+    upcycle,
+)
+
+
+def tiny_llama(n_layer: int = 4, seed: int = 0, dtype=torch.float64) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=n_layer, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256,
+                      rope_theta=10000.0, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def tiny_qwen3(seed: int = 0) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256)
+    m = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return m
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def test_full_rank_svd_reproduces_projections():
+    base = tiny_llama()
+    attn = base.model.layers[0].self_attn
+    h, g, dh = 4, 2, 16
+    hcfg = hybrid_config_from_base(base.config, mla_layers="all", kv_lora_rank=2 * (8 + 16), q_lora_rank=64,
+                                   qk_rope_head_dim=8)
+    w = mla_weights_from_attention(attn, hcfg)
+    nope, rope = rope_dim_split(dh, 8)
+    wq = attn.q_proj.weight.double().view(h, dh, -1)
+    wk = attn.k_proj.weight.double().view(g, dh, -1)
+    wv = attn.v_proj.weight.double().view(g, dh, -1)
+    # queries: q_b @ q_a == per-head [nope | rope] reordering of W_q
+    q = (w["q_b_proj.weight"] @ w["q_a_proj.weight"]).view(h, dh, -1)
+    assert rel_err(q[:, :8], wq[:, nope]) < 1e-12
+    assert rel_err(q[:, 8:], wq[:, rope]) < 1e-12
+    # keys (nope part) and values: kv_b @ latent rows, each query head reads its GQA group
+    r = hcfg.kv_lora_rank
+    kv = (w["kv_b_proj.weight"] @ w["kv_a_proj_with_mqa.weight"][:r]).view(h, 8 + 16, -1)
+    for head in range(h):
+        grp = head // 2
+        assert rel_err(kv[head, :8], wk[grp, nope]) < 1e-12
+        assert rel_err(kv[head, 8:], wv[grp]) < 1e-12
+    # shared roped key = mean of the KV heads' rope rows; o_proj copied
+    assert rel_err(w["kv_a_proj_with_mqa.weight"][r:], wk[:, rope].mean(0)) < 1e-12
+    assert rel_err(w["o_proj.weight"], attn.o_proj.weight.double()) < 1e-12
+
+
+def test_truncated_rank_is_best_approximation():
+    base = tiny_llama()
+    attn = base.model.layers[1].self_attn
+    hcfg = hybrid_config_from_base(base.config, mla_layers="all", kv_lora_rank=16, qk_rope_head_dim=8)
+    w = mla_weights_from_attention(attn, hcfg)
+    assert w["kv_a_proj_with_mqa.weight"].shape == (16 + 8, 64)
+    assert w["kv_b_proj.weight"].shape == (4 * (8 + 16), 16)
+    assert "q_proj.weight" in w  # uncompressed queries by default
+
+
+def test_gdn_copy_and_qwen3_norm_folding():
+    base = tiny_llama()
+    attn = base.model.layers[0].self_attn
+    hcfg = hybrid_config_from_base(base.config, mla_layers="none")
+    w = gdn_weights_from_attention(attn, hcfg)
+    assert torch.equal(w["q_proj.weight"], attn.q_proj.weight.double())
+    k = w["k_proj.weight"].view(4, 16, -1)
+    wk = attn.k_proj.weight.double().view(2, 16, -1)
+    assert torch.equal(k[0], wk[0]) and torch.equal(k[1], wk[0]) and torch.equal(k[3], wk[1])
+    assert torch.equal(w["o_proj.weight"], attn.o_proj.weight.double())
+    q3 = tiny_qwen3()
+    a3 = q3.model.layers[0].self_attn
+    w3 = gdn_weights_from_attention(a3, hybrid_config_from_base(q3.config, mla_layers="none"))
+    # GDN L2-normalises q, so folding q_norm's weight is exact: l2norm(W' x) == l2norm(q_norm(W x))
+    x = torch.randn(5, 64, dtype=torch.float64)
+    ref = a3.q_norm(a3.q_proj(x.float()).view(5, 4, 16)).double()
+    ours = (x @ w3["q_proj.weight"].T).view(5, 4, 16)
+    torch.testing.assert_close(torch.nn.functional.normalize(ours, dim=-1),
+                               torch.nn.functional.normalize(ref, dim=-1), atol=1e-5, rtol=1e-5)
+
+
+def test_upcycle_qwen3_runs():
+    q3 = tiny_qwen3()
+    model = upcycle(q3, mla_layers=[1])
+    ids = torch.randint(0, 128, (1, 12))
+    assert torch.isfinite(model(ids).logits).all()
+
+
+def _hybrid(dtype=torch.float64, mla="even", n_layer=4) -> HyLoForCausalLM:
+    base = tiny_llama(n_layer=n_layer, dtype=dtype)
+    return upcycle(base, mla_layers=mla, kv_lora_rank=32, qk_rope_head_dim=8).eval()
+
+
+def test_packed_row_equals_documents_one_by_one():
+    model = _hybrid()
+    torch.manual_seed(1)
+    lens = [5, 17, 1, 9]
+    docs = [torch.randint(0, 128, (1, n)) for n in lens]
+    packed = torch.cat(docs, dim=1)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    with torch.no_grad():
+        out = model(packed, cu_seqlens=cu, output_mixer_outputs=True).logits
+        for d, s, e in zip(docs, cu[:-1].tolist(), cu[1:].tolist()):
+            alone = model(d).logits
+            torch.testing.assert_close(out[:, s:e], alone, atol=1e-9, rtol=1e-9)
+
+
+def test_cached_decoding_equals_full_forward_and_cache_sizes():
+    model = _hybrid()
+    torch.manual_seed(2)
+    ids = torch.randint(0, 128, (2, 14))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :6], use_cache=True)
+        cache = out.past_key_values
+        steps = [out.logits]
+        sizes = []
+        for t in range(6, 14):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+            sizes.append(cache.nbytes())
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-9, rtol=1e-9)
+    cfg = model.config
+    # MLA layers: exactly (kv_lora_rank + qk_rope_head_dim) values per token per layer, on the real tensors
+    for i in cfg.mla_layers:
+        layer = cache[i]
+        per_token = sum(t.shape[-1] for t in layer.tensors())
+        assert per_token == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        assert all(t.shape[:2] == (2, 14) for t in layer.tensors())
+    # linear layers: constant size as the context grows
+    assert len({s["linear"] for s in sizes}) == 1 and sizes[0]["linear"] > 0
+    per_step = sizes[1]["mla"] - sizes[0]["mla"]
+    assert per_step == 2 * len(cfg.mla_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 8
+
+
+def test_save_load_identical_logits_and_generate(tmp_path):
+    model = _hybrid(dtype=torch.float32)
+    save_hylo(model, tmp_path / "ckpt")
+    files = {p.name for p in (tmp_path / "ckpt").iterdir()}
+    assert {"config.json", "hybrid_config.json", "model.safetensors"} <= files
+    back = load_hylo(tmp_path / "ckpt").eval()
+    ids = torch.randint(0, 128, (1, 10))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, back(ids).logits)
+    gen = back.generate(ids, max_new_tokens=5, eos_token_id=None)
+    assert gen.shape == (1, 15) and torch.equal(gen[:, :10], ids)
+    # greedy generate continues exactly what full forwards pick
+    with torch.no_grad():
+        nxt = back(gen[:, :-1]).logits[:, 9:].argmax(-1)
+    assert torch.equal(nxt, gen[:, 10:])
+
+
+def test_upcycled_beats_random_init_on_tiny_model():
+    base = tiny_llama(dtype=torch.float32)
+    ids = torch.randint(0, 128, (2, 32))
+    with torch.no_grad():
+        ref = torch.log_softmax(base(ids).logits, -1)
+
+        def kl(m):
+            lp = torch.log_softmax(m(ids).logits, -1)
+            return float((ref.exp() * (ref - lp)).sum(-1).mean())
+
+        ours = kl(upcycle(base, mla_layers="even", kv_lora_rank=48, qk_rope_head_dim=8))
+        rand = kl(upcycle(base, mla_layers="even", kv_lora_rank=48, qk_rope_head_dim=8, init="random"))
+    assert ours < rand
+
+
+def test_bad_base_inputs(tmp_path):
+    with pytest.raises(UpcycleError, match="does not exist"):
+        load_base_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UpcycleError, match="no config.json"):
+        load_base_model(tmp_path / "empty")
+    bad = tmp_path / "corrupt"
+    tiny_llama(dtype=torch.float32).save_pretrained(bad)
+    (bad / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(UpcycleError, match="could not load the base model weights"):
+        load_base_model(bad)
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(UpcycleError, match="not valid JSON"):
+        load_base_model(bad)
+    gpt = tmp_path / "gpt2"
+    gpt.mkdir()
+    (gpt / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UpcycleError, match="'gpt2'.*not supported"):
+        load_base_model(gpt)
+    with pytest.raises(UpcycleError, match="out of range"):
+        upcycle(tiny_llama(), mla_layers=[0, 7])
