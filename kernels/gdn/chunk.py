@@ -1,0 +1,233 @@
+"""Chunked (WY) gated delta rule in pure torch: the CPU path behind `chunk_gated_delta_rule`.
+
+Legend: B batch, T tokens, H heads, K key head dim, V value head dim, N sequences, C chunk size,
+Nc chunks, M = B * H (batch and heads flattened), Tp = Nc * C (padded length).
+Internal tensors are chunk-major, `x_NcMCd`, so the state loop slices contiguous blocks.
+The derivation is in README.md next to this file.
+
+Design choices:
+* Everything that does not depend on the running state is computed for all chunks and heads at
+  once: decay cumsums, the intra-chunk triangular solve (one batched `solve_triangular` for
+  `U` and `W` together) and, after the loop, both output terms. Only the chunk-to-chunk state
+  recurrence (two fused `baddbmm`s per chunk) is a Python loop, Nc = T / C iterations.
+* Varlen (`cu_seqlens`): each sequence is scattered into its own run of chunks, its tail padded
+  to C with g = 0, beta = 0, k = q = v = 0. A padded token then leaves the state untouched
+  (decay exp(0) = 1, zero update), so a sequence's final state is the state after its last
+  chunk, and the loop resets the state to the sequence's `initial_state` at its first chunk.
+  One scatter and one gather per tensor; no Python loop over tokens.
+* Exponentials are only ever taken of differences `gamma_i - gamma_j` with i >= j (masked to
+  -inf above the diagonal before `exp`), so nothing overflows however negative g gets.
+* Gradients come from autograd through these few large ops: measured on 2 CPU cores it is
+  already well inside the targets (bench/gdn.py), so no hand-written backward to maintain.
+* fp16/bf16 inputs are computed in fp32; float64 stays float64 (tests). The output has v's dtype,
+  the final state is fp32 (float64 for float64 inputs), like fla's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import use_fla
+from kernels.gdn.checks import check_inputs, compute_dtype, l2norm
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+@dataclass
+class _Layout:
+    """Where tokens go in the chunk-padded layout and when the state resets."""
+
+    C: int
+    Nc: int
+    # token t of the packed row -> row in the padded [Tp] layout (varlen only)
+    pos_T: torch.Tensor | None
+    # chunk index -> sequence index, for the first / last chunk of each non-empty sequence
+    first_chunk: dict[int, int]
+    last_chunk: dict[int, int]
+    n_seqs: int
+
+
+def _layout(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> _Layout:
+    if cu_seqlens is None:
+        C = min(chunk_size, T)
+        Nc = -(-T // C)
+        return _Layout(C, Nc, None, {0: 0}, {Nc - 1: 0}, 1)
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    lens = cu[1:] - cu[:-1]
+    C = max(1, min(chunk_size, int(lens.max())))
+    n_chunks = (lens + C - 1) // C
+    chunk0 = torch.cumsum(n_chunks, 0) - n_chunks
+    seq_T = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    pos_T = chunk0[seq_T] * C + (torch.arange(T) - cu[:-1][seq_T])
+    first, last = {}, {}
+    for i, (c0, nc) in enumerate(zip(chunk0.tolist(), n_chunks.tolist())):
+        if nc:
+            first[c0] = i
+            last[c0 + nc - 1] = i
+    return _Layout(C, int(n_chunks.sum()), pos_T.to(device), first, last, lens.numel())
+
+
+def _to_chunks(x_BTHd: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    """[B, T, H, d] -> [Nc, B*H, C, d] (padding with zeros)."""
+    B, T, H, d = x_BTHd.shape
+    Tp = lay.Nc * lay.C
+    if lay.pos_T is None:
+        x_BTHd = F.pad(x_BTHd, (0, 0, 0, 0, 0, Tp - T))
+    else:
+        x_BTHd = x_BTHd.new_zeros(1, Tp, H, d).index_copy(1, lay.pos_T, x_BTHd)
+    x = x_BTHd.reshape(B, lay.Nc, lay.C, H, d).permute(1, 0, 3, 2, 4)
+    return x.reshape(lay.Nc, B * H, lay.C, d)
+
+
+def _from_chunks(x_NcMCd: torch.Tensor, lay: _Layout, B: int, T: int, H: int) -> torch.Tensor:
+    """[Nc, B*H, C, d] -> [B, T, H, d]."""
+    d = x_NcMCd.shape[-1]
+    x = x_NcMCd.reshape(lay.Nc, B, H, lay.C, d).permute(1, 0, 3, 2, 4).reshape(B, lay.Nc * lay.C, H, d)
+    if lay.pos_T is None:
+        return x[:, :T]
+    return x.index_select(1, lay.pos_T)
+
+
+def torch_chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pure-torch chunked gated delta rule; arguments and returns as `chunk_gated_delta_rule`."""
+    B, T, H, K, V, N = check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_gated_delta_rule: chunk_size must be a positive int, got {chunk_size!r}")
+    out_dtype, dt = v.dtype, compute_dtype(q, v)
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+
+    lay = _layout(T, chunk_size, cu_seqlens, q.device)
+    C = lay.C
+    q_NcMCK = _to_chunks(q * scale, lay)
+    k_NcMCK = _to_chunks(k, lay)
+    v_NcMCV = _to_chunks(v, lay)
+    g_NcMC = _to_chunks(g[..., None], lay)[..., 0]
+    beta_NcMC = _to_chunks(beta[..., None], lay)[..., 0]
+
+    # in-chunk cumulative log decay; Gamma_ij = exp(gamma_i - gamma_j) for i >= j, else 0
+    gam_NcMC = g_NcMC.cumsum(-1)
+    causal_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    Gam_NcMCC = (gam_NcMC[..., :, None] - gam_NcMC[..., None, :]).masked_fill(~causal_CC, float("-inf")).exp()
+
+    # WY representation: (I + strict_tril(diag(beta) K K^T * Gamma)) [U | W] = [beta V | beta K exp(gamma)]
+    # solve_triangular(unitriangular=True) reads only the strict lower triangle
+    kk_NcMCC = k_NcMCK @ k_NcMCK.transpose(-1, -2)
+    L_NcMCC = kk_NcMCC * Gam_NcMCC * beta_NcMC[..., :, None]
+    rhs = torch.cat([v_NcMCV, k_NcMCK * gam_NcMC.exp()[..., None]], -1) * beta_NcMC[..., None]
+    uw = torch.linalg.solve_triangular(L_NcMCC, rhs, upper=False, unitriangular=True)
+    u_NcMCV, w_NcMCK = uw.split([V, K], -1)
+
+    # state update operands: keys decayed to the chunk end, and the whole-chunk decay
+    kdecT_NcMKC = (k_NcMCK * (gam_NcMC[..., -1:] - gam_NcMC).exp()[..., None]).transpose(-1, -2)
+    decay_NcM11 = gam_NcMC[..., -1].exp()[..., None, None]
+
+    M = B * H
+    if initial_state is None:
+        h0_NHKV = q.new_zeros(N, H, K, V)
+    else:
+        h0_NHKV = initial_state.to(dt)
+    h_MKV = h0_NHKV.reshape(M, K, V) if cu_seqlens is None else h0_NHKV[0]
+    states, vnews = [], []
+    finals: list[torch.Tensor | None] = [None] * lay.n_seqs
+    # unbind, not indexing: the backward of Nc index ops would write Nc full-size zero tensors
+    loop_in = zip(u_NcMCV.unbind(0), w_NcMCK.unbind(0), decay_NcM11.unbind(0), kdecT_NcMKC.unbind(0))
+    for n, (u_MCV, w_MCK, decay_M11, kdecT_MKC) in enumerate(loop_in):
+        if n in lay.first_chunk and cu_seqlens is not None:
+            h_MKV = h0_NHKV[lay.first_chunk[n]]
+        states.append(h_MKV)
+        # V' = U - W S: the values the chunk still has to write once the carried state is known
+        vnew_MCV = torch.baddbmm(u_MCV, w_MCK, h_MKV, alpha=-1.0)
+        vnews.append(vnew_MCV)
+        h_MKV = torch.baddbmm(h_MKV * decay_M11, kdecT_MKC, vnew_MCV)
+        if n in lay.last_chunk:
+            finals[lay.last_chunk[n]] = h_MKV
+
+    s_NcMKV = torch.stack(states, 0)
+    vnew_NcMCV = torch.stack(vnews, 0)
+    qk_NcMCC = (q_NcMCK @ k_NcMCK.transpose(-1, -2)) * Gam_NcMCC
+    o_NcMCV = (q_NcMCK * gam_NcMC.exp()[..., None]) @ s_NcMKV + qk_NcMCC @ vnew_NcMCV
+    o = _from_chunks(o_NcMCV, lay, B, T, H).to(out_dtype)
+
+    if not output_final_state:
+        return o, None
+    if cu_seqlens is None:
+        return o, finals[0].reshape(B, H, K, V)
+    # empty sequences keep their initial state
+    final_NHKV = torch.stack([f if f is not None else h0_NHKV[i] for i, f in enumerate(finals)], 0)
+    return o, final_NHKV
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule over a batch or a packed row; fla 0.6 argument order and layouts.
+
+    S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t k_t v_t^T (state [K, V] per head),
+    o_t = S_t^T (scale * q_t).
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] log decay (<= 0); beta: [B, T, H].
+        scale: query scale, default K ** -0.5.
+        initial_state: [N, H, K, V], N = B, or the number of sequences with `cu_seqlens`.
+        output_final_state: also return the state after each sequence's last token.
+        cu_seqlens: [N + 1] int (starts at 0, ends at T); B must be 1. State never crosses a
+            boundary.
+        use_qk_l2norm_in_kernel: L2-normalise q and k over K first (eps 1e-6).
+        chunk_size: chunk length of the torch path (fla's kernels take 16, 32 or 64).
+
+    Returns:
+        o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] or None.
+
+    GPU tensors go to fla's Triton kernel (`kernels.backend.use_fla`), everything else to the
+    pure-torch chunked path above.
+    """
+    if isinstance(q, torch.Tensor) and use_fla(q):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+
+        check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, cu_seqlens)
+        return fla_chunk_gated_delta_rule(
+            q, k, v, g, beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            chunk_size=chunk_size,
+        )
+    return torch_chunk_gated_delta_rule(
+        q, k, v, g, beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        chunk_size=chunk_size,
+    )

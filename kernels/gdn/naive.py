@@ -1,0 +1,102 @@
+"""Step-by-step reference for the gated delta rule: the definition, one token at a time.
+
+Legend: B batch, T tokens, H heads, K key/query head dim, V value head dim, N sequences.
+
+Design choices:
+* Same signature and returns as `kernels.gdn.chunk_gated_delta_rule` (fla 0.6 argument order
+  `q, k, v, g, beta`; state `[N, H, K, V]`), so tests swap one for the other.
+* Computes in fp32 for low-precision inputs and in the input dtype otherwise (float64 in tests).
+* No in-place writes into tensors autograd needs: outputs are collected in a list and stacked, so
+  the reference is differentiable in every input, including `initial_state`.
+* `cu_seqlens` is handled by running each sequence on its own (a Python loop over sequences and
+  tokens: this is the reference, not the fast path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.gdn.checks import check_inputs, compute_dtype, l2norm
+
+
+def _recurrent_one(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    g_TH: torch.Tensor,
+    beta_TH: torch.Tensor,
+    scale: float,
+    state_HKV: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    outs = []
+    for t in range(q_THK.shape[0]):
+        k_HK = k_THK[t]
+        # decay first, then the delta-rule correction against the decayed state
+        state_HKV = state_HKV * g_TH[t].exp()[:, None, None]
+        pred_HV = torch.einsum("hk,hkv->hv", k_HK, state_HKV)
+        delta_HV = beta_TH[t][:, None] * (v_THV[t] - pred_HV)
+        state_HKV = state_HKV + k_HK[:, :, None] * delta_HV[:, None, :]
+        outs.append(torch.einsum("hk,hkv->hv", q_THK[t] * scale, state_HKV))
+    if outs:
+        o_THV = torch.stack(outs, 0)
+    else:
+        o_THV = v_THV.new_zeros(v_THV.shape)
+    return o_THV, state_HKV
+
+
+def naive_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference gated delta rule, one token at a time.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V]; g (log decay, <= 0), beta: [B, T, H].
+        scale: query scale, default K ** -0.5.
+        initial_state: [N, H, K, V] (N = B, or the number of sequences with `cu_seqlens`).
+        output_final_state: also return the state after the last token of each sequence.
+        cu_seqlens: [N + 1] int, B must be 1; sequences never exchange state.
+        use_qk_l2norm_in_kernel: L2-normalise q and k over K first (eps 1e-6, as fla).
+
+    Returns:
+        o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] (fp32, or float64 for float64
+        inputs) or None.
+    """
+    B, T, H, K, V, N = check_inputs("naive_recurrent_gated_delta_rule", q, k, v, g, beta, scale,
+                                    initial_state, cu_seqlens)
+    out_dtype, dt = v.dtype, compute_dtype(q, v)
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+
+    if cu_seqlens is None:
+        spans = [(b, 0, T) for b in range(B)]
+    else:
+        bounds = cu_seqlens.tolist()
+        spans = [(0, bounds[i], bounds[i + 1]) for i in range(N)]
+
+    outs, finals = [], []
+    for n, (b, s, e) in enumerate(spans):
+        if initial_state is None:
+            h0_HKV = q.new_zeros(H, K, V)
+        else:
+            h0_HKV = initial_state[n].to(dt)
+        o_THV, hT_HKV = _recurrent_one(q[b, s:e], k[b, s:e], v[b, s:e], g[b, s:e], beta[b, s:e], scale, h0_HKV)
+        outs.append(o_THV)
+        finals.append(hT_HKV)
+
+    if cu_seqlens is None:
+        o = torch.stack(outs, 0)
+    else:
+        o = torch.cat(outs, 0)[None]
+    final_state = torch.stack(finals, 0) if output_final_state else None
+    return o.to(out_dtype), final_state
