@@ -56,7 +56,7 @@ def _masked_text(tok, enc: Encoded) -> list[str]:
 @pytest.mark.parametrize("name", list(CONVS))
 def test_mask_is_exactly_the_assistant_replies_chatml(tok, name):
     msgs = CONVS[name]
-    (enc,) = ChatRenderer(tok).encode_batch([{"id": name, "messages": msgs}])
+    (enc,) = ChatRenderer.from_hf(tok).encode_batch([{"id": name, "messages": msgs}])
     assert isinstance(enc, Encoded), enc
     # Same tokens as the tokenizer's own apply_chat_template(tokenize=True).
     ref = tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
@@ -82,9 +82,9 @@ def test_generation_markers_and_prefix_rendering_agree(tok):
         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     )
     recs = [{"id": k, "messages": v} for k, v in CONVS.items()]
-    gen = ChatRenderer(marked, "auto")
+    gen = ChatRenderer.from_hf(marked, "auto")
     assert gen.mask_method == "generation"
-    pre = ChatRenderer(marked, "prefix")
+    pre = ChatRenderer.from_hf(marked, "prefix")
     for a, b in zip(gen.encode_batch(recs), pre.encode_batch(recs)):
         assert isinstance(a, Encoded) and isinstance(b, Encoded)
         np.testing.assert_array_equal(a.input_ids, b.input_ids)
@@ -112,7 +112,7 @@ BAD = {
 def test_bad_records_become_rejects_with_reasons(tok, name):
     rec, reason = BAD[name]
     good = {"id": "good", "messages": CONVS["two-turns"]}
-    out = ChatRenderer(tok).encode_batch([good, rec, good])
+    out = ChatRenderer.from_hf(tok).encode_batch([good, rec, good])
     assert isinstance(out[0], Encoded) and isinstance(out[2], Encoded)
     assert isinstance(out[1], Rejected)
     assert out[1].doc_id == rec.get("id", "")
@@ -130,7 +130,7 @@ def test_template_errors_and_history_rewriting_are_rejected(tok):
     )
     rec = {"id": "x", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
                                    {"role": "assistant", "content": "c"}]}
-    (out,) = ChatRenderer(strict).encode_batch([rec])
+    (out,) = ChatRenderer.from_hf(strict).encode_batch([rec])
     assert isinstance(out, Rejected) and "roles must alternate" in out.reason
     # A template that shows only the final assistant reply rewrites history: prefixes do not match.
     rewriting = copy.deepcopy(tok)
@@ -139,7 +139,7 @@ def test_template_errors_and_history_rewriting_are_rejected(tok):
         "{{ m['role'] + ': ' + m['content'] + '\n' }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
     )
-    (out,) = ChatRenderer(rewriting).encode_batch([{"id": "y", "messages": CONVS["two-turns"]}])
+    (out,) = ChatRenderer.from_hf(rewriting).encode_batch([{"id": "y", "messages": CONVS["two-turns"]}])
     assert isinstance(out, Rejected) and "prefix-stable at messages[1]" in out.reason
 
 
@@ -149,3 +149,24 @@ def test_tokens_in_spans_overlap_rule():
     # [3,5) straddles the span start -> in; the empty token [9,9) -> out; [12,14) overlaps -> in.
     np.testing.assert_array_equal(tokens_in_spans(offsets, spans), [0, 1, 1, 0, 0, 1])
     assert not tokens_in_spans(offsets, np.zeros((0, 2), np.int64)).any()
+
+
+def test_char_to_token_mask_matches_offsets_mask_and_spec_round_trip(tok):
+    from pipeline.data.render import spans_to_token_mask, tokenizer_hash
+
+    r = ChatRenderer.from_hf(tok)
+    for msgs in CONVS.values():
+        text, spans = r.render(msgs)
+        enc = tok.backend_tokenizer.encode(text, add_special_tokens=False)
+        fast = spans_to_token_mask(enc, spans)
+        slow = tokens_in_spans(np.asarray(enc.offsets).reshape(-1, 2), spans)
+        np.testing.assert_array_equal(fast, slow)
+    recs = [{"id": k, "messages": v} for k, v in CONVS.items()]
+    r2 = ChatRenderer.from_spec(r.spec())
+    for a, b in zip(r.encode_batch(recs), r2.encode_batch(recs)):
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+        np.testing.assert_array_equal(a.assistant_mask, b.assistant_mask)
+    assert tokenizer_hash(r2) == tokenizer_hash(r)
+    other = copy.deepcopy(tok)
+    other.chat_template = tok.chat_template.replace("SmolLM", "Other")
+    assert tokenizer_hash(ChatRenderer.from_hf(other)) != tokenizer_hash(r)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,12 +54,13 @@ class Rejected:
     reason: str
 
 
-def tokenizer_hash(tokenizer: Any) -> str:
+def tokenizer_hash(renderer: ChatRenderer) -> str:
     """Fingerprint of what decides the tokens: vocab/merges/normaliser, chat template, special tokens."""
+    spec = renderer.spec()
     h = hashlib.sha256()
-    h.update(tokenizer.backend_tokenizer.to_str().encode())
-    h.update(str(tokenizer.chat_template or "").encode())
-    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    h.update(spec["tokenizer_json"].encode())
+    h.update(spec["chat_template"].encode())
+    h.update(json.dumps(spec["template_kwargs"], sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
 
 
@@ -94,44 +96,99 @@ def tokens_in_spans(offsets_L2: np.ndarray, spans_S2: np.ndarray) -> np.ndarray:
     return ok & (spans_S2[jj, 1] > tok_start) & (tok_end > tok_start)
 
 
-class ChatRenderer:
-    """Renders + tokenises records `{"doc_id" | "id", "messages": [{"role", "content"}]}` in batches."""
+def spans_to_token_mask(enc: Any, spans_S2: np.ndarray) -> np.ndarray:
+    """assistant_mask [L] of a `tokenizers.Encoding`, by the overlap rule of `tokens_in_spans`.
 
-    def __init__(self, tokenizer: Any, mask_method: str = "auto") -> None:
+    Each span needs only the tokens holding its first and last character (`char_to_token`), which
+    avoids converting every token's offsets; a character no token covers (a normaliser dropped it)
+    falls back to the offsets.
+    """
+    mask = np.zeros(len(enc.ids), dtype=np.bool_)
+    for s, e in spans_S2.tolist():
+        a, b = enc.char_to_token(s), enc.char_to_token(e - 1)
+        if a is None or b is None:
+            return tokens_in_spans(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2), spans_S2)
+        mask[a : b + 1] = True
+    return mask
+
+
+class ChatRenderer:
+    """Renders + tokenises records `{"doc_id" | "id", "messages": [{"role", "content"}]}` in batches.
+
+    Holds a `tokenizers.Tokenizer`, the chat template and the template's keyword arguments (the
+    special tokens), i.e. exactly what `apply_chat_template` uses, without loading transformers'
+    tokenizer classes (Ray actors start faster; `spec()` / `from_spec()` carry it to them).
+    """
+
+    def __init__(self, backend: Any, chat_template: str, template_kwargs: dict[str, Any],
+                 mask_method: str = "auto") -> None:
         if mask_method not in MASK_METHODS:
             raise ValueError(f"mask_method {mask_method!r} is not one of {MASK_METHODS}")
-        if not getattr(tokenizer, "chat_template", None):
+        if not chat_template:
             raise ValueError("the tokenizer has no chat template")
-        if not getattr(tokenizer, "is_fast", False):
-            raise ValueError("a fast tokenizer (with character offsets) is required")
-        self.tokenizer = tokenizer
-        has_markers = "generation" in tokenizer.chat_template and "endgeneration" in tokenizer.chat_template
+        self._backend = backend
+        self.chat_template = chat_template
+        self.template_kwargs = dict(template_kwargs)
+        has_markers = re.search(r"\{%-?\s*generation\s*-?%\}", chat_template) is not None
         if mask_method == "auto":
             mask_method = "generation" if has_markers else "prefix"
         if mask_method == "generation" and not has_markers:
             raise ValueError("mask_method 'generation' needs {% generation %} markers in the chat template")
         self.mask_method = mask_method
-        self._backend = tokenizer.backend_tokenizer
+
+    @classmethod
+    def from_hf(cls, tokenizer: Any, mask_method: str = "auto") -> ChatRenderer:
+        """From a transformers fast tokenizer (the same template and special tokens it would use)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError("a fast tokenizer (backed by `tokenizers`, with character offsets) is required")
+        template = tokenizer.chat_template
+        if isinstance(template, dict):
+            template = template.get("default")
+        return cls(backend, template or "", dict(tokenizer.special_tokens_map), mask_method)
 
     @classmethod
     def from_pretrained(cls, path: str, mask_method: str = "auto") -> ChatRenderer:
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(path), mask_method)
+        return cls.from_hf(AutoTokenizer.from_pretrained(path), mask_method)
+
+    def spec(self) -> dict[str, Any]:
+        """Plain-data description (tokenizer JSON, template, kwargs) to rebuild this renderer elsewhere."""
+        return {"tokenizer_json": self._backend.to_str(), "chat_template": self.chat_template,
+                "template_kwargs": self.template_kwargs, "mask_method": self.mask_method}
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> ChatRenderer:
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_str(spec["tokenizer_json"]), spec["chat_template"],
+                   spec["template_kwargs"], spec["mask_method"])
 
     # -- text and spans ----------------------------------------------------------------------
-    def _render(self, messages: list[dict[str, str]], gen: bool = False) -> str:
+    def _render_raw(self, messages: list[dict[str, str]], gen: bool, masks: bool) -> tuple[str, Any]:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            texts, indices = render_jinja_template(
+                conversations=[messages], chat_template=self.chat_template, add_generation_prompt=gen,
+                return_assistant_tokens_mask=masks, **self.template_kwargs,
+            )
         except Exception as e:
             # Templates raise (e.g. "roles must alternate") through jinja; the message is the reason.
             raise RenderError(f"chat template failed: {type(e).__name__}: {e}") from None
+        return texts[0], indices[0] if masks else None
+
+    def _render(self, messages: list[dict[str, str]], gen: bool = False) -> str:
+        return self._render_raw(messages, gen, False)[0]
 
     def render(self, messages: list[dict[str, str]]) -> tuple[str, np.ndarray]:
         """Full text and assistant character spans [S, 2] (int64, sorted, disjoint)."""
         messages = _validate_messages(messages)
         if self.mask_method == "generation":
-            return self._render_generation(messages)
+            text, indices = self._render_raw(messages, False, True)
+            spans = sorted((int(s), int(e)) for s, e in indices if e > s)
+            return text, np.asarray(spans, dtype=np.int64).reshape(-1, 2)
         text = self._render(messages)
         spans = []
         for i, m in enumerate(messages):
@@ -147,19 +204,6 @@ class ChatRenderer:
             if e > s:
                 spans.append((s, e))
         return text, np.asarray(spans, dtype=np.int64).reshape(-1, 2)
-
-    def _render_generation(self, messages: list[dict[str, str]]) -> tuple[str, np.ndarray]:
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        try:
-            rendered, indices = render_jinja_template(
-                conversations=[messages], chat_template=self.tokenizer.chat_template,
-                return_assistant_tokens_mask=True, **self.tokenizer.special_tokens_map,
-            )
-        except Exception as e:
-            raise RenderError(f"chat template failed: {type(e).__name__}: {e}") from None
-        spans = sorted((int(s), int(e)) for s, e in indices[0] if e > s)
-        return rendered[0], np.asarray(spans, dtype=np.int64).reshape(-1, 2)
 
     # -- batches -----------------------------------------------------------------------------
     def encode_batch(self, records: list[dict[str, Any]]) -> list[Encoded | Rejected]:
@@ -184,7 +228,7 @@ class ChatRenderer:
             encs = self._backend.encode_batch(texts, add_special_tokens=False)
             for (k, doc_id), enc, sp in zip(where, encs, spans):
                 ids = np.asarray(enc.ids, dtype=np.int32)
-                mask = tokens_in_spans(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2), sp)
+                mask = spans_to_token_mask(enc, sp)
                 if not mask.any():
                     out[k] = Rejected(doc_id, "no assistant tokens after tokenisation")
                 else:

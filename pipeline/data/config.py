@@ -1,0 +1,109 @@
+"""Data-preparation config: mixture -> tokenize -> pack -> shards, loaded through `pipeline.config`.
+
+A source is a `readers.SourceSpec` (where and how to read) plus its mixture `weight`. Defaults are
+the stage-2 shape (65,536-token rows); stage 1 sets `split: stage1` and `packing.max_len: 2048`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.data.mixture import SPLITS
+from pipeline.data.packing import LONG_DOC_POLICIES
+from pipeline.data.readers import SourceSpec
+from pipeline.data.render import MASK_METHODS
+
+
+@dataclass
+class MixtureSource(SourceSpec):
+    # Sampling proportion: 2.0 repeats each record, 0.5 keeps about half.
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.weight < 0:
+            raise ValueError(f"source {self.name!r}: weight must be >= 0, got {self.weight}")
+
+
+@dataclass
+class MixtureConfig:
+    sources: list[MixtureSource] = field(default_factory=list)
+    seed: int = 0
+    # Fraction of records (by id hash) that belong to stage 1; the rest is stage 2.
+    stage1_fraction: float = 0.2
+    # Changing the salt re-draws the split; keep it fixed across the stage-1 and stage-2 runs.
+    split_salt: str = "hylo-split-v1"
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.sources]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"mixture.sources: duplicate source name(s) {dup}")
+        if not 0.0 <= self.stage1_fraction <= 1.0:
+            raise ValueError(f"mixture.stage1_fraction must be in [0, 1], got {self.stage1_fraction}")
+
+
+@dataclass
+class TokenizeConfig:
+    # A directory with a fast tokenizer + chat template, or an asset name (hylo.assets).
+    tokenizer: str = "smollm2-135m-instruct"
+    mask_method: str = "auto"
+    # Ray Data actor pool size and records per map_batches call.
+    num_actors: int = 2
+    batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.mask_method not in MASK_METHODS:
+            raise ValueError(f"tokenize.mask_method {self.mask_method!r} not in {MASK_METHODS}")
+        if self.num_actors < 1 or self.batch_size < 1:
+            raise ValueError("tokenize.num_actors and tokenize.batch_size must be >= 1")
+
+
+@dataclass
+class PackingConfig:
+    max_len: int = 65536
+    # Documents buffered per best-fit-decreasing round.
+    window: int = 1024
+    max_open_rows: int = 64
+    # A row with at most this many free tokens closes at once.
+    close_slack: int = 0
+    long_doc_policy: str = "split"
+    pad_to_max_len: bool = True
+    # None: the tokenizer's pad token, else its EOS token.
+    pad_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.long_doc_policy not in LONG_DOC_POLICIES:
+            raise ValueError(f"packing.long_doc_policy {self.long_doc_policy!r} not in {LONG_DOC_POLICIES}")
+        if self.max_len < 2 or self.window < 1 or self.max_open_rows < 1:
+            raise ValueError("packing.max_len must be >= 2, packing.window and max_open_rows >= 1")
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/data/stage2"
+    rows_per_shard: int = 64
+    # Rows per Parquet row group (the reader's read granularity); 0 = about 1 M tokens per group.
+    row_group_rows: int = 0
+    overwrite: bool = False
+
+
+@dataclass
+class PrepareDataConfig:
+    split: str = "stage2"
+    mixture: MixtureConfig = field(default_factory=MixtureConfig)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    # None: start a local Ray with `num_cpus`; else connect to this address ("auto", "ray://...").
+    ray_address: str | None = None
+    num_cpus: int = 2
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"split {self.split!r} not in {SPLITS}")
+
+
+# Keys that do not change the produced rows (excluded from the manifest's config hash).
+RUNTIME_KEYS = ("ray_address", "num_cpus", "progress", "output")

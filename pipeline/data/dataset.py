@@ -1,0 +1,512 @@
+"""The Ray Data pipeline (mixture -> render/tokenise on an actor pool -> best-fit packing), Parquet
+shards with a manifest, and the resumable row reader that training workers use.
+
+Legend: T = tokens of a row, N = segments of a row (documents, plus the padding tail if any).
+
+Design choices:
+* Render + tokenise is the expensive, parallel part: a `map_batches` actor pool (each actor loads
+  the tokenizer once), streaming. The input is the mixture as Arrow blocks of JSON-encoded records
+  (JSON keeps arbitrary nested content intact through Arrow). `preserve_order` is on, so the
+  documents come back in mixture order whatever the pool size, and the same seed gives the same
+  rows.
+* Packing is sequential by nature (each placement depends on the open rows) and cheap; it runs in
+  the consumer (the driver here) over the streamed batches.
+* Shards: `shard-00000.parquet`, ... (list columns: input_ids int32, position_ids int32,
+  cu_seqlens int32, loss_mask bool, doc_ids string), each written to a temp name and renamed; the
+  manifest (`manifest.json`) is written last, so a directory with a manifest is complete.
+* `RowReader(dir, rank, world_size, start)`: rank r reads global rows r, r + W, r + 2W, ... (the
+  tail that does not divide by W is dropped so every rank takes the same number of steps) and
+  exposes `.position`, the number of its rows consumed: saving it and passing it back as `start`
+  resumes at exactly the next row. Ray Data iterators cannot do that (design.md section 5).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.data.packing import BestFitPacker, Document
+from pipeline.data.render import ChatRenderer, Encoded
+
+MANIFEST = "manifest.json"
+FORMAT = "hylo-packed-rows/1"
+
+
+class DataFormatError(ValueError):
+    """A shard directory or manifest is missing, incomplete or inconsistent; names the file."""
+
+
+# ----------------------------------------------------------------------------------- tokenising
+def _list_array(arrays: list[np.ndarray], value_type: pa.DataType) -> pa.Array:
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    values = np.concatenate(arrays) if arrays else np.zeros(0)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))
+
+
+def encoded_to_table(results: list[Any]) -> pa.Table:
+    """Render results -> Arrow: doc_id, input_ids list<int32>, assistant_mask list<bool>, reject."""
+    empty_i, empty_b = np.zeros(0, np.int32), np.zeros(0, np.bool_)
+    ids = [r.input_ids if isinstance(r, Encoded) else empty_i for r in results]
+    masks = [r.assistant_mask if isinstance(r, Encoded) else empty_b for r in results]
+    return pa.table({
+        "doc_id": pa.array([r.doc_id for r in results], pa.string()),
+        "input_ids": _list_array(ids, pa.int32()),
+        "assistant_mask": _list_array(masks, pa.bool_()),
+        "reject": pa.array(["" if isinstance(r, Encoded) else r.reason for r in results], pa.string()),
+    })
+
+
+class TokenizeUDF:
+    """Ray Data actor: JSON records -> tokenised documents (or rejects), one output row per input."""
+
+    def __init__(self, renderer_spec: dict[str, Any]) -> None:
+        self.renderer = ChatRenderer.from_spec(renderer_spec)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        records = []
+        for doc_id, blob in zip(batch.column("doc_id").to_pylist(), batch.column("record").to_pylist()):
+            rec = json.loads(blob)
+            rec["doc_id"] = doc_id
+            records.append(rec)
+        return encoded_to_table(self.renderer.encode_batch(records))
+
+
+def records_to_blocks(records: list[dict[str, Any]], block_records: int) -> list[pa.Table]:
+    doc_ids = [r["doc_id"] for r in records]
+    blobs = [json.dumps({"id": r.get("id"), "source": r.get("source"), "messages": r.get("messages")},
+                        ensure_ascii=False) for r in records]
+    table = pa.table({"doc_id": pa.array(doc_ids, pa.string()), "record": pa.array(blobs, pa.large_string())})
+    return [table.slice(i, block_records) for i in range(0, max(len(records), 1), block_records)]
+
+
+def tokenize_dataset(
+    records: list[dict[str, Any]], renderer_spec: dict[str, Any], num_actors: int = 2, batch_size: int = 64,
+) -> Any:
+    """A streaming `ray.data.Dataset` of tokenised documents in mixture order (Ray must be up)."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    blocks = records_to_blocks(records, block_records=batch_size * 4)
+    ds = ray.data.from_arrow(blocks)
+    return ds.map_batches(
+        TokenizeUDF,
+        fn_constructor_kwargs={"renderer_spec": renderer_spec},
+        batch_size=batch_size,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=num_actors),
+        num_cpus=1,
+    )
+
+
+def iter_documents(
+    batches: Iterable[pa.Table], on_reject: Callable[[str, str], None]
+) -> Iterator[Document]:
+    """Tokenised Arrow batches -> Documents; rejected rows go to `on_reject(doc_id, reason)`."""
+    for b in batches:
+        doc_ids = b.column("doc_id").to_pylist()
+        rejects = b.column("reject").to_pylist()
+        ids_col, mask_col = b.column("input_ids").combine_chunks(), b.column("assistant_mask").combine_chunks()
+        offs = ids_col.offsets.to_numpy()
+        ids_vals = ids_col.values.to_numpy()
+        mask_vals = mask_col.values.to_numpy(zero_copy_only=False)
+        for k, (doc_id, rej) in enumerate(zip(doc_ids, rejects)):
+            if rej:
+                on_reject(doc_id, rej)
+                continue
+            s, e = offs[k], offs[k + 1]
+            yield Document(doc_id, ids_vals[s:e], mask_vals[s:e])
+
+
+def make_packer(pcfg: Any, pad_id: int) -> BestFitPacker:
+    return BestFitPacker(
+        max_len=pcfg.max_len, window=pcfg.window, max_open_rows=pcfg.max_open_rows,
+        close_slack=pcfg.close_slack, long_doc_policy=pcfg.long_doc_policy,
+        pad_id=pad_id, pad_to_max_len=pcfg.pad_to_max_len,
+    )
+
+
+# ------------------------------------------------------------------------------------- shards
+ROW_SCHEMA = pa.schema([
+    ("input_ids", pa.list_(pa.int32())),
+    ("position_ids", pa.list_(pa.int32())),
+    ("cu_seqlens", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.bool_())),
+    ("doc_ids", pa.list_(pa.string())),
+])
+
+
+def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    cols = {}
+    for name in ("input_ids", "position_ids", "cu_seqlens", "loss_mask"):
+        typ = ROW_SCHEMA.field(name).type
+        arrays = [np.asarray(r[name]) for r in rows]
+        offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum([len(a) for a in arrays], out=offsets[1:])
+        vals = np.concatenate(arrays) if arrays else np.zeros(0)
+        cols[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(vals, type=typ.value_type))
+    cols["doc_ids"] = pa.array([list(r["doc_ids"]) for r in rows], ROW_SCHEMA.field("doc_ids").type)
+    return pa.table(cols, schema=ROW_SCHEMA)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Buffers rows and writes `shard-NNNNN.parquet` files atomically; `finish()` returns their list."""
+
+    def __init__(self, directory: str | Path, rows_per_shard: int, row_group_rows: int) -> None:
+        if rows_per_shard < 1 or row_group_rows < 1:
+            raise ValueError("rows_per_shard and row_group_rows must be >= 1")
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rows_per_shard = rows_per_shard
+        self.row_group_rows = row_group_rows
+        self.shards: list[dict[str, Any]] = []
+        self._buf: list[dict[str, Any]] = []
+
+    def add(self, row: dict[str, Any]) -> None:
+        self._buf.append(row)
+        if len(self._buf) >= self.rows_per_shard:
+            self._write()
+
+    def finish(self) -> list[dict[str, Any]]:
+        if self._buf:
+            self._write()
+        return self.shards
+
+    def _write(self) -> None:
+        rows, self._buf = self._buf, []
+        name = f"shard-{len(self.shards):05d}.parquet"
+        tmp = self.dir / f".{name}.tmp-{os.getpid()}"
+        pq.write_table(rows_to_table(rows), tmp, row_group_size=self.row_group_rows, compression="zstd")
+        os.replace(tmp, self.dir / name)
+        self.shards.append({
+            "file": name,
+            "rows": len(rows),
+            "tokens": int(sum(len(r["input_ids"]) for r in rows)),
+        })
+
+
+def write_manifest(directory: str | Path, manifest: dict[str, Any]) -> Path:
+    path = Path(directory) / MANIFEST
+    _atomic_write_text(path, json.dumps({"format": FORMAT, **manifest}, indent=1, sort_keys=False))
+    return path
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise DataFormatError(f"{path} not found: not a packed-data directory, or its job did not finish")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataFormatError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise DataFormatError(f"{path}: format is {m.get('format') if isinstance(m, dict) else m!r}, expected {FORMAT}")
+    shards = m.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) and "file" in s and "rows" in s for s in shards):
+        raise DataFormatError(f"{path}: field 'shards' must be a list of {{file, rows}}")
+    return m
+
+
+# ---------------------------------------------------------------------------------- reading
+class RowReader:
+    """Deterministic, resumable reader of a shard directory for one training worker.
+
+    Yields dicts of torch tensors (input_ids [T] int64, position_ids [T] int64, cu_seqlens [N+1]
+    int32, loss_mask [T] bool) plus doc_ids (list[str]); `as_numpy=True` yields numpy arrays.
+    """
+
+    def __init__(self, directory: str | Path, rank: int = 0, world_size: int = 1, start: int = 0,
+                 drop_last: bool = True, as_numpy: bool = False) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
+        self.dir = Path(directory)
+        self.manifest = read_manifest(self.dir)
+        self.rank, self.world_size, self.as_numpy = rank, world_size, as_numpy
+        self._cum = [0]
+        for s in self.manifest["shards"]:
+            self._cum.append(self._cum[-1] + int(s["rows"]))
+        total = self._cum[-1]
+        self.num_rows = total // world_size if drop_last else max(0, (total - rank + world_size - 1) // world_size)
+        if not 0 <= start <= self.num_rows:
+            raise ValueError(f"start {start} outside [0, {self.num_rows}] rows for rank {rank}/{world_size}")
+        self.position = start
+        self._files: dict[int, pq.ParquetFile] = {}
+        self._cached: tuple[int, int, pa.Table, int] | None = None
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "rank": self.rank, "world_size": self.world_size,
+                "config_hash": self.manifest.get("config_hash")}
+
+    def _file(self, k: int) -> pq.ParquetFile:
+        if k not in self._files:
+            meta = self.manifest["shards"][k]
+            path = self.dir / meta["file"]
+            if not path.is_file():
+                raise DataFormatError(f"{path}: listed in {self.dir / MANIFEST} but missing")
+            pf = pq.ParquetFile(path)
+            if pf.metadata.num_rows != int(meta["rows"]):
+                raise DataFormatError(
+                    f"{path}: has {pf.metadata.num_rows} rows, manifest says {meta['rows']}")
+            self._files[k] = pf
+        return self._files[k]
+
+    def read_global(self, g: int) -> dict[str, Any]:
+        k = bisect.bisect_right(self._cum, g) - 1
+        pf = self._file(k)
+        r = g - self._cum[k]
+        c = self._cached
+        if c is None or c[0] != k or not c[3] <= r < c[3] + c[2].num_rows:
+            # Find the row group holding row r and read it whole (row groups are the I/O unit).
+            start = 0
+            for rg in range(pf.num_row_groups):
+                n = pf.metadata.row_group(rg).num_rows
+                if r < start + n:
+                    break
+                start += n
+            c = self._cached = (k, rg, pf.read_row_group(rg), start)
+        t = c[2].slice(r - c[3], 1)
+        row = {name: t.column(name)[0].values.to_numpy(zero_copy_only=False)
+               for name in ("input_ids", "position_ids", "cu_seqlens", "loss_mask")}
+        row["doc_ids"] = t.column("doc_ids")[0].as_py()
+        if self.as_numpy:
+            return row
+        import torch
+
+        return {
+            "input_ids": torch.from_numpy(row["input_ids"].astype(np.int64)),
+            "position_ids": torch.from_numpy(row["position_ids"].astype(np.int64)),
+            "cu_seqlens": torch.from_numpy(row["cu_seqlens"].astype(np.int32)),
+            "loss_mask": torch.from_numpy(row["loss_mask"].astype(np.bool_)),
+            "doc_ids": row["doc_ids"],
+        }
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while self.position < self.num_rows:
+            row = self.read_global(self.position * self.world_size + self.rank)
+            self.position += 1
+            yield row
+
+
+# ------------------------------------------------------------------------------ whole pipeline
+class PackedRun:
+    """Counts of one prepare run, filled while streaming (documents, rejects, rows, timing)."""
+
+    def __init__(self) -> None:
+        self.render_rejects: list[tuple[str, str]] = []
+        self.documents = 0
+        self.doc_tokens = 0
+        self.t0 = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def stream_packed_rows(
+    records: list[dict[str, Any]], renderer_spec: dict[str, Any], tcfg: Any, packer: BestFitPacker,
+    run: PackedRun, on_document: Callable[[Document], None] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Mixture records -> Ray Data tokenise -> best-fit rows, streamed (Ray must be initialised)."""
+    ds = tokenize_dataset(records, renderer_spec, tcfg.num_actors, tcfg.batch_size)
+    batches = ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=4)
+
+    def reject(doc_id: str, reason: str) -> None:
+        run.render_rejects.append((doc_id, reason))
+
+    for doc in iter_documents(batches, reject):
+        run.documents += 1
+        run.doc_tokens += len(doc.input_ids)
+        if on_document is not None:
+            on_document(doc)
+        yield from packer.add(doc)
+    yield from packer.flush()
+
+
+# ------------------------------------------------------------------------------ the prepare job
+def resolve_tokenizer(name_or_dir: str) -> Path:
+    """A tokenizer directory, or an asset name from `hylo.assets` (fetched on first use)."""
+    p = Path(name_or_dir).expanduser()
+    if p.is_dir():
+        return p
+    from hylo.assets import ASSETS, fetch_asset
+
+    if name_or_dir in ASSETS:
+        return fetch_asset(name_or_dir, progress=False)
+    raise FileNotFoundError(
+        f"tokenize.tokenizer {name_or_dir!r} is neither a directory nor an asset ({', '.join(sorted(ASSETS))})")
+
+
+def reason_key(reason: str) -> str:
+    """Group reject reasons for the report: numbers and quoted values folded ("turn N: ...")."""
+    return re.sub(r"\d+", "N", re.sub(r"'[^']*'", "'…'", reason))[:120]
+
+
+def rows_config_hash(cfg: Any) -> str:
+    """Hash of what decides the rows: split, mixture, masking, packing (not paths, pools, progress)."""
+    from pipeline.config import config_hash, to_dict
+
+    d = to_dict(cfg)
+    tok = d["tokenize"]
+    return config_hash({"split": d["split"], "mixture": d["mixture"], "packing": d["packing"],
+                        "tokenizer": tok["tokenizer"], "mask_method": tok["mask_method"]})
+
+
+def prepare(cfg: Any) -> dict[str, Any]:
+    """Run the whole job for a `PrepareDataConfig`; returns the report (also written to disk).
+
+    Writes into `cfg.output.dir`: shard-*.parquet, manifest.json, rejects.jsonl, report.json,
+    report.md. Uses the running Ray if there is one, else starts a local one.
+    """
+    import ray
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from pipeline.data.mixture import build_mixture
+    from pipeline.data.render import tokenizer_hash
+
+    out = Path(cfg.output.dir)
+    if (out / MANIFEST).exists() and not cfg.output.overwrite:
+        raise FileExistsError(f"{out / MANIFEST} exists; set output.overwrite=true to replace it")
+    out.mkdir(parents=True, exist_ok=True)
+    # A rerun must not leave shards of the previous run listed by nothing or, worse, mixed in.
+    for old in [*out.glob("shard-*.parquet"), out / MANIFEST]:
+        old.unlink(missing_ok=True)
+
+    tok_dir = resolve_tokenizer(cfg.tokenize.tokenizer)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    renderer = ChatRenderer.from_hf(tok, cfg.tokenize.mask_method)
+    pad_id = cfg.packing.pad_id
+    if pad_id is None:
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if pad_id is None:
+        raise ValueError(f"tokenizer {tok_dir} has neither a pad nor an EOS token; set packing.pad_id")
+
+    run = PackedRun()
+    rejects_path = out / "rejects.jsonl"
+    tmp_rejects = out / f".rejects.jsonl.tmp-{os.getpid()}"
+    n_read_rejects = 0
+    reasons: dict[str, int] = {}
+    with open(tmp_rejects, "w") as rej_f:
+
+        def on_read_reject(r: dict[str, Any]) -> None:
+            nonlocal n_read_rejects
+            n_read_rejects += 1
+            key = reason_key(r["reason"])
+            reasons[key] = reasons.get(key, 0) + 1
+            rej_f.write(json.dumps({"stage": "read", **r}, ensure_ascii=False) + "\n")
+
+        records, mix_stats = build_mixture(cfg.mixture, cfg.split, on_read_reject)
+        t_read = run.elapsed
+
+        if not ray.is_initialized():
+            if cfg.ray_address:
+                ray.init(address=cfg.ray_address)
+            else:
+                ray.init(num_cpus=cfg.num_cpus, include_dashboard=False)
+        import ray.data
+
+        # Our own bar counts documents; Ray's per-operator bars would interleave with it.
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        packer = make_packer(cfg.packing, pad_id)
+        rg_rows = cfg.output.row_group_rows or max(1, (1 << 20) // cfg.packing.max_len)
+        writer = ShardWriter(out, cfg.output.rows_per_shard, rg_rows)
+        t_tok0 = run.elapsed
+        with tqdm(total=len(records), desc=f"prepare {cfg.split}", unit="doc", disable=not cfg.progress) as bar:
+            for row in stream_packed_rows(records, renderer.spec(), cfg.tokenize, packer, run,
+                                          on_document=lambda d: bar.update()):
+                writer.add(row)
+            bar.update(len(run.render_rejects))
+        shards = writer.finish()
+        t_pack = run.elapsed - t_tok0
+        for doc_id, reason in run.render_rejects:
+            key = reason_key(reason)
+            reasons[key] = reasons.get(key, 0) + 1
+            rej_f.write(json.dumps({"stage": "render", "doc_id": doc_id, "reason": reason},
+                                   ensure_ascii=False) + "\n")
+    os.replace(tmp_rejects, rejects_path)
+
+    pst = packer.stats
+    counts = {
+        "records_read": sum(c.read for c in mix_stats.sources.values()) + n_read_rejects,
+        "read_rejects": n_read_rejects,
+        "mixture_records": len(records),
+        "render_rejects": len(run.render_rejects),
+        "documents": run.documents,
+        "document_tokens": run.doc_tokens,
+        **{k: v for k, v in pst.to_dict().items() if k not in ("max_len", "documents")},
+    }
+    manifest = {
+        "split": cfg.split,
+        "max_len": cfg.packing.max_len,
+        "config_hash": rows_config_hash(cfg),
+        "tokenizer": str(cfg.tokenize.tokenizer),
+        "tokenizer_hash": tokenizer_hash(renderer),
+        "pad_id": int(pad_id),
+        "counts": counts,
+        "mixture": mix_stats.to_dict(),
+        "shards": shards,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    write_manifest(out, manifest)
+    report = {
+        **manifest,
+        "reject_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
+        "seconds": {"read_and_mix": t_read, "tokenize_and_pack": t_pack, "total": run.elapsed},
+        "throughput": {"tokens_per_s": run.doc_tokens / t_pack if t_pack else 0.0,
+                       "documents_per_s": run.documents / t_pack if t_pack else 0.0},
+    }
+    report.pop("format", None)
+    _atomic_write_text(out / "report.json", json.dumps(report, indent=1))
+    _atomic_write_text(out / "report.md", report_markdown(report))
+    return report
+
+
+def report_markdown(r: dict[str, Any]) -> str:
+    c = r["counts"]
+    lines = [
+        f"# Data preparation report: {r['split']} (rows of {r['max_len']} tokens)",
+        "",
+        f"config hash `{r['config_hash']}`, tokenizer `{r['tokenizer']}` (hash `{r['tokenizer_hash']}`)",
+        "",
+        "| what | count |",
+        "| --- | ---: |",
+    ]
+    for k in ("records_read", "read_rejects", "mixture_records", "render_rejects", "documents",
+              "document_tokens", "rows", "tokens_packed", "loss_tokens", "pad_tokens", "docs_split",
+              "docs_truncated", "tokens_truncated", "docs_dropped", "tokens_dropped"):
+        lines.append(f"| {k.replace('_', ' ')} | {c[k]:,} |")
+    lines += [
+        f"| packing efficiency | {100 * c['efficiency']:.2f} % |",
+        f"| tokenize + pack throughput | {r['throughput']['tokens_per_s']:,.0f} tokens/s |",
+        "",
+        "## Sources",
+        "",
+        "| source | read | in split | out (weighted) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, s in r["mixture"]["sources"].items():
+        lines.append(f"| {name} | {s['read']:,} | {s['in_split']:,} | {s['out']:,} |")
+    if r["reject_reasons"]:
+        lines += ["", "## Reject reasons", "", "| reason | count |", "| --- | ---: |"]
+        lines += [f"| {k} | {v:,} |" for k, v in r["reject_reasons"].items()]
+    return "\n".join(lines) + "\n"
