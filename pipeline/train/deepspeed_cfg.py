@@ -1,0 +1,94 @@
+"""The DeepSpeed config, generated from ours (never hand-written), and the batch arithmetic.
+
+Design choices:
+* One packed row per micro-batch (`B == 1` with `cu_seqlens`): packing already fills the context, so
+  the global batch in sequences is reached by gradient accumulation alone:
+  `grad_accum = global_batch_sequences / world_size` (must divide exactly, else a clear error).
+* The optimiser is a client `torch.optim.AdamW` handed to `deepspeed.initialize`: an optimiser in the
+  DeepSpeed config would compile DeepSpeed's CPU Adam (~1 min on the build machine) for nothing.
+* bf16 with fp32 master weights on GPU, plain fp32 on CPU (`dtype` resolved by `resolve_dtype`).
+* Clipping is DeepSpeed's (`gradient_clipping`), so the norm it reports is the one it clipped with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipeline.config import ConfigError
+from pipeline.train.config import DeepSpeedSection, StageConfig
+
+
+def resolve_dtype(name: str, use_gpu: bool) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if use_gpu else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def grad_accum_steps(global_batch_sequences: int, world_size: int, micro_batch: int = 1) -> int:
+    per_step = world_size * micro_batch
+    if global_batch_sequences % per_step:
+        raise ConfigError(
+            f"train.global_batch_sequences={global_batch_sequences} is not a multiple of "
+            f"ray.num_workers x micro-batch = {world_size} x {micro_batch}; pick a global batch that divides evenly"
+        )
+    return global_batch_sequences // per_step
+
+
+def zero_section(ds: DeepSpeedSection) -> dict[str, Any]:
+    z: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.zero_stage == 0:
+        return z
+    z.update(overlap_comm=ds.overlap_comm, reduce_bucket_size=ds.reduce_bucket_size, contiguous_gradients=True)
+    if ds.offload_optimizer != "none":
+        z["offload_optimizer"] = {"device": ds.offload_optimizer, "pin_memory": torch.cuda.is_available()}
+    if ds.zero_stage == 3:
+        z.update(
+            stage3_prefetch_bucket_size=ds.stage3_prefetch_bucket_size,
+            stage3_param_persistence_threshold=ds.stage3_param_persistence_threshold,
+            # Consolidation at the end gathers parameters itself (one module at a time).
+            stage3_gather_16bit_weights_on_model_save=False,
+        )
+        if ds.offload_param != "none":
+            z["offload_param"] = {"device": ds.offload_param, "pin_memory": torch.cuda.is_available()}
+    elif ds.offload_param != "none":
+        raise ConfigError("deepspeed.offload_param needs deepspeed.zero_stage=3")
+    return z
+
+
+def build_deepspeed_config(cfg: StageConfig, world_size: int, dtype: torch.dtype) -> dict[str, Any]:
+    """DeepSpeed config dict for `cfg` on `world_size` ranks training in `dtype`."""
+    ga = grad_accum_steps(cfg.train.global_batch_sequences, world_size)
+    return {
+        "train_batch_size": cfg.train.global_batch_sequences,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": ga,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": zero_section(cfg.deepspeed),
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": False},
+        # DeepSpeed's own periodic prints and wall-clock breakdown stay off: metrics.py reports.
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def init_engine(module: torch.nn.Module, params: list[torch.nn.Parameter], cfg: StageConfig, world_size: int,
+                dtype: torch.dtype, lr_lambda):
+    """`deepspeed.initialize` with a client AdamW over `params` and a LambdaLR schedule."""
+    import deepspeed
+
+    if not params:
+        raise ConfigError("no trainable parameters: check which modules this stage trains")
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=build_deepspeed_config(cfg, world_size, dtype))
+    return engine
+
+
+def current_lr(engine) -> float:
+    return float(engine.optimizer.param_groups[0]["lr"])

@@ -1,0 +1,191 @@
+"""Stage 1, Enhanced-ILD: every student layer learns to reproduce its base-model layer, in isolation.
+
+Legend: T tokens of a packed row, D hidden size, L layers, G micro-batches (rows) per optimiser step.
+
+For each row the frozen base model runs once and gives, per layer l, its input x_l, its output y_l and
+its attention (mixer) output a_l. Student layer l is fed the base's x_l (not its own previous layer's
+output), so layers train independently and errors never compound:
+
+    loss = sum_l  output_weight * mean_t d(layer_l(x_l)_t, y_l,t) + mixer_weight * mean_t d(mixer_l_t, a_l,t)
+
+with d the per-token L2 distance `||u - v||_2` (`ild.squared: false`, the default) or its square
+(`ild.squared: true`). Design choices:
+* Unsquared by default: the residual stream's scale grows with depth, and a squared loss would let the
+  last layers' errors dominate the sum; the Euclidean norm's gradient has unit size per token, so every
+  layer gets comparable signal. `sqrt(. + eps)` keeps the gradient finite at zero distance.
+* Tokens: every token of every real document (the trailing padding segment, doc id "", is excluded);
+  not only the loss-mask tokens, since user turns shape the layer inputs as much as replies do.
+* Trained: the new mixers (MLA / GDN); `ild.train_mlp` adds the MLPs. Embeddings, norms, LM head stay
+  frozen (they are the base model's).
+* The base model runs outside DeepSpeed (frozen, inference only); the loss runs inside
+  `ILDStudent.forward` with per-layer activation checkpointing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pipeline.config import ConfigError
+from pipeline.train.config import Stage1Config
+from pipeline.train.deepspeed_cfg import current_lr, init_engine
+from pipeline.train.loop import WorkerContext, row_to_device
+
+PAD_DOC_ID = ""
+EPS = 1e-6
+
+
+# ------------------------------------------------------------------------------------ base model side
+class BaseLayerTargets:
+    """Runs the frozen HF base model and captures each decoder layer's input, output and attention output."""
+
+    def __init__(self, base: nn.Module) -> None:
+        self.base = base
+        self.layers = base.model.layers
+        self._inputs: list[torch.Tensor | None] = [None] * len(self.layers)
+        self._outputs: list[torch.Tensor | None] = [None] * len(self.layers)
+        self._mixers: list[torch.Tensor | None] = [None] * len(self.layers)
+        for i, layer in enumerate(self.layers):
+            layer.register_forward_pre_hook(self._grab_input(i), with_kwargs=True)
+            layer.register_forward_hook(self._grab(self._outputs, i))
+            layer.self_attn.register_forward_hook(self._grab(self._mixers, i))
+
+    def _grab_input(self, i: int):
+        def hook(mod, args, kwargs):
+            self._inputs[i] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    @staticmethod
+    def _grab(store: list, i: int):
+        def hook(mod, args, out):
+            store[i] = out[0] if isinstance(out, tuple) else out
+        return hook
+
+    @torch.no_grad()
+    def __call__(self, b: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        # No attention mask and no cache: transformers builds the block-diagonal (per-document) mask
+        # from the restarting position ids.
+        self.base.model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False)
+        return list(self._inputs), list(self._outputs), list(self._mixers)
+
+
+# ------------------------------------------------------------------------------------ student side
+def token_distance(x_BTD: torch.Tensor, y_BTD: torch.Tensor, squared: bool) -> torch.Tensor:
+    """Per-token L2 distance [T] in fp32."""
+    d2_T = (x_BTD.float() - y_BTD.float()).pow(2).sum(-1)[0]
+    return d2_T if squared else torch.sqrt(d2_T + EPS)
+
+
+class ILDStudent(nn.Module):
+    """Student layers fed the base model's layer inputs; returns the summed per-token distances."""
+
+    def __init__(self, student: nn.Module, cfg: Stage1Config) -> None:
+        super().__init__()
+        self.student = student
+        self.ild = cfg.ild
+        self.checkpointing = cfg.model.activation_checkpointing
+
+    def forward(self, b: dict[str, torch.Tensor], x_in: list[torch.Tensor], y_out: list[torch.Tensor],
+                y_mix: list[torch.Tensor], tokens_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out_sum = mix_sum = torch.zeros((), device=tokens_T.device)
+        for i, layer in enumerate(self.student.model.layers):
+            x = x_in[i].to(layer.input_layernorm.weight.dtype)
+            if self.checkpointing and self.training:
+                out, mix = checkpoint(layer, x, b["position_ids"], b["cu_seqlens"], None, use_reentrant=False)
+            else:
+                out, mix = layer(x, b["position_ids"], b["cu_seqlens"], None)
+            out_sum = out_sum + (token_distance(out, y_out[i], self.ild.squared) * tokens_T).sum()
+            mix_sum = mix_sum + (token_distance(mix, y_mix[i], self.ild.squared) * tokens_T).sum()
+        return out_sum, mix_sum
+
+
+def real_tokens(row: dict[str, Any]) -> np.ndarray:
+    """[T] 1.0 on tokens of real documents, 0.0 on the padding segment."""
+    keep = np.ones(len(row["input_ids"]), dtype=np.float32)
+    cu = np.asarray(row["cu_seqlens"])
+    for doc_id, s, e in zip(row["doc_ids"], cu[:-1], cu[1:]):
+        if doc_id == PAD_DOC_ID:
+            keep[s:e] = 0.0
+    return keep
+
+
+def trainable_parameters(student: nn.Module, train_mlp: bool) -> list[nn.Parameter]:
+    student.requires_grad_(False)
+    for layer in student.model.layers:
+        layer.mixer.requires_grad_(True)
+        if train_mlp:
+            layer.mlp.requires_grad_(True)
+    return [p for p in student.parameters() if p.requires_grad]
+
+
+# ------------------------------------------------------------------------------------ build + step
+@dataclass
+class Stage1Task:
+    engine: Any
+    student: nn.Module
+    base: BaseLayerTargets
+    cfg: Stage1Config
+
+
+def build(ctx: WorkerContext, lr_lambda) -> Stage1Task:
+    from hylo.io import load_hylo
+    from hylo.upcycle import load_base_model
+
+    cfg: Stage1Config = ctx.cfg
+    if not cfg.model.student or not cfg.model.base:
+        raise ConfigError("stage 1 needs model.base (the HF base model) and model.student (its HyLo conversion)")
+    student = load_hylo(cfg.model.student, dtype=ctx.dtype).to(ctx.device)
+    base = load_base_model(resolve_model_dir(cfg.model.base), dtype=ctx.dtype).to(ctx.device).eval()
+    base.requires_grad_(False)
+    if len(base.model.layers) != len(student.model.layers):
+        raise ConfigError(f"model.base has {len(base.model.layers)} layers, model.student "
+                          f"{len(student.model.layers)}: the student must be converted from this base")
+    params = trainable_parameters(student, cfg.ild.train_mlp)
+    student.train()
+    module = ILDStudent(student, cfg)
+    engine = init_engine(module, params, cfg, ctx.world_size, ctx.dtype, lr_lambda)
+    return Stage1Task(engine, student, BaseLayerTargets(base), cfg)
+
+
+def train_step(task: Stage1Task, rows: list[dict[str, Any]], ctx: WorkerContext) -> dict[str, float]:
+    """One optimiser step: base layer targets -> student layers on base inputs -> L2 losses -> backward."""
+    ild, engine = task.cfg.ild, task.engine
+    keep = [real_tokens(r) for r in rows]
+    n_global = ctx.all_sum([float(sum(k.sum() for k in keep))])[0]
+    scale = ctx.world_size / max(n_global, 1.0)
+    ctx.extras["lr"] = current_lr(engine)
+    out = {"loss_sum": 0.0, "ild_output_sum": 0.0, "ild_mixer_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
+    for i, (row, keep_T) in enumerate(zip(rows, keep)):
+        b = row_to_device(row, ctx.device)
+        x_in, y_out, y_mix = task.base(b)
+        tokens_T = torch.as_tensor(keep_T, device=ctx.device)
+        d_out, d_mix = engine(b, x_in, y_out, y_mix, tokens_T)
+        loss = ild.output_weight * d_out + ild.mixer_weight * d_mix
+        engine.backward(loss * scale, scale_wrt_gas=False)
+        if i == 0:
+            ctx.maybe_fault("mid_step")
+        engine.step()
+        out["loss_sum"] += float(loss)
+        out["ild_output_sum"] += float(d_out)
+        out["ild_mixer_sum"] += float(d_mix)
+        out["loss_tokens"] += float(keep_T.sum())
+        out["tokens"] += float(b["input_ids"].numel())
+    ctx.extras["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
+    return out
+
+
+def resolve_model_dir(path: str) -> str:
+    """A directory, or `asset:<name>` / a bare asset name fetched through hylo.assets."""
+    from pathlib import Path
+
+    if Path(path).expanduser().is_dir():
+        return str(Path(path).expanduser())
+    name = path.removeprefix("asset:")
+    from hylo.assets import fetch_asset
+
+    return str(fetch_asset(name))

@@ -1,0 +1,188 @@
+"""Stage 2: end-to-end distillation, loss = kl_weight * KL(teacher || student) + ce_weight * CE.
+
+Legend: T tokens of a packed row, N loss tokens of the row (loss_mask), D student hidden, D' teacher
+hidden, V vocabulary, k top-k width, G micro-batches (rows) per optimiser step on this rank.
+
+Design choices:
+* The student never materialises its logits: its final hidden states [T, D] and `lm_head.weight`
+  [V, D] go into `fused_linear_kl_div`, which computes loss and gradients chunk by chunk. The CE term
+  (when `ce_weight > 0`) is chunked too, each chunk recomputed in backward (`torch.utils.checkpoint`).
+* The loss runs inside `KDStudent.forward` so that ZeRO-3 gathers `lm_head.weight` around it: the weight
+  is registered as an external parameter of the wrapper (it is used outside `lm_head.forward`).
+* Teacher forms (`teacher.source`): `inprocess` (exact: teacher hidden states + teacher lm_head, or its
+  top-k), `serve` (the Ray Serve pool: top-k records, or streamed full-logit chunks), `offline` (the
+  top-k cache). All of a step's rows are requested from the pool at once, so they are in flight together.
+* Loss and KL are sums over loss tokens here; loop.py divides by the global number of loss tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from kernels.fused_kl import TeacherTopK, fused_linear_kl_div
+from pipeline.config import ConfigError
+from pipeline.train.config import Stage2Config
+from pipeline.train.deepspeed_cfg import current_lr, init_engine
+from pipeline.train.loop import WorkerContext, row_to_device
+
+
+# ------------------------------------------------------------------------------------ student side
+def chunked_ce_sum(h_NH: torch.Tensor, w_VH: torch.Tensor, labels_N: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Sum of token cross-entropies without a live [N, V] tensor (each chunk recomputed in backward)."""
+
+    def ce(h, y):
+        return F.cross_entropy((h.float() @ w_VH.float().t()), y, reduction="sum")
+
+    total = h_NH.new_zeros((), dtype=torch.float32)
+    for s in range(0, h_NH.shape[0], chunk):
+        total = total + checkpoint(ce, h_NH[s:s + chunk], labels_N[s:s + chunk], use_reentrant=False)
+    return total
+
+
+class KDStudent(nn.Module):
+    """The student plus its loss, so ZeRO-3 gathers the LM head for the fused KL."""
+
+    def __init__(self, student: nn.Module, cfg: Stage2Config) -> None:
+        super().__init__()
+        self.student = student
+        self.kd = cfg.kd
+        if cfg.deepspeed.zero_stage == 3:
+            import deepspeed
+
+            deepspeed.zero.register_external_parameter(self, student.lm_head.weight)
+
+    def forward(self, b: dict[str, torch.Tensor], teacher: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        h_TD = self.student.model(input_ids=b["input_ids"], position_ids=b["position_ids"],
+                                  cu_seqlens=b["cu_seqlens"]).last_hidden_state[0]
+        w_VD = self.student.lm_head.weight
+        kl = fused_linear_kl_div(h_TD, w_VD, **teacher, mask=b["loss_mask"], temperature=self.kd.temperature,
+                                 reduction="sum", chunk_size=self.kd.chunk_size)
+        ce = h_TD.new_zeros((), dtype=torch.float32)
+        if self.kd.ce_weight:
+            m = b["loss_mask"]
+            ce = chunked_ce_sum(h_TD[m], w_VD, b["labels"][m], self.kd.chunk_size or 1024)
+        return kl, ce
+
+
+# ------------------------------------------------------------------------------------ teacher side
+class StreamedLogits:
+    """`teacher_logits_fn(i, j)` over a generator of [C, V] chunks (calls come in increasing order)."""
+
+    def __init__(self, chunks: Iterator[torch.Tensor], device: torch.device) -> None:
+        self.chunks, self.device = chunks, device
+        self.buf, self.start = None, 0
+
+    def __call__(self, i: int, j: int) -> torch.Tensor:
+        while self.buf is None or self.start + self.buf.shape[0] < j:
+            nxt = next(self.chunks).to(self.device)
+            if self.buf is None:
+                self.buf = nxt
+            else:
+                keep = self.buf[max(0, i - self.start):]
+                self.start += self.buf.shape[0] - keep.shape[0]
+                self.buf = torch.cat([keep, nxt])
+        return self.buf[i - self.start: j - self.start]
+
+
+class Teacher:
+    """Gives, for each packed row, the teacher keyword arguments of `fused_linear_kl_div`."""
+
+    def __init__(self, cfg: Stage2Config, ctx: WorkerContext, student_vocab: int) -> None:
+        t = cfg.teacher
+        self.cfg, self.device, self.model, self.client, self.cache = t, ctx.device, None, None, None
+        if t.source == "inprocess":
+            from pipeline.teacher.model import TeacherModel
+
+            self.model = TeacherModel.from_config(t.model)
+            vocab = self.model.vocab_size
+        elif t.source == "serve":
+            from pipeline.teacher.client import TeacherClient
+
+            self.client = TeacherClient.from_config(t.pool.app_name, t.client)
+            vocab = None
+        else:
+            from pipeline.teacher.cache import open_topk_cache
+
+            self.cache = open_topk_cache(t.cache_path)
+            vocab = getattr(self.cache, "vocab_size", None)
+        if vocab is not None and vocab != student_vocab:
+            raise ConfigError(f"teacher vocabulary {vocab} != student vocabulary {student_vocab}: "
+                              f"teacher and student must share a tokenizer")
+
+    def _topk(self, rec: TeacherTopK) -> dict[str, Any]:
+        return {"teacher_topk": TeacherTopK(*(x.to(self.device) if x is not None else None for x in rec))}
+
+    def for_rows(self, rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        t = self.cfg
+        if self.model is not None:
+            for row in rows:
+                if t.top_k:
+                    yield self._topk(self.model.topk(row, t.top_k))
+                else:
+                    h = self.model.hidden(row).to(self.device)
+                    yield {"teacher_hidden": h, "teacher_weight": self.model.lm_head_weight.to(self.device)}
+        elif self.client is not None and t.mode == "topk":
+            for rec in self.client.topk(rows):
+                yield self._topk(rec)
+        elif self.client is not None:
+            for row in rows:
+                yield {"teacher_logits_fn": StreamedLogits(self.client.stream(row), self.device)}
+        else:
+            for row in rows:
+                yield self._topk(self.cache.get(row))
+
+
+# ------------------------------------------------------------------------------------ build + step
+@dataclass
+class Stage2Task:
+    engine: Any
+    student: nn.Module
+    teacher: Teacher
+    cfg: Stage2Config
+
+
+def build(ctx: WorkerContext, lr_lambda) -> Stage2Task:
+    from hylo.io import load_hylo
+
+    cfg: Stage2Config = ctx.cfg
+    if not cfg.model.student:
+        raise ConfigError("model.student is not set: stage 2 starts from stage 1's HyLo checkpoint (<run>/model)")
+    student = load_hylo(cfg.model.student, dtype=ctx.dtype).to(ctx.device)
+    if cfg.model.activation_checkpointing:
+        student.gradient_checkpointing_enable()
+    student.train()
+    module = KDStudent(student, cfg)
+    engine = init_engine(module, [p for p in module.parameters() if p.requires_grad], cfg, ctx.world_size,
+                         ctx.dtype, lr_lambda)
+    return Stage2Task(engine, student, Teacher(cfg, ctx, student.config.vocab_size), cfg)
+
+
+def train_step(task: Stage2Task, rows: list[dict[str, Any]], ctx: WorkerContext) -> dict[str, float]:
+    """One optimiser step: teacher -> student -> fused KL (+ CE) -> backward, over this rank's rows."""
+    kd, engine = task.cfg.kd, task.engine
+    n_global = ctx.all_sum([float(sum(int(r["loss_mask"].sum()) for r in rows))])[0]
+    scale = ctx.world_size / max(n_global, 1.0)
+    ctx.extras["lr"] = current_lr(engine)
+    out = {"loss_sum": 0.0, "kl_sum": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
+    for i, (row, teacher) in enumerate(zip(rows, task.teacher.for_rows(rows))):
+        b = row_to_device(row, ctx.device)
+        kl, ce = engine(b, teacher)
+        loss = kd.kl_weight * kl + kd.ce_weight * ce
+        engine.backward(loss * scale, scale_wrt_gas=False)
+        if i == 0:
+            ctx.maybe_fault("mid_step")
+        engine.step()
+        out["loss_sum"] += float(loss)
+        out["kl_sum"] += float(kl)
+        out["ce_sum"] += float(ce)
+        out["loss_tokens"] += float(b["loss_mask"].sum())
+        out["tokens"] += float(b["input_ids"].numel())
+    ctx.extras["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
+    return out
