@@ -1,0 +1,147 @@
+"""Teacher configuration: the model, the Serve pool, the client, and the offline top-k cache job.
+
+All sections are plain dataclasses loaded through `pipeline.config` (YAML + `--set a.b=c`, unknown
+keys rejected). Each `__post_init__` checks ranges and choices and names the key it rejects.
+Defaults are sized for this 2-core CPU machine; on a cluster set `pool.num_gpus: 1` and
+`model.device: cuda`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "bfloat16", "float16")
+ISOLATIONS = ("auto", "per_doc", "packed")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_TEACHER = "asset:smollm2-135m-instruct"
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; allowed: {', '.join(choices)}")
+
+
+def _positive(name: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+@dataclass
+class TeacherModelConfig:
+    # HF causal-LM directory, HyLo checkpoint directory, or "asset:<name>" (hylo.assets).
+    path: str = DEFAULT_TEACHER
+    dtype: str = "float32"
+    device: str = "auto"
+    # per_doc: one forward per document (exact, no block mask); packed: one forward per row with
+    # restarting positions (flash-attn varlen / HF block mask / HyLo cu_seqlens); auto picks.
+    isolation: str = "auto"
+    # Tokens per lm_head chunk: no [T, V] logits tensor ever exists, only [chunk, V].
+    logits_chunk_tokens: int = 1024
+    # Tokens per forward when several documents/rows are batched together in per_doc mode.
+    max_forward_tokens: int = 8192
+    # torch intra-op threads in this process (0 = leave as is; Serve replicas start with 1).
+    torch_threads: int = 0
+    # Tokenizer used for the tokenizer hash; None = the model directory.
+    tokenizer: str | None = None
+    # transformers attention implementation (None = its default, sdpa; flash_attention_2 on GPU
+    # makes `packed` isolation run varlen kernels instead of a block mask).
+    attn_implementation: str | None = None
+
+    def __post_init__(self) -> None:
+        _choice("model.dtype", self.dtype, DTYPES)
+        _choice("model.device", self.device, DEVICES)
+        _choice("model.isolation", self.isolation, ISOLATIONS)
+        _positive("model.logits_chunk_tokens", self.logits_chunk_tokens)
+        _positive("model.max_forward_tokens", self.max_forward_tokens)
+        _positive("model.torch_threads", self.torch_threads, allow_zero=True)
+
+
+@dataclass
+class TeacherPoolConfig:
+    app_name: str = "teacher"
+    num_replicas: int = 1
+    # Per replica: a whole GPU on a cluster; a fraction of a CPU core here.
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    # Token budget of one batched forward (serve.batch size function = tokens, not requests).
+    max_batch_tokens: int = 8192
+    batch_wait_timeout_s: float = 0.02
+    max_ongoing_requests: int = 16
+    # Hidden states kept per replica for windowed `stream` requests of the same row.
+    stream_sessions: int = 2
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Test only: while the file `fail_marker` exists, a replica counts its rows and on the Nth one
+    # deletes the file (so exactly one replica dies per arming) and exits its process.
+    fail_marker: str = ""
+    fail_on_row: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("pool.num_replicas", self.num_replicas)
+        _positive("pool.num_cpus", self.num_cpus, allow_zero=True)
+        _positive("pool.num_gpus", self.num_gpus, allow_zero=True)
+        _positive("pool.max_batch_tokens", self.max_batch_tokens)
+        _positive("pool.batch_wait_timeout_s", self.batch_wait_timeout_s, allow_zero=True)
+        _positive("pool.max_ongoing_requests", self.max_ongoing_requests)
+        _positive("pool.stream_sessions", self.stream_sessions)
+        _positive("pool.fail_on_row", self.fail_on_row)
+
+
+@dataclass
+class TeacherClientConfig:
+    k: int = 64
+    # Dtype of the top-k log-probabilities on the wire (indices int32, tail fp32).
+    dtype: str = "float16"
+    max_inflight_rows: int = 4
+    timeout_s: float = 600.0
+    max_retries: int = 3
+    # Stream mode: tokens per chunk, chunks per window request (bounds what is in flight).
+    chunk_tokens: int = 1024
+    window_chunks: int = 4
+
+    def __post_init__(self) -> None:
+        _choice("client.dtype", self.dtype, ("float16", "bfloat16", "float32"))
+        _positive("client.k", self.k)
+        _positive("client.max_inflight_rows", self.max_inflight_rows)
+        _positive("client.timeout_s", self.timeout_s)
+        _positive("client.max_retries", self.max_retries, allow_zero=True)
+        _positive("client.chunk_tokens", self.chunk_tokens)
+        _positive("client.window_chunks", self.window_chunks)
+
+
+@dataclass
+class TeacherCacheConfig:
+    # Directory of Parquet shards of packed rows (input_ids, position_ids, cu_seqlens, ...).
+    data: str = ""
+    out: str = ""
+    k: int = 64
+    dtype: str = "float16"
+    # Rows per output shard: the unit of work, of atomic writes and of resume.
+    rows_per_shard: int = 16
+    # Ray Data actor pool: actors, and resources of each (each holds one teacher).
+    num_actors: int = 1
+    cpus_per_actor: float = 1.0
+    gpus_per_actor: float = 0.0
+    # Stop after this many new shards (0 = all); a smoke run or a planned partial run.
+    max_new_shards: int = 0
+    # Ray address (None = start a local Ray).
+    ray_address: str | None = None
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+
+    def __post_init__(self) -> None:
+        _positive("k", self.k)
+        _choice("dtype", self.dtype, ("float16", "bfloat16", "float32"))
+        _positive("rows_per_shard", self.rows_per_shard)
+        _positive("num_actors", self.num_actors)
+        _positive("cpus_per_actor", self.cpus_per_actor, allow_zero=True)
+        _positive("gpus_per_actor", self.gpus_per_actor, allow_zero=True)
+        _positive("max_new_shards", self.max_new_shards, allow_zero=True)
+
+
+@dataclass
+class TeacherServeConfig:
+    """Top-level config of a job that starts a teacher pool (training jobs embed these sections)."""
+
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    pool: TeacherPoolConfig = field(default_factory=TeacherPoolConfig)
+    client: TeacherClientConfig = field(default_factory=TeacherClientConfig)
