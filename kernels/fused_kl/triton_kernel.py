@@ -32,6 +32,18 @@ BLOCK_V_MAX = 2048
 BLOCK_K_MAX = 256
 
 
+# Reductions go through tl.reduce with our own combine functions rather than tl.sum / tl.max: those
+# are jitted when triton is imported, so they break under an interpreter switched on afterwards.
+@triton.jit
+def _add_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
 def _dense_kl_kernel(
     ZS,
     ZT,
@@ -53,9 +65,9 @@ def _dense_kl_kernel(
 
     # Pass 1: per-lane online max / sum-exp of the tempered student and teacher logits.
     m_s = tl.full([BLOCK_V], neg_inf, DTYPE)
-    d_s = tl.zeros([BLOCK_V], DTYPE)
+    d_s = tl.full([BLOCK_V], 0.0, DTYPE)
     m_t = tl.full([BLOCK_V], neg_inf, DTYPE)
-    d_t = tl.zeros([BLOCK_V], DTYPE)
+    d_t = tl.full([BLOCK_V], 0.0, DTYPE)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         inside = offs < V
@@ -69,13 +81,16 @@ def _dense_kl_kernel(
         empty_t = m_t_new == neg_inf
         d_t = tl.where(empty_t, 0.0, d_t * tl.exp(m_t - m_t_new) + tl.exp(t - m_t_new))
         m_t = m_t_new
-    row_m_s = tl.max(m_s, 0)
-    lse_s = row_m_s + tl.log(tl.sum(tl.where(m_s == neg_inf, 0.0, d_s * tl.exp(m_s - row_m_s)), 0))
-    row_m_t = tl.max(m_t, 0)
-    lse_t = row_m_t + tl.log(tl.sum(tl.where(m_t == neg_inf, 0.0, d_t * tl.exp(m_t - row_m_t)), 0))
+    # Fold the lanes: lse = M + log(sum_lanes d * exp(m - M)); empty lanes (m = -inf) add nothing.
+    row_m_s = tl.reduce(m_s, 0, _max_combine)
+    lane_s = tl.where(m_s == neg_inf, 0.0, d_s * tl.exp(m_s - row_m_s))
+    lse_s = row_m_s + tl.log(tl.reduce(lane_s, 0, _add_combine))
+    row_m_t = tl.reduce(m_t, 0, _max_combine)
+    lane_t = tl.where(m_t == neg_inf, 0.0, d_t * tl.exp(m_t - row_m_t))
+    lse_t = row_m_t + tl.log(tl.reduce(lane_t, 0, _add_combine))
 
     # Pass 2: KL terms p * (log p - log q) and, in place, the gradient grad_scale * (q - p).
-    kl = tl.zeros([BLOCK_V], DTYPE)
+    kl = tl.full([BLOCK_V], 0.0, DTYPE)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         inside = offs < V
@@ -87,7 +102,7 @@ def _dense_kl_kernel(
         kl += tl.where(p > 0, p * (logp - logq), 0.0)
         if WRITE_GRAD:
             tl.store(zs_row + offs, grad_scale * (tl.exp(logq) - p), mask=inside)
-    tl.store(KL + row, tl.sum(kl, 0))
+    tl.store(KL + row, tl.reduce(kl, 0, _add_combine))
 
 
 def _topk_kl_kernel(
@@ -121,34 +136,36 @@ def _topk_kl_kernel(
 
     # Pass 1: logsumexp over the ids outside the top-k (-inf when k = V).
     m_o = tl.full([BLOCK_V], neg_inf, DTYPE)
-    d_o = tl.zeros([BLOCK_V], DTYPE)
+    d_o = tl.full([BLOCK_V], 0.0, DTYPE)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         u = tl.load(zs_row + offs, mask=offs < V, other=neg_inf) * inv_temp
         m_new = tl.maximum(m_o, u)
         d_o = tl.where(m_new == neg_inf, 0.0, d_o * tl.exp(m_o - m_new) + tl.exp(u - m_new))
         m_o = m_new
-    row_m_o = tl.max(m_o, 0)
+    row_m_o = tl.reduce(m_o, 0, _max_combine)
     out_empty = row_m_o == neg_inf
-    sum_o = tl.sum(tl.where(m_o == neg_inf, 0.0, d_o * tl.exp(m_o - tl.where(out_empty, 0.0, row_m_o))), 0)
+    lane_o = tl.where(m_o == neg_inf, 0.0, d_o * tl.exp(m_o - tl.where(out_empty, 0.0, row_m_o)))
+    sum_o = tl.reduce(lane_o, 0, _add_combine)
     lse_out = tl.where(out_empty, neg_inf, row_m_o + tl.log(sum_o))
 
     # Logsumexp over the top-k ids, then over everything.
     m_k = tl.full([BLOCK_K], neg_inf, DTYPE)
-    d_k = tl.zeros([BLOCK_K], DTYPE)
+    d_k = tl.full([BLOCK_K], 0.0, DTYPE)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         u = tl.load(zk_row + offs, mask=offs < K, other=neg_inf) * inv_temp
         m_new = tl.maximum(m_k, u)
         d_k = tl.where(m_new == neg_inf, 0.0, d_k * tl.exp(m_k - m_new) + tl.exp(u - m_new))
         m_k = m_new
-    row_m_k = tl.max(m_k, 0)
-    lse_in = row_m_k + tl.log(tl.sum(tl.where(m_k == neg_inf, 0.0, d_k * tl.exp(m_k - row_m_k)), 0))
+    row_m_k = tl.reduce(m_k, 0, _max_combine)
+    lane_k = tl.where(m_k == neg_inf, 0.0, d_k * tl.exp(m_k - row_m_k))
+    lse_in = row_m_k + tl.log(tl.reduce(lane_k, 0, _add_combine))
     m_all = tl.maximum(lse_in, lse_out)
     lse_all = m_all + tl.log(tl.exp(lse_in - m_all) + tl.exp(lse_out - m_all))
 
     # Bucket KL: the k top-k buckets, then the tail bucket.
-    kl = tl.zeros([BLOCK_K], DTYPE)
+    kl = tl.full([BLOCK_K], 0.0, DTYPE)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         inside = offs < K
@@ -162,7 +179,7 @@ def _topk_kl_kernel(
     p_tail = tl.exp(logp_tail)
     logq_tail = lse_out - lse_all
     kl_tail = tl.where(p_tail > 0, p_tail * (logp_tail - logq_tail), 0.0)
-    tl.store(KL + row, tl.sum(kl, 0) + kl_tail)
+    tl.store(KL + row, tl.reduce(kl, 0, _add_combine) + kl_tail)
 
     # Pass 2: outside the top-k, d/du = exp(u - lse_out) * (q_tail - p_tail); the top-k ids hold -inf
     # here and get 0, torch scatters their gradient from DZK afterwards.
