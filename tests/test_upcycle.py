@@ -174,8 +174,11 @@ def test_save_load_identical_logits_and_generate(tmp_path):
     assert torch.equal(nxt, gen[:, 10:])
 
 
-def test_upcycled_beats_random_init_on_tiny_model():
+def test_upcycled_mla_far_below_random_init_on_tiny_model():
+    # MLA at full rank with the latent-norm calibration is nearly the base attention; random mixers are not.
+    # (GDN vs softmax attention is judged on the real model by bench/upcycle_quality.py.)
     base = tiny_llama(dtype=torch.float32)
+    torch.manual_seed(3)
     ids = torch.randint(0, 128, (2, 32))
     with torch.no_grad():
         ref = torch.log_softmax(base(ids).logits, -1)
@@ -184,9 +187,10 @@ def test_upcycled_beats_random_init_on_tiny_model():
             lp = torch.log_softmax(m(ids).logits, -1)
             return float((ref.exp() * (ref - lp)).sum(-1).mean())
 
-        ours = kl(upcycle(base, mla_layers="even", kv_lora_rank=48, qk_rope_head_dim=8))
-        rand = kl(upcycle(base, mla_layers="even", kv_lora_rank=48, qk_rope_head_dim=8, init="random"))
-    assert ours < rand
+        kw = dict(mla_layers="all", kv_lora_rank=48, qk_rope_head_dim=8)
+        ours = kl(upcycle(base, calibration_ids=ids, **kw))
+        rand = kl(upcycle(base, init="random", **kw))
+    assert ours < 0.05 * rand
 
 
 def test_bad_base_inputs(tmp_path):
