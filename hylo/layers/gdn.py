@@ -1,0 +1,203 @@
+"""Gated DeltaNet mixer with flash-linear-attention's parameter names, so weights interchange.
+
+Legend: B batch, T tokens, D hidden size, H heads, K key head dim, V value head dim,
+C conv channels (H*K for q/k, H*V for v), W conv_size - 1 (cached conv inputs), N documents.
+
+Design choices:
+* Parameters and shapes are exactly those of `fla.layers.GatedDeltaNet(hidden_size=D,
+  head_dim=K, expand_v=V/K, num_heads=H, conv_size=W+1, norm_eps=eps)`: `q_proj k_proj v_proj
+  a_proj b_proj A_log dt_bias q_conv1d k_conv1d v_conv1d g_proj o_norm o_proj` (no biases; conv
+  weights [C, 1, W+1]; `o_norm.weight` [V]). A state_dict loads into either one with strict=True.
+* Math, per head: q, k, v = SiLU(causal depthwise conv(proj(x))); q, k L2-normalised;
+  g = -exp(A_log) * softplus(a_proj(x) + dt_bias) (fp32), beta = sigmoid(b_proj(x));
+  o = gated_delta_rule(q, k, v, g, beta); y = o_proj(RMSNorm(o) * w * SiLU(g_proj(x))).
+  The recurrence goes through `kernels.gdn.chunk_gated_delta_rule` (fla on GPU, torch on CPU).
+* Packed rows (B == 1, `cu_seqlens`): the short conv is a sum of W+1 shifted copies masked by the
+  token's position inside its document, so windows never reach into the previous document; the
+  recurrence resets its state per document inside the kernel.
+* Cache (`LinearLayerCache`): `state` [B, H, K, V] fp32 (the kernel's K-first layout, not fla's
+  value-first cache layout) and `conv['q'|'k'|'v']` = the last W conv *inputs* [B, C, W]. A
+  prefill followed by single-token steps gives the full forward's output; the cache does not
+  grow with T. The cache is for unpacked batches only.
+* Gate and norm math run in fp32 and cast back, like fla's fused kernels.
+* Default init as fla: A ~ U(0, 16) (A_log = log A), dt log-uniform in [1e-3, 0.1] stored as its
+  softplus inverse in dt_bias, o_norm weight 1. `reset_special_parameters()` re-applies it (the
+  model's `_init_weights` calls it); projections and convs keep torch's defaults.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hylo.cache import LinearLayerCache
+from hylo.config import HybridConfig
+from kernels.gdn import chunk_gated_delta_rule
+
+
+def positions_in_document(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """[T] int64: index of each token inside its document (restarts at 0 at every boundary)."""
+    cu = cu_seqlens.to(torch.long)
+    lengths = cu[1:] - cu[:-1]
+    return torch.arange(T, device=cu.device) - torch.repeat_interleave(cu[:-1], lengths)
+
+
+def causal_conv_silu(
+    x_BTC: torch.Tensor,
+    weight_C1K: torch.Tensor,
+    prefix_BCW: torch.Tensor | None = None,
+    pos_T: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU. Returns (y [B, T, C], the last W inputs [B, C, W] for a cache).
+
+    `prefix_BCW`: inputs preceding x (a cache); zeros if None. `pos_T`: token position inside its
+    document (packed rows); taps that would reach before the document start are dropped.
+    """
+    B, T, C = x_BTC.shape
+    Kc = weight_C1K.shape[-1]
+    W = Kc - 1
+    if prefix_BCW is None:
+        prefix_BWC = x_BTC.new_zeros(B, W, C)
+    else:
+        prefix_BWC = prefix_BCW.transpose(1, 2).to(x_BTC.dtype)
+    xe_BTC = torch.cat([prefix_BWC, x_BTC], 1)
+    w_KC = weight_C1K[:, 0, :].t().to(x_BTC.dtype)
+    # tap j looks j tokens back; weight column Kc-1-j (torch conv1d orientation, as fla)
+    y_BTC = xe_BTC[:, W:] * w_KC[Kc - 1]
+    for j in range(1, Kc):
+        tap_BTC = xe_BTC[:, W - j : W - j + T] * w_KC[Kc - 1 - j]
+        if pos_T is not None:
+            tap_BTC = tap_BTC * (pos_T >= j).to(x_BTC.dtype)[None, :, None]
+        y_BTC = y_BTC + tap_BTC
+    # a copy, so that a cache does not keep the whole prefill input alive
+    new_prefix_BCW = xe_BTC[:, xe_BTC.shape[1] - W :].transpose(1, 2).clone(memory_format=torch.contiguous_format)
+    return F.silu(y_BTC), new_prefix_BCW
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the head's value dim, then * weight * SiLU(gate); fp32 inside (fla's FusedRMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+        g32 = gate.to(x32.dtype)
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = y * self.weight.to(x32.dtype) * F.silu(g32)
+        return y.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: HybridConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hidden_size = D = config.hidden_size
+        self.num_heads = H = config.gdn_num_heads
+        self.head_k_dim = K = config.gdn_head_dim
+        self.head_v_dim = V = config.gdn_value_dim
+        self.conv_size = config.gdn_conv_size
+        self.chunk_size = config.gdn_chunk_size
+        self.key_dim, self.value_dim = H * K, H * V
+
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * V, bias=False)
+        self.a_proj = nn.Linear(D, H, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        # A_log / dt_bias are decay parameters: optimisers should not weight-decay them
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        # depthwise, no padding attribute needed: causal_conv_silu pads itself
+        self.q_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
+        self.k_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
+        self.v_conv1d = nn.Conv1d(H * V, H * V, self.conv_size, groups=H * V, bias=False)
+        self.g_proj = nn.Linear(D, H * V, bias=False)
+        self.o_norm = GatedRMSNorm(V, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(H * V, D, bias=False)
+        self.reset_special_parameters()
+
+    @torch.no_grad()
+    def reset_special_parameters(self) -> None:
+        """fla's default init of the decay parameters and the output norm."""
+        H = self.num_heads
+        A = torch.empty(H, dtype=torch.float32).uniform_(0, 16)
+        self.A_log.copy_(torch.log(A))
+        dt_min, dt_max, dt_floor = 1e-3, 0.1, 1e-4
+        dt = torch.exp(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = dt.clamp(min=dt_floor)
+        # inverse of softplus, so that softplus(dt_bias) = dt at init
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.o_norm.weight.fill_(1.0)
+
+    def forward(
+        self,
+        hidden_states_BTD: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: LinearLayerCache | None = None,
+    ) -> torch.Tensor:
+        x_BTD = hidden_states_BTD
+        if x_BTD.dim() != 3 or x_BTD.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"GatedDeltaNet(layer {self.layer_idx}): hidden_states must be [B, T, {self.hidden_size}], "
+                f"got {list(x_BTD.shape)}")
+        B, T, _ = x_BTD.shape
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        pos_T = None
+        if cu_seqlens is not None:
+            if cache is not None:
+                raise ValueError(f"GatedDeltaNet(layer {self.layer_idx}): a cache works on unpacked batches; "
+                                 "got both cache and cu_seqlens")
+            if B != 1:
+                raise ValueError(f"GatedDeltaNet(layer {self.layer_idx}): packed rows (cu_seqlens) need B == 1, got B={B}")
+            cu = cu_seqlens.detach().cpu()
+            if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(f"GatedDeltaNet(layer {self.layer_idx}): cu_seqlens must be 1-D, non-decreasing, "
+                                 f"start at 0 and end at T={T}; got {cu.tolist()}")
+            pos_T = positions_in_document(cu_seqlens, T)
+
+        conv_in = cache.conv if cache is not None else {}
+        q_BTC, cq = causal_conv_silu(self.q_proj(x_BTD), self.q_conv1d.weight, conv_in.get("q"), pos_T)
+        k_BTC, ck = causal_conv_silu(self.k_proj(x_BTD), self.k_conv1d.weight, conv_in.get("k"), pos_T)
+        v_BTC, cv = causal_conv_silu(self.v_proj(x_BTD), self.v_conv1d.weight, conv_in.get("v"), pos_T)
+
+        # the gate in fp32 at least (float64 stays float64, for exact tests)
+        gdt = torch.promote_types(x_BTD.dtype, torch.float32)
+        g_BTH = -self.A_log.to(gdt).exp() * F.softplus(self.a_proj(x_BTD).to(gdt) + self.dt_bias.to(gdt))
+        beta_BTH = self.b_proj(x_BTD).sigmoid()
+        o_BTHV, state_BHKV = chunk_gated_delta_rule(
+            q_BTC.view(B, T, H, K),
+            k_BTC.view(B, T, H, K),
+            v_BTC.view(B, T, H, V),
+            g_BTH,
+            beta_BTH,
+            initial_state=cache.state if cache is not None else None,
+            output_final_state=cache is not None,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=True,
+            chunk_size=self.chunk_size,
+        )
+        if cache is not None:
+            cache.state = state_BHKV
+            cache.conv = {"q": cq, "k": ck, "v": cv}
+            cache.seen += T
+
+        gate_BTHV = self.g_proj(x_BTD).view(B, T, H, V)
+        o_BTHV = self.o_norm(o_BTHV, gate_BTHV)
+        return self.o_proj(o_BTHV.reshape(B, T, H * V))
+
+    def extra_repr(self) -> str:
+        return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, head_k_dim={self.head_k_dim}, "
+                f"head_v_dim={self.head_v_dim}, conv_size={self.conv_size}")
