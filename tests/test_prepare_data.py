@@ -1,0 +1,243 @@
+"""prepare_data end to end on local Ray (real SmolLM2 tokenizer), shards + manifest, RowReader resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from pipeline.config import load_config
+from pipeline.data.config import PrepareDataConfig
+from pipeline.data.dataset import (
+    MANIFEST,
+    DataFormatError,
+    RowReader,
+    ShardWriter,
+    prepare,
+    read_manifest,
+    write_manifest,
+)
+from pipeline.data.mixture import split_of
+from pipeline.data.packing import PAD_DOC_ID, BestFitPacker, Document, check_row, label_aligned_mask
+from pipeline.data.render import ChatRenderer
+
+
+def _conv(i: int, turns: int) -> list[dict]:
+    msgs = []
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"Question {i}.{t}: " + "why? " * (3 + (i * 7 + t) % 40)})
+        msgs.append({"role": "assistant", "content": f"Answer {i}.{t}: " + "because. " * (2 + (i * 5 + t) % 60)})
+    return msgs
+
+
+# Each planted bad record and a piece of the reason it must be rejected with.
+BAD_LINES = {
+    "bad-json": ("{oops", "invalid JSON"),
+    "bad-role": (json.dumps({"id": "bad-role", "messages": [{"role": "wizard", "content": "x"}]}), "unknown role"),
+    "bad-empty": (json.dumps({"id": "bad-empty", "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}), "empty content"),
+    "bad-alternation": (json.dumps({"id": "bad-alternation", "messages": [
+        {"role": "user", "content": "q"}, {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a"}]}), "broken alternation"),
+    "bad-type": (json.dumps({"id": "bad-type", "messages": [
+        {"role": "user", "content": ["q"]}, {"role": "assistant", "content": "a"}]}), "not a string"),
+    "bad-surrogate": ('{"id": "bad-surrogate", "messages": [{"role": "user", "content": "q \\ud800"}, '
+                      '{"role": "assistant", "content": "a"}]}', "undecodable"),
+    "bad-no-assistant": (json.dumps({"id": "bad-no-assistant", "messages": [{"role": "user", "content": "q"}]}),
+                         "no assistant turn"),
+}
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    d = tmp_path_factory.mktemp("src")
+    lines = [json.dumps({"id": f"c{i}", "messages": _conv(i, 1 + i % 4)}) for i in range(120)]
+    for k, (line, _) in enumerate(BAD_LINES.values()):
+        lines.insert(10 * k + 5, line)
+    (d / "chat.jsonl").write_text("\n".join(lines) + "\n")
+    return d / "chat.jsonl"
+
+
+def _cfg(source, out, *extra: str) -> PrepareDataConfig:
+    return load_config(PrepareDataConfig, None, [
+        f"mixture.sources=[{{name: chat, path: '{source}'}}]", "split=stage2", "mixture.seed=1",
+        "mixture.stage1_fraction=0.3",
+        "packing.max_len=512", "packing.window=16", "packing.max_open_rows=4",
+        "tokenize.batch_size=16", "output.rows_per_shard=8", "progress=false", f"output.dir={out}", *extra,
+    ])
+
+
+def _rows(d) -> list[dict]:
+    return list(RowReader(d, as_numpy=True))
+
+
+@pytest.fixture(scope="module")
+def prepared(ray_local, source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out") / "stage2"
+    report = prepare(_cfg(source, out))
+    return out, report
+
+
+@pytest.mark.slow
+def test_prepare_writes_valid_rows_with_every_document_whole(prepared, source):
+    out, report = prepared
+    from hylo.assets import fetch_asset
+
+    renderer = ChatRenderer.from_pretrained(str(fetch_asset("smollm2-135m-instruct", progress=False)))
+    recs = [json.loads(l) for l in source.read_text().splitlines() if l.startswith('{"id": "c')]
+    good = {f"chat:{r['id']}": r for r in recs if split_of("chat", r["id"], 0.3, "hylo-split-v1") == "stage2"}
+    rows = _rows(out)
+    c = report["counts"]
+    assert c["documents"] == len(good) and 60 < len(good) < 110 and c["rows"] == len(rows)
+    assert read_manifest(out)["counts"]["efficiency"] == pytest.approx(c["tokens_packed"] / (512 * len(rows)))
+    seen: dict[str, list] = {}
+    for r in rows:
+        check_row(r, 512)
+        assert len(r["input_ids"]) == 512
+        cu = r["cu_seqlens"]
+        for j, did in enumerate(r["doc_ids"]):
+            if did != PAD_DOC_ID:
+                seen.setdefault(did.split("@")[0], []).append((did, r["input_ids"][cu[j]:cu[j + 1]],
+                                                               r["loss_mask"][cu[j]:cu[j + 1]]))
+    assert set(seen) == set(good)
+    for did, parts in seen.items():
+        parts.sort(key=lambda p: int(p[0].split("@")[1]) if "@" in p[0] else 0)
+        (enc,) = renderer.encode_batch([{**good[did], "doc_id": did}])
+        np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), enc.input_ids)
+        want = label_aligned_mask(enc.assistant_mask)
+        if len(parts) > 1:
+            assert c["docs_split"] > 0
+            for p in parts:
+                want[sum(len(q[1]) for q in parts[: parts.index(p) + 1]) - 1] = False
+        np.testing.assert_array_equal(np.concatenate([p[2] for p in parts]), want)
+
+
+@pytest.mark.slow
+def test_every_bad_record_is_in_the_rejects_file_with_its_reason(prepared):
+    out, report = prepared
+    rejects = [json.loads(l) for l in (out / "rejects.jsonl").read_text().splitlines()]
+    assert len(rejects) == len(BAD_LINES) == report["counts"]["read_rejects"]
+    by_id = {(r.get("id") or "bad-json"): r for r in rejects}
+    for name, (_, reason) in BAD_LINES.items():
+        assert reason in by_id[name]["reason"], (name, by_id[name]["reason"])
+        assert by_id[name]["source"] == "chat" and by_id[name]["stage"] == "read"
+    md = (out / "report.md").read_text()
+    assert "broken alternation" in md and "packing efficiency" in md
+
+
+@pytest.mark.slow
+def test_same_seed_same_rows_whatever_the_pool_size(prepared, source, tmp_path):
+    out, _ = prepared
+    report = prepare(_cfg(source, tmp_path / "again", "tokenize.num_actors=1", "tokenize.batch_size=5"))
+    a, b = _rows(out), _rows(tmp_path / "again")
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        assert ra["doc_ids"] == rb["doc_ids"]
+        np.testing.assert_array_equal(ra["input_ids"], rb["input_ids"])
+        np.testing.assert_array_equal(ra["loss_mask"], rb["loss_mask"])
+    assert report["config_hash"] == read_manifest(out)["config_hash"]
+    # Without overwrite an existing output is refused, not clobbered.
+    with pytest.raises(FileExistsError, match="overwrite"):
+        prepare(_cfg(source, tmp_path / "again"))
+
+
+@pytest.mark.slow
+def test_stage1_and_stage2_outputs_are_disjoint(prepared, source, tmp_path):
+    out2, _ = prepared
+    prepare(_cfg(source, tmp_path / "stage1", "split=stage1"))
+    ids = {split: {d.split("@")[0] for r in _rows(d_) for d in r["doc_ids"] if d != PAD_DOC_ID}
+           for split, d_ in (("stage1", tmp_path / "stage1"), ("stage2", out2))}
+    assert ids["stage1"] and ids["stage2"] and not ids["stage1"] & ids["stage2"]
+    assert len(ids["stage1"] | ids["stage2"]) == 120
+
+
+def test_cli_rejects_bad_config(tmp_path, capsys):
+    from jobs.prepare_data import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("packing: {max_lenn: 10}\n")
+    assert main(["--config", str(cfg)]) == 2
+    assert "max_lenn" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- RowReader (no Ray)
+def _write_shards(d, n_docs=90, max_len=64, rows_per_shard=5, rg=2):
+    rng = np.random.default_rng(0)
+    packer = BestFitPacker(max_len, window=8, max_open_rows=3)
+    docs = []
+    for i in range(n_docs):
+        L = int(rng.integers(3, 40))
+        docs.append(Document(f"d{i}", rng.integers(0, 1000, L).astype(np.int32), rng.random(L) < 0.5))
+    w = ShardWriter(d, rows_per_shard, rg)
+    rows = list(packer.add_many(docs))
+    for r in rows:
+        w.add(r)
+    write_manifest(d, {"config_hash": "x", "shards": w.finish()})
+    return rows
+
+
+@pytest.mark.parametrize("world", [1, 3], ids=["W1", "W3"])
+def test_row_reader_partitions_ranks_and_resumes_exactly(tmp_path, world):
+    rows = _write_shards(tmp_path)
+    per_rank = len(rows) // world
+    got = {}
+    for rank in range(world):
+        reader = RowReader(tmp_path, rank, world)
+        assert len(reader) == per_rank
+        got[rank] = [r["doc_ids"] for r in reader]
+        assert reader.position == per_rank
+    flat = [got[r][i] for i in range(per_rank) for r in range(world)]
+    assert flat == [r["doc_ids"] for r in rows[: per_rank * world]]
+    # Stop after k rows, save the position, resume in a fresh reader: the same rows follow.
+    for k in (0, 1, per_rank // 2, per_rank - 1):
+        first = RowReader(tmp_path, world - 1, world)
+        it = iter(first)
+        head = [next(it)["doc_ids"] for _ in range(k)]
+        pos = first.state_dict()["position"]
+        tail = [r["doc_ids"] for r in RowReader(tmp_path, world - 1, world, start=pos)]
+        assert head + tail == got[world - 1]
+
+
+def test_row_reader_gives_torch_tensors_of_the_contract(tmp_path):
+    import torch
+
+    rows = _write_shards(tmp_path)
+    row = next(iter(RowReader(tmp_path)))
+    assert row["input_ids"].dtype == torch.int64 and row["position_ids"].dtype == torch.int64
+    assert row["cu_seqlens"].dtype == torch.int32 and row["loss_mask"].dtype == torch.bool
+    assert int(row["cu_seqlens"][-1]) == row["input_ids"].shape[0] == 64
+    np.testing.assert_array_equal(row["input_ids"].numpy(), rows[0]["input_ids"])
+    assert row["doc_ids"] == rows[0]["doc_ids"]
+
+
+def test_row_reader_names_missing_or_inconsistent_files(tmp_path):
+    with pytest.raises(DataFormatError, match="manifest.json not found"):
+        RowReader(tmp_path)
+    _write_shards(tmp_path)
+    with pytest.raises(ValueError, match="start 999"):
+        RowReader(tmp_path, start=999)
+    m = json.loads((tmp_path / MANIFEST).read_text())
+    m["shards"][1]["rows"] += 1
+    (tmp_path / MANIFEST).write_text(json.dumps(m))
+    reader = RowReader(tmp_path, as_numpy=True)
+    with pytest.raises(DataFormatError, match="shard-00001.parquet: has 5 rows, manifest says 6"):
+        list(reader)
+    shutil.move(tmp_path / "shard-00001.parquet", tmp_path / "moved.parquet")
+    with pytest.raises(DataFormatError, match="shard-00001.parquet: listed in .* but missing"):
+        list(RowReader(tmp_path))
+    (tmp_path / MANIFEST).write_text('{"format": "something-else"}')
+    with pytest.raises(DataFormatError, match="format"):
+        RowReader(tmp_path)
