@@ -1,0 +1,229 @@
+"""The training side of the teacher pool: ordered, bounded, retrying requests through a Serve handle.
+
+Legend: T tokens of a row, V vocabulary, C tokens per chunk, K top-k.
+
+Design choices:
+* `topk(rows)` is a generator over an iterable of rows: it keeps at most `max_inflight_rows`
+  requests outstanding and yields results strictly in input order. It pulls the next input row
+  only when a slot frees up, so a slow teacher blocks the trainer's `next()` instead of letting
+  requests (and their results) pile up in memory.
+* One row per request: the replica's token-budget batching merges rows from all clients, and a
+  failure costs one row's recomputation.
+* A replica death, an unavailable replica, back-pressure or a timeout resubmits that row (Serve
+  routes it to a live replica) with exponential back-off, up to `max_retries` times, then raises;
+  a row is never dropped, and since only the head-of-line result is ever yielded and each row
+  occupies one slot, no row is duplicated or reordered. An error raised by the teacher's own code
+  (bad row, k too large) is not retried: it is re-raised at once.
+* `stream(row)` asks for windows of `window_chunks` chunks (one Serve streaming call each), and
+  prefetches at most one window ahead, so at most two windows of [C, V] chunks are ever in flight.
+  A window that fails is re-requested from its first chunk not yet yielded.
+* Waiting on a stream chunk uses the handle's async iterator under `asyncio.wait_for` on a private
+  event loop, which is what gives stream chunks a timeout (the sync iterator has none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kernels.fused_kl.topk import TeacherTopK
+from pipeline.teacher.config import TeacherClientConfig
+from pipeline.teacher.rows import PackedRow, as_packed_row
+
+
+class TeacherUnavailableError(RuntimeError):
+    """A row could not be served within the retry budget; names the row and the last error."""
+
+
+def _retryable_errors() -> tuple[type[BaseException], ...]:
+    import ray.exceptions as rx
+    import ray.serve.exceptions as sx
+
+    return (TimeoutError, rx.RayActorError, rx.ObjectLostError, rx.RaySystemError,
+            sx.BackPressureError, sx.DeploymentUnavailableError, sx.ReplicaUnavailableError)
+
+
+@dataclass
+class ClientStats:
+    rows: int = 0
+    retries: int = 0
+    timeouts: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    index: int
+    row: PackedRow
+    response: Any
+    started: float
+    attempts: int = 1
+
+
+def _topk_from_wire(out: Mapping[str, torch.Tensor]) -> TeacherTopK:
+    return TeacherTopK(out["logprobs"], out["indices"], out["tail_logmass"])
+
+
+class TeacherClient:
+    def __init__(
+        self,
+        handle_or_app_name: Any,
+        max_inflight_rows: int = 4,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        k: int = 64,
+        dtype: str = "float16",
+        retry_backoff_s: float = 0.2,
+        chunk_tokens: int = 1024,
+        window_chunks: int = 4,
+    ) -> None:
+        if isinstance(handle_or_app_name, str):
+            from ray import serve
+
+            handle_or_app_name = serve.get_app_handle(handle_or_app_name)
+        if max_inflight_rows < 1:
+            raise ValueError(f"max_inflight_rows={max_inflight_rows} must be >= 1")
+        self.handle = handle_or_app_name
+        self.max_inflight_rows = max_inflight_rows
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.k = k
+        self.dtype = dtype
+        self.retry_backoff_s = retry_backoff_s
+        self.chunk_tokens = chunk_tokens
+        self.window_chunks = window_chunks
+        self.stats = ClientStats()
+        self._retryable = _retryable_errors()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def from_config(cls, handle_or_app_name: Any, cfg: TeacherClientConfig) -> TeacherClient:
+        return cls(handle_or_app_name, max_inflight_rows=cfg.max_inflight_rows, timeout_s=cfg.timeout_s,
+                   max_retries=cfg.max_retries, k=cfg.k, dtype=cfg.dtype, chunk_tokens=cfg.chunk_tokens,
+                   window_chunks=cfg.window_chunks)
+
+    # ---------------------------------------------------------------- top-k
+    def _submit(self, row: PackedRow) -> Any:
+        return self.handle.topk.remote(row, self.k, self.dtype)
+
+    def _retry_or_raise(self, what: str, attempts: int, err: BaseException) -> None:
+        self.stats.errors.append(f"{what}: {type(err).__name__}")
+        if attempts > self.max_retries:
+            raise TeacherUnavailableError(
+                f"{what} failed {attempts} time(s) (max_retries={self.max_retries}); last error: {err!r}"
+            ) from err
+        self.stats.retries += 1
+        time.sleep(self.retry_backoff_s * 2 ** (attempts - 1))
+
+    def _wait(self, p: _Pending) -> TeacherTopK:
+        while True:
+            remaining = self.timeout_s - (time.monotonic() - p.started)
+            try:
+                out = p.response.result(timeout_s=max(remaining, 1e-3))
+            except self._retryable as e:
+                if isinstance(e, TimeoutError):
+                    self.stats.timeouts += 1
+                    p.response.cancel()
+                self._retry_or_raise(f"teacher row {p.index} (row_id {p.row.row_id})", p.attempts, e)
+                p.response, p.started = self._submit(p.row), time.monotonic()
+                p.attempts += 1
+                continue
+            rec = _topk_from_wire(out[0])
+            if rec.logprobs.shape[0] != p.row.num_tokens:
+                raise RuntimeError(f"teacher row {p.index}: got {rec.logprobs.shape[0]} tokens back, "
+                                   f"sent {p.row.num_tokens}")
+            return rec
+
+    def topk(self, rows: Iterable[Mapping[str, Any] | PackedRow]) -> Iterator[TeacherTopK]:
+        """Top-k records of `rows`, in order, with at most `max_inflight_rows` outstanding."""
+        inflight: deque[_Pending] = deque()
+        source = iter(enumerate(rows))
+        exhausted = False
+        while True:
+            while not exhausted and len(inflight) < self.max_inflight_rows:
+                nxt = next(source, None)
+                if nxt is None:
+                    exhausted = True
+                    break
+                i, raw = nxt
+                row = as_packed_row(raw, where=f"teacher row {i}")
+                inflight.append(_Pending(i, row, self._submit(row), time.monotonic()))
+            if not inflight:
+                return
+            rec = self._wait(inflight[0])
+            inflight.popleft()
+            self.stats.rows += 1
+            yield rec
+
+    def topk_all(self, rows: Iterable[Mapping[str, Any] | PackedRow]) -> list[TeacherTopK]:
+        return list(self.topk(rows))
+
+    # ---------------------------------------------------------------- stream
+    def _next_chunk(self, gen: Any, timeout_s: float) -> torch.Tensor | None:
+        """Next chunk of a streaming response, None at its end; raises TimeoutError after timeout_s."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+
+        async def nxt() -> torch.Tensor | None:
+            try:
+                return await asyncio.wait_for(gen.__anext__(), timeout_s)
+            except StopAsyncIteration:
+                return None
+            except TimeoutError:
+                raise TimeoutError(f"no stream chunk within {timeout_s:.1f} s") from None
+
+        return self._loop.run_until_complete(nxt())
+
+    def stream(
+        self, row: Mapping[str, Any] | PackedRow, chunk_tokens: int | None = None,
+        window_chunks: int | None = None, dtype: str | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Full-logit chunks [C, V] of one row, in order, each exactly once."""
+        prow = as_packed_row(row, where="teacher stream row")
+        c = chunk_tokens or self.chunk_tokens
+        window = c * (window_chunks or self.window_chunks)
+        t = prow.num_tokens
+        session = f"{prow.row_id}-{uuid.uuid4().hex[:8]}"
+        handle = self.handle.options(stream=True, multiplexed_model_id=session)
+
+        def open_window(start: int) -> Any:
+            return handle.stream.remote(prow, c, start, min(start + window, t), dtype)
+
+        pos, cur_end = 0, min(window, t)
+        current, prefetched = open_window(0), None
+        attempts = 1
+        while pos < t:
+            try:
+                chunk = self._next_chunk(current, self.timeout_s)
+            except self._retryable as e:
+                if isinstance(e, TimeoutError):
+                    self.stats.timeouts += 1
+                current.cancel()
+                self._retry_or_raise(f"teacher stream of row {prow.row_id} at token {pos}", attempts, e)
+                attempts += 1
+                current = handle.stream.remote(prow, c, pos, cur_end, dtype)
+                continue
+            if chunk is None:
+                if pos != cur_end:
+                    raise RuntimeError(f"teacher stream of row {prow.row_id}: window ended at token {pos}, "
+                                       f"expected {cur_end}")
+                current = prefetched if prefetched is not None else open_window(pos)
+                prefetched, cur_end = None, min(pos + window, t)
+                continue
+            if prefetched is None and cur_end < t:
+                # The first chunk proves the session holds the hidden states: the next window reuses them.
+                prefetched = open_window(cur_end)
+            attempts = 1
+            pos += chunk.shape[0]
+            yield chunk
+        # All tokens arrived; release the (finished) last window and any unused prefetch.
+        current.cancel()
+        if prefetched is not None:
+            prefetched.cancel()

@@ -1,0 +1,173 @@
+"""The teacher pool: a Ray Serve deployment holding one `TeacherModel` per replica.
+
+Legend: T tokens of a row, H hidden size, V vocabulary, C tokens per chunk, K top-k.
+
+Design choices:
+* Handles, not HTTP, carry rows (from training workers, inside Ray). The HTTP proxy binds
+  127.0.0.1 by default and only answers `GET /<app>` with the teacher's identity.
+* One batched step per replica: `serve.batch` with a token-count size function collects rows until
+  `max_batch_tokens` and runs their forward to hidden states together; a row bigger than the budget
+  runs alone instead of being rejected. The forward runs in a worker thread, so the replica keeps
+  queueing requests (and filling the next batch) while it computes.
+* `topk(rows, k)`: one or more rows -> one top-k record per row (dicts of CPU tensors: logprobs
+  fp16/bf16/fp32 [T, K], indices int32 [T, K], tail_logmass fp32 [T]).
+* `stream(row, C, start, end)`: a generator of full-logit chunks [C, V] for tokens [start, end).
+  Serve streams have no flow control of their own, so the client asks for a bounded window of
+  chunks at a time; the replica keeps the row's hidden states [T, H] in a small LRU of sessions
+  (a `serve.multiplexed` loader keyed by the session id, which also steers the next window to the
+  same replica). A window that lands elsewhere recomputes the hidden states: slower, still exact.
+* Test hook: while `fail_marker` exists, the first replica to reach `fail_on_row` rows deletes it
+  and exits its process, to exercise the client's retries against a real replica death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import torch
+from ray import serve
+
+from pipeline.config import from_dict, to_dict
+from pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig
+from pipeline.teacher.model import TeacherModel, torch_dtype
+from pipeline.teacher.rows import PackedRow, as_packed_row
+
+
+def _batch_tokens(rows: list[PackedRow]) -> int:
+    return sum(r.num_tokens for r in rows)
+
+
+def topk_to_wire(rec: Any) -> dict[str, torch.Tensor]:
+    return {"logprobs": rec.logprobs, "indices": rec.indices, "tail_logmass": rec.tail_logmass}
+
+
+class _Session:
+    """Hidden states of one streamed row, computed once per replica."""
+
+    def __init__(self) -> None:
+        self.hidden_TH: torch.Tensor | None = None
+        self.row_id: str | None = None
+        self.lock = asyncio.Lock()
+
+
+@serve.deployment
+class TeacherDeployment:
+    def __init__(self, model_cfg: dict[str, Any], pool_cfg: dict[str, Any]) -> None:
+        self.model_cfg = from_dict(TeacherModelConfig, model_cfg)
+        self.pool_cfg = from_dict(TeacherPoolConfig, pool_cfg)
+        self.teacher = TeacherModel.from_config(self.model_cfg)
+        self._hidden_batched.set_max_batch_size(self.pool_cfg.max_batch_tokens)
+        self._hidden_batched.set_batch_wait_timeout_s(self.pool_cfg.batch_wait_timeout_s)
+        self.rows_seen = 0
+        self.armed_rows = 0
+        # (rows, tokens) of recent batched forwards: lets tests and operators see the token budget at work.
+        self.batch_log: deque[tuple[int, int]] = deque(maxlen=256)
+
+        async def new_session(session_id: str) -> _Session:
+            return _Session()
+
+        # Wired per instance so the LRU size comes from the config.
+        self._session = serve.multiplexed(max_num_models_per_replica=self.pool_cfg.stream_sessions)(new_session)
+
+    async def __call__(self, request: Any = None) -> dict[str, Any]:
+        return self.info()
+
+    def info(self) -> dict[str, Any]:
+        return {**self.teacher.info(), "pid": os.getpid(), "rows_seen": self.rows_seen,
+                "max_batch_tokens": self.pool_cfg.max_batch_tokens, "batches": list(self.batch_log)}
+
+    def _maybe_fail(self) -> None:
+        marker = self.pool_cfg.fail_marker
+        if not marker or not os.path.exists(marker):
+            return
+        self.armed_rows += 1
+        if self.armed_rows < self.pool_cfg.fail_on_row:
+            return
+        try:
+            os.remove(marker)
+        except FileNotFoundError:
+            return
+        # Hard exit: in-flight requests on this replica see a dead actor, as with a real crash.
+        os._exit(1)
+
+    @serve.batch(max_batch_size=8192, batch_wait_timeout_s=0.02, batch_size_fn=_batch_tokens)
+    async def _hidden_batched(self, rows: list[PackedRow]) -> list[torch.Tensor]:
+        self.batch_log.append((len(rows), _batch_tokens(rows)))
+        return await asyncio.to_thread(self.teacher.hidden_batch, rows)
+
+    async def _hidden(self, row: PackedRow) -> torch.Tensor:
+        self.rows_seen += 1
+        self._maybe_fail()
+        if row.num_tokens > self.pool_cfg.max_batch_tokens:
+            return (await asyncio.to_thread(self.teacher.hidden_batch, [row]))[0]
+        return await self._hidden_batched(row)
+
+    async def topk(
+        self, rows: Mapping[str, Any] | PackedRow | list[Mapping[str, Any] | PackedRow], k: int,
+        dtype: str = "float16",
+    ) -> list[dict[str, torch.Tensor]]:
+        """Top-k records, one per row, in request order."""
+        if isinstance(rows, Mapping | PackedRow):
+            rows = [rows]
+        if not 0 < k <= self.teacher.vocab_size:
+            raise ValueError(f"k={k} must be in 1..{self.teacher.vocab_size} (teacher vocabulary)")
+        torch_dtype(dtype)
+        prows = [as_packed_row(r, where=f"request row {i}") for i, r in enumerate(rows)]
+        hiddens = await asyncio.gather(*(self._hidden(r) for r in prows))
+        out = []
+        for h in hiddens:
+            rec = await asyncio.to_thread(self.teacher.topk_from_hidden, h, k, dtype)
+            out.append(topk_to_wire(rec))
+        return out
+
+    async def stream(
+        self, row: Mapping[str, Any], chunk_tokens: int, start: int = 0, end: int | None = None,
+        dtype: str | None = None,
+    ) -> AsyncIterator[torch.Tensor]:
+        """Full logits [C, V] for tokens [start, end) of one row, chunk by chunk (CPU tensors)."""
+        prow = as_packed_row(row, where="stream row")
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens={chunk_tokens} must be > 0")
+        dt = torch_dtype(dtype) if dtype else None
+        session_id = serve.get_multiplexed_model_id()
+        if session_id:
+            session = await self._session(session_id)
+            async with session.lock:
+                if session.hidden_TH is None or session.row_id != prow.row_id:
+                    session.hidden_TH, session.row_id = await self._hidden(prow), prow.row_id
+            hidden_TH = session.hidden_TH
+        else:
+            hidden_TH = await self._hidden(prow)
+        end = prow.num_tokens if end is None else min(end, prow.num_tokens)
+        for s in range(start, end, chunk_tokens):
+            chunk = await asyncio.to_thread(self._chunk, hidden_TH, s, min(s + chunk_tokens, end), dt)
+            yield chunk
+
+    def _chunk(self, hidden_TH: torch.Tensor, s: int, e: int, dt: torch.dtype | None) -> torch.Tensor:
+        with torch.no_grad():
+            lg = self.teacher.output_layer(hidden_TH[s:e])
+        return lg.to("cpu", dt) if dt is not None else lg.cpu()
+
+
+def build_teacher_app(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfig) -> serve.Application:
+    dep = TeacherDeployment.options(
+        name=f"{pool_cfg.app_name}_teacher",
+        num_replicas=pool_cfg.num_replicas,
+        max_ongoing_requests=pool_cfg.max_ongoing_requests,
+        ray_actor_options={"num_cpus": pool_cfg.num_cpus, "num_gpus": pool_cfg.num_gpus},
+    )
+    return dep.bind(to_dict(model_cfg), to_dict(pool_cfg))
+
+
+def start_teacher_pool(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfig) -> serve.handle.DeploymentHandle:
+    """Start Serve (HTTP on pool.host, 127.0.0.1 by default) and deploy the pool; returns its handle.
+
+    Needs a running Ray (`ray.init(...)`); the caller owns `serve.shutdown()`.
+    """
+    serve.start(http_options={"host": pool_cfg.host, "port": pool_cfg.port})
+    return serve.run(build_teacher_app(model_cfg, pool_cfg), name=pool_cfg.app_name,
+                     route_prefix=f"/{pool_cfg.app_name}")

@@ -1,0 +1,138 @@
+"""The Serve teacher pool end to end on a local Ray: top-k, isolation, streams, batching, replica death.
+
+One module-scoped Ray + Serve with a tiny random Llama and 2 replicas (starting it costs ~30-60 s on
+this machine; every test after that takes about a second).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from kernels.fused_kl.topk import topk_from_logits  # noqa: E402
+from pipeline.teacher.client import TeacherClient  # noqa: E402
+from pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig  # noqa: E402
+from pipeline.teacher.serve import start_teacher_pool  # noqa: E402
+from pipeline.teacher.testing import make_packed_row, save_tiny_llama  # noqa: E402
+
+VOCAB = 96
+BUDGET = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    d = tmp_path_factory.mktemp("teacher")
+    model_dir = save_tiny_llama(d / "model", vocab_size=VOCAB)
+    marker = d / "kill-armed"
+    pool_cfg = TeacherPoolConfig(app_name="teacher_test", num_replicas=2, num_cpus=0.5,
+                                 max_batch_tokens=BUDGET, batch_wait_timeout_s=0.05, port=_free_port(),
+                                 fail_marker=str(marker), fail_on_row=2)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        handle = start_teacher_pool(TeacherModelConfig(path=str(model_dir)), pool_cfg)
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        yield {"handle": handle, "ref": ref, "marker": marker, "cfg": pool_cfg}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@torch.no_grad()
+def _ref_logits(ref, row) -> torch.Tensor:
+    cu = row["cu_seqlens"].tolist()
+    parts = [ref(input_ids=torch.as_tensor(row["input_ids"][s:e]).unsqueeze(0)).logits[0]
+             for s, e in zip(cu[:-1], cu[1:])]
+    return torch.cat(parts)
+
+
+def _rows(n: int, seed: int) -> list[dict]:
+    return [make_packed_row([3 + (i + seed) % 9, 5, 2 + i % 4], VOCAB, seed=seed * 100 + i, pad=i % 2)
+            for i in range(n)]
+
+
+def _check(ref, rows, records, k):
+    assert len(records) == len(rows)
+    for row, rec in zip(rows, records):
+        exp = topk_from_logits(_ref_logits(ref, row), k, dtype=rec.logprobs.dtype)
+        assert torch.equal(rec.indices, exp.indices)
+        torch.testing.assert_close(rec.logprobs, exp.logprobs, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(rec.tail_logmass.exp(), exp.tail_logmass.exp(), rtol=1e-4, atol=1e-5)
+
+
+def test_pool_topk_equals_direct_forward_per_document(pool):
+    rows = _rows(6, seed=1)
+    client = TeacherClient(pool["handle"], max_inflight_rows=4, k=8, timeout_s=60)
+    _check(pool["ref"], rows, client.topk_all(rows), 8)
+
+
+def test_one_request_with_several_rows(pool):
+    rows = _rows(3, seed=2)
+    out = pool["handle"].topk.remote(rows, 5, "float32").result(timeout_s=60)
+    assert [o["logprobs"].dtype for o in out] == [torch.float32] * 3
+    from kernels.fused_kl.topk import TeacherTopK
+
+    _check(pool["ref"], rows, [TeacherTopK(o["logprobs"], o["indices"], o["tail_logmass"]) for o in out], 5)
+
+
+def test_batches_are_cut_by_token_budget(pool):
+    # 10 rows of 20 tokens at once, plus one row bigger than the whole budget.
+    rows = [make_packed_row([12, 8], VOCAB, seed=300 + i) for i in range(10)] + [make_packed_row([50, 40], VOCAB, seed=7)]
+    client = TeacherClient(pool["handle"], max_inflight_rows=11, k=4, timeout_s=60)
+    _check(pool["ref"], rows, client.topk_all(rows), 4)
+    infos = pool["handle"].broadcast("info").results(timeout_s=30)
+    batches = [b for info in infos for b in info["batches"]]
+    assert all(tokens <= BUDGET for _, tokens in batches)
+    assert any(n > 1 for n, _ in batches), batches
+
+
+@pytest.mark.parametrize("chunk,window", [(4, 2), (7, 1), (64, 4)], ids=["C4-W2", "C7-W1", "C64-W4"])
+def test_stream_chunks_concatenate_to_full_logits(pool, chunk, window):
+    row = make_packed_row([17, 9], VOCAB, seed=21, pad=3)
+    client = TeacherClient(pool["handle"], timeout_s=60)
+    chunks = list(client.stream(row, chunk_tokens=chunk, window_chunks=window))
+    assert all(c.shape[0] == chunk for c in chunks[:-1]) and 0 < chunks[-1].shape[0] <= chunk
+    torch.testing.assert_close(torch.cat(chunks), _ref_logits(pool["ref"], row), rtol=1e-5, atol=1e-5)
+
+
+def test_replica_killed_midflight_every_row_once_in_order(pool):
+    rows = _rows(12, seed=3)
+    pool["marker"].write_text("armed")
+    client = TeacherClient(pool["handle"], max_inflight_rows=6, k=6, timeout_s=60, max_retries=6,
+                           retry_backoff_s=0.5)
+    records = client.topk_all(rows)
+    # The armed replica consumed the marker and exited while rows were in flight on it.
+    assert not pool["marker"].exists()
+    assert client.stats.retries >= 1, client.stats
+    _check(pool["ref"], rows, records, 6)
+
+
+def test_user_error_comes_back_without_retries(pool):
+    client = TeacherClient(pool["handle"], k=VOCAB + 1, timeout_s=60, max_retries=3)
+    with pytest.raises(ValueError, match="k=97"):
+        client.topk_all(_rows(1, seed=4))
+    assert client.stats.retries == 0
+
+
+def test_http_answers_on_localhost_only(pool):
+    port = pool["cfg"].port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/{pool['cfg'].app_name}", timeout=30) as r:
+        info = json.loads(r.read())
+    assert info["vocab_size"] == VOCAB and info["tokenizer_hash"].startswith("tok-")
+    psutil = pytest.importorskip("psutil")
+    listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
+    assert listening == {"127.0.0.1"}
