@@ -20,6 +20,8 @@ Design choices:
   prefill followed by single-token steps gives the full forward's output; the cache does not
   grow with T. The cache is for unpacked batches only.
 * Gate and norm math run in fp32 and cast back, like fla's fused kernels.
+* Every parameter is used inside the forward of the module that owns it (convs and the norm are
+  called as modules), so ZeRO-3's per-module gathering hooks see them.
 * Default init as fla: A ~ U(0, 16) (A_log = log A), dt log-uniform in [1e-3, 0.1] stored as its
   softplus inverse in dt_bias, o_norm weight 1. `reset_special_parameters()` re-applies it (the
   model's `_init_weights` calls it); projections and convs keep torch's defaults.
@@ -77,6 +79,19 @@ def causal_conv_silu(
     return F.silu(y_BTC), new_prefix_BCW
 
 
+class ShortConvolution(nn.Conv1d):
+    """Depthwise causal conv + SiLU holding fla's weight [C, 1, conv_size]. Called as a module (not
+    by reading `.weight` from outside) so that ZeRO-3 gathers its weight in its forward hook."""
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__(channels, channels, kernel_size, groups=channels, bias=False, padding=kernel_size - 1)
+
+    def forward(
+        self, x_BTC: torch.Tensor, prefix_BCW: torch.Tensor | None = None, pos_T: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return causal_conv_silu(x_BTC, self.weight, prefix_BCW, pos_T)
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm over the head's value dim, then * weight * SiLU(gate); fp32 inside (fla's FusedRMSNormGated)."""
 
@@ -120,10 +135,9 @@ class GatedDeltaNet(nn.Module):
         # A_log / dt_bias are decay parameters: optimisers should not weight-decay them
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
-        # depthwise, no padding attribute needed: causal_conv_silu pads itself
-        self.q_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
-        self.k_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
-        self.v_conv1d = nn.Conv1d(H * V, H * V, self.conv_size, groups=H * V, bias=False)
+        self.q_conv1d = ShortConvolution(H * K, self.conv_size)
+        self.k_conv1d = ShortConvolution(H * K, self.conv_size)
+        self.v_conv1d = ShortConvolution(H * V, self.conv_size)
         self.g_proj = nn.Linear(D, H * V, bias=False)
         self.o_norm = GatedRMSNorm(V, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(H * V, D, bias=False)
@@ -169,9 +183,9 @@ class GatedDeltaNet(nn.Module):
             pos_T = positions_in_document(cu_seqlens, T)
 
         conv_in = cache.conv if cache is not None else {}
-        q_BTC, cq = causal_conv_silu(self.q_proj(x_BTD), self.q_conv1d.weight, conv_in.get("q"), pos_T)
-        k_BTC, ck = causal_conv_silu(self.k_proj(x_BTD), self.k_conv1d.weight, conv_in.get("k"), pos_T)
-        v_BTC, cv = causal_conv_silu(self.v_proj(x_BTD), self.v_conv1d.weight, conv_in.get("v"), pos_T)
+        q_BTC, cq = self.q_conv1d(self.q_proj(x_BTD), conv_in.get("q"), pos_T)
+        k_BTC, ck = self.k_conv1d(self.k_proj(x_BTD), conv_in.get("k"), pos_T)
+        v_BTC, cv = self.v_conv1d(self.v_proj(x_BTD), conv_in.get("v"), pos_T)
 
         # the gate in fp32 at least (float64 stays float64, for exact tests)
         gdt = torch.promote_types(x_BTD.dtype, torch.float32)
