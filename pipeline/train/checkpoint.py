@@ -161,7 +161,7 @@ def save_checkpoint(engine, ckpt: Path, rank: int, world_size: int, step: int, c
         })
 
 
-def check_compatible(ckpt: Path, cfg: StageConfig, world_size: int) -> dict[str, Any]:
+def check_compatible(ckpt: Path, cfg: StageConfig, world_size: int, data_fingerprint: str | None = None) -> dict[str, Any]:
     """Read rank 0's state and refuse a resume that would silently break the run."""
     state = read_json(Path(ckpt) / STATE_FILE)
     if state.get("format_version") != FORMAT_VERSION:
@@ -177,6 +177,10 @@ def check_compatible(ckpt: Path, cfg: StageConfig, world_size: int) -> dict[str,
         raise ConfigError(
             f"cannot resume from {ckpt}: the config changed in ways that break the run:\n  " + "\n  ".join(diffs)
             + "\nrestore these values, or start a new run (another ray.name)")
+    if data_fingerprint is not None and state.get("data_fingerprint") not in (None, data_fingerprint):
+        raise ConfigError(
+            f"cannot resume from {ckpt}: the training data changed (fingerprint {state['data_fingerprint']} -> "
+            f"{data_fingerprint}); the saved data positions would point at other rows")
     return state
 
 

@@ -13,7 +13,8 @@ Design choices:
   `--resume` alone continues from the newest complete checkpoint; `--resume PATH` from that one.
   (`TorchTrainer(resume_from_checkpoint=...)` raises in Ray 2.60, so the path travels in the loop config;
   Ray Train itself restores its checkpoint bookkeeping from the same run directory.)
-* Worker failures restart the worker group from the latest checkpoint, `ray.max_failures` times.
+* Worker failures restart the worker group from the latest checkpoint, `ray.max_failures` times
+  (under torchrun, `--max-restarts N` does the same: a relaunched rank resumes from the latest one).
 * Stage 1 converts the base model first when `model.student` is unset and `model.convert` is given.
 * Stage 2 with `teacher.source: serve` and `teacher.start_pool: true` deploys the teacher pool first.
 """
@@ -168,7 +169,12 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
     if launcher == "torchrun" and int(os.environ["WORLD_SIZE"]) != cfg.ray.num_workers:
         raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but ray.num_workers="
                           f"{cfg.ray.num_workers}; they must agree")
-    check_run_dir(cfg, args.resume)
+    resume = args.resume
+    if launcher == "torchrun" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        # torchrun --max-restarts relaunched the ranks after a failure: continue from the latest checkpoint.
+        resume = "latest" if ckpt_lib.latest_checkpoint(run_dir(cfg)) is not None else None
+    else:
+        check_run_dir(cfg, resume)
     if launcher == "torchrun" and cfg.stage == 1 and not cfg.model.student:
         raise ConfigError("ray.launcher=torchrun needs model.student: convert first (jobs/convert.py)")
     cfg = convert_if_needed(cfg)
@@ -180,10 +186,10 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
     if launcher == "torchrun":
         from pipeline.train.loop import train_worker
 
-        train_worker(loop_config(cfg, args.resume, "torchrun"))
+        train_worker(loop_config(cfg, resume, "torchrun"))
         info: dict[str, Any] = {}
     else:
-        info = fit_with_ray(cfg, args.resume)
+        info = fit_with_ray(cfg, resume)
     metrics = read_metrics(rd)
     summary = {"stage": stage, "run_dir": str(rd), "model_dir": str(rd / "model"), "seconds": time.time() - t0,
                "last_step": max(metrics) if metrics else 0, **info}

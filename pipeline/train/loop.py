@@ -277,7 +277,7 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     start = 0
     resume = session.resume_checkpoint()
     if resume is not None:
-        ckpt_lib.check_compatible(resume, cfg, world)
+        ckpt_lib.check_compatible(resume, cfg, world, rows.fingerprint)
         rank_state = ckpt_lib.load_checkpoint(task.engine, resume, rank)
         rows.seek(rank_state["data"]["position"])
         start = int(rank_state["step"])
@@ -296,7 +296,8 @@ def train_worker(loop_config: dict[str, Any]) -> None:
         if save:
             ckpt_dir = session.scratch_dir(step)
             ckpt_lib.save_checkpoint(task.engine, ckpt_dir, rank, world, step, cfg,
-                                     {"data": rows.state()}, {"metrics": record, "total_steps": total})
+                                     {"data": rows.state()}, {"metrics": record, "total_steps": total,
+                                      "data_fingerprint": rows.fingerprint})
         session.report(record, step, ckpt_dir)
         if save:
             ctx.maybe_fault("after_checkpoint")
@@ -315,16 +316,17 @@ def reduce_record(ctx: WorkerContext, local: dict[str, float], batch: list[dict[
     sums = dict(zip(keys, ctx.all_sum([float(local[k]) for k in keys])))
     mem, sec = ctx.all_max([peak_memory_mib(ctx.device), seconds])
     row_ids: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(row_ids, [r["row_id"] for r in batch])
+    dist.all_gather_object(row_ids, [r["row_key"] for r in batch])
     positions: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(positions, rows.position)
     n_loss = max(1.0, sums.pop("loss_tokens"))
+    tokens = sums.pop("tokens")
     record: dict[str, Any] = {
         "step": ctx.step, "stage": ctx.cfg.stage, "total_steps": total,
         "loss": sums.pop("loss_sum") / n_loss,
         "lr": ctx.extras["lr"], "grad_norm": ctx.extras["grad_norm"],
-        "tokens": int(sums["tokens"]), "loss_tokens": int(n_loss),
-        "tokens_per_s": sums.pop("tokens") / max(sec, 1e-9), "step_time_s": sec,
+        "tokens": int(tokens), "loss_tokens": int(n_loss),
+        "tokens_per_s": tokens / max(sec, 1e-9), "step_time_s": sec,
         "mem_peak_mib": mem, "rows": row_ids, "data_position": positions,
     }
     for k, v in sums.items():

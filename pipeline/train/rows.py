@@ -11,13 +11,15 @@ Design choices:
   mid-epoch (design.md §5); this does, and costs one Parquet row-group read per row at most.
 * `SyntheticRows` makes deterministic random rows (tests, benches, smoke runs); `ParquetRows` reads
   the data pipeline's shards (any `*.parquet` under the split directory, sorted by name).
-* Every row gets a `row_id` (synthetic: `syn-<g>`; Parquet: `<file>:<index>`) so runs can be compared
-  row by row ("identical rows consumed").
+* Every row gets a `row_key` (synthetic: `syn-<g>`; Parquet: the global row index) so runs can be
+  compared row by row ("identical rows consumed"). It is not `row_id`: the teacher cache keys rows by
+  content hash when the data has no `row_id` column.
+* Parquet rows come from the data pipeline's `RowReader` (same strided sharding, drop_last), whose
+  manifest is checked against `data.split` and `data.seq_len`.
 """
 
 from __future__ import annotations
 
-import bisect
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,11 @@ class RowStream:
         self.position += 1
         return row
 
+    @property
+    def fingerprint(self) -> str:
+        """What decides the rows; a resumed run must read the same data."""
+        raise NotImplementedError
+
     def state(self) -> dict[str, Any]:
         return {"position": self.position, "rank": self.rank, "world_size": self.world_size,
                 "num_rows": self.num_rows}
@@ -76,6 +83,12 @@ class SyntheticRows(RowStream):
     def num_rows(self) -> int:
         return self.cfg.synthetic.rows
 
+    @property
+    def fingerprint(self) -> str:
+        from pipeline.config import config_hash
+
+        return "synthetic-" + config_hash({"seed": self.seed, "seq_len": self.cfg.seq_len, **vars(self.cfg.synthetic)})
+
     def _row(self, index: int) -> dict[str, Any]:
         syn, T = self.cfg.synthetic, self.cfg.seq_len
         g = np.random.default_rng([self.seed, index])
@@ -92,73 +105,50 @@ class SyntheticRows(RowStream):
         for s, e in zip(cu[:-1], cu[1:]):
             mask[s + (e - s) // 2: e - 1] = 1
         return {"input_ids": ids, "position_ids": pos, "cu_seqlens": cu, "loss_mask": mask,
-                "doc_ids": [f"syn-{index}-{j}" for j in range(len(lengths))], "row_id": f"syn-{index}"}
+                "doc_ids": [f"syn-{index}-{j}" for j in range(len(lengths))], "row_key": f"syn-{index}"}
 
 
 class ParquetRows(RowStream):
-    """Packed rows from the Parquet shards of a prepared split."""
-
-    COLUMNS = ("input_ids", "position_ids", "cu_seqlens", "loss_mask", "doc_ids")
+    """Packed rows of a split prepared by the data pipeline (shards + manifest.json), via its RowReader."""
 
     def __init__(self, data: DataSection, rank: int, world_size: int) -> None:
-        import pyarrow.parquet as pq
+        from pipeline.data.dataset import MANIFEST, RowReader
 
         super().__init__(rank, world_size)
         if not data.path:
-            raise RowsError("data.path is not set: point it at a dataset prepared by jobs/prepare_data.py")
+            raise RowsError("data.path is not set: point it at a split prepared by jobs/prepare_data.py")
         root = Path(data.path).expanduser()
-        split_dir = root / data.split if (root / data.split).is_dir() else root
-        self.files = sorted(split_dir.glob("*.parquet")) or sorted(split_dir.glob("**/*.parquet"))
-        if not self.files:
-            raise RowsError(f"{split_dir}: no *.parquet shards found for split {data.split!r}")
-        self.seq_len = data.seq_len
-        self._meta = []
-        counts = []
-        for f in self.files:
-            try:
-                md = pq.ParquetFile(f).metadata
-            except Exception as e:
-                raise RowsError(f"{f}: not a readable Parquet file ({type(e).__name__}: {e})") from e
-            names = set(pq.ParquetFile(f).schema_arrow.names)
-            missing = [c for c in self.COLUMNS if c not in names]
-            if missing:
-                raise RowsError(f"{f}: missing column(s) {', '.join(missing)} of the packed-row contract")
-            rg_rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
-            self._meta.append(np.cumsum([0] + rg_rows))
-            counts.append(md.num_rows)
-        self._file_starts = np.cumsum([0] + counts)
-        if self._file_starts[-1] < world_size:
-            raise RowsError(f"{split_dir}: {int(self._file_starts[-1])} rows for {world_size} workers")
-        self._cache: tuple[int, int, Any] | None = None
+        if not (root / MANIFEST).is_file():
+            raise RowsError(f"{root}: no {MANIFEST}; data.path must be a directory written by jobs/prepare_data.py")
+        self.reader = RowReader(root, rank=rank, world_size=world_size, as_numpy=True)
+        man = self.reader.manifest
+        if man.get("split") not in (None, data.split):
+            raise RowsError(f"{root / MANIFEST}: this is the {man.get('split')!r} split, the config reads "
+                            f"data.split={data.split!r}")
+        if man.get("max_len") not in (None, data.seq_len):
+            raise RowsError(f"{root / MANIFEST}: rows were packed to {man.get('max_len')} tokens, the config "
+                            f"says data.seq_len={data.seq_len}")
+        if self.reader.num_rows == 0:
+            raise RowsError(f"{root}: fewer rows than the {world_size} workers")
+        self.root, self.seq_len = root, data.seq_len
 
     @property
     def num_rows(self) -> int:
-        return int(self._file_starts[-1])
+        return self.reader.num_rows * self.world_size
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.reader.manifest.get("config_hash"))
 
     def _row(self, index: int) -> dict[str, Any]:
-        import pyarrow.parquet as pq
-
-        fi = bisect.bisect_right(self._file_starts, index) - 1
-        local = index - int(self._file_starts[fi])
-        rg_starts = self._meta[fi]
-        rg = bisect.bisect_right(rg_starts, local) - 1
-        if self._cache is None or self._cache[:2] != (fi, rg):
-            table = pq.ParquetFile(self.files[fi]).read_row_group(rg, columns=list(self.COLUMNS))
-            self._cache = (fi, rg, table)
-        table = self._cache[2]
-        i = local - int(rg_starts[rg])
-        where = f"{self.files[fi]} row {local}"
-        row = {c: table.column(c)[i].as_py() for c in self.COLUMNS}
-        out = {
-            "input_ids": np.asarray(row["input_ids"], dtype=np.int64),
-            "position_ids": np.asarray(row["position_ids"], dtype=np.int64),
-            "cu_seqlens": np.asarray(row["cu_seqlens"], dtype=np.int32),
-            "loss_mask": np.asarray(row["loss_mask"], dtype=np.int8),
-            "doc_ids": list(row["doc_ids"]),
-            "row_id": f"{self.files[fi].name}:{local}",
-        }
-        check_row(out, where, self.seq_len)
-        return out
+        row = self.reader.read_global(index)
+        row["input_ids"] = row["input_ids"].astype(np.int64)
+        row["position_ids"] = row["position_ids"].astype(np.int64)
+        row["cu_seqlens"] = row["cu_seqlens"].astype(np.int32)
+        row["loss_mask"] = row["loss_mask"].astype(np.int8)
+        row["row_key"] = str(index)
+        check_row(row, f"{self.root} row {index}", self.seq_len)
+        return row
 
 
 def check_row(row: dict[str, Any], where: str, seq_len: int | None = None) -> None:

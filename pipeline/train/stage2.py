@@ -108,10 +108,10 @@ class Teacher:
             self.client = TeacherClient.from_config(t.pool.app_name, t.client)
             vocab = None
         else:
-            from pipeline.teacher.cache import open_topk_cache
+            from pipeline.teacher.cache import TopKCacheReader
 
-            self.cache = open_topk_cache(t.cache_path)
-            vocab = getattr(self.cache, "vocab_size", None)
+            self.cache = TopKCacheReader(t.cache_path, expect_data=cfg.data.path if cfg.data.source == "parquet" else None)
+            vocab = int(self.cache.manifest["vocab_size"])
         if vocab is not None and vocab != student_vocab:
             raise ConfigError(f"teacher vocabulary {vocab} != student vocabulary {student_vocab}: "
                               f"teacher and student must share a tokenizer")
@@ -136,7 +136,7 @@ class Teacher:
                 yield {"teacher_logits_fn": StreamedLogits(self.client.stream(row), self.device)}
         else:
             for row in rows:
-                yield self._topk(self.cache.get(row))
+                yield self._topk(self.cache.get_for_row(row))
 
 
 # ------------------------------------------------------------------------------------ build + step

@@ -1,0 +1,303 @@
+"""Training pieces that run in one process in seconds: config, batch arithmetic, schedule, rows,
+checkpoint files and compatibility, metrics sinks, the chunked CE, the streamed-logits adapter and
+the stage-1 pieces (base-layer capture, ILD distance)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.config import ConfigError
+from pipeline.train import checkpoint as ckpt_lib
+from pipeline.train.config import (
+    DataSection,
+    Stage1Config,
+    Stage2Config,
+    SyntheticData,
+    breaking_diff,
+    breaking_hash,
+    config_from_dict,
+    config_to_dict,
+    load_stage_config,
+)
+from pipeline.train.deepspeed_cfg import build_deepspeed_config, grad_accum_steps
+from pipeline.train.loop import cosine_with_warmup, row_to_device
+from pipeline.train.metrics import MetricsWriter, read_metrics
+from pipeline.train.rows import ParquetRows, RowsError, SyntheticRows, check_row, open_rows
+
+
+# ------------------------------------------------------------------------------------ config
+def test_stage_defaults_follow_the_recipe():
+    s1, s2 = Stage1Config(), Stage2Config()
+    assert (s1.data.seq_len, s1.optim.lr, s1.data.split) == (2048, 2e-4, "stage1")
+    assert (s2.data.seq_len, s2.optim.lr, s2.data.split) == (65536, 4e-5, "stage2")
+    assert (s2.train.global_batch_sequences, s2.train.epochs, s2.optim.warmup_ratio) == (8, 1.0, 0.01)
+    assert (s2.kd.kl_weight, s2.kd.ce_weight) == (1.0, 0.0)
+
+
+def test_yaml_stage_sections_merge_over_shared(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text("optim: {lr: 1.0e-3}\nray: {name: demo}\nstage1: {optim: {lr: 5.0e-4}}\n"
+                 "stage2: {kd: {ce_weight: 0.5}}\n")
+    s1 = load_stage_config(1, p)
+    s2 = load_stage_config(2, p, ["train.max_steps=3"])
+    assert s1.optim.lr == 5e-4 and s1.ray.name == "demo"
+    assert s2.optim.lr == 1e-3 and s2.kd.ce_weight == 0.5 and s2.train.max_steps == 3
+    assert config_from_dict(config_to_dict(s2)) == s2
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("optim: {lrr: 1}", "optim.lrr"),
+    ("stage2: {kd: {kl: 1}}", "kd.kl"),
+    ("teacher: {source: hub}", "teacher.source"),
+    ("deepspeed: {offload_param: nvme}", "deepspeed.offload_param"),
+], ids=["unknown-key", "unknown-in-stage-section", "bad-teacher-source", "bad-offload"])
+def test_bad_config_names_the_key(tmp_path, text, needle):
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_stage_config(2, p)
+
+
+def test_breaking_diff_ignores_runtime_knobs():
+    a = config_to_dict(Stage2Config())
+    b = config_to_dict(load_stage_config(2, None, ["ray.address=auto", "checkpoint.every_steps=7",
+                                                   "metrics.log_every=5", "train.max_steps=2"]))
+    assert breaking_diff(a, b) == []
+    c = config_to_dict(load_stage_config(2, None, ["optim.lr=1e-3", "ray.num_workers=4"]))
+    diffs = breaking_diff(a, c)
+    assert any(d.startswith("optim.lr") for d in diffs) and any(d.startswith("ray.num_workers") for d in diffs)
+    assert breaking_hash(config_from_dict(a)) != breaking_hash(config_from_dict(c))
+
+
+# ------------------------------------------------------------------------------------ batch + schedule
+def test_grad_accum_reaches_global_batch_or_explains():
+    assert grad_accum_steps(8, 2) == 4
+    with pytest.raises(ConfigError, match="global_batch_sequences=6"):
+        grad_accum_steps(6, 4)
+    ds = build_deepspeed_config(Stage2Config(), world_size=2, dtype=torch.bfloat16)
+    assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 4
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] and "optimizer" not in ds
+    off = build_deepspeed_config(load_stage_config(2, None, ["deepspeed.offload_optimizer=cpu",
+                                                            "deepspeed.offload_param=cpu"]), 8, torch.float32)
+    assert off["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert off["zero_optimization"]["offload_param"]["device"] == "cpu" and not off["bf16"]["enabled"]
+
+
+def test_cosine_schedule_warms_up_then_decays_to_min():
+    f = cosine_with_warmup(total_steps=100, warmup_ratio=0.1, min_lr_ratio=0.1)
+    assert [round(f(s), 3) for s in range(3)] == [0.1, 0.2, 0.3]
+    assert f(9) == 1.0 and f(10) == 1.0
+    assert f(55) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(100) == pytest.approx(0.1)
+    assert all(f(s) >= f(s + 1) for s in range(10, 100))
+
+
+# ------------------------------------------------------------------------------------ rows
+def _data(rows=10, seq_len=64) -> DataSection:
+    return DataSection(source="synthetic", seq_len=seq_len,
+                       synthetic=SyntheticData(rows=rows, vocab_size=50, min_doc_len=5, max_doc_len=30))
+
+
+def test_synthetic_rows_follow_the_contract_and_shard_by_stride():
+    r0, r1 = SyntheticRows(_data(), 0, 0, 2), SyntheticRows(_data(), 0, 1, 2)
+    a = [r0.next_row() for _ in range(6)]
+    b = [r1.next_row() for _ in range(6)]
+    for row in a + b:
+        check_row(row, "synthetic", 64)
+    assert [r["row_key"] for r in a] == ["syn-0", "syn-2", "syn-4", "syn-6", "syn-8", "syn-0"]
+    assert [r["row_key"] for r in b][:2] == ["syn-1", "syn-3"] and a[5]["epoch"] == 1
+
+
+def test_seek_reproduces_exactly_the_same_rows():
+    full = SyntheticRows(_data(), 7, 1, 2)
+    rows = [full.next_row() for _ in range(5)]
+    resumed = SyntheticRows(_data(), 7, 1, 2)
+    resumed.seek(3)
+    for want in rows[3:]:
+        got = resumed.next_row()
+        assert got["row_key"] == want["row_key"]
+        assert np.array_equal(got["input_ids"], want["input_ids"])
+
+
+def _write_split(tmp_path, n_rows=6, split="stage2", max_len=32):
+    from pipeline.data.dataset import write_manifest
+    from pipeline.teacher.testing import make_packed_row, write_packed_parquet
+
+    rows = [make_packed_row([10, 12], vocab_size=50, seed=i, pad=10) for i in range(n_rows)]
+    for r in rows:
+        r["doc_ids"][-1] = ""
+    write_packed_parquet(tmp_path / "shard-00000.parquet", rows)
+    write_manifest(tmp_path, {"split": split, "max_len": max_len, "config_hash": "abc",
+                              "shards": [{"file": "shard-00000.parquet", "rows": n_rows}]})
+    return rows
+
+
+def test_parquet_rows_read_the_prepared_split(tmp_path):
+    rows = _write_split(tmp_path)
+    data = DataSection(source="parquet", path=str(tmp_path), split="stage2", seq_len=32)
+    r1 = open_rows(data, 0, 1, 2)
+    assert isinstance(r1, ParquetRows) and r1.num_rows == 6 and r1.fingerprint == "abc"
+    got = [r1.next_row() for _ in range(4)]
+    assert [g["row_key"] for g in got] == ["1", "3", "5", "1"]
+    assert np.array_equal(got[1]["input_ids"], rows[3]["input_ids"]) and got[1]["doc_ids"][-1] == ""
+
+
+@pytest.mark.parametrize("split,seq_len,needle", [("stage1", 32, "'stage2' split"), ("stage2", 64, "packed to 32")],
+                         ids=["wrong-split", "wrong-seq-len"])
+def test_parquet_rows_refuse_mismatched_data(tmp_path, split, seq_len, needle):
+    _write_split(tmp_path)
+    with pytest.raises(RowsError, match=needle):
+        open_rows(DataSection(source="parquet", path=str(tmp_path), split=split, seq_len=seq_len), 0, 0, 1)
+
+
+def test_bad_row_is_named():
+    row = SyntheticRows(_data(), 0, 0, 1).next_row()
+    row["loss_mask"][row["cu_seqlens"][1] - 1] = 1
+    with pytest.raises(RowsError, match="row 17.*last token"):
+        check_row(row, "row 17")
+
+
+def test_row_to_device_labels_are_next_tokens():
+    row = SyntheticRows(_data(), 0, 0, 1).next_row()
+    b = row_to_device(row, torch.device("cpu"))
+    m = b["loss_mask"]
+    ids = torch.as_tensor(row["input_ids"])
+    assert torch.equal(b["labels"][:-1], ids[1:]) and not m[-1]
+    assert b["input_ids"].shape == (1, 64) and b["cu_seqlens"].dtype == torch.int32
+
+
+# ------------------------------------------------------------------------------------ checkpoint files
+def _fake_checkpoint(d, cfg, world=2, step=4):
+    for r in range(world):
+        ckpt_lib.write_json_atomic(d / "ranks" / f"rank_{r}.json", {"step": step})
+    ckpt_lib.write_json_atomic(d / ckpt_lib.STATE_FILE, {
+        "format_version": ckpt_lib.FORMAT_VERSION, "stage": cfg.stage, "step": step, "world_size": world,
+        "config": config_to_dict(cfg), "breaking_hash": breaking_hash(cfg), "data_fingerprint": "fp1"})
+
+
+def test_latest_checkpoint_skips_incomplete(tmp_path):
+    cfg = Stage2Config()
+    _fake_checkpoint(tmp_path / "step_00000004", cfg, step=4)
+    _fake_checkpoint(tmp_path / "step_00000008", cfg, step=8)
+    (tmp_path / "step_00000008" / "ranks" / "rank_1.json").unlink()
+    (tmp_path / ".tmp-step_00000012").mkdir()
+    assert ckpt_lib.latest_checkpoint(tmp_path) == tmp_path / "step_00000004"
+    assert not ckpt_lib.is_complete(tmp_path / "step_00000008")
+
+
+def test_resume_refuses_breaking_changes(tmp_path):
+    cfg = load_stage_config(2, None, ["ray.num_workers=2"])
+    _fake_checkpoint(tmp_path, cfg)
+    ckpt_lib.check_compatible(tmp_path, load_stage_config(2, None, ["ray.num_workers=2", "ray.address=auto"]), 2, "fp1")
+    with pytest.raises(ConfigError, match=r"optim\.lr: 4e-05 -> 0\.001"):
+        ckpt_lib.check_compatible(tmp_path, load_stage_config(2, None, ["ray.num_workers=2", "optim.lr=1e-3"]), 2)
+    with pytest.raises(ConfigError, match="written by 2 workers, this run has 4"):
+        ckpt_lib.check_compatible(tmp_path, cfg, 4)
+    with pytest.raises(ConfigError, match="training data changed"):
+        ckpt_lib.check_compatible(tmp_path, cfg, 2, "fp2")
+    with pytest.raises(ConfigError, match="stage 2 checkpoint"):
+        ckpt_lib.check_compatible(tmp_path, Stage1Config(), 2)
+
+
+def test_rng_state_round_trips(tmp_path):
+    import random
+
+    torch.manual_seed(3)
+    np.random.seed(3)
+    random.seed(3)
+    meta, tensors = ckpt_lib.capture_rng()
+    ckpt_lib.save_tensors_atomic(tmp_path / "rng.safetensors", tensors)
+    ckpt_lib.write_json_atomic(tmp_path / "rng.json", meta)
+    want = (torch.rand(3), np.random.rand(3), random.random())
+    from safetensors.torch import load_file
+
+    ckpt_lib.restore_rng(json.loads((tmp_path / "rng.json").read_text()), load_file(str(tmp_path / "rng.safetensors")))
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
+
+
+# ------------------------------------------------------------------------------------ metrics
+def test_metrics_writer_jsonl_tensorboard_and_progress(tmp_path, capsys):
+    w = MetricsWriter(tmp_path, total_steps=4, log_every=1)
+    rec = {"stage": 2, "loss": 1.5, "kl": 1.5, "lr": 1e-4, "grad_norm": 0.5, "tokens_per_s": 100.0,
+           "mem_peak_mib": 10.0}
+    for step, loss in [(1, 3.0), (2, 2.0), (2, 1.0), (3, 0.5)]:
+        w.write({**rec, "step": step, "loss": loss})
+    w.close()
+    got = read_metrics(tmp_path)
+    assert list(got) == [1, 2, 3] and got[2]["loss"] == 1.0
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("[stage2] step 1/4 (25%) | loss 3.0000") and "ETA" in out[-1]
+
+
+# ------------------------------------------------------------------------------------ stage 2 pieces
+def test_chunked_ce_matches_full_cross_entropy():
+    from pipeline.train.stage2 import chunked_ce_sum
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, requires_grad=True)
+    y = torch.randint(0, 50, (37,), generator=g)
+    got = chunked_ce_sum(h, w, y, chunk=8)
+    got.backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    want = F.cross_entropy(h @ w.t(), y, reduction="sum")
+    want.backward()
+    assert torch.allclose(got, want, atol=1e-4)
+    assert torch.allclose(gh, h.grad, atol=1e-5) and torch.allclose(gw, w.grad, atol=1e-5)
+
+
+def test_streamed_logits_serve_any_increasing_windows():
+    from pipeline.train.stage2 import StreamedLogits
+
+    full = torch.arange(50 * 3, dtype=torch.float32).reshape(50, 3)
+    fn = StreamedLogits(iter(full.split(7)), torch.device("cpu"))
+    for i, j in [(0, 16), (16, 20), (32, 48), (48, 50)]:
+        assert torch.equal(fn(i, j), full[i:j])
+
+
+# ------------------------------------------------------------------------------------ stage 1 pieces
+def test_base_layer_targets_capture_inputs_outputs_and_attention():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.train.stage1 import BaseLayerTargets
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+    b = row_to_device(SyntheticRows(_data(seq_len=40), 0, 0, 1).next_row(), torch.device("cpu"))
+    x, y, a = BaseLayerTargets(base)(b)
+    assert len(x) == len(y) == len(a) == 3
+    for i, layer in enumerate(base.model.layers):
+        if i + 1 < 3:
+            assert torch.equal(x[i + 1], y[i])
+        # y = x + a + mlp(norm(x + a)): the captured attention output is the layer's mixer output.
+        h = x[i] + a[i]
+        assert torch.allclose(y[i], h + layer.mlp(layer.post_attention_layernorm(h)), atol=1e-5)
+    # Documents are isolated: each document's layer-2 input equals that of the document run alone.
+    cu = b["cu_seqlens"].tolist()
+    assert len(cu) > 2
+    for s, e in zip(cu[:-1], cu[1:]):
+        alone = base.model(input_ids=b["input_ids"][:, s:e], use_cache=False, output_hidden_states=True)
+        assert torch.allclose(x[2][:, s:e], alone.hidden_states[2], atol=1e-5)
+
+
+@pytest.mark.parametrize("squared", [False, True], ids=["l2", "l2-squared"])
+def test_ild_distance_and_padding_mask(squared):
+    from pipeline.train.stage1 import real_tokens, token_distance
+
+    x = torch.zeros(1, 3, 4)
+    y = torch.tensor([[[3.0, 4.0, 0, 0], [0, 0, 0, 0], [1.0, 0, 0, 0]]])
+    d = token_distance(x, y, squared)
+    want = torch.tensor([25.0, 0.0, 1.0]) if squared else torch.tensor([5.0, 0.0, 1.0])
+    assert torch.allclose(d, want, atol=1e-3)
+    row = {"input_ids": np.zeros(6), "cu_seqlens": np.array([0, 2, 4, 6]), "doc_ids": ["a", "b", ""]}
+    assert real_tokens(row).tolist() == [1, 1, 1, 1, 0, 0]
