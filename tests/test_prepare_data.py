@@ -164,6 +164,17 @@ def test_stage1_and_stage2_outputs_are_disjoint(prepared, source, tmp_path):
     assert len(ids["stage1"] | ids["stage2"]) == 120
 
 
+@pytest.mark.slow
+def test_shards_read_back_as_a_ray_dataset_in_order(prepared):
+    from pipeline.data.dataset import read_packed_dataset
+
+    out, report = prepared
+    ds = read_packed_dataset(out)
+    got = [r["doc_ids"] for r in ds.iter_rows()]
+    assert [list(d) for d in got] == [r["doc_ids"] for r in _rows(out)]
+    assert len(got) == report["counts"]["rows"]
+
+
 def test_cli_rejects_bad_config(tmp_path, capsys):
     from jobs.prepare_data import main
 

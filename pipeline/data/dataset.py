@@ -98,7 +98,9 @@ def tokenize_dataset(
 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
-    blocks = records_to_blocks(records, block_records=batch_size * 4)
+    # One batch per block: a block's output is delivered only when its task ends, so small blocks
+    # keep the stream flowing (the first packed rows come after the first batch, not the first quarter).
+    blocks = records_to_blocks(records, block_records=batch_size)
     ds = ray.data.from_arrow(blocks)
     return ds.map_batches(
         TokenizeUDF,
@@ -305,6 +307,22 @@ class RowReader:
             row = self.read_global(self.position * self.world_size + self.rank)
             self.position += 1
             yield row
+
+
+def read_packed_dataset(directory: str | Path) -> Any:
+    """The shards as a `ray.data.Dataset` in manifest order, for Ray Train's own dataset ingestion.
+
+    Ray Data iterators do not resume mid-epoch: use `RowReader` when the data position must be saved.
+    """
+    import ray.data
+
+    m = read_manifest(directory)
+    paths = [str(Path(directory) / s["file"]) for s in m["shards"]]
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise DataFormatError(f"{Path(directory) / MANIFEST} lists missing shard(s): {missing}")
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    return ray.data.read_parquet(paths, schema=ROW_SCHEMA)
 
 
 # ------------------------------------------------------------------------------ whole pipeline
