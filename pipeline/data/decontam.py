@@ -470,26 +470,34 @@ class FastScanner:
         return h[:, 0], h[:, 1], h[:, 2], h[:, 3]
 
 
+class ReferenceScanner:
+    """Plain Python reference: a dict of n-gram tuples per length, probed at every word position."""
+
+    def __init__(self, index: BenchmarkIndex):
+        self.tables: dict[int, dict[tuple[str, ...], int]] = defaultdict(dict)
+        self.exact: dict[tuple[str, ...], int] = {}
+        for k, e in enumerate(index.entries):
+            (self.exact if e.kind == "exact" else self.tables[len(e.words)])[e.words] = k
+
+    def scan(self, docs: Sequence[Sequence[str]]) -> Hits:
+        out = []
+        for d, texts in enumerate(docs):
+            for t, text in enumerate(texts):
+                words = normalize_words(text)
+                k = self.exact.get(tuple(words))
+                if k is not None:
+                    out.append((d, k, t, 0))
+                for L, table in self.tables.items():
+                    for i in range(len(words) - L + 1):
+                        k = table.get(tuple(words[i:i + L]))
+                        if k is not None:
+                            out.append((d, k, t, i))
+        a = np.array(out, dtype=np.int64).reshape(-1, 4)
+        return a[:, 0], a[:, 1], a[:, 2], a[:, 3]
+
+
 def reference_scan(index: BenchmarkIndex, docs: Sequence[Sequence[str]]) -> Hits:
-    """Plain Python reference: a dict of n-gram tuples per length, probed at every position."""
-    tables: dict[int, dict[tuple[str, ...], int]] = defaultdict(dict)
-    exact: dict[tuple[str, ...], int] = {}
-    for k, e in enumerate(index.entries):
-        (exact if e.kind == "exact" else tables[len(e.words)])[e.words] = k
-    out = []
-    for d, texts in enumerate(docs):
-        for t, text in enumerate(texts):
-            words = normalize_words(text)
-            k = exact.get(tuple(words))
-            if k is not None:
-                out.append((d, k, t, 0))
-            for L, table in tables.items():
-                for i in range(len(words) - L + 1):
-                    k = table.get(tuple(words[i:i + L]))
-                    if k is not None:
-                        out.append((d, k, t, i))
-    a = np.array(out, dtype=np.int64).reshape(-1, 4)
-    return a[:, 0], a[:, 1], a[:, 2], a[:, 3]
+    return ReferenceScanner(index).scan(docs)
 
 
 # ------------------------------------------------------------------------------------ decision
@@ -692,7 +700,8 @@ def _scan_ray(scanner_index: BenchmarkIndex, texts: list[list[str]], cfg: Decont
     ds = ray.data.from_items([{"row": i, "texts": tx} for i, tx in enumerate(texts)],
                              override_num_blocks=blocks)
     out = ds.map_batches(ScanActor, fn_constructor_args=([index_ref],), batch_size=cfg.batch_size,
-                         batch_format="numpy", concurrency=max(1, cfg.num_cpus), num_cpus=1)
+                         batch_format="numpy", num_cpus=1,
+                         compute=ray.data.ActorPoolStrategy(size=max(1, cfg.num_cpus)))
     cols: dict[str, list[np.ndarray]] = defaultdict(list)
     for b in out.iter_batches(batch_format="numpy", batch_size=None):
         for k in ("doc", "entry", "turn", "start"):
@@ -702,10 +711,12 @@ def _scan_ray(scanner_index: BenchmarkIndex, texts: list[list[str]], cfg: Decont
     return tuple(np.concatenate(cols[k]) for k in ("doc", "entry", "turn", "start"))  # type: ignore
 
 
-def _scan_local(index: BenchmarkIndex, texts: list[list[str]], batch_size: int,
-                fn: Callable[[Sequence[Sequence[str]]], Hits]) -> Hits:
+def _scan_local(texts: list[list[str]], batch_size: int, fn: Callable[[Sequence[Sequence[str]]], Hits],
+                progress: bool) -> Hits:
+    from tqdm import tqdm
+
     parts = []
-    for lo in range(0, len(texts), batch_size):
+    for lo in tqdm(range(0, len(texts), batch_size), desc="scan", unit="batch", disable=not progress):
         d, e, t, s = fn(texts[lo:lo + batch_size])
         parts.append((d + lo, e, t, s))
     if not parts:
@@ -730,20 +741,24 @@ def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = N
         index = BenchmarkIndex.build(items, cfg.match)
     t_index = time.perf_counter()
 
+    from tqdm import tqdm
+
     records: list[Record] = []
     rejects: list[dict] = []
-    for spec in cfg.inputs:
-        for it in iter_source(spec):
-            (rejects if is_reject(it) else records).append(it)  # type: ignore[arg-type]
+    with tqdm(desc="read", unit="doc", disable=not cfg.progress) as bar:
+        for spec in cfg.inputs:
+            for it in iter_source(spec):
+                (rejects if is_reject(it) else records).append(it)  # type: ignore[arg-type]
+                bar.update()
     texts = [[m["content"] for m in r["messages"]] for r in records]
     t_read = time.perf_counter()
 
     if cfg.scanner == "ray":
         hits = _scan_ray(index, texts, cfg)
     elif cfg.scanner == "local":
-        hits = _scan_local(index, texts, cfg.batch_size, FastScanner(index).scan)
+        hits = _scan_local(texts, cfg.batch_size, FastScanner(index).scan, cfg.progress)
     else:
-        hits = _scan_local(index, texts, cfg.batch_size, lambda docs: reference_scan(index, docs))
+        hits = _scan_local(texts, cfg.batch_size, ReferenceScanner(index).scan, cfg.progress)
     t_scan = time.perf_counter()
 
     dec = decide(index, *hits)
@@ -881,6 +896,6 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 __all__ = [
     "BenchmarkIndex", "BenchmarkSpec", "DecontamJobConfig", "Decision", "FastScanner", "Item", "Match",
-    "MatchConfig", "SUITES", "SourceError", "cut_record", "decide", "load_benchmark", "read_jsonl",
+    "MatchConfig", "ReferenceScanner", "SUITES", "SourceError", "cut_record", "decide", "load_benchmark", "read_jsonl",
     "reference_scan", "run_decontamination",
 ]
