@@ -15,6 +15,7 @@ import sys
 from pipeline.config import ConfigError, add_config_args, config_from_args
 from pipeline.data.config import PrepareDataConfig
 from pipeline.data.dataset import prepare
+from pipeline.data.readers import SourceError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.mixture.sources:
         print("error: mixture.sources is empty", file=sys.stderr)
         return 2
-    report = prepare(cfg)
+    try:
+        report = prepare(cfg)
+    except (FileExistsError, FileNotFoundError, SourceError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     c = report["counts"]
     print(json.dumps({k: c[k] for k in ("documents", "document_tokens", "rows", "read_rejects",
                                          "render_rejects", "docs_split", "efficiency")}, indent=1))

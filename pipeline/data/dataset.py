@@ -459,7 +459,8 @@ def prepare(cfg: Any) -> dict[str, Any]:
         for doc_id, reason in run.render_rejects:
             key = reason_key(reason)
             reasons[key] = reasons.get(key, 0) + 1
-            rej_f.write(json.dumps({"stage": "render", "doc_id": doc_id, "reason": reason},
+            rej_f.write(json.dumps({"stage": "render", "source": doc_id.split(":", 1)[0], "doc_id": doc_id,
+                                    "reason": reason},
                                    ensure_ascii=False) + "\n")
     os.replace(tmp_rejects, rejects_path)
 
