@@ -182,6 +182,10 @@ def test_cli_rejects_bad_config(tmp_path, capsys):
     cfg.write_text("packing: {max_lenn: 10}\n")
     assert main(["--config", str(cfg)]) == 2
     assert "max_lenn" in capsys.readouterr().err
+    missing = tmp_path / "nope.jsonl"
+    assert main(["--set", f"mixture.sources=[{{name: a, path: '{missing}'}}]",
+                 "--set", f"output.dir={tmp_path / 'out'}"]) == 2
+    assert "source 'a': path" in capsys.readouterr().err and not (tmp_path / "out" / MANIFEST).exists()
 
 
 # ---------------------------------------------------------------------------- RowReader (no Ray)

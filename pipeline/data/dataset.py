@@ -399,7 +399,8 @@ def prepare(cfg: Any) -> dict[str, Any]:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from pipeline.data.mixture import build_mixture
+    from pipeline.data.mixture import build_mixture, resolve_asset_path
+    from pipeline.data.readers import resolve_files
     from pipeline.data.render import tokenizer_hash
 
     out = Path(cfg.output.dir)
@@ -410,6 +411,11 @@ def prepare(cfg: Any) -> dict[str, Any]:
     for old in [*out.glob("shard-*.parquet"), out / MANIFEST]:
         old.unlink(missing_ok=True)
 
+    # Fail fast on a wrong path before anything slow starts.
+    for src in cfg.mixture.sources:
+        spec = resolve_asset_path(src)
+        if not (spec.container == "hub" or spec.path.startswith("hub:")):
+            resolve_files(spec)
     tok_dir = resolve_tokenizer(cfg.tokenize.tokenizer)
     tok = AutoTokenizer.from_pretrained(tok_dir)
     renderer = ChatRenderer.from_hf(tok, cfg.tokenize.mask_method)
