@@ -135,6 +135,15 @@ class ChatRenderer:
         if mask_method == "generation" and not has_markers:
             raise ValueError("mask_method 'generation' needs {% generation %} markers in the chat template")
         self.mask_method = mask_method
+        # The prefix method renders each conversation 2k+1 times; calling transformers' compiled
+        # template directly skips its per-call message copying (messages here are already plain
+        # role/content strings, so the text is the same: tests compare with apply_chat_template).
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            self._compiled = _compile_jinja_template(chat_template)
+        except ImportError:
+            self._compiled = None
 
     @classmethod
     def from_hf(cls, tokenizer: Any, mask_method: str = "auto") -> ChatRenderer:
@@ -180,7 +189,12 @@ class ChatRenderer:
         return texts[0], indices[0] if masks else None
 
     def _render(self, messages: list[dict[str, str]], gen: bool = False) -> str:
-        return self._render_raw(messages, gen, False)[0]
+        if self._compiled is None:
+            return self._render_raw(messages, gen, False)[0]
+        try:
+            return self._compiled.render(messages=messages, add_generation_prompt=gen, **self.template_kwargs)
+        except Exception as e:
+            raise RenderError(f"chat template failed: {type(e).__name__}: {e}") from None
 
     def render(self, messages: list[dict[str, str]]) -> tuple[str, np.ndarray]:
         """Full text and assistant character spans [S, 2] (int64, sorted, disjoint)."""
