@@ -268,10 +268,17 @@ def _lock(root: Path, name: str):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
 def _sweep_stale_tmp(root: Path, name: str) -> None:
     # Only called under the asset's lock, so no live fetch of this asset owns these directories.
     for p in root.glob(f".{name}.tmp-*"):
-        shutil.rmtree(p, ignore_errors=True)
+        _remove(p)
 
 
 def fetch_asset(
@@ -326,7 +333,7 @@ def fetch_asset(
             if target.exists() or target.is_symlink():
                 old = root / f".{name}.tmp-old-{os.getpid()}"
                 os.replace(target, old)
-                shutil.rmtree(old, ignore_errors=True)
+                _remove(old)
             os.replace(out, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -94,6 +94,14 @@ def test_truncated_or_unmarked_target_is_rebuilt(fake_asset):
     assert calls["build"] == 3 and is_complete("fake", cache)
 
 
+def test_stray_file_at_target_is_replaced(fake_asset):
+    cache, calls = fake_asset
+    cache.mkdir(parents=True)
+    (cache / "fake").write_text("not a directory")
+    assert fetch_asset("fake", cache, progress=False).read_bytes() == b'{"a": 1}\n' * 100
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == ["fake"]
+
+
 def test_verify_rehashes_same_size_corruption(fake_asset):
     cache, calls = fake_asset
     p = fetch_asset("fake", cache, progress=False)

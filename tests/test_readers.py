@@ -270,3 +270,15 @@ def test_real_sharegpt_recovers_every_complete_conversation():
     # assets.md: 17,671 complete conversations, then one cut mid-record.
     assert parsed == 17_671 and rejected_json == 1
     assert is_reject(last) and last["record"] == 17_671 and last["reason"].startswith("truncated")
+
+
+def test_json_file_of_pretty_printed_objects(tmp_path):
+    objs = [{"id": "p0", "messages": OK}, {"id": "p1", "messages": []}, {"id": "p2", "messages": OK}]
+    (tmp_path / "pp.json").write_text("\n".join(json.dumps(o, indent=2) for o in objs))
+    recs, rej = read_source(SourceSpec("pp", str(tmp_path / "pp.json")))
+    assert [r["id"] for r in recs] == ["p0", "p2"] and [(r["record"], r["reason"]) for r in rej] == [
+        (1, "empty conversation")]
+    # One line per object in a .json file: read as JSON lines (bad line -> its line number).
+    (tmp_path / "l.json").write_text(json.dumps(objs[0]) + "\n{oops\n" + json.dumps(objs[2]) + "\n")
+    recs, rej = read_source(SourceSpec("l", str(tmp_path / "l.json")))
+    assert [r["id"] for r in recs] == ["p0", "p2"] and "invalid JSON on line 2" in rej[0]["reason"]

@@ -307,8 +307,9 @@ def _skip_value(buf: str, pos: int) -> int | None:
                 return i
 
 
-def _iter_json_array(path: Path) -> Iterator[RawItem]:
-    """Stream the elements of a top-level JSON array, tolerating broken and truncated elements."""
+def _iter_json_array(path: Path, array: bool = True) -> Iterator[RawItem]:
+    """Stream the elements of a top-level JSON array (or, with array=False, of a sequence of
+    concatenated JSON values such as pretty-printed objects), tolerating broken and truncated ones."""
     dec = json.JSONDecoder()
     with _open_text(path) as f:
         buf, pos, eof = f.read(CHUNK_CHARS), 0, False
@@ -328,19 +329,21 @@ def _iter_json_array(path: Path) -> Iterator[RawItem]:
         if not buf:
             eof = True
         pos = _WS.match(buf, 0).end()
-        if buf[pos:pos + 1] != "[":
-            yield -1, buf[:RAW_CHARS], "not a JSON array (expected '[' at start of file)"
-            return
-        pos += 1
+        if array:
+            if buf[pos:pos + 1] != "[":
+                yield -1, buf[:RAW_CHARS], "not a JSON array (expected '[' at start of file)"
+                return
+            pos += 1
         idx = 0
         while True:
             pos = _WS_COMMA.match(buf, pos).end()
             while pos >= len(buf) and more():
                 pos = _WS_COMMA.match(buf, pos).end()
             if pos >= len(buf):
-                yield -1, "", "file ends without the closing ']' of its JSON array"
+                if array:
+                    yield -1, "", "file ends without the closing ']' of its JSON array"
                 return
-            if buf[pos] == "]":
+            if array and buf[pos] == "]":
                 return
             while True:
                 try:
@@ -375,9 +378,16 @@ def _iter_json_array(path: Path) -> Iterator[RawItem]:
 def _iter_json(path: Path) -> Iterator[RawItem]:
     with _open_text(path) as f:
         head = f.read(4096).lstrip()
+        f.seek(0)
+        first_line = next((ln for ln in f if ln.strip()), "")
     if head.startswith("["):
         return _iter_json_array(path)
-    # A .json file of objects one per line (a common mislabel of JSON lines).
+    try:
+        json.loads(first_line)
+    except (json.JSONDecodeError, RecursionError):
+        # Pretty-printed objects one after another (or one big object): a JSON value sequence.
+        return _iter_json_array(path, array=False)
+    # Objects one per line: a common mislabel of JSON lines, read line by line for exact errors.
     return _iter_jsonl(path)
 
 
