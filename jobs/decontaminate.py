@@ -30,7 +30,7 @@ def _input_override(items: list[str]) -> list[dict]:
     for text in items:
         name, sep, path = text.partition("=")
         if not sep:
-            name, path = Path(text).name.split(".")[0], text
+            name, path = Path(text.removeprefix("asset:")).name.split(".")[0], text
         out.append({"name": name, "path": path})
     return out
 

@@ -282,3 +282,12 @@ def test_json_file_of_pretty_printed_objects(tmp_path):
     (tmp_path / "l.json").write_text(json.dumps(objs[0]) + "\n{oops\n" + json.dumps(objs[2]) + "\n")
     recs, rej = read_source(SourceSpec("l", str(tmp_path / "l.json")))
     assert [r["id"] for r in recs] == ["p0", "p2"] and "invalid JSON on line 2" in rej[0]["reason"]
+
+
+def test_asset_path_and_unknown_asset():
+    with pytest.raises(SourceError, match="source 'x': unknown asset 'nope'"):
+        read_source(SourceSpec("x", "asset:nope"))
+    # The HumanEval asset is JSON lines of problems (a `prompt`, no `response`): every row a clear reject.
+    recs, rej = read_source(SourceSpec("he", "asset:humaneval", limit=3))
+    assert recs == [] and len(rej) == 3 and rej[0]["file"].endswith("HumanEval.jsonl.gz")
+    assert rej[0]["reason"] == "missing field 'response'" and rej[0]["id"] is None

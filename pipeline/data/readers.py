@@ -29,7 +29,8 @@ Containers (`SourceSpec.container`, "auto" decides by path):
 * parquet: pyarrow batches; hf_disk: a `datasets` save_to_disk directory (Arrow IPC streams, read
   with pyarrow, no `datasets` needed; DatasetDict -> `split`); hub: `datasets.load_dataset` in
   streaming mode, only when `datasets` is installed (clear error otherwise)
-A directory path reads every supported file in it (sorted); a path with "*" is a sorted glob.
+A directory path reads every supported file in it (sorted); a path with "*" is a sorted glob;
+"asset:<name>" is an offline asset of `hylo.assets` (e.g. "asset:sharegpt").
 
 Design choices: text is decoded with surrogateescape so one bad byte never stops a file; any text
 still holding surrogates (bad bytes or lone "\\ud800" escapes) is rejected as undecodable, keeping the
@@ -515,6 +516,15 @@ def iter_raw(spec: SourceSpec) -> Iterator[tuple[str, int, Any, str | None]]:
 
     Used by iter_source and by anything that reads non-chat tables (e.g. benchmark items).
     """
+    if spec.path.startswith("asset:"):
+        # An offline asset (hylo.assets), fetched into the cache on first use.
+        from hylo.assets import AssetError, fetch_asset
+
+        try:
+            spec = dataclasses.replace(spec, path=str(fetch_asset(spec.path.removeprefix("asset:"),
+                                                                  progress=False)))
+        except AssetError as e:
+            raise SourceError(f"source {spec.name!r}: {e}") from e
     if _is_hub(spec):
         files: list[tuple[str, Iterator[RawItem]]] = [(spec.path, _iter_hub(spec))]
     else:
