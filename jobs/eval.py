@@ -1,0 +1,75 @@
+"""Evaluate a HyLo or HF checkpoint: KL/perplexity, retrieval, KV cache, lm-evaluation-harness.
+
+    python jobs/eval.py --model runs/hylo-smollm2 --teacher smollm2-135m-instruct \
+        --base smollm2-135m-instruct --data runs/data/heldout --out runs/eval --suite kl,retrieval,kvcache
+    python jobs/eval.py --config configs/eval_smoke.yaml --model runs/hylo-smollm2 --set kvcache.lengths=[512,1024]
+
+Writes results.json and results.md into --out and prints the Markdown. Options given as flags
+override the same keys of --config / --set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.config import ConfigError, add_config_args, load_config  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
+    p.add_argument("--model", help="HyLo or HF checkpoint directory, or asset name (models.path)")
+    p.add_argument("--teacher", help="teacher checkpoint for KL (models.teacher)")
+    p.add_argument("--base", help="base HF model for KV-cache / retrieval comparison (models.base)")
+    p.add_argument("--tokenizer", help="tokenizer directory (models.tokenizer)")
+    p.add_argument("--data", help="held-out rows: packed-data dir, Parquet, or JSON/JSONL chat records (kl.data)")
+    p.add_argument("--out", help="output directory (out)")
+    p.add_argument("--suite", help="comma list of kl,retrieval,kvcache,lm_eval (suites)")
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N (models.device)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="models.dtype")
+    p.add_argument("--lm-eval-tasks", help="comma list of lm-eval task names (lm_eval.tasks)")
+    p.add_argument("--quiet", action="store_true", help="do not print the Markdown report")
+    return p
+
+
+FLAG_KEYS = {"model": "models.path", "teacher": "models.teacher", "base": "models.base",
+             "tokenizer": "models.tokenizer", "data": "kl.data", "out": "out", "device": "models.device",
+             "dtype": "models.dtype"}
+
+
+def overrides_from_flags(args: argparse.Namespace) -> list[str]:
+    out = [f"{key}={json.dumps(getattr(args, flag))}" for flag, key in FLAG_KEYS.items()
+           if getattr(args, flag) is not None]
+    if args.suite:
+        out.append(f"suites={json.dumps([s.strip() for s in args.suite.split(',') if s.strip()])}")
+    if args.lm_eval_tasks:
+        out.append(f"lm_eval.tasks={json.dumps([s.strip() for s in args.lm_eval_tasks.split(',') if s.strip()])}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pipeline.eval.config import EvalConfig
+    from pipeline.eval.decode import EvalError
+
+    try:
+        cfg = load_config(EvalConfig, args.config, [*args.overrides, *overrides_from_flags(args)])
+        from pipeline.eval.run import render_markdown, run_eval
+
+        res = run_eval(cfg)
+    except (ConfigError, EvalError) as e:
+        print(f"eval: error: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print(render_markdown(res))
+    print(f"[eval] wrote {Path(cfg.out) / 'results.json'} and results.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""KL(teacher || model) and perplexity on held-out packed rows or chat records.
+
+Legend: T tokens of a row, N scored tokens, D / D' model / teacher hidden size, V vocabulary,
+C tokens per logits chunk.
+
+Design choices:
+* A token t is scored when `loss_mask[t]` is set (its label, input_ids[t + 1], is a valid
+  assistant token of the same document), exactly the tokens training distils on. Rows without a
+  loss mask score every token except the last of each document.
+* Documents are isolated: HyLo models take the whole packed row with `cu_seqlens`; HF models run
+  one forward per document (no block mask needed, positions restart by construction).
+* The KL goes through the project's fused op `kernels.fused_kl.fused_linear_kl_div` (hidden states
+  + output weights in, no [N, V] tensor); when that op cannot be imported the same quantity is
+  computed exactly, chunk by chunk, in fp32 (`kl_backend` in the result says which ran).
+* Perplexity = exp(mean NLL over scored tokens), computed chunk by chunk from the same hidden
+  states, for the model and (when given) the teacher.
+* Inputs: a packed-data directory (manifest.json + shards, from jobs/prepare_data.py), a Parquet
+  file / directory of packed rows, or chat records (JSON / JSONL, `messages` or ShareGPT
+  `conversations`) rendered with the model's chat template, one document per row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.eval.decode import EvalError, final_hidden, is_hylo
+
+LOGITS_CHUNK = 1024
+
+
+# ----------------------------------------------------------------------------------------- rows
+def _as_tensor(value: Any, dtype: torch.dtype, where: str, name: str) -> torch.Tensor:
+    try:
+        t = value.detach().cpu() if torch.is_tensor(value) else torch.as_tensor(np.array(value))
+    except (TypeError, ValueError) as e:
+        raise EvalError(f"{where}: field {name!r} is not a numeric array ({e})") from None
+    if t.dim() != 1:
+        raise EvalError(f"{where}: field {name!r} must be 1-D, got shape {tuple(t.shape)}")
+    return t.to(dtype)
+
+
+def check_eval_row(row: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
+    """Normalise one packed row (shared contract) to tensors; errors name the record and field."""
+    for key in ("input_ids", "cu_seqlens"):
+        if key not in row:
+            raise EvalError(f"{where}: missing field {key!r} (have {sorted(row)})")
+    ids = _as_tensor(row["input_ids"], torch.long, where, "input_ids")
+    cu = _as_tensor(row["cu_seqlens"], torch.int32, where, "cu_seqlens")
+    t = ids.numel()
+    if t == 0:
+        raise EvalError(f"{where}: input_ids is empty")
+    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != t or bool((cu[1:] <= cu[:-1]).any()):
+        raise EvalError(f"{where}: cu_seqlens {cu.tolist()[:8]} must start at 0, increase and end at T={t}")
+    if "loss_mask" in row and row["loss_mask"] is not None:
+        mask = _as_tensor(row["loss_mask"], torch.bool, where, "loss_mask")
+        if mask.numel() != t:
+            raise EvalError(f"{where}: loss_mask has {mask.numel()} entries for {t} tokens")
+    else:
+        mask = torch.ones(t, dtype=torch.bool)
+    # no label crosses a document: the last token of every document is never scored
+    mask = mask.clone()
+    mask[cu[1:].long() - 1] = False
+    return {"input_ids": ids, "cu_seqlens": cu, "loss_mask": mask}
+
+
+def _read_parquet_rows(path: Path, limit: int | None) -> Iterator[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+    if not files:
+        raise EvalError(f"{path}: no *.parquet files")
+    n = 0
+    for f in files:
+        pf = pq.ParquetFile(f)
+        names = set(pf.schema_arrow.names)
+        missing = {"input_ids", "cu_seqlens"} - names
+        if missing:
+            raise EvalError(f"{f}: not packed rows, missing column(s) {sorted(missing)}")
+        cols = [c for c in ("input_ids", "cu_seqlens", "loss_mask") if c in names]
+        for batch in pf.iter_batches(batch_size=16, columns=cols):
+            for i in range(batch.num_rows):
+                if limit is not None and n >= limit:
+                    return
+                yield {c: batch.column(c)[i].values.to_numpy(zero_copy_only=False) for c in cols} | {
+                    "_where": f"{f.name} row {n}"}
+                n += 1
+
+
+def _chat_rows(path: Path, tokenizer_dir: str | Path, limit: int | None) -> Iterator[dict[str, Any]]:
+    from pipeline.data.packing import label_aligned_mask
+    from pipeline.data.readers import SourceSpec, is_reject, iter_source
+    from pipeline.data.render import ChatRenderer, Rejected
+
+    try:
+        renderer = ChatRenderer.from_pretrained(str(tokenizer_dir))
+    except Exception as e:  # transformers raises many kinds for a missing or broken tokenizer
+        raise EvalError(f"{path}: could not load a tokenizer with a chat template from {tokenizer_dir} "
+                        f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
+    n = 0
+    for item in iter_source(SourceSpec(name="eval", path=str(path))):
+        if limit is not None and n >= limit:
+            return
+        if is_reject(item):
+            # held-out data is read as is: a broken record is reported, not silently skipped
+            raise EvalError(f"{Path(item['file']).name} record {item['record']}: {item['reason']}")
+        enc = renderer.encode_batch([{"id": item["id"], "messages": item["messages"]}])[0]
+        if isinstance(enc, Rejected):
+            raise EvalError(f"{path} record {item['id']}: {enc.reason}")
+        ids = enc.input_ids.astype(np.int64)
+        yield {"input_ids": ids, "cu_seqlens": np.array([0, len(ids)], dtype=np.int32),
+               "loss_mask": label_aligned_mask(enc.assistant_mask), "_where": f"{path.name} record {item['id']}"}
+        n += 1
+
+
+def iter_eval_rows(data: str | Path, tokenizer_dir: str | Path | None = None,
+                   max_rows: int | None = None) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """(where, row) for every held-out row of `data` (see the module docstring for formats)."""
+    p = Path(data)
+    if not p.exists():
+        raise EvalError(f"eval data {p} does not exist")
+    if p.is_dir() and (p / "manifest.json").is_file():
+        from pipeline.data.dataset import RowReader
+
+        reader = RowReader(p, drop_last=False)
+        for i, row in enumerate(reader):
+            if max_rows is not None and i >= max_rows:
+                return
+            yield f"{p.name} row {i}", check_eval_row(row, f"{p} row {i}")
+        return
+    if p.suffix == ".parquet" or (p.is_dir() and any(p.glob("*.parquet"))):
+        raw = _read_parquet_rows(p, max_rows)
+    elif p.is_file() and any(s in (".json", ".jsonl") for s in p.suffixes):
+        if tokenizer_dir is None:
+            raise EvalError(f"{p}: chat records need a tokenizer (the model directory has none)")
+        raw = _chat_rows(p, tokenizer_dir, max_rows)
+    else:
+        raise EvalError(f"{p}: not a packed-data directory (manifest.json), Parquet rows or JSON/JSONL chat records")
+    for row in raw:
+        where = row.pop("_where")
+        yield where, check_eval_row(row, where)
+
+
+# ----------------------------------------------------------------------------------------- math
+def hidden_states(model: nn.Module, row: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Final normed hidden states [T, D] with documents isolated."""
+    device = next(model.parameters()).device
+    ids_T = row["input_ids"].to(device)
+    cu = row["cu_seqlens"]
+    if is_hylo(model):
+        return final_hidden(model, ids_T, cu.to(device) if cu.numel() > 2 else None)
+    parts = [final_hidden(model, ids_T[int(s):int(e)]) for s, e in zip(cu[:-1], cu[1:])]
+    return torch.cat(parts, dim=0)
+
+
+def chunked_nll_sum(h_ND: torch.Tensor, w_VD: torch.Tensor, labels_N: torch.Tensor,
+                    chunk: int = LOGITS_CHUNK) -> float:
+    total = 0.0
+    w = w_VD.float()
+    for s in range(0, h_ND.shape[0], chunk):
+        logits_CV = h_ND[s:s + chunk].float() @ w.T
+        total += float(F.cross_entropy(logits_CV, labels_N[s:s + chunk], reduction="sum"))
+    return total
+
+
+def chunked_kl_sum(hs_ND: torch.Tensor, ws_VD: torch.Tensor, ht_ND: torch.Tensor, wt_VD: torch.Tensor,
+                   chunk: int = LOGITS_CHUNK) -> float:
+    """Exact sum over tokens of KL(teacher || student), fp32, C tokens at a time."""
+    total = 0.0
+    ws, wt = ws_VD.float(), wt_VD.float()
+    for s in range(0, hs_ND.shape[0], chunk):
+        logq_CV = torch.log_softmax(hs_ND[s:s + chunk].float() @ ws.T, dim=-1)
+        logp_CV = torch.log_softmax(ht_ND[s:s + chunk].float() @ wt.T, dim=-1)
+        total += float((logp_CV.exp() * (logp_CV - logq_CV)).sum())
+    return total
+
+
+def fused_kl_op():
+    """The project's fused linear KL op, or None when it is not available."""
+    try:
+        from kernels.fused_kl import fused_linear_kl_div
+    except ImportError:
+        try:
+            from kernels.fused_kl.chunked import fused_linear_kl_div
+        except ImportError:
+            return None
+    return fused_linear_kl_div
+
+
+@dataclass
+class KLResult:
+    rows: int
+    documents: int
+    tokens: int
+    kl: float | None
+    nll: float
+    ppl: float
+    teacher_nll: float | None
+    teacher_ppl: float | None
+    kl_backend: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _output_weight(model: nn.Module) -> torch.Tensor:
+    head = model.get_output_embeddings()
+    if head is None:
+        raise EvalError(f"{type(model).__name__} has no output embeddings (lm_head)")
+    return head.weight
+
+
+@torch.no_grad()
+def evaluate_kl(model: nn.Module, rows: Iterable[tuple[str, dict[str, Any]]], teacher: nn.Module | None = None, use_fused: bool = True,
+                chunk: int = LOGITS_CHUNK) -> KLResult:
+    """KL(teacher || model) per scored token, and NLL / perplexity of model (and teacher).
+
+    rows: (where, packed row) pairs, e.g. from `iter_eval_rows`; `where` names the row in errors.
+    """
+    ws = _output_weight(model)
+    wt = _output_weight(teacher) if teacher is not None else None
+    if wt is not None and wt.shape[0] != ws.shape[0]:
+        raise EvalError(f"teacher vocabulary {wt.shape[0]} != model vocabulary {ws.shape[0]}: "
+                        "KL needs the same tokenizer")
+    op = fused_kl_op() if (use_fused and teacher is not None) else None
+    backend = None if teacher is None else ("fused_linear_kl_div" if op is not None else "chunked_exact")
+    n_rows = n_docs = n_tok = 0
+    kl_sum = nll_sum = t_nll_sum = 0.0
+    for where, row in rows:
+        row = check_eval_row(row, where)
+        vocab = ws.shape[0]
+        top = int(row["input_ids"].max())
+        if top >= vocab:
+            raise EvalError(f"{where}: token id {top} is outside the model's vocabulary ({vocab})")
+        idx = row["loss_mask"].nonzero().squeeze(-1)
+        n_rows += 1
+        n_docs += row["cu_seqlens"].numel() - 1
+        if idx.numel() == 0:
+            continue
+        labels_N = row["input_ids"][idx + 1].to(ws.device)
+        hs_ND = hidden_states(model, row)[idx.to(ws.device)]
+        nll_sum += chunked_nll_sum(hs_ND, ws, labels_N, chunk)
+        if teacher is not None:
+            ht_ND = hidden_states(teacher, row)[idx.to(wt.device)].to(ws.device)
+            t_nll_sum += chunked_nll_sum(ht_ND, wt.to(ws.device), labels_N, chunk)
+            if op is not None:
+                kl_sum += float(op(hs_ND, ws, teacher_hidden=ht_ND, teacher_weight=wt.to(ws.device),
+                                   reduction="sum", chunk_size=chunk))
+            else:
+                kl_sum += chunked_kl_sum(hs_ND, ws, ht_ND, wt.to(ws.device), chunk)
+        n_tok += idx.numel()
+    if n_rows == 0:
+        raise EvalError("no evaluation rows were read")
+    if n_tok == 0:
+        raise EvalError(f"{n_rows} row(s) read but none has a scored token (loss_mask all zero)")
+    nll = nll_sum / n_tok
+    t_nll = t_nll_sum / n_tok if teacher is not None else None
+    return KLResult(
+        rows=n_rows, documents=n_docs, tokens=n_tok,
+        kl=kl_sum / n_tok if teacher is not None else None,
+        nll=nll, ppl=math.exp(nll),
+        teacher_nll=t_nll, teacher_ppl=math.exp(t_nll) if t_nll is not None else None,
+        kl_backend=backend,
+    )

@@ -1,0 +1,213 @@
+"""Run the evaluation suites of an `EvalConfig` and write results.json + results.md into `out`.
+
+Design choices:
+* One process, no Ray: evaluation of one checkpoint fits one device; on a cluster the job is
+  submitted with `ray job submit --entrypoint-num-gpus=1` so Ray places it on a GPU.
+* Suites are independent; each one's section in results.json records its own wall time, and a
+  suite that needs an input that was not given fails with an error naming the missing option.
+* The model under test and (when given) the base model run the same retrieval prompts and the
+  same KV-cache lengths, so their numbers sit side by side in one table.
+* Results are written atomically (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config import config_hash, to_dict
+from pipeline.eval.config import EvalConfig
+from pipeline.eval.decode import EvalError, is_hylo, load_model, load_tokenizer
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _need(value: Any, option: str, suite: str) -> Any:
+    if value is None:
+        raise EvalError(f"suite {suite!r} needs {option}")
+    return value
+
+
+def _model_info(model) -> dict[str, Any]:
+    info = {"kind": "hylo" if is_hylo(model) else type(model).__name__,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+    if is_hylo(model):
+        info["mla_layers"] = list(model.config.mla_layers)
+        info["n_layer"] = model.config.n_layer
+    return info
+
+
+def run_eval(cfg: EvalConfig) -> dict[str, Any]:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    m = cfg.models
+    model_path = _need(m.path, "--model (models.path)", "any")
+    t0 = time.perf_counter()
+    model = load_model(model_path, m.dtype, m.device)
+    tokenizer = load_tokenizer(m.tokenizer or model_path) if _has_tokenizer(m.tokenizer or model_path) else None
+    base = load_model(m.base, m.dtype, m.device) if m.base else None
+    results: dict[str, Any] = {
+        "config": to_dict(cfg), "config_hash": config_hash(cfg),
+        "model": {"path": str(model_path), **_model_info(model)},
+        "base": {"path": m.base, **_model_info(base)} if base is not None else None,
+        "load_s": time.perf_counter() - t0,
+    }
+    for suite in cfg.suites:
+        ts = time.perf_counter()
+        if suite == "kl":
+            results["kl"] = _suite_kl(cfg, model, tokenizer)
+        elif suite == "retrieval":
+            results["retrieval"] = _suite_retrieval(cfg, model, base, tokenizer)
+        elif suite == "kvcache":
+            results["kvcache"] = _suite_kvcache(cfg, model, base)
+        elif suite == "lm_eval":
+            from pipeline.eval.lm_eval_adapter import run_lm_eval
+
+            le = cfg.lm_eval
+            results["lm_eval"] = run_lm_eval(str(model_path), le.tasks, m.dtype, m.device, le.num_fewshot,
+                                             le.limit, le.include_path, le.max_length)
+        results[suite]["seconds"] = time.perf_counter() - ts
+    write_results(results, Path(cfg.out))
+    return results
+
+
+def _has_tokenizer(path: str) -> bool:
+    p = Path(path)
+    return not p.is_dir() or any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def _suite_kl(cfg: EvalConfig, model, tokenizer) -> dict[str, Any]:
+    from pipeline.eval.kl import evaluate_kl, iter_eval_rows
+
+    data = _need(cfg.kl.data, "--data (kl.data)", "kl")
+    teacher = load_model(cfg.models.teacher, cfg.models.dtype, cfg.models.device) if cfg.models.teacher else None
+    tok_dir = (cfg.models.tokenizer or cfg.models.path) if tokenizer is not None else None
+    rows = iter_eval_rows(data, tok_dir, cfg.kl.max_rows)
+    res = evaluate_kl(model, rows, teacher, use_fused=cfg.kl.use_fused, chunk=cfg.kl.chunk_tokens).to_dict()
+    res["teacher"] = cfg.models.teacher
+    res["data"] = data
+    return res
+
+
+def _suite_retrieval(cfg: EvalConfig, model, base, tokenizer) -> dict[str, Any]:
+    from pipeline.eval.retrieval import make_samples, run_retrieval
+
+    tok = _need(tokenizer, "a tokenizer beside the model (or models.tokenizer)", "retrieval")
+    r = cfg.retrieval
+    samples = make_samples(tok, r.lengths, r.samples_per_length, r.tasks, cfg.seed, r.prompt_format,
+                           r.multikey_needles)
+    out = {"model": run_retrieval(model, tok, samples, r.max_new_tokens)}
+    if base is not None:
+        out["base"] = run_retrieval(base, tok, samples, r.max_new_tokens)
+    return out
+
+
+def _suite_kvcache(cfg: EvalConfig, model, base) -> dict[str, Any]:
+    from pipeline.eval import kvcache
+
+    k = cfg.kvcache
+    model_rows = kvcache.measure(model, k.lengths, k.decode_tokens, cfg.seed)
+    base_rows = kvcache.measure(base, k.lengths, k.decode_tokens, cfg.seed) if base is not None else None
+    ratio = kvcache.expected_ratio(base, model)
+    return {
+        "model": model_rows,
+        "base": base_rows,
+        "comparison": kvcache.compare(base_rows, model_rows, ratio, kvcache.hybrid_expected_bytes_per_token(model)),
+    }
+
+
+# ------------------------------------------------------------------------------------------ report
+def _fmt(x: Any, digits: int = 4) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
+    return lines
+
+
+def render_markdown(res: dict[str, Any]) -> str:
+    lines = [f"# Evaluation of `{res['model']['path']}`", ""]
+    lines += [f"Model: {res['model']['kind']}, {res['model']['parameters']:,} parameters, {res['model']['dtype']}."]
+    if res.get("base"):
+        lines += [f"Base: `{res['base']['path']}` ({res['base']['kind']})."]
+    lines.append("")
+    if "kl" in res:
+        k = res["kl"]
+        lines += ["## KL to the teacher and perplexity", ""]
+        lines += _table(["rows", "documents", "scored tokens", "KL(teacher‖model) / token", "model ppl",
+                         "teacher ppl", "KL computed by"],
+                        [[k["rows"], k["documents"], k["tokens"], k["kl"], k["ppl"], k["teacher_ppl"], k["kl_backend"]]])
+        lines.append("")
+    if "retrieval" in res:
+        lines += ["## Needle-in-a-haystack retrieval (accuracy)", ""]
+        r = res["retrieval"]
+        who = [("model", r["model"])] + ([("base", r["base"])] if "base" in r else [])
+        tasks = sorted(r["model"]["accuracy"])
+        lengths = sorted({int(L) for t in tasks for L in r["model"]["accuracy"][t]})
+        rows = []
+        for name, rr in who:
+            for t in tasks:
+                acc = rr["accuracy"][t]
+                rows.append([name, t] + [acc[str(L)]["accuracy"] for L in lengths])
+        lines += _table(["model", "task"] + [f"{L:,} tok" for L in lengths], rows)
+        beyond = sorted({int(L) for _, rr in who for t in tasks for L, c in rr["accuracy"][t].items()
+                         if c["beyond_max_positions"]})
+        if beyond:
+            lines += ["", f"Lengths beyond a model's max_position_embeddings: {beyond}."]
+        lines.append("")
+    if "kvcache" in res:
+        kv = res["kvcache"]
+        c = kv["comparison"]
+        lines += ["## KV cache measured during generation", ""]
+        base_by = {b["context"]: b for b in kv["base"] or []}
+        rows = []
+        for h, cmp in zip(kv["model"], c["per_length"]):
+            b = base_by.get(h["context"], {})
+            rows.append([h["context"], b.get("bytes_per_token"), h["growing_bytes_per_token"], h["constant_bytes"],
+                         cmp.get("measured_ratio"), c["kv_cache_ratio"], b.get("decode_tokens_per_s"),
+                         h["decode_tokens_per_s"]])
+        lines += _table(["context", "base bytes/token", "hybrid bytes/token (growing)", "hybrid constant bytes",
+                         "measured ratio", "kv_cache_ratio", "base decode tok/s", "hybrid decode tok/s"], rows)
+        lines += ["", f"Hybrid within {c['tolerance']:.0%} of kv_cache_ratio: {_fmt(c['hybrid_within_tolerance'])}."]
+        if "base_grows_linearly" in c:
+            lines += [f"Base bytes per token constant over lengths (linear growth): {_fmt(c['base_grows_linearly'])} "
+                      f"(spread {_fmt(c['base_bytes_per_token_spread'])})."]
+        lines.append("")
+    if "lm_eval" in res:
+        lines += ["## lm-evaluation-harness", ""]
+        rows = []
+        for task, metrics in sorted(res["lm_eval"]["results"].items()):
+            for key, val in sorted(metrics.items()):
+                if isinstance(val, int | float) and not key.endswith("_stderr,none") and "stderr" not in key:
+                    rows.append([task, key, val])
+        lines += _table(["task", "metric", "value"], rows)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_results(res: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / "results.json", json.dumps(res, indent=1, default=str))
+    _atomic_write(out / "results.md", render_markdown(res))
