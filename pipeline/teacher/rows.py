@@ -56,7 +56,7 @@ def _as_1d_int(value: Any, name: str, where: str) -> torch.Tensor:
         t = value.detach().cpu()
     else:
         try:
-            t = torch.from_numpy(np.ascontiguousarray(np.asarray(value)))
+            t = torch.from_numpy(np.array(value))
         except (TypeError, ValueError) as e:
             raise RowError(f"{where}: field {name!r} is not an integer array ({e})") from None
     if t.dim() == 2 and t.shape[0] == 1:

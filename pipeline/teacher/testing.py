@@ -6,7 +6,6 @@ tests can build the same tiny teacher.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -47,27 +46,21 @@ def make_packed_row(doc_lengths: list[int], vocab_size: int, seed: int, pad: int
         ids[-pad:] = 0
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     pos = np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)
-    mask = np.ones(t, dtype=np.int8)
-    mask[cu[1:] - 1] = 0
+    mask = np.ones(t, dtype=np.bool_)
+    mask[cu[1:] - 1] = False
     if pad:
-        mask[-pad:] = 0
+        mask[-pad:] = False
     return {"input_ids": ids, "position_ids": pos, "cu_seqlens": cu, "loss_mask": mask,
             "doc_ids": [f"s{seed}-d{i}" for i in range(len(lengths))]}
 
 
 def write_packed_parquet(path: str | Path, rows: list[dict[str, Any]]) -> Path:
-    """Write packed rows as one Parquet file with the data pipeline's columns."""
-    import pyarrow as pa
+    """Write packed rows as one Parquet file in the data pipeline's row schema."""
     import pyarrow.parquet as pq
 
-    table = pa.table({
-        "input_ids": pa.array([r["input_ids"].tolist() for r in rows], pa.list_(pa.int64())),
-        "position_ids": pa.array([r["position_ids"].tolist() for r in rows], pa.list_(pa.int64())),
-        "cu_seqlens": pa.array([r["cu_seqlens"].tolist() for r in rows], pa.list_(pa.int32())),
-        "loss_mask": pa.array([r["loss_mask"].tolist() for r in rows], pa.list_(pa.int8())),
-        "doc_ids": pa.array([json.loads(json.dumps(r["doc_ids"])) for r in rows], pa.list_(pa.string())),
-    })
+    from pipeline.data.dataset import rows_to_table
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
+    pq.write_table(rows_to_table(rows), path)
     return path

@@ -1,0 +1,41 @@
+"""Offline teacher top-k cache: run the teacher over a packed dataset and write versioned shards.
+
+    python jobs/teacher_cache.py --set data=DIR --set out=DIR [--config X.yaml] [--set k=64 ...]
+
+Resumable: rerun the same command after a kill; finished shards are kept, the rest are computed.
+Smoke variant (this machine): --set model.path=<tiny HF dir> --set num_actors=1 --set cpus_per_actor=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.config import add_config_args, config_from_args  # noqa: E402
+from pipeline.teacher.cache import run_cache_job  # noqa: E402
+from pipeline.teacher.config import TeacherCacheConfig  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_config_args(parser)
+    cfg = config_from_args(TeacherCacheConfig, parser.parse_args(argv))
+
+    import ray
+
+    # On a cluster, submit with `ray job submit --working-dir . -- python jobs/teacher_cache.py ...`.
+    ray.init(address=cfg.ray_address, include_dashboard=False)
+    try:
+        result = run_cache_job(cfg)
+    finally:
+        ray.shutdown()
+    print(json.dumps(result))
+    return 0 if result["complete"] else 3
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

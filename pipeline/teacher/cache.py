@@ -1,0 +1,469 @@
+"""Offline top-k teacher cache: shards written by a Ray Data actor pool, read back by stage 2.
+
+Legend: T tokens of a row, K top-k.
+
+Layout of a cache directory:
+    manifest.json              schema, teacher id, tokenizer hash, k, dtypes, data fingerprint, shard plan
+    shards/shard-00000.parquet one row per packed row: row_id, num_tokens, logprobs, indices, tail_logmass
+
+Design choices:
+* The unit of work, of atomic writes and of resume is a shard = a fixed row range of one input
+  Parquet file (the plan is a pure function of the input files and `rows_per_shard`). A shard is
+  written under a temporary name and renamed into place, so after a kill a shard file either
+  exists complete or not at all; a rerun skips existing shards and sweeps temporary leftovers.
+* The manifest is written first (with the plan) and rewritten when every shard exists; a rerun
+  whose teacher, tokenizer, k, dtype or data differ from the manifest's fails, naming the field,
+  instead of mixing two caches in one directory.
+* Tensors are stored as raw little-endian bytes in `large_binary` columns (zstd-compressed):
+  exact round trip of fp16/bf16, no per-element boxing. Indices are stored as uint16 when the
+  vocabulary fits (halving their size), int32 otherwise; the reader always returns int32.
+* Every shard carries the cache header in its Parquet metadata too, so a shard copied into the
+  wrong cache is detected.
+* Row ids are the data's `row_id` column when present, else a content hash of the row
+  (`rows.row_content_id`), so `get_for_row(row)` also proves the row is the same data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernels.fused_kl.topk import TeacherTopK
+from pipeline.teacher.rows import PackedRow, as_packed_row, read_packed_rows
+
+SCHEMA = "hylo-teacher-topk"
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_DIR = "shards"
+META_KEY = b"hylo_teacher_cache"
+# Fields that must agree between a cache and whoever writes into or reads from it.
+HEADER_FIELDS = ("schema", "schema_version", "teacher_id", "tokenizer_hash", "k", "dtype", "index_dtype",
+                 "vocab_size", "data_fingerprint", "rows_per_shard")
+_NP_DTYPES = {"float16": np.float16, "float32": np.float32, "int32": np.int32, "uint16": np.uint16}
+
+
+class CacheMismatchError(ValueError):
+    """The cache was made with another teacher, tokenizer, k, dtype or data; names the field."""
+
+
+class CacheFormatError(ValueError):
+    """A cache file is missing, unreadable or of an unknown schema; names the file."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    name: str
+    file: str
+    start: int
+    end: int
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def list_data_files(data_dir: str | Path) -> list[Path]:
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise CacheFormatError(f"data directory {d} does not exist")
+    files = sorted(p for p in d.rglob("*.parquet") if not p.name.startswith("."))
+    if not files:
+        raise CacheFormatError(f"data directory {d} holds no .parquet files")
+    return files
+
+
+def data_fingerprint(data_dir: str | Path) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """(hash, files, info) of a packed dataset.
+
+    With the data pipeline's manifest.json, the files are its shards in its order and `info` holds
+    its tokenizer (name, hash) and config hash; otherwise every *.parquet under the directory,
+    sorted. The hash covers relative paths, sizes, row counts and the manifest's hashes.
+    """
+    import pyarrow.parquet as pq
+
+    d = Path(data_dir)
+    info: dict[str, Any] = {}
+    if (d / "manifest.json").is_file():
+        from pipeline.data.dataset import read_manifest
+
+        m = read_manifest(d)
+        paths = [d / s["file"] for s in m["shards"]]
+        info = {k: m.get(k) for k in ("format", "tokenizer", "tokenizer_hash", "config_hash")}
+    else:
+        paths = list_data_files(d)
+    entries = []
+    for p in paths:
+        try:
+            rows = pq.ParquetFile(p).metadata.num_rows
+        except Exception as e:
+            raise CacheFormatError(f"{p}: not a readable Parquet file ({e})") from None
+        entries.append({"path": str(p.relative_to(d)), "bytes": p.stat().st_size, "rows": rows})
+    blob = json.dumps([entries, info], sort_keys=True).encode()
+    return "data-" + hashlib.sha256(blob).hexdigest()[:16], entries, info
+
+
+def plan_shards(files: list[dict[str, Any]], rows_per_shard: int) -> list[ShardPlan]:
+    plan = []
+    for f in files:
+        for s in range(0, f["rows"], rows_per_shard):
+            plan.append(ShardPlan(f"shard-{len(plan):05d}", f["path"], s, min(s + rows_per_shard, f["rows"])))
+    return plan
+
+
+def index_dtype_for(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 1 << 16 else "int32"
+
+
+def make_header(teacher_id: str, tokenizer_hash: str, k: int, dtype: str, vocab_size: int,
+                data_fp: str, rows_per_shard: int) -> dict[str, Any]:
+    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "teacher_id": teacher_id,
+            "tokenizer_hash": tokenizer_hash, "k": k, "dtype": dtype, "index_dtype": index_dtype_for(vocab_size),
+            "vocab_size": vocab_size, "data_fingerprint": data_fp, "rows_per_shard": rows_per_shard}
+
+
+def check_header(found: Mapping[str, Any], expected: Mapping[str, Any], where: str,
+                 fields: tuple[str, ...] = HEADER_FIELDS) -> None:
+    for f in fields:
+        if f in expected and expected[f] is not None and found.get(f) != expected[f]:
+            raise CacheMismatchError(f"{where}: {f} is {found.get(f)!r} but {expected[f]!r} is expected "
+                                     f"(a cache made with another {f.replace('_', ' ')}; use a new cache directory)")
+
+
+# ---------------------------------------------------------------------- tensors <-> bytes
+def _to_bytes(t: torch.Tensor, dtype: str) -> bytes:
+    if dtype == "bfloat16":
+        return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().astype("<i2").tobytes()
+    return t.numpy().astype(np.dtype(_NP_DTYPES[dtype]).newbyteorder("<")).tobytes()
+
+
+def _from_bytes(b: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.frombuffer(b, dtype="<i2").astype(np.int16).reshape(shape)).view(torch.bfloat16)
+    arr = np.frombuffer(b, dtype=np.dtype(_NP_DTYPES[dtype]).newbyteorder("<")).astype(_NP_DTYPES[dtype])
+    return torch.from_numpy(arr.reshape(shape))
+
+
+def write_shard(path: Path, header: Mapping[str, Any], plan: ShardPlan, row_ids: list[str],
+                records: list[TeacherTopK]) -> int:
+    """Write one shard atomically; returns its size in bytes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    k, dt, idt = header["k"], header["dtype"], header["index_dtype"]
+    for rid, rec in zip(row_ids, records):
+        if rec.logprobs.shape[1] != k:
+            raise ValueError(f"shard {plan.name}: row {rid} has k={rec.logprobs.shape[1]}, the cache k={k}")
+    table = pa.table({
+        "row_id": pa.array(row_ids, pa.string()),
+        "num_tokens": pa.array([int(r.logprobs.shape[0]) for r in records], pa.int32()),
+        "logprobs": pa.array([_to_bytes(r.logprobs, dt) for r in records], pa.large_binary()),
+        "indices": pa.array([_to_bytes(r.indices, idt) for r in records], pa.large_binary()),
+        "tail_logmass": pa.array([_to_bytes(r.tail_logmass, "float32") for r in records], pa.large_binary()),
+    })
+    meta = {**header, "shard": plan.name, "file": plan.file, "start": plan.start, "end": plan.end}
+    table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    # One packed row per row group: a reader fetches one row without decoding its neighbours.
+    pq.write_table(table, tmp, compression="zstd", row_group_size=1)
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+def read_shard_meta(path: Path) -> dict[str, Any]:
+    import pyarrow.parquet as pq
+
+    try:
+        md = pq.ParquetFile(path).schema_arrow.metadata or {}
+    except Exception as e:
+        raise CacheFormatError(f"{path}: unreadable shard ({e})") from None
+    if META_KEY not in md:
+        raise CacheFormatError(f"{path}: not a teacher-cache shard (no {META_KEY.decode()} metadata)")
+    return json.loads(md[META_KEY])
+
+
+# ---------------------------------------------------------------------- writing (one shard)
+def compute_shard(teacher: Any, data_dir: str | Path, out_dir: str | Path, header: Mapping[str, Any],
+                  plan: ShardPlan) -> dict[str, Any]:
+    """Run `teacher` (a TeacherModel) over one shard's rows and write it; returns a summary."""
+    t0 = time.perf_counter()
+    src = Path(data_dir) / plan.file
+    rows = read_packed_rows(src, plan.start, plan.end)
+    prows = [as_packed_row(r, where=f"{src} row {plan.start + i}") for i, r in enumerate(rows)]
+    records = teacher.topk_batch(prows, header["k"], dtype=header["dtype"])
+    path = Path(out_dir) / SHARD_DIR / f"{plan.name}.parquet"
+    size = write_shard(path, header, plan, [r.row_id for r in prows], records)
+    return {"shard": plan.name, "rows": len(prows), "tokens": sum(r.num_tokens for r in prows),
+            "bytes": size, "seconds": time.perf_counter() - t0}
+
+
+class _ShardWorker:
+    """Ray Data actor: one teacher per actor, one shard per call."""
+
+    def __init__(self, model_cfg: dict[str, Any], data_dir: str, out_dir: str, header: dict[str, Any]) -> None:
+        from pipeline.config import from_dict
+        from pipeline.teacher.config import TeacherModelConfig
+        from pipeline.teacher.model import TeacherModel
+
+        self.teacher = TeacherModel.from_config(from_dict(TeacherModelConfig, model_cfg))
+        check_header({"teacher_id": self.teacher.teacher_id, "tokenizer_hash": self.teacher.tokenizer_hash,
+                      "vocab_size": self.teacher.vocab_size}, header, f"teacher actor for {out_dir}",
+                     ("teacher_id", "tokenizer_hash", "vocab_size"))
+        self.data_dir, self.out_dir, self.header = data_dir, out_dir, header
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for i in range(len(batch["name"])):
+            plan = ShardPlan(str(batch["name"][i]), str(batch["file"][i]), int(batch["start"][i]), int(batch["end"][i]))
+            for key, v in compute_shard(self.teacher, self.data_dir, self.out_dir, self.header, plan).items():
+                out.setdefault(key, []).append(v)
+        return out
+
+
+def _teacher_identity(model_cfg: Any) -> tuple[str, str, int]:
+    """teacher id, tokenizer hash and vocabulary size, without loading the weights."""
+    from pipeline.teacher.model import model_fingerprint, resolve_model_path, tokenizer_fingerprint
+
+    path = resolve_model_path(model_cfg.path)
+    cfg = json.loads((path / "config.json").read_text())
+    vocab = cfg.get("vocab_size")
+    if not isinstance(vocab, int):
+        raise CacheFormatError(f"{path}/config.json has no integer vocab_size")
+    return model_fingerprint(path), tokenizer_fingerprint(model_cfg.tokenizer or path), vocab
+
+
+def _check_data_tokenizer(data_info: Mapping[str, Any], teacher_tok_hash: str, cfg: Any) -> None:
+    """The data must be tokenized with the teacher's tokenizer (when the data manifest names it)."""
+    name = data_info.get("tokenizer")
+    if not name:
+        return
+    from pipeline.data.dataset import resolve_tokenizer
+    from pipeline.teacher.model import tokenizer_fingerprint
+
+    try:
+        data_tok = tokenizer_fingerprint(resolve_tokenizer(name))
+    except FileNotFoundError:
+        return
+    if data_tok != teacher_tok_hash:
+        raise CacheMismatchError(f"{cfg.data}: the data was tokenized with {name!r} ({data_tok}), the teacher "
+                                 f"{cfg.model.path!r} uses another tokenizer ({teacher_tok_hash})")
+
+
+def prepare_cache(cfg: Any) -> tuple[dict[str, Any], list[ShardPlan], list[ShardPlan]]:
+    """Check or write the manifest; returns (header, full plan, shards still to do)."""
+    out = Path(cfg.out)
+    if not cfg.data or not cfg.out:
+        raise CacheFormatError("teacher cache: both `data` and `out` must be set")
+    (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    teacher_id, tok_hash, vocab = _teacher_identity(cfg.model)
+    if cfg.k > vocab:
+        raise CacheMismatchError(f"k={cfg.k} exceeds the teacher's vocabulary ({vocab})")
+    data_fp, files, data_info = data_fingerprint(cfg.data)
+    _check_data_tokenizer(data_info, tok_hash, cfg)
+    header = make_header(teacher_id, tok_hash, cfg.k, cfg.dtype, vocab, data_fp, cfg.rows_per_shard)
+    plan = plan_shards(files, cfg.rows_per_shard)
+    mpath = out / MANIFEST
+    if mpath.is_file():
+        found = load_manifest(out)
+        check_header(found, header, str(mpath))
+    else:
+        manifest = {**header, "data_dir": str(Path(cfg.data).resolve()), "data_info": data_info, "data_files": files,
+                    "shards": [p.__dict__ for p in plan], "complete": False, "created": time.time()}
+        _atomic_write_bytes(mpath, json.dumps(manifest, indent=1).encode())
+    for leftover in (out / SHARD_DIR).glob(".*.tmp-*"):
+        leftover.unlink(missing_ok=True)
+    todo = []
+    for p in plan:
+        path = out / SHARD_DIR / f"{p.name}.parquet"
+        if path.is_file():
+            meta = read_shard_meta(path)
+            check_header(meta, header, str(path))
+            if (meta["file"], meta["start"], meta["end"]) != (p.file, p.start, p.end):
+                raise CacheMismatchError(f"{path}: covers {meta['file']} rows {meta['start']}..{meta['end']}, "
+                                         f"the plan says {p.file} rows {p.start}..{p.end}")
+        else:
+            todo.append(p)
+    return header, plan, todo
+
+
+def finalize_cache(out_dir: str | Path, plan: list[ShardPlan]) -> bool:
+    """Mark the manifest complete (with totals) when every planned shard exists."""
+    import pyarrow.parquet as pq
+
+    out = Path(out_dir)
+    paths = [out / SHARD_DIR / f"{p.name}.parquet" for p in plan]
+    if not all(p.is_file() for p in paths):
+        return False
+    manifest = load_manifest(out)
+    rows = tokens = 0
+    for p in paths:
+        t = pq.read_table(p, columns=["num_tokens"])
+        rows += t.num_rows
+        tokens += int(np.asarray(t.column("num_tokens")).sum())
+    size = sum(p.stat().st_size for p in paths)
+    manifest.update(complete=True, rows=rows, tokens=tokens, bytes=size,
+                    bytes_per_token=size / max(tokens, 1), finished=time.time())
+    _atomic_write_bytes(out / MANIFEST, json.dumps(manifest, indent=1).encode())
+    return True
+
+
+def run_cache_job(cfg: Any, log: Any = print) -> dict[str, Any]:
+    """Compute the missing shards with a Ray Data actor pool; resumable. Needs `ray.init()` done."""
+    import ray
+
+    header, plan, todo = prepare_cache(cfg)
+    already = len(plan) - len(todo)
+    if cfg.max_new_shards:
+        todo = todo[:cfg.max_new_shards]
+    log(f"teacher cache {cfg.out}: {len(plan)} shards planned, {already} already done, {len(todo)} to compute")
+    done = []
+    if todo:
+        from pipeline.config import to_dict
+
+        ds = ray.data.from_items([p.__dict__ for p in todo], override_num_blocks=len(todo))
+        ds = ds.map_batches(
+            _ShardWorker,
+            fn_constructor_kwargs={"model_cfg": to_dict(cfg.model), "data_dir": str(cfg.data),
+                                   "out_dir": str(cfg.out), "header": header},
+            batch_size=1,
+            concurrency=min(cfg.num_actors, len(todo)),
+            num_cpus=cfg.cpus_per_actor,
+            num_gpus=cfg.gpus_per_actor,
+        )
+        for summary in ds.iter_rows():
+            done.append(summary)
+            log(f"  {summary['shard']}: {summary['rows']} rows, {summary['tokens']} tokens, "
+                f"{summary['bytes'] / max(summary['tokens'], 1):.0f} B/token, {summary['seconds']:.1f} s")
+    complete = finalize_cache(cfg.out, plan)
+    return {"planned": len(plan), "computed": sorted(s["shard"] for s in done), "complete": complete}
+
+
+def load_manifest(cache_dir: str | Path) -> dict[str, Any]:
+    path = Path(cache_dir) / MANIFEST
+    if not path.is_file():
+        raise CacheFormatError(f"{cache_dir}: no {MANIFEST}; not a teacher cache")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CacheFormatError(f"{path}: not valid JSON ({e})") from None
+    if m.get("schema") != SCHEMA:
+        raise CacheFormatError(f"{path}: schema {m.get('schema')!r} is not {SCHEMA!r}")
+    if m.get("schema_version") != SCHEMA_VERSION:
+        raise CacheFormatError(f"{path}: schema_version {m.get('schema_version')!r}; this reader knows "
+                               f"{SCHEMA_VERSION}")
+    return m
+
+
+# ---------------------------------------------------------------------- reading
+class TopKCacheReader:
+    """Stage 2's view of a finished cache: `get(row_id)`, `get_for_row(row)` or iteration in data order."""
+
+    def __init__(
+        self,
+        cache_dir: str | Path,
+        expect_k: int | None = None,
+        expect_tokenizer_hash: str | None = None,
+        expect_teacher_id: str | None = None,
+        expect_data: str | Path | None = None,
+        allow_incomplete: bool = False,
+    ) -> None:
+        import pyarrow.parquet as pq
+
+        self.dir = Path(cache_dir)
+        self.manifest = load_manifest(self.dir)
+        where = str(self.dir / MANIFEST)
+        if not self.manifest.get("complete") and not allow_incomplete:
+            raise CacheFormatError(f"{where}: the cache is incomplete (rerun jobs/teacher_cache.py to finish it)")
+        expected: dict[str, Any] = {"k": expect_k, "tokenizer_hash": expect_tokenizer_hash,
+                                    "teacher_id": expect_teacher_id}
+        if expect_data is not None:
+            data_fp, _, data_info = data_fingerprint(expect_data)
+            cache_info = self.manifest.get("data_info") or {}
+            if data_info.get("tokenizer_hash") != cache_info.get("tokenizer_hash"):
+                raise CacheMismatchError(
+                    f"{where}: the data in {expect_data} was tokenized with tokenizer hash "
+                    f"{data_info.get('tokenizer_hash')!r}, the cache was made from data with "
+                    f"{cache_info.get('tokenizer_hash')!r}")
+            expected["data_fingerprint"] = data_fp
+        check_header(self.manifest, expected, where)
+        self.k = int(self.manifest["k"])
+        self.dtype = self.manifest["dtype"]
+        self.index_dtype = self.manifest["index_dtype"]
+        self._files: list[Path] = []
+        self._index: dict[str, tuple[int, int]] = {}
+        self.row_ids: list[str] = []
+        for sh in self.manifest["shards"]:
+            path = self.dir / SHARD_DIR / f"{sh['name']}.parquet"
+            if not path.is_file():
+                if allow_incomplete:
+                    continue
+                raise CacheFormatError(f"{path}: shard listed in the manifest is missing")
+            check_header(read_shard_meta(path), self.manifest, str(path))
+            fi = len(self._files)
+            self._files.append(path)
+            ids = pq.read_table(path, columns=["row_id"]).column("row_id").to_pylist()
+            for j, rid in enumerate(ids):
+                self._index.setdefault(rid, (fi, j))
+                self.row_ids.append(rid)
+        self._open: tuple[int, Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    def __contains__(self, row_id: str) -> bool:
+        return row_id in self._index
+
+    def _read(self, fi: int, j: int) -> tuple[str, TeacherTopK]:
+        import pyarrow.parquet as pq
+
+        if self._open is None or self._open[0] != fi:
+            self._open = (fi, pq.ParquetFile(self._files[fi]))
+        t = self._open[1].read_row_group(j)
+        rid = t.column("row_id")[0].as_py()
+        n = int(t.column("num_tokens")[0].as_py())
+        rec = TeacherTopK(
+            _from_bytes(t.column("logprobs")[0].as_py(), self.dtype, (n, self.k)),
+            _from_bytes(t.column("indices")[0].as_py(), self.index_dtype, (n, self.k)).to(torch.int32),
+            _from_bytes(t.column("tail_logmass")[0].as_py(), "float32", (n,)),
+        )
+        return rid, rec
+
+    def get(self, row_id: str) -> TeacherTopK:
+        loc = self._index.get(row_id)
+        if loc is None:
+            raise KeyError(f"{self.dir}: row_id {row_id!r} is not in the cache (made from other data?)")
+        return self._read(*loc)[1]
+
+    def get_for_row(self, row: Mapping[str, Any] | PackedRow) -> TeacherTopK:
+        """The record of a packed row, checked against its id and length."""
+        prow = as_packed_row(row, where="cache lookup row")
+        if prow.row_id not in self._index:
+            raise CacheMismatchError(f"{self.dir}: row {prow.row_id} ({prow.num_tokens} tokens) is not in the "
+                                     f"cache; the cache was made from other data or another packing")
+        rec = self.get(prow.row_id)
+        if rec.logprobs.shape[0] != prow.num_tokens:
+            raise CacheMismatchError(f"{self.dir}: row {prow.row_id} has {prow.num_tokens} tokens, the cache "
+                                     f"holds {rec.logprobs.shape[0]}")
+        return rec
+
+    def __iter__(self) -> Iterator[tuple[str, TeacherTopK]]:
+        """(row_id, record) in data order."""
+        import pyarrow.parquet as pq
+
+        for fi, path in enumerate(self._files):
+            for j in range(pq.ParquetFile(path).metadata.num_row_groups):
+                yield self._read(fi, j)

@@ -1,0 +1,190 @@
+"""Offline top-k cache: exact round trip, rejection of mismatched caches, resume after partial shards.
+
+Shard-level tests run the teacher in-process (`compute_shard`); one module-scoped local Ray runs the
+real job (Ray Data actor pool) twice: a partial run, then a resumed run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from pipeline.teacher.cache import (
+    SHARD_DIR,
+    CacheFormatError,
+    CacheMismatchError,
+    TopKCacheReader,
+    compute_shard,
+    finalize_cache,
+    prepare_cache,
+    read_shard_meta,
+    run_cache_job,
+)
+from pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
+from pipeline.teacher.model import TeacherModel
+from pipeline.teacher.rows import as_packed_row, read_packed_rows
+from pipeline.teacher.testing import make_packed_row, save_tiny_llama, write_packed_parquet
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cache")
+    model = save_tiny_llama(d / "model", vocab_size=VOCAB)
+    data = d / "data"
+    rows = [make_packed_row([4 + i % 5, 6, 3], VOCAB, seed=i, pad=i % 3) for i in range(10)]
+    write_packed_parquet(data / "part-0.parquet", rows[:7])
+    write_packed_parquet(data / "part-1.parquet", rows[7:])
+    return {"dir": d, "model": model, "data": data, "rows": rows, "teacher": TeacherModel(model)}
+
+
+def _cfg(env, out, **kw) -> TeacherCacheConfig:
+    return TeacherCacheConfig(data=str(env["data"]), out=str(out), rows_per_shard=3,
+                              model=TeacherModelConfig(path=str(env["model"])), **kw)
+
+
+def _build_inprocess(env, out, **kw) -> TeacherCacheConfig:
+    cfg = _cfg(env, out, **kw)
+    header, plan, todo = prepare_cache(cfg)
+    for p in todo:
+        compute_shard(env["teacher"], cfg.data, cfg.out, header, p)
+    assert finalize_cache(cfg.out, plan)
+    return cfg
+
+
+@pytest.mark.parametrize("dtype,k", [("float16", 8), ("bfloat16", 5), ("float32", VOCAB)], ids=["fp16-k8", "bf16-k5", "fp32-kV"])
+def test_round_trip_is_exact(env, tmp_path, dtype, k):
+    _build_inprocess(env, tmp_path / "c", k=k, dtype=dtype)
+    reader = TopKCacheReader(tmp_path / "c", expect_k=k, expect_data=env["data"],
+                             expect_tokenizer_hash=env["teacher"].tokenizer_hash)
+    assert len(reader) == 10
+    for row in env["rows"]:
+        exp = env["teacher"].topk(row, k, dtype=dtype)
+        got = reader.get_for_row(row)
+        assert got.logprobs.dtype == exp.logprobs.dtype and got.indices.dtype == torch.int32
+        assert torch.equal(got.logprobs, exp.logprobs) and torch.equal(got.indices, exp.indices)
+        assert torch.equal(got.tail_logmass, exp.tail_logmass)
+    # Iteration follows the data order.
+    assert [rid for rid, _ in reader] == [as_packed_row(r).row_id for r in env["rows"]]
+
+
+@pytest.fixture(scope="module")
+def built(env):
+    out = env["dir"] / "built"
+    _build_inprocess(env, out, k=8)
+    return out
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"expect_k": 16}, "k is 8 but 16"),
+     ({"expect_tokenizer_hash": "tok-0000"}, "tokenizer_hash"),
+     ({"expect_teacher_id": "other@123"}, "teacher_id")],
+    ids=["k", "tokenizer", "teacher"],
+)
+def test_reader_rejects_mismatched_expectations(built, kwargs, match):
+    with pytest.raises(CacheMismatchError, match=match):
+        TopKCacheReader(built, **kwargs)
+
+
+def test_reader_rejects_other_data(env, built, tmp_path):
+    other = tmp_path / "other"
+    write_packed_parquet(other / "part-0.parquet", [make_packed_row([5, 5], VOCAB, seed=99)])
+    with pytest.raises(CacheMismatchError, match="data_fingerprint"):
+        TopKCacheReader(built, expect_data=other)
+    reader = TopKCacheReader(built)
+    with pytest.raises(CacheMismatchError, match="not in the cache"):
+        reader.get_for_row(make_packed_row([5, 5], VOCAB, seed=99))
+    with pytest.raises(KeyError, match="not in the cache"):
+        reader.get("nope")
+
+
+def test_rerun_with_other_k_or_tokenizer_is_refused(env, built, tmp_path):
+    with pytest.raises(CacheMismatchError, match="k is 8 but 16"):
+        prepare_cache(_cfg(env, built, k=16))
+    other_tok = save_tiny_llama(tmp_path / "m2", vocab_size=VOCAB, tokenizer_salt="z")
+    cfg = _cfg(env, built, k=8)
+    cfg.model.path = str(other_tok)
+    with pytest.raises(CacheMismatchError, match="teacher_id|tokenizer_hash"):
+        prepare_cache(cfg)
+
+
+def test_data_tokenized_with_another_tokenizer_is_refused(env, tmp_path):
+    from pipeline.data.dataset import write_manifest
+
+    data = tmp_path / "data"
+    write_packed_parquet(data / "shard-00000.parquet", env["rows"][:2])
+    other_tok = save_tiny_llama(tmp_path / "tok", vocab_size=VOCAB, tokenizer_salt="q")
+    write_manifest(data, {"tokenizer": str(other_tok), "tokenizer_hash": "abc", "config_hash": "x",
+                          "shards": [{"file": "shard-00000.parquet", "rows": 2}]})
+    cfg = _cfg(env, tmp_path / "c")
+    cfg.data = str(data)
+    with pytest.raises(CacheMismatchError, match="tokenized with"):
+        prepare_cache(cfg)
+
+
+def test_corrupt_or_foreign_files_are_named(built, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with pytest.raises(CacheFormatError, match="no manifest.json"):
+        TopKCacheReader(bad)
+    (bad / "manifest.json").write_text(json.dumps({"schema": "hylo-teacher-topk", "schema_version": 99}))
+    with pytest.raises(CacheFormatError, match="schema_version 99"):
+        TopKCacheReader(bad)
+    (bad / "x.parquet").write_bytes(b"not parquet")
+    with pytest.raises(CacheFormatError, match="x.parquet"):
+        read_shard_meta(bad / "x.parquet")
+
+
+def test_incomplete_cache_is_refused(env, tmp_path):
+    cfg = _cfg(env, tmp_path / "c")
+    header, plan, todo = prepare_cache(cfg)
+    compute_shard(env["teacher"], cfg.data, cfg.out, header, todo[0])
+    assert not finalize_cache(cfg.out, plan)
+    with pytest.raises(CacheFormatError, match="incomplete"):
+        TopKCacheReader(cfg.out)
+    assert len(TopKCacheReader(cfg.out, allow_incomplete=True)) == 3
+
+
+def test_read_packed_rows_round_trip(env):
+    rows = read_packed_rows(env["data"] / "part-1.parquet")
+    assert len(rows) == 3
+    for got, exp in zip(rows, env["rows"][7:]):
+        assert (got["input_ids"] == exp["input_ids"]).all() and (got["cu_seqlens"] == exp["cu_seqlens"]).all()
+
+
+def test_ray_job_resumes_after_partial_shards(env, tmp_path):
+    ray = pytest.importorskip("ray")
+    out = tmp_path / "job"
+    # A job killed after two shards: those two exist (written by the actors' own code path) ...
+    cfg = _cfg(env, out, k=8)
+    header, plan, todo = prepare_cache(cfg)
+    # part-0: 7 rows -> 3 + 3 + 1; part-1: 3 rows -> 3.
+    assert len(plan) == 4
+    for p in todo[:2]:
+        compute_shard(env["teacher"], cfg.data, cfg.out, header, p)
+    done = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / SHARD_DIR).glob("*.parquet")}
+    # ... and a write cut half-way leaves only a temporary file: it must be swept, never read.
+    (out / SHARD_DIR / ".shard-00002.parquet.tmp-dead").write_bytes(b"partial")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        second = run_cache_job(_cfg(env, out, k=8), log=lambda *_: None)
+    finally:
+        ray.shutdown()
+    assert second["computed"] == ["shard-00002", "shard-00003"] and second["complete"]
+    # Finished shards were not redone.
+    for name, stamp in done.items():
+        p = out / SHARD_DIR / name
+        assert (p.stat().st_ino, p.stat().st_mtime_ns) == stamp
+    assert not [p for p in os.listdir(out / SHARD_DIR) if p.startswith(".")]
+    reader = TopKCacheReader(out, expect_k=8, expect_data=env["data"])
+    for row in env["rows"]:
+        exp = env["teacher"].topk(row, 8)
+        got = reader.get_for_row(row)
+        assert torch.equal(got.logprobs, exp.logprobs) and torch.equal(got.indices, exp.indices)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["rows"] == 10 and manifest["index_dtype"] == "uint16"
