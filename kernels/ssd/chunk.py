@@ -1,0 +1,230 @@
+"""Chunked SSD (Mamba-2 state-space duality) scan in pure torch: the CPU path behind `chunk_ssd`.
+
+Legend: B batch, T tokens, H heads, P head dim, G groups of B/C, N state size, S sequences,
+L chunk length, Nc chunks, M = B * H (batch and heads flattened), Tp = Nc * L (padded length).
+Internal tensors are chunk-major, `x_NcMLP`, so the state loop walks contiguous blocks; the
+internal state is [N, P] per head (the external one is mamba_ssm's [P, N]).
+The derivation is in README.md next to this file.
+
+Design choices:
+* Everything that does not depend on the carried state is computed for all chunks and heads at
+  once: decay cumsums, the masked intra-chunk "attention" (C B^T * Gamma) X, each chunk's own state
+  contribution, and after the loop the state-to-output term. Because the SSD decay is a scalar per
+  head and token, the chunk-to-chunk recurrence is only S <- exp(gamma_L) S + dS: one fused
+  multiply-add per chunk in the Python loop (Nc = T / L iterations).
+* Varlen (`cu_seqlens`): each sequence is scattered into its own run of chunks, its tail padded
+  with dt = 0 and x = B = C = 0. A padded token then leaves the state untouched (decay exp(0) = 1,
+  zero input), so a sequence's final state is the state after its last chunk, and the loop resets
+  the state to the sequence's `initial_state` at its first chunk. No Python loop over tokens.
+* Exponentials are only taken of differences `gamma_i - gamma_j` with i >= j (masked to -inf above
+  the diagonal before `exp`) or of `gamma_L - gamma_j <= 0`, so nothing overflows however large dt*|A|.
+* B and C are expanded from G groups to H heads up front (head h reads group h // (H / G), as
+  mamba_ssm); autograd sums the gradients back per group.
+* Gradients come from autograd through these few large ops; no hand-written backward to maintain.
+* fp16/bf16 inputs are computed in fp32, float64 stays float64 (tests). y has x's dtype, the final
+  state is fp32 (float64 for float64 inputs), as mamba_ssm returns it.
+* GPU tensors go to fla's `chunk_simple_gla` (`kernels.backend.use_fla`): SSD is simple GLA with
+  q = C, k = B, v = dt * x, g = dt * A, scale 1, and fla's `state_v_first` layout is mamba_ssm's
+  [P, N]. mamba_ssm is not a dependency: fla covers varlen with per-sequence initial/final states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import use_fla
+from kernels.ssd.checks import check_inputs, compute_dtype, heads_from_groups
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+@dataclass
+class _Layout:
+    """Where tokens go in the chunk-padded layout and where each sequence starts and ends."""
+
+    L: int
+    Nc: int
+    # token t of the packed row -> row in the padded [Tp] layout (varlen only)
+    pos_T: torch.Tensor | None
+    # chunk index -> sequence index, for the first / last chunk of each non-empty sequence
+    first_chunk: dict[int, int]
+    last_chunk: dict[int, int]
+
+
+def _layout(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> _Layout:
+    if cu_seqlens is None:
+        L = min(chunk_size, T)
+        Nc = -(-T // L)
+        return _Layout(L, Nc, None, {0: 0}, {Nc - 1: 0})
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    lens = cu[1:] - cu[:-1]
+    L = max(1, min(chunk_size, int(lens.max())))
+    n_chunks = (lens + L - 1) // L
+    chunk0 = torch.cumsum(n_chunks, 0) - n_chunks
+    seq_T = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    pos_T = chunk0[seq_T] * L + (torch.arange(T) - cu[:-1][seq_T])
+    first, last = {}, {}
+    for i, (c0, nc) in enumerate(zip(chunk0.tolist(), n_chunks.tolist())):
+        if nc:
+            first[c0] = i
+            last[c0 + nc - 1] = i
+    return _Layout(L, int(n_chunks.sum()), pos_T.to(device), first, last)
+
+
+def _to_chunks(x_BTHd: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    """[B, T, H, d] -> [Nc, B*H, L, d], zero-padded."""
+    batch, T, H, d = x_BTHd.shape
+    Tp = lay.Nc * lay.L
+    if lay.pos_T is None:
+        x_BTHd = F.pad(x_BTHd, (0, 0, 0, 0, 0, Tp - T))
+    else:
+        x_BTHd = x_BTHd.new_zeros(1, Tp, H, d).index_copy(1, lay.pos_T, x_BTHd)
+    x = x_BTHd.reshape(batch, lay.Nc, lay.L, H, d).permute(1, 0, 3, 2, 4)
+    return x.reshape(lay.Nc, batch * H, lay.L, d)
+
+
+def _from_chunks(x_NcMLd: torch.Tensor, lay: _Layout, batch: int, T: int, H: int) -> torch.Tensor:
+    """[Nc, B*H, L, d] -> [B, T, H, d]."""
+    d = x_NcMLd.shape[-1]
+    x = x_NcMLd.reshape(lay.Nc, batch, H, lay.L, d).permute(1, 0, 3, 2, 4).reshape(batch, lay.Nc * lay.L, H, d)
+    if lay.pos_T is None:
+        return x[:, :T]
+    return x.index_select(1, lay.pos_T)
+
+
+def torch_chunk_ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pure-torch chunked SSD scan; arguments and returns as `chunk_ssd`."""
+    batch, T, H, P, G, N, S = check_inputs("chunk_ssd", x, dt, A, B, C, D, initial_state, cu_seqlens)
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
+        raise ValueError(f"chunk_ssd: chunk_size must be a positive int, got {chunk_size!r}")
+    out_dtype, cd = x.dtype, compute_dtype(x, dt, B, C)
+    x, dt, A, B, C = (t.to(cd) for t in (x, dt, A, B, C))
+
+    lay = _layout(T, chunk_size, cu_seqlens, x.device)
+    L = lay.L
+    xdt_NcMLP = _to_chunks(x * dt[..., None], lay)
+    B_NcMLN = _to_chunks(heads_from_groups(B, H), lay)
+    C_NcMLN = _to_chunks(heads_from_groups(C, H), lay)
+    a_NcML = _to_chunks((dt * A)[..., None], lay)[..., 0]
+
+    # in-chunk cumulative log decay; Gamma_ij = exp(gamma_i - gamma_j) for i >= j, else 0
+    gam_NcML = a_NcML.cumsum(-1)
+    causal_LL = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+    Gam_NcMLL = (gam_NcML[..., :, None] - gam_NcML[..., None, :]).masked_fill(~causal_LL, float("-inf")).exp()
+
+    # each chunk's own contribution to the state at its end, and the whole-chunk decay
+    Bdec_NcMLN = B_NcMLN * (gam_NcML[..., -1:] - gam_NcML).exp()[..., None]
+    dS_NcMNP = Bdec_NcMLN.transpose(-1, -2) @ xdt_NcMLP
+    decay_NcM11 = gam_NcML[..., -1].exp()[..., None, None]
+
+    M = batch * H
+    # external [S, H, P, N] -> internal [S, H, N, P]
+    h0_SHNP = x.new_zeros(S, H, N, P) if initial_state is None else initial_state.to(cd).transpose(-1, -2)
+    h_MNP = h0_SHNP.reshape(M, N, P) if cu_seqlens is None else h0_SHNP[0]
+    states = []
+    finals: list[torch.Tensor | None] = [None] * S
+    # unbind, not indexing: the backward of Nc index ops would write Nc full-size zero tensors
+    for n, (dS_MNP, decay_M11) in enumerate(zip(dS_NcMNP.unbind(0), decay_NcM11.unbind(0))):
+        if cu_seqlens is not None and n in lay.first_chunk:
+            h_MNP = h0_SHNP[lay.first_chunk[n]]
+        states.append(h_MNP)
+        h_MNP = torch.addcmul(dS_MNP, h_MNP, decay_M11)
+        if n in lay.last_chunk:
+            finals[lay.last_chunk[n]] = h_MNP
+
+    s_NcMNP = torch.stack(states, 0)
+    scores_NcMLL = (C_NcMLN @ B_NcMLN.transpose(-1, -2)) * Gam_NcMLL
+    y_NcMLP = scores_NcMLL @ xdt_NcMLP + (C_NcMLN * gam_NcML.exp()[..., None]) @ s_NcMNP
+    y = _from_chunks(y_NcMLP, lay, batch, T, H)
+    if D is not None:
+        y = y + D.to(cd)[:, None] * x
+    y = y.to(out_dtype)
+
+    if not output_final_state:
+        return y, None
+    if cu_seqlens is None:
+        return y, finals[0].reshape(batch, H, N, P).transpose(-1, -2)
+    # empty sequences keep their initial state
+    final_SHNP = torch.stack([f if f is not None else h0_SHNP[i] for i, f in enumerate(finals)], 0)
+    return y, final_SHNP.transpose(-1, -2)
+
+
+def fla_chunk_ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """SSD through fla's `chunk_simple_gla` (Triton, GPU): q = C, k = B, v = dt x, g = dt A, scale 1."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    batch, T, H, P, G, N, S = check_inputs("chunk_ssd", x, dt, A, B, C, D, initial_state, cu_seqlens)
+    dt32 = dt.float()
+    v = (x.float() * dt32[..., None]).to(x.dtype)
+    o, final = chunk_simple_gla(
+        heads_from_groups(C, H).to(x.dtype),
+        heads_from_groups(B, H).to(x.dtype),
+        v,
+        g=dt32 * A.float(),
+        scale=1.0,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        # fla's value-first state [V, K] is mamba_ssm's [P, N]
+        state_v_first=True,
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
+    )
+    if D is not None:
+        o = (o.float() + D.float()[:, None] * x.float()).to(x.dtype)
+    return o.to(x.dtype), final
+
+
+def chunk_ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mamba-2 SSD scan over a batch or a packed row (mamba_ssm's argument names and layouts).
+
+    Per head h (group g = h // (H / G)), state [P, N]:
+        h_t = exp(dt_t A_h) h_{t-1} + (dt_t x_t) B_t^T,    y_t = h_t C_t + D_h x_t.
+
+    Args:
+        x: [B, T, H, P]; dt: [B, T, H] positive step (softplus and bias already applied);
+        A: [H] negative decay rate; B, C: [B, T, G, N]; D: [H] skip weight or None.
+        initial_state: [S, H, P, N], S = B, or the number of sequences with `cu_seqlens`.
+        output_final_state: also return the state after each sequence's last token.
+        cu_seqlens: [S + 1] int (starts at 0, ends at T); B must be 1. State never crosses a boundary.
+        chunk_size: chunk length of the torch path (fla picks its own).
+
+    Returns:
+        y: [B, T, H, P] in x's dtype; final_state: [S, H, P, N] or None.
+    """
+    if isinstance(x, torch.Tensor) and use_fla(x):
+        return fla_chunk_ssd(x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens)
+    return torch_chunk_ssd(x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens, chunk_size)
