@@ -55,9 +55,9 @@ class HybridConfig(PretrainedConfig):
         gdn_conv_size: int = 4,
         gdn_chunk_size: int = 64,
         mamba2_num_heads: int | None = None,
-        mamba2_head_dim: int = 64,
-        mamba2_state_size: int = 64,
-        mamba2_n_groups: int = 1,
+        mamba2_head_dim: int | None = None,
+        mamba2_state_size: int | None = None,
+        mamba2_n_groups: int | None = None,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = True,
         base_model_type: str | None = None,
@@ -125,6 +125,18 @@ class HybridConfig(PretrainedConfig):
         return int(self.gdn_head_dim * self.gdn_expand_v)
 
     @property
+    def mamba2_dims(self) -> tuple[int, int, int, int]:
+        """(heads, head_dim, state_size, n_groups) of a Mamba-2 layer; None keys derive from the attention
+        shape (heads = num_attention_heads, head_dim = state_size = head_dim, one group per head) so that
+        x, B, C copy from W_v, W_k, W_q without truncation. Conv width and chunk size are gdn_conv_size
+        and gdn_chunk_size (shared by both linear blocks)."""
+        heads = self.mamba2_num_heads or self.num_attention_heads
+        head_dim = self.mamba2_head_dim or self.head_dim
+        state = self.mamba2_state_size or self.head_dim
+        groups = self.mamba2_n_groups or heads
+        return heads, head_dim, state, groups
+
+    @property
     def linear_layers(self) -> list[int]:
         mla = set(self.mla_layers)
         return [i for i in range(self.n_layer) if i not in mla]
@@ -167,6 +179,13 @@ class HybridConfig(PretrainedConfig):
             bad("qk_nope_head_dim", (
                 f"qk_nope_head_dim + qk_rope_head_dim = {self.qk_nope_head_dim} + {self.qk_rope_head_dim} "
                 f"= {self.qk_head_dim} must equal the base model's head_dim {self.base_head_dim}"))
+        for key in ("mamba2_num_heads", "mamba2_head_dim", "mamba2_state_size", "mamba2_n_groups"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                bad(key, f"must be a positive integer or null (derive from the attention shape), got {v!r}")
+        m_heads, _, _, m_groups = self.mamba2_dims
+        if m_heads % m_groups:
+            bad("mamba2_n_groups", f"{m_groups} must divide the Mamba-2 head count {m_heads}")
         if self.gdn_head_dim % 2:
             bad("gdn_head_dim", f"must be even, got {self.gdn_head_dim}")
         if self.gdn_value_dim <= 0 or self.gdn_head_dim * self.gdn_expand_v != self.gdn_value_dim:

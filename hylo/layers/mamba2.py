@@ -1,0 +1,248 @@
+"""Mamba-2 mixer (`linear_type: mamba2`) with mamba_ssm / transformers parameter names, so weights interchange.
+
+Legend: B batch, T tokens, D hidden size, H heads, P head dim, G groups of B/C, N state size,
+E = H * P (inner size), Cv = E + 2 * G * N (conv channels: x | B | C), W conv_size - 1 (cached conv inputs).
+
+Design choices:
+* Parameters and shapes are those of `transformers.Mamba2Mixer` / mamba_ssm's `Mamba2` (no biases on the
+  projections, conv bias on, D per head, grouped gated norm): `in_proj` [2E + 2GN + H, D] with rows
+  `[z | x | B | C | dt]`, `conv1d` (depthwise, weight [Cv, 1, W+1], bias [Cv]) over `x | B | C`, `dt_bias`,
+  `A_log`, `D` [H], `norm.weight` [E], `out_proj` [D, E]. One fused `in_proj` rather than separate
+  projections: the attention initialisation only has to write row blocks of it, and a state_dict loads
+  into transformers' `Mamba2Mixer` with strict=True (tested).
+* Math, per head: xBC = SiLU(causal depthwise conv(in_proj(u)[x|B|C]) + bias); dt = softplus(dt_raw +
+  dt_bias) (fp32); A = -exp(A_log); y = SSD(x, dt, A, B, C) + D x; out = out_proj(RMSNorm_G(y * SiLU(z)) * w),
+  the RMS taken per group of E / G channels (mamba_ssm's `norm_before_gate=False`). The scan goes through
+  `kernels.ssd.chunk_ssd` (fla on GPU, chunked torch on CPU).
+* Shapes derive from the attention when the config leaves them null (`HybridConfig.mamba2_dims`): H = query
+  heads, P = N = head_dim, G = H. Then x copies W_v (KV heads expanded to their query heads), B copies W_k,
+  C copies W_q and out_proj copies W_o with no truncation, and each head keeps its own query as C. Conv width
+  and chunk size reuse `gdn_conv_size` / `gdn_chunk_size`.
+* Packed rows (B == 1, `cu_seqlens`): the conv is a sum of W+1 shifted copies masked by the token's position
+  inside its document, so windows never reach into the previous document; the scan resets per document.
+* Cache (`LinearLayerCache`): `state` [B, H, P, N] fp32 (mamba_ssm's layout) and `conv['xBC']` = the last W
+  conv *inputs* [B, Cv, W]. A prefill followed by single-token steps gives the full forward's output; the
+  cache does not grow with T. Unpacked batches only.
+* Default init as mamba_ssm: A ~ U(1, 16), dt log-uniform in [1e-3, 0.1] stored as its softplus inverse in
+  dt_bias, D = 1, norm weight 1 (`reset_special_parameters()`, called by the model's `_init_weights`).
+* Initialisation from attention (`mamba2_weights_from_attention`): x <- W_v, B <- W_k, C <- W_q, out_proj
+  <- W_o; the z and dt rows of in_proj get the model's default normal(0, initializer_range); the conv starts
+  as identity (last tap 1, bias 0), as the GDN upcycle does, so the copied projections are not scrambled.
+  Qwen3's q/k RMSNorm weights are folded into the copied rows (approximate: SSD does not normalise B, C).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hylo.cache import LinearLayerCache
+from hylo.config import HybridConfig
+from hylo.layers.gdn import positions_in_document
+from kernels.ssd import chunk_ssd
+
+
+def causal_conv1d_silu(
+    x_BTC: torch.Tensor,
+    weight_C1K: torch.Tensor,
+    bias_C: torch.Tensor | None,
+    prefix_BCW: torch.Tensor | None = None,
+    pos_T: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + bias + SiLU. Returns (y [B, T, C], the last W inputs [B, C, W] for a cache).
+
+    `prefix_BCW`: inputs preceding x (a cache); zeros if None. `pos_T`: token position inside its document
+    (packed rows); taps that would reach before the document start are dropped.
+    """
+    B, T, C = x_BTC.shape
+    Kc = weight_C1K.shape[-1]
+    W = Kc - 1
+    if prefix_BCW is None:
+        prefix_BWC = x_BTC.new_zeros(B, W, C)
+    else:
+        prefix_BWC = prefix_BCW.transpose(1, 2).to(x_BTC.dtype)
+    xe_BTC = torch.cat([prefix_BWC, x_BTC], 1)
+    w_KC = weight_C1K[:, 0, :].t().to(x_BTC.dtype)
+    # tap j looks j tokens back; weight column Kc-1-j (torch conv1d orientation, as mamba_ssm)
+    y_BTC = xe_BTC[:, W:] * w_KC[Kc - 1]
+    for j in range(1, Kc):
+        tap_BTC = xe_BTC[:, W - j : W - j + T] * w_KC[Kc - 1 - j]
+        if pos_T is not None:
+            tap_BTC = tap_BTC * (pos_T >= j).to(x_BTC.dtype)[None, :, None]
+        y_BTC = y_BTC + tap_BTC
+    if bias_C is not None:
+        y_BTC = y_BTC + bias_C.to(x_BTC.dtype)
+    # a copy, so that a cache does not keep the whole prefill input alive
+    new_prefix_BCW = xe_BTC[:, xe_BTC.shape[1] - W :].transpose(1, 2).clone(memory_format=torch.contiguous_format)
+    return F.silu(y_BTC), new_prefix_BCW
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """RMSNorm of (x * SiLU(gate)) over groups of `group_size` channels, then * weight; fp32 inside."""
+
+    def __init__(self, dim: int, group_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        if dim % group_size:
+            raise ValueError(f"GatedGroupRMSNorm: group_size {group_size} must divide dim {dim}")
+        self.dim = dim
+        self.group_size = group_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x_BTE: torch.Tensor, gate_BTE: torch.Tensor) -> torch.Tensor:
+        dtype = x_BTE.dtype
+        cd = torch.promote_types(dtype, torch.float32)
+        y = x_BTE.to(cd) * F.silu(gate_BTE.to(cd))
+        y = y.unflatten(-1, (self.dim // self.group_size, self.group_size))
+        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        return (y * self.weight.to(cd)).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, group_size={self.group_size}, eps={self.eps}"
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, config: HybridConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hidden_size = D = config.hidden_size
+        self.num_heads, self.head_dim, self.state_size, self.n_groups = H, P, N, G = config.mamba2_dims
+        self.intermediate_size = E = H * P
+        self.conv_dim = Cv = E + 2 * G * N
+        self.conv_size = config.gdn_conv_size
+        self.chunk_size = config.gdn_chunk_size
+
+        self.in_proj = nn.Linear(D, E + Cv + H, bias=False)
+        self.conv1d = nn.Conv1d(Cv, Cv, self.conv_size, groups=Cv, bias=True, padding=self.conv_size - 1)
+        self.dt_bias = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.D = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        # decay / skip parameters: optimisers should not weight-decay them
+        for p in (self.dt_bias, self.A_log, self.D):
+            p._no_weight_decay = True
+        self.norm = GatedGroupRMSNorm(E, group_size=E // G, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(E, D, bias=False)
+        self.reset_special_parameters()
+
+    @torch.no_grad()
+    def reset_special_parameters(self) -> None:
+        """mamba_ssm's default init of the decay, step, skip and norm parameters."""
+        H = self.num_heads
+        A = torch.empty(H, dtype=torch.float32).uniform_(1, 16)
+        self.A_log.copy_(torch.log(A))
+        dt_min, dt_max, dt_floor = 1e-3, 0.1, 1e-4
+        dt = torch.exp(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = dt.clamp(min=dt_floor)
+        # inverse of softplus, so that softplus(dt_bias) = dt at init
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.D.fill_(1.0)
+        self.norm.weight.fill_(1.0)
+
+    def forward(
+        self,
+        hidden_states_BTD: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: LinearLayerCache | None = None,
+    ) -> torch.Tensor:
+        u_BTD = hidden_states_BTD
+        if u_BTD.dim() != 3 or u_BTD.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"Mamba2Mixer(layer {self.layer_idx}): hidden_states must be [B, T, {self.hidden_size}], "
+                f"got {list(u_BTD.shape)}")
+        B, T, _ = u_BTD.shape
+        H, P, N, G, E = self.num_heads, self.head_dim, self.state_size, self.n_groups, self.intermediate_size
+        pos_T = None
+        if cu_seqlens is not None:
+            if cache is not None:
+                raise ValueError(f"Mamba2Mixer(layer {self.layer_idx}): a cache works on unpacked batches; "
+                                 "got both cache and cu_seqlens")
+            if B != 1:
+                raise ValueError(f"Mamba2Mixer(layer {self.layer_idx}): packed rows (cu_seqlens) need B == 1, got B={B}")
+            cu = cu_seqlens.detach().cpu()
+            if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(f"Mamba2Mixer(layer {self.layer_idx}): cu_seqlens must be 1-D, non-decreasing, "
+                                 f"start at 0 and end at T={T}; got {cu.tolist()}")
+            pos_T = positions_in_document(cu_seqlens, T)
+
+        z_BTE, xBC_BTC, dt_BTH = self.in_proj(u_BTD).split([E, self.conv_dim, H], dim=-1)
+        prefix = cache.conv.get("xBC") if cache is not None else None
+        xBC_BTC, conv_tail = causal_conv1d_silu(xBC_BTC, self.conv1d.weight, self.conv1d.bias, prefix, pos_T)
+        x_BTE, B_BTGN, C_BTGN = xBC_BTC.split([E, G * N, G * N], dim=-1)
+
+        # step and decay in fp32 at least (float64 stays float64, for exact tests)
+        cd = torch.promote_types(u_BTD.dtype, torch.float32)
+        dt_BTH = F.softplus(dt_BTH.to(cd) + self.dt_bias.to(cd))
+        A_H = -self.A_log.to(cd).exp()
+        y_BTHP, state = chunk_ssd(
+            x_BTE.view(B, T, H, P),
+            dt_BTH,
+            A_H,
+            B_BTGN.view(B, T, G, N),
+            C_BTGN.view(B, T, G, N),
+            D=self.D,
+            initial_state=cache.state if cache is not None else None,
+            output_final_state=cache is not None,
+            cu_seqlens=cu_seqlens,
+            chunk_size=self.chunk_size,
+        )
+        if cache is not None:
+            cache.state = state
+            cache.conv = {"xBC": conv_tail}
+            cache.seen += T
+
+        y_BTE = self.norm(y_BTHP.reshape(B, T, E), z_BTE)
+        return self.out_proj(y_BTE)
+
+    def extra_repr(self) -> str:
+        return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"state_size={self.state_size}, n_groups={self.n_groups}, conv_size={self.conv_size}")
+
+
+@torch.no_grad()
+def mamba2_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[str, torch.Tensor]:
+    """Initialise a Mamba-2 mixer from a Llama/Qwen3 attention module (float64; `upcycle` casts and checks shapes).
+
+    x <- W_v, B <- W_k, C <- W_q, out_proj <- W_o. Mamba head m stands for query head m mod h (KV head of
+    that query head for x); group j takes the query/key head of its first Mamba head. Head dims are
+    truncated or zero-padded when P or N differ from the attention head_dim. z and dt rows keep the default
+    normal(0, initializer_range); the conv becomes identity.
+    """
+    from hylo.upcycle import _fit, _qk_norm_weights
+
+    h, g, dh = hcfg.num_attention_heads, hcfg.num_key_value_heads, hcfg.base_head_dim or hcfg.head_dim
+    H, P, N, G = hcfg.mamba2_dims
+    E, Cv = H * P, H * P + 2 * G * N
+    wq = attn.q_proj.weight.detach().double().view(h, dh, -1)
+    wk = attn.k_proj.weight.detach().double().view(g, dh, -1)
+    wv = attn.v_proj.weight.detach().double().view(g, dh, -1)
+    qw, kw = _qk_norm_weights(attn)
+    if qw is not None:
+        wq = wq * qw.double().view(1, dh, 1)
+    if kw is not None:
+        wk = wk * kw.double().view(1, dh, 1)
+    d = wq.shape[-1]
+    group = h // g
+    q_of_head = [m % h for m in range(H)]
+    q_of_group = [q_of_head[j * (H // G)] for j in range(G)]
+    x_rows = torch.cat([_fit(wv[qi // group], P) for qi in q_of_head])
+    B_rows = torch.cat([_fit(wk[qi // group], N) for qi in q_of_group])
+    C_rows = torch.cat([_fit(wq[qi], N) for qi in q_of_group])
+    std = hcfg.initializer_range
+    z_rows = torch.randn(E, d, dtype=torch.float64) * std
+    dt_rows = torch.randn(H, d, dtype=torch.float64) * std
+
+    conv = torch.zeros(Cv, 1, hcfg.gdn_conv_size, dtype=torch.float64)
+    conv[:, 0, -1] = 1.0
+    wo = attn.o_proj.weight.detach().double().view(d, h, dh)
+    # a base head used by several Mamba heads shares its output projection among them
+    uses = torch.bincount(torch.tensor(q_of_head), minlength=h).double()
+    o = torch.stack([_fit(wo[:, qi].T, P).T / uses[qi] for qi in q_of_head], dim=1)  # [D, H, P]
+    return {
+        "in_proj.weight": torch.cat([z_rows, x_rows, B_rows, C_rows, dt_rows]),
+        "conv1d.weight": conv,
+        "conv1d.bias": torch.zeros(Cv, dtype=torch.float64),
+        "out_proj.weight": o.reshape(d, E),
+    }
