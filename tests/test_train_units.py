@@ -301,3 +301,49 @@ def test_ild_distance_and_padding_mask(squared):
     assert torch.allclose(d, want, atol=1e-3)
     row = {"input_ids": np.zeros(6), "cu_seqlens": np.array([0, 2, 4, 6]), "doc_ids": ["a", "b", ""]}
     assert real_tokens(row).tolist() == [1, 1, 1, 1, 0, 0]
+
+
+# ------------------------------------------------------------------------------------ shipped configs
+def _base(name):
+    from transformers import LlamaConfig, Qwen3Config
+
+    if name == "llama1b":
+        return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                           num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0)
+    if name == "llama3b":
+        return LlamaConfig(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                           num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0)
+    return Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936)
+
+
+@pytest.mark.parametrize("path,base,n_mla,ratio", [
+    ("configs/llama-3.2-1b-8mla8gdn-64k.yaml", "llama1b", 8, 0.078),
+    ("configs/llama-3.2-3b-14mla14gdn-64k.yaml", "llama3b", 14, 0.047),
+    ("configs/qwen3-1.7b-7mla21gdn-64k.yaml", "qwen1.7b", 7, 0.039),
+], ids=["llama1b-8mla8gdn", "llama3b-14mla14gdn", "qwen1.7b-7mla21gdn"])
+def test_published_recipes_as_configured(path, base, n_mla, ratio):
+    from pathlib import Path
+
+    from hylo.upcycle import hybrid_config_from_base, kv_summary
+
+    p = Path(__file__).resolve().parents[1] / path
+    s1, s2 = load_stage_config(1, p), load_stage_config(2, p)
+    hcfg = hybrid_config_from_base(_base(base), **s1.model.convert)
+    assert len(hcfg.mla_layers) == n_mla and hcfg.gdn_head_dim == 256 and hcfg.gdn_expand_v == 2.0
+    assert kv_summary(_base(base), hcfg)["kv_cache_ratio"] == pytest.approx(ratio, abs=1e-3)
+    assert (s1.data.seq_len, s1.optim.lr, s1.data.split) == (2048, 2e-4, "stage1")
+    assert (s2.data.seq_len, s2.optim.lr, s2.train.global_batch_sequences) == (65536, 4e-5, 8)
+    assert (s2.kd.kl_weight, s2.kd.ce_weight, s2.optim.warmup_ratio, s2.train.epochs) == (1.0, 0.0, 0.01, 1.0)
+    assert s2.ray.use_gpu and s2.ray.num_workers == 8 and grad_accum_steps(8, s2.ray.num_workers) == 1
+    assert s2.model.student == f"{s1.ray.storage_path}/{s1.ray.name}/model"
+    assert build_deepspeed_config(s2, 8, torch.bfloat16)["bf16"]["enabled"]
+
+
+def test_demo_config_loads_for_both_stages():
+    from pathlib import Path
+
+    p = Path(__file__).resolve().parents[1] / "configs" / "demo-smollm2.yaml"
+    s1, s2 = load_stage_config(1, p), load_stage_config(2, p)
+    assert s1.model.convert and s1.model.student is None and s2.model.student == "runs/demo/stage1/model"
+    assert s1.ray.num_workers == s2.ray.num_workers == 2 and s2.teacher.source == "inprocess"
