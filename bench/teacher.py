@@ -1,0 +1,123 @@
+"""Teacher pool throughput vs a direct in-process forward, and bytes per token on the wire.
+
+    python bench/teacher.py [--rows 8] [--tokens 512] [--replicas 2] [--k 64]
+
+Same model (the SmolLM2-135M asset, fp32), same rows, one run:
+* direct: `TeacherModel.topk` in this process (torch's default threads);
+* pool: `TeacherClient.topk` through a Serve pool of N replicas (1 CPU and 1 torch thread each);
+* stream: full logits of one row through the pool in 512-token chunks;
+* bytes per token of the pickled response payloads (what Ray ships) for top-k and full logits,
+  and of the offline cache shard on disk.
+Each row packs two documents, so document isolation is part of the measured work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from pipeline.teacher.config import DEFAULT_TEACHER, TeacherModelConfig, TeacherPoolConfig  # noqa: E402
+from pipeline.teacher.model import TeacherModel  # noqa: E402
+
+
+def make_rows(n: int, tokens: int, vocab: int, seed: int = 0) -> list[dict]:
+    g = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        split = int(g.integers(tokens // 4, 3 * tokens // 4))
+        cu = np.array([0, split, tokens], np.int32)
+        pos = np.concatenate([np.arange(split), np.arange(tokens - split)])
+        rows.append({"input_ids": g.integers(0, vocab, tokens), "position_ids": pos, "cu_seqlens": cu})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_TEACHER)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--k", type=int, default=64)
+    args = ap.parse_args()
+
+    teacher = TeacherModel(args.model, dtype="float32", device="cpu")
+    rows = make_rows(args.rows, args.tokens, teacher.vocab_size)
+    total = args.rows * args.tokens
+    import os
+
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (other jobs share them)")
+    print(f"model {teacher.teacher_id} (V={teacher.vocab_size}, H={teacher.hidden_size}), "
+          f"{args.rows} rows x {args.tokens} tokens, k={args.k}, torch threads here: {torch.get_num_threads()}")
+
+    teacher.topk(rows[0], args.k)
+    t0 = time.perf_counter()
+    direct = [teacher.topk(r, args.k) for r in rows]
+    t_direct = time.perf_counter() - t0
+    print(f"direct in-process : {total / t_direct:8.0f} tokens/s ({t_direct:.2f} s)")
+
+    import ray
+    from ray import serve
+
+    from pipeline.teacher.client import TeacherClient
+    from pipeline.teacher.serve import start_teacher_pool
+
+    ray.init(num_cpus=max(2, args.replicas), include_dashboard=False, log_to_driver=False)
+    try:
+        t0 = time.perf_counter()
+        handle = start_teacher_pool(
+            TeacherModelConfig(path=args.model, torch_threads=1),
+            TeacherPoolConfig(app_name="teacher_bench", num_replicas=args.replicas, num_cpus=1.0,
+                              max_batch_tokens=2 * args.tokens),
+        )
+        print(f"pool start        : {time.perf_counter() - t0:.1f} s ({args.replicas} replicas)")
+        client = TeacherClient(handle, max_inflight_rows=2 * args.replicas, k=args.k, timeout_s=600)
+        client.topk_all(rows[: args.replicas])
+        t0 = time.perf_counter()
+        pooled = client.topk_all(rows)
+        t_pool = time.perf_counter() - t0
+        print(f"pool ({args.replicas} replicas)  : {total / t_pool:8.0f} tokens/s ({t_pool:.2f} s); "
+              f"pool/direct = {t_direct / t_pool:.2f}x")
+        # Replicas run 1 thread, this process 2: float sums differ in the last bits, so near-tied
+        # entries may swap places; the record is otherwise the same.
+        agree = np.mean([(a.indices == b.indices).float().mean().item() for a, b in zip(direct, pooled)])
+        dmax = max((a.logprobs.float() - b.logprobs.float()).abs().max().item() for a, b in zip(direct, pooled))
+        print(f"pool vs direct    : top-k index agreement {agree:.5f}, max |logprob diff| {dmax:.4f}")
+
+        t0 = time.perf_counter()
+        chunks = list(client.stream(rows[0], chunk_tokens=min(512, args.tokens), window_chunks=2))
+        t_stream = time.perf_counter() - t0
+        print(f"stream 1 row      : {args.tokens / t_stream:8.0f} tokens/s ({len(chunks)} chunks)")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    rec = pooled[0]
+    wire_topk = len(pickle.dumps({"logprobs": rec.logprobs, "indices": rec.indices,
+                                  "tail_logmass": rec.tail_logmass})) / args.tokens
+    wire_fp32 = len(pickle.dumps(chunks[0])) / chunks[0].shape[0]
+    wire_bf16 = len(pickle.dumps(chunks[0].to(torch.bfloat16))) / chunks[0].shape[0]
+    print(f"wire bytes/token  : top-k (k={args.k}, fp16 + int32 + fp32 tail) {wire_topk:.0f}; "
+          f"full logits fp32 {wire_fp32:.0f}, bf16 {wire_bf16:.0f}; fp32/top-k = {wire_fp32 / wire_topk:.0f}x")
+
+    from pipeline.teacher.cache import ShardPlan, make_header, write_shard
+    from pipeline.teacher.rows import as_packed_row
+
+    with tempfile.TemporaryDirectory() as d:
+        header = make_header(teacher.teacher_id, teacher.tokenizer_hash, args.k, "float16", teacher.vocab_size,
+                             "bench", args.rows)
+        size = write_shard(Path(d) / "s.parquet", header, ShardPlan("s", "bench", 0, args.rows),
+                           [as_packed_row(r).row_id for r in rows], direct)
+    print(f"cache bytes/token : {size / total:.0f} (fp16 logprobs + {header['index_dtype']} indices, zstd)")
+
+
+if __name__ == "__main__":
+    main()
