@@ -134,9 +134,11 @@ class _FusedLinearKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
+        # The usual grad_loss is exactly 1: hand the stored gradients over without a [V, H] copy.
+        unit = bool(grad_loss == 1)
         out = []
         for has, g in zip(ctx.has_grad, (grad_hidden, grad_weight)):
-            out.append(g * grad_loss.to(g.dtype) if has else None)
+            out.append(None if not has else g if unit else g * grad_loss.to(g.dtype))
         return out[0], out[1], None
 
 
@@ -225,8 +227,11 @@ def _chunks(
             if mask is not None and not bool(mask[i:j].any()):
                 continue
             logits = options.teacher.logits_fn(i, j)
-            logits_CV = check_teacher_logits("fused_linear_kl_div", logits, i, j, vocab)
-            logits_CV = logits_CV.detach()
+            logits_CV = check_teacher_logits("fused_linear_kl_div", logits, i, j, vocab).detach()
+            if bool(torch.isneginf(logits_CV.amin())):
+                # Banned ids: a finite, hugely negative logit has the same zero probability and keeps
+                # 0 * -inf out of the arithmetic.
+                logits_CV = logits_CV.clamp(min=-1e30)
             if mask is None or bool(mask[i:j].all()):
                 yield slice(i, j), logits_CV
             else:
@@ -285,23 +290,32 @@ def dense_kl_step_torch(
 ) -> torch.Tensor:
     """KL(softmax(t/T) || softmax(s/T)) per row; logits_CV <- grad_scale * (q - p) when need_grad.
 
-    Works in place on logits_CV (and on teacher_CV when `teacher_owned`), so at most four [C, V]
-    buffers are alive: student, teacher, p, and logsumexp's temporary.
+    With s' = s/T - max, t' = t/T - max, Zs = sum exp(s'), Zt = sum exp(t'), e = exp(s'), r = exp(t'):
+        KL = (r . t' - r . s') / Zt - log Zt + log Zs,     q - p = e / Zs - r / Zt.
+    Everything is in place on logits_CV and the t' buffer (teacher_CV itself when `teacher_owned`)
+    plus one buffer for r: three [C, V] buffers, about a dozen cheap passes (the row dot products
+    go through the t' buffer as scratch: a bmm-based dot product is several times slower on CPU).
+    Teacher logits must not hold -inf (the chunk loop clamps them: same zero probability).
     """
+    t_max_C1 = teacher_CV.amax(dim=-1, keepdim=True)
+    t_CV = teacher_CV.sub_(t_max_C1) if teacher_owned else teacher_CV - t_max_C1
     if inv_temp != 1.0:
-        logits_CV.mul_(inv_temp)
-        teacher_CV = teacher_CV.mul_(inv_temp) if teacher_owned else teacher_CV * inv_temp
-        teacher_owned = True
-    logq_CV = logits_CV.sub_(torch.logsumexp(logits_CV, dim=-1, keepdim=True))
-    lse_t_C1 = torch.logsumexp(teacher_CV, dim=-1, keepdim=True)
-    logp_CV = teacher_CV.sub_(lse_t_C1) if teacher_owned else teacher_CV - lse_t_C1
-    p_CV = logp_CV.exp()
-    # Terms where the teacher has zero mass (-inf logits) must add 0, not 0 * -inf = NaN.
-    pointwise_CV = logp_CV.clamp_(min=torch.finfo(logp_CV.dtype).min).sub_(logq_CV).mul_(p_CV)
-    kl_C = pointwise_CV.sum(dim=-1)
-    del pointwise_CV, logp_CV
+        t_CV.mul_(inv_temp)
+    r_CV = t_CV.exp()
+    z_t_C = r_CV.sum(dim=-1)
+    r_dot_t_C = t_CV.mul_(r_CV).sum(dim=-1)
+
+    s_CV = logits_CV.sub_(logits_CV.amax(dim=-1, keepdim=True))
+    if inv_temp != 1.0:
+        s_CV.mul_(inv_temp)
+    r_dot_s_C = torch.mul(r_CV, s_CV, out=t_CV).sum(dim=-1)
+    del t_CV
+    e_CV = s_CV.exp_()
+    z_s_C = e_CV.sum(dim=-1)
+    kl_C = (r_dot_t_C - r_dot_s_C) / z_t_C - z_t_C.log() + z_s_C.log()
     if need_grad:
-        logq_CV.exp_().sub_(p_CV).mul_(grad_scale)
+        e_CV.mul_((grad_scale / z_s_C).unsqueeze(1))
+        e_CV.addcmul_(r_CV, (-grad_scale / z_t_C).unsqueeze(1))
     return kl_C
 
 
@@ -318,25 +332,27 @@ def topk_kl_step_torch(
     Gradient w.r.t. the tempered logits u: q_v - p_v inside the top-k; outside,
     q_v - p_tail * q_v / q_tail = exp(u_v - lse_out) * (q_tail - p_tail), where lse_out is the
     logsumexp over the ids outside the top-k (bounded factors: no 0 / 0 when q_tail underflows).
+    The sum over the ids outside the top-k is taken directly (never as 1 - sum over the top-k, which
+    cancels when the student puts almost all its mass in the top-k). One [C, V] buffer, in place.
     """
     k = indices_Ck.shape[1]
     vocab = logits_CV.shape[1]
-    u_CV = logits_CV.mul_(inv_temp) if inv_temp != 1.0 else logits_CV
-    lse_all_C1 = torch.logsumexp(u_CV, dim=-1, keepdim=True)
-    logq_Ck = u_CV.gather(1, indices_Ck).sub_(lse_all_C1)
-    # u_CV keeps only the ids outside the top-k from here on.
-    u_CV.scatter_(1, indices_Ck, float("-inf"))
-    lse_out_C1 = torch.logsumexp(u_CV, dim=-1, keepdim=True)
-    logq_tail_C1 = lse_out_C1 - lse_all_C1
+    u_CV = logits_CV.sub_(logits_CV.amax(dim=-1, keepdim=True))
+    if inv_temp != 1.0:
+        u_CV.mul_(inv_temp)
+    u_Ck = u_CV.gather(1, indices_Ck)
+    e_CV = u_CV.exp_()
+    e_CV.scatter_(1, indices_Ck, 0.0)
+    z_out_C1 = e_CV.sum(dim=-1, keepdim=True)
+    z_all_C1 = z_out_C1 + u_Ck.exp().sum(dim=-1, keepdim=True)
+    logq_Ck = u_Ck - z_all_C1.log()
+    logq_tail_C1 = z_out_C1.log() - z_all_C1.log()
     logq_CB = torch.cat([logq_Ck, logq_tail_C1], dim=1)
     p_CB = logp_CB.exp()
     pointwise_CB = torch.where(p_CB > 0, p_CB * (logp_CB - logq_CB), torch.zeros_like(p_CB))
     kl_C = pointwise_CB.sum(dim=-1)
     if need_grad:
         if k < vocab:
-            coef_C1 = (logq_tail_C1.exp() - p_CB[:, k:]).mul_(grad_scale)
-            u_CV.sub_(lse_out_C1).exp_().mul_(coef_C1)
-        else:
-            u_CV.zero_()
-        u_CV.scatter_(1, indices_Ck, (logq_Ck.exp() - p_CB[:, :k]).mul_(grad_scale))
+            e_CV.mul_((logq_tail_C1.exp() - p_CB[:, k:]).mul_(grad_scale) / z_out_C1)
+        e_CV.scatter_(1, indices_Ck, (logq_Ck.exp() - p_CB[:, :k]).mul_(grad_scale))
     return kl_C
