@@ -14,6 +14,7 @@ Each row packs two documents, so document isolation is part of the measured work
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import sys
 import tempfile
@@ -52,8 +53,6 @@ def main() -> None:
     teacher = TeacherModel(args.model, dtype="float32", device="cpu")
     rows = make_rows(args.rows, args.tokens, teacher.vocab_size)
     total = args.rows * args.tokens
-    import os
-
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (other jobs share them)")
     print(f"model {teacher.teacher_id} (V={teacher.vocab_size}, H={teacher.hidden_size}), "
           f"{args.rows} rows x {args.tokens} tokens, k={args.k}, torch threads here: {torch.get_num_threads()}")

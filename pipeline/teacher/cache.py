@@ -340,7 +340,7 @@ def run_cache_job(cfg: Any, log: Any = print) -> dict[str, Any]:
             fn_constructor_kwargs={"model_cfg": to_dict(cfg.model), "data_dir": str(cfg.data),
                                    "out_dir": str(cfg.out), "header": header},
             batch_size=1,
-            concurrency=min(cfg.num_actors, len(todo)),
+            compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(todo))),
             num_cpus=cfg.cpus_per_actor,
             num_gpus=cfg.gpus_per_actor,
         )

@@ -23,6 +23,7 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
@@ -35,6 +36,13 @@ from pipeline.config import from_dict, to_dict
 from pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig
 from pipeline.teacher.model import TeacherModel, torch_dtype
 from pipeline.teacher.rows import PackedRow, as_packed_row
+
+
+class _TokenBudgetWarningFilter(logging.Filter):
+    """Serve warns when max_batch_size exceeds max_ongoing_requests; ours counts tokens, not requests."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "max_ongoing_requests" not in record.getMessage()
 
 
 def _batch_tokens(rows: list[PackedRow]) -> int:
@@ -60,6 +68,7 @@ class TeacherDeployment:
         self.model_cfg = from_dict(TeacherModelConfig, model_cfg)
         self.pool_cfg = from_dict(TeacherPoolConfig, pool_cfg)
         self.teacher = TeacherModel.from_config(self.model_cfg)
+        logging.getLogger("ray.serve").addFilter(_TokenBudgetWarningFilter())
         self._hidden_batched.set_max_batch_size(self.pool_cfg.max_batch_tokens)
         self._hidden_batched.set_batch_wait_timeout_s(self.pool_cfg.batch_wait_timeout_s)
         self.rows_seen = 0
