@@ -136,12 +136,16 @@ def test_backpressure_pulls_input_lazily():
             pulled.append(i)
             yield r
 
-    it = TeacherClient(FakeHandle(), max_inflight_rows=3).topk(source())
+    h = FakeHandle()
+    it = TeacherClient(h, max_inflight_rows=3).topk(source())
     next(it)
     # One result consumed: only the in-flight window has been read from the source.
     assert len(pulled) == 3
     next(it)
     assert len(pulled) == 4
+    # A consumer that stops early cancels what is still in flight.
+    it.close()
+    assert h.outstanding == 0 and h.cancelled == 2
 
 
 def test_bad_row_fails_before_sending():

@@ -146,21 +146,26 @@ class TeacherClient:
         inflight: deque[_Pending] = deque()
         source = iter(enumerate(rows))
         exhausted = False
-        while True:
-            while not exhausted and len(inflight) < self.max_inflight_rows:
-                nxt = next(source, None)
-                if nxt is None:
-                    exhausted = True
-                    break
-                i, raw = nxt
-                row = as_packed_row(raw, where=f"teacher row {i}")
-                inflight.append(_Pending(i, row, self._submit(row), time.monotonic()))
-            if not inflight:
-                return
-            rec = self._wait(inflight[0])
-            inflight.popleft()
-            self.stats.rows += 1
-            yield rec
+        try:
+            while True:
+                while not exhausted and len(inflight) < self.max_inflight_rows:
+                    nxt = next(source, None)
+                    if nxt is None:
+                        exhausted = True
+                        break
+                    i, raw = nxt
+                    row = as_packed_row(raw, where=f"teacher row {i}")
+                    inflight.append(_Pending(i, row, self._submit(row), time.monotonic()))
+                if not inflight:
+                    return
+                rec = self._wait(inflight[0])
+                inflight.popleft()
+                self.stats.rows += 1
+                yield rec
+        finally:
+            # The consumer stopped early or an error escaped: do not leave work running for nobody.
+            for p in inflight:
+                p.response.cancel()
 
     def topk_all(self, rows: Iterable[Mapping[str, Any] | PackedRow]) -> list[TeacherTopK]:
         return list(self.topk(rows))
