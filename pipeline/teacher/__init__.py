@@ -1,0 +1,8 @@
+"""The teacher: per-row top-k / logit computation, a Ray Serve pool, its client, and an offline top-k cache.
+
+* `model.TeacherModel`  plain torch, usable in-process (documents of a packed row isolated).
+* `serve.start_teacher_pool(model_cfg, pool_cfg) -> DeploymentHandle`  the Serve pool.
+* `client.TeacherClient(handle_or_app_name, ...)`  ordered, bounded, retrying requests.
+* `cache.run_cache_job(cfg)` / `cache.TopKCacheReader(dir, ...)`  offline shards for stage 2.
+Submodules are imported on demand: importing this package pulls in neither Ray nor transformers.
+"""
