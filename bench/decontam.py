@@ -8,6 +8,7 @@ ShareGPT conversations match HumanEval, and checks that both scans removed the s
 
     python bench/decontam.py                 # all of ShareGPT vs HumanEval
     python bench/decontam.py --limit 3000    # quicker
+    python bench/decontam.py --scanners ray,reference   # cold Ray run only
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="read at most this many ShareGPT records")
     ap.add_argument("--num-cpus", type=int, default=2)
     ap.add_argument("--ngram", type=int, default=13)
-    ap.add_argument("--scanners", default="ray,local,reference")
+    # "ray" runs first in a fresh Ray session (cold: Ray Data's first execution starts its internal
+    # actors and the workers import the scan code) and again at the end (warm, as on a long-lived
+    # cluster); the speed-up is quoted for both.
+    ap.add_argument("--scanners", default="ray,local,reference,ray")
     args = ap.parse_args()
 
     import ray
@@ -51,23 +55,26 @@ def main() -> None:
     removed = {}
     with tempfile.TemporaryDirectory() as tmp:
         for scanner in args.scanners.split(","):
+            label = f"{scanner}-warm" if scanner in results else (f"{scanner}-cold" if scanner == "ray"
+                                                                  else scanner)
             cfg = DecontamJobConfig(inputs=[src], benchmarks=[BenchmarkSpec("humaneval")],
-                                    match=MatchConfig(ngram=args.ngram), out=f"{tmp}/{scanner}",
+                                    match=MatchConfig(ngram=args.ngram), out=f"{tmp}/{label}",
                                     scanner=scanner, num_cpus=args.num_cpus, progress=False)
             s = run_decontamination(cfg)
-            results[scanner] = s
-            removed[scanner] = sorted(r["id"] for r in read_jsonl(Path(tmp, scanner, "removed.jsonl")))
-            rep = json.loads(Path(tmp, scanner, "reports", "humaneval.json").read_text())
-            print(f"{scanner:>9}: {s['docs_per_s']:8.1f} docs/s  ({s['documents_scanned']} docs; "
+            results[scanner] = results[label] = s
+            removed[label] = sorted(r["id"] for r in read_jsonl(Path(tmp, label, "removed.jsonl")))
+            rep = json.loads(Path(tmp, label, "reports", "humaneval.json").read_text())
+            print(f"{label:>10}: {s['docs_per_s']:8.1f} docs/s  ({s['documents_scanned']} docs; "
                   f"seconds {s['seconds']})", flush=True)
         ray.shutdown()
     first = next(iter(results))
     same = all(v == removed[first] for v in removed.values())
     print(f"ray start-up (excluded): {ray_start:.1f} s; CPUs: {args.num_cpus}")
-    if "ray" in results and "reference" in results:
-        ratio = results["ray"]["docs_per_s"] / results["reference"]["docs_per_s"]
-        scan = results["reference"]["seconds"]["scan"] / results["ray"]["seconds"]["scan"]
-        print(f"speed-up ray / reference: {ratio:.2f}x end-to-end (target >= 3x), {scan:.2f}x scan only")
+    for label in ("ray-cold", "ray-warm"):
+        if label in results and "reference" in results:
+            ratio = results[label]["docs_per_s"] / results["reference"]["docs_per_s"]
+            scan = results["reference"]["seconds"]["scan"] / results[label]["seconds"]["scan"]
+            print(f"speed-up {label} / reference: {ratio:.2f}x end-to-end (target >= 3x), {scan:.2f}x scan only")
     if "local" in results and "reference" in results:
         ratio = results["local"]["docs_per_s"] / results["reference"]["docs_per_s"]
         print(f"speed-up local (1 process, vectorised) / reference: {ratio:.2f}x end-to-end")

@@ -2,7 +2,8 @@
 
 Pipeline (`run_decontamination`): read the inputs with `readers` (bad records -> rejects.jsonl) ->
 build one n-gram index over every benchmark item -> scan every turn of every record (Ray Data
-`map_batches` over an actor pool, each actor holding the index once) -> decide per record ->
+`map_batches` tasks; the index travels once through the object store and each worker process
+builds its scanner once) -> decide per record ->
 write clean records, removed records (with the matched suite, item id and n-gram) and a JSON +
 Markdown report per suite.
 
@@ -674,7 +675,28 @@ def _write_parquet(path: Path, rows: Iterable[dict], chunk: int = 4096) -> int:
 # ------------------------------------------------------------------------------------------ job
 
 
-def _scan_ray(scanner_index: BenchmarkIndex, texts: list[list[str]], cfg: DecontamJobConfig) -> Hits:
+# One FastScanner per worker process and index. Ray reuses worker processes across tasks, so the
+# scan runs as stateless tasks (which start on Ray's pre-started workers, where an actor pool would
+# spawn and import fresh processes on every run) and each worker builds its scanner once.
+_WORKER_SCANNERS: dict[str, FastScanner] = {}
+
+
+def _scan_batch_task(batch: Any, index_refs: list) -> dict[str, np.ndarray]:
+    import ray
+
+    key = index_refs[0].hex()
+    scanner = _WORKER_SCANNERS.get(key)
+    if scanner is None:
+        _WORKER_SCANNERS.clear()
+        scanner = _WORKER_SCANNERS[key] = FastScanner(ray.get(index_refs[0]))
+    # pyarrow batches: list<string> -> Python lists directly. (The numpy format would build
+    # fixed-width unicode arrays per document, padding every turn to the longest one.)
+    rows = batch.column("row").to_numpy()
+    d, e, t, s = scanner.scan(batch.column("texts").to_pylist())
+    return {"doc": rows[d].astype(np.int64), "entry": e, "turn": t, "start": s}
+
+
+def _scan_ray(index: BenchmarkIndex, texts: list[list[str]], cfg: DecontamJobConfig) -> Hits:
     import ray
 
     if not ray.is_initialized():
@@ -682,26 +704,16 @@ def _scan_ray(scanner_index: BenchmarkIndex, texts: list[list[str]], cfg: Decont
             ray.init(address=cfg.ray_address)
         else:
             ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = cfg.progress
-    index_ref = ray.put(scanner_index)
-
-    class ScanActor:
-        def __init__(self, refs: list):
-            self.scanner = FastScanner(ray.get(refs[0]))
-
-        def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            rows = batch["row"]
-            d, e, t, s = self.scanner.scan([list(x) for x in batch["texts"]])
-            return {"doc": rows[d].astype(np.int64), "entry": e, "turn": t, "start": s}
-
+    ray.data.DataContext.get_current().enable_progress_bars = cfg.progress
+    # The index goes to the object store once; tasks receive its reference (inside a list, so Ray
+    # does not resolve it per task) and fetch it once per worker.
+    index_ref = ray.put(index)
     n = len(texts)
     blocks = max(1, min(n, (n + cfg.batch_size - 1) // cfg.batch_size))
     ds = ray.data.from_items([{"row": i, "texts": tx} for i, tx in enumerate(texts)],
                              override_num_blocks=blocks)
-    out = ds.map_batches(ScanActor, fn_constructor_args=([index_ref],), batch_size=cfg.batch_size,
-                         batch_format="numpy", num_cpus=1,
-                         compute=ray.data.ActorPoolStrategy(size=max(1, cfg.num_cpus)))
+    out = ds.map_batches(_scan_batch_task, fn_args=([index_ref],), batch_size=cfg.batch_size,
+                         batch_format="pyarrow", num_cpus=1)
     cols: dict[str, list[np.ndarray]] = defaultdict(list)
     for b in out.iter_batches(batch_format="numpy", batch_size=None):
         for k in ("doc", "entry", "turn", "start"):
