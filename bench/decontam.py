@@ -68,7 +68,7 @@ def main() -> None:
                   f"seconds {s['seconds']})", flush=True)
         ray.shutdown()
     first = next(iter(results))
-    same = all(v == removed[first] for v in removed.values())
+    same = len({tuple(v) for v in removed.values()}) == 1
     print(f"ray start-up (excluded): {ray_start:.1f} s; CPUs: {args.num_cpus}")
     for label in ("ray-cold", "ray-warm"):
         if label in results and "reference" in results:
