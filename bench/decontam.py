@@ -66,6 +66,12 @@ def main() -> None:
             rep = json.loads(Path(tmp, label, "reports", "humaneval.json").read_text())
             print(f"{label:>10}: {s['docs_per_s']:8.1f} docs/s  ({s['documents_scanned']} docs; "
                   f"seconds {s['seconds']})", flush=True)
+        # The same count when HumanEval's canonical solutions are indexed too (not the default).
+        cfg = DecontamJobConfig(inputs=[src], benchmarks=[BenchmarkSpec("humaneval", "asset:humaneval", [
+            "prompt", "canonical_solution"], "task_id")], match=MatchConfig(ngram=args.ngram),
+            out=f"{tmp}/with-solutions", scanner="local", progress=False)
+        with_sol = run_decontamination(cfg)
+        rep_sol = json.loads(Path(tmp, "with-solutions", "reports", "humaneval.json").read_text())
         ray.shutdown()
     first = next(iter(results))
     same = len({tuple(v) for v in removed.values()}) == 1
@@ -79,11 +85,14 @@ def main() -> None:
         ratio = results["local"]["docs_per_s"] / results["reference"]["docs_per_s"]
         print(f"speed-up local (1 process, vectorised) / reference: {ratio:.2f}x end-to-end")
     print(f"identical removed sets across scanners: {same}")
-    print(f"ShareGPT conversations matching HumanEval (13-gram, flags {results[first]['flags']}): "
+    print(f"ShareGPT conversations matching HumanEval prompts (flags {results[first]['flags']}): "
           f"{results[first]['suites']['humaneval']['documents_matched']} "
           f"({results[first]['suites']['humaneval']['items_matched']} distinct problems); "
           f"records rejected by the reader: {results[first]['documents_rejected']}")
     print("matched items:", ", ".join(f"{m['item_id']}x{m['documents']}" for m in rep["matched_items"][:20]))
+    print(f"with canonical solutions indexed too: {with_sol['suites']['humaneval']['documents_matched']} "
+          f"conversations; e.g. " + "; ".join(f"{m['item_id']}: '{m['example_ngram']}'"
+                                              for m in rep_sol["matched_items"][:3]))
     if rep["boilerplate_ignored"]:
         print("ignored as boilerplate:", rep["boilerplate_ignored"][:5])
 

@@ -136,7 +136,10 @@ class DecontamJobConfig:
 SUITES: dict[str, BenchmarkSpec] = {
     b.name: b
     for b in [
-        BenchmarkSpec("humaneval", "asset:humaneval", ["prompt", "canonical_solution"], "task_id"),
+        # The prompt (signature + docstring) only: canonical solutions are short idioms (a prime
+        # test loop, a running sum) that real code shares without any leak. Add
+        # "canonical_solution" to the fields to catch solution-only leaks at that cost.
+        BenchmarkSpec("humaneval", "asset:humaneval", ["prompt"], "task_id"),
         BenchmarkSpec("arc_easy", "hub:allenai/ai2_arc", ["question", "choices.text"], "id", "test",
                       "ARC-Easy"),
         BenchmarkSpec("arc_challenge", "hub:allenai/ai2_arc", ["question", "choices.text"], "id", "test",
