@@ -177,24 +177,31 @@ def _forward_backward(
     # d(loss)/d(student logits) = scale / T * (q - p): the 1/T comes from logits / T.
     grad_scale = scale * options.inv_temp
     dense_step, topk_step = _chunk_steps(options.use_triton)
+    workspace = Workspace(min(options.chunk_size, n_rows), vocab, cdtype, device)
 
     for rows, teacher_CV in _chunks(student_hidden, options, n_rows, vocab):
         hidden_CH = _rows(student_hidden, rows).detach().to(cdtype)
-        logits_CV = hidden_CH @ weight_VH.t()
+        n_chunk = hidden_CH.shape[0]
+        logits_CV = torch.mm(hidden_CH, weight_VH.t(), out=workspace.get("student", n_chunk))
         if teacher.kind == "topk":
             logprobs_Ck, indices_Ck, tail_C = (None if t is None else _rows(t, rows) for t in teacher.topk)
             indices_Ck = indices_Ck.long()
             logp_CB = teacher_bucket_logprobs(logprobs_Ck, tail_C, options.inv_temp, vocab, cdtype)
-            kl_C = topk_step(logits_CV, indices_Ck, logp_CB, grad_scale, options.inv_temp, need_grad)
+            kl_C = topk_step(logits_CV, indices_Ck, logp_CB, grad_scale, options.inv_temp, need_grad, workspace)
         else:
             owned = teacher.kind == "hidden"
             if owned:
                 teacher_hidden_CH = _rows(teacher.hidden_NH, rows).to(teacher_weight_VH.dtype)
-                teacher_CV = (teacher_hidden_CH @ teacher_weight_VH.t()).to(cdtype)
-            else:
-                owned = teacher_CV.dtype != cdtype
-                teacher_CV = teacher_CV.to(cdtype)
-            kl_C = dense_step(logits_CV, teacher_CV, owned, grad_scale, options.inv_temp, need_grad)
+                if teacher_weight_VH.dtype == cdtype:
+                    teacher_CV = torch.mm(
+                        teacher_hidden_CH, teacher_weight_VH.t(), out=workspace.get("teacher", n_chunk)
+                    )
+                else:
+                    teacher_CV = workspace.get("teacher", n_chunk).copy_(teacher_hidden_CH @ teacher_weight_VH.t())
+            elif teacher_CV.dtype != cdtype:
+                teacher_CV = workspace.get("teacher", n_chunk).copy_(teacher_CV)
+                owned = True
+            kl_C = dense_step(logits_CV, teacher_CV, owned, grad_scale, options.inv_temp, need_grad, workspace)
         loss += kl_C.sum() * scale
         if need_grad:
             # logits_CV now holds d(loss)/d(logits) for these rows.
@@ -207,6 +214,25 @@ def _forward_backward(
                 grad_weight_VH.addmm_(logits_CV.t(), hidden_CH)
         del logits_CV, teacher_CV
     return loss, _cast(grad_hidden_NH, student_hidden), _cast(grad_weight_VH, student_weight)
+
+
+class Workspace:
+    """[C, V] buffers reused by every chunk of one call.
+
+    A fresh multi-megabyte CPU allocation is returned to the OS when freed and page-faulted in again
+    (zeroed by the kernel) on the next chunk; reusing the buffers removes that cost. The peak is the
+    same as allocating per chunk; the buffers live until the call returns.
+    """
+
+    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows, self.vocab, self.dtype, self.device = rows, vocab, dtype, device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, rows: int) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None:
+            buf = self._buffers[name] = torch.empty(self.rows, self.vocab, dtype=self.dtype, device=self.device)
+        return buf[:rows]
 
 
 def _cast(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
@@ -268,8 +294,8 @@ def teacher_bucket_logprobs(
 
 # Per-chunk steps. Both overwrite logits_CV with d(loss)/d(logits) when need_grad and return the
 # per-row KL [C] (unscaled).
-DenseStep = Callable[[torch.Tensor, torch.Tensor, bool, float, float, bool], torch.Tensor]
-TopkStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float, bool], torch.Tensor]
+DenseStep = Callable[[torch.Tensor, torch.Tensor, bool, float, float, bool, "Workspace | None"], torch.Tensor]
+TopkStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float, bool, "Workspace | None"], torch.Tensor]
 
 
 def _chunk_steps(use_triton: bool) -> tuple[DenseStep, TopkStep]:
@@ -280,6 +306,10 @@ def _chunk_steps(use_triton: bool) -> tuple[DenseStep, TopkStep]:
     return dense_kl_step_torch, topk_kl_step_torch
 
 
+def _scratch(workspace: Workspace | None, name: str, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(like) if workspace is None else workspace.get(name, like.shape[0])
+
+
 def dense_kl_step_torch(
     logits_CV: torch.Tensor,
     teacher_CV: torch.Tensor,
@@ -287,6 +317,7 @@ def dense_kl_step_torch(
     grad_scale: float,
     inv_temp: float,
     need_grad: bool,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """KL(softmax(t/T) || softmax(s/T)) per row; logits_CV <- grad_scale * (q - p) when need_grad.
 
@@ -298,10 +329,13 @@ def dense_kl_step_torch(
     Teacher logits must not hold -inf (the chunk loop clamps them: same zero probability).
     """
     t_max_C1 = teacher_CV.amax(dim=-1, keepdim=True)
-    t_CV = teacher_CV.sub_(t_max_C1) if teacher_owned else teacher_CV - t_max_C1
+    if teacher_owned:
+        t_CV = teacher_CV.sub_(t_max_C1)
+    else:
+        t_CV = torch.sub(teacher_CV, t_max_C1, out=_scratch(workspace, "teacher", teacher_CV))
     if inv_temp != 1.0:
         t_CV.mul_(inv_temp)
-    r_CV = t_CV.exp()
+    r_CV = torch.exp(t_CV, out=_scratch(workspace, "teacher_probs", t_CV))
     z_t_C = r_CV.sum(dim=-1)
     r_dot_t_C = t_CV.mul_(r_CV).sum(dim=-1)
 
@@ -326,6 +360,7 @@ def topk_kl_step_torch(
     grad_scale: float,
     inv_temp: float,
     need_grad: bool,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """(k+1)-bucket KL per row against teacher bucket log-probs logp_CB [C, k + 1] (tail last).
 

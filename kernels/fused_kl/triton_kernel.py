@@ -223,9 +223,10 @@ def dense_kl_step(
     grad_scale: float,
     inv_temp: float,
     need_grad: bool,
+    workspace: object = None,
 ) -> torch.Tensor:
     """Same contract as `chunked.dense_kl_step_torch` (teacher_CV is never modified here)."""
-    del teacher_owned
+    del teacher_owned, workspace
     teacher_CV = teacher_CV.contiguous()
     _check_buffer("student logits", logits_CV)
     _check_buffer("teacher logits", teacher_CV)
@@ -257,8 +258,10 @@ def topk_kl_step(
     grad_scale: float,
     inv_temp: float,
     need_grad: bool,
+    workspace: object = None,
 ) -> torch.Tensor:
     """Same contract as `chunked.topk_kl_step_torch`."""
+    del workspace
     _check_buffer("student logits", logits_CV)
     n_rows, vocab = logits_CV.shape
     k = indices_Ck.shape[1]
