@@ -208,6 +208,11 @@ def test_bad_eval_input_is_named(tmp_path, base, tok):
     assert next(rows)[0] == "chat.jsonl record x"
     with pytest.raises(EvalError, match="chat.jsonl record 1: "):
         next(rows)
+    # or reported: the broken record is listed, the good one still evaluated
+    rejects: list = []
+    got = list(iter_eval_rows(tmp_path / "chat.jsonl", tmp_path / "tok", rejects=rejects))
+    assert [w for w, _ in got] == ["chat.jsonl record x"]
+    assert [r["record"] for r in rejects] == ["chat.jsonl record 1"] and rejects[0]["reason"]
     with pytest.raises(EvalError, match="does not exist"):
         list(iter_eval_rows(tmp_path / "nope"))
 
@@ -500,3 +505,15 @@ def test_eval_job_errors_name_the_problem(saved, tmp_path, capsys):
     assert "needs --data" in capsys.readouterr().err
     assert main(["--model", str(saved / "hybrid"), "--set", "kvcache.lengths=[]", "--out", str(tmp_path)]) == 2
     assert "kvcache.lengths" in capsys.readouterr().err
+
+
+def test_smoke_config_loads_and_bad_values_are_named():
+    from pipeline.config import ConfigError, load_config
+    from pipeline.eval.config import EvalConfig
+
+    cfg = load_config(EvalConfig, REPO / "configs" / "eval_smoke.yaml")
+    assert cfg.suites == ["kl", "retrieval", "kvcache"] and max(cfg.kvcache.lengths) <= 4096
+    with pytest.raises(ConfigError, match="kl.on_bad_record='skip'"):
+        load_config(EvalConfig, None, ["kl.on_bad_record=skip"])
+    with pytest.raises(ConfigError, match="unknown key.*retrieval.length\\b"):
+        load_config(EvalConfig, None, ["retrieval.length=[1]"])

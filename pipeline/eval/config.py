@@ -43,6 +43,13 @@ class KLSection:
     # Use kernels.fused_kl.fused_linear_kl_div when importable (else exact chunked fp32).
     use_fused: bool = True
     chunk_tokens: int = 1024
+    # Chat records that cannot be read or rendered: "report" (counted and listed in the results,
+    # then skipped) or "fail" (the job stops with the record's error).
+    on_bad_record: str = "report"
+
+    def __post_init__(self) -> None:
+        if self.on_bad_record not in ("report", "fail"):
+            raise ValueError(f"kl.on_bad_record={self.on_bad_record!r}; allowed: report, fail")
 
 
 @dataclass

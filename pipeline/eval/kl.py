@@ -95,10 +95,11 @@ def _read_parquet_rows(path: Path, limit: int | None) -> Iterator[dict[str, Any]
                 n += 1
 
 
-def _chat_rows(path: Path, tokenizer_dir: str | Path, limit: int | None) -> Iterator[dict[str, Any]]:
+def _chat_rows(path: Path, tokenizer_dir: str | Path, limit: int | None,
+               rejects: list[dict[str, Any]] | None) -> Iterator[dict[str, Any]]:
     from pipeline.data.packing import label_aligned_mask
     from pipeline.data.readers import SourceSpec, is_reject, iter_source
-    from pipeline.data.render import ChatRenderer, Rejected
+    from pipeline.data.render import ChatRenderer
 
     try:
         renderer = ChatRenderer.from_pretrained(str(tokenizer_dir))
@@ -109,21 +110,30 @@ def _chat_rows(path: Path, tokenizer_dir: str | Path, limit: int | None) -> Iter
     for item in iter_source(SourceSpec(name="eval", path=str(path))):
         if limit is not None and n >= limit:
             return
+        # a broken record is never skipped silently: it fails the run, or goes into `rejects`
         if is_reject(item):
-            # held-out data is read as is: a broken record is reported, not silently skipped
-            raise EvalError(f"{Path(item['file']).name} record {item['record']}: {item['reason']}")
-        enc = renderer.encode_batch([{"id": item["id"], "messages": item["messages"]}])[0]
-        if isinstance(enc, Rejected):
-            raise EvalError(f"{path} record {item['id']}: {enc.reason}")
+            where, reason = f"{Path(item['file']).name} record {item['record']}", item["reason"]
+        else:
+            enc = renderer.encode_batch([{"id": item["id"], "messages": item["messages"]}])[0]
+            where, reason = f"{path.name} record {item['id']}", getattr(enc, "reason", None)
+        if reason is not None:
+            if rejects is None:
+                raise EvalError(f"{where}: {reason}")
+            rejects.append({"record": where, "reason": reason})
+            continue
         ids = enc.input_ids.astype(np.int64)
         yield {"input_ids": ids, "cu_seqlens": np.array([0, len(ids)], dtype=np.int32),
                "loss_mask": label_aligned_mask(enc.assistant_mask), "_where": f"{path.name} record {item['id']}"}
         n += 1
 
 
-def iter_eval_rows(data: str | Path, tokenizer_dir: str | Path | None = None,
-                   max_rows: int | None = None) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-    """(where, row) for every held-out row of `data` (see the module docstring for formats)."""
+def iter_eval_rows(data: str | Path, tokenizer_dir: str | Path | None = None, max_rows: int | None = None,
+                   rejects: list[dict[str, Any]] | None = None) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """(where, row) for every held-out row of `data` (see the module docstring for formats).
+
+    Chat records that cannot be read or rendered raise EvalError, or, when a `rejects` list is
+    given, are appended to it ({record, reason}) and skipped.
+    """
     p = Path(data)
     if not p.exists():
         raise EvalError(f"eval data {p} does not exist")
@@ -141,7 +151,7 @@ def iter_eval_rows(data: str | Path, tokenizer_dir: str | Path | None = None,
     elif p.is_file() and any(s in (".json", ".jsonl") for s in p.suffixes):
         if tokenizer_dir is None:
             raise EvalError(f"{p}: chat records need a tokenizer (the model directory has none)")
-        raw = _chat_rows(p, tokenizer_dir, max_rows)
+        raw = _chat_rows(p, tokenizer_dir, max_rows, rejects)
     else:
         raise EvalError(f"{p}: not a packed-data directory (manifest.json), Parquet rows or JSON/JSONL chat records")
     for row in raw:

@@ -58,6 +58,8 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     model = load_model(model_path, m.dtype, m.device)
     tokenizer = load_tokenizer(m.tokenizer or model_path) if _has_tokenizer(m.tokenizer or model_path) else None
     base = load_model(m.base, m.dtype, m.device) if m.base else None
+    # the teacher is often the base model itself: load it once
+    loaded = {m.base: base} if base is not None else {}
     results: dict[str, Any] = {
         "config": to_dict(cfg), "config_hash": config_hash(cfg),
         "model": {"path": str(model_path), **_model_info(model)},
@@ -67,7 +69,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     for suite in cfg.suites:
         ts = time.perf_counter()
         if suite == "kl":
-            results["kl"] = _suite_kl(cfg, model, tokenizer)
+            results["kl"] = _suite_kl(cfg, model, tokenizer, loaded)
         elif suite == "retrieval":
             results["retrieval"] = _suite_retrieval(cfg, model, base, tokenizer)
         elif suite == "kvcache":
@@ -88,16 +90,20 @@ def _has_tokenizer(path: str) -> bool:
     return not p.is_dir() or any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
-def _suite_kl(cfg: EvalConfig, model, tokenizer) -> dict[str, Any]:
+def _suite_kl(cfg: EvalConfig, model, tokenizer, loaded: dict[str, Any]) -> dict[str, Any]:
     from pipeline.eval.kl import evaluate_kl, iter_eval_rows
 
     data = _need(cfg.kl.data, "--data (kl.data)", "kl")
-    teacher = load_model(cfg.models.teacher, cfg.models.dtype, cfg.models.device) if cfg.models.teacher else None
+    t = cfg.models.teacher
+    teacher = (loaded[t] if t in loaded else load_model(t, cfg.models.dtype, cfg.models.device)) if t else None
     tok_dir = (cfg.models.tokenizer or cfg.models.path) if tokenizer is not None else None
-    rows = iter_eval_rows(data, tok_dir, cfg.kl.max_rows)
+    rejects: list[dict[str, Any]] | None = [] if cfg.kl.on_bad_record == "report" else None
+    rows = iter_eval_rows(data, tok_dir, cfg.kl.max_rows, rejects)
     res = evaluate_kl(model, rows, teacher, use_fused=cfg.kl.use_fused, chunk=cfg.kl.chunk_tokens).to_dict()
     res["teacher"] = cfg.models.teacher
     res["data"] = data
+    res["rejected_records"] = len(rejects or [])
+    res["rejects"] = (rejects or [])[:20]
     return res
 
 
@@ -159,6 +165,9 @@ def render_markdown(res: dict[str, Any]) -> str:
         lines += _table(["rows", "documents", "scored tokens", "KL(teacher‖model) / token", "model ppl",
                          "teacher ppl", "KL computed by"],
                         [[k["rows"], k["documents"], k["tokens"], k["kl"], k["ppl"], k["teacher_ppl"], k["kl_backend"]]])
+        if k.get("rejected_records"):
+            lines += ["", f"{k['rejected_records']} record(s) of the data could not be used, e.g. "
+                      + "; ".join(f"{r['record']}: {r['reason']}" for r in k["rejects"][:3])]
         lines.append("")
     if "retrieval" in res:
         lines += ["## Needle-in-a-haystack retrieval (accuracy)", ""]
