@@ -259,4 +259,4 @@ def final_hidden(model: nn.Module, ids_T: torch.Tensor, cu_seqlens: torch.Tensor
         return model.model(input_ids=ids_BT, cu_seqlens=cu_seqlens).last_hidden_state[0]
     if cu_seqlens is not None:
         raise EvalError("final_hidden: packed rows need a HyLo model; run documents one at a time")
-    return model.model(input_ids=ids_BT, use_cache=False).last_hidden_state[0]
+    return model.base_model(input_ids=ids_BT, use_cache=False).last_hidden_state[0]

@@ -97,7 +97,7 @@ class Scorer:
                 cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=self.device)
                 h_TD = self.model.model(input_ids=ids_T[None], cu_seqlens=cu if len(lens) > 1 else None).last_hidden_state[0]
             else:
-                h_TD = self.model.model(input_ids=ids_T[None], use_cache=False).last_hidden_state[0]
+                h_TD = self.model.base_model(input_ids=ids_T[None], use_cache=False).last_hidden_state[0]
             start = 0
             for i, n_in in zip(group, lens):
                 tokens, n_scored = seqs[i]
