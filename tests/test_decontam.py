@@ -178,18 +178,20 @@ def test_fast_scan_equals_reference_hit_for_hit(seed):
     assert {e.kind for e in index.entries} == {"ngram", "short", "exact"}
     docs = _random_docs(rng, vocab + ["other"], 80)
     fast = FastScanner(index, seed=seed).scan(docs)
-    ref = reference_scan(index, docs)
+    ref = reference_scan(index, docs, "set")
     as_set = lambda h: set(zip(*(a.tolist() for a in h)))
     assert len(as_set(ref)) > 50
-    assert as_set(fast) == as_set(ref)
+    assert as_set(fast) == as_set(ref) == as_set(reference_scan(index, docs, "probe"))
 
 
-def test_hash_collisions_are_verified_away():
+def test_hash_collisions_are_verified_away(monkeypatch):
+    from pipeline.data import decontam
+
     items = [Item("s", "i0", [["aa", "bb", "cc"]])]
     index = BenchmarkIndex.build(items, MatchConfig(ngram=3, short_min_words=2, min_content_words=0))
     sc = FastScanner(index)
     # Simulate 64-bit word-hash collisions: zz/yy/xx hash like aa/bb/cc. Only the word check can tell.
-    real = sc._words
+    real = decontam._word_hashes
     fake_h, true_h = real(b"zz yy xx")[2], real(b"aa bb cc")[2]
 
     def colliding(buf):
@@ -198,11 +200,10 @@ def test_hash_collisions_are_verified_away():
             h = np.where(h == f, t, h)
         return starts, ends, h
 
-    sc._words = colliding
+    monkeypatch.setattr(decontam, "_word_hashes", colliding)
     d, e, t, s = sc.scan([["aa bb cc", "zz yy xx"]])
     assert list(zip(d.tolist(), t.tolist())) == [(0, 0)]
-    # Without the check the colliding turn would have matched: the simulation does collide.
-    sc.entry_words = [None] * len(sc.entry_words)
+    # Without the word check the colliding turn would have matched: the simulation does collide.
     sc.entry_words = [[b"zz", b"yy", b"xx"]]
     assert sc.scan([["aa bb cc", "zz yy xx"]])[2].tolist() == [1]
 

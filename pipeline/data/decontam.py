@@ -356,67 +356,101 @@ class _PolyHash:
         return h
 
 
+_C1, _C2, _C3, _C4 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+                                              0xD6E8FEB86659FD93))
+# LOW_BYTES[n] keeps the n low bytes of a little-endian uint64 (n = 0..8).
+_LOW_BYTES = np.array([(1 << (8 * n)) - 1 for n in range(9)], dtype=np.uint64)
+
+
+def _word_hashes(buf: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Word starts [W], ends [W] and 64-bit hashes [W] of a space-separated byte string.
+
+    A word's hash mixes its length, its first 8 and its last 8 bytes (read as unaligned uint64
+    words), so it costs O(words), not O(bytes); words up to 16 bytes hash without loss, longer ones
+    may collide, which only adds candidates that the word-by-word check removes.
+    """
+    # One space before and eight after: every word has a space on each side, and the unaligned
+    # 8-byte reads below stay inside the array.
+    a = np.frombuffer(b" " + buf + b" " * 8, dtype=np.uint8)
+    n = len(buf) + 2
+    word = a[:n] != 32
+    # Word edges alternate start, end, start, ... (both sides of the buffer are spaces).
+    edges = np.flatnonzero(word[1:] != word[:-1]) + 1
+    starts, ends = edges[0::2], edges[1::2]
+    # u64[i] = the 8 bytes starting at byte i.
+    u64 = np.ndarray(shape=(n,), dtype="<u8", buffer=a, strides=(1,))
+    ln = (ends - starts).astype(np.uint64)
+    low = _LOW_BYTES[np.minimum(ln, 8).astype(np.int64)]
+    first = u64[starts] & low
+    last = u64[np.maximum(ends - 8, starts)] & low
+    h = (first * _C1) ^ (last * _C2) ^ (ln * _C3)
+    h ^= h >> np.uint64(29)
+    h *= _C4
+    h ^= h >> np.uint64(32)
+    # Offsets into `buf` (without the leading space).
+    return starts - 1, ends - 1, h
+
+
+def _bitmap(keys: np.ndarray) -> tuple[np.ndarray, np.uint64]:
+    """A membership bitmap over the top bits of 64-bit hashes, ~32 slots per key (~3 % false hits)."""
+    bits = max(10, int(np.ceil(np.log2(32 * max(len(keys), 1)))))
+    shift = np.uint64(64 - bits)
+    bitmap = np.zeros(1 << bits, dtype=bool)
+    bitmap[(keys >> shift).astype(np.int64)] = True
+    return bitmap, shift
+
+
 class FastScanner:
     """Vectorised scan of a batch of documents against a BenchmarkIndex.
 
     Per batch: every turn is folded to normalised UTF-8 bytes (normalize.fold) and all turns are
     joined into one byte array, each turn preceded by a "\\n" marker word. In numpy: word
-    boundaries, a hash per word (over its bytes), word ids by searchsorted in the benchmark
-    vocabulary (unknown words and markers -> 0), then for each indexed n-gram length a hash per
-    window of word ids (windows holding a 0 are skipped), looked up by searchsorted. Only hits
-    reach Python, and each is verified against the entry's actual words.
+    boundaries and a hash per word, which is the word's id when a bitmap of the benchmark
+    vocabulary admits it (else 0; markers are 0), then for each indexed n-gram length a polynomial
+    hash per window of ids (windows holding a 0 are skipped), a bitmap prefilter and a searchsorted
+    lookup. Only hits reach Python, and each is verified against the entry's actual words.
     """
 
     def __init__(self, index: BenchmarkIndex, seed: int = 0):
         rng = np.random.default_rng(seed)
-        self.byte_hash = _PolyHash(int(rng.integers(1 << 62, 1 << 63)))
         self.id_hash = _PolyHash(int(rng.integers(1 << 62, 1 << 63)))
-        vocab: dict[bytes, int] = {}
+        words: dict[bytes, None] = {}
         self.entry_words: list[list[bytes]] = []
         for e in index.entries:
             ws = [w.encode("utf-8", "surrogatepass") for w in e.words]
             self.entry_words.append(ws)
-            for w in ws:
-                vocab.setdefault(w, len(vocab) + 1)
-        # Word hashes go through the same numpy code as the scan, so both sides hash identically.
-        _, _, word_h = self._words(b" ".join(vocab)) if vocab else (None, None, np.zeros(0, np.uint64))
-        if len(np.unique(word_h)) != len(vocab):
-            raise RuntimeError("64-bit word hash collision inside the benchmark vocabulary; change the seed")
-        order = np.argsort(word_h)
-        self.vocab_h = word_h[order]
-        self.vocab_id = np.arange(1, len(vocab) + 1, dtype=np.uint64)[order]
-        self.entry_ids = [[vocab[w] for w in ws] for ws in self.entry_words]
-        tables: dict[str, dict[int, int]] = defaultdict(dict)
+            words.update(dict.fromkeys(ws))
+        # A word's id is its 64-bit hash (computed by the same numpy code as the scan, so both
+        # sides agree); words outside the benchmark vocabulary get id 0, decided by a bitmap
+        # (~32 bits per word; its rare false members only cost a lookup that finds nothing).
+        wh = _word_hashes(b" ".join(words))[2] if words else np.zeros(0, dtype=np.uint64)
+        wh[wh == 0] = 1
+        self.vocab_bitmap, self.vocab_shift = _bitmap(wh)
+        id_of = dict(zip(words, wh.tolist()))
+        self.entry_ids = [[id_of[w] for w in ws] for ws in self.entry_words]
+        # key -> candidate entries (several only when hashes collide).
+        tables: dict[Any, dict[int, list[int]]] = defaultdict(dict)
         for k, e in enumerate(index.entries):
             key = "exact" if e.kind == "exact" else len(e.words)
-            h = self.id_hash.one(self.entry_ids[k])
-            if h in tables[key]:
-                raise RuntimeError("64-bit n-gram hash collision inside the index; change the seed")
-            tables[key][h] = k
-        self.tables: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
+            tables[key].setdefault(self.id_hash.one(self.entry_ids[k]), []).append(k)
+        self.cands: list[list[int]] = []
+        self.tables: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray, np.uint64]] = {}
         for key, d in tables.items():
             keys = np.fromiter(d.keys(), dtype=np.uint64, count=len(d))
-            vals = np.fromiter(d.values(), dtype=np.int64, count=len(d))
+            vals = np.arange(len(self.cands), len(self.cands) + len(d), dtype=np.int64)
+            self.cands += list(d.values())
             order = np.argsort(keys)
-            self.tables[key] = (keys[order], vals[order])
+            # Bitmap prefilter: most windows are rejected by one gather.
+            self.tables[key] = (keys[order], vals[order], *_bitmap(keys))
 
-    def _words(self, buf: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Word starts [W], ends [W] (byte offsets) and hashes [W] of a space-separated byte string."""
-        a = np.frombuffer(buf, dtype=np.uint8)
-        word = a != 32
-        edge = np.diff(word.astype(np.int8), prepend=np.int8(0), append=np.int8(0))
-        starts = np.flatnonzero(edge == 1)
-        ends = np.flatnonzero(edge == -1)
-        return starts, ends, self.byte_hash.spans(self.byte_hash.prefix(a), starts, ends)
-
-    @staticmethod
-    def _lookup(table: tuple[np.ndarray, np.ndarray], h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        keys, vals = table
-        if not len(keys) or not len(h):
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        j = np.minimum(np.searchsorted(keys, h), len(keys) - 1)
-        found = np.flatnonzero(keys[j] == h)
-        return found, vals[j[found]]
+    def _lookup(self, key: Any, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        keys, vals, bitmap, shift = self.tables[key]
+        maybe = np.flatnonzero(bitmap[(h >> shift).astype(np.int64)])
+        if not len(maybe):
+            return maybe, maybe
+        j = np.minimum(np.searchsorted(keys, h[maybe]), len(keys) - 1)
+        found = keys[j] == h[maybe]
+        return maybe[found], vals[j[found]]
 
     def scan(self, docs: Sequence[Sequence[str]]) -> Hits:
         seg_doc: list[int] = []
@@ -430,44 +464,41 @@ class FastScanner:
         if not parts:
             return _empty_hits()
         buf = b" \n " + b" \n ".join(parts)
-        starts, ends, word_h = self._words(buf)
-        a = np.frombuffer(buf, dtype=np.uint8)
-        is_marker = (ends - starts == 1) & (a[starts] == 10)
+        starts, ends, word_h = _word_hashes(buf)
+        is_marker = (ends - starts == 1) & (np.frombuffer(buf, dtype=np.uint8)[starts] == 10)
         marker_pos = np.flatnonzero(is_marker)
-        # Word ids: searchsorted in the sorted vocabulary hashes; misses (and markers) are 0.
-        j = np.minimum(np.searchsorted(self.vocab_h, word_h), max(len(self.vocab_h) - 1, 0))
-        ids = np.where(self.vocab_h[j] == word_h, self.vocab_id[j], 0) if len(self.vocab_h) else (
-            np.zeros(len(word_h), dtype=np.uint64))
+        ids = np.where(self.vocab_bitmap[(word_h >> self.vocab_shift).astype(np.int64)], word_h, 0)
         ids[is_marker] = 0
         prefix = self.id_hash.prefix(ids)
         zeros = np.zeros(len(ids) + 1, dtype=np.int64)
         np.cumsum(ids == 0, out=zeros[1:])
         out: list[tuple[int, int, int, int]] = []
 
-        def emit(pos: np.ndarray, ks: np.ndarray, length: np.ndarray | int) -> None:
+        def emit(pos: np.ndarray, cand: np.ndarray, length: np.ndarray | int) -> None:
             seg = np.searchsorted(marker_pos, pos, side="right") - 1
-            for p, k, s, L in zip(pos.tolist(), ks.tolist(), seg.tolist(),
+            for p, c, s, L in zip(pos.tolist(), cand.tolist(), seg.tolist(),
                                   np.broadcast_to(length, pos.shape).tolist()):
-                want = self.entry_words[k]
-                if L != len(want) or [buf[starts[q]:ends[q]] for q in range(p, p + L)] != want:
-                    continue
-                out.append((seg_doc[s], k, seg_turn[s], p - int(marker_pos[s]) - 1))
+                got = [buf[starts[q]:ends[q]] for q in range(p, p + L)]
+                for k in self.cands[c]:
+                    # Verify the actual words: the result is exact, never a hash collision.
+                    if got == self.entry_words[k]:
+                        out.append((seg_doc[s], k, seg_turn[s], p - int(marker_pos[s]) - 1))
 
-        for key, table in self.tables.items():
+        for key in self.tables:
             if key == "exact":
                 # A whole turn: from after its marker to the next marker.
                 lo = marker_pos + 1
                 hi = np.append(marker_pos[1:], len(ids))
-                ok = np.flatnonzero(zeros[hi] == zeros[lo])
-                found, ks = self._lookup(table, self.id_hash.spans(prefix, lo[ok], hi[ok]))
-                emit(lo[ok][found], ks, (hi - lo)[ok][found])
+                ok = np.flatnonzero((zeros[hi] == zeros[lo]) & (hi > lo))
+                found, cs = self._lookup(key, self.id_hash.spans(prefix, lo[ok], hi[ok]))
+                emit(lo[ok][found], cs, (hi - lo)[ok][found])
                 continue
             L = key
             if len(ids) < L:
                 continue
             pos = np.flatnonzero(zeros[L:] == zeros[:-L])
-            found, ks = self._lookup(table, self.id_hash.spans(prefix, pos, pos + L))
-            emit(pos[found], ks, L)
+            found, cs = self._lookup(key, self.id_hash.spans(prefix, pos, pos + L))
+            emit(pos[found], cs, L)
         if not out:
             return _empty_hits()
         h = np.array(out, dtype=np.int64)
@@ -475,13 +506,23 @@ class FastScanner:
 
 
 class ReferenceScanner:
-    """Plain Python reference: a dict of n-gram tuples per length, probed at every word position."""
+    """Plain single-process Python reference: n-gram sets.
 
-    def __init__(self, index: BenchmarkIndex):
+    mode "set" (the classic recipe, e.g. lm-eval's): per turn, the set of all its n-gram tuples of
+    each indexed length, intersected with the benchmark's n-gram set; positions are then looked up
+    only in turns that matched. mode "probe": a dict probed at every word position (faster Python).
+    Both give exactly the hits of FastScanner.
+    """
+
+    def __init__(self, index: BenchmarkIndex, mode: str = "set"):
+        if mode not in ("set", "probe"):
+            raise ValueError(f"ReferenceScanner mode {mode!r} not in ('set', 'probe')")
+        self.mode = mode
         self.tables: dict[int, dict[tuple[str, ...], int]] = defaultdict(dict)
         self.exact: dict[tuple[str, ...], int] = {}
         for k, e in enumerate(index.entries):
             (self.exact if e.kind == "exact" else self.tables[len(e.words)])[e.words] = k
+        self.keysets = {L: set(table) for L, table in self.tables.items()}
 
     def scan(self, docs: Sequence[Sequence[str]]) -> Hits:
         out = []
@@ -492,6 +533,10 @@ class ReferenceScanner:
                 if k is not None:
                     out.append((d, k, t, 0))
                 for L, table in self.tables.items():
+                    if self.mode == "set":
+                        grams = {tuple(words[i:i + L]) for i in range(len(words) - L + 1)}
+                        if grams.isdisjoint(self.keysets[L]):
+                            continue
                     for i in range(len(words) - L + 1):
                         k = table.get(tuple(words[i:i + L]))
                         if k is not None:
@@ -500,8 +545,8 @@ class ReferenceScanner:
         return a[:, 0], a[:, 1], a[:, 2], a[:, 3]
 
 
-def reference_scan(index: BenchmarkIndex, docs: Sequence[Sequence[str]]) -> Hits:
-    return ReferenceScanner(index).scan(docs)
+def reference_scan(index: BenchmarkIndex, docs: Sequence[Sequence[str]], mode: str = "set") -> Hits:
+    return ReferenceScanner(index, mode).scan(docs)
 
 
 # ------------------------------------------------------------------------------------ decision
@@ -773,7 +818,7 @@ def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = N
     elif cfg.scanner == "local":
         hits = _scan_local(texts, cfg.batch_size, FastScanner(index).scan, cfg.progress)
     else:
-        hits = _scan_local(texts, cfg.batch_size, ReferenceScanner(index).scan, cfg.progress)
+        hits = _scan_local(texts, cfg.batch_size, ReferenceScanner(index, "set").scan, cfg.progress)
     t_scan = time.perf_counter()
 
     dec = decide(index, *hits)

@@ -140,6 +140,9 @@ def _raw(obj: Any) -> str:
 
 
 def _undecodable(text: str) -> bool:
+    # ASCII text cannot hold surrogates; the check is one C scan for most text.
+    if text.isascii():
+        return False
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
