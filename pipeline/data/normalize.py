@@ -21,6 +21,8 @@ import re
 import unicodedata
 from collections.abc import Iterator, Sequence
 
+import numpy as np
+
 _NON_WORD = re.compile(r"[\W_]+")
 # bytes.translate table: ASCII letters and digits stay, everything else becomes a space.
 _ASCII_FOLD = bytes(c if chr(c).isalnum() and c < 128 else 32 for c in range(256))
@@ -41,6 +43,51 @@ def fold(text: str) -> bytes:
     if text.isascii():
         return text.lower().encode("ascii").translate(_ASCII_FOLD)
     return _NON_WORD.sub(" ", unicodedata.normalize("NFKC", text).lower()).encode("utf-8", "surrogatepass")
+
+
+# fold_many: ASCII bytes through one table (letters lowered, digits kept, the rest -> space);
+# bytes >= 0x80 pass and are decided per character below.
+_LUT = np.array([ord(chr(c).lower()) if chr(c).isalnum() else 32 for c in range(128)] + list(range(128, 256)),
+                dtype=np.uint8)
+_ALNUM: dict[int, bool] = {}
+
+
+def fold_many(texts: Sequence[str], sep: bytes = b" \n ") -> bytes:
+    """`sep + sep.join(fold(t) for t in texts)`, computed for the whole batch at once.
+
+    Python does only what needs Unicode tables (NFKC + lowercase, and only for non-ASCII text);
+    punctuation folding runs in numpy: a byte table for ASCII, and for each non-ASCII character
+    (decoded from its UTF-8 bytes in numpy) a cached `str.isalnum` verdict. `sep` must be space,
+    newline, space-like ASCII; its non-space bytes are kept as they are.
+    """
+    parts = [t.encode("ascii") if t.isascii() else
+             unicodedata.normalize("NFKC", t).lower().encode("utf-8", "surrogatepass") for t in texts]
+    raw = sep + sep.join(parts)
+    # Three spare bytes so a 4-byte character at the very end can be read without bounds checks.
+    a = np.frombuffer(raw + b"   ", dtype=np.uint8)
+    out = _LUT[a[:len(raw)]]
+    lead = np.flatnonzero(a[:len(raw)] >= 0xC0)
+    if len(lead):
+        b0 = a[lead].astype(np.int64)
+        b1, b2, b3 = ((a[lead + k] & 0x3F).astype(np.int64) for k in (1, 2, 3))
+        n = np.where(b0 >= 0xF0, 4, np.where(b0 >= 0xE0, 3, 2))
+        cp = np.where(n == 2, ((b0 & 0x1F) << 6) | b1,
+                      np.where(n == 3, ((b0 & 0x0F) << 12) | (b1 << 6) | b2,
+                               ((b0 & 0x07) << 18) | (b1 << 12) | (b2 << 6) | b3))
+        uniq, inv = np.unique(cp, return_inverse=True)
+        for c in uniq.tolist():
+            if c not in _ALNUM:
+                _ALNUM[c] = chr(c).isalnum()
+        drop = ~np.array([_ALNUM[c] for c in uniq.tolist()], dtype=bool)[inv]
+        for k in range(4):
+            sel = drop & (n > k)
+            out[lead[sel] + k] = 32
+    # Restore the separators' non-space bytes (the table folded them).
+    offsets = np.cumsum([0] + [len(p) + len(sep) for p in parts[:-1]], dtype=np.int64)
+    for k, ch in enumerate(sep):
+        if ch != 32:
+            out[offsets + k] = ch
+    return out.tobytes()
 
 
 def normalize_words(text: str) -> list[str]:
