@@ -168,7 +168,10 @@ def main() -> None:
                    "--vocab", str(args.vocab), "--seed", str(args.seed)]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo)
             if proc.returncode != 0:
-                print(f"{n:>6} {case:<16} FAILED: {proc.stderr.strip().splitlines()[-1:]}")
+                why = proc.stderr.strip().splitlines()[-1:] or ["no message"]
+                if proc.returncode == -9:
+                    why = ["killed by SIGKILL (out of memory?)"]
+                print(f"{n:>6} {case:<16} FAILED (exit {proc.returncode}): {why[0]}", flush=True)
                 continue
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             if case == "naive":
