@@ -22,7 +22,7 @@ from pipeline.data.decontam import (
     reference_scan,
     run_decontamination,
 )
-from pipeline.data.normalize import _NON_WORD, normalize_words
+from pipeline.data.normalize import _NON_WORD, fold_many, normalize_words, normalize_words_plain
 from pipeline.data.readers import SourceSpec, read_source
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +116,20 @@ def local_ray():
 ], ids=["code", "spacing", "control-ws", "empty", "punct-only"])
 def test_ascii_fast_path_equals_regex_path(text):
     assert normalize_words(text) == _NON_WORD.sub(" ", text.lower()).split()
+
+
+def test_fast_normalisations_equal_the_plain_one():
+    rng = random.Random(0)
+    pool = [chr(c) for c in [*range(128), 0xE9, 0x130, 0x1C5, 0xFB01, 0xBD, 0x3000, 0xFF21, 0x4E2D, 0x1F600, 0x301,
+                             0x307, 0x2014, 0x201C, 0xA0, 0x10400, 0xD55C, 0x663, 0xB2, 0xDF, 0x2028, 0x85]]
+    texts = ["".join(rng.choice(pool) for _ in range(rng.randint(0, 40))) for _ in range(400)]
+    texts += ["plain ASCII, with_under_scores & (punct)!", ""]
+    for t in texts:
+        assert normalize_words(t) == normalize_words_plain(t), t
+    # fold_many: one buffer, each text after a " \n " marker, same words per text.
+    buf = fold_many(texts)
+    assert [seg.split() for seg in buf.split(b"\n")[1:]] == [
+        [w.encode() for w in normalize_words_plain(t)] for t in texts]
 
 
 def test_nfkc_and_unicode_words():

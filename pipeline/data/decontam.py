@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.data.normalize import content_words, fold_many, normalize_words
+from pipeline.data.normalize import content_words, fold_many, normalize_words, normalize_words_plain
 from pipeline.data.readers import Record, SourceError, SourceSpec, is_reject, iter_raw, iter_source
 
 MODES = ("drop", "cut")
@@ -506,7 +506,7 @@ class FastScanner:
 
 
 class ReferenceScanner:
-    """Plain single-process Python reference: n-gram sets.
+    """Plain single-process Python reference: regex normalisation (normalize_words_plain) and n-gram sets.
 
     mode "set" (the classic recipe, e.g. lm-eval's): per turn, the set of all its n-gram tuples of
     each indexed length, intersected with the benchmark's n-gram set; positions are then looked up
@@ -528,7 +528,7 @@ class ReferenceScanner:
         out = []
         for d, texts in enumerate(docs):
             for t, text in enumerate(texts):
-                words = normalize_words(text)
+                words = normalize_words_plain(text)
                 k = self.exact.get(tuple(words))
                 if k is not None:
                     out.append((d, k, t, 0))
@@ -756,10 +756,18 @@ def _scan_ray(index: BenchmarkIndex, texts: list[list[str]], cfg: DecontamJobCon
     # The index goes to the object store once; tasks receive its reference (inside a list, so Ray
     # does not resolve it per task) and fetch it once per worker.
     index_ref = ray.put(index)
+    import pyarrow as pa
+
     n = len(texts)
-    blocks = max(1, min(n, (n + cfg.batch_size - 1) // cfg.batch_size))
-    ds = ray.data.from_items([{"row": i, "texts": tx} for i, tx in enumerate(texts)],
-                             override_num_blocks=blocks)
+    if n == 0:
+        return _empty_hits()
+    # One Arrow table built in the driver (much cheaper than from_items' per-row dicts), cut into
+    # a few blocks per CPU so both workers stay busy; tasks iterate batches inside their block.
+    table = pa.table({"row": pa.array(np.arange(n, dtype=np.int64)),
+                      "texts": pa.array(texts, type=pa.list_(pa.string()))})
+    blocks = max(1, min(n, max(2 * cfg.num_cpus, -(-n // 2048))))
+    bounds = np.linspace(0, n, blocks + 1).astype(int)
+    ds = ray.data.from_arrow([table.slice(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:])])
     out = ds.map_batches(_scan_batch_task, fn_args=([index_ref],), batch_size=cfg.batch_size,
                          batch_format="pyarrow", num_cpus=1)
     cols: dict[str, list[np.ndarray]] = defaultdict(list)

@@ -97,6 +97,11 @@ def normalize_words(text: str) -> list[str]:
     return _NON_WORD.sub(" ", unicodedata.normalize("NFKC", text).lower()).split()
 
 
+def normalize_words_plain(text: str) -> list[str]:
+    """The same words as normalize_words, computed the plain way (the reference scan uses it)."""
+    return _NON_WORD.sub(" ", unicodedata.normalize("NFKC", text).lower()).split()
+
+
 def normalize_text(text: str) -> str:
     return " ".join(normalize_words(text))
 
