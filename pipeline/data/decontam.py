@@ -751,6 +751,9 @@ def _scan_ray(index: BenchmarkIndex, texts: list[list[str]], cfg: DecontamJobCon
         if cfg.ray_address:
             ray.init(address=cfg.ray_address)
         else:
+            # Ray starts workers at nice 15; on a shared machine they would then get a sliver of
+            # the CPU next to this (nice 0) driver. A local batch job runs its workers at par.
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = cfg.progress
     # The index goes to the object store once; tasks receive its reference (inside a list, so Ray
