@@ -25,11 +25,13 @@ Boilerplate, the usual source of false positives, is handled three ways:
    through such phrases is kept. Every n-gram ignored this way is listed in the report with its
    count, so a human can check the call; `boilerplate_docs: 0` turns the rule off.
 
-Speed: the scan maps words to ids of the benchmark vocabulary (words outside it can never match),
-concatenates a whole batch of turns into one id array, and computes every window's polynomial hash
-from prefix sums in numpy (uint64, wrapping); windows are looked up with searchsorted and every
-hit is verified word by word, so the result equals the plain Python n-gram reference
-(`reference_scan`, kept beside it and tested against it) exactly.
+Speed (FastScanner): a whole batch of turns is folded into one byte array (normalize.fold_many),
+words are hashed in numpy, words outside the benchmark vocabulary (which can never match) get id
+0, every window's polynomial hash comes from prefix sums (uint64, wrapping), windows pass a bitmap
+prefilter and a searchsorted lookup, and every hit is verified word by word, so the result equals
+the plain Python n-gram-set reference (`ReferenceScanner`, kept beside it and tested against it)
+exactly. Its cost barely grows with the number of n-gram lengths (short items), the reference's
+grows linearly.
 
 Limits: records are held in driver memory between read and write (a few GB per million
 conversations); the scan, the expensive part, is what Ray distributes.
@@ -111,7 +113,7 @@ class DecontamJobConfig:
     output_format: str = "jsonl"
     # Turns (records) per scan batch.
     batch_size: int = 256
-    # ray: Ray Data actor pool; local: same fast scan in-process; reference: plain Python n-grams.
+    # ray: Ray Data tasks; local: the same fast scan in-process; reference: plain Python n-gram sets.
     scanner: str = "ray"
     # None: start a local Ray with `num_cpus`; else connect to this address ("auto", "ray://...").
     ray_address: str | None = None
