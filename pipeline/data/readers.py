@@ -181,7 +181,8 @@ def validate_messages(
             return None, f"turn {i}: content is not a string ({type(content).__name__})"
         if _undecodable(content):
             return None, f"turn {i}: undecodable text (invalid UTF-8 or lone surrogate)"
-        if not content.strip():
+        # isspace() scans without copying the (possibly long) content, unlike strip().
+        if not content or content.isspace():
             return None, f"turn {i}: empty content"
         out.append({"role": ROLE_ALIASES[role.strip().lower()], "content": content})
     err = _alternation_error(out, allow_assistant_first)
@@ -540,6 +541,7 @@ def iter_raw(spec: SourceSpec) -> Iterator[tuple[str, int, Any, str | None]]:
 def iter_source(spec: SourceSpec) -> Iterator[Record | Reject]:
     """Every record and reject of a source, in file order (see the module docstring)."""
     n = 0
+    short: dict[str, str] = {}
     for fname, idx, obj, parse_err in iter_raw(spec):
         if spec.limit is not None and n >= spec.limit:
             return
@@ -548,7 +550,9 @@ def iter_source(spec: SourceSpec) -> Iterator[Record | Reject]:
             yield {"source": spec.name, "file": fname, "record": idx, "id": None,
                    "reason": parse_err, "raw": _raw(obj)}
             continue
-        rec, err = normalize_record(obj, spec, f"{spec.name}/{Path(fname).name}#{idx}")
+        if fname not in short:
+            short[fname] = Path(fname).name
+        rec, err = normalize_record(obj, spec, f"{spec.name}/{short[fname]}#{idx}")
         if err is not None:
             rid = obj.get(spec.id_field) if isinstance(obj, dict) else None
             yield {"source": spec.name, "file": fname, "record": idx,
