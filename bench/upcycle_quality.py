@@ -69,13 +69,16 @@ def main() -> None:
         base_logps = [torch.log_softmax(base(s).logits.float(), -1) for s in samples]
     calib = calibration_ids_for(tok)
     variants = [
-        ("ours: even MLA, r_kv=128", dict(mla_layers="even", kv_lora_rank=128), "attention"),
-        ("random mixers: even MLA, r_kv=128", dict(mla_layers="even", kv_lora_rank=128), "random"),
-        ("ours: even MLA, r_kv=32", dict(mla_layers="even", kv_lora_rank=32), "attention"),
-        ("ours: even MLA, r_kv=64", dict(mla_layers="even", kv_lora_rank=64), "attention"),
         ("ours: even MLA, r_kv=256", dict(mla_layers="even", kv_lora_rank=256), "attention"),
-        ("ours: all MLA, r_kv=288 (full rank)", dict(mla_layers="all", kv_lora_rank=288), "attention"),
+        ("random mixers: even MLA, r_kv=256", dict(mla_layers="even", kv_lora_rank=256), "random"),
+        ("ours: even MLA, r_kv=64", dict(mla_layers="even", kv_lora_rank=64), "attention"),
+        ("ours: even MLA, r_kv=128", dict(mla_layers="even", kv_lora_rank=128), "attention"),
+        ("ours: even MLA, r_kv=336 (full)", dict(mla_layers="even", kv_lora_rank=336), "attention"),
+        ("ours: even MLA, one shared rope key", dict(mla_layers="even", kv_lora_rank=256, qk_rope_head_dim=32,
+                                                     rope_key_groups=1), "attention"),
+        ("ours: all MLA, r_kv=336 (full)", dict(mla_layers="all", kv_lora_rank=336), "attention"),
         ("ours: all GDN", dict(mla_layers="none"), "attention"),
+        ("random mixers: all GDN", dict(mla_layers="none"), "random"),
     ]
     rows = []
     for name, kw, init in variants:

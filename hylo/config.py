@@ -42,6 +42,8 @@ class HybridConfig(PretrainedConfig):
         q_lora_rank: int | None = None,
         qk_rope_head_dim: int = 32,
         qk_nope_head_dim: int = 32,
+        rope_key_groups: int = 1,
+        mla_latent_norm: bool = True,
         v_head_dim: int = 64,
         max_position_embeddings: int = 8192,
         rope_theta: float = 10000.0,
@@ -83,6 +85,8 @@ class HybridConfig(PretrainedConfig):
         self.q_lora_rank = q_lora_rank if q_lora_rank else None
         self.qk_rope_head_dim = qk_rope_head_dim
         self.qk_nope_head_dim = qk_nope_head_dim
+        self.rope_key_groups = rope_key_groups
+        self.mla_latent_norm = bool(mla_latent_norm)
         self.v_head_dim = v_head_dim
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = float(rope_theta)
@@ -175,10 +179,17 @@ class HybridConfig(PretrainedConfig):
             bad("q_lora_rank", f"must be null (no query compression) or a positive multiple of 8, got {self.q_lora_rank}")
         if self.qk_rope_head_dim % 2:
             bad("qk_rope_head_dim", f"must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
-        if self.base_head_dim is not None and self.qk_nope_head_dim + self.qk_rope_head_dim != self.base_head_dim:
+        if not isinstance(self.rope_key_groups, int) or self.rope_key_groups < 1:
+            bad("rope_key_groups", f"must be a positive integer, got {self.rope_key_groups!r}")
+        if self.qk_rope_head_dim % (2 * self.rope_key_groups):
+            bad("qk_rope_head_dim", (
+                f"{self.qk_rope_head_dim} must be a multiple of 2 * rope_key_groups = {2 * self.rope_key_groups} "
+                f"(each group of the shared roped key holds whole RoPE pairs)"))
+        per_group_rope = self.qk_rope_head_dim // self.rope_key_groups
+        if self.base_head_dim is not None and self.qk_nope_head_dim + per_group_rope != self.base_head_dim:
             bad("qk_nope_head_dim", (
-                f"qk_nope_head_dim + qk_rope_head_dim = {self.qk_nope_head_dim} + {self.qk_rope_head_dim} "
-                f"= {self.qk_head_dim} must equal the base model's head_dim {self.base_head_dim}"))
+                f"qk_nope_head_dim + qk_rope_head_dim / rope_key_groups = {self.qk_nope_head_dim} + {per_group_rope} "
+                f"must equal the base model's head_dim {self.base_head_dim}"))
         for key in ("mamba2_num_heads", "mamba2_head_dim", "mamba2_state_size", "mamba2_n_groups"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):

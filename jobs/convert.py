@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-lora-rank", type=int, default=None, help="omit for uncompressed queries")
     p.add_argument("--qk-rope-head-dim", type=int, default=None)
     p.add_argument("--qk-nope-head-dim", type=int, default=None)
+    p.add_argument("--rope-key-groups", type=int, default=None,
+                   help="blocks of the shared roped key: the number of KV heads (default, exact init) or 1")
+    p.add_argument("--mla-latent-norm", action="store_true",
+                   help="keep DeepSeek's RMSNorm on the MLA latents (off by default for upcycling)")
     p.add_argument("--v-head-dim", type=int, default=None)
     p.add_argument("--gdn-num-heads", type=int, default=None)
     p.add_argument("--gdn-head-dim", type=int, default=None)
@@ -52,6 +56,8 @@ def config_kwargs(args: argparse.Namespace) -> dict:
         "q_lora_rank": args.q_lora_rank,
         "qk_rope_head_dim": args.qk_rope_head_dim,
         "qk_nope_head_dim": args.qk_nope_head_dim,
+        "rope_key_groups": args.rope_key_groups,
+        "mla_latent_norm": args.mla_latent_norm,
         "v_head_dim": args.v_head_dim,
         "gdn_num_heads": args.gdn_num_heads,
         "gdn_head_dim": args.gdn_head_dim,

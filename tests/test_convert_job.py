@@ -74,8 +74,8 @@ def test_real_smollm2_convert_reload_generate(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout)
     assert summary["n_mla"] == 15 and summary["n_linear"] == 15
-    # 15 * (128 + 32) / (30 * 2 * 3 * 64)
-    assert summary["kv_cache_ratio"] == pytest.approx(15 * 160 / 11520)
+    # defaults for SmolLM2: kv_lora_rank 256, 3 rope-key blocks of 16 -> 15 * (256 + 48) / (30 * 2 * 3 * 64)
+    assert summary["kv_cache_ratio"] == pytest.approx(15 * 304 / 11520)
     model = load_hylo(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

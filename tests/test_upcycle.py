@@ -42,34 +42,71 @@ def tiny_qwen3(seed: int = 0) -> Qwen3ForCausalLM:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    return float((a - b).detach().norm() / b.detach().norm().clamp_min(1e-30))
 
 
 def test_full_rank_svd_reproduces_projections():
     base = tiny_llama()
     attn = base.model.layers[0].self_attn
     h, g, dh = 4, 2, 16
-    hcfg = hybrid_config_from_base(base.config, mla_layers="all", kv_lora_rank=2 * (8 + 16), q_lora_rank=64,
+    # 2 KV groups x 4 rope dims each -> qk_rope_head_dim 8, per-head nope 12, full kv rank 2 * (12 + 16)
+    hcfg = hybrid_config_from_base(base.config, mla_layers="all", kv_lora_rank=56, q_lora_rank=64,
                                    qk_rope_head_dim=8)
+    assert hcfg.rope_key_groups == 2 and hcfg.qk_nope_head_dim == 12
     w = mla_weights_from_attention(attn, hcfg)
-    nope, rope = rope_dim_split(dh, 8)
+    nope, rope = rope_dim_split(dh, 4)
+    scale = ((12 + 8) / 16) ** 0.5  # MLA divides scores by sqrt(20), the base by sqrt(16)
     wq = attn.q_proj.weight.double().view(h, dh, -1)
     wk = attn.k_proj.weight.double().view(g, dh, -1)
     wv = attn.v_proj.weight.double().view(g, dh, -1)
-    # queries: q_b @ q_a == per-head [nope | rope] reordering of W_q
-    q = (w["q_b_proj.weight"] @ w["q_a_proj.weight"]).view(h, dh, -1)
-    assert rel_err(q[:, :8], wq[:, nope]) < 1e-12
-    assert rel_err(q[:, 8:], wq[:, rope]) < 1e-12
+    # queries: q_b @ q_a == per-head [nope | rope block of its group] reordering of W_q (scaled)
+    q = (w["q_b_proj.weight"] @ w["q_a_proj.weight"]).view(h, 20, -1) / scale
+    assert rel_err(q[:, :12], wq[:, nope]) < 1e-12
+    for head in range(h):
+        blk = head // 2
+        # per head: 12 nope dims, then rope reals [12:16] (2 per group), imaginaries [16:20]
+        assert rel_err(q[head, 12 + 2 * blk: 12 + 2 * blk + 2], wq[head, rope[:2]]) < 1e-12
+        assert rel_err(q[head, 16 + 2 * blk: 16 + 2 * blk + 2], wq[head, rope[2:]]) < 1e-12
+        other = 1 - blk
+        assert q[head, 12 + 2 * other: 12 + 2 * other + 2].abs().max() < 1e-12
     # keys (nope part) and values: kv_b @ latent rows, each query head reads its GQA group
     r = hcfg.kv_lora_rank
-    kv = (w["kv_b_proj.weight"] @ w["kv_a_proj_with_mqa.weight"][:r]).view(h, 8 + 16, -1)
+    kv = (w["kv_b_proj.weight"] @ w["kv_a_proj_with_mqa.weight"][:r]).view(h, 12 + 16, -1)
     for head in range(h):
         grp = head // 2
-        assert rel_err(kv[head, :8], wk[grp, nope]) < 1e-12
-        assert rel_err(kv[head, 8:], wv[grp]) < 1e-12
-    # shared roped key = mean of the KV heads' rope rows; o_proj copied
-    assert rel_err(w["kv_a_proj_with_mqa.weight"][r:], wk[:, rope].mean(0)) < 1e-12
+        assert rel_err(kv[head, :12], wk[grp, nope]) < 1e-12
+        assert rel_err(kv[head, 12:], wv[grp]) < 1e-12
+    # shared roped key: one block per KV group holding that group's rope rows
+    k_pe = w["kv_a_proj_with_mqa.weight"][r:]
+    for grp in range(g):
+        assert torch.equal(k_pe[2 * grp: 2 * grp + 2], wk[grp, rope[:2]])
+        assert torch.equal(k_pe[4 + 2 * grp: 4 + 2 * grp + 2], wk[grp, rope[2:]])
     assert rel_err(w["o_proj.weight"], attn.o_proj.weight.double()) < 1e-12
+
+
+def test_grouped_rope_key_reproduces_attention_exactly_at_full_rank():
+    """With every rope pair kept (nope = 0) and full rank, an MLA layer IS the base attention."""
+    base = tiny_llama()
+    attn = base.model.layers[1].self_attn
+    model = upcycle(base, mla_layers=[1], kv_lora_rank=32, qk_rope_head_dim=32, rope_key_groups=2)
+    assert model.config.qk_nope_head_dim == 0
+    mixer = model.model.layers[1].mixer
+    x = torch.randn(2, 11, 64, dtype=torch.float64)
+    pos = torch.arange(11).expand(2, 11)
+    cos, sin = base.model.rotary_emb(x, pos)
+    # causal mask: the base module needs one when called alone
+    mask = torch.full((11, 11), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    ref = attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)[0]
+    torch.testing.assert_close(mixer(x), ref, atol=1e-10, rtol=1e-10)
+
+
+def test_single_shared_rope_key_is_rank1_fit():
+    base = tiny_llama()
+    hcfg = hybrid_config_from_base(base.config, mla_layers="all", kv_lora_rank=48, qk_rope_head_dim=8,
+                                   rope_key_groups=1)
+    assert hcfg.rope_key_groups == 1 and hcfg.qk_nope_head_dim == 8
+    w = mla_weights_from_attention(base.model.layers[0].self_attn, hcfg)
+    assert w["kv_a_proj_with_mqa.weight"].shape == (48 + 8, 64)
 
 
 def test_truncated_rank_is_best_approximation():
@@ -78,7 +115,7 @@ def test_truncated_rank_is_best_approximation():
     hcfg = hybrid_config_from_base(base.config, mla_layers="all", kv_lora_rank=16, qk_rope_head_dim=8)
     w = mla_weights_from_attention(attn, hcfg)
     assert w["kv_a_proj_with_mqa.weight"].shape == (16 + 8, 64)
-    assert w["kv_b_proj.weight"].shape == (4 * (8 + 16), 16)
+    assert w["kv_b_proj.weight"].shape == (4 * (12 + 16), 16)
     assert "q_proj.weight" in w  # uncompressed queries by default
 
 
@@ -187,7 +224,7 @@ def test_upcycled_mla_far_below_random_init_on_tiny_model():
             lp = torch.log_softmax(m(ids).logits, -1)
             return float((ref.exp() * (ref - lp)).sum(-1).mean())
 
-        kw = dict(mla_layers="all", kv_lora_rank=48, qk_rope_head_dim=8)
+        kw = dict(mla_layers="all", kv_lora_rank=56, qk_rope_head_dim=8)
         ours = kl(upcycle(base, calibration_ids=ids, **kw))
         rand = kl(upcycle(base, init="random", **kw))
     assert ours < 0.05 * rand

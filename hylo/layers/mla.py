@@ -70,20 +70,23 @@ class MLAttention(nn.Module):
                             self.qk_rope_head_dim, self.hidden_size)
         bias = bool(config.attention_bias)
         eps = config.rms_norm_eps
+        # DeepSeek normalises the latents; upcycled models may start without (see HybridConfig.mla_latent_norm)
+        latent_norm = bool(getattr(config, "mla_latent_norm", True))
 
         if self.q_lora_rank is None:
             self.q_proj = nn.Linear(D, H * E, bias=bias)
         else:
             self.q_a_proj = nn.Linear(D, self.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=eps)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=eps) if latent_norm else nn.Identity()
             self.q_b_proj = nn.Linear(self.q_lora_rank, H * E, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(D, R + P, bias=bias)
-        self.kv_a_layernorm = RMSNorm(R, eps=eps)
+        self.kv_a_layernorm = RMSNorm(R, eps=eps) if latent_norm else nn.Identity()
         self.kv_b_proj = nn.Linear(R, H * (self.qk_nope_head_dim + V), bias=False)
         self.o_proj = nn.Linear(H * V, D, bias=bias)
 
         self.rotary_emb = RotaryEmbedding(P, config.rope_theta, config.rope_scaling,
-                                          config.max_position_embeddings)
+                                          config.max_position_embeddings,
+                                          groups=getattr(config, "rope_key_groups", 1))
         self.softmax_scale = mla_softmax_scale(E, config.rope_scaling, config.max_position_embeddings)
 
     # ------------------------------------------------------------------ helpers

@@ -154,13 +154,18 @@ class RotaryEmbedding(nn.Module):
         base: float = 10000.0,
         rope_scaling: dict[str, Any] | None = None,
         max_position_embeddings: int | None = None,
+        groups: int = 1,
     ) -> None:
         super().__init__()
+        if groups < 1 or dim % (2 * groups):
+            raise ValueError(f"RotaryEmbedding: dim={dim} must be a multiple of 2 * groups (groups={groups})")
         self.dim = dim
         self.base = base
+        self.groups = groups
         self.rope_type = rope_type_of(rope_scaling)
-        inv_freq, self.attention_factor = rope_parameters(dim, base, rope_scaling, max_position_embeddings)
-        self._inv_freq_cpu = inv_freq
+        inv_freq, self.attention_factor = rope_parameters(dim // groups, base, rope_scaling, max_position_embeddings)
+        # `groups` blocks of rotary pairs share one frequency ladder (one block per upcycled KV head group)
+        self._inv_freq_cpu = inv_freq.repeat(groups)
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
 
     @property
@@ -184,4 +189,4 @@ class RotaryEmbedding(nn.Module):
         return cos_BTP.to(dtype), sin_BTP.to(dtype)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, base={self.base}, rope_type={self.rope_type}, attention_factor={self.attention_factor:.6g}"
+        return f"dim={self.dim}, groups={self.groups}, base={self.base}, rope_type={self.rope_type}, attention_factor={self.attention_factor:.6g}"
