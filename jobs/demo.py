@@ -245,6 +245,25 @@ class Demo:
         plt.close("all")
         return out
 
+    def update_readme(self) -> None:
+        """Replace the README's results block with this run's report and copy its KL plot to docs/."""
+        import shutil
+
+        readme = ROOT / "README.md"
+        text = readme.read_text()
+        start, end = "<!-- demo-results:start -->", "<!-- demo-results:end -->"
+        if start not in text or end not in text:
+            print("[demo] README has no demo-results markers; not updated", flush=True)
+            return
+        (ROOT / "docs").mkdir(exist_ok=True)
+        shutil.copy(self.run / "kl_per_stage.png", ROOT / "docs" / "demo_kl_per_stage.png")
+        body = [line for line in (self.run / "report.md").read_text().splitlines()
+                if line.startswith("|")]
+        block = "\n".join([start, "", *body, "", "![KL per stage](docs/demo_kl_per_stage.png)", "", end])
+        head, rest = text.split(start, 1)
+        readme.write_text(head + block + rest.split(end, 1)[1])
+        print(f"[demo] README results updated from {self.run / 'report.md'}", flush=True)
+
     # ------------------------------------------------------------------ main
     def main(self) -> int:
         info: dict = {}
@@ -270,6 +289,8 @@ class Demo:
         info["convert"] = json.loads(self.done_file("convert").read_text())
         info["decontaminate"] = json.loads(self.done_file("decontaminate").read_text())
         table = self.report(info)
+        if self.args.update_readme:
+            self.update_readme()
         print("\n" + table)
         print(f"\n[demo] report: {r / 'report.md'}")
         return 0
@@ -312,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-lengths", default="[1024,2048,4096]")
     ap.add_argument("--force", action="store_true", help="redo every step")
     ap.add_argument("--quiet", action="store_true", help="do not echo the jobs' output")
+    ap.add_argument("--update-readme", action="store_true",
+                    help="write the results table and KL plot into README.md (maintainers)")
     return Demo(ap.parse_args(argv)).main()
 
 
