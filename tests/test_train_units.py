@@ -347,3 +347,58 @@ def test_demo_config_loads_for_both_stages():
     s1, s2 = load_stage_config(1, p), load_stage_config(2, p)
     assert s1.model.convert and s1.model.student is None and s2.model.student == "runs/demo/stage1/model"
     assert s1.ray.num_workers == s2.ray.num_workers == 2 and s2.teacher.source == "inprocess"
+
+
+def test_teacher_sources_give_the_same_targets(tmp_path):
+    """In-process top-k, the offline cache and the Serve pool (a fake handle) agree row by row."""
+    from types import SimpleNamespace
+
+    from pipeline.teacher.cache import TopKCacheReader, compute_shard, finalize_cache, prepare_cache
+    from pipeline.teacher.client import TeacherClient
+    from pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
+    from pipeline.teacher.model import TeacherModel
+    from pipeline.teacher.testing import save_tiny_llama
+    from pipeline.train.config import TeacherSection
+    from pipeline.train.stage2 import Teacher
+
+    model_dir = save_tiny_llama(tmp_path / "teacher", vocab_size=50)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    _write_split(data_dir)
+    tm, cpu = TeacherModel(model_dir), torch.device("cpu")
+    stream = open_rows(DataSection(source="parquet", path=str(data_dir), split="stage2", seq_len=32), 0, 0, 1)
+    batch = [stream.next_row() for _ in range(3)]
+
+    cache_cfg = TeacherCacheConfig(data=str(data_dir), out=str(tmp_path / "cache"), k=8, rows_per_shard=2,
+                                   model=TeacherModelConfig(path=str(model_dir)))
+    header, plan, todo = prepare_cache(cache_cfg)
+    for p in todo:
+        compute_shard(tm, cache_cfg.data, cache_cfg.out, header, p)
+    assert finalize_cache(cache_cfg.out, plan)
+
+    class Done:
+        def __init__(self, rec):
+            self.rec = rec
+
+        def result(self, timeout_s=None):
+            return [{"logprobs": self.rec.logprobs, "indices": self.rec.indices, "tail_logmass": self.rec.tail_logmass}]
+
+    pool = SimpleNamespace(topk=SimpleNamespace(remote=lambda row, k, dtype: Done(tm.topk(row, k, dtype))))
+    teachers = {
+        "inprocess": Teacher(TeacherSection(top_k=8), cpu, 50, model=tm),
+        "offline": Teacher(TeacherSection(source="offline", cache_path=cache_cfg.out), cpu, 50,
+                           cache=TopKCacheReader(cache_cfg.out, expect_data=data_dir)),
+        "serve": Teacher(TeacherSection(source="serve"), cpu, 50, client=TeacherClient(pool, k=8, dtype="float16")),
+    }
+    got = {name: list(t.for_rows(batch)) for name, t in teachers.items()}
+    for i in range(len(batch)):
+        ref = got["inprocess"][i]["teacher_topk"]
+        assert ref.logprobs.shape == (len(batch[i]["input_ids"]), 8)
+        for name in ("offline", "serve"):
+            rec = got[name][i]["teacher_topk"]
+            assert torch.equal(rec.indices.long(), ref.indices.long()), name
+            assert torch.equal(rec.logprobs.float(), ref.logprobs.float()), name
+    exact = next(Teacher(TeacherSection(), cpu, 50, model=tm).for_rows(batch))
+    assert set(exact) == {"teacher_hidden", "teacher_weight"} and exact["teacher_hidden"].shape == (32, 32)
+    with pytest.raises(ConfigError, match="teacher vocabulary 50 != student vocabulary 64"):
+        Teacher(TeacherSection(), cpu, 64, model=tm)

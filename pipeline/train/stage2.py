@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.fused_kl import TeacherTopK, fused_linear_kl_div
 from pipeline.config import ConfigError
-from pipeline.train.config import Stage2Config
+from pipeline.train.config import Stage2Config, TeacherSection
 from pipeline.train.deepspeed_cfg import current_lr, init_engine
 from pipeline.train.loop import WorkerContext, row_to_device
 
@@ -92,29 +92,38 @@ class StreamedLogits:
 
 
 class Teacher:
-    """Gives, for each packed row, the teacher keyword arguments of `fused_linear_kl_div`."""
+    """Gives, for each packed row, the teacher keyword arguments of `fused_linear_kl_div`.
 
-    def __init__(self, cfg: Stage2Config, ctx: WorkerContext, student_vocab: int) -> None:
-        t = cfg.teacher
-        self.cfg, self.device, self.model, self.client, self.cache = t, ctx.device, None, None, None
-        if t.source == "inprocess":
-            from pipeline.teacher.model import TeacherModel
+    Exactly one of `model` (in-process `TeacherModel`), `client` (`TeacherClient` of the Serve pool) or
+    `cache` (`TopKCacheReader`) is set; `build` makes the one `teacher.source` asks for.
+    """
 
-            self.model = TeacherModel.from_config(t.model)
-            vocab = self.model.vocab_size
-        elif t.source == "serve":
-            from pipeline.teacher.client import TeacherClient
-
-            self.client = TeacherClient.from_config(t.pool.app_name, t.client)
-            vocab = None
-        else:
-            from pipeline.teacher.cache import TopKCacheReader
-
-            self.cache = TopKCacheReader(t.cache_path, expect_data=cfg.data.path if cfg.data.source == "parquet" else None)
-            vocab = int(self.cache.manifest["vocab_size"])
+    def __init__(self, cfg: TeacherSection, device: torch.device, student_vocab: int, *, model: Any = None,
+                 client: Any = None, cache: Any = None) -> None:
+        if sum(x is not None for x in (model, client, cache)) != 1:
+            raise ValueError("Teacher needs exactly one of model, client, cache")
+        self.cfg, self.device, self.model, self.client, self.cache = cfg, device, model, client, cache
+        vocab = (model.vocab_size if model is not None else
+                 int(cache.manifest["vocab_size"]) if cache is not None else None)
         if vocab is not None and vocab != student_vocab:
             raise ConfigError(f"teacher vocabulary {vocab} != student vocabulary {student_vocab}: "
                               f"teacher and student must share a tokenizer")
+
+    @classmethod
+    def build(cls, cfg: Stage2Config, ctx: WorkerContext, student_vocab: int) -> Teacher:
+        t = cfg.teacher
+        if t.source == "inprocess":
+            from pipeline.teacher.model import TeacherModel
+
+            return cls(t, ctx.device, student_vocab, model=TeacherModel.from_config(t.model))
+        if t.source == "serve":
+            from pipeline.teacher.client import TeacherClient
+
+            return cls(t, ctx.device, student_vocab, client=TeacherClient.from_config(t.pool.app_name, t.client))
+        from pipeline.teacher.cache import TopKCacheReader
+
+        expect = cfg.data.path if cfg.data.source == "parquet" else None
+        return cls(t, ctx.device, student_vocab, cache=TopKCacheReader(t.cache_path, expect_data=expect))
 
     def _topk(self, rec: TeacherTopK) -> dict[str, Any]:
         return {"teacher_topk": TeacherTopK(*(x.to(self.device) if x is not None else None for x in rec))}
@@ -161,7 +170,7 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage2Task:
     module = KDStudent(student, cfg)
     engine = init_engine(module, [p for p in module.parameters() if p.requires_grad], cfg, ctx.world_size,
                          ctx.dtype, lr_lambda)
-    return Stage2Task(engine, student, Teacher(cfg, ctx, student.config.vocab_size), cfg)
+    return Stage2Task(engine, student, Teacher.build(cfg, ctx, student.config.vocab_size), cfg)
 
 
 def train_step(task: Stage2Task, rows: list[dict[str, Any]], ctx: WorkerContext) -> dict[str, float]:
