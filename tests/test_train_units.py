@@ -402,3 +402,26 @@ def test_teacher_sources_give_the_same_targets(tmp_path):
     assert set(exact) == {"teacher_hidden", "teacher_weight"} and exact["teacher_hidden"].shape == (32, 32)
     with pytest.raises(ConfigError, match="teacher vocabulary 50 != student vocabulary 64"):
         Teacher(TeacherSection(), cpu, 64, model=tm)
+
+
+def test_stale_build_lock_is_removed_fresh_one_kept(tmp_path, monkeypatch):
+    import os
+    import threading
+    import time
+
+    from pipeline.train.loop import watch_stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    old = time.time() - 600
+    os.utime(stale, (old, old))
+    stop = threading.Event()
+    t = threading.Thread(target=watch_stale_build_locks, args=(stop, 300.0, 0.01))
+    t.start()
+    time.sleep(0.2)
+    stop.set()
+    t.join()
+    assert not stale.exists() and fresh.exists()

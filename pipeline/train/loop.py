@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,6 +249,27 @@ def setup_distributed(cfg: StageConfig) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def watch_stale_build_locks(stop: threading.Event, max_age_s: float = 300.0, poll_s: float = 10.0) -> None:
+    """Remove torch JIT-extension build locks older than `max_age_s` until `stop` is set.
+
+    Every load of DeepSpeed's shm_comm op takes `<TORCH_EXTENSIONS_DIR>/<op>/lock` while ninja checks the
+    build; a process killed in that window (OOM killer, SIGKILL) leaves the lock behind and every later
+    load waits on it forever. A build takes ~45 s here, so a lock minutes old has no live owner.
+    """
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        return
+    while not stop.wait(poll_s):
+        for lock in Path(root).glob("*/lock"):
+            try:
+                age = time.time() - lock.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if age > max_age_s:
+                print(f"[train] removing stale build lock {lock} ({age:.0f} s old; its owner died)", flush=True)
+                lock.unlink(missing_ok=True)
+
+
 # ------------------------------------------------------------------------------------ the loop
 def train_worker(loop_config: dict[str, Any]) -> None:
     """Train one stage on this worker; all workers run this in lockstep."""
@@ -259,6 +281,9 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     else:
         from pipeline.train import stage2 as stage
 
+    # DeepSpeed loads its compiled ops during setup; guard against a lock left by a killed process.
+    stop_watch = threading.Event()
+    threading.Thread(target=watch_stale_build_locks, args=(stop_watch,), daemon=True).start()
     rank, world, device = setup_distributed(cfg)
     torch.manual_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
@@ -272,6 +297,7 @@ def train_worker(loop_config: dict[str, Any]) -> None:
                         else TorchrunSession(ctx, loop_config.get("resume_from"), total))
 
     task = stage.build(ctx, cosine_with_warmup(total, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio))
+    stop_watch.set()
     zero_partition_report(task.engine, ctx)
 
     start = 0
