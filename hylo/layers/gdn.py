@@ -52,6 +52,7 @@ def causal_conv_silu(
     weight_C1K: torch.Tensor,
     prefix_BCW: torch.Tensor | None = None,
     pos_T: torch.Tensor | None = None,
+    bias_C: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU. Returns (y [B, T, C], the last W inputs [B, C, W] for a cache).
 
@@ -74,6 +75,8 @@ def causal_conv_silu(
         if pos_T is not None:
             tap_BTC = tap_BTC * (pos_T >= j).to(x_BTC.dtype)[None, :, None]
         y_BTC = y_BTC + tap_BTC
+    if bias_C is not None:
+        y_BTC = y_BTC + bias_C.to(x_BTC.dtype)
     # a copy, so that a cache does not keep the whole prefill input alive
     new_prefix_BCW = xe_BTC[:, xe_BTC.shape[1] - W :].transpose(1, 2).clone(memory_format=torch.contiguous_format)
     return F.silu(y_BTC), new_prefix_BCW

@@ -41,7 +41,7 @@ from torch import nn
 
 from hylo.cache import LinearLayerCache
 from hylo.config import HybridConfig
-from hylo.layers.gdn import positions_in_document
+from hylo.layers.gdn import causal_conv_silu, positions_in_document
 from kernels.ssd import chunk_ssd
 
 
@@ -52,32 +52,8 @@ def causal_conv1d_silu(
     prefix_BCW: torch.Tensor | None = None,
     pos_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + bias + SiLU. Returns (y [B, T, C], the last W inputs [B, C, W] for a cache).
-
-    `prefix_BCW`: inputs preceding x (a cache); zeros if None. `pos_T`: token position inside its document
-    (packed rows); taps that would reach before the document start are dropped.
-    """
-    B, T, C = x_BTC.shape
-    Kc = weight_C1K.shape[-1]
-    W = Kc - 1
-    if prefix_BCW is None:
-        prefix_BWC = x_BTC.new_zeros(B, W, C)
-    else:
-        prefix_BWC = prefix_BCW.transpose(1, 2).to(x_BTC.dtype)
-    xe_BTC = torch.cat([prefix_BWC, x_BTC], 1)
-    w_KC = weight_C1K[:, 0, :].t().to(x_BTC.dtype)
-    # tap j looks j tokens back; weight column Kc-1-j (torch conv1d orientation, as mamba_ssm)
-    y_BTC = xe_BTC[:, W:] * w_KC[Kc - 1]
-    for j in range(1, Kc):
-        tap_BTC = xe_BTC[:, W - j : W - j + T] * w_KC[Kc - 1 - j]
-        if pos_T is not None:
-            tap_BTC = tap_BTC * (pos_T >= j).to(x_BTC.dtype)[None, :, None]
-        y_BTC = y_BTC + tap_BTC
-    if bias_C is not None:
-        y_BTC = y_BTC + bias_C.to(x_BTC.dtype)
-    # a copy, so that a cache does not keep the whole prefill input alive
-    new_prefix_BCW = xe_BTC[:, xe_BTC.shape[1] - W :].transpose(1, 2).clone(memory_format=torch.contiguous_format)
-    return F.silu(y_BTC), new_prefix_BCW
+    """Depthwise causal conv + bias + SiLU (the GDN layer's, with mamba_ssm's conv bias)."""
+    return causal_conv_silu(x_BTC, weight_C1K, prefix_BCW, pos_T, bias_C)
 
 
 class GatedGroupRMSNorm(nn.Module):
