@@ -6,7 +6,8 @@ A checkpoint is one directory `<run dir>/step_<NNNNNNNN>/`:
                                          and optimiser state (+ rank 0's `latest`), written by
                                          `engine.save_checkpoint`
     trainer_state.json                   rank 0: step, config (whole) + breaking-key hash, world size,
-                                         scheduler state, metrics of the step
+                                         scheduler state (checked against DeepSpeed's on load), data
+                                         fingerprint, metrics of the step
     ranks/rank_<r>.json                  each rank: its exact data position and Python RNG state
     ranks/rank_<r>.rng.safetensors       each rank: torch / CUDA / numpy RNG states
 
@@ -155,9 +156,12 @@ def save_checkpoint(engine, ckpt: Path, rank: int, world_size: int, step: int, c
     save_tensors_atomic(ckpt / "ranks" / f"rank_{rank}.rng.safetensors", tensors)
     write_json_atomic(ckpt / "ranks" / f"rank_{rank}.json", {"step": step, "rank": rank, **rank_state, "rng": meta})
     if rank == 0:
+        sched = engine.lr_scheduler
         write_json_atomic(ckpt / STATE_FILE, {
             "format_version": FORMAT_VERSION, "stage": cfg.stage, "step": step, "world_size": world_size,
-            "config": config_to_dict(cfg), "breaking_hash": breaking_hash(cfg), **global_state,
+            "config": config_to_dict(cfg), "breaking_hash": breaking_hash(cfg),
+            "scheduler": {"last_epoch": sched.last_epoch, "base_lrs": sched.base_lrs, "last_lr": sched.get_last_lr()},
+            **global_state,
         })
 
 
@@ -192,6 +196,10 @@ def load_checkpoint(engine, ckpt: Path, rank: int) -> dict[str, Any]:
     if path is None:
         raise CheckpointError(f"{ckpt / ZERO_DIR}: DeepSpeed found no checkpoint with tag {ZERO_TAG!r}")
     rank_state = read_json(ckpt / "ranks" / f"rank_{rank}.json")
+    saved = read_json(ckpt / STATE_FILE).get("scheduler")
+    if saved is not None and engine.lr_scheduler.last_epoch != saved["last_epoch"]:
+        raise CheckpointError(f"{ckpt}: DeepSpeed restored the LR schedule at step {engine.lr_scheduler.last_epoch}, "
+                              f"our state says {saved['last_epoch']}")
     tensors = load_file(str(ckpt / "ranks" / f"rank_{rank}.rng.safetensors"))
     restore_rng(rank_state.pop("rng"), tensors)
     return rank_state
