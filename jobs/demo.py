@@ -141,7 +141,8 @@ class Demo:
         out = self.run / "converted"
         text = self.sh("convert", [PY, "jobs/convert.py", "--base", str(self.base), "--out", str(out),
                                    "--mla-layers", "even", "--kv-lora-rank", "256"])
-        summary = json.loads(text[text.index("{"):text.rindex("}") + 1])
+        start = 0 if text.startswith("{") else text.index("\n{") + 1
+        summary = json.loads(text[start:text.rindex("}") + 1])
         return {"summary": summary}
 
     def train(self, stage: int) -> dict:

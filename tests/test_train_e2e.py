@@ -37,7 +37,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-def torchrun(stage: int, config: Path, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def torchrun(stage: int, config: Path, *extra: str, timeout: int = 1200) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "jobs" / f"stage{stage}.py"), "--config", str(config), *extra]
     return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
