@@ -345,13 +345,15 @@ def reduce_record(ctx: WorkerContext, local: dict[str, float], batch: list[dict[
     dist.all_gather_object(row_ids, [r["row_key"] for r in batch])
     positions: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(positions, rows.position)
-    n_loss = max(1.0, sums.pop("loss_tokens"))
+    # A step whose rows hold no loss token (e.g. windows of a split user turn) reports loss 0.
+    loss_tokens = sums.pop("loss_tokens")
+    n_loss = max(1.0, loss_tokens)
     tokens = sums.pop("tokens")
     record: dict[str, Any] = {
         "step": ctx.step, "stage": ctx.cfg.stage, "total_steps": total,
         "loss": sums.pop("loss_sum") / n_loss,
         "lr": ctx.extras["lr"], "grad_norm": ctx.extras["grad_norm"],
-        "tokens": int(tokens), "loss_tokens": int(n_loss),
+        "tokens": int(tokens), "loss_tokens": int(loss_tokens),
         "tokens_per_s": tokens / max(sec, 1e-9), "step_time_s": sec,
         "mem_peak_mib": mem, "rows": row_ids, "data_position": positions,
     }

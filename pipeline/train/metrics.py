@@ -97,7 +97,7 @@ class MetricsWriter:
         step, total = int(r["step"]), self.total_steps
         eta = (total - step) * self._sec_per_step if self._sec_per_step is not None else float("nan")
         parts = [f"[stage{r.get('stage', '?')}] step {step}/{total} ({100.0 * step / max(total, 1):.0f}%)",
-                 f"loss {r['loss']:.4f}"]
+                 f"loss {r['loss']:.4f}" if r.get("loss_tokens", 1) else "loss - (no loss tokens)"]
         for k in ("kl", "ce", "ild_output", "ild_mixer"):
             if k in r:
                 parts.append(f"{k} {r[k]:.4f}")
