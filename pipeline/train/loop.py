@@ -128,13 +128,16 @@ class Session:
 
 
 class RaySession(Session):
+    _ckpt_ctx: Any = None
+
     def resume_checkpoint(self) -> Path | None:
         import ray.train
 
         candidates = []
         ray_ckpt = ray.train.get_checkpoint()
         if ray_ckpt is not None:
-            # Local or shared-filesystem storage: use the directory in place.
+            # Local or shared-filesystem storage: the directory in place; remote storage: a local copy
+            # that lives until close().
             self._ckpt_ctx = ray_ckpt.as_directory()
             candidates.append(Path(self._ckpt_ctx.__enter__()))
         explicit = self.explicit_resume()
@@ -155,6 +158,11 @@ class RaySession(Session):
         ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),
                          checkpoint_dir_name=ckpt_lib.step_dir_name(step))
         shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+    def close(self) -> None:
+        if self._ckpt_ctx is not None:
+            self._ckpt_ctx.__exit__(None, None, None)
+            self._ckpt_ctx = None
 
 
 class TorchrunSession(Session):
