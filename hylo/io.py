@@ -26,7 +26,25 @@ def atomic_replace_dir(tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
 
 
-def save_hylo(model, out_dir: str | Path, tokenizer=None) -> Path:
+# What a Hugging Face tokenizer directory may hold (copied as files; nothing is loaded or executed).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
+                   "added_tokens.json")
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy the tokenizer files of directory `src` into `dst`; returns the names copied."""
+    src, dst = Path(src), Path(dst)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def save_hylo(model, out_dir: str | Path, tokenizer=None, tokenizer_from: str | Path | None = None) -> Path:
+    """Write `model` (and a tokenizer object, or the tokenizer files of directory `tokenizer_from`) atomically."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -34,6 +52,8 @@ def save_hylo(model, out_dir: str | Path, tokenizer=None) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        elif tokenizer_from is not None:
+            copy_tokenizer_files(tokenizer_from, tmp)
         atomic_replace_dir(tmp, out)
     finally:
         if tmp.exists():

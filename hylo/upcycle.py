@@ -24,8 +24,8 @@ Design choices:
   o_proj; truncation / zero padding where head dims differ. Qwen3's q/k RMSNorm weights fold exactly into
   q_proj / k_proj because GDN L2-normalises q and k. Gates, decay and beta keep their default init; the
   short convolutions start as identity (last tap 1) so the copied projections are not scrambled.
-* GDN gates: with calibration tokens the output gate is made ~constant and `o_norm` takes the attention
-  heads' RMS (`_calibrate_gdn`); a random gate otherwise erases what the copied projections carry.
+* GDN / Mamba-2 gates: with calibration tokens the output gate is made ~constant and the output norm takes
+  the attention heads' RMS (`_calibrate_linear`); a random gate otherwise erases what the copied projections carry.
 * MLP, norms, embeddings and LM head are copied.
 """
 
@@ -520,7 +520,7 @@ def upcycle(
     if init == "attention" and calibration_ids is not None:
         if hcfg.mla_layers:
             _calibrate_mla_norms(base_model, model, calibration_ids)
-        _calibrate_gdn(base_model, model, calibration_ids)
+        _calibrate_linear(base_model, model, calibration_ids)
     if hcfg.tie_word_embeddings:
         model.tie_weights()
     model.generation_config = base_model.generation_config
@@ -528,19 +528,21 @@ def upcycle(
 
 
 @torch.no_grad()
-def _calibrate_gdn(base_model, model, calibration_ids: torch.Tensor, ridge: float = 1e-2,
-                   gate_level: float = 1.2785) -> None:
-    """Make each upcycled GDN layer's output gate ~constant and its output scale the attention's.
+def _calibrate_linear(base_model, model, calibration_ids: torch.Tensor, ridge: float = 1e-2,
+                      gate_level: float = 1.2785) -> None:
+    """Make each upcycled linear layer's output gate ~constant and its output scale the attention's.
 
-    GDN's output is `o_proj(RMSNorm(o) * w * swish(g_proj x))`. With a random `g_proj` the gate multiplies
-    every channel by noise and erases what the copied projections carry. g_proj has no bias, so we fit
-    one direction u with u.x ~= 1 on calibration inputs (ridge regression) and set every gate row to
-    `gate_level * u` (swish(1.2785) ~= 1); `o_norm.weight` becomes the attention heads' per-channel RMS.
-    Measured on SmolLM2 (bench/upcycle_quality.py): this turns the GDN layers from worse than random
+    GDN's output is `o_proj(RMSNorm(o) * w * swish(g_proj x))`, Mamba-2's `out_proj(RMSNorm_G(y * SiLU(z)) * w)`
+    with z from rows of `in_proj`. A random gate multiplies every channel by noise and erases what the
+    copied projections carry. The gate has no bias, so we fit one direction u with u.x ~= 1 on calibration
+    inputs (ridge regression) and set every gate row to `gate_level * u` (swish(1.2785) ~= 1); the norm
+    weight becomes the attention heads' per-channel RMS (GDN: averaged over heads, as `o_norm` is shared;
+    Mamba-2: the RMS of the base head each Mamba head stands for).
+    Measured on SmolLM2 (bench/upcycle_quality.py): this turns the linear layers from worse than random
     into a real approximation of the attention they replace.
     """
     cfg = model.config
-    lin = [i for i in range(cfg.n_layer) if cfg.layer_type(i) == "gdn"]
+    lin = [i for i in range(cfg.n_layer) if cfg.layer_type(i) in ("gdn", "mamba2")]
     if not lin:
         return
     cap: dict[tuple[str, int], torch.Tensor] = {}
@@ -562,7 +564,6 @@ def _calibrate_gdn(base_model, model, calibration_ids: torch.Tensor, ridge: floa
         for hk in hooks:
             hk.remove()
     h, dh = cfg.num_attention_heads, cfg.base_head_dim or cfg.head_dim
-    hg, vd = cfg.gdn_num_heads, cfg.gdn_value_dim
     for i in lin:
         x = cap[("x", i)].reshape(-1, cap[("x", i)].shape[-1]).double()
         o = cap[("o", i)].reshape(-1, h, dh).double()
@@ -570,10 +571,21 @@ def _calibrate_gdn(base_model, model, calibration_ids: torch.Tensor, ridge: floa
         d = x.shape[-1]
         gram = x.T @ x + ridge * x.shape[0] * torch.eye(d, dtype=x.dtype)
         u = torch.linalg.solve(gram, x.T @ torch.ones(x.shape[0], dtype=x.dtype))
-        mixer.g_proj.weight.copy_((gate_level * u).expand(hg * vd, d))
-        rms = o.pow(2).mean(0).sqrt().mean(0)  # [dh], averaged over heads (o_norm is shared by heads)
-        w = _fit(rms[:, None], vd)[:, 0] if vd <= dh else torch.cat([rms, rms.new_full((vd - dh,), float(rms.mean()))])
-        mixer.o_norm.weight.copy_(w)
+        rms_HK = o.pow(2).mean(0).sqrt()  # [h, dh] per head and channel
+        if cfg.layer_type(i) == "gdn":
+            hg, vd = cfg.gdn_num_heads, cfg.gdn_value_dim
+            mixer.g_proj.weight.copy_((gate_level * u).expand(hg * vd, d))
+            rms = rms_HK.mean(0)  # o_norm is shared by the heads
+            w = _fit(rms[:, None], vd)[:, 0] if vd <= dh else torch.cat([rms, rms.new_full((vd - dh,), float(rms.mean()))])
+            mixer.o_norm.weight.copy_(w)
+        else:
+            H, P = mixer.num_heads, mixer.head_dim
+            mixer.in_proj.weight[: H * P].copy_((gate_level * u).expand(H * P, d))  # the z rows
+            rows = []
+            for m in range(H):  # Mamba head m stands for query head m mod h (mamba2_weights_from_attention)
+                r = rms_HK[m % h]
+                rows.append(r[:P] if P <= dh else torch.cat([r, r.new_full((P - dh,), float(r.mean()))]))
+            mixer.norm.weight.copy_(torch.cat(rows))
 
 
 # A short, fixed calibration text (English prose + code + chat), so conversion needs no dataset.

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import ConfigError, add_config_args, load_config  # noqa: E402
+from pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
 from pipeline.data.decontam import SUITES, DecontamJobConfig, run_decontamination  # noqa: E402
 from pipeline.data.readers import SourceError  # noqa: E402
 
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             if val is not None:
                 overrides.append(f"{key}={json.dumps(val)}")
         cfg = load_config(DecontamJobConfig, args.config, overrides)
+        maybe_print_config(cfg, args)
         summary = run_decontamination(cfg)
     except (ConfigError, SourceError, ValueError) as e:
         print(f"decontaminate: error: {e}", file=sys.stderr)

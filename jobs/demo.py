@@ -1,6 +1,6 @@
 """The whole HyLo recipe on SmolLM2-135M-Instruct and real ShareGPT, on local Ray, on CPU.
 
-    python jobs/demo.py [--run-dir runs/demo] [--steps 16] [--records 1500] [--force]
+    python jobs/demo.py [--run-dir runs/demo] [--steps 8] [--records 300] [--force]
 
 fetch assets -> decontaminate ShareGPT against HumanEval -> prepare stage-1 / stage-2 rows ->
 convert (MLA on even layers, GDN elsewhere) -> stage 1 (Enhanced-ILD) -> stage 2 (KL from the teacher)
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,70 +23,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PY = sys.executable
+from pipeline.runner import PY, StepRunner, convert_cmd, eval_cmd, last_json_object, train_cmd  # noqa: E402
 
 
-class Demo:
+class Demo(StepRunner):
     def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args.run_dir, force=args.force, quiet=args.quiet, tag="demo")
         self.args = args
-        self.run = Path(args.run_dir).resolve()
-        (self.run / "logs").mkdir(parents=True, exist_ok=True)
-        (self.run / "done").mkdir(parents=True, exist_ok=True)
-        self.times: dict[str, float] = {}
-        self.t_start = time.time()
-
-    # ------------------------------------------------------------------ step bookkeeping
-    def done_file(self, name: str) -> Path:
-        return self.run / "done" / f"{name}.json"
-
-    def finished(self, name: str, outputs: list[Path]) -> dict | None:
-        f = self.done_file(name)
-        if self.args.force or not f.is_file():
-            return None
-        info = json.loads(f.read_text())
-        missing = [str(p) for p in outputs if not Path(p).exists()]
-        if missing:
-            print(f"[demo] {name}: marked done but {missing[0]} is missing; running it again", flush=True)
-            return None
-        print(f"[demo] {name}: already done ({info.get('seconds', 0):.0f} s), reusing its outputs", flush=True)
-        self.times[name] = info.get("seconds", 0.0)
-        return info
-
-    def mark(self, name: str, seconds: float, **info) -> None:
-        tmp = self.done_file(name).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"seconds": seconds, **info}, indent=1))
-        tmp.replace(self.done_file(name))
-        self.times[name] = seconds
-
-    def sh(self, name: str, cmd: list[str], env: dict | None = None) -> str:
-        """Run one job, streaming its output to the console and to logs/<name>.log; return stdout."""
-        log = self.run / "logs" / f"{name}.log"
-        print(f"\n[demo] === {name}: {' '.join(cmd)}", flush=True)
-        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
-        out_lines: list[str] = []
-        with open(log, "w") as fh:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, bufsize=1)
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                fh.write(line)
-                out_lines.append(line)
-                if not self.args.quiet:
-                    sys.stdout.write(f"  | {line}")
-            rc = proc.wait()
-        if rc != 0:
-            tail = "".join(out_lines[-30:])
-            raise SystemExit(f"[demo] {name} failed (exit {rc}); full log: {log}\n{tail}")
-        return "".join(out_lines)
-
-    def step(self, name: str, outputs: list[Path], fn) -> dict:
-        info = self.finished(name, outputs)
-        if info is not None:
-            return info
-        t0 = time.time()
-        info = fn() or {}
-        self.mark(name, time.time() - t0, **info)
-        return info
 
     # ------------------------------------------------------------------ steps
     def assets(self) -> dict:
@@ -124,13 +65,24 @@ class Demo:
         ])
         return {"records": len(keep), "first_index": start}
 
+    def training_records(self) -> Path:
+        """The first `--records` clean records in a file of their own, so each prepare job reads only those."""
+        path = self.run / f"train-{self.args.records}.jsonl"
+        if not path.is_file():
+            with open(self.run / "decontam" / "clean.jsonl") as f:
+                lines = [line for _, line in zip(range(self.args.records), f)]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(lines))
+            tmp.replace(path)
+        return path
+
     def prepare(self, split: str) -> dict:
         out = self.run / "data" / split
-        clean = self.run / "decontam" / "clean.jsonl"
+        train = self.training_records()
         self.sh(f"prepare_{split}", [
             PY, "jobs/prepare_data.py", "--config", f"configs/data_{split}.yaml",
             "--set", f"split={split}",
-            "--set", f"mixture.sources=[{{name: sharegpt, path: '{clean}', limit: {self.args.records}}}]",
+            "--set", f"mixture.sources=[{{name: sharegpt, path: '{train}'}}]",
             "--set", f"packing.max_len={self.args.seq_len}",
             "--set", f"output.dir={out}", "--set", "output.overwrite=true",
         ])
@@ -139,36 +91,35 @@ class Demo:
 
     def convert(self) -> dict:
         out = self.run / "converted"
-        text = self.sh("convert", [PY, "jobs/convert.py", "--base", str(self.base), "--out", str(out),
-                                   "--mla-layers", "even", "--kv-lora-rank", "256"])
-        start = 0 if text.startswith("{") else text.index("\n{") + 1
-        summary = json.loads(text[start:text.rindex("}") + 1])
-        return {"summary": summary}
+        text = self.sh("convert", convert_cmd(self.base, out, "even", 256))
+        return {"summary": last_json_object(text)}
 
     def train(self, stage: int) -> dict:
         name = f"stage{stage}"
         student = self.run / ("converted" if stage == 1 else "stage1/model")
-        self.sh(name, [
-            PY, f"jobs/stage{stage}.py", "--config", "configs/demo-smollm2.yaml",
-            "--set", f"ray.storage_path={self.run}",
-            "--set", f"model.student={student}",
-            "--set", f"data.path={self.run / 'data' / name}",
-            "--set", f"data.seq_len={self.args.seq_len}",
-            "--set", f"train.total_steps={self.args.steps}",
-            "--set", f"checkpoint.every_steps={max(1, self.args.steps // 2)}",
-        ])
+        # 512-token rows need no activation checkpointing; without it a CPU step is ~1/4 faster
+        self.sh(name, train_cmd(stage, "configs/demo-smollm2.yaml", self.run, name, student,
+                                self.run / "data" / name, self.args.seq_len, self.args.steps,
+                                ["--set", "model.activation_checkpointing=false"]))
         return {"model": str(self.run / name / "model")}
 
     def evaluate(self, name: str, model: Path, suites: str) -> dict:
         out = self.run / "eval" / name
-        cmd = [PY, "jobs/eval.py", "--model", str(model), "--teacher", str(self.base), "--base", str(self.base),
-               "--data", str(self.run / "data" / "heldout"), "--out", str(out), "--suite", suites, "--quiet",
-               "--set", f"kl.max_rows={self.args.heldout_rows}",
-               "--set", f"retrieval.lengths={self.args.retrieval_lengths}",
-               "--set", "retrieval.samples_per_length=4",
-               "--set", f"kvcache.lengths={self.args.kv_lengths}", "--set", "kvcache.decode_tokens=8"]
+        cmd = eval_cmd(model, self.base, self.run / "data" / "heldout", out, suites, self.args.heldout_rows, [
+            "--set", f"retrieval.lengths={self.args.retrieval_lengths}", "--set", "retrieval.samples_per_length=4",
+            "--set", f"kvcache.lengths={self.args.kv_lengths}", "--set", "kvcache.decode_tokens=8"])
         self.sh(f"eval_{name}", cmd)
         return json.loads((out / "results.json").read_text())
+
+    def placement(self) -> dict:
+        """The layer-placement study (jobs/place_layers.py): searched N=15 vs even vs uniform:15."""
+        a = self.args
+        self.sh("placement", [PY, "jobs/place_layers.py", "--n-mla", "15", "--data-from", str(self.run),
+                              "--run-dir", str(self.run / "placement"), "--steps", str(a.steps),
+                              "--heldout-rows", str(a.heldout_rows), "--seq-len", str(a.seq_len),
+                              "--compare", "even", "uniform:15", "--compare-steps", str(a.steps)]
+                + (["--quiet"] if a.quiet else []))
+        return json.loads((self.run / "placement" / "compare.json").read_text())
 
     # ------------------------------------------------------------------ report
     def report(self, info: dict) -> str:
@@ -200,6 +151,10 @@ class Demo:
               "| measure | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
         plots = self.plots(kl, final, read_metrics(self.run / "stage1"), read_metrics(self.run / "stage2"))
         md += [""] + [f"![{p.stem}]({p.name})" for p in plots]
+        study = self.run / "placement" / "compare.md"
+        if study.is_file():
+            md += ["", *("#" + line if line.startswith("# ") else line for line in study.read_text().splitlines()),
+                   "", "![placement scores](placement/placement_scores.png)"]
         (self.run / "report.md").write_text("\n".join(md) + "\n")
         return table
 
@@ -258,8 +213,12 @@ class Demo:
             return
         (ROOT / "docs").mkdir(exist_ok=True)
         shutil.copy(self.run / "kl_per_stage.png", ROOT / "docs" / "demo_kl_per_stage.png")
-        body = [line for line in (self.run / "report.md").read_text().splitlines()
-                if line.startswith("|")]
+        body: list[str] = []  # the results table: the report's first run of table lines
+        for line in (self.run / "report.md").read_text().splitlines():
+            if line.startswith("|"):
+                body.append(line)
+            elif body:
+                break
         block = "\n".join([start, "", *body, "", "![KL per stage](docs/demo_kl_per_stage.png)", "", end])
         head, rest = text.split(start, 1)
         readme.write_text(head + block + rest.split(end, 1)[1])
@@ -287,6 +246,8 @@ class Demo:
         for k in ("eval_converted", "eval_stage1", "eval_stage2"):
             # a skipped step returns its done-marker; the results live in results.json
             info[k] = json.loads((r / "eval" / k.removeprefix("eval_") / "results.json").read_text())
+        if self.args.placement_study:
+            self.step("placement", [r / "placement" / "compare.json"], self.placement)
         info["convert"] = json.loads(self.done_file("convert").read_text())
         info["decontaminate"] = json.loads(self.done_file("decontaminate").read_text())
         table = self.report(info)
@@ -325,13 +286,16 @@ def _retrieval_summary(res: dict) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", default="runs/demo")
-    ap.add_argument("--steps", type=int, default=16, help="optimiser steps per training stage")
-    ap.add_argument("--records", type=int, default=1500, help="clean ShareGPT records read for training data")
+    ap.add_argument("--steps", type=int, default=8, help="optimiser steps per training stage")
+    ap.add_argument("--records", type=int, default=300, help="clean ShareGPT records read for training data")
     ap.add_argument("--heldout", type=int, default=64, help="held-out conversations for the KL evaluation")
-    ap.add_argument("--heldout-rows", type=int, default=12, help="packed held-out rows the KL is measured on")
+    ap.add_argument("--heldout-rows", type=int, default=8, help="packed held-out rows the KL is measured on")
     ap.add_argument("--seq-len", type=int, default=512, help="tokens per packed row")
     ap.add_argument("--retrieval-lengths", default="[256,512,1024]")
     ap.add_argument("--kv-lengths", default="[1024,2048,4096]")
+    ap.add_argument("--placement-study", action="store_true",
+                    help="also run jobs/place_layers.py: the searched 15-MLA placement vs even vs uniform:15, "
+                         "each with the same stage 1 + stage 2 budget (adds about three demo runs)")
     ap.add_argument("--force", action="store_true", help="redo every step")
     ap.add_argument("--quiet", action="store_true", help="do not echo the jobs' output")
     ap.add_argument("--update-readme", action="store_true",

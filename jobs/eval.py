@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import ConfigError, add_config_args, load_config  # noqa: E402
+from pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(EvalConfig, args.config, [*args.overrides, *overrides_from_flags(args)])
+        maybe_print_config(cfg, args)
         from pipeline.eval.run import render_markdown, run_eval
 
         res = run_eval(cfg)

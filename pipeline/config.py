@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import sys
 import types
 import typing
 from pathlib import Path
@@ -171,7 +172,19 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="dotted override, e.g. --set train.lr=1e-4 (repeatable)",
     )
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (every key, defaults filled in) as YAML and exit")
+
+
+def maybe_print_config(cfg: Any, args: argparse.Namespace) -> None:
+    """`--print-config`: the resolved config as YAML on stdout, then exit 0 (the config reference of a job)."""
+    if getattr(args, "print_config", False):
+        data = {"stage": cfg.stage, **to_dict(cfg)} if hasattr(cfg, "stage") else to_dict(cfg)
+        sys.stdout.write(yaml.safe_dump(data, sort_keys=False))
+        raise SystemExit(0)
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
-    return load_config(cls, args.config, args.overrides)
+    cfg = load_config(cls, args.config, args.overrides)
+    maybe_print_config(cfg, args)
+    return cfg

@@ -120,3 +120,32 @@ def test_job_config_yaml_overrides_and_unknown_keys(tmp_path):
 def test_non_llama_base_config_rejected():
     with pytest.raises(UpcycleError, match="model_type 'gpt2' is not supported"):
         hybrid_config_from_base({"model_type": "gpt2", "n_layer": 2})
+
+
+def test_print_config_shows_every_key_and_round_trips(capsys):
+    import argparse
+
+    import yaml
+
+    from pipeline.config import add_config_args, config_from_args
+    from pipeline.data.config import PrepareDataConfig
+    from pipeline.train.config import config_to_dict, load_stage_config
+    from pipeline.train.driver import run
+
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    args = p.parse_args(["--config", "configs/data_stage1.yaml", "--set", "packing.max_len=1024", "--print-config"])
+    with pytest.raises(SystemExit) as e:
+        config_from_args(PrepareDataConfig, args)
+    assert e.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["packing"]["max_len"] == 1024
+    assert load_config(PrepareDataConfig, None, [f"{k}={json.dumps(v)}" for k, v in printed.items()]) == \
+        load_config(PrepareDataConfig, "configs/data_stage1.yaml", ["packing.max_len=1024"])
+    # the training driver prints the merged stage config (shared sections + stage2:) before touching Ray
+    with pytest.raises(SystemExit) as e:
+        run(2, ["--config", "configs/demo-smollm2.yaml", "--set", "optim.lr=3e-5", "--print-config"])
+    assert e.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    want = config_to_dict(load_stage_config(2, "configs/demo-smollm2.yaml", ["optim.lr=3e-5"]))
+    assert printed == json.loads(json.dumps(want))

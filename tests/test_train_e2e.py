@@ -139,6 +139,9 @@ def test_consolidated_checkpoint_equals_zero_to_fp32(reference):
         name = key.removeprefix("student.")
         assert torch.equal(ours[name], value.float()), name
     initial = HyLoForCausalLM.from_pretrained(reference.parent.parent / "models" / "student")
+    # the tokenizer travels from the starting checkpoint into the consolidated model (eval needs it)
+    assert (reference / "model" / "tokenizer.json").read_bytes() == \
+        (reference.parent.parent / "models" / "student" / "tokenizer.json").read_bytes()
     assert not torch.equal(initial.model.layers[0].mixer.o_proj.weight, model.model.layers[0].mixer.o_proj.weight)
 
 

@@ -200,6 +200,15 @@ def test_save_load_identical_logits_and_generate(tmp_path):
     files = {p.name for p in (tmp_path / "ckpt").iterdir()}
     assert {"config.json", "hybrid_config.json", "model.safetensors"} <= files
     back = load_hylo(tmp_path / "ckpt").eval()
+    # tokenizer files of another directory travel along (copied, never loaded)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"version": "1.0"}')
+    (tmp_path / "tok" / "chat_template.jinja").write_text("{{ messages }}")
+    (tmp_path / "tok" / "model.safetensors").write_text("not copied")
+    save_hylo(model, tmp_path / "ckpt2", tokenizer_from=tmp_path / "tok")
+    assert (tmp_path / "ckpt2" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert (tmp_path / "ckpt2" / "chat_template.jinja").is_file()
+    assert load_hylo(tmp_path / "ckpt2").state_dict().keys() == model.state_dict().keys()
     ids = torch.randint(0, 128, (1, 10))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, back(ids).logits)
@@ -251,3 +260,44 @@ def test_bad_base_inputs(tmp_path):
         load_base_model(gpt)
     with pytest.raises(UpcycleError, match="out of range"):
         upcycle(tiny_llama(), mla_layers=[0, 7])
+
+
+@pytest.mark.parametrize("linear_type", ["gdn", "mamba2"])
+def test_calibration_makes_linear_gates_constant_and_norms_the_attention_rms(linear_type):
+    # The gate of every linear layer is ~1 on calibration inputs, and the output norm weight holds the
+    # RMS of the attention heads it replaces; without calibration the gate is noise around 0.
+    base = tiny_llama(dtype=torch.float32)
+    torch.manual_seed(5)
+    ids = torch.randint(0, 128, (1, 48))
+    kw = dict(mla_layers=[0], kv_lora_rank=32, qk_rope_head_dim=8, linear_type=linear_type)
+    cal = upcycle(base, calibration_ids=ids, **kw)
+    raw = upcycle(base, **kw)
+    xs, os_ = {}, {}
+    hooks = []
+    for i, layer in enumerate(base.model.layers):
+        hooks.append(layer.self_attn.register_forward_pre_hook(
+            lambda m, a, k, i=i: xs.__setitem__(i, a[0] if a else k["hidden_states"]), with_kwargs=True))
+        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a, i=i: os_.__setitem__(i, a[0])))
+    with torch.no_grad():
+        base(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    for i in (1, 2, 3):
+        x = xs[i][0]
+        rms_HK = os_[i][0].reshape(x.shape[0], 4, 16).pow(2).mean(0).sqrt()
+        gates = {}
+        for name, model in (("cal", cal), ("raw", raw)):
+            mixer = model.model.layers[i].mixer
+            with torch.no_grad():
+                if linear_type == "gdn":
+                    g = torch.nn.functional.silu(mixer.g_proj(x))
+                else:
+                    g = torch.nn.functional.silu(x @ mixer.in_proj.weight[: mixer.num_heads * mixer.head_dim].T)
+            gates[name] = float((g - 1).abs().mean())
+        assert gates["cal"] < 0.25 < gates["raw"], gates
+        mixer = cal.model.layers[i].mixer
+        if linear_type == "gdn":
+            torch.testing.assert_close(mixer.o_norm.weight.float(), rms_HK.mean(0).float(), rtol=1e-4, atol=1e-5)
+        else:
+            want = torch.cat([rms_HK[m % 4] for m in range(mixer.num_heads)])
+            torch.testing.assert_close(mixer.norm.weight.float(), want.float(), rtol=1e-4, atol=1e-5)

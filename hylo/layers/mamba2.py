@@ -26,7 +26,9 @@ Design choices:
 * Default init as mamba_ssm: A ~ U(1, 16), dt log-uniform in [1e-3, 0.1] stored as its softplus inverse in
   dt_bias, D = 1, norm weight 1 (`reset_special_parameters()`, called by the model's `_init_weights`).
 * Initialisation from attention (`mamba2_weights_from_attention`): x <- W_v, B <- W_k, C <- W_q, out_proj
-  <- W_o; the z and dt rows of in_proj get the model's default normal(0, initializer_range); the conv starts
+  <- W_o; the z and dt rows of in_proj get the model's default normal(0, initializer_range), then, when the
+  converter has calibration tokens, the z rows and the norm weight are calibrated like GDN's gate
+  (`hylo.upcycle._calibrate_linear`: SiLU(z) ~= 1, norm weight = the attention heads' RMS); the conv starts
   as identity (last tap 1, bias 0), as the GDN upcycle does, so the copied projections are not scrambled.
   Qwen3's q/k RMSNorm weights are folded into the copied rows (approximate: SSD does not normalise B, C).
 """

@@ -250,8 +250,10 @@ def gather_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torch.Ten
     return out if rank == 0 else None
 
 
-def consolidate_hylo(module: torch.nn.Module, out_dir: Path, rank: int, dtype: torch.dtype = torch.float32) -> Path | None:
-    """Collective: write the trained `HyLoForCausalLM` (possibly ZeRO-3 partitioned) as an HF checkpoint."""
+def consolidate_hylo(module: torch.nn.Module, out_dir: Path, rank: int, dtype: torch.dtype = torch.float32,
+                     tokenizer_from: str | Path | None = None) -> Path | None:
+    """Collective: write the trained `HyLoForCausalLM` (possibly ZeRO-3 partitioned) as an HF checkpoint,
+    with the tokenizer files of directory `tokenizer_from` (the checkpoint training started from)."""
     from hylo.io import save_hylo
     from hylo.modeling import HyLoForCausalLM
 
@@ -268,4 +270,4 @@ def consolidate_hylo(module: torch.nn.Module, out_dir: Path, rank: int, dtype: t
         model.tie_weights()
     if getattr(module, "generation_config", None) is not None:
         model.generation_config = module.generation_config
-    return save_hylo(model.to(dtype), out_dir)
+    return save_hylo(model.to(dtype), out_dir, tokenizer_from=tokenizer_from)

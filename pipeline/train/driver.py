@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError, add_config_args
+from pipeline.config import ConfigError, add_config_args, maybe_print_config
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train.config import StageConfig, config_to_dict, load_stage_config, run_dir
 from pipeline.train.metrics import make_ray_callback, read_metrics
@@ -77,9 +77,24 @@ def convert_if_needed(cfg: StageConfig) -> StageConfig:
 
         base_dir = resolve_model_dir(cfg.model.base)
         print(f"[convert] {base_dir} -> {out} with {cfg.model.convert}", flush=True)
-        model = upcycle(load_base_model(base_dir), **cfg.model.convert)
-        save_hylo(model, out)
+        model = upcycle(load_base_model(base_dir), calibration_ids=_calibration_ids(base_dir), **cfg.model.convert)
+        save_hylo(model, out, tokenizer_from=base_dir)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, student=str(out)))
+
+
+def _calibration_ids(base_dir: str | Path):
+    """The converter's calibration tokens (as jobs/convert.py uses them); None when the base has no tokenizer."""
+    from hylo.upcycle import calibration_ids_for
+
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    except (OSError, ValueError) as e:
+        print(f"[convert] no tokenizer in {base_dir} ({type(e).__name__}); linear gates keep their random init",
+              flush=True)
+        return None
+    return calibration_ids_for(tokenizer)
 
 
 def planned_steps(cfg: StageConfig) -> int:
@@ -162,6 +177,7 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
 def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser(stage).parse_args(argv)
     cfg = load_stage_config(stage, args.config, args.overrides)
+    maybe_print_config(cfg, args)
     launcher = cfg.ray.launcher
     is_rank0 = int(os.environ.get("RANK", "0")) == 0
     if launcher == "torchrun" and "RANK" not in os.environ:

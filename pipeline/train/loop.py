@@ -337,7 +337,7 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             ctx.maybe_fault("after_checkpoint")
 
     if cfg.checkpoint.consolidate:
-        out = ckpt_lib.consolidate_hylo(task.student, ctx.run_dir / "model", rank)
+        out = ckpt_lib.consolidate_hylo(task.student, ctx.run_dir / "model", rank, tokenizer_from=cfg.model.student)
         if out is not None:
             print(f"[train] consolidated HF checkpoint: {out}", flush=True)
     session.close()

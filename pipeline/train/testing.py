@@ -22,7 +22,7 @@ def make_tiny_models(root: str | Path, vocab_size: int = 96, hidden_size: int = 
     base = save_tiny_llama(root / "base", vocab_size=vocab_size, hidden_size=hidden_size, layers=layers, seed=seed)
     student = upcycle(load_base_model(base), mla_layers=mla_layers, kv_lora_rank=16, gdn_head_dim=8,
                       gdn_num_heads=4)
-    save_hylo(student, root / "student")
+    save_hylo(student, root / "student", tokenizer_from=base)
     return {"base": base, "student": root / "student"}
 
 

@@ -1,0 +1,113 @@
+"""Resumable multi-step runs of the project's jobs (used by jobs/demo.py and jobs/place_layers.py).
+
+Each step runs one of the project's own jobs as a subprocess, the same command a user would type, and
+logs it to `<run-dir>/logs/<step>.log`. A finished step leaves `<run-dir>/done/<step>.json` (written
+atomically); running again skips it after checking that its outputs still exist, so an interrupted run
+continues where it stopped and `--force` redoes everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+class StepRunner:
+    def __init__(self, run_dir: str | Path, force: bool = False, quiet: bool = False, tag: str = "run") -> None:
+        self.run = Path(run_dir).resolve()
+        self.force, self.quiet, self.tag = force, quiet, tag
+        (self.run / "logs").mkdir(parents=True, exist_ok=True)
+        (self.run / "done").mkdir(parents=True, exist_ok=True)
+        self.times: dict[str, float] = {}
+        self.t_start = time.time()
+
+    def done_file(self, name: str) -> Path:
+        return self.run / "done" / f"{name}.json"
+
+    def finished(self, name: str, outputs: list[Path]) -> dict | None:
+        """The step's record when it finished before and its outputs are all there, else None."""
+        f = self.done_file(name)
+        if self.force or not f.is_file():
+            return None
+        info = json.loads(f.read_text())
+        missing = [str(p) for p in outputs if not Path(p).exists()]
+        if missing:
+            print(f"[{self.tag}] {name}: marked done but {missing[0]} is missing; running it again", flush=True)
+            return None
+        print(f"[{self.tag}] {name}: already done ({info.get('seconds', 0):.0f} s), reusing its outputs", flush=True)
+        self.times[name] = info.get("seconds", 0.0)
+        return info
+
+    def mark(self, name: str, seconds: float, **info) -> None:
+        tmp = self.done_file(name).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"seconds": seconds, **info}, indent=1))
+        tmp.replace(self.done_file(name))
+        self.times[name] = seconds
+
+    def step(self, name: str, outputs: list[Path], fn: Callable[[], dict | None]) -> dict:
+        """Run `fn` unless the step finished before; record its wall time and returned info."""
+        info = self.finished(name, outputs)
+        if info is not None:
+            return info
+        t0 = time.time()
+        info = fn() or {}
+        self.mark(name, time.time() - t0, **info)
+        return info
+
+    def sh(self, name: str, cmd: list[str], env: dict | None = None) -> str:
+        """Run one job, streaming its output to the console and to logs/<name>.log; return its output."""
+        log = self.run / "logs" / f"{name}.log"
+        print(f"\n[{self.tag}] === {name}: {' '.join(cmd)}", flush=True)
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
+        out_lines: list[str] = []
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, bufsize=1)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                fh.write(line)
+                out_lines.append(line)
+                if not self.quiet:
+                    sys.stdout.write(f"  | {line}")
+            rc = proc.wait()
+        if rc != 0:
+            tail = "".join(out_lines[-30:])
+            raise SystemExit(f"[{self.tag}] {name} failed (exit {rc}); full log: {log}\n{tail}")
+        return "".join(out_lines)
+
+
+def last_json_object(text: str) -> dict:
+    """The JSON object a job printed last on stdout (library log lines may come before it)."""
+    start = 0 if text.startswith("{") else text.index("\n{") + 1
+    return json.loads(text[start:text.rindex("}") + 1])
+
+
+def convert_cmd(base: str | Path, out: Path, placement: str, kv_lora_rank: int, linear_type: str = "gdn") -> list[str]:
+    return [PY, "jobs/convert.py", "--base", str(base), "--out", str(out), "--mla-layers", placement,
+            "--kv-lora-rank", str(kv_lora_rank), "--linear-type", linear_type]
+
+
+def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student: Path, data: Path, seq_len: int,
+              steps: int, extra: list[str] | None = None) -> list[str]:
+    """A jobs/stage{1,2}.py command for a short run (checkpoints at half-way and the end)."""
+    cmd = [PY, f"jobs/stage{stage}.py", "--config", str(config),
+           "--set", f"ray.storage_path={storage}", "--set", f"ray.name={name}",
+           "--set", f"model.student={student}", "--set", f"data.path={data}",
+           "--set", f"data.seq_len={seq_len}", "--set", f"train.total_steps={steps}",
+           "--set", f"checkpoint.every_steps={max(1, steps // 2)}"]
+    return cmd + (extra or [])
+
+
+def eval_cmd(model: Path, base: str | Path, data: Path, out: Path, suites: str, max_rows: int,
+             extra: list[str] | None = None) -> list[str]:
+    return [PY, "jobs/eval.py", "--model", str(model), "--teacher", str(base), "--base", str(base),
+            "--data", str(data), "--out", str(out), "--suite", suites, "--quiet",
+            "--set", f"kl.max_rows={max_rows}"] + (extra or [])

@@ -1,0 +1,205 @@
+"""Layer placement search: swapped-layer KL, Ray scoring, proxy, ranking, and the job's proxy-only path."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.eval.kl import evaluate_kl
+from pipeline.placement import (
+    PlacementError,
+    Row,
+    choose,
+    layer_inputs,
+    load_rows,
+    proxy_scores,
+    ranks,
+    score_layers,
+    spearman,
+    swapped_kl,
+    teacher_hidden,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+N_LAYERS = 4
+
+
+def make_row(vocab: int, doc_lens: list[int], seed: int, pad: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    lens = doc_lens + ([pad] if pad else [])
+    t = sum(lens)
+    ids = torch.randint(3, vocab, (t,), generator=g)
+    cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
+    mask = torch.rand(t, generator=g) < 0.8
+    mask[cu[1:].long() - 1] = False
+    if pad:
+        mask[t - pad:] = False
+    pos = torch.cat([torch.arange(n) for n in lens])
+    return {"input_ids": ids, "position_ids": pos, "cu_seqlens": cu, "loss_mask": mask,
+            "doc_ids": [f"d{i}" for i in range(len(doc_lens))] + ([""] if pad else [])}
+
+
+def as_row(r: dict, where: str = "row") -> Row:
+    return Row(where, r["input_ids"], r["cu_seqlens"], r["loss_mask"].nonzero().squeeze(-1),
+               torch.ones(r["input_ids"].numel()))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from hylo.io import save_hylo
+    from hylo.upcycle import load_base_model, upcycle
+    from pipeline.teacher.testing import save_tiny_llama
+
+    root = tmp_path_factory.mktemp("place")
+    base_dir = save_tiny_llama(root / "base", vocab_size=96, hidden_size=32, layers=N_LAYERS, seed=1)
+    base = load_base_model(base_dir).eval()
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    kw = dict(kv_lora_rank=16, gdn_head_dim=8, gdn_num_heads=4, calibration_ids=ids)
+    linear = upcycle(base, mla_layers="none", **kw).eval()
+    # full rank (2 KV heads x (nope + v) = 2 x (4 + 8) = 24) and every RoPE pair kept: MLA == attention
+    mla = upcycle(base, mla_layers="all", **{**kw, "kv_lora_rank": 24, "qk_rope_head_dim": 8}).eval()
+    save_hylo(linear, root / "linear")
+    save_hylo(mla, root / "mla")
+    rows = [make_row(96, [20, 13], seed=2), make_row(96, [31], seed=3, pad=5)]
+    return {"root": root, "base_dir": base_dir, "base": base, "linear": linear, "mla": mla, "rows": rows}
+
+
+def test_swapped_kl_equals_the_full_forward_of_the_mixed_model(models):
+    # The search's shortcut (reuse the all-linear student's hidden states before layer i) must give the
+    # KL of the student that really has MLA at layer i, computed the ordinary way.
+    base, linear, mla = models["base"], models["linear"], models["mla"]
+    rows = [as_row(r, f"row {k}") for k, r in enumerate(models["rows"])]
+    teacher = teacher_hidden(base, rows)
+    wt = base.get_output_embeddings().weight
+    inputs = [layer_inputs(linear, r) for r in rows]
+    eval_rows = [(r.where, {"input_ids": r.input_ids, "cu_seqlens": r.cu_seqlens, "loss_mask": m["loss_mask"]})
+                 for r, m in zip(rows, models["rows"])]
+    got_linear = swapped_kl(linear, mla, None, [x[0] for x in inputs], rows, teacher, wt)
+    assert got_linear == pytest.approx(evaluate_kl(linear, eval_rows, teacher=base).kl, rel=1e-5)
+    kls = []
+    for i in range(N_LAYERS):
+        mixed = copy.deepcopy(linear)
+        mixed.model.layers[i] = copy.deepcopy(mla.model.layers[i])
+        want = evaluate_kl(mixed, eval_rows, teacher=base).kl
+        got = swapped_kl(linear, mla, i, [x[i] for x in inputs], rows, teacher, wt)
+        assert got == pytest.approx(want, rel=1e-5)
+        kls.append(got)
+    assert len({round(k, 6) for k in kls}) == N_LAYERS  # every layer gives its own score
+
+
+def test_score_layers_through_ray_tasks(models):
+    import ray
+
+    rows = [as_row(r) for r in models["rows"]]
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    try:
+        res = score_layers(models["root"] / "linear", models["root"] / "mla", models["base"], rows, progress=False)
+    finally:
+        ray.shutdown()
+    linear, mla, base = models["linear"], models["mla"], models["base"]
+    teacher = teacher_hidden(base, rows)
+    wt = base.get_output_embeddings().weight
+    inputs = [layer_inputs(linear, r) for r in rows]
+    for i in range(N_LAYERS):
+        want = swapped_kl(linear, mla, i, [x[i] for x in inputs], rows, teacher, wt)
+        assert res["kl_swap"][i] == pytest.approx(want, rel=1e-5)
+        assert res["drop"][i] == pytest.approx(res["kl_all_linear"] - want, rel=1e-5, abs=1e-7)
+    # the full-rank all-MLA student is the base model itself
+    assert res["kl_all_mla"] < 1e-6 < res["kl_all_linear"]
+    assert res["tokens"] == sum(r.scored.numel() for r in rows)
+
+
+def test_score_layers_rejects_wrong_students(models):
+    rows = [as_row(models["rows"][0])]
+    with pytest.raises(PlacementError, match="all-linear"):
+        score_layers(models["root"] / "mla", models["root"] / "linear", models["base"], rows, progress=False)
+
+
+def test_proxy_at_init(models):
+    rows = [as_row(r) for r in models["rows"]]
+    p = proxy_scores(models["base"], models["linear"], models["mla"], rows)
+    assert set(p) >= {"linear_error", "linear_error_rel", "error_gap", "mla_error", "attention_norm"}
+    lin, mla_err, attn = map(np.array, (p["linear_error"], p["mla_error"], p["attention_norm"]))
+    assert lin.shape == (N_LAYERS,)
+    # the full-rank MLA mixer reproduces the base attention; the linear block does not
+    assert (mla_err < 1e-3 * attn).all() and (lin > 1e-2 * attn).all()
+    np.testing.assert_allclose(p["error_gap"], lin - mla_err, rtol=1e-12)
+    np.testing.assert_allclose(p["linear_error_rel"], lin / attn, rtol=1e-12)
+
+
+def test_proxy_ignores_the_padding_segment(models):
+    r = models["rows"][1]
+    row = as_row(r)
+    p_all = proxy_scores(models["base"], models["linear"], models["mla"], [row])
+    real = torch.ones(row.input_ids.numel())
+    real[-5:] = 0.0
+    row_real = Row(row.where, row.input_ids, row.cu_seqlens, row.scored, real)
+    p_real = proxy_scores(models["base"], models["linear"], models["mla"], [row_real])
+    assert p_all["linear_error"] != pytest.approx(p_real["linear_error"])
+
+
+def test_spearman_ranks_and_choose():
+    from scipy.stats import spearmanr
+
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=30)
+    b = a + rng.normal(scale=0.5, size=30)
+    assert spearman(a, b) == pytest.approx(spearmanr(a, b).statistic, abs=1e-12)
+    tied = [1.0, 2.0, 2.0, 3.0, 0.5]
+    assert spearman(tied, [5, 4, 3, 2, 1]) == pytest.approx(spearmanr(tied, [5, 4, 3, 2, 1]).statistic, abs=1e-12)
+    assert ranks([3.0, 1.0, 1.0]).tolist() == [2.0, 0.5, 0.5]
+    assert spearman(a, -a) == pytest.approx(-1.0)
+    assert np.isnan(spearman([1, 1, 1], [1, 2, 3]))
+    assert choose([0.1, 0.5, -0.2, 0.5, 0.3], 3) == [1, 3, 4]
+    assert choose([0.0, 0.0, 0.0], 2) == [0, 1]
+    with pytest.raises(PlacementError, match="n_mla=6"):
+        choose([1, 2, 3], 6)
+
+
+def test_load_rows_marks_padding_and_rejects_non_packed_dirs(tmp_path):
+    from pipeline.data.dataset import ShardWriter, write_manifest
+
+    rows = [make_row(96, [9, 7], seed=5), make_row(96, [10], seed=6, pad=6)]
+    writer = ShardWriter(tmp_path / "packed", rows_per_shard=1, row_group_rows=1)
+    for r in rows:
+        writer.add({k: (v.numpy() if torch.is_tensor(v) else v) for k, v in r.items()})
+    write_manifest(tmp_path / "packed", {"shards": writer.finish()})
+    got = load_rows(tmp_path / "packed", max_rows=5)
+    assert len(got) == 2 and len(load_rows(tmp_path / "packed", max_rows=1)) == 1
+    assert got[0].real.tolist() == [1.0] * 16
+    assert got[1].real.tolist() == [1.0] * 10 + [0.0] * 6
+    assert torch.equal(got[1].scored, rows[1]["loss_mask"].nonzero().squeeze(-1))
+    with pytest.raises(PlacementError, match="no manifest.json"):
+        load_rows(tmp_path, max_rows=1)
+
+
+def test_place_layers_job_proxy_only(models, tmp_path):
+    # The job end to end on the cheap path: converts both students, writes the proxy and the placement.
+    from pipeline.data.dataset import ShardWriter, write_manifest
+
+    data = tmp_path / "heldout"
+    writer = ShardWriter(data, rows_per_shard=2, row_group_rows=1)
+    for r in models["rows"]:
+        writer.add({k: (v.numpy() if torch.is_tensor(v) else v) for k, v in r.items()})
+    write_manifest(data, {"shards": writer.finish()})
+    cmd = [sys.executable, "jobs/place_layers.py", "--base", str(models["base_dir"]), "--n-mla", "2",
+           "--run-dir", str(tmp_path / "run"), "--heldout-data", str(data),
+           "--kv-lora-rank", "16", "--proxy-only", "--quiet"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "run" / "placement.json").read_text())
+    assert res["method"].startswith("proxy") and len(res["mla_layers"]) == 2
+    assert res["mla_layers"] == choose(res["proxy"]["error_gap"], 2)
+    # a second run reuses every finished step
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "already done" in again.stdout
+    bad_cmd = [str(tmp_path) if c == str(data) else c for c in cmd]
+    bad = subprocess.run(bad_cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "heldout rows" in bad.stderr and "not a packed-data directory" in bad.stderr
