@@ -130,10 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         from hylo.upcycle import calibration_ids_for, load_base_model, upcycle
 
         base_path = Path(args.base)
-        if not base_path.exists() and "/" not in args.base:
+        if args.base.startswith("asset:") or (not base_path.exists() and "/" not in args.base):
             from hylo.assets import fetch_asset
 
-            base_path = fetch_asset(args.base)
+            base_path = fetch_asset(args.base.removeprefix("asset:"))
         t0 = time.time()
         dtype = getattr(torch, args.dtype)
         base = load_base_model(base_path, dtype=dtype)

@@ -54,13 +54,15 @@ class PlaceLayers(StepRunner):
     # ------------------------------------------------------------------ steps
     def convert(self, name: str, placement: str) -> dict:
         out = self.run / name
-        text = self.sh(name, convert_cmd(self.args.base, out, placement, self.args.kv_lora_rank, self.args.linear_type))
+        text = self.sh(name, convert_cmd(self.args.base_dir, out, placement, self.args.kv_lora_rank,
+                                         self.args.linear_type))
         return {"summary": last_json_object(text)}
 
     def train(self, stage: int, name: str, student: Path, steps: int) -> dict:
         split = f"stage{stage}"
+        extra = [x for kv in self.args.train_set for x in ("--set", kv)]
         self.sh(name, train_cmd(stage, self.args.config, self.run, name, student, self.data[split],
-                                self.args.seq_len, steps))
+                                self.args.seq_len, steps, extra))
         return {"model": str(self.run / name / "model")}
 
     def _base(self):
@@ -198,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage2-data", default=None)
     ap.add_argument("--heldout-data", default=None)
     ap.add_argument("--config", default="configs/demo-smollm2.yaml", help="training config of the short stages")
+    ap.add_argument("--train-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra --set override for every training job, e.g. model.activation_checkpointing=false")
     ap.add_argument("--steps", type=int, default=8, help="stage-1 steps of the two students the search scores")
     ap.add_argument("--seq-len", type=int, default=512, help="tokens per packed row (as the data was packed)")
     ap.add_argument("--heldout-rows", type=int, default=8, help="held-out rows every layer is scored on")
