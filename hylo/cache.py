@@ -48,6 +48,12 @@ class LinearLayerCache:
     conv: dict[str, torch.Tensor] = field(default_factory=dict)
     seen: int = 0
 
+    def update(self, state: torch.Tensor, conv: dict[str, torch.Tensor], n_tokens: int) -> None:
+        """After a forward over `n_tokens` more tokens: the new state and conv windows replace the old."""
+        self.state = state
+        self.conv = conv
+        self.seen += n_tokens
+
     def tensors(self) -> list[torch.Tensor]:
         out = [] if self.state is None else [self.state]
         return out + list(self.conv.values())

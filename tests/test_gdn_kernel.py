@@ -20,27 +20,16 @@ from kernels.gdn import (
     naive_recurrent_gated_delta_rule,
 )
 
+from helpers import (
+    assert_close,
+    bad_cu_seqlens_cases,
+    compare_runs,
+    forward_backward,
+    one_thread,  # noqa: F401 (autouse fixture)
+)
+
 DT = torch.float64
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: intra-op threads only add barrier waits (x10-x30 slower on a loaded 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, ratio: float = 1e-10) -> None:
-    """Relative RMS error check: rms(ref - got) / rms(ref) <= ratio, and no NaN/inf in `got`."""
-    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    ref, got = ref.detach().double(), got.detach().double()
-    err = (ref - got).pow(2).mean().sqrt()
-    base = ref.pow(2).mean().sqrt().clamp_min(1e-30)
-    assert err / base <= ratio, f"{name}: relative rms error {float(err / base):.3e} > {ratio:.1e}"
 
 
 def make_inputs(B, T, H, K, V, *, n_state=None, h0=True, normalize_k=True, g_scale=1.0, seed=0):
@@ -58,20 +47,11 @@ def make_inputs(B, T, H, K, V, *, n_state=None, h0=True, normalize_k=True, g_sca
 
 def run(fn, q, k, v, g, beta, h0, seed=1, **kw):
     """Forward, then backward of a random projection of (o, final_state); returns values and grads."""
-    o, ht = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
-    gen = torch.Generator().manual_seed(seed)
-    loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
-    loss = loss + (ht * torch.randn(ht.shape, generator=gen, dtype=ht.dtype)).sum()
-    leaves = [x for x in (q, k, v, g, beta, h0) if x is not None]
-    return o, ht, torch.autograd.grad(loss, leaves)
+    return forward_backward(fn, (q, k, v, g, beta), h0, seed, **kw)
 
 
 def compare(ref, got, ratio=1e-10):
-    assert_close("o", ref[0], got[0], ratio)
-    assert_close("final_state", ref[1], got[1], ratio)
-    assert len(ref[2]) == len(got[2])
-    for name, a, b in zip(GRAD_NAMES, ref[2], got[2]):
-        assert_close(name, a, b, ratio)
+    compare_runs(ref, got, "o", GRAD_NAMES, ratio)
 
 
 def shape_id(B, T, H, K, V):
@@ -238,12 +218,7 @@ def test_bad_input_raises_clear_error(fn, base, change, match):
         fn(**args)
 
 
-@pytest.mark.parametrize(
-    ("cu", "match"),
-    [([0, 5, 9], r"end at T=10"), ([1, 5, 10], r"start at 0"), ([0, 6, 4, 10], r"non-decreasing"),
-     ([0.0, 10.0], r"integer tensor")],
-    ids=["short-end", "nonzero-start", "decreasing", "float"],
-)
+@pytest.mark.parametrize(("cu", "match"), bad_cu_seqlens_cases())
 def test_bad_cu_seqlens(cu, match):
     q = torch.randn(1, 10, 2, 4)
     v = torch.randn(1, 10, 2, 4)

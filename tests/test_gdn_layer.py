@@ -15,21 +15,23 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from hylo.cache import LinearLayerCache
 from hylo.config import HybridConfig
 from hylo.layers.gdn import GatedDeltaNet, causal_conv_silu
 
+from helpers import (
+    assert_bad_layer_input_raises,
+    assert_bf16_close_to_fp32,
+    assert_cached_decode_equals_full,
+    assert_close,
+    assert_every_parameter_gets_a_gradient,
+    bad_layer_input_cases,
+    cache_after_prefill_and_step,
+    one_thread,  # noqa: F401 (autouse fixture)
+    packed_vs_separate,
+)
+
 REPO = Path(__file__).resolve().parents[1]
 D, H, K, EXPAND_V, CONV = 32, 2, 8, 2.0, 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: intra-op threads only add barrier waits on a loaded 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_config(**over) -> HybridConfig:
@@ -51,14 +53,6 @@ def make_layer(dtype=torch.float64, seed=0, **over) -> GatedDeltaNet:
     return layer
 
 
-def assert_close(name, ref, got, ratio=1e-10):
-    ref, got = ref.detach().double(), got.detach().double()
-    assert ref.shape == got.shape, f"{name}: {tuple(got.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    err = (ref - got).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)
-    assert err <= ratio, f"{name}: relative rms error {float(err):.3e} > {ratio:.1e}"
-
-
 def test_conv_matches_torch_conv1d_orientation():
     """The shift-sum conv equals nn.Conv1d with left padding (fla's ShortConvolution convention)."""
     torch.manual_seed(0)
@@ -73,13 +67,7 @@ def test_conv_matches_torch_conv1d_orientation():
 @pytest.mark.parametrize("bounds", [[0, 1, 20, 57], [0, 16, 48], [0, 3, 5, 70]],
                          ids=["docs-1-19-37", "docs-16-32", "docs-3-2-65"])
 def test_packed_row_equals_documents_one_by_one(bounds):
-    layer = make_layer()
-    T = bounds[-1]
-    x = torch.randn(1, T, D, dtype=torch.float64, requires_grad=True)
-    cu = torch.tensor(bounds, dtype=torch.int32)
-    y_packed = layer(x, cu_seqlens=cu)
-    y_sep = torch.cat([layer(x[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])], 1)
-    assert_close("packed vs one-by-one", y_sep, y_packed)
+    x, y_packed, y_sep = packed_vs_separate(make_layer(), bounds)
     # gradients too: nothing leaks across the boundary in the backward pass either
     gy = torch.randn_like(y_packed)
     (dx_packed,) = torch.autograd.grad((y_packed * gy).sum(), x)
@@ -89,17 +77,7 @@ def test_packed_row_equals_documents_one_by_one(bounds):
 
 @pytest.mark.parametrize("prefill", [1, 2, 7], ids=lambda p: f"prefill{p}")
 def test_cached_decode_equals_full_forward(prefill):
-    layer = make_layer()
-    B, T = 2, 20
-    x = torch.randn(B, T, D, dtype=torch.float64)
-    with torch.no_grad():
-        y_full = layer(x)
-        cache = LinearLayerCache()
-        outs = [layer(x[:, :prefill], cache=cache)]
-        for t in range(prefill, T):
-            outs.append(layer(x[:, t : t + 1], cache=cache))
-    assert cache.seen == T
-    assert_close("decode vs full", y_full, torch.cat(outs, 1))
+    assert_cached_decode_equals_full(make_layer(), prefill)
 
 
 def test_cache_size_is_constant_in_length():
@@ -107,12 +85,7 @@ def test_cache_size_is_constant_in_length():
     B, V = 2, int(K * EXPAND_V)
     sizes = []
     for T in (5, 60):
-        cache = LinearLayerCache()
-        with torch.no_grad():
-            layer(torch.randn(B, T, D), cache=cache)
-            after_prefill = [tuple(t.shape) for t in cache.tensors()]
-            layer(torch.randn(B, 1, D), cache=cache)
-        assert [tuple(t.shape) for t in cache.tensors()] == after_prefill
+        cache = cache_after_prefill_and_step(layer, B, T)
         sizes.append(sum(t.numel() * t.element_size() for t in cache.tensors()))
         assert tuple(cache.state.shape) == (B, H, K, V)
         assert {k: tuple(v.shape) for k, v in cache.conv.items()} == {
@@ -135,39 +108,16 @@ def test_default_init_like_fla_and_reset():
 
 
 def test_every_parameter_gets_a_gradient():
-    layer = make_layer(dtype=torch.float32)
-    x = torch.randn(1, 40, D)
-    layer(x, cu_seqlens=torch.tensor([0, 25, 40], dtype=torch.int32)).pow(2).sum().backward()
-    for name, p in layer.named_parameters():
-        assert p.grad is not None and p.grad.abs().sum() > 0, f"{name} got no gradient"
+    assert_every_parameter_gets_a_gradient(make_layer(dtype=torch.float32))
 
 
 def test_bf16_close_to_fp32():
-    layer = make_layer(dtype=torch.float32)
-    x = torch.randn(1, 50, D)
-    with torch.no_grad():
-        y32 = layer(x)
-        y16 = layer.to(torch.bfloat16)(x.to(torch.bfloat16))
-    assert y16.dtype == torch.bfloat16
-    assert_close("bf16", y32, y16, 5e-2)
+    assert_bf16_close_to_fp32(make_layer(dtype=torch.float32))
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        (dict(x=torch.randn(1, 5, D + 1)), r"hidden_states must be \[B, T, 32\]"),
-        (dict(x=torch.randn(2, 5, D), cu_seqlens=torch.tensor([0, 2, 5])), r"need B == 1"),
-        (dict(x=torch.randn(1, 5, D), cu_seqlens=torch.tensor([0, 5]), cache=LinearLayerCache()),
-         r"cache works on unpacked batches"),
-        (dict(x=torch.randn(1, 5, D), cu_seqlens=torch.tensor([0, 2, 4])), r"end at T=5"),
-    ],
-    ids=["wrong-hidden", "packed-batch2", "cache-with-packed", "cu-not-ending-at-T"],
-)
+@pytest.mark.parametrize(("kwargs", "match"), bad_layer_input_cases(D))
 def test_bad_input_raises_clear_error(kwargs, match):
-    layer = make_layer(dtype=torch.float32)
-    x = kwargs.pop("x")
-    with pytest.raises(ValueError, match=match):
-        layer(x, **kwargs)
+    assert_bad_layer_input_raises(make_layer(dtype=torch.float32), kwargs, match)
 
 
 # ------------------------------------------------------------------ interchange with fla's layer

@@ -15,32 +15,27 @@ import torch
 import torch.nn.functional as F
 
 import kernels.ssd.chunk as ssd_chunk
-from hylo.cache import LinearLayerCache
 from hylo.config import HybridConfig, HybridConfigError
 from hylo.layers.mamba2 import Mamba2Mixer, causal_conv1d_silu, mamba2_weights_from_attention
 from kernels.ssd import SSDInputError, chunk_ssd, naive_ssd
 
+from helpers import (
+    assert_bad_layer_input_raises,
+    assert_bf16_close_to_fp32,
+    assert_cached_decode_equals_full,
+    assert_close,
+    assert_every_parameter_gets_a_gradient,
+    bad_cu_seqlens_cases,
+    bad_layer_input_cases,
+    cache_after_prefill_and_step,
+    compare_runs,
+    forward_backward,
+    one_thread,  # noqa: F401 (autouse fixture)
+    packed_vs_separate,
+)
+
 DT = torch.float64
 GRAD_NAMES = ("dx", "ddt", "dA", "dB", "dC", "dD", "dh0")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: intra-op threads only add barrier waits on a loaded 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, ratio: float = 1e-10) -> None:
-    """Relative RMS error check: rms(ref - got) / rms(ref) <= ratio, and no NaN/inf in `got`."""
-    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    ref, got = ref.detach().double(), got.detach().double()
-    err = (ref - got).pow(2).mean().sqrt()
-    base = ref.pow(2).mean().sqrt().clamp_min(1e-30)
-    assert err / base <= ratio, f"{name}: relative rms error {float(err / base):.3e} > {ratio:.1e}"
 
 
 # ============================================================================ the SSD scan
@@ -60,20 +55,11 @@ def make_inputs(B, T, H, G, P, N, *, n_state=None, h0=True, dt_scale=1.0, seed=0
 
 def run(fn, x, dt, A, Bm, Cm, D, h0, seed=1, **kw):
     """Forward, then backward of a random projection of (y, final_state); returns values and grads."""
-    y, ht = fn(x, dt, A, Bm, Cm, D, initial_state=h0, output_final_state=True, **kw)
-    gen = torch.Generator().manual_seed(seed)
-    loss = (y * torch.randn(y.shape, generator=gen, dtype=y.dtype)).sum()
-    loss = loss + (ht * torch.randn(ht.shape, generator=gen, dtype=ht.dtype)).sum()
-    leaves = [t for t in (x, dt, A, Bm, Cm, D, h0) if t is not None]
-    return y, ht, torch.autograd.grad(loss, leaves)
+    return forward_backward(fn, (x, dt, A, Bm, Cm, D), h0, seed, **kw)
 
 
 def compare(ref, got, ratio=1e-10):
-    assert_close("y", ref[0], got[0], ratio)
-    assert_close("final_state", ref[1], got[1], ratio)
-    assert len(ref[2]) == len(got[2])
-    for name, a, b in zip(GRAD_NAMES, ref[2], got[2]):
-        assert_close(name, a, b, ratio)
+    compare_runs(ref, got, "y", GRAD_NAMES, ratio)
 
 
 SHAPES = [(2, 63, 4, 2, 8, 16), (2, 500, 3, 1, 16, 8), (1, 1000, 2, 2, 8, 8)]
@@ -249,12 +235,7 @@ def test_bad_input_raises_clear_error(fn, base, change, match):
         fn(**args)
 
 
-@pytest.mark.parametrize(
-    ("cu", "match"),
-    [([0, 5, 9], r"end at T=10"), ([1, 5, 10], r"start at 0"), ([0, 6, 4, 10], r"non-decreasing"),
-     ([0.0, 10.0], r"integer tensor")],
-    ids=["short-end", "nonzero-start", "decreasing", "float"],
-)
+@pytest.mark.parametrize(("cu", "match"), bad_cu_seqlens_cases())
 def test_bad_cu_seqlens(cu, match):
     x, dt, A, Bm, Cm = torch.randn(1, 10, 2, 4), torch.rand(1, 10, 2), -torch.rand(2), *torch.randn(2, 1, 10, 1, 4)
     with pytest.raises(SSDInputError, match=match):
@@ -312,12 +293,7 @@ def test_conv_matches_torch_conv1d_with_bias():
                          ids=["docs-1-19-37", "docs-16-32", "docs-3-2-65"])
 def test_packed_row_equals_documents_one_by_one(bounds):
     layer = make_layer()
-    T = bounds[-1]
-    x = torch.randn(1, T, D_MODEL, dtype=DT, requires_grad=True)
-    cu = torch.tensor(bounds, dtype=torch.int32)
-    y_packed = layer(x, cu_seqlens=cu)
-    y_sep = torch.cat([layer(x[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])], 1)
-    assert_close("packed vs one-by-one", y_sep, y_packed)
+    x, y_packed, y_sep = packed_vs_separate(layer, bounds)
     # gradients too: nothing leaks across a boundary in the backward pass either
     gy = torch.randn_like(y_packed)
     params = list(layer.parameters())
@@ -329,17 +305,7 @@ def test_packed_row_equals_documents_one_by_one(bounds):
 
 @pytest.mark.parametrize("prefill", [1, 2, 7], ids=lambda p: f"prefill{p}")
 def test_cached_decode_equals_full_forward(prefill):
-    layer = make_layer()
-    B, T = 2, 20
-    x = torch.randn(B, T, D_MODEL, dtype=DT)
-    with torch.no_grad():
-        y_full = layer(x)
-        cache = LinearLayerCache()
-        outs = [layer(x[:, :prefill], cache=cache)]
-        for t in range(prefill, T):
-            outs.append(layer(x[:, t : t + 1], cache=cache))
-    assert cache.seen == T
-    assert_close("decode vs full", y_full, torch.cat(outs, 1))
+    assert_cached_decode_equals_full(make_layer(), prefill)
 
 
 def test_cache_size_is_constant_in_length():
@@ -347,12 +313,7 @@ def test_cache_size_is_constant_in_length():
     B, Cv = 2, H * P + 2 * G * N
     sizes = []
     for T in (5, 60):
-        cache = LinearLayerCache()
-        with torch.no_grad():
-            layer(torch.randn(B, T, D_MODEL), cache=cache)
-            after_prefill = [tuple(t.shape) for t in cache.tensors()]
-            layer(torch.randn(B, 1, D_MODEL), cache=cache)
-        assert [tuple(t.shape) for t in cache.tensors()] == after_prefill
+        cache = cache_after_prefill_and_step(layer, B, T)
         sizes.append(sum(t.numel() * t.element_size() for t in cache.tensors()))
         assert tuple(cache.state.shape) == (B, H, P, N) and cache.state.dtype == torch.float32
         assert {k: tuple(v.shape) for k, v in cache.conv.items()} == {"xBC": (B, Cv, CONV - 1)}
@@ -374,39 +335,16 @@ def test_default_init_like_mamba_ssm_and_reset():
 
 
 def test_every_parameter_gets_a_gradient():
-    layer = make_layer(dtype=torch.float32)
-    x = torch.randn(1, 40, D_MODEL)
-    layer(x, cu_seqlens=torch.tensor([0, 25, 40], dtype=torch.int32)).pow(2).sum().backward()
-    for name, p in layer.named_parameters():
-        assert p.grad is not None and p.grad.abs().sum() > 0, f"{name} got no gradient"
+    assert_every_parameter_gets_a_gradient(make_layer(dtype=torch.float32))
 
 
 def test_bf16_close_to_fp32():
-    layer = make_layer(dtype=torch.float32)
-    x = torch.randn(1, 50, D_MODEL)
-    with torch.no_grad():
-        y32 = layer(x)
-        y16 = layer.to(torch.bfloat16)(x.to(torch.bfloat16))
-    assert y16.dtype == torch.bfloat16
-    assert_close("bf16", y32, y16, 5e-2)
+    assert_bf16_close_to_fp32(make_layer(dtype=torch.float32))
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        (dict(x=torch.randn(1, 5, D_MODEL + 1)), r"hidden_states must be \[B, T, 32\]"),
-        (dict(x=torch.randn(2, 5, D_MODEL), cu_seqlens=torch.tensor([0, 2, 5])), r"need B == 1"),
-        (dict(x=torch.randn(1, 5, D_MODEL), cu_seqlens=torch.tensor([0, 5]), cache=LinearLayerCache()),
-         r"cache works on unpacked batches"),
-        (dict(x=torch.randn(1, 5, D_MODEL), cu_seqlens=torch.tensor([0, 2, 4])), r"end at T=5"),
-    ],
-    ids=["wrong-hidden", "packed-batch2", "cache-with-packed", "cu-not-ending-at-T"],
-)
+@pytest.mark.parametrize(("kwargs", "match"), bad_layer_input_cases(D_MODEL))
 def test_bad_input_raises_clear_error_in_layer(kwargs, match):
-    layer = make_layer(dtype=torch.float32)
-    x = kwargs.pop("x")
-    with pytest.raises(ValueError, match=match):
-        layer(x, **kwargs)
+    assert_bad_layer_input_raises(make_layer(dtype=torch.float32), kwargs, match)
 
 
 @pytest.fixture(scope="module")

@@ -29,57 +29,14 @@ Design choices:
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hylo.cache import LinearLayerCache
 from hylo.config import HybridConfig
+from hylo.layers.linear_common import causal_conv_silu, check_mixer_input, default_dt_bias
 from kernels.gdn import chunk_gated_delta_rule
-
-
-def positions_in_document(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
-    """[T] int64: index of each token inside its document (restarts at 0 at every boundary)."""
-    cu = cu_seqlens.to(torch.long)
-    lengths = cu[1:] - cu[:-1]
-    return torch.arange(T, device=cu.device) - torch.repeat_interleave(cu[:-1], lengths)
-
-
-def causal_conv_silu(
-    x_BTC: torch.Tensor,
-    weight_C1K: torch.Tensor,
-    prefix_BCW: torch.Tensor | None = None,
-    pos_T: torch.Tensor | None = None,
-    bias_C: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU. Returns (y [B, T, C], the last W inputs [B, C, W] for a cache).
-
-    `prefix_BCW`: inputs preceding x (a cache); zeros if None. `pos_T`: token position inside its
-    document (packed rows); taps that would reach before the document start are dropped.
-    """
-    B, T, C = x_BTC.shape
-    Kc = weight_C1K.shape[-1]
-    W = Kc - 1
-    if prefix_BCW is None:
-        prefix_BWC = x_BTC.new_zeros(B, W, C)
-    else:
-        prefix_BWC = prefix_BCW.transpose(1, 2).to(x_BTC.dtype)
-    xe_BTC = torch.cat([prefix_BWC, x_BTC], 1)
-    w_KC = weight_C1K[:, 0, :].t().to(x_BTC.dtype)
-    # tap j looks j tokens back; weight column Kc-1-j (torch conv1d orientation, as fla)
-    y_BTC = xe_BTC[:, W:] * w_KC[Kc - 1]
-    for j in range(1, Kc):
-        tap_BTC = xe_BTC[:, W - j : W - j + T] * w_KC[Kc - 1 - j]
-        if pos_T is not None:
-            tap_BTC = tap_BTC * (pos_T >= j).to(x_BTC.dtype)[None, :, None]
-        y_BTC = y_BTC + tap_BTC
-    if bias_C is not None:
-        y_BTC = y_BTC + bias_C.to(x_BTC.dtype)
-    # a copy, so that a cache does not keep the whole prefill input alive
-    new_prefix_BCW = xe_BTC[:, xe_BTC.shape[1] - W :].transpose(1, 2).clone(memory_format=torch.contiguous_format)
-    return F.silu(y_BTC), new_prefix_BCW
 
 
 class ShortConvolution(nn.Conv1d):
@@ -152,11 +109,7 @@ class GatedDeltaNet(nn.Module):
         H = self.num_heads
         A = torch.empty(H, dtype=torch.float32).uniform_(0, 16)
         self.A_log.copy_(torch.log(A))
-        dt_min, dt_max, dt_floor = 1e-3, 0.1, 1e-4
-        dt = torch.exp(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-        dt = dt.clamp(min=dt_floor)
-        # inverse of softplus, so that softplus(dt_bias) = dt at init
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.dt_bias.copy_(default_dt_bias(H))
         self.o_norm.weight.fill_(1.0)
 
     def forward(
@@ -166,24 +119,10 @@ class GatedDeltaNet(nn.Module):
         cache: LinearLayerCache | None = None,
     ) -> torch.Tensor:
         x_BTD = hidden_states_BTD
-        if x_BTD.dim() != 3 or x_BTD.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"GatedDeltaNet(layer {self.layer_idx}): hidden_states must be [B, T, {self.hidden_size}], "
-                f"got {list(x_BTD.shape)}")
+        owner = f"GatedDeltaNet(layer {self.layer_idx})"
+        pos_T = check_mixer_input(owner, x_BTD, self.hidden_size, cu_seqlens, cache)
         B, T, _ = x_BTD.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
-        pos_T = None
-        if cu_seqlens is not None:
-            if cache is not None:
-                raise ValueError(f"GatedDeltaNet(layer {self.layer_idx}): a cache works on unpacked batches; "
-                                 "got both cache and cu_seqlens")
-            if B != 1:
-                raise ValueError(f"GatedDeltaNet(layer {self.layer_idx}): packed rows (cu_seqlens) need B == 1, got B={B}")
-            cu = cu_seqlens.detach().cpu()
-            if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
-                raise ValueError(f"GatedDeltaNet(layer {self.layer_idx}): cu_seqlens must be 1-D, non-decreasing, "
-                                 f"start at 0 and end at T={T}; got {cu.tolist()}")
-            pos_T = positions_in_document(cu_seqlens, T)
 
         conv_in = cache.conv if cache is not None else {}
         q_BTC, cq = self.q_conv1d(self.q_proj(x_BTD), conv_in.get("q"), pos_T)
@@ -207,9 +146,7 @@ class GatedDeltaNet(nn.Module):
             chunk_size=self.chunk_size,
         )
         if cache is not None:
-            cache.state = state_BHKV
-            cache.conv = {"q": cq, "k": ck, "v": cv}
-            cache.seen += T
+            cache.update(state_BHKV, {"q": cq, "k": ck, "v": cv}, T)
 
         gate_BTHV = self.g_proj(x_BTD).view(B, T, H, V)
         o_BTHV = self.o_norm(o_BTHV, gate_BTHV)

@@ -35,15 +35,13 @@ Design choices:
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hylo.cache import LinearLayerCache
 from hylo.config import HybridConfig
-from hylo.layers.gdn import causal_conv_silu, positions_in_document
+from hylo.layers.linear_common import causal_conv_silu, check_mixer_input, default_dt_bias
 from kernels.ssd import chunk_ssd
 
 
@@ -54,7 +52,7 @@ def causal_conv1d_silu(
     prefix_BCW: torch.Tensor | None = None,
     pos_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + bias + SiLU (the GDN layer's, with mamba_ssm's conv bias)."""
+    """Depthwise causal conv + bias + SiLU: the GDN layer's `causal_conv_silu` with mamba_ssm's conv bias."""
     return causal_conv_silu(x_BTC, weight_C1K, prefix_BCW, pos_T, bias_C)
 
 
@@ -111,11 +109,7 @@ class Mamba2Mixer(nn.Module):
         H = self.num_heads
         A = torch.empty(H, dtype=torch.float32).uniform_(1, 16)
         self.A_log.copy_(torch.log(A))
-        dt_min, dt_max, dt_floor = 1e-3, 0.1, 1e-4
-        dt = torch.exp(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-        dt = dt.clamp(min=dt_floor)
-        # inverse of softplus, so that softplus(dt_bias) = dt at init
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.dt_bias.copy_(default_dt_bias(H))
         self.D.fill_(1.0)
         self.norm.weight.fill_(1.0)
 
@@ -126,24 +120,10 @@ class Mamba2Mixer(nn.Module):
         cache: LinearLayerCache | None = None,
     ) -> torch.Tensor:
         u_BTD = hidden_states_BTD
-        if u_BTD.dim() != 3 or u_BTD.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"Mamba2Mixer(layer {self.layer_idx}): hidden_states must be [B, T, {self.hidden_size}], "
-                f"got {list(u_BTD.shape)}")
+        owner = f"Mamba2Mixer(layer {self.layer_idx})"
+        pos_T = check_mixer_input(owner, u_BTD, self.hidden_size, cu_seqlens, cache)
         B, T, _ = u_BTD.shape
         H, P, N, G, E = self.num_heads, self.head_dim, self.state_size, self.n_groups, self.intermediate_size
-        pos_T = None
-        if cu_seqlens is not None:
-            if cache is not None:
-                raise ValueError(f"Mamba2Mixer(layer {self.layer_idx}): a cache works on unpacked batches; "
-                                 "got both cache and cu_seqlens")
-            if B != 1:
-                raise ValueError(f"Mamba2Mixer(layer {self.layer_idx}): packed rows (cu_seqlens) need B == 1, got B={B}")
-            cu = cu_seqlens.detach().cpu()
-            if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
-                raise ValueError(f"Mamba2Mixer(layer {self.layer_idx}): cu_seqlens must be 1-D, non-decreasing, "
-                                 f"start at 0 and end at T={T}; got {cu.tolist()}")
-            pos_T = positions_in_document(cu_seqlens, T)
 
         z_BTE, xBC_BTC, dt_BTH = self.in_proj(u_BTD).split([E, self.conv_dim, H], dim=-1)
         prefix = cache.conv.get("xBC") if cache is not None else None
@@ -167,9 +147,7 @@ class Mamba2Mixer(nn.Module):
             chunk_size=self.chunk_size,
         )
         if cache is not None:
-            cache.state = state
-            cache.conv = {"xBC": conv_tail}
-            cache.seen += T
+            cache.update(state, {"xBC": conv_tail}, T)
 
         y_BTE = self.norm(y_BTHP.reshape(B, T, E), z_BTE)
         return self.out_proj(y_BTE)

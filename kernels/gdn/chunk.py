@@ -14,7 +14,8 @@ Design choices:
   to C with g = 0, beta = 0, k = q = v = 0. A padded token then leaves the state untouched
   (decay exp(0) = 1, zero update), so a sequence's final state is the state after its last
   chunk, and the loop resets the state to the sequence's `initial_state` at its first chunk.
-  One scatter and one gather per tensor; no Python loop over tokens.
+  One scatter and one gather per tensor; no Python loop over tokens. The layout
+  (`kernels.varlen`) is shared with the SSD scan.
 * Exponentials are only ever taken of differences `gamma_i - gamma_j` with i >= j (masked to
   -inf above the diagonal before `exp`), so nothing overflows however negative g gets.
 * Gradients come from autograd through these few large ops: measured on 2 CPU cores it is
@@ -25,70 +26,14 @@ Design choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
 from kernels.backend import use_fla
-from kernels.gdn.checks import check_inputs, compute_dtype, l2norm
+from kernels.checks import compute_dtype
+from kernels.gdn.checks import check_inputs, l2norm
+from kernels.varlen import chunk_layout, from_chunks, to_chunks
 
 DEFAULT_CHUNK_SIZE = 64
-
-
-@dataclass
-class _Layout:
-    """Where tokens go in the chunk-padded layout and when the state resets."""
-
-    C: int
-    Nc: int
-    # token t of the packed row -> row in the padded [Tp] layout (varlen only)
-    pos_T: torch.Tensor | None
-    # chunk index -> sequence index, for the first / last chunk of each non-empty sequence
-    first_chunk: dict[int, int]
-    last_chunk: dict[int, int]
-    n_seqs: int
-
-
-def _layout(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> _Layout:
-    if cu_seqlens is None:
-        C = min(chunk_size, T)
-        Nc = -(-T // C)
-        return _Layout(C, Nc, None, {0: 0}, {Nc - 1: 0}, 1)
-    cu = cu_seqlens.detach().to("cpu", torch.int64)
-    lens = cu[1:] - cu[:-1]
-    C = max(1, min(chunk_size, int(lens.max())))
-    n_chunks = (lens + C - 1) // C
-    chunk0 = torch.cumsum(n_chunks, 0) - n_chunks
-    seq_T = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-    pos_T = chunk0[seq_T] * C + (torch.arange(T) - cu[:-1][seq_T])
-    first, last = {}, {}
-    for i, (c0, nc) in enumerate(zip(chunk0.tolist(), n_chunks.tolist())):
-        if nc:
-            first[c0] = i
-            last[c0 + nc - 1] = i
-    return _Layout(C, int(n_chunks.sum()), pos_T.to(device), first, last, lens.numel())
-
-
-def _to_chunks(x_BTHd: torch.Tensor, lay: _Layout) -> torch.Tensor:
-    """[B, T, H, d] -> [Nc, B*H, C, d] (padding with zeros)."""
-    B, T, H, d = x_BTHd.shape
-    Tp = lay.Nc * lay.C
-    if lay.pos_T is None:
-        x_BTHd = F.pad(x_BTHd, (0, 0, 0, 0, 0, Tp - T))
-    else:
-        x_BTHd = x_BTHd.new_zeros(1, Tp, H, d).index_copy(1, lay.pos_T, x_BTHd)
-    x = x_BTHd.reshape(B, lay.Nc, lay.C, H, d).permute(1, 0, 3, 2, 4)
-    return x.reshape(lay.Nc, B * H, lay.C, d)
-
-
-def _from_chunks(x_NcMCd: torch.Tensor, lay: _Layout, B: int, T: int, H: int) -> torch.Tensor:
-    """[Nc, B*H, C, d] -> [B, T, H, d]."""
-    d = x_NcMCd.shape[-1]
-    x = x_NcMCd.reshape(lay.Nc, B, H, lay.C, d).permute(1, 0, 3, 2, 4).reshape(B, lay.Nc * lay.C, H, d)
-    if lay.pos_T is None:
-        return x[:, :T]
-    return x.index_select(1, lay.pos_T)
 
 
 def torch_chunk_gated_delta_rule(
@@ -114,13 +59,13 @@ def torch_chunk_gated_delta_rule(
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
 
-    lay = _layout(T, chunk_size, cu_seqlens, q.device)
-    C = lay.C
-    q_NcMCK = _to_chunks(q * scale, lay)
-    k_NcMCK = _to_chunks(k, lay)
-    v_NcMCV = _to_chunks(v, lay)
-    g_NcMC = _to_chunks(g[..., None], lay)[..., 0]
-    beta_NcMC = _to_chunks(beta[..., None], lay)[..., 0]
+    lay = chunk_layout(T, chunk_size, cu_seqlens, q.device)
+    C = lay.chunk_len
+    q_NcMCK = to_chunks(q * scale, lay)
+    k_NcMCK = to_chunks(k, lay)
+    v_NcMCV = to_chunks(v, lay)
+    g_NcMC = to_chunks(g[..., None], lay)[..., 0]
+    beta_NcMC = to_chunks(beta[..., None], lay)[..., 0]
 
     # in-chunk cumulative log decay; Gamma_ij = exp(gamma_i - gamma_j) for i >= j, else 0
     gam_NcMC = g_NcMC.cumsum(-1)
@@ -164,7 +109,7 @@ def torch_chunk_gated_delta_rule(
     vnew_NcMCV = torch.stack(vnews, 0)
     qk_NcMCC = (q_NcMCK @ k_NcMCK.transpose(-1, -2)) * Gam_NcMCC
     o_NcMCV = (q_NcMCK * gam_NcMC.exp()[..., None]) @ s_NcMKV + qk_NcMCC @ vnew_NcMCV
-    o = _from_chunks(o_NcMCV, lay, B, T, H).to(out_dtype)
+    o = from_chunks(o_NcMCV, lay, B, T, H).to(out_dtype)
 
     if not output_final_state:
         return o, None

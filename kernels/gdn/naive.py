@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gdn.checks import check_inputs, compute_dtype, l2norm
+from kernels.checks import compute_dtype
+from kernels.gdn.checks import check_inputs, l2norm
 
 
 def _recurrent_one(

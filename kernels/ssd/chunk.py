@@ -16,6 +16,7 @@ Design choices:
   with dt = 0 and x = B = C = 0. A padded token then leaves the state untouched (decay exp(0) = 1,
   zero input), so a sequence's final state is the state after its last chunk, and the loop resets
   the state to the sequence's `initial_state` at its first chunk. No Python loop over tokens.
+  The layout (`kernels.varlen`) is shared with the GDN scan.
 * Exponentials are only taken of differences `gamma_i - gamma_j` with i >= j (masked to -inf above
   the diagonal before `exp`) or of `gamma_L - gamma_j <= 0`, so nothing overflows however large dt*|A|.
 * B and C are expanded from G groups to H heads up front (head h reads group h // (H / G), as
@@ -30,69 +31,14 @@ Design choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
 from kernels.backend import use_fla
-from kernels.ssd.checks import check_inputs, compute_dtype, heads_from_groups
+from kernels.checks import compute_dtype
+from kernels.ssd.checks import check_inputs, heads_from_groups
+from kernels.varlen import chunk_layout, from_chunks, to_chunks
 
 DEFAULT_CHUNK_SIZE = 64
-
-
-@dataclass
-class _Layout:
-    """Where tokens go in the chunk-padded layout and where each sequence starts and ends."""
-
-    L: int
-    Nc: int
-    # token t of the packed row -> row in the padded [Tp] layout (varlen only)
-    pos_T: torch.Tensor | None
-    # chunk index -> sequence index, for the first / last chunk of each non-empty sequence
-    first_chunk: dict[int, int]
-    last_chunk: dict[int, int]
-
-
-def _layout(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> _Layout:
-    if cu_seqlens is None:
-        L = min(chunk_size, T)
-        Nc = -(-T // L)
-        return _Layout(L, Nc, None, {0: 0}, {Nc - 1: 0})
-    cu = cu_seqlens.detach().to("cpu", torch.int64)
-    lens = cu[1:] - cu[:-1]
-    L = max(1, min(chunk_size, int(lens.max())))
-    n_chunks = (lens + L - 1) // L
-    chunk0 = torch.cumsum(n_chunks, 0) - n_chunks
-    seq_T = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-    pos_T = chunk0[seq_T] * L + (torch.arange(T) - cu[:-1][seq_T])
-    first, last = {}, {}
-    for i, (c0, nc) in enumerate(zip(chunk0.tolist(), n_chunks.tolist())):
-        if nc:
-            first[c0] = i
-            last[c0 + nc - 1] = i
-    return _Layout(L, int(n_chunks.sum()), pos_T.to(device), first, last)
-
-
-def _to_chunks(x_BTHd: torch.Tensor, lay: _Layout) -> torch.Tensor:
-    """[B, T, H, d] -> [Nc, B*H, L, d], zero-padded."""
-    batch, T, H, d = x_BTHd.shape
-    Tp = lay.Nc * lay.L
-    if lay.pos_T is None:
-        x_BTHd = F.pad(x_BTHd, (0, 0, 0, 0, 0, Tp - T))
-    else:
-        x_BTHd = x_BTHd.new_zeros(1, Tp, H, d).index_copy(1, lay.pos_T, x_BTHd)
-    x = x_BTHd.reshape(batch, lay.Nc, lay.L, H, d).permute(1, 0, 3, 2, 4)
-    return x.reshape(lay.Nc, batch * H, lay.L, d)
-
-
-def _from_chunks(x_NcMLd: torch.Tensor, lay: _Layout, batch: int, T: int, H: int) -> torch.Tensor:
-    """[Nc, B*H, L, d] -> [B, T, H, d]."""
-    d = x_NcMLd.shape[-1]
-    x = x_NcMLd.reshape(lay.Nc, batch, H, lay.L, d).permute(1, 0, 3, 2, 4).reshape(batch, lay.Nc * lay.L, H, d)
-    if lay.pos_T is None:
-        return x[:, :T]
-    return x.index_select(1, lay.pos_T)
 
 
 def torch_chunk_ssd(
@@ -114,12 +60,12 @@ def torch_chunk_ssd(
     out_dtype, cd = x.dtype, compute_dtype(x, dt, B, C)
     x, dt, A, B, C = (t.to(cd) for t in (x, dt, A, B, C))
 
-    lay = _layout(T, chunk_size, cu_seqlens, x.device)
-    L = lay.L
-    xdt_NcMLP = _to_chunks(x * dt[..., None], lay)
-    B_NcMLN = _to_chunks(heads_from_groups(B, H), lay)
-    C_NcMLN = _to_chunks(heads_from_groups(C, H), lay)
-    a_NcML = _to_chunks((dt * A)[..., None], lay)[..., 0]
+    lay = chunk_layout(T, chunk_size, cu_seqlens, x.device)
+    L = lay.chunk_len
+    xdt_NcMLP = to_chunks(x * dt[..., None], lay)
+    B_NcMLN = to_chunks(heads_from_groups(B, H), lay)
+    C_NcMLN = to_chunks(heads_from_groups(C, H), lay)
+    a_NcML = to_chunks((dt * A)[..., None], lay)[..., 0]
 
     # in-chunk cumulative log decay; Gamma_ij = exp(gamma_i - gamma_j) for i >= j, else 0
     gam_NcML = a_NcML.cumsum(-1)
@@ -149,7 +95,7 @@ def torch_chunk_ssd(
     s_NcMNP = torch.stack(states, 0)
     scores_NcMLL = (C_NcMLN @ B_NcMLN.transpose(-1, -2)) * Gam_NcMLL
     y_NcMLP = scores_NcMLL @ xdt_NcMLP + (C_NcMLN * gam_NcML.exp()[..., None]) @ s_NcMNP
-    y = _from_chunks(y_NcMLP, lay, batch, T, H)
+    y = from_chunks(y_NcMLP, lay, batch, T, H)
     if D is not None:
         y = y + D.to(cd)[:, None] * x
     y = y.to(out_dtype)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ssd.checks import check_inputs, compute_dtype, heads_from_groups
+from kernels.checks import compute_dtype
+from kernels.ssd.checks import check_inputs, heads_from_groups
 
 
 def _recurrent_one(

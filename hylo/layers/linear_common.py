@@ -1,0 +1,98 @@
+"""Plumbing shared by the linear mixers (`GatedDeltaNet` in gdn.py, `Mamba2Mixer` in mamba2.py).
+
+Legend: B batch, T tokens, D hidden size, C conv channels, W conv_size - 1 (cached conv inputs).
+
+* Input checks of a mixer's forward: hidden_states [B, T, D]; packed rows (`cu_seqlens`) need B == 1,
+  no cache, and boundaries that start at 0, end at T and never decrease. They return the token
+  positions inside their documents that the packed short conv needs.
+* The short causal depthwise conv + SiLU as a sum of W+1 shifted copies (optionally masked per
+  document), returning the last W inputs for a cache.
+* The default init of `dt_bias` (fla's and mamba_ssm's: dt log-uniform in [1e-3, 0.1], floored at
+  1e-4, stored as its softplus inverse).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from hylo.cache import LinearLayerCache
+
+
+def positions_in_document(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """[T] int64: index of each token inside its document (restarts at 0 at every boundary)."""
+    cu = cu_seqlens.to(torch.long)
+    lengths = cu[1:] - cu[:-1]
+    return torch.arange(T, device=cu.device) - torch.repeat_interleave(cu[:-1], lengths)
+
+
+def check_mixer_input(
+    owner: str,
+    x_BTD: torch.Tensor,
+    hidden_size: int,
+    cu_seqlens: torch.Tensor | None,
+    cache: LinearLayerCache | None,
+) -> torch.Tensor | None:
+    """Validate a linear mixer's forward arguments (`owner` prefixes the errors, e.g.
+    "GatedDeltaNet(layer 3)"); return each token's position in its document (packed rows) or None."""
+    if x_BTD.dim() != 3 or x_BTD.shape[-1] != hidden_size:
+        raise ValueError(f"{owner}: hidden_states must be [B, T, {hidden_size}], got {list(x_BTD.shape)}")
+    if cu_seqlens is None:
+        return None
+    B, T, _ = x_BTD.shape
+    if cache is not None:
+        raise ValueError(f"{owner}: a cache works on unpacked batches; got both cache and cu_seqlens")
+    if B != 1:
+        raise ValueError(f"{owner}: packed rows (cu_seqlens) need B == 1, got B={B}")
+    cu = cu_seqlens.detach().cpu()
+    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{owner}: cu_seqlens must be 1-D, non-decreasing, start at 0 and end at T={T}; "
+                         f"got {cu.tolist()}")
+    return positions_in_document(cu_seqlens, T)
+
+
+def causal_conv_silu(
+    x_BTC: torch.Tensor,
+    weight_C1K: torch.Tensor,
+    prefix_BCW: torch.Tensor | None = None,
+    pos_T: torch.Tensor | None = None,
+    bias_C: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU. Returns (y [B, T, C], the last W inputs [B, C, W] for a cache).
+
+    `prefix_BCW`: inputs preceding x (a cache); zeros if None. `pos_T`: token position inside its
+    document (packed rows); taps that would reach before the document start are dropped.
+    """
+    B, T, C = x_BTC.shape
+    Kc = weight_C1K.shape[-1]
+    W = Kc - 1
+    if prefix_BCW is None:
+        prefix_BWC = x_BTC.new_zeros(B, W, C)
+    else:
+        prefix_BWC = prefix_BCW.transpose(1, 2).to(x_BTC.dtype)
+    xe_BTC = torch.cat([prefix_BWC, x_BTC], 1)
+    w_KC = weight_C1K[:, 0, :].t().to(x_BTC.dtype)
+    # tap j looks j tokens back; weight column Kc-1-j (torch conv1d orientation, as fla)
+    y_BTC = xe_BTC[:, W:] * w_KC[Kc - 1]
+    for j in range(1, Kc):
+        tap_BTC = xe_BTC[:, W - j : W - j + T] * w_KC[Kc - 1 - j]
+        if pos_T is not None:
+            tap_BTC = tap_BTC * (pos_T >= j).to(x_BTC.dtype)[None, :, None]
+        y_BTC = y_BTC + tap_BTC
+    if bias_C is not None:
+        y_BTC = y_BTC + bias_C.to(x_BTC.dtype)
+    # a copy, so that a cache does not keep the whole prefill input alive
+    new_prefix_BCW = xe_BTC[:, xe_BTC.shape[1] - W :].transpose(1, 2).clone(memory_format=torch.contiguous_format)
+    return F.silu(y_BTC), new_prefix_BCW
+
+
+def default_dt_bias(H: int) -> torch.Tensor:
+    """[H] fp32 `dt_bias` such that softplus(dt_bias) = dt, dt log-uniform in [1e-3, 0.1] (floor 1e-4).
+    Draws H uniforms from torch's global generator."""
+    dt_min, dt_max, dt_floor = 1e-3, 0.1, 1e-4
+    dt = torch.exp(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp(min=dt_floor)
+    # inverse of softplus, so that softplus(dt_bias) = dt at init
+    return dt + torch.log(-torch.expm1(-dt))

@@ -1,0 +1,77 @@
+"""Argument checks shared by the linear-recurrence ops (`kernels.gdn`, `kernels.ssd`): tensor types
+and devices, packed-row boundaries `cu_seqlens`, the `initial_state` shape.
+
+Each op raises its own error class with its own function name: the checks here take the op's
+`bad(message)` callback, which prefixes the name and raises, and the letters the op's docstring
+uses (N or S sequences, the state's dims), so each message speaks the op's own terms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NoReturn
+
+import torch
+
+Bad = Callable[[str], NoReturn]
+
+
+def shape_str(x: torch.Tensor) -> str:
+    """A tensor's shape as `[2, 3, 4]`, for error messages."""
+    return "[" + ", ".join(str(s) for s in x.shape) + "]"
+
+
+def compute_dtype(*xs: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64 (tests), else float32 (fp16/bf16 inputs are upcast)."""
+    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def check_float_tensors(bad: Bad, named: dict[str, torch.Tensor], ref_name: str) -> None:
+    """Each of `named` (in order) is a floating-point tensor on the device of `named[ref_name]`,
+    which should come first so that it is checked before its device is read."""
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            bad(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            bad(f"{name} must be a floating-point tensor, got {t.dtype}")
+        ref = named[ref_name]
+        if t.device != ref.device:
+            bad(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def check_cu_seqlens(bad: Bad, cu_seqlens: torch.Tensor, batch: int, T: int, seqs: str = "N") -> int:
+    """Validate packed-row boundaries `cu_seqlens` [`seqs` + 1] for a [batch, T, ...] input; return
+    the number of sequences."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        bad(f"cu_seqlens must be a 1-D integer tensor [{seqs} + 1] with at least two entries")
+    if cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+        bad(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    if batch != 1:
+        bad(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={batch}")
+    c = cu_seqlens.detach().cpu()
+    if int(c[0]) != 0 or int(c[-1]) != T:
+        bad(f"cu_seqlens must start at 0 and end at T={T}, got first {int(c[0])}, last {int(c[-1])}")
+    if bool((c[1:] < c[:-1]).any()):
+        bad(f"cu_seqlens must be non-decreasing, got {c.tolist()}")
+    return c.numel() - 1
+
+
+def check_initial_state(
+    bad: Bad,
+    initial_state: torch.Tensor,
+    dims: tuple[str, ...],
+    expected: tuple[int, ...],
+    packed: bool,
+    ref_name: str,
+    ref_device: torch.device,
+) -> None:
+    """Validate `initial_state` against the shape `expected`, named `dims` (the first one counts
+    sequences: from cu_seqlens when `packed`, else the batch), and its device against the input
+    `ref_name`'s."""
+    if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != expected:
+        got = shape_str(initial_state) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
+        bad(f"initial_state must be [{', '.join(dims)}] = [{', '.join(str(n) for n in expected)}] "
+            f"({dims[0]} = {'number of sequences in cu_seqlens' if packed else 'batch size'}), "
+            f"got {got}")
+    if initial_state.device != ref_device:
+        bad(f"initial_state is on {initial_state.device} but {ref_name} is on {ref_device}")
