@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--n-conv", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
+    ap.add_argument("--only", type=str, default=None,
+                    help="comma list of texts: run only the variants whose name contains one (plus the first two rows)")
     args = ap.parse_args()
     torch.manual_seed(0)
     path = fetch_asset("smollm2-135m-instruct")
@@ -79,11 +81,22 @@ def main() -> None:
         ("ours: all MLA, r_kv=336 (full)", dict(mla_layers="all", kv_lora_rank=336), "attention"),
         ("ours: all GDN", dict(mla_layers="none"), "attention"),
         ("random mixers: all GDN", dict(mla_layers="none"), "random"),
+        ("ours: even MLA, GDN gates not calibrated", dict(mla_layers="even", kv_lora_rank=256), "uncalibrated"),
+        ("ours: even MLA, Mamba-2", dict(mla_layers="even", kv_lora_rank=256, linear_type="mamba2"), "attention"),
+        ("ours: even MLA, Mamba-2 not calibrated", dict(mla_layers="even", kv_lora_rank=256, linear_type="mamba2"),
+         "uncalibrated"),
+        ("random mixers: even MLA, Mamba-2", dict(mla_layers="even", kv_lora_rank=256, linear_type="mamba2"),
+         "random"),
     ]
+    if args.only:
+        keys = [k.strip() for k in args.only.split(",") if k.strip()]
+        variants = variants[:2] + [v for v in variants[2:] if any(k in v[0] for k in keys)]
     rows = []
     for name, kw, init in variants:
         t0 = time.time()
-        model = upcycle(base, init=init, calibration_ids=calib if init == "attention" else None, **kw).eval()
+        # "uncalibrated": attention init without calibration tokens (linear gates keep their random init)
+        model = upcycle(base, init="random" if init == "random" else "attention",
+                        calibration_ids=calib if init == "attention" else None, **kw).eval()
         kl = mean_kl(base_logps, model, samples)
         ratio = kv_summary(base.config, model.config)["kv_cache_ratio"]
         rows.append({"variant": name, "kl": kl, "kv_cache_ratio": ratio, "seconds": time.time() - t0})

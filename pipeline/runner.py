@@ -97,13 +97,20 @@ def convert_cmd(base: str | Path, out: Path, placement: str, kv_lora_rank: int, 
 
 def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student: Path, data: Path, seq_len: int,
               steps: int, extra: list[str] | None = None) -> list[str]:
-    """A jobs/stage{1,2}.py command for a short run (checkpoints at half-way and the end)."""
+    """A jobs/stage{1,2}.py command for a short run (checkpoints at half-way and the end).
+
+    A run directory that already holds a complete checkpoint is from an interrupted attempt of this step
+    (a finished step is never re-run): the command continues it with `--resume`.
+    """
+    from pipeline.train.checkpoint import latest_checkpoint
+
+    resume = ["--resume"] if latest_checkpoint(Path(storage) / name) is not None else []
     cmd = [PY, f"jobs/stage{stage}.py", "--config", str(config),
            "--set", f"ray.storage_path={storage}", "--set", f"ray.name={name}",
            "--set", f"model.student={student}", "--set", f"data.path={data}",
            "--set", f"data.seq_len={seq_len}", "--set", f"train.total_steps={steps}",
            "--set", f"checkpoint.every_steps={max(1, steps // 2)}"]
-    return cmd + (extra or [])
+    return cmd + (extra or []) + resume
 
 
 def eval_cmd(model: Path, base: str | Path, data: Path, out: Path, suites: str, max_rows: int,

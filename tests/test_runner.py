@@ -1,0 +1,57 @@
+"""The step runner shared by jobs/demo.py and jobs/place_layers.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.runner import StepRunner, last_json_object, train_cmd
+from pipeline.train.checkpoint import STATE_FILE
+
+
+def test_step_runs_once_and_reruns_when_outputs_are_missing(tmp_path):
+    calls = []
+    out = tmp_path / "out.txt"
+
+    def work():
+        calls.append(1)
+        out.write_text("x")
+        return {"value": 7}
+
+    r = StepRunner(tmp_path / "run", quiet=True)
+    assert r.step("a", [out], work) == {"value": 7}
+    assert StepRunner(tmp_path / "run", quiet=True).step("a", [out], work)["value"] == 7
+    assert len(calls) == 1  # reused
+    out.unlink()
+    StepRunner(tmp_path / "run", quiet=True).step("a", [out], work)
+    assert len(calls) == 2  # its output went missing: run again
+    StepRunner(tmp_path / "run", quiet=True, force=True).step("a", [out], work)
+    assert len(calls) == 3
+    assert json.loads((tmp_path / "run" / "done" / "a.json").read_text())["value"] == 7
+
+
+def test_failed_job_names_its_log(tmp_path):
+    r = StepRunner(tmp_path / "run", quiet=True)
+    assert r.sh("ok", ["python", "-c", "print('hi')"]) == "hi\n"
+    with pytest.raises(SystemExit, match=r"boom failed \(exit 3\); full log: .*boom.log"):
+        r.sh("boom", ["python", "-c", "import sys; print('bad'); sys.exit(3)"])
+    assert (tmp_path / "run" / "logs" / "boom.log").read_text() == "bad\n"
+
+
+def test_last_json_object_skips_log_lines():
+    assert last_json_object('{"a": 1}\n') == {"a": 1}
+    assert last_json_object('[notice] accelerator cpu\n{\n "a": 2\n}\n') == {"a": 2}
+
+
+def test_interrupted_training_step_resumes(tmp_path):
+    args = (1, "configs/demo-smollm2.yaml", tmp_path, "stage1", tmp_path / "student", tmp_path / "data", 512, 8)
+    assert "--resume" not in train_cmd(*args)
+    ckpt = tmp_path / "stage1" / "step_00000004"
+    (ckpt / "ranks").mkdir(parents=True)
+    (ckpt / STATE_FILE).write_text(json.dumps({"world_size": 2, "step": 4}))
+    (ckpt / "ranks" / "rank_0.json").write_text("{}")
+    assert "--resume" not in train_cmd(*args)  # incomplete: rank 1 never wrote its state
+    (ckpt / "ranks" / "rank_1.json").write_text("{}")
+    cmd = train_cmd(*args)
+    assert cmd[-1] == "--resume" and "train.total_steps=8" in cmd and "checkpoint.every_steps=4" in cmd
