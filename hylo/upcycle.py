@@ -451,6 +451,21 @@ def _calibrate_mla_norms(base_model, model, calibration_ids: torch.Tensor) -> No
             mixer.q_a_layernorm.weight.fill_(float(c_q.float().pow(2).mean(-1).sqrt().mean()))
 
 
+def _mixer_weights(attn: nn.Module, dst: nn.Module, hcfg: HybridConfig) -> dict[str, torch.Tensor]:
+    """The converted weights of one decoder layer's mixer (identity convs are set on `dst` directly)."""
+    if dst.layer_type == "mla":
+        return mla_weights_from_attention(attn, hcfg)
+    if dst.layer_type == "gdn":
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            conv = getattr(dst.mixer, name, None)
+            if conv is not None:
+                _identity_conv_(conv)
+        return gdn_weights_from_attention(attn, hcfg)
+    from hylo.layers.mamba2 import mamba2_weights_from_attention
+
+    return mamba2_weights_from_attention(attn, hcfg)
+
+
 @torch.no_grad()
 def upcycle(
     base_model,
@@ -459,12 +474,14 @@ def upcycle(
     init: str = "attention",
     calibration_ids: torch.Tensor | None = None,
     progress: bool = False,
+    seed: int = 0,
     **config_kwargs: Any,
 ):
     """Convert a loaded base `LlamaForCausalLM`/`Qwen3ForCausalLM` into a `HyLoForCausalLM`.
 
     `init="attention"` (default) initialises mixers from the attention weights; `init="random"` keeps
-    the mixers' random init (the ablation used by bench/upcycle_quality.py). Extra keyword arguments go
+    the mixers' random init (the ablation used by bench/upcycle_quality.py). `seed` fixes what conversion
+    does not set (per layer, see below), so a conversion is reproducible. Extra keyword arguments go
     to `hybrid_config_from_base` when `hcfg` is None.
     """
     from hylo.modeling import HyLoForCausalLM
@@ -496,20 +513,19 @@ def upcycle(
         dst.input_layernorm.weight.copy_(src.input_layernorm.weight)
         dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
         dst.mlp.load_state_dict(src.mlp.state_dict())
-        if init == "random":
-            continue
-        if dst.layer_type == "mla":
-            weights = mla_weights_from_attention(src.self_attn, hcfg)
-        elif dst.layer_type == "gdn":
-            weights = gdn_weights_from_attention(src.self_attn, hcfg)
-            for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
-                conv = getattr(dst.mixer, name, None)
-                if conv is not None:
-                    _identity_conv_(conv)
-        else:
-            from hylo.layers.mamba2 import mamba2_weights_from_attention
-
-            weights = mamba2_weights_from_attention(src.self_attn, hcfg)
+        # What conversion does not set (decay / step / beta / gate rows of the linear blocks, or every
+        # mixer weight with init="random") is drawn from a generator seeded by (seed, layer): the result
+        # is reproducible, and layer i starts the same whatever type the other layers have, so two
+        # placements differ only where their layer types differ.
+        rng_state = torch.random.get_rng_state()
+        torch.manual_seed(seed * 100_003 + i)
+        try:
+            dst.mixer.apply(model._init_weights)
+            if init == "random":
+                continue
+            weights = _mixer_weights(src.self_attn, dst, hcfg)
+        finally:
+            torch.random.set_rng_state(rng_state)
         params = dict(dst.mixer.named_parameters())
         for name, w in weights.items():
             if name not in params:

@@ -41,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--yarn-factor", type=float, default=None,
                    help="enable YaRN on the MLA RoPE with this factor (original window = base max positions)")
     p.add_argument("--init", default="attention", choices=["attention", "random"])
-    p.add_argument("--no-calibrate", action="store_true", help="skip the MLA latent-norm calibration pass")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of what conversion does not set (linear blocks' decay/step/beta rows), per layer")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="skip the calibration pass (MLA latent norms, linear blocks' gates and output norms)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--dry-run", action="store_true", help="print the summary from --base-config alone")
     p.add_argument("--base-config", help="config.json of the base model (for --dry-run)")
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         calib = None
         if tokenizer is not None and not args.no_calibrate and args.init == "attention":
             calib = calibration_ids_for(tokenizer)
-        model = upcycle(base, hcfg, init=args.init, calibration_ids=calib, progress=True)
+        model = upcycle(base, hcfg, init=args.init, calibration_ids=calib, progress=True, seed=args.seed)
         out = Path(args.out)
         from hylo.io import save_hylo
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,8 @@ from pipeline.runner import StepRunner, convert_cmd, eval_cmd, last_json_object,
 
 
 def _slug(spec: str) -> str:
-    return spec.replace(":", "-").replace(",", "_").replace(" ", "")
+    """A file-name-safe tag for a placement name ("searched (N=15)" -> "searched-N-15", "uniform:15" -> "uniform-15")."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", spec).strip("-")
 
 
 class PlaceLayers(StepRunner):

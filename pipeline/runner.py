@@ -64,7 +64,7 @@ class StepRunner:
 
     def sh(self, name: str, cmd: list[str], env: dict | None = None) -> str:
         """Run one job, streaming its output to the console and to logs/<name>.log; return its output."""
-        log = self.run / "logs" / f"{name}.log"
+        log = self.run / "logs" / f"{name.replace('/', '_')}.log"
         print(f"\n[{self.tag}] === {name}: {' '.join(cmd)}", flush=True)
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
         out_lines: list[str] = []

@@ -37,6 +37,9 @@ def test_failed_job_names_its_log(tmp_path):
     with pytest.raises(SystemExit, match=r"boom failed \(exit 3\); full log: .*boom.log"):
         r.sh("boom", ["python", "-c", "import sys; print('bad'); sys.exit(3)"])
     assert (tmp_path / "run" / "logs" / "boom.log").read_text() == "bad\n"
+    # a step named after an output path ("cmp_even/converted") logs to a flat file name
+    r.sh("cmp_even/converted", ["python", "-c", "print('x')"])
+    assert (tmp_path / "run" / "logs" / "cmp_even_converted.log").read_text() == "x\n"
 
 
 def test_last_json_object_skips_log_lines():

@@ -301,3 +301,21 @@ def test_calibration_makes_linear_gates_constant_and_norms_the_attention_rms(lin
         else:
             want = torch.cat([rms_HK[m % 4] for m in range(mixer.num_heads)])
             torch.testing.assert_close(mixer.norm.weight.float(), want.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_conversion_is_reproducible_and_layer_init_independent_of_placement():
+    # Parameters conversion does not set (GDN decay, step, beta rows) come from a per-layer seed: the same
+    # conversion twice is identical, and a linear layer starts the same whatever the other layers are.
+    base = tiny_llama(dtype=torch.float32)
+    kw = dict(kv_lora_rank=32, qk_rope_head_dim=8)
+    torch.manual_seed(1)
+    a = upcycle(base, mla_layers=[0], **kw).state_dict()
+    torch.manual_seed(2)
+    b = upcycle(base, mla_layers=[0], **kw).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    c = upcycle(base, mla_layers=[2], **kw).state_dict()
+    for i in (1, 3):  # linear in both placements
+        keys = [k for k in a if k.startswith(f"model.layers.{i}.mixer.")]
+        assert keys and all(torch.equal(a[k], c[k]) for k in keys)
+    d = upcycle(base, mla_layers=[0], seed=7, **kw).state_dict()
+    assert not torch.equal(a["model.layers.1.mixer.A_log"], d["model.layers.1.mixer.A_log"])
