@@ -27,15 +27,10 @@ import sys
 import time
 from pathlib import Path
 
+from proc_status import status_kib  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 CASES = ["naive", "ours-hidden", "ours-topk64", "ours-logits-fn", "liger-chunked"]
 
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
 
 
 def run_child(case: str, n: int, hidden: int, vocab: int, seed: int) -> dict:
@@ -102,7 +97,7 @@ def run_child(case: str, n: int, hidden: int, vocab: int, seed: int) -> dict:
         raise ValueError(f"unknown case {case!r}; choose from {CASES}")
 
     gc.collect()
-    baseline_kib = _status_kib("VmRSS")
+    baseline_kib = status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -110,7 +105,7 @@ def run_child(case: str, n: int, hidden: int, vocab: int, seed: int) -> dict:
     loss.backward()
     wall_s = time.perf_counter() - start
     cpu_s = time.process_time() - cpu_start
-    peak_kib = _status_kib("VmHWM")
+    peak_kib = status_kib("VmHWM")
     return {
         "case": case,
         "n": n,

@@ -34,16 +34,11 @@ import threading
 import time
 from pathlib import Path
 
+from proc_status import status_kib  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
 
 
 def demo_student(cache: Path) -> Path:
@@ -94,20 +89,20 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
     import gc
 
     gc.collect()
-    base_kib = _status_kib("RssAnon")
+    base_kib = status_kib("RssAnon")
     peak = {"kib": base_kib}
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            peak["kib"] = max(peak["kib"], _status_kib("RssAnon"))
+            peak["kib"] = max(peak["kib"], status_kib("RssAnon"))
             time.sleep(0.005)
 
     # The activation part of the step ends when the optimiser step starts: record the peak so far there.
     engine_step = task.engine.step
 
     def step_and_mark() -> None:
-        peak["fwd_bwd_kib"] = max(peak["kib"], _status_kib("RssAnon"))
+        peak["fwd_bwd_kib"] = max(peak["kib"], status_kib("RssAnon"))
         engine_step()
 
     task.engine.step = step_and_mark
@@ -118,7 +113,7 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     done.set()
     sampler.join()
-    peak_kib = max(peak["kib"], _status_kib("RssAnon"))
+    peak_kib = max(peak["kib"], status_kib("RssAnon"))
     return {"tokens": tokens, "docs": len(row["cu_seqlens"]) - 1, "baseline_mib": base_kib / 1024,
             "extra_peak_mib": (peak_kib - base_kib) / 1024,
             "fwd_bwd_peak_mib": (peak["fwd_bwd_kib"] - base_kib) / 1024, "seconds": seconds, "cpu_seconds": cpu_seconds,
