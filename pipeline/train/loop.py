@@ -193,6 +193,12 @@ class TorchrunSession(Session):
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        # Leave together and tear the process group down explicitly: a rank that exits while another is
+        # still writing the consolidated model destroys gloo's threads at interpreter exit, which aborts
+        # ("terminate called without an active exception", SIGABRT) and fails the whole torchrun job.
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------ helpers
