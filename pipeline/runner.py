@@ -97,7 +97,8 @@ def convert_cmd(base: str | Path, out: Path, placement: str, kv_lora_rank: int, 
 
 def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student: Path, data: Path, seq_len: int,
               steps: int, extra: list[str] | None = None) -> list[str]:
-    """A jobs/stage{1,2}.py command for a short run (checkpoints at half-way and the end).
+    """A jobs/stage{1,2}.py command for a short run (checkpoints at half-way and the end, deleted once the
+    consolidated model is written: the step's output is `<storage>/<name>/model`).
 
     A run directory that already holds a complete checkpoint is from an interrupted attempt of this step
     (a finished step is never re-run): the command continues it with `--resume`.
@@ -109,7 +110,8 @@ def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student:
            "--set", f"ray.storage_path={storage}", "--set", f"ray.name={name}",
            "--set", f"model.student={student}", "--set", f"data.path={data}",
            "--set", f"data.seq_len={seq_len}", "--set", f"train.total_steps={steps}",
-           "--set", f"checkpoint.every_steps={max(1, steps // 2)}"]
+           "--set", f"checkpoint.every_steps={max(1, steps // 2)}",
+           "--set", "checkpoint.delete_after_consolidate=true"]
     return cmd + (extra or []) + resume
 
 

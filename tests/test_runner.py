@@ -58,3 +58,4 @@ def test_interrupted_training_step_resumes(tmp_path):
     (ckpt / "ranks" / "rank_1.json").write_text("{}")
     cmd = train_cmd(*args)
     assert cmd[-1] == "--resume" and "train.total_steps=8" in cmd and "checkpoint.every_steps=4" in cmd
+    assert "checkpoint.delete_after_consolidate=true" in cmd

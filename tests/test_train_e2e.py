@@ -151,8 +151,13 @@ def test_stage1_trains_only_the_mixers(tiny):
     root, models = tiny
     cfg = write_config(tiny_config(models, root / "runs", "stage1", stage=1, train={"max_steps": 4},
                                    optim={"lr": 3e-3, "warmup_ratio": 0.0}), root / "stage1.yaml")
-    assert_ok(torchrun(1, cfg))
+    proc = torchrun(1, cfg, "--set", "checkpoint.delete_after_consolidate=true")
+    assert_ok(proc)
     run = root / "runs" / "stage1"
+    # the run checkpointed (every 3 steps and at the end), then removed its checkpoints after consolidating
+    assert "removed 2 checkpoint(s)" in proc.stdout, proc.stdout[-2000:]
+    assert not [p.name for p in run.iterdir() if "step_" in p.name]
+    assert (run / "model" / "hybrid_config.json").is_file()
     got = read_metrics(run)
     assert list(got) == [1, 2, 3, 4] and got[4]["loss"] < got[1]["loss"]
     assert got[1]["loss"] == pytest.approx(got[1]["ild_output"] + got[1]["ild_mixer"])

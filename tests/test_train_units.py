@@ -191,6 +191,21 @@ def test_latest_checkpoint_skips_incomplete(tmp_path):
     assert not ckpt_lib.is_complete(tmp_path / "step_00000008")
 
 
+def test_delete_checkpoints_removes_complete_partial_and_scratch_only(tmp_path):
+    cfg = Stage2Config()
+    _fake_checkpoint(tmp_path / "step_00000004", cfg, step=4)
+    _fake_checkpoint(tmp_path / "step_00000008", cfg, step=8)
+    (tmp_path / "step_00000008" / "ranks" / "rank_1.json").unlink()
+    (tmp_path / ".tmp-step_00000012").mkdir()
+    for keep in ("model", "tensorboard", "step_notes"):
+        (tmp_path / keep).mkdir()
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    n, freed = ckpt_lib.delete_checkpoints(tmp_path)
+    assert n == 3 and freed > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "model", "step_notes", "tensorboard"]
+    assert ckpt_lib.delete_checkpoints(tmp_path / "missing") == (0, 0)
+
+
 def test_resume_refuses_breaking_changes(tmp_path):
     cfg = load_stage_config(2, None, ["ray.num_workers=2"])
     _fake_checkpoint(tmp_path, cfg)

@@ -221,6 +221,20 @@ def prune(run_dir: Path, keep: int | None) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def delete_checkpoints(run_dir: Path) -> tuple[int, int]:
+    """Remove every checkpoint of a run (complete, partial and scratch `.tmp-step_*`): (count, bytes freed)."""
+    run_dir = Path(run_dir)
+    count = freed = 0
+    if not run_dir.is_dir():
+        return 0, 0
+    for p in run_dir.iterdir():
+        if p.is_dir() and (STEP_DIR.match(p.name) or STEP_DIR.match(p.name.removeprefix(".tmp-"))):
+            freed += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            shutil.rmtree(p)
+            count += 1
+    return count, freed
+
+
 # ------------------------------------------------------------------------------------ consolidation
 def _is_zero3(p: torch.nn.Parameter) -> bool:
     return hasattr(p, "ds_id")

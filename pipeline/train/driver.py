@@ -206,6 +206,14 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
         info: dict[str, Any] = {}
     else:
         info = fit_with_ray(cfg, resume)
+    if is_rank0 and cfg.checkpoint.delete_after_consolidate:
+        if (rd / "model" / "hybrid_config.json").is_file():
+            n, freed = ckpt_lib.delete_checkpoints(rd)
+            print(f"[train] checkpoint.delete_after_consolidate: removed {n} checkpoint(s), "
+                  f"{freed / 2**30:.2f} GiB; the run's output is {rd / 'model'}", flush=True)
+        else:
+            print(f"[train] checkpoint.delete_after_consolidate: kept the checkpoints, {rd / 'model'} "
+                  "was not written (checkpoint.consolidate=false?)", flush=True)
     metrics = read_metrics(rd)
     summary = {"stage": stage, "run_dir": str(rd), "model_dir": str(rd / "model"), "seconds": time.time() - t0,
                "last_step": max(metrics) if metrics else 0, **info}
