@@ -12,6 +12,10 @@ Steps (each resumable; `<run-dir>/done/` records what finished, `--force` redoes
   -> placement.json (chosen mla_layers, per-layer scores, proxy rank correlations) + placement_scores.png
   -> with --compare: each placement (the searched one and the listed ones) converted, trained with the
      same stage 1 + stage 2 budget (`--compare-steps`) and evaluated: compare.md / compare.json.
+     `--compare-seeds 0 1 2` repeats every compared run per seed (the conversion's init of what it does not
+     set and the training data order; the placements share them within a seed) and reports the mean, the
+     spread and the paired difference to the searched placement per seed: one seed's init noise on these
+     tiny budgets is as large as the gaps between placements.
 
 Data: packed-row directories from jobs/prepare_data.py: `--data-from RUN` takes RUN/data/{stage1,stage2,
 heldout} (what `make demo` writes), or give `--stage1-data`, `--stage2-data`, `--heldout-data`. The method
@@ -54,15 +58,17 @@ class PlaceLayers(StepRunner):
             self.data[split] = path
 
     # ------------------------------------------------------------------ steps
-    def convert(self, name: str, placement: str) -> dict:
+    def convert(self, name: str, placement: str, seed: int = 0) -> dict:
         out = self.run / name
         text = self.sh(name, convert_cmd(self.args.base_dir, out, placement, self.args.kv_lora_rank,
-                                         self.args.linear_type))
+                                         self.args.linear_type, seed))
         return {"summary": last_json_object(text)}
 
-    def train(self, stage: int, name: str, student: Path, steps: int) -> dict:
+    def train(self, stage: int, name: str, student: Path, steps: int, seed: int | None = None) -> dict:
         split = f"stage{stage}"
         extra = [x for kv in self.args.train_set for x in ("--set", kv)]
+        if seed is not None:
+            extra += ["--set", f"train.seed={seed}"]
         self.sh(name, train_cmd(stage, self.args.config, self.run, name, student, self.data[split],
                                 self.args.seq_len, steps, extra))
         return {"model": str(self.run / name / "model")}
@@ -126,21 +132,21 @@ class PlaceLayers(StepRunner):
         self.sh(name, eval_cmd(model, self.args.base_dir, self.data["heldout"], out, "kl", self.args.heldout_rows))
         return {}
 
-    def compare_one(self, name: str, spec: str, steps: int) -> dict:
-        """Convert with `spec`, stage 1 + stage 2 for `steps` each, held-out KL."""
-        tag = f"cmp_{_slug(name)}"
+    def compare_one(self, name: str, spec: str, steps: int, seed: int = 0) -> dict:
+        """Convert with `spec` and `seed`, stage 1 + stage 2 for `steps` each (train.seed = `seed`), held-out KL."""
+        tag = f"cmp_{_slug(name)}" + (f"_seed{seed}" if seed else "")
         r = self.run / tag
         conv = self.step(f"{tag}_convert", [r / "converted" / "hybrid_config.json"],
-                         lambda: self.convert(f"{tag}/converted", spec))
+                         lambda: self.convert(f"{tag}/converted", spec, seed))
         self.step(f"{tag}_stage1", [r / "stage1" / "model" / "hybrid_config.json"],
-                  lambda: self.train(1, f"{tag}/stage1", r / "converted", steps))
+                  lambda: self.train(1, f"{tag}/stage1", r / "converted", steps, seed))
         self.step(f"{tag}_stage2", [r / "stage2" / "model" / "hybrid_config.json"],
-                  lambda: self.train(2, f"{tag}/stage2", r / "stage1" / "model", steps))
+                  lambda: self.train(2, f"{tag}/stage2", r / "stage1" / "model", steps, seed))
         ev = r / "eval"
         self.step(f"{tag}_eval", [ev / "results.json"], lambda: self.evaluate(f"{tag}_eval", r / "stage2" / "model", ev))
         res = json.loads((ev / "results.json").read_text())
         summary = conv["summary"]
-        return {"placement": name, "spec": spec, "mla_layers": summary["mla_layers"],
+        return {"placement": name, "spec": spec, "seed": seed, "mla_layers": summary["mla_layers"],
                 "kv_cache_ratio": summary["kv_cache_ratio"], "kl": res["kl"]["kl"], "tokens": res["kl"]["tokens"]}
 
     # ------------------------------------------------------------------ main
@@ -164,8 +170,9 @@ class PlaceLayers(StepRunner):
         if a.compare and not a.proxy_only:
             placements = {f"searched (N={a.n_mla})": ",".join(map(str, result["mla_layers"]))}
             placements.update({s: s for s in a.compare})
-            rows = [self.compare_one(name, spec, a.compare_steps) for name, spec in placements.items()]
-            self.write_compare(rows, result)
+            rows = [self.compare_one(name, spec, a.compare_steps, seed)
+                    for seed in a.compare_seeds for name, spec in placements.items()]
+            self.write_compare(rows)
         print(f"\n[place] wrote {r / 'placement.json'}" + ("" if a.proxy_only else f" and {r / 'placement_scores.png'}"))
         return 0
 
@@ -181,18 +188,45 @@ class PlaceLayers(StepRunner):
             lines.append("Spearman (proxy vs measured): " + ", ".join(f"{k} {v:+.2f}" for k, v in result["spearman"].items()))
         return "\n".join(lines)
 
-    def write_compare(self, rows: list[dict], result: dict) -> None:
+    def write_compare(self, rows: list[dict]) -> None:
+        from pipeline.placement import compare_summary
+
         steps = self.args.compare_steps
-        md = [f"# Layer placement: KL(base || student) after stage 1 + stage 2 ({steps} + {steps} steps each)", "",
-              "| placement | MLA layers | KV-cache ratio | held-out KL |", "|---|---|---|---|"]
-        md += [f"| {x['placement']} | {','.join(map(str, x['mla_layers']))} | {x['kv_cache_ratio']:.3f} | "
-               f"{x['kl']:.4f} |" for x in rows]
+        summary = compare_summary(rows)
+        md = compare_markdown(rows, summary, steps)
         (self.run / "compare.md").write_text("\n".join(md) + "\n")
-        (self.run / "compare.json").write_text(json.dumps({"steps_per_stage": steps, "rows": rows}, indent=1))
+        tmp = self.run / "compare.json.tmp"
+        tmp.write_text(json.dumps({"steps_per_stage": steps, "seeds": sorted({x["seed"] for x in rows}),
+                                   "rows": rows, "summary": summary}, indent=1))
+        tmp.replace(self.run / "compare.json")
         print("\n" + "\n".join(md))
 
 
-def main(argv: list[str] | None = None) -> int:
+def compare_markdown(rows: list[dict], summary: list[dict], steps: int) -> list[str]:
+    """compare.md: one row per placement; with several seeds, KL per seed, mean +- std and the paired gap."""
+    seeds = sorted({x["seed"] for x in rows})
+    kl = {(x["placement"], x["seed"]): x["kl"] for x in rows}
+    title = f"# Layer placement: KL(base || student) after stage 1 + stage 2 ({steps} + {steps} steps each)"
+    if len(seeds) == 1:
+        md = [title, "", "| placement | MLA layers | KV-cache ratio | held-out KL |", "|---|---|---|---|"]
+        return md + [f"| {s['placement']} | {','.join(map(str, s['mla_layers']))} | {s['kv_cache_ratio']:.3f} | "
+                     f"{s['mean']:.4f} |" for s in summary]
+    md = [title + f", seeds {', '.join(map(str, seeds))}", "",
+          "| placement | MLA layers | KV-cache ratio | " + " | ".join(f"KL seed {s}" for s in seeds)
+          + " | mean +- std | minus searched, mean (per seed) | searched lower |",
+          "|---|---|---|" + "---|" * len(seeds) + "---|---|---|"]
+    for s in summary:
+        per_seed = " | ".join(f"{kl[(s['placement'], seed)]:.4f}" if (s["placement"], seed) in kl else "-"
+                              for seed in seeds)
+        gap = "-" if s["gap_to_searched"] is None else (
+            f"{s['gap_to_searched']:+.4f} ({', '.join(f'{g:+.3f}' for g in s['gaps'])})")
+        wins = "-" if s["searched_lower"] is None else f"{s['searched_lower']} of {len(s['gaps'])}"
+        md.append(f"| {s['placement']} | {','.join(map(str, s['mla_layers']))} | {s['kv_cache_ratio']:.3f} | "
+                  f"{per_seed} | {s['mean']:.4f} +- {s['std']:.4f} | {gap} | {wins} |")
+    return md
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="asset:smollm2-135m-instruct", help="base HF model directory or asset:<name>")
     ap.add_argument("--n-mla", type=int, required=True, help="how many layers get MLA")
@@ -216,9 +250,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", nargs="*", default=[], metavar="PLACEMENT",
                     help="placements to compare with the searched one, e.g. --compare even uniform:15 0,5,10")
     ap.add_argument("--compare-steps", type=int, default=16, help="stage 1 and stage 2 steps of each compared run")
+    ap.add_argument("--compare-seeds", nargs="+", type=int, default=[0], metavar="SEED",
+                    help="run every compared placement once per seed (conversion init + data order); with several "
+                         "seeds the table gives mean, spread and the paired difference to the searched placement")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     t0 = time.time()
     rc = PlaceLayers(args).main()
     print(f"[place] total {time.time() - t0:.0f} s")

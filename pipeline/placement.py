@@ -271,6 +271,43 @@ def choose(scores: Iterable[float], n_mla: int) -> list[int]:
     return sorted(order[:n_mla])
 
 
+def compare_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Aggregate compared runs (one per placement and seed) per placement, in first-seen order.
+
+    mean / std (sample, 0 for one seed) of the held-out KL over seeds; for every placement but the searched
+    one (the first), the paired gaps KL(placement) - KL(searched) of the seeds both ran, their mean, and in
+    how many of those seeds the searched placement was lower. Pairing by seed removes what the placements
+    share within a seed (data order, the init of layers whose type agrees).
+    """
+    order: list[str] = []
+    by: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in rows:
+        if r["placement"] not in by:
+            order.append(r["placement"])
+            by[r["placement"]] = {}
+        if r["seed"] in by[r["placement"]]:
+            raise PlacementError(f"placement {r['placement']!r} has two runs with seed {r['seed']}")
+        by[r["placement"]][r["seed"]] = r
+    searched = by[order[0]] if order else {}
+    out = []
+    for k, name in enumerate(order):
+        runs = by[name]
+        kls = np.array([runs[s]["kl"] for s in sorted(runs)], dtype=np.float64)
+        first = runs[min(runs)]
+        item: dict[str, Any] = {
+            "placement": name, "mla_layers": first["mla_layers"], "kv_cache_ratio": first["kv_cache_ratio"],
+            "seeds": sorted(runs), "mean": float(kls.mean()), "std": float(kls.std(ddof=1)) if len(kls) > 1 else 0.0,
+            "gaps": [], "gap_to_searched": None, "searched_lower": None,
+        }
+        if k > 0:
+            shared = sorted(set(runs) & set(searched))
+            gaps = [runs[s]["kl"] - searched[s]["kl"] for s in shared]
+            item.update(gaps=gaps, gap_to_searched=float(np.mean(gaps)) if gaps else None,
+                        searched_lower=sum(g > 0 for g in gaps) if gaps else None)
+        out.append(item)
+    return out
+
+
 def plot_scores(result: dict[str, Any], path: Path) -> Path:
     """Bar plot of the measured drop per layer (chosen layers highlighted) next to the best proxy."""
     import matplotlib

@@ -90,9 +90,10 @@ def last_json_object(text: str) -> dict:
     return json.loads(text[start:text.rindex("}") + 1])
 
 
-def convert_cmd(base: str | Path, out: Path, placement: str, kv_lora_rank: int, linear_type: str = "gdn") -> list[str]:
+def convert_cmd(base: str | Path, out: Path, placement: str, kv_lora_rank: int, linear_type: str = "gdn",
+                seed: int = 0) -> list[str]:
     return [PY, "jobs/convert.py", "--base", str(base), "--out", str(out), "--mla-layers", placement,
-            "--kv-lora-rank", str(kv_lora_rank), "--linear-type", linear_type]
+            "--kv-lora-rank", str(kv_lora_rank), "--linear-type", linear_type, "--seed", str(seed)]
 
 
 def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student: Path, data: Path, seq_len: int,

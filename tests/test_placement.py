@@ -17,6 +17,7 @@ from pipeline.placement import (
     PlacementError,
     Row,
     choose,
+    compare_summary,
     layer_inputs,
     load_rows,
     proxy_scores,
@@ -203,3 +204,85 @@ def test_place_layers_job_proxy_only(models, tmp_path):
     bad_cmd = [str(tmp_path) if c == str(data) else c for c in cmd]
     bad = subprocess.run(bad_cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "heldout rows" in bad.stderr and "not a packed-data directory" in bad.stderr
+
+
+def _cmp_row(name: str, seed: int, kl: float) -> dict:
+    return {"placement": name, "spec": name, "seed": seed, "mla_layers": [0, 2], "kv_cache_ratio": 0.5, "kl": kl,
+            "tokens": 100}
+
+
+def test_compare_summary_pairs_by_seed():
+    rows = [_cmp_row("searched", 0, 2.0), _cmp_row("even", 0, 2.5), _cmp_row("searched", 1, 3.0),
+            _cmp_row("even", 1, 2.9), _cmp_row("searched", 2, 2.2), _cmp_row("even", 2, 2.6),
+            _cmp_row("odd", 1, 4.0)]
+    got = {s["placement"]: s for s in compare_summary(rows)}
+    assert list(got) == ["searched", "even", "odd"]
+    assert got["searched"]["mean"] == pytest.approx(np.mean([2.0, 3.0, 2.2]))
+    assert got["searched"]["std"] == pytest.approx(np.std([2.0, 3.0, 2.2], ddof=1))
+    assert got["searched"]["gap_to_searched"] is None and got["searched"]["searched_lower"] is None
+    assert got["even"]["gaps"] == pytest.approx([0.5, -0.1, 0.4])
+    assert got["even"]["gap_to_searched"] == pytest.approx(0.8 / 3) and got["even"]["searched_lower"] == 2
+    # a placement that ran only some seeds is paired on those only; one seed has no spread
+    assert got["odd"]["gaps"] == pytest.approx([1.0]) and got["odd"]["std"] == 0.0
+    with pytest.raises(PlacementError, match="two runs with seed 0"):
+        compare_summary(rows + [_cmp_row("even", 0, 1.0)])
+
+
+def test_compare_markdown_one_and_several_seeds():
+    sys.path.insert(0, str(ROOT / "jobs"))
+    from place_layers import compare_markdown
+
+    one = [_cmp_row("searched", 0, 2.0), _cmp_row("even", 0, 2.5)]
+    md = "\n".join(compare_markdown(one, compare_summary(one), 8))
+    assert "| even | 0,2 | 0.500 | 2.5000 |" in md and "seed" not in md
+    three = one + [_cmp_row("searched", 1, 3.0), _cmp_row("even", 1, 2.9)]
+    md = "\n".join(compare_markdown(three, compare_summary(three), 8))
+    assert "seeds 0, 1" in md and "| KL seed 0 | KL seed 1 |" in md
+    assert "| even | 0,2 | 0.500 | 2.5000 | 2.9000 | 2.7000 +- 0.2828 | +0.2000 (+0.500, -0.100) | 1 of 2 |" in md
+
+
+def test_compare_runs_take_the_seed(tmp_path, monkeypatch):
+    # Every seed gets its own runs: convert --seed s, train.seed=s in both stages, its own tag and eval.
+    sys.path.insert(0, str(ROOT / "jobs"))
+    import place_layers
+
+    data = tmp_path / "data"
+    for split in ("stage1", "stage2", "heldout"):
+        (data / "data" / split).mkdir(parents=True)
+        (data / "data" / split / "manifest.json").write_text("{}")
+    args = place_layers.build_parser().parse_args(
+        ["--n-mla", "2", "--data-from", str(data), "--run-dir", str(tmp_path / "run"), "--compare", "even",
+         "--compare-seeds", "0", "3", "--quiet"])
+    job = place_layers.PlaceLayers(args)
+    job.args.base_dir = "BASE"
+    calls: list[list[str]] = []
+
+    def fake_sh(name, cmd, env=None):
+        calls.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1]) if "--out" in cmd else None
+        if cmd[1] == "jobs/convert.py":
+            (out / "hybrid_config.json").parent.mkdir(parents=True, exist_ok=True)
+            (out / "hybrid_config.json").write_text("{}")
+            return json.dumps({"mla_layers": [0, 2], "kv_cache_ratio": 0.5})
+        if cmd[1] == "jobs/eval.py":
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "results.json").write_text(json.dumps({"kl": {"kl": 1.0 + len(calls), "tokens": 10}}))
+            return ""
+        run = Path(next(c.split("=", 1)[1] for c in cmd if c.startswith("ray.storage_path=")))
+        name_ = next(c.split("=", 1)[1] for c in cmd if c.startswith("ray.name="))
+        (run / name_ / "model").mkdir(parents=True, exist_ok=True)
+        (run / name_ / "model" / "hybrid_config.json").write_text("{}")
+        return ""
+
+    monkeypatch.setattr(job, "sh", fake_sh)
+    r0 = job.compare_one("even", "even", 4, 0)
+    r3 = job.compare_one("even", "even", 4, 3)
+    assert (r0["seed"], r3["seed"]) == (0, 3) and r0["kl"] != r3["kl"]
+    conv = [c for c in calls if c[1] == "jobs/convert.py"]
+    assert [c[c.index("--seed") + 1] for c in conv] == ["0", "3"]
+    assert conv[1][conv[1].index("--out") + 1].endswith("cmp_even_seed3/converted")
+    trains = [c for c in calls if c[1].startswith("jobs/stage")]
+    assert [c[-1] for c in trains] == ["train.seed=0", "train.seed=0", "train.seed=3", "train.seed=3"]
+    # finished seeds are reused: no new job runs
+    n = len(calls)
+    assert job.compare_one("even", "even", 4, 3) == r3 and len(calls) == n
