@@ -3,8 +3,9 @@
 Legend: B batch, T cached tokens, R kv_lora_rank, P qk_rope_head_dim, H heads, K/V GDN key/value
 head dims, C conv channels, W conv_size - 1.
 
-* MLA layer: `c_kv_BTR` (the RMS-normalised latent) and `k_pe_BTP` (the roped shared key). Nothing
-  else: the decode path absorbs `W_kvb` into the query, so full K/V are never stored.
+* MLA layer: `c_kv_BTR` (the RMS-normalised latent) and `k_pe_BTP` (the roped shared key), side by side
+  in one preallocated buffer. Nothing else: the decode path absorbs `W_kvb` into the query, so full K/V
+  are never stored.
 * Linear layer (GDN / Mamba-2): a recurrent state (`state_BHKV` for GDN) and the last W inputs of
   each short convolution. Constant in T.
 
@@ -18,26 +19,68 @@ from dataclasses import dataclass, field
 import torch
 
 
-@dataclass
 class MLALayerCache:
-    c_kv: torch.Tensor | None = None
-    k_pe: torch.Tensor | None = None
+    """Latent + roped key of every cached token in one preallocated buffer `kv_BCX` (X = R + P).
 
-    def update(self, c_kv_BTR: torch.Tensor, k_pe_BTP: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new tokens; return the full cached latent and roped key."""
-        if self.c_kv is None:
-            self.c_kv, self.k_pe = c_kv_BTR, k_pe_BTP
-        else:
-            self.c_kv = torch.cat([self.c_kv, c_kv_BTR], dim=1)
-            self.k_pe = torch.cat([self.k_pe, k_pe_BTP], dim=1)
-        return self.c_kv, self.k_pe
+    The buffer holds `[c_kv | k_pe]` per token, the layout the decode path attends over (one key/value
+    head), so a decode step writes its token in place and copies nothing: appending by `torch.cat`
+    copied the whole cache three times per step and layer (c_kv, k_pe, and their concatenation).
+    Capacity: `reserve` tokens on the first update when given (generation passes prompt + new tokens,
+    so the allocation is exact), otherwise what the first update needs; when full it grows by half.
+    """
+
+    def __init__(self, reserve: int = 0) -> None:
+        self.reserve = int(reserve)
+        self.buf: torch.Tensor | None = None
+        self.rank = 0
+        self.length = 0
+
+    def update(self, c_kv_BTR: torch.Tensor, k_pe_BTP: torch.Tensor) -> torch.Tensor:
+        """Append new tokens; return the cached `[c_kv | k_pe]` of all tokens so far, [B, S, R + P]."""
+        B, T, R = c_kv_BTR.shape
+        need = self.length + T
+        if self.buf is None:
+            self.rank = R
+            cap = max(need, self.reserve)
+            self.buf = c_kv_BTR.new_empty(B, cap, R + k_pe_BTP.shape[-1])
+        elif need > self.buf.shape[1]:
+            cap = max(need, self.buf.shape[1] + self.buf.shape[1] // 2)
+            grown = self.buf.new_empty(self.buf.shape[0], cap, self.buf.shape[2])
+            grown[:, : self.length] = self.buf[:, : self.length]
+            self.buf = grown
+        self.buf[:, self.length:need, :R] = c_kv_BTR
+        self.buf[:, self.length:need, R:] = k_pe_BTP
+        self.length = need
+        return self.buf[:, :need]
 
     @property
     def seq_len(self) -> int:
-        return 0 if self.c_kv is None else self.c_kv.shape[1]
+        return self.length
+
+    @property
+    def c_kv(self) -> torch.Tensor | None:
+        """The cached normalised latents [B, S, R] (a view)."""
+        return None if self.buf is None else self.buf[:, : self.length, : self.rank]
+
+    @property
+    def k_pe(self) -> torch.Tensor | None:
+        """The cached roped shared keys [B, S, P] (a view)."""
+        return None if self.buf is None else self.buf[:, : self.length, self.rank:]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buf is None else self.buf.shape[1]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.c_kv, self.k_pe) if t is not None]
+        """What the cache holds: the whole allocated buffer (capacity, not only the cached tokens)."""
+        return [] if self.buf is None else [self.buf]
+
+    def used_nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.shape[0] * self.length * self.buf.shape[2] * self.buf.element_size()
+
+    def index_select(self, beam_idx: torch.Tensor) -> None:
+        if self.buf is not None:
+            self.buf = self.buf.index_select(0, beam_idx)
 
 
 @dataclass
@@ -62,10 +105,12 @@ class LinearLayerCache:
 class HyLoCache:
     """Per-layer caches of a HyLo model, indexed by layer number."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, max_length: int | None = None) -> None:
+        """`max_length`: the most tokens this cache will hold (prompt + new tokens), when known: each MLA
+        layer then allocates exactly that once instead of growing."""
         self.config = config
         self.layers: list[MLALayerCache | LinearLayerCache] = [
-            MLALayerCache() if config.layer_type(i) == "mla" else LinearLayerCache()
+            MLALayerCache(reserve=max_length or 0) if config.layer_type(i) == "mla" else LinearLayerCache()
             for i in range(config.n_layer)
         ]
         self._seen = 0
@@ -84,20 +129,20 @@ class HyLoCache:
         self._seen += n_tokens
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held by the cache tensors, split by layer type."""
-        out = {"mla": 0, "linear": 0}
+        """Bytes allocated by the cache tensors, split by layer type; `mla_used`: the cached tokens' part."""
+        out = {"mla": 0, "linear": 0, "mla_used": 0}
         for layer in self.layers:
             key = "mla" if isinstance(layer, MLALayerCache) else "linear"
             out[key] += sum(t.numel() * t.element_size() for t in layer.tensors())
+            if isinstance(layer, MLALayerCache):
+                out["mla_used"] += layer.used_nbytes()
         out["total"] = out["mla"] + out["linear"]
         return out
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         for layer in self.layers:
             if isinstance(layer, MLALayerCache):
-                if layer.c_kv is not None:
-                    layer.c_kv = layer.c_kv.index_select(0, beam_idx)
-                    layer.k_pe = layer.k_pe.index_select(0, beam_idx)
+                layer.index_select(beam_idx)
             else:
                 if layer.state is not None:
                     layer.state = layer.state.index_select(0, beam_idx)

@@ -331,12 +331,13 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
         eos = set(eos_token_id if isinstance(eos_token_id, list) else ([] if eos_token_id is None else [eos_token_id]))
         was_training = self.training
         self.eval()
-        cache = HyLoCache(self.config)
+        # the last new token is never fed back: the cache ends at prompt + max_new_tokens - 1 tokens
+        cache = HyLoCache(self.config, max_length=input_ids.shape[1] + max(max_new_tokens - 1, 0))
         out = self(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         seq = input_ids
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         fill = next(iter(eos)) if eos else 0
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             logits = out.logits[:, -1].float()
             if do_sample:
                 probs = torch.softmax(logits / max(temperature, 1e-5), dim=-1)
@@ -354,6 +355,8 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
                 done = done | torch.isin(nxt, torch.tensor(sorted(eos), device=nxt.device))
                 if bool(done.all()):
                     break
+            if i == max_new_tokens - 1:
+                break  # the last token's logits would go unused
             out = self(input_ids=nxt[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)
         if was_training:
             self.train()

@@ -297,7 +297,8 @@ def test_cache_nbytes_counts_every_cache_tensor(hybrid):
     cb = cache_nbytes(res.cache)
     manual = sum(t.numel() * t.element_size() for layer in res.cache.layers for t in layer.tensors())
     assert cb.total == manual and cb.tokens == 38
-    assert cb.per_token_part == 38 * 2 * (16 + 8) * 4
+    assert cb.per_token_part == 38 * 2 * (16 + 8) * 4  # allocated == cached: prompt + new - 1 tokens
+    assert cb.detail["mla_used"] == cb.detail["mla"]
 
 
 def test_compare_flags_a_wrong_ratio_and_nonlinear_base():

@@ -152,17 +152,17 @@ def test_cache_holds_only_normalised_latent_and_roped_key() -> None:
     B, T = 2, 7
     torch.manual_seed(5)
     x_BTD = torch.randn(B, T, 32, dtype=torch.float64)
-    hylo_cache = HyLoCache(cfg)
+    hylo_cache = HyLoCache(cfg, max_length=T)
     cache = hylo_cache[0]
     layer(x_BTD[:, :4], cache=cache)
     for t in range(4, T):
         layer(x_BTD[:, t:t + 1], cache=cache)
 
     tensors = cache.tensors()
-    assert [tuple(t.shape) for t in tensors] == [(B, T, R), (B, T, P)]
+    assert [tuple(t.shape) for t in tensors] == [(B, T, R + P)]  # allocated once: exactly max_length
     values_per_token = sum(t.numel() for t in tensors) // (B * T)
     assert values_per_token == R + P == layer.cache_values_per_token
-    assert hylo_cache.nbytes()["mla"] == B * T * (R + P) * 8
+    assert hylo_cache.nbytes()["mla"] == hylo_cache.nbytes()["mla_used"] == B * T * (R + P) * 8
 
     # the stored tensors are exactly the normalised latent and the roped shared key
     with torch.no_grad():
@@ -172,6 +172,34 @@ def test_cache_holds_only_normalised_latent_and_roped_key() -> None:
         _, k_pe_ref = apply_rotary_pos_emb(q_dummy, k_pe[:, :, None], cos, sin, unsqueeze_dim=2)
     assert_close(cache.c_kv, layer.kv_a_layernorm(c_kv), tol=1e-14)
     assert_close(cache.k_pe, k_pe_ref[:, :, 0], tol=1e-14)
+
+
+def test_cache_grows_in_place_and_keeps_every_token() -> None:
+    # without a length hint the buffer starts at the prefill and grows by half; decode steps in between
+    # write in place (same storage), and growth keeps what was cached
+    layer = make_layer(q_lora_rank=8)
+    torch.manual_seed(8)
+    x_BTD = torch.randn(2, 12, 32, dtype=torch.float64)
+    cache = MLALayerCache()
+    outs = [layer(x_BTD[:, :4], cache=cache)]
+    assert cache.capacity == 4
+    ptrs, caps = [], []
+    for t in range(4, 12):
+        outs.append(layer(x_BTD[:, t:t + 1], cache=cache))
+        ptrs.append(cache.buf.data_ptr())
+        caps.append(cache.capacity)
+    assert caps == [6, 6, 9, 9, 9, 13, 13, 13]
+    assert ptrs[0] == ptrs[1] and ptrs[2] == ptrs[3] == ptrs[4] and ptrs[1] != ptrs[2]
+    assert cache.seq_len == 12 and cache.used_nbytes() == 2 * 12 * cache.buf.shape[2] * 8
+    assert_close(torch.cat(outs, dim=1), layer(x_BTD))  # cached decoding == the full causal forward
+    exact = MLALayerCache(reserve=12)
+    layer(x_BTD[:, :4], cache=exact)
+    for t in range(4, 12):
+        layer(x_BTD[:, t:t + 1], cache=exact)
+    assert torch.equal(exact.c_kv, cache.c_kv) and torch.equal(exact.k_pe, cache.k_pe) and exact.capacity == 12
+    # beam reordering moves whole rows
+    cache.index_select(torch.tensor([1, 0]))
+    assert torch.equal(cache.c_kv[0], exact.c_kv[1])
 
 
 # ---------------------------------------------------------------------------------------------- kernels

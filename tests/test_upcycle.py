@@ -187,11 +187,14 @@ def test_cached_decoding_equals_full_forward_and_cache_sizes():
         layer = cache[i]
         per_token = sum(t.shape[-1] for t in layer.tensors())
         assert per_token == cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        assert all(t.shape[:2] == (2, 14) for t in layer.tensors())
+        assert layer.c_kv.shape == (2, 14, cfg.kv_lora_rank) and layer.k_pe.shape == (2, 14, cfg.qk_rope_head_dim)
+        # no length hint here: the buffer grew from the 6-token prefill by half at a time (6 -> 9 -> 13 -> 19)
+        assert layer.capacity == 19
     # linear layers: constant size as the context grows
     assert len({s["linear"] for s in sizes}) == 1 and sizes[0]["linear"] > 0
-    per_step = sizes[1]["mla"] - sizes[0]["mla"]
+    per_step = sizes[1]["mla_used"] - sizes[0]["mla_used"]
     assert per_step == 2 * len(cfg.mla_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 8
+    assert all(s["mla"] >= s["mla_used"] for s in sizes)
 
 
 def test_save_load_identical_logits_and_generate(tmp_path):
@@ -218,6 +221,10 @@ def test_save_load_identical_logits_and_generate(tmp_path):
     with torch.no_grad():
         nxt = back(gen[:, :-1]).logits[:, 9:].argmax(-1)
     assert torch.equal(nxt, gen[:, 10:])
+    # the cache allocated once, exactly the tokens fed: prompt + 4 (the 5th new token is never fed back)
+    _, cache = back.generate(ids, max_new_tokens=5, eos_token_id=None, return_cache=True)
+    mla = [c for c in cache.layers if hasattr(c, "capacity")]
+    assert mla and all(c.seq_len == c.capacity == 14 for c in mla) and cache.get_seq_length() == 14
 
 
 def test_upcycled_mla_far_below_random_init_on_tiny_model():

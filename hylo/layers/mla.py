@@ -209,15 +209,15 @@ class MLAttention(nn.Module):
         B, T, H, N = q_nope_BTHN.shape
         R = self.kv_lora_rank
         past = cache.seq_len
-        c_kv_BSR, k_pe_BSP = cache.update(c_kv_BTR, k_pe_BTP)
-        S = c_kv_BSR.shape[1]
+        kv_BSX = cache.update(c_kv_BTR, k_pe_BTP)  # [c_kv | k_pe] of every cached token
+        S = kv_BSX.shape[1]
         w_uk_HNR, w_uv_HVR = self._absorbed_weights()
 
         # q_nope . (W_uk c) == (q_nope W_uk) . c: the query moves into latent space instead of K out of it
         q_lat_BHTR = torch.einsum("bthn,hnr->bhtr", q_nope_BTHN, w_uk_HNR)
         q_BHTX = torch.cat([q_lat_BHTR, q_pe_BTHP.transpose(1, 2)], dim=-1)
         # one key/value head shared by all query heads; [c_kv | k_pe] serves as both key and value
-        kv_B1SX = torch.cat([c_kv_BSR, k_pe_BSP], dim=-1).unsqueeze(1)
+        kv_B1SX = kv_BSX.unsqueeze(1)
 
         if T == 1:
             attn_kw: dict = {}

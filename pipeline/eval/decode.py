@@ -110,11 +110,12 @@ def eos_ids(model: nn.Module, tokenizer=None) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------- cache
-def new_cache(model: nn.Module):
+def new_cache(model: nn.Module, max_length: int | None = None):
+    """An empty generation cache; `max_length` (prompt + new tokens) lets HyLo allocate its MLA cache once."""
     if is_hylo(model):
         from hylo.cache import HyLoCache
 
-        return HyLoCache(model.config)
+        return HyLoCache(model.config, max_length=max_length)
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
@@ -229,7 +230,8 @@ def greedy_decode(
     ids_BT = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(1, -1)
     if ids_BT.shape[1] == 0:
         raise EvalError("greedy_decode: empty prompt")
-    cache = new_cache(model)
+    # the last new token is never fed back: the cache ends at prompt + max_new_tokens - 1 tokens
+    cache = new_cache(model, max_length=ids_BT.shape[1] + max(max_new_tokens - 1, 0))
     kw = _cache_kwarg(model)
     eos_set = set() if ignore_eos else set(eos or [])
     _sync(device)
