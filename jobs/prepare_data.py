@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     c = report["counts"]
     print(json.dumps({k: c[k] for k in ("documents", "document_tokens", "rows", "read_rejects",
-                                         "render_rejects", "docs_split", "efficiency")}, indent=1))
+                                         "render_rejects", "docs_split", "pieces_without_loss", "efficiency")},
+                     indent=1))
     print(f"wrote {len(report['shards'])} shard(s) to {cfg.output.dir}")
     return 0
 

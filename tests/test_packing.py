@@ -172,3 +172,25 @@ def test_check_row_catches_broken_rows(field, value, msg):
     row[field] = value
     with pytest.raises(ValueError, match=msg):
         check_row(row)
+
+
+def test_min_loss_tokens_drops_and_counts_pieces_without_loss():
+    # d0: no assistant token at all; d1: long, its first window has none; d2: one loss token
+    no_loss = Document("d0", np.arange(10, dtype=np.int32), np.zeros(10, bool))
+    long_mask = np.zeros(40, bool)
+    long_mask[20:30] = True
+    long_doc = Document("d1", np.arange(100, 140, dtype=np.int32), long_mask)
+    one = np.zeros(6, bool)
+    one[3] = True  # label-aligned: position 2's label is an assistant token
+    tiny = Document("d2", np.arange(200, 206, dtype=np.int32), one)
+    rows, p = _pack([no_loss, long_doc, tiny], max_len=16, min_loss_tokens=1)
+    kept = {did for did, _, _ in _segments(rows)} - {PAD_DOC_ID}
+    # d1 splits into windows [0,16) [16,32) [32,40): only the middle one holds assistant labels
+    assert kept == {"d1@1", "d2"}
+    assert p.stats.pieces_without_loss == 3 and p.stats.tokens_without_loss == 10 + 16 + 8
+    assert p.stats.loss_tokens == sum(int(m.sum()) for _, _, m in _segments(rows))
+    # the default keeps every piece
+    rows, p = _pack([no_loss, long_doc, tiny], max_len=16)
+    assert p.stats.pieces_without_loss == 0 and len({d for d, _, _ in _segments(rows)} - {PAD_DOC_ID}) == 5
+    with pytest.raises(ValueError, match="min_loss_tokens"):
+        BestFitPacker(16, min_loss_tokens=-1)

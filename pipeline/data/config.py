@@ -71,12 +71,17 @@ class PackingConfig:
     pad_to_max_len: bool = True
     # None: the tokenizer's pad token, else its EOS token.
     pad_id: int | None = None
+    # Drop pieces (documents, windows of split ones) with fewer loss (assistant-label) tokens; counted in
+    # the report. 1 for stage 2, whose KL is on assistant tokens only; 0 (keep all) for stage 1's ILD.
+    min_loss_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.long_doc_policy not in LONG_DOC_POLICIES:
             raise ValueError(f"packing.long_doc_policy {self.long_doc_policy!r} not in {LONG_DOC_POLICIES}")
         if self.max_len < 2 or self.window < 1 or self.max_open_rows < 1:
             raise ValueError("packing.max_len must be >= 2, packing.window and max_open_rows >= 1")
+        if self.min_loss_tokens < 0:
+            raise ValueError(f"packing.min_loss_tokens must be >= 0, got {self.min_loss_tokens}")
 
 
 @dataclass

@@ -135,7 +135,7 @@ def make_packer(pcfg: Any, pad_id: int) -> BestFitPacker:
     return BestFitPacker(
         max_len=pcfg.max_len, window=pcfg.window, max_open_rows=pcfg.max_open_rows,
         close_slack=pcfg.close_slack, long_doc_policy=pcfg.long_doc_policy,
-        pad_id=pad_id, pad_to_max_len=pcfg.pad_to_max_len,
+        pad_id=pad_id, pad_to_max_len=pcfg.pad_to_max_len, min_loss_tokens=pcfg.min_loss_tokens,
     )
 
 
@@ -518,8 +518,9 @@ def report_markdown(r: dict[str, Any]) -> str:
     ]
     for k in ("records_read", "read_rejects", "mixture_records", "render_rejects", "documents",
               "document_tokens", "rows", "tokens_packed", "loss_tokens", "pad_tokens", "docs_split",
-              "docs_truncated", "tokens_truncated", "docs_dropped", "tokens_dropped"):
-        lines.append(f"| {k.replace('_', ' ')} | {c[k]:,} |")
+              "docs_truncated", "tokens_truncated", "docs_dropped", "tokens_dropped", "pieces_without_loss",
+              "tokens_without_loss"):
+        lines.append(f"| {k.replace('_', ' ')} | {c.get(k, 0):,} |")
     lines += [
         f"| packing efficiency | {100 * c['efficiency']:.2f} % |",
         f"| tokenize + pack throughput | {r['throughput']['tokens_per_s']:,.0f} tokens/s |",

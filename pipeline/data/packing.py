@@ -12,6 +12,10 @@ Design choices:
   input order, so the same input gives the same rows.
 * Documents are never cut to fill a row. Only a document longer than `max_len` is split into
   `max_len` windows, truncated or dropped (`long_doc_policy`), and each case is counted.
+* `min_loss_tokens` > 0 drops every piece (a document, or one window of a split one) with fewer loss
+  tokens, counted in `pieces_without_loss` / `tokens_without_loss`: a loss computed on assistant tokens
+  only (stage 2's KL) spends nothing but compute on them, and a window's segment gives no context to the
+  next one. With 512-token rows about 18 % of ShareGPT's tokens sit in such windows of long user turns.
 * The loss mask is label-aligned: `loss_mask[t] = 1` when the label of position t, i.e.
   `input_ids[t + 1]`, is an assistant token of the same document. The last token of every document
   (and of every piece of a split document) is 0, so no label crosses a document boundary.
@@ -92,6 +96,8 @@ class PackingStats:
     tokens_truncated: int = 0
     docs_dropped: int = 0
     tokens_dropped: int = 0
+    pieces_without_loss: int = 0
+    tokens_without_loss: int = 0
 
     @property
     def efficiency(self) -> float:
@@ -160,6 +166,7 @@ class BestFitPacker:
         long_doc_policy: str = "split",
         pad_id: int = 0,
         pad_to_max_len: bool = True,
+        min_loss_tokens: int = 0,
     ) -> None:
         if max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {max_len}")
@@ -167,6 +174,8 @@ class BestFitPacker:
             raise ValueError(f"window ({window}) and max_open_rows ({max_open_rows}) must be >= 1")
         if long_doc_policy not in LONG_DOC_POLICIES:
             raise ValueError(f"long_doc_policy {long_doc_policy!r} is not one of {LONG_DOC_POLICIES}")
+        if min_loss_tokens < 0:
+            raise ValueError(f"min_loss_tokens must be >= 0, got {min_loss_tokens}")
         self.max_len = max_len
         self.window = window
         self.max_open_rows = max_open_rows
@@ -174,6 +183,7 @@ class BestFitPacker:
         self.long_doc_policy = long_doc_policy
         self.pad_id = pad_id
         self.pad_to_max_len = pad_to_max_len
+        self.min_loss_tokens = min_loss_tokens
         self.stats = PackingStats(max_len=max_len)
         self._pending: list[_Piece] = []
         self._open: dict[int, _OpenRow] = {}
@@ -230,6 +240,10 @@ class BestFitPacker:
         return out
 
     def _push(self, doc_id: str, ids_L: np.ndarray, loss_L: np.ndarray) -> None:
+        if self.min_loss_tokens and int(loss_L.sum()) < self.min_loss_tokens:
+            self.stats.pieces_without_loss += 1
+            self.stats.tokens_without_loss += len(ids_L)
+            return
         self._pending.append(_Piece(doc_id, ids_L, loss_L, self._piece_seq))
         self._piece_seq += 1
         self.stats.pieces += 1
