@@ -118,6 +118,7 @@ class Demo(StepRunner):
                               "--run-dir", str(self.run / "placement"), "--steps", str(a.steps),
                               "--heldout-rows", str(a.heldout_rows), "--seq-len", str(a.seq_len),
                               "--compare", "even", "uniform:15", "--compare-steps", str(a.steps),
+                              "--compare-seeds", *map(str, a.placement_seeds),
                               "--train-set", "model.activation_checkpointing=false"]
                 + (["--quiet"] if a.quiet else []))
         return json.loads((self.run / "placement" / "compare.json").read_text())
@@ -249,7 +250,10 @@ class Demo(StepRunner):
             # a skipped step returns its done-marker; the results live in results.json
             info[k] = json.loads((r / "eval" / k.removeprefix("eval_") / "results.json").read_text())
         if self.args.placement_study:
-            self.step("placement", [r / "placement" / "compare.json"], self.placement)
+            seeds = self.args.placement_seeds
+            # other seeds are another step (place_layers itself reuses every run that finished)
+            name = "placement" if seeds == [0] else "placement_seeds_" + "-".join(map(str, seeds))
+            self.step(name, [r / "placement" / "compare.json"], self.placement)
         info["convert"] = json.loads(self.done_file("convert").read_text())
         info["decontaminate"] = json.loads(self.done_file("decontaminate").read_text())
         table = self.report(info)
@@ -298,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--placement-study", action="store_true",
                     help="also run jobs/place_layers.py: the searched 15-MLA placement vs even vs uniform:15, "
                          "each with the same stage 1 + stage 2 budget (adds about three demo runs)")
+    ap.add_argument("--placement-seeds", nargs="+", type=int, default=[0], metavar="SEED",
+                    help="with --placement-study: repeat each compared placement per seed (mean, spread, paired gaps)")
     ap.add_argument("--force", action="store_true", help="redo every step")
     ap.add_argument("--quiet", action="store_true", help="do not echo the jobs' output")
     ap.add_argument("--update-readme", action="store_true",
