@@ -12,10 +12,10 @@ Steps (each resumable; `<run-dir>/done/` records what finished, `--force` redoes
   -> placement.json (chosen mla_layers, per-layer scores, proxy rank correlations) + placement_scores.png
   -> with --compare: each placement (the searched one and the listed ones) converted, trained with the
      same stage 1 + stage 2 budget (`--compare-steps`) and evaluated: compare.md / compare.json.
-     `--compare-seeds 0 1 2` repeats every compared run per seed (the conversion's init of what it does not
-     set and the training data order; the placements share them within a seed) and reports the mean, the
-     spread and the paired difference to the searched placement per seed: one seed's init noise on these
-     tiny budgets is as large as the gaps between placements.
+     `--compare-seeds 0 1 2` repeats every compared run per seed (`convert --seed`: the init of what
+     conversion does not set; also `train.seed`, though packed rows are read in file order whatever the
+     seed) and reports the mean, the spread and the paired difference to the searched placement per seed:
+     one seed's init noise on these tiny budgets is as large as the gaps between placements.
 
 Data: packed-row directories from jobs/prepare_data.py: `--data-from RUN` takes RUN/data/{stage1,stage2,
 heldout} (what `make demo` writes), or give `--stage1-data`, `--stage2-data`, `--heldout-data`. The method
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="placements to compare with the searched one, e.g. --compare even uniform:15 0,5,10")
     ap.add_argument("--compare-steps", type=int, default=16, help="stage 1 and stage 2 steps of each compared run")
     ap.add_argument("--compare-seeds", nargs="+", type=int, default=[0], metavar="SEED",
-                    help="run every compared placement once per seed (conversion init + data order); with several "
+                    help="run every compared placement once per seed (conversion init, train.seed); with several "
                          "seeds the table gives mean, spread and the paired difference to the searched placement")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--quiet", action="store_true")

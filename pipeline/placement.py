@@ -277,7 +277,7 @@ def compare_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     mean / std (sample, 0 for one seed) of the held-out KL over seeds; for every placement but the searched
     one (the first), the paired gaps KL(placement) - KL(searched) of the seeds both ran, their mean, and in
     how many of those seeds the searched placement was lower. Pairing by seed removes what the placements
-    share within a seed (data order, the init of layers whose type agrees).
+    share within a seed (the init of every layer whose type agrees: conversion seeds each layer).
     """
     order: list[str] = []
     by: dict[str, dict[int, dict[str, Any]]] = {}
