@@ -94,7 +94,8 @@ def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference):
     from pipeline.train.driver import run
 
     root, models = tiny
-    cfg = tiny_config(models, root / "runs", "ray", ray={"launcher": "ray", "max_failures": 1},
+    # a nested run name (as jobs/place_layers.py uses): Ray's checkpoints must land in the run directory
+    cfg = tiny_config(models, root / "runs", "ray/recover", ray={"launcher": "ray", "max_failures": 1},
                       train={"max_steps": 8}, fault={"kill_at_step": 5, "kill_rank": 1, "kill_when": "mid_step"})
     cfg_path = write_config(cfg, root / "ray.yaml")
     import ray
@@ -105,7 +106,7 @@ def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference):
         summary = run(2, ["--config", str(cfg_path)])
     finally:
         ray.shutdown()
-    rd = root / "runs" / "ray"
+    rd = root / "runs" / "ray" / "recover"
     got = read_metrics(rd)
     assert (rd / ".fault-step5-mid_step-rank1").exists()
     assert list(got) == list(range(1, 9)) and summary["last_step"] == 8

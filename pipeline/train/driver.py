@@ -158,7 +158,9 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(
-            name=cfg.ray.name, storage_path=str(rd.parent),
+            # rd.name, not cfg.ray.name: with a nested name ("a/b") Ray would write its checkpoints to
+            # <storage>/a/a/b, outside the run directory that resume, metrics and cleanup read
+            name=rd.name, storage_path=str(rd.parent),
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             callbacks=[make_ray_callback(rd, planned_steps(cfg), cfg.metrics.log_every, cfg.metrics.tensorboard)],
