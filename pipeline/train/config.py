@@ -118,8 +118,8 @@ class CheckpointSection:
     keep: int | None = 2
     # Write the consolidated HF-format HyLo checkpoint (<run dir>/model) at the end.
     consolidate: bool = True
-    # After a run that finished and consolidated, delete its ZeRO checkpoints (each holds the optimiser
-    # state: ~8x the fp32 model in all); for short runs whose output is the consolidated model only.
+    # After a run that finished and consolidated, delete its ZeRO checkpoints (weights + Adam moments:
+    # 12 bytes per parameter, 3x the fp32 model); for runs whose output is the consolidated model only.
     delete_after_consolidate: bool = False
 
 
