@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,22 +182,23 @@ def _fake_checkpoint(d, cfg, world=2, step=4):
         "config": config_to_dict(cfg), "breaking_hash": breaking_hash(cfg), "data_fingerprint": "fp1"})
 
 
-def test_latest_checkpoint_skips_incomplete(tmp_path):
+def _run_with_mixed_checkpoints(run: Path) -> None:
+    """step 4 complete, step 8 missing rank 1's state, a scratch .tmp-step_00000012."""
     cfg = Stage2Config()
-    _fake_checkpoint(tmp_path / "step_00000004", cfg, step=4)
-    _fake_checkpoint(tmp_path / "step_00000008", cfg, step=8)
-    (tmp_path / "step_00000008" / "ranks" / "rank_1.json").unlink()
-    (tmp_path / ".tmp-step_00000012").mkdir()
+    _fake_checkpoint(run / "step_00000004", cfg, step=4)
+    _fake_checkpoint(run / "step_00000008", cfg, step=8)
+    (run / "step_00000008" / "ranks" / "rank_1.json").unlink()
+    (run / ".tmp-step_00000012").mkdir()
+
+
+def test_latest_checkpoint_skips_incomplete(tmp_path):
+    _run_with_mixed_checkpoints(tmp_path)
     assert ckpt_lib.latest_checkpoint(tmp_path) == tmp_path / "step_00000004"
     assert not ckpt_lib.is_complete(tmp_path / "step_00000008")
 
 
 def test_delete_checkpoints_removes_complete_partial_and_scratch_only(tmp_path):
-    cfg = Stage2Config()
-    _fake_checkpoint(tmp_path / "step_00000004", cfg, step=4)
-    _fake_checkpoint(tmp_path / "step_00000008", cfg, step=8)
-    (tmp_path / "step_00000008" / "ranks" / "rank_1.json").unlink()
-    (tmp_path / ".tmp-step_00000012").mkdir()
+    _run_with_mixed_checkpoints(tmp_path)
     for keep in ("model", "tensorboard", "step_notes"):
         (tmp_path / keep).mkdir()
     (tmp_path / "metrics.jsonl").write_text("{}\n")
