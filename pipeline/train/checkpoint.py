@@ -228,7 +228,7 @@ def delete_checkpoints(run_dir: Path) -> tuple[int, int]:
     if not run_dir.is_dir():
         return 0, 0
     for p in run_dir.iterdir():
-        if p.is_dir() and (STEP_DIR.match(p.name) or STEP_DIR.match(p.name.removeprefix(".tmp-"))):
+        if p.is_dir() and STEP_DIR.match(p.name.removeprefix(".tmp-")):
             freed += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
             shutil.rmtree(p)
             count += 1
