@@ -36,9 +36,8 @@ class EvalError(ValueError):
 
 
 def is_hylo(model: nn.Module) -> bool:
-    from hylo.modeling import HyLoForCausalLM
-
-    return isinstance(model, HyLoForCausalLM)
+    """A HyLo model, whether this project's class or the copy transformers loads with trust_remote_code."""
+    return getattr(getattr(model, "config", None), "model_type", None) == "hylo" and hasattr(model, "model")
 
 
 def resolve_path(spec: str | Path) -> Path:
@@ -113,9 +112,7 @@ def eos_ids(model: nn.Module, tokenizer=None) -> list[int]:
 def new_cache(model: nn.Module, max_length: int | None = None):
     """An empty generation cache; `max_length` (prompt + new tokens) lets HyLo allocate its MLA cache once."""
     if is_hylo(model):
-        from hylo.cache import HyLoCache
-
-        return HyLoCache(model.config, max_length=max_length)
+        return model.new_cache(max_length=max_length)
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
@@ -170,10 +167,9 @@ class CacheBytes:
 
 def cache_nbytes(cache: Any) -> CacheBytes:
     """Bytes held by a generation cache's tensors."""
-    from hylo.cache import HyLoCache
-
     tokens = int(cache.get_seq_length())
-    if isinstance(cache, HyLoCache):
+    if callable(getattr(cache, "nbytes", None)):
+        # HyLoCache (this project's or a trust_remote_code copy's)
         nb = cache.nbytes()
         return CacheBytes(nb["total"], nb["mla"], nb["linear"], tokens, dict(nb))
     layers = getattr(cache, "layers", None)
