@@ -202,3 +202,13 @@ def test_bundler_refuses_an_import_it_cannot_rewrite(tmp_path, monkeypatch):
     monkeypatch.setattr(rc, "_source_file", lambda module: bad)
     with pytest.raises(rc.RemoteCodeError, match=r"modeling.py: write project imports as `from hylo.x import y`"):
         rc.bundle_sources()
+
+
+def test_eval_loads_a_checkpoint_by_its_config_json_alone(base_dir, tmp_path):
+    from pipeline.eval.decode import is_hylo, load_model
+
+    model = convert(base_dir, tmp_path / "hy")
+    (tmp_path / "hy" / "hybrid_config.json").unlink()
+    back = load_model(tmp_path / "hy", device="cpu")
+    assert is_hylo(back) and back.config.mla_layers == model.config.mla_layers
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())

@@ -12,8 +12,9 @@ Design choices:
 * Cache bytes are counted on the cache tensors themselves: `HyLoCache.nbytes()` for HyLo; for
   other caches every tensor reachable from the cache's layers (deduplicated by storage). Bytes
   that grow with the sequence (MLA latents, K/V) are reported apart from constant state.
-* Loading: a directory with `hybrid_config.json` is a HyLo checkpoint, any other directory an HF
-  causal LM, and a bare name an asset from `hylo.assets.fetch_asset`.
+* Loading: a directory with `hybrid_config.json` (or a `config.json` of model_type hylo) is a HyLo
+  checkpoint, loaded with this project's classes (never its bundled remote code); any other directory
+  an HF causal LM, and a bare name an asset from `hylo.assets.fetch_asset`.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ def load_model(spec: str | Path, dtype: str = "float32", device: str = "auto") -
         from hylo.io import load_hylo
 
         model = load_hylo(path, dtype=DTYPES[dtype])
+    elif _model_type(path / "config.json") == "hylo":
+        from hylo.config import HybridConfigError
+        from hylo.modeling import HyLoForCausalLM
+
+        try:
+            model = HyLoForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        except (OSError, HybridConfigError) as e:
+            raise EvalError(f"{path}: could not load the HyLo model: {e}") from e
     elif (path / "config.json").is_file():
         from transformers import AutoModelForCausalLM
 
@@ -84,6 +93,15 @@ def load_model(spec: str | Path, dtype: str = "float32", device: str = "auto") -
     model = model.to(pick_device(device)).eval()
     model.requires_grad_(False)
     return model
+
+
+def _model_type(config_json: Path) -> str | None:
+    import json
+
+    try:
+        return json.loads(config_json.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def load_tokenizer(spec: str | Path | None):
