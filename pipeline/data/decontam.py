@@ -797,6 +797,32 @@ def _scan_local(texts: list[list[str]], batch_size: int, fn: Callable[[Sequence[
     return tuple(np.concatenate([p[k] for p in parts]) for k in range(4))  # type: ignore
 
 
+def build_index(benchmarks: Sequence[BenchmarkSpec], match: MatchConfig) -> tuple[BenchmarkIndex, dict]:
+    """The n-gram index of every item of `benchmarks`, plus the rows skipped per suite."""
+    items: list[Item] = []
+    skipped: dict[str, dict[str, int]] = {}
+    for b in benchmarks:
+        its, sk = load_benchmark(b)
+        items += its
+        skipped[b.name] = sk
+    return BenchmarkIndex.build(items, match), skipped
+
+
+def scan_and_decide(index: BenchmarkIndex, texts: list[list[str]], scanner: str = "ray", batch_size: int = 256,
+                    progress: bool = True, num_cpus: int = 2, ray_address: str | None = None) -> Decision:
+    """Scan documents (each a list of turn texts) and decide which are contaminated (see `decide`)."""
+    if scanner == "ray":
+        from types import SimpleNamespace
+
+        hits = _scan_ray(index, texts, SimpleNamespace(batch_size=batch_size, progress=progress, num_cpus=num_cpus,
+                                                       ray_address=ray_address))
+    elif scanner == "local":
+        hits = _scan_local(texts, batch_size, FastScanner(index).scan, progress)
+    else:
+        hits = _scan_local(texts, batch_size, ReferenceScanner(index, "set").scan, progress)
+    return decide(index, *hits)
+
+
 def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = None) -> dict[str, Any]:
     """Run the whole job; returns the summary (also written to `<out>/summary.json`)."""
     if not cfg.inputs:
@@ -806,12 +832,7 @@ def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = N
     out.mkdir(parents=True, exist_ok=True)
     bench_skipped: dict[str, dict[str, int]] = {}
     if index is None:
-        items: list[Item] = []
-        for b in cfg.benchmarks:
-            its, skipped = load_benchmark(b)
-            items += its
-            bench_skipped[b.name] = skipped
-        index = BenchmarkIndex.build(items, cfg.match)
+        index, bench_skipped = build_index(cfg.benchmarks, cfg.match)
     t_index = time.perf_counter()
 
     from tqdm import tqdm

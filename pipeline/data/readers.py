@@ -604,7 +604,7 @@ def _iter_parquet(path: Path) -> Iterator[RawItem]:
         pf = pq.ParquetFile(path)
         meta = pf.metadata
     except (pa.ArrowException, OSError) as e:
-        yield -1, "", f"unreadable Parquet file: {e}", None
+        yield -1, "", f"unreadable Parquet file: {' '.join(str(e).split())}", None
         return
     start = 0
     for rg in range(meta.num_row_groups):
@@ -617,7 +617,7 @@ def _iter_parquet(path: Path) -> Iterator[RawItem]:
                     done += 1
         except (pa.ArrowException, OSError) as e:
             yield start + done, "", (f"unreadable Parquet row group {rg} (rows {start + done}..{start + n - 1} "
-                                     f"of {meta.num_rows}): {e}"), n - done
+                                     f"of {meta.num_rows}): {' '.join(str(e).split())}"), n - done
         start += n
 
 
@@ -664,7 +664,7 @@ def _iter_hf_arrow(path: Path) -> Iterator[RawItem]:
             yield item
             n += 1
     except (pa.ArrowException, OSError) as e:
-        yield (n if n else -1), "", f"unreadable Arrow file after {n} rows: {e}", None
+        yield (n if n else -1), "", f"unreadable Arrow file after {n} rows: {' '.join(str(e).split())}", None
 
 
 def _iter_hub(spec: SourceSpec) -> Iterator[RawItem]:
