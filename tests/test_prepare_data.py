@@ -99,10 +99,11 @@ def test_prepare_writes_valid_rows_with_every_document_whole(prepared, source):
 
     renderer = ChatRenderer.from_pretrained(str(fetch_asset("smollm2-135m-instruct", progress=False)))
     recs = [json.loads(l) for l in source.read_text().splitlines() if l.startswith('{"id": "c')]
-    good = {f"chat:{r['id']}": r for r in recs if split_of("chat", r["id"], 0.3, "hylo-split-v1") == "stage2"}
+    # Stage 2 reads the whole mixture (mixture.stage2: all, the default).
+    good = {f"chat:{r['id']}": r for r in recs}
     rows = _rows(out)
     c = report["counts"]
-    assert c["documents"] == len(good) and 60 < len(good) < 110 and c["rows"] == len(rows)
+    assert c["documents"] == len(good) == 120 and c["rows"] == len(rows)
     assert read_manifest(out)["counts"]["efficiency"] == pytest.approx(c["tokens_packed"] / (512 * len(rows)))
     seen: dict[str, list] = {}
     for r in rows:
@@ -156,13 +157,17 @@ def test_same_seed_same_rows_whatever_the_pool_size(prepared, source, tmp_path):
 
 
 @pytest.mark.slow
-def test_stage1_and_stage2_outputs_are_disjoint(prepared, source, tmp_path):
+def test_stage1_is_a_sample_of_stage2_or_disjoint_from_it(prepared, source, tmp_path):
     out2, _ = prepared
     prepare(_cfg(source, tmp_path / "stage1", "split=stage1"))
+    prepare(_cfg(source, tmp_path / "rest", "mixture.stage2=rest"))
     ids = {split: {d.split("@")[0] for r in _rows(d_) for d in r["doc_ids"] if d != PAD_DOC_ID}
-           for split, d_ in (("stage1", tmp_path / "stage1"), ("stage2", out2))}
-    assert ids["stage1"] and ids["stage2"] and not ids["stage1"] & ids["stage2"]
-    assert len(ids["stage1"] | ids["stage2"]) == 120
+           for split, d_ in (("stage1", tmp_path / "stage1"), ("stage2", out2), ("rest", tmp_path / "rest"))}
+    want1 = {f"chat:c{i}" for i in range(120) if split_of("chat", f"c{i}", 0.3, "hylo-split-v1") == "stage1"}
+    assert ids["stage1"] == want1 and 20 < len(want1) < 60
+    # Default: stage 2 is the whole mixture; mixture.stage2=rest: the records stage 1 does not read.
+    assert ids["stage1"] < ids["stage2"] and len(ids["stage2"]) == 120
+    assert not ids["stage1"] & ids["rest"] and ids["stage1"] | ids["rest"] == ids["stage2"]
 
 
 @pytest.mark.slow

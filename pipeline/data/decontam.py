@@ -160,6 +160,35 @@ SUITES: dict[str, BenchmarkSpec] = {
 }
 
 
+def export_benchmarks(out_dir: str | Path, names: Sequence[str] | None = None,
+                      log: Callable[[str], None] = print) -> dict[str, int]:
+    """Write each hub suite of SUITES as `<out_dir>/<name>.jsonl` (its evaluation split), for configs
+    that read the suites from local files. Needs the `datasets` package and the hub, once."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError("exporting benchmarks needs the `datasets` package (pip install datasets) and "
+                         "access to the Hugging Face hub") from None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hub = [n for n, b in SUITES.items() if b.path.startswith("hub:")]
+    unknown = sorted(set(names or []) - set(hub))
+    if unknown:
+        raise ValueError(f"unknown or non-hub suite(s) {unknown}; exportable: {', '.join(hub)}")
+    counts = {}
+    for name in names or hub:
+        b = SUITES[name]
+        rows = datasets.load_dataset(b.path.removeprefix("hub:"), b.subset, split=b.split)
+        with _AtomicWriter(out / f"{name}.jsonl") as f:
+            n = 0
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+                n += 1
+        counts[name] = n
+        log(f"{name}: {n} items ({b.path.removeprefix('hub:')} {b.subset or ''} {b.split}) -> {out / name}.jsonl")
+    return counts
+
+
 def resolve_benchmark(spec: BenchmarkSpec) -> BenchmarkSpec:
     """Fill path/fields from the registry when not given; errors name the suite and the choices."""
     if spec.path and spec.fields:
