@@ -4,6 +4,7 @@
     python jobs/decontaminate.py --input a.jsonl --input b.parquet \\
         --benchmark gsm8k --benchmark mine=evals/mine.jsonl:question,answer@qid --ngram 8 --mode cut
     python jobs/decontaminate.py --config configs/decontam.yaml --set match.boilerplate_docs=0
+    python jobs/decontaminate.py --export-benchmarks /mnt/hylo/evals   # hub suites -> <dir>/<suite>.jsonl
 
 --input [NAME=]PATH (repeatable; NAME defaults to the file stem); --benchmark NAME (built-in or
 registry suite: humaneval, gsm8k, mmlu, ...) or NAME=PATH:FIELD[,FIELD...][@ID_FIELD].
@@ -21,7 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
-from pipeline.data.decontam import SUITES, DecontamJobConfig, run_decontamination  # noqa: E402
+from pipeline.data.decontam import (  # noqa: E402
+    SUITES,
+    DecontamJobConfig,
+    export_benchmarks,
+    run_decontamination,
+)
 from pipeline.data.readers import SourceError  # noqa: E402
 
 
@@ -64,7 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=("drop", "cut"), default=None)
     ap.add_argument("--format", dest="output_format", choices=("jsonl", "parquet"), default=None)
     ap.add_argument("--scanner", choices=("ray", "local", "reference"), default=None)
+    ap.add_argument("--export-benchmarks", metavar="DIR", default=None,
+                    help="write the hub suites (or those named by --benchmark) to DIR/<suite>.jsonl and exit")
     args = ap.parse_args(argv)
+    if args.export_benchmarks:
+        try:
+            export_benchmarks(args.export_benchmarks, args.benchmark or None)
+        except (ValueError, OSError) as e:
+            print(f"decontaminate: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     overrides = list(args.overrides)
     try:
         if args.input:

@@ -14,7 +14,7 @@ import sys
 
 from pipeline.config import ConfigError, add_config_args, config_from_args
 from pipeline.data.config import PrepareDataConfig
-from pipeline.data.dataset import prepare
+from pipeline.data.dataset import PrepareError, prepare
 from pipeline.data.readers import SourceError
 
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         report = prepare(cfg)
-    except (FileExistsError, FileNotFoundError, SourceError) as e:
+    except (FileExistsError, FileNotFoundError, SourceError, PrepareError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     c = report["counts"]

@@ -1,4 +1,4 @@
-"""Mixture: deterministic seeded order, up/down-sampling by weight, disjoint stage-1/stage-2 split."""
+"""Mixture: deterministic seeded order, up/down-sampling by weight, the stage-1 sample and stage 2."""
 
 from __future__ import annotations
 
@@ -26,12 +26,15 @@ def _ids(records) -> list[str]:
 def test_splits_are_disjoint_complete_and_seed_independent(frac):
     recs = _recs("a", 3000)
     s1, _ = mix([("a", 1.0, recs)], "stage1", seed=0, stage1_fraction=frac)
-    s2, _ = mix([("a", 1.0, recs)], "stage2", seed=1, stage1_fraction=frac)
+    s2, _ = mix([("a", 1.0, recs)], "stage2", seed=1, stage1_fraction=frac, stage2="rest")
     every, _ = mix([("a", 1.0, recs)], "all", seed=2)
     a, b = set(_ids(s1)), set(_ids(s2))
     assert not a & b
     assert a | b == set(_ids(every))
     assert abs(len(a) / 3000 - frac) < 0.03
+    # The published recipe (the default): stage 1 is the sample, stage 2 reads the whole mixture.
+    full, _ = mix([("a", 1.0, recs)], "stage2", seed=1, stage1_fraction=frac)
+    assert set(_ids(full)) == set(_ids(every)) and a < set(_ids(full))
     # Adding another source or changing the weights never moves a record between the stages.
     s1b, _ = mix([("b", 1.0, _recs("b", 50)), ("a", 2.0, recs)], "stage1", seed=5, stage1_fraction=frac)
     assert {d for d in _ids(s1b) if d.startswith("a:")} == {d + s for d in a for s in ("", "~1")}
@@ -98,6 +101,7 @@ def test_config_from_yaml_and_its_errors(tmp_path):
         "split: stage3\n": "split 'stage3'",
         "packing: {long_doc_policy: wrap}\n": "long_doc_policy",
         "mixture: {stage1_fraction: 1.5}\n": "stage1_fraction",
+        "mixture: {stage2: remaining}\n": "mixture.stage2 'remaining' not in",
     }
     for text, msg in cases.items():
         path.write_text(text)
@@ -119,3 +123,34 @@ def test_build_mixture_reads_sources_and_reports_rejects(tmp_path):
     reasons = sorted(r["reason"] for r in rejects)
     assert len(reasons) == 2
     assert reasons[0].startswith("invalid JSON") and "unknown role" in reasons[1]
+    assert stats.sources["chat"].rejected == 2 and stats.sources["chat"].records_lost == 2
+
+
+def test_build_mixture_refuses_a_source_that_gives_nothing(tmp_path):
+    from pipeline.data.readers import EmptySourceError
+
+    good, empty = tmp_path / "good.jsonl", tmp_path / "empty.json"
+    good.write_text(json.dumps({"id": "g", "messages": [{"role": "user", "content": "q"},
+                                                       {"role": "assistant", "content": "a"}]}) + "\n")
+    empty.write_text("[]")
+    srcs = f"mixture.sources=[{{name: good, path: '{good}'}}, {{name: empty, path: '{empty}'}}]"
+    cfg = load_config(PrepareDataConfig, None, [srcs]).mixture
+    with pytest.raises(EmptySourceError, match="source 'empty': no usable record"):
+        build_mixture(cfg, "all", lambda r: None)
+    cfg.sources[1].allow_empty = True
+    out, stats = build_mixture(cfg, "all", lambda r: None)
+    assert len(out) == 1 and stats.sources["empty"].read == 0 and stats.sources["empty"].unknown_losses == 1
+
+
+def test_restrict_removes_every_copy_and_keeps_order():
+    from pipeline.data.mixture import restrict
+
+    full, stats = mix([("a", 2.0, _recs("a", 200)), ("b", 1.0, _recs("b", 100))], "all", seed=4)
+    s1, st1 = mix([("a", 2.0, _recs("a", 200)), ("b", 1.0, _recs("b", 100))], "stage1", seed=4)
+    got, gst = restrict(full, stats, "stage1", 0.2, "hylo-split-v1")
+    assert _ids(got) == _ids(s1) and gst.sources["a"].in_split == st1.sources["a"].in_split
+    gone = {r["doc_base"] for r in got[:5]}
+    got2, gst2 = restrict(full, stats, "stage1", 0.2, "hylo-split-v1", removed=gone)
+    assert not {r["doc_base"] for r in got2} & gone and len(got2) < len(got)
+    assert sum(c.decontaminated for c in gst2.sources.values()) >= len(gone)
+    assert [d for d in _ids(got) if d.split("~")[0] not in gone] == _ids(got2)

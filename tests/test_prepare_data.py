@@ -13,6 +13,7 @@ from pipeline.data.config import PrepareDataConfig
 from pipeline.data.dataset import (
     MANIFEST,
     DataFormatError,
+    PrepareError,
     RowReader,
     ShardWriter,
     prepare,
@@ -36,11 +37,12 @@ def _conv(i: int, turns: int) -> list[dict]:
 BAD_LINES = {
     "bad-json": ("{oops", "invalid JSON"),
     "bad-role": (json.dumps({"id": "bad-role", "messages": [{"role": "wizard", "content": "x"}]}), "unknown role"),
+    # An empty reply is dropped (a repair), which leaves nothing to learn.
     "bad-empty": (json.dumps({"id": "bad-empty", "messages": [
-        {"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}), "empty content"),
-    "bad-alternation": (json.dumps({"id": "bad-alternation", "messages": [
-        {"role": "user", "content": "q"}, {"role": "user", "content": "q2"},
-        {"role": "assistant", "content": "a"}]}), "broken alternation"),
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}), "no assistant turn"),
+    "bad-system-mid": (json.dumps({"id": "bad-system-mid", "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+        {"role": "system", "content": "s"}, {"role": "assistant", "content": "b"}]}), "system turn after the start"),
     "bad-type": (json.dumps({"id": "bad-type", "messages": [
         {"role": "user", "content": ["q"]}, {"role": "assistant", "content": "a"}]}), "not a string"),
     "bad-surrogate": ('{"id": "bad-surrogate", "messages": [{"role": "user", "content": "q \\ud800"}, '
@@ -98,10 +100,11 @@ def test_prepare_writes_valid_rows_with_every_document_whole(prepared, source):
 
     renderer = ChatRenderer.from_pretrained(str(fetch_asset("smollm2-135m-instruct", progress=False)))
     recs = [json.loads(l) for l in source.read_text().splitlines() if l.startswith('{"id": "c')]
-    good = {f"chat:{r['id']}": r for r in recs if split_of("chat", r["id"], 0.3, "hylo-split-v1") == "stage2"}
+    # Stage 2 reads the whole mixture (mixture.stage2: all, the default).
+    good = {f"chat:{r['id']}": r for r in recs}
     rows = _rows(out)
     c = report["counts"]
-    assert c["documents"] == len(good) and 60 < len(good) < 110 and c["rows"] == len(rows)
+    assert c["documents"] == len(good) == 120 and c["rows"] == len(rows)
     assert read_manifest(out)["counts"]["efficiency"] == pytest.approx(c["tokens_packed"] / (512 * len(rows)))
     seen: dict[str, list] = {}
     for r in rows:
@@ -135,7 +138,7 @@ def test_every_bad_record_is_in_the_rejects_file_with_its_reason(prepared):
         assert reason in by_id[name]["reason"], (name, by_id[name]["reason"])
         assert by_id[name]["source"] == "chat" and by_id[name]["stage"] == "read"
     md = (out / "report.md").read_text()
-    assert "broken alternation" in md and "packing efficiency" in md
+    assert "system turn after the start" in md and "packing efficiency" in md
 
 
 @pytest.mark.slow
@@ -155,13 +158,17 @@ def test_same_seed_same_rows_whatever_the_pool_size(prepared, source, tmp_path):
 
 
 @pytest.mark.slow
-def test_stage1_and_stage2_outputs_are_disjoint(prepared, source, tmp_path):
+def test_stage1_is_a_sample_of_stage2_or_disjoint_from_it(prepared, source, tmp_path):
     out2, _ = prepared
     prepare(_cfg(source, tmp_path / "stage1", "split=stage1"))
+    prepare(_cfg(source, tmp_path / "rest", "mixture.stage2=rest"))
     ids = {split: {d.split("@")[0] for r in _rows(d_) for d in r["doc_ids"] if d != PAD_DOC_ID}
-           for split, d_ in (("stage1", tmp_path / "stage1"), ("stage2", out2))}
-    assert ids["stage1"] and ids["stage2"] and not ids["stage1"] & ids["stage2"]
-    assert len(ids["stage1"] | ids["stage2"]) == 120
+           for split, d_ in (("stage1", tmp_path / "stage1"), ("stage2", out2), ("rest", tmp_path / "rest"))}
+    want1 = {f"chat:c{i}" for i in range(120) if split_of("chat", f"c{i}", 0.3, "hylo-split-v1") == "stage1"}
+    assert ids["stage1"] == want1 and 20 < len(want1) < 60
+    # Default: stage 2 is the whole mixture; mixture.stage2=rest: the records stage 1 does not read.
+    assert ids["stage1"] < ids["stage2"] and len(ids["stage2"]) == 120
+    assert not ids["stage1"] & ids["rest"] and ids["stage1"] | ids["rest"] == ids["stage2"]
 
 
 @pytest.mark.slow
@@ -256,3 +263,147 @@ def test_row_reader_names_missing_or_inconsistent_files(tmp_path):
     (tmp_path / MANIFEST).write_text('{"format": "something-else"}')
     with pytest.raises(DataFormatError, match="format"):
         RowReader(tmp_path)
+
+
+# ------------------------------------------------------- a failed run never costs the old dataset
+def _fake_stream(fail_after: int | None = None):
+    """Stands in for the Ray tokenise stage (tested above with Ray): one token per character."""
+    def stream(records, renderer_spec, tcfg, packer, run, on_document=None):
+        for k, rec in enumerate(records):
+            if fail_after is not None and k == fail_after:
+                raise RuntimeError("worker died")
+            text = "".join(m["content"] for m in rec["messages"])
+            doc = Document(rec["doc_id"], np.arange(len(text), dtype=np.int32) % 50, np.ones(len(text), bool))
+            run.documents += 1
+            run.doc_tokens += len(text)
+            yield from packer.add(doc)
+        yield from packer.flush()
+    return stream
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    import pipeline.data.dataset as ds
+
+    monkeypatch.setattr(ds, "_ensure_ray", lambda cfg: None)
+    return ds
+
+
+def _snapshot(d) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+@pytest.fixture
+def old_dataset(tmp_path):
+    out = tmp_path / "stage2"
+    _write_shards(out)
+    (out / "report.md").write_text("old report\n")
+    return out
+
+
+@pytest.mark.parametrize("bad", ["source-path", "tokenizer", "benchmark", "mid-run"])
+def test_overwrite_failure_leaves_the_old_dataset_untouched(old_dataset, source, tmp_path, no_ray, monkeypatch, bad):
+    before = _snapshot(old_dataset)
+    extra = ["output.overwrite=true"]
+    if bad == "source-path":
+        cfg = _cfg(tmp_path / "typo.jsonl", old_dataset, *extra)
+        err = "source 'chat': path .*typo.jsonl does not exist"
+    elif bad == "tokenizer":
+        cfg = _cfg(source, old_dataset, *extra, f"tokenize.tokenizer={tmp_path / 'no-tokenizer'}")
+        err = "neither a directory nor an asset"
+    elif bad == "benchmark":
+        cfg = _cfg(source, old_dataset, *extra,
+                   f"decontam.benchmarks=[{{name: gsm8k, path: '{tmp_path / 'gsm8k.jsonl'}'}}]")
+        err = "source 'gsm8k': path .*gsm8k.jsonl does not exist"
+    else:
+        monkeypatch.setattr(no_ray, "stream_packed_rows", _fake_stream(fail_after=30))
+        cfg = _cfg(source, old_dataset, *extra)
+        err = "worker died"
+    with pytest.raises(Exception, match=err):
+        prepare(cfg)
+    assert _snapshot(old_dataset) == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_overwrite_success_swaps_in_the_new_dataset(old_dataset, source, tmp_path, no_ray, monkeypatch):
+    monkeypatch.setattr(no_ray, "stream_packed_rows", _fake_stream())
+    old_shards = {p.name for p in old_dataset.glob("shard-*.parquet")}
+    report = prepare(_cfg(source, old_dataset, "output.overwrite=true", "output.rows_per_shard=1000"))
+    assert {p.name for p in old_dataset.glob("shard-*.parquet")} == {"shard-00000.parquet"} != old_shards
+    assert read_manifest(old_dataset)["config_hash"] == report["config_hash"]
+    assert (old_dataset / "report.md").read_text() != "old report\n" and (old_dataset / "rejects.jsonl").is_file()
+    assert len(_rows(old_dataset)) == report["counts"]["rows"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_directory_that_is_not_a_dataset_is_never_replaced(source, tmp_path, no_ray):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("years of work")
+    with pytest.raises(PrepareError, match="is not a prepared dataset"):
+        prepare(_cfg(source, home, "output.overwrite=true"))
+    assert (home / "thesis.tex").read_text() == "years of work"
+
+
+def test_empty_source_fails_the_job_and_allow_empty_warns(source, tmp_path, no_ray, monkeypatch, capsys):
+    from jobs.prepare_data import main
+
+    monkeypatch.setattr(no_ray, "stream_packed_rows", _fake_stream())
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    srcs = f"mixture.sources=[{{name: chat, path: '{source}'}}, {{name: nothing, path: '{empty}'}}]"
+    args = ["--set", srcs, "--set", f"output.dir={tmp_path / 'out'}", "--set", "progress=false"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: source 'nothing': no usable record") and "empty.json" in err
+    assert not (tmp_path / "out").exists()
+    srcs_ok = srcs.replace("path: '" + str(empty) + "'", "path: '" + str(empty) + "', allow_empty: true")
+    assert main(["--set", srcs_ok, *args[2:]]) == 0
+    assert "warning: source 'nothing' contributed no records" in capsys.readouterr().err
+    m = read_manifest(tmp_path / "out")
+    assert m["warnings"] == ["source 'nothing' contributed no records (allow_empty is set)"]
+    assert m["read_losses"][-1]["file"] == str(empty) and m["mixture"]["sources"]["nothing"]["read"] == 0
+    # Every source rejected -> nothing to write, no manifest.
+    assert main(["--set", f"mixture.sources=[{{name: nothing, path: '{empty}', allow_empty: true}}]",
+                 "--set", f"output.dir={tmp_path / 'out2'}", "--set", "progress=false"]) == 2
+    assert "split of the mixture is empty" in capsys.readouterr().err and not (tmp_path / "out2").exists()
+
+
+def test_read_losses_are_counted_in_the_manifest(tmp_path, no_ray, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(no_ray, "stream_packed_rows", _fake_stream())
+    rows = [{"id": f"r{i}", "messages": _conv(i, 1)} for i in range(60)]
+    src = tmp_path / "six.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), src, row_group_size=10, compression="none")
+    col = pq.ParquetFile(src).metadata.row_group(4).column(0)
+    with open(src, "r+b") as f:
+        f.seek(col.dictionary_page_offset or col.data_page_offset)
+        f.write(b"\xff" * 64)
+    report = prepare(_cfg(src, tmp_path / "out", "split=all"))
+    s = report["mixture"]["sources"]["chat"]
+    assert s["read"] == 50 and s["rejected"] == 1 and s["records_lost"] == 10
+    assert report["counts"]["records_lost"] == 10
+    assert report["read_losses"] == [{"file": str(src), "rejects": 1, "records_lost": 10, "unknown_losses": 0}]
+    (rej,) = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert rej["record"] == 40 and rej["lost"] == 10 and "row group 4" in rej["reason"]
+    assert "| six.parquet" not in (tmp_path / "out" / "report.md").read_text()
+    assert f"| {src} | 1 | 10 | 0 |" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_row_reader_names_an_unreadable_row_group(tmp_path):
+    _write_shards(tmp_path, rows_per_shard=6, rg=2)
+    import pyarrow.parquet as pq
+
+    shard = tmp_path / "shard-00001.parquet"
+    col = pq.ParquetFile(shard).metadata.row_group(1).column(0)
+    with open(shard, "r+b") as f:
+        f.seek(col.dictionary_page_offset or col.data_page_offset)
+        f.write(b"\xff" * 64)
+    reader = RowReader(tmp_path, as_numpy=True)
+    got = [reader.read_global(g)["doc_ids"] for g in range(8)]
+    assert len(got) == 8
+    with pytest.raises(DataFormatError, match=r"shard-00001.parquet: row group 1 \(rows 2..3 of the shard\) is "
+                                              r"unreadable .*rerun jobs/prepare_data.py"):
+        reader.read_global(8)

@@ -1,4 +1,5 @@
-"""Offline top-k cache: exact round trip, rejection of mismatched caches, resume after partial shards.
+"""Offline top-k cache: bit-exact storage round trip, agreement with a direct forward within a
+tolerance, rejection of mismatched caches, resume after partial shards.
 
 Shard-level tests run the teacher in-process (`compute_shard`); one module-scoped local Ray runs the
 real job (Ray Data actor pool) twice: a partial run, then a resumed run.
@@ -56,20 +57,122 @@ def _build_inprocess(env, out, **kw) -> TeacherCacheConfig:
     return cfg
 
 
-@pytest.mark.parametrize("dtype,k", [("float16", 8), ("bfloat16", 5), ("float32", VOCAB)], ids=["fp16-k8", "bf16-k5", "fp32-kV"])
-def test_round_trip_is_exact(env, tmp_path, dtype, k):
-    _build_inprocess(env, tmp_path / "c", k=k, dtype=dtype)
+class _Recorder:
+    """Wraps the teacher; remembers exactly what `compute_shard` handed to the writer, per row id."""
+
+    def __init__(self, teacher):
+        self.teacher, self.written = teacher, {}
+
+    def topk_batch(self, rows, k, dtype):
+        out = self.teacher.topk_batch(rows, k, dtype=dtype)
+        for r, rec in zip(rows, out):
+            self.written[as_packed_row(r).row_id] = rec
+        return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor (so -0.0, NaN payloads and -inf compare exactly)."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+_RTOL = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 1e-5}
+
+
+def assert_matches_forward(teacher, row, got, k: int, dtype: str) -> None:
+    """A cached record agrees with a direct forward of the row, up to float noise and storage rounding.
+
+    The cache computes rows in batches and a direct forward one at a time; the last bits differ with
+    the batch shape and the CPU, so this is a tolerance check (the storage itself is tested bit for
+    bit in `test_storage_round_trip_is_bit_exact`). Per token: every stored (index, logprob) pair
+    equals the reference log-probability of that index; the stored values are sorted and are a top-k
+    up to ties within the tolerance (near-ties may swap order or membership); the tail mass agrees
+    as a probability, so -inf (the top-k hold all the mass, e.g. k = V) and a tiny finite tail match.
+    """
+    ref_TV = torch.log_softmax(teacher.logits(row).float(), dim=-1)
+    lp, idx = got.logprobs.float(), got.indices.long()
+    assert lp.shape == idx.shape == (ref_TV.shape[0], k)
+    rtol = _RTOL[dtype]
+    at_idx = ref_TV.gather(1, idx)
+    torch.testing.assert_close(lp, at_idx, rtol=rtol, atol=1e-3)
+    assert (lp[:, :-1] >= lp[:, 1:]).all(), "stored top-k are not sorted"
+    assert all(len(set(r)) == k for r in idx.tolist()), "an index is stored twice in one token"
+    kth = ref_TV.topk(k, dim=-1).values[:, -1]
+    assert (at_idx[:, -1] >= kth - (rtol * kth.abs() + 1e-3)).all(), "a stored index is not in the top-k"
+    ref_tail = (1.0 - ref_TV.topk(k, dim=-1).values.exp().sum(-1)).clamp_min(0.0)
+    torch.testing.assert_close(got.tail_logmass.exp(), ref_tail, rtol=0.0, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype,k", [("float16", 8), ("bfloat16", 5), ("float32", VOCAB)],
+                         ids=["fp16-k8", "bf16-k5", "fp32-kV"])
+def test_storage_round_trip_is_bit_exact(env, tmp_path, dtype, k):
+    """What the writer was given is what the reader returns, bit for bit (the cache's own guarantee)."""
+    rec = _Recorder(env["teacher"])
+    cfg = _cfg(env, tmp_path / "c", k=k, dtype=dtype)
+    header, plan, todo = prepare_cache(cfg)
+    for p in todo:
+        compute_shard(rec, cfg.data, cfg.out, header, p)
+    assert finalize_cache(cfg.out, plan)
     reader = TopKCacheReader(tmp_path / "c", expect_k=k, expect_data=env["data"],
                              expect_tokenizer_hash=env["teacher"].tokenizer_hash)
-    assert len(reader) == 10
-    for row in env["rows"]:
-        exp = env["teacher"].topk(row, k, dtype=dtype)
-        got = reader.get_for_row(row)
+    assert len(reader) == 10 and set(rec.written) == set(reader.row_ids)
+    for rid, got in reader:
+        exp = rec.written[rid]
         assert got.logprobs.dtype == exp.logprobs.dtype and got.indices.dtype == torch.int32
-        assert torch.equal(got.logprobs, exp.logprobs) and torch.equal(got.indices, exp.indices)
-        assert torch.equal(got.tail_logmass, exp.tail_logmass)
+        assert torch.equal(_bits(got.logprobs), _bits(exp.logprobs))
+        assert torch.equal(got.indices, exp.indices.to(torch.int32))
+        assert torch.equal(_bits(got.tail_logmass), _bits(exp.tail_logmass))
     # Iteration follows the data order.
     assert [rid for rid, _ in reader] == [as_packed_row(r).row_id for r in env["rows"]]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_storage_keeps_special_values_bit_exact(tmp_path, dtype):
+    """-inf, -0.0, NaN, subnormals and the largest index survive write_shard -> reader unchanged."""
+    from kernels.fused_kl.topk import TeacherTopK
+    from pipeline.teacher.cache import MANIFEST, SHARD_DIR, ShardPlan, make_header, write_shard
+
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    vals = torch.tensor([[-0.0, -1e-7, float("-inf")], [float("nan"), -3.5, -60000.0]]).to(tdt)
+    idx = torch.tensor([[0, 70000, 5], [7, 7, 123456]], dtype=torch.int32)
+    tail = torch.tensor([float("-inf"), -1e-30])
+    header = make_header("t", "tok", 3, dtype, 200000, "data-x", 2)
+    plan = ShardPlan("shard-00000", "part-0.parquet", 0, 1)
+    (tmp_path / SHARD_DIR).mkdir()
+    write_shard(tmp_path / SHARD_DIR / "shard-00000.parquet", header, plan, ["r0"], [TeacherTopK(vals, idx, tail)])
+    (tmp_path / MANIFEST).write_text(json.dumps({**header, "shards": [{"name": plan.name}], "complete": True}))
+    got = TopKCacheReader(tmp_path).get("r0")
+    assert got.logprobs.dtype == tdt
+    assert torch.equal(_bits(got.logprobs), _bits(vals))
+    assert torch.equal(got.indices, idx) and torch.equal(_bits(got.tail_logmass), _bits(tail))
+
+
+@pytest.mark.parametrize("dtype,k", [("float16", 8), ("bfloat16", 5), ("float32", VOCAB)],
+                         ids=["fp16-k8", "bf16-k5", "fp32-kV"])
+def test_cache_agrees_with_a_direct_forward(env, tmp_path, dtype, k):
+    _build_inprocess(env, tmp_path / "c", k=k, dtype=dtype)
+    reader = TopKCacheReader(tmp_path / "c", expect_k=k)
+    for row in env["rows"]:
+        assert_matches_forward(env["teacher"], row, reader.get_for_row(row), k, dtype)
+
+
+def test_forward_check_can_fail(env):
+    """The tolerance check is not vacuous: a wrong value, a wrong index or a wrong tail is caught."""
+    from kernels.fused_kl.topk import TeacherTopK
+
+    row = env["rows"][0]
+    good = env["teacher"].topk(row, 8, dtype="float32")
+    assert_matches_forward(env["teacher"], row, good, 8, "float32")
+    lp = good.logprobs.clone()
+    lp[3, 0] += 0.05
+    swapped = good.indices.clone()
+    swapped[2, 7] = int(env["teacher"].logits(row)[2].argmin())
+    bad_tail = good.tail_logmass.clone()
+    bad_tail[1] = float("-inf")
+    for bad in (TeacherTopK(lp, good.indices, good.tail_logmass),
+                TeacherTopK(good.logprobs, swapped, good.tail_logmass),
+                TeacherTopK(good.logprobs, good.indices, bad_tail)):
+        with pytest.raises(AssertionError):
+            assert_matches_forward(env["teacher"], row, bad, 8, "float32")
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +286,6 @@ def test_ray_job_resumes_after_partial_shards(env, tmp_path):
     assert not [p for p in os.listdir(out / SHARD_DIR) if p.startswith(".")]
     reader = TopKCacheReader(out, expect_k=8, expect_data=env["data"])
     for row in env["rows"]:
-        exp = env["teacher"].topk(row, 8)
-        got = reader.get_for_row(row)
-        assert torch.equal(got.logprobs, exp.logprobs) and torch.equal(got.indices, exp.indices)
+        assert_matches_forward(env["teacher"], row, reader.get_for_row(row), 8, "float16")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] and manifest["rows"] == 10 and manifest["index_dtype"] == "uint16"

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.data.mixture import SPLITS
+from pipeline.data.decontam import BenchmarkSpec, MatchConfig
+from pipeline.data.mixture import SPLITS, STAGE2_MODES
 from pipeline.data.packing import LONG_DOC_POLICIES
 from pipeline.data.readers import SourceSpec
 from pipeline.data.render import MASK_METHODS
@@ -29,8 +30,11 @@ class MixtureSource(SourceSpec):
 class MixtureConfig:
     sources: list[MixtureSource] = field(default_factory=list)
     seed: int = 0
-    # Fraction of records (by id hash) that belong to stage 1; the rest is stage 2.
+    # Fraction of records (by id hash) that belong to stage 1 (the published recipe: 20 %).
     stage1_fraction: float = 0.2
+    # What stage 2 reads: "all" = the whole mixture (the published recipe), "rest" = the records not
+    # in stage 1 (disjoint stages).
+    stage2: str = "all"
     # Changing the salt re-draws the split; keep it fixed across the stage-1 and stage-2 runs.
     split_salt: str = "hylo-split-v1"
 
@@ -41,13 +45,19 @@ class MixtureConfig:
             raise ValueError(f"mixture.sources: duplicate source name(s) {dup}")
         if not 0.0 <= self.stage1_fraction <= 1.0:
             raise ValueError(f"mixture.stage1_fraction must be in [0, 1], got {self.stage1_fraction}")
+        if self.stage2 not in STAGE2_MODES:
+            raise ValueError(f"mixture.stage2 {self.stage2!r} not in {STAGE2_MODES}")
 
 
 @dataclass
 class TokenizeConfig:
     # A directory with a fast tokenizer + chat template, or an asset name (hylo.assets).
     tokenizer: str = "smollm2-135m-instruct"
+    # auto | generation | prefix | final | prefix_or_final (pipeline/data/render.py).
     mask_method: str = "auto"
+    # Extra chat-template variables. Llama 3.x needs `date_string`, or its template writes today's
+    # date into every system header (other tokens every day).
+    chat_template_kwargs: dict[str, str] = field(default_factory=dict)
     # Ray Data actor pool size and records per map_batches call.
     num_actors: int = 2
     batch_size: int = 64
@@ -85,11 +95,38 @@ class PackingConfig:
 
 
 @dataclass
+class DecontamSection:
+    """Evaluation items removed from the mixture before packing (pipeline/data/decontam.py).
+
+    The decision is made on the whole mixture (every source, every split), so stage 1 and stage 2
+    remove the same records; what is removed goes to `removed.jsonl` with the matched item.
+    """
+
+    # Empty: no decontamination. A known suite (decontam.SUITES) with a local `path` takes the
+    # registry's fields; any other needs `fields` too.
+    benchmarks: list[BenchmarkSpec] = field(default_factory=list)
+    match: MatchConfig = field(default_factory=MatchConfig)
+    # ray: Ray Data tasks on the job's Ray; local: in the driver.
+    scanner: str = "ray"
+    batch_size: int = 256
+
+    def __post_init__(self) -> None:
+        if self.scanner not in ("ray", "local"):
+            raise ValueError(f"decontam.scanner {self.scanner!r} not in ('ray', 'local')")
+        names = [b.name for b in self.benchmarks]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"decontam.benchmarks: duplicate suite name(s) {dup}")
+
+
+@dataclass
 class OutputConfig:
     dir: str = "runs/data/stage2"
     rows_per_shard: int = 64
     # Rows per Parquet row group (the reader's read granularity); 0 = about 1 M tokens per group.
     row_group_rows: int = 0
+    # Replace an existing dataset in `dir`. The new one is built beside it and swapped in only when
+    # complete, so a failed run (a typo in a path, a crash) leaves the old one as it was.
     overwrite: bool = False
 
 
@@ -99,6 +136,7 @@ class PrepareDataConfig:
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
     packing: PackingConfig = field(default_factory=PackingConfig)
+    decontam: DecontamSection = field(default_factory=DecontamSection)
     output: OutputConfig = field(default_factory=OutputConfig)
     # None: start a local Ray with `num_cpus`; else connect to this address ("auto", "ray://...").
     ray_address: str | None = None

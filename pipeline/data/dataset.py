@@ -26,6 +26,8 @@ import bisect
 import json
 import os
 import re
+import shutil
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -55,7 +57,7 @@ def _list_array(arrays: list[np.ndarray], value_type: pa.DataType) -> pa.Array:
 
 
 def encoded_to_table(results: list[Any]) -> pa.Table:
-    """Render results -> Arrow: doc_id, input_ids list<int32>, assistant_mask list<bool>, reject."""
+    """Render results -> Arrow: doc_id, input_ids list<int32>, assistant_mask list<bool>, reject, final_only."""
     empty_i, empty_b = np.zeros(0, np.int32), np.zeros(0, np.bool_)
     ids = [r.input_ids if isinstance(r, Encoded) else empty_i for r in results]
     masks = [r.assistant_mask if isinstance(r, Encoded) else empty_b for r in results]
@@ -64,6 +66,7 @@ def encoded_to_table(results: list[Any]) -> pa.Table:
         "input_ids": _list_array(ids, pa.int32()),
         "assistant_mask": _list_array(masks, pa.bool_()),
         "reject": pa.array(["" if isinstance(r, Encoded) else r.reason for r in results], pa.string()),
+        "final_only": pa.array([isinstance(r, Encoded) and r.final_only for r in results], pa.bool_()),
     })
 
 
@@ -113,12 +116,18 @@ def tokenize_dataset(
 
 
 def iter_documents(
-    batches: Iterable[pa.Table], on_reject: Callable[[str, str], None]
+    batches: Iterable[pa.Table], on_reject: Callable[[str, str], None],
+    on_final_only: Callable[[str], None] | None = None,
 ) -> Iterator[Document]:
-    """Tokenised Arrow batches -> Documents; rejected rows go to `on_reject(doc_id, reason)`."""
+    """Tokenised Arrow batches -> Documents; rejected rows go to `on_reject(doc_id, reason)`, documents
+    whose loss covers only the final reply to `on_final_only(doc_id)`."""
     for b in batches:
         doc_ids = b.column("doc_id").to_pylist()
         rejects = b.column("reject").to_pylist()
+        if on_final_only is not None and "final_only" in b.column_names:
+            for doc_id, fo in zip(doc_ids, b.column("final_only").to_pylist()):
+                if fo:
+                    on_final_only(doc_id)
         ids_col, mask_col = b.column("input_ids").combine_chunks(), b.column("assistant_mask").combine_chunks()
         offs = ids_col.offsets.to_numpy()
         ids_vals = ids_col.values.to_numpy()
@@ -265,7 +274,10 @@ class RowReader:
             path = self.dir / meta["file"]
             if not path.is_file():
                 raise DataFormatError(f"{path}: listed in {self.dir / MANIFEST} but missing")
-            pf = pq.ParquetFile(path)
+            try:
+                pf = pq.ParquetFile(path)
+            except (pa.ArrowException, OSError) as e:
+                raise DataFormatError(f"{path}: not a readable Parquet shard ({' '.join(str(e).split())})") from None
             if pf.metadata.num_rows != int(meta["rows"]):
                 raise DataFormatError(
                     f"{path}: has {pf.metadata.num_rows} rows, manifest says {meta['rows']}")
@@ -285,7 +297,16 @@ class RowReader:
                 if r < start + n:
                     break
                 start += n
-            c = self._cached = (k, rg, pf.read_row_group(rg), start)
+            try:
+                table = pf.read_row_group(rg)
+            except (pa.ArrowException, OSError) as e:
+                # Training rows cannot be skipped (positions and resume would shift): stop, naming the damage.
+                raise DataFormatError(
+                    f"{self.dir / self.manifest['shards'][k]['file']}: row group {rg} (rows {start}.."
+                    f"{start + pf.metadata.row_group(rg).num_rows - 1} of the shard) is unreadable "
+                    f"({' '.join(str(e).split())}); "
+                    f"restore the shard or rerun jobs/prepare_data.py") from None
+            c = self._cached = (k, rg, table, start)
         t = c[2].slice(r - c[3], 1)
         row = {name: t.column(name)[0].values.to_numpy(zero_copy_only=False)
                for name in ("input_ids", "position_ids", "cu_seqlens", "loss_mask")}
@@ -331,6 +352,7 @@ class PackedRun:
 
     def __init__(self) -> None:
         self.render_rejects: list[tuple[str, str]] = []
+        self.final_only = 0
         self.documents = 0
         self.doc_tokens = 0
         self.t0 = time.perf_counter()
@@ -351,7 +373,10 @@ def stream_packed_rows(
     def reject(doc_id: str, reason: str) -> None:
         run.render_rejects.append((doc_id, reason))
 
-    for doc in iter_documents(batches, reject):
+    def final_only(doc_id: str) -> None:
+        run.final_only += 1
+
+    for doc in iter_documents(batches, reject, final_only):
         run.documents += 1
         run.doc_tokens += len(doc.input_ids)
         if on_document is not None:
@@ -380,80 +405,205 @@ def reason_key(reason: str) -> str:
 
 
 def rows_config_hash(cfg: Any) -> str:
-    """Hash of what decides the rows: split, mixture, masking, packing (not paths, pools, progress)."""
+    """Hash of what decides the rows: split, mixture, masking, packing, decontamination (not paths,
+    pools, progress)."""
     from pipeline.config import config_hash, to_dict
 
     d = to_dict(cfg)
     tok = d["tokenize"]
     return config_hash({"split": d["split"], "mixture": d["mixture"], "packing": d["packing"],
-                        "tokenizer": tok["tokenizer"], "mask_method": tok["mask_method"]})
+                        "tokenizer": tok["tokenizer"], "mask_method": tok["mask_method"],
+                        "chat_template_kwargs": tok["chat_template_kwargs"], "decontam": d["decontam"]})
+
+
+class PrepareError(ValueError):
+    """prepare_data cannot produce a dataset (nothing to write, an output dir it must not replace)."""
+
+
+# Files a prepare run writes into its output directory (anything else there is not ours to delete).
+_OUTPUT_FILES = re.compile(r"(shard-\d+\.parquet|manifest\.json|rejects\.jsonl|removed\.jsonl|report\.(json|md)"
+                           r"|\..*\.tmp-\d+)")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_output(out: Path, overwrite: bool) -> None:
+    """Refuse to clobber: an existing dataset needs overwrite, a foreign directory is never replaced.
+
+    Also finishes what a crash between the two renames of a swap left: the old dataset comes back.
+    """
+    leftovers = sorted(out.parent.glob(f".{out.name}.old-*")) if out.parent.is_dir() else []
+    if not out.exists() and leftovers:
+        leftovers[-1].rename(out)
+    for d in out.parent.glob(f".{out.name}.tmp-*") if out.parent.is_dir() else []:
+        pid = d.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise PrepareError(f"output.dir {out} exists and is not a directory")
+    if (out / MANIFEST).exists():
+        if not overwrite:
+            raise FileExistsError(f"{out / MANIFEST} exists; set output.overwrite=true to replace it")
+        return
+    foreign = sorted(p.name for p in out.iterdir() if not _OUTPUT_FILES.fullmatch(p.name))
+    if foreign:
+        raise PrepareError(f"output.dir {out} exists and is not a prepared dataset (holds {foreign[:5]}); "
+                           f"choose another output.dir or empty it")
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """Put the finished `staging` directory at `out`; the previous dataset is deleted only after."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        try:
+            staging.rename(out)
+        except OSError:
+            old.rename(out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        staging.rename(out)
+
+
+def _ensure_ray(cfg: Any) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address)
+        else:
+            ray.init(num_cpus=cfg.num_cpus, include_dashboard=False)
+
+
+def _warn(report_warnings: list[str], text: str) -> None:
+    report_warnings.append(text)
+    print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
 def prepare(cfg: Any) -> dict[str, Any]:
     """Run the whole job for a `PrepareDataConfig`; returns the report (also written to disk).
 
     Writes into `cfg.output.dir`: shard-*.parquet, manifest.json, rejects.jsonl, report.json,
-    report.md. Uses the running Ray if there is one, else starts a local one.
+    report.md (and removed.jsonl with decontamination). Everything is checked first (output
+    directory, sources, tokenizer, benchmarks), then built in a sibling directory that replaces
+    the old dataset only once complete: a failure at any point leaves the old one untouched.
+    Uses the running Ray if there is one, else starts a local one.
     """
-    import ray
-    from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from pipeline.data.mixture import build_mixture, resolve_asset_path
+    from pipeline.data.mixture import resolve_asset_path
     from pipeline.data.readers import resolve_files
-    from pipeline.data.render import tokenizer_hash
 
     out = Path(cfg.output.dir)
-    if (out / MANIFEST).exists() and not cfg.output.overwrite:
-        raise FileExistsError(f"{out / MANIFEST} exists; set output.overwrite=true to replace it")
-    out.mkdir(parents=True, exist_ok=True)
-    # A rerun must not leave shards of the previous run listed by nothing or, worse, mixed in.
-    for old in [*out.glob("shard-*.parquet"), out / MANIFEST]:
-        old.unlink(missing_ok=True)
-
-    # Fail fast on a wrong path before anything slow starts.
+    _check_output(out, cfg.output.overwrite)
+    # Fail fast on a wrong path or tokenizer before anything slow starts (and before touching out).
+    if not cfg.mixture.sources:
+        raise PrepareError("mixture.sources is empty")
     for src in cfg.mixture.sources:
         spec = resolve_asset_path(src)
         if not (spec.container == "hub" or spec.path.startswith("hub:")):
             resolve_files(spec)
     tok_dir = resolve_tokenizer(cfg.tokenize.tokenizer)
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    renderer = ChatRenderer.from_hf(tok, cfg.tokenize.mask_method)
+    renderer = ChatRenderer.from_hf(tok, cfg.tokenize.mask_method, cfg.tokenize.chat_template_kwargs)
     pad_id = cfg.packing.pad_id
     if pad_id is None:
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if pad_id is None:
-        raise ValueError(f"tokenizer {tok_dir} has neither a pad nor an EOS token; set packing.pad_id")
+        raise PrepareError(f"tokenizer {tok_dir} has neither a pad nor an EOS token; set packing.pad_id")
+    index = None
+    if cfg.decontam.benchmarks:
+        from pipeline.data.decontam import build_index
+
+        try:
+            index, _ = build_index(cfg.decontam.benchmarks, cfg.decontam.match)
+        except ValueError as e:
+            raise PrepareError(f"decontam: {e}") from None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        report = _prepare_into(cfg, staging, out, renderer, pad_id, index)
+        _swap_in(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return report
+
+
+def _prepare_into(cfg: Any, staging: Path, out: Path, renderer: ChatRenderer, pad_id: int,
+                  index: Any) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from pipeline.data.mixture import build_mixture
+    from pipeline.data.render import tokenizer_hash
 
     run = PackedRun()
-    rejects_path = out / "rejects.jsonl"
-    tmp_rejects = out / f".rejects.jsonl.tmp-{os.getpid()}"
+    warnings: list[str] = []
     n_read_rejects = 0
     reasons: dict[str, int] = {}
-    with open(tmp_rejects, "w") as rej_f:
+    by_file: dict[str, dict[str, int]] = {}
+    decontam: dict[str, Any] | None = None
+    with open(staging / "rejects.jsonl", "w") as rej_f:
 
         def on_read_reject(r: dict[str, Any]) -> None:
             nonlocal n_read_rejects
             n_read_rejects += 1
             key = reason_key(r["reason"])
             reasons[key] = reasons.get(key, 0) + 1
+            f = by_file.setdefault(r["file"], {"rejects": 0, "records_lost": 0, "unknown_losses": 0})
+            f["rejects"] += 1
+            if r.get("lost") is None:
+                f["unknown_losses"] += 1
+            else:
+                f["records_lost"] += int(r["lost"])
             rej_f.write(json.dumps({"stage": "read", **r}, ensure_ascii=False) + "\n")
 
-        records, mix_stats = build_mixture(cfg.mixture, cfg.split, on_read_reject)
+        m = cfg.mixture
+        if index is None:
+            records, mix_stats = build_mixture(m, cfg.split, on_read_reject)
+        else:
+            # Decide on the whole mixture, so both stages remove the same records.
+            full, full_stats = build_mixture(m, "all", on_read_reject)
+            if cfg.decontam.scanner == "ray":
+                _ensure_ray(cfg)
+            records, mix_stats, decontam = _decontaminate(cfg, index, full, full_stats, staging)
+            del full
         t_read = run.elapsed
+        for name, c in mix_stats.sources.items():
+            if c.read == 0:
+                _warn(warnings, f"source {name!r} contributed no records (allow_empty is set)")
+            elif c.out == 0:
+                _warn(warnings, f"source {name!r}: {c.read} records read, none in the {cfg.split} split "
+                                f"(weight {next(s.weight for s in m.sources if s.name == name)})")
+        if renderer.date_dependent:
+            _warn(warnings, "the chat template writes today's date (strftime_now): set "
+                            "tokenize.chat_template_kwargs.date_string for reproducible tokens")
+        if not records:
+            raise PrepareError(f"the {cfg.split} split of the mixture is empty "
+                               f"({sum(c.read for c in mix_stats.sources.values())} records read); nothing written")
 
-        if not ray.is_initialized():
-            if cfg.ray_address:
-                ray.init(address=cfg.ray_address)
-            else:
-                ray.init(num_cpus=cfg.num_cpus, include_dashboard=False)
+        _ensure_ray(cfg)
         import ray.data
 
         # Our own bar counts documents; Ray's per-operator bars would interleave with it.
         ray.data.DataContext.get_current().enable_progress_bars = False
         packer = make_packer(cfg.packing, pad_id)
         rg_rows = cfg.output.row_group_rows or max(1, (1 << 20) // cfg.packing.max_len)
-        writer = ShardWriter(out, cfg.output.rows_per_shard, rg_rows)
+        writer = ShardWriter(staging, cfg.output.rows_per_shard, rg_rows)
         t_tok0 = run.elapsed
         with tqdm(total=len(records), desc=f"prepare {cfg.split}", unit="doc", disable=not cfg.progress) as bar:
             for row in stream_packed_rows(records, renderer.spec(), cfg.tokenize, packer, run,
@@ -468,14 +618,24 @@ def prepare(cfg: Any) -> dict[str, Any]:
             rej_f.write(json.dumps({"stage": "render", "source": doc_id.split(":", 1)[0], "doc_id": doc_id,
                                     "reason": reason},
                                    ensure_ascii=False) + "\n")
-    os.replace(tmp_rejects, rejects_path)
+    if not shards:
+        top = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
+        raise PrepareError(f"no rows: every one of the {len(records)} mixture records was rejected or dropped "
+                           f"({len(run.render_rejects)} render rejects, {pst_dropped(packer)} pieces dropped by "
+                           f"packing; top reasons {top}); nothing written")
 
     pst = packer.stats
+    srcs = mix_stats.sources.values()
     counts = {
-        "records_read": sum(c.read for c in mix_stats.sources.values()) + n_read_rejects,
+        "records_read": sum(c.read for c in srcs) + n_read_rejects,
         "read_rejects": n_read_rejects,
+        "records_lost": sum(c.records_lost for c in srcs),
+        "unknown_losses": sum(c.unknown_losses for c in srcs),
+        "repaired_records": sum(c.repaired for c in srcs),
+        "decontaminated": sum(c.decontaminated for c in srcs),
         "mixture_records": len(records),
         "render_rejects": len(run.render_rejects),
+        "final_turn_only": run.final_only,
         "documents": run.documents,
         "document_tokens": run.doc_tokens,
         **{k: v for k, v in pst.to_dict().items() if k not in ("max_len", "documents")},
@@ -489,21 +649,67 @@ def prepare(cfg: Any) -> dict[str, Any]:
         "pad_id": int(pad_id),
         "counts": counts,
         "mixture": mix_stats.to_dict(),
+        # Every file that lost records while reading; the records are named in rejects.jsonl.
+        "read_losses": [{"file": f, **v} for f, v in sorted(by_file.items())],
+        "decontam": decontam,
+        "warnings": warnings,
         "shards": shards,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    write_manifest(out, manifest)
+    write_manifest(staging, manifest)
     report = {
         **manifest,
+        "output_dir": str(out),
         "reject_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
         "seconds": {"read_and_mix": t_read, "tokenize_and_pack": t_pack, "total": run.elapsed},
         "throughput": {"tokens_per_s": run.doc_tokens / t_pack if t_pack else 0.0,
                        "documents_per_s": run.documents / t_pack if t_pack else 0.0},
     }
     report.pop("format", None)
-    _atomic_write_text(out / "report.json", json.dumps(report, indent=1))
-    _atomic_write_text(out / "report.md", report_markdown(report))
+    _atomic_write_text(staging / "report.json", json.dumps(report, indent=1))
+    _atomic_write_text(staging / "report.md", report_markdown(report))
     return report
+
+
+def pst_dropped(packer: BestFitPacker) -> int:
+    st = packer.stats
+    return st.docs_dropped + st.pieces_without_loss
+
+
+def _decontaminate(cfg: Any, index: Any, full: list[dict[str, Any]], full_stats: Any,
+                   staging: Path) -> tuple[list[dict[str, Any]], Any, dict[str, Any]]:
+    """Remove (or cut) contaminated documents of the whole mixture, then narrow it to the split."""
+    from dataclasses import asdict
+
+    from pipeline.data.decontam import cut_record, scan_and_decide
+    from pipeline.data.mixture import restrict
+
+    dc, m = cfg.decontam, cfg.mixture
+    uniq = [r for r in full if r["doc_id"] == r["doc_base"]]
+    dec = scan_and_decide(index, [[t["content"] for t in r["messages"]] for r in uniq], dc.scanner,
+                          dc.batch_size, cfg.progress, cfg.num_cpus, cfg.ray_address)
+    removed: set[str] = set()
+    replaced: dict[str, dict[str, Any]] = {}
+    by_suite: dict[str, int] = {}
+    with open(staging / "removed.jsonl", "w") as f:
+        for d, matches in sorted(dec.flagged.items()):
+            rec = uniq[d]
+            new = cut_record(rec, matches) if dc.match.mode == "cut" else None
+            if new is not None:
+                replaced[rec["doc_base"]] = new
+            else:
+                removed.add(rec["doc_base"])
+            for suite in sorted({mt.suite for mt in matches}):
+                by_suite[suite] = by_suite.get(suite, 0) + 1
+            f.write(json.dumps({"doc_id": rec["doc_base"], "source": rec["source"], "id": rec["id"],
+                                "action": "cut" if new is not None else "drop",
+                                "matches": [asdict(mt) for mt in matches]}, ensure_ascii=False) + "\n")
+    records, stats = restrict(full, full_stats, cfg.split, m.stage1_fraction, m.split_salt, m.stage2,
+                              removed, replaced)
+    summary = {"suites": sorted({it.suite for it in index.items}), "documents_scanned": len(uniq),
+               "documents_dropped": len(removed), "documents_cut": len(replaced), "documents_by_suite": by_suite,
+               "boilerplate_ngrams_ignored": len(dec.boilerplate), "mode": dc.match.mode}
+    return records, stats, summary
 
 
 def report_markdown(r: dict[str, Any]) -> str:
@@ -513,10 +719,12 @@ def report_markdown(r: dict[str, Any]) -> str:
         "",
         f"config hash `{r['config_hash']}`, tokenizer `{r['tokenizer']}` (hash `{r['tokenizer_hash']}`)",
         "",
-        "| what | count |",
-        "| --- | ---: |",
     ]
-    for k in ("records_read", "read_rejects", "mixture_records", "render_rejects", "documents",
+    if r.get("warnings"):
+        lines += ["## Warnings", ""] + [f"* {w}" for w in r["warnings"]] + [""]
+    lines += ["| what | count |", "| --- | ---: |"]
+    for k in ("records_read", "read_rejects", "records_lost", "unknown_losses", "repaired_records",
+              "decontaminated", "mixture_records", "render_rejects", "final_turn_only", "documents",
               "document_tokens", "rows", "tokens_packed", "loss_tokens", "pad_tokens", "docs_split",
               "docs_truncated", "tokens_truncated", "docs_dropped", "tokens_dropped", "pieces_without_loss",
               "tokens_without_loss"):
@@ -527,11 +735,29 @@ def report_markdown(r: dict[str, Any]) -> str:
         "",
         "## Sources",
         "",
-        "| source | read | in split | out (weighted) |",
-        "| --- | ---: | ---: | ---: |",
+        "| source | read | rejected | records lost | repaired | decontaminated | in split | out (weighted) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, s in r["mixture"]["sources"].items():
-        lines.append(f"| {name} | {s['read']:,} | {s['in_split']:,} | {s['out']:,} |")
+        lost = f"{s.get('records_lost', 0):,}" + (f" + {s['unknown_losses']} unknown" if s.get("unknown_losses") else "")
+        lines.append(f"| {name} | {s['read']:,} | {s.get('rejected', 0):,} | {lost} | {s.get('repaired', 0):,} | "
+                     f"{s.get('decontaminated', 0):,} | {s['in_split']:,} | {s['out']:,} |")
+    repairs = {(n, k): v for n, s in r["mixture"]["sources"].items() for k, v in s.get("repairs", {}).items()}
+    if repairs:
+        lines += ["", "## Repairs (records, by kind)", "", "| source | repair | records |", "| --- | --- | ---: |"]
+        lines += [f"| {n} | {k} | {v:,} |" for (n, k), v in sorted(repairs.items())]
+    if r.get("read_losses"):
+        lines += ["", "## Read losses by file (each record is named in rejects.jsonl)", "",
+                  "| file | rejects | records lost | unknown |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {f['file']} | {f['rejects']:,} | {f['records_lost']:,} | {f['unknown_losses']:,} |"
+                  for f in r["read_losses"]]
+    if r.get("decontam"):
+        d = r["decontam"]
+        lines += ["", f"## Decontamination ({d['mode']}, decided on the whole mixture; removed.jsonl)", "",
+                  f"{d['documents_scanned']:,} documents scanned against {', '.join(d['suites'])}: "
+                  f"{d['documents_dropped']:,} dropped, {d['documents_cut']:,} cut.", "",
+                  "| suite | documents |", "| --- | ---: |"]
+        lines += [f"| {k} | {v:,} |" for k, v in sorted(d["documents_by_suite"].items())]
     if r["reject_reasons"]:
         lines += ["", "## Reject reasons", "", "| reason | count |", "| --- | ---: |"]
         lines += [f"| {k} | {v:,} |" for k, v in r["reject_reasons"].items()]

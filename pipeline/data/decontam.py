@@ -160,6 +160,35 @@ SUITES: dict[str, BenchmarkSpec] = {
 }
 
 
+def export_benchmarks(out_dir: str | Path, names: Sequence[str] | None = None,
+                      log: Callable[[str], None] = print) -> dict[str, int]:
+    """Write each hub suite of SUITES as `<out_dir>/<name>.jsonl` (its evaluation split), for configs
+    that read the suites from local files. Needs the `datasets` package and the hub, once."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError("exporting benchmarks needs the `datasets` package (pip install datasets) and "
+                         "access to the Hugging Face hub") from None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hub = [n for n, b in SUITES.items() if b.path.startswith("hub:")]
+    unknown = sorted(set(names or []) - set(hub))
+    if unknown:
+        raise ValueError(f"unknown or non-hub suite(s) {unknown}; exportable: {', '.join(hub)}")
+    counts = {}
+    for name in names or hub:
+        b = SUITES[name]
+        rows = datasets.load_dataset(b.path.removeprefix("hub:"), b.subset, split=b.split)
+        with _AtomicWriter(out / f"{name}.jsonl") as f:
+            n = 0
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+                n += 1
+        counts[name] = n
+        log(f"{name}: {n} items ({b.path.removeprefix('hub:')} {b.subset or ''} {b.split}) -> {out / name}.jsonl")
+    return counts
+
+
 def resolve_benchmark(spec: BenchmarkSpec) -> BenchmarkSpec:
     """Fill path/fields from the registry when not given; errors name the suite and the choices."""
     if spec.path and spec.fields:
@@ -797,6 +826,32 @@ def _scan_local(texts: list[list[str]], batch_size: int, fn: Callable[[Sequence[
     return tuple(np.concatenate([p[k] for p in parts]) for k in range(4))  # type: ignore
 
 
+def build_index(benchmarks: Sequence[BenchmarkSpec], match: MatchConfig) -> tuple[BenchmarkIndex, dict]:
+    """The n-gram index of every item of `benchmarks`, plus the rows skipped per suite."""
+    items: list[Item] = []
+    skipped: dict[str, dict[str, int]] = {}
+    for b in benchmarks:
+        its, sk = load_benchmark(b)
+        items += its
+        skipped[b.name] = sk
+    return BenchmarkIndex.build(items, match), skipped
+
+
+def scan_and_decide(index: BenchmarkIndex, texts: list[list[str]], scanner: str = "ray", batch_size: int = 256,
+                    progress: bool = True, num_cpus: int = 2, ray_address: str | None = None) -> Decision:
+    """Scan documents (each a list of turn texts) and decide which are contaminated (see `decide`)."""
+    if scanner == "ray":
+        from types import SimpleNamespace
+
+        hits = _scan_ray(index, texts, SimpleNamespace(batch_size=batch_size, progress=progress, num_cpus=num_cpus,
+                                                       ray_address=ray_address))
+    elif scanner == "local":
+        hits = _scan_local(texts, batch_size, FastScanner(index).scan, progress)
+    else:
+        hits = _scan_local(texts, batch_size, ReferenceScanner(index, "set").scan, progress)
+    return decide(index, *hits)
+
+
 def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = None) -> dict[str, Any]:
     """Run the whole job; returns the summary (also written to `<out>/summary.json`)."""
     if not cfg.inputs:
@@ -806,12 +861,7 @@ def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = N
     out.mkdir(parents=True, exist_ok=True)
     bench_skipped: dict[str, dict[str, int]] = {}
     if index is None:
-        items: list[Item] = []
-        for b in cfg.benchmarks:
-            its, skipped = load_benchmark(b)
-            items += its
-            bench_skipped[b.name] = skipped
-        index = BenchmarkIndex.build(items, cfg.match)
+        index, bench_skipped = build_index(cfg.benchmarks, cfg.match)
     t_index = time.perf_counter()
 
     from tqdm import tqdm

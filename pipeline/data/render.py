@@ -16,7 +16,16 @@ Design choices:
     after the marker is template glue and is left out. Both prefixes are checked to be prefixes of
     the full text; a template that rewrites history (e.g. drops past reasoning) fails the check and
     the record is rejected with that reason instead of getting a wrong mask.
+  - "final": only the final assistant reply carries loss (found the "prefix" way for that one turn);
+    earlier replies are context. For templates that rewrite history, such as Qwen3's, which drops
+    `<think>` blocks and the empty think header from every assistant turn but the last.
+  - "prefix_or_final": "prefix" when the conversation renders prefix-stably, else "final" (each
+    such document is counted): every reply trains where the template allows it.
   "auto" picks "generation" when the template has markers, else "prefix".
+* Template variables beyond the special tokens (`template_kwargs`, e.g. Llama 3's `date_string`)
+  are part of the renderer's fingerprint. Without `date_string`, Llama 3.x templates write today's
+  date (`strftime_now`) into every system header: the same config then gives other tokens tomorrow,
+  so `date_dependent` flags such a template.
 * A token is an assistant token when any of its characters lies in a span (a token straddling
   header and reply must be predicted to produce the reply).
 * Every failure is per record: it becomes a reject with a reason, never an exception for the batch.
@@ -32,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-MASK_METHODS = ("auto", "generation", "prefix")
+MASK_METHODS = ("auto", "generation", "prefix", "final", "prefix_or_final")
 
 
 class RenderError(ValueError):
@@ -46,6 +55,8 @@ class Encoded:
     doc_id: str
     input_ids: np.ndarray
     assistant_mask: np.ndarray
+    # Only the final assistant reply is masked in (mask method "final", or the fallback of "prefix_or_final").
+    final_only: bool = False
 
 
 @dataclass
@@ -135,6 +146,8 @@ class ChatRenderer:
         if mask_method == "generation" and not has_markers:
             raise ValueError("mask_method 'generation' needs {% generation %} markers in the chat template")
         self.mask_method = mask_method
+        # The template reads the clock unless the caller fixes the date (Llama 3.x: `date_string`).
+        self.date_dependent = "strftime_now" in chat_template and "date_string" not in self.template_kwargs
         # The prefix method renders each conversation 2k+1 times; calling transformers' compiled
         # template directly skips its per-call message copying (messages here are already plain
         # role/content strings, so the text is the same: tests compare with apply_chat_template).
@@ -146,21 +159,25 @@ class ChatRenderer:
             self._compiled = None
 
     @classmethod
-    def from_hf(cls, tokenizer: Any, mask_method: str = "auto") -> ChatRenderer:
-        """From a transformers fast tokenizer (the same template and special tokens it would use)."""
+    def from_hf(cls, tokenizer: Any, mask_method: str = "auto",
+                template_kwargs: dict[str, Any] | None = None) -> ChatRenderer:
+        """From a transformers fast tokenizer (the same template and special tokens it would use), plus
+        extra template variables (e.g. `date_string`)."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise ValueError("a fast tokenizer (backed by `tokenizers`, with character offsets) is required")
         template = tokenizer.chat_template
         if isinstance(template, dict):
             template = template.get("default")
-        return cls(backend, template or "", dict(tokenizer.special_tokens_map), mask_method)
+        return cls(backend, template or "", {**tokenizer.special_tokens_map, **(template_kwargs or {})},
+                   mask_method)
 
     @classmethod
-    def from_pretrained(cls, path: str, mask_method: str = "auto") -> ChatRenderer:
+    def from_pretrained(cls, path: str, mask_method: str = "auto",
+                        template_kwargs: dict[str, Any] | None = None) -> ChatRenderer:
         from transformers import AutoTokenizer
 
-        return cls.from_hf(AutoTokenizer.from_pretrained(path), mask_method)
+        return cls.from_hf(AutoTokenizer.from_pretrained(path), mask_method, template_kwargs)
 
     def spec(self) -> dict[str, Any]:
         """Plain-data description (tokenizer JSON, template, kwargs) to rebuild this renderer elsewhere."""
@@ -198,16 +215,31 @@ class ChatRenderer:
 
     def render(self, messages: list[dict[str, str]]) -> tuple[str, np.ndarray]:
         """Full text and assistant character spans [S, 2] (int64, sorted, disjoint)."""
+        text, spans, _ = self.render_spans(messages)
+        return text, spans
+
+    def render_spans(self, messages: list[dict[str, str]]) -> tuple[str, np.ndarray, bool]:
+        """(full text, assistant character spans [S, 2], whether only the final reply is masked in)."""
         messages = _validate_messages(messages)
         if self.mask_method == "generation":
             text, indices = self._render_raw(messages, False, True)
             spans = sorted((int(s), int(e)) for s, e in indices if e > s)
-            return text, np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+            return text, np.asarray(spans, dtype=np.int64).reshape(-1, 2), False
         text = self._render(messages)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        final_only = self.mask_method == "final"
+        if not final_only:
+            try:
+                return text, self._prefix_spans(messages, text, turns), False
+            except RenderError:
+                if self.mask_method != "prefix_or_final" or len(turns) < 2:
+                    raise
+                final_only = True
+        return text, self._prefix_spans(messages, text, turns[-1:]), True
+
+    def _prefix_spans(self, messages: list[dict[str, str]], text: str, turns: list[int]) -> np.ndarray:
         spans = []
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
+        for i in turns:
             before = self._render(messages[:i], gen=True) if i else ""
             upto = self._render(messages[: i + 1])
             if not (text.startswith(upto) and upto.startswith(before)):
@@ -217,7 +249,7 @@ class ChatRenderer:
             s, e = len(before), len(upto.rstrip())
             if e > s:
                 spans.append((s, e))
-        return text, np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(spans, dtype=np.int64).reshape(-1, 2)
 
     # -- batches -----------------------------------------------------------------------------
     def encode_batch(self, records: list[dict[str, Any]]) -> list[Encoded | Rejected]:
@@ -229,7 +261,7 @@ class ChatRenderer:
             try:
                 if not doc_id:
                     raise RenderError("record has no id")
-                text, sp = self.render(rec.get("messages"))
+                text, sp, final_only = self.render_spans(rec.get("messages"))
                 if len(sp) == 0:
                     raise RenderError("assistant replies render to no text")
             except RenderError as e:
@@ -237,14 +269,14 @@ class ChatRenderer:
                 continue
             texts.append(text)
             spans.append(sp)
-            where.append((k, doc_id))
+            where.append((k, doc_id, final_only))
         if texts:
             encs = self._backend.encode_batch(texts, add_special_tokens=False)
-            for (k, doc_id), enc, sp in zip(where, encs, spans):
+            for (k, doc_id, final_only), enc, sp in zip(where, encs, spans):
                 ids = np.asarray(enc.ids, dtype=np.int32)
                 mask = spans_to_token_mask(enc, sp)
                 if not mask.any():
                     out[k] = Rejected(doc_id, "no assistant tokens after tokenisation")
                 else:
-                    out[k] = Encoded(doc_id, ids, mask)
+                    out[k] = Encoded(doc_id, ids, mask, final_only)
         return out  # type: ignore[return-value]

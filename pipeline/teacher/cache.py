@@ -15,7 +15,11 @@ Design choices:
   whose teacher, tokenizer, k, dtype or data differ from the manifest's fails, naming the field,
   instead of mixing two caches in one directory.
 * Tensors are stored as raw little-endian bytes in `large_binary` columns (zstd-compressed):
-  exact round trip of fp16/bf16, no per-element boxing. Indices are stored as uint16 when the
+  exact round trip of fp16/bf16, no per-element boxing. The guarantee is about storage: the reader
+  returns bit for bit what the teacher computed for the row inside its shard's batch. The teacher is
+  not batch-invariant (batch shape, thread count and CPU kind change the last bits), so a direct
+  forward of one row agrees with the cache within float tolerance, not bit for bit; near-ties may
+  swap order or top-k membership, and a tail of the top-k mass may be -inf or a tiny finite log. Indices are stored as uint16 when the
   vocabulary fits (halving their size), int32 otherwise; the reader always returns int32.
 * Every shard carries the cache header in its Parquet metadata too, so a shard copied into the
   wrong cache is detected.
