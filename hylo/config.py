@@ -44,6 +44,8 @@ class HybridConfig(PretrainedConfig):
         qk_nope_head_dim: int = 32,
         rope_key_groups: int = 1,
         mla_latent_norm: bool = True,
+        mla_latent_norm_eps: float | None = None,
+        kv_b_per_kv_head: bool = False,
         v_head_dim: int = 64,
         max_position_embeddings: int = 8192,
         rope_theta: float = 10000.0,
@@ -82,11 +84,16 @@ class HybridConfig(PretrainedConfig):
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
         self.kv_lora_rank = kv_lora_rank
-        self.q_lora_rank = q_lora_rank if q_lora_rank else None
+        self.q_lora_rank = q_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.qk_nope_head_dim = qk_nope_head_dim
         self.rope_key_groups = rope_key_groups
         self.mla_latent_norm = bool(mla_latent_norm)
+        # eps of the latent RMSNorms; None = rms_norm_eps (AMD's released MLA layers use 1e-6)
+        self.mla_latent_norm_eps = mla_latent_norm_eps
+        # kv_b_proj rows per KV head (each query head reads its GQA group's rows, AMD's layout) rather
+        # than per query head (DeepSeek's layout)
+        self.kv_b_per_kv_head = bool(kv_b_per_kv_head)
         self.v_head_dim = v_head_dim
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = float(rope_theta)
@@ -123,6 +130,15 @@ class HybridConfig(PretrainedConfig):
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_b_heads(self) -> int:
+        """Heads of kv_b_proj: the KV heads with `kv_b_per_kv_head`, else every query head."""
+        return self.num_key_value_heads if self.kv_b_per_kv_head else self.num_attention_heads
+
+    @property
+    def latent_norm_eps(self) -> float:
+        return self.rms_norm_eps if self.mla_latent_norm_eps is None else float(self.mla_latent_norm_eps)
 
     @property
     def gdn_value_dim(self) -> int:
@@ -175,8 +191,18 @@ class HybridConfig(PretrainedConfig):
             bad("num_key_value_heads", f"{self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}")
         if self.kv_lora_rank % 8:
             bad("kv_lora_rank", f"must be a multiple of 8, got {self.kv_lora_rank}")
-        if self.q_lora_rank is not None and (self.q_lora_rank <= 0 or self.q_lora_rank % 8):
-            bad("q_lora_rank", f"must be null (no query compression) or a positive multiple of 8, got {self.q_lora_rank}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or isinstance(self.q_lora_rank, bool)
+                                             or self.q_lora_rank <= 0 or self.q_lora_rank % 8):
+            bad("q_lora_rank", f"must be null (no query compression) or a positive multiple of 8, got {self.q_lora_rank!r}")
+        # a latent wider than the layer's input holds nothing more than the input itself
+        if self.kv_lora_rank > self.hidden_size:
+            bad("kv_lora_rank", f"{self.kv_lora_rank} is larger than hidden_size={self.hidden_size}; "
+                                f"a latent cannot hold more than its input (allowed: 8..{self.hidden_size})")
+        if self.q_lora_rank is not None and self.q_lora_rank > self.hidden_size:
+            bad("q_lora_rank", f"{self.q_lora_rank} is larger than hidden_size={self.hidden_size} "
+                               f"(allowed: null or 8..{self.hidden_size})")
+        if self.mla_latent_norm_eps is not None and not float(self.mla_latent_norm_eps) > 0:
+            bad("mla_latent_norm_eps", f"must be > 0 or null (= rms_norm_eps), got {self.mla_latent_norm_eps!r}")
         if self.qk_rope_head_dim % 2:
             bad("qk_rope_head_dim", f"must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
         if not isinstance(self.rope_key_groups, int) or self.rope_key_groups < 1:

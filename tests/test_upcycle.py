@@ -326,3 +326,23 @@ def test_conversion_is_reproducible_and_layer_init_independent_of_placement():
         assert keys and all(torch.equal(a[k], c[k]) for k in keys)
     d = upcycle(base, mla_layers=[0], seed=7, **kw).state_dict()
     assert not torch.equal(a["model.layers.1.mixer.A_log"], d["model.layers.1.mixer.A_log"])
+
+
+def test_non_finite_base_weights_are_refused_naming_the_tensor():
+    base = tiny_llama(dtype=torch.float32)
+    with torch.no_grad():
+        base.model.layers[1].self_attn.k_proj.weight[3, 5] = float("nan")
+        base.model.layers[2].mlp.up_proj.weight[0, 0] = float("inf")
+    with pytest.raises(UpcycleError, match=r"2 base tensors.*layers\.1\.self_attn\.k_proj\.weight.*1 value"):
+        upcycle(base, mla_layers=[0], kv_lora_rank=32, qk_rope_head_dim=8)
+
+
+def test_hybrid_config_refuses_latents_wider_than_the_input_and_unknown_conversion_options():
+    from hylo.config import HybridConfig, HybridConfigError
+
+    with pytest.raises(HybridConfigError, match="kv_lora_rank: 1024 is larger than hidden_size=576"):
+        HybridConfig(kv_lora_rank=1024)
+    with pytest.raises(HybridConfigError, match="q_lora_rank"):
+        HybridConfig(q_lora_rank=0)
+    with pytest.raises(UpcycleError, match="unknown conversion option.*kv_lora_rnak.*valid: .*kv_lora_rank"):
+        upcycle(tiny_llama(dtype=torch.float32), kv_lora_rnak=32)
