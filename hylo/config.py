@@ -261,6 +261,15 @@ class HybridConfig(PretrainedConfig):
             data = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise HybridConfigError(f"{p}: not valid JSON ({e})") from e
+        if data.get("model_type") != "hylo" and any(k in data for k in ("use_lora_layer_norm", "use_full_kv_head", "ssm_cfg")):
+            raise HybridConfigError(
+                f"{p}: written by AMD's Hybrid-Models code (the released layout: their keys, the vocabulary in "
+                f"config.json, `mla.*` weights); load the directory with hylo.io.load_hylo (it imports this layout) "
+                f"or convert it with `python jobs/convert.py --from-released DIR --out OUT`")
+        missing = [k for k in ("vocab_size", "hidden_size", "n_layer", "num_attention_heads", "mla_layers") if k not in data]
+        if missing:
+            # never fall back to the class defaults (SmolLM2's vocabulary, bos/eos 1/2) for a model's shape
+            raise HybridConfigError(f"{p}: missing key(s) {', '.join(missing)}; not a complete HyLo hybrid config")
         data.pop("model_type", None)
         try:
             return cls(**data)

@@ -346,3 +346,38 @@ def test_hybrid_config_refuses_latents_wider_than_the_input_and_unknown_conversi
         HybridConfig(q_lora_rank=0)
     with pytest.raises(UpcycleError, match="unknown conversion option.*kv_lora_rnak.*valid: .*kv_lora_rank"):
         upcycle(tiny_llama(dtype=torch.float32), kv_lora_rnak=32)
+
+
+@pytest.mark.parametrize("tamper", ["missing", "unexpected", "renamed", "shape"])
+def test_loading_is_strict_and_names_the_keys(tmp_path, tamper):
+    """A checkpoint whose mixer weights do not match the model is an error, never a random init."""
+    from safetensors.torch import load_file, save_file
+
+    from hylo.io import CheckpointMismatchError
+
+    model = _hybrid(dtype=torch.float32)
+    save_hylo(model, tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "model.safetensors"
+    sd = load_file(path)
+    key = "model.layers.0.mixer.kv_b_proj.weight"
+    if tamper == "missing":
+        del sd[key]
+    elif tamper == "unexpected":
+        sd["model.layers.1.mixer.extra.weight"] = torch.zeros(3)
+    elif tamper == "renamed":
+        sd[key.replace("mixer", "mla")] = sd.pop(key)
+    else:
+        sd[key] = sd[key][:8].clone()
+    save_file(sd, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointMismatchError) as err:
+        load_hylo(tmp_path / "ckpt")
+    msg = str(err.value)
+    assert str(tmp_path / "ckpt") in msg
+    if tamper == "missing":
+        assert f"missing: {key}" in msg
+    elif tamper == "unexpected":
+        assert "unexpected: model.layers.1.mixer.extra.weight" in msg
+    elif tamper == "renamed":
+        assert key in msg and key.replace("mixer", "mla") in msg
+    else:
+        assert key in msg and "shape" in msg
