@@ -120,6 +120,12 @@ def released_io(args: argparse.Namespace) -> dict:
             "layers": cfg.n_layer, "mla_layers": cfg.mla_layers, "parameters": sum(p.numel() for p in model.parameters())}
 
 
+def rope_summary(hcfg) -> dict:
+    """The MLA RoPE settings (YaRN factor and original window, usable positions)."""
+    rs = {k: v for k, v in (hcfg.rope_scaling or {}).items() if k != "rope_theta"} or None
+    return {"max_position_embeddings": hcfg.max_position_embeddings, "rope_theta": hcfg.rope_theta, "rope_scaling": rs}
+
+
 def count_params(hcfg, base_cfg) -> dict:
     """Parameter counts from shapes alone (meta device), so --dry-run needs no weights."""
     import torch
@@ -167,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                                    f"supported: {', '.join(SUPPORTED_BASE_TYPES)}")
             base_cfg = AutoConfig.for_model(**raw)
             hcfg = hybrid_config_from_base(base_cfg, **config_kwargs(args))
-            summary = {"dry_run": True, **kv_summary(base_cfg, hcfg), **count_params(hcfg, base_cfg)}
+            summary = {"dry_run": True, **kv_summary(base_cfg, hcfg), **rope_summary(hcfg), **count_params(hcfg, base_cfg)}
             print(json.dumps(summary, indent=2))
             return 0
 
@@ -206,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             "base": str(base_path),
             "out": str(out),
             **kv_summary(base.config, hcfg),
+            **rope_summary(hcfg),
             "base_parameters": sum(p.numel() for p in base.parameters()),
             "hybrid_parameters": sum(p.numel() for p in model.parameters()),
             "seconds": round(time.time() - t0, 1),

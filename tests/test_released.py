@@ -397,3 +397,157 @@ def test_cli_errors_for_bad_released_input(tmp_path, capsys):
     (tmp_path / "ours").mkdir()
     assert convert.main(["--to-released", str(tmp_path / "ours"), "--out", str(tmp_path / "o")]) == 2
     assert "hybrid_config.json" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ the cards' models
+# Public base configs (config.json of each base model on the hub), as the recipes see them.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+               "original_max_position_embeddings": 8192}
+LLAMA_3_2_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+                "rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE, "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "bos_token_id": 128000,
+                "eos_token_id": [128001, 128008, 128009]}
+LLAMA_3_2_3B = {**LLAMA_3_2_1B, "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24,
+                "head_dim": 128}
+QWEN3_1_7B = {"model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+              "rope_theta": 1000000.0, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645}
+
+# recipe -> (base, the card's parameter count in billions, its KV-cache fraction, the card's shapes:
+# kv_lora_rank, q_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim, GDN heads, GDN head dim).
+# 3B: amd/HyLo-Llama-14MLA14GDN-64K-SFT (3.97B, 4.7 %; shapes from its card). 1B: the 8MLA8GDN card
+# (1.61B, 7.8 %). Qwen: amd/HyLo-Qwen-7MLA21GDN-8K-SFT (2.28B, 3.9 %); the 1B's and Qwen's q_lora_rank
+# (1344, as in AMD's Zebra-Llama-1B hybrid_config) is the value their counts imply (the 1B's count allows
+# 1088..1392, Qwen's 1032..1368).
+CARDS = {
+    "llama-3.2-1b-8mla8gdn-64k": (LLAMA_3_2_1B, 1.61, 0.078, (128, 1344, 32, 32, 64, 6, 256)),
+    "llama-3.2-3b-14mla14gdn-64k": (LLAMA_3_2_3B, 3.97, 0.047, (128, 1536, 64, 64, 128, 9, 256)),
+    "qwen3-1.7b-7mla21gdn-64k": (QWEN3_1_7B, 2.28, 0.039, (256, 1344, 64, 64, 128, 6, 256)),
+}
+
+
+def _recipe_hcfg(recipe: str, **override):
+    import warnings
+
+    from hylo.upcycle import hybrid_config_from_base
+    from pipeline.train.config import load_stage_config
+
+    base = CARDS[recipe][0]
+    s1 = load_stage_config(1, ROOT / "configs" / f"{recipe}.yaml")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hcfg = hybrid_config_from_base(dict(base), **{**s1.model.convert, **override})
+    return hcfg, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("recipe", list(CARDS))
+def test_each_recipe_builds_exactly_the_cards_model(recipe):
+    from hylo.modeling import HyLoForCausalLM
+    from hylo.upcycle import kv_summary
+
+    base, params_b, kv, shapes = CARDS[recipe]
+    hcfg, _ = _recipe_hcfg(recipe)
+    with torch.device("meta"):
+        model = HyLoForCausalLM(hcfg)
+    n = sum(p.numel() for p in model.parameters())
+    assert round(n / 1e9, 2) == params_b, n
+    from transformers import AutoConfig
+
+    assert round(kv_summary(AutoConfig.for_model(**base), hcfg)["kv_cache_ratio"], 3) == kv
+    got = (hcfg.kv_lora_rank, hcfg.q_lora_rank, hcfg.qk_rope_head_dim, hcfg.qk_nope_head_dim, hcfg.v_head_dim,
+           hcfg.gdn_num_heads, hcfg.gdn_head_dim)
+    assert got == shapes
+    assert hcfg.num_attention_heads == base["num_attention_heads"] and hcfg.gdn_value_dim == 512
+    # what the count implies: an untied LM head and kv_b_proj rows per KV head, one shared roped key
+    assert not hcfg.tie_word_embeddings and hcfg.kv_b_per_kv_head and hcfg.rope_key_groups == 1
+    # the cards' YaRN: factor 32 over an original window of 2,048 tokens, 65,536 usable positions
+    rs = hcfg.rope_scaling
+    assert (rs["rope_type"], rs["factor"], rs["original_max_position_embeddings"]) == ("yarn", 32.0, 2048)
+    assert hcfg.max_position_embeddings == 65536
+
+
+# design.md §1: every released model's KV-cache fraction with the recipes' shapes
+RELEASED_KV = [
+    ("llama-3.2-1b-8mla8gdn-64k", "uniform:4", 0.039),      # HyLo-Llama 4MLA12GDN
+    ("llama-3.2-1b-8mla8gdn-64k", "even", 0.078),           # 8MLA8GDN
+    ("llama-3.2-3b-14mla14gdn-64k", "0,5,10,16,21,26", 0.020),  # 6MLA22GDN
+    ("llama-3.2-3b-14mla14gdn-64k", "even", 0.047),         # 14MLA14GDN
+    ("qwen3-1.7b-7mla21gdn-64k", "uniform:7", 0.039),       # Qwen 7MLA21GDN
+    ("qwen3-1.7b-7mla21gdn-64k", "even", 0.078),            # Qwen 14MLA14GDN (and 14MLA14M2)
+]
+
+
+@pytest.mark.parametrize("recipe,placement,kv", RELEASED_KV, ids=["1b-4mla", "1b-8mla", "3b-6mla", "3b-14mla",
+                                                                 "qwen-7mla", "qwen-14mla"])
+def test_released_family_kv_fractions(recipe, placement, kv):
+    from transformers import AutoConfig
+
+    from hylo.upcycle import kv_summary
+
+    hcfg, _ = _recipe_hcfg(recipe, mla_layers=placement)
+    assert round(kv_summary(AutoConfig.for_model(**CARDS[recipe][0]), hcfg)["kv_cache_ratio"], 3) == kv
+
+
+def test_card_shapes_need_no_rope_key_groups_flag_and_llama3_scaling_is_not_dropped_silently():
+    hcfg, warned = _recipe_hcfg("llama-3.2-3b-14mla14gdn-64k")
+    assert hcfg.rope_key_groups == 1 and hcfg.qk_nope_head_dim == 64
+    assert any("llama3" in w and "replaced" in w for w in warned), warned
+    from hylo.upcycle import hybrid_config_from_base
+
+    with pytest.warns(UserWarning, match="llama3.*dropped"):
+        plain = hybrid_config_from_base(dict(LLAMA_3_2_1B), kv_lora_rank=128, qk_rope_head_dim=32)
+    from hylo.layers.rope import rope_type_of
+
+    assert rope_type_of(plain.rope_scaling) == "default"
+
+
+def test_yarn_from_the_command_line(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_3_2_3B))
+    args = ["--dry-run", "--base-config", str(path), "--kv-lora-rank", "128", "--q-lora-rank", "1536",
+            "--qk-rope-head-dim", "64", "--qk-nope-head-dim", "64", "--v-head-dim", "128", "--gdn-num-heads", "9",
+            "--gdn-head-dim", "256", "--gdn-expand-v", "2", "--max-position-embeddings", "65536",
+            "--yarn-factor", "32", "--untie-lm-head", "--kv-b-per-kv-head"]
+    with pytest.warns(UserWarning, match="llama3"):
+        assert convert.main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    # the card's figures: 3.97B parameters, KV cache 4.7 % (window 65,536 / 32 = 2,048)
+    assert round(summary["hybrid_parameters"] / 1e9, 2) == 3.97 and round(summary["kv_cache_ratio"], 3) == 0.047
+    assert summary["rope_scaling"]["original_max_position_embeddings"] == 2048
+    with pytest.warns(UserWarning):
+        assert convert.main(args + ["--yarn-original-max-position-embeddings", "4096"]) == 0
+    assert json.loads(capsys.readouterr().out)["rope_scaling"]["original_max_position_embeddings"] == 4096
+
+
+# ------------------------------------------------------------------------------------ recipes on the image
+@pytest.mark.parametrize("recipe", list(CARDS))
+def test_recipe_teacher_and_student_settings_load_on_the_image_package_set(tmp_path, recipe):
+    import dataclasses
+
+    from pipeline.teacher.model import TeacherModel
+    from pipeline.teacher.testing import save_tiny_llama
+    from pipeline.train.config import load_stage_config
+    from pipeline.train.deepspeed_cfg import grad_accum_steps
+
+    path = ROOT / "configs" / f"{recipe}.yaml"
+    s1, s2 = load_stage_config(1, path), load_stage_config(2, path)
+    # what the cluster images install (cluster/Dockerfile.*): an attention implementation that needs a
+    # package they lack (flash_attention_2 -> flash-attn) raises ImportError when the teacher loads
+    images = " ".join(p.read_text() for p in (ROOT / "cluster").glob("Dockerfile.*"))
+    attn = s2.teacher.model.attn_implementation
+    assert attn in (None, "sdpa", "eager") or ("flash-attn" in images or "flash_attn" in images), attn
+    # the teacher's settings load a model with this package set (a tiny stand-in for the 8B, on CPU)
+    teacher = TeacherModel.from_config(dataclasses.replace(s2.teacher.model, path=str(save_tiny_llama(tmp_path / "t")),
+                                                           device="cpu"))
+    assert teacher.isolation == s2.teacher.model.isolation and teacher.dtype == torch.bfloat16
+    # the student: stage 1 converts with options the converter accepts (shapes: the card test above),
+    # stage 2 starts from stage 1's consolidated model
+    _recipe_hcfg(recipe)
+    assert s1.model.student is None and s2.model.student == f"{s1.ray.storage_path}/{s1.ray.name}/model"
+    # the 64K stage runs the teacher from the Serve pool on GPUs of its own, sized in the recipe
+    assert s2.teacher.source == "serve" and s2.teacher.start_pool and s2.ray.use_gpu
+    assert s2.ray.num_workers + s2.teacher.pool.num_replicas * s2.teacher.pool.num_gpus == 8  # one 8-GPU node
+    assert s2.teacher.pool.num_gpus == 1 and s2.teacher.pool.max_batch_tokens >= s2.data.seq_len == 65536
+    assert grad_accum_steps(s2.train.global_batch_sequences, s2.ray.num_workers) == 2
