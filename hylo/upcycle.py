@@ -496,9 +496,38 @@ def mla_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[str,
     return out
 
 
+def gdn_head_groups(h: int, hg: int) -> list[list[int]]:
+    """The base query heads each GDN head stands for.
+
+    Fewer GDN heads than query heads (the released 3B: 9 for 24): every query head is used, split into
+    `hg` contiguous groups as even as possible. Otherwise each GDN head takes one query head in turn.
+    """
+    if hg >= h:
+        return [[j % h] for j in range(hg)]
+    bounds = [round(j * h / hg) for j in range(hg + 1)]
+    return [list(range(bounds[j], bounds[j + 1])) for j in range(hg)]
+
+
+def _top_rows(m: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, m.shape[0]]: an orthonormal basis of the `rows`-dim subspace that best keeps m's rows."""
+    u, _, _ = torch.linalg.svd(m, full_matrices=False)
+    return u[:, :rows].T
+
+
 @torch.no_grad()
-def gdn_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[str, torch.Tensor]:
-    """Copy attention projections into a GDN layer (heads wrapped, dims truncated/zero-padded)."""
+def gdn_weights_from_attention(attn: nn.Module, hcfg: HybridConfig,
+                               o_fill: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Copy attention projections into a GDN layer, every query head used.
+
+    GDN head j stands for the query heads of `gdn_head_groups(h, hg)[j]`. Its key space holds their
+    query / key rows side by side, so q.k is the sum of those heads' scores; when they do not fit
+    (n * dh > gdn_head_dim) both are projected onto one shared basis (the leading left singular vectors
+    of [q rows | k rows]). Its value space holds one slot of dh value rows per query head (the head's
+    KV head), with that head's o_proj columns; when they do not fit they are projected onto the leading
+    singular subspace of the stacked value rows (exact when they repeat one KV head). Unused key dims
+    are zero; unused value dims are zero with the o_proj columns of `o_fill` (the layer's default init),
+    so they add nothing at first but train (zero columns there would never get a gradient).
+    """
     h, g, dh = hcfg.num_attention_heads, hcfg.num_key_value_heads, hcfg.base_head_dim or hcfg.head_dim
     hg, kd, vd = hcfg.gdn_num_heads, hcfg.gdn_head_dim, hcfg.gdn_value_dim
     wq = attn.q_proj.weight.detach().double().view(h, dh, -1)
@@ -511,22 +540,37 @@ def gdn_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[str,
         wk = wk * kw.double().view(1, dh, 1)
     d = wq.shape[-1]
     group = h // g
-    q_heads = [i % h for i in range(hg)]
-    kv_heads = [qi // group for qi in q_heads]
-    q = torch.stack([_fit(wq[qi], kd) for qi in q_heads])
-    k = torch.stack([_fit(wk[ki], kd) for ki in kv_heads])
-    v = torch.stack([_fit(wv[ki], vd) for ki in kv_heads])
     wo = attn.o_proj.weight.detach().double().view(d, h, dh)
-    # a base head used by several GDN heads shares its output projection among them
-    uses = torch.bincount(torch.tensor(q_heads), minlength=h).double()
-    o = torch.stack([_fit(wo[:, qi].T, vd).T / uses[qi] for qi in q_heads], dim=1)  # [D, Hg, vd]
-    out = {
-        "q_proj.weight": q.reshape(hg * kd, d),
-        "k_proj.weight": k.reshape(hg * kd, d),
-        "v_proj.weight": v.reshape(hg * vd, d),
-        "o_proj.weight": o.reshape(d, hg * vd),
+    groups = gdn_head_groups(h, hg)
+    # a base head used by several GDN heads (hg > h) shares its output projection among them
+    uses = torch.bincount(torch.tensor([a for grp in groups for a in grp]), minlength=h).double()
+    fill = o_fill.detach().double().view(d, hg, vd) if o_fill is not None else None
+    qs, ks, vs, os_ = [], [], [], []
+    for j, heads in enumerate(groups):
+        q_cat = torch.cat([wq[a] for a in heads])  # [n*dh, D]
+        k_cat = torch.cat([wk[a // group] for a in heads])
+        if q_cat.shape[0] > kd:
+            basis = _top_rows(torch.cat([q_cat, k_cat], dim=1), kd)
+            q_cat, k_cat = basis @ q_cat, basis @ k_cat
+        qs.append(_fit(q_cat, kd))
+        ks.append(_fit(k_cat, kd))
+        v_cat = torch.cat([wv[a // group] for a in heads])  # [n*dh, D]
+        o_cat = torch.cat([wo[:, a] / uses[a] for a in heads], dim=1)  # [D, n*dh]
+        if v_cat.shape[0] > vd:
+            basis = _top_rows(v_cat, vd)
+            v_cat, o_cat = basis @ v_cat, o_cat @ basis.T
+        used = v_cat.shape[0]
+        vs.append(_fit(v_cat, vd))
+        o_j = _fit(o_cat.T, vd).T
+        if fill is not None and used < vd:
+            o_j[:, used:] = fill[:, j, used:]
+        os_.append(o_j)
+    return {
+        "q_proj.weight": torch.stack(qs).reshape(hg * kd, d),
+        "k_proj.weight": torch.stack(ks).reshape(hg * kd, d),
+        "v_proj.weight": torch.stack(vs).reshape(hg * vd, d),
+        "o_proj.weight": torch.stack(os_, dim=1).reshape(d, hg * vd),
     }
-    return out
 
 
 @torch.no_grad()
@@ -591,7 +635,7 @@ def _mixer_weights(attn: nn.Module, dst: nn.Module, hcfg: HybridConfig) -> dict[
             conv = getattr(dst.mixer, name, None)
             if conv is not None:
                 _identity_conv_(conv)
-        return gdn_weights_from_attention(attn, hcfg)
+        return gdn_weights_from_attention(attn, hcfg, o_fill=dst.mixer.o_proj.weight)
     from hylo.layers.mamba2 import mamba2_weights_from_attention
 
     return mamba2_weights_from_attention(attn, hcfg)
@@ -730,7 +774,13 @@ def _calibrate_linear(base_model, model, calibration_ids: torch.Tensor, ridge: f
             hg, vd = cfg.gdn_num_heads, cfg.gdn_value_dim
             mixer.g_proj.weight.copy_((gate_level * u).expand(hg * vd, d))
             rms = rms_HK.mean(0)  # o_norm is shared by the heads
-            w = _fit(rms[:, None], vd)[:, 0] if vd <= dh else torch.cat([rms, rms.new_full((vd - dh,), float(rms.mean()))])
+            slots = max(len(grp) for grp in gdn_head_groups(h, hg))
+            if vd < dh or slots * dh > vd:
+                # value channels projected or truncated: no channel is one of the base head's
+                w = rms.new_full((vd,), float(rms.mean())) if vd >= dh else _fit(rms[:, None], vd)[:, 0]
+            else:
+                # one slot of dh channels per base head (gdn_weights_from_attention's layout)
+                w = rms.repeat(-(-vd // dh))[:vd]
             mixer.o_norm.weight.copy_(w)
         else:
             H, P = mixer.num_heads, mixer.head_dim

@@ -381,3 +381,51 @@ def test_loading_is_strict_and_names_the_keys(tmp_path, tamper):
         assert key in msg and key.replace("mixer", "mla") in msg
     else:
         assert key in msg and "shape" in msg
+
+
+def test_gdn_with_fewer_heads_uses_every_query_head():
+    """Issue 13: 9 GDN heads for 24 query heads kept heads 0-8 only. Each GDN head now stands for a group."""
+    from hylo.upcycle import gdn_head_groups
+
+    assert gdn_head_groups(24, 9) == [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9, 10], [11, 12], [13, 14, 15],
+                                      [16, 17, 18], [19, 20], [21, 22, 23]]
+    assert gdn_head_groups(4, 6) == [[0], [1], [2], [3], [0], [1]]
+    base = tiny_llama()
+    attn = base.model.layers[0].self_attn
+    wq = attn.q_proj.weight.detach().view(4, 16, -1)
+    wk = attn.k_proj.weight.detach().view(2, 16, -1)
+    wv = attn.v_proj.weight.detach().view(2, 16, -1)
+    wo = attn.o_proj.weight.detach().view(64, 4, 16)
+    x, y = torch.randn(64, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
+    # room for two heads per GDN head: q.k is the sum of the two heads' scores, the output map their sum
+    hcfg = hybrid_config_from_base(base.config, mla_layers="none", gdn_num_heads=2, gdn_head_dim=32, gdn_expand_v=2.0)
+    w = gdn_weights_from_attention(attn, hcfg)
+    q, k = w["q_proj.weight"].view(2, 32, -1), w["k_proj.weight"].view(2, 32, -1)
+    v, o = w["v_proj.weight"].view(2, 64, -1), w["o_proj.weight"].view(64, 2, 64)
+    for j, heads in enumerate(([0, 1], [2, 3])):
+        want = sum((wq[a] @ x) @ (wk[a // 2] @ y) for a in heads)
+        assert float((q[j] @ x) @ (k[j] @ y)) == pytest.approx(float(want), rel=1e-12)
+        out_map = o[:, j] @ v[j]
+        assert rel_err(out_map, sum(wo[:, a] @ wv[a // 2] for a in heads)) < 1e-12
+    # no room: projected onto a shared basis; the value rows of one KV head repeat, so that part stays exact
+    hcfg = hybrid_config_from_base(base.config, mla_layers="none", gdn_num_heads=2, gdn_head_dim=16)
+    w = gdn_weights_from_attention(attn, hcfg)
+    v, o = w["v_proj.weight"].view(2, 16, -1), w["o_proj.weight"].view(64, 2, 16)
+    for j, heads in enumerate(([0, 1], [2, 3])):
+        assert rel_err(o[:, j] @ v[j], sum(wo[:, a] @ wv[a // 2] for a in heads)) < 1e-12
+    assert (w["q_proj.weight"].abs().sum(1) > 0).all() and (w["k_proj.weight"].abs().sum(1) > 0).all()
+
+
+def test_gdn_spare_value_dims_add_nothing_but_can_train():
+    base = tiny_llama()
+    model = upcycle(base, mla_layers=[0], kv_lora_rank=32, qk_rope_head_dim=8, gdn_head_dim=16, gdn_expand_v=4.0)
+    mixer = model.model.layers[1].mixer
+    v = mixer.v_proj.weight.view(4, 64, -1)
+    o = mixer.o_proj.weight.view(64, 4, 64)
+    # one 16-dim value slot per head holds the base head; the other 48 rows are zero, their o_proj columns not
+    assert v[:, 16:].abs().max() == 0 and (o[:, :, 16:].abs().sum(0) > 0).all()
+    x = torch.randn(1, 9, 64, dtype=torch.float64)
+    with torch.no_grad():
+        ref = mixer(x)
+        mixer.o_proj.weight.view(64, 4, 64)[:, :, 16:] = 0
+        assert torch.equal(mixer(x), ref)
