@@ -194,13 +194,6 @@ class HybridConfig(PretrainedConfig):
         if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or isinstance(self.q_lora_rank, bool)
                                              or self.q_lora_rank <= 0 or self.q_lora_rank % 8):
             bad("q_lora_rank", f"must be null (no query compression) or a positive multiple of 8, got {self.q_lora_rank!r}")
-        # a latent wider than the layer's input holds nothing more than the input itself
-        if self.kv_lora_rank > self.hidden_size:
-            bad("kv_lora_rank", f"{self.kv_lora_rank} is larger than hidden_size={self.hidden_size}; "
-                                f"a latent cannot hold more than its input (allowed: 8..{self.hidden_size})")
-        if self.q_lora_rank is not None and self.q_lora_rank > self.hidden_size:
-            bad("q_lora_rank", f"{self.q_lora_rank} is larger than hidden_size={self.hidden_size} "
-                               f"(allowed: null or 8..{self.hidden_size})")
         if self.mla_latent_norm_eps is not None and not float(self.mla_latent_norm_eps) > 0:
             bad("mla_latent_norm_eps", f"must be > 0 or null (= rms_norm_eps), got {self.mla_latent_norm_eps!r}")
         if self.qk_rope_head_dim % 2:

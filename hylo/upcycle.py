@@ -257,6 +257,12 @@ def hybrid_config_from_base(
     full_kv_rank = g * (d_nope + dv)
     # default: the joint SVD's full rank, capped at 256 (the published models use 128 at 1B-3B scale)
     r_kv = kv_lora_rank if kv_lora_rank is not None else min(256, full_kv_rank - full_kv_rank % 8)
+    # a latent wider than the layer's input holds nothing more than the input itself
+    d_model = base_cfg.hidden_size
+    for name, rank in (("kv_lora_rank", r_kv), ("q_lora_rank", q_lora_rank)):
+        if rank is not None and rank > d_model:
+            raise UpcycleError(f"{name} ({_flag(name)}) = {rank} is larger than the hidden size {d_model}: a latent "
+                               f"cannot hold more than its input (allowed: 8..{d_model})")
     # an MLA layer that caches more per token than the attention it replaces defeats its purpose
     if r_kv + d_rope > 2 * g * dh:
         raise UpcycleError(

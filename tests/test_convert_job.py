@@ -91,9 +91,9 @@ def test_real_smollm2_convert_reload_generate(tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--kv-lora-rank", "4096"], "kv_lora_rank"),            # wider than the hidden size (2048)
+    (["--kv-lora-rank", "4096"], "--kv-lora-rank) = 4096 is larger than the hidden size 2048"),
     (["--mla-layers", "all", "--kv-lora-rank", "2040"], "more per token than the attention"),
-    (["--q-lora-rank", "4096"], "q_lora_rank"),
+    (["--q-lora-rank", "4096"], "--q-lora-rank) = 4096 is larger than the hidden size"),
     (["--gdn-num-heads", "0"], "--gdn-num-heads"),
     (["--gdn-head-dim", "-8"], "--gdn-head-dim"),
     (["--max-position-embeddings", "0"], "--max-position-embeddings"),

@@ -337,11 +337,15 @@ def test_non_finite_base_weights_are_refused_naming_the_tensor():
         upcycle(base, mla_layers=[0], kv_lora_rank=32, qk_rope_head_dim=8)
 
 
-def test_hybrid_config_refuses_latents_wider_than_the_input_and_unknown_conversion_options():
+def test_converter_refuses_latents_wider_than_the_input_and_unknown_conversion_options():
     from hylo.config import HybridConfig, HybridConfigError
 
-    with pytest.raises(HybridConfigError, match="kv_lora_rank: 1024 is larger than hidden_size=576"):
-        HybridConfig(kv_lora_rank=1024)
+    base = tiny_llama(dtype=torch.float32)
+    with pytest.raises(UpcycleError, match=r"kv_lora_rank \(--kv-lora-rank\) = 72 is larger than the hidden size 64"):
+        hybrid_config_from_base(base.config, mla_layers="all", kv_lora_rank=72, qk_rope_head_dim=4,
+                                rope_key_groups=1)
+    with pytest.raises(UpcycleError, match=r"q_lora_rank \(--q-lora-rank\) = 128 is larger"):
+        hybrid_config_from_base(base.config, q_lora_rank=128)
     with pytest.raises(HybridConfigError, match="q_lora_rank"):
         HybridConfig(q_lora_rank=0)
     with pytest.raises(UpcycleError, match="unknown conversion option.*kv_lora_rnak.*valid: .*kv_lora_rank"):
