@@ -551,3 +551,29 @@ def test_recipe_teacher_and_student_settings_load_on_the_image_package_set(tmp_p
     assert s2.ray.num_workers + s2.teacher.pool.num_replicas * s2.teacher.pool.num_gpus == 8  # one 8-GPU node
     assert s2.teacher.pool.num_gpus == 1 and s2.teacher.pool.max_batch_tokens >= s2.data.seq_len == 65536
     assert grad_accum_steps(s2.train.global_batch_sequences, s2.ray.num_workers) == 2
+
+
+def test_cli_conversion_with_the_cards_options_then_export_and_generate(tmp_path, capsys):
+    """Full CLI path on a tiny Llama: the released models' options, then the released layout and back."""
+    _tiny_llama().float().save_pretrained(tmp_path / "base")
+    args = ["--base", str(tmp_path / "base"), "--out", str(tmp_path / "hylo"), "--mla-layers", "0,2",
+            "--kv-lora-rank", "32", "--q-lora-rank", "32", "--qk-rope-head-dim", "8", "--qk-nope-head-dim", "8",
+            "--gdn-num-heads", "2", "--gdn-head-dim", "32", "--gdn-expand-v", "2", "--untie-lm-head",
+            "--kv-b-per-kv-head", "--max-position-embeddings", "256", "--yarn-factor", "4"]
+    assert convert.main(args) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{"):])
+    assert summary["rope_scaling"]["original_max_position_embeddings"] == 64
+    model = load_hylo(tmp_path / "hylo")
+    cfg = model.config
+    assert (cfg.rope_key_groups, cfg.kv_b_per_kv_head, cfg.tie_word_embeddings) == (1, True, False)
+    assert model.model.layers[0].mixer.kv_b_proj.weight.shape == (2 * (8 + 16), 32)
+    assert convert.main(["--to-released", str(tmp_path / "hylo"), "--out", str(tmp_path / "rel")]) == 0
+    back = load_hylo(tmp_path / "rel")
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.no_grad():
+        assert rel(back(ids).logits, model(ids).logits) < 1e-5
+    # cached decoding of an imported model continues what full forwards pick
+    gen = back.generate(ids, max_new_tokens=4, eos_token_id=None)
+    with torch.no_grad():
+        assert torch.equal(back(gen[:, :-1]).logits[:, 11:].argmax(-1), gen[:, 12:])
