@@ -20,10 +20,18 @@ Design choices:
 * The latent RMSNorms of MLA have no counterpart in the base model and rescale every token differently
   (a per-token factor on keys and values that no weight can undo). Upcycled models therefore start with
   `mla_latent_norm: false`; with the norms on, calibration sets their weight to the latents' mean RMS.
-* GDN from attention: W_q -> q_proj, W_k -> k_proj, W_v -> v_proj (KV heads expanded to GDN heads), W_o ->
-  o_proj; truncation / zero padding where head dims differ. Qwen3's q/k RMSNorm weights fold exactly into
-  q_proj / k_proj because GDN L2-normalises q and k. Gates, decay and beta keep their default init; the
-  short convolutions start as identity (last tap 1) so the copied projections are not scrambled.
+* GDN from attention: W_q -> q_proj, W_k -> k_proj, W_v -> v_proj, W_o -> o_proj, every query head used.
+  With fewer GDN heads than query heads each GDN head stands for a contiguous group of them: its key dims
+  hold the group's query / key rows side by side (q.k sums the heads' scores; an SVD basis shared by q and
+  k when they do not fit), its value dims one slot per head with that head's o_proj columns. Spare value
+  dims are zero with trainable o_proj columns (zero columns would never get a gradient). Qwen3's q/k
+  RMSNorm weights fold exactly into q_proj / k_proj because GDN L2-normalises q and k. Gates, decay and
+  beta keep their default init; the short convolutions start as identity (last tap 1) so the copied
+  projections are not scrambled.
+* Conversion options are validated as given (0 or negative is an error, never "the default"); a latent
+  wider than the hidden size or an MLA layer caching more than the attention it replaces is refused, and
+  so is a base with NaN/inf weights. YaRN (`yarn_factor`) replaces the base's RoPE scaling with a warning;
+  Llama-3's `llama3` scaling has no MLA equivalent and is dropped with a warning.
 * GDN / Mamba-2 gates: with calibration tokens the output gate is made ~constant and the output norm takes
   the attention heads' RMS (`_calibrate_linear`); a random gate otherwise erases what the copied projections carry.
 * MLP, norms, embeddings and LM head are copied.
