@@ -80,6 +80,13 @@ def main() -> None:
                                                      rope_key_groups=1), "attention"),
         ("ours: all MLA, r_kv=336 (full)", dict(mla_layers="all", kv_lora_rank=336), "attention"),
         ("ours: all GDN", dict(mla_layers="none"), "attention"),
+        # fewer GDN heads than query heads, wider heads (the released 3B: 9 GDN heads x 256 for 24 query
+        # heads of 128): each GDN head stands for a group of query heads (hylo.upcycle.gdn_head_groups)
+        ("ours: all GDN, 3 GDN heads x 128 (v 256)", dict(mla_layers="none", gdn_num_heads=3, gdn_head_dim=128,
+                                                          gdn_expand_v=2.0), "attention"),
+        ("ours: even MLA, 3 GDN heads x 128 (v 256)", dict(mla_layers="even", kv_lora_rank=256, gdn_num_heads=3,
+                                                           gdn_head_dim=128, gdn_expand_v=2.0), "attention"),
+        ("ours: all GDN, 3 GDN heads x 64", dict(mla_layers="none", gdn_num_heads=3), "attention"),
         ("random mixers: all GDN", dict(mla_layers="none"), "random"),
         ("ours: even MLA, GDN gates not calibrated", dict(mla_layers="even", kv_lora_rank=256), "uncalibrated"),
         ("ours: even MLA, Mamba-2", dict(mla_layers="even", kv_lora_rank=256, linear_type="mamba2"), "attention"),

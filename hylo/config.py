@@ -49,6 +49,8 @@ class HybridConfig(PretrainedConfig):
         qk_nope_head_dim: int = 32,
         rope_key_groups: int = 1,
         mla_latent_norm: bool = True,
+        mla_latent_norm_eps: float | None = None,
+        kv_b_per_kv_head: bool = False,
         v_head_dim: int = 64,
         max_position_embeddings: int = 8192,
         rope_theta: float = 10000.0,
@@ -87,11 +89,16 @@ class HybridConfig(PretrainedConfig):
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
         self.kv_lora_rank = kv_lora_rank
-        self.q_lora_rank = q_lora_rank if q_lora_rank else None
+        self.q_lora_rank = q_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.qk_nope_head_dim = qk_nope_head_dim
         self.rope_key_groups = rope_key_groups
         self.mla_latent_norm = bool(mla_latent_norm)
+        # eps of the latent RMSNorms; None = rms_norm_eps (AMD's released MLA layers use 1e-6)
+        self.mla_latent_norm_eps = mla_latent_norm_eps
+        # kv_b_proj rows per KV head (each query head reads its GQA group's rows, AMD's layout) rather
+        # than per query head (DeepSeek's layout)
+        self.kv_b_per_kv_head = bool(kv_b_per_kv_head)
         self.v_head_dim = v_head_dim
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = float(rope_theta)
@@ -128,6 +135,15 @@ class HybridConfig(PretrainedConfig):
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_b_heads(self) -> int:
+        """Heads of kv_b_proj: the KV heads with `kv_b_per_kv_head`, else every query head."""
+        return self.num_key_value_heads if self.kv_b_per_kv_head else self.num_attention_heads
+
+    @property
+    def latent_norm_eps(self) -> float:
+        return self.rms_norm_eps if self.mla_latent_norm_eps is None else float(self.mla_latent_norm_eps)
 
     @property
     def gdn_value_dim(self) -> int:
@@ -180,8 +196,11 @@ class HybridConfig(PretrainedConfig):
             bad("num_key_value_heads", f"{self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}")
         if self.kv_lora_rank % 8:
             bad("kv_lora_rank", f"must be a multiple of 8, got {self.kv_lora_rank}")
-        if self.q_lora_rank is not None and (self.q_lora_rank <= 0 or self.q_lora_rank % 8):
-            bad("q_lora_rank", f"must be null (no query compression) or a positive multiple of 8, got {self.q_lora_rank}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or isinstance(self.q_lora_rank, bool)
+                                             or self.q_lora_rank <= 0 or self.q_lora_rank % 8):
+            bad("q_lora_rank", f"must be null (no query compression) or a positive multiple of 8, got {self.q_lora_rank!r}")
+        if self.mla_latent_norm_eps is not None and not float(self.mla_latent_norm_eps) > 0:
+            bad("mla_latent_norm_eps", f"must be > 0 or null (= rms_norm_eps), got {self.mla_latent_norm_eps!r}")
         if self.qk_rope_head_dim % 2:
             bad("qk_rope_head_dim", f"must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
         if not isinstance(self.rope_key_groups, int) or self.rope_key_groups < 1:
@@ -248,6 +267,15 @@ class HybridConfig(PretrainedConfig):
             data = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise HybridConfigError(f"{p}: not valid JSON ({e})") from e
+        if data.get("model_type") != "hylo" and any(k in data for k in ("use_lora_layer_norm", "use_full_kv_head", "ssm_cfg")):
+            raise HybridConfigError(
+                f"{p}: written by AMD's Hybrid-Models code (the released layout: their keys, the vocabulary in "
+                f"config.json, `mla.*` weights); load the directory with hylo.io.load_hylo (it imports this layout) "
+                f"or convert it with `python jobs/convert.py --from-released DIR --out OUT`")
+        missing = [k for k in ("vocab_size", "hidden_size", "n_layer", "num_attention_heads", "mla_layers") if k not in data]
+        if missing:
+            # never fall back to the class defaults (SmolLM2's vocabulary, bos/eos 1/2) for a model's shape
+            raise HybridConfigError(f"{p}: missing key(s) {', '.join(missing)}; not a complete HyLo hybrid config")
         data.pop("model_type", None)
         try:
             return cls(**data)

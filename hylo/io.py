@@ -20,6 +20,10 @@ from pathlib import Path
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfigError
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's weights do not match its model (missing, unexpected or mis-shaped tensors)."""
+
+
 def atomic_replace_dir(tmp: Path, final: Path) -> None:
     """Move a finished `tmp` directory to `final`, replacing any previous one."""
     final = Path(final)
@@ -75,8 +79,31 @@ def save_hylo(model, out_dir: str | Path, tokenizer=None, tokenizer_from: str | 
     return out
 
 
+def _loading_report(info: dict, shown: int = 8) -> list[str]:
+    """Lines for every missing, unexpected or mis-shaped tensor of a `from_pretrained` loading report."""
+    lines = []
+    for kind in ("missing", "unexpected"):
+        keys = sorted(info.get(f"{kind}_keys") or [])
+        lines += [f"{kind}: {k}" for k in keys[:shown]]
+        if len(keys) > shown:
+            lines.append(f"... and {len(keys) - shown} more {kind}")
+    for item in list(info.get("mismatched_keys") or [])[:shown]:
+        key, *shapes = item if isinstance(item, tuple | list) else (item,)
+        lines.append(f"shape mismatch: {key} " + " vs ".join(str(tuple(s)) for s in shapes))
+    lines += [f"error: {m}" for m in info.get("error_msgs") or []]
+    return lines
+
+
 def load_hylo(path: str | Path, dtype=None, device: str | None = None):
-    """Load a HyLo checkpoint with clear errors for missing or incomplete directories."""
+    """Load a HyLo checkpoint with clear errors for missing or incomplete directories.
+
+    `dtype`: a torch dtype, None (float32) or "auto" (as stored).
+
+    Loading is strict: a tensor the model expects but the files lack, a tensor the model has no place
+    for, or one of the wrong shape is a `CheckpointMismatchError` naming the keys (never a silently
+    random-initialised mixer). A directory in the released layout of AMD's Hybrid-Models code
+    (hybrid_config.json with their keys, `mla.*` weights) is imported through `hylo.released`.
+    """
     import torch
 
     from hylo.config import HybridConfig
@@ -87,8 +114,21 @@ def load_hylo(path: str | Path, dtype=None, device: str | None = None):
         raise HybridConfigError(f"HyLo checkpoint {p} does not exist or is not a directory")
     if not (p / HYBRID_CONFIG_NAME).is_file():
         raise HybridConfigError(f"{p}: no {HYBRID_CONFIG_NAME}; not a HyLo checkpoint (convert one with jobs/convert.py)")
-    cfg = HybridConfig.from_hybrid_json(p)
-    model = HyLoForCausalLM.from_pretrained(p, config=cfg, dtype=dtype or torch.float32)
+    from hylo.released import is_released_layout, load_released
+
+    # dtype "auto" keeps the stored dtype; None loads float32
+    if is_released_layout(p):
+        model = load_released(p, dtype=None if dtype == "auto" else (dtype or torch.float32))
+    else:
+        cfg = HybridConfig.from_hybrid_json(p)
+        # mismatched sizes are reported (then refused below) instead of raising a generic error
+        model, info = HyLoForCausalLM.from_pretrained(p, config=cfg, dtype=dtype or torch.float32,
+                                                      output_loading_info=True, ignore_mismatched_sizes=True)
+        problems = _loading_report(info)
+        if problems:
+            raise CheckpointMismatchError(
+                f"{p}: the weights do not match the model described by its {HYBRID_CONFIG_NAME} "
+                f"({len(problems)} problem(s)); refusing to return a partly random model:\n  " + "\n  ".join(problems))
     if device is not None:
         model = model.to(device)
     return model

@@ -20,10 +20,18 @@ Design choices:
 * The latent RMSNorms of MLA have no counterpart in the base model and rescale every token differently
   (a per-token factor on keys and values that no weight can undo). Upcycled models therefore start with
   `mla_latent_norm: false`; with the norms on, calibration sets their weight to the latents' mean RMS.
-* GDN from attention: W_q -> q_proj, W_k -> k_proj, W_v -> v_proj (KV heads expanded to GDN heads), W_o ->
-  o_proj; truncation / zero padding where head dims differ. Qwen3's q/k RMSNorm weights fold exactly into
-  q_proj / k_proj because GDN L2-normalises q and k. Gates, decay and beta keep their default init; the
-  short convolutions start as identity (last tap 1) so the copied projections are not scrambled.
+* GDN from attention: W_q -> q_proj, W_k -> k_proj, W_v -> v_proj, W_o -> o_proj, every query head used.
+  With fewer GDN heads than query heads each GDN head stands for a contiguous group of them: its key dims
+  hold the group's query / key rows side by side (q.k sums the heads' scores; an SVD basis shared by q and
+  k when they do not fit), its value dims one slot per head with that head's o_proj columns. Spare value
+  dims are zero with trainable o_proj columns (zero columns would never get a gradient). Qwen3's q/k
+  RMSNorm weights fold exactly into q_proj / k_proj because GDN L2-normalises q and k. Gates, decay and
+  beta keep their default init; the short convolutions start as identity (last tap 1) so the copied
+  projections are not scrambled.
+* Conversion options are validated as given (0 or negative is an error, never "the default"); a latent
+  wider than the hidden size or an MLA layer caching more than the attention it replaces is refused, and
+  so is a base with NaN/inf weights. YaRN (`yarn_factor`) replaces the base's RoPE scaling with a warning;
+  Llama-3's `llama3` scaling has no MLA equivalent and is dropped with a warning.
 * GDN / Mamba-2 gates: with calibration tokens the output gate is made ~constant and the output norm takes
   the attention heads' RMS (`_calibrate_linear`); a random gate otherwise erases what the copied projections carry.
 * MLP, norms, embeddings and LM head are copied.
@@ -39,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hylo.config import HybridConfig, base_kv_values_per_token
+from hylo.config import HybridConfig, HybridConfigError, base_kv_values_per_token
 
 SUPPORTED_BASE_TYPES = ("llama", "qwen3", "mistral", "qwen2")
 
@@ -101,14 +109,96 @@ def _base_rope_theta(base_cfg: Any) -> float:
     return float(theta or 10000.0)
 
 
-def _base_rope_scaling(base_cfg: Any) -> dict | None:
+def _base_rope_params(base_cfg: Any) -> dict | None:
+    """The base's RoPE scaling dict (transformers 5 `rope_parameters` or older `rope_scaling`), or None."""
     params = getattr(base_cfg, "rope_parameters", None) or getattr(base_cfg, "rope_scaling", None)
     if not isinstance(params, dict):
         return None
-    rtype = params.get("rope_type", params.get("type"))
-    if rtype in ("yarn", "linear"):
-        return {k: v for k, v in params.items() if k != "rope_theta"}
-    return None
+    rtype = params.get("rope_type", params.get("type")) or "default"
+    return None if rtype == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+
+
+def _base_rope_scaling(base_cfg: Any) -> dict | None:
+    """The part of the base's RoPE scaling that MLA carries exactly (yarn, linear); None otherwise."""
+    params = _base_rope_params(base_cfg)
+    if params is None or params.get("rope_type", params.get("type")) not in ("yarn", "linear"):
+        return None
+    return params
+
+
+def yarn_rope_scaling(factor: float, original_max_position_embeddings: int | None = None,
+                      max_position_embeddings: int | None = None, beta_fast: float = 32.0,
+                      beta_slow: float = 1.0) -> dict:
+    """YaRN settings for the MLA RoPE: `factor` times an original window gives the usable positions.
+
+    The released HyLo 64K models use factor 32 over an original window of 2,048 tokens (65,536 positions).
+    Without `original_max_position_embeddings` the window is `max_position_embeddings / factor`.
+    """
+    if not factor or factor < 1:
+        raise UpcycleError(f"yarn factor (--yarn-factor) must be >= 1, got {factor!r}")
+    if original_max_position_embeddings is None:
+        if not max_position_embeddings:
+            raise UpcycleError("yarn: give original_max_position_embeddings (--yarn-original-max-position-embeddings) "
+                               "or max_position_embeddings")
+        original_max_position_embeddings = int(round(max_position_embeddings / factor))
+    if not isinstance(original_max_position_embeddings, int) or original_max_position_embeddings <= 0:
+        raise UpcycleError("yarn original_max_position_embeddings (--yarn-original-max-position-embeddings) must be "
+                           f"a positive integer, got {original_max_position_embeddings!r}")
+    return {"rope_type": "yarn", "factor": float(factor),
+            "original_max_position_embeddings": original_max_position_embeddings,
+            "beta_fast": float(beta_fast), "beta_slow": float(beta_slow)}
+
+
+# Options of hybrid_config_from_base with their command-line spelling (for error messages).
+_POSITIVE_INT_OPTIONS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "rope_key_groups", "v_head_dim",
+                         "gdn_num_heads", "gdn_head_dim", "max_position_embeddings")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_options(**opts: Any) -> None:
+    """Explicitly given shape options must be valid: 0 or a negative value is an error, never 'use the default'."""
+    for name in _POSITIVE_INT_OPTIONS:
+        v = opts.get(name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise UpcycleError(f"{name} ({_flag(name)}) = {v!r}: must be a positive integer; omit it for the default")
+    v = opts.get("qk_nope_head_dim")
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        raise UpcycleError(f"qk_nope_head_dim (--qk-nope-head-dim) = {v!r}: must be an integer >= 0")
+    v = opts.get("gdn_expand_v")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not v > 0):
+        raise UpcycleError(f"gdn_expand_v (--gdn-expand-v) = {v!r}: must be > 0; omit it for the default (1.0)")
+
+
+def _default_rope_key_groups(g: int, dh: int, d_rope: int | None, d_nope: int | None) -> int:
+    """One block per KV group when it fits the asked shapes (exact init), otherwise one shared key."""
+    if not 1 < g <= 8:
+        return 1
+    if d_rope is not None and d_rope % (2 * g):
+        return 1
+    if d_rope is not None and d_nope is not None and d_nope + d_rope // g != dh:
+        # e.g. the released models' rope 64 + nope 64 = head_dim 128: one shared key of 64 dims
+        return 1
+    return g
+
+
+def _rope_scaling_for(base_cfg: Any, rope_scaling: dict | None) -> dict | None:
+    """The MLA RoPE scaling, warning when the base's own scaling is replaced or cannot be carried."""
+    import warnings
+
+    base = _base_rope_params(base_cfg)
+    carried = _base_rope_scaling(base_cfg)
+    if rope_scaling is not None:
+        if base is not None and base != rope_scaling:
+            warnings.warn(f"the base model's RoPE scaling {base} is replaced by {rope_scaling} in the MLA layers",
+                          UserWarning, stacklevel=3)
+        return dict(rope_scaling)
+    if base is not None and carried is None:
+        warnings.warn(f"the base model's RoPE scaling {base} has no MLA equivalent and is dropped: the MLA layers "
+                      f"use plain RoPE (set rope_scaling / --yarn-factor for long context)", UserWarning, stacklevel=3)
+    return carried
 
 
 def hybrid_config_from_base(
@@ -120,15 +210,26 @@ def hybrid_config_from_base(
     qk_nope_head_dim: int | None = None,
     rope_key_groups: int | None = None,
     mla_latent_norm: bool = False,
+    mla_latent_norm_eps: float | None = None,
+    kv_b_per_kv_head: bool = False,
     v_head_dim: int | None = None,
     gdn_num_heads: int | None = None,
     gdn_head_dim: int | None = None,
     gdn_expand_v: float | None = None,
     linear_type: str = "gdn",
     rope_scaling: dict | None = None,
+    yarn_factor: float | None = None,
+    yarn_original_max_position_embeddings: int | None = None,
     max_position_embeddings: int | None = None,
+    tie_word_embeddings: bool | None = None,
 ) -> HybridConfig:
-    """Derive a HybridConfig from a base model config (a transformers config object or a dict)."""
+    """Derive a HybridConfig from a base model config (a transformers config object or a dict).
+
+    Every explicitly given option is validated (0 or negative is an error, not "use the default").
+    `yarn_factor` (with `yarn_original_max_position_embeddings`, default max positions / factor) is a
+    shorthand for a YaRN `rope_scaling`; `tie_word_embeddings` None keeps the base's choice (the released
+    HyLo models untie the LM head: `tie_word_embeddings: false` copies the base embedding into it).
+    """
     if isinstance(base_cfg, dict):
         from transformers import AutoConfig
 
@@ -139,14 +240,15 @@ def hybrid_config_from_base(
     mt = getattr(base_cfg, "model_type", None)
     if mt not in SUPPORTED_BASE_TYPES:
         raise UpcycleError(f"base model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_BASE_TYPES)}")
+    _check_options(kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+                   qk_nope_head_dim=qk_nope_head_dim, rope_key_groups=rope_key_groups, v_head_dim=v_head_dim,
+                   gdn_num_heads=gdn_num_heads, gdn_head_dim=gdn_head_dim, gdn_expand_v=gdn_expand_v,
+                   max_position_embeddings=max_position_embeddings)
     h, g, dh, n_layer = _base_dims(base_cfg)
     # One block of the shared roped key per KV head group keeps every group's RoPE keys exact
     # (a single shared key averaged over groups wrecks the base attention); see mla_weights_from_attention.
     if rope_key_groups is None:
-        if qk_rope_head_dim is None:
-            rope_key_groups = g if 1 < g <= 8 else 1
-        else:
-            rope_key_groups = g if 1 < g <= 8 and qk_rope_head_dim % (2 * g) == 0 else 1
+        rope_key_groups = _default_rope_key_groups(g, dh, qk_rope_head_dim, qk_nope_head_dim)
     if qk_rope_head_dim is not None:
         d_rope = qk_rope_head_dim
     elif rope_key_groups > 1:
@@ -163,44 +265,70 @@ def hybrid_config_from_base(
     full_kv_rank = g * (d_nope + dv)
     # default: the joint SVD's full rank, capped at 256 (the published models use 128 at 1B-3B scale)
     r_kv = kv_lora_rank if kv_lora_rank is not None else min(256, full_kv_rank - full_kv_rank % 8)
+    # a latent wider than the layer's input holds nothing more than the input itself
+    d_model = base_cfg.hidden_size
+    for name, rank in (("kv_lora_rank", r_kv), ("q_lora_rank", q_lora_rank)):
+        if rank is not None and rank > d_model:
+            raise UpcycleError(f"{name} ({_flag(name)}) = {rank} is larger than the hidden size {d_model}: a latent "
+                               f"cannot hold more than its input (allowed: 8..{d_model})")
+    # an MLA layer that caches more per token than the attention it replaces defeats its purpose
+    if r_kv + d_rope > 2 * g * dh:
+        raise UpcycleError(
+            f"kv_lora_rank + qk_rope_head_dim = {r_kv} + {d_rope}: an MLA layer would cache {r_kv + d_rope} values "
+            f"per token, more per token than the attention layer it replaces ({2 * g * dh} = 2 x {g} KV heads x "
+            f"{dh}); lower --kv-lora-rank (full joint rank: {full_kv_rank})")
+    max_pos = max_position_embeddings if max_position_embeddings is not None else base_cfg.max_position_embeddings
+    if yarn_factor is not None:
+        if rope_scaling is not None:
+            raise UpcycleError("give either rope_scaling or yarn_factor (--yarn-factor), not both")
+        rope_scaling = yarn_rope_scaling(yarn_factor, yarn_original_max_position_embeddings, max_pos)
+    elif yarn_original_max_position_embeddings is not None:
+        raise UpcycleError("yarn_original_max_position_embeddings (--yarn-original-max-position-embeddings) needs "
+                           "yarn_factor (--yarn-factor)")
     theta = _base_rope_theta(base_cfg)
     eos = getattr(base_cfg, "eos_token_id", None)
-    return HybridConfig(
-        vocab_size=base_cfg.vocab_size,
-        hidden_size=base_cfg.hidden_size,
-        intermediate_size=base_cfg.intermediate_size,
-        hidden_act=getattr(base_cfg, "hidden_act", "silu"),
-        n_layer=n_layer,
-        mla_layers=parse_placement(mla_layers, n_layer),
-        rms_norm_eps=base_cfg.rms_norm_eps,
-        num_attention_heads=h,
-        num_key_value_heads=g,
-        head_dim=dh,
-        kv_lora_rank=r_kv,
-        q_lora_rank=q_lora_rank,
-        qk_rope_head_dim=d_rope,
-        qk_nope_head_dim=d_nope,
-        rope_key_groups=rope_key_groups,
-        mla_latent_norm=mla_latent_norm,
-        v_head_dim=dv,
-        max_position_embeddings=max_position_embeddings or base_cfg.max_position_embeddings,
-        # reproduce the base frequencies of the kept (highest-frequency) RoPE pairs exactly
-        rope_theta=theta ** (per_group_rope / dh),
-        rope_scaling=rope_scaling if rope_scaling is not None else _base_rope_scaling(base_cfg),
-        attention_bias=bool(getattr(base_cfg, "attention_bias", False)),
-        mlp_bias=bool(getattr(base_cfg, "mlp_bias", False)),
-        linear_type=linear_type,
-        gdn_num_heads=gdn_num_heads or h,
-        gdn_head_dim=gdn_head_dim or dh,
-        gdn_expand_v=gdn_expand_v if gdn_expand_v is not None else 1.0,
-        tie_word_embeddings=bool(getattr(base_cfg, "tie_word_embeddings", False)),
-        base_model_type=mt,
-        base_num_key_value_heads=g,
-        base_head_dim=dh,
-        pad_token_id=getattr(base_cfg, "pad_token_id", None),
-        bos_token_id=getattr(base_cfg, "bos_token_id", None),
-        eos_token_id=eos,
-    )
+    try:
+        return HybridConfig(
+            vocab_size=base_cfg.vocab_size,
+            hidden_size=base_cfg.hidden_size,
+            intermediate_size=base_cfg.intermediate_size,
+            hidden_act=getattr(base_cfg, "hidden_act", "silu"),
+            n_layer=n_layer,
+            mla_layers=parse_placement(mla_layers, n_layer),
+            rms_norm_eps=base_cfg.rms_norm_eps,
+            num_attention_heads=h,
+            num_key_value_heads=g,
+            head_dim=dh,
+            kv_lora_rank=r_kv,
+            q_lora_rank=q_lora_rank,
+            qk_rope_head_dim=d_rope,
+            qk_nope_head_dim=d_nope,
+            rope_key_groups=rope_key_groups,
+            mla_latent_norm=mla_latent_norm,
+            mla_latent_norm_eps=mla_latent_norm_eps,
+            kv_b_per_kv_head=kv_b_per_kv_head,
+            v_head_dim=dv,
+            max_position_embeddings=max_pos,
+            # reproduce the base frequencies of the kept (highest-frequency) RoPE pairs exactly
+            rope_theta=theta ** (per_group_rope / dh),
+            rope_scaling=_rope_scaling_for(base_cfg, rope_scaling),
+            attention_bias=bool(getattr(base_cfg, "attention_bias", False)),
+            mlp_bias=bool(getattr(base_cfg, "mlp_bias", False)),
+            linear_type=linear_type,
+            gdn_num_heads=gdn_num_heads if gdn_num_heads is not None else h,
+            gdn_head_dim=gdn_head_dim if gdn_head_dim is not None else dh,
+            gdn_expand_v=gdn_expand_v if gdn_expand_v is not None else 1.0,
+            tie_word_embeddings=(bool(getattr(base_cfg, "tie_word_embeddings", False)) if tie_word_embeddings is None
+                                 else bool(tie_word_embeddings)),
+            base_model_type=mt,
+            base_num_key_value_heads=g,
+            base_head_dim=dh,
+            pad_token_id=getattr(base_cfg, "pad_token_id", None),
+            bos_token_id=getattr(base_cfg, "bos_token_id", None),
+            eos_token_id=eos,
+        )
+    except HybridConfigError as e:
+        raise UpcycleError(str(e)) from None
 
 
 def kv_summary(base_cfg: Any, hcfg: HybridConfig, bytes_per_value: int = 2) -> dict[str, Any]:
@@ -367,9 +495,12 @@ def mla_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[str,
     up = _fit(u[:, :rk].T, r).T  # [G*(Pn+dv), R]
     up_k = up[: g * d_nope].view(g, d_nope, r)
     up_v = up[g * d_nope :].view(g, dv, r)
-    kv_b = torch.cat([up_k.repeat_interleave(group, 0), up_v.repeat_interleave(group, 0)], dim=1)  # [H, Pn+dv, R]
+    kv_b = torch.cat([up_k, up_v], dim=1)  # [G, Pn+dv, R]: one block per KV head
+    if not getattr(hcfg, "kv_b_per_kv_head", False):
+        # DeepSeek's layout: one block per query head, GQA groups expanded
+        kv_b = kv_b.repeat_interleave(group, 0)
     out["kv_a_proj_with_mqa.weight"] = torch.cat([latent, k_pe], dim=0)
-    out["kv_b_proj.weight"] = kv_b.reshape(h * (d_nope + dv), r)
+    out["kv_b_proj.weight"] = kv_b.reshape(-1, r)
     wo = attn.o_proj.weight.detach().double().view(d, h, dh)
     if dv != dh:
         wo = _fit(wo.permute(2, 0, 1), dv).permute(1, 2, 0)
@@ -379,9 +510,38 @@ def mla_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[str,
     return out
 
 
+def gdn_head_groups(h: int, hg: int) -> list[list[int]]:
+    """The base query heads each GDN head stands for.
+
+    Fewer GDN heads than query heads (the released 3B: 9 for 24): every query head is used, split into
+    `hg` contiguous groups as even as possible. Otherwise each GDN head takes one query head in turn.
+    """
+    if hg >= h:
+        return [[j % h] for j in range(hg)]
+    bounds = [round(j * h / hg) for j in range(hg + 1)]
+    return [list(range(bounds[j], bounds[j + 1])) for j in range(hg)]
+
+
+def _top_rows(m: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, m.shape[0]]: an orthonormal basis of the `rows`-dim subspace that best keeps m's rows."""
+    u, _, _ = torch.linalg.svd(m, full_matrices=False)
+    return u[:, :rows].T
+
+
 @torch.no_grad()
-def gdn_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[str, torch.Tensor]:
-    """Copy attention projections into a GDN layer (heads wrapped, dims truncated/zero-padded)."""
+def gdn_weights_from_attention(attn: nn.Module, hcfg: HybridConfig,
+                               o_fill: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Copy attention projections into a GDN layer, every query head used.
+
+    GDN head j stands for the query heads of `gdn_head_groups(h, hg)[j]`. Its key space holds their
+    query / key rows side by side, so q.k is the sum of those heads' scores; when they do not fit
+    (n * dh > gdn_head_dim) both are projected onto one shared basis (the leading left singular vectors
+    of [q rows | k rows]). Its value space holds one slot of dh value rows per query head (the head's
+    KV head), with that head's o_proj columns; when they do not fit they are projected onto the leading
+    singular subspace of the stacked value rows (exact when they repeat one KV head). Unused key dims
+    are zero; unused value dims are zero with the o_proj columns of `o_fill` (the layer's default init),
+    so they add nothing at first but train (zero columns there would never get a gradient).
+    """
     h, g, dh = hcfg.num_attention_heads, hcfg.num_key_value_heads, hcfg.base_head_dim or hcfg.head_dim
     hg, kd, vd = hcfg.gdn_num_heads, hcfg.gdn_head_dim, hcfg.gdn_value_dim
     wq = attn.q_proj.weight.detach().double().view(h, dh, -1)
@@ -394,22 +554,51 @@ def gdn_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[str,
         wk = wk * kw.double().view(1, dh, 1)
     d = wq.shape[-1]
     group = h // g
-    q_heads = [i % h for i in range(hg)]
-    kv_heads = [qi // group for qi in q_heads]
-    q = torch.stack([_fit(wq[qi], kd) for qi in q_heads])
-    k = torch.stack([_fit(wk[ki], kd) for ki in kv_heads])
-    v = torch.stack([_fit(wv[ki], vd) for ki in kv_heads])
     wo = attn.o_proj.weight.detach().double().view(d, h, dh)
-    # a base head used by several GDN heads shares its output projection among them
-    uses = torch.bincount(torch.tensor(q_heads), minlength=h).double()
-    o = torch.stack([_fit(wo[:, qi].T, vd).T / uses[qi] for qi in q_heads], dim=1)  # [D, Hg, vd]
-    out = {
-        "q_proj.weight": q.reshape(hg * kd, d),
-        "k_proj.weight": k.reshape(hg * kd, d),
-        "v_proj.weight": v.reshape(hg * vd, d),
-        "o_proj.weight": o.reshape(d, hg * vd),
+    groups = gdn_head_groups(h, hg)
+    # a base head used by several GDN heads (hg > h) shares its output projection among them
+    uses = torch.bincount(torch.tensor([a for grp in groups for a in grp]), minlength=h).double()
+    fill = o_fill.detach().double().view(d, hg, vd) if o_fill is not None else None
+    qs, ks, vs, os_ = [], [], [], []
+    for j, heads in enumerate(groups):
+        q_cat = torch.cat([wq[a] for a in heads])  # [n*dh, D]
+        k_cat = torch.cat([wk[a // group] for a in heads])
+        if q_cat.shape[0] > kd:
+            basis = _top_rows(torch.cat([q_cat, k_cat], dim=1), kd)
+            q_cat, k_cat = basis @ q_cat, basis @ k_cat
+        qs.append(_fit(q_cat, kd))
+        ks.append(_fit(k_cat, kd))
+        v_cat = torch.cat([wv[a // group] for a in heads])  # [n*dh, D]
+        o_cat = torch.cat([wo[:, a] / uses[a] for a in heads], dim=1)  # [D, n*dh]
+        if v_cat.shape[0] > vd:
+            basis = _top_rows(v_cat, vd)
+            v_cat, o_cat = basis @ v_cat, o_cat @ basis.T
+        used = v_cat.shape[0]
+        vs.append(_fit(v_cat, vd))
+        o_j = _fit(o_cat.T, vd).T
+        if fill is not None and used < vd:
+            o_j[:, used:] = fill[:, j, used:]
+        os_.append(o_j)
+    return {
+        "q_proj.weight": torch.stack(qs).reshape(hg * kd, d),
+        "k_proj.weight": torch.stack(ks).reshape(hg * kd, d),
+        "v_proj.weight": torch.stack(vs).reshape(hg * vd, d),
+        "o_proj.weight": torch.stack(os_, dim=1).reshape(d, hg * vd),
     }
-    return out
+
+
+@torch.no_grad()
+def check_base_weights(base_model: nn.Module, shown: int = 5) -> None:
+    """Refuse a base model with NaN or infinite weights: conversion would copy them without a word."""
+    bad = []
+    for name, p in base_model.named_parameters():
+        n_bad = int((~torch.isfinite(p)).sum())
+        if n_bad:
+            bad.append(f"{name} ({n_bad} value{'s' if n_bad > 1 else ''})")
+    if bad:
+        more = f" and {len(bad) - shown} more" if len(bad) > shown else ""
+        raise UpcycleError(f"the base model has non-finite (NaN/inf) weights in {len(bad)} base tensors: "
+                           f"{', '.join(bad[:shown])}{more}; refusing to convert a corrupt checkpoint")
 
 
 def _identity_conv_(conv: nn.Module) -> None:
@@ -460,7 +649,7 @@ def _mixer_weights(attn: nn.Module, dst: nn.Module, hcfg: HybridConfig) -> dict[
             conv = getattr(dst.mixer, name, None)
             if conv is not None:
                 _identity_conv_(conv)
-        return gdn_weights_from_attention(attn, hcfg)
+        return gdn_weights_from_attention(attn, hcfg, o_fill=dst.mixer.o_proj.weight)
     from hylo.layers.mamba2 import mamba2_weights_from_attention
 
     return mamba2_weights_from_attention(attn, hcfg)
@@ -493,7 +682,14 @@ def upcycle(
         raise UpcycleError(
             f"base model_type {getattr(base_cfg, 'model_type', None)!r} is not supported; supported: {', '.join(SUPPORTED_BASE_TYPES)}"
         )
+    check_base_weights(base_model)
     if hcfg is None:
+        import inspect
+
+        valid = [k for k in inspect.signature(hybrid_config_from_base).parameters if k != "base_cfg"]
+        unknown = sorted(set(config_kwargs) - set(valid))
+        if unknown:
+            raise UpcycleError(f"unknown conversion option(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
         hcfg = hybrid_config_from_base(base_cfg, **config_kwargs)
     dtype = next(base_model.parameters()).dtype
     model = HyLoForCausalLM(hcfg).to(dtype)
@@ -592,7 +788,13 @@ def _calibrate_linear(base_model, model, calibration_ids: torch.Tensor, ridge: f
             hg, vd = cfg.gdn_num_heads, cfg.gdn_value_dim
             mixer.g_proj.weight.copy_((gate_level * u).expand(hg * vd, d))
             rms = rms_HK.mean(0)  # o_norm is shared by the heads
-            w = _fit(rms[:, None], vd)[:, 0] if vd <= dh else torch.cat([rms, rms.new_full((vd - dh,), float(rms.mean()))])
+            slots = max(len(grp) for grp in gdn_head_groups(h, hg))
+            if vd < dh or slots * dh > vd:
+                # value channels projected or truncated: no channel is one of the base head's
+                w = rms.new_full((vd,), float(rms.mean())) if vd >= dh else _fit(rms[:, None], vd)[:, 0]
+            else:
+                # one slot of dh channels per base head (gdn_weights_from_attention's layout)
+                w = rms.repeat(-(-vd // dh))[:vd]
             mixer.o_norm.weight.copy_(w)
         else:
             H, P = mixer.num_heads, mixer.head_dim

@@ -88,3 +88,23 @@ def test_real_smollm2_convert_reload_generate(tmp_path):
     text = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=False)
     assert gen.shape[1] == ids.shape[1] + 12 and len(text) > 0
     assert torch.isfinite(model(ids).logits).all()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--kv-lora-rank", "4096"], "--kv-lora-rank) = 4096 is larger than the hidden size 2048"),
+    (["--mla-layers", "all", "--kv-lora-rank", "2040"], "more per token than the attention"),
+    (["--q-lora-rank", "4096"], "--q-lora-rank) = 4096 is larger than the hidden size"),
+    (["--gdn-num-heads", "0"], "--gdn-num-heads"),
+    (["--gdn-head-dim", "-8"], "--gdn-head-dim"),
+    (["--max-position-embeddings", "0"], "--max-position-embeddings"),
+    (["--q-lora-rank", "0"], "--q-lora-rank"),
+    (["--gdn-expand-v", "0"], "--gdn-expand-v"),
+], ids=["kv-rank-gt-hidden", "mla-caches-more", "q-rank-gt-hidden", "gdn-heads-0", "gdn-head-dim-neg",
+        "max-pos-0", "q-rank-0", "expand-v-0"])
+def test_impossible_shapes_are_refused_naming_the_option(tmp_path, capsys, args, needle):
+    """Issue 12: these were silently replaced by defaults or produced a hybrid caching more than its base."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_1B))
+    rc, _, err = _run(["--dry-run", "--base-config", str(path), *args], capsys)
+    assert rc == 2, err
+    assert err.startswith("convert: error:") and needle in err, err

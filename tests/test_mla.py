@@ -37,6 +37,8 @@ VARIANTS = {
     "bias": {"attention_bias": True},
     "v-gt-e": {"v_head_dim": 24},
     "v-lt-e": {"v_head_dim": 6},
+    # AMD's layout: kv_b_proj rows per KV head, read by the query heads of its group
+    "kv-b-per-kv": {"kv_b_per_kv_head": True, "num_attention_heads": 4, "num_key_value_heads": 2},
 }
 
 
@@ -115,7 +117,7 @@ def test_packed_row_with_padding_document_and_empty_document() -> None:
 
 # ---------------------------------------------------------------------------------------------- cache
 @pytest.mark.parametrize("prefill", [0, 1, 5, 11], ids=lambda p: f"prefill{p}")
-@pytest.mark.parametrize("variant", ["qlora-none", "qlora-8", "yarn", "v-lt-e"])
+@pytest.mark.parametrize("variant", ["qlora-none", "qlora-8", "yarn", "v-lt-e", "kv-b-per-kv"])
 def test_incremental_decode_matches_full_forward(variant: str, prefill: int) -> None:
     layer = make_layer(**VARIANTS[variant])
     B, T = 2, 11
@@ -136,7 +138,7 @@ def test_incremental_decode_matches_full_forward(variant: str, prefill: int) -> 
     assert_close(torch.cat(outs, dim=1), full)
 
 
-@pytest.mark.parametrize("variant", ["qlora-none", "bias", "v-gt-e", "v-lt-e", "yarn"])
+@pytest.mark.parametrize("variant", ["qlora-none", "bias", "v-gt-e", "v-lt-e", "yarn", "kv-b-per-kv"])
 def test_absorbed_latent_path_equals_decompressed_path(variant: str) -> None:
     layer = make_layer(**VARIANTS[variant])
     torch.manual_seed(4)
@@ -271,6 +273,21 @@ def test_matches_transformers_deepseek_v3_attention(variant: str) -> None:
     assert hf.scaling == pytest.approx(layer.softmax_scale, rel=1e-12)
     # HF's RMSNorm rounds through fp32 even for fp64 inputs, hence the looser tolerance
     assert_close(layer(x_BTD, position_ids=pos_BT), ref, tol=1e-6)
+
+
+def test_kv_b_per_kv_head_equals_per_query_head_with_repeated_rows() -> None:
+    """A per-KV-head kv_b_proj is the per-query-head one whose rows repeat within each GQA group."""
+    kw = dict(num_attention_heads=4, num_key_value_heads=2, q_lora_rank=8)
+    per_kv = make_layer(seed=3, kv_b_per_kv_head=True, **kw)
+    per_q = make_layer(seed=4, **kw)
+    assert per_kv.kv_b_proj.weight.shape == (2 * (10 + 12), 16)
+    sd = per_kv.state_dict()
+    sd["kv_b_proj.weight"] = sd["kv_b_proj.weight"].view(2, 22, 16).repeat_interleave(2, 0).reshape(4 * 22, 16)
+    per_q.load_state_dict(sd, strict=True)
+    x_BTD = torch.randn(2, 7, 32, dtype=torch.float64)
+    assert_close(per_kv(x_BTD), per_q(x_BTD))
+    cache_kv, cache_q = MLALayerCache(), MLALayerCache()
+    assert_close(per_kv(x_BTD, cache=cache_kv), per_q(x_BTD, cache=cache_q))
 
 
 def test_construction_on_meta_device_keeps_real_frequencies() -> None:

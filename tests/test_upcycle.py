@@ -326,3 +326,110 @@ def test_conversion_is_reproducible_and_layer_init_independent_of_placement():
         assert keys and all(torch.equal(a[k], c[k]) for k in keys)
     d = upcycle(base, mla_layers=[0], seed=7, **kw).state_dict()
     assert not torch.equal(a["model.layers.1.mixer.A_log"], d["model.layers.1.mixer.A_log"])
+
+
+def test_non_finite_base_weights_are_refused_naming_the_tensor():
+    base = tiny_llama(dtype=torch.float32)
+    with torch.no_grad():
+        base.model.layers[1].self_attn.k_proj.weight[3, 5] = float("nan")
+        base.model.layers[2].mlp.up_proj.weight[0, 0] = float("inf")
+    with pytest.raises(UpcycleError, match=r"2 base tensors.*layers\.1\.self_attn\.k_proj\.weight.*1 value"):
+        upcycle(base, mla_layers=[0], kv_lora_rank=32, qk_rope_head_dim=8)
+
+
+def test_converter_refuses_latents_wider_than_the_input_and_unknown_conversion_options():
+    from hylo.config import HybridConfig, HybridConfigError
+
+    base = tiny_llama(dtype=torch.float32)
+    with pytest.raises(UpcycleError, match=r"kv_lora_rank \(--kv-lora-rank\) = 72 is larger than the hidden size 64"):
+        hybrid_config_from_base(base.config, mla_layers="all", kv_lora_rank=72, qk_rope_head_dim=4,
+                                rope_key_groups=1)
+    with pytest.raises(UpcycleError, match=r"q_lora_rank \(--q-lora-rank\) = 128 is larger"):
+        hybrid_config_from_base(base.config, q_lora_rank=128)
+    with pytest.raises(HybridConfigError, match="q_lora_rank"):
+        HybridConfig(q_lora_rank=0)
+    with pytest.raises(UpcycleError, match="unknown conversion option.*kv_lora_rnak.*valid: .*kv_lora_rank"):
+        upcycle(tiny_llama(dtype=torch.float32), kv_lora_rnak=32)
+
+
+@pytest.mark.parametrize("tamper", ["missing", "unexpected", "renamed", "shape"])
+def test_loading_is_strict_and_names_the_keys(tmp_path, tamper):
+    """A checkpoint whose mixer weights do not match the model is an error, never a random init."""
+    from safetensors.torch import load_file, save_file
+
+    from hylo.io import CheckpointMismatchError
+
+    model = _hybrid(dtype=torch.float32)
+    save_hylo(model, tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "model.safetensors"
+    sd = load_file(path)
+    key = "model.layers.0.mixer.kv_b_proj.weight"
+    if tamper == "missing":
+        del sd[key]
+    elif tamper == "unexpected":
+        sd["model.layers.1.mixer.extra.weight"] = torch.zeros(3)
+    elif tamper == "renamed":
+        sd[key.replace("mixer", "mla")] = sd.pop(key)
+    else:
+        sd[key] = sd[key][:8].clone()
+    save_file(sd, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointMismatchError) as err:
+        load_hylo(tmp_path / "ckpt")
+    msg = str(err.value)
+    assert str(tmp_path / "ckpt") in msg
+    if tamper == "missing":
+        assert f"missing: {key}" in msg
+    elif tamper == "unexpected":
+        assert "unexpected: model.layers.1.mixer.extra.weight" in msg
+    elif tamper == "renamed":
+        assert key in msg and key.replace("mixer", "mla") in msg
+    else:
+        assert key in msg and "shape" in msg
+
+
+def test_gdn_with_fewer_heads_uses_every_query_head():
+    """Issue 13: 9 GDN heads for 24 query heads kept heads 0-8 only. Each GDN head now stands for a group."""
+    from hylo.upcycle import gdn_head_groups
+
+    assert gdn_head_groups(24, 9) == [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9, 10], [11, 12], [13, 14, 15],
+                                      [16, 17, 18], [19, 20], [21, 22, 23]]
+    assert gdn_head_groups(4, 6) == [[0], [1], [2], [3], [0], [1]]
+    base = tiny_llama()
+    attn = base.model.layers[0].self_attn
+    wq = attn.q_proj.weight.detach().view(4, 16, -1)
+    wk = attn.k_proj.weight.detach().view(2, 16, -1)
+    wv = attn.v_proj.weight.detach().view(2, 16, -1)
+    wo = attn.o_proj.weight.detach().view(64, 4, 16)
+    x, y = torch.randn(64, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
+    # room for two heads per GDN head: q.k is the sum of the two heads' scores, the output map their sum
+    hcfg = hybrid_config_from_base(base.config, mla_layers="none", gdn_num_heads=2, gdn_head_dim=32, gdn_expand_v=2.0)
+    w = gdn_weights_from_attention(attn, hcfg)
+    q, k = w["q_proj.weight"].view(2, 32, -1), w["k_proj.weight"].view(2, 32, -1)
+    v, o = w["v_proj.weight"].view(2, 64, -1), w["o_proj.weight"].view(64, 2, 64)
+    for j, heads in enumerate(([0, 1], [2, 3])):
+        want = sum((wq[a] @ x) @ (wk[a // 2] @ y) for a in heads)
+        assert float((q[j] @ x) @ (k[j] @ y)) == pytest.approx(float(want), rel=1e-12)
+        out_map = o[:, j] @ v[j]
+        assert rel_err(out_map, sum(wo[:, a] @ wv[a // 2] for a in heads)) < 1e-12
+    # no room: projected onto a shared basis; the value rows of one KV head repeat, so that part stays exact
+    hcfg = hybrid_config_from_base(base.config, mla_layers="none", gdn_num_heads=2, gdn_head_dim=16)
+    w = gdn_weights_from_attention(attn, hcfg)
+    v, o = w["v_proj.weight"].view(2, 16, -1), w["o_proj.weight"].view(64, 2, 16)
+    for j, heads in enumerate(([0, 1], [2, 3])):
+        assert rel_err(o[:, j] @ v[j], sum(wo[:, a] @ wv[a // 2] for a in heads)) < 1e-12
+    assert (w["q_proj.weight"].abs().sum(1) > 0).all() and (w["k_proj.weight"].abs().sum(1) > 0).all()
+
+
+def test_gdn_spare_value_dims_add_nothing_but_can_train():
+    base = tiny_llama()
+    model = upcycle(base, mla_layers=[0], kv_lora_rank=32, qk_rope_head_dim=8, gdn_head_dim=16, gdn_expand_v=4.0)
+    mixer = model.model.layers[1].mixer
+    v = mixer.v_proj.weight.view(4, 64, -1)
+    o = mixer.o_proj.weight.view(64, 4, 64)
+    # one 16-dim value slot per head holds the base head; the other 48 rows are zero, their o_proj columns not
+    assert v[:, 16:].abs().max() == 0 and (o[:, :, 16:].abs().sum(0) > 0).all()
+    x = torch.randn(1, 9, 64, dtype=torch.float64)
+    with torch.no_grad():
+        ref = mixer(x)
+        mixer.o_proj.weight.view(64, 4, 64)[:, :, 16:] = 0
+        assert torch.equal(mixer(x), ref)

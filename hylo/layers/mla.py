@@ -4,7 +4,8 @@ Design choices:
 * Parameter names and row layouts are DeepSeek-V3's (HF): `q_proj` or `q_a_proj`/`q_a_layernorm`/
   `q_b_proj`, `kv_a_proj_with_mqa` (rows: latent R, then the shared k_pe P), `kv_a_layernorm`,
   `kv_b_proj` (per head: d_nope key rows, then d_v value rows), `o_proj`. Per-head query is
-  [nope | rope]. Bias on q/q_a, kv_a and o only when `config.attention_bias` (DeepSeek keeps
+  [nope | rope]. With `config.kv_b_per_kv_head` (AMD's released layout) `kv_b_proj` holds one such block
+  per KV head and each query head reads its GQA group's block (h // (H / Hk)). Bias on q/q_a, kv_a and o only when `config.attention_bias` (DeepSeek keeps
   `q_proj` bias-free; here one switch covers all three, which is what an upcycled biased base needs).
 * Two attention paths, chosen by whether a cache is given:
   - training / scoring (no cache): K/V are decompressed through `kv_b_proj` and fed to
@@ -76,15 +77,19 @@ class MLAttention(nn.Module):
         # DeepSeek normalises the latents; upcycled models may start without (see HybridConfig.mla_latent_norm)
         latent_norm = bool(getattr(config, "mla_latent_norm", True))
 
+        latent_eps = getattr(config, "mla_latent_norm_eps", None)
+        latent_eps = eps if latent_eps is None else float(latent_eps)
+        # heads of kv_b_proj: every query head (DeepSeek) or one per KV head, read by its group (AMD)
+        self.kv_b_heads = config.num_key_value_heads if getattr(config, "kv_b_per_kv_head", False) else H
         if self.q_lora_rank is None:
             self.q_proj = nn.Linear(D, H * E, bias=bias)
         else:
             self.q_a_proj = nn.Linear(D, self.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=eps) if latent_norm else nn.Identity()
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=latent_eps) if latent_norm else nn.Identity()
             self.q_b_proj = nn.Linear(self.q_lora_rank, H * E, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(D, R + P, bias=bias)
-        self.kv_a_layernorm = RMSNorm(R, eps=eps) if latent_norm else nn.Identity()
-        self.kv_b_proj = nn.Linear(R, H * (self.qk_nope_head_dim + V), bias=False)
+        self.kv_a_layernorm = RMSNorm(R, eps=latent_eps) if latent_norm else nn.Identity()
+        self.kv_b_proj = nn.Linear(R, self.kv_b_heads * (self.qk_nope_head_dim + V), bias=False)
         self.o_proj = nn.Linear(H * V, D, bias=bias)
 
         self.rotary_emb = RotaryEmbedding(P, config.rope_theta, config.rope_scaling,
@@ -199,8 +204,11 @@ class MLAttention(nn.Module):
                              keep_BS: torch.Tensor | None = None) -> torch.Tensor:
         B, T, H, N = q_nope_BTHN.shape
         P, V, E = self.qk_rope_head_dim, self.v_head_dim, self.qk_head_dim
-        kv_BTHX = self.kv_b_proj(c_kv_BTR).view(B, T, H, N + V)
-        k_nope_BTHN, v_BTHV = kv_BTHX.split([N, V], dim=-1)
+        kv_BTGX = self.kv_b_proj(c_kv_BTR).view(B, T, self.kv_b_heads, N + V)
+        if self.kv_b_heads != H:
+            # each query head reads its KV group's keys and values (GQA)
+            kv_BTGX = kv_BTGX.repeat_interleave(H // self.kv_b_heads, dim=2)
+        k_nope_BTHN, v_BTHV = kv_BTGX.split([N, V], dim=-1)
         q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
         k_BHTE = torch.cat([k_nope_BTHN, k_pe_BTP.unsqueeze(2).expand(B, T, H, P)], dim=-1).transpose(1, 2)
         v_BHTV = v_BTHV.transpose(1, 2)
@@ -231,7 +239,9 @@ class MLAttention(nn.Module):
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: key part W_uk [H, N, R] and value part W_uv [H, V, R]."""
         H, N, V = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
-        w_HXR = self.kv_b_proj.weight.view(H, N + V, self.kv_lora_rank)
+        w_HXR = self.kv_b_proj.weight.view(self.kv_b_heads, N + V, self.kv_lora_rank)
+        if self.kv_b_heads != H:
+            w_HXR = w_HXR.repeat_interleave(H // self.kv_b_heads, dim=0)
         return w_HXR[:, :N], w_HXR[:, N:]
 
     def _attend_latent(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
