@@ -299,8 +299,9 @@ class Payload:
 
 
 def _plant(shard: Path, marker: Path) -> None:
-    with open(shard, "wb") as f:
-        pickle.dump({"module": Payload(marker)}, f, protocol=2)
+    """A torch checkpoint file whose unpickling runs the payload (what `torch.load(weights_only=False)`,
+    DeepSpeed's default, would do)."""
+    torch.save({"module": Payload(marker)}, shard)
     assert not marker.exists()
 
 
@@ -337,6 +338,9 @@ def test_planted_pickle_with_forged_manifest_is_never_unpickled(tmp_path):
     assert not marker.exists()
     # and afterwards the process is as before (the engine's own loader is back)
     assert "load" not in engine.checkpoint_engine.__dict__ and "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+    # (the payload is real: DeepSpeed's own loader would have run it)
+    engine.checkpoint_engine.load(str(shard), map_location="cpu")
+    assert marker.read_text() == "pwned"
 
 
 def test_genuine_deepspeed_objects_load_weights_only(tmp_path):
@@ -438,6 +442,20 @@ def test_run_that_cannot_fit_the_cluster_fails_at_once():
     # enough in total, but no single node can hold one worker
     with pytest.raises(ConfigError, match="one train worker needs"):
         check_resources(_serve_cfg("ray.cpus_per_worker=3"), {"CPU": 12.0}, [{"CPU": 2.0}] * 6)
+
+
+def test_ray_failure_is_reported_as_the_workers_own_error():
+    from pipeline.train.driver import TrainingError
+
+    class WorkerGroupError(RuntimeError):
+        pass
+
+    e = WorkerGroupError("Training failed due to worker errors")
+    e.worker_failures = {1: RuntimeError("Traceback (most recent call last):\n  File \"loop.py\", line 9\n"
+                                         "pipeline.train.checkpoint.CheckpointError: --resume /r/step_00000003: "
+                                         "cannot resume from it: ranks/rank_1.json: missing")}
+    assert str(TrainingError(e)) == ("training failed: CheckpointError: --resume /r/step_00000003: cannot resume "
+                                     "from it: ranks/rank_1.json: missing")
 
 
 def test_worker_group_start_retries_follow_max_failures(tmp_path):

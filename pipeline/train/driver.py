@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -292,14 +293,22 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
 
 
 class TrainingError(RuntimeError):
-    """Ray Train gave up; the message is the first worker's error, the cause Ray's exception."""
+    """Ray Train gave up; the message is the first failed worker's own error (the cause: Ray's exception)."""
 
     def __init__(self, e: BaseException) -> None:
-        failures = getattr(e, "worker_failures", None) or {}
-        first = next(iter(failures.values()), None) if isinstance(failures, dict) else None
-        cause = getattr(first, "cause", None) or first or e
-        lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]
-        super().__init__(f"training failed: {type(cause).__name__}: {lines[-1] if lines else cause}")
+        super().__init__(f"training failed: {failure_message(e)}")
+
+
+def failure_message(e: BaseException) -> str:
+    """`Type: message` of the first worker's exception inside Ray's error (whose text is a traceback)."""
+    failures = getattr(e, "worker_failures", None)
+    first = next(iter(failures.values())) if isinstance(failures, dict) and failures else e
+    text = str(first)
+    found = list(re.finditer(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt)): ", text, re.M))
+    if found:
+        return f"{found[-1].group(1)}: {text[found[-1].end():].strip()}"
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return f"{type(first).__name__}: {lines[-1] if lines else ''}"
 
 
 def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:

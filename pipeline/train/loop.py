@@ -9,9 +9,15 @@ Design choices:
   both share: process group, seeding, data position, resume, metrics reduction, checkpoint cadence,
   fault injection and the final consolidation.
 * A `Session` hides the launcher: under Ray, checkpoints go through `ray.train.report(checkpoint=...)`
-  (each worker hands its scratch directory; Ray merges them into `<run dir>/step_N`) and resume comes
-  from `ray.train.get_checkpoint()`; under torchrun, ranks write `<run dir>/.tmp-step_N` and rank 0
-  renames it. Both produce the same checkpoint layout (checkpoint.py), so either resumes the other.
+  (each worker hands its scratch directory; Ray uploads them into `<run>/step_N`, local or a URI);
+  under torchrun, ranks write `<run dir>/.tmp-step_N` and rank 0 renames it. Either way every rank
+  lists size + sha256 of its files, and after a barrier rank 0 checks them and writes the manifest
+  last (checkpoint.py). Both produce the same layout, so either resumes the other.
+* Resume is collective: the candidates (the `--resume` choice, or after a relaunch the newest
+  checkpoint Ray registered / the run's newest) are checked by every rank (sizes; checksums shared
+  out, or of each rank's own download for remote storage) and the newest intact one wins; every
+  skipped one is printed with its reason. Then the metrics file is cut back to the resumed step.
+* Rank 0 writes each step's metrics record itself, before reporting it.
 * Loss normalisation: every step's loss is a mean over all loss tokens of the global batch. Each
   micro-batch contributes `sum / n_global * W` (DeepSpeed averages gradients over W ranks and we skip
   its 1/G scaling), so packed rows with different numbers of loss tokens weigh by their tokens.
@@ -41,7 +47,15 @@ from pipeline.train.config import StageConfig, config_from_dict, run_dir
 from pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
 from pipeline.train.metrics import METRICS_FILE, TB_DIR, MetricsWriter, peak_memory_mib
 from pipeline.train.rows import RowStream, open_rows
-from pipeline.train.storage import Loc, fresh_local_dir, is_uri, local_copy, remove_local, run_location
+from pipeline.train.storage import (
+    Loc,
+    fresh_local_dir,
+    is_uri,
+    local_copy,
+    local_mirror,
+    remove_local,
+    run_location,
+)
 
 PARTITION_FILE = "zero_partition.json"
 
@@ -58,6 +72,8 @@ class WorkerContext:
     grad_accum: int
     step: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
+    # where the run lives (local directory or URI); run_dir is its local directory or local mirror
+    run: Loc | None = None
 
     def all_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -74,10 +90,10 @@ class WorkerContext:
         f = self.cfg.fault
         if f.kill_at_step != self.step or f.kill_when != when or f.kill_rank != self.rank:
             return
-        marker = self.run_dir / f".fault-step{self.step}-{when}-rank{self.rank}"
+        # in the run's storage, so that it is one-shot whichever node the relaunched worker lands on
+        marker = (self.run or Loc.of(self.run_dir)) / f".fault-step{self.step}-{when}-rank{self.rank}"
         if marker.exists():
             return
-        marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text("killed\n")
         print(f"[fault] rank {self.rank}: SIGKILL at step {self.step} ({when})", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -389,8 +405,10 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     rank, world, device = setup_distributed(cfg)
     torch.manual_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
+    run: Loc | None = loop_config.get("run")
     ctx = WorkerContext(cfg=cfg, rank=rank, world_size=world, device=device,
-                        dtype=resolve_dtype(cfg.model.dtype, device.type == "cuda"), run_dir=run_dir(cfg),
+                        dtype=resolve_dtype(cfg.model.dtype, device.type == "cuda"),
+                        run_dir=local_mirror(run) if run is not None else run_dir(cfg), run=run,
                         grad_accum=grad_accum_steps(cfg.train.global_batch_sequences, world))
     rows: RowStream = open_rows(cfg.data, cfg.train.seed, rank, world)
     total = total_steps_for(cfg, rows.num_rows)
@@ -448,9 +466,14 @@ def consolidate(task, ctx: WorkerContext, run: Loc, source: str | None) -> None:
     if written is None:
         return
     if not run.is_local:
-        target = run / "model"
+        # hybrid_config.json last: it is what makes a directory a HyLo checkpoint (load_hylo checks it),
+        # so a reader never takes a half-uploaded model for a whole one
+        target, marker = run / "model", written / "hybrid_config.json"
+        data = marker.read_bytes()
+        marker.unlink()
         target.rmtree()
         target.upload_dir(written)
+        (target / marker.name).write_bytes(data)
         remove_local(written.parent)
         written = target
     print(f"[train] consolidated HF checkpoint: {written}", flush=True)

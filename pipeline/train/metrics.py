@@ -117,7 +117,7 @@ class MetricsWriter:
             os.replace(tmp, path)
         for w in warnings:
             print(f"[metrics] warning: {w}", file=self.stream or sys.stdout, flush=True)
-        self._purge_step = step + 1 if step else None
+        self._purge_step = step + 1
         return warnings
 
     def write(self, record: dict[str, Any]) -> None:

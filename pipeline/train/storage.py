@@ -258,7 +258,7 @@ def local_mirror(loc: Loc) -> Path:
     """A local directory for the run's files that are written locally first (same path for local runs)."""
     if loc.is_local:
         return loc.local()
-    key = hashlib.sha256(str(loc).encode()).hexdigest()[:12]
+    key = hashlib.sha256(loc.uri().encode()).hexdigest()[:12]
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", loc.name)[:40]
     return Path(tempfile.gettempdir()) / "hylo-runs" / f"{safe}-{key}"
 
