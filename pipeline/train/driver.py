@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -96,8 +97,6 @@ def reset_ray_snapshot(run: Loc) -> str | None:
         return None
     note = None
     try:
-        import json
-
         latest = (json.loads(snap.read_text()).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
     except (ValueError, OSError, AttributeError):
         latest = None
@@ -337,8 +336,6 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
     rd, run = run_dir(cfg), run_loc(cfg)
     rd.mkdir(parents=True, exist_ok=True)
     if is_rank0:
-        import json
-
         (run / f"config_stage{stage}.json").write_text(json.dumps(config_to_dict(cfg), indent=1, sort_keys=True))
     t0 = time.time()
     if launcher == "torchrun":
