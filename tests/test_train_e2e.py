@@ -7,8 +7,8 @@
 * a worker SIGKILLed mid-step under Ray Train recovers by itself (FailureConfig) from the last
   checkpoint, and its losses equal the uninterrupted run's;
 * a Ray Train run on s3:// storage (a local S3 server): checkpoints, manifests, metrics and the model
-  in the bucket, a worker failure resumed from the bucket; after the newest checkpoint is deleted
-  (Ray's own record still points at it), `--resume` continues from the newest intact one;
+  in the bucket; after the newest checkpoint is deleted (Ray's own record still points at it),
+  `--resume` continues from the newest intact one, downloaded from the bucket;
 * ZeRO-3 partitions (~1/2 of the parameters per rank), the consolidated HF checkpoint (equal to
   DeepSpeed's own zero_to_fp32 reconstruction, loadable by `HyLoForCausalLM.from_pretrained`);
 * stage 1 (Enhanced-ILD) in bf16 trains only the mixers; the consolidated model holds the fp32 master
@@ -173,9 +173,9 @@ def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference):
 
 def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, reference, capfd):
     """s3:// storage through a local S3 server: Ray Train uploads the checkpoints, rank 0 the manifest,
-    metrics, TensorBoard files and the model; a worker killed mid-step 5 resumes from the bucket; after
-    the user deletes the newest checkpoint (Ray's record of the run still points at it), --resume
-    continues from the newest intact one."""
+    metrics, TensorBoard files and the model; after the user deletes the newest checkpoint (Ray's
+    record of the run still points at it), --resume continues from the newest intact one, downloaded
+    from the bucket."""
     import shutil
 
     import ray
@@ -186,8 +186,7 @@ def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, ref
 
     root, models = tiny
     with fake_s3() as s3:
-        cfg = tiny_config(models, s3("runs"), "ray/s3", ray={"launcher": "ray", "max_failures": 1},
-                          train={"max_steps": 6}, fault={"kill_at_step": 5, "kill_rank": 1, "kill_when": "mid_step"})
+        cfg = tiny_config(models, s3("runs"), "ray/s3", ray={"launcher": "ray"}, train={"max_steps": 6})
         cfg_path = write_config(cfg, root / "s3.yaml")
         ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {k: _env()[k] for k in
                                                                                 ("PYTHONPATH", "TORCH_EXTENSIONS_DIR")}})
@@ -197,8 +196,7 @@ def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, ref
             assert first["run_dir"] == str(rd) and [s for s, _ in ckpt_lib.list_checkpoints(rd)] == [3, 6]
             assert (rd / "model" / "hybrid_config.json").is_file() and (rd / "config_stage2.json").is_file()
             assert (rd / "checkpoint_manager_snapshot.json").is_file() and (rd / "tensorboard").files()
-            got = read_metrics(rd)
-            assert list(got) == list(range(1, 7)) and all(got[s]["resumed_from"] == 3 for s in range(4, 7))
+            assert list(read_metrics(rd)) == list(range(1, 7))
             (rd / "step_00000006").rmtree()
             capfd.readouterr()
             second = run(2, ["--config", str(cfg_path), "--resume", "--set", "train.max_steps=8"])

@@ -180,7 +180,7 @@ class Session:
                 return c, local
             skipped.append(f"{c.name}: {problem}")
             if self.ctx.rank == 0:
-                print(f"[resume] skipping {c} : {problem}", flush=True)
+                print(f"[resume] skipping {c.name}: {problem}", flush=True)
             if not walk:
                 raise ckpt_lib.CheckpointError(f"--resume {c}: cannot resume from it: {problem}")
         if cands:
