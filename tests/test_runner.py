@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pipeline.runner import StepRunner, last_json_object, train_cmd
-from pipeline.train.checkpoint import STATE_FILE
+from pipeline.train.checkpoint import STATE_FILE, finalize_checkpoint, write_rank_files
 
 
 def test_step_runs_once_and_reruns_when_outputs_are_missing(tmp_path):
@@ -56,6 +56,10 @@ def test_interrupted_training_step_resumes(tmp_path):
     (ckpt / "ranks" / "rank_0.json").write_text("{}")
     assert "--resume" not in train_cmd(*args)  # incomplete: rank 1 never wrote its state
     (ckpt / "ranks" / "rank_1.json").write_text("{}")
+    assert "--resume" not in train_cmd(*args)  # every file there, but no manifest: the write never finished
+    for rank in (0, 1):
+        write_rank_files(ckpt, rank, 2, shared=True)
+    finalize_checkpoint(ckpt, 4, 2)
     cmd = train_cmd(*args)
     assert cmd[-1] == "--resume" and "train.total_steps=8" in cmd and "checkpoint.every_steps=4" in cmd
     assert "checkpoint.delete_after_consolidate=true" in cmd

@@ -180,6 +180,9 @@ def _fake_checkpoint(d, cfg, world=2, step=4):
     ckpt_lib.write_json_atomic(d / ckpt_lib.STATE_FILE, {
         "format_version": ckpt_lib.FORMAT_VERSION, "stage": cfg.stage, "step": step, "world_size": world,
         "config": config_to_dict(cfg), "breaking_hash": breaking_hash(cfg), "data_fingerprint": "fp1"})
+    for r in range(world):
+        ckpt_lib.write_rank_files(d, r, world, shared=True)
+    ckpt_lib.finalize_checkpoint(d, step, world)
 
 
 def _run_with_mixed_checkpoints(run: Path) -> None:

@@ -1,4 +1,4 @@
-"""Training checkpoints (ZeRO shards + our state), resume checks, and the final HF-format consolidation.
+"""Training checkpoints (ZeRO shards + our state + a manifest), resume, and the final HF-format consolidation.
 
 A checkpoint is one directory `<run dir>/step_<NNNNNNNN>/`:
 
@@ -10,29 +10,47 @@ A checkpoint is one directory `<run dir>/step_<NNNNNNNN>/`:
                                          fingerprint, metrics of the step
     ranks/rank_<r>.json                  each rank: its exact data position and Python RNG state
     ranks/rank_<r>.rng.safetensors       each rank: torch / CUDA / numpy RNG states
+    ranks/rank_<r>.files.json            each rank: size + sha256 of the files it hashed
+    manifest.json                        rank 0, LAST: every file of the checkpoint with size + sha256
 
 Design choices:
-* Our own state is JSON + safetensors, written atomically (temp file + rename); a checkpoint directory
-  counts only once `trainer_state.json` and every rank's JSON exist (`is_complete`). Under Ray each
-  worker writes into its own scratch directory and Ray merges them into storage after all workers
-  reported; under torchrun the ranks write into `.tmp-step_N` and rank 0 renames it when all are done.
-* DeepSpeed's shard files are pickles (torch.save). They are only ever read back from a run directory
-  this code wrote; nothing else is unpickled.
+* A checkpoint is complete only when `manifest.json` exists and every file it lists is present with
+  the recorded size, and no other file is (`checkpoint_problem`; `is_complete`). Before anything is
+  loaded, every file is also checked against its sha256 (`deep=True`). The manifest is written by
+  rank 0 after all ranks' files are in place, so a write that died half-way (ENOSPC, a killed worker,
+  a failed upload) never looks complete. Ranks hash in parallel: under Ray each worker hashes its own
+  scratch directory (Ray merges them into storage on `report`); under torchrun the ranks share
+  `.tmp-step_N` and each hashes every W-th file; rank 0 merges the lists, checks sizes in storage and
+  writes the manifest (torchrun: then renames the directory into place).
+* Resume (`resume_candidates` + the loop's collective check) walks back from the newest checkpoint
+  to the newest intact one and prints every one it skipped and why (the file and the reason).
+* Nothing is unpickled unchecked: DeepSpeed's shard files are torch pickles, loaded only after the
+  manifest check, and then with `torch.load(weights_only=True)` and an allow-list of the few DeepSpeed
+  classes its checkpoints hold (`safe_deepspeed_load`); our own state is JSON + safetensors.
 * Resume refuses, with the list of keys, a config whose breaking keys changed (model, data, optimiser,
   schedule, batch, world size ...; see `config.NON_BREAKING` for what may change).
-* Consolidation gathers ZeRO-3 partitions one module at a time (bounded extra memory) into a CPU
-  state dict on rank 0, loads it into a fresh `HyLoForCausalLM` and saves it with `hylo.io.save_hylo`
+* Consolidation gathers, parameter group by parameter group, the fp32 MASTER weights from the
+  optimiser (ZeRO keeps them partitioned there; with bf16 the module holds only bf16 copies) and the
+  working weights of frozen parameters (or, when those are not fp32, the starting checkpoint's exact
+  values) into a CPU state dict on rank 0, and saves a `HyLoForCausalLM` with `hylo.io.save_hylo`
   (safetensors + config.json + hybrid_config.json, atomic directory rename).
+* Storage may be local or a URI (`storage.Loc`); all functions here take either.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+import types
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +60,15 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.config import ConfigError
 from pipeline.train.config import StageConfig, breaking_diff, breaking_hash, config_to_dict
+from pipeline.train.storage import Loc
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 ZERO_DIR = "zero"
 ZERO_TAG = "state"
 STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+RANK_FILES = re.compile(r"^ranks/rank_\d+\.files\.json$")
+FORMAT_VERSION = 2
 
 
 class CheckpointError(RuntimeError):
@@ -59,25 +80,32 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> Any:
     try:
-        return json.loads(Path(path).read_text())
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_json(path: Path | Loc) -> Any:
+    loc = Loc.of(path)
+    try:
+        return json.loads(loc.read_text())
     except FileNotFoundError as e:
-        raise CheckpointError(f"{path}: missing") from e
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+        raise CheckpointError(f"{loc}: missing") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{loc}: not valid JSON ({e})") from e
 
 
 # ------------------------------------------------------------------------------------ RNG
@@ -110,64 +138,238 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def is_complete(ckpt: Path) -> bool:
-    """True when rank 0's state and every rank's state are present."""
-    ckpt = Path(ckpt)
-    state = ckpt / STATE_FILE
-    if not state.is_file():
-        return False
-    try:
-        world = int(json.loads(state.read_text())["world_size"])
-    except (ValueError, KeyError, json.JSONDecodeError):
-        return False
-    return all((ckpt / "ranks" / f"rank_{r}.json").is_file() for r in range(world))
+def step_of(ckpt: Path | Loc) -> int | None:
+    """The step in a checkpoint directory's name (`step_00000012` or `.tmp-step_00000012`), else None."""
+    m = STEP_DIR.match(Loc.of(ckpt).name.removeprefix(".tmp-"))
+    return int(m.group(1)) if m else None
 
 
-def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run, oldest first."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
+def rank_files_name(rank: int) -> str:
+    return f"ranks/rank_{rank}.files.json"
+
+
+def step_dirs(run_dir: Path | Loc) -> list[tuple[int, Loc]]:
+    """Every `step_N` directory of a run, complete or not, oldest first."""
     out = []
-    for p in run_dir.iterdir():
-        m = STEP_DIR.match(p.name)
-        if m and p.is_dir() and is_complete(p):
-            out.append((int(m.group(1)), p))
+    for child in Loc.of(run_dir).children():
+        m = STEP_DIR.match(child.name)
+        if m and child.is_dir():
+            out.append((int(m.group(1)), child))
+    return sorted(out, key=lambda t: t[0])
+
+
+# ------------------------------------------------------------------------------------ manifest
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hashable_files(ckpt: Path) -> list[str]:
+    """Files a rank may list: everything but the rank lists, the manifest and temp files of atomic writes."""
+    out = []
+    for p in ckpt.rglob("*"):
+        rel = p.relative_to(ckpt).as_posix()
+        if p.is_file() and rel != MANIFEST and not RANK_FILES.match(rel) and ".tmp-" not in p.name:
+            out.append(rel)
     return sorted(out)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def write_rank_files(ckpt: Path, rank: int, world_size: int, shared: bool) -> dict[str, Any]:
+    """This rank's part of the manifest: size and sha256 of the files it hashes, as
+    `ranks/rank_<r>.files.json`. `shared=False` (Ray: the rank's own scratch directory): every file in
+    it; `shared=True` (torchrun: one directory for all ranks, called after a barrier): every W-th file."""
+    ckpt = Path(ckpt)
+    rels = _hashable_files(ckpt)
+    if shared:
+        rels = rels[rank::world_size]
+    files = {rel: {"size": (ckpt / rel).stat().st_size, "sha256": sha256_file(ckpt / rel)} for rel in rels}
+    record = {"rank": rank, "files": files}
+    write_json_atomic(ckpt / rank_files_name(rank), record)
+    return record
+
+
+def finalize_checkpoint(ckpt: Path | Loc, step: int, world_size: int) -> dict[str, Any]:
+    """Rank 0, once every rank's files are in `ckpt` (local or in storage): check them against the
+    ranks' lists and write `manifest.json`, the completion marker, last."""
+    loc = Loc.of(ckpt)
+    present = loc.files()
+    files: dict[str, dict[str, Any]] = {}
+    for r in range(world_size):
+        name = rank_files_name(r)
+        if name not in present:
+            raise CheckpointError(f"{loc}: {name} is missing (rank {r} did not finish writing its files)")
+        listed = read_json(loc / name)["files"]
+        for rel, rec in listed.items():
+            if rel in files and files[rel]["sha256"] != rec["sha256"]:
+                raise CheckpointError(f"{loc}: {rel} was written differently by two ranks")
+            files[rel] = rec
+        files[name] = {"size": present[name], "sha256": (loc / name).sha256()}
+    problem = _compare(files, present)
+    if problem:
+        raise CheckpointError(f"{loc}: {problem}")
+    manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "files": files}
+    (loc / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def _compare(files: dict[str, dict[str, Any]], present: dict[str, int]) -> str | None:
+    for rel in sorted(files):
+        if rel not in present:
+            return f"{rel}: missing"
+        if present[rel] != files[rel]["size"]:
+            return (f"{rel}: {present[rel]:,} bytes, the manifest records {files[rel]['size']:,} "
+                    f"(truncated or rewritten)")
+    extra = sorted(set(present) - set(files) - {MANIFEST})
+    if extra:
+        return f"{extra[0]}: not in the manifest (not written by this checkpoint's ranks)"
+    return None
+
+
+def _manifest_or_reason(loc: Loc) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        m = json.loads((loc / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None, (f"no {MANIFEST}: its write never finished (or it was not written by this project's "
+                      f"training)")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, f"{MANIFEST} is not valid JSON ({e})"
+    if not isinstance(m, dict) or m.get("format_version") != FORMAT_VERSION or not isinstance(m.get("files"), dict):
+        return None, f"{MANIFEST} is not a format-{FORMAT_VERSION} manifest of this project"
+    return m, None
+
+
+def read_manifest(ckpt: Path | Loc) -> dict[str, Any]:
+    loc = Loc.of(ckpt)
+    m, reason = _manifest_or_reason(loc)
+    if m is None:
+        raise CheckpointError(f"{loc}: {reason}")
+    return m
+
+
+def checkpoint_problem(ckpt: Path | Loc, deep: bool = False, only: Callable[[int], bool] | None = None) -> str | None:
+    """Why `ckpt` cannot be resumed from (None: it can). Shallow: the manifest exists and every file it
+    lists is there with its recorded size, and nothing else is. `deep`: also every file's sha256
+    (`only(i)` limits the hashing to the i-th files in sorted order, for ranks that share the work)."""
+    loc = Loc.of(ckpt)
+    if not loc.is_dir():
+        return "missing (no such directory)"
+    m, reason = _manifest_or_reason(loc)
+    if m is None:
+        return reason
+    files = m["files"]
+    problem = _compare(files, loc.files())
+    if problem or not deep:
+        return problem
+    for i, rel in enumerate(sorted(files)):
+        if only is not None and not only(i):
+            continue
+        if (loc / rel).sha256() != files[rel]["sha256"]:
+            return f"{rel}: content differs from the manifest's sha256 (corrupted or replaced)"
+    return None
+
+
+def is_complete(ckpt: Path | Loc) -> bool:
+    """True when the manifest exists and lists exactly the files present, at their recorded sizes."""
+    return checkpoint_problem(ckpt) is None
+
+
+def list_checkpoints(run_dir: Path | Loc) -> list[tuple[int, Loc]]:
+    """Complete checkpoints of a run, oldest first."""
+    return [(s, p) for s, p in step_dirs(run_dir) if is_complete(p)]
+
+
+def latest_checkpoint(run_dir: Path | Loc) -> Loc | None:
     ckpts = list_checkpoints(run_dir)
     return ckpts[-1][1] if ckpts else None
 
 
-def checkpoint_step(ckpt: Path) -> int:
-    return int(read_json(Path(ckpt) / STATE_FILE)["step"])
+def checkpoint_step(ckpt: Path | Loc) -> int:
+    return int(read_json(Loc.of(ckpt) / STATE_FILE)["step"])
+
+
+def resume_candidates(run_dir: Path | Loc, start: Path | Loc | None = None, walk: bool = True) -> list[Loc]:
+    """Checkpoints to try, newest first: `start` (default: the newest `step_N` of the run) and, with
+    `walk`, every older `step_N` of the run."""
+    dirs = step_dirs(run_dir)
+    if start is None:
+        return [p for _, p in reversed(dirs)] if walk else []
+    start = Loc.of(start)
+    first = step_of(start)
+    if not walk or first is None:
+        return [start]
+    return [start] + [p for s, p in reversed(dirs) if s < first and p != start]
+
+
+def choose_intact(candidates: list[Loc], deep: bool = True, log: Callable[[str], None] = print) -> Loc | None:
+    """The first intact checkpoint of `candidates` (newest first); logs each skipped one and why."""
+    for c in candidates:
+        problem = checkpoint_problem(c, deep=deep)
+        if problem is None:
+            return c
+        log(f"[resume] skipping {c.name}: {problem}")
+    return None
+
+
+def describe_skips(run_dir: Path | Loc) -> list[str]:
+    """One line per checkpoint directory of a run that is not complete, with the reason."""
+    out = []
+    for _, p in reversed(step_dirs(run_dir)):
+        problem = checkpoint_problem(p)
+        if problem:
+            out.append(f"{p.name}: {problem}")
+    return out
 
 
 # ------------------------------------------------------------------------------------ save / load
 def save_checkpoint(engine, ckpt: Path, rank: int, world_size: int, step: int, cfg: StageConfig,
                     rank_state: dict[str, Any], global_state: dict[str, Any]) -> None:
-    """Collective: every rank writes its ZeRO partition and its own state into `ckpt`."""
+    """Collective: every rank writes its ZeRO partition and its own state into local directory `ckpt`.
+    A full disk is reported as a `CheckpointError` naming the directory (the partial files stay, and
+    count as incomplete)."""
     ckpt = Path(ckpt)
-    (ckpt / ZERO_DIR).mkdir(parents=True, exist_ok=True)
-    engine.save_checkpoint(str(ckpt / ZERO_DIR), tag=ZERO_TAG, save_latest=(rank == 0))
-    meta, tensors = capture_rng()
-    save_tensors_atomic(ckpt / "ranks" / f"rank_{rank}.rng.safetensors", tensors)
-    write_json_atomic(ckpt / "ranks" / f"rank_{rank}.json", {"step": step, "rank": rank, **rank_state, "rng": meta})
-    if rank == 0:
-        sched = engine.lr_scheduler
-        write_json_atomic(ckpt / STATE_FILE, {
-            "format_version": FORMAT_VERSION, "stage": cfg.stage, "step": step, "world_size": world_size,
-            "config": config_to_dict(cfg), "breaking_hash": breaking_hash(cfg),
-            "scheduler": {"last_epoch": sched.last_epoch, "base_lrs": sched.base_lrs, "last_lr": sched.get_last_lr()},
-            **global_state,
-        })
+    try:
+        (ckpt / ZERO_DIR).mkdir(parents=True, exist_ok=True)
+        engine.save_checkpoint(str(ckpt / ZERO_DIR), tag=ZERO_TAG, save_latest=(rank == 0))
+        meta, tensors = capture_rng()
+        save_tensors_atomic(ckpt / "ranks" / f"rank_{rank}.rng.safetensors", tensors)
+        write_json_atomic(ckpt / "ranks" / f"rank_{rank}.json", {"step": step, "rank": rank, **rank_state, "rng": meta})
+        if rank == 0:
+            sched = engine.lr_scheduler
+            write_json_atomic(ckpt / STATE_FILE, {
+                "format_version": FORMAT_VERSION, "stage": cfg.stage, "step": step, "world_size": world_size,
+                "config": config_to_dict(cfg), "breaking_hash": breaking_hash(cfg),
+                "scheduler": {"last_epoch": sched.last_epoch, "base_lrs": sched.base_lrs,
+                              "last_lr": sched.get_last_lr()},
+                **global_state,
+            })
+    except (OSError, RuntimeError) as e:
+        # torch.save reports a failed write (ENOSPC included) as a RuntimeError without errno
+        raise write_error(ckpt, e) from e
 
 
-def check_compatible(ckpt: Path, cfg: StageConfig, world_size: int, data_fingerprint: str | None = None) -> dict[str, Any]:
+def write_error(ckpt: Path, e: BaseException) -> CheckpointError:
+    try:
+        free = shutil.disk_usage(next(p for p in (ckpt, *ckpt.parents) if p.exists())).free
+    except (OSError, StopIteration):
+        free = None
+    # torch.save reports ENOSPC as a RuntimeError without errno: judge by the free space
+    full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (free is not None and free < 2**20)
+    why = "the disk is full (ENOSPC)" if full else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if free is not None:
+        why += f"; {free / 2**30:.2f} GiB free there now"
+    return CheckpointError(f"writing checkpoint {ckpt} failed: {why}. A partial checkpoint is never resumed "
+                           f"from; free space (or lower checkpoint.keep), then --resume continues from the "
+                           f"newest intact checkpoint")
+
+
+def check_compatible(ckpt: Path | Loc, cfg: StageConfig, world_size: int,
+                     data_fingerprint: str | None = None) -> dict[str, Any]:
     """Read rank 0's state and refuse a resume that would silently break the run."""
-    state = read_json(Path(ckpt) / STATE_FILE)
+    ckpt = Loc.of(ckpt)
+    state = read_json(ckpt / STATE_FILE)
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{ckpt}/{STATE_FILE}: format_version {state.get('format_version')} != {FORMAT_VERSION}")
     if state["stage"] != cfg.stage:
@@ -188,11 +390,53 @@ def check_compatible(ckpt: Path, cfg: StageConfig, world_size: int, data_fingerp
     return state
 
 
+def deepspeed_safe_globals() -> list[Any]:
+    """The non-tensor classes DeepSpeed puts into its checkpoint pickles (ZeRO stages 0-3, fp32/bf16),
+    allowed for `torch.load(weights_only=True)`; anything else in a pickle is refused."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum]
+
+
+@contextlib.contextmanager
+def safe_deepspeed_load(engine) -> Iterator[None]:
+    """While DeepSpeed loads a checkpoint: its checkpoint engine loads with `weights_only=True` and an
+    allow-list, and any other `torch.load` in the process is forced to weights-only as well."""
+    ce = engine.checkpoint_engine
+
+    def load(self, path: str, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+    original = ce.__dict__.get("load")
+    ce.load = types.MethodType(load, ce)
+    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
+        if original is None:
+            del ce.load
+        else:
+            ce.load = original
+
+
 def load_checkpoint(engine, ckpt: Path, rank: int) -> dict[str, Any]:
-    """Collective: restore ZeRO shards, optimiser, scheduler and this rank's RNG; return this rank's state."""
+    """Collective: restore ZeRO shards, optimiser, scheduler and this rank's RNG from local directory
+    `ckpt` (already checked against its manifest); return this rank's state."""
     ckpt = Path(ckpt)
-    path, _ = engine.load_checkpoint(str(ckpt / ZERO_DIR), tag=ZERO_TAG, load_optimizer_states=True,
-                                     load_lr_scheduler_states=True)
+    try:
+        with safe_deepspeed_load(engine):
+            path, _ = engine.load_checkpoint(str(ckpt / ZERO_DIR), tag=ZERO_TAG, load_optimizer_states=True,
+                                             load_lr_scheduler_states=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{ckpt}: refused to load a DeepSpeed file: it holds objects that are not weights "
+                              f"({str(e).splitlines()[0]})") from None
     if path is None:
         raise CheckpointError(f"{ckpt / ZERO_DIR}: DeepSpeed found no checkpoint with tag {ZERO_TAG!r}")
     rank_state = read_json(ckpt / "ranks" / f"rank_{rank}.json")
@@ -205,32 +449,39 @@ def load_checkpoint(engine, ckpt: Path, rank: int) -> dict[str, Any]:
     return rank_state
 
 
-def finalize_local(tmp: Path, final: Path) -> None:
-    """torchrun mode, rank 0 after a barrier: move a finished `.tmp-step_N` into place."""
-    if not is_complete(tmp):
-        raise CheckpointError(f"{tmp}: incomplete after all ranks reported (missing rank state)")
+def finalize_local(tmp: Path, final: Path, step: int, world_size: int) -> None:
+    """torchrun mode, rank 0 after a barrier: write the manifest of a finished `.tmp-step_N`, move it into place."""
+    finalize_checkpoint(tmp, step, world_size)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
 
 
-def prune(run_dir: Path, keep: int | None) -> None:
+def prune(run_dir: Path | Loc, keep: int | None) -> list[str]:
+    """Keep the newest `keep` complete checkpoints; remove older complete ones and every incomplete one
+    older than the oldest kept (nothing can resume from those). Returns the names removed."""
     if not keep:
-        return
-    for _, p in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
+        return []
+    dirs = step_dirs(run_dir)
+    complete = [s for s, p in dirs if is_complete(p)]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[-keep]
+    removed = []
+    for s, p in dirs:
+        if s < oldest_kept:
+            p.rmtree()
+            removed.append(p.name)
+    return removed
 
 
-def delete_checkpoints(run_dir: Path) -> tuple[int, int]:
+def delete_checkpoints(run_dir: Path | Loc) -> tuple[int, int]:
     """Remove every checkpoint of a run (complete, partial and scratch `.tmp-step_*`): (count, bytes freed)."""
-    run_dir = Path(run_dir)
     count = freed = 0
-    if not run_dir.is_dir():
-        return 0, 0
-    for p in run_dir.iterdir():
-        if p.is_dir() and STEP_DIR.match(p.name.removeprefix(".tmp-")):
-            freed += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-            shutil.rmtree(p)
+    for p in Loc.of(run_dir).children():
+        if STEP_DIR.match(p.name.removeprefix(".tmp-")) and p.is_dir():
+            freed += sum(p.files().values())
+            p.rmtree()
             count += 1
     return count, freed
 
@@ -240,44 +491,81 @@ def _is_zero3(p: torch.nn.Parameter) -> bool:
     return hasattr(p, "ds_id")
 
 
+def master_weight(p: torch.nn.Parameter) -> torch.Tensor | None:
+    """Collective for partitioned parameters: the full fp32 master copy the optimiser updates (ZeRO-3:
+    partitioned in the optimiser; ZeRO-1/2 and DeepSpeed's bf16 optimiser: a flat fp32 buffer), or None
+    when the optimiser keeps none (frozen parameters; plain fp32 training, where the weights are the master)."""
+    if not p.requires_grad or (_is_zero3(p) and getattr(p, "_z3_optimizer", None) is None):
+        return None
+    if not _is_zero3(p) and not hasattr(p, "_hp_mapping"):
+        return None
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return safe_get_full_fp32_param(p)
+
+
 @torch.no_grad()
-def gather_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
-    """Collective: full fp32 CPU state dict on rank 0 (None elsewhere), gathered submodule by submodule."""
+def gather_state_dict(module: torch.nn.Module, rank: int) -> tuple[dict[str, torch.Tensor] | None, set[str]]:
+    """Collective: full fp32 CPU state dict on rank 0 (None elsewhere), gathered submodule by submodule.
+
+    Trained parameters come from the optimiser's fp32 master weights (`master_weight`), the others
+    from the module (gathered when partitioned). Also returns the names taken from working weights
+    that are not fp32 (their values were rounded when the model was loaded in that dtype)."""
     import deepspeed
 
     out: dict[str, torch.Tensor] = {}
+    rounded: set[str] = set()
     seen: set[int] = set()
     for prefix, sub in module.named_modules():
-        params = [(n, p) for n, p in sub.named_parameters(recurse=False) if id(p) not in seen]
-        for _, p in params:
+        params = [(f"{prefix}.{n}" if prefix else n, p) for n, p in sub.named_parameters(recurse=False)
+                  if id(p) not in seen]
+        working = []
+        for name, p in params:
             seen.add(id(p))
-        if params:
-            full = [p for _, p in params if _is_zero3(p)]
+            master = master_weight(p)
+            if master is None:
+                working.append((name, p))
+            elif rank == 0:
+                out[name] = master.detach().to("cpu", torch.float32).reshape(p.ds_shape if _is_zero3(p) else p.shape).clone()
+        full = [p for _, p in working if _is_zero3(p)]
+        if working:
             with deepspeed.zero.GatheredParameters(full, modifier_rank=None, enabled=bool(full)):
                 if rank == 0:
-                    for n, p in params:
-                        out[f"{prefix}.{n}" if prefix else n] = p.detach().to("cpu", torch.float32).clone()
+                    for name, p in working:
+                        out[name] = p.detach().to("cpu", torch.float32).clone()
+                        if p.dtype != torch.float32:
+                            rounded.add(name)
         if rank == 0:
             for n, b in sub.named_buffers(recurse=False):
                 if b is not None:
                     out[f"{prefix}.{n}" if prefix else n] = b.detach().cpu().clone()
-    return out if rank == 0 else None
+    return (out if rank == 0 else None), rounded
 
 
 def consolidate_hylo(module: torch.nn.Module, out_dir: Path, rank: int, dtype: torch.dtype = torch.float32,
                      tokenizer_from: str | Path | None = None) -> Path | None:
     """Collective: write the trained `HyLoForCausalLM` (possibly ZeRO-3 partitioned) as an HF checkpoint,
-    with the tokenizer files of directory `tokenizer_from` (the checkpoint training started from)."""
-    from hylo.io import save_hylo
+    with the tokenizer files of directory `tokenizer_from` (the checkpoint training started from).
+
+    Trained weights are the fp32 masters; frozen weights that training held in a lower precision are
+    taken from `tokenizer_from`'s checkpoint itself (they never changed), so nothing is rounded."""
+    from hylo.io import load_hylo, save_hylo
     from hylo.modeling import HyLoForCausalLM
 
-    sd = gather_state_dict(module, rank)
+    sd, rounded = gather_state_dict(module, rank)
     if rank != 0:
         return None
     cfg = module.config
-    model = HyLoForCausalLM(cfg)
+    if rounded and tokenizer_from is not None:
+        model = load_hylo(tokenizer_from, dtype=torch.float32)
+        for name in rounded:
+            sd.pop(name, None)
+        print(f"[train] consolidation: {len(rounded)} frozen tensors taken from {tokenizer_from} "
+              f"(training held them in lower precision)", flush=True)
+    else:
+        model = HyLoForCausalLM(cfg)
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight") and k not in rounded]
     if missing or unexpected:
         raise CheckpointError(f"consolidation into {out_dir}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings:

@@ -133,7 +133,7 @@ class RaySection:
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     resources_per_worker: dict[str, float] | None = None
-    # Root of all runs; a run lives in <storage_path>/<name>.
+    # Root of all runs; a run lives in <storage_path>/<name>. A local path or a URI (s3://bucket/runs).
     storage_path: str = "runs"
     name: str = "run"
     max_failures: int = 0
@@ -381,4 +381,8 @@ def breaking_hash(cfg: StageConfig) -> str:
 
 
 def run_dir(cfg: StageConfig) -> Path:
-    return Path(cfg.ray.storage_path).expanduser().resolve() / cfg.ray.name
+    """The run's local directory: `<storage_path>/<name>`, or a local mirror when storage_path is a URI
+    (the run itself lives there: `pipeline.train.storage.run_location`)."""
+    from pipeline.train.storage import local_mirror, run_location
+
+    return local_mirror(run_location(cfg.ray.storage_path, cfg.ray.name))

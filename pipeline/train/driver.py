@@ -8,13 +8,22 @@ Design choices:
   cluster when `RAY_ADDRESS` is set, as under `ray job submit`, or `ray.address`), build
   `TorchTrainer(train_worker, ScalingConfig, RunConfig(storage_path, name, FailureConfig,
   CheckpointConfig, callbacks=[metrics]))`, `fit()`. Everything per worker lives in loop.py.
-* A run is `<ray.storage_path>/<ray.name>`. Starting a run whose directory already holds checkpoints
-  needs `--resume` (continue it) or another name: nothing is silently continued or overwritten.
-  `--resume` alone continues from the newest complete checkpoint; `--resume PATH` from that one.
-  (`TorchTrainer(resume_from_checkpoint=...)` raises in Ray 2.60, so the path travels in the loop config;
-  Ray Train itself restores its checkpoint bookkeeping from the same run directory.)
-* Worker failures restart the worker group from the latest checkpoint, `ray.max_failures` times
-  (under torchrun, `--max-restarts N` does the same: a relaunched rank resumes from the latest one).
+* A run is `<ray.storage_path>/<ray.name>`: a local (or shared-filesystem) directory, or a URI that
+  Ray Train supports (`s3://bucket/runs`, `gs://...`; pyarrow filesystems, see storage.py). A relative
+  storage path is refused inside a `ray job submit` job (it would land in Ray's temporary copy of the
+  working directory), a URI under torchrun.
+* Starting a run whose directory already holds checkpoints needs `--resume` (continue it) or another
+  name: nothing is silently continued or overwritten. `--resume` alone continues from the newest
+  intact checkpoint, walking back past broken ones (and saying why); `--resume PATH` from that one.
+  (`TorchTrainer(resume_from_checkpoint=...)` raises in Ray 2.60, so the choice travels in the loop
+  config.) Ray Train's own checkpoint bookkeeping (its snapshot in the run directory) is reset at
+  every start: it may point at checkpoints that were pruned, deleted or never completed, and the
+  checkpoints' manifests are the record of what can be resumed.
+* Worker failures restart the worker group from the newest intact checkpoint, `ray.max_failures`
+  times; the same limit bounds Ray's retries of starting the worker group (under torchrun,
+  `--max-restarts N` relaunches ranks, which then resume the same way).
+* The Ray resources the run needs (train workers, plus the teacher pool it deploys) are checked
+  against the cluster before anything starts: a run that can never be scheduled fails at once.
 * Stage 1 converts the base model first when `model.student` is unset and `model.convert` is given.
 * Stage 2 with `teacher.source: serve` and `teacher.start_pool: true` deploys the teacher pool first.
 """
@@ -23,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -33,7 +44,9 @@ from pipeline.config import ConfigError, add_config_args, maybe_print_config
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train.config import StageConfig, config_to_dict, load_stage_config, run_dir
 from pipeline.train.metrics import make_ray_callback, read_metrics
-from pipeline.train.rows import open_rows
+from pipeline.train.storage import Loc, StorageError, check_storage_path, run_location
+
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 
 
 def build_parser(stage: int) -> argparse.ArgumentParser:
@@ -48,18 +61,52 @@ def torch_extensions_dir() -> str:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "hylo" / "torch_extensions")
 
 
+def run_loc(cfg: StageConfig) -> Loc:
+    return run_location(cfg.ray.storage_path, cfg.ray.name)
+
+
 def check_run_dir(cfg: StageConfig, resume: str | None) -> None:
-    rd = run_dir(cfg)
+    rd = run_loc(cfg)
     latest = ckpt_lib.latest_checkpoint(rd)
     if latest is not None and resume is None:
         raise ConfigError(
             f"run directory {rd} already holds checkpoints (latest: {latest.name}); pass --resume to "
             f"continue it, or choose another ray.name / ray.storage_path")
     if resume == "latest" and latest is None:
-        raise ConfigError(f"--resume: run directory {rd} holds no complete checkpoint to resume from")
-    if resume not in (None, "latest") and not ckpt_lib.is_complete(Path(resume)):
-        raise ConfigError(f"--resume {resume}: not a complete checkpoint directory (needs {ckpt_lib.STATE_FILE} "
-                          f"and every rank's state)")
+        skipped = ckpt_lib.describe_skips(rd)
+        raise ConfigError(f"--resume: run directory {rd} holds no intact checkpoint to resume from"
+                          + (":\n  " + "\n  ".join(skipped) if skipped else ""))
+    if resume not in (None, "latest"):
+        problem = ckpt_lib.checkpoint_problem(resume_path(cfg, resume))
+        if problem is not None:
+            raise ConfigError(f"--resume {resume}: cannot resume from it: {problem}")
+
+
+def resume_path(cfg: StageConfig, resume: str) -> Loc:
+    """`--resume PATH`: a checkpoint directory or URI, or the name of a checkpoint of this run (step_N)."""
+    if ckpt_lib.STEP_DIR.match(resume) and not Path(resume).exists():
+        return run_loc(cfg) / resume
+    return Loc.of(resume)
+
+
+def reset_ray_snapshot(run: Loc) -> str | None:
+    """Remove Ray Train's checkpoint bookkeeping from the run directory (see module docstring); returns
+    a note when it pointed at a checkpoint that cannot be resumed from."""
+    snap = run / RAY_SNAPSHOT
+    if not snap.is_file():
+        return None
+    note = None
+    try:
+        latest = (json.loads(snap.read_text()).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+    except (ValueError, OSError, AttributeError):
+        latest = None
+    if latest:
+        problem = ckpt_lib.checkpoint_problem(run / latest)
+        if problem is not None:
+            note = (f"[train] Ray's checkpoint record ({RAY_SNAPSHOT}) points at {latest}, which is {problem}; "
+                    f"reset it: the run resumes from its newest intact checkpoint")
+    snap.rmtree()
+    return note
 
 
 def convert_if_needed(cfg: StageConfig) -> StageConfig:
@@ -69,17 +116,21 @@ def convert_if_needed(cfg: StageConfig) -> StageConfig:
     if cfg.model.convert is None:
         raise ConfigError("stage 1 needs model.student (a HyLo checkpoint from jobs/convert.py) or model.convert "
                           "(conversion options, e.g. {mla_layers: even, kv_lora_rank: 128})")
+    run = run_loc(cfg)
     out = run_dir(cfg) / "converted"
-    if not (out / "hybrid_config.json").is_file():
+    target = run / "converted"
+    if not (target / "hybrid_config.json").is_file():
         from hylo.io import save_hylo
         from hylo.upcycle import load_base_model, upcycle
         from pipeline.train.stage1 import resolve_model_dir
 
         base_dir = resolve_model_dir(cfg.model.base)
-        print(f"[convert] {base_dir} -> {out} with {cfg.model.convert}", flush=True)
+        print(f"[convert] {base_dir} -> {target} with {cfg.model.convert}", flush=True)
         model = upcycle(load_base_model(base_dir), calibration_ids=_calibration_ids(base_dir), **cfg.model.convert)
         save_hylo(model, out, tokenizer_from=base_dir)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, student=str(out)))
+        if not run.is_local:
+            target.upload_dir(out)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, student=target.uri()))
 
 
 def _calibration_ids(base_dir: str | Path):
@@ -97,21 +148,14 @@ def _calibration_ids(base_dir: str | Path):
     return calibration_ids_for(tokenizer)
 
 
-def planned_steps(cfg: StageConfig) -> int:
-    from pipeline.train.loop import total_steps_for
-
-    rows = open_rows(cfg.data, cfg.train.seed, 0, cfg.ray.num_workers)
-    total = total_steps_for(cfg, rows.num_rows)
-    return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
-
-
 def loop_config(cfg: StageConfig, resume: str | None, launcher: str) -> dict[str, Any]:
-    resume_from = resume
-    if resume == "latest":
-        latest = ckpt_lib.latest_checkpoint(run_dir(cfg))
-        resume_from = str(latest) if latest is not None else None
-    return {"config": config_to_dict(cfg), "resume_from": resume_from, "launcher": launcher,
-            "torch_extensions_dir": torch_extensions_dir()}
+    """What every worker gets: the config, where the run lives, and where to resume from
+    (`resume_latest`: the newest intact checkpoint; `resume_from`: exactly that one)."""
+    resume_from = None
+    if resume not in (None, "latest"):
+        resume_from = resume_path(cfg, resume).uri()
+    return {"config": config_to_dict(cfg), "resume_from": resume_from, "resume_latest": resume == "latest",
+            "run": run_loc(cfg), "launcher": launcher, "torch_extensions_dir": torch_extensions_dir()}
 
 
 def init_ray(cfg: StageConfig) -> None:
@@ -140,40 +184,130 @@ def start_teacher_pool(cfg: StageConfig):
     return start(cfg.teacher.model, cfg.teacher.pool)
 
 
+def worker_resources(cfg: StageConfig) -> dict[str, float]:
+    resources = {"CPU": cfg.ray.cpus_per_worker, **(cfg.ray.resources_per_worker or {})}
+    if cfg.ray.use_gpu:
+        resources.setdefault("GPU", 1)
+    return resources
+
+
+def resource_demand(cfg: StageConfig) -> list[tuple[str, int, dict[str, float]]]:
+    """(what, how many, resources each) of everything this run asks Ray for."""
+    out = [("train worker", cfg.ray.num_workers, worker_resources(cfg))]
+    if cfg.stage == 2 and cfg.teacher.source == "serve" and cfg.teacher.start_pool:
+        pool = cfg.teacher.pool
+        out.append(("teacher replica", pool.num_replicas, {"CPU": pool.num_cpus, "GPU": pool.num_gpus}))
+    return [(what, n, {k: float(v) for k, v in res.items() if v}) for what, n, res in out]
+
+
+def check_resources(cfg: StageConfig, cluster: dict[str, float], nodes: list[dict[str, float]],
+                    available: dict[str, float] | None = None) -> None:
+    """Refuse a run that can never be scheduled on this cluster (Ray would wait for it forever); warn
+    when it fits the cluster but not what is free now."""
+    demand = resource_demand(cfg)
+    need: dict[str, float] = {}
+    for _, n, res in demand:
+        for k, v in res.items():
+            need[k] = need.get(k, 0.0) + n * v
+
+    def parts(key: str) -> str:
+        return " + ".join(f"{n} {what}{'s' if n != 1 else ''} x {res[key]:g}" for what, n, res in demand if key in res)
+
+    short = [k for k, v in sorted(need.items()) if v > cluster.get(k, 0.0) + 1e-9]
+    if short:
+        k = short[0]
+        raise ConfigError(
+            f"this run needs {need[k]:g} {k} ({parts(k)}) but the Ray cluster has {cluster.get(k, 0.0):g}: "
+            f"lower ray.num_workers / ray.cpus_per_worker"
+            + (" or teacher.pool.num_replicas / teacher.pool.num_cpus / num_gpus" if len(demand) > 1 else "")
+            + ", or add nodes")
+    for what, n, res in demand:
+        if n and nodes and not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in res.items()) for node in nodes):
+            raise ConfigError(f"one {what} needs {res} but no node of the Ray cluster has that much "
+                              f"(largest: {max(nodes, key=lambda nd: nd.get('CPU', 0.0))})")
+    if available is not None:
+        busy = [k for k, v in sorted(need.items()) if v > available.get(k, 0.0) + 1e-9]
+        if busy:
+            k = busy[0]
+            print(f"[train] warning: this run needs {need[k]:g} {k} ({parts(k)}) and only "
+                  f"{available.get(k, 0.0):g} are free now; it waits until other Ray work releases them",
+                  flush=True)
+
+
+def check_cluster_resources(cfg: StageConfig) -> None:
+    import ray
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    check_resources(cfg, ray.cluster_resources(), nodes, ray.available_resources())
+
+
+def run_config(cfg: StageConfig, run: Loc):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+
+    failures = cfg.ray.max_failures
+    return RunConfig(
+        # run.name, not cfg.ray.name: with a nested name ("a/b") Ray would write its checkpoints to
+        # <storage>/a/a/b, outside the run directory that resume, metrics and cleanup read
+        name=run.name, storage_path=run.parent.path,
+        storage_filesystem=None if run.is_local else run.fs,
+        # controller_failure_limit: Ray's retries of starting the worker group are unlimited by default
+        # (a run that did not fit retried forever); they follow ray.max_failures too
+        failure_config=FailureConfig(max_failures=failures, controller_failure_limit=failures),
+        # the workers prune (the checkpoint.keep newest intact ones); Ray only keeps its bookkeeping
+        checkpoint_config=CheckpointConfig(num_to_keep=None),
+        callbacks=[make_ray_callback()],
+    )
+
+
 def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from pipeline.train.loop import train_worker
 
     init_ray(cfg)
+    check_cluster_resources(cfg)
+    run = run_loc(cfg)
+    note = reset_ray_snapshot(run)
+    if note:
+        print(note, flush=True)
     pool = start_teacher_pool(cfg)
-    resources = {"CPU": cfg.ray.cpus_per_worker, **(cfg.ray.resources_per_worker or {})}
-    if cfg.ray.use_gpu:
-        resources.setdefault("GPU", 1)
-    rd = run_dir(cfg)
     trainer = TorchTrainer(
         train_worker,
         train_loop_config=loop_config(cfg, resume, "ray"),
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu,
-                                     resources_per_worker=resources),
-        run_config=RunConfig(
-            # rd.name, not cfg.ray.name: with a nested name ("a/b") Ray would write its checkpoints to
-            # <storage>/a/a/b, outside the run directory that resume, metrics and cleanup read
-            name=rd.name, storage_path=str(rd.parent),
-            failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            callbacks=[make_ray_callback(rd, planned_steps(cfg), cfg.metrics.log_every, cfg.metrics.tensorboard)],
-        ),
+                                     resources_per_worker=worker_resources(cfg)),
+        run_config=run_config(cfg, run),
     )
     try:
         result = trainer.fit()
+    except Exception as e:
+        raise TrainingError(e) from e
     finally:
         if pool is not None:
             from ray import serve
 
             serve.delete(cfg.teacher.pool.app_name)
     return {"checkpoint": result.checkpoint.path if result.checkpoint else None}
+
+
+class TrainingError(RuntimeError):
+    """Ray Train gave up; the message is the first failed worker's own error (the cause: Ray's exception)."""
+
+    def __init__(self, e: BaseException) -> None:
+        super().__init__(f"training failed: {failure_message(e)}")
+
+
+def failure_message(e: BaseException) -> str:
+    """`Type: message` of the first worker's exception inside Ray's error (whose text is a traceback)."""
+    failures = getattr(e, "worker_failures", None)
+    first = next(iter(failures.values())) if isinstance(failures, dict) and failures else e
+    text = str(first)
+    found = list(re.finditer(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt)): ", text, re.M))
+    if found:
+        return f"{found[-1].group(1)}: {text[found[-1].end():].strip()}"
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return f"{type(first).__name__}: {lines[-1] if lines else ''}"
 
 
 def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
@@ -187,19 +321,22 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
     if launcher == "torchrun" and int(os.environ["WORLD_SIZE"]) != cfg.ray.num_workers:
         raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but ray.num_workers="
                           f"{cfg.ray.num_workers}; they must agree")
+    try:
+        check_storage_path(cfg.ray.storage_path, launcher)
+    except StorageError as e:
+        raise ConfigError(str(e)) from None
     resume = args.resume
     if launcher == "torchrun" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        # torchrun --max-restarts relaunched the ranks after a failure: continue from the latest checkpoint.
-        resume = "latest" if ckpt_lib.latest_checkpoint(run_dir(cfg)) is not None else None
+        pass  # torchrun --max-restarts relaunched the ranks: they resume from the newest intact checkpoint
     else:
         check_run_dir(cfg, resume)
     if launcher == "torchrun" and cfg.stage == 1 and not cfg.model.student:
         raise ConfigError("ray.launcher=torchrun needs model.student: convert first (jobs/convert.py)")
     cfg = convert_if_needed(cfg)
-    rd = run_dir(cfg)
+    rd, run = run_dir(cfg), run_loc(cfg)
     rd.mkdir(parents=True, exist_ok=True)
     if is_rank0:
-        ckpt_lib.write_json_atomic(rd / f"config_stage{stage}.json", config_to_dict(cfg))
+        (run / f"config_stage{stage}.json").write_text(json.dumps(config_to_dict(cfg), indent=1, sort_keys=True))
     t0 = time.time()
     if launcher == "torchrun":
         from pipeline.train.loop import train_worker
@@ -208,16 +345,17 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
         info: dict[str, Any] = {}
     else:
         info = fit_with_ray(cfg, resume)
+    model = run / "model"
     if is_rank0 and cfg.checkpoint.delete_after_consolidate:
-        if (rd / "model" / "hybrid_config.json").is_file():
-            n, freed = ckpt_lib.delete_checkpoints(rd)
+        if (model / "hybrid_config.json").is_file():
+            n, freed = ckpt_lib.delete_checkpoints(run)
             print(f"[train] checkpoint.delete_after_consolidate: removed {n} checkpoint(s), "
-                  f"{freed / 2**30:.2f} GiB; the run's output is {rd / 'model'}", flush=True)
+                  f"{freed / 2**30:.2f} GiB; the run's output is {model}", flush=True)
         else:
-            print(f"[train] checkpoint.delete_after_consolidate: kept the checkpoints, {rd / 'model'} "
+            print(f"[train] checkpoint.delete_after_consolidate: kept the checkpoints, {model} "
                   "was not written (checkpoint.consolidate=false?)", flush=True)
-    metrics = read_metrics(rd)
-    summary = {"stage": stage, "run_dir": str(rd), "model_dir": str(rd / "model"), "seconds": time.time() - t0,
+    metrics = read_metrics(run)
+    summary = {"stage": stage, "run_dir": str(run), "model_dir": str(model), "seconds": time.time() - t0,
                "last_step": max(metrics) if metrics else 0, **info}
     if metrics and is_rank0:
         last = metrics[max(metrics)]
@@ -229,6 +367,6 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
 def main(stage: int) -> None:
     try:
         run(stage, sys.argv[1:])
-    except (ConfigError, ckpt_lib.CheckpointError) as e:
+    except (ConfigError, ckpt_lib.CheckpointError, StorageError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -9,9 +9,15 @@ Design choices:
   both share: process group, seeding, data position, resume, metrics reduction, checkpoint cadence,
   fault injection and the final consolidation.
 * A `Session` hides the launcher: under Ray, checkpoints go through `ray.train.report(checkpoint=...)`
-  (each worker hands its scratch directory; Ray merges them into `<run dir>/step_N`) and resume comes
-  from `ray.train.get_checkpoint()`; under torchrun, ranks write `<run dir>/.tmp-step_N` and rank 0
-  renames it. Both produce the same checkpoint layout (checkpoint.py), so either resumes the other.
+  (each worker hands its scratch directory; Ray uploads them into `<run>/step_N`, local or a URI);
+  under torchrun, ranks write `<run dir>/.tmp-step_N` and rank 0 renames it. Either way every rank
+  lists size + sha256 of its files, and after a barrier rank 0 checks them and writes the manifest
+  last (checkpoint.py). Both produce the same layout, so either resumes the other.
+* Resume is collective: the candidates (the `--resume` choice, or after a relaunch the newest
+  checkpoint Ray registered / the run's newest) are checked by every rank (sizes; checksums shared
+  out, or of each rank's own download for remote storage) and the newest intact one wins; every
+  skipped one is printed with its reason. Then the metrics file is cut back to the resumed step.
+* Rank 0 writes each step's metrics record itself, before reporting it.
 * Loss normalisation: every step's loss is a mean over all loss tokens of the global batch. Each
   micro-batch contributes `sum / n_global * W` (DeepSpeed averages gradients over W ranks and we skip
   its 1/G scaling), so packed rows with different numbers of loss tokens weigh by their tokens.
@@ -21,11 +27,11 @@ Design choices:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,8 +45,17 @@ import torch.distributed as dist
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train.config import StageConfig, config_from_dict, run_dir
 from pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
-from pipeline.train.metrics import MetricsWriter, peak_memory_mib
+from pipeline.train.metrics import METRICS_FILE, TB_DIR, MetricsWriter, peak_memory_mib
 from pipeline.train.rows import RowStream, open_rows
+from pipeline.train.storage import (
+    Loc,
+    fresh_local_dir,
+    is_uri,
+    local_copy,
+    local_mirror,
+    remove_local,
+    run_location,
+)
 
 PARTITION_FILE = "zero_partition.json"
 
@@ -57,6 +72,8 @@ class WorkerContext:
     grad_accum: int
     step: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
+    # where the run lives (local directory or URI); run_dir is its local directory or local mirror
+    run: Loc | None = None
 
     def all_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -73,10 +90,10 @@ class WorkerContext:
         f = self.cfg.fault
         if f.kill_at_step != self.step or f.kill_when != when or f.kill_rank != self.rank:
             return
-        marker = self.run_dir / f".fault-step{self.step}-{when}-rank{self.rank}"
+        # in the run's storage, so that it is one-shot whichever node the relaunched worker lands on
+        marker = (self.run or Loc.of(self.run_dir)) / f".fault-step{self.step}-{when}-rank{self.rank}"
         if marker.exists():
             return
-        marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text("killed\n")
         print(f"[fault] rank {self.rank}: SIGKILL at step {self.step} ({when})", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -98,101 +115,185 @@ def row_to_device(row: dict[str, Any], device: torch.device) -> dict[str, torch.
 
 # ------------------------------------------------------------------------------------ sessions
 class Session:
-    """Launcher-specific reporting and checkpoint storage."""
+    """Launcher-specific checkpoint storage and reporting; rank 0 also writes the metrics."""
 
-    def __init__(self, ctx: WorkerContext, resume_from: str | None) -> None:
+    def __init__(self, ctx: WorkerContext, loop_config: dict[str, Any], total_steps: int) -> None:
         self.ctx = ctx
-        self.resume_from = resume_from
-
-    def explicit_resume(self) -> Path | None:
-        if not self.resume_from:
-            return None
-        if self.resume_from == "latest":
-            return ckpt_lib.latest_checkpoint(self.ctx.run_dir)
-        p = Path(self.resume_from)
-        if not ckpt_lib.is_complete(p):
-            raise ckpt_lib.CheckpointError(f"--resume {p}: not a complete checkpoint directory")
-        return p
-
-    def resume_checkpoint(self) -> Path | None:
-        return self.explicit_resume()
-
-    def scratch_dir(self, step: int) -> Path:
-        raise NotImplementedError
-
-    def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class RaySession(Session):
-    _ckpt_ctx: Any = None
-
-    def resume_checkpoint(self) -> Path | None:
-        import ray.train
-
-        candidates = []
-        ray_ckpt = ray.train.get_checkpoint()
-        if ray_ckpt is not None:
-            # Local or shared-filesystem storage: the directory in place; remote storage: a local copy
-            # that lives until close().
-            self._ckpt_ctx = ray_ckpt.as_directory()
-            candidates.append(Path(self._ckpt_ctx.__enter__()))
-        explicit = self.explicit_resume()
-        if explicit is not None:
-            candidates.append(explicit)
-        candidates = [c for c in candidates if ckpt_lib.is_complete(c)]
-        return max(candidates, key=ckpt_lib.checkpoint_step) if candidates else None
-
-    def scratch_dir(self, step: int) -> Path:
-        return Path(tempfile.mkdtemp(prefix=f"hylo-ckpt-{step}-r{self.ctx.rank}-"))
-
-    def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
-        import ray.train
-
-        if ckpt_dir is None:
-            ray.train.report(record)
-            return
-        ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),
-                         checkpoint_dir_name=ckpt_lib.step_dir_name(step))
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-
-    def close(self) -> None:
-        if self._ckpt_ctx is not None:
-            self._ckpt_ctx.__exit__(None, None, None)
-            self._ckpt_ctx = None
-
-
-class TorchrunSession(Session):
-    def __init__(self, ctx: WorkerContext, resume_from: str | None, total_steps: int) -> None:
-        super().__init__(ctx, resume_from)
-        self.writer = None
+        self.resume_from: str | None = loop_config.get("resume_from")
+        self.resume_latest = bool(loop_config.get("resume_latest"))
+        self.run: Loc = loop_config.get("run") or run_location(ctx.cfg.ray.storage_path, ctx.cfg.ray.name)
+        self._downloads: list[Path] = []
+        self.writer: MetricsWriter | None = None
         if ctx.rank == 0:
             m = ctx.cfg.metrics
             self.writer = MetricsWriter(ctx.run_dir, total_steps, m.log_every, m.tensorboard)
 
+    # ---------------------------------------------------------------- resume
+    def restart_candidates(self) -> list[Loc] | None:
+        """Launcher-specific: where a relaunch after a failure resumes from (None: not a relaunch)."""
+        return None
+
+    def candidates(self) -> tuple[list[Loc], bool]:
+        """(checkpoints to try newest first, whether falling back to older ones is allowed)."""
+        restart = self.restart_candidates()
+        if restart is not None:
+            return restart, True
+        if self.resume_latest:
+            return ckpt_lib.resume_candidates(self.run), True
+        if self.resume_from:
+            return [Loc.of(self.resume_from)], False
+        return [], False
+
+    def check(self, ckpt: Loc) -> tuple[Path | None, str | None]:
+        """Collective: (local directory to load from, None) when every rank finds `ckpt` intact, else
+        (None, reason). Local storage: every rank checks sizes, each hashes every W-th file; remote
+        storage: every rank downloads the checkpoint and checks its own copy in full."""
+        rank, world = self.ctx.rank, self.ctx.world_size
+        local: Path | None = None
+        try:
+            problem = ckpt_lib.checkpoint_problem(ckpt)
+            if problem is None and ckpt.is_local:
+                local = ckpt.local()
+                problem = ckpt_lib.checkpoint_problem(local, deep=True, only=lambda i: i % world == rank)
+            elif problem is None:
+                local = ckpt.download(fresh_local_dir(f"hylo-resume-{ckpt.name}-r{rank}-"))
+                self._downloads.append(local)
+                problem = ckpt_lib.checkpoint_problem(local, deep=True)
+        except (OSError, ckpt_lib.CheckpointError) as e:
+            problem = f"cannot be read ({type(e).__name__}: {e})"
+        problems: list[Any] = [None] * world
+        dist.all_gather_object(problems, problem)
+        bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+        if bad:
+            return None, bad[0][1] + (f" (found by rank {bad[0][0]})" if world > 1 and bad[0][0] else "")
+        return local, None
+
+    def resume_checkpoint(self) -> tuple[Loc, Path] | None:
+        """Collective: the checkpoint to resume from and its local directory, walking back past broken ones."""
+        cands, walk = self.candidates()
+        skipped = []
+        for c in cands:
+            local, problem = self.check(c)
+            if problem is None:
+                if skipped and self.ctx.rank == 0:
+                    print(f"[resume] resuming from {c.name}, the newest intact checkpoint", flush=True)
+                return c, local
+            skipped.append(f"{c.name}: {problem}")
+            if self.ctx.rank == 0:
+                print(f"[resume] skipping {c.name}: {problem}", flush=True)
+            if not walk:
+                raise ckpt_lib.CheckpointError(f"--resume {c}: cannot resume from it: {problem}")
+        if cands:
+            raise ckpt_lib.CheckpointError(f"no intact checkpoint to resume from in {self.run}:\n  "
+                                           + "\n  ".join(skipped))
+        return None
+
+    # ---------------------------------------------------------------- checkpoints + metrics
     def scratch_dir(self, step: int) -> Path:
-        tmp = self.ctx.run_dir / f".tmp-{ckpt_lib.step_dir_name(step)}"
+        raise NotImplementedError
+
+    def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
+        raise NotImplementedError
+
+    def write_metrics(self, record: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self.writer.write(record)
+
+    def after_checkpoint(self) -> None:
+        """Rank 0, once a checkpoint is final: prune old ones; for remote storage upload the metrics."""
+        removed = ckpt_lib.prune(self.run, self.ctx.cfg.checkpoint.keep)
+        if removed:
+            print(f"[train] checkpoint.keep={self.ctx.cfg.checkpoint.keep}: removed {', '.join(removed)}", flush=True)
+        self.sync_outputs()
+
+    def sync_outputs(self) -> None:
+        """Remote storage, rank 0: upload what is written locally first (metrics, TensorBoard, partition report)."""
+        if self.run.is_local or self.ctx.rank != 0:
+            return
+        if self.writer is not None:
+            self.writer.flush()
+        local = self.ctx.run_dir
+        for name in (METRICS_FILE, PARTITION_FILE):
+            if (local / name).is_file():
+                (self.run / name).write_bytes((local / name).read_bytes())
+        if (local / TB_DIR).is_dir():
+            (self.run / TB_DIR).upload_dir(local / TB_DIR)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.sync_outputs()
+        for d in self._downloads:
+            remove_local(d)
+
+
+class RaySession(Session):
+    def restart_candidates(self) -> list[Loc] | None:
+        import ray.train
+
+        ray_ckpt = ray.train.get_checkpoint()
+        if ray_ckpt is None:
+            return None
+        # A relaunch after a worker failure: the newest checkpoint Ray registered, or older intact ones
+        # (the driver resets Ray's own bookkeeping at start, so this is always a checkpoint of this run).
+        return ckpt_lib.resume_candidates(self.run, self.run / Path(ray_ckpt.path).name)
+
+    def scratch_dir(self, step: int) -> Path:
+        return fresh_local_dir(f"hylo-ckpt-{step}-r{self.ctx.rank}-")
+
+    def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
+        import ray.train
+
+        self.write_metrics(record)
+        if ckpt_dir is None:
+            ray.train.report(record)
+            return
+        ckpt_lib.write_rank_files(ckpt_dir, self.ctx.rank, self.ctx.world_size, shared=False)
+        target = self.run / ckpt_lib.step_dir_name(step)
+        if self.ctx.rank == 0 and target.exists():
+            # left by an abandoned attempt (a crash, or a resume from an older checkpoint): Ray would
+            # merge the new files into it
+            target.rmtree()
+        dist.barrier()
+        ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),
+                         checkpoint_dir_name=target.name)
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        # every worker has uploaded its files: rank 0 checks them and writes the manifest
+        dist.barrier()
+        if self.ctx.rank == 0:
+            ckpt_lib.finalize_checkpoint(target, step, self.ctx.world_size)
+            self.after_checkpoint()
+
+
+class TorchrunSession(Session):
+    def restart_candidates(self) -> list[Loc] | None:
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+            return None
+        # torchrun --max-restarts relaunched the ranks after a failure
+        return ckpt_lib.resume_candidates(self.run)
+
+    def scratch_dir(self, step: int) -> Path:
+        tmp = self.run.local() / f".tmp-{ckpt_lib.step_dir_name(step)}"
         if self.ctx.rank == 0 and tmp.exists():
             shutil.rmtree(tmp)
         dist.barrier()
         return tmp
 
     def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
-        if ckpt_dir is not None:
-            dist.barrier()
-            if self.ctx.rank == 0:
-                ckpt_lib.finalize_local(ckpt_dir, self.ctx.run_dir / ckpt_lib.step_dir_name(step))
-                ckpt_lib.prune(self.ctx.run_dir, self.ctx.cfg.checkpoint.keep)
-            dist.barrier()
-        if self.writer is not None:
-            self.writer.write(record)
+        self.write_metrics(record)
+        if ckpt_dir is None:
+            return
+        dist.barrier()
+        ckpt_lib.write_rank_files(ckpt_dir, self.ctx.rank, self.ctx.world_size, shared=True)
+        dist.barrier()
+        if self.ctx.rank == 0:
+            ckpt_lib.finalize_local(ckpt_dir, self.run.local() / ckpt_lib.step_dir_name(step), step,
+                                    self.ctx.world_size)
+            self.after_checkpoint()
+        dist.barrier()
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        super().close()
         # Leave together and tear the process group down explicitly: a rank that exits while another is
         # still writing the consolidated model destroys gloo's threads at interpreter exit, which aborts
         # ("terminate called without an active exception", SIGABRT) and fails the whole torchrun job.
@@ -290,6 +391,9 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     if loop_config.get("torch_extensions_dir"):
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", loop_config["torch_extensions_dir"])
     cfg = config_from_dict(loop_config["config"])
+    if cfg.model.student and is_uri(cfg.model.student):
+        # a student that lives in the run storage (stage 1's output at a URI): a local copy to load
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, student=str(local_copy(cfg.model.student))))
     if cfg.stage == 1:
         from pipeline.train import stage1 as stage
     else:
@@ -301,14 +405,16 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     rank, world, device = setup_distributed(cfg)
     torch.manual_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
+    run: Loc | None = loop_config.get("run")
     ctx = WorkerContext(cfg=cfg, rank=rank, world_size=world, device=device,
-                        dtype=resolve_dtype(cfg.model.dtype, device.type == "cuda"), run_dir=run_dir(cfg),
+                        dtype=resolve_dtype(cfg.model.dtype, device.type == "cuda"),
+                        run_dir=local_mirror(run) if run is not None else run_dir(cfg), run=run,
                         grad_accum=grad_accum_steps(cfg.train.global_batch_sequences, world))
     rows: RowStream = open_rows(cfg.data, cfg.train.seed, rank, world)
     total = total_steps_for(cfg, rows.num_rows)
     last = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
-    session: Session = (RaySession(ctx, loop_config.get("resume_from")) if loop_config["launcher"] == "ray"
-                        else TorchrunSession(ctx, loop_config.get("resume_from"), total))
+    session: Session = (RaySession(ctx, loop_config, total) if loop_config["launcher"] == "ray"
+                        else TorchrunSession(ctx, loop_config, total))
 
     task = stage.build(ctx, cosine_with_warmup(total, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio))
     stop_watch.set()
@@ -317,19 +423,24 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     start = 0
     resume = session.resume_checkpoint()
     if resume is not None:
-        ckpt_lib.check_compatible(resume, cfg, world, rows.fingerprint)
-        rank_state = ckpt_lib.load_checkpoint(task.engine, resume, rank)
+        ckpt, local = resume
+        ckpt_lib.check_compatible(local, cfg, world, rows.fingerprint)
+        rank_state = ckpt_lib.load_checkpoint(task.engine, local, rank)
         rows.seek(rank_state["data"]["position"])
         start = int(rank_state["step"])
         if rank == 0:
-            print(f"[train] resumed from {resume} at step {start}", flush=True)
+            print(f"[train] resumed from {ckpt} at step {start}", flush=True)
+    if session.writer is not None:
+        # the metrics file continues from the resumed step: later records (and a torn last line) go
+        remote = None if session.run.is_local else session.run / METRICS_FILE
+        session.writer.restart_at(start, remote)
 
     for step in range(start + 1, last + 1):
         ctx.step = step
         t0 = time.perf_counter()
         batch = [rows.next_row() for _ in range(ctx.grad_accum)]
-        local = stage.train_step(task, batch, ctx)
-        record = reduce_record(ctx, local, batch, rows, time.perf_counter() - t0, total)
+        local_numbers = stage.train_step(task, batch, ctx)
+        record = reduce_record(ctx, local_numbers, batch, rows, time.perf_counter() - t0, total)
         record["resumed_from"] = start
         save = step % cfg.checkpoint.every_steps == 0 or step == last
         ckpt_dir = None
@@ -343,10 +454,29 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             ctx.maybe_fault("after_checkpoint")
 
     if cfg.checkpoint.consolidate:
-        out = ckpt_lib.consolidate_hylo(task.student, ctx.run_dir / "model", rank, tokenizer_from=cfg.model.student)
-        if out is not None:
-            print(f"[train] consolidated HF checkpoint: {out}", flush=True)
+        consolidate(task, ctx, session.run, cfg.model.student)
     session.close()
+
+
+def consolidate(task, ctx: WorkerContext, run: Loc, source: str | None) -> None:
+    """Collective: the trained model as an HF-format HyLo checkpoint in `<run>/model` (uploaded when
+    the run lives at a URI)."""
+    out = ctx.run_dir / "model" if run.is_local else fresh_local_dir("hylo-model-") / "model"
+    written = ckpt_lib.consolidate_hylo(task.student, out, ctx.rank, tokenizer_from=source)
+    if written is None:
+        return
+    if not run.is_local:
+        # hybrid_config.json last: it is what makes a directory a HyLo checkpoint (load_hylo checks it),
+        # so a reader never takes a half-uploaded model for a whole one
+        target, marker = run / "model", written / "hybrid_config.json"
+        data = marker.read_bytes()
+        marker.unlink()
+        target.rmtree()
+        target.upload_dir(written)
+        (target / marker.name).write_bytes(data)
+        remove_local(written.parent)
+        written = target
+    print(f"[train] consolidated HF checkpoint: {written}", flush=True)
 
 
 def reduce_record(ctx: WorkerContext, local: dict[str, float], batch: list[dict[str, Any]], rows: RowStream,

@@ -3,24 +3,31 @@
 Design choices:
 * Workers reduce their numbers into one record per step (sums for tokens and losses, max for memory)
   before reporting, so every sink sees the same record and rank 0's report is the whole step.
-* Under Ray the sinks live in a `UserCallback` on the Ray Train controller (it sees every report,
-  survives worker restarts and prints through Ray's log forwarding to the driver); under torchrun
-  rank 0 calls the same `MetricsWriter`.
-* JSONL is append-only: a step recomputed after a restart appears again with a higher `attempt`;
-  readers keep the last record of each step (`read_metrics`).
+* Rank 0 writes the sinks itself, under Ray Train and torchrun alike, right after each step: a record
+  never waits in Ray's report queue, so an interrupted driver (Ctrl-C) loses no step that was trained.
+  (Under Ray the progress lines reach the driver through Ray's log forwarding.)
+* JSONL lines are appended with one `write` each on an O_APPEND descriptor and fsynced, so a line is
+  whole or (after a kill mid-write) a torn tail. A (re)started run first rewrites the file
+  (atomically) to the records of the steps up to the checkpoint it resumed from: a torn line and the
+  records of steps it will recompute go, with a warning. Readers skip a torn line with a warning and
+  keep the last record of each step (`read_metrics`).
 * Memory: peak RSS of the worker process on CPU (`ru_maxrss`), `max_memory_allocated` on GPU.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pipeline.train.storage import Loc
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tensorboard"
@@ -65,13 +72,53 @@ class MetricsWriter:
         self._t_last: float | None = None
         self._step_last: int | None = None
         self._sec_per_step: float | None = None
+        self._purge_step: int | None = None
 
     def _tb_writer(self):
         if self._tb is None and self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR))
+            # purge_step: TensorBoard drops the events a resumed run recomputes
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=self._purge_step)
         return self._tb
+
+    def restart_at(self, step: int, remote: Loc | None = None) -> list[str]:
+        """A run (re)starting after `step` (0: from scratch): keep only the records of steps <= `step`,
+        dropping torn lines; `remote`: the run's metrics file in remote storage, preferred when present.
+        Returns the warnings (also printed)."""
+        path = self.run_dir / METRICS_FILE
+        text = ""
+        if remote is not None and remote.is_file():
+            text = remote.read_text()
+        elif path.is_file():
+            text = path.read_text(errors="replace")
+        kept, warnings = [], []
+        dropped_later = 0
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                s = int(r["step"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                warnings.append(f"{path}:{i}: dropped a torn or unreadable line ({line[:60]!r}...)")
+                continue
+            if s > step:
+                dropped_later += 1
+            else:
+                kept.append(line)
+        if dropped_later:
+            warnings.append(f"{path}: dropped {dropped_later} record(s) of steps after {step}, where this run "
+                            f"continues")
+        if text or path.exists():
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+        for w in warnings:
+            print(f"[metrics] warning: {w}", file=self.stream or sys.stdout, flush=True)
+        self._purge_step = step + 1
+        return warnings
 
     def write(self, record: dict[str, Any]) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -82,8 +129,7 @@ class MetricsWriter:
             # Smoothed seconds per step; a resumed or restarted run re-bases on its next step.
             self._sec_per_step = dt if self._sec_per_step is None else 0.7 * self._sec_per_step + 0.3 * dt
         self._t_last, self._step_last = now, step
-        with open(self.run_dir / METRICS_FILE, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+        append_line(self.run_dir / METRICS_FILE, json.dumps(record, sort_keys=True))
         tb = self._tb_writer()
         if tb is not None:
             for k in SCALARS:
@@ -92,6 +138,10 @@ class MetricsWriter:
             tb.flush()
         if step % self.log_every == 0 or step == self.total_steps:
             print(self.progress_line(record), file=self.stream or sys.stdout, flush=True)
+
+    def flush(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
 
     def progress_line(self, r: dict[str, Any]) -> str:
         step, total = int(r["step"]), self.total_steps
@@ -111,41 +161,46 @@ class MetricsWriter:
             self._tb = None
 
 
-def read_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
-    """The last record of each step (a step recomputed after a restart keeps its newest record)."""
+def append_line(path: Path, line: str) -> None:
+    """Append one line with a single write() on an O_APPEND descriptor, then fsync."""
+    data = (line.rstrip("\n") + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_metrics(run_dir: str | Path | Loc, warn=None) -> dict[int, dict[str, Any]]:
+    """The last record of each step (a torn or unreadable line is skipped with a warning)."""
     out: dict[int, dict[str, Any]] = {}
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
+    loc = Loc.of(run_dir) / METRICS_FILE
+    if not loc.is_file():
         return out
-    for line in path.read_text().splitlines():
-        if line.strip():
+    for i, line in enumerate(loc.read_bytes().decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
             r = json.loads(line)
             out[int(r["step"])] = r
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            print(f"[metrics] warning: {loc}:{i}: skipped a torn or unreadable line ({line[:60]!r}...)",
+                  file=warn or sys.stderr, flush=True)
     return dict(sorted(out.items()))
 
 
-def make_ray_callback(run_dir: str | Path, total_steps: int, log_every: int, tensorboard: bool):
-    """A Ray Train `UserCallback` that feeds rank 0's per-step record to a `MetricsWriter`."""
+def make_ray_callback():
+    """A Ray Train `UserCallback` on the controller that says what happens after a worker failure
+    (rank 0 writes the metrics itself)."""
     from ray.train import UserCallback
 
-    class _MetricsCallback(UserCallback):
-        def __init__(self) -> None:
-            self.writer = MetricsWriter(run_dir, total_steps, log_every, tensorboard)
-
-        def __getstate__(self):
-            # Built fresh on the controller: no open files or TensorBoard writers travel.
-            return {}
-
-        def __setstate__(self, state) -> None:
-            self.writer = MetricsWriter(run_dir, total_steps, log_every, tensorboard)
-
-        def after_report(self, run_context, metrics, checkpoint) -> None:
-            if metrics and metrics[0] and "step" in metrics[0]:
-                self.writer.write(dict(metrics[0]))
-
+    class _FailureCallback(UserCallback):
         def after_exception(self, run_context, worker_exceptions) -> None:
             ranks = ", ".join(f"rank {r}: {type(e).__name__}" for r, e in worker_exceptions.items())
-            print(f"[train] worker failure ({ranks}); Ray restarts from the latest checkpoint if "
+            print(f"[train] worker failure ({ranks}); Ray restarts from the newest intact checkpoint if "
                   f"ray.max_failures allows", flush=True)
 
-    return _MetricsCallback()
+    return _FailureCallback()

@@ -5,6 +5,11 @@ Kept in the package (like pipeline/teacher/testing.py) so tests, benches and smo
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +55,57 @@ def write_config(cfg: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+@contextlib.contextmanager
+def fake_s3(bucket: str = "bucket") -> Iterator[Callable[[str], str]]:
+    """A local S3 server (moto) for tests: yields `uri(key)` -> `s3://<bucket>/<key>?endpoint_override=...`
+    for pyarrow's S3 client; pickled filesystems carry the dummy credentials to Ray workers.
+
+    moto 5.2 answers CompleteMultipartUpload with the wrong root element, which pyarrow's S3 client
+    rejects (getmoto/moto#10055); a small WSGI filter renames it.
+    """
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    app = DomainDispatcherApplication(create_backend_app)
+
+    def fixed(environ, start_response):
+        if not (environ["REQUEST_METHOD"] == "POST" and "uploadId=" in environ.get("QUERY_STRING", "")):
+            return app(environ, start_response)
+        got: dict[str, Any] = {}
+
+        def capture(status, headers, exc_info=None):
+            got.update(status=status, headers=headers)
+            return lambda data: None
+
+        body = b"".join(app(environ, capture))
+        body = body.replace(b"CompleteMultipartUploadResponse", b"CompleteMultipartUploadResult")
+        headers = [(k, str(len(body)) if k.lower() == "content-length" else v) for k, v in got["headers"]]
+        start_response(got["status"], headers)
+        return [body]
+
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    server = make_server("127.0.0.1", 0, fixed, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        uri = f"s3://{bucket}?endpoint_override=http://{host}:{port}&allow_bucket_creation=true"
+        import pyarrow.fs as pafs
+
+        fs, _ = pafs.FileSystem.from_uri(uri)
+        fs.create_dir(bucket)
+        query = uri.split("?", 1)[1]
+        yield lambda key: f"s3://{bucket}/{key.strip('/')}?{query}"
+    finally:
+        server.shutdown()
+        thread.join()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
