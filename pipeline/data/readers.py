@@ -50,6 +50,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypedDict
 
+from pipeline.config import NONEMPTY, at_least, rules
+
 RAW_CHARS = 500
 CHUNK_CHARS = 1 << 20
 # A record still incomplete after this many characters is given up on (reported, not buffered forever).
@@ -95,6 +97,7 @@ class Reject(TypedDict):
 
 
 @dataclasses.dataclass
+@rules(name=NONEMPTY, path=NONEMPTY, limit=at_least(1))
 class SourceSpec:
     """Where a source lives and how to read it. Plain fields so it nests in any `pipeline.config` tree."""
 
