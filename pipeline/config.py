@@ -13,7 +13,7 @@ Values are checked when a config is built, before any job starts Ray or loads a 
 * every float (also inside lists and mappings) must be finite unless its rule says `finite=False`;
 * a YAML mapping that repeats a key is an error naming the key and both lines (PyYAML would keep the
   last one silently); a config file must be UTF-8;
-* errors name where the value came from: `<file> line N: key=value: must be ...` or `--set: ...`.
+* errors name where the value came from: `<file> line N: key=value: must be ...` or `command line: ...`.
 
 This module imports neither Ray nor torch, so any job (and `hylo/` tooling) can use it.
 """
@@ -518,11 +518,11 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str] | None) -> list[s
 
 def error_origin(key: str | None, label: str, lines: dict[str, int], override_keys: list[str],
                  line_prefixes: tuple[str, ...] = ("",)) -> str:
-    """Where the value at dotted `key` came from: "--set", "<label> line N" (the nearest enclosing key
-    the file sets), or `label`."""
+    """Where the value at dotted `key` came from: "command line" (a --set override or a job's flag),
+    "<label> line N" (the nearest enclosing key the file sets), or `label`."""
     if key:
         if any(key == k or key.startswith((k + ".", k + "[")) for k in override_keys):
-            return "--set"
+            return "command line"
         k = key
         while k:
             for prefix in line_prefixes:

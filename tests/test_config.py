@@ -252,7 +252,7 @@ def test_issue_examples_are_rejected_at_load_naming_the_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_stage_config(2, "configs/demo-smollm2.yaml", [override])
     msg = str(e.value)
-    assert re.search(re.escape(key) + "[=:]", msg) and msg.startswith("--set") and "\n" not in msg, msg
+    assert re.search(re.escape(key) + "[=:]", msg) and msg.startswith("command line") and "\n" not in msg, msg
 
 
 def test_convert_options_are_the_converters_own_and_listed():
@@ -314,7 +314,7 @@ def test_value_errors_name_the_file_line_or_the_override(tmp_path):
     p.write_text("name: ok\ntrain:\n  lr: .nan\n")
     with pytest.raises(ConfigError, match=r"c.yaml line 3: train.lr=nan: must be a finite number"):
         load_config(_Outer, p)
-    with pytest.raises(ConfigError, match=r"^--set: train.lr=inf: must be a finite number"):
+    with pytest.raises(ConfigError, match=r"^command line: train.lr=inf: must be a finite number"):
         load_config(_Outer, None, ["train.lr=.inf"])
     with pytest.raises(ConfigError, match=r"train.steps: expected an integer, got None"):
         load_config(_Outer, None, ["train.steps=null"])

@@ -501,7 +501,7 @@ def test_eval_job_errors_name_the_problem(saved, tmp_path, capsys):
     assert main(["--model", str(tmp_path / "missing"), "--suite", "kvcache", "--out", str(tmp_path)]) == 2
     assert "missing" in capsys.readouterr().err
     assert main(["--model", str(saved / "hybrid"), "--suite", "kl,bogus", "--out", str(tmp_path)]) == 2
-    assert "unknown ['bogus']" in capsys.readouterr().err
+    assert "item 1 is 'bogus'" in capsys.readouterr().err
     assert main(["--model", str(saved / "hybrid"), "--suite", "kl", "--out", str(tmp_path)]) == 2
     assert "needs --data" in capsys.readouterr().err
     assert main(["--model", str(saved / "hybrid"), "--set", "kvcache.lengths=[]", "--out", str(tmp_path)]) == 2
