@@ -64,8 +64,10 @@ def save_hylo(model, out_dir: str | Path, tokenizer=None, tokenizer_from: str | 
 def load_hylo(path: str | Path, dtype=None, device: str | None = None):
     """Load a HyLo checkpoint with clear errors for missing or incomplete directories."""
     import torch
+    from safetensors import SafetensorError
 
     from hylo.config import HybridConfig
+    from hylo.files import WeightsFileError, check_weights_dir
     from hylo.modeling import HyLoForCausalLM
 
     p = Path(path)
@@ -74,7 +76,12 @@ def load_hylo(path: str | Path, dtype=None, device: str | None = None):
     if not (p / HYBRID_CONFIG_NAME).is_file():
         raise HybridConfigError(f"{p}: no {HYBRID_CONFIG_NAME}; not a HyLo checkpoint (convert one with jobs/convert.py)")
     cfg = HybridConfig.from_hybrid_json(p)
-    model = HyLoForCausalLM.from_pretrained(p, config=cfg, dtype=dtype or torch.float32)
+    try:
+        model = HyLoForCausalLM.from_pretrained(p, config=cfg, dtype=dtype or torch.float32)
+    except SafetensorError as e:
+        # safetensors' own error names no file: find the truncated or corrupt one
+        check_weights_dir(p)
+        raise WeightsFileError(f"{p}: cannot read the weights ({e})") from None
     if device is not None:
         model = model.to(device)
     return model

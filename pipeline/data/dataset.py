@@ -265,7 +265,10 @@ class RowReader:
             path = self.dir / meta["file"]
             if not path.is_file():
                 raise DataFormatError(f"{path}: listed in {self.dir / MANIFEST} but missing")
-            pf = pq.ParquetFile(path)
+            try:
+                pf = pq.ParquetFile(path)
+            except (pa.ArrowException, OSError) as e:
+                raise DataFormatError(f"{path}: unreadable Parquet file ({e})") from None
             if pf.metadata.num_rows != int(meta["rows"]):
                 raise DataFormatError(
                     f"{path}: has {pf.metadata.num_rows} rows, manifest says {meta['rows']}")
@@ -285,7 +288,13 @@ class RowReader:
                 if r < start + n:
                     break
                 start += n
-            c = self._cached = (k, rg, pf.read_row_group(rg), start)
+            try:
+                table = pf.read_row_group(rg)
+            except (pa.ArrowException, OSError) as e:
+                # a corrupt page (e.g. "ZSTD decompression failed") names no file by itself
+                raise DataFormatError(f"{self.dir / self.manifest['shards'][k]['file']} row group {rg}: "
+                                      f"unreadable ({e})") from None
+            c = self._cached = (k, rg, table, start)
         t = c[2].slice(r - c[3], 1)
         row = {name: t.column(name)[0].values.to_numpy(zero_copy_only=False)
                for name in ("input_ids", "position_ids", "cu_seqlens", "loss_mask")}
