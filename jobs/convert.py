@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.cli import check_finite_args, job_main, report_error  # noqa: E402
+from pipeline.cli import check_finite_args, job_main, report_error, writable_dir  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         from hylo.files import check_weights_dir
 
         check_weights_dir(base_path)
+        writable_dir(Path(args.out).expanduser().resolve().parent, "--out (its parent)")
         t0 = time.time()
         dtype = getattr(torch, args.dtype)
         base = load_base_model(base_path, dtype=dtype)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.cli import job_main, report_error  # noqa: E402
+from pipeline.cli import job_main, report_error, writable_dir  # noqa: E402
 from pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
 
 
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(EvalConfig, args.config, [*args.overrides, *overrides_from_flags(args)])
         maybe_print_config(cfg, args)
         check_model_files(cfg)
+        writable_dir(cfg.out, "out")
         from pipeline.eval.run import render_markdown, run_eval
 
         res = run_eval(cfg)

@@ -224,6 +224,21 @@ def check_finite_args(args: argparse.Namespace) -> None:
                 raise BadArgument(f"--{name.replace('_', '-')}={v}: must be a finite number")
 
 
+def writable_dir(path: str | os.PathLike, what: str) -> Path:
+    """Create output directory `path` (and parents) now and check it can be written, so a read-only or
+    missing output location fails before the work, not after it. `what` names the option in the error."""
+    p = Path(path).expanduser()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadArgument(f"{what}={os.fspath(path)}: cannot create it ({e.strerror or e})") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        read_only = bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+        raise BadArgument(f"{what}={os.fspath(path)}: not writable "
+                          f"({os.strerror(errno.EROFS if read_only else errno.EACCES)})")
+    return p
+
+
 def int_at_least(low: int) -> Callable[[str], int]:
     """argparse `type=` for an integer flag with a lower bound."""
 

@@ -217,7 +217,7 @@ def test_convert_into_a_full_or_read_only_directory(tmp_path, tiny):
     assert_input_error(proc, str(mnt), "model.safetensors: No space left on device")
     proc = run_job(["jobs/convert.py", "--base", str(tiny["base"]), "--out", str(mnt / "hylo"), "--no-calibrate"],
                    prefix=in_small_fs(mnt, "ro"))
-    assert_input_error(proc, str(mnt), "Read-only file system")
+    assert_input_error(proc, f"--out (its parent)={mnt}", "Read-only file system")
 
 
 def test_decontaminate_job(tmp_path):
@@ -309,6 +309,11 @@ def test_eval_job(tmp_path, tiny):
     proc = run_job(["jobs/eval.py", "--model", str(tiny["student"]), "--suite", "kvcache", "--out", str(tmp_path),
                     "--set", "kvcache.decode_tokens=0"])
     assert_input_error(proc, "kvcache.decode_tokens=0: must be >= 1")
+    # a read-only output directory fails before the evaluation runs, not after it
+    mnt = tmp_path / "mnt"
+    proc = run_job(["jobs/eval.py", "--model", str(tiny["student"]), "--suite", "kvcache", "--out", str(mnt / "ev"),
+                    "--set", "kvcache.lengths=[16]"], prefix=in_small_fs(mnt, "ro"))
+    assert_input_error(proc, f"out={mnt / 'ev'}", "Read-only file system")
 
 
 def test_place_layers_job(tmp_path):
