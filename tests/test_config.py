@@ -329,3 +329,10 @@ def test_rules_run_on_direct_construction_too():
         KDSection(temperature=0.0)
     with pytest.raises(ValueError, match="every_steps=0: must be >= 1"):
         CheckpointSection(every_steps=0)
+
+
+def test_eval_config_knows_the_retrieval_tasks():
+    from pipeline.eval.config import RETRIEVAL_TASKS
+    from pipeline.eval.retrieval import TASKS
+
+    assert RETRIEVAL_TASKS == TASKS

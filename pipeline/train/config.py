@@ -38,6 +38,7 @@ from pipeline.config import (
     rules,
     to_dict,
 )
+from pipeline.data.mixture import SPLITS
 from pipeline.teacher.config import TeacherClientConfig, TeacherModelConfig, TeacherPoolConfig
 
 STAGE_KEYS = ("stage1", "stage2")
@@ -99,7 +100,7 @@ class SyntheticData:
 
 
 @dataclass
-@rules(source=one_of("parquet", "synthetic"), split=one_of("stage1", "stage2", "all"), seq_len=at_least(2))
+@rules(source=one_of("parquet", "synthetic"), split=one_of(*SPLITS), seq_len=at_least(2))
 class DataSection:
     # parquet = shards written by the data pipeline (pipeline/data); synthetic = SyntheticData rows.
     source: str = "parquet"
