@@ -353,3 +353,33 @@ def test_corrupt_shard_in_the_middle_is_named_by_the_reader(tmp_path):
     with pytest.raises(DataFormatError, match=r"shard-00001.parquet.*row group 0.*unreadable"):
         list(RowReader(d, as_numpy=True))
     assert np.asarray(next(iter(RowReader(d, as_numpy=True)))["input_ids"]).shape == (64,)
+
+
+def test_corrupt_teacher_cache_shard_is_named_by_the_reader(tmp_path, tiny):
+    from pipeline.teacher.cache import (
+        CacheFormatError,
+        TopKCacheReader,
+        compute_shard,
+        finalize_cache,
+        prepare_cache,
+    )
+    from pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
+    from pipeline.teacher.model import TeacherModel
+
+    data = _packed_dir(tmp_path / "data", "stage2", shards=1)
+    cfg = TeacherCacheConfig(data=str(data), out=str(tmp_path / "cache"), k=4, rows_per_shard=4,
+                             model=TeacherModelConfig(path=str(tiny["base"])))
+    header, plan, todo = prepare_cache(cfg)
+    teacher = TeacherModel(tiny["base"])
+    for p in todo:
+        compute_shard(teacher, cfg.data, cfg.out, header, p)
+    assert finalize_cache(cfg.out, plan)
+    shard = next((tmp_path / "cache").rglob("shard-*.parquet"))
+    raw = bytearray(shard.read_bytes())
+    for i in range(64, 400):
+        raw[i] ^= 0x5A
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(CacheFormatError, match=rf"{shard}( row group \d+)?: unreadable cache shard"):
+        reader = TopKCacheReader(tmp_path / "cache")
+        for rid in reader.row_ids:
+            reader.get(rid)
