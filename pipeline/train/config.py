@@ -9,6 +9,9 @@ Design choices:
   sequences, 1 epoch, warm-up ratio 0.01, kl_weight 1, ce_weight 0).
 * A YAML file may hold both stages under `stage1:` / `stage2:` keys plus shared top-level sections;
   `load_stage_config` merges them (stage section wins) so one recipe file describes a whole run.
+* Each section states the range or choices of its fields once (`@rules`, pipeline/config.py); values that
+  must agree across sections (global batch vs workers) are checked by the stage classes. Everything is
+  checked at load, before Ray or torchrun starts; the files a stage reads are checked by inputs.py.
 * `breaking_diff(old, new)` lists the keys whose change breaks a resumed run (model, data, optimiser,
   batch, world size, seed ...); run-time knobs (Ray address, checkpoint cadence, metrics, fault
   injection, offload) may change between a stop and a resume.
