@@ -230,7 +230,7 @@ class ILDSection:
 
     def __post_init__(self) -> None:
         if self.output_weight == 0 and self.mixer_weight == 0:
-            raise FieldError("output_weight", self.output_weight, "and mixer_weight are both 0: nothing to train on")
+            raise FieldError("mixer_weight", self.mixer_weight, "output_weight and mixer_weight are both 0: no loss to train on")
 
 
 @dataclass
@@ -270,7 +270,7 @@ class KDSection:
 
     def __post_init__(self) -> None:
         if self.kl_weight == 0 and self.ce_weight == 0:
-            raise FieldError("kl_weight", self.kl_weight, "and ce_weight are both 0: nothing to train on")
+            raise FieldError("ce_weight", self.ce_weight, "kl_weight and ce_weight are both 0: no loss to train on")
 
 
 @dataclass
