@@ -1,4 +1,4 @@
-"""HyLoCache: the generation cache of a hybrid model.
+"""HyLoCache: the generation cache of a hybrid model, a `transformers.Cache` so `generate()` works as is.
 
 Legend: B batch, T cached tokens, R kv_lora_rank, P qk_rope_head_dim, H heads, K/V GDN key/value
 head dims, C conv channels, W conv_size - 1.
@@ -8,6 +8,13 @@ head dims, C conv channels, W conv_size - 1.
   are never stored.
 * Linear layer (GDN / Mamba-2): a recurrent state (`state_BHKV` for GDN) and the last W inputs of
   each short convolution. Constant in T.
+* `HyLoCache` subclasses `transformers.cache_utils.Cache` with these two layer kinds, so transformers'
+  `GenerationMixin` (greedy, sampling, beam search with `reorder_cache`, streamers, stopping criteria)
+  drives it unchanged. It cannot be cropped (a recurrent state cannot be rolled back), so assisted /
+  speculative decoding is refused with a clear error.
+* Left-padded batches: the cache holds a slot for every position, pads included (so `get_seq_length`
+  matches the attention mask's length, as transformers expects); MLA masks the pad keys and the linear
+  layers never feed pad tokens into their state (see `hylo/modeling.py`).
 
 The cache works on unpacked batches (no `cu_seqlens`): generation runs one sequence per batch row.
 """
@@ -17,6 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers.cache_utils import Cache
+
+NOT_CROPPABLE = ("a HyLo cache cannot be cropped or rolled back (linear layers keep a recurrent state, not per-token "
+                 "entries): assisted / speculative decoding and prompt-lookup decoding are not supported")
 
 
 class MLALayerCache:
@@ -78,9 +89,50 @@ class MLALayerCache:
     def used_nbytes(self) -> int:
         return 0 if self.buf is None else self.buf.shape[0] * self.length * self.buf.shape[2] * self.buf.element_size()
 
-    def index_select(self, beam_idx: torch.Tensor) -> None:
+    # ---- the layer interface transformers' Cache calls (beam search, batch expansion, reset)
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: row i takes row beam_idx[i]. In place on the cached part; the capacity is kept."""
+        if self.buf is None:
+            return
+        idx = beam_idx.to(self.buf.device)
+        if idx.numel() != self.buf.shape[0]:
+            self.buf = self.buf.index_select(0, idx)
+            return
+        used = self.buf[:, : self.length]
+        used.copy_(used.index_select(0, idx))
+
+    index_select = reorder_cache
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
         if self.buf is not None:
-            self.buf = self.buf.index_select(0, beam_idx)
+            self.buf = self.buf.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.buf is not None:
+            self.buf = self.buf[indices]
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(NOT_CROPPABLE)
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
 
 
 @dataclass
@@ -101,18 +153,57 @@ class LinearLayerCache:
         out = [] if self.state is None else [self.state]
         return out + list(self.conv.values())
 
+    # ---- the layer interface transformers' Cache calls
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
 
-class HyLoCache:
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def _apply(self, fn) -> None:
+        if self.state is not None:
+            self.state = fn(self.state)
+        self.conv = {k: fn(v) for k, v in self.conv.items()}
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply(lambda t: t[indices])
+
+    def reset(self) -> None:
+        self.state, self.conv, self.seen = None, {}, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(NOT_CROPPABLE)
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+class HyLoCache(Cache):
     """Per-layer caches of a HyLo model, indexed by layer number."""
 
     def __init__(self, config, max_length: int | None = None) -> None:
         """`max_length`: the most tokens this cache will hold (prompt + new tokens), when known: each MLA
         layer then allocates exactly that once instead of growing."""
-        self.config = config
-        self.layers: list[MLALayerCache | LinearLayerCache] = [
+        layers: list[MLALayerCache | LinearLayerCache] = [
             MLALayerCache(reserve=max_length or 0) if config.layer_type(i) == "mla" else LinearLayerCache()
             for i in range(config.n_layer)
         ]
+        super().__init__(layers=layers)
+        self.config = config
         self._seen = 0
 
     def __getitem__(self, idx: int) -> MLALayerCache | LinearLayerCache:
@@ -122,7 +213,14 @@ class HyLoCache:
         return len(self.layers)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Positions held (pads of a left-padded batch included), the same for every layer."""
         return self._seen
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._seen + query_length, 0
 
     def advance(self, n_tokens: int) -> None:
         """Called once per model forward, after all layers have run."""
@@ -141,9 +239,40 @@ class HyLoCache:
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         for layer in self.layers:
-            if isinstance(layer, MLALayerCache):
-                layer.index_select(beam_idx)
-            else:
-                if layer.state is not None:
-                    layer.state = layer.state.index_select(0, beam_idx)
-                layer.conv = {k: v.index_select(0, beam_idx) for k, v in layer.conv.items()}
+            layer.reorder_cache(beam_idx)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+        self._seen = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(NOT_CROPPABLE)
+
+    @property
+    def batch_size(self) -> int:
+        for layer in self.layers:
+            t = layer.tensors()
+            if t:
+                return t[0].shape[0]
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [isinstance(layer, LinearLayerCache) for layer in self.layers]
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self.layers)
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._seen > 0

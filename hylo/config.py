@@ -1,7 +1,9 @@
 """HybridConfig: the HyLo architecture (which layers are MLA, which are linear, and their shapes).
 
 Keys follow the released HyLo checkpoints (`n_layer`, `mla_layers`, `kv_lora_rank`, ...) plus the
-linear-block keys (`linear_type`, `gdn_*`). Saved as `hybrid_config.json` beside `config.json`.
+linear-block keys (`linear_type`, `gdn_*`). `config.json` is the source of truth; `hybrid_config.json`
+beside it is a derived copy (written from the same object on save) for tools that read the released
+layout, and loading refuses a directory where the two disagree (`check_config_files`).
 Validation runs on construction and on load; each error names the key and what is allowed.
 """
 
@@ -16,6 +18,9 @@ from transformers import PretrainedConfig
 LINEAR_TYPES = ("gdn", "mamba2")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 HYBRID_CONFIG_NAME = "hybrid_config.json"
+# keys that are bookkeeping, not architecture: not compared between config.json and hybrid_config.json
+_BOOKKEEPING_KEYS = ("transformers_version", "architectures", "auto_map", "num_hidden_layers", "_name_or_path",
+                     "dtype", "torch_dtype", "model_type")
 
 
 class HybridConfigError(ValueError):
@@ -225,9 +230,17 @@ class HybridConfig(PretrainedConfig):
         return path
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):  # type: ignore[override]
+        """transformers' loader, plus: a local directory whose hybrid_config.json disagrees with config.json is refused."""
+        if Path(str(pretrained_model_name_or_path)).is_dir():
+            check_config_files(pretrained_model_name_or_path)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    @classmethod
     def from_hybrid_json(cls, path: str | Path) -> HybridConfig:
         p = Path(path)
         if p.is_dir():
+            check_config_files(p)
             p = p / HYBRID_CONFIG_NAME
         if not p.is_file():
             raise HybridConfigError(f"{p}: no {HYBRID_CONFIG_NAME} found (is this a HyLo checkpoint?)")
@@ -248,3 +261,36 @@ def base_kv_values_per_token(base_config: Any) -> int:
     n_kv = getattr(base_config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(base_config, "head_dim", None) or base_config.hidden_size // n_heads
     return base_config.num_hidden_layers * 2 * n_kv * head_dim
+
+
+def _architecture(data: dict[str, Any], where: Path) -> dict[str, Any]:
+    """Every architecture key of a config dict, defaults filled in (so an absent key compares as its default)."""
+    data = {k: v for k, v in data.items() if k not in _BOOKKEEPING_KEYS}
+    try:
+        full = HybridConfig(**data).to_dict()
+    except (HybridConfigError, TypeError) as e:
+        raise HybridConfigError(f"{where}: {e}") from None
+    return {k: v for k, v in full.items() if k not in _BOOKKEEPING_KEYS}
+
+
+def check_config_files(directory: str | Path) -> None:
+    """Raise when a checkpoint's config.json (the source of truth) and hybrid_config.json (its derived copy)
+    describe different models; names every differing key with both values."""
+    d = Path(directory)
+    main, derived = d / "config.json", d / HYBRID_CONFIG_NAME
+    if not (main.is_file() and derived.is_file()):
+        return
+    try:
+        a, b = json.loads(main.read_text()), json.loads(derived.read_text())
+    except json.JSONDecodeError as e:
+        raise HybridConfigError(f"{d}: config.json or {HYBRID_CONFIG_NAME} is not valid JSON ({e})") from e
+    if a.get("model_type") != HybridConfig.model_type:
+        return
+    arch_a, arch_b = _architecture(a, main), _architecture(b, derived)
+    diff = sorted(k for k in set(arch_a) | set(arch_b) if arch_a.get(k) != arch_b.get(k))
+    if diff:
+        shown = "; ".join(f"{k}: config.json {arch_a.get(k)!r} vs {HYBRID_CONFIG_NAME} {arch_b.get(k)!r}"
+                          for k in diff[:8])
+        raise HybridConfigError(
+            f"{d}: config.json and {HYBRID_CONFIG_NAME} disagree ({shown}). config.json is the source of truth and "
+            f"{HYBRID_CONFIG_NAME} a copy written from it on save: make the same edit in both files")

@@ -1,7 +1,13 @@
-"""Saving and loading HyLo checkpoints atomically (safetensors + config.json + hybrid_config.json + tokenizer).
+"""Saving and loading HyLo checkpoints atomically.
 
-A checkpoint directory is written under a temporary name beside the target and renamed into place only
-when complete, so a crash never leaves a directory that looks like a finished checkpoint.
+A saved directory holds: safetensors weights (sharded with `model.safetensors.index.json` above
+`max_shard_size`, 5 GB by default), `config.json` (the source of truth, with `auto_map`),
+`hybrid_config.json` (a copy of its architecture keys for tools that read the released layout), the
+model code (`modeling_hylo.py`, `configuration_hylo.py` and the modules they import, see
+`hylo/remote_code.py`) so that `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` works
+without this project, the generated model card (`README.md` from `hylo_card.json`, see `hylo/card.py`)
+and the tokenizer. The directory is written under a temporary name beside the target and renamed into
+place only when complete, so a crash never leaves a directory that looks like a finished checkpoint.
 """
 
 from __future__ import annotations
@@ -43,17 +49,25 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
     return copied
 
 
-def save_hylo(model, out_dir: str | Path, tokenizer=None, tokenizer_from: str | Path | None = None) -> Path:
-    """Write `model` (and a tokenizer object, or the tokenizer files of directory `tokenizer_from`) atomically."""
+def save_hylo(model, out_dir: str | Path, tokenizer=None, tokenizer_from: str | Path | None = None,
+              max_shard_size: int | str = "5GB", provenance: dict | None = None) -> Path:
+    """Write `model` (and a tokenizer object, or the tokenizer files of directory `tokenizer_from`) atomically,
+    with its model code and card. `provenance` adds to what the card infers (e.g. {"teacher": ..., "step": ...})."""
+    from hylo.card import provenance as card_provenance
+    from hylo.card import write_card
+
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        # HyLoForCausalLM.save_pretrained also writes hybrid_config.json and the model code (auto_map)
+        model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         elif tokenizer_from is not None:
             copy_tokenizer_files(tokenizer_from, tmp)
+        source = tokenizer_from if tokenizer_from is not None else getattr(tokenizer, "name_or_path", None)
+        write_card(tmp, model.config, card_provenance(out, source, provenance))
         atomic_replace_dir(tmp, out)
     finally:
         if tmp.exists():

@@ -7,13 +7,22 @@ Design choices:
   from outside; `gradient_checkpointing_enable()` only wraps each decoder layer.
 * Packed rows: B == 1 with `cu_seqlens [N+1]` (int32, last == T). MLA attends within documents only,
   linear blocks reset state and conv windows at each boundary, positions restart per document.
-* Generation uses `HyLoCache` (latent + roped key per MLA layer, fixed-size state per linear layer) and
-  a small built-in decoding loop, so the cache layout is ours and never rebuilt into full K/V.
+* Generation is transformers' own `GenerationMixin.generate` (greedy, sampling, beam search, every
+  logits processor, stopping criteria, streamers, `generation_config=`) over `HyLoCache` (latent + roped
+  key per MLA layer, fixed-size state per linear layer), a `transformers.Cache` subclass created by
+  `_prepare_cache_for_generation` and sized once to prompt + new tokens, so full K/V are never rebuilt.
+* Padded batches (`attention_mask` with zeros, e.g. a left-padded batch in `generate`): MLA masks the pad
+  keys; linear layers run each padded row on its real tokens only, so pads never enter a recurrent
+  state or a conv window and every row gives what it gives alone. Positions follow the mask.
 * Every decoder layer returns its mixer output too, for layer-wise distillation (stage 1).
+* This file is also copied (with the modules it imports) beside every saved checkpoint, so that
+  `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` works without this project
+  installed (`hylo/remote_code.py`); importing it as `hylo.modeling` registers the auto classes.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +33,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
-from hylo.cache import HyLoCache
-from hylo.config import HybridConfig
+from hylo.cache import HyLoCache, LinearLayerCache
+from hylo.config import HybridConfig, check_config_files
 from hylo.layers.norm import RMSNorm
 
 
@@ -83,6 +92,53 @@ def build_mixer(config: HybridConfig, layer_idx: int) -> nn.Module:
     raise ValueError(f"unknown layer type {kind!r} for layer {layer_idx}")
 
 
+def linear_mixer_on_real_tokens(mixer: nn.Module, x_BTD: torch.Tensor, real_BT: torch.Tensor,
+                                cache: LinearLayerCache | None) -> torch.Tensor:
+    """Run a linear mixer (GDN / Mamba-2) on each row's real tokens only; zeros at pad positions.
+
+    A padded token must not touch a recurrent state or a conv window, wherever it sits. Rows without
+    pads run as one batch, every padded row alone on its real tokens (with its slice of the cache), and
+    the rows' new states are put back together. A row without real tokens keeps its state; a row that
+    never had one gets zeros (the same as no initial state).
+    """
+    B, T, _ = x_BTD.shape
+    out_BTD: torch.Tensor | None = None
+    full = [b for b in range(B) if bool(real_BT[b].all())]
+    groups = ([full] if full else []) + [[b] for b in range(B) if b not in full]
+    results: list[tuple[list[int], LinearLayerCache | None]] = []
+    for rows in groups:
+        idx_T = real_BT[rows[0]].nonzero().squeeze(-1)
+        if idx_T.numel() == 0:
+            results.append((rows, None))
+            continue
+        sub = None
+        if cache is not None:
+            sel = torch.tensor(rows, device=x_BTD.device)
+            sub = LinearLayerCache(
+                state=cache.state.index_select(0, sel.to(cache.state.device)) if cache.state is not None else None,
+                conv={k: v.index_select(0, sel.to(v.device)) for k, v in cache.conv.items()}, seen=cache.seen)
+        y = mixer(x_BTD[rows][:, idx_T], cache=sub)
+        if out_BTD is None:
+            out_BTD = y.new_zeros(B, T, y.shape[-1])
+        out_BTD[torch.tensor(rows, device=y.device)[:, None], idx_T[None, :]] = y
+        results.append((rows, sub))
+    if out_BTD is None:
+        raise ValueError(f"{type(mixer).__name__}: every row of the batch is padding")
+    if cache is not None:
+        done = [(rows, sub) for rows, sub in results if sub is not None and sub.state is not None]
+        _, ref = done[0]
+        state = cache.state.clone() if cache.state is not None else ref.state.new_zeros(B, *ref.state.shape[1:])
+        conv = {k: (cache.conv[k].clone() if k in cache.conv else v.new_zeros(B, *v.shape[1:]))
+                for k, v in ref.conv.items()}
+        for rows, sub in done:
+            sel = torch.tensor(rows, device=state.device)
+            state[sel] = sub.state.to(state.dtype)
+            for k in conv:
+                conv[k][sel] = sub.conv[k].to(conv[k].dtype)
+        cache.update(state, conv, T)
+    return out_BTD
+
+
 class HyLoDecoderLayer(nn.Module):
     def __init__(self, config: HybridConfig, layer_idx: int) -> None:
         super().__init__()
@@ -99,10 +155,16 @@ class HyLoDecoderLayer(nn.Module):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         cache=None,
+        keep_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`keep_BS`: [B, cached + new] bool, True at real tokens; None when nothing is padded."""
         if self.layer_type == "mla":
-            return self.mixer(x_BTD, position_ids=position_ids, cu_seqlens=cu_seqlens, cache=cache)
-        return self.mixer(x_BTD, cu_seqlens=cu_seqlens, cache=cache)
+            if keep_BS is None:
+                return self.mixer(x_BTD, position_ids=position_ids, cu_seqlens=cu_seqlens, cache=cache)
+            return self.mixer(x_BTD, position_ids=position_ids, cache=cache, attention_mask=keep_BS)
+        if keep_BS is None or bool(keep_BS[:, -x_BTD.shape[1]:].all()):
+            return self.mixer(x_BTD, cu_seqlens=cu_seqlens, cache=cache)
+        return linear_mixer_on_real_tokens(self.mixer, x_BTD, keep_BS[:, -x_BTD.shape[1]:], cache)
 
     def forward(
         self,
@@ -110,8 +172,9 @@ class HyLoDecoderLayer(nn.Module):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         cache=None,
+        keep_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        mixer_out = self.run_mixer(self.input_layernorm(hidden_BTD), position_ids, cu_seqlens, cache)
+        mixer_out = self.run_mixer(self.input_layernorm(hidden_BTD), position_ids, cu_seqlens, cache, keep_BS)
         h = hidden_BTD + mixer_out
         out = h + self.mlp(self.post_attention_layernorm(h))
         return out, mixer_out
@@ -122,6 +185,14 @@ class HyLoPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["HyLoDecoderLayer"]
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):  # type: ignore[override]
+        """transformers' loader; a local directory whose config.json and hybrid_config.json disagree is refused
+        (whichever way it is reached: AutoModel with or without remote code, or this class)."""
+        if isinstance(pretrained_model_name_or_path, str | os.PathLike) and os.path.isdir(pretrained_model_name_or_path):
+            check_config_files(pretrained_model_name_or_path)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -183,24 +254,34 @@ class HyLoModel(HyLoPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         output_mixer_outputs: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        cache: HyLoCache | None = None,
         **kwargs,
     ) -> HyLoModelOutput:
+        """`attention_mask`: [B, cached + new tokens], 1 at real tokens, 0 at pads (HF convention)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids or inputs_embeds")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, t = h.shape[:2]
         check_packing((b, t), cu_seqlens)
-        cache = past_key_values
+        cache = past_key_values if past_key_values is not None else cache
         if cache is None and use_cache:
             cache = HyLoCache(self.config)
+        if cache is not None and not hasattr(cache, "advance"):
+            raise TypeError(f"HyLo generates with its own HyLoCache, got a {type(cache).__name__}; "
+                            "let generate() create it (do not pass cache_implementation or a DynamicCache)")
         if cache is not None and cu_seqlens is not None:
             raise ValueError("the generation cache works on unpacked batches; drop cu_seqlens or the cache")
+        past = cache.get_seq_length() if cache is not None else 0
+        keep_BS = padding_mask(attention_mask, b, past + t, cu_seqlens)
         if position_ids is None:
             if cu_seqlens is not None:
                 position_ids = positions_from_cu_seqlens(cu_seqlens, t).unsqueeze(0)
+            elif keep_BS is not None:
+                # positions count real tokens only: a left-padded prompt starts at 0 like the prompt alone
+                position_ids = (keep_BS.long().cumsum(-1) - 1).clamp_min(0)[:, -t:]
             else:
-                start = cache.get_seq_length() if cache is not None else 0
-                position_ids = torch.arange(start, start + t, device=h.device).unsqueeze(0).expand(b, t)
+                position_ids = torch.arange(past, past + t, device=h.device).unsqueeze(0).expand(b, t)
         hidden_states: list[torch.Tensor] = []
         mixer_outputs: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
@@ -208,9 +289,9 @@ class HyLoModel(HyLoPreTrainedModel):
                 hidden_states.append(h)
             layer_cache = cache[i] if cache is not None else None
             if self.gradient_checkpointing and self.training and layer_cache is None:
-                h, mixer_out = checkpoint(layer, h, position_ids, cu_seqlens, None, use_reentrant=False)
+                h, mixer_out = checkpoint(layer, h, position_ids, cu_seqlens, None, keep_BS, use_reentrant=False)
             else:
-                h, mixer_out = layer(h, position_ids, cu_seqlens, layer_cache)
+                h, mixer_out = layer(h, position_ids, cu_seqlens, layer_cache, keep_BS)
             if output_mixer_outputs:
                 mixer_outputs.append(mixer_out)
         h = self.norm(h)
@@ -224,6 +305,22 @@ class HyLoModel(HyLoPreTrainedModel):
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
             mixer_outputs=tuple(mixer_outputs) if output_mixer_outputs else None,
         )
+
+
+def padding_mask(attention_mask: torch.Tensor | None, b: int, s: int,
+                 cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+    """The [B, S] bool mask of real tokens when `attention_mask` has pads; None when it has none."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (b, s):
+        raise ValueError(f"attention_mask must be 2-D [batch, cached + new tokens] = [{b}, {s}], "
+                         f"got shape {tuple(attention_mask.shape)}")
+    keep_BS = attention_mask.to(torch.bool)
+    if bool(keep_BS.all()):
+        return None
+    if cu_seqlens is not None:
+        raise ValueError("a padded attention_mask cannot be combined with cu_seqlens (packed rows have no pads)")
+    return keep_BS
 
 
 class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
@@ -269,8 +366,6 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> HyLoCausalLMOutput:
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("HyLo does not take padded batches; pack rows with cu_seqlens instead")
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -280,6 +375,7 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             output_hidden_states=output_hidden_states,
             output_mixer_outputs=output_mixer_outputs,
+            attention_mask=attention_mask,
         )
         h = out.last_hidden_state
         logits = None
@@ -301,71 +397,57 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
         )
 
     # ------------------------------------------------------------------ generation
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int = 32,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        eos_token_id: int | list[int] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-        return_cache: bool = False,
-        **kwargs,
-    ) -> torch.Tensor | tuple[torch.Tensor, HyLoCache]:
-        """Decode with the hybrid cache (prefill once, then one token per step).
+    def new_cache(self, max_length: int | None = None) -> HyLoCache:
+        """An empty hybrid cache; `max_length` (prompt + new tokens) lets MLA layers allocate once."""
+        return HyLoCache(self.config, max_length=max_length)
 
-        Greedy by default; `do_sample` with temperature/top-p. Rows stop independently at EOS (later
-        positions are filled with EOS). Unpadded batches only.
-        """
-        if kwargs.get("max_length") is not None:
-            max_new_tokens = int(kwargs["max_length"]) - input_ids.shape[1]
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("generate: padded prompts are not supported; generate one prompt per call")
-        if eos_token_id is None:
-            eos_token_id = self.generation_config.eos_token_id if self.generation_config is not None else None
-        if eos_token_id is None:
-            eos_token_id = self.config.eos_token_id
-        eos = set(eos_token_id if isinstance(eos_token_id, list) else ([] if eos_token_id is None else [eos_token_id]))
-        was_training = self.training
-        self.eval()
-        # the last new token is never fed back: the cache ends at prompt + max_new_tokens - 1 tokens
-        cache = HyLoCache(self.config, max_length=input_ids.shape[1] + max(max_new_tokens - 1, 0))
-        out = self(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        seq = input_ids
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        fill = next(iter(eos)) if eos else 0
-        for i in range(max_new_tokens):
-            logits = out.logits[:, -1].float()
-            if do_sample:
-                probs = torch.softmax(logits / max(temperature, 1e-5), dim=-1)
-                if top_p < 1.0:
-                    sp, si = probs.sort(dim=-1, descending=True)
-                    keep = sp.cumsum(-1) - sp <= top_p
-                    sp = sp * keep
-                    probs = torch.zeros_like(probs).scatter(-1, si, sp)
-                nxt = torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator).squeeze(-1)
-            else:
-                nxt = logits.argmax(-1)
-            nxt = torch.where(done, torch.full_like(nxt, fill), nxt)
-            seq = torch.cat([seq, nxt[:, None]], dim=1)
-            if eos:
-                done = done | torch.isin(nxt, torch.tensor(sorted(eos), device=nxt.device))
-                if bool(done.all()):
-                    break
-            if i == max_new_tokens - 1:
-                break  # the last token's logits would go unused
-            out = self(input_ids=nxt[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        if was_training:
-            self.train()
-        return (seq, cache) if return_cache else seq
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """transformers' hook: put a `HyLoCache` (sized to the longest sequence) where it would put a DynamicCache."""
+        key = "cache" if "cache" in model_kwargs or "past_key_values" not in model_kwargs else "past_key_values"
+        given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if given is not None:
+            if not isinstance(given, HyLoCache):
+                raise TypeError(f"HyLo generates with its own HyLoCache, got a {type(given).__name__}")
+            given._is_user_defined = True
+            return
+        if generation_config.use_cache is False:
+            return
+        impl = generation_config.cache_implementation
+        if impl not in (None, "dynamic", "hybrid"):
+            raise ValueError(f"cache_implementation={impl!r} is not supported: HyLo generates with its own hybrid "
+                             "cache (MLA latents + linear states); leave cache_implementation unset")
+        if getattr(generation_config, "is_assistant", False) or kwargs.get("assistant_model") is not None:
+            raise NotImplementedError("assisted decoding needs a cache that can be rolled back; HyLo's cannot")
+        max_cache_length = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
+        if not isinstance(max_cache_length, int):
+            max_cache_length = generation_config.max_length - 1 if generation_config.max_length else None
+        model_kwargs[key] = self.new_cache(max_length=max_cache_length)
+
+    @torch.no_grad()
+    def generate(self, *args, return_cache: bool = False, **kwargs):
+        """transformers' `GenerationMixin.generate` (every option: beams, logits processors, stopping
+        criteria, streamers, `generation_config=`); `return_cache=True` also returns the cache used,
+        as `(sequences, cache)`."""
+        if not return_cache:
+            return super().generate(*args, **kwargs)
+        out = super().generate(*args, return_dict_in_generate=True, **kwargs)
+        cache = getattr(out, "cache", None)
+        if cache is None:
+            cache = getattr(out, "past_key_values", None)
+        return out.sequences, cache
 
     # ------------------------------------------------------------------ io
     def save_pretrained(self, save_directory, *args, **kwargs):  # type: ignore[override]
+        """transformers' save, plus hybrid_config.json (a copy of config.json's architecture) and, where the
+        project is installed, the model code beside the weights with config.json's auto_map pointing at it."""
         result = super().save_pretrained(save_directory, *args, **kwargs)
         self.config.save_hybrid_config(save_directory)
+        try:
+            from hylo.remote_code import write_remote_code
+        except ImportError:
+            # a copy loaded through trust_remote_code: transformers already copied its own files
+            return result
+        write_remote_code(save_directory)
         return result
 
 
@@ -381,4 +463,6 @@ def register_auto_classes() -> None:
         pass
 
 
-register_auto_classes()
+# Only the project's own module registers; the copy saved beside a checkpoint is loaded through auto_map.
+if __name__ == "hylo.modeling":
+    register_auto_classes()

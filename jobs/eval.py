@@ -3,6 +3,8 @@
     python jobs/eval.py --model runs/hylo-smollm2 --teacher smollm2-135m-instruct \
         --base smollm2-135m-instruct --data runs/data/heldout --out runs/eval --suite kl,retrieval,kvcache
     python jobs/eval.py --config configs/eval_smoke.yaml --model runs/hylo-smollm2 --set kvcache.lengths=[512,1024]
+    python jobs/eval.py --model runs/hylo-smollm2 --suite lm_eval --lm-eval-tasks arc_easy,gsm8k --batch-size 16 \
+        --log-samples --update-card          # gsm8k runs with its own 5 shots; --num-fewshot N overrides all
 
 Writes results.json and results.md into --out and prints the Markdown. Options given as flags
 override the same keys of --config / --set.
@@ -34,13 +36,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (models.device)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="models.dtype")
     p.add_argument("--lm-eval-tasks", help="comma list of lm-eval task names (lm_eval.tasks)")
+    p.add_argument("--num-fewshot", type=int, help="few-shot examples for every lm-eval task (lm_eval.num_fewshot; "
+                   "default: each task's own)")
+    p.add_argument("--batch-size", type=int, help="lm-eval prompts per generate() call (lm_eval.batch_size)")
+    p.add_argument("--limit", type=float, help="lm-eval examples per task, or a fraction < 1 (lm_eval.limit)")
+    p.add_argument("--log-samples", action="store_true", default=None,
+                   help="write every lm-eval sample beside the results (lm_eval.log_samples)")
+    p.add_argument("--apply-chat-template", action="store_true", default=None,
+                   help="render lm-eval prompts with the chat template (lm_eval.apply_chat_template)")
+    p.add_argument("--update-card", action="store_true", default=None,
+                   help="record the results in the checkpoint's model card (update_card)")
     p.add_argument("--quiet", action="store_true", help="do not print the Markdown report")
     return p
 
 
 FLAG_KEYS = {"model": "models.path", "teacher": "models.teacher", "base": "models.base",
              "tokenizer": "models.tokenizer", "data": "kl.data", "out": "out", "device": "models.device",
-             "dtype": "models.dtype"}
+             "dtype": "models.dtype", "num_fewshot": "lm_eval.num_fewshot", "batch_size": "lm_eval.batch_size",
+             "limit": "lm_eval.limit", "log_samples": "lm_eval.log_samples",
+             "apply_chat_template": "lm_eval.apply_chat_template", "update_card": "update_card"}
 
 
 def overrides_from_flags(args: argparse.Namespace) -> list[str]:

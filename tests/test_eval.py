@@ -9,7 +9,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -392,8 +395,22 @@ def test_generate_until_cuts_at_the_stop_string(tok, hybrid):
     stop = plain[len(plain) // 2:len(plain) // 2 + 2]
     (cut,) = sc.generate_until([(ctx, {"until": [stop], "max_gen_toks": 12})])
     assert cut == plain[:plain.index(stop)]
-    with pytest.raises(EvalError, match="greedy"):
-        sc.generate_until([(ctx, {"do_sample": True, "temperature": 0.7})])
+    # sampling goes through generate() too (the request's own kwargs)
+    torch.manual_seed(0)
+    (sampled,) = sc.generate_until([(ctx, {"do_sample": True, "temperature": 0.7, "max_gen_toks": 5})])
+    assert isinstance(sampled, str)
+
+
+def test_generate_until_in_padded_batches_equals_one_prompt_at_a_time(tok, hybrid):
+    contexts = ["The teacher leaned on the stone wall", "The river", "A quiet town looked at the harbour and the"]
+    reqs = [(c, {"until": ["."], "max_gen_toks": 6}) for c in contexts] + [(contexts[0], {"max_gen_toks": 3})]
+    alone = Scorer(hybrid, tok, max_length=256, batch_size=1).generate_until(reqs)
+    batched = Scorer(hybrid, tok, max_length=256, batch_size=3).generate_until(reqs)
+    assert batched == alone and all(alone[:3])
+    # each equals the greedy continuation of that prompt alone, cut at the stop string
+    ids = tok(contexts[1], add_special_tokens=False)["input_ids"]
+    full = tok.decode(greedy_decode(hybrid, ids, 6, eos=Scorer(hybrid, tok).eos).tokens, skip_special_tokens=True)
+    assert full.split(".")[0] == alone[1]
 
 
 def test_lm_eval_model_registered_as_hylo_and_takes_instances(tok, hybrid):
@@ -414,6 +431,36 @@ def test_lm_eval_model_registered_as_hylo_and_takes_instances(tok, hybrid):
     assert isinstance(gen, str)
 
 
+def write_local_tasks(root: Path) -> Path:
+    """Local lm-eval tasks: a multiple-choice one (2-shot by default), a generation one, and one whose
+    data file does not exist (a dataset that cannot be loaded)."""
+    rng = random.Random(0)
+    docs = []
+    for i in range(6):
+        key = R.KEYS[i]
+        values = [str(rng.randrange(100, 1000)) for _ in range(3)]
+        docs.append({"question": f"{R.needle(key, values[0])} What is the secret code for {key}?",
+                     "choices": values, "label": 0, "answer": values[0]})
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "data.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / 'data.jsonl'}\n"
+              "test_split: test\nfewshot_split: test\n")
+    (root / "hylo_local_mc.yaml").write_text(
+        "task: hylo_local_mc\n" + common + "output_type: multiple_choice\nnum_fewshot: 2\n"
+        "doc_to_text: \"{{question}} The secret code for is\"\ndoc_to_choice: choices\ndoc_to_target: label\n"
+        "metric_list:\n  - metric: acc\n")
+    (root / "hylo_local_gen.yaml").write_text(
+        "task: hylo_local_gen\n" + common + "output_type: generate_until\nnum_fewshot: 0\n"
+        "doc_to_text: \"{{question}} The secret code for is\"\ndoc_to_target: \"{{answer}}\"\n"
+        "generation_kwargs:\n  until: [\".\"]\n  max_gen_toks: 4\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
+    (root / "hylo_missing.yaml").write_text(
+        "task: hylo_missing\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {root / 'not_there.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: \"{{question}}\"\ndoc_to_choice: choices\ndoc_to_target: label\n")
+    return root
+
+
 def test_lm_eval_simple_evaluate_on_a_local_task(tmp_path, tok, hybrid):
     """A local multiple-choice task through the harness; accuracy equals our own argmax scoring."""
     import lm_eval
@@ -421,37 +468,63 @@ def test_lm_eval_simple_evaluate_on_a_local_task(tmp_path, tok, hybrid):
 
     from pipeline.eval.lm_eval_adapter import register
 
-    rng = random.Random(0)
-    docs = []
-    for i in range(6):
-        key = R.KEYS[i]
-        values = [str(rng.randrange(100, 1000)) for _ in range(3)]
-        docs.append({"question": f"{R.needle(key, values[0])} What is the secret code for {key}?",
-                     "choices": values, "label": 0})
-    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n")
-    (tmp_path / "hylo_local.yaml").write_text(
-        "task: hylo_local_mc\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'data.jsonl'}\n"
-        "test_split: test\n"
-        "output_type: multiple_choice\n"
-        "doc_to_text: \"{{question}} The secret code for is\"\n"
-        "doc_to_choice: choices\n"
-        "doc_to_target: label\n"
-        "metric_list:\n  - metric: acc\n")
+    root = write_local_tasks(tmp_path / "tasks")
     cls = register()
     lm = cls(model=hybrid, tokenizer_obj=tok, max_length=256)
-    tm = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    tm = TaskManager(include_path=str(root), include_defaults=False)
     res = lm_eval.simple_evaluate(model=lm, tasks=["hylo_local_mc"], task_manager=tm, num_fewshot=0,
                                   log_samples=False, bootstrap_iters=0)
     acc = res["results"]["hylo_local_mc"]["acc,none"]
     sc = Scorer(hybrid, tok, max_length=256)
+    docs = [json.loads(line) for line in (root / "data.jsonl").read_text().splitlines()]
     ours = 0
     for d in docs:
         ctx = f"{d['question']} The secret code for is"
         scores = [lp for lp, _ in sc.loglikelihood([(ctx, f" {c}") for c in d["choices"]])]
         ours += int(int(np.argmax(scores)) == d["label"])
     assert acc == pytest.approx(ours / len(docs))
+
+
+def test_lm_eval_through_the_registered_name_and_the_hf_backend(saved, tmp_path):
+    """simple_evaluate(model="hylo") by name, and lm-eval's own `hf` model loading the saved checkpoint with
+    trust_remote_code (transformers' generate() on left-padded batches): the same log-likelihoods."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from pipeline.eval.lm_eval_adapter import register
+
+    register()
+    root = write_local_tasks(tmp_path / "tasks")
+    out = {}
+    for name, args in [("hylo", f"pretrained={saved / 'hybrid'}"),
+                       ("hf", f"pretrained={saved / 'hybrid'},trust_remote_code=True,dtype=float32,device=cpu")]:
+        tm = TaskManager(include_path=str(root), include_defaults=False)
+        out[name] = lm_eval.simple_evaluate(model=name, model_args=args, tasks=["hylo_local_mc", "hylo_local_gen"],
+                                            task_manager=tm, batch_size=2, log_samples=True, bootstrap_iters=0)
+    assert out["hylo"]["config"]["model"] == "hylo"
+    for name, res in out.items():
+        assert res["n-shot"]["hylo_local_mc"] == 2, name
+        gens = [s["resps"][0][0] for s in res["samples"]["hylo_local_gen"]]
+        assert len(gens) == 6 and all(isinstance(g, str) for g in gens), name
+    ll = {name: [r[0] for s in res["samples"]["hylo_local_mc"] for r in (x[0] for x in s["resps"])]
+          for name, res in out.items()}
+    assert len(ll["hylo"]) == 18
+    np.testing.assert_allclose(ll["hylo"], ll["hf"], rtol=1e-4, atol=1e-4)
+
+
+def test_hylo_lm_eval_command_runs_the_harness_cli(saved, tmp_path):
+    """`python -m pipeline.eval.lm_eval_adapter` (the `hylo-lm-eval` console script's code) with `--model hylo`."""
+    root = write_local_tasks(tmp_path / "tasks")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.eval.lm_eval_adapter", "--model", "hylo", "--model_args",
+         f"pretrained={saved / 'hybrid'}", "--tasks", "hylo_local_mc", "--include_path", str(root),
+         "--output_path", str(tmp_path / "out"), "--limit", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = list((tmp_path / "out").rglob("results_*.json"))
+    data = json.loads(result.read_text())
+    assert data["config"]["model"] == "hylo" and "acc,none" in data["results"]["hylo_local_mc"]
 
 
 # ------------------------------------------------------------------------------------------ the job
@@ -493,6 +566,55 @@ def test_eval_job_writes_json_and_markdown(saved, tmp_path):
     for heading in ("## KL to the teacher", "## Needle-in-a-haystack", "## KV cache measured"):
         assert heading in md
     assert not list(out.glob(".*tmp*"))
+
+
+def test_eval_job_runs_lm_eval_with_fewshot_samples_progress_and_card(saved, tmp_path, capsys):
+    import shutil
+
+    main = eval_main()
+    model_dir = tmp_path / "model"
+    shutil.copytree(saved / "hybrid", model_dir)
+    root = write_local_tasks(tmp_path / "tasks")
+    out = tmp_path / "eval"
+    common = ["--model", str(model_dir), "--out", str(out), "--suite", "lm_eval,kvcache",
+              "--lm-eval-tasks", "hylo_local_mc,hylo_local_gen", "--set", f"lm_eval.include_path={root}",
+              "--set", "lm_eval.include_defaults=false", "--set", "lm_eval.bootstrap_iters=0",
+              "--set", "kvcache.lengths=[32]", "--set", "kvcache.decode_tokens=2", "--quiet"]
+    assert main([*common, "--batch-size", "3", "--log-samples", "--update-card"]) == 0
+    err = capsys.readouterr().err
+    # a line per suite and progress bars over the work
+    assert "[eval] suite lm_eval (1/2)" in err and "[eval] suite kvcache (2/2)" in err
+    assert "generate_until" in err and "kvcache model" in err and "loglikelihood" in err
+    res = json.loads((out / "results.json").read_text())
+    le = res["lm_eval"]
+    # each task keeps its own few-shot default (2 for the MC task, 0 for generation)
+    assert le["n-shot"] == {"hylo_local_mc": 2, "hylo_local_gen": 0}
+    assert set(le["results"]) == {"hylo_local_mc", "hylo_local_gen"}
+    assert list((out / "lm_eval").rglob("results_*.json"))
+    samples = list((out / "lm_eval").rglob("samples_hylo_local_gen_*.jsonl"))
+    assert samples and len(samples[0].read_text().splitlines()) == 6
+    card = (model_dir / "README.md").read_text()
+    assert "## Evaluation" in card and "| lm_eval | hylo_local_mc acc |" in card and "| kvcache | kv_cache_ratio |" in card
+    # few-shot counts: one for all, then per task
+    assert main([*common, "--num-fewshot", "1", "--set", "lm_eval.fewshot_per_task={hylo_local_gen: 3}"]) == 0
+    le = json.loads((out / "results.json").read_text())["lm_eval"]
+    assert le["n-shot"] == {"hylo_local_mc": 1, "hylo_local_gen": 3}
+
+
+def test_lm_eval_tasks_that_cannot_run_fail_the_job_at_once_with_one_line(saved, tmp_path, capsys):
+    main = eval_main()
+    root = write_local_tasks(tmp_path / "tasks")
+    rc = main(["--model", str(saved / "hybrid"), "--out", str(tmp_path / "eval"), "--suite", "kvcache,lm_eval",
+               "--lm-eval-tasks", "hylo_local_mc,hylo_missing,no_such_task", "--set", f"lm_eval.include_path={root}",
+               "--set", "lm_eval.include_defaults=false", "--quiet"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("eval: error:")]
+    assert len(lines) == 1 and "Traceback" not in err
+    assert "'hylo_missing': its dataset is not available" in lines[0]
+    assert "'no_such_task' is not a known task" in lines[0] and "hylo_local_mc" not in lines[0]
+    # nothing ran: the tasks are checked before the first suite
+    assert "[eval] suite kvcache" not in err and not (tmp_path / "eval" / "results.json").exists()
 
 
 def test_eval_job_errors_name_the_problem(saved, tmp_path, capsys):

@@ -20,6 +20,9 @@ Design choices:
   columns. Both paths therefore stay on the memory-efficient kernels.
 * Positions: `position_ids` are used as given; when None they are arange, restarting at 0 at every
   document of `cu_seqlens`, or continuing after the cached tokens with a cache.
+* Padded batches (generation): `attention_mask` [B, S] (True = real token, S = cached + new) hides pad
+  keys in both paths; every token may always attend to itself, so a pad query never sees an empty row
+  (its output is finite and unused).
 * Softmax scale 1/sqrt(d_nope + d_rope), with DeepSeek's YaRN rule (see `hylo/layers/rope.py`).
 
 Legend: B batch, T new tokens, S cached + new tokens, D hidden, H heads, N d_nope, P d_rope (rotary),
@@ -138,6 +141,7 @@ class MLAttention(nn.Module):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         cache: MLALayerCache | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x_BTD = hidden_states
         if x_BTD.dim() != 3 or x_BTD.shape[-1] != self.hidden_size:
@@ -152,6 +156,7 @@ class MLAttention(nn.Module):
             cu = self._check_cu_seqlens(cu_seqlens, B, T)
         offset = cache.seq_len if cache is not None else 0
         pos_BT = self._position_ids(position_ids, B, T, x_BTD.device, cu, offset)
+        keep_BS = self._key_mask(attention_mask, B, offset + T, cu)
 
         q_BTHE = self._query(x_BTD)
         q_nope_BTHN, q_pe_BTHP = q_BTHE.split([N, P], dim=-1)
@@ -163,13 +168,35 @@ class MLAttention(nn.Module):
         k_pe_BTP = apply_rotary(k_pe_BTP, cos_BTP, sin_BTP)
 
         if cache is None:
-            o_BTHV = self._attend_decompressed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, cu)
+            o_BTHV = self._attend_decompressed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, cu, keep_BS)
         else:
-            o_BTHV = self._attend_latent(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, cache)
+            o_BTHV = self._attend_latent(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, cache, keep_BS)
         return self.o_proj(o_BTHV.reshape(B, T, self.num_heads * self.v_head_dim))
 
+    def _key_mask(self, attention_mask: torch.Tensor | None, B: int, S: int, cu: list[int] | None) -> torch.Tensor | None:
+        """[B, S] bool (True = real key), or None when nothing is masked."""
+        if attention_mask is None:
+            return None
+        if cu is not None:
+            raise self._err("attention_mask (padding) cannot be combined with cu_seqlens (packed rows)")
+        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, S):
+            raise self._err(f"attention_mask must be [B, cached + new tokens] = [{B}, {S}], "
+                            f"got shape {tuple(attention_mask.shape)}")
+        keep_BS = attention_mask.to(torch.bool)
+        return None if bool(keep_BS.all()) else keep_BS
+
+    @staticmethod
+    def _padded_causal_mask(keep_BS: torch.Tensor, T: int, past: int) -> torch.Tensor:
+        """[B, 1, T, S]: new token t (absolute past + t) sees real keys up to itself, and always itself."""
+        S = keep_BS.shape[1]
+        causal_TS = torch.ones(T, S, dtype=torch.bool, device=keep_BS.device).tril(diagonal=past)
+        self_TS = torch.zeros(T, S, dtype=torch.bool, device=keep_BS.device)
+        self_TS[torch.arange(T), past + torch.arange(T)] = True
+        return ((causal_TS[None] & keep_BS[:, None, :]) | self_TS[None]).unsqueeze(1)
+
     def _attend_decompressed(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
-                             k_pe_BTP: torch.Tensor, cu: list[int] | None) -> torch.Tensor:
+                             k_pe_BTP: torch.Tensor, cu: list[int] | None,
+                             keep_BS: torch.Tensor | None = None) -> torch.Tensor:
         B, T, H, N = q_nope_BTHN.shape
         P, V, E = self.qk_rope_head_dim, self.v_head_dim, self.qk_head_dim
         kv_BTHX = self.kv_b_proj(c_kv_BTR).view(B, T, H, N + V)
@@ -183,7 +210,10 @@ class MLAttention(nn.Module):
         elif E < V:
             q_BHTE, k_BHTE = F.pad(q_BHTE, (0, V - E)), F.pad(k_BHTE, (0, V - E))
 
-        if cu is None or len(cu) == 2:
+        if keep_BS is not None:
+            o_BHTX = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTV, scale=self.softmax_scale,
+                                                    attn_mask=self._padded_causal_mask(keep_BS, T, 0))
+        elif cu is None or len(cu) == 2:
             o_BHTX = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTV, is_causal=True,
                                                     scale=self.softmax_scale)
         else:
@@ -205,7 +235,8 @@ class MLAttention(nn.Module):
         return w_HXR[:, :N], w_HXR[:, N:]
 
     def _attend_latent(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
-                       k_pe_BTP: torch.Tensor, cache: MLALayerCache) -> torch.Tensor:
+                       k_pe_BTP: torch.Tensor, cache: MLALayerCache,
+                       keep_BS: torch.Tensor | None = None) -> torch.Tensor:
         B, T, H, N = q_nope_BTHN.shape
         R = self.kv_lora_rank
         past = cache.seq_len
@@ -219,8 +250,10 @@ class MLAttention(nn.Module):
         # one key/value head shared by all query heads; [c_kv | k_pe] serves as both key and value
         kv_B1SX = kv_BSX.unsqueeze(1)
 
-        if T == 1:
-            attn_kw: dict = {}
+        if keep_BS is not None:
+            attn_kw: dict = {"attn_mask": self._padded_causal_mask(keep_BS, T, past)}
+        elif T == 1:
+            attn_kw = {}
         elif past == 0:
             attn_kw = {"is_causal": True}
         else:

@@ -7,6 +7,7 @@ or `--set` overrides shrink them for a CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.config import NONEMPTY, Rule, above, at_least, each, one_of, rules
 
@@ -67,17 +68,41 @@ class KVCacheSection:
 
 
 @dataclass
-@rules(tasks=each(NONEMPTY, nonempty=True), num_fewshot=at_least(0), limit=above(0), max_length=at_least(1))
+@rules(model=one_of("hylo", "hf"), tasks=each(NONEMPTY, nonempty=True), num_fewshot=at_least(0),
+       fewshot_per_task=each(at_least(0)), batch_size=at_least(1), limit=above(0), max_length=at_least(1),
+       bootstrap_iters=at_least(0))
 class LMEvalSection:
-    # The published 0-shot suite; runs where the harness can fetch the datasets (a hub or its cache).
+    # hylo: this project's lm-eval model (packed scoring, the already loaded model); hf: lm-eval's own
+    # HF backend, loading the checkpoint with trust_remote_code (its model code is saved beside it).
+    model: str = "hylo"
+    # The published suite; runs where the harness can fetch the datasets (a hub or its cache).
     tasks: list[str] = field(default_factory=lambda: [
         "arc_easy", "arc_challenge", "hellaswag", "openbookqa", "piqa", "race", "winogrande", "gsm8k"])
-    num_fewshot: int = 0
+    # Few-shot examples for every task; None = each task's own default (0 for most, 5 for gsm8k).
+    num_fewshot: int | None = None
+    # Per-task few-shot counts, over num_fewshot (e.g. {gsm8k: 8}).
+    fewshot_per_task: dict[str, int] = field(default_factory=dict)
+    # Prompts per generate() call (generation tasks); loglikelihood requests are packed by tokens.
+    batch_size: int = 8
     # Examples per task (None = all); a fraction < 1 is a share of each task.
     limit: float | None = None
     # Extra task YAML directory (local tasks).
     include_path: str | None = None
+    # Index lm-eval's own tasks too (false: only include_path's; skips a ~15 s scan of its task YAMLs).
+    include_defaults: bool = True
     max_length: int | None = None
+    # Write every prompt / response / score beside the results (samples_<task>_*.jsonl).
+    log_samples: bool = False
+    # Where the harness writes its results (and samples); None = <out>/lm_eval.
+    output_path: str | None = None
+    # Render prompts with the tokenizer's chat template (instruct models); few-shot examples as turns.
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool = True
+    system_instruction: str | None = None
+    # Task metadata, e.g. RULER's {max_seq_lengths: [4096, 8192]}; `pretrained` (the model path) is added.
+    metadata: dict[str, Any] = field(default_factory=dict)
+    # Bootstrap resamples for standard errors (0 = none).
+    bootstrap_iters: int = 100000
 
 
 @dataclass
@@ -93,3 +118,5 @@ class EvalConfig:
     retrieval: RetrievalSection = field(default_factory=RetrievalSection)
     kvcache: KVCacheSection = field(default_factory=KVCacheSection)
     lm_eval: LMEvalSection = field(default_factory=LMEvalSection)
+    # Record the results in the evaluated checkpoint's model card (README.md / hylo_card.json).
+    update_card: bool = False

@@ -12,8 +12,9 @@ Design choices:
 * Cache bytes are counted on the cache tensors themselves: `HyLoCache.nbytes()` for HyLo; for
   other caches every tensor reachable from the cache's layers (deduplicated by storage). Bytes
   that grow with the sequence (MLA latents, K/V) are reported apart from constant state.
-* Loading: a directory with `hybrid_config.json` is a HyLo checkpoint, any other directory an HF
-  causal LM, and a bare name an asset from `hylo.assets.fetch_asset`.
+* Loading: a directory with `hybrid_config.json` (or a `config.json` of model_type hylo) is a HyLo
+  checkpoint, loaded with this project's classes (never its bundled remote code); any other directory
+  an HF causal LM, and a bare name an asset from `hylo.assets.fetch_asset`.
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ class EvalError(ValueError):
 
 
 def is_hylo(model: nn.Module) -> bool:
-    from hylo.modeling import HyLoForCausalLM
-
-    return isinstance(model, HyLoForCausalLM)
+    """A HyLo model, whether this project's class or the copy transformers loads with trust_remote_code."""
+    return getattr(getattr(model, "config", None), "model_type", None) == "hylo" and hasattr(model, "model")
 
 
 def resolve_path(spec: str | Path) -> Path:
@@ -73,6 +73,14 @@ def load_model(spec: str | Path, dtype: str = "float32", device: str = "auto") -
         from hylo.io import load_hylo
 
         model = load_hylo(path, dtype=DTYPES[dtype])
+    elif _model_type(path / "config.json") == "hylo":
+        from hylo.config import HybridConfigError
+        from hylo.modeling import HyLoForCausalLM
+
+        try:
+            model = HyLoForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        except (OSError, HybridConfigError) as e:
+            raise EvalError(f"{path}: could not load the HyLo model: {e}") from e
     elif (path / "config.json").is_file():
         from transformers import AutoModelForCausalLM
 
@@ -85,6 +93,15 @@ def load_model(spec: str | Path, dtype: str = "float32", device: str = "auto") -
     model = model.to(pick_device(device)).eval()
     model.requires_grad_(False)
     return model
+
+
+def _model_type(config_json: Path) -> str | None:
+    import json
+
+    try:
+        return json.loads(config_json.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def load_tokenizer(spec: str | Path | None):
@@ -113,9 +130,7 @@ def eos_ids(model: nn.Module, tokenizer=None) -> list[int]:
 def new_cache(model: nn.Module, max_length: int | None = None):
     """An empty generation cache; `max_length` (prompt + new tokens) lets HyLo allocate its MLA cache once."""
     if is_hylo(model):
-        from hylo.cache import HyLoCache
-
-        return HyLoCache(model.config, max_length=max_length)
+        return model.new_cache(max_length=max_length)
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
@@ -170,10 +185,9 @@ class CacheBytes:
 
 def cache_nbytes(cache: Any) -> CacheBytes:
     """Bytes held by a generation cache's tensors."""
-    from hylo.cache import HyLoCache
-
     tokens = int(cache.get_seq_length())
-    if isinstance(cache, HyLoCache):
+    if callable(getattr(cache, "nbytes", None)):
+        # HyLoCache (this project's or a trust_remote_code copy's)
         nb = cache.nbytes()
         return CacheBytes(nb["total"], nb["mla"], nb["linear"], tokens, dict(nb))
     layers = getattr(cache, "layers", None)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.eval.decode import EvalError, final_hidden, is_hylo
+from pipeline.eval.progress import progress
 
 LOGITS_CHUNK = 1024
 
@@ -248,10 +249,11 @@ def _output_weight(model: nn.Module) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_kl(model: nn.Module, rows: Iterable[tuple[str, dict[str, Any]]], teacher: nn.Module | None = None, use_fused: bool = True,
-                chunk: int = LOGITS_CHUNK) -> KLResult:
+                chunk: int = LOGITS_CHUNK, total: int | None = None, show_progress: bool = False) -> KLResult:
     """KL(teacher || model) per scored token, and NLL / perplexity of model (and teacher).
 
     rows: (where, packed row) pairs, e.g. from `iter_eval_rows`; `where` names the row in errors.
+    `show_progress`: a progress bar over rows (`total` = the expected count, when known).
     """
     ws = _output_weight(model)
     wt = _output_weight(teacher) if teacher is not None else None
@@ -262,7 +264,7 @@ def evaluate_kl(model: nn.Module, rows: Iterable[tuple[str, dict[str, Any]]], te
     backend = None if teacher is None else ("fused_linear_kl_div" if op is not None else "chunked_exact")
     n_rows = n_docs = n_tok = 0
     kl_sum = nll_sum = t_nll_sum = 0.0
-    for where, row in rows:
+    for where, row in progress(rows, desc="kl rows", total=total, unit="row", disable=not show_progress):
         row = check_eval_row(row, where)
         vocab = ws.shape[0]
         top = int(row["input_ids"].max())

@@ -23,17 +23,22 @@ import torch
 from torch import nn
 
 from pipeline.eval.decode import EvalError, cache_nbytes, greedy_decode, is_hylo
+from pipeline.eval.progress import progress
 
 TOLERANCE = 0.05
 
 
-def measure(model: nn.Module, lengths: list[int], decode_tokens: int = 16, seed: int = 0) -> list[dict[str, Any]]:
-    """One record per context length: cache bytes after prefill + decode, prefill time, decode tok/s."""
+def measure(model: nn.Module, lengths: list[int], decode_tokens: int = 16, seed: int = 0,
+            desc: str | None = None) -> list[dict[str, Any]]:
+    """One record per context length: cache bytes after prefill + decode, prefill time, decode tok/s.
+    `desc`: show a progress bar with this label."""
     if decode_tokens < 2:
         raise EvalError(f"kvcache.decode_tokens must be >= 2 (one step is the prefill's), got {decode_tokens}")
     vocab = model.get_output_embeddings().weight.shape[0]
     out = []
-    for length in lengths:
+    bar = progress(lengths, desc=desc or "kvcache", unit="length", disable=desc is None)
+    for length in bar:
+        bar.set_postfix_str(f"context {length}")
         if length < 1:
             raise EvalError(f"kvcache.lengths: {length} must be a positive token count")
         g = torch.Generator().manual_seed(seed * 1_000_003 + length)

@@ -25,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from pipeline.eval.decode import EvalError, eos_ids, greedy_decode
+from pipeline.eval.progress import progress
 
 TASKS = ("niah_single", "niah_multikey")
 PROMPT_FORMATS = ("auto", "chat", "plain")
@@ -136,12 +137,15 @@ def make_samples(tokenizer: Any, lengths: list[int], samples_per_length: int, ta
 
 
 def run_retrieval(model: nn.Module, tokenizer: Any, samples: list[Sample], max_new_tokens: int = 12,
-                  ) -> dict[str, Any]:
-    """Greedy answers for every sample; accuracy per task and length, plus every sample's record."""
+                  desc: str | None = None) -> dict[str, Any]:
+    """Greedy answers for every sample; accuracy per task and length, plus every sample's record.
+    `desc`: show a progress bar with this label."""
     max_pos = getattr(model.config, "max_position_embeddings", None)
     eos = eos_ids(model, tokenizer)
     records = []
-    for s in samples:
+    bar = progress(samples, desc=desc or "retrieval", unit="sample", disable=desc is None)
+    for s in bar:
+        bar.set_postfix_str(f"{s.task}@{s.target_tokens}", refresh=False)
         res = greedy_decode(model, s.input_ids, max_new_tokens, eos=eos)
         text = tokenizer.decode(res.tokens, skip_special_tokens=True)
         records.append({

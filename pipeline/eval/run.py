@@ -8,6 +8,10 @@ Design choices:
 * The model under test and (when given) the base model run the same retrieval prompts and the
   same KV-cache lengths, so their numbers sit side by side in one table.
 * Results are written atomically (temp file + rename).
+* Progress: one `[eval]` line per suite on stderr and a progress bar over each suite's work (rows,
+  samples, context lengths, lm-eval requests). The lm-eval tasks are loaded before any suite runs, so
+  a task that cannot run (unknown, dataset not available offline) stops the job at once.
+* `update_card`: the results also go into the evaluated HyLo checkpoint's model card.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +53,10 @@ def _model_info(model) -> dict[str, Any]:
     return info
 
 
+def _log(msg: str) -> None:
+    print(f"[eval] {msg}", file=sys.stderr, flush=True)
+
+
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -55,6 +64,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     m = cfg.models
     model_path = _need(m.path, "--model (models.path)", "any")
     t0 = time.perf_counter()
+    _log(f"loading {model_path}" + (f" and base {m.base}" if m.base else ""))
     model = load_model(model_path, m.dtype, m.device)
     tokenizer = load_tokenizer(m.tokenizer or model_path) if _has_tokenizer(m.tokenizer or model_path) else None
     base = load_model(m.base, m.dtype, m.device) if m.base else None
@@ -66,8 +76,15 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         "base": {"path": m.base, **_model_info(base)} if base is not None else None,
         "load_s": time.perf_counter() - t0,
     }
+    lm_prepared = None
+    if "lm_eval" in cfg.suites:
+        from pipeline.eval.lm_eval_adapter import prepare_lm_eval
+
+        _log(f"lm_eval: loading tasks {', '.join(cfg.lm_eval.tasks)}")
+        lm_prepared = prepare_lm_eval(str(model_path), cfg.lm_eval)
     for suite in cfg.suites:
         ts = time.perf_counter()
+        _log(f"suite {suite} ({cfg.suites.index(suite) + 1}/{len(cfg.suites)})")
         if suite == "kl":
             results["kl"] = _suite_kl(cfg, model, tokenizer, loaded)
         elif suite == "retrieval":
@@ -78,11 +95,46 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
             from pipeline.eval.lm_eval_adapter import run_lm_eval
 
             le = cfg.lm_eval
-            results["lm_eval"] = run_lm_eval(str(model_path), le.tasks, m.dtype, m.device, le.num_fewshot,
-                                             le.limit, le.include_path, le.max_length)
+            results["lm_eval"] = run_lm_eval(str(model_path), le, m.dtype, m.device, model=model, tokenizer=tokenizer,
+                                             output_path=le.output_path or Path(cfg.out) / "lm_eval", seed=cfg.seed,
+                                             prepared=lm_prepared)
         results[suite]["seconds"] = time.perf_counter() - ts
+        _log(f"suite {suite} done in {results[suite]['seconds']:.1f} s")
     write_results(results, Path(cfg.out))
+    if cfg.update_card:
+        update_model_card(results, Path(cfg.out) / "results.json")
     return results
+
+
+def card_metrics(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The headline numbers of each suite, for the model card."""
+    out: dict[str, dict[str, Any]] = {}
+    if "kl" in res:
+        k = res["kl"]
+        out["kl"] = {key: k[key] for key in ("kl", "ppl", "teacher_ppl", "tokens") if k.get(key) is not None}
+    if "retrieval" in res:
+        acc = res["retrieval"]["model"]["accuracy"]
+        out["retrieval"] = {f"{t}@{L}": c["accuracy"] for t in sorted(acc) for L, c in sorted(acc[t].items(), key=lambda x: int(x[0]))}
+    if "kvcache" in res:
+        c = res["kvcache"]["comparison"]
+        kv = {f"measured ratio @{r['context']}": r.get("measured_ratio") for r in c["per_length"] if r.get("measured_ratio")}
+        out["kvcache"] = {"kv_cache_ratio": c.get("kv_cache_ratio"), **kv}
+    if "lm_eval" in res:
+        out["lm_eval"] = {f"{task} {key.split(',')[0]}": val for task, metrics in res["lm_eval"]["results"].items()
+                          for key, val in metrics.items() if isinstance(val, int | float) and "stderr" not in key
+                          and not isinstance(val, bool)}
+    return out
+
+
+def update_model_card(res: dict[str, Any], results_path: Path) -> None:
+    from hylo.card import add_eval_results
+    from hylo.config import HybridConfig
+
+    path = Path(res["model"]["path"])
+    if res["model"].get("kind") != "hylo" or not (path / "config.json").is_file():
+        raise EvalError(f"update_card: {path} is not a HyLo checkpoint directory")
+    card = add_eval_results(path, HybridConfig.from_pretrained(path), card_metrics(res), str(results_path))
+    _log(f"model card updated: {card}")
 
 
 def _has_tokenizer(path: str) -> bool:
@@ -99,7 +151,8 @@ def _suite_kl(cfg: EvalConfig, model, tokenizer, loaded: dict[str, Any]) -> dict
     tok_dir = (cfg.models.tokenizer or cfg.models.path) if tokenizer is not None else None
     rejects: list[dict[str, Any]] | None = [] if cfg.kl.on_bad_record == "report" else None
     rows = iter_eval_rows(data, tok_dir, cfg.kl.max_rows, rejects)
-    res = evaluate_kl(model, rows, teacher, use_fused=cfg.kl.use_fused, chunk=cfg.kl.chunk_tokens).to_dict()
+    res = evaluate_kl(model, rows, teacher, use_fused=cfg.kl.use_fused, chunk=cfg.kl.chunk_tokens,
+                      total=cfg.kl.max_rows, show_progress=True).to_dict()
     res["teacher"] = cfg.models.teacher
     res["data"] = data
     res["rejected_records"] = len(rejects or [])
@@ -114,9 +167,9 @@ def _suite_retrieval(cfg: EvalConfig, model, base, tokenizer) -> dict[str, Any]:
     r = cfg.retrieval
     samples = make_samples(tok, r.lengths, r.samples_per_length, r.tasks, cfg.seed, r.prompt_format,
                            r.multikey_needles)
-    out = {"model": run_retrieval(model, tok, samples, r.max_new_tokens)}
+    out = {"model": run_retrieval(model, tok, samples, r.max_new_tokens, desc="retrieval model")}
     if base is not None:
-        out["base"] = run_retrieval(base, tok, samples, r.max_new_tokens)
+        out["base"] = run_retrieval(base, tok, samples, r.max_new_tokens, desc="retrieval base")
     return out
 
 
@@ -124,8 +177,8 @@ def _suite_kvcache(cfg: EvalConfig, model, base) -> dict[str, Any]:
     from pipeline.eval import kvcache
 
     k = cfg.kvcache
-    model_rows = kvcache.measure(model, k.lengths, k.decode_tokens, cfg.seed)
-    base_rows = kvcache.measure(base, k.lengths, k.decode_tokens, cfg.seed) if base is not None else None
+    model_rows = kvcache.measure(model, k.lengths, k.decode_tokens, cfg.seed, desc="kvcache model")
+    base_rows = kvcache.measure(base, k.lengths, k.decode_tokens, cfg.seed, desc="kvcache base") if base is not None else None
     ratio = kvcache.expected_ratio(base, model)
     return {
         "model": model_rows,

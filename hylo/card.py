@@ -1,0 +1,198 @@
+"""The model card (README.md) and its record (hylo_card.json) written with every saved HyLo checkpoint.
+
+Design choices:
+* `hylo_card.json` is the record: the base model, each step that produced the checkpoint (convert, train
+  stages with their recipe), the teacher, and evaluation results; README.md is rendered from it and from
+  the config, never edited by hand (the next save or `--update-card` evaluation rewrites it).
+* Provenance is inferred where the savers already say where they come from, so no caller has to pass
+  it: the tokenizer source of a save is the directory the model came from. A HF base directory there
+  means "converted from that base"; a HyLo checkpoint there means "trained from it" (its record is carried
+  over); a training run's consolidated model (`<run>/model`) takes its recipe from the run's
+  `config_stage<N>.json`. Callers that know more pass `provenance=` to `hylo.io.save_hylo`.
+* KV cache per token is computed from the config alone (MLA: latent + roped key; linear layers: none)
+  against the base's GQA cache (`base_num_key_value_heads`, `base_head_dim`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+CARD_JSON = "hylo_card.json"
+CARD_MD = "README.md"
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def load_card(directory: str | Path | None) -> dict[str, Any] | None:
+    if directory is None:
+        return None
+    return _read_json(Path(directory) / CARD_JSON)
+
+
+def kv_cache(config) -> dict[str, Any]:
+    """Cached values per token of the hybrid and (when the config knows it) of its base, and their ratio."""
+    hybrid = len(config.mla_layers) * (config.kv_lora_rank + config.qk_rope_head_dim)
+    out: dict[str, Any] = {"hybrid_values_per_token": hybrid, "hybrid_bf16_bytes_per_token": 2 * hybrid}
+    kv_heads = getattr(config, "base_num_key_value_heads", None)
+    head_dim = getattr(config, "base_head_dim", None)
+    if kv_heads and head_dim:
+        base = config.n_layer * 2 * kv_heads * head_dim
+        out.update(base_values_per_token=base, base_bf16_bytes_per_token=2 * base, kv_cache_ratio=hybrid / base)
+    return out
+
+
+def _recipe_from_run(run_dir: Path) -> dict[str, Any] | None:
+    """The training recipe of a consolidated run model, from the run's saved stage config."""
+    configs = sorted(run_dir.glob("config_stage*.json"))
+    if not configs:
+        return None
+    cfg = _read_json(configs[-1]) or {}
+    train, optim, data = cfg.get("train") or {}, cfg.get("optim") or {}, cfg.get("data") or {}
+    recipe: dict[str, Any] = {"stage": cfg.get("stage"), "run": str(run_dir), "data": data.get("path"),
+                              "seq_len": data.get("seq_len"), "lr": optim.get("lr"),
+                              "global_batch_sequences": train.get("global_batch_sequences"),
+                              "steps": train.get("total_steps") or train.get("max_steps"), "epochs": train.get("epochs")}
+    teacher = cfg.get("teacher") or {}
+    if cfg.get("stage") == 2 and teacher:
+        tmodel = teacher.get("model") or {}
+        recipe["teacher"] = tmodel.get("path") if isinstance(tmodel, dict) else tmodel
+        recipe["teacher_source"] = teacher.get("source")
+        recipe["teacher_top_k"] = teacher.get("top_k")
+        recipe["teacher"] = recipe["teacher"] or (cfg.get("model") or {}).get("base")
+    if cfg.get("stage") == 1:
+        recipe["objective"] = "layer-wise distillation (ILD)"
+    elif cfg.get("stage") == 2:
+        recipe["objective"] = "KL distillation from the teacher"
+    return {k: v for k, v in recipe.items() if v is not None}
+
+
+def provenance(out_dir: Path, source: str | Path | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The card record of a checkpoint being written to `out_dir` from `source` (tokenizer source directory)."""
+    src = Path(source) if source else None
+    prior = load_card(src) if src is not None and src.is_dir() else None
+    card: dict[str, Any] = dict(prior) if prior else {"format": 1, "base": None, "history": [], "teacher": None}
+    card["history"] = list(card.get("history") or [])
+    card.pop("eval", None)  # results of the previous checkpoint do not describe this one
+    step: dict[str, Any] = {"date": _now()}
+    if prior is not None:
+        step.update(step="train", source=str(src))
+    elif src is not None and (src / "config.json").is_file():
+        base_cfg = _read_json(src / "config.json") or {}
+        if base_cfg.get("model_type") != "hylo":
+            card["base"] = {"path": str(src), "name": src.name, "model_type": base_cfg.get("model_type")}
+            step.update(step="convert", source=str(src))
+        else:
+            step.update(step="save", source=str(src))
+    else:
+        step.update(step="save")
+    recipe = _recipe_from_run(Path(out_dir).parent) if Path(out_dir).name == "model" else None
+    if recipe:
+        step["step"] = f"stage{recipe['stage']}" if recipe.get("stage") else "train"
+        step["recipe"] = recipe
+        if recipe.get("teacher"):
+            card["teacher"] = recipe["teacher"]
+    if extra:
+        step.update({k: v for k, v in extra.items() if k not in ("base", "teacher")})
+        if extra.get("base"):
+            card["base"] = extra["base"] if isinstance(extra["base"], dict) else {"name": str(extra["base"])}
+        if extra.get("teacher"):
+            card["teacher"] = extra["teacher"]
+    card["history"].append(step)
+    return card
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list):
+        return ", ".join(str(x) for x in v) if v else "-"
+    return "-" if v is None else str(v)
+
+
+def render(config, card: dict[str, Any]) -> str:
+    """README.md of a checkpoint: front matter for the Hub, architecture, KV cache, provenance, results, usage."""
+    base = card.get("base") or {}
+    base_name = base.get("name") or "an unknown base model"
+    kv = kv_cache(config)
+    linear = config.linear_layers
+    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation",
+             "tags: [hylo, hybrid, mla, " + ("gated-deltanet" if config.linear_type == "gdn" else "mamba2") + "]",
+             "---", "", f"# HyLo hybrid of {base_name}", "",
+             f"A HyLo hybrid: {len(config.mla_layers)} Multi-head Latent Attention (MLA) layers and {len(linear)} "
+             f"{'Gated DeltaNet' if config.linear_type == 'gdn' else 'Mamba-2'} layers, upcycled from "
+             f"{base_name} by hylo-pipeline. This file is generated from `{CARD_JSON}` and `config.json`.", "",
+             "## Architecture", "", "| | |", "|---|---|",
+             f"| layers | {config.n_layer} |",
+             f"| MLA layers | {_fmt(config.mla_layers)} |",
+             f"| {config.linear_type} layers | {_fmt(linear)} |",
+             f"| kv_lora_rank / qk_rope_head_dim | {config.kv_lora_rank} / {config.qk_rope_head_dim} |",
+             f"| hidden size / vocabulary | {config.hidden_size} / {config.vocab_size} |",
+             f"| max positions | {config.max_position_embeddings} |",
+             f"| KV cache per token (bf16) | {kv['hybrid_bf16_bytes_per_token']:,} bytes |"]
+    if "kv_cache_ratio" in kv:
+        lines.append(f"| KV cache vs base | {kv['base_bf16_bytes_per_token']:,} bytes/token: "
+                     f"{100 * kv['kv_cache_ratio']:.1f} % |")
+    lines += ["", "## How it was made", ""]
+    if base:
+        lines.append(f"* Base: `{base.get('path', base_name)}` ({base.get('model_type') or 'unknown type'}).")
+    if card.get("teacher"):
+        lines.append(f"* Teacher: `{card['teacher']}`.")
+    for step in card.get("history") or []:
+        desc = f"* {step.get('date', '')}: {step.get('step', 'save')}"
+        if step.get("source"):
+            desc += f" from `{step['source']}`"
+        recipe = step.get("recipe") or {}
+        if recipe:
+            desc += " (" + ", ".join(f"{k} {_fmt(v)}" for k, v in recipe.items() if k not in ("stage", "run")) + ")"
+        lines.append(desc)
+    results = card.get("eval")
+    if results:
+        lines += ["", "## Evaluation", "", f"From `{results.get('source', 'jobs/eval.py')}` ({results.get('date', '')}).",
+                  "", "| suite | measure | value |", "|---|---|---|"]
+        for suite, metrics in sorted((results.get("metrics") or {}).items()):
+            for key, val in sorted(metrics.items()):
+                lines.append(f"| {suite} | {key} | {_fmt(val)} |")
+    lines += ["", "## Use", "", "```python",
+              "from transformers import AutoModelForCausalLM, AutoTokenizer",
+              "model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)  # the code is in this directory",
+              "tok = AutoTokenizer.from_pretrained(PATH)",
+              "out = model.generate(**tok('Hello', return_tensors='pt'), max_new_tokens=32)",
+              "```", "",
+              "`lm_eval --model hf --model_args pretrained=PATH,trust_remote_code=True --tasks ...` evaluates it; "
+              "with hylo-pipeline installed, `hylo-lm-eval --model hylo --model_args pretrained=PATH ...` too.", ""]
+    return "\n".join(lines)
+
+
+def write_card(directory: str | Path, config, card: dict[str, Any]) -> None:
+    d = Path(directory)
+    _write_atomic(d / CARD_JSON, json.dumps(card, indent=2, sort_keys=True, default=str) + "\n")
+    _write_atomic(d / CARD_MD, render(config, card))
+
+
+def add_eval_results(directory: str | Path, config, metrics: dict[str, dict[str, Any]], source: str) -> Path:
+    """Record evaluation results (suite -> {measure: value}) in a checkpoint's card and re-render it."""
+    d = Path(directory)
+    card = load_card(d) or {"format": 1, "base": None, "history": [], "teacher": None}
+    card["eval"] = {"date": _now(), "source": source, "metrics": metrics}
+    write_card(d, config, card)
+    return d / CARD_MD
