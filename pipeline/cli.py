@@ -21,7 +21,8 @@ Design choices:
 * A bad flag (argparse) is the same one line, `error: argument --x: ... (see <prog> --help)`, exit 2,
   instead of argparse's usage block.
 * A message is printed on one line (a multi-line message is joined), after everything else the job
-  printed, so `tail -1` of a log shows it.
+  printed (Ray is disconnected first, so its streamed worker logs end before it): `tail -1` of a log
+  shows it.
 """
 
 from __future__ import annotations
@@ -178,6 +179,17 @@ def report_error(message: str) -> None:
     print(f"error: {_one_line(message)}", file=sys.stderr, flush=True)
 
 
+def _stop_ray_logs() -> None:
+    """Disconnect from Ray (if the job started or joined it) so its streamed worker logs end before the
+    `error:` line, which then is the last line of the output."""
+    ray = sys.modules.get("ray")
+    try:
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+    except Exception:  # noqa: BLE001 - a failing shutdown must not hide the input error
+        pass
+
+
 def _argparse_error(parser: argparse.ArgumentParser, message: str) -> None:
     report_error(f"{_one_line(message)} (see {parser.prog} --help)")
     raise SystemExit(2)
@@ -208,6 +220,7 @@ def job_main(fn: Callable[..., int | None]) -> Callable[..., int]:
             message = input_error_message(e)
             if message is None:
                 raise
+            _stop_ray_logs()
             report_error(message)
             return 2
         return 0 if rc is None else rc
