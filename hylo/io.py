@@ -105,8 +105,10 @@ def load_hylo(path: str | Path, dtype=None, device: str | None = None):
     (hybrid_config.json with their keys, `mla.*` weights) is imported through `hylo.released`.
     """
     import torch
+    from safetensors import SafetensorError
 
     from hylo.config import HybridConfig
+    from hylo.files import WeightsFileError, check_weights_dir
     from hylo.modeling import HyLoForCausalLM
 
     p = Path(path)
@@ -116,19 +118,25 @@ def load_hylo(path: str | Path, dtype=None, device: str | None = None):
         raise HybridConfigError(f"{p}: no {HYBRID_CONFIG_NAME}; not a HyLo checkpoint (convert one with jobs/convert.py)")
     from hylo.released import is_released_layout, load_released
 
-    # dtype "auto" keeps the stored dtype; None loads float32
-    if is_released_layout(p):
-        model = load_released(p, dtype=None if dtype == "auto" else (dtype or torch.float32))
-    else:
-        cfg = HybridConfig.from_hybrid_json(p)
-        # mismatched sizes are reported (then refused below) instead of raising a generic error
-        model, info = HyLoForCausalLM.from_pretrained(p, config=cfg, dtype=dtype or torch.float32,
-                                                      output_loading_info=True, ignore_mismatched_sizes=True)
-        problems = _loading_report(info)
-        if problems:
-            raise CheckpointMismatchError(
-                f"{p}: the weights do not match the model described by its {HYBRID_CONFIG_NAME} "
-                f"({len(problems)} problem(s)); refusing to return a partly random model:\n  " + "\n  ".join(problems))
+    try:
+        # dtype "auto" keeps the stored dtype; None loads float32
+        if is_released_layout(p):
+            model = load_released(p, dtype=None if dtype == "auto" else (dtype or torch.float32))
+        else:
+            cfg = HybridConfig.from_hybrid_json(p)
+            # mismatched sizes are reported (then refused below) instead of raising a generic error
+            model, info = HyLoForCausalLM.from_pretrained(p, config=cfg, dtype=dtype or torch.float32,
+                                                          output_loading_info=True, ignore_mismatched_sizes=True)
+            problems = _loading_report(info)
+            if problems:
+                raise CheckpointMismatchError(
+                    f"{p}: the weights do not match the model described by its {HYBRID_CONFIG_NAME} "
+                    f"({len(problems)} problem(s)); refusing to return a partly random model:\n  "
+                    + "\n  ".join(problems))
+    except SafetensorError as e:
+        # safetensors' own error names no file: find the truncated or corrupt one
+        check_weights_dir(p)
+        raise WeightsFileError(f"{p}: cannot read the weights ({e})") from None
     if device is not None:
         model = model.to(device)
     return model

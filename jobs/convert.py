@@ -22,6 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.cli import check_finite_args, job_main, report_error, writable_dir  # noqa: E402
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -146,8 +148,10 @@ def count_params(hcfg, base_cfg) -> dict:
     return {"base_parameters": base_n, "hybrid_parameters": hybrid}
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_finite_args(args)
     from hylo.upcycle import UpcycleError, hybrid_config_from_base, kv_summary
 
     try:
@@ -188,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             from hylo.assets import fetch_asset
 
             base_path = fetch_asset(args.base.removeprefix("asset:"))
+        from hylo.files import check_weights_dir
+
+        check_weights_dir(base_path)
+        writable_dir(Path(args.out).expanduser().resolve().parent, "--out (its parent)")
         t0 = time.time()
         dtype = getattr(torch, args.dtype)
         base = load_base_model(base_path, dtype=dtype)
@@ -220,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     except UpcycleError as e:
-        print(f"convert: error: {e}", file=sys.stderr)
+        report_error(str(e))
         return 2
 
 

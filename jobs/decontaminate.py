@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.cli import job_main, report_error  # noqa: E402
 from pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
 from pipeline.data.decontam import (  # noqa: E402
     SUITES,
@@ -59,6 +60,7 @@ def _benchmark_override(items: list[str]) -> list[dict]:
     return out
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap)
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         maybe_print_config(cfg, args)
         summary = run_decontamination(cfg)
     except (ConfigError, SourceError, ValueError) as e:
-        print(f"decontaminate: error: {e}", file=sys.stderr)
+        report_error(str(e))
         return 2
     print(json.dumps(summary, indent=1))
     return 0

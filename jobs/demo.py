@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.cli import int_at_least, job_main  # noqa: E402
 from pipeline.runner import PY, StepRunner, convert_cmd, eval_cmd, last_json_object, train_cmd  # noqa: E402
 
 
@@ -289,20 +290,21 @@ def _retrieval_summary(res: dict) -> dict[str, str]:
     return out
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", default="runs/demo")
-    ap.add_argument("--steps", type=int, default=8, help="optimiser steps per training stage")
-    ap.add_argument("--records", type=int, default=300, help="clean ShareGPT records read for training data")
-    ap.add_argument("--heldout", type=int, default=64, help="held-out conversations for the KL evaluation")
-    ap.add_argument("--heldout-rows", type=int, default=8, help="packed held-out rows the KL is measured on")
-    ap.add_argument("--seq-len", type=int, default=512, help="tokens per packed row")
+    ap.add_argument("--steps", type=int_at_least(1), default=8, help="optimiser steps per training stage")
+    ap.add_argument("--records", type=int_at_least(1), default=300, help="clean ShareGPT records read for training data")
+    ap.add_argument("--heldout", type=int_at_least(1), default=64, help="held-out conversations for the KL evaluation")
+    ap.add_argument("--heldout-rows", type=int_at_least(1), default=8, help="packed held-out rows the KL is measured on")
+    ap.add_argument("--seq-len", type=int_at_least(2), default=512, help="tokens per packed row")
     ap.add_argument("--retrieval-lengths", default="[256,512,1024]")
     ap.add_argument("--kv-lengths", default="[1024,2048,4096]")
     ap.add_argument("--placement-study", action="store_true",
                     help="also run jobs/place_layers.py: the searched 15-MLA placement vs even vs uniform:15, "
                          "each with the same stage 1 + stage 2 budget (adds about three demo runs)")
-    ap.add_argument("--placement-seeds", nargs="+", type=int, default=[0], metavar="SEED",
+    ap.add_argument("--placement-seeds", nargs="+", type=int_at_least(0), default=[0], metavar="SEED",
                     help="with --placement-study: repeat each compared placement per seed (mean, spread, paired gaps)")
     ap.add_argument("--force", action="store_true", help="redo every step")
     ap.add_argument("--quiet", action="store_true", help="do not echo the jobs' output")

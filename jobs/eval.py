@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.cli import job_main, report_error, writable_dir  # noqa: E402
 from pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
 
 
@@ -66,6 +67,17 @@ def overrides_from_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def check_model_files(cfg) -> None:
+    """Name a truncated weights file of any model the run loads before loading anything."""
+    from hylo.files import check_weights_dir
+    from pipeline.eval.decode import resolve_path
+
+    for spec in (cfg.models.path, cfg.models.teacher, cfg.models.base):
+        if spec is not None:
+            check_weights_dir(resolve_path(spec))
+
+
+@job_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from pipeline.eval.config import EvalConfig
@@ -74,11 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(EvalConfig, args.config, [*args.overrides, *overrides_from_flags(args)])
         maybe_print_config(cfg, args)
+        check_model_files(cfg)
+        writable_dir(cfg.out, "out")
         from pipeline.eval.run import render_markdown, run_eval
 
         res = run_eval(cfg)
     except (ConfigError, EvalError) as e:
-        print(f"eval: error: {e}", file=sys.stderr)
+        report_error(str(e))
         return 2
     if not args.quiet:
         print(render_markdown(res))

@@ -2,7 +2,7 @@
 
     python jobs/fetch_assets.py                 # all assets
     python jobs/fetch_assets.py sharegpt humaneval --verify
-Cache: --cache-dir, else $HYLO_CACHE, else ~/.cache/hylo. Exit status 1 with a one-line reason on failure.
+Cache: --cache-dir, else $HYLO_CACHE, else ~/.cache/hylo. Exit status 2 with one `error:` line on failure.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.assets import ASSETS, AssetError, fetch_asset  # noqa: E402
+from hylo.assets import ASSETS, fetch_asset  # noqa: E402
+from pipeline.cli import job_main  # noqa: E402
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help=f"assets to fetch (default: all): {', '.join(ASSETS)}")
@@ -27,14 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     names = args.names or list(ASSETS)
     paths: dict[str, str] = {}
-    try:
-        for name in names:
-            paths[name] = str(fetch_asset(name, args.cache_dir, progress=not args.quiet, verify=args.verify))
-            if not args.json:
-                print(f"{name}\t{paths[name]}", flush=True)
-    except AssetError as e:
-        print(f"fetch_assets: error: {e}", file=sys.stderr)
-        return 1
+    for name in names:
+        paths[name] = str(fetch_asset(name, args.cache_dir, progress=not args.quiet, verify=args.verify))
+        if not args.json:
+            print(f"{name}\t{paths[name]}", flush=True)
     if args.json:
         print(json.dumps(paths, indent=1))
     return 0

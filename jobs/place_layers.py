@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.cli import int_at_least, job_main  # noqa: E402
 from pipeline.runner import StepRunner, convert_cmd, eval_cmd, last_json_object, train_cmd  # noqa: E402
 
 
@@ -53,8 +54,10 @@ class PlaceLayers(StepRunner):
             path = Path(given).resolve() if given else (src / "data" / split if src else None)
             needed = {"heldout": True, "stage1": not args.proxy_only, "stage2": bool(args.compare)}[split]
             if needed and (path is None or not (path / "manifest.json").is_file()):
-                raise SystemExit(f"error: {split} rows: {path or 'not given'} is not a packed-data directory "
-                                 f"(manifest.json); pass --data-from RUN (after `make demo`) or --{split}-data DIR")
+                from pipeline.placement import PlacementError
+
+                raise PlacementError(f"{split} rows: {path or 'not given'} is not a packed-data directory "
+                                     f"(manifest.json); pass --data-from RUN (after `make demo`) or --{split}-data DIR")
             self.data[split] = path
 
     # ------------------------------------------------------------------ steps
@@ -229,7 +232,7 @@ def compare_markdown(rows: list[dict], summary: list[dict], steps: int) -> list[
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="asset:smollm2-135m-instruct", help="base HF model directory or asset:<name>")
-    ap.add_argument("--n-mla", type=int, required=True, help="how many layers get MLA")
+    ap.add_argument("--n-mla", type=int_at_least(1), required=True, help="how many layers get MLA")
     ap.add_argument("--run-dir", default="runs/placement")
     ap.add_argument("--data-from", default=None, help="a demo run directory: use its data/{stage1,stage2,heldout}")
     ap.add_argument("--stage1-data", default=None)
@@ -238,19 +241,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", default="configs/demo-smollm2.yaml", help="training config of the short stages")
     ap.add_argument("--train-set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra --set override for every training job, e.g. model.activation_checkpointing=false")
-    ap.add_argument("--steps", type=int, default=8, help="stage-1 steps of the two students the search scores")
-    ap.add_argument("--seq-len", type=int, default=512, help="tokens per packed row (as the data was packed)")
-    ap.add_argument("--heldout-rows", type=int, default=8, help="held-out rows every layer is scored on")
-    ap.add_argument("--kv-lora-rank", type=int, default=256)
+    ap.add_argument("--steps", type=int_at_least(1), default=8, help="stage-1 steps of the two students the search scores")
+    ap.add_argument("--seq-len", type=int_at_least(2), default=512, help="tokens per packed row (as the data was packed)")
+    ap.add_argument("--heldout-rows", type=int_at_least(1), default=8, help="held-out rows every layer is scored on")
+    ap.add_argument("--kv-lora-rank", type=int_at_least(1), default=256)
     ap.add_argument("--linear-type", default="gdn", choices=["gdn", "mamba2"])
-    ap.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray that scores layers")
+    ap.add_argument("--num-cpus", type=int_at_least(1), default=None, help="CPUs of the local Ray that scores layers")
     ap.add_argument("--proxy-only", action="store_true", help="choose by the training-free proxy only")
     ap.add_argument("--proxy", default="error_gap", choices=["linear_error", "linear_error_rel", "error_gap"],
                     help="the proxy --proxy-only ranks by")
     ap.add_argument("--compare", nargs="*", default=[], metavar="PLACEMENT",
                     help="placements to compare with the searched one, e.g. --compare even uniform:15 0,5,10")
-    ap.add_argument("--compare-steps", type=int, default=16, help="stage 1 and stage 2 steps of each compared run")
-    ap.add_argument("--compare-seeds", nargs="+", type=int, default=[0], metavar="SEED",
+    ap.add_argument("--compare-steps", type=int_at_least(1), default=16, help="stage 1 and stage 2 steps of each compared run")
+    ap.add_argument("--compare-seeds", nargs="+", type=int_at_least(0), default=[0], metavar="SEED",
                     help="run every compared placement once per seed (conversion init, train.seed); with several "
                          "seeds the table gives mean, spread and the paired difference to the searched placement")
     ap.add_argument("--force", action="store_true")
@@ -258,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.time()

@@ -12,29 +12,21 @@ import argparse
 import json
 import sys
 
+from pipeline.cli import job_main
 from pipeline.config import ConfigError, add_config_args, config_from_args
 from pipeline.data.config import PrepareDataConfig
-from pipeline.data.dataset import PrepareError, prepare
-from pipeline.data.readers import SourceError
+from pipeline.data.dataset import prepare
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser)
     args = parser.parse_args(argv)
-    try:
-        cfg = config_from_args(PrepareDataConfig, args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = config_from_args(PrepareDataConfig, args)
     if not cfg.mixture.sources:
-        print("error: mixture.sources is empty", file=sys.stderr)
-        return 2
-    try:
-        report = prepare(cfg)
-    except (FileExistsError, FileNotFoundError, SourceError, PrepareError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{args.config or '<defaults>'}: mixture.sources is empty; list at least one source")
+    report = prepare(cfg)
     c = report["counts"]
     print(json.dumps({k: c[k] for k in ("documents", "document_tokens", "rows", "read_rejects",
                                          "render_rejects", "docs_split", "pieces_without_loss", "efficiency")},

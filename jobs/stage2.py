@@ -14,7 +14,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.train.driver import main  # noqa: E402
+from pipeline.cli import job_main  # noqa: E402
+from pipeline.train.driver import run  # noqa: E402
+
+
+@job_main
+def main(argv: list[str] | None = None) -> int:
+    run(2, sys.argv[1:] if argv is None else argv)
+    return 0
+
 
 if __name__ == "__main__":
-    main(2)
+    sys.exit(main())

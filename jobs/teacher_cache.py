@@ -15,15 +15,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.cli import job_main  # noqa: E402
 from pipeline.config import add_config_args, config_from_args  # noqa: E402
-from pipeline.teacher.cache import run_cache_job  # noqa: E402
+from pipeline.teacher.cache import prepare_cache, run_cache_job  # noqa: E402
 from pipeline.teacher.config import TeacherCacheConfig  # noqa: E402
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(parser)
     cfg = config_from_args(TeacherCacheConfig, parser.parse_args(argv))
+    # Every input check (data shards, teacher files, an existing cache's header) before Ray starts.
+    from hylo.files import check_weights_dir
+    from pipeline.teacher.model import resolve_model_path
+
+    if cfg.data and cfg.out:
+        check_weights_dir(resolve_model_path(cfg.model.path))
+    prepare_cache(cfg)
 
     import ray
 

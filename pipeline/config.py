@@ -5,6 +5,16 @@ reads YAML, applies `--set a.b=c` overrides (values parsed as YAML scalars), and
 dataclasses, rejecting unknown keys with the list of valid ones. `config_hash` gives a stable
 fingerprint used by checkpoints and data manifests.
 
+Values are checked when a config is built, before any job starts Ray or loads a model:
+* each field states what it accepts once, next to its class, with `@rules(field=Rule, ...)` below
+  `@dataclass` (`at_least(1)`, `above(0)`, `between(0, 1)`, `one_of(...)`, `RELATIVE_NAME`, `each(...)`);
+  the rules run on every construction (YAML, `--set`, code), before the class's own `__post_init__`
+  cross-field checks;
+* every float (also inside lists and mappings) must be finite unless its rule says `finite=False`;
+* a YAML mapping that repeats a key is an error naming the key and both lines (PyYAML would keep the
+  last one silently); a config file must be UTF-8;
+* errors name where the value came from: `<file> line N: key=value: must be ...` or `command line: ...`.
+
 This module imports neither Ray nor torch, so any job (and `hylo/` tooling) can use it.
 """
 
@@ -14,9 +24,12 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
+import re
 import sys
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,12 +39,267 @@ T = TypeVar("T")
 
 
 class ConfigError(ValueError):
-    """A configuration file or override is invalid; the message names the key and the valid choices."""
+    """A configuration file or override is invalid; the message names the key and the valid choices.
+
+    `key` is the dotted key at fault when known (used to say which file line or override set it).
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
+class FieldError(ValueError):
+    """A field's value breaks its rule; `from_dict` turns it into a ConfigError with the dotted key."""
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        super().__init__(f"{field}={_short_repr(value)}: {reason}")
+        self.field, self.value, self.reason = field, value, reason
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------ field rules
+def _num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What one config field accepts. None values of Optional fields are never checked (None has its
+    own documented meaning, such as "derive it" or "no limit")."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple[Any, ...] | None = None
+    # A relative path below a root, such as a run name under ray.storage_path ("a" or "a/b").
+    relative_name: bool = False
+    # A single path component (a file name stem).
+    file_name: bool = False
+    nonempty: bool = False
+    # Regular expression the whole string must match, and how to say it in an error.
+    pattern: str | None = None
+    pattern_text: str = ""
+    # Apply the rule to every item of a list (or every value of a mapping) instead of the whole value.
+    each: bool = False
+    finite: bool = True
+
+    def describe(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(str(c) for c in self.choices)
+        if self.relative_name:
+            return "a relative name (no absolute path, no '.', '..' or empty parts)"
+        if self.file_name:
+            return "a plain file name (no '/', not '.' or '..')"
+        if self.pattern is not None:
+            return self.pattern_text or f"matching {self.pattern}"
+        lo = (f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}") if (
+            self.ge is not None or self.gt is not None) else None
+        hi = (f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})") if (
+            self.le is not None or self.lt is not None) else None
+        if lo and hi:
+            return f"in {lo}, {hi}"
+        if lo:
+            return f">= {_num(self.ge)}" if self.ge is not None else f"> {_num(self.gt)}"
+        if hi:
+            return f"<= {_num(self.le)}" if self.le is not None else f"< {_num(self.lt)}"
+        return "not empty" if self.nonempty else "any value"
+
+    def _one(self, v: Any) -> str | None:
+        if self.choices is not None:
+            return None if v in self.choices else f"must be {self.describe()}"
+        if isinstance(v, str):
+            if self.nonempty and not v:
+                return "must not be empty"
+            if self.relative_name and not _is_relative_name(v):
+                return f"must be {self.describe()}"
+            if self.file_name and (not v or v in (".", "..") or "/" in v or "\\" in v or "\0" in v):
+                return f"must be {self.describe()}"
+            if self.pattern is not None and not re.fullmatch(self.pattern, v):
+                return f"must be {self.describe()}"
+            return None
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            if ((self.ge is not None and not v >= self.ge) or (self.gt is not None and not v > self.gt)
+                    or (self.le is not None and not v <= self.le) or (self.lt is not None and not v < self.lt)):
+                return f"must be {self.describe()}"
+        return None
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` breaks this rule, or None."""
+        if not self.each:
+            if self.nonempty and isinstance(value, list | tuple | dict) and not value:
+                return "must not be empty"
+            return self._one(value)
+        items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+        if self.nonempty and not items:
+            return "must not be empty"
+        for k, v in items:
+            if v is None:
+                continue
+            why = self._one(v)
+            if why:
+                which = f"{k!r}" if isinstance(value, dict) else f"item {k}"
+                return f"every {'value' if isinstance(value, dict) else 'item'} {why} ({which} is {_short_repr(v)})"
+        return None
+
+    def counterexamples(self, tp: Any) -> list[Any]:
+        """Values of type `tp` this rule rejects (used by the tests that check every rule is applied)."""
+        inner = _strip_optional(tp)
+        origin = typing.get_origin(inner)
+        elem = typing.get_args(inner)[-1] if origin in (list, dict) and typing.get_args(inner) else inner
+        singles: list[Any] = []
+        if self.choices is not None:
+            singles.append(max(self.choices) + 1 if all(isinstance(c, int) for c in self.choices) else "no-such-choice")
+        elif self.relative_name:
+            singles += ["../x", "/abs", "a/../b", "", "a//b"]
+        elif self.file_name:
+            singles += ["a/b", "..", ""]
+        elif self.pattern is not None:
+            singles.append("?? no match ??")
+        elif self.nonempty and elem is str:
+            singles.append("")
+        step = 1 if elem is int else 0.5
+        if self.ge is not None:
+            singles.append(self.ge - step)
+        if self.gt is not None:
+            singles.append(self.gt)
+        if self.le is not None:
+            singles.append(self.le + step)
+        if self.lt is not None:
+            singles.append(self.lt)
+        if elem is float and self.finite:
+            singles.append(float("nan"))
+        singles = [int(s) if elem is int and isinstance(s, float) and s.is_integer() else s for s in singles]
+        out: list[Any]
+        if origin is list and self.each:
+            out = [[s] for s in singles] + ([[]] if self.nonempty else [])
+        elif origin is dict and self.each:
+            out = [{"k": s} for s in singles] + ([{}] if self.nonempty else [])
+        elif origin in (list, dict):
+            out = ([[]] if origin is list else [{}]) if self.nonempty else []
+        else:
+            out = singles
+        return out
+
+
+def _is_relative_name(v: str) -> bool:
+    if not v or "\\" in v or "\0" in v or v.startswith(("/", "~")):
+        return False
+    return all(part not in ("", ".", "..") for part in v.split("/"))
+
+
+def at_least(x: float, **kw: Any) -> Rule:
+    return Rule(ge=x, **kw)
+
+
+def above(x: float, **kw: Any) -> Rule:
+    return Rule(gt=x, **kw)
+
+
+def between(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False, **kw: Any) -> Rule:
+    return Rule(ge=None if lo_open else lo, gt=lo if lo_open else None,
+                le=None if hi_open else hi, lt=hi if hi_open else None, **kw)
+
+
+def one_of(*choices: Any) -> Rule:
+    return Rule(choices=tuple(choices))
+
+
+def each(rule: Rule, nonempty: bool = False) -> Rule:
+    """`rule` for every item of a list (or value of a mapping); `nonempty` also rejects an empty one."""
+    return dataclasses.replace(rule, each=True, nonempty=nonempty or rule.nonempty)
+
+
+NONEMPTY = Rule(nonempty=True)
+RELATIVE_NAME = Rule(relative_name=True)
+FILE_NAME = Rule(file_name=True)
+# A port to bind or connect to.
+PORT = between(1, 65535)
+
+
+def rules(**by_field: Rule) -> Callable[[type[T]], type[T]]:
+    """Declare what each field accepts; put it directly below `@dataclass`.
+
+        @dataclass
+        @rules(lr=above(0), warmup_ratio=between(0, 1, hi_open=True))
+        class OptimSection: ...
+
+    The checks run at the start of `__post_init__` (the class's own cross-field checks follow) and
+    raise FieldError; subclasses inherit their parents' rules.
+    """
+
+    def deco(cls: type[T]) -> type[T]:
+        if "__dataclass_fields__" in cls.__dict__:
+            raise TypeError(f"@rules on {cls.__name__} must sit below @dataclass (applied before it)")
+        names: set[str] = set()
+        merged: dict[str, Rule] = {}
+        for base in reversed(cls.__mro__):
+            names |= set(base.__dict__.get("__annotations__", {}))
+            merged.update(base.__dict__.get("__field_rules__", {}))
+        unknown = sorted(set(by_field) - names)
+        if unknown:
+            raise TypeError(f"@rules on {cls.__name__}: no field(s) {unknown}")
+        merged.update(by_field)
+        cls.__field_rules__ = merged  # type: ignore[attr-defined]
+        own = cls.__dict__.get("__post_init__")
+        inherited = None if own else getattr(cls, "__post_init__", None)
+
+        def __post_init__(self: Any) -> None:
+            check_fields(self)
+            if own is not None:
+                own(self)
+            elif inherited is not None:
+                inherited(self)
+
+        cls.__post_init__ = __post_init__  # type: ignore[attr-defined]
+        return cls
+
+    return deco
+
+
+def field_rules(cls: type) -> dict[str, Rule]:
+    """The rules a config class declares (inherited ones included); {} for a class without @rules."""
+    return dict(getattr(cls, "__field_rules__", {}))
+
+
+def _nonfinite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, list | tuple):
+        return any(_nonfinite(v) for v in value)
+    if isinstance(value, dict):
+        return any(_nonfinite(v) for v in value.values())
+    return False
+
+
+def check_fields(obj: Any) -> None:
+    """Check every field of dataclass `obj` against its rule and the finite-number default."""
+    declared = field_rules(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is None or dataclasses.is_dataclass(value):
+            continue
+        rule = declared.get(f.name)
+        if (rule is None or rule.finite) and _nonfinite(value):
+            raise FieldError(f.name, value, "must be a finite number")
+        why = rule.problem(value) if rule is not None else None
+        if why:
+            raise FieldError(f.name, value, why)
+
+
+# ------------------------------------------------------------------------------- dataclasses <- dicts
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _is_optional(tp: Any) -> bool:
+    return tp is Any or (typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp))
 
 
 def _strip_optional(tp: Any) -> Any:
@@ -43,66 +311,176 @@ def _strip_optional(tp: Any) -> Any:
     return tp
 
 
+def _type_name(tp: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "true/false", str: "a string"}
+    if tp in names:
+        return names[tp]
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict or (dataclasses.is_dataclass(tp) and isinstance(tp, type)):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    tp = _strip_optional(tp)
     if value is None:
-        return None
+        if _is_optional(tp):
+            return None
+        raise ConfigError(f"{where}: expected {_type_name(_strip_optional(tp))}, got None", where)
+    tp = _strip_optional(tp)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
+            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {type(value).__name__}", where)
         return from_dict(tp, value, where)
     origin = typing.get_origin(tp)
     if origin in (list, tuple):
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {_short_repr(value)}", where)
         args = typing.get_args(tp)
         inner = args[0] if args else Any
         items = [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping, got {_short_repr(value)}", where)
         args = typing.get_args(tp)
         inner = args[1] if len(args) == 2 else Any
         return {k: _coerce(v, inner, f"{where}.{k}") for k, v in value.items()}
-    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
-        except ValueError as e:
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from e
-    if tp is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {_short_repr(value)}", where)
     if tp is int:
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {_short_repr(value)}", where)
     if tp is bool and not isinstance(value, bool):
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        raise ConfigError(f"{where}: expected true/false, got {_short_repr(value)}", where)
     if tp is str and not isinstance(value, str):
+        if isinstance(value, dict | list | tuple):
+            raise ConfigError(f"{where}: expected a string, got {_short_repr(value)}", where)
         return str(value)
     return value
 
 
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
-    """Build dataclass `cls` from a mapping; unknown keys raise ConfigError listing the valid ones."""
+    """Build dataclass `cls` from a mapping; unknown keys and values that break a field's rule raise
+    ConfigError naming the dotted key (and, for unknown keys, listing the valid ones)."""
     types_ = _field_types(cls)
-    unknown = sorted(set(data) - set(types_))
+    prefix = f"{where}." if where else ""
+    unknown = sorted(set(data) - set(types_), key=str)
     if unknown:
-        prefix = f"{where}." if where else ""
         raise ConfigError(
-            f"unknown key(s) {', '.join(prefix + k for k in unknown)} in {cls.__name__}; "
-            f"valid keys: {', '.join(sorted(types_))}"
+            f"unknown key(s) {', '.join(prefix + str(k) for k in unknown)} in {cls.__name__}; "
+            f"valid keys: {', '.join(sorted(types_))}", prefix + str(unknown[0])
         )
-    kwargs = {k: _coerce(v, types_[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    kwargs = {k: _coerce(v, types_[k], prefix + k) for k, v in data.items()}
     try:
         obj = cls(**kwargs)
+        check_fields(obj)
+    except FieldError as e:
+        raise ConfigError(f"{prefix}{e}", prefix + e.field) from None
+    except ConfigError:
+        raise
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where or cls.__name__}: {e}") from e
+        raise ConfigError(f"{where or cls.__name__}: {e}", where or None) from None
     return obj
 
 
 def to_dict(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
+
+
+# ------------------------------------------------------------------------------------ YAML files
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(f"duplicate key {key!r} at line {line} (first at line {first})")
+
+
+class StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping repeating a key (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue
+            if first is not None:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1, first)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _key_lines(node: Any, prefix: str, out: dict[str, int]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode):
+                key = f"{prefix}.{k.value}" if prefix else str(k.value)
+                out.setdefault(key, k.start_mark.line + 1)
+                _key_lines(v, key, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            out.setdefault(f"{prefix}[{i}]", v.start_mark.line + 1)
+            _key_lines(v, f"{prefix}[{i}]", out)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def parse_yaml(text: str, where: str, lines: dict[str, int] | None = None) -> Any:
+    """YAML text -> Python objects with StrictLoader; `lines` (if given) receives dotted key -> line."""
+    loader = StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if lines is not None:
+            _key_lines(node, "", lines)
+        return loader.construct_document(node)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {_one_line(str(e))}") from None
+    finally:
+        loader.dispose()
+
+
+def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """A YAML config file -> (mapping, dotted key -> line). Missing, unreadable, non-UTF-8 or
+    duplicate-key files raise ConfigError naming the file."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {p} is a directory") from None
+    except OSError as e:
+        raise ConfigError(f"config file {p}: cannot read it ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{p}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at line {line}, offset {e.start})") from None
+    lines: dict[str, int] = {}
+    loaded = parse_yaml(text, str(p), lines)
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {p}: top level must be a mapping")
+    return loaded, lines
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -113,7 +491,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if nxt is None:
             nxt = node[p] = {}
         if not isinstance(nxt, dict):
-            raise ConfigError(f"override {dotted!r}: {p!r} is not a section")
+            raise ConfigError(f"override {dotted!r}: {p!r} is not a section", dotted)
         node = nxt
     node[parts[-1]] = value
 
@@ -125,32 +503,50 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not key:
         raise ConfigError(f"override {text!r} has an empty key")
-    return key, yaml.safe_load(raw) if raw.strip() else ""
+    return key, parse_yaml(raw, f"override {text!r}") if raw.strip() else ""
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str] | None) -> list[str]:
+    """Apply `--set key=value` overrides to `tree` in order; returns the dotted keys they set."""
+    keys = []
+    for ov in overrides or []:
+        key, value = parse_override(ov)
+        _set_dotted(tree, key, value)
+        keys.append(key)
+    return keys
+
+
+def error_origin(key: str | None, label: str, lines: dict[str, int], override_keys: list[str],
+                 line_prefixes: tuple[str, ...] = ("",)) -> str:
+    """Where the value at dotted `key` came from: "command line" (a --set override or a job's flag),
+    "<label> line N" (the nearest enclosing key the file sets), or `label`."""
+    if key:
+        if any(key == k or key.startswith((k + ".", k + "[")) for k in override_keys):
+            return "command line"
+        k = key
+        while k:
+            for prefix in line_prefixes:
+                if prefix + k in lines:
+                    return f"{label} line {lines[prefix + k]}"
+            k = re.sub(r"(\.[^.\[]*|\[\d+\])$", "", k) if re.search(r"[.\[]", k) else ""
+    return label
+
+
+def build_config(cls: type[T], tree: dict[str, Any], label: str, lines: dict[str, int] | None = None,
+                 override_keys: list[str] | None = None, line_prefixes: tuple[str, ...] = ("",)) -> T:
+    """`from_dict(cls, tree)` with errors prefixed by where the bad value came from."""
+    try:
+        return from_dict(cls, tree)
+    except ConfigError as e:
+        origin = error_origin(e.key, label, lines or {}, override_keys or [], line_prefixes)
+        raise ConfigError(f"{origin}: {e}", e.key) from None
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
     """Load `cls` from a YAML file (or defaults when `path` is None) and apply dotted overrides."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p}: top level must be a mapping")
-        tree = loaded
-    for ov in overrides or []:
-        key, value = parse_override(ov)
-        _set_dotted(tree, key, value)
-    try:
-        return from_dict(cls, tree)
-    except ConfigError as e:
-        raise ConfigError(f"{path or '<defaults>'}: {e}") from None
+    tree, lines = read_config_file(path) if path is not None else ({}, {})
+    keys = apply_overrides(tree, overrides)
+    return build_config(cls, tree, str(path) if path is not None else "<defaults>", lines, keys)
 
 
 def config_hash(obj: Any, exclude: tuple[str, ...] = ()) -> str:

@@ -175,7 +175,7 @@ def test_fetch_assets_job_prints_paths(fake_asset, capsys, monkeypatch):
     assert fetch_assets.main(["fake", "--cache-dir", str(cache), "--quiet", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == {"fake": str(cache / "fake" / "items.jsonl")}
-    assert fetch_assets.main(["nope", "--cache-dir", str(cache), "--quiet"]) == 1
+    assert fetch_assets.main(["nope", "--cache-dir", str(cache), "--quiet"]) == 2
     assert "unknown asset 'nope'" in capsys.readouterr().err
 
 

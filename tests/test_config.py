@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 from transformers import LlamaConfig, Qwen3Config
@@ -149,3 +150,189 @@ def test_print_config_shows_every_key_and_round_trips(capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     want = config_to_dict(load_stage_config(2, "configs/demo-smollm2.yaml", ["optim.lr=3e-5"]))
     assert printed == json.loads(json.dumps(want))
+
+
+# ----------------------------------------------------------------------------- values checked at load
+# Every config class of every job: a new numeric field must state its range (pipeline.config.rules).
+def _job_config_roots() -> dict[str, type]:
+    from pipeline.data.config import PrepareDataConfig
+    from pipeline.data.decontam import DecontamJobConfig
+    from pipeline.eval.config import EvalConfig
+    from pipeline.teacher.config import TeacherCacheConfig, TeacherServeConfig
+    from pipeline.train.config import Stage1Config, Stage2Config
+
+    return {"stage1": Stage1Config, "stage2": Stage2Config, "prepare_data": PrepareDataConfig,
+            "decontaminate": DecontamJobConfig, "teacher_cache": TeacherCacheConfig,
+            "teacher_serve": TeacherServeConfig, "eval": EvalConfig}
+
+
+def _walk_fields(cls: type, prefix: str = "", seen: set | None = None):
+    """(dotted path, owning class, field name, type hint, reached through a list) of every field under `cls`."""
+    import typing
+
+    from pipeline.config import _field_types, _strip_optional
+
+    for name, tp in _field_types(cls).items():
+        inner = _strip_optional(tp)
+        listed = typing.get_origin(inner) is list
+        elem = typing.get_args(inner)[0] if listed and typing.get_args(inner) else inner
+        if dataclasses.is_dataclass(elem):
+            yield from _walk_fields(elem, f"{prefix}{name}{'[0]' if listed else ''}.")
+        else:
+            yield f"{prefix}{name}", cls, name, inner, listed
+
+
+def _is_numeric(tp) -> bool:
+    import typing
+
+    if tp in (int, float):
+        return True
+    return typing.get_origin(tp) in (list, dict) and any(a in (int, float) for a in typing.get_args(tp))
+
+
+def test_every_numeric_field_of_every_job_config_states_its_range():
+    from pipeline.config import field_rules
+
+    missing = sorted({f"{cls.__name__}.{name}" for root in _job_config_roots().values()
+                      for _, cls, name, tp, _ in _walk_fields(root)
+                      if _is_numeric(tp) and name not in field_rules(cls)})
+    assert not missing, f"numeric config fields without a declared range: {missing}"
+
+
+def _required_kwargs(cls: type) -> dict:
+    return {f.name: "x" for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+
+
+def test_every_declared_rule_rejects_its_counterexample_at_load_naming_the_field():
+    """For every rule of every job config: an out-of-range value is a ConfigError naming the dotted key."""
+    from pipeline.config import field_rules, from_dict
+
+    checked = 0
+    for root in _job_config_roots().values():
+        for path, cls, name, tp, _ in _walk_fields(root):
+            rule = field_rules(cls).get(name)
+            if rule is None:
+                continue
+            for bad in rule.counterexamples(tp):
+                data = {**_required_kwargs(cls), name: bad}
+                where = path.rsplit(".", 1)[0] if "." in path else ""
+                with pytest.raises(ConfigError) as e:
+                    from_dict(cls, data, where)
+                assert f"{path}=" in str(e.value), (path, bad, str(e.value))
+                checked += 1
+    assert checked > 150
+
+
+@pytest.mark.parametrize("override,key", [
+    ("train.total_steps=-5", "train.total_steps"),
+    ("kd.kl_weight=-5", "kd.kl_weight"),
+    ("optim.lr=.nan", "optim.lr"),
+    ("optim.lr=.inf", "optim.lr"),
+    ("checkpoint.every_steps=0", "checkpoint.every_steps"),
+    ("checkpoint.keep=0", "checkpoint.keep"),
+    ("data.synthetic.rows=0", "data.synthetic.rows"),
+    ("ray.max_failures=-5", "ray.max_failures"),
+    ("ray.name=../../etc", "ray.name"),
+    ("ray.name=/etc", "ray.name"),
+    ("ray.name=a/../../b", "ray.name"),
+    ("ray.name=''", "ray.name"),
+    ("kd.temperature=0", "kd.temperature"),
+    ("kd.temperature=-1", "kd.temperature"),
+    ("kd.chunk_size=0", "kd.chunk_size"),
+    ("teacher.model.logits_chunk_tokens=.nan", "teacher.model.logits_chunk_tokens"),
+    ("teacher.pool.port=70000", "teacher.pool.port"),
+    ("train.global_batch_sequences=null", "train.global_batch_sequences"),
+    ("ray.name={a: 1}", "ray.name"),
+    ("model.convert={mla_layerz: even}", "model.convert.mla_layerz"),
+])
+def test_issue_examples_are_rejected_at_load_naming_the_key(override, key):
+    from pipeline.train.config import load_stage_config
+
+    with pytest.raises(ConfigError) as e:
+        load_stage_config(2, "configs/demo-smollm2.yaml", [override])
+    msg = str(e.value)
+    assert re.search(re.escape(key) + "[=:]", msg) and msg.startswith("command line") and "\n" not in msg, msg
+
+
+def test_convert_options_are_the_converters_own_and_listed():
+    import inspect
+
+    from hylo.upcycle import hybrid_config_from_base, upcycle
+    from pipeline.train.config import load_stage_config
+
+    with pytest.raises(ConfigError) as e:
+        load_stage_config(1, "configs/demo-smollm2.yaml", ["model.convert={mla_layerz: even, kv_lora_rank: 64}"])
+    valid = str(e.value).split("valid:")[1]
+    for p in list(inspect.signature(hybrid_config_from_base).parameters)[1:] + ["seed", "init"]:
+        assert p in valid, (p, valid)
+    assert "calibration_ids" not in valid and "base_model" not in valid
+    cfg = load_stage_config(1, "configs/demo-smollm2.yaml", ["model.convert={mla_layers: odd, seed: 3}"])
+    assert cfg.model.convert == {"mla_layers": "odd", "seed": 3}
+    assert inspect.signature(upcycle)  # the converter the options are checked against exists
+
+
+def test_nested_run_names_are_allowed():
+    from pipeline.train.config import load_stage_config
+
+    cfg = load_stage_config(2, "configs/demo-smollm2.yaml", ["ray.name=study/seed1", "ray.max_failures=-1"])
+    assert cfg.ray.name == "study/seed1" and cfg.ray.max_failures == -1
+
+
+def test_duplicate_yaml_key_is_an_error_naming_key_and_lines(tmp_path):
+    from pipeline.train.config import load_stage_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text("name: a\ntrain:\n  lr: 1.0\n  steps: 3\ntrain:\n  steps: 4\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: duplicate key 'train' at line 5 \(first at line 2\)"):
+        load_config(_Outer, p)
+    p.write_text("train:\n  lr: 1.0\n  steps: 3\n  lr: 2.0\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'lr' at line 4 \(first at line 2\)"):
+        load_config(_Outer, p)
+    # a stage file: a second kd: block in stage2: would silently replace the first
+    p.write_text(open("configs/demo-smollm2.yaml").read() + "  kd: {kl_weight: 0.5}\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'kd' at line \d+ \(first at line \d+\)"):
+        load_stage_config(2, p)
+    with pytest.raises(ConfigError, match="duplicate key 'a'"):
+        load_config(_Outer, None, ["layers={a: 1, a: 2}"])
+    # YAML merge keys are not duplicates
+    p.write_text("train:\n  <<: {lr: 1.0, steps: 2}\n  steps: 5\n")
+    assert load_config(_Outer, p).train.steps == 5
+
+
+def test_config_file_that_is_not_utf8_or_not_a_file_is_named(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: not valid UTF-8 \(byte 0xe9 at line 1"):
+        load_config(_Outer, p)
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(_Outer, tmp_path)
+
+
+def test_value_errors_name_the_file_line_or_the_override(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("name: ok\ntrain:\n  lr: .nan\n")
+    with pytest.raises(ConfigError, match=r"c.yaml line 3: train.lr=nan: must be a finite number"):
+        load_config(_Outer, p)
+    with pytest.raises(ConfigError, match=r"^command line: train.lr=inf: must be a finite number"):
+        load_config(_Outer, None, ["train.lr=.inf"])
+    with pytest.raises(ConfigError, match=r"train.steps: expected an integer, got None"):
+        load_config(_Outer, None, ["train.steps=null"])
+    with pytest.raises(ConfigError, match=r"name: expected a string, got \{'a': 1\}"):
+        load_config(_Outer, None, ["name={a: 1}"])
+
+
+def test_rules_run_on_direct_construction_too():
+    from pipeline.train.config import CheckpointSection, KDSection
+
+    with pytest.raises(ValueError, match="temperature=0.0: must be > 0"):
+        KDSection(temperature=0.0)
+    with pytest.raises(ValueError, match="every_steps=0: must be >= 1"):
+        CheckpointSection(every_steps=0)
+
+
+def test_eval_config_knows_the_retrieval_tasks():
+    from pipeline.eval.config import RETRIEVAL_TASKS
+    from pipeline.eval.retrieval import TASKS
+
+    assert RETRIEVAL_TASKS == TASKS

@@ -337,7 +337,7 @@ def test_job_cli_and_errors(tmp_path, capsys, monkeypatch):
                                "--scanner", "local"]) == 2
     assert "needs the `datasets` package" in capsys.readouterr().err
     assert decontaminate.main(["--input", str(mix), "--set", "match.mode=trim", "--out", str(tmp_path)]) == 2
-    assert "match.mode 'trim'" in capsys.readouterr().err
+    assert "match.mode='trim'" in capsys.readouterr().err
 
 
 def test_humaneval_builtin_and_registry():

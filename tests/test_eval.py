@@ -609,7 +609,7 @@ def test_lm_eval_tasks_that_cannot_run_fail_the_job_at_once_with_one_line(saved,
                "--set", "lm_eval.include_defaults=false", "--quiet"])
     assert rc == 2
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("eval: error:")]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err
     assert "'hylo_missing': its dataset is not available" in lines[0]
     assert "'no_such_task' is not a known task" in lines[0] and "hylo_local_mc" not in lines[0]
@@ -623,7 +623,7 @@ def test_eval_job_errors_name_the_problem(saved, tmp_path, capsys):
     assert main(["--model", str(tmp_path / "missing"), "--suite", "kvcache", "--out", str(tmp_path)]) == 2
     assert "missing" in capsys.readouterr().err
     assert main(["--model", str(saved / "hybrid"), "--suite", "kl,bogus", "--out", str(tmp_path)]) == 2
-    assert "unknown ['bogus']" in capsys.readouterr().err
+    assert "item 1 is 'bogus'" in capsys.readouterr().err
     assert main(["--model", str(saved / "hybrid"), "--suite", "kl", "--out", str(tmp_path)]) == 2
     assert "needs --data" in capsys.readouterr().err
     assert main(["--model", str(saved / "hybrid"), "--set", "kvcache.lengths=[]", "--out", str(tmp_path)]) == 2

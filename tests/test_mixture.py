@@ -97,8 +97,8 @@ def test_config_from_yaml_and_its_errors(tmp_path):
     cases = {
         "mixture:\n  sources:\n    - {name: a, path: /x, wieght: 2}\n": "wieght",
         "mixture:\n  sources:\n    - {name: a, path: /x}\n    - {name: a, path: /y}\n": "duplicate source",
-        "mixture:\n  sources:\n    - {name: a, path: /x, weight: -1}\n": "weight must be >= 0",
-        "split: stage3\n": "split 'stage3'",
+        "mixture:\n  sources:\n    - {name: a, path: /x, weight: -1}\n": "weight=-1.0: must be >= 0",
+        "split: stage3\n": "split='stage3'",
         "packing: {long_doc_policy: wrap}\n": "long_doc_policy",
         "mixture: {stage1_fraction: 1.5}\n": "stage1_fraction",
         "mixture: {stage2: remaining}\n": "mixture.stage2 'remaining' not in",

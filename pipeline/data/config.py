@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.config import FieldError, at_least, between, one_of, rules
 from pipeline.data.decontam import BenchmarkSpec, MatchConfig
 from pipeline.data.mixture import SPLITS, STAGE2_MODES
 from pipeline.data.packing import LONG_DOC_POLICIES
@@ -16,17 +17,14 @@ from pipeline.data.render import MASK_METHODS
 
 
 @dataclass
+@rules(weight=at_least(0))
 class MixtureSource(SourceSpec):
     # Sampling proportion: 2.0 repeats each record, 0.5 keeps about half.
     weight: float = 1.0
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.weight < 0:
-            raise ValueError(f"source {self.name!r}: weight must be >= 0, got {self.weight}")
-
 
 @dataclass
+@rules(seed=at_least(0), stage1_fraction=between(0, 1), stage2=one_of(*STAGE2_MODES))
 class MixtureConfig:
     sources: list[MixtureSource] = field(default_factory=list)
     seed: int = 0
@@ -43,13 +41,10 @@ class MixtureConfig:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"mixture.sources: duplicate source name(s) {dup}")
-        if not 0.0 <= self.stage1_fraction <= 1.0:
-            raise ValueError(f"mixture.stage1_fraction must be in [0, 1], got {self.stage1_fraction}")
-        if self.stage2 not in STAGE2_MODES:
-            raise ValueError(f"mixture.stage2 {self.stage2!r} not in {STAGE2_MODES}")
 
 
 @dataclass
+@rules(mask_method=one_of(*MASK_METHODS), num_actors=at_least(1), batch_size=at_least(1))
 class TokenizeConfig:
     # A directory with a fast tokenizer + chat template, or an asset name (hylo.assets).
     tokenizer: str = "smollm2-135m-instruct"
@@ -62,14 +57,10 @@ class TokenizeConfig:
     num_actors: int = 2
     batch_size: int = 64
 
-    def __post_init__(self) -> None:
-        if self.mask_method not in MASK_METHODS:
-            raise ValueError(f"tokenize.mask_method {self.mask_method!r} not in {MASK_METHODS}")
-        if self.num_actors < 1 or self.batch_size < 1:
-            raise ValueError("tokenize.num_actors and tokenize.batch_size must be >= 1")
-
 
 @dataclass
+@rules(max_len=at_least(2), window=at_least(1), max_open_rows=at_least(1), close_slack=at_least(0),
+       long_doc_policy=one_of(*LONG_DOC_POLICIES), pad_id=at_least(0), min_loss_tokens=at_least(0))
 class PackingConfig:
     max_len: int = 65536
     # Documents buffered per best-fit-decreasing round.
@@ -86,15 +77,12 @@ class PackingConfig:
     min_loss_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.long_doc_policy not in LONG_DOC_POLICIES:
-            raise ValueError(f"packing.long_doc_policy {self.long_doc_policy!r} not in {LONG_DOC_POLICIES}")
-        if self.max_len < 2 or self.window < 1 or self.max_open_rows < 1:
-            raise ValueError("packing.max_len must be >= 2, packing.window and max_open_rows >= 1")
-        if self.min_loss_tokens < 0:
-            raise ValueError(f"packing.min_loss_tokens must be >= 0, got {self.min_loss_tokens}")
+        if self.close_slack >= self.max_len:
+            raise FieldError("close_slack", self.close_slack, f"must be < max_len ({self.max_len})")
 
 
 @dataclass
+@rules(scanner=one_of("ray", "local"), batch_size=at_least(1))
 class DecontamSection:
     """Evaluation items removed from the mixture before packing (pipeline/data/decontam.py).
 
@@ -111,8 +99,6 @@ class DecontamSection:
     batch_size: int = 256
 
     def __post_init__(self) -> None:
-        if self.scanner not in ("ray", "local"):
-            raise ValueError(f"decontam.scanner {self.scanner!r} not in ('ray', 'local')")
         names = [b.name for b in self.benchmarks]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -120,6 +106,7 @@ class DecontamSection:
 
 
 @dataclass
+@rules(rows_per_shard=at_least(1), row_group_rows=at_least(0))
 class OutputConfig:
     dir: str = "runs/data/stage2"
     rows_per_shard: int = 64
@@ -131,6 +118,7 @@ class OutputConfig:
 
 
 @dataclass
+@rules(split=one_of(*SPLITS), num_cpus=at_least(1))
 class PrepareDataConfig:
     split: str = "stage2"
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
@@ -142,10 +130,6 @@ class PrepareDataConfig:
     ray_address: str | None = None
     num_cpus: int = 2
     progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.split not in SPLITS:
-            raise ValueError(f"split {self.split!r} not in {SPLITS}")
 
 
 # Keys that do not change the produced rows (excluded from the manifest's config hash).

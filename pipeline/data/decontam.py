@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.config import FILE_NAME, at_least, between, one_of, rules
 from pipeline.data.normalize import content_words, fold_many, normalize_words, normalize_words_plain
 from pipeline.data.readers import Record, SourceError, SourceSpec, is_reject, iter_raw, iter_source
 
@@ -65,6 +66,7 @@ KINDS = ("ngram", "short", "exact")
 
 
 @dataclass
+@rules(name=FILE_NAME)
 class BenchmarkSpec:
     """An evaluation suite to decontaminate against. `path` "" -> the built-in/registry entry."""
 
@@ -80,6 +82,8 @@ class BenchmarkSpec:
 
 
 @dataclass
+@rules(ngram=at_least(2), short_min_words=at_least(1), min_content_words=at_least(0), max_item_df=at_least(1),
+       boilerplate_docs=at_least(0), boilerplate_coverage=between(0, 1, lo_open=True), mode=one_of(*MODES))
 class MatchConfig:
     """The matching flags; the job and the reference scan use the same ones."""
 
@@ -93,18 +97,13 @@ class MatchConfig:
     mode: str = "drop"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"match.mode {self.mode!r} not in {MODES}")
-        if self.ngram < 2:
-            raise ValueError(f"match.ngram must be >= 2, got {self.ngram}")
-        if not 1 <= self.short_min_words <= self.ngram:
+        if self.short_min_words > self.ngram:
             raise ValueError(f"match.short_min_words must be in [1, ngram={self.ngram}], "
                              f"got {self.short_min_words}")
-        if not 0.0 < self.boilerplate_coverage <= 1.0:
-            raise ValueError(f"match.boilerplate_coverage must be in (0, 1], got {self.boilerplate_coverage}")
 
 
 @dataclass
+@rules(output_format=one_of(*OUTPUT_FORMATS), scanner=one_of(*SCANNERS), batch_size=at_least(1), num_cpus=at_least(1))
 class DecontamJobConfig:
     inputs: list[SourceSpec] = field(default_factory=list)
     benchmarks: list[BenchmarkSpec] = field(default_factory=lambda: [BenchmarkSpec("humaneval")])
@@ -121,10 +120,6 @@ class DecontamJobConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.output_format not in OUTPUT_FORMATS:
-            raise ValueError(f"output_format {self.output_format!r} not in {OUTPUT_FORMATS}")
-        if self.scanner not in SCANNERS:
-            raise ValueError(f"scanner {self.scanner!r} not in {SCANNERS}")
         names = [s.name for s in self.inputs]
         if len(set(names)) != len(names):
             raise ValueError(f"inputs: duplicate source names {names}")

@@ -70,6 +70,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
+from pipeline.config import NONEMPTY, at_least, rules
+
 RAW_CHARS = 500
 CHUNK_CHARS = 1 << 20
 # A record still incomplete after this many characters is given up on (reported, not buffered forever).
@@ -125,6 +127,7 @@ class Reject(TypedDict):
 
 
 @dataclasses.dataclass
+@rules(name=NONEMPTY, path=NONEMPTY, limit=at_least(1))
 class SourceSpec:
     """Where a source lives and how to read it. Plain fields so it nests in any `pipeline.config` tree."""
 

@@ -9,15 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.config import NONEMPTY, Rule, above, at_least, each, one_of, rules
+
 SUITES = ("kl", "retrieval", "kvcache", "lm_eval")
-
-
-def _positive_list(name: str, values: list[int]) -> None:
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"{name} must be a non-empty list of positive integers, got {values}")
+# pipeline.eval.retrieval.TASKS (not imported: that module needs torch; a test keeps the two equal).
+RETRIEVAL_TASKS = ("niah_single", "niah_multikey")
 
 
 @dataclass
+@rules(dtype=one_of("float32", "bfloat16", "float16"),
+       device=Rule(pattern=r"auto|cpu|cuda(:\d+)?", pattern_text="auto, cpu, cuda or cuda:N"))
 class ModelsSection:
     # The model under evaluation: HyLo or HF checkpoint directory, or an asset name.
     path: str | None = None
@@ -31,12 +32,9 @@ class ModelsSection:
     # auto = cuda when available, else cpu.
     device: str = "auto"
 
-    def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"models.dtype={self.dtype!r}; allowed: float32, bfloat16, float16")
-
 
 @dataclass
+@rules(max_rows=at_least(1), chunk_tokens=at_least(1), on_bad_record=one_of("report", "fail"))
 class KLSection:
     # Packed-data directory, Parquet rows, or JSON/JSONL chat records.
     data: str | None = None
@@ -48,12 +46,10 @@ class KLSection:
     # then skipped) or "fail" (the job stops with the record's error).
     on_bad_record: str = "report"
 
-    def __post_init__(self) -> None:
-        if self.on_bad_record not in ("report", "fail"):
-            raise ValueError(f"kl.on_bad_record={self.on_bad_record!r}; allowed: report, fail")
-
 
 @dataclass
+@rules(lengths=each(at_least(1), nonempty=True), samples_per_length=at_least(1), tasks=each(one_of(*RETRIEVAL_TASKS), nonempty=True),
+       max_new_tokens=at_least(1), prompt_format=one_of("auto", "chat", "plain"), multikey_needles=at_least(1))
 class RetrievalSection:
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768, 65536])
     samples_per_length: int = 8
@@ -63,20 +59,18 @@ class RetrievalSection:
     prompt_format: str = "auto"
     multikey_needles: int = 4
 
-    def __post_init__(self) -> None:
-        _positive_list("retrieval.lengths", self.lengths)
-
 
 @dataclass
+@rules(lengths=each(at_least(1), nonempty=True), decode_tokens=at_least(1))
 class KVCacheSection:
     lengths: list[int] = field(default_factory=lambda: [8192, 16384, 32768])
     decode_tokens: int = 32
 
-    def __post_init__(self) -> None:
-        _positive_list("kvcache.lengths", self.lengths)
-
 
 @dataclass
+@rules(model=one_of("hylo", "hf"), tasks=each(NONEMPTY, nonempty=True), num_fewshot=at_least(0),
+       fewshot_per_task=each(at_least(0)), batch_size=at_least(1), limit=above(0), max_length=at_least(1),
+       bootstrap_iters=at_least(0))
 class LMEvalSection:
     # hylo: this project's lm-eval model (packed scoring, the already loaded model); hf: lm-eval's own
     # HF backend, loading the checkpoint with trust_remote_code (its model code is saved beside it).
@@ -110,18 +104,9 @@ class LMEvalSection:
     # Bootstrap resamples for standard errors (0 = none).
     bootstrap_iters: int = 100000
 
-    def __post_init__(self) -> None:
-        if self.model not in ("hylo", "hf"):
-            raise ValueError(f"lm_eval.model={self.model!r}; allowed: hylo, hf")
-        if self.batch_size < 1:
-            raise ValueError(f"lm_eval.batch_size must be >= 1, got {self.batch_size}")
-        counts = {"num_fewshot": self.num_fewshot, **{f"fewshot_per_task.{k}": v for k, v in self.fewshot_per_task.items()}}
-        bad = {k: v for k, v in counts.items() if v is not None and v < 0}
-        if bad:
-            raise ValueError(f"lm_eval few-shot counts must be >= 0, got {bad}")
-
 
 @dataclass
+@rules(suites=each(one_of(*SUITES), nonempty=True), seed=at_least(0), threads=at_least(0))
 class EvalConfig:
     models: ModelsSection = field(default_factory=ModelsSection)
     suites: list[str] = field(default_factory=lambda: ["kl", "retrieval", "kvcache"])
@@ -135,8 +120,3 @@ class EvalConfig:
     lm_eval: LMEvalSection = field(default_factory=LMEvalSection)
     # Record the results in the evaluated checkpoint's model card (README.md / hylo_card.json).
     update_card: bool = False
-
-    def __post_init__(self) -> None:
-        bad = [s for s in self.suites if s not in SUITES]
-        if bad:
-            raise ValueError(f"suites: unknown {bad}; allowed: {', '.join(SUITES)}")

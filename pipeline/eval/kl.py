@@ -73,7 +73,22 @@ def check_eval_row(row: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "cu_seqlens": cu, "loss_mask": mask}
 
 
+def _batches_naming(path: Path, batches: Iterator[Any]) -> Iterator[Any]:
+    """`batches`, with a corrupt page (e.g. a ZSTD error, which names no file) reported with `path`."""
+    import pyarrow as pa
+
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as e:
+            raise EvalError(f"{path}: unreadable Parquet data ({e})") from None
+        yield batch
+
+
 def _read_parquet_rows(path: Path, limit: int | None) -> Iterator[dict[str, Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
@@ -81,13 +96,16 @@ def _read_parquet_rows(path: Path, limit: int | None) -> Iterator[dict[str, Any]
         raise EvalError(f"{path}: no *.parquet files")
     n = 0
     for f in files:
-        pf = pq.ParquetFile(f)
+        try:
+            pf = pq.ParquetFile(f)
+        except (pa.ArrowException, OSError) as e:
+            raise EvalError(f"{f}: unreadable Parquet file ({e})") from None
         names = set(pf.schema_arrow.names)
         missing = {"input_ids", "cu_seqlens"} - names
         if missing:
             raise EvalError(f"{f}: not packed rows, missing column(s) {sorted(missing)}")
         cols = [c for c in ("input_ids", "cu_seqlens", "loss_mask") if c in names]
-        for batch in pf.iter_batches(batch_size=16, columns=cols):
+        for batch in _batches_naming(f, pf.iter_batches(batch_size=16, columns=cols)):
             for i in range(batch.num_rows):
                 if limit is not None and n >= limit:
                     return

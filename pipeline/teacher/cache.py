@@ -385,6 +385,7 @@ class TopKCacheReader:
         expect_data: str | Path | None = None,
         allow_incomplete: bool = False,
     ) -> None:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         self.dir = Path(cache_dir)
@@ -419,7 +420,10 @@ class TopKCacheReader:
             check_header(read_shard_meta(path), self.manifest, str(path))
             fi = len(self._files)
             self._files.append(path)
-            ids = pq.read_table(path, columns=["row_id"]).column("row_id").to_pylist()
+            try:
+                ids = pq.read_table(path, columns=["row_id"]).column("row_id").to_pylist()
+            except (pa.ArrowException, OSError) as e:
+                raise CacheFormatError(f"{path}: unreadable cache shard ({e})") from None
             for j, rid in enumerate(ids):
                 self._index.setdefault(rid, (fi, j))
                 self.row_ids.append(rid)
@@ -432,11 +436,15 @@ class TopKCacheReader:
         return row_id in self._index
 
     def _read(self, fi: int, j: int) -> tuple[str, TeacherTopK]:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        if self._open is None or self._open[0] != fi:
-            self._open = (fi, pq.ParquetFile(self._files[fi]))
-        t = self._open[1].read_row_group(j)
+        try:
+            if self._open is None or self._open[0] != fi:
+                self._open = (fi, pq.ParquetFile(self._files[fi]))
+            t = self._open[1].read_row_group(j)
+        except (pa.ArrowException, OSError) as e:
+            raise CacheFormatError(f"{self._files[fi]} row group {j}: unreadable cache shard ({e})") from None
         rid = t.column("row_id")[0].as_py()
         n = int(t.column("num_tokens")[0].as_py())
         rec = TeacherTopK(

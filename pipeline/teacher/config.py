@@ -1,7 +1,7 @@
 """Teacher configuration: the model, the Serve pool, the client, and the offline top-k cache job.
 
 All sections are plain dataclasses loaded through `pipeline.config` (YAML + `--set a.b=c`, unknown
-keys rejected). Each `__post_init__` checks ranges and choices and names the key it rejects.
+keys rejected); each field's range or choices is declared once in its class's `@rules`.
 Defaults are sized for this 2-core CPU machine; on a cluster set `pool.num_gpus: 1` and
 `model.device: cuda`.
 """
@@ -10,23 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.config import NONEMPTY, PORT, above, at_least, one_of, rules
+
 DTYPES = ("float32", "bfloat16", "float16")
 ISOLATIONS = ("auto", "per_doc", "packed")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_TEACHER = "asset:smollm2-135m-instruct"
 
 
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; allowed: {', '.join(choices)}")
-
-
-def _positive(name: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
-
-
 @dataclass
+@rules(path=NONEMPTY, dtype=one_of(*DTYPES), device=one_of(*DEVICES), isolation=one_of(*ISOLATIONS),
+       logits_chunk_tokens=at_least(1), max_forward_tokens=at_least(1), torch_threads=at_least(0))
 class TeacherModelConfig:
     # HF causal-LM directory, HyLo checkpoint directory, or "asset:<name>" (hylo.assets).
     path: str = DEFAULT_TEACHER
@@ -47,16 +41,11 @@ class TeacherModelConfig:
     # makes `packed` isolation run varlen kernels instead of a block mask).
     attn_implementation: str | None = None
 
-    def __post_init__(self) -> None:
-        _choice("model.dtype", self.dtype, DTYPES)
-        _choice("model.device", self.device, DEVICES)
-        _choice("model.isolation", self.isolation, ISOLATIONS)
-        _positive("model.logits_chunk_tokens", self.logits_chunk_tokens)
-        _positive("model.max_forward_tokens", self.max_forward_tokens)
-        _positive("model.torch_threads", self.torch_threads, allow_zero=True)
-
 
 @dataclass
+@rules(app_name=NONEMPTY, num_replicas=at_least(1), num_cpus=at_least(0), num_gpus=at_least(0),
+       max_batch_tokens=at_least(1), batch_wait_timeout_s=at_least(0), max_ongoing_requests=at_least(1),
+       stream_sessions=at_least(1), host=NONEMPTY, port=PORT, fail_on_row=at_least(1))
 class TeacherPoolConfig:
     app_name: str = "teacher"
     num_replicas: int = 1
@@ -76,18 +65,10 @@ class TeacherPoolConfig:
     fail_marker: str = ""
     fail_on_row: int = 1
 
-    def __post_init__(self) -> None:
-        _positive("pool.num_replicas", self.num_replicas)
-        _positive("pool.num_cpus", self.num_cpus, allow_zero=True)
-        _positive("pool.num_gpus", self.num_gpus, allow_zero=True)
-        _positive("pool.max_batch_tokens", self.max_batch_tokens)
-        _positive("pool.batch_wait_timeout_s", self.batch_wait_timeout_s, allow_zero=True)
-        _positive("pool.max_ongoing_requests", self.max_ongoing_requests)
-        _positive("pool.stream_sessions", self.stream_sessions)
-        _positive("pool.fail_on_row", self.fail_on_row)
-
 
 @dataclass
+@rules(k=at_least(1), dtype=one_of("float16", "bfloat16", "float32"), max_inflight_rows=at_least(1),
+       timeout_s=above(0), max_retries=at_least(0), chunk_tokens=at_least(1), window_chunks=at_least(1))
 class TeacherClientConfig:
     k: int = 64
     # Dtype of the top-k log-probabilities on the wire (indices int32, tail fp32).
@@ -99,17 +80,10 @@ class TeacherClientConfig:
     chunk_tokens: int = 1024
     window_chunks: int = 4
 
-    def __post_init__(self) -> None:
-        _choice("client.dtype", self.dtype, ("float16", "bfloat16", "float32"))
-        _positive("client.k", self.k)
-        _positive("client.max_inflight_rows", self.max_inflight_rows)
-        _positive("client.timeout_s", self.timeout_s)
-        _positive("client.max_retries", self.max_retries, allow_zero=True)
-        _positive("client.chunk_tokens", self.chunk_tokens)
-        _positive("client.window_chunks", self.window_chunks)
-
 
 @dataclass
+@rules(k=at_least(1), dtype=one_of("float16", "bfloat16", "float32"), rows_per_shard=at_least(1),
+       num_actors=at_least(1), cpus_per_actor=at_least(0), gpus_per_actor=at_least(0), max_new_shards=at_least(0))
 class TeacherCacheConfig:
     # Directory of Parquet shards of packed rows (input_ids, position_ids, cu_seqlens, ...).
     data: str = ""
@@ -127,15 +101,6 @@ class TeacherCacheConfig:
     # Ray address (None = start a local Ray).
     ray_address: str | None = None
     model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
-
-    def __post_init__(self) -> None:
-        _positive("k", self.k)
-        _choice("dtype", self.dtype, ("float16", "bfloat16", "float32"))
-        _positive("rows_per_shard", self.rows_per_shard)
-        _positive("num_actors", self.num_actors)
-        _positive("cpus_per_actor", self.cpus_per_actor, allow_zero=True)
-        _positive("gpus_per_actor", self.gpus_per_actor, allow_zero=True)
-        _positive("max_new_shards", self.max_new_shards, allow_zero=True)
 
 
 @dataclass

@@ -131,6 +131,7 @@ def _list_cell(column: Any, i: int) -> np.ndarray:
 
 def read_packed_rows(path: str | Path, start: int = 0, end: int | None = None) -> list[dict[str, Any]]:
     """Rows [start, end) of a Parquet file of packed rows, as dicts of numpy arrays (+ row_id)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = Path(path)
@@ -145,7 +146,10 @@ def read_packed_rows(path: str | Path, start: int = 0, end: int | None = None) -
     wanted = [c for c in ("input_ids", "position_ids", "cu_seqlens", "loss_mask", "doc_ids", "row_id") if c in names]
     n = pf.metadata.num_rows
     end = n if end is None else min(end, n)
-    table = pf.read(columns=wanted).slice(start, end - start)
+    try:
+        table = pf.read(columns=wanted).slice(start, end - start)
+    except (pa.ArrowException, OSError) as e:
+        raise RowError(f"{path}: unreadable Parquet data ({e})") from None
     cols = {c: table.column(c).combine_chunks() for c in wanted}
     rows = []
     for i in range(end - start):

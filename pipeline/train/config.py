@@ -9,6 +9,9 @@ Design choices:
   sequences, 1 epoch, warm-up ratio 0.01, kl_weight 1, ce_weight 0).
 * A YAML file may hold both stages under `stage1:` / `stage2:` keys plus shared top-level sections;
   `load_stage_config` merges them (stage section wins) so one recipe file describes a whole run.
+* Each section states the range or choices of its fields once (`@rules`, pipeline/config.py); values that
+  must agree across sections (global batch vs workers) are checked by the stage classes. Everything is
+  checked at load, before Ray or torchrun starts; the files a stage reads are checked by inputs.py.
 * `breaking_diff(old, new)` lists the keys whose change breaks a resumed run (model, data, optimiser,
   batch, world size, seed ...); run-time knobs (Ray address, checkpoint cadence, metrics, fault
   injection, offload) may change between a stop and a resume.
@@ -21,15 +24,49 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from pipeline.config import ConfigError, config_hash, from_dict, parse_override, to_dict
+from pipeline.config import (
+    RELATIVE_NAME,
+    ConfigError,
+    FieldError,
+    above,
+    apply_overrides,
+    at_least,
+    between,
+    build_config,
+    config_hash,
+    each,
+    from_dict,
+    one_of,
+    read_config_file,
+    rules,
+    to_dict,
+)
+from pipeline.data.mixture import SPLITS
 from pipeline.teacher.config import TeacherClientConfig, TeacherModelConfig, TeacherPoolConfig
 
 STAGE_KEYS = ("stage1", "stage2")
+# What the driver passes to `hylo.upcycle.upcycle` itself (not conversion options of model.convert).
+_CONVERT_SET_BY_DRIVER = ("base_model", "hcfg", "calibration_ids", "progress")
+
+
+def convert_options() -> list[str]:
+    """The options `model.convert` may hold: the keyword arguments of `hylo.upcycle.upcycle` and, as it
+    forwards its extra keywords there, of `hybrid_config_from_base` (read from their signatures, so a
+    new converter option is accepted without touching this list)."""
+    import inspect
+
+    from hylo import upcycle as up
+
+    names: set[str] = set()
+    params = inspect.signature(up.upcycle).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        names |= set(list(inspect.signature(up.hybrid_config_from_base).parameters)[1:])
+    names |= {p.name for p in params if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)}
+    return sorted(names - set(_CONVERT_SET_BY_DRIVER))
 
 
 @dataclass
+@rules(dtype=one_of("auto", "float32", "bfloat16"))
 class ModelSection:
     # HyLo checkpoint the student starts from (stage 1: the converted model; stage 2: stage 1's output).
     student: str | None = None
@@ -43,11 +80,15 @@ class ModelSection:
     activation_checkpointing: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"model.dtype={self.dtype!r}; allowed: auto, float32, bfloat16")
+        if self.convert:
+            valid = convert_options()
+            for key, value in self.convert.items():
+                if key not in valid:
+                    raise FieldError(f"convert.{key}", value, f"not a converter option; valid: {', '.join(valid)}")
 
 
 @dataclass
+@rules(rows=at_least(1), vocab_size=at_least(2), min_doc_len=at_least(1), max_doc_len=at_least(1))
 class SyntheticData:
     """Deterministic random packed rows (tests, benchmarks, smoke runs without prepared data)."""
 
@@ -56,8 +97,13 @@ class SyntheticData:
     min_doc_len: int = 8
     max_doc_len: int = 64
 
+    def __post_init__(self) -> None:
+        if self.max_doc_len < self.min_doc_len:
+            raise FieldError("max_doc_len", self.max_doc_len, f"must be >= min_doc_len ({self.min_doc_len})")
+
 
 @dataclass
+@rules(source=one_of("parquet", "synthetic"), split=one_of(*SPLITS), seq_len=at_least(2))
 class DataSection:
     # parquet = shards written by the data pipeline (pipeline/data); synthetic = SyntheticData rows.
     source: str = "parquet"
@@ -69,14 +115,10 @@ class DataSection:
     seq_len: int = 2048
     synthetic: SyntheticData = field(default_factory=SyntheticData)
 
-    def __post_init__(self) -> None:
-        if self.source not in ("parquet", "synthetic"):
-            raise ValueError(f"data.source={self.source!r}; allowed: parquet, synthetic")
-        if self.seq_len <= 1:
-            raise ValueError(f"data.seq_len must be > 1, got {self.seq_len}")
-
 
 @dataclass
+@rules(lr=above(0), min_lr_ratio=between(0, 1), warmup_ratio=between(0, 1, hi_open=True), weight_decay=at_least(0),
+       betas=each(between(0, 1, hi_open=True)), eps=above(0), grad_clip=at_least(0))
 class OptimSection:
     lr: float = 2e-4
     min_lr_ratio: float = 0.0
@@ -87,15 +129,13 @@ class OptimSection:
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"optim.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if len(self.betas) != 2:
-            raise ValueError(f"optim.betas must have two entries, got {self.betas}")
+            raise FieldError("betas", self.betas, "must have two entries")
 
 
 @dataclass
+@rules(global_batch_sequences=at_least(1), epochs=above(0), max_steps=at_least(1), total_steps=at_least(1),
+       seed=at_least(0))
 class TrainSection:
     # Optimiser step = this many packed rows over all workers (grad accumulation fills the rest).
     global_batch_sequences: int = 8
@@ -106,12 +146,9 @@ class TrainSection:
     total_steps: int | None = None
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        if self.global_batch_sequences <= 0:
-            raise ValueError(f"train.global_batch_sequences must be > 0, got {self.global_batch_sequences}")
-
 
 @dataclass
+@rules(every_steps=at_least(1), keep=at_least(1))
 class CheckpointSection:
     every_steps: int = 100
     # Ray keeps this many checkpoints (oldest deleted first); None keeps all.
@@ -124,6 +161,8 @@ class CheckpointSection:
 
 
 @dataclass
+@rules(launcher=one_of("ray", "torchrun"), num_workers=at_least(1), cpus_per_worker=at_least(0),
+       resources_per_worker=each(at_least(0)), name=RELATIVE_NAME, max_failures=at_least(-1))
 class RaySection:
     # None = start a local Ray; "auto" or ray://... = the cluster a job runs on.
     address: str | None = None
@@ -135,17 +174,16 @@ class RaySection:
     resources_per_worker: dict[str, float] | None = None
     # Root of all runs; a run lives in <storage_path>/<name>. A local path or a URI (s3://bucket/runs).
     storage_path: str = "runs"
+    # A relative name below storage_path ("a" or "a/b"): no "..", no absolute path.
     name: str = "run"
+    # Worker-group restarts after a failure; -1 = without limit (Ray's FailureConfig).
     max_failures: int = 0
-
-    def __post_init__(self) -> None:
-        if self.launcher not in ("ray", "torchrun"):
-            raise ValueError(f"ray.launcher={self.launcher!r}; allowed: ray, torchrun")
-        if self.num_workers <= 0:
-            raise ValueError(f"ray.num_workers must be > 0, got {self.num_workers}")
 
 
 @dataclass
+@rules(zero_stage=one_of(0, 1, 2, 3), offload_optimizer=one_of("none", "cpu"), offload_param=one_of("none", "cpu"),
+       reduce_bucket_size=at_least(1), stage3_prefetch_bucket_size=at_least(0),
+       stage3_param_persistence_threshold=at_least(0))
 class DeepSpeedSection:
     zero_stage: int = 3
     # none | cpu: where ZeRO keeps optimiser states / parameters between uses.
@@ -157,15 +195,9 @@ class DeepSpeedSection:
     # Parameters smaller than this stay whole on every rank; 0 partitions everything.
     stage3_param_persistence_threshold: int = 0
 
-    def __post_init__(self) -> None:
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"deepspeed.zero_stage={self.zero_stage}; allowed: 0, 1, 2, 3")
-        for key in ("offload_optimizer", "offload_param"):
-            if getattr(self, key) not in ("none", "cpu"):
-                raise ValueError(f"deepspeed.{key}={getattr(self, key)!r}; allowed: none, cpu")
-
 
 @dataclass
+@rules(log_every=at_least(1))
 class MetricsSection:
     # Print one progress line every this many steps.
     log_every: int = 1
@@ -173,6 +205,7 @@ class MetricsSection:
 
 
 @dataclass
+@rules(kill_at_step=at_least(1), kill_rank=at_least(0), kill_when=one_of("mid_step", "after_checkpoint"))
 class FaultSection:
     """Fault injection for the recovery tests: SIGKILL one worker once, at a chosen step."""
 
@@ -182,12 +215,9 @@ class FaultSection:
     # checkpoint has been reported.
     kill_when: str = "mid_step"
 
-    def __post_init__(self) -> None:
-        if self.kill_when not in ("mid_step", "after_checkpoint"):
-            raise ValueError(f"fault.kill_when={self.kill_when!r}; allowed: mid_step, after_checkpoint")
-
 
 @dataclass
+@rules(output_weight=at_least(0), mixer_weight=at_least(0))
 class ILDSection:
     """Stage 1 loss: sum over layers of per-token L2 distances (layer output + mixer output)."""
 
@@ -198,8 +228,13 @@ class ILDSection:
     # Also train the MLPs (copied from the base); the new mixers are always trained.
     train_mlp: bool = False
 
+    def __post_init__(self) -> None:
+        if self.output_weight == 0 and self.mixer_weight == 0:
+            raise FieldError("mixer_weight", self.mixer_weight, "output_weight and mixer_weight are both 0: no loss to train on")
+
 
 @dataclass
+@rules(source=one_of("inprocess", "serve", "offline"), top_k=at_least(0), mode=one_of("topk", "stream"))
 class TeacherSection:
     # inprocess: a (small) teacher on every worker; serve: the Ray Serve pool; offline: top-k cache.
     source: str = "inprocess"
@@ -220,23 +255,22 @@ class TeacherSection:
     cache_path: str | None = None
 
     def __post_init__(self) -> None:
-        if self.source not in ("inprocess", "serve", "offline"):
-            raise ValueError(f"teacher.source={self.source!r}; allowed: inprocess, serve, offline")
-        if self.mode not in ("topk", "stream"):
-            raise ValueError(f"teacher.mode={self.mode!r}; allowed: topk, stream")
-        if self.top_k < 0:
-            raise ValueError(f"teacher.top_k must be >= 0, got {self.top_k}")
         if self.source == "offline" and not self.cache_path:
-            raise ValueError("teacher.source=offline needs teacher.cache_path")
+            raise FieldError("cache_path", self.cache_path, "teacher.source=offline needs teacher.cache_path")
 
 
 @dataclass
+@rules(kl_weight=at_least(0), ce_weight=at_least(0), temperature=above(0), chunk_size=at_least(1))
 class KDSection:
     kl_weight: float = 1.0
     ce_weight: float = 0.0
     temperature: float = 1.0
     # Tokens per chunk of the fused loss (bounds the [chunk, V] logits it materialises); None = auto.
     chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kl_weight == 0 and self.ce_weight == 0:
+            raise FieldError("ce_weight", self.ce_weight, "kl_weight and ce_weight are both 0: no loss to train on")
 
 
 @dataclass
@@ -253,6 +287,9 @@ class Stage1Config:
     ild: ILDSection = field(default_factory=ILDSection)
 
     stage = 1
+
+    def __post_init__(self) -> None:
+        _check_across_sections(self)
 
 
 @dataclass
@@ -271,6 +308,19 @@ class Stage2Config:
 
     stage = 2
 
+    def __post_init__(self) -> None:
+        _check_across_sections(self)
+
+
+def _check_across_sections(cfg: Stage1Config | Stage2Config) -> None:
+    """What no single section can check: values that must agree with the number of workers."""
+    workers = cfg.ray.num_workers
+    if cfg.train.global_batch_sequences % workers:
+        raise FieldError("train.global_batch_sequences", cfg.train.global_batch_sequences,
+                         f"must be a multiple of ray.num_workers ({workers})")
+    if cfg.fault.kill_rank >= workers:
+        raise FieldError("fault.kill_rank", cfg.fault.kill_rank, f"must be < ray.num_workers ({workers})")
+
 
 StageConfig = Stage1Config | Stage2Config
 STAGE_CLASSES: dict[int, type] = {1: Stage1Config, 2: Stage2Config}
@@ -286,44 +336,23 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    node = tree
-    parts = dotted.split(".")
-    for p in parts[:-1]:
-        nxt = node.setdefault(p, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"override {dotted!r}: {p!r} is not a section")
-        node = nxt
-    node[parts[-1]] = value
-
-
 def load_stage_config(stage: int, path: str | Path | None = None, overrides: list[str] | None = None) -> StageConfig:
     """Load the config of `stage` (1 or 2) from a YAML file (shared sections + optional stageN: section)."""
     if stage not in STAGE_CLASSES:
         raise ConfigError(f"stage must be 1 or 2, got {stage}")
     tree: dict[str, Any] = {}
+    lines: dict[str, int] = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p}: top level must be a mapping")
+        loaded, lines = read_config_file(p)
         shared = {k: v for k, v in loaded.items() if k not in STAGE_KEYS}
         own = loaded.get(f"stage{stage}") or {}
         if not isinstance(own, dict):
             raise ConfigError(f"config file {p}: stage{stage} must be a mapping")
         tree = _deep_merge(shared, own)
-    for ov in overrides or []:
-        key, value = parse_override(ov)
-        _set_dotted(tree, key, value)
-    try:
-        return from_dict(STAGE_CLASSES[stage], tree)
-    except ConfigError as e:
-        raise ConfigError(f"{path or '<defaults>'} (stage {stage}): {e}") from None
+    keys = apply_overrides(tree, overrides)
+    label = f"{path or '<defaults>'} (stage {stage})"
+    return build_config(STAGE_CLASSES[stage], tree, label, lines, keys, (f"stage{stage}.", ""))
 
 
 def config_to_dict(cfg: StageConfig) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from typing import Any
 from pipeline.config import ConfigError, add_config_args, maybe_print_config
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train.config import StageConfig, config_to_dict, load_stage_config, run_dir
+from pipeline.train.inputs import check_stage_inputs
 from pipeline.train.metrics import make_ray_callback, read_metrics
 from pipeline.train.storage import Loc, StorageError, check_storage_path, run_location
 
@@ -332,6 +333,7 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
         check_run_dir(cfg, resume)
     if launcher == "torchrun" and cfg.stage == 1 and not cfg.model.student:
         raise ConfigError("ray.launcher=torchrun needs model.student: convert first (jobs/convert.py)")
+    check_stage_inputs(cfg)
     cfg = convert_if_needed(cfg)
     rd, run = run_dir(cfg), run_loc(cfg)
     rd.mkdir(parents=True, exist_ok=True)

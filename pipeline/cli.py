@@ -1,0 +1,272 @@
+"""The error contract of every job: bad input -> one `error: ...` line on stderr and exit status 2.
+
+    from pipeline.cli import job_main
+
+    @job_main
+    def main(argv: list[str] | None = None) -> int:
+        ...
+
+    if __name__ == "__main__":
+        sys.exit(main())
+
+Design choices:
+* Bad input is the project's own error classes for configs, data, checkpoints, caches and assets
+  (`INPUT_ERRORS`, named by module and class so this module imports none of them: an exception of a
+  module that was never imported cannot occur), plus OSErrors about a path (missing, permission denied,
+  read-only file system, disk full, ...). Their messages already name the file, record and field.
+* They are found also when wrapped: Ray Train's WorkerGroupError carries each worker's exception, a
+  RayTaskError its `cause`, `raise ... from e` its `__cause__`. A worker's data error thus still ends
+  as one line and exit status 2.
+* Anything else is a bug: it keeps its traceback and exit status 1.
+* A bad flag (argparse) is the same one line, `error: argument --x: ... (see <prog> --help)`, exit 2,
+  instead of argparse's usage block.
+* A message is printed on one line (a multi-line message is joined), after everything else the job
+  printed (Ray is disconnected first, so its streamed worker logs end before it): `tail -1` of a log
+  shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import functools
+import math
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+class BadArgument(ValueError):
+    """A command-line flag has a value the job cannot use (the message names the flag)."""
+
+
+# (module, class) of every error that means "the input is wrong", not "the code is wrong".
+INPUT_ERRORS: tuple[tuple[str, str], ...] = (
+    ("pipeline.cli", "BadArgument"),
+    ("pipeline.config", "ConfigError"),
+    ("pipeline.data.readers", "SourceError"),
+    ("pipeline.data.dataset", "DataFormatError"),
+    ("pipeline.data.dataset", "PrepareError"),
+    ("pipeline.train.rows", "RowsError"),
+    ("pipeline.train.checkpoint", "CheckpointError"),
+    ("pipeline.train.storage", "StorageError"),
+    ("pipeline.teacher.rows", "RowError"),
+    ("pipeline.teacher.cache", "CacheMismatchError"),
+    ("pipeline.teacher.cache", "CacheFormatError"),
+    ("pipeline.eval.decode", "EvalError"),
+    ("pipeline.placement", "PlacementError"),
+    ("hylo.config", "HybridConfigError"),
+    ("hylo.upcycle", "UpcycleError"),
+    ("hylo.assets", "AssetError"),
+    ("hylo.files", "WeightsFileError"),
+    ("hylo.io", "CheckpointMismatchError"),
+    ("hylo.released", "ReleasedLayoutError"),
+)
+# OSError subclasses the project raises with its own message (errno unset) for a path problem.
+PATH_ERROR_TYPES = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+PATH_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
+                         errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP,
+                         errno.EFBIG, errno.ENOTEMPTY})
+# How a Rust std::io::Error shows inside an extension's exception message ("... (os error 28)", or its
+# Debug form "Os { code: 28, ... }").
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _input_classes() -> tuple[type, ...]:
+    found = []
+    for module, name in INPUT_ERRORS:
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def _where_raised(e: BaseException) -> str | None:
+    """`file:line (function)` of the innermost frame of this repository's code in `e`'s traceback."""
+    where = None
+    for fs in traceback.extract_tb(e.__traceback__):
+        try:
+            rel = Path(fs.filename).resolve().relative_to(ROOT)
+        except ValueError:
+            continue
+        where = f"{rel}:{fs.lineno} ({fs.name})"
+    return where
+
+
+# Local names under which the frames of a failed write usually hold the file they write.
+_PATH_LOCALS = ("filename", "file", "path", "tmp", "save_directory", "out", "out_dir", "directory")
+
+
+def _file_in_traceback(tb: Any) -> str | None:
+    """The file a failed read or write was working on, from the innermost frame that holds one."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        scopes = [frame.f_locals]
+        owner = frame.f_locals.get("self")
+        if owner is not None and hasattr(owner, "__dict__"):
+            scopes.append(vars(owner))
+        for scope in scopes:
+            for name in _PATH_LOCALS:
+                value = scope.get(name)
+                if isinstance(value, str | os.PathLike) and os.sep in os.fspath(value):
+                    return os.fspath(value)
+    return None
+
+
+def _os_error_message(e: OSError) -> str:
+    if e.filename is None:
+        if e.errno is None:
+            return str(e)
+        reason = e.strerror or os.strerror(e.errno)
+        target = _file_in_traceback(e.__traceback__)
+        if target:
+            return f"{target}: {reason}"
+        where = _where_raised(e)
+        return reason + (f" (while writing or reading in {where})" if where else "")
+    text = f"{e.filename}: {e.strerror or os.strerror(e.errno or 0)}"
+    return text + (f" -> {e.filename2}" if e.filename2 else "")
+
+
+def input_error_message(e: BaseException, _depth: int = 0) -> str | None:
+    """The one-line message if `e` (or an exception it wraps) is bad input, else None (a bug)."""
+    if _depth > 8 or e is None:
+        return None
+    if isinstance(e, _input_classes()):
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, BaseException) and cause is not e:
+            # RayTaskError(as_instanceof_cause): the message holds the remote traceback; its cause is clean
+            return input_error_message(cause, _depth + 1) or _one_line(str(cause))
+        return _one_line(str(e))
+    if isinstance(e, OSError) and ((isinstance(e, PATH_ERROR_TYPES) and e.errno is None) or e.errno in PATH_ERRNOS):
+        return _one_line(_os_error_message(e) if e.errno is not None else str(e))
+    rust = _RUST_OS_ERROR.search(str(e))
+    code = int(rust.group(1) or rust.group(2)) if rust else None
+    if code in PATH_ERRNOS:
+        # an I/O error inside a Rust extension (safetensors, tokenizers): same errno, no file name
+        return _os_error_message(OSError(code, os.strerror(code)).with_traceback(e.__traceback__))
+    failures = getattr(e, "worker_failures", None)
+    if isinstance(failures, dict):
+        for rank, err in sorted(failures.items(), key=lambda kv: str(kv[0])):
+            msg = input_error_message(err, _depth + 1) if isinstance(err, BaseException) else None
+            if msg:
+                return f"worker {rank}: {msg}"
+    for attr in ("controller_failure", "cause"):
+        inner = getattr(e, attr, None)
+        if isinstance(inner, BaseException) and inner is not e:
+            msg = input_error_message(inner, _depth + 1)
+            if msg:
+                return msg
+    for inner in (e.__cause__, e.__context__):
+        if inner is not None and inner is not e:
+            msg = input_error_message(inner, _depth + 1)
+            if msg:
+                return msg
+    return None
+
+
+def report_error(message: str) -> None:
+    """Print `error: <message>` (on one line) on stderr, after everything the job printed so far."""
+    sys.stdout.flush()
+    print(f"error: {_one_line(message)}", file=sys.stderr, flush=True)
+
+
+def _stop_ray_logs() -> None:
+    """Disconnect from Ray (if the job started or joined it) so its streamed worker logs end before the
+    `error:` line, which then is the last line of the output."""
+    ray = sys.modules.get("ray")
+    try:
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+    except Exception:  # noqa: BLE001 - a failing shutdown must not hide the input error
+        pass
+
+
+def _argparse_error(parser: argparse.ArgumentParser, message: str) -> None:
+    report_error(f"{_one_line(message)} (see {parser.prog} --help)")
+    raise SystemExit(2)
+
+
+@contextlib.contextmanager
+def _one_line_argparse_errors() -> Iterator[None]:
+    """While a job's main runs, argparse reports a bad flag as one `error:` line (exit status 2)."""
+    saved = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = _argparse_error  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = saved  # type: ignore[method-assign]
+
+
+def job_main(fn: Callable[..., int | None]) -> Callable[..., int]:
+    """Wrap a job's `main(argv)`: bad input -> `error: ...` on stderr and 2; a bug keeps its traceback."""
+
+    @functools.wraps(fn)
+    def main(*args: Any, **kwargs: Any) -> int:
+        try:
+            with _one_line_argparse_errors():
+                rc = fn(*args, **kwargs)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            message = input_error_message(e)
+            if message is None:
+                raise
+            _stop_ray_logs()
+            report_error(message)
+            return 2
+        return 0 if rc is None else rc
+
+    return main
+
+
+def check_finite_args(args: argparse.Namespace) -> None:
+    """Every float flag must be a finite number (argparse's `type=float` accepts nan and inf)."""
+    for name, value in vars(args).items():
+        values = value if isinstance(value, list | tuple) else [value]
+        for v in values:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise BadArgument(f"--{name.replace('_', '-')}={v}: must be a finite number")
+
+
+def writable_dir(path: str | os.PathLike, what: str) -> Path:
+    """Create output directory `path` (and parents) now and check it can be written, so a read-only or
+    missing output location fails before the work, not after it. `what` names the option in the error."""
+    p = Path(path).expanduser()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadArgument(f"{what}={os.fspath(path)}: cannot create it ({e.strerror or e})") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        read_only = bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+        raise BadArgument(f"{what}={os.fspath(path)}: not writable "
+                          f"({os.strerror(errno.EROFS if read_only else errno.EACCES)})")
+    return p
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """argparse `type=` for an integer flag with a lower bound."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse

@@ -1,0 +1,385 @@
+"""The error contract of every job: bad input -> exit status 2 and one `error:` line naming the file/field.
+
+Unit tests of pipeline/cli.py, then every job run as a subprocess (as a user would) with bad input. Each
+bad input must be caught before a model loads or Ray starts, so these runs take seconds.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.cli import BadArgument, check_finite_args, input_error_message, job_main
+from pipeline.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------- pipeline/cli
+def _call(fn, capsys) -> tuple[int, str]:
+    rc = job_main(fn)([])
+    return rc, capsys.readouterr().err
+
+
+def test_input_error_is_one_line_and_rc2(capsys):
+    def main(argv):
+        raise ConfigError("c.yaml line 3: kd.temperature=0.0: must be > 0\n(second line)")
+
+    rc, err = _call(main, capsys)
+    assert rc == 2 and err == "error: c.yaml line 3: kd.temperature=0.0: must be > 0 (second line)\n"
+
+
+def test_a_bug_keeps_its_traceback():
+    def main(argv):
+        return {}["missing"]
+
+    with pytest.raises(KeyError):
+        job_main(main)([])
+
+
+def test_path_errors_name_the_path(capsys, tmp_path):
+    def denied(argv):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "out"))
+
+    rc, err = _call(denied, capsys)
+    assert rc == 2 and err == f"error: {tmp_path / 'out'}: Permission denied\n"
+
+    def full(argv):
+        # what a write() into a full disk raises: no file name; the message says where in our code
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    rc, err = _call(full, capsys)
+    assert rc == 2 and err.startswith("error: No space left on device (while writing or reading in "
+                                      "tests/test_job_errors.py:")
+
+    def exists(argv):
+        raise FileExistsError("out/manifest.json exists; set output.overwrite=true to replace it")
+
+    rc, err = _call(exists, capsys)
+    assert rc == 2 and "output.overwrite" in err
+    # an OSError that is not about a path (no errno) is not bad input by itself
+    assert input_error_message(OSError("ZSTD decompression failed")) is None
+
+
+def test_wrapped_input_errors_are_found(capsys):
+    from pipeline.data.dataset import DataFormatError
+
+    def chained(argv):
+        try:
+            raise DataFormatError("d/shard-00001.parquet: unreadable")
+        except DataFormatError as e:
+            raise RuntimeError("training failed") from e
+
+    rc, err = _call(chained, capsys)
+    assert rc == 2 and err == "error: d/shard-00001.parquet: unreadable\n"
+
+
+def test_ray_wrapped_worker_errors_are_found():
+    """Ray Train's WorkerGroupError and a RayTaskError (as the driver sees them) carry the input error."""
+    from ray.exceptions import RayTaskError
+    from ray.train import WorkerGroupError
+
+    from pipeline.train.rows import RowsError
+
+    cause = RowsError("data/shard-00003.parquet row 7: cu_seqlens must end at T=64")
+    task = RayTaskError("train_worker", "Traceback (most recent call last):\n  ...\nRowsError: ...", cause)
+    remote = task.as_instanceof_cause()
+    assert isinstance(remote, RowsError) and "\n" in str(remote)  # the remote traceback, not the message
+    assert input_error_message(remote) == str(cause)
+    group = WorkerGroupError("worker 1 failed", {0: RuntimeError("peer died"), 1: remote})
+    assert input_error_message(group) == f"worker 1: {cause}"
+    assert input_error_message(WorkerGroupError("x", {0: RuntimeError("nccl")})) is None
+
+
+def test_non_finite_float_flags_are_bad_arguments():
+    import argparse
+
+    with pytest.raises(BadArgument, match=r"--gdn-expand-v=inf: must be a finite number"):
+        check_finite_args(argparse.Namespace(gdn_expand_v=float("inf"), seed=1))
+    check_finite_args(argparse.Namespace(gdn_expand_v=1.5, name="x"))
+
+
+def test_truncated_safetensors_is_named(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from hylo.files import WeightsFileError, check_safetensors, check_weights_dir
+
+    f = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(64)}, str(f))
+    check_safetensors(f)
+    data = f.read_bytes()
+    for cut, what in ((len(data) - 16, "truncated: its tensors need"), (100, "truncated"), (5, "no header")):
+        f.write_bytes(data[:cut])
+        with pytest.raises(WeightsFileError, match=f"{f}: .*{what}"):
+            check_weights_dir(tmp_path)
+    f.write_bytes(data[:8] + b"{not json" + data[17:])
+    with pytest.raises(WeightsFileError, match="corrupt safetensors header"):
+        check_safetensors(f)
+
+
+# -------------------------------------------------------------------------------- jobs as subprocesses
+def run_job(args: list[str], timeout: float = 240, cwd: Path = ROOT, prefix: list[str] | None = None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([*(prefix or []), sys.executable, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_input_error(proc, *needles: str) -> str:
+    """rc 2, no traceback, exactly one `error:` line (the last one), holding every needle."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, f"rc {proc.returncode}\n{out[-3000:]}"
+    assert "Traceback" not in out, out[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], proc.stderr[-3000:]
+    for n in needles:
+        assert n in errors[0], (n, errors[0])
+    assert "Started a local Ray instance" not in out and "Training started" not in out
+    return errors[0]
+
+
+def _unshare_ok() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+def in_small_fs(mount: Path, options: str) -> list[str]:
+    """A command prefix that runs the job with a fresh tmpfs (`options`: size=..., ro) mounted at `mount`.
+    Needs user namespaces (`unshare`); the mount exists for the job only."""
+    if not _unshare_ok():
+        pytest.skip("needs unshare (user + mount namespaces) to give the job a read-only or full file system")
+    mount.mkdir(parents=True, exist_ok=True)
+    script = f'mount -t tmpfs -o {options} tmpfs "{mount}" && exec "$@"'
+    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from pipeline.train.testing import make_tiny_models
+
+    return make_tiny_models(tmp_path_factory.mktemp("tiny"))
+
+
+def _truncate(path: Path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _packed_dir(d: Path, split: str, seq_len: int = 64, shards: int = 3) -> Path:
+    from pipeline.data.dataset import ShardWriter, write_manifest
+    from pipeline.teacher.testing import make_packed_row
+
+    w = ShardWriter(d, 4, 2)
+    for i in range(4 * shards):
+        w.add(make_packed_row([20, 30, 14], vocab_size=96, seed=i))
+    write_manifest(d, {"config_hash": "x", "split": split, "max_len": seq_len, "shards": w.finish()})
+    return d
+
+
+def test_convert_job(tmp_path, tiny):
+    cfg = tmp_path / "config.json"
+    cfg.write_text((tiny["base"] / "config.json").read_text())
+    # HybridConfigError (was a traceback)
+    proc = run_job(["jobs/convert.py", "--dry-run", "--base-config", str(cfg), "--kv-lora-rank", "100"])
+    assert_input_error(proc, "kv_lora_rank", "multiple of 8")
+    # OverflowError from an infinite float flag (was a traceback)
+    proc = run_job(["jobs/convert.py", "--dry-run", "--base-config", str(cfg), "--gdn-expand-v", "inf"])
+    assert_input_error(proc, "--gdn-expand-v=inf")
+    # AssetError (was a traceback)
+    proc = run_job(["jobs/convert.py", "--base", "asset:no-such-model", "--out", str(tmp_path / "o")])
+    assert_input_error(proc, "no-such-model")
+    # a truncated base checkpoint is named (safetensors' error names no file)
+    base = _copy_model(tiny["base"], tmp_path / "base")
+    _truncate(base / "model.safetensors", 4000)
+    proc = run_job(["jobs/convert.py", "--base", str(base), "--out", str(tmp_path / "o")])
+    assert_input_error(proc, str(base / "model.safetensors"), "truncated")
+
+
+def test_convert_into_a_full_or_read_only_directory(tmp_path, tiny):
+    mnt = tmp_path / "mnt"
+    proc = run_job(["jobs/convert.py", "--base", str(tiny["base"]), "--out", str(mnt / "hylo"), "--no-calibrate"],
+                   prefix=in_small_fs(mnt, "size=64k"))
+    assert_input_error(proc, str(mnt), "model.safetensors: No space left on device")
+    proc = run_job(["jobs/convert.py", "--base", str(tiny["base"]), "--out", str(mnt / "hylo"), "--no-calibrate"],
+                   prefix=in_small_fs(mnt, "ro"))
+    assert_input_error(proc, f"--out (its parent)={mnt}", "Read-only file system")
+
+
+def test_decontaminate_job(tmp_path):
+    cfg = tmp_path / "dc.yaml"
+    cfg.write_text("match:\n  ngram: 8\n  mode: cut\nmatch:\n  ngram: 13\n")
+    proc = run_job(["jobs/decontaminate.py", "--config", str(cfg), "--input", str(tmp_path / "x.jsonl")])
+    assert_input_error(proc, str(cfg), "duplicate key 'match' at line 4 (first at line 1)")
+    cfg.write_bytes(b"out: caf\xe9\n")
+    proc = run_job(["jobs/decontaminate.py", "--config", str(cfg), "--input", str(tmp_path / "x.jsonl")])
+    assert_input_error(proc, str(cfg), "not valid UTF-8")
+
+
+def test_decontaminate_into_a_full_directory(tmp_path):
+    mix = tmp_path / "mix.jsonl"
+    text = " ".join(f"word{i}" for i in range(200))
+    with open(mix, "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": text},
+                                                            {"role": "assistant", "content": text}]}) + "\n")
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"id": "b0", "q": "alpha beta gamma delta epsilon zeta eta theta iota"}) + "\n")
+    mnt = tmp_path / "mnt"
+    proc = run_job(["jobs/decontaminate.py", "--input", str(mix), "--benchmark", f"toy={bench}:q",
+                    "--scanner", "local", "--out", str(mnt / "dc"), "--set", "progress=false"],
+                   prefix=in_small_fs(mnt, "size=64k"))
+    assert_input_error(proc, str(mnt / "dc"), "No space left on device")
+
+
+def test_prepare_data_job(tmp_path):
+    proc = run_job(["jobs/prepare_data.py", "--config", "configs/data_smoke.yaml", "--set", "packing.close_slack=-1"])
+    assert_input_error(proc, "command line", "packing.close_slack=-1: must be >= 0")
+    cfg = tmp_path / "d.yaml"
+    cfg.write_text("split: all\npacking:\n  max_len: .nan\n")
+    proc = run_job(["jobs/prepare_data.py", "--config", str(cfg)])
+    assert_input_error(proc, f"{cfg} line 3", "packing.max_len")
+
+
+def test_teacher_cache_job(tmp_path, tiny):
+    # a missing data directory: one line, before Ray starts (was a traceback after ray.init)
+    proc = run_job(["jobs/teacher_cache.py", "--set", f"data={tmp_path / 'nodata'}", "--set", f"out={tmp_path / 'c'}",
+                    "--set", f"model.path={tiny['base']}"])
+    assert_input_error(proc, str(tmp_path / "nodata"), "does not exist")
+    data = _packed_dir(tmp_path / "data", "stage2")
+    _truncate(data / "shard-00001.parquet", 300)
+    proc = run_job(["jobs/teacher_cache.py", "--set", f"data={data}", "--set", f"out={tmp_path / 'c'}",
+                    "--set", f"model.path={tiny['base']}"])
+    assert_input_error(proc, str(data / "shard-00001.parquet"))
+    proc = run_job(["jobs/teacher_cache.py", "--set", f"data={data}", "--set", f"out={tmp_path / 'c'}",
+                    "--set", "k=0"])
+    assert_input_error(proc, "k=0: must be >= 1")
+
+
+def _stage_config(tiny, tmp_path, stage: int, **sections) -> Path:
+    from pipeline.train.testing import tiny_config, write_config
+
+    cfg = tiny_config(tiny, tmp_path / "runs", f"s{stage}", stage=stage, ray={"launcher": "ray"}, **sections)
+    return write_config(cfg, tmp_path / f"stage{stage}.yaml")
+
+
+def test_stage1_job(tmp_path, tiny):
+    cfg = _stage_config(tiny, tmp_path, 1)
+    proc = run_job(["jobs/stage1.py", "--config", str(cfg), "--set", "train.total_steps=-5"])
+    assert_input_error(proc, "train.total_steps=-5: must be >= 1")
+    proc = run_job(["jobs/stage1.py", "--config", str(cfg), "--set", "model.student=null",
+                    "--set", "model.convert={mla_layers: even, kv_lora_rank: 12}"])
+    assert_input_error(proc, "model.convert=", "kv_lora_rank")
+    assert not (tmp_path / "runs" / "s1" / "converted").exists()
+
+
+def test_stage2_job(tmp_path, tiny):
+    data = _packed_dir(tmp_path / "data", "stage2")
+    _truncate(data / "shard-00002.parquet", 200)
+    cfg = _stage_config(tiny, tmp_path, 2, data={"source": "parquet", "path": str(data), "seq_len": 64})
+    proc = run_job(["jobs/stage2.py", "--config", str(cfg)])
+    assert_input_error(proc, str(data / "shard-00002.parquet"))
+    proc = run_job(["jobs/stage2.py", "--config", str(cfg), "--set", "data.source=synthetic",
+                    "--set", f"model.student={tmp_path / 'missing'}"])
+    assert_input_error(proc, "model.student", str(tmp_path / "missing"))
+    proc = run_job(["jobs/stage2.py", "--config", str(cfg), "--set", "kd.kl_weight=-5"])
+    assert_input_error(proc, "kd.kl_weight=-5.0: must be >= 0")
+
+
+def test_eval_job(tmp_path, tiny):
+    model = _copy_model(tiny["student"], tmp_path / "student")
+    _truncate(model / "model.safetensors", 2000)
+    proc = run_job(["jobs/eval.py", "--model", str(model), "--suite", "kvcache", "--out", str(tmp_path / "ev"),
+                    "--set", "kvcache.lengths=[16]"])
+    assert_input_error(proc, str(model / "model.safetensors"), "truncated")
+    proc = run_job(["jobs/eval.py", "--model", str(tiny["student"]), "--suite", "kvcache", "--out", str(tmp_path),
+                    "--set", "kvcache.decode_tokens=0"])
+    assert_input_error(proc, "kvcache.decode_tokens=0: must be >= 1")
+    # a read-only output directory fails before the evaluation runs, not after it
+    mnt = tmp_path / "mnt"
+    proc = run_job(["jobs/eval.py", "--model", str(tiny["student"]), "--suite", "kvcache", "--out", str(mnt / "ev"),
+                    "--set", "kvcache.lengths=[16]"], prefix=in_small_fs(mnt, "ro"))
+    assert_input_error(proc, f"out={mnt / 'ev'}", "Read-only file system")
+
+
+def test_place_layers_job(tmp_path):
+    proc = run_job(["jobs/place_layers.py", "--n-mla", "0", "--run-dir", str(tmp_path / "p")])
+    assert_input_error(proc, "--n-mla")
+    proc = run_job(["jobs/place_layers.py", "--n-mla", "2", "--proxy-only", "--run-dir", str(tmp_path / "p"),
+                    "--heldout-data", str(tmp_path / "nothing")])
+    assert_input_error(proc, str(tmp_path / "nothing"), "manifest.json")
+
+
+def test_fetch_assets_job():
+    proc = run_job(["jobs/fetch_assets.py", "no-such-asset"])
+    assert_input_error(proc, "no-such-asset")
+
+
+def test_demo_job(tmp_path):
+    proc = run_job(["jobs/demo.py", "--steps", "0", "--run-dir", str(tmp_path / "d")])
+    assert_input_error(proc, "--steps")
+    (tmp_path / "file").write_text("x")
+    proc = run_job(["jobs/demo.py", "--run-dir", str(tmp_path / "file" / "demo")])
+    assert_input_error(proc, str(tmp_path / "file"), "Not a directory")
+    mnt = tmp_path / "mnt"
+    proc = run_job(["jobs/demo.py", "--run-dir", str(mnt / "demo")], prefix=in_small_fs(mnt, "ro"))
+    assert_input_error(proc, str(mnt / "demo"), "Read-only file system")
+
+
+def test_corrupt_shard_in_the_middle_is_named_by_the_reader(tmp_path):
+    """A shard whose footer is intact but whose pages are corrupt (ZSTD error) names file and row group."""
+    from pipeline.data.dataset import DataFormatError, RowReader
+
+    d = _packed_dir(tmp_path / "data", "stage2")
+    f = d / "shard-00001.parquet"
+    data = bytearray(f.read_bytes())
+    for i in range(100, 300):
+        data[i] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(DataFormatError, match=r"shard-00001.parquet.*row group 0.*unreadable"):
+        list(RowReader(d, as_numpy=True))
+    assert np.asarray(next(iter(RowReader(d, as_numpy=True)))["input_ids"]).shape == (64,)
+
+
+def test_corrupt_teacher_cache_shard_is_named_by_the_reader(tmp_path, tiny):
+    from pipeline.teacher.cache import (
+        CacheFormatError,
+        TopKCacheReader,
+        compute_shard,
+        finalize_cache,
+        prepare_cache,
+    )
+    from pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
+    from pipeline.teacher.model import TeacherModel
+
+    data = _packed_dir(tmp_path / "data", "stage2", shards=1)
+    cfg = TeacherCacheConfig(data=str(data), out=str(tmp_path / "cache"), k=4, rows_per_shard=4,
+                             model=TeacherModelConfig(path=str(tiny["base"])))
+    header, plan, todo = prepare_cache(cfg)
+    teacher = TeacherModel(tiny["base"])
+    for p in todo:
+        compute_shard(teacher, cfg.data, cfg.out, header, p)
+    assert finalize_cache(cfg.out, plan)
+    shard = next((tmp_path / "cache").rglob("shard-*.parquet"))
+    raw = bytearray(shard.read_bytes())
+    for i in range(64, 400):
+        raw[i] ^= 0x5A
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(CacheFormatError, match=rf"{shard}( row group \d+)?: unreadable cache shard"):
+        reader = TopKCacheReader(tmp_path / "cache")
+        for rid in reader.row_ids:
+            reader.get(rid)
