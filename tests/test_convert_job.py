@@ -107,4 +107,4 @@ def test_impossible_shapes_are_refused_naming_the_option(tmp_path, capsys, args,
     path.write_text(json.dumps(LLAMA_1B))
     rc, _, err = _run(["--dry-run", "--base-config", str(path), *args], capsys)
     assert rc == 2, err
-    assert err.startswith("convert: error:") and needle in err, err
+    assert err.startswith("error:") and needle in err, err

@@ -195,7 +195,7 @@ def test_convert_job(tmp_path, tiny):
     cfg = tmp_path / "config.json"
     cfg.write_text((tiny["base"] / "config.json").read_text())
     # HybridConfigError (was a traceback)
-    proc = run_job(["jobs/convert.py", "--dry-run", "--base-config", str(cfg), "--kv-lora-rank", "100"])
+    proc = run_job(["jobs/convert.py", "--dry-run", "--base-config", str(cfg), "--kv-lora-rank", "12"])
     assert_input_error(proc, "kv_lora_rank", "multiple of 8")
     # OverflowError from an infinite float flag (was a traceback)
     proc = run_job(["jobs/convert.py", "--dry-run", "--base-config", str(cfg), "--gdn-expand-v", "inf"])

@@ -101,7 +101,7 @@ def test_config_from_yaml_and_its_errors(tmp_path):
         "split: stage3\n": "split='stage3'",
         "packing: {long_doc_policy: wrap}\n": "long_doc_policy",
         "mixture: {stage1_fraction: 1.5}\n": "stage1_fraction",
-        "mixture: {stage2: remaining}\n": "mixture.stage2 'remaining' not in",
+        "mixture: {stage2: remaining}\n": "mixture.stage2='remaining': must be one of all, rest",
     }
     for text, msg in cases.items():
         path.write_text(text)
