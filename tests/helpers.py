@@ -1,5 +1,6 @@
 """Helpers shared by the linear-recurrence tests: the GDN and SSD kernels (test_gdn_kernel.py,
-test_mamba2.py) and the GDN and Mamba-2 mixers (test_gdn_layer.py, test_mamba2.py).
+test_mamba2.py) and the GDN and Mamba-2 mixers (test_gdn_layer.py, test_mamba2.py); and the check of a
+teacher's top-k records against reference log-probabilities (the teacher tests).
 
 pytest puts tests/ on sys.path (rootdir-less `prepend` import mode, no __init__.py), so test modules
 import this as `from helpers import ...`. Importing `one_thread` makes it autouse in that module.
@@ -153,3 +154,30 @@ def assert_bad_layer_input_raises(layer: nn.Module, kwargs: dict[str, Any], matc
     x = kwargs.pop("x")
     with pytest.raises(ValueError, match=match):
         layer(x, **kwargs)
+
+
+_TOPK_RTOL = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 1e-5}
+
+
+def assert_topk_matches(ref_logprobs_TV: torch.Tensor, got: Any, k: int, dtype: str) -> None:
+    """A top-k record (logprobs, indices, tail_logmass) agrees with reference log-probabilities [T, V].
+
+    Two different computations (a batch vs one row, a pool vs in-process) differ in the last bits with
+    the batch shape and the CPU, so this is a tolerance check, never torch.equal. Per token: every stored
+    (index, logprob) pair equals the reference log-probability of that index; the stored values are
+    sorted and are a top-k up to ties within the tolerance (near-ties may swap order or membership); the
+    tail mass agrees as a probability, so -inf (the top-k hold all the mass, e.g. k = V) and a tiny
+    finite tail match.
+    """
+    ref_TV = ref_logprobs_TV.float()
+    lp, idx = got.logprobs.float(), got.indices.long()
+    assert lp.shape == idx.shape == (ref_TV.shape[0], k)
+    rtol = _TOPK_RTOL[dtype]
+    at_idx = ref_TV.gather(1, idx)
+    torch.testing.assert_close(lp, at_idx, rtol=rtol, atol=1e-3)
+    assert (lp[:, :-1] >= lp[:, 1:]).all(), "stored top-k are not sorted"
+    assert all(len(set(r)) == k for r in idx.tolist()), "an index is stored twice in one token"
+    kth = ref_TV.topk(k, dim=-1).values[:, -1]
+    assert (at_idx[:, -1] >= kth - (rtol * kth.abs() + 1e-3)).all(), "a stored index is not in the top-k"
+    ref_tail = (1.0 - ref_TV.topk(k, dim=-1).values.exp().sum(-1)).clamp_min(0.0)
+    torch.testing.assert_close(got.tail_logmass.exp(), ref_tail, rtol=0.0, atol=1e-3)

@@ -29,6 +29,8 @@ from pipeline.teacher.model import TeacherModel
 from pipeline.teacher.rows import as_packed_row, read_packed_rows
 from pipeline.teacher.testing import make_packed_row, save_tiny_llama, write_packed_parquet
 
+from helpers import assert_topk_matches
+
 VOCAB = 96
 
 
@@ -75,31 +77,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-_RTOL = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 1e-5}
-
-
 def assert_matches_forward(teacher, row, got, k: int, dtype: str) -> None:
-    """A cached record agrees with a direct forward of the row, up to float noise and storage rounding.
+    """A cached record agrees with a direct forward of the row (tolerances: `helpers.assert_topk_matches`).
 
-    The cache computes rows in batches and a direct forward one at a time; the last bits differ with
-    the batch shape and the CPU, so this is a tolerance check (the storage itself is tested bit for
-    bit in `test_storage_round_trip_is_bit_exact`). Per token: every stored (index, logprob) pair
-    equals the reference log-probability of that index; the stored values are sorted and are a top-k
-    up to ties within the tolerance (near-ties may swap order or membership); the tail mass agrees
-    as a probability, so -inf (the top-k hold all the mass, e.g. k = V) and a tiny finite tail match.
+    The storage itself is tested bit for bit in `test_storage_round_trip_is_bit_exact`.
     """
-    ref_TV = torch.log_softmax(teacher.logits(row).float(), dim=-1)
-    lp, idx = got.logprobs.float(), got.indices.long()
-    assert lp.shape == idx.shape == (ref_TV.shape[0], k)
-    rtol = _RTOL[dtype]
-    at_idx = ref_TV.gather(1, idx)
-    torch.testing.assert_close(lp, at_idx, rtol=rtol, atol=1e-3)
-    assert (lp[:, :-1] >= lp[:, 1:]).all(), "stored top-k are not sorted"
-    assert all(len(set(r)) == k for r in idx.tolist()), "an index is stored twice in one token"
-    kth = ref_TV.topk(k, dim=-1).values[:, -1]
-    assert (at_idx[:, -1] >= kth - (rtol * kth.abs() + 1e-3)).all(), "a stored index is not in the top-k"
-    ref_tail = (1.0 - ref_TV.topk(k, dim=-1).values.exp().sum(-1)).clamp_min(0.0)
-    torch.testing.assert_close(got.tail_logmass.exp(), ref_tail, rtol=0.0, atol=1e-3)
+    assert_topk_matches(torch.log_softmax(teacher.logits(row).float(), dim=-1), got, k, dtype)
 
 
 @pytest.mark.parametrize("dtype,k", [("float16", 8), ("bfloat16", 5), ("float32", VOCAB)],

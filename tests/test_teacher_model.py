@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.fused_kl.topk import topk_from_logits
 from pipeline.teacher.model import TeacherModel, tokenizer_fingerprint
 from pipeline.teacher.rows import RowError, as_packed_row
 from pipeline.teacher.testing import make_packed_row, save_tiny_llama
+
+from helpers import assert_topk_matches
 
 VOCAB = 96
 
@@ -58,13 +59,11 @@ def test_topk_equals_topk_of_direct_forward(teachers, iso, k):
     got = t.topk(row, k)
     cu = row["cu_seqlens"].tolist()
     ref_logits = torch.cat([_alone_logits(t.model, row, s, e) for s, e in zip(cu[:-1], cu[1:])])
-    ref = topk_from_logits(ref_logits, k)
     assert got.logprobs.dtype == torch.float16 and got.indices.dtype == torch.int32
     assert got.tail_logmass.dtype == torch.float32 and got.logprobs.shape == (row["input_ids"].size, k)
-    assert torch.equal(got.indices, ref.indices)
-    torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=1e-3, atol=1e-3)
-    # Compare the tail as a probability: with k = V it is ~0 and its log is rounding noise or -inf.
-    torch.testing.assert_close(got.tail_logmass.exp(), ref.tail_logmass.exp(), rtol=1e-4, atol=1e-5)
+    # The packed forward and the per-document ones are different computations: tolerances, and
+    # near-ties may swap (helpers.assert_topk_matches); the tail is compared as a probability.
+    assert_topk_matches(torch.log_softmax(ref_logits.float(), dim=-1), got, k, "float16")
     # The top-k mass plus the tail bucket is a distribution.
     total = torch.logaddexp(torch.logsumexp(got.logprobs.float(), -1), got.tail_logmass)
     torch.testing.assert_close(total, torch.zeros_like(total), atol=2e-3, rtol=0)

@@ -16,11 +16,12 @@ import torch
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from kernels.fused_kl.topk import topk_from_logits  # noqa: E402
 from pipeline.teacher.client import TeacherClient  # noqa: E402
 from pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig  # noqa: E402
 from pipeline.teacher.serve import start_teacher_pool  # noqa: E402
 from pipeline.teacher.testing import make_packed_row, save_tiny_llama  # noqa: E402
+
+from helpers import assert_topk_matches  # noqa: E402
 
 VOCAB = 96
 BUDGET = 64
@@ -68,10 +69,10 @@ def _rows(n: int, seed: int) -> list[dict]:
 def _check(ref, rows, records, k):
     assert len(records) == len(rows)
     for row, rec in zip(rows, records):
-        exp = topk_from_logits(_ref_logits(ref, row), k, dtype=rec.logprobs.dtype)
-        assert torch.equal(rec.indices, exp.indices)
-        torch.testing.assert_close(rec.logprobs, exp.logprobs, rtol=1e-3, atol=1e-3)
-        torch.testing.assert_close(rec.tail_logmass.exp(), exp.tail_logmass.exp(), rtol=1e-4, atol=1e-5)
+        # The pool batches rows: a different computation from the reference, so tolerances (near-ties
+        # may swap) rather than torch.equal.
+        dtype = str(rec.logprobs.dtype).removeprefix("torch.")
+        assert_topk_matches(torch.log_softmax(_ref_logits(ref, row).float(), dim=-1), rec, k, dtype)
 
 
 def test_pool_topk_equals_direct_forward_per_document(pool):

@@ -31,6 +31,8 @@ from pipeline.train.loop import cosine_with_warmup, row_to_device
 from pipeline.train.metrics import MetricsWriter, read_metrics
 from pipeline.train.rows import ParquetRows, RowsError, SyntheticRows, check_row, open_rows
 
+from helpers import assert_topk_matches
+
 
 # ------------------------------------------------------------------------------------ config
 def test_stage_defaults_follow_the_recipe():
@@ -415,10 +417,11 @@ def test_teacher_sources_give_the_same_targets(tmp_path):
     for i in range(len(batch)):
         ref = got["inprocess"][i]["teacher_topk"]
         assert ref.logprobs.shape == (len(batch[i]["input_ids"]), 8)
-        for name in ("offline", "serve"):
-            rec = got[name][i]["teacher_topk"]
-            assert torch.equal(rec.indices.long(), ref.indices.long()), name
-            assert torch.equal(rec.logprobs.float(), ref.logprobs.float()), name
+        # Three different computations (batched cache, pool, in-process): compare each with the
+        # teacher's own log-probabilities within tolerances, never bit for bit.
+        ref_TV = torch.log_softmax(tm.logits(batch[i]).float(), dim=-1)
+        for name in ("inprocess", "offline", "serve"):
+            assert_topk_matches(ref_TV, got[name][i]["teacher_topk"], 8, "float16")
     exact = next(Teacher(TeacherSection(), cpu, 50, model=tm).for_rows(batch))
     assert set(exact) == {"teacher_hidden", "teacher_weight"} and exact["teacher_hidden"].shape == (32, 32)
     with pytest.raises(ConfigError, match="teacher vocabulary 50 != student vocabulary 64"):
