@@ -25,6 +25,7 @@ import yaml
 
 from pipeline.config import ConfigError, config_hash, from_dict, parse_override, to_dict
 from pipeline.teacher.config import TeacherClientConfig, TeacherModelConfig, TeacherPoolConfig
+from pipeline.train.trackers import MlflowSection, WandbSection
 
 STAGE_KEYS = ("stage1", "stage2")
 
@@ -170,6 +171,10 @@ class MetricsSection:
     # Print one progress line every this many steps.
     log_every: int = 1
     tensorboard: bool = True
+    # Optional trackers, off unless set (pipeline/train/trackers.py; pip install 'hylo-pipeline[trackers]'):
+    # wandb: {project, entity, mode: online|offline|disabled, name}; mlflow: {tracking_uri, experiment, run_name}.
+    wandb: WandbSection | None = None
+    mlflow: MlflowSection | None = None
 
 
 @dataclass
