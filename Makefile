@@ -1,16 +1,23 @@
 # The README's two set-up commands: `make demo` and `make test`.
-# Each installs what it needs into the current Python environment first.
+# Each installs what it needs into the current Python environment first, at the versions of the lock
+# constraints.txt (also used by both cluster images; `make constraints` regenerates it).
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
+CONSTRAINTS := constraints.txt
 export PYTHONUNBUFFERED := 1
 # Compiled DeepSpeed ops are cached here between runs.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/hylo/torch_extensions
 
-.PHONY: install demo test lint assets bench
+.PHONY: install demo test lint assets bench constraints
 
+# torch is not in the lock: an installed torch is kept, otherwise the CPU build 2.13.0 is installed.
 install:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -c $(CONSTRAINTS) torch==2.13.0
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev]'
+
+# Rewrite the lock from this environment (after upgrading a dependency and passing `make test`).
+constraints:
+	$(PYTHON) cluster/constraints.py --write
 
 assets: install
 	$(PYTHON) jobs/fetch_assets.py

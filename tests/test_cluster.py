@@ -4,7 +4,12 @@
   `prepare_config` (defaults for the provider) and `validate_config` (Ray's own JSON schema,
   ray/autoscaler/ray-schema.json, plus its consistency checks).
 * The MI300X and CUDA files declare what the ROCm/CUDA runtime and Ray need (device flags, the
-  accelerator resource under Ray's own name, ROCR_VISIBLE_DEVICES unset, shared storage, token auth).
+  accelerator resource under Ray's own name, ROCR_VISIBLE_DEVICES unset, shared storage, token auth,
+  the RCCL/NCCL network settings), and no docker options that a runtime refuses together.
+* The version lock constraints.txt covers every dependency, matches what is installed, and is what
+  the Makefile (so CI) and both Dockerfiles install with.
+* Every documented `ray job submit` runs with RAY_AUTH_MODE set: the client sends the token only
+  in token mode.
 * Every command in README.md and docs/*.md code blocks that runs `python jobs/X.py` (directly or
   after `ray job submit ... --`) must name an existing job whose argument parser accepts its flags;
   a documented job that does not exist is a failure, not a skip.
@@ -95,8 +100,6 @@ def test_mi300x_declares_rocm_runtime_and_ray_gpu_handling():
     opts = cfg["docker"]["run_options"]
     for flag in ("--device=/dev/kfd", "--device=/dev/dri", "--group-add=video", "--ipc=host"):
         assert flag in opts, f"mi300x.yaml docker.run_options lacks {flag}"
-    shm = [o for o in opts if o.startswith("--shm-size=")]
-    assert shm and int(re.match(r"--shm-size=(\d+)g", shm[0]).group(1)) >= 64
     assert any(o.startswith("--volume=/mnt/") for o in opts), "no shared storage volume"
     for name, cmd in _start_commands(cfg).items():
         # Ray raises at worker start when ROCR_VISIBLE_DEVICES is set (it manages HIP_VISIBLE_DEVICES)
@@ -131,6 +134,161 @@ def test_h100_declares_cuda_runtime():
     for name, cmd in _start_commands(cfg).items():
         assert "--num-gpus=8" in cmd, name
         assert _declared_resources(cmd) == {f"accelerator_type:{NVIDIA_H100}": 1}, name
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=[p.name for p in CLUSTER_YAMLS])
+def test_docker_options_are_not_contradictory(path: Path):
+    """`--shm-size` sizes a container-private /dev/shm; with `--ipc=host` podman refuses to start."""
+    opts = load_yaml(path)["docker"]["run_options"]
+    ipc_host = any(re.fullmatch(r"--ipc[= ]host", o) for o in opts)
+    shm = [o for o in opts if o.startswith("--shm-size")]
+    assert not (ipc_host and shm), f"{path.name}: --ipc=host together with {shm}"
+    assert ipc_host or shm, f"{path.name}: neither --ipc=host nor --shm-size (Docker's 64 MB /dev/shm)"
+
+
+NCCL_NETWORK_VARS = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX")
+
+
+def _container_env(cfg: dict) -> dict[str, str]:
+    env = {}
+    for o in cfg["docker"]["run_options"]:
+        m = re.fullmatch(r"(?:--env[= ]|-e )(\w+)=(.*)", o)
+        if m:
+            env[m.group(1)] = m.group(2)
+    return env
+
+
+@pytest.mark.parametrize("name", ["mi300x.yaml", "h100.yaml"])
+def test_cluster_sets_the_collective_network(name: str):
+    """Multi-node RCCL/NCCL over RoCE/IB needs the interface, the HCAs and (RoCE) the GID index in the
+    environment of every Ray worker: the container's environment, which `ray start` inherits."""
+    cfg = load_yaml(REPO / "cluster" / name)
+    env = _container_env(cfg)
+    for var in NCCL_NETWORK_VARS:
+        assert env.get(var), f"{name}: docker.run_options sets no --env={var}=..."
+    assert env["NCCL_IB_GID_INDEX"].isdigit()
+    assert env.get("GLOO_SOCKET_IFNAME") == env["NCCL_SOCKET_IFNAME"]
+    hcas = env["NCCL_IB_HCA"].lstrip("^=").split(",")
+    assert len(hcas) == 8 and all(re.fullmatch(r"[a-z][a-z0-9_]*?\d+(:\d+)?", h) for h in hcas), hcas
+    # the start commands must not override them
+    for cmd in _start_commands(cfg).values():
+        assert not any(f"{var}=" in cmd for var in NCCL_NETWORK_VARS), cmd
+
+
+def test_docs_explain_the_collective_network():
+    doc = (REPO / "docs" / "cluster.md").read_text()
+    for word in (*NCCL_NETWORK_VARS, "ibv_devinfo", "show_gids", "ip -br addr", "RoCE"):
+        assert word in doc, f"docs/cluster.md does not mention {word}"
+
+
+# ------------------------------------------------------------------------------------ version lock
+def _lock():
+    sys.path.insert(0, str(REPO / "cluster"))
+    try:
+        import constraints
+    finally:
+        sys.path.remove(str(REPO / "cluster"))
+    return constraints
+
+
+def test_lock_parser_rejects_what_is_not_a_pin(tmp_path: Path):
+    lock = _lock()
+    f = tmp_path / "c.txt"
+    f.write_text("# comment\nray==2.60.0\ntransformers>=4.56\n")
+    with pytest.raises(ValueError, match=r"c.txt:3: not a `name==version` pin"):
+        lock.read_lock(f)
+    f.write_text("ray==2.60.0\nRay==2.61.0\n")
+    with pytest.raises(ValueError, match="pinned twice"):
+        lock.read_lock(f)
+    f.write_text(f"ray==2.60.0\n{lock.HAND_PINNED_HEADER}\nliger-kernel==0.8.5\n")
+    generated, hand = lock.read_lock(f)
+    assert set(generated) == {"ray"} and hand["liger-kernel"].version == "0.8.5"
+
+
+def test_lock_pins_every_dependency_at_the_installed_version():
+    """Every dependency of pyproject.toml (runtime, dev, gpu) and everything they pull in is pinned,
+    at the version installed here: a `pip install -U` or a new dependency without `make constraints`
+    fails here."""
+    import importlib.metadata as md
+
+    from packaging.utils import canonicalize_name
+
+    lock = _lock()
+    generated, hand = lock.read_lock()
+    pinned = {**generated, **hand}
+    for req in lock.project_requirements():
+        key = canonicalize_name(req.name)
+        if key in lock.ENVIRONMENT_OWNED:
+            assert key not in pinned, f"{req.name} is the environment's (CPU build here, the image's on a cluster)"
+            continue
+        assert key in pinned, f"pyproject.toml dependency {req} is not pinned in constraints.txt"
+        assert req.specifier.contains(pinned[key].version, prereleases=True), \
+            f"constraints.txt pins {pinned[key].line()}, outside pyproject.toml's {req}"
+    for key in ("ray", "deepspeed", "transformers", "tokenizers", "accelerate", "safetensors", "pyarrow",
+                "flash-linear-attention", "fla-core", "lm-eval", "triton"):
+        assert key in generated, f"{key} is not pinned"
+    assert generated["ray"].version == "2.60.0", "the docs (token auth, Train v2 callbacks) describe Ray 2.60"
+    resolved, missing = lock.resolve_installed(lock.project_requirements())
+    drift = [f"{p.line()} pinned, {md.version(p.name)} installed" for k, p in generated.items()
+             if k in resolved and resolved[k].version != p.version]
+    assert not drift, "constraints.txt differs from the installed versions (`make constraints`): " + "; ".join(drift)
+    unpinned = sorted(p.line() for k, p in resolved.items() if k not in generated)
+    assert not unpinned, f"installed dependencies missing from constraints.txt (`make constraints`): {unpinned}"
+    stale = sorted(p.line() for k, p in generated.items() if k not in resolved)
+    assert not stale, f"constraints.txt pins packages nothing depends on any more: {stale}"
+    assert {canonicalize_name(r.name) for r in missing} == set(hand), \
+        "only packages not installed here may be pinned by hand"
+
+
+def test_makefile_installs_with_the_lock():
+    text = (REPO / "Makefile").read_text()
+    recipe = re.search(r"^install:.*\n((?:\t.*\n)+)", text, re.M)
+    assert recipe, "Makefile has no install target"
+    pip_lines = [line for line in recipe.group(1).splitlines() if "install" in line and "PIP" in line]
+    assert pip_lines
+    m = re.search(r"^CONSTRAINTS\s*:?=\s*(\S+)", text, re.M)
+    assert m and (REPO / m.group(1)).is_file()
+    for line in pip_lines:
+        assert "-c $(CONSTRAINTS)" in line, f"Makefile install runs pip without the lock: {line.strip()}"
+    # CI runs `make test`, which depends on install through assets
+    assert "make test" in (REPO / ".ci" / "run").read_text()
+    assert re.search(r"^test: assets", text, re.M) and re.search(r"^assets: install", text, re.M)
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.rocm", "Dockerfile.cuda"])
+def test_dockerfiles_install_with_the_lock(name: str, tmp_path: Path):
+    """The image copies constraints.txt, merges it with the base image's torch/Triton pins into the
+    PIP_CONSTRAINT file, and installs after that; run the merge step on a fake `pip list`."""
+    import subprocess
+
+    text = (REPO / "cluster" / name).read_text()
+    lines = text.splitlines()
+    copy_at = next(i for i, line in enumerate(lines) if re.match(r"COPY constraints\.txt (\S+)$", line))
+    dest = lines[copy_at].split()[2]
+    env_at = next(i for i, line in enumerate(lines) if line == "ENV PIP_CONSTRAINT=/etc/pip-constraints.txt")
+    installs = [i for i, line in enumerate(lines) if "pip install" in line and not line.lstrip().startswith("#")]
+    assert installs and copy_at < env_at < min(installs), f"{name}: installs before the constraints are in place"
+    # the RUN step that builds /etc/pip-constraints.txt, as /bin/sh would run it
+    run_at = next(i for i in range(copy_at, env_at) if lines[i].startswith("RUN "))
+    step = " ".join(line.rstrip("\\") for line in lines[run_at:env_at]).removeprefix("RUN ")
+    base_torch = "torch==2.8.0+rocm7.0\npytorch-triton-rocm==3.4.0\n" if "rocm" in name else \
+        "torch==2.8.0+cu128\ntriton==3.4.0\n"
+    fakebin = tmp_path / "bin"
+    fakebin.mkdir()
+    (fakebin / "python").write_text(f"#!/bin/sh\nprintf '{base_torch}numpy==1.26.4\n'\n")
+    (fakebin / "python").chmod(0o755)
+    step = step.replace(dest, str(REPO / "constraints.txt")).replace("/etc/pip-constraints.txt",
+                                                                       str(tmp_path / "pc.txt"))
+    subprocess.run(["sh", "-c", step], check=True, env={"PATH": f"{fakebin}:/usr/bin:/bin"},
+                   capture_output=True)
+    merged = (tmp_path / "pc.txt").read_text().splitlines()
+    pins = dict(line.split("==", 1) for line in merged if "==" in line and not line.startswith("#"))
+    assert pins["torch"].startswith("2.8.0+"), "the base image's torch must stay pinned"
+    assert pins.get("triton", pins.get("pytorch-triton-rocm")) == "3.4.0", "the base image's Triton must win"
+    lock_generated, _ = _lock().read_lock()
+    assert pins["numpy"] == lock_generated["numpy"].version, "the lock, not the base image, decides the rest"
+    assert pins["ray"] == lock_generated["ray"].version and pins["deepspeed"] == lock_generated["deepspeed"].version
+    assert len([line for line in merged if line.startswith(("triton==", "pytorch-triton-rocm=="))]) == 1
 
 
 @pytest.mark.parametrize("name,base", [("Dockerfile.rocm", "rocm/pytorch:"), ("Dockerfile.cuda", "pytorch/pytorch:")])
@@ -309,3 +467,97 @@ def test_documented_job_commands_parse():
         if isinstance(cfg, str) and not re.search(r"[<>$]", cfg) and not (REPO / cfg).is_file():
             failures.append(f"{c}\n    --config {cfg} does not exist in the repository")
     assert not failures, "documented commands that do not parse:\n" + "\n".join(failures)
+
+
+# ------------------------------------------------------------------------------------- token auth
+def _shell_block_starts(text: str) -> set[int]:
+    """First line numbers of the code blocks fenced as shell (```bash, ```sh, ```shell, ```console)."""
+    starts, inside = set(), False
+    for i, line in enumerate(text.splitlines(), 1):
+        if _FENCE.match(line.strip()):
+            if not inside and line.strip()[3:].strip() in ("bash", "sh", "shell", "console"):
+                starts.add(i + 1)
+            inside = not inside
+    return starts
+
+
+def documented_job_submits(text: str) -> list[tuple[int, str | None]]:
+    """(line, RAY_AUTH_MODE in effect) for every `ray job submit` in the fenced code blocks of a doc.
+
+    The mode is an assignment before the command (`RAY_AUTH_MODE=token ray job submit ...`) or the
+    last `export ... RAY_AUTH_MODE=...` earlier in the same block.
+    """
+    found = []
+    shell_blocks = _shell_block_starts(text)
+    for first, block in _code_blocks(text):
+        if first not in shell_blocks:
+            continue  # a diagram or output, not commands
+        exported: str | None = None
+        for line_no, line in _logical_lines(block, first):
+            try:
+                tokens = shlex.split(line, comments=True)
+            except ValueError:
+                continue
+            segments, cur = [], []
+            for tok in tokens:
+                if tok in ("&&", "||", ";", "|", "&"):
+                    segments.append(cur)
+                    cur = []
+                else:
+                    cur.append(tok)
+            segments.append(cur)
+            for seg in segments:
+                assigns = {}
+                while seg and re.fullmatch(r"\w+=.*", seg[0]):
+                    k, v = seg.pop(0).split("=", 1)
+                    assigns[k] = v
+                if seg[:1] == ["export"]:
+                    for tok in seg[1:]:
+                        if tok.startswith("RAY_AUTH_MODE="):
+                            exported = tok.split("=", 1)[1]
+                elif seg[:3] == ["ray", "job", "submit"]:
+                    found.append((line_no, assigns.get("RAY_AUTH_MODE", exported)))
+    return found
+
+
+def test_job_submit_finder_tracks_the_auth_mode():
+    text = ("```\nray job submit -- python jobs/stage2.py   # a diagram\n```\n"
+            "```bash\n"
+            "ray job submit -- python jobs/eval.py\n"
+            "export RAY_ADDRESS=http://127.0.0.1:8265 RAY_AUTH_MODE=token\n"
+            "ray job submit --working-dir . -- \\\n    python jobs/stage2.py\n"
+            "RAY_AUTH_MODE=disabled ray start --head && ray job submit -- python x.py\n"
+            "```\n```bash\nRAY_AUTH_MODE=disabled ray job submit -- ls\nray job submit -- ls\n```\n")
+    assert documented_job_submits(text) == [(5, None), (7, "token"), (9, "token"), (12, "disabled"), (13, None)]
+
+
+def test_documented_job_submits_set_the_auth_mode():
+    """Ray 2.60's clients attach the token only when RAY_AUTH_MODE=token (see the next test): a documented
+    `ray job submit` without an explicit mode gets a 401 from a token-auth cluster."""
+    missing = []
+    for path in DOC_FILES:
+        for line, mode in documented_job_submits(path.read_text()):
+            if mode not in ("token", "disabled"):
+                missing.append(f"{path.relative_to(REPO)}:{line}")
+    assert not missing, "ray job submit without RAY_AUTH_MODE (token for a cluster): " + ", ".join(missing)
+
+
+def test_ray_client_sends_the_token_only_in_token_mode(tmp_path: Path):
+    """What the docs rely on, checked on the installed Ray: the job client's HTTP headers carry the
+    token from RAY_AUTH_TOKEN only when RAY_AUTH_MODE=token (a fresh process each: the mode is cached)."""
+    import os
+    import subprocess
+
+    code = ("import json; from ray._private.authentication.http_token_authentication import "
+            "get_auth_headers_if_auth_enabled as h; print(json.dumps(h({})))")
+
+    def headers(**env: str) -> dict:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        out = subprocess.run([sys.executable, "-c", code], env={**base, "HOME": str(tmp_path), **env},
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    token = "0123456789abcdef0123456789abcdef"
+    assert headers(RAY_AUTH_TOKEN=token) == {}
+    sent = headers(RAY_AUTH_TOKEN=token, RAY_AUTH_MODE="token")
+    assert any(token in v for v in sent.values()), sent

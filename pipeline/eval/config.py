@@ -42,6 +42,9 @@ class KLSection:
     # Use kernels.fused_kl.fused_linear_kl_div when importable (else exact chunked fp32).
     use_fused: bool = True
     chunk_tokens: int = 1024
+    # File keeping the teacher's hidden states per row: a later evaluation against the same teacher
+    # and rows skips the teacher's forward (None = off).
+    teacher_cache: str | None = None
     # Chat records that cannot be read or rendered: "report" (counted and listed in the results,
     # then skipped) or "fail" (the job stops with the record's error).
     on_bad_record: str = "report"

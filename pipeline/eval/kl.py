@@ -21,7 +21,10 @@ Design choices:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,6 +227,55 @@ def fused_kl_op():
     return fused_linear_kl_div
 
 
+class TeacherStateCache:
+    """The teacher's scored hidden states [N, D] and NLL sum per held-out row, kept in one safetensors
+    file so that later evaluations against the same teacher and rows skip the teacher's forward (the
+    demo evaluates three students against one teacher). Rows are keyed by a hash of their tokens and
+    loss mask; a file written for another teacher (`key`) is ignored and rewritten."""
+
+    def __init__(self, path: str | Path, key: str) -> None:
+        from safetensors import safe_open
+
+        self.path, self.key = Path(path), key
+        self.states: dict[str, tuple[torch.Tensor, float]] = {}
+        self.hits = self.misses = 0
+        self.dirty = False
+        if self.path.is_file():
+            with safe_open(str(self.path), framework="pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("key") == key:
+                    nll = json.loads(meta.get("nll", "{}"))
+                    self.states = {h: (f.get_tensor(h), float(v)) for h, v in nll.items()}
+
+    @staticmethod
+    def row_hash(row: dict[str, torch.Tensor]) -> str:
+        h = hashlib.sha256(row["input_ids"].numpy().tobytes())
+        h.update(row["loss_mask"].numpy().tobytes())
+        return h.hexdigest()[:32]
+
+    def get(self, row: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float] | None:
+        hit = self.states.get(self.row_hash(row))
+        self.hits += hit is not None
+        self.misses += hit is None
+        return hit
+
+    def put(self, row: dict[str, torch.Tensor], h_ND: torch.Tensor, nll_sum: float) -> None:
+        self.states[self.row_hash(row)] = (h_ND.detach().cpu().contiguous(), nll_sum)
+        self.dirty = True
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        from safetensors.torch import save_file
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        save_file({h: t for h, (t, _) in self.states.items()}, str(tmp),
+                  metadata={"key": self.key, "nll": json.dumps({h: v for h, (_, v) in self.states.items()})})
+        os.replace(tmp, self.path)
+        self.dirty = False
+
+
 @dataclass
 class KLResult:
     rows: int
@@ -249,11 +301,13 @@ def _output_weight(model: nn.Module) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_kl(model: nn.Module, rows: Iterable[tuple[str, dict[str, Any]]], teacher: nn.Module | None = None, use_fused: bool = True,
-                chunk: int = LOGITS_CHUNK, total: int | None = None, show_progress: bool = False) -> KLResult:
+                chunk: int = LOGITS_CHUNK, total: int | None = None, show_progress: bool = False,
+                teacher_cache: TeacherStateCache | None = None) -> KLResult:
     """KL(teacher || model) per scored token, and NLL / perplexity of model (and teacher).
 
     rows: (where, packed row) pairs, e.g. from `iter_eval_rows`; `where` names the row in errors.
     `show_progress`: a progress bar over rows (`total` = the expected count, when known).
+    teacher_cache: reuse (and record) the teacher's hidden states per row instead of its forward.
     """
     ws = _output_weight(model)
     wt = _output_weight(teacher) if teacher is not None else None
@@ -279,8 +333,13 @@ def evaluate_kl(model: nn.Module, rows: Iterable[tuple[str, dict[str, Any]]], te
         hs_ND = hidden_states(model, row)[idx.to(ws.device)]
         nll_sum += chunked_nll_sum(hs_ND, ws, labels_N, chunk)
         if teacher is not None:
-            ht_ND = hidden_states(teacher, row)[idx.to(wt.device)].to(ws.device)
-            t_nll_sum += chunked_nll_sum(ht_ND, wt.to(ws.device), labels_N, chunk)
+            hit = teacher_cache.get(row) if teacher_cache is not None else None
+            if hit is None:
+                ht_ND = hidden_states(teacher, row)[idx.to(wt.device)].to(ws.device)
+                hit = (ht_ND, chunked_nll_sum(ht_ND, wt.to(ws.device), labels_N, chunk))
+                if teacher_cache is not None:
+                    teacher_cache.put(row, *hit)
+            ht_ND, t_nll_sum = hit[0].to(ws.device), t_nll_sum + hit[1]
             if op is not None:
                 kl_sum += float(op(hs_ND, ws, teacher_hidden=ht_ND, teacher_weight=wt.to(ws.device),
                                    reduction="sum", chunk_size=chunk))

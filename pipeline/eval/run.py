@@ -151,13 +151,30 @@ def _suite_kl(cfg: EvalConfig, model, tokenizer, loaded: dict[str, Any]) -> dict
     tok_dir = (cfg.models.tokenizer or cfg.models.path) if tokenizer is not None else None
     rejects: list[dict[str, Any]] | None = [] if cfg.kl.on_bad_record == "report" else None
     rows = iter_eval_rows(data, tok_dir, cfg.kl.max_rows, rejects)
+    cache = _teacher_cache(cfg, t) if (t and cfg.kl.teacher_cache) else None
     res = evaluate_kl(model, rows, teacher, use_fused=cfg.kl.use_fused, chunk=cfg.kl.chunk_tokens,
-                      total=cfg.kl.max_rows, show_progress=True).to_dict()
+                      teacher_cache=cache, total=cfg.kl.max_rows,
+                      show_progress=True).to_dict()
+    if cache is not None:
+        cache.save()
+        res["teacher_cache"] = {"path": str(cache.path), "hits": cache.hits, "misses": cache.misses}
     res["teacher"] = cfg.models.teacher
     res["data"] = data
     res["rejected_records"] = len(rejects or [])
     res["rejects"] = (rejects or [])[:20]
     return res
+
+
+def _teacher_cache(cfg: EvalConfig, teacher: str):
+    """kl.teacher_cache for this teacher: keyed by its weights (path, size, mtime), dtype and device."""
+    from pipeline.eval.decode import pick_device, resolve_path
+    from pipeline.eval.kl import TeacherStateCache
+
+    path = resolve_path(teacher)
+    weights = sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in path.glob("*.safetensors"))
+    key = config_hash({"teacher": str(path), "weights": weights, "dtype": cfg.models.dtype,
+                       "device": str(pick_device(cfg.models.device))})
+    return TeacherStateCache(cfg.kl.teacher_cache, key)
 
 
 def _suite_retrieval(cfg: EvalConfig, model, base, tokenizer) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from pipeline.config import (
 )
 from pipeline.data.mixture import SPLITS
 from pipeline.teacher.config import TeacherClientConfig, TeacherModelConfig, TeacherPoolConfig
+from pipeline.train.trackers import MlflowSection, WandbSection
 
 STAGE_KEYS = ("stage1", "stage2")
 # What the driver passes to `hylo.upcycle.upcycle` itself (not conversion options of model.convert).
@@ -202,6 +203,10 @@ class MetricsSection:
     # Print one progress line every this many steps.
     log_every: int = 1
     tensorboard: bool = True
+    # Optional trackers, off unless set (pipeline/train/trackers.py; pip install 'hylo-pipeline[trackers]'):
+    # wandb: {project, entity, mode: online|offline|disabled, name}; mlflow: {tracking_uri, experiment, run_name}.
+    wandb: WandbSection | None = None
+    mlflow: MlflowSection | None = None
 
 
 @dataclass

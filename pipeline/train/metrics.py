@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from pipeline.train.storage import Loc
+from pipeline.train.trackers import RunTrackers
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tensorboard"
@@ -73,6 +74,8 @@ class MetricsWriter:
         self._step_last: int | None = None
         self._sec_per_step: float | None = None
         self._purge_step: int | None = None
+        # W&B / MLflow when the run's config asks for them (metrics.wandb, metrics.mlflow)
+        self.trackers = RunTrackers(self.run_dir, stream)
 
     def _tb_writer(self):
         if self._tb is None and self.tensorboard:
@@ -136,6 +139,7 @@ class MetricsWriter:
                 if isinstance(record.get(k), int | float):
                     tb.add_scalar(f"train/{k}", record[k], step)
             tb.flush()
+        self.trackers.log(record, final=step >= self.total_steps)
         if step % self.log_every == 0 or step == self.total_steps:
             print(self.progress_line(record), file=self.stream or sys.stdout, flush=True)
 
@@ -156,6 +160,7 @@ class MetricsWriter:
         return " | ".join(parts)
 
     def close(self) -> None:
+        self.trackers.finish()
         if self._tb is not None:
             self._tb.close()
             self._tb = None

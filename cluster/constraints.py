@@ -1,0 +1,179 @@
+"""The version lock (`constraints.txt`): what `make install`, CI and both cluster images install.
+
+    python cluster/constraints.py            # check: exit 1 and list the differences when out of date
+    python cluster/constraints.py --write    # rewrite constraints.txt from this environment (`make constraints`)
+
+The lock holds one `name==version` line for every package that pyproject.toml's dependencies and its
+`dev` and `gpu` extras pull in (transitively, markers and extras evaluated for this interpreter),
+at the version installed here: the environment `make test` passed in. Two exceptions:
+
+* torch (and what only torch pulls in) is not pinned: `make install` keeps the torch that is present
+  (installing the CPU build torch==2.13.0 when there is none) and the images keep their base image's
+  ROCm or CUDA build. Triton is pinned for the CPU install; the Dockerfiles drop the triton lines
+  (`IMAGE_OWNED`) because the base image's torch fixes its own Triton.
+* A package of an extra that is not installed here (the `gpu` extra's liger-kernel: CUDA machines
+  only) keeps the pin written by hand below the `# not installed on the CPU machines` line;
+  `--write` carries it over and refuses to drop one.
+
+tests/test_cluster.py checks that the lock covers the dependencies, matches what is installed, and is
+what the Makefile and both Dockerfiles install with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import re
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+REPO = Path(__file__).resolve().parents[1]
+LOCK = REPO / "constraints.txt"
+# Extras the lock covers (`make install` installs `dev`; Dockerfile.cuda installs `gpu`).
+EXTRAS = ("dev", "gpu")
+# Provided by the environment: never pinned, not followed.
+ENVIRONMENT_OWNED = ("torch", "torchvision", "torchaudio")
+# In the lock for the CPU install, dropped by the Dockerfiles (the base image's torch fixes them).
+IMAGE_OWNED = ("triton", "pytorch-triton-rocm")
+HAND_PINNED_HEADER = "# not installed on the CPU machines (CI, the demo); pinned by hand:"
+_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)\s*(?:#.*)?$")
+
+
+@dataclass(frozen=True)
+class Pin:
+    name: str
+    version: str
+
+    @property
+    def key(self) -> str:
+        return canonicalize_name(self.name)
+
+    def line(self) -> str:
+        return f"{self.name}=={self.version}"
+
+
+def project_requirements(pyproject: Path = REPO / "pyproject.toml", extras: tuple[str, ...] = EXTRAS
+                         ) -> list[Requirement]:
+    """pyproject.toml's dependencies plus those of `extras`."""
+    proj = tomllib.loads(pyproject.read_text())["project"]
+    reqs = [Requirement(r) for r in proj.get("dependencies", [])]
+    optional = proj.get("optional-dependencies", {})
+    for extra in extras:
+        reqs += [Requirement(r) for r in optional.get(extra, [])]
+    return reqs
+
+
+def _applies(req: Requirement, extras: frozenset[str]) -> bool:
+    if req.marker is None:
+        return True
+    env = default_environment()
+    return any(req.marker.evaluate({**env, "extra": e}) for e in (extras or {""}))
+
+
+def resolve_installed(roots: list[Requirement]) -> tuple[dict[str, Pin], list[Requirement]]:
+    """Installed version of every package the roots need (transitively); and the roots not installed."""
+    pins: dict[str, Pin] = {}
+    missing: list[Requirement] = []
+    seen: set[tuple[str, frozenset[str]]] = set()
+    todo: list[tuple[Requirement, bool]] = [(r, True) for r in roots if _applies(r, frozenset())]
+    while todo:
+        req, is_root = todo.pop()
+        key = canonicalize_name(req.name)
+        if key in ENVIRONMENT_OWNED:
+            continue
+        extras = frozenset(canonicalize_name(e) for e in req.extras)
+        if (key, extras) in seen:
+            continue
+        seen.add((key, extras))
+        try:
+            dist = md.distribution(req.name)
+        except md.PackageNotFoundError:
+            if is_root:
+                missing.append(req)
+                continue
+            raise SystemExit(f"error: {req.name} (needed by the project's dependencies) is not installed; "
+                             f"run `make install` first") from None
+        pins[key] = Pin(dist.metadata["Name"], dist.version)
+        for spec in dist.requires or []:
+            child = Requirement(spec)
+            if _applies(child, extras):
+                todo.append((child, False))
+    return pins, missing
+
+
+def read_lock(path: Path = LOCK) -> tuple[dict[str, Pin], dict[str, Pin]]:
+    """(generated pins, hand pins) of a lock file; raises ValueError on a line that is not `name==version`."""
+    generated: dict[str, Pin] = {}
+    hand: dict[str, Pin] = {}
+    target = generated
+    for i, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if line == HAND_PINNED_HEADER:
+            target = hand
+            continue
+        if not line or line.startswith("#"):
+            continue
+        m = _PIN.match(line)
+        if not m:
+            raise ValueError(f"{path}:{i}: not a `name==version` pin: {raw!r}")
+        pin = Pin(m.group(1), m.group(2))
+        if pin.key in generated or pin.key in hand:
+            raise ValueError(f"{path}:{i}: {pin.name} is pinned twice")
+        target[pin.key] = pin
+    return generated, hand
+
+
+def render_lock(pins: dict[str, Pin], hand: dict[str, Pin]) -> str:
+    head = [
+        "# Version lock of hylo-pipeline: `pip install -c constraints.txt ...` (make install, CI, both images).",
+        "# Generated by `make constraints` (python cluster/constraints.py --write) from the environment the",
+        "# tests passed in; tests/test_cluster.py fails when it drifts from what is installed.",
+        "# torch is not pinned: the CPU build torch==2.13.0 here, the base image's ROCm/CUDA build in the",
+        "# images, which also drop the triton lines (their torch fixes its Triton).",
+    ]
+    body = [p.line() for p in sorted(pins.values(), key=lambda p: p.key)]
+    tail = ["", HAND_PINNED_HEADER, *(p.line() for p in sorted(hand.values(), key=lambda p: p.key))] if hand else []
+    return "\n".join([*head, *body, *tail]) + "\n"
+
+
+def build_lock(path: Path = LOCK) -> str:
+    pins, missing = resolve_installed(project_requirements())
+    _, hand = read_lock(path) if path.is_file() else ({}, {})
+    unpinned = [r for r in missing if canonicalize_name(r.name) not in hand]
+    if unpinned:
+        raise SystemExit("error: not installed here and not pinned by hand in constraints.txt: "
+                         + ", ".join(str(r) for r in unpinned))
+    keep = {canonicalize_name(r.name) for r in missing}
+    return render_lock(pins, {k: v for k, v in hand.items() if k in keep})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--write", action="store_true", help="rewrite constraints.txt from this environment")
+    args = ap.parse_args(argv)
+    text = build_lock()
+    if args.write:
+        tmp = LOCK.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(LOCK)
+        print(f"wrote {LOCK} ({sum(1 for line in text.splitlines() if _PIN.match(line))} pins)")
+        return 0
+    current = LOCK.read_text() if LOCK.is_file() else ""
+    if current == text:
+        print(f"{LOCK.name} matches this environment")
+        return 0
+    import difflib
+
+    sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True),
+                                               str(LOCK.name), "this environment"))
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""jobs/demo.py's choice of evaluation suites (the demo itself runs in `make demo`, not here)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "jobs"))
+
+import demo  # noqa: E402
+
+
+def make(tmp_path: Path, *flags: str) -> demo.Demo:
+    d = demo.Demo(demo.build_parser().parse_args(["--run-dir", str(tmp_path / "run"), "--quiet", *flags]))
+    d.base = Path("/models/smollm2")
+    d.commands = []
+
+    def fake_sh(name, cmd, env=None):
+        d.commands.append((name, cmd))
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        suites = cmd[cmd.index("--suite") + 1].split(",")
+        (out / "results.json").write_text(json.dumps({s: {"seconds": 1.0} for s in suites}))
+        return ""
+
+    d.sh = fake_sh
+    return d
+
+
+def sets(cmd: list[str]) -> dict[str, str]:
+    return dict(cmd[i + 1].split("=", 1) for i, tok in enumerate(cmd) if tok == "--set")
+
+
+def test_default_demo_evaluates_what_a_135m_model_shows(tmp_path):
+    d = make(tmp_path)
+    assert d.final_suites() == ["kl", "kvcache"]
+    d.evaluate("stage2", tmp_path / "model", d.final_suites())
+    name, cmd = d.commands[-1]
+    assert name == "eval_stage2" and cmd[cmd.index("--suite") + 1] == "kl,kvcache"
+    s = sets(cmd)
+    assert s["kvcache.lengths"] == demo.DEFAULT_KV_LENGTHS and s["kl.max_rows"] == "8"
+    assert not any(k.startswith("retrieval.") for k in s)
+
+
+def test_full_eval_adds_retrieval_and_longer_contexts(tmp_path):
+    d = make(tmp_path, "--full-eval", "--retrieval-lengths", "[256,512]")
+    assert d.final_suites() == ["kl", "retrieval", "kvcache"]
+    d.evaluate("stage2", tmp_path / "model", d.final_suites())
+    s = sets(d.commands[-1][1])
+    assert s["retrieval.lengths"] == "[256,512]" and s["kvcache.lengths"] == demo.FULL_KV_LENGTHS
+    # an explicit --kv-lengths wins in both modes
+    d2 = make(tmp_path, "--kv-lengths", "[128,256]")
+    d2.evaluate("stage2", tmp_path / "model", d2.final_suites())
+    assert sets(d2.commands[-1][1])["kvcache.lengths"] == "[128,256]"
+
+
+@pytest.mark.parametrize("first,then,reruns", [([], ["--full-eval"], True), (["--full-eval"], [], False),
+                                               ([], [], False)])
+def test_a_finished_eval_is_redone_only_when_it_lacks_a_requested_suite(tmp_path, first, then, reruns):
+    d = make(tmp_path, *first)
+    suites = d.final_suites()
+    d.step("eval_stage2", d.eval_outputs("stage2", suites), lambda: d.evaluate("stage2", tmp_path / "m", suites))
+    again = make(tmp_path, *then)
+    suites = again.final_suites()
+    again.step("eval_stage2", again.eval_outputs("stage2", suites),
+               lambda: again.evaluate("stage2", tmp_path / "m", suites))
+    assert len(again.commands) == (1 if reruns else 0)
+    results = json.loads((tmp_path / "run" / "eval" / "stage2" / "results.json").read_text())
+    assert ("retrieval" in results) == bool(first or then)
