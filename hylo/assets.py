@@ -42,6 +42,8 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from hylo.files import atomic_write, remove_path, replace_dir
+
 MARKER = ".complete.json"
 
 
@@ -268,17 +270,11 @@ def _lock(root: Path, name: str):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _remove(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p, ignore_errors=True)
-    else:
-        p.unlink(missing_ok=True)
-
-
 def _sweep_stale_tmp(root: Path, name: str) -> None:
-    # Only called under the asset's lock, so no live fetch of this asset owns these directories.
-    for p in root.glob(f".{name}.tmp-*"):
-        _remove(p)
+    # Only called under the asset's lock, so no live fetch of this asset owns these directories (nor
+    # the invalid asset a crashed fetch had moved aside).
+    for p in [*root.glob(f".{name}.tmp-*"), *root.glob(f".{name}.old-*")]:
+        remove_path(p)
 
 
 def fetch_asset(
@@ -326,20 +322,10 @@ def fetch_asset(
                 if not marker["files"]:
                     raise AssetError(f"building asset {name} produced no files")
                 # The marker is written last (atomically) so a partial `out` never carries one.
-                (out / (MARKER + ".tmp")).write_text(json.dumps(marker, indent=1))
-                os.replace(out / (MARKER + ".tmp"), out / MARKER)
+                atomic_write(out / MARKER, json.dumps(marker, indent=1))
                 steps.update()
             # Replace a previous invalid target; a valid one cannot exist here (checked under the lock).
-            if target.exists() or target.is_symlink():
-                old = root / f".{name}.tmp-old-{os.getpid()}"
-                os.replace(target, old)
-                _remove(old)
-            os.replace(out, target)
+            replace_dir(out, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return asset_path(name, root)
-
-
-def fetch_all(names: list[str] | None = None, cache_dir: str | Path | None = None,
-              progress: bool = True, verify: bool = False) -> dict[str, Path]:
-    return {n: fetch_asset(n, cache_dir, progress, verify) for n in (names or list(ASSETS))}

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from hylo.files import atomic_write
 
 CARD_JSON = "hylo_card.json"
 CARD_MD = "README.md"
@@ -35,12 +36,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def load_card(directory: str | Path | None) -> dict[str, Any] | None:
@@ -185,8 +180,8 @@ def render(config, card: dict[str, Any]) -> str:
 
 def write_card(directory: str | Path, config, card: dict[str, Any]) -> None:
     d = Path(directory)
-    _write_atomic(d / CARD_JSON, json.dumps(card, indent=2, sort_keys=True, default=str) + "\n")
-    _write_atomic(d / CARD_MD, render(config, card))
+    atomic_write(d / CARD_JSON, json.dumps(card, indent=2, sort_keys=True, default=str) + "\n")
+    atomic_write(d / CARD_MD, render(config, card))
 
 
 def add_eval_results(directory: str | Path, config, metrics: dict[str, dict[str, Any]], source: str) -> Path:

@@ -15,6 +15,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from hylo.files import atomic_write, read_json
+
 LINEAR_TYPES = ("gdn", "mamba2")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 HYBRID_CONFIG_NAME = "hybrid_config.json"
@@ -243,9 +245,7 @@ class HybridConfig(PretrainedConfig):
         data = self.to_dict()
         for k in ("transformers_version", "architectures", "auto_map", "num_hidden_layers"):
             data.pop(k, None)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-        tmp.replace(path)
+        atomic_write(path, json.dumps(data, indent=2, sort_keys=True))
         return path
 
     @classmethod
@@ -263,10 +263,7 @@ class HybridConfig(PretrainedConfig):
             p = p / HYBRID_CONFIG_NAME
         if not p.is_file():
             raise HybridConfigError(f"{p}: no {HYBRID_CONFIG_NAME} found (is this a HyLo checkpoint?)")
-        try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise HybridConfigError(f"{p}: not valid JSON ({e})") from e
+        data = read_json(p, HybridConfigError, mapping=True)
         if data.get("model_type") != "hylo" and any(k in data for k in ("use_lora_layer_norm", "use_full_kv_head", "ssm_cfg")):
             raise HybridConfigError(
                 f"{p}: written by AMD's Hybrid-Models code (the released layout: their keys, the vocabulary in "
@@ -308,10 +305,7 @@ def check_config_files(directory: str | Path) -> None:
     main, derived = d / "config.json", d / HYBRID_CONFIG_NAME
     if not (main.is_file() and derived.is_file()):
         return
-    try:
-        a, b = json.loads(main.read_text()), json.loads(derived.read_text())
-    except json.JSONDecodeError as e:
-        raise HybridConfigError(f"{d}: config.json or {HYBRID_CONFIG_NAME} is not valid JSON ({e})") from e
+    a, b = read_json(main, HybridConfigError, mapping=True), read_json(derived, HybridConfigError, mapping=True)
     if a.get("model_type") != HybridConfig.model_type:
         return
     arch_a, arch_b = _architecture(a, main), _architecture(b, derived)

@@ -1,14 +1,130 @@
-"""Cheap checks of weight files, so a truncated or corrupt download is named before anything loads it.
+"""Files: atomic writes, JSON reading with errors that name the file, cheap checks of weight files.
 
-`check_safetensors(path)` reads only the 8-byte length and the JSON header of a .safetensors file and
-checks that the tensors it lists cover the file exactly (what safetensors itself requires, but its error
-names no file). `check_weights_dir(dir)` does it for every .safetensors file of a model directory.
+Used by `hylo/` and `pipeline/` alike (this module imports neither torch nor Ray):
+* `atomic_path(path)` / `atomic_write(path, data)`: a file is written under a temporary name in its own
+  directory (`.<name>.tmp-<pid>-<hex>`) and renamed over `path` only when complete (`fsync=True` also
+  flushes it to disk first), so a reader or a crash sees the old file or the new one, never a part;
+  on an error the temporary file is removed and `path` is left as it was.
+* `atomic_dir(path)` / `replace_dir(staging, path)`: the same for a directory, built under a temporary
+  name and swapped in; a previous one is renamed aside (`.<name>.old-<pid>-<hex>`) and deleted only
+  once the new one is in place (put back if that fails).
+* `read_json(path, error)`: the JSON value of a file, or `error` naming the file when it is not JSON.
+* `check_safetensors(path)` reads only the 8-byte length and the JSON header of a .safetensors file and
+  checks that the tensors it lists cover the file exactly (what safetensors itself requires, but its
+  error names no file). `check_weights_dir(dir)` does it for every .safetensors file of a model directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+# ------------------------------------------------------------------------------------ atomic writes
+
+
+def temp_name(path: str | Path, kind: str = "tmp") -> Path:
+    """A fresh hidden name beside `path`: `.<name>.<kind>-<pid>-<hex>` (same directory, so renaming it
+    onto `path` is atomic; the pid says which process owns it)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, fsync: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside `path` for the caller (or a library) to write; when the block ends
+    normally it is renamed onto `path` (flushed to disk first with `fsync`), when it raises it is removed
+    and `path` is untouched."""
+    path = Path(path)
+    tmp = temp_name(path)
+    try:
+        yield tmp
+        if fsync:
+            _fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: str | Path, data: str | bytes, fsync: bool = False) -> None:
+    """Write `data` (text is UTF-8) to `path` atomically (see `atomic_path`)."""
+    with atomic_path(path, fsync=fsync) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def remove_path(p: Path) -> None:
+    """Delete a file, a link or a directory tree (whatever is at `p`; nothing there is fine)."""
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def replace_dir(staging: str | Path, path: str | Path) -> None:
+    """Move the finished directory `staging` to `path` (same parent directory). A previous `path` is
+    renamed aside first and deleted only after; if the second rename fails it is put back."""
+    staging, path = Path(staging), Path(path)
+    if not (path.exists() or path.is_symlink()):
+        os.replace(staging, path)
+        return
+    old = temp_name(path, "old")
+    os.replace(path, old)
+    try:
+        os.replace(staging, path)
+    except OSError:
+        os.replace(old, path)
+        raise
+    remove_path(old)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield a new empty directory beside `path` to fill; when the block ends normally it replaces
+    `path` (`replace_dir`), when it raises it is deleted and `path` is untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(path)
+    tmp.mkdir()
+    try:
+        yield tmp
+        replace_dir(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------ JSON files
+
+
+def read_json(path: str | os.PathLike | Any, error: type[Exception] = ValueError, mapping: bool = False) -> Any:
+    """The JSON value of file `path` (a path, or any object with `read_text()` such as a storage
+    location). A file that is not valid JSON or not UTF-8 raises `error("<path>: not valid JSON (...)")`,
+    and with `mapping` one whose top level is not an object raises `error` too. A missing file raises
+    FileNotFoundError: what its absence means is the caller's to say."""
+    src = path if hasattr(path, "read_text") else Path(path)
+    try:
+        data = json.loads(src.read_text(encoding="utf-8") if isinstance(src, Path) else src.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{src}: not valid JSON ({e})") from None
+    if mapping and not isinstance(data, dict):
+        raise error(f"{src}: the top level must be an object")
+    return data
+
+
+# ------------------------------------------------------------------------------------ weight files
 
 # safetensors refuses headers above 100 MB; a larger length means the file is not safetensors.
 MAX_HEADER_BYTES = 100_000_000

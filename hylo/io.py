@@ -12,28 +12,15 @@ place only when complete, so a crash never leaves a directory that looks like a 
 
 from __future__ import annotations
 
-import os
 import shutil
-import uuid
 from pathlib import Path
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfigError
+from hylo.files import atomic_dir
 
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint's weights do not match its model (missing, unexpected or mis-shaped tensors)."""
-
-
-def atomic_replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished `tmp` directory to `final`, replacing any previous one."""
-    final = Path(final)
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
 
 
 # What a Hugging Face tokenizer directory may hold (copied as files; nothing is loaded or executed).
@@ -61,9 +48,7 @@ def save_hylo(model, out_dir: str | Path, tokenizer=None, tokenizer_from: str | 
     from hylo.card import write_card
 
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
+    with atomic_dir(out) as tmp:
         # HyLoForCausalLM.save_pretrained also writes hybrid_config.json and the model code (auto_map)
         model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
         if tokenizer is not None:
@@ -72,10 +57,6 @@ def save_hylo(model, out_dir: str | Path, tokenizer=None, tokenizer_from: str | 
             copy_tokenizer_files(tokenizer_from, tmp)
         source = tokenizer_from if tokenizer_from is not None else getattr(tokenizer, "name_or_path", None)
         write_card(tmp, model.config, card_provenance(out, source, provenance))
-        atomic_replace_dir(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -35,8 +35,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -44,6 +42,7 @@ from typing import Any
 import torch
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfig, HybridConfigError
+from hylo.files import atomic_dir, read_json
 
 # hybrid_config.json keys that only AMD's Hybrid-Models code writes (ours never does)
 AMD_ONLY_KEYS = ("use_lora_layer_norm", "use_full_kv_head", "qkv_rank_divisor", "ssm_cfg", "d_xb", "d_inner",
@@ -68,13 +67,7 @@ class ReleasedLayoutError(ValueError):
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ReleasedLayoutError(f"{path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ReleasedLayoutError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ReleasedLayoutError(f"{path}: the top level must be an object")
-    return data
+    return read_json(path, ReleasedLayoutError, mapping=True)
 
 
 def is_released_layout(path: str | Path) -> bool:
@@ -489,14 +482,11 @@ def export_released(model: Any, out_dir: str | Path, tokenizer_from: str | Path 
     """Write `model` in the released layout, atomically (temporary directory renamed into place)."""
     from safetensors.torch import save_file
 
-    from hylo.io import atomic_replace_dir, copy_tokenizer_files
+    from hylo.io import copy_tokenizer_files
 
     config_json, hybrid_json, tensors = released_files(model)
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.mkdir()
+    with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2))
         (tmp / HYBRID_CONFIG_NAME).write_text(json.dumps(hybrid_json, indent=4))
@@ -505,8 +495,4 @@ def export_released(model: Any, out_dir: str | Path, tokenizer_from: str | Path 
             gen.save_pretrained(tmp)
         if tokenizer_from is not None:
             copy_tokenizer_files(tokenizer_from, tmp)
-        atomic_replace_dir(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 from pathlib import Path
+
+from hylo.files import atomic_write
 
 ROOTS = ("hylo.config", "hylo.modeling")
 PROJECT_PACKAGES = ("hylo", "kernels")
@@ -91,16 +92,10 @@ def write_remote_code(directory: str | Path) -> list[str]:
     directory = Path(directory)
     files = bundle_sources()
     for name, text in files.items():
-        _write_atomic(directory / name, text)
+        atomic_write(directory / name, text)
     cfg_path = directory / "config.json"
     if cfg_path.is_file():
         data = json.loads(cfg_path.read_text())
         data["auto_map"] = dict(AUTO_MAP)
-        _write_atomic(cfg_path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        atomic_write(cfg_path, json.dumps(data, indent=2, sort_keys=True) + "\n")
     return list(files)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

@@ -39,7 +39,6 @@ Design choices:
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ import torch
 from torch import nn
 
 from hylo.config import HybridConfig, HybridConfigError, base_kv_values_per_token
+from hylo.files import read_json
 
 SUPPORTED_BASE_TYPES = ("llama", "qwen3", "mistral", "qwen2")
 
@@ -363,10 +363,7 @@ def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32):
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise UpcycleError(f"{p}: no config.json (is this a Hugging Face model directory?)")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise UpcycleError(f"{cfg_file}: not valid JSON ({e})") from e
+    raw = read_json(cfg_file, UpcycleError, mapping=True)
     mt = raw.get("model_type")
     if mt not in SUPPORTED_BASE_TYPES:
         arch = raw.get("architectures")

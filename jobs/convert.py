@@ -163,13 +163,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise UpcycleError("--dry-run needs --base-config CONFIG_JSON")
             from transformers import AutoConfig
 
+            from hylo.files import read_json
+
             path = Path(args.base_config)
             if not path.is_file():
                 raise UpcycleError(f"--base-config {path} does not exist")
-            try:
-                raw = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise UpcycleError(f"{path}: not valid JSON ({e})") from e
+            raw = read_json(path, UpcycleError, mapping=True)
             from hylo.upcycle import SUPPORTED_BASE_TYPES
 
             if raw.get("model_type") not in SUPPORTED_BASE_TYPES:

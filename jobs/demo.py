@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hylo.files import atomic_write  # noqa: E402
 from pipeline.cli import int_at_least, job_main  # noqa: E402
 from pipeline.runner import PY, StepRunner, convert_cmd, eval_cmd, last_json_object, train_cmd  # noqa: E402
 
@@ -78,9 +79,7 @@ class Demo(StepRunner):
         if not path.is_file():
             with open(self.run / "decontam" / "clean.jsonl") as f:
                 lines = [line for _, line in zip(range(self.args.records), f)]
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(lines))
-            tmp.replace(path)
+            atomic_write(path, "".join(lines))
         return path
 
     def prepare(self, split: str) -> dict:

@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hylo.files import atomic_write  # noqa: E402
 from pipeline.cli import int_at_least, job_main  # noqa: E402
 from pipeline.runner import StepRunner, convert_cmd, eval_cmd, last_json_object, train_cmd  # noqa: E402
 
@@ -124,9 +125,7 @@ class PlaceLayers(StepRunner):
                           measured=measured, mla_layers=choose(measured["drop"], self.args.n_mla),
                           spearman={k: spearman(proxy[k], measured["drop"]) for k in PROXIES},
                           proxy_mla_layers={k: choose(proxy[k], self.args.n_mla) for k in PROXIES})
-        tmp = self.run / "placement.json.tmp"
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(self.run / "placement.json")
+        atomic_write(self.run / "placement.json", json.dumps(result, indent=1))
         if not proxy_only:
             plot_scores(result, self.run / "placement_scores.png")
         return result
@@ -198,10 +197,8 @@ class PlaceLayers(StepRunner):
         summary = compare_summary(rows)
         md = compare_markdown(rows, summary, steps)
         (self.run / "compare.md").write_text("\n".join(md) + "\n")
-        tmp = self.run / "compare.json.tmp"
-        tmp.write_text(json.dumps({"steps_per_stage": steps, "seeds": sorted({x["seed"] for x in rows}),
-                                   "rows": rows, "summary": summary}, indent=1))
-        tmp.replace(self.run / "compare.json")
+        compare = {"steps_per_stage": steps, "seeds": sorted({x["seed"] for x in rows}), "rows": rows, "summary": summary}
+        atomic_write(self.run / "compare.json", json.dumps(compare, indent=1))
         print("\n" + "\n".join(md))
 
 

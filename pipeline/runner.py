@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hylo.files import atomic_write
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
@@ -47,9 +49,7 @@ class StepRunner:
         return info
 
     def mark(self, name: str, seconds: float, **info) -> None:
-        tmp = self.done_file(name).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"seconds": seconds, **info}, indent=1))
-        tmp.replace(self.done_file(name))
+        atomic_write(self.done_file(name), json.dumps({"seconds": seconds, **info}, indent=1))
         self.times[name] = seconds
 
     def step(self, name: str, outputs: list[Path], fn: Callable[[], dict | None]) -> dict:

@@ -37,6 +37,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hylo.files import atomic_dir, atomic_path, atomic_write, read_json
 from pipeline.data.packing import BestFitPacker, Document
 from pipeline.data.render import ChatRenderer, Encoded
 
@@ -171,12 +172,6 @@ def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.table(cols, schema=ROW_SCHEMA)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 class ShardWriter:
     """Buffers rows and writes `shard-NNNNN.parquet` files atomically; `finish()` returns their list."""
 
@@ -203,9 +198,8 @@ class ShardWriter:
     def _write(self) -> None:
         rows, self._buf = self._buf, []
         name = f"shard-{len(self.shards):05d}.parquet"
-        tmp = self.dir / f".{name}.tmp-{os.getpid()}"
-        pq.write_table(rows_to_table(rows), tmp, row_group_size=self.row_group_rows, compression="zstd")
-        os.replace(tmp, self.dir / name)
+        with atomic_path(self.dir / name) as tmp:
+            pq.write_table(rows_to_table(rows), tmp, row_group_size=self.row_group_rows, compression="zstd")
         self.shards.append({
             "file": name,
             "rows": len(rows),
@@ -215,7 +209,7 @@ class ShardWriter:
 
 def write_manifest(directory: str | Path, manifest: dict[str, Any]) -> Path:
     path = Path(directory) / MANIFEST
-    _atomic_write_text(path, json.dumps({"format": FORMAT, **manifest}, indent=1, sort_keys=False))
+    atomic_write(path, json.dumps({"format": FORMAT, **manifest}, indent=1, sort_keys=False))
     return path
 
 
@@ -223,10 +217,7 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise DataFormatError(f"{path} not found: not a packed-data directory, or its job did not finish")
-    try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataFormatError(f"{path}: invalid JSON ({e})") from None
+    m = read_json(path, DataFormatError)
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise DataFormatError(f"{path}: format is {m.get('format') if isinstance(m, dict) else m!r}, expected {FORMAT}")
     shards = m.get("shards")
@@ -422,7 +413,7 @@ class PrepareError(ValueError):
 
 # Files a prepare run writes into its output directory (anything else there is not ours to delete).
 _OUTPUT_FILES = re.compile(r"(shard-\d+\.parquet|manifest\.json|rejects\.jsonl|removed\.jsonl|report\.(json|md)"
-                           r"|\..*\.tmp-\d+)")
+                           r"|\..*\.tmp-\d+(-[0-9a-f]+)?)")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -444,7 +435,8 @@ def _check_output(out: Path, overwrite: bool) -> None:
     if not out.exists() and leftovers:
         leftovers[-1].rename(out)
     for d in out.parent.glob(f".{out.name}.tmp-*") if out.parent.is_dir() else []:
-        pid = d.name.rsplit("-", 1)[-1]
+        # hylo.files.temp_name: .<name>.tmp-<pid>-<hex>
+        pid = d.name.removeprefix(f".{out.name}.tmp-").split("-")[0]
         if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
     if not out.exists():
@@ -459,21 +451,6 @@ def _check_output(out: Path, overwrite: bool) -> None:
     if foreign:
         raise PrepareError(f"output.dir {out} exists and is not a prepared dataset (holds {foreign[:5]}); "
                            f"choose another output.dir or empty it")
-
-
-def _swap_in(staging: Path, out: Path) -> None:
-    """Put the finished `staging` directory at `out`; the previous dataset is deleted only after."""
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        try:
-            staging.rename(out)
-        except OSError:
-            old.rename(out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        staging.rename(out)
 
 
 def _ensure_ray(cfg: Any) -> None:
@@ -531,16 +508,9 @@ def prepare(cfg: Any) -> dict[str, Any]:
         except ValueError as e:
             raise PrepareError(f"decontam: {e}") from None
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+    # Built beside `out` and swapped in when complete; the previous dataset is deleted only after.
+    with atomic_dir(out) as staging:
         report = _prepare_into(cfg, staging, out, renderer, pad_id, index)
-        _swap_in(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return report
 
 
@@ -666,8 +636,8 @@ def _prepare_into(cfg: Any, staging: Path, out: Path, renderer: ChatRenderer, pa
                        "documents_per_s": run.documents / t_pack if t_pack else 0.0},
     }
     report.pop("format", None)
-    _atomic_write_text(staging / "report.json", json.dumps(report, indent=1))
-    _atomic_write_text(staging / "report.md", report_markdown(report))
+    atomic_write(staging / "report.json", json.dumps(report, indent=1))
+    atomic_write(staging / "report.md", report_markdown(report))
     return report
 
 

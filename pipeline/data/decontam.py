@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from hylo.files import atomic_path, atomic_write
 from pipeline.config import FILE_NAME, at_least, between, one_of, rules
 from pipeline.data.normalize import content_words, fold_many, normalize_words, normalize_words_plain
 from pipeline.data.readers import Record, SourceError, SourceSpec, is_reject, iter_raw, iter_source
@@ -59,7 +60,6 @@ from pipeline.data.readers import Record, SourceError, SourceSpec, is_reject, it
 MODES = ("drop", "cut")
 OUTPUT_FORMATS = ("jsonl", "parquet")
 SCANNERS = ("ray", "local", "reference")
-KINDS = ("ngram", "short", "exact")
 
 
 # ----------------------------------------------------------------------------------- config
@@ -174,7 +174,7 @@ def export_benchmarks(out_dir: str | Path, names: Sequence[str] | None = None,
     for name in names or hub:
         b = SUITES[name]
         rows = datasets.load_dataset(b.path.removeprefix("hub:"), b.subset, split=b.split)
-        with _AtomicWriter(out / f"{name}.jsonl") as f:
+        with atomic_path(out / f"{name}.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as f:
             n = 0
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
@@ -693,28 +693,9 @@ def cut_record(rec: Record, matches: Sequence[Match]) -> Record | None:
 # ------------------------------------------------------------------------------------- writing
 
 
-class _AtomicWriter:
-    """Write a file through a temp name in the same directory; rename on close (never half a file)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-    def __enter__(self):
-        self.f = open(self.tmp, "w", encoding="utf-8")
-        return self.f
-
-    def __exit__(self, exc_type, *_):
-        self.f.close()
-        if exc_type is None:
-            os.replace(self.tmp, self.path)
-        else:
-            self.tmp.unlink(missing_ok=True)
-
-
 def _write_jsonl(path: Path, rows: Iterable[dict], ensure_ascii: bool = False) -> int:
     n = 0
-    with _AtomicWriter(path) as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=ensure_ascii) + "\n")
             n += 1
@@ -727,22 +708,17 @@ def _write_parquet(path: Path, rows: Iterable[dict], chunk: int = 4096) -> int:
 
     schema = pa.schema([("id", pa.string()), ("source", pa.string()), (
         "messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))])
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     n = 0
-    try:
-        with pq.ParquetWriter(tmp, schema) as w:
-            buf: list[dict] = []
-            for r in rows:
-                buf.append(r)
-                if len(buf) >= chunk:
-                    w.write_table(pa.Table.from_pylist(buf, schema))
-                    n, buf = n + len(buf), []
-            if buf or n == 0:
+    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema) as w:
+        buf: list[dict] = []
+        for r in rows:
+            buf.append(r)
+            if len(buf) >= chunk:
                 w.write_table(pa.Table.from_pylist(buf, schema))
-                n += len(buf)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+                n, buf = n + len(buf), []
+        if buf or n == 0:
+            w.write_table(pa.Table.from_pylist(buf, schema))
+            n += len(buf)
     return n
 
 
@@ -923,8 +899,7 @@ def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = N
                  "total": round(t_end - t0, 3)},
         docs_per_s=round(len(records) / max(t_end - t_index, 1e-9), 1),
     )
-    with _AtomicWriter(out / "summary.json") as f:
-        json.dump(summary, f, indent=1)
+    atomic_write(out / "summary.json", json.dumps(summary, indent=1))
     return summary
 
 
@@ -969,10 +944,8 @@ def _reports(cfg: DecontamJobConfig, index: BenchmarkIndex, dec: Decision, recor
                                     for df, sp, g in boiler[:100]],
         }
         per_suite[s] = rep
-        with _AtomicWriter(out / "reports" / f"{s}.json") as f:
-            json.dump(rep, f, indent=1)
-        with _AtomicWriter(out / "reports" / f"{s}.md") as f:
-            f.write(_markdown(rep))
+        atomic_write(out / "reports" / f"{s}.json", json.dumps(rep, indent=1))
+        atomic_write(out / "reports" / f"{s}.md", _markdown(rep))
     return {
         "documents_in": len(records) + len(rejects),
         "documents_rejected": len(rejects),

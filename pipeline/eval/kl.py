@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hylo.files import atomic_path
 from pipeline.eval.decode import EvalError, final_hidden, is_hylo
 from pipeline.eval.progress import progress
 
@@ -269,10 +269,9 @@ class TeacherStateCache:
         from safetensors.torch import save_file
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        save_file({h: t for h, (t, _) in self.states.items()}, str(tmp),
-                  metadata={"key": self.key, "nll": json.dumps({h: v for h, (_, v) in self.states.items()})})
-        os.replace(tmp, self.path)
+        with atomic_path(self.path) as tmp:
+            save_file({h: t for h, (t, _) in self.states.items()}, str(tmp),
+                      metadata={"key": self.key, "nll": json.dumps({h: v for h, (_, v) in self.states.items()})})
         self.dirty = False
 
 

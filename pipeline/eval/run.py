@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,15 +25,10 @@ from typing import Any
 
 import torch
 
+from hylo.files import atomic_write
 from pipeline.config import config_hash, to_dict
 from pipeline.eval.config import EvalConfig
 from pipeline.eval.decode import EvalError, is_hylo, load_model, load_tokenizer
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _need(value: Any, option: str, suite: str) -> Any:
@@ -288,5 +282,5 @@ def render_markdown(res: dict[str, Any]) -> str:
 
 def write_results(res: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "results.json", json.dumps(res, indent=1, default=str))
-    _atomic_write(out / "results.md", render_markdown(res))
+    atomic_write(out / "results.json", json.dumps(res, indent=1, default=str))
+    atomic_write(out / "results.md", render_markdown(res))

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hylo.files import atomic_path, atomic_write, read_json
 from kernels.fused_kl.topk import TeacherTopK
 from pipeline.teacher.rows import PackedRow, as_packed_row, read_packed_rows
 
@@ -70,15 +69,6 @@ class ShardPlan:
     file: str
     start: int
     end: int
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def list_data_files(data_dir: str | Path) -> list[Path]:
@@ -181,10 +171,9 @@ def write_shard(path: Path, header: Mapping[str, Any], plan: ShardPlan, row_ids:
     })
     meta = {**header, "shard": plan.name, "file": plan.file, "start": plan.start, "end": plan.end}
     table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     # One packed row per row group: a reader fetches one row without decoding its neighbours.
-    pq.write_table(table, tmp, compression="zstd", row_group_size=1)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd", row_group_size=1)
     return path.stat().st_size
 
 
@@ -287,7 +276,7 @@ def prepare_cache(cfg: Any) -> tuple[dict[str, Any], list[ShardPlan], list[Shard
     else:
         manifest = {**header, "data_dir": str(Path(cfg.data).resolve()), "data_info": data_info, "data_files": files,
                     "shards": [p.__dict__ for p in plan], "complete": False, "created": time.time()}
-        _atomic_write_bytes(mpath, json.dumps(manifest, indent=1).encode())
+        atomic_write(mpath, json.dumps(manifest, indent=1), fsync=True)
     for leftover in (out / SHARD_DIR).glob(".*.tmp-*"):
         leftover.unlink(missing_ok=True)
     todo = []
@@ -321,7 +310,7 @@ def finalize_cache(out_dir: str | Path, plan: list[ShardPlan]) -> bool:
     size = sum(p.stat().st_size for p in paths)
     manifest.update(complete=True, rows=rows, tokens=tokens, bytes=size,
                     bytes_per_token=size / max(tokens, 1), finished=time.time())
-    _atomic_write_bytes(out / MANIFEST, json.dumps(manifest, indent=1).encode())
+    atomic_write(out / MANIFEST, json.dumps(manifest, indent=1), fsync=True)
     return True
 
 
@@ -360,10 +349,7 @@ def load_manifest(cache_dir: str | Path) -> dict[str, Any]:
     path = Path(cache_dir) / MANIFEST
     if not path.is_file():
         raise CacheFormatError(f"{cache_dir}: no {MANIFEST}; not a teacher cache")
-    try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CacheFormatError(f"{path}: not valid JSON ({e})") from None
+    m = read_json(path, CacheFormatError, mapping=True)
     if m.get("schema") != SCHEMA:
         raise CacheFormatError(f"{path}: schema {m.get('schema')!r} is not {SCHEMA!r}")
     if m.get("schema_version") != SCHEMA_VERSION:

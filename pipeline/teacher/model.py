@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hylo.files import read_json
 from kernels.fused_kl.topk import TeacherTopK, topk_from_logits
 from pipeline.teacher.config import TeacherModelConfig
 from pipeline.teacher.rows import PackedRow, as_packed_row
@@ -71,10 +72,7 @@ def tokenizer_fingerprint(path: str | os.PathLike | None) -> str:
     p = Path(path)
     tj = p / "tokenizer.json" if p.is_dir() else p
     if tj.is_file():
-        try:
-            canonical = json.dumps(json.loads(tj.read_text()), sort_keys=True, ensure_ascii=False)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{tj}: not valid JSON ({e})") from None
+        canonical = json.dumps(read_json(tj), sort_keys=True, ensure_ascii=False)
         return "tok-" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
     vocab = p / "vocab.json"
     if vocab.is_file():

@@ -49,7 +49,6 @@ import random
 import re
 import shutil
 import types
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from hylo import files
 from pipeline.config import ConfigError
 from pipeline.train.config import StageConfig, breaking_diff, breaking_hash, config_to_dict
 from pipeline.train.storage import Loc
@@ -79,33 +79,22 @@ class CheckpointError(RuntimeError):
 def write_json_atomic(path: Path, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    files.atomic_write(path, json.dumps(obj, indent=1, sort_keys=True, default=str))
 
 
 def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
+    with files.atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def read_json(path: Path | Loc) -> Any:
     loc = Loc.of(path)
     try:
-        return json.loads(loc.read_text())
+        return files.read_json(loc, CheckpointError)
     except FileNotFoundError as e:
         raise CheckpointError(f"{loc}: missing") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{loc}: not valid JSON ({e})") from e
 
 
 # ------------------------------------------------------------------------------------ RNG
@@ -452,9 +441,7 @@ def load_checkpoint(engine, ckpt: Path, rank: int) -> dict[str, Any]:
 def finalize_local(tmp: Path, final: Path, step: int, world_size: int) -> None:
     """torchrun mode, rank 0 after a barrier: write the manifest of a finished `.tmp-step_N`, move it into place."""
     finalize_checkpoint(tmp, step, world_size)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    files.replace_dir(tmp, final)
 
 
 def prune(run_dir: Path | Loc, keep: int | None) -> list[str]:

@@ -21,12 +21,12 @@ import os
 import resource
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hylo.files import atomic_write
 from pipeline.train.storage import Loc
 from pipeline.train.trackers import RunTrackers
 
@@ -115,9 +115,7 @@ class MetricsWriter:
                             f"continues")
         if text or path.exists():
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, path)
+            atomic_write(path, "".join(line + "\n" for line in kept))
         for w in warnings:
             print(f"[metrics] warning: {w}", file=self.stream or sys.stdout, flush=True)
         self._purge_step = step + 1

@@ -23,12 +23,13 @@ import os
 import re
 import shutil
 import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow.fs as pafs
+
+from hylo.files import atomic_write
 
 URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # Set by Ray's job supervisor for the entry point of `ray job submit` (runtime env + job metadata).
@@ -203,15 +204,7 @@ class Loc:
         if self.is_local:
             p = self.local()
             p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_name(f".{p.name}.tmp-{uuid.uuid4().hex[:8]}")
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, p)
-            finally:
-                tmp.unlink(missing_ok=True)
+            atomic_write(p, data, fsync=True)
             return
         self.fs.create_dir(self.parent.path, recursive=True)
         with self.fs.open_output_stream(self.path) as f:

@@ -28,11 +28,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from hylo.files import atomic_write
 
 TRACKERS_FILE = "trackers.json"
 EXTRA_HINT = "pip install 'hylo-pipeline[trackers]'"
@@ -209,9 +210,7 @@ class RunTrackers:
             self.active.append(tracker)
             if run_id:
                 ids[name] = run_id
-        tmp = ids_path.with_name(f".{TRACKERS_FILE}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(ids, indent=1))
-        tmp.replace(ids_path)
+        atomic_write(ids_path, json.dumps(ids, indent=1))
 
     def log(self, record: dict[str, Any], final: bool = False) -> None:
         if self.active is None:

@@ -1,0 +1,214 @@
+"""hylo/files.py: the one atomic-write helper (files and directories) and the one JSON-or-error reader,
+and the readers of the project's JSON files that go through it."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from hylo import files
+from hylo.files import atomic_dir, atomic_path, atomic_write, read_json, replace_dir
+
+
+def _leftovers(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.name.startswith("."))
+
+
+# ------------------------------------------------------------------------------------ atomic files
+def test_atomic_write_replaces_the_file_and_leaves_nothing_beside_it(tmp_path):
+    p = tmp_path / "a.json"
+    atomic_write(p, "old")
+    atomic_write(p, "né\n")
+    atomic_write(tmp_path / "b.bin", b"\x00\xff")
+    assert p.read_bytes() == "né\n".encode() and (tmp_path / "b.bin").read_bytes() == b"\x00\xff"
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_write_that_fails_half_way_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    p = tmp_path / "state.json"
+    p.write_text("complete old content")
+    real_write = Path.write_bytes
+
+    def disk_full(self: Path, data: bytes) -> int:
+        # a real partial file, then the error a full disk gives
+        real_write(self, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_bytes", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        atomic_write(p, "new content " * 100)
+    assert p.read_text() == "complete old content"
+    assert _leftovers(tmp_path) == []
+
+
+def test_atomic_path_renames_what_a_library_wrote_only_when_the_block_ends(tmp_path):
+    p = tmp_path / "t.bin"
+    with atomic_path(p) as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".t.bin.tmp-")
+        tmp.write_bytes(b"x")
+        assert not p.exists()
+    assert p.read_bytes() == b"x"
+    with pytest.raises(RuntimeError), atomic_path(p) as tmp:
+        tmp.write_bytes(b"partial")
+        raise RuntimeError("writer crashed")
+    assert p.read_bytes() == b"x" and _leftovers(tmp_path) == []
+
+
+def test_fsync_flushes_the_temporary_file_before_the_rename(tmp_path, monkeypatch):
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"), real_replace(a, b))[1])
+    atomic_write(tmp_path / "a", b"1")
+    assert events == ["replace"]
+    events.clear()
+    atomic_write(tmp_path / "a", b"2", fsync=True)
+    assert events == ["fsync", "replace"] and (tmp_path / "a").read_bytes() == b"2"
+
+
+def test_atomic_dir_swaps_a_complete_directory_in_and_deletes_a_failed_one(tmp_path):
+    out = tmp_path / "ckpt"
+    with atomic_dir(out) as tmp:
+        (tmp / "w").write_text("1")
+        assert not out.exists()
+    assert (out / "w").read_text() == "1"
+    with atomic_dir(out) as tmp:
+        (tmp / "w").write_text("2")
+    assert (out / "w").read_text() == "2" and _leftovers(tmp_path) == []
+    with pytest.raises(RuntimeError), atomic_dir(out) as tmp:
+        (tmp / "w").write_text("partial")
+        raise RuntimeError("crash while writing")
+    assert [p.name for p in out.iterdir()] == ["w"] and (out / "w").read_text() == "2"
+    assert _leftovers(tmp_path) == []
+
+
+def test_replace_dir_puts_the_old_directory_back_when_the_swap_fails(tmp_path, monkeypatch):
+    out, new = tmp_path / "data", tmp_path / ".data.tmp-1"
+    out.mkdir()
+    (out / "old").write_text("old")
+    new.mkdir()
+    real_replace = os.replace
+
+    def second_rename_fails(a, b):
+        if Path(a) == new:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "replace", second_rename_fails)
+    with pytest.raises(OSError, match="cross-device"):
+        replace_dir(new, out)
+    assert (out / "old").read_text() == "old"
+    assert _leftovers(tmp_path) == [".data.tmp-1"]
+
+
+# ------------------------------------------------------------------------------------ JSON reader
+def test_read_json_names_the_file_for_bad_json_non_utf8_and_a_non_object(tmp_path):
+    class MyError(ValueError):
+        pass
+
+    p = tmp_path / "x.json"
+    p.write_text('{"a": [1, 2]}')
+    assert read_json(p, MyError, mapping=True) == {"a": [1, 2]}
+    p.write_text('{"a": ')
+    with pytest.raises(MyError, match=rf"^{p}: not valid JSON \("):
+        read_json(p, MyError)
+    p.write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(MyError, match=rf"^{p}: not valid JSON \(.*utf-8"):
+        read_json(p, MyError)
+    p.write_text("[1, 2]")
+    assert read_json(p, MyError) == [1, 2]
+    with pytest.raises(MyError, match=rf"^{p}: the top level must be an object"):
+        read_json(p, MyError, mapping=True)
+    with pytest.raises(FileNotFoundError):
+        read_json(tmp_path / "missing.json", MyError)
+
+
+def _hybrid_config(d: Path) -> None:
+    from hylo.config import HybridConfig
+
+    HybridConfig.from_hybrid_json(d)
+
+
+def _released(d: Path) -> None:
+    from hylo.released import released_hybrid_config
+
+    released_hybrid_config(d)
+
+
+def _base(d: Path) -> None:
+    from hylo.upcycle import load_base_model
+
+    load_base_model(d)
+
+
+def _data_manifest(d: Path) -> None:
+    from pipeline.data.dataset import read_manifest
+
+    read_manifest(d)
+
+
+def _teacher_cache(d: Path) -> None:
+    from pipeline.teacher.cache import load_manifest
+
+    load_manifest(d)
+
+
+def _checkpoint(d: Path) -> None:
+    from pipeline.train.checkpoint import read_json as read_checkpoint_json
+
+    read_checkpoint_json(d / "state.json")
+
+
+def _tokenizer(d: Path) -> None:
+    from pipeline.teacher.model import tokenizer_fingerprint
+
+    tokenizer_fingerprint(d)
+
+
+# reader, the file it reads in its directory, its error class (module, name), whether it needs an object
+READERS = {
+    "hybrid_config": (_hybrid_config, "hybrid_config.json", ("hylo.config", "HybridConfigError"), True),
+    "released": (_released, "config.json", ("hylo.released", "ReleasedLayoutError"), True),
+    "base_model": (_base, "config.json", ("hylo.upcycle", "UpcycleError"), True),
+    "data_manifest": (_data_manifest, "manifest.json", ("pipeline.data.dataset", "DataFormatError"), False),
+    "teacher_cache": (_teacher_cache, "manifest.json", ("pipeline.teacher.cache", "CacheFormatError"), True),
+    "checkpoint": (_checkpoint, "state.json", ("pipeline.train.checkpoint", "CheckpointError"), False),
+    "tokenizer": (_tokenizer, "tokenizer.json", ("builtins", "ValueError"), False),
+}
+
+
+BAD = {"truncated": b'{"vocab_size": ', "not-utf8": b'{"vocab_size": "\xff\xfe"}', "a-list": b"[1, 2]"}
+
+
+@pytest.mark.parametrize("reader,bad", [(r, b) for r in sorted(READERS) for b in BAD
+                                        if b != "a-list" or READERS[r][3] or r == "data_manifest"])
+def test_every_json_reader_names_the_file_of_a_bad_json_file(tmp_path, reader, bad):
+    import importlib
+
+    fn, name, (module, cls), _ = READERS[reader]
+    error = getattr(importlib.import_module(module), cls)
+    (tmp_path / name).write_bytes(BAD[bad])
+    with pytest.raises(error, match=str(tmp_path / name).replace(".", r"\.")) as info:
+        fn(tmp_path)
+    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"
+
+
+def test_convert_dry_run_names_a_base_config_that_is_not_utf8(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_job", Path(__file__).parents[1] / "jobs" / "convert.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    bad = tmp_path / "config.json"
+    bad.write_bytes(b'{"model_type": "llama\xff"}')
+    assert job.main(["--dry-run", "--base-config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and str(bad) in err[-1] and "not valid JSON" in err[-1]
+
+
+def test_temp_names_are_hidden_unique_and_carry_the_pid(tmp_path):
+    a, b = files.temp_name(tmp_path / "x"), files.temp_name(tmp_path / "x")
+    assert a != b and a.parent == tmp_path and a.name.startswith(f".x.tmp-{os.getpid()}-")
