@@ -558,10 +558,6 @@ def config_hash(obj: Any, exclude: tuple[str, ...] = ()) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def save_yaml(obj: Any, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(obj), sort_keys=False))
-
-
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=str, default=None, help="YAML config file")
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""Text normalisation and n-grams shared by the decontamination job and its reference.
+"""Text normalisation shared by the decontamination job and its reference.
 
 normalize_words(text): Unicode NFKC, lowercase, every run of punctuation / symbols / underscores /
 whitespace folded to one separator, split into words. So "Has_Close_Elements(numbers)" and
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -102,18 +102,9 @@ def normalize_words_plain(text: str) -> list[str]:
     return _NON_WORD.sub(" ", unicodedata.normalize("NFKC", text).lower()).split()
 
 
-def normalize_text(text: str) -> str:
-    return " ".join(normalize_words(text))
-
-
 def is_content_word(w: str) -> bool:
     return len(w) > 1 and not w.isdigit() and w not in STOPWORDS
 
 
 def content_words(words: Sequence[str]) -> int:
     return sum(1 for w in words if is_content_word(w))
-
-
-def ngrams(words: Sequence[str], n: int) -> Iterator[tuple[str, ...]]:
-    for i in range(len(words) - n + 1):
-        yield tuple(words[i:i + n])

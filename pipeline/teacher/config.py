@@ -101,12 +101,3 @@ class TeacherCacheConfig:
     # Ray address (None = start a local Ray).
     ray_address: str | None = None
     model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
-
-
-@dataclass
-class TeacherServeConfig:
-    """Top-level config of a job that starts a teacher pool (training jobs embed these sections)."""
-
-    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
-    pool: TeacherPoolConfig = field(default_factory=TeacherPoolConfig)
-    client: TeacherClientConfig = field(default_factory=TeacherClientConfig)

@@ -42,16 +42,6 @@ def peak_memory_mib(device: torch.device | None = None) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def current_rss_mib() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
 def _fmt_time(s: float) -> str:
     if s != s or s == float("inf"):
         return "?"
