@@ -407,3 +407,51 @@ def test_row_reader_names_an_unreadable_row_group(tmp_path):
     with pytest.raises(DataFormatError, match=r"shard-00001.parquet: row group 1 \(rows 2..3 of the shard\) is "
                                               r"unreadable .*rerun jobs/prepare_data.py"):
         reader.read_global(8)
+
+
+# ------------------------------------------------------------------------ the manifest's config hash
+def _leaves(d: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        out += _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [f"{prefix}{k}"]
+    return out
+
+
+def test_the_rows_hash_covers_every_key_but_the_declared_unhashed_ones():
+    """A new config key changes the manifest's hash unless it is declared not to change the rows."""
+    import copy
+
+    from pipeline.config import to_dict
+    from pipeline.data.config import UNHASHED_KEYS
+    from pipeline.data.dataset import rows_config_hash
+
+    cfg = load_config(PrepareDataConfig, overrides=['mixture.sources=[{name: a, path: x.jsonl}]'])
+    base = rows_config_hash(cfg)
+    leaves = _leaves(to_dict(cfg))
+    assert {k for k in leaves if k.startswith("tokenize.")} > {"tokenize.num_actors", "tokenize.batch_size"}
+    for key in leaves:
+        changed = copy.deepcopy(cfg)
+        *parents, last = key.split(".")
+        node = changed
+        for p in parents:
+            node = getattr(node, p)
+        setattr(node, last, ["<changed>"])
+        unhashed = any(key == u or key.startswith(u + ".") for u in UNHASHED_KEYS)
+        assert (rows_config_hash(changed) == base) == unhashed, key
+
+
+def test_the_rows_hash_of_existing_datasets_is_unchanged():
+    """Datasets already prepared keep their fingerprint: the hash is that of the mapping it has always hashed."""
+    from pipeline.config import config_hash, to_dict
+    from pipeline.data.dataset import rows_config_hash
+
+    cfg = load_config(PrepareDataConfig, overrides=[
+        'mixture.sources=[{name: a, path: x.jsonl, weight: 2}]', "packing.max_len=4096",
+        "tokenize.mask_method=prefix", "tokenize.chat_template_kwargs={date_string: 1 Jan 2024}",
+        "num_cpus=7", "tokenize.num_actors=5", "output.dir=elsewhere"])
+    d = to_dict(cfg)
+    tok = d["tokenize"]
+    assert rows_config_hash(cfg) == config_hash({
+        "split": d["split"], "mixture": d["mixture"], "packing": d["packing"], "tokenizer": tok["tokenizer"],
+        "mask_method": tok["mask_method"], "chat_template_kwargs": tok["chat_template_kwargs"],
+        "decontam": d["decontam"]})

@@ -132,5 +132,8 @@ class PrepareDataConfig:
     progress: bool = True
 
 
-# Keys that do not change the produced rows (excluded from the manifest's config hash).
-RUNTIME_KEYS = ("ray_address", "num_cpus", "progress", "output")
+# Keys (dotted) that do not change the produced rows: the manifest's `config_hash`
+# (pipeline.data.dataset.rows_config_hash) covers every other key, so a new one is hashed unless listed
+# here. (decontam.scanner and decontam.batch_size do not change the rows either, but have always been
+# hashed: leaving them out now would change the fingerprint of every dataset prepared so far.)
+UNHASHED_KEYS = ("ray_address", "num_cpus", "progress", "output", "tokenize.num_actors", "tokenize.batch_size")

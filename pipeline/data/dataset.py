@@ -396,15 +396,21 @@ def reason_key(reason: str) -> str:
 
 
 def rows_config_hash(cfg: Any) -> str:
-    """Hash of what decides the rows: split, mixture, masking, packing, decontamination (not paths,
-    pools, progress)."""
+    """Hash of what decides the rows: every key of the config but `UNHASHED_KEYS` (output paths, Ray
+    pools, progress). The `tokenize` keys it keeps sit at the top level of the hashed mapping, as they
+    always have (datasets prepared before keep their fingerprint)."""
     from pipeline.config import config_hash, to_dict
+    from pipeline.data.config import UNHASHED_KEYS
 
     d = to_dict(cfg)
-    tok = d["tokenize"]
-    return config_hash({"split": d["split"], "mixture": d["mixture"], "packing": d["packing"],
-                        "tokenizer": tok["tokenizer"], "mask_method": tok["mask_method"],
-                        "chat_template_kwargs": tok["chat_template_kwargs"], "decontam": d["decontam"]})
+    for key in UNHASHED_KEYS:
+        *parents, last = key.split(".")
+        node = d
+        for p in parents:
+            node = node[p]
+        del node[last]
+    d.update(d.pop("tokenize"))
+    return config_hash(d)
 
 
 class PrepareError(ValueError):
