@@ -9,7 +9,8 @@ import torch
 
 from pipeline.eval.decode import load_model
 from pipeline.eval.kl import TeacherStateCache, evaluate_kl
-from pipeline.train.testing import make_tiny_models
+
+from fixtures_train import make_tiny_models
 
 
 @pytest.fixture(scope="module")

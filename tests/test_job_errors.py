@@ -166,7 +166,7 @@ def in_small_fs(mount: Path, options: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from pipeline.train.testing import make_tiny_models
+    from fixtures_train import make_tiny_models
 
     return make_tiny_models(tmp_path_factory.mktemp("tiny"))
 
@@ -182,7 +182,8 @@ def _copy_model(src: Path, dst: Path) -> Path:
 
 def _packed_dir(d: Path, split: str, seq_len: int = 64, shards: int = 3) -> Path:
     from pipeline.data.dataset import ShardWriter, write_manifest
-    from pipeline.teacher.testing import make_packed_row
+
+    from fixtures_teacher import make_packed_row
 
     w = ShardWriter(d, 4, 2)
     for i in range(4 * shards):
@@ -271,7 +272,7 @@ def test_teacher_cache_job(tmp_path, tiny):
 
 
 def _stage_config(tiny, tmp_path, stage: int, **sections) -> Path:
-    from pipeline.train.testing import tiny_config, write_config
+    from fixtures_train import tiny_config, write_config
 
     cfg = tiny_config(tiny, tmp_path / "runs", f"s{stage}", stage=stage, ray={"launcher": "ray"}, **sections)
     return write_config(cfg, tmp_path / f"stage{stage}.yaml")

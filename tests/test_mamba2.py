@@ -514,7 +514,8 @@ def test_smollm2_14mla_16m2_trains_through_both_stages(tmp_path):
     from hylo.io import load_hylo, save_hylo
     from hylo.upcycle import load_base_model, upcycle
     from pipeline.train.metrics import read_metrics
-    from pipeline.train.testing import write_config
+
+    from fixtures_train import write_config
 
     repo = Path(__file__).resolve().parents[1]
     base_dir = fetch_asset("smollm2-135m-instruct")

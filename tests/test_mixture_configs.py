@@ -1,5 +1,5 @@
 """The shipped data recipe (configs/data_{llama3,qwen3}_stage{1,2}.yaml) on small local files laid out
-like the public SFT sets and evaluation suites (pipeline/data/testing.py), with tiny tokenizers that
+like the public SFT sets and evaluation suites (tests/fixtures_data.py), with tiny tokenizers that
 carry Llama-3-like and Qwen3-like chat templates."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pipeline.config import from_dict, to_dict
 from pipeline.data.config import PrepareDataConfig
 from pipeline.data.readers import SourceSpec, read_source
 from pipeline.data.render import ChatRenderer, RenderError
-from pipeline.data.testing import (
+
+from fixtures_data import (
     EVAL_SUITES,
     save_tiny_chat_tokenizer,
     write_eval_suites,

@@ -56,7 +56,8 @@ def as_row(r: dict, where: str = "row") -> Row:
 def models(tmp_path_factory):
     from hylo.io import save_hylo
     from hylo.upcycle import load_base_model, upcycle
-    from pipeline.teacher.testing import save_tiny_llama
+
+    from fixtures_teacher import save_tiny_llama
 
     root = tmp_path_factory.mktemp("place")
     base_dir = save_tiny_llama(root / "base", vocab_size=96, hidden_size=32, layers=N_LAYERS, seed=1)

@@ -527,9 +527,10 @@ def test_recipe_teacher_and_student_settings_load_on_the_image_package_set(tmp_p
     import dataclasses
 
     from pipeline.teacher.model import TeacherModel
-    from pipeline.teacher.testing import save_tiny_llama
     from pipeline.train.config import load_stage_config
     from pipeline.train.deepspeed_cfg import grad_accum_steps
+
+    from fixtures_teacher import save_tiny_llama
 
     path = ROOT / "configs" / f"{recipe}.yaml"
     s1, s2 = load_stage_config(1, path), load_stage_config(2, path)

@@ -27,8 +27,8 @@ from pipeline.teacher.cache import (
 from pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
 from pipeline.teacher.model import TeacherModel
 from pipeline.teacher.rows import as_packed_row, read_packed_rows
-from pipeline.teacher.testing import make_packed_row, save_tiny_llama, write_packed_parquet
 
+from fixtures_teacher import make_packed_row, save_tiny_llama, write_packed_parquet
 from helpers import assert_topk_matches
 
 VOCAB = 96

@@ -11,7 +11,8 @@ import torch
 from kernels.fused_kl.topk import TeacherTopK
 from pipeline.teacher.client import TeacherClient, TeacherUnavailableError
 from pipeline.teacher.rows import as_packed_row
-from pipeline.teacher.testing import make_packed_row
+
+from fixtures_teacher import make_packed_row
 
 VOCAB = 50
 

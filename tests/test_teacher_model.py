@@ -10,8 +10,8 @@ import torch
 
 from pipeline.teacher.model import TeacherModel, tokenizer_fingerprint
 from pipeline.teacher.rows import RowError, as_packed_row
-from pipeline.teacher.testing import make_packed_row, save_tiny_llama
 
+from fixtures_teacher import make_packed_row, save_tiny_llama
 from helpers import assert_topk_matches
 
 VOCAB = 96

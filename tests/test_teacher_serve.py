@@ -19,8 +19,8 @@ from ray import serve  # noqa: E402
 from pipeline.teacher.client import TeacherClient  # noqa: E402
 from pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig  # noqa: E402
 from pipeline.teacher.serve import start_teacher_pool  # noqa: E402
-from pipeline.teacher.testing import make_packed_row, save_tiny_llama  # noqa: E402
 
+from fixtures_teacher import make_packed_row, save_tiny_llama  # noqa: E402
 from helpers import assert_topk_matches  # noqa: E402
 
 VOCAB = 96

@@ -243,7 +243,7 @@ def end_run():
 def test_torchrun_stage2_logs_every_step_to_mlflow(tmp_path):
     """The real job: config from YAML + --set, the driver writes the run config, rank 0's MetricsWriter
     feeds the tracker; one process logs, every step once, then ends the run."""
-    from pipeline.train.testing import make_tiny_models, tiny_config, write_config
+    from fixtures_train import make_tiny_models, tiny_config, write_config
 
     fake = tmp_path / "fakes" / "mlflow"
     fake.mkdir(parents=True)

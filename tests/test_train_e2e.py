@@ -30,7 +30,8 @@ import torch
 
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train.metrics import read_metrics
-from pipeline.train.testing import make_tiny_models, tiny_config, write_config
+
+from fixtures_train import make_tiny_models, tiny_config, write_config
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -182,7 +183,8 @@ def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, ref
 
     from pipeline.train.driver import run
     from pipeline.train.storage import Loc, local_mirror
-    from pipeline.train.testing import fake_s3
+
+    from fixtures_train import fake_s3
 
     root, models = tiny
     with fake_s3() as s3:

@@ -130,7 +130,8 @@ def test_seek_reproduces_exactly_the_same_rows():
 
 def _write_split(tmp_path, n_rows=6, split="stage2", max_len=32):
     from pipeline.data.dataset import write_manifest
-    from pipeline.teacher.testing import make_packed_row, write_packed_parquet
+
+    from fixtures_teacher import make_packed_row, write_packed_parquet
 
     rows = [make_packed_row([10, 12], vocab_size=50, seed=i, pad=10) for i in range(n_rows)]
     for r in rows:
@@ -380,9 +381,10 @@ def test_teacher_sources_give_the_same_targets(tmp_path):
     from pipeline.teacher.client import TeacherClient
     from pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
     from pipeline.teacher.model import TeacherModel
-    from pipeline.teacher.testing import save_tiny_llama
     from pipeline.train.config import TeacherSection
     from pipeline.train.stage2 import Teacher
+
+    from fixtures_teacher import save_tiny_llama
 
     model_dir = save_tiny_llama(tmp_path / "teacher", vocab_size=50)
     data_dir = tmp_path / "data"

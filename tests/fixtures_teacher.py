@@ -1,7 +1,6 @@
-"""Small fixtures shared by the teacher tests and smoke runs: a tiny random Llama and packed rows.
+"""Small fixtures shared by the teacher and training tests: a tiny random Llama and packed rows.
 
-Kept in the package (not under tests/) so the bench, the job's smoke variant and other helpers'
-tests can build the same tiny teacher.
+Test modules import it as `from fixtures_teacher import ...` (pytest puts tests/ on sys.path).
 """
 
 from __future__ import annotations

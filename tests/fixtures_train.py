@@ -1,6 +1,6 @@
-"""Tiny fixtures for the training tests and smoke runs: a random Llama base, its HyLo conversion, a config.
+"""Tiny fixtures for the training tests: a random Llama base, its HyLo conversion, a config, a fake S3.
 
-Kept in the package (like pipeline/teacher/testing.py) so tests, benches and smoke runs share them.
+Test modules import it as `from fixtures_train import ...` (pytest puts tests/ on sys.path).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def make_tiny_models(root: str | Path, vocab_size: int = 96, hidden_size: int = 
     """A random Llama base (also the teacher) and its HyLo conversion (MLA on `mla_layers`, GDN elsewhere)."""
     from hylo.io import save_hylo
     from hylo.upcycle import load_base_model, upcycle
-    from pipeline.teacher.testing import save_tiny_llama
+
+    from fixtures_teacher import save_tiny_llama
 
     root = Path(root)
     base = save_tiny_llama(root / "base", vocab_size=vocab_size, hidden_size=hidden_size, layers=layers, seed=seed)

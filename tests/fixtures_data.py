@@ -1,11 +1,11 @@
 """Small offline stand-ins for the data recipe's inputs: tokenizers with Llama-3-like and Qwen3-like
 chat templates, and files laid out like the public SFT sets and the evaluation suites.
 
-Kept in the package (not under tests/) so the tests, a smoke run of the mixture configs and other
-helpers' tests build the same files. The templates are written here to reproduce the behaviour
-that matters to the data pipeline (Llama 3: a system header with a date read from the clock
-unless `date_string` is given; Qwen3: history turns rendered without the `<think>` block that the
-final reply gets), not copied from the models. Layouts follow the public dataset cards:
+Test modules import it as `from fixtures_data import ...` (pytest puts tests/ on sys.path). The
+templates are written here to reproduce the behaviour that matters to the data pipeline (Llama 3: a
+system header with a date read from the clock unless `date_string` is given; Qwen3: history turns
+rendered without the `<think>` block that the final reply gets), not copied from the models.
+Layouts follow the public dataset cards:
 
 * sftdatasetv3 (JunxiongWang/sftdatasetv3): JSON lines, OpenAI-style `messages`
 * OpenMathInstruct-2: Parquet, `problem` / `generated_solution` / `expected_answer` / `problem_source`
