@@ -542,11 +542,20 @@ def build_config(cls: type[T], tree: dict[str, Any], label: str, lines: dict[str
         raise ConfigError(f"{origin}: {e}", e.key) from None
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
-    """Load `cls` from a YAML file (or defaults when `path` is None) and apply dotted overrides."""
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None,
+                select: Callable[[dict[str, Any], Path], dict[str, Any]] | None = None, label: str | None = None,
+                line_prefixes: tuple[str, ...] = ("",)) -> T:
+    """Load `cls` from a YAML file (or defaults when `path` is None) and apply dotted overrides.
+
+    `select(tree, path)` picks what `cls` reads from a file's tree (a training stage merges its own
+    section over the shared ones); errors then name the file as `label` and find a key's line under
+    each of `line_prefixes` in turn."""
     tree, lines = read_config_file(path) if path is not None else ({}, {})
+    if select is not None and path is not None:
+        tree = select(tree, Path(path))
     keys = apply_overrides(tree, overrides)
-    return build_config(cls, tree, str(path) if path is not None else "<defaults>", lines, keys)
+    label = label or (str(path) if path is not None else "<defaults>")
+    return build_config(cls, tree, label, lines, keys, line_prefixes)
 
 
 def config_hash(obj: Any, exclude: tuple[str, ...] = ()) -> str:

@@ -16,6 +16,12 @@ from pipeline.data.readers import SourceSpec
 from pipeline.data.render import MASK_METHODS
 
 
+def _refuse_duplicates(names: list[str], what: str) -> None:
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{what} {dup}")
+
+
 @dataclass
 @rules(weight=at_least(0))
 class MixtureSource(SourceSpec):
@@ -37,10 +43,7 @@ class MixtureConfig:
     split_salt: str = "hylo-split-v1"
 
     def __post_init__(self) -> None:
-        names = [s.name for s in self.sources]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"mixture.sources: duplicate source name(s) {dup}")
+        _refuse_duplicates([s.name for s in self.sources], "mixture.sources: duplicate source name(s)")
 
 
 @dataclass
@@ -99,10 +102,7 @@ class DecontamSection:
     batch_size: int = 256
 
     def __post_init__(self) -> None:
-        names = [b.name for b in self.benchmarks]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"decontam.benchmarks: duplicate suite name(s) {dup}")
+        _refuse_duplicates([b.name for b in self.benchmarks], "decontam.benchmarks: duplicate suite name(s)")
 
 
 @dataclass

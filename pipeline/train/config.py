@@ -29,15 +29,13 @@ from pipeline.config import (
     ConfigError,
     FieldError,
     above,
-    apply_overrides,
     at_least,
     between,
-    build_config,
     config_hash,
     each,
     from_dict,
+    load_config,
     one_of,
-    read_config_file,
     rules,
     to_dict,
 )
@@ -279,7 +277,9 @@ class KDSection:
 
 
 @dataclass
-class Stage1Config:
+class _SharedSections:
+    """The sections of both stages (each stage adds its loss; a redeclared section keeps its place)."""
+
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
@@ -289,42 +289,32 @@ class Stage1Config:
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     fault: FaultSection = field(default_factory=FaultSection)
+
+    def __post_init__(self) -> None:
+        """What no single section can check: values that must agree with the number of workers."""
+        workers = self.ray.num_workers
+        if self.train.global_batch_sequences % workers:
+            raise FieldError("train.global_batch_sequences", self.train.global_batch_sequences,
+                             f"must be a multiple of ray.num_workers ({workers})")
+        if self.fault.kill_rank >= workers:
+            raise FieldError("fault.kill_rank", self.fault.kill_rank, f"must be < ray.num_workers ({workers})")
+
+
+@dataclass
+class Stage1Config(_SharedSections):
     ild: ILDSection = field(default_factory=ILDSection)
 
     stage = 1
 
-    def __post_init__(self) -> None:
-        _check_across_sections(self)
-
 
 @dataclass
-class Stage2Config:
-    model: ModelSection = field(default_factory=ModelSection)
+class Stage2Config(_SharedSections):
     data: DataSection = field(default_factory=lambda: DataSection(split="stage2", seq_len=65536))
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=4e-5))
-    train: TrainSection = field(default_factory=TrainSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    ray: RaySection = field(default_factory=RaySection)
-    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
-    metrics: MetricsSection = field(default_factory=MetricsSection)
-    fault: FaultSection = field(default_factory=FaultSection)
     teacher: TeacherSection = field(default_factory=TeacherSection)
     kd: KDSection = field(default_factory=KDSection)
 
     stage = 2
-
-    def __post_init__(self) -> None:
-        _check_across_sections(self)
-
-
-def _check_across_sections(cfg: Stage1Config | Stage2Config) -> None:
-    """What no single section can check: values that must agree with the number of workers."""
-    workers = cfg.ray.num_workers
-    if cfg.train.global_batch_sequences % workers:
-        raise FieldError("train.global_batch_sequences", cfg.train.global_batch_sequences,
-                         f"must be a multiple of ray.num_workers ({workers})")
-    if cfg.fault.kill_rank >= workers:
-        raise FieldError("fault.kill_rank", cfg.fault.kill_rank, f"must be < ray.num_workers ({workers})")
 
 
 StageConfig = Stage1Config | Stage2Config
@@ -345,19 +335,16 @@ def load_stage_config(stage: int, path: str | Path | None = None, overrides: lis
     """Load the config of `stage` (1 or 2) from a YAML file (shared sections + optional stageN: section)."""
     if stage not in STAGE_CLASSES:
         raise ConfigError(f"stage must be 1 or 2, got {stage}")
-    tree: dict[str, Any] = {}
-    lines: dict[str, int] = {}
-    if path is not None:
-        p = Path(path)
-        loaded, lines = read_config_file(p)
+
+    def own_over_shared(loaded: dict[str, Any], p: Path) -> dict[str, Any]:
         shared = {k: v for k, v in loaded.items() if k not in STAGE_KEYS}
         own = loaded.get(f"stage{stage}") or {}
         if not isinstance(own, dict):
             raise ConfigError(f"config file {p}: stage{stage} must be a mapping")
-        tree = _deep_merge(shared, own)
-    keys = apply_overrides(tree, overrides)
-    label = f"{path or '<defaults>'} (stage {stage})"
-    return build_config(STAGE_CLASSES[stage], tree, label, lines, keys, (f"stage{stage}.", ""))
+        return _deep_merge(shared, own)
+
+    return load_config(STAGE_CLASSES[stage], path, overrides, select=own_over_shared,
+                       label=f"{path or '<defaults>'} (stage {stage})", line_prefixes=(f"stage{stage}.", ""))
 
 
 def config_to_dict(cfg: StageConfig) -> dict[str, Any]:
@@ -393,25 +380,20 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _breaking(key: str) -> bool:
+    return not any(key == nb or (nb.endswith(".") and key.startswith(nb)) for nb in NON_BREAKING)
+
+
 def breaking_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Keys (dotted) whose values differ between two config dicts and that break a resumed run."""
     fo, fn = _flatten(old), _flatten(new)
-    keys = sorted(set(fo) | set(fn))
-    diffs = []
-    for k in keys:
-        if any(k == nb or (nb.endswith(".") and k.startswith(nb)) for nb in NON_BREAKING):
-            continue
-        if fo.get(k) != fn.get(k):
-            diffs.append(f"{k}: {fo.get(k)!r} -> {fn.get(k)!r}")
-    return diffs
+    return [f"{k}: {fo.get(k)!r} -> {fn.get(k)!r}" for k in sorted(set(fo) | set(fn))
+            if _breaking(k) and fo.get(k) != fn.get(k)]
 
 
 def breaking_hash(cfg: StageConfig) -> str:
     """Fingerprint of the keys that must not change across a resume."""
-    flat = _flatten(config_to_dict(cfg))
-    kept = {k: v for k, v in flat.items()
-            if not any(k == nb or (nb.endswith(".") and k.startswith(nb)) for nb in NON_BREAKING)}
-    return config_hash(kept)
+    return config_hash({k: v for k, v in _flatten(config_to_dict(cfg)).items() if _breaking(k)})
 
 
 def run_dir(cfg: StageConfig) -> Path:
