@@ -23,6 +23,7 @@ from pipeline.data.testing import (
     write_eval_suites,
     write_public_sft_samples,
 )
+from pipeline.ray_init import ray_running
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("llama3", "qwen3")
@@ -195,19 +196,15 @@ def recipe_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
+    with ray_running(None, 2, log_to_driver=False):
+        yield ray
 
 
 def _run(root: Path, family: str, stage: str) -> tuple[dict, Path]:
     from pipeline.data.dataset import prepare
 
     tree = _tree(family, stage, root)
-    tree.update(ray_address=None, progress=False)
+    tree.update(ray={"address": None}, progress=False)
     tree["tokenize"].update(num_actors=2, batch_size=16)
     tree["decontam"]["scanner"] = "local"
     cfg = from_dict(PrepareDataConfig, tree)
