@@ -1,4 +1,4 @@
-"""Resumable multi-step runs of the project's jobs (used by jobs/demo.py and jobs/place_layers.py).
+"""Resumable multi-step runs of the project's jobs (used by pipeline/demo.py and pipeline/placement.py).
 
 Each step runs one of the project's own jobs as a subprocess, the same command a user would type, and
 logs it to `<run-dir>/logs/<step>.log`. A finished step leaves `<run-dir>/done/<step>.json` (written
@@ -114,6 +114,11 @@ def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student:
            "--set", f"checkpoint.every_steps={max(1, steps // 2)}",
            "--set", "checkpoint.delete_after_consolidate=true"]
     return cmd + (extra or []) + resume
+
+
+def lengths_arg(lengths: list[int]) -> str:
+    """A list of context lengths as one `--set` value: [512,1024]."""
+    return "[" + ",".join(map(str, lengths)) + "]"
 
 
 def eval_cmd(model: Path, base: str | Path, data: Path, out: Path, suites: str, max_rows: int,

@@ -93,10 +93,13 @@ def test_a_running_ray_is_used_as_is(fake_ray):
 def test_every_job_config_spells_it_ray_address_and_the_old_keys_still_load(capsys):
     from pipeline.data.config import PrepareDataConfig
     from pipeline.data.decontam import DecontamJobConfig
+    from pipeline.demo import DemoConfig
+    from pipeline.placement import PlacementConfig
     from pipeline.teacher.config import TeacherCacheConfig
     from pipeline.train.config import Stage1Config, Stage2Config
 
-    for cls in (PrepareDataConfig, DecontamJobConfig, TeacherCacheConfig, Stage1Config, Stage2Config):
+    for cls in (PrepareDataConfig, DecontamJobConfig, TeacherCacheConfig, Stage1Config, Stage2Config, DemoConfig,
+                PlacementConfig):
         cfg = load_config(cls, None, ["ray.address=auto", "ray.num_cpus=3"])
         assert (cfg.ray.address, cfg.ray.num_cpus) == ("auto", 3), cls
     assert load_config(PrepareDataConfig).ray.num_cpus == 2
