@@ -9,7 +9,8 @@ does not pass at any length (it is there for real models), and longer KV-cache c
 Design choices:
 * Each step runs the project's own job as a subprocess (the same command a user would type), logged to
   <run_dir>/logs/<step>.log; a finished step leaves <run_dir>/done/<step>.json and is skipped on a re-run
-  after checking its outputs still exist (`pipeline.runner.StepRunner`).
+  after checking its outputs still exist (`pipeline.runner.StepRunner`). The steps that use Ray join
+  one local Ray started once for the run, instead of starting one each.
 * The options are a `DemoConfig` (`--config`, `--set key=value`, `--print-config`); the job's flags
   (`--steps 8`, `--full-eval`, ...) are shorthands for its keys.
 * The run ends with a table on stdout and <run_dir>/report.md with PNG plots (loss curves, KL per
@@ -80,12 +81,13 @@ class DemoConfig:
     quiet: bool = False
     # Write the results table and KL plot into README.md (maintainers).
     update_readme: bool = False
+    # The one Ray every step joins (started by the first step that needs it, unless an address is given).
     ray: RayInitSection = field(default_factory=RayInitSection)
 
 
 class Demo(StepRunner):
     def __init__(self, cfg: DemoConfig) -> None:
-        super().__init__(cfg.run_dir, force=cfg.force, quiet=cfg.quiet, tag="demo")
+        super().__init__(cfg.run_dir, force=cfg.force, quiet=cfg.quiet, tag="demo", ray=cfg.ray)
         self.cfg = cfg
 
     # ------------------------------------------------------------------ steps
@@ -101,7 +103,7 @@ class Demo(StepRunner):
         out = self.run / "decontam"
         self.sh("decontaminate", [PY, "jobs/decontaminate.py", "--input", f"sharegpt={self.sharegpt}",
                                   "--benchmark", "humaneval", "--out", str(out),
-                                  "--set", "output_format=jsonl"])
+                                  "--set", "output_format=jsonl"], ray=True)
         summary = json.loads((out / "summary.json").read_text())
         return {"summary": summary}
 
@@ -120,7 +122,7 @@ class Demo(StepRunner):
             "--set", f"mixture.sources=[{{name: heldout, path: '{path}'}}]",
             "--set", f"packing.max_len={c.seq_len}",
             "--set", f"output.dir={self.run / 'data' / 'heldout'}", "--set", "output.overwrite=true",
-        ])
+        ], ray=True)
         return {"records": len(keep), "first_index": start}
 
     def training_records(self) -> Path:
@@ -143,7 +145,7 @@ class Demo(StepRunner):
             "--set", f"mixture.sources=[{{name: sharegpt, path: '{train}'}}]",
             "--set", f"packing.max_len={self.cfg.seq_len}",
             "--set", f"output.dir={out}", "--set", "output.overwrite=true",
-        ])
+        ], ray=True)
         manifest = json.loads((out / "manifest.json").read_text())
         return {"manifest_counts": manifest.get("counts", {})}
 
@@ -158,7 +160,7 @@ class Demo(StepRunner):
         # 512-token rows need no activation checkpointing; without it a CPU step is ~1/4 faster
         self.sh(name, train_cmd(stage, "configs/demo-smollm2.yaml", self.run, name, student,
                                 self.run / "data" / name, self.cfg.seq_len, self.cfg.steps,
-                                ["--set", "model.activation_checkpointing=false"]))
+                                ["--set", "model.activation_checkpointing=false"]), ray=True)
         return {"model": str(self.run / name / "model")}
 
     def final_suites(self) -> list[str]:
@@ -200,7 +202,7 @@ class Demo(StepRunner):
                               "--compare", "even", "uniform:15", "--compare-steps", str(c.steps),
                               "--compare-seeds", *map(str, c.placement_seeds),
                               "--train-set", "model.activation_checkpointing=false"]
-                + (["--quiet"] if c.quiet else []))
+                + (["--quiet"] if c.quiet else []), ray=True)
         return json.loads((self.run / "placement" / "compare.json").read_text())
 
     # ------------------------------------------------------------------ report
@@ -413,4 +415,5 @@ def demo_config(argv: list[str] | None = None) -> DemoConfig:
 
 
 def run_demo(cfg: DemoConfig) -> int:
-    return Demo(cfg).main()
+    with Demo(cfg) as demo:
+        return demo.main()

@@ -59,7 +59,7 @@ from torch import nn
 from pipeline.cli import int_at_least
 from pipeline.config import add_config_args, at_least, config_from_args, each, one_of, rules
 from pipeline.eval.kl import check_eval_row, chunked_kl_sum, fused_kl_op, hidden_states
-from pipeline.ray_init import RayInitSection, ray_running
+from pipeline.ray_init import RayInitSection
 from pipeline.runner import StepRunner, convert_cmd, eval_cmd, last_json_object, train_cmd
 
 PROXIES = ("linear_error", "linear_error_rel", "error_gap")
@@ -399,7 +399,7 @@ class PlacementConfig:
     compare_seeds: list[int] = field(default_factory=lambda: [0])
     force: bool = False
     quiet: bool = False
-    # The Ray that scores the layers (ray.num_cpus: CPUs of a local one).
+    # The one Ray the training steps and the layer scoring use (ray.num_cpus: CPUs of a local one).
     ray: RayInitSection = field(default_factory=RayInitSection)
 
 
@@ -407,7 +407,7 @@ class PlaceLayers(StepRunner):
     def __init__(self, cfg: PlacementConfig) -> None:
         if cfg.n_mla is None:
             raise PlacementError("n_mla is not set: pass --n-mla N (how many layers get MLA)")
-        super().__init__(cfg.run_dir, force=cfg.force, quiet=cfg.quiet, tag="place")
+        super().__init__(cfg.run_dir, force=cfg.force, quiet=cfg.quiet, tag="place", ray=cfg.ray)
         self.cfg = cfg
         src = Path(cfg.data_from).resolve() if cfg.data_from else None
         self.data: dict[str, Path | None] = {}
@@ -432,7 +432,7 @@ class PlaceLayers(StepRunner):
         if seed is not None:
             extra += ["--set", f"train.seed={seed}"]
         self.sh(name, train_cmd(stage, self.cfg.train_config, self.run, name, student, self.data[f"stage{stage}"],
-                                self.cfg.seq_len, steps, extra))
+                                self.cfg.seq_len, steps, extra), ray=True)
         return {"model": str(self.run / name / "model")}
 
     def _base(self) -> nn.Module:
@@ -452,9 +452,9 @@ class PlaceLayers(StepRunner):
 
     def score(self) -> dict:
         rows = load_rows(self.data["heldout"], self.cfg.heldout_rows)
-        with ray_running(self.cfg.ray.address, self.cfg.ray.num_cpus):
-            res = score_layers(self.run / "stage1_linear" / "model", self.run / "stage1_mla" / "model", self._base(),
-                               rows, threads_per_task=1)
+        self.ray_address()  # the run's Ray, which the training steps use too
+        res = score_layers(self.run / "stage1_linear" / "model", self.run / "stage1_mla" / "model", self._base(),
+                           rows, threads_per_task=1)
         (self.run / "scores.json").write_text(json.dumps(res, indent=1))
         return {}
 
@@ -626,6 +626,7 @@ def placement_config(argv: list[str] | None = None) -> PlacementConfig:
 
 def run_placement(cfg: PlacementConfig) -> int:
     t0 = time.time()
-    rc = PlaceLayers(cfg).main()
+    with PlaceLayers(cfg) as job:
+        rc = job.main()
     print(f"[place] total {time.time() - t0:.0f} s")
     return rc

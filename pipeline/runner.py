@@ -4,6 +4,11 @@ Each step runs one of the project's own jobs as a subprocess, the same command a
 logs it to `<run-dir>/logs/<step>.log`. A finished step leaves `<run-dir>/done/<step>.json` (written
 atomically); running again skips it after checking that its outputs still exist, so an interrupted run
 continues where it stopped and `--force` redoes everything.
+
+The steps that use Ray join one Ray for the whole run (`sh(..., ray=True)` passes its `RAY_ADDRESS`):
+the first such step starts it (or joins the cluster `ray.address` / `RAY_ADDRESS` names), and it stops
+with the run (`with runner: ...`). A local Ray takes ~10 s to start on 2 cores; the jobs then do not
+start one each.
 """
 
 from __future__ import annotations
@@ -16,18 +21,46 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pipeline.ray_init import RayInitSection, gcs_address, init_ray
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
 class StepRunner:
-    def __init__(self, run_dir: str | Path, force: bool = False, quiet: bool = False, tag: str = "run") -> None:
+    def __init__(self, run_dir: str | Path, force: bool = False, quiet: bool = False, tag: str = "run",
+                 ray: RayInitSection | None = None) -> None:
         self.run = Path(run_dir).resolve()
         self.force, self.quiet, self.tag = force, quiet, tag
         (self.run / "logs").mkdir(parents=True, exist_ok=True)
         (self.run / "done").mkdir(parents=True, exist_ok=True)
         self.times: dict[str, float] = {}
         self.t_start = time.time()
+        self.ray_cfg = ray or RayInitSection()
+        self._ray_address: str | None = None
+        self._ray_started = False
+
+    def __enter__(self) -> StepRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the run's Ray if this runner started it."""
+        if self._ray_started:
+            import ray
+
+            ray.shutdown()
+            self._ray_started, self._ray_address = False, None
+
+    def ray_address(self) -> str:
+        """The address of the run's one Ray, started (or joined) on first use."""
+        if self._ray_address is None:
+            # this process runs no Ray work itself: the jobs' workers log to the jobs
+            self._ray_started = init_ray(self.ray_cfg.address, self.ray_cfg.num_cpus, log_to_driver=False)
+            self._ray_address = gcs_address()
+        return self._ray_address
 
     def done_file(self, name: str) -> Path:
         return self.run / "done" / f"{name}.json"
@@ -62,9 +95,12 @@ class StepRunner:
         self.mark(name, time.time() - t0, **info)
         return info
 
-    def sh(self, name: str, cmd: list[str], env: dict | None = None) -> str:
-        """Run one job, streaming its output to the console and to logs/<name>.log; return its output."""
+    def sh(self, name: str, cmd: list[str], env: dict | None = None, ray: bool = False) -> str:
+        """Run one job, streaming its output to the console and to logs/<name>.log; return its output.
+        `ray`: the job joins the run's Ray (`RAY_ADDRESS`)."""
         log = self.run / "logs" / f"{name.replace('/', '_')}.log"
+        if ray:
+            env = {"RAY_ADDRESS": self.ray_address(), **(env or {})}
         print(f"\n[{self.tag}] === {name}: {' '.join(cmd)}", flush=True)
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
         out_lines: list[str] = []

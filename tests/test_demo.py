@@ -17,7 +17,7 @@ def make(tmp_path: Path, *flags: str) -> demo.Demo:
     d.base = Path("/models/smollm2")
     d.commands = []
 
-    def fake_sh(name, cmd, env=None):
+    def fake_sh(name, cmd, env=None, ray=False):
         d.commands.append((name, cmd))
         out = Path(cmd[cmd.index("--out") + 1])
         out.mkdir(parents=True, exist_ok=True)

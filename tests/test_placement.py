@@ -250,7 +250,7 @@ def test_compare_runs_take_the_seed(tmp_path, monkeypatch):
     job.base_dir = "BASE"
     calls: list[list[str]] = []
 
-    def fake_sh(name, cmd, env=None):
+    def fake_sh(name, cmd, env=None, ray=False):
         calls.append(cmd)
         out = Path(cmd[cmd.index("--out") + 1]) if "--out" in cmd else None
         if cmd[1] == "jobs/convert.py":
