@@ -27,16 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.cli import int_at_least, int_list
-from pipeline.config import add_config_args, at_least, config_from_args, each, rules
-from pipeline.ray_init import RayInitSection
+from pipeline.config import at_least, config_from_args, each, rules
 from pipeline.runner import (
     PY,
     ROOT,
+    RUNNER_FLAGS,
+    RunnerConfig,
     StepRunner,
     convert_cmd,
     eval_cmd,
     last_json_object,
     lengths_arg,
+    runner_parser,
     train_cmd,
 )
 
@@ -50,8 +52,8 @@ README_START, README_END = "<!-- demo-results:start -->", "<!-- demo-results:end
 @rules(steps=at_least(1), records=at_least(1), heldout=at_least(1), heldout_rows=at_least(1), seq_len=at_least(2),
        retrieval_lengths=each(at_least(1), nonempty=True), kv_lengths=each(at_least(1), nonempty=True),
        placement_seeds=each(at_least(0), nonempty=True))
-class DemoConfig:
-    # Where the run lives: logs/, done/, every step's output, report.md.
+class DemoConfig(RunnerConfig):
+    # run_dir, force, quiet, ray: RunnerConfig (pipeline/runner.py); the report is <run_dir>/report.md.
     run_dir: str = "runs/demo"
     # Optimiser steps per training stage.
     steps: int = 8
@@ -75,14 +77,8 @@ class DemoConfig:
     placement_study: bool = False
     # With placement_study: repeat each compared placement per seed (mean, spread, paired gaps).
     placement_seeds: list[int] = field(default_factory=lambda: [0])
-    # Redo every step.
-    force: bool = False
-    # Do not echo the jobs' output.
-    quiet: bool = False
     # Write the results table and KL plot into README.md (maintainers).
     update_readme: bool = False
-    # The one Ray every step joins (started by the first step that needs it, unless an address is given).
-    ray: RayInitSection = field(default_factory=RayInitSection)
 
 
 class Demo(StepRunner):
@@ -373,17 +369,15 @@ def update_readme(run: Path, readme: Path) -> None:
 
 # ---------------------------------------------------------------------------------- command line
 # Each shorthand flag's config key (the flags win over --config and --set).
-FLAG_KEYS = {name: name for name in ("run_dir", "steps", "records", "heldout", "heldout_rows", "seq_len",
-                                     "full_eval", "retrieval_lengths", "kv_lengths", "placement_study",
-                                     "placement_seeds", "force", "quiet", "update_readme")}
+FLAG_KEYS = {**RUNNER_FLAGS, **{name: name for name in (
+    "steps", "records", "heldout", "heldout_rows", "seq_len", "full_eval", "retrieval_lengths", "kv_lengths",
+    "placement_study", "placement_seeds", "update_readme")}}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="The whole HyLo recipe on SmolLM2-135M-Instruct and real ShareGPT, "
-                                 "on local Ray, on CPU. Every option is a key of DemoConfig (pipeline/demo.py); "
-                                 "the flags are shorthands for them.")
-    add_config_args(ap)
-    ap.add_argument("--run-dir", help="run directory (run_dir; default runs/demo)")
+    ap = runner_parser("The whole HyLo recipe on SmolLM2-135M-Instruct and real ShareGPT, on local Ray, on CPU "
+                       "(run_dir default runs/demo). Every option is a key of DemoConfig (pipeline/demo.py); the "
+                       "flags are shorthands for them.")
     ap.add_argument("--steps", type=int_at_least(1), help="optimiser steps per training stage (steps; default 8)")
     ap.add_argument("--records", type=int_at_least(1), help="clean ShareGPT records read for training data (records)")
     ap.add_argument("--heldout", type=int_at_least(1), help="held-out conversations for the KL evaluation (heldout)")
@@ -402,8 +396,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "each with the same stage 1 + stage 2 budget (adds about three demo runs)")
     ap.add_argument("--placement-seeds", nargs="+", type=int_at_least(0), metavar="SEED",
                     help="with --placement-study: repeat each compared placement per seed (mean, spread, paired gaps)")
-    ap.add_argument("--force", action="store_true", default=None, help="redo every step")
-    ap.add_argument("--quiet", action="store_true", default=None, help="do not echo the jobs' output")
     ap.add_argument("--update-readme", action="store_true", default=None,
                     help="write the results table and KL plot into README.md (maintainers)")
     return ap

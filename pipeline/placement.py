@@ -56,11 +56,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from pipeline import runner
 from pipeline.cli import int_at_least
-from pipeline.config import add_config_args, at_least, config_from_args, each, one_of, rules
+from pipeline.config import at_least, config_from_args, each, one_of, rules
 from pipeline.eval.kl import check_eval_row, chunked_kl_sum, fused_kl_op, hidden_states
-from pipeline.ray_init import RayInitSection
-from pipeline.runner import StepRunner, convert_cmd, eval_cmd, last_json_object, train_cmd
 
 PROXIES = ("linear_error", "linear_error_rel", "error_gap")
 
@@ -365,12 +364,13 @@ def _slug(spec: str) -> str:
 @rules(n_mla=at_least(1), steps=at_least(1), seq_len=at_least(2), heldout_rows=at_least(1), kv_lora_rank=at_least(1),
        linear_type=one_of("gdn", "mamba2"), proxy=one_of(*PROXIES), compare_steps=at_least(1),
        compare_seeds=each(at_least(0), nonempty=True))
-class PlacementConfig:
+class PlacementConfig(runner.RunnerConfig):
+    # run_dir, force, quiet, ray: RunnerConfig (pipeline/runner.py); ray also scores the layers.
+    run_dir: str = "runs/placement"
     # Base HF model directory or asset:<name>.
     base: str = "asset:smollm2-135m-instruct"
     # How many layers get MLA (required).
     n_mla: int | None = None
-    run_dir: str = "runs/placement"
     # A demo run directory: use its data/{stage1,stage2,heldout}; or give each split's directory.
     data_from: str | None = None
     stage1_data: str | None = None
@@ -397,13 +397,9 @@ class PlacementConfig:
     # Run every compared placement once per seed (conversion init, train.seed); with several seeds the
     # table gives mean, spread and the paired difference to the searched placement.
     compare_seeds: list[int] = field(default_factory=lambda: [0])
-    force: bool = False
-    quiet: bool = False
-    # The one Ray the training steps and the layer scoring use (ray.num_cpus: CPUs of a local one).
-    ray: RayInitSection = field(default_factory=RayInitSection)
 
 
-class PlaceLayers(StepRunner):
+class PlaceLayers(runner.StepRunner):
     def __init__(self, cfg: PlacementConfig) -> None:
         if cfg.n_mla is None:
             raise PlacementError("n_mla is not set: pass --n-mla N (how many layers get MLA)")
@@ -423,16 +419,17 @@ class PlaceLayers(StepRunner):
     # ------------------------------------------------------------------ steps
     def convert(self, name: str, placement: str, seed: int = 0) -> dict:
         out = self.run / name
-        text = self.sh(name, convert_cmd(self.base_dir, out, placement, self.cfg.kv_lora_rank,
-                                         self.cfg.linear_type, seed))
-        return {"summary": last_json_object(text)}
+        text = self.sh(name, runner.convert_cmd(self.base_dir, out, placement, self.cfg.kv_lora_rank,
+                                                self.cfg.linear_type, seed))
+        return {"summary": runner.last_json_object(text)}
 
     def train(self, stage: int, name: str, student: Path, steps: int, seed: int | None = None) -> dict:
         extra = [x for kv in self.cfg.train_set for x in ("--set", kv)]
         if seed is not None:
             extra += ["--set", f"train.seed={seed}"]
-        self.sh(name, train_cmd(stage, self.cfg.train_config, self.run, name, student, self.data[f"stage{stage}"],
-                                self.cfg.seq_len, steps, extra), ray=True)
+        cmd = runner.train_cmd(stage, self.cfg.train_config, self.run, name, student, self.data[f"stage{stage}"],
+                               self.cfg.seq_len, steps, extra)
+        self.sh(name, cmd, ray=True)
         return {"model": str(self.run / name / "model")}
 
     def _base(self) -> nn.Module:
@@ -480,7 +477,7 @@ class PlaceLayers(StepRunner):
         return result
 
     def evaluate(self, name: str, model: Path, out: Path) -> dict:
-        self.sh(name, eval_cmd(model, self.base_dir, self.data["heldout"], out, "kl", self.cfg.heldout_rows))
+        self.sh(name, runner.eval_cmd(model, self.base_dir, self.data["heldout"], out, "kl", self.cfg.heldout_rows))
         return {}
 
     def compare_one(self, name: str, spec: str, steps: int, seed: int = 0) -> dict:
@@ -579,20 +576,18 @@ def compare_markdown(rows: list[dict], summary: list[dict], steps: int) -> list[
 
 # ---------------------------------------------------------------------------------- command line
 # Each shorthand flag's config key (the flags win over --config and --set).
-FLAG_KEYS = {**{name: name for name in (
-    "base", "n_mla", "run_dir", "data_from", "stage1_data", "stage2_data", "heldout_data", "train_config",
-    "train_set", "steps", "seq_len", "heldout_rows", "kv_lora_rank", "linear_type", "proxy_only", "proxy",
-    "compare", "compare_steps", "compare_seeds", "force", "quiet")}, "num_cpus": "ray.num_cpus"}
+FLAG_KEYS = {**runner.RUNNER_FLAGS, "num_cpus": "ray.num_cpus", **{name: name for name in (
+    "base", "n_mla", "data_from", "stage1_data", "stage2_data", "heldout_data", "train_config", "train_set",
+    "steps", "seq_len", "heldout_rows", "kv_lora_rank", "linear_type", "proxy_only", "proxy", "compare",
+    "compare_steps", "compare_seeds")}}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="Choose which layers keep full attention (MLA) by measurement. Every "
-                                 "option is a key of PlacementConfig (pipeline/placement.py); the flags are "
-                                 "shorthands for them.")
-    add_config_args(ap)
+    ap = runner.runner_parser("Choose which layers keep full attention (MLA) by measurement (run_dir default "
+                       "runs/placement). Every option is a key of PlacementConfig (pipeline/placement.py); the "
+                       "flags are shorthands for them.")
     ap.add_argument("--base", help="base HF model directory or asset:<name> (base)")
     ap.add_argument("--n-mla", type=int_at_least(1), help="how many layers get MLA (n_mla; required)")
-    ap.add_argument("--run-dir", help="run directory (run_dir; default runs/placement)")
     ap.add_argument("--data-from", help="a demo run directory: use its data/{stage1,stage2,heldout}")
     ap.add_argument("--stage1-data")
     ap.add_argument("--stage2-data")
@@ -614,8 +609,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compare-seeds", nargs="+", type=int_at_least(0), metavar="SEED",
                     help="run every compared placement once per seed (conversion init, train.seed); with several "
                          "seeds the table gives mean, spread and the paired difference to the searched placement")
-    ap.add_argument("--force", action="store_true", default=None)
-    ap.add_argument("--quiet", action="store_true", default=None)
     return ap
 
 

@@ -13,18 +13,50 @@ start one each.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config import add_config_args
 from pipeline.ray_init import RayInitSection, gcs_address, init_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+
+
+@dataclass
+class RunnerConfig:
+    """The options every multi-step job has (`DemoConfig`, `PlacementConfig` extend it)."""
+
+    # Where the run lives: logs/, done/ and every step's output.
+    run_dir: str = "runs/run"
+    # Redo every step.
+    force: bool = False
+    # Do not echo the jobs' output.
+    quiet: bool = False
+    # The one Ray the steps join (started by the first step that needs it, unless an address is given).
+    ray: RayInitSection = field(default_factory=RayInitSection)
+
+
+# The shorthand flags of `runner_parser` and their config keys.
+RUNNER_FLAGS = {"run_dir": "run_dir", "force": "force", "quiet": "quiet"}
+
+
+def runner_parser(description: str) -> argparse.ArgumentParser:
+    """A multi-step job's command line: --config, --set, --print-config and the shorthands --run-dir,
+    --force, --quiet (the job adds its own)."""
+    ap = argparse.ArgumentParser(description=description)
+    add_config_args(ap)
+    ap.add_argument("--run-dir", help="run directory (run_dir)")
+    ap.add_argument("--force", action="store_true", default=None, help="redo every step (force)")
+    ap.add_argument("--quiet", action="store_true", default=None, help="do not echo the jobs' output (quiet)")
+    return ap
 
 
 class StepRunner:
