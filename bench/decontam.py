@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -39,11 +38,13 @@ from pipeline.data.decontam import (  # noqa: E402
     run_decontamination,
 )
 from pipeline.data.readers import SourceSpec  # noqa: E402
+from pipeline.ray_init import RayInitSection, init_ray  # noqa: E402
 
 
 def run(tmp: str, label: str, src: SourceSpec, bench: BenchmarkSpec, scanner: str, args) -> dict:
     cfg = DecontamJobConfig(inputs=[src], benchmarks=[bench], match=MatchConfig(ngram=args.ngram),
-                            out=f"{tmp}/{label}", scanner=scanner, num_cpus=args.num_cpus, progress=False)
+                            out=f"{tmp}/{label}", scanner=scanner,
+                            ray=RayInitSection(num_cpus=args.num_cpus), progress=False)
     s = run_decontamination(cfg)
     s["removed_ids"] = sorted(r["id"] for r in read_jsonl(Path(tmp, label, "removed.jsonl")))
     s["report"] = json.loads(Path(tmp, label, "reports", "humaneval.json").read_text())
@@ -72,11 +73,9 @@ def main() -> None:
                      limit=args.limit)
     prompts = BenchmarkSpec("humaneval")
     with_sol = BenchmarkSpec("humaneval", "asset:humaneval", ["prompt", "canonical_solution"], "task_id")
-    # Workers at the driver's priority (Ray's default nice 15 would starve them next to the nice-0
-    # reference on a shared machine), as the job itself does for its local Ray.
-    os.environ.setdefault("RAY_worker_niceness", "0")
+    # The job's own local Ray (pipeline/ray_init.py): its workers at the driver's priority.
     t = time.perf_counter()
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    init_ray(None, args.num_cpus, log_to_driver=False)
     ray_start = time.perf_counter() - t
     a: dict[str, dict] = {}
     b: dict[str, dict] = {}

@@ -36,6 +36,7 @@ def main() -> None:
     from pipeline.data.mixture import mix
     from pipeline.data.readers import SourceSpec, iter_records
     from pipeline.data.render import ChatRenderer
+    from pipeline.ray_init import init_ray
 
     tok_dir = fetch_asset("smollm2-135m-instruct", progress=False)
     share = fetch_asset("sharegpt", progress=False)
@@ -45,7 +46,7 @@ def main() -> None:
     renderer = ChatRenderer.from_pretrained(str(tok_dir))
     print(f"ShareGPT: {args.limit} items read -> {len(records)} conversations, {len(rejects)} reader rejects")
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_ray(None, 2, log_to_driver=False)
     import ray.data
 
     ray.data.DataContext.get_current().enable_progress_bars = False

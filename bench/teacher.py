@@ -66,10 +66,11 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from pipeline.ray_init import init_ray
     from pipeline.teacher.client import TeacherClient
     from pipeline.teacher.serve import start_teacher_pool
 
-    ray.init(num_cpus=max(2, args.replicas), include_dashboard=False, log_to_driver=False)
+    init_ray(None, max(2, args.replicas), log_to_driver=False)
     try:
         t0 = time.perf_counter()
         handle = start_teacher_pool(

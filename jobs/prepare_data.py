@@ -3,7 +3,7 @@
     python jobs/prepare_data.py --config configs/data_stage1.yaml [--set packing.max_len=4096 ...]
 
 Writes shard-*.parquet, manifest.json, rejects.jsonl, report.json and report.md into output.dir.
-Starts a local Ray (num_cpus, no dashboard) unless `ray_address` is set or Ray is already running.
+Joins the Ray at `ray.address` (or `$RAY_ADDRESS`), else starts a local one of `ray.num_cpus` CPUs (pipeline/ray_init.py).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.cli import job_main  # noqa: E402
 from pipeline.config import add_config_args, config_from_args  # noqa: E402
+from pipeline.ray_init import ray_running  # noqa: E402
 from pipeline.teacher.cache import prepare_cache, run_cache_job  # noqa: E402
 from pipeline.teacher.config import TeacherCacheConfig  # noqa: E402
 
@@ -34,14 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         check_weights_dir(resolve_model_path(cfg.model.path))
     prepare_cache(cfg)
 
-    import ray
-
     # On a cluster, submit with `ray job submit --working-dir . -- python jobs/teacher_cache.py ...`.
-    ray.init(address=cfg.ray_address, include_dashboard=False)
-    try:
+    with ray_running(cfg.ray.address, cfg.ray.num_cpus):
         result = run_cache_job(cfg)
-    finally:
-        ray.shutdown()
     print(json.dumps(result))
     return 0 if result["complete"] else 3
 

@@ -270,3 +270,16 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
     parse.__name__ = f"integer >= {low}"
     return parse
+
+
+def int_list(text: str) -> list[int]:
+    """argparse `type=` for a YAML list of integers, e.g. [256,512]."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a list of integers such as [256,512], got {text!r}")
+    return value

@@ -262,6 +262,39 @@ def rules(**by_field: Rule) -> Callable[[type[T]], type[T]]:
     return deco
 
 
+def renamed(**old_to_new: str) -> Callable[[type[T]], type[T]]:
+    """Keep loading a config whose keys were renamed: `@renamed(ray_address="ray.address")` moves an old
+    top-level key's value to its new dotted key and warns on stderr; setting both is an error."""
+
+    def deco(cls: type[T]) -> type[T]:
+        cls.__renamed_keys__ = dict(old_to_new)  # type: ignore[attr-defined]
+        return cls
+
+    return deco
+
+
+def _move_renamed(cls: type, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+    moves = {old: new for old, new in getattr(cls, "__renamed_keys__", {}).items() if old in data}
+    if not moves:
+        return data
+    data = dict(data)
+    for old, new in moves.items():
+        value = data.pop(old)
+        *sections, last = new.split(".")
+        node = data
+        for s in sections:
+            inner = node.get(s)
+            if not isinstance(inner, dict | None):
+                raise ConfigError(f"{prefix}{old} (now {prefix}{new}): {prefix}{s} is not a section", prefix + s)
+            node[s] = node = dict(inner or {})
+        if last in node:
+            raise ConfigError(f"{prefix}{old} and {prefix}{new} are both set: {old} is the old name of {new}; "
+                              f"keep {new}", prefix + old)
+        node[last] = value
+        print(f"warning: config key {prefix}{old} is deprecated; use {prefix}{new}", file=sys.stderr, flush=True)
+    return data
+
+
 def field_rules(cls: type) -> dict[str, Rule]:
     """The rules a config class declares (inherited ones included); {} for a class without @rules."""
     return dict(getattr(cls, "__field_rules__", {}))
@@ -374,6 +407,7 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     ConfigError naming the dotted key (and, for unknown keys, listing the valid ones)."""
     types_ = _field_types(cls)
     prefix = f"{where}." if where else ""
+    data = _move_renamed(cls, data, prefix)
     unknown = sorted(set(data) - set(types_), key=str)
     if unknown:
         raise ConfigError(
@@ -585,7 +619,16 @@ def maybe_print_config(cfg: Any, args: argparse.Namespace) -> None:
         raise SystemExit(0)
 
 
-def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
-    cfg = load_config(cls, args.config, args.overrides)
+def flag_overrides(args: argparse.Namespace, flag_keys: dict[str, str]) -> list[str]:
+    """`key=value` overrides from a job's shorthand flags: `flag_keys` maps a flag's dest to its dotted
+    key; a flag left at None was not given."""
+    return [f"{key}={json.dumps(getattr(args, dest))}" for dest, key in flag_keys.items()
+            if getattr(args, dest) is not None]
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace, flag_keys: dict[str, str] | None = None) -> T:
+    """The job's config: `--config` file, then `--set` overrides, then its shorthand flags (`flag_keys`,
+    see `flag_overrides`), which win; `--print-config` prints it and exits."""
+    cfg = load_config(cls, args.config, [*args.overrides, *flag_overrides(args, flag_keys or {})])
     maybe_print_config(cfg, args)
     return cfg

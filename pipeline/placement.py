@@ -24,13 +24,31 @@ and the N layers with the largest drops get MLA. Design choices:
   own layer inputs (mean per-token L2 distance). Three forms are reported with their rank correlation
   (Spearman) against the measured drops: the linear block's error, that error relative to the size of the
   attention output, and the gap between the linear and the MLA block's errors.
+
+The workflow (`PlaceLayers`, run by jobs/place_layers.py; options: `PlacementConfig`), each step resumable
+(`<run_dir>/done/` records what finished, `force` redoes everything):
+  convert the base all-linear (mla_layers: none) and all-MLA (mla_layers: all)
+  -> proxy: per-layer error of each converted mixer against the base attention, no training
+  -> a short stage 1 of both students (jobs/stage1.py, `steps`)
+  -> score every layer in parallel with Ray tasks -> the `n_mla` largest drops get MLA
+  -> placement.json (chosen mla_layers, per-layer scores, proxy rank correlations) + placement_scores.png
+  -> with `compare`: each placement (the searched one and the listed ones) converted, trained with the
+     same stage 1 + stage 2 budget (`compare_steps`) and evaluated: compare.md / compare.json.
+     `compare_seeds: [0, 1, 2]` repeats every compared run per seed (`convert --seed`: the init of what
+     conversion does not set; also `train.seed`, though packed rows are read in file order whatever the
+     seed) and reports the mean, the spread and the paired difference to the searched placement per seed:
+     one seed's init noise on these tiny budgets is as large as the gaps between placements.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import re
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +56,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from hylo.files import atomic_write
+from pipeline import runner
+from pipeline.cli import int_at_least
+from pipeline.config import at_least, config_from_args, each, one_of, rules
 from pipeline.eval.kl import check_eval_row, chunked_kl_sum, fused_kl_op, hidden_states
 
 PROXIES = ("linear_error", "linear_error_rel", "error_gap")
@@ -331,3 +353,270 @@ def plot_scores(result: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# ------------------------------------------------------------------------------------------ the workflow
+def _slug(spec: str) -> str:
+    """A file-name-safe tag for a placement name ("searched (N=15)" -> "searched-N-15", "uniform:15" -> "uniform-15")."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", spec).strip("-")
+
+
+@dataclass
+@rules(n_mla=at_least(1), steps=at_least(1), seq_len=at_least(2), heldout_rows=at_least(1), kv_lora_rank=at_least(1),
+       linear_type=one_of("gdn", "mamba2"), proxy=one_of(*PROXIES), compare_steps=at_least(1),
+       compare_seeds=each(at_least(0), nonempty=True))
+class PlacementConfig(runner.RunnerConfig):
+    # run_dir, force, quiet, ray: RunnerConfig (pipeline/runner.py); ray also scores the layers.
+    run_dir: str = "runs/placement"
+    # Base HF model directory or asset:<name>.
+    base: str = "asset:smollm2-135m-instruct"
+    # How many layers get MLA (required).
+    n_mla: int | None = None
+    # A demo run directory: use its data/{stage1,stage2,heldout}; or give each split's directory.
+    data_from: str | None = None
+    stage1_data: str | None = None
+    stage2_data: str | None = None
+    heldout_data: str | None = None
+    # Training config of the short stages, and extra `--set` overrides for every training job.
+    train_config: str = "configs/demo-smollm2.yaml"
+    train_set: list[str] = field(default_factory=list)
+    # Stage-1 steps of the two students the search scores.
+    steps: int = 8
+    # Tokens per packed row (as the data was packed).
+    seq_len: int = 512
+    # Held-out rows every layer is scored on.
+    heldout_rows: int = 8
+    kv_lora_rank: int = 256
+    linear_type: str = "gdn"
+    # Choose by the training-free proxy only (seconds, no training), ranking by `proxy`.
+    proxy_only: bool = False
+    proxy: str = "error_gap"
+    # Placements to compare with the searched one, e.g. [even, "uniform:15", "0,5,10"].
+    compare: list[str] = field(default_factory=list)
+    # Stage 1 and stage 2 steps of each compared run.
+    compare_steps: int = 16
+    # Run every compared placement once per seed (conversion init, train.seed); with several seeds the
+    # table gives mean, spread and the paired difference to the searched placement.
+    compare_seeds: list[int] = field(default_factory=lambda: [0])
+
+
+class PlaceLayers(runner.StepRunner):
+    def __init__(self, cfg: PlacementConfig) -> None:
+        if cfg.n_mla is None:
+            raise PlacementError("n_mla is not set: pass --n-mla N (how many layers get MLA)")
+        super().__init__(cfg.run_dir, force=cfg.force, quiet=cfg.quiet, tag="place", ray=cfg.ray)
+        self.cfg = cfg
+        src = Path(cfg.data_from).resolve() if cfg.data_from else None
+        self.data: dict[str, Path | None] = {}
+        for split in ("stage1", "stage2", "heldout"):
+            given = getattr(cfg, f"{split}_data")
+            path = Path(given).resolve() if given else (src / "data" / split if src else None)
+            needed = {"heldout": True, "stage1": not cfg.proxy_only, "stage2": bool(cfg.compare)}[split]
+            if needed and (path is None or not (path / "manifest.json").is_file()):
+                raise PlacementError(f"{split} rows: {path or 'not given'} is not a packed-data directory "
+                                     f"(manifest.json); pass --data-from RUN (after `make demo`) or --{split}-data DIR")
+            self.data[split] = path
+
+    # ------------------------------------------------------------------ steps
+    def convert(self, name: str, placement: str, seed: int = 0) -> dict:
+        out = self.run / name
+        text = self.sh(name, runner.convert_cmd(self.base_dir, out, placement, self.cfg.kv_lora_rank,
+                                                self.cfg.linear_type, seed))
+        return {"summary": runner.last_json_object(text)}
+
+    def train(self, stage: int, name: str, student: Path, steps: int, seed: int | None = None) -> dict:
+        extra = [x for kv in self.cfg.train_set for x in ("--set", kv)]
+        if seed is not None:
+            extra += ["--set", f"train.seed={seed}"]
+        cmd = runner.train_cmd(stage, self.cfg.train_config, self.run, name, student, self.data[f"stage{stage}"],
+                               self.cfg.seq_len, steps, extra)
+        self.sh(name, cmd, ray=True)
+        return {"model": str(self.run / name / "model")}
+
+    def _base(self) -> nn.Module:
+        from hylo.upcycle import load_base_model
+
+        return load_base_model(self.base_dir).eval()
+
+    def proxy(self) -> dict:
+        from hylo.io import load_hylo
+
+        rows = load_rows(self.data["heldout"], self.cfg.heldout_rows)
+        lin = load_hylo(self.run / "converted_linear").eval()
+        mla = load_hylo(self.run / "converted_mla").eval()
+        res = proxy_scores(self._base(), lin, mla, rows)
+        (self.run / "proxy.json").write_text(json.dumps(res, indent=1))
+        return {}
+
+    def score(self) -> dict:
+        rows = load_rows(self.data["heldout"], self.cfg.heldout_rows)
+        self.ray_address()  # the run's Ray, which the training steps use too
+        res = score_layers(self.run / "stage1_linear" / "model", self.run / "stage1_mla" / "model", self._base(),
+                           rows, threads_per_task=1)
+        (self.run / "scores.json").write_text(json.dumps(res, indent=1))
+        return {}
+
+    def write_placement(self, proxy_only: bool) -> dict:
+        c = self.cfg
+        proxy = json.loads((self.run / "proxy.json").read_text())
+        result: dict = {"base": c.base, "n_mla": c.n_mla, "linear_type": c.linear_type,
+                        "kv_lora_rank": c.kv_lora_rank, "heldout": str(self.data["heldout"]),
+                        "heldout_rows": c.heldout_rows, "proxy": proxy}
+        if proxy_only:
+            result.update(method=f"proxy ({c.proxy})", mla_layers=choose(proxy[c.proxy], c.n_mla))
+        else:
+            measured = json.loads((self.run / "scores.json").read_text())
+            result.update(method="measured (KL drop after a short stage 1)", stage1_steps=c.steps,
+                          measured=measured, mla_layers=choose(measured["drop"], c.n_mla),
+                          spearman={k: spearman(proxy[k], measured["drop"]) for k in PROXIES},
+                          proxy_mla_layers={k: choose(proxy[k], c.n_mla) for k in PROXIES})
+        atomic_write(self.run / "placement.json", json.dumps(result, indent=1))
+        if not proxy_only:
+            plot_scores(result, self.run / "placement_scores.png")
+        return result
+
+    def evaluate(self, name: str, model: Path, out: Path) -> dict:
+        self.sh(name, runner.eval_cmd(model, self.base_dir, self.data["heldout"], out, "kl", self.cfg.heldout_rows))
+        return {}
+
+    def compare_one(self, name: str, spec: str, steps: int, seed: int = 0) -> dict:
+        """Convert with `spec` and `seed`, stage 1 + stage 2 for `steps` each (train.seed = `seed`), held-out KL."""
+        tag = f"cmp_{_slug(name)}" + (f"_seed{seed}" if seed else "")
+        r = self.run / tag
+        conv = self.step(f"{tag}_convert", [r / "converted" / "hybrid_config.json"],
+                         lambda: self.convert(f"{tag}/converted", spec, seed))
+        self.step(f"{tag}_stage1", [r / "stage1" / "model" / "hybrid_config.json"],
+                  lambda: self.train(1, f"{tag}/stage1", r / "converted", steps, seed))
+        self.step(f"{tag}_stage2", [r / "stage2" / "model" / "hybrid_config.json"],
+                  lambda: self.train(2, f"{tag}/stage2", r / "stage1" / "model", steps, seed))
+        ev = r / "eval"
+        self.step(f"{tag}_eval", [ev / "results.json"], lambda: self.evaluate(f"{tag}_eval", r / "stage2" / "model", ev))
+        res = json.loads((ev / "results.json").read_text())
+        summary = conv["summary"]
+        return {"placement": name, "spec": spec, "seed": seed, "mla_layers": summary["mla_layers"],
+                "kv_cache_ratio": summary["kv_cache_ratio"], "kl": res["kl"]["kl"], "tokens": res["kl"]["tokens"]}
+
+    # ------------------------------------------------------------------ main
+    def main(self) -> int:
+        from pipeline.train.stage1 import resolve_model_dir
+
+        c, r = self.cfg, self.run
+        self.base_dir = resolve_model_dir(c.base)
+        self.step("converted_linear", [r / "converted_linear" / "hybrid_config.json"],
+                  lambda: self.convert("converted_linear", "none"))
+        self.step("converted_mla", [r / "converted_mla" / "hybrid_config.json"],
+                  lambda: self.convert("converted_mla", "all"))
+        self.step("proxy", [r / "proxy.json"], self.proxy)
+        if not c.proxy_only:
+            for kind in ("linear", "mla"):
+                self.step(f"stage1_{kind}", [r / f"stage1_{kind}" / "model" / "hybrid_config.json"],
+                          lambda k=kind: self.train(1, f"stage1_{k}", r / f"converted_{k}", c.steps))
+            self.step("score", [r / "scores.json"], self.score)
+        result = self.write_placement(c.proxy_only)
+        print(placement_summary(result))
+        if c.compare and not c.proxy_only:
+            placements = {f"searched (N={c.n_mla})": ",".join(map(str, result["mla_layers"]))}
+            placements.update({s: s for s in c.compare})
+            rows = [self.compare_one(name, spec, c.compare_steps, seed)
+                    for seed in c.compare_seeds for name, spec in placements.items()]
+            self.write_compare(rows)
+        print(f"\n[place] wrote {r / 'placement.json'}" + ("" if c.proxy_only else f" and {r / 'placement_scores.png'}"))
+        return 0
+
+    def write_compare(self, rows: list[dict]) -> None:
+        steps = self.cfg.compare_steps
+        summary = compare_summary(rows)
+        md = compare_markdown(rows, summary, steps)
+        (self.run / "compare.md").write_text("\n".join(md) + "\n")
+        compare = {"steps_per_stage": steps, "seeds": sorted({x["seed"] for x in rows}), "rows": rows, "summary": summary}
+        atomic_write(self.run / "compare.json", json.dumps(compare, indent=1))
+        print("\n" + "\n".join(md))
+
+
+def placement_summary(result: dict) -> str:
+    """The chosen layers and, after a measured search, the per-layer drops beside the proxies."""
+    lines = [f"\nMLA layers ({result['method']}): {result['mla_layers']}"]
+    m = result.get("measured")
+    if m:
+        lines.append(f"KL(base || student) on {m['tokens']} held-out tokens: all linear {m['kl_all_linear']:.4f}, "
+                     f"all MLA {m['kl_all_mla']:.4f}")
+        lines.append("layer  KL drop   " + "  ".join(f"{k:>16}" for k in result["spearman"]))
+        for i, d in enumerate(m["drop"]):
+            lines.append(f"{i:>5}  {d:+.4f}  " + "  ".join(f"{result['proxy'][k][i]:>16.4f}" for k in result["spearman"]))
+        lines.append("Spearman (proxy vs measured): " + ", ".join(f"{k} {v:+.2f}" for k, v in result["spearman"].items()))
+    return "\n".join(lines)
+
+
+def compare_markdown(rows: list[dict], summary: list[dict], steps: int) -> list[str]:
+    """compare.md: one row per placement; with several seeds, KL per seed, mean +- std and the paired gap."""
+    seeds = sorted({x["seed"] for x in rows})
+    kl = {(x["placement"], x["seed"]): x["kl"] for x in rows}
+    title = f"# Layer placement: KL(base || student) after stage 1 + stage 2 ({steps} + {steps} steps each)"
+    if len(seeds) == 1:
+        md = [title, "", "| placement | MLA layers | KV-cache ratio | held-out KL |", "|---|---|---|---|"]
+        return md + [f"| {s['placement']} | {','.join(map(str, s['mla_layers']))} | {s['kv_cache_ratio']:.3f} | "
+                     f"{s['mean']:.4f} |" for s in summary]
+    md = [title + f", seeds {', '.join(map(str, seeds))}", "",
+          "| placement | MLA layers | KV-cache ratio | " + " | ".join(f"KL seed {s}" for s in seeds)
+          + " | mean +- std | minus searched, mean (per seed) | searched lower |",
+          "|---|---|---|" + "---|" * len(seeds) + "---|---|---|"]
+    for s in summary:
+        per_seed = " | ".join(f"{kl[(s['placement'], seed)]:.4f}" if (s["placement"], seed) in kl else "-"
+                              for seed in seeds)
+        gap = "-" if s["gap_to_searched"] is None else (
+            f"{s['gap_to_searched']:+.4f} ({', '.join(f'{g:+.3f}' for g in s['gaps'])})")
+        wins = "-" if s["searched_lower"] is None else f"{s['searched_lower']} of {len(s['gaps'])}"
+        md.append(f"| {s['placement']} | {','.join(map(str, s['mla_layers']))} | {s['kv_cache_ratio']:.3f} | "
+                  f"{per_seed} | {s['mean']:.4f} +- {s['std']:.4f} | {gap} | {wins} |")
+    return md
+
+
+# ---------------------------------------------------------------------------------- command line
+# Each shorthand flag's config key (the flags win over --config and --set).
+FLAG_KEYS = {**runner.RUNNER_FLAGS, "num_cpus": "ray.num_cpus", **{name: name for name in (
+    "base", "n_mla", "data_from", "stage1_data", "stage2_data", "heldout_data", "train_config", "train_set",
+    "steps", "seq_len", "heldout_rows", "kv_lora_rank", "linear_type", "proxy_only", "proxy", "compare",
+    "compare_steps", "compare_seeds")}}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = runner.runner_parser("Choose which layers keep full attention (MLA) by measurement (run_dir default "
+                       "runs/placement). Every option is a key of PlacementConfig (pipeline/placement.py); the "
+                       "flags are shorthands for them.")
+    ap.add_argument("--base", help="base HF model directory or asset:<name> (base)")
+    ap.add_argument("--n-mla", type=int_at_least(1), help="how many layers get MLA (n_mla; required)")
+    ap.add_argument("--data-from", help="a demo run directory: use its data/{stage1,stage2,heldout}")
+    ap.add_argument("--stage1-data")
+    ap.add_argument("--stage2-data")
+    ap.add_argument("--heldout-data")
+    ap.add_argument("--train-config", help="training config of the short stages (default configs/demo-smollm2.yaml)")
+    ap.add_argument("--train-set", action="append", metavar="KEY=VALUE",
+                    help="extra --set override for every training job, e.g. model.activation_checkpointing=false")
+    ap.add_argument("--steps", type=int_at_least(1), help="stage-1 steps of the two students the search scores")
+    ap.add_argument("--seq-len", type=int_at_least(2), help="tokens per packed row (as the data was packed)")
+    ap.add_argument("--heldout-rows", type=int_at_least(1), help="held-out rows every layer is scored on")
+    ap.add_argument("--kv-lora-rank", type=int_at_least(1))
+    ap.add_argument("--linear-type", choices=["gdn", "mamba2"])
+    ap.add_argument("--num-cpus", type=int_at_least(1), help="CPUs of the local Ray that scores layers (ray.num_cpus)")
+    ap.add_argument("--proxy-only", action="store_true", default=None, help="choose by the training-free proxy only")
+    ap.add_argument("--proxy", choices=list(PROXIES), help="the proxy --proxy-only ranks by (default error_gap)")
+    ap.add_argument("--compare", nargs="*", metavar="PLACEMENT",
+                    help="placements to compare with the searched one, e.g. --compare even uniform:15 0,5,10")
+    ap.add_argument("--compare-steps", type=int_at_least(1), help="stage 1 and stage 2 steps of each compared run")
+    ap.add_argument("--compare-seeds", nargs="+", type=int_at_least(0), metavar="SEED",
+                    help="run every compared placement once per seed (conversion init, train.seed); with several "
+                         "seeds the table gives mean, spread and the paired difference to the searched placement")
+    return ap
+
+
+def placement_config(argv: list[str] | None = None) -> PlacementConfig:
+    """The search's config from its command line (`--print-config` prints it and exits)."""
+    return config_from_args(PlacementConfig, build_parser().parse_args(argv), FLAG_KEYS)
+
+
+def run_placement(cfg: PlacementConfig) -> int:
+    t0 = time.time()
+    with PlaceLayers(cfg) as job:
+        rc = job.main()
+    print(f"[place] total {time.time() - t0:.0f} s")
+    return rc

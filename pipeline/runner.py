@@ -1,35 +1,99 @@
-"""Resumable multi-step runs of the project's jobs (used by jobs/demo.py and jobs/place_layers.py).
+"""Resumable multi-step runs of the project's jobs (used by pipeline/demo.py and pipeline/placement.py).
 
 Each step runs one of the project's own jobs as a subprocess, the same command a user would type, and
 logs it to `<run-dir>/logs/<step>.log`. A finished step leaves `<run-dir>/done/<step>.json` (written
 atomically); running again skips it after checking that its outputs still exist, so an interrupted run
 continues where it stopped and `--force` redoes everything.
+
+The steps that use Ray join one Ray for the whole run (`sh(..., ray=True)` passes its `RAY_ADDRESS`):
+the first such step starts it (or joins the cluster `ray.address` / `RAY_ADDRESS` names), and it stops
+with the run (`with runner: ...`). A local Ray takes ~10 s to start on 2 cores; the jobs then do not
+start one each.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hylo.files import atomic_write
+from pipeline.config import add_config_args
+from pipeline.ray_init import RayInitSection, gcs_address, init_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
+@dataclass
+class RunnerConfig:
+    """The options every multi-step job has (`DemoConfig`, `PlacementConfig` extend it)."""
+
+    # Where the run lives: logs/, done/ and every step's output.
+    run_dir: str = "runs/run"
+    # Redo every step.
+    force: bool = False
+    # Do not echo the jobs' output.
+    quiet: bool = False
+    # The one Ray the steps join (started by the first step that needs it, unless an address is given).
+    ray: RayInitSection = field(default_factory=RayInitSection)
+
+
+# The shorthand flags of `runner_parser` and their config keys.
+RUNNER_FLAGS = {"run_dir": "run_dir", "force": "force", "quiet": "quiet"}
+
+
+def runner_parser(description: str) -> argparse.ArgumentParser:
+    """A multi-step job's command line: --config, --set, --print-config and the shorthands --run-dir,
+    --force, --quiet (the job adds its own)."""
+    ap = argparse.ArgumentParser(description=description)
+    add_config_args(ap)
+    ap.add_argument("--run-dir", help="run directory (run_dir)")
+    ap.add_argument("--force", action="store_true", default=None, help="redo every step (force)")
+    ap.add_argument("--quiet", action="store_true", default=None, help="do not echo the jobs' output (quiet)")
+    return ap
+
+
 class StepRunner:
-    def __init__(self, run_dir: str | Path, force: bool = False, quiet: bool = False, tag: str = "run") -> None:
+    def __init__(self, run_dir: str | Path, force: bool = False, quiet: bool = False, tag: str = "run",
+                 ray: RayInitSection | None = None) -> None:
         self.run = Path(run_dir).resolve()
         self.force, self.quiet, self.tag = force, quiet, tag
         (self.run / "logs").mkdir(parents=True, exist_ok=True)
         (self.run / "done").mkdir(parents=True, exist_ok=True)
         self.times: dict[str, float] = {}
         self.t_start = time.time()
+        self.ray_cfg = ray or RayInitSection()
+        self._ray_address: str | None = None
+        self._ray_started = False
+
+    def __enter__(self) -> StepRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the run's Ray if this runner started it."""
+        if self._ray_started:
+            import ray
+
+            ray.shutdown()
+            self._ray_started, self._ray_address = False, None
+
+    def ray_address(self) -> str:
+        """The address of the run's one Ray, started (or joined) on first use."""
+        if self._ray_address is None:
+            # this process runs no Ray work itself: the jobs' workers log to the jobs
+            self._ray_started = init_ray(self.ray_cfg.address, self.ray_cfg.num_cpus, log_to_driver=False)
+            self._ray_address = gcs_address()
+        return self._ray_address
 
     def done_file(self, name: str) -> Path:
         return self.run / "done" / f"{name}.json"
@@ -62,9 +126,12 @@ class StepRunner:
         self.mark(name, time.time() - t0, **info)
         return info
 
-    def sh(self, name: str, cmd: list[str], env: dict | None = None) -> str:
-        """Run one job, streaming its output to the console and to logs/<name>.log; return its output."""
+    def sh(self, name: str, cmd: list[str], env: dict | None = None, ray: bool = False) -> str:
+        """Run one job, streaming its output to the console and to logs/<name>.log; return its output.
+        `ray`: the job joins the run's Ray (`RAY_ADDRESS`)."""
         log = self.run / "logs" / f"{name.replace('/', '_')}.log"
+        if ray:
+            env = {"RAY_ADDRESS": self.ray_address(), **(env or {})}
         print(f"\n[{self.tag}] === {name}: {' '.join(cmd)}", flush=True)
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
         out_lines: list[str] = []
@@ -114,6 +181,11 @@ def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student:
            "--set", f"checkpoint.every_steps={max(1, steps // 2)}",
            "--set", "checkpoint.delete_after_consolidate=true"]
     return cmd + (extra or []) + resume
+
+
+def lengths_arg(lengths: list[int]) -> str:
+    """A list of context lengths as one `--set` value: [512,1024]."""
+    return "[" + ",".join(map(str, lengths)) + "]"
 
 
 def eval_cmd(model: Path, base: str | Path, data: Path, out: Path, suites: str, max_rows: int,

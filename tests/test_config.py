@@ -157,13 +157,17 @@ def test_print_config_shows_every_key_and_round_trips(capsys):
 def _job_config_roots() -> dict[str, type]:
     from pipeline.data.config import PrepareDataConfig
     from pipeline.data.decontam import DecontamJobConfig
+    from pipeline.demo import DemoConfig
     from pipeline.eval.config import EvalConfig
+    from pipeline.placement import PlacementConfig
     from pipeline.teacher.config import TeacherCacheConfig
     from pipeline.train.config import Stage1Config, Stage2Config
 
     # the teacher pool's sections (model, pool, client) are reached through stage 2's `teacher`
     return {"stage1": Stage1Config, "stage2": Stage2Config, "prepare_data": PrepareDataConfig,
-            "decontaminate": DecontamJobConfig, "teacher_cache": TeacherCacheConfig, "eval": EvalConfig}
+            "decontaminate": DecontamJobConfig, "teacher_cache": TeacherCacheConfig,
+            "eval": EvalConfig, "demo": DemoConfig,
+            "place_layers": PlacementConfig}
 
 
 def _walk_fields(cls: type, prefix: str = "", seen: set | None = None):

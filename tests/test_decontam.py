@@ -24,6 +24,7 @@ from pipeline.data.decontam import (
 )
 from pipeline.data.normalize import _NON_WORD, fold_many, normalize_words, normalize_words_plain
 from pipeline.data.readers import SourceSpec, read_source
+from pipeline.ray_init import ray_running
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,9 +100,8 @@ def removed_items(out: Path) -> dict[str, set[str]]:
 @pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    with ray_running(None, 2, log_to_driver=False):
+        yield ray
 
 
 # ------------------------------------------------------------------------------ normalisation

@@ -1,25 +1,23 @@
-"""jobs/demo.py's choice of evaluation suites (the demo itself runs in `make demo`, not here)."""
+"""The demo's choice of evaluation suites and its options (the demo itself runs in `make demo`, not here)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "jobs"))
-
-import demo  # noqa: E402
+from pipeline import demo
+from pipeline.config import ConfigError
 
 
 def make(tmp_path: Path, *flags: str) -> demo.Demo:
-    d = demo.Demo(demo.build_parser().parse_args(["--run-dir", str(tmp_path / "run"), "--quiet", *flags]))
+    d = demo.Demo(demo.demo_config(["--run-dir", str(tmp_path / "run"), "--quiet", *flags]))
     d.base = Path("/models/smollm2")
     d.commands = []
 
-    def fake_sh(name, cmd, env=None):
+    def fake_sh(name, cmd, env=None, ray=False):
         d.commands.append((name, cmd))
         out = Path(cmd[cmd.index("--out") + 1])
         out.mkdir(parents=True, exist_ok=True)
@@ -42,7 +40,7 @@ def test_default_demo_evaluates_what_a_135m_model_shows(tmp_path):
     name, cmd = d.commands[-1]
     assert name == "eval_stage2" and cmd[cmd.index("--suite") + 1] == "kl,kvcache"
     s = sets(cmd)
-    assert s["kvcache.lengths"] == demo.DEFAULT_KV_LENGTHS and s["kl.max_rows"] == "8"
+    assert s["kvcache.lengths"] == "[512,1024,2048]" and s["kl.max_rows"] == "8"
     assert not any(k.startswith("retrieval.") for k in s)
 
 
@@ -51,7 +49,7 @@ def test_full_eval_adds_retrieval_and_longer_contexts(tmp_path):
     assert d.final_suites() == ["kl", "retrieval", "kvcache"]
     d.evaluate("stage2", tmp_path / "model", d.final_suites())
     s = sets(d.commands[-1][1])
-    assert s["retrieval.lengths"] == "[256,512]" and s["kvcache.lengths"] == demo.FULL_KV_LENGTHS
+    assert s["retrieval.lengths"] == "[256,512]" and s["kvcache.lengths"] == "[1024,2048,4096]"
     # an explicit --kv-lengths wins in both modes
     d2 = make(tmp_path, "--kv-lengths", "[128,256]")
     d2.evaluate("stage2", tmp_path / "model", d2.final_suites())
@@ -71,3 +69,22 @@ def test_a_finished_eval_is_redone_only_when_it_lacks_a_requested_suite(tmp_path
     assert len(again.commands) == (1 if reruns else 0)
     results = json.loads((tmp_path / "run" / "eval" / "stage2" / "results.json").read_text())
     assert ("retrieval" in results) == bool(first or then)
+
+
+def test_options_come_from_a_config_file_set_overrides_and_flags(tmp_path, capsys):
+    f = tmp_path / "demo.yaml"
+    f.write_text("steps: 4\nheldout_rows: 16\nkv_lengths: [128]\nseq_len: 1024\n")
+    cfg = demo.demo_config(["--config", str(f), "--set", "steps=5", "--set", "seq_len=256", "--steps", "6"])
+    # the file, then --set, then the shorthand flags
+    assert (cfg.steps, cfg.heldout_rows, cfg.seq_len, cfg.kv_lengths) == (6, 16, 256, [128])
+    assert cfg.run_dir == "runs/demo" and cfg.full_eval is False and cfg.placement_seeds == [0]
+    with pytest.raises(ConfigError, match="command line: heldout_rows=0: must be >= 1"):
+        demo.demo_config(["--set", "heldout_rows=0"])
+    with pytest.raises(ConfigError, match="unknown key.*stepz.*valid keys: .*steps"):
+        demo.demo_config(["--set", "stepz=3"])
+    with pytest.raises(SystemExit) as e:
+        demo.demo_config(["--full-eval", "--placement-seeds", "0", "1", "--print-config"])
+    assert e.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["full_eval"] is True and printed["placement_seeds"] == [0, 1]
+    assert printed["ray"] == {"address": None, "num_cpus": None}

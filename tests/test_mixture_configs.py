@@ -17,6 +17,7 @@ from pipeline.config import from_dict, to_dict
 from pipeline.data.config import PrepareDataConfig
 from pipeline.data.readers import SourceSpec, read_source
 from pipeline.data.render import ChatRenderer, RenderError
+from pipeline.ray_init import ray_running
 
 from fixtures_data import (
     EVAL_SUITES,
@@ -196,19 +197,15 @@ def recipe_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
+    with ray_running(None, 2, log_to_driver=False):
+        yield ray
 
 
 def _run(root: Path, family: str, stage: str) -> tuple[dict, Path]:
     from pipeline.data.dataset import prepare
 
     tree = _tree(family, stage, root)
-    tree.update(ray_address=None, progress=False)
+    tree.update(ray={"address": None}, progress=False)
     tree["tokenize"].update(num_actors=2, batch_size=16)
     tree["decontam"]["scanner"] = "local"
     cfg = from_dict(PrepareDataConfig, tree)

@@ -14,12 +14,15 @@ import torch
 
 from pipeline.eval.kl import evaluate_kl
 from pipeline.placement import (
+    PlaceLayers,
     PlacementError,
     Row,
     choose,
+    compare_markdown,
     compare_summary,
     layer_inputs,
     load_rows,
+    placement_config,
     proxy_scores,
     ranks,
     score_layers,
@@ -97,14 +100,11 @@ def test_swapped_kl_equals_the_full_forward_of_the_mixed_model(models):
 
 
 def test_score_layers_through_ray_tasks(models):
-    import ray
+    from pipeline.ray_init import ray_running
 
     rows = [as_row(r) for r in models["rows"]]
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    try:
+    with ray_running(None, 2):
         res = score_layers(models["root"] / "linear", models["root"] / "mla", models["base"], rows, progress=False)
-    finally:
-        ray.shutdown()
     linear, mla, base = models["linear"], models["mla"], models["base"]
     teacher = teacher_hidden(base, rows)
     wt = base.get_output_embeddings().weight
@@ -230,9 +230,6 @@ def test_compare_summary_pairs_by_seed():
 
 
 def test_compare_markdown_one_and_several_seeds():
-    sys.path.insert(0, str(ROOT / "jobs"))
-    from place_layers import compare_markdown
-
     one = [_cmp_row("searched", 0, 2.0), _cmp_row("even", 0, 2.5)]
     md = "\n".join(compare_markdown(one, compare_summary(one), 8))
     assert "| even | 0,2 | 0.500 | 2.5000 |" in md and "seed" not in md
@@ -244,21 +241,17 @@ def test_compare_markdown_one_and_several_seeds():
 
 def test_compare_runs_take_the_seed(tmp_path, monkeypatch):
     # Every seed gets its own runs: convert --seed s, train.seed=s in both stages, its own tag and eval.
-    sys.path.insert(0, str(ROOT / "jobs"))
-    import place_layers
-
     data = tmp_path / "data"
     for split in ("stage1", "stage2", "heldout"):
         (data / "data" / split).mkdir(parents=True)
         (data / "data" / split / "manifest.json").write_text("{}")
-    args = place_layers.build_parser().parse_args(
+    job = PlaceLayers(placement_config(
         ["--n-mla", "2", "--data-from", str(data), "--run-dir", str(tmp_path / "run"), "--compare", "even",
-         "--compare-seeds", "0", "3", "--quiet"])
-    job = place_layers.PlaceLayers(args)
-    job.args.base_dir = "BASE"
+         "--compare-seeds", "0", "3", "--quiet"]))
+    job.base_dir = "BASE"
     calls: list[list[str]] = []
 
-    def fake_sh(name, cmd, env=None):
+    def fake_sh(name, cmd, env=None, ray=False):
         calls.append(cmd)
         out = Path(cmd[cmd.index("--out") + 1]) if "--out" in cmd else None
         if cmd[1] == "jobs/convert.py":
@@ -287,3 +280,18 @@ def test_compare_runs_take_the_seed(tmp_path, monkeypatch):
     # finished seeds are reused: no new job runs
     n = len(calls)
     assert job.compare_one("even", "even", 4, 3) == r3 and len(calls) == n
+
+
+def test_options_come_from_a_config_file_set_overrides_and_flags(tmp_path):
+    from pipeline.config import ConfigError
+
+    f = tmp_path / "search.yaml"
+    f.write_text("n_mla: 4\ncompare: [even]\ncompare_seeds: [0, 1]\ntrain_set: [a.b=1]\n")
+    cfg = placement_config(["--config", str(f), "--set", "compare_steps=3", "--n-mla", "6", "--num-cpus", "2",
+                            "--train-set", "c.d=2"])
+    assert (cfg.n_mla, cfg.compare, cfg.compare_seeds, cfg.compare_steps) == (6, ["even"], [0, 1], 3)
+    assert cfg.train_set == ["c.d=2"] and cfg.ray.num_cpus == 2 and cfg.train_config == "configs/demo-smollm2.yaml"
+    with pytest.raises(ConfigError, match="command line: proxy='x': must be one of linear_error"):
+        placement_config(["--set", "proxy=x"])
+    with pytest.raises(PlacementError, match="n_mla is not set"):
+        PlaceLayers(placement_config(["--run-dir", str(tmp_path / "run")]))

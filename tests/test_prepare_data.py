@@ -23,6 +23,7 @@ from pipeline.data.dataset import (
 from pipeline.data.mixture import split_of
 from pipeline.data.packing import PAD_DOC_ID, BestFitPacker, Document, check_row, label_aligned_mask
 from pipeline.data.render import ChatRenderer
+from pipeline.ray_init import ray_running
 
 
 def _conv(i: int, turns: int) -> list[dict]:
@@ -55,12 +56,8 @@ BAD_LINES = {
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
+    with ray_running(None, 2, log_to_driver=False):
+        yield ray
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,14 @@
-"""The step runner shared by jobs/demo.py and jobs/place_layers.py."""
+"""The step runner shared by the demo and the placement search (pipeline/demo.py, pipeline/placement.py)."""
 
 from __future__ import annotations
 
 import json
+import sys
+from types import SimpleNamespace
 
 import pytest
 
+from pipeline.ray_init import RayInitSection
 from pipeline.runner import StepRunner, last_json_object, train_cmd
 from pipeline.train.checkpoint import STATE_FILE, finalize_checkpoint, write_rank_files
 
@@ -63,3 +66,33 @@ def test_interrupted_training_step_resumes(tmp_path):
     cmd = train_cmd(*args)
     assert cmd[-1] == "--resume" and "train.total_steps=8" in cmd and "checkpoint.every_steps=4" in cmd
     assert "checkpoint.delete_after_consolidate=true" in cmd
+
+
+def test_steps_that_use_ray_join_one_ray_started_once_on_first_use(tmp_path, monkeypatch):
+    import pipeline.runner as runner
+
+    calls = []
+    monkeypatch.setattr(runner, "init_ray", lambda address, num_cpus, **kw: calls.append((address, num_cpus)) or True)
+    monkeypatch.setattr(runner, "gcs_address", lambda: "127.0.0.1:6379")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    show = ["python", "-c", "import os; print(os.environ.get('RAY_ADDRESS'))"]
+    with StepRunner(tmp_path / "run", quiet=True, ray=RayInitSection(num_cpus=2)) as r:
+        assert r.sh("plain", show) == "None\n" and calls == []  # a job without Ray starts none
+        assert r.sh("a", show, ray=True) == "127.0.0.1:6379\n"
+        assert r.sh("b", show, ray=True) == "127.0.0.1:6379\n"
+        assert calls == [(None, 2)]
+        monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(shutdown=lambda: calls.append("shutdown")))
+    assert calls[-1] == "shutdown"
+
+
+@pytest.mark.slow
+def test_the_jobs_of_a_run_join_its_ray(tmp_path):
+    import ray
+
+    job = ["python", "-c", "import ray; from pipeline.ray_init import init_ray; started = init_ray(None, 1); "
+           "print(started, ray.get_runtime_context().gcs_address, ray.cluster_resources()['CPU'])"]
+    with StepRunner(tmp_path / "run", quiet=True, ray=RayInitSection(num_cpus=2)) as r:
+        first, second = r.sh("a", job, ray=True).split()[-3:], r.sh("b", job, ray=True).split()[-3:]
+        assert first == second == ["False", r.ray_address(), "2.0"]
+        assert ray.is_initialized()
+    assert not ray.is_initialized()

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from pipeline.ray_init import ray_running
 from pipeline.teacher.cache import (
     SHARD_DIR,
     CacheFormatError,
@@ -244,7 +245,7 @@ def test_read_packed_rows_round_trip(env):
 
 
 def test_ray_job_resumes_after_partial_shards(env, tmp_path):
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     out = tmp_path / "job"
     # A job killed after two shards: those two exist (written by the actors' own code path) ...
     cfg = _cfg(env, out, k=8)
@@ -256,11 +257,8 @@ def test_ray_job_resumes_after_partial_shards(env, tmp_path):
     done = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / SHARD_DIR).glob("*.parquet")}
     # ... and a write cut half-way leaves only a temporary file: it must be swept, never read.
     (out / SHARD_DIR / ".shard-00002.parquet.tmp-dead").write_bytes(b"partial")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with ray_running(None, 2, log_to_driver=False):
         second = run_cache_job(_cfg(env, out, k=8), log=lambda *_: None)
-    finally:
-        ray.shutdown()
     assert second["computed"] == ["shard-00002", "shard-00003"] and second["complete"]
     # Finished shards were not redone.
     for name, stamp in done.items():

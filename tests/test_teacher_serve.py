@@ -16,6 +16,7 @@ import torch
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
+from pipeline.ray_init import ray_running  # noqa: E402
 from pipeline.teacher.client import TeacherClient  # noqa: E402
 from pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig  # noqa: E402
 from pipeline.teacher.serve import start_teacher_pool  # noqa: E402
@@ -41,16 +42,15 @@ def pool(tmp_path_factory):
     pool_cfg = TeacherPoolConfig(app_name="teacher_test", num_replicas=2, num_cpus=0.5,
                                  max_batch_tokens=BUDGET, batch_wait_timeout_s=0.05, port=_free_port(),
                                  fail_marker=str(marker), fail_on_row=2)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        handle = start_teacher_pool(TeacherModelConfig(path=str(model_dir)), pool_cfg)
-        from transformers import AutoModelForCausalLM
+    with ray_running(None, 4, log_to_driver=False):
+        try:
+            handle = start_teacher_pool(TeacherModelConfig(path=str(model_dir)), pool_cfg)
+            from transformers import AutoModelForCausalLM
 
-        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        yield {"handle": handle, "ref": ref, "marker": marker, "cfg": pool_cfg}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+            ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            yield {"handle": handle, "ref": ref, "marker": marker, "cfg": pool_cfg}
+        finally:
+            serve.shutdown()
 
 
 @torch.no_grad()

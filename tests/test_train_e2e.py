@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.ray_init import ray_running
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train.metrics import read_metrics
 
@@ -152,14 +153,8 @@ def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference):
     cfg = tiny_config(models, root / "runs", "ray/recover", ray={"launcher": "ray", "max_failures": 1},
                       train={"max_steps": 8}, fault={"kill_at_step": 5, "kill_rank": 1, "kill_when": "mid_step"})
     cfg_path = write_config(cfg, root / "ray.yaml")
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {k: _env()[k] for k in
-                                                                            ("PYTHONPATH", "TORCH_EXTENSIONS_DIR")}})
-    try:
+    with ray_running(None, 2):
         summary = run(2, ["--config", str(cfg_path)])
-    finally:
-        ray.shutdown()
     rd = root / "runs" / "ray" / "recover"
     got = read_metrics(rd)
     assert (rd / ".fault-step5-mid_step-rank1").exists()
@@ -179,8 +174,6 @@ def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, ref
     from the bucket."""
     import shutil
 
-    import ray
-
     from pipeline.train.driver import run
     from pipeline.train.storage import Loc, local_mirror
 
@@ -190,22 +183,20 @@ def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, ref
     with fake_s3() as s3:
         cfg = tiny_config(models, s3("runs"), "ray/s3", ray={"launcher": "ray"}, train={"max_steps": 6})
         cfg_path = write_config(cfg, root / "s3.yaml")
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {k: _env()[k] for k in
-                                                                                ("PYTHONPATH", "TORCH_EXTENSIONS_DIR")}})
-        try:
-            first = run(2, ["--config", str(cfg_path)])
-            rd = Loc.of(s3("runs/ray/s3"))
-            assert first["run_dir"] == str(rd) and [s for s, _ in ckpt_lib.list_checkpoints(rd)] == [3, 6]
-            assert (rd / "model" / "hybrid_config.json").is_file() and (rd / "config_stage2.json").is_file()
-            assert (rd / "checkpoint_manager_snapshot.json").is_file() and (rd / "tensorboard").files()
-            assert list(read_metrics(rd)) == list(range(1, 7))
-            (rd / "step_00000006").rmtree()
-            capfd.readouterr()
-            second = run(2, ["--config", str(cfg_path), "--resume", "--set", "train.max_steps=8"])
-            out = capfd.readouterr().out
-        finally:
-            ray.shutdown()
-            shutil.rmtree(local_mirror(Loc.of(s3("runs/ray/s3"))), ignore_errors=True)
+        with ray_running(None, 2):
+            try:
+                first = run(2, ["--config", str(cfg_path)])
+                rd = Loc.of(s3("runs/ray/s3"))
+                assert first["run_dir"] == str(rd) and [s for s, _ in ckpt_lib.list_checkpoints(rd)] == [3, 6]
+                assert (rd / "model" / "hybrid_config.json").is_file() and (rd / "config_stage2.json").is_file()
+                assert (rd / "checkpoint_manager_snapshot.json").is_file() and (rd / "tensorboard").files()
+                assert list(read_metrics(rd)) == list(range(1, 7))
+                (rd / "step_00000006").rmtree()
+                capfd.readouterr()
+                second = run(2, ["--config", str(cfg_path), "--resume", "--set", "train.max_steps=8"])
+                out = capfd.readouterr().out
+            finally:
+                shutil.rmtree(local_mirror(Loc.of(s3("runs/ray/s3"))), ignore_errors=True)
         assert "points at step_00000006, which is missing" in out, out[-3000:]
         got = read_metrics(rd)
         assert second["last_step"] == 8 and list(got) == list(range(1, 9))

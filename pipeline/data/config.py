@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config import FieldError, at_least, between, one_of, rules
+from pipeline.config import FieldError, at_least, between, one_of, renamed, rules
 from pipeline.data.decontam import BenchmarkSpec, MatchConfig
 from pipeline.data.mixture import SPLITS, STAGE2_MODES
 from pipeline.data.packing import LONG_DOC_POLICIES
 from pipeline.data.readers import SourceSpec
 from pipeline.data.render import MASK_METHODS
+from pipeline.ray_init import RayInitSection
 
 
 def _refuse_duplicates(names: list[str], what: str) -> None:
@@ -118,7 +119,8 @@ class OutputConfig:
 
 
 @dataclass
-@rules(split=one_of(*SPLITS), num_cpus=at_least(1))
+@rules(split=one_of(*SPLITS))
+@renamed(ray_address="ray.address", num_cpus="ray.num_cpus")
 class PrepareDataConfig:
     split: str = "stage2"
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
@@ -126,9 +128,8 @@ class PrepareDataConfig:
     packing: PackingConfig = field(default_factory=PackingConfig)
     decontam: DecontamSection = field(default_factory=DecontamSection)
     output: OutputConfig = field(default_factory=OutputConfig)
-    # None: start a local Ray with `num_cpus`; else connect to this address ("auto", "ray://...").
-    ray_address: str | None = None
-    num_cpus: int = 2
+    # The job's Ray (pipeline/ray_init.py): a local one of 2 CPUs unless an address or $RAY_ADDRESS is given.
+    ray: RayInitSection = field(default_factory=lambda: RayInitSection(num_cpus=2))
     progress: bool = True
 
 
@@ -136,4 +137,4 @@ class PrepareDataConfig:
 # (pipeline.data.dataset.rows_config_hash) covers every other key, so a new one is hashed unless listed
 # here. (decontam.scanner and decontam.batch_size do not change the rows either, but have always been
 # hashed: leaving them out now would change the fingerprint of every dataset prepared so far.)
-UNHASHED_KEYS = ("ray_address", "num_cpus", "progress", "output", "tokenize.num_actors", "tokenize.batch_size")
+UNHASHED_KEYS = ("ray", "progress", "output", "tokenize.num_actors", "tokenize.batch_size")

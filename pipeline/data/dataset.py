@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 from hylo.files import atomic_dir, atomic_path, atomic_write, read_json
 from pipeline.data.packing import BestFitPacker, Document
 from pipeline.data.render import ChatRenderer, Encoded
+from pipeline.ray_init import init_ray
 
 MANIFEST = "manifest.json"
 FORMAT = "hylo-packed-rows/1"
@@ -459,14 +460,6 @@ def _check_output(out: Path, overwrite: bool) -> None:
                            f"choose another output.dir or empty it")
 
 
-def _ensure_ray(cfg: Any) -> None:
-    import ray
-
-    if not ray.is_initialized():
-        if cfg.ray_address:
-            ray.init(address=cfg.ray_address)
-        else:
-            ray.init(num_cpus=cfg.num_cpus, include_dashboard=False)
 
 
 def _warn(report_warnings: list[str], text: str) -> None:
@@ -555,7 +548,7 @@ def _prepare_into(cfg: Any, staging: Path, out: Path, renderer: ChatRenderer, pa
             # Decide on the whole mixture, so both stages remove the same records.
             full, full_stats = build_mixture(m, "all", on_read_reject)
             if cfg.decontam.scanner == "ray":
-                _ensure_ray(cfg)
+                init_ray(cfg.ray.address, cfg.ray.num_cpus)
             records, mix_stats, decontam = _decontaminate(cfg, index, full, full_stats, staging)
             del full
         t_read = run.elapsed
@@ -572,7 +565,7 @@ def _prepare_into(cfg: Any, staging: Path, out: Path, renderer: ChatRenderer, pa
             raise PrepareError(f"the {cfg.split} split of the mixture is empty "
                                f"({sum(c.read for c in mix_stats.sources.values())} records read); nothing written")
 
-        _ensure_ray(cfg)
+        init_ray(cfg.ray.address, cfg.ray.num_cpus)
         import ray.data
 
         # Our own bar counts documents; Ray's per-operator bars would interleave with it.
@@ -663,7 +656,7 @@ def _decontaminate(cfg: Any, index: Any, full: list[dict[str, Any]], full_stats:
     dc, m = cfg.decontam, cfg.mixture
     uniq = [r for r in full if r["doc_id"] == r["doc_base"]]
     dec = scan_and_decide(index, [[t["content"] for t in r["messages"]] for r in uniq], dc.scanner,
-                          dc.batch_size, cfg.progress, cfg.num_cpus, cfg.ray_address)
+                          dc.batch_size, cfg.progress, cfg.ray)
     removed: set[str] = set()
     replaced: dict[str, dict[str, Any]] = {}
     by_suite: dict[str, int] = {}

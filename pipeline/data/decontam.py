@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
-import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -53,9 +52,10 @@ from typing import Any
 import numpy as np
 
 from hylo.files import atomic_path, atomic_write
-from pipeline.config import FILE_NAME, at_least, between, one_of, rules
+from pipeline.config import FILE_NAME, at_least, between, one_of, renamed, rules
 from pipeline.data.normalize import content_words, fold_many, normalize_words, normalize_words_plain
 from pipeline.data.readers import Record, SourceError, SourceSpec, is_reject, iter_raw, iter_source
+from pipeline.ray_init import RayInitSection, init_ray
 
 MODES = ("drop", "cut")
 OUTPUT_FORMATS = ("jsonl", "parquet")
@@ -103,7 +103,8 @@ class MatchConfig:
 
 
 @dataclass
-@rules(output_format=one_of(*OUTPUT_FORMATS), scanner=one_of(*SCANNERS), batch_size=at_least(1), num_cpus=at_least(1))
+@rules(output_format=one_of(*OUTPUT_FORMATS), scanner=one_of(*SCANNERS), batch_size=at_least(1))
+@renamed(ray_address="ray.address", num_cpus="ray.num_cpus")
 class DecontamJobConfig:
     inputs: list[SourceSpec] = field(default_factory=list)
     benchmarks: list[BenchmarkSpec] = field(default_factory=lambda: [BenchmarkSpec("humaneval")])
@@ -114,9 +115,8 @@ class DecontamJobConfig:
     batch_size: int = 256
     # ray: Ray Data tasks; local: the same fast scan in-process; reference: plain Python n-gram sets.
     scanner: str = "ray"
-    # None: start a local Ray with `num_cpus`; else connect to this address ("auto", "ray://...").
-    ray_address: str | None = None
-    num_cpus: int = 2
+    # The job's Ray (pipeline/ray_init.py): a local one of 2 CPUs unless an address or $RAY_ADDRESS is given.
+    ray: RayInitSection = field(default_factory=lambda: RayInitSection(num_cpus=2))
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -749,14 +749,7 @@ def _scan_batch_task(batch: Any, index_refs: list) -> dict[str, np.ndarray]:
 def _scan_ray(index: BenchmarkIndex, texts: list[list[str]], cfg: DecontamJobConfig) -> Hits:
     import ray
 
-    if not ray.is_initialized():
-        if cfg.ray_address:
-            ray.init(address=cfg.ray_address)
-        else:
-            # Ray starts workers at nice 15; on a shared machine they would then get a sliver of
-            # the CPU next to this (nice 0) driver. A local batch job runs its workers at par.
-            os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = cfg.progress
     # The index goes to the object store once; tasks receive its reference (inside a list, so Ray
     # does not resolve it per task) and fetch it once per worker.
@@ -770,7 +763,8 @@ def _scan_ray(index: BenchmarkIndex, texts: list[list[str]], cfg: DecontamJobCon
     # a few blocks per CPU so both workers stay busy; tasks iterate batches inside their block.
     table = pa.table({"row": pa.array(np.arange(n, dtype=np.int64)),
                       "texts": pa.array(texts, type=pa.list_(pa.string()))})
-    blocks = max(1, min(n, max(2 * cfg.num_cpus, -(-n // 2048))))
+    cpus = cfg.ray.num_cpus or int(ray.cluster_resources().get("CPU", 1))
+    blocks = max(1, min(n, max(2 * cpus, -(-n // 2048))))
     bounds = np.linspace(0, n, blocks + 1).astype(int)
     ds = ray.data.from_arrow([table.slice(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:])])
     out = ds.map_batches(_scan_batch_task, fn_args=([index_ref],), batch_size=cfg.batch_size,
@@ -809,13 +803,13 @@ def build_index(benchmarks: Sequence[BenchmarkSpec], match: MatchConfig) -> tupl
 
 
 def scan_and_decide(index: BenchmarkIndex, texts: list[list[str]], scanner: str = "ray", batch_size: int = 256,
-                    progress: bool = True, num_cpus: int = 2, ray_address: str | None = None) -> Decision:
+                    progress: bool = True, ray_cfg: RayInitSection | None = None) -> Decision:
     """Scan documents (each a list of turn texts) and decide which are contaminated (see `decide`)."""
     if scanner == "ray":
         from types import SimpleNamespace
 
-        hits = _scan_ray(index, texts, SimpleNamespace(batch_size=batch_size, progress=progress, num_cpus=num_cpus,
-                                                       ray_address=ray_address))
+        hits = _scan_ray(index, texts, SimpleNamespace(batch_size=batch_size, progress=progress,
+                                                       ray=ray_cfg or RayInitSection(num_cpus=2)))
     elif scanner == "local":
         hits = _scan_local(texts, batch_size, FastScanner(index).scan, progress)
     else:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config import NONEMPTY, PORT, above, at_least, one_of, rules
+from pipeline.config import NONEMPTY, PORT, above, at_least, one_of, renamed, rules
+from pipeline.ray_init import RayInitSection
 
 DTYPES = ("float32", "bfloat16", "float16")
 ISOLATIONS = ("auto", "per_doc", "packed")
@@ -84,6 +85,7 @@ class TeacherClientConfig:
 @dataclass
 @rules(k=at_least(1), dtype=one_of("float16", "bfloat16", "float32"), rows_per_shard=at_least(1),
        num_actors=at_least(1), cpus_per_actor=at_least(0), gpus_per_actor=at_least(0), max_new_shards=at_least(0))
+@renamed(ray_address="ray.address")
 class TeacherCacheConfig:
     # Directory of Parquet shards of packed rows (input_ids, position_ids, cu_seqlens, ...).
     data: str = ""
@@ -98,6 +100,6 @@ class TeacherCacheConfig:
     gpus_per_actor: float = 0.0
     # Stop after this many new shards (0 = all); a smoke run or a planned partial run.
     max_new_shards: int = 0
-    # Ray address (None = start a local Ray).
-    ray_address: str | None = None
+    # The job's Ray (pipeline/ray_init.py): an address, else $RAY_ADDRESS, else a local Ray.
+    ray: RayInitSection = field(default_factory=RayInitSection)
     model: TeacherModelConfig = field(default_factory=TeacherModelConfig)

@@ -40,6 +40,7 @@ from pipeline.config import (
     to_dict,
 )
 from pipeline.data.mixture import SPLITS
+from pipeline.ray_init import RayInitSection
 from pipeline.teacher.config import TeacherClientConfig, TeacherModelConfig, TeacherPoolConfig
 from pipeline.train.trackers import MlflowSection, WandbSection
 
@@ -162,9 +163,8 @@ class CheckpointSection:
 @dataclass
 @rules(launcher=one_of("ray", "torchrun"), num_workers=at_least(1), cpus_per_worker=at_least(0),
        resources_per_worker=each(at_least(0)), name=RELATIVE_NAME, max_failures=at_least(-1))
-class RaySection:
-    # None = start a local Ray; "auto" or ray://... = the cluster a job runs on.
-    address: str | None = None
+class RaySection(RayInitSection):
+    # address, num_cpus: where the job's Ray is (pipeline/ray_init.py).
     # ray = Ray Train TorchTrainer; torchrun = launched by torchrun (tests, debugging).
     launcher: str = "ray"
     num_workers: int = 2
@@ -359,7 +359,7 @@ def config_from_dict(d: dict[str, Any]) -> StageConfig:
 
 # Keys that may change between a stop and a resume without breaking the run (prefix match).
 NON_BREAKING = (
-    "ray.address", "ray.launcher", "ray.max_failures", "ray.storage_path", "ray.cpus_per_worker",
+    "ray.address", "ray.num_cpus", "ray.launcher", "ray.max_failures", "ray.storage_path", "ray.cpus_per_worker",
     "ray.resources_per_worker", "ray.use_gpu", "checkpoint.", "metrics.", "fault.",
     "deepspeed.offload_optimizer", "deepspeed.offload_param", "deepspeed.overlap_comm",
     "deepspeed.reduce_bucket_size", "deepspeed.stage3_prefetch_bucket_size", "train.max_steps",

@@ -4,8 +4,8 @@
     torchrun --nproc_per_node 2 jobs/stage2.py --config ... --set ray.launcher=torchrun
 
 Design choices:
-* Thin, like Ray's own training benchmarks: parse config, `ray.init` (a local Ray by default; the job's
-  cluster when `RAY_ADDRESS` is set, as under `ray job submit`, or `ray.address`), build
+* Thin, like Ray's own training benchmarks: parse config, `init_ray` (pipeline/ray_init.py: `ray.address`,
+  else `RAY_ADDRESS` as under `ray job submit`, else a local Ray), build
   `TorchTrainer(train_worker, ScalingConfig, RunConfig(storage_path, name, FailureConfig,
   CheckpointConfig, callbacks=[metrics]))`, `fit()`. Everything per worker lives in loop.py.
 * A run is `<ray.storage_path>/<ray.name>`: a local (or shared-filesystem) directory, or a URI that
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError, add_config_args, maybe_print_config
+from pipeline.ray_init import init_ray, torch_extensions_dir
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train.config import StageConfig, config_to_dict, load_stage_config, run_dir
 from pipeline.train.inputs import check_stage_inputs
@@ -56,10 +57,6 @@ def build_parser(stage: int) -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue the run from its newest checkpoint, or from checkpoint directory PATH")
     return p
-
-
-def torch_extensions_dir() -> str:
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "hylo" / "torch_extensions")
 
 
 def run_loc(cfg: StageConfig) -> Loc:
@@ -159,22 +156,6 @@ def loop_config(cfg: StageConfig, resume: str | None, launcher: str) -> dict[str
             "run": run_loc(cfg), "launcher": launcher, "torch_extensions_dir": torch_extensions_dir()}
 
 
-def init_ray(cfg: StageConfig) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
-    else:
-        # A local Ray for this job only: no dashboard (saves ~1 GiB), workers find this checkout.
-        repo = str(Path(__file__).resolve().parents[2])
-        env = {"TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
-               "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
-        ray.init(include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
-
-
 def start_teacher_pool(cfg: StageConfig):
     if cfg.stage != 2 or cfg.teacher.source != "serve" or not cfg.teacher.start_pool:
         return None
@@ -266,7 +247,7 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
 
     from pipeline.train.loop import train_worker
 
-    init_ray(cfg)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus)
     check_cluster_resources(cfg)
     run = run_loc(cfg)
     note = reset_ray_snapshot(run)

@@ -1,0 +1,410 @@
+"""The whole HyLo recipe on SmolLM2-135M-Instruct and real ShareGPT, on local Ray, on CPU (`jobs/demo.py`).
+
+fetch assets -> decontaminate ShareGPT against HumanEval -> prepare stage-1 / stage-2 / held-out rows ->
+convert (MLA on even layers, GDN elsewhere) -> stage 1 (Enhanced-ILD) -> stage 2 (KL from the teacher)
+-> evaluate (KL to the teacher and perplexity before and after each stage; KV cache and decode speed vs
+context after stage 2). `full_eval` adds the needle-in-a-haystack retrieval suite, which a 135M model
+does not pass at any length (it is there for real models), and longer KV-cache contexts.
+
+Design choices:
+* Each step runs the project's own job as a subprocess (the same command a user would type), logged to
+  <run_dir>/logs/<step>.log; a finished step leaves <run_dir>/done/<step>.json and is skipped on a re-run
+  after checking its outputs still exist (`pipeline.runner.StepRunner`). The steps that use Ray join
+  one local Ray started once for the run, instead of starting one each.
+* The options are a `DemoConfig` (`--config`, `--set key=value`, `--print-config`); the job's flags
+  (`--steps 8`, `--full-eval`, ...) are shorthands for its keys.
+* The run ends with a table on stdout and <run_dir>/report.md with PNG plots (loss curves, KL per
+  stage, KV-cache bytes per token vs context); `update_readme` copies the table into README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hylo.files import atomic_write
+from pipeline.cli import int_at_least, int_list
+from pipeline.config import at_least, config_from_args, each, rules
+from pipeline.runner import (
+    PY,
+    ROOT,
+    RUNNER_FLAGS,
+    RunnerConfig,
+    StepRunner,
+    convert_cmd,
+    eval_cmd,
+    last_json_object,
+    lengths_arg,
+    runner_parser,
+    train_cmd,
+)
+
+# The KV cache grows linearly: three short contexts show the measured ratio as well as long ones.
+DEFAULT_KV_LENGTHS = [512, 1024, 2048]
+FULL_KV_LENGTHS = [1024, 2048, 4096]
+README_START, README_END = "<!-- demo-results:start -->", "<!-- demo-results:end -->"
+
+
+@dataclass
+@rules(steps=at_least(1), records=at_least(1), heldout=at_least(1), heldout_rows=at_least(1), seq_len=at_least(2),
+       retrieval_lengths=each(at_least(1), nonempty=True), kv_lengths=each(at_least(1), nonempty=True),
+       placement_seeds=each(at_least(0), nonempty=True))
+class DemoConfig(RunnerConfig):
+    # run_dir, force, quiet, ray: RunnerConfig (pipeline/runner.py); the report is <run_dir>/report.md.
+    run_dir: str = "runs/demo"
+    # Optimiser steps per training stage.
+    steps: int = 8
+    # Clean ShareGPT records read for the training rows.
+    records: int = 300
+    # Held-out conversations (after the training records) for the KL evaluation.
+    heldout: int = 64
+    # Packed held-out rows the KL is measured on.
+    heldout_rows: int = 8
+    # Tokens per packed row.
+    seq_len: int = 512
+    # After stage 2 also run needle-in-a-haystack retrieval (base and hybrid) and the KV cache at
+    # FULL_KV_LENGTHS: the real-run suites at CPU sizes (a 135M model scores ~0 on them).
+    full_eval: bool = False
+    # With full_eval: NIAH context lengths.
+    retrieval_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
+    # KV-cache context lengths (None: DEFAULT_KV_LENGTHS, FULL_KV_LENGTHS with full_eval).
+    kv_lengths: list[int] | None = None
+    # Also run jobs/place_layers.py: the searched 15-MLA placement vs even vs uniform:15, each with the
+    # same stage 1 + stage 2 budget (about three demo runs more).
+    placement_study: bool = False
+    # With placement_study: repeat each compared placement per seed (mean, spread, paired gaps).
+    placement_seeds: list[int] = field(default_factory=lambda: [0])
+    # Write the results table and KL plot into README.md (maintainers).
+    update_readme: bool = False
+
+
+class Demo(StepRunner):
+    def __init__(self, cfg: DemoConfig) -> None:
+        super().__init__(cfg.run_dir, force=cfg.force, quiet=cfg.quiet, tag="demo", ray=cfg.ray)
+        self.cfg = cfg
+
+    # ------------------------------------------------------------------ steps
+    def assets(self) -> dict:
+        from hylo.assets import fetch_asset
+
+        self.base = fetch_asset("smollm2-135m-instruct")
+        self.sharegpt = fetch_asset("sharegpt")
+        fetch_asset("humaneval")
+        return {"base": str(self.base)}
+
+    def decontaminate(self) -> dict:
+        out = self.run / "decontam"
+        self.sh("decontaminate", [PY, "jobs/decontaminate.py", "--input", f"sharegpt={self.sharegpt}",
+                                  "--benchmark", "humaneval", "--out", str(out),
+                                  "--set", "output_format=jsonl"], ray=True)
+        summary = json.loads((out / "summary.json").read_text())
+        return {"summary": summary}
+
+    def heldout(self) -> dict:
+        """Held-out chat records for the KL evaluation: clean records after the ones training reads."""
+        c = self.cfg
+        clean = self.run / "decontam" / "clean.jsonl"
+        lines = clean.read_text().splitlines()
+        start = min(c.records, max(0, len(lines) - c.heldout))
+        keep = lines[start : start + c.heldout]
+        path = self.run / "heldout.jsonl"
+        path.write_text("\n".join(keep) + "\n")
+        # packed like the training rows, so the evaluation cost is bounded by rows x seq_len
+        self.sh("prepare_heldout", [
+            PY, "jobs/prepare_data.py", "--config", "configs/data_stage2.yaml", "--set", "split=all",
+            "--set", f"mixture.sources=[{{name: heldout, path: '{path}'}}]",
+            "--set", f"packing.max_len={c.seq_len}",
+            "--set", f"output.dir={self.run / 'data' / 'heldout'}", "--set", "output.overwrite=true",
+        ], ray=True)
+        return {"records": len(keep), "first_index": start}
+
+    def training_records(self) -> Path:
+        """The first `records` clean records in a file of their own, so each prepare job reads only those."""
+        path = self.run / f"train-{self.cfg.records}.jsonl"
+        if not path.is_file():
+            with open(self.run / "decontam" / "clean.jsonl") as f:
+                lines = [line for _, line in zip(range(self.cfg.records), f)]
+            atomic_write(path, "".join(lines))
+        return path
+
+    def prepare(self, split: str) -> dict:
+        out = self.run / "data" / split
+        train = self.training_records()
+        self.sh(f"prepare_{split}", [
+            PY, "jobs/prepare_data.py", "--config", f"configs/data_{split}.yaml",
+            "--set", f"split={split}",
+            "--set", f"mixture.sources=[{{name: sharegpt, path: '{train}'}}]",
+            "--set", f"packing.max_len={self.cfg.seq_len}",
+            "--set", f"output.dir={out}", "--set", "output.overwrite=true",
+        ], ray=True)
+        manifest = json.loads((out / "manifest.json").read_text())
+        return {"manifest_counts": manifest.get("counts", {})}
+
+    def convert(self) -> dict:
+        out = self.run / "converted"
+        text = self.sh("convert", convert_cmd(self.base, out, "even", 256))
+        return {"summary": last_json_object(text)}
+
+    def train(self, stage: int) -> dict:
+        name = f"stage{stage}"
+        student = self.run / ("converted" if stage == 1 else "stage1/model")
+        # 512-token rows need no activation checkpointing; without it a CPU step is ~1/4 faster
+        self.sh(name, train_cmd(stage, "configs/demo-smollm2.yaml", self.run, name, student,
+                                self.run / "data" / name, self.cfg.seq_len, self.cfg.steps,
+                                ["--set", "model.activation_checkpointing=false"]), ray=True)
+        return {"model": str(self.run / name / "model")}
+
+    def final_suites(self) -> list[str]:
+        """Suites after stage 2: KL and the KV cache; with full_eval also needle-in-a-haystack retrieval."""
+        return ["kl", "retrieval", "kvcache"] if self.cfg.full_eval else ["kl", "kvcache"]
+
+    def kv_lengths(self) -> list[int]:
+        return self.cfg.kv_lengths or (FULL_KV_LENGTHS if self.cfg.full_eval else DEFAULT_KV_LENGTHS)
+
+    def evaluate(self, name: str, model: Path, suites: list[str]) -> dict:
+        out = self.run / "eval" / name
+        # the teacher (the base model) is the same for all three evaluations: its forward on the held-out
+        # rows runs once and later evaluations reuse its hidden states
+        extra = ["--set", "kvcache.decode_tokens=8",
+                 "--set", f"kl.teacher_cache={self.run / 'eval' / 'teacher_states.safetensors'}"]
+        if "retrieval" in suites:
+            extra += ["--set", f"retrieval.lengths={lengths_arg(self.cfg.retrieval_lengths)}",
+                      "--set", "retrieval.samples_per_length=4"]
+        if "kvcache" in suites:
+            extra += ["--set", f"kvcache.lengths={lengths_arg(self.kv_lengths())}"]
+        cmd = eval_cmd(model, self.base, self.run / "data" / "heldout", out, ",".join(suites),
+                       self.cfg.heldout_rows, extra)
+        self.sh(f"eval_{name}", cmd)
+        return json.loads((out / "results.json").read_text())
+
+    def eval_outputs(self, name: str, suites: list[str]) -> list[Path]:
+        """The step's output; an earlier run that lacks one of `suites` (no full_eval then) is redone."""
+        results = self.run / "eval" / name / "results.json"
+        if results.is_file() and not set(suites) <= set(json.loads(results.read_text())):
+            self.done_file(f"eval_{name}").unlink(missing_ok=True)
+        return [results]
+
+    def placement(self) -> dict:
+        """The layer-placement study (jobs/place_layers.py): searched N=15 vs even vs uniform:15."""
+        c = self.cfg
+        self.sh("placement", [PY, "jobs/place_layers.py", "--n-mla", "15", "--data-from", str(self.run),
+                              "--run-dir", str(self.run / "placement"), "--steps", str(c.steps),
+                              "--heldout-rows", str(c.heldout_rows), "--seq-len", str(c.seq_len),
+                              "--compare", "even", "uniform:15", "--compare-steps", str(c.steps),
+                              "--compare-seeds", *map(str, c.placement_seeds),
+                              "--train-set", "model.activation_checkpointing=false"]
+                + (["--quiet"] if c.quiet else []), ray=True)
+        return json.loads((self.run / "placement" / "compare.json").read_text())
+
+    # ------------------------------------------------------------------ report
+    def report(self, info: dict) -> str:
+        from pipeline.train.metrics import read_metrics
+
+        kl = {k: info[f"eval_{k}"]["kl"]["kl"] for k in ("converted", "stage1", "stage2")}
+        conv = info["convert"]["summary"]
+        final = info["eval_stage2"]
+        rows = [
+            ("KV-cache ratio (hybrid / base, converter)", f"{conv['kv_cache_ratio']:.3f}"),
+            ("KL(teacher || student), after conversion", f"{kl['converted']:.4f}"),
+            ("KL(teacher || student), after stage 1", f"{kl['stage1']:.4f}"),
+            ("KL(teacher || student), after stage 2", f"{kl['stage2']:.4f}"),
+            ("records removed by decontamination (HumanEval)", str(removed_count(self.run))),
+        ]
+        for who, acc in retrieval_summary(final).items():
+            rows.append((f"retrieval accuracy, {who}", acc))
+        comp = final.get("kvcache", {}).get("comparison", {})
+        for r in comp.get("per_length", []):
+            if "measured_ratio" in r:
+                rows.append((f"measured KV bytes/token ratio at {r['context']} tokens", f"{r['measured_ratio']:.3f}"))
+        for name, secs in self.times.items():
+            rows.append((f"wall time: {name}", f"{secs:.0f} s"))
+        rows.append(("wall time: all steps", f"{sum(self.times.values()):.0f} s"))
+        rows.append(("wall time: this invocation (finished steps are reused)", f"{time.time() - self.t_start:.0f} s"))
+        width = max(len(a) for a, _ in rows)
+        table = "\n".join(f"{a:<{width}}  {b}" for a, b in rows)
+        md = ["# HyLo demo: SmolLM2-135M-Instruct -> 15 MLA + 15 GDN", "",
+              "| measure | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+        plots = demo_plots(self.run, kl, final, read_metrics(self.run / "stage1"), read_metrics(self.run / "stage2"))
+        md += [""] + [f"![{p.stem}]({p.name})" for p in plots]
+        study = self.run / "placement" / "compare.md"
+        if study.is_file():
+            md += ["", *("#" + line if line.startswith("# ") else line for line in study.read_text().splitlines()),
+                   "", "![placement scores](placement/placement_scores.png)"]
+        (self.run / "report.md").write_text("\n".join(md) + "\n")
+        return table
+
+    # ------------------------------------------------------------------ main
+    def main(self) -> int:
+        info: dict = {}
+        r = self.run
+        self.assets()
+        info["decontaminate"] = self.step("decontaminate", [r / "decontam" / "clean.jsonl"], self.decontaminate)
+        self.step("heldout", [r / "data" / "heldout" / "manifest.json"], self.heldout)
+        for split in ("stage1", "stage2"):
+            self.step(f"prepare_{split}", [r / "data" / split / "manifest.json"], lambda s=split: self.prepare(s))
+        info["convert"] = self.step("convert", [r / "converted" / "hybrid_config.json"], self.convert)
+        info["eval_converted"] = self.step("eval_converted", self.eval_outputs("converted", ["kl"]),
+                                           lambda: self.evaluate("converted", r / "converted", ["kl"]))
+        self.step("stage1", [r / "stage1" / "model" / "hybrid_config.json"], lambda: self.train(1))
+        info["eval_stage1"] = self.step("eval_stage1", self.eval_outputs("stage1", ["kl"]),
+                                        lambda: self.evaluate("stage1", r / "stage1" / "model", ["kl"]))
+        self.step("stage2", [r / "stage2" / "model" / "hybrid_config.json"], lambda: self.train(2))
+        final = self.final_suites()
+        info["eval_stage2"] = self.step("eval_stage2", self.eval_outputs("stage2", final),
+                                        lambda: self.evaluate("stage2", r / "stage2" / "model", final))
+        for k in ("eval_converted", "eval_stage1", "eval_stage2"):
+            # a skipped step returns its done-marker; the results live in results.json
+            info[k] = json.loads((r / "eval" / k.removeprefix("eval_") / "results.json").read_text())
+        if self.cfg.placement_study:
+            seeds = self.cfg.placement_seeds
+            # other seeds are another step (place_layers itself reuses every run that finished)
+            name = "placement" if seeds == [0] else "placement_seeds_" + "-".join(map(str, seeds))
+            self.step(name, [r / "placement" / "compare.json"], self.placement)
+        info["convert"] = json.loads(self.done_file("convert").read_text())
+        info["decontaminate"] = json.loads(self.done_file("decontaminate").read_text())
+        table = self.report(info)
+        if self.cfg.update_readme:
+            update_readme(self.run, ROOT / "README.md")
+        print("\n" + table)
+        print(f"\n[demo] report: {r / 'report.md'}")
+        return 0
+
+
+def removed_count(run: Path) -> int:
+    """Records the decontamination removed (dropped or cut), counted from removed.jsonl."""
+    path = run / "decontam" / "removed.jsonl"
+    with open(path) as f:
+        return sum(1 for line in f if line.strip())
+
+
+def retrieval_summary(res: dict) -> dict[str, str]:
+    """"task@length: accuracy, ..." of the hybrid and the base, from an evaluation's results."""
+    out: dict[str, str] = {}
+    ret = res.get("retrieval")
+    if not ret:
+        return out
+    for who in ("model", "base"):
+        part = ret.get(who)
+        if not isinstance(part, dict):
+            continue
+        acc = part.get("accuracy", {})
+        cells = []
+        for task, by_len in acc.items():
+            for length, cell in by_len.items():
+                cells.append(f"{task}@{length}: {cell.get('accuracy', 0):.2f}")
+        out["hybrid" if who == "model" else "base"] = ", ".join(cells)
+    return out
+
+
+def demo_plots(run: Path, kl: dict, final: dict, m1: dict, m2: dict) -> list[Path]:
+    """loss_curves.png, kl_per_stage.png and (when measured) kv_cache_vs_context.png in `run`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = []
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    for a, m, title in ((ax[0], m1, "stage 1 (ILD loss)"), (ax[1], m2, "stage 2 (KL loss)")):
+        steps = sorted(m)
+        a.plot(steps, [m[s].get("loss") for s in steps], marker="o")
+        a.set_xlabel("optimiser step")
+        a.set_title(title)
+    fig.tight_layout()
+    p = run / "loss_curves.png"
+    fig.savefig(p, dpi=110)
+    out.append(p)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    names = ["converted", "stage 1", "stage 2"]
+    vals = [kl["converted"], kl["stage1"], kl["stage2"]]
+    ax.bar(names, vals, color=["#999", "#69c", "#36a"])
+    ax.set_ylabel("KL(teacher || student), nats/token")
+    ax.set_title("held-out ShareGPT")
+    fig.tight_layout()
+    p = run / "kl_per_stage.png"
+    fig.savefig(p, dpi=110)
+    out.append(p)
+    kv = final.get("kvcache", {})
+    if kv.get("model") and kv.get("base"):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for rows, label in ((kv["base"], "base (GQA, 30 layers)"), (kv["model"], "HyLo (15 MLA + 15 GDN)")):
+            xs = [r["context"] for r in rows]
+            ax.plot(xs, [r["total_bytes"] / 2**20 for r in rows], marker="o", label=label)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("KV cache allocated (MiB, fp32)")
+        ax.legend()
+        fig.tight_layout()
+        p = run / "kv_cache_vs_context.png"
+        fig.savefig(p, dpi=110)
+        out.append(p)
+    plt.close("all")
+    return out
+
+
+def update_readme(run: Path, readme: Path) -> None:
+    """Replace the README's results block with `run`'s report table and copy its KL plot to docs/."""
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        print("[demo] README has no demo-results markers; not updated", flush=True)
+        return
+    docs = readme.parent / "docs"
+    docs.mkdir(exist_ok=True)
+    shutil.copy(run / "kl_per_stage.png", docs / "demo_kl_per_stage.png")
+    body: list[str] = []  # the results table: the report's first run of table lines
+    for line in (run / "report.md").read_text().splitlines():
+        if line.startswith("|"):
+            body.append(line)
+        elif body:
+            break
+    block = "\n".join([README_START, "", *body, "", "![KL per stage](docs/demo_kl_per_stage.png)", "", README_END])
+    head, rest = text.split(README_START, 1)
+    readme.write_text(head + block + rest.split(README_END, 1)[1])
+    print(f"[demo] README results updated from {run / 'report.md'}", flush=True)
+
+
+# ---------------------------------------------------------------------------------- command line
+# Each shorthand flag's config key (the flags win over --config and --set).
+FLAG_KEYS = {**RUNNER_FLAGS, **{name: name for name in (
+    "steps", "records", "heldout", "heldout_rows", "seq_len", "full_eval", "retrieval_lengths", "kv_lengths",
+    "placement_study", "placement_seeds", "update_readme")}}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = runner_parser("The whole HyLo recipe on SmolLM2-135M-Instruct and real ShareGPT, on local Ray, on CPU "
+                       "(run_dir default runs/demo). Every option is a key of DemoConfig (pipeline/demo.py); the "
+                       "flags are shorthands for them.")
+    ap.add_argument("--steps", type=int_at_least(1), help="optimiser steps per training stage (steps; default 8)")
+    ap.add_argument("--records", type=int_at_least(1), help="clean ShareGPT records read for training data (records)")
+    ap.add_argument("--heldout", type=int_at_least(1), help="held-out conversations for the KL evaluation (heldout)")
+    ap.add_argument("--heldout-rows", type=int_at_least(1), help="packed held-out rows the KL is measured on")
+    ap.add_argument("--seq-len", type=int_at_least(2), help="tokens per packed row (seq_len; default 512)")
+    ap.add_argument("--full-eval", action="store_true", default=None,
+                    help="after stage 2 also run the needle-in-a-haystack retrieval suite (base and hybrid) and "
+                         f"the KV cache at {lengths_arg(FULL_KV_LENGTHS)} tokens: the real-run suites at CPU sizes "
+                         "(a 135M model scores ~0 on them; adds about 4 minutes)")
+    ap.add_argument("--retrieval-lengths", type=int_list, help="with --full-eval: NIAH context lengths, e.g. [256,512]")
+    ap.add_argument("--kv-lengths", type=int_list,
+                    help=f"KV-cache context lengths (default {lengths_arg(DEFAULT_KV_LENGTHS)}, "
+                         f"{lengths_arg(FULL_KV_LENGTHS)} with --full-eval)")
+    ap.add_argument("--placement-study", action="store_true", default=None,
+                    help="also run jobs/place_layers.py: the searched 15-MLA placement vs even vs uniform:15, "
+                         "each with the same stage 1 + stage 2 budget (adds about three demo runs)")
+    ap.add_argument("--placement-seeds", nargs="+", type=int_at_least(0), metavar="SEED",
+                    help="with --placement-study: repeat each compared placement per seed (mean, spread, paired gaps)")
+    ap.add_argument("--update-readme", action="store_true", default=None,
+                    help="write the results table and KL plot into README.md (maintainers)")
+    return ap
+
+
+def demo_config(argv: list[str] | None = None) -> DemoConfig:
+    """The demo's config from its command line (`--print-config` prints it and exits)."""
+    return config_from_args(DemoConfig, build_parser().parse_args(argv), FLAG_KEYS)
+
+
+def run_demo(cfg: DemoConfig) -> int:
+    with Demo(cfg) as demo:
+        return demo.main()

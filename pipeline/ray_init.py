@@ -1,0 +1,103 @@
+"""How every job finds its Ray: one start-up helper and one config section (`ray.address`, `ray.num_cpus`).
+
+    from pipeline.ray_init import init_ray, ray_running
+
+    with ray_running(cfg.ray.address, cfg.ray.num_cpus):   # or: started = init_ray(...)
+        ...
+
+Design choices:
+* One address rule for every job: `ray.address` when set ("auto", "host:port", "ray://..."), else
+  `RAY_ADDRESS` (which `ray job submit` sets for its driver, and `jobs/demo.py` for its steps), else a
+  new local Ray for this job. A Ray already initialised in the process (a test, the demo) is used as is.
+* A local Ray is started with `address="local"`: a plain `ray.init()` would join whatever cluster
+  `/tmp/ray/ray_current_cluster` names on a shared machine. It has `ray.num_cpus` CPUs (None = all of the
+  machine's), no dashboard (it costs ~1 GiB and a port), and its workers find this checkout and the
+  compiled DeepSpeed ops: the project's environment (`project_env`) is put into this process's
+  environment before Ray starts, and Ray's processes and workers inherit it, also the workers of other
+  jobs that join the same Ray (the demo's steps). Its workers run at nice 0 (Ray's default is 15): a
+  local batch job's workers then get a fair share of the CPU next to its own driver.
+* `num_cpus` is for a Ray this job starts; a job that joins a cluster takes what the cluster has.
+* Only a Ray the job started is shut down (`ray_running`); joining a cluster never stops it.
+* The config section is `RayInitSection` (training's `ray` section extends it). The old flat keys of the
+  data jobs, `ray_address` and `num_cpus`, still load, with a warning (`pipeline.config.renamed`).
+
+This module imports Ray only inside its functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.config import at_least, rules
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+@rules(num_cpus=at_least(1))
+class RayInitSection:
+    # The Ray to use: None = $RAY_ADDRESS when set (`ray job submit` sets it), else a local Ray started
+    # for this job; "auto" = the cluster running on this machine; "host:port" or "ray://host:port".
+    address: str | None = None
+    # CPUs of a local Ray this job starts (None = every CPU of the machine); unused when joining a cluster.
+    num_cpus: int | None = None
+
+
+def resolve_address(address: str | None) -> str | None:
+    """The cluster a job joins (`address`, else $RAY_ADDRESS), or None: start a local Ray."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
+def torch_extensions_dir() -> str:
+    """Where DeepSpeed keeps its compiled ops (`TORCH_EXTENSIONS_DIR`, default ~/.cache/hylo/torch_extensions)."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "hylo" / "torch_extensions")
+
+
+def project_env() -> dict[str, str]:
+    """Environment the workers of a local Ray need: this checkout first on PYTHONPATH, the compiled-op
+    cache, and workers at nice 0."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(ROOT) not in paths:
+        paths.insert(0, str(ROOT))
+    return {"PYTHONPATH": os.pathsep.join(paths), "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
+            "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_driver: bool = True) -> bool:
+    """Join or start this job's Ray (see the module docstring); True when this call started a local one."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    target = resolve_address(address)
+    if target:
+        ray.init(address=target, log_to_driver=log_to_driver)
+        return False
+    os.environ.update(project_env())
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+    return True
+
+
+def gcs_address() -> str:
+    """The address other processes join this process's Ray with (`RAY_ADDRESS=...`)."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
+@contextlib.contextmanager
+def ray_running(address: str | None = None, num_cpus: int | None = None, *,
+                log_to_driver: bool = True) -> Iterator[bool]:
+    """`init_ray` for a block; a Ray it started is shut down at the end (yields whether it started one)."""
+    import ray
+
+    started = init_ray(address, num_cpus, log_to_driver=log_to_driver)
+    try:
+        yield started
+    finally:
+        if started:
+            ray.shutdown()
