@@ -282,7 +282,7 @@ def _fake_stream(fail_after: int | None = None):
 def no_ray(monkeypatch):
     import pipeline.data.dataset as ds
 
-    monkeypatch.setattr(ds, "_ensure_ray", lambda cfg: None)
+    monkeypatch.setattr(ds, "init_ray", lambda *a, **k: None)
     return ds
 
 
