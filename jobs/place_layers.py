@@ -78,9 +78,8 @@ class PlaceLayers(StepRunner):
 
     def _base(self):
         from hylo.upcycle import load_base_model
-        from pipeline.train.stage1 import resolve_model_dir
 
-        return load_base_model(resolve_model_dir(self.args.base)).eval()
+        return load_base_model(self.args.base_dir).eval()
 
     def proxy(self) -> dict:
         from hylo.io import load_hylo
@@ -155,9 +154,9 @@ class PlaceLayers(StepRunner):
     # ------------------------------------------------------------------ main
     def main(self) -> int:
         a, r = self.args, self.run
-        from pipeline.train.stage1 import resolve_model_dir
+        from hylo.assets import resolve_path_or_asset
 
-        a.base_dir = resolve_model_dir(a.base)
+        a.base_dir = resolve_path_or_asset(a.base, "--base", directory=True)
         self.step("converted_linear", [r / "converted_linear" / "hybrid_config.json"],
                   lambda: self.convert("converted_linear", "none"))
         self.step("converted_mla", [r / "converted_mla" / "hybrid_config.json"],

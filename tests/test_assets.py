@@ -206,6 +206,17 @@ def test_one_rule_for_a_path_or_an_asset(fake_asset, monkeypatch, tmp_path):
     assert calls["pip"] == 1
 
 
+def test_no_other_module_parses_asset_names():
+    """Every "path or asset" goes through hylo.assets (there were 8 resolvers with 4 rules)."""
+    offenders = []
+    for top in ("hylo", "pipeline", "jobs", "bench"):
+        for f in sorted((REPO / top).rglob("*.py")):
+            text = f.read_text()
+            if f.name != "assets.py" and ('startswith("asset:")' in text or 'removeprefix("asset:")' in text):
+                offenders.append(str(f.relative_to(REPO)))
+    assert offenders == []
+
+
 def test_fetch_assets_job_prints_paths(fake_asset, capsys, monkeypatch):
     cache, _ = fake_asset
     monkeypatch.syspath_prepend(str(REPO / "jobs"))
