@@ -19,8 +19,6 @@ def read_base_config(cfg_file: str | Path) -> dict[str, Any]:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise UpcycleError(f"{cfg_file}: not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise UpcycleError(f"{cfg_file}: not a JSON object")
     mt = raw.get("model_type")
     if mt not in SUPPORTED_BASE_TYPES:
         arch = raw.get("architectures")
