@@ -484,3 +484,28 @@ def test_converter_modules_import_alone_without_cycles():
         code = f"import sys, {module}; print('torch' in sys.modules)"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
         assert proc.returncode == 0 and proc.stdout.split()[-1] == torch_loaded, (module, proc.stdout, proc.stderr[-2000:])
+
+
+def test_convert_options_are_checked_as_given():
+    """ConvertConfig is every option of a conversion: values are checked on construction, names against its
+    fields, and `hybrid_config_from_base` takes it with overrides."""
+    from hylo.upcycle import ConvertConfig, make_options
+
+    with pytest.raises(UpcycleError, match=r"kv_lora_rank \(--kv-lora-rank\) = 0: must be a positive integer"):
+        ConvertConfig(kv_lora_rank=0)
+    with pytest.raises(UpcycleError, match=r"seed \(--seed\) = -1: must be an integer >= 0"):
+        ConvertConfig(seed=-1)
+    with pytest.raises(UpcycleError, match=r"init \(--init\) = 'svd': must be one of attention, random"):
+        ConvertConfig(init="svd")
+    with pytest.raises(UpcycleError, match="mla_layers .* must be a placement name"):
+        ConvertConfig(mla_layers=[0, "two"])
+    with pytest.raises(UpcycleError, match="unknown conversion option.s. kv_lora_rnak; valid: mla_layers, kv_lora_rank"):
+        make_options(kv_lora_rnak=8)
+    base = tiny_llama()
+    # upcycle() takes the shape options only: the run options belong to convert()
+    with pytest.raises(UpcycleError, match="unknown conversion option.s. calibrate"):
+        upcycle(base, calibrate=False)
+    opts = ConvertConfig(kv_lora_rank=16, gdn_num_heads=2)
+    hcfg = hybrid_config_from_base(base.config, opts, mla_layers=3)
+    assert hcfg.mla_layers == [3] and hcfg.kv_lora_rank == 16 and hcfg.gdn_num_heads == 2
+    assert make_options(opts, seed=4).non_defaults() == {"kv_lora_rank": 16, "gdn_num_heads": 2, "seed": 4}

@@ -99,8 +99,8 @@ class ConvertConfig:
             if why:
                 raise UpcycleError(f"{name} ({_flag(name)}) = {getattr(self, name)!r}: {why}")
         spec = self.mla_layers
-        if not (isinstance(spec, str) or (isinstance(spec, list | tuple)
-                                          and all(isinstance(i, int) and not isinstance(i, bool) for i in spec))):
+        items = spec if isinstance(spec, list | tuple) else [spec]
+        if not (isinstance(spec, str) or all(isinstance(i, int) and not isinstance(i, bool) for i in items)):
             raise UpcycleError(f"mla_layers (--mla-layers) = {spec!r}: must be a placement name ('even', 'odd', "
                                "'uniform:N', 'all', 'none'), '0,5,10' or a list of layer indices")
 
