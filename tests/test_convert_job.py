@@ -132,10 +132,9 @@ def _weights(directory):
 
 def test_driver_and_job_convert_to_the_same_calibrated_weights(tmp_path, capsys):
     """Issue 15: the training driver (stage 1 with model.convert) and jobs/convert.py are one conversion."""
-    from pipeline.teacher.testing import save_tiny_llama
     from pipeline.train.driver import convert_if_needed
 
-    base = save_tiny_llama(tmp_path / "base", hidden_size=32, layers=2)
+    base = _tiny_base(tmp_path / "base", tokenizer=True)
     flags = ["--mla-layers", "even", "--kv-lora-rank", "16", "--gdn-head-dim", "8", "--gdn-num-heads", "4",
              "--seed", "5"]
     rc, _, err = _run(["--base", str(base), "--out", str(tmp_path / "job"), *flags], capsys)
@@ -157,8 +156,7 @@ def test_a_base_without_tokenizer_is_refused_unless_calibration_is_turned_off(tm
     from hylo.upcycle import UpcycleError
     from pipeline.train.driver import convert_if_needed
 
-    base = tmp_path / "base"
-    _tiny_base_without_tokenizer(base)
+    base = _tiny_base(tmp_path / "base", tokenizer=False)
     with pytest.raises(UpcycleError, match="(?s)no tokenizer could be loaded.*calibrate: false"):
         convert_if_needed(_stage1_config(tmp_path, base, **TINY_OPTIONS))
     assert not (tmp_path / "runs" / "s1" / "converted").exists()
@@ -171,13 +169,19 @@ def test_a_base_without_tokenizer_is_refused_unless_calibration_is_turned_off(tm
     assert rc == 0, err
 
 
-def _tiny_base_without_tokenizer(out):
+def _tiny_base(out: Path, tokenizer: bool) -> Path:
+    """A random 2-layer Llama directory, with a word-level tokenizer.json or none."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=256)
     LlamaForCausalLM(cfg).save_pretrained(out)
+    if tokenizer:
+        Tokenizer(WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0")).save(str(out / "tokenizer.json"))
+    return out
 
 
 def test_options_come_from_the_config_file_flags_and_set_in_that_order(tmp_path, capsys):
