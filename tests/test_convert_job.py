@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -130,10 +131,20 @@ def _weights(directory):
     return load_file(Path(directory) / "model.safetensors")
 
 
-def test_driver_and_job_convert_to_the_same_calibrated_weights(tmp_path, capsys):
+def test_driver_and_job_convert_to_the_same_calibrated_weights(tmp_path, capsys, monkeypatch):
     """Issue 15: the training driver (stage 1 with model.convert) and jobs/convert.py are one conversion."""
+    import hylo.upcycle
+    from hylo.upcycle import ConvertConfig
+    from hylo.upcycle.model import convert as real_convert
     from pipeline.train.driver import convert_if_needed
 
+    calls = []
+
+    def spy(base, options=None, **kw):
+        calls.append((str(base), dataclasses.asdict(options), kw.get("calibration_ids")))
+        return real_convert(base, options, **kw)
+
+    monkeypatch.setattr(hylo.upcycle, "convert", spy)
     base = _tiny_base(tmp_path / "base", tokenizer=True)
     flags = ["--mla-layers", "even", "--kv-lora-rank", "16", "--gdn-head-dim", "8", "--gdn-num-heads", "4",
              "--seed", "5"]
@@ -141,6 +152,8 @@ def test_driver_and_job_convert_to_the_same_calibrated_weights(tmp_path, capsys)
     assert rc == 0, err
     cfg = convert_if_needed(_stage1_config(tmp_path, base, **TINY_OPTIONS))
     assert cfg.model.student == str(tmp_path / "runs" / "s1" / "converted")
+    # both through hylo.upcycle.convert, with the same options and its own (default) calibration
+    assert calls == [(str(base), dataclasses.asdict(ConvertConfig(**TINY_OPTIONS)), None)] * 2
     job, driver = _weights(tmp_path / "job"), _weights(cfg.model.student)
     assert job.keys() == driver.keys()
     for name in job:
