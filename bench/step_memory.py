@@ -42,16 +42,14 @@ sys.path.insert(0, str(REPO))
 
 
 def demo_student(cache: Path) -> Path:
-    """The demo's converted student (same conversion options as configs/demo-smollm2.yaml), cached."""
-    from hylo.assets import fetch_asset
-    from hylo.io import save_hylo
-    from hylo.upcycle import load_base_model, upcycle
+    """The demo's converted student (the conversion of configs/demo-smollm2.yaml's stage 1), cached."""
+    from hylo.upcycle import convert
     from pipeline.train.config import load_stage_config
 
     out = cache / "hylo-smollm2-demo"
     if not (out / "hybrid_config.json").is_file():
-        opts = load_stage_config(1, REPO / "configs" / "demo-smollm2.yaml").model.convert
-        save_hylo(upcycle(load_base_model(fetch_asset("smollm2-135m-instruct")), **opts), out)
+        s1 = load_stage_config(1, REPO / "configs" / "demo-smollm2.yaml")
+        convert(s1.model.base, s1.model.convert).save(out)
     return out
 
 

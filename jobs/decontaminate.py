@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hylo.assets import asset_name  # noqa: E402
 from pipeline.cli import job_main, report_error  # noqa: E402
 from pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
 from pipeline.data.decontam import (  # noqa: E402
@@ -37,7 +38,7 @@ def _input_override(items: list[str]) -> list[dict]:
     for text in items:
         name, sep, path = text.partition("=")
         if not sep:
-            name, path = Path(text.removeprefix("asset:")).name.split(".")[0], text
+            name, path = asset_name(text) or Path(text).name.split(".")[0], text
         out.append({"name": name, "path": path})
     return out
 

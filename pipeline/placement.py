@@ -498,10 +498,10 @@ class PlaceLayers(runner.StepRunner):
 
     # ------------------------------------------------------------------ main
     def main(self) -> int:
-        from pipeline.train.stage1 import resolve_model_dir
+        from hylo.assets import resolve_path_or_asset
 
         c, r = self.cfg, self.run
-        self.base_dir = resolve_model_dir(c.base)
+        self.base_dir = resolve_path_or_asset(c.base, "base", directory=True)
         self.step("converted_linear", [r / "converted_linear" / "hybrid_config.json"],
                   lambda: self.convert("converted_linear", "none"))
         self.step("converted_mla", [r / "converted_mla" / "hybrid_config.json"],

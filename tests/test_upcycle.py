@@ -433,3 +433,79 @@ def test_gdn_spare_value_dims_add_nothing_but_can_train():
         ref = mixer(x)
         mixer.o_proj.weight.view(64, 4, 64)[:, :, 16:] = 0
         assert torch.equal(mixer(x), ref)
+
+
+def test_converter_modules_import_alone_without_cycles():
+    """Issue 15: the converter is one package; the model code never imports it (the Mamba-2 converter lived in
+    the layer file and imported the converter, which imported it back), its modules form no cycle, and its
+    options load without torch."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def name(f: Path) -> str:
+        return ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+
+    imports: dict[str, set[str]] = {}
+    for f in [*(root / "hylo").rglob("*.py"), *(root / "kernels").rglob("*.py")]:
+        found = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        imports[name(f)] = found
+    converter = sorted(m for m in imports if m.startswith("hylo.upcycle."))
+    assert {"hylo.upcycle.mamba2", "hylo.upcycle.gdn", "hylo.upcycle.mla", "hylo.upcycle.model"} <= set(converter)
+    users = sorted(m for m, deps in imports.items()
+                   if not m.startswith("hylo.upcycle") and any(d.startswith("hylo.upcycle") for d in deps))
+    assert users == [], f"model code importing the converter: {users}"
+    # no converter module imports the package itself, and their own imports form no cycle
+    graph = {m: {d for d in imports[m] if d in imports and d.startswith("hylo.upcycle.")} for m in converter}
+    assert not [m for m in converter if "hylo.upcycle" in imports[m]]
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in graph[m]:
+            assert state.get(d) != 1, f"import cycle: {' -> '.join([*path, m, d])}"
+            if d not in state:
+                visit(d, [*path, m])
+        state[m] = 2
+
+    for m in converter:
+        if m not in state:
+            visit(m, [])
+    # in a fresh interpreter: the whole converter imports, and the options alone leave torch out
+    for module, torch_loaded in (("hylo.upcycle.model", "True"), ("hylo.upcycle.options", "False")):
+        code = f"import sys, {module}; print('torch' in sys.modules)"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.split()[-1] == torch_loaded, (module, proc.stdout, proc.stderr[-2000:])
+
+
+def test_convert_options_are_checked_as_given():
+    """ConvertConfig is every option of a conversion: values are checked on construction, names against its
+    fields, and `hybrid_config_from_base` takes it with overrides."""
+    from hylo.upcycle import ConvertConfig, make_options
+
+    with pytest.raises(UpcycleError, match=r"kv_lora_rank \(--kv-lora-rank\) = 0: must be a positive integer"):
+        ConvertConfig(kv_lora_rank=0)
+    with pytest.raises(UpcycleError, match=r"seed \(--seed\) = -1: must be an integer >= 0"):
+        ConvertConfig(seed=-1)
+    with pytest.raises(UpcycleError, match=r"init \(--init\) = 'svd': must be one of attention, random"):
+        ConvertConfig(init="svd")
+    with pytest.raises(UpcycleError, match="mla_layers .* must be a placement name"):
+        ConvertConfig(mla_layers=[0, "two"])
+    with pytest.raises(UpcycleError, match="unknown conversion option.s. kv_lora_rnak; valid: mla_layers, kv_lora_rank"):
+        make_options(kv_lora_rnak=8)
+    base = tiny_llama()
+    # upcycle() takes the shape options only: the run options belong to convert()
+    with pytest.raises(UpcycleError, match="unknown conversion option.s. calibrate"):
+        upcycle(base, calibrate=False)
+    opts = ConvertConfig(kv_lora_rank=16, gdn_num_heads=2)
+    hcfg = hybrid_config_from_base(base.config, opts, mla_layers=3)
+    assert hcfg.mla_layers == [3] and hcfg.kv_lora_rank == 16 and hcfg.gdn_num_heads == 2
+    assert make_options(opts, seed=4).non_defaults() == {"kv_lora_rank": 16, "gdn_num_heads": 2, "seed": 4}

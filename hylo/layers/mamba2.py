@@ -25,12 +25,7 @@ Design choices:
   cache does not grow with T. Unpacked batches only.
 * Default init as mamba_ssm: A ~ U(1, 16), dt log-uniform in [1e-3, 0.1] stored as its softplus inverse in
   dt_bias, D = 1, norm weight 1 (`reset_special_parameters()`, called by the model's `_init_weights`).
-* Initialisation from attention (`mamba2_weights_from_attention`): x <- W_v, B <- W_k, C <- W_q, out_proj
-  <- W_o; the z and dt rows of in_proj get the model's default normal(0, initializer_range), then, when the
-  converter has calibration tokens, the z rows and the norm weight are calibrated like GDN's gate
-  (`hylo.upcycle._calibrate_linear`: SiLU(z) ~= 1, norm weight = the attention heads' RMS); the conv starts
-  as identity (last tap 1, bias 0), as the GDN upcycle does, so the copied projections are not scrambled.
-  Qwen3's q/k RMSNorm weights are folded into the copied rows (approximate: SSD does not normalise B, C).
+* Initialisation from attention: `hylo/upcycle/mamba2.py` (x <- W_v, B <- W_k, C <- W_q, out_proj <- W_o).
 """
 
 from __future__ import annotations
@@ -156,49 +151,3 @@ class Mamba2Mixer(nn.Module):
         return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"state_size={self.state_size}, n_groups={self.n_groups}, conv_size={self.conv_size}")
 
-
-@torch.no_grad()
-def mamba2_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[str, torch.Tensor]:
-    """Initialise a Mamba-2 mixer from a Llama/Qwen3 attention module (float64; `upcycle` casts and checks shapes).
-
-    x <- W_v, B <- W_k, C <- W_q, out_proj <- W_o. Mamba head m stands for query head m mod h (KV head of
-    that query head for x); group j takes the query/key head of its first Mamba head. Head dims are
-    truncated or zero-padded when P or N differ from the attention head_dim. z and dt rows keep the default
-    normal(0, initializer_range); the conv becomes identity.
-    """
-    from hylo.upcycle import _fit, _qk_norm_weights
-
-    h, g, dh = hcfg.num_attention_heads, hcfg.num_key_value_heads, hcfg.base_head_dim or hcfg.head_dim
-    H, P, N, G = hcfg.mamba2_dims
-    E, Cv = H * P, H * P + 2 * G * N
-    wq = attn.q_proj.weight.detach().double().view(h, dh, -1)
-    wk = attn.k_proj.weight.detach().double().view(g, dh, -1)
-    wv = attn.v_proj.weight.detach().double().view(g, dh, -1)
-    qw, kw = _qk_norm_weights(attn)
-    if qw is not None:
-        wq = wq * qw.double().view(1, dh, 1)
-    if kw is not None:
-        wk = wk * kw.double().view(1, dh, 1)
-    d = wq.shape[-1]
-    group = h // g
-    q_of_head = [m % h for m in range(H)]
-    q_of_group = [q_of_head[j * (H // G)] for j in range(G)]
-    x_rows = torch.cat([_fit(wv[qi // group], P) for qi in q_of_head])
-    B_rows = torch.cat([_fit(wk[qi // group], N) for qi in q_of_group])
-    C_rows = torch.cat([_fit(wq[qi], N) for qi in q_of_group])
-    std = hcfg.initializer_range
-    z_rows = torch.randn(E, d, dtype=torch.float64) * std
-    dt_rows = torch.randn(H, d, dtype=torch.float64) * std
-
-    conv = torch.zeros(Cv, 1, hcfg.gdn_conv_size, dtype=torch.float64)
-    conv[:, 0, -1] = 1.0
-    wo = attn.o_proj.weight.detach().double().view(d, h, dh)
-    # a base head used by several Mamba heads shares its output projection among them
-    uses = torch.bincount(torch.tensor(q_of_head), minlength=h).double()
-    o = torch.stack([_fit(wo[:, qi].T, P).T / uses[qi] for qi in q_of_head], dim=1)  # [D, H, P]
-    return {
-        "in_proj.weight": torch.cat([z_rows, x_rows, B_rows, C_rows, dt_rows]),
-        "conv1d.weight": conv,
-        "conv1d.bias": torch.zeros(Cv, dtype=torch.float64),
-        "out_proj.weight": o.reshape(d, E),
-    }

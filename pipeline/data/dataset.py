@@ -379,16 +379,10 @@ def stream_packed_rows(
 
 # ------------------------------------------------------------------------------ the prepare job
 def resolve_tokenizer(name_or_dir: str) -> Path:
-    """A tokenizer directory, or an asset name from `hylo.assets` (fetched on first use)."""
-    p = Path(name_or_dir).expanduser()
-    if p.is_dir():
-        return p
-    from hylo.assets import ASSETS, fetch_asset
+    """A tokenizer directory, or an asset (`asset:NAME` or NAME, fetched on first use; hylo.assets' rule)."""
+    from hylo.assets import resolve_path_or_asset
 
-    if name_or_dir in ASSETS:
-        return fetch_asset(name_or_dir, progress=False)
-    raise FileNotFoundError(
-        f"tokenize.tokenizer {name_or_dir!r} is neither a directory nor an asset ({', '.join(sorted(ASSETS))})")
+    return resolve_path_or_asset(name_or_dir, "tokenize.tokenizer", directory=True, progress=False)
 
 
 def reason_key(reason: str) -> str:

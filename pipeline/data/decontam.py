@@ -234,11 +234,9 @@ def _texts(value: Any) -> list[str]:
 def load_benchmark(spec: BenchmarkSpec) -> tuple[list[Item], dict[str, int]]:
     """Items of one suite plus counts of rows skipped (unparseable or without any indexed field)."""
     spec = resolve_benchmark(spec)
-    path = spec.path
-    if path.startswith("asset:"):
-        from hylo.assets import fetch_asset
+    from hylo.assets import expand_asset
 
-        path = str(fetch_asset(path.removeprefix("asset:"), progress=False))
+    path = expand_asset(spec.path, progress=False)
     src = SourceSpec(name=spec.name, path=path, split=spec.split, subset=spec.subset)
     items: list[Item] = []
     skipped = Counter()

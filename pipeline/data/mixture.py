@@ -178,12 +178,11 @@ def restrict(
 
 
 def resolve_asset_path(spec: Any) -> Any:
-    """`path: asset:NAME` -> the local file of that `hylo.assets` asset (fetched on first use)."""
-    if not str(spec.path).startswith("asset:"):
-        return spec
-    from hylo.assets import fetch_asset
+    """`path: asset:NAME` (or NAME where no such path exists) -> the local file of that `hylo.assets` asset
+    (fetched on first use); any other path as it is."""
+    from hylo.assets import expand_asset
 
-    return dataclasses.replace(spec, path=str(fetch_asset(spec.path.removeprefix("asset:"), progress=False)))
+    return dataclasses.replace(spec, path=expand_asset(spec.path, progress=False))
 
 
 def build_mixture(

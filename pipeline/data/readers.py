@@ -731,15 +731,13 @@ def _is_hub(spec: SourceSpec) -> bool:
 
 def _iter_items(spec: SourceSpec) -> Iterator[tuple[str, int, Any, str | None, int | None]]:
     """(file, index, row, parse_error or None, lost) for every raw row of a source, in order."""
-    if spec.path.startswith("asset:"):
-        # An offline asset (hylo.assets), fetched into the cache on first use.
-        from hylo.assets import AssetError, fetch_asset
+    # An offline asset (hylo.assets: `asset:NAME`, or NAME where no such path exists), fetched on first use.
+    from hylo.assets import AssetError, expand_asset
 
-        try:
-            spec = dataclasses.replace(spec, path=str(fetch_asset(spec.path.removeprefix("asset:"),
-                                                                  progress=False)))
-        except AssetError as e:
-            raise SourceError(f"source {spec.name!r}: {e}") from e
+    try:
+        spec = dataclasses.replace(spec, path=expand_asset(spec.path, progress=False))
+    except AssetError as e:
+        raise SourceError(f"source {spec.name!r}: {e}") from e
     if _is_hub(spec):
         for idx, obj, err, lost in _iter_hub(spec):
             yield spec.path, idx, obj, err, lost

@@ -42,20 +42,13 @@ def is_hylo(model: nn.Module) -> bool:
 
 
 def resolve_path(spec: str | Path) -> Path:
-    """A directory as is, or an asset name (e.g. smollm2-135m-instruct) fetched into the cache."""
-    p = Path(spec)
-    if p.exists():
-        if not p.is_dir():
-            raise EvalError(f"model path {p} is not a directory")
-        return p
-    if "/" not in str(spec):
-        from hylo.assets import fetch_asset
+    """A directory as is, or an asset (`asset:NAME` or NAME, e.g. smollm2-135m-instruct) fetched into the cache."""
+    from hylo.assets import AssetError, resolve_path_or_asset
 
-        try:
-            return Path(fetch_asset(str(spec)))
-        except Exception as e:
-            raise EvalError(f"model {spec!r}: no such directory and not a known asset ({e})") from e
-    raise EvalError(f"model directory {p} does not exist")
+    try:
+        return resolve_path_or_asset(spec, "model", directory=True)
+    except AssetError as e:
+        raise EvalError(str(e)) from e
 
 
 def pick_device(device: str) -> torch.device:

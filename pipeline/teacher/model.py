@@ -51,15 +51,10 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_model_path(path: str | os.PathLike) -> Path:
-    """A directory as is, or `asset:<name>` fetched through hylo.assets."""
-    text = str(path)
-    if text.startswith("asset:"):
-        from hylo.assets import fetch_asset
+    """A directory as is, or an asset (`asset:NAME` or NAME) fetched through hylo.assets."""
+    from hylo.assets import resolve_path_or_asset
 
-        return Path(fetch_asset(text.removeprefix("asset:")))
-    p = Path(text)
-    if not p.is_dir():
-        raise FileNotFoundError(f"teacher model {p} is not a directory (give an HF model dir or asset:<name>)")
+    p = resolve_path_or_asset(path, "teacher model", directory=True)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"teacher model {p} has no config.json; not a Hugging Face model directory")
     return p

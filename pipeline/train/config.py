@@ -39,30 +39,13 @@ from pipeline.config import (
     rules,
     to_dict,
 )
+from pipeline.convert import ConvertSection
 from pipeline.data.mixture import SPLITS
 from pipeline.ray_init import RayInitSection
 from pipeline.teacher.config import TeacherClientConfig, TeacherModelConfig, TeacherPoolConfig
 from pipeline.train.trackers import MlflowSection, WandbSection
 
 STAGE_KEYS = ("stage1", "stage2")
-# What the driver passes to `hylo.upcycle.upcycle` itself (not conversion options of model.convert).
-_CONVERT_SET_BY_DRIVER = ("base_model", "hcfg", "calibration_ids", "progress")
-
-
-def convert_options() -> list[str]:
-    """The options `model.convert` may hold: the keyword arguments of `hylo.upcycle.upcycle` and, as it
-    forwards its extra keywords there, of `hybrid_config_from_base` (read from their signatures, so a
-    new converter option is accepted without touching this list)."""
-    import inspect
-
-    from hylo import upcycle as up
-
-    names: set[str] = set()
-    params = inspect.signature(up.upcycle).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        names |= set(list(inspect.signature(up.hybrid_config_from_base).parameters)[1:])
-    names |= {p.name for p in params if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)}
-    return sorted(names - set(_CONVERT_SET_BY_DRIVER))
 
 
 @dataclass
@@ -72,19 +55,13 @@ class ModelSection:
     student: str | None = None
     # Stage 1: the frozen base model (HF directory or asset name) whose layers the student imitates.
     base: str | None = None
-    # Stage 1 only: when `student` is missing, convert `base` first with these `hylo.upcycle` options
-    # (mla_layers, kv_lora_rank, qk_rope_head_dim, gdn_num_heads, ...), into <run dir>/converted.
-    convert: dict[str, Any] | None = None
+    # Stage 1 only: when `student` is missing, convert `base` first with these options (mla_layers,
+    # kv_lora_rank, qk_rope_head_dim, gdn_num_heads, seed, ...: hylo.upcycle.ConvertConfig, the options
+    # of jobs/convert.py), into <run dir>/converted.
+    convert: ConvertSection | None = None
     # auto = bf16 on GPU, fp32 on CPU.
     dtype: str = "auto"
     activation_checkpointing: bool = True
-
-    def __post_init__(self) -> None:
-        if self.convert:
-            valid = convert_options()
-            for key, value in self.convert.items():
-                if key not in valid:
-                    raise FieldError(f"convert.{key}", value, f"not a converter option; valid: {', '.join(valid)}")
 
 
 @dataclass
@@ -373,7 +350,7 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and v and k != "convert":
+        if isinstance(v, dict) and v:
             out.update(_flatten(v, key + "."))
         else:
             out[key] = v

@@ -108,7 +108,8 @@ def reset_ray_snapshot(run: Loc) -> str | None:
 
 
 def convert_if_needed(cfg: StageConfig) -> StageConfig:
-    """Stage 1 without a converted student: convert `model.base` with `model.convert` options, once."""
+    """Stage 1 without a converted student: convert `model.base` with `model.convert` options, once
+    (`hylo.upcycle.convert`, as jobs/convert.py does)."""
     if cfg.stage != 1 or cfg.model.student:
         return cfg
     if cfg.model.convert is None:
@@ -118,32 +119,13 @@ def convert_if_needed(cfg: StageConfig) -> StageConfig:
     out = run_dir(cfg) / "converted"
     target = run / "converted"
     if not (target / "hybrid_config.json").is_file():
-        from hylo.io import save_hylo
-        from hylo.upcycle import load_base_model, upcycle
-        from pipeline.train.stage1 import resolve_model_dir
+        from hylo.upcycle import convert
 
-        base_dir = resolve_model_dir(cfg.model.base)
-        print(f"[convert] {base_dir} -> {target} with {cfg.model.convert}", flush=True)
-        model = upcycle(load_base_model(base_dir), calibration_ids=_calibration_ids(base_dir), **cfg.model.convert)
-        save_hylo(model, out, tokenizer_from=base_dir)
+        print(f"[convert] {cfg.model.base} -> {target} with {cfg.model.convert.non_defaults()}", flush=True)
+        convert(cfg.model.base, cfg.model.convert).save(out)
         if not run.is_local:
             target.upload_dir(out)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, student=target.uri()))
-
-
-def _calibration_ids(base_dir: str | Path):
-    """The converter's calibration tokens (as jobs/convert.py uses them); None when the base has no tokenizer."""
-    from hylo.upcycle import calibration_ids_for
-
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    except (OSError, ValueError) as e:
-        print(f"[convert] no tokenizer in {base_dir} ({type(e).__name__}); linear gates keep their random init",
-              flush=True)
-        return None
-    return calibration_ids_for(tokenizer)
 
 
 def loop_config(cfg: StageConfig, resume: str | None, launcher: str) -> dict[str, Any]:

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 from pipeline.config import ConfigError
@@ -37,19 +36,18 @@ def _hylo_checkpoint(key: str, path: str) -> None:
     _weights(p)
 
 
-def _convert_options_fit_the_base(cfg: StageConfig, base_dir: str) -> None:
+def _convert_options_fit_the_base(cfg: StageConfig, base_dir: str | Path) -> None:
     """model.convert against the base's config.json, without loading weights (HybridConfigError names the key)."""
     from transformers import AutoConfig
 
     from hylo.config import HybridConfigError
     from hylo.upcycle import UpcycleError, hybrid_config_from_base
 
-    accepted = set(list(inspect.signature(hybrid_config_from_base).parameters)[1:])
-    options = {k: v for k, v in (cfg.model.convert or {}).items() if k in accepted}
+    options = cfg.model.convert
     try:
-        hybrid_config_from_base(AutoConfig.from_pretrained(base_dir), **options)
+        hybrid_config_from_base(AutoConfig.from_pretrained(base_dir), options)
     except (HybridConfigError, UpcycleError) as e:
-        raise ConfigError(f"model.convert={options}: {e} (base {base_dir})", "model.convert") from None
+        raise ConfigError(f"model.convert={options.non_defaults()}: {e} (base {base_dir})", "model.convert") from None
 
 
 def _data(cfg: StageConfig) -> None:
@@ -72,14 +70,14 @@ def _data(cfg: StageConfig) -> None:
 
 
 def check_stage_inputs(cfg: StageConfig) -> None:
-    from pipeline.train.stage1 import resolve_model_dir
+    from hylo.assets import resolve_path_or_asset
 
     if cfg.model.student:
         _hylo_checkpoint("model.student", cfg.model.student)
     if cfg.stage == 1:
         if not cfg.model.base:
             raise ConfigError("stage 1 needs model.base (the model whose layers the student imitates)", "model.base")
-        base_dir = resolve_model_dir(cfg.model.base)
+        base_dir = resolve_path_or_asset(cfg.model.base, "model.base", directory=True)
         _weights(base_dir)
         converted = run_dir(cfg) / "converted" / "hybrid_config.json"
         if not cfg.model.student and cfg.model.convert is not None and not converted.is_file():

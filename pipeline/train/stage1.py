@@ -133,6 +133,7 @@ class Stage1Task:
 
 
 def build(ctx: WorkerContext, lr_lambda) -> Stage1Task:
+    from hylo.assets import resolve_path_or_asset
     from hylo.io import load_hylo
     from hylo.upcycle import load_base_model
 
@@ -140,7 +141,8 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage1Task:
     if not cfg.model.student or not cfg.model.base:
         raise ConfigError("stage 1 needs model.base (the HF base model) and model.student (its HyLo conversion)")
     student = load_hylo(cfg.model.student, dtype=ctx.dtype).to(ctx.device)
-    base = load_base_model(resolve_model_dir(cfg.model.base), dtype=ctx.dtype).to(ctx.device).eval()
+    base_dir = resolve_path_or_asset(cfg.model.base, "model.base", directory=True)
+    base = load_base_model(base_dir, dtype=ctx.dtype).to(ctx.device).eval()
     base.requires_grad_(False)
     if len(base.model.layers) != len(student.model.layers):
         raise ConfigError(f"model.base has {len(base.model.layers)} layers, model.student "
@@ -178,14 +180,3 @@ def train_step(task: Stage1Task, rows: list[dict[str, Any]], ctx: WorkerContext)
     ctx.extras["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
     return out
 
-
-def resolve_model_dir(path: str) -> str:
-    """A directory, or `asset:<name>` / a bare asset name fetched through hylo.assets."""
-    from pathlib import Path
-
-    if Path(path).expanduser().is_dir():
-        return str(Path(path).expanduser())
-    name = path.removeprefix("asset:")
-    from hylo.assets import fetch_asset
-
-    return str(fetch_asset(name))

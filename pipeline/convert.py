@@ -1,0 +1,152 @@
+"""The convert job (jobs/convert.py): its configuration in the one config system, and what it does.
+
+    python jobs/convert.py --config convert.yaml --set convert.kv_lora_rank=128 [--print-config]
+
+Design choices:
+* The conversion options are hylo's `ConvertConfig` (`ConvertSection` adds its ranges as config rules),
+  the same class as the training config's `model.convert`: one set of names, defaults and checks for
+  both, and the same `hylo.upcycle.convert` behind them.
+* The job's flags (`--base`, `--mla-layers`, `--kv-lora-rank`, ...) are shorthands for keys of this
+  config (`SHORTHANDS` in jobs/convert.py); the order is file, then flags, then `--set`. An error in a
+  value a flag set names the flag.
+* Output: one JSON summary on stdout (layers, parameters, KV-cache bytes per token of base and hybrid at
+  bf16, `kv_cache_ratio` as a fraction).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hylo.upcycle.options import ConvertConfig, UpcycleError
+from pipeline.config import Rule, rules
+
+
+@dataclass
+@rules(**{name: Rule(**allowed) for name, allowed in ConvertConfig.RANGES.items()})
+class ConvertSection(ConvertConfig):
+    """`hylo.upcycle.ConvertConfig` as a config section (its ranges checked as config rules)."""
+
+
+@dataclass
+class ConvertJobConfig:
+    # The base model: an HF directory, asset:NAME or an asset name (hylo.assets).
+    base: str | None = None
+    # Output directory: the HyLo checkpoint (or, with to_released, the released layout).
+    out: str | None = None
+    convert: ConvertSection = field(default_factory=ConvertSection)
+    # Print the summary from base_config (a config.json) alone; no weights are loaded.
+    dry_run: bool = False
+    base_config: str | None = None
+    # Import a checkpoint in the released layout (AMD's hybrid_config.json + config.json + mla.*/gdn.*
+    # safetensors) and write it as a HyLo checkpoint to `out`.
+    from_released: str | None = None
+    # Export a HyLo checkpoint to the released layout in `out`.
+    to_released: str | None = None
+
+
+# ------------------------------------------------------------------------------------ summaries
+def rope_summary(hcfg: Any) -> dict[str, Any]:
+    """The MLA RoPE settings (YaRN factor and original window, usable positions)."""
+    rs = {k: v for k, v in (hcfg.rope_scaling or {}).items() if k != "rope_theta"} or None
+    return {"max_position_embeddings": hcfg.max_position_embeddings, "rope_theta": hcfg.rope_theta, "rope_scaling": rs}
+
+
+def count_params(hcfg: Any, base_cfg: Any) -> dict[str, Any]:
+    """Parameter counts from shapes alone (meta device), so a dry run needs no weights."""
+    import torch
+
+    from hylo.modeling import HyLoForCausalLM
+
+    with torch.device("meta"):
+        model = HyLoForCausalLM(hcfg)
+    hybrid = sum(p.numel() for p in model.parameters())
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(base_cfg)
+        base_n = sum(p.numel() for p in base.parameters())
+    except Exception:
+        base_n = None
+    return {"base_parameters": base_n, "hybrid_parameters": hybrid}
+
+
+# ------------------------------------------------------------------------------------ the three modes
+def released_io(cfg: ConvertJobConfig) -> dict[str, Any]:
+    """from_released / to_released: one layout in, the other out (errors as UpcycleError)."""
+    from hylo.config import HybridConfigError
+    from hylo.io import CheckpointMismatchError, load_hylo, save_hylo
+    from hylo.released import ReleasedLayoutError, export_released, is_released_layout
+
+    src = Path(cfg.from_released or cfg.to_released or "")
+    if not cfg.out:
+        raise UpcycleError("--out is required with --from-released / --to-released")
+    if not src.is_dir():
+        raise UpcycleError(f"{src} does not exist or is not a directory")
+    try:
+        if cfg.from_released:
+            if not is_released_layout(src):
+                raise UpcycleError(f"{src}: its hybrid_config.json is not in the released layout (AMD's keys)")
+            model = load_hylo(src, dtype="auto")
+            save_hylo(model, cfg.out, tokenizer_from=src)
+        else:
+            if is_released_layout(src):
+                raise UpcycleError(f"{src} is already in the released layout")
+            model = load_hylo(src, dtype="auto")
+            export_released(model, cfg.out, tokenizer_from=src)
+    except (ReleasedLayoutError, HybridConfigError, CheckpointMismatchError) as e:
+        raise UpcycleError(str(e)) from None
+    mcfg = model.config
+    return {"from": str(src), "out": str(cfg.out), "layout": "released" if cfg.to_released else "hylo",
+            "layers": mcfg.n_layer, "mla_layers": mcfg.mla_layers, "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def dry_run(cfg: ConvertJobConfig) -> dict[str, Any]:
+    """The summary of a conversion from the base's config.json alone."""
+    from transformers import AutoConfig
+
+    from hylo.upcycle import hybrid_config_from_base, kv_summary, read_base_config
+
+    if not cfg.base_config:
+        raise UpcycleError("--dry-run needs --base-config CONFIG_JSON")
+    path = Path(cfg.base_config)
+    if not path.is_file():
+        raise UpcycleError(f"--base-config {path} does not exist")
+    base_cfg = AutoConfig.for_model(**read_base_config(path))
+    hcfg = hybrid_config_from_base(base_cfg, cfg.convert)
+    return {"dry_run": True, **kv_summary(base_cfg, hcfg), **rope_summary(hcfg), **count_params(hcfg, base_cfg)}
+
+
+def convert_base(cfg: ConvertJobConfig, progress: bool = True) -> dict[str, Any]:
+    """Convert `base` into `out` with the `convert` options; returns the summary."""
+    from hylo.upcycle import convert, kv_summary
+    from pipeline.cli import writable_dir
+
+    if not cfg.base or not cfg.out:
+        raise UpcycleError("--base and --out are required (or --dry-run --base-config)")
+    writable_dir(Path(cfg.out).expanduser().resolve().parent, "--out (its parent)")
+    t0 = time.time()
+    conv = convert(cfg.base, cfg.convert, progress=progress)
+    out = conv.save(cfg.out)
+    hcfg = conv.model.config
+    return {
+        "base": str(conv.base_dir),
+        "out": str(out),
+        **kv_summary(conv.base_model.config, hcfg),
+        **rope_summary(hcfg),
+        "base_parameters": sum(p.numel() for p in conv.base_model.parameters()),
+        "hybrid_parameters": sum(p.numel() for p in conv.model.parameters()),
+        "seconds": round(time.time() - t0, 1),
+    }
+
+
+def run(cfg: ConvertJobConfig, progress: bool = True) -> dict[str, Any]:
+    """The job: released import/export, a dry run, or a conversion; returns the summary it prints."""
+    if cfg.from_released or cfg.to_released:
+        return released_io(cfg)
+    if cfg.dry_run:
+        return dry_run(cfg)
+    return convert_base(cfg, progress)
