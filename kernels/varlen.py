@@ -19,10 +19,14 @@ the kernels rely on it):
   (optional; else `PackedRow.row_id` is a hash of the tokens and the boundaries).
 * The model takes one packed row as a batch of one: `input_ids` [1, T] and `cu_seqlens` [N + 1].
 
-Where it is checked:
+Where it is read and checked:
+* On disk a packed row is one record of a Parquet file with these fields as columns (list columns,
+  `doc_ids` a list of strings, `row_id` a string). `pipeline.data.rowfile.PackedRowFile` is the one
+  reader (the data pipeline's shards, the teacher's offline cache job, evaluation); a damaged file is a
+  `DataFormatError` there, naming the file and row group or row.
 * `check_row` checks a whole row (a mapping of arrays) where it is read or received: the training row
-  streams, the teacher (in process, Serve replicas, offline cache) and evaluation. `PackedRowError`
-  names the record and the field.
+  streams, the teacher (in process, Serve replicas, offline cache) and evaluation, and returns it as a
+  `PackedRow` (CPU tensors, positions derived when absent). `PackedRowError` names the record and the field.
 * `DocBounds` carries the checked boundaries of one forward: the device tensor that kernels read, the same
   numbers as host ints, and each token's position inside its document (on the device). `HyLoModel.forward`
   builds it once (one device-to-host copy of `cu_seqlens`; none from a host row, `DocBounds.from_host`)
@@ -51,6 +55,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -215,7 +220,8 @@ class PackedRow:
 def _int_field(row: Mapping[str, Any], name: str, where: str) -> torch.Tensor:
     value = row[name]
     try:
-        t = value.detach().cpu() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        # a copy, never a view of the caller's array (which may be read-only, e.g. a Parquet buffer)
+        t = value.detach().cpu() if isinstance(value, torch.Tensor) else torch.as_tensor(np.array(value))
     except (TypeError, ValueError, RuntimeError) as e:
         raise PackedRowError(f"{where}: field {name!r} is not an integer array ({e})") from None
     if t.dim() == 2 and t.shape[0] == 1:
@@ -229,13 +235,14 @@ def _int_field(row: Mapping[str, Any], name: str, where: str) -> torch.Tensor:
 
 
 def check_row(row: Mapping[str, Any] | PackedRow, where: str = "row", max_len: int | None = None,
-              clear_crossing_labels: bool = False) -> PackedRow:
+              clear_crossing_labels: bool = False, max_len_name: str = "max_len") -> PackedRow:
     """Check a packed row against the contract and return it as a `PackedRow` (CPU tensors).
 
     `row`: a mapping with `input_ids` and `cu_seqlens`, optionally `position_ids` (derived when absent,
     checked when given), `loss_mask`, `doc_ids`, `row_id`. `where` names the record in errors;
-    `max_len` bounds the row's length. `clear_crossing_labels`: a loss mask set on a document's last
-    token is cleared instead of refused (evaluation scoring rows it did not pack). Raises PackedRowError.
+    `max_len` bounds the row's length (`max_len_name`: the setting it comes from, for the message).
+    `clear_crossing_labels`: a loss mask set on a document's last token is cleared instead of refused
+    (evaluation scoring rows it did not pack). Raises PackedRowError.
     """
     if isinstance(row, PackedRow):
         return row
@@ -250,7 +257,7 @@ def check_row(row: Mapping[str, Any] | PackedRow, where: str = "row", max_len: i
     if T == 0:
         raise PackedRowError(f"{where}: field 'input_ids' is empty")
     if max_len is not None and T > max_len:
-        raise PackedRowError(f"{where}: {T} tokens, more than max_len={max_len}")
+        raise PackedRowError(f"{where}: {T} tokens, more than {max_len_name}={max_len}")
     if int(ids.min()) < 0:
         raise PackedRowError(f"{where}: field 'input_ids' holds a negative token id {int(ids.min())}")
     host = host_cu_seqlens(_int_field(row, "cu_seqlens", where), T, lambda m: _raise_row_error(f"{where}: {m}"))
