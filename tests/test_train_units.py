@@ -161,6 +161,13 @@ def test_parquet_rows_refuse_mismatched_data(tmp_path, split, seq_len, needle):
         open_rows(DataSection(source="parquet", path=str(tmp_path), split=split, seq_len=seq_len), 0, 0, 1)
 
 
+def test_a_row_longer_than_the_config_allows_names_data_seq_len(tmp_path):
+    _write_split(tmp_path, max_len=None)
+    rows = open_rows(DataSection(source="parquet", path=str(tmp_path), split="stage2", seq_len=16), 0, 0, 1)
+    with pytest.raises(PackedRowError, match=r"row 0: 32 tokens, more than data.seq_len=16"):
+        rows.next_row()
+
+
 def test_bad_row_is_named():
     row = SyntheticRows(_data(), 0, 0, 1).next_row()
     row["loss_mask"][row["cu_seqlens"][1] - 1] = 1

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from kernels.varlen import check_row
+from kernels.varlen import check_row, positions_from_cu_seqlens
 from pipeline.config import ConfigError
 from pipeline.data.rowfile import DataFormatError
 from pipeline.train.config import DataSection
@@ -101,7 +102,7 @@ class SyntheticRows(RowStream):
         lengths = [n for n in lengths if n > 0]
         ids = g.integers(0, syn.vocab_size, size=T, dtype=np.int64)
         cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        pos = np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)
+        pos = positions_from_cu_seqlens(torch.from_numpy(cu), T).numpy()
         # Half of each document is "assistant": the loss covers its second half except its last token.
         mask = np.zeros(T, dtype=np.int8)
         for s, e in zip(cu[:-1], cu[1:]):
@@ -151,7 +152,7 @@ class ParquetRows(RowStream):
         row["cu_seqlens"] = row["cu_seqlens"].astype(np.int32)
         row["loss_mask"] = row["loss_mask"].astype(np.int8)
         row["row_key"] = str(index)
-        check_row(row, f"{self.root} row {index}", self.seq_len)
+        check_row(row, f"{self.root} row {index}", self.seq_len, max_len_name="data.seq_len")
         return row
 
 
