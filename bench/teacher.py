@@ -108,14 +108,14 @@ def main() -> None:
     print(f"wire bytes/token  : top-k (k={args.k}, fp16 + int32 + fp32 tail) {wire_topk:.0f}; "
           f"full logits fp32 {wire_fp32:.0f}, bf16 {wire_bf16:.0f}; fp32/top-k = {wire_fp32 / wire_topk:.0f}x")
 
+    from kernels.varlen import check_row
     from pipeline.teacher.cache import ShardPlan, make_header, write_shard
-    from pipeline.teacher.rows import as_packed_row
 
     with tempfile.TemporaryDirectory() as d:
         header = make_header(teacher.teacher_id, teacher.tokenizer_hash, args.k, "float16", teacher.vocab_size,
                              "bench", args.rows)
         size = write_shard(Path(d) / "s.parquet", header, ShardPlan("s", "bench", 0, args.rows),
-                           [as_packed_row(r).row_id for r in rows], direct)
+                           [check_row(r).row_id for r in rows], direct)
     print(f"cache bytes/token : {size / total:.0f} (fp16 logprobs + {header['index_dtype']} indices, zstd)")
 
 

@@ -5,7 +5,10 @@ Legend: B batch, T tokens, D hidden size, V vocabulary, N packed documents.
 Design choices:
 * Single-device model code. Parallelism (ZeRO-3), activation checkpointing policy and compile are applied
   from outside; `gradient_checkpointing_enable()` only wraps each decoder layer.
-* Packed rows: B == 1 with `cu_seqlens [N+1]` (int32, last == T). MLA attends within documents only,
+* Packed rows: B == 1 with `cu_seqlens [N+1]` (int32; the contract and its one rule: `kernels/varlen.py`).
+  The boundaries are checked once, here, into a `DocBounds` (one device-to-host copy; none when the caller
+  passes `DocBounds.from_host` of a row it holds on the host) that every layer and kernel receives, so no
+  layer reads them back, in the forward or in a checkpoint recompute. MLA attends within documents only,
   linear blocks reset state and conv windows at each boundary, positions restart per document.
 * Generation is transformers' own `GenerationMixin.generate` (greedy, sampling, beam search, every
   logits processor, stopping criteria, streamers, `generation_config=`) over `HyLoCache` (latent + roped
@@ -36,28 +39,12 @@ from transformers.utils import ModelOutput
 from hylo.cache import HyLoCache, LinearLayerCache
 from hylo.config import HybridConfig, check_config_files
 from hylo.layers.norm import RMSNorm
-
-
-def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Positions restarting at 0 at each document start: [T] int64."""
-    cu = cu_seqlens.to(torch.long)
-    lengths = cu[1:] - cu[:-1]
-    starts = torch.repeat_interleave(cu[:-1], lengths)
-    return torch.arange(total, device=cu.device) - starts
-
-
-def check_packing(input_shape: tuple[int, int], cu_seqlens: torch.Tensor | None) -> None:
-    if cu_seqlens is None:
-        return
-    b, t = input_shape
-    if b != 1:
-        raise ValueError(f"packed rows need batch size 1 with cu_seqlens, got batch {b}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != t:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T={t}, got {cu_seqlens.tolist()[:3]}...{int(cu_seqlens[-1])}")
-    if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-        raise ValueError("cu_seqlens must be non-decreasing")
+from kernels.varlen import (
+    DocBounds,
+    doc_bounds,
+    # imported from here by pipeline.placement
+    positions_from_cu_seqlens,  # noqa: F401
+)
 
 
 class HyLoMLP(nn.Module):
@@ -153,7 +140,7 @@ class HyLoDecoderLayer(nn.Module):
         self,
         x_BTD: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | DocBounds | None = None,
         cache=None,
         keep_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -170,7 +157,7 @@ class HyLoDecoderLayer(nn.Module):
         self,
         hidden_BTD: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | DocBounds | None = None,
         cache=None,
         keep_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +235,7 @@ class HyLoModel(HyLoPreTrainedModel):
         self,
         input_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | DocBounds | None = None,
         past_key_values: HyLoCache | None = None,
         use_cache: bool = False,
         inputs_embeds: torch.Tensor | None = None,
@@ -258,12 +245,17 @@ class HyLoModel(HyLoPreTrainedModel):
         cache: HyLoCache | None = None,
         **kwargs,
     ) -> HyLoModelOutput:
-        """`attention_mask`: [B, cached + new tokens], 1 at real tokens, 0 at pads (HF convention)."""
+        """`attention_mask`: [B, cached + new tokens], 1 at real tokens, 0 at pads (HF convention).
+        `cu_seqlens`: a packed row's boundaries [N + 1] (B == 1), a tensor or `DocBounds`."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids or inputs_embeds")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, t = h.shape[:2]
-        check_packing((b, t), cu_seqlens)
+        if cu_seqlens is not None:
+            if b != 1:
+                raise ValueError(f"packed rows need batch size 1 with cu_seqlens, got batch {b}")
+            # the one check (and host copy) of the boundaries for every layer of this forward
+            cu_seqlens = doc_bounds(cu_seqlens, t)
         cache = past_key_values if past_key_values is not None else cache
         if cache is None and use_cache:
             cache = HyLoCache(self.config)
@@ -276,7 +268,7 @@ class HyLoModel(HyLoPreTrainedModel):
         keep_BS = padding_mask(attention_mask, b, past + t, cu_seqlens)
         if position_ids is None:
             if cu_seqlens is not None:
-                position_ids = positions_from_cu_seqlens(cu_seqlens, t).unsqueeze(0)
+                position_ids = cu_seqlens.positions.unsqueeze(0)
             elif keep_BS is not None:
                 # positions count real tokens only: a left-padded prompt starts at 0 like the prompt alone
                 position_ids = (keep_BS.long().cumsum(-1) - 1).clamp_min(0)[:, -t:]
@@ -308,7 +300,7 @@ class HyLoModel(HyLoPreTrainedModel):
 
 
 def padding_mask(attention_mask: torch.Tensor | None, b: int, s: int,
-                 cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+                 cu_seqlens: DocBounds | None) -> torch.Tensor | None:
     """The [B, S] bool mask of real tokens when `attention_mask` has pads; None when it has none."""
     if attention_mask is None:
         return None
@@ -353,7 +345,7 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
         self,
         input_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | DocBounds | None = None,
         labels: torch.Tensor | None = None,
         past_key_values: HyLoCache | None = None,
         use_cache: bool = False,

@@ -9,9 +9,14 @@ meaningful with `TRITON_INTERPRET=1`, which is how the Triton kernels are tested
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
+
+from kernels.varlen import DocBounds
 
 _CHOICES = ("auto", "torch", "triton")
 
@@ -58,3 +63,22 @@ def use_gpu_kernels(x: torch.Tensor) -> bool:
 def use_fla(x: torch.Tensor) -> bool:
     """fla's kernels run only on GPU tensors (they fail on CPU even under the Triton interpreter)."""
     return x.is_cuda and kernel_mode() != "torch" and fla_available()
+
+
+@functools.cache
+def _takes_cu_seqlens_cpu(fn: Callable[..., Any]) -> bool:
+    try:
+        return "cu_seqlens_cpu" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def fla_varlen_kwargs(fn: Callable[..., Any], bounds: DocBounds | None) -> dict[str, Any]:
+    """The packed-row arguments of fla op `fn`: `cu_seqlens` as int64 on the device and, where `fn`
+    takes it (fla >= 0.5), the same boundaries on the host, so that fla does not copy them back."""
+    if bounds is None:
+        return {"cu_seqlens": None}
+    kw: dict[str, Any] = {"cu_seqlens": bounds.cu_seqlens.to(torch.long)}
+    if _takes_cu_seqlens_cpu(fn):
+        kw["cu_seqlens_cpu"] = torch.tensor(bounds.host, dtype=torch.long)
+    return kw

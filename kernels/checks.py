@@ -1,5 +1,6 @@
 """Argument checks shared by the linear-recurrence ops (`kernels.gdn`, `kernels.ssd`): tensor types
-and devices, packed-row boundaries `cu_seqlens`, the `initial_state` shape.
+and devices, packed-row boundaries `cu_seqlens` (the rule itself lives in `kernels.varlen`), the
+`initial_state` shape.
 
 Each op raises its own error class with its own function name: the checks here take the op's
 `bad(message)` callback, which prefixes the name and raises, and the letters the op's docstring
@@ -8,12 +9,9 @@ uses (N or S sequences, the state's dims), so each message speaks the op's own t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NoReturn
-
 import torch
 
-Bad = Callable[[str], NoReturn]
+from kernels.varlen import Bad, DocBounds, doc_bounds
 
 
 def shape_str(x: torch.Tensor) -> str:
@@ -39,21 +37,12 @@ def check_float_tensors(bad: Bad, named: dict[str, torch.Tensor], ref_name: str)
             bad(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
 
 
-def check_cu_seqlens(bad: Bad, cu_seqlens: torch.Tensor, batch: int, T: int, seqs: str = "N") -> int:
-    """Validate packed-row boundaries `cu_seqlens` [`seqs` + 1] for a [batch, T, ...] input; return
-    the number of sequences."""
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        bad(f"cu_seqlens must be a 1-D integer tensor [{seqs} + 1] with at least two entries")
-    if cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
-        bad(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+def check_packed(bad: Bad, cu_seqlens: torch.Tensor | DocBounds, batch: int, T: int) -> DocBounds:
+    """Packed-row boundaries for a [batch, T, ...] input, checked under the one rule of
+    `kernels.varlen` (given `DocBounds` are only matched against T)."""
     if batch != 1:
         bad(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={batch}")
-    c = cu_seqlens.detach().cpu()
-    if int(c[0]) != 0 or int(c[-1]) != T:
-        bad(f"cu_seqlens must start at 0 and end at T={T}, got first {int(c[0])}, last {int(c[-1])}")
-    if bool((c[1:] < c[:-1]).any()):
-        bad(f"cu_seqlens must be non-decreasing, got {c.tolist()}")
-    return c.numel() - 1
+    return doc_bounds(cu_seqlens, T, bad)
 
 
 def check_initial_state(

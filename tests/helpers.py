@@ -73,7 +73,8 @@ def bad_cu_seqlens_cases() -> list[Any]:
     return [
         pytest.param([0, 5, 9], r"end at T=10", id="short-end"),
         pytest.param([1, 5, 10], r"start at 0", id="nonzero-start"),
-        pytest.param([0, 6, 4, 10], r"non-decreasing", id="decreasing"),
+        pytest.param([0, 6, 4, 10], r"strictly increasing", id="decreasing"),
+        pytest.param([0, 5, 5, 10], r"strictly increasing .*document 1 spans \[5, 5\)", id="empty-document"),
         pytest.param([0.0, 10.0], r"integer tensor", id="float"),
     ]
 

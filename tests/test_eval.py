@@ -25,6 +25,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hylo.io import save_hylo
 from hylo.upcycle import kv_summary, upcycle
+from kernels.varlen import PackedRowError
+from pipeline.data.rowfile import DataFormatError
 from pipeline.eval import kvcache
 from pipeline.eval import retrieval as R
 from pipeline.eval.decode import EvalError, cache_nbytes, greedy_decode
@@ -190,13 +192,13 @@ def test_eval_rows_from_parquet_packed_dir_and_chat_records(tmp_path, tok, base)
 def test_bad_eval_input_is_named(tmp_path, base, tok):
     good = packed_row(base.config.vocab_size, [8, 8], seed=6)
     pq.write_table(pa.table({"input_ids": [good["input_ids"].tolist()]}), tmp_path / "a.parquet")
-    with pytest.raises(EvalError, match=r"a.parquet: not packed rows, missing column\(s\) \['cu_seqlens'\]"):
+    with pytest.raises(DataFormatError, match=r"a.parquet: not packed rows, missing column\(s\) \['cu_seqlens'\]"):
         list(iter_eval_rows(tmp_path / "a.parquet"))
-    with pytest.raises(EvalError, match="row 0: missing field 'cu_seqlens'"):
+    with pytest.raises(PackedRowError, match="row 0: missing field 'cu_seqlens'"):
         evaluate_kl(base, [("row 0", {"input_ids": good["input_ids"]})])
     bad_cu = {**good, "cu_seqlens": torch.tensor([0, 8, 15], dtype=torch.int32)}
     pq.write_table(pa.table({k: [bad_cu[k].tolist()] for k in ("input_ids", "cu_seqlens")}), tmp_path / "b.parquet")
-    with pytest.raises(EvalError, match=r"b.parquet row 0: cu_seqlens .* end at T=16"):
+    with pytest.raises(PackedRowError, match=r"b.parquet row 0: cu_seqlens .* end at T=16"):
         list(iter_eval_rows(tmp_path / "b.parquet"))
     big = {**good, "input_ids": good["input_ids"].clone()}
     big["input_ids"][3] = base.config.vocab_size + 5

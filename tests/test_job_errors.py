@@ -87,12 +87,12 @@ def test_ray_wrapped_worker_errors_are_found():
     from ray.exceptions import RayTaskError
     from ray.train import WorkerGroupError
 
-    from pipeline.train.rows import RowsError
+    from kernels.varlen import PackedRowError
 
-    cause = RowsError("data/shard-00003.parquet row 7: cu_seqlens must end at T=64")
-    task = RayTaskError("train_worker", "Traceback (most recent call last):\n  ...\nRowsError: ...", cause)
+    cause = PackedRowError("data/shard-00003.parquet row 7: cu_seqlens must end at T=64")
+    task = RayTaskError("train_worker", "Traceback (most recent call last):\n  ...\nPackedRowError: ...", cause)
     remote = task.as_instanceof_cause()
-    assert isinstance(remote, RowsError) and "\n" in str(remote)  # the remote traceback, not the message
+    assert isinstance(remote, PackedRowError) and "\n" in str(remote)  # the remote traceback, not the message
     assert input_error_message(remote) == str(cause)
     group = WorkerGroupError("worker 1 failed", {0: RuntimeError("peer died"), 1: remote})
     assert input_error_message(group) == f"worker 1: {cause}"

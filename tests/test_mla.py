@@ -105,11 +105,11 @@ def test_packed_row_differs_from_unpacked_row() -> None:
     assert diff > 1e-3
 
 
-def test_packed_row_with_padding_document_and_empty_document() -> None:
+def test_packed_row_with_padding_document() -> None:
     layer = make_layer(q_lora_rank=8)
     torch.manual_seed(2)
     x_BTD = torch.randn(1, 10, 32, dtype=torch.float64)
-    cu = torch.tensor([0, 6, 6, 10], dtype=torch.int32)
+    cu = torch.tensor([0, 6, 10], dtype=torch.int32)
     out = layer(x_BTD, cu_seqlens=cu)
     assert_close(out[:, :6], layer(x_BTD[:, :6]))
     assert_close(out[:, 6:], layer(x_BTD[:, 6:]))
@@ -363,9 +363,10 @@ def test_rope_theta_reproduces_chosen_base_frequency_pairs() -> None:
 # ---------------------------------------------------------------------------------------------- bad input
 BAD_INPUTS = {
     "cu-with-batch2": (dict(B=2, T=6, cu=[0, 3, 6]), "one packed row"),
-    "cu-last-not-T": (dict(B=1, T=6, cu=[0, 3, 5]), r"cu_seqlens\[-1\]=5 must equal the row length T=6"),
-    "cu-first-not-0": (dict(B=1, T=6, cu=[1, 3, 6]), r"cu_seqlens\[0\] must be 0"),
-    "cu-decreasing": (dict(B=1, T=6, cu=[0, 4, 3, 6]), "non-decreasing"),
+    "cu-last-not-T": (dict(B=1, T=6, cu=[0, 3, 5]), r"cu_seqlens must end at T=6 \(the row's length\), got \[0, 3, 5\]"),
+    "cu-first-not-0": (dict(B=1, T=6, cu=[1, 3, 6]), r"cu_seqlens must start at 0"),
+    "cu-decreasing": (dict(B=1, T=6, cu=[0, 4, 3, 6]), "strictly increasing"),
+    "cu-empty-doc": (dict(B=1, T=6, cu=[0, 3, 3, 6]), r"strictly increasing .*document 1 spans \[3, 3\)"),
     "cu-2d": (dict(B=1, T=6, cu=[[0, 6]]), "1-D"),
     "cu-float": (dict(B=1, T=6, cu=[0.0, 6.0]), "integer"),
     "cu-with-cache": (dict(B=1, T=6, cu=[0, 6], cache=True), "cannot be combined with a cache"),

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kernels.varlen import PackedRowError, check_row
 from pipeline.data.packing import (
     PAD_DOC_ID,
     BestFitPacker,
     Document,
-    check_row,
     label_aligned_mask,
 )
 
@@ -47,7 +47,8 @@ def test_rows_follow_contract_and_keep_documents_whole(max_len, window):
     rows, p = _pack(docs, max_len=max_len, window=window, max_open_rows=4, pad_id=7)
     seen = {}
     for r in rows:
-        check_row(r, max_len)
+        check_row(r, max_len=max_len)
+        assert r["cu_seqlens"].dtype == np.int32
         assert len(r["input_ids"]) == max_len
         assert r["cu_seqlens"][-1] == max_len
     for did, ids, mask in _segments(rows):
@@ -130,14 +131,14 @@ def test_long_documents_follow_policy(policy):
         assert st.docs_dropped == 1 and st.tokens_dropped == 25
         assert set(segs) == {"short"}
     for r in rows:
-        check_row(r, 10)
+        check_row(r, max_len=10)
 
 
 def test_unpadded_rows_end_at_their_last_document():
     docs = _docs(30, 3, 20, seed=5)
     rows, p = _pack(docs, max_len=64, window=8, pad_to_max_len=False)
     for r in rows:
-        check_row(r, 64)
+        check_row(r, max_len=64)
         assert PAD_DOC_ID not in r["doc_ids"]
     assert p.stats.pad_tokens == 0
 
@@ -170,7 +171,7 @@ def test_check_row_catches_broken_rows(field, value, msg):
     }
     check_row(row)
     row[field] = value
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(PackedRowError, match=msg):
         check_row(row)
 
 

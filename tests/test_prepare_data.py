@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
+from kernels.varlen import check_row
 from pipeline.config import load_config
 from pipeline.data.config import PrepareDataConfig
 from pipeline.data.dataset import (
@@ -21,7 +22,7 @@ from pipeline.data.dataset import (
     write_manifest,
 )
 from pipeline.data.mixture import split_of
-from pipeline.data.packing import PAD_DOC_ID, BestFitPacker, Document, check_row, label_aligned_mask
+from pipeline.data.packing import PAD_DOC_ID, BestFitPacker, Document, label_aligned_mask
 from pipeline.data.render import ChatRenderer
 from pipeline.ray_init import ray_running
 
@@ -105,7 +106,7 @@ def test_prepare_writes_valid_rows_with_every_document_whole(prepared, source):
     assert read_manifest(out)["counts"]["efficiency"] == pytest.approx(c["tokens_packed"] / (512 * len(rows)))
     seen: dict[str, list] = {}
     for r in rows:
-        check_row(r, 512)
+        check_row(r, max_len=512)
         assert len(r["input_ids"]) == 512
         cu = r["cu_seqlens"]
         for j, did in enumerate(r["doc_ids"]):

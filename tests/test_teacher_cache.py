@@ -13,6 +13,8 @@ import os
 import pytest
 import torch
 
+from kernels.varlen import check_row
+from pipeline.data.rowfile import PackedRowFile
 from pipeline.ray_init import ray_running
 from pipeline.teacher.cache import (
     SHARD_DIR,
@@ -27,7 +29,6 @@ from pipeline.teacher.cache import (
 )
 from pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
 from pipeline.teacher.model import TeacherModel
-from pipeline.teacher.rows import as_packed_row, read_packed_rows
 
 from fixtures_teacher import make_packed_row, save_tiny_llama, write_packed_parquet
 from helpers import assert_topk_matches
@@ -69,7 +70,7 @@ class _Recorder:
     def topk_batch(self, rows, k, dtype):
         out = self.teacher.topk_batch(rows, k, dtype=dtype)
         for r, rec in zip(rows, out):
-            self.written[as_packed_row(r).row_id] = rec
+            self.written[check_row(r).row_id] = rec
         return out
 
 
@@ -106,7 +107,7 @@ def test_storage_round_trip_is_bit_exact(env, tmp_path, dtype, k):
         assert torch.equal(got.indices, exp.indices.to(torch.int32))
         assert torch.equal(_bits(got.tail_logmass), _bits(exp.tail_logmass))
     # Iteration follows the data order.
-    assert [rid for rid, _ in reader] == [as_packed_row(r).row_id for r in env["rows"]]
+    assert [rid for rid, _ in reader] == [check_row(r).row_id for r in env["rows"]]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
@@ -238,7 +239,7 @@ def test_incomplete_cache_is_refused(env, tmp_path):
 
 
 def test_read_packed_rows_round_trip(env):
-    rows = read_packed_rows(env["data"] / "part-1.parquet")
+    rows = list(PackedRowFile(env["data"] / "part-1.parquet").rows())
     assert len(rows) == 3
     for got, exp in zip(rows, env["rows"][7:]):
         assert (got["input_ids"] == exp["input_ids"]).all() and (got["cu_seqlens"] == exp["cu_seqlens"]).all()

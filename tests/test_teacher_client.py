@@ -9,8 +9,8 @@ import ray.exceptions as rx
 import torch
 
 from kernels.fused_kl.topk import TeacherTopK
+from kernels.varlen import check_row
 from pipeline.teacher.client import TeacherClient, TeacherUnavailableError
-from pipeline.teacher.rows import as_packed_row
 
 from fixtures_teacher import make_packed_row
 
@@ -81,7 +81,7 @@ def _rows(n: int, seed: int = 0) -> list[dict]:
 def _check_in_order(rows, results: list[TeacherTopK]) -> None:
     assert len(results) == len(rows)
     for row, rec in zip(rows, results):
-        exp = _record(as_packed_row(row))
+        exp = _record(check_row(row))
         assert torch.equal(rec.indices, exp["indices"]) and torch.equal(rec.tail_logmass, exp["tail_logmass"])
 
 
@@ -96,7 +96,7 @@ def test_results_in_order_and_inflight_bounded(inflight):
 
 def test_failures_and_timeouts_are_retried_without_drop_or_duplicate():
     rows = _rows(10, seed=1)
-    ids = [as_packed_row(r).row_id for r in rows]
+    ids = [check_row(r).row_id for r in rows]
     script = {(ids[0], 1): "die", (ids[3], 1): "timeout", (ids[3], 2): "die", (ids[7], 1): "timeout",
               (ids[9], 1): "die", (ids[9], 2): "die", (ids[9], 3): "die"}
     h = FakeHandle(script)
@@ -111,7 +111,7 @@ def test_failures_and_timeouts_are_retried_without_drop_or_duplicate():
 
 def test_gives_up_after_max_retries_naming_the_row():
     rows = _rows(3, seed=2)
-    rid = as_packed_row(rows[1]).row_id
+    rid = check_row(rows[1]).row_id
     h = FakeHandle({(rid, n): "die" for n in range(1, 10)})
     client = TeacherClient(h, max_inflight_rows=2, max_retries=2, retry_backoff_s=0)
     it = client.topk(rows)
@@ -122,10 +122,10 @@ def test_gives_up_after_max_retries_naming_the_row():
 
 def test_user_errors_are_not_retried():
     rows = _rows(2, seed=3)
-    h = FakeHandle({(as_packed_row(rows[0]).row_id, 1): "bad"})
+    h = FakeHandle({(check_row(rows[0]).row_id, 1): "bad"})
     with pytest.raises(ValueError, match="scripted user error"):
         TeacherClient(h, retry_backoff_s=0).topk_all(rows)
-    assert h.attempts[as_packed_row(rows[0]).row_id] == 1
+    assert h.attempts[check_row(rows[0]).row_id] == 1
 
 
 def test_backpressure_pulls_input_lazily():

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.varlen import PackedRowError, check_row
 from pipeline.teacher.model import TeacherModel, tokenizer_fingerprint
-from pipeline.teacher.rows import RowError, as_packed_row
 
 from fixtures_teacher import make_packed_row, save_tiny_llama
 from helpers import assert_topk_matches
@@ -135,10 +135,10 @@ def test_hylo_teacher_packed_equals_per_document():
 def test_bad_rows_are_rejected_with_the_field_named(mutate, match):
     row = make_packed_row([5, 10], VOCAB, seed=0)
     mutate(row)
-    with pytest.raises(RowError, match=match):
-        as_packed_row(row, where="data.parquet row 7")
-    with pytest.raises(RowError, match="data.parquet row 7"):
-        as_packed_row(row, where="data.parquet row 7")
+    with pytest.raises(PackedRowError, match=match):
+        check_row(row, where="data.parquet row 7")
+    with pytest.raises(PackedRowError, match="data.parquet row 7"):
+        check_row(row, where="data.parquet row 7")
 
 
 def test_token_outside_vocabulary_names_the_tokenizer(teachers):
@@ -160,7 +160,8 @@ def test_tokenizer_fingerprint_ignores_formatting_not_content(tmp_path, tiny_dir
 
 def test_row_id_is_content_hash_unless_given():
     row = make_packed_row([4, 4], VOCAB, seed=1)
-    a = as_packed_row(row).row_id
-    row2 = dict(row, cu_seqlens=np.array([0, 3, 8], np.int32), position_ids=None)
-    assert as_packed_row(row2).row_id != a
-    assert as_packed_row(dict(row, row_id="r-17")).row_id == "r-17"
+    a = check_row(row).row_id
+    # other boundaries (positions derived, the loss mask left out: it was made for the old ones)
+    row2 = dict(row, cu_seqlens=np.array([0, 3, 8], np.int32), position_ids=None, loss_mask=None)
+    assert check_row(row2).row_id != a
+    assert check_row(dict(row, row_id="r-17")).row_id == "r-17"

@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.varlen import PackedRowError, check_row
 from pipeline.config import ConfigError
+from pipeline.data.rowfile import DataFormatError
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train.config import (
     DataSection,
@@ -29,7 +31,7 @@ from pipeline.train.config import (
 from pipeline.train.deepspeed_cfg import build_deepspeed_config, grad_accum_steps
 from pipeline.train.loop import cosine_with_warmup, row_to_device
 from pipeline.train.metrics import MetricsWriter, read_metrics
-from pipeline.train.rows import ParquetRows, RowsError, SyntheticRows, check_row, open_rows
+from pipeline.train.rows import ParquetRows, SyntheticRows, open_rows
 
 from helpers import assert_topk_matches
 
@@ -156,14 +158,21 @@ def test_parquet_rows_read_the_prepared_split(tmp_path):
                          ids=["wrong-split", "wrong-seq-len"])
 def test_parquet_rows_refuse_mismatched_data(tmp_path, split, seq_len, needle):
     _write_split(tmp_path)
-    with pytest.raises(RowsError, match=needle):
+    with pytest.raises(DataFormatError, match=needle):
         open_rows(DataSection(source="parquet", path=str(tmp_path), split=split, seq_len=seq_len), 0, 0, 1)
+
+
+def test_a_row_longer_than_the_config_allows_names_data_seq_len(tmp_path):
+    _write_split(tmp_path, max_len=None)
+    rows = open_rows(DataSection(source="parquet", path=str(tmp_path), split="stage2", seq_len=16), 0, 0, 1)
+    with pytest.raises(PackedRowError, match=r"row 0: 32 tokens, more than data.seq_len=16"):
+        rows.next_row()
 
 
 def test_bad_row_is_named():
     row = SyntheticRows(_data(), 0, 0, 1).next_row()
     row["loss_mask"][row["cu_seqlens"][1] - 1] = 1
-    with pytest.raises(RowsError, match="row 17.*last token"):
+    with pytest.raises(PackedRowError, match="row 17.*last token"):
         check_row(row, "row 17")
 
 

@@ -12,9 +12,10 @@ Design choices:
   g = -exp(A_log) * softplus(a_proj(x) + dt_bias) (fp32), beta = sigmoid(b_proj(x));
   o = gated_delta_rule(q, k, v, g, beta); y = o_proj(RMSNorm(o) * w * SiLU(g_proj(x))).
   The recurrence goes through `kernels.gdn.chunk_gated_delta_rule` (fla on GPU, torch on CPU).
-* Packed rows (B == 1, `cu_seqlens`): the short conv is a sum of W+1 shifted copies masked by the
+* Packed rows (B == 1, `cu_seqlens`: the model's `kernels.varlen.DocBounds`, or a tensor checked here
+  when the layer is called alone): the short conv is a sum of W+1 shifted copies masked by the
   token's position inside its document, so windows never reach into the previous document; the
-  recurrence resets its state per document inside the kernel.
+  recurrence resets its state per document inside the kernel, which gets the same bounds.
 * Cache (`LinearLayerCache`): `state` [B, H, K, V] fp32 (the kernel's K-first layout, not fla's
   value-first cache layout) and `conv['q'|'k'|'v']` = the last W conv *inputs* [B, C, W]. A
   prefill followed by single-token steps gives the full forward's output; the cache does not
@@ -37,6 +38,7 @@ from hylo.cache import LinearLayerCache
 from hylo.config import HybridConfig
 from hylo.layers.linear_common import causal_conv_silu, check_mixer_input, default_dt_bias
 from kernels.gdn import chunk_gated_delta_rule
+from kernels.varlen import DocBounds
 
 
 class ShortConvolution(nn.Conv1d):
@@ -115,12 +117,13 @@ class GatedDeltaNet(nn.Module):
     def forward(
         self,
         hidden_states_BTD: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | DocBounds | None = None,
         cache: LinearLayerCache | None = None,
     ) -> torch.Tensor:
         x_BTD = hidden_states_BTD
         owner = f"GatedDeltaNet(layer {self.layer_idx})"
-        pos_T = check_mixer_input(owner, x_BTD, self.hidden_size, cu_seqlens, cache)
+        bounds = check_mixer_input(owner, x_BTD, self.hidden_size, cu_seqlens, cache)
+        pos_T = bounds.positions if bounds is not None else None
         B, T, _ = x_BTD.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
 
@@ -141,7 +144,7 @@ class GatedDeltaNet(nn.Module):
             beta_BTH,
             initial_state=cache.state if cache is not None else None,
             output_final_state=cache is not None,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=bounds,
             use_qk_l2norm_in_kernel=True,
             chunk_size=self.chunk_size,
         )

@@ -3,8 +3,10 @@
 Legend: B batch, T tokens, D hidden size, C conv channels, W conv_size - 1 (cached conv inputs).
 
 * Input checks of a mixer's forward: hidden_states [B, T, D]; packed rows (`cu_seqlens`) need B == 1,
-  no cache, and boundaries that start at 0, end at T and never decrease. They return the token
-  positions inside their documents that the packed short conv needs.
+  no cache, and boundaries under the packed-row rule of `kernels/varlen.py`. They return the row's
+  `DocBounds`: the model's own (no host read), or checked here from a tensor when the mixer is called
+  alone. Its `positions` (each token's index in its document) mask the packed short conv; the
+  bounds go on to the kernel.
 * The short causal depthwise conv + SiLU as a sum of W+1 shifted copies (optionally masked per
   document), returning the last W inputs for a cache.
 * The default init of `dt_bias` (fla's and mamba_ssm's: dt log-uniform in [1e-3, 0.1], floored at
@@ -14,29 +16,24 @@ Legend: B batch, T tokens, D hidden size, C conv channels, W conv_size - 1 (cach
 from __future__ import annotations
 
 import math
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
 
 from hylo.cache import LinearLayerCache
-
-
-def positions_in_document(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
-    """[T] int64: index of each token inside its document (restarts at 0 at every boundary)."""
-    cu = cu_seqlens.to(torch.long)
-    lengths = cu[1:] - cu[:-1]
-    return torch.arange(T, device=cu.device) - torch.repeat_interleave(cu[:-1], lengths)
+from kernels.varlen import DocBounds, PackedRowError, doc_bounds
 
 
 def check_mixer_input(
     owner: str,
     x_BTD: torch.Tensor,
     hidden_size: int,
-    cu_seqlens: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | DocBounds | None,
     cache: LinearLayerCache | None,
-) -> torch.Tensor | None:
+) -> DocBounds | None:
     """Validate a linear mixer's forward arguments (`owner` prefixes the errors, e.g.
-    "GatedDeltaNet(layer 3)"); return each token's position in its document (packed rows) or None."""
+    "GatedDeltaNet(layer 3)"); return the packed row's checked boundaries, or None."""
     if x_BTD.dim() != 3 or x_BTD.shape[-1] != hidden_size:
         raise ValueError(f"{owner}: hidden_states must be [B, T, {hidden_size}], got {list(x_BTD.shape)}")
     if cu_seqlens is None:
@@ -46,11 +43,11 @@ def check_mixer_input(
         raise ValueError(f"{owner}: a cache works on unpacked batches; got both cache and cu_seqlens")
     if B != 1:
         raise ValueError(f"{owner}: packed rows (cu_seqlens) need B == 1, got B={B}")
-    cu = cu_seqlens.detach().cpu()
-    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"{owner}: cu_seqlens must be 1-D, non-decreasing, start at 0 and end at T={T}; "
-                         f"got {cu.tolist()}")
-    return positions_in_document(cu_seqlens, T)
+
+    def bad(message: str) -> NoReturn:
+        raise PackedRowError(f"{owner}: {message}")
+
+    return doc_bounds(cu_seqlens, T, bad)
 
 
 def causal_conv_silu(

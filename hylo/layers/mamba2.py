@@ -18,8 +18,9 @@ Design choices:
   heads, P = N = head_dim, G = H. Then x copies W_v (KV heads expanded to their query heads), B copies W_k,
   C copies W_q and out_proj copies W_o with no truncation, and each head keeps its own query as C. Conv width
   and chunk size reuse `gdn_conv_size` / `gdn_chunk_size`.
-* Packed rows (B == 1, `cu_seqlens`): the conv is a sum of W+1 shifted copies masked by the token's position
-  inside its document, so windows never reach into the previous document; the scan resets per document.
+* Packed rows (B == 1, `cu_seqlens`: the model's `kernels.varlen.DocBounds`, or a tensor checked here when the
+  mixer is called alone): the conv is a sum of W+1 shifted copies masked by the token's position inside its
+  document, so windows never reach into the previous document; the scan resets per document.
 * Cache (`LinearLayerCache`): `state` [B, H, P, N] fp32 (mamba_ssm's layout) and `conv['xBC']` = the last W
   conv *inputs* [B, Cv, W]. A prefill followed by single-token steps gives the full forward's output; the
   cache does not grow with T. Unpacked batches only.
@@ -38,6 +39,7 @@ from hylo.cache import LinearLayerCache
 from hylo.config import HybridConfig
 from hylo.layers.linear_common import causal_conv_silu, check_mixer_input, default_dt_bias
 from kernels.ssd import chunk_ssd
+from kernels.varlen import DocBounds
 
 
 def causal_conv1d_silu(
@@ -111,12 +113,13 @@ class Mamba2Mixer(nn.Module):
     def forward(
         self,
         hidden_states_BTD: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | DocBounds | None = None,
         cache: LinearLayerCache | None = None,
     ) -> torch.Tensor:
         u_BTD = hidden_states_BTD
         owner = f"Mamba2Mixer(layer {self.layer_idx})"
-        pos_T = check_mixer_input(owner, u_BTD, self.hidden_size, cu_seqlens, cache)
+        bounds = check_mixer_input(owner, u_BTD, self.hidden_size, cu_seqlens, cache)
+        pos_T = bounds.positions if bounds is not None else None
         B, T, _ = u_BTD.shape
         H, P, N, G, E = self.num_heads, self.head_dim, self.state_size, self.n_groups, self.intermediate_size
 
@@ -138,7 +141,7 @@ class Mamba2Mixer(nn.Module):
             D=self.D,
             initial_state=cache.state if cache is not None else None,
             output_final_state=cache is not None,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=bounds,
             chunk_size=self.chunk_size,
         )
         if cache is not None:

@@ -10,7 +10,9 @@ Design choices:
 * Two attention paths, chosen by whether a cache is given:
   - training / scoring (no cache): K/V are decompressed through `kv_b_proj` and fed to
     `scaled_dot_product_attention`. Packed rows (`cu_seqlens`, B == 1) run one causal SDPA call per
-    document, so no [T, T] block-diagonal mask is ever built and documents never see each other.
+    document, so no [T, T] block-diagonal mask is ever built and documents never see each other. The
+    documents are sliced with the host ints of the model's `kernels.varlen.DocBounds` (a tensor given to
+    the layer alone is checked here, under the same rule), so the layer never reads the device.
   - generation (cache): only the normalised latent `c_kv` and the roped shared `k_pe` are cached. The
     key part of `kv_b_proj` is absorbed into the query (`q_nope W_uk -> q_lat`, [R] per head) and the
     value part is applied after attention, so attention runs in latent space against [c_kv | k_pe]
@@ -20,7 +22,7 @@ Design choices:
   dropped); the latent path uses [c_kv | k_pe] as both key and value and keeps the first R output
   columns. Both paths therefore stay on the memory-efficient kernels.
 * Positions: `position_ids` are used as given; when None they are arange, restarting at 0 at every
-  document of `cu_seqlens`, or continuing after the cached tokens with a cache.
+  document of `cu_seqlens` (the bounds' positions), or continuing after the cached tokens with a cache.
 * Padded batches (generation): `attention_mask` [B, S] (True = real token, S = cached + new) hides pad
   keys in both paths; every token may always attend to itself, so a pad query never sees an empty row
   (its output is finite and unused).
@@ -32,6 +34,8 @@ E d_nope + d_rope, V d_v, R kv_lora_rank, Q q_lora_rank.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,22 +43,11 @@ from torch import nn
 from hylo.cache import MLALayerCache
 from hylo.layers.norm import RMSNorm
 from hylo.layers.rope import RotaryEmbedding, apply_rotary, mla_softmax_scale
+from kernels.varlen import DocBounds, doc_bounds
 
 
 class MLAInputError(ValueError):
     """Bad shapes or packing metadata given to MLAttention; the message names the argument."""
-
-
-def default_position_ids(
-    B: int, T: int, device: torch.device, cu_seqlens: list[int] | None = None, offset: int = 0
-) -> torch.Tensor:
-    """[B, T] int64 positions: `offset + arange(T)`, or restarting at 0 at each document start."""
-    pos_T = torch.arange(offset, offset + T, dtype=torch.long, device=device)
-    if cu_seqlens is not None:
-        starts = torch.tensor(cu_seqlens[:-1], dtype=torch.long, device=device)
-        lengths = torch.tensor([e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])], device=device)
-        pos_T = pos_T - torch.repeat_interleave(starts, lengths, output_size=T)
-    return pos_T.unsqueeze(0).expand(B, T)
 
 
 class MLAttention(nn.Module):
@@ -105,26 +98,15 @@ class MLAttention(nn.Module):
     def _err(self, msg: str) -> MLAInputError:
         return MLAInputError(f"MLAttention(layer {self.layer_idx}): {msg}")
 
-    def _check_cu_seqlens(self, cu_seqlens: torch.Tensor, B: int, T: int) -> list[int]:
-        if B != 1:
-            raise self._err(f"cu_seqlens is given, so hidden_states must hold one packed row (B == 1); got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise self._err(f"cu_seqlens must be 1-D [n_docs + 1], got shape {tuple(cu_seqlens.shape)}")
-        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise self._err(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
-        cu = [int(c) for c in cu_seqlens.tolist()]
-        if cu[0] != 0:
-            raise self._err(f"cu_seqlens[0] must be 0, got {cu[0]}")
-        if cu[-1] != T:
-            raise self._err(f"cu_seqlens[-1]={cu[-1]} must equal the row length T={T}")
-        if any(b < a for a, b in zip(cu[:-1], cu[1:])):
-            raise self._err(f"cu_seqlens must be non-decreasing, got {cu}")
-        return cu
+    def _bad(self, msg: str) -> NoReturn:
+        raise self._err(msg)
 
     def _position_ids(self, position_ids: torch.Tensor | None, B: int, T: int, device: torch.device,
-                      cu: list[int] | None, offset: int) -> torch.Tensor:
+                      bounds: DocBounds | None, offset: int) -> torch.Tensor:
         if position_ids is None:
-            return default_position_ids(B, T, device, cu, offset)
+            if bounds is not None:
+                return bounds.positions.unsqueeze(0)
+            return torch.arange(offset, offset + T, dtype=torch.long, device=device).unsqueeze(0).expand(B, T)
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
         if position_ids.dim() != 2 or position_ids.shape[1] != T or position_ids.shape[0] not in (1, B):
@@ -144,7 +126,7 @@ class MLAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | DocBounds | None = None,
         cache: MLALayerCache | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -153,14 +135,17 @@ class MLAttention(nn.Module):
             raise self._err(f"hidden_states must be [B, T, {self.hidden_size}], got shape {tuple(x_BTD.shape)}")
         B, T, _ = x_BTD.shape
         N, P, R = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
-        cu: list[int] | None = None
+        bounds: DocBounds | None = None
         if cu_seqlens is not None:
             if cache is not None:
                 raise self._err("cu_seqlens (packed rows) cannot be combined with a cache; "
                                 "generation runs unpacked batches")
-            cu = self._check_cu_seqlens(cu_seqlens, B, T)
+            if B != 1:
+                raise self._err(f"cu_seqlens is given, so hidden_states must hold one packed row (B == 1); got B={B}")
+            bounds = doc_bounds(cu_seqlens, T, self._bad)
+        cu = bounds.host if bounds is not None else None
         offset = cache.seq_len if cache is not None else 0
-        pos_BT = self._position_ids(position_ids, B, T, x_BTD.device, cu, offset)
+        pos_BT = self._position_ids(position_ids, B, T, x_BTD.device, bounds, offset)
         keep_BS = self._key_mask(attention_mask, B, offset + T, cu)
 
         q_BTHE = self._query(x_BTD)
@@ -178,7 +163,8 @@ class MLAttention(nn.Module):
             o_BTHV = self._attend_latent(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, cache, keep_BS)
         return self.o_proj(o_BTHV.reshape(B, T, self.num_heads * self.v_head_dim))
 
-    def _key_mask(self, attention_mask: torch.Tensor | None, B: int, S: int, cu: list[int] | None) -> torch.Tensor | None:
+    def _key_mask(self, attention_mask: torch.Tensor | None, B: int, S: int,
+                  cu: tuple[int, ...] | None) -> torch.Tensor | None:
         """[B, S] bool (True = real key), or None when nothing is masked."""
         if attention_mask is None:
             return None
@@ -200,7 +186,7 @@ class MLAttention(nn.Module):
         return ((causal_TS[None] & keep_BS[:, None, :]) | self_TS[None]).unsqueeze(1)
 
     def _attend_decompressed(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
-                             k_pe_BTP: torch.Tensor, cu: list[int] | None,
+                             k_pe_BTP: torch.Tensor, cu: tuple[int, ...] | None,
                              keep_BS: torch.Tensor | None = None) -> torch.Tensor:
         B, T, H, N = q_nope_BTHN.shape
         P, V, E = self.qk_rope_head_dim, self.v_head_dim, self.qk_head_dim
@@ -228,8 +214,6 @@ class MLAttention(nn.Module):
             # one causal call per document: block-diagonal attention without a [T, T] mask
             outs = []
             for s, e in zip(cu[:-1], cu[1:]):
-                if e == s:
-                    continue
                 outs.append(F.scaled_dot_product_attention(
                     q_BHTE[:, :, s:e], k_BHTE[:, :, s:e], v_BHTV[:, :, s:e], is_causal=True,
                     scale=self.softmax_scale))

@@ -10,7 +10,8 @@ from typing import NoReturn
 
 import torch
 
-from kernels.checks import check_cu_seqlens, check_float_tensors, check_initial_state, shape_str
+from kernels.checks import check_float_tensors, check_initial_state, check_packed, shape_str
+from kernels.varlen import DocBounds
 
 
 class GatedDeltaRuleInputError(ValueError):
@@ -26,9 +27,10 @@ def check_inputs(
     beta: torch.Tensor,
     scale: float | None,
     initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-) -> tuple[int, int, int, int, int, int]:
-    """Validate shapes/dtypes; return (B, T, H, K, V, N) with N the number of sequences."""
+    cu_seqlens: torch.Tensor | DocBounds | None,
+) -> tuple[int, int, int, int, int, int, DocBounds | None]:
+    """Validate shapes/dtypes; return (B, T, H, K, V, N, bounds): N sequences, the packed row's
+    checked boundaries (None without cu_seqlens)."""
 
     def bad(msg: str) -> NoReturn:
         raise GatedDeltaRuleInputError(f"{fn}: {msg}")
@@ -52,11 +54,12 @@ def check_inputs(
     if scale is not None and not scale > 0:
         bad(f"scale must be positive, got {scale}")
 
-    N = B if cu_seqlens is None else check_cu_seqlens(bad, cu_seqlens, B, T, "N")
+    bounds = None if cu_seqlens is None else check_packed(bad, cu_seqlens, B, T)
+    N = B if bounds is None else bounds.num_docs
     if initial_state is not None:
-        check_initial_state(bad, initial_state, ("N", "H", "K", "V"), (N, H, K, V), cu_seqlens is not None,
+        check_initial_state(bad, initial_state, ("N", "H", "K", "V"), (N, H, K, V), bounds is not None,
                             "q", q.device)
-    return B, T, H, K, V, N
+    return B, T, H, K, V, N, bounds
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -10,7 +10,9 @@ Design choices:
   once: decay cumsums, the intra-chunk triangular solve (one batched `solve_triangular` for
   `U` and `W` together) and, after the loop, both output terms. Only the chunk-to-chunk state
   recurrence (two fused `baddbmm`s per chunk) is a Python loop, Nc = T / C iterations.
-* Varlen (`cu_seqlens`): each sequence is scattered into its own run of chunks, its tail padded
+* Varlen (`cu_seqlens`, checked under the packed-row rule of `kernels.varlen`; the layers pass the
+  model's `DocBounds`, so the layout is built from host ints without reading the device): each
+  sequence is scattered into its own run of chunks, its tail padded
   to C with g = 0, beta = 0, k = q = v = 0. A padded token then leaves the state untouched
   (decay exp(0) = 1, zero update), so a sequence's final state is the state after its last
   chunk, and the loop resets the state to the sequence's `initial_state` at its first chunk.
@@ -28,10 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import use_fla
+from kernels.backend import fla_varlen_kwargs, use_fla
 from kernels.checks import compute_dtype
 from kernels.gdn.checks import check_inputs, l2norm
-from kernels.varlen import chunk_layout, from_chunks, to_chunks
+from kernels.varlen import DocBounds, chunk_layout, from_chunks, to_chunks
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -45,12 +47,13 @@ def torch_chunk_gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | DocBounds | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-torch chunked gated delta rule; arguments and returns as `chunk_gated_delta_rule`."""
-    B, T, H, K, V, N = check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    B, T, H, K, V, N, bounds = check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state,
+                                            cu_seqlens)
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_gated_delta_rule: chunk_size must be a positive int, got {chunk_size!r}")
     out_dtype, dt = v.dtype, compute_dtype(q, v)
@@ -59,7 +62,7 @@ def torch_chunk_gated_delta_rule(
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
 
-    lay = chunk_layout(T, chunk_size, cu_seqlens, q.device)
+    lay = chunk_layout(T, chunk_size, bounds, q.device)
     C = lay.chunk_len
     q_NcMCK = to_chunks(q * scale, lay)
     k_NcMCK = to_chunks(k, lay)
@@ -89,13 +92,13 @@ def torch_chunk_gated_delta_rule(
         h0_NHKV = q.new_zeros(N, H, K, V)
     else:
         h0_NHKV = initial_state.to(dt)
-    h_MKV = h0_NHKV.reshape(M, K, V) if cu_seqlens is None else h0_NHKV[0]
+    h_MKV = h0_NHKV.reshape(M, K, V) if bounds is None else h0_NHKV[0]
     states, vnews = [], []
-    finals: list[torch.Tensor | None] = [None] * lay.n_seqs
+    finals: list[torch.Tensor] = [h_MKV] * lay.n_seqs
     # unbind, not indexing: the backward of Nc index ops would write Nc full-size zero tensors
     loop_in = zip(u_NcMCV.unbind(0), w_NcMCK.unbind(0), decay_NcM11.unbind(0), kdecT_NcMKC.unbind(0))
     for n, (u_MCV, w_MCK, decay_M11, kdecT_MKC) in enumerate(loop_in):
-        if n in lay.first_chunk and cu_seqlens is not None:
+        if n in lay.first_chunk and bounds is not None:
             h_MKV = h0_NHKV[lay.first_chunk[n]]
         states.append(h_MKV)
         # V' = U - W S: the values the chunk still has to write once the carried state is known
@@ -113,11 +116,9 @@ def torch_chunk_gated_delta_rule(
 
     if not output_final_state:
         return o, None
-    if cu_seqlens is None:
+    if bounds is None:
         return o, finals[0].reshape(B, H, K, V)
-    # empty sequences keep their initial state
-    final_NHKV = torch.stack([f if f is not None else h0_NHKV[i] for i, f in enumerate(finals)], 0)
-    return o, final_NHKV
+    return o, torch.stack(finals, 0)
 
 
 def chunk_gated_delta_rule(
@@ -129,7 +130,7 @@ def chunk_gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | DocBounds | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -143,8 +144,8 @@ def chunk_gated_delta_rule(
         scale: query scale, default K ** -0.5.
         initial_state: [N, H, K, V], N = B, or the number of sequences with `cu_seqlens`.
         output_final_state: also return the state after each sequence's last token.
-        cu_seqlens: [N + 1] int (starts at 0, ends at T); B must be 1. State never crosses a
-            boundary.
+        cu_seqlens: [N + 1] int (starts at 0, ends at T, strictly increasing: the packed-row rule of
+            `kernels.varlen`), or the model's `DocBounds`; B must be 1. State never crosses a boundary.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first (eps 1e-6).
         chunk_size: chunk length of the torch path (fla's kernels take 16, 32 or 64).
 
@@ -157,15 +158,15 @@ def chunk_gated_delta_rule(
     if isinstance(q, torch.Tensor) and use_fla(q):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
-        check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, cu_seqlens)
+        bounds = check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, cu_seqlens)[-1]
         return fla_chunk_gated_delta_rule(
             q, k, v, g, beta,
             scale=scale,
             initial_state=initial_state,
             output_final_state=output_final_state,
-            cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             chunk_size=chunk_size,
+            **fla_varlen_kwargs(fla_chunk_gated_delta_rule, bounds),
         )
     return torch_chunk_gated_delta_rule(
         q, k, v, g, beta,

@@ -18,6 +18,7 @@ import torch
 
 from kernels.checks import compute_dtype
 from kernels.gdn.checks import check_inputs, l2norm
+from kernels.varlen import DocBounds
 
 
 def _recurrent_one(
@@ -38,11 +39,7 @@ def _recurrent_one(
         delta_HV = beta_TH[t][:, None] * (v_THV[t] - pred_HV)
         state_HKV = state_HKV + k_HK[:, :, None] * delta_HV[:, None, :]
         outs.append(torch.einsum("hk,hkv->hv", q_THK[t] * scale, state_HKV))
-    if outs:
-        o_THV = torch.stack(outs, 0)
-    else:
-        o_THV = v_THV.new_zeros(v_THV.shape)
-    return o_THV, state_HKV
+    return torch.stack(outs, 0), state_HKV
 
 
 def naive_recurrent_gated_delta_rule(
@@ -54,7 +51,7 @@ def naive_recurrent_gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | DocBounds | None = None,
     use_qk_l2norm_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference gated delta rule, one token at a time.
@@ -64,14 +61,15 @@ def naive_recurrent_gated_delta_rule(
         scale: query scale, default K ** -0.5.
         initial_state: [N, H, K, V] (N = B, or the number of sequences with `cu_seqlens`).
         output_final_state: also return the state after the last token of each sequence.
-        cu_seqlens: [N + 1] int, B must be 1; sequences never exchange state.
+        cu_seqlens: [N + 1] int (or `kernels.varlen.DocBounds`), B must be 1; sequences never
+            exchange state.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first (eps 1e-6, as fla).
 
     Returns:
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] (fp32, or float64 for float64
         inputs) or None.
     """
-    B, T, H, K, V, N = check_inputs("naive_recurrent_gated_delta_rule", q, k, v, g, beta, scale,
+    B, T, H, K, V, N, bounds = check_inputs("naive_recurrent_gated_delta_rule", q, k, v, g, beta, scale,
                                     initial_state, cu_seqlens)
     out_dtype, dt = v.dtype, compute_dtype(q, v)
     scale = K ** -0.5 if scale is None else scale
@@ -79,11 +77,7 @@ def naive_recurrent_gated_delta_rule(
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
 
-    if cu_seqlens is None:
-        spans = [(b, 0, T) for b in range(B)]
-    else:
-        bounds = cu_seqlens.tolist()
-        spans = [(0, bounds[i], bounds[i + 1]) for i in range(N)]
+    spans = [(b, 0, T) for b in range(B)] if bounds is None else [(0, s, e) for s, e in bounds.spans()]
 
     outs, finals = [], []
     for n, (b, s, e) in enumerate(spans):
@@ -95,9 +89,6 @@ def naive_recurrent_gated_delta_rule(
         outs.append(o_THV)
         finals.append(hT_HKV)
 
-    if cu_seqlens is None:
-        o = torch.stack(outs, 0)
-    else:
-        o = torch.cat(outs, 0)[None]
+    o = torch.stack(outs, 0) if bounds is None else torch.cat(outs, 0)[None]
     final_state = torch.stack(finals, 0) if output_final_state else None
     return o.to(out_dtype), final_state

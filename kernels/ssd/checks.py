@@ -11,7 +11,8 @@ from typing import NoReturn
 
 import torch
 
-from kernels.checks import check_cu_seqlens, check_float_tensors, check_initial_state, shape_str
+from kernels.checks import check_float_tensors, check_initial_state, check_packed, shape_str
+from kernels.varlen import DocBounds
 
 
 class SSDInputError(ValueError):
@@ -27,9 +28,10 @@ def check_inputs(
     C: torch.Tensor,
     D: torch.Tensor | None,
     initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-) -> tuple[int, int, int, int, int, int, int]:
-    """Validate shapes/dtypes; return (batch, T, H, P, G, N, S) with S the number of sequences."""
+    cu_seqlens: torch.Tensor | DocBounds | None,
+) -> tuple[int, int, int, int, int, int, int, DocBounds | None]:
+    """Validate shapes/dtypes; return (batch, T, H, P, G, N, S, bounds): S sequences, the packed
+    row's checked boundaries (None without cu_seqlens)."""
 
     def bad(msg: str) -> NoReturn:
         raise SSDInputError(f"{fn}: {msg}")
@@ -57,11 +59,12 @@ def check_inputs(
     if T == 0 or P == 0 or N == 0 or H == 0 or batch == 0:
         bad(f"empty input: x {shape_str(x)}, B {shape_str(B)}")
 
-    S = batch if cu_seqlens is None else check_cu_seqlens(bad, cu_seqlens, batch, T, "S")
+    bounds = None if cu_seqlens is None else check_packed(bad, cu_seqlens, batch, T)
+    S = batch if bounds is None else bounds.num_docs
     if initial_state is not None:
-        check_initial_state(bad, initial_state, ("S", "H", "P", "N"), (S, H, P, N), cu_seqlens is not None,
+        check_initial_state(bad, initial_state, ("S", "H", "P", "N"), (S, H, P, N), bounds is not None,
                             "x", x.device)
-    return batch, T, H, P, G, N, S
+    return batch, T, H, P, G, N, S, bounds
 
 
 def heads_from_groups(t_BTGN: torch.Tensor, H: int) -> torch.Tensor:

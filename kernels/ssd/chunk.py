@@ -12,7 +12,9 @@ Design choices:
   contribution, and after the loop the state-to-output term. Because the SSD decay is a scalar per
   head and token, the chunk-to-chunk recurrence is only S <- exp(gamma_L) S + dS: one fused
   multiply-add per chunk in the Python loop (Nc = T / L iterations).
-* Varlen (`cu_seqlens`): each sequence is scattered into its own run of chunks, its tail padded
+* Varlen (`cu_seqlens`, checked under the packed-row rule of `kernels.varlen`; the layers pass the
+  model's `DocBounds`, so the layout is built from host ints without reading the device): each
+  sequence is scattered into its own run of chunks, its tail padded
   with dt = 0 and x = B = C = 0. A padded token then leaves the state untouched (decay exp(0) = 1,
   zero input), so a sequence's final state is the state after its last chunk, and the loop resets
   the state to the sequence's `initial_state` at its first chunk. No Python loop over tokens.
@@ -33,10 +35,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import use_fla
+from kernels.backend import fla_varlen_kwargs, use_fla
 from kernels.checks import compute_dtype
 from kernels.ssd.checks import check_inputs, heads_from_groups
-from kernels.varlen import chunk_layout, from_chunks, to_chunks
+from kernels.varlen import DocBounds, chunk_layout, from_chunks, to_chunks
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -50,17 +52,17 @@ def torch_chunk_ssd(
     D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | DocBounds | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-torch chunked SSD scan; arguments and returns as `chunk_ssd`."""
-    batch, T, H, P, G, N, S = check_inputs("chunk_ssd", x, dt, A, B, C, D, initial_state, cu_seqlens)
+    batch, T, H, P, G, N, S, bounds = check_inputs("chunk_ssd", x, dt, A, B, C, D, initial_state, cu_seqlens)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise ValueError(f"chunk_ssd: chunk_size must be a positive int, got {chunk_size!r}")
     out_dtype, cd = x.dtype, compute_dtype(x, dt, B, C)
     x, dt, A, B, C = (t.to(cd) for t in (x, dt, A, B, C))
 
-    lay = chunk_layout(T, chunk_size, cu_seqlens, x.device)
+    lay = chunk_layout(T, chunk_size, bounds, x.device)
     L = lay.chunk_len
     xdt_NcMLP = to_chunks(x * dt[..., None], lay)
     B_NcMLN = to_chunks(heads_from_groups(B, H), lay)
@@ -80,12 +82,12 @@ def torch_chunk_ssd(
     M = batch * H
     # external [S, H, P, N] -> internal [S, H, N, P]
     h0_SHNP = x.new_zeros(S, H, N, P) if initial_state is None else initial_state.to(cd).transpose(-1, -2)
-    h_MNP = h0_SHNP.reshape(M, N, P) if cu_seqlens is None else h0_SHNP[0]
+    h_MNP = h0_SHNP.reshape(M, N, P) if bounds is None else h0_SHNP[0]
     states = []
-    finals: list[torch.Tensor | None] = [None] * S
+    finals: list[torch.Tensor] = [h_MNP] * S
     # unbind, not indexing: the backward of Nc index ops would write Nc full-size zero tensors
     for n, (dS_MNP, decay_M11) in enumerate(zip(dS_NcMNP.unbind(0), decay_NcM11.unbind(0))):
-        if cu_seqlens is not None and n in lay.first_chunk:
+        if bounds is not None and n in lay.first_chunk:
             h_MNP = h0_SHNP[lay.first_chunk[n]]
         states.append(h_MNP)
         h_MNP = torch.addcmul(dS_MNP, h_MNP, decay_M11)
@@ -102,11 +104,9 @@ def torch_chunk_ssd(
 
     if not output_final_state:
         return y, None
-    if cu_seqlens is None:
+    if bounds is None:
         return y, finals[0].reshape(batch, H, N, P).transpose(-1, -2)
-    # empty sequences keep their initial state
-    final_SHNP = torch.stack([f if f is not None else h0_SHNP[i] for i, f in enumerate(finals)], 0)
-    return y, final_SHNP.transpose(-1, -2)
+    return y, torch.stack(finals, 0).transpose(-1, -2)
 
 
 def fla_chunk_ssd(
@@ -118,12 +118,12 @@ def fla_chunk_ssd(
     D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | DocBounds | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SSD through fla's `chunk_simple_gla` (Triton, GPU): q = C, k = B, v = dt x, g = dt A, scale 1."""
     from fla.ops.simple_gla import chunk_simple_gla
 
-    batch, T, H, P, G, N, S = check_inputs("chunk_ssd", x, dt, A, B, C, D, initial_state, cu_seqlens)
+    _, _, H, *_, bounds = check_inputs("chunk_ssd", x, dt, A, B, C, D, initial_state, cu_seqlens)
     dt32 = dt.float()
     v = (x.float() * dt32[..., None]).to(x.dtype)
     o, final = chunk_simple_gla(
@@ -136,7 +136,7 @@ def fla_chunk_ssd(
         output_final_state=output_final_state,
         # fla's value-first state [V, K] is mamba_ssm's [P, N]
         state_v_first=True,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
+        **fla_varlen_kwargs(chunk_simple_gla, bounds),
     )
     if D is not None:
         o = (o.float() + D.float()[:, None] * x.float()).to(x.dtype)
@@ -152,7 +152,7 @@ def chunk_ssd(
     D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | DocBounds | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba-2 SSD scan over a batch or a packed row (mamba_ssm's argument names and layouts).
@@ -165,7 +165,8 @@ def chunk_ssd(
         A: [H] negative decay rate; B, C: [B, T, G, N]; D: [H] skip weight or None.
         initial_state: [S, H, P, N], S = B, or the number of sequences with `cu_seqlens`.
         output_final_state: also return the state after each sequence's last token.
-        cu_seqlens: [S + 1] int (starts at 0, ends at T); B must be 1. State never crosses a boundary.
+        cu_seqlens: [S + 1] int (starts at 0, ends at T, strictly increasing: the packed-row rule of
+            `kernels.varlen`), or the model's `DocBounds`; B must be 1. State never crosses a boundary.
         chunk_size: chunk length of the torch path (fla picks its own).
 
     Returns:

@@ -20,6 +20,7 @@ import torch
 
 from kernels.checks import compute_dtype
 from kernels.ssd.checks import check_inputs, heads_from_groups
+from kernels.varlen import DocBounds
 
 
 def _recurrent_one(
@@ -36,8 +37,7 @@ def _recurrent_one(
         xdt_HP = x_THP[t] * dt_TH[t][:, None]
         state_HPN = state_HPN * decay_H[:, None, None] + xdt_HP[:, :, None] * B_THN[t][:, None, :]
         outs.append(torch.einsum("hpn,hn->hp", state_HPN, C_THN[t]))
-    y_THP = torch.stack(outs, 0) if outs else x_THP.new_zeros(x_THP.shape)
-    return y_THP, state_HPN
+    return torch.stack(outs, 0), state_HPN
 
 
 def naive_ssd(
@@ -49,7 +49,7 @@ def naive_ssd(
     D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | DocBounds | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference SSD scan, one token at a time.
 
@@ -58,22 +58,19 @@ def naive_ssd(
         B, C: [B, T, G, N]; D: [H] or None (skip term D * x).
         initial_state: [S, H, P, N] (S = B, or the number of sequences with `cu_seqlens`).
         output_final_state: also return the state after the last token of each sequence.
-        cu_seqlens: [S + 1] int, B must be 1; sequences never exchange state.
+        cu_seqlens: [S + 1] int (or `kernels.varlen.DocBounds`), B must be 1; sequences never
+            exchange state.
 
     Returns:
         y: [B, T, H, P] in x's dtype; final_state: [S, H, P, N] (fp32, or float64 for float64 inputs)
         or None.
     """
-    batch, T, H, P, G, N, S = check_inputs("naive_ssd", x, dt, A, B, C, D, initial_state, cu_seqlens)
+    batch, T, H, P, G, N, S, bounds = check_inputs("naive_ssd", x, dt, A, B, C, D, initial_state, cu_seqlens)
     out_dtype, cd = x.dtype, compute_dtype(x, dt, B, C)
     x, dt, A, B, C = (t.to(cd) for t in (x, dt, A, B, C))
     B, C = heads_from_groups(B, H), heads_from_groups(C, H)
 
-    if cu_seqlens is None:
-        spans = [(b, 0, T) for b in range(batch)]
-    else:
-        bounds = cu_seqlens.tolist()
-        spans = [(0, bounds[i], bounds[i + 1]) for i in range(S)]
+    spans = [(b, 0, T) for b in range(batch)] if bounds is None else [(0, s, e) for s, e in bounds.spans()]
 
     outs, finals = [], []
     for n, (b, s, e) in enumerate(spans):
@@ -82,7 +79,7 @@ def naive_ssd(
         outs.append(y_THP)
         finals.append(hT_HPN)
 
-    y = torch.stack(outs, 0) if cu_seqlens is None else torch.cat(outs, 0)[None]
+    y = torch.stack(outs, 0) if bounds is None else torch.cat(outs, 0)[None]
     if D is not None:
         y = y + D.to(cd)[:, None] * x
     final_state = torch.stack(finals, 0) if output_final_state else None

@@ -17,7 +17,8 @@ Design choices:
 * `RowReader(dir, rank, world_size, start)`: rank r reads global rows r, r + W, r + 2W, ... (the
   tail that does not divide by W is dropped so every rank takes the same number of steps) and
   exposes `.position`, the number of its rows consumed: saving it and passing it back as `start`
-  resumes at exactly the next row. Ray Data iterators cannot do that (design.md section 5).
+  resumes at exactly the next row (Ray Data iterators do not resume mid-epoch). Each shard is read
+  through `rowfile.PackedRowFile`, the one Parquet reader of packed rows.
 """
 
 from __future__ import annotations
@@ -40,14 +41,11 @@ import pyarrow.parquet as pq
 from hylo.files import atomic_dir, atomic_path, atomic_write, read_json
 from pipeline.data.packing import BestFitPacker, Document
 from pipeline.data.render import ChatRenderer, Encoded
+from pipeline.data.rowfile import DataFormatError, PackedRowFile
 from pipeline.ray_init import init_ray
 
 MANIFEST = "manifest.json"
 FORMAT = "hylo-packed-rows/1"
-
-
-class DataFormatError(ValueError):
-    """A shard directory or manifest is missing, incomplete or inconsistent; names the file."""
 
 
 # ----------------------------------------------------------------------------------- tokenising
@@ -250,8 +248,9 @@ class RowReader:
         if not 0 <= start <= self.num_rows:
             raise ValueError(f"start {start} outside [0, {self.num_rows}] rows for rank {rank}/{world_size}")
         self.position = start
-        self._files: dict[int, pq.ParquetFile] = {}
-        self._cached: tuple[int, int, pa.Table, int] | None = None
+        self._files: dict[int, PackedRowFile] = {}
+        # the shard whose row group is cached (one row group in memory at a time)
+        self._current: PackedRowFile | None = None
 
     def __len__(self) -> int:
         return self.num_rows
@@ -260,49 +259,30 @@ class RowReader:
         return {"position": self.position, "rank": self.rank, "world_size": self.world_size,
                 "config_hash": self.manifest.get("config_hash")}
 
-    def _file(self, k: int) -> pq.ParquetFile:
+    def _file(self, k: int) -> PackedRowFile:
         if k not in self._files:
             meta = self.manifest["shards"][k]
             path = self.dir / meta["file"]
             if not path.is_file():
                 raise DataFormatError(f"{path}: listed in {self.dir / MANIFEST} but missing")
-            try:
-                pf = pq.ParquetFile(path)
-            except (pa.ArrowException, OSError) as e:
-                raise DataFormatError(f"{path}: not a readable Parquet shard ({' '.join(str(e).split())})") from None
-            if pf.metadata.num_rows != int(meta["rows"]):
-                raise DataFormatError(
-                    f"{path}: has {pf.metadata.num_rows} rows, manifest says {meta['rows']}")
-            self._files[k] = pf
+            f = PackedRowFile(path, noun="shard", remedy="restore the shard or rerun jobs/prepare_data.py")
+            if f.num_rows != int(meta["rows"]):
+                raise DataFormatError(f"{path}: has {f.num_rows} rows, manifest says {meta['rows']}")
+            self._files[k] = f
         return self._files[k]
+
+    def check_shards(self) -> None:
+        """Open every shard's footer: a missing, truncated or miscounted shard is named now, before a run."""
+        for k in range(len(self.manifest["shards"])):
+            self._file(k)
 
     def read_global(self, g: int) -> dict[str, Any]:
         k = bisect.bisect_right(self._cum, g) - 1
-        pf = self._file(k)
-        r = g - self._cum[k]
-        c = self._cached
-        if c is None or c[0] != k or not c[3] <= r < c[3] + c[2].num_rows:
-            # Find the row group holding row r and read it whole (row groups are the I/O unit).
-            start = 0
-            for rg in range(pf.num_row_groups):
-                n = pf.metadata.row_group(rg).num_rows
-                if r < start + n:
-                    break
-                start += n
-            try:
-                table = pf.read_row_group(rg)
-            except (pa.ArrowException, OSError) as e:
-                # Training rows cannot be skipped (positions and resume would shift): stop, naming the damage.
-                raise DataFormatError(
-                    f"{self.dir / self.manifest['shards'][k]['file']}: row group {rg} (rows {start}.."
-                    f"{start + pf.metadata.row_group(rg).num_rows - 1} of the shard) is unreadable "
-                    f"({' '.join(str(e).split())}); "
-                    f"restore the shard or rerun jobs/prepare_data.py") from None
-            c = self._cached = (k, rg, table, start)
-        t = c[2].slice(r - c[3], 1)
-        row = {name: t.column(name)[0].values.to_numpy(zero_copy_only=False)
-               for name in ("input_ids", "position_ids", "cu_seqlens", "loss_mask")}
-        row["doc_ids"] = t.column("doc_ids")[0].as_py()
+        f = self._file(k)
+        if self._current is not None and self._current is not f:
+            self._current.drop_cache()
+        self._current = f
+        row = f.row(g - self._cum[k])
         if self.as_numpy:
             return row
         import torch

@@ -19,9 +19,10 @@ Design choices:
 * The loss mask is label-aligned: `loss_mask[t] = 1` when the label of position t, i.e.
   `input_ids[t + 1]`, is an assistant token of the same document. The last token of every document
   (and of every piece of a split document) is 0, so no label crosses a document boundary.
-* Positions restart at 0 per document; `cu_seqlens` (int32) starts at 0 and ends exactly at T; a
-  padded tail is its own final segment (doc id `PAD_DOC_ID`, loss mask 0), because varlen kernels
-  leave anything after `cu_seqlens[-1]` unwritten.
+* Rows follow the packed-row contract of `kernels/varlen.py` (checked by `kernels.varlen.check_row`):
+  positions restart at 0 per document; `cu_seqlens` (int32) starts at 0, ends exactly at T and never
+  holds an empty document; a padded tail is its own final segment (doc id `PAD_DOC_ID`, loss mask 0),
+  because varlen kernels leave anything after `cu_seqlens[-1]` unwritten.
 """
 
 from __future__ import annotations
@@ -286,24 +287,3 @@ class BestFitPacker:
         pieces = sorted(row.pieces, key=lambda p: p.seq)
         return build_row(pieces, self.max_len, self.pad_id, self.pad_to_max_len)
 
-
-def check_row(row: dict[str, Any], max_len: int | None = None) -> None:
-    """Validate the packed-row contract; raises ValueError naming the broken field."""
-    ids, pos, cu, mask = row["input_ids"], row["position_ids"], row["cu_seqlens"], row["loss_mask"]
-    T = len(ids)
-    if len(pos) != T or len(mask) != T:
-        raise ValueError(f"row fields disagree in length: input_ids {T}, position_ids {len(pos)}, loss_mask {len(mask)}")
-    if max_len is not None and T > max_len:
-        raise ValueError(f"row has {T} tokens > max_len {max_len}")
-    cu = np.asarray(cu)
-    if cu.dtype != np.int32:
-        raise ValueError(f"cu_seqlens dtype is {cu.dtype}, expected int32")
-    if cu[0] != 0 or cu[-1] != T or np.any(np.diff(cu) <= 0):
-        raise ValueError(f"cu_seqlens {cu.tolist()} must start at 0, increase strictly and end at T={T}")
-    if len(row["doc_ids"]) != len(cu) - 1:
-        raise ValueError(f"doc_ids has {len(row['doc_ids'])} entries for {len(cu) - 1} segments")
-    for s, e in zip(cu[:-1], cu[1:]):
-        if not np.array_equal(np.asarray(pos[s:e]), np.arange(e - s)):
-            raise ValueError(f"position_ids do not restart at 0 in segment [{s}, {e})")
-        if mask[e - 1]:
-            raise ValueError(f"loss_mask is set on the last token of segment [{s}, {e}): label would cross documents")

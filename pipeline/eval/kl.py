@@ -15,8 +15,10 @@ Design choices:
 * Perplexity = exp(mean NLL over scored tokens), computed chunk by chunk from the same hidden
   states, for the model and (when given) the teacher.
 * Inputs: a packed-data directory (manifest.json + shards, from jobs/prepare_data.py), a Parquet
-  file / directory of packed rows, or chat records (JSON / JSONL, `messages` or ShareGPT
-  `conversations`) rendered with the model's chat template, one document per row.
+  file / directory of packed rows (read by `pipeline.data.rowfile.PackedRowFile`), or chat records
+  (JSON / JSONL, `messages` or ShareGPT `conversations`) rendered with the model's chat template, one
+  document per row. Rows are checked against the packed-row contract (`kernels.varlen.check_row`,
+  `PackedRowError`), except that a loss mask set on a document's last token is cleared, not refused.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylo.files import atomic_path
+from kernels.varlen import DocBounds, check_row
 from pipeline.eval.decode import EvalError, final_hidden, is_hylo
 from pipeline.eval.progress import progress
 
@@ -42,79 +45,33 @@ LOGITS_CHUNK = 1024
 
 
 # ----------------------------------------------------------------------------------------- rows
-def _as_tensor(value: Any, dtype: torch.dtype, where: str, name: str) -> torch.Tensor:
-    try:
-        t = value.detach().cpu() if torch.is_tensor(value) else torch.as_tensor(np.array(value))
-    except (TypeError, ValueError) as e:
-        raise EvalError(f"{where}: field {name!r} is not a numeric array ({e})") from None
-    if t.dim() != 1:
-        raise EvalError(f"{where}: field {name!r} must be 1-D, got shape {tuple(t.shape)}")
-    return t.to(dtype)
-
-
 def check_eval_row(row: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
-    """Normalise one packed row (shared contract) to tensors; errors name the record and field."""
-    for key in ("input_ids", "cu_seqlens"):
-        if key not in row:
-            raise EvalError(f"{where}: missing field {key!r} (have {sorted(row)})")
-    ids = _as_tensor(row["input_ids"], torch.long, where, "input_ids")
-    cu = _as_tensor(row["cu_seqlens"], torch.int32, where, "cu_seqlens")
-    t = ids.numel()
-    if t == 0:
-        raise EvalError(f"{where}: input_ids is empty")
-    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != t or bool((cu[1:] <= cu[:-1]).any()):
-        raise EvalError(f"{where}: cu_seqlens {cu.tolist()[:8]} must start at 0, increase and end at T={t}")
-    if "loss_mask" in row and row["loss_mask"] is not None:
-        mask = _as_tensor(row["loss_mask"], torch.bool, where, "loss_mask")
-        if mask.numel() != t:
-            raise EvalError(f"{where}: loss_mask has {mask.numel()} entries for {t} tokens")
-    else:
-        mask = torch.ones(t, dtype=torch.bool)
-    # no label crosses a document: the last token of every document is never scored
-    mask = mask.clone()
-    mask[cu[1:].long() - 1] = False
-    return {"input_ids": ids, "cu_seqlens": cu, "loss_mask": mask}
-
-
-def _batches_naming(path: Path, batches: Iterator[Any]) -> Iterator[Any]:
-    """`batches`, with a corrupt page (e.g. a ZSTD error, which names no file) reported with `path`."""
-    import pyarrow as pa
-
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except (pa.ArrowException, OSError) as e:
-            raise EvalError(f"{path}: unreadable Parquet data ({e})") from None
-        yield batch
+    """One packed row checked (`kernels.varlen.check_row`, PackedRowError naming `where` and the field) and
+    reduced to what scoring needs: input_ids [T] int64, cu_seqlens [N + 1] int32, loss_mask [T] bool
+    (every token without a mask), never set on a document's last token."""
+    prow = check_row(row, where, clear_crossing_labels=True)
+    mask = prow.loss_mask
+    if mask is None:
+        # no label crosses a document: the last token of every document is never scored
+        mask = torch.ones(prow.num_tokens, dtype=torch.bool)
+        mask[prow.cu_seqlens[1:].long() - 1] = False
+    return {"input_ids": prow.input_ids, "cu_seqlens": prow.cu_seqlens, "loss_mask": mask}
 
 
 def _read_parquet_rows(path: Path, limit: int | None) -> Iterator[dict[str, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from pipeline.data.rowfile import PackedRowFile
 
     files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
     if not files:
         raise EvalError(f"{path}: no *.parquet files")
     n = 0
     for f in files:
-        try:
-            pf = pq.ParquetFile(f)
-        except (pa.ArrowException, OSError) as e:
-            raise EvalError(f"{f}: unreadable Parquet file ({e})") from None
-        names = set(pf.schema_arrow.names)
-        missing = {"input_ids", "cu_seqlens"} - names
-        if missing:
-            raise EvalError(f"{f}: not packed rows, missing column(s) {sorted(missing)}")
-        cols = [c for c in ("input_ids", "cu_seqlens", "loss_mask") if c in names]
-        for batch in _batches_naming(f, pf.iter_batches(batch_size=16, columns=cols)):
-            for i in range(batch.num_rows):
-                if limit is not None and n >= limit:
-                    return
-                yield {c: batch.column(c)[i].values.to_numpy(zero_copy_only=False) for c in cols} | {
-                    "_where": f"{f.name} row {n}"}
-                n += 1
+        for row in PackedRowFile(f).rows():
+            if limit is not None and n >= limit:
+                return
+            yield {c: row[c] for c in ("input_ids", "cu_seqlens", "loss_mask") if c in row} | {
+                "_where": f"{f.name} row {n}"}
+            n += 1
 
 
 def _chat_rows(path: Path, tokenizer_dir: str | Path, limit: int | None,
@@ -188,7 +145,9 @@ def hidden_states(model: nn.Module, row: dict[str, torch.Tensor]) -> torch.Tenso
     ids_T = row["input_ids"].to(device)
     cu = row["cu_seqlens"]
     if is_hylo(model):
-        return final_hidden(model, ids_T, cu.to(device) if cu.numel() > 2 else None)
+        # boundaries from the host row: the model never reads them back from the device
+        bounds = DocBounds.from_host(cu, ids_T.numel(), device) if cu.numel() > 2 else None
+        return final_hidden(model, ids_T, bounds)
     parts = [final_hidden(model, ids_T[int(s):int(e)]) for s, e in zip(cu[:-1], cu[1:])]
     return torch.cat(parts, dim=0)
 

@@ -24,7 +24,7 @@ Design choices:
 * Every shard carries the cache header in its Parquet metadata too, so a shard copied into the
   wrong cache is detected.
 * Row ids are the data's `row_id` column when present, else a content hash of the row
-  (`rows.row_content_id`), so `get_for_row(row)` also proves the row is the same data.
+  (`kernels.varlen.PackedRow.row_id`), so `get_for_row(row)` also proves the row is the same data.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ import torch
 
 from hylo.files import atomic_path, atomic_write, read_json
 from kernels.fused_kl.topk import TeacherTopK
-from pipeline.teacher.rows import PackedRow, as_packed_row, read_packed_rows
+from kernels.varlen import PackedRow, check_row
+from pipeline.data.rowfile import PackedRowFile
 
 SCHEMA = "hylo-teacher-topk"
 SCHEMA_VERSION = 1
@@ -195,8 +196,8 @@ def compute_shard(teacher: Any, data_dir: str | Path, out_dir: str | Path, heade
     """Run `teacher` (a TeacherModel) over one shard's rows and write it; returns a summary."""
     t0 = time.perf_counter()
     src = Path(data_dir) / plan.file
-    rows = read_packed_rows(src, plan.start, plan.end)
-    prows = [as_packed_row(r, where=f"{src} row {plan.start + i}") for i, r in enumerate(rows)]
+    rows = PackedRowFile(src).rows(plan.start, plan.end)
+    prows = [check_row(r, where=f"{src} row {plan.start + i}") for i, r in enumerate(rows)]
     records = teacher.topk_batch(prows, header["k"], dtype=header["dtype"])
     path = Path(out_dir) / SHARD_DIR / f"{plan.name}.parquet"
     size = write_shard(path, header, plan, [r.row_id for r in prows], records)
@@ -448,7 +449,7 @@ class TopKCacheReader:
 
     def get_for_row(self, row: Mapping[str, Any] | PackedRow) -> TeacherTopK:
         """The record of a packed row, checked against its id and length."""
-        prow = as_packed_row(row, where="cache lookup row")
+        prow = check_row(row, where="cache lookup row")
         if prow.row_id not in self._index:
             raise CacheMismatchError(f"{self.dir}: row {prow.row_id} ({prow.num_tokens} tokens) is not in the "
                                      f"cache; the cache was made from other data or another packing")

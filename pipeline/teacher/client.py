@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from kernels.fused_kl.topk import TeacherTopK
+from kernels.varlen import PackedRow, check_row
 from pipeline.teacher.config import TeacherClientConfig
-from pipeline.teacher.rows import PackedRow, as_packed_row
 
 
 class TeacherUnavailableError(RuntimeError):
@@ -154,7 +154,7 @@ class TeacherClient:
                         exhausted = True
                         break
                     i, raw = nxt
-                    row = as_packed_row(raw, where=f"teacher row {i}")
+                    row = check_row(raw, where=f"teacher row {i}")
                     inflight.append(_Pending(i, row, self._submit(row), time.monotonic()))
                 if not inflight:
                     return
@@ -191,7 +191,7 @@ class TeacherClient:
         window_chunks: int | None = None, dtype: str | None = None,
     ) -> Iterator[torch.Tensor]:
         """Full-logit chunks [C, V] of one row, in order, each exactly once."""
-        prow = as_packed_row(row, where="teacher stream row")
+        prow = check_row(row, where="teacher stream row")
         c = chunk_tokens or self.chunk_tokens
         window = c * (window_chunks or self.window_chunks)
         t = prow.num_tokens

@@ -35,8 +35,8 @@ from torch import nn
 
 from hylo.files import read_json
 from kernels.fused_kl.topk import TeacherTopK, topk_from_logits
+from kernels.varlen import PackedRow, check_row
 from pipeline.teacher.config import TeacherModelConfig
-from pipeline.teacher.rows import PackedRow, as_packed_row
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAMPLE_BYTES = 1 << 20
@@ -188,7 +188,8 @@ class TeacherModel:
         ids_1T = row.input_ids.to(self.device).unsqueeze(0)
         pos_1T = row.position_ids.to(self.device).unsqueeze(0)
         if self.is_hylo:
-            out = self.base(input_ids=ids_1T, position_ids=pos_1T, cu_seqlens=row.cu_seqlens.to(self.device))
+            # boundaries from the host row: the model never reads them back from the device
+            out = self.base(input_ids=ids_1T, position_ids=pos_1T, cu_seqlens=row.bounds(self.device))
         else:
             out = self.base(input_ids=ids_1T, position_ids=pos_1T, use_cache=False)
         return out.last_hidden_state[0]
@@ -196,7 +197,7 @@ class TeacherModel:
     @torch.no_grad()
     def hidden_batch(self, rows: Iterable[Mapping[str, Any] | PackedRow]) -> list[torch.Tensor]:
         """Final normed hidden states [T, H] of each row (on the model's device), documents isolated."""
-        prows = [as_packed_row(r, where=f"row {i}") for i, r in enumerate(rows)]
+        prows = [check_row(r, where=f"row {i}") for i, r in enumerate(rows)]
         for r in prows:
             self._check_vocab(r)
         if self.isolation == "packed":

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from ray import serve
 
+from kernels.varlen import PackedRow, check_row
 from pipeline.config import from_dict, to_dict
 from pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig
 from pipeline.teacher.model import TeacherModel, torch_dtype
-from pipeline.teacher.rows import PackedRow, as_packed_row
 
 
 class _TokenBudgetWarningFilter(logging.Filter):
@@ -125,7 +125,7 @@ class TeacherDeployment:
         if not 0 < k <= self.teacher.vocab_size:
             raise ValueError(f"k={k} must be in 1..{self.teacher.vocab_size} (teacher vocabulary)")
         torch_dtype(dtype)
-        prows = [as_packed_row(r, where=f"request row {i}") for i, r in enumerate(rows)]
+        prows = [check_row(r, where=f"request row {i}") for i, r in enumerate(rows)]
         hiddens = await asyncio.gather(*(self._hidden(r) for r in prows))
         out = []
         for h in hiddens:
@@ -138,7 +138,7 @@ class TeacherDeployment:
         dtype: str | None = None,
     ) -> AsyncIterator[torch.Tensor]:
         """Full logits [C, V] for tokens [start, end) of one row, chunk by chunk (CPU tensors)."""
-        prow = as_packed_row(row, where="stream row")
+        prow = check_row(row, where="stream row")
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens={chunk_tokens} must be > 0")
         dt = torch_dtype(dtype) if dtype else None

@@ -51,22 +51,9 @@ def _convert_options_fit_the_base(cfg: StageConfig, base_dir: str | Path) -> Non
 
 
 def _data(cfg: StageConfig) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from pipeline.train.rows import ParquetRows
 
-    from pipeline.train.rows import ParquetRows, RowsError
-
-    rows = ParquetRows(cfg.data, 0, cfg.ray.num_workers)
-    for shard in rows.reader.manifest["shards"]:
-        path = rows.root / shard["file"]
-        if not path.is_file():
-            raise RowsError(f"{path}: listed in {rows.root / 'manifest.json'} but missing")
-        try:
-            n = pq.ParquetFile(path).metadata.num_rows
-        except (pa.ArrowException, OSError) as e:
-            raise RowsError(f"{path}: unreadable Parquet file ({e}); prepare the data again") from None
-        if n != int(shard["rows"]):
-            raise RowsError(f"{path}: has {n} rows, {rows.root / 'manifest.json'} says {shard['rows']}")
+    ParquetRows(cfg.data, 0, cfg.ray.num_workers).reader.check_shards()
 
 
 def check_stage_inputs(cfg: StageConfig) -> None:

@@ -8,14 +8,17 @@ Design choices:
   Row `g >= N` wraps to `g mod N` (the next epoch, same order).
 * The position of a worker is the number of rows it has consumed, so a resumed worker calls
   `seek(position)` and reads exactly the rows it would have read. Ray Data iterators do not resume
-  mid-epoch (design.md §5); this does, and costs one Parquet row-group read per row at most.
+  mid-epoch; this does, and costs one Parquet row-group read per row at most.
 * `SyntheticRows` makes deterministic random rows (tests, benches, smoke runs); `ParquetRows` reads
   the data pipeline's shards (any `*.parquet` under the split directory, sorted by name).
 * Every row gets a `row_key` (synthetic: `syn-<g>`; Parquet: the global row index) so runs can be
   compared row by row ("identical rows consumed"). It is not `row_id`: the teacher cache keys rows by
   content hash when the data has no `row_id` column.
 * Parquet rows come from the data pipeline's `RowReader` (same strided sharding, drop_last), whose
-  manifest is checked against `data.split` and `data.seq_len`.
+  manifest is checked against `data.split` and `data.seq_len` (`DataFormatError` otherwise). Every row
+  read is checked against the packed-row contract (`kernels.varlen.check_row`; `PackedRowError` names
+  the shard directory and the row): a bad row stops the run, since skipping it would shift every
+  position and resume after it.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from kernels.varlen import check_row, positions_from_cu_seqlens
+from pipeline.config import ConfigError
+from pipeline.data.rowfile import DataFormatError
 from pipeline.train.config import DataSection
-
-
-class RowsError(ValueError):
-    """The training data is missing or malformed; the message names the file and row."""
 
 
 class RowStream:
@@ -99,7 +102,7 @@ class SyntheticRows(RowStream):
         lengths = [n for n in lengths if n > 0]
         ids = g.integers(0, syn.vocab_size, size=T, dtype=np.int64)
         cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        pos = np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)
+        pos = positions_from_cu_seqlens(torch.from_numpy(cu), T).numpy()
         # Half of each document is "assistant": the loss covers its second half except its last token.
         mask = np.zeros(T, dtype=np.int8)
         for s, e in zip(cu[:-1], cu[1:]):
@@ -116,20 +119,22 @@ class ParquetRows(RowStream):
 
         super().__init__(rank, world_size)
         if not data.path:
-            raise RowsError("data.path is not set: point it at a split prepared by jobs/prepare_data.py")
+            raise ConfigError("data.path is not set: point it at a split prepared by jobs/prepare_data.py",
+                              "data.path")
         root = Path(data.path).expanduser()
         if not (root / MANIFEST).is_file():
-            raise RowsError(f"{root}: no {MANIFEST}; data.path must be a directory written by jobs/prepare_data.py")
+            raise DataFormatError(f"{root}: no {MANIFEST}; data.path must be a directory written by "
+                                  "jobs/prepare_data.py")
         self.reader = RowReader(root, rank=rank, world_size=world_size, as_numpy=True)
         man = self.reader.manifest
         if man.get("split") not in (None, data.split):
-            raise RowsError(f"{root / MANIFEST}: this is the {man.get('split')!r} split, the config reads "
-                            f"data.split={data.split!r}")
+            raise DataFormatError(f"{root / MANIFEST}: this is the {man.get('split')!r} split, the config reads "
+                                  f"data.split={data.split!r}")
         if man.get("max_len") not in (None, data.seq_len):
-            raise RowsError(f"{root / MANIFEST}: rows were packed to {man.get('max_len')} tokens, the config "
-                            f"says data.seq_len={data.seq_len}")
+            raise DataFormatError(f"{root / MANIFEST}: rows were packed to {man.get('max_len')} tokens, the "
+                                  f"config says data.seq_len={data.seq_len}")
         if self.reader.num_rows == 0:
-            raise RowsError(f"{root}: fewer rows than the {world_size} workers")
+            raise DataFormatError(f"{root}: fewer rows than the {world_size} workers")
         self.root, self.seq_len = root, data.seq_len
 
     @property
@@ -147,22 +152,8 @@ class ParquetRows(RowStream):
         row["cu_seqlens"] = row["cu_seqlens"].astype(np.int32)
         row["loss_mask"] = row["loss_mask"].astype(np.int8)
         row["row_key"] = str(index)
-        check_row(row, f"{self.root} row {index}", self.seq_len)
+        check_row(row, f"{self.root} row {index}", self.seq_len, max_len_name="data.seq_len")
         return row
-
-
-def check_row(row: dict[str, Any], where: str, seq_len: int | None = None) -> None:
-    """The packed-row contract, checked cheaply on every row; errors name the row."""
-    T = len(row["input_ids"])
-    cu = row["cu_seqlens"]
-    if len(row["position_ids"]) != T or len(row["loss_mask"]) != T:
-        raise RowsError(f"{where}: input_ids, position_ids and loss_mask lengths differ")
-    if seq_len is not None and T > seq_len:
-        raise RowsError(f"{where}: {T} tokens > data.seq_len {seq_len}")
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or np.any(np.diff(cu) <= 0):
-        raise RowsError(f"{where}: cu_seqlens must start at 0, increase strictly and end at T={T}")
-    if np.any(np.asarray(row["loss_mask"])[np.asarray(cu[1:]) - 1]):
-        raise RowsError(f"{where}: loss_mask is set on the last token of a document")
 
 
 def open_rows(data: DataSection, seed: int, rank: int, world_size: int) -> RowStream:

@@ -1,0 +1,112 @@
+"""The one reader of packed rows in Parquet: a shard of the data pipeline or any file with the row columns.
+
+Every reader of rows goes through `PackedRowFile`: the training workers (`dataset.RowReader`, one per
+shard), the teacher's offline cache job and evaluation. What it returns is a row as read (a dict of
+numpy arrays, `doc_ids` / `row_id` as Python values); the row's contract is checked by the consumer with
+`kernels.varlen.check_row`, which names the record.
+
+Design choices:
+* Row groups are the I/O unit: a row is read with its whole row group, which stays cached, so reading
+  rows in order decodes each row group once and a random row costs one row-group read.
+* List columns (list or large_list) become numpy through their offsets/values buffers, not `to_pylist`,
+  which would box every token of a 64K row into a Python int.
+* Damage is named, never skipped: an unreadable file, a missing column, an unreadable row group (with the
+  rows it holds) or a null cell raises `DataFormatError` naming the file (and row group or row). Training
+  rows cannot be skipped (positions and resume would shift), and a silently shorter evaluation or cache
+  is worse than a stop.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kernels.varlen import REQUIRED_FIELDS, ROW_FIELDS
+
+# fields read as Python values (strings), not as numpy arrays
+_PY_FIELDS = ("doc_ids", "row_id")
+
+
+class DataFormatError(ValueError):
+    """A file or directory of packed rows is missing, incomplete, inconsistent or unreadable; names the file."""
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+class PackedRowFile:
+    """One Parquet file of packed rows (at least `input_ids` and `cu_seqlens` list columns).
+
+    `remedy` ends the message of an unreadable row group (what the user can do about it); `noun` names the
+    file in it ("shard" for the data pipeline's shards).
+    """
+
+    def __init__(self, path: str | Path, noun: str = "file", remedy: str = "restore the file or write it again"):
+        self.path = Path(path)
+        self.noun, self.remedy = noun, remedy
+        if not self.path.is_file():
+            raise DataFormatError(f"{self.path}: no such file")
+        try:
+            self.pf = pq.ParquetFile(self.path)
+        except (pa.ArrowException, OSError) as e:
+            raise DataFormatError(f"{self.path}: not a readable Parquet {noun} ({_one_line(e)})") from None
+        names = set(self.pf.schema_arrow.names)
+        missing = [c for c in REQUIRED_FIELDS if c not in names]
+        if missing:
+            raise DataFormatError(f"{self.path}: not packed rows, missing column(s) {sorted(missing)}; "
+                                  f"found {sorted(names)}")
+        self.columns = [c for c in ROW_FIELDS if c in names]
+        self.num_rows = self.pf.metadata.num_rows
+        self._group_start = [0]
+        for rg in range(self.pf.num_row_groups):
+            self._group_start.append(self._group_start[-1] + self.pf.metadata.row_group(rg).num_rows)
+        self._cached: tuple[int, dict[str, pa.Array]] | None = None
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def _row_group(self, rg: int) -> dict[str, pa.Array]:
+        if self._cached is None or self._cached[0] != rg:
+            try:
+                table = self.pf.read_row_group(rg, columns=self.columns)
+            except (pa.ArrowException, OSError) as e:
+                first, end = self._group_start[rg], self._group_start[rg + 1]
+                raise DataFormatError(
+                    f"{self.path}: row group {rg} (rows {first}..{end - 1} of the {self.noun}) is unreadable "
+                    f"({_one_line(e)}); {self.remedy}") from None
+            self._cached = (rg, {c: table.column(c).combine_chunks() for c in self.columns})
+        return self._cached[1]
+
+    def drop_cache(self) -> None:
+        """Free the cached row group (a reader moving on to another file)."""
+        self._cached = None
+
+    def row(self, r: int) -> dict[str, Any]:
+        """Row `r` of the file (0-based) as read: numpy arrays, plus `doc_ids` / `row_id` as Python values."""
+        if not 0 <= r < self.num_rows:
+            raise IndexError(f"{self.path}: row {r} outside [0, {self.num_rows})")
+        rg = bisect.bisect_right(self._group_start, r) - 1
+        cols = self._row_group(rg)
+        i = r - self._group_start[rg]
+        row: dict[str, Any] = {}
+        for c, col in cols.items():
+            if not col[i].is_valid:
+                raise DataFormatError(f"{self.path} row {r}: field {c!r} is null")
+            if c in _PY_FIELDS:
+                row[c] = col[i].as_py()
+            else:
+                start, end = col.offsets[i].as_py(), col.offsets[i + 1].as_py()
+                row[c] = col.values.slice(start, end - start).to_numpy(zero_copy_only=False)
+        return row
+
+    def rows(self, start: int = 0, end: int | None = None) -> Iterator[dict[str, Any]]:
+        """Rows [start, end) in order (each row group decoded once)."""
+        end = self.num_rows if end is None else min(end, self.num_rows)
+        for r in range(start, end):
+            yield self.row(r)
