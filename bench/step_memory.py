@@ -68,8 +68,9 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
     from pipeline.train import stage2
     from pipeline.train.config import load_stage_config
     from pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
-    from pipeline.train.loop import WorkerContext, cosine_with_warmup, setup_distributed
+    from pipeline.train.loop import cosine_with_warmup, setup_distributed
     from pipeline.train.rows import SyntheticRows
+    from pipeline.train.worker import WorkerContext
 
     overrides = [f"model.student={student}", "data.source=synthetic", f"data.seq_len={tokens}",
                  "data.synthetic.vocab_size=49152", "data.synthetic.min_doc_len=256",
@@ -115,7 +116,7 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
     return {"tokens": tokens, "docs": len(row["cu_seqlens"]) - 1, "baseline_mib": base_kib / 1024,
             "extra_peak_mib": (peak_kib - base_kib) / 1024,
             "fwd_bwd_peak_mib": (peak["fwd_bwd_kib"] - base_kib) / 1024, "seconds": seconds, "cpu_seconds": cpu_seconds,
-            "kl": out["kl_sum"] / max(out["loss_tokens"], 1)}
+            "kl": out.sums["kl_sum"] / max(out.sums["loss_tokens"], 1)}
 
 
 def main() -> None:

@@ -390,7 +390,8 @@ def test_ray_worker_writes_each_step_before_reporting(tmp_path, monkeypatch):
     report is in flight (Ctrl-C) loses no trained step."""
     import ray.train
 
-    from pipeline.train.loop import RaySession, WorkerContext
+    from pipeline.train.loop import RaySession
+    from pipeline.train.worker import WorkerContext
 
     cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=r", "metrics.tensorboard=false"])
     ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,

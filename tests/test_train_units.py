@@ -29,9 +29,10 @@ from pipeline.train.config import (
     load_stage_config,
 )
 from pipeline.train.deepspeed_cfg import build_deepspeed_config, grad_accum_steps
-from pipeline.train.loop import cosine_with_warmup, row_to_device
+from pipeline.train.loop import cosine_with_warmup
 from pipeline.train.metrics import MetricsWriter, read_metrics
 from pipeline.train.rows import ParquetRows, SyntheticRows, open_rows
+from pipeline.train.worker import row_to_device
 
 from helpers import assert_topk_matches
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -47,6 +48,7 @@ from pipeline.train.config import StageConfig, config_to_dict, load_stage_config
 from pipeline.train.inputs import check_stage_inputs
 from pipeline.train.metrics import make_ray_callback, read_metrics
 from pipeline.train.storage import Loc, StorageError, check_storage_path, run_location
+from pipeline.train.worker import Stage
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 
@@ -136,6 +138,15 @@ def loop_config(cfg: StageConfig, resume: str | None, launcher: str) -> dict[str
         resume_from = resume_path(cfg, resume).uri()
     return {"config": config_to_dict(cfg), "resume_from": resume_from, "resume_latest": resume == "latest",
             "run": run_loc(cfg), "launcher": launcher, "torch_extensions_dir": torch_extensions_dir()}
+
+
+def stage_for(number: int) -> Stage:
+    """The stage (build + step) the workers train: stage1.STAGE or stage2.STAGE."""
+    if number == 1:
+        from pipeline.train.stage1 import STAGE
+    else:
+        from pipeline.train.stage2 import STAGE
+    return STAGE
 
 
 def start_teacher_pool(cfg: StageConfig):
@@ -237,7 +248,7 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
         print(note, flush=True)
     pool = start_teacher_pool(cfg)
     trainer = TorchTrainer(
-        train_worker,
+        functools.partial(train_worker, stage_for(cfg.stage)),
         train_loop_config=loop_config(cfg, resume, "ray"),
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu,
                                      resources_per_worker=worker_resources(cfg)),
@@ -306,7 +317,7 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
     if launcher == "torchrun":
         from pipeline.train.loop import train_worker
 
-        train_worker(loop_config(cfg, resume, "torchrun"))
+        train_worker(stage_for(cfg.stage), loop_config(cfg, resume, "torchrun"))
         info: dict[str, Any] = {}
     else:
         info = fit_with_ray(cfg, resume)

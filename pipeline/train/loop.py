@@ -2,12 +2,14 @@
 
 Legend: W workers (ranks), G gradient-accumulation micro-steps per optimiser step (one packed row each).
 
-    train_worker(loop_config)      # Ray Train's train_loop_per_worker, or called by each torchrun rank
+    train_worker(stage, loop_config)   # each torchrun rank; under Ray Train, partial(train_worker, stage)
+                                       # is the train_loop_per_worker
 
 Design choices:
-* The stage modules (`stage1.py`, `stage2.py`) own model building and THE step; this file owns what
-  both share: process group, seeding, data position, resume, metrics reduction, checkpoint cadence,
-  fault injection and the final consolidation.
+* The stage (`stage1.STAGE`, `stage2.STAGE`, a `worker.Stage`: build + THE step) is handed in by the
+  driver; it owns model building and the step, and does not import this file. This file owns what
+  both stages share: process group, seeding, data position, resume, metrics reduction, checkpoint
+  cadence, fault injection (a hook) and the final consolidation.
 * A `Session` hides the launcher: under Ray, checkpoints go through `ray.train.report(checkpoint=...)`
   (each worker hands its scratch directory; Ray uploads them into `<run>/step_N`, local or a URI);
   under torchrun, ranks write `<run dir>/.tmp-step_N` and rank 0 renames it. Either way every rank
@@ -21,8 +23,9 @@ Design choices:
 * Loss normalisation: every step's loss is a mean over all loss tokens of the global batch. Each
   micro-batch contributes `sum / n_global * W` (DeepSpeed averages gradients over W ranks and we skip
   its 1/G scaling), so packed rows with different numbers of loss tokens weigh by their tokens.
-* Fault injection (`fault.*`) SIGKILLs one worker once (a marker file in the run directory makes it
-  one-shot), for the recovery tests.
+* Fault injection (`fault.*`) is a hook on the worker context, called at named points ("mid_step" by
+  the step, "after_checkpoint" here): it SIGKILLs one worker once (a marker file in the run directory
+  makes it one-shot), for the recovery tests.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.train import checkpoint as ckpt_lib
-from pipeline.train.config import StageConfig, config_from_dict, run_dir
+from pipeline.train.config import FaultSection, StageConfig, config_from_dict, run_dir
 from pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
 from pipeline.train.metrics import METRICS_FILE, TB_DIR, MetricsWriter, peak_memory_mib
 from pipeline.train.rows import RowStream, open_rows
@@ -56,61 +58,29 @@ from pipeline.train.storage import (
     remove_local,
     run_location,
 )
+from pipeline.train.worker import Stage, StepResult, WorkerContext
 
 PARTITION_FILE = "zero_partition.json"
 
 
-# ------------------------------------------------------------------------------------ context
-@dataclass
-class WorkerContext:
-    cfg: StageConfig
-    rank: int
-    world_size: int
-    device: torch.device
-    dtype: torch.dtype
-    run_dir: Path
-    grad_accum: int
-    step: int = 0
-    extras: dict[str, Any] = field(default_factory=dict)
-    # where the run lives (local directory or URI); run_dir is its local directory or local mirror
-    run: Loc | None = None
+# ------------------------------------------------------------------------------------ fault injection
+class FaultInjection:
+    """A hook (`ctx.hooks`) that SIGKILLs this worker once, at the step, point and rank `fault.*` name."""
 
-    def all_sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.tolist()
+    def __init__(self, fault: FaultSection) -> None:
+        self.fault = fault
 
-    def all_max(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
-
-    def maybe_fault(self, when: str) -> None:
-        """SIGKILL this worker once, if fault injection asks for it here."""
-        f = self.cfg.fault
-        if f.kill_at_step != self.step or f.kill_when != when or f.kill_rank != self.rank:
+    def __call__(self, point: str, ctx: WorkerContext) -> None:
+        f = self.fault
+        if f.kill_at_step != ctx.step or f.kill_when != point or f.kill_rank != ctx.rank:
             return
         # in the run's storage, so that it is one-shot whichever node the relaunched worker lands on
-        marker = (self.run or Loc.of(self.run_dir)) / f".fault-step{self.step}-{when}-rank{self.rank}"
+        marker = (ctx.run or Loc.of(ctx.run_dir)) / f".fault-step{ctx.step}-{point}-rank{ctx.rank}"
         if marker.exists():
             return
         marker.write_text("killed\n")
-        print(f"[fault] rank {self.rank}: SIGKILL at step {self.step} ({when})", flush=True)
+        print(f"[fault] rank {ctx.rank}: SIGKILL at step {ctx.step} ({point})", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def row_to_device(row: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
-    """Packed row (numpy) -> [1, T] tensors on `device`; labels = next token within the row."""
-    ids = torch.as_tensor(np.asarray(row["input_ids"]), dtype=torch.long)
-    mask = torch.as_tensor(np.asarray(row["loss_mask"])).bool()
-    labels = torch.roll(ids, -1)
-    return {
-        "input_ids": ids.unsqueeze(0).to(device),
-        "position_ids": torch.as_tensor(np.asarray(row["position_ids"]), dtype=torch.long).unsqueeze(0).to(device),
-        "cu_seqlens": torch.as_tensor(np.asarray(row["cu_seqlens"]), dtype=torch.int32).to(device),
-        "loss_mask": mask.to(device),
-        "labels": labels.to(device),
-    }
 
 
 # ------------------------------------------------------------------------------------ sessions
@@ -386,18 +356,16 @@ def watch_stale_build_locks(stop: threading.Event, max_age_s: float = 300.0, pol
 
 
 # ------------------------------------------------------------------------------------ the loop
-def train_worker(loop_config: dict[str, Any]) -> None:
-    """Train one stage on this worker; all workers run this in lockstep."""
+def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
+    """Train `stage` on this worker; all workers run this in lockstep."""
     if loop_config.get("torch_extensions_dir"):
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", loop_config["torch_extensions_dir"])
     cfg = config_from_dict(loop_config["config"])
+    if stage.number != cfg.stage:
+        raise ValueError(f"train_worker got stage {stage.number} with a stage-{cfg.stage} config")
     if cfg.model.student and is_uri(cfg.model.student):
         # a student that lives in the run storage (stage 1's output at a URI): a local copy to load
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, student=str(local_copy(cfg.model.student))))
-    if cfg.stage == 1:
-        from pipeline.train import stage1 as stage
-    else:
-        from pipeline.train import stage2 as stage
 
     # DeepSpeed loads its compiled ops during setup; guard against a lock left by a killed process.
     stop_watch = threading.Event()
@@ -409,7 +377,8 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     ctx = WorkerContext(cfg=cfg, rank=rank, world_size=world, device=device,
                         dtype=resolve_dtype(cfg.model.dtype, device.type == "cuda"),
                         run_dir=local_mirror(run) if run is not None else run_dir(cfg), run=run,
-                        grad_accum=grad_accum_steps(cfg.train.global_batch_sequences, world))
+                        grad_accum=grad_accum_steps(cfg.train.global_batch_sequences, world),
+                        hooks=[FaultInjection(cfg.fault)])
     rows: RowStream = open_rows(cfg.data, cfg.train.seed, rank, world)
     total = total_steps_for(cfg, rows.num_rows)
     last = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
@@ -439,8 +408,8 @@ def train_worker(loop_config: dict[str, Any]) -> None:
         ctx.step = step
         t0 = time.perf_counter()
         batch = [rows.next_row() for _ in range(ctx.grad_accum)]
-        local_numbers = stage.train_step(task, batch, ctx)
-        record = reduce_record(ctx, local_numbers, batch, rows, time.perf_counter() - t0, total)
+        result = stage.train_step(task, batch, ctx)
+        record = reduce_record(ctx, result, batch, rows, time.perf_counter() - t0, total)
         record["resumed_from"] = start
         save = step % cfg.checkpoint.every_steps == 0 or step == last
         ckpt_dir = None
@@ -451,7 +420,7 @@ def train_worker(loop_config: dict[str, Any]) -> None:
                                       "data_fingerprint": rows.fingerprint})
         session.report(record, step, ckpt_dir)
         if save:
-            ctx.maybe_fault("after_checkpoint")
+            ctx.hook("after_checkpoint")
 
     if cfg.checkpoint.consolidate:
         consolidate(task, ctx, session.run, cfg.model.student)
@@ -479,11 +448,11 @@ def consolidate(task, ctx: WorkerContext, run: Loc, source: str | None) -> None:
     print(f"[train] consolidated HF checkpoint: {written}", flush=True)
 
 
-def reduce_record(ctx: WorkerContext, local: dict[str, float], batch: list[dict[str, Any]], rows: RowStream,
+def reduce_record(ctx: WorkerContext, result: StepResult, batch: list[dict[str, Any]], rows: RowStream,
                   seconds: float, total: int) -> dict[str, Any]:
     """One record per step, identical on every rank: global sums / maxima of the local numbers."""
-    keys = sorted(local)
-    sums = dict(zip(keys, ctx.all_sum([float(local[k]) for k in keys])))
+    keys = sorted(result.sums)
+    sums = dict(zip(keys, ctx.all_sum([float(result.sums[k]) for k in keys])))
     mem, sec = ctx.all_max([peak_memory_mib(ctx.device), seconds])
     row_ids: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(row_ids, [r["row_key"] for r in batch])
@@ -496,7 +465,7 @@ def reduce_record(ctx: WorkerContext, local: dict[str, float], batch: list[dict[
     record: dict[str, Any] = {
         "step": ctx.step, "stage": ctx.cfg.stage, "total_steps": total,
         "loss": sums.pop("loss_sum") / n_loss,
-        "lr": ctx.extras["lr"], "grad_norm": ctx.extras["grad_norm"],
+        "lr": result.lr, "grad_norm": result.grad_norm,
         "tokens": int(tokens), "loss_tokens": int(loss_tokens),
         "tokens_per_s": tokens / max(sec, 1e-9), "step_time_s": sec,
         "mem_peak_mib": mem, "rows": row_ids, "data_position": positions,

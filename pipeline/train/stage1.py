@@ -19,6 +19,8 @@ with d the per-token L2 distance `||u - v||_2` (`ild.squared: false`, the defaul
   frozen (they are the base model's).
 * The base model runs outside DeepSpeed (frozen, inference only); the loss runs inside
   `ILDStudent.forward` with per-layer activation checkpointing.
+* The means are over the real tokens of the GLOBAL batch (every rank's rows), weighted as in stage 2:
+  each micro-batch backpropagates its sum times `W / n_global`, DeepSpeed's 1/G scaling off.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from pipeline.config import ConfigError
 from pipeline.train.config import Stage1Config
 from pipeline.train.deepspeed_cfg import current_lr, init_engine
-from pipeline.train.loop import WorkerContext, row_to_device
+from pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
 
 PAD_DOC_ID = ""
 EPS = 1e-6
@@ -154,13 +156,13 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage1Task:
     return Stage1Task(engine, student, BaseLayerTargets(base), cfg)
 
 
-def train_step(task: Stage1Task, rows: list[dict[str, Any]], ctx: WorkerContext) -> dict[str, float]:
+def train_step(task: Stage1Task, rows: list[dict[str, Any]], ctx: WorkerContext) -> StepResult:
     """One optimiser step: base layer targets -> student layers on base inputs -> L2 losses -> backward."""
     ild, engine = task.cfg.ild, task.engine
     keep = [real_tokens(r) for r in rows]
     n_global = ctx.all_sum([float(sum(k.sum() for k in keep))])[0]
     scale = ctx.world_size / max(n_global, 1.0)
-    ctx.extras["lr"] = current_lr(engine)
+    lr = current_lr(engine)
     out = {"loss_sum": 0.0, "ild_output_sum": 0.0, "ild_mixer_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
     for i, (row, keep_T) in enumerate(zip(rows, keep)):
         b = row_to_device(row, ctx.device)
@@ -170,13 +172,14 @@ def train_step(task: Stage1Task, rows: list[dict[str, Any]], ctx: WorkerContext)
         loss = ild.output_weight * d_out + ild.mixer_weight * d_mix
         engine.backward(loss * scale, scale_wrt_gas=False)
         if i == 0:
-            ctx.maybe_fault("mid_step")
+            ctx.hook("mid_step")
         engine.step()
         out["loss_sum"] += float(loss)
         out["ild_output_sum"] += float(d_out)
         out["ild_mixer_sum"] += float(d_mix)
         out["loss_tokens"] += float(keep_T.sum())
         out["tokens"] += float(b["input_ids"].numel())
-    ctx.extras["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
-    return out
+    return StepResult(out, lr, float(engine.get_global_grad_norm() or 0.0))
 
+
+STAGE = Stage(1, build, train_step)

@@ -12,7 +12,11 @@ Design choices:
 * Teacher forms (`teacher.source`): `inprocess` (exact: teacher hidden states + teacher lm_head, or its
   top-k), `serve` (the Ray Serve pool: top-k records, or streamed full-logit chunks), `offline` (the
   top-k cache). All of a step's rows are requested from the pool at once, so they are in flight together.
-* Loss and KL are sums over loss tokens here; loop.py divides by the global number of loss tokens.
+* Loss normalisation: the step's loss is the mean over all loss tokens of the GLOBAL batch (every
+  rank's rows): each micro-batch backpropagates `loss_sum * W / n_global` with DeepSpeed's 1/G
+  scaling off (`scale_wrt_gas=False`), and DeepSpeed averages the gradients over the W ranks. So a
+  row weighs by its loss tokens, whatever G, W and the rows' lengths. The returned sums are this
+  rank's; loop.py reduces them and divides by the global number of loss tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from kernels.fused_kl import TeacherTopK, fused_linear_kl_div
 from pipeline.config import ConfigError
 from pipeline.train.config import Stage2Config, TeacherSection
 from pipeline.train.deepspeed_cfg import current_lr, init_engine
-from pipeline.train.loop import WorkerContext, row_to_device
+from pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
 
 
 # ------------------------------------------------------------------------------------ student side
@@ -173,12 +177,12 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage2Task:
     return Stage2Task(engine, student, Teacher.build(cfg, ctx, student.config.vocab_size), cfg)
 
 
-def train_step(task: Stage2Task, rows: list[dict[str, Any]], ctx: WorkerContext) -> dict[str, float]:
+def train_step(task: Stage2Task, rows: list[dict[str, Any]], ctx: WorkerContext) -> StepResult:
     """One optimiser step: teacher -> student -> fused KL (+ CE) -> backward, over this rank's rows."""
     kd, engine = task.cfg.kd, task.engine
     n_global = ctx.all_sum([float(sum(int(r["loss_mask"].sum()) for r in rows))])[0]
     scale = ctx.world_size / max(n_global, 1.0)
-    ctx.extras["lr"] = current_lr(engine)
+    lr = current_lr(engine)
     out = {"loss_sum": 0.0, "kl_sum": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
     for i, (row, teacher) in enumerate(zip(rows, task.teacher.for_rows(rows))):
         b = row_to_device(row, ctx.device)
@@ -186,12 +190,14 @@ def train_step(task: Stage2Task, rows: list[dict[str, Any]], ctx: WorkerContext)
         loss = kd.kl_weight * kl + kd.ce_weight * ce
         engine.backward(loss * scale, scale_wrt_gas=False)
         if i == 0:
-            ctx.maybe_fault("mid_step")
+            ctx.hook("mid_step")
         engine.step()
         out["loss_sum"] += float(loss)
         out["kl_sum"] += float(kl)
         out["ce_sum"] += float(ce)
         out["loss_tokens"] += float(b["loss_mask"].sum())
         out["tokens"] += float(b["input_ids"].numel())
-    ctx.extras["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
-    return out
+    return StepResult(out, lr, float(engine.get_global_grad_norm() or 0.0))
+
+
+STAGE = Stage(2, build, train_step)

@@ -1,0 +1,103 @@
+"""What the per-worker loop (loop.py) and the stages (stage1.py, stage2.py) share, so neither imports the other.
+
+Legend: T tokens of a packed row, G micro-batches (rows) per optimiser step on this rank.
+
+    stage = Stage(number, build, train_step)      # each stage module defines one: STAGE
+    task = stage.build(ctx, lr_lambda)            # the DeepSpeed engine and the student it trains
+    result = stage.train_step(task, rows, ctx)    # THE step over this rank's G rows -> StepResult
+
+Design choices:
+* The driver picks the stage and hands it to `loop.train_worker`; a stage knows nothing of the loop
+  (sessions, resume, checkpoints, metrics files) and the loop nothing of a stage's loss.
+* A step returns this rank's sums (the loop reduces them over ranks and divides by the global number
+  of loss tokens) plus the learning rate it trained with and the gradient norm DeepSpeed computed.
+* Hooks: the loop registers callables on the context (fault injection, for the recovery tests); the
+  loop and the step call `ctx.hook(point)` at named points: "mid_step" (after the backward of a step's
+  first micro-batch, before its `engine.step()`) and "after_checkpoint" (once a step's checkpoint is
+  reported).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pipeline.train.config import StageConfig
+from pipeline.train.storage import Loc
+
+Hook = Callable[[str, "WorkerContext"], None]
+
+
+@dataclass
+class WorkerContext:
+    cfg: StageConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+    run_dir: Path
+    grad_accum: int
+    step: int = 0
+    # where the run lives (local directory or URI); run_dir is its local directory or local mirror
+    run: Loc | None = None
+    hooks: list[Hook] = field(default_factory=list)
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def all_max(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def hook(self, point: str) -> None:
+        """Run the registered hooks at the named point of the loop or the step."""
+        for h in self.hooks:
+            h(point, self)
+
+
+@dataclass
+class StepResult:
+    """One optimiser step on one rank: `sums` holds `loss_sum`, the stage's other `*_sum` terms,
+    `loss_tokens` and `tokens` (this rank's, not yet reduced); `lr` is the learning rate of the step,
+    `grad_norm` the global gradient norm DeepSpeed clipped with (0.0 where it computes none)."""
+
+    sums: dict[str, float]
+    lr: float
+    grad_norm: float
+
+
+class Task(Protocol):
+    """What a stage's `build` gives the loop: the engine it checkpoints, the student it consolidates."""
+
+    engine: Any
+    student: torch.nn.Module
+
+
+@dataclass(frozen=True)
+class Stage:
+    number: int
+    build: Callable[[WorkerContext, Callable[[int], float]], Task]
+    train_step: Callable[[Any, list[dict[str, Any]], WorkerContext], StepResult]
+
+
+def row_to_device(row: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """Packed row (numpy) -> [1, T] tensors on `device`; labels = next token within the row."""
+    ids = torch.as_tensor(np.asarray(row["input_ids"]), dtype=torch.long)
+    mask = torch.as_tensor(np.asarray(row["loss_mask"])).bool()
+    labels = torch.roll(ids, -1)
+    return {
+        "input_ids": ids.unsqueeze(0).to(device),
+        "position_ids": torch.as_tensor(np.asarray(row["position_ids"]), dtype=torch.long).unsqueeze(0).to(device),
+        "cu_seqlens": torch.as_tensor(np.asarray(row["cu_seqlens"]), dtype=torch.int32).to(device),
+        "loss_mask": mask.to(device),
+        "labels": labels.to(device),
+    }
