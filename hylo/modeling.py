@@ -197,29 +197,29 @@ class HyLoPreTrainedModel(PreTrainedModel):
             reset()
 
 
+class _CacheOutput(ModelOutput):
+    """`past_key_values`, the name transformers' generation reads, is the output's `cache`."""
+
+    @property
+    def past_key_values(self) -> HyLoCache | None:
+        return self.cache
+
+
 @dataclass
-class HyLoModelOutput(ModelOutput):
+class HyLoModelOutput(_CacheOutput):
     last_hidden_state: torch.Tensor | None = None
     cache: HyLoCache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     mixer_outputs: tuple[torch.Tensor, ...] | None = None
 
-    @property
-    def past_key_values(self) -> HyLoCache | None:
-        return self.cache
-
 
 @dataclass
-class HyLoCausalLMOutput(ModelOutput):
+class HyLoCausalLMOutput(_CacheOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     cache: HyLoCache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     mixer_outputs: tuple[torch.Tensor, ...] | None = None
-
-    @property
-    def past_key_values(self) -> HyLoCache | None:
-        return self.cache
 
 
 class HyLoModel(HyLoPreTrainedModel):

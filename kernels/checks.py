@@ -45,6 +45,18 @@ def check_packed(bad: Bad, cu_seqlens: torch.Tensor | DocBounds, batch: int, T: 
     return doc_bounds(cu_seqlens, T, bad)
 
 
+def check_sequences(bad: Bad, cu_seqlens: torch.Tensor | DocBounds | None, batch: int, T: int,
+                    initial_state: torch.Tensor | None, dims: tuple[str, ...], per_sequence: tuple[int, ...],
+                    ref_name: str, ref_device: torch.device) -> tuple[DocBounds | None, int]:
+    """The packed row's boundaries (None unpacked) and the sequence count (documents when packed, else the
+    batch), with `initial_state` checked against [sequences, *per_sequence] (named `dims`)."""
+    bounds = None if cu_seqlens is None else check_packed(bad, cu_seqlens, batch, T)
+    n = batch if bounds is None else bounds.num_docs
+    if initial_state is not None:
+        check_initial_state(bad, initial_state, dims, (n, *per_sequence), bounds is not None, ref_name, ref_device)
+    return bounds, n
+
+
 def check_initial_state(
     bad: Bad,
     initial_state: torch.Tensor,

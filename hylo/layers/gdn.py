@@ -114,16 +114,10 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias.copy_(default_dt_bias(H))
         self.o_norm.weight.fill_(1.0)
 
-    def forward(
-        self,
-        hidden_states_BTD: torch.Tensor,
-        cu_seqlens: torch.Tensor | DocBounds | None = None,
-        cache: LinearLayerCache | None = None,
-    ) -> torch.Tensor:
+    def forward(self, hidden_states_BTD: torch.Tensor, cu_seqlens: torch.Tensor | DocBounds | None = None,
+                cache: LinearLayerCache | None = None) -> torch.Tensor:
         x_BTD = hidden_states_BTD
-        owner = f"GatedDeltaNet(layer {self.layer_idx})"
-        bounds = check_mixer_input(owner, x_BTD, self.hidden_size, cu_seqlens, cache)
-        pos_T = bounds.positions if bounds is not None else None
+        bounds, pos_T = check_mixer_input(self, x_BTD, cu_seqlens, cache)
         B, T, _ = x_BTD.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
 

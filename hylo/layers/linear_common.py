@@ -20,24 +20,26 @@ from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from hylo.cache import LinearLayerCache
 from kernels.varlen import DocBounds, PackedRowError, doc_bounds
 
 
 def check_mixer_input(
-    owner: str,
+    mixer: nn.Module,
     x_BTD: torch.Tensor,
-    hidden_size: int,
     cu_seqlens: torch.Tensor | DocBounds | None,
     cache: LinearLayerCache | None,
-) -> DocBounds | None:
-    """Validate a linear mixer's forward arguments (`owner` prefixes the errors, e.g.
-    "GatedDeltaNet(layer 3)"); return the packed row's checked boundaries, or None."""
+) -> tuple[DocBounds | None, torch.Tensor | None]:
+    """Validate a linear mixer's forward arguments (errors start with e.g. "GatedDeltaNet(layer 3)");
+    return the packed row's checked boundaries and its positions [T], or (None, None) unpacked."""
+    owner = f"{type(mixer).__name__}(layer {mixer.layer_idx})"
+    hidden_size = mixer.hidden_size
     if x_BTD.dim() != 3 or x_BTD.shape[-1] != hidden_size:
         raise ValueError(f"{owner}: hidden_states must be [B, T, {hidden_size}], got {list(x_BTD.shape)}")
     if cu_seqlens is None:
-        return None
+        return None, None
     B, T, _ = x_BTD.shape
     if cache is not None:
         raise ValueError(f"{owner}: a cache works on unpacked batches; got both cache and cu_seqlens")
@@ -47,7 +49,8 @@ def check_mixer_input(
     def bad(message: str) -> NoReturn:
         raise PackedRowError(f"{owner}: {message}")
 
-    return doc_bounds(cu_seqlens, T, bad)
+    bounds = doc_bounds(cu_seqlens, T, bad)
+    return bounds, bounds.positions
 
 
 def causal_conv_silu(

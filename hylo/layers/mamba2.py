@@ -110,16 +110,10 @@ class Mamba2Mixer(nn.Module):
         self.D.fill_(1.0)
         self.norm.weight.fill_(1.0)
 
-    def forward(
-        self,
-        hidden_states_BTD: torch.Tensor,
-        cu_seqlens: torch.Tensor | DocBounds | None = None,
-        cache: LinearLayerCache | None = None,
-    ) -> torch.Tensor:
+    def forward(self, hidden_states_BTD: torch.Tensor, cu_seqlens: torch.Tensor | DocBounds | None = None,
+                cache: LinearLayerCache | None = None) -> torch.Tensor:
         u_BTD = hidden_states_BTD
-        owner = f"Mamba2Mixer(layer {self.layer_idx})"
-        bounds = check_mixer_input(owner, u_BTD, self.hidden_size, cu_seqlens, cache)
-        pos_T = bounds.positions if bounds is not None else None
+        bounds, pos_T = check_mixer_input(self, u_BTD, cu_seqlens, cache)
         B, T, _ = u_BTD.shape
         H, P, N, G, E = self.num_heads, self.head_dim, self.state_size, self.n_groups, self.intermediate_size
 

@@ -10,7 +10,7 @@ from typing import NoReturn
 
 import torch
 
-from kernels.checks import check_float_tensors, check_initial_state, check_packed, shape_str
+from kernels.checks import check_float_tensors, check_sequences, shape_str
 from kernels.varlen import DocBounds
 
 
@@ -54,11 +54,7 @@ def check_inputs(
     if scale is not None and not scale > 0:
         bad(f"scale must be positive, got {scale}")
 
-    bounds = None if cu_seqlens is None else check_packed(bad, cu_seqlens, B, T)
-    N = B if bounds is None else bounds.num_docs
-    if initial_state is not None:
-        check_initial_state(bad, initial_state, ("N", "H", "K", "V"), (N, H, K, V), bounds is not None,
-                            "q", q.device)
+    bounds, N = check_sequences(bad, cu_seqlens, B, T, initial_state, ("N", "H", "K", "V"), (H, K, V), "q", q.device)
     return B, T, H, K, V, N, bounds
 
 

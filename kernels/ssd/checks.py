@@ -11,7 +11,7 @@ from typing import NoReturn
 
 import torch
 
-from kernels.checks import check_float_tensors, check_initial_state, check_packed, shape_str
+from kernels.checks import check_float_tensors, check_sequences, shape_str
 from kernels.varlen import DocBounds
 
 
@@ -59,11 +59,8 @@ def check_inputs(
     if T == 0 or P == 0 or N == 0 or H == 0 or batch == 0:
         bad(f"empty input: x {shape_str(x)}, B {shape_str(B)}")
 
-    bounds = None if cu_seqlens is None else check_packed(bad, cu_seqlens, batch, T)
-    S = batch if bounds is None else bounds.num_docs
-    if initial_state is not None:
-        check_initial_state(bad, initial_state, ("S", "H", "P", "N"), (S, H, P, N), bounds is not None,
-                            "x", x.device)
+    bounds, S = check_sequences(bad, cu_seqlens, batch, T, initial_state, ("S", "H", "P", "N"), (H, P, N),
+                                "x", x.device)
     return batch, T, H, P, G, N, S, bounds
 
 
