@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED := 1
 # Compiled DeepSpeed ops are cached here between runs.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/hylo/torch_extensions
 
-.PHONY: install demo test lint assets bench constraints
+.PHONY: install demo test test-fast lint assets bench constraints
 
 # torch is not in the lock: an installed torch is kept, otherwise the CPU build 2.13.0 is installed.
 install:
@@ -28,6 +28,12 @@ demo: assets
 test: assets
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q tests
+
+# The edit-run loop (after one `make test` has installed everything): lint and every test not marked
+# `slow`, i.e. none that starts Ray, DeepSpeed, torchrun or a job subprocess or loads the real SmolLM2.
+test-fast:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m pytest -q -m "not slow" tests
 
 lint:
 	$(PYTHON) -m ruff check .

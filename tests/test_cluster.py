@@ -542,6 +542,7 @@ def test_documented_job_submits_set_the_auth_mode():
     assert not missing, "ray job submit without RAY_AUTH_MODE (token for a cluster): " + ", ".join(missing)
 
 
+@pytest.mark.slow
 def test_ray_client_sends_the_token_only_in_token_mode(tmp_path: Path):
     """What the docs rely on, checked on the installed Ray: the job client's HTTP headers carry the
     token from RAY_AUTH_TOKEN only when RAY_AUTH_MODE=token (a fresh process each: the mode is cached)."""

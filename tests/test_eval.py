@@ -463,6 +463,7 @@ def write_local_tasks(root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_lm_eval_simple_evaluate_on_a_local_task(tmp_path, tok, hybrid):
     """A local multiple-choice task through the harness; accuracy equals our own argmax scoring."""
     import lm_eval
@@ -487,6 +488,7 @@ def test_lm_eval_simple_evaluate_on_a_local_task(tmp_path, tok, hybrid):
     assert acc == pytest.approx(ours / len(docs))
 
 
+@pytest.mark.slow
 def test_lm_eval_through_the_registered_name_and_the_hf_backend(saved, tmp_path):
     """simple_evaluate(model="hylo") by name, and lm-eval's own `hf` model loading the saved checkpoint with
     trust_remote_code (transformers' generate() on left-padded batches): the same log-likelihoods."""
@@ -514,6 +516,7 @@ def test_lm_eval_through_the_registered_name_and_the_hf_backend(saved, tmp_path)
     np.testing.assert_allclose(ll["hylo"], ll["hf"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_hylo_lm_eval_command_runs_the_harness_cli(saved, tmp_path):
     """`python -m pipeline.eval.lm_eval_adapter` (the `hylo-lm-eval` console script's code) with `--model hylo`."""
     root = write_local_tasks(tmp_path / "tasks")
@@ -570,6 +573,7 @@ def test_eval_job_writes_json_and_markdown(saved, tmp_path):
     assert not list(out.glob(".*tmp*"))
 
 
+@pytest.mark.slow
 def test_eval_job_runs_lm_eval_with_fewshot_samples_progress_and_card(saved, tmp_path, capsys):
     import shutil
 

@@ -12,6 +12,8 @@ from pipeline.eval.kl import TeacherStateCache, evaluate_kl
 
 from fixtures_train import make_tiny_models
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):

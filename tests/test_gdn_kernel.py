@@ -126,6 +126,7 @@ def test_strong_decay_and_custom_scale_stay_finite():
     compare(run(naive_recurrent_gated_delta_rule, *inputs, scale=0.3), run(chunk_gated_delta_rule, *inputs, scale=0.3))
 
 
+@pytest.mark.slow
 def test_matches_fla_reference():
     """fla's own step-by-step reference (argument order q, k, v, beta, g; fp32 inside) agrees."""
     fla_naive = pytest.importorskip("fla.ops.gated_delta_rule.naive")

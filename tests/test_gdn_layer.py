@@ -192,6 +192,7 @@ def fla_run(tmp_path_factory):
     return ours, inputs, load_file(str(out / "fla_state.safetensors")), load_file(str(out / "fla_out.safetensors"))
 
 
+@pytest.mark.slow
 def test_state_dict_keys_and_shapes_match_fla(fla_run):
     ours, _, fla_state, _ = fla_run
     ours_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
@@ -203,6 +204,7 @@ def test_state_dict_keys_and_shapes_match_fla(fla_run):
         "o_norm.weight", "o_proj.weight"}
 
 
+@pytest.mark.slow
 def test_fla_weights_give_fla_outputs(fla_run):
     _, inputs, fla_state, fla_out = fla_run
     layer = GatedDeltaNet(make_config(), layer_idx=1)
@@ -212,6 +214,7 @@ def test_fla_weights_give_fla_outputs(fla_run):
         assert_close("packed row", fla_out["fla_packed"], layer(inputs["x_packed"], cu_seqlens=inputs["cu"]), 1e-5)
 
 
+@pytest.mark.slow
 def test_our_weights_load_into_fla(fla_run):
     ours, inputs, _, fla_out = fla_run
     with torch.no_grad():

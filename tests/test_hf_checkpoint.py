@@ -85,6 +85,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_automodel_loads_with_trust_remote_code_where_the_project_is_not_installed(base_dir, tmp_path):
     models = {kind: convert(base_dir, tmp_path / kind, kind) for kind in ("gdn", "mamba2")}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

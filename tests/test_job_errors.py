@@ -192,6 +192,7 @@ def _packed_dir(d: Path, split: str, seq_len: int = 64, shards: int = 3) -> Path
     return d
 
 
+@pytest.mark.slow
 def test_convert_job(tmp_path, tiny):
     cfg = tmp_path / "config.json"
     cfg.write_text((tiny["base"] / "config.json").read_text())
@@ -211,6 +212,7 @@ def test_convert_job(tmp_path, tiny):
     assert_input_error(proc, str(base / "model.safetensors"), "truncated")
 
 
+@pytest.mark.slow
 def test_convert_into_a_full_or_read_only_directory(tmp_path, tiny):
     mnt = tmp_path / "mnt"
     proc = run_job(["jobs/convert.py", "--base", str(tiny["base"]), "--out", str(mnt / "hylo"), "--no-calibrate"],
@@ -221,6 +223,7 @@ def test_convert_into_a_full_or_read_only_directory(tmp_path, tiny):
     assert_input_error(proc, f"--out (its parent)={mnt}", "Read-only file system")
 
 
+@pytest.mark.slow
 def test_decontaminate_job(tmp_path):
     cfg = tmp_path / "dc.yaml"
     cfg.write_text("match:\n  ngram: 8\n  mode: cut\nmatch:\n  ngram: 13\n")
@@ -231,6 +234,7 @@ def test_decontaminate_job(tmp_path):
     assert_input_error(proc, str(cfg), "not valid UTF-8")
 
 
+@pytest.mark.slow
 def test_decontaminate_into_a_full_directory(tmp_path):
     mix = tmp_path / "mix.jsonl"
     text = " ".join(f"word{i}" for i in range(200))
@@ -247,6 +251,7 @@ def test_decontaminate_into_a_full_directory(tmp_path):
     assert_input_error(proc, str(mnt / "dc"), "No space left on device")
 
 
+@pytest.mark.slow
 def test_prepare_data_job(tmp_path):
     proc = run_job(["jobs/prepare_data.py", "--config", "configs/data_smoke.yaml", "--set", "packing.close_slack=-1"])
     assert_input_error(proc, "command line", "packing.close_slack=-1: must be >= 0")
@@ -256,6 +261,7 @@ def test_prepare_data_job(tmp_path):
     assert_input_error(proc, f"{cfg} line 3", "packing.max_len")
 
 
+@pytest.mark.slow
 def test_teacher_cache_job(tmp_path, tiny):
     # a missing data directory: one line, before Ray starts (was a traceback after ray.init)
     proc = run_job(["jobs/teacher_cache.py", "--set", f"data={tmp_path / 'nodata'}", "--set", f"out={tmp_path / 'c'}",
@@ -278,6 +284,7 @@ def _stage_config(tiny, tmp_path, stage: int, **sections) -> Path:
     return write_config(cfg, tmp_path / f"stage{stage}.yaml")
 
 
+@pytest.mark.slow
 def test_stage1_job(tmp_path, tiny):
     cfg = _stage_config(tiny, tmp_path, 1)
     proc = run_job(["jobs/stage1.py", "--config", str(cfg), "--set", "train.total_steps=-5"])
@@ -288,6 +295,7 @@ def test_stage1_job(tmp_path, tiny):
     assert not (tmp_path / "runs" / "s1" / "converted").exists()
 
 
+@pytest.mark.slow
 def test_stage2_job(tmp_path, tiny):
     data = _packed_dir(tmp_path / "data", "stage2")
     _truncate(data / "shard-00002.parquet", 200)
@@ -301,6 +309,7 @@ def test_stage2_job(tmp_path, tiny):
     assert_input_error(proc, "kd.kl_weight=-5.0: must be >= 0")
 
 
+@pytest.mark.slow
 def test_eval_job(tmp_path, tiny):
     model = _copy_model(tiny["student"], tmp_path / "student")
     _truncate(model / "model.safetensors", 2000)
@@ -317,6 +326,7 @@ def test_eval_job(tmp_path, tiny):
     assert_input_error(proc, f"out={mnt / 'ev'}", "Read-only file system")
 
 
+@pytest.mark.slow
 def test_place_layers_job(tmp_path):
     proc = run_job(["jobs/place_layers.py", "--n-mla", "0", "--run-dir", str(tmp_path / "p")])
     assert_input_error(proc, "--n-mla")
@@ -325,11 +335,13 @@ def test_place_layers_job(tmp_path):
     assert_input_error(proc, str(tmp_path / "nothing"), "manifest.json")
 
 
+@pytest.mark.slow
 def test_fetch_assets_job():
     proc = run_job(["jobs/fetch_assets.py", "no-such-asset"])
     assert_input_error(proc, "no-such-asset")
 
 
+@pytest.mark.slow
 def test_demo_job(tmp_path):
     proc = run_job(["jobs/demo.py", "--steps", "0", "--run-dir", str(tmp_path / "d")])
     assert_input_error(proc, "--steps")

@@ -99,6 +99,7 @@ def test_swapped_kl_equals_the_full_forward_of_the_mixed_model(models):
     assert len({round(k, 6) for k in kls}) == N_LAYERS  # every layer gives its own score
 
 
+@pytest.mark.slow
 def test_score_layers_through_ray_tasks(models):
     from pipeline.ray_init import ray_running
 
@@ -182,6 +183,7 @@ def test_load_rows_marks_padding_and_rejects_non_packed_dirs(tmp_path):
         load_rows(tmp_path, max_rows=1)
 
 
+@pytest.mark.slow
 def test_place_layers_job_proxy_only(models, tmp_path):
     # The job end to end on the cheap path: converts both students, writes the proxy and the placement.
     from pipeline.data.dataset import ShardWriter, write_manifest

@@ -245,6 +245,7 @@ def test_read_packed_rows_round_trip(env):
         assert (got["input_ids"] == exp["input_ids"]).all() and (got["cu_seqlens"] == exp["cu_seqlens"]).all()
 
 
+@pytest.mark.slow
 def test_ray_job_resumes_after_partial_shards(env, tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "job"

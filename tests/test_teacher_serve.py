@@ -24,6 +24,7 @@ from pipeline.teacher.serve import start_teacher_pool  # noqa: E402
 from fixtures_teacher import make_packed_row, save_tiny_llama  # noqa: E402
 from helpers import assert_topk_matches  # noqa: E402
 
+pytestmark = pytest.mark.slow
 VOCAB = 96
 BUDGET = 64
 

@@ -96,6 +96,7 @@ def test_missing_package_is_one_clear_error_at_config_load(monkeypatch, key, mod
         load_stage_config(2, DEMO, [key])
 
 
+@pytest.mark.slow
 def test_missing_package_stops_the_job_with_one_error_line():
     # the job as a user runs it, with mlflow made unimportable whatever this machine has installed
     code = ("import runpy, sys; sys.modules['mlflow'] = None; sys.argv = sys.argv[1:]; "

@@ -383,6 +383,7 @@ def test_demo_config_loads_for_both_stages():
     assert s1.ray.num_workers == s2.ray.num_workers == 2 and s2.teacher.source == "inprocess"
 
 
+@pytest.mark.slow
 def test_teacher_sources_give_the_same_targets(tmp_path):
     """In-process top-k, the offline cache and the Serve pool (a fake handle) agree row by row."""
     from types import SimpleNamespace

@@ -166,6 +166,7 @@ def test_packed_row_equals_documents_one_by_one():
             torch.testing.assert_close(out[:, s:e], alone, atol=1e-9, rtol=1e-9)
 
 
+@pytest.mark.slow
 def test_cached_decoding_equals_full_forward_and_cache_sizes():
     model = _hybrid()
     torch.manual_seed(2)
