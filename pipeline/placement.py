@@ -2,7 +2,7 @@
 
 Legend: L layers, T tokens of a packed row, N scored tokens of a row, D hidden size.
 
-The measured score (Zebra-Llama's SMART method; design.md section 1): take the all-linear student and the
+The measured score (Zebra-Llama's SMART layer-selection method): take the all-linear student and the
 all-MLA student of the same base, both after a short stage 1. For each layer i, switch layer i of the
 all-linear student to the all-MLA student's layer i and measure KL(base || student) on held-out rows;
 the score is how much the KL drops:

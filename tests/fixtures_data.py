@@ -200,7 +200,7 @@ EVAL_SUITES = ("arc_easy", "arc_challenge", "hellaswag", "openbookqa", "piqa", "
 
 
 def write_eval_suites(root: str | Path, n: int = 6, seed: int = 1) -> dict[str, list[dict[str, Any]]]:
-    """`root/evals/<suite>.jsonl` for every suite of design.md section 6 (RULER has no fixed items)."""
+    """`root/evals/<suite>.jsonl` for every evaluation suite of the recipes (RULER has no fixed items)."""
     rng = random.Random(seed)
     d = Path(root) / "evals"
     d.mkdir(parents=True, exist_ok=True)

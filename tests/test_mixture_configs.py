@@ -52,7 +52,7 @@ def test_stage_configs_share_one_mixture_and_one_decontamination():
         assert c["packing"]["max_len"] == {"stage1": 2048, "stage2": 65536}[s]
     names = [s["name"] for s in ref["mixture"]["sources"]]
     assert names == ["sftdatasetv3", "openmathinstruct2", "openthoughts", "openr1_math", "chatqa2_long_sft"]
-    # Every suite of design.md section 6 that has fixed items, from a local file.
+    # Every evaluation suite (pipeline.data.decontam.SUITES) that has fixed items, from a local file.
     assert [b["name"] for b in ref["decontam"]["benchmarks"]] == list(EVAL_SUITES)
     assert all(b["path"].startswith("/mnt/hylo/evals/") for b in ref["decontam"]["benchmarks"])
 

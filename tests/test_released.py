@@ -468,7 +468,7 @@ def test_each_recipe_builds_exactly_the_cards_model(recipe):
     assert hcfg.max_position_embeddings == 65536
 
 
-# design.md §1: every released model's KV-cache fraction with the recipes' shapes
+# The model cards: every released model's KV-cache fraction with the recipes' shapes
 RELEASED_KV = [
     ("llama-3.2-1b-8mla8gdn-64k", "uniform:4", 0.039),      # HyLo-Llama 4MLA12GDN
     ("llama-3.2-1b-8mla8gdn-64k", "even", 0.078),           # 8MLA8GDN

@@ -128,7 +128,7 @@ class DecontamJobConfig:
             raise ValueError(f"benchmarks: duplicate suite names {suites}")
 
 
-# The suites of design.md section 6 (hub name, config, split, fields, id) and the built-in one.
+# The evaluation suites of the HyLo papers (hub name, config, split, fields, id) and the built-in one.
 # RULER is generated synthetically at evaluation time; it has no fixed items to index.
 SUITES: dict[str, BenchmarkSpec] = {
     b.name: b

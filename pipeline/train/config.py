@@ -4,7 +4,7 @@
 
 Design choices:
 * One tree per stage (`Stage1Config`, `Stage2Config`) sharing every section except the loss:
-  `ild` for stage 1 (Enhanced-ILD), `teacher` + `kd` for stage 2. Defaults follow design.md §1
+  `ild` for stage 1 (Enhanced-ILD), `teacher` + `kd` for stage 2. Defaults follow the HyLo recipe
   (stage 1: context 2,048, lr 2e-4, the 20 % split; stage 2: context 65,536, lr 4e-5, global batch 8
   sequences, 1 epoch, warm-up ratio 0.01, kl_weight 1, ce_weight 0).
 * A YAML file may hold both stages under `stage1:` / `stage2:` keys plus shared top-level sections;
