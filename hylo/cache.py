@@ -30,7 +30,29 @@ NOT_CROPPABLE = ("a HyLo cache cannot be cropped or rolled back (linear layers k
                  "entries): assisted / speculative decoding and prompt-lookup decoding are not supported")
 
 
-class MLALayerCache:
+class _LayerInterface:
+    """What transformers' Cache asks of every layer and is the same for both kinds: no compiling,
+    cropping or sliding window, no offloading, no length limit."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(NOT_CROPPABLE)
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+class MLALayerCache(_LayerInterface):
     """Latent + roped key of every cached token in one preallocated buffer `kv_BCX` (X = R + P).
 
     The buffer holds `[c_kv | k_pe]` per token, the layout the decode path attends over (one key/value
@@ -90,16 +112,8 @@ class MLALayerCache:
         return 0 if self.buf is None else self.buf.shape[0] * self.length * self.buf.shape[2] * self.buf.element_size()
 
     # ---- the layer interface transformers' Cache calls (beam search, batch expansion, reset)
-    is_compileable = False
-    is_croppable = False
-    is_sliding = False
-    supports_early_init = False
-
     def get_seq_length(self) -> int:
         return self.length
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search: row i takes row beam_idx[i]. In place on the cached part; the capacity is kept."""
@@ -125,18 +139,9 @@ class MLALayerCache:
     def reset(self) -> None:
         self.length = 0
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(NOT_CROPPABLE)
-
-    def offload(self) -> None:
-        pass
-
-    def prefetch(self) -> None:
-        pass
-
 
 @dataclass
-class LinearLayerCache:
+class LinearLayerCache(_LayerInterface):
     """Recurrent state plus short-conv windows, keyed by name (e.g. 'q', 'k', 'v' for GDN)."""
 
     state: torch.Tensor | None = None
@@ -154,16 +159,8 @@ class LinearLayerCache:
         return out + list(self.conv.values())
 
     # ---- the layer interface transformers' Cache calls
-    is_compileable = False
-    is_croppable = False
-    is_sliding = False
-    supports_early_init = False
-
     def get_seq_length(self) -> int:
         return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
 
     def _apply(self, fn) -> None:
         if self.state is not None:
@@ -181,15 +178,6 @@ class LinearLayerCache:
 
     def reset(self) -> None:
         self.state, self.conv, self.seen = None, {}, 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(NOT_CROPPABLE)
-
-    def offload(self) -> None:
-        pass
-
-    def prefetch(self) -> None:
-        pass
 
 
 class HyLoCache(Cache):

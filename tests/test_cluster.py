@@ -38,6 +38,17 @@ DOC_FILES = sorted([*REPO.glob("README.md"), *(REPO / "docs").glob("*.md")])
 
 
 # ------------------------------------------------------------------------------------------ schema
+def _split_commands(tokens: list[str], separators: tuple[str, ...]) -> list[list[str]]:
+    """A shell line's tokens split into its chained commands (at `separators`), each checked on its own."""
+    segments: list[list[str]] = [[]]
+    for tok in tokens:
+        if tok in separators:
+            segments.append([])
+        else:
+            segments[-1].append(tok)
+    return segments
+
+
 def ray_validate(config: dict) -> dict:
     """What `ray up` runs on a cluster file before contacting any node; returns the filled config."""
     from ray.autoscaler._private.util import prepare_config, validate_config
@@ -367,14 +378,7 @@ def parse_doc_commands(doc: str, text: str) -> list[DocCommand]:
             except ValueError as e:
                 raise AssertionError(f"{doc}:{line_no}: cannot split command ({e}): {line}") from None
             # a line may chain commands; each segment is checked separately
-            segments, cur = [], []
-            for tok in tokens:
-                if tok in ("&&", "||", ";", "|"):
-                    segments.append(cur)
-                    cur = []
-                else:
-                    cur.append(tok)
-            segments.append(cur)
+            segments = _split_commands(tokens, ("&&", "||", ";", "|"))
             for seg in segments:
                 for j, tok in enumerate(seg[:-1]):
                     if re.fullmatch(r"python3?", Path(tok).name) and re.fullmatch(r"jobs/\w+\.py", seg[j + 1]):
@@ -498,14 +502,7 @@ def documented_job_submits(text: str) -> list[tuple[int, str | None]]:
                 tokens = shlex.split(line, comments=True)
             except ValueError:
                 continue
-            segments, cur = [], []
-            for tok in tokens:
-                if tok in ("&&", "||", ";", "|", "&"):
-                    segments.append(cur)
-                    cur = []
-                else:
-                    cur.append(tok)
-            segments.append(cur)
+            segments = _split_commands(tokens, ("&&", "||", ";", "|", "&"))
             for seg in segments:
                 assigns = {}
                 while seg and re.fullmatch(r"\w+=.*", seg[0]):

@@ -33,17 +33,11 @@ from pipeline.eval.decode import EvalError, cache_nbytes, greedy_decode
 from pipeline.eval.kl import evaluate_kl, iter_eval_rows
 from pipeline.eval.lm_eval_adapter import Scorer
 
+from helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
+
 REPO = Path(__file__).resolve().parents[1]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny_tokenizer():

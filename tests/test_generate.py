@@ -23,15 +23,9 @@ from transformers.generation.streamers import BaseStreamer
 from hylo.cache import HyLoCache
 from hylo.upcycle import upcycle
 
+from helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
+
 PAD, BOS, EOS = 0, 1, 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

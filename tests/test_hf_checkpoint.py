@@ -21,13 +21,7 @@ from hylo.io import load_hylo, save_hylo
 from hylo.modeling import HyLoForCausalLM
 from hylo.upcycle import upcycle
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 
 def word_tokenizer():
