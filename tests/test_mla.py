@@ -148,6 +148,8 @@ def test_incremental_decode_matches_full_forward(variant: str, prefill: int) -> 
 @pytest.mark.parametrize("variant", ["qlora-none", "bias", "v-gt-e", "v-lt-e", "yarn", "kv-b-per-kv", *QK_NORM])
 def test_absorbed_latent_path_equals_decompressed_path(variant: str) -> None:
     layer = make_layer(**VARIANTS[variant])
+    # with the q/k norm a prompt on an empty cache would take the decompressed path: force the latent one
+    layer.decompressed_prefill = False
     torch.manual_seed(4)
     x_BTD = torch.randn(3, 9, 32, dtype=torch.float64)
     pos = torch.randint(0, 100, (3, 9))
@@ -224,16 +226,17 @@ def test_qk_norm_follows_qwen3_math_in_both_paths(variant: str) -> None:
     with torch.no_grad():
         ref = _reference_qk_norm_attention(layer, x_BTD)
         assert_close(layer(x_BTD), ref)
-        cache = MLALayerCache()
-        steps = [layer(x_BTD[:, :4], cache=cache)] + [layer(x_BTD[:, t:t + 1], cache=cache) for t in range(4, 9)]
-        assert_close(torch.cat(steps, dim=1), ref)
+        for layer.decompressed_prefill in (True, False):
+            cache = MLALayerCache()
+            steps = [layer(x_BTD[:, :4], cache=cache)] + [layer(x_BTD[:, t:t + 1], cache=cache) for t in range(4, 9)]
+            assert_close(torch.cat(steps, dim=1), ref)
         # guards: the norms act (a scaled query or key changes nothing but what eps does), their weights count
         plain = make_layer(**{**VARIANTS[variant], "mla_qk_norm": False})
         plain.load_state_dict({k: v for k, v in layer.state_dict().items() if "_norm." not in k or "_a_" in k})
         assert (plain(x_BTD) - ref).abs().max() > 1e-2
         layer.k_norm.weight[0] += 0.5
         assert (layer(x_BTD) - ref).abs().max() > 1e-4
-        assert (torch.cat([layer(x_BTD[:, :4], cache=MLALayerCache())], 1) - ref[:, :4]).abs().max() > 1e-4
+        assert (layer(x_BTD[:, :4], cache=MLALayerCache()) - ref[:, :4]).abs().max() > 1e-4
 
 
 def test_qk_norm_parameter_names_and_plain_rmsnorm_when_ungrouped() -> None:
@@ -292,16 +295,19 @@ def test_qk_norm_padded_batch_and_bf16() -> None:
     mask[0, :3] = False
     with torch.no_grad():
         full = layer(x_BTD, attention_mask=mask)
-        cache = MLALayerCache()
-        steps = [layer(x_BTD[:, :5], cache=cache, attention_mask=mask[:, :5])]
-        steps += [layer(x_BTD[:, t:t + 1], cache=cache, attention_mask=mask[:, :t + 1]) for t in range(5, 8)]
-        assert_close(torch.cat(steps, dim=1)[:, 3:], full[:, 3:])
+        # the prompt through the decompressed prefill, then through the latent path itself
+        for layer.decompressed_prefill in (True, False):
+            cache = MLALayerCache()
+            steps = [layer(x_BTD[:, :5], cache=cache, attention_mask=mask[:, :5])]
+            steps += [layer(x_BTD[:, t:t + 1], cache=cache, attention_mask=mask[:, :t + 1]) for t in range(5, 8)]
+            assert_close(torch.cat(steps, dim=1)[:, 3:], full[:, 3:])
         assert_close(full[0, 3:], layer(x_BTD[:1, 3:], position_ids=torch.arange(3, 8)[None])[0])
         # bf16 stays close to fp32 on both paths (the norms compute in fp32)
         layer32 = make_layer(dtype=torch.float32, **VARIANTS["qk-norm-kv-b-per-kv"])
         x32 = x_BTD.float()
         ref = layer32(x32)
         layer16 = layer32.to(torch.bfloat16)
+        layer16.decompressed_prefill = False
         assert_close(layer16(x32.bfloat16()).float(), ref, tol=3e-2)
         assert_close(layer16(x32.bfloat16(), cache=MLALayerCache()).float(), ref, tol=3e-2)
 

@@ -33,7 +33,9 @@ Design choices:
   rebuilds, so the cache also holds one key 1/RMS per kv_b head and token (computed when the token is
   written); k_norm's nope weight moves to the query side (q . (w k) == (w q) . k), its rope weight is
   applied to the shared k_pe before RoPE and cached with it, and the 1/RMS multiplies each head's scores.
-  Per-key score factors do not fit SDPA, so that latent path runs an explicit softmax over query chunks.
+  Per-key score factors do not fit SDPA, so that latent path runs an explicit softmax over query chunks;
+  a prompt on an empty cache (prefill) writes the cache and attends through the decompressed path instead
+  (fused SDPA, the same result).
 
 Legend: B batch, T new tokens, S cached + new tokens, D hidden, H heads, N d_nope, P d_rope (rotary),
 E d_nope + d_rope, V d_v, R kv_lora_rank, Q q_lora_rank.
@@ -293,6 +295,8 @@ class MLAttention(nn.Module):
 
     # scores materialised at once by the q/k-norm latent path: query chunks keep B * H * chunk * S below this
     SCORE_CHUNK_ELEMENTS = 1 << 24
+    # with the q/k norm, a multi-token prompt on an empty cache attends through the decompressed path (SDPA)
+    decompressed_prefill = True
 
     def _attend_latent_normed(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
                               k_pe_BTP: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: MLALayerCache,
@@ -309,8 +313,9 @@ class MLAttention(nn.Module):
         # the new tokens' key 1/RMS per kv_b head needs their nope keys once; cached, never rebuilt
         k_nope_BTGN = torch.einsum("btr,gnr->btgn", c_kv_BTR, w_uk_GNR)
         inv_BTG = self.k_norm.inv_rms(k_nope_BTGN, k_pe_BTP.unsqueeze(2))
-        k_pe_BTP = apply_rotary(w[N:] * k_pe_BTP, cos_BTP, sin_BTP)
-        kv_BSX = cache.update(c_kv_BTR, k_pe_BTP, inv_BTG.to(c_kv_BTR.dtype))
+        kv_BSX = cache.update(c_kv_BTR, apply_rotary(w[N:] * k_pe_BTP, cos_BTP, sin_BTP), inv_BTG.to(c_kv_BTR.dtype))
+        if past == 0 and T > 1 and self.decompressed_prefill:
+            return self._attend_decompressed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, rope, None, keep_BS)
         S = kv_BSX.shape[1]
         key_BSX = kv_BSX[..., : R + P]
         inv_BHS = kv_BSX[..., R + P:].transpose(1, 2).repeat_interleave(H // G, dim=1)
