@@ -326,7 +326,9 @@ def hybrid_config_from_base(base_cfg: Any, options: ConvertConfig | None = None,
         if rank is not None and rank > d_model:
             raise UpcycleError(f"{name} ({_flag(name)}) = {rank} is larger than the hidden size {d_model}: a latent "
                                f"cannot hold more than its input (allowed: 8..{d_model})")
-    # an MLA layer that caches more per token than the attention it replaces defeats its purpose
+    # an MLA layer that caches more per token than the attention it replaces defeats its purpose (the key
+    # 1/RMS values of a Qwen3 base's q/k norms, one per kv_b head, are left out: the full-rank conversion
+    # that keeps every RoPE pair, and so reproduces the base, caches exactly 2 x G x K plus them)
     if r_kv + d_rope > 2 * g * dh:
         raise UpcycleError(
             f"kv_lora_rank + qk_rope_head_dim = {r_kv} + {d_rope}: an MLA layer would cache {r_kv + d_rope} values "
