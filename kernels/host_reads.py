@@ -33,7 +33,9 @@ def _is_host_read(name: str, args: tuple, kwargs: dict) -> bool:
     if name in HOST_READ_METHODS or name in SIZED_BY_VALUES:
         return True
     if name == "to":
-        return any(str(a) == "cpu" for a in (*args[1:], *kwargs.values()))
+        # a copy to the host; on CPU tensors `.to("cpu")` is a no-op, not counted
+        on_host = isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"
+        return not on_host and any(str(a) == "cpu" for a in (*args[1:], *kwargs.values()))
     if name == "repeat_interleave":
         return kwargs.get("output_size") is None and len(args) > 1 and isinstance(args[1], torch.Tensor)
     if name == "__getitem__" and len(args) > 1:
