@@ -9,7 +9,7 @@ device has finished all queued work, so the host stops running ahead of the devi
   cost nothing, but the same Python code makes the same calls on a GPU, so a CPU test of the count is
   a test of the GPU code path (calls inside C++ kernels are not seen: `cuda_sync_log` covers those).
 * `cuda_sync_log` (CUDA only): `torch.cuda.set_sync_debug_mode("warn")` around the region; every
-  synchronising CUDA call, from Python or C++, warns once, and the warnings are collected.
+  synchronising CUDA call, from Python or C++, warns, and the warnings are collected.
 
 Both are diagnostics for tests and `bench/gpu_check.py`; nothing in the training path uses them.
 """
