@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED := 1
 # Compiled DeepSpeed ops are cached here between runs.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/hylo/torch_extensions
 
-.PHONY: install demo test test-fast lint assets bench constraints
+.PHONY: install demo test test-fast lint assets bench constraints gpu-check
 
 # torch is not in the lock: an installed torch is kept, otherwise the CPU build 2.13.0 is installed.
 install:
@@ -37,3 +37,10 @@ test-fast:
 
 lint:
 	$(PYTHON) -m ruff check .
+
+# One prepared check of every GPU path at the released shapes (README "GPU"): on a GPU machine,
+# `make gpu-check OUT=folder` writes folder/gpu_check.json and folder/gpu_check.md. Installs nothing:
+# the machine's own torch/triton/transformers plus the carried wheels (README).
+OUT ?= gpu-check
+gpu-check:
+	$(PYTHON) bench/gpu_check.py --out $(OUT)

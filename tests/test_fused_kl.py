@@ -398,3 +398,97 @@ def test_bad_input_is_a_clear_error(torch_path, build, match):
         # The reference checks the same things (it has no chunk_size argument).
         with pytest.raises(ValueError, match=f"naive_kl_div: .*{match}"):
             naive_kl_div(hidden, weight, **kwargs)
+
+
+# ------------------------------------------------------------------ the accelerator's rule: no host read
+# `deferred_checks()` applies to CPU tensors what device tensors always get (inputs.reads_are_free):
+# value checks become device flags, masked rows are zeroed rather than selected, no value is read back.
+from kernels.fused_kl.inputs import check_deferred, deferred_checks  # noqa: E402
+from kernels.host_reads import HostReadLog  # noqa: E402
+
+
+@pytest.fixture
+def no_pending():
+    check_deferred()
+    yield
+    check_deferred()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_the_gpu_rule_reads_nothing_back_and_matches_naive(request, path, form, variant, no_pending):
+    # the fused KL's forward AND backward under the accelerator's rule: zero host reads, the same
+    # loss and gradients as the reference, and every deferred flag passes
+    request.getfixturevalue(f"{path}_path")
+    masked, temperature, reduction = VARIANTS[variant]
+    hidden, weight, teacher, mask = make_case(torch.float32, form, masked)
+    ref = naive_kl_div(hidden, weight, mask=mask, temperature=temperature, reduction=reduction, **teacher)
+    ref_grads = torch.autograd.grad(ref, [hidden, weight])
+    with deferred_checks(), HostReadLog() as log:
+        out = fused_linear_kl_div(hidden, weight, mask=mask, temperature=temperature, reduction=reduction,
+                                  chunk_size=CHUNK, **teacher)
+        # grad_output != 1 exercises the in-place scaling of the stored gradients
+        out_grads = torch.autograd.grad(out * 3.0, [hidden, weight])
+    assert log.reads == [], f"{len(log.reads)} host reads in the fused KL's step: {log.reads}"
+    check_deferred()
+    assert_close("loss", ref, out, TOL[torch.float32])
+    for name, r, o in zip(("d_hidden", "d_weight"), ref_grads, out_grads):
+        assert_close(name, 3.0 * r, o, TOL[torch.float32])
+
+
+def test_the_host_read_log_sees_the_cpu_rule_reads(torch_path, no_pending):
+    # guards the test above: the CPU rule (masked rows selected, checks at once) does read values
+    hidden, weight, teacher, mask = make_case(torch.float32, "topk_tail", True)
+    with HostReadLog() as log:
+        fused_linear_kl_div(hidden, weight, mask=mask, chunk_size=CHUNK, **teacher).backward()
+    names = {name for name, _ in log.reads}
+    assert {"__int__", "nonzero", "__bool__"} <= names, log.reads
+
+
+# (case id of _bad_cases, what the deferred error says): the value checks, whose words lose the row
+DEFERRED_WORDS = {
+    "teacher-hidden-nan": "teacher_hidden contains NaN or inf",
+    "teacher-weight-inf": "teacher_weight contains NaN or inf",
+    "topk-index-high": "teacher_topk.indices out of range: vocab size is 50",
+    "topk-index-negative": "teacher_topk.indices out of range",
+    "topk-duplicate": "teacher_topk.indices has duplicate ids in a row",
+    "topk-logprobs-nan": "teacher_topk.logprobs contains NaN or \\+inf",
+    "topk-logprobs-inf": "teacher_topk.logprobs contains NaN or \\+inf",
+    "topk-tail-nan": "tail_logmass contains NaN or \\+inf",
+    "topk-no-mass": "teacher_topk has a row with no probability mass",
+    "mask-values": "mask must hold only 0 and 1",
+    "fn-nan": "teacher_logits_fn\\(0, \\d+\\) output contains NaN or \\+inf",
+    "fn-all-neg-inf": "teacher_logits_fn\\(0, \\d+\\) output has a row that is all -inf",
+}
+
+
+@pytest.mark.parametrize("build, words", [pytest.param(p.values[0], DEFERRED_WORDS[p.id], id=p.id)
+                                          for p in _bad_cases() if p.id in DEFERRED_WORDS])
+def test_bad_values_are_flagged_on_the_device_and_raised_by_check_deferred(torch_path, build, words, no_pending):
+    # out-of-range ids are clamped until the flag is read, so the step itself cannot fault
+    kwargs = build()
+    hidden, weight = kwargs.pop("student_hidden"), kwargs.pop("student_weight")
+    with deferred_checks(), HostReadLog() as log:
+        fused_linear_kl_div(hidden, weight, chunk_size=CHUNK, **kwargs)
+    assert log.reads == []
+    with pytest.raises(ValueError, match=f"fused_linear_kl_div: .*{words}"):
+        check_deferred()
+    check_deferred()  # the flags were consumed: nothing is raised twice
+
+
+def test_the_teacher_lm_head_is_scanned_once_per_version(torch_path, no_pending, monkeypatch):
+    import kernels.fused_kl.inputs as inputs
+
+    hidden, weight, teacher, _ = make_case(torch.float32, "hidden", False)
+    scans = []
+    real = torch.aminmax
+    monkeypatch.setattr(inputs.torch, "aminmax", lambda x, **kw: scans.append(x.shape) or real(x, **kw))
+    for _ in range(3):
+        fused_linear_kl_div(hidden.detach(), weight.detach(), chunk_size=CHUNK, **teacher)
+    # the teacher's hidden states every call, its LM head [V, H'] the first time only
+    assert scans.count((V, H_T)) == 1 and scans.count((N, H_T)) == 3, scans
+    # an in-place change (a new version) is checked again, and caught
+    teacher["teacher_weight"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="teacher_weight contains NaN or inf"):
+        fused_linear_kl_div(hidden.detach(), weight.detach(), chunk_size=CHUNK, **teacher)

@@ -9,8 +9,9 @@ Design choices:
   `q_proj` bias-free; here one switch covers all three, which is what an upcycled biased base needs).
 * Two attention paths, chosen by whether a cache is given:
   - training / scoring (no cache): K/V are decompressed through `kv_b_proj` and fed to
-    `scaled_dot_product_attention`. Packed rows (`cu_seqlens`, B == 1) run one causal SDPA call per
-    document, so no [T, T] block-diagonal mask is ever built and documents never see each other. The
+    `scaled_dot_product_attention`. Packed rows (`cu_seqlens`, B == 1) run causal SDPA per document,
+    documents of similar length batched into one call (`kernels.packed_sdpa`), so no [T, T]
+    block-diagonal mask is ever built and documents never see each other. The
     documents are sliced with the host ints of the model's `kernels.varlen.DocBounds` (a tensor given to
     the layer alone is checked here, under the same rule), so the layer never reads the device.
   - generation (cache): only the normalised latent `c_kv` and the roped shared `k_pe` are cached. The
@@ -52,6 +53,7 @@ from torch import nn
 from hylo.cache import MLALayerCache
 from hylo.layers.norm import HeadRMSNorm, RMSNorm
 from hylo.layers.rope import RotaryEmbedding, apply_rotary, mla_softmax_scale
+from kernels.packed_sdpa import packed_causal_sdpa
 from kernels.varlen import DocBounds, doc_bounds
 
 
@@ -244,13 +246,8 @@ class MLAttention(nn.Module):
             o_BHTX = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTV, is_causal=True,
                                                     scale=self.softmax_scale)
         else:
-            # one causal call per document: block-diagonal attention without a [T, T] mask
-            outs = []
-            for s, e in zip(cu[:-1], cu[1:]):
-                outs.append(F.scaled_dot_product_attention(
-                    q_BHTE[:, :, s:e], k_BHTE[:, :, s:e], v_BHTV[:, :, s:e], is_causal=True,
-                    scale=self.softmax_scale))
-            o_BHTX = torch.cat(outs, dim=2)
+            # block-diagonal causal attention without a [T, T] mask (kernels/packed_sdpa.py)
+            o_BHTX = packed_causal_sdpa(q_BHTE, k_BHTE, v_BHTV, cu, scale=self.softmax_scale)
         return o_BHTX[..., :V].transpose(1, 2)
 
     def _absorbed_weights(self, per_query_head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,11 @@ Design choices:
   the [C, V] buffers are allocated once per call and reused by every chunk (`Workspace`), which on CPU
   saves re-faulting ~100 MB of fresh pages per chunk.
 * Teacher tensors never get gradients; gradients are computed only for inputs that require them.
+* No host read on an accelerator (`inputs.reads_are_free`): there value checks are deferred device
+  flags, masked rows are zeroed by multiplication instead of being selected (selecting them needs
+  their count on the host), "mean" divides by the device count of unmasked tokens at the end, and
+  backward scales the stored gradients in place instead of testing grad_output == 1. On CPU the
+  reads are free: masked rows are dropped before any logits are computed.
 
 Legend: N tokens, C rows in a chunk, H student hidden, H' teacher hidden, V vocabulary, k top-k width,
 B = k + 1 teacher buckets (top-k plus tail). Temperature convention and math: README.md.
@@ -28,7 +33,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from kernels.backend import use_gpu_kernels
-from kernels.fused_kl.inputs import LogitsFn, Teacher, check_inputs, check_teacher_logits
+from kernels.fused_kl.inputs import LogitsFn, Teacher, check_inputs, check_teacher_logits, reads_are_free
 from kernels.fused_kl.naive import compute_dtype
 from kernels.fused_kl.topk import TeacherTopK
 
@@ -136,6 +141,15 @@ class _FusedLinearKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
+        if not reads_are_free(grad_loss.device):
+            # No host read of grad_loss: the stored gradients are scaled in place (they are ours and
+            # used once), so a second backward through the same graph would scale them twice.
+            if getattr(ctx, "consumed", False):
+                raise RuntimeError("fused_linear_kl_div: backward through the same loss twice is not supported")
+            ctx.consumed = True
+            return tuple(
+                None if not has else g.mul_(grad_loss.to(g.dtype)) for has, g in zip(ctx.has_grad, (grad_hidden, grad_weight))
+            ) + (None,)
         # The usual grad_loss is exactly 1: hand the stored gradients over without a [V, H] copy.
         unit = bool(grad_loss == 1)
         out = []
@@ -172,16 +186,26 @@ def _forward_backward(
     need_grad = want_grad_hidden or want_grad_weight
     loss = torch.zeros((), dtype=cdtype, device=device)
 
-    n_valid = n_rows if options.mask is None else int(options.mask.sum())
+    # select_rows: drop masked rows (CPU); else keep every row and zero the masked ones (no host read)
+    select_rows = reads_are_free(device)
+    mask = options.mask
+    n_valid_dev = None
+    if mask is None:
+        n_valid = n_rows
+    elif select_rows:
+        n_valid = int(mask.sum())
+    else:
+        n_valid, n_valid_dev = n_rows, mask.sum().clamp(min=1).to(cdtype)
     if n_valid == 0:
         return loss, _cast(grad_hidden_NH, student_hidden), _cast(grad_weight_VH, student_weight)
-    scale = 1.0 / n_valid if options.reduction == "mean" else 1.0
+    # with a device count the "mean" division comes at the end
+    scale = 1.0 / n_valid if options.reduction == "mean" and n_valid_dev is None else 1.0
     # d(loss)/d(student logits) = scale / T * (q - p): the 1/T comes from logits / T.
     grad_scale = scale * options.inv_temp
     dense_step, topk_step = _chunk_steps(options.use_triton)
     workspace = Workspace(min(options.chunk_size, n_rows), vocab, cdtype, device)
 
-    for rows, teacher_CV in _chunks(student_hidden, options, n_rows, vocab):
+    for rows, teacher_CV in _chunks(student_hidden, options, n_rows, vocab, select_rows):
         hidden_CH = _rows(student_hidden, rows).detach().to(cdtype)
         n_chunk = hidden_CH.shape[0]
         logits_CV = torch.mm(hidden_CH, weight_VH.t(), out=workspace.get("student", n_chunk))
@@ -204,8 +228,11 @@ def _forward_backward(
                 teacher_CV = workspace.get("teacher", n_chunk).copy_(teacher_CV)
                 owned = True
             kl_C = dense_step(logits_CV, teacher_CV, owned, grad_scale, options.inv_temp, need_grad, workspace)
-        loss += kl_C.sum() * scale
+        keep_C = None if mask is None or select_rows else _rows(mask, rows).to(cdtype)
+        loss += (kl_C.sum() if keep_C is None else kl_C @ keep_C) * scale
         if need_grad:
+            if keep_C is not None:
+                logits_CV.mul_(keep_C.unsqueeze(1))
             # logits_CV now holds d(loss)/d(logits) for these rows.
             if grad_hidden_NH is not None:
                 if isinstance(rows, slice):
@@ -215,6 +242,11 @@ def _forward_backward(
             if grad_weight_VH is not None:
                 grad_weight_VH.addmm_(logits_CV.t(), hidden_CH)
         del logits_CV, teacher_CV
+    if n_valid_dev is not None and options.reduction == "mean":
+        loss /= n_valid_dev
+        for g in (grad_hidden_NH, grad_weight_VH):
+            if g is not None:
+                g.div_(n_valid_dev)
     return loss, _cast(grad_hidden_NH, student_hidden), _cast(grad_weight_VH, student_weight)
 
 
@@ -242,11 +274,13 @@ def _cast(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
 
 
 def _chunks(
-    student_hidden: torch.Tensor, options: _Options, n_rows: int, vocab: int
+    student_hidden: torch.Tensor, options: _Options, n_rows: int, vocab: int, select_rows: bool = True
 ) -> Iterator[tuple[slice | torch.Tensor, torch.Tensor | None]]:
-    """Yield (rows, streamed teacher logits or None): rows is a slice, or an index tensor under a mask."""
+    """Yield (rows, streamed teacher logits or None): rows is a slice, or an index tensor under a mask.
+
+    Without `select_rows` every row comes as a slice (the caller zeroes the masked ones): no host read."""
     size = options.chunk_size
-    mask = options.mask
+    mask = options.mask if select_rows else None
     if options.teacher.kind == "logits_fn":
         # The callback is defined on contiguous row ranges of the original order: chunk those, then
         # drop masked rows inside each chunk.
@@ -256,7 +290,9 @@ def _chunks(
                 continue
             logits = options.teacher.logits_fn(i, j)
             logits_CV = check_teacher_logits("fused_linear_kl_div", logits, i, j, vocab).detach()
-            if bool(torch.isneginf(logits_CV.amin())):
+            if not select_rows:
+                logits_CV = logits_CV.clamp(min=-1e30)
+            elif bool(torch.isneginf(logits_CV.amin())):
                 # Banned ids: a finite, hugely negative logit has the same zero probability and keeps
                 # 0 * -inf out of the arithmetic.
                 logits_CV = logits_CV.clamp(min=-1e30)

@@ -4,14 +4,26 @@ Every problem becomes a `ValueError` that names the function and the argument (a
 teacher logits, the rows), because these inputs arrive from other processes (the teacher pool, the
 offline top-k cache) where a silent NaN or an off-by-one vocabulary would poison a whole run.
 
+Shapes, dtypes and devices are checked at once. Checks of the VALUES (NaN / inf, index ranges,
+duplicate top-k ids, rows without mass, 0/1 masks) need the values on the host: on CPU tensors that
+read is free and they raise at once, with the offending row or range; on an accelerator each one
+would stop the host until the device catches up (a synchronisation per check, every micro-batch), so
+there they only compute a device flag, and `check_deferred()` reads all pending flags in one go and
+raises the first failed check's error (the training step calls it where it reads its loss anyway;
+at most `MAX_PENDING` flags wait, then the next check reads them). `deferred_checks()` applies the
+accelerator's rule to CPU tensors (tests of the GPU path). The teacher's LM head is the same tensor
+every step: its finiteness is checked once per tensor version (`_checked_once`).
+
 Legend: N tokens, H student hidden size, H' teacher hidden size, V vocabulary, k top-k width.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -35,12 +47,78 @@ def _fail(where: str, msg: str) -> None:
     raise ValueError(f"{where}: {msg}")
 
 
+# ------------------------------------------------------------------ value checks: now or deferred
+MAX_PENDING = 64
+_PENDING: list[tuple[str, torch.Tensor]] = []
+_DEFER_ON_CPU = [False]
+
+
+def reads_are_free(device: torch.device) -> bool:
+    """True where reading values back to the host costs no synchronisation (CPU, outside `deferred_checks`)."""
+    return device.type == "cpu" and not _DEFER_ON_CPU[0]
+
+
+@contextlib.contextmanager
+def deferred_checks() -> Iterator[None]:
+    """Treat CPU tensors like device tensors: value checks become flags, read by `check_deferred`."""
+    before = _DEFER_ON_CPU[0]
+    _DEFER_ON_CPU[0] = True
+    try:
+        yield
+    finally:
+        _DEFER_ON_CPU[0] = before
+
+
+def _flag(where: str, msg: str, bad: torch.Tensor) -> None:
+    """Record a 0-d bool device tensor that is True when the check failed."""
+    _PENDING.append((f"{where}: {msg}", bad.reshape(())))
+    if len(_PENDING) >= MAX_PENDING:
+        check_deferred()
+
+
+def check_deferred() -> None:
+    """Read every pending value-check flag (one host read) and raise the first failed check's ValueError."""
+    if not _PENDING:
+        return
+    pending = list(_PENDING)
+    _PENDING.clear()
+    device = pending[0][1].device
+    failed = torch.stack([bad.to(device) for _, bad in pending]).tolist()
+    for (msg, _), bad in zip(pending, failed):
+        if bad:
+            # a flagged tensor may be among those remembered as checked: check everything again
+            _CHECKED.clear()
+            raise ValueError(msg)
+
+
+# id(tensor) -> (weak reference, tensor version) of LM heads whose values passed (or are flagged) once
+_CHECKED: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _checked_once(x: torch.Tensor) -> bool:
+    """True if `x` passed its value check (or has a pending flag) and was not modified in place since."""
+    seen = _CHECKED.get(id(x))
+    return seen is not None and seen[0]() is x and seen[1] == x._version
+
+
+def _remember_checked(x: torch.Tensor) -> None:
+    if len(_CHECKED) > 64:
+        for key in [k for k, (ref, _) in _CHECKED.items() if ref() is None]:
+            del _CHECKED[key]
+    _CHECKED[id(x)] = (weakref.ref(x), x._version)
+
+
 def _shape(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(x.shape)
 
 
 def _check_no_nan_or_posinf(where: str, name: str, x: torch.Tensor) -> None:
     """NaN and +inf are rejected; -inf is a legitimate log-probability / logit (zero probability)."""
+    if not reads_are_free(x.device):
+        # one max pass: NaN propagates through amax, +inf is its own maximum
+        top = x.amax() if x.numel() else x.new_zeros(())
+        _flag(where, f"{name} contains NaN or +inf", torch.isnan(top) | torch.isposinf(top))
+        return
     if torch.isnan(x).any():
         _fail(where, f"{name} contains NaN")
     if torch.isposinf(x).any():
@@ -168,9 +246,16 @@ def _check_hidden_teacher(
     for name, x in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
         if x.device != device:
             _fail(where, f"{name} is on {x.device} but student_hidden is on {device}")
+        if not x.numel() or (x is teacher_weight and _checked_once(x)):
+            continue
         # One min/max pass (NaN propagates through both) instead of an isfinite temporary.
-        if x.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(x))).all()):
+        bad = ~torch.isfinite(torch.stack(torch.aminmax(x))).all()
+        if not reads_are_free(x.device):
+            _flag(where, f"{name} contains NaN or inf", bad)
+        elif bool(bad):
             _fail(where, f"{name} contains NaN or inf")
+        if x is teacher_weight:
+            _remember_checked(x)
     return Teacher("hidden", hidden_NH=teacher_hidden.detach(), weight_VH=teacher_weight.detach())
 
 
@@ -208,7 +293,14 @@ def _check_topk(
     for name, x in (("teacher_topk.logprobs", logprobs), ("teacher_topk.indices", indices)):
         if x.device != device:
             _fail(where, f"{name} is on {x.device} but student_hidden is on {device}")
-    if n_rows:
+    free = reads_are_free(device)
+    if n_rows and not free:
+        lo, hi = torch.aminmax(indices)
+        _flag(where, f"teacher_topk.indices out of range: vocab size is {vocab}", (lo < 0) | (hi >= vocab))
+        sorted_idx = indices.sort(dim=1).values
+        _flag(where, "teacher_topk.indices has duplicate ids in a row",
+              (sorted_idx[:, 1:] == sorted_idx[:, :-1]).any())
+    elif n_rows:
         lo, hi = int(indices.min()), int(indices.max())
         if lo < 0 or hi >= vocab:
             _fail(where, f"teacher_topk.indices out of range: found [{lo}, {hi}], vocab size is {vocab}")
@@ -228,6 +320,11 @@ def _check_topk(
     mass = torch.logsumexp(logprobs.float(), dim=1)
     if tail is not None and k < vocab:
         mass = torch.logaddexp(mass, tail.float())
+    if not free:
+        _flag(where, "teacher_topk has a row with no probability mass (all log-probs -inf)",
+              torch.isneginf(mass).any())
+        # until the flag is read, out-of-range ids must not reach a gather (a device-side fault)
+        return TeacherTopK(logprobs, indices.clamp(0, vocab - 1) if n_rows else indices, tail)
     empty = torch.isneginf(mass).nonzero()
     if empty.numel():
         _fail(where, f"teacher_topk row {int(empty[0])} has no probability mass (all log-probs -inf)")
@@ -245,7 +342,10 @@ def _check_mask(where: str, mask: torch.Tensor | None, n_rows: int, device: torc
         return mask
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
         _fail(where, f"mask must be bool or an integer 0/1 tensor, got {mask.dtype}")
-    if ((mask != 0) & (mask != 1)).any():
+    bad = ((mask != 0) & (mask != 1)).any()
+    if not reads_are_free(device):
+        _flag(where, "mask must hold only 0 and 1", bad)
+    elif bad:
         _fail(where, "mask must hold only 0 and 1")
     return mask != 0
 
@@ -258,6 +358,11 @@ def check_teacher_logits(where: str, logits: object, i: int, j: int, vocab: int)
     if not logits.dtype.is_floating_point:
         _fail(where, f"teacher_logits_fn({i}, {j}) returned dtype {logits.dtype}; expected floating point")
     lo, hi = torch.aminmax(logits)
+    if not reads_are_free(logits.device):
+        where_fn = f"teacher_logits_fn({i}, {j}) output"
+        _flag(where, f"{where_fn} contains NaN or +inf", torch.isnan(hi) | torch.isposinf(hi))
+        _flag(where, f"{where_fn} has a row that is all -inf", torch.isneginf(logits).all(dim=1).any())
+        return logits
     if torch.isnan(hi):
         _fail(where, f"teacher_logits_fn({i}, {j}) output contains NaN")
     if torch.isposinf(hi):

@@ -208,7 +208,14 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 def _params(x: torch.Tensor, inv_temp: float, grad_scale: float) -> torch.Tensor:
-    return torch.tensor([inv_temp, grad_scale], dtype=x.dtype, device=x.device)
+    return _params_on(inv_temp, grad_scale, x.dtype, x.device)
+
+
+@functools.lru_cache(maxsize=32)
+def _params_on(inv_temp: float, grad_scale: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # One host-to-device copy per distinct (temperature, scale), not one per chunk: a copy from
+    # pageable host memory synchronises the GPU. The kernels only read it.
+    return torch.tensor([inv_temp, grad_scale], dtype=dtype, device=device)
 
 
 def _check_buffer(name: str, x: torch.Tensor) -> None:

@@ -25,12 +25,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels.fused_kl import TeacherTopK, fused_linear_kl_div
+from kernels.fused_kl.inputs import check_deferred
 from pipeline.config import ConfigError
 from pipeline.train.config import Stage2Config, TeacherSection
 from pipeline.train.deepspeed_cfg import current_lr, init_engine
@@ -63,8 +65,9 @@ class KDStudent(nn.Module):
             deepspeed.zero.register_external_parameter(self, student.lm_head.weight)
 
     def forward(self, b: dict[str, torch.Tensor], teacher: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        # the host-checked boundaries (row_to_device): the forward reads nothing back from the device
         h_TD = self.student.model(input_ids=b["input_ids"], position_ids=b["position_ids"],
-                                  cu_seqlens=b["cu_seqlens"]).last_hidden_state[0]
+                                  cu_seqlens=b.get("bounds", b["cu_seqlens"])).last_hidden_state[0]
         w_VD = self.student.lm_head.weight
         kl = fused_linear_kl_div(h_TD, w_VD, **teacher, mask=b["loss_mask"], temperature=self.kd.temperature,
                                  reduction="sum", chunk_size=self.kd.chunk_size)
@@ -184,6 +187,8 @@ def train_step(task: Stage2Task, rows: list[dict[str, Any]], ctx: WorkerContext)
     scale = ctx.world_size / max(n_global, 1.0)
     lr = current_lr(engine)
     out = {"loss_sum": 0.0, "kl_sum": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
+    # the loss terms stay on the device until the step's end: one host read per step, not three per row
+    sums = []
     for i, (row, teacher) in enumerate(zip(rows, task.teacher.for_rows(rows))):
         b = row_to_device(row, ctx.device)
         kl, ce = engine(b, teacher)
@@ -192,11 +197,12 @@ def train_step(task: Stage2Task, rows: list[dict[str, Any]], ctx: WorkerContext)
         if i == 0:
             ctx.hook("mid_step")
         engine.step()
-        out["loss_sum"] += float(loss)
-        out["kl_sum"] += float(kl)
-        out["ce_sum"] += float(ce)
-        out["loss_tokens"] += float(b["loss_mask"].sum())
-        out["tokens"] += float(b["input_ids"].numel())
+        sums.append(torch.stack([loss.detach(), kl.detach(), ce.detach()]).double())
+        out["loss_tokens"] += float(np.asarray(row["loss_mask"]).sum())
+        out["tokens"] += float(np.asarray(row["input_ids"]).size)
+    # the fused KL's input checks left device flags (kernels/fused_kl/inputs.py): read them with the sums
+    check_deferred()
+    out["loss_sum"], out["kl_sum"], out["ce_sum"] = torch.stack(sums).sum(0).tolist()
     return StepResult(out, lr, float(engine.get_global_grad_norm() or 0.0))
 
 

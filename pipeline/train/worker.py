@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kernels.varlen import DocBounds
 from pipeline.train.config import StageConfig
 from pipeline.train.storage import Loc
 
@@ -89,15 +90,29 @@ class Stage:
     train_step: Callable[[Any, list[dict[str, Any]], WorkerContext], StepResult]
 
 
-def row_to_device(row: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
-    """Packed row (numpy) -> [1, T] tensors on `device`; labels = next token within the row."""
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # from pinned memory without blocking: a copy from pageable memory synchronises the GPU
+    if torch.device(device).type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+def row_to_device(row: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Packed row (numpy) -> [1, T] tensors on `device`; labels = next token within the row.
+
+    `bounds` holds the row's boundaries checked on the host (`DocBounds`, as `from_host`): given to the
+    model instead of `cu_seqlens`, the forward reads nothing back from the device."""
     ids = torch.as_tensor(np.asarray(row["input_ids"]), dtype=torch.long)
     mask = torch.as_tensor(np.asarray(row["loss_mask"])).bool()
     labels = torch.roll(ids, -1)
+    host = DocBounds.from_host(np.asarray(row["cu_seqlens"]), ids.numel(), "cpu")
+    cu = _to_device(host.cu_seqlens, device)
     return {
-        "input_ids": ids.unsqueeze(0).to(device),
-        "position_ids": torch.as_tensor(np.asarray(row["position_ids"]), dtype=torch.long).unsqueeze(0).to(device),
-        "cu_seqlens": torch.as_tensor(np.asarray(row["cu_seqlens"]), dtype=torch.int32).to(device),
-        "loss_mask": mask.to(device),
-        "labels": labels.to(device),
+        "input_ids": _to_device(ids.unsqueeze(0), device),
+        "position_ids": _to_device(torch.as_tensor(np.asarray(row["position_ids"]), dtype=torch.long).unsqueeze(0),
+                                   device),
+        "cu_seqlens": cu,
+        "bounds": DocBounds(cu, host.host, _to_device(host.positions, device)),
+        "loss_mask": _to_device(mask, device),
+        "labels": _to_device(labels, device),
     }
