@@ -77,6 +77,7 @@ class HybridConfig(PretrainedConfig):
         base_num_key_value_heads: int | None = None,
         base_head_dim: int | None = None,
         base_tie_word_embeddings: bool | None = None,
+        base_config_json: dict[str, Any] | None = None,
         use_cache: bool = True,
         pad_token_id: int | None = None,
         bos_token_id: int | None = 1,
@@ -133,6 +134,8 @@ class HybridConfig(PretrainedConfig):
         # the base model's config.json `tie_word_embeddings` (what the released layout writes back into its
         # config.json, whatever the hybrid's own head does); None = tie_word_embeddings
         self.base_tie_word_embeddings = None if base_tie_word_embeddings is None else bool(base_tie_word_embeddings)
+        # the base config.json a released checkpoint carried (imported): written back verbatim on export
+        self.base_config_json = dict(base_config_json) if base_config_json else None
         self.use_cache = use_cache
         # transformers' generic code reads num_hidden_layers
         self.num_hidden_layers = n_layer

@@ -71,8 +71,8 @@ def _their_tensors(v: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         return 0.5 + torch.rand(n, generator=gen, dtype=torch.float64)
 
     t = {"model.embed_tokens.weight": rnd(VOCAB, D, scale=1.0), "model.norm.weight": norm_w(D)}
-    if not v["tie"]:
-        t["lm_head.weight"] = rnd(VOCAB, D)
+    # AMD's code always stores its head (a model that ties it stores a copy of the embeddings)
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].clone() if v["tie"] else rnd(VOCAB, D)
     kv_heads = H if v["use_full_kv_head"] else G
     for i in range(3):
         pre = f"model.layers.{i}"
@@ -219,7 +219,7 @@ def their_logits(t: dict[str, torch.Tensor], v: dict, ids: torch.Tensor) -> torc
         gate, up = h @ t[f"{pre}.mlp.gate_proj.weight"].T, h @ t[f"{pre}.mlp.up_proj.weight"].T
         x = x + (torch.nn.functional.silu(gate) * up) @ t[f"{pre}.mlp.down_proj.weight"].T
     x = _rms(x, t["model.norm.weight"], eps)
-    return x @ t["lm_head.weight" if "lm_head.weight" in t else "model.embed_tokens.weight"].T
+    return x @ t["lm_head.weight"].T
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -327,9 +327,14 @@ def test_export_refuses_what_the_released_layout_cannot_hold(tmp_path):
     assert grouped.config.rope_key_groups == 2
     with pytest.raises(ReleasedLayoutError, match="rope_key_groups=2.*--rope-key-groups 1"):
         export_released(grouped, tmp_path / "x")
-    m2 = upcycle(_tiny_llama(), mla_layers=[0], kv_lora_rank=32, qk_rope_head_dim=8, rope_key_groups=1,
-                 linear_type="mamba2")
-    with pytest.raises(ReleasedLayoutError, match="mamba2"):
+    from hylo.upcycle import hybrid_config_from_base
+
+    base = _tiny_llama()
+    hcfg = hybrid_config_from_base(base.config, mla_layers=[0], kv_lora_rank=32, qk_rope_head_dim=8,
+                                   rope_key_groups=1, linear_type="mamba2")
+    hcfg.mamba2_n_groups = 2
+    m2 = upcycle(base, hcfg)
+    with pytest.raises(ReleasedLayoutError, match="2 groups of C for 4 heads.*one C group per head"):
         export_released(m2, tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
@@ -351,7 +356,7 @@ def test_export_keeps_per_query_head_rows_that_do_not_repeat(tmp_path):
 @pytest.mark.parametrize("tamper,needle", [
     ("drop", "missing: model.layers.2.mla.kv_b_proj.weight"),
     ("extra", "model.layers.1.gdn.bogus.weight"),
-    ("mamba", "Mamba-2"),
+    ("mamba", "d_inner=64 must equal ssm_cfg.ngroups"),
     ("shape", "model.layers.0.mixer.o_proj.weight"),
     ("pickle", "pickled weights are never loaded"),
     ("vocab", "missing vocab_size"),
