@@ -4,8 +4,9 @@ Legend: B batch, T cached tokens, R kv_lora_rank, P qk_rope_head_dim, H heads, K
 head dims, C conv channels, W conv_size - 1.
 
 * MLA layer: `c_kv_BTR` (the RMS-normalised latent) and `k_pe_BTP` (the roped shared key), side by side
-  in one preallocated buffer. Nothing else: the decode path absorbs `W_kvb` into the query, so full K/V
-  are never stored.
+  in one preallocated buffer; with `mla_qk_norm` also `k_inv_rms_BTG`, each kv_b head's key 1/RMS (G
+  values per token; k_pe then carries k_norm's rope weight). Nothing else: the decode path absorbs `W_kvb`
+  into the query, so full K/V are never stored.
 * Linear layer (GDN / Mamba-2): a recurrent state (`state_BHKV` for GDN) and the last W inputs of
   each short convolution. Constant in T.
 * `HyLoCache` subclasses `transformers.cache_utils.Cache` with these two layer kinds, so transformers'
@@ -53,11 +54,12 @@ class _LayerInterface:
 
 
 class MLALayerCache(_LayerInterface):
-    """Latent + roped key of every cached token in one preallocated buffer `kv_BCX` (X = R + P).
+    """Latent + roped key (+ key 1/RMS per head) of every cached token in one preallocated buffer `kv_BCX`
+    (X = R + P, or R + P + G with the q/k norm).
 
-    The buffer holds `[c_kv | k_pe]` per token, the layout the decode path attends over (one key/value
-    head), so a decode step writes its token in place and copies nothing: appending by `torch.cat`
-    copied the whole cache three times per step and layer (c_kv, k_pe, and their concatenation).
+    The buffer holds `[c_kv | k_pe (| k_inv_rms)]` per token; the decode path attends over its first R + P
+    columns (one key/value head), so a decode step writes its token in place and copies nothing: appending
+    by `torch.cat` copied the whole cache three times per step and layer (c_kv, k_pe, and their concatenation).
     Capacity: `reserve` tokens on the first update when given (generation passes prompt + new tokens,
     so the allocation is exact), otherwise what the first update needs; when full it grows by half.
     """
@@ -66,23 +68,32 @@ class MLALayerCache(_LayerInterface):
         self.reserve = int(reserve)
         self.buf: torch.Tensor | None = None
         self.rank = 0
+        self.rope = 0
         self.length = 0
 
-    def update(self, c_kv_BTR: torch.Tensor, k_pe_BTP: torch.Tensor) -> torch.Tensor:
-        """Append new tokens; return the cached `[c_kv | k_pe]` of all tokens so far, [B, S, R + P]."""
+    def update(self, c_kv_BTR: torch.Tensor, k_pe_BTP: torch.Tensor,
+               k_inv_rms_BTG: torch.Tensor | None = None) -> torch.Tensor:
+        """Append new tokens; return the cached `[c_kv | k_pe (| k_inv_rms)]` of all tokens so far, [B, S, X]."""
         B, T, R = c_kv_BTR.shape
+        P = k_pe_BTP.shape[-1]
+        G = 0 if k_inv_rms_BTG is None else k_inv_rms_BTG.shape[-1]
         need = self.length + T
         if self.buf is None:
-            self.rank = R
+            self.rank, self.rope = R, P
             cap = max(need, self.reserve)
-            self.buf = c_kv_BTR.new_empty(B, cap, R + k_pe_BTP.shape[-1])
+            self.buf = c_kv_BTR.new_empty(B, cap, R + P + G)
+        elif self.buf.shape[2] != R + P + G:
+            raise ValueError(f"MLALayerCache: this cache holds {self.buf.shape[2]} values per token, the update "
+                             f"gives {R + P + G} (R={R}, P={P}, key 1/RMS heads={G}): one layer kind per cache")
         elif need > self.buf.shape[1]:
             cap = max(need, self.buf.shape[1] + self.buf.shape[1] // 2)
             grown = self.buf.new_empty(self.buf.shape[0], cap, self.buf.shape[2])
             grown[:, : self.length] = self.buf[:, : self.length]
             self.buf = grown
         self.buf[:, self.length:need, :R] = c_kv_BTR
-        self.buf[:, self.length:need, R:] = k_pe_BTP
+        self.buf[:, self.length:need, R:R + P] = k_pe_BTP
+        if k_inv_rms_BTG is not None:
+            self.buf[:, self.length:need, R + P:] = k_inv_rms_BTG
         self.length = need
         return self.buf[:, :need]
 
@@ -98,7 +109,14 @@ class MLALayerCache(_LayerInterface):
     @property
     def k_pe(self) -> torch.Tensor | None:
         """The cached roped shared keys [B, S, P] (a view)."""
-        return None if self.buf is None else self.buf[:, : self.length, self.rank:]
+        return None if self.buf is None else self.buf[:, : self.length, self.rank: self.rank + self.rope]
+
+    @property
+    def k_inv_rms(self) -> torch.Tensor | None:
+        """With the q/k norm: each kv_b head's key 1/RMS [B, S, G] (a view); None otherwise."""
+        if self.buf is None or self.buf.shape[2] == self.rank + self.rope:
+            return None
+        return self.buf[:, : self.length, self.rank + self.rope:]
 
     @property
     def capacity(self) -> int:

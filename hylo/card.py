@@ -9,7 +9,8 @@ Design choices:
   means "converted from that base"; a HyLo checkpoint there means "trained from it" (its record is carried
   over); a training run's consolidated model (`<run>/model`) takes its recipe from the run's
   `config_stage<N>.json`. Callers that know more pass `provenance=` to `hylo.io.save_hylo`.
-* KV cache per token is computed from the config alone (MLA: latent + roped key; linear layers: none)
+* KV cache per token is computed from the config alone (MLA: latent + roped key, + one key 1/RMS per
+  kv_b head with `mla_qk_norm`; linear layers: none)
   against the base's GQA cache (`base_num_key_value_heads`, `base_head_dim`).
 """
 
@@ -46,7 +47,7 @@ def load_card(directory: str | Path | None) -> dict[str, Any] | None:
 
 def kv_cache(config) -> dict[str, Any]:
     """Cached values per token of the hybrid and (when the config knows it) of its base, and their ratio."""
-    hybrid = len(config.mla_layers) * (config.kv_lora_rank + config.qk_rope_head_dim)
+    hybrid = config.kv_cache_values_per_token()
     out: dict[str, Any] = {"hybrid_values_per_token": hybrid, "hybrid_bf16_bytes_per_token": 2 * hybrid}
     kv_heads = getattr(config, "base_num_key_value_heads", None)
     head_dim = getattr(config, "base_head_dim", None)
@@ -141,6 +142,8 @@ def render(config, card: dict[str, Any]) -> str:
              f"| MLA layers | {_fmt(config.mla_layers)} |",
              f"| {config.linear_type} layers | {_fmt(linear)} |",
              f"| kv_lora_rank / qk_rope_head_dim | {config.kv_lora_rank} / {config.qk_rope_head_dim} |",
+             *([f"| MLA q/k norm | yes (the cache also holds {config.kv_b_heads} key 1/RMS values per MLA layer and "
+                f"token) |"] if getattr(config, "mla_qk_norm", False) else []),
              f"| hidden size / vocabulary | {config.hidden_size} / {config.vocab_size} |",
              f"| max positions | {config.max_position_embeddings} |",
              f"| KV cache per token (bf16) | {kv['hybrid_bf16_bytes_per_token']:,} bytes |"]

@@ -53,6 +53,7 @@ class HybridConfig(PretrainedConfig):
         mla_latent_norm: bool = True,
         mla_latent_norm_eps: float | None = None,
         kv_b_per_kv_head: bool = False,
+        mla_qk_norm: bool = False,
         v_head_dim: int = 64,
         max_position_embeddings: int = 8192,
         rope_theta: float = 10000.0,
@@ -105,6 +106,9 @@ class HybridConfig(PretrainedConfig):
         # kv_b_proj rows per KV head (each query head reads its GQA group's rows, AMD's layout) rather
         # than per query head (DeepSeek's layout)
         self.kv_b_per_kv_head = bool(kv_b_per_kv_head)
+        # per-head RMSNorm of each MLA query and key ([nope | rope], before RoPE, eps rms_norm_eps): Qwen3's
+        # q_norm / k_norm, kept by the converter for Qwen3 bases (the cache then holds one 1/RMS per kv_b head)
+        self.mla_qk_norm = bool(mla_qk_norm)
         self.v_head_dim = v_head_dim
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = float(rope_theta)
@@ -231,6 +235,12 @@ class HybridConfig(PretrainedConfig):
                 f"{self.qk_rope_head_dim} must be a multiple of 2 * rope_key_groups = {2 * self.rope_key_groups} "
                 f"(each group of the shared roped key holds whole RoPE pairs)"))
         per_group_rope = self.qk_rope_head_dim // self.rope_key_groups
+        if self.mla_qk_norm and self.rope_key_groups > 1 and (self.num_attention_heads % self.rope_key_groups
+                                                              or self.kv_b_heads % self.rope_key_groups):
+            bad("rope_key_groups", (
+                f"with mla_qk_norm, rope_key_groups={self.rope_key_groups} must divide num_attention_heads="
+                f"{self.num_attention_heads} and the kv_b_proj heads ({self.kv_b_heads}): each head's q/k norm runs "
+                f"over its nope dims and its group's block of the roped key"))
         if self.base_head_dim is not None and self.qk_nope_head_dim + per_group_rope != self.base_head_dim:
             bad("qk_nope_head_dim", (
                 f"qk_nope_head_dim + qk_rope_head_dim / rope_key_groups = {self.qk_nope_head_dim} + {per_group_rope} "
@@ -260,9 +270,14 @@ class HybridConfig(PretrainedConfig):
                 bad("rope_scaling", "yarn needs factor >= 1")
 
     # ------------------------------------------------------------------ accounting
+    def mla_cache_values_per_token(self) -> int:
+        """Cached values per token of one MLA layer: latent + shared roped key, plus with `mla_qk_norm` one
+        key 1/RMS per kv_b_proj head (the key norm's per-token factor, which the absorbed decode cannot rebuild)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim + (self.kv_b_heads if self.mla_qk_norm else 0)
+
     def kv_cache_values_per_token(self) -> int:
-        """Cached values per token over all layers: MLA keeps latent + shared roped key; linear layers keep none."""
-        return len(self.mla_layers) * (self.kv_lora_rank + self.qk_rope_head_dim)
+        """Cached values per token over all layers: MLA layers as `mla_cache_values_per_token`; linear layers none."""
+        return len(self.mla_layers) * self.mla_cache_values_per_token()
 
     # ------------------------------------------------------------------ io
     def save_hybrid_config(self, directory: str | Path) -> Path:

@@ -12,7 +12,7 @@ Design choices:
   linear blocks reset state and conv windows at each boundary, positions restart per document.
 * Generation is transformers' own `GenerationMixin.generate` (greedy, sampling, beam search, every
   logits processor, stopping criteria, streamers, `generation_config=`) over `HyLoCache` (latent + roped
-  key per MLA layer, fixed-size state per linear layer), a `transformers.Cache` subclass created by
+  key per MLA layer, + a key 1/RMS per kv_b head with `mla_qk_norm`; fixed-size state per linear layer), a `transformers.Cache` subclass created by
   `_prepare_cache_for_generation` and sized once to prompt + new tokens, so full K/V are never rebuilt.
 * Padded batches (`attention_mask` with zeros, e.g. a left-padded batch in `generate`): MLA masks the pad
   keys; linear layers run each padded row on its real tokens only, so pads never enter a recurrent

@@ -43,8 +43,13 @@ def test_qwen3_1p7b_ratio():
     base = Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936)
     hcfg = hybrid_config_from_base(base, mla_layers="uniform:7", kv_lora_rank=128, qk_rope_head_dim=64)
-    # 7 * (128 + 64) / (28 * 2 * 8 * 128) = 2.34 %
-    assert kv_summary(base, hcfg)["kv_cache_ratio"] == pytest.approx(7 * 192 / 57344)
+    # MLA keeps Qwen3's q/k norms: latent + roped key + one key 1/RMS per kv_b head (16 query heads here, 8
+    # with kv_b_per_kv_head): 7 * (128 + 64 + 16) / (28 * 2 * 8 * 128) = 2.54 % (2.34 % without the norms)
+    assert hcfg.mla_qk_norm and hcfg.mla_cache_values_per_token() == 208
+    assert kv_summary(base, hcfg)["kv_cache_ratio"] == pytest.approx(7 * 208 / 57344)
+    per_kv = hybrid_config_from_base(base, mla_layers="uniform:7", kv_lora_rank=128, qk_rope_head_dim=64,
+                                     kv_b_per_kv_head=True)
+    assert kv_summary(base, per_kv)["kv_cache_ratio"] == pytest.approx(7 * 200 / 57344)
 
 
 def test_placements():

@@ -2,7 +2,8 @@
 
 An all-MLA conversion at full rank with every RoPE pair kept reproduces the base attention exactly (see
 test_upcycle.py), so each generation option must give the base LlamaForCausalLM's tokens; both run in
-float64 so that no near-tie flips an argmax. Hybrids with GDN or Mamba-2 layers have no reference model:
+float64 so that no near-tie flips an argmax. The same holds for a Qwen3 base, whose per-head q/k norms the
+MLA layers keep (`mla_qk_norm`: the decode path then attends with cached key 1/RMS values). Hybrids with GDN or Mamba-2 layers have no reference model:
 there a left-padded batch must give each prompt's tokens alone, and generation with the cache must give
 what generation without it (a full forward per step) gives.
 """
@@ -15,6 +16,8 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     StoppingCriteria,
     StoppingCriteriaList,
 )
@@ -45,6 +48,24 @@ def mla(base):
     model = upcycle(base, mla_layers="all", kv_lora_rank=32, qk_rope_head_dim=32, rope_key_groups=2).eval()
     assert model.config.qk_nope_head_dim == 0
     return model
+
+
+@pytest.fixture(scope="module")
+def qwen3_pair() -> tuple[Qwen3ForCausalLM, torch.nn.Module]:
+    """A random Qwen3 (non-trivial q/k norm weights) and its all-MLA full-rank conversion."""
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=256,
+                      initializer_range=0.4, tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=EOS,
+                      pad_token_id=PAD)
+    base = Qwen3ForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        for layer in base.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model = upcycle(base, mla_layers="all", kv_lora_rank=32, qk_rope_head_dim=32, rope_key_groups=2).eval()
+    assert model.config.mla_qk_norm and model.config.qk_nope_head_dim == 0
+    return base, model
 
 
 @pytest.fixture(scope="module", params=["gdn", "mamba2"])
@@ -153,6 +174,23 @@ def test_left_padded_batch_gives_the_base_models_tokens(base, mla, kw):
     ids, mask = left_padded(prompts())
     got = gen(mla, ids, attention_mask=mask, **kw)
     assert torch.equal(got, gen(base, ids, attention_mask=mask, **kw))
+
+
+@pytest.mark.parametrize("name", ["greedy", "beams", "repetition_penalty", "top_k_sampling"])
+def test_qk_norm_generation_gives_the_qwen3_base_tokens(qwen3_pair, name):
+    base, mla = qwen3_pair
+    ids = prompts(1)[0]
+    kw = dict(options_for(base, ids)[name])
+    seed = kw.pop("seed", None)
+    want, got = gen(base, ids, seed, **kw), gen(mla, ids, seed, **kw)
+    assert torch.equal(got, want), f"{name}: {got.tolist()} != base {want.tolist()}"
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_beams": 2}], ids=["greedy", "beams"])
+def test_qk_norm_left_padded_batch_gives_the_qwen3_base_tokens(qwen3_pair, kw):
+    base, mla = qwen3_pair
+    ids, mask = left_padded(prompts())
+    assert torch.equal(gen(mla, ids, attention_mask=mask, **kw), gen(base, ids, attention_mask=mask, **kw))
 
 
 # ------------------------------------------------------------------ hybrids with linear layers

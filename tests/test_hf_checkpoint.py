@@ -54,6 +54,26 @@ def convert(base_dir: Path, out: Path, linear_type: str = "gdn", **save_kw) -> H
     return model
 
 
+def convert_qwen3_qk_norm(out: Path, tokenizer_from: Path) -> HyLoForCausalLM:
+    """A Qwen3 base: its MLA layer keeps the per-head q/k norms (mla_qk_norm), the cache their key 1/RMS."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(1)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=256,
+                      initializer_range=0.4, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0)
+    base = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in base.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model = upcycle(base, mla_layers=[0], kv_lora_rank=16, qk_rope_head_dim=8).eval()
+    assert model.config.mla_qk_norm
+    save_hylo(model, out, tokenizer_from=tokenizer_from)
+    return model
+
+
 REMOTE_SCRIPT = r"""
 import json, sys, importlib.util
 # the project is installed in editable mode here: drop its finder so that it cannot be imported at all
@@ -82,6 +102,7 @@ print("RESULT " + json.dumps(out))
 @pytest.mark.slow
 def test_automodel_loads_with_trust_remote_code_where_the_project_is_not_installed(base_dir, tmp_path):
     models = {kind: convert(base_dir, tmp_path / kind, kind) for kind in ("gdn", "mamba2")}
+    models["qk-norm"] = convert_qwen3_qk_norm(tmp_path / "qk-norm", base_dir)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1")

@@ -39,7 +39,14 @@ VARIANTS = {
     "v-lt-e": {"v_head_dim": 6},
     # AMD's layout: kv_b_proj rows per KV head, read by the query heads of its group
     "kv-b-per-kv": {"kv_b_per_kv_head": True, "num_attention_heads": 4, "num_key_value_heads": 2},
+    # Qwen3's per-head q/k RMSNorm: one shared roped key; one block of it per KV group (the converter's GQA
+    # layout, a head's norm over its nope dims and its block); and that with kv_b_proj per KV head and YaRN
+    "qk-norm": {"mla_qk_norm": True, "q_lora_rank": 8},
+    "qk-norm-grouped": {"mla_qk_norm": True, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_key_groups": 2},
+    "qk-norm-kv-b-per-kv": {"mla_qk_norm": True, "kv_b_per_kv_head": True, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "rope_key_groups": 2, "rope_scaling": YARN, "v_head_dim": 24},
 }
+QK_NORM = ["qk-norm", "qk-norm-grouped", "qk-norm-kv-b-per-kv"]
 
 
 def make_config(**overrides) -> HybridConfig:
@@ -117,7 +124,7 @@ def test_packed_row_with_padding_document() -> None:
 
 # ---------------------------------------------------------------------------------------------- cache
 @pytest.mark.parametrize("prefill", [0, 1, 5, 11], ids=lambda p: f"prefill{p}")
-@pytest.mark.parametrize("variant", ["qlora-none", "qlora-8", "yarn", "v-lt-e", "kv-b-per-kv"])
+@pytest.mark.parametrize("variant", ["qlora-none", "qlora-8", "yarn", "v-lt-e", "kv-b-per-kv", *QK_NORM])
 def test_incremental_decode_matches_full_forward(variant: str, prefill: int) -> None:
     layer = make_layer(**VARIANTS[variant])
     B, T = 2, 11
@@ -138,9 +145,11 @@ def test_incremental_decode_matches_full_forward(variant: str, prefill: int) -> 
     assert_close(torch.cat(outs, dim=1), full)
 
 
-@pytest.mark.parametrize("variant", ["qlora-none", "bias", "v-gt-e", "v-lt-e", "yarn", "kv-b-per-kv"])
+@pytest.mark.parametrize("variant", ["qlora-none", "bias", "v-gt-e", "v-lt-e", "yarn", "kv-b-per-kv", *QK_NORM])
 def test_absorbed_latent_path_equals_decompressed_path(variant: str) -> None:
     layer = make_layer(**VARIANTS[variant])
+    # with the q/k norm a prompt on an empty cache would take the decompressed path: force the latent one
+    layer.decompressed_prefill = False
     torch.manual_seed(4)
     x_BTD = torch.randn(3, 9, 32, dtype=torch.float64)
     pos = torch.randint(0, 100, (3, 9))
@@ -174,6 +183,142 @@ def test_cache_holds_only_normalised_latent_and_roped_key() -> None:
         _, k_pe_ref = apply_rotary_pos_emb(q_dummy, k_pe[:, :, None], cos, sin, unsqueeze_dim=2)
     assert_close(cache.c_kv, layer.kv_a_layernorm(c_kv), tol=1e-14)
     assert_close(cache.k_pe, k_pe_ref[:, :, 0], tol=1e-14)
+
+
+def _reference_qk_norm_attention(layer: MLAttention, x_BTD: torch.Tensor) -> torch.Tensor:
+    """The q/k-norm layer written from Qwen3's math: every head's full query and key [nope | rope] built
+    explicitly, RMS-normalised over the dims of the base head it stands for, weighted, then roped; plain
+    causal softmax attention."""
+    cfg = layer.config
+    B, T, _ = x_BTD.shape
+    H, N, P, R, V = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    G, heads = cfg.rope_key_groups, layer.kv_b_heads
+    k = P // (2 * G)
+    q = layer._query(x_BTD)
+    c_kv, k_pe = layer.kv_a_proj_with_mqa(x_BTD).split([R, P], dim=-1)
+    kv = layer.kv_b_proj(layer.kv_a_layernorm(c_kv)).view(B, T, heads, N + V).repeat_interleave(H // heads, dim=2)
+    key = torch.cat([kv[..., :N], k_pe[:, :, None].expand(B, T, H, P)], dim=-1)
+    cos, sin = layer.rotary_emb(torch.arange(T)[None].expand(B, T), x_BTD.dtype)
+
+    def norm(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(v)
+        for h in range(H):
+            blk = h // (H // G)
+            dims = [*range(N), *(N + blk * k + j for j in range(k)), *(N + P // 2 + blk * k + j for j in range(k))]
+            ms = v[:, :, h, dims].pow(2).mean(-1, keepdim=True)
+            out[:, :, h] = w * v[:, :, h] / torch.sqrt(ms + cfg.rms_norm_eps)
+        nope, pe = out.split([N, P], dim=-1)
+        _, pe = apply_rotary_pos_emb(pe, pe, cos, sin, unsqueeze_dim=2)
+        return torch.cat([nope, pe], dim=-1)
+
+    q, key = norm(q, layer.q_norm.weight), norm(key, layer.k_norm.weight)
+    scores = torch.einsum("bthe,bshe->bhts", q, key) * layer.softmax_scale
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.einsum("bhts,bshv->bthv", scores.softmax(-1), kv[..., N:])
+    return layer.o_proj(o.reshape(B, T, H * V))
+
+
+@pytest.mark.parametrize("variant", QK_NORM)
+def test_qk_norm_follows_qwen3_math_in_both_paths(variant: str) -> None:
+    layer = make_layer(**VARIANTS[variant])
+    torch.manual_seed(9)
+    x_BTD = torch.randn(2, 9, 32, dtype=torch.float64)
+    with torch.no_grad():
+        ref = _reference_qk_norm_attention(layer, x_BTD)
+        assert_close(layer(x_BTD), ref)
+        for layer.decompressed_prefill in (True, False):
+            cache = MLALayerCache()
+            steps = [layer(x_BTD[:, :4], cache=cache)] + [layer(x_BTD[:, t:t + 1], cache=cache) for t in range(4, 9)]
+            assert_close(torch.cat(steps, dim=1), ref)
+        # guards: the norms act (a scaled query or key changes nothing but what eps does), their weights count
+        plain = make_layer(**{**VARIANTS[variant], "mla_qk_norm": False})
+        plain.load_state_dict({k: v for k, v in layer.state_dict().items() if "_norm." not in k or "_a_" in k})
+        assert (plain(x_BTD) - ref).abs().max() > 1e-2
+        layer.k_norm.weight[0] += 0.5
+        assert (layer(x_BTD) - ref).abs().max() > 1e-4
+        assert (layer(x_BTD[:, :4], cache=MLALayerCache()) - ref[:, :4]).abs().max() > 1e-4
+
+
+def test_qk_norm_parameter_names_and_plain_rmsnorm_when_ungrouped() -> None:
+    layer = make_layer(**VARIANTS["qk-norm"])
+    shapes = {n: tuple(p.shape) for n, p in layer.named_parameters() if n.startswith(("q_norm", "k_norm"))}
+    assert shapes == {"q_norm.weight": (18,), "k_norm.weight": (18,)}
+    assert not any("norm" in n for n, _ in make_layer().named_parameters() if not n.startswith(("q_a_", "kv_a_")))
+    # one roped-key block: the per-head norm is RMSNorm over E = nope + rope
+    ref = RMSNorm(18, eps=layer.config.rms_norm_eps).double()
+    ref.weight.data.copy_(layer.q_norm.weight)
+    x = torch.randn(2, 5, 3, 18, dtype=torch.float64)
+    assert_close(layer.q_norm(x), ref(x), tol=1e-14)
+
+
+@pytest.mark.parametrize("variant", QK_NORM)
+def test_qk_norm_cache_holds_latent_weighted_roped_key_and_key_inv_rms(variant: str) -> None:
+    layer = make_layer(**VARIANTS[variant])
+    cfg = layer.config
+    R, P, N, G = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, layer.kv_b_heads
+    B, T = 2, 7
+    torch.manual_seed(5)
+    x_BTD = torch.randn(B, T, 32, dtype=torch.float64)
+    hylo_cache = HyLoCache(cfg, max_length=T)
+    cache = hylo_cache[0]
+    with torch.no_grad():
+        layer(x_BTD[:, :4], cache=cache)
+        for t in range(4, T):
+            layer(x_BTD[:, t:t + 1], cache=cache)
+        # one key 1/RMS per kv_b head and token, next to the latent and the roped key
+        assert [tuple(t.shape) for t in cache.tensors()] == [(B, T, R + P + G)]
+        assert layer.cache_values_per_token == R + P + G == cfg.mla_cache_values_per_token()
+        assert cfg.kv_cache_values_per_token() == len(cfg.mla_layers) * (R + P + G)
+        assert hylo_cache.nbytes()["mla"] == B * T * (R + P + G) * 8
+        c_kv, k_pe = layer.kv_a_proj_with_mqa(x_BTD).split([R, P], dim=-1)
+        c_kv = layer.kv_a_layernorm(c_kv)
+        k_nope = layer.kv_b_proj(c_kv).view(B, T, G, -1)[..., :N]
+        H, Gr, k = cfg.num_attention_heads, cfg.rope_key_groups, P // (2 * cfg.rope_key_groups)
+        blk = [(g * (H // G)) // (H // Gr) for g in range(G)]  # rope block of each kv_b head
+        pe_sq = torch.stack([k_pe[..., b * k:(b + 1) * k].pow(2).sum(-1) + k_pe[..., P // 2 + b * k:P // 2 + (b + 1) * k]
+                             .pow(2).sum(-1) for b in blk], dim=-1)
+        ms = (k_nope.pow(2).sum(-1) + pe_sq) / (N + P // Gr)
+        cos, sin = layer.rotary_emb(torch.arange(T)[None].expand(B, T), x_BTD.dtype)
+        w_pe = layer.k_norm.weight[N:]
+        _, k_pe_ref = apply_rotary_pos_emb(k_pe[:, :, None], (w_pe * k_pe)[:, :, None], cos, sin, unsqueeze_dim=2)
+    assert_close(cache.c_kv, c_kv, tol=1e-14)
+    assert_close(cache.k_pe, k_pe_ref[:, :, 0], tol=1e-14)
+    assert_close(cache.k_inv_rms, torch.rsqrt(ms + cfg.rms_norm_eps), tol=1e-13)
+
+
+def test_qk_norm_padded_batch_and_bf16() -> None:
+    # a left-padded batch: cached latent path == decompressed path with the same mask, pads never attended
+    layer = make_layer(**VARIANTS["qk-norm-grouped"])
+    torch.manual_seed(10)
+    x_BTD = torch.randn(2, 8, 32, dtype=torch.float64)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, :3] = False
+    with torch.no_grad():
+        full = layer(x_BTD, attention_mask=mask)
+        # the prompt through the decompressed prefill, then through the latent path itself
+        for layer.decompressed_prefill in (True, False):
+            cache = MLALayerCache()
+            steps = [layer(x_BTD[:, :5], cache=cache, attention_mask=mask[:, :5])]
+            steps += [layer(x_BTD[:, t:t + 1], cache=cache, attention_mask=mask[:, :t + 1]) for t in range(5, 8)]
+            assert_close(torch.cat(steps, dim=1)[:, 3:], full[:, 3:])
+        assert_close(full[0, 3:], layer(x_BTD[:1, 3:], position_ids=torch.arange(3, 8)[None])[0])
+        # bf16 stays close to fp32 on both paths (the norms compute in fp32)
+        layer32 = make_layer(dtype=torch.float32, **VARIANTS["qk-norm-kv-b-per-kv"])
+        x32 = x_BTD.float()
+        ref = layer32(x32)
+        layer16 = layer32.to(torch.bfloat16)
+        layer16.decompressed_prefill = False
+        assert_close(layer16(x32.bfloat16()).float(), ref, tol=3e-2)
+        assert_close(layer16(x32.bfloat16(), cache=MLALayerCache()).float(), ref, tol=3e-2)
+
+
+def test_qk_norm_config_checks_the_grouped_layout() -> None:
+    from hylo.config import HybridConfigError
+
+    with pytest.raises(HybridConfigError, match="with mla_qk_norm, rope_key_groups=2 must divide"):
+        make_config(mla_qk_norm=True, rope_key_groups=2, num_attention_heads=4, num_key_value_heads=1,
+                    kv_b_per_kv_head=True)
+    assert make_config(rope_key_groups=2, num_attention_heads=4, num_key_value_heads=1, kv_b_per_kv_head=True)
 
 
 def test_cache_grows_in_place_and_keeps_every_token() -> None:

@@ -433,6 +433,14 @@ CARDS = {
 }
 
 
+def _card_kv(summary: dict) -> float:
+    """The cards' KV-cache fraction counts latent + roped key. A Qwen base's MLA layers keep its q/k norms
+    (`mla_qk_norm`), and our absorbed decode then also caches one key 1/RMS per kv_b head and token: the
+    converter counts those (summary["kv_cache_ratio"]); the card's figure is the ratio without them."""
+    mla = summary["mla_values_per_token"]
+    return summary["kv_cache_ratio"] * (mla - summary["qk_norm_values_per_token"]) / mla
+
+
 def _recipe_hcfg(recipe: str, **override):
     import warnings
 
@@ -460,7 +468,12 @@ def test_each_recipe_builds_exactly_the_cards_model(recipe):
     assert round(n / 1e9, 2) == params_b, n
     from transformers import AutoConfig
 
-    assert round(kv_summary(AutoConfig.for_model(**base), hcfg)["kv_cache_ratio"], 3) == kv
+    summary = kv_summary(AutoConfig.for_model(**base), hcfg)
+    assert round(_card_kv(summary), 3) == kv
+    qwen = recipe.startswith("qwen")
+    # Qwen: the q/k norms are kept (2 x 128 weights per MLA layer), 8 key 1/RMS values per layer and token
+    assert hcfg.mla_qk_norm == qwen and summary["qk_norm_values_per_token"] == (8 if qwen else 0)
+    assert summary["mla_values_per_token"] == hcfg.kv_lora_rank + hcfg.qk_rope_head_dim + (8 if qwen else 0)
     got = (hcfg.kv_lora_rank, hcfg.q_lora_rank, hcfg.qk_rope_head_dim, hcfg.qk_nope_head_dim, hcfg.v_head_dim,
            hcfg.gdn_num_heads, hcfg.gdn_head_dim)
     assert got == shapes
@@ -492,7 +505,7 @@ def test_released_family_kv_fractions(recipe, placement, kv):
     from hylo.upcycle import kv_summary
 
     hcfg, _ = _recipe_hcfg(recipe, mla_layers=placement)
-    assert round(kv_summary(AutoConfig.for_model(**CARDS[recipe][0]), hcfg)["kv_cache_ratio"], 3) == kv
+    assert round(_card_kv(kv_summary(AutoConfig.for_model(**CARDS[recipe][0]), hcfg)), 3) == kv
 
 
 def test_card_shapes_need_no_rope_key_groups_flag_and_llama3_scaling_is_not_dropped_silently():

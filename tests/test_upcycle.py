@@ -29,10 +29,10 @@ def tiny_llama(n_layer: int = 4, seed: int = 0, dtype=torch.float64) -> LlamaFor
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
-def tiny_qwen3(seed: int = 0) -> Qwen3ForCausalLM:
+def tiny_qwen3(seed: int = 0, kv_heads: int = 2) -> Qwen3ForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256)
+                      num_key_value_heads=kv_heads, head_dim=16, vocab_size=128, max_position_embeddings=256)
     m = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
         for layer in m.model.layers:
@@ -100,6 +100,46 @@ def test_grouped_rope_key_reproduces_attention_exactly_at_full_rank():
     torch.testing.assert_close(mixer(x), ref, atol=1e-10, rtol=1e-10)
 
 
+FULL_RANK = {
+    # every RoPE pair kept (nope 0) and the joint SVD's full rank: kv_lora_rank = KV heads x (0 + v 16)
+    "llama": (lambda: tiny_llama(dtype=torch.float32), dict(kv_lora_rank=32, qk_rope_head_dim=32, rope_key_groups=2)),
+    "qwen3": (tiny_qwen3, dict(kv_lora_rank=32, qk_rope_head_dim=32, rope_key_groups=2)),
+    # one KV head: one shared roped key, no rope-key groups
+    "qwen3-mqa": (lambda: tiny_qwen3(kv_heads=1), dict(kv_lora_rank=16, qk_rope_head_dim=16, rope_key_groups=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(FULL_RANK))
+def test_full_rank_all_mla_conversion_reproduces_the_base_logits(name):
+    """Issue 19: an all-MLA conversion at full rank with every RoPE pair kept is the base model, for Qwen3 as
+    for Llama: Qwen3's per-head q/k RMSNorms become the MLA layers' q_norm / k_norm (folding only their
+    weights, as before, left max |logit diff| 0.31 and KL 2.2e-3 here). Both attention paths: the full
+    forward and the absorbed decode over the latent cache."""
+    make, kw = FULL_RANK[name]
+    base = make()
+    torch.manual_seed(3)
+    ids = torch.randint(0, 128, (2, 24))
+    model = upcycle(base, mla_layers="all", **kw).eval()
+    with torch.no_grad():
+        ref = base(ids).logits.double()
+        full = model(ids).logits.double()
+        out = model(ids[:, :9], use_cache=True)
+        steps = [out.logits]
+        for t in range(9, 24):
+            out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+            steps.append(out.logits)
+        cached = torch.cat(steps, dim=1).double()
+    lp_ref = torch.log_softmax(ref, -1)
+    for got in (full, cached):
+        kl = float((lp_ref.exp() * (lp_ref - torch.log_softmax(got, -1))).sum(-1).mean())
+        diff = float((got - ref).abs().max())
+        assert diff < 1e-5 and kl < 1e-10, f"{name}: max |logit diff| {diff:.3g}, KL {kl:.3g}"
+    qwen = name.startswith("qwen3")
+    assert model.config.mla_qk_norm == qwen
+    keys = model.state_dict().keys()
+    assert ("model.layers.1.mixer.q_norm.weight" in keys and "model.layers.1.mixer.k_norm.weight" in keys) == qwen
+
+
 def test_single_shared_rope_key_is_rank1_fit():
     base = tiny_llama()
     hcfg = hybrid_config_from_base(base.config, mla_layers="all", kv_lora_rank=48, qk_rope_head_dim=8,
@@ -145,6 +185,20 @@ def test_upcycle_qwen3_runs():
     model = upcycle(q3, mla_layers=[1])
     ids = torch.randint(0, 128, (1, 12))
     assert torch.isfinite(model(ids).logits).all()
+    # the MLA layer keeps the q/k norms, laid out per head as [nope | rope] (E = 8 + 2 groups x 8); GDN folds them
+    sd = model.state_dict()
+    assert model.config.mla_qk_norm and sd["model.layers.1.mixer.k_norm.weight"].shape == (24,)
+    assert not any("q_norm" in k or "k_norm" in k for k in sd if k.startswith("model.layers.0."))
+    from hylo.upcycle import rope_dim_split
+
+    nope, rope = rope_dim_split(16, 8)  # 8 rope dims (4 pairs) of each base head, one block per KV group
+    w_k = q3.model.layers[1].self_attn.k_norm.weight
+    assert torch.equal(sd["model.layers.1.mixer.k_norm.weight"],
+                       torch.cat([w_k[nope], w_k[rope[:4]].repeat(2), w_k[rope[4:]].repeat(2)]))
+    with pytest.raises(UpcycleError, match="mla_qk_norm is set but the base attention has no q_norm"):
+        hcfg = hybrid_config_from_base(tiny_llama().config, mla_layers=[1])
+        hcfg.mla_qk_norm = True
+        upcycle(tiny_llama(), hcfg)
 
 
 def _hybrid(dtype=torch.float64, mla="even", n_layer=4) -> HyLoForCausalLM:

@@ -27,6 +27,15 @@ Design choices:
   keys in both paths; every token may always attend to itself, so a pad query never sees an empty row
   (its output is finite and unused).
 * Softmax scale 1/sqrt(d_nope + d_rope), with DeepSeek's YaRN rule (see `hylo/layers/rope.py`).
+* Optional per-head q/k RMSNorm (`config.mla_qk_norm`, Qwen3's `q_norm` / `k_norm`, weight [E], eps
+  rms_norm_eps; `hylo.layers.norm.HeadRMSNorm`): each head's [nope | rope] query and key are normalised
+  before RoPE. The key norm needs each head's full key [k_nope_h | k_pe], which the absorbed decode never
+  rebuilds, so the cache also holds one key 1/RMS per kv_b head and token (computed when the token is
+  written); k_norm's nope weight moves to the query side (q . (w k) == (w q) . k), its rope weight is
+  applied to the shared k_pe before RoPE and cached with it, and the 1/RMS multiplies each head's scores.
+  Per-key score factors do not fit SDPA, so that latent path runs an explicit softmax over query chunks;
+  a prompt on an empty cache (prefill) writes the cache and attends through the decompressed path instead
+  (fused SDPA, the same result).
 
 Legend: B batch, T new tokens, S cached + new tokens, D hidden, H heads, N d_nope, P d_rope (rotary),
 E d_nope + d_rope, V d_v, R kv_lora_rank, Q q_lora_rank.
@@ -41,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylo.cache import MLALayerCache
-from hylo.layers.norm import RMSNorm
+from hylo.layers.norm import HeadRMSNorm, RMSNorm
 from hylo.layers.rope import RotaryEmbedding, apply_rotary, mla_softmax_scale
 from kernels.varlen import DocBounds, doc_bounds
 
@@ -84,6 +93,11 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(R, eps=latent_eps) if latent_norm else nn.Identity()
         self.kv_b_proj = nn.Linear(R, self.kv_b_heads * (self.qk_nope_head_dim + V), bias=False)
         self.o_proj = nn.Linear(H * V, D, bias=bias)
+        self.qk_norm = bool(getattr(config, "mla_qk_norm", False))
+        if self.qk_norm:
+            groups = getattr(config, "rope_key_groups", 1)
+            self.q_norm = HeadRMSNorm(self.qk_nope_head_dim, P, groups, eps=eps)
+            self.k_norm = HeadRMSNorm(self.qk_nope_head_dim, P, groups, eps=eps)
 
         self.rotary_emb = RotaryEmbedding(P, config.rope_theta, config.rope_scaling,
                                           config.max_position_embeddings,
@@ -93,7 +107,7 @@ class MLAttention(nn.Module):
     # ------------------------------------------------------------------ helpers
     @property
     def cache_values_per_token(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
+        return self.kv_lora_rank + self.qk_rope_head_dim + (self.kv_b_heads if self.qk_norm else 0)
 
     def _err(self, msg: str) -> MLAInputError:
         return MLAInputError(f"MLAttention(layer {self.layer_idx}): {msg}")
@@ -149,17 +163,22 @@ class MLAttention(nn.Module):
         keep_BS = self._key_mask(attention_mask, B, offset + T, cu)
 
         q_BTHE = self._query(x_BTD)
+        if self.qk_norm:
+            q_BTHE = self.q_norm(q_BTHE)
         q_nope_BTHN, q_pe_BTHP = q_BTHE.split([N, P], dim=-1)
         c_kv_BTR, k_pe_BTP = self.kv_a_proj_with_mqa(x_BTD).split([R, P], dim=-1)
         c_kv_BTR = self.kv_a_layernorm(c_kv_BTR)
 
         cos_BTP, sin_BTP = self.rotary_emb(pos_BT, q_pe_BTHP.dtype)
         q_pe_BTHP = apply_rotary(q_pe_BTHP, cos_BTP.unsqueeze(2), sin_BTP.unsqueeze(2))
-        k_pe_BTP = apply_rotary(k_pe_BTP, cos_BTP, sin_BTP)
+        rope = (cos_BTP, sin_BTP)
 
         if cache is None:
-            o_BTHV = self._attend_decompressed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, cu, keep_BS)
+            o_BTHV = self._attend_decompressed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, rope, cu, keep_BS)
+        elif self.qk_norm:
+            o_BTHV = self._attend_latent_normed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, rope, cache, keep_BS)
         else:
+            k_pe_BTP = apply_rotary(k_pe_BTP, cos_BTP, sin_BTP)
             o_BTHV = self._attend_latent(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, cache, keep_BS)
         return self.o_proj(o_BTHV.reshape(B, T, self.num_heads * self.v_head_dim))
 
@@ -186,18 +205,32 @@ class MLAttention(nn.Module):
         return ((causal_TS[None] & keep_BS[:, None, :]) | self_TS[None]).unsqueeze(1)
 
     def _attend_decompressed(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
-                             k_pe_BTP: torch.Tensor, cu: tuple[int, ...] | None,
-                             keep_BS: torch.Tensor | None = None) -> torch.Tensor:
+                             k_pe_BTP: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                             cu: tuple[int, ...] | None, keep_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """`k_pe_BTP` before RoPE (and before k_norm): both are applied here."""
         B, T, H, N = q_nope_BTHN.shape
-        P, V, E = self.qk_rope_head_dim, self.v_head_dim, self.qk_head_dim
-        kv_BTGX = self.kv_b_proj(c_kv_BTR).view(B, T, self.kv_b_heads, N + V)
-        if self.kv_b_heads != H:
+        P, V, E, G = self.qk_rope_head_dim, self.v_head_dim, self.qk_head_dim, self.kv_b_heads
+        cos_BTP, sin_BTP = rope
+        kv_BTGX = self.kv_b_proj(c_kv_BTR).view(B, T, G, N + V)
+        k_nope_BTGN, v_BTGV = kv_BTGX.split([N, V], dim=-1)
+        if self.qk_norm:
+            # each kv_b head's full key [k_nope_g | k_pe], normalised before RoPE
+            k_pe_BT1P = k_pe_BTP.unsqueeze(2)
+            inv_BTG = self.k_norm.inv_rms(k_nope_BTGN, k_pe_BT1P)
+            w = self.k_norm.weight
+            k_nope_BTGN = self.k_norm.scale(k_nope_BTGN, inv_BTG, w[:N])
+            k_pe_BTXP = self.k_norm.scale(k_pe_BT1P, inv_BTG, w[N:])
+            k_pe_BTXP = apply_rotary(k_pe_BTXP, cos_BTP.unsqueeze(2), sin_BTP.unsqueeze(2))
+        else:
+            k_pe_BTXP = apply_rotary(k_pe_BTP, cos_BTP, sin_BTP).unsqueeze(2)
+        if G != H:
             # each query head reads its KV group's keys and values (GQA)
-            kv_BTGX = kv_BTGX.repeat_interleave(H // self.kv_b_heads, dim=2)
-        k_nope_BTHN, v_BTHV = kv_BTGX.split([N, V], dim=-1)
+            k_nope_BTGN, v_BTGV = (t.repeat_interleave(H // G, dim=2) for t in (k_nope_BTGN, v_BTGV))
+            if k_pe_BTXP.shape[2] != 1:
+                k_pe_BTXP = k_pe_BTXP.repeat_interleave(H // G, dim=2)
         q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
-        k_BHTE = torch.cat([k_nope_BTHN, k_pe_BTP.unsqueeze(2).expand(B, T, H, P)], dim=-1).transpose(1, 2)
-        v_BHTV = v_BTHV.transpose(1, 2)
+        k_BHTE = torch.cat([k_nope_BTGN, k_pe_BTXP.expand(B, T, H, P)], dim=-1).transpose(1, 2)
+        v_BHTV = v_BTGV.transpose(1, 2)
         # equal q/k/v head dims keep SDPA on its fused (flash) kernels; zero columns change nothing
         if V < E:
             v_BHTV = F.pad(v_BHTV, (0, E - V))
@@ -220,11 +253,12 @@ class MLAttention(nn.Module):
             o_BHTX = torch.cat(outs, dim=2)
         return o_BHTX[..., :V].transpose(1, 2)
 
-    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj split per head: key part W_uk [H, N, R] and value part W_uv [H, V, R]."""
+    def _absorbed_weights(self, per_query_head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: key part W_uk [H, N, R] and value part W_uv [H, V, R] (per kv_b head,
+        [G, N, R] and [G, V, R], when not `per_query_head`)."""
         H, N, V = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
         w_HXR = self.kv_b_proj.weight.view(self.kv_b_heads, N + V, self.kv_lora_rank)
-        if self.kv_b_heads != H:
+        if self.kv_b_heads != H and per_query_head:
             w_HXR = w_HXR.repeat_interleave(H // self.kv_b_heads, dim=0)
         return w_HXR[:, :N], w_HXR[:, N:]
 
@@ -257,4 +291,49 @@ class MLAttention(nn.Module):
         o_BHTX = F.scaled_dot_product_attention(q_BHTX, kv_B1SX, kv_B1SX, scale=self.softmax_scale,
                                                 enable_gqa=True, **attn_kw)
         o_lat_BHTR = o_BHTX[..., :R]
+        return torch.einsum("bhtr,hvr->bthv", o_lat_BHTR, w_uv_HVR)
+
+    # scores materialised at once by the q/k-norm latent path: query chunks keep B * H * chunk * S below this
+    SCORE_CHUNK_ELEMENTS = 1 << 24
+    # with the q/k norm, a multi-token prompt on an empty cache attends through the decompressed path (SDPA)
+    decompressed_prefill = True
+
+    def _attend_latent_normed(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
+                              k_pe_BTP: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: MLALayerCache,
+                              keep_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """The absorbed decode with the q/k norm (`q_nope_BTHN`, `q_pe_BTHP` already normalised and roped;
+        `k_pe_BTP` raw). score(h, t, s) = [((w_n q_nope) W_uk) . c_s + q_pe . rope(w_p k_pe_s)] / RMS_g(h)(s)."""
+        B, T, H, N = q_nope_BTHN.shape
+        R, P, G = self.kv_lora_rank, self.qk_rope_head_dim, self.kv_b_heads
+        cos_BTP, sin_BTP = rope
+        past = cache.seq_len
+        w_uk_GNR, _ = self._absorbed_weights(per_query_head=False)
+        w_uk_HNR, w_uv_HVR = self._absorbed_weights()
+        w = self.k_norm.weight
+        # the new tokens' key 1/RMS per kv_b head needs their nope keys once; cached, never rebuilt
+        k_nope_BTGN = torch.einsum("btr,gnr->btgn", c_kv_BTR, w_uk_GNR)
+        inv_BTG = self.k_norm.inv_rms(k_nope_BTGN, k_pe_BTP.unsqueeze(2))
+        kv_BSX = cache.update(c_kv_BTR, apply_rotary(w[N:] * k_pe_BTP, cos_BTP, sin_BTP), inv_BTG.to(c_kv_BTR.dtype))
+        if past == 0 and T > 1 and self.decompressed_prefill:
+            return self._attend_decompressed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, rope, None, keep_BS)
+        S = kv_BSX.shape[1]
+        key_BSX = kv_BSX[..., : R + P]
+        inv_BHS = kv_BSX[..., R + P:].transpose(1, 2).repeat_interleave(H // G, dim=1)
+
+        q_lat_BHTR = torch.einsum("bthn,hnr->bhtr", w[:N] * q_nope_BTHN, w_uk_HNR)
+        q_BHTX = torch.cat([q_lat_BHTR, q_pe_BTHP.transpose(1, 2)], dim=-1)
+        if keep_BS is not None:
+            mask_XTS = self._padded_causal_mask(keep_BS, T, past)[:, 0]
+        else:
+            mask_XTS = torch.ones(T, S, dtype=torch.bool, device=q_BHTX.device).tril(diagonal=past)[None]
+        factor_BH1S = (inv_BHS * self.softmax_scale).unsqueeze(2)
+        chunk = max(1, self.SCORE_CHUNK_ELEMENTS // max(1, B * H * S))
+        outs = []
+        for t0 in range(0, T, chunk):
+            score_BHtS = torch.einsum("bhtx,bsx->bhts", q_BHTX[:, :, t0:t0 + chunk], key_BSX) * factor_BH1S
+            score_BHtS = score_BHtS.masked_fill(~mask_XTS[:, None, t0:t0 + chunk], float("-inf"))
+            prob_BHtS = torch.softmax(score_BHtS, dim=-1, dtype=torch.promote_types(score_BHtS.dtype, torch.float32))
+            prob_BHtS = prob_BHtS.to(q_BHTX.dtype)
+            outs.append(torch.einsum("bhts,bsr->bhtr", prob_BHtS, key_BSX[..., :R]))
+        o_lat_BHTR = torch.cat(outs, dim=2)
         return torch.einsum("bhtr,hvr->bthv", o_lat_BHTR, w_uv_HVR)

@@ -2,9 +2,10 @@
 
 Legend: H query heads, G KV heads, K base head dim, D hidden size.
 
-Qwen3's q/k RMSNorm weights are folded into the query / key rows (exact for GDN, which L2-normalises q
-and k, and for MLA, whose scores are bilinear in them; approximate for Mamba-2, whose SSD does not
-normalise B and C).
+Qwen3's q/k RMSNorm weights are folded into the query / key rows for the linear blocks (exact for GDN,
+which L2-normalises q and k; approximate for Mamba-2, whose SSD does not normalise B and C). MLA layers
+with `mla_qk_norm` keep the norms instead (`fold_qk_norm=False` here, `qk_norm_weights`): folding the
+weights alone drops the per-token division by the RMS, which MLA's bilinear scores do not undo.
 """
 
 from __future__ import annotations
@@ -35,20 +36,23 @@ class AttentionWeights:
         return self.q_HKD.shape[0] // self.k_GKD.shape[0]
 
 
-def _qk_norm_weights(attn: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def qk_norm_weights(attn: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The q_norm / k_norm weights [K] of a Qwen3 attention module (float64), None where it has none."""
     qn = getattr(attn, "q_norm", None)
     kn = getattr(attn, "k_norm", None)
-    return (qn.weight.detach().float() if qn is not None else None, kn.weight.detach().float() if kn is not None else None)
+    return (qn.weight.detach().double() if qn is not None else None,
+            kn.weight.detach().double() if kn is not None else None)
 
 
 @torch.no_grad()
-def attention_weights(attn: nn.Module, hcfg: Any) -> AttentionWeights:
-    """The q/k/v/o projections of a Llama/Qwen3 attention module, split per head (float64, norms folded)."""
+def attention_weights(attn: nn.Module, hcfg: Any, fold_qk_norm: bool = True) -> AttentionWeights:
+    """The q/k/v/o projections of a Llama/Qwen3 attention module, split per head (float64; q/k norm weights
+    folded into the rows unless `fold_qk_norm` is false)."""
     h, g, dh = hcfg.num_attention_heads, hcfg.num_key_value_heads, hcfg.base_head_dim or hcfg.head_dim
     wq = attn.q_proj.weight.detach().double().view(h, dh, -1)
     wk = attn.k_proj.weight.detach().double().view(g, dh, -1)
     wv = attn.v_proj.weight.detach().double().view(g, dh, -1)
-    qw, kw = _qk_norm_weights(attn)
+    qw, kw = qk_norm_weights(attn) if fold_qk_norm else (None, None)
     if qw is not None:
         wq = wq * qw.double().view(1, dh, 1)
     if kw is not None:

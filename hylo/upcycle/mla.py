@@ -15,6 +15,14 @@ Design choices:
   the kept pairs, at the same cache cost `kv_lora_rank + qk_rope_head_dim`. `rope_key_groups = 1` keeps a
   single block fitted by a complex rank-1 SVD per pair.
 * MLA scales scores by 1/sqrt(Pn + Pr), the base by 1/sqrt(K): the queries absorb the ratio.
+* Qwen3's q/k RMSNorms (`mla_qk_norm`, set by the converter for a Qwen3 base): the rows stay raw and the
+  norms become the layer's `q_norm` / `k_norm`, their weights laid out as the rows are (per head [nope |
+  rope], the rope dims in the shared key's block layout); the query's score-scale ratio moves into
+  `q_norm`'s weight (a norm undoes any scale of its input). With one block per KV group a head's norm runs
+  over its nope dims and its group's block, i.e. exactly the base head's dims: the layer IS the base
+  attention at full rank with every RoPE pair kept. With one shared key (`rope_key_groups = 1`) and GQA the
+  rank-1 fit of the rope rows is approximate as without norms (its complex factors are normalised to unit
+  RMS so the key's RMS stays that of the base key; exact for a single KV head).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from hylo.upcycle.attention import attention_weights, fit_rows
+from hylo.upcycle.attention import attention_weights, fit_rows, qk_norm_weights
 from hylo.upcycle.options import UpcycleError
 
 if TYPE_CHECKING:
@@ -65,6 +73,26 @@ def shared_rope_key(wk_rope_GPD: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return k_pe, a
 
 
+def unit_rms_factors(k_pe_PD: torch.Tensor, a_GJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rescale a rank-1 fit `c_gj ~= a_gj s_j` so that each pair's factors have RMS 1 over the heads and a
+    positive real sum: then |s_j| is the heads' typical |c_gj| (a q/k norm sees the base key's RMS), and with
+    one KV head a == 1 and s == c exactly."""
+    half = a_GJ.shape[1]
+    total = a_GJ.sum(0)
+    phase = torch.where(total.abs() > 0, total / total.abs().clamp_min(1e-300), torch.ones_like(total))
+    lam = a_GJ.abs().pow(2).mean(0).sqrt().clamp_min(1e-300) * phase  # [J] complex
+    s = torch.complex(k_pe_PD[:half], k_pe_PD[half:]) * lam.unsqueeze(-1)
+    return torch.cat([s.real, s.imag], dim=0), a_GJ / lam
+
+
+def qk_norm_layout(w_K: torch.Tensor, nope_idx: torch.Tensor, rope_idx: torch.Tensor, groups: int) -> torch.Tensor:
+    """A base q/k norm weight [K] laid out as an MLA head's [nope | rope] with `groups` rope blocks [E]:
+    nope dims, then the rope reals of every block, then their imaginaries (each block a copy: one weight
+    is shared by all base heads)."""
+    k = rope_idx.numel() // 2
+    return torch.cat([w_K[nope_idx], w_K[rope_idx[:k]].repeat(groups), w_K[rope_idx[k:]].repeat(groups)])
+
+
 def absorb_rope_factors(wq_rope_HPD: torch.Tensor, a_HJ: torch.Tensor) -> torch.Tensor:
     """Query rope rows whose pairs are multiplied by conj(a): q.conj(a s) == (conj(a) q).conj(s)."""
     half = wq_rope_HPD.shape[1] // 2
@@ -75,7 +103,13 @@ def absorb_rope_factors(wq_rope_HPD: torch.Tensor, a_HJ: torch.Tensor) -> torch.
 @torch.no_grad()
 def mla_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[str, torch.Tensor]:
     """SVD initialisation of one MLA layer from a Llama/Qwen3 attention module (float64 SVD)."""
-    w = attention_weights(attn, hcfg)
+    qk_norm = bool(getattr(hcfg, "mla_qk_norm", False))
+    w_qn, w_kn = qk_norm_weights(attn)
+    if qk_norm and (w_qn is None or w_kn is None):
+        raise UpcycleError("mla_qk_norm is set but the base attention has no q_norm / k_norm (only Qwen3 bases have "
+                           "them); convert without mla_qk_norm")
+    # with mla_qk_norm the norms are kept as the layer's own, so their weights are not folded into the rows
+    w = attention_weights(attn, hcfg, fold_qk_norm=not qk_norm)
     h, g, dh, d = w.heads
     group = w.group
     wq, wk, wv = w.q_HKD, w.k_GKD, w.v_GKD
@@ -98,12 +132,19 @@ def mla_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[str,
         # one key shared by all groups: best complex rank-1 fit per RoPE pair; each head's query pair
         # absorbs its group's complex factor (a complex scale commutes with the RoPE rotation)
         k_pe, a_GJ = shared_rope_key(wk[:, rope_idx])
+        if qk_norm:
+            k_pe, a_GJ = unit_rms_factors(k_pe, a_GJ)
         q_rope = absorb_rope_factors(wq[:, rope_idx], a_GJ.repeat_interleave(group, dim=0))
     else:
         raise UpcycleError(f"rope_key_groups={groups}: allowed 1 or the number of KV heads ({g})")
     # MLA scales scores by 1/sqrt(d_nope + d_rope); the base by 1/sqrt(dh)
     q_scale = math.sqrt((d_nope + d_rope) / dh)
     # queries: per head [nope | rope]
+    if qk_norm:
+        # a norm undoes any scale of its input: the ratio goes into q_norm's weight instead
+        out["q_norm.weight"] = q_scale * qk_norm_layout(w_qn, nope_idx, rope_idx, groups)
+        out["k_norm.weight"] = qk_norm_layout(w_kn, nope_idx, rope_idx, groups)
+        q_scale = 1.0
     q_full = q_scale * torch.cat([wq[:, nope_idx], q_rope], dim=1).reshape(h * (d_nope + d_rope), d)
     if hcfg.q_lora_rank is None:
         out["q_proj.weight"] = q_full

@@ -326,7 +326,9 @@ def hybrid_config_from_base(base_cfg: Any, options: ConvertConfig | None = None,
         if rank is not None and rank > d_model:
             raise UpcycleError(f"{name} ({_flag(name)}) = {rank} is larger than the hidden size {d_model}: a latent "
                                f"cannot hold more than its input (allowed: 8..{d_model})")
-    # an MLA layer that caches more per token than the attention it replaces defeats its purpose
+    # an MLA layer that caches more per token than the attention it replaces defeats its purpose (the key
+    # 1/RMS values of a Qwen3 base's q/k norms, one per kv_b head, are left out: the full-rank conversion
+    # that keeps every RoPE pair, and so reproduces the base, caches exactly 2 x G x K plus them)
     if r_kv + d_rope > 2 * g * dh:
         raise UpcycleError(
             f"kv_lora_rank + qk_rope_head_dim = {r_kv} + {d_rope}: an MLA layer would cache {r_kv + d_rope} values "
@@ -363,6 +365,8 @@ def hybrid_config_from_base(base_cfg: Any, options: ConvertConfig | None = None,
             mla_latent_norm=o.mla_latent_norm,
             mla_latent_norm_eps=o.mla_latent_norm_eps,
             kv_b_per_kv_head=o.kv_b_per_kv_head,
+            # Qwen3 normalises each head's q and k: MLA keeps those norms (the linear blocks fold them)
+            mla_qk_norm=mt == "qwen3",
             v_head_dim=dv,
             max_position_embeddings=max_pos,
             # reproduce the base frequencies of the kept (highest-frequency) RoPE pairs exactly
@@ -402,6 +406,9 @@ def kv_summary(base_cfg: Any, hcfg: Any, bytes_per_value: int = 2) -> dict[str, 
         "n_linear": len(hcfg.linear_layers),
         "kv_lora_rank": hcfg.kv_lora_rank,
         "qk_rope_head_dim": hcfg.qk_rope_head_dim,
+        # per MLA layer and token: latent + roped key, plus with mla_qk_norm one key 1/RMS per kv_b head
+        "mla_values_per_token": hcfg.mla_cache_values_per_token(),
+        "qk_norm_values_per_token": hcfg.kv_b_heads if hcfg.mla_qk_norm else 0,
         "base_kv_bytes_per_token": base_vals * bytes_per_value,
         "hybrid_kv_bytes_per_token": hyb_vals * bytes_per_value,
         "kv_cache_ratio": hyb_vals / base_vals,
