@@ -100,6 +100,10 @@ LINEAR_TYPE_NAMES = {"gdn": ("gdn", "gated_deltanet", "gdn2"), "mamba2": ("mamba
 BASE_TYPES = ("llama", "qwen3", "qwen2", "mistral")
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.([A-Za-z_]+)\.(.+)$")
 _SHARED_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp")
+# where a Qwen HyLo MLA layer's per-head q/k RMSNorm weights may sit (their names are not public): Qwen3's own
+# names under the mixer's prefix, or under Qwen3's attention prefix
+QK_NORM_PARTS = ("mla", "self_attn")
+QK_NORM_NAMES = ("q_norm.weight", "k_norm.weight")
 
 
 class ReleasedLayoutError(ValueError):
@@ -291,6 +295,21 @@ def _linear_type_of(prefixes: list[str], hyb: dict[str, Any], linear_layers: lis
     return kind
 
 
+def _qk_norm_found(tensors: dict[str, torch.Tensor], mla: list[int], p: Path) -> bool:
+    """Whether the MLA layers carry q/k norms, saying once under which names they were found."""
+    found = sorted({f"{part}.{name}" for i in mla for part in QK_NORM_PARTS for name in QK_NORM_NAMES
+                    if f"model.layers.{i}.{part}.{name}" in tensors})
+    if found:
+        warnings.warn(f"{p}: the MLA layers carry per-head q/k RMSNorm weights, found as {', '.join(found)}: "
+                      f"imported as mla_qk_norm", UserWarning, stacklevel=3)
+    return bool(found)
+
+
+def _permute_norm_rope(w: torch.Tensor, N: int, perm: torch.Tensor) -> torch.Tensor:
+    """Permute the rope part (after the N nope entries) of a per-head [nope | rope] norm weight."""
+    return torch.cat([w[:N], w[N:][perm]])
+
+
 def _untied_head(tensors: dict[str, torch.Tensor], tie: bool, p: Path) -> bool:
     """The head as AMD's code uses it: untied when lm_head.weight is stored and differs from the embeddings."""
     head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
@@ -362,7 +381,10 @@ def released_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor] | 
                          "mamba2_n_groups": H, "gdn_conv_size": m2["d_conv"], "mamba2_norm_eps": AMD_MAMBA_NORM_EPS,
                          # repeat_kv_before_conv: the conv runs on repeated channels, x/B rows repeat per head
                          "mamba2_xb_groups": None if X == H or m2["repeat_before_conv"] else X}
+            # HyLo's GDN keys mean nothing to Mamba-2 layers: kept for the export to write them back
+            linear_kw.update({k: hyb[k] for k in ("gdn_num_heads", "gdn_head_dim") if k in hyb})
     eps = hyb.get("rms_norm_eps", base.get("rms_norm_eps", AMD_DEFAULTS["rms_norm_eps"]))
+    qk_norm = _qk_norm_found(tensors, mla, p)
     tie = bool(base.get("tie_word_embeddings", False))
     untied = _untied_head(tensors, tie, p)
     try:
@@ -385,6 +407,7 @@ def released_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor] | 
             mla_latent_norm=bool(hyb.get("use_lora_layer_norm", AMD_DEFAULTS["use_lora_layer_norm"])),
             mla_latent_norm_eps=AMD_LATENT_NORM_EPS,
             kv_b_per_kv_head=not full_kv and g != hyb["num_attention_heads"],
+            mla_qk_norm=qk_norm,
             v_head_dim=hyb["v_head_dim"],
             max_position_embeddings=hyb.get("max_position_embeddings", AMD_DEFAULTS["max_position_embeddings"]),
             rope_theta=hyb.get("rope_theta", AMD_DEFAULTS["rope_theta"]),
@@ -454,12 +477,17 @@ def released_to_state_dict(tensors: dict[str, torch.Tensor], hcfg: HybridConfig,
         if part in _SHARED_LAYER_PARTS:
             out[key] = t
             continue
-        if part == "mla" and i in mla:
+        if i in mla and (part == "mla" or (part in QK_NORM_PARTS and rest in QK_NORM_NAMES)):
             name = "o_proj." + rest.removeprefix("out_proj.") if rest.startswith("out_proj.") else rest
             if name in ("q_proj.weight", "q_proj.bias", "q_b_proj.weight"):
                 t = _permute_q_rope(t, H, N, P, perm)
             elif name in ("kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias"):
                 t = _permute_kv_a(t, R, perm)
+            elif name in QK_NORM_NAMES:
+                if f"model.layers.{i}.mixer.{name}" in out:
+                    raise ReleasedLayoutError(f"{where}: layer {i} holds {name} under both "
+                                              f"{' and '.join(QK_NORM_PARTS)}")
+                t = _permute_norm_rope(t, N, perm)
         elif part in linear_parts and i not in mla:
             name = rest
             if part == MAMBA_PREFIX and name == "in_proj.weight" and d_xb is not None:
@@ -542,8 +570,11 @@ def _their_rope_scaling_out(rs: dict[str, Any] | None, max_pos: int) -> dict[str
     factor = float(rs["factor"]) if rs.get("factor") is not None else max_pos / original
     if rs.get("truncate", True) is False:
         raise ReleasedLayoutError("rope_scaling.truncate=false has no equivalent in the released layout")
-    out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
-           "beta_fast": float(rs.get("beta_fast") or 32), "beta_slow": float(rs.get("beta_slow") or 1)}
+    out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    # DeepSeek's defaults (32, 1) are left out, as AMD's training script writes rope_scaling
+    for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+        if rs.get(key) is not None and float(rs[key]) != default:
+            out[key] = float(rs[key])
     for key in ("mscale", "mscale_all_dim"):
         if rs.get(key) is not None:
             out[key] = float(rs[key])
@@ -640,6 +671,8 @@ def released_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str
             elif rest == "kv_b_proj.weight":
                 t, full = _kv_b_for_export(t, hcfg)
                 full_kv.add(full)
+            elif rest in QK_NORM_NAMES:
+                t = _permute_norm_rope(t, N, inv)
             tensors[released_name(key, mla)] = t.contiguous()
         else:
             tensors[released_name(key, mla, hcfg.linear_type)] = t
