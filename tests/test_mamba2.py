@@ -473,6 +473,29 @@ def test_attention_copy_is_exact_with_derived_shape():
         assert not mixer.conv1d.bias.any()
 
 
+def test_attention_copy_with_x_and_b_per_kv_head_is_amds_recipe():
+    """mamba2_xb_groups = KV heads: x <- W_v and B <- W_k once per KV head (AMD's d_xb rows), C <- W_q; the
+    heads of a group read the same x and B, so the layer equals the expanded copy's."""
+    base, model = mamba2_hybrid(mamba2_xb_groups=2)
+    _, plain = mamba2_hybrid()
+    h, dh = 4, 16
+    for i in model.config.linear_layers:
+        attn, mixer = base.model.layers[i].self_attn, model.model.layers[i].mixer
+        z, x, Bw, Cw, dt = mixer.in_proj.weight.detach().split([h * dh, 2 * dh, 2 * dh, h * dh, h])
+        assert torch.equal(x, attn.v_proj.weight) and torch.equal(Bw, attn.k_proj.weight)
+        assert torch.equal(Cw, attn.q_proj.weight)
+        ref = plain.model.layers[i].mixer
+        with torch.no_grad():
+            # the same z / dt rows in both, then the same outputs
+            rz, rx, rB, rC, rdt = ref.in_proj.weight.split([h * dh, h * dh, h * dh, h * dh, h])
+            rz.copy_(z)
+            rdt.copy_(dt)
+            for name in ("dt_bias", "A_log", "D", "norm.weight"):
+                ref.get_parameter(name).copy_(mixer.get_parameter(name))
+            u = torch.randn(2, 9, 64, dtype=DT)
+            assert_close("grouped vs expanded copy", ref(u), mixer(u))
+
+
 def test_attention_copy_wraps_and_truncates_other_shapes():
     base, model = mamba2_hybrid(mamba2_num_heads=6, mamba2_head_dim=8, mamba2_state_size=24, mamba2_n_groups=3)
     attn, mixer = base.model.layers[1].self_attn, model.model.layers[1].mixer

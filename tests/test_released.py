@@ -674,6 +674,21 @@ def test_cli_errors_for_bad_released_input(tmp_path, capsys):
     (tmp_path / "ours").mkdir()
     assert convert.main(["--to-released", str(tmp_path / "ours"), "--out", str(tmp_path / "o")]) == 2
     assert "hybrid_config.json" in capsys.readouterr().err
+    # an MLA index the model does not have: refused, naming the file and the field (never dropped)
+    d = tmp_path / "rel"
+    write_released(d, VARIANTS["qwen-mamba2"])
+    hyb = json.loads((d / "hybrid_config.json").read_text())
+    for bad in ([0, 5], [-1, 2], ["0", 2]):
+        (d / "hybrid_config.json").write_text(json.dumps({**hyb, "mla_layers": bad}))
+        assert convert.main(["--from-released", str(d), "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert "hybrid_config.json: mla_layers" in err and "mixers named" not in err, err
+    (d / "hybrid_config.json").write_text(json.dumps(hyb))
+    with pytest.warns(UserWarning, match="q/k RMSNorm"):
+        assert convert.main(["--from-released", str(d), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.rindex("\n{"):] if "\n{" in out else out)
+    assert (summary["linear_type"], summary["mla_qk_norm"]) == ("mamba2", True)
 
 
 # ------------------------------------------------------------------------------------ the cards' models
