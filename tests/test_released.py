@@ -577,6 +577,35 @@ def test_our_conversion_round_trips_through_the_released_layout_and_the_cli(tmp_
         assert rel(load_hylo(tmp_path / "rel", dtype=torch.float64)(ids).logits, want) < 1e-12
 
 
+def test_a_qwen3_conversion_exports_its_qk_norms_as_their_layout_reads_them(tmp_path):
+    """Our Qwen3 conversion keeps the q/k norms (rotate-half rope part): exported under `mla.`, rope part back in
+    interleaved order, their layer's math on the written files gives our logits (positions 0 and 60,000+)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from hylo.upcycle import upcycle
+
+    torch.manual_seed(0)
+    base = Qwen3ForCausalLM(Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                                        max_position_embeddings=65_536)).double().eval()
+    with torch.no_grad():
+        for layer in base.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model = upcycle(base, mla_layers=[0, 2], kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, rope_key_groups=1,
+                    gdn_head_dim=32, gdn_num_heads=2, gdn_expand_v=2.0, tie_word_embeddings=False).eval()
+    assert model.config.mla_qk_norm
+    export_released(model, tmp_path / "rel")
+    files = load_file(tmp_path / "rel" / "model.safetensors")
+    hyb = json.loads((tmp_path / "rel" / "hybrid_config.json").read_text())
+    assert files["model.layers.0.mla.q_norm.weight"].shape == (8 + 8,)
+    pos = torch.tensor([0, *range(60_000, 60_009)])
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours = model(ids, position_ids=pos.expand(2, -1)).logits
+        assert rel(ours, their_logits(files, hyb, ids, pos)) < 1e-9
+
+
 def test_export_refuses_what_the_released_layout_cannot_hold(tmp_path):
     from hylo.upcycle import upcycle
 
