@@ -295,8 +295,9 @@ def test_qk_norm_padded_batch_and_bf16() -> None:
     mask[0, :3] = False
     with torch.no_grad():
         full = layer(x_BTD, attention_mask=mask)
-        # the prompt through the decompressed prefill, then through the latent path itself
-        for layer.decompressed_prefill in (True, False):
+        # the prompt through the decompressed prefill, then through the latent path itself, whole and one
+        # query row at a time (the score chunking that bounds memory)
+        for layer.decompressed_prefill, layer.SCORE_CHUNK_ELEMENTS in ((True, 1 << 24), (False, 1 << 24), (False, 1)):
             cache = MLALayerCache()
             steps = [layer(x_BTD[:, :5], cache=cache, attention_mask=mask[:, :5])]
             steps += [layer(x_BTD[:, t:t + 1], cache=cache, attention_mask=mask[:, :t + 1]) for t in range(5, 8)]
