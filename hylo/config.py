@@ -70,11 +70,15 @@ class HybridConfig(PretrainedConfig):
         mamba2_head_dim: int | None = None,
         mamba2_state_size: int | None = None,
         mamba2_n_groups: int | None = None,
+        mamba2_xb_groups: int | None = None,
+        mamba2_norm_eps: float | None = None,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = True,
         base_model_type: str | None = None,
         base_num_key_value_heads: int | None = None,
         base_head_dim: int | None = None,
+        base_tie_word_embeddings: bool | None = None,
+        base_config_json: dict[str, Any] | None = None,
         use_cache: bool = True,
         pad_token_id: int | None = None,
         bos_token_id: int | None = 1,
@@ -121,10 +125,21 @@ class HybridConfig(PretrainedConfig):
         self.mamba2_head_dim = mamba2_head_dim
         self.mamba2_state_size = mamba2_state_size
         self.mamba2_n_groups = mamba2_n_groups
+        # x and B projected for this many groups, each read by heads / groups consecutive heads (the
+        # Zebra-Llama / HyLo Mamba-2 layer: d_xb = groups * state, as GQA's KV heads); None: x per head,
+        # B shared like C in mamba2_n_groups groups (mamba_ssm's layer)
+        self.mamba2_xb_groups = mamba2_xb_groups
+        # eps of the Mamba-2 gated output norm; None = rms_norm_eps (AMD's Mamba-2 layers use 1e-5)
+        self.mamba2_norm_eps = mamba2_norm_eps
         self.initializer_range = initializer_range
         self.base_model_type = base_model_type
         self.base_num_key_value_heads = base_num_key_value_heads
         self.base_head_dim = base_head_dim
+        # the base model's config.json `tie_word_embeddings` (what the released layout writes back into its
+        # config.json, whatever the hybrid's own head does); None = tie_word_embeddings
+        self.base_tie_word_embeddings = None if base_tie_word_embeddings is None else bool(base_tie_word_embeddings)
+        # the base config.json a released checkpoint carried (imported): written back verbatim on export
+        self.base_config_json = dict(base_config_json) if base_config_json else None
         self.use_cache = use_cache
         # transformers' generic code reads num_hidden_layers
         self.num_hidden_layers = n_layer
@@ -166,6 +181,10 @@ class HybridConfig(PretrainedConfig):
         state = self.mamba2_state_size or self.head_dim
         groups = self.mamba2_n_groups or heads
         return heads, head_dim, state, groups
+
+    @property
+    def mamba2_norm_eps_value(self) -> float:
+        return self.rms_norm_eps if self.mamba2_norm_eps is None else float(self.mamba2_norm_eps)
 
     @property
     def linear_layers(self) -> list[int]:
@@ -233,6 +252,12 @@ class HybridConfig(PretrainedConfig):
         m_heads, _, _, m_groups = self.mamba2_dims
         if m_heads % m_groups:
             bad("mamba2_n_groups", f"{m_groups} must divide the Mamba-2 head count {m_heads}")
+        xb = self.mamba2_xb_groups
+        if xb is not None and (not isinstance(xb, int) or isinstance(xb, bool) or xb <= 0 or m_heads % xb):
+            bad("mamba2_xb_groups", f"must be null (x per head) or a positive divisor of the Mamba-2 head count "
+                                    f"{m_heads}, got {xb!r}")
+        if self.mamba2_norm_eps is not None and not float(self.mamba2_norm_eps) > 0:
+            bad("mamba2_norm_eps", f"must be > 0 or null (= rms_norm_eps), got {self.mamba2_norm_eps!r}")
         if self.gdn_head_dim % 2:
             bad("gdn_head_dim", f"must be even, got {self.gdn_head_dim}")
         if self.gdn_value_dim <= 0 or self.gdn_head_dim * self.gdn_expand_v != self.gdn_value_dim:

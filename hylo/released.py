@@ -1,33 +1,48 @@
 """Import and export of the released checkpoint layout (AMD's Hybrid-Models code, the HyLo / Zebra-Llama cards).
 
 A released checkpoint directory holds:
-* `config.json`: the base model's config; the vocabulary, bos/eos/pad ids, `tie_word_embeddings`, the MLP
-  activation and bias come from here (AMD's hybrid config has no such keys);
-* `hybrid_config.json` with AMD's keys: `n_layer`, `mla_layers`, `num_attention_heads`,
-  `num_key_value_heads`, `kv_lora_rank`, `q_lora_rank`, `qk_rope_head_dim`, `qk_nope_head_dim`,
-  `v_head_dim`, `use_lora_layer_norm`, `use_full_kv_head`, `rope_theta`, `rope_scaling`,
-  `max_position_embeddings`, `attention_bias`, `rms_norm_eps`, ... (plus Mamba keys we do not use);
+* `config.json`: the base model's config, copied as it was; the vocabulary, bos/eos/pad ids, the MLP
+  activation and bias come from here (AMD's hybrid config has no such keys). Its `tie_word_embeddings` does
+  not tie anything there: AMD's `CustomLlamaForCausalLM` replaces the inner model after the head was tied,
+  so `lm_head.weight` is always stored and always used as it is;
+* `hybrid_config.json`: `asdict` of AMD's `HybridConfig` dataclass (every key written, read back as
+  `HybridConfig(**json)`, a missing key taking its default): `n_layer`, `mla_layers`, the MLA shapes
+  (`kv_lora_rank`, `q_lora_rank`, `qk_*_head_dim`, `v_head_dim`, `use_lora_layer_norm`, `use_full_kv_head`,
+  `layer_rank_list`, ...), RoPE (`rope_theta`, `rope_scaling`), the Mamba-2 shapes (`d_model`, `d_inner`,
+  `d_xb`, `ssm_cfg`), and HyLo's `linear_type`, `gdn_num_heads`, `gdn_head_dim`;
 * safetensors whose keys are those of a Llama causal LM whose layers hold their mixer under `mla.`
   (`q_a_proj`, `q_a_layernorm`, `q_b_proj` or `q_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`,
-  `kv_b_proj`, `out_proj`) or, for Gated DeltaNet layers, `gdn.` with flash-linear-attention's names
-  (the same as ours).
+  `kv_b_proj`, `out_proj`, and on Qwen HyLo models per-head `q_norm` / `k_norm`), `gdn.` with
+  flash-linear-attention's names (the same as ours), or `mamba.` (Zebra-Llama's Mamba-2: `in_proj` rows
+  `[z | x | B | C | dt]`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`).
 
 How it differs from ours, and why each mapping is exact:
-* names: `mixer.*` here, `mla.*` / `gdn.*` there; `o_proj` here, `out_proj` there.
+* names: `mixer.*` here, `mla.*` / `gdn.*` / `mamba.*` there; `o_proj` here, `out_proj` there.
 * `kv_b_proj`: there one block of (nope-key, value) rows per KV head, each query head reading its
   group's block (`repeat_kv`), unless `use_full_kv_head` (one block per query head). Ours supports both
   natively (`kv_b_per_kv_head`), so an import copies the rows as they are. An export writes per KV head
   when our per-query-head rows repeat within each group, and `use_full_kv_head: true` otherwise.
 * RoPE: DeepSeek / AMD rotate interleaved pairs (dims 2i, 2i+1), we rotate halves (dims i, i + P/2).
   Pair i turns at the same frequency in both, so permuting the rope rows of the query heads and of the
-  shared key (`k_pe`) maps one onto the other exactly.
+  shared key (`k_pe`), and the rope part of the q/k norm weights, maps one onto the other exactly. Both
+  codes turn pair i at `rope_theta ** (-2i / P)` with the theta of hybrid_config.json (AMD's MLA reads
+  `HybridConfig.rope_theta`, not config.json's): our converter's theta (the base's `theta ** (P / head_dim)`,
+  which keeps the base's highest-frequency pairs) is written there as it is, and a released model's theta
+  (the base's own, applied to P dims) is imported as it is, so positions match both ways.
 * The latent RMSNorms (`use_lora_layer_norm`) use eps 1e-6 there: imported as `mla_latent_norm_eps`.
 * YaRN: the same frequencies and softmax scale; the cos/sin magnitude is `mscale(factor, mscale) /
   mscale(factor, mscale_all_dim)` there, written as an explicit `attention_factor` on import.
+* Mamba-2 (AMD's variant of mamba_ssm's layer): `nheads = ngroups`, `headdim = d_state`, C per head,
+  x and B projected for `d_xb / d_state` groups and repeated to the heads after the conv (GQA's rule), the
+  gated norm per head with eps 1e-5. Ours holds that natively (`mamba2_xb_groups`, `mamba2_n_groups =
+  heads`, `mamba2_norm_eps`); `repeat_kv_before_conv: true` (conv over the repeated channels) imports
+  exactly as x/B rows repeated per head.
 
-GDN dimensions are read from the tensors' shapes (AMD's public code has no GDN layer, so no config key
-is relied upon). Mamba-2 layers (`mamba.*`, AMD's d_xb variant) are not supported. Nothing is unpickled:
-a directory with only `pytorch_model.bin` is refused.
+GDN dimensions are read from the tensors' shapes and checked against `gdn_*` keys where present. Nothing
+is unpickled: a directory with only `pytorch_model.bin` is refused. `check_released_dir` reads a written
+directory back the way AMD's loader does (defaults for missing keys, the module tree their code builds,
+tensor names matched one by one as `load_state_dict(strict=False)` would) and names every tensor that
+would be dropped, left at its random init, or refused for its shape; the export runs it on its own output.
 """
 
 from __future__ import annotations
@@ -47,16 +62,48 @@ from hylo.files import atomic_dir, read_json
 # hybrid_config.json keys that only AMD's Hybrid-Models code writes (ours never does)
 AMD_ONLY_KEYS = ("use_lora_layer_norm", "use_full_kv_head", "qkv_rank_divisor", "ssm_cfg", "d_xb", "d_inner",
                  "d_model", "attention_dropout")
-# AMD's latent norms: DeepseekV3RMSNorm with its default eps
+# AMD's latent norms: DeepseekV3RMSNorm with its default eps; their Mamba-2 gated norm: eps 1e-5
 AMD_LATENT_NORM_EPS = 1e-6
-# what AMD's config supplies when a key is absent (their HybridConfig dataclass / YaRN defaults)
-AMD_DEFAULTS = {"use_lora_layer_norm": False, "use_full_kv_head": False, "attention_bias": False,
-                "rope_theta": 10000.0, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+AMD_MAMBA_NORM_EPS = 1e-5
+# AMD's HybridConfig dataclass (Zebra-Llama/hybrid/hybrid_config.py): every field and its default, in order
+AMD_HYBRID_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 4096, "intermediate_size": 18432, "hidden_act": "silu", "n_layer": 32, "mla_layers": [],
+    "rms_norm_eps": 1e-5, "num_attention_heads": 32, "num_key_value_heads": 8, "kv_lora_rank": 128,
+    "q_lora_rank": 1536, "use_lora_layer_norm": False, "use_fixed_rank_for_first_and_last_block": False,
+    "use_full_kv_head": False, "layer_rank_list": {}, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "qk_nope_head_dim": 128, "q_energy_ratio": None, "kv_energy_ratio": None, "qkv_rank_divisor": 8,
+    "max_position_embeddings": 4096, "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False,
+    "attention_dropout": 0.0, "rope_type": "yarn", "d_model": 2560, "ssm_cfg": {}, "d_inner": None, "d_xb": 2560,
+}
+# the keys HyLo's version adds (its defaults are not public: the export always writes the first three, the
+# others where they differ from flash-linear-attention's GatedDeltaNet defaults, FLA_GDN_DEFAULTS)
+HYLO_KEYS = ("linear_type", "gdn_num_heads", "gdn_head_dim", "gdn_expand_v", "gdn_conv_size")
+FLA_GDN_DEFAULTS = {"gdn_expand_v": 2.0, "gdn_conv_size": 4}
+# what AMD's config supplies when a key is absent (the import's subset of the dataclass defaults)
+AMD_DEFAULTS = {k: AMD_HYBRID_DEFAULTS[k] for k in ("use_lora_layer_norm", "use_full_kv_head", "attention_bias",
+                                                     "rope_theta", "max_position_embeddings", "rms_norm_eps")}
+# AMD's Mamba2(..., **ssm_cfg): the defaults of the arguments that shape the math, ...
+MAMBA2_DEFAULTS: dict[str, Any] = {"d_state": 128, "d_conv": 4, "expand": 2, "ngroups": 1,
+                                   "repeat_kv_before_conv": False, "D_has_hdim": False, "rmsnorm": True,
+                                   "norm_before_gate": False, "dt_limit": [0.0, math.inf], "bias": False,
+                                   "conv_bias": True, "d_ssm": None}
+# ... of those our layer holds only the defaults of, and the arguments that only initialise or schedule
+MAMBA2_FIXED = ("D_has_hdim", "rmsnorm", "norm_before_gate", "dt_limit", "bias", "conv_bias", "d_ssm")
+MAMBA2_NO_MATH = ("headdim", "conv_init", "A_init_range", "dt_min", "dt_max", "dt_init_floor", "chunk_size",
+                  "use_mem_eff_path", "sequence_parallel")
+# the ssm_cfg AMD's training script writes (Zebra-Llama/train_hybrid/train_distill.py)
+AMD_SSM_CFG_KEYS = ("expand", "ngroups", "d_state", "repeat_kv_before_conv")
 YARN_DEFAULT_ORIGINAL = 4096
 LINEAR_PREFIXES = ("gdn", "linear_attn")
+MAMBA_PREFIX = "mamba"
+LINEAR_TYPE_NAMES = {"gdn": ("gdn", "gated_deltanet", "gdn2"), "mamba2": ("mamba2", "mamba", "m2")}
 BASE_TYPES = ("llama", "qwen3", "qwen2", "mistral")
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.([A-Za-z_]+)\.(.+)$")
 _SHARED_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp")
+# where a Qwen HyLo MLA layer's per-head q/k RMSNorm weights may sit (their names are not public): Qwen3's own
+# names under the mixer's prefix, or under Qwen3's attention prefix
+QK_NORM_PARTS = ("mla", "self_attn")
+QK_NORM_NAMES = ("q_norm.weight", "k_norm.weight")
 
 
 class ReleasedLayoutError(ValueError):
@@ -178,6 +225,101 @@ def _linear_dims(tensors: dict[str, torch.Tensor], prefix: str, where: str) -> d
     return {"gdn_num_heads": H, "gdn_head_dim": qk // H, "gdn_expand_v": (v // H) / (qk // H), "gdn_conv_size": conv}
 
 
+def their_mamba2(hyb: dict[str, Any], where: str) -> dict[str, Any]:
+    """AMD's Mamba-2 shapes as their layer derives them from hybrid_config.json (`Mamba2(d_model=d_model,
+    d_xb=d_xb, d_inner=d_inner, **ssm_cfg)`, missing keys at their defaults); refuses what ours cannot hold."""
+    ssm = hyb.get("ssm_cfg", AMD_HYBRID_DEFAULTS["ssm_cfg"])
+    if not isinstance(ssm, dict):
+        raise ReleasedLayoutError(f"{where}: ssm_cfg must be an object, got {ssm!r}")
+    unknown = sorted(set(ssm) - set(MAMBA2_DEFAULTS) - set(MAMBA2_NO_MATH))
+    if unknown:
+        raise ReleasedLayoutError(f"{where}: ssm_cfg key(s) {', '.join(unknown)} unknown to AMD's Mamba2 layer; "
+                                  f"known: {', '.join(sorted([*MAMBA2_DEFAULTS, *MAMBA2_NO_MATH]))}")
+    cfg = {**MAMBA2_DEFAULTS, **ssm}
+    for key in MAMBA2_FIXED:
+        given, default = cfg[key], MAMBA2_DEFAULTS[key]
+        same = list(given) == default if key == "dt_limit" and isinstance(given, list | tuple) else given == default
+        if not same:
+            raise ReleasedLayoutError(f"{where}: ssm_cfg.{key}={given!r} is not supported for import (our Mamba-2 "
+                                      f"layer holds AMD's default {default!r}: D per head, gated RMSNorm after the "
+                                      f"gate, no dt clamp, no projection biases, a conv bias)")
+    d_model = hyb.get("d_model", AMD_HYBRID_DEFAULTS["d_model"])
+    d_inner = hyb.get("d_inner")
+    d_inner = d_inner if d_inner is not None else cfg["expand"] * d_model
+    d_xb = hyb.get("d_xb", AMD_HYBRID_DEFAULTS["d_xb"])
+    d_state, ngroups = cfg["d_state"], cfg["ngroups"]
+    for key, v in (("d_model", d_model), ("d_inner", d_inner), ("d_xb", d_xb), ("ssm_cfg.d_state", d_state),
+                   ("ssm_cfg.ngroups", ngroups), ("ssm_cfg.d_conv", cfg["d_conv"])):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ReleasedLayoutError(f"{where}: {key} must be a positive integer, got {v!r}")
+    if d_inner != ngroups * d_state:
+        raise ReleasedLayoutError(f"{where}: d_inner={d_inner} must equal ssm_cfg.ngroups * ssm_cfg.d_state = "
+                                  f"{ngroups} * {d_state} (AMD's Mamba2 asserts it: one head of d_state per group)")
+    if d_xb % d_state or ngroups % (d_xb // d_state):
+        raise ReleasedLayoutError(f"{where}: d_xb={d_xb} must be a multiple of d_state={d_state} whose group "
+                                  f"count divides the {ngroups} heads (x and B are repeated to the heads)")
+    return {"d_model": d_model, "d_inner": d_inner, "d_xb": d_xb, "d_state": d_state, "heads": ngroups,
+            "xb_groups": d_xb // d_state, "d_conv": cfg["d_conv"],
+            "repeat_before_conv": bool(cfg["repeat_kv_before_conv"])}
+
+
+def _their_mla_layers(hyb: dict[str, Any], n_layer: int, where: str) -> list[int]:
+    """hybrid_config.json's mla_layers, refused unless a list of distinct integer layer indices in range."""
+    raw = hyb.get("mla_layers", AMD_HYBRID_DEFAULTS["mla_layers"])
+    if not isinstance(raw, list) or any(not isinstance(i, int) or isinstance(i, bool) for i in raw):
+        raise ReleasedLayoutError(f"{where}: mla_layers must be a list of integer layer indices, got {raw!r}")
+    bad = [i for i in raw if not 0 <= i < n_layer]
+    if bad:
+        raise ReleasedLayoutError(f"{where}: mla_layers holds {bad}: out of range for n_layer={n_layer} "
+                                  f"(allowed 0..{n_layer - 1})")
+    if len(set(raw)) != len(raw):
+        raise ReleasedLayoutError(f"{where}: mla_layers has duplicates: {raw}")
+    return sorted(raw)
+
+
+def _linear_type_of(prefixes: list[str], hyb: dict[str, Any], linear_layers: list[int], p: Path) -> str:
+    """'gdn' or 'mamba2', from the non-MLA layers' tensor names (checked against `linear_type` when given)."""
+    where = str(p / HYBRID_CONFIG_NAME)
+    if len(prefixes) > 1:
+        raise ReleasedLayoutError(f"{p}: the non-MLA layers hold mixers of more than one kind ({', '.join(prefixes)}); "
+                                  f"one linear type per model")
+    if not prefixes or prefixes[0] not in (*LINEAR_PREFIXES, MAMBA_PREFIX):
+        raise ReleasedLayoutError(f"{p}: the non-MLA layers {linear_layers[:6]} (per mla_layers in {where}) hold "
+                                  f"mixers named {prefixes or 'nothing'}; expected one of "
+                                  f"{', '.join((*LINEAR_PREFIXES, MAMBA_PREFIX))}")
+    kind = "mamba2" if prefixes[0] == MAMBA_PREFIX else "gdn"
+    named = hyb.get("linear_type")
+    if named is not None and str(named).lower() not in LINEAR_TYPE_NAMES[kind]:
+        raise ReleasedLayoutError(f"{where}: linear_type={named!r} but the non-MLA layers hold `{prefixes[0]}.*` "
+                                  f"tensors ({kind})")
+    return kind
+
+
+def _qk_norm_found(tensors: dict[str, torch.Tensor], mla: list[int], p: Path) -> bool:
+    """Whether the MLA layers carry q/k norms, saying once under which names they were found."""
+    found = sorted({f"{part}.{name}" for i in mla for part in QK_NORM_PARTS for name in QK_NORM_NAMES
+                    if f"model.layers.{i}.{part}.{name}" in tensors})
+    if found:
+        warnings.warn(f"{p}: the MLA layers carry per-head q/k RMSNorm weights, found as {', '.join(found)}: "
+                      f"imported as mla_qk_norm", UserWarning, stacklevel=3)
+    return bool(found)
+
+
+def _permute_norm_rope(w: torch.Tensor, N: int, perm: torch.Tensor) -> torch.Tensor:
+    """Permute the rope part (after the N nope entries) of a per-head [nope | rope] norm weight."""
+    return torch.cat([w[:N], w[N:][perm]])
+
+
+def _untied_head(tensors: dict[str, torch.Tensor], tie: bool, p: Path) -> bool:
+    """The head as AMD's code uses it: untied when lm_head.weight is stored and differs from the embeddings."""
+    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if not tie or head is None or (embed is not None and torch.equal(head, embed)):
+        return not tie
+    warnings.warn(f"{p}: config.json says tie_word_embeddings: true but lm_head.weight is stored apart from the "
+                  f"embeddings (as AMD's code uses it): imported as an untied LM head", UserWarning, stacklevel=3)
+    return True
+
+
 def released_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> HybridConfig:
     """Our HybridConfig for a released directory (base config.json + AMD's hybrid_config.json + tensor shapes)."""
     p = Path(path)
@@ -203,27 +345,48 @@ def released_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor] | 
                                   f"{HYBRID_CONFIG_NAME} n_layer={hyb['n_layer']}")
     g = hyb.get("num_key_value_heads", base.get("num_key_value_heads", hyb["num_attention_heads"]))
     full_kv = bool(hyb.get("use_full_kv_head", AMD_DEFAULTS["use_full_kv_head"]))
-    n_layer = int(hyb["n_layer"])
-    mla = sorted(int(i) for i in hyb.get("mla_layers") or [])
+    n_layer = hyb["n_layer"]
+    if not isinstance(n_layer, int) or isinstance(n_layer, bool) or n_layer <= 0:
+        raise ReleasedLayoutError(f"{where}: n_layer must be a positive integer, got {n_layer!r}")
+    mla = _their_mla_layers(hyb, n_layer, where)
+    for layer, ranks in (hyb.get("layer_rank_list") or {}).items():
+        got = (ranks.get("q_rank", hyb.get("q_lora_rank")), ranks.get("kv_rank", hyb["kv_lora_rank"])) \
+            if isinstance(ranks, dict) else ranks
+        if got != (hyb.get("q_lora_rank"), hyb["kv_lora_rank"]):
+            raise ReleasedLayoutError(f"{where}: layer_rank_list[{layer!r}] = {ranks!r}: per-layer MLA ranks are not "
+                                      f"supported (every layer must use q_lora_rank={hyb.get('q_lora_rank')}, "
+                                      f"kv_lora_rank={hyb['kv_lora_rank']})")
+    tensors = tensors if tensors is not None else read_released_tensors(p)
     linear_kw: dict[str, Any] = {}
+    linear_type = "gdn"
     linear_layers = [i for i in range(n_layer) if i not in set(mla)]
     if linear_layers:
-        tensors = tensors if tensors is not None else read_released_tensors(p)
         prefixes = sorted({m.group(2) for k in tensors if (m := _LAYER_KEY.match(k)) and int(m.group(1)) in linear_layers
                            and m.group(2) not in _SHARED_LAYER_PARTS})
-        if "mamba" in prefixes:
-            raise ReleasedLayoutError(f"{p}: Mamba-2 layers (`mamba.*`, AMD's d_xb variant) cannot be imported; "
-                                      f"only MLA and Gated DeltaNet (`gdn.*`) layers are supported")
-        unknown = [x for x in prefixes if x not in LINEAR_PREFIXES]
-        if unknown or not prefixes:
-            raise ReleasedLayoutError(f"{p}: the non-MLA layers {linear_layers[:6]} hold mixers named "
-                                      f"{unknown or 'nothing'}; expected one of {', '.join(LINEAR_PREFIXES)}")
+        linear_type = _linear_type_of(prefixes, hyb, linear_layers, p)
         i0 = linear_layers[0]
-        linear_kw = _linear_dims(tensors, f"model.layers.{i0}.{prefixes[0]}", str(p))
-        for key in ("gdn_num_heads", "gdn_head_dim", "gdn_expand_v", "gdn_conv_size"):
-            if key in hyb and hyb[key] != linear_kw[key]:
-                raise ReleasedLayoutError(f"{where}: {key}={hyb[key]} but the layer {i0} tensors give {linear_kw[key]}")
+        if linear_type == "gdn":
+            linear_kw = _linear_dims(tensors, f"model.layers.{i0}.{prefixes[0]}", str(p))
+            for key in ("gdn_num_heads", "gdn_head_dim", "gdn_expand_v", "gdn_conv_size"):
+                if key in hyb and hyb[key] != linear_kw[key]:
+                    raise ReleasedLayoutError(f"{where}: {key}={hyb[key]} but the layer {i0} tensors give "
+                                              f"{linear_kw[key]}")
+        else:
+            m2 = their_mamba2(hyb, where)
+            if m2["d_model"] != hyb["hidden_size"]:
+                raise ReleasedLayoutError(f"{where}: d_model={m2['d_model']} but hidden_size={hyb['hidden_size']} "
+                                          f"(the Mamba-2 layers' width, and their MLP's)")
+            X, H = m2["xb_groups"], m2["heads"]
+            linear_kw = {"mamba2_num_heads": H, "mamba2_head_dim": m2["d_state"], "mamba2_state_size": m2["d_state"],
+                         "mamba2_n_groups": H, "gdn_conv_size": m2["d_conv"], "mamba2_norm_eps": AMD_MAMBA_NORM_EPS,
+                         # repeat_kv_before_conv: the conv runs on repeated channels, x/B rows repeat per head
+                         "mamba2_xb_groups": None if X == H or m2["repeat_before_conv"] else X}
+            # HyLo's GDN keys mean nothing to Mamba-2 layers: kept for the export to write them back
+            linear_kw.update({k: hyb[k] for k in ("gdn_num_heads", "gdn_head_dim") if k in hyb})
     eps = hyb.get("rms_norm_eps", base.get("rms_norm_eps", AMD_DEFAULTS["rms_norm_eps"]))
+    qk_norm = _qk_norm_found(tensors, mla, p)
+    tie = bool(base.get("tie_word_embeddings", False))
+    untied = _untied_head(tensors, tie, p)
     try:
         return HybridConfig(
             vocab_size=base["vocab_size"],
@@ -244,17 +407,20 @@ def released_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor] | 
             mla_latent_norm=bool(hyb.get("use_lora_layer_norm", AMD_DEFAULTS["use_lora_layer_norm"])),
             mla_latent_norm_eps=AMD_LATENT_NORM_EPS,
             kv_b_per_kv_head=not full_kv and g != hyb["num_attention_heads"],
+            mla_qk_norm=qk_norm,
             v_head_dim=hyb["v_head_dim"],
             max_position_embeddings=hyb.get("max_position_embeddings", AMD_DEFAULTS["max_position_embeddings"]),
             rope_theta=hyb.get("rope_theta", AMD_DEFAULTS["rope_theta"]),
             rope_scaling=_their_rope_scaling(hyb.get("rope_scaling"), where),
             attention_bias=bool(hyb.get("attention_bias", AMD_DEFAULTS["attention_bias"])),
             mlp_bias=bool(base.get("mlp_bias", False)),
-            linear_type="gdn",
+            linear_type=linear_type,
             **linear_kw,
             initializer_range=base.get("initializer_range", 0.02),
-            tie_word_embeddings=bool(base.get("tie_word_embeddings", False)),
+            tie_word_embeddings=not untied,
             base_model_type=mt,
+            base_tie_word_embeddings=tie,
+            base_config_json=base,
             pad_token_id=base.get("pad_token_id"),
             bos_token_id=base.get("bos_token_id"),
             eos_token_id=base.get("eos_token_id"),
@@ -264,7 +430,7 @@ def released_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor] | 
 
 
 # ---------------------------------------------------------------------------------------------- names
-def released_name(key: str, mla_layers: set[int] | list[int]) -> str:
+def released_name(key: str, mla_layers: set[int] | list[int], linear_type: str = "gdn") -> str:
     """The released layout's name of one of our state-dict keys."""
     m = _LAYER_KEY.match(key)
     if m is None or m.group(2) != "mixer":
@@ -273,18 +439,30 @@ def released_name(key: str, mla_layers: set[int] | list[int]) -> str:
     if i in set(mla_layers):
         rest = "out_proj." + rest.removeprefix("o_proj.") if rest.startswith("o_proj.") else rest
         return f"model.layers.{i}.mla.{rest}"
-    return f"model.layers.{i}.gdn.{rest}"
+    return f"model.layers.{i}.{MAMBA_PREFIX if linear_type == 'mamba2' else 'gdn'}.{rest}"
 
 
 # ---------------------------------------------------------------------------------------------- import
+def _repeat_xb_rows(w: torch.Tensor, hcfg: HybridConfig, d_xb: int) -> torch.Tensor:
+    """in_proj rows [z | x (d_xb) | B (d_xb) | C | dt] with x and B repeated per head (repeat_kv_before_conv)."""
+    H, P, N, _ = hcfg.mamba2_dims
+    E = H * P
+    z, x, b, rest = w.split([E, d_xb, d_xb, w.shape[0] - E - 2 * d_xb])
+    rep = H // (d_xb // N)
+    return torch.cat([z, x.unflatten(0, (-1, P)).repeat_interleave(rep, 0).flatten(0, 1),
+                      b.unflatten(0, (-1, N)).repeat_interleave(rep, 0).flatten(0, 1), rest])
+
+
 def released_to_state_dict(tensors: dict[str, torch.Tensor], hcfg: HybridConfig, where: str = "",
-                           origin: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+                           origin: dict[str, str] | None = None, d_xb: int | None = None) -> dict[str, torch.Tensor]:
     """Rename and permute released tensors into our state-dict layout (no tensor left over, none invented).
 
-    `origin`, when given, receives {our key: the file's key} for error messages."""
+    `origin`, when given, receives {our key: the file's key} for error messages; `d_xb`, for Mamba-2 layers
+    written with `repeat_kv_before_conv`, repeats their x/B rows to the heads."""
     H, N, P, R = hcfg.num_attention_heads, hcfg.qk_nope_head_dim, hcfg.qk_rope_head_dim, hcfg.kv_lora_rank
     perm = interleaved_to_half_perm(P)
     mla = set(hcfg.mla_layers)
+    linear_parts = (MAMBA_PREFIX,) if hcfg.linear_type == "mamba2" else LINEAR_PREFIXES
     out: dict[str, torch.Tensor] = {}
     unknown: list[str] = []
     for key, t in tensors.items():
@@ -298,21 +476,28 @@ def released_to_state_dict(tensors: dict[str, torch.Tensor], hcfg: HybridConfig,
         i, part, rest = int(m.group(1)), m.group(2), m.group(3)
         if part in _SHARED_LAYER_PARTS:
             out[key] = t
-        elif part == "mla" and i in mla:
+            continue
+        if i in mla and (part == "mla" or (part in QK_NORM_PARTS and rest in QK_NORM_NAMES)):
             name = "o_proj." + rest.removeprefix("out_proj.") if rest.startswith("out_proj.") else rest
             if name in ("q_proj.weight", "q_proj.bias", "q_b_proj.weight"):
                 t = _permute_q_rope(t, H, N, P, perm)
             elif name in ("kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias"):
                 t = _permute_kv_a(t, R, perm)
-            out[f"model.layers.{i}.mixer.{name}"] = t
-            if origin is not None:
-                origin[f"model.layers.{i}.mixer.{name}"] = key
-        elif part in LINEAR_PREFIXES and i not in mla:
-            out[f"model.layers.{i}.mixer.{rest}"] = t
-            if origin is not None:
-                origin[f"model.layers.{i}.mixer.{rest}"] = key
+            elif name in QK_NORM_NAMES:
+                if f"model.layers.{i}.mixer.{name}" in out:
+                    raise ReleasedLayoutError(f"{where}: layer {i} holds {name} under both "
+                                              f"{' and '.join(QK_NORM_PARTS)}")
+                t = _permute_norm_rope(t, N, perm)
+        elif part in linear_parts and i not in mla:
+            name = rest
+            if part == MAMBA_PREFIX and name == "in_proj.weight" and d_xb is not None:
+                t = _repeat_xb_rows(t, hcfg, d_xb)
         else:
             unknown.append(key)
+            continue
+        out[f"model.layers.{i}.mixer.{name}"] = t
+        if origin is not None:
+            origin[f"model.layers.{i}.mixer.{name}"] = key
     if unknown:
         raise ReleasedLayoutError(f"{where}: {len(unknown)} tensor(s) have no place in the model its config "
                                   f"describes: {', '.join(sorted(unknown)[:8])}")
@@ -326,20 +511,21 @@ def load_released(path: str | Path, dtype: torch.dtype | None = None) -> Any:
     p = Path(path)
     tensors = read_released_tensors(p)
     hcfg = released_hybrid_config(p, tensors)
+    d_xb = None
+    if hcfg.linear_type == "mamba2" and hcfg.linear_layers:
+        m2 = their_mamba2(_read_json(p / HYBRID_CONFIG_NAME), str(p / HYBRID_CONFIG_NAME))
+        d_xb = m2["d_xb"] if m2["repeat_before_conv"] and m2["xb_groups"] != m2["heads"] else None
     origin: dict[str, str] = {}
-    sd = released_to_state_dict(tensors, hcfg, str(p), origin)
-    embed = sd.get("model.embed_tokens.weight")
-    if hcfg.tie_word_embeddings and "lm_head.weight" in sd:
-        if embed is None or not torch.equal(sd["lm_head.weight"], embed):
-            raise ReleasedLayoutError(f"{p}: config.json ties the LM head to the embeddings "
-                                      f"(tie_word_embeddings: true) but lm_head.weight differs from them")
-        del sd["lm_head.weight"]
+    sd = released_to_state_dict(tensors, hcfg, str(p), origin, d_xb)
+    if hcfg.tie_word_embeddings:
+        # tied (config.json says so and any stored head equals the embeddings)
+        sd.pop("lm_head.weight", None)
     with torch.device("meta"):
         model = HyLoForCausalLM(hcfg)
     expected = {k for k in model.state_dict() if not (hcfg.tie_word_embeddings and k == "lm_head.weight")}
     missing, extra = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or extra:
-        lines = ([f"missing: {released_name(k, hcfg.mla_layers)}" for k in missing[:8]]
+        lines = ([f"missing: {released_name(k, hcfg.mla_layers, hcfg.linear_type)}" for k in missing[:8]]
                  + [f"unexpected: {origin.get(k, k)}" for k in extra[:8]])
         raise ReleasedLayoutError(f"{p}: the tensors do not match the model its configs describe:\n  " + "\n  ".join(lines))
     own = model.state_dict()
@@ -384,8 +570,11 @@ def _their_rope_scaling_out(rs: dict[str, Any] | None, max_pos: int) -> dict[str
     factor = float(rs["factor"]) if rs.get("factor") is not None else max_pos / original
     if rs.get("truncate", True) is False:
         raise ReleasedLayoutError("rope_scaling.truncate=false has no equivalent in the released layout")
-    out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
-           "beta_fast": float(rs.get("beta_fast") or 32), "beta_slow": float(rs.get("beta_slow") or 1)}
+    out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    # DeepSeek's defaults (32, 1) are left out, as AMD's training script writes rope_scaling
+    for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+        if rs.get(key) is not None and float(rs[key]) != default:
+            out[key] = float(rs[key])
     for key in ("mscale", "mscale_all_dim"):
         if rs.get(key) is not None:
             out[key] = float(rs[key])
@@ -400,13 +589,58 @@ def _their_rope_scaling_out(rs: dict[str, Any] | None, max_pos: int) -> dict[str
     return out
 
 
+def _mamba2_for_export(hcfg: HybridConfig, where: str) -> dict[str, Any]:
+    """hybrid_config.json's Mamba-2 keys for our layer, or a refusal naming what AMD's layer cannot hold."""
+    H, P, N, G = hcfg.mamba2_dims
+    if P != N or G != H:
+        raise ReleasedLayoutError(f"{where}: Mamba-2 with head_dim {P}, state {N}, {G} groups of C for {H} heads: AMD's "
+                                  f"layer has head_dim = state size (d_state) and one C group per head; set "
+                                  f"mamba2_head_dim = mamba2_state_size and mamba2_n_groups = the head count")
+    if not math.isclose(hcfg.mamba2_norm_eps_value, AMD_MAMBA_NORM_EPS):
+        warnings.warn(f"{where}: the Mamba-2 gated norms use eps {hcfg.mamba2_norm_eps_value}; AMD's layer uses "
+                      f"{AMD_MAMBA_NORM_EPS}, so its outputs will differ slightly", UserWarning, stacklevel=3)
+    X = hcfg.mamba2_xb_groups or H
+    ssm = {"expand": 1, "ngroups": H, "d_state": N, "repeat_kv_before_conv": False}
+    if hcfg.gdn_conv_size != MAMBA2_DEFAULTS["d_conv"]:
+        ssm["d_conv"] = hcfg.gdn_conv_size
+    return {"d_model": hcfg.hidden_size, "ssm_cfg": ssm, "d_inner": H * P, "d_xb": X * N}
+
+
+def _config_json_for_export(hcfg: HybridConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The base config.json: as imported when the model came from a released checkpoint, else rebuilt (the
+    base's tie_word_embeddings and, for converted models, the base's own rope_theta)."""
+    base_type = hcfg.base_model_type if hcfg.base_model_type in BASE_TYPES else "llama"
+    tie = hcfg.tie_word_embeddings if hcfg.base_tie_word_embeddings is None else hcfg.base_tie_word_embeddings
+    if hcfg.base_config_json:
+        out = dict(hcfg.base_config_json)
+        # what AMD's loader builds the base model from must be this model's (it is, unless edited since)
+        out.update(vocab_size=hcfg.vocab_size, hidden_size=hcfg.hidden_size, num_hidden_layers=hcfg.n_layer,
+                   rms_norm_eps=hcfg.rms_norm_eps, tie_word_embeddings=tie)
+        return out
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "mistral": "MistralForCausalLM"}[base_type]
+    theta = hcfg.rope_theta
+    if hcfg.base_head_dim and hcfg.mla_layers:
+        # the converter set rope_theta = theta ** (P / head_dim); config.json holds the base's theta
+        theta = hcfg.rope_theta ** (hcfg.base_head_dim / (hcfg.qk_rope_head_dim // hcfg.rope_key_groups))
+    return {
+        "architectures": [arch], "model_type": base_type, "vocab_size": hcfg.vocab_size,
+        "hidden_size": hcfg.hidden_size, "intermediate_size": hcfg.intermediate_size,
+        "num_hidden_layers": hcfg.n_layer, "num_attention_heads": hcfg.num_attention_heads,
+        "num_key_value_heads": hcfg.base_num_key_value_heads or hcfg.num_key_value_heads,
+        "head_dim": hcfg.base_head_dim or hcfg.head_dim, "hidden_act": hcfg.hidden_act,
+        "rms_norm_eps": hcfg.rms_norm_eps, "max_position_embeddings": hcfg.max_position_embeddings,
+        "rope_theta": theta, "attention_bias": hcfg.attention_bias, "mlp_bias": False,
+        "tie_word_embeddings": tie, "initializer_range": hcfg.initializer_range,
+        "bos_token_id": hcfg.bos_token_id, "eos_token_id": hcfg.eos_token_id, "pad_token_id": hcfg.pad_token_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
 def released_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, hybrid_config.json, tensors) of `model` in the released layout; refuses what is not exact."""
     hcfg: HybridConfig = model.config
     where = "export to the released layout"
-    if hcfg.linear_type != "gdn" and hcfg.linear_layers:
-        raise ReleasedLayoutError(f"{where}: linear_type={hcfg.linear_type!r}: only Gated DeltaNet linear layers "
-                                  f"can be exported (AMD's Mamba-2 layers have another structure)")
     if hcfg.mla_layers and hcfg.rope_key_groups != 1:
         raise ReleasedLayoutError(f"{where}: rope_key_groups={hcfg.rope_key_groups}: the released MLA layers share one "
                                   f"roped key; convert with --rope-key-groups 1 to export")
@@ -415,6 +649,8 @@ def released_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str
     if hcfg.mla_layers and hcfg.mla_latent_norm and not math.isclose(hcfg.latent_norm_eps, AMD_LATENT_NORM_EPS):
         warnings.warn(f"{where}: the MLA latent norms use eps {hcfg.latent_norm_eps}; AMD's code uses "
                       f"{AMD_LATENT_NORM_EPS}, so its outputs will differ slightly", UserWarning, stacklevel=2)
+    mamba = hcfg.linear_type == "mamba2" and bool(hcfg.linear_layers)
+    mamba_keys = _mamba2_for_export(hcfg, where) if mamba else None
     H, N, P, R = hcfg.num_attention_heads, hcfg.qk_nope_head_dim, hcfg.qk_rope_head_dim, hcfg.kv_lora_rank
     inv = torch.argsort(interleaved_to_half_perm(P))
     mla = set(hcfg.mla_layers)
@@ -422,8 +658,6 @@ def released_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str
     tensors: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict().items():
         t = t.detach().cpu().contiguous()
-        if key == "lm_head.weight" and hcfg.tie_word_embeddings:
-            continue
         m = _LAYER_KEY.match(key)
         if m is None or m.group(2) != "mixer":
             tensors[key] = t
@@ -437,9 +671,14 @@ def released_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str
             elif rest == "kv_b_proj.weight":
                 t, full = _kv_b_for_export(t, hcfg)
                 full_kv.add(full)
+            elif rest in QK_NORM_NAMES:
+                t = _permute_norm_rope(t, N, inv)
             tensors[released_name(key, mla)] = t.contiguous()
         else:
-            tensors[released_name(key, mla)] = t
+            tensors[released_name(key, mla, hcfg.linear_type)] = t
+    # AMD's code always uses a head of its own (a tied one is written as a copy of the embeddings)
+    if "lm_head.weight" not in tensors or hcfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     use_full_kv = any(full_kv)
     if use_full_kv and False in full_kv:
         # one layout for all layers: expand the per-KV-head layers to per query head (exact)
@@ -449,37 +688,165 @@ def released_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str
             k = f"model.layers.{i}.mla.kv_b_proj.weight"
             if tensors[k].shape[0] == G * X:
                 tensors[k] = tensors[k].view(G, X, R).repeat_interleave(H // G, 0).reshape(H * X, R).contiguous()
-    base_type = hcfg.base_model_type if hcfg.base_model_type in BASE_TYPES else "llama"
-    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "mistral": "MistralForCausalLM"}[base_type]
-    config_json = {
-        "architectures": [arch], "model_type": base_type, "vocab_size": hcfg.vocab_size,
-        "hidden_size": hcfg.hidden_size, "intermediate_size": hcfg.intermediate_size,
-        "num_hidden_layers": hcfg.n_layer, "num_attention_heads": H,
-        "num_key_value_heads": hcfg.base_num_key_value_heads or hcfg.num_key_value_heads,
-        "head_dim": hcfg.base_head_dim or hcfg.head_dim, "hidden_act": hcfg.hidden_act,
-        "rms_norm_eps": hcfg.rms_norm_eps, "max_position_embeddings": hcfg.max_position_embeddings,
-        "rope_theta": hcfg.rope_theta, "attention_bias": hcfg.attention_bias, "mlp_bias": False,
-        "tie_word_embeddings": hcfg.tie_word_embeddings, "initializer_range": hcfg.initializer_range,
-        "bos_token_id": hcfg.bos_token_id, "eos_token_id": hcfg.eos_token_id, "pad_token_id": hcfg.pad_token_id,
-        "torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
-    }
-    hybrid_json = {
+    config_json = _config_json_for_export(hcfg, tensors["model.embed_tokens.weight"].dtype)
+    dh = hcfg.base_head_dim or hcfg.head_dim
+    hybrid_json = dict(AMD_HYBRID_DEFAULTS)
+    hybrid_json.update({
         "hidden_size": hcfg.hidden_size, "intermediate_size": hcfg.intermediate_size, "hidden_act": hcfg.hidden_act,
         "n_layer": hcfg.n_layer, "mla_layers": list(hcfg.mla_layers), "rms_norm_eps": hcfg.rms_norm_eps,
         "num_attention_heads": H, "num_key_value_heads": hcfg.num_key_value_heads,
         "kv_lora_rank": R, "q_lora_rank": hcfg.q_lora_rank, "use_lora_layer_norm": hcfg.mla_latent_norm,
-        "use_full_kv_head": use_full_kv, "qk_rope_head_dim": P, "v_head_dim": hcfg.v_head_dim,
-        "qk_nope_head_dim": N, "qkv_rank_divisor": 8, "max_position_embeddings": hcfg.max_position_embeddings,
+        "use_full_kv_head": use_full_kv,
+        # what AMD's SVD initialisation records for every MLA layer (the same ranks everywhere here)
+        "layer_rank_list": ({str(i): {"q_rank": hcfg.q_lora_rank, "kv_rank": R} for i in hcfg.mla_layers}
+                            if hcfg.q_lora_rank is not None else {}),
+        "qk_rope_head_dim": P, "v_head_dim": hcfg.v_head_dim, "qk_nope_head_dim": N,
+        "max_position_embeddings": hcfg.max_position_embeddings,
+        # AMD's MLA turns pair i at rope_theta ** (-2i / P) with this theta, as ours does
         "rope_theta": hcfg.rope_theta,
         "rope_scaling": _their_rope_scaling_out(hcfg.rope_scaling, hcfg.max_position_embeddings),
-        "attention_bias": hcfg.attention_bias, "attention_dropout": 0.0, "rope_type": "yarn",
-    }
+        "attention_bias": hcfg.attention_bias,
+        # Mamba-2 keys: this model's layers, or what AMD's training script derives from the base (unused)
+        **(mamba_keys or {"d_model": hcfg.hidden_size, "d_inner": H * dh, "d_xb": hcfg.num_key_value_heads * dh,
+                          "ssm_cfg": {"expand": 1, "ngroups": H, "d_state": dh, "repeat_kv_before_conv": False}}),
+        "linear_type": hcfg.linear_type,
+        "gdn_num_heads": hcfg.gdn_num_heads, "gdn_head_dim": hcfg.gdn_head_dim,
+    })
+    if hcfg.linear_type == "gdn":
+        for key, default in FLA_GDN_DEFAULTS.items():
+            if getattr(hcfg, key) != default:
+                hybrid_json[key] = getattr(hcfg, key)
     return config_json, hybrid_json, tensors
 
 
+# ---------------------------------------------------------------------------------------------- read back
+def their_expected_tensors(config_json: dict[str, Any], hybrid_json: dict[str, Any],
+                           where: str = "") -> dict[str, tuple[int, ...]]:
+    """{name: shape} of every tensor in the module tree AMD's loader builds from these two files: a
+    `LlamaConfig(**config.json)` causal LM (embeddings, final norm, an own lm_head, `num_hidden_layers` layers)
+    whose first `n_layer` layers are replaced by MLA / Mamba-2 / GDN decoder layers of `HybridConfig(**hybrid)`,
+    every missing key at their default. The q/k norms of HyLo-Qwen MLA layers are assumed under
+    `mla.q_norm` / `mla.k_norm` on a qwen3 base (their names are not public)."""
+    known = set(AMD_HYBRID_DEFAULTS) | set(HYLO_KEYS)
+    unknown = sorted(set(hybrid_json) - known)
+    if unknown:
+        raise ReleasedLayoutError(f"{where}: {HYBRID_CONFIG_NAME} key(s) {', '.join(unknown)} are not fields of AMD's "
+                                  f"HybridConfig (HybridConfig(**json) would raise TypeError)")
+    c = {**AMD_HYBRID_DEFAULTS, **hybrid_json}
+    # their __post_init__ asserts
+    div = c["qkv_rank_divisor"]
+    if div % 8 or c["kv_lora_rank"] % div or (c["q_lora_rank"] is not None and c["q_lora_rank"] % div) \
+            or c["num_attention_heads"] % c["num_key_value_heads"]:
+        raise ReleasedLayoutError(f"{where}: AMD's HybridConfig asserts qkv_rank_divisor % 8 == 0, kv_lora_rank and "
+                                  f"q_lora_rank divisible by it, and num_key_value_heads dividing num_attention_heads")
+    V, D = config_json.get("vocab_size", 32000), config_json.get("hidden_size", 4096)
+    Hd, F = c["hidden_size"], c["intermediate_size"]
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,),
+                                       "lm_head.weight": (V, D)}
+    n_base = config_json.get("num_hidden_layers", 32)
+    linear = str(c.get("linear_type") or "mamba2").lower()
+    qk_norm = config_json.get("model_type") == "qwen3"
+    ranks = {"q": c["q_lora_rank"], "kv": c["kv_lora_rank"]}
+    for i in range(max(n_base, c["n_layer"])):
+        pre = f"model.layers.{i}"
+        if i >= c["n_layer"]:
+            # a layer of the base model that no hybrid layer replaced
+            hd = config_json.get("head_dim") or D // config_json.get("num_attention_heads", 32)
+            nh, nkv = config_json.get("num_attention_heads", 32), config_json.get("num_key_value_heads", 32)
+            out.update({f"{pre}.self_attn.q_proj.weight": (nh * hd, D), f"{pre}.self_attn.k_proj.weight": (nkv * hd, D),
+                        f"{pre}.self_attn.v_proj.weight": (nkv * hd, D), f"{pre}.self_attn.o_proj.weight": (D, nh * hd)})
+            width, f_base = D, config_json.get("intermediate_size", 11008)
+        else:
+            width, f_base = (c["d_model"], F) if i not in c["mla_layers"] and linear in LINEAR_TYPE_NAMES["mamba2"] \
+                else (Hd, F)
+        out.update({f"{pre}.input_layernorm.weight": (width,), f"{pre}.post_attention_layernorm.weight": (width,),
+                    f"{pre}.mlp.gate_proj.weight": (f_base, width), f"{pre}.mlp.up_proj.weight": (f_base, width),
+                    f"{pre}.mlp.down_proj.weight": (width, f_base)})
+        if i >= c["n_layer"]:
+            continue
+        if i in c["mla_layers"]:
+            # layer_rank_list sets the config's ranks for that layer and every later one (it mutates it)
+            if str(i) in c["layer_rank_list"]:
+                ranks = {"q": c["layer_rank_list"][str(i)]["q_rank"], "kv": c["layer_rank_list"][str(i)]["kv_rank"]}
+            out.update(_their_mla_shapes(c, f"{pre}.mla", ranks, qk_norm))
+        elif linear in LINEAR_TYPE_NAMES["mamba2"]:
+            out.update(_their_mamba_shapes(c, f"{pre}.mamba", where))
+        elif linear in LINEAR_TYPE_NAMES["gdn"]:
+            out.update(_their_gdn_shapes(c, f"{pre}.gdn", Hd, where))
+        else:
+            raise ReleasedLayoutError(f"{where}: linear_type={c['linear_type']!r} is unknown")
+    return out
+
+
+def _their_mla_shapes(c: dict[str, Any], m: str, ranks: dict[str, int | None], qk_norm: bool) -> dict[str, tuple]:
+    H, Dh, P, N, V = c["num_attention_heads"], c["hidden_size"], c["qk_rope_head_dim"], c["qk_nope_head_dim"], c["v_head_dim"]
+    q, kv, bias, norms = ranks["q"], ranks["kv"], c["attention_bias"], c["use_lora_layer_norm"]
+    kv_heads = H if c["use_full_kv_head"] else c["num_key_value_heads"]
+    out: dict[str, tuple] = {}
+    if q is None:
+        out[f"{m}.q_proj.weight"] = (H * (N + P), Dh)
+        if bias:
+            out[f"{m}.q_proj.bias"] = (H * (N + P),)
+    else:
+        out.update({f"{m}.q_a_proj.weight": (q, Dh), f"{m}.q_b_proj.weight": (H * (N + P), q)})
+        if bias:
+            out[f"{m}.q_a_proj.bias"] = (q,)
+        if norms:
+            out[f"{m}.q_a_layernorm.weight"] = (q,)
+    out[f"{m}.kv_a_proj_with_mqa.weight"] = (kv + P, Dh)
+    if bias:
+        out.update({f"{m}.kv_a_proj_with_mqa.bias": (kv + P,), f"{m}.out_proj.bias": (Dh,)})
+    if norms:
+        out[f"{m}.kv_a_layernorm.weight"] = (kv,)
+    out.update({f"{m}.kv_b_proj.weight": (kv_heads * (N + V), kv), f"{m}.out_proj.weight": (Dh, H * V)})
+    if qk_norm:
+        out.update({f"{m}.q_norm.weight": (N + P,), f"{m}.k_norm.weight": (N + P,)})
+    return out
+
+
+def _their_mamba_shapes(c: dict[str, Any], m: str, where: str) -> dict[str, tuple]:
+    d = their_mamba2(c, where)
+    d_model, d_inner, d_xb, H, w = d["d_model"], d["d_inner"], d["d_xb"], d["heads"], d["d_conv"]
+    conv = 3 * d_inner if d["repeat_before_conv"] else d_inner + 2 * d_xb
+    return {f"{m}.in_proj.weight": (2 * d_inner + 2 * d_xb + H, d_model), f"{m}.conv1d.weight": (conv, 1, w),
+            f"{m}.conv1d.bias": (conv,), f"{m}.dt_bias": (H,), f"{m}.A_log": (H,), f"{m}.D": (H,),
+            f"{m}.norm.weight": (d_inner,), f"{m}.out_proj.weight": (d_model, d_inner)}
+
+
+def _their_gdn_shapes(c: dict[str, Any], m: str, Dh: int, where: str) -> dict[str, tuple]:
+    if "gdn_num_heads" not in c or "gdn_head_dim" not in c:
+        raise ReleasedLayoutError(f"{where}: GDN layers need gdn_num_heads and gdn_head_dim in {HYBRID_CONFIG_NAME}")
+    H, K = c["gdn_num_heads"], c["gdn_head_dim"]
+    Vd = int(K * c.get("gdn_expand_v", FLA_GDN_DEFAULTS["gdn_expand_v"]))
+    w = c.get("gdn_conv_size", FLA_GDN_DEFAULTS["gdn_conv_size"])
+    return {f"{m}.q_proj.weight": (H * K, Dh), f"{m}.k_proj.weight": (H * K, Dh), f"{m}.v_proj.weight": (H * Vd, Dh),
+            f"{m}.g_proj.weight": (H * Vd, Dh), f"{m}.a_proj.weight": (H, Dh), f"{m}.b_proj.weight": (H, Dh),
+            f"{m}.A_log": (H,), f"{m}.dt_bias": (H,), f"{m}.q_conv1d.weight": (H * K, 1, w),
+            f"{m}.k_conv1d.weight": (H * K, 1, w), f"{m}.v_conv1d.weight": (H * Vd, 1, w),
+            f"{m}.o_norm.weight": (Vd,), f"{m}.o_proj.weight": (Dh, H * Vd)}
+
+
+def check_released_dir(path: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """Read a released directory back as AMD's loader would (`load_state_dict(strict=False)` into the module
+    tree of `their_expected_tensors`); raise naming every tensor it would drop, leave random or refuse."""
+    p = Path(path)
+    expected = their_expected_tensors(_read_json(p / "config.json"), _read_json(p / HYBRID_CONFIG_NAME),
+                                      str(p / HYBRID_CONFIG_NAME))
+    tensors = tensors if tensors is not None else read_released_tensors(p)
+    dropped = sorted(set(tensors) - set(expected))
+    random = sorted(set(expected) - set(tensors))
+    shapes = sorted(f"{k}: file {tuple(t.shape)}, their module {expected[k]}" for k, t in tensors.items()
+                    if k in expected and tuple(t.shape) != expected[k])
+    lines = ([f"dropped by their loader (no such module): {k}" for k in dropped[:8]]
+             + [f"left at their random init (not in the file): {k}" for k in random[:8]]
+             + [f"shape mismatch: {k}" for k in shapes[:8]])
+    if lines:
+        raise ReleasedLayoutError(f"{p}: AMD's loader would not read this checkpoint as written:\n  " + "\n  ".join(lines))
+
+
 def export_released(model: Any, out_dir: str | Path, tokenizer_from: str | Path | None = None) -> Path:
-    """Write `model` in the released layout, atomically (temporary directory renamed into place)."""
+    """Write `model` in the released layout, atomically (temporary directory renamed into place), after reading
+    the written files back the way AMD's loader does (`check_released_dir`)."""
     from safetensors.torch import save_file
 
     from hylo.io import copy_tokenizer_files
@@ -490,6 +857,10 @@ def export_released(model: Any, out_dir: str | Path, tokenizer_from: str | Path 
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2))
         (tmp / HYBRID_CONFIG_NAME).write_text(json.dumps(hybrid_json, indent=4))
+        try:
+            check_released_dir(tmp)
+        except ReleasedLayoutError as e:
+            raise ReleasedLayoutError(str(e).replace(str(tmp), str(out))) from None
         gen = getattr(model, "generation_config", None)
         if gen is not None:
             gen.save_pretrained(tmp)

@@ -9,8 +9,13 @@
 
 Prints one JSON summary on stdout (layers, parameters, KV-cache bytes per token of base and hybrid at bf16,
 `kv_cache_ratio` as a fraction). `--dry-run` loads no weights. `--from-released` reads a checkpoint in the
-layout of AMD's released HyLo models (hybrid_config.json + base config.json + `mla.*` / `gdn.*`
-safetensors) and writes ours; `--to-released` writes one of ours in that layout (see hylo/released.py).
+layout of AMD's released HyLo models (hybrid_config.json + base config.json + `mla.*` / `gdn.*` / `mamba.*`
+safetensors: GDN or Mamba-2 (`d_xb`, `ssm_cfg`) linear layers, Qwen MLA q/k norms under `mla.` or
+`self_attn.`, an LM head stored apart from the embeddings under `tie_word_embeddings: true` imported as an
+untied head) and writes ours; `--to-released` writes one of ours in that layout (every key of AMD's
+HybridConfig, the head always stored, the base's config.json) and reads its output back the way AMD's
+loader does, failing on any tensor it would drop, leave at random init or refuse for its shape (see
+hylo/released.py).
 Every flag below is a shorthand for a key of the job's config (pipeline/convert.py; `--print-config`
 lists them all): the file (`--config`) first, then the flags, then `--set KEY=VALUE`.
 """
@@ -58,6 +63,9 @@ SHORTHANDS: dict[str, tuple[str, dict[str, Any]]] = {
     "--gdn-num-heads": ("convert.gdn_num_heads", {"type": int}),
     "--gdn-head-dim": ("convert.gdn_head_dim", {"type": int}),
     "--gdn-expand-v": ("convert.gdn_expand_v", {"type": float}),
+    "--mamba2-xb-groups": ("convert.mamba2_xb_groups", {
+        "type": int, "help": "Mamba-2 x/B groups read by consecutive heads (the KV head count: AMD's released "
+                             "Mamba-2 layout, d_xb = KV heads x head_dim); omit for x per head"}),
     "--max-position-embeddings": ("convert.max_position_embeddings", {"type": int}),
     "--yarn-factor": ("convert.yarn_factor", {
         "type": float, "help": "YaRN on the MLA RoPE with this factor (the released 64K models: 32)"}),
@@ -77,9 +85,11 @@ SHORTHANDS: dict[str, tuple[str, dict[str, Any]]] = {
     "--base-config": ("base_config", {"help": "config.json of the base model (for --dry-run)"}),
     "--from-released": ("from_released", {
         "metavar": "DIR", "help": "import a checkpoint in the released layout (AMD's hybrid_config.json + "
-                                  "config.json + mla.*/gdn.* safetensors) and write it as a HyLo checkpoint to --out"}),
+                                  "config.json + mla.*/gdn.*/mamba.* safetensors) and write it as a HyLo checkpoint "
+                                  "to --out"}),
     "--to-released": ("to_released", {
-        "metavar": "HYLO_DIR", "help": "export a HyLo checkpoint to the released layout in --out"}),
+        "metavar": "HYLO_DIR", "help": "export a HyLo checkpoint to the released layout in --out, checked by "
+                                       "reading it back as AMD's loader would"}),
 }
 
 

@@ -40,10 +40,10 @@ class ConvertJobConfig:
     # Print the summary from base_config (a config.json) alone; no weights are loaded.
     dry_run: bool = False
     base_config: str | None = None
-    # Import a checkpoint in the released layout (AMD's hybrid_config.json + config.json + mla.*/gdn.*
+    # Import a checkpoint in the released layout (AMD's hybrid_config.json + config.json + mla.*/gdn.*/mamba.*
     # safetensors) and write it as a HyLo checkpoint to `out`.
     from_released: str | None = None
-    # Export a HyLo checkpoint to the released layout in `out`.
+    # Export a HyLo checkpoint to the released layout in `out` (read back as AMD's loader would first).
     to_released: str | None = None
 
 
@@ -101,7 +101,9 @@ def released_io(cfg: ConvertJobConfig) -> dict[str, Any]:
         raise UpcycleError(str(e)) from None
     mcfg = model.config
     return {"from": str(src), "out": str(cfg.out), "layout": "released" if cfg.to_released else "hylo",
-            "layers": mcfg.n_layer, "mla_layers": mcfg.mla_layers, "parameters": sum(p.numel() for p in model.parameters())}
+            "layers": mcfg.n_layer, "mla_layers": mcfg.mla_layers, "linear_type": mcfg.linear_type,
+            "mla_qk_norm": mcfg.mla_qk_norm, "tie_word_embeddings": mcfg.tie_word_embeddings,
+            "parameters": sum(p.numel() for p in model.parameters())}
 
 
 def dry_run(cfg: ConvertJobConfig) -> dict[str, Any]:

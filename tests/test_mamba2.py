@@ -306,6 +306,55 @@ def test_cached_decode_equals_full_forward(prefill):
     assert_cached_decode_equals_full(make_layer(), prefill)
 
 
+def _grouped_and_expanded(X: int = 2):
+    """A layer with X groups of x/B (Zebra-Llama's d_xb layout, C per head) and the plain layer holding the
+    same weights with x/B rows and conv channels repeated to the heads."""
+    grouped = make_layer(mamba2_n_groups=H, mamba2_state_size=P, mamba2_xb_groups=X)
+    plain = make_layer(mamba2_n_groups=H, mamba2_state_size=P)
+    E, r = H * P, H // X
+    with torch.no_grad():
+        z, x, Bw, Cw, dt = grouped.in_proj.weight.split([E, X * P, X * P, H * P, H])
+
+        def rep(w):  # [X * P, ...] -> [H * P, ...], group j read by heads j*r .. j*r + r - 1
+            return w.unflatten(0, (X, P)).repeat_interleave(r, 0).flatten(0, 1)
+
+        cw, cb = grouped.conv1d.weight.split([X * P, X * P, H * P]), grouped.conv1d.bias.split([X * P, X * P, H * P])
+        plain.in_proj.weight.copy_(torch.cat([z, rep(x), rep(Bw), Cw, dt]))
+        plain.conv1d.weight.copy_(torch.cat([rep(cw[0]), rep(cw[1]), cw[2]]))
+        plain.conv1d.bias.copy_(torch.cat([rep(cb[0]), rep(cb[1]), cb[2]]))
+        for name in ("dt_bias", "A_log", "D", "norm.weight", "out_proj.weight"):
+            plain.get_parameter(name).copy_(grouped.get_parameter(name))
+    return grouped, plain
+
+
+def test_grouped_xb_equals_the_layer_with_repeated_rows():
+    """x / B in X groups repeated to the heads after the conv = the same rows repeated before it."""
+    grouped, plain = _grouped_and_expanded()
+    assert grouped.in_proj.weight.shape == (H * P + 2 * 2 * P + H * P + H, D_MODEL)
+    assert grouped.conv1d.weight.shape[0] == 2 * 2 * P + H * P
+    x = torch.randn(2, 21, D_MODEL, dtype=DT)
+    with torch.no_grad():
+        assert_close("grouped vs repeated", plain(x), grouped(x))
+    # a layout mistake (groups read by heads in turn rather than consecutively) is visible
+    with torch.no_grad():
+        z, xr, Bw, rest = grouped.in_proj.weight.split([H * P, 2 * P, 2 * P, H * P + H])
+        swapped = torch.cat([z, xr.unflatten(0, (2, P)).flip(0).flatten(0, 1), Bw, rest])
+        grouped.in_proj.weight.copy_(swapped)
+        assert float((plain(x) - grouped(x)).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("prefill", [1, 7], ids=lambda p: f"prefill{p}")
+def test_grouped_xb_cached_decode_and_packed_row(prefill):
+    grouped, _ = _grouped_and_expanded()
+    assert_cached_decode_equals_full(grouped, prefill)
+    packed_vs_separate(grouped, [0, 5, 23])
+
+
+def test_grouped_xb_config_is_validated():
+    with pytest.raises(HybridConfigError, match=r"mamba2_xb_groups: must be null .* divisor of the Mamba-2 head count 4"):
+        make_config(mamba2_xb_groups=3)
+
+
 def test_cache_size_is_constant_in_length():
     layer = make_layer(dtype=torch.float32)
     B, Cv = 2, H * P + 2 * G * N
@@ -422,6 +471,29 @@ def test_attention_copy_is_exact_with_derived_shape():
         assert torch.equal(mixer.conv1d.weight[:, 0, :-1], torch.zeros_like(mixer.conv1d.weight[:, 0, :-1]))
         assert torch.equal(mixer.conv1d.weight[:, 0, -1], torch.ones(E + 2 * GN, dtype=DT))
         assert not mixer.conv1d.bias.any()
+
+
+def test_attention_copy_with_x_and_b_per_kv_head_is_amds_recipe():
+    """mamba2_xb_groups = KV heads: x <- W_v and B <- W_k once per KV head (AMD's d_xb rows), C <- W_q; the
+    heads of a group read the same x and B, so the layer equals the expanded copy's."""
+    base, model = mamba2_hybrid(mamba2_xb_groups=2)
+    _, plain = mamba2_hybrid()
+    h, dh = 4, 16
+    for i in model.config.linear_layers:
+        attn, mixer = base.model.layers[i].self_attn, model.model.layers[i].mixer
+        z, x, Bw, Cw, dt = mixer.in_proj.weight.detach().split([h * dh, 2 * dh, 2 * dh, h * dh, h])
+        assert torch.equal(x, attn.v_proj.weight) and torch.equal(Bw, attn.k_proj.weight)
+        assert torch.equal(Cw, attn.q_proj.weight)
+        ref = plain.model.layers[i].mixer
+        with torch.no_grad():
+            # the same z / dt rows in both, then the same outputs
+            rz, rx, rB, rC, rdt = ref.in_proj.weight.split([h * dh, h * dh, h * dh, h * dh, h])
+            rz.copy_(z)
+            rdt.copy_(dt)
+            for name in ("dt_bias", "A_log", "D", "norm.weight"):
+                ref.get_parameter(name).copy_(mixer.get_parameter(name))
+            u = torch.randn(2, 9, 64, dtype=DT)
+            assert_close("grouped vs expanded copy", ref(u), mixer(u))
 
 
 def test_attention_copy_wraps_and_truncates_other_shapes():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -29,35 +30,74 @@ import convert  # noqa: E402
 
 D, F, VOCAB, H, G, N, P, V, R = 32, 48, 61, 4, 2, 6, 8, 8, 16
 GDN_H, GDN_K, GDN_V, CONV = 2, 8, 16, 4
+# AMD's Mamba-2 from this base (their training script): heads = ngroups = H, d_state = head_dim, d_xb = G * head_dim
+M2_STATE = D // H
+M2_INNER, M2_XB = H * M2_STATE, G * M2_STATE
+MLA_LAYERS = [0, 2]
+
+
+def variant(**kw) -> dict:
+    """A released layout: Zebra-Llama's usual MLA settings (q_lora, no latent norms, kv_b per KV head, an
+    untied head), a Llama base and GDN layers, unless `kw` says otherwise."""
+    v = dict(q_lora_rank=16, use_lora_layer_norm=False, use_full_kv_head=False, attention_bias=False,
+             rope_scaling=None, tie=False, own_head=True, base="llama", linear="gdn", qk_norm=False,
+             qk_norm_part="mla", repeat_before_conv=False, rope_theta=500.0, max_positions=64)
+    v.update(kw)
+    return v
+
 
 VARIANTS = {
-    # Zebra-Llama's usual settings: q_lora, no latent norms, kv_b per KV head, untied head
-    "qlora-perkv": dict(q_lora_rank=16, use_lora_layer_norm=False, use_full_kv_head=False, attention_bias=False,
-                        rope_scaling=None, tie=False),
-    # latent norms, DeepSeek YaRN with mscale, biases, tied embeddings
-    "norms-yarn-bias": dict(q_lora_rank=16, use_lora_layer_norm=True, use_full_kv_head=False, attention_bias=True,
-                            rope_scaling={"factor": 4.0, "original_max_position_embeddings": 8, "rope_type": "yarn",
-                                          "mscale": 0.9, "mscale_all_dim": 1.0}, tie=True),
+    "qlora-perkv": variant(),
+    # latent norms, DeepSeek YaRN with mscale, biases, tied embeddings (the head stored as their copy)
+    "norms-yarn-bias": variant(use_lora_layer_norm=True, attention_bias=True, tie=True, own_head=False,
+                               rope_scaling={"factor": 4.0, "original_max_position_embeddings": 8,
+                                             "rope_type": "yarn", "mscale": 0.9, "mscale_all_dim": 1.0}),
     # uncompressed queries and one kv_b block per query head
-    "qproj-fullkv": dict(q_lora_rank=None, use_lora_layer_norm=False, use_full_kv_head=True, attention_bias=False,
-                         rope_scaling={"factor": 2.0, "original_max_position_embeddings": 12, "rope_type": "yarn"},
-                         tie=False),
+    "qproj-fullkv": variant(q_lora_rank=None, use_full_kv_head=True,
+                            rope_scaling={"factor": 2.0, "original_max_position_embeddings": 12, "rope_type": "yarn"}),
+    # the released Llama models: config.json (the base's) ties the head, the checkpoint holds a trained one
+    "llama-gdn-untied-under-tie": variant(tie=True),
+    # the released Qwen GDN models: q/k RMSNorm per MLA head, Qwen3's eps, the card's YaRN factor 1
+    "qwen-gdn-qknorm": variant(base="qwen3", qk_norm=True, tie=True,
+                               rope_scaling={"factor": 1.0, "original_max_position_embeddings": 64, "rope_type": "yarn"}),
+    # the released Qwen Mamba-2 models (HyLo-Qwen-14MLA14M2): x / B in d_xb = G * d_state, repeated to the heads
+    "qwen-mamba2": variant(base="qwen3", qk_norm=True, tie=True, linear="mamba2"),
+}
+# read only (an export writes the equivalent d_xb = d_inner layout): the conv over x / B already repeated
+IMPORT_ONLY = {
+    "qwen-mamba2-repeat-before-conv": variant(base="qwen3", qk_norm=True, tie=True, linear="mamba2",
+                                              repeat_before_conv=True),
+    "qwen-gdn-qknorm-under-self-attn": variant(base="qwen3", qk_norm=True, tie=True, qk_norm_part="self_attn"),
 }
 
 
+def _eps(v: dict) -> float:
+    return 1e-6 if v["base"] == "qwen3" else 1e-5
+
+
 def _configs(v: dict) -> tuple[dict, dict]:
-    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": D,
+    """(config.json, hybrid_config.json) as AMD's code writes them: the base's config.json copied, and
+    `asdict` of their HybridConfig (every field; HyLo's linear keys added)."""
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[v["base"]]
+    base = {"architectures": [arch], "model_type": v["base"], "vocab_size": VOCAB, "hidden_size": D,
             "intermediate_size": F, "num_hidden_layers": 3, "num_attention_heads": H, "num_key_value_heads": G,
-            "head_dim": D // H, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-            "max_position_embeddings": 64, "rope_theta": 500.0, "tie_word_embeddings": v["tie"],
-            "bos_token_id": 7, "eos_token_id": [8, 9], "pad_token_id": None}
-    hyb = {"hidden_size": D, "intermediate_size": F, "hidden_act": "silu", "n_layer": 3, "mla_layers": [0, 2],
-           "rms_norm_eps": 1e-5, "num_attention_heads": H, "num_key_value_heads": G, "kv_lora_rank": R,
+            "head_dim": D // H, "hidden_act": "silu", "rms_norm_eps": _eps(v),
+            "max_position_embeddings": v["max_positions"], "rope_theta": v["rope_theta"],
+            "tie_word_embeddings": v["tie"], "bos_token_id": 7, "eos_token_id": [8, 9], "pad_token_id": None,
+            "torch_dtype": "bfloat16", "transformers_version": "4.48.0"}
+    ranks = {str(i): {"q_rank": v["q_lora_rank"], "kv_rank": R} for i in MLA_LAYERS} if v["q_lora_rank"] else {}
+    hyb = {"hidden_size": D, "intermediate_size": F, "hidden_act": "silu", "n_layer": 3, "mla_layers": MLA_LAYERS,
+           "rms_norm_eps": _eps(v), "num_attention_heads": H, "num_key_value_heads": G, "kv_lora_rank": R,
            "q_lora_rank": v["q_lora_rank"], "use_lora_layer_norm": v["use_lora_layer_norm"],
-           "use_full_kv_head": v["use_full_kv_head"], "qk_rope_head_dim": P, "v_head_dim": V,
-           "qk_nope_head_dim": N, "qkv_rank_divisor": 8, "max_position_embeddings": 64, "rope_theta": 500.0,
+           "use_fixed_rank_for_first_and_last_block": False, "use_full_kv_head": v["use_full_kv_head"],
+           "layer_rank_list": ranks, "qk_rope_head_dim": P, "v_head_dim": V, "qk_nope_head_dim": N,
+           "q_energy_ratio": None, "kv_energy_ratio": None, "qkv_rank_divisor": 8,
+           "max_position_embeddings": v["max_positions"], "rope_theta": v["rope_theta"],
            "rope_scaling": v["rope_scaling"], "attention_bias": v["attention_bias"], "attention_dropout": 0.0,
-           "rope_type": "yarn", "d_model": D, "ssm_cfg": {}, "d_inner": None, "d_xb": 16}
+           "rope_type": "yarn", "d_model": D,
+           "ssm_cfg": {"expand": 1, "ngroups": H, "d_state": M2_STATE, "repeat_kv_before_conv": v["repeat_before_conv"]},
+           "d_inner": M2_INNER, "d_xb": M2_XB, "linear_type": v["linear"], "gdn_num_heads": GDN_H,
+           "gdn_head_dim": GDN_K}
     return base, hyb
 
 
@@ -71,8 +111,8 @@ def _their_tensors(v: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         return 0.5 + torch.rand(n, generator=gen, dtype=torch.float64)
 
     t = {"model.embed_tokens.weight": rnd(VOCAB, D, scale=1.0), "model.norm.weight": norm_w(D)}
-    if not v["tie"]:
-        t["lm_head.weight"] = rnd(VOCAB, D)
+    # AMD's code always stores its head (a model that ties it stores a copy of the embeddings)
+    t["lm_head.weight"] = rnd(VOCAB, D) if v["own_head"] else t["model.embed_tokens.weight"].clone()
     kv_heads = H if v["use_full_kv_head"] else G
     for i in range(3):
         pre = f"model.layers.{i}"
@@ -80,7 +120,7 @@ def _their_tensors(v: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         t[f"{pre}.post_attention_layernorm.weight"] = norm_w(D)
         for name, shape in (("gate_proj", (F, D)), ("up_proj", (F, D)), ("down_proj", (D, F))):
             t[f"{pre}.mlp.{name}.weight"] = rnd(*shape)
-        if i in (0, 2):
+        if i in MLA_LAYERS:
             m = f"{pre}.mla"
             if v["q_lora_rank"]:
                 t[f"{m}.q_a_proj.weight"] = rnd(v["q_lora_rank"], D)
@@ -101,6 +141,21 @@ def _their_tensors(v: dict, seed: int = 0) -> dict[str, torch.Tensor]:
                 t[f"{m}.kv_a_layernorm.weight"] = norm_w(R)
             t[f"{m}.kv_b_proj.weight"] = rnd(kv_heads * (N + V), R, scale=0.5)
             t[f"{m}.out_proj.weight"] = rnd(D, H * V)
+            if v["qk_norm"]:
+                # per-head [nope | rope] weights, the rope part in their (interleaved) order
+                for name in ("q_norm", "k_norm"):
+                    t[f"{pre}.{v['qk_norm_part']}.{name}.weight"] = norm_w(N + P)
+        elif v["linear"] == "mamba2":
+            m = f"{pre}.mamba"
+            conv = 3 * M2_INNER if v["repeat_before_conv"] else M2_INNER + 2 * M2_XB
+            t[f"{m}.in_proj.weight"] = rnd(2 * M2_INNER + 2 * M2_XB + H, D)
+            t[f"{m}.conv1d.weight"] = rnd(conv, 1, CONV, scale=0.5)
+            t[f"{m}.conv1d.bias"] = rnd(conv)
+            t[f"{m}.dt_bias"] = rnd(H)
+            t[f"{m}.A_log"] = torch.log(torch.rand(H, generator=gen, dtype=torch.float64) * 4 + 0.5)
+            t[f"{m}.D"] = 1 + rnd(H)
+            t[f"{m}.norm.weight"] = norm_w(M2_INNER)
+            t[f"{m}.out_proj.weight"] = rnd(D, M2_INNER)
         else:
             g = f"{pre}.gdn"
             for name, rows in (("q_proj", GDN_H * GDN_K), ("k_proj", GDN_H * GDN_K), ("v_proj", GDN_H * GDN_V),
@@ -136,8 +191,9 @@ def _get_mscale(scale, m):
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
-def _their_rope(rs: dict | None, base: float = 500.0):
-    """DeepSeek's YaRN as AMD's layer computes it (fp32 frequencies): inv_freq [P/2], cos/sin magnitude."""
+def _their_rope(rs: dict | None, base: float, P: int):
+    """DeepSeek's YaRN as AMD's layer computes it (fp32 frequencies, theta from hybrid_config.json):
+    inv_freq [P/2], cos/sin magnitude."""
     idx = torch.arange(0, P, 2, dtype=torch.float32)
     freq_extra = 1.0 / (base ** (idx / P))
     if rs is None:
@@ -157,69 +213,131 @@ def _their_rope(rs: dict | None, base: float = 500.0):
     return inv, _get_mscale(f, rs.get("mscale", 1)) / _get_mscale(f, rs.get("mscale_all_dim", 0))
 
 
-def _their_mla(x, t, m, v):
+def _rotate_interleaved(x, cos, sin):
+    """Rotate pairs (2i, 2i+1) of the last dim; cos/sin [T, P/2] broadcast against x [B, T, ..., P]."""
+    shape = (1, cos.shape[0]) + (1,) * (x.dim() - 3) + (cos.shape[1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    ev, od = x[..., 0::2], x[..., 1::2]
+    return torch.stack([ev * cos - od * sin, ev * sin + od * cos], dim=-1).flatten(-2)
+
+
+def _qk_norm_weights(t, pre):
+    for part in ("mla", "self_attn"):
+        if f"{pre}.{part}.q_norm.weight" in t:
+            return t[f"{pre}.{part}.q_norm.weight"], t[f"{pre}.{part}.k_norm.weight"]
+    return None
+
+
+def _their_mla(x, t, pre, c, pos):
+    """DeepseekV3Attention of AMD's code, every shape from their HybridConfig `c`."""
     B, T, _ = x.shape
-    bias = v["attention_bias"]
-    if v["q_lora_rank"]:
+    H, N, P, V, R = (c[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                    "kv_lora_rank"))
+    m, bias = f"{pre}.mla", c["attention_bias"]
+    if c["q_lora_rank"]:
         cq = x @ t[f"{m}.q_a_proj.weight"].T + (t[f"{m}.q_a_proj.bias"] if bias else 0)
-        if v["use_lora_layer_norm"]:
+        if c["use_lora_layer_norm"]:
             cq = _rms(cq, t[f"{m}.q_a_layernorm.weight"], 1e-6)
         q = cq @ t[f"{m}.q_b_proj.weight"].T
     else:
         q = x @ t[f"{m}.q_proj.weight"].T + (t[f"{m}.q_proj.bias"] if bias else 0)
     q = q.view(B, T, H, N + P)
-    q_nope, q_pe = q[..., :N], q[..., N:]
     ckv = x @ t[f"{m}.kv_a_proj_with_mqa.weight"].T + (t[f"{m}.kv_a_proj_with_mqa.bias"] if bias else 0)
-    c, k_pe = ckv[..., :R], ckv[..., R:]
-    if v["use_lora_layer_norm"]:
-        c = _rms(c, t[f"{m}.kv_a_layernorm.weight"], 1e-6)
-    kv_heads = H if v["use_full_kv_head"] else G
-    kv = (c @ t[f"{m}.kv_b_proj.weight"].T).view(B, T, kv_heads, N + V).repeat_interleave(H // kv_heads, dim=2)
-    k_nope, val = kv[..., :N], kv[..., N:]
-    inv, mag = _their_rope(v["rope_scaling"])
-    ang = torch.arange(T, dtype=torch.float32)[:, None] * inv  # [T, P/2]
+    lat, k_pe = ckv[..., :R], ckv[..., R:]
+    if c["use_lora_layer_norm"]:
+        lat = _rms(lat, t[f"{m}.kv_a_layernorm.weight"], 1e-6)
+    kv_heads = H if c["use_full_kv_head"] else c["num_key_value_heads"]
+    kv = (lat @ t[f"{m}.kv_b_proj.weight"].T).view(B, T, kv_heads, N + V).repeat_interleave(H // kv_heads, dim=2)
+    k = torch.cat([kv[..., :N], k_pe[:, :, None].expand(B, T, H, P)], dim=-1)
+    val = kv[..., N:]
+    norms = _qk_norm_weights(t, pre)
+    if norms is not None:
+        # Qwen3's per-head RMSNorm of the whole [nope | rope] query and key, before RoPE
+        q, k = _rms(q, norms[0], c["rms_norm_eps"]), _rms(k, norms[1], c["rms_norm_eps"])
+    inv, mag = _their_rope(c["rope_scaling"], c["rope_theta"], P)
+    ang = pos.float()[:, None] * inv  # [T, P/2]
     cos, sin = (ang.cos() * mag).double(), (ang.sin() * mag).double()
-
-    # rotate interleaved pairs (2i, 2i+1); cos/sin broadcast over [B, T, (H,) P/2]
-    cos_q, sin_q = cos[None, :, None], sin[None, :, None]
-    ev, od = q_pe[..., 0::2], q_pe[..., 1::2]
-    q_pe = torch.stack([ev * cos_q - od * sin_q, ev * sin_q + od * cos_q], dim=-1).flatten(-2)
-    ev, od = k_pe[..., 0::2], k_pe[..., 1::2]
-    k_pe = torch.stack([ev * cos[None] - od * sin[None], ev * sin[None] + od * cos[None]], dim=-1).flatten(-2)
+    q = torch.cat([q[..., :N], _rotate_interleaved(q[..., N:], cos, sin)], dim=-1)
+    k = torch.cat([k[..., :N], _rotate_interleaved(k[..., N:], cos, sin)], dim=-1)
     scale = (N + P) ** -0.5
-    rs = v["rope_scaling"]
+    rs = c["rope_scaling"]
     if rs and rs.get("mscale_all_dim"):
         scale *= _get_mscale(rs["factor"], rs["mscale_all_dim"]) ** 2
-    scores = torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum("bthp,bsp->bhts", q_pe, k_pe)
+    scores = torch.einsum("bthe,bshe->bhts", q, k)
     scores = scores * scale + torch.full((T, T), float("-inf"), dtype=x.dtype).triu(1)
     out = torch.einsum("bhts,bshv->bthv", scores.softmax(-1), val).reshape(B, T, H * V)
     return out @ t[f"{m}.out_proj.weight"].T + (t[f"{m}.out_proj.bias"] if bias else 0)
 
 
-def their_logits(t: dict[str, torch.Tensor], v: dict, ids: torch.Tensor) -> torch.Tensor:
-    eps = 1e-5
+def _their_mamba2(u, t, m, c):
+    """Zebra-Llama's Mamba2 forward (their layer, recurrent form): heads = ngroups, head dim = d_state, x and B
+    in d_xb / d_state groups repeated to the heads, C per head, gated RMSNorm per head with eps 1e-5."""
+    B, T, _ = u.shape
+    ssm = c["ssm_cfg"]
+    Hm, S, inner, xb = ssm["ngroups"], ssm["d_state"], c["d_inner"], c["d_xb"]
+    X, before = xb // S, ssm.get("repeat_kv_before_conv", False)
+    z, xBC, dt = (u @ t[f"{m}.in_proj.weight"].T).split([inner, 2 * xb + inner, Hm], dim=-1)
+
+    def rep(a):  # [B, T, X * S] -> [B, T, Hm, S]: group j read by heads j * Hm/X .. (their repeat_kv)
+        return a.view(B, T, X, S).repeat_interleave(Hm // X, dim=2)
+
+    if before:
+        x0, b0, c0 = xBC.split([xb, xb, inner], dim=-1)
+        xBC = torch.cat([rep(x0).flatten(2), rep(b0).flatten(2), c0], dim=-1)
+    w, bias = t[f"{m}.conv1d.weight"], t[f"{m}.conv1d.bias"]
+    xBC = torch.nn.functional.conv1d(xBC.transpose(1, 2), w, bias, padding=w.shape[-1] - 1, groups=w.shape[0])
+    xBC = torch.nn.functional.silu(xBC[..., :T].transpose(1, 2))
+    if before:
+        x, b, cc = (a.view(B, T, Hm, S) for a in xBC.split([inner, inner, inner], dim=-1))
+    else:
+        x0, b0, c0 = xBC.split([xb, xb, inner], dim=-1)
+        x, b, cc = rep(x0), rep(b0), c0.view(B, T, Hm, S)
+    dt = torch.nn.functional.softplus(dt + t[f"{m}.dt_bias"])
+    A = -torch.exp(t[f"{m}.A_log"])
+    h = torch.zeros(B, Hm, S, S, dtype=u.dtype)  # [B, heads, head dim, state]
+    ys = []
+    for s in range(T):
+        h = torch.exp(dt[:, s, :, None, None] * A[:, None, None]) * h \
+            + dt[:, s, :, None, None] * x[:, s, :, :, None] * b[:, s, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, cc[:, s]) + t[f"{m}.D"][:, None] * x[:, s])
+    y = torch.stack(ys, 1) * torch.nn.functional.silu(z).view(B, T, Hm, S)
+    y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)).reshape(B, T, inner) * t[f"{m}.norm.weight"]
+    return y @ t[f"{m}.out_proj.weight"].T
+
+
+def _their_gdn(h, t, g, c, i):
+    """The GDN tensors carry flash-linear-attention's names on both sides: run them through ours."""
+    Hg, K = c["gdn_num_heads"], c["gdn_head_dim"]
+    cfg = HybridConfig(vocab_size=8, hidden_size=c["hidden_size"], intermediate_size=8, n_layer=i + 1,
+                       mla_layers=[], num_attention_heads=c["num_attention_heads"],
+                       num_key_value_heads=c["num_key_value_heads"], gdn_num_heads=Hg, gdn_head_dim=K,
+                       gdn_expand_v=c.get("gdn_expand_v", 2.0), gdn_conv_size=t[f"{g}.q_conv1d.weight"].shape[-1],
+                       rms_norm_eps=c["rms_norm_eps"])
+    gdn = GatedDeltaNet(cfg, i).double()
+    gdn.load_state_dict({k.removeprefix(f"{g}."): w for k, w in t.items() if k.startswith(f"{g}.")}, strict=True)
+    return gdn(h)
+
+
+def their_logits(t: dict[str, torch.Tensor], hyb: dict, ids: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of a checkpoint in their layout, from its tensors and hybrid_config.json alone."""
+    pos = pos if pos is not None else torch.arange(ids.shape[1])
+    eps = hyb["rms_norm_eps"]
     x = t["model.embed_tokens.weight"][ids]
-    for i in range(3):
+    for i in range(hyb["n_layer"]):
         pre = f"model.layers.{i}"
         h = _rms(x, t[f"{pre}.input_layernorm.weight"], eps)
-        if i in (0, 2):
-            a = _their_mla(h, t, f"{pre}.mla", v)
+        if i in hyb["mla_layers"]:
+            a = _their_mla(h, t, pre, hyb, pos)
+        elif hyb["linear_type"] == "mamba2":
+            a = _their_mamba2(h, t, f"{pre}.mamba", hyb)
         else:
-            # the GDN tensors carry flash-linear-attention's names on both sides
-            cfg = HybridConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=F, n_layer=3, mla_layers=[0, 2],
-                               num_attention_heads=H, num_key_value_heads=G, kv_lora_rank=R, qk_rope_head_dim=P,
-                               qk_nope_head_dim=N, v_head_dim=V, gdn_num_heads=GDN_H, gdn_head_dim=GDN_K,
-                               gdn_expand_v=GDN_V / GDN_K, gdn_conv_size=CONV, rms_norm_eps=eps)
-            gdn = GatedDeltaNet(cfg, i).double()
-            gdn.load_state_dict({k.removeprefix(f"{pre}.gdn."): w for k, w in t.items()
-                                 if k.startswith(f"{pre}.gdn.")}, strict=True)
-            a = gdn(h)
+            a = _their_gdn(h, t, f"{pre}.gdn", hyb, i)
         x = x + a
         h = _rms(x, t[f"{pre}.post_attention_layernorm.weight"], eps)
         gate, up = h @ t[f"{pre}.mlp.gate_proj.weight"].T, h @ t[f"{pre}.mlp.up_proj.weight"].T
         x = x + (torch.nn.functional.silu(gate) * up) @ t[f"{pre}.mlp.down_proj.weight"].T
     x = _rms(x, t["model.norm.weight"], eps)
-    return x @ t["lm_head.weight" if "lm_head.weight" in t else "model.embed_tokens.weight"].T
+    return x @ t["lm_head.weight"].T
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -230,20 +348,44 @@ IDS = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1
 
 
 # ------------------------------------------------------------------------------------ import
-@pytest.mark.parametrize("variant", list(VARIANTS))
+def _load_noting(path: Path):
+    """load_hylo(path) in fp64 and the warnings it gave."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_hylo(path, dtype=torch.float64)
+    return model, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, *IMPORT_ONLY])
 def test_import_gives_the_released_models_outputs(tmp_path, variant):
-    v = VARIANTS[variant]
+    v = {**VARIANTS, **IMPORT_ONLY}[variant]
     tensors = write_released(tmp_path / "rel", v)
     assert is_released_layout(tmp_path / "rel")
-    model = load_hylo(tmp_path / "rel", dtype=torch.float64)
+    model, notes = _load_noting(tmp_path / "rel")
     cfg = model.config
     # vocabulary and special tokens come from the base config.json, not from HyLo's defaults
     assert (cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id) == (VOCAB, 7, [8, 9])
     assert cfg.kv_b_per_kv_head == (not v["use_full_kv_head"]) and cfg.rope_key_groups == 1
-    assert (cfg.gdn_num_heads, cfg.gdn_head_dim, cfg.gdn_value_dim, cfg.gdn_conv_size) == (GDN_H, GDN_K, GDN_V, CONV)
+    if v["linear"] == "gdn":
+        assert (cfg.gdn_num_heads, cfg.gdn_head_dim, cfg.gdn_value_dim, cfg.gdn_conv_size) == (GDN_H, GDN_K, GDN_V, CONV)
+    else:
+        # heads = ngroups, head dim = state = d_state, C per head, x / B in d_xb / d_state groups
+        assert cfg.linear_type == "mamba2" and cfg.mamba2_dims == (H, M2_STATE, M2_STATE, H)
+        assert cfg.mamba2_xb_groups == (None if v["repeat_before_conv"] else G) and cfg.mamba2_norm_eps == 1e-5
+    # the head as their code uses it: a stored head that differs from the embeddings is a head of its own
+    assert cfg.tie_word_embeddings == (v["tie"] and not v["own_head"])
+    assert cfg.mla_qk_norm == v["qk_norm"]
+    # one notice line for each thing the import had to infer
+    untied = [n for n in notes if "imported as an untied LM head" in n]
+    assert len(untied) == (1 if v["tie"] and v["own_head"] else 0), notes
+    qk = [n for n in notes if "q/k RMSNorm" in n]
+    assert len(qk) == v["qk_norm"] and (not qk or f"{v['qk_norm_part']}.q_norm.weight" in qk[0]), notes
+    ids = IDS[:, :12] if v["linear"] == "mamba2" else IDS
     with torch.no_grad():
-        ours = model(IDS).logits
-        ref = their_logits(tensors, v, IDS)
+        ours = model(ids).logits
+        ref = their_logits(tensors, _configs(v)[1], ids)
     # fp64 throughout except the RoPE angles, fp32 on both sides as in both codes (measured: ~1e-15)
     assert rel(ours, ref) < 1e-9, rel(ours, ref)
 
@@ -252,7 +394,7 @@ def test_a_layout_mistake_is_visible_to_the_reference(tmp_path):
     """Guard for the test above: importing without the RoPE permutation is far off."""
     import hylo.released as released
 
-    v = VARIANTS["qlora-perkv"]
+    v = VARIANTS["qwen-gdn-qknorm"]
     tensors = write_released(tmp_path / "rel", v)
     orig = released.interleaved_to_half_perm
     try:
@@ -261,28 +403,143 @@ def test_a_layout_mistake_is_visible_to_the_reference(tmp_path):
     finally:
         released.interleaved_to_half_perm = orig
     with torch.no_grad():
-        assert rel(model(IDS).logits, their_logits(tensors, v, IDS)) > 1e-3
+        assert rel(model(IDS).logits, their_logits(tensors, _configs(v)[1], IDS)) > 1e-3
+    # and so is a q/k norm whose rope part is not permuted with the rows
+    model = load_hylo(tmp_path / "rel", dtype=torch.float64)
+    with torch.no_grad():
+        for i in MLA_LAYERS:
+            w = model.model.layers[i].mixer.q_norm.weight
+            w[N:] = w[N:].flip(0)
+        assert rel(model(IDS).logits, their_logits(tensors, _configs(v)[1], IDS)) > 1e-3
+
+
+def test_rope_positions_far_apart_match_their_code_both_ways(tmp_path):
+    """AMD's MLA turns pair i at hybrid_config.json's rope_theta ** (-2i / P): a released model's theta (its
+    base's, on P dims) is imported as it is, and our converter's (the base's theta ** (P / head_dim)) is
+    exported as it is, so logits at positions 0 and 60,000+ agree with their code both ways."""
+    from hylo.upcycle import upcycle
+
+    pos = torch.tensor([0, *range(60_000, 60_011)])
+    ids = IDS[:, :12]
+    # import: a released model whose MLA uses the base's theta 500,000 on its 8 rope dims
+    v = variant(rope_theta=500_000.0, max_positions=65_536)
+    tensors = write_released(tmp_path / "rel", v)
+    model = load_hylo(tmp_path / "rel", dtype=torch.float64)
+    with torch.no_grad():
+        ours = model(ids, position_ids=pos.expand(2, -1)).logits
+        assert rel(ours, their_logits(tensors, _configs(v)[1], ids, pos)) < 1e-9
+    # export: our conversion of a base with theta 10,000 and head_dim 16 keeps 8 rope dims at theta 100
+    conv = upcycle(_tiny_llama(), mla_layers=[0, 2], kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
+                   rope_key_groups=1, gdn_head_dim=32, gdn_num_heads=2, gdn_expand_v=2.0,
+                   max_position_embeddings=65_536, tie_word_embeddings=False).eval()
+    export_released(conv, tmp_path / "out")
+    hyb = json.loads((tmp_path / "out" / "hybrid_config.json").read_text())
+    base = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert math.isclose(hyb["rope_theta"], 100.0) and math.isclose(base["rope_theta"], 10_000.0)
+    files = load_file(tmp_path / "out" / "model.safetensors")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = conv(ids, position_ids=pos.expand(2, -1)).logits
+        assert rel(ours, their_logits(files, hyb, ids, pos)) < 1e-9
+        # guard: their code fed the base's theta (config.json's) on those dims is far off at 60,000
+        assert rel(ours, their_logits(files, {**hyb, "rope_theta": base["rope_theta"]}, ids, pos)) > 1e-3
 
 
 # ------------------------------------------------------------------------------------ export
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_export_writes_back_the_same_files(tmp_path, variant):
+    """Import, export: the same tensors (names, shapes, values) and the same two config files, key by key."""
     v = VARIANTS[variant]
     tensors = write_released(tmp_path / "rel", v)
     model = load_released(tmp_path / "rel")
     export_released(model, tmp_path / "back")
     back = load_file(tmp_path / "back" / "model.safetensors")
-    assert back.keys() == tensors.keys()
-    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
-    hyb = json.loads((tmp_path / "back" / "hybrid_config.json").read_text())
-    _, want = _configs(v)
-    for key in ("n_layer", "mla_layers", "kv_lora_rank", "q_lora_rank", "use_lora_layer_norm", "use_full_kv_head",
-                "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_theta", "attention_bias"):
-        assert hyb[key] == want[key], key
-    if v["rope_scaling"]:
-        assert {k: hyb["rope_scaling"][k] for k in v["rope_scaling"]} == v["rope_scaling"]
-    base = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert (base["vocab_size"], base["eos_token_id"], base["tie_word_embeddings"]) == (VOCAB, [8, 9], v["tie"])
+    assert sorted(back) == sorted(tensors)
+    assert [k for k in tensors if back[k].shape != tensors[k].shape or not torch.equal(back[k], tensors[k])] == []
+    base, hyb = _configs(v)
+    assert json.loads((tmp_path / "back" / "hybrid_config.json").read_text()) == hyb
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == base
+    # and it reads back in our code too
+    again = load_hylo(tmp_path / "back", dtype=torch.float64)
+    ids = IDS[:, :8]
+    with torch.no_grad():
+        assert rel(again(ids).logits, load_hylo(tmp_path / "rel", dtype=torch.float64)(ids).logits) < 1e-12
+
+
+def test_export_of_a_tied_model_stores_the_head_and_every_key_their_config_has(tmp_path):
+    """Their loader always uses lm_head.weight (left at its random init when absent) and fills a missing
+    hybrid_config.json key with its own default (q_lora_rank 1536, d_xb 2560, ...)."""
+    from hylo.released import AMD_HYBRID_DEFAULTS
+    from hylo.upcycle import upcycle
+
+    model = upcycle(_tiny_llama(), mla_layers=[0, 2], kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
+                    rope_key_groups=1, gdn_head_dim=32, gdn_num_heads=2, gdn_expand_v=2.0).eval()
+    assert model.config.tie_word_embeddings
+    export_released(model, tmp_path / "rel")
+    files = load_file(tmp_path / "rel" / "model.safetensors")
+    assert torch.equal(files["lm_head.weight"], files["model.embed_tokens.weight"])
+    hyb = json.loads((tmp_path / "rel" / "hybrid_config.json").read_text())
+    assert set(AMD_HYBRID_DEFAULTS) <= set(hyb)
+    assert (hyb["linear_type"], hyb["gdn_num_heads"], hyb["gdn_head_dim"]) == ("gdn", 2, 32)
+    assert hyb["layer_rank_list"] == {"0": {"q_rank": 32, "kv_rank": 32}, "2": {"q_rank": 32, "kv_rank": 32}}
+    assert json.loads((tmp_path / "rel" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_a_mamba2_conversion_exports_as_zebra_llama_writes_it(tmp_path):
+    """Our Mamba-2 with x / B per KV head (mamba2_xb_groups = KV heads): d_xb = KV heads * d_state, read back by
+    their loader's module tree and by their layer's math."""
+    from hylo.upcycle import hybrid_config_from_base, upcycle
+
+    base = _tiny_llama()
+    hcfg = hybrid_config_from_base(base.config, mla_layers=[0, 2], kv_lora_rank=32, q_lora_rank=32,
+                                   qk_rope_head_dim=8, rope_key_groups=1, linear_type="mamba2",
+                                   tie_word_embeddings=False)
+    hcfg.mamba2_xb_groups, hcfg.mamba2_norm_eps = 2, 1e-5
+    model = upcycle(base, hcfg).eval()
+    with torch.no_grad():
+        for i in model.config.linear_layers:
+            mixer = model.model.layers[i].mixer
+            mixer.conv1d.weight.normal_(0, 0.3)
+            mixer.conv1d.bias.normal_(0, 0.3)
+    export_released(model, tmp_path / "rel")
+    hyb = json.loads((tmp_path / "rel" / "hybrid_config.json").read_text())
+    assert (hyb["d_model"], hyb["d_inner"], hyb["d_xb"]) == (64, 4 * 16, 2 * 16)
+    assert hyb["ssm_cfg"] == {"expand": 1, "ngroups": 4, "d_state": 16, "repeat_kv_before_conv": False}
+    files = load_file(tmp_path / "rel" / "model.safetensors")
+    assert files["model.layers.1.mamba.in_proj.weight"].shape == (2 * 64 + 2 * 32 + 4, 64)
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel(model(ids).logits, their_logits(files, hyb, ids)) < 1e-9
+
+
+@pytest.mark.parametrize("tamper,needle", [
+    ("no-head", "left at their random init (not in the file): lm_head.weight"),
+    ("extra", "dropped by their loader (no such module): model.layers.1.mamba.bogus.weight"),
+    ("no-d_model", "shape mismatch: model.layers.1.input_layernorm.weight: file (32,), their module (2560,)"),
+    ("unknown-key", "mla_qk_norm are not fields of AMD's HybridConfig"),
+    ("no-q-norm", "left at their random init (not in the file): model.layers.0.mla.q_norm.weight"),
+])
+def test_check_released_dir_reads_it_back_as_their_loader_would(tmp_path, tamper, needle):
+    from hylo.released import check_released_dir
+
+    d = tmp_path / "rel"
+    tensors = write_released(d, VARIANTS["qwen-mamba2"])
+    check_released_dir(d)
+    hyb = json.loads((d / "hybrid_config.json").read_text())
+    if tamper == "no-head":
+        del tensors["lm_head.weight"]
+    elif tamper == "extra":
+        tensors["model.layers.1.mamba.bogus.weight"] = torch.zeros(2)
+    elif tamper == "no-d_model":
+        del hyb["d_model"]
+    elif tamper == "unknown-key":
+        hyb["mla_qk_norm"] = True
+    elif tamper == "no-q-norm":
+        del tensors["model.layers.0.mla.q_norm.weight"]
+    save_file(tensors, str(d / "model.safetensors"))
+    (d / "hybrid_config.json").write_text(json.dumps(hyb))
+    with pytest.raises(ReleasedLayoutError, match=re.escape(needle)):
+        check_released_dir(d)
 
 
 def _tiny_llama(seed=0):
@@ -320,6 +577,35 @@ def test_our_conversion_round_trips_through_the_released_layout_and_the_cli(tmp_
         assert rel(load_hylo(tmp_path / "rel", dtype=torch.float64)(ids).logits, want) < 1e-12
 
 
+def test_a_qwen3_conversion_exports_its_qk_norms_as_their_layout_reads_them(tmp_path):
+    """Our Qwen3 conversion keeps the q/k norms (rotate-half rope part): exported under `mla.`, rope part back in
+    interleaved order, their layer's math on the written files gives our logits (positions 0 and 60,000+)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from hylo.upcycle import upcycle
+
+    torch.manual_seed(0)
+    base = Qwen3ForCausalLM(Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                                        max_position_embeddings=65_536)).double().eval()
+    with torch.no_grad():
+        for layer in base.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model = upcycle(base, mla_layers=[0, 2], kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, rope_key_groups=1,
+                    gdn_head_dim=32, gdn_num_heads=2, gdn_expand_v=2.0, tie_word_embeddings=False).eval()
+    assert model.config.mla_qk_norm
+    export_released(model, tmp_path / "rel")
+    files = load_file(tmp_path / "rel" / "model.safetensors")
+    hyb = json.loads((tmp_path / "rel" / "hybrid_config.json").read_text())
+    assert files["model.layers.0.mla.q_norm.weight"].shape == (8 + 8,)
+    pos = torch.tensor([0, *range(60_000, 60_009)])
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours = model(ids, position_ids=pos.expand(2, -1)).logits
+        assert rel(ours, their_logits(files, hyb, ids, pos)) < 1e-9
+
+
 def test_export_refuses_what_the_released_layout_cannot_hold(tmp_path):
     from hylo.upcycle import upcycle
 
@@ -327,9 +613,14 @@ def test_export_refuses_what_the_released_layout_cannot_hold(tmp_path):
     assert grouped.config.rope_key_groups == 2
     with pytest.raises(ReleasedLayoutError, match="rope_key_groups=2.*--rope-key-groups 1"):
         export_released(grouped, tmp_path / "x")
-    m2 = upcycle(_tiny_llama(), mla_layers=[0], kv_lora_rank=32, qk_rope_head_dim=8, rope_key_groups=1,
-                 linear_type="mamba2")
-    with pytest.raises(ReleasedLayoutError, match="mamba2"):
+    from hylo.upcycle import hybrid_config_from_base
+
+    base = _tiny_llama()
+    hcfg = hybrid_config_from_base(base.config, mla_layers=[0], kv_lora_rank=32, qk_rope_head_dim=8,
+                                   rope_key_groups=1, linear_type="mamba2")
+    hcfg.mamba2_n_groups = 2
+    m2 = upcycle(base, hcfg)
+    with pytest.raises(ReleasedLayoutError, match="2 groups of C for 4 heads.*one C group per head"):
         export_released(m2, tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
@@ -351,10 +642,17 @@ def test_export_keeps_per_query_head_rows_that_do_not_repeat(tmp_path):
 @pytest.mark.parametrize("tamper,needle", [
     ("drop", "missing: model.layers.2.mla.kv_b_proj.weight"),
     ("extra", "model.layers.1.gdn.bogus.weight"),
-    ("mamba", "Mamba-2"),
+    ("mamba", "linear_type='gdn' but the non-MLA layers hold `mamba.*` tensors"),
     ("shape", "model.layers.0.mixer.o_proj.weight"),
     ("pickle", "pickled weights are never loaded"),
     ("vocab", "missing vocab_size"),
+    # an index out of range, negative, or not an integer is refused, naming the file and the field
+    ("mla-5", "hybrid_config.json: mla_layers holds [5]: out of range for n_layer=3 (allowed 0..2)"),
+    ("mla-neg", "hybrid_config.json: mla_layers holds [-1]: out of range for n_layer=3 (allowed 0..2)"),
+    ("mla-str", "hybrid_config.json: mla_layers must be a list of integer layer indices, got ['0', 2]"),
+    ("mla-dup", "hybrid_config.json: mla_layers has duplicates: [0, 2, 2]"),
+    ("ranks", "layer_rank_list['2'] = {'q_rank': 16, 'kv_rank': 8}: per-layer MLA ranks are not supported"),
+    ("ssm", "ssm_cfg.D_has_hdim=True is not supported"),
 ])
 def test_released_import_is_strict(tmp_path, tamper, needle):
     v = VARIANTS["qlora-perkv"]
@@ -372,12 +670,20 @@ def test_released_import_is_strict(tmp_path, tamper, needle):
         base = json.loads((d / "config.json").read_text())
         del base["vocab_size"]
         (d / "config.json").write_text(json.dumps(base))
+    hyb = json.loads((d / "hybrid_config.json").read_text())
+    edits = {"mla-5": {"mla_layers": [0, 5]}, "mla-neg": {"mla_layers": [-1, 0]}, "mla-str": {"mla_layers": ["0", 2]},
+             "mla-dup": {"mla_layers": [0, 2, 2]},
+             "ranks": {"layer_rank_list": {"0": {"q_rank": 16, "kv_rank": 16}, "2": {"q_rank": 16, "kv_rank": 8}}},
+             "ssm": {"linear_type": "mamba2", "ssm_cfg": {**hyb["ssm_cfg"], "D_has_hdim": True}}}
+    if tamper == "ssm":
+        tensors = {k.replace(".gdn.", ".mamba."): x for k, x in tensors.items()}
+    (d / "hybrid_config.json").write_text(json.dumps({**hyb, **edits.get(tamper, {})}))
     if tamper == "pickle":
         (d / "model.safetensors").unlink()
         (d / "pytorch_model.bin").write_bytes(b"not loaded")
     else:
         save_file(tensors, str(d / "model.safetensors"))
-    with pytest.raises(ReleasedLayoutError, match=needle.replace(".", r"\.").replace("(", r"\(")):
+    with pytest.raises(ReleasedLayoutError, match=re.escape(needle)):
         load_hylo(d)
 
 
@@ -397,6 +703,21 @@ def test_cli_errors_for_bad_released_input(tmp_path, capsys):
     (tmp_path / "ours").mkdir()
     assert convert.main(["--to-released", str(tmp_path / "ours"), "--out", str(tmp_path / "o")]) == 2
     assert "hybrid_config.json" in capsys.readouterr().err
+    # an MLA index the model does not have: refused, naming the file and the field (never dropped)
+    d = tmp_path / "rel"
+    write_released(d, VARIANTS["qwen-mamba2"])
+    hyb = json.loads((d / "hybrid_config.json").read_text())
+    for bad in ([0, 5], [-1, 2], ["0", 2]):
+        (d / "hybrid_config.json").write_text(json.dumps({**hyb, "mla_layers": bad}))
+        assert convert.main(["--from-released", str(d), "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert "hybrid_config.json: mla_layers" in err and "mixers named" not in err, err
+    (d / "hybrid_config.json").write_text(json.dumps(hyb))
+    with pytest.warns(UserWarning, match="q/k RMSNorm"):
+        assert convert.main(["--from-released", str(d), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.rindex("\n{"):] if "\n{" in out else out)
+    assert (summary["linear_type"], summary["mla_qk_norm"]) == ("mamba2", True)
 
 
 # ------------------------------------------------------------------------------------ the cards' models

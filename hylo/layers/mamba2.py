@@ -1,7 +1,8 @@
 """Mamba-2 mixer (`linear_type: mamba2`) with mamba_ssm / transformers parameter names, so weights interchange.
 
 Legend: B batch, T tokens, D hidden size, H heads, P head dim, G groups of B/C, N state size,
-E = H * P (inner size), Cv = E + 2 * G * N (conv channels: x | B | C), W conv_size - 1 (cached conv inputs).
+E = H * P (inner size), Cv = E + 2 * G * N (conv channels: x | B | C), W conv_size - 1 (cached conv inputs);
+with grouped x/B (`mamba2_xb_groups`): X groups of x and B, Cv = X * P + X * N + G * N.
 
 Design choices:
 * Parameters and shapes are those of `transformers.Mamba2Mixer` / mamba_ssm's `Mamba2` (no biases on the
@@ -26,6 +27,11 @@ Design choices:
   cache does not grow with T. Unpacked batches only.
 * Default init as mamba_ssm: A ~ U(1, 16), dt log-uniform in [1e-3, 0.1] stored as its softplus inverse in
   dt_bias, D = 1, norm weight 1 (`reset_special_parameters()`, called by the model's `_init_weights`).
+* Grouped x/B (`mamba2_xb_groups` = X, the Zebra-Llama / HyLo layer AMD's released Mamba-2 models use, there
+  `d_xb = X * N`): in_proj rows `[z (E) | x (X P) | B (X N) | C (G N) | dt (H)]`, the conv over those X P + X N
+  + G N channels, then x and B repeated to the heads (head h reads group h // (H / X), GQA's rule) before the
+  scan. Repeating after the depthwise conv equals convolving repeated channels, so nothing else changes.
+  AMD's layer is the case G = H, P = N, norm eps 1e-5 (`mamba2_norm_eps`).
 * Initialisation from attention: `hylo/upcycle/mamba2.py` (x <- W_v, B <- W_k, C <- W_q, out_proj <- W_o).
 """
 
@@ -84,7 +90,11 @@ class Mamba2Mixer(nn.Module):
         self.hidden_size = D = config.hidden_size
         self.num_heads, self.head_dim, self.state_size, self.n_groups = H, P, N, G = config.mamba2_dims
         self.intermediate_size = E = H * P
-        self.conv_dim = Cv = E + 2 * G * N
+        # x / B widths: per head and per group of C (mamba_ssm), or X shared groups (Zebra-Llama's d_xb)
+        self.xb_groups = config.mamba2_xb_groups
+        self.x_dim = E if self.xb_groups is None else self.xb_groups * P
+        self.b_dim = G * N if self.xb_groups is None else self.xb_groups * N
+        self.conv_dim = Cv = self.x_dim + self.b_dim + G * N
         self.conv_size = config.gdn_conv_size
         self.chunk_size = config.gdn_chunk_size
 
@@ -96,7 +106,7 @@ class Mamba2Mixer(nn.Module):
         # decay / skip parameters: optimisers should not weight-decay them
         for p in (self.dt_bias, self.A_log, self.D):
             p._no_weight_decay = True
-        self.norm = GatedGroupRMSNorm(E, group_size=E // G, eps=config.rms_norm_eps)
+        self.norm = GatedGroupRMSNorm(E, group_size=E // G, eps=config.mamba2_norm_eps_value)
         self.out_proj = nn.Linear(E, D, bias=False)
         self.reset_special_parameters()
 
@@ -120,7 +130,14 @@ class Mamba2Mixer(nn.Module):
         z_BTE, xBC_BTC, dt_BTH = self.in_proj(u_BTD).split([E, self.conv_dim, H], dim=-1)
         prefix = cache.conv.get("xBC") if cache is not None else None
         xBC_BTC, conv_tail = causal_conv1d_silu(xBC_BTC, self.conv1d.weight, self.conv1d.bias, prefix, pos_T)
-        x_BTE, B_BTGN, C_BTGN = xBC_BTC.split([E, G * N, G * N], dim=-1)
+        x_BTE, B_BTGN, C_BTGN = xBC_BTC.split([self.x_dim, self.b_dim, G * N], dim=-1)
+        if self.xb_groups is not None:
+            # each group of x / B serves H / X consecutive heads; C's groups are expanded to the heads too
+            X = self.xb_groups
+            x_BTE = x_BTE.view(B, T, X, P).repeat_interleave(H // X, dim=2).reshape(B, T, E)
+            B_BTGN = B_BTGN.view(B, T, X, N).repeat_interleave(H // X, dim=2).reshape(B, T, H * N)
+            C_BTGN = C_BTGN.view(B, T, G, N).repeat_interleave(H // G, dim=2).reshape(B, T, H * N)
+            G = H
 
         # step and decay in fp32 at least (float64 stays float64, for exact tests)
         cd = torch.promote_types(u_BTD.dtype, torch.float32)
@@ -146,5 +163,6 @@ class Mamba2Mixer(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"state_size={self.state_size}, n_groups={self.n_groups}, conv_size={self.conv_size}")
+                f"state_size={self.state_size}, n_groups={self.n_groups}, xb_groups={self.xb_groups}, "
+                f"conv_size={self.conv_size}")
 

@@ -12,6 +12,9 @@ Design choices:
   (calibrate.py) the z rows and the norm weight are then set like GDN's gate (SiLU(z) ~= 1, norm weight =
   the attention heads' RMS). The conv starts as identity (last tap 1, bias 0), as the GDN upcycle does, so
   the copied projections are not scrambled.
+* Grouped x/B (`mamba2_xb_groups` = X, the Zebra-Llama / HyLo recipe when X is the number of KV heads):
+  x group j copies W_v and B group j copies W_k of the KV head read by the group's first head, with no
+  expansion (AMD's `in_proj[d_inner : d_inner + d_xb] <- v_proj`, `[.. + 2 d_xb] <- k_proj`).
 * Qwen3's q/k RMSNorm weights are folded into the copied rows (approximate: SSD does not normalise B, C).
 """
 
@@ -42,16 +45,23 @@ def mamba2_weights_from_attention(attn: nn.Module, hcfg: HybridConfig) -> dict[s
     group = w.group
     wq, wk, wv, wo = w.q_HKD, w.k_GKD, w.v_GKD, w.o_DHK
     H, P, N, G = hcfg.mamba2_dims
-    E, Cv = H * P, H * P + 2 * G * N
+    E = H * P
     q_of_head = [m % h for m in range(H)]
     q_of_group = [q_of_head[j * (H // G)] for j in range(G)]
-    x_rows = torch.cat([fit_rows(wv[qi // group], P) for qi in q_of_head])
-    B_rows = torch.cat([fit_rows(wk[qi // group], N) for qi in q_of_group])
+    X = hcfg.mamba2_xb_groups
+    if X is None:
+        x_rows = torch.cat([fit_rows(wv[qi // group], P) for qi in q_of_head])
+        B_rows = torch.cat([fit_rows(wk[qi // group], N) for qi in q_of_group])
+    else:
+        q_of_xb = [q_of_head[j * (H // X)] for j in range(X)]
+        x_rows = torch.cat([fit_rows(wv[qi // group], P) for qi in q_of_xb])
+        B_rows = torch.cat([fit_rows(wk[qi // group], N) for qi in q_of_xb])
     C_rows = torch.cat([fit_rows(wq[qi], N) for qi in q_of_group])
     std = hcfg.initializer_range
     z_rows = torch.randn(E, d, dtype=torch.float64) * std
     dt_rows = torch.randn(H, d, dtype=torch.float64) * std
 
+    Cv = x_rows.shape[0] + B_rows.shape[0] + C_rows.shape[0]
     conv = torch.zeros(Cv, 1, hcfg.gdn_conv_size, dtype=torch.float64)
     conv[:, 0, -1] = 1.0
     # a base head used by several Mamba heads shares its output projection among them

@@ -61,6 +61,9 @@ class ConvertConfig:
     gdn_expand_v: float | None = None
     # The linear blocks: gdn (Gated DeltaNet) or mamba2.
     linear_type: str = "gdn"
+    # Mamba-2: x and B in this many groups read by consecutive heads (the number of KV heads gives Zebra-Llama's
+    # / AMD's released layout, d_xb = KV heads x head_dim); None: x per head (mamba_ssm's layout).
+    mamba2_xb_groups: int | None = None
     # The MLA RoPE scaling (a transformers rope_scaling mapping); None: the base's, when MLA can carry it.
     rope_scaling: dict[str, Any] | None = None
     # YaRN on the MLA RoPE with this factor (the released 64K models: 32), over an original window
@@ -84,7 +87,7 @@ class ConvertConfig:
     RANGES: ClassVar[dict[str, dict[str, Any]]] = {
         "kv_lora_rank": {"ge": 1}, "q_lora_rank": {"ge": 1}, "qk_rope_head_dim": {"ge": 1},
         "qk_nope_head_dim": {"ge": 0}, "rope_key_groups": {"ge": 1}, "mla_latent_norm_eps": {"gt": 0},
-        "v_head_dim": {"ge": 1}, "gdn_num_heads": {"ge": 1}, "gdn_head_dim": {"ge": 1}, "gdn_expand_v": {"gt": 0},
+        "v_head_dim": {"ge": 1}, "mamba2_xb_groups": {"ge": 1}, "gdn_num_heads": {"ge": 1}, "gdn_head_dim": {"ge": 1}, "gdn_expand_v": {"gt": 0},
         "yarn_factor": {"ge": 1}, "yarn_original_max_position_embeddings": {"ge": 1},
         "max_position_embeddings": {"ge": 1}, "init": {"choices": ("attention", "random")}, "seed": {"ge": 0},
         "dtype": {"choices": ("float32", "bfloat16", "float16")},
@@ -375,6 +378,7 @@ def hybrid_config_from_base(base_cfg: Any, options: ConvertConfig | None = None,
             attention_bias=bool(getattr(base_cfg, "attention_bias", False)),
             mlp_bias=bool(getattr(base_cfg, "mlp_bias", False)),
             linear_type=o.linear_type,
+            mamba2_xb_groups=o.mamba2_xb_groups,
             gdn_num_heads=o.gdn_num_heads if o.gdn_num_heads is not None else h,
             gdn_head_dim=o.gdn_head_dim if o.gdn_head_dim is not None else dh,
             gdn_expand_v=o.gdn_expand_v if o.gdn_expand_v is not None else 1.0,
@@ -383,6 +387,7 @@ def hybrid_config_from_base(base_cfg: Any, options: ConvertConfig | None = None,
             base_model_type=mt,
             base_num_key_value_heads=g,
             base_head_dim=dh,
+            base_tie_word_embeddings=bool(getattr(base_cfg, "tie_word_embeddings", False)),
             pad_token_id=getattr(base_cfg, "pad_token_id", None),
             bos_token_id=getattr(base_cfg, "bos_token_id", None),
             eos_token_id=eos,
