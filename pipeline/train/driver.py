@@ -12,6 +12,10 @@ Design choices:
   Ray Train supports (`s3://bucket/runs`, `gs://...`; pyarrow filesystems, see storage.py). A relative
   storage path is refused inside a `ray job submit` job (it would land in Ray's temporary copy of the
   working directory), a URI under torchrun.
+* A run directory is owned by one run at a time: the driver takes `<run>/run.lock` (holder's host,
+  pid, start time) before Ray starts and releases it at the end; a second run with the same storage
+  and name stops at once naming the holder, and a stale lock of a dead driver is reported, never taken
+  over without `--break-lock` (runlock.py; for URI storage a local lock plus a checked lock object).
 * Starting a run whose directory already holds checkpoints needs `--resume` (continue it) or another
   name: nothing is silently continued or overwritten. `--resume` alone continues from the newest
   intact checkpoint, walking back past broken ones (and saying why); `--resume PATH` from that one.
@@ -32,12 +36,15 @@ Design choices:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -49,6 +56,7 @@ from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train.config import StageConfig, config_to_dict, load_stage_config, run_dir
 from pipeline.train.inputs import check_stage_inputs
 from pipeline.train.metrics import make_ray_callback, read_metrics
+from pipeline.train.runlock import run_lock
 from pipeline.train.storage import Loc, StorageError, check_storage_path, run_location
 from pipeline.train.worker import Stage
 
@@ -60,6 +68,9 @@ def build_parser(stage: int) -> argparse.ArgumentParser:
     add_config_args(p)
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue the run from its newest checkpoint, or from checkpoint directory PATH")
+    p.add_argument("--break-lock", action="store_true",
+                   help="take over the run directory's lock (run.lock) left by a run that is no longer "
+                        "running; a lock held by a live process of this host is never broken")
     return p
 
 
@@ -314,6 +325,34 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
         check_storage_path(cfg.ray.storage_path, launcher)
     except StorageError as e:
         raise ConfigError(str(e)) from None
+    # the run directory is this run's until it ends: a second run with the same storage and name stops
+    # here (runlock.py); under torchrun rank 0 holds it for the rendezvous
+    owner = launch_id(launcher) if launcher == "torchrun" else None
+    lock = run_lock(run_loc(cfg), break_lock=args.break_lock, owner=owner) if is_rank0 else contextlib.nullcontext()
+    with exit_on_sigterm(), lock:
+        return _run_locked(stage, args, cfg, launcher, is_rank0)
+
+
+@contextlib.contextmanager
+def exit_on_sigterm():
+    """SIGTERM (a scheduler stopping the job, torchrun stopping the other ranks) exits through Python,
+    so that the run lock is released; a handler someone else installed (Ray's) is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher: str,
+                is_rank0: bool) -> dict[str, Any]:
     resume = args.resume
     if launcher == "torchrun" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         pass  # torchrun --max-restarts relaunched the ranks: they resume from the newest intact checkpoint
