@@ -23,6 +23,8 @@ Design choices:
   config.) Ray Train's own checkpoint bookkeeping (its snapshot in the run directory) is reset at
   every start: it may point at checkpoints that were pruned, deleted or never completed, and the
   checkpoints' manifests are the record of what can be resumed.
+* An input error raised inside a worker (a config value, a teacher that does not fit, a full disk) is not
+  retried (failures.py: Ray's failure policy retries every worker error otherwise).
 * Worker failures restart the worker group from the newest intact checkpoint in storage (the newest
   one this launch wrote whose manifest and checksums verify; never Ray's own record, which lags behind),
   `ray.max_failures` times; the same limit bounds Ray's retries of starting the worker group (under torchrun,
@@ -279,8 +281,13 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
                                      resources_per_worker=worker_resources(cfg)),
         run_config=run_config(cfg, run),
     )
+    from pipeline.train.failures import final_input_errors
+
     try:
-        result = trainer.fit()
+        # an input error inside a worker (a bad value, a full disk) fails the run at once: Ray's retries
+        # (ray.max_failures) are for faults
+        with final_input_errors():
+            result = trainer.fit()
     except Exception as e:
         raise TrainingError(e) from e
     finally:
