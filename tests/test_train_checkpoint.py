@@ -386,6 +386,36 @@ def test_resumed_run_repairs_and_continues_the_metrics(tmp_path, capsys):
     assert read_metrics(tmp_path)[4]["loss"] == 14.0
 
 
+def test_a_torn_record_of_the_resumed_step_comes_back_from_the_checkpoint(tmp_path):
+    """Issue 21: the torn last line was step 4's, the run resumed from its step-4 checkpoint and the file
+    ended 1, 2, 3, 5, 6. The checkpoint holds its steps' records; every finished step is there once."""
+    from pipeline.train.loop import checkpoint_records
+
+    w = MetricsWriter(tmp_path, total_steps=6, tensorboard=False, stream=open(os.devnull, "w"))
+    records = [{**REC, "step": s, "loss": float(s)} for s in (1, 2, 3, 4)]
+    for r in records[:3]:
+        w.write(r)
+    with open(tmp_path / METRICS_FILE, "a") as f:
+        f.write(json.dumps(records[3])[:25])  # killed while appending step 4's line
+    # the trainer state of the step-4 checkpoint (every_steps=2: it holds steps 3 and 4)
+    state = {"metrics": records[3], "metrics_since_previous": records[2:4]}
+    w2 = MetricsWriter(tmp_path, total_steps=6, tensorboard=False, stream=open(os.devnull, "w"))
+    warnings = w2.restart_at(4, restore=checkpoint_records(state))
+    assert any("restored the record(s) of step(s) 4 from the checkpoint" in x for x in warnings), warnings
+    for step in (5, 6):
+        w2.write({**REC, "step": step, "loss": float(step)})
+    lines = (tmp_path / METRICS_FILE).read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
+    assert read_metrics(tmp_path)[4] == records[3]
+    # a relaunch on a node whose copy of the file stops before the checkpoint: its steps come back too
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    w3 = MetricsWriter(tmp_path, total_steps=6, tensorboard=False, stream=open(os.devnull, "w"))
+    w3.restart_at(4, restore=checkpoint_records(state))
+    assert list(read_metrics(tmp_path)) == [1, 2, 3, 4]
+    # a checkpoint written before the records travelled holds its own step's record only
+    assert checkpoint_records({"metrics": records[3]}) == [records[3]]
+
+
 def test_ray_worker_writes_each_step_before_reporting(tmp_path, monkeypatch):
     """Under Ray, rank 0 appends the record before `ray.train.report`: a driver interrupted while the
     report is in flight (Ctrl-C) loses no trained step."""

@@ -20,7 +20,9 @@ Design choices:
   the manifests; then the `--resume` choice) are checked by every rank (sizes; checksums shared out,
   or of each rank's own download for remote storage) and the newest intact one wins; every skipped
   one is printed with its reason. Then the metrics file is cut back to the resumed step.
-* Rank 0 writes each step's metrics record itself, before reporting it.
+* Rank 0 writes each step's metrics record itself, before reporting it; a checkpoint also holds the
+  records of its steps since the previous one, and a resume puts back any of them the file lost (a
+  torn last line, a stale local copy), so each finished step is in metrics.jsonl exactly once.
 * Loss normalisation: every step's loss is a mean over all loss tokens of the global batch. Each
   micro-batch contributes `sum / n_global * W` (DeepSpeed averages gradients over W ranks and we skip
   its 1/G scaling), so packed rows with different numbers of loss tokens weigh by their tokens.
@@ -376,10 +378,12 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     zero_partition_report(task.engine, ctx)
 
     start = 0
+    saved_records: list[dict[str, Any]] = []
     resume = session.resume_checkpoint()
     if resume is not None:
         ckpt, local = resume
-        ckpt_lib.check_compatible(local, cfg, world, rows.fingerprint)
+        state = ckpt_lib.check_compatible(local, cfg, world, rows.fingerprint)
+        saved_records = checkpoint_records(state)
         rank_state = ckpt_lib.load_checkpoint(task.engine, local, rank)
         rows.seek(rank_state["data"]["position"])
         start = int(rank_state["step"])
@@ -387,9 +391,12 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
             print(f"[train] resumed from {ckpt} at step {start}", flush=True)
     if session.writer is not None:
         # the metrics file continues from the resumed step: later records (and a torn last line) go
+        # (the records the checkpoint holds come back when the file lost them: a torn last line, a
+        # relaunch on a node whose local copy is older than the checkpoint)
         remote = None if session.run.is_local else session.run / METRICS_FILE
-        session.writer.restart_at(start, remote)
+        session.writer.restart_at(start, remote, restore=saved_records)
 
+    since_checkpoint: list[dict[str, Any]] = []
     for step in range(start + 1, last + 1):
         ctx.step = step
         t0 = time.perf_counter()
@@ -397,13 +404,18 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         result = stage.train_step(task, batch, ctx)
         record = reduce_record(ctx, result, batch, rows, time.perf_counter() - t0, total)
         record["resumed_from"] = start
+        since_checkpoint.append(record)
         save = step % cfg.checkpoint.every_steps == 0 or step == last
         ckpt_dir = None
         if save:
             ckpt_dir = session.scratch_dir(step)
+            # the checkpoint holds the records of its steps since the previous one: a resume rebuilds
+            # any of them metrics.jsonl lost, so every finished step is in the file exactly once
             ckpt_lib.save_checkpoint(task.engine, ckpt_dir, rank, world, step, cfg,
-                                     {"data": rows.state()}, {"metrics": record, "total_steps": total,
+                                     {"data": rows.state()}, {"metrics": record, "metrics_since_previous":
+                                      since_checkpoint, "total_steps": total,
                                       "data_fingerprint": rows.fingerprint})
+            since_checkpoint = []
         session.report(record, step, ckpt_dir)
         if save:
             ctx.hook("after_checkpoint")
@@ -411,6 +423,15 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     if cfg.checkpoint.consolidate:
         consolidate(task, ctx, session.run, cfg.model.student)
     session.close()
+
+
+def checkpoint_records(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The metrics records a checkpoint's trainer state holds (its steps since the previous checkpoint;
+    older checkpoints hold only their own step's record)."""
+    records = state.get("metrics_since_previous") or []
+    if not records and isinstance(state.get("metrics"), dict):
+        records = [state["metrics"]]
+    return [r for r in records if isinstance(r, dict) and "step" in r]
 
 
 def consolidate(task, ctx: WorkerContext, run: Loc, source: str | None) -> None:
