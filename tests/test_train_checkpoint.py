@@ -275,8 +275,10 @@ def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk
         assert (partial / "trainer_state.json").is_file() and (partial / "ranks/rank_0.json").is_file()
     else:
         torchrun_checkpoint(run, 3, write=write)
-        with pytest.raises(ckpt_lib.CheckpointError, match=r"writing checkpoint .*\.tmp-step_00000006 failed: "
-                                                            r"the disk is full \(ENOSPC\)"):
+        with pytest.raises(ckpt_lib.CheckpointError, match=r"writing checkpoint step_00000006 \(.*\.tmp-step_00000006, "
+                                                            r"rank \d's files\) failed at zero/state/zero_pp_rank_\d_"
+                                                            r"mp_rank_00_\w+_states\.pt: the disk is full \(ENOSPC\); "
+                                                            r"[\d.]+ GiB free of [\d.]+ GiB on "):
             torchrun_checkpoint(run, 6, write=write)
         partial = run / ".tmp-step_00000006"
     assert partial.is_dir() and any(f.stat().st_size for f in partial.rglob("*.pt"))
@@ -286,6 +288,53 @@ def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk
     if where == "upload":
         assert lines == ["[resume] skipping step_00000006: no manifest.json: its write never finished (or it "
                          "was not written by this project's training)"]
+
+
+def test_a_full_storage_during_rays_upload_names_checkpoint_file_and_free_space(tmp_path, small_disk, monkeypatch):
+    """Issue 21: Ray's copy of a checkpoint into a full storage ended as `worker 0: No space left on
+    device`; the error names the checkpoint, the file that did not arrive whole and the space left."""
+    import ray.train
+    import torch.distributed as dist
+
+    from pipeline.train.loop import RaySession
+    from pipeline.train.worker import WorkerContext
+
+    disk, real = small_disk
+    budget = None
+    if real:
+        free = shutil.disk_usage(disk).free
+        (disk / "filler").write_bytes(b"\0" * max(0, free - 100 * 1024))
+    else:
+        budget = Budget(100 * 1024)
+
+    def report(record, checkpoint=None, checkpoint_dir_name=None):
+        # what Ray Train does with a reported checkpoint: copy the worker's directory into storage
+        src, dst = Path(checkpoint.path), disk / "run" / checkpoint_dir_name
+        for f in sorted(p for p in src.rglob("*") if p.is_file()):
+            out = dst / f.relative_to(src)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if budget is None:
+                shutil.copyfile(f, out)
+            else:
+                budget.put(out, f.read_bytes())
+
+    monkeypatch.setattr(ray.train, "report", report)
+    cfg = load_stage_config(2, None, [f"ray.storage_path={disk}", "ray.name=run", "metrics.tensorboard=false"])
+    ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
+                        run_dir=tmp_path / "mirror", grad_accum=1)
+    session = RaySession(ctx, {"launcher": "ray", "launch_id": "l"}, total_steps=6)
+    scratch = tmp_path / "scratch"
+    ckpt_lib.save_checkpoint(FakeEngine(0, 6), scratch, 0, 1, 6, Stage2Config(), {"data": {"position": 0}}, {})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ckpt_lib.CheckpointError, match=(
+                rf"writing checkpoint step_00000006 \({disk / 'run' / 'step_00000006'}, rank 0's files\) failed at "
+                r"zero/state/zero_pp_rank_0_mp_rank_00_\w+_states\.pt \([\d,]+ of [\d,]+ bytes in storage\): the disk "
+                r"is full \(ENOSPC\); [\d.]+ GiB free of [\d.]+ GiB on ")):
+            session.report({**REC, "step": 6}, 6, scratch)
+    finally:
+        dist.destroy_process_group()
+    assert not ckpt_lib.is_complete(disk / "run" / "step_00000006")
 
 
 # ------------------------------------------------------------------------------------ never unpickle

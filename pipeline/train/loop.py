@@ -219,14 +219,32 @@ class RaySession(Session):
             # merge the new files into it
             target.rmtree()
         dist.barrier()
-        ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),
-                         checkpoint_dir_name=target.name)
+        self.upload(record, ckpt_dir, target, step)
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         # every worker has uploaded its files: rank 0 checks them and writes the manifest
         dist.barrier()
         if self.ctx.rank == 0:
-            ckpt_lib.finalize_checkpoint(target, step, self.ctx.world_size, self.launch_id)
+            try:
+                ckpt_lib.finalize_checkpoint(target, step, self.ctx.world_size, self.launch_id)
+            except OSError as e:
+                if not ckpt_lib.is_disk_full(e):
+                    raise
+                raise ckpt_lib.upload_error(target, None, e, step, 0, file=ckpt_lib.MANIFEST) from e
             self.after_checkpoint()
+
+
+    def upload(self, record: dict[str, Any], ckpt_dir: Path, target: Loc, step: int) -> None:
+        """Ray Train copies this rank's scratch directory into `target`; a full storage is reported with
+        the checkpoint, the file and the space left (Ray's own error says only "No space left on device")."""
+        import ray.train
+
+        try:
+            ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),
+                             checkpoint_dir_name=target.name)
+        except Exception as e:
+            if not ckpt_lib.is_disk_full(e):
+                raise
+            raise ckpt_lib.upload_error(target, ckpt_dir, e, step, self.ctx.rank) from e
 
 
 class TorchrunSession(Session):
