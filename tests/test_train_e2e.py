@@ -224,6 +224,7 @@ def test_an_input_error_inside_a_worker_is_not_retried(tiny, capfd, monkeypatch)
     cfg = tiny_config(models, root / "runs", "ray-input-error", ray={"launcher": "ray", "max_failures": 2},
                       teacher={"model": {"path": str(teacher)}})
     monkeypatch.setattr(driver, "check_stage_inputs", lambda cfg: None)
+    monkeypatch.setenv("RAY_DEDUP_LOGS", "0")  # every worker's failure printed, to count the attempts
     capfd.readouterr()
     with ray_running(None, 2):
         with pytest.raises(TrainingError, match="ConfigError: teacher vocabulary 128 != student vocabulary 96"):
@@ -231,8 +232,9 @@ def test_an_input_error_inside_a_worker_is_not_retried(tiny, capfd, monkeypatch)
     out = capfd.readouterr()
     text = out.out + out.err
     assert "not retrying: the input is wrong" in text, text[-3000:]
-    # one attempt: each of the 2 workers failed once (Ray logs every failed training function)
-    assert text.count("Error in training function") <= 2, text.count("Error in training function")
+    # one attempt: each of the 2 workers failed once at most (Ray logs every failed training function);
+    # with Ray's own policy 3 attempts (max_failures=2) print it 3 times or more
+    assert 1 <= text.count("Error in training function") <= 2, text.count("Error in training function")
 
 
 def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, reference, capfd):
