@@ -83,15 +83,16 @@ def _save_all_ranks(dirs: list[Path], step: int, cfg, write=None) -> None:
                                  {"data": {"position": step * 2 + r}}, {"data_fingerprint": "fp1"})
 
 
-def torchrun_checkpoint(run: Path, step: int, cfg=None, write=None) -> Path:
-    """What the torchrun launcher does: all ranks into `.tmp-step_N`, rank lists, manifest, rename."""
+def torchrun_checkpoint(run: Path, step: int, cfg=None, write=None, launch_id: str | None = None) -> Path:
+    """What the torchrun launcher does: all ranks into `.tmp-step_N`, rank lists, manifest, rename
+    (`launch_id`: the driver invocation that wrote it, recorded in the manifest)."""
     cfg = cfg or Stage2Config()
     tmp = run / f".tmp-{ckpt_lib.step_dir_name(step)}"
     _save_all_ranks([tmp] * WORLD, step, cfg, write)
     for r in range(WORLD):
         ckpt_lib.write_rank_files(tmp, r, WORLD, shared=True)
     final = run / ckpt_lib.step_dir_name(step)
-    ckpt_lib.finalize_local(tmp, final, step, WORLD)
+    ckpt_lib.finalize_local(tmp, final, step, WORLD, launch_id=launch_id)
     return final
 
 
@@ -274,8 +275,10 @@ def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk
         assert (partial / "trainer_state.json").is_file() and (partial / "ranks/rank_0.json").is_file()
     else:
         torchrun_checkpoint(run, 3, write=write)
-        with pytest.raises(ckpt_lib.CheckpointError, match=r"writing checkpoint .*\.tmp-step_00000006 failed: "
-                                                            r"the disk is full \(ENOSPC\)"):
+        with pytest.raises(ckpt_lib.CheckpointError, match=r"writing checkpoint step_00000006 \(.*\.tmp-step_00000006, "
+                                                            r"rank \d's files\) failed at zero/state/zero_pp_rank_\d_"
+                                                            r"mp_rank_00_\w+_states\.pt: the disk is full \(ENOSPC\); "
+                                                            r"[\d.]+ GiB free of [\d.]+ GiB on "):
             torchrun_checkpoint(run, 6, write=write)
         partial = run / ".tmp-step_00000006"
     assert partial.is_dir() and any(f.stat().st_size for f in partial.rglob("*.pt"))
@@ -285,6 +288,53 @@ def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk
     if where == "upload":
         assert lines == ["[resume] skipping step_00000006: no manifest.json: its write never finished (or it "
                          "was not written by this project's training)"]
+
+
+def test_a_full_storage_during_rays_upload_names_checkpoint_file_and_free_space(tmp_path, small_disk, monkeypatch):
+    """Issue 21: Ray's copy of a checkpoint into a full storage ended as `worker 0: No space left on
+    device`; the error names the checkpoint, the file that did not arrive whole and the space left."""
+    import ray.train
+    import torch.distributed as dist
+
+    from pipeline.train.loop import RaySession
+    from pipeline.train.worker import WorkerContext
+
+    disk, real = small_disk
+    budget = None
+    if real:
+        free = shutil.disk_usage(disk).free
+        (disk / "filler").write_bytes(b"\0" * max(0, free - 100 * 1024))
+    else:
+        budget = Budget(100 * 1024)
+
+    def report(record, checkpoint=None, checkpoint_dir_name=None):
+        # what Ray Train does with a reported checkpoint: copy the worker's directory into storage
+        src, dst = Path(checkpoint.path), disk / "run" / checkpoint_dir_name
+        for f in sorted(p for p in src.rglob("*") if p.is_file()):
+            out = dst / f.relative_to(src)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if budget is None:
+                shutil.copyfile(f, out)
+            else:
+                budget.put(out, f.read_bytes())
+
+    monkeypatch.setattr(ray.train, "report", report)
+    cfg = load_stage_config(2, None, [f"ray.storage_path={disk}", "ray.name=run", "metrics.tensorboard=false"])
+    ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
+                        run_dir=tmp_path / "mirror", grad_accum=1)
+    session = RaySession(ctx, {"launcher": "ray", "launch_id": "l"}, total_steps=6)
+    scratch = tmp_path / "scratch"
+    ckpt_lib.save_checkpoint(FakeEngine(0, 6), scratch, 0, 1, 6, Stage2Config(), {"data": {"position": 0}}, {})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ckpt_lib.CheckpointError, match=(
+                rf"writing checkpoint step_00000006 \({disk / 'run' / 'step_00000006'}, rank 0's files\) failed at "
+                r"zero/state/zero_pp_rank_0_mp_rank_00_\w+_states\.pt \([\d,]+ of [\d,]+ bytes in storage\): the disk "
+                r"is full \(ENOSPC\); [\d.]+ GiB free of [\d.]+ GiB on ")):
+            session.report({**REC, "step": 6}, 6, scratch)
+    finally:
+        dist.destroy_process_group()
+    assert not ckpt_lib.is_complete(disk / "run" / "step_00000006")
 
 
 # ------------------------------------------------------------------------------------ never unpickle
@@ -385,6 +435,36 @@ def test_resumed_run_repairs_and_continues_the_metrics(tmp_path, capsys):
     assert read_metrics(tmp_path)[4]["loss"] == 14.0
 
 
+def test_a_torn_record_of_the_resumed_step_comes_back_from_the_checkpoint(tmp_path):
+    """Issue 21: the torn last line was step 4's, the run resumed from its step-4 checkpoint and the file
+    ended 1, 2, 3, 5, 6. The checkpoint holds its steps' records; every finished step is there once."""
+    from pipeline.train.loop import checkpoint_records
+
+    w = MetricsWriter(tmp_path, total_steps=6, tensorboard=False, stream=open(os.devnull, "w"))
+    records = [{**REC, "step": s, "loss": float(s)} for s in (1, 2, 3, 4)]
+    for r in records[:3]:
+        w.write(r)
+    with open(tmp_path / METRICS_FILE, "a") as f:
+        f.write(json.dumps(records[3])[:25])  # killed while appending step 4's line
+    # the trainer state of the step-4 checkpoint (every_steps=2: it holds steps 3 and 4)
+    state = {"metrics": records[3], "metrics_since_previous": records[2:4]}
+    w2 = MetricsWriter(tmp_path, total_steps=6, tensorboard=False, stream=open(os.devnull, "w"))
+    warnings = w2.restart_at(4, restore=checkpoint_records(state))
+    assert any("restored the record(s) of step(s) 4 from the checkpoint" in x for x in warnings), warnings
+    for step in (5, 6):
+        w2.write({**REC, "step": step, "loss": float(step)})
+    lines = (tmp_path / METRICS_FILE).read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
+    assert read_metrics(tmp_path)[4] == records[3]
+    # a relaunch on a node whose copy of the file stops before the checkpoint: its steps come back too
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    w3 = MetricsWriter(tmp_path, total_steps=6, tensorboard=False, stream=open(os.devnull, "w"))
+    w3.restart_at(4, restore=checkpoint_records(state))
+    assert list(read_metrics(tmp_path)) == [1, 2, 3, 4]
+    # a checkpoint written before the records travelled holds its own step's record only
+    assert checkpoint_records({"metrics": records[3]}) == [records[3]]
+
+
 def test_ray_worker_writes_each_step_before_reporting(tmp_path, monkeypatch):
     """Under Ray, rank 0 appends the record before `ray.train.report`: a driver interrupted while the
     report is in flight (Ctrl-C) loses no trained step."""
@@ -408,6 +488,50 @@ def test_ray_worker_writes_each_step_before_reporting(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ Ray bookkeeping
+def _ray_session(tmp_path, monkeypatch, registered: str | None, **loop):
+    """A rank-0 RaySession of run `tmp_path/run` whose `ray.train.get_checkpoint()` says `registered`."""
+    import ray.train
+
+    from pipeline.train.loop import RaySession
+    from pipeline.train.worker import WorkerContext
+
+    cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=run", "metrics.tensorboard=false"])
+    ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
+                        run_dir=tmp_path / "run", grad_accum=1)
+    ckpt = None if registered is None else ray.train.Checkpoint(str(tmp_path / "run" / registered))
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: ckpt)
+    return RaySession(ctx, {"launcher": "ray", "launch_id": "this-launch", **loop}, total_steps=12)
+
+
+@pytest.mark.parametrize("registered", [None, "step_00000003"], ids=["ray-registered-none", "ray-registered-older"])
+def test_worker_restart_resumes_from_the_newest_intact_checkpoint_in_storage(tmp_path, monkeypatch, registered):
+    """A worker killed right after step 6's manifest (Ray has registered nothing yet, or only step 3):
+    the relaunched group starts from step 6, what storage holds, not from Ray's record."""
+    run = tmp_path / "run"
+    torchrun_checkpoint(run, 3, launch_id="this-launch")
+    torchrun_checkpoint(run, 6, launch_id="this-launch")
+    session = _ray_session(tmp_path, monkeypatch, registered)
+    assert [c.name for c, _ in session.candidates()][:2] == ["step_00000006", "step_00000003"]
+    # a damaged newest one is skipped (walk back), whatever Ray registered
+    _truncate(run / "step_00000006" / "zero/state/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert [(c.name, may_skip) for c, may_skip in session.candidates()][0] == ("step_00000006", True)
+
+
+def test_restart_after_resume_from_an_older_checkpoint_ignores_newer_ones_of_earlier_launches(tmp_path, monkeypatch):
+    """`--resume step_3` of a run that holds an intact step 9 from an earlier launch, then a worker dies
+    after this launch wrote step 6: the relaunch takes step 6 (this launch's newest), never the stale 9."""
+    run = tmp_path / "run"
+    torchrun_checkpoint(run, 3, launch_id="earlier")
+    torchrun_checkpoint(run, 9, launch_id="earlier")
+    session = _ray_session(tmp_path, monkeypatch, None, resume_from=str(run / "step_00000003"))
+    assert [(c.name, s) for c, s in session.candidates()] == [("step_00000003", False)]
+    torchrun_checkpoint(run, 6, launch_id="this-launch")
+    assert [(c.name, s) for c, s in session.candidates()] == [("step_00000006", True), ("step_00000003", False)]
+    # --resume (latest) walks every checkpoint of the run, newest first, this launch's first
+    latest = _ray_session(tmp_path, monkeypatch, None, resume_latest=True)
+    assert [c.name for c, _ in latest.candidates()] == ["step_00000006", "step_00000009", "step_00000003"]
+
+
 def test_ray_snapshot_pointing_at_a_deleted_checkpoint_is_reset(tmp_path, capsys):
     from pipeline.train.driver import RAY_SNAPSHOT, reset_ray_snapshot
 

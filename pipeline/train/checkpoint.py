@@ -23,7 +23,10 @@ Design choices:
   `.tmp-step_N` and each hashes every W-th file; rank 0 merges the lists, checks sizes in storage and
   writes the manifest (torchrun: then renames the directory into place).
 * Resume (`resume_candidates` + the loop's collective check) walks back from the newest checkpoint
-  to the newest intact one and prints every one it skipped and why (the file and the reason).
+  to the newest intact one and prints every one it skipped and why (the file and the reason). The
+  manifest names the launch (driver invocation) that wrote it: a worker group relaunched after a
+  failure resumes from that launch's newest intact checkpoint in storage (`launch_checkpoints`), not
+  from what Ray Train registered, which lags behind the manifests.
 * Nothing is unpickled unchecked: DeepSpeed's shard files are torch pickles, loaded only after the
   manifest check, and then with `torch.load(weights_only=True)` and an allow-list of the few DeepSpeed
   classes its checkpoints hold (`safe_deepspeed_load`); our own state is JSON + safetensors.
@@ -180,9 +183,10 @@ def write_rank_files(ckpt: Path, rank: int, world_size: int, shared: bool) -> di
     return record
 
 
-def finalize_checkpoint(ckpt: Path | Loc, step: int, world_size: int) -> dict[str, Any]:
+def finalize_checkpoint(ckpt: Path | Loc, step: int, world_size: int, launch_id: str | None = None) -> dict[str, Any]:
     """Rank 0, once every rank's files are in `ckpt` (local or in storage): check them against the
-    ranks' lists and write `manifest.json`, the completion marker, last."""
+    ranks' lists and write `manifest.json`, the completion marker, last. `launch_id` names the driver
+    invocation that wrote it (`launch_checkpoints`)."""
     loc = Loc.of(ckpt)
     present = loc.files()
     files: dict[str, dict[str, Any]] = {}
@@ -200,6 +204,8 @@ def finalize_checkpoint(ckpt: Path | Loc, step: int, world_size: int) -> dict[st
     if problem:
         raise CheckpointError(f"{loc}: {problem}")
     manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "files": files}
+    if launch_id is not None:
+        manifest["launch_id"] = launch_id
     (loc / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
 
@@ -292,6 +298,22 @@ def resume_candidates(run_dir: Path | Loc, start: Path | Loc | None = None, walk
     return [start] + [p for s, p in reversed(dirs) if s < first and p != start]
 
 
+def launch_checkpoints(run_dir: Path | Loc, launch_id: str) -> list[Loc]:
+    """The checkpoints of a run that launch `launch_id` finished (its manifest names it), newest first.
+
+    What a worker group relaunched after a failure resumes from, whatever Ray Train registered: Ray
+    records a checkpoint only once its controller has processed the report (a worker killed just after
+    the manifest was written restarted from an older one, or from step 0). A checkpoint of an earlier
+    launch newer than the one this launch started from (`--resume step_N` of an older step) is not
+    this launch's, so it never wins."""
+    out = []
+    for _, p in reversed(step_dirs(run_dir)):
+        m, _ = _manifest_or_reason(p)
+        if m is not None and m.get("launch_id") == launch_id:
+            out.append(p)
+    return out
+
+
 def choose_intact(candidates: list[Loc], deep: bool = True, log: Callable[[str], None] = print) -> Loc | None:
     """The first intact checkpoint of `candidates` (newest first); logs each skipped one and why."""
     for c in candidates:
@@ -336,22 +358,88 @@ def save_checkpoint(engine, ckpt: Path, rank: int, world_size: int, step: int, c
             })
     except (OSError, RuntimeError) as e:
         # torch.save reports a failed write (ENOSPC included) as a RuntimeError without errno
-        raise write_error(ckpt, e) from e
+        raise write_error(ckpt, e, step=step, rank=rank) from e
 
 
-def write_error(ckpt: Path, e: BaseException) -> CheckpointError:
+def is_disk_full(e: BaseException | None) -> bool:
+    """Whether `e` (or an exception it wraps) is a full disk or quota (ENOSPC, EDQUOT)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def _usage(where: Path) -> tuple[Path, int, int] | None:
+    """(existing directory, free bytes, total bytes) of the filesystem holding `where`."""
     try:
-        free = shutil.disk_usage(next(p for p in (ckpt, *ckpt.parents) if p.exists())).free
+        d = next(p for p in (where, *where.parents) if p.exists())
+        u = shutil.disk_usage(d)
     except (OSError, StopIteration):
-        free = None
+        return None
+    return d, u.free, u.total
+
+
+def _failed_file(ckpt: Path, e: BaseException) -> str | None:
+    """The file a failed checkpoint write was writing: the error's own file name, else the newest file."""
+    name = getattr(e, "filename", None)
+    if not name:
+        try:
+            name = max((p for p in ckpt.rglob("*") if p.is_file()), key=lambda p: p.stat().st_mtime_ns)
+        except (OSError, ValueError):
+            return None
+    try:
+        return Path(name).relative_to(ckpt).as_posix()
+    except ValueError:
+        return str(name)
+
+
+def _space_note(where: Path) -> str:
+    u = _usage(where)
+    if u is None:
+        return ""
+    d, free, total = u
+    return f"; {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB on {d} now"
+
+
+def write_error(ckpt: Path, e: BaseException, step: int | None = None, rank: int | None = None) -> CheckpointError:
+    """A failed checkpoint write, saying which checkpoint, which file, why, and how much space is left."""
+    u = _usage(ckpt)
     # torch.save reports ENOSPC as a RuntimeError without errno: judge by the free space
-    full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (free is not None and free < 2**20)
+    full = is_disk_full(e) or (u is not None and u[1] < 2**20)
     why = "the disk is full (ENOSPC)" if full else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    if free is not None:
-        why += f"; {free / 2**30:.2f} GiB free there now"
-    return CheckpointError(f"writing checkpoint {ckpt} failed: {why}. A partial checkpoint is never resumed "
-                           f"from; free space (or lower checkpoint.keep), then --resume continues from the "
-                           f"newest intact checkpoint")
+    what = f"checkpoint {step_dir_name(step)} (" if step is not None else "checkpoint "
+    what += f"{ckpt}" + (f", rank {rank}'s files)" if step is not None and rank is not None else
+                         ")" if step is not None else "")
+    file = _failed_file(ckpt, e)
+    return CheckpointError(f"writing {what} failed{f' at {file}' if file else ''}: {why}{_space_note(ckpt)}. "
+                           f"A partial checkpoint is never resumed from; free space (or lower checkpoint.keep), "
+                           f"then --resume continues from the newest intact checkpoint")
+
+
+def upload_error(target: Loc, scratch: Path | None, e: BaseException, step: int, rank: int,
+                 file: str | None = None) -> CheckpointError:
+    """Ray Train's copy of a rank's scratch directory into `target` (`<run>/step_N`) failed (or, with
+    `file`, rank 0's write of that file there): name the first file that did not arrive whole, and
+    (local storage) how much space is left there."""
+    try:
+        present = target.files()
+    except OSError:
+        present = {}
+    for p in sorted(q for q in scratch.rglob("*") if q.is_file()) if scratch is not None and file is None else []:
+        rel = p.relative_to(scratch).as_posix()
+        if present.get(rel, -1) < p.stat().st_size:
+            file = f"{rel} ({present.get(rel, 0):,} of {p.stat().st_size:,} bytes in storage)"
+            break
+    why = "the disk is full (ENOSPC)" if is_disk_full(e) else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    space = _space_note(target.local()) if target.is_local else ""
+    return CheckpointError(f"writing checkpoint {target.name} ({target}, rank {rank}'s files) failed"
+                           f"{f' at {file}' if file else ''}: {why}{space}. A partial checkpoint is never resumed "
+                           f"from; free space (or lower checkpoint.keep), then --resume continues from the newest "
+                           f"intact checkpoint")
 
 
 def check_compatible(ckpt: Path | Loc, cfg: StageConfig, world_size: int,
@@ -438,9 +526,9 @@ def load_checkpoint(engine, ckpt: Path, rank: int) -> dict[str, Any]:
     return rank_state
 
 
-def finalize_local(tmp: Path, final: Path, step: int, world_size: int) -> None:
+def finalize_local(tmp: Path, final: Path, step: int, world_size: int, launch_id: str | None = None) -> None:
     """torchrun mode, rank 0 after a barrier: write the manifest of a finished `.tmp-step_N`, move it into place."""
-    finalize_checkpoint(tmp, step, world_size)
+    finalize_checkpoint(tmp, step, world_size, launch_id)
     files.replace_dir(tmp, final)
 
 

@@ -15,11 +15,14 @@ Design choices:
   under torchrun, ranks write `<run dir>/.tmp-step_N` and rank 0 renames it. Either way every rank
   lists size + sha256 of its files, and after a barrier rank 0 checks them and writes the manifest
   last (checkpoint.py). Both produce the same layout, so either resumes the other.
-* Resume is collective: the candidates (the `--resume` choice, or after a relaunch the newest
-  checkpoint Ray registered / the run's newest) are checked by every rank (sizes; checksums shared
-  out, or of each rank's own download for remote storage) and the newest intact one wins; every
-  skipped one is printed with its reason. Then the metrics file is cut back to the resumed step.
-* Rank 0 writes each step's metrics record itself, before reporting it.
+* Resume is collective: the candidates (the checkpoints this launch already wrote, newest first, so a
+  group relaunched after a failure scans storage instead of trusting Ray's record, which lags behind
+  the manifests; then the `--resume` choice) are checked by every rank (sizes; checksums shared out,
+  or of each rank's own download for remote storage) and the newest intact one wins; every skipped
+  one is printed with its reason. Then the metrics file is cut back to the resumed step.
+* Rank 0 writes each step's metrics record itself, before reporting it; a checkpoint also holds the
+  records of its steps since the previous one, and a resume puts back any of them the file lost (a
+  torn last line, a stale local copy), so each finished step is in metrics.jsonl exactly once.
 * Loss normalisation: every step's loss is a mean over all loss tokens of the global batch. Each
   micro-batch contributes `sum / n_global * W` (DeepSpeed averages gradients over W ranks and we skip
   its 1/G scaling), so packed rows with different numbers of loss tokens weigh by their tokens.
@@ -91,6 +94,8 @@ class Session:
         self.ctx = ctx
         self.resume_from: str | None = loop_config.get("resume_from")
         self.resume_latest = bool(loop_config.get("resume_latest"))
+        # the driver invocation (Ray: one fit(); torchrun: one rendezvous), recorded in every manifest
+        self.launch_id: str | None = loop_config.get("launch_id")
         self.run: Loc = loop_config.get("run") or run_location(ctx.cfg.ray.storage_path, ctx.cfg.ray.name)
         self._downloads: list[Path] = []
         self.writer: MetricsWriter | None = None
@@ -99,20 +104,19 @@ class Session:
             self.writer = MetricsWriter(ctx.run_dir, total_steps, m.log_every, m.tensorboard)
 
     # ---------------------------------------------------------------- resume
-    def restart_candidates(self) -> list[Loc] | None:
-        """Launcher-specific: where a relaunch after a failure resumes from (None: not a relaunch)."""
-        return None
+    def candidates(self) -> list[tuple[Loc, bool]]:
+        """(checkpoint, whether a broken one may be skipped), to try newest first.
 
-    def candidates(self) -> tuple[list[Loc], bool]:
-        """(checkpoints to try newest first, whether falling back to older ones is allowed)."""
-        restart = self.restart_candidates()
-        if restart is not None:
-            return restart, True
+        First the checkpoints this launch wrote (after a worker failure, Ray or torchrun relaunched the
+        group: the newest intact one in storage wins, whatever Ray registered), then the launch's own
+        starting point: `--resume` walks the whole run, `--resume PATH` is exactly that one."""
+        own = ckpt_lib.launch_checkpoints(self.run, self.launch_id) if self.launch_id else []
+        start: list[tuple[Loc, bool]] = []
         if self.resume_latest:
-            return ckpt_lib.resume_candidates(self.run), True
-        if self.resume_from:
-            return [Loc.of(self.resume_from)], False
-        return [], False
+            start = [(c, True) for c in ckpt_lib.resume_candidates(self.run)]
+        elif self.resume_from:
+            start = [(Loc.of(self.resume_from), False)]
+        return [(c, True) for c in own] + [(c, skip) for c, skip in start if c not in own]
 
     def check(self, ckpt: Loc) -> tuple[Path | None, str | None]:
         """Collective: (local directory to load from, None) when every rank finds `ckpt` intact, else
@@ -140,9 +144,9 @@ class Session:
 
     def resume_checkpoint(self) -> tuple[Loc, Path] | None:
         """Collective: the checkpoint to resume from and its local directory, walking back past broken ones."""
-        cands, walk = self.candidates()
+        cands = self.candidates()
         skipped = []
-        for c in cands:
+        for c, walk in cands:
             local, problem = self.check(c)
             if problem is None:
                 if skipped and self.ctx.rank == 0:
@@ -198,16 +202,6 @@ class Session:
 
 
 class RaySession(Session):
-    def restart_candidates(self) -> list[Loc] | None:
-        import ray.train
-
-        ray_ckpt = ray.train.get_checkpoint()
-        if ray_ckpt is None:
-            return None
-        # A relaunch after a worker failure: the newest checkpoint Ray registered, or older intact ones
-        # (the driver resets Ray's own bookkeeping at start, so this is always a checkpoint of this run).
-        return ckpt_lib.resume_candidates(self.run, self.run / Path(ray_ckpt.path).name)
-
     def scratch_dir(self, step: int) -> Path:
         return fresh_local_dir(f"hylo-ckpt-{step}-r{self.ctx.rank}-")
 
@@ -225,23 +219,35 @@ class RaySession(Session):
             # merge the new files into it
             target.rmtree()
         dist.barrier()
-        ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),
-                         checkpoint_dir_name=target.name)
+        self.upload(record, ckpt_dir, target, step)
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         # every worker has uploaded its files: rank 0 checks them and writes the manifest
         dist.barrier()
         if self.ctx.rank == 0:
-            ckpt_lib.finalize_checkpoint(target, step, self.ctx.world_size)
+            try:
+                ckpt_lib.finalize_checkpoint(target, step, self.ctx.world_size, self.launch_id)
+            except OSError as e:
+                if not ckpt_lib.is_disk_full(e):
+                    raise
+                raise ckpt_lib.upload_error(target, None, e, step, 0, file=ckpt_lib.MANIFEST) from e
             self.after_checkpoint()
 
 
-class TorchrunSession(Session):
-    def restart_candidates(self) -> list[Loc] | None:
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-            return None
-        # torchrun --max-restarts relaunched the ranks after a failure
-        return ckpt_lib.resume_candidates(self.run)
+    def upload(self, record: dict[str, Any], ckpt_dir: Path, target: Loc, step: int) -> None:
+        """Ray Train copies this rank's scratch directory into `target`; a full storage is reported with
+        the checkpoint, the file and the space left (Ray's own error says only "No space left on device")."""
+        import ray.train
 
+        try:
+            ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),
+                             checkpoint_dir_name=target.name)
+        except Exception as e:
+            if not ckpt_lib.is_disk_full(e):
+                raise
+            raise ckpt_lib.upload_error(target, ckpt_dir, e, step, self.ctx.rank) from e
+
+
+class TorchrunSession(Session):
     def scratch_dir(self, step: int) -> Path:
         tmp = self.run.local() / f".tmp-{ckpt_lib.step_dir_name(step)}"
         if self.ctx.rank == 0 and tmp.exists():
@@ -258,7 +264,7 @@ class TorchrunSession(Session):
         dist.barrier()
         if self.ctx.rank == 0:
             ckpt_lib.finalize_local(ckpt_dir, self.run.local() / ckpt_lib.step_dir_name(step), step,
-                                    self.ctx.world_size)
+                                    self.ctx.world_size, self.launch_id)
             self.after_checkpoint()
         dist.barrier()
 
@@ -390,10 +396,12 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     zero_partition_report(task.engine, ctx)
 
     start = 0
+    saved_records: list[dict[str, Any]] = []
     resume = session.resume_checkpoint()
     if resume is not None:
         ckpt, local = resume
-        ckpt_lib.check_compatible(local, cfg, world, rows.fingerprint)
+        state = ckpt_lib.check_compatible(local, cfg, world, rows.fingerprint)
+        saved_records = checkpoint_records(state)
         rank_state = ckpt_lib.load_checkpoint(task.engine, local, rank)
         rows.seek(rank_state["data"]["position"])
         start = int(rank_state["step"])
@@ -401,9 +409,12 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
             print(f"[train] resumed from {ckpt} at step {start}", flush=True)
     if session.writer is not None:
         # the metrics file continues from the resumed step: later records (and a torn last line) go
+        # (the records the checkpoint holds come back when the file lost them: a torn last line, a
+        # relaunch on a node whose local copy is older than the checkpoint)
         remote = None if session.run.is_local else session.run / METRICS_FILE
-        session.writer.restart_at(start, remote)
+        session.writer.restart_at(start, remote, restore=saved_records)
 
+    since_checkpoint: list[dict[str, Any]] = []
     for step in range(start + 1, last + 1):
         ctx.step = step
         t0 = time.perf_counter()
@@ -411,13 +422,18 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         result = stage.train_step(task, batch, ctx)
         record = reduce_record(ctx, result, batch, rows, time.perf_counter() - t0, total)
         record["resumed_from"] = start
+        since_checkpoint.append(record)
         save = step % cfg.checkpoint.every_steps == 0 or step == last
         ckpt_dir = None
         if save:
             ckpt_dir = session.scratch_dir(step)
+            # the checkpoint holds the records of its steps since the previous one: a resume rebuilds
+            # any of them metrics.jsonl lost, so every finished step is in the file exactly once
             ckpt_lib.save_checkpoint(task.engine, ckpt_dir, rank, world, step, cfg,
-                                     {"data": rows.state()}, {"metrics": record, "total_steps": total,
+                                     {"data": rows.state()}, {"metrics": record, "metrics_since_previous":
+                                      since_checkpoint, "total_steps": total,
                                       "data_fingerprint": rows.fingerprint})
+            since_checkpoint = []
         session.report(record, step, ckpt_dir)
         if save:
             ctx.hook("after_checkpoint")
@@ -425,6 +441,15 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     if cfg.checkpoint.consolidate:
         consolidate(task, ctx, session.run, cfg.model.student)
     session.close()
+
+
+def checkpoint_records(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The metrics records a checkpoint's trainer state holds (its steps since the previous checkpoint;
+    older checkpoints hold only their own step's record)."""
+    records = state.get("metrics_since_previous") or []
+    if not records and isinstance(state.get("metrics"), dict):
+        records = [state["metrics"]]
+    return [r for r in records if isinstance(r, dict) and "step" in r]
 
 
 def consolidate(task, ctx: WorkerContext, run: Loc, source: str | None) -> None:
