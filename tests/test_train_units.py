@@ -515,6 +515,23 @@ def test_ild_trainable_decides_which_parameters_get_gradients_and_change(tiny_pa
     assert changed == want
 
 
+def test_resume_of_a_run_checkpointed_under_ild_train_mlp(tmp_path):
+    """A stage-1 checkpoint written before ild.trainable: its config spells train_mlp, its hash covers that."""
+    from pipeline.config import config_hash
+    from pipeline.train.config import _breaking, _flatten
+
+    cfg = load_stage_config(1, None, ["ray.num_workers=2", "ild.trainable=mixers"])
+    _fake_checkpoint(tmp_path, cfg)
+    state = json.loads((tmp_path / ckpt_lib.STATE_FILE).read_text())
+    ild = state["config"]["ild"]
+    del ild["trainable"]
+    ild["train_mlp"] = False
+    state["breaking_hash"] = config_hash({k: v for k, v in _flatten(state["config"]).items() if _breaking(k)})
+    ckpt_lib.write_json_atomic(tmp_path / ckpt_lib.STATE_FILE, state)
+    ckpt_lib.check_compatible(tmp_path, cfg, 2, "fp1")  # same meaning: resumes
+    with pytest.raises(ConfigError, match="ild.trainable: 'mixers' -> 'all'"):
+        ckpt_lib.check_compatible(tmp_path, load_stage_config(1, None, ["ray.num_workers=2"]), 2, "fp1")
+
 def test_ild_train_mlp_still_loads_as_trainable_with_a_deprecation_warning(capsys, tmp_path):
     assert load_stage_config(1, None).ild.trainable == "all"  # Enhanced-ILD as published
     for old, new in (("true", "mixers+mlp"), ("false", "mixers")):
