@@ -366,6 +366,8 @@ def test_published_recipes_as_configured(path, base, n_mla, ratio):
     assert len(hcfg.mla_layers) == n_mla and hcfg.gdn_head_dim == 256 and hcfg.gdn_expand_v == 2.0
     assert kv_summary(_base(base), hcfg)["kv_cache_ratio"] == pytest.approx(ratio, abs=1e-3)
     assert (s1.data.seq_len, s1.optim.lr, s1.data.split) == (2048, 2e-4, "stage1")
+    # stage 1 trains every parameter of every decoder layer, as published (and better on the demo model)
+    assert s1.ild.trainable == "all"
     assert (s2.data.seq_len, s2.optim.lr, s2.train.global_batch_sequences) == (65536, 4e-5, 8)
     assert (s2.kd.kl_weight, s2.kd.ce_weight, s2.optim.warmup_ratio, s2.train.epochs) == (1.0, 0.0, 0.01, 1.0)
     # stage 2: 4 training workers beside 4 teacher replicas (the Serve pool) on one 8-GPU node
