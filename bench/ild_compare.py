@@ -15,8 +15,9 @@ Design choices:
   a seed the variants differ only in what stage 1 trains (paired comparison). `train.seed` is the seed too.
 * Every step is resumable (`<run-dir>/done/`): a re-run with more seeds reuses the finished ones, and a
   run with other budget flags must use another run directory (the budget is stored and checked).
-* Sized for a shared 2-core machine: 256-token rows and 8 steps per stage (the demo: 512 and 8), about
-  4-5 minutes per (seed, variant) pair there.
+* Sized for a 2-core machine: 256-token rows and 8 steps per stage (the demo: 512 and 8): ~5 minutes per
+  (seed, variant) pair when the machine is quiet (Ray Train's start and the evaluations are most of it),
+  ~12 minutes under a load average of ~20.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class ILDCompare(Demo):
                       lambda s=seed: self.convert_seed(s))
             converted[seed] = self.kl(f"seed{seed}_converted", r / f"seed{seed}" / "converted")
             rows += [self.one(seed, v) for v in self.variants]
-        md = table(rows, converted, self.variants, self.cfg, time.time() - self.t_start)
+        md = table(rows, converted, self.variants, self.cfg, sum(self.times.values()))
         (r / "ild_compare.md").write_text("\n".join(md) + "\n")
         atomic_write(r / "ild_compare.json", json.dumps({"rows": rows, "converted": converted,
                                                          "budget": json.loads((r / "budget.json").read_text())},
@@ -125,13 +126,14 @@ def mean_std(xs: list[float]) -> str:
 
 
 def table(rows: list[dict], converted: dict[int, float], variants: list[str], c: DemoConfig, wall: float) -> list[str]:
-    """Markdown: per variant, KL per seed and mean +- sample std after each stage; paired gaps to variants[0]."""
+    """Markdown: per variant, KL per seed and mean +- sample std after each stage; paired gaps to variants[0].
+    `wall`: the seconds of every step, those reused from an earlier invocation included."""
     seeds = sorted({x["seed"] for x in rows})
     kl = {(x["variant"], x["seed"]): x for x in rows}
     md = [f"KL(teacher || student) on {c.heldout_rows} held-out rows of {c.seq_len} tokens; stage 1 and stage 2 "
           f"{c.steps} steps each of 2 rows x {c.seq_len} tokens (lr 2e-4 / 1e-4, configs/demo-smollm2.yaml); "
           f"seeds {', '.join(map(str, seeds))}; after conversion "
-          + ", ".join(f"{converted[s]:.4f}" for s in seeds) + f"; {wall / 60:.0f} min wall", "",
+          + ", ".join(f"{converted[s]:.4f}" for s in seeds) + f"; {wall / 60:.0f} min of steps in all", "",
           "| ild.trainable | after stage 1, per seed | after stage 1 | after stage 2, per seed | after stage 2 |",
           "|---|---|---|---|---|"]
     for v in variants:
