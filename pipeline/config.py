@@ -262,9 +262,11 @@ def rules(**by_field: Rule) -> Callable[[type[T]], type[T]]:
     return deco
 
 
-def renamed(**old_to_new: str) -> Callable[[type[T]], type[T]]:
+def renamed(**old_to_new: str | tuple[str, dict[Any, Any]]) -> Callable[[type[T]], type[T]]:
     """Keep loading a config whose keys were renamed: `@renamed(ray_address="ray.address")` moves an old
-    top-level key's value to its new dotted key and warns on stderr; setting both is an error."""
+    top-level key's value to its new dotted key and warns on stderr; setting both is an error. A key whose
+    values changed too gives the new key and how each old value reads now:
+    `@renamed(train_mlp=("trainable", {False: "mixers", True: "mixers+mlp"}))`."""
 
     def deco(cls: type[T]) -> type[T]:
         cls.__renamed_keys__ = dict(old_to_new)  # type: ignore[attr-defined]
@@ -273,13 +275,32 @@ def renamed(**old_to_new: str) -> Callable[[type[T]], type[T]]:
     return deco
 
 
+def _old_value(values: dict[Any, Any], value: Any, key: str) -> Any:
+    """The new spelling of an old key's value (types compared too: 1 is not true)."""
+    for old, new in values.items():
+        if type(old) is type(value) and old == value:
+            return new
+    raise ConfigError(f"{key}: expected one of {', '.join(_scalar(v) for v in values)}, got {_scalar(value)}", key)
+
+
+def _scalar(value: Any) -> str:
+    """A value as YAML would spell it (true, 3, "x"), others as their short repr."""
+    return json.dumps(value) if isinstance(value, bool | int | float | str) else _short_repr(value)
+
+
 def _move_renamed(cls: type, data: dict[str, Any], prefix: str) -> dict[str, Any]:
     moves = {old: new for old, new in getattr(cls, "__renamed_keys__", {}).items() if old in data}
     if not moves:
         return data
     data = dict(data)
-    for old, new in moves.items():
+    for old, target in moves.items():
         value = data.pop(old)
+        new, values = target if isinstance(target, tuple) else (target, None)
+        note = ""
+        if values is not None:
+            shown = _scalar(value)
+            value = _old_value(values, value, prefix + old)
+            note = f" ({old}: {shown} is {new}: {_scalar(value)})"
         *sections, last = new.split(".")
         node = data
         for s in sections:
@@ -291,7 +312,7 @@ def _move_renamed(cls: type, data: dict[str, Any], prefix: str) -> dict[str, Any
             raise ConfigError(f"{prefix}{old} and {prefix}{new} are both set: {old} is the old name of {new}; "
                               f"keep {new}", prefix + old)
         node[last] = value
-        print(f"warning: config key {prefix}{old} is deprecated; use {prefix}{new}", file=sys.stderr, flush=True)
+        print(f"warning: config key {prefix}{old} is deprecated; use {prefix}{new}{note}", file=sys.stderr, flush=True)
     return data
 
 

@@ -305,16 +305,22 @@ def test_consolidated_checkpoint_equals_zero_to_fp32(reference):
     assert not torch.equal(initial.model.layers[0].mixer.o_proj.weight, model.model.layers[0].mixer.o_proj.weight)
 
 
-def test_stage1_bf16_keeps_master_weights_and_frozen_originals(tiny):
+# ild.trainable: what stage 1 trains (all: every parameter of every decoder layer; mixers: the new mixers)
+STAGE1_TRAINED = {"all": lambda n: n.startswith("model.layers."), "mixers": lambda n: ".mixer." in n}
+
+
+@pytest.mark.parametrize("trainable", ["mixers", "all"])
+def test_stage1_bf16_keeps_master_weights_and_frozen_originals(tiny, trainable):
     from hylo.modeling import HyLoForCausalLM
 
     root, models = tiny
-    cfg = write_config(tiny_config(models, root / "runs", "stage1", stage=1, train={"max_steps": 4},
-                                   optim={"lr": 3e-3, "warmup_ratio": 0.0}, model={"dtype": "bfloat16"}),
-                       root / "stage1.yaml")
+    cfg = write_config(tiny_config(models, root / "runs", f"stage1-{trainable}", stage=1, train={"max_steps": 4},
+                                   optim={"lr": 3e-3, "warmup_ratio": 0.0}, model={"dtype": "bfloat16"},
+                                   ild={"trainable": trainable}),
+                       root / f"stage1-{trainable}.yaml")
     proc = torchrun(1, cfg, "--set", "checkpoint.delete_after_consolidate=true")
     assert_ok(proc)
-    run = root / "runs" / "stage1"
+    run = root / "runs" / f"stage1-{trainable}"
     # the run checkpointed (every 3 steps and at the end), then removed its checkpoints after consolidating
     assert "removed 2 checkpoint(s)" in proc.stdout, proc.stdout[-2000:]
     assert not [p.name for p in run.iterdir() if "step_" in p.name]
@@ -325,13 +331,15 @@ def test_stage1_bf16_keeps_master_weights_and_frozen_originals(tiny):
     before = HyLoForCausalLM.from_pretrained(models["student"])
     after = HyLoForCausalLM.from_pretrained(run / "model")
     assert next(after.parameters()).dtype == torch.float32
-    for (name, p0), (_, p1) in zip(before.named_parameters(), after.named_parameters()):
-        if ".mixer." not in name:
+    is_trained = STAGE1_TRAINED[trainable]
+    pairs = list(zip(before.named_parameters(), after.named_parameters()))
+    for (name, p0), (_, p1) in pairs:
+        if not is_trained(name):
             # frozen: the starting checkpoint's exact fp32 values, not their bf16 working copies
-            assert torch.equal(p0, p1), f"{name} changed but stage 1 must train only the mixers"
-    trained = [(n, p0, p1) for (n, p0), (_, p1) in zip(before.named_parameters(), after.named_parameters())
-               if ".mixer." in n]
-    assert any(not torch.equal(p0, p1) for _, p0, p1 in trained), "no mixer parameter was trained"
+            assert torch.equal(p0, p1), f"{name} changed but ild.trainable={trainable} does not train it"
+    trained = [(n, p0, p1) for (n, p0), (_, p1) in pairs if is_trained(n)]
+    for part in (".mixer.",) + ((".mlp.", "layernorm.") if trainable == "all" else ()):
+        assert any(not torch.equal(p0, p1) for n, p0, p1 in trained if part in n), f"no {part} parameter was trained"
     # trained: the optimiser's fp32 masters, which bf16 cannot represent (bf16 working weights could)
     off_grid = sum(int((p1 != p1.bfloat16().float()).sum()) for _, _, p1 in trained)
     assert off_grid > 0.5 * sum(p1.numel() for _, _, p1 in trained), off_grid

@@ -236,8 +236,13 @@ def naive_ild_loss(student, base, rows, ild) -> torch.Tensor:
     return total / n_real
 
 
-@pytest.mark.parametrize("zero,extra", [(0, ()), (3, ("ild.squared=true", "ild.mixer_weight=0.5"))],
-                         ids=["zero0-l2", "zero3-l2squared"])
+# ild.trainable: all (the default) trains every parameter of every decoder layer, mixers only the new mixers
+TRAINED = {"all": lambda n: n.startswith("model.layers."), "mixers": lambda n: ".mixer." in n}
+
+
+@pytest.mark.parametrize("zero,extra", [(0, ("ild.trainable=all",)),
+                                        (3, ("ild.squared=true", "ild.mixer_weight=0.5", "ild.trainable=mixers"))],
+                         ids=["zero0-l2-all", "zero3-l2squared-mixers"])
 def test_stage1_step_is_autograd_of_the_naive_ild_over_the_global_real_tokens(gloo, models, tmp_path, zero, extra):
     from pipeline.train.stage1 import STAGE
 
@@ -250,6 +255,8 @@ def test_stage1_step_is_autograd_of_the_naive_ild_over_the_global_real_tokens(gl
 
     student = _fp64(models["student"])
     ref_loss = naive_ild_loss(student, _base64(models["base"]), rows, cfg.ild)
-    mixers = {n: p for n, p in student.named_parameters() if ".mixer." in n}
-    ref_grads = dict(zip(mixers, torch.autograd.grad(ref_loss, list(mixers.values()))))
+    trained = {n: p for n, p in student.named_parameters() if TRAINED[cfg.ild.trainable](n)}
+    if cfg.ild.trainable == "all":
+        assert any(".input_layernorm." in n for n in trained) and any(".mlp." in n for n in trained)
+    ref_grads = dict(zip(trained, torch.autograd.grad(ref_loss, list(trained.values()))))
     _check(record, grads, ref_loss, ref_grads, zero)

@@ -367,6 +367,8 @@ def test_published_recipes_as_configured(path, base, n_mla, ratio):
     assert len(hcfg.mla_layers) == n_mla and hcfg.gdn_head_dim == 256 and hcfg.gdn_expand_v == 2.0
     assert kv_summary(_base(base), hcfg)["kv_cache_ratio"] == pytest.approx(ratio, abs=1e-3)
     assert (s1.data.seq_len, s1.optim.lr, s1.data.split) == (2048, 2e-4, "stage1")
+    # stage 1 trains every parameter of every decoder layer, as published (and better on the demo model)
+    assert s1.ild.trainable == "all"
     assert (s2.data.seq_len, s2.optim.lr, s2.train.global_batch_sequences) == (65536, 4e-5, 8)
     assert (s2.kd.kl_weight, s2.kd.ce_weight, s2.optim.warmup_ratio, s2.train.epochs) == (1.0, 0.0, 0.01, 1.0)
     # stage 2: 4 training workers beside 4 teacher replicas (the Serve pool) on one 8-GPU node
@@ -463,3 +465,91 @@ def test_stale_build_lock_is_removed_fresh_one_kept(tmp_path, monkeypatch):
     stop.set()
     t.join()
     assert not stale.exists() and fresh.exists()
+
+
+# ------------------------------------------------------------------------------------ what stage 1 trains
+def _expected_trainable(name: str, trainable: str) -> bool:
+    """ild.trainable as documented: all = every parameter of every decoder layer (mixer, MLP, both norms)."""
+    if not name.startswith("model.layers."):
+        return False  # embeddings, final norm, LM head: never
+    return {"mixers": ".mixer." in name, "mixers+mlp": ".mixer." in name or ".mlp." in name,
+            "all": True}[trainable]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """A random 2-layer Llama and its HyLo conversion (MLA on layer 0, GDN on layer 1), in memory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hylo.upcycle import upcycle
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+    student = upcycle(base, mla_layers="even", kv_lora_rank=16, gdn_head_dim=8, gdn_num_heads=4)
+    return base, student.state_dict(), student
+
+
+@pytest.mark.parametrize("trainable", ["mixers", "mixers+mlp", "all"])
+def test_ild_trainable_decides_which_parameters_get_gradients_and_change(tiny_pair, trainable):
+    from pipeline.train.stage1 import BaseLayerTargets, ILDStudent, real_tokens, trainable_parameters
+
+    torch.manual_seed(0)
+    cfg = load_stage_config(1, None, [f"ild.trainable={trainable}", "model.activation_checkpointing=false"])
+    base, state, student = tiny_pair
+    student.load_state_dict(state)  # the module-scoped student, as converted (another case may have trained it)
+    student.zero_grad(set_to_none=True)
+    names = {id(p): n for n, p in student.named_parameters()}
+    params = trainable_parameters(student, cfg.ild.trainable)
+    want = {n for n, _ in student.named_parameters() if _expected_trainable(n, trainable)}
+    assert {names[id(p)] for p in params} == want
+    assert any(".input_layernorm." in n for n in want) == (trainable == "all")
+    assert any(".mlp." in n for n in want) == (trainable != "mixers")
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    row = SyntheticRows(_data(seq_len=48, rows=4), 0, 0, 1).next_row()
+    b = row_to_device(row, torch.device("cpu"))
+    x, y, a = BaseLayerTargets(base)(b)
+    d_out, d_mix = ILDStudent(student, cfg)(b, x, y, a, torch.as_tensor(real_tokens(row)))
+    (d_out + d_mix).backward()
+    got_grad = {n for n, p in student.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert got_grad == want
+    torch.optim.SGD(params, lr=1e-2).step()
+    changed = {n for n, p in student.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == want
+
+
+def test_resume_of_a_run_checkpointed_under_ild_train_mlp(tmp_path):
+    """A stage-1 checkpoint written before ild.trainable: its config spells train_mlp, its hash covers that."""
+    from pipeline.config import config_hash
+    from pipeline.train.config import _breaking, _flatten
+
+    cfg = load_stage_config(1, None, ["ray.num_workers=2", "ild.trainable=mixers"])
+    _fake_checkpoint(tmp_path, cfg)
+    state = json.loads((tmp_path / ckpt_lib.STATE_FILE).read_text())
+    ild = state["config"]["ild"]
+    del ild["trainable"]
+    ild["train_mlp"] = False
+    state["breaking_hash"] = config_hash({k: v for k, v in _flatten(state["config"]).items() if _breaking(k)})
+    ckpt_lib.write_json_atomic(tmp_path / ckpt_lib.STATE_FILE, state)
+    ckpt_lib.check_compatible(tmp_path, cfg, 2, "fp1")  # same meaning: resumes
+    with pytest.raises(ConfigError, match="ild.trainable: 'mixers' -> 'all'"):
+        ckpt_lib.check_compatible(tmp_path, load_stage_config(1, None, ["ray.num_workers=2"]), 2, "fp1")
+
+def test_ild_train_mlp_still_loads_as_trainable_with_a_deprecation_warning(capsys, tmp_path):
+    assert load_stage_config(1, None).ild.trainable == "all"  # Enhanced-ILD as published
+    for old, new in (("true", "mixers+mlp"), ("false", "mixers")):
+        assert load_stage_config(1, None, [f"ild.train_mlp={old}"]).ild.trainable == new
+        err = capsys.readouterr().err
+        assert f"config key ild.train_mlp is deprecated; use ild.trainable (train_mlp: {old} is " \
+               f'trainable: "{new}")' in err
+    # inside a stage section of a recipe file too
+    p = tmp_path / "r.yaml"
+    p.write_text("stage1:\n  ild: {squared: false, train_mlp: true}\n")
+    assert load_stage_config(1, p).ild.trainable == "mixers+mlp"
+    assert "ild.train_mlp is deprecated" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="ild.train_mlp and ild.trainable are both set"):
+        load_stage_config(1, None, ["ild.train_mlp=true", "ild.trainable=all"])
+    with pytest.raises(ConfigError, match="ild.train_mlp: expected one of false, true, got 1"):
+        load_stage_config(1, None, ["ild.train_mlp=1"])
+    with pytest.raises(ConfigError, match="ild.trainable.*must be one of mixers, mixers\\+mlp, all"):
+        load_stage_config(1, None, ["ild.trainable=everything"])

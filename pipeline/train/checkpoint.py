@@ -62,7 +62,7 @@ from safetensors.torch import load_file, save_file
 
 from hylo import files
 from pipeline.config import ConfigError
-from pipeline.train.config import StageConfig, breaking_diff, breaking_hash, config_to_dict
+from pipeline.train.config import StageConfig, breaking_diff, breaking_hash, config_from_dict, config_to_dict
 from pipeline.train.storage import Loc
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -442,6 +442,15 @@ def upload_error(target: Loc, scratch: Path | None, e: BaseException, step: int,
                            f"intact checkpoint")
 
 
+def _stored_config(state: dict[str, Any]) -> StageConfig | None:
+    """A checkpoint's config as this version reads it (renamed keys under their new names, e.g. ild.train_mlp
+    -> ild.trainable), so a resume compares meanings, not spellings; None when it no longer loads."""
+    try:
+        return config_from_dict({**state["config"], "stage": state["stage"]})
+    except (ConfigError, KeyError, TypeError):
+        return None
+
+
 def check_compatible(ckpt: Path | Loc, cfg: StageConfig, world_size: int,
                      data_fingerprint: str | None = None) -> dict[str, Any]:
     """Read rank 0's state and refuse a resume that would silently break the run."""
@@ -455,8 +464,9 @@ def check_compatible(ckpt: Path | Loc, cfg: StageConfig, world_size: int,
         raise ConfigError(
             f"cannot resume from {ckpt}: it was written by {state['world_size']} workers, this run has {world_size}; "
             f"ZeRO-3 partitions are per rank: set ray.num_workers={state['world_size']}")
-    if state["breaking_hash"] != breaking_hash(cfg):
-        diffs = breaking_diff(state["config"], config_to_dict(cfg))
+    stored = _stored_config(state)
+    if state["breaking_hash"] != breaking_hash(cfg) and (stored is None or breaking_hash(stored) != breaking_hash(cfg)):
+        diffs = breaking_diff(state["config"] if stored is None else config_to_dict(stored), config_to_dict(cfg))
         raise ConfigError(
             f"cannot resume from {ckpt}: the config changed in ways that break the run:\n  " + "\n  ".join(diffs)
             + "\nrestore these values, or start a new run (another ray.name)")

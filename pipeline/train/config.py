@@ -36,6 +36,7 @@ from pipeline.config import (
     from_dict,
     load_config,
     one_of,
+    renamed,
     rules,
     to_dict,
 )
@@ -196,8 +197,13 @@ class FaultSection:
     kill_when: str = "mid_step"
 
 
+# What stage 1 may train (ILDSection.trainable), in the order each adds to the one before.
+ILD_TRAINABLE = ("mixers", "mixers+mlp", "all")
+
+
 @dataclass
-@rules(output_weight=at_least(0), mixer_weight=at_least(0))
+@renamed(train_mlp=("trainable", {False: "mixers", True: "mixers+mlp"}))
+@rules(output_weight=at_least(0), mixer_weight=at_least(0), trainable=one_of(*ILD_TRAINABLE))
 class ILDSection:
     """Stage 1 loss: sum over layers of per-token L2 distances (layer output + mixer output)."""
 
@@ -205,8 +211,13 @@ class ILDSection:
     squared: bool = False
     output_weight: float = 1.0
     mixer_weight: float = 1.0
-    # Also train the MLPs (copied from the base); the new mixers are always trained.
-    train_mlp: bool = False
+    # What trains. all: every parameter of every decoder layer (the new mixer, the MLP and the layer's
+    # two RMSNorms), Enhanced-ILD as published; mixers+mlp: the mixers and the MLPs; mixers: the new
+    # mixers only (MLA / GDN / Mamba-2), the rest stays the base model's. Embeddings, final norm and
+    # LM head are outside the ILD loss (each layer is fed the base model's layer input and compared at
+    # its own output), so no setting trains them: they stay the base's until stage 2.
+    # (Old key `train_mlp`: false is `mixers`, true is `mixers+mlp`.)
+    trainable: str = "all"
 
     def __post_init__(self) -> None:
         if self.output_weight == 0 and self.mixer_weight == 0:

@@ -15,8 +15,10 @@ with d the per-token L2 distance `||u - v||_2` (`ild.squared: false`, the defaul
   layer gets comparable signal. `sqrt(. + eps)` keeps the gradient finite at zero distance.
 * Tokens: every token of every real document (the trailing padding segment, doc id "", is excluded);
   not only the loss-mask tokens, since user turns shape the layer inputs as much as replies do.
-* Trained: the new mixers (MLA / GDN); `ild.train_mlp` adds the MLPs. Embeddings, norms, LM head stay
-  frozen (they are the base model's).
+* Trained (`ild.trainable`): `all` (the default, Enhanced-ILD as published) = every parameter of every
+  decoder layer: mixer, MLP, input and post-attention RMSNorms; `mixers+mlp`; `mixers` = the new
+  mixers (MLA / GDN) only. Embeddings, final norm and LM head never reach the loss (layers are fed the
+  base's layer inputs and compared at their own outputs): they stay the base model's in stage 1.
 * The base model runs outside DeepSpeed (frozen, inference only); the loss runs inside
   `ILDStudent.forward` with per-layer activation checkpointing.
 * The means are over the real tokens of the GLOBAL batch (every rank's rows), weighted as in stage 2:
@@ -34,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.config import ConfigError
-from pipeline.train.config import Stage1Config
+from pipeline.train.config import ILD_TRAINABLE, Stage1Config
 from pipeline.train.deepspeed_cfg import current_lr, init_engine
 from pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
 
@@ -116,11 +118,17 @@ def real_tokens(row: dict[str, Any]) -> np.ndarray:
     return keep
 
 
-def trainable_parameters(student: nn.Module, train_mlp: bool) -> list[nn.Parameter]:
+def trainable_parameters(student: nn.Module, trainable: str) -> list[nn.Parameter]:
+    """Switch on the gradients of what `ild.trainable` names (see ILDSection) and return those parameters."""
+    if trainable not in ILD_TRAINABLE:
+        raise ConfigError(f"ild.trainable: {trainable!r} is not one of {', '.join(ILD_TRAINABLE)}", "ild.trainable")
     student.requires_grad_(False)
     for layer in student.model.layers:
+        if trainable == "all":
+            layer.requires_grad_(True)
+            continue
         layer.mixer.requires_grad_(True)
-        if train_mlp:
+        if trainable == "mixers+mlp":
             layer.mlp.requires_grad_(True)
     return [p for p in student.parameters() if p.requires_grad]
 
@@ -149,7 +157,7 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage1Task:
     if len(base.model.layers) != len(student.model.layers):
         raise ConfigError(f"model.base has {len(base.model.layers)} layers, model.student "
                           f"{len(student.model.layers)}: the student must be converted from this base")
-    params = trainable_parameters(student, cfg.ild.train_mlp)
+    params = trainable_parameters(student, cfg.ild.trainable)
     student.train()
     module = ILDStudent(student, cfg)
     engine = init_engine(module, params, cfg, ctx.world_size, ctx.dtype, lr_lambda)
