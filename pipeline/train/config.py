@@ -185,15 +185,19 @@ class MetricsSection:
 
 
 @dataclass
-@rules(kill_at_step=at_least(1), kill_rank=at_least(0), kill_when=one_of("mid_step", "after_checkpoint"))
+@rules(kill_at_step=at_least(1), kill_rank=at_least(0), kill_when=one_of("mid_step", "after_checkpoint"),
+       kill_target=one_of("worker", "node"))
 class FaultSection:
-    """Fault injection for the recovery tests: SIGKILL one worker once, at a chosen step."""
+    """Fault injection for the recovery tests: SIGKILL one worker (or its whole Ray node) once, at a chosen step."""
 
     kill_at_step: int | None = None
     kill_rank: int = 0
     # mid_step: after the forward of the step's first micro-batch; after_checkpoint: once step's
     # checkpoint has been reported.
     kill_when: str = "mid_step"
+    # worker: the worker process; node: the worker's Ray node (its raylet, object store and every
+    # process on it), as when a machine vanishes.
+    kill_target: str = "worker"
 
 
 @dataclass

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipeline.ray_init import kill_this_node
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train.config import FaultSection, StageConfig, config_from_dict, run_dir
 from pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
@@ -65,7 +66,8 @@ PARTITION_FILE = "zero_partition.json"
 
 # ------------------------------------------------------------------------------------ fault injection
 class FaultInjection:
-    """A hook (`ctx.hooks`) that SIGKILLs this worker once, at the step, point and rank `fault.*` name."""
+    """A hook (`ctx.hooks`) that SIGKILLs this worker (or its Ray node) once, at the step, point and rank
+    `fault.*` name."""
 
     def __init__(self, fault: FaultSection) -> None:
         self.fault = fault
@@ -79,6 +81,9 @@ class FaultInjection:
         if marker.exists():
             return
         marker.write_text("killed\n")
+        if f.kill_target == "node":
+            print(f"[fault] rank {ctx.rank}: SIGKILL of its node at step {ctx.step} ({point})", flush=True)
+            kill_this_node()
         print(f"[fault] rank {ctx.rank}: SIGKILL at step {ctx.step} ({point})", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
