@@ -125,7 +125,8 @@ class TrainSection:
 
 
 @dataclass
-@rules(every_steps=at_least(1), keep=at_least(1))
+@rules(every_steps=at_least(1), keep=at_least(1), upload_retries=at_least(0), upload_backoff_s=at_least(0),
+       preempt_grace_s=at_least(0))
 class CheckpointSection:
     every_steps: int = 100
     # Ray keeps this many checkpoints (oldest deleted first); None keeps all.
@@ -135,6 +136,16 @@ class CheckpointSection:
     # After a run that finished and consolidated, delete its ZeRO checkpoints (weights + Adam moments:
     # 12 bytes per parameter, 3x the fp32 model); for runs whose output is the consolidated model only.
     delete_after_consolidate: bool = False
+    # A checkpoint upload that fails (storage outage, network) is retried this many times, after
+    # upload_backoff_s, 2x, 4x ... seconds; then the run fails with one line naming the checkpoint, and
+    # `--resume` continues from the newest intact one once the storage is back. 0 = fail at once.
+    upload_retries: int = 3
+    upload_backoff_s: float = 5.0
+    # SIGTERM to the driver (a preemption): the workers finish their step and write a final checkpoint
+    # when the last checkpoint took less than this many seconds, else stop without one (the newest
+    # intact checkpoint is resumed from). Set it to the platform's notice period minus a margin
+    # (GCE spot 30 s, Kubernetes terminationGracePeriodSeconds, AWS spot 120 s).
+    preempt_grace_s: float = 25.0
 
 
 @dataclass

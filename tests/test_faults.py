@@ -1,0 +1,92 @@
+"""Faults without a cluster: a storage outage in the middle of a checkpoint upload (a local S3 server
+that stops itself when the upload reaches a chosen file), with the retries `checkpoint.upload_retries`
+/ `upload_backoff_s` configure. (pyarrow's S3 client retries each request for ~6 s by itself before
+an error reaches our retries, so the outage tests take 10-20 s and are marked slow.) The same upload function is Ray Train's `checkpoint_upload_fn` in the
+training loop; test_faults_cluster.py runs it inside a real run.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError
+from pipeline.train import checkpoint as ckpt_lib
+from pipeline.train.config import load_stage_config
+from pipeline.train.storage import CheckpointUploadError, Loc, upload_with_retries
+
+from fixtures_train import s3_server
+
+
+def scratch(tmp: Path, step: int, files: int = 6) -> Path:
+    """One rank's scratch directory of a checkpoint, with its list of files (as a Ray worker writes it)."""
+    d = tmp / f"scratch-{step}"
+    for i in range(files):
+        (d / "zero" / "state").mkdir(parents=True, exist_ok=True)
+        (d / "zero" / "state" / f"part_{i}.pt").write_bytes(bytes([step, i]) * (1000 + 37 * i))
+    ckpt_lib.write_rank_files(d, 0, 1, shared=False)
+    return d
+
+
+def upload_checkpoint(tmp: Path, run: Loc, step: int, **kw) -> Loc:
+    target = run / ckpt_lib.step_dir_name(step)
+    upload_with_retries(scratch(tmp, step), target, **kw)
+    ckpt_lib.finalize_checkpoint(target, step, 1)
+    return target
+
+
+@pytest.mark.slow
+def test_outage_mid_upload_fails_with_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    with s3_server() as s3:
+        run = Loc.of(s3.uri("runs/outage"))
+        previous = upload_checkpoint(tmp_path, run, 3, retries=0, backoff_s=0)
+        # the directory markers and a few files (3 requests each: a multipart upload) go up, then it stops
+        s3.outage_on("step_00000006/", after=14)
+        with pytest.raises(CheckpointUploadError) as e:
+            upload_checkpoint(tmp_path, run, 6, retries=0, backoff_s=0)
+        assert s3.stopped.is_set()
+        msg = str(e.value)
+        assert "\n" not in msg and "uploading checkpoint step_00000006 to s3://bucket/runs/outage" in msg
+        assert "failed 1 time(s) (checkpoint.upload_retries=0)" in msg and "--resume" in msg
+        assert "AWS Error" not in msg  # Ray Train would retry it 3 more times on its own
+        s3.start()
+        # the storage is back: the previous checkpoint is whole, the cut one is never taken for whole
+        assert ckpt_lib.checkpoint_problem(previous, deep=True) is None
+        partial = run / "step_00000006"
+        assert 0 < len(partial.files()) < 7 and "no manifest.json" in ckpt_lib.checkpoint_problem(partial)
+        assert ckpt_lib.latest_checkpoint(run) == previous
+
+
+@pytest.mark.slow
+def test_outage_shorter_than_the_retries_is_ridden_out(tmp_path, capsys):
+    with s3_server() as s3:
+        run = Loc.of(s3.uri("runs/retry"))
+        s3.outage_on("step_00000006/", after=1)
+
+        def storage_returns():
+            s3.stopped.wait(30)
+            # longer than pyarrow's own retries of one request (~6 s): our retry loop has to step in
+            threading.Event().wait(7)
+            s3.start()
+
+        back = threading.Thread(target=storage_returns)
+        back.start()
+        try:
+            ckpt = upload_checkpoint(tmp_path, run, 6, retries=4, backoff_s=0.5, who="rank 0: ")
+        finally:
+            back.join()
+        out = capsys.readouterr().out
+        assert "[checkpoint] rank 0: uploading step_00000006 failed" in out and "retry 1 of 4 in 0.5 s" in out
+        assert ckpt_lib.checkpoint_problem(ckpt, deep=True) is None
+
+
+def test_upload_retries_are_configurable_with_ranges(tmp_path):
+    cfg = load_stage_config(2, None, ["checkpoint.upload_retries=0", "checkpoint.upload_backoff_s=0.5"])
+    assert (cfg.checkpoint.upload_retries, cfg.checkpoint.upload_backoff_s) == (0, 0.5)
+    assert load_stage_config(2).checkpoint.upload_retries == 3
+    with pytest.raises(ConfigError, match="upload_retries"):
+        load_stage_config(2, None, ["checkpoint.upload_retries=-1"])
+    with pytest.raises(ConfigError, match="upload_backoff_s"):
+        load_stage_config(2, None, ["checkpoint.upload_backoff_s=-2"])
