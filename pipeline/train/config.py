@@ -357,7 +357,7 @@ NON_BREAKING = (
     "deepspeed.reduce_bucket_size", "deepspeed.stage3_prefetch_bucket_size", "train.max_steps",
     "data.path", "model.student", "model.base", "teacher.model.path", "teacher.model.device",
     "teacher.model.torch_threads", "teacher.model.max_forward_tokens", "teacher.pool.", "teacher.client.max_inflight_rows",
-    "teacher.client.timeout_s", "teacher.client.max_retries", "teacher.start_pool", "teacher.cache_path",
+    "teacher.client.timeout_s", "teacher.client.max_retries", "teacher.client.retry_backoff_s", "teacher.start_pool", "teacher.cache_path",
 )
 
 

@@ -180,7 +180,8 @@ def resource_demand(cfg: StageConfig) -> list[tuple[str, int, dict[str, float]]]
     out = [("train worker", cfg.ray.num_workers, worker_resources(cfg))]
     if cfg.stage == 2 and cfg.teacher.source == "serve" and cfg.teacher.start_pool:
         pool = cfg.teacher.pool
-        out.append(("teacher replica", pool.num_replicas, {"CPU": pool.num_cpus, "GPU": pool.num_gpus}))
+        out.append(("teacher replica", pool.num_replicas,
+                    {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **(pool.resources or {})}))
     return [(what, n, {k: float(v) for k, v in res.items() if v}) for what, n, res in out]
 
 
