@@ -75,6 +75,21 @@ def _loading_report(info: dict, shown: int = 8) -> list[str]:
     return lines
 
 
+def from_pretrained_checked(cls, path: str | Path, what: str = "its config.json", **kwargs):
+    """`cls.from_pretrained(path, **kwargs)` (a model class or `AutoModelForCausalLM`), refusing weights
+    that do not match the model: a tensor the model expects but the files lack, one it has no place for,
+    or one of the wrong shape is a `CheckpointMismatchError` naming each (transformers would initialise a
+    missing tensor at random and only log it). The one loading rule for every model this project loads:
+    the base to convert, stage 1's base, the teacher, the evaluated models, HyLo checkpoints."""
+    model, info = cls.from_pretrained(path, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
+    problems = _loading_report(info)
+    if problems:
+        raise CheckpointMismatchError(
+            f"{path}: the weights do not match the model described by {what} ({len(problems)} problem(s)); "
+            f"refusing to use a partly random model:\n  " + "\n  ".join(problems))
+    return model
+
+
 def load_hylo(path: str | Path, dtype=None, device: str | None = None):
     """Load a HyLo checkpoint with clear errors for missing or incomplete directories.
 
@@ -105,15 +120,8 @@ def load_hylo(path: str | Path, dtype=None, device: str | None = None):
             model = load_released(p, dtype=None if dtype == "auto" else (dtype or torch.float32))
         else:
             cfg = HybridConfig.from_hybrid_json(p)
-            # mismatched sizes are reported (then refused below) instead of raising a generic error
-            model, info = HyLoForCausalLM.from_pretrained(p, config=cfg, dtype=dtype or torch.float32,
-                                                          output_loading_info=True, ignore_mismatched_sizes=True)
-            problems = _loading_report(info)
-            if problems:
-                raise CheckpointMismatchError(
-                    f"{p}: the weights do not match the model described by its {HYBRID_CONFIG_NAME} "
-                    f"({len(problems)} problem(s)); refusing to return a partly random model:\n  "
-                    + "\n  ".join(problems))
+            model = from_pretrained_checked(HyLoForCausalLM, p, f"its {HYBRID_CONFIG_NAME}", config=cfg,
+                                            dtype=dtype or torch.float32)
     except SafetensorError as e:
         # safetensors' own error names no file: find the truncated or corrupt one
         check_weights_dir(p)

@@ -222,3 +222,42 @@ def test_options_come_from_the_config_file_flags_and_set_in_that_order(tmp_path,
     assert rc == 2 and "command line: convert.seed=-2" in err, err
     rc, _, err = _run(["--config", str(cfg), "--set", "convert.kv_lora_rnak=8"], capsys)
     assert rc == 2 and "unknown key(s) convert.kv_lora_rnak" in err and "kv_lora_rank" in err, err
+
+
+def _damage_weights(base: Path, how: str) -> str:
+    """Rewrite a base's model.safetensors without one tensor, with an extra one, or with one mis-shaped;
+    returns the tensor's name."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(base / "model.safetensors"))
+    name = "model.layers.1.self_attn.k_proj.weight"
+    if how == "missing":
+        del sd[name]
+    elif how == "unexpected":
+        name = "model.layers.1.self_attn.k_norm.weight"
+        sd[name] = torch.ones(8)
+    else:
+        sd[name] = sd[name][:-1].clone()
+    save_file(sd, str(base / "model.safetensors"), metadata={"format": "pt"})
+    return name
+
+
+@pytest.mark.parametrize("how", ["missing", "unexpected", "misshaped"])
+def test_a_base_whose_tensors_do_not_match_its_config_is_refused_naming_them(tmp_path, capsys, how):
+    """Issue 21: a base without `model.layers.1.self_attn.k_proj.weight` converted with exit 0 and a
+    random k_proj in its GDN layer; a missing, unexpected or mis-shaped tensor is refused, naming it.
+    The same rule holds wherever a model is loaded: the teacher and the evaluated model."""
+    from hylo.io import CheckpointMismatchError
+    from pipeline.eval.decode import EvalError, load_model
+    from pipeline.teacher.model import _load_model
+
+    base = _tiny_base(tmp_path / "base", tokenizer=True)
+    name = _damage_weights(base, how)
+    kind = {"missing": "missing", "unexpected": "unexpected", "misshaped": "shape mismatch"}[how]
+    rc, _, err = _run(["--base", str(base), "--out", str(tmp_path / "job"), "--mla-layers", "0"], capsys)
+    assert rc == 2 and f"{kind}: {name}" in err, err
+    assert not (tmp_path / "job").exists()
+    with pytest.raises(CheckpointMismatchError, match=f"{kind}: {name}"):
+        _load_model(base, torch.float32, None)
+    with pytest.raises(EvalError, match=f"{kind}: {name}"):
+        load_model(str(base))

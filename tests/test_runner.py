@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from types import SimpleNamespace
 
@@ -11,6 +12,20 @@ import pytest
 from pipeline.ray_init import RayInitSection
 from pipeline.runner import StepRunner, last_json_object, train_cmd
 from pipeline.train.checkpoint import STATE_FILE, finalize_checkpoint, write_rank_files
+
+# The interpreter that runs the tests (a virtualenv's, say), never whatever `python` is first on PATH.
+PY = sys.executable
+
+
+@pytest.fixture(autouse=True)
+def foreign_python_on_path(tmp_path, monkeypatch):
+    """A `python` first on PATH that is not this interpreter (a system Python without the project's
+    packages): a test that ran "python" from PATH would get it and fail."""
+    fake = tmp_path / "foreign-bin"
+    fake.mkdir()
+    (fake / "python").write_text("#!/bin/sh\necho 'not the interpreter running the tests' >&2\nexit 97\n")
+    (fake / "python").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
 def test_step_runs_once_and_reruns_when_outputs_are_missing(tmp_path):
@@ -36,12 +51,12 @@ def test_step_runs_once_and_reruns_when_outputs_are_missing(tmp_path):
 
 def test_failed_job_names_its_log(tmp_path):
     r = StepRunner(tmp_path / "run", quiet=True)
-    assert r.sh("ok", ["python", "-c", "print('hi')"]) == "hi\n"
+    assert r.sh("ok", [PY, "-c", "print('hi')"]) == "hi\n"
     with pytest.raises(SystemExit, match=r"boom failed \(exit 3\); full log: .*boom.log"):
-        r.sh("boom", ["python", "-c", "import sys; print('bad'); sys.exit(3)"])
+        r.sh("boom", [PY, "-c", "import sys; print('bad'); sys.exit(3)"])
     assert (tmp_path / "run" / "logs" / "boom.log").read_text() == "bad\n"
     # a step named after an output path ("cmp_even/converted") logs to a flat file name
-    r.sh("cmp_even/converted", ["python", "-c", "print('x')"])
+    r.sh("cmp_even/converted", [PY, "-c", "print('x')"])
     assert (tmp_path / "run" / "logs" / "cmp_even_converted.log").read_text() == "x\n"
 
 
@@ -75,7 +90,7 @@ def test_steps_that_use_ray_join_one_ray_started_once_on_first_use(tmp_path, mon
     monkeypatch.setattr(runner, "init_ray", lambda address, num_cpus, **kw: calls.append((address, num_cpus)) or True)
     monkeypatch.setattr(runner, "gcs_address", lambda: "127.0.0.1:6379")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    show = ["python", "-c", "import os; print(os.environ.get('RAY_ADDRESS'))"]
+    show = [PY, "-c", "import os; print(os.environ.get('RAY_ADDRESS'))"]
     with StepRunner(tmp_path / "run", quiet=True, ray=RayInitSection(num_cpus=2)) as r:
         assert r.sh("plain", show) == "None\n" and calls == []  # a job without Ray starts none
         assert r.sh("a", show, ray=True) == "127.0.0.1:6379\n"
@@ -89,7 +104,7 @@ def test_steps_that_use_ray_join_one_ray_started_once_on_first_use(tmp_path, mon
 def test_the_jobs_of_a_run_join_its_ray(tmp_path):
     import ray
 
-    job = ["python", "-c", "import ray; from pipeline.ray_init import init_ray; started = init_ray(None, 1); "
+    job = [PY, "-c", "import ray; from pipeline.ray_init import init_ray; started = init_ray(None, 1); "
            "print(started, ray.get_runtime_context().gcs_address, ray.cluster_resources()['CPU'])"]
     with StepRunner(tmp_path / "run", quiet=True, ray=RayInitSection(num_cpus=2)) as r:
         first, second = r.sh("a", job, ray=True).split()[-3:], r.sh("b", job, ray=True).split()[-3:]

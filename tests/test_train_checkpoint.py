@@ -83,15 +83,16 @@ def _save_all_ranks(dirs: list[Path], step: int, cfg, write=None) -> None:
                                  {"data": {"position": step * 2 + r}}, {"data_fingerprint": "fp1"})
 
 
-def torchrun_checkpoint(run: Path, step: int, cfg=None, write=None) -> Path:
-    """What the torchrun launcher does: all ranks into `.tmp-step_N`, rank lists, manifest, rename."""
+def torchrun_checkpoint(run: Path, step: int, cfg=None, write=None, launch_id: str | None = None) -> Path:
+    """What the torchrun launcher does: all ranks into `.tmp-step_N`, rank lists, manifest, rename
+    (`launch_id`: the driver invocation that wrote it, recorded in the manifest)."""
     cfg = cfg or Stage2Config()
     tmp = run / f".tmp-{ckpt_lib.step_dir_name(step)}"
     _save_all_ranks([tmp] * WORLD, step, cfg, write)
     for r in range(WORLD):
         ckpt_lib.write_rank_files(tmp, r, WORLD, shared=True)
     final = run / ckpt_lib.step_dir_name(step)
-    ckpt_lib.finalize_local(tmp, final, step, WORLD)
+    ckpt_lib.finalize_local(tmp, final, step, WORLD, launch_id=launch_id)
     return final
 
 
@@ -408,6 +409,50 @@ def test_ray_worker_writes_each_step_before_reporting(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ Ray bookkeeping
+def _ray_session(tmp_path, monkeypatch, registered: str | None, **loop):
+    """A rank-0 RaySession of run `tmp_path/run` whose `ray.train.get_checkpoint()` says `registered`."""
+    import ray.train
+
+    from pipeline.train.loop import RaySession
+    from pipeline.train.worker import WorkerContext
+
+    cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=run", "metrics.tensorboard=false"])
+    ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
+                        run_dir=tmp_path / "run", grad_accum=1)
+    ckpt = None if registered is None else ray.train.Checkpoint(str(tmp_path / "run" / registered))
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: ckpt)
+    return RaySession(ctx, {"launcher": "ray", "launch_id": "this-launch", **loop}, total_steps=12)
+
+
+@pytest.mark.parametrize("registered", [None, "step_00000003"], ids=["ray-registered-none", "ray-registered-older"])
+def test_worker_restart_resumes_from_the_newest_intact_checkpoint_in_storage(tmp_path, monkeypatch, registered):
+    """A worker killed right after step 6's manifest (Ray has registered nothing yet, or only step 3):
+    the relaunched group starts from step 6, what storage holds, not from Ray's record."""
+    run = tmp_path / "run"
+    torchrun_checkpoint(run, 3, launch_id="this-launch")
+    torchrun_checkpoint(run, 6, launch_id="this-launch")
+    session = _ray_session(tmp_path, monkeypatch, registered)
+    assert [c.name for c, _ in session.candidates()][:2] == ["step_00000006", "step_00000003"]
+    # a damaged newest one is skipped (walk back), whatever Ray registered
+    _truncate(run / "step_00000006" / "zero/state/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert [(c.name, may_skip) for c, may_skip in session.candidates()][0] == ("step_00000006", True)
+
+
+def test_restart_after_resume_from_an_older_checkpoint_ignores_newer_ones_of_earlier_launches(tmp_path, monkeypatch):
+    """`--resume step_3` of a run that holds an intact step 9 from an earlier launch, then a worker dies
+    after this launch wrote step 6: the relaunch takes step 6 (this launch's newest), never the stale 9."""
+    run = tmp_path / "run"
+    torchrun_checkpoint(run, 3, launch_id="earlier")
+    torchrun_checkpoint(run, 9, launch_id="earlier")
+    session = _ray_session(tmp_path, monkeypatch, None, resume_from=str(run / "step_00000003"))
+    assert [(c.name, s) for c, s in session.candidates()] == [("step_00000003", False)]
+    torchrun_checkpoint(run, 6, launch_id="this-launch")
+    assert [(c.name, s) for c, s in session.candidates()] == [("step_00000006", True), ("step_00000003", False)]
+    # --resume (latest) walks every checkpoint of the run, newest first, this launch's first
+    latest = _ray_session(tmp_path, monkeypatch, None, resume_latest=True)
+    assert [c.name for c, _ in latest.candidates()] == ["step_00000006", "step_00000009", "step_00000003"]
+
+
 def test_ray_snapshot_pointing_at_a_deleted_checkpoint_is_reset(tmp_path, capsys):
     from pipeline.train.driver import RAY_SNAPSHOT, reset_ray_snapshot
 

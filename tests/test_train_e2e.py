@@ -167,6 +167,26 @@ def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference):
     assert list((rd / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_ray_worker_killed_right_after_a_checkpoint_resumes_from_it(tiny, reference):
+    """A worker SIGKILLed just after step 6's manifest, before Ray Train has registered that checkpoint:
+    the relaunched group resumes from step 6 (found in storage), not from Ray's record (step 3, or none
+    at all: it restarted from step 0)."""
+    from pipeline.train.driver import run
+
+    root, models = tiny
+    cfg = tiny_config(models, root / "runs", "ray-after-ckpt", ray={"launcher": "ray", "max_failures": 1},
+                      train={"max_steps": 8}, fault={"kill_at_step": 6, "kill_rank": 1,
+                                                     "kill_when": "after_checkpoint"})
+    with ray_running(None, 2):
+        summary = run(2, ["--config", str(write_config(cfg, root / "ray-after-ckpt.yaml"))])
+    rd = root / "runs" / "ray-after-ckpt"
+    got = read_metrics(rd)
+    assert (rd / ".fault-step6-after_checkpoint-rank1").exists() and summary["last_step"] == 8
+    assert list(got) == list(range(1, 9))
+    assert [got[s]["resumed_from"] for s in (7, 8)] == [6, 6], [got[s]["resumed_from"] for s in got]
+    assert_same_steps(read_metrics(reference), got, range(1, 9))
+
+
 def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, reference, capfd):
     """s3:// storage through a local S3 server: Ray Train uploads the checkpoints, rank 0 the manifest,
     metrics, TensorBoard files and the model; after the user deletes the newest checkpoint (Ray's

@@ -40,9 +40,14 @@ def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32):
     weights = list(p.glob("*.safetensors")) + list(p.glob("*.bin"))
     if not weights:
         raise UpcycleError(f"{p}: no weight files (*.safetensors) found")
+    from hylo.io import CheckpointMismatchError, from_pretrained_checked
+
     try:
         AutoConfig.from_pretrained(p)
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype)
+        # a missing, unexpected or mis-shaped tensor is refused, naming it (never a random layer)
+        model = from_pretrained_checked(AutoModelForCausalLM, p, dtype=dtype)
+    except CheckpointMismatchError as e:
+        raise UpcycleError(f"base model {e}") from None
     except Exception as e:  # transformers raises many kinds for corrupt files
         raise UpcycleError(f"{p}: could not load the base model weights: {type(e).__name__}: {e}") from e
     return model

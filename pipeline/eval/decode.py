@@ -61,6 +61,8 @@ def load_model(spec: str | Path, dtype: str = "float32", device: str = "auto") -
     """Load a HyLo checkpoint or an HF causal LM for evaluation (eval mode, no grad)."""
     if dtype not in DTYPES:
         raise EvalError(f"dtype {dtype!r} is not valid; allowed: {', '.join(DTYPES)}")
+    from hylo.io import CheckpointMismatchError, from_pretrained_checked
+
     path = resolve_path(spec)
     if (path / "hybrid_config.json").is_file():
         from hylo.io import load_hylo
@@ -71,14 +73,16 @@ def load_model(spec: str | Path, dtype: str = "float32", device: str = "auto") -
         from hylo.modeling import HyLoForCausalLM
 
         try:
-            model = HyLoForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-        except (OSError, HybridConfigError) as e:
+            model = from_pretrained_checked(HyLoForCausalLM, path, dtype=DTYPES[dtype])
+        except (OSError, HybridConfigError, CheckpointMismatchError) as e:
             raise EvalError(f"{path}: could not load the HyLo model: {e}") from e
     elif (path / "config.json").is_file():
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+            model = from_pretrained_checked(AutoModelForCausalLM, path, dtype=DTYPES[dtype])
+        except CheckpointMismatchError as e:
+            raise EvalError(str(e)) from None
         except Exception as e:  # transformers raises many kinds for broken checkpoints
             raise EvalError(f"{path}: could not load the model: {type(e).__name__}: {e}") from e
     else:

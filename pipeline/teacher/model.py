@@ -96,10 +96,13 @@ def _load_model(path: Path, dtype: torch.dtype, attn_implementation: str | None)
         return load_hylo(path, dtype=dtype)
     from transformers import AutoModelForCausalLM
 
+    from hylo.io import from_pretrained_checked
+
     kwargs: dict[str, Any] = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    # a missing or unexpected tensor is an error naming it, not a randomly initialised teacher layer
+    return from_pretrained_checked(AutoModelForCausalLM, path, **kwargs)
 
 
 class TeacherModel:

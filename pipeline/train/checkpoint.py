@@ -23,7 +23,10 @@ Design choices:
   `.tmp-step_N` and each hashes every W-th file; rank 0 merges the lists, checks sizes in storage and
   writes the manifest (torchrun: then renames the directory into place).
 * Resume (`resume_candidates` + the loop's collective check) walks back from the newest checkpoint
-  to the newest intact one and prints every one it skipped and why (the file and the reason).
+  to the newest intact one and prints every one it skipped and why (the file and the reason). The
+  manifest names the launch (driver invocation) that wrote it: a worker group relaunched after a
+  failure resumes from that launch's newest intact checkpoint in storage (`launch_checkpoints`), not
+  from what Ray Train registered, which lags behind the manifests.
 * Nothing is unpickled unchecked: DeepSpeed's shard files are torch pickles, loaded only after the
   manifest check, and then with `torch.load(weights_only=True)` and an allow-list of the few DeepSpeed
   classes its checkpoints hold (`safe_deepspeed_load`); our own state is JSON + safetensors.
@@ -180,9 +183,10 @@ def write_rank_files(ckpt: Path, rank: int, world_size: int, shared: bool) -> di
     return record
 
 
-def finalize_checkpoint(ckpt: Path | Loc, step: int, world_size: int) -> dict[str, Any]:
+def finalize_checkpoint(ckpt: Path | Loc, step: int, world_size: int, launch_id: str | None = None) -> dict[str, Any]:
     """Rank 0, once every rank's files are in `ckpt` (local or in storage): check them against the
-    ranks' lists and write `manifest.json`, the completion marker, last."""
+    ranks' lists and write `manifest.json`, the completion marker, last. `launch_id` names the driver
+    invocation that wrote it (`launch_checkpoints`)."""
     loc = Loc.of(ckpt)
     present = loc.files()
     files: dict[str, dict[str, Any]] = {}
@@ -200,6 +204,8 @@ def finalize_checkpoint(ckpt: Path | Loc, step: int, world_size: int) -> dict[st
     if problem:
         raise CheckpointError(f"{loc}: {problem}")
     manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "files": files}
+    if launch_id is not None:
+        manifest["launch_id"] = launch_id
     (loc / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
 
@@ -290,6 +296,22 @@ def resume_candidates(run_dir: Path | Loc, start: Path | Loc | None = None, walk
     if not walk or first is None:
         return [start]
     return [start] + [p for s, p in reversed(dirs) if s < first and p != start]
+
+
+def launch_checkpoints(run_dir: Path | Loc, launch_id: str) -> list[Loc]:
+    """The checkpoints of a run that launch `launch_id` finished (its manifest names it), newest first.
+
+    What a worker group relaunched after a failure resumes from, whatever Ray Train registered: Ray
+    records a checkpoint only once its controller has processed the report (a worker killed just after
+    the manifest was written restarted from an older one, or from step 0). A checkpoint of an earlier
+    launch newer than the one this launch started from (`--resume step_N` of an older step) is not
+    this launch's, so it never wins."""
+    out = []
+    for _, p in reversed(step_dirs(run_dir)):
+        m, _ = _manifest_or_reason(p)
+        if m is not None and m.get("launch_id") == launch_id:
+            out.append(p)
+    return out
 
 
 def choose_intact(candidates: list[Loc], deep: bool = True, log: Callable[[str], None] = print) -> Loc | None:
@@ -438,9 +460,9 @@ def load_checkpoint(engine, ckpt: Path, rank: int) -> dict[str, Any]:
     return rank_state
 
 
-def finalize_local(tmp: Path, final: Path, step: int, world_size: int) -> None:
+def finalize_local(tmp: Path, final: Path, step: int, world_size: int, launch_id: str | None = None) -> None:
     """torchrun mode, rank 0 after a barrier: write the manifest of a finished `.tmp-step_N`, move it into place."""
-    finalize_checkpoint(tmp, step, world_size)
+    finalize_checkpoint(tmp, step, world_size, launch_id)
     files.replace_dir(tmp, final)
 
 

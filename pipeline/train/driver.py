@@ -19,8 +19,9 @@ Design choices:
   config.) Ray Train's own checkpoint bookkeeping (its snapshot in the run directory) is reset at
   every start: it may point at checkpoints that were pruned, deleted or never completed, and the
   checkpoints' manifests are the record of what can be resumed.
-* Worker failures restart the worker group from the newest intact checkpoint, `ray.max_failures`
-  times; the same limit bounds Ray's retries of starting the worker group (under torchrun,
+* Worker failures restart the worker group from the newest intact checkpoint in storage (the newest
+  one this launch wrote whose manifest and checksums verify; never Ray's own record, which lags behind),
+  `ray.max_failures` times; the same limit bounds Ray's retries of starting the worker group (under torchrun,
   `--max-restarts N` relaunches ranks, which then resume the same way).
 * The Ray resources the run needs (train workers, plus the teacher pool it deploys) are checked
   against the cluster before anything starts: a run that can never be scheduled fails at once.
@@ -44,6 +45,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -139,14 +141,26 @@ def convert_if_needed(cfg: StageConfig) -> StageConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, student=target.uri()))
 
 
+def launch_id(launcher: str) -> str:
+    """Names this driver invocation in the manifests it writes, so that a relaunched worker group finds
+    its own newest checkpoint (checkpoint.launch_checkpoints). Ray: one per fit(); torchrun: the
+    rendezvous (every rank computes it, and `--max-restarts` relaunches keep it)."""
+    if launcher == "torchrun":
+        return "torchrun:" + ":".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR",
+                                                                        "MASTER_PORT"))
+    return f"ray:{uuid.uuid4().hex}"
+
+
 def loop_config(cfg: StageConfig, resume: str | None, launcher: str) -> dict[str, Any]:
     """What every worker gets: the config, where the run lives, and where to resume from
-    (`resume_latest`: the newest intact checkpoint; `resume_from`: exactly that one)."""
+    (`resume_latest`: the newest intact checkpoint; `resume_from`: exactly that one; after a relaunch,
+    the newest intact checkpoint `launch_id` wrote comes first)."""
     resume_from = None
     if resume not in (None, "latest"):
         resume_from = resume_path(cfg, resume).uri()
     return {"config": config_to_dict(cfg), "resume_from": resume_from, "resume_latest": resume == "latest",
-            "run": run_loc(cfg), "launcher": launcher, "torch_extensions_dir": torch_extensions_dir()}
+            "run": run_loc(cfg), "launcher": launcher, "launch_id": launch_id(launcher),
+            "torch_extensions_dir": torch_extensions_dir()}
 
 
 def stage_for(number: int) -> Stage:

@@ -16,10 +16,11 @@ Design choices:
   under torchrun, ranks write `<run dir>/.tmp-step_N` and rank 0 renames it. Either way every rank
   lists size + sha256 of its files, and after a barrier rank 0 checks them and writes the manifest
   last (checkpoint.py). Both produce the same layout, so either resumes the other.
-* Resume is collective: the candidates (the `--resume` choice, or after a relaunch the newest
-  checkpoint Ray registered / the run's newest) are checked by every rank (sizes; checksums shared
-  out, or of each rank's own download for remote storage) and the newest intact one wins; every
-  skipped one is printed with its reason. Then the metrics file is cut back to the resumed step.
+* Resume is collective: the candidates (the checkpoints this launch already wrote, newest first, so a
+  group relaunched after a failure scans storage instead of trusting Ray's record, which lags behind
+  the manifests; then the `--resume` choice) are checked by every rank (sizes; checksums shared out,
+  or of each rank's own download for remote storage) and the newest intact one wins; every skipped
+  one is printed with its reason. Then the metrics file is cut back to the resumed step.
 * Rank 0 writes each step's metrics record itself, before reporting it.
 * Preemption, checked at every step boundary (`Session.preemption`, collective): SIGTERM to the driver
   (its handler writes `<run>/.preempt.json` with a deadline `checkpoint.preempt_grace_s` ahead) makes
@@ -123,6 +124,8 @@ class Session:
         self.ctx = ctx
         self.resume_from: str | None = loop_config.get("resume_from")
         self.resume_latest = bool(loop_config.get("resume_latest"))
+        # the driver invocation (Ray: one fit(); torchrun: one rendezvous), recorded in every manifest
+        self.launch_id: str | None = loop_config.get("launch_id")
         self.run: Loc = loop_config.get("run") or run_location(ctx.cfg.ray.storage_path, ctx.cfg.ray.name)
         self._downloads: list[Path] = []
         self._drains_seen: set[str] = set()
@@ -132,20 +135,19 @@ class Session:
             self.writer = MetricsWriter(ctx.run_dir, total_steps, m.log_every, m.tensorboard)
 
     # ---------------------------------------------------------------- resume
-    def restart_candidates(self) -> list[Loc] | None:
-        """Launcher-specific: where a relaunch after a failure resumes from (None: not a relaunch)."""
-        return None
+    def candidates(self) -> list[tuple[Loc, bool]]:
+        """(checkpoint, whether a broken one may be skipped), to try newest first.
 
-    def candidates(self) -> tuple[list[Loc], bool]:
-        """(checkpoints to try newest first, whether falling back to older ones is allowed)."""
-        restart = self.restart_candidates()
-        if restart is not None:
-            return restart, True
+        First the checkpoints this launch wrote (after a worker failure, Ray or torchrun relaunched the
+        group: the newest intact one in storage wins, whatever Ray registered), then the launch's own
+        starting point: `--resume` walks the whole run, `--resume PATH` is exactly that one."""
+        own = ckpt_lib.launch_checkpoints(self.run, self.launch_id) if self.launch_id else []
+        start: list[tuple[Loc, bool]] = []
         if self.resume_latest:
-            return ckpt_lib.resume_candidates(self.run), True
-        if self.resume_from:
-            return [Loc.of(self.resume_from)], False
-        return [], False
+            start = [(c, True) for c in ckpt_lib.resume_candidates(self.run)]
+        elif self.resume_from:
+            start = [(Loc.of(self.resume_from), False)]
+        return [(c, True) for c in own] + [(c, skip) for c, skip in start if c not in own]
 
     def check(self, ckpt: Loc) -> tuple[Path | None, str | None]:
         """Collective: (local directory to load from, None) when every rank finds `ckpt` intact, else
@@ -173,9 +175,9 @@ class Session:
 
     def resume_checkpoint(self) -> tuple[Loc, Path] | None:
         """Collective: the checkpoint to resume from and its local directory, walking back past broken ones."""
-        cands, walk = self.candidates()
+        cands = self.candidates()
         skipped = []
-        for c in cands:
+        for c, walk in cands:
             local, problem = self.check(c)
             if problem is None:
                 if skipped and self.ctx.rank == 0:
@@ -279,16 +281,6 @@ class RaySession(Session):
                             c.upload_retries, c.upload_backoff_s, f"rank {self.ctx.rank}: ")
         return ray.train.Checkpoint(path=dest, filesystem=storage.storage_filesystem)
 
-    def restart_candidates(self) -> list[Loc] | None:
-        import ray.train
-
-        ray_ckpt = ray.train.get_checkpoint()
-        if ray_ckpt is None:
-            return None
-        # A relaunch after a worker failure: the newest checkpoint Ray registered, or older intact ones
-        # (the driver resets Ray's own bookkeeping at start, so this is always a checkpoint of this run).
-        return ckpt_lib.resume_candidates(self.run, self.run / Path(ray_ckpt.path).name)
-
     def drain_notice(self) -> dict[str, Any] | None:
         import ray.train
 
@@ -324,17 +316,11 @@ class RaySession(Session):
         # every worker has uploaded its files: rank 0 checks them and writes the manifest
         dist.barrier()
         if self.ctx.rank == 0:
-            ckpt_lib.finalize_checkpoint(target, step, self.ctx.world_size)
+            ckpt_lib.finalize_checkpoint(target, step, self.ctx.world_size, self.launch_id)
             self.after_checkpoint()
 
 
 class TorchrunSession(Session):
-    def restart_candidates(self) -> list[Loc] | None:
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-            return None
-        # torchrun --max-restarts relaunched the ranks after a failure
-        return ckpt_lib.resume_candidates(self.run)
-
     def scratch_dir(self, step: int) -> Path:
         tmp = self.run.local() / f".tmp-{ckpt_lib.step_dir_name(step)}"
         if self.ctx.rank == 0 and tmp.exists():
@@ -352,7 +338,7 @@ class TorchrunSession(Session):
         dist.barrier()
         if self.ctx.rank == 0:
             ckpt_lib.finalize_local(ckpt_dir, self.run.local() / ckpt_lib.step_dir_name(step), step,
-                                    self.ctx.world_size)
+                                    self.ctx.world_size, self.launch_id)
             self.after_checkpoint()
         dist.barrier()
 
