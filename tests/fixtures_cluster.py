@@ -37,7 +37,11 @@ class Nodes:
         return node
 
     def dead(self) -> list[tuple[Any, str]]:
-        return [(n, k) for n, k in self.nodes if n.all_processes["raylet"][0].process.poll() is not None]
+        def gone(node: Any) -> bool:
+            raylet = node.all_processes.get("raylet")
+            return not raylet or raylet[0].process.poll() is not None
+
+        return [(n, k) for n, k in self.nodes if gone(n)]
 
     def replace_dead(self, timeout_s: float = 60.0) -> list[str]:
         """Reap every node a test killed and start a fresh one of its kind; returns the kinds replaced."""

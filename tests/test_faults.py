@@ -90,3 +90,82 @@ def test_upload_retries_are_configurable_with_ranges(tmp_path):
         load_stage_config(2, None, ["checkpoint.upload_retries=-1"])
     with pytest.raises(ConfigError, match="upload_backoff_s"):
         load_stage_config(2, None, ["checkpoint.upload_backoff_s=-2"])
+
+
+# ------------------------------------------------------------------------------------ preemption
+@pytest.fixture
+def one_rank(tmp_path):
+    """A 1-rank gloo group and a torchrun session of a default stage-2 config on a local run directory."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from pipeline.train.loop import TorchrunSession
+    from pipeline.train.worker import WorkerContext
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        run = tmp_path / "run"
+        cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=run", "ray.num_workers=1",
+                                          "metrics.tensorboard=false", "ray.launcher=torchrun"])
+        ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
+                            run_dir=run, grad_accum=1, run=Loc.of(run))
+        yield TorchrunSession(ctx, {"run": Loc.of(run)}, 10), run
+    finally:
+        # TorchrunSession.close() tears the group down itself
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_driver_sigterm_asks_for_a_final_checkpoint_only_when_it_fits(one_rank):
+    import json
+    import time
+
+    from pipeline.train.loop import PREEMPT_FILE
+
+    session, run = one_rank
+    run.mkdir(parents=True, exist_ok=True)
+    assert session.preemption(ckpt_seconds=3.0) is None
+    (run / PREEMPT_FILE).write_text(json.dumps({"signal": "SIGTERM", "deadline": time.time() + 60}))
+    notice = session.preemption(ckpt_seconds=3.0)
+    assert notice["stop"] and notice["final"] and notice["source"] == "preempted (SIGTERM to the driver)"
+    # no checkpoint measured yet in this process: try one
+    assert session.preemption(ckpt_seconds=None)["final"]
+    (run / PREEMPT_FILE).write_text(json.dumps({"signal": "SIGTERM", "deadline": time.time() + 2}))
+    notice = session.preemption(ckpt_seconds=30.0)
+    assert notice["stop"] and not notice["final"]
+    assert notice["why"].startswith("no time for a final checkpoint (2 s left, the last one took 30 s)")
+    session.close()
+
+
+def test_driver_sigterm_handler_records_the_request_and_names_the_checkpoint_to_resume(tmp_path, capsys):
+    import os
+    import signal
+
+    from pipeline.train.driver import Preempted, preemption_handler
+    from pipeline.train.loop import PREEMPT_FILE, read_preempt_request
+
+    cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "checkpoint.preempt_grace_s=40"])
+    run = Loc.of(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    upload_checkpoint(tmp_path, run, 3, retries=0, backoff_s=0)
+    (tmp_path / "run" / PREEMPT_FILE).write_text("{}")  # left by an earlier, preempted start: not this one's
+    with pytest.raises(Preempted) as e:
+        with preemption_handler(cfg, run):
+            assert read_preempt_request(run) is None
+            os.kill(os.getpid(), signal.SIGTERM)
+            request = read_preempt_request(run)
+            assert request["signal"] == "SIGTERM" and 39 < request["deadline"] - __import__("time").time() <= 40
+    assert str(e.value) == ("preempted (SIGTERM): run the same command with --resume to continue from "
+                            "step_00000003, its newest intact checkpoint")
+    assert "checkpoint.preempt_grace_s=40 s" in capsys.readouterr().out
+    assert read_preempt_request(run) is None and signal.getsignal(signal.SIGTERM) is not None
+    # a second SIGTERM does not wait for the workers
+    with pytest.raises(Preempted, match="a second SIGTERM: stopping now"):
+        with preemption_handler(cfg, run):
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)

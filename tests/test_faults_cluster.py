@@ -243,7 +243,10 @@ def test_node_preemption_notice_then_sigterm_resumes_from_the_just_in_time_check
     assert len(jit) == 1 and "(preemption): final checkpoint" in out, out[-3000:]
     got = read_metrics(rd)
     assert summary["last_step"] == steps and list(got) == list(range(1, steps + 1))
-    assert any(r["resumed_from"] == jit[0] for r in got.values()), {s: r["resumed_from"] for s, r in got.items()}
+    # the restart resumed from the just-in-time checkpoint (or a newer one, had a step finished before
+    # the node went): nothing trained before the notice was lost
+    restarts = {r["resumed_from"] for r in got.values()} - {0}
+    assert len(restarts) == 1 and restarts.pop() >= jit[0], {s: r["resumed_from"] for s, r in got.items()}
     assert_same_steps(read_metrics(ref), got, range(1, steps + 1))
 
 
