@@ -57,13 +57,15 @@ class Nodes:
 
 
 @contextlib.contextmanager
-def local_cluster(kinds: dict[str, int]) -> Iterator[Nodes]:
+def local_cluster(kinds: dict[str, int], env: dict[str, str] | None = None) -> Iterator[Nodes]:
+    """`env`: more environment for every Ray process of the cluster (e.g. a test S3 server's credentials)."""
     import ray
     from ray.cluster_utils import Cluster
 
     from pipeline.ray_init import project_env
 
-    os.environ.update(project_env())
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update({**project_env(), **(env or {})})
     cluster = Cluster(initialize_head=True, connect=True,
                       head_node_args={"num_cpus": 0, "include_dashboard": False,
                                       "_system_config": FAST_HEALTH_CHECKS})
@@ -79,3 +81,8 @@ def local_cluster(kinds: dict[str, int]) -> Iterator[Nodes]:
             print(f"[cluster] serve.shutdown: {e}")
         ray.shutdown()
         cluster.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

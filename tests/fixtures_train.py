@@ -58,6 +58,11 @@ def write_config(cfg: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
+# The dummy credentials of the local S3 server: Ray processes started before the server must have them too
+# (a filesystem made from the environment's credentials does not carry them when pickled).
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
 class FakeS3:
     """A local S3 server (moto) that can go away and come back on the same port with the same objects.
 
@@ -148,9 +153,8 @@ class FakeS3:
 @contextlib.contextmanager
 def s3_server(bucket: str = "bucket") -> Iterator[FakeS3]:
     """A running `FakeS3` with its bucket, the dummy credentials in the environment; stopped at the end."""
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    saved = {k: os.environ.get(k) for k in S3_ENV}
+    os.environ.update(S3_ENV)
     s3 = FakeS3(bucket)
     s3.start()
     try:

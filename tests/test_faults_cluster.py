@@ -35,7 +35,7 @@ from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train.metrics import read_metrics
 
 from fixtures_cluster import local_cluster
-from fixtures_train import make_tiny_models, s3_server, tiny_config, write_config
+from fixtures_train import S3_ENV, make_tiny_models, s3_server, tiny_config, write_config
 from test_train_e2e import assert_ok, assert_same_steps, torchrun
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster():
-    with local_cluster({"trainer": 3, "teacher": 2}) as nodes:
+    # the S3 server of the storage test starts later: its credentials go to every node now
+    with local_cluster({"trainer": 3, "teacher": 2}, env=S3_ENV) as nodes:
         yield nodes
 
 
