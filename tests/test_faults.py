@@ -48,7 +48,7 @@ def test_outage_mid_upload_fails_with_one_line_and_keeps_the_previous_checkpoint
             upload_checkpoint(tmp_path, run, 6, retries=0, backoff_s=0)
         assert s3.stopped.is_set()
         msg = str(e.value)
-        assert "\n" not in msg and "uploading checkpoint step_00000006 to s3://bucket/runs/outage" in msg
+        assert "\n" not in msg and "uploading checkpoint s3://bucket/runs/outage/step_00000006 failed" in msg
         assert "failed 1 time(s) (checkpoint.upload_retries=0)" in msg and "--resume" in msg
         assert "AWS Error" not in msg  # Ray Train would retry it 3 more times on its own
         s3.start()

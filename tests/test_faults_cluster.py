@@ -118,7 +118,7 @@ def test_storage_outage_mid_upload_fails_in_one_line_and_resume_finishes(tiny, n
             msg = str(e.value)
             print("the run stopped with:", msg)
             assert "\n" not in msg and msg.startswith("training failed: CheckpointUploadError: uploading checkpoint "
-                                                       "step_00000006 to s3://bucket/runs/outage failed 2 time(s)"), msg
+                                                       "s3://bucket/runs/outage/step_00000006 failed 2 time(s)"), msg
             assert s3.stopped.is_set()
             s3.start()
             assert [s for s, _ in ckpt_lib.list_checkpoints(rd)] == [3]

@@ -275,8 +275,10 @@ def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk
         assert (partial / "trainer_state.json").is_file() and (partial / "ranks/rank_0.json").is_file()
     else:
         torchrun_checkpoint(run, 3, write=write)
-        with pytest.raises(ckpt_lib.CheckpointError, match=r"writing checkpoint .*\.tmp-step_00000006 failed: "
-                                                            r"the disk is full \(ENOSPC\)"):
+        with pytest.raises(ckpt_lib.CheckpointError, match=r"writing checkpoint step_00000006 \(.*\.tmp-step_00000006, "
+                                                            r"rank \d's files\) failed at zero/state/zero_pp_rank_\d_"
+                                                            r"mp_rank_00_\w+_states\.pt: the disk is full \(ENOSPC\); "
+                                                            r"[\d.]+ GiB free of [\d.]+ GiB on "):
             torchrun_checkpoint(run, 6, write=write)
         partial = run / ".tmp-step_00000006"
     assert partial.is_dir() and any(f.stat().st_size for f in partial.rglob("*.pt"))
@@ -286,6 +288,53 @@ def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk
     if where == "upload":
         assert lines == ["[resume] skipping step_00000006: no manifest.json: its write never finished (or it "
                          "was not written by this project's training)"]
+
+
+def test_a_full_storage_during_rays_upload_names_checkpoint_file_and_free_space(tmp_path, small_disk, monkeypatch):
+    """Issue 21: Ray's copy of a checkpoint into a full storage ended as `worker 0: No space left on
+    device`; the error names the checkpoint, the file that did not arrive whole and the space left."""
+    import ray.train
+    import torch.distributed as dist
+
+    from pipeline.train.loop import RaySession
+    from pipeline.train.worker import WorkerContext
+
+    disk, real = small_disk
+    budget = None
+    if real:
+        free = shutil.disk_usage(disk).free
+        (disk / "filler").write_bytes(b"\0" * max(0, free - 100 * 1024))
+    else:
+        budget = Budget(100 * 1024)
+
+    def report(record, checkpoint=None, checkpoint_dir_name=None):
+        # what Ray Train does with a reported checkpoint: copy the worker's directory into storage
+        src, dst = Path(checkpoint.path), disk / "run" / checkpoint_dir_name
+        for f in sorted(p for p in src.rglob("*") if p.is_file()):
+            out = dst / f.relative_to(src)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if budget is None:
+                shutil.copyfile(f, out)
+            else:
+                budget.put(out, f.read_bytes())
+
+    monkeypatch.setattr(ray.train, "report", report)
+    cfg = load_stage_config(2, None, [f"ray.storage_path={disk}", "ray.name=run", "metrics.tensorboard=false"])
+    ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
+                        run_dir=tmp_path / "mirror", grad_accum=1)
+    session = RaySession(ctx, {"launcher": "ray", "launch_id": "l"}, total_steps=6)
+    scratch = tmp_path / "scratch"
+    ckpt_lib.save_checkpoint(FakeEngine(0, 6), scratch, 0, 1, 6, Stage2Config(), {"data": {"position": 0}}, {})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ckpt_lib.CheckpointError, match=(
+                rf"writing checkpoint step_00000006 \({disk / 'run' / 'step_00000006'}, rank 0's files\) failed at "
+                r"zero/state/zero_pp_rank_0_mp_rank_00_\w+_states\.pt \([\d,]+ of [\d,]+ bytes in storage\): the disk "
+                r"is full \(ENOSPC\); [\d.]+ GiB free of [\d.]+ GiB on ")):
+            session.report({**REC, "step": 6}, 6, scratch)
+    finally:
+        dist.destroy_process_group()
+    assert not ckpt_lib.is_complete(disk / "run" / "step_00000006")
 
 
 # ------------------------------------------------------------------------------------ never unpickle
@@ -384,6 +433,36 @@ def test_resumed_run_repairs_and_continues_the_metrics(tmp_path, capsys):
     lines = (tmp_path / METRICS_FILE).read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
     assert read_metrics(tmp_path)[4]["loss"] == 14.0
+
+
+def test_a_torn_record_of_the_resumed_step_comes_back_from_the_checkpoint(tmp_path):
+    """Issue 21: the torn last line was step 4's, the run resumed from its step-4 checkpoint and the file
+    ended 1, 2, 3, 5, 6. The checkpoint holds its steps' records; every finished step is there once."""
+    from pipeline.train.loop import checkpoint_records
+
+    w = MetricsWriter(tmp_path, total_steps=6, tensorboard=False, stream=open(os.devnull, "w"))
+    records = [{**REC, "step": s, "loss": float(s)} for s in (1, 2, 3, 4)]
+    for r in records[:3]:
+        w.write(r)
+    with open(tmp_path / METRICS_FILE, "a") as f:
+        f.write(json.dumps(records[3])[:25])  # killed while appending step 4's line
+    # the trainer state of the step-4 checkpoint (every_steps=2: it holds steps 3 and 4)
+    state = {"metrics": records[3], "metrics_since_previous": records[2:4]}
+    w2 = MetricsWriter(tmp_path, total_steps=6, tensorboard=False, stream=open(os.devnull, "w"))
+    warnings = w2.restart_at(4, restore=checkpoint_records(state))
+    assert any("restored the record(s) of step(s) 4 from the checkpoint" in x for x in warnings), warnings
+    for step in (5, 6):
+        w2.write({**REC, "step": step, "loss": float(step)})
+    lines = (tmp_path / METRICS_FILE).read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
+    assert read_metrics(tmp_path)[4] == records[3]
+    # a relaunch on a node whose copy of the file stops before the checkpoint: its steps come back too
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    w3 = MetricsWriter(tmp_path, total_steps=6, tensorboard=False, stream=open(os.devnull, "w"))
+    w3.restart_at(4, restore=checkpoint_records(state))
+    assert list(read_metrics(tmp_path)) == [1, 2, 3, 4]
+    # a checkpoint written before the records travelled holds its own step's record only
+    assert checkpoint_records({"metrics": records[3]}) == [records[3]]
 
 
 def test_ray_worker_writes_each_step_before_reporting(tmp_path, monkeypatch):

@@ -145,6 +145,33 @@ def test_exact_resume_after_sigkill(tiny, reference):
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 12
 
 
+def test_two_runs_with_the_same_storage_and_name_cannot_overwrite_each_other(tiny, reference):
+    """Started together (neither has a checkpoint yet, so both pass the "already holds checkpoints"
+    check): the second stops at once with exit status 2 naming the first, which ends as an uninterrupted
+    run would (its own losses, checkpoints and model)."""
+    import time
+
+    root, models = tiny
+    cfg_path = write_config(tiny_config(models, root / "runs", "shared", train={"max_steps": 6}), root / "shared.yaml")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "jobs" / "stage2.py"), "--config", str(cfg_path)]
+    first = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rd = root / "runs" / "shared"
+    deadline = time.monotonic() + 600
+    while not (rd / "metrics.jsonl").is_file() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    second = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    out, err = first.communicate(timeout=900)
+    assert first.returncode == 0, out[-3000:] + err[-3000:]
+    assert second.returncode != 0, second.stdout[-3000:]
+    assert f"run directory {rd} is in use by another run (pid " in second.stderr, second.stderr[-3000:]
+    assert not (rd / "run.lock").exists()
+    got = read_metrics(rd)
+    assert list(got) == list(range(1, 7)) and all(got[s]["resumed_from"] == 0 for s in got)
+    assert_same_steps(read_metrics(reference), got, range(1, 7))
+    assert len((rd / "metrics.jsonl").read_text().splitlines()) == 6
+
+
 def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference):
     from pipeline.train.driver import run
 

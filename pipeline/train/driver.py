@@ -12,6 +12,10 @@ Design choices:
   Ray Train supports (`s3://bucket/runs`, `gs://...`; pyarrow filesystems, see storage.py). A relative
   storage path is refused inside a `ray job submit` job (it would land in Ray's temporary copy of the
   working directory), a URI under torchrun.
+* A run directory is owned by one run at a time: the driver takes `<run>/run.lock` (holder's host,
+  pid, start time) before Ray starts and releases it at the end; a second run with the same storage
+  and name stops at once naming the holder, and a stale lock of a dead driver is reported, never taken
+  over without `--break-lock` (runlock.py; for URI storage a local lock plus a checked lock object).
 * Starting a run whose directory already holds checkpoints needs `--resume` (continue it) or another
   name: nothing is silently continued or overwritten. `--resume` alone continues from the newest
   intact checkpoint, walking back past broken ones (and saying why); `--resume PATH` from that one.
@@ -19,6 +23,8 @@ Design choices:
   config.) Ray Train's own checkpoint bookkeeping (its snapshot in the run directory) is reset at
   every start: it may point at checkpoints that were pruned, deleted or never completed, and the
   checkpoints' manifests are the record of what can be resumed.
+* An input error raised inside a worker (a config value, a teacher that does not fit, a full disk) is not
+  retried (failures.py: Ray's failure policy retries every worker error otherwise).
 * Worker failures restart the worker group from the newest intact checkpoint in storage (the newest
   one this launch wrote whose manifest and checksums verify; never Ray's own record, which lags behind),
   `ray.max_failures` times; the same limit bounds Ray's retries of starting the worker group (under torchrun,
@@ -56,6 +62,7 @@ from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train.config import StageConfig, config_to_dict, load_stage_config, run_dir
 from pipeline.train.inputs import check_stage_inputs
 from pipeline.train.metrics import make_ray_callback, read_metrics
+from pipeline.train.runlock import run_lock
 from pipeline.train.storage import Loc, StorageError, check_storage_path, run_location
 from pipeline.train.worker import Stage
 
@@ -69,6 +76,9 @@ def build_parser(stage: int) -> argparse.ArgumentParser:
     add_config_args(p)
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue the run from its newest checkpoint, or from checkpoint directory PATH")
+    p.add_argument("--break-lock", action="store_true",
+                   help="take over the run directory's lock (run.lock) left by a run that is no longer "
+                        "running; a lock held by a live process of this host is never broken")
     return p
 
 
@@ -320,10 +330,15 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
                                      resources_per_worker=worker_resources(cfg)),
         run_config=run_config(cfg, run),
     )
+    from pipeline.train.failures import final_input_errors
+
     try:
         with preemption_handler(cfg, run):
             try:
-                result = trainer.fit()
+                # an input error inside a worker (a bad value, a full disk) fails the run at once: Ray's
+                # retries (ray.max_failures) are for faults
+                with final_input_errors():
+                    result = trainer.fit()
             except Preempted:
                 raise
             except Exception as e:
@@ -370,6 +385,34 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
         check_storage_path(cfg.ray.storage_path, launcher)
     except StorageError as e:
         raise ConfigError(str(e)) from None
+    # the run directory is this run's until it ends: a second run with the same storage and name stops
+    # here (runlock.py); under torchrun rank 0 holds it for the rendezvous
+    owner = launch_id(launcher) if launcher == "torchrun" else None
+    lock = run_lock(run_loc(cfg), break_lock=args.break_lock, owner=owner) if is_rank0 else contextlib.nullcontext()
+    with exit_on_sigterm(), lock:
+        return _run_locked(stage, args, cfg, launcher, is_rank0)
+
+
+@contextlib.contextmanager
+def exit_on_sigterm():
+    """SIGTERM (a scheduler stopping the job, torchrun stopping the other ranks) exits through Python,
+    so that the run lock is released; a handler someone else installed (Ray's) is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher: str,
+                is_rank0: bool) -> dict[str, Any]:
     resume = args.resume
     if launcher == "torchrun" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         pass  # torchrun --max-restarts relaunched the ranks: they resume from the newest intact checkpoint

@@ -6,13 +6,22 @@
 * model.base (stage 1) and the teacher (stage 2 inprocess, or serve when the driver starts the pool): a
   model directory or asset with whole .safetensors files;
 * teacher.cache_path (offline): a teacher cache manifest;
+* what the config files say about teacher and student (`check_compatible_models`): the same vocabulary
+  size (teacher / cache manifest / stage 1's base vs the student), the same tokens for the same ids in
+  their tokenizer.json files, stage 1's base of the student's hidden size and layer count (its layer
+  outputs are the targets); a teacher tokenizer without the chat template the student's has is a
+  warning. A teacher of another vocabulary used to be found only after Ray started and both models
+  loaded (94 s), and then retried as if it were a fault;
 * data (parquet): the manifest, its split and seq_len, and every shard's Parquet footer and row count
   (a truncated or half-copied shard is named here; a shard corrupt inside is named by the reader).
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import ConfigError
 from pipeline.train.config import StageConfig, run_dir
@@ -56,6 +65,108 @@ def _data(cfg: StageConfig) -> None:
     ParquetRows(cfg.data, 0, cfg.ray.num_workers).reader.check_shards()
 
 
+def _model_config(key: str, directory: Path) -> dict[str, Any]:
+    from hylo.files import read_json
+
+    try:
+        return read_json(directory / "config.json", ConfigError, mapping=True)
+    except FileNotFoundError:
+        raise ConfigError(f"{key}: {directory} has no config.json", key) from None
+
+
+def _tokens(directory: Path) -> dict[int, str] | None:
+    """id -> token of a tokenizer directory's tokenizer.json (vocabulary and added tokens); None when
+    it has none (nothing to compare)."""
+    tj = directory / "tokenizer.json"
+    if not tj.is_file():
+        return None
+    try:
+        data = json.loads(tj.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{tj}: not a readable tokenizer.json ({e})") from None
+    vocab = (data.get("model") or {}).get("vocab")
+    out: dict[int, str] = {}
+    if isinstance(vocab, dict):
+        out = {int(i): str(t) for t, i in vocab.items()}
+    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        out = {i: str(v[0] if isinstance(v, list) else v) for i, v in enumerate(vocab)}
+    for tok in data.get("added_tokens") or []:
+        if isinstance(tok, dict) and "id" in tok:
+            out[int(tok["id"])] = str(tok.get("content"))
+    return out
+
+
+def _has_chat_template(directory: Path) -> bool:
+    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
+        return True
+    tc = directory / "tokenizer_config.json"
+    try:
+        return bool(json.loads(tc.read_text(encoding="utf-8")).get("chat_template")) if tc.is_file() else False
+    except (OSError, ValueError):
+        return False
+
+
+def check_compatible_models(student: Path, other: Path | None, other_key: str, *, other_vocab: int | None = None,
+                            tokenizer: Path | None = None, same_shape: bool = False) -> None:
+    """Refuse a teacher (or stage 1's base) that cannot distil into `student`, from config files alone:
+    vocabulary size, token-for-token tokenizer agreement, and with `same_shape` (layer-wise ILD: the
+    student's layers learn the base's layer outputs) hidden size and layer count."""
+    scfg = _model_config("model.student", student)
+    if other is not None:
+        ocfg = _model_config(other_key, other)
+        other_vocab = ocfg.get("vocab_size")
+        if same_shape:
+            for k in ("hidden_size", "num_hidden_layers"):
+                if ocfg.get(k) != scfg.get(k):
+                    raise ConfigError(
+                        f"{other_key}={str(other)!r}: {k} {ocfg.get(k)} != the student's {scfg.get(k)} "
+                        f"({student / 'config.json'}); stage 1 distils layer by layer, so the base must be the "
+                        f"model the student was converted from", other_key)
+    if other_vocab is not None and other_vocab != scfg.get("vocab_size"):
+        raise ConfigError(
+            f"{other_key}={str(other) if other is not None else other_key!r}: vocabulary {other_vocab} != the "
+            f"student's {scfg.get('vocab_size')} ({student / 'config.json'}); teacher and student must share "
+            f"a tokenizer", other_key)
+    tok_dir = tokenizer or other
+    if tok_dir is None:
+        return
+    mine, theirs = _tokens(student), _tokens(tok_dir)
+    if mine is not None and theirs is not None:
+        differ = sorted(i for i in set(mine) & set(theirs) if mine[i] != theirs[i])
+        if differ:
+            i = differ[0]
+            raise ConfigError(
+                f"{other_key}: the tokenizers of {tok_dir} and the student ({student}) disagree on {len(differ)} "
+                f"token id(s), first id {i}: {theirs[i]!r} vs {mine[i]!r}; teacher and student must share a "
+                f"tokenizer", other_key)
+    if _has_chat_template(student) and not _has_chat_template(tok_dir):
+        print(f"[train] warning: {other_key}: {tok_dir} has no chat template but the student's tokenizer has one: "
+              f"the rows are chat-formatted for the student, a format this teacher may not know", file=sys.stderr,
+              flush=True)
+
+
+def _teacher_fits(cfg: StageConfig) -> None:
+    from pipeline.train.storage import is_uri
+
+    if not cfg.model.student or cfg.stage != 2 or is_uri(cfg.model.student):
+        return
+    from hylo.assets import resolve_path_or_asset
+
+    student = Path(cfg.model.student).expanduser()
+    t = cfg.teacher
+    if t.source == "inprocess" or (t.source == "serve" and t.start_pool):
+        from pipeline.teacher.model import resolve_model_path
+
+        tok = resolve_path_or_asset(t.model.tokenizer, "teacher.model.tokenizer", directory=True) \
+            if t.model.tokenizer else None
+        check_compatible_models(student, resolve_model_path(t.model.path), "teacher.model.path", tokenizer=tok)
+    elif t.source == "offline":
+        from pipeline.teacher.cache import load_manifest
+
+        vocab = load_manifest(t.cache_path).get("vocab_size")
+        check_compatible_models(student, None, "teacher.cache_path", other_vocab=vocab)
+
+
 def check_stage_inputs(cfg: StageConfig) -> None:
     from hylo.assets import resolve_path_or_asset
 
@@ -69,6 +180,9 @@ def check_stage_inputs(cfg: StageConfig) -> None:
         converted = run_dir(cfg) / "converted" / "hybrid_config.json"
         if not cfg.model.student and cfg.model.convert is not None and not converted.is_file():
             _convert_options_fit_the_base(cfg, base_dir)
+        if cfg.model.student and Path(cfg.model.student).expanduser().is_dir():
+            check_compatible_models(Path(cfg.model.student).expanduser(), Path(base_dir), "model.base",
+                                    same_shape=True)
     else:
         t = cfg.teacher
         if t.source == "inprocess" or (t.source == "serve" and t.start_pool):
@@ -79,5 +193,6 @@ def check_stage_inputs(cfg: StageConfig) -> None:
             from pipeline.teacher.cache import load_manifest
 
             load_manifest(t.cache_path)
+        _teacher_fits(cfg)
     if cfg.data.source == "parquet":
         _data(cfg)

@@ -21,7 +21,9 @@ Design choices:
   the manifests; then the `--resume` choice) are checked by every rank (sizes; checksums shared out,
   or of each rank's own download for remote storage) and the newest intact one wins; every skipped
   one is printed with its reason. Then the metrics file is cut back to the resumed step.
-* Rank 0 writes each step's metrics record itself, before reporting it.
+* Rank 0 writes each step's metrics record itself, before reporting it; a checkpoint also holds the
+  records of its steps since the previous one, and a resume puts back any of them the file lost (a
+  torn last line, a stale local copy), so each finished step is in metrics.jsonl exactly once.
 * Preemption, checked at every step boundary (`Session.preemption`, collective): SIGTERM to the driver
   (its handler writes `<run>/.preempt.json` with a deadline `checkpoint.preempt_grace_s` ahead) makes
   the workers write a final checkpoint when the last checkpoint took less than the time left, then
@@ -269,7 +271,7 @@ class Session:
 
 
 class RaySession(Session):
-    def upload(self, checkpoint, dir_name: str):
+    def upload_files(self, checkpoint, dir_name: str):
         """Ray Train's `checkpoint_upload_fn`: this worker's files into `<run>/<dir_name>`, where Ray's
         own copy would put them, retried as `checkpoint.upload_*` say (storage.upload_with_retries)."""
         import ray.train
@@ -310,14 +312,33 @@ class RaySession(Session):
             # merge the new files into it
             target.rmtree()
         dist.barrier()
-        ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),
-                         checkpoint_dir_name=target.name, checkpoint_upload_fn=self.upload)
+        self.upload(record, ckpt_dir, target, step)
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         # every worker has uploaded its files: rank 0 checks them and writes the manifest
         dist.barrier()
         if self.ctx.rank == 0:
-            ckpt_lib.finalize_checkpoint(target, step, self.ctx.world_size, self.launch_id)
+            try:
+                ckpt_lib.finalize_checkpoint(target, step, self.ctx.world_size, self.launch_id)
+            except OSError as e:
+                if not ckpt_lib.is_disk_full(e):
+                    raise
+                raise ckpt_lib.upload_error(target, None, e, step, 0, file=ckpt_lib.MANIFEST) from e
             self.after_checkpoint()
+
+
+    def upload(self, record: dict[str, Any], ckpt_dir: Path, target: Loc, step: int) -> None:
+        """Ray Train reports the checkpoint and copies this rank's scratch directory into `target` with
+        `upload_files`; a full storage is reported with the checkpoint, the file and the space left
+        (Ray's own error says only "No space left on device")."""
+        import ray.train
+
+        try:
+            ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),
+                             checkpoint_dir_name=target.name, checkpoint_upload_fn=self.upload_files)
+        except Exception as e:
+            if not ckpt_lib.is_disk_full(e):
+                raise
+            raise ckpt_lib.upload_error(target, ckpt_dir, e, step, self.ctx.rank) from e
 
 
 class TorchrunSession(Session):
@@ -470,10 +491,12 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     zero_partition_report(task.engine, ctx)
 
     start = 0
+    saved_records: list[dict[str, Any]] = []
     resume = session.resume_checkpoint()
     if resume is not None:
         ckpt, local = resume
-        ckpt_lib.check_compatible(local, cfg, world, rows.fingerprint)
+        state = ckpt_lib.check_compatible(local, cfg, world, rows.fingerprint)
+        saved_records = checkpoint_records(state)
         rank_state = ckpt_lib.load_checkpoint(task.engine, local, rank)
         rows.seek(rank_state["data"]["position"])
         start = int(rank_state["step"])
@@ -481,16 +504,24 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
             print(f"[train] resumed from {ckpt} at step {start}", flush=True)
     if session.writer is not None:
         # the metrics file continues from the resumed step: later records (and a torn last line) go
+        # (the records the checkpoint holds come back when the file lost them: a torn last line, a
+        # relaunch on a node whose local copy is older than the checkpoint)
         remote = None if session.run.is_local else session.run / METRICS_FILE
-        session.writer.restart_at(start, remote)
+        session.writer.restart_at(start, remote, restore=saved_records)
+
+    since_checkpoint: list[dict[str, Any]] = []
 
     def checkpoint(step: int, record: dict[str, Any], metrics: bool = True) -> float:
         """Collective: save and report step's checkpoint; returns how long that took (the slowest rank)."""
         t_ckpt = time.perf_counter()
         ckpt_dir = session.scratch_dir(step)
+        # the checkpoint holds the records of its steps since the previous one: a resume rebuilds
+        # any of them metrics.jsonl lost, so every finished step is in the file exactly once
         ckpt_lib.save_checkpoint(task.engine, ckpt_dir, rank, world, step, cfg,
-                                 {"data": rows.state()}, {"metrics": record, "total_steps": total,
+                                 {"data": rows.state()}, {"metrics": record, "metrics_since_previous":
+                                  list(since_checkpoint), "total_steps": total,
                                   "data_fingerprint": rows.fingerprint})
+        since_checkpoint.clear()
         session.report(record, step, ckpt_dir, metrics=metrics)
         return ctx.all_max([time.perf_counter() - t_ckpt])[0]
 
@@ -502,6 +533,7 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         result = stage.train_step(task, batch, ctx)
         record = reduce_record(ctx, result, batch, rows, time.perf_counter() - t0, total)
         record["resumed_from"] = start
+        since_checkpoint.append(record)
         save = step % cfg.checkpoint.every_steps == 0 or step == last
         if save:
             ckpt_seconds = checkpoint(step, record)
@@ -525,6 +557,15 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     if cfg.checkpoint.consolidate:
         consolidate(task, ctx, session.run, cfg.model.student)
     session.close()
+
+
+def checkpoint_records(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The metrics records a checkpoint's trainer state holds (its steps since the previous checkpoint;
+    older checkpoints hold only their own step's record)."""
+    records = state.get("metrics_since_previous") or []
+    if not records and isinstance(state.get("metrics"), dict):
+        records = [state["metrics"]]
+    return [r for r in records if isinstance(r, dict) and "step" in r]
 
 
 def consolidate(task, ctx: WorkerContext, run: Loc, source: str | None) -> None:

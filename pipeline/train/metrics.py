@@ -9,7 +9,9 @@ Design choices:
 * JSONL lines are appended with one `write` each on an O_APPEND descriptor and fsynced, so a line is
   whole or (after a kill mid-write) a torn tail. A (re)started run first rewrites the file
   (atomically) to the records of the steps up to the checkpoint it resumed from: a torn line and the
-  records of steps it will recompute go, with a warning. Readers skip a torn line with a warning and
+  records of steps it will recompute go, with a warning, and a record of a step up to the checkpoint
+  that the file lost comes back from the checkpoint (which holds the records of its steps since the
+  previous checkpoint): every finished step is in the file exactly once. Readers skip a torn line with a warning and
   keep the last record of each step (`read_metrics`).
 * Memory: peak RSS of the worker process on CPU (`ru_maxrss`), `max_memory_allocated` on GPU.
 """
@@ -75,17 +77,20 @@ class MetricsWriter:
             self._tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=self._purge_step)
         return self._tb
 
-    def restart_at(self, step: int, remote: Loc | None = None) -> list[str]:
+    def restart_at(self, step: int, remote: Loc | None = None,
+                   restore: list[dict[str, Any]] | None = None) -> list[str]:
         """A run (re)starting after `step` (0: from scratch): keep only the records of steps <= `step`,
-        dropping torn lines; `remote`: the run's metrics file in remote storage, preferred when present.
-        Returns the warnings (also printed)."""
+        dropping torn lines, one record per step (the last); `restore`: records of steps <= `step` kept
+        elsewhere (the resumed checkpoint's), put back when the file lacks them; `remote`: the run's
+        metrics file in remote storage, preferred when present. Returns the warnings (also printed)."""
         path = self.run_dir / METRICS_FILE
         text = ""
         if remote is not None and remote.is_file():
             text = remote.read_text()
         elif path.is_file():
             text = path.read_text(errors="replace")
-        kept, warnings = [], []
+        kept: dict[int, str] = {}
+        warnings = []
         dropped_later = 0
         for i, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -99,13 +104,20 @@ class MetricsWriter:
             if s > step:
                 dropped_later += 1
             else:
-                kept.append(line)
+                kept[s] = line
         if dropped_later:
             warnings.append(f"{path}: dropped {dropped_later} record(s) of steps after {step}, where this run "
                             f"continues")
-        if text or path.exists():
+        restored = sorted(int(r["step"]) for r in restore or [] if int(r["step"]) <= step and int(r["step"]) not in kept)
+        for r in restore or []:
+            if int(r["step"]) in restored:
+                kept[int(r["step"])] = json.dumps(r, sort_keys=True)
+        if restored:
+            warnings.append(f"{path}: restored the record(s) of step(s) {', '.join(map(str, restored))} from the "
+                            f"checkpoint (the file had lost them)")
+        if text or path.exists() or kept:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, "".join(line + "\n" for line in kept))
+            atomic_write(path, "".join(kept[s] + "\n" for s in sorted(kept)))
         for w in warnings:
             print(f"[metrics] warning: {w}", file=self.stream or sys.stdout, flush=True)
         self._purge_step = step + 1

@@ -21,6 +21,7 @@ Design choices:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -255,13 +256,16 @@ def upload_with_retries(src: Path, target: Loc, retries: int, backoff_s: float, 
             target.upload_dir(src)
             return
         except OSError as e:  # pyarrow reports network and service errors as OSError
+            if e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e):
+                # a full disk does not empty itself: reported at once, naming the file and the space left
+                raise
             lines = str(e).strip().splitlines()
             # Ray Train retries an upload whose error text holds "AWS Error <code>" 3 more times on its
             # own; the retries here are the configured ones, so the cause is quoted without that token.
             cause = f"{type(e).__name__}: {lines[0] if lines else ''}".replace("AWS Error ", "AWS ")
             if attempt == retries:
                 raise CheckpointUploadError(
-                    f"uploading checkpoint {target.name} to {target} failed {attempt + 1} time(s) "
+                    f"uploading checkpoint {target} failed {attempt + 1} time(s) "
                     f"(checkpoint.upload_retries={retries}): {cause}. The earlier checkpoints are intact; "
                     f"once the storage is back, --resume continues from the newest of them") from None
             wait = backoff_s * 2 ** attempt

@@ -1,0 +1,78 @@
+"""Which worker failures Ray Train retries: faults yes, errors in the user's input no.
+
+Ray Train 2.x decides in its failure policy (`ray.train.v2._internal.execution.failure_handling.
+DefaultFailurePolicy`): every `WorkerGroupError` is retryable and counts against
+`FailureConfig(max_failures)`, whatever the workers raised. A teacher of another vocabulary, a bad
+config value found inside a worker, a full disk, were thus retried `ray.max_failures` times (each
+retry starting the workers and loading the models again) before the run failed.
+
+`InputErrorsAreFinal` keeps Ray's policy and adds one rule: a worker-group failure in which some
+worker raised an input error (the classes and path errors `pipeline.cli.input_error_message` knows:
+ConfigError, CheckpointError, a missing file, ENOSPC, ...) and no worker died (a killed process, a
+lost node: `RayActorError`, which keeps its retries) is raised at once. The driver installs it for
+its `fit()` (`final_input_errors`); Ray has no public switch for this, so the hook is Ray's factory
+(`create_failure_policy`, imported by `ray.train.v2.api.data_parallel_trainer`). When a Ray version
+lacks it the run goes on with Ray's own policy and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+
+
+def worker_input_error(error: BaseException) -> str | None:
+    """`worker N: <message>` when a worker of this Ray Train failure raised an input error and none
+    died; None for a fault (or anything else) that Ray may retry."""
+    from ray.exceptions import RayActorError
+
+    from pipeline.cli import input_error_message
+
+    failures = getattr(error, "worker_failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return None
+    found = None
+    for rank, failure in sorted(failures.items(), key=lambda kv: str(kv[0])):
+        # Ray wraps the worker's exception (UserExceptionWithTraceback) and keeps it as _base_exc
+        base = getattr(failure, "_base_exc", failure)
+        if isinstance(base, RayActorError) or isinstance(failure, RayActorError):
+            return None  # a dead worker: a fault, whatever the others said after it
+        msg = input_error_message(base) if isinstance(base, BaseException) else None
+        if msg and found is None:
+            found = f"worker {rank}: {msg}"
+    return found
+
+
+class InputErrorsAreFinal(DefaultFailurePolicy):
+    """Ray's default failure policy, except that an input error of a worker is never retried."""
+
+    def make_decision(self, training_failed_error: Any) -> FailureDecision:
+        message = worker_input_error(training_failed_error)
+        if message is not None:
+            print(f"[train] not retrying: the input is wrong, not the machine ({message})", flush=True)
+            return FailureDecision.RAISE
+        return super().make_decision(training_failed_error)
+
+
+@contextlib.contextmanager
+def final_input_errors() -> Iterator[bool]:
+    """While fitting: Ray Train builds `InputErrorsAreFinal` as its failure policy. Yields whether it
+    could be installed."""
+    try:
+        from ray.train.v2.api import data_parallel_trainer as dpt
+    except ImportError:
+        dpt = None
+    if dpt is None or not hasattr(dpt, "create_failure_policy"):
+        print("[train] warning: this Ray version has no failure-policy factory: input errors inside workers "
+              "are retried like faults (ray.max_failures)", flush=True)
+        yield False
+        return
+    saved = dpt.create_failure_policy
+    dpt.create_failure_policy = lambda failure_config: InputErrorsAreFinal(failure_config)
+    try:
+        yield True
+    finally:
+        dpt.create_failure_policy = saved

@@ -1,0 +1,181 @@
+"""One run at a time per run directory: `<run dir>/run.lock`, taken by the driver before Ray starts.
+
+    with run_lock(run_loc(cfg), break_lock=args.break_lock, owner=launch):
+        ...   # check the directory, convert, start Ray, fit
+
+Design choices:
+* The lock is a small JSON file naming its holder: host, pid, the process's start time (so a reused pid
+  is not mistaken for the holder), when it was taken, the command line, and an `owner` (a torchrun
+  rendezvous: its relaunched ranks take their own lock back). Two runs started together on the same
+  storage and name used to both pass the "already holds checkpoints" check and overwrite each other's
+  checkpoints, metrics and model; the second now stops at once with the holder's details.
+* Local (or shared-filesystem) storage: the file is created with O_CREAT | O_EXCL, atomic on a local
+  disk and on NFSv3+. It is removed when the driver ends (normally, by an exception, Ctrl-C or
+  SIGTERM: the driver turns SIGTERM into an exit).
+* A lock whose holder is gone (a driver killed with SIGKILL, a machine that rebooted) is recognised
+  (same host: the pid is dead or belongs to a later process) and reported, never taken over silently:
+  the user confirms that no run uses the directory with `--break-lock` (or deletes the file). A lock
+  held from another host cannot be checked from here; it is reported with its host, and `--break-lock`
+  takes it over. A lock held by a live process of this host is never broken.
+* URI storage (`s3://`, `gs://`): object stores behind pyarrow have no create-if-absent (S3's
+  conditional PUT is not exposed by pyarrow's filesystem), so the lock is two parts: an atomic local
+  lock beside the run's local mirror (`$TMPDIR/hylo-runs/...`: exact for drivers on the same machine),
+  and `run.lock` in the bucket, written after checking that none exists and read back. Two drivers on
+  different machines that start within the same second can both get past the bucket check; every
+  other overlap is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from pipeline.train.storage import Loc, StorageError, local_mirror
+
+LOCK_FILE = "run.lock"
+
+
+class RunLockError(StorageError):
+    """The run directory is owned by another run (or a stale lock of a dead one is in the way)."""
+
+
+def _proc_start(pid: int) -> str | None:
+    """The start time of process `pid` in clock ticks since boot (Linux), None when unknown or gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # the command name (field 2) may hold spaces: split after its closing parenthesis
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def holder_record(owner: str | None = None) -> dict[str, Any]:
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "proc_start": _proc_start(pid),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "owner": owner,
+            "command": " ".join(sys.argv)}
+
+
+def holder_alive(h: dict[str, Any]) -> bool | None:
+    """True / False when the holder is (not) a live process of this host; None when it is on another host."""
+    if h.get("host") != socket.gethostname():
+        return None
+    pid = h.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    start = _proc_start(pid)
+    return start is None or h.get("proc_start") in (None, start)
+
+
+def describe(h: dict[str, Any]) -> str:
+    return (f"pid {h.get('pid')} on host {h.get('host')}, since {h.get('started')}"
+            + (f" ({h['command']})" if h.get("command") else ""))
+
+
+def _read(loc: Loc) -> dict[str, Any] | None:
+    try:
+        h = json.loads(loc.read_text())
+    except FileNotFoundError:
+        return None
+    except (ValueError, OSError):
+        return {"host": "?", "pid": None, "started": "? (unreadable lock file)"}
+    return h if isinstance(h, dict) else {"host": "?", "pid": None, "started": "? (unreadable lock file)"}
+
+
+def _refuse_or_break(lock: Loc, h: dict[str, Any], run: Loc, break_lock: bool, owner: str | None) -> None:
+    """An existing lock `h`: return when it may be replaced (this launch's own, or --break-lock of a dead or
+    unverifiable holder), else raise."""
+    if owner is not None and h.get("owner") == owner:
+        return  # a torchrun relaunch of the same rendezvous: its own lock
+    alive = holder_alive(h)
+    if alive:
+        raise RunLockError(
+            f"run directory {run} is in use by another run ({describe(h)}): two runs with the same "
+            f"ray.storage_path and ray.name would overwrite each other's checkpoints, metrics and model; "
+            f"wait for it to finish, or choose another ray.name")
+    if break_lock:
+        print(f"[train] --break-lock: taking over {lock} from {describe(h)}", flush=True)
+        return
+    if alive is False:
+        raise RunLockError(
+            f"run directory {run} holds a stale lock: its holder ({describe(h)}) is no longer running (killed "
+            f"before it could release {lock.name}?). If no other run uses this directory, pass --break-lock "
+            f"(or delete {lock}) and run the same command again")
+    raise RunLockError(
+        f"run directory {run} is locked by a run on another host ({describe(h)}); this machine cannot tell "
+        f"whether it still runs. If it does not, pass --break-lock (or delete {lock})")
+
+
+def _acquire_local(lock: Loc, run: Loc, record: dict[str, Any], break_lock: bool, owner: str | None) -> None:
+    path = lock.local()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(record, indent=1).encode()
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            h = _read(lock)
+            if h is None:
+                continue  # released meanwhile
+            _refuse_or_break(lock, h, run, break_lock, owner)
+            path.unlink(missing_ok=True)
+            continue
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
+    raise RunLockError(f"{lock}: could not take the lock (another run keeps taking it)")
+
+
+def _acquire_remote(lock: Loc, run: Loc, record: dict[str, Any], break_lock: bool, owner: str | None) -> None:
+    h = _read(lock)
+    if h is not None:
+        _refuse_or_break(lock, h, run, break_lock, owner)
+    lock.write_text(json.dumps(record, indent=1))
+    back = _read(lock)
+    if back != record:
+        raise RunLockError(f"run directory {run}: another run took {lock} at the same time "
+                           f"({describe(back or {})}); choose another ray.name or wait for it")
+
+
+def _release(lock: Loc, record: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        if _read(lock) == record:
+            lock.rmtree()
+
+
+@contextlib.contextmanager
+def run_lock(run: Loc, break_lock: bool = False, owner: str | None = None) -> Iterator[dict[str, Any]]:
+    """Hold `<run>/run.lock` for the block (see the module docstring); yields the holder record."""
+    record = holder_record(owner)
+    if run.is_local:
+        locks = [run / LOCK_FILE]
+        _acquire_local(locks[0], run, record, break_lock, owner)
+    else:
+        local = Loc.of(local_mirror(run) / LOCK_FILE)
+        _acquire_local(local, run, record, break_lock, owner)
+        locks = [local, run / LOCK_FILE]
+        try:
+            _acquire_remote(locks[1], run, record, break_lock, owner)
+        except BaseException:
+            _release(local, record)
+            raise
+    try:
+        yield record
+    finally:
+        for lock in reversed(locks):
+            _release(lock, record)
