@@ -169,3 +169,24 @@ def test_driver_sigterm_handler_records_the_request_and_names_the_checkpoint_to_
         with preemption_handler(cfg, run):
             os.kill(os.getpid(), signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_run_lock_left_in_storage_by_an_outage_is_reported_and_taken_back_by_its_process(tmp_path, capsys):
+    from pipeline.train.runlock import LOCK_FILE, RunLockError, run_lock
+
+    with s3_server() as s3:
+        run = Loc.of(s3.uri("runs/locked"))
+        with run_lock(run):
+            # the storage goes away before the run ends: its lock cannot be removed
+            s3.stop()
+        assert "could not remove s3://bucket/runs/locked/run.lock" in capsys.readouterr().out
+        s3.start()
+        assert (run / LOCK_FILE).is_file()
+        with run_lock(run):
+            assert "left by an earlier run of this process" in capsys.readouterr().out
+            # while this process holds it, the lock is not a leftover: a second run is refused
+            with pytest.raises(RunLockError, match="in use by another run"):
+                with run_lock(run):
+                    pass
+        assert not (run / LOCK_FILE).exists()
