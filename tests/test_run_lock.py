@@ -113,3 +113,22 @@ def test_the_driver_refuses_a_second_run_before_starting_anything(tmp_path, monk
     with run_lock(Loc.of(tmp_path / "shared")):
         with pytest.raises(RunLockError, match=f"run directory {tmp_path / 'shared'} is in use by another run"):
             run(2, args)
+
+
+def test_a_driver_stopped_with_sigterm_releases_its_lock(tmp_path):
+    """A scheduler (or torchrun, stopping the other ranks) sends SIGTERM: the driver exits through Python
+    and removes run.lock, so the next `--resume` is not refused for a stale lock."""
+    import os
+    import signal
+
+    code = ("import sys, time\nfrom pipeline.train.driver import exit_on_sigterm\n"
+            "from pipeline.train.runlock import run_lock\nfrom pipeline.train.storage import Loc\n"
+            "with exit_on_sigterm(), run_lock(Loc.of(sys.argv[1])):\n    print('locked', flush=True)\n"
+            "    time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.stdout.readline().strip() == "locked"
+    assert (tmp_path / "run" / LOCK_FILE).is_file()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not (tmp_path / "run" / LOCK_FILE).exists()

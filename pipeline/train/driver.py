@@ -408,7 +408,8 @@ def exit_on_sigterm():
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if signal.getsignal(signal.SIGTERM) is stop:  # not replaced meanwhile (ray.init installs its own)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher: str,
