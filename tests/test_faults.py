@@ -20,6 +20,8 @@ from pipeline.train.storage import CheckpointUploadError, Loc, upload_with_retri
 from fixtures_train import s3_server
 
 
+# moto keeps its buckets per process, across servers: each test (here and in test_faults_cluster.py)
+# uses keys of its own
 def scratch(tmp: Path, step: int, files: int = 6) -> Path:
     """One rank's scratch directory of a checkpoint, with its list of files (as a Ray worker writes it)."""
     d = tmp / f"scratch-{step}"
@@ -40,7 +42,7 @@ def upload_checkpoint(tmp: Path, run: Loc, step: int, **kw) -> Loc:
 @pytest.mark.slow
 def test_outage_mid_upload_fails_with_one_line_and_keeps_the_previous_checkpoint(tmp_path):
     with s3_server() as s3:
-        run = Loc.of(s3.uri("runs/outage"))
+        run = Loc.of(s3.uri("unit/outage"))
         previous = upload_checkpoint(tmp_path, run, 3, retries=0, backoff_s=0)
         # the directory markers and a few files (3 requests each: a multipart upload) go up, then it stops
         s3.outage_on("step_00000006/", after=14)
@@ -48,7 +50,7 @@ def test_outage_mid_upload_fails_with_one_line_and_keeps_the_previous_checkpoint
             upload_checkpoint(tmp_path, run, 6, retries=0, backoff_s=0)
         assert s3.stopped.is_set()
         msg = str(e.value)
-        assert "\n" not in msg and "uploading checkpoint s3://bucket/runs/outage/step_00000006 failed" in msg
+        assert "\n" not in msg and "uploading checkpoint s3://bucket/unit/outage/step_00000006 failed" in msg
         assert "failed 1 time(s) (checkpoint.upload_retries=0)" in msg and "--resume" in msg
         assert "AWS Error" not in msg  # Ray Train would retry it 3 more times on its own
         s3.start()
@@ -62,7 +64,7 @@ def test_outage_mid_upload_fails_with_one_line_and_keeps_the_previous_checkpoint
 @pytest.mark.slow
 def test_outage_shorter_than_the_retries_is_ridden_out(tmp_path, capsys):
     with s3_server() as s3:
-        run = Loc.of(s3.uri("runs/retry"))
+        run = Loc.of(s3.uri("unit/retry"))
         s3.outage_on("step_00000006/", after=1)
 
         def storage_returns():
@@ -176,11 +178,11 @@ def test_run_lock_left_in_storage_by_an_outage_is_reported_and_taken_back_by_its
     from pipeline.train.runlock import LOCK_FILE, RunLockError, run_lock
 
     with s3_server() as s3:
-        run = Loc.of(s3.uri("runs/locked"))
+        run = Loc.of(s3.uri("unit/locked"))
         with run_lock(run):
             # the storage goes away before the run ends: its lock cannot be removed
             s3.stop()
-        assert "could not remove s3://bucket/runs/locked/run.lock" in capsys.readouterr().out
+        assert "could not remove s3://bucket/unit/locked/run.lock" in capsys.readouterr().out
         s3.start()
         assert (run / LOCK_FILE).is_file()
         with run_lock(run):

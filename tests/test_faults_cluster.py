@@ -244,7 +244,9 @@ def test_node_preemption_notice_then_sigterm_resumes_from_the_just_in_time_check
     out = capfd.readouterr().out
     assert seen["accepted"][0], seen
     jit = [s for s, _ in ckpt_lib.list_checkpoints(rd) if s % 3]
-    assert len(jit) == 1 and "(preemption): final checkpoint" in out, out[-3000:]
+    # (the line "[train] Ray drains node(s) ... (preemption): final checkpoint step_N written" is not
+    # asserted: when rank 0 is on the drained node, its log may die with the node before Ray ships it)
+    assert len(jit) == 1, ([s for s, _ in ckpt_lib.list_checkpoints(rd)], out[-3000:])
     got = read_metrics(rd)
     assert summary["last_step"] == steps and list(got) == list(range(1, steps + 1))
     # the restart resumed from the just-in-time checkpoint (or a newer one, had a step finished before
