@@ -101,3 +101,23 @@ def ray_running(address: str | None = None, num_cpus: int | None = None, *,
     finally:
         if started:
             ray.shutdown()
+
+
+def kill_this_node() -> None:
+    """Fault injection (tests, drills): SIGKILL the Ray node this worker runs on, then this process.
+
+    Ray starts its workers as children of the node's raylet, which also holds the node's object store;
+    once it is gone the node's other processes exit and the cluster marks the node dead after its
+    health checks (`health_check_period_ms` x `health_check_failure_threshold`), as when a machine
+    vanishes. Outside a Ray worker (torchrun) only this process is killed.
+    """
+    import signal
+
+    ppid = os.getppid()
+    try:
+        is_raylet = Path(f"/proc/{ppid}/comm").read_text().strip() == "raylet"
+    except OSError:
+        is_raylet = False
+    if is_raylet:
+        os.kill(ppid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -58,55 +58,122 @@ def write_config(cfg: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def fake_s3(bucket: str = "bucket") -> Iterator[Callable[[str], str]]:
-    """A local S3 server (moto) for tests: yields `uri(key)` -> `s3://<bucket>/<key>?endpoint_override=...`
-    for pyarrow's S3 client; pickled filesystems carry the dummy credentials to Ray workers.
+# The dummy credentials of the local S3 server: Ray processes started before the server must have them too
+# (a filesystem made from the environment's credentials does not carry them when pickled).
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class FakeS3:
+    """A local S3 server (moto) that can go away and come back on the same port with the same objects.
+
+    `uri(key)` -> `s3://<bucket>/<key>?endpoint_override=...` for pyarrow's S3 client; pickled
+    filesystems carry the dummy credentials to Ray workers. `stop()` closes the port (new connections
+    are refused) and answers requests on connections still open with 503; `start()` brings it back.
+    `outage_on(fragment, after=n)`: the server stops itself when the (n+1)-th upload request whose
+    path holds `fragment` arrives, i.e. in the middle of uploading the files below it.
 
     moto 5.2 answers CompleteMultipartUpload with the wrong root element, which pyarrow's S3 client
-    rejects (getmoto/moto#10055); a small WSGI filter renames it.
+    rejects (getmoto/moto#10055); the WSGI wrapper renames it.
     """
-    from moto.server import DomainDispatcherApplication, create_backend_app
-    from werkzeug.serving import make_server
 
-    app = DomainDispatcherApplication(create_backend_app)
+    def __init__(self, bucket: str = "bucket") -> None:
+        from moto.server import DomainDispatcherApplication, create_backend_app
 
-    def fixed(environ, start_response):
+        self.bucket = bucket
+        self.app = DomainDispatcherApplication(create_backend_app)
+        self.port = 0
+        self.down = False
+        self.server: Any = None
+        self.thread: threading.Thread | None = None
+        self.outage: tuple[str, int] | None = None
+        self.stopped = threading.Event()
+        self.lock = threading.Lock()
+
+    def outage_on(self, fragment: str, after: int = 0) -> None:
+        self.outage = (fragment, after)
+
+    def _trip(self, environ) -> bool:
+        with self.lock:
+            if self.outage is None or environ["REQUEST_METHOD"] not in ("PUT", "POST"):
+                return False
+            fragment, after = self.outage
+            if fragment not in environ.get("PATH_INFO", ""):
+                return False
+            if after > 0:
+                self.outage = (fragment, after - 1)
+                return False
+            self.outage = None
+        threading.Thread(target=self.stop, daemon=True).start()
+        return True
+
+    def __call__(self, environ, start_response):
+        if self.down or self._trip(environ):
+            start_response("503 Service Unavailable", [("Content-Length", "0")])
+            return [b""]
         if not (environ["REQUEST_METHOD"] == "POST" and "uploadId=" in environ.get("QUERY_STRING", "")):
-            return app(environ, start_response)
+            return self.app(environ, start_response)
         got: dict[str, Any] = {}
 
         def capture(status, headers, exc_info=None):
             got.update(status=status, headers=headers)
             return lambda data: None
 
-        body = b"".join(app(environ, capture))
+        body = b"".join(self.app(environ, capture))
         body = body.replace(b"CompleteMultipartUploadResponse", b"CompleteMultipartUploadResult")
         headers = [(k, str(len(body)) if k.lower() == "content-length" else v) for k, v in got["headers"]]
         start_response(got["status"], headers)
         return [body]
 
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-    server = make_server("127.0.0.1", 0, fixed, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    def start(self) -> None:
+        from werkzeug.serving import make_server
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+        self.server = make_server("127.0.0.1", self.port, self, threaded=True)
+        self.port = self.server.server_address[1]
+        self.down = False
+        self.stopped.clear()
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.down = True
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
+        self.stopped.set()
+
+    def uri(self, key: str = "") -> str:
+        query = f"endpoint_override=http://127.0.0.1:{self.port}&allow_bucket_creation=true"
+        return f"s3://{self.bucket}/{key.strip('/')}?{query}" if key else f"s3://{self.bucket}?{query}"
+
+
+@contextlib.contextmanager
+def s3_server(bucket: str = "bucket") -> Iterator[FakeS3]:
+    """A running `FakeS3` with its bucket, the dummy credentials in the environment; stopped at the end."""
+    saved = {k: os.environ.get(k) for k in S3_ENV}
+    os.environ.update(S3_ENV)
+    s3 = FakeS3(bucket)
+    s3.start()
     try:
-        host, port = server.server_address[:2]
-        uri = f"s3://{bucket}?endpoint_override=http://{host}:{port}&allow_bucket_creation=true"
         import pyarrow.fs as pafs
 
-        fs, _ = pafs.FileSystem.from_uri(uri)
+        fs, _ = pafs.FileSystem.from_uri(s3.uri())
         fs.create_dir(bucket)
-        query = uri.split("?", 1)[1]
-        yield lambda key: f"s3://{bucket}/{key.strip('/')}?{query}"
+        yield s3
     finally:
-        server.shutdown()
-        thread.join()
+        s3.stop()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def fake_s3(bucket: str = "bucket") -> Iterator[Callable[[str], str]]:
+    """A local S3 server (moto) for tests: yields `uri(key)` -> `s3://<bucket>/<key>?endpoint_override=...`."""
+    with s3_server(bucket) as s3:
+        yield s3.uri

@@ -307,8 +307,9 @@ def test_a_full_storage_during_rays_upload_names_checkpoint_file_and_free_space(
     else:
         budget = Budget(100 * 1024)
 
-    def report(record, checkpoint=None, checkpoint_dir_name=None):
-        # what Ray Train does with a reported checkpoint: copy the worker's directory into storage
+    def report(record, checkpoint=None, checkpoint_dir_name=None, **upload):
+        # what Ray Train does with a reported checkpoint: copy the worker's directory into storage (here
+        # in place of the session's checkpoint_upload_fn, which needs a Ray Train context)
         src, dst = Path(checkpoint.path), disk / "run" / checkpoint_dir_name
         for f in sorted(p for p in src.rglob("*") if p.is_file()):
             out = dst / f.relative_to(src)

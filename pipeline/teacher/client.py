@@ -106,7 +106,8 @@ class TeacherClient:
     @classmethod
     def from_config(cls, handle_or_app_name: Any, cfg: TeacherClientConfig) -> TeacherClient:
         return cls(handle_or_app_name, max_inflight_rows=cfg.max_inflight_rows, timeout_s=cfg.timeout_s,
-                   max_retries=cfg.max_retries, k=cfg.k, dtype=cfg.dtype, chunk_tokens=cfg.chunk_tokens,
+                   max_retries=cfg.max_retries, k=cfg.k, dtype=cfg.dtype, retry_backoff_s=cfg.retry_backoff_s,
+                   chunk_tokens=cfg.chunk_tokens,
                    window_chunks=cfg.window_chunks)
 
     # ---------------------------------------------------------------- top-k
@@ -120,7 +121,10 @@ class TeacherClient:
                 f"{what} failed {attempts} time(s) (max_retries={self.max_retries}); last error: {err!r}"
             ) from err
         self.stats.retries += 1
-        time.sleep(self.retry_backoff_s * 2 ** (attempts - 1))
+        wait = self.retry_backoff_s * 2 ** (attempts - 1)
+        print(f"[teacher] {what}: {type(err).__name__}; sending it again ({attempts} of max_retries="
+              f"{self.max_retries}) in {wait:g} s", flush=True)
+        time.sleep(wait)
 
     def _wait(self, p: _Pending) -> TeacherTopK:
         while True:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config import NONEMPTY, PORT, above, at_least, one_of, renamed, rules
+from pipeline.config import NONEMPTY, PORT, above, at_least, each, one_of, renamed, rules
 from pipeline.ray_init import RayInitSection
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -46,13 +46,17 @@ class TeacherModelConfig:
 @dataclass
 @rules(app_name=NONEMPTY, num_replicas=at_least(1), num_cpus=at_least(0), num_gpus=at_least(0),
        max_batch_tokens=at_least(1), batch_wait_timeout_s=at_least(0), max_ongoing_requests=at_least(1),
-       stream_sessions=at_least(1), host=NONEMPTY, port=PORT, fail_on_row=at_least(1))
+       stream_sessions=at_least(1), host=NONEMPTY, port=PORT, fail_on_row=at_least(1),
+       resources=each(at_least(0)), fail_target=one_of("process", "node"))
 class TeacherPoolConfig:
     app_name: str = "teacher"
     num_replicas: int = 1
     # Per replica: a whole GPU on a cluster; a fraction of a CPU core here.
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    # Custom Ray resources per replica, e.g. {teacher_node: 1} to keep the replicas on the nodes that
+    # declare that resource (`ray start --resources='{"teacher_node": 1}'`), apart from the train workers.
+    resources: dict[str, float] | None = None
     # Token budget of one batched forward (serve.batch size function = tokens, not requests).
     max_batch_tokens: int = 8192
     batch_wait_timeout_s: float = 0.02
@@ -65,18 +69,25 @@ class TeacherPoolConfig:
     # deletes the file (so exactly one replica dies per arming) and exits its process.
     fail_marker: str = ""
     fail_on_row: int = 1
+    # Test only: what dies then: the replica's process, or its whole Ray node (raylet and all).
+    fail_target: str = "process"
 
 
 @dataclass
 @rules(k=at_least(1), dtype=one_of("float16", "bfloat16", "float32"), max_inflight_rows=at_least(1),
-       timeout_s=above(0), max_retries=at_least(0), chunk_tokens=at_least(1), window_chunks=at_least(1))
+       timeout_s=above(0), max_retries=at_least(0), retry_backoff_s=at_least(0), chunk_tokens=at_least(1),
+       window_chunks=at_least(1))
 class TeacherClientConfig:
     k: int = 64
     # Dtype of the top-k log-probabilities on the wire (indices int32, tail fp32).
     dtype: str = "float16"
     max_inflight_rows: int = 4
     timeout_s: float = 600.0
+    # A row whose replica died (or timed out, or was unavailable) is sent again, to a live replica, up to
+    # max_retries times, after retry_backoff_s, 2x, 4x ... seconds; size it to ride out a replica that
+    # Serve restarts elsewhere (with one replica, a lost node stalls the step until the new one is up).
     max_retries: int = 3
+    retry_backoff_s: float = 0.2
     # Stream mode: tokens per chunk, chunks per window request (bounds what is in flight).
     chunk_tokens: int = 1024
     window_chunks: int = 4

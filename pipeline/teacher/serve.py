@@ -17,7 +17,8 @@ Design choices:
   (a `serve.multiplexed` loader keyed by the session id, which also steers the next window to the
   same replica). A window that lands elsewhere recomputes the hidden states: slower, still exact.
 * Test hook: while `fail_marker` exists, the first replica to reach `fail_on_row` rows deletes it
-  and exits its process, to exercise the client's retries against a real replica death.
+  and exits its process (or kills its whole Ray node: `fail_target: node`), to exercise the client's
+  retries against a real replica death.
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ class TeacherDeployment:
             os.remove(marker)
         except FileNotFoundError:
             return
+        if self.pool_cfg.fail_target == "node":
+            from pipeline.ray_init import kill_this_node
+
+            # the replica's whole node goes, with the requests queued on it
+            kill_this_node()
         # Hard exit: in-flight requests on this replica see a dead actor, as with a real crash.
         os._exit(1)
 
@@ -167,7 +173,8 @@ def build_teacher_app(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfig
         name=f"{pool_cfg.app_name}_teacher",
         num_replicas=pool_cfg.num_replicas,
         max_ongoing_requests=pool_cfg.max_ongoing_requests,
-        ray_actor_options={"num_cpus": pool_cfg.num_cpus, "num_gpus": pool_cfg.num_gpus},
+        ray_actor_options={"num_cpus": pool_cfg.num_cpus, "num_gpus": pool_cfg.num_gpus,
+                           "resources": dict(pool_cfg.resources or {})},
     )
     return dep.bind(to_dict(model_cfg), to_dict(pool_cfg))
 
@@ -177,6 +184,8 @@ def start_teacher_pool(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfi
 
     Needs a running Ray (`ray.init(...)`); the caller owns `serve.shutdown()`.
     """
-    serve.start(http_options={"host": pool_cfg.host, "port": pool_cfg.port})
+    # One HTTP proxy, on the head: it only answers `GET /<app>` (rows go through handles), and proxies on
+    # every node would each bind pool.port (twice on one machine, when a cluster is simulated there).
+    serve.start(proxy_location="HeadOnly", http_options={"host": pool_cfg.host, "port": pool_cfg.port})
     return serve.run(build_teacher_app(model_cfg, pool_cfg), name=pool_cfg.app_name,
                      route_prefix=f"/{pool_cfg.app_name}")

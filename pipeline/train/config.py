@@ -126,7 +126,8 @@ class TrainSection:
 
 
 @dataclass
-@rules(every_steps=at_least(1), keep=at_least(1))
+@rules(every_steps=at_least(1), keep=at_least(1), upload_retries=at_least(0), upload_backoff_s=at_least(0),
+       preempt_grace_s=at_least(0))
 class CheckpointSection:
     every_steps: int = 100
     # Ray keeps this many checkpoints (oldest deleted first); None keeps all.
@@ -136,6 +137,16 @@ class CheckpointSection:
     # After a run that finished and consolidated, delete its ZeRO checkpoints (weights + Adam moments:
     # 12 bytes per parameter, 3x the fp32 model); for runs whose output is the consolidated model only.
     delete_after_consolidate: bool = False
+    # A checkpoint upload that fails (storage outage, network) is retried this many times, after
+    # upload_backoff_s, 2x, 4x ... seconds; then the run fails with one line naming the checkpoint, and
+    # `--resume` continues from the newest intact one once the storage is back. 0 = fail at once.
+    upload_retries: int = 3
+    upload_backoff_s: float = 5.0
+    # SIGTERM to the driver (a preemption): the workers finish their step and write a final checkpoint
+    # when the last checkpoint took less than this many seconds, else stop without one (the newest
+    # intact checkpoint is resumed from). Set it to the platform's notice period minus a margin
+    # (GCE spot 30 s, Kubernetes terminationGracePeriodSeconds, AWS spot 120 s).
+    preempt_grace_s: float = 25.0
 
 
 @dataclass
@@ -186,15 +197,19 @@ class MetricsSection:
 
 
 @dataclass
-@rules(kill_at_step=at_least(1), kill_rank=at_least(0), kill_when=one_of("mid_step", "after_checkpoint"))
+@rules(kill_at_step=at_least(1), kill_rank=at_least(0), kill_when=one_of("mid_step", "after_checkpoint"),
+       kill_target=one_of("worker", "node"))
 class FaultSection:
-    """Fault injection for the recovery tests: SIGKILL one worker once, at a chosen step."""
+    """Fault injection for the recovery tests: SIGKILL one worker (or its whole Ray node) once, at a chosen step."""
 
     kill_at_step: int | None = None
     kill_rank: int = 0
     # mid_step: after the forward of the step's first micro-batch; after_checkpoint: once step's
     # checkpoint has been reported.
     kill_when: str = "mid_step"
+    # worker: the worker process; node: the worker's Ray node (its raylet, object store and every
+    # process on it), as when a machine vanishes.
+    kill_target: str = "worker"
 
 
 # What stage 1 may train (ILDSection.trainable), in the order each adds to the one before.
@@ -353,7 +368,7 @@ NON_BREAKING = (
     "deepspeed.reduce_bucket_size", "deepspeed.stage3_prefetch_bucket_size", "train.max_steps",
     "data.path", "model.student", "model.base", "teacher.model.path", "teacher.model.device",
     "teacher.model.torch_threads", "teacher.model.max_forward_tokens", "teacher.pool.", "teacher.client.max_inflight_rows",
-    "teacher.client.timeout_s", "teacher.client.max_retries", "teacher.start_pool", "teacher.cache_path",
+    "teacher.client.timeout_s", "teacher.client.max_retries", "teacher.client.retry_backoff_s", "teacher.start_pool", "teacher.cache_path",
 )
 
 

@@ -33,6 +33,9 @@ Design choices:
   against the cluster before anything starts: a run that can never be scheduled fails at once.
 * Stage 1 converts the base model first when `model.student` is unset and `model.convert` is given.
 * Stage 2 with `teacher.source: serve` and `teacher.start_pool: true` deploys the teacher pool first.
+* SIGTERM to the driver (a preemption) asks the workers for a final checkpoint within
+  `checkpoint.preempt_grace_s` (loop.py), then the job exits with status 143 and one line naming the
+  checkpoint `--resume` continues from; a second SIGTERM stops at once.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +67,8 @@ from pipeline.train.storage import Loc, StorageError, check_storage_path, run_lo
 from pipeline.train.worker import Stage
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+# the exit status of a process ended by SIGTERM (128 + 15): schedulers take it for a preemption, not a bug
+PREEMPTED_EXIT = 143
 
 
 def build_parser(stage: int) -> argparse.ArgumentParser:
@@ -198,7 +204,8 @@ def resource_demand(cfg: StageConfig) -> list[tuple[str, int, dict[str, float]]]
     out = [("train worker", cfg.ray.num_workers, worker_resources(cfg))]
     if cfg.stage == 2 and cfg.teacher.source == "serve" and cfg.teacher.start_pool:
         pool = cfg.teacher.pool
-        out.append(("teacher replica", pool.num_replicas, {"CPU": pool.num_cpus, "GPU": pool.num_gpus}))
+        out.append(("teacher replica", pool.num_replicas,
+                    {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **(pool.resources or {})}))
     return [(what, n, {k: float(v) for k, v in res.items() if v}) for what, n, res in out]
 
 
@@ -261,6 +268,48 @@ def run_config(cfg: StageConfig, run: Loc):
     )
 
 
+class Preempted(RuntimeError):
+    """The driver got SIGTERM (a preemption); the message says which checkpoint `--resume` continues from."""
+
+
+@contextlib.contextmanager
+def preemption_handler(cfg: StageConfig, run: Loc) -> Iterator[None]:
+    """While training: SIGTERM asks the workers for a final checkpoint within `checkpoint.preempt_grace_s`
+    (loop.Session.preemption) and, once they stopped, raises `Preempted`; a second SIGTERM stops at once."""
+    from pipeline.train.loop import PREEMPT_FILE, read_preempt_request
+
+    grace = cfg.checkpoint.preempt_grace_s
+    flag = run / PREEMPT_FILE
+    flag.rmtree()  # a request left by an earlier, preempted start of this run
+
+    def on_sigterm(signum, frame) -> None:
+        if flag.is_file():
+            raise Preempted(f"a second {signal.Signals(signum).name}: stopping now; {resume_hint(run)}")
+        flag.write_text(json.dumps({"signal": signal.Signals(signum).name, "deadline": time.time() + grace,
+                                    "pid": os.getpid()}))
+        print(f"[train] {signal.Signals(signum).name}: the workers finish their step and write a final "
+              f"checkpoint if it fits in checkpoint.preempt_grace_s={grace:g} s, then stop", flush=True)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    request = read_preempt_request(run)
+    if request is not None:
+        flag.rmtree()
+        raise Preempted(f"preempted ({request.get('signal', 'SIGTERM')}): {resume_hint(run)}")
+
+
+def resume_hint(run: Loc) -> str:
+    latest = ckpt_lib.latest_checkpoint(run)
+    where = f"from {latest.name}, its newest intact checkpoint" if latest is not None else "from the start"
+    return f"run the same command with --resume to continue {where}"
+
+
 def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -284,12 +333,16 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
     from pipeline.train.failures import final_input_errors
 
     try:
-        # an input error inside a worker (a bad value, a full disk) fails the run at once: Ray's retries
-        # (ray.max_failures) are for faults
-        with final_input_errors():
-            result = trainer.fit()
-    except Exception as e:
-        raise TrainingError(e) from e
+        with preemption_handler(cfg, run):
+            try:
+                # an input error inside a worker (a bad value, a full disk) fails the run at once: Ray's
+                # retries (ray.max_failures) are for faults
+                with final_input_errors():
+                    result = trainer.fit()
+            except Preempted:
+                raise
+            except Exception as e:
+                raise TrainingError(e) from e
     finally:
         if pool is not None:
             from ray import serve
@@ -404,6 +457,9 @@ def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
 def main(stage: int) -> None:
     try:
         run(stage, sys.argv[1:])
+    except Preempted as e:
+        print(f"[train] {e}", file=sys.stderr)
+        sys.exit(PREEMPTED_EXIT)
     except (ConfigError, ckpt_lib.CheckpointError, StorageError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -11,7 +11,8 @@ Design choices:
   both stages share: process group, seeding, data position, resume, metrics reduction, checkpoint
   cadence, fault injection (a hook) and the final consolidation.
 * A `Session` hides the launcher: under Ray, checkpoints go through `ray.train.report(checkpoint=...)`
-  (each worker hands its scratch directory; Ray uploads them into `<run>/step_N`, local or a URI);
+  (each worker hands its scratch directory; our upload function copies it into `<run>/step_N`, local
+  or a URI, retrying a storage outage as `checkpoint.upload_retries` / `upload_backoff_s` say);
   under torchrun, ranks write `<run dir>/.tmp-step_N` and rank 0 renames it. Either way every rank
   lists size + sha256 of its files, and after a barrier rank 0 checks them and writes the manifest
   last (checkpoint.py). Both produce the same layout, so either resumes the other.
@@ -23,6 +24,11 @@ Design choices:
 * Rank 0 writes each step's metrics record itself, before reporting it; a checkpoint also holds the
   records of its steps since the previous one, and a resume puts back any of them the file lost (a
   torn last line, a stale local copy), so each finished step is in metrics.jsonl exactly once.
+* Preemption, checked at every step boundary (`Session.preemption`, collective): SIGTERM to the driver
+  (its handler writes `<run>/.preempt.json` with a deadline `checkpoint.preempt_grace_s` ahead) makes
+  the workers write a final checkpoint when the last checkpoint took less than the time left, then
+  stop; a Ray drain notice of one of the run's nodes (`ray.train.get_preemption_info`) makes them write
+  one checkpoint and go on until the node is gone, when Ray Train restarts them from it.
 * Loss normalisation: every step's loss is a mean over all loss tokens of the global batch. Each
   micro-batch contributes `sum / n_global * W` (DeepSpeed averages gradients over W ranks and we skip
   its 1/G scaling), so packed rows with different numbers of loss tokens weigh by their tokens.
@@ -34,6 +40,7 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -47,6 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipeline.ray_init import kill_this_node
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train.config import FaultSection, StageConfig, config_from_dict, run_dir
 from pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
@@ -60,6 +68,7 @@ from pipeline.train.storage import (
     local_mirror,
     remove_local,
     run_location,
+    upload_with_retries,
 )
 from pipeline.train.worker import Stage, StepResult, WorkerContext
 
@@ -68,7 +77,8 @@ PARTITION_FILE = "zero_partition.json"
 
 # ------------------------------------------------------------------------------------ fault injection
 class FaultInjection:
-    """A hook (`ctx.hooks`) that SIGKILLs this worker once, at the step, point and rank `fault.*` name."""
+    """A hook (`ctx.hooks`) that SIGKILLs this worker (or its Ray node) once, at the step, point and rank
+    `fault.*` name."""
 
     def __init__(self, fault: FaultSection) -> None:
         self.fault = fault
@@ -82,8 +92,30 @@ class FaultInjection:
         if marker.exists():
             return
         marker.write_text("killed\n")
+        if f.kill_target == "node":
+            print(f"[fault] rank {ctx.rank}: SIGKILL of its node at step {ctx.step} ({point})", flush=True)
+            kill_this_node()
         print(f"[fault] rank {ctx.rank}: SIGKILL at step {ctx.step} ({point})", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------ preemption
+PREEMPT_FILE = ".preempt.json"
+
+
+def read_preempt_request(run: Loc) -> dict[str, Any] | None:
+    """The driver's preemption request in the run's storage (written by its SIGTERM handler), or None."""
+    loc = run / PREEMPT_FILE
+    try:
+        if not loc.is_file():
+            return None
+        request = json.loads(loc.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        print(f"[train] warning: {run / PREEMPT_FILE} is unreadable ({e}); taken as a preemption request", flush=True)
+        return {}
+    return request if isinstance(request, dict) else {}
 
 
 # ------------------------------------------------------------------------------------ sessions
@@ -98,6 +130,7 @@ class Session:
         self.launch_id: str | None = loop_config.get("launch_id")
         self.run: Loc = loop_config.get("run") or run_location(ctx.cfg.ray.storage_path, ctx.cfg.ray.name)
         self._downloads: list[Path] = []
+        self._drains_seen: set[str] = set()
         self.writer: MetricsWriter | None = None
         if ctx.rank == 0:
             m = ctx.cfg.metrics
@@ -162,11 +195,47 @@ class Session:
                                            + "\n  ".join(skipped))
         return None
 
+    # ---------------------------------------------------------------- preemption
+    def drain_notice(self) -> dict[str, Any] | None:
+        """Launcher-specific, collective: a notice that a node of this run is about to go (None: none)."""
+        return None
+
+    def preemption(self, ckpt_seconds: float | None) -> dict[str, Any] | None:
+        """Collective, at a step boundary: None, or what to do about a preemption, the same on every
+        rank: {"source", "final": write a checkpoint now, "stop": leave the loop, "why"}.
+
+        The driver's SIGTERM handler writes `<run>/.preempt.json` (its deadline: now +
+        `checkpoint.preempt_grace_s`): the workers write a final checkpoint when the last one took
+        less than the time left, then stop. A drain notice of a node (Ray's preemption signal) asks
+        for one checkpoint, once, and training goes on until the node is gone (Ray Train then
+        restarts the workers from that checkpoint)."""
+        drain = self.drain_notice()
+        notice = None
+        if self.ctx.rank == 0:
+            request = read_preempt_request(self.run)
+            if request is not None:
+                notice = {"source": f"preempted ({request.get('signal', 'SIGTERM')} to the driver)",
+                          "deadline": request.get("deadline"), "stop": True}
+            elif drain is not None and drain["key"] not in self._drains_seen:
+                self._drains_seen.add(drain["key"])
+                notice = {"source": drain["source"], "deadline": drain["deadline"], "stop": False}
+            if notice is not None:
+                left = None if notice["deadline"] is None else notice["deadline"] - time.time()
+                notice["final"] = left is None or ckpt_seconds is None or ckpt_seconds <= left
+                notice["why"] = ("" if notice["final"] else
+                                 f"no time for a final checkpoint ({max(0.0, left):.0f} s left, the last one "
+                                 f"took {ckpt_seconds:.0f} s); the newest intact checkpoint is resumed from")
+        box = [notice]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     # ---------------------------------------------------------------- checkpoints + metrics
     def scratch_dir(self, step: int) -> Path:
         raise NotImplementedError
 
-    def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
+    def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None, metrics: bool = True) -> None:
+        """Report step's record (written to the metrics file unless `metrics` is false: a second
+        report of the same step) and, with `ckpt_dir`, its checkpoint."""
         raise NotImplementedError
 
     def write_metrics(self, record: dict[str, Any]) -> None:
@@ -202,13 +271,37 @@ class Session:
 
 
 class RaySession(Session):
+    def upload_files(self, checkpoint, dir_name: str):
+        """Ray Train's `checkpoint_upload_fn`: this worker's files into `<run>/<dir_name>`, where Ray's
+        own copy would put them, retried as `checkpoint.upload_*` say (storage.upload_with_retries)."""
+        import ray.train
+
+        storage = ray.train.get_context().get_storage()
+        dest = storage.build_checkpoint_path_from_name(dir_name)
+        c = self.ctx.cfg.checkpoint
+        upload_with_retries(Path(checkpoint.path), Loc(storage.storage_filesystem, dest, self.run.scheme),
+                            c.upload_retries, c.upload_backoff_s, f"rank {self.ctx.rank}: ")
+        return ray.train.Checkpoint(path=dest, filesystem=storage.storage_filesystem)
+
+    def drain_notice(self) -> dict[str, Any] | None:
+        import ray.train
+
+        info = ray.train.get_preemption_info()
+        if info is None:
+            return None
+        nodes = ", ".join(n[:12] for n in info.preempted_node_ids)
+        return {"key": ",".join(info.preempted_node_ids),
+                "source": f"Ray drains node(s) {nodes} of rank(s) {info.preempted_ranks} (preemption)",
+                "deadline": info.deadline_ms / 1000 if info.deadline_ms else None}
+
     def scratch_dir(self, step: int) -> Path:
         return fresh_local_dir(f"hylo-ckpt-{step}-r{self.ctx.rank}-")
 
-    def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
+    def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None, metrics: bool = True) -> None:
         import ray.train
 
-        self.write_metrics(record)
+        if metrics:
+            self.write_metrics(record)
         if ckpt_dir is None:
             ray.train.report(record)
             return
@@ -234,13 +327,14 @@ class RaySession(Session):
 
 
     def upload(self, record: dict[str, Any], ckpt_dir: Path, target: Loc, step: int) -> None:
-        """Ray Train copies this rank's scratch directory into `target`; a full storage is reported with
-        the checkpoint, the file and the space left (Ray's own error says only "No space left on device")."""
+        """Ray Train reports the checkpoint and copies this rank's scratch directory into `target` with
+        `upload_files`; a full storage is reported with the checkpoint, the file and the space left
+        (Ray's own error says only "No space left on device")."""
         import ray.train
 
         try:
             ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),
-                             checkpoint_dir_name=target.name)
+                             checkpoint_dir_name=target.name, checkpoint_upload_fn=self.upload_files)
         except Exception as e:
             if not ckpt_lib.is_disk_full(e):
                 raise
@@ -255,8 +349,9 @@ class TorchrunSession(Session):
         dist.barrier()
         return tmp
 
-    def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
-        self.write_metrics(record)
+    def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None, metrics: bool = True) -> None:
+        if metrics:
+            self.write_metrics(record)
         if ckpt_dir is None:
             return
         dist.barrier()
@@ -415,6 +510,22 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         session.writer.restart_at(start, remote, restore=saved_records)
 
     since_checkpoint: list[dict[str, Any]] = []
+
+    def checkpoint(step: int, record: dict[str, Any], metrics: bool = True) -> float:
+        """Collective: save and report step's checkpoint; returns how long that took (the slowest rank)."""
+        t_ckpt = time.perf_counter()
+        ckpt_dir = session.scratch_dir(step)
+        # the checkpoint holds the records of its steps since the previous one: a resume rebuilds
+        # any of them metrics.jsonl lost, so every finished step is in the file exactly once
+        ckpt_lib.save_checkpoint(task.engine, ckpt_dir, rank, world, step, cfg,
+                                 {"data": rows.state()}, {"metrics": record, "metrics_since_previous":
+                                  list(since_checkpoint), "total_steps": total,
+                                  "data_fingerprint": rows.fingerprint})
+        since_checkpoint.clear()
+        session.report(record, step, ckpt_dir, metrics=metrics)
+        return ctx.all_max([time.perf_counter() - t_ckpt])[0]
+
+    ckpt_seconds: float | None = None
     for step in range(start + 1, last + 1):
         ctx.step = step
         t0 = time.perf_counter()
@@ -424,19 +535,24 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         record["resumed_from"] = start
         since_checkpoint.append(record)
         save = step % cfg.checkpoint.every_steps == 0 or step == last
-        ckpt_dir = None
         if save:
-            ckpt_dir = session.scratch_dir(step)
-            # the checkpoint holds the records of its steps since the previous one: a resume rebuilds
-            # any of them metrics.jsonl lost, so every finished step is in the file exactly once
-            ckpt_lib.save_checkpoint(task.engine, ckpt_dir, rank, world, step, cfg,
-                                     {"data": rows.state()}, {"metrics": record, "metrics_since_previous":
-                                      since_checkpoint, "total_steps": total,
-                                      "data_fingerprint": rows.fingerprint})
-            since_checkpoint = []
-        session.report(record, step, ckpt_dir)
-        if save:
+            ckpt_seconds = checkpoint(step, record)
             ctx.hook("after_checkpoint")
+        else:
+            session.report(record, step, None)
+        if step == last:
+            break
+        notice = session.preemption(ckpt_seconds)
+        if notice is None:
+            continue
+        if notice["final"] and not save:
+            ckpt_seconds = checkpoint(step, record, metrics=False)
+        if rank == 0:
+            print(f"[train] {notice['source']}: " + (f"final checkpoint {ckpt_lib.step_dir_name(step)} written"
+                  if notice["final"] else notice["why"]), flush=True)
+        if notice["stop"]:
+            session.close()
+            return
 
     if cfg.checkpoint.consolidate:
         consolidate(task, ctx, session.run, cfg.model.student)

@@ -94,11 +94,27 @@ def _read(loc: Loc) -> dict[str, Any] | None:
     return h if isinstance(h, dict) else {"host": "?", "pid": None, "started": "? (unreadable lock file)"}
 
 
+# The records of the locks this process holds now. A lock naming this very process (host, pid, start
+# time) that is not among them was left by one of its earlier runs whose release failed (the storage
+# was unreachable when that run stopped): this process may take it back.
+_HELD: list[dict[str, Any]] = []
+
+
+def _left_by_this_process(h: dict[str, Any]) -> bool:
+    me = holder_record()
+    return (all(h.get(k) == me[k] for k in ("host", "pid", "proc_start"))
+            and not any(h == held for held in _HELD))
+
+
 def _refuse_or_break(lock: Loc, h: dict[str, Any], run: Loc, break_lock: bool, owner: str | None) -> None:
-    """An existing lock `h`: return when it may be replaced (this launch's own, or --break-lock of a dead or
-    unverifiable holder), else raise."""
+    """An existing lock `h`: return when it may be replaced (this launch's own, this process's leftover,
+    or --break-lock of a dead or unverifiable holder), else raise."""
     if owner is not None and h.get("owner") == owner:
         return  # a torchrun relaunch of the same rendezvous: its own lock
+    if _left_by_this_process(h):
+        print(f"[train] {lock} was left by an earlier run of this process (its release failed); taking it back",
+              flush=True)
+        return
     alive = holder_alive(h)
     if alive:
         raise RunLockError(
@@ -153,9 +169,21 @@ def _acquire_remote(lock: Loc, run: Loc, record: dict[str, Any], break_lock: boo
 
 
 def _release(lock: Loc, record: dict[str, Any]) -> None:
-    with contextlib.suppress(OSError):
-        if _read(lock) == record:
+    try:
+        try:
+            current = json.loads(lock.read_text())
+        except FileNotFoundError:
+            return
+        except ValueError:
+            return  # not a lock this process wrote
+        if current == record:
             lock.rmtree()
+    except OSError as e:
+        # e.g. the storage went away (the outage that stopped the run): the lock stays behind, and the
+        # next start of this run reports it as stale
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"[train] warning: could not remove {lock} ({type(e).__name__}: {first}); once no run uses the "
+              f"directory, the next start needs --break-lock", flush=True)
 
 
 @contextlib.contextmanager
@@ -174,8 +202,10 @@ def run_lock(run: Loc, break_lock: bool = False, owner: str | None = None) -> It
         except BaseException:
             _release(local, record)
             raise
+    _HELD.append(record)
     try:
         yield record
     finally:
+        _HELD.remove(record)
         for lock in reversed(locks):
             _release(lock, record)

@@ -10,19 +10,25 @@ Design choices:
   (`storage_filesystem` + a path on it), so Ray and this code agree on where checkpoints are.
 * Local writes are atomic (temp file + rename); an object store's single PUT is atomic already.
 * Things written as local files first (the consolidated model, TensorBoard events, metrics) are
-  uploaded with `upload_dir` / `Loc.write_bytes`; checkpoints are uploaded by Ray Train itself.
+  uploaded with `upload_dir` / `Loc.write_bytes`. Checkpoints go through Ray Train's report with our
+  upload function (`upload_with_retries`): a storage outage is retried `checkpoint.upload_retries`
+  times with exponential back-off from `checkpoint.upload_backoff_s`, then fails with one line (Ray's
+  own copy retries only S3 errors, a fixed 3 times); the manifest is written after the upload, so a
+  checkpoint cut short by an outage is never resumed from.
 * A relative `ray.storage_path` is refused inside a `ray job submit` job: its working directory is a
   temporary copy that Ray deletes, so the run would vanish while the job reports success.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +44,10 @@ JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 class StorageError(RuntimeError):
     """A storage path or URI that cannot be used; the message says which and why."""
+
+
+class CheckpointUploadError(StorageError):
+    """A checkpoint could not be uploaded within `checkpoint.upload_retries`; names it, the storage and the cause."""
 
 
 def is_uri(path: str | os.PathLike) -> bool:
@@ -236,6 +246,32 @@ class Loc:
         self.fs.create_dir(self.path, recursive=True)
         pafs.copy_files(str(src), self.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs,
                         use_threads=not isinstance(self.fs, pafs.S3FileSystem))
+
+
+def upload_with_retries(src: Path, target: Loc, retries: int, backoff_s: float, who: str = "") -> None:
+    """Copy local directory `src` into `target`, retrying a failed copy `retries` times after
+    `backoff_s`, 2 x, 4 x ... seconds (files already there are replaced); raises `CheckpointUploadError`."""
+    for attempt in range(retries + 1):
+        try:
+            target.upload_dir(src)
+            return
+        except OSError as e:  # pyarrow reports network and service errors as OSError
+            if e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e):
+                # a full disk does not empty itself: reported at once, naming the file and the space left
+                raise
+            lines = str(e).strip().splitlines()
+            # Ray Train retries an upload whose error text holds "AWS Error <code>" 3 more times on its
+            # own; the retries here are the configured ones, so the cause is quoted without that token.
+            cause = f"{type(e).__name__}: {lines[0] if lines else ''}".replace("AWS Error ", "AWS ")
+            if attempt == retries:
+                raise CheckpointUploadError(
+                    f"uploading checkpoint {target} failed {attempt + 1} time(s) "
+                    f"(checkpoint.upload_retries={retries}): {cause}. The earlier checkpoints are intact; "
+                    f"once the storage is back, --resume continues from the newest of them") from None
+            wait = backoff_s * 2 ** attempt
+            print(f"[checkpoint] {who}uploading {target.name} failed ({cause}); retry {attempt + 1} of "
+                  f"{retries} in {wait:g} s", flush=True)
+            time.sleep(wait)
 
 
 def storage_location(storage_path: str) -> Loc:

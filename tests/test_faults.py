@@ -1,0 +1,194 @@
+"""Faults without a cluster: a storage outage in the middle of a checkpoint upload (a local S3 server
+that stops itself when the upload reaches a chosen file), with the retries `checkpoint.upload_retries`
+/ `upload_backoff_s` configure. (pyarrow's S3 client retries each request for ~6 s by itself before
+an error reaches our retries, so the outage tests take 10-20 s and are marked slow.) The same upload function is Ray Train's `checkpoint_upload_fn` in the
+training loop; test_faults_cluster.py runs it inside a real run.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError
+from pipeline.train import checkpoint as ckpt_lib
+from pipeline.train.config import load_stage_config
+from pipeline.train.storage import CheckpointUploadError, Loc, upload_with_retries
+
+from fixtures_train import s3_server
+
+
+# moto keeps its buckets per process, across servers: each test (here and in test_faults_cluster.py)
+# uses keys of its own
+def scratch(tmp: Path, step: int, files: int = 6) -> Path:
+    """One rank's scratch directory of a checkpoint, with its list of files (as a Ray worker writes it)."""
+    d = tmp / f"scratch-{step}"
+    for i in range(files):
+        (d / "zero" / "state").mkdir(parents=True, exist_ok=True)
+        (d / "zero" / "state" / f"part_{i}.pt").write_bytes(bytes([step, i]) * (1000 + 37 * i))
+    ckpt_lib.write_rank_files(d, 0, 1, shared=False)
+    return d
+
+
+def upload_checkpoint(tmp: Path, run: Loc, step: int, **kw) -> Loc:
+    target = run / ckpt_lib.step_dir_name(step)
+    upload_with_retries(scratch(tmp, step), target, **kw)
+    ckpt_lib.finalize_checkpoint(target, step, 1)
+    return target
+
+
+@pytest.mark.slow
+def test_outage_mid_upload_fails_with_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    with s3_server() as s3:
+        run = Loc.of(s3.uri("unit/outage"))
+        previous = upload_checkpoint(tmp_path, run, 3, retries=0, backoff_s=0)
+        # the directory markers and a few files (3 requests each: a multipart upload) go up, then it stops
+        s3.outage_on("step_00000006/", after=14)
+        with pytest.raises(CheckpointUploadError) as e:
+            upload_checkpoint(tmp_path, run, 6, retries=0, backoff_s=0)
+        assert s3.stopped.is_set()
+        msg = str(e.value)
+        assert "\n" not in msg and "uploading checkpoint s3://bucket/unit/outage/step_00000006 failed" in msg
+        assert "failed 1 time(s) (checkpoint.upload_retries=0)" in msg and "--resume" in msg
+        assert "AWS Error" not in msg  # Ray Train would retry it 3 more times on its own
+        s3.start()
+        # the storage is back: the previous checkpoint is whole, the cut one is never taken for whole
+        assert ckpt_lib.checkpoint_problem(previous, deep=True) is None
+        partial = run / "step_00000006"
+        assert 0 < len(partial.files()) < 7 and "no manifest.json" in ckpt_lib.checkpoint_problem(partial)
+        assert ckpt_lib.latest_checkpoint(run) == previous
+
+
+@pytest.mark.slow
+def test_outage_shorter_than_the_retries_is_ridden_out(tmp_path, capsys):
+    with s3_server() as s3:
+        run = Loc.of(s3.uri("unit/retry"))
+        s3.outage_on("step_00000006/", after=1)
+
+        def storage_returns():
+            s3.stopped.wait(30)
+            # longer than pyarrow's own retries of one request (~6 s): our retry loop has to step in
+            threading.Event().wait(7)
+            s3.start()
+
+        back = threading.Thread(target=storage_returns)
+        back.start()
+        try:
+            ckpt = upload_checkpoint(tmp_path, run, 6, retries=4, backoff_s=0.5, who="rank 0: ")
+        finally:
+            back.join()
+        out = capsys.readouterr().out
+        assert "[checkpoint] rank 0: uploading step_00000006 failed" in out and "retry 1 of 4 in 0.5 s" in out
+        assert ckpt_lib.checkpoint_problem(ckpt, deep=True) is None
+
+
+def test_upload_retries_are_configurable_with_ranges(tmp_path):
+    cfg = load_stage_config(2, None, ["checkpoint.upload_retries=0", "checkpoint.upload_backoff_s=0.5"])
+    assert (cfg.checkpoint.upload_retries, cfg.checkpoint.upload_backoff_s) == (0, 0.5)
+    assert load_stage_config(2).checkpoint.upload_retries == 3
+    with pytest.raises(ConfigError, match="upload_retries"):
+        load_stage_config(2, None, ["checkpoint.upload_retries=-1"])
+    with pytest.raises(ConfigError, match="upload_backoff_s"):
+        load_stage_config(2, None, ["checkpoint.upload_backoff_s=-2"])
+
+
+# ------------------------------------------------------------------------------------ preemption
+@pytest.fixture
+def one_rank(tmp_path):
+    """A 1-rank gloo group and a torchrun session of a default stage-2 config on a local run directory."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from pipeline.train.loop import TorchrunSession
+    from pipeline.train.worker import WorkerContext
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        run = tmp_path / "run"
+        cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=run", "ray.num_workers=1",
+                                          "metrics.tensorboard=false", "ray.launcher=torchrun"])
+        ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
+                            run_dir=run, grad_accum=1, run=Loc.of(run))
+        yield TorchrunSession(ctx, {"run": Loc.of(run)}, 10), run
+    finally:
+        # TorchrunSession.close() tears the group down itself
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_driver_sigterm_asks_for_a_final_checkpoint_only_when_it_fits(one_rank):
+    import json
+    import time
+
+    from pipeline.train.loop import PREEMPT_FILE
+
+    session, run = one_rank
+    run.mkdir(parents=True, exist_ok=True)
+    assert session.preemption(ckpt_seconds=3.0) is None
+    (run / PREEMPT_FILE).write_text(json.dumps({"signal": "SIGTERM", "deadline": time.time() + 60}))
+    notice = session.preemption(ckpt_seconds=3.0)
+    assert notice["stop"] and notice["final"] and notice["source"] == "preempted (SIGTERM to the driver)"
+    # no checkpoint measured yet in this process: try one
+    assert session.preemption(ckpt_seconds=None)["final"]
+    (run / PREEMPT_FILE).write_text(json.dumps({"signal": "SIGTERM", "deadline": time.time() + 2}))
+    notice = session.preemption(ckpt_seconds=30.0)
+    assert notice["stop"] and not notice["final"]
+    assert notice["why"].startswith("no time for a final checkpoint (2 s left, the last one took 30 s)")
+    session.close()
+
+
+def test_driver_sigterm_handler_records_the_request_and_names_the_checkpoint_to_resume(tmp_path, capsys):
+    import os
+    import signal
+
+    from pipeline.train.driver import Preempted, preemption_handler
+    from pipeline.train.loop import PREEMPT_FILE, read_preempt_request
+
+    cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "checkpoint.preempt_grace_s=40"])
+    run = Loc.of(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    upload_checkpoint(tmp_path, run, 3, retries=0, backoff_s=0)
+    (tmp_path / "run" / PREEMPT_FILE).write_text("{}")  # left by an earlier, preempted start: not this one's
+    with pytest.raises(Preempted) as e:
+        with preemption_handler(cfg, run):
+            assert read_preempt_request(run) is None
+            os.kill(os.getpid(), signal.SIGTERM)
+            request = read_preempt_request(run)
+            assert request["signal"] == "SIGTERM" and 39 < request["deadline"] - __import__("time").time() <= 40
+    assert str(e.value) == ("preempted (SIGTERM): run the same command with --resume to continue from "
+                            "step_00000003, its newest intact checkpoint")
+    assert "checkpoint.preempt_grace_s=40 s" in capsys.readouterr().out
+    assert read_preempt_request(run) is None and signal.getsignal(signal.SIGTERM) is not None
+    # a second SIGTERM does not wait for the workers
+    with pytest.raises(Preempted, match="a second SIGTERM: stopping now"):
+        with preemption_handler(cfg, run):
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_run_lock_left_in_storage_by_an_outage_is_reported_and_taken_back_by_its_process(tmp_path, capsys):
+    from pipeline.train.runlock import LOCK_FILE, RunLockError, run_lock
+
+    with s3_server() as s3:
+        run = Loc.of(s3.uri("unit/locked"))
+        with run_lock(run):
+            # the storage goes away before the run ends: its lock cannot be removed
+            s3.stop()
+        assert "could not remove s3://bucket/unit/locked/run.lock" in capsys.readouterr().out
+        s3.start()
+        assert (run / LOCK_FILE).is_file()
+        with run_lock(run):
+            assert "left by an earlier run of this process" in capsys.readouterr().out
+            # while this process holds it, the lock is not a leftover: a second run is refused
+            with pytest.raises(RunLockError, match="in use by another run"):
+                with run_lock(run):
+                    pass
+        assert not (run / LOCK_FILE).exists()
