@@ -581,8 +581,9 @@ def test_samples_suite_gives_the_greedy_answers_of_model_and_base(saved, tmp_pat
     assert [a["prompt"] for a in res["model"]] == prompts == [a["prompt"] for a in res["base"]]
     assert all(1 <= a["new_tokens"] <= 4 for a in res["model"] + res["base"])
     # what the job wrote is the model's own greedy continuation of the chat-rendered prompt
-    from hylo.io import load_hylo
     from transformers import AutoTokenizer
+
+    from hylo.io import load_hylo
 
     tok = AutoTokenizer.from_pretrained(saved / "hybrid", trust_remote_code=True)
     again = greedy_answers(load_hylo(saved / "hybrid").eval(), tok, prompts, 4)
