@@ -46,7 +46,7 @@ from pipeline.runner import (
 # The KV cache grows linearly: three short contexts show the measured ratio as well as long ones.
 DEFAULT_KV_LENGTHS = [512, 1024, 2048]
 FULL_KV_LENGTHS = [1024, 2048, 4096]
-# Greedy tokens of each sample answer (pipeline/eval/samples.py): a sentence; one batched generate() call per model.
+# Greedy tokens of each sample answer (pipeline/eval/samples.py): a sentence, seconds per model on a CPU.
 SAMPLE_TOKENS = 20
 README_START, README_END = "<!-- demo-results:start -->", "<!-- demo-results:end -->"
 

@@ -30,24 +30,17 @@ def _prompt_ids(tokenizer, prompt: str, chat_template: bool) -> list[int]:
 @torch.no_grad()
 def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_tokens: int,
                    chat_template: bool = True) -> list[dict[str, Any]]:
-    """[{prompt, answer, new_tokens}] of `model`'s greedy continuation of each prompt. The prompts go in
-    one left-padded batch (one generate call: the pads are masked, each row is what its prompt alone gives)."""
+    """[{prompt, answer, new_tokens}] of `model`'s greedy continuation of each prompt."""
     device = next(model.parameters()).device
     eos = eos_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    rows = [_prompt_ids(tokenizer, p, chat_template) for p in prompts]
-    width = max(map(len, rows))
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-    gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=eos or None, pad_token_id=pad)
     out = []
-    for prompt, row in zip(prompts, gen[:, width:].tolist()):
-        # after a row's end-of-sequence token generate() fills the row with pads
-        for k, t in enumerate(row):
-            if t in eos:
-                row = row[:k + 1]
-                break
-        out.append({"prompt": prompt, "answer": tokenizer.decode(row, skip_special_tokens=True).strip(),
-                    "new_tokens": len(row)})
+    for prompt in prompts:
+        ids = torch.tensor([_prompt_ids(tokenizer, prompt, chat_template)], device=device)
+        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=eos or None,
+                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else
+                             (eos[0] if eos else 0))
+        new = gen[0, ids.shape[1]:].tolist()
+        out.append({"prompt": prompt, "answer": tokenizer.decode(new, skip_special_tokens=True).strip(),
+                    "new_tokens": len(new)})
     return out
