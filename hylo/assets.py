@@ -73,6 +73,11 @@ class AssetSpec:
     # Builds the asset's files in `out_dir` from the extracted member at `src`.
     build: Callable[[Path, Path, bool], None]
     description: str = ""
+    # What a model card says of it: the Hub id of the original, its license (a Hub license id) and the terms
+    # that come with its content.
+    hub_id: str = ""
+    license: str = ""
+    terms: str = ""
 
 
 def _build_copy(src: Path, out_dir: Path, progress: bool) -> None:
@@ -120,6 +125,8 @@ ASSETS: dict[str, AssetSpec] = {
             result="",
             build=_build_hf_model_from_gguf,
             description="SmolLM2-135M-Instruct as a plain HF Llama directory (fp32 safetensors)",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            license="apache-2.0",
         ),
         AssetSpec(
             name="sharegpt",
@@ -129,6 +136,9 @@ ASSETS: dict[str, AssetSpec] = {
             result="ShareGPT_V3_unfiltered_cleaned_split.json",
             build=_build_copy,
             description="ShareGPT V3 unfiltered cleaned split (JSON, cut off mid-record)",
+            hub_id="anon8231489123/ShareGPT_Vicuna_unfiltered",
+            license="apache-2.0",
+            terms="conversations shared by ChatGPT users: outputs of OpenAI models, under OpenAI's terms of use",
         ),
         AssetSpec(
             name="humaneval",
@@ -138,6 +148,8 @@ ASSETS: dict[str, AssetSpec] = {
             result="HumanEval.jsonl.gz",
             build=_build_copy,
             description="HumanEval, 164 problems (gzip JSONL)",
+            hub_id="openai/openai_humaneval",
+            license="mit",
         ),
     ]
 }

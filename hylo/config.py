@@ -58,6 +58,7 @@ class HybridConfig(PretrainedConfig):
         max_position_embeddings: int = 8192,
         rope_theta: float = 10000.0,
         rope_scaling: dict[str, Any] | None = None,
+        rope_parameters: dict[str, Any] | None = None,
         attention_bias: bool = False,
         mlp_bias: bool = False,
         linear_type: str = "gdn",
@@ -111,8 +112,13 @@ class HybridConfig(PretrainedConfig):
         self.mla_qk_norm = bool(mla_qk_norm)
         self.v_head_dim = v_head_dim
         self.max_position_embeddings = max_position_embeddings
-        self.rope_theta = float(rope_theta)
-        self.rope_scaling = dict(rope_scaling) if rope_scaling else None
+        # RoPE as transformers 5 writes it: `rope_parameters` = {rope_type, rope_theta, scaling keys}; a config
+        # written before (`rope_scaling` + `rope_theta`) reads the same. `rope_theta` stays an attribute too.
+        params = dict(rope_parameters or rope_scaling or {})
+        self.rope_theta = float(params.pop("rope_theta", rope_theta))
+        if "type" in params and "rope_type" not in params:
+            params["rope_type"] = params.pop("type")
+        self.rope_parameters = {"rope_type": params.pop("rope_type", "default"), **params, "rope_theta": self.rope_theta}
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
         self.linear_type = linear_type
@@ -151,6 +157,17 @@ class HybridConfig(PretrainedConfig):
             **kwargs,
         )
         self.validate()
+
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None:  # type: ignore[override]
+        """The MLA RoPE's scaling (`rope_parameters` without `rope_theta`), None for plain RoPE."""
+        params = getattr(self, "rope_parameters", None) or {}
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        return None if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1 else scaling
+
+    @rope_scaling.setter
+    def rope_scaling(self, value: dict[str, Any] | None) -> None:
+        self.rope_parameters = {"rope_type": "default", **dict(value or {}), "rope_theta": self.rope_theta}
 
     # ------------------------------------------------------------------ derived
     @property

@@ -12,11 +12,12 @@ place only when complete, so a crash never leaves a directory that looks like a 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfigError
-from hylo.files import atomic_dir
+from hylo.files import atomic_dir, atomic_write
 
 
 class CheckpointMismatchError(ValueError):
@@ -40,6 +41,31 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
     return copied
 
 
+def stock_tokenizer_config(directory: str | Path) -> None:
+    """Make a saved tokenizer load with transformers' own classes: tokenizer_config.json names its class
+    (`PreTrainedTokenizerFast` for a bare tokenizer.json) and keeps no `auto_map` to code that is not in the
+    directory (the base's custom tokenizer code is not copied). `AutoTokenizer` then runs no tokenizer code
+    from the checkpoint; it still reads config.json first, hence `trust_remote_code=True` in the snippets."""
+    d = Path(directory)
+    path = d / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    data = json.loads(path.read_text())
+    changed = False
+    auto_map = data.get("auto_map")
+    if auto_map is not None:
+        refs = auto_map if isinstance(auto_map, list | tuple) else auto_map.get("AutoTokenizer") or []
+        refs = [refs] if isinstance(refs, str) else refs
+        if any(r and not (d / (r.split("--")[-1].rsplit(".", 1)[0] + ".py")).is_file() for r in refs):
+            data.pop("auto_map")
+            changed = True
+    if not data.get("tokenizer_class") and (d / "tokenizer.json").is_file():
+        data["tokenizer_class"] = "PreTrainedTokenizerFast"
+        changed = True
+    if changed:
+        atomic_write(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
 def save_hylo(model, out_dir: str | Path, tokenizer=None, tokenizer_from: str | Path | None = None,
               max_shard_size: int | str = "5GB", provenance: dict | None = None) -> Path:
     """Write `model` (and a tokenizer object, or the tokenizer files of directory `tokenizer_from`) atomically,
@@ -55,6 +81,7 @@ def save_hylo(model, out_dir: str | Path, tokenizer=None, tokenizer_from: str | 
             tokenizer.save_pretrained(tmp)
         elif tokenizer_from is not None:
             copy_tokenizer_files(tokenizer_from, tmp)
+        stock_tokenizer_config(tmp)
         source = tokenizer_from if tokenizer_from is not None else getattr(tokenizer, "name_or_path", None)
         write_card(tmp, model.config, card_provenance(out, source, provenance))
     return out

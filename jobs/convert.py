@@ -1,9 +1,9 @@
 """Convert a Llama / Qwen3 checkpoint into a HyLo hybrid and print what it saves.
 
     python jobs/convert.py --base smollm2-135m-instruct --out runs/hylo-smollm2 --mla-layers even
-    python jobs/convert.py --dry-run --base-config path/to/config.json --mla-layers 0,5,10,16,21,26 \
+    python jobs/convert.py --dry-run --base-config path/to/config.json --mla-layers 0,5,10,16,21,26 \\
         --kv-lora-rank 128 --qk-rope-head-dim 64
-    python jobs/convert.py --config convert.yaml --set convert.seed=3 [--print-config]
+    python jobs/convert.py --base smollm2-135m-instruct --out runs/x --set convert.seed=3 [--config FILE] [--print-config]
     python jobs/convert.py --from-released path/to/HyLo-Llama-14MLA14GDN-64K-SFT --out runs/hylo-3b
     python jobs/convert.py --to-released runs/hylo-3b/model --out runs/hylo-3b-released
 
@@ -28,7 +28,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:
+    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hylo.upcycle.options import ConvertConfig  # noqa: E402
 from pipeline.cli import check_finite_args, job_main  # noqa: E402

@@ -3,7 +3,7 @@
     python jobs/decontaminate.py --input sharegpt=data/sg.json --benchmark humaneval --out runs/dc
     python jobs/decontaminate.py --input a.jsonl --input b.parquet \\
         --benchmark gsm8k --benchmark mine=evals/mine.jsonl:question,answer@qid --ngram 8 --mode cut
-    python jobs/decontaminate.py --config configs/decontam.yaml --set match.boilerplate_docs=0
+    python jobs/decontaminate.py --input sharegpt=data/sg.json --set match.boilerplate_docs=0 [--config FILE]
     python jobs/decontaminate.py --export-benchmarks /mnt/hylo/evals   # hub suites -> <dir>/<suite>.jsonl
 
 --input [NAME=]PATH (repeatable; NAME defaults to the file stem); --benchmark NAME (built-in or
@@ -19,7 +19,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:
+    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hylo.assets import asset_name  # noqa: E402
 from pipeline.cli import job_main, report_error  # noqa: E402

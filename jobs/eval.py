@@ -1,9 +1,9 @@
 """Evaluate a HyLo or HF checkpoint: KL/perplexity, retrieval, KV cache, lm-evaluation-harness.
 
-    python jobs/eval.py --model runs/hylo-smollm2 --teacher smollm2-135m-instruct \
+    python jobs/eval.py --model runs/hylo-smollm2 --teacher smollm2-135m-instruct \\
         --base smollm2-135m-instruct --data runs/data/heldout --out runs/eval --suite kl,retrieval,kvcache
     python jobs/eval.py --config configs/eval_smoke.yaml --model runs/hylo-smollm2 --set kvcache.lengths=[512,1024]
-    python jobs/eval.py --model runs/hylo-smollm2 --suite lm_eval --lm-eval-tasks arc_easy,gsm8k --batch-size 16 \
+    python jobs/eval.py --model runs/hylo-smollm2 --suite lm_eval --lm-eval-tasks arc_easy,gsm8k --batch-size 16 \\
         --log-samples --update-card          # gsm8k runs with its own 5 shots; --num-fewshot N overrides all
 
 Writes results.json and results.md into --out and prints the Markdown. Options given as flags
@@ -17,7 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:
+    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.cli import job_main, report_error, writable_dir  # noqa: E402
 from pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402

@@ -1,7 +1,7 @@
 """Stage 2 of the HyLo recipe (end-to-end KL distillation from the teacher).
 
-    python jobs/stage2.py --config configs/demo-smollm2.yaml [--set a.b=c ...] [--resume [PATH]]
-    RAY_AUTH_MODE=disabled ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
+    python jobs/stage2.py --config configs/demo-smollm2.yaml [--set optim.lr=1e-4 ...] [--resume [PATH]]
+    RAY_AUTH_MODE=disabled ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python jobs/stage2.py --config configs/demo-smollm2.yaml --set ray.storage_path=$PWD/runs
 
 All options: pipeline/train/config.py; the loop: pipeline/train/stage2.py.
@@ -12,7 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:
+    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.cli import job_main  # noqa: E402
 from pipeline.train.driver import run  # noqa: E402

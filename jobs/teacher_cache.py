@@ -13,7 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:
+    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.cli import job_main  # noqa: E402
 from pipeline.config import add_config_args, config_from_args  # noqa: E402
@@ -24,8 +26,8 @@ from pipeline.teacher.config import TeacherCacheConfig  # noqa: E402
 
 @job_main
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_config_args(parser)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser, example="k=64")
     cfg = config_from_args(TeacherCacheConfig, parser.parse_args(argv))
     # Every input check (data shards, teacher files, an existing cache's header) before Ray starts.
     from hylo.files import check_weights_dir

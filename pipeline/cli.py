@@ -1,4 +1,14 @@
-"""The error contract of every job: bad input -> one `error: ...` line on stderr and exit status 2.
+"""The `hylo` command (one sub-command per job) and the error contract of every job: bad input -> one
+`error: ...` line on stderr and exit status 2.
+
+    hylo convert --dry-run --base-config path/to/config.json --mla-layers even
+    hylo stage1 --config configs/demo-smollm2.yaml --print-config
+
+`COMMANDS` is the one dispatch table: `hylo NAME ARGS` calls the same `main(argv)` as `python jobs/NAME.py
+ARGS` (the file `ray job submit -- python jobs/stage2.py` runs), so both take the same flags and config
+(`--config`, `--set`, `--print-config`).
+
+A job's main is wrapped by `job_main`:
 
     from pipeline.cli import job_main
 
@@ -229,6 +239,58 @@ def job_main(fn: Callable[..., int | None]) -> Callable[..., int]:
         return 0 if rc is None else rc
 
     return main
+
+
+# sub-command -> (module holding the job's `main(argv)`, one line for `hylo --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "convert": ("jobs.convert", "convert a Llama / Qwen3 checkpoint into a HyLo hybrid; import/export the released layout"),
+    "decontaminate": ("jobs.decontaminate", "remove chat records that overlap evaluation benchmarks (n-gram matching)"),
+    "prepare-data": ("jobs.prepare_data", "tokenise and pack a chat mixture into training rows (Ray Data)"),
+    "teacher-cache": ("jobs.teacher_cache", "write the teacher's top-k logits over packed rows (offline KL targets)"),
+    "stage1": ("jobs.stage1", "stage 1: layer-wise distillation from the base (Enhanced-ILD, Ray Train)"),
+    "stage2": ("jobs.stage2", "stage 2: end-to-end KL distillation from the teacher (Ray Train)"),
+    "eval": ("jobs.eval", "evaluate a checkpoint: KL / perplexity, retrieval, KV cache, lm-evaluation-harness"),
+    "place-layers": ("jobs.place_layers", "choose which layers keep full attention (MLA) by measurement"),
+    "demo": ("jobs.demo", "the whole recipe on SmolLM2-135M-Instruct and ShareGPT, on local Ray, on CPU"),
+    "fetch-assets": ("jobs.fetch_assets", "fetch the offline assets (model, ShareGPT, HumanEval) into the cache"),
+}
+
+
+def hylo_help() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: hylo COMMAND [ARGS ...]   (hylo COMMAND --help for its options)", "",
+             "Upcycle a pretrained Transformer into a HyLo hybrid (MLA + Gated DeltaNet / Mamba-2) and distil it.",
+             "Every command takes --config FILE, --set KEY=VALUE and --print-config; `hylo NAME` is",
+             "`python jobs/NAME.py` of a checkout (dashes as underscores).", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def hylo_main(argv: list[str] | None = None) -> int:
+    """The `hylo` console script: `hylo COMMAND ARGS` runs that job's `main(ARGS)`."""
+    import importlib
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(hylo_help())
+        return 0
+    if argv[0] == "--version":
+        from hylo import __version__
+
+        print(f"hylo {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        report_error(f"unknown command {name!r}; choose from {', '.join(COMMANDS)} (see hylo --help)")
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    saved = sys.argv
+    # argparse names the program after argv[0]: the help and errors then read `hylo NAME ...`
+    sys.argv = [f"hylo {name}", *rest]
+    try:
+        return module.main(rest)
+    finally:
+        sys.argv = saved
 
 
 def check_finite_args(args: argparse.Namespace) -> None:

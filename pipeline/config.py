@@ -622,11 +622,14 @@ def config_hash(obj: Any, exclude: tuple[str, ...] = ()) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def add_config_args(parser: argparse.ArgumentParser) -> None:
+def add_config_args(parser: argparse.ArgumentParser, example: str | None = None) -> None:
+    """--config, --set and --print-config; `example` is a valid KEY=VALUE of the job's config for the help
+    (tests/test_examples.py runs every example of every help)."""
     parser.add_argument("--config", type=str, default=None, help="YAML config file")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="dotted override, e.g. --set train.lr=1e-4 (repeatable)",
+        help="dotted override of a config key (repeatable)" + (f", e.g. --set {example}" if example else "")
+        + "; --print-config lists every key",
     )
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (every key, defaults filled in) as YAML and exit")

@@ -46,6 +46,8 @@ from pipeline.runner import (
 # The KV cache grows linearly: three short contexts show the measured ratio as well as long ones.
 DEFAULT_KV_LENGTHS = [512, 1024, 2048]
 FULL_KV_LENGTHS = [1024, 2048, 4096]
+# Greedy tokens of each sample answer (pipeline/eval/samples.py): a sentence, seconds per model on a CPU.
+SAMPLE_TOKENS = 20
 README_START, README_END = "<!-- demo-results:start -->", "<!-- demo-results:end -->"
 
 
@@ -160,7 +162,7 @@ class Demo(StepRunner):
 
     def final_suites(self) -> list[str]:
         """Suites after stage 2: KL and the KV cache; with full_eval also needle-in-a-haystack retrieval."""
-        return ["kl", "retrieval", "kvcache"] if self.cfg.full_eval else ["kl", "kvcache"]
+        return ["kl", "retrieval", "kvcache", "samples"] if self.cfg.full_eval else ["kl", "kvcache", "samples"]
 
     def kv_lengths(self) -> list[int]:
         return self.cfg.kv_lengths or (FULL_KV_LENGTHS if self.cfg.full_eval else DEFAULT_KV_LENGTHS)
@@ -176,6 +178,9 @@ class Demo(StepRunner):
                       "--set", "retrieval.samples_per_length=4"]
         if "kvcache" in suites:
             extra += ["--set", f"kvcache.lengths={lengths_arg(self.kv_lengths())}"]
+        if "samples" in suites:
+            # the base's answers once, with the converted model's
+            extra += ["--set", f"samples.max_new_tokens={SAMPLE_TOKENS}", "--set", f"samples.base={name == 'converted'}"]
         cmd = eval_cmd(model, self.base, self.run / "data" / "heldout", out, ",".join(suites),
                        self.cfg.heldout_rows, extra)
         self.sh(f"eval_{name}", cmd)
@@ -234,6 +239,16 @@ class Demo(StepRunner):
         if study.is_file():
             md += ["", *("#" + line if line.startswith("# ") else line for line in study.read_text().splitlines()),
                    "", "![placement scores](placement/placement_scores.png)"]
+        answers = sample_answers(info)
+        if answers:
+            who = list(answers[0][1])
+            md += ["", "## What the models say (greedy, the same prompts)", "",
+                   "| prompt | " + " | ".join(who) + " |", "|---|" + "---|" * len(who)]
+            md += ["| " + " | ".join([p, *(_md_cell(a[w]) for w in who)]) + " |" for p, a in answers]
+            table += "\n\nWhat the models say (greedy, printed as it comes out):"
+            for prompt, by in answers:
+                table += f"\n\n  {prompt}"
+                table += "".join(f"\n    {w + ':':<10} {' '.join(a.split()) or '(empty)'}" for w, a in by.items())
         (self.run / "report.md").write_text("\n".join(md) + "\n")
         return table
 
@@ -247,11 +262,11 @@ class Demo(StepRunner):
         for split in ("stage1", "stage2"):
             self.step(f"prepare_{split}", [r / "data" / split / "manifest.json"], lambda s=split: self.prepare(s))
         info["convert"] = self.step("convert", [r / "converted" / "hybrid_config.json"], self.convert)
-        info["eval_converted"] = self.step("eval_converted", self.eval_outputs("converted", ["kl"]),
-                                           lambda: self.evaluate("converted", r / "converted", ["kl"]))
+        info["eval_converted"] = self.step("eval_converted", self.eval_outputs("converted", ["kl", "samples"]),
+                                           lambda: self.evaluate("converted", r / "converted", ["kl", "samples"]))
         self.step("stage1", [r / "stage1" / "model" / "hybrid_config.json"], lambda: self.train(1))
-        info["eval_stage1"] = self.step("eval_stage1", self.eval_outputs("stage1", ["kl"]),
-                                        lambda: self.evaluate("stage1", r / "stage1" / "model", ["kl"]))
+        info["eval_stage1"] = self.step("eval_stage1", self.eval_outputs("stage1", ["kl", "samples"]),
+                                        lambda: self.evaluate("stage1", r / "stage1" / "model", ["kl", "samples"]))
         self.step("stage2", [r / "stage2" / "model" / "hybrid_config.json"], lambda: self.train(2))
         final = self.final_suites()
         info["eval_stage2"] = self.step("eval_stage2", self.eval_outputs("stage2", final),
@@ -272,6 +287,27 @@ class Demo(StepRunner):
         print("\n" + table)
         print(f"\n[demo] report: {r / 'report.md'}")
         return 0
+
+
+def sample_answers(info: dict) -> list[tuple[str, dict[str, str]]]:
+    """(prompt, {base, converted, stage 1, stage 2: answer}) from the evaluations' `samples` suites."""
+    runs = [("converted", info["eval_converted"]), ("stage 1", info["eval_stage1"]), ("stage 2", info["eval_stage2"])]
+    first = runs[0][1].get("samples")
+    if not first:
+        return []
+    out = []
+    for i, item in enumerate(first["model"]):
+        by = {"base": first["base"][i]["answer"]} if "base" in first else {}
+        for who, res in runs:
+            samples = (res.get("samples") or {}).get("model") or []
+            if i < len(samples):
+                by[who] = samples[i]["answer"]
+        out.append((item["prompt"], by))
+    return out
+
+
+def _md_cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|") or "(empty)"
 
 
 def removed_count(run: Path) -> int:

@@ -35,18 +35,22 @@ def sets(cmd: list[str]) -> dict[str, str]:
 
 def test_default_demo_evaluates_what_a_135m_model_shows(tmp_path):
     d = make(tmp_path)
-    assert d.final_suites() == ["kl", "kvcache"]
+    assert d.final_suites() == ["kl", "kvcache", "samples"]
     d.evaluate("stage2", tmp_path / "model", d.final_suites())
     name, cmd = d.commands[-1]
-    assert name == "eval_stage2" and cmd[cmd.index("--suite") + 1] == "kl,kvcache"
+    assert name == "eval_stage2" and cmd[cmd.index("--suite") + 1] == "kl,kvcache,samples"
     s = sets(cmd)
     assert s["kvcache.lengths"] == "[512,1024,2048]" and s["kl.max_rows"] == "8"
+    # the base answers once, beside the converted model
+    assert s["samples.base"] == "False"
+    d.evaluate("converted", tmp_path / "model", ["kl", "samples"])
+    assert sets(d.commands[-1][1])["samples.base"] == "True"
     assert not any(k.startswith("retrieval.") for k in s)
 
 
 def test_full_eval_adds_retrieval_and_longer_contexts(tmp_path):
     d = make(tmp_path, "--full-eval", "--retrieval-lengths", "[256,512]")
-    assert d.final_suites() == ["kl", "retrieval", "kvcache"]
+    assert d.final_suites() == ["kl", "retrieval", "kvcache", "samples"]
     d.evaluate("stage2", tmp_path / "model", d.final_suites())
     s = sets(d.commands[-1][1])
     assert s["retrieval.lengths"] == "[256,512]" and s["kvcache.lengths"] == "[1024,2048,4096]"
@@ -88,3 +92,21 @@ def test_options_come_from_a_config_file_set_overrides_and_flags(tmp_path, capsy
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["full_eval"] is True and printed["placement_seeds"] == [0, 1]
     assert printed["ray"] == {"address": None, "num_cpus": None}
+
+
+def test_the_report_shows_every_models_answers_as_they_came_out(tmp_path):
+    def res(answers, base=None):
+        samples = {"model": [{"prompt": p, "answer": a} for p, a in answers]}
+        if base:
+            samples["base"] = [{"prompt": p, "answer": a} for p, a in base]
+        return {"samples": samples}
+
+    prompts = ["What is the capital of France?", "Two plus two?"]
+    info = {"eval_converted": res(zip(prompts, ["islandscape", ""]), base=zip(prompts, ["Paris.", "4"])),
+            "eval_stage1": res(zip(prompts, ["The capital", "2 | 2"])),
+            "eval_stage2": res(zip(prompts, ["The capital of the capital", "four\nfour"]))}
+    got = demo.sample_answers(info)
+    assert got == [(prompts[0], {"base": "Paris.", "converted": "islandscape", "stage 1": "The capital",
+                                 "stage 2": "The capital of the capital"}),
+                   (prompts[1], {"base": "4", "converted": "", "stage 1": "2 | 2", "stage 2": "four\nfour"})]
+    assert demo._md_cell("2 | 2") == "2 \\| 2" and demo._md_cell("") == "(empty)"

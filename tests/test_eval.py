@@ -567,6 +567,31 @@ def test_eval_job_writes_json_and_markdown(saved, tmp_path):
     assert not list(out.glob(".*tmp*"))
 
 
+def test_samples_suite_gives_the_greedy_answers_of_model_and_base(saved, tmp_path):
+    from pipeline.eval.samples import greedy_answers
+
+    main = eval_main()
+    out = tmp_path / "eval"
+    prompts = ["how are you", "the answer is"]
+    rc = main(["--model", str(saved / "hybrid"), "--base", str(saved / "base"), "--out", str(out),
+               "--suite", "samples", "--set", f"samples.prompts={json.dumps(prompts)}",
+               "--set", "samples.max_new_tokens=4", "--quiet"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())["samples"]
+    assert [a["prompt"] for a in res["model"]] == prompts == [a["prompt"] for a in res["base"]]
+    assert all(1 <= a["new_tokens"] <= 4 for a in res["model"] + res["base"])
+    # what the job wrote is the model's own greedy continuation of the chat-rendered prompt
+    from transformers import AutoTokenizer
+
+    from hylo.io import load_hylo
+
+    tok = AutoTokenizer.from_pretrained(saved / "hybrid", trust_remote_code=True)
+    again = greedy_answers(load_hylo(saved / "hybrid").eval(), tok, prompts, 4)
+    assert [a["answer"] for a in again] == [a["answer"] for a in res["model"]]
+    md = (out / "results.md").read_text()
+    assert "## Sample answers (greedy)" in md and "| how are you |" in md
+
+
 @pytest.mark.slow
 def test_eval_job_runs_lm_eval_with_fewshot_samples_progress_and_card(saved, tmp_path, capsys):
     import shutil

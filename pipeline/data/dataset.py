@@ -183,9 +183,12 @@ class ShardWriter:
         self.row_group_rows = row_group_rows
         self.shards: list[dict[str, Any]] = []
         self._buf: list[dict[str, Any]] = []
+        # rows added so far (written or buffered)
+        self.rows = 0
 
     def add(self, row: dict[str, Any]) -> None:
         self._buf.append(row)
+        self.rows += 1
         if len(self._buf) >= self.rows_per_shard:
             self._write()
 
@@ -548,11 +551,27 @@ def _prepare_into(cfg: Any, staging: Path, out: Path, renderer: ChatRenderer, pa
         rg_rows = cfg.output.row_group_rows or max(1, (1 << 20) // cfg.packing.max_len)
         writer = ShardWriter(staging, cfg.output.rows_per_shard, rg_rows)
         t_tok0 = run.elapsed
-        with tqdm(total=len(records), desc=f"prepare {cfg.split}", unit="doc", disable=not cfg.progress) as bar:
-            for row in stream_packed_rows(records, renderer.spec(), cfg.tokenize, packer, run,
-                                          on_document=lambda d: bar.update()):
+        # Records, tokens and rows as they flow. Nothing arrives until the tokenizer actors have started
+        # (each loads the tokenizer; seconds to tens of seconds), which the bar says instead of sitting at 0.
+        desc = f"prepare {cfg.split}"
+        with tqdm(total=len(records), desc=f"{desc} (starting {cfg.tokenize.num_actors} tokenizer actor(s))",
+                  unit="rec", disable=not cfg.progress, dynamic_ncols=True) as bar:
+            seen = 0
+
+            def flowing(doc: Document) -> None:
+                nonlocal seen
+                if seen == 0:
+                    bar.set_description_str(desc, refresh=False)
+                done = run.documents + len(run.render_rejects)
+                bar.update(done - seen)
+                seen = done
+                bar.set_postfix_str(f"{run.doc_tokens:,} tokens, {writer.rows:,} rows", refresh=False)
+
+            for row in stream_packed_rows(records, renderer.spec(), cfg.tokenize, packer, run, on_document=flowing):
                 writer.add(row)
-            bar.update(len(run.render_rejects))
+            bar.set_description_str(desc, refresh=False)
+            bar.set_postfix_str(f"{run.doc_tokens:,} tokens, {writer.rows:,} rows", refresh=False)
+            bar.update(run.documents + len(run.render_rejects) - seen)
         shards = writer.finish()
         t_pack = run.elapsed - t_tok0
         for doc_id, reason in run.render_rejects:

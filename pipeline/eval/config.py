@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline.config import NONEMPTY, Rule, above, at_least, each, one_of, rules
 
-SUITES = ("kl", "retrieval", "kvcache", "lm_eval")
+SUITES = ("kl", "retrieval", "kvcache", "lm_eval", "samples")
 # pipeline.eval.retrieval.TASKS (not imported: that module needs torch; a test keeps the two equal).
 RETRIEVAL_TASKS = ("niah_single", "niah_multikey")
 
@@ -109,6 +109,20 @@ class LMEvalSection:
 
 
 @dataclass
+@rules(prompts=each(NONEMPTY, nonempty=True), max_new_tokens=at_least(1))
+class SamplesSection:
+    # Fixed prompts answered greedily by the model (and the base, when given); pipeline/eval/samples.py.
+    prompts: list[str] = field(default_factory=lambda: [
+        "What is the capital of France?", "Name three primary colors.",
+        "Write a Python function that returns the square of a number."])
+    max_new_tokens: int = 32
+    # Render each prompt as a user turn with the tokenizer's chat template (when it has one).
+    chat_template: bool = True
+    # Also answer with the base model, when one is loaded (models.base).
+    base: bool = True
+
+
+@dataclass
 @rules(suites=each(one_of(*SUITES), nonempty=True), seed=at_least(0), threads=at_least(0))
 class EvalConfig:
     models: ModelsSection = field(default_factory=ModelsSection)
@@ -121,5 +135,6 @@ class EvalConfig:
     retrieval: RetrievalSection = field(default_factory=RetrievalSection)
     kvcache: KVCacheSection = field(default_factory=KVCacheSection)
     lm_eval: LMEvalSection = field(default_factory=LMEvalSection)
+    samples: SamplesSection = field(default_factory=SamplesSection)
     # Record the results in the evaluated checkpoint's model card (README.md / hylo_card.json).
     update_card: bool = False

@@ -85,6 +85,8 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
             results["retrieval"] = _suite_retrieval(cfg, model, base, tokenizer)
         elif suite == "kvcache":
             results["kvcache"] = _suite_kvcache(cfg, model, base)
+        elif suite == "samples":
+            results["samples"] = _suite_samples(cfg, model, base, tokenizer)
         elif suite == "lm_eval":
             from pipeline.eval.lm_eval_adapter import run_lm_eval
 
@@ -211,10 +213,26 @@ def _fmt(x: Any, digits: int = 4) -> str:
     return str(x)
 
 
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell: one line, pipes escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|") or "(empty)"
+
+
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
     return lines
+
+
+def _suite_samples(cfg: EvalConfig, model, base, tokenizer) -> dict[str, Any]:
+    from pipeline.eval.samples import greedy_answers
+
+    tok = _need(tokenizer, "a tokenizer (models.tokenizer, or one saved beside the model)", "samples")
+    s = cfg.samples
+    out: dict[str, Any] = {"model": greedy_answers(model, tok, s.prompts, s.max_new_tokens, s.chat_template)}
+    if base is not None and s.base:
+        out["base"] = greedy_answers(base, tok, s.prompts, s.max_new_tokens, s.chat_template)
+    return out
 
 
 def render_markdown(res: dict[str, Any]) -> str:
@@ -267,6 +285,13 @@ def render_markdown(res: dict[str, Any]) -> str:
         if "base_grows_linearly" in c:
             lines += [f"Base bytes per token constant over lengths (linear growth): {_fmt(c['base_grows_linearly'])} "
                       f"(spread {_fmt(c['base_bytes_per_token_spread'])})."]
+        lines.append("")
+    if "samples" in res:
+        lines += ["## Sample answers (greedy)", ""]
+        s = res["samples"]
+        who = ["model"] + (["base"] if "base" in s else [])
+        lines += _table(["prompt", *who], [[a["prompt"], *(_cell(s[w][i]["answer"]) for w in who)]
+                                            for i, a in enumerate(s["model"])])
         lines.append("")
     if "lm_eval" in res:
         lines += ["## lm-evaluation-harness", ""]

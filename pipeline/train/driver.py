@@ -1,6 +1,6 @@
 """The one driver of both training stages: config -> Ray -> TorchTrainer -> fit.
 
-    python jobs/stage2.py --config configs/demo-smollm2.yaml [--set a.b=c ...] [--resume [PATH]]
+    python jobs/stage2.py --config configs/demo-smollm2.yaml [--set optim.lr=1e-4 ...] [--resume [PATH]]
     torchrun --nproc_per_node 2 jobs/stage2.py --config ... --set ray.launcher=torchrun
 
 Design choices:
@@ -72,8 +72,13 @@ PREEMPTED_EXIT = 143
 
 
 def build_parser(stage: int) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=f"HyLo stage {stage} training (Ray Train + DeepSpeed ZeRO-3)")
-    add_config_args(p)
+    p = argparse.ArgumentParser(
+        description=f"HyLo stage {stage} training (Ray Train + DeepSpeed ZeRO-3)\n\n"
+        f"    python jobs/stage{stage}.py --config configs/demo-smollm2.yaml [--set optim.lr=1e-4 ...] [--resume [PATH]]\n"
+        f"    hylo stage{stage} --config configs/demo-smollm2.yaml --set train.total_steps=4 --print-config\n\n"
+        "All options: pipeline/train/config.py (--print-config prints every key with its value).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p, example="optim.lr=1e-4")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue the run from its newest checkpoint, or from checkpoint directory PATH")
     p.add_argument("--break-lock", action="store_true",
