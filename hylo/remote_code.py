@@ -5,7 +5,7 @@
 Design choices:
 * One source of truth for the code: the bundle is generated at save time from this project's own modules
   (`hylo.config`, `hylo.modeling` and every project module they import, at any depth, including imports
-  inside functions), copied verbatim except that each `from hylo.x import ...` / `from kernels.x import ...`
+  inside functions), copied verbatim except that each `from hylo.x import ...` / `from hylo.kernels.x import ...`
   line becomes a relative import of a flat file (`from .hylo_layers_mla import ...`). transformers' dynamic
   loader copies exactly the files a module imports relatively, and only flat ones, hence the flat names.
 * `hylo.config` and `hylo.modeling` become `configuration_hylo.py` and `modeling_hylo.py`, the names
