@@ -29,16 +29,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.assets import fetch_asset  # noqa: E402
-from pipeline.data.decontam import (  # noqa: E402
+from hylo.pipeline.data.decontam import (  # noqa: E402
     BenchmarkSpec,
     DecontamJobConfig,
     MatchConfig,
     read_jsonl,
     run_decontamination,
 )
-from pipeline.data.readers import SourceSpec  # noqa: E402
-from pipeline.ray_init import RayInitSection, init_ray  # noqa: E402
+from hylo.pipeline.data.readers import SourceSpec  # noqa: E402
+from hylo.pipeline.ray_init import RayInitSection, init_ray  # noqa: E402
+
+from hylo.assets import fetch_asset  # noqa: E402
 
 
 def run(tmp: str, label: str, src: SourceSpec, bench: BenchmarkSpec, scanner: str, args) -> dict:

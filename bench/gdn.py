@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.gdn import naive_recurrent_gated_delta_rule  # noqa: E402
-from kernels.gdn.chunk import torch_chunk_gated_delta_rule  # noqa: E402
+from hylo.kernels.gdn import naive_recurrent_gated_delta_rule  # noqa: E402
+from hylo.kernels.gdn.chunk import torch_chunk_gated_delta_rule  # noqa: E402
 
 SHAPES = [(9, 64, 64), (4, 128, 256)]
 

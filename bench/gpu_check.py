@@ -199,8 +199,9 @@ def hylo_config(variant: str, tiny: bool):
     as released, or `4mla12m2` (4 MLA layers, 12 Mamba-2, the paper's memory comparison)."""
     import warnings
 
+    from hylo.pipeline.train.config import load_stage_config
+
     from hylo.upcycle.options import hybrid_config_from_base
-    from pipeline.train.config import load_stage_config
 
     convert = load_stage_config(1, CONFIG_1B).model.convert
     if tiny:
@@ -240,9 +241,8 @@ def packed_row(T: int, docs: int, vocab: int, seed: int = 0) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ case 1
 def case_fused_kl(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
     import torch
-
-    from kernels.backend import use_gpu_kernels
-    from kernels.fused_kl import fused_linear_kl_div, naive_kl_div, topk_from_logits
+    from hylo.kernels.backend import use_gpu_kernels
+    from hylo.kernels.fused_kl import fused_linear_kl_div, naive_kl_div, topk_from_logits
 
     N, H, V, HT, k = (sh.kl[x] for x in ("N", "H", "V", "HT", "k"))
     g = torch.Generator(device=device).manual_seed(0)
@@ -291,8 +291,7 @@ def case_fused_kl(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
 def topk_from_logits_chunked(th, tw, k: int, topk_from_logits, chunk: int = 2048):
     """The teacher's top-k record without a [N, V] logits tensor (fp32 logits chunk by chunk)."""
     import torch
-
-    from kernels.fused_kl import TeacherTopK
+    from hylo.kernels.fused_kl import TeacherTopK
 
     parts = [topk_from_logits(th[s:s + chunk].float() @ tw.float().t(), k, dtype=torch.float32)
              for s in range(0, th.shape[0], chunk)]
@@ -326,12 +325,12 @@ def liger_jsd(h, w, th, tw, meter: Meter, ref_loss, ref_dh, ref_dw) -> dict[str,
 # ------------------------------------------------------------------------------------ case 2
 def case_linear_layers(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
     import torch
+    from hylo.kernels.backend import use_fla
+    from hylo.kernels.gdn import chunk_gated_delta_rule
+    from hylo.kernels.ssd import chunk_ssd
+    from hylo.kernels.varlen import DocBounds
 
     from hylo.modeling import build_mixer
-    from kernels.backend import use_fla
-    from kernels.gdn import chunk_gated_delta_rule
-    from kernels.ssd import chunk_ssd
-    from kernels.varlen import DocBounds
 
     T, docs = sh.linear["T"], sh.linear["docs"]
     row = packed_row(T, docs, 8)
@@ -429,10 +428,10 @@ def op_final_states(variant, T, bounds, device, fast_dtype, ref_dtype, cfg, mete
 # ------------------------------------------------------------------------------------ case 3
 def case_mla(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
     import torch
+    from hylo.kernels import packed_sdpa
+    from hylo.kernels.varlen import DocBounds
 
     from hylo.layers.mla import MLAttention
-    from kernels import packed_sdpa
-    from kernels.varlen import DocBounds
 
     cfg = hylo_config("8mla8gdn", sh.tiny)
     dtype = torch.float32 if sh.tiny else torch.bfloat16
@@ -471,10 +470,10 @@ def case_mla(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
 def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model: Any, engine: str):
     """The stage-2 task of pipeline/train/stage2.py around a random student; engine 'plain' or 'deepspeed'."""
     import torch
+    from hylo.pipeline.train.config import Stage2Config
+    from hylo.pipeline.train.stage2 import KDStudent, Stage2Task, Teacher
 
     from hylo.modeling import HyLoForCausalLM
-    from pipeline.train.config import Stage2Config
-    from pipeline.train.stage2 import KDStudent, Stage2Task, Teacher
 
     cfg = Stage2Config()
     cfg.deepspeed.zero_stage = 3 if engine == "deepspeed" else 0
@@ -490,11 +489,11 @@ def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model
     module = KDStudent(student, cfg)
     params = [p for p in module.parameters() if p.requires_grad]
     if engine == "deepspeed":
-        from pipeline.train.deepspeed_cfg import init_engine
+        from hylo.pipeline.train.deepspeed_cfg import init_engine
 
         eng = init_engine(module, params, cfg, 1, dtype, lambda step: 1.0)
     else:
-        from pipeline.train.plain_engine import PlainEngine
+        from hylo.pipeline.train.plain_engine import PlainEngine
 
         o = cfg.optim
         eng = PlainEngine(module, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
@@ -505,9 +504,8 @@ def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model
 
 
 def teacher_8b(sh: Shapes, device: Any, dtype: Any):
+    from hylo.pipeline.teacher.model import TeacherModel
     from transformers import LlamaForCausalLM
-
-    from pipeline.teacher.model import TeacherModel
 
     cfg = llama_config("8b", sh.tiny)
     cfg._attn_implementation = "sdpa"
@@ -518,7 +516,7 @@ def teacher_8b(sh: Shapes, device: Any, dtype: Any):
 
 def solo_context(cfg: Any, device: Any, dtype: Any):
     """A WorkerContext of one rank whose all-reduce is the identity (no process group needed)."""
-    from pipeline.train.worker import WorkerContext
+    from hylo.pipeline.train.worker import WorkerContext
 
     class Solo(WorkerContext):
         def all_sum(self, values):
@@ -532,8 +530,8 @@ def solo_context(cfg: Any, device: Any, dtype: Any):
 
 def count_syncs(fn: Callable[[], Any], device: Any) -> dict[str, Any]:
     """Host synchronisations of one call: CUDA's sync debug mode on a GPU, the host-read log on CPU."""
-    from kernels.fused_kl.inputs import deferred_checks
-    from kernels.host_reads import HostReadLog, cuda_sync_log
+    from hylo.kernels.fused_kl.inputs import deferred_checks
+    from hylo.kernels.host_reads import HostReadLog, cuda_sync_log
 
     if device.type == "cuda":
         with cuda_sync_log() as messages:
@@ -542,14 +540,13 @@ def count_syncs(fn: Callable[[], Any], device: Any) -> dict[str, Any]:
                 "first": messages[:8]}
     with deferred_checks(), HostReadLog() as log:
         fn()
-    return {"counter": "kernels.host_reads.HostReadLog (CPU, GPU rule)", "count": len(log.reads),
+    return {"counter": "hylo.kernels.host_reads.HostReadLog (CPU, GPU rule)", "count": len(log.reads),
             "reads": [f"{name} at {where}" for name, where in log.reads][:40]}
 
 
 def case_step(sh: Shapes, device: Any, meter: Meter, engine: str = "plain") -> dict[str, Any]:
     import torch
-
-    from pipeline.train.stage2 import train_step
+    from hylo.pipeline.train.stage2 import train_step
 
     dtype = torch.float32 if sh.tiny else torch.bfloat16
     teacher = teacher_8b(sh, device, dtype)

@@ -9,7 +9,7 @@ and sample spread over seeds, and the paired difference (variant minus the first
                                 [--steps 8] [--seq-len 256] [--records 300] [--heldout-rows 8]
 
 Design choices:
-* The demo's own workflow and jobs (`pipeline.demo.Demo`): its decontamination, held-out and stage-1 /
+* The demo's own workflow and jobs (`hylo.pipeline.demo.Demo`): its decontamination, held-out and stage-1 /
   stage-2 rows are prepared once per run directory; the base is converted once per seed (`convert --seed`
   sets the init of what conversion does not copy) and both variants start from that conversion, so within
   a seed the variants differ only in what stage 1 trains (paired comparison). `train.seed` is the seed too.
@@ -31,10 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hylo.pipeline.demo import Demo, DemoConfig  # noqa: E402
+from hylo.pipeline.runner import convert_cmd, last_json_object, train_cmd  # noqa: E402
+from hylo.pipeline.train.config import ILD_TRAINABLE  # noqa: E402
+
 from hylo.files import atomic_write  # noqa: E402
-from pipeline.demo import Demo, DemoConfig  # noqa: E402
-from pipeline.runner import convert_cmd, last_json_object, train_cmd  # noqa: E402
-from pipeline.train.config import ILD_TRAINABLE  # noqa: E402
 
 TRAIN_CONFIG = "configs/demo-smollm2.yaml"
 

@@ -38,9 +38,8 @@ def run_child(case: str, n: int, hidden: int, vocab: int, seed: int) -> dict:
 
     import torch
     import torch.nn.functional as F
-
-    from kernels.fused_kl import fused_linear_kl_div, topk_from_logits
-    from kernels.fused_kl.topk import TeacherTopK
+    from hylo.kernels.fused_kl import fused_linear_kl_div, topk_from_logits
+    from hylo.kernels.fused_kl.topk import TeacherTopK
 
     torch.manual_seed(seed)
     student_hidden = (torch.randn(n, hidden) * 0.5).requires_grad_()

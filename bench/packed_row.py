@@ -1,7 +1,7 @@
 """Forward + backward of a small HyLo model on one packed row (MLA + GDN or Mamba-2 layers), CPU.
 
 The packed row's boundaries are checked once at the model's entry and passed to the layers as host ints
-(`kernels.varlen.DocBounds`); this times what a training step of the model costs on a packed row, with
+(`hylo.kernels.varlen.DocBounds`); this times what a training step of the model costs on a packed row, with
 and without activation-checkpoint recompute, so a change in that plumbing shows up here.
 
     python bench/packed_row.py [--T 4096] [--docs 8] [--repeats 3] [--threads 2]

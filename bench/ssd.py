@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.ssd import naive_ssd  # noqa: E402
-from kernels.ssd.chunk import torch_chunk_ssd  # noqa: E402
+from hylo.kernels.ssd import naive_ssd  # noqa: E402
+from hylo.kernels.ssd.chunk import torch_chunk_ssd  # noqa: E402
 
 H, P, N, G, CHUNK = 9, 64, 64, 9, 64
 

@@ -43,8 +43,9 @@ sys.path.insert(0, str(REPO))
 
 def demo_student(cache: Path) -> Path:
     """The demo's converted student (the conversion of configs/demo-smollm2.yaml's stage 1), cached."""
+    from hylo.pipeline.train.config import load_stage_config
+
     from hylo.upcycle import convert
-    from pipeline.train.config import load_stage_config
 
     out = cache / "hylo-smollm2-demo"
     if not (out / "hybrid_config.json").is_file():
@@ -65,12 +66,12 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
     torch.set_num_threads(threads)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(_free_port()))
-    from pipeline.train import stage2
-    from pipeline.train.config import load_stage_config
-    from pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
-    from pipeline.train.loop import cosine_with_warmup, setup_distributed
-    from pipeline.train.rows import SyntheticRows
-    from pipeline.train.worker import WorkerContext
+    from hylo.pipeline.train import stage2
+    from hylo.pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
+    from hylo.pipeline.train.loop import cosine_with_warmup, setup_distributed
+    from hylo.pipeline.train.rows import SyntheticRows
+    from hylo.pipeline.train.worker import WorkerContext
 
     overrides = [f"model.student={student}", "data.source=synthetic", f"data.seq_len={tokens}",
                  "data.synthetic.vocab_size=49152", "data.synthetic.min_doc_len=256",

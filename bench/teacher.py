@@ -25,9 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-from pipeline.teacher.config import DEFAULT_TEACHER, TeacherModelConfig, TeacherPoolConfig  # noqa: E402
-from pipeline.teacher.model import TeacherModel  # noqa: E402
+from hylo.pipeline.teacher.config import DEFAULT_TEACHER, TeacherModelConfig, TeacherPoolConfig  # noqa: E402
+from hylo.pipeline.teacher.model import TeacherModel  # noqa: E402
 
 
 def make_rows(n: int, tokens: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -64,11 +63,10 @@ def main() -> None:
     print(f"direct in-process : {total / t_direct:8.0f} tokens/s ({t_direct:.2f} s)")
 
     import ray
+    from hylo.pipeline.ray_init import init_ray
+    from hylo.pipeline.teacher.client import TeacherClient
+    from hylo.pipeline.teacher.serve import start_teacher_pool
     from ray import serve
-
-    from pipeline.ray_init import init_ray
-    from pipeline.teacher.client import TeacherClient
-    from pipeline.teacher.serve import start_teacher_pool
 
     init_ray(None, max(2, args.replicas), log_to_driver=False)
     try:
@@ -108,8 +106,8 @@ def main() -> None:
     print(f"wire bytes/token  : top-k (k={args.k}, fp16 + int32 + fp32 tail) {wire_topk:.0f}; "
           f"full logits fp32 {wire_fp32:.0f}, bf16 {wire_bf16:.0f}; fp32/top-k = {wire_fp32 / wire_topk:.0f}x")
 
-    from kernels.varlen import check_row
-    from pipeline.teacher.cache import ShardPlan, make_header, write_shard
+    from hylo.kernels.varlen import check_row
+    from hylo.pipeline.teacher.cache import ShardPlan, make_header, write_shard
 
     with tempfile.TemporaryDirectory() as d:
         header = make_header(teacher.teacher_id, teacher.tokenizer_hash, args.k, "float16", teacher.vocab_size,

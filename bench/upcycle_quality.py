@@ -26,7 +26,7 @@ from hylo.upcycle import calibration_ids_for, kv_summary, load_base_model, upcyc
 
 def sharegpt_samples(tokenizer, n: int, max_tokens: int) -> list[torch.Tensor]:
     """First `n` well-formed ShareGPT conversations, rendered with the chat template and truncated."""
-    from pipeline.data.readers import SourceSpec, iter_records
+    from hylo.pipeline.data.readers import SourceSpec, iter_records
 
     out = []
     spec = SourceSpec(name="sharegpt", path=str(fetch_asset("sharegpt")))

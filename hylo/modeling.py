@@ -38,13 +38,13 @@ from transformers.utils import ModelOutput
 
 from hylo.cache import HyLoCache, LinearLayerCache
 from hylo.config import HybridConfig, check_config_files
-from hylo.layers.norm import RMSNorm
-from kernels.varlen import (
+from hylo.kernels.varlen import (
     DocBounds,
     doc_bounds,
-    # imported from here by pipeline.placement
+    # imported from here by hylo.pipeline.placement
     positions_from_cu_seqlens,  # noqa: F401
 )
+from hylo.layers.norm import RMSNorm
 
 
 class HyLoMLP(nn.Module):

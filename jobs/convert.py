@@ -32,9 +32,8 @@ if not __package__:
     # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.upcycle.options import ConvertConfig  # noqa: E402
-from pipeline.cli import check_finite_args, job_main  # noqa: E402
-from pipeline.config import (  # noqa: E402
+from hylo.pipeline.cli import check_finite_args, job_main  # noqa: E402
+from hylo.pipeline.config import (  # noqa: E402
     ConfigError,
     add_config_args,
     apply_overrides,
@@ -43,7 +42,9 @@ from pipeline.config import (  # noqa: E402
     maybe_print_config,
     read_config_file,
 )
-from pipeline.convert import ConvertJobConfig  # noqa: E402
+from hylo.pipeline.convert import ConvertJobConfig  # noqa: E402
+
+from hylo.upcycle.options import ConvertConfig  # noqa: E402
 
 _CHOICES = {name: list(r["choices"]) for name, r in ConvertConfig.RANGES.items() if "choices" in r}
 _ON, _OFF = {"action": "store_const", "const": True}, {"action": "store_const", "const": False}
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     check_finite_args(args)
     cfg = load_job_config(args)
     maybe_print_config(cfg, args)
-    from pipeline.convert import run
+    from hylo.pipeline.convert import run
 
     print(json.dumps(run(cfg), indent=2))
     return 0

@@ -23,16 +23,17 @@ if not __package__:
     # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.assets import asset_name  # noqa: E402
-from pipeline.cli import job_main, report_error  # noqa: E402
-from pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
-from pipeline.data.decontam import (  # noqa: E402
+from hylo.pipeline.cli import job_main, report_error  # noqa: E402
+from hylo.pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
+from hylo.pipeline.data.decontam import (  # noqa: E402
     SUITES,
     DecontamJobConfig,
     export_benchmarks,
     run_decontamination,
 )
-from pipeline.data.readers import SourceError  # noqa: E402
+from hylo.pipeline.data.readers import SourceError  # noqa: E402
+
+from hylo.assets import asset_name  # noqa: E402
 
 
 def _input_override(items: list[str]) -> list[dict]:

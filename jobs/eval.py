@@ -21,8 +21,8 @@ if not __package__:
     # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.cli import job_main, report_error, writable_dir  # noqa: E402
-from pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
+from hylo.pipeline.cli import job_main, report_error, writable_dir  # noqa: E402
+from hylo.pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,8 +71,9 @@ def overrides_from_flags(args: argparse.Namespace) -> list[str]:
 
 def check_model_files(cfg) -> None:
     """Name a truncated weights file of any model the run loads before loading anything."""
+    from hylo.pipeline.eval.decode import resolve_path
+
     from hylo.files import check_weights_dir
-    from pipeline.eval.decode import resolve_path
 
     for spec in (cfg.models.path, cfg.models.teacher, cfg.models.base):
         if spec is not None:
@@ -82,15 +83,15 @@ def check_model_files(cfg) -> None:
 @job_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from pipeline.eval.config import EvalConfig
-    from pipeline.eval.decode import EvalError
+    from hylo.pipeline.eval.config import EvalConfig
+    from hylo.pipeline.eval.decode import EvalError
 
     try:
         cfg = load_config(EvalConfig, args.config, [*args.overrides, *overrides_from_flags(args)])
         maybe_print_config(cfg, args)
         check_model_files(cfg)
         writable_dir(cfg.out, "out")
-        from pipeline.eval.run import render_markdown, run_eval
+        from hylo.pipeline.eval.run import render_markdown, run_eval
 
         res = run_eval(cfg)
     except (ConfigError, EvalError) as e:

@@ -19,8 +19,8 @@ if not __package__:
     # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.cli import job_main  # noqa: E402
-from pipeline.placement import placement_config, run_placement  # noqa: E402
+from hylo.pipeline.cli import job_main  # noqa: E402
+from hylo.pipeline.placement import placement_config, run_placement  # noqa: E402
 
 
 @job_main

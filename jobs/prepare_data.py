@@ -17,10 +17,10 @@ if not __package__:
     # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.cli import job_main  # noqa: E402
-from pipeline.config import ConfigError, add_config_args, config_from_args  # noqa: E402
-from pipeline.data.config import PrepareDataConfig  # noqa: E402
-from pipeline.data.dataset import prepare  # noqa: E402
+from hylo.pipeline.cli import job_main  # noqa: E402
+from hylo.pipeline.config import ConfigError, add_config_args, config_from_args  # noqa: E402
+from hylo.pipeline.data.config import PrepareDataConfig  # noqa: E402
+from hylo.pipeline.data.dataset import prepare  # noqa: E402
 
 
 @job_main

@@ -17,11 +17,11 @@ if not __package__:
     # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.cli import job_main  # noqa: E402
-from pipeline.config import add_config_args, config_from_args  # noqa: E402
-from pipeline.ray_init import ray_running  # noqa: E402
-from pipeline.teacher.cache import prepare_cache, run_cache_job  # noqa: E402
-from pipeline.teacher.config import TeacherCacheConfig  # noqa: E402
+from hylo.pipeline.cli import job_main  # noqa: E402
+from hylo.pipeline.config import add_config_args, config_from_args  # noqa: E402
+from hylo.pipeline.ray_init import ray_running  # noqa: E402
+from hylo.pipeline.teacher.cache import prepare_cache, run_cache_job  # noqa: E402
+from hylo.pipeline.teacher.config import TeacherCacheConfig  # noqa: E402
 
 
 @job_main
@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     add_config_args(parser, example="k=64")
     cfg = config_from_args(TeacherCacheConfig, parser.parse_args(argv))
     # Every input check (data shards, teacher files, an existing cache's header) before Ray starts.
+    from hylo.pipeline.teacher.model import resolve_model_path
+
     from hylo.files import check_weights_dir
-    from pipeline.teacher.model import resolve_model_path
 
     if cfg.data and cfg.out:
         check_weights_dir(resolve_model_path(cfg.model.path))

@@ -15,8 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from kernels.varlen import DocBounds
+from hylo.kernels.varlen import DocBounds
 
 _CHOICES = ("auto", "torch", "triton")
 

@@ -1,5 +1,5 @@
-"""Argument checks shared by the linear-recurrence ops (`kernels.gdn`, `kernels.ssd`): tensor types
-and devices, packed-row boundaries `cu_seqlens` (the rule itself lives in `kernels.varlen`), the
+"""Argument checks shared by the linear-recurrence ops (`hylo.kernels.gdn`, `hylo.kernels.ssd`): tensor types
+and devices, packed-row boundaries `cu_seqlens` (the rule itself lives in `hylo.kernels.varlen`), the
 `initial_state` shape.
 
 Each op raises its own error class with its own function name: the checks here take the op's
@@ -10,8 +10,7 @@ uses (N or S sequences, the state's dims), so each message speaks the op's own t
 from __future__ import annotations
 
 import torch
-
-from kernels.varlen import Bad, DocBounds, doc_bounds
+from hylo.kernels.varlen import Bad, DocBounds, doc_bounds
 
 
 def shape_str(x: torch.Tensor) -> str:
@@ -39,7 +38,7 @@ def check_float_tensors(bad: Bad, named: dict[str, torch.Tensor], ref_name: str)
 
 def check_packed(bad: Bad, cu_seqlens: torch.Tensor | DocBounds, batch: int, T: int) -> DocBounds:
     """Packed-row boundaries for a [batch, T, ...] input, checked under the one rule of
-    `kernels.varlen` (given `DocBounds` are only matched against T)."""
+    `hylo.kernels.varlen` (given `DocBounds` are only matched against T)."""
     if batch != 1:
         bad(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={batch}")
     return doc_bounds(cu_seqlens, T, bad)

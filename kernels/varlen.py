@@ -21,7 +21,7 @@ the kernels rely on it):
 
 Where it is read and checked:
 * On disk a packed row is one record of a Parquet file with these fields as columns (list columns,
-  `doc_ids` a list of strings, `row_id` a string). `pipeline.data.rowfile.PackedRowFile` is the one
+  `doc_ids` a list of strings, `row_id` a string). `hylo.pipeline.data.rowfile.PackedRowFile` is the one
   reader (the data pipeline's shards, the teacher's offline cache job, evaluation); a damaged file is a
   `DataFormatError` there, naming the file and row group or row.
 * `check_row` checks a whole row (a mapping of arrays) where it is read or received: the training row

@@ -10,7 +10,7 @@ ARGS` (the file `ray job submit -- python jobs/stage2.py` runs), so both take th
 
 A job's main is wrapped by `job_main`:
 
-    from pipeline.cli import job_main
+    from hylo.pipeline.cli import job_main
 
     @job_main
     def main(argv: list[str] | None = None) -> int:
@@ -57,18 +57,18 @@ class BadArgument(ValueError):
 
 # (module, class) of every error that means "the input is wrong", not "the code is wrong".
 INPUT_ERRORS: tuple[tuple[str, str], ...] = (
-    ("pipeline.cli", "BadArgument"),
-    ("pipeline.config", "ConfigError"),
-    ("pipeline.data.readers", "SourceError"),
-    ("pipeline.data.rowfile", "DataFormatError"),
-    ("pipeline.data.dataset", "PrepareError"),
-    ("kernels.varlen", "PackedRowError"),
-    ("pipeline.train.checkpoint", "CheckpointError"),
-    ("pipeline.train.storage", "StorageError"),
-    ("pipeline.teacher.cache", "CacheMismatchError"),
-    ("pipeline.teacher.cache", "CacheFormatError"),
-    ("pipeline.eval.decode", "EvalError"),
-    ("pipeline.placement", "PlacementError"),
+    ("hylo.pipeline.cli", "BadArgument"),
+    ("hylo.pipeline.config", "ConfigError"),
+    ("hylo.pipeline.data.readers", "SourceError"),
+    ("hylo.pipeline.data.rowfile", "DataFormatError"),
+    ("hylo.pipeline.data.dataset", "PrepareError"),
+    ("hylo.kernels.varlen", "PackedRowError"),
+    ("hylo.pipeline.train.checkpoint", "CheckpointError"),
+    ("hylo.pipeline.train.storage", "StorageError"),
+    ("hylo.pipeline.teacher.cache", "CacheMismatchError"),
+    ("hylo.pipeline.teacher.cache", "CacheFormatError"),
+    ("hylo.pipeline.eval.decode", "EvalError"),
+    ("hylo.pipeline.placement", "PlacementError"),
     ("hylo.config", "HybridConfigError"),
     ("hylo.upcycle", "UpcycleError"),
     ("hylo.assets", "AssetError"),
@@ -243,16 +243,16 @@ def job_main(fn: Callable[..., int | None]) -> Callable[..., int]:
 
 # sub-command -> (module holding the job's `main(argv)`, one line for `hylo --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "convert": ("jobs.convert", "convert a Llama / Qwen3 checkpoint into a HyLo hybrid; import/export the released layout"),
-    "decontaminate": ("jobs.decontaminate", "remove chat records that overlap evaluation benchmarks (n-gram matching)"),
-    "prepare-data": ("jobs.prepare_data", "tokenise and pack a chat mixture into training rows (Ray Data)"),
-    "teacher-cache": ("jobs.teacher_cache", "write the teacher's top-k logits over packed rows (offline KL targets)"),
-    "stage1": ("jobs.stage1", "stage 1: layer-wise distillation from the base (Enhanced-ILD, Ray Train)"),
-    "stage2": ("jobs.stage2", "stage 2: end-to-end KL distillation from the teacher (Ray Train)"),
-    "eval": ("jobs.eval", "evaluate a checkpoint: KL / perplexity, retrieval, KV cache, lm-evaluation-harness"),
-    "place-layers": ("jobs.place_layers", "choose which layers keep full attention (MLA) by measurement"),
-    "demo": ("jobs.demo", "the whole recipe on SmolLM2-135M-Instruct and ShareGPT, on local Ray, on CPU"),
-    "fetch-assets": ("jobs.fetch_assets", "fetch the offline assets (model, ShareGPT, HumanEval) into the cache"),
+    "convert": ("hylo.jobs.convert", "convert a Llama / Qwen3 checkpoint into a HyLo hybrid; import/export the released layout"),
+    "decontaminate": ("hylo.jobs.decontaminate", "remove chat records that overlap evaluation benchmarks (n-gram matching)"),
+    "prepare-data": ("hylo.jobs.prepare_data", "tokenise and pack a chat mixture into training rows (Ray Data)"),
+    "teacher-cache": ("hylo.jobs.teacher_cache", "write the teacher's top-k logits over packed rows (offline KL targets)"),
+    "stage1": ("hylo.jobs.stage1", "stage 1: layer-wise distillation from the base (Enhanced-ILD, Ray Train)"),
+    "stage2": ("hylo.jobs.stage2", "stage 2: end-to-end KL distillation from the teacher (Ray Train)"),
+    "eval": ("hylo.jobs.eval", "evaluate a checkpoint: KL / perplexity, retrieval, KV cache, lm-evaluation-harness"),
+    "place-layers": ("hylo.jobs.place_layers", "choose which layers keep full attention (MLA) by measurement"),
+    "demo": ("hylo.jobs.demo", "the whole recipe on SmolLM2-135M-Instruct and ShareGPT, on local Ray, on CPU"),
+    "fetch-assets": ("hylo.jobs.fetch_assets", "fetch the offline assets (model, ShareGPT, HumanEval) into the cache"),
 }
 
 

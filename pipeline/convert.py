@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hylo.pipeline.config import Rule, rules
+
 from hylo.upcycle.options import ConvertConfig, UpcycleError
-from pipeline.config import Rule, rules
 
 
 @dataclass
@@ -124,8 +125,9 @@ def dry_run(cfg: ConvertJobConfig) -> dict[str, Any]:
 
 def convert_base(cfg: ConvertJobConfig, progress: bool = True) -> dict[str, Any]:
     """Convert `base` into `out` with the `convert` options; returns the summary."""
+    from hylo.pipeline.cli import writable_dir
+
     from hylo.upcycle import convert, kv_summary
-    from pipeline.cli import writable_dir
 
     if not cfg.base or not cfg.out:
         raise UpcycleError("--base and --out are required (or --dry-run --base-config)")

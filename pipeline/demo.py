@@ -9,7 +9,7 @@ does not pass at any length (it is there for real models), and longer KV-cache c
 Design choices:
 * Each step runs the project's own job as a subprocess (the same command a user would type), logged to
   <run_dir>/logs/<step>.log; a finished step leaves <run_dir>/done/<step>.json and is skipped on a re-run
-  after checking its outputs still exist (`pipeline.runner.StepRunner`). The steps that use Ray join
+  after checking its outputs still exist (`hylo.pipeline.runner.StepRunner`). The steps that use Ray join
   one local Ray started once for the run, instead of starting one each.
 * The options are a `DemoConfig` (`--config`, `--set key=value`, `--print-config`); the job's flags
   (`--steps 8`, `--full-eval`, ...) are shorthands for its keys.
@@ -26,10 +26,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hylo.files import atomic_write
-from pipeline.cli import int_at_least, int_list
-from pipeline.config import at_least, config_from_args, each, rules
-from pipeline.runner import (
+from hylo.pipeline.cli import int_at_least, int_list
+from hylo.pipeline.config import at_least, config_from_args, each, rules
+from hylo.pipeline.runner import (
     PY,
     ROOT,
     RUNNER_FLAGS,
@@ -42,6 +41,8 @@ from pipeline.runner import (
     runner_parser,
     train_cmd,
 )
+
+from hylo.files import atomic_write
 
 # The KV cache grows linearly: three short contexts show the measured ratio as well as long ones.
 DEFAULT_KV_LENGTHS = [512, 1024, 2048]
@@ -207,7 +208,7 @@ class Demo(StepRunner):
 
     # ------------------------------------------------------------------ report
     def report(self, info: dict) -> str:
-        from pipeline.train.metrics import read_metrics
+        from hylo.pipeline.train.metrics import read_metrics
 
         kl = {k: info[f"eval_{k}"]["kl"]["kl"] for k in ("converted", "stage1", "stage2")}
         conv = info["convert"]["summary"]

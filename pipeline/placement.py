@@ -18,7 +18,7 @@ and the N layers with the largest drops get MLA. Design choices:
 * Scores run as Ray tasks, one per layer (one CPU or GPU each); every worker process loads the two
   students once and keeps them for the layers it is given.
 * Teacher = the base model: its final hidden states on the scored tokens are computed once, and the KL
-  goes through the project's fused linear KL (`pipeline.eval.kl`), so no [N, V] logits are kept.
+  goes through the project's fused linear KL (`hylo.pipeline.eval.kl`), so no [N, V] logits are kept.
 * The proxy (`proxy_scores`, no training, seconds): per-layer error of each converted mixer at
   initialisation against the base attention output it replaces, on the same rows, fed the base model's
   own layer inputs (mean per-token L2 distance). Three forms are reported with their rank correlation
@@ -54,13 +54,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from hylo.pipeline import runner
+from hylo.pipeline.cli import int_at_least
+from hylo.pipeline.config import at_least, config_from_args, each, one_of, rules
+from hylo.pipeline.eval.kl import check_eval_row, chunked_kl_sum, fused_kl_op, hidden_states
 from torch import nn
 
 from hylo.files import atomic_write
-from pipeline import runner
-from pipeline.cli import int_at_least
-from pipeline.config import at_least, config_from_args, each, one_of, rules
-from pipeline.eval.kl import check_eval_row, chunked_kl_sum, fused_kl_op, hidden_states
 
 PROXIES = ("linear_error", "linear_error_rel", "error_gap")
 
@@ -90,7 +90,7 @@ class Row:
 
 def load_rows(data: str | Path, max_rows: int) -> list[Row]:
     """The first `max_rows` held-out packed rows of a jobs/prepare_data.py directory."""
-    from pipeline.data.dataset import RowReader
+    from hylo.pipeline.data.dataset import RowReader
 
     p = Path(data)
     if not (p / "manifest.json").is_file():
@@ -238,7 +238,7 @@ def score_layers(linear_dir: str | Path, mla_dir: str | Path, base: nn.Module, r
 @torch.no_grad()
 def proxy_scores(base: nn.Module, linear: nn.Module, mla: nn.Module, rows: list[Row]) -> dict[str, list[float]]:
     """Per-layer errors of the converted (untrained) mixers against the base attention outputs."""
-    from pipeline.train.stage1 import BaseLayerTargets
+    from hylo.pipeline.train.stage1 import BaseLayerTargets
 
     targets = BaseLayerTargets(base)
     n = len(linear.model.layers)

@@ -1,6 +1,6 @@
 """How every job finds its Ray: one start-up helper and one config section (`ray.address`, `ray.num_cpus`).
 
-    from pipeline.ray_init import init_ray, ray_running
+    from hylo.pipeline.ray_init import init_ray, ray_running
 
     with ray_running(cfg.ray.address, cfg.ray.num_cpus):   # or: started = init_ray(...)
         ...
@@ -19,7 +19,7 @@ Design choices:
 * `num_cpus` is for a Ray this job starts; a job that joins a cluster takes what the cluster has.
 * Only a Ray the job started is shut down (`ray_running`); joining a cluster never stops it.
 * The config section is `RayInitSection` (training's `ray` section extends it). The old flat keys of the
-  data jobs, `ray_address` and `num_cpus`, still load, with a warning (`pipeline.config.renamed`).
+  data jobs, `ray_address` and `num_cpus`, still load, with a warning (`hylo.pipeline.config.renamed`).
 
 This module imports Ray only inside its functions.
 """
@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import at_least, rules
+from hylo.pipeline.config import at_least, rules
 
 ROOT = Path(__file__).resolve().parents[1]
 

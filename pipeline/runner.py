@@ -23,9 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hylo.pipeline.config import add_config_args
+from hylo.pipeline.ray_init import RayInitSection, gcs_address, init_ray
+
 from hylo.files import atomic_write
-from pipeline.config import add_config_args
-from pipeline.ray_init import RayInitSection, gcs_address, init_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -171,7 +172,7 @@ def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student:
     A run directory that already holds a complete checkpoint is from an interrupted attempt of this step
     (a finished step is never re-run): the command continues it with `--resume`.
     """
-    from pipeline.train.checkpoint import latest_checkpoint
+    from hylo.pipeline.train.checkpoint import latest_checkpoint
 
     resume = ["--resume"] if latest_checkpoint(Path(storage) / name) is not None else []
     cmd = [PY, f"jobs/stage{stage}.py", "--config", str(config),

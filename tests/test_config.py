@@ -7,11 +7,11 @@ import json
 import re
 
 import pytest
+from hylo.pipeline.config import ConfigError, config_hash, load_config
 from transformers import LlamaConfig, Qwen3Config
 
 from hylo.config import HybridConfig, HybridConfigError
 from hylo.upcycle import UpcycleError, hybrid_config_from_base, kv_summary, parse_placement
-from pipeline.config import ConfigError, config_hash, load_config
 
 
 def llama_3b() -> LlamaConfig:
@@ -132,11 +132,10 @@ def test_print_config_shows_every_key_and_round_trips(capsys):
     import argparse
 
     import yaml
-
-    from pipeline.config import add_config_args, config_from_args
-    from pipeline.data.config import PrepareDataConfig
-    from pipeline.train.config import config_to_dict, load_stage_config
-    from pipeline.train.driver import run
+    from hylo.pipeline.config import add_config_args, config_from_args
+    from hylo.pipeline.data.config import PrepareDataConfig
+    from hylo.pipeline.train.config import config_to_dict, load_stage_config
+    from hylo.pipeline.train.driver import run
 
     p = argparse.ArgumentParser()
     add_config_args(p)
@@ -158,16 +157,16 @@ def test_print_config_shows_every_key_and_round_trips(capsys):
 
 
 # ----------------------------------------------------------------------------- values checked at load
-# Every config class of every job: a new numeric field must state its range (pipeline.config.rules).
+# Every config class of every job: a new numeric field must state its range (hylo.pipeline.config.rules).
 def _job_config_roots() -> dict[str, type]:
-    from pipeline.convert import ConvertJobConfig
-    from pipeline.data.config import PrepareDataConfig
-    from pipeline.data.decontam import DecontamJobConfig
-    from pipeline.demo import DemoConfig
-    from pipeline.eval.config import EvalConfig
-    from pipeline.placement import PlacementConfig
-    from pipeline.teacher.config import TeacherCacheConfig
-    from pipeline.train.config import Stage1Config, Stage2Config
+    from hylo.pipeline.convert import ConvertJobConfig
+    from hylo.pipeline.data.config import PrepareDataConfig
+    from hylo.pipeline.data.decontam import DecontamJobConfig
+    from hylo.pipeline.demo import DemoConfig
+    from hylo.pipeline.eval.config import EvalConfig
+    from hylo.pipeline.placement import PlacementConfig
+    from hylo.pipeline.teacher.config import TeacherCacheConfig
+    from hylo.pipeline.train.config import Stage1Config, Stage2Config
 
     # the teacher pool's sections (model, pool, client) are reached through stage 2's `teacher`
     return {"stage1": Stage1Config, "stage2": Stage2Config, "prepare_data": PrepareDataConfig,
@@ -180,7 +179,7 @@ def _walk_fields(cls: type, prefix: str = "", seen: set | None = None):
     """(dotted path, owning class, field name, type hint, reached through a list) of every field under `cls`."""
     import typing
 
-    from pipeline.config import _field_types, _strip_optional
+    from hylo.pipeline.config import _field_types, _strip_optional
 
     for name, tp in _field_types(cls).items():
         inner = _strip_optional(tp)
@@ -201,7 +200,7 @@ def _is_numeric(tp) -> bool:
 
 
 def test_every_numeric_field_of_every_job_config_states_its_range():
-    from pipeline.config import field_rules
+    from hylo.pipeline.config import field_rules
 
     missing = sorted({f"{cls.__name__}.{name}" for root in _job_config_roots().values()
                       for _, cls, name, tp, _ in _walk_fields(root)
@@ -216,7 +215,7 @@ def _required_kwargs(cls: type) -> dict:
 
 def test_every_declared_rule_rejects_its_counterexample_at_load_naming_the_field():
     """For every rule of every job config: an out-of-range value is a ConfigError naming the dotted key."""
-    from pipeline.config import field_rules, from_dict
+    from hylo.pipeline.config import field_rules, from_dict
 
     checked = 0
     for root in _job_config_roots().values():
@@ -258,7 +257,7 @@ def test_every_declared_rule_rejects_its_counterexample_at_load_naming_the_field
     ("model.convert={init: svd}", "model.convert.init"),
 ])
 def test_issue_examples_are_rejected_at_load_naming_the_key(override, key):
-    from pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.config import load_stage_config
 
     with pytest.raises(ConfigError) as e:
         load_stage_config(2, "configs/demo-smollm2.yaml", [override])
@@ -268,8 +267,9 @@ def test_issue_examples_are_rejected_at_load_naming_the_key(override, key):
 
 def test_convert_options_are_the_converters_own_and_listed():
     """model.convert is the converter's own ConvertConfig: an unknown key is listed with every option."""
+    from hylo.pipeline.train.config import load_stage_config
+
     from hylo.upcycle import ConvertConfig
-    from pipeline.train.config import load_stage_config
 
     with pytest.raises(ConfigError) as e:
         load_stage_config(1, "configs/demo-smollm2.yaml", ["model.convert={mla_layerz: even, kv_lora_rank: 64}"])
@@ -285,14 +285,14 @@ def test_convert_options_are_the_converters_own_and_listed():
 
 
 def test_nested_run_names_are_allowed():
-    from pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.config import load_stage_config
 
     cfg = load_stage_config(2, "configs/demo-smollm2.yaml", ["ray.name=study/seed1", "ray.max_failures=-1"])
     assert cfg.ray.name == "study/seed1" and cfg.ray.max_failures == -1
 
 
 def test_duplicate_yaml_key_is_an_error_naming_key_and_lines(tmp_path):
-    from pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.config import load_stage_config
 
     p = tmp_path / "c.yaml"
     p.write_text("name: a\ntrain:\n  lr: 1.0\n  steps: 3\ntrain:\n  steps: 4\n")
@@ -335,7 +335,7 @@ def test_value_errors_name_the_file_line_or_the_override(tmp_path):
 
 
 def test_rules_run_on_direct_construction_too():
-    from pipeline.train.config import CheckpointSection, KDSection
+    from hylo.pipeline.train.config import CheckpointSection, KDSection
 
     with pytest.raises(ValueError, match="temperature=0.0: must be > 0"):
         KDSection(temperature=0.0)
@@ -344,7 +344,7 @@ def test_rules_run_on_direct_construction_too():
 
 
 def test_eval_config_knows_the_retrieval_tasks():
-    from pipeline.eval.config import RETRIEVAL_TASKS
-    from pipeline.eval.retrieval import TASKS
+    from hylo.pipeline.eval.config import RETRIEVAL_TASKS
+    from hylo.pipeline.eval.retrieval import TASKS
 
     assert RETRIEVAL_TASKS == TASKS

@@ -118,7 +118,7 @@ TINY_OPTIONS = {"mla_layers": "even", "kv_lora_rank": 16, "gdn_head_dim": 8, "gd
 
 
 def _stage1_config(tmp_path, base, **convert_options):
-    from pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.config import load_stage_config
 
     options = ", ".join(f"{k}: {v}" for k, v in convert_options.items())
     return load_stage_config(1, None, [f"ray.storage_path={tmp_path / 'runs'}", "ray.name=s1", f"model.base={base}",
@@ -133,10 +133,11 @@ def _weights(directory):
 
 def test_driver_and_job_convert_to_the_same_calibrated_weights(tmp_path, capsys, monkeypatch):
     """Issue 15: the training driver (stage 1 with model.convert) and jobs/convert.py are one conversion."""
+    from hylo.pipeline.train.driver import convert_if_needed
+
     import hylo.upcycle
     from hylo.upcycle import ConvertConfig
     from hylo.upcycle.model import convert as real_convert
-    from pipeline.train.driver import convert_if_needed
 
     calls = []
 
@@ -166,8 +167,9 @@ def test_driver_and_job_convert_to_the_same_calibrated_weights(tmp_path, capsys,
 def test_a_base_without_tokenizer_is_refused_unless_calibration_is_turned_off(tmp_path, capsys):
     """Issue 15: the driver's conversion once skipped the gate calibration without a word; now a conversion
     that cannot calibrate stops, and `calibrate: false` / --no-calibrate is the only way to skip it."""
+    from hylo.pipeline.train.driver import convert_if_needed
+
     from hylo.upcycle import UpcycleError
-    from pipeline.train.driver import convert_if_needed
 
     base = _tiny_base(tmp_path / "base", tokenizer=False)
     with pytest.raises(UpcycleError, match="(?s)no tokenizer could be loaded.*calibrate: false"):
@@ -247,9 +249,10 @@ def test_a_base_whose_tensors_do_not_match_its_config_is_refused_naming_them(tmp
     """Issue 21: a base without `model.layers.1.self_attn.k_proj.weight` converted with exit 0 and a
     random k_proj in its GDN layer; a missing, unexpected or mis-shaped tensor is refused, naming it.
     The same rule holds wherever a model is loaded: the teacher and the evaluated model."""
+    from hylo.pipeline.eval.decode import EvalError, load_model
+    from hylo.pipeline.teacher.model import _load_model
+
     from hylo.io import CheckpointMismatchError
-    from pipeline.eval.decode import EvalError, load_model
-    from pipeline.teacher.model import _load_model
 
     base = _tiny_base(tmp_path / "base", tokenizer=True)
     name = _damage_weights(base, how)

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from pipeline.data.decontam import (
+from hylo.pipeline.data.decontam import (
     BenchmarkIndex,
     BenchmarkSpec,
     DecontamJobConfig,
@@ -22,9 +21,9 @@ from pipeline.data.decontam import (
     reference_scan,
     run_decontamination,
 )
-from pipeline.data.normalize import _NON_WORD, fold_many, normalize_words, normalize_words_plain
-from pipeline.data.readers import SourceSpec, read_source
-from pipeline.ray_init import ray_running
+from hylo.pipeline.data.normalize import _NON_WORD, fold_many, normalize_words, normalize_words_plain
+from hylo.pipeline.data.readers import SourceSpec, read_source
+from hylo.pipeline.ray_init import ray_running
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -199,7 +198,7 @@ def test_fast_scan_equals_reference_hit_for_hit(seed):
 
 
 def test_hash_collisions_are_verified_away(monkeypatch):
-    from pipeline.data import decontam
+    from hylo.pipeline.data import decontam
 
     items = [Item("s", "i0", [["aa", "bb", "cc"]])]
     index = BenchmarkIndex.build(items, MatchConfig(ngram=3, short_min_words=2, min_content_words=0))

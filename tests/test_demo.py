@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from pipeline import demo
-from pipeline.config import ConfigError
+from hylo.pipeline import demo
+from hylo.pipeline.config import ConfigError
 
 
 def make(tmp_path: Path, *flags: str) -> demo.Demo:

@@ -21,17 +21,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
+from hylo.kernels.varlen import PackedRowError
+from hylo.pipeline.data.rowfile import DataFormatError
+from hylo.pipeline.eval import kvcache
+from hylo.pipeline.eval import retrieval as R
+from hylo.pipeline.eval.decode import EvalError, cache_nbytes, greedy_decode
+from hylo.pipeline.eval.kl import evaluate_kl, iter_eval_rows
+from hylo.pipeline.eval.lm_eval_adapter import Scorer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hylo.io import save_hylo
 from hylo.upcycle import kv_summary, upcycle
-from kernels.varlen import PackedRowError
-from pipeline.data.rowfile import DataFormatError
-from pipeline.eval import kvcache
-from pipeline.eval import retrieval as R
-from pipeline.eval.decode import EvalError, cache_nbytes, greedy_decode
-from pipeline.eval.kl import evaluate_kl, iter_eval_rows
-from pipeline.eval.lm_eval_adapter import Scorer
 
 from helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
@@ -161,7 +161,7 @@ def test_eval_rows_from_parquet_packed_dir_and_chat_records(tmp_path, tok, base)
         assert torch.equal(g["input_ids"], r["input_ids"]) and torch.equal(g["loss_mask"], r["loss_mask"])
     assert len(list(iter_eval_rows(tmp_path / "rows.parquet", max_rows=1))) == 1
 
-    from pipeline.data.dataset import ShardWriter, write_manifest
+    from hylo.pipeline.data.dataset import ShardWriter, write_manifest
 
     writer = ShardWriter(tmp_path / "packed", rows_per_shard=1, row_group_rows=1)
     for r in rows:
@@ -410,10 +410,9 @@ def test_generate_until_in_padded_batches_equals_one_prompt_at_a_time(tok, hybri
 
 
 def test_lm_eval_model_registered_as_hylo_and_takes_instances(tok, hybrid):
+    from hylo.pipeline.eval.lm_eval_adapter import register
     from lm_eval.api.instance import Instance
     from lm_eval.api.registry import get_model
-
-    from pipeline.eval.lm_eval_adapter import register
 
     cls = register()
     assert get_model("hylo") is cls and register() is cls
@@ -461,9 +460,8 @@ def write_local_tasks(root: Path) -> Path:
 def test_lm_eval_simple_evaluate_on_a_local_task(tmp_path, tok, hybrid):
     """A local multiple-choice task through the harness; accuracy equals our own argmax scoring."""
     import lm_eval
+    from hylo.pipeline.eval.lm_eval_adapter import register
     from lm_eval.tasks import TaskManager
-
-    from pipeline.eval.lm_eval_adapter import register
 
     root = write_local_tasks(tmp_path / "tasks")
     cls = register()
@@ -487,9 +485,8 @@ def test_lm_eval_through_the_registered_name_and_the_hf_backend(saved, tmp_path)
     """simple_evaluate(model="hylo") by name, and lm-eval's own `hf` model loading the saved checkpoint with
     trust_remote_code (transformers' generate() on left-padded batches): the same log-likelihoods."""
     import lm_eval
+    from hylo.pipeline.eval.lm_eval_adapter import register
     from lm_eval.tasks import TaskManager
-
-    from pipeline.eval.lm_eval_adapter import register
 
     register()
     root = write_local_tasks(tmp_path / "tasks")
@@ -512,10 +509,10 @@ def test_lm_eval_through_the_registered_name_and_the_hf_backend(saved, tmp_path)
 
 @pytest.mark.slow
 def test_hylo_lm_eval_command_runs_the_harness_cli(saved, tmp_path):
-    """`python -m pipeline.eval.lm_eval_adapter` (the `hylo-lm-eval` console script's code) with `--model hylo`."""
+    """`python -m hylo.pipeline.eval.lm_eval_adapter` (the `hylo-lm-eval` console script's code) with `--model hylo`."""
     root = write_local_tasks(tmp_path / "tasks")
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.eval.lm_eval_adapter", "--model", "hylo", "--model_args",
+        [sys.executable, "-m", "hylo.pipeline.eval.lm_eval_adapter", "--model", "hylo", "--model_args",
          f"pretrained={saved / 'hybrid'}", "--tasks", "hylo_local_mc", "--include_path", str(root),
          "--output_path", str(tmp_path / "out"), "--limit", "3"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -568,7 +565,7 @@ def test_eval_job_writes_json_and_markdown(saved, tmp_path):
 
 
 def test_samples_suite_gives_the_greedy_answers_of_model_and_base(saved, tmp_path):
-    from pipeline.eval.samples import greedy_answers
+    from hylo.pipeline.eval.samples import greedy_answers
 
     main = eval_main()
     out = tmp_path / "eval"
@@ -656,8 +653,8 @@ def test_eval_job_errors_name_the_problem(saved, tmp_path, capsys):
 
 
 def test_smoke_config_loads_and_bad_values_are_named():
-    from pipeline.config import ConfigError, load_config
-    from pipeline.eval.config import EvalConfig
+    from hylo.pipeline.config import ConfigError, load_config
+    from hylo.pipeline.eval.config import EvalConfig
 
     cfg = load_config(EvalConfig, REPO / "configs" / "eval_smoke.yaml")
     assert cfg.suites == ["kl", "retrieval", "kvcache"] and max(cfg.kvcache.lengths) <= 4096

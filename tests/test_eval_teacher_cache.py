@@ -6,9 +6,8 @@ import json
 
 import pytest
 import torch
-
-from pipeline.eval.decode import load_model
-from pipeline.eval.kl import TeacherStateCache, evaluate_kl
+from hylo.pipeline.eval.decode import load_model
+from hylo.pipeline.eval.kl import TeacherStateCache, evaluate_kl
 
 from fixtures_train import make_tiny_models
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from pipeline.cli import COMMANDS, hylo_main
+from hylo.pipeline.cli import COMMANDS, hylo_main
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "pipeline" / "train" / "README.md"]

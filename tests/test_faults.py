@@ -11,11 +11,10 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from pipeline.config import ConfigError
-from pipeline.train import checkpoint as ckpt_lib
-from pipeline.train.config import load_stage_config
-from pipeline.train.storage import CheckpointUploadError, Loc, upload_with_retries
+from hylo.pipeline.config import ConfigError
+from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.config import load_stage_config
+from hylo.pipeline.train.storage import CheckpointUploadError, Loc, upload_with_retries
 
 from fixtures_train import s3_server
 
@@ -102,9 +101,8 @@ def one_rank(tmp_path):
 
     import torch
     import torch.distributed as dist
-
-    from pipeline.train.loop import TorchrunSession
-    from pipeline.train.worker import WorkerContext
+    from hylo.pipeline.train.loop import TorchrunSession
+    from hylo.pipeline.train.worker import WorkerContext
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,7 +125,7 @@ def test_driver_sigterm_asks_for_a_final_checkpoint_only_when_it_fits(one_rank):
     import json
     import time
 
-    from pipeline.train.loop import PREEMPT_FILE
+    from hylo.pipeline.train.loop import PREEMPT_FILE
 
     session, run = one_rank
     run.mkdir(parents=True, exist_ok=True)
@@ -148,8 +146,8 @@ def test_driver_sigterm_handler_records_the_request_and_names_the_checkpoint_to_
     import os
     import signal
 
-    from pipeline.train.driver import Preempted, preemption_handler
-    from pipeline.train.loop import PREEMPT_FILE, read_preempt_request
+    from hylo.pipeline.train.driver import Preempted, preemption_handler
+    from hylo.pipeline.train.loop import PREEMPT_FILE, read_preempt_request
 
     cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "checkpoint.preempt_grace_s=40"])
     run = Loc.of(tmp_path / "run")
@@ -175,7 +173,7 @@ def test_driver_sigterm_handler_records_the_request_and_names_the_checkpoint_to_
 
 @pytest.mark.slow
 def test_run_lock_left_in_storage_by_an_outage_is_reported_and_taken_back_by_its_process(tmp_path, capsys):
-    from pipeline.train.runlock import LOCK_FILE, RunLockError, run_lock
+    from hylo.pipeline.train.runlock import LOCK_FILE, RunLockError, run_lock
 
     with s3_server() as s3:
         run = Loc.of(s3.uri("unit/locked"))

@@ -31,9 +31,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from pipeline.train import checkpoint as ckpt_lib
-from pipeline.train.metrics import read_metrics
+from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.metrics import read_metrics
 
 from fixtures_cluster import local_cluster
 from fixtures_train import S3_ENV, make_tiny_models, s3_server, tiny_config, write_config
@@ -76,7 +75,7 @@ def reference(tiny, stage: int, steps: int) -> Path:
 @pytest.mark.parametrize("stage,when,step,resumed", [(1, "mid_step", 5, 3), (2, "after_checkpoint", 6, 6)],
                          ids=["stage1-mid_step", "stage2-after_checkpoint"])
 def test_node_loss_resumes_from_the_newest_intact_checkpoint(tiny, nodes, stage, when, step, resumed):
-    from pipeline.train.driver import run
+    from hylo.pipeline.train.driver import run
 
     root, models = tiny
     steps = 8
@@ -101,8 +100,8 @@ def test_node_loss_resumes_from_the_newest_intact_checkpoint(tiny, nodes, stage,
 def test_storage_outage_mid_upload_fails_in_one_line_and_resume_finishes(tiny, nodes):
     import shutil
 
-    from pipeline.train.driver import TrainingError, run
-    from pipeline.train.storage import Loc, local_mirror
+    from hylo.pipeline.train.driver import TrainingError, run
+    from hylo.pipeline.train.storage import Loc, local_mirror
 
     root, models = tiny
     ref = reference(tiny, 2, 8)
@@ -152,7 +151,7 @@ def test_sigterm_to_the_driver_checkpoints_within_the_grace_period_and_resume_is
     import signal
     import threading
 
-    from pipeline.train.driver import Preempted, run
+    from hylo.pipeline.train.driver import Preempted, run
 
     root, models = tiny
     steps = 12
@@ -203,8 +202,7 @@ def test_node_preemption_notice_then_sigterm_resumes_from_the_just_in_time_check
 
     import ray
     import ray._private.state
-
-    from pipeline.train.driver import run
+    from hylo.pipeline.train.driver import run
 
     root, models = tiny
     steps = 12
@@ -263,7 +261,7 @@ def test_teacher_node_lost_mid_step_rows_answered_once_each_in_order(tiny, nodes
     the fault (same pool, batching may differ: a tolerance)."""
     import socket
 
-    from pipeline.train.driver import run
+    from hylo.pipeline.train.driver import run
 
     root, models = tiny
     with socket.socket() as sock:

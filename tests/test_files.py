@@ -145,25 +145,25 @@ def _base(d: Path) -> None:
 
 
 def _data_manifest(d: Path) -> None:
-    from pipeline.data.dataset import read_manifest
+    from hylo.pipeline.data.dataset import read_manifest
 
     read_manifest(d)
 
 
 def _teacher_cache(d: Path) -> None:
-    from pipeline.teacher.cache import load_manifest
+    from hylo.pipeline.teacher.cache import load_manifest
 
     load_manifest(d)
 
 
 def _checkpoint(d: Path) -> None:
-    from pipeline.train.checkpoint import read_json as read_checkpoint_json
+    from hylo.pipeline.train.checkpoint import read_json as read_checkpoint_json
 
     read_checkpoint_json(d / "state.json")
 
 
 def _tokenizer(d: Path) -> None:
-    from pipeline.teacher.model import tokenizer_fingerprint
+    from hylo.pipeline.teacher.model import tokenizer_fingerprint
 
     tokenizer_fingerprint(d)
 
@@ -173,9 +173,9 @@ READERS = {
     "hybrid_config": (_hybrid_config, "hybrid_config.json", ("hylo.config", "HybridConfigError"), True),
     "released": (_released, "config.json", ("hylo.released", "ReleasedLayoutError"), True),
     "base_model": (_base, "config.json", ("hylo.upcycle", "UpcycleError"), True),
-    "data_manifest": (_data_manifest, "manifest.json", ("pipeline.data.dataset", "DataFormatError"), False),
-    "teacher_cache": (_teacher_cache, "manifest.json", ("pipeline.teacher.cache", "CacheFormatError"), True),
-    "checkpoint": (_checkpoint, "state.json", ("pipeline.train.checkpoint", "CheckpointError"), False),
+    "data_manifest": (_data_manifest, "manifest.json", ("hylo.pipeline.data.dataset", "DataFormatError"), False),
+    "teacher_cache": (_teacher_cache, "manifest.json", ("hylo.pipeline.teacher.cache", "CacheFormatError"), True),
+    "checkpoint": (_checkpoint, "state.json", ("hylo.pipeline.train.checkpoint", "CheckpointError"), False),
     "tokenizer": (_tokenizer, "tokenizer.json", ("builtins", "ValueError"), False),
 }
 

@@ -6,13 +6,11 @@ Triton kernel) 16-wide vocabulary tiles, so the last chunk and the last tile are
 
 from __future__ import annotations
 
+import hylo.kernels.fused_kl.chunked as chunked
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-
-import kernels.fused_kl.chunked as chunked
-from kernels.fused_kl import (
+from hylo.kernels.fused_kl import (
     TeacherTopK,
     auto_chunk_size,
     fused_linear_kl_div,
@@ -20,6 +18,7 @@ from kernels.fused_kl import (
     tail_logmass_from_topk,
     topk_from_logits,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 N, H, H_T, V, K, CHUNK = 37, 16, 24, 50, 7, 8
 FORMS = ["hidden", "topk_tail", "topk_notail", "logits_fn"]
@@ -93,7 +92,7 @@ def torch_path(monkeypatch):
 def triton_path(monkeypatch):
     """Force the Triton kernel (interpreted on CPU) and make sure the torch step is not used."""
     pytest.importorskip("triton")
-    import kernels.fused_kl.triton_kernel as triton_kernel
+    import hylo.kernels.fused_kl.triton_kernel as triton_kernel
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("HYLO_KERNELS", "triton")
@@ -403,8 +402,8 @@ def test_bad_input_is_a_clear_error(torch_path, build, match):
 # ------------------------------------------------------------------ the accelerator's rule: no host read
 # `deferred_checks()` applies to CPU tensors what device tensors always get (inputs.reads_are_free):
 # value checks become device flags, masked rows are zeroed rather than selected, no value is read back.
-from kernels.fused_kl.inputs import check_deferred, deferred_checks  # noqa: E402
-from kernels.host_reads import HostReadLog  # noqa: E402
+from hylo.kernels.fused_kl.inputs import check_deferred, deferred_checks  # noqa: E402
+from hylo.kernels.host_reads import HostReadLog  # noqa: E402
 
 
 @pytest.fixture
@@ -478,7 +477,7 @@ def test_bad_values_are_flagged_on_the_device_and_raised_by_check_deferred(torch
 
 
 def test_the_teacher_lm_head_is_scanned_once_per_version(torch_path, no_pending, monkeypatch):
-    import kernels.fused_kl.inputs as inputs
+    import hylo.kernels.fused_kl.inputs as inputs
 
     hidden, weight, teacher, _ = make_case(torch.float32, "hidden", False)
     scans = []

@@ -9,12 +9,11 @@ from __future__ import annotations
 import sys
 import types
 
+import hylo.kernels.gdn.chunk as gdn_chunk
 import pytest
 import torch
 import torch.nn.functional as F
-
-import kernels.gdn.chunk as gdn_chunk
-from kernels.gdn import (
+from hylo.kernels.gdn import (
     GatedDeltaRuleInputError,
     chunk_gated_delta_rule,
     naive_recurrent_gated_delta_rule,

@@ -132,7 +132,7 @@ FLA_SCRIPT = textwrap.dedent(
     autotuner.Autotuner._bench = lambda self, *a, config=None, **k: [0.0, 0.0, 0.0]
     from safetensors.torch import load_file, save_file
     import fla.layers.gated_deltanet as fla_gdn
-    from kernels.gdn import naive_recurrent_gated_delta_rule
+    from hylo.kernels.gdn import naive_recurrent_gated_delta_rule
 
     def recurrence(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
                    use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,

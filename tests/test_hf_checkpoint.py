@@ -221,7 +221,7 @@ def test_bundler_refuses_an_import_it_cannot_rewrite(tmp_path, monkeypatch):
 
 
 def test_eval_loads_a_checkpoint_by_its_config_json_alone(base_dir, tmp_path):
-    from pipeline.eval.decode import is_hylo, load_model
+    from hylo.pipeline.eval.decode import is_hylo, load_model
 
     model = convert(base_dir, tmp_path / "hy")
     (tmp_path / "hy" / "hybrid_config.json").unlink()

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from pipeline.cli import BadArgument, check_finite_args, input_error_message, job_main
-from pipeline.config import ConfigError
+from hylo.pipeline.cli import BadArgument, check_finite_args, input_error_message, job_main
+from hylo.pipeline.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +69,7 @@ def test_path_errors_name_the_path(capsys, tmp_path):
 
 
 def test_wrapped_input_errors_are_found(capsys):
-    from pipeline.data.dataset import DataFormatError
+    from hylo.pipeline.data.dataset import DataFormatError
 
     def chained(argv):
         try:
@@ -84,10 +83,9 @@ def test_wrapped_input_errors_are_found(capsys):
 
 def test_ray_wrapped_worker_errors_are_found():
     """Ray Train's WorkerGroupError and a RayTaskError (as the driver sees them) carry the input error."""
+    from hylo.kernels.varlen import PackedRowError
     from ray.exceptions import RayTaskError
     from ray.train import WorkerGroupError
-
-    from kernels.varlen import PackedRowError
 
     cause = PackedRowError("data/shard-00003.parquet row 7: cu_seqlens must end at T=64")
     task = RayTaskError("train_worker", "Traceback (most recent call last):\n  ...\nPackedRowError: ...", cause)
@@ -181,7 +179,7 @@ def _copy_model(src: Path, dst: Path) -> Path:
 
 
 def _packed_dir(d: Path, split: str, seq_len: int = 64, shards: int = 3) -> Path:
-    from pipeline.data.dataset import ShardWriter, write_manifest
+    from hylo.pipeline.data.dataset import ShardWriter, write_manifest
 
     from fixtures_teacher import make_packed_row
 
@@ -355,7 +353,7 @@ def test_demo_job(tmp_path):
 
 def test_corrupt_shard_in_the_middle_is_named_by_the_reader(tmp_path):
     """A shard whose footer is intact but whose pages are corrupt (ZSTD error) names file and row group."""
-    from pipeline.data.dataset import DataFormatError, RowReader
+    from hylo.pipeline.data.dataset import DataFormatError, RowReader
 
     d = _packed_dir(tmp_path / "data", "stage2")
     f = d / "shard-00001.parquet"
@@ -369,15 +367,15 @@ def test_corrupt_shard_in_the_middle_is_named_by_the_reader(tmp_path):
 
 
 def test_corrupt_teacher_cache_shard_is_named_by_the_reader(tmp_path, tiny):
-    from pipeline.teacher.cache import (
+    from hylo.pipeline.teacher.cache import (
         CacheFormatError,
         TopKCacheReader,
         compute_shard,
         finalize_cache,
         prepare_cache,
     )
-    from pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
-    from pipeline.teacher.model import TeacherModel
+    from hylo.pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
+    from hylo.pipeline.teacher.model import TeacherModel
 
     data = _packed_dir(tmp_path / "data", "stage2", shards=1)
     cfg = TeacherCacheConfig(data=str(data), out=str(tmp_path / "cache"), k=4, rows_per_shard=4,

@@ -10,15 +10,15 @@ from __future__ import annotations
 import sys
 import types
 
+import hylo.kernels.ssd.chunk as ssd_chunk
 import pytest
 import torch
 import torch.nn.functional as F
+from hylo.kernels.ssd import SSDInputError, chunk_ssd, naive_ssd
 
-import kernels.ssd.chunk as ssd_chunk
 from hylo.config import HybridConfig, HybridConfigError
 from hylo.layers.mamba2 import Mamba2Mixer, causal_conv1d_silu
 from hylo.upcycle import mamba2_weights_from_attention
-from kernels.ssd import SSDInputError, chunk_ssd, naive_ssd
 
 from helpers import (
     assert_bad_layer_input_raises,
@@ -580,10 +580,11 @@ def test_smollm2_14mla_16m2_trains_through_both_stages(tmp_path):
     import subprocess
     from pathlib import Path
 
+    from hylo.pipeline.train.metrics import read_metrics
+
     from hylo.assets import fetch_asset
     from hylo.io import load_hylo, save_hylo
     from hylo.upcycle import load_base_model, upcycle
-    from pipeline.train.metrics import read_metrics
 
     from fixtures_train import write_config
 

@@ -6,10 +6,9 @@ import json
 import random
 
 import pytest
-
-from pipeline.config import ConfigError, load_config
-from pipeline.data.config import PrepareDataConfig
-from pipeline.data.mixture import build_mixture, mix
+from hylo.pipeline.config import ConfigError, load_config
+from hylo.pipeline.data.config import PrepareDataConfig
+from hylo.pipeline.data.mixture import build_mixture, mix
 
 
 def _recs(source: str, n: int, start: int = 0) -> list[dict]:
@@ -127,7 +126,7 @@ def test_build_mixture_reads_sources_and_reports_rejects(tmp_path):
 
 
 def test_build_mixture_refuses_a_source_that_gives_nothing(tmp_path):
-    from pipeline.data.readers import EmptySourceError
+    from hylo.pipeline.data.readers import EmptySourceError
 
     good, empty = tmp_path / "good.jsonl", tmp_path / "empty.json"
     good.write_text(json.dumps({"id": "g", "messages": [{"role": "user", "content": "q"},
@@ -143,7 +142,7 @@ def test_build_mixture_refuses_a_source_that_gives_nothing(tmp_path):
 
 
 def test_restrict_removes_every_copy_and_keeps_order():
-    from pipeline.data.mixture import restrict
+    from hylo.pipeline.data.mixture import restrict
 
     full, stats = mix([("a", 2.0, _recs("a", 200)), ("b", 1.0, _recs("b", 100))], "all", seed=4)
     s1, st1 = mix([("a", 2.0, _recs("a", 200)), ("b", 1.0, _recs("b", 100))], "stage1", seed=4)

@@ -12,12 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-
-from pipeline.config import from_dict, to_dict
-from pipeline.data.config import PrepareDataConfig
-from pipeline.data.readers import SourceSpec, read_source
-from pipeline.data.render import ChatRenderer, RenderError
-from pipeline.ray_init import ray_running
+from hylo.pipeline.config import from_dict, to_dict
+from hylo.pipeline.data.config import PrepareDataConfig
+from hylo.pipeline.data.readers import SourceSpec, read_source
+from hylo.pipeline.data.render import ChatRenderer, RenderError
+from hylo.pipeline.ray_init import ray_running
 
 from fixtures_data import (
     EVAL_SUITES,
@@ -52,7 +51,7 @@ def test_stage_configs_share_one_mixture_and_one_decontamination():
         assert c["packing"]["max_len"] == {"stage1": 2048, "stage2": 65536}[s]
     names = [s["name"] for s in ref["mixture"]["sources"]]
     assert names == ["sftdatasetv3", "openmathinstruct2", "openthoughts", "openr1_math", "chatqa2_long_sft"]
-    # Every evaluation suite (pipeline.data.decontam.SUITES) that has fixed items, from a local file.
+    # Every evaluation suite (hylo.pipeline.data.decontam.SUITES) that has fixed items, from a local file.
     assert [b["name"] for b in ref["decontam"]["benchmarks"]] == list(EVAL_SUITES)
     assert all(b["path"].startswith("/mnt/hylo/evals/") for b in ref["decontam"]["benchmarks"])
 
@@ -160,7 +159,7 @@ def test_qwen3_history_rewriting_falls_back_to_the_final_reply(tokenizers):
 
 
 def test_export_benchmarks_writes_one_file_per_suite(tmp_path, monkeypatch):
-    from jobs.decontaminate import main
+    from hylo.jobs.decontaminate import main
 
     calls = []
 
@@ -202,7 +201,7 @@ def ray_local():
 
 
 def _run(root: Path, family: str, stage: str) -> tuple[dict, Path]:
-    from pipeline.data.dataset import prepare
+    from hylo.pipeline.data.dataset import prepare
 
     tree = _tree(family, stage, root)
     tree.update(ray={"address": None}, progress=False)
@@ -213,8 +212,8 @@ def _run(root: Path, family: str, stage: str) -> tuple[dict, Path]:
 
 
 def _docs(out: Path) -> tuple[set[str], list[np.ndarray]]:
-    from pipeline.data.dataset import RowReader
-    from pipeline.data.packing import PAD_DOC_ID
+    from hylo.pipeline.data.dataset import RowReader
+    from hylo.pipeline.data.packing import PAD_DOC_ID
 
     docs, rows = set(), []
     for r in RowReader(out, as_numpy=True):

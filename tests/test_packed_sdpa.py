@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels import packed_sdpa
-from kernels.packed_sdpa import packed_causal_sdpa, packed_causal_sdpa_loop, plan_groups
+from hylo.kernels import packed_sdpa
+from hylo.kernels.packed_sdpa import packed_causal_sdpa, packed_causal_sdpa_loop, plan_groups
 
 # awkward packings: equal lengths, a long document among short ones, lengths 1, all different
 PACKINGS = {

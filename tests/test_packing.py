@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kernels.varlen import PackedRowError, check_row
-from pipeline.data.packing import (
+from hylo.kernels.varlen import PackedRowError, check_row
+from hylo.pipeline.data.packing import (
     PAD_DOC_ID,
     BestFitPacker,
     Document,

@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from pipeline.eval.kl import evaluate_kl
-from pipeline.placement import (
+from hylo.pipeline.eval.kl import evaluate_kl
+from hylo.pipeline.placement import (
     PlaceLayers,
     PlacementError,
     Row,
@@ -101,7 +100,7 @@ def test_swapped_kl_equals_the_full_forward_of_the_mixed_model(models):
 
 @pytest.mark.slow
 def test_score_layers_through_ray_tasks(models):
-    from pipeline.ray_init import ray_running
+    from hylo.pipeline.ray_init import ray_running
 
     rows = [as_row(r) for r in models["rows"]]
     with ray_running(None, 2):
@@ -167,7 +166,7 @@ def test_spearman_ranks_and_choose():
 
 
 def test_load_rows_marks_padding_and_rejects_non_packed_dirs(tmp_path):
-    from pipeline.data.dataset import ShardWriter, write_manifest
+    from hylo.pipeline.data.dataset import ShardWriter, write_manifest
 
     rows = [make_row(96, [9, 7], seed=5), make_row(96, [10], seed=6, pad=6)]
     writer = ShardWriter(tmp_path / "packed", rows_per_shard=1, row_group_rows=1)
@@ -186,7 +185,7 @@ def test_load_rows_marks_padding_and_rejects_non_packed_dirs(tmp_path):
 @pytest.mark.slow
 def test_place_layers_job_proxy_only(models, tmp_path):
     # The job end to end on the cheap path: converts both students, writes the proxy and the placement.
-    from pipeline.data.dataset import ShardWriter, write_manifest
+    from hylo.pipeline.data.dataset import ShardWriter, write_manifest
 
     data = tmp_path / "heldout"
     writer = ShardWriter(data, rows_per_shard=2, row_group_rows=1)
@@ -285,7 +284,7 @@ def test_compare_runs_take_the_seed(tmp_path, monkeypatch):
 
 
 def test_options_come_from_a_config_file_set_overrides_and_flags(tmp_path):
-    from pipeline.config import ConfigError
+    from hylo.pipeline.config import ConfigError
 
     f = tmp_path / "search.yaml"
     f.write_text("n_mla: 4\ncompare: [even]\ncompare_seeds: [0, 1]\ntrain_set: [a.b=1]\n")

@@ -7,11 +7,10 @@ import shutil
 
 import numpy as np
 import pytest
-
-from kernels.varlen import check_row
-from pipeline.config import load_config
-from pipeline.data.config import PrepareDataConfig
-from pipeline.data.dataset import (
+from hylo.kernels.varlen import check_row
+from hylo.pipeline.config import load_config
+from hylo.pipeline.data.config import PrepareDataConfig
+from hylo.pipeline.data.dataset import (
     MANIFEST,
     DataFormatError,
     PrepareError,
@@ -21,10 +20,10 @@ from pipeline.data.dataset import (
     read_manifest,
     write_manifest,
 )
-from pipeline.data.mixture import split_of
-from pipeline.data.packing import PAD_DOC_ID, BestFitPacker, Document, label_aligned_mask
-from pipeline.data.render import ChatRenderer
-from pipeline.ray_init import ray_running
+from hylo.pipeline.data.mixture import split_of
+from hylo.pipeline.data.packing import PAD_DOC_ID, BestFitPacker, Document, label_aligned_mask
+from hylo.pipeline.data.render import ChatRenderer
+from hylo.pipeline.ray_init import ray_running
 
 
 def _conv(i: int, turns: int) -> list[dict]:
@@ -171,7 +170,7 @@ def test_stage1_is_a_sample_of_stage2_or_disjoint_from_it(prepared, source, tmp_
 
 @pytest.mark.slow
 def test_shards_read_back_as_a_ray_dataset_in_order(prepared):
-    from pipeline.data.dataset import read_packed_dataset
+    from hylo.pipeline.data.dataset import read_packed_dataset
 
     out, report = prepared
     ds = read_packed_dataset(out)
@@ -181,7 +180,7 @@ def test_shards_read_back_as_a_ray_dataset_in_order(prepared):
 
 
 def test_cli_rejects_bad_config(tmp_path, capsys):
-    from jobs.prepare_data import main
+    from hylo.jobs.prepare_data import main
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("packing: {max_lenn: 10}\n")
@@ -281,7 +280,7 @@ def _fake_stream(fail_after: int | None = None):
 
 @pytest.fixture
 def no_ray(monkeypatch):
-    import pipeline.data.dataset as ds
+    import hylo.pipeline.data.dataset as ds
 
     monkeypatch.setattr(ds, "init_ray", lambda *a, **k: None)
     return ds
@@ -344,7 +343,7 @@ def test_a_directory_that_is_not_a_dataset_is_never_replaced(source, tmp_path, n
 
 
 def test_empty_source_fails_the_job_and_allow_empty_warns(source, tmp_path, no_ray, monkeypatch, capsys):
-    from jobs.prepare_data import main
+    from hylo.jobs.prepare_data import main
 
     monkeypatch.setattr(no_ray, "stream_packed_rows", _fake_stream())
     empty = tmp_path / "empty.json"
@@ -419,9 +418,9 @@ def test_the_rows_hash_covers_every_key_but_the_declared_unhashed_ones():
     """A new config key changes the manifest's hash unless it is declared not to change the rows."""
     import copy
 
-    from pipeline.config import to_dict
-    from pipeline.data.config import UNHASHED_KEYS
-    from pipeline.data.dataset import rows_config_hash
+    from hylo.pipeline.config import to_dict
+    from hylo.pipeline.data.config import UNHASHED_KEYS
+    from hylo.pipeline.data.dataset import rows_config_hash
 
     cfg = load_config(PrepareDataConfig, overrides=['mixture.sources=[{name: a, path: x.jsonl}]'])
     base = rows_config_hash(cfg)
@@ -440,8 +439,8 @@ def test_the_rows_hash_covers_every_key_but_the_declared_unhashed_ones():
 
 def test_the_rows_hash_of_existing_datasets_is_unchanged():
     """Datasets already prepared keep their fingerprint: the hash is that of the mapping it has always hashed."""
-    from pipeline.config import config_hash, to_dict
-    from pipeline.data.dataset import rows_config_hash
+    from hylo.pipeline.config import config_hash, to_dict
+    from hylo.pipeline.data.dataset import rows_config_hash
 
     cfg = load_config(PrepareDataConfig, overrides=[
         'mixture.sources=[{name: a, path: x.jsonl, weight: 2}]', "packing.max_len=4096",

@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from pipeline import ray_init
-from pipeline.config import ConfigError, load_config
+from hylo.pipeline import ray_init
+from hylo.pipeline.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,12 +90,12 @@ def test_a_running_ray_is_used_as_is(fake_ray):
 
 
 def test_every_job_config_spells_it_ray_address_and_the_old_keys_still_load(capsys):
-    from pipeline.data.config import PrepareDataConfig
-    from pipeline.data.decontam import DecontamJobConfig
-    from pipeline.demo import DemoConfig
-    from pipeline.placement import PlacementConfig
-    from pipeline.teacher.config import TeacherCacheConfig
-    from pipeline.train.config import Stage1Config, Stage2Config
+    from hylo.pipeline.data.config import PrepareDataConfig
+    from hylo.pipeline.data.decontam import DecontamJobConfig
+    from hylo.pipeline.demo import DemoConfig
+    from hylo.pipeline.placement import PlacementConfig
+    from hylo.pipeline.teacher.config import TeacherCacheConfig
+    from hylo.pipeline.train.config import Stage1Config, Stage2Config
 
     for cls in (PrepareDataConfig, DecontamJobConfig, TeacherCacheConfig, Stage1Config, Stage2Config, DemoConfig,
                 PlacementConfig):
@@ -117,7 +116,7 @@ def test_every_job_config_spells_it_ray_address_and_the_old_keys_still_load(caps
 
 
 def test_the_data_recipes_load_without_a_deprecation_warning(capsys):
-    from pipeline.data.config import PrepareDataConfig
+    from hylo.pipeline.data.config import PrepareDataConfig
 
     for name in ("llama3", "qwen3"):
         cfg = load_config(PrepareDataConfig, ROOT / "configs" / f"data_{name}_stage1.yaml")
@@ -127,12 +126,12 @@ def test_the_data_recipes_load_without_a_deprecation_warning(capsys):
 
 JOINER = """
 import os, ray
-from pipeline.ray_init import init_ray
+from hylo.pipeline.ray_init import init_ray
 assert init_ray(None, 1) is False  # joins the Ray named by RAY_ADDRESS, starts none
 @ray.remote(num_cpus=1)
 def where():
-    import pipeline
-    return pipeline.__file__, os.nice(0)
+    import hylo.pipeline
+    return hylo.pipeline.__file__, os.nice(0)
 print(*ray.get(where.remote()))
 """
 

@@ -11,9 +11,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from pipeline.data import readers
-from pipeline.data.readers import SourceError, SourceSpec, is_reject, iter_records, iter_source, read_source
+from hylo.pipeline.data import readers
+from hylo.pipeline.data.readers import (
+    SourceError,
+    SourceSpec,
+    is_reject,
+    iter_records,
+    iter_source,
+    read_source,
+)
 
 
 def sg(i: int, *turns: tuple[str, str]) -> dict:

@@ -760,8 +760,9 @@ def _card_kv(summary: dict) -> float:
 def _recipe_hcfg(recipe: str, **override):
     import warnings
 
+    from hylo.pipeline.train.config import load_stage_config
+
     from hylo.upcycle import hybrid_config_from_base
-    from pipeline.train.config import load_stage_config
 
     base = CARDS[recipe][0]
     s1 = load_stage_config(1, ROOT / "configs" / f"{recipe}.yaml")
@@ -860,9 +861,9 @@ def test_yarn_from_the_command_line(tmp_path, capsys):
 def test_recipe_teacher_and_student_settings_load_on_the_image_package_set(tmp_path, recipe):
     import dataclasses
 
-    from pipeline.teacher.model import TeacherModel
-    from pipeline.train.config import load_stage_config
-    from pipeline.train.deepspeed_cfg import grad_accum_steps
+    from hylo.pipeline.teacher.model import TeacherModel
+    from hylo.pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.deepspeed_cfg import grad_accum_steps
 
     from fixtures_teacher import save_tiny_llama
 

@@ -6,8 +6,7 @@ import copy
 
 import numpy as np
 import pytest
-
-from pipeline.data.render import ChatRenderer, Encoded, Rejected, tokens_in_spans
+from hylo.pipeline.data.render import ChatRenderer, Encoded, Rejected, tokens_in_spans
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +151,7 @@ def test_tokens_in_spans_overlap_rule():
 
 
 def test_char_to_token_mask_matches_offsets_mask_and_spec_round_trip(tok):
-    from pipeline.data.render import spans_to_token_mask, tokenizer_hash
+    from hylo.pipeline.data.render import spans_to_token_mask, tokenizer_hash
 
     r = ChatRenderer.from_hf(tok)
     for msgs in CONVS.values():

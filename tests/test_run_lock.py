@@ -10,9 +10,8 @@ import subprocess
 import sys
 
 import pytest
-
-from pipeline.train.runlock import LOCK_FILE, RunLockError, holder_record, run_lock
-from pipeline.train.storage import Loc
+from hylo.pipeline.train.runlock import LOCK_FILE, RunLockError, holder_record, run_lock
+from hylo.pipeline.train.storage import Loc
 
 
 def _dead_pid() -> int:
@@ -102,8 +101,8 @@ def test_uri_storage_locks_locally_and_in_the_bucket(tmp_path, monkeypatch):
 def test_the_driver_refuses_a_second_run_before_starting_anything(tmp_path, monkeypatch):
     """driver.run while another run holds the directory: the lock error, before the run directory's
     checks, conversion or Ray (the first run's directory is left as it was)."""
-    import pipeline.train.driver as driver
-    from pipeline.train.driver import run
+    import hylo.pipeline.train.driver as driver
+    from hylo.pipeline.train.driver import run
 
     def must_not_run(*a, **k):
         raise AssertionError("the second run got past the lock")
@@ -121,8 +120,8 @@ def test_a_driver_stopped_with_sigterm_releases_its_lock(tmp_path):
     import os
     import signal
 
-    code = ("import sys, time\nfrom pipeline.train.driver import exit_on_sigterm\n"
-            "from pipeline.train.runlock import run_lock\nfrom pipeline.train.storage import Loc\n"
+    code = ("import sys, time\nfrom hylo.pipeline.train.driver import exit_on_sigterm\n"
+            "from hylo.pipeline.train.runlock import run_lock\nfrom hylo.pipeline.train.storage import Loc\n"
             "with exit_on_sigterm(), run_lock(Loc.of(sys.argv[1])):\n    print('locked', flush=True)\n"
             "    time.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True,

@@ -8,10 +8,9 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-
-from pipeline.ray_init import RayInitSection
-from pipeline.runner import StepRunner, last_json_object, train_cmd
-from pipeline.train.checkpoint import STATE_FILE, finalize_checkpoint, write_rank_files
+from hylo.pipeline.ray_init import RayInitSection
+from hylo.pipeline.runner import StepRunner, last_json_object, train_cmd
+from hylo.pipeline.train.checkpoint import STATE_FILE, finalize_checkpoint, write_rank_files
 
 # The interpreter that runs the tests (a virtualenv's, say), never whatever `python` is first on PATH.
 PY = sys.executable
@@ -84,7 +83,7 @@ def test_interrupted_training_step_resumes(tmp_path):
 
 
 def test_steps_that_use_ray_join_one_ray_started_once_on_first_use(tmp_path, monkeypatch):
-    import pipeline.runner as runner
+    import hylo.pipeline.runner as runner
 
     calls = []
     monkeypatch.setattr(runner, "init_ray", lambda address, num_cpus, **kw: calls.append((address, num_cpus)) or True)
@@ -104,7 +103,7 @@ def test_steps_that_use_ray_join_one_ray_started_once_on_first_use(tmp_path, mon
 def test_the_jobs_of_a_run_join_its_ray(tmp_path):
     import ray
 
-    job = [PY, "-c", "import ray; from pipeline.ray_init import init_ray; started = init_ray(None, 1); "
+    job = [PY, "-c", "import ray; from hylo.pipeline.ray_init import init_ray; started = init_ray(None, 1); "
            "print(started, ray.get_runtime_context().gcs_address, ray.cluster_resources()['CPU'])"]
     with StepRunner(tmp_path / "run", quiet=True, ray=RayInitSection(num_cpus=2)) as r:
         first, second = r.sh("a", job, ray=True).split()[-3:], r.sh("b", job, ray=True).split()[-3:]

@@ -2,7 +2,7 @@
 
 `pipeline/train/stage2.train_step` at world size 1 with `PlainEngine` (DeepSpeed's part of the step in
 plain torch), a tiny HyLo student and an in-process tiny HyLo teacher, fused KL over hidden states,
-activation checkpointing. `kernels.host_reads.HostReadLog` logs every host read made from Python and
+activation checkpointing. `hylo.kernels.host_reads.HostReadLog` logs every host read made from Python and
 `deferred_checks()` gives the fused KL's inputs the accelerator's rule. On CPU every tensor is a host
 tensor, so the log also holds reads that are free on a GPU (the packed row and the host-int chunk
 layout are CPU tensors there too); each allowed caller below says why it is allowed. A read anywhere
@@ -16,11 +16,11 @@ import collections
 import numpy as np
 import pytest
 import torch
+from hylo.kernels.fused_kl.inputs import check_deferred, deferred_checks
+from hylo.kernels.host_reads import HostReadLog
 
 from hylo.config import HybridConfig
 from hylo.modeling import HyLoForCausalLM
-from kernels.fused_kl.inputs import check_deferred, deferred_checks
-from kernels.host_reads import HostReadLog
 
 V = 64
 
@@ -65,11 +65,11 @@ def row(T: int, docs: int, seed: int) -> dict:
 
 
 def run_step(rows, linear_type="gdn"):
-    from pipeline.teacher.model import TeacherModel
-    from pipeline.train.config import Stage2Config
-    from pipeline.train.plain_engine import PlainEngine
-    from pipeline.train.stage2 import KDStudent, Stage2Task, Teacher, train_step
-    from pipeline.train.worker import WorkerContext
+    from hylo.pipeline.teacher.model import TeacherModel
+    from hylo.pipeline.train.config import Stage2Config
+    from hylo.pipeline.train.plain_engine import PlainEngine
+    from hylo.pipeline.train.stage2 import KDStudent, Stage2Task, Teacher, train_step
+    from hylo.pipeline.train.worker import WorkerContext
 
     class Solo(WorkerContext):
         def all_sum(self, values):

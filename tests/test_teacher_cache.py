@@ -12,11 +12,10 @@ import os
 
 import pytest
 import torch
-
-from kernels.varlen import check_row
-from pipeline.data.rowfile import PackedRowFile
-from pipeline.ray_init import ray_running
-from pipeline.teacher.cache import (
+from hylo.kernels.varlen import check_row
+from hylo.pipeline.data.rowfile import PackedRowFile
+from hylo.pipeline.ray_init import ray_running
+from hylo.pipeline.teacher.cache import (
     SHARD_DIR,
     CacheFormatError,
     CacheMismatchError,
@@ -27,8 +26,8 @@ from pipeline.teacher.cache import (
     read_shard_meta,
     run_cache_job,
 )
-from pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
-from pipeline.teacher.model import TeacherModel
+from hylo.pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
+from hylo.pipeline.teacher.model import TeacherModel
 
 from fixtures_teacher import make_packed_row, save_tiny_llama, write_packed_parquet
 from helpers import assert_topk_matches
@@ -113,8 +112,8 @@ def test_storage_round_trip_is_bit_exact(env, tmp_path, dtype, k):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_storage_keeps_special_values_bit_exact(tmp_path, dtype):
     """-inf, -0.0, NaN, subnormals and the largest index survive write_shard -> reader unchanged."""
-    from kernels.fused_kl.topk import TeacherTopK
-    from pipeline.teacher.cache import MANIFEST, SHARD_DIR, ShardPlan, make_header, write_shard
+    from hylo.kernels.fused_kl.topk import TeacherTopK
+    from hylo.pipeline.teacher.cache import MANIFEST, SHARD_DIR, ShardPlan, make_header, write_shard
 
     tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     vals = torch.tensor([[-0.0, -1e-7, float("-inf")], [float("nan"), -3.5, -60000.0]]).to(tdt)
@@ -142,7 +141,7 @@ def test_cache_agrees_with_a_direct_forward(env, tmp_path, dtype, k):
 
 def test_forward_check_can_fail(env):
     """The tolerance check is not vacuous: a wrong value, a wrong index or a wrong tail is caught."""
-    from kernels.fused_kl.topk import TeacherTopK
+    from hylo.kernels.fused_kl.topk import TeacherTopK
 
     row = env["rows"][0]
     good = env["teacher"].topk(row, 8, dtype="float32")
@@ -202,7 +201,7 @@ def test_rerun_with_other_k_or_tokenizer_is_refused(env, built, tmp_path):
 
 
 def test_data_tokenized_with_another_tokenizer_is_refused(env, tmp_path):
-    from pipeline.data.dataset import write_manifest
+    from hylo.pipeline.data.dataset import write_manifest
 
     data = tmp_path / "data"
     write_packed_parquet(data / "shard-00000.parquet", env["rows"][:2])

@@ -7,10 +7,9 @@ import random
 import pytest
 import ray.exceptions as rx
 import torch
-
-from kernels.fused_kl.topk import TeacherTopK
-from kernels.varlen import check_row
-from pipeline.teacher.client import TeacherClient, TeacherUnavailableError
+from hylo.kernels.fused_kl.topk import TeacherTopK
+from hylo.kernels.varlen import check_row
+from hylo.pipeline.teacher.client import TeacherClient, TeacherUnavailableError
 
 from fixtures_teacher import make_packed_row
 

@@ -7,9 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
-from kernels.varlen import PackedRowError, check_row
-from pipeline.teacher.model import TeacherModel, tokenizer_fingerprint
+from hylo.kernels.varlen import PackedRowError, check_row
+from hylo.pipeline.teacher.model import TeacherModel, tokenizer_fingerprint
 
 from fixtures_teacher import make_packed_row, save_tiny_llama
 from helpers import assert_topk_matches

@@ -14,12 +14,11 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+from hylo.pipeline.ray_init import ray_running  # noqa: E402
+from hylo.pipeline.teacher.client import TeacherClient  # noqa: E402
+from hylo.pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig  # noqa: E402
+from hylo.pipeline.teacher.serve import start_teacher_pool  # noqa: E402
 from ray import serve  # noqa: E402
-
-from pipeline.ray_init import ray_running  # noqa: E402
-from pipeline.teacher.client import TeacherClient  # noqa: E402
-from pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig  # noqa: E402
-from pipeline.teacher.serve import start_teacher_pool  # noqa: E402
 
 from fixtures_teacher import make_packed_row, save_tiny_llama  # noqa: E402
 from helpers import assert_topk_matches  # noqa: E402
@@ -86,7 +85,7 @@ def test_one_request_with_several_rows(pool):
     rows = _rows(3, seed=2)
     out = pool["handle"].topk.remote(rows, 5, "float32").result(timeout_s=60)
     assert [o["logprobs"].dtype for o in out] == [torch.float32] * 3
-    from kernels.fused_kl.topk import TeacherTopK
+    from hylo.kernels.fused_kl.topk import TeacherTopK
 
     _check(pool["ref"], rows, [TeacherTopK(o["logprobs"], o["indices"], o["tail_logmass"]) for o in out], 5)
 

@@ -16,10 +16,9 @@ import types
 from pathlib import Path
 
 import pytest
-
-from pipeline.config import ConfigError
-from pipeline.train.config import config_to_dict, load_stage_config
-from pipeline.train.metrics import MetricsWriter, read_metrics
+from hylo.pipeline.config import ConfigError
+from hylo.pipeline.train.config import config_to_dict, load_stage_config
+from hylo.pipeline.train.metrics import MetricsWriter, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo-smollm2.yaml"

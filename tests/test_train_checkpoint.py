@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from pipeline.config import ConfigError
-from pipeline.train import checkpoint as ckpt_lib
-from pipeline.train.config import Stage2Config, load_stage_config
-from pipeline.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
-from pipeline.train.storage import Loc, StorageError, check_storage_path
+from hylo.pipeline.config import ConfigError
+from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.config import Stage2Config, load_stage_config
+from hylo.pipeline.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
+from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path
 
 WORLD = 2
 SHARD_FLOATS = 16_384  # 64 KiB per shard
@@ -183,7 +182,7 @@ def test_same_size_corruption_is_caught_by_the_checksum(tmp_path):
 
 
 def test_no_intact_checkpoint_lists_every_reason(tmp_path):
-    from pipeline.train.driver import check_run_dir
+    from hylo.pipeline.train.driver import check_run_dir
 
     cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=run"])
     run = tmp_path / "run"
@@ -295,9 +294,8 @@ def test_a_full_storage_during_rays_upload_names_checkpoint_file_and_free_space(
     device`; the error names the checkpoint, the file that did not arrive whole and the space left."""
     import ray.train
     import torch.distributed as dist
-
-    from pipeline.train.loop import RaySession
-    from pipeline.train.worker import WorkerContext
+    from hylo.pipeline.train.loop import RaySession
+    from hylo.pipeline.train.worker import WorkerContext
 
     disk, real = small_disk
     budget = None
@@ -439,7 +437,7 @@ def test_resumed_run_repairs_and_continues_the_metrics(tmp_path, capsys):
 def test_a_torn_record_of_the_resumed_step_comes_back_from_the_checkpoint(tmp_path):
     """Issue 21: the torn last line was step 4's, the run resumed from its step-4 checkpoint and the file
     ended 1, 2, 3, 5, 6. The checkpoint holds its steps' records; every finished step is there once."""
-    from pipeline.train.loop import checkpoint_records
+    from hylo.pipeline.train.loop import checkpoint_records
 
     w = MetricsWriter(tmp_path, total_steps=6, tensorboard=False, stream=open(os.devnull, "w"))
     records = [{**REC, "step": s, "loss": float(s)} for s in (1, 2, 3, 4)]
@@ -470,9 +468,8 @@ def test_ray_worker_writes_each_step_before_reporting(tmp_path, monkeypatch):
     """Under Ray, rank 0 appends the record before `ray.train.report`: a driver interrupted while the
     report is in flight (Ctrl-C) loses no trained step."""
     import ray.train
-
-    from pipeline.train.loop import RaySession
-    from pipeline.train.worker import WorkerContext
+    from hylo.pipeline.train.loop import RaySession
+    from hylo.pipeline.train.worker import WorkerContext
 
     cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=r", "metrics.tensorboard=false"])
     ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
@@ -492,9 +489,8 @@ def test_ray_worker_writes_each_step_before_reporting(tmp_path, monkeypatch):
 def _ray_session(tmp_path, monkeypatch, registered: str | None, **loop):
     """A rank-0 RaySession of run `tmp_path/run` whose `ray.train.get_checkpoint()` says `registered`."""
     import ray.train
-
-    from pipeline.train.loop import RaySession
-    from pipeline.train.worker import WorkerContext
+    from hylo.pipeline.train.loop import RaySession
+    from hylo.pipeline.train.worker import WorkerContext
 
     cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=run", "metrics.tensorboard=false"])
     ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
@@ -534,7 +530,7 @@ def test_restart_after_resume_from_an_older_checkpoint_ignores_newer_ones_of_ear
 
 
 def test_ray_snapshot_pointing_at_a_deleted_checkpoint_is_reset(tmp_path, capsys):
-    from pipeline.train.driver import RAY_SNAPSHOT, reset_ray_snapshot
+    from hylo.pipeline.train.driver import RAY_SNAPSHOT, reset_ray_snapshot
 
     run = tmp_path / "run"
     torchrun_checkpoint(run, 3)
@@ -557,7 +553,7 @@ def _serve_cfg(*sets):
 
 
 def test_run_that_cannot_fit_the_cluster_fails_at_once():
-    from pipeline.train.driver import check_resources
+    from hylo.pipeline.train.driver import check_resources
 
     with pytest.raises(ConfigError, match=r"this run needs 4 CPU \(2 train workers x 1 \+ 2 teacher replicas x 1\) "
                                           r"but the Ray cluster has 2: lower ray.num_workers"):
@@ -571,21 +567,21 @@ def test_run_that_cannot_fit_the_cluster_fails_at_once():
 
 
 def test_ray_failure_is_reported_as_the_workers_own_error():
-    from pipeline.train.driver import TrainingError
+    from hylo.pipeline.train.driver import TrainingError
 
     class WorkerGroupError(RuntimeError):
         pass
 
     e = WorkerGroupError("Training failed due to worker errors")
     e.worker_failures = {1: RuntimeError("Traceback (most recent call last):\n  File \"loop.py\", line 9\n"
-                                         "pipeline.train.checkpoint.CheckpointError: --resume /r/step_00000003: "
+                                         "hylo.pipeline.train.checkpoint.CheckpointError: --resume /r/step_00000003: "
                                          "cannot resume from it: ranks/rank_1.json: missing")}
     assert str(TrainingError(e)) == ("training failed: CheckpointError: --resume /r/step_00000003: cannot resume "
                                      "from it: ranks/rank_1.json: missing")
 
 
 def test_worker_group_start_retries_follow_max_failures(tmp_path):
-    from pipeline.train.driver import run_config, run_loc
+    from hylo.pipeline.train.driver import run_config, run_loc
 
     cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.max_failures=0"])
     rc = run_config(cfg, run_loc(cfg))
@@ -607,7 +603,7 @@ def test_relative_storage_path_is_refused_in_a_submitted_job(monkeypatch):
 
 
 def test_uri_storage_is_not_a_local_directory(tmp_path, monkeypatch):
-    from pipeline.train.config import run_dir
+    from hylo.pipeline.train.config import run_dir
 
     monkeypatch.chdir(tmp_path)
     cfg = load_stage_config(2, None, ["ray.storage_path=mock://bucket/runs", "ray.name=exp"])

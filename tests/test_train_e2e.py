@@ -27,10 +27,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from pipeline.ray_init import ray_running
-from pipeline.train import checkpoint as ckpt_lib
-from pipeline.train.metrics import read_metrics
+from hylo.pipeline.ray_init import ray_running
+from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.metrics import read_metrics
 
 from fixtures_train import make_tiny_models, tiny_config, write_config
 
@@ -98,9 +97,9 @@ def _plant_payload(ckpt: Path, marker: Path) -> None:
 def test_exact_resume_after_sigkill(tiny, reference):
     import shutil
 
-    from pipeline.config import ConfigError
-    from pipeline.train.config import load_stage_config
-    from pipeline.train.driver import check_run_dir
+    from hylo.pipeline.config import ConfigError
+    from hylo.pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.driver import check_run_dir
 
     root, models = tiny
     cfg_path = write_config(tiny_config(models, root / "runs", "killed"), root / "killed.yaml")
@@ -169,7 +168,7 @@ def test_two_runs_with_the_same_storage_and_name_cannot_overwrite_each_other(tin
 
 
 def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference):
-    from pipeline.train.driver import run
+    from hylo.pipeline.train.driver import run
 
     root, models = tiny
     # a nested run name (as jobs/place_layers.py uses): Ray's checkpoints must land in the run directory
@@ -194,7 +193,7 @@ def test_ray_worker_killed_right_after_a_checkpoint_resumes_from_it(tiny, refere
     """A worker SIGKILLed just after step 6's manifest, before Ray Train has registered that checkpoint:
     the relaunched group resumes from step 6 (found in storage), not from Ray's record (step 3, or none
     at all: it restarted from step 0)."""
-    from pipeline.train.driver import run
+    from hylo.pipeline.train.driver import run
 
     root, models = tiny
     cfg = tiny_config(models, root / "runs", "ray-after-ckpt", ray={"launcher": "ray", "max_failures": 1},
@@ -214,8 +213,8 @@ def test_an_input_error_inside_a_worker_is_not_retried(tiny, capfd, monkeypatch)
     """A teacher of another vocabulary that got past the driver's checks (here: switched off) fails
     inside the workers with a ConfigError: the run stops after the first attempt, not after
     ray.max_failures more attempts that load both models again."""
-    import pipeline.train.driver as driver
-    from pipeline.train.driver import TrainingError, run
+    import hylo.pipeline.train.driver as driver
+    from hylo.pipeline.train.driver import TrainingError, run
 
     from fixtures_teacher import save_tiny_llama
 
@@ -244,8 +243,8 @@ def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, ref
     from the bucket."""
     import shutil
 
-    from pipeline.train.driver import run
-    from pipeline.train.storage import Loc, local_mirror
+    from hylo.pipeline.train.driver import run
+    from hylo.pipeline.train.storage import Loc, local_mirror
 
     from fixtures_train import fake_s3
 

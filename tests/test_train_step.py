@@ -29,12 +29,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-from pipeline.train.config import load_stage_config
-from pipeline.train.deepspeed_cfg import grad_accum_steps
-from pipeline.train.loop import cosine_with_warmup, reduce_record, setup_distributed
-from pipeline.train.rows import SyntheticRows
-from pipeline.train.worker import StepResult, WorkerContext
+from hylo.pipeline.train.config import load_stage_config
+from hylo.pipeline.train.deepspeed_cfg import grad_accum_steps
+from hylo.pipeline.train.loop import cosine_with_warmup, reduce_record, setup_distributed
+from hylo.pipeline.train.rows import SyntheticRows
+from hylo.pipeline.train.worker import StepResult, WorkerContext
 
 from helpers import assert_close, one_thread  # noqa: F401  (one_thread: autouse)
 
@@ -160,7 +159,7 @@ def _base64(path):
 def naive_kd_loss(student, teacher, rows, kd) -> torch.Tensor:
     """kl_weight * KL(teacher || student) + ce_weight * CE, summed over the loss tokens of every row and
     divided by their number; each document runs alone."""
-    from kernels.fused_kl.naive import naive_kl_div
+    from hylo.kernels.fused_kl.naive import naive_kl_div
 
     total, n_loss = torch.zeros((), dtype=torch.float64), 0
     for row in rows:
@@ -183,7 +182,7 @@ def naive_kd_loss(student, teacher, rows, kd) -> torch.Tensor:
 
 @pytest.mark.parametrize("zero,extra", [(0, ()), (3, ("kd.ce_weight=0.5",))], ids=["zero0-kl", "zero3-kl+ce"])
 def test_stage2_step_is_autograd_of_the_naive_kl_over_the_global_loss_tokens(gloo, models, tmp_path, zero, extra):
-    from pipeline.train.stage2 import STAGE
+    from hylo.pipeline.train.stage2 import STAGE
 
     cfg = _config(2, models, zero, "kd.temperature=2.0", *extra)
     rows = _rows(cfg)
@@ -206,7 +205,7 @@ def naive_ild_loss(student, base, rows, ild) -> torch.Tensor:
     """sum over layers of output_weight * d(student layer(x_l), y_l) + mixer_weight * d(its mixer, a_l),
     d the per-token L2 distance (or its square), summed over every real token of every row and divided
     by their number; x_l, y_l, a_l are base layer l's input, output and attention output."""
-    from pipeline.train.stage1 import EPS
+    from hylo.pipeline.train.stage1 import EPS
 
     def first(out):
         return out[0] if isinstance(out, tuple) else out
@@ -244,7 +243,7 @@ TRAINED = {"all": lambda n: n.startswith("model.layers."), "mixers": lambda n: "
                                         (3, ("ild.squared=true", "ild.mixer_weight=0.5", "ild.trainable=mixers"))],
                          ids=["zero0-l2-all", "zero3-l2squared-mixers"])
 def test_stage1_step_is_autograd_of_the_naive_ild_over_the_global_real_tokens(gloo, models, tmp_path, zero, extra):
-    from pipeline.train.stage1 import STAGE
+    from hylo.pipeline.train.stage1 import STAGE
 
     cfg = _config(1, models, zero, *extra)
     rows = _rows(cfg)

@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.varlen import PackedRowError, check_row
-from pipeline.config import ConfigError
-from pipeline.data.rowfile import DataFormatError
-from pipeline.train import checkpoint as ckpt_lib
-from pipeline.train.config import (
+from hylo.kernels.varlen import PackedRowError, check_row
+from hylo.pipeline.config import ConfigError
+from hylo.pipeline.data.rowfile import DataFormatError
+from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.config import (
     DataSection,
     Stage1Config,
     Stage2Config,
@@ -28,11 +27,11 @@ from pipeline.train.config import (
     config_to_dict,
     load_stage_config,
 )
-from pipeline.train.deepspeed_cfg import build_deepspeed_config, grad_accum_steps
-from pipeline.train.loop import cosine_with_warmup
-from pipeline.train.metrics import MetricsWriter, read_metrics
-from pipeline.train.rows import ParquetRows, SyntheticRows, open_rows
-from pipeline.train.worker import row_to_device
+from hylo.pipeline.train.deepspeed_cfg import build_deepspeed_config, grad_accum_steps
+from hylo.pipeline.train.loop import cosine_with_warmup
+from hylo.pipeline.train.metrics import MetricsWriter, read_metrics
+from hylo.pipeline.train.rows import ParquetRows, SyntheticRows, open_rows
+from hylo.pipeline.train.worker import row_to_device
 
 from helpers import assert_topk_matches
 
@@ -132,7 +131,7 @@ def test_seek_reproduces_exactly_the_same_rows():
 
 
 def _write_split(tmp_path, n_rows=6, split="stage2", max_len=32):
-    from pipeline.data.dataset import write_manifest
+    from hylo.pipeline.data.dataset import write_manifest
 
     from fixtures_teacher import make_packed_row, write_packed_parquet
 
@@ -272,7 +271,7 @@ def test_metrics_writer_jsonl_tensorboard_and_progress(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------ stage 2 pieces
 def test_chunked_ce_matches_full_cross_entropy():
-    from pipeline.train.stage2 import chunked_ce_sum
+    from hylo.pipeline.train.stage2 import chunked_ce_sum
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 16, generator=g, requires_grad=True)
@@ -289,7 +288,7 @@ def test_chunked_ce_matches_full_cross_entropy():
 
 
 def test_streamed_logits_serve_any_increasing_windows():
-    from pipeline.train.stage2 import StreamedLogits
+    from hylo.pipeline.train.stage2 import StreamedLogits
 
     full = torch.arange(50 * 3, dtype=torch.float32).reshape(50, 3)
     fn = StreamedLogits(iter(full.split(7)), torch.device("cpu"))
@@ -299,9 +298,8 @@ def test_streamed_logits_serve_any_increasing_windows():
 
 # ------------------------------------------------------------------------------------ stage 1 pieces
 def test_base_layer_targets_capture_inputs_outputs_and_attention():
+    from hylo.pipeline.train.stage1 import BaseLayerTargets
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pipeline.train.stage1 import BaseLayerTargets
 
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -325,7 +323,7 @@ def test_base_layer_targets_capture_inputs_outputs_and_attention():
 
 @pytest.mark.parametrize("squared", [False, True], ids=["l2", "l2-squared"])
 def test_ild_distance_and_padding_mask(squared):
-    from pipeline.train.stage1 import real_tokens, token_distance
+    from hylo.pipeline.train.stage1 import real_tokens, token_distance
 
     x = torch.zeros(1, 3, 4)
     y = torch.tensor([[[3.0, 4.0, 0, 0], [0, 0, 0, 0], [1.0, 0, 0, 0]]])
@@ -391,12 +389,12 @@ def test_teacher_sources_give_the_same_targets(tmp_path):
     """In-process top-k, the offline cache and the Serve pool (a fake handle) agree row by row."""
     from types import SimpleNamespace
 
-    from pipeline.teacher.cache import TopKCacheReader, compute_shard, finalize_cache, prepare_cache
-    from pipeline.teacher.client import TeacherClient
-    from pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
-    from pipeline.teacher.model import TeacherModel
-    from pipeline.train.config import TeacherSection
-    from pipeline.train.stage2 import Teacher
+    from hylo.pipeline.teacher.cache import TopKCacheReader, compute_shard, finalize_cache, prepare_cache
+    from hylo.pipeline.teacher.client import TeacherClient
+    from hylo.pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
+    from hylo.pipeline.teacher.model import TeacherModel
+    from hylo.pipeline.train.config import TeacherSection
+    from hylo.pipeline.train.stage2 import Teacher
 
     from fixtures_teacher import save_tiny_llama
 
@@ -449,7 +447,7 @@ def test_stale_build_lock_is_removed_fresh_one_kept(tmp_path, monkeypatch):
     import threading
     import time
 
-    from pipeline.train.loop import watch_stale_build_locks
+    from hylo.pipeline.train.loop import watch_stale_build_locks
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
@@ -492,7 +490,7 @@ def tiny_pair():
 
 @pytest.mark.parametrize("trainable", ["mixers", "mixers+mlp", "all"])
 def test_ild_trainable_decides_which_parameters_get_gradients_and_change(tiny_pair, trainable):
-    from pipeline.train.stage1 import BaseLayerTargets, ILDStudent, real_tokens, trainable_parameters
+    from hylo.pipeline.train.stage1 import BaseLayerTargets, ILDStudent, real_tokens, trainable_parameters
 
     torch.manual_seed(0)
     cfg = load_stage_config(1, None, [f"ild.trainable={trainable}", "model.activation_checkpointing=false"])
@@ -520,8 +518,8 @@ def test_ild_trainable_decides_which_parameters_get_gradients_and_change(tiny_pa
 
 def test_resume_of_a_run_checkpointed_under_ild_train_mlp(tmp_path):
     """A stage-1 checkpoint written before ild.trainable: its config spells train_mlp, its hash covers that."""
-    from pipeline.config import config_hash
-    from pipeline.train.config import _breaking, _flatten
+    from hylo.pipeline.config import config_hash
+    from hylo.pipeline.train.config import _breaking, _flatten
 
     cfg = load_stage_config(1, None, ["ray.num_workers=2", "ild.trainable=mixers"])
     _fake_checkpoint(tmp_path, cfg)

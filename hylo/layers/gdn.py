@@ -11,8 +11,8 @@ Design choices:
 * Math, per head: q, k, v = SiLU(causal depthwise conv(proj(x))); q, k L2-normalised;
   g = -exp(A_log) * softplus(a_proj(x) + dt_bias) (fp32), beta = sigmoid(b_proj(x));
   o = gated_delta_rule(q, k, v, g, beta); y = o_proj(RMSNorm(o) * w * SiLU(g_proj(x))).
-  The recurrence goes through `kernels.gdn.chunk_gated_delta_rule` (fla on GPU, torch on CPU).
-* Packed rows (B == 1, `cu_seqlens`: the model's `kernels.varlen.DocBounds`, or a tensor checked here
+  The recurrence goes through `hylo.kernels.gdn.chunk_gated_delta_rule` (fla on GPU, torch on CPU).
+* Packed rows (B == 1, `cu_seqlens`: the model's `hylo.kernels.varlen.DocBounds`, or a tensor checked here
   when the layer is called alone): the short conv is a sum of W+1 shifted copies masked by the
   token's position inside its document, so windows never reach into the previous document; the
   recurrence resets its state per document inside the kernel, which gets the same bounds.
@@ -36,9 +36,9 @@ from torch import nn
 
 from hylo.cache import LinearLayerCache
 from hylo.config import HybridConfig
+from hylo.kernels.gdn import chunk_gated_delta_rule
+from hylo.kernels.varlen import DocBounds
 from hylo.layers.linear_common import causal_conv_silu, check_mixer_input, default_dt_bias
-from kernels.gdn import chunk_gated_delta_rule
-from kernels.varlen import DocBounds
 
 
 class ShortConvolution(nn.Conv1d):

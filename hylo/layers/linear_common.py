@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylo.cache import LinearLayerCache
-from kernels.varlen import DocBounds, PackedRowError, doc_bounds
+from hylo.kernels.varlen import DocBounds, PackedRowError, doc_bounds
 
 
 def check_mixer_input(

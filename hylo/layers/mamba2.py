@@ -14,12 +14,12 @@ Design choices:
 * Math, per head: xBC = SiLU(causal depthwise conv(in_proj(u)[x|B|C]) + bias); dt = softplus(dt_raw +
   dt_bias) (fp32); A = -exp(A_log); y = SSD(x, dt, A, B, C) + D x; out = out_proj(RMSNorm_G(y * SiLU(z)) * w),
   the RMS taken per group of E / G channels (mamba_ssm's `norm_before_gate=False`). The scan goes through
-  `kernels.ssd.chunk_ssd` (fla on GPU, chunked torch on CPU).
+  `hylo.kernels.ssd.chunk_ssd` (fla on GPU, chunked torch on CPU).
 * Shapes derive from the attention when the config leaves them null (`HybridConfig.mamba2_dims`): H = query
   heads, P = N = head_dim, G = H. Then x copies W_v (KV heads expanded to their query heads), B copies W_k,
   C copies W_q and out_proj copies W_o with no truncation, and each head keeps its own query as C. Conv width
   and chunk size reuse `gdn_conv_size` / `gdn_chunk_size`.
-* Packed rows (B == 1, `cu_seqlens`: the model's `kernels.varlen.DocBounds`, or a tensor checked here when the
+* Packed rows (B == 1, `cu_seqlens`: the model's `hylo.kernels.varlen.DocBounds`, or a tensor checked here when the
   mixer is called alone): the conv is a sum of W+1 shifted copies masked by the token's position inside its
   document, so windows never reach into the previous document; the scan resets per document.
 * Cache (`LinearLayerCache`): `state` [B, H, P, N] fp32 (mamba_ssm's layout) and `conv['xBC']` = the last W
@@ -43,9 +43,9 @@ from torch import nn
 
 from hylo.cache import LinearLayerCache
 from hylo.config import HybridConfig
+from hylo.kernels.ssd import chunk_ssd
+from hylo.kernels.varlen import DocBounds
 from hylo.layers.linear_common import causal_conv_silu, check_mixer_input, default_dt_bias
-from kernels.ssd import chunk_ssd
-from kernels.varlen import DocBounds
 
 
 def causal_conv1d_silu(

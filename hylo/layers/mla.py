@@ -10,9 +10,9 @@ Design choices:
 * Two attention paths, chosen by whether a cache is given:
   - training / scoring (no cache): K/V are decompressed through `kv_b_proj` and fed to
     `scaled_dot_product_attention`. Packed rows (`cu_seqlens`, B == 1) run causal SDPA per document,
-    documents of similar length batched into one call (`kernels.packed_sdpa`), so no [T, T]
+    documents of similar length batched into one call (`hylo.kernels.packed_sdpa`), so no [T, T]
     block-diagonal mask is ever built and documents never see each other. The
-    documents are sliced with the host ints of the model's `kernels.varlen.DocBounds` (a tensor given to
+    documents are sliced with the host ints of the model's `hylo.kernels.varlen.DocBounds` (a tensor given to
     the layer alone is checked here, under the same rule), so the layer never reads the device.
   - generation (cache): only the normalised latent `c_kv` and the roped shared `k_pe` are cached. The
     key part of `kv_b_proj` is absorbed into the query (`q_nope W_uk -> q_lat`, [R] per head) and the
@@ -51,10 +51,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylo.cache import MLALayerCache
+from hylo.kernels.packed_sdpa import packed_causal_sdpa
+from hylo.kernels.varlen import DocBounds, doc_bounds
 from hylo.layers.norm import HeadRMSNorm, RMSNorm
 from hylo.layers.rope import RotaryEmbedding, apply_rotary, mla_softmax_scale
-from kernels.packed_sdpa import packed_causal_sdpa
-from kernels.varlen import DocBounds, doc_bounds
 
 
 class MLAInputError(ValueError):

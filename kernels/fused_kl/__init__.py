@@ -1,6 +1,6 @@
-from kernels.fused_kl.chunked import auto_chunk_size, fused_linear_kl_div
-from kernels.fused_kl.naive import naive_kl_div
-from kernels.fused_kl.topk import TeacherTopK, tail_logmass_from_topk, topk_from_logits
+from hylo.kernels.fused_kl.chunked import auto_chunk_size, fused_linear_kl_div
+from hylo.kernels.fused_kl.naive import naive_kl_div
+from hylo.kernels.fused_kl.topk import TeacherTopK, tail_logmass_from_topk, topk_from_logits
 
 __all__ = [
     "TeacherTopK",

@@ -11,7 +11,7 @@ Design choices:
 * Masked rows are dropped before any logits are computed (their loss and gradient are zero), so a
   mostly masked row costs little; "mean" divides by the number of unmasked tokens.
 * The per-chunk softmax / KL / gradient step is swappable: pure torch here (CPU, fallback) or the
-  Triton kernel in `triton_kernel.py`, chosen by `kernels.backend.use_gpu_kernels`.
+  Triton kernel in `triton_kernel.py`, chosen by `hylo.kernels.backend.use_gpu_kernels`.
 * The chunk size, when not given, bounds the chunk buffers to a fixed byte budget (`auto_chunk_size`);
   the [C, V] buffers are allocated once per call and reused by every chunk (`Workspace`), which on CPU
   saves re-faulting ~100 MB of fresh pages per chunk.
@@ -31,11 +31,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-
-from kernels.backend import use_gpu_kernels
-from kernels.fused_kl.inputs import LogitsFn, Teacher, check_inputs, check_teacher_logits, reads_are_free
-from kernels.fused_kl.naive import compute_dtype
-from kernels.fused_kl.topk import TeacherTopK
+from hylo.kernels.backend import use_gpu_kernels
+from hylo.kernels.fused_kl.inputs import LogitsFn, Teacher, check_inputs, check_teacher_logits, reads_are_free
+from hylo.kernels.fused_kl.naive import compute_dtype
+from hylo.kernels.fused_kl.topk import TeacherTopK
 
 # Byte budget for the live [C, V] buffers of one chunk (about four of them at once).
 CHUNK_BUDGET_BYTES = {"cpu": 256 << 20, "other": 1 << 30}
@@ -338,7 +337,7 @@ TopkStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float, boo
 
 def _chunk_steps(use_triton: bool) -> tuple[DenseStep, TopkStep]:
     if use_triton:
-        from kernels.fused_kl import triton_kernel
+        from hylo.kernels.fused_kl import triton_kernel
 
         return triton_kernel.dense_kl_step, triton_kernel.topk_kl_step
     return dense_kl_step_torch, topk_kl_step_torch

@@ -26,8 +26,7 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import torch
-
-from kernels.fused_kl.topk import TeacherTopK
+from hylo.kernels.fused_kl.topk import TeacherTopK
 
 LogitsFn = Callable[[int, int], torch.Tensor]
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from kernels.fused_kl.inputs import LogitsFn, Teacher, check_inputs, check_teacher_logits
-from kernels.fused_kl.topk import TeacherTopK
+from hylo.kernels.fused_kl.inputs import LogitsFn, Teacher, check_inputs, check_teacher_logits
+from hylo.kernels.fused_kl.topk import TeacherTopK
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,9 +1,9 @@
 """Gated DeltaNet ops: `chunk_gated_delta_rule` (fla on GPU, chunked WY torch path on CPU) and its
 step-by-step reference `naive_recurrent_gated_delta_rule`. Math in README.md beside this file."""
 
-from kernels.gdn.checks import GatedDeltaRuleInputError
-from kernels.gdn.chunk import chunk_gated_delta_rule, torch_chunk_gated_delta_rule
-from kernels.gdn.naive import naive_recurrent_gated_delta_rule
+from hylo.kernels.gdn.checks import GatedDeltaRuleInputError
+from hylo.kernels.gdn.chunk import chunk_gated_delta_rule, torch_chunk_gated_delta_rule
+from hylo.kernels.gdn.naive import naive_recurrent_gated_delta_rule
 
 __all__ = [
     "GatedDeltaRuleInputError",

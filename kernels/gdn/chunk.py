@@ -10,14 +10,14 @@ Design choices:
   once: decay cumsums, the intra-chunk triangular solve (one batched `solve_triangular` for
   `U` and `W` together) and, after the loop, both output terms. Only the chunk-to-chunk state
   recurrence (two fused `baddbmm`s per chunk) is a Python loop, Nc = T / C iterations.
-* Varlen (`cu_seqlens`, checked under the packed-row rule of `kernels.varlen`; the layers pass the
+* Varlen (`cu_seqlens`, checked under the packed-row rule of `hylo.kernels.varlen`; the layers pass the
   model's `DocBounds`, so the layout is built from host ints without reading the device): each
   sequence is scattered into its own run of chunks, its tail padded
   to C with g = 0, beta = 0, k = q = v = 0. A padded token then leaves the state untouched
   (decay exp(0) = 1, zero update), so a sequence's final state is the state after its last
   chunk, and the loop resets the state to the sequence's `initial_state` at its first chunk.
   One scatter and one gather per tensor; no Python loop over tokens. The layout
-  (`kernels.varlen`) is shared with the SSD scan.
+  (`hylo.kernels.varlen`) is shared with the SSD scan.
 * Exponentials are only ever taken of differences `gamma_i - gamma_j` with i >= j (masked to
   -inf above the diagonal before `exp`), so nothing overflows however negative g gets.
 * Gradients come from autograd through these few large ops: measured on 2 CPU cores it is
@@ -29,11 +29,10 @@ Design choices:
 from __future__ import annotations
 
 import torch
-
-from kernels.backend import fla_varlen_kwargs, use_fla
-from kernels.checks import compute_dtype
-from kernels.gdn.checks import check_inputs, l2norm
-from kernels.varlen import DocBounds, chunk_layout, from_chunks, to_chunks
+from hylo.kernels.backend import fla_varlen_kwargs, use_fla
+from hylo.kernels.checks import compute_dtype
+from hylo.kernels.gdn.checks import check_inputs, l2norm
+from hylo.kernels.varlen import DocBounds, chunk_layout, from_chunks, to_chunks
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -145,14 +144,14 @@ def chunk_gated_delta_rule(
         initial_state: [N, H, K, V], N = B, or the number of sequences with `cu_seqlens`.
         output_final_state: also return the state after each sequence's last token.
         cu_seqlens: [N + 1] int (starts at 0, ends at T, strictly increasing: the packed-row rule of
-            `kernels.varlen`), or the model's `DocBounds`; B must be 1. State never crosses a boundary.
+            `hylo.kernels.varlen`), or the model's `DocBounds`; B must be 1. State never crosses a boundary.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first (eps 1e-6).
         chunk_size: chunk length of the torch path (fla's kernels take 16, 32 or 64).
 
     Returns:
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] or None.
 
-    GPU tensors go to fla's Triton kernel (`kernels.backend.use_fla`), everything else to the
+    GPU tensors go to fla's Triton kernel (`hylo.kernels.backend.use_fla`), everything else to the
     pure-torch chunked path above.
     """
     if isinstance(q, torch.Tensor) and use_fla(q):

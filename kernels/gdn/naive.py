@@ -3,7 +3,7 @@
 Legend: B batch, T tokens, H heads, K key/query head dim, V value head dim, N sequences.
 
 Design choices:
-* Same signature and returns as `kernels.gdn.chunk_gated_delta_rule` (fla 0.6 argument order
+* Same signature and returns as `hylo.kernels.gdn.chunk_gated_delta_rule` (fla 0.6 argument order
   `q, k, v, g, beta`; state `[N, H, K, V]`), so tests swap one for the other.
 * Computes in fp32 for low-precision inputs and in the input dtype otherwise (float64 in tests).
 * No in-place writes into tensors autograd needs: outputs are collected in a list and stacked, so
@@ -15,10 +15,9 @@ Design choices:
 from __future__ import annotations
 
 import torch
-
-from kernels.checks import compute_dtype
-from kernels.gdn.checks import check_inputs, l2norm
-from kernels.varlen import DocBounds
+from hylo.kernels.checks import compute_dtype
+from hylo.kernels.gdn.checks import check_inputs, l2norm
+from hylo.kernels.varlen import DocBounds
 
 
 def _recurrent_one(
@@ -61,7 +60,7 @@ def naive_recurrent_gated_delta_rule(
         scale: query scale, default K ** -0.5.
         initial_state: [N, H, K, V] (N = B, or the number of sequences with `cu_seqlens`).
         output_final_state: also return the state after the last token of each sequence.
-        cu_seqlens: [N + 1] int (or `kernels.varlen.DocBounds`), B must be 1; sequences never
+        cu_seqlens: [N + 1] int (or `hylo.kernels.varlen.DocBounds`), B must be 1; sequences never
             exchange state.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first (eps 1e-6, as fla).
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import NoReturn
 
 import torch
-
-from kernels.checks import check_float_tensors, check_sequences, shape_str
-from kernels.varlen import DocBounds
+from hylo.kernels.checks import check_float_tensors, check_sequences, shape_str
+from hylo.kernels.varlen import DocBounds
 
 
 class SSDInputError(ValueError):

@@ -12,13 +12,13 @@ Design choices:
   contribution, and after the loop the state-to-output term. Because the SSD decay is a scalar per
   head and token, the chunk-to-chunk recurrence is only S <- exp(gamma_L) S + dS: one fused
   multiply-add per chunk in the Python loop (Nc = T / L iterations).
-* Varlen (`cu_seqlens`, checked under the packed-row rule of `kernels.varlen`; the layers pass the
+* Varlen (`cu_seqlens`, checked under the packed-row rule of `hylo.kernels.varlen`; the layers pass the
   model's `DocBounds`, so the layout is built from host ints without reading the device): each
   sequence is scattered into its own run of chunks, its tail padded
   with dt = 0 and x = B = C = 0. A padded token then leaves the state untouched (decay exp(0) = 1,
   zero input), so a sequence's final state is the state after its last chunk, and the loop resets
   the state to the sequence's `initial_state` at its first chunk. No Python loop over tokens.
-  The layout (`kernels.varlen`) is shared with the GDN scan.
+  The layout (`hylo.kernels.varlen`) is shared with the GDN scan.
 * Exponentials are only taken of differences `gamma_i - gamma_j` with i >= j (masked to -inf above
   the diagonal before `exp`) or of `gamma_L - gamma_j <= 0`, so nothing overflows however large dt*|A|.
 * B and C are expanded from G groups to H heads up front (head h reads group h // (H / G), as
@@ -26,7 +26,7 @@ Design choices:
 * Gradients come from autograd through these few large ops; no hand-written backward to maintain.
 * fp16/bf16 inputs are computed in fp32, float64 stays float64 (tests). y has x's dtype, the final
   state is fp32 (float64 for float64 inputs), as mamba_ssm returns it.
-* GPU tensors go to fla's `chunk_simple_gla` (`kernels.backend.use_fla`): SSD is simple GLA with
+* GPU tensors go to fla's `chunk_simple_gla` (`hylo.kernels.backend.use_fla`): SSD is simple GLA with
   q = C, k = B, v = dt * x, g = dt * A, scale 1, and fla's `state_v_first` layout is mamba_ssm's
   [P, N]. mamba_ssm is not a dependency: fla covers varlen with per-sequence initial/final states.
 """
@@ -34,11 +34,10 @@ Design choices:
 from __future__ import annotations
 
 import torch
-
-from kernels.backend import fla_varlen_kwargs, use_fla
-from kernels.checks import compute_dtype
-from kernels.ssd.checks import check_inputs, heads_from_groups
-from kernels.varlen import DocBounds, chunk_layout, from_chunks, to_chunks
+from hylo.kernels.backend import fla_varlen_kwargs, use_fla
+from hylo.kernels.checks import compute_dtype
+from hylo.kernels.ssd.checks import check_inputs, heads_from_groups
+from hylo.kernels.varlen import DocBounds, chunk_layout, from_chunks, to_chunks
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -166,7 +165,7 @@ def chunk_ssd(
         initial_state: [S, H, P, N], S = B, or the number of sequences with `cu_seqlens`.
         output_final_state: also return the state after each sequence's last token.
         cu_seqlens: [S + 1] int (starts at 0, ends at T, strictly increasing: the packed-row rule of
-            `kernels.varlen`), or the model's `DocBounds`; B must be 1. State never crosses a boundary.
+            `hylo.kernels.varlen`), or the model's `DocBounds`; B must be 1. State never crosses a boundary.
         chunk_size: chunk length of the torch path (fla picks its own).
 
     Returns:

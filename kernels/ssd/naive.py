@@ -7,7 +7,7 @@ Per head h (group g = h // (H / G)), with state `h_t` [P, N]:
     y_t = h_t C_t + D_h * x_t
 
 Design choices:
-* Same signature and returns as `kernels.ssd.chunk_ssd`, so tests swap one for the other.
+* Same signature and returns as `hylo.kernels.ssd.chunk_ssd`, so tests swap one for the other.
 * The state is kept in mamba_ssm's [P, N] orientation (the chunked path works in [N, P]), so the two
   paths share no layout code.
 * No in-place writes into tensors autograd needs: differentiable in every input, including
@@ -17,10 +17,9 @@ Design choices:
 from __future__ import annotations
 
 import torch
-
-from kernels.checks import compute_dtype
-from kernels.ssd.checks import check_inputs, heads_from_groups
-from kernels.varlen import DocBounds
+from hylo.kernels.checks import compute_dtype
+from hylo.kernels.ssd.checks import check_inputs, heads_from_groups
+from hylo.kernels.varlen import DocBounds
 
 
 def _recurrent_one(
@@ -58,7 +57,7 @@ def naive_ssd(
         B, C: [B, T, G, N]; D: [H] or None (skip term D * x).
         initial_state: [S, H, P, N] (S = B, or the number of sequences with `cu_seqlens`).
         output_final_state: also return the state after the last token of each sequence.
-        cu_seqlens: [S + 1] int (or `kernels.varlen.DocBounds`), B must be 1; sequences never
+        cu_seqlens: [S + 1] int (or `hylo.kernels.varlen.DocBounds`), B must be 1; sequences never
             exchange state.
 
     Returns:

@@ -1,4 +1,4 @@
-"""Data-preparation config: mixture -> tokenize -> pack -> shards, loaded through `pipeline.config`.
+"""Data-preparation config: mixture -> tokenize -> pack -> shards, loaded through `hylo.pipeline.config`.
 
 A source is a `readers.SourceSpec` (where and how to read) plus its mixture `weight`. Defaults are
 the stage-2 shape (65,536-token rows); stage 1 sets `split: stage1` and `packing.max_len: 2048`.
@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config import FieldError, at_least, between, one_of, renamed, rules
-from pipeline.data.decontam import BenchmarkSpec, MatchConfig
-from pipeline.data.mixture import SPLITS, STAGE2_MODES
-from pipeline.data.packing import LONG_DOC_POLICIES
-from pipeline.data.readers import SourceSpec
-from pipeline.data.render import MASK_METHODS
-from pipeline.ray_init import RayInitSection
+from hylo.pipeline.config import FieldError, at_least, between, one_of, renamed, rules
+from hylo.pipeline.data.decontam import BenchmarkSpec, MatchConfig
+from hylo.pipeline.data.mixture import SPLITS, STAGE2_MODES
+from hylo.pipeline.data.packing import LONG_DOC_POLICIES
+from hylo.pipeline.data.readers import SourceSpec
+from hylo.pipeline.data.render import MASK_METHODS
+from hylo.pipeline.ray_init import RayInitSection
 
 
 def _refuse_duplicates(names: list[str], what: str) -> None:
@@ -134,7 +134,7 @@ class PrepareDataConfig:
 
 
 # Keys (dotted) that do not change the produced rows: the manifest's `config_hash`
-# (pipeline.data.dataset.rows_config_hash) covers every other key, so a new one is hashed unless listed
+# (hylo.pipeline.data.dataset.rows_config_hash) covers every other key, so a new one is hashed unless listed
 # here. (decontam.scanner and decontam.batch_size do not change the rows either, but have always been
 # hashed: leaving them out now would change the fingerprint of every dataset prepared so far.)
 UNHASHED_KEYS = ("ray", "progress", "output", "tokenize.num_actors", "tokenize.batch_size")

@@ -37,12 +37,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from hylo.pipeline.data.packing import BestFitPacker, Document
+from hylo.pipeline.data.render import ChatRenderer, Encoded
+from hylo.pipeline.data.rowfile import DataFormatError, PackedRowFile
+from hylo.pipeline.ray_init import init_ray
 
 from hylo.files import atomic_dir, atomic_path, atomic_write, read_json
-from pipeline.data.packing import BestFitPacker, Document
-from pipeline.data.render import ChatRenderer, Encoded
-from pipeline.data.rowfile import DataFormatError, PackedRowFile
-from pipeline.ray_init import init_ray
 
 MANIFEST = "manifest.json"
 FORMAT = "hylo-packed-rows/1"
@@ -377,8 +377,8 @@ def rows_config_hash(cfg: Any) -> str:
     """Hash of what decides the rows: every key of the config but `UNHASHED_KEYS` (output paths, Ray
     pools, progress). The `tokenize` keys it keeps sit at the top level of the hashed mapping, as they
     always have (datasets prepared before keep their fingerprint)."""
-    from pipeline.config import config_hash, to_dict
-    from pipeline.data.config import UNHASHED_KEYS
+    from hylo.pipeline.config import config_hash, to_dict
+    from hylo.pipeline.data.config import UNHASHED_KEYS
 
     d = to_dict(cfg)
     for key in UNHASHED_KEYS:
@@ -453,10 +453,9 @@ def prepare(cfg: Any) -> dict[str, Any]:
     the old dataset only once complete: a failure at any point leaves the old one untouched.
     Uses the running Ray if there is one, else starts a local one.
     """
+    from hylo.pipeline.data.mixture import resolve_asset_path
+    from hylo.pipeline.data.readers import resolve_files
     from transformers import AutoTokenizer
-
-    from pipeline.data.mixture import resolve_asset_path
-    from pipeline.data.readers import resolve_files
 
     out = Path(cfg.output.dir)
     _check_output(out, cfg.output.overwrite)
@@ -477,7 +476,7 @@ def prepare(cfg: Any) -> dict[str, Any]:
         raise PrepareError(f"tokenizer {tok_dir} has neither a pad nor an EOS token; set packing.pad_id")
     index = None
     if cfg.decontam.benchmarks:
-        from pipeline.data.decontam import build_index
+        from hylo.pipeline.data.decontam import build_index
 
         try:
             index, _ = build_index(cfg.decontam.benchmarks, cfg.decontam.match)
@@ -492,10 +491,9 @@ def prepare(cfg: Any) -> dict[str, Any]:
 
 def _prepare_into(cfg: Any, staging: Path, out: Path, renderer: ChatRenderer, pad_id: int,
                   index: Any) -> dict[str, Any]:
+    from hylo.pipeline.data.mixture import build_mixture
+    from hylo.pipeline.data.render import tokenizer_hash
     from tqdm import tqdm
-
-    from pipeline.data.mixture import build_mixture
-    from pipeline.data.render import tokenizer_hash
 
     run = PackedRun()
     warnings: list[str] = []
@@ -643,8 +641,8 @@ def _decontaminate(cfg: Any, index: Any, full: list[dict[str, Any]], full_stats:
     """Remove (or cut) contaminated documents of the whole mixture, then narrow it to the split."""
     from dataclasses import asdict
 
-    from pipeline.data.decontam import cut_record, scan_and_decide
-    from pipeline.data.mixture import restrict
+    from hylo.pipeline.data.decontam import cut_record, scan_and_decide
+    from hylo.pipeline.data.mixture import restrict
 
     dc, m = cfg.decontam, cfg.mixture
     uniq = [r for r in full if r["doc_id"] == r["doc_base"]]

@@ -50,12 +50,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hylo.pipeline.config import FILE_NAME, at_least, between, one_of, renamed, rules
+from hylo.pipeline.data.normalize import content_words, fold_many, normalize_words, normalize_words_plain
+from hylo.pipeline.data.readers import Record, SourceError, SourceSpec, is_reject, iter_raw, iter_source
+from hylo.pipeline.ray_init import RayInitSection, init_ray
 
 from hylo.files import atomic_path, atomic_write
-from pipeline.config import FILE_NAME, at_least, between, one_of, renamed, rules
-from pipeline.data.normalize import content_words, fold_many, normalize_words, normalize_words_plain
-from pipeline.data.readers import Record, SourceError, SourceSpec, is_reject, iter_raw, iter_source
-from pipeline.ray_init import RayInitSection, init_ray
 
 MODES = ("drop", "cut")
 OUTPUT_FORMATS = ("jsonl", "parquet")

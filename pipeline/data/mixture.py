@@ -191,7 +191,7 @@ def build_mixture(
     """Read every source of a `MixtureConfig` with the readers and mix them; rejects go to `on_reject`
     and are counted per source. A source without any usable record raises EmptySourceError (from the
     reader) unless the source sets `allow_empty`."""
-    from pipeline.data.readers import iter_records
+    from hylo.pipeline.data.readers import iter_records
 
     tallies: dict[str, SourceCounts] = {s.name: SourceCounts() for s in cfg.sources}
 

@@ -70,7 +70,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
-from pipeline.config import NONEMPTY, at_least, rules
+from hylo.pipeline.config import NONEMPTY, at_least, rules
 
 RAW_CHARS = 500
 CHUNK_CHARS = 1 << 20
@@ -129,7 +129,7 @@ class Reject(TypedDict):
 @dataclasses.dataclass
 @rules(name=NONEMPTY, path=NONEMPTY, limit=at_least(1))
 class SourceSpec:
-    """Where a source lives and how to read it. Plain fields so it nests in any `pipeline.config` tree."""
+    """Where a source lives and how to read it. Plain fields so it nests in any `hylo.pipeline.config` tree."""
 
     name: str
     path: str

@@ -3,7 +3,7 @@
 Every reader of rows goes through `PackedRowFile`: the training workers (`dataset.RowReader`, one per
 shard), the teacher's offline cache job and evaluation. What it returns is a row as read (a dict of
 numpy arrays, `doc_ids` / `row_id` as Python values); the row's contract is checked by the consumer with
-`kernels.varlen.check_row`, which names the record.
+`hylo.kernels.varlen.check_row`, which names the record.
 
 Design choices:
 * Row groups are the I/O unit: a row is read with its whole row group, which stays cached, so reading
@@ -25,8 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-from kernels.varlen import REQUIRED_FIELDS, ROW_FIELDS
+from hylo.kernels.varlen import REQUIRED_FIELDS, ROW_FIELDS
 
 # fields read as Python values (strings), not as numpy arrays
 _PY_FIELDS = ("doc_ids", "row_id")

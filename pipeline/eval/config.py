@@ -1,4 +1,4 @@
-"""Configuration of jobs/eval.py (dataclasses for `pipeline.config.load_config`).
+"""Configuration of jobs/eval.py (dataclasses for `hylo.pipeline.config.load_config`).
 
 Defaults are the real-run sizes (retrieval 1K..64K, KV cache at 8K/16K/32K); `configs/eval_smoke.yaml`
 or `--set` overrides shrink them for a CPU.
@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import NONEMPTY, Rule, above, at_least, each, one_of, rules
+from hylo.pipeline.config import NONEMPTY, Rule, above, at_least, each, one_of, rules
 
 SUITES = ("kl", "retrieval", "kvcache", "lm_eval", "samples")
-# pipeline.eval.retrieval.TASKS (not imported: that module needs torch; a test keeps the two equal).
+# hylo.pipeline.eval.retrieval.TASKS (not imported: that module needs torch; a test keeps the two equal).
 RETRIEVAL_TASKS = ("niah_single", "niah_multikey")
 
 
@@ -39,7 +39,7 @@ class KLSection:
     # Packed-data directory, Parquet rows, or JSON/JSONL chat records.
     data: str | None = None
     max_rows: int | None = 32
-    # Use kernels.fused_kl.fused_linear_kl_div when importable (else exact chunked fp32).
+    # Use hylo.kernels.fused_kl.fused_linear_kl_div when importable (else exact chunked fp32).
     use_fused: bool = True
     chunk_tokens: int = 1024
     # File keeping the teacher's hidden states per row: a later evaluation against the same teacher

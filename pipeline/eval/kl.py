@@ -9,15 +9,15 @@ Design choices:
   loss mask score every token except the last of each document.
 * Documents are isolated: HyLo models take the whole packed row with `cu_seqlens`; HF models run
   one forward per document (no block mask needed, positions restart by construction).
-* The KL goes through the project's fused op `kernels.fused_kl.fused_linear_kl_div` (hidden states
+* The KL goes through the project's fused op `hylo.kernels.fused_kl.fused_linear_kl_div` (hidden states
   + output weights in, no [N, V] tensor); when that op cannot be imported the same quantity is
   computed exactly, chunk by chunk, in fp32 (`kl_backend` in the result says which ran).
 * Perplexity = exp(mean NLL over scored tokens), computed chunk by chunk from the same hidden
   states, for the model and (when given) the teacher.
 * Inputs: a packed-data directory (manifest.json + shards, from jobs/prepare_data.py), a Parquet
-  file / directory of packed rows (read by `pipeline.data.rowfile.PackedRowFile`), or chat records
+  file / directory of packed rows (read by `hylo.pipeline.data.rowfile.PackedRowFile`), or chat records
   (JSON / JSONL, `messages` or ShareGPT `conversations`) rendered with the model's chat template, one
-  document per row. Rows are checked against the packed-row contract (`kernels.varlen.check_row`,
+  document per row. Rows are checked against the packed-row contract (`hylo.kernels.varlen.check_row`,
   `PackedRowError`), except that a loss mask set on a document's last token is cleared, not refused.
 """
 
@@ -34,19 +34,19 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from hylo.kernels.varlen import DocBounds, check_row
+from hylo.pipeline.eval.decode import EvalError, final_hidden, is_hylo
+from hylo.pipeline.eval.progress import progress
 from torch import nn
 
 from hylo.files import atomic_path
-from kernels.varlen import DocBounds, check_row
-from pipeline.eval.decode import EvalError, final_hidden, is_hylo
-from pipeline.eval.progress import progress
 
 LOGITS_CHUNK = 1024
 
 
 # ----------------------------------------------------------------------------------------- rows
 def check_eval_row(row: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
-    """One packed row checked (`kernels.varlen.check_row`, PackedRowError naming `where` and the field) and
+    """One packed row checked (`hylo.kernels.varlen.check_row`, PackedRowError naming `where` and the field) and
     reduced to what scoring needs: input_ids [T] int64, cu_seqlens [N + 1] int32, loss_mask [T] bool
     (every token without a mask), never set on a document's last token."""
     prow = check_row(row, where, clear_crossing_labels=True)
@@ -59,7 +59,7 @@ def check_eval_row(row: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
 
 
 def _read_parquet_rows(path: Path, limit: int | None) -> Iterator[dict[str, Any]]:
-    from pipeline.data.rowfile import PackedRowFile
+    from hylo.pipeline.data.rowfile import PackedRowFile
 
     files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
     if not files:
@@ -76,9 +76,9 @@ def _read_parquet_rows(path: Path, limit: int | None) -> Iterator[dict[str, Any]
 
 def _chat_rows(path: Path, tokenizer_dir: str | Path, limit: int | None,
                rejects: list[dict[str, Any]] | None) -> Iterator[dict[str, Any]]:
-    from pipeline.data.packing import label_aligned_mask
-    from pipeline.data.readers import SourceSpec, is_reject, iter_source
-    from pipeline.data.render import ChatRenderer
+    from hylo.pipeline.data.packing import label_aligned_mask
+    from hylo.pipeline.data.readers import SourceSpec, is_reject, iter_source
+    from hylo.pipeline.data.render import ChatRenderer
 
     try:
         renderer = ChatRenderer.from_pretrained(str(tokenizer_dir))
@@ -117,7 +117,7 @@ def iter_eval_rows(data: str | Path, tokenizer_dir: str | Path | None = None, ma
     if not p.exists():
         raise EvalError(f"eval data {p} does not exist")
     if p.is_dir() and (p / "manifest.json").is_file():
-        from pipeline.data.dataset import RowReader
+        from hylo.pipeline.data.dataset import RowReader
 
         reader = RowReader(p, drop_last=False)
         for i, row in enumerate(reader):
@@ -177,10 +177,10 @@ def chunked_kl_sum(hs_ND: torch.Tensor, ws_VD: torch.Tensor, ht_ND: torch.Tensor
 def fused_kl_op():
     """The project's fused linear KL op, or None when it is not available."""
     try:
-        from kernels.fused_kl import fused_linear_kl_div
+        from hylo.kernels.fused_kl import fused_linear_kl_div
     except ImportError:
         try:
-            from kernels.fused_kl.chunked import fused_linear_kl_div
+            from hylo.kernels.fused_kl.chunked import fused_linear_kl_div
         except ImportError:
             return None
     return fused_linear_kl_div

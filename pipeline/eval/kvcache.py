@@ -20,10 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from hylo.pipeline.eval.decode import EvalError, cache_nbytes, greedy_decode, is_hylo
+from hylo.pipeline.eval.progress import progress
 from torch import nn
-
-from pipeline.eval.decode import EvalError, cache_nbytes, greedy_decode, is_hylo
-from pipeline.eval.progress import progress
 
 TOLERANCE = 0.05
 

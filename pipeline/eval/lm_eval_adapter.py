@@ -1,10 +1,10 @@
 """lm-evaluation-harness model class `hylo` for HyLo (and HF) checkpoints, and the `hylo-lm-eval` command.
 
     hylo-lm-eval --model hylo --model_args pretrained=runs/hylo,dtype=bfloat16 --tasks arc_easy,gsm8k
-    python -m pipeline.eval.lm_eval_adapter --model hylo ...           # the same without the console script
+    python -m hylo.pipeline.eval.lm_eval_adapter --model hylo ...           # the same without the console script
     lm_eval --model hf --model_args pretrained=runs/hylo,trust_remote_code=True --tasks ...   # stock harness
 
-    from pipeline.eval.lm_eval_adapter import register
+    from hylo.pipeline.eval.lm_eval_adapter import register
     register()                      # imports lm_eval; simple_evaluate(model="hylo", ...) in this process
 
 Design choices:
@@ -44,10 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hylo.pipeline.eval.decode import EvalError, eos_ids, is_hylo, load_model, load_tokenizer, pick_device
+from hylo.pipeline.eval.progress import progress
 from torch import nn
-
-from pipeline.eval.decode import EvalError, eos_ids, is_hylo, load_model, load_tokenizer, pick_device
-from pipeline.eval.progress import progress
 
 MODEL_NAME = "hylo"
 DEFAULT_BATCH_SIZE = 8

@@ -9,7 +9,7 @@ Design choices:
 * A prompt is sized in tokens of the model's own tokenizer: sentences are added until the whole
   prompt (template, needles, question included) reaches the target length; the actual length is
   recorded. The asked needle's depth is spread evenly over the samples of a length.
-* Greedy decoding through `pipeline.eval.decode.greedy_decode`; a sample is correct when the
+* Greedy decoding through `hylo.pipeline.eval.decode.greedy_decode`; a sample is correct when the
   expected number appears in the completion (RULER's string match).
 * Prompt format "chat" uses the tokenizer's chat template with a generation prompt; "plain" ends
   the prompt with "The secret code for <key> is" for a base model to complete; "auto" picks chat
@@ -22,10 +22,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from hylo.pipeline.eval.decode import EvalError, eos_ids, greedy_decode
+from hylo.pipeline.eval.progress import progress
 from torch import nn
-
-from pipeline.eval.decode import EvalError, eos_ids, greedy_decode
-from pipeline.eval.progress import progress
 
 TASKS = ("niah_single", "niah_multikey")
 PROMPT_FORMATS = ("auto", "chat", "plain")

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hylo.pipeline.config import config_hash, to_dict
+from hylo.pipeline.eval.config import EvalConfig
+from hylo.pipeline.eval.decode import EvalError, is_hylo, load_model, load_tokenizer
 
 from hylo.files import atomic_write
-from pipeline.config import config_hash, to_dict
-from pipeline.eval.config import EvalConfig
-from pipeline.eval.decode import EvalError, is_hylo, load_model, load_tokenizer
 
 
 def _need(value: Any, option: str, suite: str) -> Any:
@@ -72,7 +72,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     }
     lm_prepared = None
     if "lm_eval" in cfg.suites:
-        from pipeline.eval.lm_eval_adapter import prepare_lm_eval
+        from hylo.pipeline.eval.lm_eval_adapter import prepare_lm_eval
 
         _log(f"lm_eval: loading tasks {', '.join(cfg.lm_eval.tasks)}")
         lm_prepared = prepare_lm_eval(str(model_path), cfg.lm_eval)
@@ -88,7 +88,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         elif suite == "samples":
             results["samples"] = _suite_samples(cfg, model, base, tokenizer)
         elif suite == "lm_eval":
-            from pipeline.eval.lm_eval_adapter import run_lm_eval
+            from hylo.pipeline.eval.lm_eval_adapter import run_lm_eval
 
             le = cfg.lm_eval
             results["lm_eval"] = run_lm_eval(str(model_path), le, m.dtype, m.device, model=model, tokenizer=tokenizer,
@@ -139,7 +139,7 @@ def _has_tokenizer(path: str) -> bool:
 
 
 def _suite_kl(cfg: EvalConfig, model, tokenizer, loaded: dict[str, Any]) -> dict[str, Any]:
-    from pipeline.eval.kl import evaluate_kl, iter_eval_rows
+    from hylo.pipeline.eval.kl import evaluate_kl, iter_eval_rows
 
     data = _need(cfg.kl.data, "--data (kl.data)", "kl")
     t = cfg.models.teacher
@@ -163,8 +163,8 @@ def _suite_kl(cfg: EvalConfig, model, tokenizer, loaded: dict[str, Any]) -> dict
 
 def _teacher_cache(cfg: EvalConfig, teacher: str):
     """kl.teacher_cache for this teacher: keyed by its weights (path, size, mtime), dtype and device."""
-    from pipeline.eval.decode import pick_device, resolve_path
-    from pipeline.eval.kl import TeacherStateCache
+    from hylo.pipeline.eval.decode import pick_device, resolve_path
+    from hylo.pipeline.eval.kl import TeacherStateCache
 
     path = resolve_path(teacher)
     weights = sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in path.glob("*.safetensors"))
@@ -174,7 +174,7 @@ def _teacher_cache(cfg: EvalConfig, teacher: str):
 
 
 def _suite_retrieval(cfg: EvalConfig, model, base, tokenizer) -> dict[str, Any]:
-    from pipeline.eval.retrieval import make_samples, run_retrieval
+    from hylo.pipeline.eval.retrieval import make_samples, run_retrieval
 
     tok = _need(tokenizer, "a tokenizer beside the model (or models.tokenizer)", "retrieval")
     r = cfg.retrieval
@@ -187,7 +187,7 @@ def _suite_retrieval(cfg: EvalConfig, model, base, tokenizer) -> dict[str, Any]:
 
 
 def _suite_kvcache(cfg: EvalConfig, model, base) -> dict[str, Any]:
-    from pipeline.eval import kvcache
+    from hylo.pipeline.eval import kvcache
 
     k = cfg.kvcache
     model_rows = kvcache.measure(model, k.lengths, k.decode_tokens, cfg.seed, desc="kvcache model")
@@ -225,7 +225,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
 
 
 def _suite_samples(cfg: EvalConfig, model, base, tokenizer) -> dict[str, Any]:
-    from pipeline.eval.samples import greedy_answers
+    from hylo.pipeline.eval.samples import greedy_answers
 
     tok = _need(tokenizer, "a tokenizer (models.tokenizer, or one saved beside the model)", "samples")
     s = cfg.samples

@@ -24,7 +24,7 @@ Design choices:
 * Every shard carries the cache header in its Parquet metadata too, so a shard copied into the
   wrong cache is detected.
 * Row ids are the data's `row_id` column when present, else a content hash of the row
-  (`kernels.varlen.PackedRow.row_id`), so `get_for_row(row)` also proves the row is the same data.
+  (`hylo.kernels.varlen.PackedRow.row_id`), so `get_for_row(row)` also proves the row is the same data.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from hylo.kernels.fused_kl.topk import TeacherTopK
+from hylo.kernels.varlen import PackedRow, check_row
+from hylo.pipeline.data.rowfile import PackedRowFile
 
 from hylo.files import atomic_path, atomic_write, read_json
-from kernels.fused_kl.topk import TeacherTopK
-from kernels.varlen import PackedRow, check_row
-from pipeline.data.rowfile import PackedRowFile
 
 SCHEMA = "hylo-teacher-topk"
 SCHEMA_VERSION = 1
@@ -94,7 +94,7 @@ def data_fingerprint(data_dir: str | Path) -> tuple[str, list[dict[str, Any]], d
     d = Path(data_dir)
     info: dict[str, Any] = {}
     if (d / "manifest.json").is_file():
-        from pipeline.data.dataset import read_manifest
+        from hylo.pipeline.data.dataset import read_manifest
 
         m = read_manifest(d)
         paths = [d / s["file"] for s in m["shards"]]
@@ -209,9 +209,9 @@ class _ShardWorker:
     """Ray Data actor: one teacher per actor, one shard per call."""
 
     def __init__(self, model_cfg: dict[str, Any], data_dir: str, out_dir: str, header: dict[str, Any]) -> None:
-        from pipeline.config import from_dict
-        from pipeline.teacher.config import TeacherModelConfig
-        from pipeline.teacher.model import TeacherModel
+        from hylo.pipeline.config import from_dict
+        from hylo.pipeline.teacher.config import TeacherModelConfig
+        from hylo.pipeline.teacher.model import TeacherModel
 
         self.teacher = TeacherModel.from_config(from_dict(TeacherModelConfig, model_cfg))
         check_header({"teacher_id": self.teacher.teacher_id, "tokenizer_hash": self.teacher.tokenizer_hash,
@@ -230,7 +230,7 @@ class _ShardWorker:
 
 def _teacher_identity(model_cfg: Any) -> tuple[str, str, int]:
     """teacher id, tokenizer hash and vocabulary size, without loading the weights."""
-    from pipeline.teacher.model import model_fingerprint, resolve_model_path, tokenizer_fingerprint
+    from hylo.pipeline.teacher.model import model_fingerprint, resolve_model_path, tokenizer_fingerprint
 
     path = resolve_model_path(model_cfg.path)
     cfg = json.loads((path / "config.json").read_text())
@@ -245,8 +245,8 @@ def _check_data_tokenizer(data_info: Mapping[str, Any], teacher_tok_hash: str, c
     name = data_info.get("tokenizer")
     if not name:
         return
-    from pipeline.data.dataset import resolve_tokenizer
-    from pipeline.teacher.model import tokenizer_fingerprint
+    from hylo.pipeline.data.dataset import resolve_tokenizer
+    from hylo.pipeline.teacher.model import tokenizer_fingerprint
 
     try:
         data_tok = tokenizer_fingerprint(resolve_tokenizer(name))
@@ -326,7 +326,7 @@ def run_cache_job(cfg: Any, log: Any = print) -> dict[str, Any]:
     log(f"teacher cache {cfg.out}: {len(plan)} shards planned, {already} already done, {len(todo)} to compute")
     done = []
     if todo:
-        from pipeline.config import to_dict
+        from hylo.pipeline.config import to_dict
 
         ds = ray.data.from_items([p.__dict__ for p in todo], override_num_blocks=len(todo))
         ds = ds.map_batches(

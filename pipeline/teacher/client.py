@@ -32,10 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from kernels.fused_kl.topk import TeacherTopK
-from kernels.varlen import PackedRow, check_row
-from pipeline.teacher.config import TeacherClientConfig
+from hylo.kernels.fused_kl.topk import TeacherTopK
+from hylo.kernels.varlen import PackedRow, check_row
+from hylo.pipeline.teacher.config import TeacherClientConfig
 
 
 class TeacherUnavailableError(RuntimeError):

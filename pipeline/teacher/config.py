@@ -1,6 +1,6 @@
 """Teacher configuration: the model, the Serve pool, the client, and the offline top-k cache job.
 
-All sections are plain dataclasses loaded through `pipeline.config` (YAML + `--set a.b=c`, unknown
+All sections are plain dataclasses loaded through `hylo.pipeline.config` (YAML + `--set a.b=c`, unknown
 keys rejected); each field's range or choices is declared once in its class's `@rules`.
 Defaults are sized for this 2-core CPU machine; on a cluster set `pool.num_gpus: 1` and
 `model.device: cuda`.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config import NONEMPTY, PORT, above, at_least, each, one_of, renamed, rules
-from pipeline.ray_init import RayInitSection
+from hylo.pipeline.config import NONEMPTY, PORT, above, at_least, each, one_of, renamed, rules
+from hylo.pipeline.ray_init import RayInitSection
 
 DTYPES = ("float32", "bfloat16", "float16")
 ISOLATIONS = ("auto", "per_doc", "packed")

@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hylo.kernels.fused_kl.topk import TeacherTopK, topk_from_logits
+from hylo.kernels.varlen import PackedRow, check_row
+from hylo.pipeline.teacher.config import TeacherModelConfig
 from torch import nn
 
 from hylo.files import read_json
-from kernels.fused_kl.topk import TeacherTopK, topk_from_logits
-from kernels.varlen import PackedRow, check_row
-from pipeline.teacher.config import TeacherModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAMPLE_BYTES = 1 << 20

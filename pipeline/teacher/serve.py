@@ -31,12 +31,11 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import torch
+from hylo.kernels.varlen import PackedRow, check_row
+from hylo.pipeline.config import from_dict, to_dict
+from hylo.pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig
+from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
 from ray import serve
-
-from kernels.varlen import PackedRow, check_row
-from pipeline.config import from_dict, to_dict
-from pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig
-from pipeline.teacher.model import TeacherModel, torch_dtype
 
 
 class _TokenBudgetWarningFilter(logging.Filter):
@@ -102,7 +101,7 @@ class TeacherDeployment:
         except FileNotFoundError:
             return
         if self.pool_cfg.fail_target == "node":
-            from pipeline.ray_init import kill_this_node
+            from hylo.pipeline.ray_init import kill_this_node
 
             # the replica's whole node goes, with the requests queued on it
             kill_this_node()

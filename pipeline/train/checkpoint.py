@@ -58,12 +58,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from hylo.pipeline.config import ConfigError
+from hylo.pipeline.train.config import (
+    StageConfig,
+    breaking_diff,
+    breaking_hash,
+    config_from_dict,
+    config_to_dict,
+)
+from hylo.pipeline.train.storage import Loc
 from safetensors.torch import load_file, save_file
 
 from hylo import files
-from pipeline.config import ConfigError
-from pipeline.train.config import StageConfig, breaking_diff, breaking_hash, config_from_dict, config_to_dict
-from pipeline.train.storage import Loc
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 ZERO_DIR = "zero"

@@ -1,4 +1,4 @@
-"""Run configuration of the two training stages, as dataclasses loaded by `pipeline.config`.
+"""Run configuration of the two training stages, as dataclasses loaded by `hylo.pipeline.config`.
 
     cfg = load_config(Stage2Config, "configs/demo-smollm2.yaml", ["optim.lr=1e-4"])
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import (
+from hylo.pipeline.config import (
     RELATIVE_NAME,
     ConfigError,
     FieldError,
@@ -40,11 +40,11 @@ from pipeline.config import (
     rules,
     to_dict,
 )
-from pipeline.convert import ConvertSection
-from pipeline.data.mixture import SPLITS
-from pipeline.ray_init import RayInitSection
-from pipeline.teacher.config import TeacherClientConfig, TeacherModelConfig, TeacherPoolConfig
-from pipeline.train.trackers import MlflowSection, WandbSection
+from hylo.pipeline.convert import ConvertSection
+from hylo.pipeline.data.mixture import SPLITS
+from hylo.pipeline.ray_init import RayInitSection
+from hylo.pipeline.teacher.config import TeacherClientConfig, TeacherModelConfig, TeacherPoolConfig
+from hylo.pipeline.train.trackers import MlflowSection, WandbSection
 
 STAGE_KEYS = ("stage1", "stage2")
 
@@ -401,7 +401,7 @@ def breaking_hash(cfg: StageConfig) -> str:
 
 def run_dir(cfg: StageConfig) -> Path:
     """The run's local directory: `<storage_path>/<name>`, or a local mirror when storage_path is a URI
-    (the run itself lives there: `pipeline.train.storage.run_location`)."""
-    from pipeline.train.storage import local_mirror, run_location
+    (the run itself lives there: `hylo.pipeline.train.storage.run_location`)."""
+    from hylo.pipeline.train.storage import local_mirror, run_location
 
     return local_mirror(run_location(cfg.ray.storage_path, cfg.ray.name))

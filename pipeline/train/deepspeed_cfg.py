@@ -15,9 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from pipeline.config import ConfigError
-from pipeline.train.config import DeepSpeedSection, StageConfig
+from hylo.pipeline.config import ConfigError
+from hylo.pipeline.train.config import DeepSpeedSection, StageConfig
 
 
 def resolve_dtype(name: str, use_gpu: bool) -> torch.dtype:

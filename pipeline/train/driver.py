@@ -56,15 +56,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError, add_config_args, maybe_print_config
-from pipeline.ray_init import init_ray, torch_extensions_dir
-from pipeline.train import checkpoint as ckpt_lib
-from pipeline.train.config import StageConfig, config_to_dict, load_stage_config, run_dir
-from pipeline.train.inputs import check_stage_inputs
-from pipeline.train.metrics import make_ray_callback, read_metrics
-from pipeline.train.runlock import run_lock
-from pipeline.train.storage import Loc, StorageError, check_storage_path, run_location
-from pipeline.train.worker import Stage
+from hylo.pipeline.config import ConfigError, add_config_args, maybe_print_config
+from hylo.pipeline.ray_init import init_ray, torch_extensions_dir
+from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.config import StageConfig, config_to_dict, load_stage_config, run_dir
+from hylo.pipeline.train.inputs import check_stage_inputs
+from hylo.pipeline.train.metrics import make_ray_callback, read_metrics
+from hylo.pipeline.train.runlock import run_lock
+from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path, run_location
+from hylo.pipeline.train.worker import Stage
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 # the exit status of a process ended by SIGTERM (128 + 15): schedulers take it for a preemption, not a bug
@@ -181,16 +181,16 @@ def loop_config(cfg: StageConfig, resume: str | None, launcher: str) -> dict[str
 def stage_for(number: int) -> Stage:
     """The stage (build + step) the workers train: stage1.STAGE or stage2.STAGE."""
     if number == 1:
-        from pipeline.train.stage1 import STAGE
+        from hylo.pipeline.train.stage1 import STAGE
     else:
-        from pipeline.train.stage2 import STAGE
+        from hylo.pipeline.train.stage2 import STAGE
     return STAGE
 
 
 def start_teacher_pool(cfg: StageConfig):
     if cfg.stage != 2 or cfg.teacher.source != "serve" or not cfg.teacher.start_pool:
         return None
-    from pipeline.teacher.serve import start_teacher_pool as start
+    from hylo.pipeline.teacher.serve import start_teacher_pool as start
 
     print(f"[teacher] deploying pool {cfg.teacher.pool.app_name!r} ({cfg.teacher.pool.num_replicas} replicas)",
           flush=True)
@@ -281,7 +281,7 @@ class Preempted(RuntimeError):
 def preemption_handler(cfg: StageConfig, run: Loc) -> Iterator[None]:
     """While training: SIGTERM asks the workers for a final checkpoint within `checkpoint.preempt_grace_s`
     (loop.Session.preemption) and, once they stopped, raises `Preempted`; a second SIGTERM stops at once."""
-    from pipeline.train.loop import PREEMPT_FILE, read_preempt_request
+    from hylo.pipeline.train.loop import PREEMPT_FILE, read_preempt_request
 
     grace = cfg.checkpoint.preempt_grace_s
     flag = run / PREEMPT_FILE
@@ -316,10 +316,9 @@ def resume_hint(run: Loc) -> str:
 
 
 def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
+    from hylo.pipeline.train.loop import train_worker
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
-
-    from pipeline.train.loop import train_worker
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     check_cluster_resources(cfg)
@@ -335,7 +334,7 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
                                      resources_per_worker=worker_resources(cfg)),
         run_config=run_config(cfg, run),
     )
-    from pipeline.train.failures import final_input_errors
+    from hylo.pipeline.train.failures import final_input_errors
 
     try:
         with preemption_handler(cfg, run):
@@ -434,7 +433,7 @@ def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
         (run / f"config_stage{stage}.json").write_text(json.dumps(config_to_dict(cfg), indent=1, sort_keys=True))
     t0 = time.time()
     if launcher == "torchrun":
-        from pipeline.train.loop import train_worker
+        from hylo.pipeline.train.loop import train_worker
 
         train_worker(stage_for(cfg.stage), loop_config(cfg, resume, "torchrun"))
         info: dict[str, Any] = {}

@@ -7,7 +7,7 @@ config value found inside a worker, a full disk, were thus retried `ray.max_fail
 retry starting the workers and loading the models again) before the run failed.
 
 `InputErrorsAreFinal` keeps Ray's policy and adds one rule: a worker-group failure in which some
-worker raised an input error (the classes and path errors `pipeline.cli.input_error_message` knows:
+worker raised an input error (the classes and path errors `hylo.pipeline.cli.input_error_message` knows:
 ConfigError, CheckpointError, a missing file, ENOSPC, ...) and no worker died (a killed process, a
 lost node: `RayActorError`, which keeps its retries) is raised at once. The driver installs it for
 its `fit()` (`final_input_errors`); Ray has no public switch for this, so the hook is Ray's factory
@@ -27,9 +27,8 @@ from ray.train.v2._internal.execution.failure_handling import DefaultFailurePoli
 def worker_input_error(error: BaseException) -> str | None:
     """`worker N: <message>` when a worker of this Ray Train failure raised an input error and none
     died; None for a fault (or anything else) that Ray may retry."""
+    from hylo.pipeline.cli import input_error_message
     from ray.exceptions import RayActorError
-
-    from pipeline.cli import input_error_message
 
     failures = getattr(error, "worker_failures", None)
     if not isinstance(failures, dict) or not failures:

@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError
-from pipeline.train.config import StageConfig, run_dir
+from hylo.pipeline.config import ConfigError
+from hylo.pipeline.train.config import StageConfig, run_dir
 
 
 def _weights(directory: str | Path) -> None:
@@ -60,7 +60,7 @@ def _convert_options_fit_the_base(cfg: StageConfig, base_dir: str | Path) -> Non
 
 
 def _data(cfg: StageConfig) -> None:
-    from pipeline.train.rows import ParquetRows
+    from hylo.pipeline.train.rows import ParquetRows
 
     ParquetRows(cfg.data, 0, cfg.ray.num_workers).reader.check_shards()
 
@@ -146,7 +146,7 @@ def check_compatible_models(student: Path, other: Path | None, other_key: str, *
 
 
 def _teacher_fits(cfg: StageConfig) -> None:
-    from pipeline.train.storage import is_uri
+    from hylo.pipeline.train.storage import is_uri
 
     if not cfg.model.student or cfg.stage != 2 or is_uri(cfg.model.student):
         return
@@ -155,13 +155,13 @@ def _teacher_fits(cfg: StageConfig) -> None:
     student = Path(cfg.model.student).expanduser()
     t = cfg.teacher
     if t.source == "inprocess" or (t.source == "serve" and t.start_pool):
-        from pipeline.teacher.model import resolve_model_path
+        from hylo.pipeline.teacher.model import resolve_model_path
 
         tok = resolve_path_or_asset(t.model.tokenizer, "teacher.model.tokenizer", directory=True) \
             if t.model.tokenizer else None
         check_compatible_models(student, resolve_model_path(t.model.path), "teacher.model.path", tokenizer=tok)
     elif t.source == "offline":
-        from pipeline.teacher.cache import load_manifest
+        from hylo.pipeline.teacher.cache import load_manifest
 
         vocab = load_manifest(t.cache_path).get("vocab_size")
         check_compatible_models(student, None, "teacher.cache_path", other_vocab=vocab)
@@ -186,11 +186,11 @@ def check_stage_inputs(cfg: StageConfig) -> None:
     else:
         t = cfg.teacher
         if t.source == "inprocess" or (t.source == "serve" and t.start_pool):
-            from pipeline.teacher.model import resolve_model_path
+            from hylo.pipeline.teacher.model import resolve_model_path
 
             _weights(resolve_model_path(t.model.path))
         if t.source == "offline":
-            from pipeline.teacher.cache import load_manifest
+            from hylo.pipeline.teacher.cache import load_manifest
 
             load_manifest(t.cache_path)
         _teacher_fits(cfg)

@@ -53,14 +53,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from pipeline.ray_init import kill_this_node
-from pipeline.train import checkpoint as ckpt_lib
-from pipeline.train.config import FaultSection, StageConfig, config_from_dict, run_dir
-from pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
-from pipeline.train.metrics import METRICS_FILE, TB_DIR, MetricsWriter, peak_memory_mib
-from pipeline.train.rows import RowStream, open_rows
-from pipeline.train.storage import (
+from hylo.pipeline.ray_init import kill_this_node
+from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.config import FaultSection, StageConfig, config_from_dict, run_dir
+from hylo.pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
+from hylo.pipeline.train.metrics import METRICS_FILE, TB_DIR, MetricsWriter, peak_memory_mib
+from hylo.pipeline.train.rows import RowStream, open_rows
+from hylo.pipeline.train.storage import (
     Loc,
     fresh_local_dir,
     is_uri,
@@ -70,7 +69,7 @@ from pipeline.train.storage import (
     run_location,
     upload_with_retries,
 )
-from pipeline.train.worker import Stage, StepResult, WorkerContext
+from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext
 
 PARTITION_FILE = "zero_partition.json"
 

@@ -16,7 +16,7 @@ Design choices:
   content hash when the data has no `row_id` column.
 * Parquet rows come from the data pipeline's `RowReader` (same strided sharding, drop_last), whose
   manifest is checked against `data.split` and `data.seq_len` (`DataFormatError` otherwise). Every row
-  read is checked against the packed-row contract (`kernels.varlen.check_row`; `PackedRowError` names
+  read is checked against the packed-row contract (`hylo.kernels.varlen.check_row`; `PackedRowError` names
   the shard directory and the row): a bad row stops the run, since skipping it would shift every
   position and resume after it.
 """
@@ -28,11 +28,10 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from kernels.varlen import check_row, positions_from_cu_seqlens
-from pipeline.config import ConfigError
-from pipeline.data.rowfile import DataFormatError
-from pipeline.train.config import DataSection
+from hylo.kernels.varlen import check_row, positions_from_cu_seqlens
+from hylo.pipeline.config import ConfigError
+from hylo.pipeline.data.rowfile import DataFormatError
+from hylo.pipeline.train.config import DataSection
 
 
 class RowStream:
@@ -88,7 +87,7 @@ class SyntheticRows(RowStream):
 
     @property
     def fingerprint(self) -> str:
-        from pipeline.config import config_hash
+        from hylo.pipeline.config import config_hash
 
         return "synthetic-" + config_hash({"seed": self.seed, "seq_len": self.cfg.seq_len, **vars(self.cfg.synthetic)})
 
@@ -115,7 +114,7 @@ class ParquetRows(RowStream):
     """Packed rows of a split prepared by the data pipeline (shards + manifest.json), via its RowReader."""
 
     def __init__(self, data: DataSection, rank: int, world_size: int) -> None:
-        from pipeline.data.dataset import MANIFEST, RowReader
+        from hylo.pipeline.data.dataset import MANIFEST, RowReader
 
         super().__init__(rank, world_size)
         if not data.path:

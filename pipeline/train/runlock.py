@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from pipeline.train.storage import Loc, StorageError, local_mirror
+from hylo.pipeline.train.storage import Loc, StorageError, local_mirror
 
 LOCK_FILE = "run.lock"
 

@@ -32,13 +32,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from hylo.pipeline.config import ConfigError
+from hylo.pipeline.train.config import ILD_TRAINABLE, Stage1Config
+from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
+from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from pipeline.config import ConfigError
-from pipeline.train.config import ILD_TRAINABLE, Stage1Config
-from pipeline.train.deepspeed_cfg import current_lr, init_engine
-from pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
 
 PAD_DOC_ID = ""
 EPS = 1e-6

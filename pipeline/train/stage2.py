@@ -28,15 +28,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from hylo.kernels.fused_kl import TeacherTopK, fused_linear_kl_div
+from hylo.kernels.fused_kl.inputs import check_deferred
+from hylo.pipeline.config import ConfigError
+from hylo.pipeline.train.config import Stage2Config, TeacherSection
+from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
+from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from kernels.fused_kl import TeacherTopK, fused_linear_kl_div
-from kernels.fused_kl.inputs import check_deferred
-from pipeline.config import ConfigError
-from pipeline.train.config import Stage2Config, TeacherSection
-from pipeline.train.deepspeed_cfg import current_lr, init_engine
-from pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
 
 
 # ------------------------------------------------------------------------------------ student side
@@ -120,14 +119,14 @@ class Teacher:
     def build(cls, cfg: Stage2Config, ctx: WorkerContext, student_vocab: int) -> Teacher:
         t = cfg.teacher
         if t.source == "inprocess":
-            from pipeline.teacher.model import TeacherModel
+            from hylo.pipeline.teacher.model import TeacherModel
 
             return cls(t, ctx.device, student_vocab, model=TeacherModel.from_config(t.model))
         if t.source == "serve":
-            from pipeline.teacher.client import TeacherClient
+            from hylo.pipeline.teacher.client import TeacherClient
 
             return cls(t, ctx.device, student_vocab, client=TeacherClient.from_config(t.pool.app_name, t.client))
-        from pipeline.teacher.cache import TopKCacheReader
+        from hylo.pipeline.teacher.cache import TopKCacheReader
 
         expect = cfg.data.path if cfg.data.source == "parquet" else None
         return cls(t, ctx.device, student_vocab, cache=TopKCacheReader(t.cache_path, expect_data=expect))

@@ -27,10 +27,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from kernels.varlen import DocBounds
-from pipeline.train.config import StageConfig
-from pipeline.train.storage import Loc
+from hylo.kernels.varlen import DocBounds
+from hylo.pipeline.train.config import StageConfig
+from hylo.pipeline.train.storage import Loc
 
 Hook = Callable[[str, "WorkerContext"], None]
 
