@@ -47,8 +47,12 @@ def test_the_checkout_imports_the_installed_names():
     assert Path(hylo.pipeline.cli.__file__).resolve() == REPO / "pipeline" / "cli.py"
     assert Path(hylo.kernels.varlen.__file__).resolve() == REPO / "kernels" / "varlen.py"
     assert Path(hylo.jobs.convert.__file__).resolve() == REPO / "jobs" / "convert.py"
-    assert all(m.split(".")[0] not in ("kernels", "pipeline", "jobs") for m in sys.modules
-               if getattr(sys.modules[m], "__file__", None) and str(REPO) in str(sys.modules[m].__file__))
+    # no module of the project under a top-level name; the one exception is the empty kernels/__init__.py that
+    # transformers' probe for the kernels-hub package imports when the checkout's root is on sys.path (it has no
+    # version, so transformers reports the hub package as not available), and nothing below it
+    top = {m for m in sys.modules if m.split(".")[0] in ("kernels", "pipeline", "jobs")
+           and str(REPO) in str(getattr(sys.modules[m], "__file__", None) or "")}
+    assert top <= {"kernels"}, sorted(top)
     # the model code saved with a checkpoint keeps its file names
     from hylo.remote_code import bundle_sources
 
@@ -137,3 +141,19 @@ def test_wheel_and_editable_install_beside_a_package_named_kernels(tmp_path):
                                        else src / "kernels" / "varlen.py")
         if mode == "wheel":
             assert {t for t in got["top_level"] if not t.endswith(".dist-info") and t != ".."} == {"hylo"}, got
+
+    # a checkout used without installing (root on sys.path, as PYTHONPATH or `ray job submit --working-dir .`
+    # put it) beside the other kernels package: both import, and transformers' probe finds the other one
+    venv = tmp_path / "venv-checkout"
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], tmp_path, env)
+    py = venv / "bin" / "python"
+    _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
+          "--no-build-isolation", "--ignore-installed", str(other)], tmp_path, env)
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    check = CHECK.replace('md.distribution("hylo-pipeline").files or []', "[]")
+    for cwd in (src, work):
+        got = json.loads(_run([str(py), "-c", check], cwd, {**env, "PYTHONPATH": str(src)}).stdout
+                         .strip().splitlines()[-1])
+        assert got["mark"] == "the other kernels" and Path(got["kernels"]).is_relative_to(site), (cwd, got)
+        assert got["probe"] == [True, "9.9.9"], (cwd, got)
+        assert Path(got["cli"]) == src / "pipeline" / "cli.py" and Path(got["varlen"]) == src / "kernels" / "varlen.py"
