@@ -46,4 +46,6 @@ def fused_linear_cross_entropy(
     except ValueError as e:
         # the checks speak of the one-hot teacher: say labels (a deferred device check keeps its words)
         msg = str(e).replace("fused_linear_kl_div", "fused_linear_cross_entropy")
-        raise ValueError(msg.replace("teacher_topk.indices", "labels").replace("student_", "")) from e
+        for name, label in (("teacher_topk.indices", "labels"), ("teacher_topk", "labels"), ("student_", "")):
+            msg = msg.replace(name, label)
+        raise ValueError(msg) from e
