@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
 import os
 from collections.abc import Callable, Iterator
@@ -45,21 +46,21 @@ def kernel_mode() -> str:
 
 
 @functools.cache
+def importable(module: str) -> bool:
+    """True when `module` (an optional dependency: triton, fla, a benchmark's baseline) imports."""
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return importable("triton")
 
 
-@functools.cache
 def fla_available() -> bool:
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return importable("fla.ops.gated_delta_rule")
 
 
 def triton_interpret() -> bool:

@@ -268,7 +268,8 @@ class TeacherSection:
 @dataclass
 @rules(kl_weight=at_least(0), ce_weight=at_least(0), temperature=above(0), chunk_size=at_least(1))
 class KDSection:
-    """Stage 2's loss per loss token: kl_weight * KL_T(teacher || student) + ce_weight * CE (next-token)."""
+    """Stage 2's loss per loss token, kl_weight * KL_T(teacher || student) + ce_weight * CE(next token):
+    both terms go through hylo.kernels.fused_kl (fused_linear_kl_div, fused_linear_cross_entropy)."""
 
     kl_weight: float = 1.0
     ce_weight: float = 0.0
