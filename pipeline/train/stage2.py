@@ -8,7 +8,7 @@ Design choices:
   [V, D] go into `fused_linear_kl_div`, which computes loss and gradients chunk by chunk. The CE term
   (when `ce_weight > 0`) is the same op against a one-hot teacher (`fused_linear_cross_entropy`).
 * `kd.temperature` T softens both distributions and the KL term is NOT multiplied by T^2 (the kernel's
-  convention, README.md "Training config"): kl_weight is the term's only factor.
+  convention; `KDSection`, kernels/fused_kl/README.md): kl_weight is the term's only factor.
 * The loss runs inside `KDStudent.forward` so that ZeRO-3 gathers `lm_head.weight` around it: the weight
   is registered as an external parameter of the wrapper (it is used outside `lm_head.forward`).
 * Teacher forms (`teacher.source`): `inprocess` (exact: teacher hidden states + teacher lm_head, or its
