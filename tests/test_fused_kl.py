@@ -1,7 +1,7 @@
 """fused_linear_kl_div and fused_linear_cross_entropy (torch chunked path and Triton kernels) against the
 standalone references of naive.py.
 
-Shapes are tiny and awkward on purpose: N=37 rows and V=50 ids with chunk_size=8 and (for the
+Shapes are tiny and awkward on purpose: N=37 tokens and V=50 ids with chunk_size=8 and (for the
 Triton kernel) 16-wide vocabulary tiles, so the last chunk and the last tile are ragged.
 """
 
