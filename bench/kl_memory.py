@@ -116,14 +116,6 @@ def run_child(case: str, n: int, hidden: int, vocab: int, seed: int) -> dict:
     }
 
 
-def liger_available() -> bool:
-    try:
-        import liger_kernel.chunked_loss  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[2048, 8192])
@@ -138,7 +130,9 @@ def main() -> None:
         print(json.dumps(run_child(args.child, args.n[0], args.hidden, args.vocab, args.seed)))
         return
 
-    cases = [c for c in args.cases if c != "liger-chunked" or liger_available()]
+    from hylo.kernels.backend import importable
+
+    cases = [c for c in args.cases if c != "liger-chunked" or importable("liger_kernel.chunked_loss")]
     if "liger-chunked" in args.cases and "liger-chunked" not in cases:
         print("liger-kernel not installed: its case is skipped (pip install liger-kernel --no-deps)")
     import torch

@@ -4,23 +4,41 @@ Every op in `kernels/` and every layer in `hylo/layers/` asks `use_gpu_kernels(t
 testing devices itself. Set `HYLO_KERNELS=torch` to force the pure-torch path everywhere (debugging,
 numerics checks on a GPU) or `HYLO_KERNELS=triton` to force Triton even on CPU tensors (only
 meaningful with `TRITON_INTERPRET=1`, which is how the Triton kernels are tested on CPU).
+`forced_mode("torch")` does the same for a block of code (the eval's exact-KL option).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from hylo.kernels.varlen import DocBounds
 
 _CHOICES = ("auto", "torch", "triton")
+_FORCED: list[str] = []
+
+
+@contextlib.contextmanager
+def forced_mode(mode: str) -> Iterator[None]:
+    """Inside the block `kernel_mode()` is `mode`, whatever HYLO_KERNELS says."""
+    if mode not in _CHOICES:
+        raise ValueError(f"kernel mode {mode!r} is not valid; allowed: {', '.join(_CHOICES)}")
+    _FORCED.append(mode)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
 
 
 def kernel_mode() -> str:
+    if _FORCED:
+        return _FORCED[-1]
     mode = os.environ.get("HYLO_KERNELS", "auto").lower()
     if mode not in _CHOICES:
         raise ValueError(f"HYLO_KERNELS={mode!r} is not valid; allowed: {', '.join(_CHOICES)}")
@@ -28,21 +46,21 @@ def kernel_mode() -> str:
 
 
 @functools.cache
+def importable(module: str) -> bool:
+    """True when `module` (an optional dependency: triton, fla, a benchmark's baseline) imports."""
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return importable("triton")
 
 
-@functools.cache
 def fla_available() -> bool:
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return importable("fla.ops.gated_delta_rule")
 
 
 def triton_interpret() -> bool:

@@ -57,7 +57,7 @@ import torch
 from hylo.pipeline import runner
 from hylo.pipeline.cli import int_at_least
 from hylo.pipeline.config import at_least, config_from_args, each, one_of, rules
-from hylo.pipeline.eval.kl import check_eval_row, chunked_kl_sum, fused_kl_op, hidden_states
+from hylo.pipeline.eval.kl import check_eval_row, hidden_states, sum_kl
 from torch import nn
 
 from hylo.files import atomic_write
@@ -116,14 +116,6 @@ def load_rows(data: str | Path, max_rows: int) -> list[Row]:
 
 
 # ------------------------------------------------------------------------------------------ math
-def kl_sum(hs_ND: torch.Tensor, ws_VD: torch.Tensor, ht_ND: torch.Tensor, wt_VD: torch.Tensor) -> float:
-    """Sum over tokens of KL(teacher || student) from final hidden states and output weights."""
-    op = fused_kl_op()
-    if op is not None:
-        return float(op(hs_ND, ws_VD, teacher_hidden=ht_ND, teacher_weight=wt_VD, reduction="sum"))
-    return chunked_kl_sum(hs_ND, ws_VD, ht_ND, wt_VD)
-
-
 @torch.no_grad()
 def teacher_hidden(base: nn.Module, rows: list[Row]) -> list[torch.Tensor]:
     """The base model's final hidden states on each row's scored tokens ([N, D] per row)."""
@@ -164,7 +156,7 @@ def swapped_kl(linear: nn.Module, mla: nn.Module, i: int | None, inputs: list[to
         if r.scored.numel() == 0:
             continue
         hs_ND = run_from(layers, linear.model.norm, h_TD, r)[r.scored]
-        total += kl_sum(hs_ND, ws, ht_ND, teacher_weight)
+        total += sum_kl(hs_ND, ws, ht_ND, teacher_weight, chunk=None)
         tokens += r.scored.numel()
     return total / tokens
 

@@ -1,10 +1,15 @@
-"""fused_linear_kl_div (torch chunked path and Triton kernel) against the naive reference.
+"""fused_linear_kl_div and fused_linear_cross_entropy (torch chunked path and Triton kernels) against the
+standalone references of naive.py.
 
-Shapes are tiny and awkward on purpose: N=37 rows and V=50 ids with chunk_size=8 and (for the
+Shapes are tiny and awkward on purpose: N=37 tokens and V=50 ids with chunk_size=8 and (for the
 Triton kernel) 16-wide vocabulary tiles, so the last chunk and the last tile are ragged.
 """
 
 from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
 
 import hylo.kernels.fused_kl.chunked as chunked
 import pytest
@@ -13,7 +18,9 @@ import torch.nn.functional as F
 from hylo.kernels.fused_kl import (
     TeacherTopK,
     auto_chunk_size,
+    fused_linear_cross_entropy,
     fused_linear_kl_div,
+    naive_cross_entropy,
     naive_kl_div,
     tail_logmass_from_topk,
     topk_from_logits,
@@ -97,7 +104,6 @@ def triton_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("HYLO_KERNELS", "triton")
     monkeypatch.setattr(triton_kernel, "BLOCK_V_MAX", 16)
-    monkeypatch.setattr(triton_kernel, "BLOCK_K_MAX", 16)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the torch step ran on the Triton path")
@@ -389,14 +395,9 @@ def _bad_cases():
 def test_bad_input_is_a_clear_error(torch_path, build, match):
     kwargs = build()
     hidden, weight = kwargs.pop("student_hidden"), kwargs.pop("student_weight")
-    has_chunk_size = "chunk_size" in kwargs
     chunk_size = kwargs.pop("chunk_size", CHUNK)
     with pytest.raises(ValueError, match=f"fused_linear_kl_div: .*{match}"):
         fused_linear_kl_div(hidden, weight, chunk_size=chunk_size, **kwargs)
-    if not has_chunk_size:
-        # The reference checks the same things (it has no chunk_size argument).
-        with pytest.raises(ValueError, match=f"naive_kl_div: .*{match}"):
-            naive_kl_div(hidden, weight, **kwargs)
 
 
 # ------------------------------------------------------------------ the accelerator's rule: no host read
@@ -491,3 +492,82 @@ def test_the_teacher_lm_head_is_scanned_once_per_version(torch_path, no_pending,
     teacher["teacher_weight"][0, 0] = float("nan")
     with pytest.raises(ValueError, match="teacher_weight contains NaN or inf"):
         fused_linear_kl_div(hidden.detach(), weight.detach(), chunk_size=CHUNK, **teacher)
+
+
+# ------------------------------------------------------------------ cross-entropy: the KL against a one-hot teacher
+def _ce_case(dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g, dtype=dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=g, dtype=dtype) * 0.5).requires_grad_()
+    return hidden, weight, torch.randint(0, V, (N,), generator=g), torch.rand(N, generator=g) > 0.3
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_fused_cross_entropy_matches_the_reference_and_its_gradients(request, path, dtype, reduction):
+    request.getfixturevalue(f"{path}_path")
+    hidden, weight, labels, mask = _ce_case(dtype)
+    # a masked token's label is ignored, whatever it holds
+    labels = torch.where(mask, labels, torch.full_like(labels, -100))
+    ref = naive_cross_entropy(hidden, weight, labels, mask=mask, reduction=reduction)
+    ref_grads = torch.autograd.grad(ref, [hidden, weight])
+    got = fused_linear_cross_entropy(hidden, weight, labels, mask=mask, reduction=reduction, chunk_size=CHUNK)
+    got_grads = torch.autograd.grad(2.0 * got, [hidden, weight])
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    assert got.dtype == dtype and rel_rms(ref, got) <= tol
+    for r, o in zip(ref_grads, got_grads):
+        assert rel_rms(2.0 * r, o) <= tol
+
+
+def test_cross_entropy_reference_is_the_formula():
+    hidden, weight, labels, mask = _ce_case(torch.float64)
+    logits = hidden @ weight.t()
+    # -log softmax(logits)[label], written out
+    nll = torch.stack([torch.logsumexp(logits[n], 0) - logits[n, labels[n]] for n in range(N)])
+    want = nll[mask].sum().detach()
+    got = naive_cross_entropy(hidden, weight, labels, mask=mask, reduction="sum").detach()
+    assert float(got) == pytest.approx(float(want), rel=1e-12)
+    fused = fused_linear_cross_entropy(hidden, weight, labels, mask=mask, reduction="sum", chunk_size=CHUNK).detach()
+    assert float(fused) == pytest.approx(float(want), rel=1e-12)
+
+
+@pytest.mark.parametrize("labels, match", [
+    (torch.full((N,), V), "fused_linear_cross_entropy: labels out of range: found \\[50, 50\\], vocab size is 50"),
+    (torch.zeros(N, 1, dtype=torch.long), "labels must be a \\[N\\] integer tensor"),
+    (torch.zeros(N - 1, dtype=torch.long), "fused_linear_cross_entropy: labels has 36 rows but hidden has 37"),
+], ids=["out-of-range", "2d", "rows"])
+def test_cross_entropy_bad_labels_are_a_clear_error(torch_path, labels, match):
+    hidden, weight, _, _ = _ce_case(torch.float32)
+    with pytest.raises(ValueError, match=match):
+        fused_linear_cross_entropy(hidden, weight, labels)
+
+
+# ------------------------------------------------------------------ the references stand alone
+def test_the_references_import_nothing_of_the_fast_path():
+    tree = ast.parse((Path(chunked.__file__).parent / "naive.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported <= {"__future__", "collections.abc", "torch", "torch.nn.functional"}, imported
+
+
+def test_topk_reference_is_the_bucket_formula():
+    # one token by hand: teacher top-2 + tail at T = 2, KL = sum_b P_b (log P_b - log Q_b)
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(1, 4, generator=g, dtype=torch.float64), torch.randn(6, 4, generator=g,
+                                                                                    dtype=torch.float64)
+    ids, lp, tail, temp = [4, 1], [math.log(0.5), math.log(0.3)], math.log(0.2), 2.0
+    q = torch.softmax((hidden @ weight.t())[0] / temp, -1).tolist()
+    w = [math.exp(x / temp) for x in (*lp, tail)]
+    p = [x / sum(w) for x in w]
+    qb = [q[4], q[1], sum(q[v] for v in range(6) if v not in ids)]
+    want = sum(pb * (math.log(pb) - math.log(qbb)) for pb, qbb in zip(p, qb))
+    rec = (torch.tensor([lp], dtype=torch.float64), torch.tensor([ids]), torch.tensor([tail], dtype=torch.float64))
+    assert float(naive_kl_div(hidden, weight, teacher_topk=rec, temperature=temp)) == pytest.approx(want, rel=1e-12)
+    # without the tail: the top-2 renormalised, the student's probabilities as they are
+    p2 = [math.exp(x / temp) for x in lp]
+    p2 = [x / sum(p2) for x in p2]
+    want2 = sum(pb * (math.log(pb) - math.log(qbb)) for pb, qbb in zip(p2, qb[:2]))
+    got2 = naive_kl_div(hidden, weight, teacher_topk=rec[:2], temperature=temp)
+    assert float(got2) == pytest.approx(want2, rel=1e-12)

@@ -1,5 +1,5 @@
 """Training pieces that run in one process in seconds: config, batch arithmetic, schedule, rows,
-checkpoint files and compatibility, metrics sinks, the chunked CE, the streamed-logits adapter and
+checkpoint files and compatibility, metrics sinks, the stage-2 loss terms, the streamed-logits adapter and
 the stage-1 pieces (base-layer capture, ILD distance)."""
 
 from __future__ import annotations
@@ -270,21 +270,70 @@ def test_metrics_writer_jsonl_tensorboard_and_progress(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------ stage 2 pieces
-def test_chunked_ce_matches_full_cross_entropy():
-    from hylo.pipeline.train.stage2 import chunked_ce_sum
+class _Hidden(torch.nn.Module):
+    """A stand-in student for `KDStudent`: its final hidden states are a parameter, its LM head a Linear."""
 
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(37, 16, generator=g, requires_grad=True)
-    w = torch.randn(50, 16, generator=g, requires_grad=True)
-    y = torch.randint(0, 50, (37,), generator=g)
-    got = chunked_ce_sum(h, w, y, chunk=8)
-    got.backward()
-    gh, gw = h.grad.clone(), w.grad.clone()
-    h.grad = w.grad = None
-    want = F.cross_entropy(h @ w.t(), y, reduction="sum")
-    want.backward()
-    assert torch.allclose(got, want, atol=1e-4)
-    assert torch.allclose(gh, h.grad, atol=1e-5) and torch.allclose(gw, w.grad, atol=1e-5)
+    def __init__(self, h_TD: torch.Tensor, vocab: int) -> None:
+        super().__init__()
+        self.h = torch.nn.Parameter(h_TD.clone())
+        self.lm_head = torch.nn.Linear(h_TD.shape[1], vocab, bias=False, dtype=h_TD.dtype)
+
+    def model(self, input_ids, position_ids, cu_seqlens):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(last_hidden_state=self.h[None])
+
+
+def _kd_case(*overrides: str, seed: int = 0, scale: float = 1.0):
+    """KDStudent (kd settings from the config system) on one fixed packed row, fp64, with a teacher as
+    hidden states + LM head; returns the student, (kl, ce) and what the formulas need."""
+    from hylo.pipeline.train.stage2 import KDStudent
+
+    cfg = load_stage_config(2, None, ["deepspeed.zero_stage=0", *overrides])
+    g = torch.Generator().manual_seed(seed)
+    T, D, D_t, V = 37, 16, 24, 50
+    student = _Hidden(torch.randn(T, D, generator=g, dtype=torch.float64) * scale, V)
+    with torch.no_grad():
+        student.lm_head.weight.copy_(torch.randn(V, D, generator=g, dtype=torch.float64) * 0.5)
+    h_t, w_t = torch.randn(T, D_t, generator=g, dtype=torch.float64) * scale, torch.randn(V, D_t, generator=g,
+                                                                                          dtype=torch.float64) * 0.5
+    ids = torch.randint(0, V, (T,), generator=g)
+    mask = torch.rand(T, generator=g) > 0.3
+    b = {"input_ids": ids[None], "position_ids": torch.arange(T)[None], "cu_seqlens": torch.tensor([0, T]),
+         "loss_mask": mask, "labels": torch.roll(ids, -1)}
+    kl, ce = KDStudent(student, cfg)(b, {"teacher_hidden": h_t, "teacher_weight": w_t})
+    return student, cfg.kd, kl, ce, (h_t @ w_t.t(), b)
+
+
+def test_stage2_loss_terms_are_the_formulas_kl_at_t_and_ce():
+    # the KL and CE terms of KDStudent (one home: hylo.kernels.fused_kl) against the maths written out:
+    # KL_T = sum over loss tokens of sum_v p_v (log p_v - log q_v), p = softmax(t / T), q = softmax(s / T),
+    # no T^2; CE = sum over loss tokens of -log softmax(s)[label] (the former chunked_ce_sum's formula)
+    student, kd, kl, ce, (t_logits, b) = _kd_case("kd.temperature=2.0", "kd.ce_weight=0.5")
+    assert kd.temperature == 2.0 and kd.ce_weight == 0.5
+    m = b["loss_mask"]
+    s = student.h @ student.lm_head.weight.t()
+    logq, logp = torch.log_softmax(s / 2.0, -1), torch.log_softmax(t_logits / 2.0, -1)
+    want_kl = (logp.exp() * (logp - logq)).sum(-1)[m].sum()
+    want_ce = F.cross_entropy(s[m], b["labels"][m], reduction="sum")
+    assert float(kl.detach()) == pytest.approx(float(want_kl.detach()), rel=1e-10)
+    assert float(ce.detach()) == pytest.approx(float(want_ce.detach()), rel=1e-10)
+    params = [student.h, student.lm_head.weight]
+    got = torch.autograd.grad(kd.kl_weight * kl + kd.ce_weight * ce, params)
+    want = torch.autograd.grad(kd.kl_weight * want_kl + kd.ce_weight * want_ce, params)
+    for g_got, g_want in zip(got, want):
+        assert torch.allclose(g_got, g_want, rtol=1e-9, atol=1e-12)
+
+
+def test_kd_temperature_is_not_multiplied_by_t_squared():
+    # the decided convention (pipeline/train/config.KDSection.temperature): no T^2, so on soft logits the
+    # gradient at T = 2 is about a quarter of T = 1's (with Hinton's T^2 it would be about the same)
+    norms = {}
+    for temp in (1.0, 2.0):
+        student, _, kl, _, _ = _kd_case(f"kd.temperature={temp}", scale=0.1)
+        grads = torch.autograd.grad(kl, [student.h, student.lm_head.weight])
+        norms[temp] = float(torch.cat([g.flatten() for g in grads]).norm())
+    assert norms[2.0] / norms[1.0] == pytest.approx(0.25, rel=0.02)
 
 
 def test_streamed_logits_serve_any_increasing_windows():

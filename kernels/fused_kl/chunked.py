@@ -2,38 +2,48 @@
 
 Design choices:
 * One autograd.Function whose forward computes the loss AND the gradients w.r.t. student_hidden and
-  student_weight, one chunk of rows at a time; backward only scales them by grad_output. No [N, V]
+  student_weight, one chunk of C tokens at a time; backward only scales them by grad_output. No [N, V]
   tensor exists at any time: the largest tensors are a few [C, V] chunk buffers.
 * Logits are produced by the matmul in fp32 (fp64 for fp64 inputs): bf16/fp16 hidden states are upcast
   per chunk and the weight once, so nothing is rounded to bf16 before the softmax.
 * dW is accumulated across chunks in an fp32 [V, H] buffer (`addmm_`, no per-chunk temporary); dH is
   written once per row. Both are cast to the input dtype at the end of the forward.
-* Masked rows are dropped before any logits are computed (their loss and gradient are zero), so a
-  mostly masked row costs little; "mean" divides by the number of unmasked tokens.
-* The per-chunk softmax / KL / gradient step is swappable: pure torch here (CPU, fallback) or the
-  Triton kernel in `triton_kernel.py`, chosen by `hylo.kernels.backend.use_gpu_kernels`.
+* Masked tokens are dropped before any logits are computed (their loss and gradient are zero), so a
+  mostly masked input costs little; "mean" divides by the number of unmasked tokens.
+* The per-chunk softmax / KL / gradient step is swappable: pure torch (`steps.py`; CPU, fallback) or
+  the Triton kernels in `triton_kernel.py`, chosen by `hylo.kernels.backend.use_gpu_kernels`.
 * The chunk size, when not given, bounds the chunk buffers to a fixed byte budget (`auto_chunk_size`);
   the [C, V] buffers are allocated once per call and reused by every chunk (`Workspace`), which on CPU
   saves re-faulting ~100 MB of fresh pages per chunk.
 * Teacher tensors never get gradients; gradients are computed only for inputs that require them.
 * No host read on an accelerator (`inputs.reads_are_free`): there value checks are deferred device
-  flags, masked rows are zeroed by multiplication instead of being selected (selecting them needs
+  flags, masked tokens are zeroed by multiplication instead of being selected (selecting them needs
   their count on the host), "mean" divides by the device count of unmasked tokens at the end, and
   backward scales the stored gradients in place instead of testing grad_output == 1. On CPU the
-  reads are free: masked rows are dropped before any logits are computed.
+  reads are free: masked tokens are dropped before any logits are computed.
 
-Legend: N tokens, C rows in a chunk, H student hidden, H' teacher hidden, V vocabulary, k top-k width,
+Legend: N tokens, C tokens in a chunk (the rows of a [C, V] buffer), H student hidden, H' teacher hidden, V vocabulary, k top-k width,
 B = k + 1 teacher buckets (top-k plus tail). Temperature convention and math: README.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Iterator
 
 import torch
 from hylo.kernels.backend import use_gpu_kernels
+from hylo.kernels.checks import compute_dtype
 from hylo.kernels.fused_kl.inputs import LogitsFn, Teacher, check_inputs, check_teacher_logits, reads_are_free
-from hylo.kernels.fused_kl.naive import compute_dtype
+from hylo.kernels.fused_kl.steps import (
+    DenseStep,
+    StepParams,
+    TopkStep,
+    Workspace,
+    dense_kl_step_torch,
+    teacher_bucket_logprobs,
+    topk_kl_step_torch,
+)
 from hylo.kernels.fused_kl.topk import TeacherTopK
 
 # Byte budget for the live [C, V] buffers of one chunk (about four of them at once).
@@ -41,14 +51,14 @@ CHUNK_BUDGET_BYTES = {"cpu": 256 << 20, "other": 1 << 30}
 _LIVE_CHUNK_BUFFERS = 4
 
 
-def auto_chunk_size(n_rows: int, vocab: int, device: torch.device, dtype: torch.dtype = torch.float32) -> int:
+def auto_chunk_size(n_tokens: int, vocab: int, device: torch.device, dtype: torch.dtype = torch.float32) -> int:
     """Rows per chunk so that ~4 [C, V] buffers of `dtype` fit the device's byte budget."""
     budget = CHUNK_BUDGET_BYTES["cpu" if device.type == "cpu" else "other"]
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows = budget // (_LIVE_CHUNK_BUFFERS * vocab * itemsize)
     # Multiples of 16 keep matmul tiles aligned; never fewer than 16 rows unless N is smaller.
     rows = max(16, rows // 16 * 16)
-    return max(1, min(rows, n_rows))
+    return max(1, min(rows, n_tokens))
 
 
 def fused_linear_kl_div(
@@ -90,7 +100,7 @@ def fused_linear_kl_div(
     if chunk_size is None:
         chunk_size = auto_chunk_size(
             student_hidden.shape[0], student_weight.shape[0], student_hidden.device,
-            compute_dtype(student_hidden.dtype),
+            compute_dtype(student_hidden),
         )
     options = _Options(
         teacher=teacher,
@@ -107,24 +117,16 @@ def fused_linear_kl_div(
     return _FusedLinearKL.apply(student_hidden, student_weight, options)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Options:
     """Non-tensor arguments of the autograd.Function (teacher tensors travel here: they get no grad)."""
 
-    def __init__(
-        self,
-        teacher: Teacher,
-        mask: torch.Tensor | None,
-        inv_temp: float,
-        reduction: str,
-        chunk_size: int,
-        use_triton: bool,
-    ) -> None:
-        self.teacher = teacher
-        self.mask = mask
-        self.inv_temp = inv_temp
-        self.reduction = reduction
-        self.chunk_size = chunk_size
-        self.use_triton = use_triton
+    teacher: Teacher
+    mask: torch.Tensor | None
+    inv_temp: float
+    reduction: str
+    chunk_size: int
+    use_triton: bool
 
 
 class _FusedLinearKL(torch.autograd.Function):
@@ -170,17 +172,17 @@ def _forward_backward(
     want_grad_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Loss, and the gradients of the loss w.r.t. student_hidden / student_weight (None if not wanted)."""
-    n_rows, hidden = student_hidden.shape
+    n_tokens, hidden = student_hidden.shape
     vocab = student_weight.shape[0]
     device = student_hidden.device
-    cdtype = compute_dtype(student_hidden.dtype)
+    cdtype = compute_dtype(student_hidden)
     teacher = options.teacher
     weight_VH = student_weight.detach().to(cdtype)
     teacher_weight_VH = None
     if teacher.kind == "hidden":
-        teacher_weight_VH = teacher.weight_VH.to(compute_dtype(teacher.hidden_NH.dtype))
+        teacher_weight_VH = teacher.weight_VH.to(compute_dtype(teacher.hidden_NH))
 
-    grad_hidden_NH = torch.zeros(n_rows, hidden, dtype=cdtype, device=device) if want_grad_hidden else None
+    grad_hidden_NH = torch.zeros(n_tokens, hidden, dtype=cdtype, device=device) if want_grad_hidden else None
     grad_weight_VH = torch.zeros(vocab, hidden, dtype=cdtype, device=device) if want_grad_weight else None
     need_grad = want_grad_hidden or want_grad_weight
     loss = torch.zeros((), dtype=cdtype, device=device)
@@ -190,21 +192,21 @@ def _forward_backward(
     mask = options.mask
     n_valid_dev = None
     if mask is None:
-        n_valid = n_rows
+        n_valid = n_tokens
     elif select_rows:
         n_valid = int(mask.sum())
     else:
-        n_valid, n_valid_dev = n_rows, mask.sum().clamp(min=1).to(cdtype)
+        n_valid, n_valid_dev = n_tokens, mask.sum().clamp(min=1).to(cdtype)
     if n_valid == 0:
         return loss, _cast(grad_hidden_NH, student_hidden), _cast(grad_weight_VH, student_weight)
     # with a device count the "mean" division comes at the end
     scale = 1.0 / n_valid if options.reduction == "mean" and n_valid_dev is None else 1.0
     # d(loss)/d(student logits) = scale / T * (q - p): the 1/T comes from logits / T.
-    grad_scale = scale * options.inv_temp
+    step = StepParams(options.inv_temp, grad_scale=scale * options.inv_temp, need_grad=need_grad)
     dense_step, topk_step = _chunk_steps(options.use_triton)
-    workspace = Workspace(min(options.chunk_size, n_rows), vocab, cdtype, device)
+    workspace = Workspace(min(options.chunk_size, n_tokens), vocab, cdtype, device)
 
-    for rows, teacher_CV in _chunks(student_hidden, options, n_rows, vocab, select_rows):
+    for rows, teacher_CV in _chunks(student_hidden, options, n_tokens, vocab, select_rows):
         hidden_CH = _rows(student_hidden, rows).detach().to(cdtype)
         n_chunk = hidden_CH.shape[0]
         logits_CV = torch.mm(hidden_CH, weight_VH.t(), out=workspace.get("student", n_chunk))
@@ -212,7 +214,7 @@ def _forward_backward(
             logprobs_Ck, indices_Ck, tail_C = (None if t is None else _rows(t, rows) for t in teacher.topk)
             indices_Ck = indices_Ck.long()
             logp_CB = teacher_bucket_logprobs(logprobs_Ck, tail_C, options.inv_temp, vocab, cdtype)
-            kl_C = topk_step(logits_CV, indices_Ck, logp_CB, grad_scale, options.inv_temp, need_grad, workspace)
+            kl_C = topk_step(logits_CV, indices_Ck, logp_CB, step, workspace)
         else:
             owned = teacher.kind == "hidden"
             if owned:
@@ -226,7 +228,7 @@ def _forward_backward(
             elif teacher_CV.dtype != cdtype:
                 teacher_CV = workspace.get("teacher", n_chunk).copy_(teacher_CV)
                 owned = True
-            kl_C = dense_step(logits_CV, teacher_CV, owned, grad_scale, options.inv_temp, need_grad, workspace)
+            kl_C = dense_step(logits_CV, teacher_CV, owned, step, workspace)
         keep_C = None if mask is None or select_rows else _rows(mask, rows).to(cdtype)
         loss += (kl_C.sum() if keep_C is None else kl_C @ keep_C) * scale
         if need_grad:
@@ -249,31 +251,12 @@ def _forward_backward(
     return loss, _cast(grad_hidden_NH, student_hidden), _cast(grad_weight_VH, student_weight)
 
 
-class Workspace:
-    """[C, V] buffers reused by every chunk of one call.
-
-    A fresh multi-megabyte CPU allocation is returned to the OS when freed and page-faulted in again
-    (zeroed by the kernel) on the next chunk; reusing the buffers removes that cost. The peak is the
-    same as allocating per chunk; the buffers live until the call returns.
-    """
-
-    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.rows, self.vocab, self.dtype, self.device = rows, vocab, dtype, device
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, rows: int) -> torch.Tensor:
-        buf = self._buffers.get(name)
-        if buf is None:
-            buf = self._buffers[name] = torch.empty(self.rows, self.vocab, dtype=self.dtype, device=self.device)
-        return buf[:rows]
-
-
 def _cast(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
     return None if grad is None else grad.to(like.dtype)
 
 
 def _chunks(
-    student_hidden: torch.Tensor, options: _Options, n_rows: int, vocab: int, select_rows: bool = True
+    student_hidden: torch.Tensor, options: _Options, n_tokens: int, vocab: int, select_rows: bool = True
 ) -> Iterator[tuple[slice | torch.Tensor, torch.Tensor | None]]:
     """Yield (rows, streamed teacher logits or None): rows is a slice, or an index tensor under a mask.
 
@@ -283,8 +266,8 @@ def _chunks(
     if options.teacher.kind == "logits_fn":
         # The callback is defined on contiguous row ranges of the original order: chunk those, then
         # drop masked rows inside each chunk.
-        for i in range(0, n_rows, size):
-            j = min(i + size, n_rows)
+        for i in range(0, n_tokens, size):
+            j = min(i + size, n_tokens)
             if mask is not None and not bool(mask[i:j].any()):
                 continue
             logits = options.teacher.logits_fn(i, j)
@@ -302,129 +285,17 @@ def _chunks(
                 yield keep + i, logits_CV.index_select(0, keep)
         return
     if mask is None or bool(mask.all()):
-        for i in range(0, n_rows, size):
-            yield slice(i, min(i + size, n_rows)), None
+        for i in range(0, n_tokens, size):
+            yield slice(i, min(i + size, n_tokens)), None
         return
     valid = mask.nonzero().squeeze(1)
     for a in range(0, valid.numel(), size):
         yield valid[a : a + size], None
 
 
-def teacher_bucket_logprobs(
-    logprobs_Ck: torch.Tensor, tail_C: torch.Tensor | None, inv_temp: float, vocab: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Teacher log-probs of the k+1 buckets at temperature T, renormalised: [C, k + 1] (tail last).
-
-    The tail is -inf (zero mass) when absent or when k = V (no token lies outside the top-k).
-    """
-    n, k = logprobs_Ck.shape
-    buckets_CB = torch.empty(n, k + 1, dtype=dtype, device=logprobs_Ck.device)
-    buckets_CB[:, :k] = logprobs_Ck
-    if tail_C is None or k == vocab:
-        buckets_CB[:, k] = float("-inf")
-    else:
-        buckets_CB[:, k] = tail_C
-    if inv_temp != 1.0:
-        buckets_CB.mul_(inv_temp)
-    return torch.log_softmax(buckets_CB, dim=-1)
-
-
-# Per-chunk steps. Both overwrite logits_CV with d(loss)/d(logits) when need_grad and return the
-# per-row KL [C] (unscaled).
-DenseStep = Callable[[torch.Tensor, torch.Tensor, bool, float, float, bool, "Workspace | None"], torch.Tensor]
-TopkStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float, bool, "Workspace | None"], torch.Tensor]
-
-
 def _chunk_steps(use_triton: bool) -> tuple[DenseStep, TopkStep]:
     if use_triton:
-        from hylo.kernels.fused_kl import triton_kernel
+        from hylo.kernels.fused_kl.triton_kernel import dense_kl_step, topk_kl_step
 
-        return triton_kernel.dense_kl_step, triton_kernel.topk_kl_step
+        return dense_kl_step, topk_kl_step
     return dense_kl_step_torch, topk_kl_step_torch
-
-
-def _scratch(workspace: Workspace | None, name: str, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(like) if workspace is None else workspace.get(name, like.shape[0])
-
-
-def dense_kl_step_torch(
-    logits_CV: torch.Tensor,
-    teacher_CV: torch.Tensor,
-    teacher_owned: bool,
-    grad_scale: float,
-    inv_temp: float,
-    need_grad: bool,
-    workspace: Workspace | None = None,
-) -> torch.Tensor:
-    """KL(softmax(t/T) || softmax(s/T)) per row; logits_CV <- grad_scale * (q - p) when need_grad.
-
-    With s' = s/T - max, t' = t/T - max, Zs = sum exp(s'), Zt = sum exp(t'), e = exp(s'), r = exp(t'):
-        KL = (r . t' - r . s') / Zt - log Zt + log Zs,     q - p = e / Zs - r / Zt.
-    Everything is in place on logits_CV and the t' buffer (teacher_CV itself when `teacher_owned`)
-    plus one buffer for r: three [C, V] buffers, about a dozen cheap passes (the row dot products
-    go through the t' buffer as scratch: a bmm-based dot product is several times slower on CPU).
-    Teacher logits must not hold -inf (the chunk loop clamps them: same zero probability).
-    """
-    t_max_C1 = teacher_CV.amax(dim=-1, keepdim=True)
-    if teacher_owned:
-        t_CV = teacher_CV.sub_(t_max_C1)
-    else:
-        t_CV = torch.sub(teacher_CV, t_max_C1, out=_scratch(workspace, "teacher", teacher_CV))
-    if inv_temp != 1.0:
-        t_CV.mul_(inv_temp)
-    r_CV = torch.exp(t_CV, out=_scratch(workspace, "teacher_probs", t_CV))
-    z_t_C = r_CV.sum(dim=-1)
-    r_dot_t_C = t_CV.mul_(r_CV).sum(dim=-1)
-
-    s_CV = logits_CV.sub_(logits_CV.amax(dim=-1, keepdim=True))
-    if inv_temp != 1.0:
-        s_CV.mul_(inv_temp)
-    r_dot_s_C = torch.mul(r_CV, s_CV, out=t_CV).sum(dim=-1)
-    del t_CV
-    e_CV = s_CV.exp_()
-    z_s_C = e_CV.sum(dim=-1)
-    kl_C = (r_dot_t_C - r_dot_s_C) / z_t_C - z_t_C.log() + z_s_C.log()
-    if need_grad:
-        e_CV.mul_((grad_scale / z_s_C).unsqueeze(1))
-        e_CV.addcmul_(r_CV, (-grad_scale / z_t_C).unsqueeze(1))
-    return kl_C
-
-
-def topk_kl_step_torch(
-    logits_CV: torch.Tensor,
-    indices_Ck: torch.Tensor,
-    logp_CB: torch.Tensor,
-    grad_scale: float,
-    inv_temp: float,
-    need_grad: bool,
-    workspace: Workspace | None = None,
-) -> torch.Tensor:
-    """(k+1)-bucket KL per row against teacher bucket log-probs logp_CB [C, k + 1] (tail last).
-
-    Gradient w.r.t. the tempered logits u: q_v - p_v inside the top-k; outside,
-    q_v - p_tail * q_v / q_tail = exp(u_v - lse_out) * (q_tail - p_tail), where lse_out is the
-    logsumexp over the ids outside the top-k (bounded factors: no 0 / 0 when q_tail underflows).
-    The sum over the ids outside the top-k is taken directly (never as 1 - sum over the top-k, which
-    cancels when the student puts almost all its mass in the top-k). One [C, V] buffer, in place.
-    """
-    k = indices_Ck.shape[1]
-    vocab = logits_CV.shape[1]
-    u_CV = logits_CV.sub_(logits_CV.amax(dim=-1, keepdim=True))
-    if inv_temp != 1.0:
-        u_CV.mul_(inv_temp)
-    u_Ck = u_CV.gather(1, indices_Ck)
-    e_CV = u_CV.exp_()
-    e_CV.scatter_(1, indices_Ck, 0.0)
-    z_out_C1 = e_CV.sum(dim=-1, keepdim=True)
-    z_all_C1 = z_out_C1 + u_Ck.exp().sum(dim=-1, keepdim=True)
-    logq_Ck = u_Ck - z_all_C1.log()
-    logq_tail_C1 = z_out_C1.log() - z_all_C1.log()
-    logq_CB = torch.cat([logq_Ck, logq_tail_C1], dim=1)
-    p_CB = logp_CB.exp()
-    pointwise_CB = torch.where(p_CB > 0, p_CB * (logp_CB - logq_CB), torch.zeros_like(p_CB))
-    kl_C = pointwise_CB.sum(dim=-1)
-    if need_grad:
-        if k < vocab:
-            e_CV.mul_((logq_tail_C1.exp() - p_CB[:, k:]).mul_(grad_scale) / z_out_C1)
-        e_CV.scatter_(1, indices_Ck, (logq_Ck.exp() - p_CB[:, :k]).mul_(grad_scale))
-    return kl_C

@@ -1,4 +1,4 @@
-"""Argument checking shared by `fused_linear_kl_div` and `naive_kl_div`.
+"""Argument checks of `fused_linear_kl_div` (the references in `naive.py` take their inputs as given).
 
 Every problem becomes a `ValueError` that names the function and the argument (and, for streamed
 teacher logits, the rows), because these inputs arrive from other processes (the teacher pool, the
@@ -138,35 +138,12 @@ def check_inputs(
     chunk_size: int | None,
 ) -> tuple[Teacher, torch.Tensor | None]:
     """Validate everything; return the teacher spec and the mask as a bool tensor (or None)."""
-    if not isinstance(student_hidden, torch.Tensor) or student_hidden.dim() != 2:
-        _fail(where, f"student_hidden must be a [N, H] tensor, got {_describe(student_hidden)}")
-    if not isinstance(student_weight, torch.Tensor) or student_weight.dim() != 2:
-        _fail(where, f"student_weight must be a [V, H] tensor, got {_describe(student_weight)}")
-    if not student_hidden.dtype.is_floating_point:
-        _fail(where, f"student_hidden must be floating point, got {student_hidden.dtype}")
-    if student_weight.dtype != student_hidden.dtype:
-        _fail(
-            where,
-            f"student_weight dtype {student_weight.dtype} does not match student_hidden dtype "
-            f"{student_hidden.dtype}",
-        )
-    n_rows, hidden = student_hidden.shape
-    vocab = student_weight.shape[0]
-    if student_weight.shape[1] != hidden:
-        _fail(
-            where,
-            f"student_weight has hidden size {student_weight.shape[1]} (shape {_shape(student_weight)}) "
-            f"but student_hidden has {hidden} (shape {_shape(student_hidden)})",
-        )
+    device = _check_linear(where, "student", "H", student_hidden, student_weight)
+    n_tokens, vocab = student_hidden.shape[0], student_weight.shape[0]
     if vocab == 0:
         _fail(where, "student_weight has an empty vocabulary (V = 0)")
-    device = student_hidden.device
-    if student_weight.device != device:
-        _fail(where, f"student_weight is on {student_weight.device} but student_hidden is on {device}")
-
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-        _fail(where, f"temperature must be a positive number, got {temperature!r}")
-    if not (math.isfinite(temperature) and temperature > 0):
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not (
+            math.isfinite(temperature) and temperature > 0):
         _fail(where, f"temperature must be a positive finite number, got {temperature!r}")
     if reduction not in ("mean", "sum"):
         _fail(where, f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -190,15 +167,15 @@ def check_inputs(
         )
 
     if given[0] == "teacher_hidden/teacher_weight":
-        teacher = _check_hidden_teacher(where, teacher_hidden, teacher_weight, n_rows, vocab, device)
+        teacher = _check_hidden_teacher(where, teacher_hidden, teacher_weight, n_tokens, vocab, device)
     elif given[0] == "teacher_topk":
-        teacher = Teacher("topk", topk=_check_topk(where, teacher_topk, n_rows, vocab, device))
+        teacher = Teacher("topk", topk=_check_topk(where, teacher_topk, n_tokens, vocab, device))
     else:
         if not callable(teacher_logits_fn):
             _fail(where, f"teacher_logits_fn must be callable(i, j) -> [j - i, V], got {teacher_logits_fn!r}")
         teacher = Teacher("logits_fn", logits_fn=teacher_logits_fn)
 
-    return teacher, _check_mask(where, mask, n_rows, device)
+    return teacher, _check_mask(where, mask, n_tokens, device)
 
 
 def _describe(x: object) -> str:
@@ -207,44 +184,45 @@ def _describe(x: object) -> str:
     return type(x).__name__
 
 
+def _check_linear(where: str, who: str, dim: str, hidden: object, weight: object,
+                  device: torch.device | None = None) -> torch.device:
+    """`{who}_hidden` [N, dim] and `{who}_weight` [V, dim]: 2-D, floating point, one dtype, one hidden
+    size, both on the student's `device` (None: this is the student, its hidden states' device)."""
+    h_name, w_name = f"{who}_hidden", f"{who}_weight"
+    for name, x, dims in ((h_name, hidden, f"[N, {dim}]"), (w_name, weight, f"[V, {dim}]")):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            _fail(where, f"{name} must be a {dims} tensor, got {_describe(x)}")
+    if not hidden.dtype.is_floating_point:
+        _fail(where, f"{h_name} must be floating point, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        _fail(where, f"{w_name} dtype {weight.dtype} does not match {h_name} dtype {hidden.dtype}")
+    if weight.shape[1] != hidden.shape[1]:
+        _fail(where, f"{w_name} has hidden size {weight.shape[1]} (shape {_shape(weight)}) but {h_name} has "
+              f"{hidden.shape[1]} (shape {_shape(hidden)})")
+    device = hidden.device if device is None else device
+    for name, x in ((h_name, hidden), (w_name, weight)):
+        if x.device != device:
+            _fail(where, f"{name} is on {x.device} but student_hidden is on {device}")
+    return device
+
+
 def _check_hidden_teacher(
     where: str,
     teacher_hidden: torch.Tensor | None,
     teacher_weight: torch.Tensor | None,
-    n_rows: int,
+    n_tokens: int,
     vocab: int,
     device: torch.device,
 ) -> Teacher:
     if teacher_hidden is None or teacher_weight is None:
         missing = "teacher_weight" if teacher_weight is None else "teacher_hidden"
         _fail(where, f"{missing} is required together with the other (hidden-state teacher)")
-    if not isinstance(teacher_hidden, torch.Tensor) or teacher_hidden.dim() != 2:
-        _fail(where, f"teacher_hidden must be a [N, H'] tensor, got {_describe(teacher_hidden)}")
-    if not isinstance(teacher_weight, torch.Tensor) or teacher_weight.dim() != 2:
-        _fail(where, f"teacher_weight must be a [V, H'] tensor, got {_describe(teacher_weight)}")
-    if not teacher_hidden.dtype.is_floating_point:
-        _fail(where, f"teacher_hidden must be floating point, got {teacher_hidden.dtype}")
-    if teacher_weight.dtype != teacher_hidden.dtype:
-        _fail(
-            where,
-            f"teacher_weight dtype {teacher_weight.dtype} does not match teacher_hidden dtype {teacher_hidden.dtype}",
-        )
-    if teacher_hidden.shape[0] != n_rows:
-        _fail(where, f"teacher_hidden has {teacher_hidden.shape[0]} rows but student_hidden has {n_rows}")
+    _check_linear(where, "teacher", "H'", teacher_hidden, teacher_weight, device)
+    if teacher_hidden.shape[0] != n_tokens:
+        _fail(where, f"teacher_hidden has {teacher_hidden.shape[0]} rows but student_hidden has {n_tokens}")
     if teacher_weight.shape[0] != vocab:
-        _fail(
-            where,
-            f"teacher_weight has vocab size {teacher_weight.shape[0]} but student_weight has {vocab}",
-        )
-    if teacher_weight.shape[1] != teacher_hidden.shape[1]:
-        _fail(
-            where,
-            f"teacher_weight has hidden size {teacher_weight.shape[1]} but teacher_hidden has "
-            f"{teacher_hidden.shape[1]}",
-        )
+        _fail(where, f"teacher_weight has vocab size {teacher_weight.shape[0]} but student_weight has {vocab}")
     for name, x in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
-        if x.device != device:
-            _fail(where, f"{name} is on {x.device} but student_hidden is on {device}")
         if not x.numel() or (x is teacher_weight and _checked_once(x)):
             continue
         # One min/max pass (NaN propagates through both) instead of an isfinite temporary.
@@ -259,7 +237,7 @@ def _check_hidden_teacher(
 
 
 def _check_topk(
-    where: str, topk: TeacherTopK | tuple, n_rows: int, vocab: int, device: torch.device
+    where: str, topk: TeacherTopK | tuple, n_tokens: int, vocab: int, device: torch.device
 ) -> TeacherTopK:
     if not isinstance(topk, TeacherTopK):
         if not isinstance(topk, tuple | list) or len(topk) not in (2, 3):
@@ -284,8 +262,8 @@ def _check_topk(
             f"teacher_topk.logprobs shape {_shape(logprobs)} does not match teacher_topk.indices shape "
             f"{_shape(indices)}",
         )
-    if logprobs.shape[0] != n_rows:
-        _fail(where, f"teacher_topk has {logprobs.shape[0]} rows but student_hidden has {n_rows}")
+    if logprobs.shape[0] != n_tokens:
+        _fail(where, f"teacher_topk has {logprobs.shape[0]} rows but student_hidden has {n_tokens}")
     k = logprobs.shape[1]
     if not 1 <= k <= vocab:
         _fail(where, f"teacher_topk has k={k}; it must be in 1..V={vocab}")
@@ -293,13 +271,13 @@ def _check_topk(
         if x.device != device:
             _fail(where, f"{name} is on {x.device} but student_hidden is on {device}")
     free = reads_are_free(device)
-    if n_rows and not free:
+    if n_tokens and not free:
         lo, hi = torch.aminmax(indices)
         _flag(where, f"teacher_topk.indices out of range: vocab size is {vocab}", (lo < 0) | (hi >= vocab))
         sorted_idx = indices.sort(dim=1).values
         _flag(where, "teacher_topk.indices has duplicate ids in a row",
               (sorted_idx[:, 1:] == sorted_idx[:, :-1]).any())
-    elif n_rows:
+    elif n_tokens:
         lo, hi = int(indices.min()), int(indices.max())
         if lo < 0 or hi >= vocab:
             _fail(where, f"teacher_topk.indices out of range: found [{lo}, {hi}], vocab size is {vocab}")
@@ -309,8 +287,8 @@ def _check_topk(
             _fail(where, f"teacher_topk.indices has duplicate ids in row {int(dup_rows[0])}")
     _check_no_nan_or_posinf(where, "teacher_topk.logprobs", logprobs)
     if tail is not None:
-        if not isinstance(tail, torch.Tensor) or tail.shape != (n_rows,):
-            _fail(where, f"teacher_topk.tail_logmass must be a [N={n_rows}] tensor, got {_describe(tail)}")
+        if not isinstance(tail, torch.Tensor) or tail.shape != (n_tokens,):
+            _fail(where, f"teacher_topk.tail_logmass must be a [N={n_tokens}] tensor, got {_describe(tail)}")
         if not tail.dtype.is_floating_point:
             _fail(where, f"teacher_topk.tail_logmass must be floating point, got {tail.dtype}")
         if tail.device != device:
@@ -323,18 +301,18 @@ def _check_topk(
         _flag(where, "teacher_topk has a row with no probability mass (all log-probs -inf)",
               torch.isneginf(mass).any())
         # until the flag is read, out-of-range ids must not reach a gather (a device-side fault)
-        return TeacherTopK(logprobs, indices.clamp(0, vocab - 1) if n_rows else indices, tail)
+        return TeacherTopK(logprobs, indices.clamp(0, vocab - 1) if n_tokens else indices, tail)
     empty = torch.isneginf(mass).nonzero()
     if empty.numel():
         _fail(where, f"teacher_topk row {int(empty[0])} has no probability mass (all log-probs -inf)")
     return TeacherTopK(logprobs, indices, tail)
 
 
-def _check_mask(where: str, mask: torch.Tensor | None, n_rows: int, device: torch.device) -> torch.Tensor | None:
+def _check_mask(where: str, mask: torch.Tensor | None, n_tokens: int, device: torch.device) -> torch.Tensor | None:
     if mask is None:
         return None
-    if not isinstance(mask, torch.Tensor) or mask.shape != (n_rows,):
-        _fail(where, f"mask must be a [N={n_rows}] tensor, got {_describe(mask)}")
+    if not isinstance(mask, torch.Tensor) or mask.shape != (n_tokens,):
+        _fail(where, f"mask must be a [N={n_tokens}] tensor, got {_describe(mask)}")
     if mask.device != device:
         _fail(where, f"mask is on {mask.device} but student_hidden is on {device}")
     if mask.dtype == torch.bool:

@@ -1,108 +1,73 @@
-"""Reference KL(teacher || student) that materialises every [N, V] tensor; plain autograd does the rest.
+"""References for the LM-head losses: plain torch, every [N, V] tensor materialised, autograd does the rest.
 
-This is what published distillation code does (`F.kl_div(log_softmax(s), softmax(t), 'batchmean')`)
-and what the fused path is tested against. Differences from that one-liner, all deliberate:
-* `mask`: masked tokens are dropped and "mean" divides by the number of unmasked tokens (with no
-  mask, "mean" is exactly 'batchmean');
-* temperature T divides both logits; the loss is NOT multiplied by T^2 (see README.md);
-* logits are computed in fp32 (fp64 for fp64 inputs) whatever the input dtype;
-* the top-k teacher is handled as a (k+1)-bucket distribution (README.md), built here densely.
+They stand alone (nothing of the fast path is imported, inputs are taken as given and not checked),
+so that the tests compare two independent computations. `naive_kl_div` is what published
+distillation code does (`F.kl_div(log_softmax(s), softmax(t), 'batchmean')`), with these deliberate
+differences (README.md): `mask` drops tokens and "mean" divides by the unmasked ones; temperature T
+divides both logits and the loss is NOT multiplied by T^2; logits are fp32 (fp64 for fp64 inputs);
+a top-k teacher is a distribution over its k ids plus, with a tail, one bucket for everything else.
 
-Legend: N tokens, H student hidden, H' teacher hidden, V vocabulary, k top-k width.
+Legend: N tokens, H student hidden, H' teacher hidden, V vocabulary, k top-k width, B buckets.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from hylo.kernels.fused_kl.inputs import LogitsFn, Teacher, check_inputs, check_teacher_logits
-from hylo.kernels.fused_kl.topk import TeacherTopK
+
+Tensor = torch.Tensor
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Logits and softmax run in fp64 for fp64 inputs, otherwise in fp32 (never bf16/fp16)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def naive_kl_div(student_hidden: Tensor, student_weight: Tensor, *, teacher_hidden: Tensor | None = None,
+                 teacher_weight: Tensor | None = None, teacher_topk: tuple | None = None,
+                 teacher_logits_fn: Callable[[int, int], Tensor] | None = None, mask: Tensor | None = None,
+                 temperature: float = 1.0, reduction: str = "mean") -> Tensor:
+    """KL(teacher || student) per token, summed ("sum") or averaged over unmasked tokens ("mean").
 
-
-def naive_kl_div(
-    student_hidden: torch.Tensor,
-    student_weight: torch.Tensor,
-    *,
-    teacher_hidden: torch.Tensor | None = None,
-    teacher_weight: torch.Tensor | None = None,
-    teacher_topk: TeacherTopK | tuple | None = None,
-    teacher_logits_fn: LogitsFn | None = None,
-    mask: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-) -> torch.Tensor:
-    """KL(teacher || student), materialising the full logits. Same arguments as `fused_linear_kl_div`.
-
-    student_hidden: [N, H], student_weight: [V, H]; teacher_hidden: [N, H'], teacher_weight: [V, H'];
-    teacher_topk: (logprobs [N, k], indices [N, k], tail_logmass [N] or None);
-    teacher_logits_fn(i, j) -> [j - i, V] (called once with (0, N)); mask: [N] bool.
-    Returns a scalar in the compute dtype (fp32, or fp64 for fp64 inputs).
+    student_hidden [N, H], student_weight [V, H]; one teacher: teacher_hidden [N, H'] + teacher_weight
+    [V, H'], teacher_topk (logprobs [N, k], indices [N, k][, tail_logmass [N] or None]) or
+    teacher_logits_fn(0, N) -> [N, V]; mask [N] bool or 0/1.
     """
-    where = "naive_kl_div"
-    teacher, mask = check_inputs(
-        where, student_hidden, student_weight, teacher_hidden, teacher_weight, teacher_topk,
-        teacher_logits_fn, mask, temperature, reduction, None,
-    )
-    n_rows, vocab = student_hidden.shape[0], student_weight.shape[0]
-    cdtype = compute_dtype(student_hidden.dtype)
-    logits_NV = student_hidden.to(cdtype) @ student_weight.to(cdtype).t()
-    logq_NV = F.log_softmax(logits_NV / temperature, dim=-1)
-
-    if teacher.kind == "topk":
-        kl_N = _topk_kl_dense(logq_NV, teacher.topk, temperature)
+    dtype = torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
+    logq_NV = F.log_softmax((student_hidden.to(dtype) @ student_weight.to(dtype).t()) / temperature, dim=-1)
+    if teacher_topk is not None:
+        kl_N = _bucket_kl(logq_NV, *teacher_topk, temperature=temperature)
     else:
-        teacher_NV = _teacher_logits(where, teacher, n_rows, vocab).to(cdtype)
-        p_NV = F.softmax(teacher_NV / temperature, dim=-1)
-        # The published reference, per token: F.kl_div(log_softmax(s), softmax(t)) summed over V.
-        kl_N = F.kl_div(logq_NV, p_NV, reduction="none").sum(-1)
-
+        with torch.no_grad():
+            if teacher_logits_fn is not None:
+                t_NV = teacher_logits_fn(0, logq_NV.shape[0]).to(dtype)
+            else:
+                t_NV = teacher_hidden.to(dtype) @ teacher_weight.to(dtype).t()
+        kl_N = F.kl_div(logq_NV, F.softmax(t_NV / temperature, dim=-1), reduction="none").sum(-1)
     if mask is not None:
-        kl_N = kl_N[mask]
-    total = kl_N.sum()
-    if reduction == "sum":
-        return total
-    return total / max(kl_N.shape[0], 1)
+        kl_N = kl_N[mask.bool()]
+    return kl_N.sum() if reduction == "sum" else kl_N.sum() / max(kl_N.shape[0], 1)
 
 
-@torch.no_grad()
-def _teacher_logits(where: str, teacher: Teacher, n_rows: int, vocab: int) -> torch.Tensor:
-    if teacher.kind == "hidden":
-        cdtype = compute_dtype(teacher.hidden_NH.dtype)
-        return teacher.hidden_NH.to(cdtype) @ teacher.weight_VH.to(cdtype).t()
-    return check_teacher_logits(where, teacher.logits_fn(0, n_rows), 0, n_rows, vocab)
-
-
-def _topk_kl_dense(logq_NV: torch.Tensor, topk: TeacherTopK, temperature: float) -> torch.Tensor:
-    """(k+1)-bucket KL built densely: teacher top-k probs scattered into [N, V], student tail by masking."""
-    logprobs_Nk, indices_Nk, tail_N = topk
-    n_rows, vocab = logq_NV.shape
-    k = logprobs_Nk.shape[1]
-    cdtype = logq_NV.dtype
+def _bucket_kl(logq_NV: Tensor, logprobs_Nk: Tensor, indices_Nk: Tensor, tail_N: Tensor | None = None, *,
+               temperature: float) -> Tensor:
+    """KL over the teacher's buckets: its k ids and, with a tail (and k < V), everything else."""
     idx_Nk = indices_Nk.long()
-    # Teacher buckets at temperature T: p_i ∝ exp(lp_i / T), p_tail ∝ exp(tail / T), renormalised.
-    with torch.no_grad():
-        w_Nk = torch.exp(logprobs_Nk.to(cdtype) / temperature)
-        if tail_N is not None and k < vocab:
-            w_tail_N = torch.exp(tail_N.to(cdtype) / temperature)
-        else:
-            w_tail_N = torch.zeros(n_rows, dtype=cdtype, device=logq_NV.device)
-        z_N = w_Nk.sum(-1) + w_tail_N
-        p_Nk = w_Nk / z_N[:, None]
-        p_tail_N = w_tail_N / z_N
-        p_NV = torch.zeros(n_rows, vocab, dtype=cdtype, device=logq_NV.device).scatter_(1, idx_Nk, p_Nk)
-        in_topk_NV = torch.zeros(n_rows, vocab, dtype=torch.bool, device=logq_NV.device)
-        in_topk_NV.scatter_(1, idx_Nk, True)
-    kl_N = F.kl_div(logq_NV, p_NV, reduction="none").sum(-1)
-    if k == vocab:
-        return kl_N
-    # Student tail bucket: its probability outside the teacher's top-k.
-    logq_tail_N = torch.logsumexp(logq_NV.masked_fill(in_topk_NV, float("-inf")), dim=-1)
-    tail_term_N = torch.where(
-        p_tail_N > 0, p_tail_N * (torch.log(p_tail_N) - logq_tail_N), torch.zeros_like(p_tail_N)
-    )
-    return kl_N + tail_term_N
+    logq_NB = logq_NV.gather(1, idx_Nk)
+    t_NB = logprobs_Nk.to(logq_NV.dtype)
+    if tail_N is not None and idx_Nk.shape[1] < logq_NV.shape[1]:
+        # the student's probability outside the teacher's top-k is the tail bucket
+        outside_NV = logq_NV.scatter(1, idx_Nk, float("-inf"))
+        logq_NB = torch.cat([logq_NB, outside_NV.logsumexp(-1, keepdim=True)], dim=1)
+        t_NB = torch.cat([t_NB, tail_N.to(logq_NV.dtype)[:, None]], dim=1)
+    # the buckets are tempered as units and renormalised; without a tail the top-k are renormalised
+    p_NB = torch.softmax(t_NB / temperature, dim=-1)
+    return F.kl_div(logq_NB, p_NB, reduction="none").sum(-1)
+
+
+def naive_cross_entropy(student_hidden: Tensor, student_weight: Tensor, labels: Tensor, *,
+                        mask: Tensor | None = None, reduction: str = "mean") -> Tensor:
+    """-log softmax(student_hidden @ student_weight.T)[label] per unmasked token, summed or averaged."""
+    dtype = torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
+    logits_NV = student_hidden.to(dtype) @ student_weight.to(dtype).t()
+    nll_N = F.cross_entropy(logits_NV, labels.long(), reduction="none")
+    if mask is not None:
+        nll_N = nll_N[mask.bool()]
+    return nll_N.sum() if reduction == "sum" else nll_N.sum() / max(nll_N.shape[0], 1)

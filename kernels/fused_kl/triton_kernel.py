@@ -1,20 +1,24 @@
-"""Triton per-chunk step of the fused KL: online softmax, KL and logit gradient over vocabulary tiles.
+"""Triton per-chunk steps of the fused KL: row logsumexp, KL and logit gradient over vocabulary tiles.
 
-The matmuls stay in torch (cuBLAS); what Triton fuses is everything between them, which in torch is a
-dozen passes over [C, V]. One program per row:
-* pass 1 streams the row in BLOCK_V tiles and keeps per-lane running max / sum-exp (for student and
-  teacher; for top-k, over the ids outside the top-k), folded into a logsumexp at the end;
-* pass 2 streams again, accumulates the KL and overwrites the student logits with the gradient
-  grad_scale * (q - p), so the gradient needs no extra [C, V] buffer.
-For top-k, the k student logits at the teacher ids are gathered and those ids set to -inf by torch
-before the launch (cheap: [C, k]); the kernel writes their gradients to a [C, k] buffer that torch
-scatters back. Arithmetic is in the buffers' dtype (fp32, or fp64 for fp64 inputs). Temperature and
-grad scale come in through a small tensor so that fp64 runs are not rounded to fp32 scalars.
+The matmuls stay in torch (cuBLAS); what Triton fuses is the [C, V] work between them, which in torch
+is a dozen passes. One program per row, streaming the row in BLOCK_V tiles:
+* `_row_lse_kernel` (pass 1): per-lane running max / sum-exp of the tempered logits, folded into the
+  row's logsumexp at the end; run on the student and on the teacher logits (dense), or on the student
+  logits outside the top-k (top-k);
+* `_dense_kl_kernel` (pass 2, dense): accumulates the KL and overwrites the student logits with the
+  gradient grad_scale * (q - p), so the gradient needs no extra [C, V] buffer;
+* `_tail_grad_kernel` (pass 2, top-k): outside the top-k the gradient is factor * exp(u - lse_out).
+For top-k, torch gathers the k student logits at the teacher ids and sets those ids to -inf before the
+launches (cheap: [C, k]); the [C, k + 1] bucket maths is `steps.bucket_kl`, shared with the torch step,
+and torch scatters the k gradients back. Arithmetic is in the buffers' dtype (fp32, or fp64 for fp64
+inputs). Temperature and grad scale come in through a small tensor so that fp64 runs are not rounded
+to fp32 scalars.
 
 Kernels are jitted lazily (`_kernels`) because Triton decides at decoration time whether to interpret
-(TRITON_INTERPRET=1, the CPU test path) or compile; tests switch that per test.
+(TRITON_INTERPRET=1, the CPU test path) or compile; tests switch that per test. For the same reason a
+kernel calls no jitted helper of ours (one jitted at import breaks under a later interpreter).
 
-Legend: C rows in the chunk, V vocabulary, k top-k width, B = k + 1 buckets.
+Legend: C rows (tokens) in the chunk, V vocabulary, k top-k width, B = k + 1 buckets.
 """
 
 from __future__ import annotations
@@ -26,14 +30,15 @@ from types import SimpleNamespace
 import torch
 import triton
 import triton.language as tl
+from hylo.kernels.fused_kl.steps import StepParams, bucket_kl
 
 # Largest vocabulary tile; tests lower it to exercise many tiles and a ragged last tile.
 BLOCK_V_MAX = 2048
-BLOCK_K_MAX = 256
 
 
 # Reductions go through tl.reduce with our own combine functions rather than tl.sum / tl.max: those
-# are jitted when triton is imported, so they break under an interpreter switched on afterwards.
+# are jitted when triton is imported, so they break under an interpreter switched on afterwards
+# (the interpreter calls a combine function's Python body, which is why these two work).
 @triton.jit
 def _add_combine(a, b):
     return a + b
@@ -44,60 +49,44 @@ def _max_combine(a, b):
     return tl.maximum(a, b)
 
 
-def _dense_kl_kernel(
-    ZS,
-    ZT,
-    KL,
-    PARAMS,
-    V,
-    stride_s,
-    stride_t,
-    BLOCK_V: tl.constexpr,
-    DTYPE: tl.constexpr,
-    WRITE_GRAD: tl.constexpr,
-):
+def _row_lse_kernel(X, LSE, PARAMS, V, stride, BLOCK_V: tl.constexpr, DTYPE: tl.constexpr):
+    # LSE[row] = logsumexp_v X[row, v] / T; -inf for a row that is all -inf
+    x_row = X + tl.program_id(0).to(tl.int64) * stride
+    inv_temp = tl.load(PARAMS)
+    neg_inf = float("-inf")
+    m = tl.full([BLOCK_V], neg_inf, DTYPE)
+    d = tl.full([BLOCK_V], 0.0, DTYPE)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(x_row + offs, mask=offs < V, other=neg_inf) * inv_temp
+        m_new = tl.maximum(m, x)
+        d = tl.where(m_new == neg_inf, 0.0, d * tl.exp(m - m_new) + tl.exp(x - m_new))
+        m = m_new
+    # Fold the lanes: lse = M + log(sum_lanes d * exp(m - M)); empty lanes (m = -inf) add nothing.
+    row_m = tl.reduce(m, 0, _max_combine)
+    empty = row_m == neg_inf
+    lane = tl.where(m == neg_inf, 0.0, d * tl.exp(m - tl.where(empty, 0.0, row_m)))
+    total = tl.reduce(lane, 0, _add_combine)
+    tl.store(LSE + tl.program_id(0), tl.where(empty, neg_inf, row_m + tl.log(total)))
+
+
+def _dense_kl_kernel(ZS, ZT, LSE_S, LSE_T, KL, PARAMS, V, stride_s, stride_t, BLOCK_V: tl.constexpr,
+                     DTYPE: tl.constexpr, WRITE_GRAD: tl.constexpr):
+    # KL terms p * (log p - log q) and, in place over ZS, the gradient grad_scale * (q - p)
     row = tl.program_id(0).to(tl.int64)
     zs_row = ZS + row * stride_s
     zt_row = ZT + row * stride_t
     inv_temp = tl.load(PARAMS)
     grad_scale = tl.load(PARAMS + 1)
+    lse_s = tl.load(LSE_S + row)
+    lse_t = tl.load(LSE_T + row)
     neg_inf = float("-inf")
-
-    # Pass 1: per-lane online max / sum-exp of the tempered student and teacher logits.
-    m_s = tl.full([BLOCK_V], neg_inf, DTYPE)
-    d_s = tl.full([BLOCK_V], 0.0, DTYPE)
-    m_t = tl.full([BLOCK_V], neg_inf, DTYPE)
-    d_t = tl.full([BLOCK_V], 0.0, DTYPE)
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        inside = offs < V
-        s = tl.load(zs_row + offs, mask=inside, other=neg_inf) * inv_temp
-        t = tl.load(zt_row + offs, mask=inside, other=neg_inf) * inv_temp
-        m_s_new = tl.maximum(m_s, s)
-        empty_s = m_s_new == neg_inf
-        d_s = tl.where(empty_s, 0.0, d_s * tl.exp(m_s - m_s_new) + tl.exp(s - m_s_new))
-        m_s = m_s_new
-        m_t_new = tl.maximum(m_t, t)
-        empty_t = m_t_new == neg_inf
-        d_t = tl.where(empty_t, 0.0, d_t * tl.exp(m_t - m_t_new) + tl.exp(t - m_t_new))
-        m_t = m_t_new
-    # Fold the lanes: lse = M + log(sum_lanes d * exp(m - M)); empty lanes (m = -inf) add nothing.
-    row_m_s = tl.reduce(m_s, 0, _max_combine)
-    lane_s = tl.where(m_s == neg_inf, 0.0, d_s * tl.exp(m_s - row_m_s))
-    lse_s = row_m_s + tl.log(tl.reduce(lane_s, 0, _add_combine))
-    row_m_t = tl.reduce(m_t, 0, _max_combine)
-    lane_t = tl.where(m_t == neg_inf, 0.0, d_t * tl.exp(m_t - row_m_t))
-    lse_t = row_m_t + tl.log(tl.reduce(lane_t, 0, _add_combine))
-
-    # Pass 2: KL terms p * (log p - log q) and, in place, the gradient grad_scale * (q - p).
     kl = tl.full([BLOCK_V], 0.0, DTYPE)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         inside = offs < V
-        s = tl.load(zs_row + offs, mask=inside, other=neg_inf) * inv_temp
-        t = tl.load(zt_row + offs, mask=inside, other=neg_inf) * inv_temp
-        logq = s - lse_s
-        logp = t - lse_t
+        logq = tl.load(zs_row + offs, mask=inside, other=neg_inf) * inv_temp - lse_s
+        logp = tl.load(zt_row + offs, mask=inside, other=neg_inf) * inv_temp - lse_t
         p = tl.exp(logp)
         kl += tl.where(p > 0, p * (logp - logq), 0.0)
         if WRITE_GRAD:
@@ -105,99 +94,28 @@ def _dense_kl_kernel(
     tl.store(KL + row, tl.reduce(kl, 0, _add_combine))
 
 
-def _topk_kl_kernel(
-    ZS,
-    ZK,
-    LPB,
-    DZK,
-    KL,
-    PARAMS,
-    V,
-    K,
-    stride_s,
-    stride_k,
-    stride_b,
-    stride_dk,
-    BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DTYPE: tl.constexpr,
-    WRITE_GRAD: tl.constexpr,
-):
-    # ZS [C, V]: student logits with the top-k ids set to -inf (overwritten by the gradient);
-    # ZK [C, k]: student logits at the top-k ids; LPB [C, k + 1]: teacher bucket log-probs (tail last).
+def _tail_grad_kernel(ZS, LSE_OUT, FACTOR, PARAMS, V, stride, BLOCK_V: tl.constexpr):
+    # ZS[row, v] <- FACTOR[row] * exp(ZS[row, v] / T - LSE_OUT[row]); the top-k ids hold -inf and get 0
     row = tl.program_id(0).to(tl.int64)
-    zs_row = ZS + row * stride_s
-    zk_row = ZK + row * stride_k
-    lpb_row = LPB + row * stride_b
-    dzk_row = DZK + row * stride_dk
+    zs_row = ZS + row * stride
     inv_temp = tl.load(PARAMS)
-    grad_scale = tl.load(PARAMS + 1)
-    neg_inf = float("-inf")
-
-    # Pass 1: logsumexp over the ids outside the top-k (-inf when k = V).
-    m_o = tl.full([BLOCK_V], neg_inf, DTYPE)
-    d_o = tl.full([BLOCK_V], 0.0, DTYPE)
+    lse_out = tl.load(LSE_OUT + row)
+    # no id outside the top-k (k = V): every entry is -inf, any finite shift gives 0
+    lse_out = tl.where(lse_out == float("-inf"), 0.0, lse_out)
+    factor = tl.load(FACTOR + row)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
-        u = tl.load(zs_row + offs, mask=offs < V, other=neg_inf) * inv_temp
-        m_new = tl.maximum(m_o, u)
-        d_o = tl.where(m_new == neg_inf, 0.0, d_o * tl.exp(m_o - m_new) + tl.exp(u - m_new))
-        m_o = m_new
-    row_m_o = tl.reduce(m_o, 0, _max_combine)
-    out_empty = row_m_o == neg_inf
-    lane_o = tl.where(m_o == neg_inf, 0.0, d_o * tl.exp(m_o - tl.where(out_empty, 0.0, row_m_o)))
-    sum_o = tl.reduce(lane_o, 0, _add_combine)
-    lse_out = tl.where(out_empty, neg_inf, row_m_o + tl.log(sum_o))
-
-    # Logsumexp over the top-k ids, then over everything.
-    m_k = tl.full([BLOCK_K], neg_inf, DTYPE)
-    d_k = tl.full([BLOCK_K], 0.0, DTYPE)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        u = tl.load(zk_row + offs, mask=offs < K, other=neg_inf) * inv_temp
-        m_new = tl.maximum(m_k, u)
-        d_k = tl.where(m_new == neg_inf, 0.0, d_k * tl.exp(m_k - m_new) + tl.exp(u - m_new))
-        m_k = m_new
-    row_m_k = tl.reduce(m_k, 0, _max_combine)
-    lane_k = tl.where(m_k == neg_inf, 0.0, d_k * tl.exp(m_k - row_m_k))
-    lse_in = row_m_k + tl.log(tl.reduce(lane_k, 0, _add_combine))
-    m_all = tl.maximum(lse_in, lse_out)
-    lse_all = m_all + tl.log(tl.exp(lse_in - m_all) + tl.exp(lse_out - m_all))
-
-    # Bucket KL: the k top-k buckets, then the tail bucket.
-    kl = tl.full([BLOCK_K], 0.0, DTYPE)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        inside = offs < K
-        logq = tl.load(zk_row + offs, mask=inside, other=neg_inf) * inv_temp - lse_all
-        logp = tl.load(lpb_row + offs, mask=inside, other=neg_inf)
-        p = tl.exp(logp)
-        kl += tl.where(p > 0, p * (logp - logq), 0.0)
-        if WRITE_GRAD:
-            tl.store(dzk_row + offs, grad_scale * (tl.exp(logq) - p), mask=inside)
-    logp_tail = tl.load(lpb_row + K)
-    p_tail = tl.exp(logp_tail)
-    logq_tail = lse_out - lse_all
-    kl_tail = tl.where(p_tail > 0, p_tail * (logp_tail - logq_tail), 0.0)
-    tl.store(KL + row, tl.reduce(kl, 0, _add_combine) + kl_tail)
-
-    # Pass 2: outside the top-k, d/du = exp(u - lse_out) * (q_tail - p_tail); the top-k ids hold -inf
-    # here and get 0, torch scatters their gradient from DZK afterwards.
-    if WRITE_GRAD:
-        coef = grad_scale * (tl.exp(logq_tail) - p_tail)
-        lse_out_safe = tl.where(out_empty, 0.0, lse_out)
-        for v0 in range(0, V, BLOCK_V):
-            offs = v0 + tl.arange(0, BLOCK_V)
-            inside = offs < V
-            u = tl.load(zs_row + offs, mask=inside, other=neg_inf) * inv_temp
-            tl.store(zs_row + offs, coef * tl.exp(u - lse_out_safe), mask=inside)
+        inside = offs < V
+        u = tl.load(zs_row + offs, mask=inside, other=float("-inf")) * inv_temp
+        tl.store(zs_row + offs, factor * tl.exp(u - lse_out), mask=inside)
 
 
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
     # `interpret` is only the cache key: triton.jit reads TRITON_INTERPRET itself.
     del interpret
-    return SimpleNamespace(dense=triton.jit(_dense_kl_kernel), topk=triton.jit(_topk_kl_kernel))
+    return SimpleNamespace(lse=triton.jit(_row_lse_kernel), dense=triton.jit(_dense_kl_kernel),
+                           tail_grad=triton.jit(_tail_grad_kernel))
 
 
 def _get_kernels() -> SimpleNamespace:
@@ -207,15 +125,11 @@ def _get_kernels() -> SimpleNamespace:
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
-def _params(x: torch.Tensor, inv_temp: float, grad_scale: float) -> torch.Tensor:
-    return _params_on(inv_temp, grad_scale, x.dtype, x.device)
-
-
 @functools.lru_cache(maxsize=32)
-def _params_on(inv_temp: float, grad_scale: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _params(step: StepParams, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # One host-to-device copy per distinct (temperature, scale), not one per chunk: a copy from
     # pageable host memory synchronises the GPU. The kernels only read it.
-    return torch.tensor([inv_temp, grad_scale], dtype=dtype, device=device)
+    return torch.tensor([step.inv_temp, step.grad_scale], dtype=dtype, device=device)
 
 
 def _check_buffer(name: str, x: torch.Tensor) -> None:
@@ -223,83 +137,52 @@ def _check_buffer(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"triton fused KL: {name} must be fp32/fp64 with unit last stride")
 
 
-def dense_kl_step(
-    logits_CV: torch.Tensor,
-    teacher_CV: torch.Tensor,
-    teacher_owned: bool,
-    grad_scale: float,
-    inv_temp: float,
-    need_grad: bool,
-    workspace: object = None,
-) -> torch.Tensor:
-    """Same contract as `chunked.dense_kl_step_torch` (teacher_CV is never modified here)."""
+def _launch(kernel, x_CV: torch.Tensor, *args, **meta) -> None:
+    """One program per row of x_CV, vocabulary tiles of up to BLOCK_V_MAX."""
+    n_tokens, vocab = x_CV.shape
+    block_v = min(BLOCK_V_MAX, triton.next_power_of_2(vocab))
+    kernel[(n_tokens,)](*args, BLOCK_V=block_v, num_warps=8, **meta)
+
+
+def _row_lse(x_CV: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    lse_C = torch.empty(x_CV.shape[0], dtype=x_CV.dtype, device=x_CV.device)
+    _launch(_get_kernels().lse, x_CV, x_CV, lse_C, params, x_CV.shape[1], x_CV.stride(0),
+            DTYPE=_TL_DTYPES[x_CV.dtype])
+    return lse_C
+
+
+def dense_kl_step(logits_CV: torch.Tensor, teacher_CV: torch.Tensor, teacher_owned: bool, step: StepParams,
+                  workspace: object = None) -> torch.Tensor:
+    """Same contract as `steps.dense_kl_step_torch` (teacher_CV is never modified here)."""
     del teacher_owned, workspace
     teacher_CV = teacher_CV.contiguous()
     _check_buffer("student logits", logits_CV)
     _check_buffer("teacher logits", teacher_CV)
-    n_rows, vocab = logits_CV.shape
-    kl_C = torch.empty(n_rows, dtype=logits_CV.dtype, device=logits_CV.device)
-    if n_rows == 0:
+    kl_C = torch.empty(logits_CV.shape[0], dtype=logits_CV.dtype, device=logits_CV.device)
+    if logits_CV.shape[0] == 0:
         return kl_C
-    block_v = min(BLOCK_V_MAX, triton.next_power_of_2(vocab))
-    _get_kernels().dense[(n_rows,)](
-        logits_CV,
-        teacher_CV,
-        kl_C,
-        _params(logits_CV, inv_temp, grad_scale),
-        vocab,
-        logits_CV.stride(0),
-        teacher_CV.stride(0),
-        BLOCK_V=block_v,
-        DTYPE=_TL_DTYPES[logits_CV.dtype],
-        WRITE_GRAD=need_grad,
-        num_warps=8,
-    )
+    params = _params(step, logits_CV.dtype, logits_CV.device)
+    lse_s, lse_t = _row_lse(logits_CV, params), _row_lse(teacher_CV, params)
+    _launch(_get_kernels().dense, logits_CV, logits_CV, teacher_CV, lse_s, lse_t, kl_C, params,
+            logits_CV.shape[1], logits_CV.stride(0), teacher_CV.stride(0), DTYPE=_TL_DTYPES[logits_CV.dtype],
+            WRITE_GRAD=step.need_grad)
     return kl_C
 
 
-def topk_kl_step(
-    logits_CV: torch.Tensor,
-    indices_Ck: torch.Tensor,
-    logp_CB: torch.Tensor,
-    grad_scale: float,
-    inv_temp: float,
-    need_grad: bool,
-    workspace: object = None,
-) -> torch.Tensor:
-    """Same contract as `chunked.topk_kl_step_torch`."""
+def topk_kl_step(logits_CV: torch.Tensor, indices_Ck: torch.Tensor, logp_CB: torch.Tensor, step: StepParams,
+                 workspace: object = None) -> torch.Tensor:
+    """Same contract as `steps.topk_kl_step_torch`."""
     del workspace
     _check_buffer("student logits", logits_CV)
-    n_rows, vocab = logits_CV.shape
-    k = indices_Ck.shape[1]
-    kl_C = torch.empty(n_rows, dtype=logits_CV.dtype, device=logits_CV.device)
-    if n_rows == 0:
-        return kl_C
-    logits_Ck = logits_CV.gather(1, indices_Ck)
+    if logits_CV.shape[0] == 0:
+        return torch.empty(0, dtype=logits_CV.dtype, device=logits_CV.device)
+    params = _params(step, logits_CV.dtype, logits_CV.device)
+    u_Ck = logits_CV.gather(1, indices_Ck).mul_(step.inv_temp)
     logits_CV.scatter_(1, indices_Ck, float("-inf"))
-    logp_CB = logp_CB.to(logits_CV.dtype).contiguous()
-    grad_Ck = torch.empty_like(logits_Ck)
-    block_v = min(BLOCK_V_MAX, triton.next_power_of_2(vocab))
-    block_k = min(BLOCK_K_MAX, triton.next_power_of_2(k))
-    _get_kernels().topk[(n_rows,)](
-        logits_CV,
-        logits_Ck,
-        logp_CB,
-        grad_Ck,
-        kl_C,
-        _params(logits_CV, inv_temp, grad_scale),
-        vocab,
-        k,
-        logits_CV.stride(0),
-        logits_Ck.stride(0),
-        logp_CB.stride(0),
-        grad_Ck.stride(0),
-        BLOCK_V=block_v,
-        BLOCK_K=block_k,
-        DTYPE=_TL_DTYPES[logits_CV.dtype],
-        WRITE_GRAD=need_grad,
-        num_warps=8,
-    )
-    if need_grad:
+    lse_out_C = _row_lse(logits_CV, params)
+    kl_C, grad_Ck, factor_C1 = bucket_kl(u_Ck, lse_out_C.unsqueeze(1), logp_CB.to(logits_CV.dtype), step)
+    if step.need_grad:
+        _launch(_get_kernels().tail_grad, logits_CV, logits_CV, lse_out_C, factor_C1.contiguous(), params,
+                logits_CV.shape[1], logits_CV.stride(0))
         logits_CV.scatter_(1, indices_Ck, grad_Ck)
     return kl_C

@@ -39,7 +39,8 @@ class KLSection:
     # Packed-data directory, Parquet rows, or JSON/JSONL chat records.
     data: str | None = None
     max_rows: int | None = 32
-    # Use hylo.kernels.fused_kl.fused_linear_kl_div when importable (else exact chunked fp32).
+    # The KL and NLL's fastest path (hylo.kernels.fused_kl: Triton on a GPU); false = their pure-torch
+    # path (exact chunked fp32) everywhere.
     use_fused: bool = True
     chunk_tokens: int = 1024
     # File keeping the teacher's hidden states per row: a later evaluation against the same teacher

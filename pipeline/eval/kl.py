@@ -9,11 +9,12 @@ Design choices:
   loss mask score every token except the last of each document.
 * Documents are isolated: HyLo models take the whole packed row with `cu_seqlens`; HF models run
   one forward per document (no block mask needed, positions restart by construction).
-* The KL goes through the project's fused op `hylo.kernels.fused_kl.fused_linear_kl_div` (hidden states
-  + output weights in, no [N, V] tensor); when that op cannot be imported the same quantity is
-  computed exactly, chunk by chunk, in fp32 (`kl_backend` in the result says which ran).
-* Perplexity = exp(mean NLL over scored tokens), computed chunk by chunk from the same hidden
-  states, for the model and (when given) the teacher.
+* The losses are the kernels' LM-head losses (`hylo.kernels.fused_kl`: hidden states + output weights
+  in, fp32 logits chunk by chunk, no [N, V] tensor): `fused_linear_kl_div` for the KL and
+  `fused_linear_cross_entropy` for the NLL. `use_fused=False` runs them on their pure-torch path even
+  where the Triton kernels would run (`kl_backend` in the result says which: "chunked_exact").
+* Perplexity = exp(mean NLL over scored tokens), from the same hidden states, for the model and (when
+  given) the teacher.
 * Inputs: a packed-data directory (manifest.json + shards, from jobs/prepare_data.py), a Parquet
   file / directory of packed rows (read by `hylo.pipeline.data.rowfile.PackedRowFile`), or chat records
   (JSON / JSONL, `messages` or ShareGPT `conversations`) rendered with the model's chat template, one
@@ -23,6 +24,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -33,7 +35,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+from hylo.kernels.backend import forced_mode
+from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div
 from hylo.kernels.varlen import DocBounds, check_row
 from hylo.pipeline.eval.decode import EvalError, final_hidden, is_hylo
 from hylo.pipeline.eval.progress import progress
@@ -152,38 +155,24 @@ def hidden_states(model: nn.Module, row: dict[str, torch.Tensor]) -> torch.Tenso
     return torch.cat(parts, dim=0)
 
 
-def chunked_nll_sum(h_ND: torch.Tensor, w_VD: torch.Tensor, labels_N: torch.Tensor,
-                    chunk: int = LOGITS_CHUNK) -> float:
-    total = 0.0
-    w = w_VD.float()
-    for s in range(0, h_ND.shape[0], chunk):
-        logits_CV = h_ND[s:s + chunk].float() @ w.T
-        total += float(F.cross_entropy(logits_CV, labels_N[s:s + chunk], reduction="sum"))
-    return total
+def _path(exact: bool) -> contextlib.AbstractContextManager:
+    """The losses' fastest path, or with `exact` their pure-torch one (fp32, chunk by chunk)."""
+    return forced_mode("torch") if exact else contextlib.nullcontext()
 
 
-def chunked_kl_sum(hs_ND: torch.Tensor, ws_VD: torch.Tensor, ht_ND: torch.Tensor, wt_VD: torch.Tensor,
-                   chunk: int = LOGITS_CHUNK) -> float:
-    """Exact sum over tokens of KL(teacher || student), fp32, C tokens at a time."""
-    total = 0.0
-    ws, wt = ws_VD.float(), wt_VD.float()
-    for s in range(0, hs_ND.shape[0], chunk):
-        logq_CV = torch.log_softmax(hs_ND[s:s + chunk].float() @ ws.T, dim=-1)
-        logp_CV = torch.log_softmax(ht_ND[s:s + chunk].float() @ wt.T, dim=-1)
-        total += float((logp_CV.exp() * (logp_CV - logq_CV)).sum())
-    return total
+def sum_nll(h_ND: torch.Tensor, w_VD: torch.Tensor, labels_N: torch.Tensor, chunk: int | None = LOGITS_CHUNK,
+            exact: bool = False) -> float:
+    """Sum over tokens of -log softmax(h W^T)[label], C tokens at a time (None: the op's own size)."""
+    with _path(exact):
+        return float(fused_linear_cross_entropy(h_ND, w_VD, labels_N, reduction="sum", chunk_size=chunk))
 
 
-def fused_kl_op():
-    """The project's fused linear KL op, or None when it is not available."""
-    try:
-        from hylo.kernels.fused_kl import fused_linear_kl_div
-    except ImportError:
-        try:
-            from hylo.kernels.fused_kl.chunked import fused_linear_kl_div
-        except ImportError:
-            return None
-    return fused_linear_kl_div
+def sum_kl(hs_ND: torch.Tensor, ws_VD: torch.Tensor, ht_ND: torch.Tensor, wt_VD: torch.Tensor,
+           chunk: int | None = LOGITS_CHUNK, exact: bool = False) -> float:
+    """Sum over tokens of KL(teacher || student) at temperature 1, C tokens at a time (None: the op's own)."""
+    with _path(exact):
+        return float(fused_linear_kl_div(hs_ND, ws_VD, teacher_hidden=ht_ND, teacher_weight=wt_VD,
+                                         reduction="sum", chunk_size=chunk))
 
 
 class TeacherStateCache:
@@ -272,8 +261,8 @@ def evaluate_kl(model: nn.Module, rows: Iterable[tuple[str, dict[str, Any]]], te
     if wt is not None and wt.shape[0] != ws.shape[0]:
         raise EvalError(f"teacher vocabulary {wt.shape[0]} != model vocabulary {ws.shape[0]}: "
                         "KL needs the same tokenizer")
-    op = fused_kl_op() if (use_fused and teacher is not None) else None
-    backend = None if teacher is None else ("fused_linear_kl_div" if op is not None else "chunked_exact")
+    backend = None if teacher is None else ("fused_linear_kl_div" if use_fused else "chunked_exact")
+    exact = not use_fused
     n_rows = n_docs = n_tok = 0
     kl_sum = nll_sum = t_nll_sum = 0.0
     for where, row in progress(rows, desc="kl rows", total=total, unit="row", disable=not show_progress):
@@ -289,20 +278,16 @@ def evaluate_kl(model: nn.Module, rows: Iterable[tuple[str, dict[str, Any]]], te
             continue
         labels_N = row["input_ids"][idx + 1].to(ws.device)
         hs_ND = hidden_states(model, row)[idx.to(ws.device)]
-        nll_sum += chunked_nll_sum(hs_ND, ws, labels_N, chunk)
+        nll_sum += sum_nll(hs_ND, ws, labels_N, chunk, exact)
         if teacher is not None:
             hit = teacher_cache.get(row) if teacher_cache is not None else None
             if hit is None:
                 ht_ND = hidden_states(teacher, row)[idx.to(wt.device)].to(ws.device)
-                hit = (ht_ND, chunked_nll_sum(ht_ND, wt.to(ws.device), labels_N, chunk))
+                hit = (ht_ND, sum_nll(ht_ND, wt.to(ws.device), labels_N, chunk, exact))
                 if teacher_cache is not None:
                     teacher_cache.put(row, *hit)
             ht_ND, t_nll_sum = hit[0].to(ws.device), t_nll_sum + hit[1]
-            if op is not None:
-                kl_sum += float(op(hs_ND, ws, teacher_hidden=ht_ND, teacher_weight=wt.to(ws.device),
-                                   reduction="sum", chunk_size=chunk))
-            else:
-                kl_sum += chunked_kl_sum(hs_ND, ws, ht_ND, wt.to(ws.device), chunk)
+            kl_sum += sum_kl(hs_ND, ws, ht_ND, wt.to(ws.device), chunk, exact)
         n_tok += idx.numel()
     if n_rows == 0:
         raise EvalError("no evaluation rows were read")

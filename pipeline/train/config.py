@@ -268,8 +268,14 @@ class TeacherSection:
 @dataclass
 @rules(kl_weight=at_least(0), ce_weight=at_least(0), temperature=above(0), chunk_size=at_least(1))
 class KDSection:
+    """Stage 2's loss per loss token, kl_weight * KL_T(teacher || student) + ce_weight * CE(next token):
+    both terms go through hylo.kernels.fused_kl (fused_linear_kl_div, fused_linear_cross_entropy)."""
+
     kl_weight: float = 1.0
     ce_weight: float = 0.0
+    # T: both the teacher's and the student's logits are divided by T before the softmax, and the KL
+    # term is NOT multiplied by T^2 (Hinton's convention does): at T = 2 its gradient is about a quarter
+    # of T = 1's for soft logits. For Hinton's scaling set kl_weight = T^2. The CE term is at T = 1.
     temperature: float = 1.0
     # Tokens per chunk of the fused loss (bounds the [chunk, V] logits it materialises); None = auto.
     chunk_size: int | None = None

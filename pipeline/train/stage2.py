@@ -6,7 +6,9 @@ hidden, V vocabulary, k top-k width, G micro-batches (rows) per optimiser step o
 Design choices:
 * The student never materialises its logits: its final hidden states [T, D] and `lm_head.weight`
   [V, D] go into `fused_linear_kl_div`, which computes loss and gradients chunk by chunk. The CE term
-  (when `ce_weight > 0`) is chunked too, each chunk recomputed in backward (`torch.utils.checkpoint`).
+  (when `ce_weight > 0`) is the same op against a one-hot teacher (`fused_linear_cross_entropy`).
+* `kd.temperature` T softens both distributions and the KL term is NOT multiplied by T^2 (the kernel's
+  convention; `KDSection`, kernels/fused_kl/README.md): kl_weight is the term's only factor.
 * The loss runs inside `KDStudent.forward` so that ZeRO-3 gathers `lm_head.weight` around it: the weight
   is registered as an external parameter of the wrapper (it is used outside `lm_head.forward`).
 * Teacher forms (`teacher.source`): `inprocess` (exact: teacher hidden states + teacher lm_head, or its
@@ -27,30 +29,16 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from hylo.kernels.fused_kl import TeacherTopK, fused_linear_kl_div
+from hylo.kernels.fused_kl import TeacherTopK, fused_linear_cross_entropy, fused_linear_kl_div
 from hylo.kernels.fused_kl.inputs import check_deferred
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.config import Stage2Config, TeacherSection
 from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
 from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 
 # ------------------------------------------------------------------------------------ student side
-def chunked_ce_sum(h_NH: torch.Tensor, w_VH: torch.Tensor, labels_N: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Sum of token cross-entropies without a live [N, V] tensor (each chunk recomputed in backward)."""
-
-    def ce(h, y):
-        return F.cross_entropy((h.float() @ w_VH.float().t()), y, reduction="sum")
-
-    total = h_NH.new_zeros((), dtype=torch.float32)
-    for s in range(0, h_NH.shape[0], chunk):
-        total = total + checkpoint(ce, h_NH[s:s + chunk], labels_N[s:s + chunk], use_reentrant=False)
-    return total
-
-
 class KDStudent(nn.Module):
     """The student plus its loss, so ZeRO-3 gathers the LM head for the fused KL."""
 
@@ -72,8 +60,8 @@ class KDStudent(nn.Module):
                                  reduction="sum", chunk_size=self.kd.chunk_size)
         ce = h_TD.new_zeros((), dtype=torch.float32)
         if self.kd.ce_weight:
-            m = b["loss_mask"]
-            ce = chunked_ce_sum(h_TD[m], w_VD, b["labels"][m], self.kd.chunk_size or 1024)
+            ce = fused_linear_cross_entropy(h_TD, w_VD, b["labels"], mask=b["loss_mask"], reduction="sum",
+                                            chunk_size=self.kd.chunk_size)
         return kl, ce
 
 
