@@ -479,7 +479,7 @@ def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model
     cfg.deepspeed.zero_stage = 3 if engine == "deepspeed" else 0
     cfg.train.global_batch_sequences = 1
     cfg.model.activation_checkpointing = True
-    cfg.teacher.top_k = 0
+    cfg.teacher.k = 0
     cfg.kd.chunk_size = None
     hcfg = hylo_config(variant, sh.tiny)
     torch.manual_seed(0)

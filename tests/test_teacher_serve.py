@@ -14,6 +14,7 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+from hylo.kernels.varlen import PackedRow, check_row  # noqa: E402
 from hylo.pipeline.ray_init import ray_running  # noqa: E402
 from hylo.pipeline.teacher.client import TeacherClient  # noqa: E402
 from hylo.pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig  # noqa: E402
@@ -66,6 +67,10 @@ def _rows(n: int, seed: int) -> list[dict]:
             for i in range(n)]
 
 
+def _checked(rows: list[dict]) -> list[PackedRow]:
+    return [check_row(r) for r in rows]
+
+
 def _check(ref, rows, records, k):
     assert len(records) == len(rows)
     for row, rec in zip(rows, records):
@@ -78,7 +83,7 @@ def _check(ref, rows, records, k):
 def test_pool_topk_equals_direct_forward_per_document(pool):
     rows = _rows(6, seed=1)
     client = TeacherClient(pool["handle"], max_inflight_rows=4, k=8, timeout_s=60)
-    _check(pool["ref"], rows, client.topk_all(rows), 8)
+    _check(pool["ref"], rows, client.topk_all(_checked(rows)), 8)
 
 
 def test_one_request_with_several_rows(pool):
@@ -94,7 +99,7 @@ def test_batches_are_cut_by_token_budget(pool):
     # 10 rows of 20 tokens at once, plus one row bigger than the whole budget.
     rows = [make_packed_row([12, 8], VOCAB, seed=300 + i) for i in range(10)] + [make_packed_row([50, 40], VOCAB, seed=7)]
     client = TeacherClient(pool["handle"], max_inflight_rows=11, k=4, timeout_s=60)
-    _check(pool["ref"], rows, client.topk_all(rows), 4)
+    _check(pool["ref"], rows, client.topk_all(_checked(rows)), 4)
     infos = pool["handle"].broadcast("info").results(timeout_s=30)
     batches = [b for info in infos for b in info["batches"]]
     assert all(tokens <= BUDGET for _, tokens in batches)
@@ -105,7 +110,7 @@ def test_batches_are_cut_by_token_budget(pool):
 def test_stream_chunks_concatenate_to_full_logits(pool, chunk, window):
     row = make_packed_row([17, 9], VOCAB, seed=21, pad=3)
     client = TeacherClient(pool["handle"], timeout_s=60)
-    chunks = list(client.stream(row, chunk_tokens=chunk, window_chunks=window))
+    chunks = list(client.stream(check_row(row), chunk_tokens=chunk, window_chunks=window))
     assert all(c.shape[0] == chunk for c in chunks[:-1]) and 0 < chunks[-1].shape[0] <= chunk
     torch.testing.assert_close(torch.cat(chunks), _ref_logits(pool["ref"], row), rtol=1e-5, atol=1e-5)
 
@@ -115,7 +120,7 @@ def test_replica_killed_midflight_every_row_once_in_order(pool):
     pool["marker"].write_text("armed")
     client = TeacherClient(pool["handle"], max_inflight_rows=6, k=6, timeout_s=60, max_retries=6,
                            retry_backoff_s=0.5)
-    records = client.topk_all(rows)
+    records = client.topk_all(_checked(rows))
     # The armed replica consumed the marker and exited while rows were in flight on it.
     assert not pool["marker"].exists()
     assert client.stats.retries >= 1, client.stats
@@ -125,8 +130,16 @@ def test_replica_killed_midflight_every_row_once_in_order(pool):
 def test_user_error_comes_back_without_retries(pool):
     client = TeacherClient(pool["handle"], k=VOCAB + 1, timeout_s=60, max_retries=3)
     with pytest.raises(ValueError, match="k=97"):
-        client.topk_all(_rows(1, seed=4))
+        client.topk_all(_checked(_rows(1, seed=4)))
     assert client.stats.retries == 0
+
+
+def test_bad_row_is_refused_by_the_server(pool):
+    # rows come over the network: the server checks them (in-process rows were checked by their reader)
+    row = make_packed_row([4], VOCAB, seed=0)
+    row["cu_seqlens"] = row["cu_seqlens"][:1]
+    with pytest.raises(ValueError, match="request row 0.*cu_seqlens"):
+        pool["handle"].topk.remote([row], 4, "float16").result(timeout_s=60)
 
 
 def test_http_answers_on_localhost_only(pool):
