@@ -66,9 +66,9 @@ def row(T: int, docs: int, seed: int) -> dict:
 
 def run_step(rows, linear_type="gdn"):
     from hylo.pipeline.teacher.model import TeacherModel
+    from hylo.pipeline.teacher.protocol import TargetSpec, Teacher
     from hylo.pipeline.train.config import Stage2Config
     from hylo.pipeline.train.plain_engine import PlainEngine
-    from hylo.pipeline.teacher.protocol import TargetSpec, Teacher
     from hylo.pipeline.train.stage2 import KDStudent, Stage2Task, train_step
     from hylo.pipeline.train.worker import WorkerContext
 

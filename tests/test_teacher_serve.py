@@ -49,7 +49,7 @@ def pool(tmp_path_factory):
             from transformers import AutoModelForCausalLM
 
             ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-            yield {"handle": handle, "ref": ref, "marker": marker, "cfg": pool_cfg}
+            yield {"handle": handle, "ref": ref, "marker": marker, "cfg": pool_cfg, "model_dir": model_dir}
         finally:
             serve.shutdown()
 
@@ -150,3 +150,55 @@ def test_http_answers_on_localhost_only(pool):
     psutil = pytest.importorskip("psutil")
     listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
     assert listening == {"127.0.0.1"}
+
+
+def test_protocol_targets_are_identical_from_model_pool_and_cache(pool, tmp_path):
+    """One teacher protocol, three sources: the same rows give the same fused-KL targets.
+
+    Every document length is distinct, so every source runs the same [1, L] forwards whatever its
+    batching. In-process model and cache (written by the cache job's compute_shard, read by stage 2's
+    reader) run in this process: top-k ids, fp16 log-probabilities and the tail are equal bit for bit
+    (the cache stores fp16 exactly). The pool's replicas are other processes (other thread counts): ids
+    equal, log-probabilities within one fp16 step (rtol 2**-9), the tail and streamed fp32 logits within 1e-5.
+    """
+    from hylo.pipeline.teacher.cache import compute_shard, finalize_cache, prepare_cache
+    from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherClientConfig
+    from hylo.pipeline.teacher.model import TeacherModel
+    from hylo.pipeline.teacher.protocol import open_teacher
+    from hylo.pipeline.train.config import TeacherSection
+
+    from fixtures_teacher import write_packed_parquet
+
+    model_dir = pool["model_dir"]
+    raw = [make_packed_row(docs, VOCAB, seed=500 + i) for i, docs in enumerate([[3, 11], [5, 9, 2], [13], [7, 4]])]
+    write_packed_parquet(tmp_path / "data" / "part-0.parquet", raw)
+    rows = _checked(raw)
+    model_cfg = TeacherModelConfig(path=str(model_dir))
+    cache_cfg = TeacherCacheConfig(data=str(tmp_path / "data"), out=str(tmp_path / "cache"), rows_per_shard=2,
+                                   teacher=CacheTeacherSection(k=8, model=model_cfg))
+    header, plan, todo = prepare_cache(cache_cfg)
+    for p in todo:
+        compute_shard(TeacherModel.from_config(model_cfg), cache_cfg.data, cache_cfg.out, header, p)
+    assert finalize_cache(cache_cfg.out, plan)
+
+    def targets(k: int, source: str, **kw) -> list[dict]:
+        t = TeacherSection(source=source, k=k, model=model_cfg, pool=pool["cfg"],
+                           client=TeacherClientConfig(timeout_s=60), **kw)
+        return list(open_teacher(t, VOCAB, cache_cfg.data).targets(rows, "cpu"))
+
+    model, served = targets(8, "inprocess"), targets(8, "serve")
+    cached = targets(8, "offline", cache_path=cache_cfg.out)
+    for r, m, s, c in zip(rows, model, served, cached):
+        m, s, c = m["teacher_topk"], s["teacher_topk"], c["teacher_topk"]
+        assert m.logprobs.shape == (r.num_tokens, 8) and m.logprobs.dtype == torch.float16
+        assert torch.equal(m.indices, c.indices) and torch.equal(m.indices, s.indices)
+        assert torch.equal(m.logprobs, c.logprobs) and torch.equal(m.tail_logmass, c.tail_logmass)
+        torch.testing.assert_close(s.logprobs.float(), m.logprobs.float(), rtol=2.0 ** -9, atol=0.0)
+        torch.testing.assert_close(s.tail_logmass, m.tail_logmass, rtol=1e-5, atol=1e-5)
+    # the exact teacher (k = 0): streamed logits from the model and from the pool, hidden states in-process
+    exact_model = targets(0, "inprocess", exact_form="logits")
+    exact_pool, hidden = targets(0, "serve"), targets(0, "inprocess")
+    for r, m, s, h in zip(rows, exact_model, exact_pool, hidden):
+        full = m["teacher_logits_fn"](0, r.num_tokens)
+        torch.testing.assert_close(s["teacher_logits_fn"](0, r.num_tokens), full, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h["teacher_hidden"] @ h["teacher_weight"].T, full, rtol=1e-5, atol=1e-5)
