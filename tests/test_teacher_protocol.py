@@ -76,6 +76,7 @@ def test_a_config_saved_before_teacher_k_reads_the_same(capsys):
         t.pop("exact_form")
         t.update(old)
         t["client"]["k"] = k if t["source"] == "serve" and k else 64
+        t["client"]["chunk_tokens"] = t["model"]["logits_chunk_tokens"]
         assert config_from_dict(d) == cfg
 
 
@@ -140,3 +141,15 @@ def test_model_targets_of_each_form(cache):
         full = lg["teacher_logits_fn"](0, r.num_tokens)
         torch.testing.assert_close(h["teacher_hidden"] @ h["teacher_weight"].T, full, rtol=1e-5, atol=1e-5)
         assert torch.equal(a["teacher_topk"].indices, torch.topk(full.float(), 8).indices.to(torch.int32))
+
+
+def test_client_chunk_tokens_is_the_models_logits_chunk_tokens(capsys):
+    t, err = _teacher(capsys, "teacher.client.chunk_tokens=512")
+    assert t.model.logits_chunk_tokens == 512
+    assert ("warning: config key teacher.client.chunk_tokens is deprecated; use teacher.model.logits_chunk_tokens "
+            "(client.chunk_tokens: 512 is model.logits_chunk_tokens: 512)") in err
+    # the same value twice (every config saved before) is one setting: dropped with the warning
+    t, err = _teacher(capsys, "teacher.client.chunk_tokens=256", "teacher.model.logits_chunk_tokens=256")
+    assert t.model.logits_chunk_tokens == 256 and "client.chunk_tokens: 256 adds nothing" in err
+    with pytest.raises(ConfigError, match="teacher.client.chunk_tokens and teacher.model.logits_chunk_tokens are both"):
+        load_stage_config(2, None, ["teacher.client.chunk_tokens=256", "teacher.model.logits_chunk_tokens=512"])

@@ -362,7 +362,8 @@ def load_manifest(cache_dir: str | Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- reading
 class TopKCacheReader:
-    """Stage 2's view of a finished cache: `get(row_id)`, `get_for_row(row)` or iteration in data order."""
+    """Stage 2's view of a finished cache: `targets(rows, spec)` (protocol.TeacherSource), `get(row_id)`,
+    `get_for_row(row)` or iteration in data order. `expect_k`: stage 2's teacher.k (another k is refused)."""
 
     def __init__(
         self,

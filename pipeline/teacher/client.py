@@ -24,6 +24,7 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections import deque
@@ -73,37 +74,28 @@ def _topk_from_wire(out: Mapping[str, torch.Tensor]) -> TeacherTopK:
 
 
 class TeacherClient:
-    def __init__(
-        self,
-        handle_or_app_name: Any,
-        max_inflight_rows: int = 4,
-        timeout_s: float = 600.0,
-        max_retries: int = 3,
-        k: int = 64,
-        dtype: str = "float16",
-        retry_backoff_s: float = 0.2,
-        chunk_tokens: int = 1024,
-        window_chunks: int = 4,
-    ) -> None:
+    def __init__(self, handle_or_app_name: Any, k: int = 64, cfg: TeacherClientConfig | None = None,
+                 chunk_tokens: int = 1024, **settings: Any) -> None:
+        """`k`: the top-k width asked for (teacher.k); `chunk_tokens`: tokens per streamed logits chunk
+        (teacher.model.logits_chunk_tokens); `cfg` and/or `settings`: TeacherClientConfig's fields
+        (in-flight rows, timeout, retries, wire dtype, windows), checked by its rules."""
         if isinstance(handle_or_app_name, str):
             from ray import serve
 
             handle_or_app_name = serve.get_app_handle(handle_or_app_name)
-        if max_inflight_rows < 1:
-            raise ValueError(f"max_inflight_rows={max_inflight_rows} must be >= 1")
-        self.handle, self.k, self.dtype = handle_or_app_name, k, dtype
-        self.max_inflight_rows, self.timeout_s, self.max_retries = max_inflight_rows, timeout_s, max_retries
-        self.retry_backoff_s, self.chunk_tokens, self.window_chunks = retry_backoff_s, chunk_tokens, window_chunks
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+        self.handle, self.k, self.chunk_tokens = handle_or_app_name, k, chunk_tokens
+        self.cfg = dataclasses.replace(cfg or TeacherClientConfig(), **settings)
         self.stats = ClientStats()
         self._retryable = _retryable_errors()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def from_config(cls, handle_or_app_name: Any, cfg: TeacherClientConfig, k: int) -> TeacherClient:
-        """`k`: stage 2's teacher.k (0 = the exact teacher, streamed)."""
-        return cls(handle_or_app_name, max_inflight_rows=cfg.max_inflight_rows, timeout_s=cfg.timeout_s,
-                   max_retries=cfg.max_retries, k=k, dtype=cfg.dtype, retry_backoff_s=cfg.retry_backoff_s,
-                   chunk_tokens=cfg.chunk_tokens, window_chunks=cfg.window_chunks)
+    def from_config(cls, handle_or_app_name: Any, cfg: TeacherClientConfig, k: int, chunk_tokens: int) -> TeacherClient:
+        """`k`: stage 2's teacher.k (0 = the exact teacher, streamed); `chunk_tokens`: its model's
+        logits_chunk_tokens."""
+        return cls(handle_or_app_name, k, cfg, chunk_tokens)
 
     def targets(self, rows: Sequence[PackedRow], spec: TargetSpec) -> Iterator[dict[str, Any]]:
         """The fused KL's teacher arguments of each row (protocol.TeacherSource): a step's top-k requests
@@ -119,23 +111,23 @@ class TeacherClient:
 
     # ---------------------------------------------------------------- top-k
     def _submit(self, row: PackedRow, k: int) -> Any:
-        return self.handle.topk.remote(row, k, self.dtype)
+        return self.handle.topk.remote(row, k, self.cfg.dtype)
 
     def _retry_or_raise(self, what: str, attempts: int, err: BaseException) -> None:
         self.stats.errors.append(f"{what}: {type(err).__name__}")
-        if attempts > self.max_retries:
+        if attempts > self.cfg.max_retries:
             raise TeacherUnavailableError(
-                f"{what} failed {attempts} time(s) (max_retries={self.max_retries}); last error: {err!r}"
+                f"{what} failed {attempts} time(s) (max_retries={self.cfg.max_retries}); last error: {err!r}"
             ) from err
         self.stats.retries += 1
-        wait = self.retry_backoff_s * 2 ** (attempts - 1)
+        wait = self.cfg.retry_backoff_s * 2 ** (attempts - 1)
         print(f"[teacher] {what}: {type(err).__name__}; sending it again ({attempts} of max_retries="
-              f"{self.max_retries}) in {wait:g} s", flush=True)
+              f"{self.cfg.max_retries}) in {wait:g} s", flush=True)
         time.sleep(wait)
 
     def _wait(self, p: _Pending) -> TeacherTopK:
         while True:
-            remaining = self.timeout_s - (time.monotonic() - p.started)
+            remaining = self.cfg.timeout_s - (time.monotonic() - p.started)
             try:
                 out = p.response.result(timeout_s=max(remaining, 1e-3))
             except self._retryable as e:
@@ -161,7 +153,7 @@ class TeacherClient:
         exhausted = False
         try:
             while True:
-                while not exhausted and len(inflight) < self.max_inflight_rows:
+                while not exhausted and len(inflight) < self.cfg.max_inflight_rows:
                     nxt = next(source, None)
                     if nxt is None:
                         exhausted = True
@@ -205,7 +197,7 @@ class TeacherClient:
         """Full-logit chunks [C, V] of one (checked) row, in order, each exactly once."""
         prow = row
         c = chunk_tokens or self.chunk_tokens
-        window = c * (window_chunks or self.window_chunks)
+        window = c * (window_chunks or self.cfg.window_chunks)
         t = prow.num_tokens
         session = f"{prow.row_id}-{uuid.uuid4().hex[:8]}"
         handle = self.handle.options(stream=True, multiplexed_model_id=session)
@@ -218,7 +210,7 @@ class TeacherClient:
         attempts = 1
         while pos < t:
             try:
-                chunk = self._next_chunk(current, self.timeout_s)
+                chunk = self._next_chunk(current, self.cfg.timeout_s)
             except self._retryable as e:
                 if isinstance(e, TimeoutError):
                     self.stats.timeouts += 1

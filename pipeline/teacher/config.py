@@ -77,9 +77,16 @@ def _k_of_mode(mode: Any, t: dict[str, Any]) -> Any:
     return UNUSED if "k" in (t.get("client") or {}) else 64
 
 
-# Old spellings of stage 2's `teacher.k` (in this order: the mode defers to client.k).
+def _chunk_of_client(c: Any, t: dict[str, Any]) -> Any:
+    # one setting: the tokens of a [C, V] teacher logits chunk, computed or streamed
+    model = t.get("model") or {}
+    return UNUSED if c == model.get("logits_chunk_tokens", TeacherModelConfig.logits_chunk_tokens) else c
+
+
+# Old spellings in stage 2's `teacher` section (in this order: the mode defers to client.k).
 TEACHER_RENAMES: dict[str, Any] = {"top_k": ("k", _k_of_top_k), "client.k": ("k", _k_of_client_k),
-                                   "mode": ("k", _k_of_mode)}
+                                   "mode": ("k", _k_of_mode),
+                                   "client.chunk_tokens": ("model.logits_chunk_tokens", _chunk_of_client)}
 
 
 @dataclass
@@ -138,7 +145,7 @@ class TeacherPoolConfig:
 
 @dataclass
 @rules(dtype=one_of(*TOPK_DTYPES), max_inflight_rows=at_least(1), timeout_s=above(0), max_retries=at_least(0),
-       retry_backoff_s=at_least(0), chunk_tokens=at_least(1), window_chunks=at_least(1))
+       retry_backoff_s=at_least(0), window_chunks=at_least(1))
 class TeacherClientConfig:
     # (The width is teacher.k.) Dtype of the top-k log-probabilities on the wire (indices int32, tail fp32).
     dtype: str = "float16"
@@ -149,9 +156,8 @@ class TeacherClientConfig:
     # Serve restarts elsewhere (with one replica, a lost node stalls the step until the new one is up).
     max_retries: int = 3
     retry_backoff_s: float = 0.2
-    # The exact teacher from the pool (teacher.k: 0): tokens per streamed logits chunk, chunks per window
-    # request (bounds what is in flight).
-    chunk_tokens: int = 1024
+    # The exact teacher from the pool (teacher.k: 0): logits chunks (of teacher.model.logits_chunk_tokens
+    # tokens) per window request (bounds what is in flight).
     window_chunks: int = 4
 
 

@@ -271,7 +271,8 @@ class TeacherModel:
             elif spec.form == "hidden":
                 yield {"teacher_hidden": self.hidden(row), "teacher_weight": self.lm_head_weight}
             else:
-                yield {"teacher_logits_fn": StreamedLogits(self.stream(row))}
+                # chunks stay on the model's device (no host round trip)
+                yield {"teacher_logits_fn": StreamedLogits(self.logits_chunks(self.hidden(row)))}
 
     def logits(self, row: PackedRow) -> torch.Tensor:
         """All logits [T, V] of a row (small rows only: tests, debugging)."""

@@ -117,7 +117,8 @@ def open_teacher(cfg: Any, student_vocab: int, data_path: str | None = None) -> 
     elif cfg.source == "serve":
         from hylo.pipeline.teacher.client import TeacherClient
 
-        source, vocab = TeacherClient.from_config(cfg.pool.app_name, cfg.client, cfg.k), None
+        source = TeacherClient.from_config(cfg.pool.app_name, cfg.client, cfg.k, cfg.model.logits_chunk_tokens)
+        vocab = None
     else:
         from hylo.pipeline.teacher.cache import TopKCacheReader
 
