@@ -126,6 +126,13 @@ def test_stage2_refuses_a_cache_of_another_k(cache):
     with pytest.raises(CacheMismatchError) as e:
         open_teacher(TeacherSection(source="offline", k=16, cache_path=out), VOCAB, cache["cfg"].data)
     assert f"teacher cache {out}: it holds top-8 records, k=16 is expected" in str(e.value)
+    # and before Ray starts: the stage's input checks read the same manifest
+    from hylo.pipeline.train.inputs import check_stage_inputs
+
+    cfg = load_stage_config(2, None, ["data.source=synthetic", "teacher.source=offline", "teacher.k=16",
+                                      f"teacher.cache_path={out}"])
+    with pytest.raises(CacheMismatchError, match=f"teacher cache {out}: it holds top-8 records, k=16"):
+        check_stage_inputs(cfg)
     # the right k opens it, and its targets are the stored records, row by row
     t = open_teacher(TeacherSection(source="offline", k=8, cache_path=out), VOCAB, cache["cfg"].data)
     got = list(t.targets(cache["rows"], "cpu"))

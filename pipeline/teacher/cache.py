@@ -347,7 +347,8 @@ def run_cache_job(cfg: Any, log: Any = print) -> dict[str, Any]:
     return {"planned": len(plan), "computed": sorted(s["shard"] for s in done), "complete": complete}
 
 
-def load_manifest(cache_dir: str | Path) -> dict[str, Any]:
+def load_manifest(cache_dir: str | Path, expect_k: int | None = None) -> dict[str, Any]:
+    """A cache's manifest; `expect_k` (stage 2's teacher.k): a cache of another k is refused."""
     path = Path(cache_dir) / MANIFEST
     if not path.is_file():
         raise CacheFormatError(f"{cache_dir}: no {MANIFEST}; not a teacher cache")
@@ -357,6 +358,11 @@ def load_manifest(cache_dir: str | Path) -> dict[str, Any]:
     if m.get("schema_version") != SCHEMA_VERSION:
         raise CacheFormatError(f"{path}: schema_version {m.get('schema_version')!r}; this reader knows "
                                f"{SCHEMA_VERSION}")
+    if expect_k is not None and m.get("k") != expect_k:
+        raise CacheMismatchError(
+            f"teacher cache {cache_dir}: it holds top-{m.get('k')} records, k={expect_k} is expected (stage 2's "
+            f"teacher.k): set teacher.k to {m.get('k')}, or write a cache with teacher.k={expect_k} into a new "
+            f"directory")
     return m
 
 
@@ -378,15 +384,10 @@ class TopKCacheReader:
         import pyarrow.parquet as pq
 
         self.dir = Path(cache_dir)
-        self.manifest = load_manifest(self.dir)
+        self.manifest = load_manifest(self.dir, expect_k)
         where = str(self.dir / MANIFEST)
         if not self.manifest.get("complete") and not allow_incomplete:
             raise CacheFormatError(f"{where}: the cache is incomplete (rerun jobs/teacher_cache.py to finish it)")
-        if expect_k is not None and self.manifest.get("k") != expect_k:
-            raise CacheMismatchError(
-                f"teacher cache {self.dir}: it holds top-{self.manifest.get('k')} records, k={expect_k} is expected "
-                f"(stage 2's teacher.k): set teacher.k to {self.manifest.get('k')}, or write a cache with "
-                f"teacher.k={expect_k} into a new directory")
         expected: dict[str, Any] = {"tokenizer_hash": expect_tokenizer_hash,
                                     "teacher_id": expect_teacher_id}
         if expect_data is not None:
