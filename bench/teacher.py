@@ -50,7 +50,9 @@ def main() -> None:
     args = ap.parse_args()
 
     teacher = TeacherModel(args.model, dtype="float32", device="cpu")
-    rows = make_rows(args.rows, args.tokens, teacher.vocab_size)
+    from hylo.kernels.varlen import check_row
+
+    rows = [check_row(r) for r in make_rows(args.rows, args.tokens, teacher.vocab_size)]
     total = args.rows * args.tokens
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (other jobs share them)")
     print(f"model {teacher.teacher_id} (V={teacher.vocab_size}, H={teacher.hidden_size}), "
@@ -106,14 +108,13 @@ def main() -> None:
     print(f"wire bytes/token  : top-k (k={args.k}, fp16 + int32 + fp32 tail) {wire_topk:.0f}; "
           f"full logits fp32 {wire_fp32:.0f}, bf16 {wire_bf16:.0f}; fp32/top-k = {wire_fp32 / wire_topk:.0f}x")
 
-    from hylo.kernels.varlen import check_row
     from hylo.pipeline.teacher.cache import ShardPlan, make_header, write_shard
 
     with tempfile.TemporaryDirectory() as d:
         header = make_header(teacher.teacher_id, teacher.tokenizer_hash, args.k, "float16", teacher.vocab_size,
                              "bench", args.rows)
         size = write_shard(Path(d) / "s.parquet", header, ShardPlan("s", "bench", 0, args.rows),
-                           [check_row(r).row_id for r in rows], direct)
+                           [r.row_id for r in rows], direct)
     print(f"cache bytes/token : {size / total:.0f} (fp16 logprobs + {header['index_dtype']} indices, zstd)")
 
 

@@ -138,7 +138,8 @@ def _recipe_from_run(run_dir: Path) -> dict[str, Any] | None:
         tmodel = teacher.get("model") or {}
         recipe["teacher"] = tmodel.get("path") if isinstance(tmodel, dict) else tmodel
         recipe["teacher_source"] = teacher.get("source")
-        recipe["teacher_top_k"] = teacher.get("top_k")
+        # teacher.k (0 = exact); configs saved before it spell it top_k
+        recipe["teacher_top_k"] = teacher.get("k", teacher.get("top_k"))
         recipe["teacher"] = recipe["teacher"] or (cfg.get("model") or {}).get("base")
     if cfg.get("stage") == 1:
         recipe["objective"] = "layer-wise distillation (ILD)"

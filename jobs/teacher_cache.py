@@ -1,9 +1,9 @@
 """Offline teacher top-k cache: run the teacher over a packed dataset and write versioned shards.
 
-    python jobs/teacher_cache.py --set data=DIR --set out=DIR [--config X.yaml] [--set k=64 ...]
+    python jobs/teacher_cache.py --set data=DIR --set out=DIR [--config X.yaml] [--set teacher.k=64 ...]
 
 Resumable: rerun the same command after a kill; finished shards are kept, the rest are computed.
-Smoke variant (this machine): --set model.path=<tiny HF dir> --set num_actors=1 --set cpus_per_actor=1
+Smoke variant (this machine): --set teacher.model.path=<tiny HF dir> --set num_actors=1 --set cpus_per_actor=1
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from hylo.pipeline.teacher.config import TeacherCacheConfig  # noqa: E402
 @job_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_args(parser, example="k=64")
+    add_config_args(parser, example="teacher.k=64")
     cfg = config_from_args(TeacherCacheConfig, parser.parse_args(argv))
     # Every input check (data shards, teacher files, an existing cache's header) before Ray starts.
     from hylo.pipeline.teacher.model import resolve_model_path
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from hylo.files import check_weights_dir
 
     if cfg.data and cfg.out:
-        check_weights_dir(resolve_model_path(cfg.model.path))
+        check_weights_dir(resolve_model_path(cfg.teacher.model.path))
     prepare_cache(cfg)
 
     # On a cluster, submit with `ray job submit --working-dir . -- python jobs/teacher_cache.py ...`.

@@ -271,10 +271,10 @@ def test_teacher_node_lost_mid_step_rows_answered_once_each_in_order(tiny, nodes
     steps = 6
 
     def teacher_run(name: str, **pool) -> Path:
-        teacher = {"source": "serve", "mode": "topk",
+        teacher = {"source": "serve", "k": 16,
                    "pool": {"app_name": name.replace("-", "_"), "num_replicas": 1, "num_cpus": 1,
                             "resources": {"teacher": 1}, "port": port, **pool},
-                   "client": {"k": 16, "dtype": "float32", "max_retries": 8, "retry_backoff_s": 0.5,
+                   "client": {"dtype": "float32", "max_retries": 8, "retry_backoff_s": 0.5,
                               "timeout_s": 60}}
         cfg = tiny_config(models, root / "runs", name, ray={**RAY_TRAIN, "max_failures": 0},
                           train={"max_steps": steps}, teacher=teacher)

@@ -192,7 +192,7 @@ def test_model_card_follows_the_checkpoint_from_conversion_to_evaluation(base_di
     (run / "config_stage2.json").write_text(json.dumps({
         "stage": 2, "data": {"path": "/data/stage2", "seq_len": 512}, "optim": {"lr": 1e-4},
         "train": {"global_batch_sequences": 8, "total_steps": 100},
-        "teacher": {"source": "serve", "top_k": 64, "model": {"path": "/models/teacher"}}}))
+        "teacher": {"source": "serve", "k": 64, "model": {"path": "/models/teacher"}}}))
     save_hylo(model, run / "model", tokenizer_from=tmp_path / "converted")
     card = load_card(run / "model")
     assert card["base"]["path"] == str(base_dir) and card["teacher"] == "/models/teacher"

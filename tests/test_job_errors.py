@@ -263,16 +263,16 @@ def test_prepare_data_job(tmp_path):
 def test_teacher_cache_job(tmp_path, tiny):
     # a missing data directory: one line, before Ray starts (was a traceback after ray.init)
     proc = run_job(["jobs/teacher_cache.py", "--set", f"data={tmp_path / 'nodata'}", "--set", f"out={tmp_path / 'c'}",
-                    "--set", f"model.path={tiny['base']}"])
+                    "--set", f"teacher.model.path={tiny['base']}"])
     assert_input_error(proc, str(tmp_path / "nodata"), "does not exist")
     data = _packed_dir(tmp_path / "data", "stage2")
     _truncate(data / "shard-00001.parquet", 300)
     proc = run_job(["jobs/teacher_cache.py", "--set", f"data={data}", "--set", f"out={tmp_path / 'c'}",
-                    "--set", f"model.path={tiny['base']}"])
+                    "--set", f"teacher.model.path={tiny['base']}"])
     assert_input_error(proc, str(data / "shard-00001.parquet"))
     proc = run_job(["jobs/teacher_cache.py", "--set", f"data={data}", "--set", f"out={tmp_path / 'c'}",
-                    "--set", "k=0"])
-    assert_input_error(proc, "k=0: must be >= 1")
+                    "--set", "teacher.k=0"])
+    assert_input_error(proc, "teacher.k=0: the offline cache holds top-k records")
 
 
 def _stage_config(tiny, tmp_path, stage: int, **sections) -> Path:
@@ -374,12 +374,12 @@ def test_corrupt_teacher_cache_shard_is_named_by_the_reader(tmp_path, tiny):
         finalize_cache,
         prepare_cache,
     )
-    from hylo.pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
+    from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherModelConfig
     from hylo.pipeline.teacher.model import TeacherModel
 
     data = _packed_dir(tmp_path / "data", "stage2", shards=1)
-    cfg = TeacherCacheConfig(data=str(data), out=str(tmp_path / "cache"), k=4, rows_per_shard=4,
-                             model=TeacherModelConfig(path=str(tiny["base"])))
+    cfg = TeacherCacheConfig(data=str(data), out=str(tmp_path / "cache"), rows_per_shard=4,
+                             teacher=CacheTeacherSection(k=4, model=TeacherModelConfig(path=str(tiny["base"]))))
     header, plan, todo = prepare_cache(cfg)
     teacher = TeacherModel(tiny["base"])
     for p in todo:

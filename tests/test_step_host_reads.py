@@ -66,9 +66,10 @@ def row(T: int, docs: int, seed: int) -> dict:
 
 def run_step(rows, linear_type="gdn"):
     from hylo.pipeline.teacher.model import TeacherModel
+    from hylo.pipeline.teacher.protocol import TargetSpec, Teacher
     from hylo.pipeline.train.config import Stage2Config
     from hylo.pipeline.train.plain_engine import PlainEngine
-    from hylo.pipeline.train.stage2 import KDStudent, Stage2Task, Teacher, train_step
+    from hylo.pipeline.train.stage2 import KDStudent, Stage2Task, train_step
     from hylo.pipeline.train.worker import WorkerContext
 
     class Solo(WorkerContext):
@@ -81,8 +82,8 @@ def run_step(rows, linear_type="gdn"):
     student.gradient_checkpointing_enable()
     student.train()
     engine = PlainEngine(KDStudent(student, cfg), lr=1e-3, grad_accum=len(rows))
-    teacher = Teacher(cfg.teacher, torch.device("cpu"), V,
-                      model=TeacherModel(tiny("gdn", seed=1), dtype="float32", device="cpu"))
+    teacher = Teacher(TeacherModel(tiny("gdn", seed=1), dtype="float32", device="cpu"),
+                      TargetSpec(cfg.teacher.k, cfg.teacher.form))
     task = Stage2Task(engine, student, teacher, cfg)
     ctx = Solo(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32, run_dir=None,
                grad_accum=len(rows))

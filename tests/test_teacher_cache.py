@@ -26,7 +26,7 @@ from hylo.pipeline.teacher.cache import (
     read_shard_meta,
     run_cache_job,
 )
-from hylo.pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
+from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherModelConfig
 from hylo.pipeline.teacher.model import TeacherModel
 
 from fixtures_teacher import make_packed_row, save_tiny_llama, write_packed_parquet
@@ -46,9 +46,9 @@ def env(tmp_path_factory):
     return {"dir": d, "model": model, "data": data, "rows": rows, "teacher": TeacherModel(model)}
 
 
-def _cfg(env, out, **kw) -> TeacherCacheConfig:
-    return TeacherCacheConfig(data=str(env["data"]), out=str(out), rows_per_shard=3,
-                              model=TeacherModelConfig(path=str(env["model"])), **kw)
+def _cfg(env, out, k: int = 64, **kw) -> TeacherCacheConfig:
+    return TeacherCacheConfig(data=str(env["data"]), out=str(out), rows_per_shard=3, **kw,
+                              teacher=CacheTeacherSection(k=k, model=TeacherModelConfig(path=str(env["model"]))))
 
 
 def _build_inprocess(env, out, **kw) -> TeacherCacheConfig:
@@ -83,7 +83,7 @@ def assert_matches_forward(teacher, row, got, k: int, dtype: str) -> None:
 
     The storage itself is tested bit for bit in `test_storage_round_trip_is_bit_exact`.
     """
-    assert_topk_matches(torch.log_softmax(teacher.logits(row).float(), dim=-1), got, k, dtype)
+    assert_topk_matches(torch.log_softmax(teacher.logits(check_row(row)).float(), dim=-1), got, k, dtype)
 
 
 @pytest.mark.parametrize("dtype,k", [("float16", 8), ("bfloat16", 5), ("float32", VOCAB)],
@@ -136,7 +136,7 @@ def test_cache_agrees_with_a_direct_forward(env, tmp_path, dtype, k):
     _build_inprocess(env, tmp_path / "c", k=k, dtype=dtype)
     reader = TopKCacheReader(tmp_path / "c", expect_k=k)
     for row in env["rows"]:
-        assert_matches_forward(env["teacher"], row, reader.get_for_row(row), k, dtype)
+        assert_matches_forward(env["teacher"], row, reader.get_for_row(check_row(row)), k, dtype)
 
 
 def test_forward_check_can_fail(env):
@@ -144,12 +144,12 @@ def test_forward_check_can_fail(env):
     from hylo.kernels.fused_kl.topk import TeacherTopK
 
     row = env["rows"][0]
-    good = env["teacher"].topk(row, 8, dtype="float32")
+    good = env["teacher"].topk(check_row(row), 8, dtype="float32")
     assert_matches_forward(env["teacher"], row, good, 8, "float32")
     lp = good.logprobs.clone()
     lp[3, 0] += 0.05
     swapped = good.indices.clone()
-    swapped[2, 7] = int(env["teacher"].logits(row)[2].argmin())
+    swapped[2, 7] = int(env["teacher"].logits(check_row(row))[2].argmin())
     bad_tail = good.tail_logmass.clone()
     bad_tail[1] = float("-inf")
     for bad in (TeacherTopK(lp, good.indices, good.tail_logmass),
@@ -168,7 +168,7 @@ def built(env):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"expect_k": 16}, "k is 8 but 16"),
+    [({"expect_k": 16}, "built: it holds top-8 records, k=16 is expected"),
      ({"expect_tokenizer_hash": "tok-0000"}, "tokenizer_hash"),
      ({"expect_teacher_id": "other@123"}, "teacher_id")],
     ids=["k", "tokenizer", "teacher"],
@@ -185,7 +185,7 @@ def test_reader_rejects_other_data(env, built, tmp_path):
         TopKCacheReader(built, expect_data=other)
     reader = TopKCacheReader(built)
     with pytest.raises(CacheMismatchError, match="not in the cache"):
-        reader.get_for_row(make_packed_row([5, 5], VOCAB, seed=99))
+        reader.get_for_row(check_row(make_packed_row([5, 5], VOCAB, seed=99)))
     with pytest.raises(KeyError, match="not in the cache"):
         reader.get("nope")
 
@@ -195,7 +195,7 @@ def test_rerun_with_other_k_or_tokenizer_is_refused(env, built, tmp_path):
         prepare_cache(_cfg(env, built, k=16))
     other_tok = save_tiny_llama(tmp_path / "m2", vocab_size=VOCAB, tokenizer_salt="z")
     cfg = _cfg(env, built, k=8)
-    cfg.model.path = str(other_tok)
+    cfg.teacher.model.path = str(other_tok)
     with pytest.raises(CacheMismatchError, match="teacher_id|tokenizer_hash"):
         prepare_cache(cfg)
 
@@ -268,6 +268,6 @@ def test_ray_job_resumes_after_partial_shards(env, tmp_path):
     assert not [p for p in os.listdir(out / SHARD_DIR) if p.startswith(".")]
     reader = TopKCacheReader(out, expect_k=8, expect_data=env["data"])
     for row in env["rows"]:
-        assert_matches_forward(env["teacher"], row, reader.get_for_row(row), 8, "float16")
+        assert_matches_forward(env["teacher"], row, reader.get_for_row(check_row(row)), 8, "float16")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] and manifest["rows"] == 10 and manifest["index_dtype"] == "uint16"

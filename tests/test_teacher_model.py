@@ -36,7 +36,7 @@ def _alone_logits(model, row, s, e):
 def test_each_document_equals_running_it_alone(teachers, iso, docs, pad):
     t = teachers[iso]
     row = make_packed_row(docs, VOCAB, seed=len(docs) + pad, pad=pad)
-    full = t.logits(row)
+    full = t.logits(check_row(row))
     cu = row["cu_seqlens"].tolist()
     for s, e in zip(cu[:-1], cu[1:]):
         torch.testing.assert_close(full[s:e], _alone_logits(t.model, row, s, e), rtol=1e-5, atol=1e-5)
@@ -47,7 +47,7 @@ def test_isolation_matters(teachers):
     t = teachers["per_doc"]
     row = make_packed_row([7, 13], VOCAB, seed=5)
     leaky = t.model(input_ids=torch.as_tensor(row["input_ids"]).unsqueeze(0)).logits[0]
-    assert (t.logits(row)[7:] - leaky[7:]).abs().max() > 1e-2
+    assert (t.logits(check_row(row))[7:] - leaky[7:]).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("iso", ["per_doc", "packed"])
@@ -55,7 +55,7 @@ def test_isolation_matters(teachers):
 def test_topk_equals_topk_of_direct_forward(teachers, iso, k):
     t = teachers[iso]
     row = make_packed_row([9, 6], VOCAB, seed=11, pad=2)
-    got = t.topk(row, k)
+    got = t.topk(check_row(row), k)
     cu = row["cu_seqlens"].tolist()
     ref_logits = torch.cat([_alone_logits(t.model, row, s, e) for s, e in zip(cu[:-1], cu[1:])])
     assert got.logprobs.dtype == torch.float16 and got.indices.dtype == torch.int32
@@ -69,7 +69,7 @@ def test_topk_equals_topk_of_direct_forward(teachers, iso, k):
 
 
 def test_topk_bf16_record(teachers):
-    got = teachers["per_doc"].topk(make_packed_row([10], VOCAB, seed=2), 4, dtype="bfloat16")
+    got = teachers["per_doc"].topk(check_row(make_packed_row([10], VOCAB, seed=2)), 4, dtype="bfloat16")
     assert got.logprobs.dtype == torch.bfloat16
 
 
@@ -77,30 +77,30 @@ def test_topk_bf16_record(teachers):
 def test_stream_chunks_concatenate_to_full_logits(teachers, chunk):
     t = teachers["per_doc"]
     row = make_packed_row([11, 6], VOCAB, seed=4, pad=1)
-    chunks = list(t.stream(row, chunk_tokens=chunk))
+    chunks = list(t.stream(check_row(row), chunk_tokens=chunk))
     n = row["input_ids"].size
     assert [c.shape[0] for c in chunks] == [min(chunk, n - s) for s in range(0, n, chunk)]
     cu = row["cu_seqlens"].tolist()
     ref = torch.cat([_alone_logits(t.model, row, s, e) for s, e in zip(cu[:-1], cu[1:])])
     torch.testing.assert_close(torch.cat(chunks), ref, rtol=1e-5, atol=1e-5)
     # A window [start, end) is the same slice of the full logits.
-    torch.testing.assert_close(torch.cat(list(t.stream(row, chunk, start=3, end=12))), ref[3:12], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(list(t.stream(check_row(row), chunk, start=3, end=12))), ref[3:12], rtol=1e-5, atol=1e-5)
 
 
 def test_hidden_states_and_lm_head_give_the_logits(teachers):
     t = teachers["per_doc"]
     row = make_packed_row([5, 8], VOCAB, seed=6)
-    h = t.hidden(row)
+    h = t.hidden(check_row(row))
     assert h.shape == (13, t.hidden_size) and t.lm_head_weight.shape == (VOCAB, t.hidden_size)
-    torch.testing.assert_close(h @ t.lm_head_weight.T, t.logits(row), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h @ t.lm_head_weight.T, t.logits(check_row(row)), rtol=1e-5, atol=1e-5)
 
 
 def test_batched_rows_equal_single_rows(teachers):
     t = teachers["per_doc"]
     rows = [make_packed_row([5, 5, 3], VOCAB, seed=i) for i in range(3)]
-    batched = t.hidden_batch(rows)
+    batched = t.hidden_batch([check_row(r) for r in rows])
     for r, h in zip(rows, batched):
-        torch.testing.assert_close(h, t.hidden(r), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h, t.hidden(check_row(r)), rtol=1e-5, atol=1e-5)
 
 
 def test_hylo_teacher_packed_equals_per_document():
@@ -115,6 +115,7 @@ def test_hylo_teacher_packed_equals_per_document():
     row = make_packed_row([5, 11, 3], VOCAB, seed=3, pad=2)
     packed = TeacherModel(m, isolation="auto")
     assert packed.isolation == "packed"
+    row = check_row(row)
     torch.testing.assert_close(packed.logits(row), TeacherModel(m, isolation="per_doc").logits(row),
                                rtol=1e-5, atol=1e-5)
 
@@ -144,7 +145,7 @@ def test_token_outside_vocabulary_names_the_tokenizer(teachers):
     row = make_packed_row([5], VOCAB, seed=0)
     row["input_ids"][2] = VOCAB + 3
     with pytest.raises(ValueError, match="outside the teacher's vocabulary"):
-        teachers["per_doc"].topk(row, 4)
+        teachers["per_doc"].topk(check_row(row), 4)
 
 
 def test_tokenizer_fingerprint_ignores_formatting_not_content(tmp_path, tiny_dir):

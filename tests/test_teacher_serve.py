@@ -14,6 +14,7 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+from hylo.kernels.varlen import PackedRow, check_row  # noqa: E402
 from hylo.pipeline.ray_init import ray_running  # noqa: E402
 from hylo.pipeline.teacher.client import TeacherClient  # noqa: E402
 from hylo.pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig  # noqa: E402
@@ -48,7 +49,7 @@ def pool(tmp_path_factory):
             from transformers import AutoModelForCausalLM
 
             ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-            yield {"handle": handle, "ref": ref, "marker": marker, "cfg": pool_cfg}
+            yield {"handle": handle, "ref": ref, "marker": marker, "cfg": pool_cfg, "model_dir": model_dir}
         finally:
             serve.shutdown()
 
@@ -66,6 +67,10 @@ def _rows(n: int, seed: int) -> list[dict]:
             for i in range(n)]
 
 
+def _checked(rows: list[dict]) -> list[PackedRow]:
+    return [check_row(r) for r in rows]
+
+
 def _check(ref, rows, records, k):
     assert len(records) == len(rows)
     for row, rec in zip(rows, records):
@@ -78,7 +83,7 @@ def _check(ref, rows, records, k):
 def test_pool_topk_equals_direct_forward_per_document(pool):
     rows = _rows(6, seed=1)
     client = TeacherClient(pool["handle"], max_inflight_rows=4, k=8, timeout_s=60)
-    _check(pool["ref"], rows, client.topk_all(rows), 8)
+    _check(pool["ref"], rows, client.topk_all(_checked(rows)), 8)
 
 
 def test_one_request_with_several_rows(pool):
@@ -94,7 +99,7 @@ def test_batches_are_cut_by_token_budget(pool):
     # 10 rows of 20 tokens at once, plus one row bigger than the whole budget.
     rows = [make_packed_row([12, 8], VOCAB, seed=300 + i) for i in range(10)] + [make_packed_row([50, 40], VOCAB, seed=7)]
     client = TeacherClient(pool["handle"], max_inflight_rows=11, k=4, timeout_s=60)
-    _check(pool["ref"], rows, client.topk_all(rows), 4)
+    _check(pool["ref"], rows, client.topk_all(_checked(rows)), 4)
     infos = pool["handle"].broadcast("info").results(timeout_s=30)
     batches = [b for info in infos for b in info["batches"]]
     assert all(tokens <= BUDGET for _, tokens in batches)
@@ -105,7 +110,7 @@ def test_batches_are_cut_by_token_budget(pool):
 def test_stream_chunks_concatenate_to_full_logits(pool, chunk, window):
     row = make_packed_row([17, 9], VOCAB, seed=21, pad=3)
     client = TeacherClient(pool["handle"], timeout_s=60)
-    chunks = list(client.stream(row, chunk_tokens=chunk, window_chunks=window))
+    chunks = list(client.stream(check_row(row), chunk_tokens=chunk, window_chunks=window))
     assert all(c.shape[0] == chunk for c in chunks[:-1]) and 0 < chunks[-1].shape[0] <= chunk
     torch.testing.assert_close(torch.cat(chunks), _ref_logits(pool["ref"], row), rtol=1e-5, atol=1e-5)
 
@@ -115,7 +120,7 @@ def test_replica_killed_midflight_every_row_once_in_order(pool):
     pool["marker"].write_text("armed")
     client = TeacherClient(pool["handle"], max_inflight_rows=6, k=6, timeout_s=60, max_retries=6,
                            retry_backoff_s=0.5)
-    records = client.topk_all(rows)
+    records = client.topk_all(_checked(rows))
     # The armed replica consumed the marker and exited while rows were in flight on it.
     assert not pool["marker"].exists()
     assert client.stats.retries >= 1, client.stats
@@ -125,8 +130,16 @@ def test_replica_killed_midflight_every_row_once_in_order(pool):
 def test_user_error_comes_back_without_retries(pool):
     client = TeacherClient(pool["handle"], k=VOCAB + 1, timeout_s=60, max_retries=3)
     with pytest.raises(ValueError, match="k=97"):
-        client.topk_all(_rows(1, seed=4))
+        client.topk_all(_checked(_rows(1, seed=4)))
     assert client.stats.retries == 0
+
+
+def test_bad_row_is_refused_by_the_server(pool):
+    # rows come over the network: the server checks them (in-process rows were checked by their reader)
+    row = make_packed_row([4], VOCAB, seed=0)
+    row["cu_seqlens"] = row["cu_seqlens"][:1]
+    with pytest.raises(ValueError, match="request row 0.*cu_seqlens"):
+        pool["handle"].topk.remote([row], 4, "float16").result(timeout_s=60)
 
 
 def test_http_answers_on_localhost_only(pool):
@@ -137,3 +150,55 @@ def test_http_answers_on_localhost_only(pool):
     psutil = pytest.importorskip("psutil")
     listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
     assert listening == {"127.0.0.1"}
+
+
+def test_protocol_targets_are_identical_from_model_pool_and_cache(pool, tmp_path):
+    """One teacher protocol, three sources: the same rows give the same fused-KL targets.
+
+    Every document length is distinct, so every source runs the same [1, L] forwards whatever its
+    batching. In-process model and cache (written by the cache job's compute_shard, read by stage 2's
+    reader) run in this process: top-k ids, fp16 log-probabilities and the tail are equal bit for bit
+    (the cache stores fp16 exactly). The pool's replicas are other processes (other thread counts): ids
+    equal, log-probabilities within one fp16 step (rtol 2**-9), the tail and streamed fp32 logits within 1e-5.
+    """
+    from hylo.pipeline.teacher.cache import compute_shard, finalize_cache, prepare_cache
+    from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherClientConfig
+    from hylo.pipeline.teacher.model import TeacherModel
+    from hylo.pipeline.teacher.protocol import open_teacher
+    from hylo.pipeline.train.config import TeacherSection
+
+    from fixtures_teacher import write_packed_parquet
+
+    model_dir = pool["model_dir"]
+    raw = [make_packed_row(docs, VOCAB, seed=500 + i) for i, docs in enumerate([[3, 11], [5, 9, 2], [13], [7, 4]])]
+    write_packed_parquet(tmp_path / "data" / "part-0.parquet", raw)
+    rows = _checked(raw)
+    model_cfg = TeacherModelConfig(path=str(model_dir))
+    cache_cfg = TeacherCacheConfig(data=str(tmp_path / "data"), out=str(tmp_path / "cache"), rows_per_shard=2,
+                                   teacher=CacheTeacherSection(k=8, model=model_cfg))
+    header, plan, todo = prepare_cache(cache_cfg)
+    for p in todo:
+        compute_shard(TeacherModel.from_config(model_cfg), cache_cfg.data, cache_cfg.out, header, p)
+    assert finalize_cache(cache_cfg.out, plan)
+
+    def targets(k: int, source: str, **kw) -> list[dict]:
+        t = TeacherSection(source=source, k=k, model=model_cfg, pool=pool["cfg"],
+                           client=TeacherClientConfig(timeout_s=60), **kw)
+        return list(open_teacher(t, VOCAB, cache_cfg.data).targets(rows, "cpu"))
+
+    model, served = targets(8, "inprocess"), targets(8, "serve")
+    cached = targets(8, "offline", cache_path=cache_cfg.out)
+    for r, m, s, c in zip(rows, model, served, cached):
+        m, s, c = m["teacher_topk"], s["teacher_topk"], c["teacher_topk"]
+        assert m.logprobs.shape == (r.num_tokens, 8) and m.logprobs.dtype == torch.float16
+        assert torch.equal(m.indices, c.indices) and torch.equal(m.indices, s.indices)
+        assert torch.equal(m.logprobs, c.logprobs) and torch.equal(m.tail_logmass, c.tail_logmass)
+        torch.testing.assert_close(s.logprobs.float(), m.logprobs.float(), rtol=2.0 ** -9, atol=0.0)
+        torch.testing.assert_close(s.tail_logmass, m.tail_logmass, rtol=1e-5, atol=1e-5)
+    # the exact teacher (k = 0): streamed logits from the model and from the pool, hidden states in-process
+    exact_model = targets(0, "inprocess", exact_form="logits")
+    exact_pool, hidden = targets(0, "serve"), targets(0, "inprocess")
+    for r, m, s, h in zip(rows, exact_model, exact_pool, hidden):
+        full = m["teacher_logits_fn"](0, r.num_tokens)
+        torch.testing.assert_close(s["teacher_logits_fn"](0, r.num_tokens), full, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h["teacher_hidden"] @ h["teacher_weight"].T, full, rtol=1e-5, atol=1e-5)

@@ -337,7 +337,7 @@ def test_kd_temperature_is_not_multiplied_by_t_squared():
 
 
 def test_streamed_logits_serve_any_increasing_windows():
-    from hylo.pipeline.train.stage2 import StreamedLogits
+    from hylo.pipeline.teacher.protocol import StreamedLogits
 
     full = torch.arange(50 * 3, dtype=torch.float32).reshape(50, 3)
     fn = StreamedLogits(iter(full.split(7)), torch.device("cpu"))
@@ -438,12 +438,13 @@ def test_teacher_sources_give_the_same_targets(tmp_path):
     """In-process top-k, the offline cache and the Serve pool (a fake handle) agree row by row."""
     from types import SimpleNamespace
 
-    from hylo.pipeline.teacher.cache import TopKCacheReader, compute_shard, finalize_cache, prepare_cache
+    from hylo.kernels.varlen import check_row
+    from hylo.pipeline.teacher.cache import compute_shard, finalize_cache, prepare_cache
     from hylo.pipeline.teacher.client import TeacherClient
-    from hylo.pipeline.teacher.config import TeacherCacheConfig, TeacherModelConfig
+    from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherModelConfig
     from hylo.pipeline.teacher.model import TeacherModel
+    from hylo.pipeline.teacher.protocol import TargetSpec, Teacher, open_teacher
     from hylo.pipeline.train.config import TeacherSection
-    from hylo.pipeline.train.stage2 import Teacher
 
     from fixtures_teacher import save_tiny_llama
 
@@ -453,10 +454,10 @@ def test_teacher_sources_give_the_same_targets(tmp_path):
     _write_split(data_dir)
     tm, cpu = TeacherModel(model_dir), torch.device("cpu")
     stream = open_rows(DataSection(source="parquet", path=str(data_dir), split="stage2", seq_len=32), 0, 0, 1)
-    batch = [stream.next_row() for _ in range(3)]
-
-    cache_cfg = TeacherCacheConfig(data=str(data_dir), out=str(tmp_path / "cache"), k=8, rows_per_shard=2,
-                                   model=TeacherModelConfig(path=str(model_dir)))
+    batch = [check_row(stream.next_row()) for _ in range(3)]
+    model_cfg = TeacherModelConfig(path=str(model_dir))
+    cache_cfg = TeacherCacheConfig(data=str(data_dir), out=str(tmp_path / "cache"), rows_per_shard=2,
+                                   teacher=CacheTeacherSection(k=8, model=model_cfg))
     header, plan, todo = prepare_cache(cache_cfg)
     for p in todo:
         compute_shard(tm, cache_cfg.data, cache_cfg.out, header, p)
@@ -471,24 +472,23 @@ def test_teacher_sources_give_the_same_targets(tmp_path):
 
     pool = SimpleNamespace(topk=SimpleNamespace(remote=lambda row, k, dtype: Done(tm.topk(row, k, dtype))))
     teachers = {
-        "inprocess": Teacher(TeacherSection(top_k=8), cpu, 50, model=tm),
-        "offline": Teacher(TeacherSection(source="offline", cache_path=cache_cfg.out), cpu, 50,
-                           cache=TopKCacheReader(cache_cfg.out, expect_data=data_dir)),
-        "serve": Teacher(TeacherSection(source="serve"), cpu, 50, client=TeacherClient(pool, k=8, dtype="float16")),
+        "inprocess": open_teacher(TeacherSection(k=8, model=model_cfg), 50),
+        "offline": open_teacher(TeacherSection(source="offline", k=8, cache_path=cache_cfg.out), 50, str(data_dir)),
+        "serve": Teacher(TeacherClient(pool, dtype="float16"), TargetSpec(8, "topk")),
     }
-    got = {name: list(t.for_rows(batch)) for name, t in teachers.items()}
+    got = {name: list(t.targets(batch, cpu)) for name, t in teachers.items()}
     for i in range(len(batch)):
         ref = got["inprocess"][i]["teacher_topk"]
-        assert ref.logprobs.shape == (len(batch[i]["input_ids"]), 8)
+        assert ref.logprobs.shape == (batch[i].num_tokens, 8)
         # Three different computations (batched cache, pool, in-process): compare each with the
         # teacher's own log-probabilities within tolerances, never bit for bit.
         ref_TV = torch.log_softmax(tm.logits(batch[i]).float(), dim=-1)
         for name in ("inprocess", "offline", "serve"):
             assert_topk_matches(ref_TV, got[name][i]["teacher_topk"], 8, "float16")
-    exact = next(Teacher(TeacherSection(), cpu, 50, model=tm).for_rows(batch))
+    exact = next(open_teacher(TeacherSection(model=model_cfg), 50).targets(batch, cpu))
     assert set(exact) == {"teacher_hidden", "teacher_weight"} and exact["teacher_hidden"].shape == (32, 32)
     with pytest.raises(ConfigError, match="teacher vocabulary 50 != student vocabulary 64"):
-        Teacher(TeacherSection(), cpu, 64, model=tm)
+        open_teacher(TeacherSection(model=model_cfg), 64)
 
 
 def test_stale_build_lock_is_removed_fresh_one_kept(tmp_path, monkeypatch):

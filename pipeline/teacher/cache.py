@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ import torch
 from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.kernels.varlen import PackedRow, check_row
 from hylo.pipeline.data.rowfile import PackedRowFile
+from hylo.pipeline.teacher.protocol import TargetSpec, unsupported
 
 from hylo.files import atomic_path, atomic_write, read_json
 
@@ -254,7 +255,7 @@ def _check_data_tokenizer(data_info: Mapping[str, Any], teacher_tok_hash: str, c
         return
     if data_tok != teacher_tok_hash:
         raise CacheMismatchError(f"{cfg.data}: the data was tokenized with {name!r} ({data_tok}), the teacher "
-                                 f"{cfg.model.path!r} uses another tokenizer ({teacher_tok_hash})")
+                                 f"{cfg.teacher.model.path!r} uses another tokenizer ({teacher_tok_hash})")
 
 
 def prepare_cache(cfg: Any) -> tuple[dict[str, Any], list[ShardPlan], list[ShardPlan]]:
@@ -263,12 +264,12 @@ def prepare_cache(cfg: Any) -> tuple[dict[str, Any], list[ShardPlan], list[Shard
     if not cfg.data or not cfg.out:
         raise CacheFormatError("teacher cache: both `data` and `out` must be set")
     (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-    teacher_id, tok_hash, vocab = _teacher_identity(cfg.model)
-    if cfg.k > vocab:
-        raise CacheMismatchError(f"k={cfg.k} exceeds the teacher's vocabulary ({vocab})")
+    teacher_id, tok_hash, vocab = _teacher_identity(cfg.teacher.model)
+    if cfg.teacher.k > vocab:
+        raise CacheMismatchError(f"teacher.k={cfg.teacher.k} exceeds the teacher's vocabulary ({vocab})")
     data_fp, files, data_info = data_fingerprint(cfg.data)
     _check_data_tokenizer(data_info, tok_hash, cfg)
-    header = make_header(teacher_id, tok_hash, cfg.k, cfg.dtype, vocab, data_fp, cfg.rows_per_shard)
+    header = make_header(teacher_id, tok_hash, cfg.teacher.k, cfg.dtype, vocab, data_fp, cfg.rows_per_shard)
     plan = plan_shards(files, cfg.rows_per_shard)
     mpath = out / MANIFEST
     if mpath.is_file():
@@ -331,7 +332,7 @@ def run_cache_job(cfg: Any, log: Any = print) -> dict[str, Any]:
         ds = ray.data.from_items([p.__dict__ for p in todo], override_num_blocks=len(todo))
         ds = ds.map_batches(
             _ShardWorker,
-            fn_constructor_kwargs={"model_cfg": to_dict(cfg.model), "data_dir": str(cfg.data),
+            fn_constructor_kwargs={"model_cfg": to_dict(cfg.teacher.model), "data_dir": str(cfg.data),
                                    "out_dir": str(cfg.out), "header": header},
             batch_size=1,
             compute=ray.data.ActorPoolStrategy(size=min(cfg.num_actors, len(todo))),
@@ -346,7 +347,8 @@ def run_cache_job(cfg: Any, log: Any = print) -> dict[str, Any]:
     return {"planned": len(plan), "computed": sorted(s["shard"] for s in done), "complete": complete}
 
 
-def load_manifest(cache_dir: str | Path) -> dict[str, Any]:
+def load_manifest(cache_dir: str | Path, expect_k: int | None = None) -> dict[str, Any]:
+    """A cache's manifest; `expect_k` (stage 2's teacher.k): a cache of another k is refused."""
     path = Path(cache_dir) / MANIFEST
     if not path.is_file():
         raise CacheFormatError(f"{cache_dir}: no {MANIFEST}; not a teacher cache")
@@ -356,12 +358,18 @@ def load_manifest(cache_dir: str | Path) -> dict[str, Any]:
     if m.get("schema_version") != SCHEMA_VERSION:
         raise CacheFormatError(f"{path}: schema_version {m.get('schema_version')!r}; this reader knows "
                                f"{SCHEMA_VERSION}")
+    if expect_k is not None and m.get("k") != expect_k:
+        raise CacheMismatchError(
+            f"teacher cache {cache_dir}: it holds top-{m.get('k')} records, k={expect_k} is expected (stage 2's "
+            f"teacher.k): set teacher.k to {m.get('k')}, or write a cache with teacher.k={expect_k} into a new "
+            f"directory")
     return m
 
 
 # ---------------------------------------------------------------------- reading
 class TopKCacheReader:
-    """Stage 2's view of a finished cache: `get(row_id)`, `get_for_row(row)` or iteration in data order."""
+    """Stage 2's view of a finished cache: `targets(rows, spec)` (protocol.TeacherSource), `get(row_id)`,
+    `get_for_row(row)` or iteration in data order. `expect_k`: stage 2's teacher.k (another k is refused)."""
 
     def __init__(
         self,
@@ -376,11 +384,11 @@ class TopKCacheReader:
         import pyarrow.parquet as pq
 
         self.dir = Path(cache_dir)
-        self.manifest = load_manifest(self.dir)
+        self.manifest = load_manifest(self.dir, expect_k)
         where = str(self.dir / MANIFEST)
         if not self.manifest.get("complete") and not allow_incomplete:
             raise CacheFormatError(f"{where}: the cache is incomplete (rerun jobs/teacher_cache.py to finish it)")
-        expected: dict[str, Any] = {"k": expect_k, "tokenizer_hash": expect_tokenizer_hash,
+        expected: dict[str, Any] = {"tokenizer_hash": expect_tokenizer_hash,
                                     "teacher_id": expect_teacher_id}
         if expect_data is not None:
             data_fp, _, data_info = data_fingerprint(expect_data)
@@ -447,9 +455,8 @@ class TopKCacheReader:
             raise KeyError(f"{self.dir}: row_id {row_id!r} is not in the cache (made from other data?)")
         return self._read(*loc)[1]
 
-    def get_for_row(self, row: Mapping[str, Any] | PackedRow) -> TeacherTopK:
-        """The record of a packed row, checked against its id and length."""
-        prow = check_row(row, where="cache lookup row")
+    def get_for_row(self, prow: PackedRow) -> TeacherTopK:
+        """The record of a (checked) packed row, checked against its id and length."""
         if prow.row_id not in self._index:
             raise CacheMismatchError(f"{self.dir}: row {prow.row_id} ({prow.num_tokens} tokens) is not in the "
                                      f"cache; the cache was made from other data or another packing")
@@ -458,6 +465,13 @@ class TopKCacheReader:
             raise CacheMismatchError(f"{self.dir}: row {prow.row_id} has {prow.num_tokens} tokens, the cache "
                                      f"holds {rec.logprobs.shape[0]}")
         return rec
+
+    def targets(self, rows: Sequence[PackedRow], spec: TargetSpec) -> Iterator[dict[str, Any]]:
+        """The fused KL's teacher arguments of each row (protocol.TeacherSource): the stored top-k records."""
+        if spec.form != "topk" or spec.k != self.k:
+            raise unsupported(f"offline (k={self.k}, {self.dir})", spec)
+        for row in rows:
+            yield {"teacher_topk": self.get_for_row(row)}
 
     def __iter__(self) -> Iterator[tuple[str, TeacherTopK]]:
         """(row_id, record) in data order."""

@@ -24,17 +24,19 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from hylo.kernels.fused_kl.topk import TeacherTopK
-from hylo.kernels.varlen import PackedRow, check_row
+from hylo.kernels.varlen import PackedRow
 from hylo.pipeline.teacher.config import TeacherClientConfig
+from hylo.pipeline.teacher.protocol import StreamedLogits, TargetSpec, unsupported
 
 
 class TeacherUnavailableError(RuntimeError):
@@ -63,6 +65,7 @@ class _Pending:
     row: PackedRow
     response: Any
     started: float
+    k: int
     attempts: int = 1
 
 
@@ -71,63 +74,60 @@ def _topk_from_wire(out: Mapping[str, torch.Tensor]) -> TeacherTopK:
 
 
 class TeacherClient:
-    def __init__(
-        self,
-        handle_or_app_name: Any,
-        max_inflight_rows: int = 4,
-        timeout_s: float = 600.0,
-        max_retries: int = 3,
-        k: int = 64,
-        dtype: str = "float16",
-        retry_backoff_s: float = 0.2,
-        chunk_tokens: int = 1024,
-        window_chunks: int = 4,
-    ) -> None:
+    def __init__(self, handle_or_app_name: Any, k: int = 64, cfg: TeacherClientConfig | None = None,
+                 chunk_tokens: int = 1024, **settings: Any) -> None:
+        """`k`: the top-k width asked for (teacher.k); `chunk_tokens`: tokens per streamed logits chunk
+        (teacher.model.logits_chunk_tokens); `cfg` and/or `settings`: TeacherClientConfig's fields
+        (in-flight rows, timeout, retries, wire dtype, windows), checked by its rules."""
         if isinstance(handle_or_app_name, str):
             from ray import serve
 
             handle_or_app_name = serve.get_app_handle(handle_or_app_name)
-        if max_inflight_rows < 1:
-            raise ValueError(f"max_inflight_rows={max_inflight_rows} must be >= 1")
-        self.handle = handle_or_app_name
-        self.max_inflight_rows = max_inflight_rows
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.k = k
-        self.dtype = dtype
-        self.retry_backoff_s = retry_backoff_s
-        self.chunk_tokens = chunk_tokens
-        self.window_chunks = window_chunks
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+        self.handle, self.k, self.chunk_tokens = handle_or_app_name, k, chunk_tokens
+        self.cfg = dataclasses.replace(cfg or TeacherClientConfig(), **settings)
         self.stats = ClientStats()
         self._retryable = _retryable_errors()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def from_config(cls, handle_or_app_name: Any, cfg: TeacherClientConfig) -> TeacherClient:
-        return cls(handle_or_app_name, max_inflight_rows=cfg.max_inflight_rows, timeout_s=cfg.timeout_s,
-                   max_retries=cfg.max_retries, k=cfg.k, dtype=cfg.dtype, retry_backoff_s=cfg.retry_backoff_s,
-                   chunk_tokens=cfg.chunk_tokens,
-                   window_chunks=cfg.window_chunks)
+    def from_config(cls, handle_or_app_name: Any, cfg: TeacherClientConfig, k: int, chunk_tokens: int) -> TeacherClient:
+        """`k`: stage 2's teacher.k (0 = the exact teacher, streamed); `chunk_tokens`: its model's
+        logits_chunk_tokens."""
+        return cls(handle_or_app_name, k, cfg, chunk_tokens)
+
+    def targets(self, rows: Sequence[PackedRow], spec: TargetSpec) -> Iterator[dict[str, Any]]:
+        """The fused KL's teacher arguments of each row (protocol.TeacherSource): a step's top-k requests
+        are in flight together; an exact row is streamed window by window as the loss reads it."""
+        if spec.form == "topk":
+            for rec in self.topk(rows, spec.k):
+                yield {"teacher_topk": rec}
+        elif spec.form == "logits":
+            for row in rows:
+                yield {"teacher_logits_fn": StreamedLogits(self.stream(row))}
+        else:
+            raise unsupported("pool", spec)
 
     # ---------------------------------------------------------------- top-k
-    def _submit(self, row: PackedRow) -> Any:
-        return self.handle.topk.remote(row, self.k, self.dtype)
+    def _submit(self, row: PackedRow, k: int) -> Any:
+        return self.handle.topk.remote(row, k, self.cfg.dtype)
 
     def _retry_or_raise(self, what: str, attempts: int, err: BaseException) -> None:
         self.stats.errors.append(f"{what}: {type(err).__name__}")
-        if attempts > self.max_retries:
+        if attempts > self.cfg.max_retries:
             raise TeacherUnavailableError(
-                f"{what} failed {attempts} time(s) (max_retries={self.max_retries}); last error: {err!r}"
+                f"{what} failed {attempts} time(s) (max_retries={self.cfg.max_retries}); last error: {err!r}"
             ) from err
         self.stats.retries += 1
-        wait = self.retry_backoff_s * 2 ** (attempts - 1)
+        wait = self.cfg.retry_backoff_s * 2 ** (attempts - 1)
         print(f"[teacher] {what}: {type(err).__name__}; sending it again ({attempts} of max_retries="
-              f"{self.max_retries}) in {wait:g} s", flush=True)
+              f"{self.cfg.max_retries}) in {wait:g} s", flush=True)
         time.sleep(wait)
 
     def _wait(self, p: _Pending) -> TeacherTopK:
         while True:
-            remaining = self.timeout_s - (time.monotonic() - p.started)
+            remaining = self.cfg.timeout_s - (time.monotonic() - p.started)
             try:
                 out = p.response.result(timeout_s=max(remaining, 1e-3))
             except self._retryable as e:
@@ -135,7 +135,7 @@ class TeacherClient:
                     self.stats.timeouts += 1
                     p.response.cancel()
                 self._retry_or_raise(f"teacher row {p.index} (row_id {p.row.row_id})", p.attempts, e)
-                p.response, p.started = self._submit(p.row), time.monotonic()
+                p.response, p.started = self._submit(p.row, p.k), time.monotonic()
                 p.attempts += 1
                 continue
             rec = _topk_from_wire(out[0])
@@ -144,21 +144,22 @@ class TeacherClient:
                                    f"sent {p.row.num_tokens}")
             return rec
 
-    def topk(self, rows: Iterable[Mapping[str, Any] | PackedRow]) -> Iterator[TeacherTopK]:
-        """Top-k records of `rows`, in order, with at most `max_inflight_rows` outstanding."""
+    def topk(self, rows: Iterable[PackedRow], k: int | None = None) -> Iterator[TeacherTopK]:
+        """Top-k records of (checked) `rows`, in order, with at most `max_inflight_rows` outstanding;
+        `k`: None = the client's."""
+        k = k or self.k
         inflight: deque[_Pending] = deque()
         source = iter(enumerate(rows))
         exhausted = False
         try:
             while True:
-                while not exhausted and len(inflight) < self.max_inflight_rows:
+                while not exhausted and len(inflight) < self.cfg.max_inflight_rows:
                     nxt = next(source, None)
                     if nxt is None:
                         exhausted = True
                         break
-                    i, raw = nxt
-                    row = check_row(raw, where=f"teacher row {i}")
-                    inflight.append(_Pending(i, row, self._submit(row), time.monotonic()))
+                    i, row = nxt
+                    inflight.append(_Pending(i, row, self._submit(row, k), time.monotonic(), k))
                 if not inflight:
                     return
                 rec = self._wait(inflight[0])
@@ -170,7 +171,7 @@ class TeacherClient:
             for p in inflight:
                 p.response.cancel()
 
-    def topk_all(self, rows: Iterable[Mapping[str, Any] | PackedRow]) -> list[TeacherTopK]:
+    def topk_all(self, rows: Iterable[PackedRow]) -> list[TeacherTopK]:
         return list(self.topk(rows))
 
     # ---------------------------------------------------------------- stream
@@ -190,13 +191,13 @@ class TeacherClient:
         return self._loop.run_until_complete(nxt())
 
     def stream(
-        self, row: Mapping[str, Any] | PackedRow, chunk_tokens: int | None = None,
+        self, row: PackedRow, chunk_tokens: int | None = None,
         window_chunks: int | None = None, dtype: str | None = None,
     ) -> Iterator[torch.Tensor]:
-        """Full-logit chunks [C, V] of one row, in order, each exactly once."""
-        prow = check_row(row, where="teacher stream row")
+        """Full-logit chunks [C, V] of one (checked) row, in order, each exactly once."""
+        prow = row
         c = chunk_tokens or self.chunk_tokens
-        window = c * (window_chunks or self.window_chunks)
+        window = c * (window_chunks or self.cfg.window_chunks)
         t = prow.num_tokens
         session = f"{prow.row_id}-{uuid.uuid4().hex[:8]}"
         handle = self.handle.options(stream=True, multiplexed_model_id=session)
@@ -209,7 +210,7 @@ class TeacherClient:
         attempts = 1
         while pos < t:
             try:
-                chunk = self._next_chunk(current, self.timeout_s)
+                chunk = self._next_chunk(current, self.cfg.timeout_s)
             except self._retryable as e:
                 if isinstance(e, TimeoutError):
                     self.stats.timeouts += 1

@@ -1,7 +1,10 @@
 """Teacher configuration: the model, the Serve pool, the client, and the offline top-k cache job.
 
 All sections are plain dataclasses loaded through `hylo.pipeline.config` (YAML + `--set a.b=c`, unknown
-keys rejected); each field's range or choices is declared once in its class's `@rules`.
+keys rejected); each field's range or choices is declared once in its class's `@rules`. What the
+teacher gives (`k`, 0 = exact, and the exact form) is checked in one place, `target_form`; the old
+spellings of the width (`teacher.top_k`, `teacher.client.k` + `teacher.mode`, the cache job's `k`) load
+through `TEACHER_RENAMES` / `@renamed` with a warning naming `teacher.k`.
 Defaults are sized for this 2-core CPU machine; on a cluster set `pool.num_gpus: 1` and
 `model.device: cuda`.
 """
@@ -9,14 +12,81 @@ Defaults are sized for this 2-core CPU machine; on a cluster set `pool.num_gpus:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from hylo.pipeline.config import NONEMPTY, PORT, above, at_least, each, one_of, renamed, rules
+from hylo.pipeline.config import (
+    NONEMPTY,
+    PORT,
+    UNUSED,
+    ConfigError,
+    FieldError,
+    above,
+    at_least,
+    each,
+    one_of,
+    renamed,
+    rules,
+)
 from hylo.pipeline.ray_init import RayInitSection
 
 DTYPES = ("float32", "bfloat16", "float16")
 ISOLATIONS = ("auto", "per_doc", "packed")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_TEACHER = "asset:smollm2-135m-instruct"
+TOPK_DTYPES = ("float16", "bfloat16", "float32")
+TEACHER_SOURCES = ("inprocess", "serve", "offline")
+# The exact teacher (k = 0): hidden = its hidden states + lm_head go into the fused KL (in-process only);
+# logits = its full-vocabulary logits streamed chunk by chunk; auto = hidden in-process, logits from the pool.
+EXACT_FORMS = ("auto", "hidden", "logits")
+
+
+def target_form(source: str, k: int, exact_form: str = "auto") -> str:
+    """What the teacher gives the fused KL: "topk" (k > 0), "hidden" or "logits" (k = 0, the full
+    vocabulary). The one check of the width against the source; raises FieldError naming the key."""
+    if source == "offline" and k == 0:
+        raise FieldError("k", k, "the offline cache holds top-k records: set k to the cache's k (0 is the exact "
+                                 "teacher, which a top-k cache cannot give)")
+    if k > 0:
+        if exact_form != "auto":
+            raise FieldError("exact_form", exact_form, f"applies to the exact teacher (k: 0) only, k is {k}")
+        return "topk"
+    if exact_form == "hidden" and source != "inprocess":
+        raise FieldError("exact_form", exact_form, f"needs source inprocess (the teacher's lm_head on the trainer); "
+                                                   f"the {source} teacher streams logits")
+    return "logits" if exact_form == "logits" or source != "inprocess" else "hidden"
+
+
+def _k_of_top_k(top_k: Any, t: dict[str, Any]) -> Any:
+    # teacher.top_k was the in-process teacher's width only
+    return top_k if t.get("source", "inprocess") == "inprocess" else UNUSED
+
+
+def _k_of_client_k(k: Any, t: dict[str, Any]) -> Any:
+    # teacher.client.k was the pool's width in mode topk only
+    return k if t.get("source") == "serve" and t.get("mode", "topk") == "topk" else UNUSED
+
+
+def _k_of_mode(mode: Any, t: dict[str, Any]) -> Any:
+    if mode not in ("topk", "stream"):
+        raise ConfigError(f"teacher.mode (now teacher.k): expected \"topk\" or \"stream\", got {mode!r}", "teacher.mode")
+    if t.get("source") != "serve":
+        return UNUSED
+    if mode == "stream":
+        return 0
+    # topk: the width is client.k's (moved before), else the client's old default
+    return UNUSED if "k" in (t.get("client") or {}) else 64
+
+
+def _chunk_of_client(c: Any, t: dict[str, Any]) -> Any:
+    # one setting: the tokens of a [C, V] teacher logits chunk, computed or streamed
+    model = t.get("model") or {}
+    return UNUSED if c == model.get("logits_chunk_tokens", TeacherModelConfig.logits_chunk_tokens) else c
+
+
+# Old spellings in stage 2's `teacher` section (in this order: the mode defers to client.k).
+TEACHER_RENAMES: dict[str, Any] = {"top_k": ("k", _k_of_top_k), "client.k": ("k", _k_of_client_k),
+                                   "mode": ("k", _k_of_mode),
+                                   "client.chunk_tokens": ("model.logits_chunk_tokens", _chunk_of_client)}
 
 
 @dataclass
@@ -74,12 +144,10 @@ class TeacherPoolConfig:
 
 
 @dataclass
-@rules(k=at_least(1), dtype=one_of("float16", "bfloat16", "float32"), max_inflight_rows=at_least(1),
-       timeout_s=above(0), max_retries=at_least(0), retry_backoff_s=at_least(0), chunk_tokens=at_least(1),
-       window_chunks=at_least(1))
+@rules(dtype=one_of(*TOPK_DTYPES), max_inflight_rows=at_least(1), timeout_s=above(0), max_retries=at_least(0),
+       retry_backoff_s=at_least(0), window_chunks=at_least(1))
 class TeacherClientConfig:
-    k: int = 64
-    # Dtype of the top-k log-probabilities on the wire (indices int32, tail fp32).
+    # (The width is teacher.k.) Dtype of the top-k log-probabilities on the wire (indices int32, tail fp32).
     dtype: str = "float16"
     max_inflight_rows: int = 4
     timeout_s: float = 600.0
@@ -88,20 +156,33 @@ class TeacherClientConfig:
     # Serve restarts elsewhere (with one replica, a lost node stalls the step until the new one is up).
     max_retries: int = 3
     retry_backoff_s: float = 0.2
-    # Stream mode: tokens per chunk, chunks per window request (bounds what is in flight).
-    chunk_tokens: int = 1024
+    # The exact teacher from the pool (teacher.k: 0): logits chunks (of teacher.model.logits_chunk_tokens
+    # tokens) per window request (bounds what is in flight).
     window_chunks: int = 4
 
 
 @dataclass
-@rules(k=at_least(1), dtype=one_of("float16", "bfloat16", "float32"), rows_per_shard=at_least(1),
-       num_actors=at_least(1), cpus_per_actor=at_least(0), gpus_per_actor=at_least(0), max_new_shards=at_least(0))
-@renamed(ray_address="ray.address")
+@rules(k=at_least(0))
+class CacheTeacherSection:
+    """The teacher of the cache job, spelled as stage 2's `teacher` section spells it."""
+
+    # Top-k width of the records the cache holds (stage 2's teacher.k must be the same).
+    k: int = 64
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+
+    def __post_init__(self) -> None:
+        target_form("offline", self.k)
+
+
+@dataclass
+@rules(dtype=one_of(*TOPK_DTYPES), rows_per_shard=at_least(1), num_actors=at_least(1), cpus_per_actor=at_least(0),
+       gpus_per_actor=at_least(0), max_new_shards=at_least(0))
+@renamed(ray_address="ray.address", k="teacher.k", model="teacher.model")
 class TeacherCacheConfig:
     # Directory of Parquet shards of packed rows (input_ids, position_ids, cu_seqlens, ...).
     data: str = ""
     out: str = ""
-    k: int = 64
+    # Dtype of the stored top-k log-probabilities (indices uint16/int32, tail fp32).
     dtype: str = "float16"
     # Rows per output shard: the unit of work, of atomic writes and of resume.
     rows_per_shard: int = 16
@@ -113,4 +194,4 @@ class TeacherCacheConfig:
     max_new_shards: int = 0
     # The job's Ray (pipeline/ray_init.py): an address, else $RAY_ADDRESS, else a local Ray.
     ray: RayInitSection = field(default_factory=RayInitSection)
-    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    teacher: CacheTeacherSection = field(default_factory=CacheTeacherSection)

@@ -26,14 +26,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from hylo.kernels.fused_kl.topk import TeacherTopK, topk_from_logits
-from hylo.kernels.varlen import PackedRow, check_row
+from hylo.kernels.varlen import PackedRow
 from hylo.pipeline.teacher.config import TeacherModelConfig
+from hylo.pipeline.teacher.protocol import StreamedLogits, TargetSpec
 from torch import nn
 
 from hylo.files import read_json
@@ -198,9 +199,9 @@ class TeacherModel:
         return out.last_hidden_state[0]
 
     @torch.no_grad()
-    def hidden_batch(self, rows: Iterable[Mapping[str, Any] | PackedRow]) -> list[torch.Tensor]:
-        """Final normed hidden states [T, H] of each row (on the model's device), documents isolated."""
-        prows = [check_row(r, where=f"row {i}") for i, r in enumerate(rows)]
+    def hidden_batch(self, rows: Iterable[PackedRow]) -> list[torch.Tensor]:
+        """Final normed hidden states [T, H] of each (checked) row, on the model's device, documents isolated."""
+        prows = list(rows)
         for r in prows:
             self._check_vocab(r)
         if self.isolation == "packed":
@@ -221,7 +222,7 @@ class TeacherModel:
                     out_TH[ri][s:s + L] = h_nLH[j]
         return out_TH
 
-    def hidden(self, row: Mapping[str, Any] | PackedRow) -> torch.Tensor:
+    def hidden(self, row: PackedRow) -> torch.Tensor:
         return self.hidden_batch([row])[0]
 
     # ---------------------------------------------------------------- logits and top-k
@@ -246,15 +247,15 @@ class TeacherModel:
             torch.cat([p.tail_logmass for p in parts]).cpu(),
         )
 
-    def topk_batch(self, rows: Iterable[Mapping[str, Any] | PackedRow], k: int,
+    def topk_batch(self, rows: Iterable[PackedRow], k: int,
                    dtype: str | torch.dtype = torch.float16) -> list[TeacherTopK]:
         return [self.topk_from_hidden(h, k, dtype) for h in self.hidden_batch(rows)]
 
-    def topk(self, row: Mapping[str, Any] | PackedRow, k: int, dtype: str | torch.dtype = torch.float16) -> TeacherTopK:
+    def topk(self, row: PackedRow, k: int, dtype: str | torch.dtype = torch.float16) -> TeacherTopK:
         return self.topk_batch([row], k, dtype)[0]
 
     def stream(
-        self, row: Mapping[str, Any] | PackedRow, chunk_tokens: int | None = None, start: int = 0,
+        self, row: PackedRow, chunk_tokens: int | None = None, start: int = 0,
         end: int | None = None, dtype: str | torch.dtype | None = None,
     ) -> Iterator[torch.Tensor]:
         """Full logits of the row as CPU chunks [C, V] (tokens [start, end))."""
@@ -262,6 +263,17 @@ class TeacherModel:
         for lg in self.logits_chunks(self.hidden(row), chunk_tokens, start, end):
             yield lg.to("cpu", dt) if dt is not None else lg.cpu()
 
-    def logits(self, row: Mapping[str, Any] | PackedRow) -> torch.Tensor:
+    def targets(self, rows: Sequence[PackedRow], spec: TargetSpec) -> Iterator[dict[str, Any]]:
+        """The fused KL's teacher arguments of each row (protocol.TeacherSource), one row's forward at a time."""
+        for row in rows:
+            if spec.form == "topk":
+                yield {"teacher_topk": self.topk(row, spec.k)}
+            elif spec.form == "hidden":
+                yield {"teacher_hidden": self.hidden(row), "teacher_weight": self.lm_head_weight}
+            else:
+                # chunks stay on the model's device (no host round trip)
+                yield {"teacher_logits_fn": StreamedLogits(self.logits_chunks(self.hidden(row)))}
+
+    def logits(self, row: PackedRow) -> torch.Tensor:
         """All logits [T, V] of a row (small rows only: tests, debugging)."""
         return torch.cat(list(self.stream(row)))

@@ -43,7 +43,15 @@ from hylo.pipeline.config import (
 from hylo.pipeline.convert import ConvertSection
 from hylo.pipeline.data.mixture import SPLITS
 from hylo.pipeline.ray_init import RayInitSection
-from hylo.pipeline.teacher.config import TeacherClientConfig, TeacherModelConfig, TeacherPoolConfig
+from hylo.pipeline.teacher.config import (
+    EXACT_FORMS,
+    TEACHER_RENAMES,
+    TEACHER_SOURCES,
+    TeacherClientConfig,
+    TeacherModelConfig,
+    TeacherPoolConfig,
+    target_form,
+)
 from hylo.pipeline.train.trackers import MlflowSection, WandbSection
 
 STAGE_KEYS = ("stage1", "stage2")
@@ -240,18 +248,20 @@ class ILDSection:
 
 
 @dataclass
-@rules(source=one_of("inprocess", "serve", "offline"), top_k=at_least(0), mode=one_of("topk", "stream"))
+@renamed(**TEACHER_RENAMES)
+@rules(source=one_of(*TEACHER_SOURCES), k=at_least(0), exact_form=one_of(*EXACT_FORMS))
 class TeacherSection:
     # inprocess: a (small) teacher on every worker; serve: the Ray Serve pool; offline: top-k cache.
     source: str = "inprocess"
-    # inprocess: 0 = exact (the teacher's hidden states + lm_head go into the fused KL), k > 0 = top-k.
-    # serve: the pool answers top-k (client.k) or streams full logits (mode stream).
-    top_k: int = 0
-    # serve: topk | stream.
-    mode: str = "topk"
+    # Width of the teacher's targets: k > 0 = its top-k log-probabilities plus the tail mass; 0 = exact, the
+    # full vocabulary (inprocess or serve; offline needs the cache's k). (Old keys: top_k, client.k + mode.)
+    k: int = 0
+    # How the exact teacher (k: 0) reaches the fused KL: hidden (its hidden states + lm_head; inprocess),
+    # logits (full-vocabulary logits streamed chunk by chunk), auto (hidden inprocess, logits from the pool).
+    exact_form: str = "auto"
     # The teacher model (inprocess), or what the driver deploys when start_pool is true.
     model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
-    # serve: the pool (app name, replicas, resources) and the client (k, retries, in-flight rows).
+    # serve: the pool (app name, replicas, resources) and the client (retries, in-flight rows).
     pool: TeacherPoolConfig = field(default_factory=TeacherPoolConfig)
     client: TeacherClientConfig = field(default_factory=TeacherClientConfig)
     # serve: the driver deploys the pool before training (and shuts it down after); false = attach
@@ -263,6 +273,12 @@ class TeacherSection:
     def __post_init__(self) -> None:
         if self.source == "offline" and not self.cache_path:
             raise FieldError("cache_path", self.cache_path, "teacher.source=offline needs teacher.cache_path")
+        target_form(self.source, self.k, self.exact_form)
+
+    @property
+    def form(self) -> str:
+        """topk, hidden or logits (`target_form`)."""
+        return target_form(self.source, self.k, self.exact_form)
 
 
 @dataclass

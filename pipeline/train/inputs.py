@@ -5,7 +5,7 @@
   without one: model.base's config.json with the model.convert options must give a valid HybridConfig;
 * model.base (stage 1) and the teacher (stage 2 inprocess, or serve when the driver starts the pool): a
   model directory or asset with whole .safetensors files;
-* teacher.cache_path (offline): a teacher cache manifest;
+* teacher.cache_path (offline): a teacher cache manifest, of teacher.k's k;
 * what the config files say about teacher and student (`check_compatible_models`): the same vocabulary
   size (teacher / cache manifest / stage 1's base vs the student), the same tokens for the same ids in
   their tokenizer.json files, stage 1's base of the student's hidden size and layer count (its layer
@@ -192,7 +192,8 @@ def check_stage_inputs(cfg: StageConfig) -> None:
         if t.source == "offline":
             from hylo.pipeline.teacher.cache import load_manifest
 
-            load_manifest(t.cache_path)
+            # the cache's k is teacher.k's (the workers' reader checks it again)
+            load_manifest(t.cache_path, t.k)
         _teacher_fits(cfg)
     if cfg.data.source == "parquet":
         _data(cfg)

@@ -11,9 +11,9 @@ Design choices:
   convention; `KDSection`, kernels/fused_kl/README.md): kl_weight is the term's only factor.
 * The loss runs inside `KDStudent.forward` so that ZeRO-3 gathers `lm_head.weight` around it: the weight
   is registered as an external parameter of the wrapper (it is used outside `lm_head.forward`).
-* Teacher forms (`teacher.source`): `inprocess` (exact: teacher hidden states + teacher lm_head, or its
-  top-k), `serve` (the Ray Serve pool: top-k records, or streamed full-logit chunks), `offline` (the
-  top-k cache). All of a step's rows are requested from the pool at once, so they are in flight together.
+* The teacher is one object (`hylo.pipeline.teacher.protocol.Teacher`, from `teacher.source`: inprocess,
+  serve or offline, and `teacher.k`: 0 = exact): it yields each row's targets of the fused KL, and the
+  step zips rows and targets. The pool's requests for a step's rows are in flight together.
 * Loss normalisation: the step's loss is the mean over all loss tokens of the GLOBAL batch (every
   rank's rows): each micro-batch backpropagates `loss_sum * W / n_global` with DeepSpeed's 1/G
   scaling off (`scale_wrt_gas=False`), and DeepSpeed averages the gradients over the W ranks. So a
@@ -23,16 +23,17 @@ Design choices:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from hylo.kernels.fused_kl import TeacherTopK, fused_linear_cross_entropy, fused_linear_kl_div
+from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div
 from hylo.kernels.fused_kl.inputs import check_deferred
+from hylo.kernels.varlen import check_row
 from hylo.pipeline.config import ConfigError
-from hylo.pipeline.train.config import Stage2Config, TeacherSection
+from hylo.pipeline.teacher.protocol import Teacher, open_teacher
+from hylo.pipeline.train.config import Stage2Config
 from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
 from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
 from torch import nn
@@ -65,83 +66,6 @@ class KDStudent(nn.Module):
         return kl, ce
 
 
-# ------------------------------------------------------------------------------------ teacher side
-class StreamedLogits:
-    """`teacher_logits_fn(i, j)` over a generator of [C, V] chunks (calls come in increasing order)."""
-
-    def __init__(self, chunks: Iterator[torch.Tensor], device: torch.device) -> None:
-        self.chunks, self.device = chunks, device
-        self.buf, self.start = None, 0
-
-    def __call__(self, i: int, j: int) -> torch.Tensor:
-        while self.buf is None or self.start + self.buf.shape[0] < j:
-            nxt = next(self.chunks).to(self.device)
-            if self.buf is None:
-                self.buf = nxt
-            else:
-                keep = self.buf[max(0, i - self.start):]
-                self.start += self.buf.shape[0] - keep.shape[0]
-                self.buf = torch.cat([keep, nxt])
-        return self.buf[i - self.start: j - self.start]
-
-
-class Teacher:
-    """Gives, for each packed row, the teacher keyword arguments of `fused_linear_kl_div`.
-
-    Exactly one of `model` (in-process `TeacherModel`), `client` (`TeacherClient` of the Serve pool) or
-    `cache` (`TopKCacheReader`) is set; `build` makes the one `teacher.source` asks for.
-    """
-
-    def __init__(self, cfg: TeacherSection, device: torch.device, student_vocab: int, *, model: Any = None,
-                 client: Any = None, cache: Any = None) -> None:
-        if sum(x is not None for x in (model, client, cache)) != 1:
-            raise ValueError("Teacher needs exactly one of model, client, cache")
-        self.cfg, self.device, self.model, self.client, self.cache = cfg, device, model, client, cache
-        vocab = (model.vocab_size if model is not None else
-                 int(cache.manifest["vocab_size"]) if cache is not None else None)
-        if vocab is not None and vocab != student_vocab:
-            raise ConfigError(f"teacher vocabulary {vocab} != student vocabulary {student_vocab}: "
-                              f"teacher and student must share a tokenizer")
-
-    @classmethod
-    def build(cls, cfg: Stage2Config, ctx: WorkerContext, student_vocab: int) -> Teacher:
-        t = cfg.teacher
-        if t.source == "inprocess":
-            from hylo.pipeline.teacher.model import TeacherModel
-
-            return cls(t, ctx.device, student_vocab, model=TeacherModel.from_config(t.model))
-        if t.source == "serve":
-            from hylo.pipeline.teacher.client import TeacherClient
-
-            return cls(t, ctx.device, student_vocab, client=TeacherClient.from_config(t.pool.app_name, t.client))
-        from hylo.pipeline.teacher.cache import TopKCacheReader
-
-        expect = cfg.data.path if cfg.data.source == "parquet" else None
-        return cls(t, ctx.device, student_vocab, cache=TopKCacheReader(t.cache_path, expect_data=expect))
-
-    def _topk(self, rec: TeacherTopK) -> dict[str, Any]:
-        return {"teacher_topk": TeacherTopK(*(x.to(self.device) if x is not None else None for x in rec))}
-
-    def for_rows(self, rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        t = self.cfg
-        if self.model is not None:
-            for row in rows:
-                if t.top_k:
-                    yield self._topk(self.model.topk(row, t.top_k))
-                else:
-                    h = self.model.hidden(row).to(self.device)
-                    yield {"teacher_hidden": h, "teacher_weight": self.model.lm_head_weight.to(self.device)}
-        elif self.client is not None and t.mode == "topk":
-            for rec in self.client.topk(rows):
-                yield self._topk(rec)
-        elif self.client is not None:
-            for row in rows:
-                yield {"teacher_logits_fn": StreamedLogits(self.client.stream(row), self.device)}
-        else:
-            for row in rows:
-                yield self._topk(self.cache.get_for_row(row))
-
-
 # ------------------------------------------------------------------------------------ build + step
 @dataclass
 class Stage2Task:
@@ -164,7 +88,8 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage2Task:
     module = KDStudent(student, cfg)
     engine = init_engine(module, [p for p in module.parameters() if p.requires_grad], cfg, ctx.world_size,
                          ctx.dtype, lr_lambda)
-    return Stage2Task(engine, student, Teacher.build(cfg, ctx, student.config.vocab_size), cfg)
+    data = cfg.data.path if cfg.data.source == "parquet" else None
+    return Stage2Task(engine, student, open_teacher(cfg.teacher, student.config.vocab_size, data), cfg)
 
 
 def train_step(task: Stage2Task, rows: list[dict[str, Any]], ctx: WorkerContext) -> StepResult:
@@ -176,7 +101,9 @@ def train_step(task: Stage2Task, rows: list[dict[str, Any]], ctx: WorkerContext)
     out = {"loss_sum": 0.0, "kl_sum": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
     # the loss terms stay on the device until the step's end: one host read per step, not three per row
     sums = []
-    for i, (row, teacher) in enumerate(zip(rows, task.teacher.for_rows(rows))):
+    # the reader's rows as PackedRows (returned as they are once the reader yields checked rows)
+    targets = task.teacher.targets([check_row(r) for r in rows], ctx.device)
+    for i, (row, teacher) in enumerate(zip(rows, targets)):
         b = row_to_device(row, ctx.device)
         kl, ce = engine(b, teacher)
         loss = kd.kl_weight * kl + kd.ce_weight * ce
