@@ -69,7 +69,7 @@ def test_path_errors_name_the_path(capsys, tmp_path):
 
 
 def test_wrapped_input_errors_are_found(capsys):
-    from hylo.pipeline.data.dataset import DataFormatError
+    from hylo.pipeline.data.rowfile import DataFormatError
 
     def chained(argv):
         try:
@@ -83,7 +83,7 @@ def test_wrapped_input_errors_are_found(capsys):
 
 def test_ray_wrapped_worker_errors_are_found():
     """Ray Train's WorkerGroupError and a RayTaskError (as the driver sees them) carry the input error."""
-    from hylo.kernels.varlen import PackedRowError
+    from hylo.pipeline.data.rows import PackedRowError
     from ray.exceptions import RayTaskError
     from ray.train import WorkerGroupError
 
@@ -179,7 +179,7 @@ def _copy_model(src: Path, dst: Path) -> Path:
 
 
 def _packed_dir(d: Path, split: str, seq_len: int = 64, shards: int = 3) -> Path:
-    from hylo.pipeline.data.dataset import ShardWriter, write_manifest
+    from hylo.pipeline.data.shards import ShardWriter, write_manifest
 
     from fixtures_teacher import make_packed_row
 
@@ -353,7 +353,8 @@ def test_demo_job(tmp_path):
 
 def test_corrupt_shard_in_the_middle_is_named_by_the_reader(tmp_path):
     """A shard whose footer is intact but whose pages are corrupt (ZSTD error) names file and row group."""
-    from hylo.pipeline.data.dataset import DataFormatError, RowReader
+    from hylo.pipeline.data.reader import RowReader
+    from hylo.pipeline.data.rowfile import DataFormatError
 
     d = _packed_dir(tmp_path / "data", "stage2")
     f = d / "shard-00001.parquet"

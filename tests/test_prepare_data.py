@@ -7,22 +7,16 @@ import shutil
 
 import numpy as np
 import pytest
-from hylo.kernels.varlen import check_row
 from hylo.pipeline.config import load_config
 from hylo.pipeline.data.config import PrepareDataConfig
-from hylo.pipeline.data.dataset import (
-    MANIFEST,
-    DataFormatError,
-    PrepareError,
-    RowReader,
-    ShardWriter,
-    prepare,
-    read_manifest,
-    write_manifest,
-)
 from hylo.pipeline.data.mixture import split_of
 from hylo.pipeline.data.packing import PAD_DOC_ID, BestFitPacker, Document, label_aligned_mask
+from hylo.pipeline.data.prepare import PrepareError, prepare
+from hylo.pipeline.data.reader import RowReader
 from hylo.pipeline.data.render import ChatRenderer
+from hylo.pipeline.data.rowfile import DataFormatError
+from hylo.pipeline.data.rows import check_row
+from hylo.pipeline.data.shards import MANIFEST, ShardWriter, read_manifest, write_manifest
 from hylo.pipeline.ray_init import ray_running
 
 
@@ -170,7 +164,7 @@ def test_stage1_is_a_sample_of_stage2_or_disjoint_from_it(prepared, source, tmp_
 
 @pytest.mark.slow
 def test_shards_read_back_as_a_ray_dataset_in_order(prepared):
-    from hylo.pipeline.data.dataset import read_packed_dataset
+    from hylo.pipeline.data.shards import read_packed_dataset
 
     out, report = prepared
     ds = read_packed_dataset(out)
@@ -280,7 +274,7 @@ def _fake_stream(fail_after: int | None = None):
 
 @pytest.fixture
 def no_ray(monkeypatch):
-    import hylo.pipeline.data.dataset as ds
+    import hylo.pipeline.data.prepare as ds
 
     monkeypatch.setattr(ds, "init_ray", lambda *a, **k: None)
     return ds
@@ -420,7 +414,7 @@ def test_the_rows_hash_covers_every_key_but_the_declared_unhashed_ones():
 
     from hylo.pipeline.config import to_dict
     from hylo.pipeline.data.config import UNHASHED_KEYS
-    from hylo.pipeline.data.dataset import rows_config_hash
+    from hylo.pipeline.data.prepare import rows_config_hash
 
     cfg = load_config(PrepareDataConfig, overrides=['mixture.sources=[{name: a, path: x.jsonl}]'])
     base = rows_config_hash(cfg)
@@ -440,7 +434,7 @@ def test_the_rows_hash_covers_every_key_but_the_declared_unhashed_ones():
 def test_the_rows_hash_of_existing_datasets_is_unchanged():
     """Datasets already prepared keep their fingerprint: the hash is that of the mapping it has always hashed."""
     from hylo.pipeline.config import config_hash, to_dict
-    from hylo.pipeline.data.dataset import rows_config_hash
+    from hylo.pipeline.data.prepare import rows_config_hash
 
     cfg = load_config(PrepareDataConfig, overrides=[
         'mixture.sources=[{name: a, path: x.jsonl, weight: 2}]', "packing.max_len=4096",

@@ -134,7 +134,7 @@ class PrepareDataConfig:
 
 
 # Keys (dotted) that do not change the produced rows: the manifest's `config_hash`
-# (hylo.pipeline.data.dataset.rows_config_hash) covers every other key, so a new one is hashed unless listed
+# (hylo.pipeline.data.prepare.rows_config_hash) covers every other key, so a new one is hashed unless listed
 # here. (decontam.scanner and decontam.batch_size do not change the rows either, but have always been
 # hashed: leaving them out now would change the fingerprint of every dataset prepared so far.)
 UNHASHED_KEYS = ("ray", "progress", "output", "tokenize.num_actors", "tokenize.batch_size")

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from hylo.kernels.fused_kl.topk import TeacherTopK, topk_from_logits
-from hylo.kernels.varlen import PackedRow, check_row
+from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.teacher.config import TeacherModelConfig
 from torch import nn
 

@@ -89,8 +89,10 @@ class DataSection:
     path: str | None = None
     # Which split of the prepared data this stage reads (stage 1 reads the 20 % split by default).
     split: str = "stage1"
-    # Tokens per packed row (the context length); must match the prepared data.
-    seq_len: int = 2048
+    # Tokens per packed row (the context length). Parquet rows take theirs from the dataset's manifest
+    # (the data job's packing.max_len): leave this unset, or set it as a check (a different number is
+    # refused naming both). Synthetic rows need it.
+    seq_len: int | None = None
     synthetic: SyntheticData = field(default_factory=SyntheticData)
 
 
@@ -312,7 +314,7 @@ class Stage1Config(_SharedSections):
 
 @dataclass
 class Stage2Config(_SharedSections):
-    data: DataSection = field(default_factory=lambda: DataSection(split="stage2", seq_len=65536))
+    data: DataSection = field(default_factory=lambda: DataSection(split="stage2"))
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=4e-5))
     teacher: TeacherSection = field(default_factory=TeacherSection)
     kd: KDSection = field(default_factory=KDSection)

@@ -25,12 +25,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from hylo.kernels.fused_kl import TeacherTopK, fused_linear_kl_div
 from hylo.kernels.fused_kl.inputs import check_deferred
 from hylo.pipeline.config import ConfigError
+from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.train.config import Stage2Config, TeacherSection
 from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
 from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
@@ -179,10 +179,10 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage2Task:
     return Stage2Task(engine, student, Teacher.build(cfg, ctx, student.config.vocab_size), cfg)
 
 
-def train_step(task: Stage2Task, rows: list[dict[str, Any]], ctx: WorkerContext) -> StepResult:
+def train_step(task: Stage2Task, rows: list[PackedRow], ctx: WorkerContext) -> StepResult:
     """One optimiser step: teacher -> student -> fused KL (+ CE) -> backward, over this rank's rows."""
     kd, engine = task.cfg.kd, task.engine
-    n_global = ctx.all_sum([float(sum(int(r["loss_mask"].sum()) for r in rows))])[0]
+    n_global = ctx.all_sum([float(sum(r.loss_tokens for r in rows))])[0]
     scale = ctx.world_size / max(n_global, 1.0)
     lr = current_lr(engine)
     out = {"loss_sum": 0.0, "kl_sum": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
@@ -197,8 +197,8 @@ def train_step(task: Stage2Task, rows: list[dict[str, Any]], ctx: WorkerContext)
             ctx.hook("mid_step")
         engine.step()
         sums.append(torch.stack([loss.detach(), kl.detach(), ce.detach()]).double())
-        out["loss_tokens"] += float(np.asarray(row["loss_mask"]).sum())
-        out["tokens"] += float(np.asarray(row["input_ids"]).size)
+        out["loss_tokens"] += float(row.loss_tokens)
+        out["tokens"] += float(row.num_tokens)
     # the fused KL's input checks left device flags (kernels/fused_kl/inputs.py): read them with the sums
     check_deferred()
     out["loss_sum"], out["kl_sum"], out["ce_sum"] = torch.stack(sums).sum(0).tolist()
