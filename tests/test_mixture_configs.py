@@ -216,9 +216,9 @@ def _docs(out: Path) -> tuple[set[str], list[np.ndarray]]:
     from hylo.pipeline.data.reader import RowReader
 
     docs, rows = set(), []
-    for r in RowReader(out, as_numpy=True):
-        docs |= {d.split("@")[0] for d in r["doc_ids"] if d != PAD_DOC_ID}
-        rows.append(r["input_ids"])
+    for r in RowReader(out):
+        docs |= {d.split("@")[0] for d in r.doc_ids if d != PAD_DOC_ID}
+        rows.append(r.input_ids.numpy())
     return docs, rows
 
 

@@ -77,8 +77,9 @@ class PackedRow:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @property
+    @functools.cached_property
     def loss_tokens(self) -> int:
+        """Tokens whose label is scored (a host count: the mask is a CPU tensor)."""
         return 0 if self.loss_mask is None else int(self.loss_mask.sum())
 
     @functools.cached_property
