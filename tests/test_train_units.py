@@ -165,6 +165,21 @@ def test_parquet_rows_refuse_mismatched_data(tmp_path, split, seq_len, needle):
         open_rows(DataSection(source="parquet", path=str(tmp_path), split=split, seq_len=seq_len), 0, 0, 1)
 
 
+def test_parquet_rows_take_their_length_from_the_manifest(tmp_path):
+    # data.seq_len unset: the manifest's max_len (the data job's packing.max_len) is the rows' length bound
+    _write_split(tmp_path, max_len=32)
+    rows = open_rows(DataSection(source="parquet", path=str(tmp_path), split="stage2"), 0, 0, 1)
+    assert rows.source.max_len == 32 and rows.next_row().num_tokens == 32
+    # set to the same number, it is a check that passes
+    same = open_rows(DataSection(source="parquet", path=str(tmp_path), split="stage2", seq_len=32), 0, 0, 1)
+    assert same.next_row().num_tokens == 32
+
+
+def test_synthetic_rows_need_data_seq_len():
+    with pytest.raises(ConfigError, match="data.seq_len is not set: synthetic rows need a length"):
+        open_rows(DataSection(source="synthetic"), 0, 0, 1)
+
+
 def test_a_row_longer_than_the_manifest_allows_names_the_manifest(tmp_path):
     _write_split(tmp_path, max_len=16)
     rows = open_rows(DataSection(source="parquet", path=str(tmp_path), split="stage2"), 0, 0, 1)
