@@ -561,6 +561,16 @@ def test_resume_of_a_run_checkpointed_under_ild_train_mlp(tmp_path):
     with pytest.raises(ConfigError, match="ild.trainable: 'mixers' -> 'all'"):
         ckpt_lib.check_compatible(tmp_path, load_stage_config(1, None, ["ray.num_workers=2"]), 2, "fp1")
 
+def test_a_run_checkpointed_with_data_seq_len_resumes_without_it(tmp_path):
+    # data.seq_len was required before the manifest became the rows' length: an old checkpoint holds it
+    keys = ["ray.num_workers=2", "data.split=stage2"]
+    _fake_checkpoint(tmp_path, load_stage_config(2, None, [*keys, "data.seq_len=512"]))
+    ckpt_lib.check_compatible(tmp_path, load_stage_config(2, None, keys), 2, "fp1")
+    # the data itself is what must not change
+    with pytest.raises(ConfigError, match="the training data changed"):
+        ckpt_lib.check_compatible(tmp_path, load_stage_config(2, None, keys), 2, "fp2")
+
+
 def test_ild_train_mlp_still_loads_as_trainable_with_a_deprecation_warning(capsys, tmp_path):
     assert load_stage_config(1, None).ild.trainable == "all"  # Enhanced-ILD as published
     for old, new in (("true", "mixers+mlp"), ("false", "mixers")):

@@ -368,7 +368,8 @@ NON_BREAKING = (
     "ray.resources_per_worker", "ray.use_gpu", "checkpoint.", "metrics.", "fault.",
     "deepspeed.offload_optimizer", "deepspeed.offload_param", "deepspeed.overlap_comm",
     "deepspeed.reduce_bucket_size", "deepspeed.stage3_prefetch_bucket_size", "train.max_steps",
-    "data.path", "model.student", "model.base", "teacher.model.path", "teacher.model.device",
+    # data.seq_len is a check of the rows' length, which the data decides (its fingerprint is checked on resume)
+    "data.path", "data.seq_len", "model.student", "model.base", "teacher.model.path", "teacher.model.device",
     "teacher.model.torch_threads", "teacher.model.max_forward_tokens", "teacher.pool.", "teacher.client.max_inflight_rows",
     "teacher.client.timeout_s", "teacher.client.max_retries", "teacher.client.retry_backoff_s", "teacher.start_pool", "teacher.cache_path",
 )
