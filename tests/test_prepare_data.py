@@ -139,9 +139,9 @@ def test_same_seed_same_rows_whatever_the_pool_size(prepared, source, tmp_path):
     a, b = _rows(out), _rows(tmp_path / "again")
     assert len(a) == len(b)
     for ra, rb in zip(a, b):
-        assert ra["doc_ids"] == rb["doc_ids"]
-        np.testing.assert_array_equal(ra["input_ids"], rb["input_ids"])
-        np.testing.assert_array_equal(ra["loss_mask"], rb["loss_mask"])
+        assert ra.doc_ids == rb.doc_ids
+        np.testing.assert_array_equal(ra.input_ids.numpy(), rb.input_ids.numpy())
+        np.testing.assert_array_equal(ra.loss_mask.numpy(), rb.loss_mask.numpy())
     assert report["config_hash"] == read_manifest(out)["config_hash"]
     # Without overwrite an existing output is refused, not clobbered.
     with pytest.raises(FileExistsError, match="overwrite"):
@@ -153,7 +153,7 @@ def test_stage1_is_a_sample_of_stage2_or_disjoint_from_it(prepared, source, tmp_
     out2, _ = prepared
     prepare(_cfg(source, tmp_path / "stage1", "split=stage1"))
     prepare(_cfg(source, tmp_path / "rest", "mixture.stage2=rest"))
-    ids = {split: {d.split("@")[0] for r in _rows(d_) for d in r["doc_ids"] if d != PAD_DOC_ID}
+    ids = {split: {d.split("@")[0] for r in _rows(d_) for d in r.doc_ids if d != PAD_DOC_ID}
            for split, d_ in (("stage1", tmp_path / "stage1"), ("stage2", out2), ("rest", tmp_path / "rest"))}
     want1 = {f"chat:c{i}" for i in range(120) if split_of("chat", f"c{i}", 0.3, "hylo-split-v1") == "stage1"}
     assert ids["stage1"] == want1 and 20 < len(want1) < 60
@@ -169,7 +169,7 @@ def test_shards_read_back_as_a_ray_dataset_in_order(prepared):
     out, report = prepared
     ds = read_packed_dataset(out)
     got = [r["doc_ids"] for r in ds.iter_rows()]
-    assert [list(d) for d in got] == [r["doc_ids"] for r in _rows(out)]
+    assert [list(d) for d in got] == [list(r.doc_ids) for r in _rows(out)]
     assert len(got) == report["counts"]["rows"]
 
 
