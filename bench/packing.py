@@ -29,10 +29,10 @@ def main() -> None:
 
     import ray
     from hylo.pipeline.data.config import PackingConfig, TokenizeConfig
-    from hylo.pipeline.data.dataset import PackedRun, make_packer, stream_packed_rows
     from hylo.pipeline.data.mixture import mix
     from hylo.pipeline.data.readers import SourceSpec, iter_records
     from hylo.pipeline.data.render import ChatRenderer
+    from hylo.pipeline.data.streaming import PackedRun, make_packer, stream_packed_rows
     from hylo.pipeline.ray_init import init_ray
     from tokenizers import Tokenizer
 

@@ -70,7 +70,7 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
     from hylo.pipeline.train.config import load_stage_config
     from hylo.pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
     from hylo.pipeline.train.loop import cosine_with_warmup, setup_distributed
-    from hylo.pipeline.train.rows import SyntheticRows
+    from hylo.pipeline.train.rows import open_rows
     from hylo.pipeline.train.worker import WorkerContext
 
     overrides = [f"model.student={student}", "data.source=synthetic", f"data.seq_len={tokens}",
@@ -83,9 +83,9 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
                         dtype=resolve_dtype("auto", False), run_dir=Path("/tmp"),
                         grad_accum=grad_accum_steps(1, world))
     task = stage2.build(ctx, cosine_with_warmup(10, 0.0, 0.0))
-    warm = SyntheticRows(dataclasses.replace(cfg.data, seq_len=256), 1, 0, 1)
+    warm = open_rows(dataclasses.replace(cfg.data, seq_len=256), 1, 0, 1)
     stage2.train_step(task, [warm.next_row()], ctx)
-    row = SyntheticRows(cfg.data, 0, 0, 1).next_row()
+    row = open_rows(cfg.data, 0, 0, 1).next_row()
     import gc
 
     gc.collect()

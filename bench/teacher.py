@@ -50,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
 
     teacher = TeacherModel(args.model, dtype="float32", device="cpu")
-    from hylo.kernels.varlen import check_row
+    from hylo.pipeline.data.rows import check_row
 
     rows = [check_row(r) for r in make_rows(args.rows, args.tokens, teacher.vocab_size)]
     total = args.rows * args.tokens
@@ -108,6 +108,7 @@ def main() -> None:
     print(f"wire bytes/token  : top-k (k={args.k}, fp16 + int32 + fp32 tail) {wire_topk:.0f}; "
           f"full logits fp32 {wire_fp32:.0f}, bf16 {wire_bf16:.0f}; fp32/top-k = {wire_fp32 / wire_topk:.0f}x")
 
+    from hylo.pipeline.data.rows import check_row
     from hylo.pipeline.teacher.cache import ShardPlan, make_header, write_shard
 
     with tempfile.TemporaryDirectory() as d:

@@ -5,10 +5,12 @@ Legend: B batch, T tokens, D hidden size, V vocabulary, N packed documents.
 Design choices:
 * Single-device model code. Parallelism (ZeRO-3), activation checkpointing policy and compile are applied
   from outside; `gradient_checkpointing_enable()` only wraps each decoder layer.
-* Packed rows: B == 1 with `cu_seqlens [N+1]` (int32; the contract and its one rule: `kernels/varlen.py`).
-  The boundaries are checked once, here, into a `DocBounds` (one device-to-host copy; none when the caller
-  passes `DocBounds.from_host` of a row it holds on the host) that every layer and kernel receives, so no
-  layer reads them back, in the forward or in a checkpoint recompute. MLA attends within documents only,
+* Packed rows: B == 1 with `cu_seqlens [N+1]` (int32; the one rule: `kernels/varlen.py`). The boundaries
+  become one `DocBounds` that every layer and kernel receives, so no layer reads them back, in the forward
+  or in a checkpoint recompute. Given as host boundaries (a list of ints, or a CPU tensor for a model on
+  another device) they are checked on the host and copied over; given as `DocBounds` (a checked row's
+  `bounds()`, as the trainer and the teacher pass them) they are used as they are; given as a tensor on
+  the model's device (an HF-style call) they are checked with one device-to-host copy. MLA attends within documents only,
   linear blocks reset state and conv windows at each boundary, positions restart per document.
 * Generation is transformers' own `GenerationMixin.generate` (greedy, sampling, beam search, every
   logits processor, stopping criteria, streamers, `generation_config=`) over `HyLoCache` (latent + roped
@@ -235,7 +237,7 @@ class HyLoModel(HyLoPreTrainedModel):
         self,
         input_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | DocBounds | None = None,
+        cu_seqlens: torch.Tensor | DocBounds | list[int] | None = None,
         past_key_values: HyLoCache | None = None,
         use_cache: bool = False,
         inputs_embeds: torch.Tensor | None = None,
@@ -246,7 +248,7 @@ class HyLoModel(HyLoPreTrainedModel):
         **kwargs,
     ) -> HyLoModelOutput:
         """`attention_mask`: [B, cached + new tokens], 1 at real tokens, 0 at pads (HF convention).
-        `cu_seqlens`: a packed row's boundaries [N + 1] (B == 1), a tensor or `DocBounds`."""
+        `cu_seqlens`: a packed row's boundaries [N + 1] (B == 1): a tensor, host ints or `DocBounds`."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids or inputs_embeds")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -254,8 +256,9 @@ class HyLoModel(HyLoPreTrainedModel):
         if cu_seqlens is not None:
             if b != 1:
                 raise ValueError(f"packed rows need batch size 1 with cu_seqlens, got batch {b}")
-            # the one check (and host copy) of the boundaries for every layer of this forward
-            cu_seqlens = doc_bounds(cu_seqlens, t)
+            # the one check of the boundaries for every layer of this forward (none for DocBounds; a host
+            # copy only for a tensor on the device)
+            cu_seqlens = doc_bounds(cu_seqlens, t, device=h.device)
         cache = past_key_values if past_key_values is not None else cache
         if cache is None and use_cache:
             cache = HyLoCache(self.config)
@@ -345,7 +348,7 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
         self,
         input_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | DocBounds | None = None,
+        cu_seqlens: torch.Tensor | DocBounds | list[int] | None = None,
         labels: torch.Tensor | None = None,
         past_key_values: HyLoCache | None = None,
         use_cache: bool = False,

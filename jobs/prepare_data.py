@@ -20,7 +20,7 @@ if not __package__:
 from hylo.pipeline.cli import job_main  # noqa: E402
 from hylo.pipeline.config import ConfigError, add_config_args, config_from_args  # noqa: E402
 from hylo.pipeline.data.config import PrepareDataConfig  # noqa: E402
-from hylo.pipeline.data.dataset import prepare  # noqa: E402
+from hylo.pipeline.data.prepare import prepare  # noqa: E402
 
 
 @job_main

@@ -156,8 +156,9 @@ class Demo(StepRunner):
         name = f"stage{stage}"
         student = self.run / ("converted" if stage == 1 else "stage1/model")
         # 512-token rows need no activation checkpointing; without it a CPU step is ~1/4 faster
+        # the rows' length is the one the data was prepared with (seq_len -> packing.max_len -> manifest)
         self.sh(name, train_cmd(stage, "configs/demo-smollm2.yaml", self.run, name, student,
-                                self.run / "data" / name, self.cfg.seq_len, self.cfg.steps,
+                                self.run / "data" / name, None, self.cfg.steps,
                                 ["--set", "model.activation_checkpointing=false"]), ray=True)
         return {"model": str(self.run / name / "model")}
 

@@ -90,21 +90,21 @@ class Row:
 
 def load_rows(data: str | Path, max_rows: int) -> list[Row]:
     """The first `max_rows` held-out packed rows of a jobs/prepare_data.py directory."""
-    from hylo.pipeline.data.dataset import RowReader
+    from hylo.pipeline.data.reader import RowReader
 
     p = Path(data)
     if not (p / "manifest.json").is_file():
         raise PlacementError(f"held-out data {p}: not a packed-data directory (no manifest.json); make one with "
                              "jobs/prepare_data.py")
     rows = []
-    for k, raw in enumerate(RowReader(p, drop_last=False)):
+    for k, raw in enumerate(RowReader(p, drop_last=False, clear_crossing_labels=True)):
         if k >= max_rows:
             break
         where = f"{p} row {k}"
         r = check_eval_row(raw, where)
         real = torch.ones(r["input_ids"].numel())
         cu = r["cu_seqlens"].tolist()
-        for d, s, e in zip(raw.get("doc_ids") or [], cu[:-1], cu[1:]):
+        for d, s, e in zip(raw.doc_ids or [], cu[:-1], cu[1:]):
             if d == "":  # the packer's padding segment
                 real[s:e] = 0.0
         rows.append(Row(where, r["input_ids"], r["cu_seqlens"], r["loss_mask"].nonzero().squeeze(-1), real))

@@ -164,10 +164,11 @@ def convert_cmd(base: str | Path, out: Path, placement: str, kv_lora_rank: int, 
             "--kv-lora-rank", str(kv_lora_rank), "--linear-type", linear_type, "--seed", str(seed)]
 
 
-def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student: Path, data: Path, seq_len: int,
-              steps: int, extra: list[str] | None = None) -> list[str]:
+def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student: Path, data: Path,
+              seq_len: int | None, steps: int, extra: list[str] | None = None) -> list[str]:
     """A jobs/stage{1,2}.py command for a short run (checkpoints at half-way and the end, deleted once the
-    consolidated model is written: the step's output is `<storage>/<name>/model`).
+    consolidated model is written: the step's output is `<storage>/<name>/model`). The rows' length is the
+    prepared data's (its manifest); `seq_len`, when given, is set as `data.seq_len`, a check of it.
 
     A run directory that already holds a complete checkpoint is from an interrupted attempt of this step
     (a finished step is never re-run): the command continues it with `--resume`.
@@ -178,10 +179,10 @@ def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student:
     cmd = [PY, f"jobs/stage{stage}.py", "--config", str(config),
            "--set", f"ray.storage_path={storage}", "--set", f"ray.name={name}",
            "--set", f"model.student={student}", "--set", f"data.path={data}",
-           "--set", f"data.seq_len={seq_len}", "--set", f"train.total_steps={steps}",
-           "--set", f"checkpoint.every_steps={max(1, steps // 2)}",
+           "--set", f"train.total_steps={steps}", "--set", f"checkpoint.every_steps={max(1, steps // 2)}",
            "--set", "checkpoint.delete_after_consolidate=true"]
-    return cmd + (extra or []) + resume
+    check = ["--set", f"data.seq_len={seq_len}"] if seq_len is not None else []
+    return cmd + check + (extra or []) + resume
 
 
 def lengths_arg(lengths: list[int]) -> str:

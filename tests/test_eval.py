@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
-from hylo.kernels.varlen import PackedRowError
 from hylo.pipeline.data.rowfile import DataFormatError
+from hylo.pipeline.data.rows import PackedRowError
 from hylo.pipeline.eval import kvcache
 from hylo.pipeline.eval import retrieval as R
 from hylo.pipeline.eval.decode import EvalError, cache_nbytes, greedy_decode
@@ -161,7 +161,7 @@ def test_eval_rows_from_parquet_packed_dir_and_chat_records(tmp_path, tok, base)
         assert torch.equal(g["input_ids"], r["input_ids"]) and torch.equal(g["loss_mask"], r["loss_mask"])
     assert len(list(iter_eval_rows(tmp_path / "rows.parquet", max_rows=1))) == 1
 
-    from hylo.pipeline.data.dataset import ShardWriter, write_manifest
+    from hylo.pipeline.data.shards import ShardWriter, write_manifest
 
     writer = ShardWriter(tmp_path / "packed", rows_per_shard=1, row_group_rows=1)
     for r in rows:

@@ -145,7 +145,7 @@ def _base(d: Path) -> None:
 
 
 def _data_manifest(d: Path) -> None:
-    from hylo.pipeline.data.dataset import read_manifest
+    from hylo.pipeline.data.shards import read_manifest
 
     read_manifest(d)
 
@@ -173,7 +173,7 @@ READERS = {
     "hybrid_config": (_hybrid_config, "hybrid_config.json", ("hylo.config", "HybridConfigError"), True),
     "released": (_released, "config.json", ("hylo.released", "ReleasedLayoutError"), True),
     "base_model": (_base, "config.json", ("hylo.upcycle", "UpcycleError"), True),
-    "data_manifest": (_data_manifest, "manifest.json", ("hylo.pipeline.data.dataset", "DataFormatError"), False),
+    "data_manifest": (_data_manifest, "manifest.json", ("hylo.pipeline.data.rowfile", "DataFormatError"), False),
     "teacher_cache": (_teacher_cache, "manifest.json", ("hylo.pipeline.teacher.cache", "CacheFormatError"), True),
     "checkpoint": (_checkpoint, "state.json", ("hylo.pipeline.train.checkpoint", "CheckpointError"), False),
     "tokenizer": (_tokenizer, "tokenizer.json", ("builtins", "ValueError"), False),

@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hylo.pipeline.cli import BadArgument, check_finite_args, input_error_message, job_main
 from hylo.pipeline.config import ConfigError
@@ -69,7 +68,7 @@ def test_path_errors_name_the_path(capsys, tmp_path):
 
 
 def test_wrapped_input_errors_are_found(capsys):
-    from hylo.pipeline.data.dataset import DataFormatError
+    from hylo.pipeline.data.rowfile import DataFormatError
 
     def chained(argv):
         try:
@@ -83,7 +82,7 @@ def test_wrapped_input_errors_are_found(capsys):
 
 def test_ray_wrapped_worker_errors_are_found():
     """Ray Train's WorkerGroupError and a RayTaskError (as the driver sees them) carry the input error."""
-    from hylo.kernels.varlen import PackedRowError
+    from hylo.pipeline.data.rows import PackedRowError
     from ray.exceptions import RayTaskError
     from ray.train import WorkerGroupError
 
@@ -179,7 +178,7 @@ def _copy_model(src: Path, dst: Path) -> Path:
 
 
 def _packed_dir(d: Path, split: str, seq_len: int = 64, shards: int = 3) -> Path:
-    from hylo.pipeline.data.dataset import ShardWriter, write_manifest
+    from hylo.pipeline.data.shards import ShardWriter, write_manifest
 
     from fixtures_teacher import make_packed_row
 
@@ -353,7 +352,8 @@ def test_demo_job(tmp_path):
 
 def test_corrupt_shard_in_the_middle_is_named_by_the_reader(tmp_path):
     """A shard whose footer is intact but whose pages are corrupt (ZSTD error) names file and row group."""
-    from hylo.pipeline.data.dataset import DataFormatError, RowReader
+    from hylo.pipeline.data.reader import RowReader
+    from hylo.pipeline.data.rowfile import DataFormatError
 
     d = _packed_dir(tmp_path / "data", "stage2")
     f = d / "shard-00001.parquet"
@@ -362,8 +362,8 @@ def test_corrupt_shard_in_the_middle_is_named_by_the_reader(tmp_path):
         data[i] ^= 0xFF
     f.write_bytes(bytes(data))
     with pytest.raises(DataFormatError, match=r"shard-00001.parquet.*row group 0.*unreadable"):
-        list(RowReader(d, as_numpy=True))
-    assert np.asarray(next(iter(RowReader(d, as_numpy=True)))["input_ids"]).shape == (64,)
+        list(RowReader(d))
+    assert next(iter(RowReader(d))).input_ids.shape == (64,)
 
 
 def test_corrupt_teacher_cache_shard_is_named_by_the_reader(tmp_path, tiny):

@@ -201,7 +201,7 @@ def ray_local():
 
 
 def _run(root: Path, family: str, stage: str) -> tuple[dict, Path]:
-    from hylo.pipeline.data.dataset import prepare
+    from hylo.pipeline.data.prepare import prepare
 
     tree = _tree(family, stage, root)
     tree.update(ray={"address": None}, progress=False)
@@ -212,13 +212,13 @@ def _run(root: Path, family: str, stage: str) -> tuple[dict, Path]:
 
 
 def _docs(out: Path) -> tuple[set[str], list[np.ndarray]]:
-    from hylo.pipeline.data.dataset import RowReader
     from hylo.pipeline.data.packing import PAD_DOC_ID
+    from hylo.pipeline.data.reader import RowReader
 
     docs, rows = set(), []
-    for r in RowReader(out, as_numpy=True):
-        docs |= {d.split("@")[0] for d in r["doc_ids"] if d != PAD_DOC_ID}
-        rows.append(r["input_ids"])
+    for r in RowReader(out):
+        docs |= {d.split("@")[0] for d in r.doc_ids if d != PAD_DOC_ID}
+        rows.append(r.input_ids.numpy())
     return docs, rows
 
 

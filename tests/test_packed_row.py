@@ -1,5 +1,5 @@
-"""The packed row (kernels/varlen.py, read from Parquet by pipeline/data/rowfile.py): one rule everywhere,
-one reader, and cu_seqlens read to the host once per forward."""
+"""The packed row (pipeline/data/rows.py, read from Parquet by pipeline/data/rowfile.py; its boundaries'
+rule in kernels/varlen.py): one rule everywhere, one reader, and cu_seqlens read to the host once per forward."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hylo.kernels.varlen import PackedRowError, check_row
+from hylo.kernels.varlen import BoundaryError
 from hylo.pipeline.data.rowfile import DataFormatError, PackedRowFile
+from hylo.pipeline.data.rows import PackedRowError, check_row
 
 from hylo.config import HybridConfig
 from hylo.modeling import HyLoForCausalLM
@@ -91,7 +92,7 @@ def test_a_row_and_the_model_refuse_bad_boundaries_with_the_same_words():
     words = r"cu_seqlens must be strictly increasing \(every document holds a token\); document 1 spans \[7, 7\)"
     with pytest.raises(PackedRowError, match=r"^data.parquet row 3: " + words):
         check_row({"input_ids": ids, "cu_seqlens": cu}, "data.parquet row 3")
-    with pytest.raises(PackedRowError, match=words):
+    with pytest.raises(BoundaryError, match=words):
         tiny_model("gdn")(ids[None], cu_seqlens=cu)
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hylo.kernels.varlen import PackedRowError, check_row
 from hylo.pipeline.data.packing import (
     PAD_DOC_ID,
     BestFitPacker,
     Document,
     label_aligned_mask,
 )
+from hylo.pipeline.data.rows import PackedRowError, check_row
 
 
 def _docs(n: int, lo: int, hi: int, seed: int = 0) -> list[Document]:

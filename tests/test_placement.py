@@ -166,7 +166,7 @@ def test_spearman_ranks_and_choose():
 
 
 def test_load_rows_marks_padding_and_rejects_non_packed_dirs(tmp_path):
-    from hylo.pipeline.data.dataset import ShardWriter, write_manifest
+    from hylo.pipeline.data.shards import ShardWriter, write_manifest
 
     rows = [make_row(96, [9, 7], seed=5), make_row(96, [10], seed=6, pad=6)]
     writer = ShardWriter(tmp_path / "packed", rows_per_shard=1, row_group_rows=1)
@@ -185,7 +185,7 @@ def test_load_rows_marks_padding_and_rejects_non_packed_dirs(tmp_path):
 @pytest.mark.slow
 def test_place_layers_job_proxy_only(models, tmp_path):
     # The job end to end on the cheap path: converts both students, writes the proxy and the placement.
-    from hylo.pipeline.data.dataset import ShardWriter, write_manifest
+    from hylo.pipeline.data.shards import ShardWriter, write_manifest
 
     data = tmp_path / "heldout"
     writer = ShardWriter(data, rows_per_shard=2, row_group_rows=1)

@@ -7,22 +7,16 @@ import shutil
 
 import numpy as np
 import pytest
-from hylo.kernels.varlen import check_row
 from hylo.pipeline.config import load_config
 from hylo.pipeline.data.config import PrepareDataConfig
-from hylo.pipeline.data.dataset import (
-    MANIFEST,
-    DataFormatError,
-    PrepareError,
-    RowReader,
-    ShardWriter,
-    prepare,
-    read_manifest,
-    write_manifest,
-)
 from hylo.pipeline.data.mixture import split_of
 from hylo.pipeline.data.packing import PAD_DOC_ID, BestFitPacker, Document, label_aligned_mask
+from hylo.pipeline.data.prepare import PrepareError, prepare
+from hylo.pipeline.data.reader import RowReader
 from hylo.pipeline.data.render import ChatRenderer
+from hylo.pipeline.data.rowfile import DataFormatError
+from hylo.pipeline.data.rows import PackedRow
+from hylo.pipeline.data.shards import MANIFEST, ShardWriter, read_manifest, write_manifest
 from hylo.pipeline.ray_init import ray_running
 
 
@@ -79,8 +73,8 @@ def _cfg(source, out, *extra: str) -> PrepareDataConfig:
     ])
 
 
-def _rows(d) -> list[dict]:
-    return list(RowReader(d, as_numpy=True))
+def _rows(d) -> list[PackedRow]:
+    return list(RowReader(d))
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +99,13 @@ def test_prepare_writes_valid_rows_with_every_document_whole(prepared, source):
     assert read_manifest(out)["counts"]["efficiency"] == pytest.approx(c["tokens_packed"] / (512 * len(rows)))
     seen: dict[str, list] = {}
     for r in rows:
-        check_row(r, max_len=512)
-        assert len(r["input_ids"]) == 512
-        cu = r["cu_seqlens"]
-        for j, did in enumerate(r["doc_ids"]):
+        # checked by the reader against the manifest's max_len
+        assert isinstance(r, PackedRow) and read_manifest(out)["max_len"] == 512 and r.num_tokens == 512
+        cu = r.host
+        for j, did in enumerate(r.doc_ids):
             if did != PAD_DOC_ID:
-                seen.setdefault(did.split("@")[0], []).append((did, r["input_ids"][cu[j]:cu[j + 1]],
-                                                               r["loss_mask"][cu[j]:cu[j + 1]]))
+                seen.setdefault(did.split("@")[0], []).append((did, r.input_ids[cu[j]:cu[j + 1]].numpy(),
+                                                               r.loss_mask[cu[j]:cu[j + 1]].numpy()))
     assert set(seen) == set(good)
     for did, parts in seen.items():
         parts.sort(key=lambda p: int(p[0].split("@")[1]) if "@" in p[0] else 0)
@@ -145,9 +139,9 @@ def test_same_seed_same_rows_whatever_the_pool_size(prepared, source, tmp_path):
     a, b = _rows(out), _rows(tmp_path / "again")
     assert len(a) == len(b)
     for ra, rb in zip(a, b):
-        assert ra["doc_ids"] == rb["doc_ids"]
-        np.testing.assert_array_equal(ra["input_ids"], rb["input_ids"])
-        np.testing.assert_array_equal(ra["loss_mask"], rb["loss_mask"])
+        assert ra.doc_ids == rb.doc_ids
+        np.testing.assert_array_equal(ra.input_ids.numpy(), rb.input_ids.numpy())
+        np.testing.assert_array_equal(ra.loss_mask.numpy(), rb.loss_mask.numpy())
     assert report["config_hash"] == read_manifest(out)["config_hash"]
     # Without overwrite an existing output is refused, not clobbered.
     with pytest.raises(FileExistsError, match="overwrite"):
@@ -159,7 +153,7 @@ def test_stage1_is_a_sample_of_stage2_or_disjoint_from_it(prepared, source, tmp_
     out2, _ = prepared
     prepare(_cfg(source, tmp_path / "stage1", "split=stage1"))
     prepare(_cfg(source, tmp_path / "rest", "mixture.stage2=rest"))
-    ids = {split: {d.split("@")[0] for r in _rows(d_) for d in r["doc_ids"] if d != PAD_DOC_ID}
+    ids = {split: {d.split("@")[0] for r in _rows(d_) for d in r.doc_ids if d != PAD_DOC_ID}
            for split, d_ in (("stage1", tmp_path / "stage1"), ("stage2", out2), ("rest", tmp_path / "rest"))}
     want1 = {f"chat:c{i}" for i in range(120) if split_of("chat", f"c{i}", 0.3, "hylo-split-v1") == "stage1"}
     assert ids["stage1"] == want1 and 20 < len(want1) < 60
@@ -170,12 +164,12 @@ def test_stage1_is_a_sample_of_stage2_or_disjoint_from_it(prepared, source, tmp_
 
 @pytest.mark.slow
 def test_shards_read_back_as_a_ray_dataset_in_order(prepared):
-    from hylo.pipeline.data.dataset import read_packed_dataset
+    from hylo.pipeline.data.shards import read_packed_dataset
 
     out, report = prepared
     ds = read_packed_dataset(out)
     got = [r["doc_ids"] for r in ds.iter_rows()]
-    assert [list(d) for d in got] == [r["doc_ids"] for r in _rows(out)]
+    assert [list(d) for d in got] == [list(r.doc_ids) for r in _rows(out)]
     assert len(got) == report["counts"]["rows"]
 
 
@@ -216,7 +210,7 @@ def test_row_reader_partitions_ranks_and_resumes_exactly(tmp_path, world):
     for rank in range(world):
         reader = RowReader(tmp_path, rank, world)
         assert len(reader) == per_rank
-        got[rank] = [r["doc_ids"] for r in reader]
+        got[rank] = [list(r.doc_ids) for r in reader]
         assert reader.position == per_rank
     flat = [got[r][i] for i in range(per_rank) for r in range(world)]
     assert flat == [r["doc_ids"] for r in rows[: per_rank * world]]
@@ -224,22 +218,25 @@ def test_row_reader_partitions_ranks_and_resumes_exactly(tmp_path, world):
     for k in (0, 1, per_rank // 2, per_rank - 1):
         first = RowReader(tmp_path, world - 1, world)
         it = iter(first)
-        head = [next(it)["doc_ids"] for _ in range(k)]
-        pos = first.state_dict()["position"]
-        tail = [r["doc_ids"] for r in RowReader(tmp_path, world - 1, world, start=pos)]
+        head = [list(next(it).doc_ids) for _ in range(k)]
+        pos = first.state()["position"]
+        tail = [list(r.doc_ids) for r in RowReader(tmp_path, world - 1, world, start=pos)]
         assert head + tail == got[world - 1]
 
 
-def test_row_reader_gives_torch_tensors_of_the_contract(tmp_path):
+def test_row_reader_gives_checked_rows_of_the_contract(tmp_path):
     import torch
 
     rows = _write_shards(tmp_path)
     row = next(iter(RowReader(tmp_path)))
-    assert row["input_ids"].dtype == torch.int64 and row["position_ids"].dtype == torch.int64
-    assert row["cu_seqlens"].dtype == torch.int32 and row["loss_mask"].dtype == torch.bool
-    assert int(row["cu_seqlens"][-1]) == row["input_ids"].shape[0] == 64
-    np.testing.assert_array_equal(row["input_ids"].numpy(), rows[0]["input_ids"])
-    assert row["doc_ids"] == rows[0]["doc_ids"]
+    assert isinstance(row, PackedRow) and row.key == "0" and row.epoch == 0
+    assert row.input_ids.dtype == torch.int64 and row.position_ids.dtype == torch.int64
+    assert row.cu_seqlens.dtype == torch.int32 and row.loss_mask.dtype == torch.bool
+    assert int(row.cu_seqlens[-1]) == row.input_ids.shape[0] == 64
+    # the host boundaries travel with the row
+    assert row.host == tuple(rows[0]["cu_seqlens"].tolist())
+    np.testing.assert_array_equal(row.input_ids.numpy(), rows[0]["input_ids"])
+    assert list(row.doc_ids) == rows[0]["doc_ids"]
 
 
 def test_row_reader_names_missing_or_inconsistent_files(tmp_path):
@@ -251,7 +248,7 @@ def test_row_reader_names_missing_or_inconsistent_files(tmp_path):
     m = json.loads((tmp_path / MANIFEST).read_text())
     m["shards"][1]["rows"] += 1
     (tmp_path / MANIFEST).write_text(json.dumps(m))
-    reader = RowReader(tmp_path, as_numpy=True)
+    reader = RowReader(tmp_path)
     with pytest.raises(DataFormatError, match="shard-00001.parquet: has 5 rows, manifest says 6"):
         list(reader)
     shutil.move(tmp_path / "shard-00001.parquet", tmp_path / "moved.parquet")
@@ -280,7 +277,7 @@ def _fake_stream(fail_after: int | None = None):
 
 @pytest.fixture
 def no_ray(monkeypatch):
-    import hylo.pipeline.data.dataset as ds
+    import hylo.pipeline.data.prepare as ds
 
     monkeypatch.setattr(ds, "init_ray", lambda *a, **k: None)
     return ds
@@ -398,12 +395,12 @@ def test_row_reader_names_an_unreadable_row_group(tmp_path):
     with open(shard, "r+b") as f:
         f.seek(col.dictionary_page_offset or col.data_page_offset)
         f.write(b"\xff" * 64)
-    reader = RowReader(tmp_path, as_numpy=True)
-    got = [reader.read_global(g)["doc_ids"] for g in range(8)]
+    reader = RowReader(tmp_path)
+    got = [reader.read(g).doc_ids for g in range(8)]
     assert len(got) == 8
     with pytest.raises(DataFormatError, match=r"shard-00001.parquet: row group 1 \(rows 2..3 of the shard\) is "
                                               r"unreadable .*rerun jobs/prepare_data.py"):
-        reader.read_global(8)
+        reader.read(8)
 
 
 # ------------------------------------------------------------------------ the manifest's config hash
@@ -420,7 +417,7 @@ def test_the_rows_hash_covers_every_key_but_the_declared_unhashed_ones():
 
     from hylo.pipeline.config import to_dict
     from hylo.pipeline.data.config import UNHASHED_KEYS
-    from hylo.pipeline.data.dataset import rows_config_hash
+    from hylo.pipeline.data.prepare import rows_config_hash
 
     cfg = load_config(PrepareDataConfig, overrides=['mixture.sources=[{name: a, path: x.jsonl}]'])
     base = rows_config_hash(cfg)
@@ -440,7 +437,7 @@ def test_the_rows_hash_covers_every_key_but_the_declared_unhashed_ones():
 def test_the_rows_hash_of_existing_datasets_is_unchanged():
     """Datasets already prepared keep their fingerprint: the hash is that of the mapping it has always hashed."""
     from hylo.pipeline.config import config_hash, to_dict
-    from hylo.pipeline.data.dataset import rows_config_hash
+    from hylo.pipeline.data.prepare import rows_config_hash
 
     cfg = load_config(PrepareDataConfig, overrides=[
         'mixture.sources=[{name: a, path: x.jsonl, weight: 2}]', "packing.max_len=4096",

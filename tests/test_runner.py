@@ -110,3 +110,10 @@ def test_the_jobs_of_a_run_join_its_ray(tmp_path):
         assert first == second == ["False", r.ray_address(), "2.0"]
         assert ray.is_initialized()
     assert not ray.is_initialized()
+
+
+def test_train_cmd_leaves_the_length_to_the_data_unless_asked_to_check_it(tmp_path):
+    # the rows' length is the prepared data's (its manifest): the demo sets it once, as packing.max_len
+    args = (2, "configs/demo-smollm2.yaml", tmp_path, "stage2", tmp_path / "student", tmp_path / "data")
+    assert not any("data.seq_len" in a for a in train_cmd(*args, None, 8))
+    assert "data.seq_len=512" in train_cmd(*args, 512, 8)

@@ -18,20 +18,21 @@ import pytest
 import torch
 from hylo.kernels.fused_kl.inputs import check_deferred, deferred_checks
 from hylo.kernels.host_reads import HostReadLog
+from hylo.kernels.varlen import DocBounds
+from hylo.pipeline.data.rows import PackedRow, check_row
 
 from hylo.config import HybridConfig
-from hylo.modeling import HyLoForCausalLM
+from hylo.modeling import HyLoForCausalLM, HyLoModel
 
 V = 64
 
 # (file suffix, function) -> the reads allowed there in one step of G rows, as (op name, count per step or
 # per row); anything not listed is a failure
 ALLOWED = {
-    # the packed row as read, checked on the host (CPU tensors on any machine)
-    ("kernels/varlen.py", "check_row"): "host row",
-    ("kernels/varlen.py", "host_cu_seqlens"): "host row",
-    ("kernels/varlen.py", "documents"): "host row",
+    # the packed row as the reader checked it (CPU tensors on any machine); its boundaries are not checked
+    # or read again in the step (test_a_stage2_step_never_checks_or_reads_back_boundaries)
     ("pipeline/teacher/model.py", "_check_vocab"): "host row",
+    ("pipeline/data/rows.py", "loss_tokens"): "host row",
     # the chunked torch scan's layout from the bounds' host ints (CPU tensors; fla takes them on GPU)
     ("kernels/varlen.py", "chunk_layout"): "host ints",
     # AdamW's step counters are CPU tensors (torch keeps them there unless capturable)
@@ -55,13 +56,14 @@ def tiny(linear_type: str = "gdn", seed: int = 0) -> HyLoForCausalLM:
     return HyLoForCausalLM(cfg)
 
 
-def row(T: int, docs: int, seed: int) -> dict:
+def row(T: int, docs: int, seed: int) -> PackedRow:
+    """A packed row as the reader yields it (checked, host boundaries)."""
     rng = np.random.default_rng(seed)
     cu = np.linspace(0, T, docs + 1).round().astype(np.int32)
     mask = rng.random(T) > 0.2
     mask[cu[1:] - 1] = False
-    return {"input_ids": rng.integers(0, V, T), "cu_seqlens": cu,
-            "position_ids": np.concatenate([np.arange(e - s) for s, e in zip(cu[:-1], cu[1:])]), "loss_mask": mask}
+    return check_row({"input_ids": rng.integers(0, V, T), "cu_seqlens": cu, "loss_mask": mask,
+                      "position_ids": np.concatenate([np.arange(e - s) for s, e in zip(cu[:-1], cu[1:])])})
 
 
 def run_step(rows, linear_type="gdn"):
@@ -103,7 +105,7 @@ def _where(caller: str) -> tuple[str, str]:
 def test_a_stage2_step_reads_the_device_only_once_for_its_sums(linear_type):
     rows = [row(40, 3, 0), row(29, 2, 1)]
     result, reads = run_step(rows, linear_type)
-    assert np.isfinite(result.sums["kl_sum"]) and result.sums["loss_tokens"] == sum(r["loss_mask"].sum() for r in rows)
+    assert np.isfinite(result.sums["kl_sum"]) and result.sums["loss_tokens"] == sum(r.loss_tokens for r in rows)
     once = collections.Counter()
     unexpected = []
     for name, caller in reads:
@@ -115,3 +117,35 @@ def test_a_stage2_step_reads_the_device_only_once_for_its_sums(linear_type):
             unexpected.append(f"{name} at {caller}")
     assert not unexpected, f"host reads in the step's device path: {unexpected}"
     assert dict(once) == ONCE_PER_STEP, dict(once)
+
+
+@pytest.mark.parametrize("linear_type", ["gdn", "mamba2"])
+def test_a_stage2_step_never_checks_or_reads_back_boundaries(linear_type, monkeypatch):
+    # rows as the one reader yields them: each checked once there, carrying its host boundaries on
+    from hylo.kernels import varlen
+    from hylo.pipeline.train.config import DataSection, SyntheticData
+    from hylo.pipeline.train.rows import open_rows
+
+    checks = []
+    rule = varlen.boundaries_problem
+    # every check of boundaries (a row's, DocBounds.from_host's, and from_tensor's device-to-host copy) applies it
+    monkeypatch.setattr(varlen, "boundaries_problem", lambda cu, T: checks.append(T) or rule(cu, T))
+    reader = open_rows(DataSection(source="synthetic", seq_len=40, synthetic=SyntheticData(
+        rows=4, vocab_size=V, min_doc_len=5, max_doc_len=20)), 0, 0, 1)
+    rows = [reader.next_row(), reader.next_row()]
+    assert checks == [40, 40] and all(isinstance(r, PackedRow) and len(r.host) > 2 for r in rows)
+    given = []
+    forward = HyLoModel.forward
+
+    def spy(self, *args, **kwargs):
+        given.append(kwargs.get("cu_seqlens"))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(HyLoModel, "forward", spy)
+    checks.clear()
+    run_step(rows, linear_type)
+    # not checked again by the step, the teacher or the model, nor rebuilt from a device tensor
+    assert checks == [], f"{len(checks)} boundary checks in two stage-2 steps of {len(rows)} rows"
+    # the student (forward and recompute) and the in-process teacher took the row's own host boundaries
+    assert given and all(isinstance(b, DocBounds) for b in given)
+    assert {id(b.host) for b in given} == {id(r.host) for r in rows}

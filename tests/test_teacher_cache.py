@@ -12,8 +12,8 @@ import os
 
 import pytest
 import torch
-from hylo.kernels.varlen import check_row
 from hylo.pipeline.data.rowfile import PackedRowFile
+from hylo.pipeline.data.rows import check_row
 from hylo.pipeline.ray_init import ray_running
 from hylo.pipeline.teacher.cache import (
     SHARD_DIR,
@@ -201,7 +201,7 @@ def test_rerun_with_other_k_or_tokenizer_is_refused(env, built, tmp_path):
 
 
 def test_data_tokenized_with_another_tokenizer_is_refused(env, tmp_path):
-    from hylo.pipeline.data.dataset import write_manifest
+    from hylo.pipeline.data.shards import write_manifest
 
     data = tmp_path / "data"
     write_packed_parquet(data / "shard-00000.parquet", env["rows"][:2])

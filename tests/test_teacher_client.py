@@ -8,7 +8,7 @@ import pytest
 import ray.exceptions as rx
 import torch
 from hylo.kernels.fused_kl.topk import TeacherTopK
-from hylo.kernels.varlen import PackedRow, check_row
+from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.teacher.client import TeacherClient, TeacherUnavailableError
 
 from fixtures_teacher import make_packed_row

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from hylo.kernels.varlen import PackedRowError, check_row
+from hylo.pipeline.data.rows import PackedRowError, check_row
 from hylo.pipeline.teacher.model import TeacherModel, tokenizer_fingerprint
 
 from fixtures_teacher import make_packed_row, save_tiny_llama

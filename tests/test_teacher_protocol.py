@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hylo.kernels.varlen import check_row
 from hylo.pipeline.config import ConfigError, load_config
+from hylo.pipeline.data.rows import check_row
 from hylo.pipeline.teacher.cache import CacheMismatchError, compute_shard, finalize_cache, prepare_cache
 from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherModelConfig
 from hylo.pipeline.teacher.protocol import TargetSpec, open_teacher

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
-from hylo.kernels.varlen import PackedRow, check_row  # noqa: E402
+from hylo.pipeline.data.rows import PackedRow, check_row  # noqa: E402
 from hylo.pipeline.ray_init import ray_running  # noqa: E402
 from hylo.pipeline.teacher.client import TeacherClient  # noqa: E402
 from hylo.pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig  # noqa: E402

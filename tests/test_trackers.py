@@ -158,7 +158,7 @@ def test_resumed_run_continues_the_same_tracker_runs(monkeypatch, tmp_path):
                               ("start_run", None, "stage2")]
     params = mrec.calls[3][1]
     assert params["metrics.mlflow.experiment"] == "hylo-demo" and params["optim.lr"] == "0.0001"
-    assert params["data.seq_len"] == "512" and params["ray.name"] == "stage2"
+    assert params["data.split"] == "stage2" and params["ray.name"] == "stage2"
     # the resumed run reopens the run by id and logs no params again (MLflow refuses changed params)
     starts = [c for c in mrec.calls if c[0] == "start_run"]
     assert starts == [("start_run", None, "stage2"), ("start_run", "mlflow-run-1", None)]

@@ -29,10 +29,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.train.config import load_stage_config
 from hylo.pipeline.train.deepspeed_cfg import grad_accum_steps
 from hylo.pipeline.train.loop import cosine_with_warmup, reduce_record, setup_distributed
-from hylo.pipeline.train.rows import SyntheticRows
+from hylo.pipeline.train.rows import SyntheticRows, open_rows
 from hylo.pipeline.train.worker import StepResult, WorkerContext
 
 from helpers import assert_close, one_thread  # noqa: F401  (one_thread: autouse)
@@ -81,23 +82,22 @@ def _config(stage: int, models, zero: int, *extra: str):
         "optim.grad_clip=1e6", *extra])
 
 
-def _rows(cfg) -> list[dict]:
+def _rows(cfg) -> list[PackedRow]:
     """G packed rows; the last document of rows 0 and 2 becomes padding (doc id "", no loss tokens)."""
-    stream = SyntheticRows(cfg.data, cfg.train.seed, 0, 1)
-    rows = [stream.next_row() for _ in range(G)]
-    for row in rows[0], rows[2]:
+    source = SyntheticRows(cfg.data, cfg.train.seed)
+    raws = [source.raw(g) for g in range(G)]
+    for row in raws[0], raws[2]:
         row["doc_ids"][-1] = ""
         row["loss_mask"][row["cu_seqlens"][-2]:] = 0
-    return rows
+    return [check_row(r, f"row {g}") for g, r in enumerate(raws)]
 
 
-def _documents(row: dict, real_only: bool = True):
+def _documents(row: PackedRow, real_only: bool = True):
     """(start, end, ids [1, L], positions [1, L]) of each document of a row."""
-    cu = row["cu_seqlens"]
-    for doc, s, e in zip(row["doc_ids"], cu[:-1], cu[1:]):
+    for doc, (s, e) in zip(row.doc_ids, row.documents()):
         if real_only and doc == "":
             continue
-        ids = torch.as_tensor(row["input_ids"][s:e]).unsqueeze(0)
+        ids = row.input_ids[s:e].unsqueeze(0)
         yield int(s), int(e), ids, torch.arange(e - s).unsqueeze(0)
 
 
@@ -125,7 +125,7 @@ def _run_step(stage, cfg, rows, tmp_path) -> tuple[dict, dict[str, torch.Tensor]
     engine.optimizer.step = capture_then_step
     ctx.step = 1
     result = stage.train_step(task, rows, ctx)
-    stream = SyntheticRows(cfg.data, cfg.train.seed, 0, 1)
+    stream = open_rows(cfg.data, cfg.train.seed, 0, 1)
     record = reduce_record(ctx, result, rows, stream, 1.0, 10)
     assert grads, "DeepSpeed never ran the optimiser step"
     engine.destroy()
@@ -163,7 +163,7 @@ def naive_kd_loss(student, teacher, rows, kd) -> torch.Tensor:
 
     total, n_loss = torch.zeros((), dtype=torch.float64), 0
     for row in rows:
-        mask_T = torch.as_tensor(row["loss_mask"]).bool()
+        mask_T = row.loss_mask
         n_loss += int(mask_T.sum())
         for s, e, ids, pos in _documents(row):
             mask = mask_T[s:e]
@@ -186,7 +186,7 @@ def test_stage2_step_is_autograd_of_the_naive_kl_over_the_global_loss_tokens(glo
 
     cfg = _config(2, models, zero, "kd.temperature=2.0", *extra)
     rows = _rows(cfg)
-    counts = [int(r["loss_mask"].sum()) for r in rows]
+    counts = [r.loss_tokens for r in rows]
     assert len(set(counts)) == G, f"rows must hold different numbers of loss tokens: {counts}"
     record, grads, result = _run_step(STAGE, cfg, rows, tmp_path)
     assert record["loss_tokens"] == sum(counts)

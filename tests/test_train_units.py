@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hylo.kernels.varlen import PackedRowError, check_row
 from hylo.pipeline.config import ConfigError
+from hylo.pipeline.data.reader import ShardRows
 from hylo.pipeline.data.rowfile import DataFormatError
+from hylo.pipeline.data.rows import PackedRow, PackedRowError, check_row
 from hylo.pipeline.train import checkpoint as ckpt_lib
 from hylo.pipeline.train.config import (
     DataSection,
@@ -30,7 +31,7 @@ from hylo.pipeline.train.config import (
 from hylo.pipeline.train.deepspeed_cfg import build_deepspeed_config, grad_accum_steps
 from hylo.pipeline.train.loop import cosine_with_warmup
 from hylo.pipeline.train.metrics import MetricsWriter, read_metrics
-from hylo.pipeline.train.rows import ParquetRows, SyntheticRows, open_rows
+from hylo.pipeline.train.rows import SyntheticRows, open_rows
 from hylo.pipeline.train.worker import row_to_device
 
 from helpers import assert_topk_matches
@@ -39,8 +40,9 @@ from helpers import assert_topk_matches
 # ------------------------------------------------------------------------------------ config
 def test_stage_defaults_follow_the_recipe():
     s1, s2 = Stage1Config(), Stage2Config()
-    assert (s1.data.seq_len, s1.optim.lr, s1.data.split) == (2048, 2e-4, "stage1")
-    assert (s2.data.seq_len, s2.optim.lr, s2.data.split) == (65536, 4e-5, "stage2")
+    # the rows' length is the dataset's (its manifest's max_len): the training stages leave seq_len unset
+    assert (s1.data.seq_len, s1.optim.lr, s1.data.split) == (None, 2e-4, "stage1")
+    assert (s2.data.seq_len, s2.optim.lr, s2.data.split) == (None, 4e-5, "stage2")
     assert (s2.train.global_batch_sequences, s2.train.epochs, s2.optim.warmup_ratio) == (8, 1.0, 0.01)
     assert (s2.kd.kl_weight, s2.kd.ce_weight) == (1.0, 0.0)
 
@@ -110,28 +112,28 @@ def _data(rows=10, seq_len=64) -> DataSection:
 
 
 def test_synthetic_rows_follow_the_contract_and_shard_by_stride():
-    r0, r1 = SyntheticRows(_data(), 0, 0, 2), SyntheticRows(_data(), 0, 1, 2)
+    r0, r1 = open_rows(_data(), 0, 0, 2), open_rows(_data(), 0, 1, 2)
     a = [r0.next_row() for _ in range(6)]
     b = [r1.next_row() for _ in range(6)]
     for row in a + b:
-        check_row(row, "synthetic", 64)
-    assert [r["row_key"] for r in a] == ["syn-0", "syn-2", "syn-4", "syn-6", "syn-8", "syn-0"]
-    assert [r["row_key"] for r in b][:2] == ["syn-1", "syn-3"] and a[5]["epoch"] == 1
+        assert isinstance(row, PackedRow) and row.num_tokens == 64 and row.host == tuple(row.cu_seqlens.tolist())
+    assert [r.key for r in a] == ["syn-0", "syn-2", "syn-4", "syn-6", "syn-8", "syn-0"]
+    assert [r.key for r in b][:2] == ["syn-1", "syn-3"] and a[5].epoch == 1 and a[4].epoch == 0
 
 
 def test_seek_reproduces_exactly_the_same_rows():
-    full = SyntheticRows(_data(), 7, 1, 2)
+    full = open_rows(_data(), 7, 1, 2)
     rows = [full.next_row() for _ in range(5)]
-    resumed = SyntheticRows(_data(), 7, 1, 2)
+    resumed = open_rows(_data(), 7, 1, 2)
     resumed.seek(3)
     for want in rows[3:]:
         got = resumed.next_row()
-        assert got["row_key"] == want["row_key"]
-        assert np.array_equal(got["input_ids"], want["input_ids"])
+        assert got.key == want.key
+        assert torch.equal(got.input_ids, want.input_ids)
 
 
 def _write_split(tmp_path, n_rows=6, split="stage2", max_len=32):
-    from hylo.pipeline.data.dataset import write_manifest
+    from hylo.pipeline.data.shards import write_manifest
 
     from fixtures_teacher import make_packed_row, write_packed_parquet
 
@@ -148,13 +150,14 @@ def test_parquet_rows_read_the_prepared_split(tmp_path):
     rows = _write_split(tmp_path)
     data = DataSection(source="parquet", path=str(tmp_path), split="stage2", seq_len=32)
     r1 = open_rows(data, 0, 1, 2)
-    assert isinstance(r1, ParquetRows) and r1.num_rows == 6 and r1.fingerprint == "abc"
+    assert isinstance(r1.source, ShardRows) and r1.global_rows == 6 and r1.fingerprint == "abc"
     got = [r1.next_row() for _ in range(4)]
-    assert [g["row_key"] for g in got] == ["1", "3", "5", "1"]
-    assert np.array_equal(got[1]["input_ids"], rows[3]["input_ids"]) and got[1]["doc_ids"][-1] == ""
+    assert [g.key for g in got] == ["1", "3", "5", "1"]
+    assert np.array_equal(got[1].input_ids, rows[3]["input_ids"]) and got[1].doc_ids[-1] == ""
 
 
-@pytest.mark.parametrize("split,seq_len,needle", [("stage1", 32, "'stage2' split"), ("stage2", 64, "packed to 32")],
+@pytest.mark.parametrize("split,seq_len,needle", [("stage1", 32, "'stage2' split"),
+                                                  ("stage2", 64, "packed to max_len=32 .*data.seq_len=64")],
                          ids=["wrong-split", "wrong-seq-len"])
 def test_parquet_rows_refuse_mismatched_data(tmp_path, split, seq_len, needle):
     _write_split(tmp_path)
@@ -162,25 +165,49 @@ def test_parquet_rows_refuse_mismatched_data(tmp_path, split, seq_len, needle):
         open_rows(DataSection(source="parquet", path=str(tmp_path), split=split, seq_len=seq_len), 0, 0, 1)
 
 
+def test_parquet_rows_take_their_length_from_the_manifest(tmp_path):
+    # data.seq_len unset: the manifest's max_len (the data job's packing.max_len) is the rows' length bound
+    _write_split(tmp_path, max_len=32)
+    rows = open_rows(DataSection(source="parquet", path=str(tmp_path), split="stage2"), 0, 0, 1)
+    assert rows.source.max_len == 32 and rows.next_row().num_tokens == 32
+    # set to the same number, it is a check that passes
+    same = open_rows(DataSection(source="parquet", path=str(tmp_path), split="stage2", seq_len=32), 0, 0, 1)
+    assert same.next_row().num_tokens == 32
+
+
+def test_synthetic_rows_need_data_seq_len():
+    with pytest.raises(ConfigError, match="data.seq_len is not set: synthetic rows need a length"):
+        open_rows(DataSection(source="synthetic"), 0, 0, 1)
+
+
+def test_a_row_longer_than_the_manifest_allows_names_the_manifest(tmp_path):
+    _write_split(tmp_path, max_len=16)
+    rows = open_rows(DataSection(source="parquet", path=str(tmp_path), split="stage2"), 0, 0, 1)
+    with pytest.raises(PackedRowError, match=r"row 0: 32 tokens, more than max_len=16 \(packing.max_len of "
+                                             r".*manifest.json\)"):
+        rows.next_row()
+
+
 def test_a_row_longer_than_the_config_allows_names_data_seq_len(tmp_path):
+    # a manifest without its length (written by hand): data.seq_len is the bound
     _write_split(tmp_path, max_len=None)
     rows = open_rows(DataSection(source="parquet", path=str(tmp_path), split="stage2", seq_len=16), 0, 0, 1)
-    with pytest.raises(PackedRowError, match=r"row 0: 32 tokens, more than data.seq_len=16"):
+    with pytest.raises(PackedRowError, match=r"row 0: 32 tokens, more than max_len=16 \(data.seq_len\)"):
         rows.next_row()
 
 
 def test_bad_row_is_named():
-    row = SyntheticRows(_data(), 0, 0, 1).next_row()
+    row = dict(SyntheticRows(_data(), 0).raw(0))
     row["loss_mask"][row["cu_seqlens"][1] - 1] = 1
     with pytest.raises(PackedRowError, match="row 17.*last token"):
         check_row(row, "row 17")
 
 
 def test_row_to_device_labels_are_next_tokens():
-    row = SyntheticRows(_data(), 0, 0, 1).next_row()
+    row = open_rows(_data(), 0, 0, 1).next_row()
     b = row_to_device(row, torch.device("cpu"))
     m = b["loss_mask"]
-    ids = torch.as_tensor(row["input_ids"])
+    ids = row.input_ids
     assert torch.equal(b["labels"][:-1], ids[1:]) and not m[-1]
     assert b["input_ids"].shape == (1, 64) and b["cu_seqlens"].dtype == torch.int32
 
@@ -353,7 +380,7 @@ def test_base_layer_targets_capture_inputs_outputs_and_attention():
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                         num_attention_heads=4, num_key_value_heads=2)).eval()
-    b = row_to_device(SyntheticRows(_data(seq_len=40), 0, 0, 1).next_row(), torch.device("cpu"))
+    b = row_to_device(open_rows(_data(seq_len=40), 0, 0, 1).next_row(), torch.device("cpu"))
     x, y, a = BaseLayerTargets(base)(b)
     assert len(x) == len(y) == len(a) == 3
     for i, layer in enumerate(base.model.layers):
@@ -379,7 +406,8 @@ def test_ild_distance_and_padding_mask(squared):
     d = token_distance(x, y, squared)
     want = torch.tensor([25.0, 0.0, 1.0]) if squared else torch.tensor([5.0, 0.0, 1.0])
     assert torch.allclose(d, want, atol=1e-3)
-    row = {"input_ids": np.zeros(6), "cu_seqlens": np.array([0, 2, 4, 6]), "doc_ids": ["a", "b", ""]}
+    row = check_row({"input_ids": np.zeros(6, np.int64), "cu_seqlens": np.array([0, 2, 4, 6]),
+                     "doc_ids": ["a", "b", ""]})
     assert real_tokens(row).tolist() == [1, 1, 1, 1, 0, 0]
 
 
@@ -438,7 +466,7 @@ def test_teacher_sources_give_the_same_targets(tmp_path):
     """In-process top-k, the offline cache and the Serve pool (a fake handle) agree row by row."""
     from types import SimpleNamespace
 
-    from hylo.kernels.varlen import check_row
+    from hylo.pipeline.data.rows import check_row
     from hylo.pipeline.teacher.cache import compute_shard, finalize_cache, prepare_cache
     from hylo.pipeline.teacher.client import TeacherClient
     from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherModelConfig
@@ -553,7 +581,7 @@ def test_ild_trainable_decides_which_parameters_get_gradients_and_change(tiny_pa
     assert any(".input_layernorm." in n for n in want) == (trainable == "all")
     assert any(".mlp." in n for n in want) == (trainable != "mixers")
     before = {n: p.detach().clone() for n, p in student.named_parameters()}
-    row = SyntheticRows(_data(seq_len=48, rows=4), 0, 0, 1).next_row()
+    row = open_rows(_data(seq_len=48, rows=4), 0, 0, 1).next_row()
     b = row_to_device(row, torch.device("cpu"))
     x, y, a = BaseLayerTargets(base)(b)
     d_out, d_mix = ILDStudent(student, cfg)(b, x, y, a, torch.as_tensor(real_tokens(row)))
@@ -581,6 +609,16 @@ def test_resume_of_a_run_checkpointed_under_ild_train_mlp(tmp_path):
     ckpt_lib.check_compatible(tmp_path, cfg, 2, "fp1")  # same meaning: resumes
     with pytest.raises(ConfigError, match="ild.trainable: 'mixers' -> 'all'"):
         ckpt_lib.check_compatible(tmp_path, load_stage_config(1, None, ["ray.num_workers=2"]), 2, "fp1")
+
+def test_a_run_checkpointed_with_data_seq_len_resumes_without_it(tmp_path):
+    # data.seq_len was required before the manifest became the rows' length: an old checkpoint holds it
+    keys = ["ray.num_workers=2", "data.split=stage2"]
+    _fake_checkpoint(tmp_path, load_stage_config(2, None, [*keys, "data.seq_len=512"]))
+    ckpt_lib.check_compatible(tmp_path, load_stage_config(2, None, keys), 2, "fp1")
+    # the data itself is what must not change
+    with pytest.raises(ConfigError, match="the training data changed"):
+        ckpt_lib.check_compatible(tmp_path, load_stage_config(2, None, keys), 2, "fp2")
+
 
 def test_ild_train_mlp_still_loads_as_trainable_with_a_deprecation_warning(capsys, tmp_path):
     assert load_stage_config(1, None).ild.trainable == "all"  # Enhanced-ILD as published

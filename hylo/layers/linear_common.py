@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylo.cache import LinearLayerCache
-from hylo.kernels.varlen import DocBounds, PackedRowError, doc_bounds
+from hylo.kernels.varlen import BoundaryError, DocBounds, doc_bounds
 
 
 def check_mixer_input(
@@ -47,7 +47,7 @@ def check_mixer_input(
         raise ValueError(f"{owner}: packed rows (cu_seqlens) need B == 1, got B={B}")
 
     def bad(message: str) -> NoReturn:
-        raise PackedRowError(f"{owner}: {message}")
+        raise BoundaryError(f"{owner}: {message}")
 
     bounds = doc_bounds(cu_seqlens, T, bad)
     return bounds, bounds.positions

@@ -66,6 +66,8 @@ class TokenizeConfig:
 @rules(max_len=at_least(2), window=at_least(1), max_open_rows=at_least(1), close_slack=at_least(0),
        long_doc_policy=one_of(*LONG_DOC_POLICIES), pad_id=at_least(0), min_loss_tokens=at_least(0))
 class PackingConfig:
+    # Tokens per packed row: the rows' one length. The manifest records it as max_len; training takes it
+    # from there (its data.seq_len is only an optional check).
     max_len: int = 65536
     # Documents buffered per best-fit-decreasing round.
     window: int = 1024
@@ -134,7 +136,7 @@ class PrepareDataConfig:
 
 
 # Keys (dotted) that do not change the produced rows: the manifest's `config_hash`
-# (hylo.pipeline.data.dataset.rows_config_hash) covers every other key, so a new one is hashed unless listed
+# (hylo.pipeline.data.prepare.rows_config_hash) covers every other key, so a new one is hashed unless listed
 # here. (decontam.scanner and decontam.batch_size do not change the rows either, but have always been
 # hashed: leaving them out now would change the fingerprint of every dataset prepared so far.)
 UNHASHED_KEYS = ("ray", "progress", "output", "tokenize.num_actors", "tokenize.batch_size")

@@ -19,7 +19,7 @@ Design choices:
 * The loss mask is label-aligned: `loss_mask[t] = 1` when the label of position t, i.e.
   `input_ids[t + 1]`, is an assistant token of the same document. The last token of every document
   (and of every piece of a split document) is 0, so no label crosses a document boundary.
-* Rows follow the packed-row contract of `kernels/varlen.py` (checked by `hylo.kernels.varlen.check_row`):
+* Rows follow the packed-row contract of `pipeline/data/rows.py` (checked by `hylo.pipeline.data.rows.check_row`):
   positions restart at 0 per document; `cu_seqlens` (int32) starts at 0, ends exactly at T and never
   holds an empty document; a padded tail is its own final segment (doc id `PAD_DOC_ID`, loss mask 0),
   because varlen kernels leave anything after `cu_seqlens[-1]` unwritten.

@@ -1,9 +1,10 @@
-"""The one reader of packed rows in Parquet: a shard of the data pipeline or any file with the row columns.
+"""Packed rows in Parquet: the columns' types (`ROW_SCHEMA`), a table of rows to write (`rows_to_table`),
+and the one reader of a file (`PackedRowFile`): a shard of the data pipeline or any file with the row columns.
 
-Every reader of rows goes through `PackedRowFile`: the training workers (`dataset.RowReader`, one per
+Every reader of rows goes through `PackedRowFile`: the training reader (`reader.RowReader`, one per
 shard), the teacher's offline cache job and evaluation. What it returns is a row as read (a dict of
 numpy arrays, `doc_ids` / `row_id` as Python values); the row's contract is checked by the consumer with
-`hylo.kernels.varlen.check_row`, which names the record.
+`hylo.pipeline.data.rows.check_row`, which names the record (the `RowReader` does it for its rows).
 
 Design choices:
 * Row groups are the I/O unit: a row is read with its whole row group, which stays cached, so reading
@@ -23,12 +24,37 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from hylo.kernels.varlen import REQUIRED_FIELDS, ROW_FIELDS
+from hylo.pipeline.data.rows import REQUIRED_FIELDS, ROW_FIELDS
 
 # fields read as Python values (strings), not as numpy arrays
 _PY_FIELDS = ("doc_ids", "row_id")
+
+
+# the columns the data pipeline writes (a file may add `row_id`)
+ROW_SCHEMA = pa.schema([
+    ("input_ids", pa.list_(pa.int32())),
+    ("position_ids", pa.list_(pa.int32())),
+    ("cu_seqlens", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.bool_())),
+    ("doc_ids", pa.list_(pa.string())),
+])
+
+
+def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """Packed rows (mappings of arrays, as the packer gives them) as a table of `ROW_SCHEMA`."""
+    cols = {}
+    for name in ("input_ids", "position_ids", "cu_seqlens", "loss_mask"):
+        typ = ROW_SCHEMA.field(name).type
+        arrays = [np.asarray(r[name]) for r in rows]
+        offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum([len(a) for a in arrays], out=offsets[1:])
+        vals = np.concatenate(arrays) if arrays else np.zeros(0)
+        cols[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(vals, type=typ.value_type))
+    cols["doc_ids"] = pa.array([list(r["doc_ids"]) for r in rows], ROW_SCHEMA.field("doc_ids").type)
+    return pa.table(cols, schema=ROW_SCHEMA)
 
 
 class DataFormatError(ValueError):

@@ -18,7 +18,7 @@ Design choices:
 * Inputs: a packed-data directory (manifest.json + shards, from jobs/prepare_data.py), a Parquet
   file / directory of packed rows (read by `hylo.pipeline.data.rowfile.PackedRowFile`), or chat records
   (JSON / JSONL, `messages` or ShareGPT `conversations`) rendered with the model's chat template, one
-  document per row. Rows are checked against the packed-row contract (`hylo.kernels.varlen.check_row`,
+  document per row. Rows are checked against the packed-row contract (`hylo.pipeline.data.rows.check_row`,
   `PackedRowError`), except that a loss mask set on a document's last token is cleared, not refused.
 """
 
@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from hylo.kernels.backend import forced_mode
 from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div
-from hylo.kernels.varlen import DocBounds, check_row
+from hylo.kernels.varlen import DocBounds
+from hylo.pipeline.data.rows import check_row
 from hylo.pipeline.eval.decode import EvalError, final_hidden, is_hylo
 from hylo.pipeline.eval.progress import progress
 from torch import nn
@@ -49,7 +50,7 @@ LOGITS_CHUNK = 1024
 
 # ----------------------------------------------------------------------------------------- rows
 def check_eval_row(row: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
-    """One packed row checked (`hylo.kernels.varlen.check_row`, PackedRowError naming `where` and the field) and
+    """One packed row checked (`hylo.pipeline.data.rows.check_row`, PackedRowError naming `where` and the field) and
     reduced to what scoring needs: input_ids [T] int64, cu_seqlens [N + 1] int32, loss_mask [T] bool
     (every token without a mask), never set on a document's last token."""
     prow = check_row(row, where, clear_crossing_labels=True)
@@ -120,9 +121,9 @@ def iter_eval_rows(data: str | Path, tokenizer_dir: str | Path | None = None, ma
     if not p.exists():
         raise EvalError(f"eval data {p} does not exist")
     if p.is_dir() and (p / "manifest.json").is_file():
-        from hylo.pipeline.data.dataset import RowReader
+        from hylo.pipeline.data.reader import RowReader
 
-        reader = RowReader(p, drop_last=False)
+        reader = RowReader(p, drop_last=False, clear_crossing_labels=True)
         for i, row in enumerate(reader):
             if max_rows is not None and i >= max_rows:
                 return

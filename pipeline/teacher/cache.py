@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 from hylo.kernels.fused_kl.topk import TeacherTopK
-from hylo.kernels.varlen import PackedRow, check_row
 from hylo.pipeline.data.rowfile import PackedRowFile
+from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.teacher.protocol import TargetSpec, unsupported
 
 from hylo.files import atomic_path, atomic_write, read_json
@@ -95,7 +95,7 @@ def data_fingerprint(data_dir: str | Path) -> tuple[str, list[dict[str, Any]], d
     d = Path(data_dir)
     info: dict[str, Any] = {}
     if (d / "manifest.json").is_file():
-        from hylo.pipeline.data.dataset import read_manifest
+        from hylo.pipeline.data.shards import read_manifest
 
         m = read_manifest(d)
         paths = [d / s["file"] for s in m["shards"]]
@@ -246,7 +246,7 @@ def _check_data_tokenizer(data_info: Mapping[str, Any], teacher_tok_hash: str, c
     name = data_info.get("tokenizer")
     if not name:
         return
-    from hylo.pipeline.data.dataset import resolve_tokenizer
+    from hylo.pipeline.data.prepare import resolve_tokenizer
     from hylo.pipeline.teacher.model import tokenizer_fingerprint
 
     try:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from hylo.kernels.fused_kl.topk import TeacherTopK
-from hylo.kernels.varlen import PackedRow
+from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.config import TeacherClientConfig
 from hylo.pipeline.teacher.protocol import StreamedLogits, TargetSpec, unsupported
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from hylo.kernels.fused_kl.topk import TeacherTopK, topk_from_logits
-from hylo.kernels.varlen import PackedRow
+from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.config import TeacherModelConfig
 from hylo.pipeline.teacher.protocol import StreamedLogits, TargetSpec
 from torch import nn

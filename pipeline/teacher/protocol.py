@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 import torch
 from hylo.kernels.fused_kl.topk import TeacherTopK
-from hylo.kernels.varlen import PackedRow
 from hylo.pipeline.config import ConfigError
+from hylo.pipeline.data.rows import PackedRow
 
 
 @dataclass(frozen=True)

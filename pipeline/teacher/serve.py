@@ -31,8 +31,8 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import torch
-from hylo.kernels.varlen import PackedRow, check_row
 from hylo.pipeline.config import from_dict, to_dict
+from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig
 from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
 from ray import serve

@@ -97,8 +97,10 @@ class DataSection:
     path: str | None = None
     # Which split of the prepared data this stage reads (stage 1 reads the 20 % split by default).
     split: str = "stage1"
-    # Tokens per packed row (the context length); must match the prepared data.
-    seq_len: int = 2048
+    # Tokens per packed row (the context length). Parquet rows take theirs from the dataset's manifest
+    # (the data job's packing.max_len): leave this unset, or set it as a check (a different number is
+    # refused naming both). Synthetic rows need it.
+    seq_len: int | None = None
     synthetic: SyntheticData = field(default_factory=SyntheticData)
 
 
@@ -334,7 +336,7 @@ class Stage1Config(_SharedSections):
 
 @dataclass
 class Stage2Config(_SharedSections):
-    data: DataSection = field(default_factory=lambda: DataSection(split="stage2", seq_len=65536))
+    data: DataSection = field(default_factory=lambda: DataSection(split="stage2"))
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=4e-5))
     teacher: TeacherSection = field(default_factory=TeacherSection)
     kd: KDSection = field(default_factory=KDSection)
@@ -388,7 +390,8 @@ NON_BREAKING = (
     "ray.resources_per_worker", "ray.use_gpu", "checkpoint.", "metrics.", "fault.",
     "deepspeed.offload_optimizer", "deepspeed.offload_param", "deepspeed.overlap_comm",
     "deepspeed.reduce_bucket_size", "deepspeed.stage3_prefetch_bucket_size", "train.max_steps",
-    "data.path", "model.student", "model.base", "teacher.model.path", "teacher.model.device",
+    # data.seq_len is a check of the rows' length, which the data decides (its fingerprint is checked on resume)
+    "data.path", "data.seq_len", "model.student", "model.base", "teacher.model.path", "teacher.model.device",
     "teacher.model.torch_threads", "teacher.model.max_forward_tokens", "teacher.pool.", "teacher.client.max_inflight_rows",
     "teacher.client.timeout_s", "teacher.client.max_retries", "teacher.client.retry_backoff_s", "teacher.start_pool", "teacher.cache_path",
 )

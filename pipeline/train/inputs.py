@@ -12,8 +12,9 @@
   outputs are the targets); a teacher tokenizer without the chat template the student's has is a
   warning. A teacher of another vocabulary used to be found only after Ray started and both models
   loaded (94 s), and then retried as if it were a fault;
-* data (parquet): the manifest, its split and seq_len, and every shard's Parquet footer and row count
-  (a truncated or half-copied shard is named here; a shard corrupt inside is named by the reader).
+* data (parquet): the manifest, its split and max_len (against data.seq_len when set), and every shard's
+  Parquet footer and row count (a truncated or half-copied shard is named here; a shard corrupt inside is
+  named by the reader).
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def _convert_options_fit_the_base(cfg: StageConfig, base_dir: str | Path) -> Non
 
 
 def _data(cfg: StageConfig) -> None:
-    from hylo.pipeline.train.rows import ParquetRows
+    from hylo.pipeline.train.rows import open_rows
 
-    ParquetRows(cfg.data, 0, cfg.ray.num_workers).reader.check_shards()
+    open_rows(cfg.data, cfg.train.seed, 0, cfg.ray.num_workers).source.check_shards()
 
 
 def _model_config(key: str, directory: Path) -> dict[str, Any]:

@@ -53,12 +53,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from hylo.pipeline.data.reader import RowReader
+from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.ray_init import kill_this_node
 from hylo.pipeline.train import checkpoint as ckpt_lib
 from hylo.pipeline.train.config import FaultSection, StageConfig, config_from_dict, run_dir
 from hylo.pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
 from hylo.pipeline.train.metrics import METRICS_FILE, TB_DIR, MetricsWriter, peak_memory_mib
-from hylo.pipeline.train.rows import RowStream, open_rows
+from hylo.pipeline.train.rows import open_rows
 from hylo.pipeline.train.storage import (
     Loc,
     fresh_local_dir,
@@ -479,8 +481,8 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
                         run_dir=local_mirror(run) if run is not None else run_dir(cfg), run=run,
                         grad_accum=grad_accum_steps(cfg.train.global_batch_sequences, world),
                         hooks=[FaultInjection(cfg.fault)])
-    rows: RowStream = open_rows(cfg.data, cfg.train.seed, rank, world)
-    total = total_steps_for(cfg, rows.num_rows)
+    rows: RowReader = open_rows(cfg.data, cfg.train.seed, rank, world)
+    total = total_steps_for(cfg, rows.global_rows)
     last = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
     session: Session = (RaySession(ctx, loop_config, total) if loop_config["launcher"] == "ray"
                         else TorchrunSession(ctx, loop_config, total))
@@ -588,14 +590,14 @@ def consolidate(task, ctx: WorkerContext, run: Loc, source: str | None) -> None:
     print(f"[train] consolidated HF checkpoint: {written}", flush=True)
 
 
-def reduce_record(ctx: WorkerContext, result: StepResult, batch: list[dict[str, Any]], rows: RowStream,
+def reduce_record(ctx: WorkerContext, result: StepResult, batch: list[PackedRow], rows: RowReader,
                   seconds: float, total: int) -> dict[str, Any]:
     """One record per step, identical on every rank: global sums / maxima of the local numbers."""
     keys = sorted(result.sums)
     sums = dict(zip(keys, ctx.all_sum([float(result.sums[k]) for k in keys])))
     mem, sec = ctx.all_max([peak_memory_mib(ctx.device), seconds])
     row_ids: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(row_ids, [r["row_key"] for r in batch])
+    dist.all_gather_object(row_ids, [r.key for r in batch])
     positions: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(positions, rows.position)
     # A step whose rows hold no loss token (e.g. windows of a split user turn) reports loss 0.

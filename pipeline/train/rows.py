@@ -1,24 +1,19 @@
-"""Where each training worker gets its packed rows, with an exact, saveable position.
+"""Where each training worker gets its packed rows: the data section of a stage's config -> the one
+`hylo.pipeline.data.reader.RowReader` (strided over workers, exact saveable position, checked rows).
 
 Legend: T tokens of a row, W workers, N rows in the split.
 
 Design choices:
-* Worker `r` of `W` reads global rows `r, r + W, r + 2W, ...` of the split (strided sharding): every
-  worker sees the same number of rows per step and the union over workers is the split in order.
-  Row `g >= N` wraps to `g mod N` (the next epoch, same order).
-* The position of a worker is the number of rows it has consumed, so a resumed worker calls
-  `seek(position)` and reads exactly the rows it would have read. Ray Data iterators do not resume
-  mid-epoch; this does, and costs one Parquet row-group read per row at most.
-* `SyntheticRows` makes deterministic random rows (tests, benches, smoke runs); `ParquetRows` reads
-  the data pipeline's shards (any `*.parquet` under the split directory, sorted by name).
-* Every row gets a `row_key` (synthetic: `syn-<g>`; Parquet: the global row index) so runs can be
-  compared row by row ("identical rows consumed"). It is not `row_id`: the teacher cache keys rows by
-  content hash when the data has no `row_id` column.
-* Parquet rows come from the data pipeline's `RowReader` (same strided sharding, drop_last), whose
-  manifest is checked against `data.split` and `data.seq_len` (`DataFormatError` otherwise). Every row
-  read is checked against the packed-row contract (`hylo.kernels.varlen.check_row`; `PackedRowError` names
-  the shard directory and the row): a bad row stops the run, since skipping it would shift every
-  position and resume after it.
+* `data.source: parquet` reads a split prepared by jobs/prepare_data.py (`ShardRows`); the reader leaves
+  out the tail that does not divide by W, so every worker takes the same number of steps. Its manifest
+  must be the split the config reads (`data.split`), and it is the source of the rows' length: its
+  `max_len` (the data job's `packing.max_len`) bounds every row. `data.seq_len` is an optional check:
+  unset takes the manifest's, set and different is refused naming both.
+* `data.source: synthetic`: deterministic random rows (tests, benches, smoke runs) of exactly
+  `data.seq_len` tokens (which it then needs), every row of `data.synthetic.rows` in each pass.
+* Rows carry a `key` (synthetic: `syn-<g>`; Parquet: the global row index) so runs can be compared
+  row by row ("identical rows consumed"). It is not `row_id`: the teacher cache keys rows by content
+  hash when the data has no `row_id` column.
 """
 
 from __future__ import annotations
@@ -28,62 +23,26 @@ from typing import Any
 
 import numpy as np
 import torch
-from hylo.kernels.varlen import check_row, positions_from_cu_seqlens
+from hylo.kernels.varlen import positions_from_cu_seqlens
 from hylo.pipeline.config import ConfigError
+from hylo.pipeline.data.reader import RowReader, ShardRows
 from hylo.pipeline.data.rowfile import DataFormatError
+from hylo.pipeline.data.shards import MANIFEST
 from hylo.pipeline.train.config import DataSection
 
 
-class RowStream:
-    """Base class: strided, seekable stream of packed rows for one worker."""
+class SyntheticRows:
+    """Deterministic random packed rows (a `RowSource`): documents of random length filling exactly
+    `data.seq_len` tokens."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.position = 0
-
-    @property
-    def num_rows(self) -> int:
-        raise NotImplementedError
-
-    def _row(self, index: int) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def seek(self, position: int) -> None:
-        self.position = int(position)
-
-    def global_index(self, position: int | None = None) -> int:
-        p = self.position if position is None else position
-        return p * self.world_size + self.rank
-
-    def next_row(self) -> dict[str, Any]:
-        g = self.global_index()
-        row = self._row(g % self.num_rows)
-        row["epoch"] = g // self.num_rows
-        self.position += 1
-        return row
-
-    @property
-    def fingerprint(self) -> str:
-        """What decides the rows; a resumed run must read the same data."""
-        raise NotImplementedError
-
-    def state(self) -> dict[str, Any]:
-        return {"position": self.position, "rank": self.rank, "world_size": self.world_size,
-                "num_rows": self.num_rows}
-
-
-class SyntheticRows(RowStream):
-    """Deterministic random packed rows: documents of random length filling exactly `seq_len` tokens."""
-
-    def __init__(self, data: DataSection, seed: int, rank: int, world_size: int) -> None:
-        super().__init__(rank, world_size)
-        self.cfg = data
-        self.seed = seed
-
-    @property
-    def num_rows(self) -> int:
-        return self.cfg.synthetic.rows
+    def __init__(self, data: DataSection, seed: int) -> None:
+        if data.seq_len is None:
+            raise ConfigError("data.seq_len is not set: synthetic rows need a length (parquet rows take "
+                              "theirs from the dataset's manifest)", "data.seq_len")
+        self.cfg, self.seed = data, seed
+        self.num_rows = data.synthetic.rows
+        self.max_len: int | None = data.seq_len
+        self.max_len_from: str | None = "data.seq_len"
 
     @property
     def fingerprint(self) -> str:
@@ -91,15 +50,18 @@ class SyntheticRows(RowStream):
 
         return "synthetic-" + config_hash({"seed": self.seed, "seq_len": self.cfg.seq_len, **vars(self.cfg.synthetic)})
 
-    def _row(self, index: int) -> dict[str, Any]:
+    def where(self, g: int) -> str:
+        return f"synthetic row {g}"
+
+    def raw(self, g: int) -> dict[str, Any]:
         syn, T = self.cfg.synthetic, self.cfg.seq_len
-        g = np.random.default_rng([self.seed, index])
+        rng = np.random.default_rng([self.seed, g])
         lengths: list[int] = []
         while sum(lengths) < T:
-            lengths.append(int(g.integers(syn.min_doc_len, syn.max_doc_len + 1)))
+            lengths.append(int(rng.integers(syn.min_doc_len, syn.max_doc_len + 1)))
         lengths[-1] -= sum(lengths) - T
         lengths = [n for n in lengths if n > 0]
-        ids = g.integers(0, syn.vocab_size, size=T, dtype=np.int64)
+        ids = rng.integers(0, syn.vocab_size, size=T, dtype=np.int64)
         cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         pos = positions_from_cu_seqlens(torch.from_numpy(cu), T).numpy()
         # Half of each document is "assistant": the loss covers its second half except its last token.
@@ -107,55 +69,36 @@ class SyntheticRows(RowStream):
         for s, e in zip(cu[:-1], cu[1:]):
             mask[s + (e - s) // 2: e - 1] = 1
         return {"input_ids": ids, "position_ids": pos, "cu_seqlens": cu, "loss_mask": mask,
-                "doc_ids": [f"syn-{index}-{j}" for j in range(len(lengths))], "row_key": f"syn-{index}"}
+                "doc_ids": [f"syn-{g}-{j}" for j in range(len(lengths))], "row_key": f"syn-{g}"}
 
 
-class ParquetRows(RowStream):
-    """Packed rows of a split prepared by the data pipeline (shards + manifest.json), via its RowReader."""
-
-    def __init__(self, data: DataSection, rank: int, world_size: int) -> None:
-        from hylo.pipeline.data.dataset import MANIFEST, RowReader
-
-        super().__init__(rank, world_size)
-        if not data.path:
-            raise ConfigError("data.path is not set: point it at a split prepared by jobs/prepare_data.py",
-                              "data.path")
-        root = Path(data.path).expanduser()
-        if not (root / MANIFEST).is_file():
-            raise DataFormatError(f"{root}: no {MANIFEST}; data.path must be a directory written by "
-                                  "jobs/prepare_data.py")
-        self.reader = RowReader(root, rank=rank, world_size=world_size, as_numpy=True)
-        man = self.reader.manifest
-        if man.get("split") not in (None, data.split):
-            raise DataFormatError(f"{root / MANIFEST}: this is the {man.get('split')!r} split, the config reads "
-                                  f"data.split={data.split!r}")
-        if man.get("max_len") not in (None, data.seq_len):
-            raise DataFormatError(f"{root / MANIFEST}: rows were packed to {man.get('max_len')} tokens, the "
-                                  f"config says data.seq_len={data.seq_len}")
-        if self.reader.num_rows == 0:
-            raise DataFormatError(f"{root}: fewer rows than the {world_size} workers")
-        self.root, self.seq_len = root, data.seq_len
-
-    @property
-    def num_rows(self) -> int:
-        return self.reader.num_rows * self.world_size
-
-    @property
-    def fingerprint(self) -> str:
-        return str(self.reader.manifest.get("config_hash"))
-
-    def _row(self, index: int) -> dict[str, Any]:
-        row = self.reader.read_global(index)
-        row["input_ids"] = row["input_ids"].astype(np.int64)
-        row["position_ids"] = row["position_ids"].astype(np.int64)
-        row["cu_seqlens"] = row["cu_seqlens"].astype(np.int32)
-        row["loss_mask"] = row["loss_mask"].astype(np.int8)
-        row["row_key"] = str(index)
-        check_row(row, f"{self.root} row {index}", self.seq_len, max_len_name="data.seq_len")
-        return row
+def parquet_rows(data: DataSection) -> ShardRows:
+    """The prepared split `data.path`, checked against `data.split` and (when set) `data.seq_len`."""
+    if not data.path:
+        raise ConfigError("data.path is not set: point it at a split prepared by jobs/prepare_data.py", "data.path")
+    root = Path(data.path).expanduser()
+    if not (root / MANIFEST).is_file():
+        raise DataFormatError(f"{root}: no {MANIFEST}; data.path must be a directory written by "
+                              "jobs/prepare_data.py")
+    source = ShardRows(root)
+    man = source.manifest
+    if man.get("split") not in (None, data.split):
+        raise DataFormatError(f"{root / MANIFEST}: this is the {man.get('split')!r} split, the config reads "
+                              f"data.split={data.split!r}")
+    if data.seq_len is not None and man.get("max_len") not in (None, data.seq_len):
+        raise DataFormatError(f"{root / MANIFEST}: rows were packed to max_len={man.get('max_len')} tokens "
+                              f"(the data job's packing.max_len), the config sets data.seq_len={data.seq_len}; "
+                              "leave data.seq_len unset to take the manifest's, or prepare the data again")
+    if data.seq_len is not None and man.get("max_len") is None:
+        # a manifest without its length: the config's is the bound
+        source.max_len, source.max_len_from = data.seq_len, "data.seq_len"
+    return source
 
 
-def open_rows(data: DataSection, seed: int, rank: int, world_size: int) -> RowStream:
+def open_rows(data: DataSection, seed: int, rank: int, world_size: int) -> RowReader:
     if data.source == "synthetic":
-        return SyntheticRows(data, seed, rank, world_size)
-    return ParquetRows(data, rank, world_size)
+        return RowReader(SyntheticRows(data, seed), rank, world_size, drop_last=False)
+    reader = RowReader(parquet_rows(data), rank, world_size)
+    if reader.num_rows == 0:
+        raise DataFormatError(f"{reader.source.dir}: fewer rows than the {world_size} workers")
+    return reader

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 from hylo.pipeline.config import ConfigError
+from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.train.config import ILD_TRAINABLE, Stage1Config
 from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
 from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
@@ -107,11 +108,10 @@ class ILDStudent(nn.Module):
         return out_sum, mix_sum
 
 
-def real_tokens(row: dict[str, Any]) -> np.ndarray:
+def real_tokens(row: PackedRow) -> np.ndarray:
     """[T] 1.0 on tokens of real documents, 0.0 on the padding segment."""
-    keep = np.ones(len(row["input_ids"]), dtype=np.float32)
-    cu = np.asarray(row["cu_seqlens"])
-    for doc_id, s, e in zip(row["doc_ids"], cu[:-1], cu[1:]):
+    keep = np.ones(row.num_tokens, dtype=np.float32)
+    for doc_id, (s, e) in zip(row.doc_ids or (), row.documents()):
         if doc_id == PAD_DOC_ID:
             keep[s:e] = 0.0
     return keep
@@ -163,7 +163,7 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage1Task:
     return Stage1Task(engine, student, BaseLayerTargets(base), cfg)
 
 
-def train_step(task: Stage1Task, rows: list[dict[str, Any]], ctx: WorkerContext) -> StepResult:
+def train_step(task: Stage1Task, rows: list[PackedRow], ctx: WorkerContext) -> StepResult:
     """One optimiser step: base layer targets -> student layers on base inputs -> L2 losses -> backward."""
     ild, engine = task.cfg.ild, task.engine
     keep = [real_tokens(r) for r in rows]

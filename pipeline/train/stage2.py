@@ -26,12 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div
 from hylo.kernels.fused_kl.inputs import check_deferred
-from hylo.kernels.varlen import check_row
 from hylo.pipeline.config import ConfigError
+from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.protocol import Teacher, open_teacher
 from hylo.pipeline.train.config import Stage2Config
 from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
@@ -92,17 +91,17 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage2Task:
     return Stage2Task(engine, student, open_teacher(cfg.teacher, student.config.vocab_size, data), cfg)
 
 
-def train_step(task: Stage2Task, rows: list[dict[str, Any]], ctx: WorkerContext) -> StepResult:
+def train_step(task: Stage2Task, rows: list[PackedRow], ctx: WorkerContext) -> StepResult:
     """One optimiser step: teacher -> student -> fused KL (+ CE) -> backward, over this rank's rows."""
     kd, engine = task.cfg.kd, task.engine
-    n_global = ctx.all_sum([float(sum(int(r["loss_mask"].sum()) for r in rows))])[0]
+    n_global = ctx.all_sum([float(sum(r.loss_tokens for r in rows))])[0]
     scale = ctx.world_size / max(n_global, 1.0)
     lr = current_lr(engine)
     out = {"loss_sum": 0.0, "kl_sum": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
     # the loss terms stay on the device until the step's end: one host read per step, not three per row
     sums = []
-    # the reader's rows as PackedRows (returned as they are once the reader yields checked rows)
-    targets = task.teacher.targets([check_row(r) for r in rows], ctx.device)
+    # the reader's rows are checked PackedRows already (pipeline/data/reader.py): no check here
+    targets = task.teacher.targets(rows, ctx.device)
     for i, (row, teacher) in enumerate(zip(rows, targets)):
         b = row_to_device(row, ctx.device)
         kl, ce = engine(b, teacher)
@@ -112,8 +111,8 @@ def train_step(task: Stage2Task, rows: list[dict[str, Any]], ctx: WorkerContext)
             ctx.hook("mid_step")
         engine.step()
         sums.append(torch.stack([loss.detach(), kl.detach(), ce.detach()]).double())
-        out["loss_tokens"] += float(np.asarray(row["loss_mask"]).sum())
-        out["tokens"] += float(np.asarray(row["input_ids"]).size)
+        out["loss_tokens"] += float(row.loss_tokens)
+        out["tokens"] += float(row.num_tokens)
     # the fused KL's input checks left device flags (kernels/fused_kl/inputs.py): read them with the sums
     check_deferred()
     out["loss_sum"], out["kl_sum"], out["ce_sum"] = torch.stack(sums).sum(0).tolist()

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from hylo.kernels.varlen import DocBounds
+from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.train.config import StageConfig
 from hylo.pipeline.train.storage import Loc
 
@@ -86,7 +86,7 @@ class Task(Protocol):
 class Stage:
     number: int
     build: Callable[[WorkerContext, Callable[[int], float]], Task]
-    train_step: Callable[[Any, list[dict[str, Any]], WorkerContext], StepResult]
+    train_step: Callable[[Any, list[PackedRow], WorkerContext], StepResult]
 
 
 def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -96,22 +96,21 @@ def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device)
 
 
-def row_to_device(row: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Packed row (numpy) -> [1, T] tensors on `device`; labels = next token within the row.
+def row_to_device(row: PackedRow, device: torch.device) -> dict[str, Any]:
+    """A checked packed row (as the reader yields it) -> [1, T] tensors on `device`; labels = next token
+    within the row.
 
-    `bounds` holds the row's boundaries checked on the host (`DocBounds`, as `from_host`): given to the
-    model instead of `cu_seqlens`, the forward reads nothing back from the device."""
-    ids = torch.as_tensor(np.asarray(row["input_ids"]), dtype=torch.long)
-    mask = torch.as_tensor(np.asarray(row["loss_mask"])).bool()
-    labels = torch.roll(ids, -1)
-    host = DocBounds.from_host(np.asarray(row["cu_seqlens"]), ids.numel(), "cpu")
-    cu = _to_device(host.cu_seqlens, device)
+    `bounds` holds the row's boundaries as the reader checked them on the host (`DocBounds`): given to
+    the model instead of `cu_seqlens`, the forward neither checks them again nor reads them back from
+    the device. Nothing here checks or converts the row's fields again."""
+    if row.loss_mask is None:
+        raise ValueError(f"row {row.key or row.row_id}: a training row needs a loss_mask")
+    cu = _to_device(row.cu_seqlens, device)
     return {
-        "input_ids": _to_device(ids.unsqueeze(0), device),
-        "position_ids": _to_device(torch.as_tensor(np.asarray(row["position_ids"]), dtype=torch.long).unsqueeze(0),
-                                   device),
+        "input_ids": _to_device(row.input_ids.unsqueeze(0), device),
+        "position_ids": _to_device(row.position_ids.unsqueeze(0), device),
         "cu_seqlens": cu,
-        "bounds": DocBounds(cu, host.host, _to_device(host.positions, device)),
-        "loss_mask": _to_device(mask, device),
-        "labels": _to_device(labels, device),
+        "bounds": DocBounds(cu, row.host, _to_device(row.position_ids, device)),
+        "loss_mask": _to_device(row.loss_mask, device),
+        "labels": _to_device(torch.roll(row.input_ids, -1), device),
     }
