@@ -656,3 +656,16 @@ def config_from_args(cls: type[T], args: argparse.Namespace, flag_keys: dict[str
     cfg = load_config(cls, args.config, [*args.overrides, *flag_overrides(args, flag_keys or {})])
     maybe_print_config(cfg, args)
     return cfg
+
+
+# ------------------------------------------------------------------------------ shared sections
+@dataclasses.dataclass
+@rules(num_cpus=at_least(1))
+class RayInitSection:
+    """Where a job finds its Ray (used by pipeline/ray_init.py; every job's `ray` section)."""
+
+    # The Ray to use: None = $RAY_ADDRESS when set (`ray job submit` sets it), else a local Ray started
+    # for this job; "auto" = the cluster running on this machine; "host:port" or "ray://host:port".
+    address: str | None = None
+    # CPUs of a local Ray this job starts (None = every CPU of the machine); unused when joining a cluster.
+    num_cpus: int | None = None

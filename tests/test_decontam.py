@@ -198,13 +198,13 @@ def test_fast_scan_equals_reference_hit_for_hit(seed):
 
 
 def test_hash_collisions_are_verified_away(monkeypatch):
-    from hylo.pipeline.data import decontam
+    from hylo.pipeline.data.decontam import fast
 
     items = [Item("s", "i0", [["aa", "bb", "cc"]])]
     index = BenchmarkIndex.build(items, MatchConfig(ngram=3, short_min_words=2, min_content_words=0))
     sc = FastScanner(index)
     # Simulate 64-bit word-hash collisions: zz/yy/xx hash like aa/bb/cc. Only the word check can tell.
-    real = decontam._word_hashes
+    real = fast._word_hashes
     fake_h, true_h = real(b"zz yy xx")[2], real(b"aa bb cc")[2]
 
     def colliding(buf):
@@ -213,7 +213,7 @@ def test_hash_collisions_are_verified_away(monkeypatch):
             h = np.where(h == f, t, h)
         return starts, ends, h
 
-    monkeypatch.setattr(decontam, "_word_hashes", colliding)
+    monkeypatch.setattr(fast, "_word_hashes", colliding)
     d, e, t, s = sc.scan([["aa bb cc", "zz yy xx"]])
     assert list(zip(d.tolist(), t.tolist())) == [(0, 0)]
     # Without the word check the colliding turn would have matched: the simulation does collide.

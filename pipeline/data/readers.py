@@ -70,7 +70,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
-from hylo.pipeline.config import NONEMPTY, at_least, rules
+from hylo.pipeline.data.config import SourceError, SourceSpec
 
 RAW_CHARS = 500
 CHUNK_CHARS = 1 << 20
@@ -91,13 +91,7 @@ ROLE_ALIASES: dict[str, str] = {
 # The usual spellings of ShareGPT and OpenAI-style data; mapping any other alias counts as a repair.
 _PLAIN_ROLES = frozenset({"human", "user", "gpt", "assistant", "system"})
 REPAIR_KINDS = ("dropped_empty_turn", "dropped_leading_assistant", "merged_same_role", "role_alias")
-SCHEMAS = ("auto", "sharegpt", "messages", "prompt_response")
-CONTAINERS = ("auto", "json", "jsonl", "parquet", "hf_disk", "hub")
 _FILE_SUFFIXES = (".json", ".jsonl", ".ndjson", ".parquet", ".json.gz", ".jsonl.gz", ".ndjson.gz")
-
-
-class SourceError(ValueError):
-    """A source cannot be opened at all (missing path, bad option, missing package); names the source."""
 
 
 class EmptySourceError(SourceError):
@@ -124,54 +118,6 @@ class Reject(TypedDict):
     reason: str
     raw: str
     lost: int | None
-
-
-@dataclasses.dataclass
-@rules(name=NONEMPTY, path=NONEMPTY, limit=at_least(1))
-class SourceSpec:
-    """Where a source lives and how to read it. Plain fields so it nests in any `hylo.pipeline.config` tree."""
-
-    name: str
-    path: str
-    schema: str = "auto"
-    container: str = "auto"
-    # DatasetDict split (hf_disk) or hub split.
-    split: str = "train"
-    # Hub dataset configuration name (e.g. "ARC-Challenge").
-    subset: str | None = None
-    id_field: str = "id"
-    conversations_field: str = "conversations"
-    messages_field: str = "messages"
-    prompt_field: str = "prompt"
-    response_field: str = "response"
-    system_field: str | None = "system"
-    # Accept a conversation whose first non-system turn is the assistant's (ShareGPT's split
-    # conversations: ~6.3K of its 17.7K continue a previous part). Off: `repair` drops those turns.
-    allow_assistant_first: bool = False
-    # Repair broken conversations (empty turns, leading assistant turns, same-role runs, role aliases)
-    # instead of rejecting them; each repair is counted by kind. Off: such records are rejects.
-    repair: bool = True
-    # A system turn for records without one; `context_field` text is appended to it (blank line between).
-    system_prompt: str | None = None
-    context_field: str | None = None
-    # The final assistant reply, for records whose conversation ends with the user (str or list of str).
-    answer_field: str | None = None
-    # [old, new] literal replacements applied to assistant turns, in order (e.g. reasoning markers).
-    assistant_replace: list[list[str]] = dataclasses.field(default_factory=list)
-    # A source with no usable record is an error (a wrong path, an empty download); true: a warning.
-    allow_empty: bool = False
-    # Stop after this many items (records + rejects) per source; None = all.
-    limit: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.schema not in SCHEMAS:
-            raise SourceError(f"source {self.name!r}: schema {self.schema!r} not in {SCHEMAS}")
-        if self.container not in CONTAINERS:
-            raise SourceError(f"source {self.name!r}: container {self.container!r} not in {CONTAINERS}")
-        for pair in self.assistant_replace:
-            if len(pair) != 2 or not all(isinstance(x, str) for x in pair) or not pair[0]:
-                raise SourceError(f"source {self.name!r}: assistant_replace entries are [old, new] strings "
-                                  f"with a non-empty old, got {pair!r}")
 
 
 def is_reject(item: Record | Reject | dict[str, Any]) -> bool:
