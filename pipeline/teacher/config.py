@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hylo.pipeline.config import NONEMPTY, PORT, above, at_least, each, one_of, renamed, rules
-from hylo.pipeline.ray_init import RayInitSection
+from hylo.pipeline.config import NONEMPTY, PORT, RayInitSection, above, at_least, each, one_of, renamed, rules
 
 DTYPES = ("float32", "bfloat16", "float16")
 ISOLATIONS = ("auto", "per_doc", "packed")

@@ -20,6 +20,8 @@ Design choices:
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from hylo.pipeline.config import (
     RELATIVE_NAME,
     ConfigError,
     FieldError,
+    RayInitSection,
     above,
     at_least,
     between,
@@ -40,11 +43,9 @@ from hylo.pipeline.config import (
     rules,
     to_dict,
 )
-from hylo.pipeline.convert import ConvertSection
-from hylo.pipeline.data.mixture import SPLITS
-from hylo.pipeline.ray_init import RayInitSection
+from hylo.pipeline.convert.config import ConvertSection
+from hylo.pipeline.data.config import SPLITS
 from hylo.pipeline.teacher.config import TeacherClientConfig, TeacherModelConfig, TeacherPoolConfig
-from hylo.pipeline.train.trackers import MlflowSection, WandbSection
 
 STAGE_KEYS = ("stage1", "stage2")
 
@@ -182,6 +183,55 @@ class DeepSpeedSection:
     stage3_prefetch_bucket_size: int = 50_000_000
     # Parameters smaller than this stay whole on every rank; 0 partitions everything.
     stage3_param_persistence_threshold: int = 0
+
+
+# The optional trackers of `metrics` (pipeline/train/trackers.py): their sections check at load time that the
+# package can be imported, so a missing one fails before Ray starts.
+EXTRA_HINT = "pip install 'hylo-pipeline[trackers]'"
+
+
+def _importable(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require_package(module: str, key: str) -> None:
+    """ValueError (a ConfigError at load time) when config key `key` needs a package that is missing."""
+    if not _importable(module):
+        raise ValueError(f"{key} is set but the `{module}` package is not installed: {EXTRA_HINT} "
+                         f"(or pip install {module}), or remove {key} from the config")
+
+
+@dataclass
+class WandbSection:
+    # W&B project; None = W&B's default (WANDB_PROJECT, else "uncategorized").
+    project: str | None = None
+    entity: str | None = None
+    # online | offline (written under <run dir>/wandb, upload later with `wandb sync`) | disabled
+    mode: str = "online"
+    # Run name; None = ray.name.
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("online", "offline", "disabled"):
+            raise ValueError(f"metrics.wandb.mode={self.mode!r}; allowed: online, offline, disabled")
+        require_package("wandb", "metrics.wandb")
+
+
+@dataclass
+class MlflowSection:
+    # None = MLflow's default (MLFLOW_TRACKING_URI, else its local store in the working directory).
+    tracking_uri: str | None = None
+    experiment: str = "hylo"
+    # Run name; None = ray.name.
+    run_name: str | None = None
+
+    def __post_init__(self) -> None:
+        require_package("mlflow", "metrics.mlflow")
 
 
 @dataclass
