@@ -352,6 +352,12 @@ class _SharedSections:
         if self.fault.kill_rank >= workers:
             raise FieldError("fault.kill_rank", self.fault.kill_rank, f"must be < ray.num_workers ({workers})")
 
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches (one packed row each) per optimiser step on every worker: the global batch over the
+        workers (a whole number: checked above)."""
+        return self.train.global_batch_sequences // self.ray.num_workers
+
 
 @dataclass
 class Stage1Config(_SharedSections):

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from hylo.pipeline.ray_init import kill_this_node
 from hylo.pipeline.train import checkpoint as ckpt_lib
 from hylo.pipeline.train.config import FaultSection, StageConfig, config_from_dict, run_dir
-from hylo.pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
+from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
 from hylo.pipeline.train.metrics import METRICS_FILE, TB_DIR, MetricsWriter, peak_memory_mib
 from hylo.pipeline.train.rows import RowStream, open_rows
 from hylo.pipeline.train.storage import (
@@ -477,7 +477,7 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     ctx = WorkerContext(cfg=cfg, rank=rank, world_size=world, device=device,
                         dtype=resolve_dtype(cfg.model.dtype, device.type == "cuda"),
                         run_dir=local_mirror(run) if run is not None else run_dir(cfg), run=run,
-                        grad_accum=grad_accum_steps(cfg.train.global_batch_sequences, world),
+                        grad_accum=cfg.grad_accum,
                         hooks=[FaultInjection(cfg.fault)])
     rows: RowStream = open_rows(cfg.data, cfg.train.seed, rank, world)
     total = total_steps_for(cfg, rows.num_rows)
