@@ -38,6 +38,7 @@ from hylo.pipeline.config import (  # noqa: E402
     add_config_args,
     apply_overrides,
     error_origin,
+    field_rules,
     from_dict,
     maybe_print_config,
     read_config_file,
@@ -46,7 +47,7 @@ from hylo.pipeline.convert import ConvertJobConfig  # noqa: E402
 
 from hylo.upcycle.config import ConvertConfig  # noqa: E402
 
-_CHOICES = {name: list(r["choices"]) for name, r in ConvertConfig.RANGES.items() if "choices" in r}
+_CHOICES = {name: list(r.choices) for name, r in field_rules(ConvertConfig).items() if r.choices is not None}
 _ON, _OFF = {"action": "store_const", "const": True}, {"action": "store_const", "const": False}
 # flag -> (config key, argparse keywords); the help of a convert.* key ends with its default
 SHORTHANDS: dict[str, tuple[str, dict[str, Any]]] = {

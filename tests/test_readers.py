@@ -12,13 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hylo.pipeline.data import readers
-from hylo.pipeline.data.readers import json_stream
 from hylo.pipeline.data.readers import (
     SourceError,
     SourceSpec,
     is_reject,
     iter_records,
     iter_source,
+    json_stream,
     read_source,
 )
 

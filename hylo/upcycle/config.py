@@ -1,4 +1,5 @@
-"""The options of a conversion (`ConvertConfig`), a leaf module: it imports nothing of the project.
+"""The options of a conversion (`ConvertConfig`), a leaf module: it imports only hylo.rules (the `@rules` of
+the config system, which states each option's range).
 
 jobs/convert.py's flags, the convert job's YAML and the training config's `model.convert` are all this
 class; `hylo.upcycle.options` (what the options give for a base model) and the converter import it.
@@ -7,18 +8,37 @@ class; `hylo.upcycle.options` (what the options give for a base model) and the c
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from hylo.rules import FieldError, above, at_least, field_rules, one_of, rules
 
 
 class UpcycleError(ValueError):
     """The base model cannot be converted; the message says why and what is supported."""
 
 
+class ConvertOptionError(FieldError, UpcycleError):
+    """An option out of its range (its `@rules`): named with its flag, `kv_lora_rank (--kv-lora-rank) = 0:
+    must be >= 1`; the config loader words it as every field error (`convert.kv_lora_rank=0: must be >= 1`)."""
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        ValueError.__init__(self, f"{field} ({_flag(field)}) = {value!r}: {reason}")
+        self.field, self.value, self.reason = field, value, reason
+
+
+# How the mixers are initialised: from the attention weights, or their default init (an ablation).
+INITS = ("attention", "random")
+
+
 # ---------------------------------------------------------------------------------------------- options
 @dataclass
+@rules(kv_lora_rank=at_least(1), q_lora_rank=at_least(1), qk_rope_head_dim=at_least(1), qk_nope_head_dim=at_least(0),
+       rope_key_groups=at_least(1), mla_latent_norm_eps=above(0), v_head_dim=at_least(1), mamba2_xb_groups=at_least(1),
+       gdn_num_heads=at_least(1), gdn_head_dim=at_least(1), gdn_expand_v=above(0), yarn_factor=at_least(1),
+       yarn_original_max_position_embeddings=at_least(1), max_position_embeddings=at_least(1),
+       init=one_of(*INITS), seed=at_least(0), dtype=one_of("float32", "bfloat16", "float16"))
 class ConvertConfig:
     """Every option of a conversion; None = derive it from the base model."""
 
@@ -66,24 +86,21 @@ class ConvertConfig:
     # The dtype the base is loaded in and the hybrid is written in.
     dtype: str = "float32"
 
-    # What each field accepts (pipeline's config loader turns these into its field rules).
-    RANGES: ClassVar[dict[str, dict[str, Any]]] = {
-        "kv_lora_rank": {"ge": 1}, "q_lora_rank": {"ge": 1}, "qk_rope_head_dim": {"ge": 1},
-        "qk_nope_head_dim": {"ge": 0}, "rope_key_groups": {"ge": 1}, "mla_latent_norm_eps": {"gt": 0},
-        "v_head_dim": {"ge": 1}, "mamba2_xb_groups": {"ge": 1}, "gdn_num_heads": {"ge": 1}, "gdn_head_dim": {"ge": 1}, "gdn_expand_v": {"gt": 0},
-        "yarn_factor": {"ge": 1}, "yarn_original_max_position_embeddings": {"ge": 1},
-        "max_position_embeddings": {"ge": 1}, "init": {"choices": ("attention", "random")}, "seed": {"ge": 0},
-        "dtype": {"choices": ("float32", "bfloat16", "float16")},
-    }
     # The options of the conversion run; every other field shapes the HybridConfig.
     RUN_OPTIONS: ClassVar[tuple[str, ...]] = ("init", "seed", "calibrate", "dtype")
 
+    # A broken range names the option and its flag, and is an UpcycleError too (ConvertOptionError).
+    __field_error__ = ConvertOptionError
+
     def __post_init__(self) -> None:
+        # The ranges are the @rules above (checked first); what rules do not check is the type of a value
+        # given in code (the config loader checks it for YAML and --set).
         hints = typing.get_type_hints(ConvertConfig)
-        for name, allowed in self.RANGES.items():
-            why = _range_problem(getattr(self, name), allowed, hints[name])
-            if why:
-                raise UpcycleError(f"{name} ({_flag(name)}) = {getattr(self, name)!r}: {why}")
+        for name in _NUMERIC:
+            value = getattr(self, name)
+            integer = int in (hints[name], *typing.get_args(hints[name]))
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int if integer else int | float)):
+                raise ConvertOptionError(name, value, "must be an integer" if integer else "must be a number")
         spec = self.mla_layers
         items = spec if isinstance(spec, list | tuple) else [spec]
         if not (isinstance(spec, str) or all(isinstance(i, int) and not isinstance(i, bool) for i in items)):
@@ -99,27 +116,9 @@ class ConvertConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
 
 
-def _range_problem(value: Any, allowed: dict[str, Any], hint: Any) -> str | None:
-    """Why `value` breaks its range (None values mean 'the default' and are not checked)."""
-    if value is None:
-        return None
-    if "choices" in allowed:
-        return None if value in allowed["choices"] else f"must be one of {', '.join(allowed['choices'])}"
-    optional = type(None) in typing.get_args(hint)
-    default = "; omit it for the default" if optional else ""
-    if int in (hint, *typing.get_args(hint)):
-        low = allowed["ge"]
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            return ("must be a positive integer" if low == 1 else f"must be an integer >= {low}") + default
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return "must be a finite number"
-    if "gt" in allowed and not value > allowed["gt"]:
-        return f"must be > {allowed['gt']}{default}"
-    if "ge" in allowed and not value >= allowed["ge"]:
-        return f"must be >= {allowed['ge']}{default}"
-    return None
-
-
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+# The options whose type code could get wrong (numbers), checked in __post_init__.
+_NUMERIC = tuple(name for name, rule in field_rules(ConvertConfig).items() if rule.choices is None)

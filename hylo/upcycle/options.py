@@ -5,7 +5,7 @@ Design choices:
   shape options of `hybrid_config_from_base` and
   the run options of `convert` (`init`, `seed`, `calibrate`, `dtype`). jobs/convert.py's flags, the convert
   job's YAML and the training config's `model.convert` are all this class (pipeline's config loader builds
-  it, its ranges `RANGES` becoming config rules); its defaults are the converter's defaults.
+  it, its ranges `@rules` as in every config section); its defaults are the converter's defaults.
 * Options are validated as given (0 or a negative size is an error, never "the default"); a latent wider
   than the hidden size or an MLA layer caching more than the attention it replaces is refused. YaRN
   (`yarn_factor`) replaces the base's RoPE scaling with a warning; Llama-3's `llama3` scaling has no MLA

@@ -1,19 +1,12 @@
-"""The convert job's configuration (jobs/convert.py), and `ConvertSection`, the conversion options as a
-config section (also the training config's `model.convert`). A leaf: it imports no implementation."""
+"""The convert job's configuration (jobs/convert.py). Its `convert` section is hylo's `ConvertConfig` itself
+(also the training config's `model.convert`), whose `@rules` state each option's range. A leaf: it imports
+no implementation."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hylo.pipeline.config import Rule, rules
-
 from hylo.upcycle.config import ConvertConfig
-
-
-@dataclass
-@rules(**{name: Rule(**allowed) for name, allowed in ConvertConfig.RANGES.items()})
-class ConvertSection(ConvertConfig):
-    """`hylo.upcycle.ConvertConfig` as a config section (its ranges checked as config rules)."""
 
 
 @dataclass
@@ -22,7 +15,7 @@ class ConvertJobConfig:
     base: str | None = None
     # Output directory: the HyLo checkpoint (or, with to_released, the released layout).
     out: str | None = None
-    convert: ConvertSection = field(default_factory=ConvertSection)
+    convert: ConvertConfig = field(default_factory=ConvertConfig)
     # Print the summary from base_config (a config.json) alone; no weights are loaded.
     dry_run: bool = False
     base_config: str | None = None

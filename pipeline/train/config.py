@@ -43,9 +43,10 @@ from hylo.pipeline.config import (
     rules,
     to_dict,
 )
-from hylo.pipeline.convert.config import ConvertSection
 from hylo.pipeline.data.config import SPLITS
 from hylo.pipeline.teacher.config import TeacherClientConfig, TeacherModelConfig, TeacherPoolConfig
+
+from hylo.upcycle.config import ConvertConfig
 
 STAGE_KEYS = ("stage1", "stage2")
 
@@ -60,7 +61,7 @@ class ModelSection:
     # Stage 1 only: when `student` is missing, convert `base` first with these options (mla_layers,
     # kv_lora_rank, qk_rope_head_dim, gdn_num_heads, seed, ...: hylo.upcycle.ConvertConfig, the options
     # of jobs/convert.py), into <run dir>/converted.
-    convert: ConvertSection | None = None
+    convert: ConvertConfig | None = None
     # auto = bf16 on GPU, fp32 on CPU.
     dtype: str = "auto"
     activation_checkpointing: bool = True
