@@ -34,7 +34,7 @@ MASK_METHODS = ("auto", "generation", "prefix", "final", "prefix_or_final")
 MODES = ("drop", "cut")
 OUTPUT_FORMATS = ("jsonl", "parquet")
 SCANNERS = ("ray", "local", "reference")
-# Readers (readers.py): record schemas and file containers.
+# Readers (readers/): record schemas and file containers.
 SCHEMAS = ("auto", "sharegpt", "messages", "prompt_response")
 CONTAINERS = ("auto", "json", "jsonl", "parquet", "hf_disk", "hub")
 
@@ -43,7 +43,7 @@ class SourceError(ValueError):
     """A source cannot be opened at all (missing path, bad option, missing package); names the source."""
 
 
-# ------------------------------------------------------------------------------ sources (readers.py)
+# ------------------------------------------------------------------------------ sources (readers/)
 @dataclass
 @rules(name=NONEMPTY, path=NONEMPTY, limit=at_least(1))
 class SourceSpec:
@@ -228,7 +228,7 @@ class PackingConfig:
 @dataclass
 @rules(scanner=one_of("ray", "local"), batch_size=at_least(1))
 class DecontamSection:
-    """Evaluation items removed from the mixture before packing (pipeline/data/decontam.py).
+    """Evaluation items removed from the mixture before packing (pipeline/data/decontam/).
 
     The decision is made on the whole mixture (every source, every split), so stage 1 and stage 2
     remove the same records; what is removed goes to `removed.jsonl` with the matched item.
