@@ -48,15 +48,18 @@ class ConvertConfig:
     kv_lora_rank: int | None = None
     # Query latent rank; None keeps the queries whole (exact).
     q_lora_rank: int | None = None
+    # Per-head dims of the roped and the un-roped parts of MLA's queries and keys.
     qk_rope_head_dim: int | None = None
     qk_nope_head_dim: int | None = None
     # Blocks of the shared roped key: the number of KV heads (exact init) or 1 (one shared key).
     rope_key_groups: int | None = None
     # Keep DeepSeek's RMSNorm on the MLA latents (calibrated to their RMS); off for upcycling.
     mla_latent_norm: bool = False
+    # Their epsilon (default: the base's RMSNorm epsilon).
     mla_latent_norm_eps: float | None = None
     # kv_b_proj rows per KV head, read by the query heads of each group (the released layout).
     kv_b_per_kv_head: bool = False
+    # Per-head value dim of MLA (default: the base's head dim).
     v_head_dim: int | None = None
     gdn_num_heads: int | None = None
     gdn_head_dim: int | None = None

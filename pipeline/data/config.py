@@ -115,13 +115,20 @@ class BenchmarkSpec:
 class MatchConfig:
     """The matching flags; the job and the reference scan use the same ones."""
 
+    # An item field of at least this many words is indexed by its n-grams (13: GPT-3, lm-eval).
     ngram: int = 13
+    # A field of short_min_words .. ngram-1 words is indexed whole; a shorter one matches an equal turn only.
     short_min_words: int = 5
+    # N-grams with fewer words that are not stopwords, single characters or numbers are never indexed.
     min_content_words: int = 2
+    # N-grams shared by more items of one suite (prompt templates, licence headers) are dropped.
     max_item_df: int = 5
-    # 0 disables the mixture-frequency rule.
+    # An n-gram in at least this many records is a common phrase, and a record matched only through
+    # such phrases is kept (listed in the report); 0 disables the mixture-frequency rule.
     boilerplate_docs: int = 50
+    # A record holding at least this share of an item's n-grams is a leak of it, whatever the phrases.
     boilerplate_coverage: float = 0.5
+    # drop: remove the matched record; cut: remove only the matched spans (a record it empties is dropped).
     mode: str = "drop"
 
     def __post_init__(self) -> None:
