@@ -454,11 +454,3 @@ def breaking_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def breaking_hash(cfg: StageConfig) -> str:
     """Fingerprint of the keys that must not change across a resume."""
     return config_hash({k: v for k, v in _flatten(config_to_dict(cfg)).items() if _breaking(k)})
-
-
-def run_dir(cfg: StageConfig) -> Path:
-    """The run's local directory: `<storage_path>/<name>`, or a local mirror when storage_path is a URI
-    (the run itself lives there: `hylo.pipeline.train.storage.run_location`)."""
-    from hylo.pipeline.train.storage import local_mirror, run_location
-
-    return local_mirror(run_location(cfg.ray.storage_path, cfg.ray.name))
