@@ -68,7 +68,7 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
                       MASTER_PORT=str(_free_port()))
     from hylo.pipeline.train import stage2
     from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
+    from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
     from hylo.pipeline.train.loop import cosine_with_warmup, setup_distributed
     from hylo.pipeline.train.rows import open_rows
     from hylo.pipeline.train.worker import WorkerContext
@@ -81,7 +81,7 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
     rank, world, device = setup_distributed(cfg)
     ctx = WorkerContext(cfg=cfg, rank=rank, world_size=world, device=device,
                         dtype=resolve_dtype("auto", False), run_dir=Path("/tmp"),
-                        grad_accum=grad_accum_steps(1, world))
+                        grad_accum=cfg.grad_accum)
     task = stage2.build(ctx, cosine_with_warmup(10, 0.0, 0.0))
     warm = open_rows(dataclasses.replace(cfg.data, seq_len=256), 1, 0, 1)
     stage2.train_step(task, [warm.next_row()], ctx)

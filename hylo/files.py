@@ -12,6 +12,8 @@ Used by `hylo/` and `pipeline/` alike (this module imports neither torch nor Ray
 * `check_safetensors(path)` reads only the 8-byte length and the JSON header of a .safetensors file and
   checks that the tensors it lists cover the file exactly (what safetensors itself requires, but its
   error names no file). `check_weights_dir(dir)` does it for every .safetensors file of a model directory.
+* `copy_tokenizer_files(src, dst)`: the files of a Hugging Face tokenizer directory, copied as files (both
+  checkpoint layouts, hylo/io.py and hylo/released.py, write them).
 """
 
 from __future__ import annotations
@@ -127,6 +129,23 @@ def read_json(path: str | os.PathLike | Any, error: type[Exception] = ValueError
 # ------------------------------------------------------------------------------------ weight files
 
 # safetensors refuses headers above 100 MB; a larger length means the file is not safetensors.
+# What a Hugging Face tokenizer directory may hold (copied as files; nothing is loaded or executed).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
+                   "added_tokens.json")
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy the tokenizer files of directory `src` into `dst`; returns the names copied."""
+    src, dst = Path(src), Path(dst)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
 MAX_HEADER_BYTES = 100_000_000
 
 

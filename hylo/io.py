@@ -13,32 +13,14 @@ place only when complete, so a crash never leaves a directory that looks like a 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfigError
-from hylo.files import atomic_dir, atomic_write
+from hylo.files import atomic_dir, atomic_write, copy_tokenizer_files
 
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint's weights do not match its model (missing, unexpected or mis-shaped tensors)."""
-
-
-# What a Hugging Face tokenizer directory may hold (copied as files; nothing is loaded or executed).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
-                   "added_tokens.json")
-
-
-def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy the tokenizer files of directory `src` into `dst`; returns the names copied."""
-    src, dst = Path(src), Path(dst)
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-            copied.append(name)
-    return copied
 
 
 def stock_tokenizer_config(directory: str | Path) -> None:

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfig, HybridConfigError
-from hylo.files import atomic_dir, read_json
+from hylo.files import atomic_dir, copy_tokenizer_files, read_json
 
 # hybrid_config.json keys that only AMD's Hybrid-Models code writes (ours never does)
 AMD_ONLY_KEYS = ("use_lora_layer_norm", "use_full_kv_head", "qkv_rank_divisor", "ssm_cfg", "d_xb", "d_inner",
@@ -848,8 +848,6 @@ def export_released(model: Any, out_dir: str | Path, tokenizer_from: str | Path 
     """Write `model` in the released layout, atomically (temporary directory renamed into place), after reading
     the written files back the way AMD's loader does (`check_released_dir`)."""
     from safetensors.torch import save_file
-
-    from hylo.io import copy_tokenizer_files
 
     config_json, hybrid_json, tensors = released_files(model)
     out = Path(out_dir)

@@ -16,7 +16,7 @@ untied head) and writes ours; `--to-released` writes one of ours in that layout 
 HybridConfig, the head always stored, the base's config.json) and reads its output back the way AMD's
 loader does, failing on any tensor it would drop, leave at random init or refuse for its shape (see
 hylo/released.py).
-Every flag below is a shorthand for a key of the job's config (pipeline/convert.py; `--print-config`
+Every flag below is a shorthand for a key of the job's config (pipeline/convert/config.py; `--print-config`
 lists them all): the file (`--config`) first, then the flags, then `--set KEY=VALUE`.
 """
 
@@ -38,15 +38,16 @@ from hylo.pipeline.config import (  # noqa: E402
     add_config_args,
     apply_overrides,
     error_origin,
+    field_rules,
     from_dict,
     maybe_print_config,
     read_config_file,
 )
 from hylo.pipeline.convert import ConvertJobConfig  # noqa: E402
 
-from hylo.upcycle.options import ConvertConfig  # noqa: E402
+from hylo.upcycle.config import ConvertConfig  # noqa: E402
 
-_CHOICES = {name: list(r["choices"]) for name, r in ConvertConfig.RANGES.items() if "choices" in r}
+_CHOICES = {name: list(r.choices) for name, r in field_rules(ConvertConfig).items() if r.choices is not None}
 _ON, _OFF = {"action": "store_const", "const": True}, {"action": "store_const", "const": False}
 # flag -> (config key, argparse keywords); the help of a convert.* key ends with its default
 SHORTHANDS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     check_finite_args(args)
     cfg = load_job_config(args)
     maybe_print_config(cfg, args)
-    from hylo.pipeline.convert import run
+    from hylo.pipeline.convert.job import run
 
     print(json.dumps(run(cfg), indent=2))
     return 0

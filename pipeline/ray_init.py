@@ -18,8 +18,8 @@ Design choices:
   local batch job's workers then get a fair share of the CPU next to its own driver.
 * `num_cpus` is for a Ray this job starts; a job that joins a cluster takes what the cluster has.
 * Only a Ray the job started is shut down (`ray_running`); joining a cluster never stops it.
-* The config section is `RayInitSection` (training's `ray` section extends it). The old flat keys of the
-  data jobs, `ray_address` and `num_cpus`, still load, with a warning (`hylo.pipeline.config.renamed`).
+* The config section is `hylo.pipeline.config.RayInitSection` (training's `ray` section extends it).
+  The old flat keys of the data jobs, `ray_address` and `num_cpus`, still load, with a warning (`hylo.pipeline.config.renamed`).
 
 This module imports Ray only inside its functions.
 """
@@ -29,22 +29,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-from hylo.pipeline.config import at_least, rules
+# RayInitSection lives with the config system (configs import no implementation); imported here for callers.
+from hylo.pipeline.config import RayInitSection  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclass
-@rules(num_cpus=at_least(1))
-class RayInitSection:
-    # The Ray to use: None = $RAY_ADDRESS when set (`ray job submit` sets it), else a local Ray started
-    # for this job; "auto" = the cluster running on this machine; "host:port" or "ray://host:port".
-    address: str | None = None
-    # CPUs of a local Ray this job starts (None = every CPU of the machine); unused when joining a cluster.
-    num_cpus: int | None = None
 
 
 def resolve_address(address: str | None) -> str | None:

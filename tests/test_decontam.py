@@ -197,14 +197,80 @@ def test_fast_scan_equals_reference_hit_for_hit(seed):
     assert as_set(fast) == as_set(ref) == as_set(reference_scan(index, docs, "probe"))
 
 
+def _project_prose() -> list[str]:
+    """Real text: the paragraphs of the README, docs/ and the project's module docstrings (prose, code,
+    tables, Unicode), in a fixed order."""
+    import ast
+
+    texts = [p.read_text(encoding="utf-8") for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]]
+    for path in sorted(p for folder in ("hylo", "kernels", "pipeline") for p in (REPO / folder).rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        if doc:
+            texts.append(doc)
+    return [p.strip() for t in texts for p in t.split("\n\n") if p.strip()]
+
+
+def _disguise(rng: random.Random, text: str) -> str:
+    """What copies of an item look like in a chat dump: recased, re-spaced, NFD-decomposed, full-width spaces."""
+    import unicodedata
+
+    kind = rng.randrange(5)
+    if kind == 1:
+        return text.upper()
+    if kind == 2:
+        return text.replace(" ", rng.choice(["  ", "\t", " \n "]))
+    if kind == 3:
+        return unicodedata.normalize("NFD", text)
+    if kind == 4:
+        return text.replace(" ", "\u3000")
+    return text
+
+
+def test_fast_and_reference_scanners_find_the_same_matches_in_real_text():
+    rng = random.Random(7)
+    paras = _project_prose()
+    long_paras = [p for p in paras if len(p.split()) >= 30]
+    assert len(paras) > 300 and len(long_paras) > 80
+    # Items quoted from the text: long passages (13-grams), short ones (whole-item) and headings (exact).
+    items = []
+    for k, p in enumerate(rng.sample(long_paras, 80)):
+        words = p.split()
+        n = rng.choice([rng.randint(14, 30), rng.randint(5, 12), rng.randint(2, 4)])
+        lo = rng.randrange(len(words) - n + 1)
+        if segs := normalize_words(" ".join(words[lo:lo + n])):
+            items.append(Item("real", f"i{k}", [segs]))
+    items += [Item("real", f"h{k}", [normalize_words(p)]) for k, p in enumerate(paras) if p.startswith("## ")][:10]
+    index = BenchmarkIndex.build(items, MatchConfig())
+    assert {e.kind for e in index.entries} == {"ngram", "short", "exact"}
+    # Documents: runs of 1-6 paragraphs as turns, some disguised, some with a quoted item dropped in.
+    docs, i = [], 0
+    while i < len(paras):
+        n = rng.randint(1, 6)
+        turns = [_disguise(rng, p) for p in paras[i:i + n]]
+        if rng.random() < 0.2:
+            quoted = " ".join(rng.choice(long_paras).split()[:40])
+            turns.append(_disguise(rng, f"As the docs put it: {quoted}. Why?"))
+        docs.append(turns)
+        i += n
+    fast = FastScanner(index).scan(docs)
+    hits = lambda h: sorted(zip(*(a.tolist() for a in h)))
+    ref = hits(reference_scan(index, docs, "set"))
+    # Tolerance none: the same hits (document, entry, turn, word offset), each once.
+    assert hits(fast) == ref == hits(reference_scan(index, docs, "probe"))
+    kinds = {index.entries[e].kind for _, e, _, _ in ref}
+    assert len(ref) > 100 and kinds == {"ngram", "short", "exact"}, (len(ref), kinds)
+    # Disguised copies are among the hits (both scanners fold case, spacing and Unicode forms alike).
+    assert any(not docs[d][t].isascii() or docs[d][t].isupper() for d, _, t, _ in ref)
+
+
 def test_hash_collisions_are_verified_away(monkeypatch):
-    from hylo.pipeline.data import decontam
+    from hylo.pipeline.data.decontam import fast
 
     items = [Item("s", "i0", [["aa", "bb", "cc"]])]
     index = BenchmarkIndex.build(items, MatchConfig(ngram=3, short_min_words=2, min_content_words=0))
     sc = FastScanner(index)
     # Simulate 64-bit word-hash collisions: zz/yy/xx hash like aa/bb/cc. Only the word check can tell.
-    real = decontam._word_hashes
+    real = fast._word_hashes
     fake_h, true_h = real(b"zz yy xx")[2], real(b"aa bb cc")[2]
 
     def colliding(buf):
@@ -213,7 +279,7 @@ def test_hash_collisions_are_verified_away(monkeypatch):
             h = np.where(h == f, t, h)
         return starts, ends, h
 
-    monkeypatch.setattr(decontam, "_word_hashes", colliding)
+    monkeypatch.setattr(fast, "_word_hashes", colliding)
     d, e, t, s = sc.scan([["aa bb cc", "zz yy xx"]])
     assert list(zip(d.tolist(), t.tolist())) == [(0, 0)]
     # Without the word check the colliding turn would have matched: the simulation does collide.

@@ -113,8 +113,8 @@ def one_rank(tmp_path):
         cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=run", "ray.num_workers=1",
                                           "metrics.tensorboard=false", "ray.launcher=torchrun"])
         ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
-                            run_dir=run, grad_accum=1, run=Loc.of(run))
-        yield TorchrunSession(ctx, {"run": Loc.of(run)}, 10), run
+                            run_dir=run, grad_accum=1, run_loc=Loc.of(run))
+        yield TorchrunSession(ctx, {"run_loc": Loc.of(run)}, 10), run
     finally:
         # TorchrunSession.close() tears the group down itself
         if dist.is_initialized():

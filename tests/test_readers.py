@@ -18,6 +18,7 @@ from hylo.pipeline.data.readers import (
     is_reject,
     iter_records,
     iter_source,
+    json_stream,
     read_source,
 )
 
@@ -51,7 +52,7 @@ def test_sharegpt_roles_mapped_and_ids_kept(tmp_path):
 
 @pytest.mark.parametrize("chunk", [7, 64, 1 << 20], ids=lambda c: f"chunk{c}")
 def test_truncated_last_record_is_a_reject_not_a_crash(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(readers, "CHUNK_CHARS", chunk)
+    monkeypatch.setattr(json_stream, "CHUNK_CHARS", chunk)
     text = json.dumps(GOOD_SHAREGPT + [sg(3, ("human", "cut here"), ("gpt", "a long answer"))], indent=2)
     cut = text[: text.index("a long ans")]
     (tmp_path / "cut.json").write_text(cut)
@@ -64,7 +65,7 @@ def test_truncated_last_record_is_a_reject_not_a_crash(tmp_path, monkeypatch, ch
 
 @pytest.mark.parametrize("chunk", [5, 1 << 20], ids=lambda c: f"chunk{c}")
 def test_broken_record_mid_array_does_not_lose_the_rest(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(readers, "CHUNK_CHARS", chunk)
+    monkeypatch.setattr(json_stream, "CHUNK_CHARS", chunk)
     good = [json.dumps(x) for x in GOOD_SHAREGPT]
     # Missing comma between keys, and a bare broken token.
     text = "[" + good[0] + ', {"id": "bad" "conversations": [{"from": "human", "value": "x}"}]}, nul, ' + \
@@ -353,8 +354,8 @@ def test_corrupt_parquet_row_group_loses_only_that_group(tmp_path):
 @pytest.mark.parametrize("fmt", ["json", "jsonl"])
 @pytest.mark.parametrize("chunk", [64, 1 << 20], ids=lambda c: f"chunk{c}")
 def test_oversized_record_is_skipped_and_the_rest_read(tmp_path, monkeypatch, fmt, chunk):
-    monkeypatch.setattr(readers, "CHUNK_CHARS", chunk)
-    monkeypatch.setattr(readers, "MAX_RECORD_CHARS", 1000)
+    monkeypatch.setattr(json_stream, "CHUNK_CHARS", chunk)
+    monkeypatch.setattr(json_stream, "MAX_RECORD_CHARS", 1000)
     # Brackets, quotes and escapes inside the big record's strings must not confuse the skipping.
     big_text = 'x ] } [ { \\" \\\\ "' * 200
     objs = [{"id": "a", "messages": OK}, {"id": "big", "messages": [msg("user", big_text), msg("assistant", "a")]},

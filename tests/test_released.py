@@ -863,7 +863,6 @@ def test_recipe_teacher_and_student_settings_load_on_the_image_package_set(tmp_p
 
     from hylo.pipeline.teacher.model import TeacherModel
     from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.deepspeed_cfg import grad_accum_steps
 
     from fixtures_teacher import save_tiny_llama
 
@@ -886,7 +885,7 @@ def test_recipe_teacher_and_student_settings_load_on_the_image_package_set(tmp_p
     assert s2.teacher.source == "serve" and s2.teacher.start_pool and s2.ray.use_gpu
     assert s2.ray.num_workers + s2.teacher.pool.num_replicas * s2.teacher.pool.num_gpus == 8  # one 8-GPU node
     assert s2.teacher.pool.num_gpus == 1 and s2.teacher.pool.max_batch_tokens >= s2.data.seq_len == 65536
-    assert grad_accum_steps(s2.train.global_batch_sequences, s2.ray.num_workers) == 2
+    assert s2.grad_accum == 2
 
 
 def test_cli_conversion_with_the_cards_options_then_export_and_generate(tmp_path, capsys):

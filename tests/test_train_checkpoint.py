@@ -603,7 +603,7 @@ def test_relative_storage_path_is_refused_in_a_submitted_job(monkeypatch):
 
 
 def test_uri_storage_is_not_a_local_directory(tmp_path, monkeypatch):
-    from hylo.pipeline.train.config import run_dir
+    from hylo.pipeline.train.storage import run_dir
 
     monkeypatch.chdir(tmp_path)
     cfg = load_stage_config(2, None, ["ray.storage_path=mock://bucket/runs", "ray.name=exp"])

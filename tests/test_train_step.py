@@ -31,7 +31,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.train.config import load_stage_config
-from hylo.pipeline.train.deepspeed_cfg import grad_accum_steps
 from hylo.pipeline.train.loop import cosine_with_warmup, reduce_record, setup_distributed
 from hylo.pipeline.train.rows import SyntheticRows, open_rows
 from hylo.pipeline.train.worker import StepResult, WorkerContext
@@ -109,7 +108,7 @@ def _run_step(stage, cfg, rows, tmp_path) -> tuple[dict, dict[str, torch.Tensor]
     rank, world, device = setup_distributed(cfg)
     assert world == 1
     ctx = WorkerContext(cfg=cfg, rank=rank, world_size=world, device=device, dtype=torch.float32,
-                        run_dir=tmp_path, grad_accum=grad_accum_steps(cfg.train.global_batch_sequences, world))
+                        run_dir=tmp_path, grad_accum=cfg.grad_accum)
     task = stage.build(ctx, cosine_with_warmup(10, WARMUP, 0.0))
     engine = task.engine
     grads: dict[str, torch.Tensor] = {}

@@ -28,7 +28,7 @@ from hylo.pipeline.train.config import (
     config_to_dict,
     load_stage_config,
 )
-from hylo.pipeline.train.deepspeed_cfg import build_deepspeed_config, grad_accum_steps
+from hylo.pipeline.train.deepspeed_cfg import build_deepspeed_config
 from hylo.pipeline.train.loop import cosine_with_warmup
 from hylo.pipeline.train.metrics import MetricsWriter, read_metrics
 from hylo.pipeline.train.rows import SyntheticRows, open_rows
@@ -84,9 +84,9 @@ def test_breaking_diff_ignores_runtime_knobs():
 
 # ------------------------------------------------------------------------------------ batch + schedule
 def test_grad_accum_reaches_global_batch_or_explains():
-    assert grad_accum_steps(8, 2) == 4
-    with pytest.raises(ConfigError, match="global_batch_sequences=6"):
-        grad_accum_steps(6, 4)
+    assert load_stage_config(2, None, ["train.global_batch_sequences=8", "ray.num_workers=2"]).grad_accum == 4
+    with pytest.raises(ConfigError, match=r"global_batch_sequences=6: must be a multiple of ray.num_workers \(4\)"):
+        load_stage_config(2, None, ["train.global_batch_sequences=6", "ray.num_workers=4"])
     ds = build_deepspeed_config(Stage2Config(), world_size=2, dtype=torch.bfloat16)
     assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 4
     assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] and "optimizer" not in ds
@@ -447,7 +447,7 @@ def test_published_recipes_as_configured(path, base, n_mla, ratio):
     assert (s2.data.seq_len, s2.optim.lr, s2.train.global_batch_sequences) == (65536, 4e-5, 8)
     assert (s2.kd.kl_weight, s2.kd.ce_weight, s2.optim.warmup_ratio, s2.train.epochs) == (1.0, 0.0, 0.01, 1.0)
     # stage 2: 4 training workers beside 4 teacher replicas (the Serve pool) on one 8-GPU node
-    assert s2.ray.use_gpu and s2.ray.num_workers == 4 and grad_accum_steps(8, s2.ray.num_workers) == 2
+    assert s2.ray.use_gpu and s2.ray.num_workers == 4 and s2.grad_accum == 2
     assert s2.model.student == f"{s1.ray.storage_path}/{s1.ray.name}/model"
     assert build_deepspeed_config(s2, 8, torch.bfloat16)["bf16"]["enabled"]
 

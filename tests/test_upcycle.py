@@ -546,10 +546,15 @@ def test_convert_options_are_checked_as_given():
     fields, and `hybrid_config_from_base` takes it with overrides."""
     from hylo.upcycle import ConvertConfig, make_options
 
-    with pytest.raises(UpcycleError, match=r"kv_lora_rank \(--kv-lora-rank\) = 0: must be a positive integer"):
+    # the ranges are the config system's @rules (hylo/rules.py), worded with the option's flag
+    with pytest.raises(UpcycleError, match=r"kv_lora_rank \(--kv-lora-rank\) = 0: must be >= 1"):
         ConvertConfig(kv_lora_rank=0)
-    with pytest.raises(UpcycleError, match=r"seed \(--seed\) = -1: must be an integer >= 0"):
+    with pytest.raises(UpcycleError, match=r"seed \(--seed\) = -1: must be >= 0"):
         ConvertConfig(seed=-1)
+    with pytest.raises(UpcycleError, match=r"kv_lora_rank \(--kv-lora-rank\) = 1.5: must be an integer"):
+        ConvertConfig(kv_lora_rank=1.5)
+    with pytest.raises(UpcycleError, match=r"gdn_expand_v \(--gdn-expand-v\) = 'x': must be a number"):
+        ConvertConfig(gdn_expand_v="x")
     with pytest.raises(UpcycleError, match=r"init \(--init\) = 'svd': must be one of attention, random"):
         ConvertConfig(init="svd")
     with pytest.raises(UpcycleError, match="mla_layers .* must be a placement name"):

@@ -5,8 +5,9 @@
     convert("smollm2-135m-instruct", ConvertConfig(mla_layers="even", kv_lora_rank=128)).save("runs/hylo")
 
 Modules (each one idea; none imports this package's `__init__`, and there are no import cycles):
-* `options.py`: `ConvertConfig` (every option of a conversion) and `hybrid_config_from_base` (options +
-  a base config -> HybridConfig), placements, YaRN, KV-cache accounting. Imports no torch.
+* `config.py`: `ConvertConfig` (every option of a conversion) and `UpcycleError`; imports nothing of the project.
+* `options.py`: `hybrid_config_from_base` (options + a base config -> HybridConfig), placements, YaRN,
+  KV-cache accounting. Imports no torch.
 * `base.py`: reading and checking the base model (config.json, weights, NaN/inf).
 * `attention.py`: the base attention's projections per head, what every mixer converter starts from.
 * `mla.py`, `gdn.py`, `mamba2.py`: one mixer's weights from one attention layer.
@@ -24,8 +25,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "options": ("SUPPORTED_BASE_TYPES", "ConvertConfig", "UpcycleError", "hybrid_config_from_base", "kv_summary",
-                "make_options", "parse_placement", "yarn_rope_scaling"),
+    "config": ("ConvertConfig", "UpcycleError"),
+    "options": ("SUPPORTED_BASE_TYPES", "hybrid_config_from_base", "kv_summary", "make_options", "parse_placement",
+                "yarn_rope_scaling"),
     "base": ("check_base_weights", "load_base_model", "read_base_config"),
     "attention": ("AttentionWeights", "attention_weights"),
     "mla": ("absorb_rope_factors", "mla_weights_from_attention", "rope_dim_split", "shared_rope_key"),

@@ -25,12 +25,11 @@ from torch import nn
 
 from hylo.upcycle.base import check_base_weights, load_base_model
 from hylo.upcycle.calibrate import calibrate_linear, calibrate_mla_norms, default_calibration_ids
+from hylo.upcycle.config import INITS, ConvertConfig, UpcycleError
 from hylo.upcycle.gdn import gdn_weights_from_attention, identity_convs_
 from hylo.upcycle.mamba2 import mamba2_weights_from_attention
 from hylo.upcycle.mla import mla_weights_from_attention
 from hylo.upcycle.options import (
-    ConvertConfig,
-    UpcycleError,
     check_base_type,
     hybrid_config_from_base,
     make_options,
@@ -68,7 +67,7 @@ def upcycle(
     """
     from hylo.modeling import HyLoForCausalLM
 
-    inits = ConvertConfig.RANGES["init"]["choices"]
+    inits = INITS
     if init not in inits:
         raise UpcycleError(f"init={init!r}; allowed: {', '.join(inits)}")
     base_cfg = base_model.config

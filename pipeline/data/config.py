@@ -1,22 +1,169 @@
 """Data-preparation config: mixture -> tokenize -> pack -> shards, loaded through `hylo.pipeline.config`.
 
-A source is a `readers.SourceSpec` (where and how to read) plus its mixture `weight`. Defaults are
-the stage-2 shape (65,536-token rows); stage 1 sets `split: stage1` and `packing.max_len: 2048`.
+Every config class and choice of the data jobs lives here, the decontamination job's included: a leaf that
+imports no implementation (readers, mixture, packing, render and decontam import it). A source is a
+`SourceSpec` (where and how to read) plus its mixture `weight`. Defaults are the stage-2 shape (65,536-token
+rows); stage 1 sets `split: stage1` and `packing.max_len: 2048`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hylo.pipeline.config import FieldError, at_least, between, one_of, renamed, rules
-from hylo.pipeline.data.decontam import BenchmarkSpec, MatchConfig
-from hylo.pipeline.data.mixture import SPLITS, STAGE2_MODES
-from hylo.pipeline.data.packing import LONG_DOC_POLICIES
-from hylo.pipeline.data.readers import SourceSpec
-from hylo.pipeline.data.render import MASK_METHODS
-from hylo.pipeline.ray_init import RayInitSection
+from hylo.pipeline.config import (
+    FILE_NAME,
+    NONEMPTY,
+    FieldError,
+    RayInitSection,
+    at_least,
+    between,
+    one_of,
+    renamed,
+    rules,
+)
+
+# ------------------------------------------------------------------ choices the implementations share
+# Which records a dataset holds (mixture.py) and what stage 2 reads.
+SPLITS = ("stage1", "stage2", "all")
+STAGE2_MODES = ("all", "rest")
+# What packing.py does with a document longer than a row.
+LONG_DOC_POLICIES = ("split", "truncate", "drop")
+# How render.py finds the assistant tokens that carry the loss.
+MASK_METHODS = ("auto", "generation", "prefix", "final", "prefix_or_final")
+# Decontamination (decontam/): what happens to a matched record, how results are written, which scanner.
+MODES = ("drop", "cut")
+OUTPUT_FORMATS = ("jsonl", "parquet")
+SCANNERS = ("ray", "local", "reference")
+# Readers (readers/): record schemas and file containers.
+SCHEMAS = ("auto", "sharegpt", "messages", "prompt_response")
+CONTAINERS = ("auto", "json", "jsonl", "parquet", "hf_disk", "hub")
 
 
+class SourceError(ValueError):
+    """A source cannot be opened at all (missing path, bad option, missing package); names the source."""
+
+
+# ------------------------------------------------------------------------------ sources (readers/)
+@dataclass
+@rules(name=NONEMPTY, path=NONEMPTY, limit=at_least(1))
+class SourceSpec:
+    """Where a source lives and how to read it. Plain fields so it nests in any `hylo.pipeline.config` tree."""
+
+    name: str
+    path: str
+    schema: str = "auto"
+    container: str = "auto"
+    # DatasetDict split (hf_disk) or hub split.
+    split: str = "train"
+    # Hub dataset configuration name (e.g. "ARC-Challenge").
+    subset: str | None = None
+    id_field: str = "id"
+    conversations_field: str = "conversations"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    system_field: str | None = "system"
+    # Accept a conversation whose first non-system turn is the assistant's (ShareGPT's split
+    # conversations: ~6.3K of its 17.7K continue a previous part). Off: `repair` drops those turns.
+    allow_assistant_first: bool = False
+    # Repair broken conversations (empty turns, leading assistant turns, same-role runs, role aliases)
+    # instead of rejecting them; each repair is counted by kind. Off: such records are rejects.
+    repair: bool = True
+    # A system turn for records without one; `context_field` text is appended to it (blank line between).
+    system_prompt: str | None = None
+    context_field: str | None = None
+    # The final assistant reply, for records whose conversation ends with the user (str or list of str).
+    answer_field: str | None = None
+    # [old, new] literal replacements applied to assistant turns, in order (e.g. reasoning markers).
+    assistant_replace: list[list[str]] = field(default_factory=list)
+    # A source with no usable record is an error (a wrong path, an empty download); true: a warning.
+    allow_empty: bool = False
+    # Stop after this many items (records + rejects) per source; None = all.
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.schema not in SCHEMAS:
+            raise SourceError(f"source {self.name!r}: schema {self.schema!r} not in {SCHEMAS}")
+        if self.container not in CONTAINERS:
+            raise SourceError(f"source {self.name!r}: container {self.container!r} not in {CONTAINERS}")
+        for pair in self.assistant_replace:
+            if len(pair) != 2 or not all(isinstance(x, str) for x in pair) or not pair[0]:
+                raise SourceError(f"source {self.name!r}: assistant_replace entries are [old, new] strings "
+                                  f"with a non-empty old, got {pair!r}")
+
+
+# -------------------------------------------------------------------------- decontamination (decontam/)
+@dataclass
+@rules(name=FILE_NAME)
+class BenchmarkSpec:
+    """An evaluation suite to decontaminate against. `path` "" -> the built-in/registry entry."""
+
+    name: str
+    # Local JSONL/JSON/Parquet file, directory, HF save_to_disk dir, or "hub:<dataset>".
+    path: str = ""
+    # Fields whose text is indexed; dotted paths reach nested values ("choices.text"); a list of
+    # strings gives one segment per string.
+    fields: list[str] = field(default_factory=list)
+    id_field: str = "id"
+    split: str = "test"
+    subset: str | None = None
+
+
+@dataclass
+@rules(ngram=at_least(2), short_min_words=at_least(1), min_content_words=at_least(0), max_item_df=at_least(1),
+       boilerplate_docs=at_least(0), boilerplate_coverage=between(0, 1, lo_open=True), mode=one_of(*MODES))
+class MatchConfig:
+    """The matching flags; the job and the reference scan use the same ones."""
+
+    # An item field of at least this many words is indexed by its n-grams (13: GPT-3, lm-eval).
+    ngram: int = 13
+    # A field of short_min_words .. ngram-1 words is indexed whole; a shorter one matches an equal turn only.
+    short_min_words: int = 5
+    # N-grams with fewer words that are not stopwords, single characters or numbers are never indexed.
+    min_content_words: int = 2
+    # N-grams shared by more items of one suite (prompt templates, licence headers) are dropped.
+    max_item_df: int = 5
+    # An n-gram in at least this many records is a common phrase, and a record matched only through
+    # such phrases is kept (listed in the report); 0 disables the mixture-frequency rule.
+    boilerplate_docs: int = 50
+    # A record holding at least this share of an item's n-grams is a leak of it, whatever the phrases.
+    boilerplate_coverage: float = 0.5
+    # drop: remove the matched record; cut: remove only the matched spans (a record it empties is dropped).
+    mode: str = "drop"
+
+    def __post_init__(self) -> None:
+        if self.short_min_words > self.ngram:
+            raise ValueError(f"match.short_min_words must be in [1, ngram={self.ngram}], "
+                             f"got {self.short_min_words}")
+
+
+@dataclass
+@rules(output_format=one_of(*OUTPUT_FORMATS), scanner=one_of(*SCANNERS), batch_size=at_least(1))
+@renamed(ray_address="ray.address", num_cpus="ray.num_cpus")
+class DecontamJobConfig:
+    inputs: list[SourceSpec] = field(default_factory=list)
+    benchmarks: list[BenchmarkSpec] = field(default_factory=lambda: [BenchmarkSpec("humaneval")])
+    match: MatchConfig = field(default_factory=MatchConfig)
+    out: str = "runs/decontam"
+    output_format: str = "jsonl"
+    # Turns (records) per scan batch.
+    batch_size: int = 256
+    # ray: Ray Data tasks; local: the same fast scan in-process; reference: plain Python n-gram sets.
+    scanner: str = "ray"
+    # The job's Ray (pipeline/ray_init.py): a local one of 2 CPUs unless an address or $RAY_ADDRESS is given.
+    ray: RayInitSection = field(default_factory=lambda: RayInitSection(num_cpus=2))
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.inputs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"inputs: duplicate source names {names}")
+        suites = [b.name for b in self.benchmarks]
+        if len(set(suites)) != len(suites):
+            raise ValueError(f"benchmarks: duplicate suite names {suites}")
+
+
+# -------------------------------------------------------------------------- the data-preparation job
 def _refuse_duplicates(names: list[str], what: str) -> None:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -90,7 +237,7 @@ class PackingConfig:
 @dataclass
 @rules(scanner=one_of("ray", "local"), batch_size=at_least(1))
 class DecontamSection:
-    """Evaluation items removed from the mixture before packing (pipeline/data/decontam.py).
+    """Evaluation items removed from the mixture before packing (pipeline/data/decontam/).
 
     The decision is made on the whole mixture (every source, every split), so stage 1 and stage 2
     remove the same records; what is removed goes to `removed.jsonl` with the matched item.

@@ -31,8 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SPLITS = ("stage1", "stage2", "all")
-STAGE2_MODES = ("all", "rest")
+from hylo.pipeline.data.config import SPLITS, STAGE2_MODES
 
 
 def _unit(*parts: str) -> float:

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from hylo.pipeline.data.config import LONG_DOC_POLICIES
 
-LONG_DOC_POLICIES = ("split", "truncate", "drop")
 # Doc id of the padding segment at the end of a padded row; real documents never have an empty id.
 PAD_DOC_ID = ""
 

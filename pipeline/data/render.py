@@ -40,8 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-MASK_METHODS = ("auto", "generation", "prefix", "final", "prefix_or_final")
+from hylo.pipeline.data.config import MASK_METHODS
 
 
 class RenderError(ValueError):

@@ -20,6 +20,7 @@ from hylo.pipeline.config import (
     UNUSED,
     ConfigError,
     FieldError,
+    RayInitSection,
     above,
     at_least,
     each,
@@ -27,7 +28,6 @@ from hylo.pipeline.config import (
     renamed,
     rules,
 )
-from hylo.pipeline.ray_init import RayInitSection
 
 DTYPES = ("float32", "bfloat16", "float16")
 ISOLATIONS = ("auto", "per_doc", "packed")

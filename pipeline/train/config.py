@@ -20,6 +20,8 @@ Design choices:
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from hylo.pipeline.config import (
     RELATIVE_NAME,
     ConfigError,
     FieldError,
+    RayInitSection,
     above,
     at_least,
     between,
@@ -40,9 +43,7 @@ from hylo.pipeline.config import (
     rules,
     to_dict,
 )
-from hylo.pipeline.convert import ConvertSection
-from hylo.pipeline.data.mixture import SPLITS
-from hylo.pipeline.ray_init import RayInitSection
+from hylo.pipeline.data.config import SPLITS
 from hylo.pipeline.teacher.config import (
     EXACT_FORMS,
     TEACHER_RENAMES,
@@ -52,7 +53,8 @@ from hylo.pipeline.teacher.config import (
     TeacherPoolConfig,
     target_form,
 )
-from hylo.pipeline.train.trackers import MlflowSection, WandbSection
+
+from hylo.upcycle.config import ConvertConfig
 
 STAGE_KEYS = ("stage1", "stage2")
 
@@ -67,7 +69,7 @@ class ModelSection:
     # Stage 1 only: when `student` is missing, convert `base` first with these options (mla_layers,
     # kv_lora_rank, qk_rope_head_dim, gdn_num_heads, seed, ...: hylo.upcycle.ConvertConfig, the options
     # of jobs/convert.py), into <run dir>/converted.
-    convert: ConvertSection | None = None
+    convert: ConvertConfig | None = None
     # auto = bf16 on GPU, fp32 on CPU.
     dtype: str = "auto"
     activation_checkpointing: bool = True
@@ -192,6 +194,55 @@ class DeepSpeedSection:
     stage3_prefetch_bucket_size: int = 50_000_000
     # Parameters smaller than this stay whole on every rank; 0 partitions everything.
     stage3_param_persistence_threshold: int = 0
+
+
+# The optional trackers of `metrics` (pipeline/train/trackers.py): their sections check at load time that the
+# package can be imported, so a missing one fails before Ray starts.
+EXTRA_HINT = "pip install 'hylo-pipeline[trackers]'"
+
+
+def _importable(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require_package(module: str, key: str) -> None:
+    """ValueError (a ConfigError at load time) when config key `key` needs a package that is missing."""
+    if not _importable(module):
+        raise ValueError(f"{key} is set but the `{module}` package is not installed: {EXTRA_HINT} "
+                         f"(or pip install {module}), or remove {key} from the config")
+
+
+@dataclass
+class WandbSection:
+    # W&B project; None = W&B's default (WANDB_PROJECT, else "uncategorized").
+    project: str | None = None
+    entity: str | None = None
+    # online | offline (written under <run dir>/wandb, upload later with `wandb sync`) | disabled
+    mode: str = "online"
+    # Run name; None = ray.name.
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("online", "offline", "disabled"):
+            raise ValueError(f"metrics.wandb.mode={self.mode!r}; allowed: online, offline, disabled")
+        require_package("wandb", "metrics.wandb")
+
+
+@dataclass
+class MlflowSection:
+    # None = MLflow's default (MLFLOW_TRACKING_URI, else its local store in the working directory).
+    tracking_uri: str | None = None
+    experiment: str = "hylo"
+    # Run name; None = ray.name.
+    run_name: str | None = None
+
+    def __post_init__(self) -> None:
+        require_package("mlflow", "metrics.mlflow")
 
 
 @dataclass
@@ -326,6 +377,12 @@ class _SharedSections:
         if self.fault.kill_rank >= workers:
             raise FieldError("fault.kill_rank", self.fault.kill_rank, f"must be < ray.num_workers ({workers})")
 
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches (one packed row each) per optimiser step on every worker: the global batch over the
+        workers (a whole number: checked above)."""
+        return self.train.global_batch_sequences // self.ray.num_workers
+
 
 @dataclass
 class Stage1Config(_SharedSections):
@@ -422,11 +479,3 @@ def breaking_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def breaking_hash(cfg: StageConfig) -> str:
     """Fingerprint of the keys that must not change across a resume."""
     return config_hash({k: v for k, v in _flatten(config_to_dict(cfg)).items() if _breaking(k)})
-
-
-def run_dir(cfg: StageConfig) -> Path:
-    """The run's local directory: `<storage_path>/<name>`, or a local mirror when storage_path is a URI
-    (the run itself lives there: `hylo.pipeline.train.storage.run_location`)."""
-    from hylo.pipeline.train.storage import local_mirror, run_location
-
-    return local_mirror(run_location(cfg.ray.storage_path, cfg.ray.name))

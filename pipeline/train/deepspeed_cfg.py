@@ -3,7 +3,8 @@
 Design choices:
 * One packed row per micro-batch (`B == 1` with `cu_seqlens`): packing already fills the context, so
   the global batch in sequences is reached by gradient accumulation alone:
-  `grad_accum = global_batch_sequences / world_size` (must divide exactly, else a clear error).
+  `grad_accum = global_batch_sequences / ray.num_workers` (`StageConfig.grad_accum`; the config refuses
+  a global batch that does not divide at load).
 * The optimiser is a client `torch.optim.AdamW` handed to `deepspeed.initialize`: an optimiser in the
   DeepSpeed config would compile DeepSpeed's CPU Adam (~1 min on the build machine) for nothing.
 * bf16 with fp32 master weights on GPU, plain fp32 on CPU (`dtype` resolved by `resolve_dtype`).
@@ -23,16 +24,6 @@ def resolve_dtype(name: str, use_gpu: bool) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if use_gpu else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def grad_accum_steps(global_batch_sequences: int, world_size: int, micro_batch: int = 1) -> int:
-    per_step = world_size * micro_batch
-    if global_batch_sequences % per_step:
-        raise ConfigError(
-            f"train.global_batch_sequences={global_batch_sequences} is not a multiple of "
-            f"ray.num_workers x micro-batch = {world_size} x {micro_batch}; pick a global batch that divides evenly"
-        )
-    return global_batch_sequences // per_step
 
 
 def zero_section(ds: DeepSpeedSection) -> dict[str, Any]:
@@ -58,11 +49,11 @@ def zero_section(ds: DeepSpeedSection) -> dict[str, Any]:
 
 def build_deepspeed_config(cfg: StageConfig, world_size: int, dtype: torch.dtype) -> dict[str, Any]:
     """DeepSpeed config dict for `cfg` on `world_size` ranks training in `dtype`."""
-    ga = grad_accum_steps(cfg.train.global_batch_sequences, world_size)
     return {
-        "train_batch_size": cfg.train.global_batch_sequences,
+        # DeepSpeed's identity: micro-batch (1) x accumulation x ranks (= train.global_batch_sequences).
+        "train_batch_size": cfg.grad_accum * world_size,
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": ga,
+        "gradient_accumulation_steps": cfg.grad_accum,
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": zero_section(cfg.deepspeed),
         "bf16": {"enabled": dtype == torch.bfloat16},

@@ -59,11 +59,11 @@ from typing import Any
 from hylo.pipeline.config import ConfigError, add_config_args, maybe_print_config
 from hylo.pipeline.ray_init import init_ray, torch_extensions_dir
 from hylo.pipeline.train import checkpoint as ckpt_lib
-from hylo.pipeline.train.config import StageConfig, config_to_dict, load_stage_config, run_dir
+from hylo.pipeline.train.config import StageConfig, config_to_dict, load_stage_config
 from hylo.pipeline.train.inputs import check_stage_inputs
 from hylo.pipeline.train.metrics import make_ray_callback, read_metrics
 from hylo.pipeline.train.runlock import run_lock
-from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path, run_location
+from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path, run_dir, run_loc
 from hylo.pipeline.train.worker import Stage
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
@@ -85,10 +85,6 @@ def build_parser(stage: int) -> argparse.ArgumentParser:
                    help="take over the run directory's lock (run.lock) left by a run that is no longer "
                         "running; a lock held by a live process of this host is never broken")
     return p
-
-
-def run_loc(cfg: StageConfig) -> Loc:
-    return run_location(cfg.ray.storage_path, cfg.ray.name)
 
 
 def check_run_dir(cfg: StageConfig, resume: str | None) -> None:
@@ -174,7 +170,7 @@ def loop_config(cfg: StageConfig, resume: str | None, launcher: str) -> dict[str
     if resume not in (None, "latest"):
         resume_from = resume_path(cfg, resume).uri()
     return {"config": config_to_dict(cfg), "resume_from": resume_from, "resume_latest": resume == "latest",
-            "run": run_loc(cfg), "launcher": launcher, "launch_id": launch_id(launcher),
+            "run_loc": run_loc(cfg), "launcher": launcher, "launch_id": launch_id(launcher),
             "torch_extensions_dir": torch_extensions_dir()}
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hylo.pipeline.config import ConfigError
-from hylo.pipeline.train.config import StageConfig, run_dir
+from hylo.pipeline.train.config import StageConfig
 
 
 def _weights(directory: str | Path) -> None:
@@ -169,6 +169,8 @@ def _teacher_fits(cfg: StageConfig) -> None:
 
 
 def check_stage_inputs(cfg: StageConfig) -> None:
+    from hylo.pipeline.train.storage import run_dir
+
     from hylo.assets import resolve_path_or_asset
 
     if cfg.model.student:

@@ -57,8 +57,8 @@ from hylo.pipeline.data.reader import RowReader
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.ray_init import kill_this_node
 from hylo.pipeline.train import checkpoint as ckpt_lib
-from hylo.pipeline.train.config import FaultSection, StageConfig, config_from_dict, run_dir
-from hylo.pipeline.train.deepspeed_cfg import grad_accum_steps, resolve_dtype
+from hylo.pipeline.train.config import FaultSection, StageConfig, config_from_dict
+from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
 from hylo.pipeline.train.metrics import METRICS_FILE, TB_DIR, MetricsWriter, peak_memory_mib
 from hylo.pipeline.train.rows import open_rows
 from hylo.pipeline.train.storage import (
@@ -68,7 +68,7 @@ from hylo.pipeline.train.storage import (
     local_copy,
     local_mirror,
     remove_local,
-    run_location,
+    run_loc,
     upload_with_retries,
 )
 from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext
@@ -89,7 +89,7 @@ class FaultInjection:
         if f.kill_at_step != ctx.step or f.kill_when != point or f.kill_rank != ctx.rank:
             return
         # in the run's storage, so that it is one-shot whichever node the relaunched worker lands on
-        marker = (ctx.run or Loc.of(ctx.run_dir)) / f".fault-step{ctx.step}-{point}-rank{ctx.rank}"
+        marker = (ctx.run_loc or Loc.of(ctx.run_dir)) / f".fault-step{ctx.step}-{point}-rank{ctx.rank}"
         if marker.exists():
             return
         marker.write_text("killed\n")
@@ -129,7 +129,7 @@ class Session:
         self.resume_latest = bool(loop_config.get("resume_latest"))
         # the driver invocation (Ray: one fit(); torchrun: one rendezvous), recorded in every manifest
         self.launch_id: str | None = loop_config.get("launch_id")
-        self.run: Loc = loop_config.get("run") or run_location(ctx.cfg.ray.storage_path, ctx.cfg.ray.name)
+        self.run_loc: Loc = loop_config.get("run_loc") or run_loc(ctx.cfg)
         self._downloads: list[Path] = []
         self._drains_seen: set[str] = set()
         self.writer: MetricsWriter | None = None
@@ -144,10 +144,10 @@ class Session:
         First the checkpoints this launch wrote (after a worker failure, Ray or torchrun relaunched the
         group: the newest intact one in storage wins, whatever Ray registered), then the launch's own
         starting point: `--resume` walks the whole run, `--resume PATH` is exactly that one."""
-        own = ckpt_lib.launch_checkpoints(self.run, self.launch_id) if self.launch_id else []
+        own = ckpt_lib.launch_checkpoints(self.run_loc, self.launch_id) if self.launch_id else []
         start: list[tuple[Loc, bool]] = []
         if self.resume_latest:
-            start = [(c, True) for c in ckpt_lib.resume_candidates(self.run)]
+            start = [(c, True) for c in ckpt_lib.resume_candidates(self.run_loc)]
         elif self.resume_from:
             start = [(Loc.of(self.resume_from), False)]
         return [(c, True) for c in own] + [(c, skip) for c, skip in start if c not in own]
@@ -192,7 +192,7 @@ class Session:
             if not walk:
                 raise ckpt_lib.CheckpointError(f"--resume {c}: cannot resume from it: {problem}")
         if cands:
-            raise ckpt_lib.CheckpointError(f"no intact checkpoint to resume from in {self.run}:\n  "
+            raise ckpt_lib.CheckpointError(f"no intact checkpoint to resume from in {self.run_loc}:\n  "
                                            + "\n  ".join(skipped))
         return None
 
@@ -213,7 +213,7 @@ class Session:
         drain = self.drain_notice()
         notice = None
         if self.ctx.rank == 0:
-            request = read_preempt_request(self.run)
+            request = read_preempt_request(self.run_loc)
             if request is not None:
                 notice = {"source": f"preempted ({request.get('signal', 'SIGTERM')} to the driver)",
                           "deadline": request.get("deadline"), "stop": True}
@@ -245,23 +245,23 @@ class Session:
 
     def after_checkpoint(self) -> None:
         """Rank 0, once a checkpoint is final: prune old ones; for remote storage upload the metrics."""
-        removed = ckpt_lib.prune(self.run, self.ctx.cfg.checkpoint.keep)
+        removed = ckpt_lib.prune(self.run_loc, self.ctx.cfg.checkpoint.keep)
         if removed:
             print(f"[train] checkpoint.keep={self.ctx.cfg.checkpoint.keep}: removed {', '.join(removed)}", flush=True)
         self.sync_outputs()
 
     def sync_outputs(self) -> None:
         """Remote storage, rank 0: upload what is written locally first (metrics, TensorBoard, partition report)."""
-        if self.run.is_local or self.ctx.rank != 0:
+        if self.run_loc.is_local or self.ctx.rank != 0:
             return
         if self.writer is not None:
             self.writer.flush()
         local = self.ctx.run_dir
         for name in (METRICS_FILE, PARTITION_FILE):
             if (local / name).is_file():
-                (self.run / name).write_bytes((local / name).read_bytes())
+                (self.run_loc / name).write_bytes((local / name).read_bytes())
         if (local / TB_DIR).is_dir():
-            (self.run / TB_DIR).upload_dir(local / TB_DIR)
+            (self.run_loc / TB_DIR).upload_dir(local / TB_DIR)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -280,7 +280,7 @@ class RaySession(Session):
         storage = ray.train.get_context().get_storage()
         dest = storage.build_checkpoint_path_from_name(dir_name)
         c = self.ctx.cfg.checkpoint
-        upload_with_retries(Path(checkpoint.path), Loc(storage.storage_filesystem, dest, self.run.scheme),
+        upload_with_retries(Path(checkpoint.path), Loc(storage.storage_filesystem, dest, self.run_loc.scheme),
                             c.upload_retries, c.upload_backoff_s, f"rank {self.ctx.rank}: ")
         return ray.train.Checkpoint(path=dest, filesystem=storage.storage_filesystem)
 
@@ -307,7 +307,7 @@ class RaySession(Session):
             ray.train.report(record)
             return
         ckpt_lib.write_rank_files(ckpt_dir, self.ctx.rank, self.ctx.world_size, shared=False)
-        target = self.run / ckpt_lib.step_dir_name(step)
+        target = self.run_loc / ckpt_lib.step_dir_name(step)
         if self.ctx.rank == 0 and target.exists():
             # left by an abandoned attempt (a crash, or a resume from an older checkpoint): Ray would
             # merge the new files into it
@@ -344,7 +344,7 @@ class RaySession(Session):
 
 class TorchrunSession(Session):
     def scratch_dir(self, step: int) -> Path:
-        tmp = self.run.local() / f".tmp-{ckpt_lib.step_dir_name(step)}"
+        tmp = self.run_loc.local() / f".tmp-{ckpt_lib.step_dir_name(step)}"
         if self.ctx.rank == 0 and tmp.exists():
             shutil.rmtree(tmp)
         dist.barrier()
@@ -359,7 +359,7 @@ class TorchrunSession(Session):
         ckpt_lib.write_rank_files(ckpt_dir, self.ctx.rank, self.ctx.world_size, shared=True)
         dist.barrier()
         if self.ctx.rank == 0:
-            ckpt_lib.finalize_local(ckpt_dir, self.run.local() / ckpt_lib.step_dir_name(step), step,
+            ckpt_lib.finalize_local(ckpt_dir, self.run_loc.local() / ckpt_lib.step_dir_name(step), step,
                                     self.ctx.world_size, self.launch_id)
             self.after_checkpoint()
         dist.barrier()
@@ -475,11 +475,11 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     rank, world, device = setup_distributed(cfg)
     torch.manual_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
-    run: Loc | None = loop_config.get("run")
+    run: Loc = loop_config.get("run_loc") or run_loc(cfg)
     ctx = WorkerContext(cfg=cfg, rank=rank, world_size=world, device=device,
                         dtype=resolve_dtype(cfg.model.dtype, device.type == "cuda"),
-                        run_dir=local_mirror(run) if run is not None else run_dir(cfg), run=run,
-                        grad_accum=grad_accum_steps(cfg.train.global_batch_sequences, world),
+                        run_dir=local_mirror(run), run_loc=run,
+                        grad_accum=cfg.grad_accum,
                         hooks=[FaultInjection(cfg.fault)])
     rows: RowReader = open_rows(cfg.data, cfg.train.seed, rank, world)
     total = total_steps_for(cfg, rows.global_rows)
@@ -507,7 +507,7 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         # the metrics file continues from the resumed step: later records (and a torn last line) go
         # (the records the checkpoint holds come back when the file lost them: a torn last line, a
         # relaunch on a node whose local copy is older than the checkpoint)
-        remote = None if session.run.is_local else session.run / METRICS_FILE
+        remote = None if session.run_loc.is_local else session.run_loc / METRICS_FILE
         session.writer.restart_at(start, remote, restore=saved_records)
 
     since_checkpoint: list[dict[str, Any]] = []
@@ -556,7 +556,7 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
             return
 
     if cfg.checkpoint.consolidate:
-        consolidate(task, ctx, session.run, cfg.model.student)
+        consolidate(task, ctx, session.run_loc, cfg.model.student)
     session.close()
 
 

@@ -283,6 +283,16 @@ def run_location(storage_path: str, name: str) -> Loc:
     return Loc.of(storage_path) / name
 
 
+def run_loc(cfg: Any) -> Loc:
+    """Where the run of config `cfg` lives: `<ray.storage_path>/<ray.name>` (a local directory or a URI)."""
+    return run_location(cfg.ray.storage_path, cfg.ray.name)
+
+
+def run_dir(cfg: Any) -> Path:
+    """The run's local directory: `run_loc(cfg)` itself, or its local mirror when the run lives at a URI."""
+    return local_mirror(run_loc(cfg))
+
+
 def local_mirror(loc: Loc) -> Path:
     """A local directory for the run's files that are written locally first (same path for local runs)."""
     if loc.is_local:

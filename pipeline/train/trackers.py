@@ -13,8 +13,8 @@ Design choices:
   MLflow params), `log(step, scalars)` per optimiser step (every number of the step's record, under
   `train/<key>`: the same values as metrics.jsonl and TensorBoard), and `finish()` after the last step.
 * The packages are optional (`pip install 'hylo-pipeline[trackers]'`) and imported only when a
-  tracker opens. The config sections check at load time that the package can be imported, so a
-  missing one is one `error:` line when the job starts, not a failure after the first step.
+  tracker opens. The config sections (pipeline/train/config.py) check at load time that the package can
+  be imported, so a missing one is one `error:` line when the job starts, not a failure after the first step.
 * `MetricsWriter` (pipeline/train/metrics.py) owns a `RunTrackers` and hands it each record. It reads
   the run config from `<run dir>/config_stage<N>.json`, which the driver writes before training, so
   the same hook serves the Ray Train controller and torchrun's rank 0 with no extra plumbing.
@@ -29,60 +29,12 @@ import importlib
 import importlib.util
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from hylo.files import atomic_write
 
 TRACKERS_FILE = "trackers.json"
-EXTRA_HINT = "pip install 'hylo-pipeline[trackers]'"
-
-
-def _importable(module: str) -> bool:
-    if module in sys.modules:
-        return sys.modules[module] is not None
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def require_package(module: str, key: str) -> None:
-    """ValueError (a ConfigError at load time) when config key `key` needs a package that is missing."""
-    if not _importable(module):
-        raise ValueError(f"{key} is set but the `{module}` package is not installed: {EXTRA_HINT} "
-                         f"(or pip install {module}), or remove {key} from the config")
-
-
-@dataclass
-class WandbSection:
-    # W&B project; None = W&B's default (WANDB_PROJECT, else "uncategorized").
-    project: str | None = None
-    entity: str | None = None
-    # online | offline (written under <run dir>/wandb, upload later with `wandb sync`) | disabled
-    mode: str = "online"
-    # Run name; None = ray.name.
-    name: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("online", "offline", "disabled"):
-            raise ValueError(f"metrics.wandb.mode={self.mode!r}; allowed: online, offline, disabled")
-        require_package("wandb", "metrics.wandb")
-
-
-@dataclass
-class MlflowSection:
-    # None = MLflow's default (MLFLOW_TRACKING_URI, else its local store in the working directory).
-    tracking_uri: str | None = None
-    experiment: str = "hylo"
-    # Run name; None = ray.name.
-    run_name: str | None = None
-
-    def __post_init__(self) -> None:
-        require_package("mlflow", "metrics.mlflow")
-
-
 class Tracker(Protocol):
     name: str
 

@@ -45,7 +45,7 @@ class WorkerContext:
     grad_accum: int
     step: int = 0
     # where the run lives (local directory or URI); run_dir is its local directory or local mirror
-    run: Loc | None = None
+    run_loc: Loc | None = None
     hooks: list[Hook] = field(default_factory=list)
 
     def all_sum(self, values: list[float]) -> list[float]:

@@ -1,51 +1,15 @@
-"""The convert job (jobs/convert.py): its configuration in the one config system, and what it does.
-
-    python jobs/convert.py --config convert.yaml --set convert.kv_lora_rank=128 [--print-config]
-
-Design choices:
-* The conversion options are hylo's `ConvertConfig` (`ConvertSection` adds its ranges as config rules),
-  the same class as the training config's `model.convert`: one set of names, defaults and checks for
-  both, and the same `hylo.upcycle.convert` behind them.
-* The job's flags (`--base`, `--mla-layers`, `--kv-lora-rank`, ...) are shorthands for keys of this
-  config (`SHORTHANDS` in jobs/convert.py); the order is file, then flags, then `--set`. An error in a
-  value a flag set names the flag.
-* Output: one JSON summary on stdout (layers, parameters, KV-cache bytes per token of base and hybrid at
-  bf16, `kv_cache_ratio` as a fraction).
-"""
+"""What the convert job does: a conversion, a dry run from config.json alone, or a released-layout import
+or export (`run`); its configuration is in config.py beside it."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hylo.pipeline.config import Rule, rules
+from hylo.pipeline.convert.config import ConvertJobConfig
 
-from hylo.upcycle.options import ConvertConfig, UpcycleError
-
-
-@dataclass
-@rules(**{name: Rule(**allowed) for name, allowed in ConvertConfig.RANGES.items()})
-class ConvertSection(ConvertConfig):
-    """`hylo.upcycle.ConvertConfig` as a config section (its ranges checked as config rules)."""
-
-
-@dataclass
-class ConvertJobConfig:
-    # The base model: an HF directory, asset:NAME or an asset name (hylo.assets).
-    base: str | None = None
-    # Output directory: the HyLo checkpoint (or, with to_released, the released layout).
-    out: str | None = None
-    convert: ConvertSection = field(default_factory=ConvertSection)
-    # Print the summary from base_config (a config.json) alone; no weights are loaded.
-    dry_run: bool = False
-    base_config: str | None = None
-    # Import a checkpoint in the released layout (AMD's hybrid_config.json + config.json + mla.*/gdn.*/mamba.*
-    # safetensors) and write it as a HyLo checkpoint to `out`.
-    from_released: str | None = None
-    # Export a HyLo checkpoint to the released layout in `out` (read back as AMD's loader would first).
-    to_released: str | None = None
+from hylo.upcycle.config import UpcycleError
 
 
 # ------------------------------------------------------------------------------------ summaries
