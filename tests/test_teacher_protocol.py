@@ -12,7 +12,8 @@ from hylo.pipeline.config import ConfigError, load_config
 from hylo.pipeline.data.rows import check_row
 from hylo.pipeline.teacher.cache import CacheMismatchError, compute_shard, finalize_cache, prepare_cache
 from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherModelConfig
-from hylo.pipeline.teacher.protocol import TargetSpec, open_teacher
+from hylo.pipeline.teacher.protocol import TargetSpec
+from hylo.pipeline.teacher.sources import open_teacher
 from hylo.pipeline.train.config import TeacherSection, config_from_dict, config_to_dict, load_stage_config
 
 from fixtures_teacher import make_packed_row, save_tiny_llama, write_packed_parquet

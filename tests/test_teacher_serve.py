@@ -164,7 +164,7 @@ def test_protocol_targets_are_identical_from_model_pool_and_cache(pool, tmp_path
     from hylo.pipeline.teacher.cache import compute_shard, finalize_cache, prepare_cache
     from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherClientConfig
     from hylo.pipeline.teacher.model import TeacherModel
-    from hylo.pipeline.teacher.protocol import open_teacher
+    from hylo.pipeline.teacher.sources import open_teacher
     from hylo.pipeline.train.config import TeacherSection
 
     from fixtures_teacher import write_packed_parquet

@@ -471,7 +471,8 @@ def test_teacher_sources_give_the_same_targets(tmp_path):
     from hylo.pipeline.teacher.client import TeacherClient
     from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherModelConfig
     from hylo.pipeline.teacher.model import TeacherModel
-    from hylo.pipeline.teacher.protocol import TargetSpec, Teacher, open_teacher
+    from hylo.pipeline.teacher.protocol import TargetSpec, Teacher
+    from hylo.pipeline.teacher.sources import open_teacher
     from hylo.pipeline.train.config import TeacherSection
 
     from fixtures_teacher import save_tiny_llama

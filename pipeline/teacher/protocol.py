@@ -13,7 +13,7 @@ Design choices:
   teacher/config.py); a source refuses a form it cannot give (a config check makes that unreachable).
 * Rows reaching a source in-process are checked `PackedRow`s (the reader checked them); only the pool's
   server checks rows again, since it receives them over the network.
-* `Teacher` (built by `open_teacher` from stage 2's `teacher` section) binds a source to its spec and
+* `Teacher` (built by `sources.open_teacher` from stage 2's `teacher` section) binds a source to its spec and
   places each row's targets on the trainer's device; the step zips rows and targets.
 """
 
@@ -25,7 +25,6 @@ from typing import Any, Protocol
 
 import torch
 from hylo.kernels.fused_kl.topk import TeacherTopK
-from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.rows import PackedRow
 
 
@@ -102,31 +101,3 @@ class Teacher:
     def targets(self, rows: Sequence[PackedRow], device: torch.device | str) -> Iterator[dict[str, Any]]:
         for t in self.source.targets(rows, self.spec):
             yield place(t, device)
-
-
-def open_teacher(cfg: Any, student_vocab: int, data_path: str | None = None) -> Teacher:
-    """The teacher stage 2's `teacher` section (TeacherSection) names; `data_path`: the prepared data the
-    offline cache must have been made from (None: not checked)."""
-    spec = TargetSpec(cfg.k, cfg.form)
-    vocab: int | None
-    if cfg.source == "inprocess":
-        from hylo.pipeline.teacher.model import TeacherModel
-
-        source: Any = TeacherModel.from_config(cfg.model)
-        vocab = source.vocab_size
-    elif cfg.source == "serve":
-        from hylo.pipeline.teacher.client import TeacherClient
-
-        source = TeacherClient.from_config(cfg.pool.app_name, cfg.client, cfg.k, cfg.model.logits_chunk_tokens)
-        vocab = None
-    else:
-        from hylo.pipeline.teacher.cache import TopKCacheReader
-
-        source = TopKCacheReader(cfg.cache_path, expect_k=cfg.k, expect_data=data_path)
-        vocab = int(source.manifest["vocab_size"])
-    if vocab is not None:
-        if vocab != student_vocab:
-            raise ConfigError(f"teacher vocabulary {vocab} != student vocabulary {student_vocab}: "
-                              f"teacher and student must share a tokenizer")
-        check_k_fits(cfg.k, vocab, "teacher.k")
-    return Teacher(source, spec, vocab)

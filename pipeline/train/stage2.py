@@ -31,7 +31,8 @@ from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_di
 from hylo.kernels.fused_kl.inputs import check_deferred
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.rows import PackedRow
-from hylo.pipeline.teacher.protocol import Teacher, open_teacher
+from hylo.pipeline.teacher.protocol import Teacher
+from hylo.pipeline.teacher.sources import open_teacher
 from hylo.pipeline.train.config import Stage2Config
 from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
 from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
