@@ -21,6 +21,7 @@ This module imports neither Ray nor torch, so any job (and `hylo/` tooling) can 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import hashlib
 import json
@@ -218,6 +219,49 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` merged into a copy of `base`, mapping by mapping (`over` wins)."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _changed(made: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in made.items():
+        if isinstance(v, dict) and isinstance(plain.get(k), dict):
+            if sub := _changed(v, plain[k]):
+                out[k] = sub
+        elif k not in plain or v != plain[k]:
+            out[k] = v
+    return out
+
+
+def _factory_defaults(cls: type) -> dict[str, dict[str, Any]]:
+    """For each section field whose default_factory sets values of its own (Stage2Config's
+    `DataSection(split="stage2")`), those values: a file or --set that gives the section only in part
+    keeps them (the class's plain defaults stand for the keys nobody set)."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in dataclasses.fields(cls):
+        if f.default_factory is dataclasses.MISSING:
+            continue
+        tp = _strip_optional(_field_types(cls).get(f.name))
+        if not (dataclasses.is_dataclass(tp) and isinstance(tp, type)):
+            continue
+        made = f.default_factory()
+        try:
+            plain = tp()
+        except TypeError:
+            continue
+        if type(made) is tp and (diff := _changed(to_dict(made), to_dict(plain))):
+            out[f.name] = diff
+    return out
+
+
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     """Build dataclass `cls` from a mapping; unknown keys and values that break a field's rule raise
     ConfigError naming the dotted key (and, for unknown keys, listing the valid ones)."""
@@ -230,6 +274,8 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
             f"unknown key(s) {', '.join(prefix + str(k) for k in unknown)} in {cls.__name__}; "
             f"valid keys: {', '.join(sorted(types_))}", prefix + str(unknown[0])
         )
+    made = _factory_defaults(cls)
+    data = {k: deep_merge(made[k], v) if k in made and isinstance(v, dict) else v for k, v in data.items()}
     kwargs = {k: _coerce(v, types_[k], prefix + k) for k, v in data.items()}
     try:
         obj = cls(**kwargs)

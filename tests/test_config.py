@@ -348,3 +348,22 @@ def test_eval_config_knows_the_retrieval_tasks():
     from hylo.pipeline.eval.retrieval import TASKS
 
     assert RETRIEVAL_TASKS == TASKS
+
+
+def test_a_section_given_in_part_keeps_the_defaults_its_config_sets(tmp_path):
+    """Stage 2's `data.split: stage2` and `optim.lr: 4e-5` come from the config class's default_factory, not
+    from the section's class: a file or --set that names the section for another key keeps them."""
+    from hylo.pipeline.data.config import PrepareDataConfig
+    from hylo.pipeline.train.config import load_stage_config
+
+    p = tmp_path / "s2.yaml"
+    p.write_text("data: {path: runs/x/data}\noptim: {weight_decay: 0.1}\nstage1: {data: {split: stage1}}\n")
+    cfg = load_stage_config(2, p)
+    assert (cfg.data.split, cfg.data.path, cfg.optim.lr, cfg.optim.weight_decay) == ("stage2", "runs/x/data", 4e-5, 0.1)
+    assert load_stage_config(2, None, ["data.path=x"]).data.split == "stage2"
+    assert load_stage_config(2, None, ["data.split=stage1"]).data.split == "stage1"  # what is set still wins
+    assert load_stage_config(1, p).data.split == "stage1"
+    q = tmp_path / "prep.yaml"
+    q.write_text("ray: {address: null}\n")
+    assert load_config(PrepareDataConfig, q).ray.num_cpus == 2
+    assert load_config(PrepareDataConfig, q, ["num_cpus=3"]).ray.num_cpus == 3  # the old spelling, moved

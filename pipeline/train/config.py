@@ -19,7 +19,6 @@ Design choices:
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import sys
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from hylo.pipeline.config import (
     at_least,
     between,
     config_hash,
+    deep_merge,
     each,
     from_dict,
     load_config,
@@ -405,16 +405,6 @@ StageConfig = Stage1Config | Stage2Config
 STAGE_CLASSES: dict[int, type] = {1: Stage1Config, 2: Stage2Config}
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
 def load_stage_config(stage: int, path: str | Path | None = None, overrides: list[str] | None = None) -> StageConfig:
     """Load the config of `stage` (1 or 2) from a YAML file (shared sections + optional stageN: section)."""
     if stage not in STAGE_CLASSES:
@@ -425,7 +415,7 @@ def load_stage_config(stage: int, path: str | Path | None = None, overrides: lis
         own = loaded.get(f"stage{stage}") or {}
         if not isinstance(own, dict):
             raise ConfigError(f"config file {p}: stage{stage} must be a mapping")
-        return _deep_merge(shared, own)
+        return deep_merge(shared, own)
 
     return load_config(STAGE_CLASSES[stage], path, overrides, select=own_over_shared,
                        label=f"{path or '<defaults>'} (stage {stage})", line_prefixes=(f"stage{stage}.", ""))
