@@ -104,6 +104,22 @@ def test_an_input_error_inside_a_worker_is_not_retried_a_fault_is():
     assert policy.make_decision(_worker_group_error(user, ActorDiedError())) == FailureDecision.RETRY
 
 
+def test_the_log_says_why_a_failure_is_not_retried(capsys):
+    from hylo.pipeline.train.failures import InputErrorsAreFinal
+    from hylo.pipeline.train.storage import CheckpointUploadError
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+
+    policy = InputErrorsAreFinal(FailureConfig(max_failures=3))
+    upload = CheckpointUploadError("uploading checkpoint s3://b/r/step_00000006 failed 2 time(s): connection refused")
+    assert policy.make_decision(_worker_group_error(upload)) == FailureDecision.RAISE
+    out = capsys.readouterr().out
+    assert "not retrying: the checkpoint storage failed after checkpoint.upload_retries attempts" in out, out
+    assert "the input is wrong" not in out
+    assert policy.make_decision(_worker_group_error(ConfigError("bad"))) == FailureDecision.RAISE
+    assert "not retrying: the input is wrong, not the machine (worker 0: " in capsys.readouterr().out
+
+
 def test_the_driver_fits_with_the_input_error_policy():
     from hylo.pipeline.train.failures import InputErrorsAreFinal, final_input_errors
     from ray.train import FailureConfig

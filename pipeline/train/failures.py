@@ -45,13 +45,25 @@ def worker_input_error(error: BaseException) -> str | None:
     return found
 
 
+def final_reason(error: BaseException) -> str:
+    """Why a failure `worker_input_error` found is not retried, in the log's words: a checkpoint upload that
+    ran out of its own retries is the storage, not the input (a restart of the workers would meet the same
+    storage, and the run resumes from its last checkpoint once it is back)."""
+    from hylo.pipeline.train.storage import CheckpointUploadError
+
+    for failure in (getattr(error, "worker_failures", None) or {}).values():
+        if isinstance(getattr(failure, "_base_exc", failure), CheckpointUploadError):
+            return "the checkpoint storage failed after checkpoint.upload_retries attempts"
+    return "the input is wrong, not the machine"
+
+
 class InputErrorsAreFinal(DefaultFailurePolicy):
     """Ray's default failure policy, except that an input error of a worker is never retried."""
 
     def make_decision(self, training_failed_error: Any) -> FailureDecision:
         message = worker_input_error(training_failed_error)
         if message is not None:
-            print(f"[train] not retrying: the input is wrong, not the machine ({message})", flush=True)
+            print(f"[train] not retrying: {final_reason(training_failed_error)} ({message})", flush=True)
             return FailureDecision.RAISE
         return super().make_decision(training_failed_error)
 
