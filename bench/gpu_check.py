@@ -479,6 +479,7 @@ def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model
     cfg = Stage2Config()
     cfg.deepspeed.zero_stage = 3 if engine == "deepspeed" else 0
     cfg.train.global_batch_sequences = 1
+    cfg.ray.num_workers = 1  # one process: the micro-batches per step are global_batch_sequences / num_workers
     cfg.model.activation_checkpointing = True
     cfg.teacher.k = 0
     cfg.kd.chunk_size = None
@@ -547,6 +548,7 @@ def count_syncs(fn: Callable[[], Any], device: Any) -> dict[str, Any]:
 
 def case_step(sh: Shapes, device: Any, meter: Meter, engine: str = "plain") -> dict[str, Any]:
     import torch
+    from hylo.pipeline.data.rows import check_row
     from hylo.pipeline.train.stage2 import train_step
 
     dtype = torch.float32 if sh.tiny else torch.bfloat16
@@ -564,11 +566,12 @@ def case_step(sh: Shapes, device: Any, meter: Meter, engine: str = "plain") -> d
         vocab = task.student.config.vocab_size
         res: dict[str, Any] = {"parameters": n_params}
         # warm-up at the smallest size: compiles kernels and allocates the optimiser state
-        warm = packed_row(sizes[0], max(1, sizes[0] // sh.step["doc_tokens"]), vocab, seed=1)
+        # the step takes the reader's checked rows (PackedRow with host boundaries), checked here once
+        warm = check_row(packed_row(sizes[0], max(1, sizes[0] // sh.step["doc_tokens"]), vocab, seed=1))
         train_step(task, [warm], ctx)
         res["host_syncs_per_step"] = count_syncs(functools.partial(train_step, task, [warm], ctx), device)
         for T in sizes:
-            row = packed_row(T, max(1, T // sh.step["doc_tokens"]), vocab, seed=2)
+            row = check_row(packed_row(T, max(1, T // sh.step["doc_tokens"]), vocab, seed=2))
             free_memory()
             try:  # one size out of memory still leaves the others' figures
                 if device.type == "cuda":

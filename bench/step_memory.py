@@ -114,7 +114,7 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
     done.set()
     sampler.join()
     peak_kib = max(peak["kib"], status_kib("RssAnon"))
-    return {"tokens": tokens, "docs": len(row["cu_seqlens"]) - 1, "baseline_mib": base_kib / 1024,
+    return {"tokens": tokens, "docs": len(row.host) - 1, "baseline_mib": base_kib / 1024,
             "extra_peak_mib": (peak_kib - base_kib) / 1024,
             "fwd_bwd_peak_mib": (peak["fwd_bwd_kib"] - base_kib) / 1024, "seconds": seconds, "cpu_seconds": cpu_seconds,
             "kl": out.sums["kl_sum"] / max(out.sums["loss_tokens"], 1)}
