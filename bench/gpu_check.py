@@ -35,7 +35,6 @@ that `tests/test_gpu_check.py` keeps this script running between loans.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -152,18 +151,11 @@ def error_record(exc: BaseException) -> dict[str, Any]:
     return {"type": type(exc).__name__, "message": str(exc)[:2000], "traceback": tail}
 
 
-@contextlib.contextmanager
 def kernels_mode(mode: str):
-    """HYLO_KERNELS for a block (kernels/backend.py reads it at every call)."""
-    before = os.environ.get("HYLO_KERNELS")
-    os.environ["HYLO_KERNELS"] = mode
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("HYLO_KERNELS", None)
-        else:
-            os.environ["HYLO_KERNELS"] = before
+    """The kernel path for a block: kernels/backend.py's own switch (what HYLO_KERNELS sets process-wide)."""
+    from hylo.kernels.backend import forced_mode
+
+    return forced_mode(mode.lower())
 
 
 def free_memory() -> None:

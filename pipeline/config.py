@@ -241,7 +241,7 @@ def _changed(made: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _factory_defaults(cls: type) -> dict[str, dict[str, Any]]:
+def _factory_defaults(cls: type, types_: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """For each section field whose default_factory sets values of its own (Stage2Config's
     `DataSection(split="stage2")`), those values: a file or --set that gives the section only in part
     keeps them (the class's plain defaults stand for the keys nobody set)."""
@@ -249,7 +249,7 @@ def _factory_defaults(cls: type) -> dict[str, dict[str, Any]]:
     for f in dataclasses.fields(cls):
         if f.default_factory is dataclasses.MISSING:
             continue
-        tp = _strip_optional(_field_types(cls).get(f.name))
+        tp = _strip_optional(types_.get(f.name))
         if not (dataclasses.is_dataclass(tp) and isinstance(tp, type)):
             continue
         made = f.default_factory()
@@ -274,7 +274,7 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
             f"unknown key(s) {', '.join(prefix + str(k) for k in unknown)} in {cls.__name__}; "
             f"valid keys: {', '.join(sorted(types_))}", prefix + str(unknown[0])
         )
-    made = _factory_defaults(cls)
+    made = _factory_defaults(cls, types_)
     data = {k: deep_merge(made[k], v) if k in made and isinstance(v, dict) else v for k, v in data.items()}
     kwargs = {k: _coerce(v, types_[k], prefix + k) for k, v in data.items()}
     try:
