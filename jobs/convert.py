@@ -63,6 +63,8 @@ SHORTHANDS: dict[str, tuple[str, dict[str, Any]]] = {
         "type": int, "help": "blocks of the shared roped key: the number of KV heads (default, exact init) or 1"}),
     "--mla-latent-norm": ("convert.mla_latent_norm", {
         **_ON, "help": "keep DeepSeek's RMSNorm on the MLA latents (off by default for upcycling)"}),
+    "--mla-latent-norm-eps": ("convert.mla_latent_norm_eps", {
+        "type": float, "help": "epsilon of the MLA latent norms (default: the base's; AMD's released layout: 1e-6)"}),
     "--v-head-dim": ("convert.v_head_dim", {"type": int}),
     "--gdn-num-heads": ("convert.gdn_num_heads", {"type": int}),
     "--gdn-head-dim": ("convert.gdn_head_dim", {"type": int}),
@@ -70,6 +72,9 @@ SHORTHANDS: dict[str, tuple[str, dict[str, Any]]] = {
     "--mamba2-xb-groups": ("convert.mamba2_xb_groups", {
         "type": int, "help": "Mamba-2 x/B groups read by consecutive heads (the KV head count: AMD's released "
                              "Mamba-2 layout, d_xb = KV heads x head_dim); omit for x per head"}),
+    "--mamba2-norm-eps": ("convert.mamba2_norm_eps", {
+        "type": float, "help": "epsilon of the Mamba-2 gated output norm (default: the base's; AMD's released "
+                               "layout fixes it at 1e-5)"}),
     "--max-position-embeddings": ("convert.max_position_embeddings", {"type": int}),
     "--yarn-factor": ("convert.yarn_factor", {
         "type": float, "help": "YaRN on the MLA RoPE with this factor (the released 64K models: 32)"}),

@@ -65,10 +65,18 @@ def released_io(cfg: ConvertJobConfig) -> dict[str, Any]:
     except (ReleasedLayoutError, HybridConfigError, CheckpointMismatchError) as e:
         raise UpcycleError(str(e)) from None
     mcfg = model.config
-    return {"from": str(src), "out": str(cfg.out), "layout": "released" if cfg.to_released else "hylo",
-            "layers": mcfg.n_layer, "mla_layers": mcfg.mla_layers, "linear_type": mcfg.linear_type,
-            "mla_qk_norm": mcfg.mla_qk_norm, "tie_word_embeddings": mcfg.tie_word_embeddings,
-            "parameters": sum(p.numel() for p in model.parameters())}
+    summary = {"from": str(src), "out": str(cfg.out), "layout": "released" if cfg.to_released else "hylo",
+               "layers": mcfg.n_layer, "mla_layers": mcfg.mla_layers, "linear_type": mcfg.linear_type,
+               "mla_qk_norm": mcfg.mla_qk_norm, "tie_word_embeddings": mcfg.tie_word_embeddings,
+               "parameters": sum(p.numel() for p in model.parameters())}
+    if cfg.to_released:
+        # what AMD's public loader (at the commit hylo/released_facts.py was read at) does with the export
+        from hylo.released import public_loader_refusal
+        from hylo.released_facts import AMD_AT
+
+        refusal = public_loader_refusal(cfg.out)
+        summary["amd_public_loader"] = f"refuses it ({AMD_AT}): {refusal}" if refusal else f"loads it ({AMD_AT})"
+    return summary
 
 
 def dry_run(cfg: ConvertJobConfig) -> dict[str, Any]:
