@@ -107,7 +107,8 @@ def load_hylo(path: str | Path, dtype=None, device: str | None = None):
     Loading is strict: a tensor the model expects but the files lack, a tensor the model has no place
     for, or one of the wrong shape is a `CheckpointMismatchError` naming the keys (never a silently
     random-initialised mixer). A directory in the released layout of AMD's Hybrid-Models code
-    (hybrid_config.json with their keys, `mla.*` weights) is imported through `hylo.released`.
+    (hybrid_config.json with their keys, `mla.*` weights; or X-EcoMLA's MLA_config.json + mla_layer_config.json)
+    is imported through `hylo.released`.
     """
     import torch
     from safetensors import SafetensorError
@@ -119,9 +120,10 @@ def load_hylo(path: str | Path, dtype=None, device: str | None = None):
     p = Path(path)
     if not p.is_dir():
         raise HybridConfigError(f"HyLo checkpoint {p} does not exist or is not a directory")
-    if not (p / HYBRID_CONFIG_NAME).is_file():
-        raise HybridConfigError(f"{p}: no {HYBRID_CONFIG_NAME}; not a HyLo checkpoint (convert one with jobs/convert.py)")
     from hylo.released import is_released_layout, load_released
+
+    if not (p / HYBRID_CONFIG_NAME).is_file() and not is_released_layout(p):
+        raise HybridConfigError(f"{p}: no {HYBRID_CONFIG_NAME}; not a HyLo checkpoint (convert one with jobs/convert.py)")
 
     try:
         # dtype "auto" keeps the stored dtype; None loads float32

@@ -12,8 +12,11 @@ against a checkout of that repository and runs it; the tests, which cannot reach
   whatever `rms_norm_eps` says; `Mamba2(**ssm_cfg)` takes `MAMBA2_ARGS`.
 * X-EcoMLA (`X-EcoMLA/mla/hybrid_wrapper.py`, `hybrid_mla_config.py`): `MLA_config.json` is `asdict` of the
   `MLAConfig` dataclass without `deepseek_cfg` (read back as `MLAConfig(deepseek_cfg=..., **json)`), and
-  `mla_layer_config.json` is `DeepseekV3Config.to_json_file(use_diff=True)`: only the keys that differ
-  from `DEEPSEEK_V3_DEFAULTS` are written, the rest take those defaults on load.
+  `mla_layer_config.json` is `DeepseekV3Config.to_json_file(use_diff=True)` (with their pinned transformers
+  4.43 that drops only PretrainedConfig keys left at their defaults); read back as `DeepseekV3Config(**json)`,
+  a missing key takes its default (`DEEPSEEK_V3_DEFAULTS`) and `DEEPSEEK_V3_ASSERTS` run. `MLAConfig`'s
+  `deepseek_cfg` default is a config instance: Python >= 3.11 refuses that dataclass (a mutable default), so
+  their X-EcoMLA code imports on Python 3.10 only (their Docker images' version).
 """
 
 from __future__ import annotations

@@ -99,6 +99,10 @@ SHORTHANDS: dict[str, tuple[str, dict[str, Any]]] = {
     "--to-released": ("to_released", {
         "metavar": "HYLO_DIR", "help": "export a HyLo checkpoint to the released layout in --out, checked by "
                                        "reading it back as AMD's loader would"}),
+    "--released-layout": ("released_layout", {
+        "choices": ["zebra-llama", "x-ecomla"],
+        "help": "the layout --to-released writes: zebra-llama (hybrid_config.json; default) or x-ecomla "
+                "(MLA_config.json + mla_layer_config.json, all-MLA models)"}),
 }
 
 

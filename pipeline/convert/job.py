@@ -61,11 +61,11 @@ def released_io(cfg: ConvertJobConfig) -> dict[str, Any]:
             if is_released_layout(src):
                 raise UpcycleError(f"{src} is already in the released layout")
             model = load_hylo(src, dtype="auto")
-            export_released(model, cfg.out, tokenizer_from=src)
+            export_released(model, cfg.out, tokenizer_from=src, layout=cfg.released_layout)
     except (ReleasedLayoutError, HybridConfigError, CheckpointMismatchError) as e:
         raise UpcycleError(str(e)) from None
     mcfg = model.config
-    summary = {"from": str(src), "out": str(cfg.out), "layout": "released" if cfg.to_released else "hylo",
+    summary = {"from": str(src), "out": str(cfg.out), "layout": cfg.released_layout if cfg.to_released else "hylo",
                "layers": mcfg.n_layer, "mla_layers": mcfg.mla_layers, "linear_type": mcfg.linear_type,
                "mla_qk_norm": mcfg.mla_qk_norm, "tie_word_embeddings": mcfg.tie_word_embeddings,
                "parameters": sum(p.numel() for p in model.parameters())}
