@@ -62,6 +62,7 @@ from hylo.released_facts import (
     AMD_AT,
     HYBRID_CONFIG_FIELDS,
     HYBRID_CONFIG_REMOVED,
+    INFERENCE_READS_FULL_KV_HEAD,
     LATENT_NORM_EPS,
     MAMBA2_ARGS,
     MAMBA2_ARGS_NO_MATH,
@@ -720,13 +721,14 @@ def _their_ranks(hcfg: HybridConfig, where: str) -> tuple[int, int, bool]:
     return R, D, True
 
 
-def released_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+def released_files(model: Any, xecomla: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, hybrid_config.json, tensors) of `model` in the released layout; refuses what is not exact.
 
     hybrid_config.json holds exactly the fields of AMD's public HybridConfig (`HYBRID_CONFIG_FIELDS`, at
     `AMD_AT`) with values its __post_init__ accepts; a layout that code cannot build (`hylo_only_parts`: GDN
     layers, Qwen q/k norms) also carries HyLo's keys (`HYLO_KEYS`), which its dataclass refuses with a
-    TypeError: loading fails loudly there instead of building other layers (a warning says so)."""
+    TypeError: loading fails loudly there instead of building other layers (a warning says so). `xecomla`:
+    the part X-EcoMLA's export shares (its kv_b_proj is per query head anyway)."""
     hcfg: HybridConfig = model.config
     where = "export to the released layout"
     if hcfg.mla_layers and hcfg.rope_key_groups != 1:
@@ -810,6 +812,12 @@ def released_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str
                 hybrid_json[key] = getattr(hcfg, key)
     if hcfg.mla_layers and hcfg.mla_qk_norm:
         hybrid_json["use_qk_norm"] = True
+    if use_full_kv and not INFERENCE_READS_FULL_KV_HEAD and not xecomla:
+        warnings.warn(f"{where}: kv_b_proj rows no longer repeat within each KV group, so they are written per query "
+                      f"head (use_full_kv_head: true): AMD's HybridModelWrapper reads that, their hybrid_inference "
+                      f"wrapper ({AMD_AT}) does not (it builds kv_b_proj per KV head: a size mismatch there). "
+                      f"Converting with --kv-b-per-kv-head keeps one block per KV head through training",
+                      UserWarning, stacklevel=2)
     parts = hylo_only_parts(hcfg)
     if parts:
         keys = [k for k in HYLO_KEYS if k in hybrid_json]

@@ -66,6 +66,10 @@ MAMBA2_ARGS_NO_MATH = ("headdim", "conv_init", "A_init_range", "dt_min", "dt_max
                        "use_mem_eff_path", "sequence_parallel")
 # YaRN's original window when rope_scaling has none (DeepseekV3YarnRotaryEmbedding's default)
 YARN_DEFAULT_ORIGINAL = 4096
+# their inference wrapper (Zebra-Llama/hybrid_inference/mla/hybrid_mla_layer.py) builds kv_b_proj with
+# num_key_value_heads blocks and never reads use_full_kv_head: a checkpoint with one block per query head loads
+# in their HybridModelWrapper but not there (a size mismatch)
+INFERENCE_READS_FULL_KV_HEAD = False
 
 # ------------------------------------------------------------------------------------ X-EcoMLA
 MLA_CONFIG_NAME = "MLA_config.json"

@@ -255,7 +255,7 @@ def xecomla_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str,
         raise ReleasedLayoutError(f"{where}: the MLA layers carry per-head q/k norms (a Qwen3 base), which X-EcoMLA's "
                                   f"MLA layer has no place for")
     # the rest is the Zebra-Llama export's: names, rope rows, identity queries, eps and rank checks
-    config_json, hybrid_json, tensors = released_files(model)
+    config_json, hybrid_json, tensors = released_files(model, xecomla=True)
     H, X = hcfg.num_attention_heads, hcfg.qk_nope_head_dim + hcfg.v_head_dim
     for i in hcfg.mla_layers:
         k = f"model.layers.{i}.mla.kv_b_proj.weight"

@@ -250,7 +250,7 @@ def test_our_conversion_exports_to_x_ecomla_and_back_through_the_cli(tmp_path, c
     assert convert.main(["--to-released", str(tmp_path / "ours"), "--out", str(tmp_path / "x"),
                          "--released-layout", "x-ecomla"]) == 0
     out = capsys.readouterr().out
-    summary = json.loads(out[out.rindex("\n{") + 1:])
+    summary = json.loads(out[out.rfind("\n{") + 1:])
     assert summary["layout"] == "x-ecomla" and summary["amd_public_loader"].startswith("loads it")
     check_xecomla_dir(tmp_path / "x")
     d = tmp_path / "x"
