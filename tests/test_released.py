@@ -723,6 +723,50 @@ def test_the_recorded_facts_are_those_of_the_pinned_commit_and_refuse_as_their_d
     assert "unsupported operand type(s) for %: 'NoneType' and 'int'" in hybrid_config_refusal({"q_lora_rank": None})
 
 
+# {name: shape} of the module tree AMD's HybridModelWrapper.from_pretrained built, at commit 61c93485, for a
+# Llama base (hidden 64, 4 heads of 16, 2 KV heads, vocabulary 128, 4 layers) and the hybrid_config.json below
+# (printed by bench/amd_compat.py's worker from their real code; layers 2 and 3 repeat layers 0 and 1)
+THEIR_TREE_AT_61C93485 = {
+    "model.embed_tokens.weight": (128, 64), "model.norm.weight": (64,), "lm_head.weight": (128, 64),
+    "model.layers.0.mla.q_a_proj.weight": (32, 64), "model.layers.0.mla.q_b_proj.weight": (64, 32),
+    "model.layers.0.mla.kv_a_proj_with_mqa.weight": (40, 64), "model.layers.0.mla.kv_b_proj.weight": (48, 32),
+    "model.layers.0.mla.out_proj.weight": (64, 64),
+    "model.layers.1.mamba.dt_bias": (4,), "model.layers.1.mamba.A_log": (4,), "model.layers.1.mamba.D": (4,),
+    "model.layers.1.mamba.in_proj.weight": (196, 64), "model.layers.1.mamba.conv1d.weight": (128, 1, 4),
+    "model.layers.1.mamba.conv1d.bias": (128,), "model.layers.1.mamba.norm.weight": (64,),
+    "model.layers.1.mamba.out_proj.weight": (64, 64),
+    **{f"model.layers.{i}.{name}": shape for i in (0, 1) for name, shape in (
+        ("mlp.gate_proj.weight", (128, 64)), ("mlp.up_proj.weight", (128, 64)), ("mlp.down_proj.weight", (64, 128)),
+        ("input_layernorm.weight", (64,)), ("post_attention_layernorm.weight", (64,)))},
+}
+# the same, MLA layers with latent norms and q_lora_rank 48 (their layer 0)
+THEIR_NORMED_MLA_AT_61C93485 = {
+    "q_a_proj.weight": (48, 64), "q_a_layernorm.weight": (48,), "q_b_proj.weight": (64, 48),
+    "kv_a_proj_with_mqa.weight": (40, 64), "kv_a_layernorm.weight": (32,), "kv_b_proj.weight": (48, 32),
+    "out_proj.weight": (64, 64),
+}
+
+
+def test_our_read_back_builds_the_module_tree_their_loader_built_at_the_pinned_commit():
+    from hylo.released import their_expected_tensors
+    from hylo.released_facts import AMD_COMMIT
+
+    assert AMD_COMMIT.startswith("61c93485")
+    base = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    hyb = {"hidden_size": 64, "intermediate_size": 128, "n_layer": 4, "mla_layers": [0, 2], "num_attention_heads": 4,
+           "num_key_value_heads": 2, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "v_head_dim": 16,
+           "qk_nope_head_dim": 8, "d_model": 64, "d_inner": 64, "d_xb": 32,
+           "ssm_cfg": {"expand": 1, "ngroups": 4, "d_state": 16, "repeat_kv_before_conv": False}}
+    ours = their_expected_tensors(base, hyb)
+    assert len(ours) == 49
+    assert {k: v for k, v in ours.items() if ".layers.2." not in k and ".layers.3." not in k} == THEIR_TREE_AT_61C93485
+    normed = their_expected_tensors(base, {**hyb, "mla_layers": [0, 1, 2, 3], "q_lora_rank": 48,
+                                           "use_lora_layer_norm": True})
+    assert {k.removeprefix("model.layers.0.mla."): v for k, v in normed.items()
+            if k.startswith("model.layers.0.mla.")} == THEIR_NORMED_MLA_AT_61C93485
+
+
 def _tiny_qwen3(seed=0, vocab=128):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

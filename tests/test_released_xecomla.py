@@ -351,3 +351,30 @@ def test_check_xecomla_dir_reads_it_back_as_their_loader_would(tmp_path, tamper,
     save_file(tensors, str(d / "model.safetensors"))
     with pytest.raises(ReleasedLayoutError, match=re.escape(needle)):
         check_xecomla_dir(d)
+
+
+# {name: shape} of layer 0 of the module tree X-EcoMLA's from_pretrained built at commit 61c93485 (a Llama base:
+# hidden 64, 4 heads of 16, vocabulary 128, 4 layers, all MLA; q / kv rank 32, rope 8, nope 8, v 16), printed
+# by bench/amd_compat.py's worker from their real code; the top level: embeddings, final norm, an untied head
+THEIR_LAYER_AT_61C93485 = {
+    "mla.q_a_proj.weight": (32, 64), "mla.q_b_proj.weight": (64, 32), "mla.kv_a_proj_with_mqa.weight": (40, 64),
+    "mla.kv_b_proj.weight": (96, 32), "mla.out_proj.weight": (64, 64), "mlp.gate_proj.weight": (128, 64),
+    "mlp.up_proj.weight": (128, 64), "mlp.down_proj.weight": (64, 128), "input_layernorm.weight": (64,),
+    "post_attention_layernorm.weight": (64,),
+}
+
+
+def test_our_read_back_builds_the_module_tree_their_loader_built_at_the_pinned_commit():
+    from hylo.released_xecomla import xecomla_expected_tensors
+
+    base = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4, "tie_word_embeddings": False}
+    mla = {**MLA_CONFIG_FIELDS, "d_model": 64, "intermediate_size": 128, "n_layer": 4}
+    layer = {"hidden_size": 64, "num_attention_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+             "qk_nope_head_dim": 8, "v_head_dim": 16,
+             "layer_rank_list": {str(i): {"q_rank": 32, "kv_rank": 32} for i in range(4)}}
+    ours = xecomla_expected_tensors(base, mla, layer)
+    assert len(ours) == 43
+    assert {k.removeprefix("model.layers.0."): v for k, v in ours.items()
+            if k.startswith("model.layers.0.")} == THEIR_LAYER_AT_61C93485
+    assert {k: v for k, v in ours.items() if "layers" not in k} == {
+        "model.embed_tokens.weight": (128, 64), "model.norm.weight": (64,), "lm_head.weight": (128, 64)}
