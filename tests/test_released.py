@@ -913,7 +913,6 @@ def test_layouts_their_public_code_cannot_build_are_said_so_and_fail_loudly_ther
     or dropped the q/k norms (off by 2.3). Such exports say so at export time, carry HyLo's keys so that their
     HybridConfig refuses them (TypeError), and without those keys our read-back fails on the tensors their
     module tree would drop."""
-    from hylo.released import check_released_dir, public_loader_refusal
     from hylo.upcycle import upcycle
 
     gdn = upcycle(_tiny_llama(), mla_layers=[0, 2], kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
@@ -924,6 +923,8 @@ def test_layouts_their_public_code_cannot_build_are_said_so_and_fail_loudly_ther
         d = tmp_path / name
         with pytest.warns(UserWarning, match=re.escape(f"cannot build this model's {part}")):
             export_released(model, d)
+        from hylo.released import check_released_dir, public_loader_refusal
+
         refusal = public_loader_refusal(d)
         assert refusal.startswith(f"TypeError: HybridConfig.__init__() got an unexpected keyword argument '{key}'")
         assert check_released_dir(d) == refusal
