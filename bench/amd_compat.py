@@ -89,7 +89,7 @@ XECO_MLA = dict(d_model=D, rms_norm_eps=1e-5, d_inner=D, d_xb=G * DH, intermedia
 # theirs -> ours: (layout name, side, worker build spec)
 THEIRS = [
     ("Zebra-Llama MLA + Mamba-2", "zebra", dict(hybrid_config=dict(ZEBRA, mla_layers=[0, 2]))),
-    ("Zebra-Llama MLA + Mamba-2, full kv heads, latent norms", "zebra",
+    ("Zebra-Llama MLA + Mamba-2, full kv, latent norms", "zebra",
      dict(hybrid_config=dict(ZEBRA, mla_layers=[1, 3], use_full_kv_head=True, use_lora_layer_norm=True))),
     ("Zebra-Llama MLA + Mamba-2, repeat_kv_before_conv", "zebra",
      dict(hybrid_config=dict(ZEBRA, mla_layers=[0, 2], ssm_cfg=dict(SSM, repeat_kv_before_conv=True)))),
@@ -99,8 +99,8 @@ THEIRS = [
                                            "mscale": 1.0, "mscale_all_dim": 1.0}))),
     ("X-EcoMLA, fixed ranks, tied head", "xecomla",
      dict(layer_config=XECO_LAYER, mla_config=XECO_MLA, tie=True)),
-    ("X-EcoMLA, per-layer ranks (energy 0.9)", "xecomla",
-     dict(layer_config=dict(XECO_LAYER, q_energy_ratio=0.9, kv_energy_ratio=0.9), mla_config=XECO_MLA)),
+    ("X-EcoMLA, per-layer ranks (SVD energy ratios)", "xecomla",
+     dict(layer_config=dict(XECO_LAYER, q_energy_ratio=0.9, kv_energy_ratio=0.98), mla_config=XECO_MLA)),
 ]
 
 
@@ -283,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"module trees (our read-back vs their loader's), {sum(1 for r in ours if r['public'])} layouts: "
           + ("all match" if not trees else "MISMATCH\n  " + "\n  ".join(trees)))
     print()
+    W = max(len(x[0]) for x in OURS + THEIRS)
     star = f" {'fp64*':>8}" if args.fp64_norms else ""
-    head = (f"{'direction':<12} {'layout':<54} {'their loader':<21} {'not consumed':>12} {'left at init':>12} "
+    head = (f"{'direction':<12} {'layout':<{W}} {'their loader':<21} {'not consumed':>12} {'left at init':>12} "
             f"{'fp32':>8} {'fp64':>8}{star}  prefill+decode fp32 (absorb off / on)")
     print(head)
     print("-" * len(head))
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         got = res[side][f"load-{r['n']}"]
         if not got["ok"]:
             verdict = "refused" + (" (as designed)" if not r["public"] else " (UNEXPECTED)")
-            print(f"{'ours->theirs':<12} {r['name']:<54} {verdict:<21} {_one_line(got['error'])[:110]}")
+            print(f"{'ours->theirs':<12} {r['name']:<{W}} {verdict:<21} {_one_line(got['error'])[:110]}")
             continue
         logits = load_file(str(res[side]["dir"] / f"load-{r['n']}.safetensors"))
         acc = got["fp32"]
@@ -306,17 +307,17 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "loads as written" + ("" if r["public"] else " (UNEXPECTED)")
         differ = sorted({k for run in ("fp32", "fp64") for k in got[run]["value_differs"]})
         extra = f"  LOADED VALUES DIFFER FROM THE FILE: {differ[:3]}" if differ else ""
-        print(f"{'ours->theirs':<12} {r['name']:<54} {verdict:<21} {len(acc['not_consumed']):>5} of {acc['tensors']:<4} "
+        print(f"{'ours->theirs':<12} {r['name']:<{W}} {verdict:<21} {len(acc['not_consumed']):>5} of {acc['tensors']:<4} "
               f"{len(acc['left_at_init']):>12} " + " ".join(f"{c:>8}" for c in cells) + f"  {dec}{extra}")
     for n, (name, side, _) in enumerate(THEIRS):
         got = res[side][f"build-{n}"]
         if not got["ok"]:
-            print(f"{'theirs->ours':<12} {name:<54} {'their build failed':<21} {_one_line(got['error'])[:110]}")
+            print(f"{'theirs->ours':<12} {name:<{W}} {'their build failed':<21} {_one_line(got['error'])[:110]}")
             continue
         d, mine = work / f"theirs-{n}", work / f"imported-{n}"
         rc = _quiet(convert.main, ["--from-released", str(d), "--out", str(mine)])
         if rc:
-            print(f"{'theirs->ours':<12} {name:<54} {'our import refused it':<21} (exit {rc}, the error is above)")
+            print(f"{'theirs->ours':<12} {name:<{W}} {'our import refused it':<21} (exit {rc}, the error is above)")
             continue
         theirs = load_file(str(res[side]["dir"] / f"build-{n}.safetensors"))
         ours64 = load_hylo(mine, dtype=torch.float64)(ids).logits
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                  _exp(_maxdiff(ours64, theirs["fp64"]))]
         if args.fp64_norms:
             cells.append(_exp(_maxdiff(ours64, theirs["fp64n"])))
-        print(f"{'theirs->ours':<12} {name:<54} {'imported (strict)':<21} {0:>5} of {got['fp32']['tensors']:<4} {0:>12} "
+        print(f"{'theirs->ours':<12} {name:<{W}} {'imported (strict)':<21} {0:>5} of {got['fp32']['tensors']:<4} {0:>12} "
               + " ".join(f"{c:>8}" for c in cells) + "  -")
     print(f"\nnot consumed / left at init: the file's tensors their from_pretrained did not take / its parameters the "
           f"file did not set (theirs -> ours: our import is strict, either is an error); fp32 / fp64: max |logit "
@@ -342,7 +343,11 @@ def _one_line(text: str) -> str:
 
 def _decode_cell(infer: dict, path: Path, r: dict, ids: torch.Tensor) -> str:
     if not infer["ok"]:
-        return f"their hybrid_inference refused it: {_one_line(infer['error'])[:150]}"
+        import re
+
+        m = re.search(r"size mismatch for (\S+):", infer["error"])
+        why = f"size mismatch for {m.group(1)}" if m else _one_line(infer["error"])[:150]
+        return f"their hybrid_inference refused it: {why}"
     t = load_file(str(path))
     model = load_hylo(r["ours"], dtype=torch.float32)
     cells = []

@@ -5,11 +5,14 @@ A released checkpoint directory holds:
   activation and bias come from here (AMD's hybrid config has no such keys). Its `tie_word_embeddings` does
   not tie anything there: AMD's `CustomLlamaForCausalLM` replaces the inner model after the head was tied,
   so `lm_head.weight` is always stored and always used as it is;
-* `hybrid_config.json`: `asdict` of AMD's `HybridConfig` dataclass (every key written, read back as
-  `HybridConfig(**json)`, a missing key taking its default): `n_layer`, `mla_layers`, the MLA shapes
-  (`kv_lora_rank`, `q_lora_rank`, `qk_*_head_dim`, `v_head_dim`, `use_lora_layer_norm`, `use_full_kv_head`,
-  `layer_rank_list`, ...), RoPE (`rope_theta`, `rope_scaling`), the Mamba-2 shapes (`d_model`, `d_inner`,
-  `d_xb`, `ssm_cfg`), and HyLo's `linear_type`, `gdn_num_heads`, `gdn_head_dim`;
+* `hybrid_config.json`: `asdict` of AMD's `HybridConfig` dataclass (every field written, read back as
+  `HybridConfig(**json)`: a missing key takes its default, an unknown one is a TypeError; the fields, defaults
+  and asserts of the public version are in hylo/released_facts.py with the commit they were read at):
+  `n_layer`, `mla_layers`, the MLA shapes (`kv_lora_rank`, `q_lora_rank`, `qk_*_head_dim`, `v_head_dim`,
+  `use_lora_layer_norm`, `use_full_kv_head`, ...), RoPE (`rope_theta`, `rope_scaling`), the Mamba-2 shapes
+  (`d_model`, `d_inner`, `d_xb`, `ssm_cfg`); older versions also wrote `layer_rank_list` and three more (read
+  here, never written), and HyLo's own layouts add `linear_type`, `gdn_num_heads`, `gdn_head_dim` (GDN) and
+  our `use_qk_norm` (Qwen q/k norms), which the public dataclass refuses;
 * safetensors whose keys are those of a Llama causal LM whose layers hold their mixer under `mla.`
   (`q_a_proj`, `q_a_layernorm`, `q_b_proj` or `q_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`,
   `kv_b_proj`, `out_proj`, and on Qwen HyLo models per-head `q_norm` / `k_norm`), `gdn.` with
@@ -40,9 +43,11 @@ How it differs from ours, and why each mapping is exact:
 
 GDN dimensions are read from the tensors' shapes and checked against `gdn_*` keys where present. Nothing
 is unpickled: a directory with only `pytorch_model.bin` is refused. `check_released_dir` reads a written
-directory back the way AMD's loader does (defaults for missing keys, the module tree their code builds,
-tensor names matched one by one as `load_state_dict(strict=False)` would) and names every tensor that
-would be dropped, left at its random init, or refused for its shape; the export runs it on its own output.
+directory back the way AMD's public loader does (its fields, defaults and asserts at the pinned commit, then
+the module tree their code builds, tensor names matched one by one as `load_state_dict(strict=False)` would)
+and names every tensor that would be dropped, left at its random init, or refused for its shape; the export
+runs it on its own output. X-EcoMLA's layout (MLA_config.json + mla_layer_config.json) is
+hylo/released_xecomla.py; bench/amd_compat.py checks both against AMD's real code.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ Prints one JSON summary on stdout (layers, parameters, KV-cache bytes per token 
 layout of AMD's released HyLo models (hybrid_config.json + base config.json + `mla.*` / `gdn.*` / `mamba.*`
 safetensors: GDN or Mamba-2 (`d_xb`, `ssm_cfg`) linear layers, Qwen MLA q/k norms under `mla.` or
 `self_attn.`, an LM head stored apart from the embeddings under `tie_word_embeddings: true` imported as an
-untied head) and writes ours; `--to-released` writes one of ours in that layout (every key of AMD's
-HybridConfig, the head always stored, the base's config.json) and reads its output back the way AMD's
-loader does, failing on any tensor it would drop, leave at random init or refuse for its shape (see
-hylo/released.py).
+untied head; or X-EcoMLA's MLA_config.json + mla_layer_config.json) and writes ours; `--to-released` writes
+one of ours in that layout (exactly the fields of AMD's public HybridConfig with values it accepts, the head
+always stored, the base's config.json; `--released-layout x-ecomla` for X-EcoMLA's) and reads its output back
+the way AMD's loader does, failing on any tensor it would drop, leave at random init or refuse for its shape
+(see hylo/released.py, hylo/released_facts.py).
 Every flag below is a shorthand for a key of the job's config (pipeline/convert/config.py; `--print-config`
 lists them all): the file (`--config`) first, then the flags, then `--set KEY=VALUE`.
 """
