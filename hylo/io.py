@@ -121,13 +121,17 @@ def load_hylo(path: str | Path, dtype=None, device: str | None = None):
     if not p.is_dir():
         raise HybridConfigError(f"HyLo checkpoint {p} does not exist or is not a directory")
     from hylo.released import is_released_layout, load_released
+    from hylo.released_xecomla import is_xecomla_layout, load_xecomla
 
-    if not (p / HYBRID_CONFIG_NAME).is_file() and not is_released_layout(p):
+    xecomla = is_xecomla_layout(p)
+    if not (p / HYBRID_CONFIG_NAME).is_file() and not xecomla:
         raise HybridConfigError(f"{p}: no {HYBRID_CONFIG_NAME}; not a HyLo checkpoint (convert one with jobs/convert.py)")
 
     try:
         # dtype "auto" keeps the stored dtype; None loads float32
-        if is_released_layout(p):
+        if xecomla:
+            model = load_xecomla(p, dtype=None if dtype == "auto" else (dtype or torch.float32))
+        elif is_released_layout(p):
             model = load_released(p, dtype=None if dtype == "auto" else (dtype or torch.float32))
         else:
             cfg = HybridConfig.from_hybrid_json(p)

@@ -47,7 +47,8 @@ directory back the way AMD's public loader does (its fields, defaults and assert
 the module tree their code builds, tensor names matched one by one as `load_state_dict(strict=False)` would)
 and names every tensor that would be dropped, left at its random init, or refused for its shape; the export
 runs it on its own output. X-EcoMLA's layout (MLA_config.json + mla_layer_config.json) is
-hylo/released_xecomla.py; bench/amd_compat.py checks both against AMD's real code.
+hylo/released_xecomla.py (which builds on this module; `hylo.io.load_hylo` and the convert job pick the
+layout); bench/amd_compat.py checks both against AMD's real code.
 """
 
 from __future__ import annotations
@@ -119,12 +120,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def is_released_layout(path: str | Path) -> bool:
-    """True when `path/hybrid_config.json` was written by AMD's code (their keys, no `model_type: hylo`), or
-    `path` is an X-EcoMLA checkpoint of theirs (MLA_config.json + mla_layer_config.json)."""
-    from hylo.released_xecomla import is_xecomla_layout
-
-    if is_xecomla_layout(path):
-        return True
+    """True when `path/hybrid_config.json` was written by AMD's code (their keys, no `model_type: hylo`); X-EcoMLA
+    checkpoints (MLA_config.json + mla_layer_config.json) are `hylo.released_xecomla.is_xecomla_layout`."""
     p = Path(path) / HYBRID_CONFIG_NAME
     try:
         data = json.loads(p.read_text())
@@ -545,11 +542,8 @@ def released_to_state_dict(tensors: dict[str, torch.Tensor], hcfg: HybridConfig,
 def load_released(path: str | Path, dtype: torch.dtype | None = None) -> Any:
     """A released-layout directory as a `HyLoForCausalLM` (strict: every tensor used, none missing)."""
     from hylo.modeling import HyLoForCausalLM
-    from hylo.released_xecomla import is_xecomla_layout, load_xecomla
 
     p = Path(path)
-    if is_xecomla_layout(p):
-        return load_xecomla(p, dtype)
     tensors = read_released_tensors(p)
     hcfg = released_hybrid_config(p, tensors)
     d_xb = None
@@ -936,15 +930,8 @@ def _their_gdn_shapes(c: dict[str, Any], m: str, Dh: int, where: str) -> dict[st
 
 
 def public_loader_refusal(path: str | Path) -> str | None:
-    """What AMD's public loader (AMD_AT) raises on this directory's configs, or None if it builds it
-    (Zebra-Llama's hybrid_config.json, or X-EcoMLA's two files)."""
-    from hylo.released_facts import mla_config_refusal
-    from hylo.released_xecomla import MLA_CONFIG_NAME, MLA_LAYER_CONFIG_NAME, is_xecomla_layout
-
-    p = Path(path)
-    if is_xecomla_layout(p):
-        return mla_config_refusal(_read_json(p / MLA_CONFIG_NAME), _read_json(p / MLA_LAYER_CONFIG_NAME))
-    return hybrid_config_refusal(_read_json(p / HYBRID_CONFIG_NAME))
+    """What AMD's public loader (AMD_AT) raises on this directory's hybrid_config.json, or None if it builds it."""
+    return hybrid_config_refusal(_read_json(Path(path) / HYBRID_CONFIG_NAME))
 
 
 def check_released_dir(path: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> str | None:
@@ -976,24 +963,12 @@ def check_released_dir(path: str | Path, tensors: dict[str, torch.Tensor] | None
     return refusal
 
 
-# the layouts an export writes: Zebra-Llama's (hybrid_config.json; MLA + Mamba-2, and HyLo's GDN / q/k norms)
-# and X-EcoMLA's (MLA_config.json + mla_layer_config.json; all-MLA models)
-RELEASED_LAYOUTS = ("zebra-llama", "x-ecomla")
-
-
-def export_released(model: Any, out_dir: str | Path, tokenizer_from: str | Path | None = None,
-                    layout: str = "zebra-llama") -> Path:
+def export_released(model: Any, out_dir: str | Path, tokenizer_from: str | Path | None = None) -> Path:
     """Write `model` in the released layout, atomically (temporary directory renamed into place), after reading
-    the written files back the way AMD's loader does (`check_released_dir`); `layout="x-ecomla"` writes an
-    all-MLA model as X-EcoMLA's loader reads it (hylo/released_xecomla.py)."""
+    the written files back the way AMD's loader does (`check_released_dir`); X-EcoMLA's layout is
+    `hylo.released_xecomla.export_xecomla`."""
     from safetensors.torch import save_file
 
-    if layout not in RELEASED_LAYOUTS:
-        raise ReleasedLayoutError(f"released layout {layout!r} is unknown; allowed: {', '.join(RELEASED_LAYOUTS)}")
-    if layout == "x-ecomla":
-        from hylo.released_xecomla import export_xecomla
-
-        return export_xecomla(model, out_dir, tokenizer_from)
     config_json, hybrid_json, tensors = released_files(model)
     out = Path(out_dir)
     with atomic_dir(out) as tmp:

@@ -60,8 +60,15 @@ from hylo.released_facts import (
 
 
 def is_xecomla_layout(path: str | Path) -> bool:
+    """True for a directory of X-EcoMLA's layout (MLA_config.json + mla_layer_config.json)."""
     p = Path(path)
     return (p / MLA_CONFIG_NAME).is_file() and (p / MLA_LAYER_CONFIG_NAME).is_file()
+
+
+def xecomla_loader_refusal(path: str | Path) -> str | None:
+    """What X-EcoMLA's loader (AMD_AT) raises on this directory's two config files, or None if it builds it."""
+    p = Path(path)
+    return mla_config_refusal(_read_json(p / MLA_CONFIG_NAME), _read_json(p / MLA_LAYER_CONFIG_NAME))
 
 
 def _configs(p: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -211,11 +218,6 @@ def load_xecomla(path: str | Path, dtype: torch.dtype | None = None) -> Any:
     p = Path(path)
     tensors = read_released_tensors(p)
     hcfg = xecomla_hybrid_config(p, tensors)
-    if hcfg.attention_bias and hcfg.q_lora_rank is None:
-        # their q_proj has no bias (ours has one with attention_bias): a zero one is the same
-        for i in hcfg.mla_layers:
-            w = tensors[f"model.layers.{i}.mla.q_proj.weight"]
-            tensors.setdefault(f"model.layers.{i}.mla.q_proj.bias", w.new_zeros(w.shape[0]))
     origin: dict[str, str] = {}
     sd = released_to_state_dict(tensors, hcfg, str(p), origin)
     with torch.device("meta"):
@@ -263,11 +265,6 @@ def xecomla_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str,
             # their kv_b_proj has one block per query head: the per-KV-head rows repeated (exact)
             G = tensors[k].shape[0] // X
             tensors[k] = tensors[k].view(G, X, -1).repeat_interleave(H // G, 0).reshape(H * X, -1).contiguous()
-    if hcfg.attention_bias:
-        for i in hcfg.mla_layers:
-            b = tensors.pop(f"model.layers.{i}.mla.q_proj.bias", None)
-            if b is not None and bool(b.any()):
-                raise ReleasedLayoutError(f"{where}: layer {i}: q_proj has a bias, which X-EcoMLA's q_proj has not")
     # their loader ties the head when config.json says so (LlamaForCausalLM), and only then
     config_json = dict(config_json, tie_word_embeddings=bool(hcfg.tie_word_embeddings))
     if hcfg.tie_word_embeddings:

@@ -21,8 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hylo.io import load_hylo
-from hylo.released import ReleasedLayoutError, _their_rope_scaling, export_released, is_released_layout
+from hylo.released import ReleasedLayoutError, _their_rope_scaling
 from hylo.released_facts import DEEPSEEK_V3_DEFAULTS, MLA_CONFIG_FIELDS
+from hylo.released_xecomla import export_xecomla, is_xecomla_layout
 
 from test_released import _rms, _their_mla, rel
 
@@ -162,7 +163,7 @@ IDS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1
 def test_import_gives_their_models_outputs(tmp_path, name):
     v = {**VARIANTS, **PER_LAYER}[name]
     tensors = write_xecomla(tmp_path / "x", v)
-    assert is_released_layout(tmp_path / "x")
+    assert is_xecomla_layout(tmp_path / "x")
     if name in PER_LAYER:
         kv = 24 if name == "energy-ranks" else 16
         with pytest.warns(UserWarning, match=rf"MLA ranks differ per layer .* zero-padded to q 24, kv {kv}"):
@@ -197,7 +198,7 @@ def test_export_writes_back_the_same_files(tmp_path, name):
     v = VARIANTS[name]
     tensors = write_xecomla(tmp_path / "x", v)
     model = load_hylo(tmp_path / "x", dtype=torch.float64)
-    export_released(model, tmp_path / "back", layout="x-ecomla")
+    export_xecomla(model, tmp_path / "back")
     back = load_file(tmp_path / "back" / "model.safetensors")
     assert sorted(back) == sorted(tensors)
     assert [k for k in tensors if not torch.equal(back[k], tensors[k])] == []
@@ -224,7 +225,7 @@ def test_per_layer_ranks_export_padded_and_exact(tmp_path):
     tensors = write_xecomla(tmp_path / "x", v)
     with pytest.warns(UserWarning, match="zero-padded"):
         model = load_hylo(tmp_path / "x", dtype=torch.float64)
-    export_released(model, tmp_path / "back", layout="x-ecomla")
+    export_xecomla(model, tmp_path / "back")
     layer = json.loads((tmp_path / "back" / "mla_layer_config.json").read_text())
     assert layer["layer_rank_list"] == {str(i): {"q_rank": 24, "kv_rank": 24} for i in range(LAYERS)}
     back = load_file(tmp_path / "back" / "model.safetensors")
@@ -279,10 +280,14 @@ def test_export_refuses_what_x_ecomla_cannot_hold(tmp_path):
 
     hybrid = upcycle(_tiny_llama(), mla_layers=[0, 2], kv_lora_rank=32, qk_rope_head_dim=8, rope_key_groups=1)
     with pytest.raises(ReleasedLayoutError, match=r"layers \[1, 3\] are gdn layers.*Zebra-Llama layout"):
-        export_released(hybrid, tmp_path / "x", layout="x-ecomla")
-    with pytest.raises(ReleasedLayoutError, match="released layout 'zebra' is unknown; allowed: zebra-llama, x-ecomla"):
-        export_released(hybrid, tmp_path / "x", layout="zebra")
+        export_xecomla(hybrid, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_the_cli_names_the_layouts_it_writes(tmp_path, capsys):
+    rc = convert.main(["--to-released", str(tmp_path), "--out", str(tmp_path / "o"), "--set", "released_layout=zebra"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "released_layout" in err and "x-ecomla" in err and "zebra-llama" in err, err
 
 
 @pytest.mark.parametrize("tamper,needle", [
