@@ -107,7 +107,8 @@ def load_hylo(path: str | Path, dtype=None, device: str | None = None):
     Loading is strict: a tensor the model expects but the files lack, a tensor the model has no place
     for, or one of the wrong shape is a `CheckpointMismatchError` naming the keys (never a silently
     random-initialised mixer). A directory in the released layout of AMD's Hybrid-Models code
-    (hybrid_config.json with their keys, `mla.*` weights) is imported through `hylo.released`.
+    (hybrid_config.json with their keys, `mla.*` weights; or X-EcoMLA's MLA_config.json + mla_layer_config.json)
+    is imported through `hylo.released`.
     """
     import torch
     from safetensors import SafetensorError
@@ -119,13 +120,18 @@ def load_hylo(path: str | Path, dtype=None, device: str | None = None):
     p = Path(path)
     if not p.is_dir():
         raise HybridConfigError(f"HyLo checkpoint {p} does not exist or is not a directory")
-    if not (p / HYBRID_CONFIG_NAME).is_file():
-        raise HybridConfigError(f"{p}: no {HYBRID_CONFIG_NAME}; not a HyLo checkpoint (convert one with jobs/convert.py)")
     from hylo.released import is_released_layout, load_released
+    from hylo.released_xecomla import is_xecomla_layout, load_xecomla
+
+    xecomla = is_xecomla_layout(p)
+    if not (p / HYBRID_CONFIG_NAME).is_file() and not xecomla:
+        raise HybridConfigError(f"{p}: no {HYBRID_CONFIG_NAME}; not a HyLo checkpoint (convert one with jobs/convert.py)")
 
     try:
         # dtype "auto" keeps the stored dtype; None loads float32
-        if is_released_layout(p):
+        if xecomla:
+            model = load_xecomla(p, dtype=None if dtype == "auto" else (dtype or torch.float32))
+        elif is_released_layout(p):
             model = load_released(p, dtype=None if dtype == "auto" else (dtype or torch.float32))
         else:
             cfg = HybridConfig.from_hybrid_json(p)

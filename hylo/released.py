@@ -5,11 +5,14 @@ A released checkpoint directory holds:
   activation and bias come from here (AMD's hybrid config has no such keys). Its `tie_word_embeddings` does
   not tie anything there: AMD's `CustomLlamaForCausalLM` replaces the inner model after the head was tied,
   so `lm_head.weight` is always stored and always used as it is;
-* `hybrid_config.json`: `asdict` of AMD's `HybridConfig` dataclass (every key written, read back as
-  `HybridConfig(**json)`, a missing key taking its default): `n_layer`, `mla_layers`, the MLA shapes
-  (`kv_lora_rank`, `q_lora_rank`, `qk_*_head_dim`, `v_head_dim`, `use_lora_layer_norm`, `use_full_kv_head`,
-  `layer_rank_list`, ...), RoPE (`rope_theta`, `rope_scaling`), the Mamba-2 shapes (`d_model`, `d_inner`,
-  `d_xb`, `ssm_cfg`), and HyLo's `linear_type`, `gdn_num_heads`, `gdn_head_dim`;
+* `hybrid_config.json`: `asdict` of AMD's `HybridConfig` dataclass (every field written, read back as
+  `HybridConfig(**json)`: a missing key takes its default, an unknown one is a TypeError; the fields, defaults
+  and asserts of the public version are in hylo/released_facts.py with the commit they were read at):
+  `n_layer`, `mla_layers`, the MLA shapes (`kv_lora_rank`, `q_lora_rank`, `qk_*_head_dim`, `v_head_dim`,
+  `use_lora_layer_norm`, `use_full_kv_head`, ...), RoPE (`rope_theta`, `rope_scaling`), the Mamba-2 shapes
+  (`d_model`, `d_inner`, `d_xb`, `ssm_cfg`); older versions also wrote `layer_rank_list` and three more (read
+  here, never written), and HyLo's own layouts add `linear_type`, `gdn_num_heads`, `gdn_head_dim` (GDN) and
+  our `use_qk_norm` (Qwen q/k norms), which the public dataclass refuses;
 * safetensors whose keys are those of a Llama causal LM whose layers hold their mixer under `mla.`
   (`q_a_proj`, `q_a_layernorm`, `q_b_proj` or `q_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`,
   `kv_b_proj`, `out_proj`, and on Qwen HyLo models per-head `q_norm` / `k_norm`), `gdn.` with
@@ -40,9 +43,12 @@ How it differs from ours, and why each mapping is exact:
 
 GDN dimensions are read from the tensors' shapes and checked against `gdn_*` keys where present. Nothing
 is unpickled: a directory with only `pytorch_model.bin` is refused. `check_released_dir` reads a written
-directory back the way AMD's loader does (defaults for missing keys, the module tree their code builds,
-tensor names matched one by one as `load_state_dict(strict=False)` would) and names every tensor that
-would be dropped, left at its random init, or refused for its shape; the export runs it on its own output.
+directory back the way AMD's public loader does (its fields, defaults and asserts at the pinned commit, then
+the module tree their code builds, tensor names matched one by one as `load_state_dict(strict=False)` would)
+and names every tensor that would be dropped, left at its random init, or refused for its shape; the export
+runs it on its own output. X-EcoMLA's layout (MLA_config.json + mla_layer_config.json) is
+hylo/released_xecomla.py (which builds on this module; `hylo.io.load_hylo` and the convert job pick the
+layout); bench/amd_compat.py checks both against AMD's real code.
 """
 
 from __future__ import annotations
@@ -58,42 +64,38 @@ import torch
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfig, HybridConfigError
 from hylo.files import atomic_dir, copy_tokenizer_files, read_json
+from hylo.released_facts import (
+    AMD_AT,
+    HYBRID_CONFIG_FIELDS,
+    HYBRID_CONFIG_REMOVED,
+    INFERENCE_READS_FULL_KV_HEAD,
+    LATENT_NORM_EPS,
+    MAMBA2_ARGS,
+    MAMBA2_ARGS_NO_MATH,
+    MAMBA_GATED_NORM_EPS,
+    YARN_DEFAULT_ORIGINAL,
+    hybrid_config_refusal,
+)
 
 # hybrid_config.json keys that only AMD's Hybrid-Models code writes (ours never does)
 AMD_ONLY_KEYS = ("use_lora_layer_norm", "use_full_kv_head", "qkv_rank_divisor", "ssm_cfg", "d_xb", "d_inner",
                  "d_model", "attention_dropout")
-# AMD's latent norms: DeepseekV3RMSNorm with its default eps; their Mamba-2 gated norm: eps 1e-5
-AMD_LATENT_NORM_EPS = 1e-6
-AMD_MAMBA_NORM_EPS = 1e-5
-# AMD's HybridConfig dataclass (Zebra-Llama/hybrid/hybrid_config.py): every field and its default, in order
-AMD_HYBRID_DEFAULTS: dict[str, Any] = {
-    "hidden_size": 4096, "intermediate_size": 18432, "hidden_act": "silu", "n_layer": 32, "mla_layers": [],
-    "rms_norm_eps": 1e-5, "num_attention_heads": 32, "num_key_value_heads": 8, "kv_lora_rank": 128,
-    "q_lora_rank": 1536, "use_lora_layer_norm": False, "use_fixed_rank_for_first_and_last_block": False,
-    "use_full_kv_head": False, "layer_rank_list": {}, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "qk_nope_head_dim": 128, "q_energy_ratio": None, "kv_energy_ratio": None, "qkv_rank_divisor": 8,
-    "max_position_embeddings": 4096, "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False,
-    "attention_dropout": 0.0, "rope_type": "yarn", "d_model": 2560, "ssm_cfg": {}, "d_inner": None, "d_xb": 2560,
-}
-# the keys HyLo's version adds (its defaults are not public: the export always writes the first three, the
-# others where they differ from flash-linear-attention's GatedDeltaNet defaults, FLA_GDN_DEFAULTS)
-HYLO_KEYS = ("linear_type", "gdn_num_heads", "gdn_head_dim", "gdn_expand_v", "gdn_conv_size")
+# what the import reads: the public fields and those of older versions, at their defaults when absent
+AMD_READ_DEFAULTS: dict[str, Any] = {**HYBRID_CONFIG_FIELDS, **HYBRID_CONFIG_REMOVED}
+# the keys of HyLo's layouts that AMD's public code cannot build (its HyLo branch is not public): GDN linear
+# layers (written: the first three always, the others where they differ from flash-linear-attention's
+# GatedDeltaNet defaults, FLA_GDN_DEFAULTS) and the q/k norms of Qwen MLA layers (`use_qk_norm`, our name).
+# Not fields of the public HybridConfig: an export that needs them is refused there (TypeError), never
+# built as something else
+HYLO_KEYS = ("linear_type", "gdn_num_heads", "gdn_head_dim", "gdn_expand_v", "gdn_conv_size", "use_qk_norm")
 FLA_GDN_DEFAULTS = {"gdn_expand_v": 2.0, "gdn_conv_size": 4}
 # what AMD's config supplies when a key is absent (the import's subset of the dataclass defaults)
-AMD_DEFAULTS = {k: AMD_HYBRID_DEFAULTS[k] for k in ("use_lora_layer_norm", "use_full_kv_head", "attention_bias",
-                                                     "rope_theta", "max_position_embeddings", "rms_norm_eps")}
-# AMD's Mamba2(..., **ssm_cfg): the defaults of the arguments that shape the math, ...
-MAMBA2_DEFAULTS: dict[str, Any] = {"d_state": 128, "d_conv": 4, "expand": 2, "ngroups": 1,
-                                   "repeat_kv_before_conv": False, "D_has_hdim": False, "rmsnorm": True,
-                                   "norm_before_gate": False, "dt_limit": [0.0, math.inf], "bias": False,
-                                   "conv_bias": True, "d_ssm": None}
-# ... of those our layer holds only the defaults of, and the arguments that only initialise or schedule
+AMD_DEFAULTS = {k: HYBRID_CONFIG_FIELDS[k] for k in ("use_lora_layer_norm", "use_full_kv_head", "attention_bias",
+                                                      "rope_theta", "max_position_embeddings", "rms_norm_eps")}
+# of AMD's Mamba2 arguments (MAMBA2_ARGS), those our layer holds only the defaults of
 MAMBA2_FIXED = ("D_has_hdim", "rmsnorm", "norm_before_gate", "dt_limit", "bias", "conv_bias", "d_ssm")
-MAMBA2_NO_MATH = ("headdim", "conv_init", "A_init_range", "dt_min", "dt_max", "dt_init_floor", "chunk_size",
-                  "use_mem_eff_path", "sequence_parallel")
 # the ssm_cfg AMD's training script writes (Zebra-Llama/train_hybrid/train_distill.py)
 AMD_SSM_CFG_KEYS = ("expand", "ngroups", "d_state", "repeat_kv_before_conv")
-YARN_DEFAULT_ORIGINAL = 4096
 LINEAR_PREFIXES = ("gdn", "linear_attn")
 MAMBA_PREFIX = "mamba"
 LINEAR_TYPE_NAMES = {"gdn": ("gdn", "gated_deltanet", "gdn2"), "mamba2": ("mamba2", "mamba", "m2")}
@@ -118,7 +120,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def is_released_layout(path: str | Path) -> bool:
-    """True when `path/hybrid_config.json` was written by AMD's code (their keys, no `model_type: hylo`)."""
+    """True when `path/hybrid_config.json` was written by AMD's code (their keys, no `model_type: hylo`); X-EcoMLA
+    checkpoints (MLA_config.json + mla_layer_config.json) are `hylo.released_xecomla.is_xecomla_layout`."""
     p = Path(path) / HYBRID_CONFIG_NAME
     try:
         data = json.loads(p.read_text())
@@ -228,25 +231,25 @@ def _linear_dims(tensors: dict[str, torch.Tensor], prefix: str, where: str) -> d
 def their_mamba2(hyb: dict[str, Any], where: str) -> dict[str, Any]:
     """AMD's Mamba-2 shapes as their layer derives them from hybrid_config.json (`Mamba2(d_model=d_model,
     d_xb=d_xb, d_inner=d_inner, **ssm_cfg)`, missing keys at their defaults); refuses what ours cannot hold."""
-    ssm = hyb.get("ssm_cfg", AMD_HYBRID_DEFAULTS["ssm_cfg"])
+    ssm = hyb.get("ssm_cfg", HYBRID_CONFIG_FIELDS["ssm_cfg"])
     if not isinstance(ssm, dict):
         raise ReleasedLayoutError(f"{where}: ssm_cfg must be an object, got {ssm!r}")
-    unknown = sorted(set(ssm) - set(MAMBA2_DEFAULTS) - set(MAMBA2_NO_MATH))
+    unknown = sorted(set(ssm) - set(MAMBA2_ARGS) - set(MAMBA2_ARGS_NO_MATH))
     if unknown:
         raise ReleasedLayoutError(f"{where}: ssm_cfg key(s) {', '.join(unknown)} unknown to AMD's Mamba2 layer; "
-                                  f"known: {', '.join(sorted([*MAMBA2_DEFAULTS, *MAMBA2_NO_MATH]))}")
-    cfg = {**MAMBA2_DEFAULTS, **ssm}
+                                  f"known: {', '.join(sorted([*MAMBA2_ARGS, *MAMBA2_ARGS_NO_MATH]))}")
+    cfg = {**MAMBA2_ARGS, **ssm}
     for key in MAMBA2_FIXED:
-        given, default = cfg[key], MAMBA2_DEFAULTS[key]
+        given, default = cfg[key], MAMBA2_ARGS[key]
         same = list(given) == default if key == "dt_limit" and isinstance(given, list | tuple) else given == default
         if not same:
             raise ReleasedLayoutError(f"{where}: ssm_cfg.{key}={given!r} is not supported for import (our Mamba-2 "
                                       f"layer holds AMD's default {default!r}: D per head, gated RMSNorm after the "
                                       f"gate, no dt clamp, no projection biases, a conv bias)")
-    d_model = hyb.get("d_model", AMD_HYBRID_DEFAULTS["d_model"])
+    d_model = hyb.get("d_model", HYBRID_CONFIG_FIELDS["d_model"])
     d_inner = hyb.get("d_inner")
     d_inner = d_inner if d_inner is not None else cfg["expand"] * d_model
-    d_xb = hyb.get("d_xb", AMD_HYBRID_DEFAULTS["d_xb"])
+    d_xb = hyb.get("d_xb", HYBRID_CONFIG_FIELDS["d_xb"])
     d_state, ngroups = cfg["d_state"], cfg["ngroups"]
     for key, v in (("d_model", d_model), ("d_inner", d_inner), ("d_xb", d_xb), ("ssm_cfg.d_state", d_state),
                    ("ssm_cfg.ngroups", ngroups), ("ssm_cfg.d_conv", cfg["d_conv"])):
@@ -265,7 +268,7 @@ def their_mamba2(hyb: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _their_mla_layers(hyb: dict[str, Any], n_layer: int, where: str) -> list[int]:
     """hybrid_config.json's mla_layers, refused unless a list of distinct integer layer indices in range."""
-    raw = hyb.get("mla_layers", AMD_HYBRID_DEFAULTS["mla_layers"])
+    raw = hyb.get("mla_layers", HYBRID_CONFIG_FIELDS["mla_layers"])
     if not isinstance(raw, list) or any(not isinstance(i, int) or isinstance(i, bool) for i in raw):
         raise ReleasedLayoutError(f"{where}: mla_layers must be a list of integer layer indices, got {raw!r}")
     bad = [i for i in raw if not 0 <= i < n_layer]
@@ -295,14 +298,40 @@ def _linear_type_of(prefixes: list[str], hyb: dict[str, Any], linear_layers: lis
     return kind
 
 
-def _qk_norm_found(tensors: dict[str, torch.Tensor], mla: list[int], p: Path) -> bool:
-    """Whether the MLA layers carry q/k norms, saying once under which names they were found."""
+def _qk_norm_found(tensors: dict[str, torch.Tensor], mla: list[int], p: Path, declared: Any = None) -> bool:
+    """Whether the MLA layers carry q/k norms (checked against `use_qk_norm` where our export wrote it),
+    saying once under which names they were found when no key declared them."""
     found = sorted({f"{part}.{name}" for i in mla for part in QK_NORM_PARTS for name in QK_NORM_NAMES
                     if f"model.layers.{i}.{part}.{name}" in tensors})
-    if found:
+    if declared is not None and bool(declared) != bool(found):
+        raise ReleasedLayoutError(f"{p / HYBRID_CONFIG_NAME}: use_qk_norm={declared!r} but the MLA layers hold "
+                                  f"{'q/k norm weights (' + ', '.join(found) + ')' if found else 'no q/k norm weights'}")
+    if found and declared is None:
         warnings.warn(f"{p}: the MLA layers carry per-head q/k RMSNorm weights, found as {', '.join(found)}: "
                       f"imported as mla_qk_norm", UserWarning, stacklevel=3)
     return bool(found)
+
+
+def _collapse_identity_q(tensors: dict[str, torch.Tensor], hyb: dict[str, Any], mla: list[int],
+                         q_rank: int | None) -> bool:
+    """Our export of whole queries writes q_a_proj = the identity (AMD's config cannot say q_lora_rank: null):
+    when every MLA layer's q_a_proj is exactly that (no bias, no latent norm), rename q_b_proj to the q_proj it
+    is, in `tensors`, and say so (True)."""
+    if not mla or q_rank != hyb.get("hidden_size") or hyb.get("use_lora_layer_norm") or hyb.get("attention_bias"):
+        return False
+    eye = None
+    for i in mla:
+        a = tensors.get(f"model.layers.{i}.mla.q_a_proj.weight")
+        if a is None or a.dim() != 2 or a.shape[0] != a.shape[1]:
+            return False
+        eye = torch.eye(a.shape[0], dtype=a.dtype) if eye is None or eye.dtype != a.dtype else eye
+        if not torch.equal(a, eye):
+            return False
+    for i in mla:
+        pre = f"model.layers.{i}.mla"
+        del tensors[f"{pre}.q_a_proj.weight"]
+        tensors[f"{pre}.q_proj.weight"] = tensors.pop(f"{pre}.q_b_proj.weight")
+    return True
 
 
 def _permute_norm_rope(w: torch.Tensor, N: int, perm: torch.Tensor) -> torch.Tensor:
@@ -349,14 +378,20 @@ def released_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor] | 
     if not isinstance(n_layer, int) or isinstance(n_layer, bool) or n_layer <= 0:
         raise ReleasedLayoutError(f"{where}: n_layer must be a positive integer, got {n_layer!r}")
     mla = _their_mla_layers(hyb, n_layer, where)
+    q_default = hyb.get("q_lora_rank", HYBRID_CONFIG_FIELDS["q_lora_rank"])
+    # older versions of their code wrote layer_rank_list (removed since): uniform ranks only
     for layer, ranks in (hyb.get("layer_rank_list") or {}).items():
-        got = (ranks.get("q_rank", hyb.get("q_lora_rank")), ranks.get("kv_rank", hyb["kv_lora_rank"])) \
+        got = (ranks.get("q_rank", q_default), ranks.get("kv_rank", hyb["kv_lora_rank"])) \
             if isinstance(ranks, dict) else ranks
-        if got != (hyb.get("q_lora_rank"), hyb["kv_lora_rank"]):
+        if got != (q_default, hyb["kv_lora_rank"]):
             raise ReleasedLayoutError(f"{where}: layer_rank_list[{layer!r}] = {ranks!r}: per-layer MLA ranks are not "
-                                      f"supported (every layer must use q_lora_rank={hyb.get('q_lora_rank')}, "
+                                      f"supported (every layer must use q_lora_rank={q_default}, "
                                       f"kv_lora_rank={hyb['kv_lora_rank']})")
     tensors = tensors if tensors is not None else read_released_tensors(p)
+    q_rank = q_default
+    if _collapse_identity_q(tensors, hyb, mla, q_rank):
+        # our export of whole queries (q_a_proj = identity): imported as the q_proj it stands for
+        q_rank = None
     linear_kw: dict[str, Any] = {}
     linear_type = "gdn"
     linear_layers = [i for i in range(n_layer) if i not in set(mla)]
@@ -378,13 +413,13 @@ def released_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor] | 
                                           f"(the Mamba-2 layers' width, and their MLP's)")
             X, H = m2["xb_groups"], m2["heads"]
             linear_kw = {"mamba2_num_heads": H, "mamba2_head_dim": m2["d_state"], "mamba2_state_size": m2["d_state"],
-                         "mamba2_n_groups": H, "gdn_conv_size": m2["d_conv"], "mamba2_norm_eps": AMD_MAMBA_NORM_EPS,
+                         "mamba2_n_groups": H, "gdn_conv_size": m2["d_conv"], "mamba2_norm_eps": MAMBA_GATED_NORM_EPS,
                          # repeat_kv_before_conv: the conv runs on repeated channels, x/B rows repeat per head
                          "mamba2_xb_groups": None if X == H or m2["repeat_before_conv"] else X}
             # HyLo's GDN keys mean nothing to Mamba-2 layers: kept for the export to write them back
             linear_kw.update({k: hyb[k] for k in ("gdn_num_heads", "gdn_head_dim") if k in hyb})
     eps = hyb.get("rms_norm_eps", base.get("rms_norm_eps", AMD_DEFAULTS["rms_norm_eps"]))
-    qk_norm = _qk_norm_found(tensors, mla, p)
+    qk_norm = _qk_norm_found(tensors, mla, p, hyb.get("use_qk_norm"))
     tie = bool(base.get("tie_word_embeddings", False))
     untied = _untied_head(tensors, tie, p)
     try:
@@ -400,12 +435,12 @@ def released_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor] | 
             num_key_value_heads=g,
             head_dim=base.get("head_dim"),
             kv_lora_rank=hyb["kv_lora_rank"],
-            q_lora_rank=hyb.get("q_lora_rank"),
+            q_lora_rank=q_rank,
             qk_rope_head_dim=hyb["qk_rope_head_dim"],
             qk_nope_head_dim=hyb["qk_nope_head_dim"],
             rope_key_groups=1,
             mla_latent_norm=bool(hyb.get("use_lora_layer_norm", AMD_DEFAULTS["use_lora_layer_norm"])),
-            mla_latent_norm_eps=AMD_LATENT_NORM_EPS,
+            mla_latent_norm_eps=LATENT_NORM_EPS,
             kv_b_per_kv_head=not full_kv and g != hyb["num_attention_heads"],
             mla_qk_norm=qk_norm,
             v_head_dim=hyb["v_head_dim"],
@@ -596,12 +631,15 @@ def _mamba2_for_export(hcfg: HybridConfig, where: str) -> dict[str, Any]:
         raise ReleasedLayoutError(f"{where}: Mamba-2 with head_dim {P}, state {N}, {G} groups of C for {H} heads: AMD's "
                                   f"layer has head_dim = state size (d_state) and one C group per head; set "
                                   f"mamba2_head_dim = mamba2_state_size and mamba2_n_groups = the head count")
-    if not math.isclose(hcfg.mamba2_norm_eps_value, AMD_MAMBA_NORM_EPS):
-        warnings.warn(f"{where}: the Mamba-2 gated norms use eps {hcfg.mamba2_norm_eps_value}; AMD's layer uses "
-                      f"{AMD_MAMBA_NORM_EPS}, so its outputs will differ slightly", UserWarning, stacklevel=3)
+    if not math.isclose(hcfg.mamba2_norm_eps_value, MAMBA_GATED_NORM_EPS, rel_tol=1e-12):
+        raise ReleasedLayoutError(
+            f"{where}: the Mamba-2 gated norms use eps {hcfg.mamba2_norm_eps_value:g} (mamba2_norm_eps"
+            f"{'' if hcfg.mamba2_norm_eps is not None else ' unset: the base rms_norm_eps'}); AMD's Mamba-2 layer "
+            f"fixes it at {MAMBA_GATED_NORM_EPS:g} ({AMD_AT}), so its outputs would differ. Convert with "
+            f"--mamba2-norm-eps {MAMBA_GATED_NORM_EPS:g} (convert.mamba2_norm_eps) to export exactly")
     X = hcfg.mamba2_xb_groups or H
     ssm = {"expand": 1, "ngroups": H, "d_state": N, "repeat_kv_before_conv": False}
-    if hcfg.gdn_conv_size != MAMBA2_DEFAULTS["d_conv"]:
+    if hcfg.gdn_conv_size != MAMBA2_ARGS["d_conv"]:
         ssm["d_conv"] = hcfg.gdn_conv_size
     return {"d_model": hcfg.hidden_size, "ssm_cfg": ssm, "d_inner": H * P, "d_xb": X * N}
 
@@ -637,8 +675,59 @@ def _config_json_for_export(hcfg: HybridConfig, dtype: torch.dtype) -> dict[str,
     }
 
 
-def released_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
-    """(config.json, hybrid_config.json, tensors) of `model` in the released layout; refuses what is not exact."""
+def hylo_only_parts(hcfg: HybridConfig) -> list[str]:
+    """What of this model AMD's public code cannot build (its HyLo branch, which can, is not public); empty when
+    its public loader builds the whole model."""
+    parts = []
+    if hcfg.linear_layers and hcfg.linear_type == "gdn":
+        parts.append(f"Gated DeltaNet linear layers ({len(hcfg.linear_layers)} of {hcfg.n_layer})")
+    if hcfg.mla_layers and hcfg.mla_qk_norm:
+        parts.append("per-head q/k RMSNorms in the MLA layers (a Qwen3 base)")
+    return parts
+
+
+def _their_ranks(hcfg: HybridConfig, where: str) -> tuple[int, int, bool]:
+    """(kv_lora_rank, q_lora_rank, whole queries written as q_a_proj = identity) as AMD's HybridConfig accepts
+    them (its __post_init__ asserts both ranks are multiples of qkv_rank_divisor, itself one of 8), or a
+    refusal naming the conversion flag to change."""
+    div = HYBRID_CONFIG_FIELDS["qkv_rank_divisor"]
+    R, D = hcfg.kv_lora_rank, hcfg.hidden_size
+
+    def near(r: int) -> str:
+        lo, hi = r - r % div, r - r % div + div
+        return f"{lo} or {hi}" if lo else str(hi)
+
+    if not hcfg.mla_layers:
+        # no MLA layer reads the ranks; their dataclass still checks them
+        return (R if R % div == 0 else HYBRID_CONFIG_FIELDS["kv_lora_rank"]), (
+            hcfg.q_lora_rank if hcfg.q_lora_rank is not None else HYBRID_CONFIG_FIELDS["q_lora_rank"]), False
+    if R % div:
+        raise ReleasedLayoutError(f"{where}: kv_lora_rank={R} is not a multiple of {div}: AMD's HybridConfig asserts "
+                                  f"kv_lora_rank % qkv_rank_divisor == 0 ({AMD_AT}); convert with --kv-lora-rank "
+                                  f"{near(R)}")
+    if hcfg.q_lora_rank is not None:
+        # ours are multiples of 8 already (HybridConfig's check)
+        return R, hcfg.q_lora_rank, False
+    # AMD's config cannot say "no query compression" (q_lora_rank: null is `None % 8`, a TypeError): whole queries
+    # go out as q_b_proj = q_proj behind q_a_proj = the identity (exact, D x D more weights per MLA layer)
+    why = ("its latent norms would normalise the identity's output" if hcfg.mla_latent_norm else
+           "q_proj's bias has no place there (q_b_proj has none)" if hcfg.attention_bias else
+           f"hidden_size {D} is not a multiple of {div}" if D % div else "")
+    if why:
+        raise ReleasedLayoutError(f"{where}: q_lora_rank is null (whole queries) and AMD's HybridConfig needs an integer "
+                                  f"multiple of {div} ({AMD_AT}); writing the queries behind an identity q_a_proj is "
+                                  f"not exact here ({why}): convert with --q-lora-rank N (a multiple of {div})")
+    return R, D, True
+
+
+def released_files(model: Any, xecomla: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json, hybrid_config.json, tensors) of `model` in the released layout; refuses what is not exact.
+
+    hybrid_config.json holds exactly the fields of AMD's public HybridConfig (`HYBRID_CONFIG_FIELDS`, at
+    `AMD_AT`) with values its __post_init__ accepts; a layout that code cannot build (`hylo_only_parts`: GDN
+    layers, Qwen q/k norms) also carries HyLo's keys (`HYLO_KEYS`), which its dataclass refuses with a
+    TypeError: loading fails loudly there instead of building other layers (a warning says so). `xecomla`:
+    the part X-EcoMLA's export shares (its kv_b_proj is per query head anyway)."""
     hcfg: HybridConfig = model.config
     where = "export to the released layout"
     if hcfg.mla_layers and hcfg.rope_key_groups != 1:
@@ -646,12 +735,16 @@ def released_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str
                                   f"roped key; convert with --rope-key-groups 1 to export")
     if hcfg.mlp_bias:
         raise ReleasedLayoutError(f"{where}: mlp_bias=true: the released MLP has no biases")
-    if hcfg.mla_layers and hcfg.mla_latent_norm and not math.isclose(hcfg.latent_norm_eps, AMD_LATENT_NORM_EPS):
-        warnings.warn(f"{where}: the MLA latent norms use eps {hcfg.latent_norm_eps}; AMD's code uses "
-                      f"{AMD_LATENT_NORM_EPS}, so its outputs will differ slightly", UserWarning, stacklevel=2)
+    if hcfg.mla_layers and hcfg.mla_latent_norm and not math.isclose(hcfg.latent_norm_eps, LATENT_NORM_EPS,
+                                                                     rel_tol=1e-12):
+        raise ReleasedLayoutError(f"{where}: the MLA latent norms use eps {hcfg.latent_norm_eps:g}; AMD's MLA layer fixes "
+                                  f"it at {LATENT_NORM_EPS:g} ({AMD_AT}), so its outputs would differ. Convert with "
+                                  f"--mla-latent-norm-eps {LATENT_NORM_EPS:g} (convert.mla_latent_norm_eps) to export "
+                                  f"exactly")
     mamba = hcfg.linear_type == "mamba2" and bool(hcfg.linear_layers)
     mamba_keys = _mamba2_for_export(hcfg, where) if mamba else None
-    H, N, P, R = hcfg.num_attention_heads, hcfg.qk_nope_head_dim, hcfg.qk_rope_head_dim, hcfg.kv_lora_rank
+    R, q_rank, identity_q = _their_ranks(hcfg, where)
+    H, N, P = hcfg.num_attention_heads, hcfg.qk_nope_head_dim, hcfg.qk_rope_head_dim
     inv = torch.argsort(interleaved_to_half_perm(P))
     mla = set(hcfg.mla_layers)
     full_kv: set[bool] = set()
@@ -673,7 +766,11 @@ def released_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str
                 full_kv.add(full)
             elif rest in QK_NORM_NAMES:
                 t = _permute_norm_rope(t, N, inv)
-            tensors[released_name(key, mla)] = t.contiguous()
+            name = released_name(key, mla)
+            if identity_q and rest == "q_proj.weight":
+                tensors[name.replace(".q_proj.", ".q_a_proj.")] = torch.eye(hcfg.hidden_size, dtype=t.dtype)
+                name = name.replace(".q_proj.", ".q_b_proj.")
+            tensors[name] = t.contiguous()
         else:
             tensors[released_name(key, mla, hcfg.linear_type)] = t
     # AMD's code always uses a head of its own (a tied one is written as a copy of the embeddings)
@@ -690,16 +787,13 @@ def released_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str
                 tensors[k] = tensors[k].view(G, X, R).repeat_interleave(H // G, 0).reshape(H * X, R).contiguous()
     config_json = _config_json_for_export(hcfg, tensors["model.embed_tokens.weight"].dtype)
     dh = hcfg.base_head_dim or hcfg.head_dim
-    hybrid_json = dict(AMD_HYBRID_DEFAULTS)
+    hybrid_json = dict(HYBRID_CONFIG_FIELDS)
     hybrid_json.update({
         "hidden_size": hcfg.hidden_size, "intermediate_size": hcfg.intermediate_size, "hidden_act": hcfg.hidden_act,
         "n_layer": hcfg.n_layer, "mla_layers": list(hcfg.mla_layers), "rms_norm_eps": hcfg.rms_norm_eps,
         "num_attention_heads": H, "num_key_value_heads": hcfg.num_key_value_heads,
-        "kv_lora_rank": R, "q_lora_rank": hcfg.q_lora_rank, "use_lora_layer_norm": hcfg.mla_latent_norm,
+        "kv_lora_rank": R, "q_lora_rank": q_rank, "use_lora_layer_norm": hcfg.mla_latent_norm,
         "use_full_kv_head": use_full_kv,
-        # what AMD's SVD initialisation records for every MLA layer (the same ranks everywhere here)
-        "layer_rank_list": ({str(i): {"q_rank": hcfg.q_lora_rank, "kv_rank": R} for i in hcfg.mla_layers}
-                            if hcfg.q_lora_rank is not None else {}),
         "qk_rope_head_dim": P, "v_head_dim": hcfg.v_head_dim, "qk_nope_head_dim": N,
         "max_position_embeddings": hcfg.max_position_embeddings,
         # AMD's MLA turns pair i at rope_theta ** (-2i / P) with this theta, as ours does
@@ -709,44 +803,56 @@ def released_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str
         # Mamba-2 keys: this model's layers, or what AMD's training script derives from the base (unused)
         **(mamba_keys or {"d_model": hcfg.hidden_size, "d_inner": H * dh, "d_xb": hcfg.num_key_value_heads * dh,
                           "ssm_cfg": {"expand": 1, "ngroups": H, "d_state": dh, "repeat_kv_before_conv": False}}),
-        "linear_type": hcfg.linear_type,
-        "gdn_num_heads": hcfg.gdn_num_heads, "gdn_head_dim": hcfg.gdn_head_dim,
     })
-    if hcfg.linear_type == "gdn":
+    if hcfg.linear_layers and hcfg.linear_type == "gdn":
+        hybrid_json.update(linear_type="gdn", gdn_num_heads=hcfg.gdn_num_heads, gdn_head_dim=hcfg.gdn_head_dim)
         for key, default in FLA_GDN_DEFAULTS.items():
             if getattr(hcfg, key) != default:
                 hybrid_json[key] = getattr(hcfg, key)
+    if hcfg.mla_layers and hcfg.mla_qk_norm:
+        hybrid_json["use_qk_norm"] = True
+    if use_full_kv and not INFERENCE_READS_FULL_KV_HEAD and not xecomla:
+        warnings.warn(f"{where}: kv_b_proj rows no longer repeat within each KV group, so they are written per query "
+                      f"head (use_full_kv_head: true): AMD's HybridModelWrapper reads that, their hybrid_inference "
+                      f"wrapper ({AMD_AT}) does not (it builds kv_b_proj per KV head: a size mismatch there). "
+                      f"Converting with --kv-b-per-kv-head keeps one block per KV head through training",
+                      UserWarning, stacklevel=2)
+    parts = hylo_only_parts(hcfg)
+    if parts:
+        keys = [k for k in HYLO_KEYS if k in hybrid_json]
+        warnings.warn(f"{where}: AMD's public code ({AMD_AT}) cannot build this model's {' and '.join(parts)}; "
+                      f"its hybrid_config.json carries {', '.join(keys)} (HyLo's keys), which their public "
+                      f"HybridConfig refuses (TypeError), so that loader fails instead of building other layers. "
+                      f"It loads in this project (load_hylo, --from-released) and in HyLo's own (non-public) code",
+                      UserWarning, stacklevel=2)
     return config_json, hybrid_json, tensors
 
 
 # ---------------------------------------------------------------------------------------------- read back
-def their_expected_tensors(config_json: dict[str, Any], hybrid_json: dict[str, Any],
-                           where: str = "") -> dict[str, tuple[int, ...]]:
+def their_expected_tensors(config_json: dict[str, Any], hybrid_json: dict[str, Any], where: str = "",
+                           hylo: bool = False) -> dict[str, tuple[int, ...]]:
     """{name: shape} of every tensor in the module tree AMD's loader builds from these two files: a
     `LlamaConfig(**config.json)` causal LM (embeddings, final norm, an own lm_head, `num_hidden_layers` layers)
-    whose first `n_layer` layers are replaced by MLA / Mamba-2 / GDN decoder layers of `HybridConfig(**hybrid)`,
-    every missing key at their default. The q/k norms of HyLo-Qwen MLA layers are assumed under
-    `mla.q_norm` / `mla.k_norm` on a qwen3 base (their names are not public)."""
-    known = set(AMD_HYBRID_DEFAULTS) | set(HYLO_KEYS)
-    unknown = sorted(set(hybrid_json) - known)
+    whose first `n_layer` layers are replaced by MLA / Mamba-2 decoder layers of `HybridConfig(**hybrid)` (the
+    public loader at AMD_AT: its fields, defaults and asserts), every missing key at its default. `hylo`: the
+    layouts only HyLo's code builds, with `HYLO_KEYS` (GDN layers under `gdn.` with fla's names; q/k norms
+    under `mla.q_norm` / `mla.k_norm` with `use_qk_norm`; HyLo's own names are not public)."""
+    known = set(HYBRID_CONFIG_FIELDS) | (set(HYLO_KEYS) if hylo else set())
+    unknown = [k for k in hybrid_json if k not in known]
     if unknown:
         raise ReleasedLayoutError(f"{where}: {HYBRID_CONFIG_NAME} key(s) {', '.join(unknown)} are not fields of AMD's "
-                                  f"HybridConfig (HybridConfig(**json) would raise TypeError)")
-    c = {**AMD_HYBRID_DEFAULTS, **hybrid_json}
-    # their __post_init__ asserts
-    div = c["qkv_rank_divisor"]
-    if div % 8 or c["kv_lora_rank"] % div or (c["q_lora_rank"] is not None and c["q_lora_rank"] % div) \
-            or c["num_attention_heads"] % c["num_key_value_heads"]:
-        raise ReleasedLayoutError(f"{where}: AMD's HybridConfig asserts qkv_rank_divisor % 8 == 0, kv_lora_rank and "
-                                  f"q_lora_rank divisible by it, and num_key_value_heads dividing num_attention_heads")
+                                  f"HybridConfig ({AMD_AT}): {hybrid_config_refusal(hybrid_json)}")
+    refusal = hybrid_config_refusal({k: v for k, v in hybrid_json.items() if k not in HYLO_KEYS})
+    if refusal:
+        raise ReleasedLayoutError(f"{where}: AMD's loader ({AMD_AT}) would refuse it: {refusal}")
+    c = {**HYBRID_CONFIG_FIELDS, **hybrid_json}
     V, D = config_json.get("vocab_size", 32000), config_json.get("hidden_size", 4096)
     Hd, F = c["hidden_size"], c["intermediate_size"]
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,),
                                        "lm_head.weight": (V, D)}
     n_base = config_json.get("num_hidden_layers", 32)
     linear = str(c.get("linear_type") or "mamba2").lower()
-    qk_norm = config_json.get("model_type") == "qwen3"
-    ranks = {"q": c["q_lora_rank"], "kv": c["kv_lora_rank"]}
+    qk_norm = bool(c.get("use_qk_norm"))
     for i in range(max(n_base, c["n_layer"])):
         pre = f"model.layers.{i}"
         if i >= c["n_layer"]:
@@ -765,10 +871,7 @@ def their_expected_tensors(config_json: dict[str, Any], hybrid_json: dict[str, A
         if i >= c["n_layer"]:
             continue
         if i in c["mla_layers"]:
-            # layer_rank_list sets the config's ranks for that layer and every later one (it mutates it)
-            if str(i) in c["layer_rank_list"]:
-                ranks = {"q": c["layer_rank_list"][str(i)]["q_rank"], "kv": c["layer_rank_list"][str(i)]["kv_rank"]}
-            out.update(_their_mla_shapes(c, f"{pre}.mla", ranks, qk_norm))
+            out.update(_their_mla_shapes(c, f"{pre}.mla", qk_norm))
         elif linear in LINEAR_TYPE_NAMES["mamba2"]:
             out.update(_their_mamba_shapes(c, f"{pre}.mamba", where))
         elif linear in LINEAR_TYPE_NAMES["gdn"]:
@@ -778,9 +881,9 @@ def their_expected_tensors(config_json: dict[str, Any], hybrid_json: dict[str, A
     return out
 
 
-def _their_mla_shapes(c: dict[str, Any], m: str, ranks: dict[str, int | None], qk_norm: bool) -> dict[str, tuple]:
+def _their_mla_shapes(c: dict[str, Any], m: str, qk_norm: bool) -> dict[str, tuple]:
     H, Dh, P, N, V = c["num_attention_heads"], c["hidden_size"], c["qk_rope_head_dim"], c["qk_nope_head_dim"], c["v_head_dim"]
-    q, kv, bias, norms = ranks["q"], ranks["kv"], c["attention_bias"], c["use_lora_layer_norm"]
+    q, kv, bias, norms = c["q_lora_rank"], c["kv_lora_rank"], c["attention_bias"], c["use_lora_layer_norm"]
     kv_heads = H if c["use_full_kv_head"] else c["num_key_value_heads"]
     out: dict[str, tuple] = {}
     if q is None:
@@ -826,12 +929,27 @@ def _their_gdn_shapes(c: dict[str, Any], m: str, Dh: int, where: str) -> dict[st
             f"{m}.o_norm.weight": (Vd,), f"{m}.o_proj.weight": (Dh, H * Vd)}
 
 
-def check_released_dir(path: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> None:
+def public_loader_refusal(path: str | Path) -> str | None:
+    """What AMD's public loader (AMD_AT) raises on this directory's hybrid_config.json, or None if it builds it."""
+    return hybrid_config_refusal(_read_json(Path(path) / HYBRID_CONFIG_NAME))
+
+
+def check_released_dir(path: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> str | None:
     """Read a released directory back as AMD's loader would (`load_state_dict(strict=False)` into the module
-    tree of `their_expected_tensors`); raise naming every tensor it would drop, leave random or refuse."""
+    tree of `their_expected_tensors`); raise naming every tensor it would drop, leave random or refuse.
+
+    Returns None when AMD's public loader (AMD_AT) reads it exactly. A directory with HyLo's keys (a layout
+    only HyLo's code builds) is checked against that layout, and must be refused by the public loader: the
+    refusal it gives is returned."""
     p = Path(path)
-    expected = their_expected_tensors(_read_json(p / "config.json"), _read_json(p / HYBRID_CONFIG_NAME),
-                                      str(p / HYBRID_CONFIG_NAME))
+    where = str(p / HYBRID_CONFIG_NAME)
+    hyb = _read_json(p / HYBRID_CONFIG_NAME)
+    hylo = any(k in hyb for k in HYLO_KEYS)
+    refusal = hybrid_config_refusal(hyb)
+    if hylo and refusal is None:
+        raise ReleasedLayoutError(f"{where}: HyLo's keys ({', '.join(k for k in HYLO_KEYS if k in hyb)}) are fields of "
+                                  f"AMD's public HybridConfig: it would build this layout with its own layers")
+    expected = their_expected_tensors(_read_json(p / "config.json"), hyb, where, hylo=hylo)
     tensors = tensors if tensors is not None else read_released_tensors(p)
     dropped = sorted(set(tensors) - set(expected))
     random = sorted(set(expected) - set(tensors))
@@ -842,11 +960,13 @@ def check_released_dir(path: str | Path, tensors: dict[str, torch.Tensor] | None
              + [f"shape mismatch: {k}" for k in shapes[:8]])
     if lines:
         raise ReleasedLayoutError(f"{p}: AMD's loader would not read this checkpoint as written:\n  " + "\n  ".join(lines))
+    return refusal
 
 
 def export_released(model: Any, out_dir: str | Path, tokenizer_from: str | Path | None = None) -> Path:
     """Write `model` in the released layout, atomically (temporary directory renamed into place), after reading
-    the written files back the way AMD's loader does (`check_released_dir`)."""
+    the written files back the way AMD's loader does (`check_released_dir`); X-EcoMLA's layout is
+    `hylo.released_xecomla.export_xecomla`."""
     from safetensors.torch import save_file
 
     config_json, hybrid_json, tensors = released_files(model)

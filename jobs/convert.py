@@ -12,10 +12,11 @@ Prints one JSON summary on stdout (layers, parameters, KV-cache bytes per token 
 layout of AMD's released HyLo models (hybrid_config.json + base config.json + `mla.*` / `gdn.*` / `mamba.*`
 safetensors: GDN or Mamba-2 (`d_xb`, `ssm_cfg`) linear layers, Qwen MLA q/k norms under `mla.` or
 `self_attn.`, an LM head stored apart from the embeddings under `tie_word_embeddings: true` imported as an
-untied head) and writes ours; `--to-released` writes one of ours in that layout (every key of AMD's
-HybridConfig, the head always stored, the base's config.json) and reads its output back the way AMD's
-loader does, failing on any tensor it would drop, leave at random init or refuse for its shape (see
-hylo/released.py).
+untied head; or X-EcoMLA's MLA_config.json + mla_layer_config.json) and writes ours; `--to-released` writes
+one of ours in that layout (exactly the fields of AMD's public HybridConfig with values it accepts, the head
+always stored, the base's config.json; `--released-layout x-ecomla` for X-EcoMLA's) and reads its output back
+the way AMD's loader does, failing on any tensor it would drop, leave at random init or refuse for its shape
+(see hylo/released.py, hylo/released_facts.py).
 Every flag below is a shorthand for a key of the job's config (pipeline/convert/config.py; `--print-config`
 lists them all): the file (`--config`) first, then the flags, then `--set KEY=VALUE`.
 """
@@ -63,6 +64,8 @@ SHORTHANDS: dict[str, tuple[str, dict[str, Any]]] = {
         "type": int, "help": "blocks of the shared roped key: the number of KV heads (default, exact init) or 1"}),
     "--mla-latent-norm": ("convert.mla_latent_norm", {
         **_ON, "help": "keep DeepSeek's RMSNorm on the MLA latents (off by default for upcycling)"}),
+    "--mla-latent-norm-eps": ("convert.mla_latent_norm_eps", {
+        "type": float, "help": "epsilon of the MLA latent norms (default: the base's; AMD's released layout: 1e-6)"}),
     "--v-head-dim": ("convert.v_head_dim", {"type": int}),
     "--gdn-num-heads": ("convert.gdn_num_heads", {"type": int}),
     "--gdn-head-dim": ("convert.gdn_head_dim", {"type": int}),
@@ -70,6 +73,9 @@ SHORTHANDS: dict[str, tuple[str, dict[str, Any]]] = {
     "--mamba2-xb-groups": ("convert.mamba2_xb_groups", {
         "type": int, "help": "Mamba-2 x/B groups read by consecutive heads (the KV head count: AMD's released "
                              "Mamba-2 layout, d_xb = KV heads x head_dim); omit for x per head"}),
+    "--mamba2-norm-eps": ("convert.mamba2_norm_eps", {
+        "type": float, "help": "epsilon of the Mamba-2 gated output norm (default: the base's; AMD's released "
+                               "layout fixes it at 1e-5)"}),
     "--max-position-embeddings": ("convert.max_position_embeddings", {"type": int}),
     "--yarn-factor": ("convert.yarn_factor", {
         "type": float, "help": "YaRN on the MLA RoPE with this factor (the released 64K models: 32)"}),
@@ -94,6 +100,10 @@ SHORTHANDS: dict[str, tuple[str, dict[str, Any]]] = {
     "--to-released": ("to_released", {
         "metavar": "HYLO_DIR", "help": "export a HyLo checkpoint to the released layout in --out, checked by "
                                        "reading it back as AMD's loader would"}),
+    "--released-layout": ("released_layout", {
+        "choices": ["zebra-llama", "x-ecomla"],
+        "help": "the layout --to-released writes: zebra-llama (hybrid_config.json; default) or x-ecomla "
+                "(MLA_config.json + mla_layer_config.json, all-MLA models)"}),
 }
 
 

@@ -13,6 +13,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,10 +39,13 @@ MLA_LAYERS = [0, 2]
 
 def variant(**kw) -> dict:
     """A released layout: Zebra-Llama's usual MLA settings (q_lora, no latent norms, kv_b per KV head, an
-    untied head), a Llama base and GDN layers, unless `kw` says otherwise."""
-    v = dict(q_lora_rank=16, use_lora_layer_norm=False, use_full_kv_head=False, attention_bias=False,
-             rope_scaling=None, tie=False, own_head=True, base="llama", linear="gdn", qk_norm=False,
-             qk_norm_part="mla", repeat_before_conv=False, rope_theta=500.0, max_positions=64)
+    untied head), a Llama base and GDN layers, unless `kw` says otherwise. `q_lora_rank=D` with
+    `q_identity` is our export of whole queries (q_a_proj = the identity); `legacy` writes the fields their
+    HybridConfig had before commit c33ccff; `qk_key` writes our `use_qk_norm` beside q/k norm tensors."""
+    v = dict(q_lora_rank=16, q_identity=False, use_lora_layer_norm=False, use_full_kv_head=False,
+             attention_bias=False, rope_scaling=None, tie=False, own_head=True, base="llama", linear="gdn",
+             qk_norm=False, qk_norm_part="mla", qk_key=True, repeat_before_conv=False, rope_theta=500.0,
+             max_positions=64, legacy=False)
     v.update(kw)
     return v
 
@@ -52,9 +56,10 @@ VARIANTS = {
     "norms-yarn-bias": variant(use_lora_layer_norm=True, attention_bias=True, tie=True, own_head=False,
                                rope_scaling={"factor": 4.0, "original_max_position_embeddings": 8,
                                              "rope_type": "yarn", "mscale": 0.9, "mscale_all_dim": 1.0}),
-    # uncompressed queries and one kv_b block per query head
-    "qproj-fullkv": variant(q_lora_rank=None, use_full_kv_head=True,
-                            rope_scaling={"factor": 2.0, "original_max_position_embeddings": 12, "rope_type": "yarn"}),
+    # whole queries as our export writes them (q_a_proj = identity) and one kv_b block per query head
+    "qidentity-fullkv": variant(q_lora_rank=D, q_identity=True, use_full_kv_head=True,
+                                rope_scaling={"factor": 2.0, "original_max_position_embeddings": 12,
+                                              "rope_type": "yarn"}),
     # the released Llama models: config.json (the base's) ties the head, the checkpoint holds a trained one
     "llama-gdn-untied-under-tie": variant(tie=True),
     # the released Qwen GDN models: q/k RMSNorm per MLA head, Qwen3's eps, the card's YaRN factor 1
@@ -62,12 +67,21 @@ VARIANTS = {
                                rope_scaling={"factor": 1.0, "original_max_position_embeddings": 64, "rope_type": "yarn"}),
     # the released Qwen Mamba-2 models (HyLo-Qwen-14MLA14M2): x / B in d_xb = G * d_state, repeated to the heads
     "qwen-mamba2": variant(base="qwen3", qk_norm=True, tie=True, linear="mamba2"),
+    # Zebra-Llama: MLA + Mamba-2 on a Llama base, what AMD's public loader builds
+    "llama-mamba2": variant(linear="mamba2"),
 }
-# read only (an export writes the equivalent d_xb = d_inner layout): the conv over x / B already repeated
+# read only (an export writes an equivalent layout): the conv over x / B already repeated, q/k norms under
+# Qwen3's prefix or without our use_qk_norm key, the fields of older versions of their HybridConfig, and
+# whole queries as q_proj with q_lora_rank null (what our exports wrote before; AMD's loader refuses it)
 IMPORT_ONLY = {
     "qwen-mamba2-repeat-before-conv": variant(base="qwen3", qk_norm=True, tie=True, linear="mamba2",
                                               repeat_before_conv=True),
-    "qwen-gdn-qknorm-under-self-attn": variant(base="qwen3", qk_norm=True, tie=True, qk_norm_part="self_attn"),
+    "qwen-gdn-qknorm-under-self-attn": variant(base="qwen3", qk_norm=True, tie=True, qk_norm_part="self_attn",
+                                               qk_key=False),
+    "legacy-fields": variant(linear="mamba2", legacy=True),
+    "qproj-null-fullkv": variant(q_lora_rank=None, use_full_kv_head=True,
+                                 rope_scaling={"factor": 2.0, "original_max_position_embeddings": 12,
+                                               "rope_type": "yarn"}),
 }
 
 
@@ -77,7 +91,8 @@ def _eps(v: dict) -> float:
 
 def _configs(v: dict) -> tuple[dict, dict]:
     """(config.json, hybrid_config.json) as AMD's code writes them: the base's config.json copied, and
-    `asdict` of their HybridConfig (every field; HyLo's linear keys added)."""
+    `asdict` of their HybridConfig (every field of it at the commit the tests' facts were read at; HyLo's
+    keys added for the layouts only HyLo's code builds)."""
     arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[v["base"]]
     base = {"architectures": [arch], "model_type": v["base"], "vocab_size": VOCAB, "hidden_size": D,
             "intermediate_size": F, "num_hidden_layers": 3, "num_attention_heads": H, "num_key_value_heads": G,
@@ -85,19 +100,22 @@ def _configs(v: dict) -> tuple[dict, dict]:
             "max_position_embeddings": v["max_positions"], "rope_theta": v["rope_theta"],
             "tie_word_embeddings": v["tie"], "bos_token_id": 7, "eos_token_id": [8, 9], "pad_token_id": None,
             "torch_dtype": "bfloat16", "transformers_version": "4.48.0"}
-    ranks = {str(i): {"q_rank": v["q_lora_rank"], "kv_rank": R} for i in MLA_LAYERS} if v["q_lora_rank"] else {}
     hyb = {"hidden_size": D, "intermediate_size": F, "hidden_act": "silu", "n_layer": 3, "mla_layers": MLA_LAYERS,
            "rms_norm_eps": _eps(v), "num_attention_heads": H, "num_key_value_heads": G, "kv_lora_rank": R,
            "q_lora_rank": v["q_lora_rank"], "use_lora_layer_norm": v["use_lora_layer_norm"],
-           "use_fixed_rank_for_first_and_last_block": False, "use_full_kv_head": v["use_full_kv_head"],
-           "layer_rank_list": ranks, "qk_rope_head_dim": P, "v_head_dim": V, "qk_nope_head_dim": N,
-           "q_energy_ratio": None, "kv_energy_ratio": None, "qkv_rank_divisor": 8,
-           "max_position_embeddings": v["max_positions"], "rope_theta": v["rope_theta"],
+           "use_full_kv_head": v["use_full_kv_head"], "qk_rope_head_dim": P, "v_head_dim": V, "qk_nope_head_dim": N,
+           "qkv_rank_divisor": 8, "max_position_embeddings": v["max_positions"], "rope_theta": v["rope_theta"],
            "rope_scaling": v["rope_scaling"], "attention_bias": v["attention_bias"], "attention_dropout": 0.0,
            "rope_type": "yarn", "d_model": D,
            "ssm_cfg": {"expand": 1, "ngroups": H, "d_state": M2_STATE, "repeat_kv_before_conv": v["repeat_before_conv"]},
-           "d_inner": M2_INNER, "d_xb": M2_XB, "linear_type": v["linear"], "gdn_num_heads": GDN_H,
-           "gdn_head_dim": GDN_K}
+           "d_inner": M2_INNER, "d_xb": M2_XB}
+    if v["legacy"]:
+        hyb.update(use_fixed_rank_for_first_and_last_block=False, q_energy_ratio=None, kv_energy_ratio=None,
+                   layer_rank_list={str(i): {"q_rank": v["q_lora_rank"], "kv_rank": R} for i in MLA_LAYERS})
+    if v["linear"] == "gdn":
+        hyb.update(linear_type="gdn", gdn_num_heads=GDN_H, gdn_head_dim=GDN_K)
+    if v["qk_norm"] and v["qk_key"]:
+        hyb["use_qk_norm"] = True
     return base, hyb
 
 
@@ -122,7 +140,10 @@ def _their_tensors(v: dict, seed: int = 0) -> dict[str, torch.Tensor]:
             t[f"{pre}.mlp.{name}.weight"] = rnd(*shape)
         if i in MLA_LAYERS:
             m = f"{pre}.mla"
-            if v["q_lora_rank"]:
+            if v["q_identity"]:
+                t[f"{m}.q_a_proj.weight"] = torch.eye(D, dtype=torch.float64)
+                t[f"{m}.q_b_proj.weight"] = rnd(H * (N + P), D)
+            elif v["q_lora_rank"]:
                 t[f"{m}.q_a_proj.weight"] = rnd(v["q_lora_rank"], D)
                 t[f"{m}.q_b_proj.weight"] = rnd(H * (N + P), v["q_lora_rank"])
                 if v["use_lora_layer_norm"]:
@@ -328,7 +349,8 @@ def their_logits(t: dict[str, torch.Tensor], hyb: dict, ids: torch.Tensor, pos: 
         h = _rms(x, t[f"{pre}.input_layernorm.weight"], eps)
         if i in hyb["mla_layers"]:
             a = _their_mla(h, t, pre, hyb, pos)
-        elif hyb["linear_type"] == "mamba2":
+        elif hyb.get("linear_type", "mamba2") == "mamba2":
+            # the public HybridConfig has no linear_type: its linear layers are Mamba-2
             a = _their_mamba2(h, t, f"{pre}.mamba", hyb)
         else:
             a = _their_gdn(h, t, f"{pre}.gdn", hyb, i)
@@ -380,8 +402,10 @@ def test_import_gives_the_released_models_outputs(tmp_path, variant):
     # one notice line for each thing the import had to infer
     untied = [n for n in notes if "imported as an untied LM head" in n]
     assert len(untied) == (1 if v["tie"] and v["own_head"] else 0), notes
+    # q/k norms found without our use_qk_norm key (AMD's own HyLo-Qwen files) are named once
     qk = [n for n in notes if "q/k RMSNorm" in n]
-    assert len(qk) == v["qk_norm"] and (not qk or f"{v['qk_norm_part']}.q_norm.weight" in qk[0]), notes
+    assert len(qk) == (v["qk_norm"] and not v["qk_key"]), notes
+    assert not qk or f"{v['qk_norm_part']}.q_norm.weight" in qk[0], notes
     ids = IDS[:, :12] if v["linear"] == "mamba2" else IDS
     with torch.no_grad():
         ours = model(ids).logits
@@ -468,20 +492,22 @@ def test_export_writes_back_the_same_files(tmp_path, variant):
 
 def test_export_of_a_tied_model_stores_the_head_and_every_key_their_config_has(tmp_path):
     """Their loader always uses lm_head.weight (left at its random init when absent) and fills a missing
-    hybrid_config.json key with its own default (q_lora_rank 1536, d_xb 2560, ...)."""
-    from hylo.released import AMD_HYBRID_DEFAULTS
+    hybrid_config.json key with its own default (q_lora_rank 1536, d_xb 2560, ...): every field of their
+    HybridConfig is written, and no other key but HyLo's for the GDN layers their public code cannot build."""
+    from hylo.released_facts import HYBRID_CONFIG_FIELDS
     from hylo.upcycle import upcycle
 
     model = upcycle(_tiny_llama(), mla_layers=[0, 2], kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
                     rope_key_groups=1, gdn_head_dim=32, gdn_num_heads=2, gdn_expand_v=2.0).eval()
     assert model.config.tie_word_embeddings
-    export_released(model, tmp_path / "rel")
+    with pytest.warns(UserWarning, match="cannot build this model's Gated DeltaNet linear layers"):
+        export_released(model, tmp_path / "rel")
     files = load_file(tmp_path / "rel" / "model.safetensors")
     assert torch.equal(files["lm_head.weight"], files["model.embed_tokens.weight"])
     hyb = json.loads((tmp_path / "rel" / "hybrid_config.json").read_text())
-    assert set(AMD_HYBRID_DEFAULTS) <= set(hyb)
+    assert list(hyb)[:len(HYBRID_CONFIG_FIELDS)] == list(HYBRID_CONFIG_FIELDS)
+    assert list(hyb)[len(HYBRID_CONFIG_FIELDS):] == ["linear_type", "gdn_num_heads", "gdn_head_dim"]
     assert (hyb["linear_type"], hyb["gdn_num_heads"], hyb["gdn_head_dim"]) == ("gdn", 2, 32)
-    assert hyb["layer_rank_list"] == {"0": {"q_rank": 32, "kv_rank": 32}, "2": {"q_rank": 32, "kv_rank": 32}}
     assert json.loads((tmp_path / "rel" / "config.json").read_text())["tie_word_embeddings"] is True
 
 
@@ -518,6 +544,11 @@ def test_a_mamba2_conversion_exports_as_zebra_llama_writes_it(tmp_path):
     ("no-d_model", "shape mismatch: model.layers.1.input_layernorm.weight: file (32,), their module (2560,)"),
     ("unknown-key", "mla_qk_norm are not fields of AMD's HybridConfig"),
     ("no-q-norm", "left at their random init (not in the file): model.layers.0.mla.q_norm.weight"),
+    # what their HybridConfig (at the pinned commit) refuses: a field removed in 2025, a null rank
+    ("old-key", "layer_rank_list are not fields of AMD's HybridConfig"),
+    ("q-null", "would refuse it: TypeError in HybridConfig.__post_init__: unsupported operand type(s) for %"),
+    # without our use_qk_norm key their loader would build MLA layers without q/k norms and drop them
+    ("no-qk-key", "dropped by their loader (no such module): model.layers.0.mla.k_norm.weight"),
 ])
 def test_check_released_dir_reads_it_back_as_their_loader_would(tmp_path, tamper, needle):
     from hylo.released import check_released_dir
@@ -536,6 +567,12 @@ def test_check_released_dir_reads_it_back_as_their_loader_would(tmp_path, tamper
         hyb["mla_qk_norm"] = True
     elif tamper == "no-q-norm":
         del tensors["model.layers.0.mla.q_norm.weight"]
+    elif tamper == "old-key":
+        hyb["layer_rank_list"] = {}
+    elif tamper == "q-null":
+        hyb["q_lora_rank"] = None
+    elif tamper == "no-qk-key":
+        del hyb["use_qk_norm"]
     save_file(tensors, str(d / "model.safetensors"))
     (d / "hybrid_config.json").write_text(json.dumps(hyb))
     with pytest.raises(ReleasedLayoutError, match=re.escape(needle)):
@@ -631,11 +668,276 @@ def test_export_keeps_per_query_head_rows_that_do_not_repeat(tmp_path):
     model = upcycle(_tiny_llama(), mla_layers=[0], kv_lora_rank=32, qk_rope_head_dim=8, rope_key_groups=1).eval()
     with torch.no_grad():
         model.model.layers[0].mixer.kv_b_proj.weight.add_(0.01 * torch.randn_like(model.model.layers[0].mixer.kv_b_proj.weight))
-    export_released(model, tmp_path / "rel")
+    # their inference wrapper cannot read that layout: the export says so, and how to keep the compact one
+    with pytest.warns(UserWarning, match=r"hybrid_inference wrapper .* does not .*--kv-b-per-kv-head"):
+        export_released(model, tmp_path / "rel")
     assert json.loads((tmp_path / "rel" / "hybrid_config.json").read_text())["use_full_kv_head"] is True
     ids = torch.randint(0, 128, (1, 16))
     with torch.no_grad():
         assert rel(load_hylo(tmp_path / "rel", dtype=torch.float64)(ids).logits, model(ids).logits) < 1e-12
+
+
+# ------------------------------------------------------------------------------------ AMD's public loader
+def _their_dataclass():
+    """A dataclass with the fields, defaults and __post_init__ asserts recorded in hylo/released_facts.py (read
+    off AMD's HybridConfig at AMD_COMMIT), built by Python's dataclass machinery as their file is: an unknown
+    key is Python's own TypeError, a None rank fails in `%` as theirs does."""
+    import copy
+    import dataclasses
+
+    from hylo.released_facts import HYBRID_CONFIG_ASSERTS, HYBRID_CONFIG_FIELDS
+
+    def post_init(self):
+        for message, expr in HYBRID_CONFIG_ASSERTS:
+            assert eval(expr, {}, dataclasses.asdict(self)), message
+
+    fields = [(k, Any, dataclasses.field(default_factory=lambda v=v: copy.deepcopy(v)) if isinstance(v, list | dict)
+               else dataclasses.field(default=v)) for k, v in HYBRID_CONFIG_FIELDS.items()]
+    return dataclasses.make_dataclass("HybridConfig", fields, namespace={"__post_init__": post_init})
+
+
+def test_the_recorded_facts_are_those_of_the_pinned_commit_and_refuse_as_their_dataclass_does():
+    from hylo.released_facts import (
+        AMD_COMMIT,
+        HYBRID_CONFIG_FIELDS,
+        HYBRID_CONFIG_REMOVED,
+        hybrid_config_refusal,
+    )
+
+    # read at AMD-AGI/AMD-Hybrid-Models 61c93485 (2026-05-14): 26 fields; 4 removed in c33ccff
+    assert AMD_COMMIT.startswith("61c93485") and len(HYBRID_CONFIG_FIELDS) == 26
+    assert set(HYBRID_CONFIG_REMOVED).isdisjoint(HYBRID_CONFIG_FIELDS)
+    cls = _their_dataclass()
+    cases = {"defaults": {}, "old-key": {"layer_rank_list": {}}, "hylo-key": {"linear_type": "gdn"},
+             "q-null": {"q_lora_rank": None}, "kv-12": {"kv_lora_rank": 12}, "divisor-12": {"qkv_rank_divisor": 12},
+             "heads": {"num_attention_heads": 6, "num_key_value_heads": 4}, "ok": {"kv_lora_rank": 64, "q_lora_rank": 32}}
+    for name, kw in cases.items():
+        try:
+            cls(**kw)
+            raised = None
+        except (TypeError, AssertionError) as e:
+            raised = type(e).__name__
+        said = hybrid_config_refusal(kw)
+        assert (said or "").split(":")[0].split(" ")[0] == (raised or ""), (name, said, raised)
+    assert "layer_rank_list" in hybrid_config_refusal({"layer_rank_list": {}})
+    assert "unsupported operand type(s) for %: 'NoneType' and 'int'" in hybrid_config_refusal({"q_lora_rank": None})
+
+
+# {name: shape} of the module tree AMD's HybridModelWrapper.from_pretrained built, at commit 61c93485, for a
+# Llama base (hidden 64, 4 heads of 16, 2 KV heads, vocabulary 128, 4 layers) and the hybrid_config.json below
+# (printed by bench/amd_compat.py's worker from their real code; layers 2 and 3 repeat layers 0 and 1)
+THEIR_TREE_AT_61C93485 = {
+    "model.embed_tokens.weight": (128, 64), "model.norm.weight": (64,), "lm_head.weight": (128, 64),
+    "model.layers.0.mla.q_a_proj.weight": (32, 64), "model.layers.0.mla.q_b_proj.weight": (64, 32),
+    "model.layers.0.mla.kv_a_proj_with_mqa.weight": (40, 64), "model.layers.0.mla.kv_b_proj.weight": (48, 32),
+    "model.layers.0.mla.out_proj.weight": (64, 64),
+    "model.layers.1.mamba.dt_bias": (4,), "model.layers.1.mamba.A_log": (4,), "model.layers.1.mamba.D": (4,),
+    "model.layers.1.mamba.in_proj.weight": (196, 64), "model.layers.1.mamba.conv1d.weight": (128, 1, 4),
+    "model.layers.1.mamba.conv1d.bias": (128,), "model.layers.1.mamba.norm.weight": (64,),
+    "model.layers.1.mamba.out_proj.weight": (64, 64),
+    **{f"model.layers.{i}.{name}": shape for i in (0, 1) for name, shape in (
+        ("mlp.gate_proj.weight", (128, 64)), ("mlp.up_proj.weight", (128, 64)), ("mlp.down_proj.weight", (64, 128)),
+        ("input_layernorm.weight", (64,)), ("post_attention_layernorm.weight", (64,)))},
+}
+# the same, MLA layers with latent norms and q_lora_rank 48 (their layer 0)
+THEIR_NORMED_MLA_AT_61C93485 = {
+    "q_a_proj.weight": (48, 64), "q_a_layernorm.weight": (48,), "q_b_proj.weight": (64, 48),
+    "kv_a_proj_with_mqa.weight": (40, 64), "kv_a_layernorm.weight": (32,), "kv_b_proj.weight": (48, 32),
+    "out_proj.weight": (64, 64),
+}
+
+
+def test_our_read_back_builds_the_module_tree_their_loader_built_at_the_pinned_commit():
+    from hylo.released import their_expected_tensors
+    from hylo.released_facts import AMD_COMMIT
+
+    assert AMD_COMMIT.startswith("61c93485")
+    base = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    hyb = {"hidden_size": 64, "intermediate_size": 128, "n_layer": 4, "mla_layers": [0, 2], "num_attention_heads": 4,
+           "num_key_value_heads": 2, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "v_head_dim": 16,
+           "qk_nope_head_dim": 8, "d_model": 64, "d_inner": 64, "d_xb": 32,
+           "ssm_cfg": {"expand": 1, "ngroups": 4, "d_state": 16, "repeat_kv_before_conv": False}}
+    ours = their_expected_tensors(base, hyb)
+    assert len(ours) == 49
+    assert {k: v for k, v in ours.items() if ".layers.2." not in k and ".layers.3." not in k} == THEIR_TREE_AT_61C93485
+    normed = their_expected_tensors(base, {**hyb, "mla_layers": [0, 1, 2, 3], "q_lora_rank": 48,
+                                           "use_lora_layer_norm": True})
+    assert {k.removeprefix("model.layers.0.mla."): v for k, v in normed.items()
+            if k.startswith("model.layers.0.mla.")} == THEIR_NORMED_MLA_AT_61C93485
+
+
+def _tiny_qwen3(seed=0, vocab=128):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    base = Qwen3ForCausalLM(Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=vocab,
+                                        max_position_embeddings=4096, rms_norm_eps=1e-6)).double().eval()
+    with torch.no_grad():
+        for layer in base.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return base
+
+
+def _perturbed(model, seed=1):
+    """Every weight moved a little (trained-looking: norms off 1, conv/gates off their init)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
+# conversions whose export AMD's public loader builds (Llama bases: MLA + Mamba-2, MLA only)
+PUBLIC_EXPORTS = {
+    "mla-mamba2": dict(mla_layers=[0, 2], kv_lora_rank=32, q_lora_rank=32, linear_type="mamba2",
+                       mamba2_xb_groups=2, mamba2_norm_eps=1e-5),
+    # whole queries (q_lora_rank null, our default): written behind an identity q_a_proj
+    "mla-mamba2-whole-queries": dict(mla_layers=[1, 3], kv_lora_rank=24, linear_type="mamba2", mamba2_xb_groups=2,
+                                     mamba2_norm_eps=1e-5),
+    "mla-only": dict(mla_layers="all", kv_lora_rank=32),
+    "mla-only-yarn-latent-norms": dict(mla_layers="all", kv_lora_rank=32, q_lora_rank=48, mla_latent_norm=True,
+                                       mla_latent_norm_eps=1e-6, yarn_factor=4.0,
+                                       yarn_original_max_position_embeddings=64),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLIC_EXPORTS))
+def test_every_export_loads_in_their_public_loader_as_written(tmp_path, name):
+    """Issue 27: every export was refused by AMD's loader (TypeError: unexpected keyword argument
+    'use_fixed_rank_for_first_and_last_block'), and q_lora_rank null failed their __post_init__. Now
+    hybrid_config.json holds exactly their fields, their dataclass builds from it, every tensor is one their
+    module tree has, and their layers' math on the written files gives our logits."""
+    import warnings as _w
+
+    from hylo.released import check_released_dir
+    from hylo.released_facts import HYBRID_CONFIG_FIELDS, hybrid_config_refusal
+    from hylo.upcycle import upcycle
+
+    model = _perturbed(upcycle(_tiny_llama(), rope_key_groups=1, qk_rope_head_dim=8, tie_word_embeddings=False,
+                               max_position_embeddings=256, kv_b_per_kv_head=True, **PUBLIC_EXPORTS[name]).eval())
+    with _w.catch_warnings():
+        _w.simplefilter("error")
+        export_released(model, tmp_path / "rel")
+    hyb = json.loads((tmp_path / "rel" / "hybrid_config.json").read_text())
+    assert list(hyb) == list(HYBRID_CONFIG_FIELDS)
+    assert hybrid_config_refusal(hyb) is None and check_released_dir(tmp_path / "rel") is None
+    _their_dataclass()(**hyb)
+    files = load_file(tmp_path / "rel" / "model.safetensors")
+    if model.config.q_lora_rank is None:
+        assert hyb["q_lora_rank"] == 64 and torch.equal(files["model.layers.1.mla.q_a_proj.weight"],
+                                                        torch.eye(64, dtype=torch.float64))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = model(ids).logits
+        assert rel(their_logits(files, hyb, ids), ours) < 1e-9
+        # and back: the identity q_a_proj is read as the whole queries it stands for
+        again = load_hylo(tmp_path / "rel", dtype=torch.float64)
+        assert again.config.q_lora_rank == model.config.q_lora_rank
+        assert rel(again(ids).logits, ours) < 1e-12
+
+
+def test_an_export_their_post_init_or_layers_would_refuse_is_refused_naming_the_flag(tmp_path, monkeypatch):
+    import hylo.released_facts as facts
+    from hylo.upcycle import upcycle
+
+    def refused(match, **kw):
+        m = upcycle(_tiny_llama(), rope_key_groups=1, qk_rope_head_dim=8, **kw)
+        with pytest.raises(ReleasedLayoutError, match=match):
+            export_released(m, tmp_path / "x")
+        assert not (tmp_path / "x").exists()
+
+    # kv_lora_rank % qkv_rank_divisor != 0 (ours are multiples of 8, their divisor: had upstream's default become
+    # 16, that one edit of the facts refuses a rank of 24)
+    monkeypatch.setitem(facts.HYBRID_CONFIG_FIELDS, "qkv_rank_divisor", 16)
+    refused(r"kv_lora_rank=24 is not a multiple of 16.*--kv-lora-rank 16 or 32", mla_layers=[0], kv_lora_rank=24,
+            q_lora_rank=16)
+    monkeypatch.undo()
+    # whole queries behind an identity are not exact under latent norms
+    refused(r"q_lora_rank is null.*latent norms.*--q-lora-rank N", mla_layers=[0], kv_lora_rank=16,
+            mla_latent_norm=True, mla_latent_norm_eps=1e-6)
+    # their latent norms' eps is 1e-6 (this base's 1e-5 would move every logit)
+    refused(r"latent norms use eps 1e-05.*--mla-latent-norm-eps 1e-06", mla_layers=[0], kv_lora_rank=16,
+            q_lora_rank=16, mla_latent_norm=True, mla_latent_norm_eps=1e-5)
+    # their Mamba-2 gated norm's eps is 1e-5 whatever the base's (this one: 1e-6)
+    refused(r"Mamba-2 gated norms use eps 1e-06 \(mamba2_norm_eps unset: the base rms_norm_eps\).*"
+            r"--mamba2-norm-eps 1e-05", mla_layers=[0], kv_lora_rank=16, q_lora_rank=16, linear_type="mamba2",
+            mamba2_xb_groups=2)
+
+
+def test_a_qwen3_mamba2_export_is_exact_with_the_mamba2_norm_eps_option(tmp_path, capsys):
+    """Issue 27: a Qwen3 base (eps 1e-6) exported to Mamba-2 only warned, and our own export -> import round
+    trip moved the logits (their gated norm fixes eps at 1e-5). Now the export is refused, naming
+    --mamba2-norm-eps, and a conversion with it exports exactly, from the command line too."""
+    from hylo.upcycle import upcycle
+
+    opts = dict(mla_layers=[0, 2], kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, rope_key_groups=1,
+                linear_type="mamba2", mamba2_xb_groups=2, tie_word_embeddings=False)
+    plain = _perturbed(upcycle(_tiny_qwen3(), **opts).eval())
+    with pytest.raises(ReleasedLayoutError, match=r"eps 1e-06.*--mamba2-norm-eps 1e-05"):
+        export_released(plain, tmp_path / "x")
+    model = _perturbed(upcycle(_tiny_qwen3(), mamba2_norm_eps=1e-5, **opts).eval())
+    assert model.config.mamba2_norm_eps == 1e-5 and model.config.rms_norm_eps == 1e-6
+    with pytest.warns(UserWarning, match="q/k RMSNorms"):
+        export_released(model, tmp_path / "rel")
+    files = load_file(tmp_path / "rel" / "model.safetensors")
+    hyb = json.loads((tmp_path / "rel" / "hybrid_config.json").read_text())
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ours = model(ids).logits
+        assert rel(their_logits(files, hyb, ids), ours) < 1e-9
+        assert rel(load_hylo(tmp_path / "rel", dtype=torch.float64)(ids).logits, ours) < 1e-12
+        # guard: the same weights with the base's eps in the gated norm are visibly off their code
+        plain.load_state_dict(model.state_dict())
+        assert rel(plain(ids).logits, ours) > 1e-7
+    # the command line: convert with the flag, then export
+    base = tmp_path / "qwen3"
+    _tiny_qwen3().float().save_pretrained(base)
+    flags = ["--mla-layers", "0,2", "--kv-lora-rank", "32", "--q-lora-rank", "32", "--qk-rope-head-dim", "8",
+             "--rope-key-groups", "1", "--linear-type", "mamba2", "--mamba2-xb-groups", "2", "--no-calibrate"]
+    assert convert.main(["--base", str(base), "--out", str(tmp_path / "conv"), *flags]) == 0
+    assert convert.main(["--to-released", str(tmp_path / "conv"), "--out", str(tmp_path / "o1")]) == 2
+    assert "--mamba2-norm-eps 1e-05" in capsys.readouterr().err
+    assert convert.main(["--base", str(base), "--out", str(tmp_path / "conv2"), *flags,
+                         "--mamba2-norm-eps", "1e-5"]) == 0
+    assert convert.main(["--to-released", str(tmp_path / "conv2"), "--out", str(tmp_path / "o2")]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.rfind("\n{") + 1:])
+    assert "use_qk_norm" in summary["amd_public_loader"]
+
+
+def test_layouts_their_public_code_cannot_build_are_said_so_and_fail_loudly_there(tmp_path):
+    """Issue 27: with the config accepted, their loader built Mamba-2 layers in GDN slots (logits off by 2.7)
+    or dropped the q/k norms (off by 2.3). Such exports say so at export time, carry HyLo's keys so that their
+    HybridConfig refuses them (TypeError), and without those keys our read-back fails on the tensors their
+    module tree would drop."""
+    from hylo.upcycle import upcycle
+
+    gdn = upcycle(_tiny_llama(), mla_layers=[0, 2], kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
+                  rope_key_groups=1, gdn_head_dim=32, gdn_num_heads=2).eval()
+    qwen = upcycle(_tiny_qwen3(), mla_layers="all", kv_lora_rank=32, qk_rope_head_dim=8, rope_key_groups=1).eval()
+    for name, model, key, part in (("gdn", gdn, "linear_type", "Gated DeltaNet linear layers (2 of 4)"),
+                                   ("qwen", qwen, "use_qk_norm", "per-head q/k RMSNorms in the MLA layers")):
+        d = tmp_path / name
+        with pytest.warns(UserWarning, match=re.escape(f"cannot build this model's {part}")):
+            export_released(model, d)
+        from hylo.released import check_released_dir, public_loader_refusal
+
+        refusal = public_loader_refusal(d)
+        assert refusal.startswith(f"TypeError: HybridConfig.__init__() got an unexpected keyword argument '{key}'")
+        assert check_released_dir(d) == refusal
+        with pytest.raises(TypeError, match=key):
+            _their_dataclass()(**json.loads((d / "hybrid_config.json").read_text()))
+        # a loader that took the file without HyLo's keys would drop tensors: our read-back says which
+        hyb = json.loads((d / "hybrid_config.json").read_text())
+        (d / "hybrid_config.json").write_text(json.dumps({k: v for k, v in hyb.items()
+                                                          if k not in ("linear_type", "gdn_num_heads", "gdn_head_dim",
+                                                                       "use_qk_norm")}))
+        dropped = "model.layers.1.gdn" if name == "gdn" else "model.layers.0.mla.k_norm.weight"
+        with pytest.raises(ReleasedLayoutError, match=re.escape(f"dropped by their loader (no such module): {dropped}")):
+            check_released_dir(d)
 
 
 # ------------------------------------------------------------------------------------ strictness
@@ -713,7 +1015,7 @@ def test_cli_errors_for_bad_released_input(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "hybrid_config.json: mla_layers" in err and "mixers named" not in err, err
     (d / "hybrid_config.json").write_text(json.dumps(hyb))
-    with pytest.warns(UserWarning, match="q/k RMSNorm"):
+    with pytest.warns(UserWarning, match="imported as an untied LM head"):
         assert convert.main(["--from-released", str(d), "--out", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
     summary = json.loads(out[out.rindex("\n{"):] if "\n{" in out else out)

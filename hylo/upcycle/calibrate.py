@@ -33,9 +33,22 @@ CALIBRATION_TEXT = (
 )
 
 
-def calibration_ids_for(tokenizer) -> torch.Tensor:
+def calibration_ids_for(tokenizer, where: str = "the base's tokenizer") -> torch.Tensor:
+    """`CALIBRATION_TEXT` as token ids [1, <= 512]; a tokenizer that gives no token for it is an UpcycleError
+    (a forward on 0 tokens fails deep in the base model, and there would be nothing to fit)."""
     ids = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids
+    check_calibration_ids(ids, f"{where} ({type(tokenizer).__name__})")
     return ids[:, :512]
+
+
+def check_calibration_ids(ids: torch.Tensor, where: str) -> None:
+    """Refuse calibration ids with no token in them, saying how to get some or skip the pass."""
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise UpcycleError(
+            f"{where}: the calibration text gives {ids.shape[-1] if ids.dim() else 0} tokens (ids of shape "
+            f"{tuple(ids.shape)}), nothing to calibrate on; the pass tokenises a built-in English + code + chat text "
+            f"({len(CALIBRATION_TEXT)} characters) with the base's tokenizer: check its tokenizer files, give "
+            "calibration_ids [1, T] with T >= 1, or convert without calibration (--no-calibrate, or calibrate: false)")
 
 
 def default_calibration_ids(base_dir: str | Path) -> torch.Tensor:
@@ -49,7 +62,7 @@ def default_calibration_ids(base_dir: str | Path) -> torch.Tensor:
             f"{base_dir}: no tokenizer could be loaded ({type(e).__name__}: {e}); calibration tokenises a built-in "
             "text with the base's tokenizer: add its tokenizer files, or convert without calibration "
             "(--no-calibrate, or calibrate: false)") from e
-    return calibration_ids_for(tokenizer)
+    return calibration_ids_for(tokenizer, f"{base_dir}: its tokenizer")
 
 
 @torch.no_grad()

@@ -36,6 +36,7 @@ INITS = ("attention", "random")
 @dataclass
 @rules(kv_lora_rank=at_least(1), q_lora_rank=at_least(1), qk_rope_head_dim=at_least(1), qk_nope_head_dim=at_least(0),
        rope_key_groups=at_least(1), mla_latent_norm_eps=above(0), v_head_dim=at_least(1), mamba2_xb_groups=at_least(1),
+       mamba2_norm_eps=above(0),
        gdn_num_heads=at_least(1), gdn_head_dim=at_least(1), gdn_expand_v=above(0), yarn_factor=at_least(1),
        yarn_original_max_position_embeddings=at_least(1), max_position_embeddings=at_least(1),
        init=one_of(*INITS), seed=at_least(0), dtype=one_of("float32", "bfloat16", "float16"))
@@ -55,7 +56,7 @@ class ConvertConfig:
     rope_key_groups: int | None = None
     # Keep DeepSeek's RMSNorm on the MLA latents (calibrated to their RMS); off for upcycling.
     mla_latent_norm: bool = False
-    # Their epsilon (default: the base's RMSNorm epsilon).
+    # Their epsilon (default: the base's RMSNorm epsilon; AMD's released MLA layers use 1e-6).
     mla_latent_norm_eps: float | None = None
     # kv_b_proj rows per KV head, read by the query heads of each group (the released layout).
     kv_b_per_kv_head: bool = False
@@ -70,6 +71,9 @@ class ConvertConfig:
     # Mamba-2: x and B in this many groups read by consecutive heads (the number of KV heads gives Zebra-Llama's
     # / AMD's released layout, d_xb = KV heads x head_dim); None: x per head (mamba_ssm's layout).
     mamba2_xb_groups: int | None = None
+    # Mamba-2: epsilon of the gated output RMSNorm (default: the base's RMSNorm epsilon; AMD's released Mamba-2
+    # layers fix it at 1e-5, so a base with another one, e.g. Qwen3's 1e-6, exports exactly only with 1e-5).
+    mamba2_norm_eps: float | None = None
     # The MLA RoPE scaling (a transformers rope_scaling mapping); None: the base's, when MLA can carry it.
     rope_scaling: dict[str, Any] | None = None
     # YaRN on the MLA RoPE with this factor (the released 64K models: 32), over an original window

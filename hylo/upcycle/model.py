@@ -24,7 +24,12 @@ import torch
 from torch import nn
 
 from hylo.upcycle.base import check_base_weights, load_base_model
-from hylo.upcycle.calibrate import calibrate_linear, calibrate_mla_norms, default_calibration_ids
+from hylo.upcycle.calibrate import (
+    calibrate_linear,
+    calibrate_mla_norms,
+    check_calibration_ids,
+    default_calibration_ids,
+)
 from hylo.upcycle.config import INITS, ConvertConfig, UpcycleError
 from hylo.upcycle.gdn import gdn_weights_from_attention, identity_convs_
 from hylo.upcycle.mamba2 import mamba2_weights_from_attention
@@ -115,6 +120,7 @@ def upcycle(
                 raise UpcycleError(f"layer {i}: {name} shape {tuple(w.shape)} != mixer's {tuple(params[name].shape)}")
             params[name].copy_(w.to(params[name].dtype))
     if init == "attention" and calibration_ids is not None:
+        check_calibration_ids(calibration_ids, "calibration_ids")
         if hcfg.mla_layers:
             calibrate_mla_norms(base_model, model, calibration_ids)
         calibrate_linear(base_model, model, calibration_ids)

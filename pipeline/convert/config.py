@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hylo.rules import one_of, rules
 from hylo.upcycle.config import ConvertConfig
 
 
 @dataclass
+@rules(released_layout=one_of("zebra-llama", "x-ecomla"))
 class ConvertJobConfig:
     # The base model: an HF directory, asset:NAME or an asset name (hylo.assets).
     base: str | None = None
@@ -24,3 +26,6 @@ class ConvertJobConfig:
     from_released: str | None = None
     # Export a HyLo checkpoint to the released layout in `out` (read back as AMD's loader would first).
     to_released: str | None = None
+    # The layout to_released writes: Zebra-Llama's hybrid_config.json (MLA + Mamba-2 / GDN) or X-EcoMLA's
+    # MLA_config.json + mla_layer_config.json (all-MLA models). --from-released recognises either.
+    released_layout: str = "zebra-llama"

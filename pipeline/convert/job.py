@@ -44,7 +44,8 @@ def released_io(cfg: ConvertJobConfig) -> dict[str, Any]:
     """from_released / to_released: one layout in, the other out (errors as UpcycleError)."""
     from hylo.config import HybridConfigError
     from hylo.io import CheckpointMismatchError, load_hylo, save_hylo
-    from hylo.released import ReleasedLayoutError, export_released, is_released_layout
+    from hylo.released import ReleasedLayoutError, export_released, is_released_layout, public_loader_refusal
+    from hylo.released_xecomla import export_xecomla, is_xecomla_layout, xecomla_loader_refusal
 
     src = Path(cfg.from_released or cfg.to_released or "")
     if not cfg.out:
@@ -52,23 +53,33 @@ def released_io(cfg: ConvertJobConfig) -> dict[str, Any]:
     if not src.is_dir():
         raise UpcycleError(f"{src} does not exist or is not a directory")
     try:
+        released = is_released_layout(src) or is_xecomla_layout(src)
         if cfg.from_released:
-            if not is_released_layout(src):
-                raise UpcycleError(f"{src}: its hybrid_config.json is not in the released layout (AMD's keys)")
+            if not released:
+                raise UpcycleError(f"{src}: its hybrid_config.json is not in the released layout (AMD's keys), and it "
+                                   f"has no X-EcoMLA MLA_config.json + mla_layer_config.json")
             model = load_hylo(src, dtype="auto")
             save_hylo(model, cfg.out, tokenizer_from=src)
         else:
-            if is_released_layout(src):
+            if released:
                 raise UpcycleError(f"{src} is already in the released layout")
             model = load_hylo(src, dtype="auto")
-            export_released(model, cfg.out, tokenizer_from=src)
+            export = export_xecomla if cfg.released_layout == "x-ecomla" else export_released
+            export(model, cfg.out, tokenizer_from=src)
     except (ReleasedLayoutError, HybridConfigError, CheckpointMismatchError) as e:
         raise UpcycleError(str(e)) from None
     mcfg = model.config
-    return {"from": str(src), "out": str(cfg.out), "layout": "released" if cfg.to_released else "hylo",
-            "layers": mcfg.n_layer, "mla_layers": mcfg.mla_layers, "linear_type": mcfg.linear_type,
-            "mla_qk_norm": mcfg.mla_qk_norm, "tie_word_embeddings": mcfg.tie_word_embeddings,
-            "parameters": sum(p.numel() for p in model.parameters())}
+    summary = {"from": str(src), "out": str(cfg.out), "layout": cfg.released_layout if cfg.to_released else "hylo",
+               "layers": mcfg.n_layer, "mla_layers": mcfg.mla_layers, "linear_type": mcfg.linear_type,
+               "mla_qk_norm": mcfg.mla_qk_norm, "tie_word_embeddings": mcfg.tie_word_embeddings,
+               "parameters": sum(p.numel() for p in model.parameters())}
+    if cfg.to_released:
+        # what AMD's public loader (at the commit hylo/released_facts.py was read at) does with the export
+        from hylo.released_facts import AMD_AT
+
+        refusal = (xecomla_loader_refusal if cfg.released_layout == "x-ecomla" else public_loader_refusal)(cfg.out)
+        summary["amd_public_loader"] = f"refuses it ({AMD_AT}): {refusal}" if refusal else f"loads it ({AMD_AT})"
+    return summary
 
 
 def dry_run(cfg: ConvertJobConfig) -> dict[str, Any]:
