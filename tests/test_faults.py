@@ -190,3 +190,49 @@ def test_run_lock_left_in_storage_by_an_outage_is_reported_and_taken_back_by_its
                 with run_lock(run):
                     pass
         assert not (run / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_stage_jobs_exit_143_with_one_line_when_preempted_and_one_line_when_training_fails(stage, monkeypatch,
+                                                                                              capsys):
+    """What `python jobs/stage<N>.py` (and `hylo stage<N>`) does with what the driver raises: a preemption
+    is exit status 143 and its one resume line, the last of the output (before, jobs/stage*.py wrapped the
+    driver's run() in the generic handler: a traceback and exit status 1); a run Ray Train gave up on is
+    one `error: training failed: ...` line, exit status 1; a worker's input error one line, exit status 2."""
+    import importlib
+
+    from hylo.pipeline.data.rowfile import DataFormatError
+    from hylo.pipeline.train import driver
+
+    job = importlib.import_module(f"hylo.jobs.stage{stage}")
+    resume = "preempted (SIGTERM): run the same command with --resume to continue from step_00000006, its " \
+             "newest intact checkpoint"
+    raised: list[BaseException] = []
+
+    def fake_run(n: int, argv: list[str] | None = None) -> dict:
+        assert n == stage and argv == ["--config", "c.yaml"]
+        print("[train] step 6 ...")
+        raise raised[0]
+
+    monkeypatch.setattr(driver, "run", fake_run)
+    monkeypatch.setattr(job, "run", fake_run, raising=False)  # where a job called the driver's run() itself
+    raised[:] = [driver.Preempted(resume)]
+    assert job.main(["--config", "c.yaml"]) == 143
+    cap = capsys.readouterr()
+    assert cap.err == f"[train] {resume}\n" and cap.out == "[train] step 6 ...\n"
+
+    worker = RuntimeError("Traceback (most recent call last):\n  File ...\nRuntimeError: NCCL watchdog timeout")
+    try:
+        raise driver.TrainingError(worker) from worker
+    except driver.TrainingError as e:
+        raised[:] = [e]
+    assert job.main(["--config", "c.yaml"]) == 1
+    assert capsys.readouterr().err == "error: training failed: RuntimeError: NCCL watchdog timeout\n"
+
+    bad = DataFormatError("d/shard-00001.parquet: row group 0 (rows 0..3 of the shard) is unreadable")
+    try:
+        raise driver.TrainingError(bad) from bad
+    except driver.TrainingError as e:
+        raised[:] = [e]
+    assert job.main(["--config", "c.yaml"]) == 2
+    assert capsys.readouterr().err == f"error: {bad}\n"

@@ -454,12 +454,30 @@ def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
     return summary
 
 
-def main(stage: int) -> None:
+def main(stage: int, argv: list[str] | None = None) -> int:
+    """The stage jobs' main (jobs/stage1.py, jobs/stage2.py, under `cli.job_main`), and its exit status:
+
+    * 0: the run finished;
+    * 143 (`PREEMPTED_EXIT`): SIGTERM stopped it (a preemption): one line naming the checkpoint that
+      `--resume` continues from, the last line of the output;
+    * 2: bad input, also when a worker raised it (`job_main`: one `error: ...` line);
+    * 1: Ray Train gave up for another reason (a fault past `ray.max_failures`, a bug in a worker):
+      one `error: training failed: <the first worker's error>` line (the worker's traceback is in its
+      log above it).
+    A bug in the driver itself keeps its traceback."""
+    from hylo.pipeline.cli import _stop_ray_logs, input_error_message, report_error
+
     try:
-        run(stage, sys.argv[1:])
+        run(stage, sys.argv[1:] if argv is None else argv)
     except Preempted as e:
-        print(f"[train] {e}", file=sys.stderr)
-        sys.exit(PREEMPTED_EXIT)
-    except (ConfigError, ckpt_lib.CheckpointError, StorageError, TrainingError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _stop_ray_logs()
+        sys.stdout.flush()
+        print(f"[train] {e}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT
+    except TrainingError as e:
+        if input_error_message(e) is not None:
+            raise  # job_main reports it: one line, exit status 2
+        _stop_ray_logs()
+        report_error(str(e))
+        return 1
+    return 0
