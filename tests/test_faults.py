@@ -236,3 +236,37 @@ def test_the_stage_jobs_exit_143_with_one_line_when_preempted_and_one_line_when_
         raised[:] = [e]
     assert job.main(["--config", "c.yaml"]) == 2
     assert capsys.readouterr().err == f"error: {bad}\n"
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+def test_a_resume_from_an_older_step_sets_the_other_line_aside_once(tmp_path, where):
+    """`checkpoint.set_aside_other_lines` (the training loop calls it after a resume): the checkpoints after
+    the resumed step go to `<run>/abandoned/<time>-after-step_N/` with a copy of the metrics file, whole
+    (an object store has no directory rename: copied, then deleted); pruning and "the latest" see only the
+    line the run is on; an incomplete newer one is left for the line to overwrite."""
+    import contextlib
+
+    server = s3_server() if where == "s3" else contextlib.nullcontext()
+    with server as s3:
+        run = Loc.of(s3.uri("unit/lines")) if s3 is not None else Loc.of(tmp_path / "run")
+        for step in (3, 6, 9, 12):
+            upload_checkpoint(tmp_path, run, step, retries=0, backoff_s=0)
+        upload_with_retries(scratch(tmp_path, 15), run / "step_00000015", retries=0, backoff_s=0)  # no manifest
+        (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 13)))
+        assert ckpt_lib.set_aside_other_lines(run, run / "step_00000012", 12) is None
+        folder, names = ckpt_lib.set_aside_other_lines(run, run / "step_00000003", 3, copies=("metrics.jsonl",))
+        assert names == ["step_00000006", "step_00000009", "step_00000012"]
+        assert folder.parent == run / "abandoned" and folder.name.endswith("-after-step_00000003")
+        assert sorted(c.name for c in folder.children()) == ["metrics.jsonl", *names]
+        assert ckpt_lib.checkpoint_problem(folder / "step_00000012", deep=True) is None
+        assert (folder / "metrics.jsonl").read_text().count("step") == 12
+        assert [s for s, _ in ckpt_lib.step_dirs(run)] == [3, 15]
+        assert ckpt_lib.latest_checkpoint(run) == run / "step_00000003"
+        # the new line's step 6: keep=2 keeps 3 and 6 (before: 3, 6, 9, 12 counted, and 3 and 6 went)
+        upload_checkpoint(tmp_path / "new", run, 6, retries=0, backoff_s=0)
+        assert ckpt_lib.prune(run, 2) == []
+        # from a checkpoint of another run, every checkpoint of this one is on another line
+        other = Loc.of(tmp_path / "elsewhere")
+        upload_checkpoint(tmp_path / "other", other, 6, retries=0, backoff_s=0)
+        folder2, names2 = ckpt_lib.set_aside_other_lines(run, other / "step_00000006", 6)
+        assert names2 == ["step_00000003", "step_00000006"] and folder2 != folder

@@ -51,6 +51,7 @@ import pickle
 import random
 import re
 import shutil
+import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -78,6 +79,8 @@ STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 RANK_FILES = re.compile(r"^ranks/rank_\d+\.files\.json$")
 FORMAT_VERSION = 2
+# where a resume from an older checkpoint puts the run's checkpoints of the line it leaves (set_aside_other_lines)
+ABANDONED_DIR = "abandoned"
 
 
 class CheckpointError(RuntimeError):
@@ -564,6 +567,34 @@ def prune(run_dir: Path | Loc, keep: int | None) -> list[str]:
             p.rmtree()
             removed.append(p.name)
     return removed
+
+
+def set_aside_other_lines(run_dir: Path | Loc, resumed: Path | Loc, step: int,
+                          copies: tuple[str, ...] = ()) -> tuple[Loc, list[str]] | None:
+    """A resume from checkpoint `resumed` (at `step`) continues the run's line of checkpoints from there:
+    the run's complete checkpoints that are not on that line (the ones after `step`; every one when
+    `resumed` is not a checkpoint of this run) are moved into `<run>/abandoned/<time>-after-<name>/`,
+    with a copy of each file of `copies` (the metrics of the abandoned line), so that "the newest
+    checkpoint" (`--resume`, `latest_checkpoint`) and pruning (`checkpoint.keep`) only ever see the line the
+    run is on, and nothing of the abandoned line is deleted, overwritten or resumed from silently.
+    Returns (that folder, the names moved), or None when every checkpoint is on the line.
+    (Incomplete ones are left: nothing resumes from them, and the line overwrites or prunes them.)"""
+    run, resumed = Loc.of(run_dir), Loc.of(resumed)
+    ours = resumed.parent == run
+    other = [(s, p) for s, p in step_dirs(run) if (s > step or not ours) and p != resumed and is_complete(p)]
+    if not other:
+        return None
+    base = f"{time.strftime('%Y%m%dT%H%M%S')}-after-{resumed.name}"
+    folder, n = run / ABANDONED_DIR / base, 1
+    while folder.exists():
+        n += 1
+        folder = run / ABANDONED_DIR / f"{base}-{n}"
+    for name in copies:
+        if (run / name).is_file():
+            (folder / name).write_bytes((run / name).read_bytes())
+    for _, p in other:
+        p.move_dir(folder / p.name)
+    return folder, [p.name for _, p in other]
 
 
 def delete_checkpoints(run_dir: Path | Loc) -> tuple[int, int]:
