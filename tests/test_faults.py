@@ -270,3 +270,23 @@ def test_a_resume_from_an_older_step_sets_the_other_line_aside_once(tmp_path, wh
         upload_checkpoint(tmp_path / "other", other, 6, retries=0, backoff_s=0)
         folder2, names2 = ckpt_lib.set_aside_other_lines(run, other / "step_00000006", 6)
         assert names2 == ["step_00000003", "step_00000006"] and folder2 != folder
+
+
+def test_a_users_file_in_the_runs_model_directory_stops_the_run_before_training(tmp_path):
+    """The consolidated model replaces `<run>/model` at the end of training: a directory there holding anything
+    this project did not write is refused before Ray starts (not after the training, and never deleted)."""
+    from hylo.pipeline.train.driver import check_outputs
+
+    from hylo.files import ForeignOutputError
+
+    cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=r"])
+    check_outputs(cfg)
+    (tmp_path / "r" / "model").mkdir(parents=True)
+    check_outputs(cfg)  # empty: fine
+    (tmp_path / "r" / "model" / "eval.md").write_text("my notes")
+    with pytest.raises(ForeignOutputError, match=r"the run's model directory \(checkpoint.consolidate\) .*model "
+                                                 r"holds 1 entry this project did not write \(eval.md;"):
+        check_outputs(cfg)
+    check_outputs(load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=r",
+                                              "checkpoint.consolidate=false"]))
+    assert (tmp_path / "r" / "model" / "eval.md").read_text() == "my notes"

@@ -131,6 +131,17 @@ def reset_ray_snapshot(run: Loc) -> str | None:
     return note
 
 
+def check_outputs(cfg: StageConfig) -> None:
+    """Before Ray starts: the directories the run will replace (`<run>/model` at the end, with
+    checkpoint.consolidate) hold nothing this project did not write (hylo.files.check_replaceable), so a
+    user's file there stops the run now, not after the training."""
+    from hylo.files import check_replaceable
+
+    run = run_loc(cfg)
+    if cfg.checkpoint.consolidate and run.is_local:
+        check_replaceable(run.local() / "model", "the run's model directory (checkpoint.consolidate)")
+
+
 def convert_if_needed(cfg: StageConfig) -> StageConfig:
     """Stage 1 without a converted student: convert `model.base` with `model.convert` options, once
     (`hylo.upcycle.convert`, as jobs/convert.py does)."""
@@ -422,6 +433,8 @@ def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
     if launcher == "torchrun" and cfg.stage == 1 and not cfg.model.student:
         raise ConfigError("ray.launcher=torchrun needs model.student: convert first (jobs/convert.py)")
     check_stage_inputs(cfg)
+    if is_rank0:
+        check_outputs(cfg)
     cfg = convert_if_needed(cfg)
     rd, run = run_dir(cfg), run_loc(cfg)
     rd.mkdir(parents=True, exist_ok=True)
