@@ -14,7 +14,7 @@
   loaded (94 s), and then retried as if it were a fault;
 * data (parquet): the manifest, its split and max_len (against data.seq_len when set), and every shard's
   Parquet footer and row count (a truncated or half-copied shard is named here; a shard corrupt inside is
-  named by the reader).
+  named by the reader, which verifies page checksums; shards written without them are a warning).
 """
 
 from __future__ import annotations
@@ -63,7 +63,14 @@ def _convert_options_fit_the_base(cfg: StageConfig, base_dir: str | Path) -> Non
 def _data(cfg: StageConfig) -> None:
     from hylo.pipeline.train.rows import open_rows
 
-    open_rows(cfg.data, cfg.train.seed, 0, cfg.ray.num_workers).source.check_shards()
+    source = open_rows(cfg.data, cfg.train.seed, 0, cfg.ray.num_workers).source
+    source.check_shards()
+    unverified = [s["file"] for s in source.manifest["shards"] if not s.get("page_checksums")]
+    if unverified:
+        print(f"[train] warning: data.path={cfg.data.path}: {len(unverified)} shard(s) ({', '.join(unverified[:3])}"
+              f"{' ...' if len(unverified) > 3 else ''}) were written without page checksums (prepared before they "
+              f"were written): they are read unverified, so a byte changed on disk would not be noticed; prepare "
+              f"the data again to have them checked", file=sys.stderr, flush=True)
 
 
 def _model_config(key: str, directory: Path) -> dict[str, Any]:
