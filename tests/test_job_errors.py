@@ -306,6 +306,45 @@ def test_stage2_job(tmp_path, tiny):
     assert_input_error(proc, "kd.kl_weight=-5.0: must be >= 0")
 
 
+def _foreign_data(d: Path, vocab_size: int, **manifest) -> Path:
+    from hylo.pipeline.data.shards import ShardWriter, write_manifest
+
+    from fixtures_teacher import make_packed_row
+
+    w = ShardWriter(d, 4, 2)
+    for i in range(8):
+        w.add(make_packed_row([20, 30, 14], vocab_size=vocab_size, seed=i))
+    write_manifest(d, {"config_hash": "x", "split": "stage2", "max_len": 64, "shards": w.finish(), **manifest})
+    return d
+
+
+@pytest.mark.slow
+def test_rows_of_another_tokenizer_are_refused_before_ray_starts(tmp_path, tiny):
+    """Issue 29: rows tokenized with another tokenizer than the student's reached the workers, whose error
+    was retried like a machine fault, then a traceback (rc 1). Now the stage's input check refuses them in
+    one line, before Ray starts: ids past the student's vocabulary (the shards' footer statistics), a
+    tokenizer named by the manifest that disagrees with the student's, or its recorded token table."""
+    from hylo.pipeline.data.render import token_table, token_table_hash
+
+    from fixtures_teacher import save_tiny_llama
+
+    def stage2(data: Path):
+        cfg = _stage_config(tiny, tmp_path, 2, data={"source": "parquet", "path": str(data)})
+        return run_job(["jobs/stage2.py", "--config", str(cfg)])
+
+    wide = _foreign_data(tmp_path / "wide", vocab_size=4000, tokenizer="another-tokenizer")
+    assert_input_error(stage2(wide), f"data.path={wide}: shard-0000", "outside the student's vocabulary of 96",
+                       "tokenized with another tokenizer ('another-tokenizer')")
+    other = save_tiny_llama(tmp_path / "other-tok", vocab_size=96, tokenizer_salt="q")
+    named = _foreign_data(tmp_path / "named", vocab_size=96, tokenizer=str(other))
+    assert_input_error(stage2(named), f"tokenized with {str(other)!r}, whose tokenizer disagrees with the student's",
+                       "on 96 token id(s), first id 0: 'wq0' vs 'w0'")
+    table = token_table_hash(token_table((other / "tokenizer.json").read_text()))
+    recorded = _foreign_data(tmp_path / "recorded", vocab_size=96, tokenizer="/elsewhere/tok", token_table=table)
+    assert_input_error(stage2(recorded), f"tokenized with '/elsewhere/tok' (token table {table}), not with the "
+                                         "student's tokenizer")
+
+
 @pytest.mark.slow
 def test_eval_job(tmp_path, tiny):
     model = _copy_model(tiny["student"], tmp_path / "student")

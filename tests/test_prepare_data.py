@@ -370,8 +370,15 @@ def test_overwrite_replaces_what_the_manifest_lists_and_refuses_anything_else(ol
     prepare(_cfg(source, old_dataset, "output.overwrite=true"))
     assert (old_dataset / ".hylo-output.json").is_file() and not (old_dataset / "notes.txt").exists()
     # the new dataset is ours by its record as well: replaced again
-    prepare(_cfg(source, old_dataset, "output.overwrite=true", "output.rows_per_shard=1000"))
+    cfg = _cfg(source, old_dataset, "output.overwrite=true", "output.rows_per_shard=1000")
+    prepare(cfg)
     assert sorted(p.name for p in old_dataset.glob("shard-*")) == ["shard-00000.parquet"]
+    # the manifest records which token each id stands for (training checks its student's tokenizer against it)
+    from hylo.pipeline.data.prepare import resolve_tokenizer
+    from hylo.pipeline.data.render import token_table, token_table_hash
+
+    tok = resolve_tokenizer(cfg.tokenize.tokenizer) / "tokenizer.json"
+    assert read_manifest(old_dataset)["token_table"] == token_table_hash(token_table(tok.read_text()))
 
 
 def test_empty_source_fails_the_job_and_allow_empty_warns(source, tmp_path, no_ray, monkeypatch, capsys):

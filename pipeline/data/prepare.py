@@ -296,7 +296,7 @@ def _counts(records: list[dict[str, Any]], mix_stats: Any, rejects: _Rejects, ru
 
 def _prepare_into(cfg: Any, staging: Path, out: Path, renderer: ChatRenderer, pad_id: int,
                   index: Any) -> dict[str, Any]:
-    from hylo.pipeline.data.render import tokenizer_hash
+    from hylo.pipeline.data.render import token_table, token_table_hash, tokenizer_hash
 
     run = PackedRun()
     warnings: list[str] = []
@@ -322,6 +322,8 @@ def _prepare_into(cfg: Any, staging: Path, out: Path, renderer: ChatRenderer, pa
         "config_hash": rows_config_hash(cfg),
         "tokenizer": str(cfg.tokenize.tokenizer),
         "tokenizer_hash": tokenizer_hash(renderer),
+        # which token each id stands for: training checks its student's tokenizer against it
+        "token_table": token_table_hash(token_table(renderer.spec()["tokenizer_json"])),
         "pad_id": int(pad_id),
         "counts": _counts(records, mix_stats, rejects, run, packer),
         "mixture": mix_stats.to_dict(),
