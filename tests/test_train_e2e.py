@@ -182,6 +182,30 @@ def test_resume_from_an_older_checkpoint_starts_a_new_line_of_checkpoints(tiny, 
     assert_same_steps(read_metrics(reference), got, range(1, 13))
 
 
+def test_resume_with_a_student_of_another_width_is_refused_before_ray_starts(tiny, reference):
+    """Issue 29: `--resume` with model.student of another width (model.student may change across a resume)
+    failed inside DeepSpeed's load (`The size of tensor a ... must match`), retried, rc 1. The driver compares
+    the student with the shapes the checkpoint holds before Ray starts: one line, rc 2, nothing retried."""
+    import shutil
+
+    root, models = tiny
+    wide = make_tiny_models(root / "wide", hidden_size=48)
+    run = root / "runs-wide" / "reference"
+    shutil.copytree(reference, run)
+    cfg_path = write_config(tiny_config(models, root / "runs-wide", "reference", ray={"launcher": "ray"}),
+                            root / "wide.yaml")
+    proc = subprocess.run([sys.executable, str(REPO / "jobs" / "stage2.py"), "--config", str(cfg_path), "--resume",
+                           "--set", f"model.student={wide['student']}"], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    err = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert err.startswith(f"error: cannot resume from {run / 'step_00000012'}: model.student='{wide['student']}' "
+                          "is not the model it trained ("), err
+    assert "first lm_head.weight: (96, 32) in the checkpoint, (96, 48) in the student" in err, err
+    assert f"(model.student='{models['student']}')" in err
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_two_runs_with_the_same_storage_and_name_cannot_overwrite_each_other(tiny, reference):
     """Issue 21: started together, both passed the "already holds checkpoints" check (neither had written
     one yet), both exited 0 and the later one replaced the first's metrics, checkpoints and model. Now

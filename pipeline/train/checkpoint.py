@@ -486,6 +486,67 @@ def check_compatible(ckpt: Path | Loc, cfg: StageConfig, world_size: int,
     return state
 
 
+def stored_param_shapes(ckpt: Path | Loc) -> dict[str, tuple[int, ...]] | None:
+    """The parameter shapes DeepSpeed recorded in a checkpoint (rank 0's model-states file: `param_shapes`
+    and `frozen_param_shapes`, by the engine module's names), or None when it has no such file. The file is
+    checked against the manifest's sha256 first and loaded weights-only with DeepSpeed's allow-list."""
+    import io
+
+    loc = Loc.of(ckpt)
+    manifest = read_manifest(loc)
+    names = sorted(n for n in manifest["files"] if n.startswith(f"{ZERO_DIR}/{ZERO_TAG}/")
+                   and n.endswith("model_states.pt"))
+    names = [n for n in names if "rank_0_" in n or n.endswith("/mp_rank_00_model_states.pt")] or names[:1]
+    if not names:
+        return None
+    f = loc / names[0]
+    data = f.read_bytes()
+    if hashlib.sha256(data).hexdigest() != manifest["files"][names[0]]["sha256"]:
+        raise CheckpointError(f"{f}: content differs from the manifest's sha256 (corrupted or replaced)")
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{f}: refused to load a DeepSpeed file: it holds objects that are not weights "
+                              f"({str(e).splitlines()[0]})") from None
+    out: dict[str, tuple[int, ...]] = {}
+    for key in ("param_shapes", "frozen_param_shapes"):
+        groups = state.get(key) or []
+        for group in groups if isinstance(groups, list) else [groups]:
+            out.update({str(k): tuple(int(d) for d in v) for k, v in dict(group).items()})
+    return out
+
+
+def check_student_fits(ckpt: Path | Loc, student: Path, prefix: str = "student.") -> None:
+    """Refuse a resume whose student (model.student, a local HyLo checkpoint) has other parameter shapes than
+    the ones checkpoint `ckpt` holds (DeepSpeed would fail deep inside its load, in every worker and every
+    retry: `The size of tensor a (26912) must match ...`). Cheap: config files, a meta-device model and
+    rank 0's small model-states file."""
+    stored = stored_param_shapes(ckpt)
+    if not stored:
+        return
+    from hylo.config import HybridConfig
+    from hylo.modeling import HyLoForCausalLM
+
+    with torch.device("meta"):
+        model = HyLoForCausalLM(HybridConfig.from_hybrid_json(student))
+    mine = {prefix + n: tuple(p.shape) for n, p in model.named_parameters()}
+    theirs = {n: s for n, s in stored.items() if n.startswith(prefix)}
+    problems = [f"{n[len(prefix):]}: {theirs[n]} in the checkpoint, {mine[n]} in the student" for n in sorted(theirs)
+                if n in mine and mine[n] != theirs[n]]
+    problems += [f"{n[len(prefix):]}: in the checkpoint, not in the student" for n in sorted(set(theirs) - set(mine))]
+    if problems:
+        try:
+            was = read_json(Loc.of(ckpt) / STATE_FILE)["config"]["model"]["student"]
+        except (CheckpointError, KeyError, TypeError):
+            was = None
+        raise ConfigError(
+            f"cannot resume from {ckpt}: model.student={str(student)!r} is not the model it trained "
+            f"({len(problems)} parameter(s) differ, first {problems[0]}); resume with the student the run "
+            f"started from" + (f" (model.student={was!r})" if was else "") + ", or start a new run (another ray.name)",
+            "model.student")
+
+
 def deepspeed_safe_globals() -> list[Any]:
     """The non-tensor classes DeepSpeed puts into its checkpoint pickles (ZeRO stages 0-3, fp32/bf16),
     allowed for `torch.load(weights_only=True)`; anything else in a pickle is refused."""

@@ -142,6 +142,19 @@ def check_outputs(cfg: StageConfig) -> None:
         check_replaceable(run.local() / "model", "the run's model directory (checkpoint.consolidate)")
 
 
+def check_resume_fits(cfg: StageConfig, resume: str | None) -> None:
+    """Before Ray starts: the student a resume loads (model.student, which may change across a resume) has
+    the parameter shapes of the checkpoint it continues (`--resume`: the newest intact one; `--resume PATH`:
+    that one). Before, a student of another width failed inside DeepSpeed's load in every worker, retried."""
+    from hylo.pipeline.train.storage import is_uri
+
+    if resume is None or not cfg.model.student or is_uri(cfg.model.student):
+        return
+    ckpt = ckpt_lib.latest_checkpoint(run_loc(cfg)) if resume == "latest" else resume_path(cfg, resume)
+    if ckpt is not None and ckpt_lib.is_complete(ckpt):
+        ckpt_lib.check_student_fits(ckpt, Path(cfg.model.student).expanduser())
+
+
 def convert_if_needed(cfg: StageConfig) -> StageConfig:
     """Stage 1 without a converted student: convert `model.base` with `model.convert` options, once
     (`hylo.upcycle.convert`, as jobs/convert.py does)."""
@@ -436,6 +449,8 @@ def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
     if is_rank0:
         check_outputs(cfg)
     cfg = convert_if_needed(cfg)
+    if is_rank0:
+        check_resume_fits(cfg, resume)
     rd, run = run_dir(cfg), run_loc(cfg)
     rd.mkdir(parents=True, exist_ok=True)
     if is_rank0:
