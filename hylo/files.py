@@ -12,6 +12,10 @@ Used by `hylo/` and `pipeline/` alike (this module imports neither torch nor Ray
   entries it wrote) into each directory it makes, and refuses to replace an existing directory holding
   anything its record does not list (`check_replaceable`, before the work and again at the swap): a
   user's notes.txt in `--out`, or a directory this project never wrote, is named and left alone.
+* Files get the mode the umask gives (`honour_umask`): safetensors >= 0.8 writes through a temporary
+  file of mode 0600 and renames it (safetensors#782), so model.safetensors (also through transformers'
+  save_pretrained) was unreadable to the other users of a shared machine. Every atomic write and
+  directory swap here sets such a file to 0o666 & ~umask, as a plain `open()` would have.
 * `read_json(path, error)`: the JSON value of a file, or `error` naming the file when it is not JSON.
 * `check_safetensors(path)` reads only the 8-byte length and the JSON header of a .safetensors file and
   checks that the tensors it lists cover the file exactly (what safetensors itself requires, but its
@@ -49,6 +53,39 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def current_umask() -> int:
+    """This process's umask (Linux: read from /proc, so no other thread ever sees it changed)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+# the mode a temporary file is created with (tempfile, and the Rust tempfile crate safetensors uses)
+_TEMP_FILE_MODE = 0o600
+
+
+def honour_umask(path: str | Path) -> None:
+    """Give a file of mode 0600 (a temporary file's), or every such file below a directory, the mode a new
+    file gets from the umask (0o666 & ~umask, e.g. 0644): what `open()` would have made. Other modes are left."""
+    p = Path(path)
+    want = 0o666 & ~current_umask()
+    if want == _TEMP_FILE_MODE:
+        return
+    for f in (p.rglob("*") if p.is_dir() else [p]):
+        try:
+            st = f.lstat()
+            if f.is_file() and not f.is_symlink() and (st.st_mode & 0o777) == _TEMP_FILE_MODE:
+                os.chmod(f, want)
+        except OSError:
+            continue
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path, fsync: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside `path` for the caller (or a library) to write; when the block ends
@@ -60,6 +97,7 @@ def atomic_path(path: str | Path, fsync: bool = False) -> Iterator[Path]:
         yield tmp
         if fsync:
             _fsync(tmp)
+        honour_umask(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -163,6 +201,7 @@ def atomic_dir(path: str | Path, what: str = "output directory",
         atomic_write(tmp / OUTPUT_RECORD, json.dumps({"written_by": "hylo-pipeline", "entries": entries},
                                                      indent=1) + "\n")
         check_replaceable(path, what, owned)
+        honour_umask(tmp)
         replace_dir(tmp, path)
     finally:
         if tmp.exists():
