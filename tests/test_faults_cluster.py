@@ -188,6 +188,11 @@ def test_sigterm_to_the_driver_checkpoints_within_the_grace_period_and_resume_is
                                        f"continue from {newest.name}, its newest intact checkpoint"
     assert not (rd / ".preempt.json").exists() and not (rd / "model").exists()
 
+    # the job disconnected from Ray before its last line (so that Ray's streamed logs end first): join again
+    import ray
+
+    assert not ray.is_initialized()
+    ray.init(address=nodes.cluster.address)
     resumed = run(2, ["--config", str(cfg_path), "--resume"])
     got = read_metrics(rd)
     assert resumed["last_step"] == steps and list(got) == list(range(1, steps + 1))
