@@ -46,7 +46,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from hylo.files import atomic_write, remove_path, replace_dir
+from hylo.files import atomic_write, honour_umask, remove_path, replace_dir
 
 MARKER = ".complete.json"
 
@@ -353,6 +353,8 @@ def fetch_asset(
     root = cache_root(cache_dir)
     target = asset_dir(name, root)
     if is_complete(name, root, verify=verify):
+        # an asset built before files honoured the umask has a model.safetensors of mode 0600
+        honour_umask(target)
         return asset_path(name, root)
     from tqdm import tqdm
 
@@ -389,6 +391,7 @@ def fetch_asset(
                 atomic_write(out / MARKER, json.dumps(marker, indent=1))
                 steps.update()
             # Replace a previous invalid target; a valid one cannot exist here (checked under the lock).
+            honour_umask(out)
             replace_dir(out, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -10,6 +10,7 @@ Validation runs on construction and on load; each error names the key and what i
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,21 @@ _BOOKKEEPING_KEYS = ("transformers_version", "architectures", "auto_map", "num_h
 
 class HybridConfigError(ValueError):
     """Invalid HybridConfig: the message names the key and the allowed values."""
+
+
+def _layer_indices(value: Any) -> list[int]:
+    """`mla_layers` as given: a list of integer layer indices. Anything else (the string "0", a float, a bool,
+    a bare number) is a HybridConfigError naming the entry, never read as a layer (int("0") was layer 0)."""
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple):
+        raise HybridConfigError(f"HybridConfig.mla_layers: must be a list of integer layer indices, got {value!r}")
+    for j, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise HybridConfigError(
+                f"HybridConfig.mla_layers: must be a list of integer layer indices, got {list(value)!r} (entry {j}, "
+                f"{v!r}, is a {type(v).__name__}; a string such as \"0\" is never read as a layer)")
+    return [int(v) for v in value]
 
 
 class HybridConfig(PretrainedConfig):
@@ -91,7 +107,7 @@ class HybridConfig(PretrainedConfig):
         self.intermediate_size = intermediate_size
         self.hidden_act = hidden_act
         self.n_layer = n_layer
-        self.mla_layers = sorted(int(i) for i in (mla_layers if mla_layers is not None else []))
+        self.mla_layers = sorted(_layer_indices(mla_layers))
         self.rms_norm_eps = rms_norm_eps
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads

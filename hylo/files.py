@@ -8,6 +8,14 @@ Used by `hylo/` and `pipeline/` alike (this module imports neither torch nor Ray
 * `atomic_dir(path)` / `replace_dir(staging, path)`: the same for a directory, built under a temporary
   name and swapped in; a previous one is renamed aside (`.<name>.old-<pid>-<hex>`) and deleted only
   once the new one is in place (put back if that fails).
+* Only our own outputs are ever replaced: `atomic_dir` writes the record `.hylo-output.json` (the
+  entries it wrote) into each directory it makes, and refuses to replace an existing directory holding
+  anything its record does not list (`check_replaceable`, before the work and again at the swap): a
+  user's notes.txt in `--out`, or a directory this project never wrote, is named and left alone.
+* Files get the mode the umask gives (`honour_umask`): safetensors >= 0.8 writes through a temporary
+  file of mode 0600 and renames it (safetensors#782), so model.safetensors (also through transformers'
+  save_pretrained) was unreadable to the other users of a shared machine. Every atomic write and
+  directory swap here sets such a file to 0o666 & ~umask, as a plain `open()` would have.
 * `read_json(path, error)`: the JSON value of a file, or `error` naming the file when it is not JSON.
 * `check_safetensors(path)` reads only the 8-byte length and the JSON header of a .safetensors file and
   checks that the tensors it lists cover the file exactly (what safetensors itself requires, but its
@@ -45,6 +53,39 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def current_umask() -> int:
+    """This process's umask (Linux: read from /proc, so no other thread ever sees it changed)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+# the mode a temporary file is created with (tempfile, and the Rust tempfile crate safetensors uses)
+_TEMP_FILE_MODE = 0o600
+
+
+def honour_umask(path: str | Path) -> None:
+    """Give a file of mode 0600 (a temporary file's), or every such file below a directory, the mode a new
+    file gets from the umask (0o666 & ~umask, e.g. 0644): what `open()` would have made. Other modes are left."""
+    p = Path(path)
+    want = 0o666 & ~current_umask()
+    if want == _TEMP_FILE_MODE:
+        return
+    for f in (p.rglob("*") if p.is_dir() else [p]):
+        try:
+            st = f.lstat()
+            if f.is_file() and not f.is_symlink() and (st.st_mode & 0o777) == _TEMP_FILE_MODE:
+                os.chmod(f, want)
+        except OSError:
+            continue
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path, fsync: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside `path` for the caller (or a library) to write; when the block ends
@@ -56,6 +97,7 @@ def atomic_path(path: str | Path, fsync: bool = False) -> Iterator[Path]:
         yield tmp
         if fsync:
             _fsync(tmp)
+        honour_umask(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -92,16 +134,74 @@ def replace_dir(staging: str | Path, path: str | Path) -> None:
     remove_path(old)
 
 
+# the record of the entries of an output directory this project wrote (what it may later replace)
+OUTPUT_RECORD = ".hylo-output.json"
+
+
+class ForeignOutputError(FileExistsError):
+    """An output directory holds entries this project did not write; the message names them."""
+
+
+def recorded_entries(path: str | Path) -> set[str] | None:
+    """The entries the record of directory `path` lists (None: it has no readable record of ours)."""
+    try:
+        data = json.loads((Path(path) / OUTPUT_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    entries = data.get("entries") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        return None
+    return set(entries)
+
+
+def foreign_entries(path: str | Path, owned: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """Entries of existing directory `path` that this project did not write: listed neither by its
+    record (`OUTPUT_RECORD`) nor in `owned` (what another record of ours, e.g. a dataset manifest, lists)."""
+    ours = (recorded_entries(path) or set()) | set(owned) | {OUTPUT_RECORD}
+    return sorted(p.name for p in Path(path).iterdir() if p.name not in ours)
+
+
+def check_replaceable(path: str | Path, what: str = "output directory",
+                      owned: frozenset[str] | set[str] = frozenset()) -> None:
+    """Refuse to replace `path` unless it is missing, an empty directory, or a directory whose every entry a
+    record of ours lists (`foreign_entries`); `what` names the option in the message."""
+    p = Path(path).expanduser()
+    if not (p.exists() or p.is_symlink()):
+        return
+    if not p.is_dir() or p.is_symlink():
+        raise ForeignOutputError(f"{what} {p} exists and is not a directory; it is never replaced: remove it or "
+                                 f"choose another {what}")
+    foreign = foreign_entries(p, owned)
+    if not foreign:
+        return
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    why = ("its record .hylo-output.json does not list them" if recorded_entries(p) is not None or owned else
+           "it has no .hylo-output.json: this project did not write it")
+    raise ForeignOutputError(f"{what} {p} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} this "
+                             f"project did not write ({shown}; {why}); it only ever replaces its own outputs: "
+                             f"move them away, or choose another {what}")
+
+
 @contextlib.contextmanager
-def atomic_dir(path: str | Path) -> Iterator[Path]:
+def atomic_dir(path: str | Path, what: str = "output directory",
+               owned: frozenset[str] | set[str] = frozenset()) -> Iterator[Path]:
     """Yield a new empty directory beside `path` to fill; when the block ends normally it replaces
-    `path` (`replace_dir`), when it raises it is deleted and `path` is untouched."""
+    `path` (`replace_dir`), when it raises it is deleted and `path` is untouched. The new directory gets
+    the record of its entries (`OUTPUT_RECORD`); an existing `path` holding anything no record of ours
+    lists is refused before the block runs and again before the swap (`check_replaceable`; `owned`:
+    entries another record of ours lists, `what`: the option, for the message)."""
     path = Path(path)
+    check_replaceable(path, what, owned)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(path)
     tmp.mkdir()
     try:
         yield tmp
+        entries = sorted(p.name for p in tmp.iterdir() if p.name != OUTPUT_RECORD)
+        atomic_write(tmp / OUTPUT_RECORD, json.dumps({"written_by": "hylo-pipeline", "entries": entries},
+                                                     indent=1) + "\n")
+        check_replaceable(path, what, owned)
+        honour_umask(tmp)
         replace_dir(tmp, path)
     finally:
         if tmp.exists():

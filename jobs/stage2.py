@@ -17,13 +17,13 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hylo.pipeline.cli import job_main  # noqa: E402
-from hylo.pipeline.train.driver import run  # noqa: E402
+from hylo.pipeline.train import driver  # noqa: E402
 
 
 @job_main
 def main(argv: list[str] | None = None) -> int:
-    run(2, sys.argv[1:] if argv is None else argv)
-    return 0
+    # the driver's own main: a preemption exits 143 with the resume line, a failed run is one line
+    return driver.main(2, argv)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,15 @@ Design choices:
   environment before Ray starts, and Ray's processes and workers inherit it, also the workers of other
   jobs that join the same Ray (the demo's steps). Its workers run at nice 0 (Ray's default is 15): a
   local batch job's workers then get a fair share of the CPU next to its own driver.
+* A local Ray listens on the loopback only (`_loopback_node`): Ray binds its servers (GCS, raylet, object
+  manager, every worker's gRPC port, its agents) to all interfaces unless the node's address is 127.0.0.1,
+  and it picks that address only in its single-machine mode (`ray_constants.ENABLE_RAY_CLUSTER` false, its
+  default on macOS and Windows); a node address of "127.0.0.1" given to `ray.init` is replaced by the
+  machine's reachable one. That mode is set while the local Ray starts, so its node address is 127.0.0.1 and
+  everything it starts listens there, and restored after; a job joining it (RAY_ADDRESS=127.0.0.1:port, the
+  demo's steps) joins in the same mode, so that its driver looks for the node at that address. A cluster
+  started with `ray start` is the way to be reachable from other machines (docs/cluster.md says what it
+  exposes).
 * `num_cpus` is for a Ray this job starts; a job that joins a cluster takes what the cluster has.
 * Only a Ray the job started is shut down (`ray_running`); joining a cluster never stops it.
 * The config section is `hylo.pipeline.config.RayInitSection` (training's `ray` section extends it).
@@ -65,11 +74,42 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_
         return False
     target = resolve_address(address)
     if target:
-        ray.init(address=target, log_to_driver=log_to_driver)
+        # a local Ray of another job of this machine (the demo's steps) is on the loopback: this driver's
+        # node address must be the loopback too, or it would look for its raylet at the reachable one
+        with _loopback_node() if _is_loopback(target) else contextlib.nullcontext():
+            ray.init(address=target, log_to_driver=log_to_driver)
         return False
     os.environ.update(project_env())
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+    with _loopback_node():
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
     return True
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether a Ray address ("host:port", "ray://host:port") names this machine's loopback."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """While a local Ray starts: Ray's single-machine mode, whose node address is 127.0.0.1, so that every
+    server it starts listens on the loopback only (see the module docstring). Restored after: a later join
+    of a real cluster from this process must find the machine's reachable address."""
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # another Ray layout: it starts as it does by itself
+        yield
+        return
+    saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if saved is None:
+            del ray_constants.ENABLE_RAY_CLUSTER
+        else:
+            ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def gcs_address() -> str:

@@ -255,3 +255,28 @@ def test_real_assets_present_and_model_answers():
         out = model.generate(**enc, max_new_tokens=12, do_sample=False)
     answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def test_an_asset_gets_the_umask_mode_even_when_its_builder_wrote_a_0600_file(fake_asset, monkeypatch):
+    """The model asset's model.safetensors (safetensors >= 0.8: a 0600 temporary file renamed) was 0600 in
+    the shared cache; a new asset gets the umask's mode, and one fetched before is repaired on its next use."""
+    import stat
+
+    cache, calls = fake_asset
+    real_build = assets.ASSETS["fake"].build
+
+    def build(src, out, progress):
+        real_build(src, out, progress)
+        os.chmod(out / "items.jsonl", 0o600)  # what safetensors' save_file leaves
+
+    import dataclasses
+
+    monkeypatch.setitem(assets.ASSETS, "fake", dataclasses.replace(assets.ASSETS["fake"], build=build))
+    mask = os.umask(0o022)
+    os.umask(mask)
+    want = 0o666 & ~mask
+    p = fetch_asset("fake", cache, progress=False)
+    assert stat.S_IMODE(p.stat().st_mode) == want
+    os.chmod(p, 0o600)  # an asset fetched before the fix
+    assert fetch_asset("fake", cache, progress=False) == p and calls["build"] == 1
+    assert stat.S_IMODE(p.stat().st_mode) == want

@@ -95,6 +95,21 @@ def test_hybrid_config_roundtrip_and_load_validation(tmp_path):
         HybridConfig.from_hybrid_json(tmp_path)
 
 
+@pytest.mark.parametrize("value,entry", [(["0"], "entry 0, '0', is a str"), ([0, "2"], "entry 1, '2', is a str"),
+                                         ([0, 2.0], "entry 1, 2.0, is a float"), ([True], "entry 0, True, is a bool")],
+                         ids=["str-0", "str-2", "float", "bool"])
+def test_mla_layers_entries_that_are_not_integers_are_refused(tmp_path, value, entry):
+    """Issue 29: the string "0" in mla_layers (a hand-edited hybrid_config.json) was read as layer 0."""
+    with pytest.raises(HybridConfigError, match=re.escape(entry)):
+        HybridConfig(n_layer=4, mla_layers=value, kv_lora_rank=64)
+    HybridConfig(n_layer=4, mla_layers=[0, 2], kv_lora_rank=64).save_hybrid_config(tmp_path)
+    data = json.loads((tmp_path / "hybrid_config.json").read_text())
+    data["mla_layers"] = value
+    (tmp_path / "hybrid_config.json").write_text(json.dumps(data))
+    with pytest.raises(HybridConfigError, match=r"hybrid_config.json.*mla_layers: must be a list of integer layer"):
+        HybridConfig.from_hybrid_json(tmp_path)
+
+
 @dataclasses.dataclass
 class _Inner:
     lr: float = 1e-3

@@ -264,3 +264,33 @@ def test_a_base_whose_tensors_do_not_match_its_config_is_refused_naming_them(tmp
         _load_model(base, torch.float32, None)
     with pytest.raises(EvalError, match=f"{kind}: {name}"):
         load_model(str(base))
+
+
+def test_out_holding_a_users_file_is_refused_naming_it_and_nothing_is_deleted(tmp_path, capsys):
+    """Issue 29: `convert --out DIR` with DIR holding the user's notes.txt answered rc 0 and deleted it. Only a
+    directory whose record (.hylo-output.json, written with every output) lists all it holds is replaced."""
+    base = _tiny_base(tmp_path / "base", tokenizer=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    capsys.readouterr()
+    rc, _, err = _run(["--base", str(base), "--out", str(out)], capsys)
+    assert rc == 2 and err.startswith(f"error: --out {out} holds 1 entry this project did not write (notes.txt; it has "
+                                      f"no .hylo-output.json") and err.count("\n") == 1, err
+    assert (out / "notes.txt").read_text() == "my notes" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    # the same directory, emptied, is ours once written, and converting into it again replaces it
+    (out / "notes.txt").unlink()
+    assert _run(["--base", str(base), "--out", str(out)], capsys)[0] == 0
+    assert "model.safetensors" in json.loads((out / ".hylo-output.json").read_text())["entries"]
+    assert _run(["--base", str(base), "--out", str(out), "--seed", "3"], capsys)[0] == 0
+    # a file dropped into our output later is named too; the released export goes by the same rule
+    (out / "eval-notes.md").write_text("keep me")
+    rc, _, err = _run(["--base", str(base), "--out", str(out)], capsys)
+    assert rc == 2 and "(eval-notes.md; its record .hylo-output.json does not list them)" in err, err
+    released = tmp_path / "released"
+    released.mkdir()
+    (released / "notes.txt").write_text("x")
+    (out / "eval-notes.md").unlink()
+    rc, _, err = _run(["--to-released", str(out), "--out", str(released)], capsys)
+    assert rc == 2 and f"--out {released} holds 1 entry this project did not write (notes.txt;" in err, err
+    assert (released / "notes.txt").read_text() == "x"

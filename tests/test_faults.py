@@ -190,3 +190,103 @@ def test_run_lock_left_in_storage_by_an_outage_is_reported_and_taken_back_by_its
                 with run_lock(run):
                     pass
         assert not (run / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_stage_jobs_exit_143_with_one_line_when_preempted_and_one_line_when_training_fails(stage, monkeypatch,
+                                                                                              capsys):
+    """What `python jobs/stage<N>.py` (and `hylo stage<N>`) does with what the driver raises: a preemption
+    is exit status 143 and its one resume line, the last of the output (before, jobs/stage*.py wrapped the
+    driver's run() in the generic handler: a traceback and exit status 1); a run Ray Train gave up on is
+    one `error: training failed: ...` line, exit status 1; a worker's input error one line, exit status 2."""
+    import importlib
+
+    from hylo.pipeline.data.rowfile import DataFormatError
+    from hylo.pipeline.train import driver
+
+    job = importlib.import_module(f"hylo.jobs.stage{stage}")
+    resume = "preempted (SIGTERM): run the same command with --resume to continue from step_00000006, its " \
+             "newest intact checkpoint"
+    raised: list[BaseException] = []
+
+    def fake_run(n: int, argv: list[str] | None = None) -> dict:
+        assert n == stage and argv == ["--config", "c.yaml"]
+        print("[train] step 6 ...")
+        raise raised[0]
+
+    monkeypatch.setattr(driver, "run", fake_run)
+    monkeypatch.setattr(job, "run", fake_run, raising=False)  # where a job called the driver's run() itself
+    raised[:] = [driver.Preempted(resume)]
+    assert job.main(["--config", "c.yaml"]) == 143
+    cap = capsys.readouterr()
+    assert cap.err == f"[train] {resume}\n" and cap.out == "[train] step 6 ...\n"
+
+    worker = RuntimeError("Traceback (most recent call last):\n  File ...\nRuntimeError: NCCL watchdog timeout")
+    try:
+        raise driver.TrainingError(worker) from worker
+    except driver.TrainingError as e:
+        raised[:] = [e]
+    assert job.main(["--config", "c.yaml"]) == 1
+    assert capsys.readouterr().err == "error: training failed: RuntimeError: NCCL watchdog timeout\n"
+
+    bad = DataFormatError("d/shard-00001.parquet: row group 0 (rows 0..3 of the shard) is unreadable")
+    try:
+        raise driver.TrainingError(bad) from bad
+    except driver.TrainingError as e:
+        raised[:] = [e]
+    assert job.main(["--config", "c.yaml"]) == 2
+    assert capsys.readouterr().err == f"error: {bad}\n"
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+def test_a_resume_from_an_older_step_sets_the_other_line_aside_once(tmp_path, where):
+    """`checkpoint.set_aside_other_lines` (the training loop calls it after a resume): the checkpoints after
+    the resumed step go to `<run>/abandoned/<time>-after-step_N/` with a copy of the metrics file, whole
+    (an object store has no directory rename: copied, then deleted); pruning and "the latest" see only the
+    line the run is on; an incomplete newer one is left for the line to overwrite."""
+    import contextlib
+
+    server = s3_server() if where == "s3" else contextlib.nullcontext()
+    with server as s3:
+        run = Loc.of(s3.uri("unit/lines")) if s3 is not None else Loc.of(tmp_path / "run")
+        for step in (3, 6, 9, 12):
+            upload_checkpoint(tmp_path, run, step, retries=0, backoff_s=0)
+        upload_with_retries(scratch(tmp_path, 15), run / "step_00000015", retries=0, backoff_s=0)  # no manifest
+        (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 13)))
+        assert ckpt_lib.set_aside_other_lines(run, run / "step_00000012", 12) is None
+        folder, names = ckpt_lib.set_aside_other_lines(run, run / "step_00000003", 3, copies=("metrics.jsonl",))
+        assert names == ["step_00000006", "step_00000009", "step_00000012"]
+        assert folder.parent == run / "abandoned" and folder.name.endswith("-after-step_00000003")
+        assert sorted(c.name for c in folder.children()) == ["metrics.jsonl", *names]
+        assert ckpt_lib.checkpoint_problem(folder / "step_00000012", deep=True) is None
+        assert (folder / "metrics.jsonl").read_text().count("step") == 12
+        assert [s for s, _ in ckpt_lib.step_dirs(run)] == [3, 15]
+        assert ckpt_lib.latest_checkpoint(run) == run / "step_00000003"
+        # the new line's step 6: keep=2 keeps 3 and 6 (before: 3, 6, 9, 12 counted, and 3 and 6 went)
+        upload_checkpoint(tmp_path / "new", run, 6, retries=0, backoff_s=0)
+        assert ckpt_lib.prune(run, 2) == []
+        # from a checkpoint of another run, every checkpoint of this one is on another line
+        other = Loc.of(tmp_path / "elsewhere")
+        upload_checkpoint(tmp_path / "other", other, 6, retries=0, backoff_s=0)
+        folder2, names2 = ckpt_lib.set_aside_other_lines(run, other / "step_00000006", 6)
+        assert names2 == ["step_00000003", "step_00000006"] and folder2 != folder
+
+
+def test_a_users_file_in_the_runs_model_directory_stops_the_run_before_training(tmp_path):
+    """The consolidated model replaces `<run>/model` at the end of training: a directory there holding anything
+    this project did not write is refused before Ray starts (not after the training, and never deleted)."""
+    from hylo.pipeline.train.driver import check_outputs
+
+    from hylo.files import ForeignOutputError
+
+    cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=r"])
+    check_outputs(cfg)
+    (tmp_path / "r" / "model").mkdir(parents=True)
+    check_outputs(cfg)  # empty: fine
+    (tmp_path / "r" / "model" / "eval.md").write_text("my notes")
+    with pytest.raises(ForeignOutputError, match=r"the run's model directory \(checkpoint.consolidate\) .*model "
+                                                 r"holds 1 entry this project did not write \(eval.md;"):
+        check_outputs(cfg)
+    check_outputs(load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=r",
+                                              "checkpoint.consolidate=false"]))
+    assert (tmp_path / "r" / "model" / "eval.md").read_text() == "my notes"

@@ -81,7 +81,7 @@ def test_atomic_dir_swaps_a_complete_directory_in_and_deletes_a_failed_one(tmp_p
     with pytest.raises(RuntimeError), atomic_dir(out) as tmp:
         (tmp / "w").write_text("partial")
         raise RuntimeError("crash while writing")
-    assert [p.name for p in out.iterdir()] == ["w"] and (out / "w").read_text() == "2"
+    assert sorted(p.name for p in out.iterdir()) == [".hylo-output.json", "w"] and (out / "w").read_text() == "2"
     assert _leftovers(tmp_path) == []
 
 
@@ -212,3 +212,38 @@ def test_convert_dry_run_names_a_base_config_that_is_not_utf8(tmp_path, capsys):
 def test_temp_names_are_hidden_unique_and_carry_the_pid(tmp_path):
     a, b = files.temp_name(tmp_path / "x"), files.temp_name(tmp_path / "x")
     assert a != b and a.parent == tmp_path and a.name.startswith(f".x.tmp-{os.getpid()}-")
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_saved_weights_get_the_mode_of_the_umask_not_the_temporary_files(tmp_path, mask):
+    """Issue 29: model.safetensors was written with mode 0600 (safetensors >= 0.8 writes through a 0600
+    temporary file and renames it), in the asset cache and every saved model: other users of a shared
+    cluster could not read it. Every atomic write and directory swap gives it the umask's mode."""
+    import stat
+
+    import torch
+    from safetensors.torch import save_file
+
+    from hylo.config import HybridConfig
+    from hylo.io import save_hylo
+    from hylo.modeling import HyLoForCausalLM
+
+    saved = os.umask(mask)
+    try:
+        want = 0o666 & ~mask
+        with atomic_path(tmp_path / "w.safetensors") as tmp:
+            save_file({"w": torch.zeros(4)}, str(tmp))
+        assert stat.S_IMODE((tmp_path / "w.safetensors").stat().st_mode) == want
+        cfg = HybridConfig(vocab_size=64, hidden_size=32, intermediate_size=64, n_layer=2, mla_layers=[0],
+                           num_attention_heads=4, num_key_value_heads=2, kv_lora_rank=16, qk_rope_head_dim=8,
+                           qk_nope_head_dim=8, v_head_dim=8, gdn_num_heads=2, gdn_head_dim=8)
+        out = save_hylo(HyLoForCausalLM(cfg), tmp_path / "model")
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.is_file()}
+        assert modes["model.safetensors"] == want and set(modes.values()) == {want}, modes
+        # a file someone made private on purpose (not the temporary files' 0600) keeps its mode
+        (tmp_path / "mine").write_text("x")
+        os.chmod(tmp_path / "mine", 0o640)
+        files.honour_umask(tmp_path / "mine")
+        assert stat.S_IMODE((tmp_path / "mine").stat().st_mode) == 0o640
+    finally:
+        os.umask(saved)

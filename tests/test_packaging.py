@@ -76,6 +76,20 @@ def _source_copy(dst: Path) -> Path:
     return dst
 
 
+def _venv(path: Path, env: dict[str, str]) -> Path:
+    """A fresh virtualenv that sees the packages of the environment running the tests (torch, transformers,
+    setuptools, wheel, ...) behind its own: a `.pth` file lists this interpreter's site directories.
+    (`python -m venv --system-site-packages` run from a virtualenv's Python would see the base
+    interpreter's packages instead, which may lack all of them, e.g. `wheel`: `invalid command 'bdist_wheel'`.)"""
+    _run([sys.executable, "-m", "venv", "--without-pip", str(path)], path.parent, env)
+    py = path / "bin" / "python"
+    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], path.parent,
+                     env).stdout.strip())
+    ours = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
+    (site / "zz_test_environment.pth").write_text("".join(f"{p}\n" for p in ours))
+    return py
+
+
 CHECK = r"""
 import json, sys, importlib.metadata as md
 import hylo, hylo.kernels.varlen, hylo.pipeline.cli, hylo.jobs.convert
@@ -116,10 +130,9 @@ def test_wheel_and_editable_install_beside_a_package_named_kernels(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     for mode in ("wheel", "editable"):
-        # a fresh virtualenv each (the system's packages visible, torch and transformers among them)
+        # a fresh virtualenv each (the test environment's packages visible, torch and transformers among them)
         venv = tmp_path / f"venv-{mode}"
-        _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], tmp_path, env)
-        py = venv / "bin" / "python"
+        py = _venv(venv, env)
         pip = [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
                "--no-build-isolation", "--ignore-installed"]
         _run([*pip, str(other)], tmp_path, env)
@@ -145,8 +158,7 @@ def test_wheel_and_editable_install_beside_a_package_named_kernels(tmp_path):
     # a checkout used without installing (root on sys.path, as PYTHONPATH or `ray job submit --working-dir .`
     # put it) beside the other kernels package: both import, and transformers' probe finds the other one
     venv = tmp_path / "venv-checkout"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], tmp_path, env)
-    py = venv / "bin" / "python"
+    py = _venv(venv, env)
     _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
           "--no-build-isolation", "--ignore-installed", str(other)], tmp_path, env)
     site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"

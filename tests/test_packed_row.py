@@ -140,3 +140,25 @@ def test_packed_row_file_names_what_is_wrong(tmp_path):
     assert f.row(2)["cu_seqlens"].tolist() == [0, 5]
     with pytest.raises(DataFormatError, match=r"null.parquet row 1: field 'cu_seqlens' is null"):
         f.row(1)
+
+
+def test_a_received_packed_row_is_checked_again_whatever_its_type():
+    """A PackedRow that crossed a process boundary (the teacher client sends PackedRows) is checked field by
+    field with `received=True`, its host boundaries against cu_seqlens and its ids against the vocabulary;
+    in-process, a PackedRow is the reader's checked row and is returned as is."""
+    from hylo.pipeline.data.rows import PackedRow
+
+    good = check_row({"input_ids": [1, 2, 3, 4], "cu_seqlens": [0, 2, 4]})
+    assert check_row(good) is good
+    again = check_row(good, received=True, vocab_size=5)
+    assert again.host == good.host and torch.equal(again.input_ids, good.input_ids)
+    lying = PackedRow(good.input_ids, good.cu_seqlens, good.position_ids, host=(0, 1, 4))
+    assert check_row(lying) is lying
+    with pytest.raises(PackedRowError, match=r"r: its document boundaries \[0, 1, 4\] disagree with field "
+                                             r"'cu_seqlens' \[0, 2, 4\]"):
+        check_row(lying, "r", received=True)
+    with pytest.raises(PackedRowError, match=r"token id 4 at token 3, outside the vocabulary \[0, 4\)"):
+        check_row(good, "r", received=True, vocab_size=4)
+    short = PackedRow(torch.arange(20), torch.tensor([0, 10], dtype=torch.int32), torch.arange(20))
+    with pytest.raises(PackedRowError, match="cu_seqlens"):
+        check_row(short, received=True)

@@ -339,6 +339,48 @@ def test_a_directory_that_is_not_a_dataset_is_never_replaced(source, tmp_path, n
     assert (home / "thesis.tex").read_text() == "years of work"
 
 
+@pytest.mark.parametrize("overwrite", [False, True], ids=["no-overwrite", "overwrite"])
+def test_dataset_like_names_without_a_manifest_are_never_replaced(source, tmp_path, no_ray, monkeypatch, overwrite):
+    """Issue 29: output.dir holding only dataset-like names (report.md, report.json, shard-*.parquet) and no
+    manifest was replaced with rc 0, even without output.overwrite. Only what a manifest of ours lists goes."""
+    monkeypatch.setattr(no_ray, "stream_packed_rows", _fake_stream())
+    out = tmp_path / "mine"
+    out.mkdir()
+    for name in ("report.md", "report.json", "shard-00000.parquet"):
+        (out / name).write_text(f"the user's {name}")
+    before = _snapshot(out)
+    extra = ["output.overwrite=true"] if overwrite else []
+    with pytest.raises(PrepareError, match=r"is not a prepared dataset \(no manifest.json of ours; it holds "
+                                           r"report.json, report.md, shard-00000.parquet\)"):
+        prepare(_cfg(source, out, *extra))
+    assert _snapshot(out) == before
+
+
+def test_overwrite_replaces_what_the_manifest_lists_and_refuses_anything_else(old_dataset, source, tmp_path, no_ray,
+                                                                             monkeypatch):
+    """A dataset prepared before the record .hylo-output.json existed (old_dataset: a manifest, no record) is
+    replaced with output.overwrite=true; a file the user put into it is named and the dataset is left whole."""
+    monkeypatch.setattr(no_ray, "stream_packed_rows", _fake_stream())
+    (old_dataset / "notes.txt").write_text("my notes")
+    before = _snapshot(old_dataset)
+    with pytest.raises(PrepareError, match="also holds notes.txt, which prepare_data did not write"):
+        prepare(_cfg(source, old_dataset, "output.overwrite=true"))
+    assert _snapshot(old_dataset) == before
+    (old_dataset / "notes.txt").unlink()
+    prepare(_cfg(source, old_dataset, "output.overwrite=true"))
+    assert (old_dataset / ".hylo-output.json").is_file() and not (old_dataset / "notes.txt").exists()
+    # the new dataset is ours by its record as well: replaced again
+    cfg = _cfg(source, old_dataset, "output.overwrite=true", "output.rows_per_shard=1000")
+    prepare(cfg)
+    assert sorted(p.name for p in old_dataset.glob("shard-*")) == ["shard-00000.parquet"]
+    # the manifest records which token each id stands for (training checks its student's tokenizer against it)
+    from hylo.pipeline.data.prepare import resolve_tokenizer
+    from hylo.pipeline.data.render import token_table, token_table_hash
+
+    tok = resolve_tokenizer(cfg.tokenize.tokenizer) / "tokenizer.json"
+    assert read_manifest(old_dataset)["token_table"] == token_table_hash(token_table(tok.read_text()))
+
+
 def test_empty_source_fails_the_job_and_allow_empty_warns(source, tmp_path, no_ray, monkeypatch, capsys):
     from hylo.jobs.prepare_data import main
 

@@ -137,13 +137,27 @@ print(*ray.get(where.remote()))
 
 
 @pytest.mark.slow
+def _listening_addresses() -> set[str]:
+    """The addresses the TCP ports of this process and its descendants (a local Ray's) listen on."""
+    import psutil
+
+    pids = {psutil.Process().pid} | {c.pid for c in psutil.Process().children(recursive=True)}
+    return {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in pids}
+
+
 def test_another_job_joins_a_local_ray_through_ray_address(tmp_path):
-    """The demo's pattern: one local Ray, every step job joins it; their workers import this checkout."""
+    """The demo's pattern: one local Ray, every step job joins it; their workers import this checkout.
+    Issue 29: the local Ray's ports (GCS, raylet, workers, agents) listened on every interface; they listen
+    on the loopback only, and a job of this machine still joins it."""
     import ray
 
     assert not ray.is_initialized()
     with ray_init.ray_running(None, 2, log_to_driver=False) as started:
         assert started
+        ray.get(ray.remote(lambda: 1).remote())  # a worker process, with its own gRPC port
+        listening = _listening_addresses()
+        assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
+        assert ray_init.gcs_address().startswith("127.0.0.1:")
         env = {**os.environ, "RAY_ADDRESS": ray_init.gcs_address(), "PYTHONPATH": str(tmp_path)}
         code = f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{JOINER}"
         proc = subprocess.run([sys.executable, "-c", code],

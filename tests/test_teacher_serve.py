@@ -142,6 +142,43 @@ def test_bad_row_is_refused_by_the_server(pool):
         pool["handle"].topk.remote([row], 4, "float16").result(timeout_s=60)
 
 
+def _forged(ids, cu, host=None, dtype=torch.int64) -> PackedRow:
+    """A PackedRow as the client sends it, built without check_row (what any other process may send)."""
+    ids = torch.as_tensor(ids).to(dtype)
+    cu = torch.tensor(cu, dtype=torch.int32)
+    pos = torch.cat([torch.arange(e - s) for s, e in zip(cu.tolist()[:-1], cu.tolist()[1:])] or [torch.zeros(0)])
+    if pos.shape[0] != ids.shape[0]:
+        pos = torch.arange(ids.shape[0])
+    return PackedRow(ids, cu, pos.long(), host=tuple(host or cu.tolist()), given_id="forged-1")
+
+
+@pytest.mark.parametrize("case,row,needle", [
+    # cu_seqlens ends at 10 for 20 tokens: the replica answered rc 0 with uninitialised values for tokens 10-19
+    ("short-cu", lambda: _forged(range(20), [0, 10]), r"cu_seqlens.*end"),
+    ("host-disagrees", lambda: _forged(range(20), [0, 10, 20], host=(0, 5, 20)), r"disagree with field 'cu_seqlens'"),
+    ("negative-id", lambda: _forged([3, -1, 4, 5], [0, 4]), r"negative token id -1"),
+    ("id-past-vocab", lambda: _forged([3, VOCAB, 4, 5], [0, 4]), rf"token id {VOCAB} at token 1, outside the vocabulary"),
+    ("float-ids", lambda: _forged([3.0, 1.5, 4.0], [0, 3], dtype=torch.float32), r"must hold integers"),
+    ("empty", lambda: _forged([], [0]), r"'input_ids' is empty"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_the_replica_checks_every_row_the_client_sends(pool, case, row, needle):
+    """Issue 29: the replica's row check returned a PackedRow unchecked, and the client sends PackedRows, so
+    it never ran on real traffic (bad boundaries gave silently wrong or uninitialised values; bad ids a raw
+    IndexError). Now each row is refused in one line naming it and the field, and is not retried."""
+    from hylo.pipeline.data.rows import PackedRowError
+
+    client = TeacherClient(pool["handle"], k=4, timeout_s=60, max_retries=3)
+    with pytest.raises(PackedRowError, match=r"teacher replica: request row 0 \(row_id forged-1\): .*" + needle):
+        client.topk_all([row()])
+    assert client.stats.retries == 0
+    if case != "empty":  # a stream of no tokens asks nothing
+        with pytest.raises(PackedRowError, match=r"teacher replica: stream row \(row_id forged-1\): .*" + needle):
+            list(client.stream(row(), chunk_tokens=4))
+    # the same client goes on serving good rows
+    good = _rows(1, seed=9)
+    _check(pool["ref"], good, client.topk_all(_checked(good)), 4)
+
+
 def test_http_answers_on_localhost_only(pool):
     port = pool["cfg"].port
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/{pool['cfg'].app_name}", timeout=30) as r:

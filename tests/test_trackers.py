@@ -272,3 +272,32 @@ def test_torchrun_stage2_logs_every_step_to_mlflow(tmp_path):
         step, metrics = c[2], c[3]
         assert metrics["train/loss"] == pytest.approx(jsonl[step]["loss"], rel=1e-12)
     assert [c[2] for c in calls[4:7]] == [1, 2, 3]
+
+
+def test_a_record_restored_from_the_checkpoint_reaches_tensorboard_and_the_trackers(monkeypatch, tmp_path):
+    """Step 4's line was torn by a kill; the resume puts it back into metrics.jsonl from the checkpoint, and
+    TensorBoard and W&B get it too (before, only the file did: both had a hole at step 4)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rec = Recorder()
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(rec))
+    run = tmp_path / "stage2"
+    write_run_config(run, "metrics.wandb.project=hylo", "metrics.wandb.mode=offline")
+    records = [record(s, 3.0 - 0.1 * s) for s in (1, 2, 3, 4)]
+    first = MetricsWriter(run, total_steps=6, tensorboard=True, stream=open(os.devnull, "w"))
+    for r in records[:3]:
+        first.write(r)
+    first.close()
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(records[3])[:30])  # killed while appending step 4's line: no TB event, no W&B log
+    rec.calls.clear()
+    resumed = MetricsWriter(run, total_steps=6, tensorboard=True, stream=open(os.devnull, "w"))
+    resumed.restart_at(4, restore=records[2:4])
+    for s in (5, 6):
+        resumed.write(record(s, 2.0))
+    resumed.close()
+    assert [c[1] for c in rec.calls if c[0] == "log"] == [4, 5, 6]
+    assert rec.calls[[c[0] for c in rec.calls].index("log")][2]["train/loss"] == records[3]["loss"]
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert list(read_metrics(run)) == [1, 2, 3, 4, 5, 6]

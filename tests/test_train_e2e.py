@@ -144,6 +144,68 @@ def test_exact_resume_after_sigkill(tiny, reference):
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 12
 
 
+def test_resume_from_an_older_checkpoint_starts_a_new_line_of_checkpoints(tiny, reference):
+    """Issue 29: with checkpoints 3, 6, 9, 12, `--resume step_00000003` and checkpoint.keep=2 removed step 3
+    and the step 6 it had just written (the two oldest of 3, 6, 9, 12), a worker killed at step 8 could not
+    recover, and a later `--resume` continued silently from the abandoned step 12 (metrics: steps 1-7, then
+    10-12 of the old run). Now the resume sets the old line aside, saying so once; keep and `--resume` see only
+    the new line, which ends with the losses, rows and data positions of an uninterrupted run."""
+    import shutil
+
+    root, models = tiny
+    # a copy of the reference run (ray.name is part of what a resume checks)
+    run = root / "runs-older" / "reference"
+    shutil.copytree(reference, run)
+    cfg_path = write_config(tiny_config(models, root / "runs-older", "reference",
+                                        checkpoint={"every_steps": 3, "keep": 2}), root / "older.yaml")
+    killed = torchrun(2, cfg_path, "--resume", "step_00000003", "--set", "fault.kill_at_step=8",
+                      "--set", "fault.kill_when=mid_step", "--set", "fault.kill_rank=1")
+    out = killed.stdout
+    assert killed.returncode != 0 and "SIGKILL at step 8" in out, out[-3000:] + killed.stderr[-3000:]
+    assert out.count("starts a new line of checkpoints") == 1, out[-3000:]
+    assert "checkpoint.keep=2: removed" not in out  # 3 and 6 are the new line's two checkpoints
+    (aside,) = (run / "abandoned").iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "step_00000006", "step_00000009",
+                                                       "step_00000012"]
+    assert ckpt_lib.checkpoint_problem(aside / "step_00000012", deep=True) is None
+    assert list(read_metrics(aside)) == list(range(1, 13))
+    assert [s for s, _ in ckpt_lib.list_checkpoints(run)] == [3, 6]
+
+    resumed = torchrun(2, cfg_path, "--resume")
+    assert_ok(resumed)
+    assert f"resumed from {run / 'step_00000006'} at step 6" in resumed.stdout
+    assert "starts a new line" not in resumed.stdout
+    assert [s for s, _ in ckpt_lib.list_checkpoints(run)] == [9, 12]
+    got = read_metrics(run)
+    assert list(got) == list(range(1, 13)) and len((run / "metrics.jsonl").read_text().splitlines()) == 12
+    assert [got[s]["resumed_from"] for s in range(4, 13)] == [3] * 3 + [6] * 6
+    assert_same_steps(read_metrics(reference), got, range(1, 13))
+
+
+def test_resume_with_a_student_of_another_width_is_refused_before_ray_starts(tiny, reference):
+    """Issue 29: `--resume` with model.student of another width (model.student may change across a resume)
+    failed inside DeepSpeed's load (`The size of tensor a ... must match`), retried, rc 1. The driver compares
+    the student with the shapes the checkpoint holds before Ray starts: one line, rc 2, nothing retried."""
+    import shutil
+
+    root, models = tiny
+    wide = make_tiny_models(root / "wide", hidden_size=48)
+    run = root / "runs-wide" / "reference"
+    shutil.copytree(reference, run)
+    cfg_path = write_config(tiny_config(models, root / "runs-wide", "reference", ray={"launcher": "ray"}),
+                            root / "wide.yaml")
+    proc = subprocess.run([sys.executable, str(REPO / "jobs" / "stage2.py"), "--config", str(cfg_path), "--resume",
+                           "--set", f"model.student={wide['student']}"], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    err = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert err.startswith(f"error: cannot resume from {run / 'step_00000012'}: model.student='{wide['student']}' "
+                          "is not the model it trained ("), err
+    assert "first lm_head.weight: (96, 32) in the checkpoint, (96, 48) in the student" in err, err
+    assert f"(model.student='{models['student']}')" in err
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_two_runs_with_the_same_storage_and_name_cannot_overwrite_each_other(tiny, reference):
     """Issue 21: started together, both passed the "already holds checkpoints" check (neither had written
     one yet), both exited 0 and the later one replaced the first's metrics, checkpoints and model. Now

@@ -9,6 +9,7 @@ from typing import Any
 
 from hylo.pipeline.convert.config import ConvertJobConfig
 
+from hylo.files import check_replaceable
 from hylo.upcycle.config import UpcycleError
 
 
@@ -52,6 +53,7 @@ def released_io(cfg: ConvertJobConfig) -> dict[str, Any]:
         raise UpcycleError("--out is required with --from-released / --to-released")
     if not src.is_dir():
         raise UpcycleError(f"{src} does not exist or is not a directory")
+    check_replaceable(cfg.out, "--out")
     try:
         released = is_released_layout(src) or is_xecomla_layout(src)
         if cfg.from_released:
@@ -107,6 +109,8 @@ def convert_base(cfg: ConvertJobConfig, progress: bool = True) -> dict[str, Any]
     if not cfg.base or not cfg.out:
         raise UpcycleError("--base and --out are required (or --dry-run --base-config)")
     writable_dir(Path(cfg.out).expanduser().resolve().parent, "--out (its parent)")
+    # a directory holding anything we did not write (a user's notes) is refused now, not after the work
+    check_replaceable(cfg.out, "--out")
     t0 = time.time()
     conv = convert(cfg.base, cfg.convert, progress=progress)
     out = conv.save(cfg.out)

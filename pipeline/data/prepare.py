@@ -27,7 +27,7 @@ from hylo.pipeline.data.shards import MANIFEST, ShardWriter, write_manifest
 from hylo.pipeline.data.streaming import PackedRun, make_packer, stream_packed_rows
 from hylo.pipeline.ray_init import init_ray
 
-from hylo.files import atomic_dir, atomic_write
+from hylo.files import atomic_dir, atomic_write, foreign_entries
 
 
 def resolve_tokenizer(name_or_dir: str) -> Path:
@@ -64,9 +64,21 @@ class PrepareError(ValueError):
     """prepare_data cannot produce a dataset (nothing to write, an output dir it must not replace)."""
 
 
-# Files a prepare run writes into its output directory (anything else there is not ours to delete).
-_OUTPUT_FILES = re.compile(r"(shard-\d+\.parquet|manifest\.json|rejects\.jsonl|removed\.jsonl|report\.(json|md)"
-                           r"|\..*\.tmp-\d+(-[0-9a-f]+)?)")
+# What a prepare run writes into its output directory besides the shards its manifest lists
+# (a dataset written before the record .hylo-output.json existed is ours by its manifest).
+_ALWAYS_WRITTEN = frozenset({MANIFEST, "rejects.jsonl", "removed.jsonl", "report.json", "report.md"})
+
+
+def _owned_by_manifest(out: Path) -> frozenset[str]:
+    """The entries the dataset manifest of `out` says a prepare run wrote (empty: no manifest of ours)."""
+    try:
+        m = json.loads((out / MANIFEST).read_text())
+        shards = [s["file"] for s in m["shards"]] if m.get("format", "").startswith("hylo-packed-rows/") else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        shards = None
+    if shards is None or not all(isinstance(f, str) and "/" not in f for f in shards):
+        return frozenset()
+    return _ALWAYS_WRITTEN | frozenset(shards)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -96,14 +108,22 @@ def _check_output(out: Path, overwrite: bool) -> None:
         return
     if not out.is_dir():
         raise PrepareError(f"output.dir {out} exists and is not a directory")
-    if (out / MANIFEST).exists():
-        if not overwrite:
-            raise FileExistsError(f"{out / MANIFEST} exists; set output.overwrite=true to replace it")
+    if not any(out.iterdir()):
         return
-    foreign = sorted(p.name for p in out.iterdir() if not _OUTPUT_FILES.fullmatch(p.name))
-    if foreign:
-        raise PrepareError(f"output.dir {out} exists and is not a prepared dataset (holds {foreign[:5]}); "
+    owned = _owned_by_manifest(out)
+    if not owned:
+        names = sorted(p.name for p in out.iterdir())
+        raise PrepareError(f"output.dir {out} exists and is not a prepared dataset (no {MANIFEST} of ours; it holds "
+                           f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}): it is never replaced; "
                            f"choose another output.dir or empty it")
+    if not overwrite:
+        raise FileExistsError(f"{out / MANIFEST} exists; set output.overwrite=true to replace it")
+    foreign = foreign_entries(out, owned)
+    if foreign:
+        raise PrepareError(f"output.dir {out} is a prepared dataset but also holds {', '.join(foreign[:5])}"
+                           f"{' ...' if len(foreign) > 5 else ''}, which prepare_data did not write (neither its "
+                           f"{MANIFEST} nor .hylo-output.json lists it): even with output.overwrite=true it is "
+                           f"never deleted; move it away or choose another output.dir")
 
 
 
@@ -153,7 +173,7 @@ def prepare(cfg: Any) -> dict[str, Any]:
             raise PrepareError(f"decontam: {e}") from None
 
     # Built beside `out` and swapped in when complete; the previous dataset is deleted only after.
-    with atomic_dir(out) as staging:
+    with atomic_dir(out, "output.dir", owned=_owned_by_manifest(out)) as staging:
         report = _prepare_into(cfg, staging, out, renderer, pad_id, index)
     return report
 
@@ -276,7 +296,7 @@ def _counts(records: list[dict[str, Any]], mix_stats: Any, rejects: _Rejects, ru
 
 def _prepare_into(cfg: Any, staging: Path, out: Path, renderer: ChatRenderer, pad_id: int,
                   index: Any) -> dict[str, Any]:
-    from hylo.pipeline.data.render import tokenizer_hash
+    from hylo.pipeline.data.render import token_table, token_table_hash, tokenizer_hash
 
     run = PackedRun()
     warnings: list[str] = []
@@ -302,6 +322,8 @@ def _prepare_into(cfg: Any, staging: Path, out: Path, renderer: ChatRenderer, pa
         "config_hash": rows_config_hash(cfg),
         "tokenizer": str(cfg.tokenize.tokenizer),
         "tokenizer_hash": tokenizer_hash(renderer),
+        # which token each id stands for: training checks its student's tokenizer against it
+        "token_table": token_table_hash(token_table(renderer.spec()["tokenizer_json"])),
         "pad_id": int(pad_id),
         "counts": _counts(records, mix_stats, rejects, run, packer),
         "mixture": mix_stats.to_dict(),

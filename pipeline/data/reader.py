@@ -78,6 +78,19 @@ class ShardRows:
         for k in range(len(self.manifest["shards"])):
             self._file(k)
 
+    def max_token_ids(self) -> list[tuple[str, int]]:
+        """(shard file, its largest token id) from the shards' footer statistics, no row read; a shard
+        whose footer has no statistics for `input_ids` is left out."""
+        out = []
+        for k in range(len(self.manifest["shards"])):
+            md = self._file(k).pf.metadata
+            col = [md.schema.column(i).path.split(".")[0] for i in range(md.num_columns)].index("input_ids")
+            highs = [st.max for st in (md.row_group(rg).column(col).statistics for rg in range(md.num_row_groups))
+                     if st is not None and st.has_min_max]
+            if highs:
+                out.append((self.manifest["shards"][k]["file"], int(max(highs))))
+        return out
+
     def raw(self, g: int) -> dict[str, Any]:
         k = bisect.bisect_right(self._cum, g) - 1
         f = self._file(k)

@@ -64,6 +64,27 @@ class Rejected:
     reason: str
 
 
+def token_table(tokenizer_json: str | dict[str, Any]) -> dict[int, str]:
+    """id -> token of a tokenizer.json (its vocabulary and its added tokens): what decides which token an id
+    stands for, whatever else (normaliser, template) the files say."""
+    data = json.loads(tokenizer_json) if isinstance(tokenizer_json, str) else tokenizer_json
+    vocab = (data.get("model") or {}).get("vocab")
+    out: dict[int, str] = {}
+    if isinstance(vocab, dict):
+        out = {int(i): str(t) for t, i in vocab.items()}
+    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        out = {i: str(v[0] if isinstance(v, list) else v) for i, v in enumerate(vocab)}
+    for tok in data.get("added_tokens") or []:
+        if isinstance(tok, dict) and "id" in tok:
+            out[int(tok["id"])] = str(tok.get("content"))
+    return out
+
+
+def token_table_hash(table: dict[int, str]) -> str:
+    """Fingerprint of a `token_table` (the data manifest records the one its rows were tokenized with)."""
+    return "tokens-" + hashlib.sha256(json.dumps(sorted(table.items()), ensure_ascii=False).encode()).hexdigest()[:16]
+
+
 def tokenizer_hash(renderer: ChatRenderer) -> str:
     """Fingerprint of what decides the tokens: vocab/merges/normaliser, chat template, special tokens."""
     spec = renderer.spec()

@@ -21,7 +21,9 @@ Design choices:
 * A row is checked once, where it enters the process (`check_row`, naming the record and the field;
   `PackedRowError`): by the reader (`reader.RowReader`) for every row it yields, or by whoever receives
   rows from outside (a Serve replica, evaluation's chat records). `check_row` of a `PackedRow` returns it
-  as is, so a consumer handed a checked row does not check it again.
+  as is, so a consumer handed a checked row does not check it again, except with `received=True`: a
+  row that crossed a process boundary (the client sends `PackedRow`s to the Serve replicas) is checked
+  again, field by field, whatever its type.
 * A `PackedRow` keeps its boundaries as host ints (`host`) beside its CPU tensors, so `bounds(device)`
   gives the model its `DocBounds` with no check and no device-to-host copy.
 """
@@ -127,19 +129,35 @@ def _bad(where: str):
     return bad
 
 
+def row_fields(row: PackedRow) -> dict[str, Any]:
+    """A `PackedRow`'s fields as the mapping `check_row` reads (to check a row that came from elsewhere)."""
+    return {"input_ids": row.input_ids, "cu_seqlens": row.cu_seqlens, "position_ids": row.position_ids,
+            "loss_mask": row.loss_mask, "doc_ids": row.doc_ids, "row_id": row.given_id, "row_key": row.key,
+            "epoch": row.epoch}
+
+
 def check_row(row: Mapping[str, Any] | PackedRow, where: str = "row", max_len: int | None = None,
-              clear_crossing_labels: bool = False, max_len_from: str | None = None) -> PackedRow:
+              clear_crossing_labels: bool = False, max_len_from: str | None = None,
+              vocab_size: int | None = None, received: bool = False) -> PackedRow:
     """Check a packed row against the contract and return it as a `PackedRow` (CPU tensors).
 
     `row`: a mapping with `input_ids` and `cu_seqlens`, optionally `position_ids` (derived when absent,
     checked when given), `loss_mask`, `doc_ids`, `row_id`, and the reader's `row_key` / `epoch`. A
-    `PackedRow` is returned as is (checked already). `where` names the record in errors; `max_len` bounds
-    the row's length (`max_len_from` says where that bound comes from, for the message).
+    `PackedRow` is returned as is (checked already, by this process), unless `received`: a row that came
+    from another process (a Serve replica's request) is checked whatever its type, its host boundaries
+    against its `cu_seqlens` too. `where` names the record in errors; `max_len` bounds the row's length
+    (`max_len_from` says where that bound comes from, for the message); `vocab_size` bounds its token ids.
     `clear_crossing_labels`: a loss mask set on a document's last token is cleared instead of refused
     (evaluation scoring rows it did not pack). Raises PackedRowError.
     """
     if isinstance(row, PackedRow):
-        return row
+        if not received:
+            return row
+        checked = check_row(row_fields(row), where, max_len, clear_crossing_labels, max_len_from, vocab_size)
+        if tuple(row.host) != checked.host:
+            raise PackedRowError(f"{where}: its document boundaries {list(row.host)[:8]} disagree with field "
+                                 f"'cu_seqlens' {list(checked.host)[:8]}")
+        return checked
     if not isinstance(row, Mapping):
         raise PackedRowError(f"{where}: a packed row must be a mapping, got {type(row).__name__}")
     missing = [c for c in REQUIRED_FIELDS if row.get(c) is None]
@@ -155,6 +173,10 @@ def check_row(row: Mapping[str, Any] | PackedRow, where: str = "row", max_len: i
                              + (f" ({max_len_from})" if max_len_from else ""))
     if int(ids.min()) < 0:
         raise PackedRowError(f"{where}: field 'input_ids' holds a negative token id {int(ids.min())}")
+    if vocab_size is not None and int(ids.max()) >= vocab_size:
+        t = int((ids >= vocab_size).nonzero()[0, 0])
+        raise PackedRowError(f"{where}: field 'input_ids' holds token id {int(ids[t])} at token {t}, outside the "
+                             f"vocabulary [0, {vocab_size})")
     host = host_cu_seqlens(_int_field(row, "cu_seqlens", where), T, _bad(where))
     cu = torch.tensor(host, dtype=torch.int32)
     expected = positions_from_cu_seqlens(cu, T)

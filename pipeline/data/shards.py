@@ -2,7 +2,8 @@
 
 Design choices:
 * Shards: `shard-00000.parquet`, ... (the columns of `rowfile.ROW_SCHEMA`: input_ids int32, position_ids
-  int32, cu_seqlens int32, loss_mask bool, doc_ids string), each written to a temp name and renamed; the
+  int32, cu_seqlens int32, loss_mask bool, doc_ids string), each written to a temp name and renamed, with
+  Parquet page checksums (`page_checksums: true` in its manifest entry; the reader verifies them); the
   manifest (`manifest.json`) is written last, so a directory with a manifest is complete.
 * The manifest is the source of what the rows are: their split, their length bound `max_len` (the data
   job's `packing.max_len`; training takes it from here), the hash of the config that made them, and the
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from hylo.pipeline.data.rowfile import ROW_SCHEMA, DataFormatError, rows_to_table
+from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, ROW_SCHEMA, DataFormatError, rows_to_table
 
 from hylo.files import atomic_path, atomic_write, read_json
 
@@ -54,11 +55,14 @@ class ShardWriter:
         rows, self._buf = self._buf, []
         name = f"shard-{len(self.shards):05d}.parquet"
         with atomic_path(self.dir / name) as tmp:
-            pq.write_table(rows_to_table(rows), tmp, row_group_size=self.row_group_rows, compression="zstd")
+            pq.write_table(rows_to_table(rows), tmp, row_group_size=self.row_group_rows, compression="zstd",
+                           **PAGE_CHECKSUMS)
         self.shards.append({
             "file": name,
             "rows": len(rows),
             "tokens": int(sum(len(r["input_ids"]) for r in rows)),
+            # every data page carries its CRC-32, verified by the reader (rowfile.PAGE_CHECKSUMS)
+            "page_checksums": True,
         })
 
 

@@ -22,7 +22,9 @@ Design choices:
   swap order or top-k membership, and a tail of the top-k mass may be -inf or a tiny finite log. Indices are stored as uint16 when the
   vocabulary fits (halving their size), int32 otherwise; the reader always returns int32.
 * Every shard carries the cache header in its Parquet metadata too, so a shard copied into the
-  wrong cache is detected.
+  wrong cache is detected. Shards are written with Parquet page checksums and read with their
+  verification on (`rowfile.PAGE_CHECKSUMS`): a changed byte is an error naming the shard and row group,
+  never a changed teacher distribution (a cache written before carries none and reads unverified).
 * Row ids are the data's `row_id` column when present, else a content hash of the row
   (`hylo.kernels.varlen.PackedRow.row_id`), so `get_for_row(row)` also proves the row is the same data.
 """
@@ -40,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 from hylo.kernels.fused_kl.topk import TeacherTopK
-from hylo.pipeline.data.rowfile import PackedRowFile
+from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, PackedRowFile, damage, open_parquet
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.teacher.protocol import TargetSpec, unsupported
 
@@ -175,7 +177,7 @@ def write_shard(path: Path, header: Mapping[str, Any], plan: ShardPlan, row_ids:
     table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
     # One packed row per row group: a reader fetches one row without decoding its neighbours.
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, compression="zstd", row_group_size=1)
+        pq.write_table(table, tmp, compression="zstd", row_group_size=1, **PAGE_CHECKSUMS)
     return path.stat().st_size
 
 
@@ -306,7 +308,7 @@ def finalize_cache(out_dir: str | Path, plan: list[ShardPlan]) -> bool:
     manifest = load_manifest(out)
     rows = tokens = 0
     for p in paths:
-        t = pq.read_table(p, columns=["num_tokens"])
+        t = pq.read_table(p, columns=["num_tokens"], page_checksum_verification=True)
         rows += t.num_rows
         tokens += int(np.asarray(t.column("num_tokens")).sum())
     size = sum(p.stat().st_size for p in paths)
@@ -416,9 +418,10 @@ class TopKCacheReader:
             fi = len(self._files)
             self._files.append(path)
             try:
-                ids = pq.read_table(path, columns=["row_id"]).column("row_id").to_pylist()
+                ids = pq.read_table(path, columns=["row_id"], page_checksum_verification=True).column(
+                    "row_id").to_pylist()
             except (pa.ArrowException, OSError) as e:
-                raise CacheFormatError(f"{path}: unreadable cache shard ({e})") from None
+                raise CacheFormatError(f"{path}: unreadable cache shard ({damage(e)})") from None
             for j, rid in enumerate(ids):
                 self._index.setdefault(rid, (fi, j))
                 self.row_ids.append(rid)
@@ -432,14 +435,14 @@ class TopKCacheReader:
 
     def _read(self, fi: int, j: int) -> tuple[str, TeacherTopK]:
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         try:
             if self._open is None or self._open[0] != fi:
-                self._open = (fi, pq.ParquetFile(self._files[fi]))
+                self._open = (fi, open_parquet(self._files[fi]))
             t = self._open[1].read_row_group(j)
         except (pa.ArrowException, OSError) as e:
-            raise CacheFormatError(f"{self._files[fi]} row group {j}: unreadable cache shard ({e})") from None
+            raise CacheFormatError(f"{self._files[fi]} row group {j}: unreadable cache shard ({damage(e)}); "
+                                   f"compute that shard again (delete it and rerun jobs/teacher_cache.py)") from None
         rid = t.column("row_id")[0].as_py()
         n = int(t.column("num_tokens")[0].as_py())
         rec = TeacherTopK(

@@ -12,7 +12,8 @@ Design choices:
 * What is asked for is a `TargetSpec` (k, form) resolved once from the config (`target_form` in
   teacher/config.py); a source refuses a form it cannot give (a config check makes that unreachable).
 * Rows reaching a source in-process are checked `PackedRow`s (the reader checked them); only the pool's
-  server checks rows again, since it receives them over the network.
+  server checks rows again, since it receives them over the network: every row of every request, whatever
+  its type (the client sends `PackedRow`s; `check_row(received=True)`), ids against its vocabulary.
 * `Teacher` (built by `sources.open_teacher` from stage 2's `teacher` section) binds a source to its spec and
   places each row's targets on the trainer's device; the step zips rows and targets.
 """

@@ -108,6 +108,12 @@ class TeacherDeployment:
         # Hard exit: in-flight requests on this replica see a dead actor, as with a real crash.
         os._exit(1)
 
+    def _check(self, row: Any, where: str) -> PackedRow:
+        """A row a request brought, checked against the row contract and this teacher's vocabulary."""
+        rid = getattr(row, "given_id", None) or (row.get("row_id") if isinstance(row, Mapping) else None)
+        return check_row(row, where=f"teacher replica: {where}" + (f" (row_id {rid})" if rid else ""),
+                         vocab_size=self.teacher.vocab_size, received=True)
+
     @serve.batch(max_batch_size=8192, batch_wait_timeout_s=0.02, batch_size_fn=_batch_tokens)
     async def _hidden_batched(self, rows: list[PackedRow]) -> list[torch.Tensor]:
         self.batch_log.append((len(rows), _batch_tokens(rows)))
@@ -130,7 +136,8 @@ class TeacherDeployment:
         if not 0 < k <= self.teacher.vocab_size:
             raise ValueError(f"k={k} must be in 1..{self.teacher.vocab_size} (teacher vocabulary)")
         torch_dtype(dtype)
-        prows = [check_row(r, where=f"request row {i}") for i, r in enumerate(rows)]
+        # rows come over the network: each is checked here, whatever its type (the client sends PackedRows)
+        prows = [self._check(r, f"request row {i}") for i, r in enumerate(rows)]
         hiddens = await asyncio.gather(*(self._hidden(r) for r in prows))
         out = []
         for h in hiddens:
@@ -143,7 +150,7 @@ class TeacherDeployment:
         dtype: str | None = None,
     ) -> AsyncIterator[torch.Tensor]:
         """Full logits [C, V] for tokens [start, end) of one row, chunk by chunk (CPU tensors)."""
-        prow = check_row(row, where="stream row")
+        prow = self._check(row, "stream row")
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens={chunk_tokens} must be > 0")
         dt = torch_dtype(dtype) if dtype else None

@@ -51,6 +51,7 @@ import pickle
 import random
 import re
 import shutil
+import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -78,6 +79,8 @@ STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 RANK_FILES = re.compile(r"^ranks/rank_\d+\.files\.json$")
 FORMAT_VERSION = 2
+# where a resume from an older checkpoint puts the run's checkpoints of the line it leaves (set_aside_other_lines)
+ABANDONED_DIR = "abandoned"
 
 
 class CheckpointError(RuntimeError):
@@ -483,6 +486,67 @@ def check_compatible(ckpt: Path | Loc, cfg: StageConfig, world_size: int,
     return state
 
 
+def stored_param_shapes(ckpt: Path | Loc) -> dict[str, tuple[int, ...]] | None:
+    """The parameter shapes DeepSpeed recorded in a checkpoint (rank 0's model-states file: `param_shapes`
+    and `frozen_param_shapes`, by the engine module's names), or None when it has no such file. The file is
+    checked against the manifest's sha256 first and loaded weights-only with DeepSpeed's allow-list."""
+    import io
+
+    loc = Loc.of(ckpt)
+    manifest = read_manifest(loc)
+    names = sorted(n for n in manifest["files"] if n.startswith(f"{ZERO_DIR}/{ZERO_TAG}/")
+                   and n.endswith("model_states.pt"))
+    names = [n for n in names if "rank_0_" in n or n.endswith("/mp_rank_00_model_states.pt")] or names[:1]
+    if not names:
+        return None
+    f = loc / names[0]
+    data = f.read_bytes()
+    if hashlib.sha256(data).hexdigest() != manifest["files"][names[0]]["sha256"]:
+        raise CheckpointError(f"{f}: content differs from the manifest's sha256 (corrupted or replaced)")
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{f}: refused to load a DeepSpeed file: it holds objects that are not weights "
+                              f"({str(e).splitlines()[0]})") from None
+    out: dict[str, tuple[int, ...]] = {}
+    for key in ("param_shapes", "frozen_param_shapes"):
+        groups = state.get(key) or []
+        for group in groups if isinstance(groups, list) else [groups]:
+            out.update({str(k): tuple(int(d) for d in v) for k, v in dict(group).items()})
+    return out
+
+
+def check_student_fits(ckpt: Path | Loc, student: Path, prefix: str = "student.") -> None:
+    """Refuse a resume whose student (model.student, a local HyLo checkpoint) has other parameter shapes than
+    the ones checkpoint `ckpt` holds (DeepSpeed would fail deep inside its load, in every worker and every
+    retry: `The size of tensor a (26912) must match ...`). Cheap: config files, a meta-device model and
+    rank 0's small model-states file."""
+    stored = stored_param_shapes(ckpt)
+    if not stored:
+        return
+    from hylo.config import HybridConfig
+    from hylo.modeling import HyLoForCausalLM
+
+    with torch.device("meta"):
+        model = HyLoForCausalLM(HybridConfig.from_hybrid_json(student))
+    mine = {prefix + n: tuple(p.shape) for n, p in model.named_parameters()}
+    theirs = {n: s for n, s in stored.items() if n.startswith(prefix)}
+    problems = [f"{n[len(prefix):]}: {theirs[n]} in the checkpoint, {mine[n]} in the student" for n in sorted(theirs)
+                if n in mine and mine[n] != theirs[n]]
+    problems += [f"{n[len(prefix):]}: in the checkpoint, not in the student" for n in sorted(set(theirs) - set(mine))]
+    if problems:
+        try:
+            was = read_json(Loc.of(ckpt) / STATE_FILE)["config"]["model"]["student"]
+        except (CheckpointError, KeyError, TypeError):
+            was = None
+        raise ConfigError(
+            f"cannot resume from {ckpt}: model.student={str(student)!r} is not the model it trained "
+            f"({len(problems)} parameter(s) differ, first {problems[0]}); resume with the student the run "
+            f"started from" + (f" (model.student={was!r})" if was else "") + ", or start a new run (another ray.name)",
+            "model.student")
+
+
 def deepspeed_safe_globals() -> list[Any]:
     """The non-tensor classes DeepSpeed puts into its checkpoint pickles (ZeRO stages 0-3, fp32/bf16),
     allowed for `torch.load(weights_only=True)`; anything else in a pickle is refused."""
@@ -564,6 +628,34 @@ def prune(run_dir: Path | Loc, keep: int | None) -> list[str]:
             p.rmtree()
             removed.append(p.name)
     return removed
+
+
+def set_aside_other_lines(run_dir: Path | Loc, resumed: Path | Loc, step: int,
+                          copies: tuple[str, ...] = ()) -> tuple[Loc, list[str]] | None:
+    """A resume from checkpoint `resumed` (at `step`) continues the run's line of checkpoints from there:
+    the run's complete checkpoints that are not on that line (the ones after `step`; every one when
+    `resumed` is not a checkpoint of this run) are moved into `<run>/abandoned/<time>-after-<name>/`,
+    with a copy of each file of `copies` (the metrics of the abandoned line), so that "the newest
+    checkpoint" (`--resume`, `latest_checkpoint`) and pruning (`checkpoint.keep`) only ever see the line the
+    run is on, and nothing of the abandoned line is deleted, overwritten or resumed from silently.
+    Returns (that folder, the names moved), or None when every checkpoint is on the line.
+    (Incomplete ones are left: nothing resumes from them, and the line overwrites or prunes them.)"""
+    run, resumed = Loc.of(run_dir), Loc.of(resumed)
+    ours = resumed.parent == run
+    other = [(s, p) for s, p in step_dirs(run) if (s > step or not ours) and p != resumed and is_complete(p)]
+    if not other:
+        return None
+    base = f"{time.strftime('%Y%m%dT%H%M%S')}-after-{resumed.name}"
+    folder, n = run / ABANDONED_DIR / base, 1
+    while folder.exists():
+        n += 1
+        folder = run / ABANDONED_DIR / f"{base}-{n}"
+    for name in copies:
+        if (run / name).is_file():
+            (folder / name).write_bytes((run / name).read_bytes())
+    for _, p in other:
+        p.move_dir(folder / p.name)
+    return folder, [p.name for _, p in other]
 
 
 def delete_checkpoints(run_dir: Path | Loc) -> tuple[int, int]:

@@ -131,6 +131,30 @@ def reset_ray_snapshot(run: Loc) -> str | None:
     return note
 
 
+def check_outputs(cfg: StageConfig) -> None:
+    """Before Ray starts: the directories the run will replace (`<run>/model` at the end, with
+    checkpoint.consolidate) hold nothing this project did not write (hylo.files.check_replaceable), so a
+    user's file there stops the run now, not after the training."""
+    from hylo.files import check_replaceable
+
+    run = run_loc(cfg)
+    if cfg.checkpoint.consolidate and run.is_local:
+        check_replaceable(run.local() / "model", "the run's model directory (checkpoint.consolidate)")
+
+
+def check_resume_fits(cfg: StageConfig, resume: str | None) -> None:
+    """Before Ray starts: the student a resume loads (model.student, which may change across a resume) has
+    the parameter shapes of the checkpoint it continues (`--resume`: the newest intact one; `--resume PATH`:
+    that one). Before, a student of another width failed inside DeepSpeed's load in every worker, retried."""
+    from hylo.pipeline.train.storage import is_uri
+
+    if resume is None or not cfg.model.student or is_uri(cfg.model.student):
+        return
+    ckpt = ckpt_lib.latest_checkpoint(run_loc(cfg)) if resume == "latest" else resume_path(cfg, resume)
+    if ckpt is not None and ckpt_lib.is_complete(ckpt):
+        ckpt_lib.check_student_fits(ckpt, Path(cfg.model.student).expanduser())
+
+
 def convert_if_needed(cfg: StageConfig) -> StageConfig:
     """Stage 1 without a converted student: convert `model.base` with `model.convert` options, once
     (`hylo.upcycle.convert`, as jobs/convert.py does)."""
@@ -422,7 +446,11 @@ def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
     if launcher == "torchrun" and cfg.stage == 1 and not cfg.model.student:
         raise ConfigError("ray.launcher=torchrun needs model.student: convert first (jobs/convert.py)")
     check_stage_inputs(cfg)
+    if is_rank0:
+        check_outputs(cfg)
     cfg = convert_if_needed(cfg)
+    if is_rank0:
+        check_resume_fits(cfg, resume)
     rd, run = run_dir(cfg), run_loc(cfg)
     rd.mkdir(parents=True, exist_ok=True)
     if is_rank0:
@@ -454,12 +482,30 @@ def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
     return summary
 
 
-def main(stage: int) -> None:
+def main(stage: int, argv: list[str] | None = None) -> int:
+    """The stage jobs' main (jobs/stage1.py, jobs/stage2.py, under `cli.job_main`), and its exit status:
+
+    * 0: the run finished;
+    * 143 (`PREEMPTED_EXIT`): SIGTERM stopped it (a preemption): one line naming the checkpoint that
+      `--resume` continues from, the last line of the output;
+    * 2: bad input, also when a worker raised it (`job_main`: one `error: ...` line);
+    * 1: Ray Train gave up for another reason (a fault past `ray.max_failures`, a bug in a worker):
+      one `error: training failed: <the first worker's error>` line (the worker's traceback is in its
+      log above it).
+    A bug in the driver itself keeps its traceback."""
+    from hylo.pipeline.cli import _stop_ray_logs, input_error_message, report_error
+
     try:
-        run(stage, sys.argv[1:])
+        run(stage, sys.argv[1:] if argv is None else argv)
     except Preempted as e:
-        print(f"[train] {e}", file=sys.stderr)
-        sys.exit(PREEMPTED_EXIT)
-    except (ConfigError, ckpt_lib.CheckpointError, StorageError, TrainingError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _stop_ray_logs()
+        sys.stdout.flush()
+        print(f"[train] {e}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT
+    except TrainingError as e:
+        if input_error_message(e) is not None:
+            raise  # job_main reports it: one line, exit status 2
+        _stop_ray_logs()
+        report_error(str(e))
+        return 1
+    return 0

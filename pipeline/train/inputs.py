@@ -14,7 +14,7 @@
   loaded (94 s), and then retried as if it were a fault;
 * data (parquet): the manifest, its split and max_len (against data.seq_len when set), and every shard's
   Parquet footer and row count (a truncated or half-copied shard is named here; a shard corrupt inside is
-  named by the reader).
+  named by the reader, which verifies page checksums; shards written without them are a warning).
 """
 
 from __future__ import annotations
@@ -63,7 +63,85 @@ def _convert_options_fit_the_base(cfg: StageConfig, base_dir: str | Path) -> Non
 def _data(cfg: StageConfig) -> None:
     from hylo.pipeline.train.rows import open_rows
 
-    open_rows(cfg.data, cfg.train.seed, 0, cfg.ray.num_workers).source.check_shards()
+    source = open_rows(cfg.data, cfg.train.seed, 0, cfg.ray.num_workers).source
+    source.check_shards()
+    _data_fits_the_student(cfg, source)
+    unverified = [s["file"] for s in source.manifest["shards"] if not s.get("page_checksums")]
+    if unverified:
+        print(f"[train] warning: data.path={cfg.data.path}: {len(unverified)} shard(s) ({', '.join(unverified[:3])}"
+              f"{' ...' if len(unverified) > 3 else ''}) were written without page checksums (prepared before they "
+              f"were written): they are read unverified, so a byte changed on disk would not be noticed; prepare "
+              f"the data again to have them checked", file=sys.stderr, flush=True)
+
+
+def _student_tokenizer(cfg: StageConfig) -> tuple[str, Path] | None:
+    """(key, directory) of the tokenizer the student reads: model.student's, or for stage 1 without one
+    model.base's (the conversion copies it); None when it is not a local directory."""
+    from hylo.pipeline.train.storage import is_uri
+
+    if cfg.model.student:
+        if is_uri(cfg.model.student) or not Path(cfg.model.student).expanduser().is_dir():
+            return None
+        return "model.student", Path(cfg.model.student).expanduser()
+    if cfg.stage == 1 and cfg.model.base:
+        from hylo.assets import resolve_path_or_asset
+
+        return "model.base", resolve_path_or_asset(cfg.model.base, "model.base", directory=True)
+    return None
+
+
+def _local_tokenizer(name: str) -> Path | None:
+    """The directory a data manifest's `tokenizer` names when it is on this machine (an asset only when it
+    is in the cache already: nothing is fetched for a check)."""
+    from hylo.assets import asset_name, asset_path
+
+    try:
+        asset = asset_name(name)
+        p = asset_path(asset) if asset is not None else Path(name).expanduser()
+    except Exception:  # noqa: BLE001 - an unknown asset or an odd name: nothing to compare with
+        return None
+    return p if p.is_dir() else None
+
+
+def _data_fits_the_student(cfg: StageConfig, source: Any) -> None:
+    """The rows of data.path were tokenized with the student's tokenizer: the same token for each id (the
+    manifest's `token_table` fingerprint, or the tokenizer it names when that is on this machine) and no
+    token id past the student's vocabulary (the shards' footer statistics). Before, rows of another
+    tokenizer reached the workers and their error was retried as if it were a fault."""
+    from hylo.pipeline.data.render import token_table_hash
+
+    found = _student_tokenizer(cfg)
+    if found is None:
+        return
+    key, student = found
+    where = f"data.path={cfg.data.path}"
+    fix = (f"prepare the data again with the student's tokenizer (tokenize.tokenizer={student}), or train a "
+           f"student converted from the model whose tokenizer made these rows")
+    m = source.manifest
+    mine = _tokens(student)
+    made_by = m.get("tokenizer")
+    if mine is not None:
+        theirs_dir = _local_tokenizer(str(made_by)) if made_by else None
+        theirs = _tokens(theirs_dir) if theirs_dir is not None else None
+        recorded = m.get("token_table")
+        if theirs is not None:
+            differ = sorted(i for i in set(mine) | set(theirs) if mine.get(i) != theirs.get(i))
+            if differ:
+                i = differ[0]
+                raise ConfigError(f"{where}: its rows were tokenized with {made_by!r}, whose tokenizer disagrees with "
+                                  f"the student's ({student}, {key}) on {len(differ)} token id(s), first id {i}: "
+                                  f"{theirs.get(i)!r} vs {mine.get(i)!r}; {fix}", "data.path")
+        elif recorded and recorded != token_table_hash(mine):
+            raise ConfigError(f"{where}: its rows were tokenized with {made_by!r} (token table {recorded}), not with the "
+                              f"student's tokenizer ({student}, {key}: token table {token_table_hash(mine)}); {fix}",
+                              "data.path")
+    vocab = _model_config(key, student).get("vocab_size") if (student / "config.json").is_file() else None
+    if isinstance(vocab, int):
+        for file, high in source.max_token_ids():
+            if high >= vocab:
+                raise ConfigError(f"{where}: {file} holds token id {high}, outside the student's vocabulary of {vocab} "
+                                  f"({student / 'config.json'}): the rows were tokenized with another tokenizer"
+                                  f"{f' ({made_by!r})' if made_by else ''}; {fix}", "data.path")
 
 
 def _model_config(key: str, directory: Path) -> dict[str, Any]:
@@ -78,6 +156,8 @@ def _model_config(key: str, directory: Path) -> dict[str, Any]:
 def _tokens(directory: Path) -> dict[int, str] | None:
     """id -> token of a tokenizer directory's tokenizer.json (vocabulary and added tokens); None when
     it has none (nothing to compare)."""
+    from hylo.pipeline.data.render import token_table
+
     tj = directory / "tokenizer.json"
     if not tj.is_file():
         return None
@@ -85,16 +165,7 @@ def _tokens(directory: Path) -> dict[int, str] | None:
         data = json.loads(tj.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ConfigError(f"{tj}: not a readable tokenizer.json ({e})") from None
-    vocab = (data.get("model") or {}).get("vocab")
-    out: dict[int, str] = {}
-    if isinstance(vocab, dict):
-        out = {int(i): str(t) for t, i in vocab.items()}
-    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...]
-        out = {i: str(v[0] if isinstance(v, list) else v) for i, v in enumerate(vocab)}
-    for tok in data.get("added_tokens") or []:
-        if isinstance(tok, dict) and "id" in tok:
-            out[int(tok["id"])] = str(tok.get("content"))
-    return out
+    return token_table(data)
 
 
 def _has_chat_template(directory: Path) -> bool:

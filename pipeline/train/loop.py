@@ -375,6 +375,19 @@ class TorchrunSession(Session):
 
 
 # ------------------------------------------------------------------------------------ helpers
+def set_aside_other_lines(session: Session, ckpt: Loc, step: int) -> None:
+    """Rank 0, after resuming from `ckpt` at `step`: the run's checkpoints after it (a resume from an older
+    step) belong to the line of checkpoints this run leaves; they are moved aside, once, with a copy of the
+    metrics file as it was (checkpoint.set_aside_other_lines), and never pruned or resumed from."""
+    moved = ckpt_lib.set_aside_other_lines(session.run_loc, ckpt, step, copies=(METRICS_FILE,))
+    if moved is not None:
+        folder, names = moved
+        print(f"[resume] resuming from {ckpt.name} starts a new line of checkpoints: the run's other "
+              f"checkpoints ({', '.join(names)}) and a copy of {METRICS_FILE} as it was are set aside in "
+              f"{folder}; they are kept, never pruned or resumed from (delete that folder once you do not "
+              f"need it)", flush=True)
+
+
 def total_steps_for(cfg: StageConfig, rows_in_split: int) -> int:
     if cfg.train.total_steps:
         return cfg.train.total_steps
@@ -503,6 +516,7 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         start = int(rank_state["step"])
         if rank == 0:
             print(f"[train] resumed from {ckpt} at step {start}", flush=True)
+            set_aside_other_lines(session, ckpt, start)
     if session.writer is not None:
         # the metrics file continues from the resumed step: later records (and a torn last line) go
         # (the records the checkpoint holds come back when the file lost them: a torn last line, a

@@ -121,6 +121,10 @@ class MetricsWriter:
         for w in warnings:
             print(f"[metrics] warning: {w}", file=self.stream or sys.stdout, flush=True)
         self._purge_step = step + 1
+        # a record the file had lost never reached TensorBoard / W&B / MLflow either (each step goes to the
+        # file first): they get it now, in step order, before the steps this run computes
+        for r in sorted((r for r in restore or [] if int(r["step"]) in restored), key=lambda r: int(r["step"])):
+            self._send(r, final=False)
         return warnings
 
     def write(self, record: dict[str, Any]) -> None:
@@ -133,15 +137,20 @@ class MetricsWriter:
             self._sec_per_step = dt if self._sec_per_step is None else 0.7 * self._sec_per_step + 0.3 * dt
         self._t_last, self._step_last = now, step
         append_line(self.run_dir / METRICS_FILE, json.dumps(record, sort_keys=True))
+        self._send(record, final=step >= self.total_steps)
+        if step % self.log_every == 0 or step == self.total_steps:
+            print(self.progress_line(record), file=self.stream or sys.stdout, flush=True)
+
+    def _send(self, record: dict[str, Any], final: bool) -> None:
+        """A step's record to TensorBoard and the trackers (W&B, MLflow)."""
+        step = int(record["step"])
         tb = self._tb_writer()
         if tb is not None:
             for k in SCALARS:
                 if isinstance(record.get(k), int | float):
                     tb.add_scalar(f"train/{k}", record[k], step)
             tb.flush()
-        self.trackers.log(record, final=step >= self.total_steps)
-        if step % self.log_every == 0 or step == self.total_steps:
-            print(self.progress_line(record), file=self.stream or sys.stdout, flush=True)
+        self.trackers.log(record, final=final)
 
     def flush(self) -> None:
         if self._tb is not None:

@@ -233,6 +233,17 @@ class Loc:
     def rename(self, dst: Loc) -> None:
         self.fs.move(self.path, dst.path)
 
+    def move_dir(self, dst: Loc) -> None:
+        """Move this directory to `dst` (same filesystem): a rename where the filesystem has one (local),
+        else (object stores, which have no directories to rename) a copy, then the source is deleted."""
+        self.fs.create_dir(dst.parent.path, recursive=True)
+        if self.is_local:
+            os.replace(self.local(), dst.local())
+            return
+        pafs.copy_files(self.path, dst.path, source_filesystem=self.fs, destination_filesystem=self.fs,
+                        use_threads=not isinstance(self.fs, pafs.S3FileSystem))
+        self.rmtree()
+
     def download(self, dst: Path) -> Path:
         """Copy this directory's files into local `dst` (created); returns `dst`."""
         dst = Path(dst)
