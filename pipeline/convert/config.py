@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hylo.pipeline.config import PATH, rules
+
 from hylo.upcycle.config import ConvertConfig
 
 
 @dataclass
+@rules(base=PATH, out=PATH, base_config=PATH, from_released=PATH, to_released=PATH)
 class ConvertJobConfig:
     # The base model: an HF directory, asset:NAME or an asset name (hylo.assets).
     base: str | None = None

@@ -55,6 +55,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    cfg.check_inputs()  # before any model is loaded
     m = cfg.models
     model_path = _need(m.path, "--model (models.path)", "any")
     t0 = time.perf_counter()

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from hylo.pipeline.config import ConfigError, add_config_args, maybe_print_config
+from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.ray_init import init_ray, torch_extensions_dir
 from hylo.pipeline.train import checkpoint as ckpt_lib
 from hylo.pipeline.train.config import StageConfig, config_to_dict, load_stage_config
@@ -74,10 +75,12 @@ PREEMPTED_EXIT = 143
 def build_parser(stage: int) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=f"HyLo stage {stage} training (Ray Train + DeepSpeed ZeRO-3)\n\n"
-        f"    python jobs/stage{stage}.py --config configs/demo-smollm2.yaml [--set optim.lr=1e-4 ...] [--resume [PATH]]\n"
-        f"    hylo stage{stage} --config configs/demo-smollm2.yaml --set train.total_steps=4 --print-config\n\n"
-        "All options: pipeline/train/config.py (--print-config prints every key with its value).",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        f"    hylo stage{stage} --config demo-smollm2.yaml [--set optim.lr=1e-4 ...] [--resume [PATH]]\n"
+        f"    hylo stage{stage} --config demo-smollm2.yaml --set train.total_steps=4 --print-config\n\n"
+        "--config takes a file or the name of a shipped config (`hylo configs` lists them); a relative\n"
+        "path in a config is relative to the current directory. All options: pipeline/train/config.py\n"
+        "(--print-config prints every key with its value).",
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     add_config_args(p, example="optim.lr=1e-4")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue the run from its newest checkpoint, or from checkpoint directory PATH")
@@ -385,6 +388,8 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
         check_storage_path(cfg.ray.storage_path, launcher)
     except StorageError as e:
         raise ConfigError(str(e)) from None
+    # every path of the config, relative to this directory, made absolute once: the workers run elsewhere
+    cfg = resolve_paths(cfg)
     # the run directory is this run's until it ends: a second run with the same storage and name stops
     # here (runlock.py); under torchrun rank 0 holds it for the rendezvous
     owner = launch_id(launcher) if launcher == "torchrun" else None
