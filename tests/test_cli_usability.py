@@ -325,3 +325,22 @@ def test_every_job_hands_its_work_absolute_paths(name, tmp_path, monkeypatch):
                 from hylo.assets import ASSETS
 
                 assert v in ASSETS, (name, key, v)
+
+
+def test_without_lm_eval_installed_both_routes_say_which_extra_to_install(monkeypatch, capsys, tmp_path):
+    import tomllib
+
+    from hylo.pipeline.eval.lm_eval_adapter import cli
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("lm-eval") for d in extras["eval"])
+    for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` now fails as if it were not installed
+    monkeypatch.setattr("hylo.pipeline.eval.lm_eval_adapter._REGISTERED", {})
+    assert cli(["--tasks", "arc_easy"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: lm-evaluation-harness is not installed") and "hylo-pipeline[eval]" in err
+    assert err.count("\n") == 1
+    rc, text = run_hylo(["eval", "--model", str(tmp_path / "m"), "--suite", "lm_eval", "--out", str(tmp_path / "o")])
+    assert rc == 2 and "pip install 'hylo-pipeline[eval]'" in text and text.count("\n") == 1, text

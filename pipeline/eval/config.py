@@ -146,6 +146,12 @@ class EvalConfig:
         """What the chosen suites need and the config lacks, before any model is loaded (a ConfigError)."""
         if not self.models.path:
             raise ConfigError("no model to evaluate: pass --model DIR (models.path)", "models.path")
+        if "lm_eval" in self.suites:
+            import importlib.util
+
+            if importlib.util.find_spec("lm_eval") is None:
+                raise ConfigError("suite 'lm_eval' needs lm-evaluation-harness, which is not installed: pip install "
+                                  "'hylo-pipeline[eval]' (or pip install lm-eval)", "suites")
         if "kl" in self.suites and not self.kl.data:
             raise ConfigError(f"suite 'kl' needs held-out rows: pass --data DIR (kl.data: a packed-data directory, "
                               f"Parquet rows or JSON/JSONL chat records), or leave kl out of --suite (now "
