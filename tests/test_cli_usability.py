@@ -169,7 +169,7 @@ def test_eval_names_missing_held_out_rows_before_loading_any_model(tmp_path):
     # the model does not exist: the error is about the data, found first, from the config alone
     rc, text = run_hylo(["eval", "--config", "eval_smoke.yaml", "--model", str(tmp_path / "nope"),
                          "--out", str(tmp_path / "o")])
-    assert rc == 2 and "suite 'kl' needs held-out rows: pass --data" in text, text
+    assert rc == 2 and "suite 'kl' needs --data DIR" in text, text
 
 
 def test_fetch_assets_takes_a_config_and_print_config(tmp_path):

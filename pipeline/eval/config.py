@@ -153,6 +153,6 @@ class EvalConfig:
                 raise ConfigError("suite 'lm_eval' needs lm-evaluation-harness, which is not installed: pip install "
                                   "'hylo-pipeline[eval]' (or pip install lm-eval)", "suites")
         if "kl" in self.suites and not self.kl.data:
-            raise ConfigError(f"suite 'kl' needs held-out rows: pass --data DIR (kl.data: a packed-data directory, "
-                              f"Parquet rows or JSON/JSONL chat records), or leave kl out of --suite (now "
+            raise ConfigError(f"suite 'kl' needs --data DIR (kl.data: held-out rows, a packed-data directory, Parquet "
+                              f"rows or JSON/JSONL chat records), or leave kl out of --suite (now "
                               f"{','.join(self.suites)})", "kl.data")
