@@ -269,6 +269,10 @@ def run_config(cfg: StageConfig, run: Loc):
         # the workers prune (the checkpoint.keep newest intact ones); Ray only keeps its bookkeeping
         checkpoint_config=CheckpointConfig(num_to_keep=None),
         callbacks=[make_ray_callback()],
+        # Ray Train replaces print() in its workers by a logger call that also tees to the original print
+        # whenever sys.stdout is not sys.__stdout__, which it never is in a Ray worker (Ray wraps it):
+        # every line the workers print reached the driver (and `ray job submit`'s log) twice
+        worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
     )
 
 
