@@ -179,8 +179,8 @@ class Demo(StepRunner):
     def evaluate(self, name: str, model: Path, suites: list[str]) -> dict:
         out = self.run / "eval" / name
         # the teacher (the base model) is the same for all three evaluations: its forward on the held-out
-        # rows runs once and later evaluations reuse its hidden states
-        extra = ["--set", "kvcache.decode_tokens=8",
+        # rows runs once and later evaluations reuse its hidden states; the results go into each model's card
+        extra = ["--update-card", "--set", "kvcache.decode_tokens=8",
                  "--set", f"kl.teacher_cache={self.run / 'eval' / 'teacher_states.safetensors'}"]
         if "retrieval" in suites:
             extra += ["--set", f"retrieval.lengths={lengths_arg(self.cfg.retrieval_lengths)}",
