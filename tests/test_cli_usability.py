@@ -344,3 +344,36 @@ def test_without_lm_eval_installed_both_routes_say_which_extra_to_install(monkey
     assert err.count("\n") == 1
     rc, text = run_hylo(["eval", "--model", str(tmp_path / "m"), "--suite", "lm_eval", "--out", str(tmp_path / "o")])
     assert rc == 2 and "pip install 'hylo-pipeline[eval]'" in text and text.count("\n") == 1, text
+
+
+def test_ctrl_c_while_ray_train_fits_is_a_keyboard_interrupt_in_the_main_thread():
+    """Ray Train 2.60's fit() registers, when it runs in the main thread, a SIGINT handler that aborts the run
+    and ends the driver with a bare exit status 1 (ray/train/v2/api/data_parallel_trainer.py,
+    `_register_sigint_handler`; measured: a stage-1 run given SIGINT exited 1 with no message). The driver
+    runs fit() in a thread of its own: Ctrl-C is then a KeyboardInterrupt in the main thread (job_main: one
+    line, 130), and fit()'s own result or error comes back unchanged."""
+    import threading
+
+    from hylo.pipeline.train.driver import fit_interruptibly
+
+    class Trainer:
+        def __init__(self, result=None, error=None, wait=0.0):
+            self.result, self.error, self.wait, self.thread = result, error, wait, None
+
+        def fit(self):
+            self.thread = threading.current_thread()
+            time.sleep(self.wait)
+            if self.error:
+                raise self.error
+            return self.result
+
+    t = Trainer(result="done")
+    assert fit_interruptibly(t) == "done" and t.thread is not threading.main_thread()
+    with pytest.raises(ValueError, match="boom"):
+        fit_interruptibly(Trainer(error=ValueError("boom")))
+    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        fit_interruptibly(Trainer(wait=30))
+    assert time.time() - t0 < 5

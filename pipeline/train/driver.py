@@ -345,7 +345,7 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
                 # an input error inside a worker (a bad value, a full disk) fails the run at once: Ray's
                 # retries (ray.max_failures) are for faults
                 with final_input_errors():
-                    result = trainer.fit()
+                    result = fit_interruptibly(trainer)
             except Preempted:
                 raise
             except Exception as e:
@@ -356,6 +356,29 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
 
             serve.delete(cfg.teacher.pool.app_name)
     return {"checkpoint": result.checkpoint.path if result.checkpoint else None}
+
+
+def fit_interruptibly(trainer: Any) -> Any:
+    """`trainer.fit()` in a thread of its own. Run in the main thread, Ray Train installs a SIGINT handler that
+    ends the driver on Ctrl-C with a bare exit status (1, or 0) and no word of why; here Ctrl-C stays Python's
+    KeyboardInterrupt in the main thread: `job_main` prints one line and exits 130, after the run lock and the
+    job's Ray are released (which stops the training actors). SIGTERM (preemption_handler) still runs in the
+    main thread, which waits here."""
+    box: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread as it is
+            box["error"] = e
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 class TrainingError(RuntimeError):
