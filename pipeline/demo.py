@@ -422,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = runner_parser(
         "The whole HyLo recipe on SmolLM2-135M-Instruct and real ShareGPT, on local Ray, on CPU.\n\n"
         "    hylo demo                                   # ~6 minutes on 2 cores; the table and runs/demo/report.md\n"
-        "    hylo demo --steps 1 --records 40 --seq-len 128 --run-dir runs/demo-tiny   # the smallest run, ~3 min\n"
+        "    hylo demo --steps 1 --records 40 --heldout 8 --heldout-rows 1 --seq-len 128 --run-dir runs/demo-tiny\n"
+        "        # the smallest run: ~3.5 min on 2 busy cores, mostly starting Ray, DeepSpeed and the models\n"
         "    hylo demo --full-eval --set heldout_rows=16\n\n"
         "run_dir default runs/demo (relative to the current directory). Every option is a key of DemoConfig\n"
         "(pipeline/demo.py); the flags are shorthands for them.")
