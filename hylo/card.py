@@ -240,10 +240,16 @@ def _shown_name(spec: Any) -> str:
     `model/` by its run), never a local path."""
     if spec is None:
         return "-"
+    from hylo.assets import AssetError, asset_name
+
     text = str(spec)
-    if text.startswith("asset:") or text in _asset_names():
-        spec_ = _registry(text.removeprefix("asset:"))
-        return spec_.hub_id if spec_ is not None and spec_.hub_id else text.removeprefix("asset:")
+    try:
+        name = asset_name(text)
+    except AssetError:
+        name = None
+    if name is not None:
+        spec_ = _registry(name)
+        return spec_.hub_id if spec_ is not None and spec_.hub_id else name
     if "://" in text:
         return text
     p = Path(text)
@@ -257,12 +263,6 @@ def _shown_name(spec: Any) -> str:
     if p.name == "model" and p.parent.name:
         return p.parent.name
     return p.name or text
-
-
-def _asset_names() -> set[str]:
-    from hylo.assets import ASSETS
-
-    return set(ASSETS)
 
 
 def trained(card: dict[str, Any]) -> bool:

@@ -19,14 +19,14 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hylo.pipeline.cli import job_main  # noqa: E402
-from hylo.pipeline.config import PATH, add_config_args, config_from_args, each, one_of, rules  # noqa: E402
+from hylo.pipeline.config import PATH, FieldError, add_config_args, config_from_args, rules, suggest  # noqa: E402
 from hylo.pipeline.paths import resolve_paths  # noqa: E402
 
 from hylo.assets import ASSETS, fetch_asset  # noqa: E402
 
 
 @dataclass
-@rules(names=each(one_of(*ASSETS)), cache_dir=PATH)
+@rules(cache_dir=PATH)
 class FetchAssetsConfig:
     # Assets to fetch; empty = all.
     names: list[str] = field(default_factory=list)
@@ -38,6 +38,12 @@ class FetchAssetsConfig:
     quiet: bool = False
     # Print one JSON object {name: path} instead of one line per asset.
     json: bool = False
+
+    def __post_init__(self) -> None:
+        for name in self.names:
+            if name not in ASSETS:  # hylo.assets' own message, with did-you-mean
+                raise FieldError("names", self.names, f"unknown asset {name!r}{suggest(name, ASSETS)} (known: "
+                                 f"{', '.join(ASSETS)})")
 
 
 FLAG_KEYS = {"names": "names", "cache_dir": "cache_dir", "verify": "verify", "quiet": "quiet", "json": "json"}

@@ -179,8 +179,8 @@ def test_fetch_assets_takes_a_config_and_print_config(tmp_path):
     assert rc == 0, err
     assert yaml.safe_load(out) == {"names": ["humaneval"], "cache_dir": "rel/cache", "verify": True, "quiet": False,
                                    "json": False}
-    rc, text = run_hylo(["fetch-assets", "nope", "--print-config"])
-    assert rc == 2 and "must be one of" in text
+    rc, text = run_hylo(["fetch-assets", "sharegtp", "--print-config"])
+    assert rc == 2 and "unknown asset 'sharegtp'; did you mean 'sharegpt'?" in text, text
 
 
 # ------------------------------------------------------------------------------------ paths
