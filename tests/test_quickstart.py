@@ -95,11 +95,24 @@ def printed_once(out: str, pattern: str) -> None:
     assert lines and len(lines) == len(set(lines)), f"{pattern}: {lines}"
 
 
+def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> None:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{shlex.join(map(str, cmd))}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+
+
+def _source_copy(dst: Path) -> Path:
+    """The repository's tracked files (what `pip install .` of a clone sees)."""
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (REPO / f).is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, dst / f)
+    return dst
+
+
 def installed_wheel(tmp_path: Path) -> Path:
     """A virtualenv with a wheel of the tracked files installed (no dependency fetched: this environment's
     packages are on its path, but not this checkout's editable install); its bin/."""
-    from test_packaging import _run, _source_copy
-
     env = clean_env()
     src = _source_copy(tmp_path / "src")
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
