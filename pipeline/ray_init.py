@@ -54,12 +54,15 @@ def torch_extensions_dir() -> str:
 
 def project_env() -> dict[str, str]:
     """Environment the workers of a local Ray need: the directory holding the `hylo` package first on
-    PYTHONPATH (a checkout's root), the compiled-op cache, and workers at nice 0."""
+    PYTHONPATH (a checkout's root), the compiled-op cache, workers at nice 0, and Ray Train's print patch
+    off."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(ROOT) not in paths:
         paths.insert(0, str(ROOT))
     return {"PYTHONPATH": os.pathsep.join(paths), "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
-            "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}
+            "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),
+            # Ray Train's print() patch doubles every line a training worker prints (train/driver.py run_config)
+            "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_driver: bool = True) -> bool:

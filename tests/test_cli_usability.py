@@ -377,3 +377,23 @@ def test_ctrl_c_while_ray_train_fits_is_a_keyboard_interrupt_in_the_main_thread(
     with pytest.raises(KeyboardInterrupt):
         fit_interruptibly(Trainer(wait=30))
     assert time.time() - t0 < 5
+
+
+def test_training_workers_print_each_line_once_on_a_local_ray_and_on_a_joined_cluster(monkeypatch, tmp_path):
+    """Ray Train 2.60 patches print() in its workers to log each line and, whenever sys.stdout is not
+    sys.__stdout__ (always, in a Ray worker: Ray wraps it in ray._private.utils.Unbuffered), print it too
+    (ray/train/v2/_internal/logging/patch_print.py `redirected_print`): every line twice, measured under
+    `ray job submit` and on a local Ray. The switch RAY_TRAIN_ENABLE_PRINT_PATCH=0 reaches every worker:
+    a local Ray inherits it (project_env); for a cluster the job joined, the workers' runtime env has it.
+    (tests/test_quickstart.py counts the printed step lines of real runs.)"""
+    from hylo.pipeline.ray_init import project_env
+    from hylo.pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.driver import PRINT_PATCH, run_config
+    from hylo.pipeline.train.storage import run_loc
+
+    assert project_env()[PRINT_PATCH] == "0"
+    cfg = load_stage_config(1, None, [f"ray.storage_path={tmp_path}"])
+    monkeypatch.delenv(PRINT_PATCH, raising=False)  # a driver that joined a cluster (ray job submit)
+    assert run_config(cfg, run_loc(cfg)).worker_runtime_env == {"env_vars": {PRINT_PATCH: "0"}}
+    monkeypatch.setenv(PRINT_PATCH, "0")  # a driver that started its local Ray (init_ray set project_env)
+    assert run_config(cfg, run_loc(cfg)).worker_runtime_env == {}

@@ -68,6 +68,8 @@ from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path, r
 from hylo.pipeline.train.worker import Stage
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+# Ray Train's switch for its print() patch in the workers (see run_config)
+PRINT_PATCH = "RAY_TRAIN_ENABLE_PRINT_PATCH"
 # the exit status of a process ended by SIGTERM (128 + 15): schedulers take it for a preemption, not a bug
 PREEMPTED_EXIT = 143
 
@@ -271,8 +273,10 @@ def run_config(cfg: StageConfig, run: Loc):
         callbacks=[make_ray_callback()],
         # Ray Train replaces print() in its workers by a logger call that also tees to the original print
         # whenever sys.stdout is not sys.__stdout__, which it never is in a Ray worker (Ray wraps it):
-        # every line the workers print reached the driver (and `ray job submit`'s log) twice
-        worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+        # every line the workers print reached the driver (and `ray job submit`'s log) twice. A local Ray
+        # this job started has the switch in every worker's environment already (ray_init.project_env);
+        # the workers of a cluster it joined get it here
+        worker_runtime_env=({} if os.environ.get(PRINT_PATCH) == "0" else {"env_vars": {PRINT_PATCH: "0"}}),
     )
 
 
