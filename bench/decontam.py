@@ -61,7 +61,7 @@ def ratio(res: dict, a: str, b: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--limit", type=int, default=None, help="read at most this many ShareGPT records")
     ap.add_argument("--num-cpus", type=int, default=2)
     ap.add_argument("--ngram", type=int, default=13)

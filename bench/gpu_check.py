@@ -771,7 +771,7 @@ def summary(name: str, res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md")
     ap.add_argument("--tiny", action="store_true", help="small shapes on CPU (the test of this script)")
     ap.add_argument("--cases", default="1,2,3,4,5,6", help="comma-separated case numbers")

@@ -155,7 +155,7 @@ def table(rows: list[dict], converted: dict[int, float], variants: list[str], c:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--run-dir", default="runs/ild_compare")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--variants", nargs="+", choices=ILD_TRAINABLE, default=["mixers", "all"])

@@ -78,7 +78,7 @@ def cases(tmp: Path) -> dict[str, Path]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--sharegpt", default=str(Path.home() / ".cache/hylo/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -117,7 +117,7 @@ def run_child(case: str, n: int, hidden: int, vocab: int, seed: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--n", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--hidden", type=int, default=576)
     parser.add_argument("--vocab", type=int, default=49152)

@@ -148,7 +148,7 @@ def decode(ctx: int, steps: int = 32) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--decode-ctx", type=int, default=2048)

@@ -37,7 +37,7 @@ def make_model(linear_type: str) -> HyLoForCausalLM:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)

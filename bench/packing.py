@@ -21,7 +21,7 @@ import numpy as np
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--limit", type=int, default=8000, help="ShareGPT items to read (records + rejects)")
     ap.add_argument("--num-actors", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)

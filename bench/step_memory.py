@@ -121,7 +121,7 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

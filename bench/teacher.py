@@ -41,7 +41,7 @@ def make_rows(n: int, tokens: int, vocab: int, seed: int = 0) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--model", default=DEFAULT_TEACHER)
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=512)

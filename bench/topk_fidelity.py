@@ -117,7 +117,7 @@ def cosines(g: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--ks", type=int, nargs="+", default=[8, 16, 32, 64, 128])

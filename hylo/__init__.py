@@ -1,8 +1,8 @@
 """HyLo: hybrid MLA + linear-attention models upcycled from pretrained Transformers.
 
 One import namespace for everything the distribution installs: `hylo` (the model and converter),
-`hylo.kernels`, `hylo.pipeline` and `hylo.jobs`. In the repository those are the folders `kernels/`,
-`pipeline/` and `jobs/` beside `hylo/` (pyproject.toml maps them with `package-dir`, so a wheel and an
+`hylo.kernels`, `hylo.pipeline`, `hylo.jobs` and `hylo.configs` (the shipped YAML configs). In the repository
+those are the folders `kernels/`, `pipeline/`, `jobs/` and `configs/` beside `hylo/` (pyproject.toml maps them with `package-dir`, so a wheel and an
 editable install hold them under `hylo/`); in a checkout used without installing (PYTHONPATH, `ray job
 submit --working-dir .`), the lines below give the same names by adding the checkout's root to this
 package's search path.

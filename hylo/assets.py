@@ -78,6 +78,9 @@ class AssetSpec:
     hub_id: str = ""
     license: str = ""
     terms: str = ""
+    # A model: the Hub ids of the datasets its own card names as its training data (a converted model's card
+    # lists them as the data its weights come from).
+    datasets: tuple[str, ...] = ()
 
 
 def _build_copy(src: Path, out_dir: Path, progress: bool) -> None:
@@ -127,6 +130,9 @@ ASSETS: dict[str, AssetSpec] = {
             description="SmolLM2-135M-Instruct as a plain HF Llama directory (fp32 safetensors)",
             hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
             license="apache-2.0",
+            # its card: "You can find the SFT dataset here: https://huggingface.co/datasets/HuggingFaceTB/smol-smoltalk"
+            # (its pre-training and preference data are named in prose, without Hub ids)
+            datasets=("HuggingFaceTB/smol-smoltalk",),
         ),
         AssetSpec(
             name="sharegpt",

@@ -17,6 +17,13 @@ Design choices:
   the evaluation results. The training data's terms are stated in the card's text.
 * The card says what the checkpoint was made from: a synthetic-data run records "synthetic rows", not the
   (unread) `data.path` of its config.
+* README.md is written for someone who downloads the model: it names models and data by their Hub id or
+  their directory's name, never by a path of the machine that wrote it (hylo_card.json, the record, keeps the
+  paths); its code snippet loads the model by its name (the directory, or its Hub repo id once uploaded); it
+  has an intended-use and limitations section, and a converted model that no stage trained says so.
+* `datasets` lists the data the weights come from where known: the base's own (its card's front matter, or
+  the asset registry's record of the base's card), then what training read. Evaluation results recorded with
+  `--update-card` carry the conditions that make them differ from a full run (`--limit`).
 * KV cache per token is computed from the config alone (MLA: latent + roped key, + one key 1/RMS per
   kv_b head with `mla_qk_norm`; linear layers: none)
   against the base's GQA cache (`base_num_key_value_heads`, `base_head_dim`).
@@ -94,15 +101,20 @@ def _registry(name: str | None) -> Any:
 
 
 def base_identity(src: Path, base_cfg: dict[str, Any]) -> dict[str, Any]:
-    """Hub id and license of a base model directory, where known (None otherwise): the directory's own
-    card and config first, then the asset registry (an asset directory is named after its asset)."""
+    """Hub id, license and training datasets of a base model directory, where known (None otherwise): the
+    directory's own card and config first, then the asset registry (an asset directory is named after its
+    asset)."""
     front = _front_matter(src / "README.md")
     spec = _registry(src.name)
     cand = base_cfg.get("_name_or_path")
     hub_id = cand if isinstance(cand, str) and _HUB_ID.fullmatch(cand) and not Path(cand).expanduser().exists() else None
     hub_id = hub_id or (spec.hub_id if spec is not None and spec.hub_id else None)
     lic = front.get("license") or (spec.license if spec is not None and spec.license else None)
-    return {"hub_id": hub_id, "license": lic}
+    datasets = front.get("datasets") or (list(spec.datasets) if spec is not None and spec.datasets else None)
+    if isinstance(datasets, str):
+        datasets = [datasets]
+    datasets = [d for d in datasets or [] if isinstance(d, str) and d] or None
+    return {"hub_id": hub_id, "license": lic, "datasets": datasets}
 
 
 def _data_sources(path: str | None) -> list[str] | None:
@@ -210,14 +222,52 @@ def _eval_results(results: dict[str, Any] | None, model_name: str) -> list[Any]:
     from huggingface_hub import EvalResult
 
     out = []
+    limit = (results or {}).get("limit")
     for suite, metrics in sorted(((results or {}).get("metrics") or {}).items()):
         for key, val in sorted((metrics or {}).items()):
             if not isinstance(val, int | float) or isinstance(val, bool):
                 continue
             dataset, measure = key.split(" ", 1) if suite == "lm_eval" and " " in key else (suite, key)
+            # a score on a --limit subset is not the task's score: its name says so
+            shown = f"{measure} (--limit {limit:g})" if suite == "lm_eval" and limit else measure
             out.append(EvalResult(task_type="text-generation", dataset_type=dataset, dataset_name=dataset,
-                                  metric_type=measure, metric_name=measure, metric_value=val))
+                                  metric_type=measure, metric_name=shown, metric_value=val))
     return out
+
+
+def _shown_name(spec: Any) -> str:
+    """How README.md names a model or data location: its Hub id where known, else its directory's name (a run's
+    `model/` by its run), never a local path."""
+    if spec is None:
+        return "-"
+    from hylo.assets import AssetError, asset_name
+
+    text = str(spec)
+    try:
+        name = asset_name(text)
+    except AssetError:
+        name = None
+    if name is not None:
+        spec_ = _registry(name)
+        return spec_.hub_id if spec_ is not None and spec_.hub_id else name
+    if "://" in text:
+        return text
+    p = Path(text)
+    cfg = _read_json(p / "config.json") if p.is_dir() else None
+    if cfg:
+        own = load_card(p) or {}
+        if (own.get("base") or {}).get("hub_id") is None and cfg.get("model_type") != "hylo":
+            ident = base_identity(p, cfg)
+            if ident["hub_id"]:
+                return ident["hub_id"]
+    if p.name == "model" and p.parent.name:
+        return p.parent.name
+    return p.name or text
+
+
+def trained(card: dict[str, Any]) -> bool:
+    """Whether a training stage produced (or preceded) this checkpoint."""
+    return any((step.get("recipe") or {}).get("stage") for step in card.get("history") or [])
 
 
 def front_matter(config, card: dict[str, Any], model_name: str) -> str:
@@ -225,7 +275,9 @@ def front_matter(config, card: dict[str, Any], model_name: str) -> str:
     from huggingface_hub import ModelCardData
 
     base = card.get("base") or {}
-    datasets = [spec.hub_id for spec in map(_registry, training_data(card)) if spec is not None and spec.hub_id]
+    datasets = list(base.get("datasets") or [])
+    datasets += [spec.hub_id for spec in map(_registry, training_data(card))
+                 if spec is not None and spec.hub_id and spec.hub_id not in datasets]
     results = _eval_results(card.get("eval"), model_name)
     data = ModelCardData(
         library_name="transformers", pipeline_tag="text-generation",
@@ -235,8 +287,53 @@ def front_matter(config, card: dict[str, Any], model_name: str) -> str:
     return f"---\n{data.to_yaml()}\n---"
 
 
+def _recipe_text(recipe: dict[str, Any]) -> str:
+    """A training step's recipe as README.md shows it (names, not paths)."""
+    parts = []
+    for k, v in recipe.items():
+        if k in ("stage", "run", "data_sources"):
+            continue
+        if k == "data":
+            v = ", ".join(recipe["data_sources"]) if recipe.get("data_sources") else (
+                v if str(v).startswith("synthetic") else _shown_name(v))
+        elif k == "teacher":
+            v = _shown_name(v)
+        parts.append(f"{k} {_fmt(v)}")
+    return ", ".join(parts)
+
+
+def _intended_use(config, card: dict[str, Any], base_name: str) -> list[str]:
+    kv = kv_cache(config)
+    ratio = f" (its KV cache is {100 * kv['kv_cache_ratio']:.1f} % of the base's per token)" if "kv_cache_ratio" in kv else ""
+    lines = ["", "## Intended use and limitations", "",
+             f"A research checkpoint made with hylo-pipeline: {base_name} with its attention layers replaced by "
+             f"{len(config.mla_layers)} MLA and {len(config.linear_layers)} "
+             f"{'Gated DeltaNet' if config.linear_type == 'gdn' else 'Mamba-2'} layers{ratio}, for studying "
+             "long-context efficiency and distillation; text generation in the base model's languages and chat "
+             "format."]
+    if not trained(card):
+        lines += ["", "**Converted, not trained.** Its MLA and linear layers were initialised from the base's "
+                      "attention weights (an SVD and a short calibration on a built-in text) and no training stage "
+                      "has run: expect far worse output than the base's (compare the KL to the base below, when "
+                      "evaluated). Train it with `hylo stage1` and `hylo stage2` before any other use."]
+    else:
+        recipes = [step["recipe"] for step in card.get("history") or [] if (step.get("recipe") or {}).get("stage")]
+        budget = "; ".join(f"stage {r['stage']}: {_fmt(r.get('steps'))} steps of {_fmt(r.get('global_batch_sequences'))} "
+                           f"rows" + (f" of {r['seq_len']} tokens" if r.get("seq_len") else "") for r in recipes)
+        lines += ["", f"Distilled from its base / teacher with a limited budget ({budget}): its quality is bounded by "
+                      "that budget and by its training data; evaluate it on your own task before relying on it."]
+    lines += ["",
+              "* It inherits the limitations and biases of the base model and of its training data, and has no "
+              "safety tuning beyond the base's.",
+              f"* Positions up to {config.max_position_embeddings} are configured; lengths beyond what training "
+              "covered are not validated.",
+              "* Not for decisions about people, or for medical, legal or financial advice."]
+    return lines
+
+
 def render(config, card: dict[str, Any]) -> str:
-    """README.md of a checkpoint: front matter for the Hub, architecture, KV cache, provenance, results, usage."""
+    """README.md of a checkpoint: front matter for the Hub, architecture, KV cache, provenance, intended use,
+    results, usage. Models and data are named, never given as local paths (module docstring)."""
     model_name = card.get("name") or "hylo-model"
     base = card.get("base") or {}
     base_name = base.get("hub_id") or base.get("name") or "an unknown base model"
@@ -245,7 +342,8 @@ def render(config, card: dict[str, Any]) -> str:
     lines = [front_matter(config, card, model_name), "", f"# HyLo hybrid of {base_name}", "",
              f"A HyLo hybrid: {len(config.mla_layers)} Multi-head Latent Attention (MLA) layers and {len(linear)} "
              f"{'Gated DeltaNet' if config.linear_type == 'gdn' else 'Mamba-2'} layers, upcycled from "
-             f"{base_name} by hylo-pipeline. This file is generated from `{CARD_JSON}` and `config.json`.", "",
+             f"{base_name} by hylo-pipeline" + ("" if trained(card) else " (converted only: not trained yet)")
+             + f". This file is generated from `{CARD_JSON}` and `config.json`.", "",
              "## Architecture", "", "| | |", "|---|---|",
              f"| layers | {config.n_layer} |",
              f"| MLA layers | {_fmt(config.mla_layers)} |",
@@ -264,16 +362,19 @@ def render(config, card: dict[str, Any]) -> str:
         lines.append(f"* Base: `{base_name}` ({base.get('model_type') or 'unknown type'}"
                      + (f", license {base['license']}" if base.get("license") else ", license unknown") + ").")
     if card.get("teacher"):
-        lines.append(f"* Teacher: `{card['teacher']}`.")
+        lines.append(f"* Teacher: `{_shown_name(card['teacher'])}`.")
     for step in card.get("history") or []:
         desc = f"* {step.get('date', '')}: {step.get('step', 'save')}"
         if step.get("source"):
-            desc += f" from `{step['source']}`"
+            shown = base_name if step.get("step") == "convert" else _shown_name(step["source"])
+            desc += f" from `{shown}`"
         recipe = step.get("recipe") or {}
         if recipe:
-            desc += " (" + ", ".join(f"{k} {_fmt(v)}" for k, v in recipe.items() if k not in ("stage", "run")) + ")"
+            desc += f" ({_recipe_text(recipe)})"
         lines.append(desc)
     terms = []
+    if base.get("datasets"):
+        terms.append(f"* The base's training data, as its card names it: {', '.join(f'`{d}`' for d in base['datasets'])}.")
     for name in training_data(card):
         spec = _registry(name)
         what = f"`{spec.hub_id}`" if spec is not None and spec.hub_id else f"`{name}` (local data)"
@@ -284,22 +385,32 @@ def render(config, card: dict[str, Any]) -> str:
         lines += ["", "## License", "",
                   f"The weights derive from the base model and keep its license ({base.get('license') or 'unknown'}).",
                   *terms]
+    lines += _intended_use(config, card, base_name)
     results = card.get("eval")
     if results:
-        lines += ["", "## Evaluation", "", f"From `{results.get('source', 'jobs/eval.py')}` ({results.get('date', '')}).",
-                  "", "| suite | measure | value |", "|---|---|---|"]
+        limit = results.get("limit")
+        lines += ["", "## Evaluation", "", f"From `hylo eval` ({results.get('date', '')})."]
+        if limit:
+            lines += ["", f"lm-eval scores are on at most {limit:g} {'examples' if limit >= 1 else 'of the examples'} "
+                          f"per task (`--limit {limit:g}`): a subset, not comparable with scores on the full tasks."]
+        lines += ["", "| suite | measure | value |", "|---|---|---|"]
         for suite, metrics in sorted((results.get("metrics") or {}).items()):
             for key, val in sorted(metrics.items()):
                 lines.append(f"| {suite} | {key} | {_fmt(val)} |")
+        counts = results.get("samples") or {}
+        if counts:
+            lines += ["", "Examples evaluated per task: " + ", ".join(f"{t} {n}" for t, n in sorted(counts.items())) + "."]
+    repo = card.get("repo_id") or model_name
     lines += ["", "## Use", "", "```python",
               "from transformers import AutoModelForCausalLM, AutoTokenizer",
-              "model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)  # the code is in this directory",
-              "tok = AutoTokenizer.from_pretrained(PATH, trust_remote_code=True)  # a stock tokenizer class; "
+              f"model_id = {repo!r}  # this directory, or its Hub repo id once uploaded (e.g. your-name/{model_name})",
+              "model = AutoModelForCausalLM.from_pretrained(model_id, trust_remote_code=True)  # the code is in the repo",
+              "tok = AutoTokenizer.from_pretrained(model_id, trust_remote_code=True)  # a stock tokenizer class; "
               "transformers reads the model's config first",
               "out = model.generate(**tok('Hello', return_tensors='pt'), max_new_tokens=32)",
               "```", "",
-              "`lm_eval --model hf --model_args pretrained=PATH,trust_remote_code=True --tasks ...` evaluates it; "
-              "with hylo-pipeline installed, `hylo-lm-eval --model hylo --model_args pretrained=PATH ...` too.", ""]
+              f"`lm_eval --model hf --model_args pretrained={repo},trust_remote_code=True --tasks ...` evaluates it; "
+              f"with hylo-pipeline installed, `hylo-lm-eval --model hylo --model_args pretrained={repo} ...` too.", ""]
     return "\n".join(lines)
 
 
@@ -309,10 +420,14 @@ def write_card(directory: str | Path, config, card: dict[str, Any]) -> None:
     atomic_write(d / CARD_MD, render(config, card))
 
 
-def add_eval_results(directory: str | Path, config, metrics: dict[str, dict[str, Any]], source: str) -> Path:
-    """Record evaluation results (suite -> {measure: value}) in a checkpoint's card and re-render it."""
+def add_eval_results(directory: str | Path, config, metrics: dict[str, dict[str, Any]], source: str,
+                     limit: float | None = None, samples: dict[str, int] | None = None) -> Path:
+    """Record evaluation results (suite -> {measure: value}) in a checkpoint's card and re-render it; `limit` is
+    lm-eval's `--limit` (the scores are then on a subset, and the card says so), `samples` the examples each
+    lm-eval task was scored on."""
     d = Path(directory)
     card = load_card(d) or {"format": 1, "base": None, "history": [], "teacher": None}
-    card["eval"] = {"date": _now(), "source": source, "metrics": metrics}
+    card["eval"] = {"date": _now(), "source": source, "metrics": metrics,
+                    **({"limit": limit} if limit else {}), **({"samples": samples} if samples else {})}
     write_card(d, config, card)
     return d / CARD_MD

@@ -10,6 +10,7 @@ turns it into a ConfigError naming the dotted key and where its value came from.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -51,6 +52,9 @@ class Rule:
     relative_name: bool = False
     # A single path component (a file name stem).
     file_name: bool = False
+    # A local path, a URI (s3://...) or an asset (asset:NAME, NAME): a relative local path is relative to the
+    # directory the command runs in, and the job makes it absolute once, at start (`resolve_paths`).
+    path: bool = False
     nonempty: bool = False
     # Regular expression the whole string must match, and how to say it in an error.
     pattern: str | None = None
@@ -186,6 +190,9 @@ def each(rule: Rule, nonempty: bool = False) -> Rule:
 
 
 NONEMPTY = Rule(nonempty=True)
+# A file or directory: see Rule.path (hylo.pipeline.config.resolve_paths makes a relative one absolute).
+PATH = Rule(path=True)
+NONEMPTY_PATH = Rule(path=True, nonempty=True)
 RELATIVE_NAME = Rule(relative_name=True)
 FILE_NAME = Rule(file_name=True)
 # A port to bind or connect to.
@@ -261,6 +268,23 @@ def check_fields(obj: Any) -> None:
         why = rule.problem(value) if rule is not None else None
         if why:
             raise error(f.name, value, why)
+
+
+def _initials(word: str) -> str:
+    return "".join(part[0] for part in re.split(r"[_\-.]+", word) if part)
+
+
+def suggest(word: str, choices: Any, prefix: str = "") -> str:
+    """"; did you mean 'x'?" when `word` is close to one of `choices` (a typo, a longer spelling such as
+    learning_rate for lr, the start of a name), else ""."""
+    word, names = str(word), [str(c) for c in choices]
+    close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    if not close:
+        close = [n for n in names if len(n) > 1 and (_initials(word) == n or _initials(n) == word)][:1]
+    if not close and len(word) >= 3:
+        starts = [n for n in names if n.startswith(word)]
+        close = starts if len(starts) == 1 else []
+    return f"; did you mean {prefix + close[0]!r}?" if close else ""
 
 
 def _strip_optional(tp: Any) -> Any:

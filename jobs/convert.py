@@ -1,11 +1,11 @@
 """Convert a Llama / Qwen3 checkpoint into a HyLo hybrid and print what it saves.
 
-    python jobs/convert.py --base smollm2-135m-instruct --out runs/hylo-smollm2 --mla-layers even
-    python jobs/convert.py --dry-run --base-config path/to/config.json --mla-layers 0,5,10,16,21,26 \\
+    hylo convert --base smollm2-135m-instruct --out runs/hylo-smollm2 --mla-layers even
+    hylo convert --dry-run --base-config path/to/config.json --mla-layers 0,5,10,16,21,26 \\
         --kv-lora-rank 128 --qk-rope-head-dim 64
-    python jobs/convert.py --base smollm2-135m-instruct --out runs/x --set convert.seed=3 [--config FILE] [--print-config]
-    python jobs/convert.py --from-released path/to/HyLo-Llama-14MLA14GDN-64K-SFT --out runs/hylo-3b
-    python jobs/convert.py --to-released runs/hylo-3b/model --out runs/hylo-3b-released
+    hylo convert --base smollm2-135m-instruct --out runs/x --set convert.seed=3 [--config FILE] [--print-config]
+    hylo convert --from-released path/to/HyLo-Llama-14MLA14GDN-64K-SFT --out runs/hylo-3b
+    hylo convert --to-released runs/hylo-3b --out runs/hylo-3b-released
 
 Prints one JSON summary on stdout (layers, parameters, KV-cache bytes per token of base and hybrid at bf16,
 `kv_cache_ratio` as a fraction). `--dry-run` loads no weights. `--from-released` reads a checkpoint in the
@@ -45,6 +45,7 @@ from hylo.pipeline.config import (  # noqa: E402
     read_config_file,
 )
 from hylo.pipeline.convert import ConvertJobConfig  # noqa: E402
+from hylo.pipeline.paths import resolve_paths  # noqa: E402
 
 from hylo.upcycle.config import ConvertConfig  # noqa: E402
 
@@ -92,7 +93,7 @@ SHORTHANDS: dict[str, tuple[str, dict[str, Any]]] = {
         **_OFF, "help": "skip the calibration pass (MLA latent norms, linear blocks' gates and output norms)"}),
     "--dtype": ("convert.dtype", {"choices": _CHOICES["dtype"]}),
     "--dry-run": ("dry_run", {**_ON, "help": "print the summary from --base-config alone"}),
-    "--base-config": ("base_config", {"help": "config.json of the base model (for --dry-run)"}),
+    "--base-config": ("base_config", {"help": "config.json of the base model, or its directory (for --dry-run)"}),
     "--from-released": ("from_released", {
         "metavar": "DIR", "help": "import a checkpoint in the released layout (AMD's hybrid_config.json + "
                                   "config.json + mla.*/gdn.*/mamba.* safetensors) and write it as a HyLo checkpoint "
@@ -108,7 +109,7 @@ SHORTHANDS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     add_config_args(p)
     defaults = ConvertConfig()
     for flag, (key, kw) in SHORTHANDS.items():
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     check_finite_args(args)
     cfg = load_job_config(args)
     maybe_print_config(cfg, args)
+    cfg = resolve_paths(cfg)
     from hylo.pipeline.convert.job import run
 
     print(json.dumps(run(cfg), indent=2))

@@ -1,10 +1,10 @@
 """Decontaminate a chat mixture against evaluation benchmarks (n-gram matching, Ray Data scan).
 
-    python jobs/decontaminate.py --input sharegpt=data/sg.json --benchmark humaneval --out runs/dc
-    python jobs/decontaminate.py --input a.jsonl --input b.parquet \\
+    hylo decontaminate --input sharegpt=data/sg.json --benchmark humaneval --out runs/dc
+    hylo decontaminate --input a.jsonl --input b.parquet \\
         --benchmark gsm8k --benchmark mine=evals/mine.jsonl:question,answer@qid --ngram 8 --mode cut
-    python jobs/decontaminate.py --input sharegpt=data/sg.json --set match.boilerplate_docs=0 [--config FILE]
-    python jobs/decontaminate.py --export-benchmarks /mnt/hylo/evals   # hub suites -> <dir>/<suite>.jsonl
+    hylo decontaminate --input sharegpt=data/sg.json --set match.boilerplate_docs=0 [--config FILE]
+    hylo decontaminate --export-benchmarks /mnt/hylo/evals   # hub suites -> <dir>/<suite>.jsonl
 
 --input [NAME=]PATH (repeatable; NAME defaults to the file stem); --benchmark NAME (built-in or
 registry suite: humaneval, gsm8k, mmlu, ...) or NAME=PATH:FIELD[,FIELD...][@ID_FIELD].
@@ -32,6 +32,7 @@ from hylo.pipeline.data.decontam import (  # noqa: E402
     run_decontamination,
 )
 from hylo.pipeline.data.readers import SourceError  # noqa: E402
+from hylo.pipeline.paths import resolve_paths  # noqa: E402
 
 from hylo.assets import asset_name  # noqa: E402
 
@@ -66,7 +67,7 @@ def _benchmark_override(items: list[str]) -> list[dict]:
 
 @job_main
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     add_config_args(ap)
     ap.add_argument("--input", action="append", default=[], metavar="[NAME=]PATH")
     ap.add_argument("--benchmark", action="append", default=[], metavar="SUITE|NAME=PATH:FIELDS[@ID]",
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                 overrides.append(f"{key}={json.dumps(val)}")
         cfg = load_config(DecontamJobConfig, args.config, overrides)
         maybe_print_config(cfg, args)
-        summary = run_decontamination(cfg)
+        summary = run_decontamination(resolve_paths(cfg))
     except (ConfigError, SourceError, ValueError) as e:
         report_error(str(e))
         return 2

@@ -1,7 +1,7 @@
 """The whole HyLo recipe on SmolLM2-135M-Instruct and real ShareGPT, on local Ray, on CPU.
 
-    python jobs/demo.py [--run-dir runs/demo] [--steps 8] [--records 300] [--force] [--full-eval]
-    python jobs/demo.py --config my-demo.yaml --set heldout_rows=16 [--print-config]
+    hylo demo [--run-dir runs/demo] [--steps 8] [--records 300] [--force] [--full-eval]
+    hylo demo --config my-demo.yaml --set heldout_rows=16 [--print-config]
 
 fetch assets -> decontaminate ShareGPT against HumanEval -> prepare stage-1 / stage-2 / held-out rows ->
 convert (MLA on even layers, GDN elsewhere) -> stage 1 (Enhanced-ILD) -> stage 2 (KL from the teacher)
@@ -21,11 +21,12 @@ if not __package__:
 
 from hylo.pipeline.cli import job_main  # noqa: E402
 from hylo.pipeline.demo import demo_config, run_demo  # noqa: E402
+from hylo.pipeline.paths import resolve_paths  # noqa: E402
 
 
 @job_main
 def main(argv: list[str] | None = None) -> int:
-    return run_demo(demo_config(argv))
+    return run_demo(resolve_paths(demo_config(argv)))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """Evaluate a HyLo or HF checkpoint: KL/perplexity, retrieval, KV cache, lm-evaluation-harness.
 
-    python jobs/eval.py --model runs/hylo-smollm2 --teacher smollm2-135m-instruct \\
-        --base smollm2-135m-instruct --data runs/data/heldout --out runs/eval --suite kl,retrieval,kvcache
-    python jobs/eval.py --config configs/eval_smoke.yaml --model runs/hylo-smollm2 --set kvcache.lengths=[512,1024]
-    python jobs/eval.py --model runs/hylo-smollm2 --suite lm_eval --lm-eval-tasks arc_easy,gsm8k --batch-size 16 \\
+    hylo eval --model runs/hylo-smollm2 --teacher smollm2-135m-instruct \\
+        --base smollm2-135m-instruct --data runs/data/smoke --out runs/eval --suite kl,retrieval,kvcache
+    hylo eval --config eval_smoke.yaml --model runs/hylo-smollm2 --suite kvcache --set kvcache.lengths=[512,1024]
+    hylo eval --model runs/hylo-smollm2 --suite lm_eval --lm-eval-tasks arc_easy,gsm8k --batch-size 16 \\
         --log-samples --update-card          # gsm8k runs with its own 5 shots; --num-fewshot N overrides all
+
+(runs/hylo-smollm2: `hylo convert --base smollm2-135m-instruct --out runs/hylo-smollm2 --mla-layers even`;
+runs/data/smoke: `hylo prepare-data --config data_smoke.yaml`.)
 
 Writes results.json and results.md into --out and prints the Markdown. Options given as flags
 override the same keys of --config / --set.
@@ -23,10 +26,11 @@ if not __package__:
 
 from hylo.pipeline.cli import job_main, report_error, writable_dir  # noqa: E402
 from hylo.pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
+from hylo.pipeline.paths import resolve_paths  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     add_config_args(p)
     p.add_argument("--model", help="HyLo or HF checkpoint directory, or asset name (models.path)")
     p.add_argument("--teacher", help="teacher checkpoint for KL (models.teacher)")
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(EvalConfig, args.config, [*args.overrides, *overrides_from_flags(args)])
         maybe_print_config(cfg, args)
+        cfg = resolve_paths(cfg)
+        cfg.check_inputs()
         check_model_files(cfg)
         writable_dir(cfg.out, "out")
         from hylo.pipeline.eval.run import render_markdown, run_eval

@@ -1,8 +1,9 @@
 """Fetch the offline assets (model, ShareGPT, HumanEval) into the cache and print their paths.
 
-    python jobs/fetch_assets.py                 # all assets
-    python jobs/fetch_assets.py sharegpt humaneval --verify
-Cache: --cache-dir, else $HYLO_CACHE, else ~/.cache/hylo. Exit status 2 with one `error:` line on failure.
+    hylo fetch-assets                 # all assets
+    hylo fetch-assets sharegpt humaneval --verify
+    hylo fetch-assets --set cache_dir=/mnt/cache/hylo --print-config
+Cache: --cache-dir (cache_dir), else $HYLO_CACHE, else ~/.cache/hylo. Exit status 2 with one `error:` line on failure.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 if not __package__:
@@ -17,26 +19,57 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hylo.pipeline.cli import job_main  # noqa: E402
+from hylo.pipeline.config import PATH, FieldError, add_config_args, config_from_args, rules, suggest  # noqa: E402
+from hylo.pipeline.paths import resolve_paths  # noqa: E402
 
 from hylo.assets import ASSETS, fetch_asset  # noqa: E402
 
 
+@dataclass
+@rules(cache_dir=PATH)
+class FetchAssetsConfig:
+    # Assets to fetch; empty = all.
+    names: list[str] = field(default_factory=list)
+    # The cache; None = $HYLO_CACHE, else ~/.cache/hylo.
+    cache_dir: str | None = None
+    # Re-hash existing assets and rebuild one whose hash differs.
+    verify: bool = False
+    # No progress bars.
+    quiet: bool = False
+    # Print one JSON object {name: path} instead of one line per asset.
+    json: bool = False
+
+    def __post_init__(self) -> None:
+        for name in self.names:
+            if name not in ASSETS:  # hylo.assets' own message, with did-you-mean
+                raise FieldError("names", self.names, f"unknown asset {name!r}{suggest(name, ASSETS)} (known: "
+                                 f"{', '.join(ASSETS)})")
+
+
+FLAG_KEYS = {"names": "names", "cache_dir": "cache_dir", "verify": "verify", "quiet": "quiet", "json": "json"}
+
+
 @job_main
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("names", nargs="*", help=f"assets to fetch (default: all): {', '.join(ASSETS)}")
-    ap.add_argument("--cache-dir", default=None)
-    ap.add_argument("--verify", action="store_true", help="re-hash existing assets, rebuild on mismatch")
-    ap.add_argument("--quiet", action="store_true", help="no progress bars")
-    ap.add_argument("--json", action="store_true", help="print one JSON object {name: path}")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    add_config_args(ap, example="verify=true")
+    ap.add_argument("names", nargs="*", default=None, help=f"assets to fetch (names; default: all): {', '.join(ASSETS)}")
+    ap.add_argument("--cache-dir", default=None, help="the cache directory (cache_dir)")
+    ap.add_argument("--verify", action="store_true", default=None,
+                    help="re-hash existing assets, rebuild on mismatch (verify)")
+    ap.add_argument("--quiet", action="store_true", default=None, help="no progress bars (quiet)")
+    ap.add_argument("--json", action="store_true", default=None, help="print one JSON object {name: path} (json)")
     args = ap.parse_args(argv)
-    names = args.names or list(ASSETS)
+    if not args.names:
+        args.names = None  # not given: the config's (default: all)
+    cfg = resolve_paths(config_from_args(FetchAssetsConfig, args, FLAG_KEYS))
     paths: dict[str, str] = {}
-    for name in names:
-        paths[name] = str(fetch_asset(name, args.cache_dir, progress=not args.quiet, verify=args.verify))
-        if not args.json:
+    for name in cfg.names or list(ASSETS):
+        paths[name] = str(fetch_asset(name, cfg.cache_dir, progress=not cfg.quiet, verify=cfg.verify))
+        if not cfg.json:
             print(f"{name}\t{paths[name]}", flush=True)
-    if args.json:
+    if cfg.json:
         print(json.dumps(paths, indent=1))
     return 0
 

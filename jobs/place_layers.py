@@ -1,8 +1,8 @@
 """Choose which layers keep full attention (MLA) by measurement: the sensitivity search.
 
-    python jobs/place_layers.py --n-mla 15 --data-from runs/demo [--compare even uniform:15]
-    python jobs/place_layers.py --n-mla 15 --data-from runs/demo --proxy-only      # seconds, no training
-    python jobs/place_layers.py --config my-search.yaml --set compare_seeds=[0,1,2] [--print-config]
+    hylo place-layers --n-mla 15 --data-from runs/demo [--compare even uniform:15]
+    hylo place-layers --n-mla 15 --data-from runs/demo --proxy-only      # seconds, no training
+    hylo place-layers --config my-search.yaml --set compare_seeds=[0,1,2] [--print-config]
 
 Data: packed-row directories from jobs/prepare_data.py: `--data-from RUN` takes RUN/data/{stage1,stage2,
 heldout} (what `make demo` writes), or give `--stage1-data`, `--stage2-data`, `--heldout-data`. Options:
@@ -20,12 +20,13 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hylo.pipeline.cli import job_main  # noqa: E402
+from hylo.pipeline.paths import resolve_paths  # noqa: E402
 from hylo.pipeline.placement import placement_config, run_placement  # noqa: E402
 
 
 @job_main
 def main(argv: list[str] | None = None) -> int:
-    return run_placement(placement_config(argv))
+    return run_placement(resolve_paths(placement_config(argv)))
 
 
 if __name__ == "__main__":

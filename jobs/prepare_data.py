@@ -1,6 +1,9 @@
 """Prepare packed training rows: mixture -> chat template -> tokenise (Ray Data) -> best-fit -> shards.
 
-    python jobs/prepare_data.py --config configs/data_stage1.yaml [--set packing.max_len=4096 ...]
+    hylo prepare-data --config data_stage1.yaml [--set packing.max_len=4096 ...]
+    hylo prepare-data --config data_smoke.yaml --set output.dir=runs/data/mine
+
+--config takes a file or the name of a shipped config (`hylo configs` lists them).
 
 Writes shard-*.parquet, manifest.json, rejects.jsonl, report.json and report.md into output.dir.
 Joins the Ray at `ray.address` (or `$RAY_ADDRESS`), else starts a local one of `ray.num_cpus` CPUs (pipeline/ray_init.py).
@@ -21,14 +24,15 @@ from hylo.pipeline.cli import job_main  # noqa: E402
 from hylo.pipeline.config import ConfigError, add_config_args, config_from_args  # noqa: E402
 from hylo.pipeline.data.config import PrepareDataConfig  # noqa: E402
 from hylo.pipeline.data.prepare import prepare  # noqa: E402
+from hylo.pipeline.paths import resolve_paths  # noqa: E402
 
 
 @job_main
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     add_config_args(parser)
     args = parser.parse_args(argv)
-    cfg = config_from_args(PrepareDataConfig, args)
+    cfg = resolve_paths(config_from_args(PrepareDataConfig, args))
     if not cfg.mixture.sources:
         raise ConfigError(f"{args.config or '<defaults>'}: mixture.sources is empty; list at least one source")
     report = prepare(cfg)

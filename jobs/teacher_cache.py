@@ -1,6 +1,6 @@
 """Offline teacher top-k cache: run the teacher over a packed dataset and write versioned shards.
 
-    python jobs/teacher_cache.py --set data=DIR --set out=DIR [--config X.yaml] [--set teacher.k=64 ...]
+    hylo teacher-cache --set data=DIR --set out=DIR [--config X.yaml] [--set teacher.k=64 ...]
 
 Resumable: rerun the same command after a kill; finished shards are kept, the rest are computed.
 Smoke variant (this machine): --set teacher.model.path=<tiny HF dir> --set num_actors=1 --set cpus_per_actor=1
@@ -19,6 +19,7 @@ if not __package__:
 
 from hylo.pipeline.cli import job_main  # noqa: E402
 from hylo.pipeline.config import add_config_args, config_from_args  # noqa: E402
+from hylo.pipeline.paths import resolve_paths  # noqa: E402
 from hylo.pipeline.ray_init import ray_running  # noqa: E402
 from hylo.pipeline.teacher.cache import prepare_cache, run_cache_job  # noqa: E402
 from hylo.pipeline.teacher.config import TeacherCacheConfig  # noqa: E402
@@ -26,9 +27,9 @@ from hylo.pipeline.teacher.config import TeacherCacheConfig  # noqa: E402
 
 @job_main
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     add_config_args(parser, example="teacher.k=64")
-    cfg = config_from_args(TeacherCacheConfig, parser.parse_args(argv))
+    cfg = resolve_paths(config_from_args(TeacherCacheConfig, parser.parse_args(argv)))
     # Every input check (data shards, teacher files, an existing cache's header) before Ray starts.
     from hylo.pipeline.teacher.model import resolve_model_path
 

@@ -2,7 +2,7 @@
 `error: ...` line on stderr and exit status 2.
 
     hylo convert --dry-run --base-config path/to/config.json --mla-layers even
-    hylo stage1 --config configs/demo-smollm2.yaml --print-config
+    hylo stage1 --config demo-smollm2.yaml --print-config
 
 `COMMANDS` is the one dispatch table: `hylo NAME ARGS` calls the same `main(argv)` as `python jobs/NAME.py
 ARGS` (the file `ray job submit -- python jobs/stage2.py` runs), so both take the same flags and config
@@ -29,7 +29,11 @@ Design choices:
   as one line and exit status 2.
 * Anything else is a bug: it keeps its traceback and exit status 1.
 * A bad flag (argparse) is the same one line, `error: argument --x: ... (see <prog> --help)`, exit 2,
-  instead of argparse's usage block.
+  instead of argparse's usage block; an unknown one names the closest valid flag ("did you mean").
+  Parsers are built with `allow_abbrev=False`: a prefix of a flag (`--mla-layer`) is an error, not that
+  flag, so a typo never silently means something.
+* Ctrl-C (KeyboardInterrupt) prints one line, `interrupted (Ctrl-C)`, and exits with status 130 (128 +
+  SIGINT, what a shell reports for it), after the job's own cleanup (run lock, Ray) ran.
 * A message is printed on one line (a multi-line message is joined), after everything else the job
   printed (Ray is disconnected first, so its streamed worker logs end before it): `tail -1` of a log
   shows it.
@@ -204,8 +208,19 @@ def _stop_ray_logs() -> None:
         pass
 
 
+def _option_hint(parser: argparse.ArgumentParser, message: str) -> str:
+    """"; did you mean --x?" for the first unknown flag of an `unrecognized arguments:` message."""
+    if not message.startswith("unrecognized arguments:"):
+        return ""
+    from hylo.rules import suggest
+
+    flags = [t.split("=", 1)[0] for t in message.split(":", 1)[1].split() if t.startswith("--")]
+    options = [o for o in parser._option_string_actions if o.startswith("--")]
+    return suggest(flags[0], options).replace("'", "") if flags else ""
+
+
 def _argparse_error(parser: argparse.ArgumentParser, message: str) -> None:
-    report_error(f"{_one_line(message)} (see {parser.prog} --help)")
+    report_error(f"{_one_line(message)}{_option_hint(parser, message)} (see {parser.prog} --help)")
     raise SystemExit(2)
 
 
@@ -220,15 +235,30 @@ def _one_line_argparse_errors() -> Iterator[None]:
         argparse.ArgumentParser.error = saved  # type: ignore[method-assign]
 
 
+# The exit status of a job stopped by Ctrl-C: 128 + SIGINT, as a shell reports a process SIGINT ended.
+INTERRUPTED_EXIT = 130
+
+
+def report_interrupt() -> int:
+    """Ctrl-C: one line on stderr (after Ray's streamed logs end); returns the exit status, 130."""
+    _stop_ray_logs()
+    sys.stdout.flush()
+    print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+    return INTERRUPTED_EXIT
+
+
 def job_main(fn: Callable[..., int | None]) -> Callable[..., int]:
-    """Wrap a job's `main(argv)`: bad input -> `error: ...` on stderr and 2; a bug keeps its traceback."""
+    """Wrap a job's `main(argv)`: bad input -> `error: ...` on stderr and 2; Ctrl-C -> one line and 130; a bug
+    keeps its traceback."""
 
     @functools.wraps(fn)
     def main(*args: Any, **kwargs: Any) -> int:
         try:
             with _one_line_argparse_errors():
                 rc = fn(*args, **kwargs)
-        except (SystemExit, KeyboardInterrupt):
+        except KeyboardInterrupt:
+            return report_interrupt()
+        except SystemExit:
             raise
         except Exception as e:
             message = input_error_message(e)
@@ -254,15 +284,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "place-layers": ("hylo.jobs.place_layers", "choose which layers keep full attention (MLA) by measurement"),
     "demo": ("hylo.jobs.demo", "the whole recipe on SmolLM2-135M-Instruct and ShareGPT, on local Ray, on CPU"),
     "fetch-assets": ("hylo.jobs.fetch_assets", "fetch the offline assets (model, ShareGPT, HumanEval) into the cache"),
+    "configs": ("hylo.jobs.configs", "list the shipped config files, print one or copy one out to edit"),
 }
+# Commands that are not jobs: they take no --config / --set / --print-config.
+NOT_JOBS = ("configs",)
 
 
 def hylo_help() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: hylo COMMAND [ARGS ...]   (hylo COMMAND --help for its options)", "",
              "Upcycle a pretrained Transformer into a HyLo hybrid (MLA + Gated DeltaNet / Mamba-2) and distil it.",
-             "Every command takes --config FILE, --set KEY=VALUE and --print-config; `hylo NAME` is",
-             "`python jobs/NAME.py` of a checkout (dashes as underscores).", "", "commands:"]
+             f"Every command but {', '.join(NOT_JOBS)} takes --config FILE (or the name of a shipped config:",
+             "`hylo configs` lists them), --set KEY=VALUE and --print-config. A relative path, in a config",
+             "or a flag, is relative to the current directory. In a checkout, `python jobs/NAME.py` is",
+             "`hylo NAME` (dashes as underscores).", "", "commands:"]
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -282,14 +317,19 @@ def hylo_main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        report_error(f"unknown command {name!r}; choose from {', '.join(COMMANDS)} (see hylo --help)")
+        from hylo.rules import suggest
+
+        report_error(f"unknown command {name!r}{suggest(name, COMMANDS) or ';'} the commands are "
+                     f"{', '.join(COMMANDS)} (see hylo --help)")
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
     saved = sys.argv
     # argparse names the program after argv[0]: the help and errors then read `hylo NAME ...`
     sys.argv = [f"hylo {name}", *rest]
     try:
+        module = importlib.import_module(COMMANDS[name][0])
         return module.main(rest)
+    except KeyboardInterrupt:  # while importing the job (torch, Ray): main's own wrapper is not running yet
+        return report_interrupt()
     finally:
         sys.argv = saved
 

@@ -38,6 +38,8 @@ import yaml
 from hylo.rules import (  # noqa: F401  (the rule mechanism, re-exported: configs import it from here)
     FILE_NAME,
     NONEMPTY,
+    NONEMPTY_PATH,
+    PATH,
     PORT,
     RELATIVE_NAME,
     FieldError,
@@ -52,9 +54,13 @@ from hylo.rules import (  # noqa: F401  (the rule mechanism, re-exported: config
     field_rules,
     one_of,
     rules,
+    suggest,
 )
 
 T = TypeVar("T")
+# The config files shipped with the package (the folder configs/ of a checkout, hylo/configs/ of a wheel):
+# `--config NAME` finds one by name, `hylo configs` lists and copies them.
+CONFIGS_PACKAGE = "hylo.configs"
 
 
 class ConfigError(ValueError):
@@ -271,8 +277,9 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     unknown = sorted(set(data) - set(types_), key=str)
     if unknown:
         raise ConfigError(
-            f"unknown key(s) {', '.join(prefix + str(k) for k in unknown)} in {cls.__name__}; "
-            f"valid keys: {', '.join(sorted(types_))}", prefix + str(unknown[0])
+            f"unknown key(s) {', '.join(prefix + str(k) for k in unknown)} in {cls.__name__}"
+            f"{suggest(unknown[0], types_, prefix) or ';'} valid keys: {', '.join(sorted(types_))}",
+            prefix + str(unknown[0])
         )
     made = _factory_defaults(cls, types_)
     data = {k: deep_merge(made[k], v) if k in made and isinstance(v, dict) else v for k, v in data.items()}
@@ -353,14 +360,52 @@ def parse_yaml(text: str, where: str, lines: dict[str, int] | None = None) -> An
         loader.dispose()
 
 
+def configs_dir() -> Path:
+    """The folder of the shipped config files (found by import, the same way installed or in a checkout)."""
+    import importlib.resources
+
+    return Path(str(importlib.resources.files(CONFIGS_PACKAGE)))
+
+
+def shipped_configs() -> dict[str, Path]:
+    """File name -> path of every shipped config file."""
+    return {p.name: p for p in sorted(configs_dir().glob("*.yaml"))}
+
+
+def shipped_config(name: str) -> Path | None:
+    """The shipped config file called `name` (`demo-smollm2.yaml` or `demo-smollm2`), else None."""
+    found = shipped_configs()
+    return found.get(name) or found.get(f"{name}.yaml")
+
+
+def config_file(spec: str | Path) -> Path:
+    """What `--config SPEC` reads: an existing file, else the shipped config of that name (a name without a
+    folder: `demo-smollm2.yaml`, `demo-smollm2`); else the path as given (reading it then fails naming it)."""
+    p = Path(spec).expanduser()
+    if not p.exists() and p.parent == Path(".") and (found := shipped_config(str(spec))) is not None:
+        return found
+    return p
+
+
+def _missing_config(p: Path) -> ConfigError:
+    names = list(shipped_configs())
+    if p.name in names or f"{p.name}.yaml" in names:
+        hint = f"; the shipped config of that name is --config {p.name}"
+    else:
+        stems = {n.removesuffix(".yaml"): n for n in names}
+        close = suggest(p.name.removesuffix(".yaml"), stems).removeprefix("; did you mean ").removesuffix("?")
+        hint = f"; did you mean --config {stems[close.strip(chr(39))]}?" if close else ""
+    return ConfigError(f"config file {p} does not exist{hint} (`hylo configs` lists the shipped configs)")
+
+
 def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """A YAML config file -> (mapping, dotted key -> line). Missing, unreadable, non-UTF-8 or
-    duplicate-key files raise ConfigError naming the file."""
-    p = Path(path)
+    """A YAML config file (or a shipped config's name, `config_file`) -> (mapping, dotted key -> line).
+    Missing, unreadable, non-UTF-8 or duplicate-key files raise ConfigError naming the file."""
+    p = config_file(path)
     try:
         raw = p.read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"config file {p} does not exist") from None
+        raise _missing_config(p) from None
     except IsADirectoryError:
         raise ConfigError(f"config file {p} is a directory") from None
     except OSError as e:

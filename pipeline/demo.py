@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hylo.pipeline.cli import int_at_least, int_list
-from hylo.pipeline.config import at_least, config_from_args, each, rules
+from hylo.pipeline.config import at_least, config_from_args, each, rules, shipped_config
 from hylo.pipeline.runner import (
-    PY,
     ROOT,
     RUNNER_FLAGS,
     RunnerConfig,
     StepRunner,
     convert_cmd,
     eval_cmd,
+    job,
     last_json_object,
     lengths_arg,
     runner_parser,
@@ -85,6 +85,13 @@ class DemoConfig(RunnerConfig):
     update_readme: bool = False
 
 
+def config(name: str) -> str:
+    """The path of shipped config file `name` (configs/ of a checkout, hylo/configs/ installed)."""
+    found = shipped_config(name)
+    assert found is not None, f"the package ships no config {name}"
+    return str(found)
+
+
 class Demo(StepRunner):
     def __init__(self, cfg: DemoConfig) -> None:
         super().__init__(cfg.run_dir, force=cfg.force, quiet=cfg.quiet, tag="demo", ray=cfg.ray)
@@ -101,7 +108,7 @@ class Demo(StepRunner):
 
     def decontaminate(self) -> dict:
         out = self.run / "decontam"
-        self.sh("decontaminate", [PY, "jobs/decontaminate.py", "--input", f"sharegpt={self.sharegpt}",
+        self.sh("decontaminate", [*job("decontaminate"), "--input", f"sharegpt={self.sharegpt}",
                                   "--benchmark", "humaneval", "--out", str(out),
                                   "--set", "output_format=jsonl"], ray=True)
         summary = json.loads((out / "summary.json").read_text())
@@ -118,7 +125,7 @@ class Demo(StepRunner):
         path.write_text("\n".join(keep) + "\n")
         # packed like the training rows, so the evaluation cost is bounded by rows x seq_len
         self.sh("prepare_heldout", [
-            PY, "jobs/prepare_data.py", "--config", "configs/data_stage2.yaml", "--set", "split=all",
+            *job("prepare_data"), "--config", config("data_stage2.yaml"), "--set", "split=all",
             "--set", f"mixture.sources=[{{name: heldout, path: '{path}'}}]",
             "--set", f"packing.max_len={c.seq_len}",
             "--set", f"output.dir={self.run / 'data' / 'heldout'}", "--set", "output.overwrite=true",
@@ -138,7 +145,7 @@ class Demo(StepRunner):
         out = self.run / "data" / split
         train = self.training_records()
         self.sh(f"prepare_{split}", [
-            PY, "jobs/prepare_data.py", "--config", f"configs/data_{split}.yaml",
+            *job("prepare_data"), "--config", config(f"data_{split}.yaml"),
             "--set", f"split={split}",
             "--set", f"mixture.sources=[{{name: sharegpt, path: '{train}'}}]",
             "--set", f"packing.max_len={self.cfg.seq_len}",
@@ -157,7 +164,7 @@ class Demo(StepRunner):
         student = self.run / ("converted" if stage == 1 else "stage1/model")
         # 512-token rows need no activation checkpointing; without it a CPU step is ~1/4 faster
         # the rows' length is the one the data was prepared with (seq_len -> packing.max_len -> manifest)
-        self.sh(name, train_cmd(stage, "configs/demo-smollm2.yaml", self.run, name, student,
+        self.sh(name, train_cmd(stage, config("demo-smollm2.yaml"), self.run, name, student,
                                 self.run / "data" / name, None, self.cfg.steps,
                                 ["--set", "model.activation_checkpointing=false"]), ray=True)
         return {"model": str(self.run / name / "model")}
@@ -172,8 +179,8 @@ class Demo(StepRunner):
     def evaluate(self, name: str, model: Path, suites: list[str]) -> dict:
         out = self.run / "eval" / name
         # the teacher (the base model) is the same for all three evaluations: its forward on the held-out
-        # rows runs once and later evaluations reuse its hidden states
-        extra = ["--set", "kvcache.decode_tokens=8",
+        # rows runs once and later evaluations reuse its hidden states; the results go into each model's card
+        extra = ["--update-card", "--set", "kvcache.decode_tokens=8",
                  "--set", f"kl.teacher_cache={self.run / 'eval' / 'teacher_states.safetensors'}"]
         if "retrieval" in suites:
             extra += ["--set", f"retrieval.lengths={lengths_arg(self.cfg.retrieval_lengths)}",
@@ -198,7 +205,7 @@ class Demo(StepRunner):
     def placement(self) -> dict:
         """The layer-placement study (jobs/place_layers.py): searched N=15 vs even vs uniform:15."""
         c = self.cfg
-        self.sh("placement", [PY, "jobs/place_layers.py", "--n-mla", "15", "--data-from", str(self.run),
+        self.sh("placement", [*job("place_layers"), "--n-mla", "15", "--data-from", str(self.run),
                               "--run-dir", str(self.run / "placement"), "--steps", str(c.steps),
                               "--heldout-rows", str(c.heldout_rows), "--seq-len", str(c.seq_len),
                               "--compare", "even", "uniform:15", "--compare-steps", str(c.steps),
@@ -412,9 +419,14 @@ FLAG_KEYS = {**RUNNER_FLAGS, **{name: name for name in (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = runner_parser("The whole HyLo recipe on SmolLM2-135M-Instruct and real ShareGPT, on local Ray, on CPU "
-                       "(run_dir default runs/demo). Every option is a key of DemoConfig (pipeline/demo.py); the "
-                       "flags are shorthands for them.")
+    ap = runner_parser(
+        "The whole HyLo recipe on SmolLM2-135M-Instruct and real ShareGPT, on local Ray, on CPU.\n\n"
+        "    hylo demo                                   # ~6 minutes on 2 cores; the table and runs/demo/report.md\n"
+        "    hylo demo --steps 1 --records 40 --heldout 8 --heldout-rows 1 --seq-len 128 --run-dir runs/demo-tiny\n"
+        "        # the smallest run: ~3.5 min on 2 busy cores, mostly starting Ray, DeepSpeed and the models\n"
+        "    hylo demo --full-eval --set heldout_rows=16\n\n"
+        "run_dir default runs/demo (relative to the current directory). Every option is a key of DemoConfig\n"
+        "(pipeline/demo.py); the flags are shorthands for them.")
     ap.add_argument("--steps", type=int_at_least(1), help="optimiser steps per training stage (steps; default 8)")
     ap.add_argument("--records", type=int_at_least(1), help="clean ShareGPT records read for training data (records)")
     ap.add_argument("--heldout", type=int_at_least(1), help="held-out conversations for the KL evaluation (heldout)")

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from hylo.pipeline import runner
 from hylo.pipeline.cli import int_at_least
-from hylo.pipeline.config import at_least, config_from_args, each, one_of, rules
+from hylo.pipeline.config import PATH, at_least, config_file, config_from_args, each, one_of, rules
 from hylo.pipeline.eval.kl import check_eval_row, hidden_states, sum_kl
 from torch import nn
 
@@ -356,7 +356,8 @@ def _slug(spec: str) -> str:
 @dataclass
 @rules(n_mla=at_least(1), steps=at_least(1), seq_len=at_least(2), heldout_rows=at_least(1), kv_lora_rank=at_least(1),
        linear_type=one_of("gdn", "mamba2"), proxy=one_of(*PROXIES), compare_steps=at_least(1),
-       compare_seeds=each(at_least(0), nonempty=True))
+       compare_seeds=each(at_least(0), nonempty=True), base=PATH, data_from=PATH, stage1_data=PATH,
+       stage2_data=PATH, heldout_data=PATH)
 class PlacementConfig(runner.RunnerConfig):
     # run_dir, force, quiet, ray: RunnerConfig (pipeline/runner.py); ray also scores the layers.
     run_dir: str = "runs/placement"
@@ -369,8 +370,9 @@ class PlacementConfig(runner.RunnerConfig):
     stage1_data: str | None = None
     stage2_data: str | None = None
     heldout_data: str | None = None
-    # Training config of the short stages, and extra `--set` overrides for every training job.
-    train_config: str = "configs/demo-smollm2.yaml"
+    # Training config of the short stages (a file, or a shipped config's name), and extra `--set` overrides
+    # for every training job.
+    train_config: str = "demo-smollm2.yaml"
     train_set: list[str] = field(default_factory=list)
     # Stage-1 steps of the two students the search scores.
     steps: int = 8
@@ -420,7 +422,7 @@ class PlaceLayers(runner.StepRunner):
         extra = [x for kv in self.cfg.train_set for x in ("--set", kv)]
         if seed is not None:
             extra += ["--set", f"train.seed={seed}"]
-        cmd = runner.train_cmd(stage, self.cfg.train_config, self.run, name, student, self.data[f"stage{stage}"],
+        cmd = runner.train_cmd(stage, config_file(self.cfg.train_config).resolve(), self.run, name, student, self.data[f"stage{stage}"],
                                self.cfg.seq_len, steps, extra)
         self.sh(name, cmd, ray=True)
         return {"model": str(self.run / name / "model")}
@@ -572,16 +574,21 @@ FLAG_KEYS = {**runner.RUNNER_FLAGS, "num_cpus": "ray.num_cpus", **{name: name fo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = runner.runner_parser("Choose which layers keep full attention (MLA) by measurement (run_dir default "
-                       "runs/placement). Every option is a key of PlacementConfig (pipeline/placement.py); the "
-                       "flags are shorthands for them.")
+    ap = runner.runner_parser(
+        "Choose which layers keep full attention (MLA) by measurement: the sensitivity search.\n\n"
+        "    hylo place-layers --n-mla 15 --data-from runs/demo [--compare even uniform:15]   # after `hylo demo`\n"
+        "    hylo place-layers --n-mla 15 --data-from runs/demo --proxy-only      # seconds, no training\n"
+        "    hylo place-layers --n-mla 15 --data-from runs/demo --set compare_seeds=[0,1,2] --print-config\n\n"
+        "run_dir default runs/placement. Every option is a key of PlacementConfig (pipeline/placement.py); the\n"
+        "flags are shorthands for them.")
     ap.add_argument("--base", help="base HF model directory or asset:<name> (base)")
     ap.add_argument("--n-mla", type=int_at_least(1), help="how many layers get MLA (n_mla; required)")
     ap.add_argument("--data-from", help="a demo run directory: use its data/{stage1,stage2,heldout}")
     ap.add_argument("--stage1-data")
     ap.add_argument("--stage2-data")
     ap.add_argument("--heldout-data")
-    ap.add_argument("--train-config", help="training config of the short stages (default configs/demo-smollm2.yaml)")
+    ap.add_argument("--train-config", help="training config of the short stages: a file or a shipped config's name (default "
+                    "demo-smollm2.yaml)")
     ap.add_argument("--train-set", action="append", metavar="KEY=VALUE",
                     help="extra --set override for every training job, e.g. model.activation_checkpointing=false")
     ap.add_argument("--steps", type=int_at_least(1), help="stage-1 steps of the two students the search scores")

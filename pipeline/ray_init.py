@@ -43,7 +43,12 @@ from pathlib import Path
 # RayInitSection lives with the config system (configs import no implementation); imported here for callers.
 from hylo.pipeline.config import RayInitSection  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
+import hylo
+
+# The directory that holds the `hylo` package: a checkout's root (used without installing), or site-packages.
+# (Not this file's parents[1]: installed, that is site-packages/hylo, whose folders would shadow top-level
+# packages such as Hugging Face's `kernels` in every worker.)
+ROOT = Path(hylo.__file__).resolve().parents[1]
 
 
 def resolve_address(address: str | None) -> str | None:
@@ -57,13 +62,16 @@ def torch_extensions_dir() -> str:
 
 
 def project_env() -> dict[str, str]:
-    """Environment the workers of a local Ray need: this checkout first on PYTHONPATH, the compiled-op
-    cache, and workers at nice 0."""
+    """Environment the workers of a local Ray need: the directory holding the `hylo` package first on
+    PYTHONPATH (a checkout's root), the compiled-op cache, workers at nice 0, and Ray Train's print patch
+    off."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(ROOT) not in paths:
         paths.insert(0, str(ROOT))
     return {"PYTHONPATH": os.pathsep.join(paths), "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
-            "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}
+            "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),
+            # Ray Train's print() patch doubles every line a training worker prints (train/driver.py run_config)
+            "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_driver: bool = True) -> bool:

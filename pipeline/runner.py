@@ -1,7 +1,8 @@
 """Resumable multi-step runs of the project's jobs (used by pipeline/demo.py and pipeline/placement.py).
 
-Each step runs one of the project's own jobs as a subprocess, the same command a user would type, and
-logs it to `<run-dir>/logs/<step>.log`. A finished step leaves `<run-dir>/done/<step>.json` (written
+Each step runs one of the project's own jobs as a subprocess, the same command a user would type
+(`python -m hylo.jobs.NAME ...`, which is `hylo NAME ...`: it runs the same from a checkout and from an
+installed package, in the directory the run was started from), and logs it to `<run-dir>/logs/<step>.log`. A finished step leaves `<run-dir>/done/<step>.json` (written
 atomically); running again skips it after checking that its outputs still exist, so an interrupted run
 continues where it stopped and `--force` redoes everything.
 
@@ -23,16 +24,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hylo.pipeline.config import add_config_args
+from hylo.pipeline.config import PATH, add_config_args, rules
 from hylo.pipeline.ray_init import RayInitSection, gcs_address, init_ray
 
+import hylo
 from hylo.files import atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+# The directory that holds the `hylo` package (a checkout's root, or site-packages): the steps' PYTHONPATH,
+# so that a checkout used without installing runs its own jobs.
+PACKAGE_ROOT = Path(hylo.__file__).resolve().parents[1]
+
+
+def job(name: str) -> list[str]:
+    """The command line of job `name` (`convert`, `prepare_data`, ...): this Python, the job's module."""
+    return [PY, "-m", f"hylo.jobs.{name}"]
 
 
 @dataclass
+@rules(run_dir=PATH)
 class RunnerConfig:
     """The options every multi-step job has (`DemoConfig`, `PlacementConfig` extend it)."""
 
@@ -53,7 +64,8 @@ RUNNER_FLAGS = {"run_dir": "run_dir", "force": "force", "quiet": "quiet"}
 def runner_parser(description: str) -> argparse.ArgumentParser:
     """A multi-step job's command line: --config, --set, --print-config and the shorthands --run-dir,
     --force, --quiet (the job adds its own)."""
-    ap = argparse.ArgumentParser(description=description)
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     add_config_args(ap)
     ap.add_argument("--run-dir", help="run directory (run_dir)")
     ap.add_argument("--force", action="store_true", default=None, help="redo every step (force)")
@@ -134,10 +146,12 @@ class StepRunner:
         if ray:
             env = {"RAY_ADDRESS": self.ray_address(), **(env or {})}
         print(f"\n[{self.tag}] === {name}: {' '.join(cmd)}", flush=True)
-        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
+        paths = [str(PACKAGE_ROOT), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+        full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONUNBUFFERED": "1",
+                    **(env or {})}
         out_lines: list[str] = []
         with open(log, "w") as fh:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, bufsize=1)
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -160,7 +174,7 @@ def last_json_object(text: str) -> dict:
 
 def convert_cmd(base: str | Path, out: Path, placement: str, kv_lora_rank: int, linear_type: str = "gdn",
                 seed: int = 0) -> list[str]:
-    return [PY, "jobs/convert.py", "--base", str(base), "--out", str(out), "--mla-layers", placement,
+    return [*job("convert"), "--base", str(base), "--out", str(out), "--mla-layers", placement,
             "--kv-lora-rank", str(kv_lora_rank), "--linear-type", linear_type, "--seed", str(seed)]
 
 
@@ -176,7 +190,7 @@ def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student:
     from hylo.pipeline.train.checkpoint import latest_checkpoint
 
     resume = ["--resume"] if latest_checkpoint(Path(storage) / name) is not None else []
-    cmd = [PY, f"jobs/stage{stage}.py", "--config", str(config),
+    cmd = [*job(f"stage{stage}"), "--config", str(config),
            "--set", f"ray.storage_path={storage}", "--set", f"ray.name={name}",
            "--set", f"model.student={student}", "--set", f"data.path={data}",
            "--set", f"train.total_steps={steps}", "--set", f"checkpoint.every_steps={max(1, steps // 2)}",
@@ -192,6 +206,6 @@ def lengths_arg(lengths: list[int]) -> str:
 
 def eval_cmd(model: Path, base: str | Path, data: Path, out: Path, suites: str, max_rows: int,
              extra: list[str] | None = None) -> list[str]:
-    return [PY, "jobs/eval.py", "--model", str(model), "--teacher", str(base), "--base", str(base),
+    return [*job("eval"), "--model", str(model), "--teacher", str(base), "--base", str(base),
             "--data", str(data), "--out", str(out), "--suite", suites, "--quiet",
             "--set", f"kl.max_rows={max_rows}"] + (extra or [])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -294,3 +295,15 @@ def test_out_holding_a_users_file_is_refused_naming_it_and_nothing_is_deleted(tm
     rc, _, err = _run(["--to-released", str(out), "--out", str(released)], capsys)
     assert rc == 2 and f"--out {released} holds 1 entry this project did not write (notes.txt;" in err, err
     assert (released / "notes.txt").read_text() == "x"
+
+
+def test_a_conversion_shows_one_progress_bar_of_its_steps(tmp_path, capsys):
+    """Issue 30: the job said nothing for most of a conversion (loading, building, calibrating); one bar now
+    counts every step (load, build, each layer, calibrate) and names the one running."""
+    base = _tiny_base(tmp_path / "base", tokenizer=True)
+    rc, summary, err = _run(["--base", str(base), "--out", str(tmp_path / "out"), "--mla-layers", "0"], capsys)
+    assert rc == 0, err
+    bars = [ln for ln in re.split(r"[\r\n]", err) if ln.startswith("converting base")]
+    assert bars and "5/5" in bars[-1], err[-2000:]  # load + build + 2 layers + calibrate
+    for what in ("loading the base model", "building the hybrid", "layer 0 (mla)", "layer 1 (gdn)", "calibrating on"):
+        assert any(what in ln for ln in bars), (what, bars)

@@ -40,6 +40,7 @@ def test_default_demo_evaluates_what_a_135m_model_shows(tmp_path):
     assert name == "eval_stage2" and cmd[cmd.index("--suite") + 1] == "kl,kvcache,samples"
     s = sets(cmd)
     assert s["kvcache.lengths"] == "[512,1024,2048]" and s["kl.max_rows"] == "8"
+    assert "--update-card" in cmd  # the evaluated model's card gets the results
     # the base answers once, beside the converted model
     assert s["samples.base"] == "False"
     d.evaluate("converted", tmp_path / "model", ["kl", "samples"])

@@ -1,12 +1,14 @@
 """Every example command of every `hylo NAME --help`, the README and docs/*.md runs (so none goes stale).
 
 An example is a line (with its `\\` continuations) that runs `python jobs/NAME.py ...` or `hylo NAME ...`:
-in the help text (the job's docstring), or in a fenced code block of a Markdown file. Each one is run
-in-process through `hylo` (the same `main(argv)` as the job file) at no cost: with `--print-config`
-appended, which resolves the whole config (the file, every flag, every `--set` key) and exits before any
-work, or as it is when it is `--help`. Parsed only: `fetch-assets` and `decontaminate --export-benchmarks`
-(downloads, no config) and an example with a `<placeholder>`. Optional parts written `[--flag ...]` are
-left out; `$PWD` is the repository.
+in the help text (the job's docstring; not its `usage:` line), or in a fenced code block of a Markdown file.
+Each one is run in-process through `hylo` (the same `main(argv)` as the job file) at no cost: with
+`--print-config` appended, which resolves the whole config (the file, every flag, every `--set` key) and
+exits before any work, or as it is when it is `--help`; `hylo configs` (no config) as it is, in a temporary
+directory. Parsed only: `decontaminate --export-benchmarks` (downloads, no config) and an example with a
+`<placeholder>`. Optional parts written `[--flag ...]` are left out; `$PWD` is the repository.
+What every example prints with `--print-config` loads back (`--config` of that file prints the same).
+tests/test_quickstart.py runs the README's quick start and "Running the stages" for real.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hylo.pipeline.cli import COMMANDS, hylo_main
+import yaml
+from hylo.pipeline.cli import COMMANDS, NOT_JOBS, hylo_main
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "pipeline" / "train" / "README.md"]
@@ -58,6 +61,8 @@ def examples_in(where: str, lines: list[str]) -> list[Example]:
     found = []
     for i, line in _joined_lines(lines):
         line = _OPTIONAL.sub("", re.sub(r"^\s*\$\s+", "", line))
+        if line.lstrip().startswith("usage:"):
+            continue
         if "jobs/" not in line and not re.search(r"(^|\s)hylo\s+[a-z]", line):
             continue
         try:
@@ -103,15 +108,21 @@ def doc_examples() -> list[Example]:
     return found
 
 
-def run_hylo(argv: list[str]) -> tuple[int, str]:
-    """`hylo ARGV` in this process: (exit status, stdout + stderr)."""
-    out = io.StringIO()
+def run_hylo_split(argv: list[str]) -> tuple[int, str, str]:
+    """`hylo ARGV` in this process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             rc = hylo_main(argv)
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return rc, out.getvalue()
+    return rc, out.getvalue(), err.getvalue()
+
+
+def run_hylo(argv: list[str]) -> tuple[int, str]:
+    """`hylo ARGV` in this process: (exit status, stdout + stderr)."""
+    rc, out, err = run_hylo_split(argv)
+    return rc, out + err
 
 
 def help_text(name: str) -> str:
@@ -152,16 +163,33 @@ def parse_only(argv: list[str]) -> None:
     raise AssertionError(f"exit {rc} before its arguments were parsed: {text.strip()[-400:]}")
 
 
-def run_example(ex: Example) -> None:
+def _parse_only(ex: Example) -> bool:
+    return any(re.search(r"<\w+>", a) for a in ex.argv) or ("--export-benchmarks" in ex.argv and "--help" not in ex.argv)
+
+
+def run_example(ex: Example, scratch: Path | None = None) -> str:
+    """Run `ex` (see the module docstring); what it printed on stdout."""
     argv = [ex.command, *ex.argv]
-    if any(re.search(r"<\w+>", a) for a in ex.argv) or (
-            (ex.command == "fetch-assets" or "--export-benchmarks" in ex.argv) and "--help" not in ex.argv):
+    if _parse_only(ex):
         parse_only(argv)
-        return
-    if "--help" not in ex.argv and "-h" not in ex.argv:
-        argv.append("--print-config")
-    rc, text = run_hylo(argv)
-    assert rc == 0, f"exit {rc}: {text.strip()[-600:]}"
+        return ""
+    if ex.command in NOT_JOBS:
+        with contextlib.chdir(scratch or Path.cwd()):
+            rc, out, err = run_hylo_split(argv)
+    else:
+        if "--help" not in ex.argv and "-h" not in ex.argv and "--print-config" not in ex.argv:
+            argv.append("--print-config")
+        rc, out, err = run_hylo_split(argv)
+    assert rc == 0, f"exit {rc}: {(out + err).strip()[-600:]}"
+    return out
+
+
+def check_round_trip(command: str, printed: str, where: Path) -> None:
+    """`printed` (a --print-config output) saved as a file and loaded with --config prints the same."""
+    where.write_text(printed)
+    rc, again, err = run_hylo_split([command, "--config", str(where), "--print-config"])
+    assert rc == 0, f"--config of its own --print-config: exit {rc}: {err.strip()[-600:]}"
+    assert yaml.safe_load(again) == yaml.safe_load(printed), f"--print-config of {where} differs from the file"
 
 
 def test_the_extractor_finds_examples_and_leaves_out_optional_parts():
@@ -200,16 +228,37 @@ def test_hylo_help_lists_every_command_on_one_line():
     assert rc == 2 and "unknown command" in text
 
 
+def test_a_print_config_that_does_not_load_back_fails(tmp_path):
+    with pytest.raises(AssertionError, match="unknown key"):
+        check_round_trip("stage1", "stage: 1\nsteps: 3\n", tmp_path / "x.yaml")
+    with pytest.raises(AssertionError, match="differs"):
+        check_round_trip("demo", "steps: 3\nforce: true\nquiet: true\n", tmp_path / "y.yaml")
+
+
+def test_the_default_config_of_every_job_round_trips(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in COMMANDS:
+        if name in NOT_JOBS:
+            continue
+        rc, printed, err = run_hylo_split([name, "--print-config"])
+        assert rc == 0, f"hylo {name} --print-config: exit {rc}: {err[-400:]}"
+        check_round_trip(name, printed, tmp_path / f"{name}.yaml")
+
+
 @pytest.mark.slow
-def test_every_documented_and_help_example_runs(monkeypatch):
+def test_every_documented_and_help_example_runs_and_its_config_round_trips(monkeypatch, tmp_path):
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("PWD", str(REPO))
     examples = help_examples() + doc_examples()
     assert len({e.command for e in examples}) == len(COMMANDS), "some command has no example anywhere"
     failures = []
-    for ex in examples:
+    for i, ex in enumerate(examples):
+        scratch = tmp_path / f"ex{i}"
+        scratch.mkdir()
         try:
-            run_example(ex)
+            printed = run_example(ex, scratch)
+            if ex.command not in NOT_JOBS and not _parse_only(ex) and "--help" not in ex.argv and printed:
+                check_round_trip(ex.command, printed, scratch / "printed.yaml")
         except AssertionError as e:
             failures.append(f"{ex}\n    {e}")
     assert not failures, f"{len(failures)} of {len(examples)} examples fail:\n" + "\n".join(failures)

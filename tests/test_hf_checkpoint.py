@@ -199,10 +199,13 @@ def test_model_card_follows_the_checkpoint_from_conversion_to_evaluation(base_di
     assert [s["step"] for s in card["history"]] == ["convert", "stage2"]
     assert card["history"][1]["recipe"]["lr"] == 1e-4 and card["history"][1]["source"] == str(tmp_path / "converted")
     md = (run / "model" / "README.md").read_text()
-    assert "* Teacher: `/models/teacher`." in md and "stage2 from" in md and "teacher_top_k 64" in md
+    # README.md names the teacher and the source by their directories, never their paths (the record keeps them)
+    assert "* Teacher: `teacher`." in md and "stage2 from `converted`" in md and "teacher_top_k 64" in md
+    assert "/models/teacher" not in md and str(tmp_path) not in md
     add_eval_results(run / "model", model.config, {"kl": {"kl": 0.25, "ppl": 3.5}}, "runs/eval/results.json")
     md = (run / "model" / "README.md").read_text()
-    assert "| kl | kl | 0.25 |" in md and "runs/eval/results.json" in md
+    assert "| kl | kl | 0.25 |" in md and "From `hylo eval`" in md
+    assert load_card(run / "model")["eval"]["source"] == "runs/eval/results.json"
     # evaluation results belong to one checkpoint: a model trained from it starts without them
     save_hylo(model, tmp_path / "next", tokenizer_from=run / "model")
     assert "eval" not in load_card(tmp_path / "next") and len(load_card(tmp_path / "next")["history"]) == 3

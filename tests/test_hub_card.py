@@ -98,7 +98,8 @@ def test_a_synthetic_run_does_not_claim_its_configured_data(tmp_path):
     text = (model / "README.md").read_text()
     assert "runs/demo/data/stage1" not in text
     assert "synthetic rows (8 random rows" in text
-    assert ModelCard.load(model / "README.md").data.datasets is None
+    # only the base's own training data (its card's, through the registry)
+    assert ModelCard.load(model / "README.md").data.datasets == ["HuggingFaceTB/smol-smoltalk"]
 
 
 def test_prepared_data_names_its_datasets_and_their_terms(tmp_path):
@@ -109,9 +110,64 @@ def test_prepared_data_names_its_datasets_and_their_terms(tmp_path):
     (data / "manifest.json").write_text(json.dumps({"mixture": {"sources": {"sharegpt": {"read": 3}, "mine": {}}}}))
     model = train_run(tmp_path / "converted", tmp_path / "stage1", {"source": "parquet", "path": str(data)})
     card = ModelCard.load(model / "README.md")
-    assert card.data.datasets == ["anon8231489123/ShareGPT_Vicuna_unfiltered"]
+    assert card.data.datasets == ["HuggingFaceTB/smol-smoltalk", "anon8231489123/ShareGPT_Vicuna_unfiltered"]
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "OpenAI's terms of use" in card.content and "`mine` (local data)" in card.content
+
+
+def _sections(card: ModelCard) -> list[str]:
+    return [line[3:] for line in card.content.splitlines() if line.startswith("## ")]
+
+
+def test_a_converted_card_as_a_hub_user_reads_it(tmp_path):
+    """Issue 30: no local path anywhere in README.md, a snippet that names the model, an intended-use section,
+    a converted-only model says it is untrained, and `datasets` holds the base's training data."""
+    base = tiny_base(tmp_path / "smollm2-135m-instruct")
+    out = tmp_path / "hylo-tiny"
+    convert(base, out)
+    text = (out / "README.md").read_text()
+    card = ModelCard.load(out / "README.md")
+    assert _sections(card) == ["Architecture", "How it was made", "License", "Intended use and limitations", "Use"]
+    assert str(tmp_path) not in text and str(Path.home()) not in text and "PATH" not in text
+    assert "model_id = 'hylo-tiny'" in text and "from_pretrained(model_id" in text
+    assert "**Converted, not trained.**" in text and "converted only: not trained yet" in text
+    assert card.data.datasets == ["HuggingFaceTB/smol-smoltalk"]
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # the record keeps where it came from
+    assert json.loads((out / "hylo_card.json").read_text())["base"]["path"] == str(base)
+
+
+def test_a_trained_card_states_its_budget_and_names_its_sources_not_their_paths(tmp_path):
+    base = tiny_base(tmp_path / "smollm2-135m-instruct")
+    convert(base, tmp_path / "converted")
+    data = tmp_path / "data" / "stage1"
+    data.mkdir(parents=True)
+    (data / "manifest.json").write_text(json.dumps({"mixture": {"sources": {"sharegpt": {"read": 3}}}}))
+    model = train_run(tmp_path / "converted", tmp_path / "stage1", {"source": "parquet", "path": str(data),
+                                                                   "seq_len": 64})
+    text = (model / "README.md").read_text()
+    assert "Converted, not trained" not in text and "stage 1: 2 steps" in text
+    assert str(tmp_path) not in text and "from `converted`" in text and "data sharegpt" in text
+    assert "model_id = 'stage1'" in text  # a run's model/ is named after its run
+    assert "Intended use and limitations" in _sections(ModelCard.load(model / "README.md"))
+
+
+def test_results_on_a_limit_subset_say_so_and_sample_len_is_no_metric(tmp_path):
+    from hylo.pipeline.eval.run import card_metrics, lm_eval_samples
+
+    base = tiny_base(tmp_path / "tiny-llama", name_or_path="someorg/tiny-llama")
+    convert(base, tmp_path / "hylo-tiny")
+    res = {"lm_eval": {"results": {"arc_easy": {"alias": "arc_easy", "acc,none": 0.5, "acc_stderr,none": 0.1,
+                                                "acc_norm,none": 0.25, "sample_len": 5}}}}
+    metrics = card_metrics(res)
+    assert metrics == {"lm_eval": {"arc_easy acc": 0.5, "arc_easy acc_norm": 0.25}}
+    add_eval_results(tmp_path / "hylo-tiny", HybridConfig.from_pretrained(tmp_path / "hylo-tiny"), metrics,
+                     "x/results.json", limit=5.0, samples=lm_eval_samples(res))
+    card = ModelCard.load(tmp_path / "hylo-tiny" / "README.md")
+    names = {r.metric_type: r.metric_name for r in card.data.eval_results}
+    assert names == {"acc": "acc (--limit 5)", "acc_norm": "acc_norm (--limit 5)"}
+    assert "`--limit 5`): a subset" in card.content and "arc_easy 5" in card.content
+    assert "sample_len" not in card.content
 
 
 # ------------------------------------------------------------------------------------------- tokenizer
@@ -146,7 +202,7 @@ def test_the_documented_tokenizer_lines_load_without_prompt_or_warning(tmp_path)
     card = _snippet((out / "README.md").read_text(), "AutoTokenizer")
     for line in (readme.replace('"runs/demo/stage2/model"', "PATH"), card,
                  "tok = PreTrainedTokenizerFast.from_pretrained(PATH)"):
-        code = (f"from transformers import AutoTokenizer, PreTrainedTokenizerFast\nPATH = {str(out)!r}\n"
+        code = (f"from transformers import AutoTokenizer, PreTrainedTokenizerFast\nPATH = model_id = {str(out)!r}\n"
                 f"{line}\nprint(tok('Paris').input_ids)")
         res = _run_quietly(code)
         assert res.returncode == 0, f"{line}: {res.stderr[-800:]}"

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = {"hylo": "hylo", "hylo.kernels": "kernels", "hylo.pipeline": "pipeline", "hylo.jobs": "jobs"}
+FOLDERS = {"hylo": "hylo", "hylo.kernels": "kernels", "hylo.pipeline": "pipeline", "hylo.jobs": "jobs",
+           "hylo.configs": "configs"}
 
 
 def package_folders() -> set[str]:

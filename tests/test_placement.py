@@ -255,11 +255,11 @@ def test_compare_runs_take_the_seed(tmp_path, monkeypatch):
     def fake_sh(name, cmd, env=None, ray=False):
         calls.append(cmd)
         out = Path(cmd[cmd.index("--out") + 1]) if "--out" in cmd else None
-        if cmd[1] == "jobs/convert.py":
+        if cmd[2] == "hylo.jobs.convert":
             (out / "hybrid_config.json").parent.mkdir(parents=True, exist_ok=True)
             (out / "hybrid_config.json").write_text("{}")
             return json.dumps({"mla_layers": [0, 2], "kv_cache_ratio": 0.5})
-        if cmd[1] == "jobs/eval.py":
+        if cmd[2] == "hylo.jobs.eval":
             out.mkdir(parents=True, exist_ok=True)
             (out / "results.json").write_text(json.dumps({"kl": {"kl": 1.0 + len(calls), "tokens": 10}}))
             return ""
@@ -273,10 +273,10 @@ def test_compare_runs_take_the_seed(tmp_path, monkeypatch):
     r0 = job.compare_one("even", "even", 4, 0)
     r3 = job.compare_one("even", "even", 4, 3)
     assert (r0["seed"], r3["seed"]) == (0, 3) and r0["kl"] != r3["kl"]
-    conv = [c for c in calls if c[1] == "jobs/convert.py"]
+    conv = [c for c in calls if c[2] == "hylo.jobs.convert"]
     assert [c[c.index("--seed") + 1] for c in conv] == ["0", "3"]
     assert conv[1][conv[1].index("--out") + 1].endswith("cmp_even_seed3/converted")
-    trains = [c for c in calls if c[1].startswith("jobs/stage")]
+    trains = [c for c in calls if c[2].startswith("hylo.jobs.stage")]
     assert [c[-1] for c in trains] == ["train.seed=0", "train.seed=0", "train.seed=3", "train.seed=3"]
     # finished seeds are reused: no new job runs
     n = len(calls)
@@ -291,7 +291,7 @@ def test_options_come_from_a_config_file_set_overrides_and_flags(tmp_path):
     cfg = placement_config(["--config", str(f), "--set", "compare_steps=3", "--n-mla", "6", "--num-cpus", "2",
                             "--train-set", "c.d=2"])
     assert (cfg.n_mla, cfg.compare, cfg.compare_seeds, cfg.compare_steps) == (6, ["even"], [0, 1], 3)
-    assert cfg.train_set == ["c.d=2"] and cfg.ray.num_cpus == 2 and cfg.train_config == "configs/demo-smollm2.yaml"
+    assert cfg.train_set == ["c.d=2"] and cfg.ray.num_cpus == 2 and cfg.train_config == "demo-smollm2.yaml"
     with pytest.raises(ConfigError, match="command line: proxy='x': must be one of linear_error"):
         placement_config(["--set", "proxy=x"])
     with pytest.raises(PlacementError, match="n_mla is not set"):

@@ -16,6 +16,7 @@ Design choices:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ def upcycle(
     calibration_ids: torch.Tensor | None = None,
     progress: bool = False,
     seed: int = 0,
+    step: Callable[[str], None] | None = None,
     **config_kwargs: Any,
 ):
     """Convert a loaded base `LlamaForCausalLM`/`Qwen3ForCausalLM` into a `HyLoForCausalLM` (in memory).
@@ -69,6 +71,8 @@ def upcycle(
     does not set (per layer), so a conversion is reproducible. Extra keyword arguments (the shape options
     of ConvertConfig) go to `hybrid_config_from_base` when `hcfg` is None. Calibration runs on
     `calibration_ids` only: this is the step under `convert`, which supplies them by default.
+    `step(what)` (`convert`'s progress bar) is called as each part starts: building, each layer,
+    calibrating; without it, `progress` shows a bar of the layers.
     """
     from hylo.modeling import HyLoForCausalLM
 
@@ -85,6 +89,13 @@ def upcycle(
             raise UpcycleError(f"unknown conversion option(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
         hcfg = hybrid_config_from_base(base_cfg, **config_kwargs)
     dtype = next(base_model.parameters()).dtype
+    layers = range(hcfg.n_layer)
+    if progress and step is None:
+        from tqdm import tqdm
+
+        layers = tqdm(layers, desc="upcycling layers", unit="layer")
+    step = step or (lambda what: None)
+    step("building the hybrid")
     model = HyLoForCausalLM(hcfg).to(dtype)
     base = base_model.model
     tgt = model.model
@@ -92,12 +103,8 @@ def upcycle(
     tgt.norm.weight.copy_(base.norm.weight)
     if not hcfg.tie_word_embeddings:
         model.lm_head.weight.copy_(base_model.lm_head.weight)
-    layers = range(hcfg.n_layer)
-    if progress:
-        from tqdm import tqdm
-
-        layers = tqdm(layers, desc="upcycling layers", unit="layer")
     for i in layers:
+        step(f"layer {i} ({hcfg.layer_type(i)})")
         src, dst = base.layers[i], tgt.layers[i]
         dst.input_layernorm.weight.copy_(src.input_layernorm.weight)
         dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
@@ -121,6 +128,7 @@ def upcycle(
             params[name].copy_(w.to(params[name].dtype))
     if init == "attention" and calibration_ids is not None:
         check_calibration_ids(calibration_ids, "calibration_ids")
+        step(f"calibrating on {calibration_ids.numel()} tokens")
         if hcfg.mla_layers:
             calibrate_mla_norms(base_model, model, calibration_ids)
         calibrate_linear(base_model, model, calibration_ids)
@@ -129,6 +137,23 @@ def upcycle(
     model.generation_config = base_model.generation_config
     return model
 
+
+
+class _Steps:
+    """`convert`'s progress: a tqdm bar of the conversion's steps; calling it starts the next step (the one
+    before counts as done) and names it beside the bar."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar, self.started = bar, False
+
+    def __call__(self, what: str) -> None:
+        if self.started:
+            self.bar.update()
+        self.started = True
+        self.bar.set_postfix_str(what, refresh=True)
+
+    def finish(self) -> None:
+        self.bar.update(max(0, (self.bar.total or 0) - self.bar.n))
 
 
 @dataclass
@@ -163,10 +188,20 @@ def convert(base: str | Path, options: ConvertConfig | None = None, *, calibrati
         raise UpcycleError("calibration_ids were given with calibrate=False; give one or the other")
     base_dir = resolve_path_or_asset(base, "base model", directory=True)
     check_weights_dir(base_dir)
-    base_model = load_base_model(base_dir, dtype=getattr(torch, opts.dtype))
-    hcfg = hybrid_config_from_base(base_model.config, opts)
-    if opts.calibrate and opts.init == "attention" and calibration_ids is None:
-        calibration_ids = default_calibration_ids(base_dir)
-    model = upcycle(base_model, hcfg, init=opts.init, calibration_ids=calibration_ids, progress=progress,
-                    seed=opts.seed)
+    from tqdm import tqdm
+
+    # one bar for the whole conversion: load, build, each layer, calibrate (the total is known once the
+    # base's config is read)
+    with tqdm(total=None, desc=f"converting {base_dir.name}", unit="step", disable=not progress) as bar:
+        steps = _Steps(bar)
+        steps("loading the base model")
+        base_model = load_base_model(base_dir, dtype=getattr(torch, opts.dtype))
+        hcfg = hybrid_config_from_base(base_model.config, opts)
+        calibrate = opts.calibrate and opts.init == "attention"
+        bar.total = 2 + hcfg.n_layer + int(calibrate)
+        if calibrate and calibration_ids is None:
+            calibration_ids = default_calibration_ids(base_dir)
+        model = upcycle(base_model, hcfg, init=opts.init, calibration_ids=calibration_ids, progress=progress,
+                        seed=opts.seed, step=steps if progress else None)
+        steps.finish()
     return Conversion(model, base_model, base_dir, opts)

@@ -93,7 +93,13 @@ def dry_run(cfg: ConvertJobConfig) -> dict[str, Any]:
     if not cfg.base_config:
         raise UpcycleError("--dry-run needs --base-config CONFIG_JSON")
     path = Path(cfg.base_config)
-    if not path.is_file():
+    if path.is_dir():
+        # a model directory: its config.json
+        if not (path / "config.json").is_file():
+            raise UpcycleError(f"--base-config {path} is a directory without a config.json; give the base "
+                               f"model's config.json (or its directory)")
+        path = path / "config.json"
+    elif not path.is_file():
         raise UpcycleError(f"--base-config {path} does not exist")
     base_cfg = AutoConfig.for_model(**read_base_config(path))
     hcfg = hybrid_config_from_base(base_cfg, cfg.convert)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from hylo.pipeline.config import (
     FILE_NAME,
     NONEMPTY,
+    NONEMPTY_PATH,
+    PATH,
     FieldError,
     RayInitSection,
     at_least,
@@ -45,7 +47,7 @@ class SourceError(ValueError):
 
 # ------------------------------------------------------------------------------ sources (readers/)
 @dataclass
-@rules(name=NONEMPTY, path=NONEMPTY, limit=at_least(1))
+@rules(name=NONEMPTY, path=NONEMPTY_PATH, limit=at_least(1))
 class SourceSpec:
     """Where a source lives and how to read it. Plain fields so it nests in any `hylo.pipeline.config` tree."""
 
@@ -81,6 +83,10 @@ class SourceSpec:
     # Stop after this many items (records + rejects) per source; None = all.
     limit: int | None = None
 
+    def __not_paths__(self) -> set[str]:
+        """A Hub dataset (container hub, or path hub:NAME) is named, not a local path."""
+        return {"path"} if self.container == "hub" else set()
+
     def __post_init__(self) -> None:
         if self.schema not in SCHEMAS:
             raise SourceError(f"source {self.name!r}: schema {self.schema!r} not in {SCHEMAS}")
@@ -94,7 +100,7 @@ class SourceSpec:
 
 # -------------------------------------------------------------------------- decontamination (decontam/)
 @dataclass
-@rules(name=FILE_NAME)
+@rules(name=FILE_NAME, path=PATH)
 class BenchmarkSpec:
     """An evaluation suite to decontaminate against. `path` "" -> the built-in/registry entry."""
 
@@ -138,7 +144,7 @@ class MatchConfig:
 
 
 @dataclass
-@rules(output_format=one_of(*OUTPUT_FORMATS), scanner=one_of(*SCANNERS), batch_size=at_least(1))
+@rules(output_format=one_of(*OUTPUT_FORMATS), scanner=one_of(*SCANNERS), batch_size=at_least(1), out=PATH)
 @renamed(ray_address="ray.address", num_cpus="ray.num_cpus")
 class DecontamJobConfig:
     inputs: list[SourceSpec] = field(default_factory=list)
@@ -195,7 +201,7 @@ class MixtureConfig:
 
 
 @dataclass
-@rules(mask_method=one_of(*MASK_METHODS), num_actors=at_least(1), batch_size=at_least(1))
+@rules(mask_method=one_of(*MASK_METHODS), num_actors=at_least(1), batch_size=at_least(1), tokenizer=PATH)
 class TokenizeConfig:
     # A directory with a fast tokenizer + chat template, or an asset name (hylo.assets).
     tokenizer: str = "smollm2-135m-instruct"
@@ -256,7 +262,7 @@ class DecontamSection:
 
 
 @dataclass
-@rules(rows_per_shard=at_least(1), row_group_rows=at_least(0))
+@rules(rows_per_shard=at_least(1), row_group_rows=at_least(0), dir=PATH)
 class OutputConfig:
     dir: str = "runs/data/stage2"
     rows_per_shard: int = 64

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hylo.pipeline.config import NONEMPTY, Rule, above, at_least, each, one_of, rules
+from hylo.pipeline.config import NONEMPTY, PATH, ConfigError, Rule, above, at_least, each, one_of, rules
 
 SUITES = ("kl", "retrieval", "kvcache", "lm_eval", "samples")
 # hylo.pipeline.eval.retrieval.TASKS (not imported: that module needs torch; a test keeps the two equal).
@@ -18,7 +18,8 @@ RETRIEVAL_TASKS = ("niah_single", "niah_multikey")
 
 @dataclass
 @rules(dtype=one_of("float32", "bfloat16", "float16"),
-       device=Rule(pattern=r"auto|cpu|cuda(:\d+)?", pattern_text="auto, cpu, cuda or cuda:N"))
+       device=Rule(pattern=r"auto|cpu|cuda(:\d+)?", pattern_text="auto, cpu, cuda or cuda:N"),
+       path=PATH, teacher=PATH, base=PATH, tokenizer=PATH)
 class ModelsSection:
     # The model under evaluation: HyLo or HF checkpoint directory, or an asset name.
     path: str | None = None
@@ -34,7 +35,8 @@ class ModelsSection:
 
 
 @dataclass
-@rules(max_rows=at_least(1), chunk_tokens=at_least(1), on_bad_record=one_of("report", "fail"))
+@rules(max_rows=at_least(1), chunk_tokens=at_least(1), on_bad_record=one_of("report", "fail"), data=PATH,
+       teacher_cache=PATH)
 class KLSection:
     # Packed-data directory, Parquet rows, or JSON/JSONL chat records.
     data: str | None = None
@@ -74,7 +76,7 @@ class KVCacheSection:
 @dataclass
 @rules(model=one_of("hylo", "hf"), tasks=each(NONEMPTY, nonempty=True), num_fewshot=at_least(0),
        fewshot_per_task=each(at_least(0)), batch_size=at_least(1), limit=above(0), max_length=at_least(1),
-       bootstrap_iters=at_least(0))
+       bootstrap_iters=at_least(0), include_path=PATH, output_path=PATH)
 class LMEvalSection:
     # hylo: this project's lm-eval model (packed scoring, the already loaded model); hf: lm-eval's own
     # HF backend, loading the checkpoint with trust_remote_code (its model code is saved beside it).
@@ -124,7 +126,7 @@ class SamplesSection:
 
 
 @dataclass
-@rules(suites=each(one_of(*SUITES), nonempty=True), seed=at_least(0), threads=at_least(0))
+@rules(suites=each(one_of(*SUITES), nonempty=True), seed=at_least(0), threads=at_least(0), out=PATH)
 class EvalConfig:
     models: ModelsSection = field(default_factory=ModelsSection)
     suites: list[str] = field(default_factory=lambda: ["kl", "retrieval", "kvcache"])
@@ -139,3 +141,18 @@ class EvalConfig:
     samples: SamplesSection = field(default_factory=SamplesSection)
     # Record the results in the evaluated checkpoint's model card (README.md / hylo_card.json).
     update_card: bool = False
+
+    def check_inputs(self) -> None:
+        """What the chosen suites need and the config lacks, before any model is loaded (a ConfigError)."""
+        if not self.models.path:
+            raise ConfigError("no model to evaluate: pass --model DIR (models.path)", "models.path")
+        if "lm_eval" in self.suites:
+            import importlib.util
+
+            if importlib.util.find_spec("lm_eval") is None:
+                raise ConfigError("suite 'lm_eval' needs lm-evaluation-harness, which is not installed: pip install "
+                                  "'hylo-pipeline[eval]' (or pip install lm-eval)", "suites")
+        if "kl" in self.suites and not self.kl.data:
+            raise ConfigError(f"suite 'kl' needs --data DIR (kl.data: held-out rows, a packed-data directory, Parquet "
+                              f"rows or JSON/JSONL chat records), or leave kl out of --suite (now "
+                              f"{','.join(self.suites)})", "kl.data")

@@ -52,6 +52,10 @@ MODEL_NAME = "hylo"
 DEFAULT_BATCH_SIZE = 8
 
 
+# How to install lm-eval (the package's `eval` extra; also in `dev`).
+LM_EVAL_HINT = "pip install 'hylo-pipeline[eval]' (or pip install lm-eval)"
+
+
 def _batch_size(value: Any) -> int:
     """lm-eval passes an int, a digit string, or "auto"/"auto:N" (no memory probing here: the default)."""
     if value is None or (isinstance(value, str) and value.startswith("auto")):
@@ -271,7 +275,7 @@ def register(name: str = MODEL_NAME) -> type:
         from lm_eval.api.model import LM
         from lm_eval.api.registry import register_model
     except ImportError as e:
-        raise EvalError("lm-evaluation-harness is not installed: pip install lm-eval") from e
+        raise EvalError(f"lm-evaluation-harness is not installed ({e}): {LM_EVAL_HINT}") from e
 
     class HyLoLM(LM):
         """`pretrained` = HyLo or HF checkpoint directory (or asset name)."""
@@ -327,14 +331,25 @@ def register(name: str = MODEL_NAME) -> type:
     return HyLoLM
 
 
-def cli(argv: list[str] | None = None) -> None:
-    """`hylo-lm-eval`: lm-eval's own command line with the `hylo` model registered."""
-    register()
+def cli(argv: list[str] | None = None) -> int:
+    """`hylo-lm-eval`: lm-eval's own command line with the `hylo` model registered. Without lm-eval installed:
+    one `error:` line naming the extra to install, exit status 2."""
+    from hylo.pipeline.cli import report_error, report_interrupt
+
+    try:
+        register()
+    except EvalError as e:
+        report_error(str(e))
+        return 2
     from lm_eval.__main__ import cli_evaluate
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except KeyboardInterrupt:
+        return report_interrupt()
+    return 0
 
 
 # ------------------------------------------------------------------------------------ jobs/eval.py suite

@@ -55,6 +55,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    cfg.check_inputs()  # before any model is loaded
     m = cfg.models
     model_path = _need(m.path, "--model (models.path)", "any")
     t0 = time.perf_counter()
@@ -107,7 +108,7 @@ def card_metrics(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     if "kl" in res:
         k = res["kl"]
-        out["kl"] = {key: k[key] for key in ("kl", "ppl", "teacher_ppl", "tokens") if k.get(key) is not None}
+        out["kl"] = {key: k[key] for key in ("kl", "ppl", "teacher_ppl") if k.get(key) is not None}
     if "retrieval" in res:
         acc = res["retrieval"]["model"]["accuracy"]
         out["retrieval"] = {f"{t}@{L}": c["accuracy"] for t in sorted(acc) for L, c in sorted(acc[t].items(), key=lambda x: int(x[0]))}
@@ -116,10 +117,17 @@ def card_metrics(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
         kv = {f"measured ratio @{r['context']}": r.get("measured_ratio") for r in c["per_length"] if r.get("measured_ratio")}
         out["kvcache"] = {"kv_cache_ratio": c.get("kv_cache_ratio"), **kv}
     if "lm_eval" in res:
+        # a metric is `name,filter` (acc,none); `sample_len` (the examples scored) and `alias` are not metrics
         out["lm_eval"] = {f"{task} {key.split(',')[0]}": val for task, metrics in res["lm_eval"]["results"].items()
-                          for key, val in metrics.items() if isinstance(val, int | float) and "stderr" not in key
-                          and not isinstance(val, bool)}
+                          for key, val in metrics.items() if "," in key and isinstance(val, int | float)
+                          and "stderr" not in key and not isinstance(val, bool)}
     return out
+
+
+def lm_eval_samples(res: dict[str, Any]) -> dict[str, int]:
+    """Examples each lm-eval task was scored on (its `sample_len`)."""
+    return {task: int(m["sample_len"]) for task, m in ((res.get("lm_eval") or {}).get("results") or {}).items()
+            if isinstance(m.get("sample_len"), int | float) and not isinstance(m.get("sample_len"), bool)}
 
 
 def update_model_card(res: dict[str, Any], results_path: Path) -> None:
@@ -129,7 +137,9 @@ def update_model_card(res: dict[str, Any], results_path: Path) -> None:
     path = Path(res["model"]["path"])
     if res["model"].get("kind") != "hylo" or not (path / "config.json").is_file():
         raise EvalError(f"update_card: {path} is not a HyLo checkpoint directory")
-    card = add_eval_results(path, HybridConfig.from_pretrained(path), card_metrics(res), str(results_path))
+    limit = ((res.get("config") or {}).get("lm_eval") or {}).get("limit") if "lm_eval" in res else None
+    card = add_eval_results(path, HybridConfig.from_pretrained(path), card_metrics(res), str(results_path),
+                            limit=limit, samples=lm_eval_samples(res))
     _log(f"model card updated: {card}")
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 from hylo.pipeline.config import (
     NONEMPTY,
+    NONEMPTY_PATH,
+    PATH,
     PORT,
     UNUSED,
     ConfigError,
@@ -90,7 +92,7 @@ TEACHER_RENAMES: dict[str, Any] = {"top_k": ("k", _k_of_top_k), "client.k": ("k"
 
 
 @dataclass
-@rules(path=NONEMPTY, dtype=one_of(*DTYPES), device=one_of(*DEVICES), isolation=one_of(*ISOLATIONS),
+@rules(path=NONEMPTY_PATH, tokenizer=PATH, dtype=one_of(*DTYPES), device=one_of(*DEVICES), isolation=one_of(*ISOLATIONS),
        logits_chunk_tokens=at_least(1), max_forward_tokens=at_least(1), torch_threads=at_least(0))
 class TeacherModelConfig:
     # HF causal-LM directory, HyLo checkpoint directory, or "asset:<name>" (hylo.assets).
@@ -176,7 +178,7 @@ class CacheTeacherSection:
 
 @dataclass
 @rules(dtype=one_of(*TOPK_DTYPES), rows_per_shard=at_least(1), num_actors=at_least(1), cpus_per_actor=at_least(0),
-       gpus_per_actor=at_least(0), max_new_shards=at_least(0))
+       gpus_per_actor=at_least(0), max_new_shards=at_least(0), data=PATH, out=PATH)
 @renamed(ray_address="ray.address", k="teacher.k", model="teacher.model")
 class TeacherCacheConfig:
     # Directory of Parquet shards of packed rows (input_ids, position_ids, cu_seqlens, ...).

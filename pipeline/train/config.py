@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hylo.pipeline.config import (
+    PATH,
     RELATIVE_NAME,
     ConfigError,
     FieldError,
@@ -60,7 +61,7 @@ STAGE_KEYS = ("stage1", "stage2")
 
 
 @dataclass
-@rules(dtype=one_of("auto", "float32", "bfloat16"))
+@rules(dtype=one_of("auto", "float32", "bfloat16"), student=PATH, base=PATH)
 class ModelSection:
     # HyLo checkpoint the student starts from (stage 1: the converted model; stage 2: stage 1's output).
     student: str | None = None
@@ -91,7 +92,7 @@ class SyntheticData:
 
 
 @dataclass
-@rules(source=one_of("parquet", "synthetic"), split=one_of(*SPLITS), seq_len=at_least(2))
+@rules(source=one_of("parquet", "synthetic"), split=one_of(*SPLITS), seq_len=at_least(2), path=PATH)
 class DataSection:
     # parquet = shards written by the data pipeline (pipeline/data); synthetic = SyntheticData rows.
     source: str = "parquet"
@@ -163,7 +164,7 @@ class CheckpointSection:
 
 @dataclass
 @rules(launcher=one_of("ray", "torchrun"), num_workers=at_least(1), cpus_per_worker=at_least(0),
-       resources_per_worker=each(at_least(0)), name=RELATIVE_NAME, max_failures=at_least(-1))
+       resources_per_worker=each(at_least(0)), name=RELATIVE_NAME, max_failures=at_least(-1), storage_path=PATH)
 class RaySection(RayInitSection):
     # address, num_cpus: where the job's Ray is (pipeline/ray_init.py).
     # ray = Ray Train TorchTrainer; torchrun = launched by torchrun (tests, debugging).
@@ -302,7 +303,7 @@ class ILDSection:
 
 @dataclass
 @renamed(**TEACHER_RENAMES)
-@rules(source=one_of(*TEACHER_SOURCES), k=at_least(0), exact_form=one_of(*EXACT_FORMS))
+@rules(source=one_of(*TEACHER_SOURCES), k=at_least(0), exact_form=one_of(*EXACT_FORMS), cache_path=PATH)
 class TeacherSection:
     # inprocess: a (small) teacher on every worker; serve: the Ray Serve pool; offline: top-k cache.
     source: str = "inprocess"
@@ -411,7 +412,13 @@ def load_stage_config(stage: int, path: str | Path | None = None, overrides: lis
         raise ConfigError(f"stage must be 1 or 2, got {stage}")
 
     def own_over_shared(loaded: dict[str, Any], p: Path) -> dict[str, Any]:
-        shared = {k: v for k, v in loaded.items() if k not in STAGE_KEYS}
+        # `stage: N` heads what --print-config prints (and config_stageN.json): it names the stage it was for
+        if "stage" in loaded and loaded["stage"] != stage:
+            raise ConfigError(f"config file {p}: it says stage: {loaded['stage']!r}, a config for "
+                              f"{'stage ' + str(loaded['stage']) if loaded['stage'] in STAGE_CLASSES else 'no stage'}; "
+                              f"this is stage {stage} (hylo stage{stage}): drop the key or use the other stage's job",
+                              "stage")
+        shared = {k: v for k, v in loaded.items() if k not in (*STAGE_KEYS, "stage")}
         own = loaded.get(f"stage{stage}") or {}
         if not isinstance(own, dict):
             raise ConfigError(f"config file {p}: stage{stage} must be a mapping")

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from hylo.pipeline.config import ConfigError, add_config_args, maybe_print_config
+from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.ray_init import init_ray, torch_extensions_dir
 from hylo.pipeline.train import checkpoint as ckpt_lib
 from hylo.pipeline.train.config import StageConfig, config_to_dict, load_stage_config
@@ -67,6 +68,8 @@ from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path, r
 from hylo.pipeline.train.worker import Stage
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+# Ray Train's switch for its print() patch in the workers (see run_config)
+PRINT_PATCH = "RAY_TRAIN_ENABLE_PRINT_PATCH"
 # the exit status of a process ended by SIGTERM (128 + 15): schedulers take it for a preemption, not a bug
 PREEMPTED_EXIT = 143
 
@@ -74,10 +77,12 @@ PREEMPTED_EXIT = 143
 def build_parser(stage: int) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=f"HyLo stage {stage} training (Ray Train + DeepSpeed ZeRO-3)\n\n"
-        f"    python jobs/stage{stage}.py --config configs/demo-smollm2.yaml [--set optim.lr=1e-4 ...] [--resume [PATH]]\n"
-        f"    hylo stage{stage} --config configs/demo-smollm2.yaml --set train.total_steps=4 --print-config\n\n"
-        "All options: pipeline/train/config.py (--print-config prints every key with its value).",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        f"    hylo stage{stage} --config demo-smollm2.yaml [--set optim.lr=1e-4 ...] [--resume [PATH]]\n"
+        f"    hylo stage{stage} --config demo-smollm2.yaml --set train.total_steps=4 --print-config\n\n"
+        "--config takes a file or the name of a shipped config (`hylo configs` lists them); a relative\n"
+        "path in a config is relative to the current directory. All options: pipeline/train/config.py\n"
+        "(--print-config prints every key with its value).",
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     add_config_args(p, example="optim.lr=1e-4")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue the run from its newest checkpoint, or from checkpoint directory PATH")
@@ -290,6 +295,12 @@ def run_config(cfg: StageConfig, run: Loc):
         # the workers prune (the checkpoint.keep newest intact ones); Ray only keeps its bookkeeping
         checkpoint_config=CheckpointConfig(num_to_keep=None),
         callbacks=[make_ray_callback()],
+        # Ray Train replaces print() in its workers by a logger call that also tees to the original print
+        # whenever sys.stdout is not sys.__stdout__, which it never is in a Ray worker (Ray wraps it):
+        # every line the workers print reached the driver (and `ray job submit`'s log) twice. A local Ray
+        # this job started has the switch in every worker's environment already (ray_init.project_env);
+        # the workers of a cluster it joined get it here
+        worker_runtime_env=({} if os.environ.get(PRINT_PATCH) == "0" else {"env_vars": {PRINT_PATCH: "0"}}),
     )
 
 
@@ -362,7 +373,7 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
                 # an input error inside a worker (a bad value, a full disk) fails the run at once: Ray's
                 # retries (ray.max_failures) are for faults
                 with final_input_errors():
-                    result = trainer.fit()
+                    result = fit_interruptibly(trainer)
             except Preempted:
                 raise
             except Exception as e:
@@ -373,6 +384,29 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
 
             serve.delete(cfg.teacher.pool.app_name)
     return {"checkpoint": result.checkpoint.path if result.checkpoint else None}
+
+
+def fit_interruptibly(trainer: Any) -> Any:
+    """`trainer.fit()` in a thread of its own. Run in the main thread, Ray Train installs a SIGINT handler that
+    ends the driver on Ctrl-C with a bare exit status (1, or 0) and no word of why; here Ctrl-C stays Python's
+    KeyboardInterrupt in the main thread: `job_main` prints one line and exits 130, after the run lock and the
+    job's Ray are released (which stops the training actors). SIGTERM (preemption_handler) still runs in the
+    main thread, which waits here."""
+    box: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread as it is
+            box["error"] = e
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 class TrainingError(RuntimeError):
@@ -409,6 +443,8 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
         check_storage_path(cfg.ray.storage_path, launcher)
     except StorageError as e:
         raise ConfigError(str(e)) from None
+    # every path of the config, relative to this directory, made absolute once: the workers run elsewhere
+    cfg = resolve_paths(cfg)
     # the run directory is this run's until it ends: a second run with the same storage and name stops
     # here (runlock.py); under torchrun rank 0 holds it for the rendezvous
     owner = launch_id(launcher) if launcher == "torchrun" else None

@@ -1,0 +1,89 @@
+r"""The shipped config files: list them, print one, copy one out to edit (as torchtune's `tune ls` / `tune cp`).
+
+    hylo configs                                     # every shipped config with its first comment line
+    hylo configs show demo-smollm2.yaml              # print one
+    hylo configs cp demo-smollm2.yaml my-demo.yaml   # copy one out; then: hylo stage1 --config my-demo.yaml
+
+Any job reads a shipped config by its name (`--config demo-smollm2.yaml`, with or without `.yaml`) when no
+file of that name is in the current directory; a path reads that file. Paths inside a config are relative
+to the directory the command runs in (README "Configuration reference").
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+if not __package__:
+    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hylo.pipeline.cli import BadArgument, job_main  # noqa: E402
+from hylo.pipeline.config import shipped_config, shipped_configs  # noqa: E402
+
+from hylo.rules import suggest  # noqa: E402
+
+
+def summary(path: Path) -> str:
+    """The first comment line of a config file (what it is)."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+        if line.strip():
+            break
+    return ""
+
+
+def find(name: str) -> Path:
+    found = shipped_config(name)
+    if found is None:
+        names = list(shipped_configs())
+        raise BadArgument(f"no shipped config {name!r}{suggest(name, names) or ';'} the shipped configs are "
+                          f"{', '.join(names)}")
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    sub = p.add_subparsers(dest="action", metavar="{ls,show,cp}")
+    sub.add_parser("ls", help="list the shipped configs (the default)", allow_abbrev=False)
+    show = sub.add_parser("show", help="print one", allow_abbrev=False)
+    show.add_argument("name")
+    cp = sub.add_parser("cp", help="copy one to DEST (a file or a directory; default: the current directory)",
+                        allow_abbrev=False)
+    cp.add_argument("name")
+    cp.add_argument("dest", nargs="?", default=".")
+    cp.add_argument("--force", action="store_true", help="replace an existing DEST file")
+    return p
+
+
+@job_main
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.action in (None, "ls"):
+        found = shipped_configs()
+        width = max(map(len, found))
+        for name, path in found.items():
+            print(f"{name:<{width}}  {summary(path)}")
+        return 0
+    src = find(args.name)
+    if args.action == "show":
+        sys.stdout.write(src.read_text(encoding="utf-8"))
+        return 0
+    dest = Path(args.dest).expanduser()
+    if dest.is_dir():
+        dest = dest / src.name
+    if dest.exists() and not args.force:
+        raise BadArgument(f"{dest} exists; pass --force to replace it")
+    if not dest.parent.is_dir():
+        raise BadArgument(f"{dest.parent} is not a directory")
+    shutil.copyfile(src, dest)
+    print(f"copied {src.name} to {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
