@@ -212,7 +212,8 @@ def prepare_ours(work: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--amd-repo", required=True, type=Path, help="a checkout of AMD-AGI/AMD-Hybrid-Models")
     ap.add_argument("--amd-python", required=True, help="an interpreter with their pinned packages")
     ap.add_argument("--work", type=Path, help="keep the files here (default: a temporary directory)")

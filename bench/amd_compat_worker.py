@@ -249,7 +249,8 @@ TASKS = {"facts": lambda side, task, out: facts(side), "load": load, "infer": in
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--repo", required=True, type=Path)
     ap.add_argument("--side", required=True, choices=["zebra", "xecomla"])
     ap.add_argument("--job", required=True, type=Path)

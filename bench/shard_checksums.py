@@ -78,7 +78,7 @@ def flips(path: Path, n: int, verify: bool) -> dict[str, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--T", type=int, default=8192, help="tokens per row")
     ap.add_argument("--row-group", type=int, default=8)
