@@ -355,11 +355,20 @@ def _build_model(config: Any, dtype: torch.dtype) -> nn.Module:
     if isinstance(config, HybridConfig):
         from hylo.modeling import HyLoForCausalLM
 
-        return HyLoForCausalLM._from_config(config, dtype=dtype)
-    from transformers import AutoModelForCausalLM
+        model = HyLoForCausalLM._from_config(config, dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM
 
-    config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        config._attn_implementation = "sdpa"
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # every floating parameter in `dtype`, as a checkpoint loaded in it (`load_hylo(path, dtype)`) has them,
+    # also those a layer creates in fp32 (GDN's A_log, dt_bias); rebound, not converted (fake parameters
+    # cannot be swapped in place)
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                mod._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+    return model
 
 
 # ------------------------------------------------------------------------------------ tracking
@@ -425,6 +434,9 @@ class StepMemory:
         self.phase = "before"
         self.step_floor: float | None = None
         self.peak = 0.0
+        # the per-GPU peak at other world sizes of the same step (tables): W -> bytes, before ZeRO-3's extras
+        self.other_worlds: tuple[int, ...] = ()
+        self.other_peaks: dict[int, float] = {}
         self.phase_peaks: dict[str, float] = {}
         self.at_peak: dict[str, Any] = {}
         self.windows: list[list[float]] = []
@@ -452,6 +464,13 @@ class StepMemory:
             per_gpu = total - state + state / W
         for w in self.windows:
             w[1] = max(w[1], total)
+        for other in self.other_worlds:
+            if self.phase == "optimizer":
+                floor = self.step_floor or 0.0
+                x = floor + (total - floor) / other
+            else:
+                x = total - (self.sharded_static + grads) * (1 - 1 / other)
+            self.other_peaks[other] = max(self.other_peaks.get(other, 0.0), x)
         if per_gpu > self.phase_peaks.get(self.phase, 0.0):
             self.phase_peaks[self.phase] = per_gpu
         if per_gpu > self.peak:
@@ -623,6 +642,7 @@ class Estimate:
     # per GPU at the step's start (states, frozen weights) and the peak of each phase of the step
     start_bytes: float = 0.0
     phase_peaks: dict[str, float] = field(default_factory=dict)
+    peaks_by_world: dict[int, float] = field(default_factory=dict)
     # (op, operand shapes, calls, FLOPs) of the step's matrix products, largest first
     gemms: list[tuple[str, tuple, int, int]] = field(default_factory=list)
     teacher_parameters: int = 0
@@ -681,7 +701,7 @@ def build_stage2(cfg: Stage2Config, shapes: Shapes, dtype: torch.dtype, gpu: boo
     student.train()
     # ZeRO-3's external-parameter registration needs DeepSpeed's engine; the estimate shards by arithmetic
     module = KDStudent(student, dataclasses.replace(cfg, deepspeed=dataclasses.replace(cfg.deepspeed, zero_stage=0)))
-    engine = _engine(module, cfg, engine_cls)
+    engine = _engine(module, cfg, engine_cls, gpu)
     t = cfg.teacher
     spec = TargetSpec(t.k, t.form)
     vocab = shapes.student.vocab_size
@@ -709,14 +729,20 @@ def build_stage1(cfg: Stage1Config, shapes: Shapes, dtype: torch.dtype, gpu: boo
     trainable_parameters(student, cfg.ild.trainable)
     student.train()
     module = ILDStudent(student, cfg)
-    engine = _engine(module, cfg, engine_cls)
+    engine = _engine(module, cfg, engine_cls, gpu)
     return Stage1Task(engine, student, BaseLayerTargets(base), cfg), base
 
 
-def _engine(module: nn.Module, cfg: StageConfig, engine_cls=None) -> PlainEngine:
+def _engine(module: nn.Module, cfg: StageConfig, engine_cls=None, gpu: bool = False) -> PlainEngine:
     o = cfg.optim
     cls = engine_cls or TrackedEngine
-    return cls(module, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
+    engine = cls(module, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
+    if gpu:
+        # AdamW's multi-tensor form, torch's default for GPU tensors (on CPU ones it loops per tensor): its
+        # temporaries span every tensor of the partition at once, as DeepSpeed's step over a flat partition
+        engine.optimizer = torch.optim.AdamW(engine.masters, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                             weight_decay=o.weight_decay, foreach=True)
+    return engine
 
 
 def flop_registry() -> dict:
@@ -767,11 +793,12 @@ def gpu_chunk_size(tokens: int, vocab: int) -> int:
 def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, dtype: torch.dtype = torch.bfloat16,
                   gpu: bool = True, shapes: Shapes | None = None, stage1: Stage1Config | None = None,
                   doc_tokens: tuple[int, int] = DOC_TOKENS, count_flops: bool = True,
-                  variant: Callable[..., Any] | None = None) -> Estimate:
+                  variant: Callable[..., Any] | None = None, other_worlds: tuple[int, ...] = ()) -> Estimate:
     """Memory per GPU and FLOPs of one step of `cfg`'s stage on rows of `tokens` tokens (see the module
     docstring). `world_size`: the ZeRO-3 world (default: the config's ray.num_workers). `gpu`: the
     accelerator's rules (deferred checks, its chunk size); False runs the CPU path as a CPU step runs it.
-    `variant(task, teacher_model)`: changes the built task (the paper's comparison forms, bench only)."""
+    `variant(task, frozen_model) -> (task, frozen_model)`: changes the built task (the paper's comparison
+    forms, bench only). `other_worlds`: also the per-GPU peak at these world sizes (`Estimate.peaks_by_world`)."""
     import time
 
     from hylo.kernels.fused_kl.inputs import deferred_checks
@@ -791,10 +818,11 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
     rules = deferred_checks() if gpu else contextlib.nullcontext()
     with fake_tensors() as host, rules:
         memory = StepMemory(W, host)
+        memory.other_worlds = tuple(other_worlds)
         build = build_stage1 if stage == 1 else build_stage2
         task, frozen = build(cfg, shapes, dtype, gpu)
         if variant is not None:
-            task = variant(task, frozen) or task
+            task, frozen = variant(task, frozen)
         ctx = _Solo(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=dtype, run_dir=Path("."),
                     grad_accum=1)
         engine: TrackedEngine = task.engine
@@ -836,25 +864,29 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
     mem = {"parameters": p_bytes / W, "gradients": grads, "optimizer states (fp32 master + AdamW)": (m_bytes + o_bytes) / W,
            "optimizer step temporaries": opt_temps, "activations, temporaries, loss buffers": other,
            "frozen model" if stage == 1 else "teacher weights": f_bytes}
-    notes = []
-    zero = 0.0
-    if W > 1:
-        el = next(iter(engine.params)).element_size()
-        n = sum(p.numel() for p in engine.params)
-        gathered = min(n, ZERO3_MAX_LIVE_PARAMETERS) * el * (1 - 1 / W)
-        bucket = cfg.deepspeed.reduce_bucket_size * el
-        mem["ZeRO-3 gathered parameters + reduce bucket"] = zero = gathered + bucket
+    el = next(iter(engine.params)).element_size()
+    n = sum(p.numel() for p in engine.params)
+
+    def zero3(world: int) -> float:
+        if world == 1:
+            return 0.0
+        return min(n, ZERO3_MAX_LIVE_PARAMETERS) * el * (1 - 1 / world) + cfg.deepspeed.reduce_bucket_size * el
+
+    zero = zero3(W)
+    if zero:
+        mem["ZeRO-3 gathered parameters + reduce bucket"] = zero
     peak = memory.peak + zero
+    by_world = {w: v + zero3(w) for w, v in memory.other_peaks.items()}
+    by_world[W] = peak
     flops = {k: v for k, v in phases.flops.items() if v}
     n_params = sum(p.numel() for p in task.student.parameters())
     return Estimate(stage=stage, tokens=tokens, world_size=W, dtype=str(dtype).removeprefix("torch."),
                     parameters=n_params, trainable_parameters=sum(p.numel() for p in engine.params), memory=mem,
                     peak_bytes=peak, peak_phase=str(at.get("phase")), loss_chunk_bytes=max(phases.loss_peaks, default=0.0),
-                    flops=flops, host_reads=sorted(set(host.reads)), start_bytes=start + zero,
+                    flops=flops, host_reads=sorted(set(host.reads)), start_bytes=start + zero, peaks_by_world=by_world,
                     phase_peaks={k: v + zero for k, v in memory.phase_peaks.items()},
                     gemms=sorted(((op, shp, c, f) for (op, shp), (c, f) in host.gemms.items()), key=lambda g: -g[3]),
-                    teacher_parameters=sum(p.numel() for p in frozen_params), seconds=time.perf_counter() - t0,
-                    notes=notes)
+                    teacher_parameters=sum(p.numel() for p in frozen_params), seconds=time.perf_counter() - t0)
 
 
 def estimate_teacher_replica(cfg: Stage2Config, tokens: int, shapes: Shapes | None = None,
@@ -996,7 +1028,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = load_stage_config(args.stage, args.config, args.overrides)
     maybe_print_config(cfg, args)
-    stage1 = load_stage_config(1, args.config) if args.stage == 2 else None
+    # stage 2's student shape comes from its checkpoint, or else from the file's stage-1 conversion
+    student = Path(cfg.model.student).expanduser() if cfg.model.student else None
+    stage1 = None
+    if args.stage == 2 and not (student is not None and (student / "config.json").is_file()):
+        stage1 = load_stage_config(1, args.config, args.overrides)
     try:
         tokens = [int(x) for x in args.tokens.split(",")] if args.tokens else [cfg.data.seq_len]
     except ValueError:
