@@ -343,9 +343,19 @@ def _noop_conversions() -> Iterator[None]:
 def fake_tensors() -> Iterator[HostOps]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from hylo.kernels import packed_sdpa
+    from hylo.kernels.fused_kl import inputs
+
     host = HostOps()
+    # process-wide caches must not hand fake tensors to a real step later (nor real ones in): the grouped
+    # attention's index tensors, the fused KL's deferred check flags (read here, as the step's end does)
+    packed_sdpa._indices.cache_clear()
     with FakeTensorMode(allow_non_fake_inputs=True), _noop_conversions(), host:
-        yield host
+        try:
+            yield host
+        finally:
+            inputs.check_deferred()
+            packed_sdpa._indices.cache_clear()
 
 
 def _build_model(config: Any, dtype: torch.dtype) -> nn.Module:
@@ -361,14 +371,31 @@ def _build_model(config: Any, dtype: torch.dtype) -> nn.Module:
 
         config._attn_implementation = "sdpa"
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # every floating parameter in `dtype`, as a checkpoint loaded in it (`load_hylo(path, dtype)`) has them,
-    # also those a layer creates in fp32 (GDN's A_log, dt_bias); rebound, not converted (fake parameters
-    # cannot be swapped in place)
+    return cast_parameters(model, dtype)
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Every floating parameter in `dtype`, as a checkpoint loaded in it (`load_hylo(path, dtype)`) has them,
+    also those a layer creates in fp32 (GDN's A_log, dt_bias); rebound, not converted (fake parameters
+    cannot be swapped in place, which `module.to(dtype)` does)."""
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):
             if p is not None and p.is_floating_point() and p.dtype != dtype:
                 mod._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
     return model
+
+
+def fake_like(tree: Any) -> Any:
+    """Fake CPU tensors of the shapes, dtypes and requires_grad of the real tensors in `tree` (under
+    `fake_tensors()`): a measured call's inputs for its estimate."""
+    from torch.utils._pytree import tree_map
+
+    def like(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        return torch.empty(x.shape, dtype=x.dtype).requires_grad_(x.requires_grad)
+
+    return tree_map(like, tree)
 
 
 # ------------------------------------------------------------------------------------ tracking
@@ -1062,3 +1089,27 @@ def main(argv: list[str] | None = None) -> int:
 
         atomic_write(Path(args.json), json.dumps(out, indent=1, default=str) + "\n")
     return 0
+
+
+def estimate_call(setup: Callable[[], Any], run: Callable[[Any], Any], gpu: bool = True) -> float:
+    """Peak bytes `run(setup())` allocates beyond what `setup()` made (inputs, modules, their states): the
+    estimate of one measured call, for bench/gpu_check.py. Both run on fake CPU tensors, on the torch kernel
+    paths (`HYLO_KERNELS=torch`'s), under the accelerator's rules of the fused KL when `gpu`."""
+    from hylo.kernels.backend import forced_mode
+    from hylo.kernels.fused_kl.inputs import deferred_checks
+    from torch.utils._pytree import tree_leaves
+
+    rules = deferred_checks() if gpu else contextlib.nullcontext()
+    with fake_tensors() as host, forced_mode("torch"), rules:
+        state = setup()
+        memory = StepMemory(1, host)
+        tracked = [x for x in tree_leaves(state, is_leaf=lambda x: isinstance(x, nn.Module))
+                   if isinstance(x, torch.Tensor | nn.Module)]
+        memory.tracker.track_external(*tracked)
+        with memory.tracker:
+            memory.phase, memory.active = "call", True
+            base = memory.total()
+            memory.peak = float(base)
+            run(state)
+            memory.active = False
+    return memory.peak - base
