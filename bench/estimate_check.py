@@ -60,7 +60,7 @@ def replay_gemms(gemms: list, repeats: int = 3) -> dict:
     weighted by the step's FLOPs of that shape -> this machine's GEMM rate at the step's shapes."""
     import torch
 
-    flops = seconds = 0.0
+    flops = seconds = cpu_seconds = 0.0
     for op, shapes, calls, n in gemms:
         args = [torch.randn(*s) for s in shapes]
 
@@ -72,14 +72,17 @@ def replay_gemms(gemms: list, repeats: int = 3) -> dict:
             return torch.baddbmm(args[0], args[1], args[2])
 
         run()
-        times = []
+        times, cpu = [], []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         flops += n
         seconds += statistics.median(times) * calls
-    return {"gemm_flops": flops, "gemm_seconds": seconds, "gemm_gflops": flops / seconds / 1e9}
+        cpu_seconds += statistics.median(cpu) * calls
+    return {"gemm_flops": flops, "gemm_seconds": seconds, "gemm_gflops": flops / seconds / 1e9,
+            "gemm_cpu_gflops": flops / max(cpu_seconds, 1e-9) / 1e9}
 
 
 def allocator_peaks(fn, mark: str = "hylo::optimizer") -> tuple[float, float]:
@@ -201,6 +204,15 @@ def analytic_flops(tokens: int, row, shapes, checkpointing: bool, valid_rows: in
 
 
 # ------------------------------------------------------------------------------------ driver
+def print_memory(est_extra: float, est_fb: float, m: list[dict]) -> None:
+    meas = statistics.median(r["allocator_extra_mib"] for r in m)
+    meas_fb = statistics.median(r["allocator_fwd_bwd_extra_mib"] for r in m)
+    rss = statistics.median(r["rss_extra_mib"] for r in m)
+    print(f"  memory   step peak: estimate {est_extra:7.0f} MiB  measured (allocator) {meas:7.0f} MiB  "
+          f"ratio {est_extra / meas:5.3f}  (RssAnon sampled: {rss:.0f} MiB)   fwd+bwd: estimate {est_fb:7.0f}  "
+          f"measured {meas_fb:7.0f}  ratio {est_fb / meas_fb:5.3f}")
+
+
 def measure(tree: Path, tokens: int, threads: int, gemm_file: Path, memory: bool) -> dict:
     """One child measuring the step of checkout `tree` (this file's child code, that checkout's step)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=str(tree))
@@ -220,6 +232,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1, help="measured steps per length (and per tree)")
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="another checkout whose step is measured alternately beside this one's (before/after)")
+    p.add_argument("--rate-only", action="store_true",
+                   help="measure the step's time only (no memory profile): the before/after comparison")
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--gemms", type=Path, default=None, help=argparse.SUPPRESS)
@@ -250,7 +264,8 @@ def main() -> None:
         runs: dict[str, list[dict]] = {name: [] for name, _ in trees}
         for _ in range(args.repeat):
             for name, tree in trees:
-                runs[name].append(measure(tree, T, args.threads, gemm_file, memory=name == "after"))
+                runs[name].append(measure(tree, T, args.threads, gemm_file,
+                                          memory=name == "after" and not args.rate_only))
         gemm_file.unlink()
         est_extra = (est.peak_bytes - est.start_bytes) / MIB
         est_fb = (est.phase_peaks.get("forward/backward", 0) - est.start_bytes) / MIB
@@ -259,31 +274,32 @@ def main() -> None:
                "counted_flops": est.total_flops, "analytic": ana, "analytic_flops": sum(ana.values()), "runs": runs}
         rows_out.append(rec)
         m = runs["after"]
-        meas = statistics.median(r["allocator_extra_mib"] for r in m)
-        meas_fb = statistics.median(r["allocator_fwd_bwd_extra_mib"] for r in m)
-        rss = statistics.median(r["rss_extra_mib"] for r in m)
         print(f"\n{T} tokens, {rec['docs']} documents (estimate in {est.seconds:.0f} s)")
-        print(f"  memory   step peak: estimate {est_extra:7.0f} MiB  measured (allocator) {meas:7.0f} MiB  "
-              f"ratio {est_extra / meas:5.3f}  (RssAnon sampled: {rss:.0f} MiB)   fwd+bwd: estimate {est_fb:7.0f}  "
-              f"measured {meas_fb:7.0f}  ratio {est_fb / meas_fb:5.3f}")
+        if args.rate_only:
+            m = []
+        if m:
+            print_memory(est_extra, est_fb, m)
         print(f"  FLOPs    counted {est.total_flops / 1e12:7.3f} T  analytic {rec['analytic_flops'] / 1e12:7.3f} T  "
               f"ratio {est.total_flops / rec['analytic_flops']:5.3f}   "
               + ", ".join(f"{k} {v / 1e12:.3f}" for k, v in est.flops.items()))
         for name, _ in trees:
             rs = runs[name]
-            secs = [r["seconds"] for r in rs]
-            rates = [est.total_flops / r["seconds"] / 1e9 for r in rs]
-            gemm = [r["gemm_gflops"] for r in rs]
-            fracs = [rate / g for rate, g in zip(rates, gemm)]
-            print(f"  rate     {name:6s} step {', '.join(f'{x:.1f}' for x in secs)} s -> "
-                  f"{', '.join(f'{x:.1f}' for x in rates)} GFLOP/s; GEMMs at the step's shapes "
-                  f"{', '.join(f'{g:.0f}' for g in gemm)} GFLOP/s; achieved fraction "
-                  f"{', '.join(f'{x:.3f}' for x in fracs)} (median {statistics.median(fracs):.3f}); "
-                  f"KL {rs[0]['kl']:.4f}", flush=True)
+            for clock, sec, gem in (("wall", "seconds", "gemm_gflops"), ("CPU", "cpu_seconds", "gemm_cpu_gflops")):
+                secs = [r[sec] for r in rs]
+                rates = [est.total_flops / x / 1e9 for x in secs]
+                gemm = [r[gem] for r in rs]
+                fracs = [rate / g for rate, g in zip(rates, gemm)]
+                rec.setdefault("fraction", {}).setdefault(name, {})[clock] = fracs
+                print(f"  rate     {name:6s} {clock:4s} step {', '.join(f'{x:.1f}' for x in secs)} s -> "
+                      f"{', '.join(f'{x:.1f}' for x in rates)} GFLOP/s; GEMMs at the step's shapes "
+                      f"{', '.join(f'{g:.0f}' for g in gemm)} GFLOP/s; achieved fraction "
+                      f"{', '.join(f'{x:.3f}' for x in fracs)} (median {statistics.median(fracs):.3f}); "
+                      f"KL {rs[0]['kl']:.6f}", flush=True)
         if len(trees) == 2:
-            a = statistics.median(r["seconds"] for r in runs["after"])
-            b = statistics.median(r["seconds"] for r in runs["before"])
-            print(f"  before/after step time {b:.1f} / {a:.1f} s = {b / a:.2f}x", flush=True)
+            for clock, sec in (("wall", "seconds"), ("CPU", "cpu_seconds")):
+                a = statistics.median(r[sec] for r in runs["after"])
+                b = statistics.median(r[sec] for r in runs["before"])
+                print(f"  before/after step {clock} time {b:.1f} / {a:.1f} s = {b / a:.2f}x", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows_out, indent=1))
 

@@ -13,13 +13,21 @@ its shape (stage 2 in-process: the teacher's own `TeacherModel` over a model of 
 or the cache: the top-k records or logit chunks the wire delivers), the fused KL in the configured form,
 activation checkpointing as configured, AdamW, the step's dtype (bf16 on a GPU), `PlainEngine` in place of
 DeepSpeed's engine (the step calls the same four methods of either). Every tensor is a FakeTensor (shapes,
-dtypes, no data): a 64K step of a 1B student with an 8B teacher runs in well under a minute on a CPU.
+dtypes, no data): a 64K step of the 1B recipe takes about 2.5 CPU-minutes here (the op count, not the
+shapes, sets the time: the chunked scans loop over T / 64 chunks).
 
 How it is measured:
-* Memory: `torch.distributed._tools.mem_tracker.MemTracker` (storages live at each op, rounded up to the
-  allocator's 512-byte blocks) over one step after a warm-up step (so the optimizer states exist, as in a
-  run). The loss's chunks are the fused KL's own peak over what was live when it started.
-* FLOPs: `torch.utils.flop_counter.FlopCounterMode` over the same step, split by phase: teacher forward,
+* Memory: `torch.distributed._tools.mem_tracker.MemTracker` (the bytes of the storages live at each op;
+  a GPU's allocator rounds each up to 512 bytes, negligible at these shapes) over one step after a warm-up step (so the optimizer states exist, as in a
+  run). The loss's chunks are the fused KL's own peak over what was live when it started. Two artefacts
+  of tracking are undone: MemTracker's hook on each parameter (it fails on frozen ones; replaced by a hook
+  after accumulation) and, because autograd sums a tensor's gradients out of place whenever a Python
+  dispatch mode is active, the copy each such sum makes that the step does not (`HostOps._engine_sum`).
+  Checked against the CPU allocator's own peak of the same step (bench/estimate_check.py; 1.000 at 512
+  tokens) and at a tiny shape in tests/test_estimate.py.
+* FLOPs: `torch.utils.flop_counter.FlopCounterMode`'s formulas (`flop_registry`), counted per op in the
+  same pass (under FlopCounterMode itself, whose module tracker keeps module outputs alive, the step's
+  activation memory measured beside it more than doubled), split by phase: teacher forward,
   student forward, the fused loss (its logits, KL and both gradients are computed in its forward),
   backward (with the recomputed forward of checkpointed layers), optimizer. Attention is counted as torch
   counts it: dense within each SDPA call (causal kernels do about half of it). Time at a GPU's dense bf16
@@ -295,7 +303,7 @@ class HostOps(torch.utils._python_dispatch.TorchDispatchMode):
             frame = frame.f_back
         if frame is None or frame.f_code.co_name != "_engine_run_backward":
             return 0
-        return math.ceil(a.numel() * a.element_size() / 512) * 512
+        return a.numel() * a.element_size()
 
     def _host_value(self, t: torch.Tensor) -> Any:
         site = _call_site()
@@ -341,10 +349,9 @@ def _noop_conversions() -> Iterator[None]:
 
 @contextlib.contextmanager
 def fake_tensors() -> Iterator[HostOps]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from hylo.kernels import packed_sdpa
     from hylo.kernels.fused_kl import inputs
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     host = HostOps()
     # process-wide caches must not hand fake tensors to a real step later (nor real ones in): the grouped
@@ -561,7 +568,8 @@ class TrackedEngine(PlainEngine):
         mem = self.phases.memory if self.phases is not None else None
         if mem is not None and mem.active:
             s = mem._snap(mem.tracker._curr_mem_snap)
-            mem.step_floor = s.get("Total", 0) - mem.sharded_static - s.get("Gradient", 0)
+            credit = mem.host.credit if mem.host is not None else 0
+            mem.step_floor = s.get("Total", 0) - credit - mem.sharded_static - s.get("Gradient", 0)
             mem.phase = "optimizer"
         with self._phase("optimizer"):
             super().step()
@@ -700,14 +708,14 @@ def synthetic_row(tokens: int, vocab: int, doc_tokens: tuple[int, int] = DOC_TOK
 
 
 def _state_bytes(tensors) -> int:
-    """Bytes of distinct storages, rounded up to MemTracker's 512-byte blocks."""
+    """Bytes of distinct storages, as MemTracker counts CPU storages (exact: it rounds CUDA ones only)."""
     seen, total = set(), 0
     for t in tensors:
         st = t.untyped_storage()
         if id(st) in seen:
             continue
         seen.add(id(st))
-        total += math.ceil(st.nbytes() / 512) * 512
+        total += st.nbytes()
     return total
 
 
@@ -1030,8 +1038,9 @@ def describe(cfg: StageConfig, shapes: Shapes, W: int, dtype: torch.dtype, confi
     return head
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`hylo estimate`: print the per-GPU memory and the FLOPs of one training step of a config."""
+def main(argv: list[str] | None = None, description: str | None = None) -> int:
+    """`hylo estimate`: print the per-GPU memory and the FLOPs of one training step of a config
+    (`description`: the help's text, jobs/estimate.py's docstring)."""
     import argparse
     import json
 
@@ -1040,7 +1049,8 @@ def main(argv: list[str] | None = None) -> int:
     from hylo.pipeline.train.config import load_stage_config
     from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
 
-    ap = argparse.ArgumentParser(prog="hylo estimate", description=main.__doc__ + " (pipeline/train/estimate.py)")
+    ap = argparse.ArgumentParser(description=description or __doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap, example="data.seq_len=32768")
     ap.add_argument("--stage", type=int, choices=(1, 2), default=2, help="which stage's step (default 2)")
     ap.add_argument("--tokens", default=None,
