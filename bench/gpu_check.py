@@ -30,6 +30,9 @@ allocated before (so "extra" is what the measured call itself added); None on CP
 weights (no weights travel); figures that depend on the weights' values (losses) are only sanity checks.
 `--tiny` uses small shapes, the Triton interpreter for the fused KL and the torch path elsewhere, so
 that `tests/test_gpu_check.py` keeps this script running between loans.
+Beside every memory figure measured, the step estimate's figure for the same call (`estimated_*`:
+pipeline/train/estimate.py, the call on fake tensors; `hylo estimate`), so the first GPU run also checks
+the estimator; an estimate that fails is listed in `estimate_errors` and fails no case.
 """
 
 from __future__ import annotations
@@ -158,6 +161,32 @@ def kernels_mode(mode: str):
     return forced_mode(mode.lower())
 
 
+def estimated_gib(setup: Callable[[], Any], run: Callable[[Any], Any]) -> float | None:
+    """The step estimate's figure for a measured call (pipeline/train/estimate.estimate_call: the same call
+    on fake CPU tensors, torch kernel paths, the accelerator's rules): its peak beyond its inputs, in GiB,
+    recorded beside the measured `peak_extra_gib` so that a GPU run also checks the estimator. None (with the
+    error in `estimate_errors`) when the estimate fails: the measured case still counts."""
+    from hylo.pipeline.train.estimate import estimate_call
+
+    try:
+        return gib(estimate_call(setup, run))
+    except Exception as exc:  # recorded, never fatal for the case
+        ESTIMATE_ERRORS.append(f"{type(exc).__name__}: {exc}"[:500])
+        return None
+
+
+ESTIMATE_ERRORS: list[str] = []
+
+
+def fake_build(factory: Callable[[], Any], dtype: Any):
+    """`build(factory, cpu, dtype)` on the estimate's fake tensors (a module cannot be cast there in place)."""
+    import torch
+    from hylo.pipeline.train.estimate import cast_parameters
+
+    with torch.device("cpu"):
+        return cast_parameters(factory(), dtype)
+
+
 def free_memory() -> None:
     # no gc.collect here (about a second per call with transformers loaded): tensors die by refcount
     import torch
@@ -249,22 +278,30 @@ def case_fused_kl(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
     out: dict[str, Any] = {"shape": {"N": N, "H": H, "V": V, "H_teacher": HT, "k": k, "dtype": "bfloat16"},
                            "kernel": "triton" if use_gpu_kernels(h) else "torch"}
 
+    def fwd_bwd_on(fn, h, w, kw):
+        h.grad = w.grad = None
+        loss = fn(h, w, **kw)
+        loss.backward()
+        return loss.detach(), h.grad, w.grad
+
     def fwd_bwd(fn, **kw):
-        def run():
-            h.grad = w.grad = None
-            loss = fn(h, w, **kw)
-            loss.backward()
-            return loss.detach(), h.grad, w.grad
-        return run
+        return lambda: fwd_bwd_on(fn, h, w, kw)
+
+    def estimate(fn, teacher):
+        from hylo.pipeline.train.estimate import fake_like
+
+        return estimated_gib(lambda: fake_like((h, w, teacher)), lambda s: fwd_bwd_on(fn, *s))
 
     for name, teacher in teachers.items():
         res: dict[str, Any] = {}
         (ref_loss, ref_dh, ref_dw), t_ref, m_ref = meter.run(fwd_bwd(naive_kl_div, **teacher))
         ref_dh, ref_dw = ref_dh.clone(), ref_dw.clone()
-        res["reference_full_logits"] = {"seconds": t_ref, "peak_extra_gib": gib(m_ref), "loss": float(ref_loss)}
+        res["reference_full_logits"] = {"seconds": t_ref, "peak_extra_gib": gib(m_ref), "loss": float(ref_loss),
+                                        "estimated_peak_extra_gib": estimate(naive_kl_div, teacher)}
         free_memory()
         (loss, dh, dw), t_f, m_f = meter.run(fwd_bwd(fused_linear_kl_div, **teacher))
         res["fused"] = {"seconds": t_f, "peak_extra_gib": gib(m_f), "loss": float(loss),
+                        "estimated_peak_extra_gib": estimate(fused_linear_kl_div, teacher),
                         "loss_rel_err": rel_err(ref_loss, loss), "grad_hidden_rel_err": rel_err(ref_dh, dh),
                         "grad_weight_rel_err": rel_err(ref_dw, dw)}
         res["fused"]["within_tolerance"] = (res["fused"]["loss_rel_err"] <= TOL["kl_loss"]
@@ -353,6 +390,19 @@ def case_linear_layers(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
             return go
 
         (y, dx, grads), t_fast, m_fast = meter.run(run(layer, fast_dtype, "auto"))
+
+        def fake_layer_and_input(variant=variant, idx=idx, cfg=cfg, x=x):
+            from hylo.pipeline.train.estimate import fake_like
+
+            return fake_build(functools.partial(build_mixer, cfg, idx), fast_dtype), fake_like(x)
+
+        def layer_fwd_bwd(state, bounds=DocBounds.from_host(row["cu_seqlens"], T, "cpu")):
+            mod, xi = state
+            xi = xi.detach().requires_grad_()
+            y = mod(xi, cu_seqlens=bounds)
+            (y[0] if isinstance(y, tuple) else y).backward(torch.ones_like(y[0] if isinstance(y, tuple) else y))
+
+        est_fast = estimated_gib(fake_layer_and_input, layer_fwd_bwd)
         (y_ref, dx_ref, grads_ref), t_ref, m_ref = meter.run(run(ref_layer, ref_dtype, "torch"))
         errs = {"output": rel_err(y_ref, y), "grad_input": rel_err(dx_ref, dx)}
         errs.update({f"grad_{n}": rel_err(grads_ref[n], g) for n, g in grads.items()})
@@ -361,7 +411,8 @@ def case_linear_layers(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
                                            chunk_gated_delta_rule, chunk_ssd)
         errs.update(state_errs)
         worst = max(errs.values())
-        out[variant] = {"path": path, "seconds": t_fast, "peak_extra_gib": gib(m_fast), "torch_path_seconds": t_ref,
+        out[variant] = {"path": path, "seconds": t_fast, "peak_extra_gib": gib(m_fast),
+                        "estimated_peak_extra_gib": est_fast, "torch_path_seconds": t_ref,
                         "torch_path_dtype": str(ref_dtype).replace("torch.", ""), "op_seconds": t_op,
                         "rel_err": errs, "max_rel_err": worst, "tolerance": tol, "within_tolerance": worst <= tol}
         del layer, ref_layer
@@ -446,7 +497,19 @@ def case_mla(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
                 return y.detach(), xi.grad
             (y, dx), t, m = meter.run(go)
             results[impl] = (y, dx)
-            res[impl] = {"seconds": t, "peak_extra_gib": gib(m)}
+
+            def mla_fwd_bwd(state, impl=impl, bounds=DocBounds.from_host(packed_row(T, docs, 8)["cu_seqlens"], T, "cpu")):
+                mod, xi = state
+                xi = xi.detach().requires_grad_()
+                with packed_sdpa.implementation(impl):
+                    mod(xi, cu_seqlens=bounds).float().square().mean().backward()
+
+            def fake_mla():
+                from hylo.pipeline.train.estimate import fake_like
+
+                return fake_build(lambda: MLAttention(cfg, 0), dtype), fake_like(x)
+
+            res[impl] = {"seconds": t, "peak_extra_gib": gib(m), "estimated_peak_extra_gib": estimated_gib(fake_mla, mla_fwd_bwd)}
         res["grouped_vs_loop_rel_err"] = max(rel_err(results["loop"][0], results["grouped"][0]),
                                              rel_err(results["loop"][1], results["grouped"][1]))
         res["speedup"] = res["loop"]["seconds"] / max(res["grouped"]["seconds"], 1e-12)
@@ -576,12 +639,36 @@ def case_step(sh: Shapes, device: Any, meter: Meter, engine: str = "plain") -> d
             res[f"T{T}"] = {"seconds": seconds, "tokens_per_s": T / seconds, "peak_gib": gib(peak),
                             "peak_without_teacher_weights_gib": gib(None if peak is None else peak - teacher_bytes),
                             "extra_over_steady_state_gib": gib(extra), "kl_sum": result.sums["kl_sum"],
-                            "grad_norm": result.grad_norm, "finite": math.isfinite(result.sums["kl_sum"])}
+                            "grad_norm": result.grad_norm, "finite": math.isfinite(result.sums["kl_sum"]),
+                            **step_estimate(task.cfg, variant, sh, T, dtype)}
         out[variant] = res
         del task
         free_memory()
     out["ok"] = all(out[v][f"T{T}"]["finite"] for v in variants for T in sizes)
     return out
+
+
+def step_estimate(cfg: Any, variant: str, sh: Shapes, T: int, dtype: Any) -> dict[str, Any]:
+    """`hylo estimate`'s figures for the measured step (pipeline/train/estimate.estimate_step: the same
+    step on fake tensors, world size 1, the accelerator's rules, the same row layout): its peak (to compare
+    with `peak_gib`) and its peak over its start (with `extra_over_steady_state_gib`)."""
+    from hylo.pipeline.train.estimate import Shapes as StepShapes
+    from hylo.pipeline.train.estimate import estimate_step
+
+    try:
+        m = cfg.teacher.model
+        teacher = dataclasses.replace(m, dtype=str(dtype).removeprefix("torch."), isolation="per_doc",
+                                      max_forward_tokens=max(sh.step["tokens"]))
+        cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, model=teacher),
+                                  deepspeed=dataclasses.replace(cfg.deepspeed, zero_stage=0))
+        doc = T // max(1, T // sh.step["doc_tokens"])
+        est = estimate_step(cfg, T, 1, dtype, gpu=True, doc_tokens=(doc, doc),
+                            shapes=StepShapes(hylo_config(variant, sh.tiny), teacher=llama_config("8b", sh.tiny)))
+    except Exception as exc:  # recorded, never fatal for the case
+        return {"estimate_error": f"{type(exc).__name__}: {exc}"[:500]}
+    return {"estimated_peak_gib": gib(int(est.peak_bytes)),
+            "estimated_extra_over_start_gib": gib(int(est.peak_bytes - est.start_bytes)),
+            "estimated_flops": est.total_flops}
 
 
 def case_deepspeed(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
@@ -672,8 +759,24 @@ def case_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
                 res[f"ctx{ctx_len}"] = {"error": error_record(exc), "cache_bytes": 0, "decode_tokens_per_s": math.nan}
                 free_memory()
                 continue
+
+            @torch.no_grad()
+            def fake_decode(state, make_cache=make_cache, ctx_len=ctx_len):
+                fmodel, fids = state
+                cache = make_cache(ctx_len + new)
+                logits = fmodel(input_ids=fids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                for _ in range(new):
+                    logits = fmodel(input_ids=logits.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True,
+                                    logits_to_keep=1).logits[:, -1]
+
+            def fake_model(make=make, ids=ids):
+                from hylo.pipeline.train.estimate import fake_like
+
+                return fake_build(make, dtype).eval(), fake_like(ids)
+
             res[f"ctx{ctx_len}"] = {"decode_tokens_per_s": new / decode_s, "prefill_plus_decode_seconds": total_s,
-                                    "cache_bytes": cache_bytes(cache), "peak_extra_gib": gib(extra)}
+                                    "cache_bytes": cache_bytes(cache), "peak_extra_gib": gib(extra),
+                                    "estimated_peak_extra_gib": estimated_gib(fake_model, fake_decode)}
             del cache
             free_memory()
         out[name] = res
@@ -810,6 +913,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu_check] case {number} {name}: ok={res.get('ok')} in {res['case_seconds']:.1f} s", flush=True)
         write(out_dir, report)
     report["total_seconds"] = time.perf_counter() - t_all
+    # the estimates beside the measured memory figures that could not be made (pipeline/train/estimate.py)
+    report["estimate_errors"] = ESTIMATE_ERRORS
     write(out_dir, report)
     print(markdown(report))
     return 0 if all(r.get("ok") for r in report["cases"].values()) else 1

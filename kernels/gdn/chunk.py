@@ -7,9 +7,12 @@ The derivation is in README.md next to this file.
 
 Design choices:
 * Everything that does not depend on the running state is computed for all chunks and heads at
-  once: decay cumsums, the intra-chunk triangular solve (one batched `solve_triangular` for
-  `U` and `W` together) and, after the loop, both output terms. Only the chunk-to-chunk state
-  recurrence (two fused `baddbmm`s per chunk) is a Python loop, Nc = T / C iterations.
+  once: decay cumsums, the intra-chunk triangular system (`U` and `W` together: the inverse of the
+  unit lower-triangular matrix by block doubling, `unit_lower_inverse`, log2(C) batched products,
+  then one product with both right-hand sides) and, after the loop, both output terms. Only the
+  chunk-to-chunk state recurrence (two fused `baddbmm`s per chunk) is a Python loop, Nc = T / C
+  iterations. (A batched `torch.linalg.solve_triangular` solves the Nc * M small systems one at a
+  time on CPU: it was 8-14 % of a whole stage-2 step of the demo model, bench/estimate_check.py.)
 * Varlen (`cu_seqlens`, checked under the packed-row rule of `hylo.kernels.varlen`; the layers pass the
   model's `DocBounds`, so the layout is built from host ints without reading the device): each
   sequence is scattered into its own run of chunks, its tail padded
@@ -29,12 +32,39 @@ Design choices:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from hylo.kernels.backend import fla_varlen_kwargs, use_fla
 from hylo.kernels.checks import compute_dtype
 from hylo.kernels.gdn.checks import check_inputs, l2norm
 from hylo.kernels.varlen import DocBounds, chunk_layout, from_chunks, to_chunks
 
 DEFAULT_CHUNK_SIZE = 64
+
+
+def unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
+    """(I + strict_tril(L))^-1 of a batch of square matrices [..., C, C] (the diagonal and upper part of L
+    are not read), by block doubling: the inverse of [[A, 0], [B, D]] (unit lower-triangular blocks) is
+    [[A^-1, 0], [-D^-1 B A^-1, D^-1]], so starting from 1 x 1 blocks (identity) each of log2(C) steps
+    doubles the diagonal blocks with two batched products. C is padded to a power of two with identity
+    rows (exact: the padded inverse is block-diagonal). Differentiable (autograd through the products)."""
+    C = L.shape[-1]
+    P = 1 << (C - 1).bit_length()
+    N = L.tril(-1)
+    if P != C:
+        N = F.pad(N, (0, P - C, 0, P - C))
+    batch = N.shape[:-2]
+    # the inverse's diagonal blocks of size s, [..., P / s, s, s]
+    inv = N.new_ones(*batch, P, 1, 1)
+    s = 1
+    while s < P:
+        n = P // (2 * s)
+        # the lower-left s x s block of each diagonal 2s x 2s block of N
+        B = N.reshape(*batch, n, 2 * s, n, 2 * s).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)[..., s:, :s]
+        A_inv, D_inv = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        lower = -(D_inv @ (B @ A_inv))
+        inv = torch.cat([torch.cat([A_inv, torch.zeros_like(A_inv)], -1), torch.cat([lower, D_inv], -1)], -2)
+        s *= 2
+    return inv[..., 0, :C, :C]
 
 
 def torch_chunk_gated_delta_rule(
@@ -75,11 +105,11 @@ def torch_chunk_gated_delta_rule(
     Gam_NcMCC = (gam_NcMC[..., :, None] - gam_NcMC[..., None, :]).masked_fill(~causal_CC, float("-inf")).exp()
 
     # WY representation: (I + strict_tril(diag(beta) K K^T * Gamma)) [U | W] = [beta V | beta K exp(gamma)]
-    # solve_triangular(unitriangular=True) reads only the strict lower triangle
+    # (only the strict lower triangle of L is read)
     kk_NcMCC = k_NcMCK @ k_NcMCK.transpose(-1, -2)
     L_NcMCC = kk_NcMCC * Gam_NcMCC * beta_NcMC[..., :, None]
     rhs = torch.cat([v_NcMCV, k_NcMCK * gam_NcMC.exp()[..., None]], -1) * beta_NcMC[..., None]
-    uw = torch.linalg.solve_triangular(L_NcMCC, rhs, upper=False, unitriangular=True)
+    uw = unit_lower_inverse(L_NcMCC) @ rhs
     u_NcMCV, w_NcMCK = uw.split([V, K], -1)
 
     # state update operands: keys decayed to the chunk end, and the whole-chunk decay

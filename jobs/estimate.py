@@ -1,0 +1,35 @@
+"""Memory per GPU and FLOPs of one training step of a config, without the hardware (the step on fake tensors).
+
+    hylo estimate --config configs/llama-3.2-1b-8mla8gdn-64k.yaml --tokens 8192,65536
+    hylo estimate --config configs/demo-smollm2.yaml --stage 1 --world-size 1 --tokens 512
+    python jobs/estimate.py --config configs/qwen3-1.7b-7mla21gdn-64k.yaml --world-size 8 --json est.json
+
+Per GPU: the student's parameters, gradients and optimizer states (ZeRO-3 over --world-size, default the
+config's ray.num_workers, as arithmetic on their real sizes), the activations and temporaries at the peak,
+the fused loss's own peak, the teacher's weights where it runs in the trainer, the peak and which GPUs
+(H100, H200, MI300X, MI355X) it fits; the step's FLOPs by phase and their time at each GPU's dense bf16
+peak (a lower bound). With the Serve pool's teacher, one teacher replica GPU too. How it is measured and
+what it leaves out: pipeline/train/estimate.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:
+    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hylo.pipeline.cli import job_main  # noqa: E402
+
+
+@job_main
+def main(argv: list[str] | None = None) -> int:
+    from hylo.pipeline.train.estimate import main as estimate_main
+
+    return estimate_main(sys.argv[1:] if argv is None else argv, description=__doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
