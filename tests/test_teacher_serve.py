@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 from hylo.pipeline.data.rows import PackedRow, check_row  # noqa: E402
 from hylo.pipeline.ray_init import ray_running  # noqa: E402
 from hylo.pipeline.teacher.client import TeacherClient  # noqa: E402
-from hylo.pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig  # noqa: E402
+from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig  # noqa: E402
 from hylo.pipeline.teacher.serve import start_teacher_pool  # noqa: E402
 from ray import serve  # noqa: E402
 
@@ -41,11 +41,11 @@ def pool(tmp_path_factory):
     model_dir = save_tiny_llama(d / "model", vocab_size=VOCAB)
     marker = d / "kill-armed"
     pool_cfg = TeacherPoolConfig(app_name="teacher_test", num_replicas=2, num_cpus=0.5,
-                                 max_batch_tokens=BUDGET, batch_wait_timeout_s=0.05, port=_free_port(),
-                                 fail_marker=str(marker), fail_on_row=2)
+                                 max_batch_tokens=BUDGET, batch_wait_timeout_s=0.05, port=_free_port())
     with ray_running(None, 4, log_to_driver=False):
         try:
-            handle = start_teacher_pool(TeacherModelConfig(path=str(model_dir)), pool_cfg)
+            handle = start_teacher_pool(TeacherModelConfig(path=str(model_dir)), pool_cfg,
+                                        TeacherFaultConfig(kill_marker=str(marker), kill_at_row=2))
             from transformers import AutoModelForCausalLM
 
             ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -89,6 +89,10 @@ def _chunk_of_client(c: Any, t: dict[str, Any]) -> Any:
 TEACHER_RENAMES: dict[str, Any] = {"top_k": ("k", _k_of_top_k), "client.k": ("k", _k_of_client_k),
                                    "mode": ("k", _k_of_mode),
                                    "client.chunk_tokens": ("model.logits_chunk_tokens", _chunk_of_client)}
+# Old spellings of the pool's test-only fault keys, in stage 2's config (they sat in teacher.pool).
+TEACHER_FAULT_RENAMES: dict[str, str] = {"teacher.pool.fail_marker": "fault.teacher.kill_marker",
+                                         "teacher.pool.fail_on_row": "fault.teacher.kill_at_row",
+                                         "teacher.pool.fail_target": "fault.teacher.kill_target"}
 
 
 @dataclass
@@ -118,8 +122,7 @@ class TeacherModelConfig:
 @dataclass
 @rules(app_name=NONEMPTY, num_replicas=at_least(1), num_cpus=at_least(0), num_gpus=at_least(0),
        max_batch_tokens=at_least(1), batch_wait_timeout_s=at_least(0), max_ongoing_requests=at_least(1),
-       stream_sessions=at_least(1), host=NONEMPTY, port=PORT, fail_on_row=at_least(1),
-       resources=each(at_least(0)), fail_target=one_of("process", "node"))
+       stream_sessions=at_least(1), host=NONEMPTY, port=PORT, resources=each(at_least(0)))
 class TeacherPoolConfig:
     app_name: str = "teacher"
     num_replicas: int = 1
@@ -137,12 +140,19 @@ class TeacherPoolConfig:
     stream_sessions: int = 2
     host: str = "127.0.0.1"
     port: int = 8000
-    # Test only: while the file `fail_marker` exists, a replica counts its rows and on the Nth one
-    # deletes the file (so exactly one replica dies per arming) and exits its process.
-    fail_marker: str = ""
-    fail_on_row: int = 1
-    # Test only: what dies then: the replica's process, or its whole Ray node (raylet and all).
-    fail_target: str = "process"
+
+
+@dataclass
+@rules(kill_at_row=at_least(1), kill_target=one_of("process", "node"))
+class TeacherFaultConfig:
+    """Fault injection for the teacher pool's recovery tests (stage 2's `fault.teacher`): while the file
+    `kill_marker` exists, a replica counts the rows it receives and on the `kill_at_row`-th one deletes the
+    file (so exactly one replica dies per arming) and ends its process, or its whole Ray node."""
+
+    kill_marker: str = ""
+    kill_at_row: int = 1
+    # process: the replica's process; node: its Ray node (raylet and all), as when a machine vanishes.
+    kill_target: str = "process"
 
 
 @dataclass

@@ -47,9 +47,11 @@ from hylo.pipeline.config import (
 from hylo.pipeline.data.config import SPLITS
 from hylo.pipeline.teacher.config import (
     EXACT_FORMS,
+    TEACHER_FAULT_RENAMES,
     TEACHER_RENAMES,
     TEACHER_SOURCES,
     TeacherClientConfig,
+    TeacherFaultConfig,
     TeacherModelConfig,
     TeacherPoolConfig,
     target_form,
@@ -274,6 +276,12 @@ class FaultSection:
     kill_target: str = "worker"
 
 
+@dataclass
+class Stage2FaultSection(FaultSection):
+    # A teacher pool replica (teacher.source: serve): TeacherFaultConfig (kill_marker, kill_at_row, kill_target).
+    teacher: TeacherFaultConfig = field(default_factory=TeacherFaultConfig)
+
+
 # What stage 1 may train (ILDSection.trainable), in the order each adds to the one before.
 ILD_TRAINABLE = ("mixers", "mixers+mlp", "all")
 
@@ -393,9 +401,11 @@ class Stage1Config(_SharedSections):
 
 
 @dataclass
+@renamed(**TEACHER_FAULT_RENAMES)
 class Stage2Config(_SharedSections):
     data: DataSection = field(default_factory=lambda: DataSection(split="stage2"))
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=4e-5))
+    fault: Stage2FaultSection = field(default_factory=Stage2FaultSection)
     teacher: TeacherSection = field(default_factory=TeacherSection)
     kd: KDSection = field(default_factory=KDSection)
 

@@ -219,7 +219,7 @@ def start_teacher_pool(cfg: StageConfig):
 
     print(f"[teacher] deploying pool {cfg.teacher.pool.app_name!r} ({cfg.teacher.pool.num_replicas} replicas)",
           flush=True)
-    return start(cfg.teacher.model, cfg.teacher.pool)
+    return start(cfg.teacher.model, cfg.teacher.pool, cfg.fault.teacher)
 
 
 def worker_resources(cfg: StageConfig) -> dict[str, float]:
