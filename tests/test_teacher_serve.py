@@ -82,8 +82,8 @@ def _check(ref, rows, records, k):
 
 def test_pool_topk_equals_direct_forward_per_document(pool):
     rows = _rows(6, seed=1)
-    client = TeacherClient(pool["handle"], max_inflight_rows=4, k=8, timeout_s=60)
-    _check(pool["ref"], rows, client.topk_all(_checked(rows)), 8)
+    client = TeacherClient(pool["handle"], max_inflight_rows=4, timeout_s=60)
+    _check(pool["ref"], rows, client.topk_all(_checked(rows), 8), 8)
 
 
 def test_one_request_with_several_rows(pool):
@@ -98,8 +98,8 @@ def test_one_request_with_several_rows(pool):
 def test_batches_are_cut_by_token_budget(pool):
     # 10 rows of 20 tokens at once, plus one row bigger than the whole budget.
     rows = [make_packed_row([12, 8], VOCAB, seed=300 + i) for i in range(10)] + [make_packed_row([50, 40], VOCAB, seed=7)]
-    client = TeacherClient(pool["handle"], max_inflight_rows=11, k=4, timeout_s=60)
-    _check(pool["ref"], rows, client.topk_all(_checked(rows)), 4)
+    client = TeacherClient(pool["handle"], max_inflight_rows=11, timeout_s=60)
+    _check(pool["ref"], rows, client.topk_all(_checked(rows), 4), 4)
     infos = pool["handle"].broadcast("info").results(timeout_s=30)
     batches = [b for info in infos for b in info["batches"]]
     assert all(tokens <= BUDGET for _, tokens in batches)
@@ -118,9 +118,9 @@ def test_stream_chunks_concatenate_to_full_logits(pool, chunk, window):
 def test_replica_killed_midflight_every_row_once_in_order(pool):
     rows = _rows(12, seed=3)
     pool["marker"].write_text("armed")
-    client = TeacherClient(pool["handle"], max_inflight_rows=6, k=6, timeout_s=60, max_retries=6,
+    client = TeacherClient(pool["handle"], max_inflight_rows=6, timeout_s=60, max_retries=6,
                            retry_backoff_s=0.5)
-    records = client.topk_all(_checked(rows))
+    records = client.topk_all(_checked(rows), 6)
     # The armed replica consumed the marker and exited while rows were in flight on it.
     assert not pool["marker"].exists()
     assert client.stats.retries >= 1, client.stats
@@ -128,9 +128,9 @@ def test_replica_killed_midflight_every_row_once_in_order(pool):
 
 
 def test_user_error_comes_back_without_retries(pool):
-    client = TeacherClient(pool["handle"], k=VOCAB + 1, timeout_s=60, max_retries=3)
+    client = TeacherClient(pool["handle"], timeout_s=60, max_retries=3)
     with pytest.raises(ValueError, match="k=97"):
-        client.topk_all(_checked(_rows(1, seed=4)))
+        client.topk_all(_checked(_rows(1, seed=4)), VOCAB + 1)
     assert client.stats.retries == 0
 
 
@@ -167,16 +167,16 @@ def test_the_replica_checks_every_row_the_client_sends(pool, case, row, needle):
     IndexError). Now each row is refused in one line naming it and the field, and is not retried."""
     from hylo.pipeline.data.rows import PackedRowError
 
-    client = TeacherClient(pool["handle"], k=4, timeout_s=60, max_retries=3)
+    client = TeacherClient(pool["handle"], timeout_s=60, max_retries=3)
     with pytest.raises(PackedRowError, match=r"teacher replica: request row 0 \(row_id forged-1\): .*" + needle):
-        client.topk_all([row()])
+        client.topk_all([row()], 4)
     assert client.stats.retries == 0
     if case != "empty":  # a stream of no tokens asks nothing
         with pytest.raises(PackedRowError, match=r"teacher replica: stream row \(row_id forged-1\): .*" + needle):
             list(client.stream(row(), chunk_tokens=4))
     # the same client goes on serving good rows
     good = _rows(1, seed=9)
-    _check(pool["ref"], good, client.topk_all(_checked(good)), 4)
+    _check(pool["ref"], good, client.topk_all(_checked(good), 4), 4)
 
 
 def test_http_answers_on_localhost_only(pool):

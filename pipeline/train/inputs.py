@@ -3,9 +3,9 @@
 `check_stage_inputs(cfg)` is cheap (config files, safetensors headers, Parquet footers; no weights):
 * model.student: a HyLo checkpoint (a valid hybrid_config.json, whole .safetensors files). Stage 1
   without one: model.base's config.json with the model.convert options must give a valid HybridConfig;
-* model.base (stage 1) and the teacher (stage 2 inprocess, or serve when the driver starts the pool): a
-  model directory or asset with whole .safetensors files;
-* teacher.cache_path (offline): a teacher cache manifest, of teacher.k's k;
+* model.base (stage 1): a model directory or asset with whole .safetensors files;
+* stage 2's teacher: what its source reads (`check_inputs` of pipeline/teacher/sources: the teacher's weights
+  for inprocess, or serve when the driver starts the pool; offline: a teacher cache manifest of teacher.k's k);
 * what the config files say about teacher and student (`check_compatible_models`): the same vocabulary
   size (teacher / cache manifest / stage 1's base vs the student), the same tokens for the same ids in
   their tokenizer.json files, stage 1's base of the student's hidden size and layer count (its layer
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hylo.pipeline.config import ConfigError
+from hylo.pipeline.teacher.sources import TeacherSourceKind, source_kind
 from hylo.pipeline.train.config import StageConfig
 
 
@@ -217,26 +218,17 @@ def check_compatible_models(student: Path, other: Path | None, other_key: str, *
               flush=True)
 
 
-def _teacher_fits(cfg: StageConfig) -> None:
+def _teacher_fits(cfg: StageConfig, source: TeacherSourceKind) -> None:
+    """What the teacher source knows of its teacher (`compared_with_student`) against the student's files."""
     from hylo.pipeline.train.storage import is_uri
 
     if not cfg.model.student or cfg.stage != 2 or is_uri(cfg.model.student):
         return
-    from hylo.assets import resolve_path_or_asset
-
     student = Path(cfg.model.student).expanduser()
-    t = cfg.teacher
-    if t.source == "inprocess" or (t.source == "serve" and t.start_pool):
-        from hylo.pipeline.teacher.model import resolve_model_path
-
-        tok = resolve_path_or_asset(t.model.tokenizer, "teacher.model.tokenizer", directory=True) \
-            if t.model.tokenizer else None
-        check_compatible_models(student, resolve_model_path(t.model.path), "teacher.model.path", tokenizer=tok)
-    elif t.source == "offline":
-        from hylo.pipeline.teacher.cache import load_manifest
-
-        vocab = load_manifest(t.cache_path).get("vocab_size")
-        check_compatible_models(student, None, "teacher.cache_path", other_vocab=vocab)
+    found = source.compared_with_student(cfg.teacher)
+    if found is not None:
+        check_compatible_models(student, found.model_dir, found.key, other_vocab=found.vocab_size,
+                                tokenizer=found.tokenizer_dir)
 
 
 def check_stage_inputs(cfg: StageConfig) -> None:
@@ -258,16 +250,10 @@ def check_stage_inputs(cfg: StageConfig) -> None:
             check_compatible_models(Path(cfg.model.student).expanduser(), Path(base_dir), "model.base",
                                     same_shape=True)
     else:
-        t = cfg.teacher
-        if t.source == "inprocess" or (t.source == "serve" and t.start_pool):
-            from hylo.pipeline.teacher.model import resolve_model_path
-
-            _weights(resolve_model_path(t.model.path))
-        if t.source == "offline":
-            from hylo.pipeline.teacher.cache import load_manifest
-
-            # the cache's k is teacher.k's (the workers' reader checks it again)
-            load_manifest(t.cache_path, t.k)
-        _teacher_fits(cfg)
+        # the source's own files (the teacher's weights, the cache's manifest of teacher.k), then its teacher
+        # against the student
+        source = source_kind(cfg.teacher.source)
+        source.check_inputs(cfg.teacher)
+        _teacher_fits(cfg, source)
     if cfg.data.source == "parquet":
         _data(cfg)
