@@ -180,10 +180,11 @@ def _has_chat_template(directory: Path) -> bool:
 
 
 def check_compatible_models(student: Path, other: Path | None, other_key: str, *, other_vocab: int | None = None,
-                            tokenizer: Path | None = None, same_shape: bool = False) -> None:
+                            tokenizer: Path | None = None, same_shape: bool = False, shown: str | None = None) -> None:
     """Refuse a teacher (or stage 1's base) that cannot distil into `student`, from config files alone:
     vocabulary size, token-for-token tokenizer agreement, and with `same_shape` (layer-wise ILD: the
-    student's layers learn the base's layer outputs) hidden size and layer count."""
+    student's layers learn the base's layer outputs) hidden size and layer count. `other`: the model
+    directory `other_key` names, or None with `other_vocab` its vocabulary and `shown` what the key holds."""
     scfg = _model_config("model.student", student)
     if other is not None:
         ocfg = _model_config(other_key, other)
@@ -197,7 +198,7 @@ def check_compatible_models(student: Path, other: Path | None, other_key: str, *
                         f"model the student was converted from", other_key)
     if other_vocab is not None and other_vocab != scfg.get("vocab_size"):
         raise ConfigError(
-            f"{other_key}={str(other) if other is not None else other_key!r}: vocabulary {other_vocab} != the "
+            f"{other_key}={str(other) if other is not None else shown!r}: vocabulary {other_vocab} != the "
             f"student's {scfg.get('vocab_size')} ({student / 'config.json'}); teacher and student must share "
             f"a tokenizer", other_key)
     tok_dir = tokenizer or other
@@ -228,7 +229,7 @@ def _teacher_fits(cfg: StageConfig, source: TeacherSourceKind) -> None:
     found = source.compared_with_student(cfg.teacher)
     if found is not None:
         check_compatible_models(student, found.model_dir, found.key, other_vocab=found.vocab_size,
-                                tokenizer=found.tokenizer_dir)
+                                tokenizer=found.tokenizer_dir, shown=found.value)
 
 
 def check_stage_inputs(cfg: StageConfig) -> None:

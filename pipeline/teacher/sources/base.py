@@ -41,12 +41,13 @@ class ResourceDemand:
 class TeacherFiles:
     """What a source knows of its teacher before Ray starts, for the comparison with the student: its model
     directory (config.json, tokenizer.json), a tokenizer directory of its own, or only its vocabulary size;
-    `key`: the config key that names it."""
+    `key`: the config key that names it, `value`: what that key holds (shown in errors; default: model_dir)."""
 
     key: str
     model_dir: Path | None = None
     tokenizer_dir: Path | None = None
     vocab_size: int | None = None
+    value: str | None = None
 
 
 class TeacherSourceKind:

@@ -29,7 +29,8 @@ class OfflineSource(TeacherSourceKind):
     def compared_with_student(self, t: Any) -> TeacherFiles:
         from hylo.pipeline.teacher.cache import load_manifest
 
-        return TeacherFiles("teacher.cache_path", vocab_size=load_manifest(t.cache_path).get("vocab_size"))
+        return TeacherFiles("teacher.cache_path", vocab_size=load_manifest(t.cache_path).get("vocab_size"),
+                            value=t.cache_path)
 
     def open(self, t: Any, data_path: str | None) -> tuple[Any, int | None]:
         from hylo.pipeline.teacher.cache import TopKCacheReader
