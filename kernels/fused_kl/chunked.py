@@ -34,7 +34,13 @@ from collections.abc import Iterator
 import torch
 from hylo.kernels.backend import use_gpu_kernels
 from hylo.kernels.checks import compute_dtype
-from hylo.kernels.fused_kl.inputs import LogitsFn, Teacher, check_inputs, check_teacher_logits, reads_are_free
+from hylo.kernels.fused_kl.inputs import (
+    CheckedTeacher,
+    LogitsFn,
+    check_inputs,
+    check_teacher_logits,
+    reads_are_free,
+)
 from hylo.kernels.fused_kl.steps import (
     DenseStep,
     StepParams,
@@ -121,7 +127,7 @@ def fused_linear_kl_div(
 class _Options:
     """Non-tensor arguments of the autograd.Function (teacher tensors travel here: they get no grad)."""
 
-    teacher: Teacher
+    teacher: CheckedTeacher
     mask: torch.Tensor | None
     inv_temp: float
     reduction: str

@@ -1,6 +1,6 @@
 """The teacher: per-row top-k / logit computation, a Ray Serve pool, its client, and an offline top-k cache.
 
-* `sources.open_teacher(cfg, vocab) -> Teacher`  one object: `targets(rows, device)` yields each row's
+* `sources.open_teacher(cfg, vocab) -> BoundTeacher`  one object: `targets(rows, device)` yields each row's
   teacher arguments of `fused_linear_kl_div`, whichever source (`TeacherSource`) gives them.
 * `model.TeacherModel`  plain torch, usable in-process (documents of a packed row isolated).
 * `serve.start_teacher_pool(model_cfg, pool_cfg) -> DeploymentHandle`  the Serve pool.

@@ -81,9 +81,9 @@ def check_section(t: Any) -> None:
 
 
 def open_teacher(t: Any, student_vocab: int, data_path: str | None = None) -> Any:
-    """The teacher stage 2's `teacher` section names, bound to its targets (`protocol.Teacher`);
+    """The teacher stage 2's `teacher` section names, bound to its targets (`protocol.BoundTeacher`);
     `data_path`: the prepared data an offline cache must have been made from (None: not checked)."""
-    from hylo.pipeline.teacher.protocol import TargetSpec, Teacher, check_k_fits
+    from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec, check_k_fits
 
     spec = TargetSpec(t.k, t.form)
     source, vocab = source_kind(t.source).open(t, data_path)
@@ -92,4 +92,4 @@ def open_teacher(t: Any, student_vocab: int, data_path: str | None = None) -> An
             raise ConfigError(f"teacher vocabulary {vocab} != student vocabulary {student_vocab}: "
                               f"teacher and student must share a tokenizer")
         check_k_fits(t.k, vocab, "teacher.k")
-    return Teacher(source, spec, vocab)
+    return BoundTeacher(source, spec, vocab)
