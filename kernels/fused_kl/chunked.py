@@ -91,9 +91,8 @@ def fused_linear_kl_div(
         With k = V this is exactly the full-vocabulary loss;
       * teacher_logits_fn(i, j) -> [j - i, V] teacher logits for rows i:j (streamed; any float dtype).
     mask: [N] bool (or 0/1 ints); False rows contribute nothing.
-    temperature T: both distributions are softmax(logits / T); the loss is NOT multiplied by T^2
-      (multiply by T**2 yourself for Hinton's convention). For top-k, the k+1 bucket log-probs are
-      divided by T and renormalised.
+    temperature T: both distributions are softmax(logits / T) (the convention: README.md, "The loss").
+      For top-k, the k+1 bucket log-probs are divided by T and renormalised.
     chunk_size: rows per chunk; None picks one that bounds the chunk buffers (`auto_chunk_size`).
     Returns a scalar in fp32 (fp64 for fp64 inputs); 0 when no token is unmasked. Gradients flow to
     student_hidden and student_weight only; they are computed during this call (double backward is

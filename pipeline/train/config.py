@@ -374,9 +374,10 @@ class KDSection:
 
     kl_weight: float = 1.0
     ce_weight: float = 0.0
-    # T: both the teacher's and the student's logits are divided by T before the softmax, and the KL
-    # term is NOT multiplied by T^2 (Hinton's convention does): at T = 2 its gradient is about a quarter
-    # of T = 1's for soft logits. For Hinton's scaling set kl_weight = T^2. The CE term is at T = 1.
+    # T: both the teacher's and the student's logits are divided by T before the softmax (T goes to
+    # fused_linear_kl_div unchanged), and the KL term is NOT multiplied by T^2 (Hinton's convention is; the
+    # kernel's and F.kl_div's is not): at T = 2 its gradient is about a quarter of T = 1's for soft logits.
+    # For Hinton's scaling set kl_weight = T^2. At T = 1 the two agree. The CE term is at T = 1.
     temperature: float = 1.0
     # Tokens per chunk of the fused loss (bounds the [chunk, V] logits it materialises); None = auto.
     chunk_size: int | None = None

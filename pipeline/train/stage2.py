@@ -7,8 +7,7 @@ Design choices:
 * The student never materialises its logits: its final hidden states [T, D] and `lm_head.weight`
   [V, D] go into `fused_linear_kl_div`, which computes loss and gradients chunk by chunk. The CE term
   (when `ce_weight > 0`) is the same op against a one-hot teacher (`fused_linear_cross_entropy`).
-* `kd.temperature` T softens both distributions and the KL term is NOT multiplied by T^2 (the kernel's
-  convention; `KDSection`, kernels/fused_kl/README.md): kl_weight is the term's only factor.
+* `kd.temperature` goes to the fused KL unchanged (what it means: `KDSection`, pipeline/train/config.py).
 * The loss runs inside `KDStudent.forward` so that ZeRO-3 gathers `lm_head.weight` around it: the weight
   is registered as an external parameter of the wrapper (it is used outside `lm_head.forward`).
 * The teacher is one object (`hylo.pipeline.teacher.protocol.BoundTeacher`, from `teacher.source`: inprocess,
