@@ -154,7 +154,8 @@ def check_outputs(cfg: StageConfig) -> None:
 def check_resume_fits(cfg: StageConfig, resume: str | None) -> None:
     """Before Ray starts: the student a resume loads (model.student, which may change across a resume) has
     the parameter shapes of the checkpoint it continues (`--resume`: the newest intact one; `--resume PATH`:
-    that one). Before, a student of another width failed inside DeepSpeed's load in every worker, retried."""
+    that one), so that a student of another width stops here, not inside DeepSpeed's load in every worker
+    (where it would be retried as a fault)."""
     from hylo.pipeline.train.storage import is_uri
 
     if resume is None or not cfg.model.student or is_uri(cfg.model.student):

@@ -10,8 +10,8 @@
   size (teacher / cache manifest / stage 1's base vs the student), the same tokens for the same ids in
   their tokenizer.json files, stage 1's base of the student's hidden size and layer count (its layer
   outputs are the targets); a teacher tokenizer without the chat template the student's has is a
-  warning. A teacher of another vocabulary used to be found only after Ray started and both models
-  loaded (94 s), and then retried as if it were a fault;
+  warning. So a teacher of another vocabulary stops the run here, from config files, not after Ray
+  started and both models loaded, where its error would be retried as if it were a fault;
 * data (parquet): the manifest, its split and max_len (against data.seq_len when set), and every shard's
   Parquet footer and row count (a truncated or half-copied shard is named here; a shard corrupt inside is
   named by the reader, which verifies page checksums; shards written without them are a warning).
@@ -107,8 +107,8 @@ def _local_tokenizer(name: str) -> Path | None:
 def _data_fits_the_student(cfg: StageConfig, source: Any) -> None:
     """The rows of data.path were tokenized with the student's tokenizer: the same token for each id (the
     manifest's `token_table` fingerprint, or the tokenizer it names when that is on this machine) and no
-    token id past the student's vocabulary (the shards' footer statistics). Before, rows of another
-    tokenizer reached the workers and their error was retried as if it were a fault."""
+    token id past the student's vocabulary (the shards' footer statistics). Rows of another tokenizer stop
+    here, not in the workers, where their error would be retried as if it were a fault."""
     from hylo.pipeline.data.render import token_table_hash
 
     found = _student_tokenizer(cfg)
