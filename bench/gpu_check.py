@@ -525,7 +525,7 @@ def case_mla(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
 def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model: Any, engine: str):
     """The stage-2 task of pipeline/train/stage2.py around a random student; engine 'plain' or 'deepspeed'."""
     import torch
-    from hylo.pipeline.teacher.protocol import TargetSpec, Teacher
+    from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
     from hylo.pipeline.train.config import Stage2Config
     from hylo.pipeline.train.stage2 import KDStudent, Stage2Task
 
@@ -555,7 +555,7 @@ def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model
         o = cfg.optim
         eng = PlainEngine(module, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                           grad_clip=o.grad_clip)
-    teacher = Teacher(teacher_model, TargetSpec(cfg.teacher.k, cfg.teacher.form), hcfg.vocab_size)
+    teacher = BoundTeacher(teacher_model, TargetSpec(cfg.teacher.k, cfg.teacher.form), hcfg.vocab_size)
     # ZeRO-3 partitions the parameters: ds_numel is each one's full size
     return Stage2Task(eng, student, teacher, cfg), sum(getattr(p, "ds_numel", p.numel()) for p in params)
 

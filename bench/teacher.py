@@ -79,10 +79,10 @@ def main() -> None:
                               max_batch_tokens=2 * args.tokens),
         )
         print(f"pool start        : {time.perf_counter() - t0:.1f} s ({args.replicas} replicas)")
-        client = TeacherClient(handle, max_inflight_rows=2 * args.replicas, k=args.k, timeout_s=600)
-        client.topk_all(rows[: args.replicas])
+        client = TeacherClient(handle, max_inflight_rows=2 * args.replicas, timeout_s=600)
+        client.topk_all(rows[: args.replicas], args.k)
         t0 = time.perf_counter()
-        pooled = client.topk_all(rows)
+        pooled = client.topk_all(rows, args.k)
         t_pool = time.perf_counter() - t0
         print(f"pool ({args.replicas} replicas)  : {total / t_pool:8.0f} tokens/s ({t_pool:.2f} s); "
               f"pool/direct = {t_direct / t_pool:.2f}x")

@@ -278,14 +278,14 @@ def test_teacher_node_lost_mid_step_rows_answered_once_each_in_order(tiny, nodes
     marker = root / "teacher-kill-armed"
     steps = 6
 
-    def teacher_run(name: str, **pool) -> Path:
+    def teacher_run(name: str, **kill) -> Path:
         teacher = {"source": "serve", "k": 16,
                    "pool": {"app_name": name.replace("-", "_"), "num_replicas": 1, "num_cpus": 1,
-                            "resources": {"teacher": 1}, "port": port, **pool},
+                            "resources": {"teacher": 1}, "port": port},
                    "client": {"dtype": "float32", "max_retries": 8, "retry_backoff_s": 0.5,
                               "timeout_s": 60}}
         cfg = tiny_config(models, root / "runs", name, ray={**RAY_TRAIN, "max_failures": 0},
-                          train={"max_steps": steps}, teacher=teacher)
+                          train={"max_steps": steps}, teacher=teacher, fault={"teacher": kill})
         run(2, ["--config", str(write_config(cfg, root / f"{name}.yaml"))])
         return root / "runs" / name
 
@@ -293,7 +293,7 @@ def test_teacher_node_lost_mid_step_rows_answered_once_each_in_order(tiny, nodes
     capfd.readouterr()
     marker.write_text("armed")
     # 4 rows a step (2 workers x 2): row 15 is in step 4, with the step's other rows queued beside it
-    rd = teacher_run("teacher-loss", fail_marker=str(marker), fail_on_row=15, fail_target="node")
+    rd = teacher_run("teacher-loss", kill_marker=str(marker), kill_at_row=15, kill_target="node")
     out = capfd.readouterr().out
     assert not marker.exists() and [k for _, k in nodes.dead()] == ["teacher"]
     assert "[teacher] teacher row" in out and "sending it again" in out, out[-3000:]

@@ -68,7 +68,7 @@ def row(T: int, docs: int, seed: int) -> PackedRow:
 
 def run_step(rows, linear_type="gdn"):
     from hylo.pipeline.teacher.model import TeacherModel
-    from hylo.pipeline.teacher.protocol import TargetSpec, Teacher
+    from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
     from hylo.pipeline.train.config import Stage2Config
     from hylo.pipeline.train.plain_engine import PlainEngine
     from hylo.pipeline.train.stage2 import KDStudent, Stage2Task, train_step
@@ -84,7 +84,7 @@ def run_step(rows, linear_type="gdn"):
     student.gradient_checkpointing_enable()
     student.train()
     engine = PlainEngine(KDStudent(student, cfg), lr=1e-3, grad_accum=len(rows))
-    teacher = Teacher(TeacherModel(tiny("gdn", seed=1), dtype="float32", device="cpu"),
+    teacher = BoundTeacher(TeacherModel(tiny("gdn", seed=1), dtype="float32", device="cpu"),
                       TargetSpec(cfg.teacher.k, cfg.teacher.form))
     task = Stage2Task(engine, student, teacher, cfg)
     ctx = Solo(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32, run_dir=None,

@@ -89,7 +89,7 @@ def _check_in_order(rows, results: list[TeacherTopK]) -> None:
 def test_results_in_order_and_inflight_bounded(inflight):
     rows = _rows(12)
     h = FakeHandle()
-    res = TeacherClient(h, max_inflight_rows=inflight, retry_backoff_s=0).topk_all(rows)
+    res = TeacherClient(h, max_inflight_rows=inflight, retry_backoff_s=0).topk_all(rows, 2)
     _check_in_order(rows, res)
     assert h.max_outstanding == min(inflight, len(rows)) and h.outstanding == 0
 
@@ -101,7 +101,7 @@ def test_failures_and_timeouts_are_retried_without_drop_or_duplicate():
               (ids[9], 1): "die", (ids[9], 2): "die", (ids[9], 3): "die"}
     h = FakeHandle(script)
     client = TeacherClient(h, max_inflight_rows=4, max_retries=3, timeout_s=5.0, retry_backoff_s=0)
-    res = client.topk_all(rows)
+    res = client.topk_all(rows, 2)
     _check_in_order(rows, res)
     assert client.stats.rows == 10 and client.stats.retries == 7 and client.stats.timeouts == 2
     # Each timed-out request was cancelled before its row was resent.
@@ -114,7 +114,7 @@ def test_gives_up_after_max_retries_naming_the_row():
     rid = check_row(rows[1]).row_id
     h = FakeHandle({(rid, n): "die" for n in range(1, 10)})
     client = TeacherClient(h, max_inflight_rows=2, max_retries=2, retry_backoff_s=0)
-    it = client.topk(rows)
+    it = client.topk(rows, 2)
     next(it)
     with pytest.raises(TeacherUnavailableError, match=f"teacher row 1 \\(row_id {rid}\\) failed 3 time"):
         next(it)
@@ -124,7 +124,7 @@ def test_user_errors_are_not_retried():
     rows = _rows(2, seed=3)
     h = FakeHandle({(check_row(rows[0]).row_id, 1): "bad"})
     with pytest.raises(ValueError, match="scripted user error"):
-        TeacherClient(h, retry_backoff_s=0).topk_all(rows)
+        TeacherClient(h, retry_backoff_s=0).topk_all(rows, 2)
     assert h.attempts[check_row(rows[0]).row_id] == 1
 
 
@@ -138,7 +138,7 @@ def test_backpressure_pulls_input_lazily():
             yield r
 
     h = FakeHandle()
-    it = TeacherClient(h, max_inflight_rows=3).topk(source())
+    it = TeacherClient(h, max_inflight_rows=3).topk(source(), 2)
     next(it)
     # One result consumed: only the in-flight window has been read from the source.
     assert len(pulled) == 3

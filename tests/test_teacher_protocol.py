@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hylo.pipeline.config import ConfigError, load_config
+from hylo.pipeline.config import ConfigError, from_dict, load_config
 from hylo.pipeline.data.rows import check_row
 from hylo.pipeline.teacher.cache import CacheMismatchError, compute_shard, finalize_cache, prepare_cache
-from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherModelConfig
+from hylo.pipeline.teacher.config import (
+    CacheTeacherSection,
+    TeacherCacheConfig,
+    TeacherFaultConfig,
+    TeacherModelConfig,
+    TeacherPoolConfig,
+)
 from hylo.pipeline.teacher.protocol import TargetSpec
 from hylo.pipeline.teacher.sources import open_teacher
 from hylo.pipeline.train.config import TeacherSection, config_from_dict, config_to_dict, load_stage_config
@@ -79,6 +85,32 @@ def test_a_config_saved_before_teacher_k_reads_the_same(capsys):
         t["client"]["k"] = k if t["source"] == "serve" and k else 64
         t["client"]["chunk_tokens"] = t["model"]["logits_chunk_tokens"]
         assert config_from_dict(d) == cfg
+
+
+def test_the_pools_test_only_keys_load_from_teacher_pool_into_fault_teacher_with_a_warning(capsys, tmp_path):
+    p = tmp_path / "old.yaml"
+    p.write_text("stage2:\n  teacher:\n    source: serve\n    pool: {num_replicas: 2, fail_marker: /tmp/armed, "
+                 "fail_on_row: 5, fail_target: node}\n")
+    cfg = load_stage_config(2, p)
+    assert cfg.fault.teacher == TeacherFaultConfig(kill_marker="/tmp/armed", kill_at_row=5, kill_target="node")
+    assert cfg.teacher.pool.num_replicas == 2
+    err = capsys.readouterr().err
+    for old, new in (("fail_marker", "kill_marker"), ("fail_on_row", "kill_at_row"), ("fail_target", "kill_target")):
+        assert f"warning: config key teacher.pool.{old} is deprecated; use fault.teacher.{new}\n" in err
+    # the config a run stored before (every key, defaults too) reads as the same config
+    now = load_stage_config(2, None, ["teacher.source=serve"])
+    stored = config_to_dict(now)
+    del stored["fault"]["teacher"]
+    stored["teacher"]["pool"].update(fail_marker="", fail_on_row=1, fail_target="process")
+    assert config_from_dict(stored) == now
+    with pytest.raises(ConfigError, match="teacher.pool.fail_on_row and fault.teacher.kill_at_row are both set"):
+        load_stage_config(2, None, ["teacher.pool.fail_on_row=2", "fault.teacher.kill_at_row=2"])
+    with pytest.raises(ConfigError, match="fault.teacher.kill_target='disk': must be one of process, node"):
+        load_stage_config(2, None, ["fault.teacher.kill_target=disk"])
+    # the user-facing pool section no longer has them, and stage 1 has no teacher to kill
+    with pytest.raises(ConfigError, match="unknown key.s. fail_marker in TeacherPoolConfig"):
+        from_dict(TeacherPoolConfig, {"fail_marker": "/tmp/armed"})
+    assert "teacher" not in config_to_dict(load_stage_config(1, None, []))["fault"]
 
 
 def test_the_form_is_checked_in_one_place():

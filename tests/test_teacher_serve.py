@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 from hylo.pipeline.data.rows import PackedRow, check_row  # noqa: E402
 from hylo.pipeline.ray_init import ray_running  # noqa: E402
 from hylo.pipeline.teacher.client import TeacherClient  # noqa: E402
-from hylo.pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig  # noqa: E402
+from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig  # noqa: E402
 from hylo.pipeline.teacher.serve import start_teacher_pool  # noqa: E402
 from ray import serve  # noqa: E402
 
@@ -41,11 +41,11 @@ def pool(tmp_path_factory):
     model_dir = save_tiny_llama(d / "model", vocab_size=VOCAB)
     marker = d / "kill-armed"
     pool_cfg = TeacherPoolConfig(app_name="teacher_test", num_replicas=2, num_cpus=0.5,
-                                 max_batch_tokens=BUDGET, batch_wait_timeout_s=0.05, port=_free_port(),
-                                 fail_marker=str(marker), fail_on_row=2)
+                                 max_batch_tokens=BUDGET, batch_wait_timeout_s=0.05, port=_free_port())
     with ray_running(None, 4, log_to_driver=False):
         try:
-            handle = start_teacher_pool(TeacherModelConfig(path=str(model_dir)), pool_cfg)
+            handle = start_teacher_pool(TeacherModelConfig(path=str(model_dir)), pool_cfg,
+                                        TeacherFaultConfig(kill_marker=str(marker), kill_at_row=2))
             from transformers import AutoModelForCausalLM
 
             ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -82,8 +82,8 @@ def _check(ref, rows, records, k):
 
 def test_pool_topk_equals_direct_forward_per_document(pool):
     rows = _rows(6, seed=1)
-    client = TeacherClient(pool["handle"], max_inflight_rows=4, k=8, timeout_s=60)
-    _check(pool["ref"], rows, client.topk_all(_checked(rows)), 8)
+    client = TeacherClient(pool["handle"], max_inflight_rows=4, timeout_s=60)
+    _check(pool["ref"], rows, client.topk_all(_checked(rows), 8), 8)
 
 
 def test_one_request_with_several_rows(pool):
@@ -98,8 +98,8 @@ def test_one_request_with_several_rows(pool):
 def test_batches_are_cut_by_token_budget(pool):
     # 10 rows of 20 tokens at once, plus one row bigger than the whole budget.
     rows = [make_packed_row([12, 8], VOCAB, seed=300 + i) for i in range(10)] + [make_packed_row([50, 40], VOCAB, seed=7)]
-    client = TeacherClient(pool["handle"], max_inflight_rows=11, k=4, timeout_s=60)
-    _check(pool["ref"], rows, client.topk_all(_checked(rows)), 4)
+    client = TeacherClient(pool["handle"], max_inflight_rows=11, timeout_s=60)
+    _check(pool["ref"], rows, client.topk_all(_checked(rows), 4), 4)
     infos = pool["handle"].broadcast("info").results(timeout_s=30)
     batches = [b for info in infos for b in info["batches"]]
     assert all(tokens <= BUDGET for _, tokens in batches)
@@ -118,9 +118,9 @@ def test_stream_chunks_concatenate_to_full_logits(pool, chunk, window):
 def test_replica_killed_midflight_every_row_once_in_order(pool):
     rows = _rows(12, seed=3)
     pool["marker"].write_text("armed")
-    client = TeacherClient(pool["handle"], max_inflight_rows=6, k=6, timeout_s=60, max_retries=6,
+    client = TeacherClient(pool["handle"], max_inflight_rows=6, timeout_s=60, max_retries=6,
                            retry_backoff_s=0.5)
-    records = client.topk_all(_checked(rows))
+    records = client.topk_all(_checked(rows), 6)
     # The armed replica consumed the marker and exited while rows were in flight on it.
     assert not pool["marker"].exists()
     assert client.stats.retries >= 1, client.stats
@@ -128,9 +128,9 @@ def test_replica_killed_midflight_every_row_once_in_order(pool):
 
 
 def test_user_error_comes_back_without_retries(pool):
-    client = TeacherClient(pool["handle"], k=VOCAB + 1, timeout_s=60, max_retries=3)
+    client = TeacherClient(pool["handle"], timeout_s=60, max_retries=3)
     with pytest.raises(ValueError, match="k=97"):
-        client.topk_all(_checked(_rows(1, seed=4)))
+        client.topk_all(_checked(_rows(1, seed=4)), VOCAB + 1)
     assert client.stats.retries == 0
 
 
@@ -162,21 +162,21 @@ def _forged(ids, cu, host=None, dtype=torch.int64) -> PackedRow:
     ("empty", lambda: _forged([], [0]), r"'input_ids' is empty"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_the_replica_checks_every_row_the_client_sends(pool, case, row, needle):
-    """Issue 29: the replica's row check returned a PackedRow unchecked, and the client sends PackedRows, so
-    it never ran on real traffic (bad boundaries gave silently wrong or uninitialised values; bad ids a raw
-    IndexError). Now each row is refused in one line naming it and the field, and is not retried."""
+    """The replica checks every row it receives, PackedRows included (what the client sends): a forged row
+    (bad boundaries would give silently wrong or uninitialised values, bad ids a raw IndexError) is refused
+    in one line naming it and the field, and is not retried."""
     from hylo.pipeline.data.rows import PackedRowError
 
-    client = TeacherClient(pool["handle"], k=4, timeout_s=60, max_retries=3)
+    client = TeacherClient(pool["handle"], timeout_s=60, max_retries=3)
     with pytest.raises(PackedRowError, match=r"teacher replica: request row 0 \(row_id forged-1\): .*" + needle):
-        client.topk_all([row()])
+        client.topk_all([row()], 4)
     assert client.stats.retries == 0
     if case != "empty":  # a stream of no tokens asks nothing
         with pytest.raises(PackedRowError, match=r"teacher replica: stream row \(row_id forged-1\): .*" + needle):
             list(client.stream(row(), chunk_tokens=4))
     # the same client goes on serving good rows
     good = _rows(1, seed=9)
-    _check(pool["ref"], good, client.topk_all(_checked(good)), 4)
+    _check(pool["ref"], good, client.topk_all(_checked(good), 4), 4)
 
 
 def test_http_answers_on_localhost_only(pool):

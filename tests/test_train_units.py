@@ -471,7 +471,7 @@ def test_teacher_sources_give_the_same_targets(tmp_path):
     from hylo.pipeline.teacher.client import TeacherClient
     from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherModelConfig
     from hylo.pipeline.teacher.model import TeacherModel
-    from hylo.pipeline.teacher.protocol import TargetSpec, Teacher
+    from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
     from hylo.pipeline.teacher.sources import open_teacher
     from hylo.pipeline.train.config import TeacherSection
 
@@ -503,7 +503,7 @@ def test_teacher_sources_give_the_same_targets(tmp_path):
     teachers = {
         "inprocess": open_teacher(TeacherSection(k=8, model=model_cfg), 50),
         "offline": open_teacher(TeacherSection(source="offline", k=8, cache_path=cache_cfg.out), 50, str(data_dir)),
-        "serve": Teacher(TeacherClient(pool, dtype="float16"), TargetSpec(8, "topk")),
+        "serve": BoundTeacher(TeacherClient(pool, dtype="float16"), TargetSpec(8, "topk")),
     }
     got = {name: list(t.targets(batch, cpu)) for name, t in teachers.items()}
     for i in range(len(batch)):

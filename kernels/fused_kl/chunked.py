@@ -34,7 +34,13 @@ from collections.abc import Iterator
 import torch
 from hylo.kernels.backend import use_gpu_kernels
 from hylo.kernels.checks import compute_dtype
-from hylo.kernels.fused_kl.inputs import LogitsFn, Teacher, check_inputs, check_teacher_logits, reads_are_free
+from hylo.kernels.fused_kl.inputs import (
+    CheckedTeacher,
+    LogitsFn,
+    check_inputs,
+    check_teacher_logits,
+    reads_are_free,
+)
 from hylo.kernels.fused_kl.steps import (
     DenseStep,
     StepParams,
@@ -85,9 +91,8 @@ def fused_linear_kl_div(
         With k = V this is exactly the full-vocabulary loss;
       * teacher_logits_fn(i, j) -> [j - i, V] teacher logits for rows i:j (streamed; any float dtype).
     mask: [N] bool (or 0/1 ints); False rows contribute nothing.
-    temperature T: both distributions are softmax(logits / T); the loss is NOT multiplied by T^2
-      (multiply by T**2 yourself for Hinton's convention). For top-k, the k+1 bucket log-probs are
-      divided by T and renormalised.
+    temperature T: both distributions are softmax(logits / T) (the convention: README.md, "The loss").
+      For top-k, the k+1 bucket log-probs are divided by T and renormalised.
     chunk_size: rows per chunk; None picks one that bounds the chunk buffers (`auto_chunk_size`).
     Returns a scalar in fp32 (fp64 for fp64 inputs); 0 when no token is unmasked. Gradients flow to
     student_hidden and student_weight only; they are computed during this call (double backward is
@@ -121,7 +126,7 @@ def fused_linear_kl_div(
 class _Options:
     """Non-tensor arguments of the autograd.Function (teacher tensors travel here: they get no grad)."""
 
-    teacher: Teacher
+    teacher: CheckedTeacher
     mask: torch.Tensor | None
     inv_temp: float
     reduction: str

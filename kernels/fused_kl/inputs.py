@@ -32,8 +32,9 @@ LogitsFn = Callable[[int, int], torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
-class Teacher:
-    """Exactly one teacher form, already checked. `kind` is 'hidden', 'topk' or 'logits_fn'."""
+class CheckedTeacher:
+    """The teacher arguments of one `fused_linear_kl_div` call, checked: exactly one form, `kind` 'hidden', 'topk'
+    or 'logits_fn'."""
 
     kind: str
     hidden_NH: torch.Tensor | None = None
@@ -136,7 +137,7 @@ def check_inputs(
     temperature: float,
     reduction: str,
     chunk_size: int | None,
-) -> tuple[Teacher, torch.Tensor | None]:
+) -> tuple[CheckedTeacher, torch.Tensor | None]:
     """Validate everything; return the teacher spec and the mask as a bool tensor (or None)."""
     device = _check_linear(where, "student", "H", student_hidden, student_weight)
     n_tokens, vocab = student_hidden.shape[0], student_weight.shape[0]
@@ -169,11 +170,11 @@ def check_inputs(
     if given[0] == "teacher_hidden/teacher_weight":
         teacher = _check_hidden_teacher(where, teacher_hidden, teacher_weight, n_tokens, vocab, device)
     elif given[0] == "teacher_topk":
-        teacher = Teacher("topk", topk=_check_topk(where, teacher_topk, n_tokens, vocab, device))
+        teacher = CheckedTeacher("topk", topk=_check_topk(where, teacher_topk, n_tokens, vocab, device))
     else:
         if not callable(teacher_logits_fn):
             _fail(where, f"teacher_logits_fn must be callable(i, j) -> [j - i, V], got {teacher_logits_fn!r}")
-        teacher = Teacher("logits_fn", logits_fn=teacher_logits_fn)
+        teacher = CheckedTeacher("logits_fn", logits_fn=teacher_logits_fn)
 
     return teacher, _check_mask(where, mask, n_tokens, device)
 
@@ -213,7 +214,7 @@ def _check_hidden_teacher(
     n_tokens: int,
     vocab: int,
     device: torch.device,
-) -> Teacher:
+) -> CheckedTeacher:
     if teacher_hidden is None or teacher_weight is None:
         missing = "teacher_weight" if teacher_weight is None else "teacher_hidden"
         _fail(where, f"{missing} is required together with the other (hidden-state teacher)")
@@ -233,7 +234,7 @@ def _check_hidden_teacher(
             _fail(where, f"{name} contains NaN or inf")
         if x is teacher_weight:
             _remember_checked(x)
-    return Teacher("hidden", hidden_NH=teacher_hidden.detach(), weight_VH=teacher_weight.detach())
+    return CheckedTeacher("hidden", hidden_NH=teacher_hidden.detach(), weight_VH=teacher_weight.detach())
 
 
 def _check_topk(

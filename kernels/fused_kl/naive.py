@@ -4,7 +4,7 @@ They stand alone (nothing of the fast path is imported, inputs are taken as give
 so that the tests compare two independent computations. `naive_kl_div` is what published
 distillation code does (`F.kl_div(log_softmax(s), softmax(t), 'batchmean')`), with these deliberate
 differences (README.md): `mask` drops tokens and "mean" divides by the unmasked ones; temperature T
-divides both logits and the loss is NOT multiplied by T^2; logits are fp32 (fp64 for fp64 inputs);
+divides both logits (its convention: README.md, "The loss"); logits are fp32 (fp64 for fp64 inputs);
 a top-k teacher is a distribution over its k ids plus, with a tail, one bucket for everything else.
 
 Legend: N tokens, H student hidden, H' teacher hidden, V vocabulary, k top-k width, B buckets.

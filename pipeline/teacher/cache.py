@@ -26,7 +26,7 @@ Design choices:
   verification on (`rowfile.PAGE_CHECKSUMS`): a changed byte is an error naming the shard and row group,
   never a changed teacher distribution (a cache written before carries none and reads unverified).
 * Row ids are the data's `row_id` column when present, else a content hash of the row
-  (`hylo.kernels.varlen.PackedRow.row_id`), so `get_for_row(row)` also proves the row is the same data.
+  (`hylo.pipeline.data.rows.PackedRow.row_id`), so `get_for_row(row)` also proves the row is the same data.
 """
 
 from __future__ import annotations

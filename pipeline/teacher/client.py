@@ -74,28 +74,27 @@ def _topk_from_wire(out: Mapping[str, torch.Tensor]) -> TeacherTopK:
 
 
 class TeacherClient:
-    def __init__(self, handle_or_app_name: Any, k: int = 64, cfg: TeacherClientConfig | None = None,
-                 chunk_tokens: int = 1024, **settings: Any) -> None:
-        """`k`: the top-k width asked for (teacher.k); `chunk_tokens`: tokens per streamed logits chunk
-        (teacher.model.logits_chunk_tokens); `cfg` and/or `settings`: TeacherClientConfig's fields
-        (in-flight rows, timeout, retries, wire dtype, windows), checked by its rules."""
+    def __init__(self, handle_or_app_name: Any, cfg: TeacherClientConfig | None = None, chunk_tokens: int = 1024,
+                 **settings: Any) -> None:
+        """`chunk_tokens`: tokens per streamed logits chunk (teacher.model.logits_chunk_tokens); `cfg` and/or
+        `settings`: TeacherClientConfig's fields (in-flight rows, timeout, retries, wire dtype, windows), checked
+        by its rules. The top-k width is the caller's, per request (`topk(rows, k)`; stage 2: teacher.k)."""
         if isinstance(handle_or_app_name, str):
             from ray import serve
 
             handle_or_app_name = serve.get_app_handle(handle_or_app_name)
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
-        self.handle, self.k, self.chunk_tokens = handle_or_app_name, k, chunk_tokens
+        self.handle, self.chunk_tokens = handle_or_app_name, chunk_tokens
         self.cfg = dataclasses.replace(cfg or TeacherClientConfig(), **settings)
         self.stats = ClientStats()
         self._retryable = _retryable_errors()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def from_config(cls, handle_or_app_name: Any, cfg: TeacherClientConfig, k: int, chunk_tokens: int) -> TeacherClient:
-        """`k`: stage 2's teacher.k (0 = the exact teacher, streamed); `chunk_tokens`: its model's
-        logits_chunk_tokens."""
-        return cls(handle_or_app_name, k, cfg, chunk_tokens)
+    def from_config(cls, handle_or_app_name: Any, cfg: TeacherClientConfig, chunk_tokens: int) -> TeacherClient:
+        """`cfg`: stage 2's teacher.client; `chunk_tokens`: its teacher.model.logits_chunk_tokens."""
+        return cls(handle_or_app_name, cfg, chunk_tokens)
 
     def targets(self, rows: Sequence[PackedRow], spec: TargetSpec) -> Iterator[dict[str, Any]]:
         """The fused KL's teacher arguments of each row (protocol.TeacherSource): a step's top-k requests
@@ -144,10 +143,8 @@ class TeacherClient:
                                    f"sent {p.row.num_tokens}")
             return rec
 
-    def topk(self, rows: Iterable[PackedRow], k: int | None = None) -> Iterator[TeacherTopK]:
-        """Top-k records of (checked) `rows`, in order, with at most `max_inflight_rows` outstanding;
-        `k`: None = the client's."""
-        k = k or self.k
+    def topk(self, rows: Iterable[PackedRow], k: int) -> Iterator[TeacherTopK]:
+        """Top-k records of width `k` of (checked) `rows`, in order, with at most `max_inflight_rows` outstanding."""
         inflight: deque[_Pending] = deque()
         source = iter(enumerate(rows))
         exhausted = False
@@ -171,8 +168,8 @@ class TeacherClient:
             for p in inflight:
                 p.response.cancel()
 
-    def topk_all(self, rows: Iterable[PackedRow]) -> list[TeacherTopK]:
-        return list(self.topk(rows))
+    def topk_all(self, rows: Iterable[PackedRow], k: int) -> list[TeacherTopK]:
+        return list(self.topk(rows, k))
 
     # ---------------------------------------------------------------- stream
     def _next_chunk(self, gen: Any, timeout_s: float) -> torch.Tensor | None:

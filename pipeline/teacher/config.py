@@ -1,10 +1,11 @@
 """Teacher configuration: the model, the Serve pool, the client, and the offline top-k cache job.
 
 All sections are plain dataclasses loaded through `hylo.pipeline.config` (YAML + `--set a.b=c`, unknown
-keys rejected); each field's range or choices is declared once in its class's `@rules`. What the
-teacher gives (`k`, 0 = exact, and the exact form) is checked in one place, `target_form`; the old
-spellings of the width (`teacher.top_k`, `teacher.client.k` + `teacher.mode`, the cache job's `k`) load
-through `TEACHER_RENAMES` / `@renamed` with a warning naming `teacher.k`.
+keys rejected); each field's range or choices is declared once in its class's `@rules`. Stage 2's
+`teacher` section itself (`TeacherSection`, pipeline/train/config.py) is checked by the source it names
+(pipeline/teacher/sources); the old spellings of the width (`teacher.top_k`, `teacher.client.k` +
+`teacher.mode`, the cache job's `k`) load through `TEACHER_RENAMES` / `@renamed` with a warning naming
+`teacher.k`.
 Defaults are sized for this 2-core CPU machine; on a cluster set `pool.num_gpus: 1` and
 `model.device: cuda`.
 """
@@ -36,26 +37,17 @@ ISOLATIONS = ("auto", "per_doc", "packed")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_TEACHER = "asset:smollm2-135m-instruct"
 TOPK_DTYPES = ("float16", "bfloat16", "float32")
-TEACHER_SOURCES = ("inprocess", "serve", "offline")
 # The exact teacher (k = 0): hidden = its hidden states + lm_head go into the fused KL (in-process only);
-# logits = its full-vocabulary logits streamed chunk by chunk; auto = hidden in-process, logits from the pool.
+# logits = its full-vocabulary logits streamed chunk by chunk; auto = the source's own choice (hidden in-process,
+# logits from the pool). Which source gives which: pipeline/teacher/sources.
 EXACT_FORMS = ("auto", "hidden", "logits")
 
 
-def target_form(source: str, k: int, exact_form: str = "auto") -> str:
-    """What the teacher gives the fused KL: "topk" (k > 0), "hidden" or "logits" (k = 0, the full
-    vocabulary). The one check of the width against the source; raises FieldError naming the key."""
-    if source == "offline" and k == 0:
+def check_cache_k(k: int) -> None:
+    """The width of a top-k cache's records (the cache job's and the offline source's): FieldError naming `k`."""
+    if k == 0:
         raise FieldError("k", k, "the offline cache holds top-k records: set k to the cache's k (0 is the exact "
                                  "teacher, which a top-k cache cannot give)")
-    if k > 0:
-        if exact_form != "auto":
-            raise FieldError("exact_form", exact_form, f"applies to the exact teacher (k: 0) only, k is {k}")
-        return "topk"
-    if exact_form == "hidden" and source != "inprocess":
-        raise FieldError("exact_form", exact_form, f"needs source inprocess (the teacher's lm_head on the trainer); "
-                                                   f"the {source} teacher streams logits")
-    return "logits" if exact_form == "logits" or source != "inprocess" else "hidden"
 
 
 def _k_of_top_k(top_k: Any, t: dict[str, Any]) -> Any:
@@ -89,6 +81,10 @@ def _chunk_of_client(c: Any, t: dict[str, Any]) -> Any:
 TEACHER_RENAMES: dict[str, Any] = {"top_k": ("k", _k_of_top_k), "client.k": ("k", _k_of_client_k),
                                    "mode": ("k", _k_of_mode),
                                    "client.chunk_tokens": ("model.logits_chunk_tokens", _chunk_of_client)}
+# Old spellings of the pool's test-only fault keys, in stage 2's config (they sat in teacher.pool).
+TEACHER_FAULT_RENAMES: dict[str, str] = {"teacher.pool.fail_marker": "fault.teacher.kill_marker",
+                                         "teacher.pool.fail_on_row": "fault.teacher.kill_at_row",
+                                         "teacher.pool.fail_target": "fault.teacher.kill_target"}
 
 
 @dataclass
@@ -118,8 +114,7 @@ class TeacherModelConfig:
 @dataclass
 @rules(app_name=NONEMPTY, num_replicas=at_least(1), num_cpus=at_least(0), num_gpus=at_least(0),
        max_batch_tokens=at_least(1), batch_wait_timeout_s=at_least(0), max_ongoing_requests=at_least(1),
-       stream_sessions=at_least(1), host=NONEMPTY, port=PORT, fail_on_row=at_least(1),
-       resources=each(at_least(0)), fail_target=one_of("process", "node"))
+       stream_sessions=at_least(1), host=NONEMPTY, port=PORT, resources=each(at_least(0)))
 class TeacherPoolConfig:
     app_name: str = "teacher"
     num_replicas: int = 1
@@ -137,12 +132,19 @@ class TeacherPoolConfig:
     stream_sessions: int = 2
     host: str = "127.0.0.1"
     port: int = 8000
-    # Test only: while the file `fail_marker` exists, a replica counts its rows and on the Nth one
-    # deletes the file (so exactly one replica dies per arming) and exits its process.
-    fail_marker: str = ""
-    fail_on_row: int = 1
-    # Test only: what dies then: the replica's process, or its whole Ray node (raylet and all).
-    fail_target: str = "process"
+
+
+@dataclass
+@rules(kill_at_row=at_least(1), kill_target=one_of("process", "node"))
+class TeacherFaultConfig:
+    """Fault injection for the teacher pool's recovery tests (stage 2's `fault.teacher`): while the file
+    `kill_marker` exists, a replica counts the rows it receives and on the `kill_at_row`-th one deletes the
+    file (so exactly one replica dies per arming) and ends its process, or its whole Ray node."""
+
+    kill_marker: str = ""
+    kill_at_row: int = 1
+    # process: the replica's process; node: its Ray node (raylet and all), as when a machine vanishes.
+    kill_target: str = "process"
 
 
 @dataclass
@@ -173,7 +175,7 @@ class CacheTeacherSection:
     model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
 
     def __post_init__(self) -> None:
-        target_form("offline", self.k)
+        check_cache_k(self.k)
 
 
 @dataclass

@@ -10,12 +10,13 @@ Design choices:
     hidden {"teacher_hidden": [T, H'], "teacher_weight": [V, H']}     (the exact teacher, in-process)
     logits {"teacher_logits_fn": StreamedLogits}   full-vocabulary chunks [C, V], pulled in order
 * What is asked for is a `TargetSpec` (k, form) resolved once from the config (`target_form` in
-  teacher/config.py); a source refuses a form it cannot give (a config check makes that unreachable).
+  teacher/sources, from what each source says it gives); a source refuses a form it cannot give (the
+  config check makes that unreachable).
 * Rows reaching a source in-process are checked `PackedRow`s (the reader checked them); only the pool's
   server checks rows again, since it receives them over the network: every row of every request, whatever
   its type (the client sends `PackedRow`s; `check_row(received=True)`), ids against its vocabulary.
-* `Teacher` (built by `sources.open_teacher` from stage 2's `teacher` section) binds a source to its spec and
-  places each row's targets on the trainer's device; the step zips rows and targets.
+* `BoundTeacher` (built by `sources.open_teacher` from stage 2's `teacher` section) binds a source to its spec
+  and places each row's targets on the trainer's device; the step zips rows and targets.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def place(targets: dict[str, Any], device: torch.device | str) -> dict[str, Any]
 
 
 @dataclass
-class Teacher:
+class BoundTeacher:
     """A source bound to what stage 2 asks of it: `targets(rows, device)` yields one row's targets at a time."""
 
     source: TeacherSource

@@ -16,9 +16,9 @@ Design choices:
   chunks at a time; the replica keeps the row's hidden states [T, H] in a small LRU of sessions
   (a `serve.multiplexed` loader keyed by the session id, which also steers the next window to the
   same replica). A window that lands elsewhere recomputes the hidden states: slower, still exact.
-* Test hook: while `fail_marker` exists, the first replica to reach `fail_on_row` rows deletes it
-  and exits its process (or kills its whole Ray node: `fail_target: node`), to exercise the client's
-  retries against a real replica death.
+* Test hook (`TeacherFaultConfig`, stage 2's `fault.teacher`): while `kill_marker` exists, the first
+  replica to reach `kill_at_row` rows deletes it and exits its process (or kills its whole Ray node:
+  `kill_target: node`), to exercise the client's retries against a real replica death.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from hylo.pipeline.config import from_dict, to_dict
 from hylo.pipeline.data.rows import PackedRow, check_row
-from hylo.pipeline.teacher.config import TeacherModelConfig, TeacherPoolConfig
+from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig
 from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
 from ray import serve
 
@@ -64,9 +64,10 @@ class _Session:
 
 @serve.deployment
 class TeacherDeployment:
-    def __init__(self, model_cfg: dict[str, Any], pool_cfg: dict[str, Any]) -> None:
+    def __init__(self, model_cfg: dict[str, Any], pool_cfg: dict[str, Any], fault_cfg: dict[str, Any]) -> None:
         self.model_cfg = from_dict(TeacherModelConfig, model_cfg)
         self.pool_cfg = from_dict(TeacherPoolConfig, pool_cfg)
+        self.fault_cfg = from_dict(TeacherFaultConfig, fault_cfg)
         self.teacher = TeacherModel.from_config(self.model_cfg)
         logging.getLogger("ray.serve").addFilter(_TokenBudgetWarningFilter())
         self._hidden_batched.set_max_batch_size(self.pool_cfg.max_batch_tokens)
@@ -90,17 +91,17 @@ class TeacherDeployment:
                 "max_batch_tokens": self.pool_cfg.max_batch_tokens, "batches": list(self.batch_log)}
 
     def _maybe_fail(self) -> None:
-        marker = self.pool_cfg.fail_marker
+        marker = self.fault_cfg.kill_marker
         if not marker or not os.path.exists(marker):
             return
         self.armed_rows += 1
-        if self.armed_rows < self.pool_cfg.fail_on_row:
+        if self.armed_rows < self.fault_cfg.kill_at_row:
             return
         try:
             os.remove(marker)
         except FileNotFoundError:
             return
-        if self.pool_cfg.fail_target == "node":
+        if self.fault_cfg.kill_target == "node":
             from hylo.pipeline.ray_init import kill_this_node
 
             # the replica's whole node goes, with the requests queued on it
@@ -174,7 +175,8 @@ class TeacherDeployment:
         return lg.to("cpu", dt) if dt is not None else lg.cpu()
 
 
-def build_teacher_app(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfig) -> serve.Application:
+def build_teacher_app(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfig,
+                      fault_cfg: TeacherFaultConfig | None = None) -> serve.Application:
     dep = TeacherDeployment.options(
         name=f"{pool_cfg.app_name}_teacher",
         num_replicas=pool_cfg.num_replicas,
@@ -182,16 +184,18 @@ def build_teacher_app(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfig
         ray_actor_options={"num_cpus": pool_cfg.num_cpus, "num_gpus": pool_cfg.num_gpus,
                            "resources": dict(pool_cfg.resources or {})},
     )
-    return dep.bind(to_dict(model_cfg), to_dict(pool_cfg))
+    return dep.bind(to_dict(model_cfg), to_dict(pool_cfg), to_dict(fault_cfg or TeacherFaultConfig()))
 
 
-def start_teacher_pool(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfig) -> serve.handle.DeploymentHandle:
+def start_teacher_pool(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfig,
+                       fault_cfg: TeacherFaultConfig | None = None) -> serve.handle.DeploymentHandle:
     """Start Serve (HTTP on pool.host, 127.0.0.1 by default) and deploy the pool; returns its handle.
+    `fault_cfg`: the test hook (None: off).
 
     Needs a running Ray (`ray.init(...)`); the caller owns `serve.shutdown()`.
     """
     # One HTTP proxy, on the head: it only answers `GET /<app>` (rows go through handles), and proxies on
     # every node would each bind pool.port (twice on one machine, when a cluster is simulated there).
     serve.start(proxy_location="HeadOnly", http_options={"host": pool_cfg.host, "port": pool_cfg.port})
-    return serve.run(build_teacher_app(model_cfg, pool_cfg), name=pool_cfg.app_name,
+    return serve.run(build_teacher_app(model_cfg, pool_cfg, fault_cfg), name=pool_cfg.app_name,
                      route_prefix=f"/{pool_cfg.app_name}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from hylo.pipeline.config import (
     ConfigError,
     FieldError,
     RayInitSection,
+    Rule,
     above,
     at_least,
     between,
@@ -47,12 +49,12 @@ from hylo.pipeline.config import (
 from hylo.pipeline.data.config import SPLITS
 from hylo.pipeline.teacher.config import (
     EXACT_FORMS,
+    TEACHER_FAULT_RENAMES,
     TEACHER_RENAMES,
-    TEACHER_SOURCES,
     TeacherClientConfig,
+    TeacherFaultConfig,
     TeacherModelConfig,
     TeacherPoolConfig,
-    target_form,
 )
 
 from hylo.upcycle.config import ConvertConfig
@@ -274,6 +276,12 @@ class FaultSection:
     kill_target: str = "worker"
 
 
+@dataclass
+class Stage2FaultSection(FaultSection):
+    # A teacher pool replica (teacher.source: serve): TeacherFaultConfig (kill_marker, kill_at_row, kill_target).
+    teacher: TeacherFaultConfig = field(default_factory=TeacherFaultConfig)
+
+
 # What stage 1 may train (ILDSection.trainable), in the order each adds to the one before.
 ILD_TRAINABLE = ("mixers", "mixers+mlp", "all")
 
@@ -301,11 +309,32 @@ class ILDSection:
             raise FieldError("mixer_weight", self.mixer_weight, "output_weight and mixer_weight are both 0: no loss to train on")
 
 
+class _RegisteredSources:
+    """The choices of `teacher.source`: the names in the teacher source registry (pipeline/teacher/sources), read
+    when a value is checked, so that importing this module imports no source."""
+
+    @staticmethod
+    def _names() -> tuple[str, ...]:
+        from hylo.pipeline.teacher.sources import source_names
+
+        return source_names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
 @dataclass
 @renamed(**TEACHER_RENAMES)
-@rules(source=one_of(*TEACHER_SOURCES), k=at_least(0), exact_form=one_of(*EXACT_FORMS), cache_path=PATH)
+@rules(source=Rule(choices=_RegisteredSources()), k=at_least(0), exact_form=one_of(*EXACT_FORMS), cache_path=PATH)  # type: ignore[arg-type]
 class TeacherSection:
-    # inprocess: a (small) teacher on every worker; serve: the Ray Serve pool; offline: top-k cache.
+    # Where the targets come from: a source of pipeline/teacher/sources. inprocess: a (small) teacher on every
+    # worker; serve: the Ray Serve pool; offline: a top-k cache.
     source: str = "inprocess"
     # Width of the teacher's targets: k > 0 = its top-k log-probabilities plus the tail mass; 0 = exact, the
     # full vocabulary (inprocess or serve; offline needs the cache's k). (Old keys: top_k, client.k + mode.)
@@ -325,14 +354,16 @@ class TeacherSection:
     cache_path: str | None = None
 
     def __post_init__(self) -> None:
-        if self.source == "offline" and not self.cache_path:
-            raise FieldError("cache_path", self.cache_path, "teacher.source=offline needs teacher.cache_path")
-        target_form(self.source, self.k, self.exact_form)
+        from hylo.pipeline.teacher.sources import check_section
+
+        check_section(self)
 
     @property
     def form(self) -> str:
-        """topk, hidden or logits (`target_form`)."""
-        return target_form(self.source, self.k, self.exact_form)
+        """topk, hidden or logits (`target_form` of pipeline/teacher/sources)."""
+        from hylo.pipeline.teacher.sources import target_form
+
+        return target_form(self)
 
 
 @dataclass
@@ -343,9 +374,10 @@ class KDSection:
 
     kl_weight: float = 1.0
     ce_weight: float = 0.0
-    # T: both the teacher's and the student's logits are divided by T before the softmax, and the KL
-    # term is NOT multiplied by T^2 (Hinton's convention does): at T = 2 its gradient is about a quarter
-    # of T = 1's for soft logits. For Hinton's scaling set kl_weight = T^2. The CE term is at T = 1.
+    # T: both the teacher's and the student's logits are divided by T before the softmax (T goes to
+    # fused_linear_kl_div unchanged), and the KL term is NOT multiplied by T^2 (Hinton's convention is; the
+    # kernel's and F.kl_div's is not): at T = 2 its gradient is about a quarter of T = 1's for soft logits.
+    # For Hinton's scaling set kl_weight = T^2. At T = 1 the two agree. The CE term is at T = 1.
     temperature: float = 1.0
     # Tokens per chunk of the fused loss (bounds the [chunk, V] logits it materialises); None = auto.
     chunk_size: int | None = None
@@ -393,9 +425,11 @@ class Stage1Config(_SharedSections):
 
 
 @dataclass
+@renamed(**TEACHER_FAULT_RENAMES)
 class Stage2Config(_SharedSections):
     data: DataSection = field(default_factory=lambda: DataSection(split="stage2"))
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=4e-5))
+    fault: Stage2FaultSection = field(default_factory=Stage2FaultSection)
     teacher: TeacherSection = field(default_factory=TeacherSection)
     kd: KDSection = field(default_factory=KDSection)
 

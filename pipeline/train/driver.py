@@ -29,10 +29,12 @@ Design choices:
   one this launch wrote whose manifest and checksums verify; never Ray's own record, which lags behind),
   `ray.max_failures` times; the same limit bounds Ray's retries of starting the worker group (under torchrun,
   `--max-restarts N` relaunches ranks, which then resume the same way).
-* The Ray resources the run needs (train workers, plus the teacher pool it deploys) are checked
-  against the cluster before anything starts: a run that can never be scheduled fails at once.
+* The Ray resources the run needs (train workers, plus what stage 2's teacher source deploys: the Serve
+  pool) are checked against the cluster before anything starts: a run that can never be scheduled fails
+  at once.
 * Stage 1 converts the base model first when `model.student` is unset and `model.convert` is given.
-* Stage 2 with `teacher.source: serve` and `teacher.start_pool: true` deploys the teacher pool first.
+* Stage 2 starts what its teacher source needs first (pipeline/teacher/sources: the Serve pool of
+  `teacher.source: serve` with `teacher.start_pool: true`), and stops it at the end.
 * SIGTERM to the driver (a preemption) asks the workers for a final checkpoint within
   `checkpoint.preempt_grace_s` (loop.py), then the job exits with status 143 and one line naming the
   checkpoint `--resume` continues from; a second SIGTERM stops at once.
@@ -52,13 +54,15 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from hylo.pipeline.config import ConfigError, add_config_args, maybe_print_config
 from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.ray_init import init_ray, torch_extensions_dir
+from hylo.pipeline.teacher.sources import source_kind
+from hylo.pipeline.teacher.sources.base import ResourceDemand
 from hylo.pipeline.train import checkpoint as ckpt_lib
 from hylo.pipeline.train.config import StageConfig, config_to_dict, load_stage_config
 from hylo.pipeline.train.inputs import check_stage_inputs
@@ -150,7 +154,8 @@ def check_outputs(cfg: StageConfig) -> None:
 def check_resume_fits(cfg: StageConfig, resume: str | None) -> None:
     """Before Ray starts: the student a resume loads (model.student, which may change across a resume) has
     the parameter shapes of the checkpoint it continues (`--resume`: the newest intact one; `--resume PATH`:
-    that one). Before, a student of another width failed inside DeepSpeed's load in every worker, retried."""
+    that one), so that a student of another width stops here, not inside DeepSpeed's load in every worker
+    (where it would be retried as a fault)."""
     from hylo.pipeline.train.storage import is_uri
 
     if resume is None or not cfg.model.student or is_uri(cfg.model.student):
@@ -212,14 +217,12 @@ def stage_for(number: int) -> Stage:
     return STAGE
 
 
-def start_teacher_pool(cfg: StageConfig):
-    if cfg.stage != 2 or cfg.teacher.source != "serve" or not cfg.teacher.start_pool:
+def start_teacher(cfg: StageConfig) -> Callable[[], None] | None:
+    """Deploy what stage 2's teacher source runs beside the workers (the Serve pool of `teacher.source: serve`
+    with `start_pool: true`); returns what stops it, or None."""
+    if cfg.stage != 2:
         return None
-    from hylo.pipeline.teacher.serve import start_teacher_pool as start
-
-    print(f"[teacher] deploying pool {cfg.teacher.pool.app_name!r} ({cfg.teacher.pool.num_replicas} replicas)",
-          flush=True)
-    return start(cfg.teacher.model, cfg.teacher.pool)
+    return source_kind(cfg.teacher.source).start(cfg.teacher, cfg.fault.teacher)
 
 
 def worker_resources(cfg: StageConfig) -> dict[str, float]:
@@ -229,14 +232,13 @@ def worker_resources(cfg: StageConfig) -> dict[str, float]:
     return resources
 
 
-def resource_demand(cfg: StageConfig) -> list[tuple[str, int, dict[str, float]]]:
-    """(what, how many, resources each) of everything this run asks Ray for."""
-    out = [("train worker", cfg.ray.num_workers, worker_resources(cfg))]
-    if cfg.stage == 2 and cfg.teacher.source == "serve" and cfg.teacher.start_pool:
-        pool = cfg.teacher.pool
-        out.append(("teacher replica", pool.num_replicas,
-                    {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **(pool.resources or {})}))
-    return [(what, n, {k: float(v) for k, v in res.items() if v}) for what, n, res in out]
+def resource_demand(cfg: StageConfig) -> list[ResourceDemand]:
+    """Everything this run asks Ray for: the train workers, and what stage 2's teacher source runs beside them."""
+    out = [ResourceDemand("train worker", cfg.ray.num_workers, worker_resources(cfg),
+                          "ray.num_workers / ray.cpus_per_worker")]
+    if cfg.stage == 2:
+        out += source_kind(cfg.teacher.source).resources(cfg.teacher)
+    return [dataclasses.replace(d, resources={k: float(v) for k, v in d.resources.items() if v}) for d in out]
 
 
 def check_resources(cfg: StageConfig, cluster: dict[str, float], nodes: list[dict[str, float]],
@@ -245,24 +247,24 @@ def check_resources(cfg: StageConfig, cluster: dict[str, float], nodes: list[dic
     when it fits the cluster but not what is free now."""
     demand = resource_demand(cfg)
     need: dict[str, float] = {}
-    for _, n, res in demand:
-        for k, v in res.items():
-            need[k] = need.get(k, 0.0) + n * v
+    for d in demand:
+        for k, v in d.resources.items():
+            need[k] = need.get(k, 0.0) + d.count * v
 
     def parts(key: str) -> str:
-        return " + ".join(f"{n} {what}{'s' if n != 1 else ''} x {res[key]:g}" for what, n, res in demand if key in res)
+        return " + ".join(f"{d.count} {d.what}{'s' if d.count != 1 else ''} x {d.resources[key]:g}" for d in demand
+                          if key in d.resources)
 
     short = [k for k, v in sorted(need.items()) if v > cluster.get(k, 0.0) + 1e-9]
     if short:
         k = short[0]
         raise ConfigError(
             f"this run needs {need[k]:g} {k} ({parts(k)}) but the Ray cluster has {cluster.get(k, 0.0):g}: "
-            f"lower ray.num_workers / ray.cpus_per_worker"
-            + (" or teacher.pool.num_replicas / teacher.pool.num_cpus / num_gpus" if len(demand) > 1 else "")
-            + ", or add nodes")
-    for what, n, res in demand:
-        if n and nodes and not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in res.items()) for node in nodes):
-            raise ConfigError(f"one {what} needs {res} but no node of the Ray cluster has that much "
+            f"lower {' or '.join(d.keys for d in demand)}, or add nodes")
+    for d in demand:
+        if d.count and nodes and not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in d.resources.items())
+                                         for node in nodes):
+            raise ConfigError(f"one {d.what} needs {d.resources} but no node of the Ray cluster has that much "
                               f"(largest: {max(nodes, key=lambda nd: nd.get('CPU', 0.0))})")
     if available is not None:
         busy = [k for k, v in sorted(need.items()) if v > available.get(k, 0.0) + 1e-9]
@@ -357,7 +359,7 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
     note = reset_ray_snapshot(run)
     if note:
         print(note, flush=True)
-    pool = start_teacher_pool(cfg)
+    stop_teacher = start_teacher(cfg)
     trainer = TorchTrainer(
         functools.partial(train_worker, stage_for(cfg.stage)),
         train_loop_config=loop_config(cfg, resume, "ray"),
@@ -379,10 +381,8 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
             except Exception as e:
                 raise TrainingError(e) from e
     finally:
-        if pool is not None:
-            from ray import serve
-
-            serve.delete(cfg.teacher.pool.app_name)
+        if stop_teacher is not None:
+            stop_teacher()
     return {"checkpoint": result.checkpoint.path if result.checkpoint else None}
 
 

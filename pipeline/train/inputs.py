@@ -3,15 +3,15 @@
 `check_stage_inputs(cfg)` is cheap (config files, safetensors headers, Parquet footers; no weights):
 * model.student: a HyLo checkpoint (a valid hybrid_config.json, whole .safetensors files). Stage 1
   without one: model.base's config.json with the model.convert options must give a valid HybridConfig;
-* model.base (stage 1) and the teacher (stage 2 inprocess, or serve when the driver starts the pool): a
-  model directory or asset with whole .safetensors files;
-* teacher.cache_path (offline): a teacher cache manifest, of teacher.k's k;
+* model.base (stage 1): a model directory or asset with whole .safetensors files;
+* stage 2's teacher: what its source reads (`check_inputs` of pipeline/teacher/sources: the teacher's weights
+  for inprocess, or serve when the driver starts the pool; offline: a teacher cache manifest of teacher.k's k);
 * what the config files say about teacher and student (`check_compatible_models`): the same vocabulary
   size (teacher / cache manifest / stage 1's base vs the student), the same tokens for the same ids in
   their tokenizer.json files, stage 1's base of the student's hidden size and layer count (its layer
   outputs are the targets); a teacher tokenizer without the chat template the student's has is a
-  warning. A teacher of another vocabulary used to be found only after Ray started and both models
-  loaded (94 s), and then retried as if it were a fault;
+  warning. So a teacher of another vocabulary stops the run here, from config files, not after Ray
+  started and both models loaded, where its error would be retried as if it were a fault;
 * data (parquet): the manifest, its split and max_len (against data.seq_len when set), and every shard's
   Parquet footer and row count (a truncated or half-copied shard is named here; a shard corrupt inside is
   named by the reader, which verifies page checksums; shards written without them are a warning).
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hylo.pipeline.config import ConfigError
+from hylo.pipeline.teacher.sources import TeacherSourceKind, source_kind
 from hylo.pipeline.train.config import StageConfig
 
 
@@ -106,8 +107,8 @@ def _local_tokenizer(name: str) -> Path | None:
 def _data_fits_the_student(cfg: StageConfig, source: Any) -> None:
     """The rows of data.path were tokenized with the student's tokenizer: the same token for each id (the
     manifest's `token_table` fingerprint, or the tokenizer it names when that is on this machine) and no
-    token id past the student's vocabulary (the shards' footer statistics). Before, rows of another
-    tokenizer reached the workers and their error was retried as if it were a fault."""
+    token id past the student's vocabulary (the shards' footer statistics). Rows of another tokenizer stop
+    here, not in the workers, where their error would be retried as if it were a fault."""
     from hylo.pipeline.data.render import token_table_hash
 
     found = _student_tokenizer(cfg)
@@ -179,10 +180,11 @@ def _has_chat_template(directory: Path) -> bool:
 
 
 def check_compatible_models(student: Path, other: Path | None, other_key: str, *, other_vocab: int | None = None,
-                            tokenizer: Path | None = None, same_shape: bool = False) -> None:
+                            tokenizer: Path | None = None, same_shape: bool = False, shown: str | None = None) -> None:
     """Refuse a teacher (or stage 1's base) that cannot distil into `student`, from config files alone:
     vocabulary size, token-for-token tokenizer agreement, and with `same_shape` (layer-wise ILD: the
-    student's layers learn the base's layer outputs) hidden size and layer count."""
+    student's layers learn the base's layer outputs) hidden size and layer count. `other`: the model
+    directory `other_key` names, or None with `other_vocab` its vocabulary and `shown` what the key holds."""
     scfg = _model_config("model.student", student)
     if other is not None:
         ocfg = _model_config(other_key, other)
@@ -196,7 +198,7 @@ def check_compatible_models(student: Path, other: Path | None, other_key: str, *
                         f"model the student was converted from", other_key)
     if other_vocab is not None and other_vocab != scfg.get("vocab_size"):
         raise ConfigError(
-            f"{other_key}={str(other) if other is not None else other_key!r}: vocabulary {other_vocab} != the "
+            f"{other_key}={str(other) if other is not None else shown!r}: vocabulary {other_vocab} != the "
             f"student's {scfg.get('vocab_size')} ({student / 'config.json'}); teacher and student must share "
             f"a tokenizer", other_key)
     tok_dir = tokenizer or other
@@ -217,26 +219,17 @@ def check_compatible_models(student: Path, other: Path | None, other_key: str, *
               flush=True)
 
 
-def _teacher_fits(cfg: StageConfig) -> None:
+def _teacher_fits(cfg: StageConfig, source: TeacherSourceKind) -> None:
+    """What the teacher source knows of its teacher (`compared_with_student`) against the student's files."""
     from hylo.pipeline.train.storage import is_uri
 
     if not cfg.model.student or cfg.stage != 2 or is_uri(cfg.model.student):
         return
-    from hylo.assets import resolve_path_or_asset
-
     student = Path(cfg.model.student).expanduser()
-    t = cfg.teacher
-    if t.source == "inprocess" or (t.source == "serve" and t.start_pool):
-        from hylo.pipeline.teacher.model import resolve_model_path
-
-        tok = resolve_path_or_asset(t.model.tokenizer, "teacher.model.tokenizer", directory=True) \
-            if t.model.tokenizer else None
-        check_compatible_models(student, resolve_model_path(t.model.path), "teacher.model.path", tokenizer=tok)
-    elif t.source == "offline":
-        from hylo.pipeline.teacher.cache import load_manifest
-
-        vocab = load_manifest(t.cache_path).get("vocab_size")
-        check_compatible_models(student, None, "teacher.cache_path", other_vocab=vocab)
+    found = source.compared_with_student(cfg.teacher)
+    if found is not None:
+        check_compatible_models(student, found.model_dir, found.key, other_vocab=found.vocab_size,
+                                tokenizer=found.tokenizer_dir, shown=found.value)
 
 
 def check_stage_inputs(cfg: StageConfig) -> None:
@@ -258,16 +251,10 @@ def check_stage_inputs(cfg: StageConfig) -> None:
             check_compatible_models(Path(cfg.model.student).expanduser(), Path(base_dir), "model.base",
                                     same_shape=True)
     else:
-        t = cfg.teacher
-        if t.source == "inprocess" or (t.source == "serve" and t.start_pool):
-            from hylo.pipeline.teacher.model import resolve_model_path
-
-            _weights(resolve_model_path(t.model.path))
-        if t.source == "offline":
-            from hylo.pipeline.teacher.cache import load_manifest
-
-            # the cache's k is teacher.k's (the workers' reader checks it again)
-            load_manifest(t.cache_path, t.k)
-        _teacher_fits(cfg)
+        # the source's own files (the teacher's weights, the cache's manifest of teacher.k), then its teacher
+        # against the student
+        source = source_kind(cfg.teacher.source)
+        source.check_inputs(cfg.teacher)
+        _teacher_fits(cfg, source)
     if cfg.data.source == "parquet":
         _data(cfg)

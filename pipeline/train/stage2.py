@@ -7,11 +7,10 @@ Design choices:
 * The student never materialises its logits: its final hidden states [T, D] and `lm_head.weight`
   [V, D] go into `fused_linear_kl_div`, which computes loss and gradients chunk by chunk. The CE term
   (when `ce_weight > 0`) is the same op against a one-hot teacher (`fused_linear_cross_entropy`).
-* `kd.temperature` T softens both distributions and the KL term is NOT multiplied by T^2 (the kernel's
-  convention; `KDSection`, kernels/fused_kl/README.md): kl_weight is the term's only factor.
+* `kd.temperature` goes to the fused KL unchanged (what it means: `KDSection`, pipeline/train/config.py).
 * The loss runs inside `KDStudent.forward` so that ZeRO-3 gathers `lm_head.weight` around it: the weight
   is registered as an external parameter of the wrapper (it is used outside `lm_head.forward`).
-* The teacher is one object (`hylo.pipeline.teacher.protocol.Teacher`, from `teacher.source`: inprocess,
+* The teacher is one object (`hylo.pipeline.teacher.protocol.BoundTeacher`, from `teacher.source`: inprocess,
   serve or offline, and `teacher.k`: 0 = exact): it yields each row's targets of the fused KL, and the
   step zips rows and targets. The pool's requests for a step's rows are in flight together.
 * Loss normalisation: the step's loss is the mean over all loss tokens of the GLOBAL batch (every
@@ -31,7 +30,7 @@ from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_di
 from hylo.kernels.fused_kl.inputs import check_deferred
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.rows import PackedRow
-from hylo.pipeline.teacher.protocol import Teacher
+from hylo.pipeline.teacher.protocol import BoundTeacher
 from hylo.pipeline.teacher.sources import open_teacher
 from hylo.pipeline.train.config import Stage2Config
 from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
@@ -71,7 +70,7 @@ class KDStudent(nn.Module):
 class Stage2Task:
     engine: Any
     student: nn.Module
-    teacher: Teacher
+    teacher: BoundTeacher
     cfg: Stage2Config
 
 

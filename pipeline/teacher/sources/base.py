@@ -1,0 +1,104 @@
+"""What a teacher source is to stage 2, from its config to its targets: one `TeacherSourceKind` per source.
+
+A kind is stateless; every method takes stage 2's `teacher` section (`TeacherSection`, pipeline/train/config.py)
+as `t`. In the order a run uses them:
+* `check_config(t)`          when the config is built: what the source needs of the section (FieldError naming
+                             the key). Which target form it can give is data, `exact_forms`; the width and the
+                             form are resolved for every source alike (`target_form` in the registry).
+* `check_inputs(t)`          before Ray starts: the files the source reads (weights whole, a manifest of k);
+* `compared_with_student(t)` before Ray starts: what it knows of the teacher (`TeacherFiles`), compared with the
+                             student's vocabulary and tokenizer by the stage's input checks (train/inputs.py);
+* `resources(t)`             the Ray resources of what it runs beside the training workers (`ResourceDemand`);
+* `start(t, fault)`          on the driver, after Ray started: deploy that service; returns how to stop it;
+* `open(t, data_path)`       in each stage-2 worker: the `protocol.TeacherSource` that gives the targets, and
+                             the teacher's vocabulary when it is known here (checked against the student's).
+
+Module-level imports here and in every source file are config modules only: `teacher.source` is checked when a
+config is built, which must not load the teacher's implementation (torch, Ray, the model); a method that
+needs one imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class ResourceDemand:
+    """`count` Ray actors of `resources` each; `keys`: the config keys that size them (named when a run cannot
+    fit the cluster)."""
+
+    what: str
+    count: int
+    resources: dict[str, float] = field(default_factory=dict)
+    keys: str = ""
+
+
+@dataclass(frozen=True)
+class TeacherFiles:
+    """What a source knows of its teacher before Ray starts, for the comparison with the student: its model
+    directory (config.json, tokenizer.json), a tokenizer directory of its own, or only its vocabulary size;
+    `key`: the config key that names it, `value`: what that key holds (shown in errors; default: model_dir)."""
+
+    key: str
+    model_dir: Path | None = None
+    tokenizer_dir: Path | None = None
+    vocab_size: int | None = None
+    value: str | None = None
+
+
+class TeacherSourceKind:
+    """One value of `teacher.source`: see the module docstring for what each method is for."""
+
+    name: ClassVar[str]
+    # The exact teacher (k: 0) forms it can give, the one `exact_form: auto` picks first; () = top-k only.
+    exact_forms: ClassVar[tuple[str, ...]] = ()
+
+    def check_config(self, t: Any) -> None:
+        """What this source needs of the section beyond the form; raise FieldError(key, value, why)."""
+
+    def check_inputs(self, t: Any) -> None:
+        """Before Ray starts: the files this source reads are there and whole (ConfigError naming the key)."""
+
+    def compared_with_student(self, t: Any) -> TeacherFiles | None:
+        """What is compared with the student before Ray starts; None: nothing known here."""
+        return None
+
+    def resources(self, t: Any) -> list[ResourceDemand]:
+        """The Ray resources of what `start` deploys."""
+        return []
+
+    def start(self, t: Any, fault: Any) -> Callable[[], None] | None:
+        """Deploy what this source needs on the cluster (the driver, after Ray started; `fault`: stage 2's
+        `fault.teacher`); returns what stops it again, or None when there is nothing to start."""
+        return None
+
+    def open(self, t: Any, data_path: str | None) -> tuple[Any, int | None]:
+        """(the source giving the targets, its vocabulary size or None when it is not known here); `data_path`:
+        the prepared data the teacher's targets must belong to (None: not checked)."""
+        raise NotImplementedError
+
+
+def check_model_weights(model_cfg: Any) -> None:
+    """The teacher model (TeacherModelConfig) of a source that loads it: a directory or asset, with whole
+    .safetensors files."""
+    from hylo.pipeline.teacher.model import resolve_model_path
+
+    from hylo.files import check_weights_dir
+
+    check_weights_dir(resolve_model_path(model_cfg.path))
+
+
+def model_files(model_cfg: Any) -> TeacherFiles:
+    """What the student is compared with for a source that loads the teacher model: its directory, and its own
+    tokenizer when `model.tokenizer` names one."""
+    from hylo.pipeline.teacher.model import resolve_model_path
+
+    from hylo.assets import resolve_path_or_asset
+
+    tok = resolve_path_or_asset(model_cfg.tokenizer, "teacher.model.tokenizer", directory=True) \
+        if model_cfg.tokenizer else None
+    return TeacherFiles("teacher.model.path", model_dir=resolve_model_path(model_cfg.path), tokenizer_dir=tok)

@@ -1,0 +1,33 @@
+"""`teacher.source: inprocess`: the teacher model on every training worker (a small teacher, or tests).
+
+Gives every form: top-k records (k > 0), or the exact teacher as its hidden states and lm_head (the fused KL
+computes the logits chunk by chunk; `exact_form: auto`) or as streamed logits chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hylo.pipeline.teacher.sources.base import (
+    TeacherFiles,
+    TeacherSourceKind,
+    check_model_weights,
+    model_files,
+)
+
+
+class InProcessSource(TeacherSourceKind):
+    name = "inprocess"
+    exact_forms = ("hidden", "logits")
+
+    def check_inputs(self, t: Any) -> None:
+        check_model_weights(t.model)
+
+    def compared_with_student(self, t: Any) -> TeacherFiles:
+        return model_files(t.model)
+
+    def open(self, t: Any, data_path: str | None) -> tuple[Any, int | None]:
+        from hylo.pipeline.teacher.model import TeacherModel
+
+        model = TeacherModel.from_config(t.model)
+        return model, model.vocab_size

@@ -1,0 +1,61 @@
+"""`teacher.source: serve`: the Ray Serve teacher pool (pipeline/teacher/serve.py), through `TeacherClient`.
+
+With `start_pool: true` the driver deploys the pool from `teacher.model` and `teacher.pool` before training and
+deletes it after (its replicas count in the run's Ray resources); with false the client attaches to a pool
+someone else runs under `pool.app_name`, and nothing of it is checked before Ray starts. Gives top-k records
+or the exact teacher as streamed logits (its lm_head is on the replicas, not on the trainer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hylo.pipeline.teacher.sources.base import (
+    ResourceDemand,
+    TeacherFiles,
+    TeacherSourceKind,
+    check_model_weights,
+    model_files,
+)
+
+
+class ServeSource(TeacherSourceKind):
+    name = "serve"
+    exact_forms = ("logits",)
+
+    def check_inputs(self, t: Any) -> None:
+        if t.start_pool:
+            check_model_weights(t.model)
+
+    def compared_with_student(self, t: Any) -> TeacherFiles | None:
+        return model_files(t.model) if t.start_pool else None
+
+    def resources(self, t: Any) -> list[ResourceDemand]:
+        if not t.start_pool:
+            return []
+        pool = t.pool
+        return [ResourceDemand("teacher replica", pool.num_replicas,
+                               {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **(pool.resources or {})},
+                               "teacher.pool.num_replicas / teacher.pool.num_cpus / num_gpus")]
+
+    def start(self, t: Any, fault: Any) -> Callable[[], None] | None:
+        if not t.start_pool:
+            return None
+        from hylo.pipeline.teacher.serve import start_teacher_pool
+
+        print(f"[teacher] deploying pool {t.pool.app_name!r} ({t.pool.num_replicas} replicas)", flush=True)
+        start_teacher_pool(t.model, t.pool, fault)
+
+        def stop() -> None:
+            from ray import serve
+
+            serve.delete(t.pool.app_name)
+
+        return stop
+
+    def open(self, t: Any, data_path: str | None) -> tuple[Any, int | None]:
+        from hylo.pipeline.teacher.client import TeacherClient
+
+        # the vocabulary is the replicas': each checks the ids of every row it receives
+        return TeacherClient.from_config(t.pool.app_name, t.client, t.model.logits_chunk_tokens), None
