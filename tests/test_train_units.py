@@ -32,7 +32,7 @@ from hylo.pipeline.train.config import (
 from hylo.pipeline.train.deepspeed_cfg import build_deepspeed_config
 from hylo.pipeline.train.loop import cosine_with_warmup
 from hylo.pipeline.train.metrics import MetricsWriter, read_metrics
-from hylo.pipeline.train.rows import SyntheticRows, open_rows
+from hylo.pipeline.train.row_sources import SyntheticRows, open_rows
 from hylo.pipeline.train.worker import row_to_device
 
 from helpers import assert_topk_matches

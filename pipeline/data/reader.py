@@ -6,7 +6,7 @@ Design choices:
 * A `RowSource` says what the rows are: how many, the row at a global index as read, where that is (for
   errors), what bounds a row's length and what fingerprints the data. `ShardRows` is a prepared dataset
   (shards + manifest, each shard read through `rowfile.PackedRowFile`); training's synthetic rows are
-  another source (`hylo.pipeline.train.rows`).
+  another source (`hylo.pipeline.train.row_sources`).
 * `RowReader(source, rank, world_size, start)`: worker r reads global rows r, r + W, r + 2W, ...; with
   `drop_last` the tail that does not divide by W is left out of every pass, so every worker takes the
   same number of steps. `position` is the number of rows this worker consumed: saving it and giving it
