@@ -3,10 +3,14 @@
 Legend: T tokens of a row, W workers (world size), r a worker's rank, N rows of one pass over the data.
 
 Design choices:
+* Every consumer of packed rows on disk reads them here: training, evaluation, placement's held-out rows and
+  the teacher-cache job, so each gets the same `PackedRow` from the same file.
 * A `RowSource` says what the rows are: how many, the row at a global index as read, where that is (for
-  errors), what bounds a row's length and what fingerprints the data. `ShardRows` is a prepared dataset
-  (shards + manifest, each shard read through `rowfile.PackedRowFile`); training's synthetic rows are
-  another source (`hylo.pipeline.train.row_sources`).
+  errors), what bounds a row's length and what fingerprints the data. `ParquetRows` is any list of
+  Parquet files of packed rows, file after file (each read through `rowfile.PackedRowFile`, with its
+  page checksums verified); `ShardRows` is a prepared dataset (shards + manifest: the manifest's order,
+  row counts and length bound); training's synthetic rows are another source
+  (`hylo.pipeline.train.row_sources`).
 * `RowReader(source, rank, world_size, start)`: worker r reads global rows r, r + W, r + 2W, ...; with
   `drop_last` the tail that does not divide by W is left out of every pass, so every worker takes the
   same number of steps. `position` is the number of rows this worker consumed: saving it and giving it
