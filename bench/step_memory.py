@@ -70,7 +70,7 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
     from hylo.pipeline.train.config import load_stage_config
     from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
     from hylo.pipeline.train.loop import cosine_with_warmup, setup_distributed
-    from hylo.pipeline.train.rows import open_rows
+    from hylo.pipeline.train.row_sources import open_rows
     from hylo.pipeline.train.worker import WorkerContext
 
     overrides = [f"model.student={student}", "data.source=synthetic", f"data.seq_len={tokens}",

@@ -43,6 +43,7 @@ The workflow (`PlaceLayers`, run by jobs/place_layers.py; options: `PlacementCon
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
@@ -57,7 +58,8 @@ import torch
 from hylo.pipeline import runner
 from hylo.pipeline.cli import int_at_least
 from hylo.pipeline.config import PATH, at_least, config_file, config_from_args, each, one_of, rules
-from hylo.pipeline.eval.kl import check_eval_row, hidden_states, sum_kl
+from hylo.pipeline.data.rows import PackedRow
+from hylo.pipeline.eval.kl import check_eval_row, hidden_states, scored_tokens, sum_kl
 from torch import nn
 
 from hylo.files import atomic_write
@@ -70,76 +72,50 @@ class PlacementError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------ rows
-@dataclass
-class Row:
-    where: str
-    input_ids: torch.Tensor  # [T]
-    cu_seqlens: torch.Tensor  # [docs + 1] int32
-    scored: torch.Tensor  # [N] indices of scored tokens (their label is the next token)
-    real: torch.Tensor  # [T] 1.0 on tokens of real documents (padding excluded)
-
-    @property
-    def position_ids(self) -> torch.Tensor:
-        from hylo.modeling import positions_from_cu_seqlens
-
-        return positions_from_cu_seqlens(self.cu_seqlens, self.input_ids.numel()).unsqueeze(0)
-
-    def batch(self) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[None], "position_ids": self.position_ids, "cu_seqlens": self.cu_seqlens}
-
-
-def load_rows(data: str | Path, max_rows: int) -> list[Row]:
-    """The first `max_rows` held-out packed rows of a jobs/prepare_data.py directory."""
+def load_rows(data: str | Path, max_rows: int) -> list[PackedRow]:
+    """The first `max_rows` held-out packed rows of a jobs/prepare_data.py directory, through the one reader
+    of packed rows and checked as evaluation checks them (`check_eval_row`: their `loss_mask` says which
+    tokens are scored)."""
     from hylo.pipeline.data.reader import RowReader
 
     p = Path(data)
     if not (p / "manifest.json").is_file():
         raise PlacementError(f"held-out data {p}: not a packed-data directory (no manifest.json); make one with "
                              "jobs/prepare_data.py")
-    rows = []
-    for k, raw in enumerate(RowReader(p, drop_last=False, clear_crossing_labels=True)):
-        if k >= max_rows:
-            break
-        where = f"{p} row {k}"
-        r = check_eval_row(raw, where)
-        real = torch.ones(r["input_ids"].numel())
-        cu = r["cu_seqlens"].tolist()
-        for d, s, e in zip(raw.doc_ids or [], cu[:-1], cu[1:]):
-            if d == "":  # the packer's padding segment
-                real[s:e] = 0.0
-        rows.append(Row(where, r["input_ids"], r["cu_seqlens"], r["loss_mask"].nonzero().squeeze(-1), real))
+    reader = RowReader(p, drop_last=False, clear_crossing_labels=True)
+    rows = [check_eval_row(row, f"{p} row {k}") for k, row in enumerate(itertools.islice(reader, max_rows))]
     if not rows:
         raise PlacementError(f"{p}: no held-out rows read")
-    if sum(r.scored.numel() for r in rows) == 0:
+    if sum(scored_tokens(r).numel() for r in rows) == 0:
         raise PlacementError(f"{p}: {len(rows)} row(s) read but none has a scored token")
     return rows
 
 
 # ------------------------------------------------------------------------------------------ math
 @torch.no_grad()
-def teacher_hidden(base: nn.Module, rows: list[Row]) -> list[torch.Tensor]:
+def teacher_hidden(base: nn.Module, rows: list[PackedRow]) -> list[torch.Tensor]:
     """The base model's final hidden states on each row's scored tokens ([N, D] per row)."""
-    return [hidden_states(base, {"input_ids": r.input_ids, "cu_seqlens": r.cu_seqlens})[r.scored] for r in rows]
+    return [hidden_states(base, r)[scored_tokens(r)] for r in rows]
 
 
 @torch.no_grad()
-def layer_inputs(model: nn.Module, row: Row) -> list[torch.Tensor]:
+def layer_inputs(model: nn.Module, row: PackedRow) -> list[torch.Tensor]:
     """The input [T, D] of every layer of a HyLo model on one packed row."""
     out = model.model(input_ids=row.input_ids[None], cu_seqlens=row.cu_seqlens, output_hidden_states=True)
     return [h[0] for h in out.hidden_states[:-1]]
 
 
 @torch.no_grad()
-def run_from(layers: list[nn.Module], norm: nn.Module, h_TD: torch.Tensor, row: Row) -> torch.Tensor:
+def run_from(layers: list[nn.Module], norm: nn.Module, h_TD: torch.Tensor, row: PackedRow) -> torch.Tensor:
     """Final normed hidden states [T, D] from `h_TD` through `layers` (one packed row)."""
-    h, pos = h_TD[None], row.position_ids
+    h, pos = h_TD[None], row.position_ids[None]
     for layer in layers:
         h, _ = layer(h, pos, row.cu_seqlens, None)
     return norm(h)[0]
 
 
 @torch.no_grad()
-def swapped_kl(linear: nn.Module, mla: nn.Module, i: int | None, inputs: list[torch.Tensor], rows: list[Row],
+def swapped_kl(linear: nn.Module, mla: nn.Module, i: int | None, inputs: list[torch.Tensor], rows: list[PackedRow],
                teacher: list[torch.Tensor], teacher_weight: torch.Tensor) -> float:
     """KL per scored token of the all-linear student with layer i taken from the all-MLA student.
 
@@ -153,11 +129,12 @@ def swapped_kl(linear: nn.Module, mla: nn.Module, i: int | None, inputs: list[to
     ws = linear.get_output_embeddings().weight
     total = tokens = 0.0
     for r, h_TD, ht_ND in zip(rows, inputs, teacher):
-        if r.scored.numel() == 0:
+        scored = scored_tokens(r)
+        if scored.numel() == 0:
             continue
-        hs_ND = run_from(layers, linear.model.norm, h_TD, r)[r.scored]
+        hs_ND = run_from(layers, linear.model.norm, h_TD, r)[scored]
         total += sum_kl(hs_ND, ws, ht_ND, teacher_weight, chunk=None)
-        tokens += r.scored.numel()
+        tokens += scored.numel()
     return total / tokens
 
 
@@ -174,14 +151,14 @@ def _model(path: str) -> nn.Module:
     return _MODELS[path]
 
 
-def _score_layer(i: int, linear_dir: str, mla_dir: str, inputs: list[torch.Tensor], rows: list[Row],
+def _score_layer(i: int, linear_dir: str, mla_dir: str, inputs: list[torch.Tensor], rows: list[PackedRow],
                  teacher: tuple[list[torch.Tensor], torch.Tensor], threads: int) -> tuple[int, float]:
     torch.set_num_threads(threads)
     return i, swapped_kl(_model(linear_dir), _model(mla_dir), i, inputs, rows, *teacher)
 
 
 @torch.no_grad()
-def score_layers(linear_dir: str | Path, mla_dir: str | Path, base: nn.Module, rows: list[Row],
+def score_layers(linear_dir: str | Path, mla_dir: str | Path, base: nn.Module, rows: list[PackedRow],
                  threads_per_task: int = 1, progress: bool = True) -> dict[str, Any]:
     """Measured KL drop of every layer, scored in parallel with Ray tasks (ray must be initialised)."""
     import ray
@@ -223,12 +200,12 @@ def score_layers(linear_dir: str | Path, mla_dir: str | Path, base: nn.Module, r
     return {"kl_all_linear": kl_linear, "kl_all_mla": kl_mla,
             "kl_swap": [kl_swap[i] for i in range(n)],
             "drop": [kl_linear - kl_swap[i] for i in range(n)],
-            "tokens": int(sum(r.scored.numel() for r in rows)), "rows": len(rows)}
+            "tokens": int(sum(scored_tokens(r).numel() for r in rows)), "rows": len(rows)}
 
 
 # ------------------------------------------------------------------------------------------ proxy
 @torch.no_grad()
-def proxy_scores(base: nn.Module, linear: nn.Module, mla: nn.Module, rows: list[Row]) -> dict[str, list[float]]:
+def proxy_scores(base: nn.Module, linear: nn.Module, mla: nn.Module, rows: list[PackedRow]) -> dict[str, list[float]]:
     """Per-layer errors of the converted (untrained) mixers against the base attention outputs."""
     from hylo.pipeline.train.stage1 import BaseLayerTargets
 
@@ -237,14 +214,13 @@ def proxy_scores(base: nn.Module, linear: nn.Module, mla: nn.Module, rows: list[
     err_lin, err_mla, attn = np.zeros(n), np.zeros(n), np.zeros(n)
     count = 0.0
     for r in rows:
-        b = r.batch()
-        x_in, _, y_mix = targets(b)
-        keep = r.real
+        x_in, _, y_mix = targets(r)
+        keep = r.real_tokens()
         count += float(keep.sum())
         for i in range(n):
             for model, acc in ((linear, err_lin), (mla, err_mla)):
                 layer = model.model.layers[i]
-                out = layer.run_mixer(layer.input_layernorm(x_in[i]), b["position_ids"], r.cu_seqlens)[0]
+                out = layer.run_mixer(layer.input_layernorm(x_in[i]), r.position_ids[None], r.cu_seqlens)[0]
                 acc[i] += float(((out - y_mix[i][0]).pow(2).sum(-1).sqrt() * keep).sum())
             attn[i] += float((y_mix[i][0].pow(2).sum(-1).sqrt() * keep).sum())
     err_lin, err_mla, attn = err_lin / count, err_mla / count, attn / count

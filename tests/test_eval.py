@@ -158,8 +158,19 @@ def test_eval_rows_from_parquet_packed_dir_and_chat_records(tmp_path, tok, base)
     got = list(iter_eval_rows(tmp_path / "rows.parquet"))
     assert [w for w, _ in got] == ["rows.parquet row 0", "rows.parquet row 1"]
     for (_, g), r in zip(got, rows):
-        assert torch.equal(g["input_ids"], r["input_ids"]) and torch.equal(g["loss_mask"], r["loss_mask"])
+        assert torch.equal(g.input_ids, r["input_ids"]) and torch.equal(g.loss_mask, r["loss_mask"])
     assert len(list(iter_eval_rows(tmp_path / "rows.parquet", max_rows=1))) == 1
+    # a directory of Parquet files: its files in name order, each row named by its own file and index there
+    (tmp_path / "files").mkdir()
+    pq.write_table(table, tmp_path / "files" / "a.parquet")
+    pq.write_table(table.slice(1), tmp_path / "files" / "b.parquet")
+    got = list(iter_eval_rows(tmp_path / "files"))
+    assert [w for w, _ in got] == ["a.parquet row 0", "a.parquet row 1", "b.parquet row 0"]
+    assert torch.equal(got[2][1].input_ids, rows[1]["input_ids"])
+    bad = table.slice(1).set_column(0, "input_ids", pa.array([[-1] * 12]))
+    pq.write_table(bad, tmp_path / "files" / "c.parquet")
+    with pytest.raises(PackedRowError, match=r"files/c.parquet row 0: field 'input_ids' holds a negative"):
+        list(iter_eval_rows(tmp_path / "files"))
 
     from hylo.pipeline.data.shards import ShardWriter, write_manifest
 
@@ -168,7 +179,7 @@ def test_eval_rows_from_parquet_packed_dir_and_chat_records(tmp_path, tok, base)
         writer.add({k: (v.numpy() if torch.is_tensor(v) else v) for k, v in r.items()})
     write_manifest(tmp_path / "packed", {"shards": writer.finish()})
     got = list(iter_eval_rows(tmp_path / "packed"))
-    assert len(got) == 2 and torch.equal(got[1][1]["input_ids"], rows[1]["input_ids"])
+    assert len(got) == 2 and torch.equal(got[1][1].input_ids, rows[1]["input_ids"])
 
     tok_dir = tmp_path / "tok"
     tok.save_pretrained(tok_dir)
@@ -176,10 +187,10 @@ def test_eval_rows_from_parquet_packed_dir_and_chat_records(tmp_path, tok, base)
                                       {"role": "assistant", "content": "fine thanks"}]}]
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     ((where, row),) = list(iter_eval_rows(tmp_path / "chat.jsonl", tok_dir))
-    ids = row["input_ids"].tolist()
+    ids = row.input_ids.tolist()
     assert tok.decode(ids).startswith("<|im_start|>")
     # scored positions predict exactly the assistant reply and its end marker
-    predicted = [ids[t + 1] for t in row["loss_mask"].nonzero().squeeze(-1).tolist()]
+    predicted = [ids[t + 1] for t in row.loss_mask.nonzero().squeeze(-1).tolist()]
     assert tok.decode(predicted) == tok.decode(tok(" fine thanks<|im_end|>", add_special_tokens=False)["input_ids"])
 
 

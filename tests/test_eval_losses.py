@@ -27,8 +27,8 @@ def _eval_case(seed: int = 1):
 
 @pytest.mark.parametrize("exact", [False, True], ids=["fused", "exact"])
 @pytest.mark.parametrize("chunk", [16, None], ids=["chunk16", "auto"])
-def test_eval_sums_are_the_formulas_they_replaced(exact, chunk):
-    # the formulas of the former pipeline/eval/kl.chunked_kl_sum / chunked_nll_sum, in fp64, whole
+def test_eval_sums_are_their_formulas(exact, chunk):
+    # the sums written out: KL(teacher || student) and NLL over every token, in fp64, whole
     hs, ws, ht, wt, labels = _eval_case()
     logq = torch.log_softmax(hs.double() @ ws.double().t(), -1)
     logp = torch.log_softmax(ht.double() @ wt.double().t(), -1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hylo.pipeline.eval.kl import evaluate_kl
+from hylo.pipeline.data.rows import PackedRow
+from hylo.pipeline.eval.kl import check_eval_row, evaluate_kl, scored_tokens
 from hylo.pipeline.placement import (
     PlaceLayers,
     PlacementError,
-    Row,
     choose,
     compare_markdown,
     compare_summary,
@@ -49,9 +50,8 @@ def make_row(vocab: int, doc_lens: list[int], seed: int, pad: int = 0) -> dict:
             "doc_ids": [f"d{i}" for i in range(len(doc_lens))] + ([""] if pad else [])}
 
 
-def as_row(r: dict, where: str = "row") -> Row:
-    return Row(where, r["input_ids"], r["cu_seqlens"], r["loss_mask"].nonzero().squeeze(-1),
-               torch.ones(r["input_ids"].numel()))
+def as_row(r: dict, where: str = "row") -> PackedRow:
+    return check_eval_row(r, where)
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +83,7 @@ def test_swapped_kl_equals_the_full_forward_of_the_mixed_model(models):
     teacher = teacher_hidden(base, rows)
     wt = base.get_output_embeddings().weight
     inputs = [layer_inputs(linear, r) for r in rows]
-    eval_rows = [(r.where, {"input_ids": r.input_ids, "cu_seqlens": r.cu_seqlens, "loss_mask": m["loss_mask"]})
-                 for r, m in zip(rows, models["rows"])]
+    eval_rows = [(f"row {k}", r) for k, r in enumerate(rows)]
     got_linear = swapped_kl(linear, mla, None, [x[0] for x in inputs], rows, teacher, wt)
     assert got_linear == pytest.approx(evaluate_kl(linear, eval_rows, teacher=base).kl, rel=1e-5)
     kls = []
@@ -115,7 +114,7 @@ def test_score_layers_through_ray_tasks(models):
         assert res["drop"][i] == pytest.approx(res["kl_all_linear"] - want, rel=1e-5, abs=1e-7)
     # the full-rank all-MLA student is the base model itself
     assert res["kl_all_mla"] < 1e-6 < res["kl_all_linear"]
-    assert res["tokens"] == sum(r.scored.numel() for r in rows)
+    assert res["tokens"] == sum(int(r.loss_mask.sum()) for r in rows)
 
 
 def test_score_layers_rejects_wrong_students(models):
@@ -137,12 +136,11 @@ def test_proxy_at_init(models):
 
 
 def test_proxy_ignores_the_padding_segment(models):
-    r = models["rows"][1]
-    row = as_row(r)
+    row_real = as_row(models["rows"][1])
+    assert row_real.doc_ids[-1] == "" and row_real.real_tokens()[-5:].tolist() == [0.0] * 5
+    # the same tokens with no padding document: every token counts
+    row = dataclasses.replace(row_real, doc_ids=None)
     p_all = proxy_scores(models["base"], models["linear"], models["mla"], [row])
-    real = torch.ones(row.input_ids.numel())
-    real[-5:] = 0.0
-    row_real = Row(row.where, row.input_ids, row.cu_seqlens, row.scored, real)
     p_real = proxy_scores(models["base"], models["linear"], models["mla"], [row_real])
     assert p_all["linear_error"] != pytest.approx(p_real["linear_error"])
 
@@ -175,9 +173,10 @@ def test_load_rows_marks_padding_and_rejects_non_packed_dirs(tmp_path):
     write_manifest(tmp_path / "packed", {"shards": writer.finish()})
     got = load_rows(tmp_path / "packed", max_rows=5)
     assert len(got) == 2 and len(load_rows(tmp_path / "packed", max_rows=1)) == 1
-    assert got[0].real.tolist() == [1.0] * 16
-    assert got[1].real.tolist() == [1.0] * 10 + [0.0] * 6
-    assert torch.equal(got[1].scored, rows[1]["loss_mask"].nonzero().squeeze(-1))
+    assert all(isinstance(r, PackedRow) for r in got)
+    assert got[0].real_tokens().tolist() == [1.0] * 16
+    assert got[1].real_tokens().tolist() == [1.0] * 10 + [0.0] * 6
+    assert torch.equal(scored_tokens(got[1]), rows[1]["loss_mask"].nonzero().squeeze(-1))
     with pytest.raises(PlacementError, match="no manifest.json"):
         load_rows(tmp_path, max_rows=1)
 

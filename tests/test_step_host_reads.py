@@ -124,7 +124,7 @@ def test_a_stage2_step_never_checks_or_reads_back_boundaries(linear_type, monkey
     # rows as the one reader yields them: each checked once there, carrying its host boundaries on
     from hylo.kernels import varlen
     from hylo.pipeline.train.config import DataSection, SyntheticData
-    from hylo.pipeline.train.rows import open_rows
+    from hylo.pipeline.train.row_sources import open_rows
 
     checks = []
     rule = varlen.boundaries_problem

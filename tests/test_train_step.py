@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.train.config import load_stage_config
 from hylo.pipeline.train.loop import cosine_with_warmup, reduce_record, setup_distributed
-from hylo.pipeline.train.rows import SyntheticRows, open_rows
+from hylo.pipeline.train.row_sources import SyntheticRows, open_rows
 from hylo.pipeline.train.worker import StepResult, WorkerContext
 
 from helpers import assert_close, one_thread  # noqa: F401  (one_thread: autouse)

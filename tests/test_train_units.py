@@ -4,6 +4,7 @@ the stage-1 pieces (base-layer capture, ILD distance)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -31,7 +32,7 @@ from hylo.pipeline.train.config import (
 from hylo.pipeline.train.deepspeed_cfg import build_deepspeed_config
 from hylo.pipeline.train.loop import cosine_with_warmup
 from hylo.pipeline.train.metrics import MetricsWriter, read_metrics
-from hylo.pipeline.train.rows import SyntheticRows, open_rows
+from hylo.pipeline.train.row_sources import SyntheticRows, open_rows
 from hylo.pipeline.train.worker import row_to_device
 
 from helpers import assert_topk_matches
@@ -203,13 +204,17 @@ def test_bad_row_is_named():
         check_row(row, "row 17")
 
 
-def test_row_to_device_labels_are_next_tokens():
+def test_row_to_device_is_the_same_packed_row_with_its_host_boundaries():
     row = open_rows(_data(), 0, 0, 1).next_row()
-    b = row_to_device(row, torch.device("cpu"))
-    m = b["loss_mask"]
-    ids = row.input_ids
-    assert torch.equal(b["labels"][:-1], ids[1:]) and not m[-1]
-    assert b["input_ids"].shape == (1, 64) and b["cu_seqlens"].dtype == torch.int32
+    d = row_to_device(row, torch.device("cpu"))
+    assert isinstance(d, PackedRow) and d.host is row.host and (d.key, d.epoch, d.row_id) == (row.key, row.epoch,
+                                                                                              row.row_id)
+    for name in ("input_ids", "cu_seqlens", "position_ids", "loss_mask"):
+        assert torch.equal(getattr(d, name), getattr(row, name)) and getattr(d, name).dtype == getattr(row, name).dtype
+    bounds = d.bounds()
+    assert bounds.host is row.host and torch.equal(bounds.positions, row.position_ids)
+    with pytest.raises(ValueError, match="a training row needs a loss_mask"):
+        row_to_device(dataclasses.replace(row, loss_mask=None), torch.device("cpu"))
 
 
 # ------------------------------------------------------------------------------------ checkpoint files
@@ -326,10 +331,11 @@ def _kd_case(*overrides: str, seed: int = 0, scale: float = 1.0):
                                                                                           dtype=torch.float64) * 0.5
     ids = torch.randint(0, V, (T,), generator=g)
     mask = torch.rand(T, generator=g) > 0.3
-    b = {"input_ids": ids[None], "position_ids": torch.arange(T)[None], "cu_seqlens": torch.tensor([0, T]),
-         "loss_mask": mask, "labels": torch.roll(ids, -1)}
-    kl, ce = KDStudent(student, cfg)(b, {"teacher_hidden": h_t, "teacher_weight": w_t})
-    return student, cfg.kd, kl, ce, (h_t @ w_t.t(), b)
+    row = check_row({"input_ids": ids, "cu_seqlens": [0, T], "loss_mask": mask})
+    kl, ce = KDStudent(student, cfg)(row.input_ids, row.bounds(), row.loss_mask,
+                                     {"teacher_hidden": h_t, "teacher_weight": w_t})
+    # the label of token t is token t + 1
+    return student, cfg.kd, kl, ce, (h_t @ w_t.t(), {"loss_mask": mask, "labels": torch.roll(ids, -1)})
 
 
 def test_stage2_loss_terms_are_the_formulas_kl_at_t_and_ce():
@@ -390,16 +396,15 @@ def test_base_layer_targets_capture_inputs_outputs_and_attention():
         h = x[i] + a[i]
         assert torch.allclose(y[i], h + layer.mlp(layer.post_attention_layernorm(h)), atol=1e-5)
     # Documents are isolated: each document's layer-2 input equals that of the document run alone.
-    cu = b["cu_seqlens"].tolist()
-    assert len(cu) > 2
-    for s, e in zip(cu[:-1], cu[1:]):
-        alone = base.model(input_ids=b["input_ids"][:, s:e], use_cache=False, output_hidden_states=True)
+    assert len(b.host) > 2
+    for s, e in b.documents():
+        alone = base.model(input_ids=b.input_ids[None, s:e], use_cache=False, output_hidden_states=True)
         assert torch.allclose(x[2][:, s:e], alone.hidden_states[2], atol=1e-5)
 
 
 @pytest.mark.parametrize("squared", [False, True], ids=["l2", "l2-squared"])
 def test_ild_distance_and_padding_mask(squared):
-    from hylo.pipeline.train.stage1 import real_tokens, token_distance
+    from hylo.pipeline.train.stage1 import token_distance
 
     x = torch.zeros(1, 3, 4)
     y = torch.tensor([[[3.0, 4.0, 0, 0], [0, 0, 0, 0], [1.0, 0, 0, 0]]])
@@ -408,7 +413,7 @@ def test_ild_distance_and_padding_mask(squared):
     assert torch.allclose(d, want, atol=1e-3)
     row = check_row({"input_ids": np.zeros(6, np.int64), "cu_seqlens": np.array([0, 2, 4, 6]),
                      "doc_ids": ["a", "b", ""]})
-    assert real_tokens(row).tolist() == [1, 1, 1, 1, 0, 0]
+    assert row.real_tokens().tolist() == [1, 1, 1, 1, 0, 0]
 
 
 # ------------------------------------------------------------------------------------ shipped configs
@@ -568,7 +573,7 @@ def tiny_pair():
 
 @pytest.mark.parametrize("trainable", ["mixers", "mixers+mlp", "all"])
 def test_ild_trainable_decides_which_parameters_get_gradients_and_change(tiny_pair, trainable):
-    from hylo.pipeline.train.stage1 import BaseLayerTargets, ILDStudent, real_tokens, trainable_parameters
+    from hylo.pipeline.train.stage1 import BaseLayerTargets, ILDStudent, trainable_parameters
 
     torch.manual_seed(0)
     cfg = load_stage_config(1, None, [f"ild.trainable={trainable}", "model.activation_checkpointing=false"])
@@ -585,7 +590,7 @@ def test_ild_trainable_decides_which_parameters_get_gradients_and_change(tiny_pa
     row = open_rows(_data(seq_len=48, rows=4), 0, 0, 1).next_row()
     b = row_to_device(row, torch.device("cpu"))
     x, y, a = BaseLayerTargets(base)(b)
-    d_out, d_mix = ILDStudent(student, cfg)(b, x, y, a, torch.as_tensor(real_tokens(row)))
+    d_out, d_mix = ILDStudent(student, cfg)(b.position_ids[None], b.cu_seqlens, x, y, a, row.real_tokens())
     (d_out + d_mix).backward()
     got_grad = {n for n, p in student.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert got_grad == want

@@ -35,9 +35,7 @@ from typing import Any
 
 import numpy as np
 from hylo.pipeline.data.config import LONG_DOC_POLICIES
-
-# Doc id of the padding segment at the end of a padded row; real documents never have an empty id.
-PAD_DOC_ID = ""
+from hylo.pipeline.data.rows import PAD_DOC_ID
 
 
 @dataclass

@@ -3,10 +3,14 @@
 Legend: T tokens of a row, W workers (world size), r a worker's rank, N rows of one pass over the data.
 
 Design choices:
+* Every consumer of packed rows on disk reads them here: training, evaluation, placement's held-out rows and
+  the teacher-cache job, so each gets the same `PackedRow` from the same file.
 * A `RowSource` says what the rows are: how many, the row at a global index as read, where that is (for
-  errors), what bounds a row's length and what fingerprints the data. `ShardRows` is a prepared dataset
-  (shards + manifest, each shard read through `rowfile.PackedRowFile`); training's synthetic rows are
-  another source (`hylo.pipeline.train.rows`).
+  errors), what bounds a row's length and what fingerprints the data. `ParquetRows` is any list of
+  Parquet files of packed rows, file after file (each read through `rowfile.PackedRowFile`, with its
+  page checksums verified); `ShardRows` is a prepared dataset (shards + manifest: the manifest's order,
+  row counts and length bound); training's synthetic rows are another source
+  (`hylo.pipeline.train.row_sources`).
 * `RowReader(source, rank, world_size, start)`: worker r reads global rows r, r + W, r + 2W, ...; with
   `drop_last` the tail that does not divide by W is left out of every pass, so every worker takes the
   same number of steps. `position` is the number of rows this worker consumed: saving it and giving it
@@ -22,6 +26,9 @@ Design choices:
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,52 +51,48 @@ class RowSource(Protocol):
     def where(self, g: int) -> str: ...
 
 
-class ShardRows:
-    """The rows of a prepared dataset directory (shards + manifest.json), in manifest order."""
+class ParquetRows:
+    """The rows of Parquet files of packed rows, file after file in the given order (a `RowSource`): global
+    row g is row g - (rows of the files before) of the file it falls in. No length bound. Every footer is
+    read now (the row counts); rows are read through `rowfile.PackedRowFile`, one row group in memory at
+    a time."""
 
-    def __init__(self, directory: str | Path) -> None:
-        self.dir = Path(directory).expanduser()
-        self.manifest = read_manifest(self.dir)
-        self._cum = [0]
-        for s in self.manifest["shards"]:
-            self._cum.append(self._cum[-1] + int(s["rows"]))
-        self.num_rows = self._cum[-1]
-        self.max_len: int | None = self.manifest.get("max_len")
-        self.max_len_from: str | None = f"packing.max_len of {self.dir / MANIFEST}"
-        self.fingerprint = str(self.manifest.get("config_hash"))
+    max_len: int | None = None
+    max_len_from: str | None = None
+
+    def __init__(self, paths: Sequence[str | Path], noun: str = "file",
+                 remedy: str = "restore the file or write it again") -> None:
+        self.paths = [Path(p) for p in paths]
+        self.noun, self.remedy = noun, remedy
         self._files: dict[int, PackedRowFile] = {}
-        # the shard whose row group is cached (one row group in memory at a time)
+        # the file whose row group is cached
         self._current: PackedRowFile | None = None
+        self._cum = [0]
+        for n in self._row_counts():
+            self._cum.append(self._cum[-1] + n)
+        self.num_rows = self._cum[-1]
+
+    def _row_counts(self) -> list[int]:
+        return [self._file(k).num_rows for k in range(len(self.paths))]
+
+    def _open(self, k: int) -> PackedRowFile:
+        return PackedRowFile(self.paths[k], noun=self.noun, remedy=self.remedy)
 
     def _file(self, k: int) -> PackedRowFile:
         if k not in self._files:
-            meta = self.manifest["shards"][k]
-            path = self.dir / meta["file"]
-            if not path.is_file():
-                raise DataFormatError(f"{path}: listed in {self.dir / MANIFEST} but missing")
-            f = PackedRowFile(path, noun="shard", remedy="restore the shard or rerun jobs/prepare_data.py")
-            if f.num_rows != int(meta["rows"]):
-                raise DataFormatError(f"{path}: has {f.num_rows} rows, manifest says {meta['rows']}")
-            self._files[k] = f
+            self._files[k] = self._open(k)
         return self._files[k]
 
-    def check_shards(self) -> None:
-        """Open every shard's footer: a missing, truncated or miscounted shard is named now, before a run."""
-        for k in range(len(self.manifest["shards"])):
-            self._file(k)
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the files' paths, sizes and row counts."""
+        blob = json.dumps([[str(p), p.stat().st_size] for p in self.paths] + [self._cum]).encode()
+        return "files-" + hashlib.sha256(blob).hexdigest()[:16]
 
-    def max_token_ids(self) -> list[tuple[str, int]]:
-        """(shard file, its largest token id) from the shards' footer statistics, no row read; a shard
-        whose footer has no statistics for `input_ids` is left out."""
-        out = []
-        for k in range(len(self.manifest["shards"])):
-            md = self._file(k).pf.metadata
-            col = [md.schema.column(i).path.split(".")[0] for i in range(md.num_columns)].index("input_ids")
-            highs = [st.max for st in (md.row_group(rg).column(col).statistics for rg in range(md.num_row_groups))
-                     if st is not None and st.has_min_max]
-            if highs:
-                out.append((self.manifest["shards"][k]["file"], int(max(highs))))
-        return out
+    def locate(self, g: int) -> tuple[Path, int]:
+        """(file, row inside it) of global row `g`."""
+        k = bisect.bisect_right(self._cum, g) - 1
+        return self.paths[k], g - self._cum[k]
 
     def raw(self, g: int) -> dict[str, Any]:
         k = bisect.bisect_right(self._cum, g) - 1
@@ -98,6 +101,58 @@ class ShardRows:
             self._current.drop_cache()
         self._current = f
         return f.row(g - self._cum[k])
+
+    def where(self, g: int) -> str:
+        path, r = self.locate(g)
+        return f"{path} row {r}"
+
+
+class ShardRows(ParquetRows):
+    """The rows of a prepared dataset directory (shards + manifest.json), in manifest order; the manifest
+    gives the row counts (each checked against its shard's footer when the shard is first read) and the
+    length bound."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory).expanduser()
+        self.manifest = read_manifest(self.dir)
+        super().__init__([self.dir / s["file"] for s in self.manifest["shards"]], noun="shard",
+                         remedy="restore the shard or rerun jobs/prepare_data.py")
+        self.max_len = self.manifest.get("max_len")
+        self.max_len_from = f"packing.max_len of {self.dir / MANIFEST}"
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.manifest.get("config_hash"))
+
+    def _row_counts(self) -> list[int]:
+        return [int(s["rows"]) for s in self.manifest["shards"]]
+
+    def _open(self, k: int) -> PackedRowFile:
+        meta, path = self.manifest["shards"][k], self.paths[k]
+        if not path.is_file():
+            raise DataFormatError(f"{path}: listed in {self.dir / MANIFEST} but missing")
+        f = super()._open(k)
+        if f.num_rows != int(meta["rows"]):
+            raise DataFormatError(f"{path}: has {f.num_rows} rows, manifest says {meta['rows']}")
+        return f
+
+    def check_shards(self) -> None:
+        """Open every shard's footer: a missing, truncated or miscounted shard is named now, before a run."""
+        for k in range(len(self.paths)):
+            self._file(k)
+
+    def max_token_ids(self) -> list[tuple[str, int]]:
+        """(shard file, its largest token id) from the shards' footer statistics, no row read; a shard
+        whose footer has no statistics for `input_ids` is left out."""
+        out = []
+        for k in range(len(self.paths)):
+            md = self._file(k).pf.metadata
+            col = [md.schema.column(i).path.split(".")[0] for i in range(md.num_columns)].index("input_ids")
+            highs = [st.max for st in (md.row_group(rg).column(col).statistics for rg in range(md.num_row_groups))
+                     if st is not None and st.has_min_max]
+            if highs:
+                out.append((self.manifest["shards"][k]["file"], int(max(highs))))
+        return out
 
     def where(self, g: int) -> str:
         return f"{self.dir} row {g}"

@@ -1,10 +1,10 @@
 """Packed rows in Parquet: the columns' types (`ROW_SCHEMA`), a table of rows to write (`rows_to_table`),
 and the one reader of a file (`PackedRowFile`): a shard of the data pipeline or any file with the row columns.
 
-Every reader of rows goes through `PackedRowFile`: the training reader (`reader.RowReader`, one per
-shard), the teacher's offline cache job and evaluation. What it returns is a row as read (a dict of
-numpy arrays, `doc_ids` / `row_id` as Python values); the row's contract is checked by the consumer with
-`hylo.pipeline.data.rows.check_row`, which names the record (the `RowReader` does it for its rows).
+The one reader of rows (`reader.RowReader`, for training, evaluation, placement and the teacher-cache
+job) reads files through `PackedRowFile`, one per file. What it returns is a row as read (a dict of numpy
+arrays, `doc_ids` / `row_id` as Python values); the `RowReader` checks each row against the contract
+(`hylo.pipeline.data.rows.check_row`, naming the file and the row).
 
 Design choices:
 * Row groups are the I/O unit: a row is read with its whole row group, which stays cached, so reading

@@ -12,8 +12,8 @@ rely on it):
   (`positions_from_cu_seqlens`); optional where a consumer can derive it, checked where given.
 * `loss_mask` [T] bool (optional), label-aligned: set at t when the label `input_ids[t + 1]` is scored;
   never on a document's last token, whose next token belongs to another document.
-* `doc_ids` [N] (optional; the packer's padding tail is its own last document, doc id ""), `row_id`
-  (optional; else `PackedRow.row_id` is a hash of the tokens and the boundaries).
+* `doc_ids` [N] (optional; the packer's padding tail is its own last document, doc id `PAD_DOC_ID` = ""),
+  `row_id` (optional; else `PackedRow.row_id` is a hash of the tokens and the boundaries).
 
 Design choices:
 * On disk a row is one record of a Parquet file with these fields as columns (`ROW_FIELDS`; list columns,
@@ -25,11 +25,13 @@ Design choices:
   row that crossed a process boundary (the client sends `PackedRow`s to the Serve replicas) is checked
   again, field by field, whatever its type.
 * A `PackedRow` keeps its boundaries as host ints (`host`) beside its CPU tensors, so `bounds(device)`
-  gives the model its `DocBounds` with no check and no device-to-host copy.
+  gives the model its `DocBounds` with no check and no device-to-host copy. `to(device)` is the same row
+  with its tensors on a compute device (the host boundaries kept), for a training step's forward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from collections.abc import Mapping
@@ -43,6 +45,8 @@ from hylo.kernels.varlen import BoundaryError, DocBounds, host_cu_seqlens, posit
 # the fields of a packed row, in the order the data pipeline writes them
 ROW_FIELDS = ("input_ids", "position_ids", "cu_seqlens", "loss_mask", "doc_ids", "row_id")
 REQUIRED_FIELDS = ("input_ids", "cu_seqlens")
+# doc id of the packer's padding document at the end of a padded row; real documents never have an empty id
+PAD_DOC_ID = ""
 
 
 class PackedRowError(BoundaryError):
@@ -51,7 +55,8 @@ class PackedRowError(BoundaryError):
 
 @dataclass(frozen=True)
 class PackedRow:
-    """One checked packed row, as CPU tensors (see the module docstring for the contract)."""
+    """One checked packed row, as CPU tensors (`to(device)`: on a compute device); see the module docstring
+    for the contract."""
 
     # [T] int64 token ids
     input_ids: torch.Tensor
@@ -90,19 +95,40 @@ class PackedRow:
         if self.given_id is not None:
             return self.given_id
         h = hashlib.blake2b(digest_size=16)
-        h.update(self.input_ids.to(torch.int64).numpy().tobytes())
+        h.update(self.input_ids.cpu().to(torch.int64).numpy().tobytes())
         h.update(b"|")
-        h.update(self.cu_seqlens.to(torch.int64).numpy().tobytes())
+        h.update(self.cu_seqlens.cpu().to(torch.int64).numpy().tobytes())
         return h.hexdigest()
 
     def documents(self) -> list[tuple[int, int]]:
         """(start, end) token spans of the row's documents."""
         return list(zip(self.host[:-1], self.host[1:]))
 
+    def real_tokens(self) -> torch.Tensor:
+        """[T] float32: 1.0 on the tokens of real documents, 0.0 on the packer's padding document."""
+        keep = torch.ones(self.num_tokens, dtype=torch.float32)
+        for doc_id, (s, e) in zip(self.doc_ids or (), self.documents()):
+            if doc_id == PAD_DOC_ID:
+                keep[s:e] = 0.0
+        return keep
+
     def bounds(self, device: torch.device | str | None = None) -> DocBounds:
         """The row's boundaries for a forward on `device`: checked already, so no check and no
         device-to-host copy (the positions are the row's own)."""
         return DocBounds(self.cu_seqlens.to(device), self.host, self.position_ids.to(device))
+
+    def to(self, device: torch.device | str) -> PackedRow:
+        """The same row with its tensors on `device` (host boundaries, ids, key and epoch kept); onto a GPU
+        from pinned memory without blocking (a copy from pageable memory synchronises the GPU)."""
+        pinned = torch.device(device).type == "cuda"
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t.pin_memory().to(device, non_blocking=True) if pinned else t.to(device)
+
+        return dataclasses.replace(self, input_ids=move(self.input_ids), cu_seqlens=move(self.cu_seqlens),
+                                   position_ids=move(self.position_ids), loss_mask=move(self.loss_mask))
 
 
 def _int_field(row: Mapping[str, Any], name: str, where: str) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, ROW_SCHEMA, DataFormatError, rows_to_table
+from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, DataFormatError, rows_to_table
 
 from hylo.files import atomic_path, atomic_write, read_json
 
@@ -87,19 +87,3 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         raise DataFormatError(f"{path}: field 'max_len' must be a positive integer (the rows' length bound), "
                               f"got {max_len!r}")
     return m
-
-
-def read_packed_dataset(directory: str | Path) -> Any:
-    """The shards as a `ray.data.Dataset` in manifest order, for Ray Train's own dataset ingestion.
-
-    Ray Data iterators do not resume mid-epoch: use `reader.RowReader` when the data position must be saved.
-    """
-    import ray.data
-
-    m = read_manifest(directory)
-    paths = [str(Path(directory) / s["file"]) for s in m["shards"]]
-    missing = [p for p in paths if not Path(p).is_file()]
-    if missing:
-        raise DataFormatError(f"{Path(directory) / MANIFEST} lists missing shard(s): {missing}")
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
-    return ray.data.read_parquet(paths, schema=ROW_SCHEMA)

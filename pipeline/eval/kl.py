@@ -16,19 +16,22 @@ Design choices:
 * Perplexity = exp(mean NLL over scored tokens), from the same hidden states, for the model and (when
   given) the teacher.
 * Inputs: a packed-data directory (manifest.json + shards, from jobs/prepare_data.py), a Parquet
-  file / directory of packed rows (read by `hylo.pipeline.data.rowfile.PackedRowFile`), or chat records
-  (JSON / JSONL, `messages` or ShareGPT `conversations`) rendered with the model's chat template, one
-  document per row. Rows are checked against the packed-row contract (`hylo.pipeline.data.rows.check_row`,
+  file / directory of packed rows (its *.parquet files in name order), both read by the one reader of
+  packed rows (`hylo.pipeline.data.reader.RowReader`), or chat records (JSON / JSONL, `messages` or
+  ShareGPT `conversations`) rendered with the model's chat template, one document per row. Every row is a
+  `PackedRow` checked against the packed-row contract (`hylo.pipeline.data.rows.check_row`,
   `PackedRowError`), except that a loss mask set on a document's last token is cleared, not refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import itertools
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,8 +40,9 @@ import numpy as np
 import torch
 from hylo.kernels.backend import forced_mode
 from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div
-from hylo.kernels.varlen import DocBounds
-from hylo.pipeline.data.rows import check_row
+from hylo.pipeline.data.reader import ParquetRows, RowReader
+from hylo.pipeline.data.rows import PackedRow, check_row
+from hylo.pipeline.data.shards import MANIFEST
 from hylo.pipeline.eval.decode import EvalError, final_hidden, is_hylo
 from hylo.pipeline.eval.progress import progress
 from torch import nn
@@ -49,33 +53,22 @@ LOGITS_CHUNK = 1024
 
 
 # ----------------------------------------------------------------------------------------- rows
-def check_eval_row(row: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
-    """One packed row checked (`hylo.pipeline.data.rows.check_row`, PackedRowError naming `where` and the field) and
-    reduced to what scoring needs: input_ids [T] int64, cu_seqlens [N + 1] int32, loss_mask [T] bool
-    (every token without a mask), never set on a document's last token."""
+def check_eval_row(row: Mapping[str, Any] | PackedRow, where: str) -> PackedRow:
+    """One packed row checked (`hylo.pipeline.data.rows.check_row`, PackedRowError naming `where` and the
+    field) with the tokens evaluation scores in its `loss_mask`: a mask set on a document's last token is
+    cleared, and a row without a mask scores every token except the last of each document."""
     prow = check_row(row, where, clear_crossing_labels=True)
-    mask = prow.loss_mask
-    if mask is None:
+    if prow.loss_mask is None:
         # no label crosses a document: the last token of every document is never scored
         mask = torch.ones(prow.num_tokens, dtype=torch.bool)
         mask[prow.cu_seqlens[1:].long() - 1] = False
-    return {"input_ids": prow.input_ids, "cu_seqlens": prow.cu_seqlens, "loss_mask": mask}
+        prow = dataclasses.replace(prow, loss_mask=mask)
+    return prow
 
 
-def _read_parquet_rows(path: Path, limit: int | None) -> Iterator[dict[str, Any]]:
-    from hylo.pipeline.data.rowfile import PackedRowFile
-
-    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
-    if not files:
-        raise EvalError(f"{path}: no *.parquet files")
-    n = 0
-    for f in files:
-        for row in PackedRowFile(f).rows():
-            if limit is not None and n >= limit:
-                return
-            yield {c: row[c] for c in ("input_ids", "cu_seqlens", "loss_mask") if c in row} | {
-                "_where": f"{f.name} row {n}"}
-            n += 1
+def scored_tokens(row: PackedRow) -> torch.Tensor:
+    """[N] indices of the tokens a row checked by `check_eval_row` scores (their label is the next token)."""
+    return row.loss_mask.nonzero().squeeze(-1)
 
 
 def _chat_rows(path: Path, tokenizer_dir: str | Path, limit: int | None,
@@ -111,8 +104,9 @@ def _chat_rows(path: Path, tokenizer_dir: str | Path, limit: int | None,
 
 
 def iter_eval_rows(data: str | Path, tokenizer_dir: str | Path | None = None, max_rows: int | None = None,
-                   rejects: list[dict[str, Any]] | None = None) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-    """(where, row) for every held-out row of `data` (see the module docstring for formats).
+                   rejects: list[dict[str, Any]] | None = None) -> Iterator[tuple[str, PackedRow]]:
+    """(where, checked row) for every held-out row of `data` (see the module docstring for formats),
+    through the one reader of packed rows (`hylo.pipeline.data.reader.RowReader`) for Parquet input.
 
     Chat records that cannot be read or rendered raise EvalError, or, when a `rejects` list is
     given, are appended to it ({record, reason}) and skipped.
@@ -120,40 +114,40 @@ def iter_eval_rows(data: str | Path, tokenizer_dir: str | Path | None = None, ma
     p = Path(data)
     if not p.exists():
         raise EvalError(f"eval data {p} does not exist")
-    if p.is_dir() and (p / "manifest.json").is_file():
-        from hylo.pipeline.data.reader import RowReader
-
+    if p.is_dir() and (p / MANIFEST).is_file():
         reader = RowReader(p, drop_last=False, clear_crossing_labels=True)
-        for i, row in enumerate(reader):
-            if max_rows is not None and i >= max_rows:
-                return
-            yield f"{p.name} row {i}", check_eval_row(row, f"{p} row {i}")
-        return
-    if p.suffix == ".parquet" or (p.is_dir() and any(p.glob("*.parquet"))):
-        raw = _read_parquet_rows(p, max_rows)
+
+        def label(g: int) -> str:
+            return f"{p.name} row {g}"
+    elif p.suffix == ".parquet" or (p.is_dir() and any(p.glob("*.parquet"))):
+        files = ParquetRows(sorted(p.glob("*.parquet")) if p.is_dir() else [p])
+        reader = RowReader(files, drop_last=False, clear_crossing_labels=True)
+
+        def label(g: int) -> str:
+            path, r = files.locate(g)
+            return f"{path.name} row {r}"
     elif p.is_file() and any(s in (".json", ".jsonl") for s in p.suffixes):
         if tokenizer_dir is None:
             raise EvalError(f"{p}: chat records need a tokenizer (the model directory has none)")
-        raw = _chat_rows(p, tokenizer_dir, max_rows, rejects)
+        for row in _chat_rows(p, tokenizer_dir, max_rows, rejects):
+            where = row.pop("_where")
+            yield where, check_eval_row(row, where)
+        return
     else:
         raise EvalError(f"{p}: not a packed-data directory (manifest.json), Parquet rows or JSON/JSONL chat records")
-    for row in raw:
-        where = row.pop("_where")
-        yield where, check_eval_row(row, where)
+    for g, row in enumerate(itertools.islice(reader, max_rows)):
+        yield label(g), check_eval_row(row, label(g))
 
 
 # ----------------------------------------------------------------------------------------- math
-def hidden_states(model: nn.Module, row: dict[str, torch.Tensor]) -> torch.Tensor:
+def hidden_states(model: nn.Module, row: PackedRow) -> torch.Tensor:
     """Final normed hidden states [T, D] with documents isolated."""
     device = next(model.parameters()).device
-    ids_T = row["input_ids"].to(device)
-    cu = row["cu_seqlens"]
+    ids_T = row.input_ids.to(device)
     if is_hylo(model):
-        # boundaries from the host row: the model never reads them back from the device
-        bounds = DocBounds.from_host(cu, ids_T.numel(), device) if cu.numel() > 2 else None
-        return final_hidden(model, ids_T, bounds)
-    parts = [final_hidden(model, ids_T[int(s):int(e)]) for s, e in zip(cu[:-1], cu[1:])]
-    return torch.cat(parts, dim=0)
+        # the row's checked host boundaries: the model never reads them back from the device
+        return final_hidden(model, ids_T, row.bounds(device) if len(row.host) > 2 else None)
+    return torch.cat([final_hidden(model, ids_T[s:e]) for s, e in row.documents()], dim=0)
 
 
 def _path(exact: bool) -> contextlib.AbstractContextManager:
@@ -197,18 +191,18 @@ class TeacherStateCache:
                     self.states = {h: (f.get_tensor(h), float(v)) for h, v in nll.items()}
 
     @staticmethod
-    def row_hash(row: dict[str, torch.Tensor]) -> str:
-        h = hashlib.sha256(row["input_ids"].numpy().tobytes())
-        h.update(row["loss_mask"].numpy().tobytes())
+    def row_hash(row: PackedRow) -> str:
+        h = hashlib.sha256(row.input_ids.numpy().tobytes())
+        h.update(row.loss_mask.numpy().tobytes())
         return h.hexdigest()[:32]
 
-    def get(self, row: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float] | None:
+    def get(self, row: PackedRow) -> tuple[torch.Tensor, float] | None:
         hit = self.states.get(self.row_hash(row))
         self.hits += hit is not None
         self.misses += hit is None
         return hit
 
-    def put(self, row: dict[str, torch.Tensor], h_ND: torch.Tensor, nll_sum: float) -> None:
+    def put(self, row: PackedRow, h_ND: torch.Tensor, nll_sum: float) -> None:
         self.states[self.row_hash(row)] = (h_ND.detach().cpu().contiguous(), nll_sum)
         self.dirty = True
 
@@ -248,12 +242,13 @@ def _output_weight(model: nn.Module) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_kl(model: nn.Module, rows: Iterable[tuple[str, dict[str, Any]]], teacher: nn.Module | None = None, use_fused: bool = True,
+def evaluate_kl(model: nn.Module, rows: Iterable[tuple[str, Mapping[str, Any] | PackedRow]], teacher: nn.Module | None = None, use_fused: bool = True,
                 chunk: int = LOGITS_CHUNK, total: int | None = None, show_progress: bool = False,
                 teacher_cache: TeacherStateCache | None = None) -> KLResult:
     """KL(teacher || model) per scored token, and NLL / perplexity of model (and teacher).
 
-    rows: (where, packed row) pairs, e.g. from `iter_eval_rows`; `where` names the row in errors.
+    rows: (where, packed row) pairs, e.g. from `iter_eval_rows` (a row that is not a `PackedRow` is checked
+    here, as `check_eval_row` does); `where` names the row in errors.
     `show_progress`: a progress bar over rows (`total` = the expected count, when known).
     teacher_cache: reuse (and record) the teacher's hidden states per row instead of its forward.
     """
@@ -269,15 +264,15 @@ def evaluate_kl(model: nn.Module, rows: Iterable[tuple[str, dict[str, Any]]], te
     for where, row in progress(rows, desc="kl rows", total=total, unit="row", disable=not show_progress):
         row = check_eval_row(row, where)
         vocab = ws.shape[0]
-        top = int(row["input_ids"].max())
+        top = int(row.input_ids.max())
         if top >= vocab:
             raise EvalError(f"{where}: token id {top} is outside the model's vocabulary ({vocab})")
-        idx = row["loss_mask"].nonzero().squeeze(-1)
+        idx = scored_tokens(row)
         n_rows += 1
-        n_docs += row["cu_seqlens"].numel() - 1
+        n_docs += len(row.host) - 1
         if idx.numel() == 0:
             continue
-        labels_N = row["input_ids"][idx + 1].to(ws.device)
+        labels_N = row.input_ids[idx + 1].to(ws.device)
         hs_ND = hidden_states(model, row)[idx.to(ws.device)]
         nll_sum += sum_nll(hs_ND, ws, labels_N, chunk, exact)
         if teacher is not None:

@@ -25,6 +25,8 @@ Design choices:
   wrong cache is detected. Shards are written with Parquet page checksums and read with their
   verification on (`rowfile.PAGE_CHECKSUMS`): a changed byte is an error naming the shard and row group,
   never a changed teacher distribution (a cache written before carries none and reads unverified).
+* A shard's rows are read by the one reader of packed rows (`hylo.pipeline.data.reader.RowReader`, from
+  the shard's first row), so the teacher is given the same checked `PackedRow`s as training.
 * Row ids are the data's `row_id` column when present, else a content hash of the row
   (`hylo.pipeline.data.rows.PackedRow.row_id`), so `get_for_row(row)` also proves the row is the same data.
 """
@@ -32,6 +34,7 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -42,8 +45,9 @@ from typing import Any
 import numpy as np
 import torch
 from hylo.kernels.fused_kl.topk import TeacherTopK
-from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, PackedRowFile, damage, open_parquet
-from hylo.pipeline.data.rows import PackedRow, check_row
+from hylo.pipeline.data.reader import ParquetRows, RowReader
+from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, damage, open_parquet
+from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.protocol import TargetSpec, unsupported
 
 from hylo.files import atomic_path, atomic_write, read_json
@@ -198,9 +202,9 @@ def compute_shard(teacher: Any, data_dir: str | Path, out_dir: str | Path, heade
                   plan: ShardPlan) -> dict[str, Any]:
     """Run `teacher` (a TeacherModel) over one shard's rows and write it; returns a summary."""
     t0 = time.perf_counter()
-    src = Path(data_dir) / plan.file
-    rows = PackedRowFile(src).rows(plan.start, plan.end)
-    prows = [check_row(r, where=f"{src} row {plan.start + i}") for i, r in enumerate(rows)]
+    # the shard's rows through the one reader of packed rows, from its first row on (each row checked)
+    reader = RowReader(ParquetRows([Path(data_dir) / plan.file]), start=plan.start, drop_last=False)
+    prows = list(itertools.islice(reader, plan.end - plan.start))
     records = teacher.topk_batch(prows, header["k"], dtype=header["dtype"])
     path = Path(out_dir) / SHARD_DIR / f"{plan.name}.parquet"
     size = write_shard(path, header, plan, [r.row_id for r in prows], records)

@@ -62,7 +62,7 @@ def _convert_options_fit_the_base(cfg: StageConfig, base_dir: str | Path) -> Non
 
 
 def _data(cfg: StageConfig) -> None:
-    from hylo.pipeline.train.rows import open_rows
+    from hylo.pipeline.train.row_sources import open_rows
 
     source = open_rows(cfg.data, cfg.train.seed, 0, cfg.ray.num_workers).source
     source.check_shards()

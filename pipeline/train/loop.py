@@ -60,7 +60,7 @@ from hylo.pipeline.train import checkpoint as ckpt_lib
 from hylo.pipeline.train.config import FaultSection, StageConfig, config_from_dict
 from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
 from hylo.pipeline.train.metrics import METRICS_FILE, TB_DIR, MetricsWriter, peak_memory_mib
-from hylo.pipeline.train.rows import open_rows
+from hylo.pipeline.train.row_sources import open_rows
 from hylo.pipeline.train.storage import (
     Loc,
     fresh_local_dir,

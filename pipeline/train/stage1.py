@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.rows import PackedRow
@@ -40,7 +39,6 @@ from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-PAD_DOC_ID = ""
 EPS = 1e-6
 
 
@@ -71,10 +69,11 @@ class BaseLayerTargets:
         return hook
 
     @torch.no_grad()
-    def __call__(self, b: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    def __call__(self, row: PackedRow) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(inputs, outputs, attention outputs) [1, T, D] of every layer on one packed row (on the base's device)."""
         # No attention mask and no cache: transformers builds the block-diagonal (per-document) mask
         # from the restarting position ids.
-        self.base.model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False)
+        self.base.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False)
         return list(self._inputs), list(self._outputs), list(self._mixers)
 
 
@@ -94,27 +93,19 @@ class ILDStudent(nn.Module):
         self.ild = cfg.ild
         self.checkpointing = cfg.model.activation_checkpointing
 
-    def forward(self, b: dict[str, torch.Tensor], x_in: list[torch.Tensor], y_out: list[torch.Tensor],
-                y_mix: list[torch.Tensor], tokens_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, position_ids_1T: torch.Tensor, cu_seqlens: torch.Tensor, x_in: list[torch.Tensor],
+                y_out: list[torch.Tensor], y_mix: list[torch.Tensor],
+                tokens_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out_sum = mix_sum = torch.zeros((), device=tokens_T.device)
         for i, layer in enumerate(self.student.model.layers):
             x = x_in[i].to(layer.input_layernorm.weight.dtype)
             if self.checkpointing and self.training:
-                out, mix = checkpoint(layer, x, b["position_ids"], b["cu_seqlens"], None, use_reentrant=False)
+                out, mix = checkpoint(layer, x, position_ids_1T, cu_seqlens, None, use_reentrant=False)
             else:
-                out, mix = layer(x, b["position_ids"], b["cu_seqlens"], None)
+                out, mix = layer(x, position_ids_1T, cu_seqlens, None)
             out_sum = out_sum + (token_distance(out, y_out[i], self.ild.squared) * tokens_T).sum()
             mix_sum = mix_sum + (token_distance(mix, y_mix[i], self.ild.squared) * tokens_T).sum()
         return out_sum, mix_sum
-
-
-def real_tokens(row: PackedRow) -> np.ndarray:
-    """[T] 1.0 on tokens of real documents, 0.0 on the padding segment."""
-    keep = np.ones(row.num_tokens, dtype=np.float32)
-    for doc_id, (s, e) in zip(row.doc_ids or (), row.documents()):
-        if doc_id == PAD_DOC_ID:
-            keep[s:e] = 0.0
-    return keep
 
 
 def trainable_parameters(student: nn.Module, trainable: str) -> list[nn.Parameter]:
@@ -166,16 +157,16 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage1Task:
 def train_step(task: Stage1Task, rows: list[PackedRow], ctx: WorkerContext) -> StepResult:
     """One optimiser step: base layer targets -> student layers on base inputs -> L2 losses -> backward."""
     ild, engine = task.cfg.ild, task.engine
-    keep = [real_tokens(r) for r in rows]
+    keep = [r.real_tokens() for r in rows]
     n_global = ctx.all_sum([float(sum(k.sum() for k in keep))])[0]
     scale = ctx.world_size / max(n_global, 1.0)
     lr = current_lr(engine)
     out = {"loss_sum": 0.0, "ild_output_sum": 0.0, "ild_mixer_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
     for i, (row, keep_T) in enumerate(zip(rows, keep)):
-        b = row_to_device(row, ctx.device)
-        x_in, y_out, y_mix = task.base(b)
-        tokens_T = torch.as_tensor(keep_T, device=ctx.device)
-        d_out, d_mix = engine(b, x_in, y_out, y_mix, tokens_T)
+        d = row_to_device(row, ctx.device)
+        x_in, y_out, y_mix = task.base(d)
+        tokens_T = keep_T.to(ctx.device)
+        d_out, d_mix = engine(d.position_ids[None], d.cu_seqlens, x_in, y_out, y_mix, tokens_T)
         loss = ild.output_weight * d_out + ild.mixer_weight * d_mix
         engine.backward(loss * scale, scale_wrt_gas=False)
         if i == 0:
@@ -185,7 +176,7 @@ def train_step(task: Stage1Task, rows: list[PackedRow], ctx: WorkerContext) -> S
         out["ild_output_sum"] += float(d_out)
         out["ild_mixer_sum"] += float(d_mix)
         out["loss_tokens"] += float(keep_T.sum())
-        out["tokens"] += float(b["input_ids"].numel())
+        out["tokens"] += float(row.num_tokens)
     return StepResult(out, lr, float(engine.get_global_grad_norm() or 0.0))
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div
 from hylo.kernels.fused_kl.inputs import check_deferred
+from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.protocol import BoundTeacher
@@ -51,17 +52,20 @@ class KDStudent(nn.Module):
 
             deepspeed.zero.register_external_parameter(self, student.lm_head.weight)
 
-    def forward(self, b: dict[str, torch.Tensor], teacher: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        # the host-checked boundaries (row_to_device): the forward reads nothing back from the device
-        h_TD = self.student.model(input_ids=b["input_ids"], position_ids=b["position_ids"],
-                                  cu_seqlens=b.get("bounds", b["cu_seqlens"])).last_hidden_state[0]
+    def forward(self, input_ids_T: torch.Tensor, bounds: DocBounds, loss_mask_T: torch.Tensor,
+                teacher: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One packed row on the device: its tokens, its host-checked boundaries (the forward reads nothing
+        back from the device) and its loss mask; the label of token t is token t + 1 (where the mask is set,
+        inside its document)."""
+        h_TD = self.student.model(input_ids=input_ids_T[None], position_ids=bounds.positions[None],
+                                  cu_seqlens=bounds).last_hidden_state[0]
         w_VD = self.student.lm_head.weight
-        kl = fused_linear_kl_div(h_TD, w_VD, **teacher, mask=b["loss_mask"], temperature=self.kd.temperature,
+        kl = fused_linear_kl_div(h_TD, w_VD, **teacher, mask=loss_mask_T, temperature=self.kd.temperature,
                                  reduction="sum", chunk_size=self.kd.chunk_size)
         ce = h_TD.new_zeros((), dtype=torch.float32)
         if self.kd.ce_weight:
-            ce = fused_linear_cross_entropy(h_TD, w_VD, b["labels"], mask=b["loss_mask"], reduction="sum",
-                                            chunk_size=self.kd.chunk_size)
+            ce = fused_linear_cross_entropy(h_TD, w_VD, torch.roll(input_ids_T, -1), mask=loss_mask_T,
+                                            reduction="sum", chunk_size=self.kd.chunk_size)
         return kl, ce
 
 
@@ -103,8 +107,8 @@ def train_step(task: Stage2Task, rows: list[PackedRow], ctx: WorkerContext) -> S
     # the reader's rows are checked PackedRows already (pipeline/data/reader.py): no check here
     targets = task.teacher.targets(rows, ctx.device)
     for i, (row, teacher) in enumerate(zip(rows, targets)):
-        b = row_to_device(row, ctx.device)
-        kl, ce = engine(b, teacher)
+        d = row_to_device(row, ctx.device)
+        kl, ce = engine(d.input_ids, d.bounds(), d.loss_mask, teacher)
         loss = kd.kl_weight * kl + kd.ce_weight * ce
         engine.backward(loss * scale, scale_wrt_gas=False)
         if i == 0:

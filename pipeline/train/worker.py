@@ -26,7 +26,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.train.config import StageConfig
 from hylo.pipeline.train.storage import Loc
@@ -89,28 +88,13 @@ class Stage:
     train_step: Callable[[Any, list[PackedRow], WorkerContext], StepResult]
 
 
-def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # from pinned memory without blocking: a copy from pageable memory synchronises the GPU
-    if torch.device(device).type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
+def row_to_device(row: PackedRow, device: torch.device) -> PackedRow:
+    """A checked packed row (as the reader yields it) on `device`, for a step's forward (`PackedRow.to`).
 
-
-def row_to_device(row: PackedRow, device: torch.device) -> dict[str, Any]:
-    """A checked packed row (as the reader yields it) -> [1, T] tensors on `device`; labels = next token
-    within the row.
-
-    `bounds` holds the row's boundaries as the reader checked them on the host (`DocBounds`): given to
-    the model instead of `cu_seqlens`, the forward neither checks them again nor reads them back from
-    the device. Nothing here checks or converts the row's fields again."""
+    Its host boundaries come along: `row.bounds()` gives the model the `DocBounds` the reader checked, so
+    the forward neither checks them again nor reads them back from the device. A stage's module takes the
+    row's tensors and its `DocBounds` (a NamedTuple), which ZeRO-3's hooks on a module's inputs can walk;
+    nothing here checks or converts the row's fields again."""
     if row.loss_mask is None:
         raise ValueError(f"row {row.key or row.row_id}: a training row needs a loss_mask")
-    cu = _to_device(row.cu_seqlens, device)
-    return {
-        "input_ids": _to_device(row.input_ids.unsqueeze(0), device),
-        "position_ids": _to_device(row.position_ids.unsqueeze(0), device),
-        "cu_seqlens": cu,
-        "bounds": DocBounds(cu, row.host, _to_device(row.position_ids, device)),
-        "loss_mask": _to_device(row.loss_mask, device),
-        "labels": _to_device(torch.roll(row.input_ids, -1), device),
-    }
+    return row.to(device)

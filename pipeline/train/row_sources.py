@@ -1,5 +1,6 @@
-"""Where each training worker gets its packed rows: the data section of a stage's config -> the one
-`hylo.pipeline.data.reader.RowReader` (strided over workers, exact saveable position, checked rows).
+"""The row sources of training: the data section of a stage's config -> the one
+`hylo.pipeline.data.reader.RowReader` (strided over workers, exact saveable position, checked rows) over
+a prepared split or synthetic rows.
 
 Legend: T tokens of a row, W workers, N rows in the split.
 
