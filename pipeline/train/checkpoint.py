@@ -290,10 +290,6 @@ def latest_checkpoint(run_dir: Path | Loc) -> Loc | None:
     return ckpts[-1][1] if ckpts else None
 
 
-def checkpoint_step(ckpt: Path | Loc) -> int:
-    return int(read_json(Loc.of(ckpt) / STATE_FILE)["step"])
-
-
 def resume_candidates(run_dir: Path | Loc, start: Path | Loc | None = None, walk: bool = True) -> list[Loc]:
     """Checkpoints to try, newest first: `start` (default: the newest `step_N` of the run) and, with
     `walk`, every older `step_N` of the run."""
