@@ -157,7 +157,7 @@ def _teacher_cache(d: Path) -> None:
 
 
 def _checkpoint(d: Path) -> None:
-    from hylo.pipeline.train.checkpoint import read_json as read_checkpoint_json
+    from hylo.pipeline.train.checkpoint.layout import read_json as read_checkpoint_json
 
     read_checkpoint_json(d / "state.json")
 
@@ -175,7 +175,7 @@ READERS = {
     "base_model": (_base, "config.json", ("hylo.upcycle", "UpcycleError"), True),
     "data_manifest": (_data_manifest, "manifest.json", ("hylo.pipeline.data.rowfile", "DataFormatError"), False),
     "teacher_cache": (_teacher_cache, "manifest.json", ("hylo.pipeline.teacher.cache", "CacheFormatError"), True),
-    "checkpoint": (_checkpoint, "state.json", ("hylo.pipeline.train.checkpoint", "CheckpointError"), False),
+    "checkpoint": (_checkpoint, "state.json", ("hylo.pipeline.train.checkpoint.layout", "CheckpointError"), False),
     "tokenizer": (_tokenizer, "tokenizer.json", ("builtins", "ValueError"), False),
 }
 

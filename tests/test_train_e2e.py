@@ -28,7 +28,13 @@ from pathlib import Path
 import pytest
 import torch
 from hylo.pipeline.ray_init import ray_running
-from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.checkpoint.layout import (
+    MANIFEST,
+    checkpoint_problem,
+    is_complete,
+    list_checkpoints,
+    sha256_file,
+)
 from hylo.pipeline.train.metrics import read_metrics
 
 from fixtures_train import make_tiny_models, tiny_config, write_config
@@ -86,12 +92,12 @@ def _plant_payload(ckpt: Path, marker: Path) -> None:
         def __reduce__(self):
             return (Path.write_text, (marker, "pwned"))
 
-    manifest = json.loads((ckpt / ckpt_lib.MANIFEST).read_text())
+    manifest = json.loads((ckpt / MANIFEST).read_text())
     for shard in sorted((ckpt / "zero" / "state").glob("*model_states.pt")):
         torch.save({"module": Payload(), "param_shapes": []}, shard)
         manifest["files"][shard.relative_to(ckpt).as_posix()] = {
-            "size": shard.stat().st_size, "sha256": ckpt_lib.sha256_file(shard)}
-    (ckpt / ckpt_lib.MANIFEST).write_text(json.dumps(manifest))
+            "size": shard.stat().st_size, "sha256": sha256_file(shard)}
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
 
 
 def test_exact_resume_after_sigkill(tiny, reference):
@@ -107,8 +113,8 @@ def test_exact_resume_after_sigkill(tiny, reference):
                       "--set", "fault.kill_rank=1")
     assert killed.returncode != 0 and "SIGKILL at step 6" in killed.stdout
     run = root / "runs" / "killed"
-    assert max(read_metrics(run)) == 6 and ckpt_lib.is_complete(run / "step_00000006")
-    assert ckpt_lib.checkpoint_problem(run / "step_00000003", deep=True) is None
+    assert max(read_metrics(run)) == 6 and is_complete(run / "step_00000006")
+    assert checkpoint_problem(run / "step_00000003", deep=True) is None
     # Restarting without --resume is refused with a clear message.
     with pytest.raises(ConfigError, match="pass --resume"):
         check_run_dir(load_stage_config(2, cfg_path), None)
@@ -167,15 +173,15 @@ def test_resume_from_an_older_checkpoint_starts_a_new_line_of_checkpoints(tiny, 
     (aside,) = (run / "abandoned").iterdir()
     assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "step_00000006", "step_00000009",
                                                        "step_00000012"]
-    assert ckpt_lib.checkpoint_problem(aside / "step_00000012", deep=True) is None
+    assert checkpoint_problem(aside / "step_00000012", deep=True) is None
     assert list(read_metrics(aside)) == list(range(1, 13))
-    assert [s for s, _ in ckpt_lib.list_checkpoints(run)] == [3, 6]
+    assert [s for s, _ in list_checkpoints(run)] == [3, 6]
 
     resumed = torchrun(2, cfg_path, "--resume")
     assert_ok(resumed)
     assert f"resumed from {run / 'step_00000006'} at step 6" in resumed.stdout
     assert "starts a new line" not in resumed.stdout
-    assert [s for s, _ in ckpt_lib.list_checkpoints(run)] == [9, 12]
+    assert [s for s, _ in list_checkpoints(run)] == [9, 12]
     got = read_metrics(run)
     assert list(got) == list(range(1, 13)) and len((run / "metrics.jsonl").read_text().splitlines()) == 12
     assert [got[s]["resumed_from"] for s in range(4, 13)] == [3] * 3 + [6] * 6
@@ -247,7 +253,7 @@ def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference):
     assert all(got[s]["resumed_from"] == 3 for s in range(4, 9))
     assert_same_steps(read_metrics(reference), got, range(1, 9))
     assert (rd / "step_00000006").is_dir() and (rd / "model" / "hybrid_config.json").is_file()
-    assert ckpt_lib.checkpoint_problem(rd / "step_00000006", deep=True) is None
+    assert checkpoint_problem(rd / "step_00000006", deep=True) is None
     assert list((rd / "tensorboard").glob("events.out.tfevents.*"))
 
 
@@ -318,7 +324,7 @@ def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, ref
             try:
                 first = run(2, ["--config", str(cfg_path)])
                 rd = Loc.of(s3("runs/ray/s3"))
-                assert first["run_dir"] == str(rd) and [s for s, _ in ckpt_lib.list_checkpoints(rd)] == [3, 6]
+                assert first["run_dir"] == str(rd) and [s for s, _ in list_checkpoints(rd)] == [3, 6]
                 assert (rd / "model" / "hybrid_config.json").is_file() and (rd / "config_stage2.json").is_file()
                 assert (rd / "checkpoint_manager_snapshot.json").is_file() and (rd / "tensorboard").files()
                 assert list(read_metrics(rd)) == list(range(1, 7))
@@ -333,7 +339,7 @@ def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, ref
         assert second["last_step"] == 8 and list(got) == list(range(1, 9))
         assert all(got[s]["resumed_from"] == 3 for s in range(4, 9))
         assert_same_steps(read_metrics(reference), got, range(1, 9))
-        assert [s for s, _ in ckpt_lib.list_checkpoints(rd)] == [3, 6, 8]
+        assert [s for s, _ in list_checkpoints(rd)] == [3, 6, 8]
     assert not list(REPO.glob("s3:*")) and not list(Path.cwd().glob("s3:*"))
 
 
