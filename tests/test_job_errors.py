@@ -96,6 +96,21 @@ def test_ray_wrapped_worker_errors_are_found():
     assert input_error_message(WorkerGroupError("x", {0: RuntimeError("nccl")})) is None
 
 
+def test_every_listed_input_error_class_exists_under_that_module_and_name():
+    """cli.INPUT_ERRORS names classes by module and name (so cli imports none of them): a class that moved
+    or was renamed would silently turn its bad-input errors into tracebacks with exit status 1."""
+    import importlib
+
+    from hylo.pipeline.cli import INPUT_ERRORS
+
+    missing = []
+    for module, name in INPUT_ERRORS:
+        cls = getattr(importlib.import_module(module), name, None)
+        if not (isinstance(cls, type) and issubclass(cls, BaseException) and cls.__name__ == name):
+            missing.append(f"{module}.{name}")
+    assert not missing, f"INPUT_ERRORS names classes that do not exist there: {missing}"
+
+
 def test_non_finite_float_flags_are_bad_arguments():
     import argparse
 
