@@ -16,7 +16,6 @@ Design choices:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ from hylo.pipeline.train.checkpoint.layout import (
     FORMAT_VERSION,
     STATE_FILE,
     CheckpointError,
-    checkpoint_problem,
     is_complete,
     manifest_or_reason,
     read_json,
@@ -75,16 +73,6 @@ def launch_checkpoints(run_dir: Path | Loc, launch_id: str) -> list[Loc]:
         if m is not None and m.get("launch_id") == launch_id:
             out.append(p)
     return out
-
-
-def choose_intact(candidates: list[Loc], deep: bool = True, log: Callable[[str], None] = print) -> Loc | None:
-    """The first intact checkpoint of `candidates` (newest first); logs each skipped one and why."""
-    for c in candidates:
-        problem = checkpoint_problem(c, deep=deep)
-        if problem is None:
-            return c
-        log(f"[resume] skipping {c.name}: {problem}")
-    return None
 
 
 # ------------------------------------------------------------------------------------ compatibility
