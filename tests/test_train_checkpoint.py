@@ -23,7 +23,7 @@ import torch
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.checkpoint.deepspeed_io import load_checkpoint, safe_deepspeed_load, save_checkpoint
 from hylo.pipeline.train.checkpoint.layout import (
-    MANIFEST,
+    CHECKPOINT_MANIFEST,
     CheckpointError,
     checkpoint_problem,
     delete_checkpoints,
@@ -167,15 +167,15 @@ def test_manifest_lists_every_file_and_is_written_last(tmp_path, launcher):
     run = tmp_path / "run"
     ck = (torchrun_checkpoint(run, 3) if launcher == "torchrun"
           else ray_checkpoint(Loc.of(run), 3, tmp_path / "scratch"))
-    m = json.loads((Loc.of(ck) / MANIFEST).read_text())
+    m = json.loads((Loc.of(ck) / CHECKPOINT_MANIFEST).read_text())
     files = Loc.of(ck).files()
-    assert set(m["files"]) == set(files) - {MANIFEST}
+    assert set(m["files"]) == set(files) - {CHECKPOINT_MANIFEST}
     assert {"zero/state/zero_pp_rank_1_mp_rank_00_optim_states.pt", "ranks/rank_1.rng.safetensors",
             "trainer_state.json", "ranks/rank_0.files.json"} <= set(m["files"])
     assert all(m["files"][f]["size"] == files[f] for f in m["files"])
     assert checkpoint_problem(ck, deep=True) is None and latest_checkpoint(run) == ck
     # before rank 0's manifest, the same files do not count
-    (Loc.of(ck) / MANIFEST).rmtree()
+    (Loc.of(ck) / CHECKPOINT_MANIFEST).rmtree()
     assert not is_complete(ck) and latest_checkpoint(run) is None
 
 
@@ -194,7 +194,7 @@ def _truncate(p: Path) -> None:
      r"zero/state/zero_pp_rank_1_mp_rank_00_optim_states\.pt: 33,\d{3} bytes, the manifest records 67,\d{3} "),
     (lambda c: _truncate(c / "ranks/rank_0.rng.safetensors"), r"ranks/rank_0\.rng\.safetensors: [\d,]+ bytes"),
     (lambda c: (c / "ranks/rank_1.json").write_text("{}"), r"ranks/rank_1\.json: 2 bytes"),
-    (lambda c: (c / MANIFEST).write_text('{"files": '), r"manifest\.json is not valid JSON"),
+    (lambda c: (c / CHECKPOINT_MANIFEST).write_text('{"files": '), r"manifest\.json is not valid JSON"),
 ], ids=["truncated-zero-shard", "missing-model-states", "truncated-optim-shard", "truncated-rng",
         "rewritten-rank-state", "torn-manifest"])
 def test_resume_walks_back_past_a_damaged_checkpoint(tmp_path, damage, needle):
@@ -240,8 +240,8 @@ def test_prune_keeps_newest_intact_and_drops_older_partial(tmp_path):
     run = tmp_path / "run"
     for step in (3, 6, 9, 12):
         torchrun_checkpoint(run, step)
-    (run / "step_00000003" / MANIFEST).unlink()
-    (run / "step_00000012" / MANIFEST).unlink()  # newest, unfinished: never pruned
+    (run / "step_00000003" / CHECKPOINT_MANIFEST).unlink()
+    (run / "step_00000012" / CHECKPOINT_MANIFEST).unlink()  # newest, unfinished: never pruned
     assert prune(run, keep=1) == ["step_00000003", "step_00000006"]
     assert [p.name for _, p in step_dirs(run)] == ["step_00000009", "step_00000012"]
 
@@ -413,9 +413,9 @@ def test_planted_pickle_with_forged_manifest_is_never_unpickled(tmp_path):
     marker = tmp_path / "pwned"
     shard = ck / "zero/state/zero_pp_rank_0_mp_rank_00_model_states.pt"
     _plant(shard, marker)
-    m = json.loads((ck / MANIFEST).read_text())
+    m = json.loads((ck / CHECKPOINT_MANIFEST).read_text())
     m["files"][str(shard.relative_to(ck))] = {"size": shard.stat().st_size, "sha256": sha256_file(shard)}
-    (ck / MANIFEST).write_text(json.dumps(m))
+    (ck / CHECKPOINT_MANIFEST).write_text(json.dumps(m))
     assert checkpoint_problem(ck, deep=True) is None
     engine = FakeEngine(0, 3)
     with pytest.raises(CheckpointError, match="refused to load a DeepSpeed file"):

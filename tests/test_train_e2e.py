@@ -29,7 +29,7 @@ import pytest
 import torch
 from hylo.pipeline.ray_init import ray_running
 from hylo.pipeline.train.checkpoint.layout import (
-    MANIFEST,
+    CHECKPOINT_MANIFEST,
     checkpoint_problem,
     is_complete,
     list_checkpoints,
@@ -92,12 +92,12 @@ def _plant_payload(ckpt: Path, marker: Path) -> None:
         def __reduce__(self):
             return (Path.write_text, (marker, "pwned"))
 
-    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest = json.loads((ckpt / CHECKPOINT_MANIFEST).read_text())
     for shard in sorted((ckpt / "zero" / "state").glob("*model_states.pt")):
         torch.save({"module": Payload(), "param_shapes": []}, shard)
         manifest["files"][shard.relative_to(ckpt).as_posix()] = {
             "size": shard.stat().st_size, "sha256": sha256_file(shard)}
-    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    (ckpt / CHECKPOINT_MANIFEST).write_text(json.dumps(manifest))
 
 
 def test_exact_resume_after_sigkill(tiny, reference):

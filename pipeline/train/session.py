@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 from hylo.pipeline.train.checkpoint.layout import (
-    MANIFEST,
+    CHECKPOINT_MANIFEST,
     CheckpointError,
     checkpoint_problem,
     finalize_checkpoint,
@@ -284,7 +284,7 @@ class RaySession(Session):
             except OSError as e:
                 if not is_disk_full(e):
                     raise
-                raise upload_error(target, None, e, step, 0, file=MANIFEST) from e
+                raise upload_error(target, None, e, step, 0, file=CHECKPOINT_MANIFEST) from e
             self.after_checkpoint()
 
     def upload(self, record: dict[str, Any], ckpt_dir: Path, target: Loc, step: int) -> None:

@@ -32,7 +32,7 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 ZERO_DIR = "zero"
 ZERO_TAG = "state"
 STATE_FILE = "trainer_state.json"
-MANIFEST = "manifest.json"
+CHECKPOINT_MANIFEST = "manifest.json"
 RANK_FILES = re.compile(r"^ranks/rank_\d+\.files\.json$")
 FORMAT_VERSION = 2
 
@@ -102,7 +102,7 @@ def _hashable_files(ckpt: Path) -> list[str]:
     out = []
     for p in ckpt.rglob("*"):
         rel = p.relative_to(ckpt).as_posix()
-        if p.is_file() and rel != MANIFEST and not RANK_FILES.match(rel) and ".tmp-" not in p.name:
+        if p.is_file() and rel != CHECKPOINT_MANIFEST and not RANK_FILES.match(rel) and ".tmp-" not in p.name:
             out.append(rel)
     return sorted(out)
 
@@ -144,7 +144,7 @@ def finalize_checkpoint(ckpt: Path | Loc, step: int, world_size: int, launch_id:
     manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "files": files}
     if launch_id is not None:
         manifest["launch_id"] = launch_id
-    (loc / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    (loc / CHECKPOINT_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
 
 
@@ -161,7 +161,7 @@ def _compare(files: dict[str, dict[str, Any]], present: dict[str, int]) -> str |
         if present[rel] != files[rel]["size"]:
             return (f"{rel}: {present[rel]:,} bytes, the manifest records {files[rel]['size']:,} "
                     f"(truncated or rewritten)")
-    extra = sorted(set(present) - set(files) - {MANIFEST})
+    extra = sorted(set(present) - set(files) - {CHECKPOINT_MANIFEST})
     if extra:
         return f"{extra[0]}: not in the manifest (not written by this checkpoint's ranks)"
     return None
@@ -169,14 +169,14 @@ def _compare(files: dict[str, dict[str, Any]], present: dict[str, int]) -> str |
 
 def manifest_or_reason(loc: Loc) -> tuple[dict[str, Any] | None, str | None]:
     try:
-        m = json.loads((loc / MANIFEST).read_text())
+        m = json.loads((loc / CHECKPOINT_MANIFEST).read_text())
     except FileNotFoundError:
-        return None, (f"no {MANIFEST}: its write never finished (or it was not written by this project's "
+        return None, (f"no {CHECKPOINT_MANIFEST}: its write never finished (or it was not written by this project's "
                       f"training)")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return None, f"{MANIFEST} is not valid JSON ({e})"
+        return None, f"{CHECKPOINT_MANIFEST} is not valid JSON ({e})"
     if not isinstance(m, dict) or m.get("format_version") != FORMAT_VERSION or not isinstance(m.get("files"), dict):
-        return None, f"{MANIFEST} is not a format-{FORMAT_VERSION} manifest of this project"
+        return None, f"{CHECKPOINT_MANIFEST} is not a format-{FORMAT_VERSION} manifest of this project"
     return m, None
 
 
