@@ -75,7 +75,9 @@ def test_yaml_stage_sections_merge_over_shared(tmp_path):
     ("stage2: {kd: {kl: 1}}", "kd.kl"),
     ("teacher: {source: hub}", "teacher.source"),
     ("deepspeed: {offload_param: nvme}", "deepspeed.offload_param"),
-], ids=["unknown-key", "unknown-in-stage-section", "bad-teacher-source", "bad-offload"])
+    # checked when the config loads, before Ray starts (not when the workers build DeepSpeed's config)
+    ("deepspeed: {zero_stage: 2, offload_param: cpu}", "deepspeed.offload_param='cpu': needs deepspeed.zero_stage=3"),
+], ids=["unknown-key", "unknown-in-stage-section", "bad-teacher-source", "bad-offload", "offload-param-below-zero-3"])
 def test_bad_config_names_the_key(tmp_path, text, needle):
     p = tmp_path / "bad.yaml"
     p.write_text(text)

@@ -196,6 +196,11 @@ class DeepSpeedSection:
     # Parameters smaller than this stay whole on every rank; 0 partitions everything.
     stage3_param_persistence_threshold: int = 0
 
+    def __post_init__(self) -> None:
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise FieldError("offload_param", self.offload_param,
+                             f"needs deepspeed.zero_stage=3 (only ZeRO-3 partitions the parameters; zero_stage is {self.zero_stage})")
+
 
 # The optional trackers of `metrics` (pipeline/train/trackers.py): their sections check at load time that the
 # package can be imported, so a missing one fails before Ray starts.
