@@ -95,7 +95,7 @@ class FakeEngine:
 def _save_all_ranks(dirs: list[Path], step: int, cfg, write=None) -> None:
     for r, d in enumerate(dirs):
         save_checkpoint(FakeEngine(r, step, write), d, r, WORLD, step, cfg,
-                                 {"data": {"position": step * 2 + r}}, {"data_fingerprint": "fp1"})
+                        {"data": {"position": step * 2 + r}}, {"data_fingerprint": "fp1"})
 
 
 def torchrun_checkpoint(run: Path, step: int, cfg=None, write=None, launch_id: str | None = None) -> Path:
@@ -315,9 +315,9 @@ def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk
     else:
         torchrun_checkpoint(run, 3, write=write)
         with pytest.raises(CheckpointError, match=r"writing checkpoint step_00000006 \(.*\.tmp-step_00000006, "
-                                                            r"rank \d's files\) failed at zero/state/zero_pp_rank_\d_"
-                                                            r"mp_rank_00_\w+_states\.pt: the disk is full \(ENOSPC\); "
-                                                            r"[\d.]+ GiB free of [\d.]+ GiB on "):
+                                                   r"rank \d's files\) failed at zero/state/zero_pp_rank_\d_"
+                                                   r"mp_rank_00_\w+_states\.pt: the disk is full \(ENOSPC\); "
+                                                   r"[\d.]+ GiB free of [\d.]+ GiB on "):
             torchrun_checkpoint(run, 6, write=write)
         partial = run / ".tmp-step_00000006"
     assert partial.is_dir() and any(f.stat().st_size for f in partial.rglob("*.pt"))

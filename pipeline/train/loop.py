@@ -235,9 +235,9 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         # the checkpoint holds the records of its steps since the previous one: a resume rebuilds
         # any of them metrics.jsonl lost, so every finished step is in the file exactly once
         save_checkpoint(task.engine, ckpt_dir, rank, world, step, cfg,
-                                 {"data": rows.state()}, {"metrics": record, "metrics_since_previous":
-                                  list(since_checkpoint), "total_steps": total,
-                                  "data_fingerprint": rows.fingerprint})
+                        {"data": rows.state()}, {"metrics": record, "metrics_since_previous":
+                         list(since_checkpoint), "total_steps": total,
+                         "data_fingerprint": rows.fingerprint})
         since_checkpoint.clear()
         session.report(record, step, ckpt_dir, metrics=metrics)
         return ctx.all_max([time.perf_counter() - t_ckpt])[0]

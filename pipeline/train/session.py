@@ -142,7 +142,7 @@ class Session:
                 raise CheckpointError(f"--resume {c}: cannot resume from it: {problem}")
         if cands:
             raise CheckpointError(f"no intact checkpoint to resume from in {self.run_loc}:\n  "
-                                           + "\n  ".join(skipped))
+                                  + "\n  ".join(skipped))
         return None
 
     def start_new_line(self, ckpt: Loc, step: int) -> None:
@@ -320,7 +320,7 @@ class TorchrunSession(Session):
         dist.barrier()
         if self.ctx.rank == 0:
             finalize_local(ckpt_dir, self.run_loc.local() / step_dir_name(step), step,
-                                    self.ctx.world_size, self.launch_id)
+                           self.ctx.world_size, self.launch_id)
             self.after_checkpoint()
         dist.barrier()
 

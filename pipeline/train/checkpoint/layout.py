@@ -171,8 +171,8 @@ def manifest_or_reason(loc: Loc) -> tuple[dict[str, Any] | None, str | None]:
     try:
         m = json.loads((loc / CHECKPOINT_MANIFEST).read_text())
     except FileNotFoundError:
-        return None, (f"no {CHECKPOINT_MANIFEST}: its write never finished (or it was not written by this project's "
-                      f"training)")
+        return None, (f"no {CHECKPOINT_MANIFEST}: its write never finished (or it was not written by this "
+                      f"project's training)")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return None, f"{CHECKPOINT_MANIFEST} is not valid JSON ({e})"
     if not isinstance(m, dict) or m.get("format_version") != FORMAT_VERSION or not isinstance(m.get("files"), dict):
