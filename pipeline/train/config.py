@@ -271,8 +271,8 @@ class FaultSection:
 
     kill_at_step: int | None = None
     kill_rank: int = 0
-    # mid_step: after the forward of the step's first micro-batch; after_checkpoint: once step's
-    # checkpoint has been reported.
+    # mid_step: after the backward of the step's first micro-batch (before its engine.step);
+    # after_checkpoint: once step's checkpoint has been reported.
     kill_when: str = "mid_step"
     # worker: the worker process; node: the worker's Ray node (its raylet, object store and every
     # process on it), as when a machine vanishes.

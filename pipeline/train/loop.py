@@ -220,9 +220,10 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
             print(f"[train] resumed from {ckpt} at step {start}", flush=True)
             session.start_new_line(ckpt, start)
     if session.writer is not None:
-        # the metrics file continues from the resumed step: later records (and a torn last line) go
-        # (the records the checkpoint holds come back when the file lost them: a torn last line, a
-        # relaunch on a node whose local copy is older than the checkpoint)
+        # metrics.jsonl continues from the resumed step (0: a fresh run): records of later steps and torn
+        # lines are dropped; the records the checkpoint holds are put back where the file lost them (a
+        # torn last line; a relaunch on a node whose local copy is older than the checkpoint); for remote
+        # storage the run's uploaded copy is the one read
         remote = None if session.run_loc.is_local else session.run_loc / METRICS_FILE
         session.writer.restart_at(start, remote, restore=saved_records)
 
