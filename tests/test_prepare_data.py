@@ -341,8 +341,9 @@ def test_a_directory_that_is_not_a_dataset_is_never_replaced(source, tmp_path, n
 
 @pytest.mark.parametrize("overwrite", [False, True], ids=["no-overwrite", "overwrite"])
 def test_dataset_like_names_without_a_manifest_are_never_replaced(source, tmp_path, no_ray, monkeypatch, overwrite):
-    """Issue 29: output.dir holding only dataset-like names (report.md, report.json, shard-*.parquet) and no
-    manifest was replaced with rc 0, even without output.overwrite. Only what a manifest of ours lists goes."""
+    """An output.dir holding only dataset-like names (report.md, report.json, shard-*.parquet) but no
+    manifest of ours is refused and left as it was, with or without output.overwrite: only what a manifest
+    of ours lists is ever replaced."""
     monkeypatch.setattr(no_ray, "stream_packed_rows", _fake_stream())
     out = tmp_path / "mine"
     out.mkdir()

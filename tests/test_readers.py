@@ -390,7 +390,8 @@ def test_empty_file_among_good_ones_is_a_named_reject(tmp_path):
 
 
 def test_real_sharegpt_keeps_98_percent_with_counted_repairs():
-    """Issue 12: the strict reader kept 11,131 of the 17,671 complete conversations (63 %)."""
+    """The ShareGPT reader keeps, repairing what it can, over 98 % of the 17,671 complete conversations (a
+    strict reader kept 11,131, 63 %), and counts each repair and each reason for a reject."""
     from collections import Counter
 
     from hylo.assets import fetch_asset

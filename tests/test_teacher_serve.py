@@ -162,9 +162,10 @@ def _forged(ids, cu, host=None, dtype=torch.int64) -> PackedRow:
     ("empty", lambda: _forged([], [0]), r"'input_ids' is empty"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_the_replica_checks_every_row_the_client_sends(pool, case, row, needle):
-    """Issue 29: the replica's row check returned a PackedRow unchecked, and the client sends PackedRows, so
-    it never ran on real traffic (bad boundaries gave silently wrong or uninitialised values; bad ids a raw
-    IndexError). Now each row is refused in one line naming it and the field, and is not retried."""
+    """The replica checks every row it receives, PackedRows as the client sends them (a check that passed
+    PackedRows through unchecked never ran on real traffic: bad boundaries gave silently wrong or
+    uninitialised values, bad ids a raw IndexError): a bad row is refused in one line naming it and the
+    field, and is not retried."""
     from hylo.pipeline.data.rows import PackedRowError
 
     client = TeacherClient(pool["handle"], k=4, timeout_s=60, max_retries=3)

@@ -330,8 +330,8 @@ def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk
 
 
 def test_a_full_storage_during_rays_upload_names_checkpoint_file_and_free_space(tmp_path, small_disk, monkeypatch):
-    """Issue 21: Ray's copy of a checkpoint into a full storage ended as `worker 0: No space left on
-    device`; the error names the checkpoint, the file that did not arrive whole and the space left."""
+    """Ray's copy of a checkpoint into a full storage: the error names the checkpoint, the file that did not
+    arrive whole and the space left (Ray's own says only `worker 0: No space left on device`)."""
     import ray.train
     import torch.distributed as dist
     from hylo.pipeline.train.session import RaySession
@@ -475,8 +475,8 @@ def test_resumed_run_repairs_and_continues_the_metrics(tmp_path, capsys):
 
 
 def test_a_torn_record_of_the_resumed_step_comes_back_from_the_checkpoint(tmp_path):
-    """Issue 21: the torn last line was step 4's, the run resumed from its step-4 checkpoint and the file
-    ended 1, 2, 3, 5, 6. The checkpoint holds its steps' records; every finished step is there once."""
+    """A torn last line of step 4 and a resume from the step-4 checkpoint: the checkpoint holds its steps'
+    records, so step 4 comes back and every finished step is in the file once (not 1, 2, 3, 5, 6)."""
     from hylo.pipeline.train.loop import checkpoint_records
 
     w = MetricsWriter(tmp_path, total_steps=6, tensorboard=False, stream=open(os.devnull, "w"))

@@ -151,11 +151,11 @@ def test_exact_resume_after_sigkill(tiny, reference):
 
 
 def test_resume_from_an_older_checkpoint_starts_a_new_line_of_checkpoints(tiny, reference):
-    """Issue 29: with checkpoints 3, 6, 9, 12, `--resume step_00000003` and checkpoint.keep=2 removed step 3
-    and the step 6 it had just written (the two oldest of 3, 6, 9, 12), a worker killed at step 8 could not
-    recover, and a later `--resume` continued silently from the abandoned step 12 (metrics: steps 1-7, then
-    10-12 of the old run). Now the resume sets the old line aside, saying so once; keep and `--resume` see only
-    the new line, which ends with the losses, rows and data positions of an uninterrupted run."""
+    """A resume from an older checkpoint starts a new line of checkpoints: with checkpoints 3, 6, 9, 12 and
+    checkpoint.keep=2, `--resume step_00000003` sets 6, 9, 12 (and a copy of the metrics) aside, saying so
+    once, and prunes neither step 3 nor the step 6 it writes (the two oldest of 3, 6, 9, 12); after a worker
+    is killed at step 8, `--resume` continues from the new line's step 6, never from the abandoned step 12,
+    and the line ends with the losses, rows and data positions of an uninterrupted run."""
     import shutil
 
     root, models = tiny
@@ -189,9 +189,9 @@ def test_resume_from_an_older_checkpoint_starts_a_new_line_of_checkpoints(tiny, 
 
 
 def test_resume_with_a_student_of_another_width_is_refused_before_ray_starts(tiny, reference):
-    """Issue 29: `--resume` with model.student of another width (model.student may change across a resume)
-    failed inside DeepSpeed's load (`The size of tensor a ... must match`), retried, rc 1. The driver compares
-    the student with the shapes the checkpoint holds before Ray starts: one line, rc 2, nothing retried."""
+    """`--resume` with a model.student of another width (model.student may change across a resume): the
+    driver compares the student with the shapes the checkpoint holds before Ray starts: one line, rc 2,
+    nothing retried (not DeepSpeed's `The size of tensor a ... must match` in every worker, retried, rc 1)."""
     import shutil
 
     root, models = tiny
@@ -213,9 +213,9 @@ def test_resume_with_a_student_of_another_width_is_refused_before_ray_starts(tin
 
 
 def test_two_runs_with_the_same_storage_and_name_cannot_overwrite_each_other(tiny, reference):
-    """Issue 21: started together, both passed the "already holds checkpoints" check (neither had written
-    one yet), both exited 0 and the later one replaced the first's metrics, checkpoints and model. Now
-    one of them stops at once naming the other, which ends as an uninterrupted run would."""
+    """Two runs of one run directory started together (both pass the "already holds checkpoints" check,
+    neither has written one yet): one of them stops at once naming the other (the run lock), which ends as
+    an uninterrupted run would; neither replaces the other's metrics, checkpoints or model."""
     root, models = tiny
     cfg_path = write_config(tiny_config(models, root / "runs", "shared"), root / "shared.yaml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
