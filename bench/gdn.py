@@ -7,7 +7,7 @@ B = 1, fp32, inputs shaped as in the GDN layer (L2-normalised q/k inside the op,
 decays, sigmoid betas). Each implementation gets one untimed warm-up and the median of
 `--repeats` timed runs, except the naive recurrent reference, which is timed once (it takes
 tens of seconds at T = 4096). A packed row of 4 documents (`cu_seqlens`) is timed for ours too.
-Targets (issue 3): ours >= 10x faster than the naive recurrent at T = 4096, and faster than
+Targets: ours >= 10x faster than the naive recurrent at T = 4096, and faster than
 fla's naive chunk.
 """
 

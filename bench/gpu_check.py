@@ -1,4 +1,4 @@
-"""One prepared check of every GPU path of the project, at the released models' shapes (issue 20).
+"""One prepared check of every GPU path of the project, at the released models' shapes.
 
     python bench/gpu_check.py --out OUT_DIR              # on one GPU (about 4-6 minutes on an H200)
     python bench/gpu_check.py --out OUT_DIR --tiny       # the same code at small shapes on CPU (~1 min)

@@ -4,7 +4,7 @@
     RAY_AUTH_MODE=disabled ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python jobs/stage1.py --config configs/demo-smollm2.yaml --set ray.storage_path=$PWD/runs
 
-All options: pipeline/train/config.py; the loop: pipeline/train/stage1.py.
+All options: pipeline/train/config.py; the step: pipeline/train/stage1.py; the loop: pipeline/train/loop.py.
 """
 
 from __future__ import annotations

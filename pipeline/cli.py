@@ -68,7 +68,7 @@ INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("hylo.pipeline.data.prepare", "PrepareError"),
     ("hylo.kernels.varlen", "BoundaryError"),
     ("hylo.pipeline.data.rows", "PackedRowError"),
-    ("hylo.pipeline.train.checkpoint", "CheckpointError"),
+    ("hylo.pipeline.train.checkpoint.layout", "CheckpointError"),
     ("hylo.pipeline.train.storage", "StorageError"),
     ("hylo.pipeline.teacher.cache", "CacheMismatchError"),
     ("hylo.pipeline.teacher.cache", "CacheFormatError"),

@@ -187,7 +187,7 @@ def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student:
     A run directory that already holds a complete checkpoint is from an interrupted attempt of this step
     (a finished step is never re-run): the command continues it with `--resume`.
     """
-    from hylo.pipeline.train.checkpoint import latest_checkpoint
+    from hylo.pipeline.train.checkpoint.layout import latest_checkpoint
 
     resume = ["--resume"] if latest_checkpoint(Path(storage) / name) is not None else []
     cmd = [*job(f"stage{stage}"), "--config", str(config),

@@ -179,8 +179,8 @@ def test_unknown_asset_lists_known_names(tmp_path):
 
 
 def test_one_rule_for_a_path_or_an_asset(fake_asset, monkeypatch, tmp_path):
-    """Issue 15: `asset:NAME`, else an existing path, else a known asset name; everything else is an error
-    naming what was asked for and both forms."""
+    """A model path resolves as `asset:NAME`, else an existing path, else a known asset name; everything
+    else is an error naming what was asked for and both forms."""
     cache, calls = fake_asset
     monkeypatch.setenv("HYLO_CACHE", str(cache))
     monkeypatch.chdir(tmp_path)

@@ -1,6 +1,6 @@
-"""Issue 27: a Qwen3 conversion with calibration crashed (a reshape error deep in the base's attention) when
-the base's tokenizer turned the calibration text into 0 tokens; now that is one clear error naming the
-tokenizer and the ways out, and --no-calibrate converts."""
+"""A calibration text that the base's tokenizer turns into 0 tokens: a conversion with calibration stops
+with one clear error naming the tokenizer and the ways out (not a reshape error deep in the base's
+attention, as a Qwen3 conversion once did), and --no-calibrate converts."""
 
 from __future__ import annotations
 

@@ -99,7 +99,8 @@ def test_hybrid_config_roundtrip_and_load_validation(tmp_path):
                                          ([0, 2.0], "entry 1, 2.0, is a float"), ([True], "entry 0, True, is a bool")],
                          ids=["str-0", "str-2", "float", "bool"])
 def test_mla_layers_entries_that_are_not_integers_are_refused(tmp_path, value, entry):
-    """Issue 29: the string "0" in mla_layers (a hand-edited hybrid_config.json) was read as layer 0."""
+    """A non-integer entry in mla_layers (the string "0" of a hand-edited hybrid_config.json) is refused,
+    naming it, never read as layer 0."""
     with pytest.raises(HybridConfigError, match=re.escape(entry)):
         HybridConfig(n_layer=4, mla_layers=value, kv_lora_rank=64)
     HybridConfig(n_layer=4, mla_layers=[0, 2], kv_lora_rank=64).save_hybrid_config(tmp_path)
@@ -271,7 +272,7 @@ def test_every_declared_rule_rejects_its_counterexample_at_load_naming_the_field
     ("model.convert={kv_lora_rank: 0}", "model.convert.kv_lora_rank"),
     ("model.convert={init: svd}", "model.convert.init"),
 ])
-def test_issue_examples_are_rejected_at_load_naming_the_key(override, key):
+def test_out_of_range_values_are_rejected_at_load_naming_the_key(override, key):
     from hylo.pipeline.train.config import load_stage_config
 
     with pytest.raises(ConfigError) as e:

@@ -106,7 +106,8 @@ def test_real_smollm2_convert_reload_generate(tmp_path):
 ], ids=["kv-rank-gt-hidden", "mla-caches-more", "q-rank-gt-hidden", "gdn-heads-0", "gdn-head-dim-neg",
         "max-pos-0", "q-rank-0", "expand-v-0"])
 def test_impossible_shapes_are_refused_naming_the_option(tmp_path, capsys, args, needle):
-    """Issue 12: these were silently replaced by defaults or produced a hybrid caching more than its base."""
+    """Options that cannot hold are refused, naming the option (never silently replaced by defaults, never
+    a hybrid that caches more than its base)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA_1B))
     rc, _, err = _run(["--dry-run", "--base-config", str(path), *args], capsys)
@@ -133,7 +134,7 @@ def _weights(directory):
 
 
 def test_driver_and_job_convert_to_the_same_calibrated_weights(tmp_path, capsys, monkeypatch):
-    """Issue 15: the training driver (stage 1 with model.convert) and jobs/convert.py are one conversion."""
+    """The training driver (stage 1 with model.convert) and jobs/convert.py run one conversion, the same code."""
     from hylo.pipeline.train.driver import convert_if_needed
 
     import hylo.upcycle
@@ -166,8 +167,8 @@ def test_driver_and_job_convert_to_the_same_calibrated_weights(tmp_path, capsys,
 
 
 def test_a_base_without_tokenizer_is_refused_unless_calibration_is_turned_off(tmp_path, capsys):
-    """Issue 15: the driver's conversion once skipped the gate calibration without a word; now a conversion
-    that cannot calibrate stops, and `calibrate: false` / --no-calibrate is the only way to skip it."""
+    """A conversion (the driver's too) that cannot calibrate the gates stops, never skips the calibration
+    without a word; `calibrate: false` / --no-calibrate is the only way to skip it."""
     from hylo.pipeline.train.driver import convert_if_needed
 
     from hylo.upcycle import UpcycleError
@@ -247,8 +248,8 @@ def _damage_weights(base: Path, how: str) -> str:
 
 @pytest.mark.parametrize("how", ["missing", "unexpected", "misshaped"])
 def test_a_base_whose_tensors_do_not_match_its_config_is_refused_naming_them(tmp_path, capsys, how):
-    """Issue 21: a base without `model.layers.1.self_attn.k_proj.weight` converted with exit 0 and a
-    random k_proj in its GDN layer; a missing, unexpected or mis-shaped tensor is refused, naming it.
+    """A missing, unexpected or mis-shaped tensor of a base is refused, naming it (a base without
+    `model.layers.1.self_attn.k_proj.weight` must not convert with exit 0 and a random k_proj in its GDN layer).
     The same rule holds wherever a model is loaded: the teacher and the evaluated model."""
     from hylo.pipeline.eval.decode import EvalError, load_model
     from hylo.pipeline.teacher.model import _load_model
@@ -268,7 +269,7 @@ def test_a_base_whose_tensors_do_not_match_its_config_is_refused_naming_them(tmp
 
 
 def test_out_holding_a_users_file_is_refused_naming_it_and_nothing_is_deleted(tmp_path, capsys):
-    """Issue 29: `convert --out DIR` with DIR holding the user's notes.txt answered rc 0 and deleted it. Only a
+    """`convert --out DIR` with DIR holding the user's notes.txt is refused and deletes nothing: only a
     directory whose record (.hylo-output.json, written with every output) lists all it holds is replaced."""
     base = _tiny_base(tmp_path / "base", tokenizer=True)
     out = tmp_path / "out"
@@ -298,8 +299,8 @@ def test_out_holding_a_users_file_is_refused_naming_it_and_nothing_is_deleted(tm
 
 
 def test_a_conversion_shows_one_progress_bar_of_its_steps(tmp_path, capsys):
-    """Issue 30: the job said nothing for most of a conversion (loading, building, calibrating); one bar now
-    counts every step (load, build, each layer, calibrate) and names the one running."""
+    """A conversion shows one progress bar that counts every step (load, build, each layer, calibrate) and
+    names the one running, instead of saying nothing while it loads, builds and calibrates."""
     base = _tiny_base(tmp_path / "base", tokenizer=True)
     rc, summary, err = _run(["--base", str(base), "--out", str(tmp_path / "out"), "--mla-layers", "0"], capsys)
     assert rc == 0, err

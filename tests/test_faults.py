@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 from hylo.pipeline.config import ConfigError
-from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.checkpoint.layout import (
+    checkpoint_problem,
+    finalize_checkpoint,
+    latest_checkpoint,
+    prune,
+    step_dir_name,
+    step_dirs,
+    write_rank_files,
+)
+from hylo.pipeline.train.checkpoint.resume import set_aside_other_lines
 from hylo.pipeline.train.config import load_stage_config
 from hylo.pipeline.train.storage import CheckpointUploadError, Loc, upload_with_retries
 
@@ -27,14 +36,14 @@ def scratch(tmp: Path, step: int, files: int = 6) -> Path:
     for i in range(files):
         (d / "zero" / "state").mkdir(parents=True, exist_ok=True)
         (d / "zero" / "state" / f"part_{i}.pt").write_bytes(bytes([step, i]) * (1000 + 37 * i))
-    ckpt_lib.write_rank_files(d, 0, 1, shared=False)
+    write_rank_files(d, 0, 1, shared=False)
     return d
 
 
 def upload_checkpoint(tmp: Path, run: Loc, step: int, **kw) -> Loc:
-    target = run / ckpt_lib.step_dir_name(step)
+    target = run / step_dir_name(step)
     upload_with_retries(scratch(tmp, step), target, **kw)
-    ckpt_lib.finalize_checkpoint(target, step, 1)
+    finalize_checkpoint(target, step, 1)
     return target
 
 
@@ -54,10 +63,10 @@ def test_outage_mid_upload_fails_with_one_line_and_keeps_the_previous_checkpoint
         assert "AWS Error" not in msg  # Ray Train would retry it 3 more times on its own
         s3.start()
         # the storage is back: the previous checkpoint is whole, the cut one is never taken for whole
-        assert ckpt_lib.checkpoint_problem(previous, deep=True) is None
+        assert checkpoint_problem(previous, deep=True) is None
         partial = run / "step_00000006"
-        assert 0 < len(partial.files()) < 7 and "no manifest.json" in ckpt_lib.checkpoint_problem(partial)
-        assert ckpt_lib.latest_checkpoint(run) == previous
+        assert 0 < len(partial.files()) < 7 and "no manifest.json" in checkpoint_problem(partial)
+        assert latest_checkpoint(run) == previous
 
 
 @pytest.mark.slow
@@ -80,7 +89,7 @@ def test_outage_shorter_than_the_retries_is_ridden_out(tmp_path, capsys):
             back.join()
         out = capsys.readouterr().out
         assert "[checkpoint] rank 0: uploading step_00000006 failed" in out and "retry 1 of 4 in 0.5 s" in out
-        assert ckpt_lib.checkpoint_problem(ckpt, deep=True) is None
+        assert checkpoint_problem(ckpt, deep=True) is None
 
 
 def test_upload_retries_are_configurable_with_ranges(tmp_path):
@@ -101,7 +110,7 @@ def one_rank(tmp_path):
 
     import torch
     import torch.distributed as dist
-    from hylo.pipeline.train.loop import TorchrunSession
+    from hylo.pipeline.train.session import TorchrunSession
     from hylo.pipeline.train.worker import WorkerContext
 
     with socket.socket() as s:
@@ -125,7 +134,7 @@ def test_driver_sigterm_asks_for_a_final_checkpoint_only_when_it_fits(one_rank):
     import json
     import time
 
-    from hylo.pipeline.train.loop import PREEMPT_FILE
+    from hylo.pipeline.train.session import PREEMPT_FILE
 
     session, run = one_rank
     run.mkdir(parents=True, exist_ok=True)
@@ -147,7 +156,7 @@ def test_driver_sigterm_handler_records_the_request_and_names_the_checkpoint_to_
     import signal
 
     from hylo.pipeline.train.driver import Preempted, preemption_handler
-    from hylo.pipeline.train.loop import PREEMPT_FILE, read_preempt_request
+    from hylo.pipeline.train.session import PREEMPT_FILE, read_preempt_request
 
     cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "checkpoint.preempt_grace_s=40"])
     run = Loc.of(tmp_path / "run")
@@ -240,7 +249,7 @@ def test_the_stage_jobs_exit_143_with_one_line_when_preempted_and_one_line_when_
 
 @pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
 def test_a_resume_from_an_older_step_sets_the_other_line_aside_once(tmp_path, where):
-    """`checkpoint.set_aside_other_lines` (the training loop calls it after a resume): the checkpoints after
+    """`resume.set_aside_other_lines` (the session calls it after a resume): the checkpoints after
     the resumed step go to `<run>/abandoned/<time>-after-step_N/` with a copy of the metrics file, whole
     (an object store has no directory rename: copied, then deleted); pruning and "the latest" see only the
     line the run is on; an incomplete newer one is left for the line to overwrite."""
@@ -253,22 +262,22 @@ def test_a_resume_from_an_older_step_sets_the_other_line_aside_once(tmp_path, wh
             upload_checkpoint(tmp_path, run, step, retries=0, backoff_s=0)
         upload_with_retries(scratch(tmp_path, 15), run / "step_00000015", retries=0, backoff_s=0)  # no manifest
         (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 13)))
-        assert ckpt_lib.set_aside_other_lines(run, run / "step_00000012", 12) is None
-        folder, names = ckpt_lib.set_aside_other_lines(run, run / "step_00000003", 3, copies=("metrics.jsonl",))
+        assert set_aside_other_lines(run, run / "step_00000012", 12) is None
+        folder, names = set_aside_other_lines(run, run / "step_00000003", 3, copies=("metrics.jsonl",))
         assert names == ["step_00000006", "step_00000009", "step_00000012"]
         assert folder.parent == run / "abandoned" and folder.name.endswith("-after-step_00000003")
         assert sorted(c.name for c in folder.children()) == ["metrics.jsonl", *names]
-        assert ckpt_lib.checkpoint_problem(folder / "step_00000012", deep=True) is None
+        assert checkpoint_problem(folder / "step_00000012", deep=True) is None
         assert (folder / "metrics.jsonl").read_text().count("step") == 12
-        assert [s for s, _ in ckpt_lib.step_dirs(run)] == [3, 15]
-        assert ckpt_lib.latest_checkpoint(run) == run / "step_00000003"
+        assert [s for s, _ in step_dirs(run)] == [3, 15]
+        assert latest_checkpoint(run) == run / "step_00000003"
         # the new line's step 6: keep=2 keeps 3 and 6 (before: 3, 6, 9, 12 counted, and 3 and 6 went)
         upload_checkpoint(tmp_path / "new", run, 6, retries=0, backoff_s=0)
-        assert ckpt_lib.prune(run, 2) == []
+        assert prune(run, 2) == []
         # from a checkpoint of another run, every checkpoint of this one is on another line
         other = Loc.of(tmp_path / "elsewhere")
         upload_checkpoint(tmp_path / "other", other, 6, retries=0, backoff_s=0)
-        folder2, names2 = ckpt_lib.set_aside_other_lines(run, other / "step_00000006", 6)
+        folder2, names2 = set_aside_other_lines(run, other / "step_00000006", 6)
         assert names2 == ["step_00000003", "step_00000006"] and folder2 != folder
 
 

@@ -31,7 +31,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.checkpoint.layout import (
+    checkpoint_problem,
+    latest_checkpoint,
+    list_checkpoints,
+    step_of,
+)
 from hylo.pipeline.train.metrics import read_metrics
 
 from fixtures_cluster import local_cluster
@@ -93,7 +98,7 @@ def test_node_loss_resumes_from_the_newest_intact_checkpoint(tiny, nodes, stage,
     assert all(got[s]["resumed_from"] == resumed for s in range(resumed + 1, steps + 1)), \
         {s: got[s]["resumed_from"] for s in got}
     assert_same_steps(read_metrics(ref), got, range(1, steps + 1))
-    assert ckpt_lib.checkpoint_problem(rd / f"step_{steps:08d}", deep=True) is None
+    assert checkpoint_problem(rd / f"step_{steps:08d}", deep=True) is None
     assert (rd / "model" / "hybrid_config.json").is_file()
 
 
@@ -121,9 +126,9 @@ def test_storage_outage_mid_upload_fails_in_one_line_and_resume_finishes(tiny, n
                                                        "s3://bucket/runs/outage/step_00000006 failed 2 time(s)"), msg
             assert s3.stopped.is_set()
             s3.start()
-            assert [s for s, _ in ckpt_lib.list_checkpoints(rd)] == [3]
-            assert ckpt_lib.checkpoint_problem(rd / "step_00000003", deep=True) is None
-            assert "no manifest.json" in ckpt_lib.checkpoint_problem(rd / "step_00000006")
+            assert [s for s, _ in list_checkpoints(rd)] == [3]
+            assert checkpoint_problem(rd / "step_00000003", deep=True) is None
+            assert "no manifest.json" in checkpoint_problem(rd / "step_00000006")
             resumed = run(2, ["--config", str(cfg_path), "--resume"])
         finally:
             shutil.rmtree(local_mirror(rd), ignore_errors=True)
@@ -177,7 +182,7 @@ def test_sigterm_to_the_driver_checkpoints_within_the_grace_period_and_resume_is
     assert rc == 143, cap.err[-3000:]
     stopped = max(read_metrics(rd))
     assert 4 <= stopped < steps
-    newest = ckpt_lib.latest_checkpoint(rd)
+    newest = latest_checkpoint(rd)
     if final:
         assert f"final checkpoint step_{stopped:08d} written" in out, out[-3000:]
         assert newest.name == f"step_{stopped:08d}"
@@ -196,7 +201,7 @@ def test_sigterm_to_the_driver_checkpoints_within_the_grace_period_and_resume_is
     resumed = run(2, ["--config", str(cfg_path), "--resume"])
     got = read_metrics(rd)
     assert resumed["last_step"] == steps and list(got) == list(range(1, steps + 1))
-    start = ckpt_lib.step_of(newest)
+    start = step_of(newest)
     assert all(got[s]["resumed_from"] == start for s in range(start + 1, steps + 1))
     assert_same_steps(read_metrics(ref), got, range(1, steps + 1))
 
@@ -237,7 +242,7 @@ def test_node_preemption_notice_then_sigterm_resumes_from_the_just_in_time_check
         seen["accepted"] = (accepted, why)
         # the cloud's SIGTERM to the node comes once the just-in-time checkpoint is written
         deadline = time.monotonic() + 120
-        while not any(ckpt_lib.step_of(p) % 3 for _, p in ckpt_lib.list_checkpoints(rd)):
+        while not any(step_of(p) % 3 for _, p in list_checkpoints(rd)):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
@@ -249,10 +254,10 @@ def test_node_preemption_notice_then_sigterm_resumes_from_the_just_in_time_check
     sender.join()
     out = capfd.readouterr().out
     assert seen["accepted"][0], seen
-    jit = [s for s, _ in ckpt_lib.list_checkpoints(rd) if s % 3]
+    jit = [s for s, _ in list_checkpoints(rd) if s % 3]
     # (the line "[train] Ray drains node(s) ... (preemption): final checkpoint step_N written" is not
     # asserted: when rank 0 is on the drained node, its log may die with the node before Ray ships it)
-    assert len(jit) == 1, ([s for s, _ in ckpt_lib.list_checkpoints(rd)], out[-3000:])
+    assert len(jit) == 1, ([s for s, _ in list_checkpoints(rd)], out[-3000:])
     got = read_metrics(rd)
     assert summary["last_step"] == steps and list(got) == list(range(1, steps + 1))
     # the restart resumed from the just-in-time checkpoint (or a newer one, had a step finished before

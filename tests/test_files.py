@@ -157,7 +157,7 @@ def _teacher_cache(d: Path) -> None:
 
 
 def _checkpoint(d: Path) -> None:
-    from hylo.pipeline.train.checkpoint import read_json as read_checkpoint_json
+    from hylo.pipeline.train.checkpoint.layout import read_json as read_checkpoint_json
 
     read_checkpoint_json(d / "state.json")
 
@@ -175,7 +175,7 @@ READERS = {
     "base_model": (_base, "config.json", ("hylo.upcycle", "UpcycleError"), True),
     "data_manifest": (_data_manifest, "manifest.json", ("hylo.pipeline.data.rowfile", "DataFormatError"), False),
     "teacher_cache": (_teacher_cache, "manifest.json", ("hylo.pipeline.teacher.cache", "CacheFormatError"), True),
-    "checkpoint": (_checkpoint, "state.json", ("hylo.pipeline.train.checkpoint", "CheckpointError"), False),
+    "checkpoint": (_checkpoint, "state.json", ("hylo.pipeline.train.checkpoint.layout", "CheckpointError"), False),
     "tokenizer": (_tokenizer, "tokenizer.json", ("builtins", "ValueError"), False),
 }
 
@@ -216,9 +216,9 @@ def test_temp_names_are_hidden_unique_and_carry_the_pid(tmp_path):
 
 @pytest.mark.parametrize("mask", [0o022, 0o027])
 def test_saved_weights_get_the_mode_of_the_umask_not_the_temporary_files(tmp_path, mask):
-    """Issue 29: model.safetensors was written with mode 0600 (safetensors >= 0.8 writes through a 0600
-    temporary file and renames it), in the asset cache and every saved model: other users of a shared
-    cluster could not read it. Every atomic write and directory swap gives it the umask's mode."""
+    """Every atomic write and directory swap gives model.safetensors the umask's mode, in the asset cache
+    and every saved model (safetensors >= 0.8 writes through a 0600 temporary file and renames it, which
+    left it unreadable to the other users of a shared cluster)."""
     import stat
 
     import torch

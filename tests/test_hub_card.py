@@ -120,7 +120,7 @@ def _sections(card: ModelCard) -> list[str]:
 
 
 def test_a_converted_card_as_a_hub_user_reads_it(tmp_path):
-    """Issue 30: no local path anywhere in README.md, a snippet that names the model, an intended-use section,
+    """The model card: no local path anywhere in README.md, a snippet that names the model, an intended-use section,
     a converted-only model says it is untrained, and `datasets` holds the base's training data."""
     base = tiny_base(tmp_path / "smollm2-135m-instruct")
     out = tmp_path / "hylo-tiny"

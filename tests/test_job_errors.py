@@ -96,6 +96,21 @@ def test_ray_wrapped_worker_errors_are_found():
     assert input_error_message(WorkerGroupError("x", {0: RuntimeError("nccl")})) is None
 
 
+def test_every_listed_input_error_class_exists_under_that_module_and_name():
+    """cli.INPUT_ERRORS names classes by module and name (so cli imports none of them): a class that moved
+    or was renamed would silently turn its bad-input errors into tracebacks with exit status 1."""
+    import importlib
+
+    from hylo.pipeline.cli import INPUT_ERRORS
+
+    missing = []
+    for module, name in INPUT_ERRORS:
+        cls = getattr(importlib.import_module(module), name, None)
+        if not (isinstance(cls, type) and issubclass(cls, BaseException) and cls.__name__ == name):
+            missing.append(f"{module}.{name}")
+    assert not missing, f"INPUT_ERRORS names classes that do not exist there: {missing}"
+
+
 def test_non_finite_float_flags_are_bad_arguments():
     import argparse
 
@@ -320,9 +335,9 @@ def _foreign_data(d: Path, vocab_size: int, **manifest) -> Path:
 
 @pytest.mark.slow
 def test_rows_of_another_tokenizer_are_refused_before_ray_starts(tmp_path, tiny):
-    """Issue 29: rows tokenized with another tokenizer than the student's reached the workers, whose error
-    was retried like a machine fault, then a traceback (rc 1). Now the stage's input check refuses them in
-    one line, before Ray starts: ids past the student's vocabulary (the shards' footer statistics), a
+    """Rows tokenized with another tokenizer than the student's are refused by the stage's input check in
+    one line, before Ray starts (not in the workers, where the error was retried like a machine fault and
+    ended as a traceback, rc 1): ids past the student's vocabulary (the shards' footer statistics), a
     tokenizer named by the manifest that disagrees with the student's, or its recorded token table."""
     from hylo.pipeline.data.render import token_table, token_table_hash
 
@@ -466,9 +481,9 @@ def _chunk_offsets(path: Path, column: str, every: int = 7):
 
 
 def test_a_flipped_byte_in_a_shards_token_ids_is_named_never_trained_on(tmp_path):
-    """Issue 29: one flipped byte in a shard's token ids still decoded at ~60 % of the offsets (zstd checks
-    nothing) and training ran on changed token ids. Shards carry Parquet page checksums now: every flip in
-    the token-id pages of a real shard is an error naming the file and the row group, or (a byte of a page
+    """Shards carry Parquet page checksums (without them one flipped byte in the token ids still decoded at
+    ~60 % of the offsets, zstd checking nothing, and training ran on changed ids): every flip in the
+    token-id pages of a real shard is an error naming the file and the row group, or (a byte of a page
     header that is not data) changes nothing; never other rows."""
     from hylo.pipeline.data.reader import RowReader
     from hylo.pipeline.data.rowfile import DataFormatError

@@ -147,8 +147,8 @@ def _listening_addresses() -> set[str]:
 
 def test_another_job_joins_a_local_ray_through_ray_address(tmp_path):
     """The demo's pattern: one local Ray, every step job joins it; their workers import this checkout.
-    Issue 29: the local Ray's ports (GCS, raylet, workers, agents) listened on every interface; they listen
-    on the loopback only, and a job of this machine still joins it."""
+    The local Ray's ports (GCS, raylet, workers, agents) listen on the loopback only, not on every
+    interface, and a job of this machine still joins it."""
     import ray
 
     assert not ray.is_initialized()

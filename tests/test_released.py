@@ -806,9 +806,9 @@ PUBLIC_EXPORTS = {
 
 @pytest.mark.parametrize("name", list(PUBLIC_EXPORTS))
 def test_every_export_loads_in_their_public_loader_as_written(tmp_path, name):
-    """Issue 27: every export was refused by AMD's loader (TypeError: unexpected keyword argument
-    'use_fixed_rank_for_first_and_last_block'), and q_lora_rank null failed their __post_init__. Now
-    hybrid_config.json holds exactly their fields, their dataclass builds from it, every tensor is one their
+    """An export loads with AMD's loader: hybrid_config.json holds exactly their fields (no extra key such as
+    'use_fixed_rank_for_first_and_last_block', which their dataclass refuses with a TypeError; no null
+    q_lora_rank, which fails their __post_init__), their dataclass builds from it, every tensor is one their
     module tree has, and their layers' math on the written files gives our logits."""
     import warnings as _w
 
@@ -868,9 +868,9 @@ def test_an_export_their_post_init_or_layers_would_refuse_is_refused_naming_the_
 
 
 def test_a_qwen3_mamba2_export_is_exact_with_the_mamba2_norm_eps_option(tmp_path, capsys):
-    """Issue 27: a Qwen3 base (eps 1e-6) exported to Mamba-2 only warned, and our own export -> import round
-    trip moved the logits (their gated norm fixes eps at 1e-5). Now the export is refused, naming
-    --mamba2-norm-eps, and a conversion with it exports exactly, from the command line too."""
+    """A Qwen3 base (eps 1e-6) converted to Mamba-2 cannot be exported exactly (their gated norm fixes eps
+    at 1e-5: a warning only, and the export -> import round trip moved the logits): the export is refused,
+    naming --mamba2-norm-eps, and a conversion with it exports exactly, from the command line too."""
     from hylo.upcycle import upcycle
 
     opts = dict(mla_layers=[0, 2], kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, rope_key_groups=1,
@@ -909,8 +909,8 @@ def test_a_qwen3_mamba2_export_is_exact_with_the_mamba2_norm_eps_option(tmp_path
 
 
 def test_layouts_their_public_code_cannot_build_are_said_so_and_fail_loudly_there(tmp_path):
-    """Issue 27: with the config accepted, their loader built Mamba-2 layers in GDN slots (logits off by 2.7)
-    or dropped the q/k norms (off by 2.3). Such exports say so at export time, carry HyLo's keys so that their
+    """Exports that their loader would accept but read wrongly (Mamba-2 layers built in GDN slots: logits off
+    by 2.7; the q/k norms dropped: off by 2.3) say so at export time, carry HyLo's keys so that their
     HybridConfig refuses them (TypeError), and without those keys our read-back fails on the tensors their
     module tree would drop."""
     from hylo.upcycle import upcycle

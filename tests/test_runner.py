@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hylo.pipeline.ray_init import RayInitSection
 from hylo.pipeline.runner import StepRunner, last_json_object, train_cmd
-from hylo.pipeline.train.checkpoint import STATE_FILE, finalize_checkpoint, write_rank_files
+from hylo.pipeline.train.checkpoint.layout import STATE_FILE, finalize_checkpoint, write_rank_files
 
 # The interpreter that runs the tests (a virtualenv's, say), never whatever `python` is first on PATH.
 PY = sys.executable

@@ -1,4 +1,4 @@
-"""Host reads (GPU synchronisations) in one stage-2 step, counted on CPU under the GPU rule.
+"""Host reads (GPU synchronisations) in one stage-2 step and one stage-1 step, counted on CPU under the GPU rule.
 
 `pipeline/train/stage2.train_step` at world size 1 with `PlainEngine` (DeepSpeed's part of the step in
 plain torch), a tiny HyLo student and an in-process tiny HyLo teacher, fused KL over hidden states,
@@ -149,3 +149,76 @@ def test_a_stage2_step_never_checks_or_reads_back_boundaries(linear_type, monkey
     # the student (forward and recompute) and the in-process teacher took the row's own host boundaries
     assert given and all(isinstance(b, DocBounds) for b in given)
     assert {id(b.host) for b in given} == {id(r.host) for r in rows}
+
+
+# ------------------------------------------------------------------------------------ stage 1
+# stage 1's step: the frozen base (a tiny Llama from transformers) gives each student layer its input and
+# targets; reads allowed besides the ones the stage-2 step makes too
+STAGE1_ALLOWED = {
+    ("kernels/varlen.py", "chunk_layout"): "host ints",
+    ("pipeline/train/plain_engine.py", "step"): "optimizer step counters",
+    # transformers builds the base's block-diagonal mask from the restarting position ids (its own code)
+    ("transformers/masking_utils.py", "find_packed_sequence_indices"): "the base model's mask",
+}
+STAGE1_ONCE_PER_STEP = {
+    ("pipeline/train/stage1.py", "train_step", "tolist"): 1,
+    ("pipeline/train/plain_engine.py", "get_global_grad_norm", "__float__"): 1,
+}
+
+
+def run_stage1_step(rows, linear_type="gdn"):
+    from hylo.pipeline.train.config import Stage1Config
+    from hylo.pipeline.train.plain_engine import PlainEngine
+    from hylo.pipeline.train.stage1 import (
+        BaseLayerTargets,
+        ILDStudent,
+        Stage1Task,
+        train_step,
+        trainable_parameters,
+    )
+    from hylo.pipeline.train.worker import WorkerContext
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class Solo(WorkerContext):
+        def all_sum(self, values):
+            return list(values)
+
+    cfg = Stage1Config()
+    cfg.deepspeed.zero_stage = 0
+    torch.manual_seed(2)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+    base.requires_grad_(False)
+    student = tiny(linear_type)
+    trainable_parameters(student, cfg.ild.trainable)
+    student.train()
+    engine = PlainEngine(ILDStudent(student, cfg), lr=1e-3, grad_accum=len(rows))
+    task = Stage1Task(engine, student, BaseLayerTargets(base), cfg)
+    ctx = Solo(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32, run_dir=None,
+               grad_accum=len(rows))
+    train_step(task, rows, ctx)  # the first step allocates the optimiser state
+    with HostReadLog() as log:
+        result = train_step(task, rows, ctx)
+    return result, log.reads
+
+
+@pytest.mark.parametrize("linear_type", ["gdn", "mamba2"])
+def test_a_stage1_step_reads_the_device_only_once_for_its_sums(linear_type):
+    """Like stage 2: the loss terms stay on the device until the step's end (one read for all three sums of
+    all rows), and the student's layers get the row's host-checked boundaries, never read back."""
+    rows = [row(40, 3, 0), row(29, 2, 1)]
+    result, reads = run_stage1_step(rows, linear_type)
+    sums = result.sums
+    assert np.isfinite(sums["loss_sum"]) and sums["loss_tokens"] == sums["tokens"] == 69.0
+    assert sums["loss_sum"] == pytest.approx(sums["ild_output_sum"] + sums["ild_mixer_sum"], rel=1e-6)
+    once = collections.Counter()
+    unexpected = []
+    for name, caller in reads:
+        path, fn = _where(caller)
+        key = next((k for k in STAGE1_ONCE_PER_STEP if path.endswith(k[0]) and fn == k[1] and name == k[2]), None)
+        if key is not None:
+            once[key] += 1
+        elif not any(path.endswith(f) and fn == g for f, g in STAGE1_ALLOWED):
+            unexpected.append(f"{name} at {caller}")
+    assert not unexpected, f"host reads in the step's device path: {collections.Counter(unexpected)}"
+    assert dict(once) == STAGE1_ONCE_PER_STEP, dict(once)

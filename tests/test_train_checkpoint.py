@@ -21,7 +21,23 @@ from pathlib import Path
 import pytest
 import torch
 from hylo.pipeline.config import ConfigError
-from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.checkpoint.deepspeed_io import load_checkpoint, safe_deepspeed_load, save_checkpoint
+from hylo.pipeline.train.checkpoint.layout import (
+    CHECKPOINT_MANIFEST,
+    CheckpointError,
+    checkpoint_problem,
+    delete_checkpoints,
+    finalize_checkpoint,
+    finalize_local,
+    is_complete,
+    latest_checkpoint,
+    list_checkpoints,
+    prune,
+    sha256_file,
+    step_dir_name,
+    step_dirs,
+    write_rank_files,
+)
 from hylo.pipeline.train.config import Stage2Config, load_stage_config
 from hylo.pipeline.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
 from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path
@@ -78,20 +94,20 @@ class FakeEngine:
 
 def _save_all_ranks(dirs: list[Path], step: int, cfg, write=None) -> None:
     for r, d in enumerate(dirs):
-        ckpt_lib.save_checkpoint(FakeEngine(r, step, write), d, r, WORLD, step, cfg,
-                                 {"data": {"position": step * 2 + r}}, {"data_fingerprint": "fp1"})
+        save_checkpoint(FakeEngine(r, step, write), d, r, WORLD, step, cfg,
+                        {"data": {"position": step * 2 + r}}, {"data_fingerprint": "fp1"})
 
 
 def torchrun_checkpoint(run: Path, step: int, cfg=None, write=None, launch_id: str | None = None) -> Path:
     """What the torchrun launcher does: all ranks into `.tmp-step_N`, rank lists, manifest, rename
     (`launch_id`: the driver invocation that wrote it, recorded in the manifest)."""
     cfg = cfg or Stage2Config()
-    tmp = run / f".tmp-{ckpt_lib.step_dir_name(step)}"
+    tmp = run / f".tmp-{step_dir_name(step)}"
     _save_all_ranks([tmp] * WORLD, step, cfg, write)
     for r in range(WORLD):
-        ckpt_lib.write_rank_files(tmp, r, WORLD, shared=True)
-    final = run / ckpt_lib.step_dir_name(step)
-    ckpt_lib.finalize_local(tmp, final, step, WORLD, launch_id=launch_id)
+        write_rank_files(tmp, r, WORLD, shared=True)
+    final = run / step_dir_name(step)
+    finalize_local(tmp, final, step, WORLD, launch_id=launch_id)
     return final
 
 
@@ -103,22 +119,46 @@ def ray_checkpoint(run: Loc, step: int, scratch: Path, cfg=None, upload=None) ->
     cfg = cfg or Stage2Config()
     dirs = [scratch / f"s{step}-r{r}" for r in range(WORLD)]
     _save_all_ranks(dirs, step, cfg)
-    target = run / ckpt_lib.step_dir_name(step)
+    target = run / step_dir_name(step)
     for r, d in enumerate(dirs):
-        ckpt_lib.write_rank_files(d, r, WORLD, shared=False)
+        write_rank_files(d, r, WORLD, shared=False)
         if upload is not None:
             upload(d, target)
         else:
             target.fs.create_dir(target.path, recursive=True)
             pafs.copy_files(str(d), target.path, source_filesystem=pafs.LocalFileSystem(),
                             destination_filesystem=target.fs, use_threads=False)
-    ckpt_lib.finalize_checkpoint(target, step, WORLD)
+    finalize_checkpoint(target, step, WORLD)
     return target
 
 
 def _walk(run) -> tuple[Loc | None, list[str]]:
-    lines: list[str] = []
-    return ckpt_lib.choose_intact(ckpt_lib.resume_candidates(run), deep=True, log=lines.append), lines
+    """What `--resume` of run `run` resumes from, by the workers' own walk (`Session.resume_checkpoint`:
+    the run's checkpoints newest first, each checked by every rank, sizes then sha256) in a 1-rank gloo
+    group: (the checkpoint chosen, the `[resume] skipping ...` lines it printed on the way)."""
+    import contextlib
+    import io
+    import tempfile
+
+    import torch.distributed as dist
+    from hylo.pipeline.train.session import TorchrunSession
+    from hylo.pipeline.train.worker import WorkerContext
+
+    with tempfile.TemporaryDirectory() as scratch:
+        dist.init_process_group("gloo", init_method=f"file://{scratch}/pg", rank=0, world_size=1)
+        out = io.StringIO()
+        try:
+            cfg = load_stage_config(2, None, ["metrics.tensorboard=false", "ray.launcher=torchrun"])
+            ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
+                                run_dir=Path(scratch), grad_accum=1, run_loc=Loc.of(run))
+            session = TorchrunSession(ctx, {"run_loc": Loc.of(run), "resume_latest": True}, total_steps=1)
+            with contextlib.redirect_stdout(out):
+                chosen, _ = session.resume_checkpoint()
+            session.close()  # removes its downloads (remote storage) and the process group
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return chosen, [line for line in out.getvalue().splitlines() if line.startswith("[resume] skipping ")]
 
 
 # ------------------------------------------------------------------------------------ manifest
@@ -127,16 +167,16 @@ def test_manifest_lists_every_file_and_is_written_last(tmp_path, launcher):
     run = tmp_path / "run"
     ck = (torchrun_checkpoint(run, 3) if launcher == "torchrun"
           else ray_checkpoint(Loc.of(run), 3, tmp_path / "scratch"))
-    m = json.loads((Loc.of(ck) / ckpt_lib.MANIFEST).read_text())
+    m = json.loads((Loc.of(ck) / CHECKPOINT_MANIFEST).read_text())
     files = Loc.of(ck).files()
-    assert set(m["files"]) == set(files) - {ckpt_lib.MANIFEST}
+    assert set(m["files"]) == set(files) - {CHECKPOINT_MANIFEST}
     assert {"zero/state/zero_pp_rank_1_mp_rank_00_optim_states.pt", "ranks/rank_1.rng.safetensors",
             "trainer_state.json", "ranks/rank_0.files.json"} <= set(m["files"])
     assert all(m["files"][f]["size"] == files[f] for f in m["files"])
-    assert ckpt_lib.checkpoint_problem(ck, deep=True) is None and ckpt_lib.latest_checkpoint(run) == ck
+    assert checkpoint_problem(ck, deep=True) is None and latest_checkpoint(run) == ck
     # before rank 0's manifest, the same files do not count
-    (Loc.of(ck) / ckpt_lib.MANIFEST).rmtree()
-    assert not ckpt_lib.is_complete(ck) and ckpt_lib.latest_checkpoint(run) is None
+    (Loc.of(ck) / CHECKPOINT_MANIFEST).rmtree()
+    assert not is_complete(ck) and latest_checkpoint(run) is None
 
 
 def _truncate(p: Path) -> None:
@@ -154,7 +194,7 @@ def _truncate(p: Path) -> None:
      r"zero/state/zero_pp_rank_1_mp_rank_00_optim_states\.pt: 33,\d{3} bytes, the manifest records 67,\d{3} "),
     (lambda c: _truncate(c / "ranks/rank_0.rng.safetensors"), r"ranks/rank_0\.rng\.safetensors: [\d,]+ bytes"),
     (lambda c: (c / "ranks/rank_1.json").write_text("{}"), r"ranks/rank_1\.json: 2 bytes"),
-    (lambda c: (c / ckpt_lib.MANIFEST).write_text('{"files": '), r"manifest\.json is not valid JSON"),
+    (lambda c: (c / CHECKPOINT_MANIFEST).write_text('{"files": '), r"manifest\.json is not valid JSON"),
 ], ids=["truncated-zero-shard", "missing-model-states", "truncated-optim-shard", "truncated-rng",
         "rewritten-rank-state", "torn-manifest"])
 def test_resume_walks_back_past_a_damaged_checkpoint(tmp_path, damage, needle):
@@ -162,7 +202,7 @@ def test_resume_walks_back_past_a_damaged_checkpoint(tmp_path, damage, needle):
     torchrun_checkpoint(run, 3)
     newest = torchrun_checkpoint(run, 6)
     damage(newest)
-    assert not ckpt_lib.is_complete(newest) and ckpt_lib.latest_checkpoint(run) == run / "step_00000003"
+    assert not is_complete(newest) and latest_checkpoint(run) == run / "step_00000003"
     chosen, lines = _walk(run)
     assert chosen == run / "step_00000003"
     assert len(lines) == 1 and lines[0].startswith("[resume] skipping step_00000006: "), lines
@@ -176,7 +216,7 @@ def test_same_size_corruption_is_caught_by_the_checksum(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert ckpt_lib.is_complete(run / "step_00000006")  # sizes match: only the checksum sees it
+    assert is_complete(run / "step_00000006")  # sizes match: only the checksum sees it
     chosen, lines = _walk(run)
     assert chosen == run / "step_00000003" and "optim_states.pt: content differs from the manifest" in lines[0]
 
@@ -200,10 +240,10 @@ def test_prune_keeps_newest_intact_and_drops_older_partial(tmp_path):
     run = tmp_path / "run"
     for step in (3, 6, 9, 12):
         torchrun_checkpoint(run, step)
-    (run / "step_00000003" / ckpt_lib.MANIFEST).unlink()
-    (run / "step_00000012" / ckpt_lib.MANIFEST).unlink()  # newest, unfinished: never pruned
-    assert ckpt_lib.prune(run, keep=1) == ["step_00000003", "step_00000006"]
-    assert [p.name for _, p in ckpt_lib.step_dirs(run)] == ["step_00000009", "step_00000012"]
+    (run / "step_00000003" / CHECKPOINT_MANIFEST).unlink()
+    (run / "step_00000012" / CHECKPOINT_MANIFEST).unlink()  # newest, unfinished: never pruned
+    assert prune(run, keep=1) == ["step_00000003", "step_00000006"]
+    assert [p.name for _, p in step_dirs(run)] == ["step_00000009", "step_00000012"]
 
 
 # ------------------------------------------------------------------------------------ a full disk
@@ -274,10 +314,10 @@ def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk
         assert (partial / "trainer_state.json").is_file() and (partial / "ranks/rank_0.json").is_file()
     else:
         torchrun_checkpoint(run, 3, write=write)
-        with pytest.raises(ckpt_lib.CheckpointError, match=r"writing checkpoint step_00000006 \(.*\.tmp-step_00000006, "
-                                                            r"rank \d's files\) failed at zero/state/zero_pp_rank_\d_"
-                                                            r"mp_rank_00_\w+_states\.pt: the disk is full \(ENOSPC\); "
-                                                            r"[\d.]+ GiB free of [\d.]+ GiB on "):
+        with pytest.raises(CheckpointError, match=r"writing checkpoint step_00000006 \(.*\.tmp-step_00000006, "
+                                                   r"rank \d's files\) failed at zero/state/zero_pp_rank_\d_"
+                                                   r"mp_rank_00_\w+_states\.pt: the disk is full \(ENOSPC\); "
+                                                   r"[\d.]+ GiB free of [\d.]+ GiB on "):
             torchrun_checkpoint(run, 6, write=write)
         partial = run / ".tmp-step_00000006"
     assert partial.is_dir() and any(f.stat().st_size for f in partial.rglob("*.pt"))
@@ -290,11 +330,11 @@ def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk
 
 
 def test_a_full_storage_during_rays_upload_names_checkpoint_file_and_free_space(tmp_path, small_disk, monkeypatch):
-    """Issue 21: Ray's copy of a checkpoint into a full storage ended as `worker 0: No space left on
-    device`; the error names the checkpoint, the file that did not arrive whole and the space left."""
+    """Ray's copy of a checkpoint into a full storage: the error names the checkpoint, the file that did not
+    arrive whole and the space left (Ray's own says only `worker 0: No space left on device`)."""
     import ray.train
     import torch.distributed as dist
-    from hylo.pipeline.train.loop import RaySession
+    from hylo.pipeline.train.session import RaySession
     from hylo.pipeline.train.worker import WorkerContext
 
     disk, real = small_disk
@@ -323,17 +363,17 @@ def test_a_full_storage_during_rays_upload_names_checkpoint_file_and_free_space(
                         run_dir=tmp_path / "mirror", grad_accum=1)
     session = RaySession(ctx, {"launcher": "ray", "launch_id": "l"}, total_steps=6)
     scratch = tmp_path / "scratch"
-    ckpt_lib.save_checkpoint(FakeEngine(0, 6), scratch, 0, 1, 6, Stage2Config(), {"data": {"position": 0}}, {})
+    save_checkpoint(FakeEngine(0, 6), scratch, 0, 1, 6, Stage2Config(), {"data": {"position": 0}}, {})
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        with pytest.raises(ckpt_lib.CheckpointError, match=(
+        with pytest.raises(CheckpointError, match=(
                 rf"writing checkpoint step_00000006 \({disk / 'run' / 'step_00000006'}, rank 0's files\) failed at "
                 r"zero/state/zero_pp_rank_0_mp_rank_00_\w+_states\.pt \([\d,]+ of [\d,]+ bytes in storage\): the disk "
                 r"is full \(ENOSPC\); [\d.]+ GiB free of [\d.]+ GiB on ")):
             session.report({**REC, "step": 6}, 6, scratch)
     finally:
         dist.destroy_process_group()
-    assert not ckpt_lib.is_complete(disk / "run" / "step_00000006")
+    assert not is_complete(disk / "run" / "step_00000006")
 
 
 # ------------------------------------------------------------------------------------ never unpickle
@@ -360,7 +400,7 @@ def test_planted_pickle_is_refused_by_the_manifest(tmp_path):
     ck = torchrun_checkpoint(run, 6)
     marker = tmp_path / "pwned"
     _plant(ck / "zero/state/zero_pp_rank_0_mp_rank_00_model_states.pt", marker)
-    problem = ckpt_lib.checkpoint_problem(ck, deep=True)
+    problem = checkpoint_problem(ck, deep=True)
     assert problem is not None and problem.startswith("zero/state/zero_pp_rank_0_mp_rank_00_model_states.pt: ")
     chosen, lines = _walk(run)
     assert chosen == run / "step_00000003" and not marker.exists()
@@ -373,16 +413,16 @@ def test_planted_pickle_with_forged_manifest_is_never_unpickled(tmp_path):
     marker = tmp_path / "pwned"
     shard = ck / "zero/state/zero_pp_rank_0_mp_rank_00_model_states.pt"
     _plant(shard, marker)
-    m = json.loads((ck / ckpt_lib.MANIFEST).read_text())
-    m["files"][str(shard.relative_to(ck))] = {"size": shard.stat().st_size, "sha256": ckpt_lib.sha256_file(shard)}
-    (ck / ckpt_lib.MANIFEST).write_text(json.dumps(m))
-    assert ckpt_lib.checkpoint_problem(ck, deep=True) is None
+    m = json.loads((ck / CHECKPOINT_MANIFEST).read_text())
+    m["files"][str(shard.relative_to(ck))] = {"size": shard.stat().st_size, "sha256": sha256_file(shard)}
+    (ck / CHECKPOINT_MANIFEST).write_text(json.dumps(m))
+    assert checkpoint_problem(ck, deep=True) is None
     engine = FakeEngine(0, 3)
-    with pytest.raises(ckpt_lib.CheckpointError, match="refused to load a DeepSpeed file"):
-        ckpt_lib.load_checkpoint(engine, ck, 0)
+    with pytest.raises(CheckpointError, match="refused to load a DeepSpeed file"):
+        load_checkpoint(engine, ck, 0)
     assert not marker.exists()
     # any torch.load in the process is weights-only while DeepSpeed loads, even one asking for pickles
-    with ckpt_lib.safe_deepspeed_load(engine), pytest.raises(pickle.UnpicklingError):
+    with safe_deepspeed_load(engine), pytest.raises(pickle.UnpicklingError):
         torch.load(shard, weights_only=False)
     assert not marker.exists()
     # and afterwards the process is as before (the engine's own loader is back)
@@ -397,7 +437,7 @@ def test_genuine_deepspeed_objects_load_weights_only(tmp_path):
     run = tmp_path / "run"
     ck = torchrun_checkpoint(run, 3)
     engine = FakeEngine(0, 3)
-    state = ckpt_lib.load_checkpoint(engine, ck, 0)
+    state = load_checkpoint(engine, ck, 0)
     assert state["step"] == 3 and state["data"] == {"position": 6}
     assert len(engine.loaded) == 4 and (ck / "zero/latest").read_text() == "state"
 
@@ -435,8 +475,8 @@ def test_resumed_run_repairs_and_continues_the_metrics(tmp_path, capsys):
 
 
 def test_a_torn_record_of_the_resumed_step_comes_back_from_the_checkpoint(tmp_path):
-    """Issue 21: the torn last line was step 4's, the run resumed from its step-4 checkpoint and the file
-    ended 1, 2, 3, 5, 6. The checkpoint holds its steps' records; every finished step is there once."""
+    """A torn last line of step 4 and a resume from the step-4 checkpoint: the checkpoint holds its steps'
+    records, so step 4 comes back and every finished step is in the file once (not 1, 2, 3, 5, 6)."""
     from hylo.pipeline.train.loop import checkpoint_records
 
     w = MetricsWriter(tmp_path, total_steps=6, tensorboard=False, stream=open(os.devnull, "w"))
@@ -468,7 +508,7 @@ def test_ray_worker_writes_each_step_before_reporting(tmp_path, monkeypatch):
     """Under Ray, rank 0 appends the record before `ray.train.report`: a driver interrupted while the
     report is in flight (Ctrl-C) loses no trained step."""
     import ray.train
-    from hylo.pipeline.train.loop import RaySession
+    from hylo.pipeline.train.session import RaySession
     from hylo.pipeline.train.worker import WorkerContext
 
     cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=r", "metrics.tensorboard=false"])
@@ -489,7 +529,7 @@ def test_ray_worker_writes_each_step_before_reporting(tmp_path, monkeypatch):
 def _ray_session(tmp_path, monkeypatch, registered: str | None, **loop):
     """A rank-0 RaySession of run `tmp_path/run` whose `ray.train.get_checkpoint()` says `registered`."""
     import ray.train
-    from hylo.pipeline.train.loop import RaySession
+    from hylo.pipeline.train.session import RaySession
     from hylo.pipeline.train.worker import WorkerContext
 
     cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=run", "metrics.tensorboard=false"])
@@ -542,7 +582,7 @@ def test_ray_snapshot_pointing_at_a_deleted_checkpoint_is_reset(tmp_path, capsys
     shutil.rmtree(newest)  # the user deleted the newest checkpoint
     note = reset_ray_snapshot(Loc.of(run))
     assert "points at step_00000006, which is missing" in note and not (run / RAY_SNAPSHOT).exists()
-    assert ckpt_lib.latest_checkpoint(run) == run / "step_00000003"
+    assert latest_checkpoint(run) == run / "step_00000003"
     assert reset_ray_snapshot(Loc.of(run)) is None
 
 
@@ -574,7 +614,7 @@ def test_ray_failure_is_reported_as_the_workers_own_error():
 
     e = WorkerGroupError("Training failed due to worker errors")
     e.worker_failures = {1: RuntimeError("Traceback (most recent call last):\n  File \"loop.py\", line 9\n"
-                                         "hylo.pipeline.train.checkpoint.CheckpointError: --resume /r/step_00000003: "
+                                         "hylo.pipeline.train.checkpoint.layout.CheckpointError: --resume /r/step_00000003: "
                                          "cannot resume from it: ranks/rank_1.json: missing")}
     assert str(TrainingError(e)) == ("training failed: CheckpointError: --resume /r/step_00000003: cannot resume "
                                      "from it: ranks/rank_1.json: missing")
@@ -624,12 +664,12 @@ def test_checkpoints_on_s3_save_walk_back_and_resume(tmp_path):
         assert run.scheme == "s3" and not run.is_local
         ray_checkpoint(run, 3, tmp_path / "scratch")
         newest = ray_checkpoint(run, 6, tmp_path / "scratch")
-        assert [s for s, _ in ckpt_lib.list_checkpoints(run)] == [3, 6]
+        assert [s for s, _ in list_checkpoints(run)] == [3, 6]
         (newest / "zero/state/zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"short")
         chosen, lines = _walk(run)
         assert chosen == run / "step_00000003" and "optim_states.pt: 5 bytes" in lines[0]
         local = chosen.download(tmp_path / "resume")
-        assert ckpt_lib.checkpoint_problem(local, deep=True) is None
-        assert ckpt_lib.load_checkpoint(FakeEngine(1, 3), local, 1)["data"] == {"position": 7}
-        assert ckpt_lib.prune(run, keep=1) == []  # step 6 is newer than the newest intact one
-        assert ckpt_lib.delete_checkpoints(run)[0] == 2 and ckpt_lib.step_dirs(run) == []
+        assert checkpoint_problem(local, deep=True) is None
+        assert load_checkpoint(FakeEngine(1, 3), local, 1)["data"] == {"position": 7}
+        assert prune(run, keep=1) == []  # step 6 is newer than the newest intact one
+        assert delete_checkpoints(run)[0] == 2 and step_dirs(run) == []

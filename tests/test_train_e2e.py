@@ -28,7 +28,13 @@ from pathlib import Path
 import pytest
 import torch
 from hylo.pipeline.ray_init import ray_running
-from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.checkpoint.layout import (
+    CHECKPOINT_MANIFEST,
+    checkpoint_problem,
+    is_complete,
+    list_checkpoints,
+    sha256_file,
+)
 from hylo.pipeline.train.metrics import read_metrics
 
 from fixtures_train import make_tiny_models, tiny_config, write_config
@@ -86,12 +92,12 @@ def _plant_payload(ckpt: Path, marker: Path) -> None:
         def __reduce__(self):
             return (Path.write_text, (marker, "pwned"))
 
-    manifest = json.loads((ckpt / ckpt_lib.MANIFEST).read_text())
+    manifest = json.loads((ckpt / CHECKPOINT_MANIFEST).read_text())
     for shard in sorted((ckpt / "zero" / "state").glob("*model_states.pt")):
         torch.save({"module": Payload(), "param_shapes": []}, shard)
         manifest["files"][shard.relative_to(ckpt).as_posix()] = {
-            "size": shard.stat().st_size, "sha256": ckpt_lib.sha256_file(shard)}
-    (ckpt / ckpt_lib.MANIFEST).write_text(json.dumps(manifest))
+            "size": shard.stat().st_size, "sha256": sha256_file(shard)}
+    (ckpt / CHECKPOINT_MANIFEST).write_text(json.dumps(manifest))
 
 
 def test_exact_resume_after_sigkill(tiny, reference):
@@ -107,8 +113,8 @@ def test_exact_resume_after_sigkill(tiny, reference):
                       "--set", "fault.kill_rank=1")
     assert killed.returncode != 0 and "SIGKILL at step 6" in killed.stdout
     run = root / "runs" / "killed"
-    assert max(read_metrics(run)) == 6 and ckpt_lib.is_complete(run / "step_00000006")
-    assert ckpt_lib.checkpoint_problem(run / "step_00000003", deep=True) is None
+    assert max(read_metrics(run)) == 6 and is_complete(run / "step_00000006")
+    assert checkpoint_problem(run / "step_00000003", deep=True) is None
     # Restarting without --resume is refused with a clear message.
     with pytest.raises(ConfigError, match="pass --resume"):
         check_run_dir(load_stage_config(2, cfg_path), None)
@@ -145,11 +151,11 @@ def test_exact_resume_after_sigkill(tiny, reference):
 
 
 def test_resume_from_an_older_checkpoint_starts_a_new_line_of_checkpoints(tiny, reference):
-    """Issue 29: with checkpoints 3, 6, 9, 12, `--resume step_00000003` and checkpoint.keep=2 removed step 3
-    and the step 6 it had just written (the two oldest of 3, 6, 9, 12), a worker killed at step 8 could not
-    recover, and a later `--resume` continued silently from the abandoned step 12 (metrics: steps 1-7, then
-    10-12 of the old run). Now the resume sets the old line aside, saying so once; keep and `--resume` see only
-    the new line, which ends with the losses, rows and data positions of an uninterrupted run."""
+    """A resume from an older checkpoint starts a new line of checkpoints: with checkpoints 3, 6, 9, 12 and
+    checkpoint.keep=2, `--resume step_00000003` sets 6, 9, 12 (and a copy of the metrics) aside, saying so
+    once, and prunes neither step 3 nor the step 6 it writes (the two oldest of 3, 6, 9, 12); after a worker
+    is killed at step 8, `--resume` continues from the new line's step 6, never from the abandoned step 12,
+    and the line ends with the losses, rows and data positions of an uninterrupted run."""
     import shutil
 
     root, models = tiny
@@ -167,15 +173,15 @@ def test_resume_from_an_older_checkpoint_starts_a_new_line_of_checkpoints(tiny, 
     (aside,) = (run / "abandoned").iterdir()
     assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "step_00000006", "step_00000009",
                                                        "step_00000012"]
-    assert ckpt_lib.checkpoint_problem(aside / "step_00000012", deep=True) is None
+    assert checkpoint_problem(aside / "step_00000012", deep=True) is None
     assert list(read_metrics(aside)) == list(range(1, 13))
-    assert [s for s, _ in ckpt_lib.list_checkpoints(run)] == [3, 6]
+    assert [s for s, _ in list_checkpoints(run)] == [3, 6]
 
     resumed = torchrun(2, cfg_path, "--resume")
     assert_ok(resumed)
     assert f"resumed from {run / 'step_00000006'} at step 6" in resumed.stdout
     assert "starts a new line" not in resumed.stdout
-    assert [s for s, _ in ckpt_lib.list_checkpoints(run)] == [9, 12]
+    assert [s for s, _ in list_checkpoints(run)] == [9, 12]
     got = read_metrics(run)
     assert list(got) == list(range(1, 13)) and len((run / "metrics.jsonl").read_text().splitlines()) == 12
     assert [got[s]["resumed_from"] for s in range(4, 13)] == [3] * 3 + [6] * 6
@@ -183,9 +189,9 @@ def test_resume_from_an_older_checkpoint_starts_a_new_line_of_checkpoints(tiny, 
 
 
 def test_resume_with_a_student_of_another_width_is_refused_before_ray_starts(tiny, reference):
-    """Issue 29: `--resume` with model.student of another width (model.student may change across a resume)
-    failed inside DeepSpeed's load (`The size of tensor a ... must match`), retried, rc 1. The driver compares
-    the student with the shapes the checkpoint holds before Ray starts: one line, rc 2, nothing retried."""
+    """`--resume` with a model.student of another width (model.student may change across a resume): the
+    driver compares the student with the shapes the checkpoint holds before Ray starts: one line, rc 2,
+    nothing retried (not DeepSpeed's `The size of tensor a ... must match` in every worker, retried, rc 1)."""
     import shutil
 
     root, models = tiny
@@ -207,9 +213,9 @@ def test_resume_with_a_student_of_another_width_is_refused_before_ray_starts(tin
 
 
 def test_two_runs_with_the_same_storage_and_name_cannot_overwrite_each_other(tiny, reference):
-    """Issue 21: started together, both passed the "already holds checkpoints" check (neither had written
-    one yet), both exited 0 and the later one replaced the first's metrics, checkpoints and model. Now
-    one of them stops at once naming the other, which ends as an uninterrupted run would."""
+    """Two runs of one run directory started together (both pass the "already holds checkpoints" check,
+    neither has written one yet): one of them stops at once naming the other (the run lock), which ends as
+    an uninterrupted run would; neither replaces the other's metrics, checkpoints or model."""
     root, models = tiny
     cfg_path = write_config(tiny_config(models, root / "runs", "shared"), root / "shared.yaml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -247,7 +253,7 @@ def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference):
     assert all(got[s]["resumed_from"] == 3 for s in range(4, 9))
     assert_same_steps(read_metrics(reference), got, range(1, 9))
     assert (rd / "step_00000006").is_dir() and (rd / "model" / "hybrid_config.json").is_file()
-    assert ckpt_lib.checkpoint_problem(rd / "step_00000006", deep=True) is None
+    assert checkpoint_problem(rd / "step_00000006", deep=True) is None
     assert list((rd / "tensorboard").glob("events.out.tfevents.*"))
 
 
@@ -318,7 +324,7 @@ def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, ref
             try:
                 first = run(2, ["--config", str(cfg_path)])
                 rd = Loc.of(s3("runs/ray/s3"))
-                assert first["run_dir"] == str(rd) and [s for s, _ in ckpt_lib.list_checkpoints(rd)] == [3, 6]
+                assert first["run_dir"] == str(rd) and [s for s, _ in list_checkpoints(rd)] == [3, 6]
                 assert (rd / "model" / "hybrid_config.json").is_file() and (rd / "config_stage2.json").is_file()
                 assert (rd / "checkpoint_manager_snapshot.json").is_file() and (rd / "tensorboard").files()
                 assert list(read_metrics(rd)) == list(range(1, 7))
@@ -333,7 +339,7 @@ def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, ref
         assert second["last_step"] == 8 and list(got) == list(range(1, 9))
         assert all(got[s]["resumed_from"] == 3 for s in range(4, 9))
         assert_same_steps(read_metrics(reference), got, range(1, 9))
-        assert [s for s, _ in ckpt_lib.list_checkpoints(rd)] == [3, 6, 8]
+        assert [s for s, _ in list_checkpoints(rd)] == [3, 6, 8]
     assert not list(REPO.glob("s3:*")) and not list(Path.cwd().glob("s3:*"))
 
 

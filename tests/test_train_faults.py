@@ -1,5 +1,5 @@
-"""Faults of issue 21 found without starting Ray: a teacher that cannot distil into the student is refused
-from config files before Ray starts; an input error inside a worker is not retried like a fault."""
+"""Faults found without starting Ray: a teacher that cannot distil into the student is refused from config
+files before Ray starts; an input error inside a worker is not retried like a fault."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def _stage2(tiny, tmp_path, teacher, *sets):
 
 # ------------------------------------------------------------------------------------ before Ray starts
 def test_a_teacher_of_another_vocabulary_is_refused_before_ray_starts(tiny, tmp_path):
-    """Issue 21: caught only after Ray started and both models loaded (94 s), then retried."""
+    """Refused in seconds from the config files (not after Ray started and both models loaded, 94 s, then
+    retried)."""
     teacher = save_tiny_llama(tmp_path / "teacher", vocab_size=128)
     t0 = time.perf_counter()
     with pytest.raises(ConfigError, match=rf"teacher.model.path='{teacher}': vocabulary 128 != the student's 96"):

@@ -17,7 +17,19 @@ from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.reader import ShardRows
 from hylo.pipeline.data.rowfile import DataFormatError
 from hylo.pipeline.data.rows import PackedRow, PackedRowError, check_row
-from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.checkpoint.deepspeed_io import capture_rng, restore_rng
+from hylo.pipeline.train.checkpoint.layout import (
+    FORMAT_VERSION,
+    STATE_FILE,
+    delete_checkpoints,
+    finalize_checkpoint,
+    is_complete,
+    latest_checkpoint,
+    save_tensors_atomic,
+    write_json_atomic,
+    write_rank_files,
+)
+from hylo.pipeline.train.checkpoint.resume import check_compatible
 from hylo.pipeline.train.config import (
     DataSection,
     Stage1Config,
@@ -64,7 +76,9 @@ def test_yaml_stage_sections_merge_over_shared(tmp_path):
     ("stage2: {kd: {kl: 1}}", "kd.kl"),
     ("teacher: {source: hub}", "teacher.source"),
     ("deepspeed: {offload_param: nvme}", "deepspeed.offload_param"),
-], ids=["unknown-key", "unknown-in-stage-section", "bad-teacher-source", "bad-offload"])
+    # checked when the config loads, before Ray starts (not when the workers build DeepSpeed's config)
+    ("deepspeed: {zero_stage: 2, offload_param: cpu}", "deepspeed.offload_param='cpu': needs deepspeed.zero_stage=3"),
+], ids=["unknown-key", "unknown-in-stage-section", "bad-teacher-source", "bad-offload", "offload-param-below-zero-3"])
 def test_bad_config_names_the_key(tmp_path, text, needle):
     p = tmp_path / "bad.yaml"
     p.write_text(text)
@@ -220,13 +234,13 @@ def test_row_to_device_is_the_same_packed_row_with_its_host_boundaries():
 # ------------------------------------------------------------------------------------ checkpoint files
 def _fake_checkpoint(d, cfg, world=2, step=4):
     for r in range(world):
-        ckpt_lib.write_json_atomic(d / "ranks" / f"rank_{r}.json", {"step": step})
-    ckpt_lib.write_json_atomic(d / ckpt_lib.STATE_FILE, {
-        "format_version": ckpt_lib.FORMAT_VERSION, "stage": cfg.stage, "step": step, "world_size": world,
+        write_json_atomic(d / "ranks" / f"rank_{r}.json", {"step": step})
+    write_json_atomic(d / STATE_FILE, {
+        "format_version": FORMAT_VERSION, "stage": cfg.stage, "step": step, "world_size": world,
         "config": config_to_dict(cfg), "breaking_hash": breaking_hash(cfg), "data_fingerprint": "fp1"})
     for r in range(world):
-        ckpt_lib.write_rank_files(d, r, world, shared=True)
-    ckpt_lib.finalize_checkpoint(d, step, world)
+        write_rank_files(d, r, world, shared=True)
+    finalize_checkpoint(d, step, world)
 
 
 def _run_with_mixed_checkpoints(run: Path) -> None:
@@ -240,8 +254,8 @@ def _run_with_mixed_checkpoints(run: Path) -> None:
 
 def test_latest_checkpoint_skips_incomplete(tmp_path):
     _run_with_mixed_checkpoints(tmp_path)
-    assert ckpt_lib.latest_checkpoint(tmp_path) == tmp_path / "step_00000004"
-    assert not ckpt_lib.is_complete(tmp_path / "step_00000008")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000004"
+    assert not is_complete(tmp_path / "step_00000008")
 
 
 def test_delete_checkpoints_removes_complete_partial_and_scratch_only(tmp_path):
@@ -249,24 +263,24 @@ def test_delete_checkpoints_removes_complete_partial_and_scratch_only(tmp_path):
     for keep in ("model", "tensorboard", "step_notes"):
         (tmp_path / keep).mkdir()
     (tmp_path / "metrics.jsonl").write_text("{}\n")
-    n, freed = ckpt_lib.delete_checkpoints(tmp_path)
+    n, freed = delete_checkpoints(tmp_path)
     assert n == 3 and freed > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "model", "step_notes", "tensorboard"]
-    assert ckpt_lib.delete_checkpoints(tmp_path / "missing") == (0, 0)
+    assert delete_checkpoints(tmp_path / "missing") == (0, 0)
 
 
 def test_resume_refuses_breaking_changes(tmp_path):
     cfg = load_stage_config(2, None, ["ray.num_workers=2"])
     _fake_checkpoint(tmp_path, cfg)
-    ckpt_lib.check_compatible(tmp_path, load_stage_config(2, None, ["ray.num_workers=2", "ray.address=auto"]), 2, "fp1")
+    check_compatible(tmp_path, load_stage_config(2, None, ["ray.num_workers=2", "ray.address=auto"]), 2, "fp1")
     with pytest.raises(ConfigError, match=r"optim\.lr: 4e-05 -> 0\.001"):
-        ckpt_lib.check_compatible(tmp_path, load_stage_config(2, None, ["ray.num_workers=2", "optim.lr=1e-3"]), 2)
+        check_compatible(tmp_path, load_stage_config(2, None, ["ray.num_workers=2", "optim.lr=1e-3"]), 2)
     with pytest.raises(ConfigError, match="written by 2 workers, this run has 4"):
-        ckpt_lib.check_compatible(tmp_path, cfg, 4)
+        check_compatible(tmp_path, cfg, 4)
     with pytest.raises(ConfigError, match="training data changed"):
-        ckpt_lib.check_compatible(tmp_path, cfg, 2, "fp2")
+        check_compatible(tmp_path, cfg, 2, "fp2")
     with pytest.raises(ConfigError, match="stage 2 checkpoint"):
-        ckpt_lib.check_compatible(tmp_path, Stage1Config(), 2)
+        check_compatible(tmp_path, Stage1Config(), 2)
 
 
 def test_rng_state_round_trips(tmp_path):
@@ -275,13 +289,13 @@ def test_rng_state_round_trips(tmp_path):
     torch.manual_seed(3)
     np.random.seed(3)
     random.seed(3)
-    meta, tensors = ckpt_lib.capture_rng()
-    ckpt_lib.save_tensors_atomic(tmp_path / "rng.safetensors", tensors)
-    ckpt_lib.write_json_atomic(tmp_path / "rng.json", meta)
+    meta, tensors = capture_rng()
+    save_tensors_atomic(tmp_path / "rng.safetensors", tensors)
+    write_json_atomic(tmp_path / "rng.json", meta)
     want = (torch.rand(3), np.random.rand(3), random.random())
     from safetensors.torch import load_file
 
-    ckpt_lib.restore_rng(json.loads((tmp_path / "rng.json").read_text()), load_file(str(tmp_path / "rng.safetensors")))
+    restore_rng(json.loads((tmp_path / "rng.json").read_text()), load_file(str(tmp_path / "rng.safetensors")))
     got = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
 
@@ -606,24 +620,24 @@ def test_resume_of_a_run_checkpointed_under_ild_train_mlp(tmp_path):
 
     cfg = load_stage_config(1, None, ["ray.num_workers=2", "ild.trainable=mixers"])
     _fake_checkpoint(tmp_path, cfg)
-    state = json.loads((tmp_path / ckpt_lib.STATE_FILE).read_text())
+    state = json.loads((tmp_path / STATE_FILE).read_text())
     ild = state["config"]["ild"]
     del ild["trainable"]
     ild["train_mlp"] = False
     state["breaking_hash"] = config_hash({k: v for k, v in _flatten(state["config"]).items() if _breaking(k)})
-    ckpt_lib.write_json_atomic(tmp_path / ckpt_lib.STATE_FILE, state)
-    ckpt_lib.check_compatible(tmp_path, cfg, 2, "fp1")  # same meaning: resumes
+    write_json_atomic(tmp_path / STATE_FILE, state)
+    check_compatible(tmp_path, cfg, 2, "fp1")  # same meaning: resumes
     with pytest.raises(ConfigError, match="ild.trainable: 'mixers' -> 'all'"):
-        ckpt_lib.check_compatible(tmp_path, load_stage_config(1, None, ["ray.num_workers=2"]), 2, "fp1")
+        check_compatible(tmp_path, load_stage_config(1, None, ["ray.num_workers=2"]), 2, "fp1")
 
 def test_a_run_checkpointed_with_data_seq_len_resumes_without_it(tmp_path):
     # data.seq_len was required before the manifest became the rows' length: an old checkpoint holds it
     keys = ["ray.num_workers=2", "data.split=stage2"]
     _fake_checkpoint(tmp_path, load_stage_config(2, None, [*keys, "data.seq_len=512"]))
-    ckpt_lib.check_compatible(tmp_path, load_stage_config(2, None, keys), 2, "fp1")
+    check_compatible(tmp_path, load_stage_config(2, None, keys), 2, "fp1")
     # the data itself is what must not change
     with pytest.raises(ConfigError, match="the training data changed"):
-        ckpt_lib.check_compatible(tmp_path, load_stage_config(2, None, keys), 2, "fp2")
+        check_compatible(tmp_path, load_stage_config(2, None, keys), 2, "fp2")
 
 
 def test_ild_train_mlp_still_loads_as_trainable_with_a_deprecation_warning(capsys, tmp_path):

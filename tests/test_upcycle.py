@@ -111,7 +111,7 @@ FULL_RANK = {
 
 @pytest.mark.parametrize("name", list(FULL_RANK))
 def test_full_rank_all_mla_conversion_reproduces_the_base_logits(name):
-    """Issue 19: an all-MLA conversion at full rank with every RoPE pair kept is the base model, for Qwen3 as
+    """An all-MLA conversion at full rank with every RoPE pair kept is the base model, for Qwen3 as
     for Llama: Qwen3's per-head q/k RMSNorms become the MLA layers' q_norm / k_norm (folding only their
     weights, as before, left max |logit diff| 0.31 and KL 2.2e-3 here). Both attention paths: the full
     forward and the absorbed decode over the latent cache."""
@@ -443,7 +443,8 @@ def test_loading_is_strict_and_names_the_keys(tmp_path, tamper):
 
 
 def test_gdn_with_fewer_heads_uses_every_query_head():
-    """Issue 13: 9 GDN heads for 24 query heads kept heads 0-8 only. Each GDN head now stands for a group."""
+    """Each GDN head stands for a group of query heads (9 GDN heads for 24 query heads do not keep heads 0-8
+    only)."""
     from hylo.upcycle import gdn_head_groups
 
     assert gdn_head_groups(24, 9) == [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9, 10], [11, 12], [13, 14, 15],
@@ -491,9 +492,8 @@ def test_gdn_spare_value_dims_add_nothing_but_can_train():
 
 
 def test_converter_modules_import_alone_without_cycles():
-    """Issue 15: the converter is one package; the model code never imports it (the Mamba-2 converter lived in
-    the layer file and imported the converter, which imported it back), its modules form no cycle, and its
-    options load without torch."""
+    """The converter is one package; the model code never imports it (no converter in a layer file that
+    imports the converter back), its modules form no cycle, and its options load without torch."""
     import ast
     import subprocess
     import sys

@@ -8,8 +8,8 @@ benchmark item normalise identically.
 Design choices:
 * ASCII text (most of any mixture) skips NFKC (a no-op on ASCII) and folds punctuation with one
   bytes.translate, which is several times faster than the regex path used for other text; both
-  paths give identical words (tested). `fold` returns the folded UTF-8 bytes themselves, which the
-  vectorised scan splits into words in numpy without creating a Python object per word.
+  paths give identical words (tested). `fold_many` returns the folded UTF-8 bytes of a whole batch
+  themselves, which the vectorised scan splits into words in numpy without a Python object per word.
 * Underscores are separators, not word characters: identifiers written snake_case or spaced match.
 * `content_words` counts words that carry information (not a stopword, not a single character,
   not a pure number); index n-grams with too few are dropped as boilerplate.
@@ -38,13 +38,6 @@ STOPWORDS = frozenset(
 )
 
 
-def fold(text: str) -> bytes:
-    """UTF-8 text of the normalised words, separated by runs of spaces (no other separator occurs)."""
-    if text.isascii():
-        return text.lower().encode("ascii").translate(_ASCII_FOLD)
-    return _NON_WORD.sub(" ", unicodedata.normalize("NFKC", text).lower()).encode("utf-8", "surrogatepass")
-
-
 # fold_many: ASCII bytes through one table (letters lowered, digits kept, the rest -> space);
 # bytes >= 0x80 pass and are decided per character below.
 _LUT = np.array([ord(chr(c).lower()) if chr(c).isalnum() else 32 for c in range(128)] + list(range(128, 256)),
@@ -53,7 +46,8 @@ _ALNUM: dict[int, bool] = {}
 
 
 def fold_many(texts: Sequence[str], sep: bytes = b" \n ") -> bytes:
-    """`sep + sep.join(fold(t) for t in texts)`, computed for the whole batch at once.
+    """`sep` + the texts joined by `sep`, each folded (NFKC, lowercase, every character that is not a letter
+    or digit -> a space), as UTF-8 bytes, computed for the whole batch at once.
 
     Python does only what needs Unicode tables (NFKC + lowercase, and only for non-ASCII text);
     punctuation folding runs in numpy: a byte table for ASCII, and for each non-ASCII character

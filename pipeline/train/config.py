@@ -198,6 +198,11 @@ class DeepSpeedSection:
     # Parameters smaller than this stay whole on every rank; 0 partitions everything.
     stage3_param_persistence_threshold: int = 0
 
+    def __post_init__(self) -> None:
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise FieldError("offload_param", self.offload_param,
+                             f"needs deepspeed.zero_stage=3 (only ZeRO-3 partitions the parameters; zero_stage is {self.zero_stage})")
+
 
 # The optional trackers of `metrics` (pipeline/train/trackers.py): their sections check at load time that the
 # package can be imported, so a missing one fails before Ray starts.
@@ -268,8 +273,8 @@ class FaultSection:
 
     kill_at_step: int | None = None
     kill_rank: int = 0
-    # mid_step: after the forward of the step's first micro-batch; after_checkpoint: once step's
-    # checkpoint has been reported.
+    # mid_step: after the backward of the step's first micro-batch (before its engine.step);
+    # after_checkpoint: once step's checkpoint has been reported.
     kill_when: str = "mid_step"
     # worker: the worker process; node: the worker's Ray node (its raylet, object store and every
     # process on it), as when a machine vanishes.

@@ -7,7 +7,7 @@ Design choices:
 * Thin, like Ray's own training benchmarks: parse config, `init_ray` (pipeline/ray_init.py: `ray.address`,
   else `RAY_ADDRESS` as under `ray job submit`, else a local Ray), build
   `TorchTrainer(train_worker, ScalingConfig, RunConfig(storage_path, name, FailureConfig,
-  CheckpointConfig, callbacks=[metrics]))`, `fit()`. Everything per worker lives in loop.py.
+  CheckpointConfig, callbacks=[metrics]))`, `fit()`. Everything per worker lives in loop.py (and session.py).
 * A run is `<ray.storage_path>/<ray.name>`: a local (or shared-filesystem) directory, or a URI that
   Ray Train supports (`s3://bucket/runs`, `gs://...`; pyarrow filesystems, see storage.py). A relative
   storage path is refused inside a `ray job submit` job (it would land in Ray's temporary copy of the
@@ -36,7 +36,7 @@ Design choices:
 * Stage 2 starts what its teacher source needs first (pipeline/teacher/sources: the Serve pool of
   `teacher.source: serve` with `teacher.start_pool: true`), and stops it at the end.
 * SIGTERM to the driver (a preemption) asks the workers for a final checkpoint within
-  `checkpoint.preempt_grace_s` (loop.py), then the job exits with status 143 and one line naming the
+  `checkpoint.preempt_grace_s` (session.py), then the job exits with status 143 and one line naming the
   checkpoint `--resume` continues from; a second SIGTERM stops at once.
 """
 
@@ -63,7 +63,15 @@ from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.ray_init import init_ray, torch_extensions_dir
 from hylo.pipeline.teacher.sources import source_kind
 from hylo.pipeline.teacher.sources.base import ResourceDemand
-from hylo.pipeline.train import checkpoint as ckpt_lib
+from hylo.pipeline.train.checkpoint.layout import (
+    STEP_DIR,
+    checkpoint_problem,
+    delete_checkpoints,
+    describe_skips,
+    is_complete,
+    latest_checkpoint,
+)
+from hylo.pipeline.train.checkpoint.resume import check_student_fits
 from hylo.pipeline.train.config import StageConfig, config_to_dict, load_stage_config
 from hylo.pipeline.train.inputs import check_stage_inputs
 from hylo.pipeline.train.metrics import make_ray_callback, read_metrics
@@ -98,24 +106,24 @@ def build_parser(stage: int) -> argparse.ArgumentParser:
 
 def check_run_dir(cfg: StageConfig, resume: str | None) -> None:
     rd = run_loc(cfg)
-    latest = ckpt_lib.latest_checkpoint(rd)
+    latest = latest_checkpoint(rd)
     if latest is not None and resume is None:
         raise ConfigError(
             f"run directory {rd} already holds checkpoints (latest: {latest.name}); pass --resume to "
             f"continue it, or choose another ray.name / ray.storage_path")
     if resume == "latest" and latest is None:
-        skipped = ckpt_lib.describe_skips(rd)
+        skipped = describe_skips(rd)
         raise ConfigError(f"--resume: run directory {rd} holds no intact checkpoint to resume from"
                           + (":\n  " + "\n  ".join(skipped) if skipped else ""))
     if resume not in (None, "latest"):
-        problem = ckpt_lib.checkpoint_problem(resume_path(cfg, resume))
+        problem = checkpoint_problem(resume_path(cfg, resume))
         if problem is not None:
             raise ConfigError(f"--resume {resume}: cannot resume from it: {problem}")
 
 
 def resume_path(cfg: StageConfig, resume: str) -> Loc:
     """`--resume PATH`: a checkpoint directory or URI, or the name of a checkpoint of this run (step_N)."""
-    if ckpt_lib.STEP_DIR.match(resume) and not Path(resume).exists():
+    if STEP_DIR.match(resume) and not Path(resume).exists():
         return run_loc(cfg) / resume
     return Loc.of(resume)
 
@@ -132,7 +140,7 @@ def reset_ray_snapshot(run: Loc) -> str | None:
     except (ValueError, OSError, AttributeError):
         latest = None
     if latest:
-        problem = ckpt_lib.checkpoint_problem(run / latest)
+        problem = checkpoint_problem(run / latest)
         if problem is not None:
             note = (f"[train] Ray's checkpoint record ({RAY_SNAPSHOT}) points at {latest}, which is {problem}; "
                     f"reset it: the run resumes from its newest intact checkpoint")
@@ -160,9 +168,9 @@ def check_resume_fits(cfg: StageConfig, resume: str | None) -> None:
 
     if resume is None or not cfg.model.student or is_uri(cfg.model.student):
         return
-    ckpt = ckpt_lib.latest_checkpoint(run_loc(cfg)) if resume == "latest" else resume_path(cfg, resume)
-    if ckpt is not None and ckpt_lib.is_complete(ckpt):
-        ckpt_lib.check_student_fits(ckpt, Path(cfg.model.student).expanduser())
+    ckpt = latest_checkpoint(run_loc(cfg)) if resume == "latest" else resume_path(cfg, resume)
+    if ckpt is not None and is_complete(ckpt):
+        check_student_fits(ckpt, Path(cfg.model.student).expanduser())
 
 
 def convert_if_needed(cfg: StageConfig) -> StageConfig:
@@ -188,7 +196,7 @@ def convert_if_needed(cfg: StageConfig) -> StageConfig:
 
 def launch_id(launcher: str) -> str:
     """Names this driver invocation in the manifests it writes, so that a relaunched worker group finds
-    its own newest checkpoint (checkpoint.launch_checkpoints). Ray: one per fit(); torchrun: the
+    its own newest checkpoint (checkpoint/resume.py launch_checkpoints). Ray: one per fit(); torchrun: the
     rendezvous (every rank computes it, and `--max-restarts` relaunches keep it)."""
     if launcher == "torchrun":
         return "torchrun:" + ":".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR",
@@ -313,8 +321,8 @@ class Preempted(RuntimeError):
 @contextlib.contextmanager
 def preemption_handler(cfg: StageConfig, run: Loc) -> Iterator[None]:
     """While training: SIGTERM asks the workers for a final checkpoint within `checkpoint.preempt_grace_s`
-    (loop.Session.preemption) and, once they stopped, raises `Preempted`; a second SIGTERM stops at once."""
-    from hylo.pipeline.train.loop import PREEMPT_FILE, read_preempt_request
+    (session.Session.preemption) and, once they stopped, raises `Preempted`; a second SIGTERM stops at once."""
+    from hylo.pipeline.train.session import PREEMPT_FILE, read_preempt_request
 
     grace = cfg.checkpoint.preempt_grace_s
     flag = run / PREEMPT_FILE
@@ -343,7 +351,7 @@ def preemption_handler(cfg: StageConfig, run: Loc) -> Iterator[None]:
 
 
 def resume_hint(run: Loc) -> str:
-    latest = ckpt_lib.latest_checkpoint(run)
+    latest = latest_checkpoint(run)
     where = f"from {latest.name}, its newest intact checkpoint" if latest is not None else "from the start"
     return f"run the same command with --resume to continue {where}"
 
@@ -502,7 +510,7 @@ def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
     model = run / "model"
     if is_rank0 and cfg.checkpoint.delete_after_consolidate:
         if (model / "hybrid_config.json").is_file():
-            n, freed = ckpt_lib.delete_checkpoints(run)
+            n, freed = delete_checkpoints(run)
             print(f"[train] checkpoint.delete_after_consolidate: removed {n} checkpoint(s), "
                   f"{freed / 2**30:.2f} GiB; the run's output is {model}", flush=True)
         else:

@@ -66,10 +66,3 @@ class PlainEngine:
 
     def get_global_grad_norm(self) -> float | None:
         return None if self._norm is None else float(self._norm)
-
-    def state_bytes(self) -> int:
-        """Bytes of the fp32 masters (those that are copies) and the optimiser's moments."""
-        total = sum(m.numel() * m.element_size() for p, m in zip(self.params, self.masters) if m is not p)
-        for state in self.optimizer.state.values():
-            total += sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
-        return total

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.train.config import ILD_TRAINABLE, Stage1Config
@@ -93,16 +94,18 @@ class ILDStudent(nn.Module):
         self.ild = cfg.ild
         self.checkpointing = cfg.model.activation_checkpointing
 
-    def forward(self, position_ids_1T: torch.Tensor, cu_seqlens: torch.Tensor, x_in: list[torch.Tensor],
+    def forward(self, position_ids_1T: torch.Tensor, bounds: DocBounds, x_in: list[torch.Tensor],
                 y_out: list[torch.Tensor], y_mix: list[torch.Tensor],
                 tokens_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out_sum = mix_sum = torch.zeros((), device=tokens_T.device)
+        # the row's boundaries as the reader checked them on the host (`row_to_device`'s `bounds`): no layer
+        # checks them again or reads them back from the device
         for i, layer in enumerate(self.student.model.layers):
             x = x_in[i].to(layer.input_layernorm.weight.dtype)
             if self.checkpointing and self.training:
-                out, mix = checkpoint(layer, x, position_ids_1T, cu_seqlens, None, use_reentrant=False)
+                out, mix = checkpoint(layer, x, position_ids_1T, bounds, None, use_reentrant=False)
             else:
-                out, mix = layer(x, position_ids_1T, cu_seqlens, None)
+                out, mix = layer(x, position_ids_1T, bounds, None)
             out_sum = out_sum + (token_distance(out, y_out[i], self.ild.squared) * tokens_T).sum()
             mix_sum = mix_sum + (token_distance(mix, y_mix[i], self.ild.squared) * tokens_T).sum()
         return out_sum, mix_sum
@@ -162,21 +165,22 @@ def train_step(task: Stage1Task, rows: list[PackedRow], ctx: WorkerContext) -> S
     scale = ctx.world_size / max(n_global, 1.0)
     lr = current_lr(engine)
     out = {"loss_sum": 0.0, "ild_output_sum": 0.0, "ild_mixer_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
+    # the loss terms stay on the device until the step's end: one host read per step, not three per row
+    sums = []
     for i, (row, keep_T) in enumerate(zip(rows, keep)):
         d = row_to_device(row, ctx.device)
         x_in, y_out, y_mix = task.base(d)
         tokens_T = keep_T.to(ctx.device)
-        d_out, d_mix = engine(d.position_ids[None], d.cu_seqlens, x_in, y_out, y_mix, tokens_T)
+        d_out, d_mix = engine(d.position_ids[None], d.bounds(), x_in, y_out, y_mix, tokens_T)
         loss = ild.output_weight * d_out + ild.mixer_weight * d_mix
         engine.backward(loss * scale, scale_wrt_gas=False)
         if i == 0:
             ctx.hook("mid_step")
         engine.step()
-        out["loss_sum"] += float(loss)
-        out["ild_output_sum"] += float(d_out)
-        out["ild_mixer_sum"] += float(d_mix)
+        sums.append(torch.stack([loss.detach(), d_out.detach(), d_mix.detach()]).double())
         out["loss_tokens"] += float(keep_T.sum())
         out["tokens"] += float(row.num_tokens)
+    out["loss_sum"], out["ild_output_sum"], out["ild_mixer_sum"] = torch.stack(sums).sum(0).tolist()
     return StepResult(out, lr, float(engine.get_global_grad_norm() or 0.0))
 
 

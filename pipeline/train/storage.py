@@ -285,10 +285,6 @@ def upload_with_retries(src: Path, target: Loc, retries: int, backoff_s: float, 
             time.sleep(wait)
 
 
-def storage_location(storage_path: str) -> Loc:
-    return Loc.of(storage_path)
-
-
 def run_location(storage_path: str, name: str) -> Loc:
     """`<storage_path>/<name>` (a nested name a/b is two levels)."""
     return Loc.of(storage_path) / name

@@ -1,0 +1,265 @@
+"""The format of a checkpoint directory (the layout: `hylo.pipeline.train.checkpoint`), its manifest, and a
+run's set of checkpoints.
+
+Design choices:
+* A checkpoint is complete only when `manifest.json` exists and every file it lists is present with
+  the recorded size, and no other file is (`checkpoint_problem`; `is_complete`). Before anything is
+  loaded, every file is also checked against its sha256 (`deep=True`). The manifest is written by
+  rank 0 after all ranks' files are in place, so a write that died half-way (ENOSPC, a killed worker,
+  a failed upload) never looks complete. Ranks hash in parallel: under Ray each worker hashes its own
+  scratch directory (Ray merges them into storage on `report`); under torchrun the ranks share
+  `.tmp-step_N` and each hashes every W-th file; rank 0 merges the lists, checks sizes in storage and
+  writes the manifest (torchrun: then renames the directory into place).
+* Our own state is JSON + safetensors, written atomically (temp + rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from hylo.pipeline.train.storage import Loc
+from safetensors.torch import save_file
+
+from hylo import files
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+ZERO_DIR = "zero"
+ZERO_TAG = "state"
+STATE_FILE = "trainer_state.json"
+CHECKPOINT_MANIFEST = "manifest.json"
+RANK_FILES = re.compile(r"^ranks/rank_\d+\.files\.json$")
+FORMAT_VERSION = 2
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or incompatible; the message names the file and the reason."""
+
+
+# ------------------------------------------------------------------------------------ atomic files
+def write_json_atomic(path: Path, obj: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.atomic_write(path, json.dumps(obj, indent=1, sort_keys=True, default=str))
+
+
+def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with files.atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+
+
+def read_json(path: Path | Loc) -> Any:
+    loc = Loc.of(path)
+    try:
+        return files.read_json(loc, CheckpointError)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{loc}: missing") from e
+
+
+# ------------------------------------------------------------------------------------ names
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(ckpt: Path | Loc) -> int | None:
+    """The step in a checkpoint directory's name (`step_00000012` or `.tmp-step_00000012`), else None."""
+    m = STEP_DIR.match(Loc.of(ckpt).name.removeprefix(".tmp-"))
+    return int(m.group(1)) if m else None
+
+
+def rank_files_name(rank: int) -> str:
+    return f"ranks/rank_{rank}.files.json"
+
+
+def step_dirs(run_dir: Path | Loc) -> list[tuple[int, Loc]]:
+    """Every `step_N` directory of a run, complete or not, oldest first."""
+    out = []
+    for child in Loc.of(run_dir).children():
+        m = STEP_DIR.match(child.name)
+        if m and child.is_dir():
+            out.append((int(m.group(1)), child))
+    return sorted(out, key=lambda t: t[0])
+
+
+# ------------------------------------------------------------------------------------ manifest
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hashable_files(ckpt: Path) -> list[str]:
+    """Files a rank may list: everything but the rank lists, the manifest and temp files of atomic writes."""
+    out = []
+    for p in ckpt.rglob("*"):
+        rel = p.relative_to(ckpt).as_posix()
+        if p.is_file() and rel != CHECKPOINT_MANIFEST and not RANK_FILES.match(rel) and ".tmp-" not in p.name:
+            out.append(rel)
+    return sorted(out)
+
+
+def write_rank_files(ckpt: Path, rank: int, world_size: int, shared: bool) -> dict[str, Any]:
+    """This rank's part of the manifest: size and sha256 of the files it hashes, as
+    `ranks/rank_<r>.files.json`. `shared=False` (Ray: the rank's own scratch directory): every file in
+    it; `shared=True` (torchrun: one directory for all ranks, called after a barrier): every W-th file."""
+    ckpt = Path(ckpt)
+    rels = _hashable_files(ckpt)
+    if shared:
+        rels = rels[rank::world_size]
+    files = {rel: {"size": (ckpt / rel).stat().st_size, "sha256": sha256_file(ckpt / rel)} for rel in rels}
+    record = {"rank": rank, "files": files}
+    write_json_atomic(ckpt / rank_files_name(rank), record)
+    return record
+
+
+def finalize_checkpoint(ckpt: Path | Loc, step: int, world_size: int, launch_id: str | None = None) -> dict[str, Any]:
+    """Rank 0, once every rank's files are in `ckpt` (local or in storage): check them against the
+    ranks' lists and write `manifest.json`, the completion marker, last. `launch_id` names the driver
+    invocation that wrote it (`launch_checkpoints`)."""
+    loc = Loc.of(ckpt)
+    present = loc.files()
+    files: dict[str, dict[str, Any]] = {}
+    for r in range(world_size):
+        name = rank_files_name(r)
+        if name not in present:
+            raise CheckpointError(f"{loc}: {name} is missing (rank {r} did not finish writing its files)")
+        listed = read_json(loc / name)["files"]
+        for rel, rec in listed.items():
+            if rel in files and files[rel]["sha256"] != rec["sha256"]:
+                raise CheckpointError(f"{loc}: {rel} was written differently by two ranks")
+            files[rel] = rec
+        files[name] = {"size": present[name], "sha256": (loc / name).sha256()}
+    problem = _compare(files, present)
+    if problem:
+        raise CheckpointError(f"{loc}: {problem}")
+    manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "files": files}
+    if launch_id is not None:
+        manifest["launch_id"] = launch_id
+    (loc / CHECKPOINT_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def finalize_local(tmp: Path, final: Path, step: int, world_size: int, launch_id: str | None = None) -> None:
+    """torchrun mode, rank 0 after a barrier: write the manifest of a finished `.tmp-step_N`, move it into place."""
+    finalize_checkpoint(tmp, step, world_size, launch_id)
+    files.replace_dir(tmp, final)
+
+
+def _compare(files: dict[str, dict[str, Any]], present: dict[str, int]) -> str | None:
+    for rel in sorted(files):
+        if rel not in present:
+            return f"{rel}: missing"
+        if present[rel] != files[rel]["size"]:
+            return (f"{rel}: {present[rel]:,} bytes, the manifest records {files[rel]['size']:,} "
+                    f"(truncated or rewritten)")
+    extra = sorted(set(present) - set(files) - {CHECKPOINT_MANIFEST})
+    if extra:
+        return f"{extra[0]}: not in the manifest (not written by this checkpoint's ranks)"
+    return None
+
+
+def manifest_or_reason(loc: Loc) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        m = json.loads((loc / CHECKPOINT_MANIFEST).read_text())
+    except FileNotFoundError:
+        return None, (f"no {CHECKPOINT_MANIFEST}: its write never finished (or it was not written by this "
+                      f"project's training)")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, f"{CHECKPOINT_MANIFEST} is not valid JSON ({e})"
+    if not isinstance(m, dict) or m.get("format_version") != FORMAT_VERSION or not isinstance(m.get("files"), dict):
+        return None, f"{CHECKPOINT_MANIFEST} is not a format-{FORMAT_VERSION} manifest of this project"
+    return m, None
+
+
+def read_manifest(ckpt: Path | Loc) -> dict[str, Any]:
+    loc = Loc.of(ckpt)
+    m, reason = manifest_or_reason(loc)
+    if m is None:
+        raise CheckpointError(f"{loc}: {reason}")
+    return m
+
+
+def checkpoint_problem(ckpt: Path | Loc, deep: bool = False, only: Callable[[int], bool] | None = None) -> str | None:
+    """Why `ckpt` cannot be resumed from (None: it can). Shallow: the manifest exists and every file it
+    lists is there with its recorded size, and nothing else is. `deep`: also every file's sha256
+    (`only(i)` limits the hashing to the i-th files in sorted order, for ranks that share the work)."""
+    loc = Loc.of(ckpt)
+    if not loc.is_dir():
+        return "missing (no such directory)"
+    m, reason = manifest_or_reason(loc)
+    if m is None:
+        return reason
+    files = m["files"]
+    problem = _compare(files, loc.files())
+    if problem or not deep:
+        return problem
+    for i, rel in enumerate(sorted(files)):
+        if only is not None and not only(i):
+            continue
+        if (loc / rel).sha256() != files[rel]["sha256"]:
+            return f"{rel}: content differs from the manifest's sha256 (corrupted or replaced)"
+    return None
+
+
+def is_complete(ckpt: Path | Loc) -> bool:
+    """True when the manifest exists and lists exactly the files present, at their recorded sizes."""
+    return checkpoint_problem(ckpt) is None
+
+
+# ------------------------------------------------------------------------------------ a run's checkpoints
+def list_checkpoints(run_dir: Path | Loc) -> list[tuple[int, Loc]]:
+    """Complete checkpoints of a run, oldest first."""
+    return [(s, p) for s, p in step_dirs(run_dir) if is_complete(p)]
+
+
+def latest_checkpoint(run_dir: Path | Loc) -> Loc | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1][1] if ckpts else None
+
+
+def describe_skips(run_dir: Path | Loc) -> list[str]:
+    """One line per checkpoint directory of a run that is not complete, with the reason."""
+    out = []
+    for _, p in reversed(step_dirs(run_dir)):
+        problem = checkpoint_problem(p)
+        if problem:
+            out.append(f"{p.name}: {problem}")
+    return out
+
+
+def prune(run_dir: Path | Loc, keep: int | None) -> list[str]:
+    """Keep the newest `keep` complete checkpoints; remove older complete ones and every incomplete one
+    older than the oldest kept (nothing can resume from those). Returns the names removed."""
+    if not keep:
+        return []
+    dirs = step_dirs(run_dir)
+    complete = [s for s, p in dirs if is_complete(p)]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[-keep]
+    removed = []
+    for s, p in dirs:
+        if s < oldest_kept:
+            p.rmtree()
+            removed.append(p.name)
+    return removed
+
+
+def delete_checkpoints(run_dir: Path | Loc) -> tuple[int, int]:
+    """Remove every checkpoint of a run (complete, partial and scratch `.tmp-step_*`): (count, bytes freed)."""
+    count = freed = 0
+    for p in Loc.of(run_dir).children():
+        if STEP_DIR.match(p.name.removeprefix(".tmp-")) and p.is_dir():
+            freed += sum(p.files().values())
+            p.rmtree()
+            count += 1
+    return count, freed
