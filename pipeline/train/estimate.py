@@ -145,9 +145,10 @@ def model_config(path: str, what: str):
     from hylo.pipeline.config import ConfigError
     from transformers import AutoConfig
 
+    from hylo.assets import asset_name, resolve_path_or_asset
+
     p = Path(str(path)).expanduser()
-    if str(path).startswith("asset:") or (p / "config.json").is_file():
-        from hylo.assets import resolve_path_or_asset
+    if asset_name(path) is not None or (p / "config.json").is_file():
 
         return AutoConfig.from_pretrained(resolve_path_or_asset(path, what, directory=True))
     known = KNOWN_MODELS.get(p.name)
