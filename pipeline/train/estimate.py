@@ -700,7 +700,7 @@ class Estimate:
 def synthetic_row(tokens: int, vocab: int, doc_tokens: tuple[int, int] = DOC_TOKENS, seed: int = 0) -> PackedRow:
     """A packed row of `tokens` tokens (documents of random length in `doc_tokens`, the second half of each
     scored), as the training reader yields it: `pipeline/train/rows.SyntheticRows`, checked."""
-    from hylo.pipeline.train.rows import SyntheticRows
+    from hylo.pipeline.train.row_sources import SyntheticRows
 
     lo, hi = min(doc_tokens[0], tokens), min(doc_tokens[1], tokens)
     data = DataSection(source="synthetic", seq_len=tokens, synthetic=SyntheticData(vocab_size=vocab, min_doc_len=lo,
