@@ -226,7 +226,8 @@ def measure(tree: Path, tokens: int, threads: int, gemm_file: Path, memory: bool
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=1, help="measured steps per length (and per tree)")

@@ -189,7 +189,8 @@ def recipes_table(tokens: list[int]) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--paper", action="store_true", help="the paper's table only")
     p.add_argument("--recipes", action="store_true", help="the recipes' table only")
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536, 131072])

@@ -295,6 +295,9 @@ JOB_RUNS = {
     "stage2": (["--set", "model.student=rel/s", "--set", "data.path=rel/d", "--set", "ray.storage_path=rel/runs",
                 "--set", "teacher.model.path=rel/t", "--set", "teacher.cache_path=rel/c"],
                ("hylo.pipeline.train.driver", "_run_locked")),
+    "estimate": (["--tokens", "64", "--set", "model.student=rel/s", "--set", "data.path=rel/d",
+                  "--set", "teacher.model.path=rel/t"],
+                 ("hylo.pipeline.train.estimate", "shapes_of")),
 }
 
 

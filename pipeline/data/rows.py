@@ -112,6 +112,11 @@ class PackedRow:
                 keep[s:e] = 0.0
         return keep
 
+    def real_token_count(self) -> int:
+        """`real_tokens().sum()` from the host boundaries (no tensor read)."""
+        return self.num_tokens - sum(e - s for doc_id, (s, e) in zip(self.doc_ids or (), self.documents())
+                                     if doc_id == PAD_DOC_ID)
+
     def bounds(self, device: torch.device | str | None = None) -> DocBounds:
         """The row's boundaries for a forward on `device`: checked already, so no check and no
         device-to-host copy (the positions are the row's own)."""

@@ -728,7 +728,7 @@ def build_stage2(cfg: Stage2Config, shapes: Shapes, dtype: torch.dtype, gpu: boo
     """Stage 2's task as `stage2.build` makes it, on the current (fake) mode: the student of `shapes`, the
     configured teacher, KDStudent, and a (Tracked)PlainEngine."""
     from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
-    from hylo.pipeline.teacher.protocol import TargetSpec, Teacher
+    from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
     from hylo.pipeline.train.stage2 import KDStudent, Stage2Task
 
     student = _build_model(shapes.student, dtype)
@@ -751,7 +751,7 @@ def build_stage2(cfg: Stage2Config, shapes: Shapes, dtype: torch.dtype, gpu: boo
         source = _WireTopK(t.k, torch_dtype(t.client.dtype))
     else:
         source = _WireLogits(vocab, t.model.logits_chunk_tokens, torch_dtype(t.client.dtype))
-    return Stage2Task(engine, student, Teacher(source, spec, vocab), cfg), teacher_model
+    return Stage2Task(engine, student, BoundTeacher(source, spec, vocab), cfg), teacher_model
 
 
 def build_stage1(cfg: Stage1Config, shapes: Shapes, dtype: torch.dtype, gpu: bool, engine_cls=None):
@@ -1047,10 +1047,11 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
 
     from hylo.pipeline.cli import BadArgument, int_at_least
     from hylo.pipeline.config import add_config_args, maybe_print_config
+    from hylo.pipeline.paths import resolve_paths
     from hylo.pipeline.train.config import load_stage_config
     from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
 
-    ap = argparse.ArgumentParser(description=description or __doc__,
+    ap = argparse.ArgumentParser(description=description or __doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap, example="data.seq_len=32768")
     ap.add_argument("--stage", type=int, choices=(1, 2), default=2, help="which stage's step (default 2)")
@@ -1066,11 +1067,15 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = load_stage_config(args.stage, args.config, args.overrides)
     maybe_print_config(cfg, args)
+    cfg = resolve_paths(cfg)  # every path relative to this directory, as the stage jobs read them
     # stage 2's student shape comes from its checkpoint, or else from the file's stage-1 conversion
     student = Path(cfg.model.student).expanduser() if cfg.model.student else None
     stage1 = None
     if args.stage == 2 and not (student is not None and (student / "config.json").is_file()):
-        stage1 = load_stage_config(1, args.config, args.overrides)
+        # the overrides of stage 2's own sections (teacher, kd) do not apply to its stage-1 conversion
+        shared = {f.name for f in dataclasses.fields(Stage1Config)}
+        stage1 = resolve_paths(load_stage_config(1, args.config, [o for o in args.overrides
+                                                                  if o.split(".", 1)[0].split("=", 1)[0] in shared]))
     try:
         tokens = [int(x) for x in args.tokens.split(",")] if args.tokens else [cfg.data.seq_len]
     except ValueError:

@@ -161,7 +161,7 @@ def train_step(task: Stage1Task, rows: list[PackedRow], ctx: WorkerContext) -> S
     """One optimiser step: base layer targets -> student layers on base inputs -> L2 losses -> backward."""
     ild, engine = task.cfg.ild, task.engine
     keep = [r.real_tokens() for r in rows]
-    n_global = ctx.all_sum([float(sum(k.sum() for k in keep))])[0]
+    n_global = ctx.all_sum([float(sum(r.real_token_count() for r in rows))])[0]
     scale = ctx.world_size / max(n_global, 1.0)
     lr = current_lr(engine)
     out = {"loss_sum": 0.0, "ild_output_sum": 0.0, "ild_mixer_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
@@ -178,7 +178,7 @@ def train_step(task: Stage1Task, rows: list[PackedRow], ctx: WorkerContext) -> S
             ctx.hook("mid_step")
         engine.step()
         sums.append(torch.stack([loss.detach(), d_out.detach(), d_mix.detach()]).double())
-        out["loss_tokens"] += float(keep_T.sum())
+        out["loss_tokens"] += float(row.real_token_count())
         out["tokens"] += float(row.num_tokens)
     out["loss_sum"], out["ild_output_sum"], out["ild_mixer_sum"] = torch.stack(sums).sum(0).tolist()
     return StepResult(out, lr, float(engine.get_global_grad_norm() or 0.0))
