@@ -37,13 +37,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "jobs"))
-
-import convert  # noqa: E402
+sys.path.insert(0, str(ROOT))  # run as a file (python bench/amd_compat.py) of a checkout
 
 from hylo import released_facts as facts  # noqa: E402
 from hylo.io import load_hylo, save_hylo  # noqa: E402
+from hylo.jobs import convert  # noqa: E402
 from hylo.released import their_expected_tensors  # noqa: E402
 from hylo.released_xecomla import xecomla_expected_tensors  # noqa: E402
 

@@ -16,14 +16,13 @@ import shutil
 import sys
 from pathlib import Path
 
-if not __package__:
-    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.pipeline.cli import BadArgument, job_main  # noqa: E402
-from hylo.pipeline.config import shipped_config, shipped_configs  # noqa: E402
+from hylo.pipeline.cli import BadArgument, job_main
+from hylo.pipeline.config import shipped_config, shipped_configs
 
-from hylo.rules import suggest  # noqa: E402
+from hylo.rules import suggest
 
 
 def summary(path: Path) -> str:

@@ -29,12 +29,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if not __package__:
-    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.pipeline.cli import check_finite_args, job_main  # noqa: E402
-from hylo.pipeline.config import (  # noqa: E402
+from hylo.pipeline.cli import check_finite_args, job_main
+from hylo.pipeline.config import (
     ConfigError,
     add_config_args,
     apply_overrides,
@@ -44,10 +43,10 @@ from hylo.pipeline.config import (  # noqa: E402
     maybe_print_config,
     read_config_file,
 )
-from hylo.pipeline.convert import ConvertJobConfig  # noqa: E402
-from hylo.pipeline.paths import resolve_paths  # noqa: E402
+from hylo.pipeline.convert import ConvertJobConfig
+from hylo.pipeline.paths import resolve_paths
 
-from hylo.upcycle.config import ConvertConfig  # noqa: E402
+from hylo.upcycle.config import ConvertConfig
 
 _CHOICES = {name: list(r.choices) for name, r in field_rules(ConvertConfig).items() if r.choices is not None}
 _ON, _OFF = {"action": "store_const", "const": True}, {"action": "store_const", "const": False}

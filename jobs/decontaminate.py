@@ -19,22 +19,21 @@ import json
 import sys
 from pathlib import Path
 
-if not __package__:
-    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.pipeline.cli import job_main, report_error  # noqa: E402
-from hylo.pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
-from hylo.pipeline.data.decontam import (  # noqa: E402
+from hylo.pipeline.cli import job_main, report_error
+from hylo.pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config
+from hylo.pipeline.data.decontam import (
     SUITES,
     DecontamJobConfig,
     export_benchmarks,
     run_decontamination,
 )
-from hylo.pipeline.data.readers import SourceError  # noqa: E402
-from hylo.pipeline.paths import resolve_paths  # noqa: E402
+from hylo.pipeline.data.readers import SourceError
+from hylo.pipeline.paths import resolve_paths
 
-from hylo.assets import asset_name  # noqa: E402
+from hylo.assets import asset_name
 
 
 def _input_override(items: list[str]) -> list[dict]:

@@ -20,13 +20,12 @@ import json
 import sys
 from pathlib import Path
 
-if not __package__:
-    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.pipeline.cli import job_main, report_error, writable_dir  # noqa: E402
-from hylo.pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config  # noqa: E402
-from hylo.pipeline.paths import resolve_paths  # noqa: E402
+from hylo.pipeline.cli import job_main, report_error, writable_dir
+from hylo.pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config
+from hylo.pipeline.paths import resolve_paths
 
 
 def build_parser() -> argparse.ArgumentParser:

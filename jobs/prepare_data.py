@@ -16,15 +16,14 @@ import json
 import sys
 from pathlib import Path
 
-if not __package__:
-    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.pipeline.cli import job_main  # noqa: E402
-from hylo.pipeline.config import ConfigError, add_config_args, config_from_args  # noqa: E402
-from hylo.pipeline.data.config import PrepareDataConfig  # noqa: E402
-from hylo.pipeline.data.prepare import prepare  # noqa: E402
-from hylo.pipeline.paths import resolve_paths  # noqa: E402
+from hylo.pipeline.cli import job_main
+from hylo.pipeline.config import ConfigError, add_config_args, config_from_args
+from hylo.pipeline.data.config import PrepareDataConfig
+from hylo.pipeline.data.prepare import prepare
+from hylo.pipeline.paths import resolve_paths
 
 
 @job_main

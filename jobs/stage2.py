@@ -12,12 +12,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-if not __package__:
-    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.pipeline.cli import job_main  # noqa: E402
-from hylo.pipeline.train import driver  # noqa: E402
+from hylo.pipeline.cli import job_main
+from hylo.pipeline.train import driver
 
 
 @job_main

@@ -13,16 +13,15 @@ import json
 import sys
 from pathlib import Path
 
-if not __package__:
-    # run as a file (python jobs/NAME.py): the packages are in the checkout beside jobs/
+if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.pipeline.cli import job_main  # noqa: E402
-from hylo.pipeline.config import add_config_args, config_from_args  # noqa: E402
-from hylo.pipeline.paths import resolve_paths  # noqa: E402
-from hylo.pipeline.ray_init import ray_running  # noqa: E402
-from hylo.pipeline.teacher.cache import prepare_cache, run_cache_job  # noqa: E402
-from hylo.pipeline.teacher.config import TeacherCacheConfig  # noqa: E402
+from hylo.pipeline.cli import job_main
+from hylo.pipeline.config import add_config_args, config_from_args
+from hylo.pipeline.paths import resolve_paths
+from hylo.pipeline.ray_init import ray_running
+from hylo.pipeline.teacher.cache import prepare_cache, run_cache_job
+from hylo.pipeline.teacher.config import TeacherCacheConfig
 
 
 @job_main

@@ -4,7 +4,8 @@ When a checkout's root is on `sys.path` (PYTHONPATH, the current directory, `ray
 this folder can also be found under the top-level name `kernels`, which belongs to Hugging Face's kernels-hub
 package (transformers probes for it on import). Imported under that name, the lines below hand the name to that
 package where it is installed; where it is not, this stays an empty package without a version, which
-transformers reports as not available.
+transformers reports as not available, and without submodules (`kernels.varlen` would load a file of
+`hylo.kernels` a second time as another module). The symlink hylo/kernels maps this folder to `hylo.kernels`.
 """
 
 if __name__ == "kernels":
@@ -19,3 +20,5 @@ if __name__ == "kernels":
         _other = _util.module_from_spec(_spec)
         _sys.modules["kernels"] = _other
         _spec.loader.exec_module(_other)
+    else:
+        __path__ = []  # no submodules under this name

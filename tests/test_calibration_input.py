@@ -4,16 +4,13 @@ attention, as a Qwen3 conversion once did), and --no-calibrate converts."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "jobs"))
+from hylo.jobs import convert
 
-import convert  # noqa: E402
 
 
 def _qwen3_base_with_word_level_tokenizer(out: Path) -> Path:

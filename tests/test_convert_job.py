@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "jobs"))
+from hylo.jobs import convert
 
-import convert  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(argv: list[str], capsys) -> tuple[int, dict | None, str]:

@@ -6,7 +6,6 @@ Tiny random Llama (vocab = a word-level test tokenizer) upcycled into a HyLo hyb
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -548,10 +547,9 @@ def saved(tmp_path_factory, tok, base, hybrid):
 
 
 def eval_main():
-    spec = importlib.util.spec_from_file_location("eval_job", REPO / "jobs" / "eval.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+    from hylo.jobs.eval import main
+
+    return main
 
 
 def test_eval_job_writes_json_and_markdown(saved, tmp_path):

@@ -73,13 +73,10 @@ def test_other_rows_or_another_teacher_miss(models, tmp_path):
 
 def test_eval_job_reports_cache_use(models, tmp_path):
     """jobs/eval.py with --set kl.teacher_cache=...: the second evaluation reads the teacher from the file."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from eval import main
+
+    from hylo.jobs.eval import main
 
     student, teacher = models
     data = tmp_path / "rows.parquet"

@@ -197,11 +197,8 @@ def test_every_json_reader_names_the_file_of_a_bad_json_file(tmp_path, reader, b
 
 
 def test_convert_dry_run_names_a_base_config_that_is_not_utf8(tmp_path, capsys):
-    import importlib.util
+    from hylo.jobs import convert as job
 
-    spec = importlib.util.spec_from_file_location("convert_job", Path(__file__).parents[1] / "jobs" / "convert.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
     bad = tmp_path / "config.json"
     bad.write_bytes(b'{"model_type": "llama\xff"}')
     assert job.main(["--dry-run", "--base-config", str(bad)]) == 2

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,9 @@ from hylo.io import load_hylo, save_hylo
 from hylo.layers.gdn import GatedDeltaNet
 from hylo.released import ReleasedLayoutError, export_released, is_released_layout, load_released
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "jobs"))
+from hylo.jobs import convert
 
-import convert  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 D, F, VOCAB, H, G, N, P, V, R = 32, 48, 61, 4, 2, 6, 8, 8, 16
 GDN_H, GDN_K, GDN_V, CONV = 2, 8, 16, 4

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,10 +26,8 @@ from hylo.released_xecomla import export_xecomla, is_xecomla_layout
 
 from test_released import _rms, _their_mla, rel
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "jobs"))
+from hylo.jobs import convert
 
-import convert  # noqa: E402
 
 D, F, VOCAB, H, G, N, P, V = 32, 48, 61, 4, 2, 6, 8, 8
 LAYERS = 3
