@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hylo.assets import fetch_asset  # noqa: E402
 from hylo.pipeline.data.decontam import (  # noqa: E402
     BenchmarkSpec,
     DecontamJobConfig,
@@ -38,8 +39,6 @@ from hylo.pipeline.data.decontam import (  # noqa: E402
 )
 from hylo.pipeline.data.readers import SourceSpec  # noqa: E402
 from hylo.pipeline.ray_init import RayInitSection, init_ray  # noqa: E402
-
-from hylo.assets import fetch_asset  # noqa: E402
 
 
 def run(tmp: str, label: str, src: SourceSpec, bench: BenchmarkSpec, scanner: str, args) -> dict:

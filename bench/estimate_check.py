@@ -247,6 +247,7 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO))
     import torch
+
     from hylo.pipeline.train.estimate import DOC_TOKENS, estimate_step, shapes_of, synthetic_row
 
     torch.set_num_threads(args.threads)

@@ -56,7 +56,6 @@ PAPER_ROWS = [
 def paper_student():
     from hylo.pipeline.train.config import load_stage_config
     from hylo.pipeline.train.estimate import model_config
-
     from hylo.upcycle.options import hybrid_config_from_base
 
     convert = dataclasses.replace(load_stage_config(1, RECIPE_1B).model.convert, linear_type="mamba2",
@@ -69,32 +68,32 @@ def paper_student():
 def comparison_variant(loss: str, teacher: bool):
     """The `variant` of `estimate_step` that gives the built stage-2 task the row's loss and teacher."""
     import torch
-    from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div, naive_kl_div
     from torch import nn
 
+    from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div, naive_kl_div
+
     class ComparisonStudent(nn.Module):
-        """KDStudent's interface, forward(row, teacher) -> (loss, 0), with the row's loss form."""
+        """KDStudent's interface, forward(ids, bounds, loss mask, teacher) -> (loss, 0), with the row's loss form."""
 
         def __init__(self, student: nn.Module, kd) -> None:
             super().__init__()
             self.student, self.kd = student, kd
 
-        def forward(self, b, targets):
+        def forward(self, input_ids_T, bounds, loss_mask_T, targets):
             zero = torch.zeros((), dtype=torch.float32)
+            ids, pos = input_ids_T[None], bounds.positions[None]
             if loss == "plain CE":
-                out = self.student(input_ids=b["input_ids"], position_ids=b["position_ids"], cu_seqlens=b["bounds"],
-                                   labels=b["input_ids"])
+                out = self.student(input_ids=ids, position_ids=pos, cu_seqlens=bounds, labels=ids)
                 return out.loss, zero
-            h = self.student.model(input_ids=b["input_ids"], position_ids=b["position_ids"],
-                                   cu_seqlens=b["bounds"]).last_hidden_state[0]
+            h = self.student.model(input_ids=ids, position_ids=pos, cu_seqlens=bounds).last_hidden_state[0]
             w = self.student.lm_head.weight
             if loss == "fused CE":
-                return fused_linear_cross_entropy(h, w, b["labels"], mask=b["loss_mask"], reduction="sum",
-                                                  chunk_size=self.kd.chunk_size), zero
+                return fused_linear_cross_entropy(h, w, torch.roll(input_ids_T, -1), mask=loss_mask_T,
+                                                  reduction="sum", chunk_size=self.kd.chunk_size), zero
             if loss == "plain KL":
                 # every token (a masked selection of a [T] vector changes no memory figure)
                 return naive_kl_div(h, w, **targets, reduction="sum"), zero
-            return fused_linear_kl_div(h, w, **targets, mask=b["loss_mask"], reduction="sum",
+            return fused_linear_kl_div(h, w, **targets, mask=loss_mask_T, reduction="sum",
                                        chunk_size=self.kd.chunk_size), zero
 
     class NoTeacher:
@@ -130,6 +129,7 @@ def comparison_variant(loss: str, teacher: bool):
 
 def paper_table(tokens: int = 65536, worlds: tuple[int, int] = (8, 1)) -> list[dict]:
     import torch
+
     from hylo.pipeline.train.config import load_stage_config
     from hylo.pipeline.train.estimate import GPUS, Shapes, estimate_step, model_config
 
@@ -158,6 +158,7 @@ def paper_table(tokens: int = 65536, worlds: tuple[int, int] = (8, 1)) -> list[d
 
 def recipes_table(tokens: list[int]) -> list[dict]:
     import torch
+
     from hylo.pipeline.train.config import load_stage_config
     from hylo.pipeline.train.estimate import GPUS, estimate_step, estimate_teacher_replica, shapes_of
 

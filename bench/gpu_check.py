@@ -181,6 +181,7 @@ ESTIMATE_ERRORS: list[str] = []
 def fake_build(factory: Callable[[], Any], dtype: Any):
     """`build(factory, cpu, dtype)` on the estimate's fake tensors (a module cannot be cast there in place)."""
     import torch
+
     from hylo.pipeline.train.estimate import cast_parameters
 
     with torch.device("cpu"):
@@ -221,7 +222,6 @@ def hylo_config(variant: str, tiny: bool):
     import warnings
 
     from hylo.pipeline.train.config import load_stage_config
-
     from hylo.upcycle.options import hybrid_config_from_base
 
     convert = load_stage_config(1, CONFIG_1B).model.convert
@@ -262,6 +262,7 @@ def packed_row(T: int, docs: int, vocab: int, seed: int = 0) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ case 1
 def case_fused_kl(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
     import torch
+
     from hylo.kernels.backend import use_gpu_kernels
     from hylo.kernels.fused_kl import fused_linear_kl_div, naive_kl_div, topk_from_logits
 
@@ -320,6 +321,7 @@ def case_fused_kl(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
 def topk_from_logits_chunked(th, tw, k: int, topk_from_logits, chunk: int = 2048):
     """The teacher's top-k record without a [N, V] logits tensor (fp32 logits chunk by chunk)."""
     import torch
+
     from hylo.kernels.fused_kl import TeacherTopK
 
     parts = [topk_from_logits(th[s:s + chunk].float() @ tw.float().t(), k, dtype=torch.float32)
@@ -354,11 +356,11 @@ def liger_jsd(h, w, th, tw, meter: Meter, ref_loss, ref_dh, ref_dw) -> dict[str,
 # ------------------------------------------------------------------------------------ case 2
 def case_linear_layers(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
     import torch
+
     from hylo.kernels.backend import use_fla
     from hylo.kernels.gdn import chunk_gated_delta_rule
     from hylo.kernels.ssd import chunk_ssd
     from hylo.kernels.varlen import DocBounds
-
     from hylo.modeling import build_mixer
 
     T, docs = sh.linear["T"], sh.linear["docs"]
@@ -471,9 +473,9 @@ def op_final_states(variant, T, bounds, device, fast_dtype, ref_dtype, cfg, mete
 # ------------------------------------------------------------------------------------ case 3
 def case_mla(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
     import torch
+
     from hylo.kernels import packed_sdpa
     from hylo.kernels.varlen import DocBounds
-
     from hylo.layers.mla import MLAttention
 
     cfg = hylo_config("8mla8gdn", sh.tiny)
@@ -525,11 +527,11 @@ def case_mla(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
 def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model: Any, engine: str):
     """The stage-2 task of pipeline/train/stage2.py around a random student; engine 'plain' or 'deepspeed'."""
     import torch
+
+    from hylo.modeling import HyLoForCausalLM
     from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
     from hylo.pipeline.train.config import Stage2Config
     from hylo.pipeline.train.stage2 import KDStudent, Stage2Task
-
-    from hylo.modeling import HyLoForCausalLM
 
     cfg = Stage2Config()
     cfg.deepspeed.zero_stage = 3 if engine == "deepspeed" else 0
@@ -561,8 +563,9 @@ def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model
 
 
 def teacher_8b(sh: Shapes, device: Any, dtype: Any):
-    from hylo.pipeline.teacher.model import TeacherModel
     from transformers import LlamaForCausalLM
+
+    from hylo.pipeline.teacher.model import TeacherModel
 
     cfg = llama_config("8b", sh.tiny)
     cfg._attn_implementation = "sdpa"
@@ -603,6 +606,7 @@ def count_syncs(fn: Callable[[], Any], device: Any) -> dict[str, Any]:
 
 def case_step(sh: Shapes, device: Any, meter: Meter, engine: str = "plain") -> dict[str, Any]:
     import torch
+
     from hylo.pipeline.data.rows import check_row
     from hylo.pipeline.train.stage2 import train_step
 

@@ -38,6 +38,7 @@ def run_child(case: str, n: int, hidden: int, vocab: int, seed: int) -> dict:
 
     import torch
     import torch.nn.functional as F
+
     from hylo.kernels.fused_kl import fused_linear_kl_div, topk_from_logits
     from hylo.kernels.fused_kl.topk import TeacherTopK
 

@@ -28,15 +28,15 @@ def main() -> None:
     args = ap.parse_args()
 
     import ray
+    from tokenizers import Tokenizer
+
+    from hylo.assets import fetch_asset
     from hylo.pipeline.data.config import PackingConfig, TokenizeConfig
     from hylo.pipeline.data.mixture import mix
     from hylo.pipeline.data.readers import SourceSpec, iter_records
     from hylo.pipeline.data.render import ChatRenderer
     from hylo.pipeline.data.streaming import PackedRun, make_packer, stream_packed_rows
     from hylo.pipeline.ray_init import init_ray
-    from tokenizers import Tokenizer
-
-    from hylo.assets import fetch_asset
 
     tok_dir = fetch_asset("smollm2-135m-instruct", progress=False)
     share = fetch_asset("sharegpt", progress=False)

@@ -44,7 +44,6 @@ sys.path.insert(0, str(REPO))
 def demo_student(cache: Path) -> Path:
     """The demo's converted student (the conversion of configs/demo-smollm2.yaml's stage 1), cached."""
     from hylo.pipeline.train.config import load_stage_config
-
     from hylo.upcycle import convert
 
     out = cache / "hylo-smollm2-demo"

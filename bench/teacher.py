@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
 from hylo.pipeline.teacher.config import DEFAULT_TEACHER, TeacherModelConfig, TeacherPoolConfig  # noqa: E402
 from hylo.pipeline.teacher.model import TeacherModel  # noqa: E402
 
@@ -65,10 +66,11 @@ def main() -> None:
     print(f"direct in-process : {total / t_direct:8.0f} tokens/s ({t_direct:.2f} s)")
 
     import ray
+    from ray import serve
+
     from hylo.pipeline.ray_init import init_ray
     from hylo.pipeline.teacher.client import TeacherClient
     from hylo.pipeline.teacher.serve import start_teacher_pool
-    from ray import serve
 
     init_ray(None, max(2, args.replicas), log_to_driver=False)
     try:

@@ -21,7 +21,6 @@ if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use 
 
 from hylo.pipeline.cli import BadArgument, job_main
 from hylo.pipeline.config import shipped_config, shipped_configs
-
 from hylo.rules import suggest
 
 

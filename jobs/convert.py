@@ -45,7 +45,6 @@ from hylo.pipeline.config import (
 )
 from hylo.pipeline.convert import ConvertJobConfig
 from hylo.pipeline.paths import resolve_paths
-
 from hylo.upcycle.config import ConvertConfig
 
 _CHOICES = {name: list(r.choices) for name, r in field_rules(ConvertConfig).items() if r.choices is not None}

@@ -22,6 +22,7 @@ from pathlib import Path
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hylo.assets import asset_name
 from hylo.pipeline.cli import job_main, report_error
 from hylo.pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config
 from hylo.pipeline.data.decontam import (
@@ -32,8 +33,6 @@ from hylo.pipeline.data.decontam import (
 )
 from hylo.pipeline.data.readers import SourceError
 from hylo.pipeline.paths import resolve_paths
-
-from hylo.assets import asset_name
 
 
 def _input_override(items: list[str]) -> list[dict]:

@@ -74,9 +74,8 @@ def overrides_from_flags(args: argparse.Namespace) -> list[str]:
 
 def check_model_files(cfg) -> None:
     """Name a truncated weights file of any model the run loads before loading anything."""
-    from hylo.pipeline.eval.decode import resolve_path
-
     from hylo.files import check_weights_dir
+    from hylo.pipeline.eval.decode import resolve_path
 
     for spec in (cfg.models.path, cfg.models.teacher, cfg.models.base):
         if spec is not None:

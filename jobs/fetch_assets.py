@@ -17,11 +17,10 @@ from pathlib import Path
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hylo.assets import ASSETS, fetch_asset
 from hylo.pipeline.cli import job_main
 from hylo.pipeline.config import PATH, FieldError, add_config_args, config_from_args, rules, suggest
 from hylo.pipeline.paths import resolve_paths
-
-from hylo.assets import ASSETS, fetch_asset
 
 
 @dataclass

@@ -30,9 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     add_config_args(parser, example="teacher.k=64")
     cfg = resolve_paths(config_from_args(TeacherCacheConfig, parser.parse_args(argv)))
     # Every input check (data shards, teacher files, an existing cache's header) before Ray starts.
-    from hylo.pipeline.teacher.model import resolve_model_path
-
     from hylo.files import check_weights_dir
+    from hylo.pipeline.teacher.model import resolve_model_path
 
     if cfg.data and cfg.out:
         check_weights_dir(resolve_model_path(cfg.teacher.model.path))

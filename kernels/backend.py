@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
 from hylo.kernels.varlen import DocBounds
 
 _CHOICES = ("auto", "torch", "triton")

@@ -10,6 +10,7 @@ uses (N or S sequences, the state's dims), so each message speaks the op's own t
 from __future__ import annotations
 
 import torch
+
 from hylo.kernels.varlen import Bad, DocBounds, doc_bounds
 
 

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hylo.files import atomic_write
 from hylo.pipeline.cli import int_at_least, int_list
 from hylo.pipeline.config import at_least, config_from_args, each, rules, shipped_config
 from hylo.pipeline.runner import (
@@ -41,8 +42,6 @@ from hylo.pipeline.runner import (
     runner_parser,
     train_cmd,
 )
-
-from hylo.files import atomic_write
 
 # The KV cache grows linearly: three short contexts show the measured ratio as well as long ones.
 DEFAULT_KV_LENGTHS = [512, 1024, 2048]

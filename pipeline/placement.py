@@ -55,14 +55,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
+
+from hylo.files import atomic_write
 from hylo.pipeline import runner
 from hylo.pipeline.cli import int_at_least
 from hylo.pipeline.config import PATH, at_least, config_file, config_from_args, each, one_of, rules
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.eval.kl import check_eval_row, hidden_states, scored_tokens, sum_kl
-from torch import nn
-
-from hylo.files import atomic_write
 
 PROXIES = ("linear_error", "linear_error_rel", "error_gap")
 

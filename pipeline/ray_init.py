@@ -40,10 +40,10 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import hylo
+
 # RayInitSection lives with the config system (configs import no implementation); imported here for callers.
 from hylo.pipeline.config import RayInitSection  # noqa: F401
-
-import hylo
 
 # The directory that holds the `hylo` package: a checkout's root (used without installing), or site-packages.
 # (Not this file's parents[1]: installed, that is site-packages/hylo, whose folders would shadow top-level

@@ -24,11 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hylo.pipeline.config import PATH, add_config_args, rules
-from hylo.pipeline.ray_init import RayInitSection, gcs_address, init_ray
-
 import hylo
 from hylo.files import atomic_write
+from hylo.pipeline.config import PATH, add_config_args, rules
+from hylo.pipeline.ray_init import RayInitSection, gcs_address, init_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

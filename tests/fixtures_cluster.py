@@ -60,8 +60,9 @@ class Nodes:
 def local_cluster(kinds: dict[str, int], env: dict[str, str] | None = None) -> Iterator[Nodes]:
     """`env`: more environment for every Ray process of the cluster (e.g. a test S3 server's credentials)."""
     import ray
-    from hylo.pipeline.ray_init import project_env
     from ray.cluster_utils import Cluster
+
+    from hylo.pipeline.ray_init import project_env
 
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update({**project_env(), **(env or {})})

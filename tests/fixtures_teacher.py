@@ -56,6 +56,7 @@ def make_packed_row(doc_lengths: list[int], vocab_size: int, seed: int, pad: int
 def write_packed_parquet(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     """Write packed rows as one Parquet file in the data pipeline's row schema."""
     import pyarrow.parquet as pq
+
     from hylo.pipeline.data.rowfile import rows_to_table
 
     path = Path(path)

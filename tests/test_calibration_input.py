@@ -12,7 +12,6 @@ import torch
 from hylo.jobs import convert
 
 
-
 def _qwen3_base_with_word_level_tokenizer(out: Path) -> Path:
     """A random 2-layer Qwen3 directory whose tokenizer.json is a small word-level vocabulary: transformers
     reads it as a Qwen2Tokenizer that gives no token for the calibration text."""

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_examples import run_hylo, run_hylo_split
+
 from hylo.pipeline.cli import COMMANDS, NOT_JOBS, job_main
 from hylo.pipeline.config import ConfigError, field_rules, load_config, shipped_configs
 from hylo.pipeline.paths import resolve_path, resolve_paths
-from test_examples import run_hylo, run_hylo_split
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -216,8 +217,9 @@ def test_resolve_path_rules(tmp_path):
 
 
 def _job_configs() -> dict[str, type]:
-    from hylo.jobs.fetch_assets import FetchAssetsConfig
     from test_config import _job_config_roots
+
+    from hylo.jobs.fetch_assets import FetchAssetsConfig
 
     return {**_job_config_roots(), "fetch_assets": FetchAssetsConfig}
 

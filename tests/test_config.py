@@ -7,10 +7,10 @@ import json
 import re
 
 import pytest
-from hylo.pipeline.config import ConfigError, config_hash, load_config
 from transformers import LlamaConfig, Qwen3Config
 
 from hylo.config import HybridConfig, HybridConfigError
+from hylo.pipeline.config import ConfigError, config_hash, load_config
 from hylo.upcycle import UpcycleError, hybrid_config_from_base, kv_summary, parse_placement
 
 
@@ -148,6 +148,7 @@ def test_print_config_shows_every_key_and_round_trips(capsys):
     import argparse
 
     import yaml
+
     from hylo.pipeline.config import add_config_args, config_from_args
     from hylo.pipeline.data.config import PrepareDataConfig
     from hylo.pipeline.train.config import config_to_dict, load_stage_config
@@ -284,7 +285,6 @@ def test_out_of_range_values_are_rejected_at_load_naming_the_key(override, key):
 def test_convert_options_are_the_converters_own_and_listed():
     """model.convert is the converter's own ConvertConfig: an unknown key is listed with every option."""
     from hylo.pipeline.train.config import load_stage_config
-
     from hylo.upcycle import ConvertConfig
 
     with pytest.raises(ConfigError) as e:

@@ -134,9 +134,8 @@ def _weights(directory):
 
 def test_driver_and_job_convert_to_the_same_calibrated_weights(tmp_path, capsys, monkeypatch):
     """The training driver (stage 1 with model.convert) and jobs/convert.py run one conversion, the same code."""
-    from hylo.pipeline.train.driver import convert_if_needed
-
     import hylo.upcycle
+    from hylo.pipeline.train.driver import convert_if_needed
     from hylo.upcycle import ConvertConfig
     from hylo.upcycle.model import convert as real_convert
 
@@ -169,7 +168,6 @@ def test_a_base_without_tokenizer_is_refused_unless_calibration_is_turned_off(tm
     """A conversion (the driver's too) that cannot calibrate the gates stops, never skips the calibration
     without a word; `calibrate: false` / --no-calibrate is the only way to skip it."""
     from hylo.pipeline.train.driver import convert_if_needed
-
     from hylo.upcycle import UpcycleError
 
     base = _tiny_base(tmp_path / "base", tokenizer=False)
@@ -250,10 +248,9 @@ def test_a_base_whose_tensors_do_not_match_its_config_is_refused_naming_them(tmp
     """A missing, unexpected or mis-shaped tensor of a base is refused, naming it (a base without
     `model.layers.1.self_attn.k_proj.weight` must not convert with exit 0 and a random k_proj in its GDN layer).
     The same rule holds wherever a model is loaded: the teacher and the evaluated model."""
+    from hylo.io import CheckpointMismatchError
     from hylo.pipeline.eval.decode import EvalError, load_model
     from hylo.pipeline.teacher.model import _load_model
-
-    from hylo.io import CheckpointMismatchError
 
     base = _tiny_base(tmp_path / "base", tokenizer=True)
     name = _damage_weights(base, how)

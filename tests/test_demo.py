@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from hylo.pipeline import demo
 from hylo.pipeline.config import ConfigError
 

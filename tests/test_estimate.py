@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hylo.pipeline.train.config import load_stage_config
-from hylo.pipeline.train.estimate import EstimateError, estimate_step, fake_tensors
 from transformers import LlamaConfig
 
 from hylo.config import HybridConfig
 from hylo.modeling import HyLoForCausalLM
+from hylo.pipeline.train.config import load_stage_config
+from hylo.pipeline.train.estimate import EstimateError, estimate_step, fake_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 V = 512
@@ -120,10 +120,11 @@ def test_the_estimate_is_the_cpu_allocators_peak_of_the_same_step(tiny_config: P
     """The real step (same builder, real tensors, PlainEngine, fp32, world size 1) under the CPU allocator's
     own accounting, beside the estimate with the CPU rules: the step's extra peak and its forward+backward
     part within 10 %."""
+    from torch.profiler import record_function
+
     from hylo.pipeline.train import stage2
     from hylo.pipeline.train.estimate import DOC_TOKENS, _Solo, build_stage2, shapes_of, synthetic_row
     from hylo.pipeline.train.plain_engine import PlainEngine
-    from torch.profiler import record_function
 
     cfg = _stage2(tiny_config)
     est = estimate_step(cfg, tokens, 1, torch.float32, gpu=False)

@@ -20,6 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hylo.io import save_hylo
 from hylo.pipeline.data.rowfile import DataFormatError
 from hylo.pipeline.data.rows import PackedRowError
 from hylo.pipeline.eval import kvcache
@@ -27,9 +30,6 @@ from hylo.pipeline.eval import retrieval as R
 from hylo.pipeline.eval.decode import EvalError, cache_nbytes, greedy_decode
 from hylo.pipeline.eval.kl import evaluate_kl, iter_eval_rows
 from hylo.pipeline.eval.lm_eval_adapter import Scorer
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from hylo.io import save_hylo
 from hylo.upcycle import kv_summary, upcycle
 
 from helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
@@ -420,9 +420,10 @@ def test_generate_until_in_padded_batches_equals_one_prompt_at_a_time(tok, hybri
 
 
 def test_lm_eval_model_registered_as_hylo_and_takes_instances(tok, hybrid):
-    from hylo.pipeline.eval.lm_eval_adapter import register
     from lm_eval.api.instance import Instance
     from lm_eval.api.registry import get_model
+
+    from hylo.pipeline.eval.lm_eval_adapter import register
 
     cls = register()
     assert get_model("hylo") is cls and register() is cls
@@ -470,8 +471,9 @@ def write_local_tasks(root: Path) -> Path:
 def test_lm_eval_simple_evaluate_on_a_local_task(tmp_path, tok, hybrid):
     """A local multiple-choice task through the harness; accuracy equals our own argmax scoring."""
     import lm_eval
-    from hylo.pipeline.eval.lm_eval_adapter import register
     from lm_eval.tasks import TaskManager
+
+    from hylo.pipeline.eval.lm_eval_adapter import register
 
     root = write_local_tasks(tmp_path / "tasks")
     cls = register()
@@ -495,8 +497,9 @@ def test_lm_eval_through_the_registered_name_and_the_hf_backend(saved, tmp_path)
     """simple_evaluate(model="hylo") by name, and lm-eval's own `hf` model loading the saved checkpoint with
     trust_remote_code (transformers' generate() on left-padded batches): the same log-likelihoods."""
     import lm_eval
-    from hylo.pipeline.eval.lm_eval_adapter import register
     from lm_eval.tasks import TaskManager
+
+    from hylo.pipeline.eval.lm_eval_adapter import register
 
     register()
     root = write_local_tasks(tmp_path / "tasks")

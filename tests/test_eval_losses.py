@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from hylo.kernels.backend import forced_mode, use_gpu_kernels
 from hylo.pipeline.eval.kl import sum_kl, sum_nll
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+
 from hylo.pipeline.eval.decode import load_model
 from hylo.pipeline.eval.kl import TeacherStateCache, evaluate_kl
 

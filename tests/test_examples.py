@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from hylo.pipeline.cli import COMMANDS, NOT_JOBS, hylo_main
 
 REPO = Path(__file__).resolve().parents[1]

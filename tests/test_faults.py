@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.checkpoint.layout import (
     checkpoint_problem,
@@ -110,6 +111,7 @@ def one_rank(tmp_path):
 
     import torch
     import torch.distributed as dist
+
     from hylo.pipeline.train.session import TorchrunSession
     from hylo.pipeline.train.worker import WorkerContext
 
@@ -284,9 +286,8 @@ def test_a_resume_from_an_older_step_sets_the_other_line_aside_once(tmp_path, wh
 def test_a_users_file_in_the_runs_model_directory_stops_the_run_before_training(tmp_path):
     """The consolidated model replaces `<run>/model` at the end of training: a directory there holding anything
     this project did not write is refused before Ray starts (not after the training, and never deleted)."""
-    from hylo.pipeline.train.driver import check_outputs
-
     from hylo.files import ForeignOutputError
+    from hylo.pipeline.train.driver import check_outputs
 
     cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=r"])
     check_outputs(cfg)

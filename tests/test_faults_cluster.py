@@ -31,6 +31,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from hylo.pipeline.train.checkpoint.layout import (
     checkpoint_problem,
     latest_checkpoint,
@@ -215,6 +216,7 @@ def test_node_preemption_notice_then_sigterm_resumes_from_the_just_in_time_check
 
     import ray
     import ray._private.state
+
     from hylo.pipeline.train.driver import run
 
     root, models = tiny

@@ -11,10 +11,12 @@ import ast
 import math
 from pathlib import Path
 
-import hylo.kernels.fused_kl.chunked as chunked
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hylo.kernels.fused_kl.chunked as chunked
 from hylo.kernels.fused_kl import (
     TeacherTopK,
     auto_chunk_size,
@@ -25,7 +27,6 @@ from hylo.kernels.fused_kl import (
     tail_logmass_from_topk,
     topk_from_logits,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
 N, H, H_T, V, K, CHUNK = 37, 16, 24, 50, 7, 8
 FORMS = ["hidden", "topk_tail", "topk_notail", "logits_fn"]

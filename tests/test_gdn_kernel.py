@@ -9,10 +9,11 @@ from __future__ import annotations
 import sys
 import types
 
-import hylo.kernels.gdn.chunk as gdn_chunk
 import pytest
 import torch
 import torch.nn.functional as F
+
+import hylo.kernels.gdn.chunk as gdn_chunk
 from hylo.kernels.gdn import (
     GatedDeltaRuleInputError,
     chunk_gated_delta_rule,

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from hylo.pipeline.cli import BadArgument, check_finite_args, input_error_message, job_main
 from hylo.pipeline.config import ConfigError
 
@@ -82,9 +83,10 @@ def test_wrapped_input_errors_are_found(capsys):
 
 def test_ray_wrapped_worker_errors_are_found():
     """Ray Train's WorkerGroupError and a RayTaskError (as the driver sees them) carry the input error."""
-    from hylo.pipeline.data.rows import PackedRowError
     from ray.exceptions import RayTaskError
     from ray.train import WorkerGroupError
+
+    from hylo.pipeline.data.rows import PackedRowError
 
     cause = PackedRowError("data/shard-00003.parquet row 7: cu_seqlens must end at T=64")
     task = RayTaskError("train_worker", "Traceback (most recent call last):\n  ...\nPackedRowError: ...", cause)
@@ -512,6 +514,7 @@ def test_a_dataset_written_without_page_checksums_still_reads_and_the_driver_say
     """A shard written before page checksums (no `page_checksums` in its manifest entry) reads as before,
     unverified; the stage's input check says so once."""
     import pyarrow.parquet as pq
+
     from hylo.pipeline.data.reader import RowReader
     from hylo.pipeline.data.rowfile import rows_to_table
     from hylo.pipeline.data.shards import write_manifest

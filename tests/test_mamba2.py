@@ -10,13 +10,13 @@ from __future__ import annotations
 import sys
 import types
 
-import hylo.kernels.ssd.chunk as ssd_chunk
 import pytest
 import torch
 import torch.nn.functional as F
-from hylo.kernels.ssd import SSDInputError, chunk_ssd, naive_ssd
 
+import hylo.kernels.ssd.chunk as ssd_chunk
 from hylo.config import HybridConfig, HybridConfigError
+from hylo.kernels.ssd import SSDInputError, chunk_ssd, naive_ssd
 from hylo.layers.mamba2 import Mamba2Mixer, causal_conv1d_silu
 from hylo.upcycle import mamba2_weights_from_attention
 
@@ -582,10 +582,9 @@ def test_smollm2_14mla_16m2_trains_through_both_stages(tmp_path):
     import subprocess
     from pathlib import Path
 
-    from hylo.pipeline.train.metrics import read_metrics
-
     from hylo.assets import fetch_asset
     from hylo.io import load_hylo, save_hylo
+    from hylo.pipeline.train.metrics import read_metrics
     from hylo.upcycle import load_base_model, upcycle
 
     from fixtures_train import write_config

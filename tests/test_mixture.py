@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+
 from hylo.pipeline.config import ConfigError, load_config
 from hylo.pipeline.data.config import PrepareDataConfig
 from hylo.pipeline.data.mixture import build_mixture, mix

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+
 from hylo.pipeline.config import from_dict, to_dict
 from hylo.pipeline.data.config import PrepareDataConfig
 from hylo.pipeline.data.readers import SourceSpec, read_source

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.data.shards import ShardWriter, write_manifest

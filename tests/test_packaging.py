@@ -78,11 +78,10 @@ def test_the_package_search_takes_only_hylo(tmp_path):
 
 
 def test_the_checkout_imports_the_installed_names():
+    import hylo
     import hylo.jobs.convert
     import hylo.kernels.varlen
     import hylo.pipeline.cli
-
-    import hylo
 
     assert Path(hylo.pipeline.cli.__file__).resolve() == REPO / "pipeline" / "cli.py"
     assert Path(hylo.pipeline.cli.__file__) == REPO / "hylo" / "pipeline" / "cli.py"  # by its symlink

@@ -10,12 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hylo.kernels.varlen import BoundaryError
-from hylo.pipeline.data.rowfile import DataFormatError, PackedRowFile
-from hylo.pipeline.data.rows import PackedRowError, check_row
 
 from hylo.config import HybridConfig
+from hylo.kernels.varlen import BoundaryError
 from hylo.modeling import HyLoForCausalLM
+from hylo.pipeline.data.rowfile import DataFormatError, PackedRowFile
+from hylo.pipeline.data.rows import PackedRowError, check_row
 
 # Tensor methods that copy values to the host: on a GPU each one waits for the device (a sync).
 _HOST_READS = {"tolist", "item", "cpu", "numpy", "__int__", "__bool__", "__float__", "__index__"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from hylo.kernels import packed_sdpa
 from hylo.kernels.packed_sdpa import packed_causal_sdpa, packed_causal_sdpa_loop, plan_groups
 

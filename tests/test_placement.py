@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.eval.kl import check_eval_row, evaluate_kl, scored_tokens
 from hylo.pipeline.placement import (

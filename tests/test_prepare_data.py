@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+
 from hylo.pipeline.config import load_config
 from hylo.pipeline.data.config import PrepareDataConfig
 from hylo.pipeline.data.mixture import split_of

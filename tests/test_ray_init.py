@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from hylo.pipeline import ray_init
 from hylo.pipeline.config import ConfigError, load_config
 

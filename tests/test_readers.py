@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from hylo.pipeline.data import readers
 from hylo.pipeline.data.readers import (
     SourceError,

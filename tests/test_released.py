@@ -20,10 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from hylo.config import HybridConfig, HybridConfigError
 from hylo.io import load_hylo, save_hylo
+from hylo.jobs import convert
 from hylo.layers.gdn import GatedDeltaNet
 from hylo.released import ReleasedLayoutError, export_released, is_released_layout, load_released
-
-from hylo.jobs import convert
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -1061,7 +1060,6 @@ def _recipe_hcfg(recipe: str, **override):
     import warnings
 
     from hylo.pipeline.train.config import load_stage_config
-
     from hylo.upcycle import hybrid_config_from_base
 
     base = CARDS[recipe][0]

@@ -20,14 +20,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hylo.io import load_hylo
+from hylo.jobs import convert
 from hylo.released import ReleasedLayoutError, _their_rope_scaling
 from hylo.released_facts import DEEPSEEK_V3_DEFAULTS, MLA_CONFIG_FIELDS
 from hylo.released_xecomla import export_xecomla, is_xecomla_layout
 
 from test_released import _rms, _their_mla, rel
-
-from hylo.jobs import convert
-
 
 D, F, VOCAB, H, G, N, P, V = 32, 48, 61, 4, 2, 6, 8, 8
 LAYERS = 3

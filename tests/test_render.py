@@ -6,6 +6,7 @@ import copy
 
 import numpy as np
 import pytest
+
 from hylo.pipeline.data.render import ChatRenderer, Encoded, Rejected, tokens_in_spans
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from hylo.pipeline.train.runlock import LOCK_FILE, RunLockError, holder_record, run_lock
 from hylo.pipeline.train.storage import Loc
 

@@ -8,6 +8,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+
 from hylo.pipeline.ray_init import RayInitSection
 from hylo.pipeline.runner import StepRunner, last_json_object, train_cmd
 from hylo.pipeline.train.checkpoint.layout import STATE_FILE, finalize_checkpoint, write_rank_files

@@ -16,13 +16,13 @@ import collections
 import numpy as np
 import pytest
 import torch
+
+from hylo.config import HybridConfig
 from hylo.kernels.fused_kl.inputs import check_deferred, deferred_checks
 from hylo.kernels.host_reads import HostReadLog
 from hylo.kernels.varlen import DocBounds
-from hylo.pipeline.data.rows import PackedRow, check_row
-
-from hylo.config import HybridConfig
 from hylo.modeling import HyLoForCausalLM, HyLoModel
+from hylo.pipeline.data.rows import PackedRow, check_row
 
 V = 64
 
@@ -167,6 +167,8 @@ STAGE1_ONCE_PER_STEP = {
 
 
 def run_stage1_step(rows, linear_type="gdn"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from hylo.pipeline.train.config import Stage1Config
     from hylo.pipeline.train.plain_engine import PlainEngine
     from hylo.pipeline.train.stage1 import (
@@ -177,7 +179,6 @@ def run_stage1_step(rows, linear_type="gdn"):
         trainable_parameters,
     )
     from hylo.pipeline.train.worker import WorkerContext
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     class Solo(WorkerContext):
         def all_sum(self, values):

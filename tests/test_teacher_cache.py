@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+
 from hylo.pipeline.data.rowfile import PackedRowFile
 from hylo.pipeline.data.rows import check_row
 from hylo.pipeline.ray_init import ray_running

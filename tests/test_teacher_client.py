@@ -7,6 +7,7 @@ import random
 import pytest
 import ray.exceptions as rx
 import torch
+
 from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.teacher.client import TeacherClient, TeacherUnavailableError

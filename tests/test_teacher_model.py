@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+
 from hylo.pipeline.data.rows import PackedRowError, check_row
 from hylo.pipeline.teacher.model import TeacherModel, tokenizer_fingerprint
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from hylo.pipeline.config import ConfigError, from_dict, load_config
 from hylo.pipeline.data.rows import check_row
 from hylo.pipeline.teacher.cache import CacheMismatchError, compute_shard, finalize_cache, prepare_cache

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
 from hylo.pipeline.data.rows import PackedRow, check_row  # noqa: E402
 from hylo.pipeline.ray_init import ray_running  # noqa: E402
 from hylo.pipeline.teacher.client import TeacherClient  # noqa: E402
 from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig  # noqa: E402
 from hylo.pipeline.teacher.serve import start_teacher_pool  # noqa: E402
-from ray import serve  # noqa: E402
 
 from fixtures_teacher import make_packed_row, save_tiny_llama  # noqa: E402
 from helpers import assert_topk_matches  # noqa: E402

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from hylo.pipeline.config import ConfigError, field_rules
 from hylo.pipeline.data.rows import check_row
 from hylo.pipeline.teacher import sources

@@ -16,6 +16,7 @@ import types
 from pathlib import Path
 
 import pytest
+
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.config import config_to_dict, load_stage_config
 from hylo.pipeline.train.metrics import MetricsWriter, read_metrics

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.checkpoint.deepspeed_io import load_checkpoint, safe_deepspeed_load, save_checkpoint
 from hylo.pipeline.train.checkpoint.layout import (
@@ -141,6 +142,7 @@ def _walk(run) -> tuple[Loc | None, list[str]]:
     import tempfile
 
     import torch.distributed as dist
+
     from hylo.pipeline.train.session import TorchrunSession
     from hylo.pipeline.train.worker import WorkerContext
 
@@ -334,6 +336,7 @@ def test_a_full_storage_during_rays_upload_names_checkpoint_file_and_free_space(
     arrive whole and the space left (Ray's own says only `worker 0: No space left on device`)."""
     import ray.train
     import torch.distributed as dist
+
     from hylo.pipeline.train.session import RaySession
     from hylo.pipeline.train.worker import WorkerContext
 
@@ -508,6 +511,7 @@ def test_ray_worker_writes_each_step_before_reporting(tmp_path, monkeypatch):
     """Under Ray, rank 0 appends the record before `ray.train.report`: a driver interrupted while the
     report is in flight (Ctrl-C) loses no trained step."""
     import ray.train
+
     from hylo.pipeline.train.session import RaySession
     from hylo.pipeline.train.worker import WorkerContext
 
@@ -529,6 +533,7 @@ def test_ray_worker_writes_each_step_before_reporting(tmp_path, monkeypatch):
 def _ray_session(tmp_path, monkeypatch, registered: str | None, **loop):
     """A rank-0 RaySession of run `tmp_path/run` whose `ray.train.get_checkpoint()` says `registered`."""
     import ray.train
+
     from hylo.pipeline.train.session import RaySession
     from hylo.pipeline.train.worker import WorkerContext
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from hylo.pipeline.ray_init import ray_running
 from hylo.pipeline.train.checkpoint.layout import (
     CHECKPOINT_MANIFEST,

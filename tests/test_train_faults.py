@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.config import load_stage_config
 from hylo.pipeline.train.inputs import check_stage_inputs
@@ -87,10 +88,11 @@ def _worker_group_error(*failures: BaseException):
 
 
 def test_an_input_error_inside_a_worker_is_not_retried_a_fault_is():
-    from hylo.pipeline.train.failures import InputErrorsAreFinal
     from ray.exceptions import ActorDiedError
     from ray.train import FailureConfig
     from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+
+    from hylo.pipeline.train.failures import InputErrorsAreFinal
 
     user = ConfigError("teacher vocabulary 128 != student vocabulary 96: teacher and student must share a tokenizer")
     full = OSError(28, "No space left on device", "/runs/x/step_00000004/zero/state/a.pt")
@@ -106,10 +108,11 @@ def test_an_input_error_inside_a_worker_is_not_retried_a_fault_is():
 
 
 def test_the_log_says_why_a_failure_is_not_retried(capsys):
-    from hylo.pipeline.train.failures import InputErrorsAreFinal
-    from hylo.pipeline.train.storage import CheckpointUploadError
     from ray.train import FailureConfig
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
+
+    from hylo.pipeline.train.failures import InputErrorsAreFinal
+    from hylo.pipeline.train.storage import CheckpointUploadError
 
     policy = InputErrorsAreFinal(FailureConfig(max_failures=3))
     upload = CheckpointUploadError("uploading checkpoint s3://b/r/step_00000006 failed 2 time(s): connection refused")
@@ -122,9 +125,10 @@ def test_the_log_says_why_a_failure_is_not_retried(capsys):
 
 
 def test_the_driver_fits_with_the_input_error_policy():
-    from hylo.pipeline.train.failures import InputErrorsAreFinal, final_input_errors
     from ray.train import FailureConfig
     from ray.train.v2.api import data_parallel_trainer as dpt
+
+    from hylo.pipeline.train.failures import InputErrorsAreFinal, final_input_errors
 
     with final_input_errors() as installed:
         assert installed and isinstance(dpt.create_failure_policy(FailureConfig()), InputErrorsAreFinal)

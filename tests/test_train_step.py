@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.train.config import load_stage_config
 from hylo.pipeline.train.loop import cosine_with_warmup, reduce_record, setup_distributed

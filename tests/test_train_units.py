@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.reader import ShardRows
 from hylo.pipeline.data.rowfile import DataFormatError
@@ -394,8 +395,9 @@ def test_streamed_logits_serve_any_increasing_windows():
 
 # ------------------------------------------------------------------------------------ stage 1 pieces
 def test_base_layer_targets_capture_inputs_outputs_and_attention():
-    from hylo.pipeline.train.stage1 import BaseLayerTargets
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hylo.pipeline.train.stage1 import BaseLayerTargets
 
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,

@@ -12,6 +12,7 @@ Legend: N tokens, H hidden size, V vocabulary.
 from __future__ import annotations
 
 import torch
+
 from hylo.kernels.fused_kl.chunked import fused_linear_kl_div
 from hylo.kernels.fused_kl.topk import TeacherTopK
 

@@ -32,6 +32,7 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
+
 from hylo.kernels.backend import use_gpu_kernels
 from hylo.kernels.checks import compute_dtype
 from hylo.kernels.fused_kl.inputs import (

@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import torch
+
 from hylo.kernels.fused_kl.topk import TeacherTopK
 
 LogitsFn = Callable[[int, int], torch.Tensor]

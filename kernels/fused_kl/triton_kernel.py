@@ -30,6 +30,7 @@ from types import SimpleNamespace
 import torch
 import triton
 import triton.language as tl
+
 from hylo.kernels.fused_kl.steps import StepParams, bucket_kl
 
 # Largest vocabulary tile; tests lower it to exercise many tiles and a ragged last tile.

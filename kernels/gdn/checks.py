@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 import torch
+
 from hylo.kernels.checks import check_float_tensors, check_sequences, shape_str
 from hylo.kernels.varlen import DocBounds
 

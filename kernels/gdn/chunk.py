@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from hylo.kernels.backend import fla_varlen_kwargs, use_fla
 from hylo.kernels.checks import compute_dtype
 from hylo.kernels.gdn.checks import check_inputs, l2norm

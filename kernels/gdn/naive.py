@@ -15,6 +15,7 @@ Design choices:
 from __future__ import annotations
 
 import torch
+
 from hylo.kernels.checks import compute_dtype
 from hylo.kernels.gdn.checks import check_inputs, l2norm
 from hylo.kernels.varlen import DocBounds

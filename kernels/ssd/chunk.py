@@ -34,6 +34,7 @@ Design choices:
 from __future__ import annotations
 
 import torch
+
 from hylo.kernels.backend import fla_varlen_kwargs, use_fla
 from hylo.kernels.checks import compute_dtype
 from hylo.kernels.ssd.checks import check_inputs, heads_from_groups

@@ -17,6 +17,7 @@ Design choices:
 from __future__ import annotations
 
 import torch
+
 from hylo.kernels.checks import compute_dtype
 from hylo.kernels.ssd.checks import check_inputs, heads_from_groups
 from hylo.kernels.varlen import DocBounds

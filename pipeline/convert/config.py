@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hylo.pipeline.config import PATH, one_of, rules
-
 from hylo.upcycle.config import ConvertConfig
 
 

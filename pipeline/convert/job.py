@@ -7,9 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hylo.pipeline.convert.config import ConvertJobConfig
-
 from hylo.files import check_replaceable
+from hylo.pipeline.convert.config import ConvertJobConfig
 from hylo.upcycle.config import UpcycleError
 
 
@@ -109,7 +108,6 @@ def dry_run(cfg: ConvertJobConfig) -> dict[str, Any]:
 def convert_base(cfg: ConvertJobConfig, progress: bool = True) -> dict[str, Any]:
     """Convert `base` into `out` with the `convert` options; returns the summary."""
     from hylo.pipeline.cli import writable_dir
-
     from hylo.upcycle import convert, kv_summary
 
     if not cfg.base or not cfg.out:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from hylo.pipeline.data.config import LONG_DOC_POLICIES
 from hylo.pipeline.data.rows import PAD_DOC_ID
 

@@ -20,14 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hylo.files import atomic_dir, atomic_write, foreign_entries
 from hylo.pipeline.data.packing import BestFitPacker, Document
 from hylo.pipeline.data.render import ChatRenderer
 from hylo.pipeline.data.report import report_markdown
 from hylo.pipeline.data.shards import MANIFEST, ShardWriter, write_manifest
 from hylo.pipeline.data.streaming import PackedRun, make_packer, stream_packed_rows
 from hylo.pipeline.ray_init import init_ray
-
-from hylo.files import atomic_dir, atomic_write, foreign_entries
 
 
 def resolve_tokenizer(name_or_dir: str) -> Path:
@@ -142,9 +141,10 @@ def prepare(cfg: Any) -> dict[str, Any]:
     the old dataset only once complete: a failure at any point leaves the old one untouched.
     Uses the running Ray if there is one, else starts a local one.
     """
+    from transformers import AutoTokenizer
+
     from hylo.pipeline.data.mixture import resolve_asset_path
     from hylo.pipeline.data.readers import resolve_files
-    from transformers import AutoTokenizer
 
     out = Path(cfg.output.dir)
     _check_output(out, cfg.output.overwrite)

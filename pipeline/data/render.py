@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from hylo.pipeline.data.config import MASK_METHODS
 
 

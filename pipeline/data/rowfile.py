@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from hylo.pipeline.data.rows import REQUIRED_FIELDS, ROW_FIELDS
 
 # fields read as Python values (strings), not as numpy arrays

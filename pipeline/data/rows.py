@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from hylo.kernels.varlen import BoundaryError, DocBounds, host_cu_seqlens, positions_from_cu_seqlens
 
 # the fields of a packed row, in the order the data pipeline writes them

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, DataFormatError, rows_to_table
 
 from hylo.files import atomic_path, atomic_write, read_json
+from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, DataFormatError, rows_to_table
 
 MANIFEST = "manifest.json"
 FORMAT = "hylo-packed-rows/1"

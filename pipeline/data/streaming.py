@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
 from hylo.pipeline.data.packing import BestFitPacker, Document
 from hylo.pipeline.data.render import ChatRenderer, Encoded
 

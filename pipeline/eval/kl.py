@@ -38,6 +38,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
+
+from hylo.files import atomic_path
 from hylo.kernels.backend import forced_mode
 from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div
 from hylo.pipeline.data.reader import ParquetRows, RowReader
@@ -45,9 +48,6 @@ from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.data.shards import MANIFEST
 from hylo.pipeline.eval.decode import EvalError, final_hidden, is_hylo
 from hylo.pipeline.eval.progress import progress
-from torch import nn
-
-from hylo.files import atomic_path
 
 LOGITS_CHUNK = 1024
 

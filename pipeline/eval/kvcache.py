@@ -20,9 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
+
 from hylo.pipeline.eval.decode import EvalError, cache_nbytes, greedy_decode, is_hylo
 from hylo.pipeline.eval.progress import progress
-from torch import nn
 
 TOLERANCE = 0.05
 

@@ -44,9 +44,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from hylo.pipeline.eval.decode import EvalError, eos_ids, is_hylo, load_model, load_tokenizer, pick_device
 from hylo.pipeline.eval.progress import progress
-from torch import nn
 
 MODEL_NAME = "hylo"
 DEFAULT_BATCH_SIZE = 8

@@ -22,9 +22,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import nn
+
 from hylo.pipeline.eval.decode import EvalError, eos_ids, greedy_decode
 from hylo.pipeline.eval.progress import progress
-from torch import nn
 
 TASKS = ("niah_single", "niah_multikey")
 PROMPT_FORMATS = ("auto", "chat", "plain")

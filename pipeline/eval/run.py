@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from hylo.files import atomic_write
 from hylo.pipeline.config import config_hash, to_dict
 from hylo.pipeline.eval.config import EvalConfig
 from hylo.pipeline.eval.decode import EvalError, is_hylo, load_model, load_tokenizer
-
-from hylo.files import atomic_write
 
 
 def _need(value: Any, option: str, suite: str) -> Any:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from hylo.pipeline.eval.decode import eos_ids
 from torch import nn
+
+from hylo.pipeline.eval.decode import eos_ids
 
 
 def _prompt_ids(tokenizer, prompt: str, chat_template: bool) -> list[int]:

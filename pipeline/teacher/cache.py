@@ -44,13 +44,13 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from hylo.files import atomic_path, atomic_write, read_json
 from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.pipeline.data.reader import ParquetRows, RowReader
 from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, damage, open_parquet
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.protocol import TargetSpec, unsupported
-
-from hylo.files import atomic_path, atomic_write, read_json
 
 SCHEMA = "hylo-teacher-topk"
 SCHEMA_VERSION = 1

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.config import TeacherClientConfig

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
+from hylo.files import read_json
 from hylo.kernels.fused_kl.topk import TeacherTopK, topk_from_logits
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.config import TeacherModelConfig
 from hylo.pipeline.teacher.protocol import StreamedLogits, TargetSpec
-from torch import nn
-
-from hylo.files import read_json
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAMPLE_BYTES = 1 << 20

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
 from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.pipeline.data.rows import PackedRow
 

@@ -31,11 +31,12 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import torch
+from ray import serve
+
 from hylo.pipeline.config import from_dict, to_dict
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig
 from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
-from ray import serve
 
 
 class _TokenBudgetWarningFilter(logging.Filter):

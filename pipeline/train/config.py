@@ -56,7 +56,6 @@ from hylo.pipeline.teacher.config import (
     TeacherModelConfig,
     TeacherPoolConfig,
 )
-
 from hylo.upcycle.config import ConvertConfig
 
 STAGE_KEYS = ("stage1", "stage2")

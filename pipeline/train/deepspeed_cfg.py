@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.config import DeepSpeedSection, StageConfig
 

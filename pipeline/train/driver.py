@@ -357,9 +357,10 @@ def resume_hint(run: Loc) -> str:
 
 
 def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
-    from hylo.pipeline.train.loop import train_worker
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
+
+    from hylo.pipeline.train.loop import train_worker
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     check_cluster_resources(cfg)

@@ -69,11 +69,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.train.config import DataSection, Stage1Config, Stage2Config, StageConfig, SyntheticData
 from hylo.pipeline.train.plain_engine import PlainEngine
 from hylo.pipeline.train.worker import WorkerContext
-from torch import nn
 
 GIB = 1 << 30
 # share of a GPU's memory left for what the estimate does not count (context, communication buffers,
@@ -142,10 +143,10 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
 
 def model_config(path: str, what: str):
     """The transformers config of a model directory, an asset, or a published model named by its directory."""
-    from hylo.pipeline.config import ConfigError
     from transformers import AutoConfig
 
     from hylo.assets import asset_name, resolve_path_or_asset
+    from hylo.pipeline.config import ConfigError
 
     p = Path(str(path)).expanduser()
     if asset_name(path) is not None or (p / "config.json").is_file():
@@ -170,9 +171,8 @@ class Shapes:
 
 def student_config(cfg: StageConfig, stage1: Stage1Config | None):
     """The student's HybridConfig: its checkpoint's config where it exists, else the conversion of the base."""
-    from hylo.pipeline.config import ConfigError
-
     from hylo.config import HybridConfig
+    from hylo.pipeline.config import ConfigError
     from hylo.upcycle.options import hybrid_config_from_base
 
     if cfg.model.student and (Path(cfg.model.student).expanduser() / "config.json").is_file():
@@ -350,9 +350,10 @@ def _noop_conversions() -> Iterator[None]:
 
 @contextlib.contextmanager
 def fake_tensors() -> Iterator[HostOps]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from hylo.kernels import packed_sdpa
     from hylo.kernels.fused_kl import inputs
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     host = HostOps()
     # process-wide caches must not hand fake tensors to a real step later (nor real ones in): the grouped
@@ -1111,9 +1112,10 @@ def estimate_call(setup: Callable[[], Any], run: Callable[[Any], Any], gpu: bool
     """Peak bytes `run(setup())` allocates beyond what `setup()` made (inputs, modules, their states): the
     estimate of one measured call, for bench/gpu_check.py. Both run on fake CPU tensors, on the torch kernel
     paths (`HYLO_KERNELS=torch`'s), under the accelerator's rules of the fused KL when `gpu`."""
+    from torch.utils._pytree import tree_leaves
+
     from hylo.kernels.backend import forced_mode
     from hylo.kernels.fused_kl.inputs import deferred_checks
-    from torch.utils._pytree import tree_leaves
 
     rules = deferred_checks() if gpu else contextlib.nullcontext()
     with fake_tensors() as host, forced_mode("torch"), rules:

@@ -27,8 +27,9 @@ from ray.train.v2._internal.execution.failure_handling import DefaultFailurePoli
 def worker_input_error(error: BaseException) -> str | None:
     """`worker N: <message>` when a worker of this Ray Train failure raised an input error and none
     died; None for a fault (or anything else) that Ray may retry."""
-    from hylo.pipeline.cli import input_error_message
     from ray.exceptions import RayActorError
+
+    from hylo.pipeline.cli import input_error_message
 
     failures = getattr(error, "worker_failures", None)
     if not isinstance(failures, dict) or not failures:

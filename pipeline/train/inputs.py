@@ -233,9 +233,8 @@ def _teacher_fits(cfg: StageConfig, source: TeacherSourceKind) -> None:
 
 
 def check_stage_inputs(cfg: StageConfig) -> None:
-    from hylo.pipeline.train.storage import run_dir
-
     from hylo.assets import resolve_path_or_asset
+    from hylo.pipeline.train.storage import run_dir
 
     if cfg.model.student:
         _hylo_checkpoint("model.student", cfg.model.student)

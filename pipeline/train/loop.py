@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from hylo.pipeline.data.reader import RowReader
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.ray_init import kill_this_node

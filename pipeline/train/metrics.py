@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hylo.pipeline.train.storage import Loc
-from hylo.pipeline.train.trackers import RunTrackers
 
 from hylo.files import atomic_write
+from hylo.pipeline.train.storage import Loc
+from hylo.pipeline.train.trackers import RunTrackers
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tensorboard"

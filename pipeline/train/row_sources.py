@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from hylo.kernels.varlen import positions_from_cu_seqlens
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.reader import RowReader, ShardRows

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
 from hylo.pipeline.train.checkpoint.layout import (
     CHECKPOINT_MANIFEST,
     CheckpointError,

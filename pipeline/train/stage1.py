@@ -31,14 +31,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
 from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.train.config import ILD_TRAINABLE, Stage1Config
 from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
 from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 EPS = 1e-6
 

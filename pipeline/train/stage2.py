@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
 from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div
 from hylo.kernels.fused_kl.inputs import check_deferred
 from hylo.kernels.varlen import DocBounds
@@ -36,7 +38,6 @@ from hylo.pipeline.teacher.sources import open_teacher
 from hylo.pipeline.train.config import Stage2Config
 from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
 from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
-from torch import nn
 
 
 # ------------------------------------------------------------------------------------ student side

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.train.config import StageConfig
 from hylo.pipeline.train.storage import Loc

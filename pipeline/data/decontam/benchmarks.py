@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hylo.files import atomic_path
 from hylo.pipeline.data.config import BenchmarkSpec, SourceSpec
 from hylo.pipeline.data.normalize import normalize_words
 from hylo.pipeline.data.readers import iter_raw
-
-from hylo.files import atomic_path
 
 # The evaluation suites of the HyLo papers (hub name, config, split, fields, id) and the built-in one.
 # RULER is generated synthetically at evaluation time; it has no fixed items to index.

@@ -6,6 +6,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import numpy as np
+
 from hylo.pipeline.data.decontam.index import BenchmarkIndex
 
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from hylo.pipeline.data.decontam.index import BenchmarkIndex, Hits, empty_hits
 from hylo.pipeline.data.normalize import fold_many
 

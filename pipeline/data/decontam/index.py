@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from hylo.pipeline.data.config import BenchmarkSpec, MatchConfig
 from hylo.pipeline.data.decontam.benchmarks import Item, load_benchmark
 from hylo.pipeline.data.normalize import content_words

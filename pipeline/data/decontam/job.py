@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hylo.files import atomic_path, atomic_write
 from hylo.pipeline.data.config import DecontamJobConfig
 from hylo.pipeline.data.decontam.cut import cut_record
 from hylo.pipeline.data.decontam.decide import decide
@@ -17,8 +18,6 @@ from hylo.pipeline.data.decontam.index import BenchmarkIndex, build_index
 from hylo.pipeline.data.decontam.report import write_reports
 from hylo.pipeline.data.decontam.scan import scan_mixture
 from hylo.pipeline.data.readers import Record, is_reject, iter_source
-
-from hylo.files import atomic_path, atomic_write
 
 
 def _write_jsonl(path: Path, rows: Iterable[dict], ensure_ascii: bool = False) -> int:

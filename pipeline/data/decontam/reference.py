@@ -6,6 +6,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
+
 from hylo.pipeline.data.decontam.index import BenchmarkIndex, Hits
 from hylo.pipeline.data.normalize import normalize_words_plain
 

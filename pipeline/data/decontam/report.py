@@ -8,12 +8,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from hylo.files import atomic_write
 from hylo.pipeline.data.config import DecontamJobConfig
 from hylo.pipeline.data.decontam.decide import Decision
 from hylo.pipeline.data.decontam.index import BenchmarkIndex
 from hylo.pipeline.data.readers import Record
-
-from hylo.files import atomic_write
 
 
 def write_reports(cfg: DecontamJobConfig, index: BenchmarkIndex, dec: Decision, records: list[Record],

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
 from hylo.pipeline.config import RayInitSection
 from hylo.pipeline.data.decontam.decide import Decision, decide
 from hylo.pipeline.data.decontam.fast import FastScanner

@@ -85,9 +85,8 @@ class TeacherSourceKind:
 def check_model_weights(model_cfg: Any) -> None:
     """The teacher model (TeacherModelConfig) of a source that loads it: a directory or asset, with whole
     .safetensors files."""
-    from hylo.pipeline.teacher.model import resolve_model_path
-
     from hylo.files import check_weights_dir
+    from hylo.pipeline.teacher.model import resolve_model_path
 
     check_weights_dir(resolve_model_path(model_cfg.path))
 
@@ -95,9 +94,8 @@ def check_model_weights(model_cfg: Any) -> None:
 def model_files(model_cfg: Any) -> TeacherFiles:
     """What the student is compared with for a source that loads the teacher model: its directory, and its own
     tokenizer when `model.tokenizer` names one."""
-    from hylo.pipeline.teacher.model import resolve_model_path
-
     from hylo.assets import resolve_path_or_asset
+    from hylo.pipeline.teacher.model import resolve_model_path
 
     tok = resolve_path_or_asset(model_cfg.tokenizer, "teacher.model.tokenizer", directory=True) \
         if model_cfg.tokenizer else None

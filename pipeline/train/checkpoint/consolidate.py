@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from hylo.pipeline.train.checkpoint.layout import CheckpointError
 
 

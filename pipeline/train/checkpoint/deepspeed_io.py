@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
+
 from hylo.pipeline.train.checkpoint.layout import (
     FORMAT_VERSION,
     STATE_FILE,
@@ -38,7 +40,6 @@ from hylo.pipeline.train.checkpoint.layout import (
 from hylo.pipeline.train.checkpoint.write_errors import write_error
 from hylo.pipeline.train.config import StageConfig, breaking_hash, config_to_dict
 from hylo.pipeline.train.storage import Loc
-from safetensors.torch import load_file
 
 
 # ------------------------------------------------------------------------------------ RNG

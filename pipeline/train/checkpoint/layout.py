@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hylo.pipeline.train.storage import Loc
 from safetensors.torch import save_file
 
 from hylo import files
+from hylo.pipeline.train.storage import Loc
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 ZERO_DIR = "zero"

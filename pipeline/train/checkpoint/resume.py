@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.checkpoint.deepspeed_io import stored_param_shapes
 from hylo.pipeline.train.checkpoint.layout import (
