@@ -1055,7 +1055,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     ap = argparse.ArgumentParser(description=description or __doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap, example="data.seq_len=32768")
-    ap.add_argument("--stage", type=int, choices=(1, 2), default=2, help="which stage's step (default 2)")
+    ap.add_argument("--stage", type=int, choices=(1, 2), default=None,
+                    help="which stage's step (default: the `stage:` a printed config names, else 2)")
     ap.add_argument("--tokens", default=None,
                     help="comma-separated row lengths, e.g. 8192,65536 (default: the config's data.seq_len)")
     ap.add_argument("--world-size", type=int_at_least(1), default=None,
@@ -1066,6 +1067,11 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                     help="the step as a CPU runs it (fused KL's host checks and chunk size; fp32 unless --dtype)")
     ap.add_argument("--json", default=None, help="also write every figure to this file")
     args = ap.parse_args(argv)
+    if args.stage is None:  # a stage's --print-config (and this job's) heads its file with `stage: N`
+        from hylo.pipeline.config import read_config_file
+
+        named = read_config_file(args.config)[0].get("stage") if args.config else None
+        args.stage = named if named in (1, 2) else 2
     cfg = load_stage_config(args.stage, args.config, args.overrides)
     maybe_print_config(cfg, args)
     cfg = resolve_paths(cfg)  # every path relative to this directory, as the stage jobs read them
