@@ -445,6 +445,38 @@ def test_genuine_deepspeed_objects_load_weights_only(tmp_path):
     assert len(engine.loaded) == 4 and (ck / "zero/latest").read_text() == "state"
 
 
+def test_an_enum_pickled_by_name_loads_weights_only_and_nothing_else_through_getattr(tmp_path):
+    """Python 3.11.2 pickles DeepSpeed's ZeroStageEnum as `getattr(ZeroStageEnum, 'weights')`: such a file
+    loads weights-only; a getattr of anything but an allowed enum's member is refused."""
+    import pickle
+
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from hylo.pipeline.train.checkpoint.deepspeed_io import deepspeed_safe_globals
+
+    class ByName:  # what 3.11.2's Enum.__reduce_ex__ writes, on any Python
+        def __init__(self, owner, name):
+            self.args = (owner, name)
+
+        def __reduce__(self):
+            return getattr, self.args
+
+    ok = tmp_path / "ok.pt"
+    torch.save({"zero_stage": ByName(ZeroStageEnum, "weights"), "w": torch.ones(2)}, ok)
+    with pytest.raises(pickle.UnpicklingError, match="getattr"):
+        torch.load(ok, weights_only=True)  # without the allow-list: refused, as the fresh clone saw it
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        state = torch.load(ok, weights_only=True)
+    assert state["zero_stage"] is ZeroStageEnum.weights and state["w"].tolist() == [1.0, 1.0]
+    for owner, name in ((LossScaler, "__init__"), (ZeroStageEnum, "__class__"), (ZeroStageEnum, "_member_map_")):
+        bad = tmp_path / f"bad-{name}.pt"
+        torch.save({"x": ByName(owner, name)}, bad)
+        with pytest.raises(pickle.UnpicklingError):
+            with torch.serialization.safe_globals(deepspeed_safe_globals()):
+                torch.load(bad, weights_only=True)
+
+
 # ------------------------------------------------------------------------------------ metrics
 REC = {"stage": 2, "loss": 1.0, "lr": 1e-4, "grad_norm": 0.5, "tokens_per_s": 100.0, "mem_peak_mib": 10.0}
 

@@ -118,13 +118,30 @@ def load_checkpoint(engine, ckpt: Path, rank: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ DeepSpeed's pickles
+DEEPSPEED_ENUMS: tuple[type, ...] = ()
+
+
+def enum_member_by_name(cls: Any, name: str) -> Any:
+    """`getattr(cls, name)` as a pickle calls it, for one thing only: a member of an allowed enum.
+    Some Python 3.11 releases pickle an enum member as `getattr(EnumClass, 'name')` (3.11.2 does, 3.11.7
+    pickles it by value), so a checkpoint DeepSpeed saved there holds `builtins.getattr`: this stands in for
+    it (measured: every resume failed weights-only under Debian's 3.11.2) and refuses everything else."""
+    if cls in DEEPSPEED_ENUMS and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) in a pickle: only members of "
+                                 f"{', '.join(c.__name__ for c in DEEPSPEED_ENUMS)} are allowed")
+
+
 def deepspeed_safe_globals() -> list[Any]:
     """The non-tensor classes DeepSpeed puts into its checkpoint pickles (ZeRO stages 0-3, fp32/bf16),
-    allowed for `torch.load(weights_only=True)`; anything else in a pickle is refused."""
+    allowed for `torch.load(weights_only=True)`, and `builtins.getattr` limited to their enums' members
+    (`enum_member_by_name`); anything else in a pickle is refused."""
+    global DEEPSPEED_ENUMS
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum]
+    DEEPSPEED_ENUMS = (ZeroStageEnum,)
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, (enum_member_by_name, "builtins.getattr")]
 
 
 @contextlib.contextmanager
