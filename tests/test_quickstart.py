@@ -104,7 +104,10 @@ def _source_copy(dst: Path) -> Path:
     """The repository's tracked files (what `pip install .` of a clone sees)."""
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     for f in files:
-        if (REPO / f).is_file():
+        if (REPO / f).is_symlink():  # hylo/pipeline -> ../pipeline, ...: the folder mapping, kept as links
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            (dst / f).symlink_to(os.readlink(REPO / f))
+        elif (REPO / f).is_file():
             (dst / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / f, dst / f)
     return dst
