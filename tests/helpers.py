@@ -8,7 +8,11 @@ import this as `from helpers import ...`. Importing `one_thread` makes it autous
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -182,3 +186,17 @@ def assert_topk_matches(ref_logprobs_TV: torch.Tensor, got: Any, k: int, dtype: 
     assert (at_idx[:, -1] >= kth - (rtol * kth.abs() + 1e-3)).all(), "a stored index is not in the top-k"
     ref_tail = (1.0 - ref_TV.topk(k, dim=-1).values.exp().sum(-1)).clamp_min(0.0)
     torch.testing.assert_close(got.tail_logmass.exp(), ref_tail, rtol=0.0, atol=1e-3)
+
+
+def source_copy(repo: Path, dst: Path) -> Path:
+    """The tracked files of checkout `repo` (what `pip install .` of a clone sees, without runs or caches) in
+    `dst`; tracked symlinks (hylo/pipeline -> ../pipeline, ...: the folder mapping) stay links."""
+    files = subprocess.run(["git", "ls-files"], cwd=repo, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (repo / f).is_symlink():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            (dst / f).symlink_to(os.readlink(repo / f))
+        elif (repo / f).is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(repo / f, dst / f)
+    return dst

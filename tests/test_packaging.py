@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import source_copy
+
 REPO = Path(__file__).resolve().parents[1]
 # the folders beside hylo/ and the names they have: the symlink hylo/NAME -> ../NAME maps folder NAME
 MAPPED = ("kernels", "pipeline", "jobs", "configs")
@@ -187,18 +189,6 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 300) -> 
     return proc
 
 
-def _source_copy(dst: Path) -> Path:
-    """The repository's tracked files (what `pip install .` of a clone sees), without runs or caches."""
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (REPO / f).is_symlink():  # hylo/pipeline -> ../pipeline, ...: the mapping travels as links
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            (dst / f).symlink_to(os.readlink(REPO / f))
-        elif (REPO / f).is_file():
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, dst / f)
-    return dst
-
 
 def _venv(path: Path, env: dict[str, str]) -> Path:
     """A fresh virtualenv that sees the packages of the environment running the tests (torch, transformers,
@@ -231,7 +221,7 @@ print(json.dumps({"kernels": other.__file__, "mark": other.MARK, "hylo": hylo.__
 def test_wheel_and_editable_install_beside_a_package_named_kernels(tmp_path):
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs the git checkout to copy the tracked files")
-    src = _source_copy(tmp_path / "src")
+    src = source_copy(REPO, tmp_path / "src")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",

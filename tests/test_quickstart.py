@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import source_copy
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,24 +102,12 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> None:
     assert proc.returncode == 0, f"{shlex.join(map(str, cmd))}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
 
 
-def _source_copy(dst: Path) -> Path:
-    """The repository's tracked files (what `pip install .` of a clone sees)."""
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (REPO / f).is_symlink():  # hylo/pipeline -> ../pipeline, ...: the folder mapping, kept as links
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            (dst / f).symlink_to(os.readlink(REPO / f))
-        elif (REPO / f).is_file():
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, dst / f)
-    return dst
-
 
 def installed_wheel(tmp_path: Path) -> Path:
     """A virtualenv with a wheel of the tracked files installed (no dependency fetched: this environment's
     packages are on its path, but not this checkout's editable install); its bin/."""
     env = clean_env()
-    src = _source_copy(tmp_path / "src")
+    src = source_copy(REPO, tmp_path / "src")
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
           str(tmp_path / "dist"), str(src)], tmp_path, env)
     (wheel,) = (tmp_path / "dist").glob("hylo_pipeline-*.whl")
