@@ -871,7 +871,7 @@ def their_expected_tensors(config_json: dict[str, Any], hybrid_json: dict[str, A
         if i >= c["n_layer"]:
             continue
         if i in c["mla_layers"]:
-            out.update(_their_mla_shapes(c, f"{pre}.mla", qk_norm))
+            out.update(their_mla_shapes(c, f"{pre}.mla", qk_norm))
         elif linear in LINEAR_TYPE_NAMES["mamba2"]:
             out.update(_their_mamba_shapes(c, f"{pre}.mamba", where))
         elif linear in LINEAR_TYPE_NAMES["gdn"]:
@@ -881,7 +881,8 @@ def their_expected_tensors(config_json: dict[str, Any], hybrid_json: dict[str, A
     return out
 
 
-def _their_mla_shapes(c: dict[str, Any], m: str, qk_norm: bool) -> dict[str, tuple]:
+def their_mla_shapes(c: dict[str, Any], m: str, qk_norm: bool) -> dict[str, tuple]:
+    """{name: shape} of one MLA module `m` of AMD's code (the HyLo layout's `mla`, X-EcoMLA's too) from config `c`."""
     H, Dh, P, N, V = c["num_attention_heads"], c["hidden_size"], c["qk_rope_head_dim"], c["qk_nope_head_dim"], c["v_head_dim"]
     q, kv, bias, norms = c["q_lora_rank"], c["kv_lora_rank"], c["attention_bias"], c["use_lora_layer_norm"]
     kv_heads = H if c["use_full_kv_head"] else c["num_key_value_heads"]

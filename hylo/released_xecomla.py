@@ -47,6 +47,7 @@ from hylo.released import (
     read_released_tensors,
     released_files,
     released_to_state_dict,
+    their_mla_shapes,
 )
 from hylo.released_facts import (
     AMD_AT,
@@ -330,21 +331,11 @@ def xecomla_expected_tensors(config_json: dict[str, Any], mla_json: dict[str, An
                         f"{pre}.self_attn.v_proj.weight": (nkv * hd, D), f"{pre}.self_attn.o_proj.weight": (D, nh * hd)})
             continue
         q, kv = ranks[i]
-        m = f"{pre}.mla"
-        if q is None:
-            out[f"{m}.q_proj.weight"] = (H * (N + P), Dm)
-        else:
-            out.update({f"{m}.q_a_proj.weight": (q, Dm), f"{m}.q_b_proj.weight": (H * (N + P), q)})
-            if bias:
-                out[f"{m}.q_a_proj.bias"] = (q,)
-            if norms:
-                out[f"{m}.q_a_layernorm.weight"] = (q,)
-        out[f"{m}.kv_a_proj_with_mqa.weight"] = (kv + P, Dm)
-        if bias:
-            out.update({f"{m}.kv_a_proj_with_mqa.bias": (kv + P,), f"{m}.out_proj.bias": (Dm,)})
-        if norms:
-            out[f"{m}.kv_a_layernorm.weight"] = (kv,)
-        out.update({f"{m}.kv_b_proj.weight": (H * (N + Vh), kv), f"{m}.out_proj.weight": (Dm, H * Vh)})
+        # the same MLA module as the HyLo layout's (every head with its own keys and values), this layer's ranks
+        layer = {"num_attention_heads": H, "hidden_size": Dm, "qk_rope_head_dim": P, "qk_nope_head_dim": N,
+                 "v_head_dim": Vh, "q_lora_rank": q, "kv_lora_rank": kv, "attention_bias": bias,
+                 "use_lora_layer_norm": norms, "use_full_kv_head": True}
+        out.update(their_mla_shapes(layer, f"{pre}.mla", qk_norm=False))
     return out
 
 
