@@ -422,14 +422,9 @@ def test_corrupt_shard_in_the_middle_is_named_by_the_reader(tmp_path):
     assert next(iter(RowReader(d))).input_ids.shape == (64,)
 
 
-def test_corrupt_teacher_cache_shard_is_named_by_the_reader(tmp_path, tiny):
-    from hylo.pipeline.teacher.cache import (
-        CacheFormatError,
-        TopKCacheReader,
-        compute_shard,
-        finalize_cache,
-        prepare_cache,
-    )
+def _tiny_teacher_cache(tmp_path, tiny):
+    """A finished top-4 teacher cache of one packed shard: (its config, its one shard file)."""
+    from hylo.pipeline.teacher.cache import compute_shard, finalize_cache, prepare_cache
     from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherModelConfig
     from hylo.pipeline.teacher.model import TeacherModel
 
@@ -441,7 +436,13 @@ def test_corrupt_teacher_cache_shard_is_named_by_the_reader(tmp_path, tiny):
     for p in todo:
         compute_shard(teacher, cfg.data, cfg.out, header, p)
     assert finalize_cache(cfg.out, plan)
-    shard = next((tmp_path / "cache").rglob("shard-*.parquet"))
+    return cfg, next((tmp_path / "cache").rglob("shard-*.parquet"))
+
+
+def test_corrupt_teacher_cache_shard_is_named_by_the_reader(tmp_path, tiny):
+    from hylo.pipeline.teacher.cache import CacheFormatError, TopKCacheReader
+
+    cfg, shard = _tiny_teacher_cache(tmp_path, tiny)
     raw = bytearray(shard.read_bytes())
     for i in range(64, 400):
         raw[i] ^= 0x5A
@@ -540,25 +541,9 @@ def test_a_dataset_written_without_page_checksums_still_reads_and_the_driver_say
 def test_a_flipped_byte_in_a_teacher_cache_shard_is_named_never_used(tmp_path, tiny):
     """The same for the teacher's top-k cache: a flipped byte of its log-probabilities is an error naming
     the cache shard and the row group (before: a silently changed teacher distribution or a zstd error)."""
-    from hylo.pipeline.teacher.cache import (
-        CacheFormatError,
-        TopKCacheReader,
-        compute_shard,
-        finalize_cache,
-        prepare_cache,
-    )
-    from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherModelConfig
-    from hylo.pipeline.teacher.model import TeacherModel
+    from hylo.pipeline.teacher.cache import CacheFormatError, TopKCacheReader
 
-    data = _packed_dir(tmp_path / "data", "stage2", shards=1)
-    cfg = TeacherCacheConfig(data=str(data), out=str(tmp_path / "cache"), rows_per_shard=4,
-                             teacher=CacheTeacherSection(k=4, model=TeacherModelConfig(path=str(tiny["base"]))))
-    header, plan, todo = prepare_cache(cfg)
-    teacher = TeacherModel(tiny["base"])
-    for p in todo:
-        compute_shard(teacher, cfg.data, cfg.out, header, p)
-    assert finalize_cache(cfg.out, plan)
-    shard = next((tmp_path / "cache").rglob("shard-*.parquet"))
+    cfg, shard = _tiny_teacher_cache(tmp_path, tiny)
 
     def read_all():
         reader = TopKCacheReader(tmp_path / "cache")
