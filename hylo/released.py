@@ -57,6 +57,7 @@ import json
 import math
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -968,16 +969,28 @@ def export_released(model: Any, out_dir: str | Path, tokenizer_from: str | Path 
     """Write `model` in the released layout, atomically (temporary directory renamed into place), after reading
     the written files back the way AMD's loader does (`check_released_dir`); X-EcoMLA's layout is
     `hylo.released_xecomla.export_xecomla`."""
-    from safetensors.torch import save_file
 
     config_json, hybrid_json, tensors = released_files(model)
+    return write_checked_layout(out_dir, model, tensors, {"config.json": (config_json, 2),
+                                                          HYBRID_CONFIG_NAME: (hybrid_json, 4)},
+                                check_released_dir, tokenizer_from)
+
+
+def write_checked_layout(out_dir: str | Path, model: Any, tensors: dict[str, torch.Tensor],
+                         json_files: dict[str, tuple[dict[str, Any], int]], check: Callable[[Path], Any],
+                         tokenizer_from: str | Path | None) -> Path:
+    """One released layout's files, atomically: `model.safetensors`, each JSON file (name -> (content,
+    indent)), read back by `check` as the other project's loader would before anything is in place (its
+    error names `out_dir`), then the model's generation config and the tokenizer files."""
+    from safetensors.torch import save_file
+
     out = Path(out_dir)
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config_json, indent=2))
-        (tmp / HYBRID_CONFIG_NAME).write_text(json.dumps(hybrid_json, indent=4))
+        for name, (content, indent) in json_files.items():
+            (tmp / name).write_text(json.dumps(content, indent=indent))
         try:
-            check_released_dir(tmp)
+            check(tmp)
         except ReleasedLayoutError as e:
             raise ReleasedLayoutError(str(e).replace(str(tmp), str(out))) from None
         gen = getattr(model, "generation_config", None)

@@ -27,7 +27,6 @@ How it maps onto ours (hylo/released.py has the shared parts: names, RoPE rows, 
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from pathlib import Path
@@ -36,7 +35,6 @@ from typing import Any
 import torch
 
 from hylo.config import HybridConfig, HybridConfigError
-from hylo.files import atomic_dir, copy_tokenizer_files
 from hylo.released import (
     BASE_TYPES,
     ReleasedLayoutError,
@@ -48,6 +46,7 @@ from hylo.released import (
     released_files,
     released_to_state_dict,
     their_mla_shapes,
+    write_checked_layout,
 )
 from hylo.released_facts import (
     AMD_AT,
@@ -360,23 +359,9 @@ def check_xecomla_dir(path: str | Path, tensors: dict[str, torch.Tensor] | None 
 
 def export_xecomla(model: Any, out_dir: str | Path, tokenizer_from: str | Path | None = None) -> Path:
     """Write an all-MLA `model` in X-EcoMLA's layout, atomically, after reading it back as their loader would."""
-    from safetensors.torch import save_file
 
     config_json, mla_json, layer_json, tensors = xecomla_files(model)
-    out = Path(out_dir)
-    with atomic_dir(out) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config_json, indent=2))
-        (tmp / MLA_CONFIG_NAME).write_text(json.dumps(mla_json, indent=4))
-        (tmp / MLA_LAYER_CONFIG_NAME).write_text(json.dumps(layer_json, indent=2))
-        try:
-            check_xecomla_dir(tmp)
-        except ReleasedLayoutError as e:
-            raise ReleasedLayoutError(str(e).replace(str(tmp), str(out))) from None
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            gen.save_pretrained(tmp)
-        if tokenizer_from is not None:
-            copy_tokenizer_files(tokenizer_from, tmp)
-    return out
+    return write_checked_layout(out_dir, model, tensors, {"config.json": (config_json, 2), MLA_CONFIG_NAME: (mla_json, 4),
+                                                          MLA_LAYER_CONFIG_NAME: (layer_json, 2)},
+                                check_xecomla_dir, tokenizer_from)
 
