@@ -569,6 +569,13 @@ def load_released(path: str | Path, dtype: torch.dtype | None = None) -> Any:
            for k, v in sd.items() if v.shape != own[k].shape]
     if bad:
         raise ReleasedLayoutError(f"{p}: tensor shapes do not match the configs:\n  " + "\n  ".join(bad[:8]))
+    return load_checked_tensors(model, sd, hcfg, p, dtype)
+
+
+def load_checked_tensors(model: Any, sd: dict[str, torch.Tensor], hcfg: HybridConfig, p: Path,
+                         dtype: torch.dtype | None) -> Any:
+    """`model` given the checked tensors `sd` (cast to `dtype`, default the file's), its head tied when the
+    config says so, the directory's generation config: the end of an import of either released layout."""
     target = dtype or next(iter(sd.values())).dtype
     model.load_state_dict({k: v.to(target) for k, v in sd.items()}, strict=not hcfg.tie_word_embeddings, assign=True)
     if hcfg.tie_word_embeddings:

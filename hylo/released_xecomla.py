@@ -42,6 +42,7 @@ from hylo.released import (
     _read_json,
     _their_rope_scaling,
     _their_rope_scaling_out,
+    load_checked_tensors,
     read_released_tensors,
     released_files,
     released_to_state_dict,
@@ -231,16 +232,7 @@ def load_xecomla(path: str | Path, dtype: torch.dtype | None = None) -> Any:
         lines = ([f"missing: {released_name(k, hcfg.mla_layers)}" for k in missing[:8]]
                  + [f"unexpected: {origin.get(k, k)}" for k in extra[:8]] + [f"shape: {b}" for b in bad[:8]])
         raise ReleasedLayoutError(f"{p}: the tensors do not match the model its configs describe:\n  " + "\n  ".join(lines))
-    target = dtype or next(iter(sd.values())).dtype
-    model.load_state_dict({k: v.to(target) for k, v in sd.items()}, strict=not hcfg.tie_word_embeddings, assign=True)
-    if hcfg.tie_word_embeddings:
-        model.tie_weights()
-    gen = p / "generation_config.json"
-    if gen.is_file():
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(p)
-    return model.eval()
+    return load_checked_tensors(model, sd, hcfg, p, dtype)
 
 
 # ---------------------------------------------------------------------------------------------- export
