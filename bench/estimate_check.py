@@ -22,8 +22,12 @@ For each length, side by side:
   chunk products. Target: within 5 %.
 * rate: counted FLOPs / the measured step's wall time, beside this machine's fp32 GEMM rate at the step's
   own matrix shapes (each distinct shape of the step's products timed in the same child right after the
-  step, weighted by its FLOPs): the achieved fraction. With `--baseline-tree` each length runs in both
-  checkouts alternately (`--repeat` times each), so the before/after fractions come from the same minutes.
+  step, into preallocated outputs, weighted by its FLOPs; the best child's rate is every tree's reference at
+  that length): the achieved fraction. The timed child is set up
+  as that checkout's training worker sets up a CPU worker (its host-allocator setting, where it has one);
+  the memory child is a separate one. With `--baseline-tree` each length runs in both checkouts alternately
+  (`--repeat` times each), so the before/after fractions come from the same minutes.
+  Where the time that is not matrix products goes: bench/step_profile.py.
 """
 
 from __future__ import annotations
@@ -63,13 +67,15 @@ def replay_gemms(gemms: list, repeats: int = 3) -> dict:
     flops = seconds = cpu_seconds = 0.0
     for op, shapes, calls, n in gemms:
         args = [torch.randn(*s) for s in shapes]
+        a, b = args[-2], args[-1]
+        out = torch.empty(*a.shape[:-1], b.shape[-1])  # outputs preallocated: the products alone are timed
 
-        def run(op=op, args=args):
+        def run(op=op, args=args, out=out):
             if op in ("mm", "bmm"):
-                return (torch.mm if op == "mm" else torch.bmm)(args[0], args[1])
+                return (torch.mm if op == "mm" else torch.bmm)(args[0], args[1], out=out)
             if op == "addmm" or op == "addmm_":
-                return torch.addmm(args[0], args[1], args[2])
-            return torch.baddbmm(args[0], args[1], args[2])
+                return torch.addmm(args[0], args[1], args[2], out=out)
+            return torch.baddbmm(args[0], args[1], args[2], out=out)
 
         run()
         times, cpu = [], []
@@ -105,9 +111,20 @@ def allocator_peaks(fn, mark: str = "hylo::optimizer") -> tuple[float, float]:
 
 
 def run_child(tokens: int, threads: int, gemms: list, memory: bool = True) -> dict:
+    """One step measured in this process: its memory (`memory`: malloc returning freed memory, so that RssAnon
+    tracks live tensors) or its time (the process set up as the checkout's training worker sets up a CPU
+    worker: `keep_freed_host_memory` where that checkout has it), then the GEMM reference."""
     import torch
 
     torch.set_num_threads(threads)
+    host_malloc = None
+    if not memory:
+        try:
+            from hylo.kernels.backend import keep_freed_host_memory
+        except ImportError:  # a checkout from before the setting
+            host_malloc = "system (this checkout has no keep_freed_host_memory)"
+        else:
+            host_malloc = "keep" if keep_freed_host_memory() else "system"
     from hylo.pipeline.train import stage2
     from hylo.pipeline.train.estimate import DOC_TOKENS, _Solo, build_stage2, shapes_of, synthetic_row
     from hylo.pipeline.train.plain_engine import PlainEngine
@@ -140,7 +157,8 @@ def run_child(tokens: int, threads: int, gemms: list, memory: bool = True) -> di
     sampler.join()
     top = max(peak["kib"], status_kib("RssAnon"))
     res = {"tokens": tokens, "docs": len(row.host) - 1, "rss_extra_mib": (top - base) / 1024, "seconds": seconds,
-           "cpu_seconds": cpu_seconds, "kl": out.sums["kl_sum"] / max(out.sums["loss_tokens"], 1)}
+           "cpu_seconds": cpu_seconds, "kl": out.sums["kl_sum"] / max(out.sums["loss_tokens"], 1),
+           "host_malloc": host_malloc}
     if memory:
         # the same step again under the profiler's memory events (its time is not the step's)
         from torch.profiler import record_function
@@ -155,7 +173,8 @@ def run_child(tokens: int, threads: int, gemms: list, memory: bool = True) -> di
         task.engine.step = marked_step
         peak_b, fwd_bwd_b = allocator_peaks(lambda: stage2.train_step(task, [row], ctx))
         res["allocator_extra_mib"], res["allocator_fwd_bwd_extra_mib"] = peak_b / MIB, fwd_bwd_b / MIB
-    res.update(replay_gemms(gemms))
+    else:
+        res.update(replay_gemms(gemms))
     return res
 
 
@@ -215,7 +234,9 @@ def print_memory(est_extra: float, est_fb: float, m: list[dict]) -> None:
 
 def measure(tree: Path, tokens: int, threads: int, gemm_file: Path, memory: bool) -> dict:
     """One child measuring the step of checkout `tree` (this file's child code, that checkout's step)."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=str(tree))
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    if memory:  # freed buffers go back to the system, so that RssAnon tracks what is live
+        env.update(MALLOC_MMAP_THRESHOLD_="131072", HYLO_HOST_MALLOC="system")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(tokens), "--threads", str(threads),
            "--gemms", str(gemm_file)] + ([] if memory else ["--no-memory"])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
@@ -264,39 +285,41 @@ def main() -> None:
         gemm_file = Path(f"/tmp/estimate_check_gemms_{os.getpid()}_{T}.json")
         gemm_file.write_text(json.dumps(est.gemms))
         runs: dict[str, list[dict]] = {name: [] for name, _ in trees}
+        mem = [] if args.rate_only else [measure(REPO, T, args.threads, gemm_file, memory=True)]
         for _ in range(args.repeat):
             for name, tree in trees:
-                runs[name].append(measure(tree, T, args.threads, gemm_file,
-                                          memory=name == "after" and not args.rate_only))
+                runs[name].append(measure(tree, T, args.threads, gemm_file, memory=False))
         gemm_file.unlink()
         est_extra = (est.peak_bytes - est.start_bytes) / MIB
         est_fb = (est.phase_peaks.get("forward/backward", 0) - est.start_bytes) / MIB
         rec = {"tokens": T, "docs": len(row.host) - 1, "estimate_extra_mib": est_extra,
                "estimate_fwd_bwd_extra_mib": est_fb, "estimate_seconds": est.seconds, "flops": est.flops,
-               "counted_flops": est.total_flops, "analytic": ana, "analytic_flops": sum(ana.values()), "runs": runs}
+               "counted_flops": est.total_flops, "analytic": ana, "analytic_flops": sum(ana.values()), "runs": runs,
+               "memory_runs": mem}
         rows_out.append(rec)
-        m = runs["after"]
         print(f"\n{T} tokens, {rec['docs']} documents (estimate in {est.seconds:.0f} s)")
-        if args.rate_only:
-            m = []
-        if m:
-            print_memory(est_extra, est_fb, m)
+        if mem:
+            print_memory(est_extra, est_fb, mem)
         print(f"  FLOPs    counted {est.total_flops / 1e12:7.3f} T  analytic {rec['analytic_flops'] / 1e12:7.3f} T  "
               f"ratio {est.total_flops / rec['analytic_flops']:5.3f}   "
               + ", ".join(f"{k} {v / 1e12:.3f}" for k, v in est.flops.items()))
+        # one GEMM reference per length for every tree: the best rate a child reached at the step's shapes (a
+        # process's malloc setting moves MKL's own workspace allocations, hence the reference, a little)
+        ref = {gem: max(r[gem] for rs in runs.values() for r in rs) for gem in ("gemm_gflops", "gemm_cpu_gflops")}
+        rec["gemm_reference_gflops"] = ref
         for name, _ in trees:
             rs = runs[name]
             for clock, sec, gem in (("wall", "seconds", "gemm_gflops"), ("CPU", "cpu_seconds", "gemm_cpu_gflops")):
                 secs = [r[sec] for r in rs]
                 rates = [est.total_flops / x / 1e9 for x in secs]
                 gemm = [r[gem] for r in rs]
-                fracs = [rate / g for rate, g in zip(rates, gemm)]
+                fracs = [rate / ref[gem] for rate in rates]
                 rec.setdefault("fraction", {}).setdefault(name, {})[clock] = fracs
                 print(f"  rate     {name:6s} {clock:4s} step {', '.join(f'{x:.1f}' for x in secs)} s -> "
                       f"{', '.join(f'{x:.1f}' for x in rates)} GFLOP/s; GEMMs at the step's shapes "
-                      f"{', '.join(f'{g:.0f}' for g in gemm)} GFLOP/s; achieved fraction "
+                      f"{', '.join(f'{g:.0f}' for g in gemm)} GFLOP/s (reference {ref[gem]:.0f}); achieved fraction "
                       f"{', '.join(f'{x:.3f}' for x in fracs)} (median {statistics.median(fracs):.3f}); "
-                      f"KL {rs[0]['kl']:.6f}", flush=True)
+                      f"KL {rs[0]['kl']:.6f}; host malloc: {rs[0]['host_malloc']}", flush=True)
         if len(trees) == 2:
             for clock, sec in (("wall", "seconds"), ("CPU", "cpu_seconds")):
                 a = statistics.median(r[sec] for r in runs["after"])

@@ -138,6 +138,7 @@ def main() -> None:
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "hylo" / "torch_extensions"))
     env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    env["HYLO_HOST_MALLOC"] = "system"  # freed memory must go back to the system for RSS to track it
     rows = []
     print(f"stage-2 step of the demo student ({student.name}), fp32 CPU, {args.threads} threads")
     print(f"{'tokens':>7} {'docs':>5} {'step peak MiB':>14} {'fwd+bwd peak MiB':>17} {'MiB / 1K tok':>13} "

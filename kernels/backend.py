@@ -5,6 +5,8 @@ testing devices itself. Set `HYLO_KERNELS=torch` to force the pure-torch path ev
 numerics checks on a GPU) or `HYLO_KERNELS=triton` to force Triton even on CPU tensors (only
 meaningful with `TRITON_INTERPRET=1`, which is how the Triton kernels are tested on CPU).
 `forced_mode("torch")` does the same for a block of code (the eval's exact-KL option).
+On the CPU path the training workers and CPU teacher replicas also call `keep_freed_host_memory()`
+(`HYLO_HOST_MALLOC=system` turns it off).
 """
 
 from __future__ import annotations
@@ -100,3 +102,50 @@ def fla_varlen_kwargs(fn: Callable[..., Any], bounds: DocBounds | None) -> dict[
     if _takes_cu_seqlens_cpu(fn):
         kw["cu_seqlens_cpu"] = torch.tensor(bounds.host, dtype=torch.long)
     return kw
+
+
+# ------------------------------------------------------------------------------------ host memory
+_HOST_MALLOC = ("keep", "system")
+_host_malloc_done: list[str] = []
+
+
+def host_malloc_mode() -> str:
+    mode = os.environ.get("HYLO_HOST_MALLOC", "keep").lower()
+    if mode not in _HOST_MALLOC:
+        raise ValueError(f"HYLO_HOST_MALLOC={mode!r} is not valid; allowed: {', '.join(_HOST_MALLOC)}")
+    return mode
+
+
+def keep_freed_host_memory() -> bool:
+    """The CPU path's allocator setting: freed host memory stays in the process for the next step.
+
+    glibc's malloc serves every block over its mmap threshold (128 KiB, growing to at most 32 MiB) with a
+    fresh mmap and unmaps it on free, so each step's large activations (an MLP's [8192, 1536] fp32 is
+    48 MiB) come back as new pages, faulted in and zeroed by the kernel one 4 KiB page at a time: in the
+    demo's 8K-token stage-2 step on this CPU that was 2.6 M page faults and 25 s of kernel time out of
+    110 s (bench/step_profile.py, bench/estimate_check.py). On the GPU path the CUDA caching allocator
+    already keeps freed memory; this does the same for host tensors: the mmap threshold is raised to
+    2 GiB and trimming is turned off (glibc's `mallopt`), so the process keeps its peak resident size
+    instead of returning memory between steps. Once per process; a no-op where the C library has no
+    `mallopt` (not glibc). `HYLO_HOST_MALLOC=system` leaves malloc as it is (what bench/step_memory.py
+    needs: it reads the step's memory from what goes back to the system). True when it was applied.
+    """
+    if host_malloc_mode() == "system":
+        return False
+    if _host_malloc_done:
+        return True
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
+    ok = mallopt(m_mmap_threshold, 2**31 - 1) == 1 and mallopt(m_trim_threshold, 2**31 - 1) == 1
+    mallopt(m_top_pad, 64 << 20)
+    if ok:
+        _host_malloc_done.append("keep")
+    return ok

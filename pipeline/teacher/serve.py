@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from ray import serve
 
+from hylo.kernels.backend import keep_freed_host_memory
 from hylo.pipeline.config import from_dict, to_dict
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig
@@ -70,6 +71,8 @@ class TeacherDeployment:
         self.pool_cfg = from_dict(TeacherPoolConfig, pool_cfg)
         self.fault_cfg = from_dict(TeacherFaultConfig, fault_cfg)
         self.teacher = TeacherModel.from_config(self.model_cfg)
+        if self.teacher.device.type == "cpu":
+            keep_freed_host_memory()
         logging.getLogger("ray.serve").addFilter(_TokenBudgetWarningFilter())
         self._hidden_batched.set_max_batch_size(self.pool_cfg.max_batch_tokens)
         self._hidden_batched.set_batch_wait_timeout_s(self.pool_cfg.batch_wait_timeout_s)

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hylo.kernels.backend import keep_freed_host_memory
 from hylo.pipeline.data.reader import RowReader
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.ray_init import kill_this_node
@@ -189,6 +190,8 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     stop_watch = threading.Event()
     threading.Thread(target=watch_stale_build_locks, args=(stop_watch,), daemon=True).start()
     rank, world, device = setup_distributed(cfg)
+    if device.type == "cpu":
+        keep_freed_host_memory()  # CPU steps reuse freed host memory, as CUDA's caching allocator does
     torch.manual_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     run: Loc = loop_config.get("run_loc") or run_loc(cfg)
