@@ -24,8 +24,8 @@ For each length, side by side:
   own matrix shapes (each distinct shape of the step's products timed in the same child right after the
   step, into preallocated outputs, weighted by its FLOPs; the best child's rate is every tree's reference at
   that length): the achieved fraction. The timed child is set up
-  as that checkout's training worker sets up a CPU worker (its host-allocator setting, where it has one);
-  the memory child is a separate one. With `--baseline-tree` each length runs in both checkouts alternately
+  as that checkout's training worker sets up a CPU worker (its host-allocator setting, where it has one)
+  and times the second step at its length, a steady-state step; the memory child is a separate one. With `--baseline-tree` each length runs in both checkouts alternately
   (`--repeat` times each), so the before/after fractions come from the same minutes.
   Where the time that is not matrix products goes: bench/step_profile.py.
 """
@@ -138,6 +138,10 @@ def run_child(tokens: int, threads: int, gemms: list, memory: bool = True) -> di
     vocab = shapes.student.vocab_size
     stage2.train_step(task, [synthetic_row(min(256, tokens), vocab, (64, 128), seed=1)], ctx)
     row = synthetic_row(tokens, vocab, DOC_TOKENS)
+    if not memory:
+        # the timed step is a steady-state one, as every step of a run after its first: one step at this
+        # length before it (what a process keeps from it, e.g. its heap, is kept from a run's earlier steps)
+        stage2.train_step(task, [row], ctx)
     gc.collect()
     base = status_kib("RssAnon")
     peak = {"kib": base}

@@ -5,8 +5,9 @@
 
 The step is bench/estimate_check.py's: stage 2 of configs/demo-smollm2.yaml (the converted SmolLM2-135M
 student, 15 MLA + 15 GDN layers, the in-process teacher, fused KL over hidden states, activation
-checkpointing, AdamW), fp32, one packed row, world size 1, `PlainEngine`, random weights. One warm-up step,
-then one step under the profiler. Printed:
+checkpointing, AdamW), fp32, one packed row, world size 1, `PlainEngine`, random weights, in a process set
+up as a CPU training worker is (kernels/backend.keep_freed_host_memory; `HYLO_HOST_MALLOC=system` profiles it
+without). One warm-up step, one plain step, then one step under the profiler. Printed:
 * the ops by self CPU time (time inside the op itself, not its children), with their call counts;
 * the same time grouped into families: matrix products (the part a GEMM rate bounds), element-wise and
   reductions, copies and layout changes, indexing, the rest, and the time outside every aten op (Python,
@@ -57,10 +58,12 @@ def build(tokens: int, threads: int):
     torch.set_num_threads(threads)
     from estimate_check import configs
 
+    from hylo.kernels.backend import keep_freed_host_memory
     from hylo.pipeline.train import stage2
     from hylo.pipeline.train.estimate import DOC_TOKENS, _Solo, build_stage2, shapes_of, synthetic_row
     from hylo.pipeline.train.plain_engine import PlainEngine
 
+    keep_freed_host_memory()  # as a CPU training worker runs (HYLO_HOST_MALLOC=system: malloc as it was)
     cfg, s1 = configs()
     shapes = shapes_of(cfg, s1)
     torch.manual_seed(0)
