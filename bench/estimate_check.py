@@ -40,11 +40,10 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-from proc_status import status_kib  # noqa: E402  (bench/ is on sys.path when run as a script)
+from proc_status import PeakSampler  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "demo-smollm2.yaml"
@@ -143,24 +142,12 @@ def run_child(tokens: int, threads: int, gemms: list, memory: bool = True) -> di
         # length before it (what a process keeps from it, e.g. its heap, is kept from a run's earlier steps)
         stage2.train_step(task, [row], ctx)
     gc.collect()
-    base = status_kib("RssAnon")
-    peak = {"kib": base}
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak["kib"] = max(peak["kib"], status_kib("RssAnon"))
-            time.sleep(0.005)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    t0, c0 = time.perf_counter(), time.process_time()
-    out = stage2.train_step(task, [row], ctx)
-    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    done.set()
-    sampler.join()
-    top = max(peak["kib"], status_kib("RssAnon"))
-    res = {"tokens": tokens, "docs": len(row.host) - 1, "rss_extra_mib": (top - base) / 1024, "seconds": seconds,
+    with PeakSampler("RssAnon") as rss:
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = stage2.train_step(task, [row], ctx)
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    res = {"tokens": tokens, "docs": len(row.host) - 1, "rss_extra_mib": (rss.peak_kib - rss.base_kib) / 1024,
+           "seconds": seconds,
            "cpu_seconds": cpu_seconds, "kl": out.sums["kl_sum"] / max(out.sums["loss_tokens"], 1),
            "host_malloc": host_malloc}
     if memory:

@@ -30,11 +30,10 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-from proc_status import status_kib  # noqa: E402  (bench/ is on sys.path when run as a script)
+from proc_status import PeakSampler  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -88,34 +87,23 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
     import gc
 
     gc.collect()
-    base_kib = status_kib("RssAnon")
-    peak = {"kib": base_kib}
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak["kib"] = max(peak["kib"], status_kib("RssAnon"))
-            time.sleep(0.005)
-
     # The activation part of the step ends when the optimiser step starts: record the peak so far there.
     engine_step = task.engine.step
+    marks: dict[str, int] = {}
 
-    def step_and_mark() -> None:
-        peak["fwd_bwd_kib"] = max(peak["kib"], status_kib("RssAnon"))
-        engine_step()
+    with PeakSampler("RssAnon") as rss:
+        def step_and_mark() -> None:
+            marks["fwd_bwd_kib"] = rss.mark()
+            engine_step()
 
-    task.engine.step = step_and_mark
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    t0, c0 = time.perf_counter(), time.process_time()
-    out = stage2.train_step(task, [row], ctx)
-    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    done.set()
-    sampler.join()
-    peak_kib = max(peak["kib"], status_kib("RssAnon"))
+        task.engine.step = step_and_mark
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = stage2.train_step(task, [row], ctx)
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    base_kib, peak_kib = rss.base_kib, rss.peak_kib
     return {"tokens": tokens, "docs": len(row.host) - 1, "baseline_mib": base_kib / 1024,
             "extra_peak_mib": (peak_kib - base_kib) / 1024,
-            "fwd_bwd_peak_mib": (peak["fwd_bwd_kib"] - base_kib) / 1024, "seconds": seconds, "cpu_seconds": cpu_seconds,
+            "fwd_bwd_peak_mib": (marks["fwd_bwd_kib"] - base_kib) / 1024, "seconds": seconds, "cpu_seconds": cpu_seconds,
             "kl": out.sums["kl_sum"] / max(out.sums["loss_tokens"], 1)}
 
 
