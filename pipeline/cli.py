@@ -78,6 +78,7 @@ INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("hylo.upcycle", "UpcycleError"),
     ("hylo.assets", "AssetError"),
     ("hylo.files", "WeightsFileError"),
+    ("hylo.files", "OutputConflictError"),
     ("hylo.io", "CheckpointMismatchError"),
     ("hylo.released", "ReleasedLayoutError"),
 )

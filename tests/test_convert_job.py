@@ -304,3 +304,38 @@ def test_a_conversion_shows_one_progress_bar_of_its_steps(tmp_path, capsys):
     assert bars and "5/5" in bars[-1], err[-2000:]  # load + build + 2 layers + calibrate
     for what in ("loading the base model", "building the hybrid", "layer 0 (mla)", "layer 1 (gdn)", "calibrating on"):
         assert any(what in ln for ln in bars), (what, bars)
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_an_output_that_is_or_holds_or_lies_inside_the_input_is_refused_and_the_input_kept(tmp_path, capsys):
+    """`convert --to-released M --out M` replaced the model M with its own export (exit 0), and
+    `--from-released R --out R` the same: an output equal to an input, inside one, or holding one is refused
+    with one line naming both, before anything is written."""
+    base = _tiny_base(tmp_path / "base", tokenizer=True)
+    model, released = tmp_path / "m", tmp_path / "r"
+    assert _run(["--base", str(base), "--out", str(model), "--mla-layers", "0", "--no-calibrate",
+                 "--rope-key-groups", "1"], capsys)[0] == 0
+    assert _run(["--to-released", str(model), "--out", str(released)], capsys)[0] == 0
+    before = {d: _tree(d) for d in (model, released)}
+    for argv, given in [(["--to-released", str(model), "--out", str(model)], "--to-released"),
+                        (["--from-released", str(released), "--out", str(released)], "--from-released"),
+                        (["--to-released", str(model), "--out", str(model / "export")], "--to-released"),
+                        (["--from-released", str(released), "--out", str(released) + "/./"], "--from-released"),
+                        (["--base", str(base), "--out", str(base)], "--base")]:
+        rc, _, err = _run(argv, capsys)
+        assert rc == 2 and err.count("\n") == 1 and err.startswith(f"error: --out {Path(argv[3])} ") and given in err, err
+        assert "is the input" in err or "inside the input" in err, err
+    assert {d: _tree(d) for d in (model, released)} == before
+    assert not (model / "export").exists()
+    # an output that holds an input (the model inside what would be replaced) is refused the same way
+    outer = tmp_path / "outer"
+    assert _run(["--base", str(base), "--out", str(outer), "--mla-layers", "0", "--no-calibrate",
+                 "--rope-key-groups", "1"], capsys)[0] == 0
+    (outer / ".hylo-output.json").write_text(json.dumps({"entries": sorted(p.name for p in outer.iterdir()) + ["m"]}))
+    model.rename(outer / "m")
+    rc, _, err = _run(["--to-released", str(outer / "m"), "--out", str(outer)], capsys)
+    assert rc == 2 and "holds the input --to-released" in err, err
+    assert _tree(outer / "m") == before[model]
