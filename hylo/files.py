@@ -287,17 +287,18 @@ def stale_leftovers(path: str | Path) -> tuple[list[Path], list[Path]]:
     return ours, others
 
 
-def sweep_stale(path: str | Path) -> list[Path]:
+def sweep_stale(path: str | Path) -> list[tuple[Path, str]]:
     """Remove what killed jobs left beside output `path` (`stale_leftovers`); an `.old-` directory goes back
-    in place when the output itself is missing. Returns what was removed or put back."""
+    in place when the output itself is missing. Returns (directory, "removed" or "put back") pairs."""
     p = output_target(path)
     done = []
     for d in stale_leftovers(path)[0]:
         if ".old-" in d.name and not (p.exists() or p.is_symlink()):
             os.replace(d, p)
+            done.append((d, "put back"))
         else:
             shutil.rmtree(d, ignore_errors=True)
-        done.append(d)
+            done.append((d, "removed"))
     return done
 
 

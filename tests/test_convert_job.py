@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -339,3 +340,56 @@ def test_an_output_that_is_or_holds_or_lies_inside_the_input_is_refused_and_the_
     rc, _, err = _run(["--to-released", str(outer / "m"), "--out", str(outer)], capsys)
     assert rc == 2 and "holds the input --to-released" in err, err
     assert _tree(outer / "m") == before[model]
+
+
+def _killed_staging(out: Path, payload: int = 1 << 20) -> Path:
+    """Run `atomic_dir(out)` (what every export and import writes through) in a child process, let it write a
+    partial model.safetensors into its staging directory and SIGKILL it there: what a killed convert leaves."""
+    import signal
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from hylo.files import atomic_dir
+        with atomic_dir({str(out)!r}, "--out") as tmp:
+            (tmp / "model.safetensors").write_bytes(bytes({payload}))
+            print(tmp, flush=True)
+            time.sleep(120)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    staging = Path(proc.stdout.readline().strip())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert staging.name.startswith(f".{out.name}.tmp-") and (staging / "model.safetensors").stat().st_size == payload
+    return staging
+
+
+def test_a_killed_exports_staging_directory_is_removed_by_the_next_run_and_nothing_else(tmp_path, capsys):
+    """A killed `--to-released` export left `.OUT.tmp-*` (up to 687 MB) that nothing removed: the next run of the
+    same output removes it (it carries our staging record and its process is gone), and leaves a look-alike
+    the user made, one of a process that still runs, and one without our record."""
+    base = _tiny_base(tmp_path / "base", tokenizer=True)
+    model, out = tmp_path / "m", tmp_path / "rel"
+    assert _run(["--base", str(base), "--out", str(model), "--mla-layers", "0", "--no-calibrate",
+                 "--rope-key-groups", "1"], capsys)[0] == 0
+    staging = _killed_staging(out)
+    users = tmp_path / f".{out.name}.tmp-1-notes"
+    users.mkdir()
+    (users / "mine.txt").write_text("keep")
+    live = tmp_path / f".{out.name}.tmp-{os.getpid()}-00000000"
+    live.mkdir()
+    record = json.loads((staging / ".hylo-output.json").read_text())
+    (live / ".hylo-output.json").write_text(json.dumps({**record, "pid": os.getpid()}))
+    assert _run(["--to-released", str(model), "--out", str(out)], capsys)[0] == 0
+    assert not staging.exists() and (out / "model.safetensors").is_file()
+    assert (users / "mine.txt").read_text() == "keep" and live.is_dir()
+    # and `hylo clean OUT` does the same at once, listing what it leaves
+    from hylo.jobs import clean
+
+    staging = _killed_staging(out)
+    assert clean.main([str(out)]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == f"removed {staging}\n" and not staging.exists(), cap
+    assert f"left {users}:" in cap.err and f"left {live}:" in cap.err and users.is_dir() and live.is_dir()
+    assert (out / "model.safetensors").is_file()
