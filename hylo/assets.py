@@ -196,6 +196,19 @@ def asset_name(spec: str | os.PathLike) -> str | None:
     return text if text in ASSETS else None
 
 
+def local_path(spec: str | os.PathLike) -> Path | None:
+    """The local path `spec` names by `asset_name`'s rule, without fetching anything (an asset's directory in the
+    cache); None for a URI or prefix (`hub:NAME`, `s3://...`). For checks on paths, e.g. that an output is not
+    an input (`hylo.files.check_not_an_input`)."""
+    name = asset_name(spec)
+    if name is not None:
+        return asset_dir(name)
+    text = os.fspath(spec)
+    if not text or (":" in text.split("/", 1)[0] and not Path(text).expanduser().exists()):
+        return None
+    return Path(text).expanduser()
+
+
 def expand_asset(spec: str | os.PathLike, progress: bool = True) -> str:
     """`spec` as a local path: an asset (by `asset_name`'s rule) fetched on first use; anything else as given."""
     name = asset_name(spec)

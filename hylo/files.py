@@ -17,6 +17,8 @@ Used by `hylo/` and `pipeline/` alike (this module imports neither torch nor Ray
   otherwise replace M with its own export.
 * A symbolic link given as an output directory is followed (`output_target`): the ownership check and the swap
   apply to the directory it points to, the link stays; messages name the path as given ("(a link to ...)").
+* A job that adds files to a directory instead of replacing it (eval's results.json / results.md) overwrites
+  only files the directory's record lists (`check_own_files`) and adds what it wrote to it (`record_files`).
 * What a killed job left is found and removed on the next run of that output (`sweep_stale`, also `hylo clean
   OUT`): a staging directory `.<name>.tmp-<pid>-<hex>` carries our record from its creation (`"staging": true`,
   pid and host), and only one with that record, made on this host by a process that is gone, is removed; a
@@ -240,6 +242,41 @@ def check_replaceable(path: str | Path, what: str = "output directory",
     raise ForeignOutputError(f"{what} {shown} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} this "
                              f"project did not write ({names}; {why}); it only ever replaces its own outputs: "
                              f"move them away, or choose another {what}")
+
+
+def check_own_files(directory: str | Path, names: Iterable[str], what: str = "output directory") -> None:
+    """Refuse to write files `names` into existing `directory` (a job that adds files to a directory rather
+    than replacing it: eval's results.json) when one of them is there and no record of ours lists it: a file
+    of the user's of the same name is never overwritten."""
+    shown = _shown(directory)
+    d = output_target(directory)
+    if not (d.exists() or d.is_symlink()):
+        return
+    if not d.is_dir():
+        raise ForeignOutputError(f"{what} {shown} exists and is not a directory: choose another {what}")
+    ours = recorded_entries(d)
+    foreign = [n for n in names if ((d / n).exists() or (d / n).is_symlink()) and n not in (ours or set())]
+    if not foreign:
+        return
+    why = ("its record .hylo-output.json does not list " + ("it" if len(foreign) == 1 else "them") if ours is not None
+           else "it has no .hylo-output.json")
+    raise ForeignOutputError(f"{what} {shown} holds {', '.join(foreign)}, which this project did not write ({why}); "
+                             f"it never overwrites a file it did not write: move {'it' if len(foreign) == 1 else 'them'}"
+                             f" away, or choose another {what}")
+
+
+def record_files(directory: str | Path, names: Iterable[str]) -> None:
+    """Add `names` to the record of `directory` (`OUTPUT_RECORD`, made when missing): files this project wrote
+    there, which it may later overwrite (`check_own_files`) or replace with the directory (`check_replaceable`)."""
+    d = output_target(directory)
+    try:
+        data = json.loads((d / OUTPUT_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict) or recorded_entries(d) is None:
+        data = {"written_by": WRITTEN_BY, "entries": []}
+    data["entries"] = sorted(set(data["entries"]) | set(names))
+    atomic_write(d / OUTPUT_RECORD, json.dumps(data, indent=1) + "\n")
 
 
 def _pid_alive(pid: int) -> bool:
