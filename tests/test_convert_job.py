@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -379,8 +380,8 @@ def test_a_killed_exports_staging_directory_is_removed_by_the_next_run_and_nothi
     (users / "mine.txt").write_text("keep")
     live = tmp_path / f".{out.name}.tmp-{os.getpid()}-00000000"
     live.mkdir()
-    record = json.loads((staging / ".hylo-output.json").read_text())
-    (live / ".hylo-output.json").write_text(json.dumps({**record, "pid": os.getpid()}))
+    (live / ".hylo-output.json").write_text(json.dumps({"written_by": "hylo-pipeline", "staging": True,
+                                                        "pid": os.getpid(), "host": socket.gethostname()}))
     assert _run(["--to-released", str(model), "--out", str(out)], capsys)[0] == 0
     assert not staging.exists() and (out / "model.safetensors").is_file()
     assert (users / "mine.txt").read_text() == "keep" and live.is_dir()
