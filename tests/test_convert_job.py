@@ -332,6 +332,16 @@ def test_an_output_that_is_or_holds_or_lies_inside_the_input_is_refused_and_the_
         assert "is the input" in err or "inside the input" in err, err
     assert {d: _tree(d) for d in (model, released)} == before
     assert not (model / "export").exists()
+    # a linked --out is followed: a link to the input is the input; a link to an output of ours is written through
+    link = tmp_path / "latest"
+    link.symlink_to(released, target_is_directory=True)
+    rc, _, err = _run(["--from-released", str(released), "--out", str(link)], capsys)
+    assert rc == 2 and f"--out {link} is the input --from-released {released} ({released} and {released}, links " \
+                      "followed)" in err, err
+    link.unlink()
+    link.symlink_to(tmp_path / "r2", target_is_directory=True)
+    assert _run(["--to-released", str(model), "--out", str(link)], capsys)[0] == 0
+    assert link.is_symlink() and _tree(tmp_path / "r2") == _tree(released)
     # an output that holds an input (the model inside what would be replaced) is refused the same way
     outer = tmp_path / "outer"
     assert _run(["--base", str(base), "--out", str(outer), "--mla-layers", "0", "--no-calibrate",
