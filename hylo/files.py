@@ -169,11 +169,13 @@ def _real(path: str | Path) -> Path:
 
 def check_not_an_input(out: str | Path, inputs: Iterable[tuple[str, str | Path | None]],
                        what: str = "--out") -> None:
-    """Refuse output `out` when it is, lies inside, or holds one of `inputs` ((option, path) pairs; None
-    skipped), links followed: writing it would replace or change the input the job reads."""
+    """Refuse output `out` when it is, lies inside, or holds one of `inputs` ((option, path) pairs; None or a
+    path that does not exist skipped), links followed: writing it would replace or change the input the job
+    reads."""
     o = _real(out)
     for option, src in inputs:
-        if src is None or os.fspath(src) == "":
+        if src is None or os.fspath(src) == "" or not Path(src).expanduser().exists():
+            # a missing input is the reader's error to report, not a conflict
             continue
         i = _real(src)
         if o == i:
