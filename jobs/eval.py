@@ -9,8 +9,10 @@
 (runs/hylo-smollm2: `hylo convert --base smollm2-135m-instruct --out runs/hylo-smollm2 --mla-layers even`;
 runs/data/smoke: `hylo prepare-data --config data_smoke.yaml`.)
 
-Writes results.json and results.md into --out and prints the Markdown. Options given as flags
-override the same keys of --config / --set.
+Writes results.json and results.md into --out and prints the Markdown; files of those names it did not
+write itself (listed in --out's .hylo-output.json) are never overwritten, and --out must not be (or be inside,
+or hold) the model, teacher, base, tokenizer or data. Options given as flags override the same keys of
+--config / --set.
 """
 
 from __future__ import annotations
@@ -93,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         maybe_print_config(cfg, args)
         cfg = resolve_paths(cfg)
         cfg.check_inputs()
+        from hylo.pipeline.eval.run import check_out, render_markdown, run_eval
+
+        check_out(cfg)
         check_model_files(cfg)
         writable_dir(cfg.out, "out")
-        from hylo.pipeline.eval.run import render_markdown, run_eval
 
         res = run_eval(cfg)
     except (ConfigError, EvalError) as e:

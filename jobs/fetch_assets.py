@@ -1,9 +1,13 @@
 """Fetch the offline assets (model, ShareGPT, HumanEval) into the cache and print their paths.
 
     hylo fetch-assets                 # all assets
-    hylo fetch-assets sharegpt humaneval --verify
+    hylo fetch-assets sharegpt humaneval --no-verify
     hylo fetch-assets --set cache_dir=/mnt/cache/hylo --print-config
-Cache: --cache-dir (cache_dir), else $HYLO_CACHE, else ~/.cache/hylo. Exit status 2 with one `error:` line on failure.
+Cache: --cache-dir (cache_dir), else $HYLO_CACHE, else ~/.cache/hylo. Every run re-hashes every file of an
+asset already in the cache against the sha256 recorded when it was fetched, and fetches again an asset with a
+file that differs (naming it on stderr); --no-verify checks sizes and the stamps of the last hash only (what
+every use of an asset checks). Exit status 2 with one `error:` line on failure (a file that differs and cannot
+be fetched again is named).
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ class FetchAssetsConfig:
     names: list[str] = field(default_factory=list)
     # The cache; None = $HYLO_CACHE, else ~/.cache/hylo.
     cache_dir: str | None = None
-    # Re-hash existing assets and rebuild one whose hash differs.
-    verify: bool = False
+    # Re-hash every file of the assets already fetched and fetch again one whose hash differs (false: sizes and
+    # the stamps of the last hash only, as on every use).
+    verify: bool = True
     # No progress bars.
     quiet: bool = False
     # Print one JSON object {name: path} instead of one line per asset.
@@ -55,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("names", nargs="*", default=None, help=f"assets to fetch (names; default: all): {', '.join(ASSETS)}")
     ap.add_argument("--cache-dir", default=None, help="the cache directory (cache_dir)")
     ap.add_argument("--verify", action="store_true", default=None,
-                    help="re-hash existing assets, rebuild on mismatch (verify)")
+                    help="re-hash existing assets, fetch again on mismatch (verify; the default)")
+    ap.add_argument("--no-verify", dest="verify", action="store_false", default=None,
+                    help="check sizes and the stamps of the last hash only, as every use does (verify=false)")
     ap.add_argument("--quiet", action="store_true", default=None, help="no progress bars (quiet)")
     ap.add_argument("--json", action="store_true", default=None, help="print one JSON object {name: path} (json)")
     args = ap.parse_args(argv)

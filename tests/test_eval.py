@@ -674,3 +674,43 @@ def test_smoke_config_loads_and_bad_values_are_named():
         load_config(EvalConfig, None, ["kl.on_bad_record=skip"])
     with pytest.raises(ConfigError, match="unknown key.*retrieval.length\\b"):
         load_config(EvalConfig, None, ["retrieval.length=[1]"])
+
+
+def test_eval_never_overwrites_results_it_did_not_write_and_replaces_its_own(saved, tmp_path, capsys):
+    """`eval --out DIR` overwrote the user's own results.md with no check: a results file the job did not write
+    (not in DIR's .hylo-output.json) is refused before any model loads, with one line naming it; the job's own
+    earlier results are replaced; an --out that is the evaluated model is refused."""
+    main = eval_main()
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "results.md").write_text("my own notes")
+    (out / "other.txt").write_text("not a name eval writes: left alone")
+
+    def args(length: int, where: Path = out) -> list[str]:
+        return ["--model", str(saved / "hybrid"), "--out", str(where), "--suite", "kvcache", "--set",
+                f"kvcache.lengths=[{length}]", "--set", "kvcache.decode_tokens=2", "--quiet"]
+
+    capsys.readouterr()
+    assert main(args(64)) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: out {out} holds results.md, which this project did not write (it has no "
+                   f".hylo-output.json); it never overwrites a file it did not write: move it away, or choose "
+                   f"another out\n"), err
+    assert (out / "results.md").read_text() == "my own notes" and not (out / "results.json").exists()
+    (out / "results.md").unlink()
+    assert main(args(64)) == 0
+    assert json.loads((out / ".hylo-output.json").read_text())["entries"] == ["results.json", "results.md"]
+    assert [r["context"] for r in json.loads((out / "results.json").read_text())["kvcache"]["model"]] == [64]
+    # its own results, from the run before, are replaced
+    assert main(args(96)) == 0
+    assert [r["context"] for r in json.loads((out / "results.json").read_text())["kvcache"]["model"]] == [96]
+    assert (out / "other.txt").read_text() == "not a name eval writes: left alone"
+    # results written into the model under test, or over it, are refused before anything is written
+    before = sorted(p.name for p in (saved / "hybrid").iterdir())
+    for where, how in [(saved / "hybrid", "is the input --model"), (saved / "hybrid" / "eval", "lies inside the input"),
+                       (saved, "holds the input --model")]:
+        capsys.readouterr()
+        assert main(args(64, where)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: out {where} {how}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in (saved / "hybrid").iterdir()) == before and not (saved / "results.json").exists()

@@ -300,3 +300,20 @@ def test_a_users_file_in_the_runs_model_directory_stops_the_run_before_training(
     check_outputs(load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=r",
                                               "checkpoint.consolidate=false"]))
     assert (tmp_path / "r" / "model" / "eval.md").read_text() == "my notes"
+
+
+def test_a_run_whose_model_directory_is_its_student_stops_before_training(tmp_path):
+    """Stage 2 starting from `<run>/model` (model.student) would replace its own student with the consolidated
+    model: refused before Ray starts, naming both."""
+    from hylo.files import OutputConflictError, atomic_dir
+    from hylo.pipeline.train.driver import check_outputs
+
+    with atomic_dir(tmp_path / "r" / "model") as tmp:
+        (tmp / "model.safetensors").write_bytes(b"x")
+    cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=r",
+                                      f"model.student={tmp_path / 'r' / 'model'}"])
+    with pytest.raises(OutputConflictError, match=r"the run's model directory \(checkpoint.consolidate\) .*/r/model "
+                                                  r"is the input model.student"):
+        check_outputs(cfg)
+    check_outputs(load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=r2",
+                                              f"model.student={tmp_path / 'r' / 'model'}"]))

@@ -244,3 +244,90 @@ def test_saved_weights_get_the_mode_of_the_umask_not_the_temporary_files(tmp_pat
         assert stat.S_IMODE((tmp_path / "mine").stat().st_mode) == 0o640
     finally:
         os.umask(saved)
+
+
+# ------------------------------------------------------------------------------------ outputs: links, errors, leftovers
+def test_a_linked_output_is_followed_and_checked_where_it_points(tmp_path):
+    """`--out LINK` with LINK -> a directory was refused as "exists and is not a directory" (the wrong reason);
+    the link is followed: the directory it points to is checked and replaced, the link stays."""
+    target, link = tmp_path / "runs" / "2026-12-03", tmp_path / "latest"
+    with atomic_dir(target) as tmp:
+        (tmp / "w").write_text("1")
+    link.symlink_to(target, target_is_directory=True)
+    with atomic_dir(link, "--out") as tmp:
+        (tmp / "w").write_text("2")
+    assert link.is_symlink() and (target / "w").read_text() == "2" and _leftovers(target.parent) == []
+    # a link to a directory of the user's is refused for that reason, naming the link and where it points
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(files.ForeignOutputError, match=rf"--out {link} \(a link to {target}\) holds 1 entry this "
+                                                      r"project did not write \(notes.txt; its record"):
+        with atomic_dir(link, "--out"):
+            pass
+    assert (target / "notes.txt").read_text() == "mine" and link.is_symlink()
+    # the link itself is never an input's way around the overlap check
+    with pytest.raises(files.OutputConflictError, match=rf"--out {link} is the input --model {target} "
+                                                        rf"\({target} and {target}, links followed\)"):
+        files.check_not_an_input(link, [("--model", target), ("--data", None)])
+
+
+def test_an_unwritable_output_is_named_as_given_not_by_its_temporary_name(tmp_path, monkeypatch):
+    """A directory the job may not write into (simulated: the tests run as root, who may write anywhere) was
+    reported under the internal `.OUT.tmp-<pid>-<hex>` name; the error names --out as the user gave it."""
+    from hylo.pipeline.cli import input_error_message
+
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    out = parent / "model"
+    real_access, real_mkdir = os.access, Path.mkdir
+
+    def access(p, mode, **kw):
+        return False if Path(p) == parent else real_access(p, mode, **kw)
+
+    def mkdir(self, *a, **kw):
+        if self.parent == parent:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_mkdir(self, *a, **kw)
+
+    monkeypatch.setattr(os, "access", access)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(OSError) as ei:
+        with atomic_dir(out, "--out"):
+            pass
+    message = input_error_message(ei.value)
+    assert message == f"--out {out}: cannot write it: its directory {parent} is not writable (Permission denied)"
+    assert ".tmp-" not in message and list(parent.iterdir()) == []
+
+
+def test_only_provable_leftovers_of_finished_jobs_are_swept(tmp_path):
+    """`sweep_stale` removes a staging directory that carries our staging record of a process that is gone,
+    and keeps one whose process runs (ours, here), one without our record and a file of the same name pattern."""
+    import json
+
+    out = tmp_path / "model"
+    gone = subprocess_pid_that_exited()
+    with atomic_dir(out) as tmp:
+        record = json.loads((tmp / files.OUTPUT_RECORD).read_text())
+        assert record["staging"] is True and record["pid"] == os.getpid()
+        assert files.stale_leftovers(out) == ([], [tmp])  # the running job's own staging directory
+        dead = tmp_path / f".model.tmp-{gone}-1234abcd"
+        dead.mkdir()
+        (dead / files.OUTPUT_RECORD).write_text(json.dumps({**record, "pid": gone}))
+        (dead / "model.safetensors").write_bytes(b"partial")
+        unmarked = tmp_path / f".model.tmp-{gone}-5678abcd"
+        unmarked.mkdir()
+        (unmarked / "model.safetensors").write_bytes(b"partial")
+        a_file = tmp_path / f".model.tmp-{gone}-9999abcd"
+        a_file.write_text("a user's file")
+        assert files.sweep_stale(out) == [(dead, "removed")]
+        (tmp / "w").write_text("1")
+    assert not dead.exists() and unmarked.is_dir() and a_file.read_text() == "a user's file"
+    assert (out / "w").read_text() == "1"
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid

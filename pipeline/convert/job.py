@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hylo.files import check_replaceable
+from hylo.files import check_not_an_input, check_replaceable
 from hylo.pipeline.convert.config import ConvertJobConfig
 from hylo.upcycle.config import UpcycleError
 
@@ -52,6 +52,7 @@ def released_io(cfg: ConvertJobConfig) -> dict[str, Any]:
         raise UpcycleError("--out is required with --from-released / --to-released")
     if not src.is_dir():
         raise UpcycleError(f"{src} does not exist or is not a directory")
+    check_not_an_input(cfg.out, [("--from-released", cfg.from_released), ("--to-released", cfg.to_released)])
     check_replaceable(cfg.out, "--out")
     try:
         released = is_released_layout(src) or is_xecomla_layout(src)
@@ -107,11 +108,14 @@ def dry_run(cfg: ConvertJobConfig) -> dict[str, Any]:
 
 def convert_base(cfg: ConvertJobConfig, progress: bool = True) -> dict[str, Any]:
     """Convert `base` into `out` with the `convert` options; returns the summary."""
+    from hylo.assets import asset_dir, asset_name
     from hylo.pipeline.cli import writable_dir
     from hylo.upcycle import convert, kv_summary
 
     if not cfg.base or not cfg.out:
         raise UpcycleError("--base and --out are required (or --dry-run --base-config)")
+    base = asset_dir(name) if (name := asset_name(cfg.base)) is not None else cfg.base
+    check_not_an_input(cfg.out, [("--base", base)])
     writable_dir(Path(cfg.out).expanduser().resolve().parent, "--out (its parent)")
     # a directory holding anything we did not write (a user's notes) is refused now, not after the work
     check_replaceable(cfg.out, "--out")

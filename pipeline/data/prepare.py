@@ -12,15 +12,13 @@ Design choices:
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from hylo.files import atomic_dir, atomic_write, foreign_entries
+from hylo.files import atomic_dir, atomic_write, check_not_an_input, foreign_entries, sweep_stale
 from hylo.pipeline.data.packing import BestFitPacker, Document
 from hylo.pipeline.data.render import ChatRenderer
 from hylo.pipeline.data.report import report_markdown
@@ -80,29 +78,13 @@ def _owned_by_manifest(out: Path) -> frozenset[str]:
     return _ALWAYS_WRITTEN | frozenset(shards)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _check_output(out: Path, overwrite: bool) -> None:
     """Refuse to clobber: an existing dataset needs overwrite, a foreign directory is never replaced.
 
-    Also finishes what a crash between the two renames of a swap left: the old dataset comes back.
+    Also removes what a killed run left beside `out` and puts back a dataset a crash between the two renames
+    of a swap left aside (`hylo.files.sweep_stale`: only what provably is ours).
     """
-    leftovers = sorted(out.parent.glob(f".{out.name}.old-*")) if out.parent.is_dir() else []
-    if not out.exists() and leftovers:
-        leftovers[-1].rename(out)
-    for d in out.parent.glob(f".{out.name}.tmp-*") if out.parent.is_dir() else []:
-        # hylo.files.temp_name: .<name>.tmp-<pid>-<hex>
-        pid = d.name.removeprefix(f".{out.name}.tmp-").split("-")[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(d, ignore_errors=True)
+    sweep_stale(out)
     if not out.exists():
         return
     if not out.is_dir():
@@ -151,11 +133,14 @@ def prepare(cfg: Any) -> dict[str, Any]:
     # Fail fast on a wrong path or tokenizer before anything slow starts (and before touching out).
     if not cfg.mixture.sources:
         raise PrepareError("mixture.sources is empty")
-    for src in cfg.mixture.sources:
+    inputs: list[tuple[str, str | Path | None]] = []
+    for i, src in enumerate(cfg.mixture.sources):
         spec = resolve_asset_path(src)
         if not (spec.container == "hub" or spec.path.startswith("hub:")):
-            resolve_files(spec)
+            inputs += [(f"mixture.sources[{i}] ({spec.name})", f) for f, _ in resolve_files(spec)]
     tok_dir = resolve_tokenizer(cfg.tokenize.tokenizer)
+    # the rows are never written over (or around) what they are made from
+    check_not_an_input(out, [*inputs, ("tokenize.tokenizer", tok_dir)], "output.dir")
     tok = AutoTokenizer.from_pretrained(tok_dir)
     renderer = ChatRenderer.from_hf(tok, cfg.tokenize.mask_method, cfg.tokenize.chat_template_kwargs)
     pad_id = cfg.packing.pad_id

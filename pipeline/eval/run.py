@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hylo.files import atomic_write
+from hylo.files import atomic_write, check_not_an_input, check_own_files, record_files
 from hylo.pipeline.config import config_hash, to_dict
 from hylo.pipeline.eval.config import EvalConfig
 from hylo.pipeline.eval.decode import EvalError, is_hylo, load_model, load_tokenizer
@@ -97,7 +97,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
                                              prepared=lm_prepared)
         results[suite]["seconds"] = time.perf_counter() - ts
         _log(f"suite {suite} done in {results[suite]['seconds']:.1f} s")
-    write_results(results, Path(cfg.out))
+    write_results(results, Path(cfg.out), results_files(cfg))
     if cfg.update_card:
         update_model_card(results, Path(cfg.out) / "results.json")
     return results
@@ -315,7 +315,31 @@ def render_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_results(res: dict[str, Any], out: Path) -> None:
+def results_files(cfg: EvalConfig) -> list[str]:
+    """What the job writes into `out`: results.json, results.md, and lm_eval/ (the harness's own files) when
+    lm_eval runs with its default output path."""
+    own_lm_eval = "lm_eval" in cfg.suites and cfg.lm_eval.output_path is None
+    return ["results.json", "results.md", *(["lm_eval"] if own_lm_eval else [])]
+
+
+def check_out(cfg: EvalConfig) -> None:
+    """Before any model is loaded: `out` is none of the inputs (nor inside or around one), and holds no file of
+    the names the job writes that it did not write itself (a user's results.md is never overwritten)."""
+    from hylo.assets import local_path
+
+    m = cfg.models
+    inputs = [("--model", m.path), ("--teacher", m.teacher), ("--base", m.base), ("--tokenizer", m.tokenizer),
+              ("--data", cfg.kl.data if "kl" in cfg.suites else None)]
+    check_not_an_input(cfg.out, [(o, local_path(v) if v else None) for o, v in inputs], "out")
+    check_own_files(cfg.out, results_files(cfg), "out")
+
+
+def write_results(res: dict[str, Any], out: Path, names: list[str] | None = None) -> None:
+    """results.json and results.md, atomically, into `out`; only over files of ours (`check_own_files`), and
+    recorded as ours (`record_files`), with `names` (default: those two) the files the job writes there."""
+    names = names or ["results.json", "results.md"]
     out.mkdir(parents=True, exist_ok=True)
+    check_own_files(out, names, "out")
     atomic_write(out / "results.json", json.dumps(res, indent=1, default=str))
     atomic_write(out / "results.md", render_markdown(res))
+    record_files(out, names)

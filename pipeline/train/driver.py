@@ -152,11 +152,18 @@ def check_outputs(cfg: StageConfig) -> None:
     """Before Ray starts: the directories the run will replace (`<run>/model` at the end, with
     checkpoint.consolidate) hold nothing this project did not write (hylo.files.check_replaceable), so a
     user's file there stops the run now, not after the training."""
-    from hylo.files import check_replaceable
+    from hylo.assets import local_path
+    from hylo.files import check_not_an_input, check_replaceable
+    from hylo.pipeline.train.storage import is_uri
 
     run = run_loc(cfg)
     if cfg.checkpoint.consolidate and run.is_local:
-        check_replaceable(run.local() / "model", "the run's model directory (checkpoint.consolidate)")
+        what = "the run's model directory (checkpoint.consolidate)"
+        check_replaceable(run.local() / "model", what)
+        # the model the run starts from is never the one it replaces at the end (nor inside or around it)
+        inputs = [("model.student", cfg.model.student), ("model.base", cfg.model.base)]
+        check_not_an_input(run.local() / "model", [(o, local_path(v) if v and not is_uri(v) else None)
+                                                   for o, v in inputs], what)
 
 
 def check_resume_fits(cfg: StageConfig, resume: str | None) -> None:
