@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
 import re
@@ -338,6 +339,25 @@ def sweep_stale(path: str | Path) -> list[tuple[Path, str]]:
         else:
             shutil.rmtree(d, ignore_errors=True)
             done.append((d, "removed"))
+    return done
+
+
+def sweep_temp_files(directory: str | Path, names: Iterable[str]) -> list[Path]:
+    """Remove the temporary files killed writers left in `directory` for files `names` (`atomic_path`'s
+    `.<name>.tmp-<pid>-<hex>`), and only those: a plain file of that exact pattern for a listed name whose
+    process is gone on this host. A job's own store (a teacher cache's shards) sweeps its leftovers this way
+    on the next run. Returns what was removed."""
+    d = Path(directory)
+    done: list[Path] = []
+    if not d.is_dir():
+        return done
+    for name in names:
+        for f in d.glob(f".{glob.escape(name)}.tmp-*"):
+            pid_text, _, tail = f.name.removeprefix(f".{name}.tmp-").partition("-")
+            if (pid_text.isdigit() and re.fullmatch(r"[0-9a-f]{8}", tail) and f.is_file() and not f.is_symlink()
+                    and not _pid_alive(int(pid_text))):
+                f.unlink(missing_ok=True)
+                done.append(f)
     return done
 
 
