@@ -476,3 +476,24 @@ def test_output_of_a_killed_run_is_swept_and_an_old_one_replaced(tmp_path):
     run_decontamination(cfg)
     assert not killed.exists() and live.is_dir()
     assert (out / OUTPUT_RECORD).is_file()
+
+
+def test_export_benchmarks_never_overwrites_a_file_of_the_user(tmp_path, monkeypatch, capsys):
+    import types
+
+    from hylo.jobs import decontaminate
+
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda path, subset, split: [{"question": f"{path} {split}"}]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    d = tmp_path / "evals"
+    d.mkdir()
+    (d / "gsm8k.jsonl").write_text("my own gsm8k\n")
+    assert decontaminate.main(["--export-benchmarks", str(d), "--benchmark", "gsm8k"]) == 2
+    err = capsys.readouterr().err
+    assert f"--export-benchmarks {d} holds gsm8k.jsonl, which this project did not write" in err
+    assert (d / "gsm8k.jsonl").read_text() == "my own gsm8k\n"
+    (d / "gsm8k.jsonl").unlink()
+    for _ in range(2):  # a rerun overwrites its own export
+        assert decontaminate.main(["--export-benchmarks", str(d), "--benchmark", "gsm8k"]) == 0
+    assert json.loads((d / "gsm8k.jsonl").read_text())["question"].startswith("openai/gsm8k")
