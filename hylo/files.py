@@ -282,6 +282,28 @@ def record_files(directory: str | Path, names: Iterable[str]) -> None:
     atomic_write(d / OUTPUT_RECORD, json.dumps(data, indent=1) + "\n")
 
 
+def check_own_directory(path: str | Path, what: str, markers: Iterable[str] = (), choose: str = "") -> None:
+    """Refuse to work in existing directory `path` (a resumable store a job adds to: a training run's or a
+    multi-step run's directory) unless it is empty, carries our record (`OUTPUT_RECORD`) or holds one of
+    `markers` (entries only this project writes there, for a directory made before the record): nothing is
+    written into a directory of the user's. `what` names the option, `choose` what to change instead."""
+    shown = _shown(path)
+    d = output_target(path)
+    if not (d.exists() or d.is_symlink()):
+        return
+    if not d.is_dir():
+        raise ForeignOutputError(f"{what} {shown} exists and is not a directory: choose another {choose or what}")
+    if recorded_entries(d) is not None or any((d / m).exists() for m in markers):
+        return
+    found = sorted(p.name for p in d.iterdir())
+    if found:
+        names = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise ForeignOutputError(
+            f"{what} {shown} holds {len(found)} entr{'y' if len(found) == 1 else 'ies'} and no {OUTPUT_RECORD} "
+            f"({names}): this project did not make it, and writes only into directories of its own: move them "
+            f"away, or choose another {choose or what}")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

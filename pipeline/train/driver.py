@@ -178,7 +178,7 @@ def check_run_output(cfg: StageConfig) -> None:
     of a run from before the record) or empty: checkpoints are never written into a directory of the user's. The
     run's own conversion (<run>/converted, stage 1 without model.student) is its output, not a conflict."""
     from hylo.assets import local_path
-    from hylo.files import ForeignOutputError, check_not_an_input, recorded_entries
+    from hylo.files import check_not_an_input, check_own_directory
     from hylo.pipeline.train.storage import is_uri
 
     run = run_loc(cfg)
@@ -192,17 +192,9 @@ def check_run_output(cfg: StageConfig) -> None:
     own = os.path.realpath(d / "converted")
     paths = [(o, local_path(v) if v and not is_uri(v) else None) for o, v in inputs]
     check_not_an_input(d, [(o, p) for o, p in paths if p is not None and os.path.realpath(p) != own], RUN_WHAT)
-    if not d.is_dir() or recorded_entries(d) is not None or any((d / m).exists() for m in RUN_MARKERS):
-        return
-    if any(STEP_DIR.match(p.name) and p.is_dir() for p in d.iterdir()):
-        return  # checkpoints of a run from before the record (check_run_dir asks for --resume)
-    foreign = sorted(p.name for p in d.iterdir())
-    if foreign:
-        names = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise ForeignOutputError(
-            f"{RUN_WHAT} {d} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} and no "
-            f".hylo-output.json ({names}): this project did not make it, and writes checkpoints only into its own "
-            f"run directories: move them away, or choose another ray.name / ray.storage_path")
+    steps = [p.name for p in d.iterdir() if STEP_DIR.match(p.name) and p.is_dir()] if d.is_dir() else []
+    # checkpoints of a run from before the record count as its own (check_run_dir asks for --resume)
+    check_own_directory(d, RUN_WHAT, [*RUN_MARKERS, *steps[:1]], "ray.name / ray.storage_path")
 
 
 def claim_run_dir(cfg: StageConfig) -> None:
