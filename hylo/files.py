@@ -413,6 +413,32 @@ def _renamed(e: OSError, tmp: Path, path: Path) -> OSError:
     return e
 
 
+# Local names under which the frames of a failed write usually hold the file they write.
+_PATH_LOCALS = ("path", "filename", "file", "tmp", "save_directory", "out", "out_dir", "directory")
+
+
+def _file_in(value: Any, tmp: Path) -> str | None:
+    text = os.fspath(value) if isinstance(value, str | os.PathLike) else None
+    return text if text and (text == os.fspath(tmp) or text.startswith(os.fspath(tmp) + os.sep)) else None
+
+
+def _file_under(tb: Any, tmp: Path) -> str | None:
+    """The file below `tmp` a failed write was working on, from the innermost frame of traceback `tb` that holds
+    one (a temporary `.<name>.tmp-...` of `atomic_path` given as its `<name>`)."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        owner = frame.f_locals.get("self")
+        scopes = [frame.f_locals, *([vars(owner)] if owner is not None and hasattr(owner, "__dict__") else [])]
+        for name in _PATH_LOCALS:
+            found = next((f for f in (_file_in(scope.get(name), tmp) for scope in scopes) if f), None)
+            if found:
+                return re.sub(r"/\.([^/]+)\.tmp-\d+-[0-9a-f]{8}$", r"/\1", found)
+    return None
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path, what: str = "output directory",
                owned: frozenset[str] | set[str] = frozenset()) -> Iterator[Path]:
@@ -448,13 +474,20 @@ def atomic_dir(path: str | Path, what: str = "output directory",
         replace_dir(tmp, path)
     except OSError as e:
         _renamed(e, tmp, path)
+        if e.filename is None and e.errno is not None:
+            # a write that names no file (a full disk while writing an open file): the file it was writing, by
+            # the output's name, never the temporary one a reader of the traceback would find
+            inner = _file_under(e.__traceback__, tmp)
+            e.filename = os.fspath(given) + inner[len(os.fspath(tmp)):] if inner else f"{what} {shown}"
         raise
     except Exception as e:
         # an I/O error inside a Rust extension (safetensors) names no file: it is the output's
         code = _rust_os_error(e)
         if code is None:
             raise
-        raise OSError(code, os.strerror(code), f"{what} {shown}") from e
+        inner = _file_under(e.__traceback__, tmp)
+        raise OSError(code, os.strerror(code), os.fspath(given) + inner[len(os.fspath(tmp)):] if inner
+                      else f"{what} {shown}") from e
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
