@@ -350,3 +350,18 @@ def test_job_refuses_out_inside_the_data_in_one_line(env, tmp_path, capsys):
     assert rc == 2 and len(err.splitlines()) == 1
     assert f"out {data}/cache lies inside the input data {data}" in err
     assert not (data / "cache").exists()
+
+
+def test_hylo_clean_sweeps_a_killed_writers_shard(env, tmp_path, capsys):
+    import subprocess
+
+    from hylo.jobs import clean
+
+    cfg = _cfg(env, tmp_path / "c")
+    header, plan, todo = prepare_cache(cfg)
+    proc = subprocess.Popen(["true"])  # gone: its temporary shard is a killed writer's
+    proc.wait()
+    killed = Path(cfg.out) / SHARD_DIR / f".{plan[0].name}.parquet.tmp-{proc.pid}-0123abcd"
+    killed.write_bytes(b"half a shard")
+    assert clean.main([cfg.out]) == 0
+    assert not killed.exists() and f"removed {killed}" in capsys.readouterr().out

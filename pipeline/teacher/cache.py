@@ -283,6 +283,22 @@ def _legacy_cache_entries(out: Path) -> set[str]:
     return {MANIFEST, SHARD_DIR} if isinstance(found, dict) and found.get("schema") == SCHEMA else set()
 
 
+def sweep_cache_leftovers(out: str | Path, plan: Sequence[ShardPlan] | None = None) -> list[Path]:
+    """Remove what killed writers left in cache `out` (a shard, the manifest or the record half written under
+    its temporary name, `hylo.files.sweep_temp_files`: only those, of a process that is gone); `plan`: the
+    shards, default the manifest's. Run by every run of the cache, and by `hylo clean OUT`."""
+    out = Path(out)
+    if plan is None:
+        try:
+            names = [str(p["name"]) for p in load_manifest(out).get("shards", [])]
+        except (CacheFormatError, OSError, TypeError, KeyError):
+            names = []
+    else:
+        names = [p.name for p in plan]
+    return (sweep_temp_files(out / SHARD_DIR, [f"{n}.parquet" for n in names])
+            + sweep_temp_files(out, [MANIFEST, OUTPUT_RECORD]))
+
+
 def check_cache_output(cfg: Any) -> None:
     """Before any work: `out` is not the data, the teacher or its tokenizer, nor inside or around one of them
     (`hylo.files.check_not_an_input`), and, when it exists, holds only what a cache run wrote there (its
@@ -320,9 +336,7 @@ def prepare_cache(cfg: Any) -> tuple[dict[str, Any], list[ShardPlan], list[Shard
         manifest = {**header, "data_dir": str(Path(cfg.data).resolve()), "data_info": data_info, "data_files": files,
                     "shards": [p.__dict__ for p in plan], "complete": False, "created": time.time()}
         atomic_write(mpath, json.dumps(manifest, indent=1), fsync=True)
-    # what killed writers left (a shard or the manifest half written under its temporary name); only those
-    sweep_temp_files(out / SHARD_DIR, [f"{p.name}.parquet" for p in plan])
-    sweep_temp_files(out, [MANIFEST, OUTPUT_RECORD])
+    sweep_cache_leftovers(out, plan)
     todo = []
     for p in plan:
         path = out / SHARD_DIR / f"{p.name}.parquet"
