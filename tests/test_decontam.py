@@ -497,3 +497,16 @@ def test_export_benchmarks_never_overwrites_a_file_of_the_user(tmp_path, monkeyp
     for _ in range(2):  # a rerun overwrites its own export
         assert decontaminate.main(["--export-benchmarks", str(d), "--benchmark", "gsm8k"]) == 0
     assert json.loads((d / "gsm8k.jsonl").read_text())["question"].startswith("openai/gsm8k")
+
+
+def test_job_refuses_out_holding_its_input_in_one_line(tmp_path, capsys):
+    from hylo.jobs import decontaminate
+
+    (tmp_path / "in").mkdir()
+    mix = write_jsonl(tmp_path / "in" / "mix.jsonl", [conv("a", FILLER, "ok")])
+    bench = write_benchmark(tmp_path / "bench.jsonl")
+    rc = decontaminate.main(["--input", f"m={mix}", "--benchmark", f"toy={bench}:question@qid", "--scanner", "local",
+                             "--out", str(tmp_path / "in"), "--set", "progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"out {tmp_path / 'in'} holds the input --input m {mix}" in err[0]
+    assert sorted(p.name for p in (tmp_path / "in").iterdir()) == ["mix.jsonl"]
