@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
 import re
@@ -281,6 +282,28 @@ def record_files(directory: str | Path, names: Iterable[str]) -> None:
     atomic_write(d / OUTPUT_RECORD, json.dumps(data, indent=1) + "\n")
 
 
+def check_own_directory(path: str | Path, what: str, markers: Iterable[str] = (), choose: str = "") -> None:
+    """Refuse to work in existing directory `path` (a resumable store a job adds to: a training run's or a
+    multi-step run's directory) unless it is empty, carries our record (`OUTPUT_RECORD`) or holds one of
+    `markers` (entries only this project writes there, for a directory made before the record): nothing is
+    written into a directory of the user's. `what` names the option, `choose` what to change instead."""
+    shown = _shown(path)
+    d = output_target(path)
+    if not (d.exists() or d.is_symlink()):
+        return
+    if not d.is_dir():
+        raise ForeignOutputError(f"{what} {shown} exists and is not a directory: choose another {choose or what}")
+    if recorded_entries(d) is not None or any((d / m).exists() for m in markers):
+        return
+    found = sorted(p.name for p in d.iterdir())
+    if found:
+        names = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise ForeignOutputError(
+            f"{what} {shown} holds {len(found)} entr{'y' if len(found) == 1 else 'ies'} and no {OUTPUT_RECORD} "
+            f"({names}): this project did not make it, and writes only into directories of its own: move them "
+            f"away, or choose another {choose or what}")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -341,6 +364,25 @@ def sweep_stale(path: str | Path) -> list[tuple[Path, str]]:
     return done
 
 
+def sweep_temp_files(directory: str | Path, names: Iterable[str]) -> list[Path]:
+    """Remove the temporary files killed writers left in `directory` for files `names` (`atomic_path`'s
+    `.<name>.tmp-<pid>-<hex>`), and only those: a plain file of that exact pattern for a listed name whose
+    process is gone on this host. A job's own store (a teacher cache's shards) sweeps its leftovers this way
+    on the next run. Returns what was removed."""
+    d = Path(directory)
+    done: list[Path] = []
+    if not d.is_dir():
+        return done
+    for name in names:
+        for f in d.glob(f".{glob.escape(name)}.tmp-*"):
+            pid_text, _, tail = f.name.removeprefix(f".{name}.tmp-").partition("-")
+            if (pid_text.isdigit() and re.fullmatch(r"[0-9a-f]{8}", tail) and f.is_file() and not f.is_symlink()
+                    and not _pid_alive(int(pid_text))):
+                f.unlink(missing_ok=True)
+                done.append(f)
+    return done
+
+
 def _writable_parent(path: Path, shown: str, what: str) -> None:
     """Create the parent of output `path`; an error names the output as given, not a temporary name."""
     try:
@@ -369,6 +411,32 @@ def _renamed(e: OSError, tmp: Path, path: Path) -> OSError:
         if isinstance(value, str | os.PathLike) and os.fspath(value).startswith(os.fspath(tmp)):
             setattr(e, attr, os.fspath(path) + os.fspath(value)[len(os.fspath(tmp)):])
     return e
+
+
+# Local names under which the frames of a failed write usually hold the file they write.
+_PATH_LOCALS = ("path", "filename", "file", "tmp", "save_directory", "out", "out_dir", "directory")
+
+
+def _file_in(value: Any, tmp: Path) -> str | None:
+    text = os.fspath(value) if isinstance(value, str | os.PathLike) else None
+    return text if text and (text == os.fspath(tmp) or text.startswith(os.fspath(tmp) + os.sep)) else None
+
+
+def _file_under(tb: Any, tmp: Path) -> str | None:
+    """The file below `tmp` a failed write was working on, from the innermost frame of traceback `tb` that holds
+    one (a temporary `.<name>.tmp-...` of `atomic_path` given as its `<name>`)."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        owner = frame.f_locals.get("self")
+        scopes = [frame.f_locals, *([vars(owner)] if owner is not None and hasattr(owner, "__dict__") else [])]
+        for name in _PATH_LOCALS:
+            found = next((f for f in (_file_in(scope.get(name), tmp) for scope in scopes) if f), None)
+            if found:
+                return re.sub(r"/\.([^/]+)\.tmp-\d+-[0-9a-f]{8}$", r"/\1", found)
+    return None
 
 
 @contextlib.contextmanager
@@ -406,13 +474,20 @@ def atomic_dir(path: str | Path, what: str = "output directory",
         replace_dir(tmp, path)
     except OSError as e:
         _renamed(e, tmp, path)
+        if e.filename is None and e.errno is not None:
+            # a write that names no file (a full disk while writing an open file): the file it was writing, by
+            # the output's name, never the temporary one a reader of the traceback would find
+            inner = _file_under(e.__traceback__, tmp)
+            e.filename = os.fspath(given) + inner[len(os.fspath(tmp)):] if inner else f"{what} {shown}"
         raise
     except Exception as e:
         # an I/O error inside a Rust extension (safetensors) names no file: it is the output's
         code = _rust_os_error(e)
         if code is None:
             raise
-        raise OSError(code, os.strerror(code), f"{what} {shown}") from e
+        inner = _file_under(e.__traceback__, tmp)
+        raise OSError(code, os.strerror(code), os.fspath(given) + inner[len(os.fspath(tmp)):] if inner
+                      else f"{what} {shown}") from e
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -9,7 +9,9 @@ run of the same output removes it by itself; `hylo clean OUT` does it now. Remov
 that carries this project's staging record (`.hylo-output.json`, "staging": true) naming a process of this
 host that is gone, and a `.OUT.old-*` directory (a crash between the two renames of a swap) whose process is
 gone and whose record lists all it holds (put back as OUT when OUT is missing). Anything else that matches the
-pattern is listed and left alone. Nothing is removed while the job that owns it still runs.
+pattern is listed and left alone. Nothing is removed while the job that owns it still runs. A teacher cache
+(`hylo teacher-cache`) is written in place: for it, `hylo clean CACHE` removes the shard or manifest a killed
+writer left half written (`shards/.shard-NNNNN.parquet.tmp-<pid>-<hex>`), as its next run does.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.files import output_target, stale_leftovers, sweep_stale
+from hylo.files import output_target, recorded_entries, stale_leftovers, sweep_stale
 from hylo.pipeline.cli import job_main
 
 
@@ -38,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     for out in args.outputs:
         for d, done in sweep_stale(out):
             print(f"{done} {d}" + (f" as {output_target(out)}" if done == "put back" else ""))
+        if (output_target(out) / "manifest.json").is_file() and recorded_entries(output_target(out)) is not None:
+            # a teacher cache is resumed in place: what a killed writer left is inside it
+            from hylo.pipeline.teacher.cache import sweep_cache_leftovers
+
+            for f in sweep_cache_leftovers(output_target(out)):
+                print(f"removed {f}")
         for d in stale_leftovers(out)[1]:
             print(f"left {d}: not provably a leftover of a finished job of this project (no staging record of "
                   f"ours, made on another host, or its process still runs)", file=sys.stderr)

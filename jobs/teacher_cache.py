@@ -20,7 +20,7 @@ from hylo.pipeline.cli import job_main
 from hylo.pipeline.config import add_config_args, config_from_args
 from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.ray_init import ray_running
-from hylo.pipeline.teacher.cache import prepare_cache, run_cache_job
+from hylo.pipeline.teacher.cache import check_cache_output, prepare_cache, run_cache_job
 from hylo.pipeline.teacher.config import TeacherCacheConfig
 
 
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from hylo.pipeline.teacher.model import resolve_model_path
 
     if cfg.data and cfg.out:
+        check_cache_output(cfg)  # out is no input and no directory of the user's: before the teacher is fetched
         check_weights_dir(resolve_model_path(cfg.teacher.model.path))
     prepare_cache(cfg)
 

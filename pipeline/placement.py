@@ -374,7 +374,6 @@ class PlaceLayers(runner.StepRunner):
     def __init__(self, cfg: PlacementConfig) -> None:
         if cfg.n_mla is None:
             raise PlacementError("n_mla is not set: pass --n-mla N (how many layers get MLA)")
-        super().__init__(cfg.run_dir, force=cfg.force, quiet=cfg.quiet, tag="place", ray=cfg.ray)
         self.cfg = cfg
         src = Path(cfg.data_from).resolve() if cfg.data_from else None
         self.data: dict[str, Path | None] = {}
@@ -386,6 +385,12 @@ class PlaceLayers(runner.StepRunner):
                 raise PlacementError(f"{split} rows: {path or 'not given'} is not a packed-data directory "
                                      f"(manifest.json); pass --data-from RUN (after `make demo`) or --{split}-data DIR")
             self.data[split] = path
+        from hylo.assets import local_path
+
+        # the run directory is none of the inputs (the base, the rows), nor inside or around one
+        inputs = [("base", local_path(cfg.base) if cfg.base else None),
+                  *((f"{split}_data", p) for split, p in self.data.items())]
+        super().__init__(cfg.run_dir, force=cfg.force, quiet=cfg.quiet, tag="place", ray=cfg.ray, inputs=inputs)
 
     # ------------------------------------------------------------------ steps
     def convert(self, name: str, placement: str, seed: int = 0) -> dict:

@@ -20,12 +20,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import hylo
-from hylo.files import atomic_write
+from hylo.files import atomic_write, check_not_an_input, check_own_directory, record_files
 from hylo.pipeline.config import PATH, add_config_args, rules
 from hylo.pipeline.ray_init import RayInitSection, gcs_address, init_ray
 
@@ -72,13 +72,23 @@ def runner_parser(description: str) -> argparse.ArgumentParser:
     return ap
 
 
+# what every multi-step run directory holds (its steps' logs and records)
+RUN_MARKERS = ("logs", "done")
+
+
 class StepRunner:
     def __init__(self, run_dir: str | Path, force: bool = False, quiet: bool = False, tag: str = "run",
-                 ray: RayInitSection | None = None) -> None:
+                 ray: RayInitSection | None = None,
+                 inputs: Iterable[tuple[str, str | Path | None]] = ()) -> None:
+        # before anything is made: the run directory is none of the run's `inputs` ((option, path) pairs), nor
+        # inside or around one, and no directory of the user's (our record, or logs/ and done/ of an older run)
+        check_not_an_input(run_dir, inputs, "run_dir")
+        check_own_directory(run_dir, "run_dir", RUN_MARKERS)
         self.run = Path(run_dir).resolve()
         self.force, self.quiet, self.tag = force, quiet, tag
         (self.run / "logs").mkdir(parents=True, exist_ok=True)
         (self.run / "done").mkdir(parents=True, exist_ok=True)
+        record_files(self.run, RUN_MARKERS)
         self.times: dict[str, float] = {}
         self.t_start = time.time()
         self.ray_cfg = ray or RayInitSection()

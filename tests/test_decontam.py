@@ -410,3 +410,103 @@ def test_humaneval_builtin_and_registry():
     items, skipped = load_benchmark(BenchmarkSpec("humaneval"))
     assert len(items) == 164 and skipped == {} and items[0].id == "HumanEval/0"
     assert items[0].segments[0][:4] == ["from", "typing", "import", "list"]
+
+
+# ---------------------------------------------------------------------- the output directory (issue 38)
+@pytest.mark.parametrize("where", ["input", "holds_input", "inside_benchmark_dir"])
+def test_out_over_an_input_is_refused_before_any_work(tmp_path, where):
+    from hylo.files import OutputConflictError
+
+    (tmp_path / "d").mkdir()
+    cfg = job_cfg(tmp_path / "d", [conv("a", FILLER, "ok")])
+    bench_dir = tmp_path / "d" / "benches"
+    bench_dir.mkdir()
+    cfg.benchmarks[0].path = str(Path(cfg.benchmarks[0].path).rename(bench_dir / "bench.jsonl"))
+    out = {"input": Path(cfg.inputs[0].path), "holds_input": tmp_path / "d", "inside_benchmark_dir": bench_dir}[where]
+    cfg.out = str(out)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(OutputConflictError, match=f"out {out} (is|holds|lies inside) the input --(input|benchmark)"):
+        run_decontamination(cfg)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_out_of_the_user_is_refused_and_own_output_replaced(tmp_path, capsys):
+    from hylo.files import OUTPUT_RECORD, recorded_entries
+
+    cfg = job_cfg(tmp_path, [conv("a", FILLER, "ok"), conv("b", "Quick: " + LONG["q1"], "Nine.")])
+    out = Path(cfg.out)
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    from hylo.files import ForeignOutputError
+
+    with pytest.raises(ForeignOutputError, match=r"out .*/out holds 1 entry .*notes.txt"):
+        run_decontamination(cfg)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    (out / "notes.txt").unlink()
+    run_decontamination(cfg)
+    assert recorded_entries(out) == {"clean.jsonl", "removed.jsonl", "rejects.jsonl", "reports", "summary.json"}
+    # a rerun in another format replaces its own output: the old clean.jsonl goes with it
+    cfg.output_format = "parquet"
+    run_decontamination(cfg)
+    assert sorted(p.name for p in out.iterdir()) == sorted([OUTPUT_RECORD, "clean.parquet", "removed.jsonl",
+                                                            "rejects.jsonl", "reports", "summary.json"])
+    assert not list(tmp_path.glob(".out.*"))
+
+
+def test_output_of_a_killed_run_is_swept_and_an_old_one_replaced(tmp_path):
+    import os
+    import socket
+    import subprocess
+
+    from hylo.files import OUTPUT_RECORD
+
+    cfg = job_cfg(tmp_path, [conv("a", FILLER, "ok")])
+    out = Path(cfg.out)
+    run_decontamination(cfg)
+    (out / OUTPUT_RECORD).unlink(missing_ok=True)  # an output written before the record: its summary.json says it is ours
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    killed = tmp_path / f".out.tmp-{proc.pid}-0123abcd"
+    killed.mkdir()
+    (killed / OUTPUT_RECORD).write_text(json.dumps({"written_by": "hylo-pipeline", "staging": True, "pid": proc.pid,
+                                                    "host": socket.gethostname(), "entries": []}))
+    (killed / "clean.jsonl").write_text("half\n")
+    live = tmp_path / f".out.tmp-{os.getpid()}-0123abcd"
+    live.mkdir()
+    run_decontamination(cfg)
+    assert not killed.exists() and live.is_dir()
+    assert (out / OUTPUT_RECORD).is_file()
+
+
+def test_export_benchmarks_never_overwrites_a_file_of_the_user(tmp_path, monkeypatch, capsys):
+    import types
+
+    from hylo.jobs import decontaminate
+
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda path, subset, split: [{"question": f"{path} {split}"}]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    d = tmp_path / "evals"
+    d.mkdir()
+    (d / "gsm8k.jsonl").write_text("my own gsm8k\n")
+    assert decontaminate.main(["--export-benchmarks", str(d), "--benchmark", "gsm8k"]) == 2
+    err = capsys.readouterr().err
+    assert f"--export-benchmarks {d} holds gsm8k.jsonl, which this project did not write" in err
+    assert (d / "gsm8k.jsonl").read_text() == "my own gsm8k\n"
+    (d / "gsm8k.jsonl").unlink()
+    for _ in range(2):  # a rerun overwrites its own export
+        assert decontaminate.main(["--export-benchmarks", str(d), "--benchmark", "gsm8k"]) == 0
+    assert json.loads((d / "gsm8k.jsonl").read_text())["question"].startswith("openai/gsm8k")
+
+
+def test_job_refuses_out_holding_its_input_in_one_line(tmp_path, capsys):
+    from hylo.jobs import decontaminate
+
+    (tmp_path / "in").mkdir()
+    mix = write_jsonl(tmp_path / "in" / "mix.jsonl", [conv("a", FILLER, "ok")])
+    bench = write_benchmark(tmp_path / "bench.jsonl")
+    rc = decontaminate.main(["--input", f"m={mix}", "--benchmark", f"toy={bench}:question@qid", "--scanner", "local",
+                             "--out", str(tmp_path / "in"), "--set", "progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"out {tmp_path / 'in'} holds the input --input m {mix}" in err[0]
+    assert sorted(p.name for p in (tmp_path / "in").iterdir()) == ["mix.jsonl"]

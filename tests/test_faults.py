@@ -317,3 +317,66 @@ def test_a_run_whose_model_directory_is_its_student_stops_before_training(tmp_pa
         check_outputs(cfg)
     check_outputs(load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=r2",
                                               f"model.student={tmp_path / 'r' / 'model'}"]))
+
+
+@pytest.mark.parametrize("where", ["is_data", "inside_data", "holds_student"])
+def test_a_run_directory_over_an_input_stops_before_the_run_directory_is_made(tmp_path, where):
+    """The run directory (checkpoints, metrics) is no input of the run, nor inside or around one: refused
+    before it is made or locked, naming both."""
+    from hylo.files import OutputConflictError
+    from hylo.pipeline.train.driver import check_run_output
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    student = tmp_path / "runs" / "r" / "student"
+    student.mkdir(parents=True)
+    storage, name = {"is_data": (tmp_path, "data"), "inside_data": (data, "r"),
+                     "holds_student": (tmp_path / "runs", "r")}[where]
+    cfg = load_stage_config(2, None, [f"ray.storage_path={storage}", f"ray.name={name}", f"data.path={data}",
+                                      f"model.student={student}"])
+    with pytest.raises(OutputConflictError, match=r"the run directory \(ray.storage_path/ray.name\) .* (is|lies "
+                                                  r"inside|holds) the input (data.path|model.student)"):
+        check_run_output(cfg)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == sorted(
+        [Path("data"), Path("data/manifest.json"), Path("runs"), Path("runs/r"), Path("runs/r/student")])
+
+
+def test_a_run_directory_of_the_user_is_refused_and_our_own_resumed(tmp_path):
+    """An existing directory holding files but no record of ours (nor a lock or config of an older run) is not
+    a run directory: refused before anything is written. One the run claimed (and an empty one) passes."""
+    from hylo.files import ForeignOutputError
+    from hylo.pipeline.train.driver import check_run_output, claim_run_dir
+
+    cfg = load_stage_config(1, None, [f"ray.storage_path={tmp_path}", "ray.name=home"])
+    check_run_output(cfg)  # missing: fine
+    (tmp_path / "home").mkdir()
+    check_run_output(cfg)  # empty: fine
+    (tmp_path / "home" / "thesis.tex").write_text("mine")
+    with pytest.raises(ForeignOutputError, match=r"the run directory \(ray.storage_path/ray.name\) .*/home holds 1 "
+                                                 r"entry and no .hylo-output.json \(thesis.tex\)"):
+        check_run_output(cfg)
+    (tmp_path / "home" / "thesis.tex").unlink()
+    claim_run_dir(cfg)
+    (tmp_path / "home" / "step_00000001").mkdir()
+    check_run_output(cfg)  # ours: a resume continues it
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config_stage1.json").write_text("{}")  # a run directory from before the record
+    check_run_output(load_stage_config(1, None, [f"ray.storage_path={tmp_path}", "ray.name=old"]))
+
+
+def test_stage_job_refuses_a_run_directory_inside_its_data_in_one_line(tmp_path, capsys, monkeypatch):
+    """Through the job's main: one `error:` line, exit 2, before the run directory is locked or the run starts."""
+    from hylo.jobs import stage2
+    from hylo.pipeline.train import driver
+
+    started = []
+    monkeypatch.setattr(driver, "_run_locked", lambda *a, **k: started.append(a) or {})
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    rc = stage2.main(["--set", f"ray.storage_path={data}", "--set", "ray.name=r", "--set", f"data.path={data}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "lies inside the input data.path" in err[0]
+    assert not started and sorted(p.name for p in data.iterdir()) == ["manifest.json"]

@@ -331,3 +331,26 @@ def subprocess_pid_that_exited() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
+
+
+def test_a_write_error_naming_no_file_names_the_outputs_file_not_the_staging_name(tmp_path):
+    """A full disk while writing an open file raises an OSError without a file name; the one-line error would
+    find the file in the traceback: the staging directory's. atomic_dir names it by the output's name."""
+    import errno
+
+    from hylo.files import atomic_dir, atomic_path
+
+    def write(path):
+        with atomic_path(path) as tmp, open(tmp, "w") as f:
+            f.write("x")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "dc"
+    with pytest.raises(OSError) as info:
+        with atomic_dir(out, "out") as staging:
+            write(staging / "clean.jsonl")
+    assert info.value.filename == str(out / "clean.jsonl") and not out.exists()
+    with pytest.raises(OSError) as info:
+        with atomic_dir(out, "out"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert info.value.filename == str(out)  # the output itself, never the staging name

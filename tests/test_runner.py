@@ -118,3 +118,42 @@ def test_train_cmd_leaves_the_length_to_the_data_unless_asked_to_check_it(tmp_pa
     args = (2, "configs/demo-smollm2.yaml", tmp_path, "stage2", tmp_path / "student", tmp_path / "data")
     assert not any("data.seq_len" in a for a in train_cmd(*args, None, 8))
     assert "data.seq_len=512" in train_cmd(*args, 512, 8)
+
+
+def test_a_run_directory_of_the_user_or_over_an_input_is_refused_before_anything_is_made(tmp_path):
+    """A multi-step run writes logs/ and done/ into its run_dir: a directory of the user's (files, no record, no
+    logs/ or done/ of an older run) or one that is, lies inside or holds an input is refused, and left as it was."""
+    from hylo.files import ForeignOutputError, OutputConflictError, recorded_entries
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("mine")
+    with pytest.raises(ForeignOutputError, match=r"run_dir .*/home holds 1 entry and no .hylo-output.json "
+                                                 r"\(thesis.tex\)"):
+        StepRunner(home, quiet=True)
+    assert sorted(p.name for p in home.iterdir()) == ["thesis.tex"]
+    data = tmp_path / "rows"
+    data.mkdir()
+    with pytest.raises(OutputConflictError, match=r"run_dir .*/rows/run lies inside the input stage1_data"):
+        StepRunner(data / "run", quiet=True, inputs=[("stage1_data", data)])
+    assert not (data / "run").exists()
+    StepRunner(tmp_path / "run", quiet=True)
+    assert recorded_entries(tmp_path / "run") == {"logs", "done"}
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    StepRunner(tmp_path / "run", quiet=True)  # ours: resumed
+    old = tmp_path / "old"
+    (old / "done").mkdir(parents=True)  # a run directory from before the record
+    StepRunner(old, quiet=True)
+
+
+def test_placement_run_dir_holding_its_rows_is_refused(tmp_path):
+    from hylo.files import OutputConflictError
+    from hylo.pipeline.placement import PlaceLayers, placement_config
+
+    for split in ("stage1", "heldout"):
+        (tmp_path / "demo" / "data" / split).mkdir(parents=True)
+        (tmp_path / "demo" / "data" / split / "manifest.json").write_text("{}")
+    with pytest.raises(OutputConflictError, match=r"run_dir .*/demo holds the input (stage1|heldout)_data"):
+        PlaceLayers(placement_config(["--n-mla", "2", "--data-from", str(tmp_path / "demo"),
+                                      "--run-dir", str(tmp_path / "demo"), "--quiet"]))
+    assert not (tmp_path / "demo" / "logs").exists()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -272,3 +274,94 @@ def test_ray_job_resumes_after_partial_shards(env, tmp_path):
         assert_matches_forward(env["teacher"], row, reader.get_for_row(check_row(row)), 8, "float16")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] and manifest["rows"] == 10 and manifest["index_dtype"] == "uint16"
+
+
+# ---------------------------------------------------------------------- the output directory (issue 38)
+@pytest.mark.parametrize("where", ["data", "inside_data", "model", "holds_data"])
+def test_out_over_an_input_is_refused_before_any_write(env, tmp_path, where):
+    """`out` that is, lies inside or holds the data or the teacher is refused before anything is written."""
+    from hylo.files import OutputConflictError
+
+    data = tmp_path / "d" / "data"
+    shutil.copytree(env["data"], data)
+    cfg = _cfg(env, data)
+    cfg.data = str(data)
+    out = {"data": data, "inside_data": data / "cache", "model": Path(env["model"]),
+           "holds_data": tmp_path / "d"}[where]
+    cfg.out = str(out)
+    before = sorted(p.relative_to(out) for p in out.rglob("*")) if out.exists() else None
+    with pytest.raises(OutputConflictError, match=f"out {out} (is|lies inside|holds) the input"):
+        prepare_cache(cfg)
+    assert (sorted(p.relative_to(out) for p in out.rglob("*")) if out.exists() else None) == before
+
+
+def test_out_holding_files_of_the_user_is_refused(env, tmp_path):
+    from hylo.files import ForeignOutputError
+
+    out = tmp_path / "c"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ForeignOutputError, match=r"out .*/c holds 1 entry .*notes.txt"):
+        prepare_cache(_cfg(env, out))
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_rerun_resumes_its_own_cache_and_sweeps_only_dead_leftovers(env, tmp_path):
+    import subprocess
+
+    from hylo.files import OUTPUT_RECORD, recorded_entries
+
+    cfg = _cfg(env, tmp_path / "c")
+    header, plan, todo = prepare_cache(cfg)
+    assert recorded_entries(cfg.out) == {"manifest.json", SHARD_DIR}
+    compute_shard(env["teacher"], cfg.data, cfg.out, header, todo[0])
+    shards = Path(cfg.out) / SHARD_DIR
+    proc = subprocess.Popen(["true"])  # a process that is gone: its temporary file is a killed writer's
+    proc.wait()
+    killed = shards / f".{plan[1].name}.parquet.tmp-{proc.pid}-0123abcd"
+    killed.write_bytes(b"half a shard")
+    live = shards / f".{plan[2].name}.parquet.tmp-{os.getpid()}-0123abcd"
+    live.write_bytes(b"being written")
+    users = shards / ".notes.tmp-1-x"
+    users.write_bytes(b"mine")
+    header2, plan2, todo2 = prepare_cache(cfg)  # resumes: the shard written is kept
+    assert [p.name for p in todo2] == [p.name for p in plan[1:]]
+    assert not killed.exists() and live.exists() and users.exists()
+    assert (Path(cfg.out) / OUTPUT_RECORD).is_file()
+
+
+def test_cache_written_before_the_record_is_resumed(env, tmp_path):
+    from hylo.files import OUTPUT_RECORD
+
+    cfg = _cfg(env, tmp_path / "c")
+    header, plan, todo = prepare_cache(cfg)
+    (Path(cfg.out) / OUTPUT_RECORD).unlink()
+    assert len(prepare_cache(cfg)[2]) == len(plan)
+
+
+def test_job_refuses_out_inside_the_data_in_one_line(env, tmp_path, capsys):
+    from hylo.jobs import teacher_cache
+
+    data = tmp_path / "data"
+    shutil.copytree(env["data"], data)
+    rc = teacher_cache.main(["--set", f"data={data}", "--set", f"out={data}/cache",
+                             "--set", f"teacher.model.path={env['model']}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert f"out {data}/cache lies inside the input data {data}" in err
+    assert not (data / "cache").exists()
+
+
+def test_hylo_clean_sweeps_a_killed_writers_shard(env, tmp_path, capsys):
+    import subprocess
+
+    from hylo.jobs import clean
+
+    cfg = _cfg(env, tmp_path / "c")
+    header, plan, todo = prepare_cache(cfg)
+    proc = subprocess.Popen(["true"])  # gone: its temporary shard is a killed writer's
+    proc.wait()
+    killed = Path(cfg.out) / SHARD_DIR / f".{plan[0].name}.parquet.tmp-{proc.pid}-0123abcd"
+    killed.write_bytes(b"half a shard")
+    assert clean.main([cfg.out]) == 0
+    assert not killed.exists() and f"removed {killed}" in capsys.readouterr().out

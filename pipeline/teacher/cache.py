@@ -45,7 +45,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from hylo.files import atomic_path, atomic_write, read_json
+from hylo.files import (
+    OUTPUT_RECORD,
+    atomic_path,
+    atomic_write,
+    check_not_an_input,
+    check_replaceable,
+    output_target,
+    read_json,
+    record_files,
+    sweep_temp_files,
+)
 from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.pipeline.data.reader import ParquetRows, RowReader
 from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, damage, open_parquet
@@ -264,12 +274,50 @@ def _check_data_tokenizer(data_info: Mapping[str, Any], teacher_tok_hash: str, c
                                  f"{cfg.teacher.model.path!r} uses another tokenizer ({teacher_tok_hash})")
 
 
+def _legacy_cache_entries(out: Path) -> set[str]:
+    """The entries of a cache written before `.hylo-output.json`: its manifest names it a teacher cache."""
+    try:
+        found = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()
+    return {MANIFEST, SHARD_DIR} if isinstance(found, dict) and found.get("schema") == SCHEMA else set()
+
+
+def sweep_cache_leftovers(out: str | Path, plan: Sequence[ShardPlan] | None = None) -> list[Path]:
+    """Remove what killed writers left in cache `out` (a shard, the manifest or the record half written under
+    its temporary name, `hylo.files.sweep_temp_files`: only those, of a process that is gone); `plan`: the
+    shards, default the manifest's. Run by every run of the cache, and by `hylo clean OUT`."""
+    out = Path(out)
+    if plan is None:
+        try:
+            names = [str(p["name"]) for p in load_manifest(out).get("shards", [])]
+        except (CacheFormatError, OSError, TypeError, KeyError):
+            names = []
+    else:
+        names = [p.name for p in plan]
+    return (sweep_temp_files(out / SHARD_DIR, [f"{n}.parquet" for n in names])
+            + sweep_temp_files(out, [MANIFEST, OUTPUT_RECORD]))
+
+
+def check_cache_output(cfg: Any) -> None:
+    """Before any work: `out` is not the data, the teacher or its tokenizer, nor inside or around one of them
+    (`hylo.files.check_not_an_input`), and, when it exists, holds only what a cache run wrote there (its
+    `.hylo-output.json`, or the manifest of a cache written before it): a rerun resumes its own cache, it never
+    writes into a directory of the user's."""
+    model = cfg.teacher.model
+    # a local directory as given (an asset name is no path here: its cached copy is the asset store's)
+    check_not_an_input(cfg.out, [("data", cfg.data), ("teacher.model.path", model.path or None),
+                                 ("teacher.model.tokenizer", model.tokenizer or None)], "out")
+    target = output_target(cfg.out)
+    check_replaceable(cfg.out, "out", owned=_legacy_cache_entries(target) if target.is_dir() else set())
+
+
 def prepare_cache(cfg: Any) -> tuple[dict[str, Any], list[ShardPlan], list[ShardPlan]]:
     """Check or write the manifest; returns (header, full plan, shards still to do)."""
-    out = Path(cfg.out)
+    out = output_target(cfg.out)
     if not cfg.data or not cfg.out:
         raise CacheFormatError("teacher cache: both `data` and `out` must be set")
-    (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    check_cache_output(cfg)
     teacher_id, tok_hash, vocab = _teacher_identity(cfg.teacher.model)
     if cfg.teacher.k > vocab:
         raise CacheMismatchError(f"teacher.k={cfg.teacher.k} exceeds the teacher's vocabulary ({vocab})")
@@ -278,6 +326,9 @@ def prepare_cache(cfg: Any) -> tuple[dict[str, Any], list[ShardPlan], list[Shard
     header = make_header(teacher_id, tok_hash, cfg.teacher.k, cfg.dtype, vocab, data_fp, cfg.rows_per_shard)
     plan = plan_shards(files, cfg.rows_per_shard)
     mpath = out / MANIFEST
+    (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    # the cache is ours from now on: a rerun resumes it, `check_cache_output` refuses anything else
+    record_files(out, [MANIFEST, SHARD_DIR])
     if mpath.is_file():
         found = load_manifest(out)
         check_header(found, header, str(mpath))
@@ -285,8 +336,7 @@ def prepare_cache(cfg: Any) -> tuple[dict[str, Any], list[ShardPlan], list[Shard
         manifest = {**header, "data_dir": str(Path(cfg.data).resolve()), "data_info": data_info, "data_files": files,
                     "shards": [p.__dict__ for p in plan], "complete": False, "created": time.time()}
         atomic_write(mpath, json.dumps(manifest, indent=1), fsync=True)
-    for leftover in (out / SHARD_DIR).glob(".*.tmp-*"):
-        leftover.unlink(missing_ok=True)
+    sweep_cache_leftovers(out, plan)
     todo = []
     for p in plan:
         path = out / SHARD_DIR / f"{p.name}.parquet"

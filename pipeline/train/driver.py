@@ -166,6 +166,47 @@ def check_outputs(cfg: StageConfig) -> None:
                                                    for o, v in inputs], what)
 
 
+RUN_WHAT = "the run directory (ray.storage_path/ray.name)"
+# the entries of a run directory written before its .hylo-output.json (the lock, the configs every run writes)
+RUN_MARKERS = ("run.lock", "config_stage1.json", "config_stage2.json")
+
+
+def check_run_output(cfg: StageConfig) -> None:
+    """Before the run directory is made or locked: it is no input of the run (model.student, model.base,
+    data.path, teacher.cache_path, teacher.model.path; nor inside or around one: hylo.files.check_not_an_input),
+    and, when it exists, it is a run directory of this project (its .hylo-output.json, or a lock, config or checkpoint
+    of a run from before the record) or empty: checkpoints are never written into a directory of the user's. The
+    run's own conversion (<run>/converted, stage 1 without model.student) is its output, not a conflict."""
+    from hylo.assets import local_path
+    from hylo.files import check_not_an_input, check_own_directory
+    from hylo.pipeline.train.storage import is_uri
+
+    run = run_loc(cfg)
+    if not run.is_local:
+        return
+    d = run.local()
+    teacher = getattr(cfg, "teacher", None)
+    inputs = [("model.student", cfg.model.student), ("model.base", cfg.model.base), ("data.path", cfg.data.path),
+              ("teacher.cache_path", getattr(teacher, "cache_path", None)),
+              ("teacher.model.path", getattr(getattr(teacher, "model", None), "path", None))]
+    own = os.path.realpath(d / "converted")
+    paths = [(o, local_path(v) if v and not is_uri(v) else None) for o, v in inputs]
+    check_not_an_input(d, [(o, p) for o, p in paths if p is not None and os.path.realpath(p) != own], RUN_WHAT)
+    steps = [p.name for p in d.iterdir() if STEP_DIR.match(p.name) and p.is_dir()] if d.is_dir() else []
+    # checkpoints of a run from before the record count as its own (check_run_dir asks for --resume)
+    check_own_directory(d, RUN_WHAT, [*RUN_MARKERS, *steps[:1]], "ray.name / ray.storage_path")
+
+
+def claim_run_dir(cfg: StageConfig) -> None:
+    """Record the (local) run directory as this project's (.hylo-output.json), so that a later run or resume
+    of it passes `check_run_output`."""
+    from hylo.files import record_files
+
+    run = run_loc(cfg)
+    if run.is_local:
+        record_files(run.local(), [RUN_MARKERS[0], f"config_stage{cfg.stage}.json"])
+
+
 def check_resume_fits(cfg: StageConfig, resume: str | None) -> None:
     """Before Ray starts: the student a resume loads (model.student, which may change across a resume) has
     the parameter shapes of the checkpoint it continues (`--resume`: the newest intact one; `--resume PATH`:
@@ -463,6 +504,8 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
     cfg = resolve_paths(cfg)
     # the run directory is this run's until it ends: a second run with the same storage and name stops
     # here (runlock.py); under torchrun rank 0 holds it for the rendezvous
+    if is_rank0:
+        check_run_output(cfg)
     owner = launch_id(launcher) if launcher == "torchrun" else None
     lock = run_lock(run_loc(cfg), break_lock=args.break_lock, owner=owner) if is_rank0 else contextlib.nullcontext()
     with exit_on_sigterm(), lock:
@@ -506,6 +549,7 @@ def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
     rd, run = run_dir(cfg), run_loc(cfg)
     rd.mkdir(parents=True, exist_ok=True)
     if is_rank0:
+        claim_run_dir(cfg)
         (run / f"config_stage{stage}.json").write_text(json.dumps(config_to_dict(cfg), indent=1, sort_keys=True))
     t0 = time.time()
     if launcher == "torchrun":

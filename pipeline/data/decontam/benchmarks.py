@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hylo.files import atomic_path
+from hylo.files import atomic_path, check_own_files, record_files
 from hylo.pipeline.data.config import BenchmarkSpec, SourceSpec
 from hylo.pipeline.data.normalize import normalize_words
 from hylo.pipeline.data.readers import iter_raw
@@ -52,11 +52,16 @@ def export_benchmarks(out_dir: str | Path, names: Sequence[str] | None = None,
         raise ValueError("exporting benchmarks needs the `datasets` package (pip install datasets) and "
                          "access to the Hugging Face hub") from None
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     hub = [n for n, b in SUITES.items() if b.path.startswith("hub:")]
     unknown = sorted(set(names or []) - set(hub))
     if unknown:
         raise ValueError(f"unknown or non-hub suite(s) {unknown}; exportable: {', '.join(hub)}")
+    # only files of ours are overwritten: a <suite>.jsonl of the user's in DIR stops the export before any download
+    files = [f"{name}.jsonl" for name in names or hub]
+    check_own_files(out_dir, files, "--export-benchmarks")
+    out.mkdir(parents=True, exist_ok=True)
+    # recorded first: a run killed after a file is renamed into place leaves no unrecorded file of ours
+    record_files(out, files)
     counts = {}
     for name in names or hub:
         b = SUITES[name]

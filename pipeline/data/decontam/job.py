@@ -10,7 +10,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hylo.files import atomic_path, atomic_write
+from hylo.files import (
+    atomic_dir,
+    atomic_path,
+    atomic_write,
+    check_not_an_input,
+    check_replaceable,
+    output_target,
+)
 from hylo.pipeline.data.config import DecontamJobConfig
 from hylo.pipeline.data.decontam.cut import cut_record
 from hylo.pipeline.data.decontam.decide import decide
@@ -49,13 +56,46 @@ def _write_parquet(path: Path, rows: Iterable[dict], chunk: int = 4096) -> int:
     return n
 
 
+# what the job writes into `out` (the names a directory written before `.hylo-output.json` may hold)
+OUTPUT_NAMES = frozenset({"clean.jsonl", "clean.parquet", "removed.jsonl", "rejects.jsonl", "reports", "summary.json"})
+
+
+def _legacy_entries(out: str | Path) -> set[str]:
+    """The entries of an output written before `.hylo-output.json`: its summary.json is this job's."""
+    target = output_target(out)
+    try:
+        summary = json.loads((target / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()
+    if not (isinstance(summary, dict) and {"files", "docs_per_s", "seconds"} <= summary.keys()):
+        return set()
+    return {p.name for p in target.iterdir() if p.name in OUTPUT_NAMES}
+
+
+def check_output(cfg: DecontamJobConfig) -> None:
+    """Before any work: `out` is no input (an --input or --benchmark file, nor inside or around one:
+    `hylo.files.check_not_an_input`) and, when it exists, holds only what this job wrote there (its record
+    `.hylo-output.json`): the job replaces its own previous output, never a directory of the user's."""
+    inputs = [(f"--input {s.name}", s.path) for s in cfg.inputs]
+    inputs += [(f"--benchmark {b.name}", b.path) for b in cfg.benchmarks if b.path and not b.path.startswith("hub:")]
+    check_not_an_input(cfg.out, inputs, "out")
+    check_replaceable(cfg.out, "out", owned=_legacy_entries(cfg.out))
+
+
 def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = None) -> dict[str, Any]:
-    """Run the whole job; returns the summary (also written to `<out>/summary.json`)."""
+    """Run the whole job; returns the summary (also written to `<out>/summary.json`). The output directory is
+    built beside `out` and swapped in when complete (`hylo.files.atomic_dir`): a failed or killed run leaves
+    the previous output as it was (a killed run's staging directory is removed by the next run, or by
+    `hylo clean OUT`)."""
     if not cfg.inputs:
         raise ValueError("decontaminate: no inputs given")
+    check_output(cfg)
+    with atomic_dir(cfg.out, "out", owned=_legacy_entries(cfg.out)) as staging:
+        return _run(cfg, index, Path(cfg.out), staging)
+
+
+def _run(cfg: DecontamJobConfig, index: BenchmarkIndex | None, out: Path, staging: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     bench_skipped: dict[str, dict[str, int]] = {}
     if index is None:
         index, bench_skipped = build_index(cfg.benchmarks, cfg.match)
@@ -103,14 +143,14 @@ def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = N
     clean_name = f"clean.{cfg.output_format}"
     if cfg.output_format == "jsonl":
         # \u-escaped JSON encodes about twice as fast; every JSON reader decodes it identically.
-        n_clean = _write_jsonl(out / clean_name, clean_rows(), ensure_ascii=True)
+        n_clean = _write_jsonl(staging / clean_name, clean_rows(), ensure_ascii=True)
     else:
-        n_clean = _write_parquet(out / clean_name, clean_rows())
-    _write_jsonl(out / "removed.jsonl", removed)
-    _write_jsonl(out / "rejects.jsonl", rejects)
+        n_clean = _write_parquet(staging / clean_name, clean_rows())
+    _write_jsonl(staging / "removed.jsonl", removed)
+    _write_jsonl(staging / "rejects.jsonl", rejects)
     t_end = time.perf_counter()
 
-    summary = write_reports(cfg, index, dec, records, removed, rejects, n_clean, bench_skipped, out)
+    summary = write_reports(cfg, index, dec, records, removed, rejects, n_clean, bench_skipped, staging)
     summary.update(
         fallback_drops=fallback_drops,
         files={k: str(out / v) for k, v in [("clean", clean_name), ("removed", "removed.jsonl"),
@@ -120,7 +160,7 @@ def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = N
                  "total": round(t_end - t0, 3)},
         docs_per_s=round(len(records) / max(t_end - t_index, 1e-9), 1),
     )
-    atomic_write(out / "summary.json", json.dumps(summary, indent=1))
+    atomic_write(staging / "summary.json", json.dumps(summary, indent=1))
     return summary
 
 
