@@ -9,11 +9,13 @@ import torch
 from torch import nn
 
 from hylo.files import read_json
+from hylo.model_files import check_model_config
 from hylo.upcycle.options import SUPPORTED_BASE_TYPES, UpcycleError
 
 
 def read_base_config(cfg_file: str | Path) -> dict[str, Any]:
-    """A base model's config.json as a dict: valid JSON with a supported `model_type`, else UpcycleError."""
+    """A base model's config.json as a dict: valid JSON with a supported `model_type` and every field within
+    what a model can be built from (hylo.model_files), else UpcycleError naming the file and the field."""
     cfg_file = Path(cfg_file)
     raw = read_json(cfg_file, UpcycleError, mapping=True)
     mt = raw.get("model_type")
@@ -21,6 +23,10 @@ def read_base_config(cfg_file: str | Path) -> dict[str, Any]:
         arch = raw.get("architectures")
         raise UpcycleError(f"{cfg_file}: model_type {mt!r}{f' (architectures {arch})' if arch else ''} is not "
                            f"supported; supported: {', '.join(SUPPORTED_BASE_TYPES)}")
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        if key not in raw:
+            raise UpcycleError(f"{cfg_file}: missing {key} (a base model's config.json names its shape)")
+    check_model_config(raw, cfg_file, UpcycleError)
     return raw
 
 
