@@ -62,11 +62,9 @@ def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32):
 @torch.no_grad()
 def check_base_weights(base_model: nn.Module, shown: int = 5) -> None:
     """Refuse a base model with NaN or infinite weights: conversion would copy them without a word."""
-    bad = []
-    for name, p in base_model.named_parameters():
-        n_bad = int((~torch.isfinite(p)).sum())
-        if n_bad:
-            bad.append(f"{name} ({n_bad} value{'s' if n_bad > 1 else ''})")
+    from hylo.model_files import nonfinite_tensors
+
+    bad = [f"{name} ({n} value{'s' if n > 1 else ''})" for name, n in nonfinite_tensors(base_model.named_parameters())]
     if bad:
         more = f" and {len(bad) - shown} more" if len(bad) > shown else ""
         raise UpcycleError(f"the base model has non-finite (NaN/inf) weights in {len(bad)} base tensors: "
