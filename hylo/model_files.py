@@ -189,7 +189,7 @@ def check_layer_indices(values: Iterable[Any], n_layer: int, key: str, where: st
     """Layer indices (ints, or their decimal strings as JSON object keys): each in 0..n_layer-1, no repeats."""
     out: list[int] = []
     for v in values:
-        i = int(v) if isinstance(v, str) and v.isdecimal() else v
+        i = int(v) if isinstance(v, str) and v.removeprefix("-").isdecimal() else v
         if isinstance(i, bool) or not isinstance(i, int):
             raise error(f"{where}: {key}: {v!r} is not a layer index")
         if not 0 <= i < n_layer:

@@ -199,6 +199,7 @@ def xecomla_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor]) ->
                                   f"rms_norm_eps={eps_final} (the final norm): a HyLo model has one")
     mla = list(range(n_layer))
     ranks = xecomla_layer_ranks(layer, mla, where, n_layer)
+    _check_rank_shapes(tensors, ranks, layer["qk_rope_head_dim"], where)
     qs = {q for q, _ in ranks.values()}
     if len(qs) > 1 and None in qs:
         raise ReleasedLayoutError(f"{where}: some MLA layers compress the queries and some do not: {ranks}")
@@ -214,7 +215,6 @@ def xecomla_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor]) ->
                       f"imported zero-padded to q {Rq}, kv {R} (exact; the KV cache holds {R} latent values per "
                       f"token in every MLA layer)", UserWarning, stacklevel=3)
     P = layer["qk_rope_head_dim"]
-    _check_rank_shapes(tensors, ranks, P, where)
     _pad_ranks(tensors, ranks, R, Rq, P)
     if Rq is not None and _collapse_identity_q(tensors, {"hidden_size": D, "use_lora_layer_norm": norms,
                                                           "attention_bias": layer["attention_bias"]}, mla, Rq):
