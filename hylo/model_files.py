@@ -125,7 +125,8 @@ def check_model_config(data: Mapping[str, Any], where: str | Path, error: type[E
     model can be built from. `derives_head_dim`: the file's layout takes the head dim as hidden_size / heads
     when `head_dim` is absent (transformers' decoders, our HybridConfig), so the heads must divide it.
     `ranks_within_hidden`: a file's latent ranks factor its hidden states (an imported SVD), so they are at
-    most hidden_size (our own HybridConfig allows a wider latent: the converter refuses one as an option)."""
+    most hidden_size (our own HybridConfig, and a config.json of `model_type: hylo`, allows a wider latent:
+    the converter refuses one as an option)."""
 
     def bad(key: str, value: Any, why: str) -> None:
         raise error(f"{where}: {key} = {value!r}: {why}")
@@ -151,6 +152,7 @@ def check_model_config(data: Mapping[str, Any], where: str | Path, error: type[E
             data.get("head_dim") is None or data.get("model_type") == "llama"):
         bad("hidden_size", hidden, f"must be a multiple of num_attention_heads = {heads} (the head dim is "
                                    f"hidden_size / num_attention_heads)")
+    ranks_within_hidden = ranks_within_hidden and data.get("model_type") != "hylo"
     for key in ("kv_lora_rank", "q_lora_rank"):
         rank = given(key)
         if rank is not None and hidden is not None and ranks_within_hidden:
