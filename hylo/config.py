@@ -17,6 +17,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from hylo.files import atomic_write, read_json
+from hylo.model_files import MODEL_FIELDS, check_model_config
 
 LINEAR_TYPES = ("gdn", "mamba2")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
@@ -301,6 +302,10 @@ class HybridConfig(PretrainedConfig):
                 bad("rope_scaling", f"rope_type {rtype!r} is not supported; allowed: yarn, linear, default")
             if rtype == "yarn" and float(self.rope_scaling.get("factor", 0)) < 1.0:
                 bad("rope_scaling", "yarn needs factor >= 1")
+        # what every model file is checked for (hylo/model_files.py): finite numbers, sizes within the caps
+        fields = {k: getattr(self, k) for k in MODEL_FIELDS if k in self.__dict__ and k != "num_hidden_layers"}
+        check_model_config({**fields, "rope_parameters": self.rope_parameters}, "HybridConfig", HybridConfigError,
+                           ranks_within_hidden=False)
 
     # ------------------------------------------------------------------ accounting
     def mla_cache_values_per_token(self) -> int:

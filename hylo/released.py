@@ -65,6 +65,7 @@ import torch
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfig, HybridConfigError
 from hylo.files import atomic_dir, copy_tokenizer_files, read_json
+from hylo.model_files import check_finite_tensors, check_layer_indices, check_model_config
 from hylo.released_facts import (
     AMD_AT,
     HYBRID_CONFIG_FIELDS,
@@ -172,6 +173,7 @@ def read_released_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
+                keys = set(sf.keys())
                 for k in sf.keys():
                     if k in tensors:
                         raise ReleasedLayoutError(f"{p}: tensor {k!r} appears in more than one file ({f.name})")
@@ -180,6 +182,8 @@ def read_released_tensors(path: str | Path) -> dict[str, torch.Tensor]:
             raise
         except Exception as e:  # safetensors raises its own error types for truncated / corrupt files
             raise ReleasedLayoutError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+        # a NaN / inf weight would be imported without a word (and every later job would compute with it)
+        check_finite_tensors(((k, t) for k, t in tensors.items() if k in keys), f, ReleasedLayoutError)
     return tensors
 
 
@@ -356,6 +360,9 @@ def released_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor] | 
     base = _read_json(p / "config.json")
     hyb = _read_json(p / HYBRID_CONFIG_NAME)
     where = str(p / HYBRID_CONFIG_NAME)
+    # every field within what a model can be built from, before any arithmetic on them
+    check_model_config(base, p / "config.json", ReleasedLayoutError)
+    check_model_config(hyb, where, ReleasedLayoutError, derives_head_dim=False)
     mt = base.get("model_type")
     if mt not in BASE_TYPES:
         raise ReleasedLayoutError(f"{p / 'config.json'}: model_type {mt!r} is not a supported base; allowed: "
@@ -380,8 +387,15 @@ def released_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor] | 
         raise ReleasedLayoutError(f"{where}: n_layer must be a positive integer, got {n_layer!r}")
     mla = _their_mla_layers(hyb, n_layer, where)
     q_default = hyb.get("q_lora_rank", HYBRID_CONFIG_FIELDS["q_lora_rank"])
-    # older versions of their code wrote layer_rank_list (removed since): uniform ranks only
-    for layer, ranks in (hyb.get("layer_rank_list") or {}).items():
+    # older versions of their code wrote layer_rank_list (removed since): uniform ranks only, for MLA layers
+    listed = hyb.get("layer_rank_list") or {}
+    if not isinstance(listed, dict):
+        raise ReleasedLayoutError(f"{where}: layer_rank_list must be an object, got {listed!r}")
+    for i in check_layer_indices(listed, n_layer, "layer_rank_list", where, ReleasedLayoutError):
+        if i not in mla:
+            raise ReleasedLayoutError(f"{where}: layer_rank_list names layer {i}, which is not an MLA layer "
+                                      f"(mla_layers {mla}): ranks for a layer without MLA are never read")
+    for layer, ranks in listed.items():
         got = (ranks.get("q_rank", q_default), ranks.get("kv_rank", hyb["kv_lora_rank"])) \
             if isinstance(ranks, dict) else ranks
         if got != (q_default, hyb["kv_lora_rank"]):
@@ -489,6 +503,13 @@ def _repeat_xb_rows(w: torch.Tensor, hcfg: HybridConfig, d_xb: int) -> torch.Ten
                       b.unflatten(0, (-1, N)).repeat_interleave(rep, 0).flatten(0, 1), rest])
 
 
+def _check_rows(t: torch.Tensor, rows: int, key: str, what: str, where: str) -> None:
+    """A tensor whose rows are permuted by the configs' shapes must have those rows (else an IndexError)."""
+    if t.dim() == 0 or t.shape[0] != rows:
+        raise ReleasedLayoutError(f"{where}: {key} has shape {tuple(t.shape)} but the configs give {rows} rows "
+                                  f"({what})")
+
+
 def released_to_state_dict(tensors: dict[str, torch.Tensor], hcfg: HybridConfig, where: str = "",
                            origin: dict[str, str] | None = None, d_xb: int | None = None) -> dict[str, torch.Tensor]:
     """Rename and permute released tensors into our state-dict layout (no tensor left over, none invented).
@@ -516,8 +537,11 @@ def released_to_state_dict(tensors: dict[str, torch.Tensor], hcfg: HybridConfig,
         if i in mla and (part == "mla" or (part in QK_NORM_PARTS and rest in QK_NORM_NAMES)):
             name = "o_proj." + rest.removeprefix("out_proj.") if rest.startswith("out_proj.") else rest
             if name in ("q_proj.weight", "q_proj.bias", "q_b_proj.weight"):
+                _check_rows(t, H * (N + P), key, f"num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim) = "
+                                                 f"{H} * ({N} + {P})", where)
                 t = _permute_q_rope(t, H, N, P, perm)
             elif name in ("kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias"):
+                _check_rows(t, R + P, key, f"kv_lora_rank + qk_rope_head_dim = {R} + {P}", where)
                 t = _permute_kv_a(t, R, perm)
             elif name in QK_NORM_NAMES:
                 if f"model.layers.{i}.mixer.{name}" in out:

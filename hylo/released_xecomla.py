@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from hylo.config import HybridConfig, HybridConfigError
+from hylo.model_files import check_layer_indices, check_model_config, check_rank
 from hylo.released import (
     BASE_TYPES,
     ReleasedLayoutError,
@@ -77,19 +78,32 @@ def _configs(p: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     base = _read_json(p / "config.json")
     mla_cfg = _read_json(p / MLA_CONFIG_NAME)
     layer = _read_json(p / MLA_LAYER_CONFIG_NAME)
+    # every field within what a model can be built from, before their loader's checks do arithmetic on them
+    check_model_config(base, p / "config.json", ReleasedLayoutError)
+    check_model_config(mla_cfg, p / MLA_CONFIG_NAME, ReleasedLayoutError, derives_head_dim=False)
+    check_model_config(layer, p / MLA_LAYER_CONFIG_NAME, ReleasedLayoutError, derives_head_dim=False)
     refusal = mla_config_refusal(mla_cfg, layer)
     if refusal:
         raise ReleasedLayoutError(f"{p}: X-EcoMLA's loader ({AMD_AT}) would refuse it: {refusal}")
     return base, {**MLA_CONFIG_FIELDS, **mla_cfg}, {**DEEPSEEK_V3_DEFAULTS, **layer}
 
 
-def xecomla_layer_ranks(layer: dict[str, Any], mla_layers: list[int], where: str) -> dict[int, tuple[int | None, int]]:
+def xecomla_layer_ranks(layer: dict[str, Any], mla_layers: list[int], where: str,
+                        n_layer: int | None = None) -> dict[int, tuple[int | None, int]]:
     """{MLA layer: (q rank, kv rank)} as their layers are built, in order, from one shared config that
-    `layer_rank_list` entries overwrite (a layer without one keeps what the last one set)."""
+    `layer_rank_list` entries overwrite (a layer without one keeps what the last one set). Every entry must
+    name an MLA layer (one for another layer is never read: a typo or a config of another model) and every
+    rank be within the layer config's hidden_size (the latent of the hidden states it factors)."""
     q, kv = layer["q_lora_rank"], layer["kv_lora_rank"]
     listed = layer.get("layer_rank_list") or {}
     if not isinstance(listed, dict):
         raise ReleasedLayoutError(f"{where}: layer_rank_list must be an object, got {listed!r}")
+    n = n_layer if n_layer is not None else max(mla_layers, default=-1) + 1
+    for i in check_layer_indices(listed, n, "layer_rank_list", where, ReleasedLayoutError):
+        if i not in mla_layers:
+            raise ReleasedLayoutError(f"{where}: layer_rank_list names layer {i}, which is not an MLA layer "
+                                      f"(the MLA layers are {mla_layers}): its ranks would never be read")
+    hidden = layer.get("hidden_size")
     out = {}
     for i in sorted(mla_layers):
         if str(i) in listed:
@@ -101,12 +115,32 @@ def xecomla_layer_ranks(layer: dict[str, Any], mla_layers: list[int], where: str
         for name, r in (("q_rank", q), ("kv_rank", kv)):
             if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r <= 0):
                 raise ReleasedLayoutError(f"{where}: layer {i}: {name} must be a positive integer, got {r!r}")
+            if r is not None and isinstance(hidden, int):
+                check_rank(r, f"layer_rank_list[{str(i)!r}].{name}", hidden, where, ReleasedLayoutError)
         out[i] = (q, kv)
     return out
 
 
 def _pad8(r: int) -> int:
     return -(-r // 8) * 8
+
+
+def _check_rank_shapes(tensors: dict[str, torch.Tensor], ranks: dict[int, tuple[int | None, int]], P: int,
+                       where: str) -> None:
+    """Each MLA layer's latent tensors have the ranks layer_rank_list gives it (padding and the rope rows'
+    permutation index by them); a missing tensor is left to the import's strict check, which names it."""
+    for i, (q, kv) in ranks.items():
+        m = f"model.layers.{i}.mla"
+        want = {f"{m}.kv_a_proj_with_mqa.weight": (0, kv + P), f"{m}.kv_a_proj_with_mqa.bias": (0, kv + P),
+                f"{m}.kv_b_proj.weight": (1, kv)}
+        if q is not None:
+            want.update({f"{m}.q_a_proj.weight": (0, q), f"{m}.q_a_proj.bias": (0, q), f"{m}.q_b_proj.weight": (1, q)})
+        for key, (dim, size) in want.items():
+            t = tensors.get(key)
+            if t is not None and (t.dim() <= dim or t.shape[dim] != size):
+                rank = "q" if size == q and "q_" in key else "kv"
+                raise ReleasedLayoutError(f"{where}: layer {i}'s {rank} rank is {q if rank == 'q' else kv} but "
+                                          f"{key} has shape {tuple(t.shape)} (dim {dim} should be {size})")
 
 
 def _pad_ranks(tensors: dict[str, torch.Tensor], ranks: dict[int, tuple[int | None, int]], R: int, Rq: int | None,
@@ -164,7 +198,8 @@ def xecomla_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor]) ->
         raise ReleasedLayoutError(f"{p}: {MLA_CONFIG_NAME} rms_norm_eps={eps} (the decoder norms) but config.json "
                                   f"rms_norm_eps={eps_final} (the final norm): a HyLo model has one")
     mla = list(range(n_layer))
-    ranks = xecomla_layer_ranks(layer, mla, where)
+    ranks = xecomla_layer_ranks(layer, mla, where, n_layer)
+    _check_rank_shapes(tensors, ranks, layer["qk_rope_head_dim"], where)
     qs = {q for q, _ in ranks.values()}
     if len(qs) > 1 and None in qs:
         raise ReleasedLayoutError(f"{where}: some MLA layers compress the queries and some do not: {ranks}")
@@ -305,7 +340,7 @@ def xecomla_expected_tensors(config_json: dict[str, Any], mla_json: dict[str, An
         out["lm_head.weight"] = (V, D)
     n = config_json.get("num_hidden_layers", 32)
     mla = [i for i in range(mc["n_layer"]) if i not in mc["attn_layers"]]
-    ranks = xecomla_layer_ranks(lc, mla, where)
+    ranks = xecomla_layer_ranks(lc, mla, where, mc["n_layer"])
     H, Dm, N, P, Vh = (lc["num_attention_heads"], lc["hidden_size"], lc["qk_nope_head_dim"], lc["qk_rope_head_dim"],
                        lc["v_head_dim"])
     bias, norms = lc["attention_bias"], lc["use_lora_layer_norm"]

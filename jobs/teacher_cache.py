@@ -30,12 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     add_config_args(parser, example="teacher.k=64")
     cfg = resolve_paths(config_from_args(TeacherCacheConfig, parser.parse_args(argv)))
     # Every input check (data shards, teacher files, an existing cache's header) before Ray starts.
-    from hylo.files import check_weights_dir
-    from hylo.pipeline.teacher.model import resolve_model_path
+    from hylo.pipeline.teacher.sources.base import check_model_weights
 
     if cfg.data and cfg.out:
         check_cache_output(cfg)  # out is no input and no directory of the user's: before the teacher is fetched
-        check_weights_dir(resolve_model_path(cfg.teacher.model.path))
+        check_model_weights(cfg.teacher.model)
     prepare_cache(cfg)
 
     # On a cluster, submit with `ray job submit --working-dir . -- python jobs/teacher_cache.py ...`.

@@ -81,6 +81,7 @@ INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("hylo.files", "OutputConflictError"),
     ("hylo.io", "CheckpointMismatchError"),
     ("hylo.released", "ReleasedLayoutError"),
+    ("hylo.model_files", "ModelFileError"),
 )
 # OSError subclasses the project raises with its own message (errno unset) for a path problem.
 PATH_ERROR_TYPES = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)

@@ -9,11 +9,13 @@ import torch
 from torch import nn
 
 from hylo.files import read_json
+from hylo.model_files import check_model_config
 from hylo.upcycle.options import SUPPORTED_BASE_TYPES, UpcycleError
 
 
 def read_base_config(cfg_file: str | Path) -> dict[str, Any]:
-    """A base model's config.json as a dict: valid JSON with a supported `model_type`, else UpcycleError."""
+    """A base model's config.json as a dict: valid JSON with a supported `model_type` and every field within
+    what a model can be built from (hylo.model_files), else UpcycleError naming the file and the field."""
     cfg_file = Path(cfg_file)
     raw = read_json(cfg_file, UpcycleError, mapping=True)
     mt = raw.get("model_type")
@@ -21,6 +23,10 @@ def read_base_config(cfg_file: str | Path) -> dict[str, Any]:
         arch = raw.get("architectures")
         raise UpcycleError(f"{cfg_file}: model_type {mt!r}{f' (architectures {arch})' if arch else ''} is not "
                            f"supported; supported: {', '.join(SUPPORTED_BASE_TYPES)}")
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        if key not in raw:
+            raise UpcycleError(f"{cfg_file}: missing {key} (a base model's config.json names its shape)")
+    check_model_config(raw, cfg_file, UpcycleError)
     return raw
 
 
@@ -56,11 +62,9 @@ def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32):
 @torch.no_grad()
 def check_base_weights(base_model: nn.Module, shown: int = 5) -> None:
     """Refuse a base model with NaN or infinite weights: conversion would copy them without a word."""
-    bad = []
-    for name, p in base_model.named_parameters():
-        n_bad = int((~torch.isfinite(p)).sum())
-        if n_bad:
-            bad.append(f"{name} ({n_bad} value{'s' if n_bad > 1 else ''})")
+    from hylo.model_files import nonfinite_tensors
+
+    bad = [f"{name} ({n} value{'s' if n > 1 else ''})" for name, n in nonfinite_tensors(base_model.named_parameters())]
     if bad:
         more = f" and {len(bad) - shown} more" if len(bad) > shown else ""
         raise UpcycleError(f"the base model has non-finite (NaN/inf) weights in {len(bad)} base tensors: "

@@ -35,6 +35,7 @@ from torch import nn
 
 from hylo.files import read_json
 from hylo.kernels.fused_kl.topk import TeacherTopK, topk_from_logits
+from hylo.model_files import ModelFileError, check_finite_tensors, check_model_config
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.config import TeacherModelConfig
 from hylo.pipeline.teacher.protocol import StreamedLogits, TargetSpec
@@ -58,6 +59,8 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
     p = resolve_path_or_asset(path, "teacher model", directory=True)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"teacher model {p} has no config.json; not a Hugging Face model directory")
+    # its fields within what a model can be built from (ModelFileError naming the file and the field)
+    check_model_config(read_json(p / "config.json", ModelFileError, mapping=True), p / "config.json")
     return p
 
 
@@ -136,6 +139,11 @@ class TeacherModel:
         else:
             self.path = resolve_model_path(path_or_model)
             model = _load_model(self.path, self.dtype, attn_implementation)
+            # a NaN / inf weight, refused where it is loaded (a Serve replica, a training worker, the cache
+            # job) as an input error naming the teacher, which Ray Train does not retry (failures.py); the
+            # drivers refuse it before Ray starts (sources/base.py check_model_weights), this catches a
+            # teacher changed since or loaded without them. The parameters are in memory: one isfinite pass.
+            check_finite_tensors(model.named_parameters(), f"teacher model {self.path}", ModelFileError)
             self.teacher_id = teacher_id or model_fingerprint(self.path)
             self.tokenizer_hash = tokenizer_fingerprint(tokenizer if tokenizer is not None else self.path)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()

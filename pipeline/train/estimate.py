@@ -150,8 +150,13 @@ def model_config(path: str, what: str):
 
     p = Path(str(path)).expanduser()
     if asset_name(path) is not None or (p / "config.json").is_file():
+        from hylo.files import read_json
+        from hylo.model_files import ModelFileError, check_model_config
 
-        return AutoConfig.from_pretrained(resolve_path_or_asset(path, what, directory=True))
+        d = resolve_path_or_asset(path, what, directory=True)
+        # its fields within what a model can be built from (one line naming the file and the field)
+        check_model_config(read_json(d / "config.json", ModelFileError, mapping=True), d / "config.json")
+        return AutoConfig.from_pretrained(d)
     known = KNOWN_MODELS.get(p.name)
     if known is None:
         raise ConfigError(f"{what}={path}: no config.json there and not a published model this estimate knows "

@@ -52,9 +52,11 @@ def _convert_options_fit_the_base(cfg: StageConfig, base_dir: str | Path) -> Non
     from transformers import AutoConfig
 
     from hylo.config import HybridConfigError
-    from hylo.upcycle import UpcycleError, hybrid_config_from_base
+    from hylo.upcycle import UpcycleError, hybrid_config_from_base, read_base_config
 
     options = cfg.model.convert
+    # the base's own fields first (its file and field named), then the options against them
+    read_base_config(Path(base_dir) / "config.json")
     try:
         hybrid_config_from_base(AutoConfig.from_pretrained(base_dir), options)
     except (HybridConfigError, UpcycleError) as e:
