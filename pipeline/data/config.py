@@ -15,6 +15,7 @@ from hylo.pipeline.config import (
     NONEMPTY,
     NONEMPTY_PATH,
     PATH,
+    SEED,
     FieldError,
     RayInitSection,
     at_least,
@@ -184,7 +185,7 @@ class MixtureSource(SourceSpec):
 
 
 @dataclass
-@rules(seed=at_least(0), stage1_fraction=between(0, 1), stage2=one_of(*STAGE2_MODES))
+@rules(seed=SEED, stage1_fraction=between(0, 1), stage2=one_of(*STAGE2_MODES))
 class MixtureConfig:
     sources: list[MixtureSource] = field(default_factory=list)
     seed: int = 0
