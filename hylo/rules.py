@@ -208,6 +208,9 @@ PORT = between(1, 65535)
 # as seed * 100_003 + layer, which stays within torch's 64 bits for any 32-bit seed.
 SEED_MAX = 2**32 - 1
 SEED = between(0, SEED_MAX)
+# Tokens of one packed row: its boundaries (`cu_seqlens`) are int32 on disk and in the model.
+ROW_TOKENS_MAX = 2**31 - 1
+ROW_TOKENS = between(2, ROW_TOKENS_MAX, note="a row's cu_seqlens are int32")
 
 
 def rules(**by_field: Rule) -> Callable[[type[T]], type[T]]:

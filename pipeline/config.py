@@ -44,6 +44,7 @@ from hylo.rules import (  # noqa: F401  (the rule mechanism, re-exported: config
     PATH,
     PORT,
     RELATIVE_NAME,
+    ROW_TOKENS,
     SEED,
     SEED_MAX,
     FieldError,

@@ -15,6 +15,7 @@ from hylo.pipeline.config import (
     NONEMPTY,
     NONEMPTY_PATH,
     PATH,
+    ROW_TOKENS,
     SEED,
     FieldError,
     RayInitSection,
@@ -217,7 +218,7 @@ class TokenizeConfig:
 
 
 @dataclass
-@rules(max_len=at_least(2), window=at_least(1), max_open_rows=at_least(1), close_slack=at_least(0),
+@rules(max_len=ROW_TOKENS, window=at_least(1), max_open_rows=at_least(1), close_slack=at_least(0),
        long_doc_policy=one_of(*LONG_DOC_POLICIES), pad_id=at_least(0), min_loss_tokens=at_least(0))
 class PackingConfig:
     # Tokens per packed row: the rows' one length. The manifest records it as max_len; training takes it

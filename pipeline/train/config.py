@@ -29,6 +29,7 @@ from typing import Any
 from hylo.pipeline.config import (
     PATH,
     RELATIVE_NAME,
+    ROW_TOKENS,
     SEED,
     ConfigError,
     FieldError,
@@ -95,7 +96,7 @@ class SyntheticData:
 
 
 @dataclass
-@rules(source=one_of("parquet", "synthetic"), split=one_of(*SPLITS), seq_len=at_least(2), path=PATH)
+@rules(source=one_of("parquet", "synthetic"), split=one_of(*SPLITS), seq_len=ROW_TOKENS, path=PATH)
 class DataSection:
     # parquet = shards written by the data pipeline (pipeline/data); synthetic = SyntheticData rows.
     source: str = "parquet"
