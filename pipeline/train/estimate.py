@@ -844,7 +844,7 @@ def gpu_chunk_size(tokens: int, vocab: int) -> int:
 class Progress:
     """Progress lines of a long estimate on stderr: each phase of the measured step as it starts, and the
     layer it is in at most every `PROGRESS_EVERY_S` seconds (a 128K row of a 3B model takes minutes).
-    `say(text)` prints `prefix: text`; `watch(model, phases)` hooks the model's decoder layers."""
+    `say(text)` prints `prefix: text`; `watch(model, what)` hooks the model's decoder layers."""
 
     def __init__(self, prefix: str, every_s: float = PROGRESS_EVERY_S) -> None:
         import time
