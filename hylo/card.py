@@ -77,8 +77,11 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def _front_matter(readme: Path) -> dict[str, Any]:
-    """The YAML front matter of a model card (README.md), {} when it has none."""
+    """The YAML front matter of a model card (README.md), {} when it has none (or one too deep, or of aliases
+    that expand too far: hylo/yaml_limits.py)."""
     import yaml
+
+    from hylo.yaml_limits import YamlShapeError, check_yaml_shape
 
     try:
         text = readme.read_text(encoding="utf-8")
@@ -88,8 +91,9 @@ def _front_matter(readme: Path) -> dict[str, Any]:
     if not m:
         return {}
     try:
+        check_yaml_shape(m.group(1))
         data = yaml.safe_load(m.group(1))
-    except yaml.YAMLError:
+    except (yaml.YAMLError, YamlShapeError):
         return {}
     return data if isinstance(data, dict) else {}
 

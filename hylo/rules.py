@@ -62,6 +62,8 @@ class Rule:
     # Apply the rule to every item of a list (or every value of a mapping) instead of the whole value.
     each: bool = False
     finite: bool = True
+    # Why the range is what it is, added to the error in parentheses (a cap's arithmetic).
+    note: str = ""
 
     def describe(self) -> str:
         if self.choices is not None:
@@ -105,6 +107,10 @@ class Rule:
 
     def problem(self, value: Any) -> str | None:
         """Why `value` breaks this rule, or None."""
+        why = self._problem(value)
+        return f"{why} ({self.note})" if why and self.note else why
+
+    def _problem(self, value: Any) -> str | None:
         if not self.each:
             if self.nonempty and isinstance(value, list | tuple | dict) and not value:
                 return "must not be empty"
@@ -197,6 +203,14 @@ RELATIVE_NAME = Rule(relative_name=True)
 FILE_NAME = Rule(file_name=True)
 # A port to bind or connect to.
 PORT = between(1, 65535)
+# A random seed: what every consumer accepts. numpy's legacy `np.random.seed` (the training loop, lm-eval's
+# numpy seed) takes 32 bits, torch.manual_seed 64; the converter and the KV-cache probe derive per-layer seeds
+# as seed * 100_003 + layer, which stays within torch's 64 bits for any 32-bit seed.
+SEED_MAX = 2**32 - 1
+SEED = between(0, SEED_MAX)
+# Tokens of one packed row: its boundaries (`cu_seqlens`) are int32 on disk and in the model.
+ROW_TOKENS_MAX = 2**31 - 1
+ROW_TOKENS = between(2, ROW_TOKENS_MAX, note="a row's cu_seqlens are int32")
 
 
 def rules(**by_field: Rule) -> Callable[[type[T]], type[T]]:
@@ -244,6 +258,21 @@ def field_rules(cls: type) -> dict[str, Rule]:
     return dict(getattr(cls, "__field_rules__", {}))
 
 
+# Every integer setting fits a signed 64-bit integer (what torch, numpy and every file format here store),
+# whatever its own rule says: Python's ints are unbounded and YAML reads 2^70 as one.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _beyond_int64(value: Any) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return not INT64_MIN <= value <= INT64_MAX
+    if isinstance(value, list | tuple):
+        return any(_beyond_int64(v) for v in value)
+    if isinstance(value, dict):
+        return any(_beyond_int64(v) for v in value.values())
+    return False
+
+
 def _nonfinite(value: Any) -> bool:
     if isinstance(value, float):
         return not math.isfinite(value)
@@ -255,7 +284,7 @@ def _nonfinite(value: Any) -> bool:
 
 
 def check_fields(obj: Any) -> None:
-    """Check every field of dataclass `obj` against its rule and the finite-number default."""
+    """Check every field of dataclass `obj` against its rule and the defaults: finite floats, 64-bit ints."""
     declared = field_rules(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
@@ -268,6 +297,8 @@ def check_fields(obj: Any) -> None:
         why = rule.problem(value) if rule is not None else None
         if why:
             raise error(f.name, value, why)
+        if _beyond_int64(value):
+            raise error(f.name, value, f"must fit in a signed 64-bit integer (|value| <= {INT64_MAX})")
 
 
 def _initials(word: str) -> str:

@@ -362,19 +362,20 @@ def writable_dir(path: str | os.PathLike, what: str) -> Path:
     return p
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """argparse `type=` for an integer flag with a lower bound."""
+def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """argparse `type=` for an integer flag with a lower bound (and an upper one when given)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {f'in [{low}, {high}]' if high is not None else f'>= {low}'}, "
+                                             f"got {value}")
         return value
 
-    parse.__name__ = f"integer >= {low}"
+    parse.__name__ = f"integer >= {low}" if high is None else f"integer in [{low}, {high}]"
     return parse
 
 
@@ -382,9 +383,12 @@ def int_list(text: str) -> list[int]:
     """argparse `type=` for a YAML list of integers, e.g. [256,512]."""
     import yaml
 
+    from hylo.yaml_limits import YamlShapeError, check_yaml_shape
+
     try:
+        check_yaml_shape(text)
         value = yaml.safe_load(text)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, YamlShapeError):
         value = None
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise argparse.ArgumentTypeError(f"expected a list of integers such as [256,512], got {text!r}")

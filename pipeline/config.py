@@ -13,6 +13,8 @@ Values are checked when a config is built, before any job starts Ray or loads a 
 * every float (also inside lists and mappings) must be finite unless its rule says `finite=False`;
 * a YAML mapping that repeats a key is an error naming the key and both lines (PyYAML would keep the
   last one silently); a config file must be UTF-8;
+* a YAML document may nest at most 64 levels and its aliases may stand for at most 10,000 nodes in all (no
+  alias bombs, no recursive aliases: hylo/yaml_limits.py), checked before anything is built from it;
 * errors name where the value came from: `<file> line N: key=value: must be ...` or `command line: ...`.
 
 This module imports neither Ray nor torch, so any job (and `hylo/` tooling) can use it.
@@ -42,6 +44,9 @@ from hylo.rules import (  # noqa: F401  (the rule mechanism, re-exported: config
     PATH,
     PORT,
     RELATIVE_NAME,
+    ROW_TOKENS,
+    SEED,
+    SEED_MAX,
     FieldError,
     Rule,
     _short_repr,
@@ -343,7 +348,16 @@ def _one_line(text: str) -> str:
 
 
 def parse_yaml(text: str, where: str, lines: dict[str, int] | None = None) -> Any:
-    """YAML text -> Python objects with StrictLoader; `lines` (if given) receives dotted key -> line."""
+    """YAML text -> Python objects with StrictLoader; `lines` (if given) receives dotted key -> line.
+    Its nesting depth and what its aliases expand to are bounded first (hylo/yaml_limits.py)."""
+    from hylo.yaml_limits import YamlShapeError, check_yaml_shape
+
+    try:
+        check_yaml_shape(text, StrictLoader)
+    except YamlShapeError as e:
+        raise ConfigError(f"{where}{f' line {e.line}' if e.line else ''}: {e.reason}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {_one_line(str(e))}") from None
     loader = StrictLoader(text)
     try:
         node = loader.get_single_node()

@@ -60,7 +60,16 @@ from torch import nn
 from hylo.files import atomic_write
 from hylo.pipeline import runner
 from hylo.pipeline.cli import int_at_least
-from hylo.pipeline.config import PATH, at_least, config_file, config_from_args, each, one_of, rules
+from hylo.pipeline.config import (
+    PATH,
+    ROW_TOKENS,
+    at_least,
+    config_file,
+    config_from_args,
+    each,
+    one_of,
+    rules,
+)
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.eval.kl import check_eval_row, hidden_states, scored_tokens, sum_kl
 
@@ -330,7 +339,7 @@ def _slug(spec: str) -> str:
 
 
 @dataclass
-@rules(n_mla=at_least(1), steps=at_least(1), seq_len=at_least(2), heldout_rows=at_least(1), kv_lora_rank=at_least(1),
+@rules(n_mla=at_least(1), steps=at_least(1), seq_len=ROW_TOKENS, heldout_rows=at_least(1), kv_lora_rank=at_least(1),
        linear_type=one_of("gdn", "mamba2"), proxy=one_of(*PROXIES), compare_steps=at_least(1),
        compare_seeds=each(at_least(0), nonempty=True), base=PATH, data_from=PATH, stage1_data=PATH,
        stage2_data=PATH, heldout_data=PATH)

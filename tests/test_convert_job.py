@@ -218,9 +218,9 @@ def test_options_come_from_the_config_file_flags_and_set_in_that_order(tmp_path,
     # a value's error says where it came from: the file's line, the flag, or the override
     cfg.write_text(cfg.read_text().replace("seed: 3", "seed: -3"))
     rc, _, err = _run(["--config", str(cfg)], capsys)
-    assert rc == 2 and f"{cfg} line 6: convert.seed=-3: must be >= 0" in err, err
+    assert rc == 2 and f"{cfg} line 6: convert.seed=-3: must be in [0, 4294967295]" in err, err
     rc, _, err = _run(["--config", str(cfg), "--seed", "-1"], capsys)
-    assert rc == 2 and "command line (--seed): convert.seed=-1: must be >= 0" in err, err
+    assert rc == 2 and "command line (--seed): convert.seed=-1: must be in [0, 4294967295]" in err, err
     rc, _, err = _run(["--config", str(cfg), "--set", "convert.seed=-2"], capsys)
     assert rc == 2 and "command line: convert.seed=-2" in err, err
     rc, _, err = _run(["--config", str(cfg), "--set", "convert.kv_lora_rnak=8"], capsys)

@@ -549,7 +549,7 @@ def test_convert_options_are_checked_as_given():
     # the ranges are the config system's @rules (hylo/rules.py), worded with the option's flag
     with pytest.raises(UpcycleError, match=r"kv_lora_rank \(--kv-lora-rank\) = 0: must be >= 1"):
         ConvertConfig(kv_lora_rank=0)
-    with pytest.raises(UpcycleError, match=r"seed \(--seed\) = -1: must be >= 0"):
+    with pytest.raises(UpcycleError, match=r"seed \(--seed\) = -1: must be in \[0, 4294967295\]"):
         ConvertConfig(seed=-1)
     with pytest.raises(UpcycleError, match=r"kv_lora_rank \(--kv-lora-rank\) = 1.5: must be an integer"):
         ConvertConfig(kv_lora_rank=1.5)

@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from hylo.rules import FieldError, above, at_least, field_rules, one_of, rules
+from hylo.rules import SEED, FieldError, above, at_least, between, field_rules, one_of, rules
 
 
 class UpcycleError(ValueError):
@@ -28,6 +28,10 @@ class ConvertOptionError(FieldError, UpcycleError):
         self.field, self.value, self.reason = field, value, reason
 
 
+# YaRN's factor stretches the original RoPE window: the released 64K models use 32 (2,048 -> 65,536 positions);
+# 1,024 would take a 2K window to 2M positions, beyond any published long-context setting.
+MAX_YARN_FACTOR = 1024
+
 # How the mixers are initialised: from the attention weights, or their default init (an ablation).
 INITS = ("attention", "random")
 
@@ -37,9 +41,9 @@ INITS = ("attention", "random")
 @rules(kv_lora_rank=at_least(1), q_lora_rank=at_least(1), qk_rope_head_dim=at_least(1), qk_nope_head_dim=at_least(0),
        rope_key_groups=at_least(1), mla_latent_norm_eps=above(0), v_head_dim=at_least(1), mamba2_xb_groups=at_least(1),
        mamba2_norm_eps=above(0),
-       gdn_num_heads=at_least(1), gdn_head_dim=at_least(1), gdn_expand_v=above(0), yarn_factor=at_least(1),
+       gdn_num_heads=at_least(1), gdn_head_dim=at_least(1), gdn_expand_v=above(0), yarn_factor=between(1, MAX_YARN_FACTOR),
        yarn_original_max_position_embeddings=at_least(1), max_position_embeddings=at_least(1),
-       init=one_of(*INITS), seed=at_least(0), dtype=one_of("float32", "bfloat16", "float16"))
+       init=one_of(*INITS), seed=SEED, dtype=one_of("float32", "bfloat16", "float16"))
 class ConvertConfig:
     """Every option of a conversion; None = derive it from the base model."""
 

@@ -74,8 +74,17 @@ def parse_placement(spec: str | list[int] | tuple[int, ...], n_layer: int) -> li
                 ) from e
     bad = [i for i in layers if not 0 <= i < n_layer]
     if bad:
-        raise UpcycleError(f"mla layer index {bad[0]} is out of range; allowed: 0..{n_layer - 1}")
-    return sorted(set(layers))
+        raise UpcycleError(f"mla_layers (--mla-layers) = {_spec_text(spec)}: mla layer index {bad[0]} is out of range; "
+                           f"allowed: 0..{n_layer - 1}")
+    twice = sorted({i for i in layers if layers.count(i) > 1})
+    if twice:
+        raise UpcycleError(f"mla_layers (--mla-layers) = {_spec_text(spec)}: layer {twice[0]} is listed more than "
+                           "once; list each MLA layer once")
+    return sorted(layers)
+
+
+def _spec_text(spec: str | list[int] | tuple[int, ...]) -> str:
+    return ",".join(map(str, spec)) if isinstance(spec, list | tuple) else str(spec)
 
 
 # ---------------------------------------------------------------------------------------------- base config
@@ -127,6 +136,10 @@ def yarn_rope_scaling(factor: float, original_max_position_embeddings: int | Non
             raise UpcycleError("yarn: give original_max_position_embeddings (--yarn-original-max-position-embeddings) "
                                "or max_position_embeddings")
         original_max_position_embeddings = int(round(max_position_embeddings / factor))
+        if original_max_position_embeddings < 1:
+            raise UpcycleError(f"yarn factor (--yarn-factor) = {factor!r} leaves an original window of "
+                               f"{max_position_embeddings} / {factor:g} < 1 position; give a factor of at most "
+                               f"{max_position_embeddings} or --yarn-original-max-position-embeddings")
     if not isinstance(original_max_position_embeddings, int) or original_max_position_embeddings <= 0:
         raise UpcycleError("yarn original_max_position_embeddings (--yarn-original-max-position-embeddings) must be "
                            f"a positive integer, got {original_max_position_embeddings!r}")

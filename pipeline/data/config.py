@@ -15,6 +15,8 @@ from hylo.pipeline.config import (
     NONEMPTY,
     NONEMPTY_PATH,
     PATH,
+    ROW_TOKENS,
+    SEED,
     FieldError,
     RayInitSection,
     at_least,
@@ -184,7 +186,7 @@ class MixtureSource(SourceSpec):
 
 
 @dataclass
-@rules(seed=at_least(0), stage1_fraction=between(0, 1), stage2=one_of(*STAGE2_MODES))
+@rules(seed=SEED, stage1_fraction=between(0, 1), stage2=one_of(*STAGE2_MODES))
 class MixtureConfig:
     sources: list[MixtureSource] = field(default_factory=list)
     seed: int = 0
@@ -216,7 +218,7 @@ class TokenizeConfig:
 
 
 @dataclass
-@rules(max_len=at_least(2), window=at_least(1), max_open_rows=at_least(1), close_slack=at_least(0),
+@rules(max_len=ROW_TOKENS, window=at_least(1), max_open_rows=at_least(1), close_slack=at_least(0),
        long_doc_policy=one_of(*LONG_DOC_POLICIES), pad_id=at_least(0), min_loss_tokens=at_least(0))
 class PackingConfig:
     # Tokens per packed row: the rows' one length. The manifest records it as max_len; training takes it

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hylo.pipeline.config import NONEMPTY, PATH, ConfigError, Rule, above, at_least, each, one_of, rules
+from hylo.pipeline.config import NONEMPTY, PATH, SEED, ConfigError, Rule, above, at_least, each, one_of, rules
 
 SUITES = ("kl", "retrieval", "kvcache", "lm_eval", "samples")
 # hylo.pipeline.eval.retrieval.TASKS (not imported: that module needs torch; a test keeps the two equal).
@@ -126,7 +126,7 @@ class SamplesSection:
 
 
 @dataclass
-@rules(suites=each(one_of(*SUITES), nonempty=True), seed=at_least(0), threads=at_least(0), out=PATH)
+@rules(suites=each(one_of(*SUITES), nonempty=True), seed=SEED, threads=at_least(0), out=PATH)
 class EvalConfig:
     models: ModelsSection = field(default_factory=ModelsSection)
     suites: list[str] = field(default_factory=lambda: ["kl", "retrieval", "kvcache"])

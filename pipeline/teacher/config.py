@@ -26,6 +26,7 @@ from hylo.pipeline.config import (
     RayInitSection,
     above,
     at_least,
+    between,
     each,
     one_of,
     renamed,
@@ -41,6 +42,12 @@ TOPK_DTYPES = ("float16", "bfloat16", "float32")
 # logits = its full-vocabulary logits streamed chunk by chunk; auto = the source's own choice (hidden in-process,
 # logits from the pool). Which source gives which: pipeline/teacher/sources.
 EXACT_FORMS = ("auto", "hidden", "logits")
+
+
+# teacher.k: no tokenizer has this many tokens (the largest in use, Gemma's, 262,144); before Ray starts k is also
+# checked against the teacher's own vocabulary (stage 2: train/inputs.py; the cache job: teacher/cache.py).
+MAX_TOP_K = 1 << 20
+TOP_K = between(0, MAX_TOP_K, note="no vocabulary is larger")
 
 
 def check_cache_k(k: int) -> None:
@@ -166,7 +173,7 @@ class TeacherClientConfig:
 
 
 @dataclass
-@rules(k=at_least(0))
+@rules(k=TOP_K)
 class CacheTeacherSection:
     """The teacher of the cache job, spelled as stage 2's `teacher` section spells it."""
 

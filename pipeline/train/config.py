@@ -29,6 +29,8 @@ from typing import Any
 from hylo.pipeline.config import (
     PATH,
     RELATIVE_NAME,
+    ROW_TOKENS,
+    SEED,
     ConfigError,
     FieldError,
     RayInitSection,
@@ -51,6 +53,7 @@ from hylo.pipeline.teacher.config import (
     EXACT_FORMS,
     TEACHER_FAULT_RENAMES,
     TEACHER_RENAMES,
+    TOP_K,
     TeacherClientConfig,
     TeacherFaultConfig,
     TeacherModelConfig,
@@ -93,7 +96,7 @@ class SyntheticData:
 
 
 @dataclass
-@rules(source=one_of("parquet", "synthetic"), split=one_of(*SPLITS), seq_len=at_least(2), path=PATH)
+@rules(source=one_of("parquet", "synthetic"), split=one_of(*SPLITS), seq_len=ROW_TOKENS, path=PATH)
 class DataSection:
     # parquet = shards written by the data pipeline (pipeline/data); synthetic = SyntheticData rows.
     source: str = "parquet"
@@ -125,9 +128,18 @@ class OptimSection:
             raise FieldError("betas", self.betas, "must have two entries")
 
 
+# Micro-batches (one packed row each) a worker may accumulate into one optimiser step. The recipe's global
+# batch is 8 rows; 4,096 rows of 64K tokens per worker are 268M tokens per worker per step, hours of compute on
+# one GPU before the first update: a larger batch is a typo (or 2^70), refused before Ray starts.
+MAX_GRAD_ACCUM = 4096
+# The global batch whatever the number of workers: 4,096 rows per worker x 256 workers.
+MAX_GLOBAL_BATCH = MAX_GRAD_ACCUM * 256
+
+
 @dataclass
-@rules(global_batch_sequences=at_least(1), epochs=above(0), max_steps=at_least(1), total_steps=at_least(1),
-       seed=at_least(0))
+@rules(global_batch_sequences=between(1, MAX_GLOBAL_BATCH, note=f"{MAX_GLOBAL_BATCH:,} = {MAX_GRAD_ACCUM:,} packed rows "
+                                     f"per worker per optimiser step x 256 workers"), epochs=above(0), max_steps=at_least(1), total_steps=at_least(1),
+       seed=SEED)
 class TrainSection:
     # Optimiser step = this many packed rows over all workers (grad accumulation fills the rest).
     global_batch_sequences: int = 8
@@ -335,7 +347,7 @@ class _RegisteredSources:
 
 @dataclass
 @renamed(**TEACHER_RENAMES)
-@rules(source=Rule(choices=_RegisteredSources()), k=at_least(0), exact_form=one_of(*EXACT_FORMS), cache_path=PATH)  # type: ignore[arg-type]
+@rules(source=Rule(choices=_RegisteredSources()), k=TOP_K, exact_form=one_of(*EXACT_FORMS), cache_path=PATH)  # type: ignore[arg-type]
 class TeacherSection:
     # Where the targets come from: a source of pipeline/teacher/sources. inprocess: a (small) teacher on every
     # worker; serve: the Ray Serve pool; offline: a top-k cache.
@@ -408,6 +420,12 @@ class _SharedSections:
     def __post_init__(self) -> None:
         """What no single section can check: values that must agree with the number of workers."""
         workers = self.ray.num_workers
+        gbs = self.train.global_batch_sequences
+        if gbs > MAX_GRAD_ACCUM * workers:
+            raise FieldError("train.global_batch_sequences", gbs,
+                             f"at most {MAX_GRAD_ACCUM * workers:,} = {MAX_GRAD_ACCUM:,} micro-batches per worker x "
+                             f"ray.num_workers ({workers}); {gbs:,} / {workers} = {gbs // workers:,} packed rows per "
+                             f"worker per optimiser step")
         if self.train.global_batch_sequences % workers:
             raise FieldError("train.global_batch_sequences", self.train.global_batch_sequences,
                              f"must be a multiple of ray.num_workers ({workers})")

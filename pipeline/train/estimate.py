@@ -86,6 +86,18 @@ ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
 DOC_TOKENS = (256, 2048)
 
 
+# The longest row `hylo estimate` takes. The step runs on fake tensors in time linear in T (the chunked scans
+# loop over T / 64 chunks): 3-4 ms of CPU per token for the 1B and 3B recipes (their 128K rows took 7 and 8.5
+# minutes, README), so 2^20 tokens take about an hour; the packed row itself is a real host tensor (its ids,
+# positions, labels: 2^40 tokens would be terabytes). `MAX_ESTIMATE_TOTAL` bounds the sum of --tokens.
+MAX_ESTIMATE_TOKENS = 1 << 20
+MAX_ESTIMATE_TOTAL = 2 * MAX_ESTIMATE_TOKENS
+# --world-size: the ZeRO-3 world the per-GPU figures divide by (65,536 GPUs is beyond any training cluster).
+MAX_WORLD_SIZE = 1 << 16
+# Seconds between two progress lines inside one phase of the measured step (per layer); phase changes always print.
+PROGRESS_EVERY_S = 10.0
+
+
 class EstimateError(RuntimeError):
     """The step cannot run on fake tensors as it is (it reads a device value the estimate has none for)."""
 
@@ -532,8 +544,8 @@ class StepMemory:
 class Phases:
     """FLOPs per phase of the step (deltas of the count) and the memory phase markers."""
 
-    def __init__(self, counter: HostOps, memory: StepMemory) -> None:
-        self.counter, self.memory = counter, memory
+    def __init__(self, counter: HostOps, memory: StepMemory, progress: Progress | None = None) -> None:
+        self.counter, self.memory, self.progress = counter, memory, progress
         self.flops: dict[str, int] = {}
         self.stack: list[str] = ["other"]
         self.last = 0
@@ -547,6 +559,8 @@ class Phases:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         self._account()
+        if self.progress is not None and name not in self.stack:
+            self.progress.phase(name)
         self.stack.append(name)
         try:
             yield
@@ -832,15 +846,72 @@ def gpu_chunk_size(tokens: int, vocab: int) -> int:
     return auto_chunk_size(tokens, vocab, torch.device("cuda"), torch.float32)
 
 
+class Progress:
+    """Progress lines of a long estimate on stderr: each phase of the measured step as it starts, and the
+    layer it is in at most every `PROGRESS_EVERY_S` seconds (a 128K row of a 3B model takes minutes).
+    `say(text)` prints `prefix: text`; `watch(model, what)` hooks the model's decoder layers."""
+
+    def __init__(self, prefix: str, every_s: float = PROGRESS_EVERY_S) -> None:
+        import time
+
+        self.prefix, self.every_s, self._clock = prefix, every_s, time.monotonic
+        self._last = self._clock()
+        self.phases: Phases | None = None
+
+    def say(self, text: str) -> None:
+        import sys
+
+        print(f"{self.prefix}: {text}", file=sys.stderr, flush=True)
+        self._last = self._clock()
+
+    def phase(self, name: str) -> None:
+        self.say(f"measured step, {name}")
+
+    def watch(self, model: nn.Module | None, what: str) -> list[Any]:
+        """Forward pre-hooks on every decoder layer of `model` (its `layers` lists); returns their handles."""
+        if model is None:
+            return []
+        lists = [m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList)]
+        handles = []
+        for layers in lists[:1]:
+            n = len(layers)
+            for i, layer in enumerate(layers):
+                handles.append(layer.register_forward_pre_hook(functools.partial(self._layer, what, i, n)))
+        return handles
+
+    def _layer(self, what: str, i: int, n: int, *_: Any) -> None:
+        if self.phases is not None and self._clock() - self._last >= self.every_s:
+            self.say(f"measured step, {self.phases.stack[-1]}: {what} layer {i + 1}/{n}")
+
+
+def check_estimate_tokens(tokens: list[int], flag: str = "--tokens") -> None:
+    """Refuse rows the estimate cannot finish (BadArgument naming the flag): see MAX_ESTIMATE_TOKENS."""
+    from hylo.pipeline.cli import BadArgument
+
+    given = ",".join(map(str, tokens))
+    for t in tokens:
+        if t > MAX_ESTIMATE_TOKENS:
+            raise BadArgument(
+                f"{flag}={given}: {t:,} tokens is more than the estimate can run, at most {MAX_ESTIMATE_TOKENS:,} "
+                f"(2^20) a row: the step runs on fake tensors at about 3-4 ms of CPU per token (a 128K row of the 3B "
+                f"recipe: 8.5 min), so 2^20 tokens already take about an hour, and the row is a real host tensor")
+    if sum(tokens) > MAX_ESTIMATE_TOTAL:
+        raise BadArgument(f"{flag}={given}: {sum(tokens):,} tokens in all is more than the estimate can run in one call, "
+                          f"at most {MAX_ESTIMATE_TOTAL:,} (2 x 2^20; about 3-4 ms of CPU per token): split the lengths "
+                          f"over several calls")
+
+
 def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, dtype: torch.dtype = torch.bfloat16,
                   gpu: bool = True, shapes: Shapes | None = None, stage1: Stage1Config | None = None,
                   doc_tokens: tuple[int, int] = DOC_TOKENS, count_flops: bool = True,
-                  variant: Callable[..., Any] | None = None, other_worlds: tuple[int, ...] = ()) -> Estimate:
+                  variant: Callable[..., Any] | None = None, other_worlds: tuple[int, ...] = (),
+                  progress: Progress | None = None) -> Estimate:
     """Memory per GPU and FLOPs of one step of `cfg`'s stage on rows of `tokens` tokens (see the module
     docstring). `world_size`: the ZeRO-3 world (default: the config's ray.num_workers). `gpu`: the
     accelerator's rules (deferred checks, its chunk size); False runs the CPU path as a CPU step runs it.
     `variant(task, frozen_model) -> (task, frozen_model)`: changes the built task (the paper's comparison
-    forms, bench only). `other_worlds`: also the per-GPU peak at these world sizes (`Estimate.peaks_by_world`)."""
+    forms, bench only). `other_worlds`: also the per-GPU peak at these world sizes (`Estimate.peaks_by_world`).
+    `progress`: where its progress lines go (None: none)."""
     import time
 
     from hylo.kernels.fused_kl.inputs import deferred_checks
@@ -862,12 +933,16 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
         memory = StepMemory(W, host)
         memory.other_worlds = tuple(other_worlds)
         build = build_stage1 if stage == 1 else build_stage2
+        if progress is not None:
+            progress.say("building the models")
         task, frozen = build(cfg, shapes, dtype, gpu)
         if variant is not None:
             task, frozen = variant(task, frozen)
         ctx = _Solo(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=dtype, run_dir=Path("."),
                     grad_accum=1)
         engine: TrackedEngine = task.engine
+        if progress is not None:
+            progress.say(f"warm-up step ({warm_row.num_tokens} tokens)")
         step(task, [warm_row], ctx)
         student_params = [p for p in engine.params]
         masters = [m for p, m in zip(engine.params, engine.masters) if m is not p]
@@ -877,8 +952,12 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
         f_bytes = _state_bytes(frozen_params)
         memory.sharded_static = p_bytes + m_bytes + o_bytes
         host.flop_registry = flop_registry() if count_flops else None
-        phases = Phases(host, memory)
+        phases = Phases(host, memory, progress)
         engine.phases = phases
+        hooks = []
+        if progress is not None:
+            progress.phases = phases
+            hooks = progress.watch(task.student, "student") + progress.watch(frozen, "base" if stage == 1 else "teacher")
         if stage == 2:
             task.teacher.source = _MarkedSource(task.teacher.source, phases)
         host.reads.clear()
@@ -894,6 +973,10 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
             step(task, [row], ctx)
             phases._account()
             memory.active = False
+        for h in hooks:
+            h.remove()
+        if progress is not None:
+            progress.say(f"done in {time.perf_counter() - t0:.0f} s")
     at = memory.at_peak
     W_shard = W
     grads = at.get("gradients", 0) / W_shard
@@ -1064,7 +1147,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                     help="which stage's step (default: the `stage:` a printed config names, else 2)")
     ap.add_argument("--tokens", default=None,
                     help="comma-separated row lengths, e.g. 8192,65536 (default: the config's data.seq_len)")
-    ap.add_argument("--world-size", type=int_at_least(1), default=None,
+    ap.add_argument("--world-size", type=int_at_least(1, MAX_WORLD_SIZE), default=None,
                     help="ZeRO-3 world size (default: the config's ray.num_workers)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help="the step's dtype (default: model.dtype as on a GPU: auto = bfloat16)")
@@ -1095,11 +1178,17 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     if any(t is None or t < 2 for t in tokens):
         raise BadArgument("--tokens: give the row lengths (the config sets no data.seq_len)" if None in tokens
                           else f"--tokens={args.tokens}: every length must be at least 2")
+    check_estimate_tokens(tokens, "--tokens" if args.tokens else "data.seq_len")
+    if isinstance(cfg, Stage2Config) and cfg.teacher.source == "serve":
+        # the replica's estimate runs one batch of up to teacher.pool.max_batch_tokens
+        check_estimate_tokens([cfg.teacher.pool.max_batch_tokens], "teacher.pool.max_batch_tokens")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype] if args.dtype else \
         resolve_dtype(cfg.model.dtype, not args.cpu)
     shapes = shapes_of(cfg, stage1)
     W = args.world_size or cfg.ray.num_workers
-    ests = [estimate_step(cfg, T, W, dtype, gpu=not args.cpu, shapes=shapes, stage1=stage1) for T in tokens]
+    ests = [estimate_step(cfg, T, W, dtype, gpu=not args.cpu, shapes=shapes, stage1=stage1,
+                          progress=Progress(f"[estimate] {T:,} tokens ({i}/{len(tokens)})"))
+            for i, T in enumerate(tokens, 1)]
     print(describe(cfg, shapes, W, dtype, args.config))
     print(format_table("training GPU:", ests))
     out: dict[str, Any] = {"config": args.config, "stage": args.stage, "world_size": W,

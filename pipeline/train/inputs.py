@@ -10,7 +10,7 @@
   size (teacher / cache manifest / stage 1's base vs the student), the same tokens for the same ids in
   their tokenizer.json files, stage 1's base of the student's hidden size and layer count (its layer
   outputs are the targets); a teacher tokenizer without the chat template the student's has is a
-  warning. So a teacher of another vocabulary stops the run here, from config files, not after Ray
+  warning; teacher.k at most that vocabulary. So a teacher of another vocabulary stops the run here, from config files, not after Ray
   started and both models loaded, where its error would be retried as if it were a fault;
 * data (parquet): the manifest, its split and max_len (against data.seq_len when set), and every shard's
   Parquet footer and row count (a truncated or half-copied shard is named here; a shard corrupt inside is
@@ -234,6 +234,30 @@ def _teacher_fits(cfg: StageConfig, source: TeacherSourceKind) -> None:
                                 tokenizer=found.tokenizer_dir, shown=found.value)
 
 
+def _k_fits_the_vocabulary(cfg: StageConfig, source: TeacherSourceKind) -> None:
+    """teacher.k (top-k targets) at most the teacher's vocabulary: from its config.json (or what the source knows
+    of it), else the student's, which must be the same."""
+    from hylo.pipeline.train.storage import is_uri
+
+    k = cfg.teacher.k
+    if k <= 0:
+        return
+    found = source.compared_with_student(cfg.teacher)
+    known: list[tuple[int, str]] = []
+    if found is not None and found.model_dir is not None and (found.model_dir / "config.json").is_file():
+        known.append((_model_config(found.key, found.model_dir).get("vocab_size"), str(found.model_dir / "config.json")))
+    elif found is not None and found.vocab_size is not None:
+        known.append((found.vocab_size, f"{found.key}={found.value or found.model_dir}"))
+    if cfg.model.student and not is_uri(cfg.model.student):
+        student = Path(cfg.model.student).expanduser()
+        if (student / "config.json").is_file():
+            known.append((_model_config("model.student", student).get("vocab_size"), str(student / "config.json")))
+    for vocab, where in known:
+        if isinstance(vocab, int) and k > vocab:
+            raise ConfigError(f"teacher.k={k}: more than the vocabulary of {vocab:,} tokens ({where}); top-k targets "
+                              f"keep at most every token (teacher.k: 0 gives the exact teacher)", "teacher.k")
+
+
 def check_stage_inputs(cfg: StageConfig) -> None:
     from hylo.assets import resolve_path_or_asset
     from hylo.pipeline.train.storage import run_dir
@@ -257,5 +281,6 @@ def check_stage_inputs(cfg: StageConfig) -> None:
         source = source_kind(cfg.teacher.source)
         source.check_inputs(cfg.teacher)
         _teacher_fits(cfg, source)
+        _k_fits_the_vocabulary(cfg, source)
     if cfg.data.source == "parquet":
         _data(cfg)
