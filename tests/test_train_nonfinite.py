@@ -11,6 +11,7 @@ second stops. The guard's own decisions and the cross-rank agreement are unit te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -229,3 +230,54 @@ def test_patience_tolerates_one_non_finite_step_then_stops(gloo, models, tmp_pat
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[1]["nonfinite_streak"] == 1 and "stopped" not in records[1]
     assert records[2]["stopped"] == "nonfinite_loss"
+
+
+@pytest.mark.slow  # starts DeepSpeed
+def test_weights_that_are_not_finite_stop_the_run_before_their_checkpoint(gloo, models, tmp_path, capsys,
+                                                                          monkeypatch):
+    """Step 2's loss and gradient norm are finite, but afterwards one weight is inf (as a row of the embedding
+    that no token of the batch used can overflow): its checkpoint and the model (step 2 is the last) are not
+    written."""
+    from hylo.pipeline.train import driver
+    from hylo.pipeline.train.checkpoint.layout import step_dirs
+
+    real = driver.stage_for
+
+    def overflowing(number: int):
+        stage = real(number)
+
+        def train_step(task, rows, ctx):
+            result = stage.train_step(task, rows, ctx)
+            if ctx.step == 2:
+                p = next(p for p in task.engine.module.parameters() if p.requires_grad)
+                with torch.no_grad():
+                    (p.ds_tensor if hasattr(p, "ds_tensor") else p.data).view(-1)[0] = float("inf")
+            return result
+
+        return dataclasses.replace(stage, train_step=train_step)
+
+    monkeypatch.setattr(driver, "stage_for", overflowing)
+    rc, err = _job(2, models, tmp_path, capsys, "train.max_steps=2")
+    assert rc == 2, err
+    assert err[-1].startswith("error: step 2: the weights after it are not finite"), err
+    assert [s for s, _ in step_dirs(tmp_path / "s2")] == [1]
+    assert not (tmp_path / "s2" / "model").exists()
+    records = _records(tmp_path / "s2")
+    assert [r["step"] for r in records] == [1, 2]
+    assert math.isfinite(records[1]["loss"]) and math.isfinite(records[1]["grad_norm"])
+    assert records[1]["stopped"] == "nonfinite_weights"
+
+
+@pytest.mark.slow  # imports DeepSpeed
+def test_no_model_is_consolidated_from_weights_that_are_not_finite(models, tmp_path):
+    from hylo.io import load_hylo
+    from hylo.pipeline.train.checkpoint.consolidate import consolidate_hylo
+
+    model = load_hylo(models["student"], dtype=torch.float32)
+    assert consolidate_hylo(model, tmp_path / "finite", 0) is not None
+    name, p = next(iter(model.named_parameters()))
+    with torch.no_grad():
+        p.view(-1)[3] = float("nan")
+    with pytest.raises(NonFiniteError, match=f"1 tensor.* hold NaN or inf .first: {name}.; no model written"):
+        consolidate_hylo(model, tmp_path / "model", 0)
+    assert not (tmp_path / "model").exists()

@@ -261,9 +261,9 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         t_ckpt = time.perf_counter()
         if not weights_finite(task.engine.module, ctx):
             record.update(nonfinite=["weights"], stopped="nonfinite_weights", stopped_value=None)
-            stop(record, f"step {step}: the weights after it are not finite (the optimiser's update overflowed "
-                 f"them; its loss and gradient norm were finite): training stopped before writing "
-                 f"{step_dir_name(step)}; " + saved_hint(newest[0]), metrics)
+            stop(record, f"step {step}: the weights after it are not finite (NaN or inf), though its loss and "
+                 f"gradient norm were: training stopped before writing {step_dir_name(step)}; "
+                 + saved_hint(newest[0]), metrics)
         ckpt_dir = session.scratch_dir(step)
         # the checkpoint holds the records of its steps since the previous one: a resume rebuilds
         # any of them metrics.jsonl lost, so every finished step is in the file exactly once

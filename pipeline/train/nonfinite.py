@@ -14,12 +14,13 @@ Design choices:
   the run. A non-finite step also stops the run when it is the last one. No checkpoint is written
   after a non-finite step (its state holds what the optimiser made of NaN / inf gradients), so the
   newest checkpoint is always one written after a finite step and `checkpoint.keep` never prunes it
-  away: pruning runs only after a checkpoint was written. In fp32 and bf16 a non-finite gradient
-  reaches the weights and the run does not recover; patience is for engines that skip such steps
-  (fp16 loss scaling) and for a bad batch whose loss alone overflows.
+  away: pruning runs only after a checkpoint was written. DeepSpeed's ZeRO 3 skips a step whose
+  gradients overflow (fp32 too: "OVERFLOW! Skipping step"), other setups apply it; either way weights
+  that made one NaN loss make the next, so a run whose learning rate overflowed them does not recover:
+  patience is for an isolated bad batch or a loss scaler settling.
 * Before a checkpoint is written the weights themselves are checked (every rank its ZeRO partition,
-  one read per checkpoint, not per step): an update that overflowed them (a huge learning rate) leaves
-  a finite loss and gradient norm behind but weights that are not. Such a state stops the run too.
+  one read per checkpoint, not per step): a weight can overflow while the step's loss and gradient norm
+  stay finite (a row of the embedding no token of the batch used). Such a state stops the run too.
 * The stop is an input error (`NonFiniteError`): one `error:` line naming the step and what was not
   finite, exit status 2, never retried by Ray (the same settings diverge again). The step's record in
   metrics.jsonl says why (`stopped`: `nonfinite_loss`, `nonfinite_grad_norm` or `nonfinite_weights`,
