@@ -145,6 +145,46 @@ def test_a_non_finite_grad_norm_on_one_rank_stops_every_rank():
     assert [g[2] for g in got] == [pytest.approx(sums["loss_sum"] / sums["loss_tokens"])] * 2
 
 
+def test_the_check_adds_no_host_read_to_a_step(tmp_path):
+    """`reduce_record` reads the device once for its sums and once for its maxima, whatever the step's numbers,
+    and the guard reads nothing: the verdicts ride along in the maxima (a GPU step syncs no more than before)."""
+    from hylo.kernels.host_reads import HostReadLog
+    from hylo.pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.loop import reduce_record
+    from hylo.pipeline.train.worker import StepResult, WorkerContext
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        cfg = load_stage_config(2, None, ["ray.num_workers=1"])
+        ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
+                            run_dir=tmp_path, grad_accum=1, step=3)
+
+        class Rows:
+            position = {"rank": 0}
+
+        def step(loss_sum: float, grad_norm: float) -> tuple[dict, list[tuple[str, str]]]:
+            sums = {"loss_sum": loss_sum, "kl_sum": loss_sum, "ce_sum": 0.0, "loss_tokens": 4.0, "tokens": 8.0}
+            with HostReadLog() as log:
+                record = reduce_record(ctx, StepResult(sums, 1e-3, grad_norm), [], Rows(), 1.0, 10)
+                NonFiniteGuard(0).observe(record)
+            # (op, "file function") of every read
+            return record, [(name, f"{Path(caller.split(':')[0]).name} {caller.split('(')[-1].rstrip(')')}")
+                            for name, caller in log.reads]
+
+        finite, finite_reads = step(2.0, 0.5)
+        nan, nan_reads = step(float("nan"), float("inf"))
+    finally:
+        dist.destroy_process_group()
+    assert "nonfinite" not in finite and nan["nonfinite"] == ["loss", "grad_norm"] and nan["stopped"]
+    assert sorted(nan_reads) == sorted(finite_reads)
+    assert [r for r in finite_reads if r[1].startswith("worker.py")] == [("tolist", "worker.py all_sum"),
+                                                                         ("tolist", "worker.py all_max")]
+    assert not [r for r in finite_reads if r[1].startswith("nonfinite.py")]
+
+
 # ------------------------------------------------------------------------------------ the real loop
 @pytest.fixture(scope="module")
 def gloo():
