@@ -91,14 +91,14 @@ def saved_hint(newest: str | None) -> str:
 
 @torch.no_grad()
 def local_weights_finite(module: torch.nn.Module) -> bool:
-    """Whether this rank's part of every parameter is finite (ZeRO-3: its partition `ds_tensor`); one
-    host read."""
-    flags = []
+    """Whether this rank's part of every parameter is finite (ZeRO-3: its partition `ds_tensor`); one host
+    read per device the parameters live on."""
+    flags: dict[torch.device, list[torch.Tensor]] = {}
     for p in module.parameters():
         t = p.ds_tensor if hasattr(p, "ds_tensor") else p.data
         if t.numel():
-            flags.append(torch.isfinite(t).all())
-    return bool(torch.stack(flags).all()) if flags else True
+            flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(f).all()) for f in flags.values())
 
 
 def weights_finite(module: torch.nn.Module, ctx) -> bool:
