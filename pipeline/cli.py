@@ -70,6 +70,7 @@ INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("hylo.pipeline.data.rows", "PackedRowError"),
     ("hylo.pipeline.train.checkpoint.layout", "CheckpointError"),
     ("hylo.pipeline.train.storage", "StorageError"),
+    ("hylo.pipeline.train.nonfinite", "NonFiniteError"),
     ("hylo.pipeline.teacher.cache", "CacheMismatchError"),
     ("hylo.pipeline.teacher.cache", "CacheFormatError"),
     ("hylo.pipeline.eval.decode", "EvalError"),

@@ -139,7 +139,7 @@ MAX_GLOBAL_BATCH = MAX_GRAD_ACCUM * 256
 @dataclass
 @rules(global_batch_sequences=between(1, MAX_GLOBAL_BATCH, note=f"{MAX_GLOBAL_BATCH:,} = {MAX_GRAD_ACCUM:,} packed rows "
                                      f"per worker per optimiser step x 256 workers"), epochs=above(0), max_steps=at_least(1), total_steps=at_least(1),
-       seed=SEED)
+       seed=SEED, nonfinite_patience=at_least(0))
 class TrainSection:
     # Optimiser step = this many packed rows over all workers (grad accumulation fills the rest).
     global_batch_sequences: int = 8
@@ -149,6 +149,10 @@ class TrainSection:
     # Total optimiser steps for the schedule; None = rows of the split * epochs / global batch.
     total_steps: int | None = None
     seed: int = 0
+    # A step whose loss or gradient norm is NaN / inf stops the run (one line naming the step, exit status
+    # 2); this many such steps in a row are tolerated first (no checkpoint is written from them). 0 = stop
+    # at the first. (pipeline/train/nonfinite.py)
+    nonfinite_patience: int = 0
 
 
 @dataclass
@@ -500,6 +504,7 @@ NON_BREAKING = (
     "ray.resources_per_worker", "ray.use_gpu", "checkpoint.", "metrics.", "fault.",
     "deepspeed.offload_optimizer", "deepspeed.offload_param", "deepspeed.overlap_comm",
     "deepspeed.reduce_bucket_size", "deepspeed.stage3_prefetch_bucket_size", "train.max_steps",
+    "train.nonfinite_patience",
     # data.seq_len is a check of the rows' length, which the data decides (its fingerprint is checked on resume)
     "data.path", "data.seq_len", "model.student", "model.base", "teacher.model.path", "teacher.model.device",
     "teacher.model.torch_threads", "teacher.model.max_forward_tokens", "teacher.pool.", "teacher.client.max_inflight_rows",

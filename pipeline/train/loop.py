@@ -20,6 +20,10 @@ Design choices:
 * Preemption, checked at every step boundary (`Session.preemption`, collective): a final checkpoint
   when it fits before the driver's deadline, then stop (SIGTERM to the driver); one checkpoint, then go
   on (a Ray drain notice of one of the run's nodes).
+* A non-finite loss or gradient norm stops every rank at the same step (after
+  `train.nonfinite_patience` of them in a row), with one line naming the step; no checkpoint and no
+  model is written from a non-finite state, and the weights are checked before every checkpoint
+  (nonfinite.py).
 * Loss normalisation: every step's loss is a mean over all loss tokens of the global batch. Each
   micro-batch contributes `sum / n_global * W` (DeepSpeed averages gradients over W ranks and we skip
   its 1/G scaling), so packed rows with different numbers of loss tokens weigh by their tokens.
@@ -54,6 +58,14 @@ from hylo.pipeline.train.checkpoint.resume import check_compatible
 from hylo.pipeline.train.config import FaultSection, StageConfig, config_from_dict
 from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
 from hylo.pipeline.train.metrics import METRICS_FILE, peak_memory_mib
+from hylo.pipeline.train.nonfinite import (
+    CHECKED,
+    NonFiniteError,
+    NonFiniteGuard,
+    nonfinite_keys,
+    saved_hint,
+    weights_finite,
+)
 from hylo.pipeline.train.row_sources import open_rows
 from hylo.pipeline.train.session import PARTITION_FILE, RaySession, Session, TorchrunSession
 from hylo.pipeline.train.storage import (
@@ -232,10 +244,26 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         session.writer.restart_at(start, remote, restore=saved_records)
 
     since_checkpoint: list[dict[str, Any]] = []
+    # a non-finite loss or gradient norm stops the run (after train.nonfinite_patience of them in a row);
+    # nothing is saved from a non-finite state (nonfinite.py)
+    guard = NonFiniteGuard(cfg.train.nonfinite_patience)
+    newest: list[str | None] = [resume[0].name if resume is not None else None]
+
+    def stop(record: dict[str, Any], message: str, metrics: bool = True) -> None:
+        """Collective: the step's record, saying why, to the metrics; then every rank stops with `message`."""
+        if metrics:
+            session.report(record, record["step"], None)
+        session.close()
+        raise NonFiniteError(message)
 
     def checkpoint(step: int, record: dict[str, Any], metrics: bool = True) -> float:
         """Collective: save and report step's checkpoint; returns how long that took (the slowest rank)."""
         t_ckpt = time.perf_counter()
+        if not weights_finite(task.engine.module, ctx):
+            record.update(nonfinite=["weights"], stopped="nonfinite_weights", stopped_value=None)
+            stop(record, f"step {step}: the weights after it are not finite (NaN or inf), though its loss and "
+                 f"gradient norm were: training stopped before writing {step_dir_name(step)}; "
+                 + saved_hint(newest[0]), metrics)
         ckpt_dir = session.scratch_dir(step)
         # the checkpoint holds the records of its steps since the previous one: a resume rebuilds
         # any of them metrics.jsonl lost, so every finished step is in the file exactly once
@@ -245,6 +273,7 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
                          "data_fingerprint": rows.fingerprint})
         since_checkpoint.clear()
         session.report(record, step, ckpt_dir, metrics=metrics)
+        newest[0] = step_dir_name(step)
         return ctx.all_max([time.perf_counter() - t_ckpt])[0]
 
     ckpt_seconds: float | None = None
@@ -255,8 +284,16 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         result = stage.train_step(task, batch, ctx)
         record = reduce_record(ctx, result, batch, rows, time.perf_counter() - t0, total)
         record["resumed_from"] = start
+        verdict = guard.observe(record, last=step == last)
+        if verdict == "stop":
+            stop(record, guard.stop_message(record, newest[0]))
+        due = step % cfg.checkpoint.every_steps == 0 or step == last
+        if verdict == "tolerate" and rank == 0:
+            print(f"[train] warning: {guard.describe(record)}; tolerated ({guard.streak} in a row, "
+                  f"train.nonfinite_patience={guard.patience})"
+                  + (f"; {step_dir_name(step)} is not written" if due else ""), flush=True)
         since_checkpoint.append(record)
-        save = step % cfg.checkpoint.every_steps == 0 or step == last
+        save = due and verdict == "ok"
         if save:
             ckpt_seconds = checkpoint(step, record)
             ctx.hook("after_checkpoint")
@@ -267,11 +304,15 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         notice = session.preemption(ckpt_seconds)
         if notice is None:
             continue
-        if notice["final"] and not save:
+        # no final checkpoint from a non-finite state (a tolerated step): the newest one is resumed from
+        final = notice["final"] and verdict == "ok"
+        if final and not save:
             ckpt_seconds = checkpoint(step, record, metrics=False)
         if rank == 0:
+            why = notice["why"] if not notice["final"] else (
+                f"no final checkpoint: step {step} was not finite; the newest intact checkpoint is resumed from")
             print(f"[train] {notice['source']}: " + (f"final checkpoint {step_dir_name(step)} written"
-                  if notice["final"] else notice["why"]), flush=True)
+                  if final else why), flush=True)
         if notice["stop"]:
             session.close()
             return
@@ -316,7 +357,11 @@ def reduce_record(ctx: WorkerContext, result: StepResult, batch: list[PackedRow]
     """One record per step, identical on every rank: global sums / maxima of the local numbers."""
     keys = sorted(result.sums)
     sums = dict(zip(keys, ctx.all_sum([float(result.sums[k]) for k in keys])))
-    mem, sec = ctx.all_max([peak_memory_mib(ctx.device), seconds])
+    # each rank's verdict on its own loss and gradient norm rides along with the maxima (host floats, no
+    # device read): every rank sees the same verdict and stops at the same step
+    local_bad = nonfinite_keys(float(result.sums["loss_sum"]), result.grad_norm)
+    mem, sec, *bad_flags = ctx.all_max([peak_memory_mib(ctx.device), seconds,
+                                        *(float(k in local_bad) for k in CHECKED)])
     row_ids: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(row_ids, [r.key for r in batch])
     positions: list[Any] = [None] * ctx.world_size
@@ -335,4 +380,7 @@ def reduce_record(ctx: WorkerContext, result: StepResult, batch: list[PackedRow]
     }
     for k, v in sums.items():
         record[k.removesuffix("_sum")] = v / n_loss
+    bad = [k for k, flag in zip(CHECKED, bad_flags) if flag or not math.isfinite(record[k])]
+    if bad:
+        record["nonfinite"] = bad
     return record

@@ -85,6 +85,14 @@ def consolidate_hylo(module: torch.nn.Module, out_dir: Path, rank: int, dtype: t
     sd, rounded = gather_state_dict(module, rank)
     if rank != 0:
         return None
+    # the loop stops at a non-finite step and checks the weights before the last checkpoint; this is the
+    # last guard: no model is written from weights that are not finite
+    bad = [n for n, t in sd.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        from hylo.pipeline.train.nonfinite import NonFiniteError
+
+        raise NonFiniteError(f"consolidation into {out_dir}: {len(bad)} tensor(s) hold NaN or inf (first: "
+                             f"{bad[0]}); no model written")
     cfg = module.config
     if rounded and tokenizer_from is not None:
         model = load_hylo(tokenizer_from, dtype=torch.float32)

@@ -1,0 +1,106 @@
+"""A step whose loss or gradient norm is not finite (NaN, inf) stops the run before anything is saved from it.
+
+    guard = NonFiniteGuard(cfg.train.nonfinite_patience, stage=cfg.stage)
+    verdict = guard.observe(record)      # after loop.reduce_record: "ok" | "tolerate" | "stop"
+    weights_finite(engine, ctx)          # collective, before a checkpoint is written
+
+Design choices:
+* What is checked is what every step already brings to the host: the reduced loss sums and the gradient
+  norm DeepSpeed clipped with (`reduce_record` adds each rank's verdict on its own numbers to the
+  all-reduce it already makes, so every rank sees the same verdict and stops at the same step). No
+  device read is added to a step and the numbers are not touched, so a finite run trains exactly as
+  before. (At ZeRO 0 in fp32 DeepSpeed computes no gradient norm: there the loss alone is checked.)
+* `train.nonfinite_patience` (default 0) non-finite steps in a row are tolerated; the next one stops
+  the run. A non-finite step also stops the run when it is the last one. No checkpoint is written
+  after a non-finite step (its state holds what the optimiser made of NaN / inf gradients), so the
+  newest checkpoint is always one written after a finite step and `checkpoint.keep` never prunes it
+  away: pruning runs only after a checkpoint was written. DeepSpeed's ZeRO 3 skips a step whose
+  gradients overflow (fp32 too: "OVERFLOW! Skipping step"), other setups apply it; either way weights
+  that made one NaN loss make the next, so a run whose learning rate overflowed them does not recover:
+  patience is for an isolated bad batch or a loss scaler settling.
+* Before a checkpoint is written the weights themselves are checked (every rank its ZeRO partition,
+  one read per checkpoint, not per step): a weight can overflow while the step's loss and gradient norm
+  stay finite (a row of the embedding no token of the batch used). Such a state stops the run too.
+* The stop is an input error (`NonFiniteError`): one `error:` line naming the step and what was not
+  finite, exit status 2, never retried by Ray (the same settings diverge again). The step's record in
+  metrics.jsonl says why (`stopped`: `nonfinite_loss`, `nonfinite_grad_norm` or `nonfinite_weights`,
+  with `stopped_value`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+# the step quantities checked, in the order a message names them
+CHECKED = ("loss", "grad_norm")
+WORDS = {"loss": "the loss", "grad_norm": "the gradient norm", "weights": "the weights"}
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a non-finite loss, gradient norm or weights; the message names the step."""
+
+
+def nonfinite_keys(loss: float, grad_norm: float) -> list[str]:
+    """Which of this rank's step numbers (host floats) are not finite."""
+    return [k for k, v in zip(CHECKED, (loss, grad_norm)) if not math.isfinite(v)]
+
+
+class NonFiniteGuard:
+    """Counts non-finite steps in a row and decides, from a reduced step record, whether the run goes on."""
+
+    def __init__(self, patience: int = 0) -> None:
+        self.patience = patience
+        self.streak = 0
+
+    def observe(self, record: dict[str, Any], last: bool = False) -> str:
+        """"ok" (a finite step), "tolerate" (non-finite, within `patience`; no checkpoint from it) or "stop".
+        A non-finite record gets `nonfinite` (which numbers) and `nonfinite_streak`; a stopping one also
+        `stopped` and `stopped_value`."""
+        bad = list(record.get("nonfinite") or ())
+        if not bad:
+            self.streak = 0
+            return "ok"
+        self.streak += 1
+        record["nonfinite_streak"] = self.streak
+        if self.streak <= self.patience and not last:
+            return "tolerate"
+        record["stopped"] = f"nonfinite_{bad[0]}"
+        record["stopped_value"] = record.get(bad[0])
+        return "stop"
+
+    def describe(self, record: dict[str, Any]) -> str:
+        """`step N: the loss is nan and the gradient norm is inf` for a non-finite record."""
+        parts = [f"{WORDS[k]} is {record.get(k)}" for k in record.get("nonfinite") or ()]
+        return f"step {record['step']}: " + " and ".join(parts)
+
+    def stop_message(self, record: dict[str, Any], newest: str | None) -> str:
+        streak = "" if self.streak <= 1 else f" ({self.streak} non-finite steps in a row)"
+        return (f"{self.describe(record)}{streak}: training stopped (train.nonfinite_patience={self.patience}); "
+                f"no checkpoint or model was written from this state; "
+                + saved_hint(newest))
+
+
+def saved_hint(newest: str | None) -> str:
+    kept = (f"the newest checkpoint, {newest}, was written after a finite step" if newest
+            else "no checkpoint was written yet")
+    return f"{kept}. Lower optim.lr or check the data"
+
+
+@torch.no_grad()
+def local_weights_finite(module: torch.nn.Module) -> bool:
+    """Whether this rank's part of every parameter is finite (ZeRO-3: its partition `ds_tensor`); one host
+    read per device the parameters live on."""
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for p in module.parameters():
+        t = p.ds_tensor if hasattr(p, "ds_tensor") else p.data
+        if t.numel():
+            flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(f).all()) for f in flags.values())
+
+
+def weights_finite(module: torch.nn.Module, ctx) -> bool:
+    """Collective: every rank's part of the weights is finite."""
+    return ctx.all_max([0.0 if local_weights_finite(module) else 1.0])[0] == 0.0
