@@ -92,3 +92,28 @@ def test_gpu_mode_needs_the_interpreter_on_cpu(fla_importable, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with backend.forced_mode("gpu"):
         assert not backend.use_fla(x) and backend.use_gpu_kernels(x)
+
+
+@pytest.mark.parametrize(("ours", "fla"), [(16, 16), (32, 32), (64, 64), (128, 64), (100, 64)])
+def test_gdn_call_site_passes_fla_a_chunk_size_it_takes(monkeypatch, ours, fla):
+    """fla's GDN kernel raises on chunk sizes other than 16, 32, 64; `gdn_chunk_size` is any positive int
+    (the torch path's chunk length), so the call site gives fla 64 for the others."""
+    import types
+
+    import hylo.kernels.gdn.chunk as gdn_chunk
+
+    calls = []
+
+    def fake_fla(q, k, v, g, beta, **kw):
+        calls.append(kw)
+        return v * 0, None
+
+    fake = types.ModuleType("fla.ops.gated_delta_rule")
+    fake.chunk_gated_delta_rule = fake_fla
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    monkeypatch.setattr(gdn_chunk, "use_fla", lambda x: True)
+    q, k, v = torch.randn(1, 10, 2, 8), torch.randn(1, 10, 2, 8), torch.randn(1, 10, 2, 8)
+    gdn_chunk.chunk_gated_delta_rule(q, k, v, -torch.rand(1, 10, 2), torch.rand(1, 10, 2), chunk_size=ours)
+    assert calls[0]["chunk_size"] == fla
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        gdn_chunk.chunk_gated_delta_rule(q, k, v, -torch.rand(1, 10, 2), torch.rand(1, 10, 2), chunk_size=0)
