@@ -43,6 +43,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4  # relative error (norm of the difference / norm of the reference), fp32 vs fp64
+# AdamW's first step divides each gradient by its own magnitude, so rounding-level differences in
+# near-zero gradients reach the update itself (measured 4e-5 here); the parameters after it are at 1e-8
+UPDATE_TOL = 1e-3
 
 
 # ------------------------------------------------------------------------------------ the harness
@@ -112,6 +115,10 @@ def rel_err(ref: Any, out: Any) -> float:
     if ref.shape != out.shape:
         return float("inf")
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def tolerance(rec: dict[str, Any], key: str) -> float:
+    return rec.get("tol", {}).get(key, TOL)
 
 
 def compare(ref: dict[str, Any], out: dict[str, Any]) -> dict[str, float]:
@@ -330,21 +337,18 @@ def check_step(variant: str) -> dict[str, Any]:
         task, _ = gc.stage2_task(variant, sh, device, torch.float32, teacher, "plain")
         ctx = gc.solo_context(task.cfg, device, torch.float32)
         row = check_row(gc.packed_row(100, 3, task.student.config.vocab_size, seed=2))
+        start = torch.cat([p.detach().flatten() for p in task.student.parameters()])
         with ctx_mgr():
             res = train_step(task, [row], ctx)
+        after = torch.cat([p.detach().flatten() for p in task.student.parameters()])
+        # the update alone (the parameters minus their start) too: the step is small
         results[branch] = {"kl_sum": torch.tensor(res.sums["kl_sum"]), "loss_sum": torch.tensor(res.sums["loss_sum"]),
-                           "grad_norm": torch.tensor(res.grad_norm),
-                           "parameters after the step": torch.cat([p.detach().flatten() for p in
-                                                                    task.student.parameters()]),
-                           "update": torch.cat([p.detach().flatten() for p in task.student.parameters()])}
+                           "grad_norm": torch.tensor(res.grad_norm), "parameters after the step": after,
+                           "update": after - start}
         del task
-    # the update alone (the parameters minus their common start) is compared too: the step is small
-    torch.manual_seed(0)
-    start = torch.cat([p.detach().flatten() for p in tiny_student(variant).parameters()])
-    for r in results.values():
-        r["update"] = r["update"] - start
     return {"checked": "interpreter", "packed": True, "cu_seqlens": gc.packed_row(100, 3, 2)["cu_seqlens"].tolist(),
             "directions": ["forward", "backward", "optimizer step"], "rel_err": compare(results["torch"], results["gpu"]),
+            "tol": {"update": UPDATE_TOL},
             "note": "pipeline/train/stage2.train_step with PlainEngine; fp32 on both branches"}
 
 
@@ -381,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         try:
             rec = fn()
-            rec["ok"] = all(e <= TOL for e in rec["rel_err"].values())
+            rec["ok"] = all(e <= tolerance(rec, k) for k, e in rec["rel_err"].items())
         except Exception as exc:
             rec = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         rec["seconds"] = round(time.perf_counter() - t0, 1)
