@@ -4,6 +4,8 @@ Every op in `kernels/` and every layer in `hylo/layers/` asks `use_gpu_kernels(t
 testing devices itself. Set `HYLO_KERNELS=torch` to force the pure-torch path everywhere (debugging,
 numerics checks on a GPU) or `HYLO_KERNELS=triton` to force Triton even on CPU tensors (only
 meaningful with `TRITON_INTERPRET=1`, which is how the Triton kernels are tested on CPU).
+`HYLO_KERNELS=gpu` takes every GPU branch, fla's included, on CPU tensors under `TRITON_INTERPRET=1`
+(tests only: fla's kernels then need the interpreter patches of `tests/fla_interpret.py`).
 `forced_mode("torch")` does the same for a block of code (the eval's exact-KL option).
 On the CPU path the training workers and CPU teacher replicas also call `keep_freed_host_memory()`
 (`HYLO_HOST_MALLOC=system` turns it off).
@@ -23,7 +25,7 @@ import torch
 
 from hylo.kernels.varlen import DocBounds
 
-_CHOICES = ("auto", "torch", "triton")
+_CHOICES = ("auto", "torch", "triton", "gpu")
 _FORCED: list[str] = []
 
 
@@ -75,14 +77,18 @@ def use_gpu_kernels(x: torch.Tensor) -> bool:
     mode = kernel_mode()
     if mode == "torch":
         return False
-    if mode == "triton":
+    if mode in ("triton", "gpu"):
         return triton_available() and (x.is_cuda or triton_interpret())
     return x.is_cuda and triton_available()
 
 
 def use_fla(x: torch.Tensor) -> bool:
-    """fla's kernels run only on GPU tensors (they fail on CPU even under the Triton interpreter)."""
-    return x.is_cuda and kernel_mode() != "torch" and fla_available()
+    """True when `x` should go through fla's kernels: GPU tensors, or CPU tensors in mode `gpu` under
+    TRITON_INTERPRET=1 (fla's kernels run interpreted only with the test harness's patches)."""
+    mode = kernel_mode()
+    if mode == "gpu":
+        return use_gpu_kernels(x) and fla_available()
+    return x.is_cuda and mode != "torch" and fla_available()
 
 
 @functools.cache

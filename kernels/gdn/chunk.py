@@ -40,6 +40,8 @@ from hylo.kernels.gdn.checks import check_inputs, l2norm
 from hylo.kernels.varlen import DocBounds, chunk_layout, from_chunks, to_chunks
 
 DEFAULT_CHUNK_SIZE = 64
+# the chunk sizes fla's GDN kernel takes (it raises on any other); the result does not depend on it
+FLA_CHUNK_SIZES = (16, 32, 64)
 
 
 def unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
@@ -177,7 +179,8 @@ def chunk_gated_delta_rule(
         cu_seqlens: [N + 1] int (starts at 0, ends at T, strictly increasing: the packed-row rule of
             `hylo.kernels.varlen`), or the model's `DocBounds`; B must be 1. State never crosses a boundary.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first (eps 1e-6).
-        chunk_size: chunk length of the torch path (fla's kernels take 16, 32 or 64).
+        chunk_size: chunk length of the torch path; fla's kernel gets it where it takes it (16, 32, 64),
+            else 64 (the result does not depend on it; `gdn_chunk_size` is any positive int).
 
     Returns:
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] or None.
@@ -189,13 +192,15 @@ def chunk_gated_delta_rule(
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
         bounds = check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, cu_seqlens)[-1]
+        if not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise ValueError(f"chunk_gated_delta_rule: chunk_size must be a positive int, got {chunk_size!r}")
         return fla_chunk_gated_delta_rule(
             q, k, v, g, beta,
             scale=scale,
             initial_state=initial_state,
             output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            chunk_size=chunk_size,
+            chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else DEFAULT_CHUNK_SIZE,
             **fla_varlen_kwargs(fla_chunk_gated_delta_rule, bounds),
         )
     return torch_chunk_gated_delta_rule(
