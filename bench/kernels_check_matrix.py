@@ -2,6 +2,7 @@
 head shapes share their compiles), at most --jobs target children at a time.
 
     nice python bench/kernels_check_matrix.py --out bench-out/kernels-check --jobs 2
+    python bench/kernels_check_matrix.py --out bench-out/kernels-check --report-only   # a run stopped part way
 
 Writes OUT/kernels_check.json and OUT/kernels_check.md (pipeline/kernels_check.py's report) and prints the table.
 Minutes per target on one core (fla's GDN backward at K 256 / V 512 is most of it).
@@ -10,8 +11,8 @@ Minutes per target on one core (fla's GDN backward at K 256 / V 512 is most of i
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +33,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=kc.DEFAULT_TOKENS)
     ap.add_argument("--jobs", type=int, default=1, help="target children at a time")
     ap.add_argument("--plan-only", action="store_true", help="print the distinct launch sites and exit")
+    ap.add_argument("--report-only", action="store_true",
+                    help="write the report from what the children of an earlier run in --out wrote so far")
     args = ap.parse_args()
     root = Path(__file__).resolve().parents[1]
     recipes = {}
@@ -47,17 +50,26 @@ def main() -> int:
         return 0
     targets = kc.parse_targets(args.targets)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="kernels-check-", dir=out))
-    log = (out / "children.log").open("a")
+    work = out / "work"
+    if not args.report_only:
+        work.mkdir(parents=True, exist_ok=False)
+        log = (out / "children.log").open("a")
 
-    def one(target: str):
-        sub = work / target
-        sub.mkdir()
-        return target, kc.run_targets(plan, [target], sub, log)[target]
+        def one(target: str):
+            sub = work / target
+            sub.mkdir()
+            return target, kc.run_targets(plan, [target], sub, log)[target]
 
-    with ThreadPoolExecutor(args.jobs) as pool:
-        results = dict(pool.map(one, targets))
+        with ThreadPoolExecutor(args.jobs) as pool:
+            results = dict(pool.map(one, targets))
+    else:
+        # what the children wrote so far (each writes after every site): a matrix stopped part way
+        results = {}
+        for target in targets:
+            part = work / target / f"{target}.json"
+            res = json.loads(part.read_text()) if part.is_file() else {"records": [], "sites": []}
+            res["planned"] = [p["id"] for p in plan]
+            results[target] = res
     results = {t: results[t] for t in targets}
     bad = kc.write_report(out, results, users, {"recipes": list(recipes), "targets": targets, "tokens": args.tokens})
     print((out / "kernels_check.md").read_text())

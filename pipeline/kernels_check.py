@@ -180,8 +180,12 @@ def child_main(argv: list[str]) -> int:
             sites_done.append({"id": s["id"], "seconds": round(time.time() - t0, 1), "error": error})
             print(f"{target_name} {s['id']}: {len([r for r in log.records if r.site == s['id']])} compiles "
                   f"in {time.time() - t0:.0f} s" + (f" ({error})" if error else ""), flush=True)
-    out = {"target": dataclasses.asdict(t), "sites": sites_done, "records": [dataclasses.asdict(r) for r in log.records]}
-    Path(out_path).write_text(json.dumps(out, indent=1, default=str))
+            # after every site, so that a child stopped part way leaves what it finished
+            out = {"target": dataclasses.asdict(t), "sites": sites_done,
+                   "records": [dataclasses.asdict(r) for r in log.records]}
+            tmp = Path(out_path).with_suffix(".part")
+            tmp.write_text(json.dumps(out, indent=1, default=str))
+            tmp.replace(out_path)
     return 0
 
 
@@ -204,7 +208,8 @@ def plan_for(recipes: dict[str, list[Site]]) -> tuple[list[dict[str, Any]], dict
 
 
 def run_targets(plan: list[dict[str, Any]], targets: list[str], work: Path, log_to: Any = None) -> dict[str, Any]:
-    """One child per target (sequential: each compiles on every core it gets); their outputs by target."""
+    """One child per target (sequential: each compiles on every core it gets); their outputs by target. A child
+    that fails or is stopped part way still gives the sites it finished."""
     results: dict[str, Any] = {}
     plan_path = work / "plan.json"
     plan_path.write_text(json.dumps(plan))
@@ -214,18 +219,22 @@ def run_targets(plan: list[dict[str, Any]], targets: list[str], work: Path, log_
         env.pop("HYLO_KERNELS", None)
         out = work / f"{target}.json"
         t0 = time.time()
-        proc = subprocess.run([sys.executable, "-m", "hylo.pipeline.kernels_check", "--child", target, str(plan_path),
-                               str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if log_to is not None:
-            log_to.write(proc.stdout)
-            log_to.flush()
-        if proc.returncode != 0 or not out.is_file():
-            tail = " ".join(proc.stdout.strip().splitlines()[-3:])
-            results[target] = {"error": f"the {target} child failed (exit {proc.returncode}): {tail}", "records": [],
-                               "sites": []}
-        else:
-            results[target] = json.loads(out.read_text())
-        results[target]["seconds"] = round(time.time() - t0, 1)
+        with subprocess.Popen([sys.executable, "-m", "hylo.pipeline.kernels_check", "--child", target, str(plan_path),
+                               str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            lines = []
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                if log_to is not None and "Warning" not in line and "warn_once" not in line:
+                    log_to.write(line)
+                    log_to.flush()
+        res: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {"records": [], "sites": []}
+        if proc.returncode != 0:
+            tail = " ".join(" ".join(lines).split()[-60:])
+            res["error"] = f"the {target} child failed (exit {proc.returncode}): {tail}"
+        res["planned"] = [p["id"] for p in plan]
+        res["seconds"] = round(time.time() - t0, 1)
+        results[target] = res
     return results
 
 
@@ -239,7 +248,10 @@ def verdicts(results: dict[str, Any]) -> list[str]:
     for target, res in results.items():
         if res.get("error"):
             bad.append(res["error"])
-            continue
+        done = {s["id"] for s in res["sites"]}
+        for sid in res.get("planned", []):
+            if sid not in done:
+                bad.append(f"{sid} on {target}: not reached (the child stopped before it)")
         for s in res["sites"]:
             if s["error"]:
                 bad.append(f"{s['id']} on {target}: the launch site failed before its launches: {s['error']}")
