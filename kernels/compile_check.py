@@ -165,6 +165,18 @@ def install(t: Target) -> None:
     os.environ["FLA_USE_TMA"] = "0"
 
 
+def fla_view() -> dict[str, Any]:
+    """What fla concluded about the device at import (after `install`): its platform flags, which of its
+    shared-memory tiers the device reaches, its multiprocessor count."""
+    from fla import utils
+
+    return {"device_platform": utils.device_platform, "is_amd": utils.IS_AMD, "is_nvidia": utils.IS_NVIDIA,
+            "is_nvidia_hopper": utils.IS_NVIDIA_HOPPER, "is_nvidia_blackwell": utils.IS_NVIDIA_BLACKWELL,
+            "is_tma_supported": utils.IS_TMA_SUPPORTED,
+            "shared_mem_tiers": {tier: utils.check_shared_mem(tier) for tier in ("hopper", "ampere", "ada")},
+            "multiprocessor_count": utils.get_multiprocessor_count(0)}
+
+
 # -------------------------------------------------------------------------------------- the records
 @dataclasses.dataclass
 class Record:

@@ -164,9 +164,20 @@ def child_main(argv: list[str]) -> int:
         if not hasattr(mod, "use_fla"):
             raise RuntimeError(f"{mod.__name__} no longer chooses fla through use_fla: update kernels-check")
         mod.use_fla = lambda x: True
+    fla = cc.fla_view()
     torch.manual_seed(0)
     plan = json.loads(Path(plan_path).read_text())
-    sites_done = []
+    sites_done: list[dict[str, Any]] = []
+
+    def save(records: list[cc.Record]) -> None:
+        # at the start and after every site, so that a child stopped part way leaves what it finished
+        out = {"target": dataclasses.asdict(t), "fla": fla, "sites": sites_done,
+               "records": [dataclasses.asdict(r) for r in records]}
+        tmp = Path(out_path).with_suffix(".part")
+        tmp.write_text(json.dumps(out, indent=1, default=str))
+        tmp.replace(out_path)
+
+    save([])
     with cc.compile_only(t) as log:
         for s in plan:
             site = Site(s["site"], tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in s["args"]))
@@ -180,12 +191,7 @@ def child_main(argv: list[str]) -> int:
             sites_done.append({"id": s["id"], "seconds": round(time.time() - t0, 1), "error": error})
             print(f"{target_name} {s['id']}: {len([r for r in log.records if r.site == s['id']])} compiles "
                   f"in {time.time() - t0:.0f} s" + (f" ({error})" if error else ""), flush=True)
-            # after every site, so that a child stopped part way leaves what it finished
-            out = {"target": dataclasses.asdict(t), "sites": sites_done,
-                   "records": [dataclasses.asdict(r) for r in log.records]}
-            tmp = Path(out_path).with_suffix(".part")
-            tmp.write_text(json.dumps(out, indent=1, default=str))
-            tmp.replace(out_path)
+            save(log.records)
     return 0
 
 
@@ -330,7 +336,8 @@ def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[s
     records = [r for res in results.values() for r in res.get("records", [])]
     doc = {**meta, "versions": _versions(), "date": datetime.date.today().isoformat(),
            "sites": {sid: {"recipes": names} for sid, names in users.items()},
-           "children": {t: {"seconds": res.get("seconds"), "error": res.get("error"), "sites": res.get("sites")}
+           "children": {t: {"seconds": res.get("seconds"), "error": res.get("error"), "fla": res.get("fla"),
+                            "sites": res.get("sites")}
                         for t, res in results.items()},
            "records": records, "problems": bad}
     atomic_write(out_dir / "kernels_check.json", json.dumps(doc, indent=1, default=str) + "\n")

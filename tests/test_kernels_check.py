@@ -82,6 +82,11 @@ def test_the_fused_kl_compiles_for_one_amd_and_one_nvidia_target(tmp_path):
             assert r["compiled"] and r["fits"] and r["error"] is None
             assert r["shared_limit"] == TARGETS[target].shared_limit
             assert r["num_warps"] == 8 and r["registers"] and r["registers"] > 0
+    # fla read the stand-in device at import: the platform, Hopper, the shared-memory tier, the CU count
+    fla = {t: doc["children"][t]["fla"] for t in ("gfx942", "sm_90")}
+    assert fla["gfx942"]["is_amd"] and fla["gfx942"]["multiprocessor_count"] == 304
+    assert not fla["gfx942"]["shared_mem_tiers"]["ampere"]
+    assert fla["sm_90"]["is_nvidia_hopper"] and fla["sm_90"]["shared_mem_tiers"]["hopper"]
     md = (tmp_path / "kernels_check.md").read_text()
     assert "_dense_kl_kernel" in md and "gfx942" in md and "sm_90" in md
 
