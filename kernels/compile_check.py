@@ -251,6 +251,8 @@ class CompileLog:
     target: Target
     records: list[Record] = dataclasses.field(default_factory=list)
     site: str = ""
+    # called after each new record (the job saves its progress with it)
+    on_add: Any = None
     _seen: set = dataclasses.field(default_factory=set)
 
     def add(self, rec: Record, key: Any) -> None:
@@ -258,6 +260,8 @@ class CompileLog:
             return
         self._seen.add(key)
         self.records.append(rec)
+        if self.on_add is not None:
+            self.on_add(self.records)
 
 
 @contextlib.contextmanager

@@ -170,7 +170,7 @@ def child_main(argv: list[str]) -> int:
     sites_done: list[dict[str, Any]] = []
 
     def save(records: list[cc.Record]) -> None:
-        # at the start and after every site, so that a child stopped part way leaves what it finished
+        # at the start and after every compile, so that a child stopped part way leaves what it finished
         out = {"target": dataclasses.asdict(t), "fla": fla, "sites": sites_done,
                "records": [dataclasses.asdict(r) for r in records]}
         tmp = Path(out_path).with_suffix(".part")
@@ -179,6 +179,7 @@ def child_main(argv: list[str]) -> int:
 
     save([])
     with cc.compile_only(t) as log:
+        log.on_add = save
         for s in plan:
             site = Site(s["site"], tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in s["args"]))
             log.site = s["id"]
@@ -257,12 +258,15 @@ def verdicts(results: dict[str, Any]) -> list[str]:
         done = {s["id"] for s in res["sites"]}
         for sid in res.get("planned", []):
             if sid not in done:
-                bad.append(f"{sid} on {target}: not reached (the child stopped before it)")
+                bad.append(f"{sid} on {target}: not finished (the child stopped in or before it); its records so far "
+                           "are in the JSON, unjudged")
         for s in res["sites"]:
             if s["error"]:
                 bad.append(f"{s['id']} on {target}: the launch site failed before its launches: {s['error']}")
         groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
         for r in res["records"]:
+            if r["site"] not in done:
+                continue
             groups.setdefault((r["site"], r["kernel"], r["extra"]["specialisation"]), []).append(r)
         for (site, kernel, _), recs in groups.items():
             if not any(r["compiled"] and r["fits"] for r in recs):
