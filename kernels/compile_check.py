@@ -40,7 +40,6 @@ import re
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -326,7 +325,3 @@ def compile_only(t: Target) -> Iterator[CompileLog]:
         yield log
     finally:
         JITFunction.run, Autotuner.run = orig_run, orig_tune
-
-
-def triton_cache_dir() -> Path:
-    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
