@@ -256,10 +256,10 @@ def verdicts(results: dict[str, Any]) -> list[str]:
         if res.get("error"):
             bad.append(res["error"])
         done = {s["id"] for s in res["sites"]}
-        for sid in res.get("planned", []):
-            if sid not in done:
-                bad.append(f"{sid} on {target}: not finished (the child stopped in or before it); its records so far "
-                           "are in the JSON, unjudged")
+        left = [sid for sid in res.get("planned", []) if sid not in done]
+        if left:
+            bad.append(f"{target}: {len(left)} of {len(res['planned'])} launch sites not finished (the child stopped "
+                       f"in or before them; records so far are in the JSON, unjudged): {', '.join(left)}")
         for s in res["sites"]:
             if s["error"]:
                 bad.append(f"{s['id']} on {target}: the launch site failed before its launches: {s['error']}")
