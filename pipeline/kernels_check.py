@@ -290,6 +290,10 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _size(n: int) -> str:
+    return f"{n} B" if n < 1024 else f"{n / 1024:.0f} KiB"
+
+
 def table(results: dict[str, Any]) -> str:
     """Markdown: one row per kernel, one column per target: configurations fitting / compiled / tried, the
     smallest and largest shared memory, the most registers, spills."""
@@ -316,7 +320,7 @@ def table(results: dict[str, Any]) -> str:
             spills = [r["spills"] for r in ok if r["spills"] is not None]
             cell = f"{len(ok)}/{len(comp)}/{len(rs)}"
             if sh:
-                cell += f"; {min(sh) // 1024}-{max(sh) // 1024} KiB"
+                cell += f"; {_size(min(sh))}-{_size(max(sh))}"
             if regs:
                 cell += f"; ≤{max(regs)} regs"
             if spills and max(spills):
@@ -349,8 +353,8 @@ def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[s
     md = [f"# kernels-check {doc['date']}", "",
           f"triton {v['triton']}, fla {v['flash-linear-attention']}, torch {v['torch']}; recipes: "
           f"{', '.join(meta['recipes'])}; T = {meta['tokens']}.", "",
-          "Cell: configurations that fit / compile / tried; shared memory of the compiled ones; most registers "
-          "(VGPRs on AMD); spills of the fitting ones (NVIDIA: local-memory bytes; AMD: spilled registers). "
+          "Cell: configurations that fit / compile / were tried, counted over every site and specialisation "
+          "(constexprs) the kernel has; shared memory of the compiled ones; most registers (AMD: `.vgpr_count`); spills of the fitting ones (NVIDIA: local-memory bytes; AMD: spilled registers). "
           "Bold: some specialisation (site, constexprs) of the kernel has no configuration that fits.", "",
           table(results), ""]
     md += ["Child time per target: " + ", ".join(f"{t} {res.get('seconds')} s" for t, res in results.items()), ""]
