@@ -297,6 +297,8 @@ JOB_RUNS = {
     "stage2": (["--set", "model.student=rel/s", "--set", "data.path=rel/d", "--set", "ray.storage_path=rel/runs",
                 "--set", "teacher.model.path=rel/t", "--set", "teacher.cache_path=rel/c"],
                ("hylo.pipeline.train.driver", "_run_locked")),
+    "kernels-check": (["--out", "rel/o", "--set", "model.student=rel/s", "--set", "data.path=rel/d",
+                       "--set", "teacher.model.path=rel/t"], ("hylo.pipeline.kernels_check", "recipe_sites")),
     "estimate": (["--tokens", "64", "--set", "model.student=rel/s", "--set", "data.path=rel/d",
                   "--set", "teacher.model.path=rel/t"],
                  ("hylo.pipeline.train.estimate", "shapes_of")),

@@ -1,0 +1,432 @@
+"""Every Triton kernel a config's step launches, compiled for each target GPU on this machine, none launched.
+
+    hylo kernels-check --config configs/llama-3.2-1b-8mla8gdn-64k.yaml --out kcheck/
+    hylo kernels-check --config configs/qwen3-1.7b-7mla21gdn-64k.yaml --targets gfx942,sm_90 --out kcheck/
+
+Legend: T tokens of the packed row, H heads, K / V key / value head dims, P / N Mamba-2 head / state dims.
+
+What runs, per target (sm_90, sm_100, gfx942, gfx950) in a child process of its own
+(`python -m hylo.pipeline.kernels_check --child`): fla imported under the target's device properties and
+every Triton launch held at compile-only (hylo/kernels/compile_check.py), then each launch site of the step
+is called on CPU tensors at the config's shapes and dtypes:
+* `gdn.train`: `hylo.kernels.gdn.chunk_gated_delta_rule` -> fla's `chunk_gated_delta_rule`, forward and
+  backward, bf16 q/k/v [1, T, H, K] / [1, T, H, V], fp32 gate, a packed row of two documents (`cu_seqlens`),
+  q/k L2-norm in the kernel, as `hylo/layers/gdn.py` calls it in training;
+* `gdn.decode`: the same op at T = 1 with the fp32 state [1, H, K, V] in and out, as decoding calls it;
+* `ssd.train` / `ssd.decode` (Mamba-2 configs): `hylo.kernels.ssd.fla_chunk_ssd` -> fla's `chunk_simple_gla`;
+* `kl.dense` / `kl.topk`: our fused KL's Triton steps (`hylo/kernels/fused_kl/triton_kernel.py`) over
+  fp32 [C, vocab] chunks, with and without the gradient (both teacher forms; the gradient is written in the
+  loss's forward, its backward only scales it).
+The sites are driven directly with the shapes the config's step gives them, not through the whole step
+(model, loss, optimizer): the compile-only launches leave their outputs uninitialised, and only these calls
+reach Triton (attention is torch's SDPA, the rest torch ops). Every autotune configuration of every kernel
+is compiled, in a fresh Triton cache per run, so neither compiled binaries nor autotuning choices kept on
+disk decide what is checked. Kernels are specialised on T only through divisibility (and T = 1): the
+default --tokens 2048 gives the same binaries as 64K.
+
+Each compile is one record of DIR/kernels_check.json (kernel, target, num_warps, num_stages, compiled,
+shared_bytes, shared_limit, fits, error, registers, spills, the site and constexprs); DIR/kernels_check.md is
+the table by kernel and target. Exit status 1 when some launch site has a kernel with no configuration
+that compiles and fits on a target (named, with the way out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hylo.pipeline.cli import BadArgument
+
+TARGET_NAMES = ("sm_90", "sm_100", "gfx942", "gfx950")
+DEFAULT_TOKENS = 2048
+KL_ROWS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One launch site at one shape: what the child calls."""
+
+    site: str
+    args: tuple[tuple[str, Any], ...]
+
+    def get(self, key: str) -> Any:
+        return dict(self.args)[key]
+
+
+def sites_of(hc: Any, vocab: int, tokens: int) -> list[Site]:
+    """The launch sites of a student of HybridConfig `hc` with a `vocab`-wide KL at a `tokens`-long row."""
+    docs = (tokens - tokens // 3, tokens // 3) if tokens >= 32 else (tokens,)
+    out = []
+    if hc.linear_type == "gdn":
+        g = (("H", hc.gdn_num_heads), ("K", hc.gdn_head_dim), ("V", hc.gdn_value_dim), ("chunk", hc.gdn_chunk_size))
+        out += [Site("gdn.train", (("T", tokens), ("docs", docs), *g)), Site("gdn.decode", (("T", 1), *g))]
+    else:
+        H, P, N, G = hc.mamba2_dims
+        if hc.mamba2_xb_groups is not None:
+            G = H
+        m = (("H", H), ("P", P), ("N", N), ("G", G))
+        out += [Site("ssd.train", (("T", tokens), ("docs", docs), *m)), Site("ssd.decode", (("T", 1), *m))]
+    out += [Site("kl.dense", (("rows", KL_ROWS), ("vocab", vocab))), Site("kl.topk", (("rows", KL_ROWS), ("vocab", vocab)))]
+    return out
+
+
+# ------------------------------------------------------------------------------------------- child
+def _bounds(docs: tuple[int, ...], T: int) -> Any:
+    from itertools import accumulate
+
+    from hylo.kernels.varlen import DocBounds
+
+    return DocBounds.from_host([0, *accumulate(docs)], T)
+
+
+def _run_site(site: Site) -> None:
+    import torch
+
+    bf16 = torch.bfloat16
+    if site.site.startswith("gdn."):
+        from hylo.kernels.gdn import chunk as gdn_chunk
+
+        H, K, V, T = site.get("H"), site.get("K"), site.get("V"), site.get("T")
+        q, k = (torch.randn(1, T, H, K, dtype=bf16) for _ in range(2))
+        v = torch.randn(1, T, H, V, dtype=bf16)
+        g = -torch.rand(1, T, H)
+        beta = torch.rand(1, T, H, dtype=bf16)
+        if site.site == "gdn.train":
+            bounds = _bounds(site.get("docs"), T)
+            for x in (q, k, v, g, beta):
+                x.requires_grad_(True)
+            o, _ = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=bounds, use_qk_l2norm_in_kernel=True,
+                                                    chunk_size=site.get("chunk"))
+            torch.autograd.grad(o, (q, k, v, g, beta), torch.randn_like(o), allow_unused=True)
+        else:
+            with torch.no_grad():
+                gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=torch.randn(1, H, K, V),
+                                                 output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                 chunk_size=site.get("chunk"))
+    elif site.site.startswith("ssd."):
+        from hylo.kernels.ssd.chunk import fla_chunk_ssd
+
+        H, P, N, G, T = (site.get(x) for x in ("H", "P", "N", "G", "T"))
+        x = torch.randn(1, T, H, P, dtype=bf16)
+        dt = torch.rand(1, T, H)
+        A = -torch.rand(H)
+        B, C = (torch.randn(1, T, G, N, dtype=bf16) for _ in range(2))
+        D = torch.ones(H)
+        if site.site == "ssd.train":
+            for t in (x, dt, B, C):
+                t.requires_grad_(True)
+            y, _ = fla_chunk_ssd(x, dt, A, B, C, D, cu_seqlens=_bounds(site.get("docs"), T))
+            torch.autograd.grad(y, (x, dt, B, C), torch.randn_like(y), allow_unused=True)
+        else:
+            with torch.no_grad():
+                fla_chunk_ssd(x, dt, A, B, C, D, initial_state=torch.randn(1, H, P, N), output_final_state=True)
+    elif site.site.startswith("kl."):
+        from hylo.kernels.fused_kl import triton_kernel
+        from hylo.kernels.fused_kl.steps import StepParams
+
+        rows, vocab = site.get("rows"), site.get("vocab")
+        for need_grad in (False, True):
+            step = StepParams(inv_temp=1.0, grad_scale=1.0 / rows, need_grad=need_grad)
+            z = torch.randn(rows, vocab)
+            if site.site == "kl.dense":
+                triton_kernel.dense_kl_step(z, torch.randn(rows, vocab), False, step)
+            else:
+                k = min(8, vocab)
+                idx = torch.stack([torch.randperm(vocab)[:k] for _ in range(rows)])
+                triton_kernel.topk_kl_step(z, idx, torch.log_softmax(torch.randn(rows, k + 1), -1), step)
+    else:
+        raise ValueError(f"unknown launch site {site.site}")
+
+
+def child_main(argv: list[str]) -> int:
+    """One target: `--child TARGET PLAN.json OUT.json` (the parent sets TRITON_CACHE_DIR to a fresh folder)."""
+    target_name, plan_path, out_path = argv
+    from hylo.kernels import compile_check as cc
+
+    t = cc.TARGETS[target_name]
+    cc.install(t)
+    import torch
+
+    from hylo.kernels.gdn import chunk as gdn_chunk
+    from hylo.kernels.ssd import chunk as ssd_chunk
+
+    # the GPU branch of both ops on CPU tensors: their fla calls compile for the target and launch nothing
+    for mod in (gdn_chunk, ssd_chunk):
+        if not hasattr(mod, "use_fla"):
+            raise RuntimeError(f"{mod.__name__} no longer chooses fla through use_fla: update kernels-check")
+        mod.use_fla = lambda x: True
+    fla = cc.fla_view()
+    torch.manual_seed(0)
+    plan = json.loads(Path(plan_path).read_text())
+    sites_done: list[dict[str, Any]] = []
+
+    def save(records: list[cc.Record]) -> None:
+        # at the start and after every compile, so that a child stopped part way leaves what it finished
+        out = {"target": dataclasses.asdict(t), "fla": fla, "sites": sites_done,
+               "records": [dataclasses.asdict(r) for r in records]}
+        tmp = Path(out_path).with_suffix(".part")
+        tmp.write_text(json.dumps(out, indent=1, default=str))
+        tmp.replace(out_path)
+
+    save([])
+    with cc.compile_only(t) as log:
+        log.on_add = save
+        for s in plan:
+            site = Site(s["site"], tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in s["args"]))
+            log.site = s["id"]
+            t0 = time.time()
+            error = None
+            try:
+                _run_site(site)
+            except Exception as e:  # a failure around the launches (not a compile error) ends this site
+                error = f"{type(e).__name__}: {' '.join(str(e).split())[:1000]}"
+            sites_done.append({"id": s["id"], "seconds": round(time.time() - t0, 1), "error": error})
+            print(f"{target_name} {s['id']}: {len([r for r in log.records if r.site == s['id']])} compiles "
+                  f"in {time.time() - t0:.0f} s" + (f" ({error})" if error else ""), flush=True)
+            save(log.records)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- parent
+def _site_id(site: Site) -> str:
+    keys = [f"{k}{v}" for k, v in site.args if k in ("H", "K", "V", "P", "N", "G", "vocab", "chunk")]
+    return f"{site.site}[{','.join(keys)}]"
+
+
+def plan_for(recipes: dict[str, list[Site]]) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
+    """Distinct sites over the recipes (recipes with the same head shapes share them) and which recipes use each."""
+    plan: dict[str, dict[str, Any]] = {}
+    users: dict[str, list[str]] = {}
+    for name, sites in recipes.items():
+        for site in sites:
+            sid = _site_id(site) + (f"[T{site.get('T')}]" if site.site.endswith("train") else "")
+            plan.setdefault(sid, {"id": sid, "site": site.site, "args": [list(a) for a in site.args]})
+            users.setdefault(sid, []).append(name)
+    return list(plan.values()), users
+
+
+def run_targets(plan: list[dict[str, Any]], targets: list[str], work: Path, log_to: Any = None) -> dict[str, Any]:
+    """One child per target (sequential: each compiles on every core it gets); their outputs by target. A child
+    that fails or is stopped part way still gives the sites it finished."""
+    results: dict[str, Any] = {}
+    plan_path = work / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    for target in targets:
+        cache = Path(tempfile.mkdtemp(prefix=f"triton-{target}-", dir=work))
+        env = dict(os.environ, TRITON_CACHE_DIR=str(cache), TRITON_INTERPRET="0")
+        env.pop("HYLO_KERNELS", None)
+        out = work / f"{target}.json"
+        t0 = time.time()
+        with subprocess.Popen([sys.executable, "-m", "hylo.pipeline.kernels_check", "--child", target, str(plan_path),
+                               str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            lines = []
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                if log_to is not None and "Warning" not in line and "warn_once" not in line:
+                    log_to.write(line)
+                    log_to.flush()
+        res: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {"records": [], "sites": []}
+        if proc.returncode != 0:
+            tail = " ".join(" ".join(lines).split()[-60:])
+            res["error"] = f"the {target} child failed (exit {proc.returncode}): {tail}"
+        res["planned"] = [p["id"] for p in plan]
+        res["seconds"] = round(time.time() - t0, 1)
+        results[target] = res
+    return results
+
+
+WAY_OUT = ("pin a configuration that fits (a smaller BV/BK block or fewer stages) for this target, or use an fla "
+           "version whose configurations for this GPU fit its shared memory")
+
+
+def verdicts(results: dict[str, Any]) -> list[str]:
+    """One line per (site, kernel, target) with no configuration that compiles and fits, and per failed child/site."""
+    bad = []
+    for target, res in results.items():
+        if res.get("error"):
+            bad.append(res["error"])
+        done = {s["id"] for s in res["sites"]}
+        left = [sid for sid in res.get("planned", []) if sid not in done]
+        if left:
+            bad.append(f"{target}: {len(left)} of {len(res['planned'])} launch sites not finished (the child stopped "
+                       f"in or before them; records so far are in the JSON, unjudged): {', '.join(left)}")
+        for s in res["sites"]:
+            if s["error"]:
+                bad.append(f"{s['id']} on {target}: the launch site failed before its launches: {s['error']}")
+        groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+        for r in res["records"]:
+            if r["site"] not in done:
+                continue
+            groups.setdefault((r["site"], r["kernel"], r["extra"]["specialisation"]), []).append(r)
+        for (site, kernel, _), recs in groups.items():
+            if not any(r["compiled"] and r["fits"] for r in recs):
+                worst = min((r["shared_bytes"] for r in recs if r["shared_bytes"] is not None), default=None)
+                why = (f"smallest needs {worst} B of shared memory, the target has {recs[0]['shared_limit']} B"
+                       if worst is not None else f"no configuration compiles: {recs[0]['error']}")
+                bad.append(f"{kernel} ({site}) on {target}: none of its {len(recs)} configurations compiles and fits "
+                           f"({why}); way out: {WAY_OUT}")
+    return bad
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("triton", "flash-linear-attention", "torch"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+def _size(n: int) -> str:
+    return f"{n} B" if n < 1024 else f"{n / 1024:.0f} KiB"
+
+
+def table(results: dict[str, Any]) -> str:
+    """Markdown: one row per kernel, one column per target: configurations fitting / compiled / tried, the
+    smallest and largest shared memory, the most registers, spills."""
+    targets = list(results)
+    kernels: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for target, res in results.items():
+        for r in res.get("records", []):
+            kernels.setdefault(r["kernel"], {}).setdefault(target, []).append(r)
+    head = "| kernel | sites | " + " | ".join(targets) + " |"
+    lines = [head, "|" + "---|" * (len(targets) + 2)]
+    for kernel in sorted(kernels):
+        by = kernels[kernel]
+        sites = sorted({r["site"].split("[")[0] for rs in by.values() for r in rs})
+        cells = []
+        for target in targets:
+            rs = by.get(target, [])
+            if not rs:
+                cells.append("-")
+                continue
+            ok = [r for r in rs if r["compiled"] and r["fits"]]
+            comp = [r for r in rs if r["compiled"]]
+            sh = [r["shared_bytes"] for r in comp]
+            regs = [r["registers"] for r in comp if r["registers"] is not None]
+            spills = [r["spills"] for r in ok if r["spills"] is not None]
+            cell = f"{len(ok)}/{len(comp)}/{len(rs)}"
+            if sh:
+                cell += f"; {_size(min(sh))}-{_size(max(sh))}"
+            if regs:
+                cell += f"; ≤{max(regs)} regs"
+            if spills and max(spills):
+                cell += f"; spills ≤{max(spills)}"
+            groups: dict[tuple[str, str], bool] = {}
+            for r in rs:
+                key = (r["site"], r["extra"]["specialisation"])
+                groups[key] = groups.get(key, False) or (r["compiled"] and r["fits"])
+            stuck = sum(not v for v in groups.values())
+            if stuck:
+                cell = f"**{cell}; {stuck} of {len(groups)} specialisations: none fits**"
+            cells.append(cell)
+        lines.append(f"| {kernel} | {', '.join(sites)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[str]], meta: dict[str, Any]) -> list[str]:
+    from hylo.files import atomic_write
+
+    bad = verdicts(results)
+    records = [r for res in results.values() for r in res.get("records", [])]
+    doc = {**meta, "versions": _versions(), "date": datetime.date.today().isoformat(),
+           "sites": {sid: {"recipes": names} for sid, names in users.items()},
+           "children": {t: {"seconds": res.get("seconds"), "error": res.get("error"), "fla": res.get("fla"),
+                            "sites": res.get("sites")}
+                        for t, res in results.items()},
+           "records": records, "problems": bad}
+    atomic_write(out_dir / "kernels_check.json", json.dumps(doc, indent=1, default=str) + "\n")
+    v = doc["versions"]
+    md = [f"# kernels-check {doc['date']}", "",
+          f"triton {v['triton']}, fla {v['flash-linear-attention']}, torch {v['torch']}; recipes: "
+          f"{', '.join(meta['recipes'])}; T = {meta['tokens']}.", "",
+          "Cell: configurations that fit / compile / were tried, counted over every site and specialisation "
+          "(constexprs) the kernel has; shared memory of the compiled ones; most registers (AMD: `.vgpr_count`); spills of the fitting ones (NVIDIA: local-memory bytes; AMD: spilled registers). "
+          "Bold: some specialisation (site, constexprs) of the kernel has no configuration that fits.", "",
+          table(results), ""]
+    md += ["Child time per target: " + ", ".join(f"{t} {res.get('seconds')} s" for t, res in results.items()), ""]
+    md += (["Problems:", ""] + [f"* {b}" for b in bad]) if bad else ["Every launch site has a configuration that "
+                                                                     "compiles and fits on every target."]
+    atomic_write(out_dir / "kernels_check.md", "\n".join(md) + "\n")
+    return bad
+
+
+def check(recipes: dict[str, list[Site]], targets: list[str], out_dir: Path, tokens: int, log_to: Any = None) -> list[str]:
+    """Compile every launch site of `recipes` for `targets`, write the report, return the problems."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan, users = plan_for(recipes)
+    with tempfile.TemporaryDirectory(prefix="kernels-check-") as work:
+        results = run_targets(plan, targets, Path(work), log_to)
+    return write_report(out_dir, results, users, {"recipes": list(recipes), "targets": targets, "tokens": tokens})
+
+
+def recipe_sites(cfg: Any, stage1: Any, tokens: int) -> list[Site]:
+    from hylo.pipeline.train.estimate import student_config
+
+    hc = student_config(cfg, stage1)
+    return sites_of(hc, hc.vocab_size, tokens)
+
+
+def parse_targets(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in TARGET_NAMES]
+    if unknown or not names:
+        raise BadArgument(f"--targets={text}: unknown target(s) {', '.join(unknown) or '(none given)'}; "
+                          f"choose from {','.join(TARGET_NAMES)}")
+    return names
+
+
+def main(argv: list[str] | None = None, description: str | None = None) -> int:
+    """`hylo kernels-check` (`description`: the help's text, jobs/kernels_check.py's docstring)."""
+    from hylo.pipeline.cli import int_at_least
+    from hylo.pipeline.config import add_config_args, maybe_print_config
+    from hylo.pipeline.paths import resolve_paths
+    from hylo.pipeline.train.config import Stage1Config, load_stage_config
+
+    ap = argparse.ArgumentParser(description=description or __doc__, allow_abbrev=False,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(ap, example="kd.temperature=2.0")
+    ap.add_argument("--targets", default=",".join(TARGET_NAMES),
+                    help=f"comma-separated targets (default: all of {','.join(TARGET_NAMES)})")
+    ap.add_argument("--tokens", type=int_at_least(2), default=DEFAULT_TOKENS,
+                    help=f"tokens of the packed row the training sites get (default {DEFAULT_TOKENS}: kernels "
+                         "specialise on T only by divisibility, so this gives a 64K row's binaries)")
+    ap.add_argument("--out", required="--print-config" not in (argv if argv is not None else sys.argv),
+                    help="folder for kernels_check.json and kernels_check.md")
+    args = ap.parse_args(argv)
+    targets = parse_targets(args.targets)
+    cfg = load_stage_config(2, args.config, args.overrides)
+    maybe_print_config(cfg, args)
+    cfg = resolve_paths(cfg)
+    student = Path(cfg.model.student).expanduser() if cfg.model.student else None
+    stage1 = None
+    if not (student is not None and (student / "config.json").is_file()):
+        shared = {f.name for f in dataclasses.fields(Stage1Config)}
+        stage1 = resolve_paths(load_stage_config(1, args.config, [o for o in args.overrides
+                                                                  if o.split(".", 1)[0].split("=", 1)[0] in shared]))
+    name = Path(args.config).stem if args.config else "defaults"
+    sites = recipe_sites(cfg, stage1, args.tokens)
+    bad = check({name: sites}, targets, Path(args.out), args.tokens, log_to=sys.stdout)
+    print(f"wrote {Path(args.out) / 'kernels_check.json'} and kernels_check.md")
+    for b in bad:
+        print(f"problem: {b}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        sys.exit(child_main(sys.argv[2:]))
+    sys.exit(main())
