@@ -283,6 +283,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("hylo.jobs.eval", "evaluate a checkpoint: KL / perplexity, retrieval, KV cache, lm-evaluation-harness"),
     "place-layers": ("hylo.jobs.place_layers", "choose which layers keep full attention (MLA) by measurement"),
     "estimate": ("hylo.jobs.estimate", "memory per GPU and FLOPs of one training step of a config, on fake tensors"),
+    "rehearse": ("hylo.jobs.rehearse", "rehearse a recipe's Ray topology on simulated GPU nodes (CPU, tiny models)"),
     "demo": ("hylo.jobs.demo", "the whole recipe on SmolLM2-135M-Instruct and ShareGPT, on local Ray, on CPU"),
     "fetch-assets": ("hylo.jobs.fetch_assets", "fetch the offline assets (model, ShareGPT, HumanEval) into the cache"),
     "configs": ("hylo.jobs.configs", "list the shipped config files, print one or copy one out to edit"),
