@@ -41,13 +41,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from hylo.pipeline.cli import BadArgument, int_at_least
-from hylo.pipeline.config import ConfigError, add_config_args, config_file
+from hylo.pipeline.config import ConfigError, add_config_args, config_file, maybe_print_config
+from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.teacher.sources.base import ResourceDemand
+
+if TYPE_CHECKING:
+    from hylo.pipeline.train.config import StageConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 OBJECT_STORE_BYTES = 100 * 2**20
@@ -251,10 +255,12 @@ def watching(seen: Seen, every_s: float = 0.5) -> Iterator[None]:
         t.join()
 
 
-def kind_of(actor: dict[str, Any]) -> str | None:
+def kind_of(actor: dict[str, Any], pool_app: str | None) -> str | None:
+    """What an actor of the GCS's table is to the run: a Ray Train worker, a replica of the teacher pool's Serve
+    app (class `ServeReplica:<app>:<deployment>`), or neither (controllers, proxies)."""
     if actor["class"] == "RayTrainWorker":
         return "train worker"
-    if actor["class"].startswith("ServeReplica:") and "TeacherDeployment" in actor["class"]:
+    if pool_app is not None and actor["class"].startswith(f"ServeReplica:{pool_app}:"):
         return "teacher replica"
     return None
 
@@ -288,21 +294,17 @@ def main(argv: list[str] | None = None) -> int:
     from hylo.pipeline.train.driver import resource_demand
 
     args = build_parser().parse_args(argv)
-    if not args.config:
-        raise BadArgument("--config: which recipe to rehearse (a file or a shipped config's name)")
-    recipe = config_file(args.config)
+    recipe = config_file(args.config) if args.config else None
     cfg = load_stage_config(args.stage, recipe, args.overrides)
-    if args.print_config:
-        from hylo.pipeline.config import maybe_print_config
-
-        maybe_print_config(cfg, args)
-    cluster_path = Path(args.cluster) if args.cluster else cluster_file_of(recipe)
+    maybe_print_config(cfg, args)
+    cfg = resolve_paths(cfg)
+    cluster_path = Path(args.cluster) if args.cluster else cluster_file_of(recipe) if recipe else None
     if args.cluster and not cluster_path.is_file():
         raise BadArgument(f"--cluster: {cluster_path} does not exist")
     node = declared_node(cluster_path, args.gpus_per_node, args.cpus_per_node)
     nodes = [dict(node) for _ in range(args.nodes)]
     demand = resource_demand(cfg)
-    label = f"{recipe} (stage {args.stage}) on {args.nodes} node(s) of {{{_res(node)}}}"
+    label = f"{recipe or 'the default config'} (stage {args.stage}) on {args.nodes} node(s) of {{{_res(node)}}}"
     try:
         plan = plan_placement(demand, nodes)
     except ConfigError as e:
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     from hylo.pipeline.cli import report_error
 
     try:
-        report = rehearse(args.stage, recipe, args.overrides, nodes, args.timeout)
+        report = rehearse(cfg, nodes, args.timeout)
     except RehearsalError as e:
         report_error(f"rehearsal of {label} failed: {e}")
         return 1
@@ -372,10 +374,10 @@ def simulated_cluster(nodes: list[dict[str, float]]) -> Iterator[Any]:
                 os.environ[k] = v
 
 
-def rehearse(stage: int, recipe: Path, overrides: list[str], nodes: list[dict[str, float]],
-             timeout_s: float) -> dict[str, Any]:
-    """One step of `recipe`'s stage on a simulated cluster of `nodes`; what was placed where (see the module
-    docstring). Raises RehearsalError when something was not placed, stayed pending or the step failed."""
+def rehearse(recipe: StageConfig, nodes: list[dict[str, float]], timeout_s: float) -> dict[str, Any]:
+    """One step of the stage of `recipe` (a loaded config) on a simulated cluster of `nodes`, its models and
+    rows swapped for tiny ones (`tiny_overrides`); what was placed where (see the module docstring). Raises
+    RehearsalError when something was not placed, stayed pending or the step did not happen."""
     import ray
 
     from hylo.pipeline.train import driver
@@ -388,8 +390,10 @@ def rehearse(stage: int, recipe: Path, overrides: list[str], nodes: list[dict[st
     try:
         print("[rehearse] tiny teacher (random Llama, 2 layers) and its HyLo student", flush=True)
         models = make_tiny_models(work / "models")
-        cfg = load_stage_config(stage, recipe, [*overrides, *tiny_overrides(stage, models, work / "runs",
-                                                                              free_port())])
+        stage = recipe.stage
+        given = work / "recipe.yaml"
+        given.write_text(yaml.safe_dump(config_to_dict(recipe), sort_keys=False))
+        cfg = load_stage_config(stage, given, tiny_overrides(stage, models, work / "runs", free_port()))
         expect = {d.what: d.count for d in driver.resource_demand(cfg) if d.count}
         path = work / "rehearsal.yaml"
         path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
@@ -422,7 +426,9 @@ def rehearse(stage: int, recipe: Path, overrides: list[str], nodes: list[dict[st
                 raise box["error"]
             metrics = read_metrics(run_dir(cfg))
         seconds = time.time() - t0
-        placed = [(kind_of(a), names.get(a["node"], "?"), a) for a in seen.actors.values() if kind_of(a)]
+        app = cfg.teacher.pool.app_name if stage == 2 else None
+        placed = [(kind_of(a, app), names.get(a["node"], 0), a) for a in seen.actors.values()
+                  if kind_of(a, app) and a["node"] in names]
         problems = []
         for what, n in expect.items():
             got = sum(1 for k, _, _ in placed if k == what)
@@ -434,7 +440,8 @@ def rehearse(stage: int, recipe: Path, overrides: list[str], nodes: list[dict[st
             problems.append(describe_pending(seen, names))
         if problems:
             raise RehearsalError("; ".join(problems))
-        return {"recipe": str(recipe), "stage": stage, "nodes": nodes, "placed": placed,
+        each = {d.what: d.resources for d in driver.resource_demand(cfg)}
+        return {"stage": stage, "each": each, "nodes": nodes, "placed": placed,
                 "step": metrics[max(metrics)], "seconds": seconds, "ray_seconds": time.time() - t_ray}
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -455,10 +462,12 @@ def print_report(r: dict[str, Any]) -> None:
     for what, node, _ in sorted(r["placed"], key=lambda p: (p[1], p[0])):
         per_node.setdefault(node, []).append(what)
     print(f"[rehearse] placed ({len(r['placed'])} actors):", flush=True)
-    print("[rehearse]   node | train workers | teacher replicas", flush=True)
-    for node in range(1, len(r["nodes"]) + 1):
+    print("[rehearse]   node | train workers | teacher replicas | GPU used | CPU used", flush=True)
+    for node, declared in enumerate(r["nodes"], start=1):
         kinds = per_node.get(node, [])
-        print(f"[rehearse]   {node:>4} | {kinds.count('train worker'):>13} | {kinds.count('teacher replica'):>16}",
+        used = {k: sum(r["each"][w].get(k, 0.0) for w in kinds) for k in ("GPU", "CPU")}
+        print(f"[rehearse]   {node:>4} | {kinds.count('train worker'):>13} | {kinds.count('teacher replica'):>16} | "
+              f"{_fmt(used['GPU']):>3} of {_fmt(declared['GPU']):<2} | {_fmt(used['CPU']):>3} of {_fmt(declared['CPU'])}",
               flush=True)
     print(f"[rehearse] ok: every actor placed, step 1 done (loss {r['step']['loss']:.4f}), nothing pending; "
           f"{r['seconds']:.0f} s ({r['ray_seconds']:.0f} s with Ray)", flush=True)
