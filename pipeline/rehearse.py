@@ -318,11 +318,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{_fmt(node['CPU'] * args.nodes)} CPU", flush=True)
     if args.check_only:
         return 0
-    from hylo.pipeline.cli import report_error
+    from hylo.pipeline.cli import _stop_ray_logs, input_error_message, report_error
+    from hylo.pipeline.train.driver import TrainingError
 
     try:
         report = rehearse(cfg, nodes, args.timeout)
-    except RehearsalError as e:
+    except (RehearsalError, TrainingError) as e:
+        if input_error_message(e) is not None:
+            raise  # a worker's input error: job_main's one line and exit status 2
+        _stop_ray_logs()
         report_error(f"rehearsal of {label} failed: {e}")
         return 1
     print_report(report)
