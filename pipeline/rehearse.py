@@ -13,8 +13,9 @@ use_gpu; teacher.pool.num_replicas, num_gpus, num_cpus, resources) and:
 2. starts `ray.cluster_utils.Cluster` with that many nodes, each declaring `--gpus-per-node` GPUs, the CPUs
    and the custom resources of the cluster file (`--cluster`, default the one the recipe names; e.g. the
    accelerator_type resource the recipe's workers ask for);
-3. runs the real stage driver (pipeline/train/driver.py) for one optimiser step, the student and the teacher
-   swapped for a tiny random Llama and its HyLo conversion, rows for short synthetic ones;
+3. runs the real stage job (jobs/stageN.py, a child process joined to the cluster) for one optimiser step,
+   the student and the teacher swapped for a tiny random Llama and its HyLo conversion, rows for short
+   synthetic ones (a run past --timeout is stopped, and what is still pending is named);
 4. checks, from the GCS's own tables, that every worker and replica was placed (and on which node), that
    the step finished, and that no actor or placement group is left pending; prints a table.
 
@@ -318,15 +319,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{_fmt(node['CPU'] * args.nodes)} CPU", flush=True)
     if args.check_only:
         return 0
-    from hylo.pipeline.cli import _stop_ray_logs, input_error_message, report_error
-    from hylo.pipeline.train.driver import TrainingError
+    from hylo.pipeline.cli import report_error
 
     try:
         report = rehearse(cfg, nodes, args.timeout)
-    except (RehearsalError, TrainingError) as e:
-        if input_error_message(e) is not None:
-            raise  # a worker's input error: job_main's one line and exit status 2
-        _stop_ray_logs()
+    except RehearsalError as e:
         report_error(f"rehearsal of {label} failed: {e}")
         return 1
     print_report(report)
@@ -402,32 +399,21 @@ def rehearse(recipe: StageConfig, nodes: list[dict[str, float]], timeout_s: floa
         path = work / "rehearsal.yaml"
         path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         seen = Seen()
-        with simulated_cluster(nodes):
+        with simulated_cluster(nodes) as cluster:
             # node 1 is the head, the others in the order they joined
             head = ray.get_runtime_context().get_node_id()
             others = [n["NodeID"] for n in ray.nodes() if n["NodeID"] != head]
             names = {nid: i + 1 for i, nid in enumerate([head, *others])}
             t_ray = time.time()
-            box: dict[str, Any] = {}
-
-            def go() -> None:
-                try:
-                    box["summary"] = driver.run(stage, ["--config", str(path)])
-                except BaseException as e:  # noqa: BLE001 - handed to the main thread
-                    box["error"] = e
-
             with watching(seen):
-                runner = threading.Thread(target=go, name="rehearse-run", daemon=True)
-                runner.start()
-                deadline = time.monotonic() + timeout_s
-                while runner.is_alive() and time.monotonic() < deadline:
-                    runner.join(0.5)
+                rc, last = run_stage_job(stage, path, cluster.address, timeout_s)
                 seen.poll()
-                if runner.is_alive():
-                    raise RehearsalError(f"no step within --timeout {timeout_s:g} s; "
-                                         + describe_pending(seen, names))
-            if "error" in box:
-                raise box["error"]
+            if rc is None:
+                raise RehearsalError(f"no step within --timeout {timeout_s:g} s; " + describe_pending(seen, names))
+            if rc == 2:
+                raise ConfigError(last.removeprefix("error: "))
+            if rc != 0:
+                raise RehearsalError(f"the stage-{stage} job exited with status {rc}: {last}")
             metrics = read_metrics(run_dir(cfg))
         seconds = time.time() - t0
         app = cfg.teacher.pool.app_name if stage == 2 else None
@@ -449,6 +435,39 @@ def rehearse(recipe: StageConfig, nodes: list[dict[str, float]], timeout_s: floa
                 "step": metrics[max(metrics)], "seconds": seconds, "ray_seconds": time.time() - t_ray}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def run_stage_job(stage: int, config: Path, address: str, timeout_s: float) -> tuple[int | None, str]:
+    """`python -m hylo.jobs.stageN --config CONFIG` joined to the simulated cluster, its output passed through;
+    (exit status or None after `timeout_s`, its last line on stderr). A child process, not a thread: a run that
+    does not finish is stopped (SIGTERM, then SIGKILL) before the cluster goes, as a job on a real cluster."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAY_ADDRESS": address}
+    proc = subprocess.Popen([sys.executable, "-m", f"hylo.jobs.stage{stage}", "--config", str(config)],
+                            env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    lines: list[str] = []
+
+    def echo() -> None:
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            if line.strip():
+                lines.append(line.rstrip())
+
+    reader = threading.Thread(target=echo, name="rehearse-stderr", daemon=True)
+    reader.start()
+    try:
+        rc: int | None = proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        rc = None
+        for stop in (proc.terminate, proc.terminate, proc.kill):
+            stop()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(15)
+                break
+    reader.join(5)
+    return rc, (lines[-1] if lines else "")
 
 
 class RehearsalError(RuntimeError):
