@@ -287,6 +287,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "place-layers": ("hylo.jobs.place_layers", "choose which layers keep full attention (MLA) by measurement"),
     "estimate": ("hylo.jobs.estimate", "memory per GPU and FLOPs of one training step of a config, on fake tensors"),
     "kernels-check": ("hylo.jobs.kernels_check", "compile every Triton kernel of a config's step for each target GPU (no GPU needed)"),
+    "rehearse": ("hylo.jobs.rehearse", "rehearse a recipe's Ray topology on simulated GPU nodes (CPU, tiny models)"),
     "demo": ("hylo.jobs.demo", "the whole recipe on SmolLM2-135M-Instruct and ShareGPT, on local Ray, on CPU"),
     "fetch-assets": ("hylo.jobs.fetch_assets", "fetch the offline assets (model, ShareGPT, HumanEval) into the cache"),
     "configs": ("hylo.jobs.configs", "list the shipped config files, print one or copy one out to edit"),

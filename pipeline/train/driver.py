@@ -404,6 +404,36 @@ def resume_hint(run: Loc) -> str:
     return f"run the same command with --resume to continue {where}"
 
 
+def auto_torch_config() -> Any:
+    """Ray Train's TorchConfig whose backend the first worker chooses (loop.collective_backend): NCCL where
+    torch sees the GPUs Ray gave it, gloo with one line saying why where it sees none. Ray's own choice is
+    NCCL whenever GPUs are requested, whose process group a torch without CUDA cannot create."""
+    from dataclasses import dataclass, replace
+
+    from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _TorchBackend
+
+    from hylo.pipeline.train.loop import collective_backend
+
+    class AutoBackend(_TorchBackend):
+        def on_start(self, worker_group: Any, backend_config: Any) -> None:
+            use_gpu = worker_group.get_resources_per_worker().get("GPU", 0) > 0
+            backend, note = worker_group.execute_single(0, collective_backend, use_gpu)
+            if note:
+                print(f"[train] {note}", flush=True)
+            super().on_start(worker_group, replace(backend_config, backend=backend))
+
+    @dataclass
+    class AutoTorchConfig(TorchConfig):
+        backend: str | None = "auto"
+
+        @property
+        def backend_cls(self) -> type:
+            return AutoBackend
+
+    return AutoTorchConfig()
+
+
 def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -423,6 +453,7 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu,
                                      resources_per_worker=worker_resources(cfg)),
         run_config=run_config(cfg, run),
+        torch_config=auto_torch_config(),
     )
     from hylo.pipeline.train.failures import final_input_errors
 

@@ -149,12 +149,29 @@ def zero_partition_report(engine, ctx: WorkerContext) -> dict[str, Any]:
     return report
 
 
+def collective_backend(use_gpu: bool) -> tuple[str, str | None]:
+    """The one place the GPU branch is chosen: NCCL (RCCL on ROCm) and a CUDA device when the config asks for
+    GPUs (`ray.use_gpu`) and torch sees one, else gloo on CPU; with, when GPUs were asked for but torch sees
+    none (a CPU-only torch, a driver that does not load, GPUs that Ray only declares), the line that says so.
+    Ray Train's backend (driver.AutoTorchConfig) and `setup_distributed` both follow it."""
+    if not use_gpu or torch.cuda.is_available():
+        return ("nccl" if use_gpu else "gloo"), None
+    visible = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES") if k in os.environ}
+    given = ", ".join(f"{k}={v}" for k, v in visible.items()) or "no *_VISIBLE_DEVICES"
+    return "gloo", (f"ray.use_gpu is true and the worker was given GPUs ({given}), but torch {torch.__version__} "
+                    "sees no CUDA/ROCm device: training on CPU with gloo instead of NCCL")
+
+
 def setup_distributed(cfg: StageConfig) -> tuple[int, int, torch.device]:
     import deepspeed
 
-    use_gpu = cfg.ray.use_gpu and torch.cuda.is_available()
+    backend, note = collective_backend(cfg.ray.use_gpu)
+    use_gpu = backend == "nccl"
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
+        if note and int(os.environ.get("RANK", "0")) == 0:
+            # under torchrun (under Ray Train the driver's backend said it already)
+            print(f"[train] {note}", flush=True)
+        deepspeed.init_distributed(dist_backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if use_gpu:
         local = int(os.environ.get("LOCAL_RANK", "0"))
