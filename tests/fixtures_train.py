@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 
@@ -177,3 +178,25 @@ def fake_s3(bucket: str = "bucket") -> Iterator[Callable[[str], str]]:
     """A local S3 server (moto) for tests: yields `uri(key)` -> `s3://<bucket>/<key>?endpoint_override=...`."""
     with s3_server(bucket) as s3:
         yield s3.uri
+
+
+@pytest.fixture(scope="module")
+def gloo() -> Iterator[None]:
+    """A one-process gloo group's environment, as torchrun sets it up for a single rank (the tests that run the
+    real loop in-process: test_train_step, test_train_nonfinite)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1", "TORCH_EXTENSIONS_DIR": os.environ.get(
+               "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "hylo" / "torch_extensions"))}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        yield
+        if dist.is_initialized():
+            dist.destroy_process_group()

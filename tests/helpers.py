@@ -86,6 +86,27 @@ def bad_cu_seqlens_cases() -> list[Any]:
 # ------------------------------------------------------------------ mixers (GatedDeltaNet, Mamba2Mixer)
 
 
+def fake_fla_gdn(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Our GDN call site sends CPU tensors to a stand-in for fla's `chunk_gated_delta_rule` that records the
+    keyword arguments of each call (returned list) and returns zeros: what the call site passes fla."""
+    import sys
+    import types
+
+    import hylo.kernels.gdn.chunk as gdn_chunk
+
+    calls: list[dict[str, Any]] = []
+
+    def fake_fla(q, k, v, g, beta, **kw):
+        calls.append(kw)
+        return v * 0, None
+
+    fake = types.ModuleType("fla.ops.gated_delta_rule")
+    fake.chunk_gated_delta_rule = fake_fla  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    monkeypatch.setattr(gdn_chunk, "use_fla", lambda x: True)
+    return calls
+
+
 def packed_vs_separate(layer: nn.Module, bounds: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A packed row of documents `bounds` (float64) through `layer`, and each document on its own:
     asserts the outputs agree; returns (x, y_packed, y_separate) for gradient checks."""

@@ -6,14 +6,10 @@ algebraically equal, so any difference beyond round-off is a bug.
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-import hylo.kernels.gdn.chunk as gdn_chunk
 from hylo.kernels.gdn import (
     GatedDeltaRuleInputError,
     chunk_gated_delta_rule,
@@ -24,6 +20,7 @@ from helpers import (
     assert_close,
     bad_cu_seqlens_cases,
     compare_runs,
+    fake_fla_gdn,
     forward_backward,
     one_thread,  # noqa: F401 (autouse fixture)
 )
@@ -160,16 +157,7 @@ def test_single_token_and_no_final_state():
 
 def test_gpu_dispatch_goes_to_fla(monkeypatch):
     """When the backend says fla, the call is forwarded unchanged (cu_seqlens as int64)."""
-    calls = []
-
-    def fake_fla(q, k, v, g, beta, **kw):
-        calls.append(kw)
-        return v * 0, None
-
-    fake = types.ModuleType("fla.ops.gated_delta_rule")
-    fake.chunk_gated_delta_rule = fake_fla
-    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
-    monkeypatch.setattr(gdn_chunk, "use_fla", lambda x: True)
+    calls = fake_fla_gdn(monkeypatch)
     q, k, v, g, beta, _ = (x.detach() if x is not None else None for x in make_inputs(1, 10, 2, 8, 8, h0=False))
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
     chunk_gated_delta_rule(q, k, v, g, beta, scale=0.5, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)

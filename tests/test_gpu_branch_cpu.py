@@ -20,6 +20,8 @@ from fla_interpret import MODEL_CASES, OP_CASES, tolerance
 
 import hylo.kernels.backend as backend
 
+from helpers import fake_fla_gdn
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -119,20 +121,9 @@ def test_gpu_mode_needs_the_interpreter_on_cpu(fla_importable, monkeypatch):
 def test_gdn_call_site_passes_fla_a_chunk_size_it_takes(monkeypatch, ours, fla):
     """fla's GDN kernel raises on chunk sizes other than 16, 32, 64; `gdn_chunk_size` is any positive int
     (the torch path's chunk length), so the call site gives fla 64 for the others."""
-    import types
-
     import hylo.kernels.gdn.chunk as gdn_chunk
 
-    calls = []
-
-    def fake_fla(q, k, v, g, beta, **kw):
-        calls.append(kw)
-        return v * 0, None
-
-    fake = types.ModuleType("fla.ops.gated_delta_rule")
-    fake.chunk_gated_delta_rule = fake_fla
-    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
-    monkeypatch.setattr(gdn_chunk, "use_fla", lambda x: True)
+    calls = fake_fla_gdn(monkeypatch)
     q, k, v = torch.randn(1, 10, 2, 8), torch.randn(1, 10, 2, 8), torch.randn(1, 10, 2, 8)
     gdn_chunk.chunk_gated_delta_rule(q, k, v, -torch.rand(1, 10, 2), torch.rand(1, 10, 2), chunk_size=ours)
     assert calls[0]["chunk_size"] == fla

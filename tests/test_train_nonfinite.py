@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import socket
 from pathlib import Path
 
@@ -24,7 +23,11 @@ import torch.distributed as dist
 
 from hylo.pipeline.train.nonfinite import NonFiniteError, NonFiniteGuard, local_weights_finite, nonfinite_keys
 
+import fixtures_train
 from helpers import one_thread  # noqa: F401  (one_thread: autouse)
+
+# the one-rank gloo group of the in-process loop runs (shared with the other module that runs it)
+gloo = fixtures_train.gloo
 
 
 # ------------------------------------------------------------------------------------ the guard alone
@@ -186,23 +189,6 @@ def test_the_check_adds_no_host_read_to_a_step(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ the real loop
-@pytest.fixture(scope="module")
-def gloo():
-    """A one-process gloo group's environment, as torchrun would set it up for a single rank."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
-           "WORLD_SIZE": "1", "TORCH_EXTENSIONS_DIR": os.environ.get(
-               "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "hylo" / "torch_extensions"))}
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        yield
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from fixtures_train import make_tiny_models

@@ -21,13 +21,8 @@ is 1e-4.
 
 from __future__ import annotations
 
-import os
-import socket
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from hylo.pipeline.data.rows import PackedRow, check_row
@@ -36,6 +31,7 @@ from hylo.pipeline.train.loop import cosine_with_warmup, reduce_record, setup_di
 from hylo.pipeline.train.row_sources import SyntheticRows, open_rows
 from hylo.pipeline.train.worker import StepResult, WorkerContext
 
+import fixtures_train
 from helpers import assert_close, one_thread  # noqa: F401  (one_thread: autouse)
 
 pytestmark = pytest.mark.slow  # starts DeepSpeed
@@ -45,22 +41,8 @@ G = 3
 # The step's lr: the first step of a 10-step schedule with 5 warm-up steps runs at 1/5 of optim.lr.
 LR, WARMUP = 1e-3, 0.5
 
-
-@pytest.fixture(scope="module")
-def gloo():
-    """A one-process gloo group, as torchrun would set it up for a single rank."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
-           "WORLD_SIZE": "1", "TORCH_EXTENSIONS_DIR": os.environ.get(
-               "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "hylo" / "torch_extensions"))}
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        yield
-        if dist.is_initialized():
-            dist.destroy_process_group()
+# the one-rank gloo group of the in-process loop runs (shared with the other module that runs it)
+gloo = fixtures_train.gloo
 
 
 @pytest.fixture(scope="module")
