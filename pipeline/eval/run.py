@@ -336,10 +336,13 @@ def check_out(cfg: EvalConfig) -> None:
 
 def write_results(res: dict[str, Any], out: Path, names: list[str] | None = None) -> None:
     """results.json and results.md, atomically, into `out`; only over files of ours (`check_own_files`), and
-    recorded as ours (`record_files`), with `names` (default: those two) the files the job writes there."""
-    names = names or ["results.json", "results.md"]
+    recorded as ours (`record_files`), with `names` (default: those two) the files the job wrote there. Only the
+    two results files are checked here: the others (lm_eval/, written by the harness during the run) were checked
+    before the run (`check_out`) and are this run's own by now."""
+    results = ["results.json", "results.md"]
+    names = names or results
     out.mkdir(parents=True, exist_ok=True)
-    check_own_files(out, names, "out")
+    check_own_files(out, results, "out")
     atomic_write(out / "results.json", json.dumps(res, indent=1, default=str))
     atomic_write(out / "results.md", render_markdown(res))
     record_files(out, names)
