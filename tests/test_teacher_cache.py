@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -259,8 +260,11 @@ def test_ray_job_resumes_after_partial_shards(env, tmp_path):
     for p in todo[:2]:
         compute_shard(env["teacher"], cfg.data, cfg.out, header, p)
     done = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / SHARD_DIR).glob("*.parquet")}
-    # ... and a write cut half-way leaves only a temporary file: it must be swept, never read.
-    (out / SHARD_DIR / ".shard-00002.parquet.tmp-dead").write_bytes(b"partial")
+    # ... and a write cut half-way leaves only a temporary file (atomic_path's name, of a process that is gone):
+    # it must be swept, never read.
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    (out / SHARD_DIR / f".shard-00002.parquet.tmp-{proc.pid}-0123abcd").write_bytes(b"partial")
     with ray_running(None, 2, log_to_driver=False):
         second = run_cache_job(_cfg(env, out, k=8), log=lambda *_: None)
     assert second["computed"] == ["shard-00002", "shard-00003"] and second["complete"]
@@ -307,7 +311,6 @@ def test_out_holding_files_of_the_user_is_refused(env, tmp_path):
 
 
 def test_rerun_resumes_its_own_cache_and_sweeps_only_dead_leftovers(env, tmp_path):
-    import subprocess
 
     from hylo.files import OUTPUT_RECORD, recorded_entries
 
@@ -353,7 +356,6 @@ def test_job_refuses_out_inside_the_data_in_one_line(env, tmp_path, capsys):
 
 
 def test_hylo_clean_sweeps_a_killed_writers_shard(env, tmp_path, capsys):
-    import subprocess
 
     from hylo.jobs import clean
 
