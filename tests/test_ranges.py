@@ -275,3 +275,15 @@ def test_load_config_of_every_shipped_config_is_unchanged_by_the_bounds():
     for name, path in shipped_configs().items():
         tree, _ = read_config_file(path)
         assert yaml.safe_load(path.read_text()) == tree, name
+
+
+def test_an_lr_beyond_float32_is_refused_before_any_step():
+    """optim.lr=1e39 crashed inside torch's Adam with a traceback (exit 1): it cannot be a float32. The config
+    check names the setting instead; 1e30 (finite in float32) stays a valid, if absurd, setting that the
+    non-finite guard stops at its first NaN step (tests/test_train_nonfinite.py)."""
+    from hylo.pipeline.config import ConfigError, build_config
+    from hylo.pipeline.train.config import OptimSection
+
+    with pytest.raises(ConfigError, match=r"lr.*float32"):
+        build_config(OptimSection, {"lr": 1e39}, "t.yaml")
+    assert build_config(OptimSection, {"lr": 1e30}, "t.yaml").lr == 1e30

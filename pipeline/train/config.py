@@ -112,7 +112,7 @@ class DataSection:
 
 
 @dataclass
-@rules(lr=above(0), min_lr_ratio=between(0, 1), warmup_ratio=between(0, 1, hi_open=True), weight_decay=at_least(0),
+@rules(lr=between(0, 1e38, lo_open=True, hi_open=True, note="torch's Adam keeps lr in float32, whose largest value is 3.4e38"), min_lr_ratio=between(0, 1), warmup_ratio=between(0, 1, hi_open=True), weight_decay=at_least(0),
        betas=each(between(0, 1, hi_open=True)), eps=above(0), grad_clip=at_least(0))
 class OptimSection:
     lr: float = 2e-4
