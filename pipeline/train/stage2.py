@@ -30,6 +30,7 @@ from torch import nn
 
 from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div
 from hylo.kernels.fused_kl.inputs import check_deferred
+from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.rows import PackedRow
@@ -37,7 +38,7 @@ from hylo.pipeline.teacher.protocol import BoundTeacher
 from hylo.pipeline.teacher.sources import open_teacher
 from hylo.pipeline.train.config import Stage2Config
 from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
-from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
+from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_slice, row_to_device, token_range
 
 
 # ------------------------------------------------------------------------------------ student side
@@ -53,21 +54,69 @@ class KDStudent(nn.Module):
 
             deepspeed.zero.register_external_parameter(self, student.lm_head.weight)
 
-    def forward(self, input_ids_T: torch.Tensor, bounds: DocBounds, loss_mask_T: torch.Tensor,
+    def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, bounds: DocBounds | Any,
+                loss_mask_T: torch.Tensor, labels_T: torch.Tensor | None,
                 teacher: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One packed row on the device: its tokens, its host-checked boundaries (the forward reads nothing
-        back from the device) and its loss mask; the label of token t is token t + 1 (where the mask is set,
-        inside its document)."""
-        h_TD = self.student.model(input_ids=input_ids_T[None], position_ids=bounds.positions[None],
+        """This rank's tokens of one packed row on the device (T: the whole row, or its slice at sequence
+        parallelism): ids, in-document positions, the host-checked boundaries (`DocBounds`, or the `RowShard`
+        of a split row; the forward reads nothing back from the device), loss mask, and the labels of the
+        CE term (token t + 1 of the unsplit row; None without it), with the teacher's targets of these tokens."""
+        h_TD = self.student.model(input_ids=input_ids_T[None], position_ids=positions_T[None],
                                   cu_seqlens=bounds).last_hidden_state[0]
         w_VD = self.student.lm_head.weight
         kl = fused_linear_kl_div(h_TD, w_VD, **teacher, mask=loss_mask_T, temperature=self.kd.temperature,
                                  reduction="sum", chunk_size=self.kd.chunk_size)
         ce = h_TD.new_zeros((), dtype=torch.float32)
         if self.kd.ce_weight:
-            ce = fused_linear_cross_entropy(h_TD, w_VD, torch.roll(input_ids_T, -1), mask=loss_mask_T,
+            ce = fused_linear_cross_entropy(h_TD, w_VD, labels_T, mask=loss_mask_T,
                                             reduction="sum", chunk_size=self.kd.chunk_size)
         return kl, ce
+
+
+def teacher_range(targets: dict[str, Any], start: int, end: int) -> dict[str, Any]:
+    """One row's teacher targets (`BoundTeacher.targets`) cut to its tokens [start, end)."""
+    out: dict[str, Any] = {}
+    for name, v in targets.items():
+        if isinstance(v, TeacherTopK):
+            v = TeacherTopK(*(x[start:end] if x is not None else None for x in v))
+        elif name == "teacher_logits_fn":
+            v = _ShiftedLogits(v, start)
+        elif name != "teacher_weight":
+            v = v[start:end]
+        out[name] = v
+    return out
+
+
+class _ShiftedLogits:
+    """`teacher_logits_fn` of a row's slice starting at `start`: rows i:j of the slice are start + i:start + j."""
+
+    def __init__(self, fn: Any, start: int) -> None:
+        self.fn, self.start = fn, start
+
+    def __call__(self, i: int, j: int) -> torch.Tensor:
+        return self.fn(self.start + i, self.start + j)
+
+
+def step_inputs(row: PackedRow, teacher: dict[str, Any], ctx: WorkerContext, ce: bool) -> tuple[Any, ...]:
+    """KDStudent's inputs for this rank's tokens of `row`: the whole row, or at train.sequence_parallel > 1
+    this rank's slice [s, e) with the unsplit row's boundaries (`row_slice`), the teacher's targets of those
+    tokens and the CE labels of the unsplit row (its next tokens) cut to them."""
+    d = row_to_device(row, ctx.device)
+    sl = row_slice(d, ctx)
+    labels = torch.roll(d.input_ids, -1) if ce else None
+    if sl.whole:
+        return d.input_ids, sl.positions, sl.cu, d.loss_mask, labels, teacher
+    s, e = sl.start, sl.end
+    return (d.input_ids[s:e], sl.positions, sl.cu, d.loss_mask[s:e], None if labels is None else labels[s:e],
+            teacher_range(teacher, s, e))
+
+
+def loss_tokens(row: PackedRow, ctx: WorkerContext) -> int:
+    """The loss tokens of this rank's tokens of `row` (a host count)."""
+    if ctx.sp_size == 1:
+        return row.loss_tokens
+    s, e = token_range(row, ctx)
+    return int(row.loss_mask[s:e].sum())
 
 
 # ------------------------------------------------------------------------------------ build + step
@@ -99,7 +148,10 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage2Task:
 def train_step(task: Stage2Task, rows: list[PackedRow], ctx: WorkerContext) -> StepResult:
     """One optimiser step: teacher -> student -> fused KL (+ CE) -> backward, over this rank's rows."""
     kd, engine = task.cfg.kd, task.engine
-    n_global = ctx.all_sum([float(sum(r.loss_tokens for r in rows))])[0]
+    # at sequence parallelism each rank counts (and scores) the loss tokens of its own slice: summed over all
+    # ranks, every row counts once
+    mine = [loss_tokens(r, ctx) for r in rows]
+    n_global = ctx.all_sum([float(sum(mine))])[0]
     scale = ctx.world_size / max(n_global, 1.0)
     lr = current_lr(engine)
     out = {"loss_sum": 0.0, "kl_sum": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
@@ -108,16 +160,16 @@ def train_step(task: Stage2Task, rows: list[PackedRow], ctx: WorkerContext) -> S
     # the reader's rows are checked PackedRows already (pipeline/data/reader.py): no check here
     targets = task.teacher.targets(rows, ctx.device)
     for i, (row, teacher) in enumerate(zip(rows, targets)):
-        d = row_to_device(row, ctx.device)
-        kl, ce = engine(d.input_ids, d.bounds(), d.loss_mask, teacher)
+        inputs = step_inputs(row, teacher, ctx, bool(kd.ce_weight))
+        kl, ce = engine(*inputs)
         loss = kd.kl_weight * kl + kd.ce_weight * ce
         engine.backward(loss * scale, scale_wrt_gas=False)
         if i == 0:
             ctx.hook("mid_step")
         engine.step()
         sums.append(torch.stack([loss.detach(), kl.detach(), ce.detach()]).double())
-        out["loss_tokens"] += float(row.loss_tokens)
-        out["tokens"] += float(row.num_tokens)
+        out["loss_tokens"] += float(mine[i])
+        out["tokens"] += float(inputs[0].shape[0])
     # the fused KL's input checks left device flags (kernels/fused_kl/inputs.py): read them with the sums
     check_deferred()
     out["loss_sum"], out["kl_sum"], out["ce_sum"] = torch.stack(sums).sum(0).tolist()
