@@ -96,8 +96,9 @@ class BaseLayerTargets:
 
 # ------------------------------------------------------------------------------------ student side
 def token_distance(x_BTD: torch.Tensor, y_BTD: torch.Tensor, squared: bool) -> torch.Tensor:
-    """Per-token L2 distance [T] in fp32."""
-    d2_T = (x_BTD.float() - y_BTD.float()).pow(2).sum(-1)[0]
+    """Per-token L2 distance [T] in fp32 (fp64 for fp64 inputs: the exactness tests)."""
+    dt = torch.promote_types(x_BTD.dtype, torch.float32)
+    d2_T = (x_BTD.to(dt) - y_BTD.to(dt)).pow(2).sum(-1)[0]
     return d2_T if squared else torch.sqrt(d2_T + EPS)
 
 
@@ -173,27 +174,32 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage1Task:
     return Stage1Task(engine, student, BaseLayerTargets(base), cfg)
 
 
+def step_inputs(base: BaseLayerTargets, row: PackedRow, ctx: WorkerContext) -> tuple[Any, ...]:
+    """ILDStudent's inputs for this rank's tokens of `row`: the base's layer targets, positions, boundaries and
+    real-token mask of the whole row, or at train.sequence_parallel > 1 of this rank's slice [s, e) (the base
+    runs on the whole row; the unsplit row's boundaries and positions, `row_slice`)."""
+    d = row_to_device(row, ctx.device)
+    sl = row_slice(d, ctx)
+    x_in, y_out, y_mix = base(d, None if sl.whole else (sl.start, sl.end))
+    tokens_T = _mine(row.real_tokens(), row, ctx).to(ctx.device)
+    return sl.positions[None], sl.cu, x_in, y_out, y_mix, tokens_T
+
+
 def train_step(task: Stage1Task, rows: list[PackedRow], ctx: WorkerContext) -> StepResult:
     """One optimiser step: base layer targets -> student layers on base inputs -> L2 losses -> backward."""
     ild, engine = task.cfg.ild, task.engine
     # each rank's real tokens of its own slice of each row (the whole row at sp_size 1): over all ranks, every
     # row counts once
-    keep = [_mine(r.real_tokens(), r, ctx) for r in rows]
-    mine = [r.real_token_count() if ctx.sp_size == 1 else int(k.sum()) for r, k in zip(rows, keep)]
+    mine = [r.real_token_count() if ctx.sp_size == 1 else int(_mine(r.real_tokens(), r, ctx).sum()) for r in rows]
     n_global = ctx.all_sum([float(sum(mine))])[0]
     scale = ctx.world_size / max(n_global, 1.0)
     lr = current_lr(engine)
     out = {"loss_sum": 0.0, "ild_output_sum": 0.0, "ild_mixer_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
     # the loss terms stay on the device until the step's end: one host read per step, not three per row
     sums = []
-    for i, (row, keep_T) in enumerate(zip(rows, keep)):
-        d = row_to_device(row, ctx.device)
-        # at sequence parallelism: this rank's tokens [s, e) of each layer's targets, its slice of the row
-        # (the unsplit row's boundaries and positions) and of the real-token mask
-        sl = row_slice(d, ctx)
-        x_in, y_out, y_mix = task.base(d, None if sl.whole else (sl.start, sl.end))
-        tokens_T = keep_T.to(ctx.device)
-        d_out, d_mix = engine(sl.positions[None], sl.cu, x_in, y_out, y_mix, tokens_T)
+    for i, row in enumerate(rows):
+        inputs = step_inputs(task.base, row, ctx)
+        d_out, d_mix = engine(*inputs)
         loss = ild.output_weight * d_out + ild.mixer_weight * d_mix
         engine.backward(loss * scale, scale_wrt_gas=False)
         if i == 0:
@@ -201,7 +207,7 @@ def train_step(task: Stage1Task, rows: list[PackedRow], ctx: WorkerContext) -> S
         engine.step()
         sums.append(torch.stack([loss.detach(), d_out.detach(), d_mix.detach()]).double())
         out["loss_tokens"] += float(mine[i])
-        out["tokens"] += float(keep_T.shape[0])
+        out["tokens"] += float(inputs[-1].shape[0])
     out["loss_sum"], out["ild_output_sum"], out["ild_mixer_sum"] = torch.stack(sums).sum(0).tolist()
     return StepResult(out, lr, float(engine.get_global_grad_norm() or 0.0))
 
