@@ -27,6 +27,10 @@ Design choices:
 * Loss normalisation: every step's loss is a mean over all loss tokens of the global batch. Each
   micro-batch contributes `sum / n_global * W` (DeepSpeed averages gradients over W ranks and we skip
   its 1/G scaling), so packed rows with different numbers of loss tokens weigh by their tokens.
+* Sequence parallelism (`train.sequence_parallel` = N): every rank makes the groups of N consecutive ranks
+  (`worker.sequence_parallel_group`); the reader strides over the groups, so a group's ranks read the same
+  rows; a checkpoint's data position is read back in global rows (`row_sources.resume_position`), so N may
+  change on resume.
 * Fault injection (`fault.*`) is a hook on the worker context, called at named points ("mid_step" by
   the step, "after_checkpoint" here): it SIGKILLs one worker once (a marker file in the run directory
   makes it one-shot), for the recovery tests.

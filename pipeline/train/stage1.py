@@ -21,6 +21,9 @@ with d the per-token L2 distance `||u - v||_2` (`ild.squared: false`, the defaul
   base's layer inputs and compared at their own outputs): they stay the base model's in stage 1.
 * The base model runs outside DeepSpeed (frozen, inference only); the loss runs inside
   `ILDStudent.forward` with per-layer activation checkpointing.
+* Sequence parallelism (`train.sequence_parallel` > 1): the base runs on the whole row on every rank (a plain
+  transformers model), `BaseLayerTargets` keeps the rank's tokens [s, e) of each captured tensor (T/N per
+  layer), and the student's layers run on that slice with the unsplit row's boundaries (`step_inputs`).
 * The means are over the real tokens of the GLOBAL batch (every rank's rows), weighted as in stage 2:
   each micro-batch backpropagates its sum times `W / n_global`, DeepSpeed's 1/G scaling off.
 """

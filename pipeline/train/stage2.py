@@ -13,6 +13,11 @@ Design choices:
 * The teacher is one object (`hylo.pipeline.teacher.protocol.BoundTeacher`, from `teacher.source`: inprocess,
   serve or offline, and `teacher.k`: 0 = exact): it yields each row's targets of the fused KL, and the
   step zips rows and targets. The pool's requests for a step's rows are in flight together.
+* Sequence parallelism (`train.sequence_parallel` > 1; pipeline/train/README.md): each rank runs the
+  student on its slice [s, e) of the row with the unsplit row's boundaries (`worker.row_slice`), the fused KL
+  on the slice's hidden states, loss mask and the teacher targets of those tokens (`teacher_range`), CE
+  against the unsplit row's next tokens cut to the slice (`step_inputs`); it counts its slice's loss tokens,
+  so the normalisation below is unchanged.
 * Loss normalisation: the step's loss is the mean over all loss tokens of the GLOBAL batch (every
   rank's rows): each micro-batch backpropagates `loss_sum * W / n_global` with DeepSpeed's 1/G
   scaling off (`scale_wrt_gas=False`), and DeepSpeed averages the gradients over the W ranks. So a
@@ -54,13 +59,16 @@ class KDStudent(nn.Module):
 
             deepspeed.zero.register_external_parameter(self, student.lm_head.weight)
 
-    def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, bounds: DocBounds | Any,
-                loss_mask_T: torch.Tensor, labels_T: torch.Tensor | None,
-                teacher: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's tokens of one packed row on the device (T: the whole row, or its slice at sequence
-        parallelism): ids, in-document positions, the host-checked boundaries (`DocBounds`, or the `RowShard`
-        of a split row; the forward reads nothing back from the device), loss mask, and the labels of the
-        CE term (token t + 1 of the unsplit row; None without it), with the teacher's targets of these tokens."""
+    def forward(self, input_ids_T: torch.Tensor, bounds: DocBounds | Any, loss_mask_T: torch.Tensor,
+                teacher: dict[str, Any], positions_T: torch.Tensor | None = None,
+                labels_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One packed row on the device: its tokens, its host-checked boundaries (the forward reads nothing
+        back from the device) and its loss mask; the label of token t is token t + 1 (where the mask is set,
+        inside its document). At sequence parallelism: this rank's slice of the row, `bounds` the `RowShard`
+        of the unsplit row's boundaries, `positions_T` the slice's in-document positions and `labels_T` the
+        unsplit row's labels of the slice, with the teacher's targets of these tokens."""
+        if positions_T is None:
+            positions_T = bounds.positions
         h_TD = self.student.model(input_ids=input_ids_T[None], position_ids=positions_T[None],
                                   cu_seqlens=bounds).last_hidden_state[0]
         w_VD = self.student.lm_head.weight
@@ -68,6 +76,7 @@ class KDStudent(nn.Module):
                                  reduction="sum", chunk_size=self.kd.chunk_size)
         ce = h_TD.new_zeros((), dtype=torch.float32)
         if self.kd.ce_weight:
+            labels_T = torch.roll(input_ids_T, -1) if labels_T is None else labels_T
             ce = fused_linear_cross_entropy(h_TD, w_VD, labels_T, mask=loss_mask_T,
                                             reduction="sum", chunk_size=self.kd.chunk_size)
         return kl, ce
@@ -102,13 +111,12 @@ def step_inputs(row: PackedRow, teacher: dict[str, Any], ctx: WorkerContext, ce:
     this rank's slice [s, e) with the unsplit row's boundaries (`row_slice`), the teacher's targets of those
     tokens and the CE labels of the unsplit row (its next tokens) cut to them."""
     d = row_to_device(row, ctx.device)
+    if ctx.sp_size == 1:
+        return d.input_ids, d.bounds(), d.loss_mask, teacher
     sl = row_slice(d, ctx)
-    labels = torch.roll(d.input_ids, -1) if ce else None
-    if sl.whole:
-        return d.input_ids, sl.positions, sl.cu, d.loss_mask, labels, teacher
     s, e = sl.start, sl.end
-    return (d.input_ids[s:e], sl.positions, sl.cu, d.loss_mask[s:e], None if labels is None else labels[s:e],
-            teacher_range(teacher, s, e))
+    labels = torch.roll(d.input_ids, -1)[s:e] if ce else None
+    return d.input_ids[s:e], sl.cu, d.loss_mask[s:e], teacher_range(teacher, s, e), sl.positions, labels
 
 
 def loss_tokens(row: PackedRow, ctx: WorkerContext) -> int:
