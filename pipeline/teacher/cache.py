@@ -27,6 +27,9 @@ Design choices:
   never a changed teacher distribution (a cache written before carries none and reads unverified).
 * A shard's rows are read by the one reader of packed rows (`hylo.pipeline.data.reader.RowReader`, from
   the shard's first row), so the teacher is given the same checked `PackedRow`s as training.
+* A token range of a row (a sequence-parallel rank's tokens) reads the row's row group and decompresses its
+  values whole (each tensor is one binary value: the file holds no slice of it), then converts only the
+  range's bytes into tensors (`TopKCacheReader._read`).
 * Row ids are the data's `row_id` column when present, else a content hash of the row
   (`hylo.pipeline.data.rows.PackedRow.row_id`), so `get_for_row(row)` also proves the row is the same data.
 """
