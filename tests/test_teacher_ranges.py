@@ -29,7 +29,10 @@ CHUNK = 5  # logits chunks that do not line up with the ranges
 
 
 def _ranges(parts: int) -> list[tuple[int, int]]:
-    return [(i * T // parts, (i + 1) * T // parts) for i in range(parts)]
+    """The token ranges of the ranks of a sequence-parallel group of `parts`."""
+    from hylo.seq_parallel import shard_range
+
+    return [shard_range(T, rank, parts) for rank in range(parts)]
 
 
 @pytest.fixture(scope="module")
