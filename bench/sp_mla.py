@@ -81,7 +81,8 @@ def _rank(rank: int, world: int, config: str, tokens: int) -> dict[str, Any]:
         x = torch.randn(1, tokens, hc.hidden_size, generator=torch.Generator().manual_seed(1))
         x = x[:, shard.start:shard.end].clone().requires_grad_(True)
         kw = {"position_ids": shard.local.positions[None]} if hc.layer_type(idx) == "mla" else {}
-        for rep in range(2):
+        # the second of two runs (the first warms up)
+        for _ in range(2):
             before = dict(sent)
             t0 = time.perf_counter()
             y = layer(x, cu_seqlens=shard, **kw)
