@@ -192,17 +192,19 @@ def _context(cfg, dtype, rank: int = 0, world: int = 1, group=None):
                          run_dir=Path("."), grad_accum=1, sp_group=group, sp_rank=rank, sp_size=world)
 
 
-def _teacher_targets(setup, source: str, dtype) -> dict[str, Any]:
-    """The row's targets as stage 2 gets them (`open_teacher(...).targets`), from `source`."""
+def _teacher_targets(setup, source: str, dtype, ctx) -> dict[str, Any]:
+    """The targets of this rank's tokens of the row as stage 2 gets them (`stage2.teacher_targets`: the source's
+    `targets(..., token_range=)` at N > 1), from `source`."""
     from hylo.pipeline.teacher.config import TeacherModelConfig
     from hylo.pipeline.teacher.sources import open_teacher
     from hylo.pipeline.train.config import TeacherSection
+    from hylo.pipeline.train.stage2 import teacher_targets
 
     model = TeacherModelConfig(path=str(setup.base))
     section = {"inprocess": TeacherSection(model=model),
                "inprocess-logits": TeacherSection(model=model, exact_form="logits"),
                "offline": TeacherSection(source="offline", k=8, cache_path=setup.cache)}[source]
-    targets = next(open_teacher(section, VOCAB, str(setup.data)).targets([setup.row], torch.device("cpu")))
+    targets = next(teacher_targets(open_teacher(section, VOCAB, str(setup.data)), [setup.row], ctx))
     # the exact teacher's hidden states in the student's precision (the fp64 comparison)
     return {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in targets.items()}
 
@@ -222,7 +224,7 @@ def _stage2_loss_grads(setup, linear: str, source: str, dtype, ctx) -> tuple[tor
     student = load_hylo(setup.students[linear], dtype=dtype).to(dtype)
     student.gradient_checkpointing_enable()
     student.train()
-    kl, ce = KDStudent(student, cfg)(*step_inputs(setup.row, _teacher_targets(setup, source, dtype), ctx, True))
+    kl, ce = KDStudent(student, cfg)(*step_inputs(setup.row, _teacher_targets(setup, source, dtype, ctx), ctx, True))
     loss = cfg.kd.kl_weight * kl + cfg.kd.ce_weight * ce
     loss.backward()
     return loss.detach().double(), _grads(student)

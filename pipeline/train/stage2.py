@@ -15,7 +15,7 @@ Design choices:
   step zips rows and targets. The pool's requests for a step's rows are in flight together.
 * Sequence parallelism (`train.sequence_parallel` > 1; pipeline/train/README.md): each rank runs the
   student on its slice [s, e) of the row with the unsplit row's boundaries (`worker.row_slice`), the fused KL
-  on the slice's hidden states, loss mask and the teacher targets of those tokens (`teacher_range`), CE
+  on the slice's hidden states, loss mask and the teacher targets of those tokens (`teacher_targets`), CE
   against the unsplit row's next tokens cut to the slice (`step_inputs`); it counts its slice's loss tokens,
   so the normalisation below is unchanged.
 * Loss normalisation: the step's loss is the mean over all loss tokens of the GLOBAL batch (every
@@ -27,6 +27,7 @@ Design choices:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,6 @@ from torch import nn
 
 from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div
 from hylo.kernels.fused_kl.inputs import check_deferred
-from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.rows import PackedRow
@@ -82,41 +82,29 @@ class KDStudent(nn.Module):
         return kl, ce
 
 
-def teacher_range(targets: dict[str, Any], start: int, end: int) -> dict[str, Any]:
-    """One row's teacher targets (`BoundTeacher.targets`) cut to its tokens [start, end)."""
-    out: dict[str, Any] = {}
-    for name, v in targets.items():
-        if isinstance(v, TeacherTopK):
-            v = TeacherTopK(*(x[start:end] if x is not None else None for x in v))
-        elif name == "teacher_logits_fn":
-            v = _ShiftedLogits(v, start)
-        elif name != "teacher_weight":
-            v = v[start:end]
-        out[name] = v
-    return out
-
-
-class _ShiftedLogits:
-    """`teacher_logits_fn` of a row's slice starting at `start`: rows i:j of the slice are start + i:start + j."""
-
-    def __init__(self, fn: Any, start: int) -> None:
-        self.fn, self.start = fn, start
-
-    def __call__(self, i: int, j: int) -> torch.Tensor:
-        return self.fn(self.start + i, self.start + j)
+def teacher_targets(teacher: BoundTeacher, rows: list[PackedRow], ctx: WorkerContext) -> Iterator[dict[str, Any]]:
+    """The teacher's targets of each row, of this rank's tokens of it at train.sequence_parallel > 1 (every
+    source gives a token range: `BoundTeacher.targets(..., token_range=)`); the rows of a step in one request
+    when they split alike (rows of one length, as packing pads them), else row by row."""
+    if ctx.sp_size == 1:
+        return teacher.targets(rows, ctx.device)
+    ranges = [token_range(r, ctx) for r in rows]
+    if len(set(ranges)) == 1:
+        return teacher.targets(rows, ctx.device, token_range=ranges[0])
+    return (t for r, rng in zip(rows, ranges) for t in teacher.targets([r], ctx.device, token_range=rng))
 
 
 def step_inputs(row: PackedRow, teacher: dict[str, Any], ctx: WorkerContext, ce: bool) -> tuple[Any, ...]:
-    """KDStudent's inputs for this rank's tokens of `row`: the whole row, or at train.sequence_parallel > 1
-    this rank's slice [s, e) with the unsplit row's boundaries (`row_slice`), the teacher's targets of those
-    tokens and the CE labels of the unsplit row (its next tokens) cut to them."""
+    """KDStudent's inputs for this rank's tokens of `row` (`teacher`: their targets, `teacher_targets`): the
+    whole row, or at train.sequence_parallel > 1 this rank's slice [s, e) with the unsplit row's boundaries
+    (`row_slice`) and the CE labels of the unsplit row (its next tokens) cut to it."""
     d = row_to_device(row, ctx.device)
     if ctx.sp_size == 1:
         return d.input_ids, d.bounds(), d.loss_mask, teacher
     sl = row_slice(d, ctx)
     s, e = sl.start, sl.end
     labels = torch.roll(d.input_ids, -1)[s:e] if ce else None
-    return d.input_ids[s:e], sl.cu, d.loss_mask[s:e], teacher_range(teacher, s, e), sl.positions, labels
+    return d.input_ids[s:e], sl.cu, d.loss_mask[s:e], teacher, sl.positions, labels
 
 
 def loss_tokens(row: PackedRow, ctx: WorkerContext) -> int:
@@ -166,7 +154,7 @@ def train_step(task: Stage2Task, rows: list[PackedRow], ctx: WorkerContext) -> S
     # the loss terms stay on the device until the step's end: one host read per step, not three per row
     sums = []
     # the reader's rows are checked PackedRows already (pipeline/data/reader.py): no check here
-    targets = task.teacher.targets(rows, ctx.device)
+    targets = teacher_targets(task.teacher, rows, ctx)
     for i, (row, teacher) in enumerate(zip(rows, targets)):
         inputs = step_inputs(row, teacher, ctx, bool(kd.ce_weight))
         kl, ce = engine(*inputs)
