@@ -38,6 +38,34 @@ def test_a_sequence_parallel_size_that_does_not_divide_is_refused_naming_the_set
         load_stage_config(2, None, sets)
 
 
+def test_the_job_says_it_in_one_line_before_anything_starts(capsys):
+    from hylo.jobs.stage2 import main
+
+    assert main(["--set", "ray.num_workers=4", "--set", "train.sequence_parallel=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "train.sequence_parallel=3: must divide ray.num_workers (4)" \
+        in err[0], err
+
+
+def test_a_prepared_split_whose_rows_do_not_split_evenly_is_refused_before_ray(tmp_path):
+    """The rows' length of a prepared split is its manifest's max_len: N must divide it (checked with the data,
+    by `inputs.check_stage_inputs`, which the driver runs before Ray)."""
+    from hylo.pipeline.data.shards import write_manifest
+    from hylo.pipeline.train import inputs
+
+    from fixtures_teacher import make_packed_row, write_packed_parquet
+
+    write_packed_parquet(tmp_path / "shard-00000.parquet", [make_packed_row([10, 20], vocab_size=50, seed=0)] * 4)
+    write_manifest(tmp_path, {"split": "stage2", "max_len": 30, "config_hash": "x",
+                              "shards": [{"file": "shard-00000.parquet", "rows": 4}]})
+    sets = ["ray.num_workers=4", "train.global_batch_sequences=4", "data.source=parquet", f"data.path={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"train\.sequence_parallel=4: must divide the rows' length, but data\.path="
+                                          r".* was packed to max_len=30 tokens"):
+        inputs._data(load_stage_config(2, None, [*sets, "train.sequence_parallel=4"]))
+    # N = 2 divides 30
+    inputs._data(load_stage_config(2, None, [*sets, "train.sequence_parallel=2"]))
+
+
 def test_the_groups_share_their_rows_and_deepspeed_sees_every_worker():
     cfg = load_stage_config(2, None, ["ray.num_workers=4", "train.sequence_parallel=2", "data.seq_len=64",
                                       "train.global_batch_sequences=6"])
