@@ -236,6 +236,10 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
                         grad_accum=cfg.grad_accum,
                         hooks=[FaultInjection(cfg.fault)],
                         sp_group=sp_group, sp_rank=sp_rank, sp_size=sp_size)
+    if sp_size > 1 and rank == 0:
+        print(f"[train] sequence parallelism: each row split over {sp_size} workers (ranks [g*{sp_size}, "
+              f"(g+1)*{sp_size}) form group g), {ctx.dp_size} group(s), {ctx.grad_accum} row(s) per worker per step",
+              flush=True)
     # the workers of a sequence-parallel group read the same rows: the reader strides over the groups
     rows: RowReader = open_rows(cfg.data, cfg.train.seed, ctx.dp_rank, ctx.dp_size, workers=world)
     total = total_steps_for(cfg, rows.global_rows)
