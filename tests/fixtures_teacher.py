@@ -5,6 +5,7 @@ Test modules import it as `from fixtures_teacher import ...` (pytest puts tests/
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,71 @@ def write_packed_parquet(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(rows_to_table(rows), path)
     return path
+
+
+# ------------------------------------------------------------------------------ Serve pool without Ray
+def local_replica(model_dir: str | Path, chunk_tokens: int) -> Any:
+    """The pool's real replica class (`TeacherDeployment`) built in this process, a token budget of 1 (every
+    row runs alone, not through serve.batch, which needs a running replica)."""
+    from hylo.pipeline.config import to_dict
+    from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig
+    from hylo.pipeline.teacher.serve import TeacherDeployment
+
+    model = TeacherModelConfig(path=str(model_dir), logits_chunk_tokens=chunk_tokens)
+    return TeacherDeployment.func_or_class(to_dict(model), to_dict(TeacherPoolConfig(max_batch_tokens=1)),
+                                           to_dict(TeacherFaultConfig()))
+
+
+class _Response:
+    """A Serve response of a `LocalHandle` call: runs the replica's coroutine here."""
+
+    def __init__(self, coro, log: list) -> None:
+        self.coro, self.log = coro, log
+
+    def result(self, timeout_s=None):
+        out = asyncio.run(self.coro)
+        self.log.extend(o["logprobs"].shape[0] for o in out)
+        return out
+
+    def cancel(self) -> None:
+        self.coro.close()
+
+
+class _Stream:
+    def __init__(self, agen, log: list) -> None:
+        self.agen, self.log = agen, log
+
+    async def __anext__(self):
+        chunk = await self.agen.__anext__()
+        self.log.append(chunk.shape[0])
+        return chunk
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class LocalHandle:
+    """The Serve handle's calls, made on a replica object in this process; logs each request's arguments and
+    the tokens each answer carries (what would cross the wire)."""
+
+    def __init__(self, replica) -> None:
+        self.replica = replica
+        self.requests: list = []
+        self.tokens_back: list[int] = []
+        self.topk, self.stream = _Method(self._topk), _Method(self._stream)
+
+    def options(self, **kw):
+        return self
+
+    def _topk(self, *args, **kw):
+        self.requests.append(("topk", args[1:], kw))
+        return _Response(self.replica.topk(*args, **kw), self.tokens_back)
+
+    def _stream(self, *args, **kw):
+        self.requests.append(("stream", args[1:], kw))
+        return _Stream(self.replica.stream(*args, **kw), self.tokens_back)

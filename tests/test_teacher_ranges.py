@@ -17,6 +17,7 @@ from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.pipeline.data.rows import check_row
 from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
 
+import fixtures_teacher
 from fixtures_teacher import make_packed_row, save_tiny_llama, write_packed_parquet
 
 VOCAB = 96
@@ -230,75 +231,15 @@ def test_stored_bytes_of_a_range_are_those_rows_of_the_tensor(dtype):
 
 
 # ------------------------------------------------------------------------------ Serve pool (no Ray)
-class _Response:
-    def __init__(self, coro, log: list) -> None:
-        self.coro, self.log = coro, log
-
-    def result(self, timeout_s=None):
-        out = asyncio.run(self.coro)
-        self.log.extend(o["logprobs"].shape[0] for o in out)
-        return out
-
-    def cancel(self) -> None:
-        self.coro.close()
-
-
-class _Stream:
-    def __init__(self, agen, log: list) -> None:
-        self.agen, self.log = agen, log
-
-    async def __anext__(self):
-        chunk = await self.agen.__anext__()
-        self.log.append(chunk.shape[0])
-        return chunk
-
-    def cancel(self) -> None:
-        pass
-
-
-class _Method:
-    def __init__(self, fn) -> None:
-        self.remote = fn
-
-
-class LocalHandle:
-    """The Serve handle's calls, made on a replica object in this process; logs each request's arguments and
-    the tokens each answer carries (what would cross the wire)."""
-
-    def __init__(self, replica) -> None:
-        self.replica = replica
-        self.requests: list = []
-        self.tokens_back: list[int] = []
-        self.topk, self.stream = _Method(self._topk), _Method(self._stream)
-
-    def options(self, **kw):
-        return self
-
-    def _topk(self, *args, **kw):
-        self.requests.append(("topk", args[1:], kw))
-        return _Response(self.replica.topk(*args, **kw), self.tokens_back)
-
-    def _stream(self, *args, **kw):
-        self.requests.append(("stream", args[1:], kw))
-        return _Stream(self.replica.stream(*args, **kw), self.tokens_back)
-
-
 @pytest.fixture(scope="module")
 def replica(env):
-    from hylo.pipeline.config import to_dict
-    from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig
-    from hylo.pipeline.teacher.serve import TeacherDeployment
-
-    model = TeacherModelConfig(path=str(env["model_dir"]), logits_chunk_tokens=CHUNK)
-    # a token budget of 1: every row runs alone, not through serve.batch (which needs a running replica)
-    return TeacherDeployment.func_or_class(to_dict(model), to_dict(TeacherPoolConfig(max_batch_tokens=1)),
-                                           to_dict(TeacherFaultConfig()))
+    return fixtures_teacher.local_replica(env["model_dir"], CHUNK)
 
 
 def _client(replica):
     from hylo.pipeline.teacher.client import TeacherClient
 
-    handle = LocalHandle(replica)
+    handle = fixtures_teacher.LocalHandle(replica)
     return TeacherClient(handle, chunk_tokens=CHUNK, window_chunks=2, dtype="float32", retry_backoff_s=0), handle
 
 

@@ -228,6 +228,16 @@ def _teacher_targets(setup, source: str, dtype, ctx) -> dict[str, Any]:
     from hylo.pipeline.train.config import TeacherSection
     from hylo.pipeline.train.stage2 import teacher_targets
 
+    if source == "serve":
+        # the pool's real replica class and client, the Serve handle's calls made in this process
+        from hylo.pipeline.teacher.client import TeacherClient
+        from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
+
+        from fixtures_teacher import LocalHandle, local_replica
+
+        client = TeacherClient(LocalHandle(local_replica(setup.base, 16)), chunk_tokens=16, window_chunks=2,
+                               dtype="float32", retry_backoff_s=0)
+        return next(teacher_targets(BoundTeacher(client, TargetSpec(8, "topk"), VOCAB), [setup.row], ctx))
     model = TeacherModelConfig(path=str(setup.base))
     section = {"inprocess": TeacherSection(model=model),
                "inprocess-logits": TeacherSection(model=model, exact_form="logits"),
@@ -275,7 +285,7 @@ def _stage1_loss_grads(setup, linear: str, dtype, ctx) -> tuple[torch.Tensor, di
     return loss.detach().double(), _grads(student)
 
 
-SOURCES = ("inprocess", "inprocess-logits", "offline")
+SOURCES = ("inprocess", "inprocess-logits", "offline", "serve")
 
 
 def _cases(setup, linear: str, dtype, ctx) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
@@ -337,7 +347,8 @@ def _split_run(setup, linear: str, dtype, world: int, tmp_path) -> dict[str, tup
     pytest.param("mamba2", torch.float64, 1e-10, id="mla+mamba2-fp64", marks=pytest.mark.slow),
     pytest.param("gdn", torch.float32, 1e-5, id="mla+gdn-fp32", marks=pytest.mark.slow)])
 def test_a_split_row_gives_the_unsplit_rows_loss_and_gradients(split_setup, linear, dtype, tol, tmp_path):
-    """Stage 2 (each teacher source: in-process exact hidden, in-process streamed logits, offline top-k cache;
+    """Stage 2 (each teacher source: in-process exact hidden, in-process streamed logits, offline top-k cache,
+    the Serve pool's replica and client;
     KL + CE) and stage 1 on one packed row at N = 2 and 4: the ranks' losses and gradients summed over the
     group equal the unsplit row's, every parameter."""
     from helpers import assert_close
