@@ -1149,6 +1149,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                     help="comma-separated row lengths, e.g. 8192,65536 (default: the config's data.seq_len)")
     ap.add_argument("--world-size", type=int_at_least(1, MAX_WORLD_SIZE), default=None,
                     help="ZeRO-3 world size (default: the config's ray.num_workers)")
+    ap.add_argument("--sequence-parallel", type=int_at_least(1, MAX_WORLD_SIZE), default=None, metavar="N",
+                    help="one row split by tokens over N GPUs (default: the config's train.sequence_parallel, else 1): "
+                         "per GPU the rank's step at T/N tokens plus what splitting adds, and the bytes each layer "
+                         "sends (pipeline/train/estimate_sp.py)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help="the step's dtype (default: model.dtype as on a GPU: auto = bfloat16)")
     ap.add_argument("--cpu", action="store_true",
@@ -1178,29 +1182,48 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     if any(t is None or t < 2 for t in tokens):
         raise BadArgument("--tokens: give the row lengths (the config sets no data.seq_len)" if None in tokens
                           else f"--tokens={args.tokens}: every length must be at least 2")
-    check_estimate_tokens(tokens, "--tokens" if args.tokens else "data.seq_len")
+    W = args.world_size or cfg.ray.num_workers
+    from hylo.pipeline.train.estimate_sp import check_sequence_parallel, estimate_sp, format_sp
+
+    N = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
+    check_sequence_parallel(N, W, tokens, "--sequence-parallel" if args.sequence_parallel else "train.sequence_parallel",
+                            "--world-size" if args.world_size else "ray.num_workers",
+                            "--tokens" if args.tokens else "data.seq_len")
+    # the step that runs is one rank's: T / N tokens
+    check_estimate_tokens([t // N for t in tokens], "--tokens" if args.tokens else "data.seq_len")
     if isinstance(cfg, Stage2Config) and cfg.teacher.source == "serve":
         # the replica's estimate runs one batch of up to teacher.pool.max_batch_tokens
         check_estimate_tokens([cfg.teacher.pool.max_batch_tokens], "teacher.pool.max_batch_tokens")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype] if args.dtype else \
         resolve_dtype(cfg.model.dtype, not args.cpu)
     shapes = shapes_of(cfg, stage1)
-    W = args.world_size or cfg.ray.num_workers
-    ests = [estimate_step(cfg, T, W, dtype, gpu=not args.cpu, shapes=shapes, stage1=stage1,
-                          progress=Progress(f"[estimate] {T:,} tokens ({i}/{len(tokens)})"))
+    # with sequence parallelism each rank's own step is the step at T / N tokens
+    ests = [estimate_step(cfg, T // N, W, dtype, gpu=not args.cpu, shapes=shapes, stage1=stage1,
+                          progress=Progress(f"[estimate] {T // N:,} tokens ({i}/{len(tokens)})"))
             for i, T in enumerate(tokens, 1)]
-    print(describe(cfg, shapes, W, dtype, args.config))
-    print(format_table("training GPU:", ests))
-    out: dict[str, Any] = {"config": args.config, "stage": args.stage, "world_size": W,
+    print(describe(cfg, shapes, W, dtype, args.config)
+          + (f"\nsequence parallel: each row split by tokens over N = {N} GPUs ({W // N} groups)" if N > 1 else ""))
+    out: dict[str, Any] = {"config": args.config, "stage": args.stage, "world_size": W, "sequence_parallel": N,
                            "estimates": [e.to_dict() for e in ests]}
+    if N > 1:
+        sp = [estimate_sp(cfg, T, N, W, dtype, e, shapes.student) for T, e in zip(tokens, ests)]
+        print(format_sp(sp))
+        out["sequence_parallel_estimates"] = [e.to_dict() for e in sp]
+    else:
+        print(format_table("training GPU:", ests))
     if isinstance(cfg, Stage2Config) and cfg.teacher.source == "serve":
-        teach = [estimate_teacher_replica(cfg, T, shapes) for T in tokens]
+        # the pool answers each rank's shard: rows of T / N tokens
+        teach = [estimate_teacher_replica(cfg, T // N, shapes) for T in tokens]
         print()
         print(format_table(f"teacher replica GPU (teacher.pool: {cfg.teacher.pool.num_replicas} replicas, "
                            f"{teach[0].notes[0]}):", teach))
         out["teacher_replica"] = [e.to_dict() for e in teach]
     print("\nThe step runs on fake tensors (pipeline/train/estimate.py): ZeRO-3 sharding is arithmetic on the "
           "real sizes; times are FLOPs at the dense bf16 peak, a lower bound.")
+    if N > 1:
+        print("Sequence parallelism (pipeline/train/estimate_sp.py): the rank's own step is measured at T/N tokens; "
+              "the SP extras (the last rank's keys from the row's start when one document fills the row, the "
+              "gathered states) and the communication are ANALYTIC, from the layers' shapes, not the split step.")
     if args.json:
         from hylo.files import atomic_write
 
