@@ -47,6 +47,7 @@ from hylo.kernels.varlen import (
     positions_from_cu_seqlens,  # noqa: F401
 )
 from hylo.layers.norm import RMSNorm
+from hylo.seq_parallel import RowShard
 
 
 class HyLoMLP(nn.Module):
@@ -253,7 +254,12 @@ class HyLoModel(HyLoPreTrainedModel):
             raise ValueError("give exactly one of input_ids or inputs_embeds")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, t = h.shape[:2]
-        if cu_seqlens is not None:
+        if isinstance(cu_seqlens, RowShard):
+            # one rank's part of a split row (hylo/seq_parallel.py): its layers exchange what crosses the split
+            if b != 1 or t != cu_seqlens.end - cu_seqlens.start:
+                raise ValueError(f"a split row (RowShard) holds {cu_seqlens.end - cu_seqlens.start} tokens of one "
+                                 f"row; got batch {b} of {t} tokens")
+        elif cu_seqlens is not None:
             if b != 1:
                 raise ValueError(f"packed rows need batch size 1 with cu_seqlens, got batch {b}")
             # the one check of the boundaries for every layer of this forward (none for DocBounds; a host
@@ -270,7 +276,9 @@ class HyLoModel(HyLoPreTrainedModel):
         past = cache.get_seq_length() if cache is not None else 0
         keep_BS = padding_mask(attention_mask, b, past + t, cu_seqlens)
         if position_ids is None:
-            if cu_seqlens is not None:
+            if isinstance(cu_seqlens, RowShard):
+                position_ids = cu_seqlens.local.positions.unsqueeze(0)
+            elif cu_seqlens is not None:
                 position_ids = cu_seqlens.positions.unsqueeze(0)
             elif keep_BS is not None:
                 # positions count real tokens only: a left-padded prompt starts at 0 like the prompt alone

@@ -39,6 +39,7 @@ from hylo.config import HybridConfig
 from hylo.kernels.gdn import chunk_gated_delta_rule
 from hylo.kernels.varlen import DocBounds
 from hylo.layers.linear_common import causal_conv_silu, check_mixer_input, default_dt_bias
+from hylo.seq_parallel import RowShard, conv_prefix, gated_delta_rule_shard
 
 
 class ShortConvolution(nn.Conv1d):
@@ -114,22 +115,32 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias.copy_(default_dt_bias(H))
         self.o_norm.weight.fill_(1.0)
 
-    def forward(self, hidden_states_BTD: torch.Tensor, cu_seqlens: torch.Tensor | DocBounds | None = None,
+    def forward(self, hidden_states_BTD: torch.Tensor, cu_seqlens: torch.Tensor | DocBounds | RowShard | None = None,
                 cache: LinearLayerCache | None = None) -> torch.Tensor:
         x_BTD = hidden_states_BTD
         bounds, pos_T = check_mixer_input(self, x_BTD, cu_seqlens, cache)
         B, T, _ = x_BTD.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
 
+        shard = cu_seqlens if isinstance(cu_seqlens, RowShard) else None
         conv_in = cache.conv if cache is not None else {}
-        q_BTC, cq = self.q_conv1d(self.q_proj(x_BTD), conv_in.get("q"), pos_T)
-        k_BTC, ck = self.k_conv1d(self.k_proj(x_BTD), conv_in.get("k"), pos_T)
-        v_BTC, cv = self.v_conv1d(self.v_proj(x_BTD), conv_in.get("v"), pos_T)
+        q_pre, k_pre, v_pre = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        if shard is not None:
+            # a split row: the conv windows start with the previous rank's last W inputs
+            prefix = conv_prefix(torch.cat([q_pre, k_pre, v_pre], -1), self.conv_size - 1, shard)
+            conv_in = dict(zip("qkv", prefix.split([self.key_dim, self.key_dim, self.value_dim], dim=1)))
+        q_BTC, cq = self.q_conv1d(q_pre, conv_in.get("q"), pos_T)
+        k_BTC, ck = self.k_conv1d(k_pre, conv_in.get("k"), pos_T)
+        v_BTC, cv = self.v_conv1d(v_pre, conv_in.get("v"), pos_T)
 
         # the gate in fp32 at least (float64 stays float64, for exact tests)
         gdt = torch.promote_types(x_BTD.dtype, torch.float32)
         g_BTH = -self.A_log.to(gdt).exp() * F.softplus(self.a_proj(x_BTD).to(gdt) + self.dt_bias.to(gdt))
         beta_BTH = self.b_proj(x_BTD).sigmoid()
+        if shard is not None:
+            o_BTHV = gated_delta_rule_shard(q_BTC.view(B, T, H, K), k_BTC.view(B, T, H, K), v_BTC.view(B, T, H, V),
+                                            g_BTH, beta_BTH, shard, self.chunk_size)
+            return self.o_proj(self.o_norm(o_BTHV, self.g_proj(x_BTD).view(B, T, H, V)).reshape(B, T, H * V))
         o_BTHV, state_BHKV = chunk_gated_delta_rule(
             q_BTC.view(B, T, H, K),
             k_BTC.view(B, T, H, K),

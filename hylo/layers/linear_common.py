@@ -24,12 +24,13 @@ from torch import nn
 
 from hylo.cache import LinearLayerCache
 from hylo.kernels.varlen import BoundaryError, DocBounds, doc_bounds
+from hylo.seq_parallel import RowShard
 
 
 def check_mixer_input(
     mixer: nn.Module,
     x_BTD: torch.Tensor,
-    cu_seqlens: torch.Tensor | DocBounds | None,
+    cu_seqlens: torch.Tensor | DocBounds | RowShard | None,
     cache: LinearLayerCache | None,
 ) -> tuple[DocBounds | None, torch.Tensor | None]:
     """Validate a linear mixer's forward arguments (errors start with e.g. "GatedDeltaNet(layer 3)");
@@ -41,6 +42,11 @@ def check_mixer_input(
     if cu_seqlens is None:
         return None, None
     B, T, _ = x_BTD.shape
+    if isinstance(cu_seqlens, RowShard):
+        if cache is not None or B != 1 or T != cu_seqlens.end - cu_seqlens.start:
+            raise ValueError(f"{owner}: a split row (RowShard) needs B == 1, no cache and the shard's "
+                             f"{cu_seqlens.end - cu_seqlens.start} tokens; got B={B}, T={T}")
+        return cu_seqlens.local, cu_seqlens.local.positions
     if cache is not None:
         raise ValueError(f"{owner}: a cache works on unpacked batches; got both cache and cu_seqlens")
     if B != 1:

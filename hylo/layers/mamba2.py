@@ -46,6 +46,7 @@ from hylo.config import HybridConfig
 from hylo.kernels.ssd import chunk_ssd
 from hylo.kernels.varlen import DocBounds
 from hylo.layers.linear_common import causal_conv_silu, check_mixer_input, default_dt_bias
+from hylo.seq_parallel import RowShard, conv_prefix, ssd_shard
 
 
 def causal_conv1d_silu(
@@ -120,7 +121,7 @@ class Mamba2Mixer(nn.Module):
         self.D.fill_(1.0)
         self.norm.weight.fill_(1.0)
 
-    def forward(self, hidden_states_BTD: torch.Tensor, cu_seqlens: torch.Tensor | DocBounds | None = None,
+    def forward(self, hidden_states_BTD: torch.Tensor, cu_seqlens: torch.Tensor | DocBounds | RowShard | None = None,
                 cache: LinearLayerCache | None = None) -> torch.Tensor:
         u_BTD = hidden_states_BTD
         bounds, pos_T = check_mixer_input(self, u_BTD, cu_seqlens, cache)
@@ -129,6 +130,10 @@ class Mamba2Mixer(nn.Module):
 
         z_BTE, xBC_BTC, dt_BTH = self.in_proj(u_BTD).split([E, self.conv_dim, H], dim=-1)
         prefix = cache.conv.get("xBC") if cache is not None else None
+        shard = cu_seqlens if isinstance(cu_seqlens, RowShard) else None
+        if shard is not None:
+            # a split row: the conv window starts with the previous rank's last W inputs
+            prefix = conv_prefix(xBC_BTC, self.conv_size - 1, shard)
         xBC_BTC, conv_tail = causal_conv1d_silu(xBC_BTC, self.conv1d.weight, self.conv1d.bias, prefix, pos_T)
         x_BTE, B_BTGN, C_BTGN = xBC_BTC.split([self.x_dim, self.b_dim, G * N], dim=-1)
         if self.xb_groups is not None:
@@ -143,6 +148,10 @@ class Mamba2Mixer(nn.Module):
         cd = torch.promote_types(u_BTD.dtype, torch.float32)
         dt_BTH = F.softplus(dt_BTH.to(cd) + self.dt_bias.to(cd))
         A_H = -self.A_log.to(cd).exp()
+        if shard is not None:
+            y_BTHP = ssd_shard(x_BTE.view(B, T, H, P), dt_BTH, A_H, B_BTGN.view(B, T, G, N), C_BTGN.view(B, T, G, N),
+                               self.D, shard, self.chunk_size)
+            return self.out_proj(self.norm(y_BTHP.reshape(B, T, E), z_BTE))
         y_BTHP, state = chunk_ssd(
             x_BTE.view(B, T, H, P),
             dt_BTH,

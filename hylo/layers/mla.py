@@ -49,12 +49,14 @@ from typing import NoReturn
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from hylo.cache import MLALayerCache
 from hylo.kernels.packed_sdpa import packed_causal_sdpa
 from hylo.kernels.varlen import DocBounds, doc_bounds
 from hylo.layers.norm import HeadRMSNorm, RMSNorm
 from hylo.layers.rope import RotaryEmbedding, apply_rotary, mla_softmax_scale
+from hylo.seq_parallel import RowShard, gather_tokens, key_positions
 
 
 class MLAInputError(ValueError):
@@ -142,7 +144,7 @@ class MLAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | DocBounds | None = None,
+        cu_seqlens: torch.Tensor | DocBounds | RowShard | None = None,
         cache: MLALayerCache | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -152,6 +154,12 @@ class MLAttention(nn.Module):
         B, T, _ = x_BTD.shape
         N, P, R = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         bounds: DocBounds | None = None
+        shard = cu_seqlens if isinstance(cu_seqlens, RowShard) else None
+        if shard is not None:
+            if cache is not None or B != 1 or T != shard.end - shard.start:
+                raise self._err(f"a split row (RowShard) needs B == 1, no cache and the shard's "
+                                f"{shard.end - shard.start} tokens; got B={B}, T={T}")
+            bounds, cu_seqlens = shard.local, None
         if cu_seqlens is not None:
             if cache is not None:
                 raise self._err("cu_seqlens (packed rows) cannot be combined with a cache; "
@@ -175,7 +183,9 @@ class MLAttention(nn.Module):
         q_pe_BTHP = apply_rotary(q_pe_BTHP, cos_BTP.unsqueeze(2), sin_BTP.unsqueeze(2))
         rope = (cos_BTP, sin_BTP)
 
-        if cache is None:
+        if shard is not None:
+            o_BTHV = self._attend_shard(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, shard)
+        elif cache is None:
             o_BTHV = self._attend_decompressed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, rope, cu, keep_BS)
         elif self.qk_norm:
             o_BTHV = self._attend_latent_normed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, rope, cache, keep_BS)
@@ -206,39 +216,52 @@ class MLAttention(nn.Module):
         self_TS[torch.arange(T), past + torch.arange(T)] = True
         return ((causal_TS[None] & keep_BS[:, None, :]) | self_TS[None]).unsqueeze(1)
 
+    def _decompressed_kv(self, c_kv_BSR: torch.Tensor, k_pe_BSP: torch.Tensor,
+                         rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [B, H, S, E] and values [B, H, S, V] of S tokens from their latent and raw `k_pe` (RoPE and the
+        key norm are applied here; `rope` is the keys' cos / sin)."""
+        B, S, _ = c_kv_BSR.shape
+        H, N = self.num_heads, self.qk_nope_head_dim
+        P, V, G = self.qk_rope_head_dim, self.v_head_dim, self.kv_b_heads
+        cos_BSP, sin_BSP = rope
+        kv_BSGX = self.kv_b_proj(c_kv_BSR).view(B, S, G, N + V)
+        k_nope_BSGN, v_BSGV = kv_BSGX.split([N, V], dim=-1)
+        if self.qk_norm:
+            # each kv_b head's full key [k_nope_g | k_pe], normalised before RoPE
+            k_pe_BS1P = k_pe_BSP.unsqueeze(2)
+            inv_BSG = self.k_norm.inv_rms(k_nope_BSGN, k_pe_BS1P)
+            w = self.k_norm.weight
+            k_nope_BSGN = self.k_norm.scale(k_nope_BSGN, inv_BSG, w[:N])
+            k_pe_BSXP = self.k_norm.scale(k_pe_BS1P, inv_BSG, w[N:])
+            k_pe_BSXP = apply_rotary(k_pe_BSXP, cos_BSP.unsqueeze(2), sin_BSP.unsqueeze(2))
+        else:
+            k_pe_BSXP = apply_rotary(k_pe_BSP, cos_BSP, sin_BSP).unsqueeze(2)
+        if G != H:
+            # each query head reads its KV group's keys and values (GQA)
+            k_nope_BSGN, v_BSGV = (t.repeat_interleave(H // G, dim=2) for t in (k_nope_BSGN, v_BSGV))
+            if k_pe_BSXP.shape[2] != 1:
+                k_pe_BSXP = k_pe_BSXP.repeat_interleave(H // G, dim=2)
+        k_BHSE = torch.cat([k_nope_BSGN, k_pe_BSXP.expand(B, S, H, P)], dim=-1).transpose(1, 2)
+        return k_BHSE, v_BSGV.transpose(1, 2)
+
+    def _equal_head_dims(self, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor,
+                         v_BHSV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Equal q/k/v head dims keep SDPA on its fused (flash) kernels; zero columns change nothing."""
+        E, V = self.qk_head_dim, self.v_head_dim
+        if V < E:
+            v_BHSV = F.pad(v_BHSV, (0, E - V))
+        elif E < V:
+            q_BHTE, k_BHSE = F.pad(q_BHTE, (0, V - E)), F.pad(k_BHSE, (0, V - E))
+        return q_BHTE, k_BHSE, v_BHSV
+
     def _attend_decompressed(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
                              k_pe_BTP: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                              cu: tuple[int, ...] | None, keep_BS: torch.Tensor | None = None) -> torch.Tensor:
         """`k_pe_BTP` before RoPE (and before k_norm): both are applied here."""
-        B, T, H, N = q_nope_BTHN.shape
-        P, V, E, G = self.qk_rope_head_dim, self.v_head_dim, self.qk_head_dim, self.kv_b_heads
-        cos_BTP, sin_BTP = rope
-        kv_BTGX = self.kv_b_proj(c_kv_BTR).view(B, T, G, N + V)
-        k_nope_BTGN, v_BTGV = kv_BTGX.split([N, V], dim=-1)
-        if self.qk_norm:
-            # each kv_b head's full key [k_nope_g | k_pe], normalised before RoPE
-            k_pe_BT1P = k_pe_BTP.unsqueeze(2)
-            inv_BTG = self.k_norm.inv_rms(k_nope_BTGN, k_pe_BT1P)
-            w = self.k_norm.weight
-            k_nope_BTGN = self.k_norm.scale(k_nope_BTGN, inv_BTG, w[:N])
-            k_pe_BTXP = self.k_norm.scale(k_pe_BT1P, inv_BTG, w[N:])
-            k_pe_BTXP = apply_rotary(k_pe_BTXP, cos_BTP.unsqueeze(2), sin_BTP.unsqueeze(2))
-        else:
-            k_pe_BTXP = apply_rotary(k_pe_BTP, cos_BTP, sin_BTP).unsqueeze(2)
-        if G != H:
-            # each query head reads its KV group's keys and values (GQA)
-            k_nope_BTGN, v_BTGV = (t.repeat_interleave(H // G, dim=2) for t in (k_nope_BTGN, v_BTGV))
-            if k_pe_BTXP.shape[2] != 1:
-                k_pe_BTXP = k_pe_BTXP.repeat_interleave(H // G, dim=2)
+        T, V = q_nope_BTHN.shape[1], self.v_head_dim
+        k_BHTE, v_BHTV = self._decompressed_kv(c_kv_BTR, k_pe_BTP, rope)
         q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
-        k_BHTE = torch.cat([k_nope_BTGN, k_pe_BTXP.expand(B, T, H, P)], dim=-1).transpose(1, 2)
-        v_BHTV = v_BTGV.transpose(1, 2)
-        # equal q/k/v head dims keep SDPA on its fused (flash) kernels; zero columns change nothing
-        if V < E:
-            v_BHTV = F.pad(v_BHTV, (0, E - V))
-        elif E < V:
-            q_BHTE, k_BHTE = F.pad(q_BHTE, (0, V - E)), F.pad(k_BHTE, (0, V - E))
-
+        q_BHTE, k_BHTE, v_BHTV = self._equal_head_dims(q_BHTE, k_BHTE, v_BHTV)
         if keep_BS is not None:
             o_BHTX = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTV, scale=self.softmax_scale,
                                                     attn_mask=self._padded_causal_mask(keep_BS, T, 0))
@@ -248,6 +271,42 @@ class MLAttention(nn.Module):
         else:
             # block-diagonal causal attention without a [T, T] mask (kernels/packed_sdpa.py)
             o_BHTX = packed_causal_sdpa(q_BHTE, k_BHTE, v_BHTV, cu, scale=self.softmax_scale)
+        return o_BHTX[..., :V].transpose(1, 2)
+
+    def _attend_shard(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
+                      k_pe_BTP: torch.Tensor, shard: RowShard) -> torch.Tensor:
+        """A split row (`hylo.seq_parallel`): the group's latents + raw k_pe gathered (R + P per token), the
+        keys of [start of this shard's first document, shard end) decompressed here, this rank's queries
+        attending to them: its first document with a bottom-right-aligned causal mask (its keys may start on
+        an earlier rank), the others as in the unsplit row."""
+        T, V, R = q_nope_BTHN.shape[1], self.v_head_dim, self.kv_lora_rank
+        ks = shard.doc_start(shard.start)
+        kv_1SX = gather_tokens(torch.cat([c_kv_BTR, k_pe_BTP], -1), shard, end=shard.end)[:, ks:]
+        c_kv_1SR, k_pe_1SP = kv_1SX.split([R, self.qk_rope_head_dim], dim=-1)
+        pos_1S = key_positions(shard, ks, shard.end, q_pe_BTHP.device)[None]
+        k_BHSE, v_BHSV = self._decompressed_kv(c_kv_1SR, k_pe_1SP, self.rotary_emb(pos_1S, q_pe_BTHP.dtype))
+        q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
+        q_BHTE, k_BHSE, v_BHSV = self._equal_head_dims(q_BHTE, k_BHSE, v_BHSV)
+        off, cu = shard.start - ks, shard.local.host
+        first = cu[1]
+        outs = []
+        if off:
+            mask = causal_lower_right(first, off + first)
+            outs.append(F.scaled_dot_product_attention(q_BHTE[:, :, :first], k_BHSE[:, :, :off + first],
+                                                       v_BHSV[:, :, :off + first], attn_mask=mask,
+                                                       scale=self.softmax_scale))
+            rest = [c - first for c in cu[1:]]
+            q_BHTE, k_BHSE, v_BHSV = q_BHTE[:, :, first:], k_BHSE[:, :, off + first:], v_BHSV[:, :, off + first:]
+        else:
+            rest = list(cu)
+        if len(rest) > 1:
+            if len(rest) == 2:
+                outs.append(F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, is_causal=True,
+                                                           scale=self.softmax_scale))
+            else:
+                outs.append(packed_causal_sdpa(q_BHTE, k_BHSE, v_BHSV, tuple(rest), scale=self.softmax_scale))
+        o_BHTX = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        assert o_BHTX.shape[2] == T
         return o_BHTX[..., :V].transpose(1, 2)
 
     def _absorbed_weights(self, per_query_head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

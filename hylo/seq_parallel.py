@@ -1,0 +1,253 @@
+"""Sequence parallelism: one packed row split by tokens over the N ranks of a group, exact against the unsplit row.
+
+Legend: T tokens of the unsplit row, t = T / N tokens of this rank ([start, end)), N ranks of the group,
+D hidden, R + P the MLA latent + roped key width, H heads, K / V key / value head dims (GDN),
+P / Ns head dim / state size (Mamba-2), W conv_size - 1.
+
+The row's shard goes where `cu_seqlens` goes (`RowShard`, built by `shard_row` from the unsplit row's
+`DocBounds`): embeddings, norms, MLPs and the LM head are per token and need nothing; the mixers
+exchange what crosses the split:
+* MLA: every rank all-gathers the normalised latent and the pre-RoPE shared key, R + P values per token
+  (192 for the 3B recipe), and attends its queries to the keys from the start of each of its documents
+  (the first one may start on an earlier rank: its keys are decompressed from the gathered latent, and
+  the causal mask is aligned to the bottom right). Ulysses (all-to-all of q, k, v by heads) would send
+  H * (2E + V) values per token each way and needs H divisible by N; the latent is the cheaper
+  (`hylo estimate --sequence-parallel N` prints both).
+* GDN / Mamba-2 (state passing, whatever the head count): the short conv takes the previous rank's last W
+  pre-conv inputs (one all-gather of W tokens); the recurrence runs the rank's chunk from a zero state,
+  all ranks all-gather that final state (and, for a rank lying inside one document, the transition
+  that carries an incoming state through its chunk: a [H, K, K] matrix for GDN, the product of the
+  per-token (I - beta k k^T) exp(g), one decay per head for Mamba-2) in ONE collective, each rank composes
+  its incoming state from the ranks before it and, when its first document came from an earlier rank,
+  runs its chunk again from that state. Through the same kernels as the unsplit row
+  (`chunk_gated_delta_rule` / `chunk_ssd`: fla on GPU, torch on CPU), so NVIDIA and AMD take the same
+  path (fla's own `fla.ops.cp` affine chain requires NVIDIA Ampere or newer).
+* Every collective is differentiable: the forward all-gathers, the backward sums the gathered gradients
+  over the group (`all_reduce`, or `reduce_scatter` where the backend has it) and keeps the rank's part.
+  Each rank backpropagates the loss of its own tokens; the sum over the group of the ranks' parameter
+  gradients is the unsplit row's gradient.
+* Collective order: one collective per MLA layer and two per linear layer, each data-dependent on the
+  one before, and every gathered tensor is part of every rank's graph (a zero-weighted term where a
+  rank does not need it), so every rank runs the same backward collectives in the same order, also in
+  activation-checkpoint recomputes. Ranks of a group must run the same layers in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from hylo.kernels.varlen import DocBounds, positions_from_cu_seqlens
+
+
+class RowShard(NamedTuple):
+    """One rank's tokens [start, end) of a packed row of `total` tokens split over a group of `size` ranks.
+
+    `local` holds the shard's boundaries (the row's clipped to the shard, 0-based) and, as its
+    `positions`, the in-document positions of the UNSPLIT row for these tokens (RoPE and the conv masks
+    use them). `full` is the unsplit row's boundaries. A NamedTuple so that hooks walking a module's
+    inputs (DeepSpeed ZeRO-3) see its tensors."""
+
+    local: DocBounds
+    start: int
+    end: int
+    total: int
+    rank: int
+    size: int
+    group: Any
+    full: tuple[int, ...]
+
+    @property
+    def continues_in(self) -> bool:
+        """This shard's first document started on an earlier rank."""
+        return continues(self.full, self.start)
+
+    def doc_start(self, i: int) -> int:
+        """Start of the unsplit row's document holding token i."""
+        return max(b for b in self.full if b <= i)
+
+
+def continues(full: tuple[int, ...], i: int) -> bool:
+    """Token i is not the first of its document (so a shard starting at i receives a state)."""
+    return i > 0 and i not in full
+
+
+def shard_range(T: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, end) of rank `rank` of `size` in an equal contiguous split of T tokens."""
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"sequence parallelism: rank {rank} of a group of {size}")
+    if T % size:
+        raise ValueError(f"sequence parallelism: a row of {T} tokens does not split into {size} equal parts "
+                         f"(data.seq_len must be a multiple of train.sequence_parallel)")
+    t = T // size
+    return rank * t, (rank + 1) * t
+
+
+def shard_row(bounds: DocBounds, rank: int, size: int, group: Any = None) -> RowShard:
+    """The shard of rank `rank` (of `size`) of the unsplit row with boundaries `bounds`."""
+    full = tuple(int(b) for b in bounds.host)
+    T = full[-1]
+    start, end = shard_range(T, rank, size)
+    cut = sorted({0, end - start, *(b - start for b in full if start < b < end)})
+    device = bounds.positions.device
+    local = DocBounds(torch.tensor(cut, dtype=torch.int32, device=device), tuple(cut), bounds.positions[start:end])
+    return RowShard(local, start, end, T, rank, size, group, full)
+
+
+def key_positions(shard: RowShard, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+    """In-document positions [hi - lo] of the unsplit row's tokens lo..hi-1."""
+    cut = sorted({0, hi - lo, *(b - lo for b in shard.full if lo < b < hi)})
+    return positions_from_cu_seqlens(torch.tensor(cut, dtype=torch.int64), hi - lo).to(device)
+
+
+# ------------------------------------------------------------------------------------------ collective
+def _group_ranks(group: Any) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """[*shape] on every rank -> [N, *shape] (rank-major); backward: the group's gradients summed, own part."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        rank, size = _group_ranks(group)
+        ctx.group, ctx.rank, ctx.size = group, rank, size
+        x = x.contiguous()
+        out = x.new_empty((size, *x.shape))
+        dist.all_gather(list(out.unbind(0)), x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == dist.Backend.GLOO:
+            # gloo has no reduce_scatter: sum everything, keep ours
+            dist.all_reduce(grad, group=ctx.group)
+            return grad[ctx.rank].clone(), None
+        out = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+def gather(x: torch.Tensor, shard: RowShard) -> torch.Tensor:
+    """All-gather `x` over the shard's group, differentiably: [*shape] -> [N, *shape]."""
+    return _GatherFromGroup.apply(x, shard.group)
+
+
+def gather_tokens(x_1tC: torch.Tensor, shard: RowShard, end: int | None = None) -> torch.Tensor:
+    """Every rank's tokens of x [1, t, C] -> the row's [1, T', C], T' = `end` (default T): tokens after `end`
+    are dropped (they are gathered all the same, the collective has one shape)."""
+    g_NtC = gather(x_1tC[0], shard)
+    full_TC = g_NtC.reshape(-1, x_1tC.shape[-1])
+    return full_TC[: shard.total if end is None else end].unsqueeze(0)
+
+
+def touch(y: torch.Tensor, *gathered: torch.Tensor) -> torch.Tensor:
+    """`y` joined to gathered tensors this rank did not otherwise use (a zero-weighted term), so their
+    backward collective runs on every rank of the group."""
+    for g in gathered:
+        y = y + (g.sum() * 0).to(y.dtype)
+    return y
+
+
+# ------------------------------------------------------------------------------------------ linear mixers
+def conv_prefix(pre_1tC: torch.Tensor, W: int, shard: RowShard) -> torch.Tensor:
+    """The previous rank's last W pre-conv inputs, [1, C, W] (the conv's `prefix_BCW`; zeros on rank 0: the
+    in-document positions of the shard mask taps that reach into another document)."""
+    if pre_1tC.shape[1] < W:
+        raise ValueError(f"sequence parallelism: a shard of {pre_1tC.shape[1]} tokens is shorter than the conv "
+                         f"window ({W} tokens): use fewer ranks per row or longer rows")
+    g_NWC = gather(pre_1tC[0, pre_1tC.shape[1] - W:], shard)
+    prev_WC = g_NWC[shard.rank - 1] if shard.rank > 0 else g_NWC[0] * 0
+    return prev_WC.t().unsqueeze(0)
+
+
+def passes_through(full: tuple[int, ...], start: int, end: int) -> bool:
+    """A chunk [start, end) lying inside one document that started before it: it carries a state through."""
+    return continues(full, start) and not any(start < b < end for b in full)
+
+
+def pass_states(shard: RowShard, final_S: torch.Tensor, transition: torch.Tensor | None,
+                transition_shape: tuple[int, ...], apply: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the state entering this rank's first document or None when that document starts here, the gathered
+    tensor for `touch`).
+
+    `final_S` [*state]: this rank's last document's final state from a zero start; `transition`
+    [*transition_shape]: what carries an incoming state through this rank's chunk, given when
+    `passes_through` holds for this rank (else None); `apply(transition, state)` applies it. One
+    all-gather of [final state | transition] (flattened; zeros where a rank has no transition) per layer,
+    none when no document crosses a split."""
+    N, t = shard.size, shard.end - shard.start
+    through = [passes_through(shard.full, r * t, (r + 1) * t) for r in range(N)]
+    if not any(continues(shard.full, r * t) for r in range(N)):
+        return None, None
+    n_S = final_S.numel()
+    parts = [final_S.reshape(-1)]
+    if any(through):
+        n_tr = 1
+        for d in transition_shape:
+            n_tr *= d
+        tr = transition.reshape(-1).to(final_S.dtype) if transition is not None else final_S.new_zeros(n_tr)
+        if tr.numel() != n_tr:
+            raise ValueError(f"sequence parallelism: transition of {tr.numel()} values, expected {transition_shape}")
+        parts.append(tr)
+    g_NX = gather(torch.cat(parts), shard)
+    if not shard.continues_in:
+        return None, g_NX
+    state = None
+    for r in range(shard.rank):
+        S_r = g_NX[r, :n_S].view_as(final_S)
+        if through[r] and state is not None:
+            state = apply(g_NX[r, n_S:].view(transition_shape), state) + S_r
+        else:
+            state = S_r
+    return state, g_NX
+
+
+def gated_delta_rule_shard(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           shard: RowShard, chunk_size: int) -> torch.Tensor:
+    """The GDN layer's recurrence on this rank's chunk of a split row ([1, t, H, *] in, [1, t, H, V] out): the
+    same output as the unsplit row's for these tokens (see the module docstring)."""
+    from hylo.kernels.gdn import chunk_gated_delta_rule
+
+    kw = {"cu_seqlens": shard.local, "use_qk_l2norm_in_kernel": True, "chunk_size": chunk_size}
+    o0, S_NHKV = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, **kw)
+    H, K = q.shape[2], q.shape[3]
+    transition = None
+    if passes_through(shard.full, shard.start, shard.end):
+        # the state map of the chunk: run it from the identity with zero values, S_end = M S_start
+        eye = torch.eye(K, dtype=S_NHKV.dtype, device=q.device).expand(1, H, K, K).contiguous()
+        _, M = chunk_gated_delta_rule(q, k, torch.zeros_like(k), g, beta, initial_state=eye,
+                                      output_final_state=True, **kw)
+        transition = M[0]
+    h_in, g_NX = pass_states(shard, S_NHKV[-1], transition, (H, K, K),
+                             lambda M, S: torch.einsum("hkj,hjv->hkv", M, S))
+    if h_in is None:
+        return o0 if g_NX is None else touch(o0, g_NX)
+    init = torch.cat([h_in[None], h_in.new_zeros(shard.local.num_docs - 1, *h_in.shape)])
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=False, **kw)
+    return o
+
+
+def ssd_shard(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+              D: torch.Tensor | None, shard: RowShard, chunk_size: int) -> torch.Tensor:
+    """The Mamba-2 scan on this rank's chunk of a split row: the unsplit row's output for these tokens. A
+    chunk inside one document carries an incoming state through with one decay per head,
+    exp(A * sum of dt)."""
+    from hylo.kernels.ssd import chunk_ssd
+
+    y0, S_NHPN = chunk_ssd(x, dt, A, B, C, D=D, output_final_state=True, cu_seqlens=shard.local,
+                           chunk_size=chunk_size)
+    H = x.shape[2]
+    transition = None
+    if passes_through(shard.full, shard.start, shard.end):
+        transition = torch.exp(A.to(dt.dtype) * dt[0].sum(0))
+    h_in, g_NX = pass_states(shard, S_NHPN[-1], transition, (H,), lambda d, S: d[:, None, None] * S)
+    if h_in is None:
+        return y0 if g_NX is None else touch(y0, g_NX)
+    init = torch.cat([h_in[None], h_in.new_zeros(shard.local.num_docs - 1, *h_in.shape)])
+    y, _ = chunk_ssd(x, dt, A, B, C, D=D, initial_state=init, output_final_state=False, cu_seqlens=shard.local,
+                     chunk_size=chunk_size)
+    return y
