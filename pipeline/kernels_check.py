@@ -15,12 +15,12 @@ is called on CPU tensors at the config's shapes and dtypes:
 * `gdn.decode`: the same op at T = 1 with the fp32 state [1, H, K, V] in and out, as decoding calls it;
 * `ssd.train` / `ssd.decode` (Mamba-2 configs): `hylo.kernels.ssd.fla_chunk_ssd` -> fla's `chunk_simple_gla`;
 * with sequence parallelism (`train.sequence_parallel` or `--sequence-parallel` N > 1: one packed row split
-  by tokens over N ranks, each rank holding T / N of them), the state-passing launches each rank adds:
-  `gdn.sp_local` / `ssd.sp_local`, the op on the rank's T / N tokens with the passed fp32 state of every
-  document in ([docs, H, K, V] / [docs, H, P, N], requiring its gradient) and the final states out, forward
-  and backward; `gdn.sp_transition`, the GDN transition pass (the same op with values of width K and an
-  initial state [docs, H, K, K]: what the rank's tokens do to a state, handed to the later ranks), forward and
-  backward with the final state out;
+  by tokens over N ranks, each rank holding T / N of them), the state-passing launches of
+  `hylo/seq_parallel.py` at the rank's T / N tokens: `gdn.sp_local` / `ssd.sp_local`, the op from a zero
+  state with the final states out (the gradient flowing back into them), then again from the passed fp32
+  states ([docs, H, K, V] / [docs, H, P, N], requiring their gradient), forward and backward;
+  `gdn.sp_transition`, the GDN transition pass of a rank inside one document (values of width K, all zero,
+  from the identity state [1, H, K, K], the final state out), forward and backward;
 * `kl.dense` / `kl.topk`: our fused KL's Triton steps (`hylo/kernels/fused_kl/triton_kernel.py`) over
   fp32 [C, vocab] chunks, with and without the gradient (both teacher forms; the gradient is written in the
   loss's forward, its backward only scales it).
@@ -84,7 +84,7 @@ def sites_of(hc: Any, vocab: int, tokens: int, sequence_parallel: int = 1) -> li
         out += [Site("gdn.train", (("T", tokens), ("docs", docs), *g)), Site("gdn.decode", (("T", 1), *g))]
         if sequence_parallel > 1:
             out += [Site("gdn.sp_local", (("T", local), ("docs", _docs(local)), *g)),
-                    Site("gdn.sp_transition", (("T", local), ("docs", _docs(local)), *g))]
+                    Site("gdn.sp_transition", (("T", local), ("docs", (local,)), *g))]
     else:
         H, P, N, G = hc.mamba2_dims
         if hc.mamba2_xb_groups is not None:
@@ -132,17 +132,31 @@ def _run_site(site: Site, dtype: Any = None) -> dict[str, Any]:
                                                     chunk_size=site.get("chunk"))
             res["grads"] = torch.autograd.grad(o, (q, k, v, g, beta), torch.randn_like(o), allow_unused=True)
             res["o"] = o
-        elif site.site in ("gdn.sp_local", "gdn.sp_transition"):
+        elif site.site == "gdn.sp_local":
             docs = site.get("docs")
-            h0 = torch.randn(len(docs), H, K, V, requires_grad=True)
+            kw = {"cu_seqlens": _bounds(docs, T), "use_qk_l2norm_in_kernel": True, "chunk_size": site.get("chunk")}
             for x in (q, k, v, g, beta):
                 x.requires_grad_(True)
-            o, ht = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                                     cu_seqlens=_bounds(docs, T), use_qk_l2norm_in_kernel=True,
-                                                     chunk_size=site.get("chunk"))
+            # from a zero state, the final states out (gathered by the group: their gradient comes back)
+            o0, ht = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, **kw)
+            # again from the passed states
+            h0 = torch.randn(len(docs), H, K, V, requires_grad=True)
+            o, _ = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, **kw)
             res["o"], res["final_state"] = o, ht
-            res["grads"] = torch.autograd.grad((o, ht), (q, k, v, g, beta, h0),
-                                               (torch.randn_like(o), torch.randn_like(ht)), allow_unused=True)
+            res["grads"] = torch.autograd.grad((o0, ht, o), (q, k, v, g, beta, h0),
+                                               (torch.randn_like(o0), torch.randn_like(ht), torch.randn_like(o)),
+                                               allow_unused=True)
+        elif site.site == "gdn.sp_transition":
+            # what the rank's chunk (inside one document) does to a state: zero values from the identity
+            eye = torch.eye(K).expand(1, H, K, K).contiguous()
+            # (the queries do not reach the state: no gradient for them)
+            for x in (k, g, beta):
+                x.requires_grad_(True)
+            _, M = gdn_chunk.chunk_gated_delta_rule(q, k, torch.zeros_like(k), g, beta, initial_state=eye,
+                                                    output_final_state=True, cu_seqlens=_bounds(site.get("docs"), T),
+                                                    use_qk_l2norm_in_kernel=True, chunk_size=site.get("chunk"))
+            res["final_state"] = M
+            res["grads"] = torch.autograd.grad(M, (k, g, beta), torch.randn_like(M), allow_unused=True)
         else:
             with torch.no_grad():
                 gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=torch.randn(1, H, K, V),
@@ -169,11 +183,13 @@ def _run_site(site: Site, dtype: Any = None) -> dict[str, Any]:
             h0 = torch.randn(len(docs), H, P, N, requires_grad=True)
             for t in (x, dt, B, C):
                 t.requires_grad_(True)
-            # the dispatcher (the child routes it to fla_chunk_ssd; the tests run its torch path)
-            y, ht = ssd_chunk.chunk_ssd(x, dt, A, B, C, D, initial_state=h0, output_final_state=True,
-                                        cu_seqlens=_bounds(docs, T))
+            # the dispatcher (the child routes it to fla_chunk_ssd; the tests run its torch path): from a zero
+            # state with the final states out, then again from the passed states
+            y0, ht = ssd_chunk.chunk_ssd(x, dt, A, B, C, D, output_final_state=True, cu_seqlens=_bounds(docs, T))
+            y, _ = ssd_chunk.chunk_ssd(x, dt, A, B, C, D, initial_state=h0, cu_seqlens=_bounds(docs, T))
             res["o"], res["final_state"] = y, ht
-            res["grads"] = torch.autograd.grad((y, ht), (x, dt, B, C, h0), (torch.randn_like(y), torch.randn_like(ht)),
+            res["grads"] = torch.autograd.grad((y0, ht, y), (x, dt, B, C, h0),
+                                               (torch.randn_like(y0), torch.randn_like(ht), torch.randn_like(y)),
                                                allow_unused=True)
         else:
             with torch.no_grad():
