@@ -51,9 +51,10 @@ def test_latent_gathering_and_ulysses_bytes_as_ring_collectives_move_them():
         again = {(c.layer, c.scheme.split()[0]): c for c in sp.communication(hc, 2 * T, N, b, checkpointing=True)}
         assert again["MLA", "gather"].per_row_token == pytest.approx(gather.per_row_token)
         assert again["MLA", "Ulysses"].per_row_token == pytest.approx(uly.per_row_token)
-        # state passing: a fixed size per step whatever T (fp32 [2, 16, 32] state + [2, 16, 16] transition)
+        # state passing: a fixed size per step whatever T: all-gathers of the fp32 [2, 16, 32] state + [2, 16, 16]
+        # transition and of the conv window (3 tokens of q, k, v channels: 2 x (16 + 16 + 32))
         state = rows["GDN", "states"]
-        assert state.backward == (N - 1) * 2 * 16 * (32 + 16) * 4 + 3 * 2 * (16 + 16 + 32) * b
+        assert state.backward == (N - 1) * (2 * 16 * (32 + 16) * 4 + 3 * 2 * (16 + 16 + 32) * b)
         assert again["GDN", "states"].total == state.total
     # Ulysses shards heads: 6 heads over 4 ranks is not possible, and says so
     rows = {c.scheme: c for c in sp.communication(tiny(heads=6), T, 4, b, True) if c.layer == "MLA"}
@@ -146,3 +147,65 @@ def test_hylo_estimate_sequence_parallel_runs_the_ranks_step_at_its_share(tiny_c
     assert e["total_flops"] > e["local"]["total_flops"]
     with pytest.raises(BadArgument, match="--sequence-parallel=2: the 129-token row"):
         main(["--config", str(tiny_config), "--tokens", "129", "--sequence-parallel", "2"])
+
+
+class _Bytes:
+    """The bytes each rank sends in the collectives `hylo.seq_parallel` calls, as ring collectives move them
+    (all-gather: (N - 1) x the rank's piece; reduce-scatter: (N - 1) x the rank's part; all-reduce: 2 (N - 1) / N
+    x the tensor), recorded around torch.distributed's own functions."""
+
+    def __init__(self, monkeypatch, N: int) -> None:
+        import torch.distributed as dist
+
+        self.sent = 0.0
+        real = {name: getattr(dist, name) for name in ("all_gather", "reduce_scatter_tensor", "all_reduce")}
+
+        def all_gather(outs, x, group=None, **kw):
+            self.sent += (N - 1) * x.numel() * x.element_size()
+            return real["all_gather"](outs, x, group=group, **kw)
+
+        def reduce_scatter_tensor(out, x, group=None, **kw):
+            self.sent += (N - 1) * out.numel() * out.element_size()
+            # the fake group splits the input along dim 0 into N of the output's shape ([N, *out] as the core
+            # passes it is the same memory as NCCL reads it)
+            return real["reduce_scatter_tensor"](out, x.reshape(-1, *out.shape[1:]), group=group, **kw)
+
+        def all_reduce(x, group=None, **kw):
+            self.sent += 2 * (N - 1) / N * x.numel() * x.element_size()
+            return real["all_reduce"](x, group=group, **kw)
+
+        for name, fn in (("all_gather", all_gather), ("reduce_scatter_tensor", reduce_scatter_tensor),
+                         ("all_reduce", all_reduce)):
+            monkeypatch.setattr(dist, name, fn)
+
+
+@pytest.mark.parametrize("linear_type", ["gdn", "mamba2"])
+@pytest.mark.parametrize("N", [2, 4])
+def test_the_counted_bytes_are_what_the_split_layers_collectives_send(monkeypatch, N: int, linear_type: str):
+    """One decoder layer of each kind, as the LAST rank of a row that is one document (every exchange happens),
+    forward and backward on torch's fake process group (collectives that move nothing, with real shapes): the
+    bytes its collectives send equal `communication`'s count per layer (no checkpointing: forward once)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hylo.kernels.varlen import DocBounds
+    from hylo.modeling import HyLoDecoderLayer
+    from hylo.seq_parallel import shard_row
+
+    hc = tiny(linear_type)
+    T = 64
+    counted = {(c.layer, c.scheme.split()[0]): c.total for c in sp.communication(hc, T, N, 4, checkpointing=False)}
+    dist.init_process_group("fake", store=FakeStore(), rank=N - 1, world_size=N)
+    try:
+        shard = shard_row(DocBounds.from_host([0, T], T), N - 1, N)
+        torch.manual_seed(0)
+        for idx, kind in ((hc.mla_layers[0], ("MLA", "gather")), (hc.linear_layers[0], ("GDN" if linear_type == "gdn" else "Mamba-2", "states"))):
+            layer = HyLoDecoderLayer(hc, idx).float()
+            x = torch.randn(1, shard.end - shard.start, hc.hidden_size, requires_grad=True)
+            sent = _Bytes(monkeypatch, N)
+            out, _ = layer(x, shard.local.positions[None], shard, None)
+            out.float().sum().backward()
+            assert sent.sent > 0 and sent.sent == pytest.approx(counted[kind]), kind
+            monkeypatch.undo()
+    finally:
+        dist.destroy_process_group()

@@ -12,15 +12,15 @@ Per GPU at N, as `estimate_sp` computes it:
 * the rank's own step: `estimate.estimate_step` at Tq tokens (the recipe's packed documents), measured on fake
   tensors as for N = 1: parameters, gradients and optimizer states under ZeRO-3 over W, the activations of
   Tq tokens, the loss, the teacher's targets for Tq tokens (Serve pool / cache: each shard's range).
-* plus what splitting adds, ANALYTIC (counted from the layer code's tensors, not measured: the split step on
-  fake tensors needs the sequence-parallel core, `hylo/seq_parallel.py`, which this estimate does not run yet):
+* plus what splitting adds, ANALYTIC (counted from the tensors `hylo/seq_parallel.py` and the MLA layer's
+  `_attend_shard` make, not measured; why not: `EXTRAS_NOT_MEASURED`):
   - MLA, the last rank of a row that is one document: the gathered latent + k_pe of the E earlier keys, their
     decompressed keys [E, H, Nn + P] and values [E, H, Vd] (and kv_b_proj's [E, G, Nn + Vd]), and in the
     backward a gradient of each: one MLA layer's transient with activation checkpointing (the forward part held
     by every MLA layer without it);
   - GDN: the group's gathered zero-start final states [N, Hl, K, V] and transitions [N, Hl, K, K] (fp32) and
-    their gradients; Mamba-2: the states [N, Hm, Pm, Nm]; the conv window [w, C]: one layer's with
-    checkpointing, every linear layer's without.
+    their gradients; Mamba-2: the states [N, Hm, Pm, Nm] and one decay per head; the gathered conv windows
+    [N, w, C]: one layer's with checkpointing, every linear layer's without.
   The extras are added to the step's peak: an upper bound (they are one layer's transient, and the peak is not
   necessarily inside an MLA layer's backward).
 * FLOPs: the rank's step at Tq, plus (last rank, one document over the row) the attention of its Tq queries to
@@ -37,8 +37,9 @@ Per GPU at N, as `estimate_sp` computes it:
   - MLA, Ulysses (DeepSpeed's head-sharded attention): all-to-all of q, k, v before attention and of the output
     after, and of their gradients in the backward: (N - 1) / N Tq H (2 (Nn + P) + 2 Vd) b each way; needs H
     divisible by N;
-  - GDN / Mamba-2 state passing: all-gather of each rank's state (+ GDN's transition), fp32, and the conv
-    window (w pre-conv inputs of C channels) to the next rank.
+  - GDN / Mamba-2 state passing: one all-gather of each rank's state and transition (fp32; GDN [Hl, K, K],
+    Mamba-2 one decay per head), and one of each rank's conv window (its last w pre-conv inputs of C channels);
+  the backward's reduce-scatter is an all-reduce on gloo (CPU), which has none: N times the bytes there.
   "Per row token" is the group's total over T: independent of T for MLA's two schemes; state passing sends a
   fixed amount per step whatever T, so its share per token falls as T grows.
 """
@@ -56,6 +57,13 @@ from hylo.pipeline.train.estimate import FIT_MARGIN, GPUS, Estimate, _gib, _k
 
 # the row length the scans' FLOPs are counted at (linear in T: the chunked forms loop over chunks of 64)
 SCAN_TOKENS = 2048
+# Why the extras are counted, not measured by the split step on fake tensors: torch's fake process group
+# (`FakeStore`, backend "fake") does run the core's collectives on FakeTensors (all-gather forward,
+# reduce-scatter backward), but the MLA shard's attention is SDPA with a `causal_lower_right` bias, which on
+# CPU tensors (fake tensors are CPU tensors) dispatches to the math kernel and materialises the [H, T/N, S]
+# scores in fp32 (805 GB for the 3B recipe's last rank at 128K, N = 2), where a GPU runs a fused kernel with
+# O(T) memory; the measured peak would be that CPU kernel's, not a GPU's.
+EXTRAS_NOT_MEASURED = "the split MLA attention's SDPA takes CPU's math kernel on fake tensors (materialised scores)"
 
 
 def check_sequence_parallel(n: int, world: int, tokens: list[int], n_flag: str, world_flag: str,
@@ -120,7 +128,9 @@ class Dims:
     @property
     def state(self) -> int:
         """fp32 values of one rank's state per linear layer: [H, K, V] (+ GDN's transition [H, K, K])."""
-        return self.lin_heads * self.lin_k * (self.lin_v + (self.lin_k if self.linear_type == "gdn" else 0))
+        if self.linear_type == "gdn":
+            return self.lin_heads * self.lin_k * (self.lin_v + self.lin_k)
+        return self.lin_heads * (self.lin_k * self.lin_v + 1)
 
 
 @dataclass
@@ -159,9 +169,9 @@ def communication(hc: Any, T: int, N: int, b: int, checkpointing: bool) -> list[
             row("MLA", "Ulysses", (N - 1) / N * Tq * d.H * d.ulysses * b)
     if d.n_linear:
         kind = "GDN" if d.linear_type == "gdn" else "Mamba-2"
-        what = "states + transitions" if d.linear_type == "gdn" else "states"
-        # all-gather of each rank's fp32 state (and transition), the conv window to the next rank
-        row(kind, f"{what} + conv window", (N - 1) * d.state * 4 + (d.conv_window * d.conv_channels * b if N > 1 else 0))
+        what = "states + transitions"
+        # all-gathers of each rank's fp32 state and transition, and of its conv window
+        row(kind, f"{what} + conv window", (N - 1) * (d.state * 4 + d.conv_window * d.conv_channels * b))
     return out
 
 
@@ -177,8 +187,8 @@ def extra_memory(hc: Any, T: int, N: int, b: int, checkpointing: bool) -> dict[s
         held = fwd if checkpointing else fwd * d.n_mla
         out["SP: MLA keys from the row's start (last rank)"] = held + fwd
     if d.n_linear:
-        per_layer = 2 * N * d.state * 4 + d.conv_window * d.conv_channels * b
-        out["SP: gathered states" + (" + transitions" if d.linear_type == "gdn" else "")] = \
+        per_layer = 2 * N * (d.state * 4 + d.conv_window * d.conv_channels * b)
+        out["SP: gathered states + transitions + conv windows"] = \
             per_layer * (1 if checkpointing else d.n_linear)
     return out
 
