@@ -119,8 +119,6 @@ def _k(T: int) -> str:
 
 
 def tables(data: dict) -> str:
-    import torch
-
     from hylo.pipeline.train.estimate import GPUS
     from hylo.pipeline.train.estimate_sp import Dims, communication
 
@@ -163,7 +161,8 @@ def tables(data: dict) -> str:
                    + f" | {_k(r.longest(8, 8, mi))} |")
 
     out += ["", "Communication per layer and GPU per step (forward, again in the checkpoint's recompute, backward), "
-            "MiB, and the group's bytes per token of the row (B/tok), bf16 activations, fp32 states:", ""]
+            "MiB, and the group's bytes per token of the row (B/tok, at 64K: the same at any length for MLA's two "
+            "schemes, half at 128K for state passing, a fixed amount per step), bf16 activations, fp32 states:", ""]
     out += ["| recipe | layer (count), scheme | N | B/tok | MiB at 64K | MiB at 128K |", "|---|---|---|---|---|---|"]
     for r in recipes:
         d = Dims.of(r.hc)
@@ -177,7 +176,6 @@ def tables(data: dict) -> str:
                 out.append(f"| {r.name if first else ''} | {c.layer} ({counts[c.layer]}), {c.scheme} | {n} | {per} | "
                            + " | ".join(mib) + " |" + (f" {c.note}" if c.note else ""))
                 first = False
-    del torch
     return "\n".join(out)
 
 

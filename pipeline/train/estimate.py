@@ -3,6 +3,10 @@
     hylo estimate --config configs/llama-3.2-1b-8mla8gdn-64k.yaml                  # stage 2 at its seq_len
     hylo estimate --config configs/llama-3.2-1b-8mla8gdn-64k.yaml --tokens 8192,32768,65536,131072
     hylo estimate --config configs/demo-smollm2.yaml --stage 1 --world-size 1
+    hylo estimate --config configs/llama-3.2-3b-14mla14gdn-64k.yaml --tokens 131072 --sequence-parallel 4
+
+With `--sequence-parallel N` (one row split by tokens over N GPUs) the step below runs at T / N tokens, the
+rank's share, and pipeline/train/estimate_sp.py adds what splitting adds and the bytes each layer sends.
 
 Legend: T tokens of a packed row, W training workers (GPUs, the ZeRO-3 world size), P student parameters.
 
@@ -1221,9 +1225,12 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     print("\nThe step runs on fake tensors (pipeline/train/estimate.py): ZeRO-3 sharding is arithmetic on the "
           "real sizes; times are FLOPs at the dense bf16 peak, a lower bound.")
     if N > 1:
+        from hylo.pipeline.train.estimate_sp import EXTRAS_NOT_MEASURED
+
         print("Sequence parallelism (pipeline/train/estimate_sp.py): the rank's own step is measured at T/N tokens; "
               "the SP extras (the last rank's keys from the row's start when one document fills the row, the "
-              "gathered states) and the communication are ANALYTIC, from the layers' shapes, not the split step.")
+              "gathered states) and the communication are ANALYTIC, from the layers' shapes, not the split step "
+              f"({EXTRAS_NOT_MEASURED}).")
     if args.json:
         from hylo.files import atomic_write
 
