@@ -11,8 +11,10 @@ pool or the offline cache: the same records on the training GPU), ZeRO-3 over W 
   packed documents), at W = 4 (the recipes' stage 2) and W = 8 (a node of training GPUs); its peak is affine in L
   (the README's 8K-128K rows are: the activations grow by the same GiB per token at every length), so the peak
   at L = T / N is the least-squares line through the three (its largest residual printed);
-* plus the analytic extras of the split (`estimate_sp.extra_memory`: the last rank's keys from the row's start
-  when one document fills the row, the gathered states);
+* plus the extras of the split (`estimate_sp`): the last rank's MLA keys from the row's start when one document
+  fills the row, one split MLA layer measured on fake tensors with torch's fake process group at T = 64K, N = 2
+  and scaled by the earlier keys E = T - T / N (bytes per earlier key: within 6 % from 64K to 256K and N = 2 to
+  8 for the 3B recipe), and the gathered GDN states (analytic, a few MiB);
 * "longest context": the largest T, a multiple of 1K, whose peak is within 90 % of the GPU's memory (`GPU.fits`),
   searched up to 4M tokens. Above 32K tokens per rank it extrapolates the line.
 """
@@ -93,12 +95,17 @@ class Recipe:
         self.ckpt = bool(self.cfg.model.activation_checkpointing)
         self.fits = {W: fit(rows, W) for W in WORLDS}
         self.dtype_bytes = torch.empty((), dtype=torch.bfloat16).element_size()
+        from hylo.pipeline.train.estimate_sp import measure_mla_extra
+
+        # one split MLA layer's extra per earlier key (T = 64K, N = 2: 32K earlier keys)
+        self.mla_per_key = measure_mla_extra(self.hc, 65536, 2, torch.bfloat16) / 32768
 
     def peak(self, T: int, N: int, W: int) -> float:
         from hylo.pipeline.train.estimate_sp import extra_memory
 
         a, b, _ = self.fits[W]
-        return a + b * T / N + sum(extra_memory(self.hc, T, N, self.dtype_bytes, self.ckpt).values())
+        mla = self.mla_per_key * (T - T // N)
+        return a + b * T / N + sum(extra_memory(self.hc, T, N, self.dtype_bytes, self.ckpt, mla).values())
 
     def longest(self, N: int, W: int, gpu) -> int:
         """Largest T (a multiple of 1K, T / N whole) that fits `gpu`, 0 if none; MAX_K K if all do."""
@@ -124,12 +131,13 @@ def tables(data: dict) -> str:
 
     recipes = [Recipe(name, rows) for name, rows in data.items()]
     out = ["Fit of one rank's step peak, a + b L (GiB, GiB per 1K tokens), largest residual over L = "
-           + ", ".join(f"{x // 1024}K" for x in LOCAL) + ":", ""]
-    out += ["| recipe | W | a | b | residual |", "|---|---|---|---|---|"]
+           + ", ".join(f"{x // 1024}K" for x in LOCAL) + "; the split MLA layer's extra per earlier key (KiB):", ""]
+    out += ["| recipe | W | a | b | residual | MLA extra per earlier key |", "|---|---|---|---|---|---|"]
     for r in recipes:
         for W in WORLDS:
             a, b, res = r.fits[W]
-            out.append(f"| {r.name} | {W} | {a / GIB:.2f} | {b * 1024 / GIB:.3f} | {res / GIB:.2f} |")
+            out.append(f"| {r.name} | {W} | {a / GIB:.2f} | {b * 1024 / GIB:.3f} | {res / GIB:.2f} | "
+                       f"{r.mla_per_key / 1024:.1f} |")
 
     W = 8
     out += ["", f"Longest context per training GPU (ZeRO-3 over W = {W}; the row split over N GPUs):", ""]

@@ -112,11 +112,30 @@ def test_the_extra_memory_grows_with_the_earlier_keys_and_the_group():
     hc = tiny()
     assert sp.extra_memory(hc, 1024, 1, 2, True) == {}
     m2, m4 = sp.extra_memory(hc, 1024, 2, 2, True), sp.extra_memory(hc, 1024, 4, 2, True)
-    key = next(k for k in m2 if "MLA" in k)
+    key = sp.MLA_ANALYTIC
     # E = T - T/N earlier keys: 512 at N = 2, 768 at N = 4
     assert m4[key] == pytest.approx(m2[key] * 768 / 512)
     # without checkpointing every MLA layer holds its forward part: more
     assert sp.extra_memory(hc, 1024, 2, 2, False)[key] > m2[key]
+    # a measured layer's figure replaces the bound: once with checkpointing, per MLA layer without
+    assert sp.extra_memory(hc, 1024, 2, 2, True, 1000.0)[sp.MLA_MEASURED] == 1000.0
+    assert sp.extra_memory(hc, 1024, 2, 2, False, 1000.0)[sp.MLA_MEASURED] == 2000.0
+
+
+def test_the_split_mla_layer_is_measured_on_the_fake_group_below_the_bound_and_linear_in_the_earlier_keys():
+    import torch.distributed as dist
+
+    hc = tiny()
+    got = {(T, N): sp.measure_mla_extra(hc, T, N, torch.float32) for T, N in ((512, 2), (1024, 2), (1024, 4))}
+    # the fake group is gone again
+    assert not dist.is_initialized()
+    for (T, N), measured in got.items():
+        bound = sp.extra_memory(hc, T, N, 4, True)[sp.MLA_ANALYTIC]
+        assert 0 < measured < bound, (T, N, measured, bound)
+    # the earlier keys E = T - T/N: 256, 512, 768; the bytes per earlier key about the same
+    per_key = [got[512, 2] / 256, got[1024, 2] / 512, got[1024, 4] / 768]
+    assert max(per_key) < 1.3 * min(per_key), per_key
+    assert sp.measure_mla_extra(hc, 1024, 1, torch.float32) is None
 
 
 @pytest.fixture
@@ -137,7 +156,7 @@ def test_hylo_estimate_sequence_parallel_runs_the_ranks_step_at_its_share(tiny_c
     out = tmp_path / "est.json"
     assert main(["--config", str(tiny_config), "--tokens", "128", "--sequence-parallel", "2", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    for words in ("sequence parallel over N = 2", "gather latent + k_pe", "Ulysses", "ANALYTIC"):
+    for words in ("sequence parallel over N = 2", "gather latent + k_pe", "Ulysses", "ANALYTIC", "measured"):
         assert words in text, text
     data = json.loads(out.read_text())
     assert data["sequence_parallel"] == 2 and data["estimates"][0]["tokens"] == 64

@@ -1228,9 +1228,9 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         from hylo.pipeline.train.estimate_sp import EXTRAS_NOT_MEASURED
 
         print("Sequence parallelism (pipeline/train/estimate_sp.py): the rank's own step is measured at T/N tokens; "
-              "the SP extras (the last rank's keys from the row's start when one document fills the row, the "
-              "gathered states) and the communication are ANALYTIC, from the layers' shapes, not the split step "
-              f"({EXTRAS_NOT_MEASURED}).")
+              "the MLA extra (the last rank's keys from the row's start when one document fills the row) is one "
+              "split MLA layer measured on fake tensors with torch's fake process group; the gathered states and "
+              f"the communication are ANALYTIC, from the layers' shapes ({EXTRAS_NOT_MEASURED}).")
     if args.json:
         from hylo.files import atomic_write
 

@@ -12,17 +12,24 @@ Per GPU at N, as `estimate_sp` computes it:
 * the rank's own step: `estimate.estimate_step` at Tq tokens (the recipe's packed documents), measured on fake
   tensors as for N = 1: parameters, gradients and optimizer states under ZeRO-3 over W, the activations of
   Tq tokens, the loss, the teacher's targets for Tq tokens (Serve pool / cache: each shard's range).
-* plus what splitting adds, ANALYTIC (counted from the tensors `hylo/seq_parallel.py` and the MLA layer's
-  `_attend_shard` make, not measured; why not: `EXTRAS_NOT_MEASURED`):
-  - MLA, the last rank of a row that is one document: the gathered latent + k_pe of the E earlier keys, their
-    decompressed keys [E, H, Nn + P] and values [E, H, Vd] (and kv_b_proj's [E, G, Nn + Vd]), and in the
-    backward a gradient of each: one MLA layer's transient with activation checkpointing (the forward part held
-    by every MLA layer without it);
-  - GDN: the group's gathered zero-start final states [N, Hl, K, V] and transitions [N, Hl, K, K] (fp32) and
-    their gradients; Mamba-2: the states [N, Hm, Pm, Nm] and one decay per head; the gathered conv windows
-    [N, w, C]: one layer's with checkpointing, every linear layer's without.
+* plus what splitting adds:
+  - MLA, the last rank of a row that is one document, MEASURED (`measure_mla_extra`): one decoder layer of the
+    recipe split as `hylo/seq_parallel.py` splits it (the group's latent + k_pe gathered, the E earlier keys
+    decompressed, the rank's queries attending to them), forward and backward on fake tensors with the
+    collectives on torch's fake process group, minus the same layer on the rank's Tq tokens unsplit; the
+    attention's SDPA is counted as a GPU's fused kernel holds memory (the split attention's lower-right causal
+    bias is dropped: it cannot be built on fake tensors, and on CPU tensors it selects the math kernel, whose
+    [H, Tq, S] scores a GPU never materialises). One MLA layer's transient with activation checkpointing (x the
+    MLA layers without it, a bound). Where this process already has a process group the fake one cannot be made:
+    then the analytic bound `extra_memory` counts (the gathered latent + k_pe, the roped k_pe, kv_b_proj's
+    output, its keys and values repeated to the H query heads where G < H, the keys [E, H, Nn + P], and a
+    gradient of each: 2.9x the measured figure at the 3B recipe's shapes);
+  - GDN, ANALYTIC (a few MiB): the group's gathered zero-start final states [N, Hl, K, V] and transitions
+    [N, Hl, K, K] (fp32) and their gradients; Mamba-2: the states [N, Hm, Pm, Nm] and one decay per head; the
+    gathered conv windows [N, w, C]: one layer's with checkpointing, every linear layer's without.
   The extras are added to the step's peak: an upper bound (they are one layer's transient, and the peak is not
-  necessarily inside an MLA layer's backward).
+  necessarily inside an MLA layer's backward). The whole split step is not run: the stages' `train_step` does
+  not take a split row on this branch (`EXTRAS_NOT_MEASURED`).
 * FLOPs: the rank's step at Tq, plus (last rank, one document over the row) the attention of its Tq queries to
   the E earlier keys (a fully visible Tq x E block: torch's dense SDPA count is exact for it) and kv_b_proj's
   decompression of those keys, forward (again in the recompute with checkpointing) and backward, per MLA layer;
@@ -46,8 +53,10 @@ Per GPU at N, as `estimate_sp` computes it:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,13 +66,10 @@ from hylo.pipeline.train.estimate import FIT_MARGIN, GPUS, Estimate, _gib, _k
 
 # the row length the scans' FLOPs are counted at (linear in T: the chunked forms loop over chunks of 64)
 SCAN_TOKENS = 2048
-# Why the extras are counted, not measured by the split step on fake tensors: torch's fake process group
-# (`FakeStore`, backend "fake") does run the core's collectives on FakeTensors (all-gather forward,
-# reduce-scatter backward), but the MLA shard's attention is SDPA with a `causal_lower_right` bias, which on
-# CPU tensors (fake tensors are CPU tensors) dispatches to the math kernel and materialises the [H, T/N, S]
-# scores in fp32 (805 GB for the 3B recipe's last rank at 128K, N = 2), where a GPU runs a fused kernel with
-# O(T) memory; the measured peak would be that CPU kernel's, not a GPU's.
-EXTRAS_NOT_MEASURED = "the split MLA attention's SDPA takes CPU's math kernel on fake tensors (materialised scores)"
+# Why the whole split step is not what runs: the stages' train_step takes whole rows on this branch, so the rank's
+# step runs at T / N tokens unsplit and the split layer's extra is measured beside it (`measure_mla_extra`).
+EXTRAS_NOT_MEASURED = ("the stage's train_step takes no split row here: the rank's step is measured at T/N tokens, "
+                       "one split MLA layer beside it")
 
 
 def check_sequence_parallel(n: int, world: int, tokens: list[int], n_flag: str, world_flag: str,
@@ -175,22 +181,95 @@ def communication(hc: Any, T: int, N: int, b: int, checkpointing: bool) -> list[
     return out
 
 
-def extra_memory(hc: Any, T: int, N: int, b: int, checkpointing: bool) -> dict[str, float]:
-    """Bytes per GPU that splitting adds to the rank's own step (the last rank; module docstring)."""
+MLA_MEASURED = "SP: MLA keys from the row's start (last rank, measured)"
+MLA_ANALYTIC = "SP: MLA keys from the row's start (last rank, analytic bound)"
+STATES = "SP: gathered states + transitions + conv windows (analytic)"
+
+
+def extra_memory(hc: Any, T: int, N: int, b: int, checkpointing: bool,
+                 mla_layer_bytes: float | None = None) -> dict[str, float]:
+    """Bytes per GPU that splitting adds to the rank's own step (the last rank; module docstring).
+    `mla_layer_bytes`: one split MLA layer's measured extra (`measure_mla_extra`), else the analytic bound."""
     d = Dims.of(hc)
     E = T - T // N
     out: dict[str, float] = {}
     if N == 1:
         return out
-    if d.n_mla:
-        fwd = E * (d.latent + d.G * (d.nope + d.v) + d.H * (d.nope + d.rope) + d.H * d.v) * b
+    if d.n_mla and mla_layer_bytes is not None:
+        out[MLA_MEASURED] = mla_layer_bytes * (1 if checkpointing else d.n_mla)
+    elif d.n_mla:
+        # per earlier key (`MLAttention._decompressed_kv`): the gathered latent + k_pe, the roped k_pe, kv_b_proj's
+        # output, its nope keys and values repeated to every query head when kv_b_proj has fewer heads, the keys
+        # [H, Nn + P]; the backward holds a gradient of each
+        repeat = d.H * (d.nope + d.v) if d.G != d.H else 0
+        fwd = E * (d.latent + d.rope + d.G * (d.nope + d.v) + repeat + d.H * (d.nope + d.rope)) * b
         held = fwd if checkpointing else fwd * d.n_mla
-        out["SP: MLA keys from the row's start (last rank)"] = held + fwd
+        out[MLA_ANALYTIC] = held + fwd
     if d.n_linear:
         per_layer = 2 * N * (d.state * 4 + d.conv_window * d.conv_channels * b)
-        out["SP: gathered states + transitions + conv windows"] = \
+        out[STATES] = \
             per_layer * (1 if checkpointing else d.n_linear)
     return out
+
+
+@contextlib.contextmanager
+def _fused_attention() -> Iterator[None]:
+    """SDPA as a GPU's fused kernel holds memory: the split MLA attention's `causal_lower_right` bias (which
+    cannot be built on fake tensors, and sends CPU tensors to the math kernel's materialised scores) is dropped;
+    the mask changes values, not buffers."""
+    import torch.nn.functional as F
+
+    import hylo.layers.mla as mla
+
+    sdpa, bias = F.scaled_dot_product_attention, mla.causal_lower_right
+
+    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        return sdpa(q, k, v, scale=scale)
+
+    F.scaled_dot_product_attention, mla.causal_lower_right = fused, lambda *a: None
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, mla.causal_lower_right = sdpa, bias
+
+
+def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype) -> float | None:
+    """Bytes one split MLA decoder layer (hylo/seq_parallel.py's `_attend_shard`) holds beyond the same layer
+    on the rank's T / N tokens unsplit, forward and backward, as the LAST rank of a row that is one document:
+    both run on fake tensors, the collectives on torch's fake process group (`FakeStore`, backend "fake"), the
+    attention's SDPA as a fused kernel (`_fused_attention`). None where this process already has a process
+    group (the fake one cannot be made): the caller uses the analytic bound."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hylo.kernels.varlen import DocBounds
+    from hylo.modeling import HyLoDecoderLayer
+    from hylo.pipeline.train.estimate import cast_parameters, estimate_call
+    from hylo.seq_parallel import shard_row
+
+    if not hc.mla_layers or N == 1 or (dist.is_available() and dist.is_initialized()):
+        return None
+    Tq = T // N
+    dist.init_process_group("fake", store=FakeStore(), rank=N - 1, world_size=N)
+    try:
+        shard = shard_row(DocBounds.from_host([0, T], T), N - 1, N)
+
+        def setup():
+            layer = cast_parameters(HyLoDecoderLayer(hc, hc.mla_layers[0]), dtype)
+            return layer, torch.empty(1, Tq, hc.hidden_size, dtype=dtype, requires_grad=True)
+
+        def run(state, split: bool) -> None:
+            layer, x = state
+            bounds = shard.local if split else DocBounds.from_host([0, Tq], Tq)
+            out, _ = layer(x, bounds.positions[None], shard if split else bounds, None)
+            out.sum().backward()
+
+        with _fused_attention():
+            split = estimate_call(setup, lambda st: run(st, True))
+            alone = estimate_call(setup, lambda st: run(st, False))
+        return max(split - alone, 0.0)
+    finally:
+        dist.destroy_process_group()
 
 
 def _scan_flops(hc: Any, tokens: int, dtype: torch.dtype, transition: bool = False) -> tuple[int, int]:
@@ -290,9 +369,11 @@ class SPEstimate:
                          for g in GPUS}, "notes": self.notes}
 
 
-def sp_extras(hc: Any, T: int, N: int, dtype: torch.dtype, checkpointing: bool) -> tuple[dict, dict, list[Comm]]:
+def sp_extras(hc: Any, T: int, N: int, dtype: torch.dtype, checkpointing: bool,
+              measure: bool = True) -> tuple[dict, dict, list[Comm]]:
     b = torch.empty((), dtype=dtype).element_size()
-    return (extra_memory(hc, T, N, b, checkpointing), extra_flops(hc, T, N, dtype, checkpointing),
+    mla = measure_mla_extra(hc, T, N, dtype) if measure else None
+    return (extra_memory(hc, T, N, b, checkpointing, mla), extra_flops(hc, T, N, dtype, checkpointing),
             communication(hc, T, N, b, checkpointing))
 
 
@@ -330,7 +411,7 @@ def format_sp(ests: list[SPEstimate]) -> str:
     for e in ests:
         ekeys += [k for k in e.extra_memory if k not in ekeys]
     for k in ekeys:
-        lines.append(f"  {k + ' (analytic)':<{L - 2}}" + "".join(f"{_gib(e.extra_memory.get(k, 0.0)):>{w}}" for e in ests))
+        lines.append(f"  {k:<{L - 2}}" + "".join(f"{_gib(e.extra_memory.get(k, 0.0)):>{w}}" for e in ests))
     lines.append(f"{'peak (the step + the SP extras: an upper bound)':<{L}}" + "".join(f"{_gib(e.peak_bytes):>{w}}" for e in ests))
     lines.append(f"fits (peak <= {1 - FIT_MARGIN:.0%} of the memory):")
     for g in GPUS:
