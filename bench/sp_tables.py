@@ -13,8 +13,8 @@ pool or the offline cache: the same records on the training GPU), ZeRO-3 over W 
   at L = T / N is the least-squares line through the three (its largest residual printed);
 * plus the extras of the split (`estimate_sp`): the last rank's MLA keys from the row's start when one document
   fills the row, one split MLA layer measured on fake tensors with torch's fake process group at T = 64K, N = 2
-  and scaled by the earlier keys E = T - T / N (bytes per earlier key: within 6 % from 64K to 256K and N = 2 to
-  8 for the 3B recipe), and the gathered GDN states (analytic, a few MiB);
+  and scaled by the earlier keys E = T - T / N (bytes per earlier key: 12.72-12.88 KiB from 64K to 256K and N = 2
+  to 8 for the 3B recipe), and the gathered GDN states (analytic, a few MiB);
 * "longest context": the largest T, a multiple of 1K, whose peak is within 90 % of the GPU's memory (`GPU.fits`),
   searched up to 4M tokens. Above 32K tokens per rank it extrapolates the line.
 """
