@@ -1206,7 +1206,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                           progress=Progress(f"[estimate] {T // N:,} tokens ({i}/{len(tokens)})"))
             for i, T in enumerate(tokens, 1)]
     print(describe(cfg, shapes, W, dtype, args.config)
-          + (f"\nsequence parallel: each row split by tokens over N = {N} GPUs ({W // N} groups)" if N > 1 else ""))
+          + (f"\nsequence parallel: each row split by tokens over N = {N} GPUs ({W // N} group{'s' if W // N > 1 else ''})" if N > 1 else ""))
     out: dict[str, Any] = {"config": args.config, "stage": args.stage, "world_size": W, "sequence_parallel": N,
                            "estimates": [e.to_dict() for e in ests]}
     if N > 1:
