@@ -58,6 +58,9 @@ class RowShard(NamedTuple):
     size: int
     group: Any
     full: tuple[int, ...]
+    # how MLA layers see the rest of the row: "latent" (gather R + P per token) or "ulysses" (DeepSpeed's
+    # all-to-all of q, k, v by heads and of the output back; heads must divide by the group size)
+    mla: str = "latent"
 
     @property
     def continues_in(self) -> bool:
@@ -85,15 +88,20 @@ def shard_range(T: int, rank: int, size: int) -> tuple[int, int]:
     return rank * t, (rank + 1) * t
 
 
-def shard_row(bounds: DocBounds, rank: int, size: int, group: Any = None) -> RowShard:
+MLA_MODES = ("latent", "ulysses")
+
+
+def shard_row(bounds: DocBounds, rank: int, size: int, group: Any = None, mla: str = "latent") -> RowShard:
     """The shard of rank `rank` (of `size`) of the unsplit row with boundaries `bounds`."""
+    if mla not in MLA_MODES:
+        raise ValueError(f"sequence parallelism: MLA mode {mla!r} is not one of {', '.join(MLA_MODES)}")
     full = tuple(int(b) for b in bounds.host)
     T = full[-1]
     start, end = shard_range(T, rank, size)
     cut = sorted({0, end - start, *(b - start for b in full if start < b < end)})
     device = bounds.positions.device
     local = DocBounds(torch.tensor(cut, dtype=torch.int32, device=device), tuple(cut), bounds.positions[start:end])
-    return RowShard(local, start, end, T, rank, size, group, full)
+    return RowShard(local, start, end, T, rank, size, group, full, mla)
 
 
 def key_positions(shard: RowShard, lo: int, hi: int, device: torch.device) -> torch.Tensor:

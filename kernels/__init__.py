@@ -14,8 +14,15 @@ if __name__ == "kernels":
     from importlib.machinery import PathFinder as _PathFinder
     from pathlib import Path as _Path
 
-    _root = _Path(__file__).resolve().parent.parent
-    _spec = _PathFinder.find_spec("kernels", [p for p in _sys.path if _Path(p or ".").resolve() != _root])
+    # skip every checkout of this project on sys.path, not only this one: with two (PYTHONPATH and the copy
+    # `ray job submit --working-dir` puts first) each would hand the name to the other without end
+    _skip = {_Path(__file__).resolve().parent.parent}
+    while True:
+        _spec = _PathFinder.find_spec("kernels", [p for p in _sys.path if _Path(p or ".").resolve() not in _skip])
+        _origin = _Path(_spec.origin) if _spec is not None and _spec.origin else None
+        if _origin is None or not _origin.is_file() or b"imported as `hylo.kernels`" not in _origin.read_bytes():
+            break
+        _skip.add(_origin.resolve().parent.parent)
     if _spec is not None and _spec.loader is not None:
         _other = _util.module_from_spec(_spec)
         _sys.modules["kernels"] = _other

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -197,6 +198,15 @@ def gloo() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
+        forget_deepspeed_world()
         yield
         if dist.is_initialized():
             dist.destroy_process_group()
+        forget_deepspeed_world()
+
+
+def forget_deepspeed_world() -> None:
+    """DeepSpeed keeps a clone of the world group it made for an engine (`deepspeed.utils.groups._WORLD_GROUP`):
+    once that group is destroyed, the next engine in this process (another test module's) must not find it."""
+    if "deepspeed.utils.groups" in sys.modules:
+        sys.modules["deepspeed.utils.groups"]._WORLD_GROUP = None

@@ -295,3 +295,24 @@ def test_wheel_and_editable_install_beside_a_package_named_kernels(tmp_path):
         assert got["probe"] == [True, "9.9.9"], (cwd, got)
         assert Path(got["cli"]) == src / "hylo" / "pipeline" / "cli.py", (cwd, got)
         assert Path(got["varlen"]) == src / "hylo" / "kernels" / "varlen.py", (cwd, got)
+
+
+def test_two_checkouts_on_sys_path_import_kernels_without_recursion(tmp_path: Path):
+    """PYTHONPATH=checkout plus Ray's copy of the working directory first on sys.path (ray job submit
+    --working-dir): `import kernels` (transformers' probe) must not hand the name back and forth."""
+    roots = []
+    for name in ("a", "b"):
+        root = tmp_path / name
+        (root / "kernels").mkdir(parents=True)
+        shutil.copy(REPO / "kernels" / "__init__.py", root / "kernels" / "__init__.py")
+        roots.append(str(root))
+    other = tmp_path / "hub"
+    (other / "kernels").mkdir(parents=True)
+    (other / "kernels" / "__init__.py").write_text('MARK = "the hub package"\n')
+    code = "import kernels; print(getattr(kernels, 'MARK', None), kernels.__file__)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for path, mark in ((roots, "None"), ([*roots, str(other)], "the hub package")):
+        proc = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": os.pathsep.join(path)},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.split()[0:len(mark.split())] == mark.split(), proc.stdout

@@ -84,6 +84,24 @@ def _rank_errors(rank: int, world: int) -> dict[str, Any]:
         errors[f"{variant} float64 checkpointed N=4"] = {
             "logits": _rel(ref_logits[:, shard.start:shard.end], part),
             "grads": max(_rel(ref_grads[n], g) for n, g in grads.items()), "unsplit": 0.0}
+        # MLA through DeepSpeed's Ulysses (all-to-all by heads) instead of the latent gather: the same result
+        if variant == VARIANTS[0]:
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")
+            bounds = DocBounds.from_host(ROWS[0], ROWS[0][-1], "cpu")
+            ref_logits, ref_grads = run(model, ids, proj, position_ids=bounds.positions[None], cu_seqlens=bounds)
+            for n in (2, 4):
+                group = groups[n][rank // n]
+                shard = shard_row(bounds, rank % n, n, group, mla="ulysses")
+                s, e = shard.start, shard.end
+                part, grads = run(model, ids[:, s:e], proj[:, s:e], position_ids=shard.local.positions[None],
+                                  cu_seqlens=shard)
+                for g in grads.values():
+                    dist.all_reduce(g, group=group)
+                errors[f"{variant} float64 ulysses N={n}"] = {
+                    "logits": _rel(ref_logits[:, s:e], part),
+                    "grads": max(_rel(ref_grads[k], g) for k, g in grads.items()), "unsplit": 0.0}
     return errors
 
 
@@ -94,7 +112,7 @@ def test_a_split_row_gives_the_unsplit_rows_outputs_and_gradients(tmp_path: Path
     results = run_ranks(_rank_errors, 4, tmp_path)
     worst: dict[str, float] = {}
     for rank, errs in enumerate(results):
-        assert len(errs) == len(VARIANTS) * (2 * len(ROWS) * 2 + 1), errs.keys()
+        assert len(errs) == len(VARIANTS) * (2 * len(ROWS) * 2 + 1) + 2, errs.keys()
         for key, e in errs.items():
             tol = 1e-10 if "float64" in key else max(1e-5, 1.5 * e["unsplit"])
             assert e["logits"] <= tol and e["grads"] <= tol, f"rank {rank} {key}: {e} (tolerance {tol})"
@@ -116,3 +134,53 @@ def test_shard_ranges_and_bounds():
     assert s.continues_in and s.doc_start(24) == 5
     assert passes_through(s.full, 12, 24) and not passes_through(s.full, 24, 36)
     assert not passes_through((0, 12, 20, 48), 12, 24) and not shard_row(b, 0, 4).continues_in
+
+
+def _rank_gpu_branch(rank: int, world: int) -> dict[str, Any]:
+    """The GPU branch of a split row on CPU: fla's kernels (the identity-state transition pass and the passed
+    initial state included) through Triton's interpreter, fp32, against the unsplit row in fp64 (torch path)."""
+    import copy
+
+    import fla_interpret
+    import torch.distributed as dist
+
+    fla_interpret.install()
+    from hylo.kernels.backend import forced_mode
+
+    errors: dict[str, Any] = {}
+    for variant in VARIANTS:
+        model = fla_interpret.tiny_student(variant)
+        ref_model = copy.deepcopy(model).double()
+        # rank 1 lies inside the second document: its transition pass and the passed state both run
+        cu = [0, 5, 48]
+        T = cu[-1]
+        ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+        proj = torch.randn(1, T, model.config.vocab_size, generator=torch.Generator().manual_seed(1),
+                           dtype=torch.float64)
+        bounds = DocBounds.from_host(cu, T, "cpu")
+        with forced_mode("torch"):
+            ref = ref_model(input_ids=ids, position_ids=bounds.positions[None], cu_seqlens=bounds).logits
+            (ref * proj).sum().backward()
+        shard = shard_row(bounds, rank, world)
+        s, e = shard.start, shard.end
+        with fla_interpret.gpu_branch():
+            part = model(input_ids=ids[:, s:e], position_ids=shard.local.positions[None], cu_seqlens=shard).logits
+            (part * proj[:, s:e].float()).sum().backward()
+        worst = 0.0
+        for p, p_ref in zip(model.parameters(), ref_model.parameters()):
+            g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(g)
+            worst = max(worst, _rel(p_ref.grad, g))
+        errors[variant] = {"logits": _rel(ref[:, s:e].detach(), part.detach()), "grads": worst}
+    return errors
+
+
+@pytest.mark.slow
+def test_the_gpu_branch_of_a_split_row_runs_flas_kernels_exactly(tmp_path: Path):
+    """HYLO_KERNELS=gpu's branch (fla's chunk_gated_delta_rule / chunk_simple_gla, interpreted) at N = 2."""
+    results = run_ranks(_rank_gpu_branch, 2, tmp_path)
+    for rank, errs in enumerate(results):
+        assert set(errs) == set(VARIANTS)
+        for variant, e in errs.items():
+            assert e["logits"] <= 1e-4 and e["grads"] <= 1e-4, f"rank {rank} {variant}: {e}"
+    print("GPU branch of a split row (fp32 vs the unsplit fp64 row):", results)

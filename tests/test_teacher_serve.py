@@ -240,3 +240,15 @@ def test_protocol_targets_are_identical_from_model_pool_and_cache(pool, tmp_path
         full = m["teacher_logits_fn"](0, r.num_tokens)
         torch.testing.assert_close(s["teacher_logits_fn"](0, r.num_tokens), full, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(h["teacher_hidden"] @ h["teacher_weight"].T, full, rtol=1e-5, atol=1e-5)
+    # a sequence-parallel rank's tokens [4, 11) of every row: the range travels through Serve in each request
+    t = TeacherSection(source="serve", k=8, model=model_cfg, pool=pool["cfg"], client=TeacherClientConfig(timeout_s=60))
+    ranged = list(open_teacher(t, VOCAB).targets(rows, "cpu", token_range=(4, 11)))
+    for m, s in zip(model, ranged):
+        m, s = m["teacher_topk"], s["teacher_topk"]
+        assert s.logprobs.shape == (7, 8) and torch.equal(s.indices, m.indices[4:11])
+        torch.testing.assert_close(s.logprobs.float(), m.logprobs[4:11].float(), rtol=2.0 ** -9, atol=0.0)
+    (stream,) = open_teacher(TeacherSection(source="serve", k=0, model=model_cfg, pool=pool["cfg"],
+                                            client=TeacherClientConfig(timeout_s=60)), VOCAB).targets(
+        rows[:1], "cpu", token_range=(4, 11))
+    torch.testing.assert_close(stream["teacher_logits_fn"](0, 7), exact_model[0]["teacher_logits_fn"](0, 14)[4:11],
+                               rtol=1e-5, atol=1e-5)

@@ -214,11 +214,8 @@ def _job(stage: int, models, storage: Path, capsys, *extra: str) -> tuple[int, l
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        # DeepSpeed keeps a clone of the world group it made for the engine: the next run in this process
-        # (another test) starts a new group
-        import deepspeed.utils.groups
-
-        deepspeed.utils.groups._WORLD_GROUP = None
+        # the next run in this process (another test) starts a new group
+        fixtures_train.forget_deepspeed_world()
     return rc, capsys.readouterr().err.strip().splitlines()
 
 

@@ -280,6 +280,8 @@ class MLAttention(nn.Module):
         attending to them: its first document with a bottom-right-aligned causal mask (its keys may start on
         an earlier rank), the others as in the unsplit row."""
         T, V, R = q_nope_BTHN.shape[1], self.v_head_dim, self.kv_lora_rank
+        if shard.mla == "ulysses":
+            return self._attend_ulysses(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, shard)
         ks = shard.doc_start(shard.start)
         kv_1SX = gather_tokens(torch.cat([c_kv_BTR, k_pe_BTP], -1), shard, end=shard.end)[:, ks:]
         c_kv_1SR, k_pe_1SP = kv_1SX.split([R, self.qk_rope_head_dim], dim=-1)
@@ -308,6 +310,35 @@ class MLAttention(nn.Module):
         o_BHTX = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
         assert o_BHTX.shape[2] == T
         return o_BHTX[..., :V].transpose(1, 2)
+
+    def _attend_ulysses(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
+                        k_pe_BTP: torch.Tensor, shard: RowShard) -> torch.Tensor:
+        """A split row through DeepSpeed's Ulysses (`deepspeed.sequence.layer.DistributedAttention`): this rank's
+        q, k, v (decompressed here) go all-to-all from tokens to heads, each rank attends H / N heads over the
+        whole row, and the output goes back. Sends H * (2E + V) values per token each way against the latent
+        gather's R + P (kept for comparison: `bench/sp_mla.py`)."""
+        from deepspeed.sequence.layer import DistributedAttention
+
+        H, V = self.num_heads, self.v_head_dim
+        if H % shard.size:
+            raise self._err(f"Ulysses splits the {H} heads over {shard.size} ranks: they must divide")
+        pos_1T = shard.local.positions[None]
+        k_BHTE, v_BHTV = self._decompressed_kv(c_kv_BTR, k_pe_BTP, self.rotary_emb(pos_1T, q_pe_BTHP.dtype))
+        q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
+        q_BHTE, k_BHTE, v_BHTV = self._equal_head_dims(q_BHTE, k_BHTE, v_BHTV)
+        full = shard.full
+
+        def local(q_BThE: torch.Tensor, k_BThE: torch.Tensor, v_BThE: torch.Tensor, *_: object) -> torch.Tensor:
+            q, k, v = (x.transpose(1, 2) for x in (q_BThE, k_BThE, v_BThE))
+            if len(full) == 2:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+            else:
+                o = packed_causal_sdpa(q, k, v, full, scale=self.softmax_scale)
+            return o.transpose(1, 2)
+
+        attn = DistributedAttention(local, shard.group, scatter_idx=2, gather_idx=1)
+        o_BTHX = attn(*(x.transpose(1, 2) for x in (q_BHTE, k_BHTE, v_BHTV)), batch_dim_idx=0)
+        return o_BTHX[..., :V]
 
     def _absorbed_weights(self, per_query_head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: key part W_uk [H, N, R] and value part W_uv [H, V, R] (per kv_b head,

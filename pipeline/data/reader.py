@@ -13,7 +13,8 @@ Design choices:
   (`hylo.pipeline.train.row_sources`).
 * `RowReader(source, rank, world_size, start)`: worker r reads global rows r, r + W, r + 2W, ...; with
   `drop_last` the tail that does not divide by W is left out of every pass, so every worker takes the
-  same number of steps. `position` is the number of rows this worker consumed: saving it and giving it
+  same number of steps (`drop_to`: by a multiple of W instead, so that the pass does not depend on how many
+  readers share it: training's sequence-parallel groups). `position` is the number of rows this worker consumed: saving it and giving it
   back (`start`, `seek`) resumes at exactly the next row (Ray Data iterators do not resume mid-epoch).
   `next_row()` runs on into the next pass (the same order; the row's `epoch` says which pass);
   iterating the reader gives the rest of one pass.
@@ -163,15 +164,18 @@ class RowReader:
     yields checked `PackedRow`s (see the module docstring)."""
 
     def __init__(self, source: RowSource | str | Path, rank: int = 0, world_size: int = 1, start: int = 0,
-                 drop_last: bool = True, clear_crossing_labels: bool = False) -> None:
+                 drop_last: bool = True, clear_crossing_labels: bool = False, drop_to: int | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
+        drop_to = drop_to or world_size
+        if drop_to % world_size:
+            raise ValueError(f"drop_to {drop_to} is not a multiple of world_size {world_size}")
         self.source: RowSource = ShardRows(source) if isinstance(source, (str, Path)) else source
         self.rank, self.world_size = rank, world_size
         self.clear_crossing_labels = clear_crossing_labels
         total = self.source.num_rows
-        # the global rows of one pass, and this worker's share of them
-        self.global_rows = total // world_size * world_size if drop_last else total
+        # the global rows of one pass (cut to a multiple of drop_to, default the readers), and this worker's share
+        self.global_rows = total // drop_to * drop_to if drop_last else total
         self.num_rows = len(range(rank, self.global_rows, world_size))
         if not 0 <= start <= self.num_rows:
             raise ValueError(f"start {start} outside [0, {self.num_rows}] rows for rank {rank}/{world_size}")

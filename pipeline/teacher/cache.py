@@ -27,6 +27,9 @@ Design choices:
   never a changed teacher distribution (a cache written before carries none and reads unverified).
 * A shard's rows are read by the one reader of packed rows (`hylo.pipeline.data.reader.RowReader`, from
   the shard's first row), so the teacher is given the same checked `PackedRow`s as training.
+* A token range of a row (a sequence-parallel rank's tokens) reads the row's row group and decompresses its
+  values whole (each tensor is one binary value: the file holds no slice of it), then converts only the
+  range's bytes into tensors (`TopKCacheReader._read`).
 * Row ids are the data's `row_id` column when present, else a content hash of the row
   (`hylo.pipeline.data.rows.PackedRow.row_id`), so `get_for_row(row)` also proves the row is the same data.
 """
@@ -60,7 +63,7 @@ from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.pipeline.data.reader import ParquetRows, RowReader
 from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, damage, open_parquet
 from hylo.pipeline.data.rows import PackedRow
-from hylo.pipeline.teacher.protocol import TargetSpec, unsupported
+from hylo.pipeline.teacher.protocol import TargetSpec, check_token_range, unsupported
 
 SCHEMA = "hylo-teacher-topk"
 SCHEMA_VERSION = 1
@@ -163,11 +166,17 @@ def _to_bytes(t: torch.Tensor, dtype: str) -> bytes:
     return t.numpy().astype(np.dtype(_NP_DTYPES[dtype]).newbyteorder("<")).tobytes()
 
 
-def _from_bytes(b: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _from_bytes(b: Any, dtype: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """A tensor of `shape` stored as raw bytes `b` (bytes or a pyarrow buffer); `rows=(s, e)`: only the leading
+    rows s..e of it, converted from their bytes alone (the rest of `b` is not copied)."""
+    s, e = rows or (0, shape[0])
+    per_row = int(np.prod(shape[1:], dtype=np.int64))
+    wire = np.dtype("<i2") if dtype == "bfloat16" else np.dtype(_NP_DTYPES[dtype]).newbyteorder("<")
+    arr = np.frombuffer(b, dtype=wire, count=(e - s) * per_row, offset=s * per_row * wire.itemsize)
+    out = (e - s, *shape[1:])
     if dtype == "bfloat16":
-        return torch.from_numpy(np.frombuffer(b, dtype="<i2").astype(np.int16).reshape(shape)).view(torch.bfloat16)
-    arr = np.frombuffer(b, dtype=np.dtype(_NP_DTYPES[dtype]).newbyteorder("<")).astype(_NP_DTYPES[dtype])
-    return torch.from_numpy(arr.reshape(shape))
+        return torch.from_numpy(arr.astype(np.int16).reshape(out)).view(torch.bfloat16)
+    return torch.from_numpy(arr.astype(_NP_DTYPES[dtype]).reshape(out))
 
 
 def write_shard(path: Path, header: Mapping[str, Any], plan: ShardPlan, row_ids: list[str],
@@ -487,7 +496,13 @@ class TopKCacheReader:
     def __contains__(self, row_id: str) -> bool:
         return row_id in self._index
 
-    def _read(self, fi: int, j: int) -> tuple[str, TeacherTopK]:
+    def _read(self, fi: int, j: int, rng: tuple[int, int] | None = None) -> tuple[str, int, TeacherTopK]:
+        """(row_id, the row's stored token count, its record of tokens rng = [start, end), default all).
+
+        What is read: the row's row group (one per packed row), i.e. its three tensors as one zstd-compressed
+        binary value each, decompressed whole: the format stores a row's tensor as one value, so no slice of it
+        can be read from the file. Only the range's bytes are then converted into tensors (zero-copy views of
+        the decompressed values, `_from_bytes`), so what is returned and kept is the range's records alone."""
         import pyarrow as pa
 
         try:
@@ -499,36 +514,49 @@ class TopKCacheReader:
                                    f"compute that shard again (delete it and rerun jobs/teacher_cache.py)") from None
         rid = t.column("row_id")[0].as_py()
         n = int(t.column("num_tokens")[0].as_py())
-        rec = TeacherTopK(
-            _from_bytes(t.column("logprobs")[0].as_py(), self.dtype, (n, self.k)),
-            _from_bytes(t.column("indices")[0].as_py(), self.index_dtype, (n, self.k)).to(torch.int32),
-            _from_bytes(t.column("tail_logmass")[0].as_py(), "float32", (n,)),
-        )
-        return rid, rec
+        if rng is not None and not 0 <= rng[0] < rng[1] <= n:
+            raise CacheMismatchError(f"{self._files[fi]} row group {j}: row {rid} holds {n} tokens, token range "
+                                     f"({rng[0]}, {rng[1]}) is asked for")
 
-    def get(self, row_id: str) -> TeacherTopK:
+        def blob(name: str) -> Any:
+            return t.column(name)[0].as_buffer()
+
+        rec = TeacherTopK(
+            _from_bytes(blob("logprobs"), self.dtype, (n, self.k), rng),
+            _from_bytes(blob("indices"), self.index_dtype, (n, self.k), rng).to(torch.int32),
+            _from_bytes(blob("tail_logmass"), "float32", (n,), rng),
+        )
+        return rid, n, rec
+
+    def get(self, row_id: str, token_range: tuple[int, int] | None = None) -> TeacherTopK:
         loc = self._index.get(row_id)
         if loc is None:
             raise KeyError(f"{self.dir}: row_id {row_id!r} is not in the cache (made from other data?)")
-        return self._read(*loc)[1]
+        return self._read(*loc, token_range)[2]
 
-    def get_for_row(self, prow: PackedRow) -> TeacherTopK:
-        """The record of a (checked) packed row, checked against its id and length."""
-        if prow.row_id not in self._index:
+    def get_for_row(self, prow: PackedRow, token_range: tuple[int, int] | None = None) -> TeacherTopK:
+        """The record of a (checked) packed row, checked against its id and length; `token_range`: of tokens
+        [start, end) only (checked against the row: protocol.check_token_range)."""
+        rng = check_token_range(token_range, [prow], f"teacher cache {self.dir}")
+        loc = self._index.get(prow.row_id)
+        if loc is None:
             raise CacheMismatchError(f"{self.dir}: row {prow.row_id} ({prow.num_tokens} tokens) is not in the "
                                      f"cache; the cache was made from other data or another packing")
-        rec = self.get(prow.row_id)
-        if rec.logprobs.shape[0] != prow.num_tokens:
+        _, n, rec = self._read(*loc, rng)
+        if n != prow.num_tokens:
             raise CacheMismatchError(f"{self.dir}: row {prow.row_id} has {prow.num_tokens} tokens, the cache "
-                                     f"holds {rec.logprobs.shape[0]}")
+                                     f"holds {n}")
         return rec
 
-    def targets(self, rows: Sequence[PackedRow], spec: TargetSpec) -> Iterator[dict[str, Any]]:
-        """The fused KL's teacher arguments of each row (protocol.TeacherSource): the stored top-k records."""
+    def targets(self, rows: Sequence[PackedRow], spec: TargetSpec,
+                token_range: tuple[int, int] | None = None) -> Iterator[dict[str, Any]]:
+        """The fused KL's teacher arguments of each row (protocol.TeacherSource): the stored top-k records, of
+        tokens [start, end) only when `token_range` is given (see `_read` for what is read)."""
         if spec.form != "topk" or spec.k != self.k:
             raise unsupported(f"offline (k={self.k}, {self.dir})", spec)
+        rng = check_token_range(token_range, rows, f"teacher cache {self.dir}")
         for row in rows:
-            yield {"teacher_topk": self.get_for_row(row)}
+            yield {"teacher_topk": self.get_for_row(row, rng)}
 
     def __iter__(self) -> Iterator[tuple[str, TeacherTopK]]:
         """(row_id, record) in data order."""
@@ -536,4 +564,5 @@ class TopKCacheReader:
 
         for fi, path in enumerate(self._files):
             for j in range(pq.ParquetFile(path).metadata.num_row_groups):
-                yield self._read(fi, j)
+                rid, _, rec = self._read(fi, j)
+                yield rid, rec

@@ -14,6 +14,9 @@ Design choices:
   a row is never dropped, and since only the head-of-line result is ever yielded and each row
   occupies one slot, no row is duplicated or reordered. An error raised by the teacher's own code
   (bad row, k too large) is not retried: it is re-raised at once.
+* A token range (`targets(rows, spec, token_range)`, a sequence-parallel rank's tokens [start, end)) goes in
+  the request: the replica runs the whole row and sends back the range's top-k records or logit chunks only.
+  A request without a range is the protocol before ranges (`topk.remote(row, k, dtype)`).
 * `stream(row)` asks for windows of `window_chunks` chunks (one Serve streaming call each), and
   prefetches at most one window ahead, so at most two windows of [C, V] chunks are ever in flight.
   A window that fails is re-requested from its first chunk not yet yielded.
@@ -37,7 +40,7 @@ import torch
 from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.config import TeacherClientConfig
-from hylo.pipeline.teacher.protocol import StreamedLogits, TargetSpec, unsupported
+from hylo.pipeline.teacher.protocol import StreamedLogits, TargetSpec, check_token_range, unsupported
 
 
 class TeacherUnavailableError(RuntimeError):
@@ -67,6 +70,7 @@ class _Pending:
     response: Any
     started: float
     k: int
+    token_range: tuple[int, int] | None = None
     attempts: int = 1
 
 
@@ -97,21 +101,26 @@ class TeacherClient:
         """`cfg`: stage 2's teacher.client; `chunk_tokens`: its teacher.model.logits_chunk_tokens."""
         return cls(handle_or_app_name, cfg, chunk_tokens)
 
-    def targets(self, rows: Sequence[PackedRow], spec: TargetSpec) -> Iterator[dict[str, Any]]:
+    def targets(self, rows: Sequence[PackedRow], spec: TargetSpec,
+                token_range: tuple[int, int] | None = None) -> Iterator[dict[str, Any]]:
         """The fused KL's teacher arguments of each row (protocol.TeacherSource): a step's top-k requests
-        are in flight together; an exact row is streamed window by window as the loss reads it."""
-        if spec.form == "topk":
-            for rec in self.topk(rows, spec.k):
-                yield {"teacher_topk": rec}
-        elif spec.form == "logits":
-            for row in rows:
-                yield {"teacher_logits_fn": StreamedLogits(self.stream(row))}
-        else:
+        are in flight together; an exact row is streamed window by window as the loss reads it. With
+        `token_range=(start, end)` every request asks for those tokens only (the replica runs the whole row)."""
+        if spec.form not in ("topk", "logits"):
             raise unsupported("pool", spec)
+        rng = check_token_range(token_range, rows)
+        if spec.form == "topk":
+            for rec in self.topk(rows, spec.k, rng):
+                yield {"teacher_topk": rec}
+        else:
+            for row in rows:
+                yield {"teacher_logits_fn": StreamedLogits(self.stream(row, token_range=rng))}
 
     # ---------------------------------------------------------------- top-k
-    def _submit(self, row: PackedRow, k: int) -> Any:
-        return self.handle.topk.remote(row, k, self.cfg.dtype)
+    def _submit(self, row: PackedRow, k: int, token_range: tuple[int, int] | None = None) -> Any:
+        if token_range is None:
+            return self.handle.topk.remote(row, k, self.cfg.dtype)
+        return self.handle.topk.remote(row, k, self.cfg.dtype, token_range=token_range)
 
     def _retry_or_raise(self, what: str, attempts: int, err: BaseException) -> None:
         self.stats.errors.append(f"{what}: {type(err).__name__}")
@@ -135,17 +144,20 @@ class TeacherClient:
                     self.stats.timeouts += 1
                     p.response.cancel()
                 self._retry_or_raise(f"teacher row {p.index} (row_id {p.row.row_id})", p.attempts, e)
-                p.response, p.started = self._submit(p.row, p.k), time.monotonic()
+                p.response, p.started = self._submit(p.row, p.k, p.token_range), time.monotonic()
                 p.attempts += 1
                 continue
             rec = _topk_from_wire(out[0])
-            if rec.logprobs.shape[0] != p.row.num_tokens:
+            start, end = p.token_range or (0, p.row.num_tokens)
+            if rec.logprobs.shape[0] != end - start:
                 raise RuntimeError(f"teacher row {p.index}: got {rec.logprobs.shape[0]} tokens back, "
-                                   f"sent {p.row.num_tokens}")
+                                   f"asked for {end - start} (tokens {start}..{end} of {p.row.num_tokens})")
             return rec
 
-    def topk(self, rows: Iterable[PackedRow], k: int) -> Iterator[TeacherTopK]:
-        """Top-k records of width `k` of (checked) `rows`, in order, with at most `max_inflight_rows` outstanding."""
+    def topk(self, rows: Iterable[PackedRow], k: int,
+             token_range: tuple[int, int] | None = None) -> Iterator[TeacherTopK]:
+        """Top-k records of width `k` of (checked) `rows`, in order, with at most `max_inflight_rows` outstanding;
+        `token_range`: of tokens [start, end) of each row only (checked by the caller and by the replica)."""
         inflight: deque[_Pending] = deque()
         source = iter(enumerate(rows))
         exhausted = False
@@ -157,7 +169,8 @@ class TeacherClient:
                         exhausted = True
                         break
                     i, row = nxt
-                    inflight.append(_Pending(i, row, self._submit(row, k), time.monotonic(), k))
+                    inflight.append(_Pending(i, row, self._submit(row, k, token_range), time.monotonic(), k,
+                                             token_range))
                 if not inflight:
                     return
                 rec = self._wait(inflight[0])
@@ -190,21 +203,22 @@ class TeacherClient:
 
     def stream(
         self, row: PackedRow, chunk_tokens: int | None = None,
-        window_chunks: int | None = None, dtype: str | None = None,
+        window_chunks: int | None = None, dtype: str | None = None, token_range: tuple[int, int] | None = None,
     ) -> Iterator[torch.Tensor]:
-        """Full-logit chunks [C, V] of one (checked) row, in order, each exactly once."""
+        """Full-logit chunks [C, V] of one (checked) row, in order, each exactly once; `token_range`: of tokens
+        [start, end) only (the first chunk starts at token `start`)."""
         prow = row
         c = chunk_tokens or self.chunk_tokens
         window = c * (window_chunks or self.cfg.window_chunks)
-        t = prow.num_tokens
+        first, t = check_token_range(token_range, [prow]) or (0, prow.num_tokens)
         session = f"{prow.row_id}-{uuid.uuid4().hex[:8]}"
         handle = self.handle.options(stream=True, multiplexed_model_id=session)
 
         def open_window(start: int) -> Any:
             return handle.stream.remote(prow, c, start, min(start + window, t), dtype)
 
-        pos, cur_end = 0, min(window, t)
-        current, prefetched = open_window(0), None
+        pos, cur_end = first, min(first + window, t)
+        current, prefetched = open_window(first), None
         attempts = 1
         while pos < t:
             try:

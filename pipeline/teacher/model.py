@@ -38,7 +38,7 @@ from hylo.kernels.fused_kl.topk import TeacherTopK, topk_from_logits
 from hylo.model_files import ModelFileError, check_finite_tensors, check_model_config
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.config import TeacherModelConfig
-from hylo.pipeline.teacher.protocol import StreamedLogits, TargetSpec
+from hylo.pipeline.teacher.protocol import StreamedLogits, TargetSpec, check_token_range
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAMPLE_BYTES = 1 << 20
@@ -271,16 +271,29 @@ class TeacherModel:
         for lg in self.logits_chunks(self.hidden(row), chunk_tokens, start, end):
             yield lg.to("cpu", dt) if dt is not None else lg.cpu()
 
-    def targets(self, rows: Sequence[PackedRow], spec: TargetSpec) -> Iterator[dict[str, Any]]:
-        """The fused KL's teacher arguments of each row (protocol.TeacherSource), one row's forward at a time."""
+    def targets(self, rows: Sequence[PackedRow], spec: TargetSpec,
+                token_range: tuple[int, int] | None = None) -> Iterator[dict[str, Any]]:
+        """The fused KL's teacher arguments of each row (protocol.TeacherSource), one row's forward at a time;
+        `token_range=(start, end)`: of those tokens only (protocol.check_token_range).
+
+        With a range it runs unsplit: every rank of a group runs the whole row's teacher forward and keeps its
+        range. The teacher is a plain transformers (or HyLo) model without our sequence parallelism: a token's
+        hidden state needs its whole prefix, and splitting the teacher's forward over the group would need
+        sequence-parallel attention in the teacher too. Only what follows the forward (the lm_head, top-k,
+        logits chunks) is computed for the range alone."""
+        rng = check_token_range(token_range, rows)
         for row in rows:
+            h_TH = self.hidden(row)
+            if rng is not None:
+                # a copy of the range's states: the whole row's [T, H] is freed with this row
+                h_TH = h_TH[rng[0]:rng[1]].clone()
             if spec.form == "topk":
-                yield {"teacher_topk": self.topk(row, spec.k)}
+                yield {"teacher_topk": self.topk_from_hidden(h_TH, spec.k)}
             elif spec.form == "hidden":
-                yield {"teacher_hidden": self.hidden(row), "teacher_weight": self.lm_head_weight}
+                yield {"teacher_hidden": h_TH, "teacher_weight": self.lm_head_weight}
             else:
-                # chunks stay on the model's device (no host round trip)
-                yield {"teacher_logits_fn": StreamedLogits(self.logits_chunks(self.hidden(row)))}
+                # chunks stay on the model's device (no host round trip); index 0 is the range's first token
+                yield {"teacher_logits_fn": StreamedLogits(self.logits_chunks(h_TH))}
 
     def logits(self, row: PackedRow) -> torch.Tensor:
         """All logits [T, V] of a row (small rows only: tests, debugging)."""

@@ -3,12 +3,18 @@
 Legend: T tokens of a row, H' teacher hidden size, V vocabulary, k top-k width, C tokens per chunk.
 
 Design choices:
-* Every source implements `targets(rows, spec)` (`TeacherSource`): `TeacherModel` (in-process),
-  `TeacherClient` (the Serve pool) and `TopKCacheReader` (the offline cache). It yields, in row order and
-  one row at a time (a slow teacher holds the step, not memory), one dict of keyword arguments per row:
+* Every source implements `targets(rows, spec, token_range=None)` (`TeacherSource`): `TeacherModel`
+  (in-process), `TeacherClient` (the Serve pool) and `TopKCacheReader` (the offline cache). It yields, in row
+  order and one row at a time (a slow teacher holds the step, not memory), one dict of keyword arguments per row:
     topk   {"teacher_topk": TeacherTopK}           logprobs [T, k], indices [T, k] int32, tail_logmass [T]
     hidden {"teacher_hidden": [T, H'], "teacher_weight": [V, H']}     (the exact teacher, in-process)
     logits {"teacher_logits_fn": StreamedLogits}   full-vocabulary chunks [C, V], pulled in order
+* `token_range=(start, end)`: a rank of a sequence-parallel group holds tokens [start, end) of every row
+  (hylo/seq_parallel.py), and gets only those tokens' targets: the unsplit row's targets restricted to them
+  (T above becomes end - start; a stream's index 0 is token `start`). The teacher still sees the whole row
+  (a token's targets depend on its whole prefix). One rule, `check_token_range`: 0 <= start < end <= T of
+  every row, else ValueError naming the row and the range. A source whose `targets` takes no `token_range`
+  (one registered from outside) still works: `BoundTeacher` cuts its whole-row targets (`restrict`).
 * What is asked for is a `TargetSpec` (k, form) resolved once from the config (`target_form` in
   teacher/sources, from what each source says it gives); a source refuses a form it cannot give (the
   config check makes that unreachable).
@@ -21,6 +27,8 @@ Design choices:
 
 from __future__ import annotations
 
+import inspect
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -45,9 +53,56 @@ class TargetSpec:
 
 
 class TeacherSource(Protocol):
-    def targets(self, rows: Sequence[PackedRow], spec: TargetSpec) -> Iterator[dict[str, Any]]:
-        """The fused KL's teacher keyword arguments of each row, in order."""
+    def targets(self, rows: Sequence[PackedRow], spec: TargetSpec,
+                token_range: tuple[int, int] | None = None) -> Iterator[dict[str, Any]]:
+        """The fused KL's teacher keyword arguments of each row, in order (of tokens [start, end) only, when a
+        `token_range` is given)."""
         ...
+
+
+def check_token_range(token_range: Any, rows: Sequence[PackedRow], who: str = "teacher targets") \
+        -> tuple[int, int] | None:
+    """The one rule for a token range: None (the whole rows), or (start, end) with 0 <= start < end <= T of
+    every row; returns it as two ints, else ValueError naming the row (its index, row_id and T) and the range."""
+    if token_range is None:
+        return None
+    try:
+        if any(isinstance(v, bool) for v in token_range):
+            raise TypeError
+        start, end = (operator.index(v) for v in token_range)
+    except (TypeError, ValueError):
+        raise ValueError(f"{who}: token_range={token_range!r} must be two integers (start, end)") from None
+    for i, row in enumerate(rows):
+        if not 0 <= start < end <= row.num_tokens:
+            raise ValueError(f"{who}: token_range ({start}, {end}) does not fit row {i} (row_id {row.row_id}, "
+                             f"{row.num_tokens} tokens): it needs 0 <= start < end <= {row.num_tokens}")
+    return start, end
+
+
+def in_range(chunks: Iterator[torch.Tensor], start: int, end: int) -> Iterator[torch.Tensor]:
+    """The parts of a row's chunks [C, V] (from token 0 on) that fall in tokens [start, end), in order."""
+    pos = 0
+    for c in chunks:
+        s, e = max(start - pos, 0), min(end - pos, c.shape[0])
+        pos += c.shape[0]
+        if s < e:
+            yield c[s:e]
+        if pos >= end:
+            return
+
+
+def restrict(targets: dict[str, Any], start: int, end: int) -> dict[str, Any]:
+    """One row's whole-row targets cut to tokens [start, end) (for a source that cannot give a range)."""
+    out: dict[str, Any] = {}
+    for name, v in targets.items():
+        if isinstance(v, TeacherTopK):
+            v = TeacherTopK(*(x[start:end] if x is not None else None for x in v))
+        elif isinstance(v, StreamedLogits):
+            v = StreamedLogits(in_range(v.chunks, start, end), v.device)
+        elif name == "teacher_hidden":
+            v = v[start:end]
+        out[name] = v
+    return out
 
 
 def unsupported(source: str, spec: TargetSpec) -> ValueError:
@@ -101,6 +156,18 @@ class BoundTeacher:
     spec: TargetSpec
     vocab_size: int | None = None
 
-    def targets(self, rows: Sequence[PackedRow], device: torch.device | str) -> Iterator[dict[str, Any]]:
-        for t in self.source.targets(rows, self.spec):
-            yield place(t, device)
+    def targets(self, rows: Sequence[PackedRow], device: torch.device | str,
+                token_range: tuple[int, int] | None = None) -> Iterator[dict[str, Any]]:
+        """`token_range=(start, end)`: only those tokens' targets of every row (see the module docstring)."""
+        rng = check_token_range(token_range, rows)
+        if rng is None:
+            yield from (place(t, device) for t in self.source.targets(rows, self.spec))
+        elif _takes_token_range(self.source):
+            yield from (place(t, device) for t in self.source.targets(rows, self.spec, token_range=rng))
+        else:
+            yield from (place(restrict(t, *rng), device) for t in self.source.targets(rows, self.spec))
+
+
+def _takes_token_range(source: Any) -> bool:
+    params = inspect.signature(source.targets).parameters
+    return "token_range" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())

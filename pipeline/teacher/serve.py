@@ -9,9 +9,15 @@ Design choices:
   `max_batch_tokens` and runs their forward to hidden states together; a row bigger than the budget
   runs alone instead of being rejected. The forward runs in a worker thread, so the replica keeps
   queueing requests (and filling the next batch) while it computes.
-* `topk(rows, k)`: one or more rows -> one top-k record per row (dicts of CPU tensors: logprobs
-  fp16/bf16/fp32 [T, K], indices int32 [T, K], tail_logmass fp32 [T]).
-* `stream(row, C, start, end)`: a generator of full-logit chunks [C, V] for tokens [start, end).
+* `topk(rows, k, dtype, token_range=None)`: one or more rows -> one top-k record per row (dicts of CPU
+  tensors: logprobs fp16/bf16/fp32 [T, K], indices int32 [T, K], tail_logmass fp32 [T]); with
+  `token_range=(start, end)` (a sequence-parallel rank's tokens) the replica runs the whole row (a token's
+  targets need its whole prefix) and answers tokens [start, end) only, so only the range crosses the wire.
+  A request without it (the protocol before ranges) gets whole rows, as before.
+* `stream(row, C, start, end)`: a generator of full-logit chunks [C, V] for tokens [start, end) (a window
+  of the whole row, or of a rank's range).
+* Both check the range they receive against every row (`protocol.check_token_range`): one ValueError naming
+  the request row and the range, which the client does not retry.
   Serve streams have no flow control of their own, so the client asks for a bounded window of
   chunks at a time; the replica keeps the row's hidden states [T, H] in a small LRU of sessions
   (a `serve.multiplexed` loader keyed by the session id, which also steers the next window to the
@@ -38,6 +44,7 @@ from hylo.pipeline.config import from_dict, to_dict
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig
 from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
+from hylo.pipeline.teacher.protocol import check_token_range
 
 
 class _TokenBudgetWarningFilter(logging.Filter):
@@ -133,9 +140,9 @@ class TeacherDeployment:
 
     async def topk(
         self, rows: Mapping[str, Any] | PackedRow | list[Mapping[str, Any] | PackedRow], k: int,
-        dtype: str = "float16",
+        dtype: str = "float16", token_range: tuple[int, int] | None = None,
     ) -> list[dict[str, torch.Tensor]]:
-        """Top-k records, one per row, in request order."""
+        """Top-k records, one per row, in request order; of tokens [start, end) only with `token_range`."""
         if isinstance(rows, Mapping | PackedRow):
             rows = [rows]
         if not 0 < k <= self.teacher.vocab_size:
@@ -143,9 +150,13 @@ class TeacherDeployment:
         torch_dtype(dtype)
         # rows come over the network: each is checked here, whatever its type (the client sends PackedRows)
         prows = [self._check(r, f"request row {i}") for i, r in enumerate(rows)]
+        rng = check_token_range(token_range, prows, "teacher replica: request")
+        # the whole rows' forward (the range's targets need their prefix); top-k of the range only
         hiddens = await asyncio.gather(*(self._hidden(r) for r in prows))
         out = []
         for h in hiddens:
+            if rng is not None:
+                h = h[rng[0]:rng[1]]
             rec = await asyncio.to_thread(self.teacher.topk_from_hidden, h, k, dtype)
             out.append(topk_to_wire(rec))
         return out
@@ -154,10 +165,13 @@ class TeacherDeployment:
         self, row: Mapping[str, Any], chunk_tokens: int, start: int = 0, end: int | None = None,
         dtype: str | None = None,
     ) -> AsyncIterator[torch.Tensor]:
-        """Full logits [C, V] for tokens [start, end) of one row, chunk by chunk (CPU tensors)."""
+        """Full logits [C, V] for tokens [start, end) of one row (end None: its last), chunk by chunk (CPU
+        tensors); the hidden states are the whole row's."""
         prow = self._check(row, "stream row")
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens={chunk_tokens} must be > 0")
+        start, end = check_token_range((start, prow.num_tokens if end is None else end), [prow],
+                                       "teacher replica: stream")
         dt = torch_dtype(dtype) if dtype else None
         session_id = serve.get_multiplexed_model_id()
         if session_id:
@@ -168,7 +182,6 @@ class TeacherDeployment:
             hidden_TH = session.hidden_TH
         else:
             hidden_TH = await self._hidden(prow)
-        end = prow.num_tokens if end is None else min(end, prow.num_tokens)
         for s in range(start, end, chunk_tokens):
             chunk = await asyncio.to_thread(self._chunk, hidden_TH, s, min(s + chunk_tokens, end), dt)
             yield chunk

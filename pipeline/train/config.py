@@ -139,7 +139,7 @@ MAX_GLOBAL_BATCH = MAX_GRAD_ACCUM * 256
 @dataclass
 @rules(global_batch_sequences=between(1, MAX_GLOBAL_BATCH, note=f"{MAX_GLOBAL_BATCH:,} = {MAX_GRAD_ACCUM:,} packed rows "
                                      f"per worker per optimiser step x 256 workers"), epochs=above(0), max_steps=at_least(1), total_steps=at_least(1),
-       seed=SEED, nonfinite_patience=at_least(0))
+       seed=SEED, nonfinite_patience=at_least(0), sequence_parallel=at_least(1))
 class TrainSection:
     # Optimiser step = this many packed rows over all workers (grad accumulation fills the rest).
     global_batch_sequences: int = 8
@@ -153,6 +153,11 @@ class TrainSection:
     # 2); this many such steps in a row are tolerated first (no checkpoint is written from them). 0 = stop
     # at the first. (pipeline/train/nonfinite.py)
     nonfinite_patience: int = 0
+    # Sequence parallelism: this many workers hold one packed row split by tokens (ranks [g*N, (g+1)*N) form
+    # group g; each takes an equal contiguous slice, so N divides ray.num_workers and data.seq_len). Data
+    # parallelism runs across the groups (ray.num_workers / N of them); ZeRO-3 still shards over every
+    # worker. 1 = off. May change on resume (same ray.num_workers). (pipeline/train/README.md)
+    sequence_parallel: int = 1
 
 
 @dataclass
@@ -424,23 +429,40 @@ class _SharedSections:
     def __post_init__(self) -> None:
         """What no single section can check: values that must agree with the number of workers."""
         workers = self.ray.num_workers
+        sp = self.train.sequence_parallel
+        if workers % sp:
+            raise FieldError("train.sequence_parallel", sp,
+                             f"must divide ray.num_workers ({workers}): the workers form groups of {sp}")
+        if self.data.seq_len is not None and self.data.seq_len % sp:
+            raise FieldError("train.sequence_parallel", sp,
+                             f"must divide data.seq_len ({self.data.seq_len}): each of the {sp} workers of a "
+                             f"group takes an equal slice of a row")
+        # the data-parallel ranks (one per sequence-parallel group) each read whole rows
+        dp = workers // sp
+        per = "worker" if sp == 1 else f"sequence-parallel group of {sp} workers"
+        groups = f"ray.num_workers ({workers})" if sp == 1 else f"ray.num_workers / train.sequence_parallel ({dp})"
         gbs = self.train.global_batch_sequences
-        if gbs > MAX_GRAD_ACCUM * workers:
+        if gbs > MAX_GRAD_ACCUM * dp:
             raise FieldError("train.global_batch_sequences", gbs,
-                             f"at most {MAX_GRAD_ACCUM * workers:,} = {MAX_GRAD_ACCUM:,} micro-batches per worker x "
-                             f"ray.num_workers ({workers}); {gbs:,} / {workers} = {gbs // workers:,} packed rows per "
-                             f"worker per optimiser step")
-        if self.train.global_batch_sequences % workers:
-            raise FieldError("train.global_batch_sequences", self.train.global_batch_sequences,
-                             f"must be a multiple of ray.num_workers ({workers})")
+                             f"at most {MAX_GRAD_ACCUM * dp:,} = {MAX_GRAD_ACCUM:,} micro-batches per {per} x "
+                             f"{groups}; {gbs:,} / {dp} = {gbs // dp:,} packed rows per "
+                             f"{per} per optimiser step")
+        if gbs % dp:
+            raise FieldError("train.global_batch_sequences", gbs, f"must be a multiple of {groups}")
         if self.fault.kill_rank >= workers:
             raise FieldError("fault.kill_rank", self.fault.kill_rank, f"must be < ray.num_workers ({workers})")
 
     @property
+    def data_parallel(self) -> int:
+        """Data-parallel ranks: one per sequence-parallel group (ray.num_workers / train.sequence_parallel)."""
+        return self.ray.num_workers // self.train.sequence_parallel
+
+    @property
     def grad_accum(self) -> int:
         """Micro-batches (one packed row each) per optimiser step on every worker: the global batch over the
-        workers (a whole number: checked above)."""
-        return self.train.global_batch_sequences // self.ray.num_workers
+        data-parallel ranks (the workers of a sequence-parallel group share their rows; a whole number:
+        checked above)."""
+        return self.train.global_batch_sequences // self.data_parallel
 
 
 @dataclass
@@ -505,6 +527,9 @@ NON_BREAKING = (
     "deepspeed.offload_optimizer", "deepspeed.offload_param", "deepspeed.overlap_comm",
     "deepspeed.reduce_bucket_size", "deepspeed.stage3_prefetch_bucket_size", "train.max_steps",
     "train.nonfinite_patience",
+    # the same rows in the same steps at any N (the data position is kept in global rows; ZeRO-3 shards over
+    # every worker whatever N): a run saved at N = 4 resumes at N = 2 or 1
+    "train.sequence_parallel",
     # data.seq_len is a check of the rows' length, which the data decides (its fingerprint is checked on resume)
     "data.path", "data.seq_len", "model.student", "model.base", "teacher.model.path", "teacher.model.device",
     "teacher.model.torch_threads", "teacher.model.max_forward_tokens", "teacher.pool.", "teacher.client.max_inflight_rows",

@@ -3,8 +3,11 @@
 Design choices:
 * One packed row per micro-batch (`B == 1` with `cu_seqlens`): packing already fills the context, so
   the global batch in sequences is reached by gradient accumulation alone:
-  `grad_accum = global_batch_sequences / ray.num_workers` (`StageConfig.grad_accum`; the config refuses
-  a global batch that does not divide at load).
+  `grad_accum = global_batch_sequences / (ray.num_workers / train.sequence_parallel)` (`StageConfig.grad_accum`;
+  the config refuses a global batch that does not divide at load): the workers of a sequence-parallel group
+  share their rows. DeepSpeed knows nothing of the groups: it sees W ranks of G micro-batches each (its
+  `train_batch_size` G x W counts a split row once per worker holding a slice of it), averages gradients
+  over all W and shards ZeRO-3 over all W, whatever N (so checkpoints do not depend on N).
 * The optimiser is a client `torch.optim.AdamW` handed to `deepspeed.initialize`: an optimiser in the
   DeepSpeed config would compile DeepSpeed's CPU Adam (~1 min on the build machine) for nothing.
 * bf16 with fp32 master weights on GPU, plain fp32 on CPU (`dtype` resolved by `resolve_dtype`).
@@ -50,7 +53,8 @@ def zero_section(ds: DeepSpeedSection) -> dict[str, Any]:
 def build_deepspeed_config(cfg: StageConfig, world_size: int, dtype: torch.dtype) -> dict[str, Any]:
     """DeepSpeed config dict for `cfg` on `world_size` ranks training in `dtype`."""
     return {
-        # DeepSpeed's identity: micro-batch (1) x accumulation x ranks (= train.global_batch_sequences).
+        # DeepSpeed's identity: micro-batch (1) x accumulation x ranks (= train.global_batch_sequences x
+        # train.sequence_parallel: a split row is a micro-batch on each of its group's ranks).
         "train_batch_size": cfg.grad_accum * world_size,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": cfg.grad_accum,

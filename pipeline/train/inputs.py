@@ -12,7 +12,8 @@
   outputs are the targets); a teacher tokenizer without the chat template the student's has is a
   warning; teacher.k at most that vocabulary. So a teacher of another vocabulary stops the run here, from config files, not after Ray
   started and both models loaded, where its error would be retried as if it were a fault;
-* data (parquet): the manifest, its split and max_len (against data.seq_len when set), and every shard's
+* data (parquet): the manifest, its split and max_len (against data.seq_len when set, divided by
+  train.sequence_parallel), and every shard's
   Parquet footer and row count (a truncated or half-copied shard is named here; a shard corrupt inside is
   named by the reader, which verifies page checksums; shards written without them are a warning).
 """
@@ -69,6 +70,11 @@ def _data(cfg: StageConfig) -> None:
     source = open_rows(cfg.data, cfg.train.seed, 0, cfg.ray.num_workers).source
     source.check_shards()
     _data_fits_the_student(cfg, source)
+    sp, max_len = cfg.train.sequence_parallel, source.manifest.get("max_len")
+    if sp > 1 and isinstance(max_len, int) and max_len % sp:
+        raise ConfigError(f"train.sequence_parallel={sp}: must divide the rows' length, but data.path={cfg.data.path} "
+                          f"was packed to max_len={max_len} tokens (each of the {sp} workers of a group takes an "
+                          f"equal slice of a row)", "train.sequence_parallel")
     unverified = [s["file"] for s in source.manifest["shards"] if not s.get("page_checksums")]
     if unverified:
         print(f"[train] warning: data.path={cfg.data.path}: {len(unverified)} shard(s) ({', '.join(unverified[:3])}"

@@ -27,6 +27,10 @@ Design choices:
 * Loss normalisation: every step's loss is a mean over all loss tokens of the global batch. Each
   micro-batch contributes `sum / n_global * W` (DeepSpeed averages gradients over W ranks and we skip
   its 1/G scaling), so packed rows with different numbers of loss tokens weigh by their tokens.
+* Sequence parallelism (`train.sequence_parallel` = N): every rank makes the groups of N consecutive ranks
+  (`worker.sequence_parallel_group`); the reader strides over the groups, so a group's ranks read the same
+  rows; a checkpoint's data position is read back in global rows (`row_sources.resume_position`), so N may
+  change on resume.
 * Fault injection (`fault.*`) is a hook on the worker context, called at named points ("mid_step" by
   the step, "after_checkpoint" here): it SIGKILLs one worker once (a marker file in the run directory
   makes it one-shot), for the recovery tests.
@@ -66,7 +70,7 @@ from hylo.pipeline.train.nonfinite import (
     saved_hint,
     weights_finite,
 )
-from hylo.pipeline.train.row_sources import open_rows
+from hylo.pipeline.train.row_sources import open_rows, resume_position
 from hylo.pipeline.train.session import PARTITION_FILE, RaySession, Session, TorchrunSession
 from hylo.pipeline.train.storage import (
     Loc,
@@ -77,7 +81,7 @@ from hylo.pipeline.train.storage import (
     remove_local,
     run_loc,
 )
-from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext
+from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, sequence_parallel_group
 
 
 # ------------------------------------------------------------------------------------ fault injection
@@ -224,12 +228,20 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     torch.manual_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     run: Loc = loop_config.get("run_loc") or run_loc(cfg)
+    sp_size = cfg.train.sequence_parallel
+    sp_group, sp_rank = sequence_parallel_group(rank, world, sp_size)
     ctx = WorkerContext(cfg=cfg, rank=rank, world_size=world, device=device,
                         dtype=resolve_dtype(cfg.model.dtype, device.type == "cuda"),
                         run_dir=local_mirror(run), run_loc=run,
                         grad_accum=cfg.grad_accum,
-                        hooks=[FaultInjection(cfg.fault)])
-    rows: RowReader = open_rows(cfg.data, cfg.train.seed, rank, world)
+                        hooks=[FaultInjection(cfg.fault)],
+                        sp_group=sp_group, sp_rank=sp_rank, sp_size=sp_size)
+    if sp_size > 1 and rank == 0:
+        print(f"[train] sequence parallelism: each row split over {sp_size} workers (ranks [g*{sp_size}, "
+              f"(g+1)*{sp_size}) form group g), {ctx.dp_size} group(s), {ctx.grad_accum} row(s) per worker per step",
+              flush=True)
+    # the workers of a sequence-parallel group read the same rows: the reader strides over the groups
+    rows: RowReader = open_rows(cfg.data, cfg.train.seed, ctx.dp_rank, ctx.dp_size, workers=world)
     total = total_steps_for(cfg, rows.global_rows)
     last = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
     session: Session = (RaySession(ctx, loop_config, total) if loop_config["launcher"] == "ray"
@@ -247,7 +259,8 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         state = check_compatible(local, cfg, world, rows.fingerprint)
         saved_records = checkpoint_records(state)
         rank_state = load_checkpoint(task.engine, local, rank)
-        rows.seek(rank_state["data"]["position"])
+        # the position in global rows, so a run saved at another train.sequence_parallel continues exactly
+        rows.seek(resume_position(rank_state["data"], ctx.dp_size))
         start = int(rank_state["step"])
         if rank == 0:
             print(f"[train] resumed from {ckpt} at step {start}", flush=True)

@@ -97,10 +97,27 @@ def parquet_rows(data: DataSection) -> ShardRows:
     return source
 
 
-def open_rows(data: DataSection, seed: int, rank: int, world_size: int) -> RowReader:
+def open_rows(data: DataSection, seed: int, rank: int, world_size: int, workers: int | None = None) -> RowReader:
+    """The reader of data-parallel rank `rank` of `world_size` (the workers of a sequence-parallel group read
+    the same rows); a pass over the split leaves out the tail that does not divide by `workers` (default
+    `world_size`), the same pass whatever the sequence-parallel size."""
     if data.source == "synthetic":
         return RowReader(SyntheticRows(data, seed), rank, world_size, drop_last=False)
-    reader = RowReader(parquet_rows(data), rank, world_size)
+    workers = workers or world_size
+    reader = RowReader(parquet_rows(data), rank, world_size, drop_to=workers)
     if reader.num_rows == 0:
-        raise DataFormatError(f"{reader.source.dir}: fewer rows than the {world_size} workers")
+        raise DataFormatError(f"{reader.source.dir}: fewer rows than the {workers} workers")
     return reader
+
+
+def resume_position(saved: dict[str, Any], world_size: int) -> int:
+    """This reader's position (rows it consumed) from a checkpoint's data state, written by a reader of the same
+    data striding over `saved["world_size"]` ranks: every reader consumed as many rows, so the run consumed
+    position x world_size global rows, whatever the sequence-parallel size that wrote it; a reader of
+    `world_size` ranks continues at that many over its world_size (a step reads global rows [s*B, (s+1)*B)
+    at any split)."""
+    consumed = int(saved["position"]) * int(saved.get("world_size", world_size))
+    if consumed % world_size:
+        raise ValueError(f"the checkpoint's data position ({consumed} rows) does not divide over {world_size} "
+                         f"data-parallel ranks")
+    return consumed // world_size

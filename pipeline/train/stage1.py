@@ -21,6 +21,9 @@ with d the per-token L2 distance `||u - v||_2` (`ild.squared: false`, the defaul
   base's layer inputs and compared at their own outputs): they stay the base model's in stage 1.
 * The base model runs outside DeepSpeed (frozen, inference only); the loss runs inside
   `ILDStudent.forward` with per-layer activation checkpointing.
+* Sequence parallelism (`train.sequence_parallel` > 1): the base runs on the whole row on every rank (a plain
+  transformers model), `BaseLayerTargets` keeps the rank's tokens [s, e) of each captured tensor (T/N per
+  layer), and the student's layers run on that slice with the unsplit row's boundaries (`step_inputs`).
 * The means are over the real tokens of the GLOBAL batch (every rank's rows), weighted as in stage 2:
   each micro-batch backpropagates its sum times `W / n_global`, DeepSpeed's 1/G scaling off.
 """
@@ -39,7 +42,7 @@ from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.train.config import ILD_TRAINABLE, Stage1Config
 from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
-from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
+from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_slice, row_to_device, token_range
 
 EPS = 1e-6
 
@@ -51,6 +54,8 @@ class BaseLayerTargets:
     def __init__(self, base: nn.Module) -> None:
         self.base = base
         self.layers = base.model.layers
+        # the tokens [start, end) of the row kept of each captured tensor (None: all; sequence parallelism)
+        self.token_range: tuple[int, int] | None = None
         self._inputs: list[torch.Tensor | None] = [None] * len(self.layers)
         self._outputs: list[torch.Tensor | None] = [None] * len(self.layers)
         self._mixers: list[torch.Tensor | None] = [None] * len(self.layers)
@@ -59,30 +64,44 @@ class BaseLayerTargets:
             layer.register_forward_hook(self._grab(self._outputs, i))
             layer.self_attn.register_forward_hook(self._grab(self._mixers, i))
 
+    def _keep(self, x_1TD: torch.Tensor) -> torch.Tensor:
+        if self.token_range is None:
+            return x_1TD
+        # a copy, so that the whole row's tensor is freed: T / N tokens per layer kept
+        s, e = self.token_range
+        return x_1TD[:, s:e].clone()
+
     def _grab_input(self, i: int):
         def hook(mod, args, kwargs):
-            self._inputs[i] = args[0] if args else kwargs["hidden_states"]
+            self._inputs[i] = self._keep(args[0] if args else kwargs["hidden_states"])
         return hook
 
-    @staticmethod
-    def _grab(store: list, i: int):
+    def _grab(self, store: list, i: int):
         def hook(mod, args, out):
-            store[i] = out[0] if isinstance(out, tuple) else out
+            store[i] = self._keep(out[0] if isinstance(out, tuple) else out)
         return hook
 
     @torch.no_grad()
-    def __call__(self, row: PackedRow) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """(inputs, outputs, attention outputs) [1, T, D] of every layer on one packed row (on the base's device)."""
+    def __call__(self, row: PackedRow, token_range: tuple[int, int] | None = None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(inputs, outputs, attention outputs) [1, T, D] of every layer on one packed row (on the base's
+        device); with `token_range` (s, e) only those tokens of each, [1, e - s, D]. The base (a plain
+        transformers model) always runs on the whole row."""
         # No attention mask and no cache: transformers builds the block-diagonal (per-document) mask
         # from the restarting position ids.
-        self.base.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False)
+        self.token_range = token_range
+        try:
+            self.base.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False)
+        finally:
+            self.token_range = None
         return list(self._inputs), list(self._outputs), list(self._mixers)
 
 
 # ------------------------------------------------------------------------------------ student side
 def token_distance(x_BTD: torch.Tensor, y_BTD: torch.Tensor, squared: bool) -> torch.Tensor:
-    """Per-token L2 distance [T] in fp32."""
-    d2_T = (x_BTD.float() - y_BTD.float()).pow(2).sum(-1)[0]
+    """Per-token L2 distance [T] in fp32 (fp64 for fp64 inputs: the exactness tests)."""
+    dt = torch.promote_types(x_BTD.dtype, torch.float32)
+    d2_T = (x_BTD.to(dt) - y_BTD.to(dt)).pow(2).sum(-1)[0]
     return d2_T if squared else torch.sqrt(d2_T + EPS)
 
 
@@ -158,31 +177,50 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage1Task:
     return Stage1Task(engine, student, BaseLayerTargets(base), cfg)
 
 
+def step_inputs(base: BaseLayerTargets, row: PackedRow, ctx: WorkerContext) -> tuple[Any, ...]:
+    """ILDStudent's inputs for this rank's tokens of `row`: the base's layer targets, positions, boundaries and
+    real-token mask of the whole row, or at train.sequence_parallel > 1 of this rank's slice [s, e) (the base
+    runs on the whole row; the unsplit row's boundaries and positions, `row_slice`)."""
+    d = row_to_device(row, ctx.device)
+    sl = row_slice(d, ctx)
+    x_in, y_out, y_mix = base(d, None if sl.whole else (sl.start, sl.end))
+    tokens_T = _mine(row.real_tokens(), row, ctx).to(ctx.device)
+    return sl.positions[None], sl.cu, x_in, y_out, y_mix, tokens_T
+
+
 def train_step(task: Stage1Task, rows: list[PackedRow], ctx: WorkerContext) -> StepResult:
     """One optimiser step: base layer targets -> student layers on base inputs -> L2 losses -> backward."""
     ild, engine = task.cfg.ild, task.engine
-    keep = [r.real_tokens() for r in rows]
-    n_global = ctx.all_sum([float(sum(r.real_token_count() for r in rows))])[0]
+    # each rank's real tokens of its own slice of each row (the whole row at sp_size 1): over all ranks, every
+    # row counts once
+    mine = [r.real_token_count() if ctx.sp_size == 1 else int(_mine(r.real_tokens(), r, ctx).sum()) for r in rows]
+    n_global = ctx.all_sum([float(sum(mine))])[0]
     scale = ctx.world_size / max(n_global, 1.0)
     lr = current_lr(engine)
     out = {"loss_sum": 0.0, "ild_output_sum": 0.0, "ild_mixer_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
     # the loss terms stay on the device until the step's end: one host read per step, not three per row
     sums = []
-    for i, (row, keep_T) in enumerate(zip(rows, keep)):
-        d = row_to_device(row, ctx.device)
-        x_in, y_out, y_mix = task.base(d)
-        tokens_T = keep_T.to(ctx.device)
-        d_out, d_mix = engine(d.position_ids[None], d.bounds(), x_in, y_out, y_mix, tokens_T)
+    for i, row in enumerate(rows):
+        inputs = step_inputs(task.base, row, ctx)
+        d_out, d_mix = engine(*inputs)
         loss = ild.output_weight * d_out + ild.mixer_weight * d_mix
         engine.backward(loss * scale, scale_wrt_gas=False)
         if i == 0:
             ctx.hook("mid_step")
         engine.step()
         sums.append(torch.stack([loss.detach(), d_out.detach(), d_mix.detach()]).double())
-        out["loss_tokens"] += float(row.real_token_count())
-        out["tokens"] += float(row.num_tokens)
+        out["loss_tokens"] += float(mine[i])
+        out["tokens"] += float(inputs[-1].shape[0])
     out["loss_sum"], out["ild_output_sum"], out["ild_mixer_sum"] = torch.stack(sums).sum(0).tolist()
     return StepResult(out, lr, float(engine.get_global_grad_norm() or 0.0))
+
+
+def _mine(x_T: torch.Tensor, row: PackedRow, ctx: WorkerContext) -> torch.Tensor:
+    """This rank's tokens of a per-token host tensor of `row`."""
+    if ctx.sp_size == 1:
+        return x_T
+    s, e = token_range(row, ctx)
+    return x_T[s:e]
 
 
 STAGE = Stage(1, build, train_step)

@@ -13,6 +13,11 @@ Design choices:
 * The teacher is one object (`hylo.pipeline.teacher.protocol.BoundTeacher`, from `teacher.source`: inprocess,
   serve or offline, and `teacher.k`: 0 = exact): it yields each row's targets of the fused KL, and the
   step zips rows and targets. The pool's requests for a step's rows are in flight together.
+* Sequence parallelism (`train.sequence_parallel` > 1; pipeline/train/README.md): each rank runs the
+  student on its slice [s, e) of the row with the unsplit row's boundaries (`worker.row_slice`), the fused KL
+  on the slice's hidden states, loss mask and the teacher targets of those tokens (`teacher_targets`), CE
+  against the unsplit row's next tokens cut to the slice (`step_inputs`); it counts its slice's loss tokens,
+  so the normalisation below is unchanged.
 * Loss normalisation: the step's loss is the mean over all loss tokens of the GLOBAL batch (every
   rank's rows): each micro-batch backpropagates `loss_sum * W / n_global` with DeepSpeed's 1/G
   scaling off (`scale_wrt_gas=False`), and DeepSpeed averages the gradients over the W ranks. So a
@@ -22,6 +27,7 @@ Design choices:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +43,7 @@ from hylo.pipeline.teacher.protocol import BoundTeacher
 from hylo.pipeline.teacher.sources import open_teacher
 from hylo.pipeline.train.config import Stage2Config
 from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
-from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_to_device
+from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_slice, row_to_device, token_range
 
 
 # ------------------------------------------------------------------------------------ student side
@@ -53,21 +59,60 @@ class KDStudent(nn.Module):
 
             deepspeed.zero.register_external_parameter(self, student.lm_head.weight)
 
-    def forward(self, input_ids_T: torch.Tensor, bounds: DocBounds, loss_mask_T: torch.Tensor,
-                teacher: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids_T: torch.Tensor, bounds: DocBounds | Any, loss_mask_T: torch.Tensor,
+                teacher: dict[str, Any], positions_T: torch.Tensor | None = None,
+                labels_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One packed row on the device: its tokens, its host-checked boundaries (the forward reads nothing
         back from the device) and its loss mask; the label of token t is token t + 1 (where the mask is set,
-        inside its document)."""
-        h_TD = self.student.model(input_ids=input_ids_T[None], position_ids=bounds.positions[None],
+        inside its document). At sequence parallelism: this rank's slice of the row, `bounds` the `RowShard`
+        of the unsplit row's boundaries, `positions_T` the slice's in-document positions and `labels_T` the
+        unsplit row's labels of the slice, with the teacher's targets of these tokens."""
+        if positions_T is None:
+            positions_T = bounds.positions
+        h_TD = self.student.model(input_ids=input_ids_T[None], position_ids=positions_T[None],
                                   cu_seqlens=bounds).last_hidden_state[0]
         w_VD = self.student.lm_head.weight
         kl = fused_linear_kl_div(h_TD, w_VD, **teacher, mask=loss_mask_T, temperature=self.kd.temperature,
                                  reduction="sum", chunk_size=self.kd.chunk_size)
         ce = h_TD.new_zeros((), dtype=torch.float32)
         if self.kd.ce_weight:
-            ce = fused_linear_cross_entropy(h_TD, w_VD, torch.roll(input_ids_T, -1), mask=loss_mask_T,
+            labels_T = torch.roll(input_ids_T, -1) if labels_T is None else labels_T
+            ce = fused_linear_cross_entropy(h_TD, w_VD, labels_T, mask=loss_mask_T,
                                             reduction="sum", chunk_size=self.kd.chunk_size)
         return kl, ce
+
+
+def teacher_targets(teacher: BoundTeacher, rows: list[PackedRow], ctx: WorkerContext) -> Iterator[dict[str, Any]]:
+    """The teacher's targets of each row, of this rank's tokens of it at train.sequence_parallel > 1 (every
+    source gives a token range: `BoundTeacher.targets(..., token_range=)`); the rows of a step in one request
+    when they split alike (rows of one length, as packing pads them), else row by row."""
+    if ctx.sp_size == 1:
+        return teacher.targets(rows, ctx.device)
+    ranges = [token_range(r, ctx) for r in rows]
+    if len(set(ranges)) == 1:
+        return teacher.targets(rows, ctx.device, token_range=ranges[0])
+    return (t for r, rng in zip(rows, ranges) for t in teacher.targets([r], ctx.device, token_range=rng))
+
+
+def step_inputs(row: PackedRow, teacher: dict[str, Any], ctx: WorkerContext, ce: bool) -> tuple[Any, ...]:
+    """KDStudent's inputs for this rank's tokens of `row` (`teacher`: their targets, `teacher_targets`): the
+    whole row, or at train.sequence_parallel > 1 this rank's slice [s, e) with the unsplit row's boundaries
+    (`row_slice`) and the CE labels of the unsplit row (its next tokens) cut to it."""
+    d = row_to_device(row, ctx.device)
+    if ctx.sp_size == 1:
+        return d.input_ids, d.bounds(), d.loss_mask, teacher
+    sl = row_slice(d, ctx)
+    s, e = sl.start, sl.end
+    labels = torch.roll(d.input_ids, -1)[s:e] if ce else None
+    return d.input_ids[s:e], sl.cu, d.loss_mask[s:e], teacher, sl.positions, labels
+
+
+def loss_tokens(row: PackedRow, ctx: WorkerContext) -> int:
+    """The loss tokens of this rank's tokens of `row` (a host count)."""
+    if ctx.sp_size == 1:
+        return row.loss_tokens
+    s, e = token_range(row, ctx)
+    return int(row.loss_mask[s:e].sum())
 
 
 # ------------------------------------------------------------------------------------ build + step
@@ -99,25 +144,28 @@ def build(ctx: WorkerContext, lr_lambda) -> Stage2Task:
 def train_step(task: Stage2Task, rows: list[PackedRow], ctx: WorkerContext) -> StepResult:
     """One optimiser step: teacher -> student -> fused KL (+ CE) -> backward, over this rank's rows."""
     kd, engine = task.cfg.kd, task.engine
-    n_global = ctx.all_sum([float(sum(r.loss_tokens for r in rows))])[0]
+    # at sequence parallelism each rank counts (and scores) the loss tokens of its own slice: summed over all
+    # ranks, every row counts once
+    mine = [loss_tokens(r, ctx) for r in rows]
+    n_global = ctx.all_sum([float(sum(mine))])[0]
     scale = ctx.world_size / max(n_global, 1.0)
     lr = current_lr(engine)
     out = {"loss_sum": 0.0, "kl_sum": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
     # the loss terms stay on the device until the step's end: one host read per step, not three per row
     sums = []
     # the reader's rows are checked PackedRows already (pipeline/data/reader.py): no check here
-    targets = task.teacher.targets(rows, ctx.device)
+    targets = teacher_targets(task.teacher, rows, ctx)
     for i, (row, teacher) in enumerate(zip(rows, targets)):
-        d = row_to_device(row, ctx.device)
-        kl, ce = engine(d.input_ids, d.bounds(), d.loss_mask, teacher)
+        inputs = step_inputs(row, teacher, ctx, bool(kd.ce_weight))
+        kl, ce = engine(*inputs)
         loss = kd.kl_weight * kl + kd.ce_weight * ce
         engine.backward(loss * scale, scale_wrt_gas=False)
         if i == 0:
             ctx.hook("mid_step")
         engine.step()
         sums.append(torch.stack([loss.detach(), kl.detach(), ce.detach()]).double())
-        out["loss_tokens"] += float(row.loss_tokens)
-        out["tokens"] += float(row.num_tokens)
+        out["loss_tokens"] += float(mine[i])
+        out["tokens"] += float(inputs[0].shape[0])
     # the fused KL's input checks left device flags (kernels/fused_kl/inputs.py): read them with the sums
     check_deferred()
     out["loss_sum"], out["kl_sum"], out["ce_sum"] = torch.stack(sums).sum(0).tolist()

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,21 @@ class WorkerContext:
     # where the run lives (local directory or URI); run_dir is its local directory or local mirror
     run_loc: Loc | None = None
     hooks: list[Hook] = field(default_factory=list)
+    # sequence parallelism (train.sequence_parallel = sp_size): ranks [g*sp_size, (g+1)*sp_size) hold the same
+    # rows, split by tokens; sp_group is their process group (None at sp_size 1: no group, no collective),
+    # sp_rank this rank's place in it; dp_rank / dp_size: the group's index / the number of groups (the
+    # data-parallel ranks the reader strides over). Defaults: no sequence parallelism.
+    sp_group: Any = None
+    sp_rank: int = 0
+    sp_size: int = 1
+    dp_rank: int = -1
+    dp_size: int = -1
+
+    def __post_init__(self) -> None:
+        if self.dp_rank < 0:
+            self.dp_rank = self.rank // self.sp_size
+        if self.dp_size < 0:
+            self.dp_size = self.world_size // self.sp_size
 
     def all_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -87,6 +102,66 @@ class Stage:
     number: int
     build: Callable[[WorkerContext, Callable[[int], float]], Task]
     train_step: Callable[[Any, list[PackedRow], WorkerContext], StepResult]
+
+
+def sequence_parallel_group(rank: int, world_size: int, size: int) -> tuple[Any, int]:
+    """(this rank's sequence-parallel process group, its rank in it): ranks [g*size, (g+1)*size) form group g.
+
+    Collective: every rank creates every group, in the same order (`dist.new_group`'s rule). At size 1 no
+    group is made (None: a step at size 1 runs no collective of its own)."""
+    if world_size % size:
+        raise ValueError(f"train.sequence_parallel={size} does not divide the {world_size} workers")
+    if size == 1:
+        return None, 0
+    mine = None
+    for g in range(world_size // size):
+        group = dist.new_group(list(range(g * size, (g + 1) * size)))
+        if g == rank // size:
+            mine = group
+    return mine, rank % size
+
+
+class RowSlice(NamedTuple):
+    """This rank's tokens [start, end) of a packed row of `total` tokens, and what its forward takes: `cu`
+    goes where `cu_seqlens` goes (the row's `DocBounds`, or at sequence parallelism a `RowShard` of the
+    unsplit row's boundaries), `positions` [end - start] the in-document positions of these tokens."""
+
+    start: int
+    end: int
+    total: int
+    cu: Any
+    positions: torch.Tensor
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.end == self.total
+
+
+def row_slice(row: PackedRow, ctx: WorkerContext) -> RowSlice:
+    """This rank's part of a packed row on the device (`row_to_device`): the whole row at sp_size 1, else the
+    sp_rank-th of sp_size equal contiguous slices, documents crossing the split keeping the unsplit row's
+    bounds and positions (`hylo.seq_parallel.shard_row`)."""
+    bounds, T = row.bounds(), row.num_tokens
+    if ctx.sp_size == 1:
+        return RowSlice(0, T, T, bounds, bounds.positions)
+    from hylo.seq_parallel import shard_row
+
+    s, e = token_range(row, ctx)
+    shard = shard_row(bounds, ctx.sp_rank, ctx.sp_size, ctx.sp_group)
+    return RowSlice(s, e, T, shard, shard.local.positions)
+
+
+def token_range(row: PackedRow, ctx: WorkerContext) -> tuple[int, int]:
+    """[start, end) of this rank's tokens of `row` (host ints; the whole row at sp_size 1)."""
+    T = row.num_tokens
+    if ctx.sp_size == 1:
+        return 0, T
+    from hylo.seq_parallel import shard_range
+
+    if T % ctx.sp_size:
+        raise ValueError(f"row {row.key or row.row_id}: its {T} tokens do not split into "
+                         f"train.sequence_parallel={ctx.sp_size} equal slices")
+    return shard_range(T, ctx.sp_rank, ctx.sp_size)
 
 
 def row_to_device(row: PackedRow, device: torch.device) -> PackedRow:

@@ -1,7 +1,10 @@
 """`teacher.source: inprocess`: the teacher model on every training worker (a small teacher, or tests).
 
 Gives every form: top-k records (k > 0), or the exact teacher as its hidden states and lm_head (the fused KL
-computes the logits chunk by chunk; `exact_form: auto`) or as streamed logits chunks.
+computes the logits chunk by chunk; `exact_form: auto`) or as streamed logits chunks. With a token range (a
+sequence-parallel group, `protocol.check_token_range`) it runs unsplit: every rank of a group runs the whole
+row's teacher forward and keeps its range (the teacher is a plain transformers model; splitting it needs
+sequence-parallel attention in the teacher too).
 """
 
 from __future__ import annotations

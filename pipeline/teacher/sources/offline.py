@@ -1,7 +1,8 @@
 """`teacher.source: offline`: the top-k records of a cache the cache job wrote (pipeline/teacher/cache.py).
 
 Top-k only, of the cache's k (`teacher.k` must be it: checked at load against 0, before Ray starts against the
-cache's manifest, and again by each worker's reader, with the data the cache was made from).
+cache's manifest, and again by each worker's reader, with the data the cache was made from). A sequence-parallel
+rank's token range gets the range's records (the reader decompresses the row's values, converts the range's bytes).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 With `start_pool: true` the driver deploys the pool from `teacher.model` and `teacher.pool` before training and
 deletes it after (its replicas count in the run's Ray resources); with false the client attaches to a pool
 someone else runs under `pool.app_name`, and nothing of it is checked before Ray starts. Gives top-k records
-or the exact teacher as streamed logits (its lm_head is on the replicas, not on the trainer).
+or the exact teacher as streamed logits (its lm_head is on the replicas, not on the trainer). A sequence-parallel
+rank's token range travels in its requests: the replicas run the whole row and answer the range only.
 """
 
 from __future__ import annotations
