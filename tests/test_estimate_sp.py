@@ -150,20 +150,31 @@ def tiny_config(tmp_path: Path) -> Path:
     return path
 
 
-def test_hylo_estimate_sequence_parallel_runs_the_ranks_step_at_its_share(tiny_config: Path, tmp_path: Path, capsys):
-    from hylo.pipeline.train.estimate import main
+def test_hylo_estimate_sequence_parallel_runs_the_split_step_as_the_last_rank(tiny_config: Path, tmp_path: Path,
+                                                                               capsys):
+    import torch.distributed as dist
+
+    from hylo.pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.estimate import estimate_step, main
 
     out = tmp_path / "est.json"
     assert main(["--config", str(tiny_config), "--tokens", "128", "--sequence-parallel", "2", "--json", str(out)]) == 0
+    # the fake process group is gone again
+    assert not dist.is_initialized()
     text = capsys.readouterr().out
-    for words in ("sequence parallel over N = 2", "gather latent + k_pe", "Ulysses", "ANALYTIC", "measured"):
+    for words in ("sequence parallel over N = 2", "split step (measured)", "gather latent + k_pe", "Ulysses"):
         assert words in text, text
     data = json.loads(out.read_text())
-    assert data["sequence_parallel"] == 2 and data["estimates"][0]["tokens"] == 64
+    assert data["sequence_parallel"] == 2
     e = data["sequence_parallel_estimates"][0]
-    assert e["tokens"] == 128 and e["local_tokens"] == 64
-    assert e["peak_bytes"] == pytest.approx(e["local"]["peak_bytes"] + sum(e["extra_memory"].values()))
-    assert e["total_flops"] > e["local"]["total_flops"]
+    assert e["tokens"] == 128 and e["local_tokens"] == 64 and e["split_step"]
+    assert e["peak_bytes"] == e["local"]["peak_bytes"] and not e["extra_memory"]
+    # the last rank of one 128-token document against the same step on its 64 tokens alone: its MLA layers
+    # attend to the 64 earlier keys too (more memory, more FLOPs), its GDN layers run twice
+    cfg = load_stage_config(2, tiny_config)
+    alone = estimate_step(cfg, 64, 2, torch.bfloat16, doc_tokens=(64, 64))
+    assert e["peak_bytes"] > alone.peak_bytes
+    assert e["total_flops"] > alone.total_flops + sum(sp.extra_flops(tiny(), 128, 2, torch.bfloat16, True).values()) / 2
     with pytest.raises(BadArgument, match="--sequence-parallel=2: the 129-token row"):
         main(["--config", str(tiny_config), "--tokens", "129", "--sequence-parallel", "2"])
 

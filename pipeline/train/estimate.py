@@ -909,7 +909,7 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
                   gpu: bool = True, shapes: Shapes | None = None, stage1: Stage1Config | None = None,
                   doc_tokens: tuple[int, int] = DOC_TOKENS, count_flops: bool = True,
                   variant: Callable[..., Any] | None = None, other_worlds: tuple[int, ...] = (),
-                  progress: Progress | None = None) -> Estimate:
+                  progress: Progress | None = None, sequence_parallel: int = 1) -> Estimate:
     """Memory per GPU and FLOPs of one step of `cfg`'s stage on rows of `tokens` tokens (see the module
     docstring). `world_size`: the ZeRO-3 world (default: the config's ray.num_workers). `gpu`: the
     accelerator's rules (deferred checks, its chunk size); False runs the CPU path as a CPU step runs it.
@@ -928,12 +928,20 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
     vocab = shapes.student.vocab_size
     if isinstance(cfg, Stage2Config) and gpu and cfg.kd.chunk_size is None:
         cfg = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, chunk_size=gpu_chunk_size(tokens, vocab)))
-    warm_row = synthetic_row(min(256, tokens), vocab, (min(64, tokens), min(128, tokens)), seed=1)
+    N = sequence_parallel
+    warm = min(256, tokens) // N * N
+    warm_row = synthetic_row(warm, vocab, (min(64, warm), min(128, warm)), seed=1)
     row = synthetic_row(tokens, vocab, doc_tokens)
     stage = 1 if isinstance(cfg, Stage1Config) else 2
     step = stage1_mod.train_step if stage == 1 else stage2_mod.train_step
     rules = deferred_checks() if gpu else contextlib.nullcontext()
-    with fake_tensors() as host, rules:
+    # sequence parallelism: the LAST rank of a group of N on torch's fake process group (estimate_sp.split_rank)
+    split = contextlib.nullcontext()
+    if N > 1:
+        from hylo.pipeline.train.estimate_sp import split_rank
+
+        split = split_rank(N)
+    with split, fake_tensors() as host, rules:
         memory = StepMemory(W, host)
         memory.other_worlds = tuple(other_worlds)
         build = build_stage1 if stage == 1 else build_stage2
@@ -942,8 +950,8 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
         task, frozen = build(cfg, shapes, dtype, gpu)
         if variant is not None:
             task, frozen = variant(task, frozen)
-        ctx = _Solo(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=dtype, run_dir=Path("."),
-                    grad_accum=1)
+        ctx = _Solo(cfg=cfg, rank=N - 1, world_size=N, device=torch.device("cpu"), dtype=dtype, run_dir=Path("."),
+                    grad_accum=1, sp_group=None, sp_rank=N - 1, sp_size=N, dp_rank=0, dp_size=1)
         engine: TrackedEngine = task.engine
         if progress is not None:
             progress.say(f"warm-up step ({warm_row.num_tokens} tokens)")
@@ -1202,15 +1210,19 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         resolve_dtype(cfg.model.dtype, not args.cpu)
     shapes = shapes_of(cfg, stage1)
     # with sequence parallelism each rank's own step is the step at T / N tokens
-    ests = [estimate_step(cfg, T // N, W, dtype, gpu=not args.cpu, shapes=shapes, stage1=stage1,
-                          progress=Progress(f"[estimate] {T // N:,} tokens ({i}/{len(tokens)})"))
+    # with sequence parallelism: the split step itself, as the last rank of a row that is one document (its MLA
+    # layers attend to every earlier key of the row: the worst rank of the worst row)
+    ests = [estimate_step(cfg, T, W, dtype, gpu=not args.cpu, shapes=shapes, stage1=stage1, sequence_parallel=N,
+                          doc_tokens=(T, T) if N > 1 else DOC_TOKENS,
+                          progress=Progress(f"[estimate] {T:,} tokens{f' over {N} GPUs' if N > 1 else ''} "
+                                            f"({i}/{len(tokens)})"))
             for i, T in enumerate(tokens, 1)]
     print(describe(cfg, shapes, W, dtype, args.config)
           + (f"\nsequence parallel: each row split by tokens over N = {N} GPUs ({W // N} group{'s' if W // N > 1 else ''})" if N > 1 else ""))
     out: dict[str, Any] = {"config": args.config, "stage": args.stage, "world_size": W, "sequence_parallel": N,
                            "estimates": [e.to_dict() for e in ests]}
     if N > 1:
-        sp = [estimate_sp(cfg, T, N, W, dtype, e, shapes.student) for T, e in zip(tokens, ests)]
+        sp = [estimate_sp(cfg, T, N, W, dtype, e, shapes.student, split=True) for T, e in zip(tokens, ests)]
         print(format_sp(sp))
         out["sequence_parallel_estimates"] = [e.to_dict() for e in sp]
     else:
@@ -1225,12 +1237,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     print("\nThe step runs on fake tensors (pipeline/train/estimate.py): ZeRO-3 sharding is arithmetic on the "
           "real sizes; times are FLOPs at the dense bf16 peak, a lower bound.")
     if N > 1:
-        from hylo.pipeline.train.estimate_sp import EXTRAS_NOT_MEASURED
-
-        print("Sequence parallelism (pipeline/train/estimate_sp.py): the rank's own step is measured at T/N tokens; "
-              "the MLA extra (the last rank's keys from the row's start when one document fills the row) is one "
-              "split MLA layer measured on fake tensors with torch's fake process group; the gathered states and "
-              f"the communication are ANALYTIC, from the layers' shapes ({EXTRAS_NOT_MEASURED}).")
+        print("Sequence parallelism (pipeline/train/estimate_sp.py): the split step itself, measured as the last rank "
+              "of a row that is one document, its collectives on torch's fake process group, SDPA counted as a "
+              "fused kernel; the communication is ANALYTIC, from the layers' shapes (checked against the "
+              "collectives of one split layer of each kind in tests/test_estimate_sp.py).")
     if args.json:
         from hylo.files import atomic_write
 

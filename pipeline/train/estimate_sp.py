@@ -233,6 +233,25 @@ def _fused_attention() -> Iterator[None]:
         F.scaled_dot_product_attention, mla.causal_lower_right = sdpa, bias
 
 
+@contextlib.contextmanager
+def split_rank(N: int) -> Iterator[None]:
+    """This process as the last rank of a sequence-parallel group of N on torch's fake process group (its
+    collectives move nothing; shapes are real), with SDPA as a fused kernel (`_fused_attention`)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hylo.pipeline.train.estimate import EstimateError
+
+    if dist.is_available() and dist.is_initialized():
+        raise EstimateError("the split step runs on a fake process group, and this process has a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=N - 1, world_size=N)
+    try:
+        with _fused_attention():
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
 def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype) -> float | None:
     """Bytes one split MLA decoder layer (hylo/seq_parallel.py's `_attend_shard`) holds beyond the same layer
     on the rank's T / N tokens unsplit, forward and backward, as the LAST rank of a row that is one document:
@@ -350,6 +369,8 @@ class SPEstimate:
     extra_flops: dict[str, int]
     comm: list[Comm]
     notes: list[str] = field(default_factory=list)
+    # `local` is the split step itself (the last rank's, measured), not the unsplit step at T / N
+    split: bool = False
 
     @property
     def peak_bytes(self) -> float:
@@ -361,7 +382,8 @@ class SPEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "sequence_parallel": self.sequence_parallel,
-                "local_tokens": self.local.tokens, "local": self.local.to_dict(),
+                "local_tokens": self.tokens // self.sequence_parallel, "split_step": self.split,
+                "local": self.local.to_dict(),
                 "extra_memory": self.extra_memory, "extra_flops": self.extra_flops,
                 "peak_bytes": self.peak_bytes, "total_flops": self.total_flops,
                 "communication": [dataclasses.asdict(c) | {"total": c.total} for c in self.comm],
@@ -377,9 +399,15 @@ def sp_extras(hc: Any, T: int, N: int, dtype: torch.dtype, checkpointing: bool,
             communication(hc, T, N, b, checkpointing))
 
 
-def estimate_sp(cfg: Any, T: int, N: int, W: int, dtype: torch.dtype, local: Estimate, hc: Any) -> SPEstimate:
-    """`local`: `estimate_step` at T / N tokens (ZeRO-3 over W); the rest is added per the module docstring."""
+def estimate_sp(cfg: Any, T: int, N: int, W: int, dtype: torch.dtype, local: Estimate, hc: Any,
+                split: bool = False) -> SPEstimate:
+    """`local`: `estimate_step` at T / N tokens (ZeRO-3 over W), the extras added per the module docstring; or,
+    `split`, the split step itself (`estimate_step(..., sequence_parallel=N)`): nothing to add, the
+    communication counted."""
     ckpt = bool(cfg.model.activation_checkpointing)
+    b = torch.empty((), dtype=dtype).element_size()
+    if split:
+        return SPEstimate(T, N, local, {}, {}, communication(hc, T, N, b, ckpt), split=True)
     mem, flops, comm = sp_extras(hc, T, N, dtype, ckpt)
     return SPEstimate(T, N, local, mem, flops, comm)
 
@@ -395,8 +423,9 @@ def format_sp(ests: list[SPEstimate]) -> str:
     w = max(9, *(len(c) + 2 for c in cols))
     # label width: the longest row name
     L = 2 + max(len(k) + 11 for e in ests for k in (*e.extra_memory, *e.extra_flops, *e.local.memory, "x" * 50))
-    lines = [f"training GPU, sequence parallel over N = {N} (each rank {', '.join(_k(e.local.tokens) for e in ests)} "
-             f"tokens of the row; the last rank):",
+    lines = [f"training GPU, sequence parallel over N = {N} (each rank {', '.join(_k(e.tokens // N) for e in ests)} "
+             f"tokens of the row; the last rank" + (" of a row that is one document, its split step measured):"
+                                                    if ests[0].split else "):"),
              f"{'per GPU (GiB)':<{L}}" + "".join(f"{c:>{w}}" for c in cols)]
     keys: list[str] = []
     for e in ests:
@@ -405,20 +434,22 @@ def format_sp(ests: list[SPEstimate]) -> str:
         vals = [e.local.memory.get(k, 0.0) for e in ests]
         if any(vals):
             lines.append(f"  {k:<{L - 2}}" + "".join(f"{_gib(v):>{w}}" for v in vals))
-    lines.append(f"{'  peak of the step of one rank (measured, T/N tokens)':<{L}}"
+    what = "the split step (measured)" if ests[0].split else "the step of one rank (measured, T/N tokens)"
+    lines.append(f"{'  peak of ' + what:<{L}}"
                  + "".join(f"{_gib(e.local.peak_bytes):>{w}}" for e in ests))
     ekeys: list[str] = []
     for e in ests:
         ekeys += [k for k in e.extra_memory if k not in ekeys]
     for k in ekeys:
         lines.append(f"  {k:<{L - 2}}" + "".join(f"{_gib(e.extra_memory.get(k, 0.0)):>{w}}" for e in ests))
-    lines.append(f"{'peak (the step + the SP extras: an upper bound)':<{L}}" + "".join(f"{_gib(e.peak_bytes):>{w}}" for e in ests))
+    total = "peak" if ests[0].split else "peak (the step + the SP extras: an upper bound)"
+    lines.append(f"{total:<{L}}" + "".join(f"{_gib(e.peak_bytes):>{w}}" for e in ests))
     lines.append(f"fits (peak <= {1 - FIT_MARGIN:.0%} of the memory):")
     for g in GPUS:
         lines.append(f"  {g.name + f' {g.memory_gib:.0f} GiB':<{L - 2}}"
                      + "".join(f"{('yes' if g.fits(e.peak_bytes) else 'no'):>{w}}" for e in ests))
     lines.append(f"{'FLOPs per GPU per row (TFLOP)':<{L}}")
-    lines.append(f"  {'the step of one rank (measured, T/N tokens)':<{L - 2}}" + "".join(f"{e.local.total_flops / 1e12:>{w}.1f}" for e in ests))
+    lines.append(f"  {what:<{L - 2}}" + "".join(f"{e.local.total_flops / 1e12:>{w}.1f}" for e in ests))
     fkeys: list[str] = []
     for e in ests:
         fkeys += [k for k in e.extra_flops if k not in fkeys]
