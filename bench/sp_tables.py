@@ -11,10 +11,14 @@ pool or the offline cache: the same records on the training GPU), ZeRO-3 over W 
   packed documents), at W = 4 (the recipes' stage 2) and W = 8 (a node of training GPUs); its peak is affine in L
   (the README's 8K-128K rows are: the activations grow by the same GiB per token at every length), so the peak
   at L = T / N is the least-squares line through the three (its largest residual printed);
-* plus the extras of the split (`estimate_sp`): the last rank's MLA keys from the row's start when one document
-  fills the row, one split MLA layer measured on fake tensors with torch's fake process group at T = 64K, N = 2
-  and scaled by the earlier keys E = T - T / N (bytes per earlier key: 12.72-12.88 KiB from 64K to 256K and N = 2
-  to 8 for the 3B recipe), and the gathered GDN states (analytic, a few MiB);
+* plus the extras of the split (`estimate_sp.measure_mla_extra`): one split layer measured on fake tensors
+  with torch's fake process group at T = 64K, N = 2, minus the same layer unsplit: the MLA layer's (the last
+  rank's keys from the row's start when one document fills the row) scaled by the earlier keys E = T - T / N
+  (12.72-12.88 KiB per earlier key from 64K to 256K and N = 2 to 8 for the 3B recipe), the GDN layer's (its
+  zero-start, transition and second passes on our torch scans) by the rank's T / N tokens; with checkpointing
+  one layer's backward at a time, so the larger of the two; and the gathered GDN states (analytic, a few MiB).
+  `hylo estimate --sequence-parallel N` runs the whole split step instead (minutes per point: too slow for a
+  search over lengths); at the 3B recipe's 128K over 8 GPUs it gives 31.1 GiB, this model 32.5;
 * "longest context": the largest T, a multiple of 1K, whose peak is within 90 % of the GPU's memory (`GPU.fits`),
   searched up to 4M tokens. Above 32K tokens per rank it extrapolates the line.
 """
@@ -97,15 +101,20 @@ class Recipe:
         self.dtype_bytes = torch.empty((), dtype=torch.bfloat16).element_size()
         from hylo.pipeline.train.estimate_sp import measure_mla_extra
 
-        # one split MLA layer's extra per earlier key (T = 64K, N = 2: 32K earlier keys)
+        # one split MLA layer's extra per earlier key and one split linear layer's per token of the rank
+        # (T = 64K, N = 2: 32K earlier keys, 32K tokens a rank)
         self.mla_per_key = measure_mla_extra(self.hc, 65536, 2, torch.bfloat16) / 32768
+        self.linear_per_token = measure_mla_extra(self.hc, 65536, 2, torch.bfloat16, kind="linear") / 32768
 
     def peak(self, T: int, N: int, W: int) -> float:
-        from hylo.pipeline.train.estimate_sp import extra_memory
+        from hylo.pipeline.train.estimate_sp import STATES, extra_memory
 
         a, b, _ = self.fits[W]
-        mla = self.mla_per_key * (T - T // N)
-        return a + b * T / N + sum(extra_memory(self.hc, T, N, self.dtype_bytes, self.ckpt, mla).values())
+        if N == 1:
+            return a + b * T
+        # with checkpointing one layer's backward at a time: the larger of the two split layers' extras
+        layer = max(self.mla_per_key * (T - T // N), self.linear_per_token * T / N)
+        return a + b * T / N + layer + extra_memory(self.hc, T, N, self.dtype_bytes, self.ckpt)[STATES]
 
     def longest(self, N: int, W: int, gpu) -> int:
         """Largest T (a multiple of 1K, T / N whole) that fits `gpu`, 0 if none; MAX_K K if all do."""
@@ -131,13 +140,15 @@ def tables(data: dict) -> str:
 
     recipes = [Recipe(name, rows) for name, rows in data.items()]
     out = ["Fit of one rank's step peak, a + b L (GiB, GiB per 1K tokens), largest residual over L = "
-           + ", ".join(f"{x // 1024}K" for x in LOCAL) + "; the split MLA layer's extra per earlier key (KiB):", ""]
-    out += ["| recipe | W | a | b | residual | MLA extra per earlier key |", "|---|---|---|---|---|---|"]
+           + ", ".join(f"{x // 1024}K" for x in LOCAL) + "; the split layers' extras (KiB per earlier key, per "
+           "token of the rank):", ""]
+    out += ["| recipe | W | a | b | residual | MLA extra per earlier key | GDN extra per token |",
+            "|---|---|---|---|---|---|---|"]
     for r in recipes:
         for W in WORLDS:
             a, b, res = r.fits[W]
             out.append(f"| {r.name} | {W} | {a / GIB:.2f} | {b * 1024 / GIB:.3f} | {res / GIB:.2f} | "
-                       f"{r.mla_per_key / 1024:.1f} |")
+                       f"{r.mla_per_key / 1024:.1f} | {r.linear_per_token / 1024:.1f} |")
 
     W = 8
     out += ["", f"Longest context per training GPU (ZeRO-3 over W = {W}; the row split over N GPUs):", ""]

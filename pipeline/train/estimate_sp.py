@@ -252,12 +252,13 @@ def split_rank(N: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype) -> float | None:
+def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype, kind: str = "mla") -> float | None:
     """Bytes one split MLA decoder layer (hylo/seq_parallel.py's `_attend_shard`) holds beyond the same layer
     on the rank's T / N tokens unsplit, forward and backward, as the LAST rank of a row that is one document:
     both run on fake tensors, the collectives on torch's fake process group (`FakeStore`, backend "fake"), the
     attention's SDPA as a fused kernel (`_fused_attention`). None where this process already has a process
-    group (the fake one cannot be made): the caller uses the analytic bound."""
+    group (the fake one cannot be made): the caller uses the analytic bound. `kind="linear"`: a GDN / Mamba-2
+    layer instead (its zero-start pass, the transition pass and the second pass from the passed state)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -266,7 +267,8 @@ def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype) -> float | No
     from hylo.pipeline.train.estimate import cast_parameters, estimate_call
     from hylo.seq_parallel import shard_row
 
-    if not hc.mla_layers or N == 1 or (dist.is_available() and dist.is_initialized()):
+    layers = hc.mla_layers if kind == "mla" else hc.linear_layers
+    if not layers or N == 1 or (dist.is_available() and dist.is_initialized()):
         return None
     Tq = T // N
     dist.init_process_group("fake", store=FakeStore(), rank=N - 1, world_size=N)
@@ -274,7 +276,7 @@ def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype) -> float | No
         shard = shard_row(DocBounds.from_host([0, T], T), N - 1, N)
 
         def setup():
-            layer = cast_parameters(HyLoDecoderLayer(hc, hc.mla_layers[0]), dtype)
+            layer = cast_parameters(HyLoDecoderLayer(hc, layers[0]), dtype)
             return layer, torch.empty(1, Tq, hc.hidden_size, dtype=dtype, requires_grad=True)
 
         def run(state, split: bool) -> None:
