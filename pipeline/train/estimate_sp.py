@@ -8,7 +8,13 @@ MLA query heads / kv_b_proj heads, Nn / Pr / Vd the nope / rope / value head dim
 shared roped key (R + P values per token: what MLA's latent gather sends), Hl / K / V the GDN heads and key /
 value dims, (Hm, Pm, Nm, Gm) Mamba-2's heads, head dim, state size, groups, C conv channels, w conv_size - 1.
 
-Per GPU at N, as `estimate_sp` computes it:
+`hylo estimate --sequence-parallel N` runs the SPLIT STEP itself: `estimate.estimate_step(...,
+sequence_parallel=N)`, the stage's own `train_step` at `train.sequence_parallel = N` as the last rank of a row
+that is one document, in `split_rank` (torch's fake process group, SDPA as a fused kernel holds memory); then
+`estimate_sp(..., split=True)` adds nothing but the communication count. What follows is the cheaper model the
+length sweeps use (bench/sp_tables.py) and the fallback where this process already has a process group.
+
+Per GPU at N, as `estimate_sp` computes it without `split`:
 * the rank's own step: `estimate.estimate_step` at Tq tokens (the recipe's packed documents), measured on fake
   tensors as for N = 1: parameters, gradients and optimizer states under ZeRO-3 over W, the activations of
   Tq tokens, the loss, the teacher's targets for Tq tokens (Serve pool / cache: each shard's range).
@@ -28,8 +34,7 @@ Per GPU at N, as `estimate_sp` computes it:
     [N, Hl, K, K] (fp32) and their gradients; Mamba-2: the states [N, Hm, Pm, Nm] and one decay per head; the
     gathered conv windows [N, w, C]: one layer's with checkpointing, every linear layer's without.
   The extras are added to the step's peak: an upper bound (they are one layer's transient, and the peak is not
-  necessarily inside an MLA layer's backward). The whole split step is not run: the stages' `train_step` does
-  not take a split row on this branch (`EXTRAS_NOT_MEASURED`).
+  necessarily inside an MLA layer's backward).
 * FLOPs: the rank's step at Tq, plus (last rank, one document over the row) the attention of its Tq queries to
   the E earlier keys (a fully visible Tq x E block: torch's dense SDPA count is exact for it) and kv_b_proj's
   decompression of those keys, forward (again in the recompute with checkpointing) and backward, per MLA layer;
@@ -66,10 +71,6 @@ from hylo.pipeline.train.estimate import FIT_MARGIN, GPUS, Estimate, _gib, _k
 
 # the row length the scans' FLOPs are counted at (linear in T: the chunked forms loop over chunks of 64)
 SCAN_TOKENS = 2048
-# Why the whole split step is not what runs: the stages' train_step takes whole rows on this branch, so the rank's
-# step runs at T / N tokens unsplit and the split layer's extra is measured beside it (`measure_mla_extra`).
-EXTRAS_NOT_MEASURED = ("the stage's train_step takes no split row here: the rank's step is measured at T/N tokens, "
-                       "one split MLA layer beside it")
 
 
 def check_sequence_parallel(n: int, world: int, tokens: list[int], n_flag: str, world_flag: str,
