@@ -3,12 +3,17 @@
     hylo estimate --config configs/llama-3.2-1b-8mla8gdn-64k.yaml --tokens 8192,65536
     hylo estimate --config configs/demo-smollm2.yaml --stage 1 --world-size 1 --tokens 512
     python jobs/estimate.py --config configs/qwen3-1.7b-7mla21gdn-64k.yaml --world-size 8 --json est.json
+    hylo estimate --config configs/llama-3.2-3b-14mla14gdn-64k.yaml --tokens 131072 --sequence-parallel 4
 
 Per GPU: the student's parameters, gradients and optimizer states (ZeRO-3 over --world-size, default the
 config's ray.num_workers, as arithmetic on their real sizes), the activations and temporaries at the peak,
 the fused loss's own peak, the teacher's weights where it runs in the trainer, the peak and which GPUs
 (H100, H200, MI300X, MI355X) it fits; the step's FLOPs by phase and their time at each GPU's dense bf16
-peak (a lower bound). With the Serve pool's teacher, one teacher replica GPU too. How it is measured and
+peak (a lower bound). With the Serve pool's teacher, one teacher replica GPU too. With --sequence-parallel N
+(default: the config's train.sequence_parallel; N divides the training workers and every row length), each row
+is split by tokens over N GPUs: per GPU the rank's step at T/N tokens, what splitting adds (the last rank's
+MLA keys from the row's start, the gathered GDN / Mamba-2 states), the extra FLOPs, and the bytes each layer
+sends per step (MLA's latent gather against Ulysses, state passing). How it is measured and
 what it leaves out: pipeline/train/estimate.py.
 """
 

@@ -14,6 +14,13 @@ is called on CPU tensors at the config's shapes and dtypes:
   q/k L2-norm in the kernel, as `hylo/layers/gdn.py` calls it in training;
 * `gdn.decode`: the same op at T = 1 with the fp32 state [1, H, K, V] in and out, as decoding calls it;
 * `ssd.train` / `ssd.decode` (Mamba-2 configs): `hylo.kernels.ssd.fla_chunk_ssd` -> fla's `chunk_simple_gla`;
+* with sequence parallelism (`train.sequence_parallel` or `--sequence-parallel` N > 1: one packed row split
+  by tokens over N ranks, each rank holding T / N of them), the state-passing launches of
+  `hylo/seq_parallel.py` at the rank's T / N tokens: `gdn.sp_local` / `ssd.sp_local`, the op from a zero
+  state with the final states out (the gradient flowing back into them), then again from the passed fp32
+  states ([docs, H, K, V] / [docs, H, P, N], requiring their gradient), forward and backward;
+  `gdn.sp_transition`, the GDN transition pass of a rank inside one document (values of width K, all zero,
+  from the identity state [1, H, K, K], the final state out), forward and backward;
 * `kl.dense` / `kl.topk`: our fused KL's Triton steps (`hylo/kernels/fused_kl/triton_kernel.py`) over
   fp32 [C, vocab] chunks, with and without the gradient (both teacher forms; the gradient is written in the
   loss's forward, its backward only scales it).
@@ -62,19 +69,30 @@ class Site:
         return dict(self.args)[key]
 
 
-def sites_of(hc: Any, vocab: int, tokens: int) -> list[Site]:
-    """The launch sites of a student of HybridConfig `hc` with a `vocab`-wide KL at a `tokens`-long row."""
-    docs = (tokens - tokens // 3, tokens // 3) if tokens >= 32 else (tokens,)
+def _docs(tokens: int) -> tuple[int, ...]:
+    return (tokens - tokens // 3, tokens // 3) if tokens >= 32 else (tokens,)
+
+
+def sites_of(hc: Any, vocab: int, tokens: int, sequence_parallel: int = 1) -> list[Site]:
+    """The launch sites of a student of HybridConfig `hc` with a `vocab`-wide KL at a `tokens`-long row;
+    with `sequence_parallel` N > 1 also the state-passing sites of a rank's T / N tokens."""
+    docs = _docs(tokens)
+    local = tokens // sequence_parallel
     out = []
     if hc.linear_type == "gdn":
         g = (("H", hc.gdn_num_heads), ("K", hc.gdn_head_dim), ("V", hc.gdn_value_dim), ("chunk", hc.gdn_chunk_size))
         out += [Site("gdn.train", (("T", tokens), ("docs", docs), *g)), Site("gdn.decode", (("T", 1), *g))]
+        if sequence_parallel > 1:
+            out += [Site("gdn.sp_local", (("T", local), ("docs", _docs(local)), *g)),
+                    Site("gdn.sp_transition", (("T", local), ("docs", (local,)), *g))]
     else:
         H, P, N, G = hc.mamba2_dims
         if hc.mamba2_xb_groups is not None:
             G = H
         m = (("H", H), ("P", P), ("N", N), ("G", G))
         out += [Site("ssd.train", (("T", tokens), ("docs", docs), *m)), Site("ssd.decode", (("T", 1), *m))]
+        if sequence_parallel > 1:
+            out += [Site("ssd.sp_local", (("T", local), ("docs", _docs(local)), *m))]
     out += [Site("kl.dense", (("rows", KL_ROWS), ("vocab", vocab))), Site("kl.topk", (("rows", KL_ROWS), ("vocab", vocab)))]
     return out
 
@@ -88,14 +106,20 @@ def _bounds(docs: tuple[int, ...], T: int) -> Any:
     return DocBounds.from_host([0, *accumulate(docs)], T)
 
 
-def _run_site(site: Site) -> None:
+def _run_site(site: Site, dtype: Any = None) -> dict[str, Any]:
+    """Call one launch site (bf16 inputs unless `dtype`); returns its outputs and gradients by name (in the
+    compile-only child they are uninitialised: nothing reads them there; the tests read them on the torch path)."""
     import torch
 
-    bf16 = torch.bfloat16
+    bf16 = dtype or torch.bfloat16
+    res: dict[str, Any] = {}
     if site.site.startswith("gdn."):
         from hylo.kernels.gdn import chunk as gdn_chunk
 
         H, K, V, T = site.get("H"), site.get("K"), site.get("V"), site.get("T")
+        if site.site == "gdn.sp_transition":
+            # what the rank's tokens do to a state: values of width K, the state [K, K] per head and document
+            V = K
         q, k = (torch.randn(1, T, H, K, dtype=bf16) for _ in range(2))
         v = torch.randn(1, T, H, V, dtype=bf16)
         g = -torch.rand(1, T, H)
@@ -106,13 +130,40 @@ def _run_site(site: Site) -> None:
                 x.requires_grad_(True)
             o, _ = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=bounds, use_qk_l2norm_in_kernel=True,
                                                     chunk_size=site.get("chunk"))
-            torch.autograd.grad(o, (q, k, v, g, beta), torch.randn_like(o), allow_unused=True)
+            res["grads"] = torch.autograd.grad(o, (q, k, v, g, beta), torch.randn_like(o), allow_unused=True)
+            res["o"] = o
+        elif site.site == "gdn.sp_local":
+            docs = site.get("docs")
+            kw = {"cu_seqlens": _bounds(docs, T), "use_qk_l2norm_in_kernel": True, "chunk_size": site.get("chunk")}
+            for x in (q, k, v, g, beta):
+                x.requires_grad_(True)
+            # from a zero state, the final states out (gathered by the group: their gradient comes back)
+            o0, ht = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, **kw)
+            # again from the passed states
+            h0 = torch.randn(len(docs), H, K, V, requires_grad=True)
+            o, _ = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, **kw)
+            res["o"], res["final_state"] = o, ht
+            res["grads"] = torch.autograd.grad((o0, ht, o), (q, k, v, g, beta, h0),
+                                               (torch.randn_like(o0), torch.randn_like(ht), torch.randn_like(o)),
+                                               allow_unused=True)
+        elif site.site == "gdn.sp_transition":
+            # what the rank's chunk (inside one document) does to a state: zero values from the identity
+            eye = torch.eye(K).expand(1, H, K, K).contiguous()
+            # (the queries do not reach the state: no gradient for them)
+            for x in (k, g, beta):
+                x.requires_grad_(True)
+            _, M = gdn_chunk.chunk_gated_delta_rule(q, k, torch.zeros_like(k), g, beta, initial_state=eye,
+                                                    output_final_state=True, cu_seqlens=_bounds(site.get("docs"), T),
+                                                    use_qk_l2norm_in_kernel=True, chunk_size=site.get("chunk"))
+            res["final_state"] = M
+            res["grads"] = torch.autograd.grad(M, (k, g, beta), torch.randn_like(M), allow_unused=True)
         else:
             with torch.no_grad():
                 gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=torch.randn(1, H, K, V),
                                                  output_final_state=True, use_qk_l2norm_in_kernel=True,
                                                  chunk_size=site.get("chunk"))
     elif site.site.startswith("ssd."):
+        from hylo.kernels.ssd import chunk as ssd_chunk
         from hylo.kernels.ssd.chunk import fla_chunk_ssd
 
         H, P, N, G, T = (site.get(x) for x in ("H", "P", "N", "G", "T"))
@@ -125,7 +176,21 @@ def _run_site(site: Site) -> None:
             for t in (x, dt, B, C):
                 t.requires_grad_(True)
             y, _ = fla_chunk_ssd(x, dt, A, B, C, D, cu_seqlens=_bounds(site.get("docs"), T))
-            torch.autograd.grad(y, (x, dt, B, C), torch.randn_like(y), allow_unused=True)
+            res["grads"] = torch.autograd.grad(y, (x, dt, B, C), torch.randn_like(y), allow_unused=True)
+            res["o"] = y
+        elif site.site == "ssd.sp_local":
+            docs = site.get("docs")
+            h0 = torch.randn(len(docs), H, P, N, requires_grad=True)
+            for t in (x, dt, B, C):
+                t.requires_grad_(True)
+            # the dispatcher (the child routes it to fla_chunk_ssd; the tests run its torch path): from a zero
+            # state with the final states out, then again from the passed states
+            y0, ht = ssd_chunk.chunk_ssd(x, dt, A, B, C, D, output_final_state=True, cu_seqlens=_bounds(docs, T))
+            y, _ = ssd_chunk.chunk_ssd(x, dt, A, B, C, D, initial_state=h0, cu_seqlens=_bounds(docs, T))
+            res["o"], res["final_state"] = y, ht
+            res["grads"] = torch.autograd.grad((y0, ht, y), (x, dt, B, C, h0),
+                                               (torch.randn_like(y0), torch.randn_like(ht), torch.randn_like(y)),
+                                               allow_unused=True)
         else:
             with torch.no_grad():
                 fla_chunk_ssd(x, dt, A, B, C, D, initial_state=torch.randn(1, H, P, N), output_final_state=True)
@@ -145,6 +210,7 @@ def _run_site(site: Site) -> None:
                 triton_kernel.topk_kl_step(z, idx, torch.log_softmax(torch.randn(rows, k + 1), -1), step)
     else:
         raise ValueError(f"unknown launch site {site.site}")
+    return res
 
 
 def child_main(argv: list[str]) -> int:
@@ -208,7 +274,8 @@ def plan_for(recipes: dict[str, list[Site]]) -> tuple[list[dict[str, Any]], dict
     users: dict[str, list[str]] = {}
     for name, sites in recipes.items():
         for site in sites:
-            sid = _site_id(site) + (f"[T{site.get('T')}]" if site.site.endswith("train") else "")
+            sid = _site_id(site) + (f"[T{site.get('T')}]" if site.site.endswith(("train", "sp_local", "sp_transition"))
+                                    else "")
             plan.setdefault(sid, {"id": sid, "site": site.site, "args": [list(a) for a in site.args]})
             users.setdefault(sid, []).append(name)
     return list(plan.values()), users
@@ -373,11 +440,18 @@ def check(recipes: dict[str, list[Site]], targets: list[str], out_dir: Path, tok
     return write_report(out_dir, results, users, {"recipes": list(recipes), "targets": targets, "tokens": tokens})
 
 
-def recipe_sites(cfg: Any, stage1: Any, tokens: int) -> list[Site]:
+def recipe_sites(cfg: Any, stage1: Any, tokens: int, sequence_parallel: int = 1) -> list[Site]:
     from hylo.pipeline.train.estimate import student_config
 
     hc = student_config(cfg, stage1)
-    return sites_of(hc, hc.vocab_size, tokens)
+    return sites_of(hc, hc.vocab_size, tokens, sequence_parallel)
+
+
+def check_sequence_parallel(n: int, tokens: int, where: str) -> None:
+    """N splits the `tokens`-long row into equal parts of at least 2 tokens (BadArgument naming `where`)."""
+    if n < 1 or tokens % n or tokens // n < 2:
+        raise BadArgument(f"{where}={n}: the sequence-parallel group must split the --tokens={tokens} row into "
+                          f"equal parts of at least 2 tokens (N >= 1 dividing {tokens})")
 
 
 def parse_targets(text: str) -> list[str]:
@@ -404,6 +478,9 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     ap.add_argument("--tokens", type=int_at_least(2), default=DEFAULT_TOKENS,
                     help=f"tokens of the packed row the training sites get (default {DEFAULT_TOKENS}: kernels "
                          "specialise on T only by divisibility, so this gives a 64K row's binaries)")
+    ap.add_argument("--sequence-parallel", type=int_at_least(1), default=None, metavar="N",
+                    help="also the state-passing launch sites of a row split over N ranks (default: the "
+                         "config's train.sequence_parallel, 1 = none)")
     ap.add_argument("--out", required="--print-config" not in (argv if argv is not None else sys.argv),
                     help="folder for kernels_check.json and kernels_check.md")
     args = ap.parse_args(argv)
@@ -418,7 +495,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         stage1 = resolve_paths(load_stage_config(1, args.config, [o for o in args.overrides
                                                                   if o.split(".", 1)[0].split("=", 1)[0] in shared]))
     name = Path(args.config).stem if args.config else "defaults"
-    sites = recipe_sites(cfg, stage1, args.tokens)
+    sp = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
+    check_sequence_parallel(sp, args.tokens, "--sequence-parallel" if args.sequence_parallel
+                            else "train.sequence_parallel")
+    sites = recipe_sites(cfg, stage1, args.tokens, sp)
     bad = check({name: sites}, targets, Path(args.out), args.tokens, log_to=sys.stdout)
     print(f"wrote {Path(args.out) / 'kernels_check.json'} and kernels_check.md")
     for b in bad:

@@ -133,3 +133,57 @@ def test_a_configuration_over_the_targets_shared_memory_is_reported_as_not_fitti
     res["gfx942"]["records"] = [by_block[256]]
     bad = kc.verdicts(res)
     assert len(bad) == 1 and "_square" in bad[0] and "65536" in bad[0]
+
+
+def _tiny_hc(linear_type: str):
+    from hylo.config import HybridConfig
+
+    return HybridConfig(vocab_size=64, hidden_size=32, intermediate_size=64, n_layer=2, mla_layers=[0],
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, kv_lora_rank=8, q_lora_rank=None,
+                        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, linear_type=linear_type,
+                        gdn_num_heads=2, gdn_head_dim=8, gdn_expand_v=2.0, gdn_chunk_size=16)
+
+
+@pytest.mark.parametrize("linear_type", ["gdn", "mamba2"])
+def test_sequence_parallel_adds_the_state_passing_sites_and_they_run_at_a_tiny_shape(linear_type):
+    import torch
+
+    hc = _tiny_hc(linear_type)
+    plain = {s.site for s in kc.sites_of(hc, 64, 96)}
+    sites = {s.site: s for s in kc.sites_of(hc, 64, 96, sequence_parallel=2)}
+    added = {"gdn": {"gdn.sp_local", "gdn.sp_transition"}, "mamba2": {"ssd.sp_local"}}[linear_type]
+    assert set(sites) - plain == added
+    torch.manual_seed(0)
+    for name in added:
+        site = sites[name]
+        # the rank's half of the row, its documents (the first one continues from the previous rank; the
+        # transition pass is for a rank inside one document)
+        T, docs = site.get("T"), site.get("docs")
+        assert T == 48 and sum(docs) == 48 and len(docs) == (1 if name == "gdn.sp_transition" else 2)
+        # the torch path at this shape, fp32: every output and gradient, the passed state's too
+        res = kc._run_site(site, dtype=torch.float32)
+        grads = res["grads"]
+        assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+        if name == "gdn.sp_transition":
+            # the state map [1, H, K, K] of the chunk: a state S in gives M S out (zero values add nothing)
+            K = site.get("K")
+            assert res["final_state"].shape == (1, site.get("H"), K, K)
+            continue
+        if linear_type == "gdn":
+            shape = (2, site.get("H"), site.get("K"), site.get("V"))
+        else:
+            shape = (2, site.get("H"), site.get("P"), site.get("N"))
+        assert res["final_state"].shape == shape
+        # the passed state's gradient (last): the state reaches the output
+        assert grads[-1].shape == shape
+    # a plan names them apart from the training site (the row length in the id)
+    plan, _ = kc.plan_for({"tiny": list(sites.values())})
+    assert any(p["id"].startswith(sorted(added)[0]) and p["id"].endswith("[T48]") for p in plan)
+
+
+def test_a_sequence_parallel_group_that_does_not_split_the_row_is_one_error_line():
+    from hylo.pipeline.cli import BadArgument
+
+    with pytest.raises(BadArgument, match=r"--sequence-parallel=3: .*--tokens=2048"):
+        kc.check_sequence_parallel(3, 2048, "--sequence-parallel")
+    kc.check_sequence_parallel(4, 2048, "--sequence-parallel")

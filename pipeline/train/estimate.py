@@ -3,6 +3,10 @@
     hylo estimate --config configs/llama-3.2-1b-8mla8gdn-64k.yaml                  # stage 2 at its seq_len
     hylo estimate --config configs/llama-3.2-1b-8mla8gdn-64k.yaml --tokens 8192,32768,65536,131072
     hylo estimate --config configs/demo-smollm2.yaml --stage 1 --world-size 1
+    hylo estimate --config configs/llama-3.2-3b-14mla14gdn-64k.yaml --tokens 131072 --sequence-parallel 4
+
+With `--sequence-parallel N` (one row split by tokens over N GPUs) the step below runs at T / N tokens, the
+rank's share, and pipeline/train/estimate_sp.py adds what splitting adds and the bytes each layer sends.
 
 Legend: T tokens of a packed row, W training workers (GPUs, the ZeRO-3 world size), P student parameters.
 
@@ -905,7 +909,7 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
                   gpu: bool = True, shapes: Shapes | None = None, stage1: Stage1Config | None = None,
                   doc_tokens: tuple[int, int] = DOC_TOKENS, count_flops: bool = True,
                   variant: Callable[..., Any] | None = None, other_worlds: tuple[int, ...] = (),
-                  progress: Progress | None = None) -> Estimate:
+                  progress: Progress | None = None, sequence_parallel: int = 1) -> Estimate:
     """Memory per GPU and FLOPs of one step of `cfg`'s stage on rows of `tokens` tokens (see the module
     docstring). `world_size`: the ZeRO-3 world (default: the config's ray.num_workers). `gpu`: the
     accelerator's rules (deferred checks, its chunk size); False runs the CPU path as a CPU step runs it.
@@ -924,12 +928,20 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
     vocab = shapes.student.vocab_size
     if isinstance(cfg, Stage2Config) and gpu and cfg.kd.chunk_size is None:
         cfg = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, chunk_size=gpu_chunk_size(tokens, vocab)))
-    warm_row = synthetic_row(min(256, tokens), vocab, (min(64, tokens), min(128, tokens)), seed=1)
+    N = sequence_parallel
+    warm = min(256, tokens) // N * N
+    warm_row = synthetic_row(warm, vocab, (min(64, warm), min(128, warm)), seed=1)
     row = synthetic_row(tokens, vocab, doc_tokens)
     stage = 1 if isinstance(cfg, Stage1Config) else 2
     step = stage1_mod.train_step if stage == 1 else stage2_mod.train_step
     rules = deferred_checks() if gpu else contextlib.nullcontext()
-    with fake_tensors() as host, rules:
+    # sequence parallelism: the LAST rank of a group of N on torch's fake process group (estimate_sp.split_rank)
+    split = contextlib.nullcontext()
+    if N > 1:
+        from hylo.pipeline.train.estimate_sp import split_rank
+
+        split = split_rank(N)
+    with split, fake_tensors() as host, rules:
         memory = StepMemory(W, host)
         memory.other_worlds = tuple(other_worlds)
         build = build_stage1 if stage == 1 else build_stage2
@@ -938,8 +950,8 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
         task, frozen = build(cfg, shapes, dtype, gpu)
         if variant is not None:
             task, frozen = variant(task, frozen)
-        ctx = _Solo(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=dtype, run_dir=Path("."),
-                    grad_accum=1)
+        ctx = _Solo(cfg=cfg, rank=N - 1, world_size=N, device=torch.device("cpu"), dtype=dtype, run_dir=Path("."),
+                    grad_accum=1, sp_group=None, sp_rank=N - 1, sp_size=N, dp_rank=0, dp_size=1)
         engine: TrackedEngine = task.engine
         if progress is not None:
             progress.say(f"warm-up step ({warm_row.num_tokens} tokens)")
@@ -1149,6 +1161,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                     help="comma-separated row lengths, e.g. 8192,65536 (default: the config's data.seq_len)")
     ap.add_argument("--world-size", type=int_at_least(1, MAX_WORLD_SIZE), default=None,
                     help="ZeRO-3 world size (default: the config's ray.num_workers)")
+    ap.add_argument("--sequence-parallel", type=int_at_least(1, MAX_WORLD_SIZE), default=None, metavar="N",
+                    help="one row split by tokens over N GPUs (default: the config's train.sequence_parallel, else 1): "
+                         "per GPU the rank's step at T/N tokens plus what splitting adds, and the bytes each layer "
+                         "sends (pipeline/train/estimate_sp.py)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help="the step's dtype (default: model.dtype as on a GPU: auto = bfloat16)")
     ap.add_argument("--cpu", action="store_true",
@@ -1178,29 +1194,53 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     if any(t is None or t < 2 for t in tokens):
         raise BadArgument("--tokens: give the row lengths (the config sets no data.seq_len)" if None in tokens
                           else f"--tokens={args.tokens}: every length must be at least 2")
-    check_estimate_tokens(tokens, "--tokens" if args.tokens else "data.seq_len")
+    W = args.world_size or cfg.ray.num_workers
+    from hylo.pipeline.train.estimate_sp import check_sequence_parallel, estimate_sp, format_sp
+
+    N = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
+    check_sequence_parallel(N, W, tokens, "--sequence-parallel" if args.sequence_parallel else "train.sequence_parallel",
+                            "--world-size" if args.world_size else "ray.num_workers",
+                            "--tokens" if args.tokens else "data.seq_len")
+    # the step that runs is one rank's: T / N tokens
+    check_estimate_tokens([t // N for t in tokens], "--tokens" if args.tokens else "data.seq_len")
     if isinstance(cfg, Stage2Config) and cfg.teacher.source == "serve":
         # the replica's estimate runs one batch of up to teacher.pool.max_batch_tokens
         check_estimate_tokens([cfg.teacher.pool.max_batch_tokens], "teacher.pool.max_batch_tokens")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype] if args.dtype else \
         resolve_dtype(cfg.model.dtype, not args.cpu)
     shapes = shapes_of(cfg, stage1)
-    W = args.world_size or cfg.ray.num_workers
-    ests = [estimate_step(cfg, T, W, dtype, gpu=not args.cpu, shapes=shapes, stage1=stage1,
-                          progress=Progress(f"[estimate] {T:,} tokens ({i}/{len(tokens)})"))
+    # with sequence parallelism each rank's own step is the step at T / N tokens
+    # with sequence parallelism: the split step itself, as the last rank of a row that is one document (its MLA
+    # layers attend to every earlier key of the row: the worst rank of the worst row)
+    ests = [estimate_step(cfg, T, W, dtype, gpu=not args.cpu, shapes=shapes, stage1=stage1, sequence_parallel=N,
+                          doc_tokens=(T, T) if N > 1 else DOC_TOKENS,
+                          progress=Progress(f"[estimate] {T:,} tokens{f' over {N} GPUs' if N > 1 else ''} "
+                                            f"({i}/{len(tokens)})"))
             for i, T in enumerate(tokens, 1)]
-    print(describe(cfg, shapes, W, dtype, args.config))
-    print(format_table("training GPU:", ests))
-    out: dict[str, Any] = {"config": args.config, "stage": args.stage, "world_size": W,
+    print(describe(cfg, shapes, W, dtype, args.config)
+          + (f"\nsequence parallel: each row split by tokens over N = {N} GPUs ({W // N} group{'s' if W // N > 1 else ''})" if N > 1 else ""))
+    out: dict[str, Any] = {"config": args.config, "stage": args.stage, "world_size": W, "sequence_parallel": N,
                            "estimates": [e.to_dict() for e in ests]}
+    if N > 1:
+        sp = [estimate_sp(cfg, T, N, W, dtype, e, shapes.student, split=True) for T, e in zip(tokens, ests)]
+        print(format_sp(sp))
+        out["sequence_parallel_estimates"] = [e.to_dict() for e in sp]
+    else:
+        print(format_table("training GPU:", ests))
     if isinstance(cfg, Stage2Config) and cfg.teacher.source == "serve":
-        teach = [estimate_teacher_replica(cfg, T, shapes) for T in tokens]
+        # the pool answers each rank's shard: rows of T / N tokens
+        teach = [estimate_teacher_replica(cfg, T // N, shapes) for T in tokens]
         print()
         print(format_table(f"teacher replica GPU (teacher.pool: {cfg.teacher.pool.num_replicas} replicas, "
                            f"{teach[0].notes[0]}):", teach))
         out["teacher_replica"] = [e.to_dict() for e in teach]
     print("\nThe step runs on fake tensors (pipeline/train/estimate.py): ZeRO-3 sharding is arithmetic on the "
           "real sizes; times are FLOPs at the dense bf16 peak, a lower bound.")
+    if N > 1:
+        print("Sequence parallelism (pipeline/train/estimate_sp.py): the split step itself, measured as the last rank "
+              "of a row that is one document, its collectives on torch's fake process group, SDPA counted as a "
+              "fused kernel; the communication is ANALYTIC, from the layers' shapes (checked against the "
+              "collectives of one split layer of each kind in tests/test_estimate_sp.py).")
     if args.json:
         from hylo.files import atomic_write
 

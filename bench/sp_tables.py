@@ -1,0 +1,220 @@
+"""Sequence parallelism (issue 36) for the shipped recipes: the longest context per GPU at N = 1, 2, 4, 8, the 3B
+recipe at 128K on H100s, each recipe on one 8-GPU MI300X node, and the communication per layer (Ulysses against
+gathering MLA's latent), from the step estimate (pipeline/train/estimate.py, estimate_sp.py).
+
+    python bench/sp_tables.py --json sp.json        # measure (minutes of CPU per recipe) and print
+    python bench/sp_tables.py --from-json sp.json   # print again from the kept measurements
+
+Per GPU at N, stage 2 as each recipe configures it (bf16, activation checkpointing, top-64 targets from the Serve
+pool or the offline cache: the same records on the training GPU), ZeRO-3 over W training GPUs:
+* one rank's own step is measured at L = 8K, 16K and 32K tokens (`estimate_step`, fake tensors; the recipe's
+  packed documents), at W = 4 (the recipes' stage 2) and W = 8 (a node of training GPUs); its peak is affine in L
+  (the README's 8K-128K rows are: the activations grow by the same GiB per token at every length), so the peak
+  at L = T / N is the least-squares line through the three (its largest residual printed);
+* plus the extras of the split (`estimate_sp.measure_mla_extra`): one split layer measured on fake tensors
+  with torch's fake process group at T = 64K, N = 2, minus the same layer unsplit: the MLA layer's (the last
+  rank's keys from the row's start when one document fills the row) scaled by the earlier keys E = T - T / N
+  (12.72-12.88 KiB per earlier key from 64K to 256K and N = 2 to 8 for the 3B recipe), the GDN layer's (its
+  zero-start, transition and second passes on our torch scans) by the rank's T / N tokens; with checkpointing
+  one layer's backward at a time, so the larger of the two; and the gathered GDN states (analytic, a few MiB).
+  `hylo estimate --sequence-parallel N` runs the whole split step instead (minutes per point: too slow for a
+  search over lengths); at the 3B recipe's 128K over 8 GPUs it gives 31.1 GiB, this model 32.5;
+* "longest context": the largest T, a multiple of 1K, whose peak is within 90 % of the GPU's memory (`GPU.fits`),
+  searched up to 4M tokens. Above 32K tokens per rank it extrapolates the line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+RECIPES = [REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml", REPO / "configs" / "llama-3.2-3b-14mla14gdn-64k.yaml",
+           REPO / "configs" / "qwen3-1.7b-7mla21gdn-64k.yaml"]
+LOCAL = (8192, 16384, 32768)
+NS = (1, 2, 4, 8)
+WORLDS = (4, 8)
+MAX_K = 4096
+GIB = 1 << 30
+
+
+def _configs(path: Path):
+    from hylo.pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.estimate import shapes_of
+
+    cfg = load_stage_config(2, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shapes = shapes_of(cfg, load_stage_config(1, path))
+    return cfg, shapes
+
+
+def measure(locals_: tuple[int, ...] = LOCAL) -> dict:
+    """Per recipe: the rank's step peak (bytes) at each L and W, and its FLOPs."""
+    import torch
+
+    from hylo.pipeline.train.estimate import estimate_step
+
+    out: dict = {}
+    for path in RECIPES:
+        cfg, shapes = _configs(path)
+        rows = []
+        for L in locals_:
+            t0 = time.perf_counter()
+            e = estimate_step(cfg, L, WORLDS[0], torch.bfloat16, gpu=True, shapes=shapes, other_worlds=WORLDS[1:])
+            peaks = {WORLDS[0]: e.peak_bytes, **{w: e.peaks_by_world[w] for w in WORLDS[1:]}}
+            rows.append({"tokens": L, "peak_bytes": {str(w): p for w, p in peaks.items()}, "flops": e.total_flops})
+            print(f"[measured] {path.stem} L={L}: " + ", ".join(f"W={w} {p / GIB:.1f} GiB" for w, p in peaks.items())
+                  + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        out[path.stem] = rows
+    return out
+
+
+def fit(rows: list[dict], W: int) -> tuple[float, float, float]:
+    """Least-squares peak = a + b L over the measured L; (a, b, largest residual in bytes)."""
+    xs = [r["tokens"] for r in rows]
+    ys = [r["peak_bytes"][str(W)] for r in rows]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    return a, b, max(abs(a + b * x - y) for x, y in zip(xs, ys))
+
+
+class Recipe:
+    def __init__(self, name: str, rows: list[dict]) -> None:
+        import torch
+
+        self.name = name
+        self.cfg, shapes = _configs(REPO / "configs" / f"{name}.yaml")
+        self.hc = shapes.student
+        self.ckpt = bool(self.cfg.model.activation_checkpointing)
+        self.fits = {W: fit(rows, W) for W in WORLDS}
+        self.dtype_bytes = torch.empty((), dtype=torch.bfloat16).element_size()
+        from hylo.pipeline.train.estimate_sp import measure_mla_extra
+
+        # one split MLA layer's extra per earlier key and one split linear layer's per token of the rank
+        # (T = 64K, N = 2: 32K earlier keys, 32K tokens a rank)
+        self.mla_per_key = measure_mla_extra(self.hc, 65536, 2, torch.bfloat16) / 32768
+        self.linear_per_token = measure_mla_extra(self.hc, 65536, 2, torch.bfloat16, kind="linear") / 32768
+
+    def peak(self, T: int, N: int, W: int) -> float:
+        from hylo.pipeline.train.estimate_sp import STATES, extra_memory
+
+        a, b, _ = self.fits[W]
+        if N == 1:
+            return a + b * T
+        # with checkpointing one layer's backward at a time: the larger of the two split layers' extras
+        layer = max(self.mla_per_key * (T - T // N), self.linear_per_token * T / N)
+        return a + b * T / N + layer + extra_memory(self.hc, T, N, self.dtype_bytes, self.ckpt)[STATES]
+
+    def longest(self, N: int, W: int, gpu) -> int:
+        """Largest T (a multiple of 1K, T / N whole) that fits `gpu`, 0 if none; MAX_K K if all do."""
+        best = 0
+        for k in range(1, MAX_K + 1):
+            T = k * 1024
+            if T % N == 0 and gpu.fits(self.peak(T, N, W)):
+                best = T
+        return best
+
+
+def _k(T: int) -> str:
+    if T == 0:
+        return "none"
+    if T >= MAX_K * 1024:
+        return f">= {MAX_K // 1024}M"
+    return f"{T // 1024:,}K"
+
+
+def tables(data: dict) -> str:
+    from hylo.pipeline.train.estimate import GPUS
+    from hylo.pipeline.train.estimate_sp import Dims, communication
+
+    recipes = [Recipe(name, rows) for name, rows in data.items()]
+    out = ["Fit of one rank's step peak, a + b L (GiB, GiB per 1K tokens), largest residual over L = "
+           + ", ".join(f"{x // 1024}K" for x in LOCAL) + "; the split layers' extras (KiB per earlier key, per "
+           "token of the rank):", ""]
+    out += ["| recipe | W | a | b | residual | MLA extra per earlier key | GDN extra per token |",
+            "|---|---|---|---|---|---|---|"]
+    for r in recipes:
+        for W in WORLDS:
+            a, b, res = r.fits[W]
+            out.append(f"| {r.name} | {W} | {a / GIB:.2f} | {b * 1024 / GIB:.3f} | {res / GIB:.2f} | "
+                       f"{r.mla_per_key / 1024:.1f} | {r.linear_per_token / 1024:.1f} |")
+
+    W = 8
+    out += ["", f"Longest context per training GPU (ZeRO-3 over W = {W}; the row split over N GPUs):", ""]
+    out += ["| recipe | GPU | " + " | ".join(f"N = {n}" for n in NS) + " |", "|---|---|" + "---|" * len(NS)]
+    for r in recipes:
+        for i, g in enumerate(GPUS):
+            out.append(f"| {r.name if i == 0 else ''} | {g.name} | "
+                       + " | ".join(_k(r.longest(n, W, g)) for n in NS) + " |")
+
+    r3 = next(r for r in recipes if "3b" in r.name)
+    h100 = next(g for g in GPUS if g.name == "H100")
+    T = 131072
+    out += ["", f"{r3.name} at 128K per H100 ({h100.memory_gib:.1f} GiB, fits within {0.9 * h100.memory_gib:.1f}):", ""]
+    out += ["| N | tokens per GPU | peak, W = 4 | fits | peak, W = 8 | fits |", "|---|---|---|---|---|---|"]
+    for n in NS:
+        cells = []
+        for Wn in WORLDS:
+            p = r3.peak(T, n, Wn)
+            cells += [f"{p / GIB:.1f} GiB", "yes" if h100.fits(p) else "no"]
+        out.append(f"| {n} | {T // n // 1024}K | " + " | ".join(cells) + " |")
+
+    mi = next(g for g in GPUS if g.name == "MI300X")
+    out += ["", "One node of 8 MI300X: as the recipes run stage 2 (4 training GPUs beside 4 teacher replicas: "
+            "W = 4, N <= 4), and all 8 training with the offline top-k cache (W = 8, N = 8):", ""]
+    out += ["| recipe | 4 training + 4 replicas: N = 1 | N = 2 | N = 4 | 8 training (cache): N = 8 |",
+            "|---|---|---|---|---|"]
+    for r in recipes:
+        out.append(f"| {r.name} | " + " | ".join(_k(r.longest(n, 4, mi)) for n in (1, 2, 4))
+                   + f" | {_k(r.longest(8, 8, mi))} |")
+
+    out += ["", "Communication per layer and GPU per step (forward, again in the checkpoint's recompute, backward), "
+            "MiB, and the group's bytes per token of the row (B/tok, at 64K: the same at any length for MLA's two "
+            "schemes, half at 128K for state passing, a fixed amount per step), bf16 activations, fp32 states:", ""]
+    out += ["| recipe | layer (count), scheme | N | B/tok | MiB at 64K | MiB at 128K |", "|---|---|---|---|---|---|"]
+    for r in recipes:
+        d = Dims.of(r.hc)
+        counts = {"MLA": d.n_mla, "GDN": d.n_linear, "Mamba-2": d.n_linear}
+        first = True
+        for n in NS[1:]:
+            at = {T: communication(r.hc, T, n, r.dtype_bytes, r.ckpt) for T in (65536, 131072)}
+            for i, c in enumerate(at[65536]):
+                per = "n/a" if c.note else f"{c.per_row_token:,.0f}"
+                mib = ["n/a" if at[T][i].note else f"{at[T][i].total / 2 ** 20:,.1f}" for T in at]
+                out.append(f"| {r.name if first else ''} | {c.layer} ({counts[c.layer]}), {c.scheme} | {n} | {per} | "
+                           + " | ".join(mib) + " |" + (f" {c.note}" if c.note else ""))
+                first = False
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", type=Path, default=None, help="keep the measurements here")
+    p.add_argument("--from-json", type=Path, default=None, help="print from kept measurements (no estimate runs)")
+    args = p.parse_args()
+    if args.from_json:
+        data = json.loads(args.from_json.read_text())
+    else:
+        data = measure()
+        if args.json:
+            args.json.write_text(json.dumps(data, indent=1))
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    print(f"bench/sp_tables.py, {datetime.date.today()}, commit {commit}\n")
+    print(tables(data))
+
+
+if __name__ == "__main__":
+    main()
