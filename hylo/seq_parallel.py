@@ -134,9 +134,10 @@ class _GatherFromGroup(torch.autograd.Function):
             # gloo has no reduce_scatter: sum everything, keep ours
             dist.all_reduce(grad, group=ctx.group)
             return grad[ctx.rank].clone(), None
-        out = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
-        return out, None
+        # flat, so that every backend takes it (the input is N times the output along dim 0)
+        out = grad.new_empty(grad[0].numel())
+        dist.reduce_scatter_tensor(out, grad.reshape(-1), group=ctx.group)
+        return out.view(grad.shape[1:]), None
 
 
 def gather(x: torch.Tensor, shard: RowShard) -> torch.Tensor:
