@@ -94,7 +94,7 @@ def _rank(rank: int, world: int, config: str, tokens: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--config", default=str(DEFAULT_CONFIG))
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
