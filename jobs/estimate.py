@@ -30,7 +30,7 @@ from hylo.pipeline.cli import job_main
 
 @job_main
 def main(argv: list[str] | None = None) -> int:
-    from hylo.pipeline.train.estimate import main as estimate_main
+    from hylo.pipeline.train.estimate_cli import main as estimate_main
 
     return estimate_main(sys.argv[1:] if argv is None else argv, description=__doc__)
 

@@ -155,7 +155,8 @@ def test_hylo_estimate_sequence_parallel_runs_the_split_step_as_the_last_rank(ti
     import torch.distributed as dist
 
     from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.estimate import estimate_step, main
+    from hylo.pipeline.train.estimate import estimate_step
+    from hylo.pipeline.train.estimate_cli import main
 
     out = tmp_path / "est.json"
     assert main(["--config", str(tiny_config), "--tokens", "128", "--sequence-parallel", "2", "--json", str(out)]) == 0

@@ -58,16 +58,15 @@ Per GPU at N, as `estimate_sp` computes it without `split`:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hylo.pipeline.train.estimate import FIT_MARGIN, GPUS, Estimate, _gib, _k
+from hylo.pipeline.train.fake_group import _fused_attention, split_rank  # noqa: F401 (split_rank: estimate_step)
 
 # the row length the scans' FLOPs are counted at (linear in T: the chunked forms loop over chunks of 64)
 SCAN_TOKENS = 2048
@@ -211,46 +210,6 @@ def extra_memory(hc: Any, T: int, N: int, b: int, checkpointing: bool,
         out[STATES] = \
             per_layer * (1 if checkpointing else d.n_linear)
     return out
-
-
-@contextlib.contextmanager
-def _fused_attention() -> Iterator[None]:
-    """SDPA as a GPU's fused kernel holds memory: the split MLA attention's `causal_lower_right` bias (which
-    cannot be built on fake tensors, and sends CPU tensors to the math kernel's materialised scores) is dropped;
-    the mask changes values, not buffers."""
-    import torch.nn.functional as F
-
-    import hylo.layers.mla as mla
-
-    sdpa, bias = F.scaled_dot_product_attention, mla.causal_lower_right
-
-    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
-        return sdpa(q, k, v, scale=scale)
-
-    F.scaled_dot_product_attention, mla.causal_lower_right = fused, lambda *a: None
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention, mla.causal_lower_right = sdpa, bias
-
-
-@contextlib.contextmanager
-def split_rank(N: int) -> Iterator[None]:
-    """This process as the last rank of a sequence-parallel group of N on torch's fake process group (its
-    collectives move nothing; shapes are real), with SDPA as a fused kernel (`_fused_attention`)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from hylo.pipeline.train.estimate import EstimateError
-
-    if dist.is_available() and dist.is_initialized():
-        raise EstimateError("the split step runs on a fake process group, and this process has a process group")
-    dist.init_process_group("fake", store=FakeStore(), rank=N - 1, world_size=N)
-    try:
-        with _fused_attention():
-            yield
-    finally:
-        dist.destroy_process_group()
 
 
 def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype, kind: str = "mla") -> float | None:
