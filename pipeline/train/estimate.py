@@ -1089,6 +1089,12 @@ def _k(tokens: int) -> str:
     return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
 
 
+def per_key_lines(keys: list[str], ests: list[Any], value: Callable[[Any, str], float], label_width: int,
+                  w: int) -> list[str]:
+    """One table line per key: the key, then `value(estimate, key)` of each estimate (one decimal)."""
+    return [f"  {k:<{label_width}}" + "".join(f"{value(e, k):>{w}.1f}" for e in ests) for k in keys]
+
+
 def format_table(title: str, ests: list[Estimate]) -> str:
     """One column per length: the memory rows per GPU, the peak, which GPUs it fits, FLOPs and times."""
     cols = [_k(e.tokens) for e in ests]
@@ -1116,8 +1122,7 @@ def format_table(title: str, ests: list[Estimate]) -> str:
     for e in ests:
         phases += [k for k in e.flops if k not in phases]
     lines.append(f"{'FLOPs per row (TFLOP; a step is grad_accum rows)':<44}")
-    for k in phases:
-        lines.append(f"  {k:<42}" + "".join(f"{e.flops.get(k, 0) / 1e12:>{w}.1f}" for e in ests))
+    lines += per_key_lines(phases, ests, lambda e, k: e.flops.get(k, 0) / 1e12, 42, w)
     lines.append(f"  {'total':<42}" + "".join(f"{e.total_flops / 1e12:>{w}.1f}" for e in ests))
     lines.append("time at the dense bf16 peak (s, a lower bound):")
     for g in GPUS:

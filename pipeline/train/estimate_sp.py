@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 
-from hylo.pipeline.train.estimate import FIT_MARGIN, GPUS, Estimate, _gib, _k
+from hylo.pipeline.train.estimate import FIT_MARGIN, GPUS, Estimate, _gib, _k, per_key_lines
 from hylo.pipeline.train.fake_group import _fused_attention, split_rank  # noqa: F401 (split_rank: estimate_step)
 
 # the row length the scans' FLOPs are counted at (linear in T: the chunked forms loop over chunks of 64)
@@ -415,8 +415,7 @@ def format_sp(ests: list[SPEstimate]) -> str:
     fkeys: list[str] = []
     for e in ests:
         fkeys += [k for k in e.extra_flops if k not in fkeys]
-    for k in fkeys:
-        lines.append(f"  {k:<{L - 2}}" + "".join(f"{e.extra_flops.get(k, 0) / 1e12:>{w}.1f}" for e in ests))
+    lines += per_key_lines(fkeys, ests, lambda e, k: e.extra_flops.get(k, 0) / 1e12, L - 2, w)
     lines.append(f"  {'total':<{L - 2}}" + "".join(f"{e.total_flops / 1e12:>{w}.1f}" for e in ests))
     lines.append("time at the dense bf16 peak (s, a lower bound):")
     for g in GPUS:
