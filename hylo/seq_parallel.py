@@ -215,29 +215,40 @@ def pass_states(shard: RowShard, final_S: torch.Tensor, transition: torch.Tensor
     return state, g_NX
 
 
+def scan_shard(scan: Any, shard: RowShard, transition: Any, transition_shape: tuple[int, ...],
+               apply: Any) -> torch.Tensor:
+    """A linear layer's scan on this rank's chunk of a split row, the unsplit row's output for these tokens.
+
+    `scan(initial_state)` runs the layer's kernel on the chunk (its documents: `shard.local`) and returns
+    (output, final states [docs, *state]); `transition()` gives the map that carries a state through a chunk
+    lying inside one document ([*transition_shape]), `apply(transition, state)` applies it (`pass_states`)."""
+    o0, S_N = scan(None)
+    through = passes_through(shard.full, shard.start, shard.end)
+    h_in, g_NX = pass_states(shard, S_N[-1], transition() if through else None, transition_shape, apply)
+    if h_in is None:
+        return o0 if g_NX is None else touch(o0, g_NX)
+    # the first document continues from the earlier ranks: the chunk again, from the passed state
+    return scan(torch.cat([h_in[None], h_in.new_zeros(shard.local.num_docs - 1, *h_in.shape)]))[0]
+
+
 def gated_delta_rule_shard(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            shard: RowShard, chunk_size: int) -> torch.Tensor:
     """The GDN layer's recurrence on this rank's chunk of a split row ([1, t, H, *] in, [1, t, H, V] out): the
     same output as the unsplit row's for these tokens (see the module docstring)."""
     from hylo.kernels.gdn import chunk_gated_delta_rule
 
-    kw = {"cu_seqlens": shard.local, "use_qk_l2norm_in_kernel": True, "chunk_size": chunk_size}
-    o0, S_NHKV = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, **kw)
+    kw = {"cu_seqlens": shard.local, "use_qk_l2norm_in_kernel": True, "chunk_size": chunk_size,
+          "output_final_state": True}
     H, K = q.shape[2], q.shape[3]
-    transition = None
-    if passes_through(shard.full, shard.start, shard.end):
+
+    def transition() -> torch.Tensor:
         # the state map of the chunk: run it from the identity with zero values, S_end = M S_start
-        eye = torch.eye(K, dtype=S_NHKV.dtype, device=q.device).expand(1, H, K, K).contiguous()
-        _, M = chunk_gated_delta_rule(q, k, torch.zeros_like(k), g, beta, initial_state=eye,
-                                      output_final_state=True, **kw)
-        transition = M[0]
-    h_in, g_NX = pass_states(shard, S_NHKV[-1], transition, (H, K, K),
-                             lambda M, S: torch.einsum("hkj,hjv->hkv", M, S))
-    if h_in is None:
-        return o0 if g_NX is None else touch(o0, g_NX)
-    init = torch.cat([h_in[None], h_in.new_zeros(shard.local.num_docs - 1, *h_in.shape)])
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=False, **kw)
-    return o
+        eye = torch.eye(K, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        return chunk_gated_delta_rule(q, k, torch.zeros_like(k), g, beta, initial_state=eye.expand(1, H, K, K)
+                                      .contiguous(), **kw)[1][0]
+
+    return scan_shard(lambda h0: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, **kw), shard,
+                      transition, (H, K, K), lambda M, S: torch.einsum("hkj,hjv->hkv", M, S))
 
 
 def ssd_shard(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -247,16 +258,7 @@ def ssd_shard(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     exp(A * sum of dt)."""
     from hylo.kernels.ssd import chunk_ssd
 
-    y0, S_NHPN = chunk_ssd(x, dt, A, B, C, D=D, output_final_state=True, cu_seqlens=shard.local,
-                           chunk_size=chunk_size)
-    H = x.shape[2]
-    transition = None
-    if passes_through(shard.full, shard.start, shard.end):
-        transition = torch.exp(A.to(dt.dtype) * dt[0].sum(0))
-    h_in, g_NX = pass_states(shard, S_NHPN[-1], transition, (H,), lambda d, S: d[:, None, None] * S)
-    if h_in is None:
-        return y0 if g_NX is None else touch(y0, g_NX)
-    init = torch.cat([h_in[None], h_in.new_zeros(shard.local.num_docs - 1, *h_in.shape)])
-    y, _ = chunk_ssd(x, dt, A, B, C, D=D, initial_state=init, output_final_state=False, cu_seqlens=shard.local,
-                     chunk_size=chunk_size)
-    return y
+    return scan_shard(lambda h0: chunk_ssd(x, dt, A, B, C, D=D, initial_state=h0, output_final_state=True,
+                                           cu_seqlens=shard.local, chunk_size=chunk_size),
+                      shard, lambda: torch.exp(A.to(dt.dtype) * dt[0].sum(0)), (x.shape[2],),
+                      lambda d, S: d[:, None, None] * S)

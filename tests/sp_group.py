@@ -6,16 +6,11 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hylo.pipeline.rehearse import free_port
 
 
 def _entry(fn: Callable[[int, int], dict[str, Any]], rank: int, world: int, port: int, out: str) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.reader import RowReader
+from hylo.pipeline.rehearse import free_port
 from hylo.pipeline.train.config import breaking_diff, breaking_hash, config_to_dict, load_stage_config
 from hylo.pipeline.train.deepspeed_cfg import build_deepspeed_config
 from hylo.pipeline.train.row_sources import open_rows, resume_position
@@ -434,14 +435,6 @@ def test_stage1_at_sequence_parallel_2_trains_as_at_1(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ ray job submit
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # a local Ray head, a Ray job, Ray Train with 2 workers
 def test_stage2_at_sequence_parallel_2_runs_under_ray_job_submit(tmp_path):
     """The README's `ray job submit` against a local `ray start --head` (authentication off), stage 2 of a tiny
@@ -473,8 +466,8 @@ def test_stage2_at_sequence_parallel_2_runs_under_ray_job_submit(tmp_path):
     env.update(RAY_AUTH_MODE="disabled", PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     # Ray's session sockets must fit AF_UNIX's 107 bytes: a short temp dir of our own
     ray_tmp = Path(tempfile.mkdtemp(prefix="hylo-sp-ray-", dir="/tmp"))
-    dash = _free_port()
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus", "2", "--port", str(_free_port()),
+    dash = free_port()
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus", "2", "--port", str(free_port()),
                              "--dashboard-port", str(dash), "--include-dashboard", "true",
                              "--temp-dir", str(ray_tmp)], env=env, cwd=repo,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
