@@ -81,7 +81,7 @@ INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("hylo.files", "WeightsFileError"),
     ("hylo.files", "OutputConflictError"),
     ("hylo.io", "CheckpointMismatchError"),
-    ("hylo.released", "ReleasedLayoutError"),
+    ("hylo.released.layout", "ReleasedLayoutError"),
     ("hylo.model_files", "ModelFileError"),
 )
 # OSError subclasses the project raises with its own message (errno unset) for a path problem.
