@@ -74,7 +74,7 @@ INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("hylo.pipeline.teacher.cache", "CacheMismatchError"),
     ("hylo.pipeline.teacher.cache", "CacheFormatError"),
     ("hylo.pipeline.eval.decode", "EvalError"),
-    ("hylo.pipeline.placement", "PlacementError"),
+    ("hylo.pipeline.placement.rows", "PlacementError"),
     ("hylo.config", "HybridConfigError"),
     ("hylo.upcycle", "UpcycleError"),
     ("hylo.assets", "AssetError"),
