@@ -413,7 +413,7 @@ def test_import_gives_the_released_models_outputs(tmp_path, variant):
 
 def test_a_layout_mistake_is_visible_to_the_reference(tmp_path):
     """Guard for the test above: importing without the RoPE permutation is far off."""
-    import hylo.released as released
+    import hylo.released.importing as released
 
     v = VARIANTS["qwen-gdn-qknorm"]
     tensors = write_released(tmp_path / "rel", v)

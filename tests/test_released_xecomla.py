@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from hylo.io import load_hylo
 from hylo.jobs import convert
-from hylo.released import ReleasedLayoutError, _their_rope_scaling
+from hylo.released import ReleasedLayoutError
+from hylo.released.reading import their_rope_scaling
 from hylo.released_facts import DEEPSEEK_V3_DEFAULTS, MLA_CONFIG_FIELDS
 from hylo.released_xecomla import export_xecomla, is_xecomla_layout
 
@@ -174,7 +175,7 @@ def test_import_gives_their_models_outputs(tmp_path, name):
 
 def test_a_layout_mistake_is_visible_to_the_reference(tmp_path):
     """Guard for the tests above: importing without the RoPE row permutation is far off the reference."""
-    import hylo.released as released
+    import hylo.released.importing as released
 
     v = VARIANTS["fixed-ranks"]
     tensors = write_xecomla(tmp_path / "x", v)
@@ -207,7 +208,7 @@ def test_export_writes_back_the_same_files(tmp_path, name):
             "layer_rank_list")
     assert {k: layer_back[k] for k in keys} == {k: layer[k] for k in keys}
     # rope_scaling as their rotary embedding reads it (its defaults filled in: beta 32 / 1, window 4096)
-    assert _their_rope_scaling(layer_back["rope_scaling"], "") == _their_rope_scaling(layer["rope_scaling"], "")
+    assert their_rope_scaling(layer_back["rope_scaling"], "") == their_rope_scaling(layer["rope_scaling"], "")
     assert (layer_back["rope_scaling"] or {}).get("type") == (layer["rope_scaling"] or {}).get("type")
     assert set(layer_back) == set(DEEPSEEK_V3_DEFAULTS) | {"model_type"}
     assert json.loads((tmp_path / "back" / "config.json").read_text())["tie_word_embeddings"] is v["tie"]

@@ -1,4 +1,4 @@
-"""The step runner shared by the demo and the placement search (pipeline/demo.py, pipeline/placement.py)."""
+"""The step runner shared by the demo and the placement search (pipeline/demo.py, pipeline/placement/)."""
 
 from __future__ import annotations
 
