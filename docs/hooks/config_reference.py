@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import importlib
 import inspect
 import json
@@ -149,6 +150,7 @@ def _own_class(cls: type, name: str) -> type:
     return cls
 
 
+@functools.cache
 def field_comments(cls: type) -> dict[str, str]:
     """Field name -> the `#` comment lines directly above it (and a trailing comment) in `cls`'s own source."""
     try:
@@ -251,12 +253,11 @@ def walk(cls: type, prefix: str = "", instance: Any = None, variant: str = "",
         return []
     hints = _field_types(cls)
     rules = field_rules(cls)
-    comments: dict[type, dict[str, str]] = {}
     out: list[Key] = []
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         owner = _own_class(cls, f.name)
-        comment = comments.setdefault(owner, field_comments(owner)).get(f.name, "")
+        comment = field_comments(owner).get(f.name, "")
         default = _default_of(f, instance)
         key = prefix + f.name
         sections = _section_classes(tp, None if default is dataclasses.MISSING else default)
