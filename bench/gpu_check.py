@@ -8,7 +8,7 @@ Writes OUT_DIR/gpu_check.json (every figure, the versions, each case's error if 
 OUT_DIR/gpu_check.md (a short table). Each case runs in its own try block: a failure is recorded (type,
 message, the traceback's last lines) and the next case runs.
 
-Cases (README "GPU" gives the shapes, the expected times and what the figures are compared with):
+Cases (docs/gpu-check.md gives the shapes, the expected times and what the figures are compared with):
 1. fused KL: our kernel (Triton on GPU) against the torch reference that materialises the logits
    (`naive_kl_div`: full logits + F.kl_div), teacher as hidden states + LM head and as top-64 + tail;
    loss / gradient relative errors, peak extra memory and forward+backward time, and Liger-Kernel's

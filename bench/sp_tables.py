@@ -9,7 +9,7 @@ Per GPU at N, stage 2 as each recipe configures it (bf16, activation checkpointi
 pool or the offline cache: the same records on the training GPU), ZeRO-3 over W training GPUs:
 * one rank's own step is measured at L = 8K, 16K and 32K tokens (`estimate_step`, fake tensors; the recipe's
   packed documents), at W = 4 (the recipes' stage 2) and W = 8 (a node of training GPUs); its peak is affine in L
-  (the README's 8K-128K rows are: the activations grow by the same GiB per token at every length), so the peak
+  (the 8K-128K rows of docs/results.md are: the activations grow by the same GiB per token at every length), so the peak
   at L = T / N is the least-squares line through the three (its largest residual printed);
 * plus the extras of the split (`estimate_sp.measure_mla_extra`): one split layer measured on fake tensors
   with torch's fake process group at T = 64K, N = 2, minus the same layer unsplit: the MLA layer's (the last

@@ -8,7 +8,7 @@ exits before any work, or as it is when it is `--help`; `hylo configs` (no confi
 directory. Parsed only: `decontaminate --export-benchmarks` (downloads, no config) and an example with a
 `<placeholder>`. Optional parts written `[--flag ...]` are left out; `$PWD` is the repository.
 What every example prints with `--print-config` loads back (`--config` of that file prints the same).
-tests/test_quickstart.py runs the README's quick start and "Running the stages" for real.
+tests/test_quickstart.py runs the README's quick start and "Running the stages" (docs/stages.md) for real.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def test_model_gpu_branch_equals_torch_branch(interpreted_models, case):
 
 
 def test_op_cases_cover_every_fla_call_site_both_directions():
-    """The table the README shows: each call site, batch and packed rows, with and without states, decode."""
+    """The table docs/gpu-check.md shows: each call site, batch and packed rows, with and without states, decode."""
     for op in ("gdn", "ssd"):
         mine = [c for n, c in OP_CASES.items() if n.startswith(op + "/")]
         assert {c["cu"] is not None for c in mine} == {True, False}

@@ -1,5 +1,5 @@
 """bench/gpu_check.py at --tiny shapes on CPU: every case runs and reports finite figures within tolerance,
-so the prepared GPU check keeps working between loans of a GPU (README "GPU")."""
+so the prepared GPU check keeps working between loans of a GPU (docs/gpu-check.md)."""
 
 from __future__ import annotations
 

@@ -198,7 +198,7 @@ def test_the_documented_tokenizer_lines_load_without_prompt_or_warning(tmp_path)
     convert(base, out)
     saved = json.loads((out / "tokenizer_config.json").read_text())
     assert "auto_map" not in saved and saved["tokenizer_class"] == "PreTrainedTokenizerFast"
-    readme = _snippet((REPO / "README.md").read_text(), "AutoTokenizer")
+    readme = _snippet((REPO / "docs" / "huggingface.md").read_text(), "AutoTokenizer")
     card = _snippet((out / "README.md").read_text(), "AutoTokenizer")
     for line in (readme.replace('"runs/demo/stage2/model"', "PATH"), card,
                  "tok = PreTrainedTokenizerFast.from_pretrained(PATH)"):

@@ -1,4 +1,5 @@
-"""The README's "Quick start" and "Running the stages", run as written, for real, at their smallest size.
+"""The README's "Quick start" and docs/stages.md's "Running the stages", run as written, for real, at their
+smallest size.
 
 * `test_the_quick_start_then_the_stages_from_an_installed_wheel`: a wheel of this checkout installed into a
   fresh virtualenv (the packages of this test's environment visible: torch, Ray, transformers; nothing of the
@@ -50,12 +51,17 @@ DEMO_SMALLEST = ["--steps", "1", "--records", "40", "--heldout", "8", "--heldout
 
 
 def readme_blocks(title: str) -> list[list[str]]:
-    """The commands (a line with its `\\` continuations, comments dropped) of each bash block of README
-    section `title`, block by block."""
-    text = (REPO / "README.md").read_text()
-    body = text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+    """The commands (a line with its `\\` continuations, comments dropped) of each bash block of section
+    `title`, block by block: a `## title` of the README or a `# title` / `## title` of a docs/ page (up to its
+    next `##`)."""
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        found = re.search(rf"^##? {re.escape(title)}\n", path.read_text(), re.M)
+        if found:
+            break
+    assert found, f"no section {title!r} in README.md or docs/*.md"
+    body = found.string[found.end():].split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", body, re.S)
-    assert blocks, f"README section {title!r} has no bash block"
+    assert blocks, f"section {title!r} of {path.name} has no bash block"
     out = []
     for block in blocks:
         lines = [shlex.join(shlex.split(line, comments=True)) for line in block.replace("\\\n", " ").splitlines()]

@@ -437,7 +437,7 @@ def test_stage1_at_sequence_parallel_2_trains_as_at_1(tmp_path):
 # ------------------------------------------------------------------------------------ ray job submit
 @pytest.mark.slow  # a local Ray head, a Ray job, Ray Train with 2 workers
 def test_stage2_at_sequence_parallel_2_runs_under_ray_job_submit(tmp_path):
-    """The README's `ray job submit` against a local `ray start --head` (authentication off), stage 2 of a tiny
+    """docs/stages.md's `ray job submit` against a local `ray start --head` (authentication off), stage 2 of a tiny
     student at train.sequence_parallel=2 on 2 Ray Train workers: it trains every step with each row split over
     the two workers and writes the consolidated model. The head is this test's own (`--block`, own ports and
     temp dir), stopped by stopping the process that started it."""
