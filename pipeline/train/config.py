@@ -44,15 +44,12 @@ from hylo.pipeline.config import (
     from_dict,
     load_config,
     one_of,
-    renamed,
     rules,
     to_dict,
 )
 from hylo.pipeline.data.config import SPLITS
 from hylo.pipeline.teacher.config import (
     EXACT_FORMS,
-    TEACHER_FAULT_RENAMES,
-    TEACHER_RENAMES,
     TOP_K,
     TeacherClientConfig,
     TeacherFaultConfig,
@@ -312,7 +309,6 @@ ILD_TRAINABLE = ("mixers", "mixers+mlp", "all")
 
 
 @dataclass
-@renamed(train_mlp=("trainable", {False: "mixers", True: "mixers+mlp"}))
 @rules(output_weight=at_least(0), mixer_weight=at_least(0), trainable=one_of(*ILD_TRAINABLE))
 class ILDSection:
     """Stage 1 loss: sum over layers of per-token L2 distances (layer output + mixer output)."""
@@ -326,7 +322,6 @@ class ILDSection:
     # mixers only (MLA / GDN / Mamba-2), the rest stays the base model's. Embeddings, final norm and
     # LM head are outside the ILD loss (each layer is fed the base model's layer input and compared at
     # its own output), so no setting trains them: they stay the base's until stage 2.
-    # (Old key `train_mlp`: false is `mixers`, true is `mixers+mlp`.)
     trainable: str = "all"
 
     def __post_init__(self) -> None:
@@ -355,14 +350,13 @@ class _RegisteredSources:
 
 
 @dataclass
-@renamed(**TEACHER_RENAMES)
 @rules(source=Rule(choices=_RegisteredSources()), k=TOP_K, exact_form=one_of(*EXACT_FORMS), cache_path=PATH)  # type: ignore[arg-type]
 class TeacherSection:
     # Where the targets come from: a source of pipeline/teacher/sources. inprocess: a (small) teacher on every
     # worker; serve: the Ray Serve pool; offline: a top-k cache.
     source: str = "inprocess"
     # Width of the teacher's targets: k > 0 = its top-k log-probabilities plus the tail mass; 0 = exact, the
-    # full vocabulary (inprocess or serve; offline needs the cache's k). (Old keys: top_k, client.k + mode.)
+    # full vocabulary (inprocess or serve; offline needs the cache's k).
     k: int = 0
     # How the exact teacher (k: 0) reaches the fused KL: hidden (its hidden states + lm_head; inprocess),
     # logits (full-vocabulary logits streamed chunk by chunk), auto (hidden inprocess, logits from the pool).
@@ -473,7 +467,6 @@ class Stage1Config(_SharedSections):
 
 
 @dataclass
-@renamed(**TEACHER_FAULT_RENAMES)
 class Stage2Config(_SharedSections):
     data: DataSection = field(default_factory=lambda: DataSection(split="stage2"))
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=4e-5))
