@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,6 @@ from hylo.pipeline.config import (
     ConfigError,
     FieldError,
     RayInitSection,
-    Rule,
     above,
     at_least,
     between,
@@ -48,14 +46,8 @@ from hylo.pipeline.config import (
     to_dict,
 )
 from hylo.pipeline.data.config import SPLITS
-from hylo.pipeline.teacher.config import (
-    EXACT_FORMS,
-    TOP_K,
-    TeacherClientConfig,
-    TeacherFaultConfig,
-    TeacherModelConfig,
-    TeacherPoolConfig,
-)
+from hylo.pipeline.teacher.config import TeacherFaultConfig
+from hylo.pipeline.teacher.sources import check_section, section_bases, target_form
 from hylo.upcycle.config import ConvertConfig
 
 STAGE_KEYS = ("stage1", "stage2")
@@ -329,59 +321,20 @@ class ILDSection:
             raise FieldError("mixer_weight", self.mixer_weight, "output_weight and mixer_weight are both 0: no loss to train on")
 
 
-class _RegisteredSources:
-    """The choices of `teacher.source`: the names in the teacher source registry (pipeline/teacher/sources), read
-    when a value is checked, so that importing this module imports no source."""
-
-    @staticmethod
-    def _names() -> tuple[str, ...]:
-        from hylo.pipeline.teacher.sources import source_names
-
-        return source_names()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names()
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-
 @dataclass
-@rules(source=Rule(choices=_RegisteredSources()), k=TOP_K, exact_form=one_of(*EXACT_FORMS), cache_path=PATH)  # type: ignore[arg-type]
-class TeacherSection:
-    # Where the targets come from: a source of pipeline/teacher/sources. inprocess: a (small) teacher on every
-    # worker; serve: the Ray Serve pool; offline: a top-k cache.
-    source: str = "inprocess"
-    # Width of the teacher's targets: k > 0 = its top-k log-probabilities plus the tail mass; 0 = exact, the
-    # full vocabulary (inprocess or serve; offline needs the cache's k).
-    k: int = 0
-    # How the exact teacher (k: 0) reaches the fused KL: hidden (its hidden states + lm_head; inprocess),
-    # logits (full-vocabulary logits streamed chunk by chunk), auto (hidden inprocess, logits from the pool).
-    exact_form: str = "auto"
-    # The teacher model (inprocess), or what the driver deploys when start_pool is true.
-    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
-    # serve: the pool (app name, replicas, resources) and the client (retries, in-flight rows).
-    pool: TeacherPoolConfig = field(default_factory=TeacherPoolConfig)
-    client: TeacherClientConfig = field(default_factory=TeacherClientConfig)
-    # serve: the driver deploys the pool before training (and shuts it down after); false = attach
-    # to a pool someone else runs under pool.app_name.
-    start_pool: bool = True
-    # offline: directory of the top-k cache written by the teacher's cache job.
-    cache_path: str | None = None
+@rules()  # the sections' rules (inherited) run first, then the source's check
+class TeacherSection(*section_bases()):  # type: ignore[misc]
+    """Stage 2's `teacher`: the keys every source reads (source, k, exact_form), then each registered source's own
+    (pipeline/teacher/sources: inprocess model; serve model, pool, client, start_pool; offline cache_path), one
+    flat mapping composed of the sources' typed sections and an instance of each. The source `source` names
+    checks it and reads it as its own section; the keys of the other sources keep their values, unread."""
 
     def __post_init__(self) -> None:
-        from hylo.pipeline.teacher.sources import check_section
-
         check_section(self)
 
     @property
     def form(self) -> str:
         """topk, hidden or logits (`target_form` of pipeline/teacher/sources)."""
-        from hylo.pipeline.teacher.sources import target_form
-
         return target_form(self)
 
 

@@ -5,33 +5,60 @@
     offline    sources/offline.py    the top-k records of a cache written by the cache job
 
 A source is one file here holding one `TeacherSourceKind` (sources/base.py), listed in `SOURCES` below, or
-`register`ed by a module of its own. It owns everything that differs between sources: its config check
+`register`ed by a module of its own. It owns everything that differs between sources: the keys it reads (its
+typed `section`; stage 2's `teacher` section is composed of them, `section_bases`), its config check
 (`check_section`, run when `TeacherSection` is built; `teacher.source`'s choices are `source_names()`), its checks
-before Ray starts (train/inputs.py), the Ray resources and the service it starts (train/driver.py), and its
-opening (`open_teacher`, in each stage-2 worker). What is the same for all, the width `teacher.k` and the exact
-form, is resolved here (`target_form`) from what each source says it can give.
+before Ray starts (train/inputs.py), the Ray resources and the service it starts (train/driver.py), where its
+model runs (what `hylo estimate` sizes: train/estimate.py) and its opening (`open_teacher`, in each stage-2
+worker). What is the same for all, the width `teacher.k` and the exact form, is resolved here (`target_form`)
+from what each source says it can give. Nothing outside this package branches on a source's name.
 
 Importing this package loads config modules only (the sources import their implementations when used).
 """
 
 from __future__ import annotations
 
+from dataclasses import Field, fields
 from typing import Any
 
 from hylo.pipeline.config import ConfigError, FieldError
-from hylo.pipeline.teacher.sources.base import TeacherSourceKind
+from hylo.pipeline.teacher.sources.base import SourceSection, TeacherSourceKind
 from hylo.pipeline.teacher.sources.inprocess import InProcessSource
 from hylo.pipeline.teacher.sources.offline import OfflineSource
 from hylo.pipeline.teacher.sources.serve import ServeSource
 
 SOURCES: dict[str, TeacherSourceKind] = {}
+# The keys of stage 2's `teacher` section once `section_bases` composed it (a source registered after reads these).
+_COMPOSED: dict[str, Field] = {}
+
+
+def _alike(a: Field, b: Field) -> bool:
+    return (a.type, a.default, a.default_factory) == (b.type, b.default, b.default_factory)
+
+
+def _own_keys(sections: list[type[SourceSection]]) -> dict[str, Field]:
+    """The keys of `sections` in order, each once: a key two sections declare must be declared alike."""
+    keys: dict[str, Field] = {}
+    for section in sections:
+        for f in fields(section):
+            if f.name in keys and not _alike(keys[f.name], f):
+                raise TypeError(f"teacher.{f.name}: {section.__qualname__} declares it otherwise than another source")
+            keys.setdefault(f.name, f)
+    return keys
 
 
 def register(kind: TeacherSourceKind) -> TeacherSourceKind:
-    """Make `kind` a value of `teacher.source` (a name already taken by another kind is refused)."""
+    """Make `kind` a value of `teacher.source` (a name already taken by another kind is refused). Once stage 2's
+    section is composed (pipeline/train/config.py imported), a source registered after reads its keys only."""
     held = SOURCES.get(kind.name)
     if held is not None and type(held) is not type(kind):
         raise ValueError(f"teacher source {kind.name!r} is registered already ({type(held).__qualname__})")
+    if _COMPOSED:
+        new = [f.name for f in fields(kind.section) if f.name not in _COMPOSED or not _alike(_COMPOSED[f.name], f)]
+        if new:
+            raise ValueError(f"teacher source {kind.name!r}: stage 2's teacher section, composed of the sources "
+                             f"registered before, has no key {', '.join(new)} declared as {kind.section.__qualname__} "
+                             f"declares it: list the source in pipeline/teacher/sources, or read the keys it has")
     SOURCES[kind.name] = kind
     return kind
 
@@ -42,6 +69,15 @@ for _kind in (InProcessSource(), ServeSource(), OfflineSource()):
 
 def source_names() -> tuple[str, ...]:
     return tuple(SOURCES)
+
+
+def section_bases() -> tuple[type[SourceSection], ...]:
+    """The bases of stage 2's `teacher` section (`TeacherSection`): the registered sources' sections, the last
+    registered first, so that the composed section lists SourceSection's keys, then each source's own in the order
+    the sources registered (inprocess model; serve pool, client, start_pool; offline cache_path), each key once."""
+    sections = list(dict.fromkeys(k.section for k in SOURCES.values() if k.section is not SourceSection))
+    _COMPOSED.update(_own_keys([SourceSection, *sections]))
+    return tuple(reversed(sections)) or (SourceSection,)
 
 
 def source_kind(name: str) -> TeacherSourceKind:
@@ -55,7 +91,7 @@ _FORM_NEEDS = {"hidden": "the teacher's lm_head on the trainer", "logits": "the 
 _FORM_GIVEN = {"hidden": "gives its hidden states", "logits": "streams logits"}
 
 
-def target_form(t: Any) -> str:
+def target_form(t: SourceSection) -> str:
     """What the teacher of section `t` gives the fused KL: "topk" (k > 0), or for the exact teacher (k: 0)
     "hidden" or "logits", as `exact_form` asks (auto: the source's first); FieldError naming the key."""
     kind = source_kind(t.source)
@@ -74,13 +110,13 @@ def target_form(t: Any) -> str:
     return t.exact_form
 
 
-def check_section(t: Any) -> None:
+def check_section(t: SourceSection) -> None:
     """The source's own check of section `t`, then its width and form (`TeacherSection.__post_init__`)."""
     source_kind(t.source).check_config(t)
     target_form(t)
 
 
-def open_teacher(t: Any, student_vocab: int, data_path: str | None = None) -> Any:
+def open_teacher(t: SourceSection, student_vocab: int, data_path: str | None = None) -> Any:
     """The teacher stage 2's `teacher` section names, bound to its targets (`protocol.BoundTeacher`);
     `data_path`: the prepared data an offline cache must have been made from (None: not checked)."""
     from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec, check_k_fits

@@ -1,10 +1,18 @@
 """What a teacher source is to stage 2, from its config to its targets: one `TeacherSourceKind` per source.
 
-A kind is stateless; every method takes stage 2's `teacher` section (`TeacherSection`, pipeline/train/config.py)
-as `t`. In the order a run uses them:
+A kind declares the keys it reads as a typed section of its own, `section`: the keys every source reads
+(`SourceSection`: source, k, exact_form) and its own (inprocess: model; serve: model, pool, client, start_pool;
+offline: cache_path). Stage 2's `teacher` section (`TeacherSection`, pipeline/train/config.py) is composed of the
+registered sources' sections, one flat mapping that is each of them, so every method of a kind, given that
+section as `t`, reads it as its own. A kind is stateless. How it runs, as data:
+* `exact_forms`  the exact teacher's (k: 0) forms it can give (the width and the form are resolved for every
+                 source alike, `target_form` in the registry);
+* `model_runs`   where its teacher model runs: in each training step, on replicas of its own, or nowhere (stored
+                 targets); what `hylo estimate` builds into the step and sizes apart (pipeline/train/estimate.py);
+* `where`        the same in words.
+Its methods, in the order a run uses them:
 * `check_config(t)`          when the config is built: what the source needs of the section (FieldError naming
-                             the key). Which target form it can give is data, `exact_forms`; the width and the
-                             form are resolved for every source alike (`target_form` in the registry).
+                             the key);
 * `check_inputs(t)`          before Ray starts: the files the source reads (weights whole, a manifest of k);
 * `compared_with_student(t)` before Ray starts: what it knows of the teacher (`TeacherFiles`), compared with the
                              student's vocabulary and tokenizer by the stage's input checks (train/inputs.py);
@@ -20,10 +28,49 @@ needs one imports it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
+
+from hylo.pipeline.config import Rule, one_of, rules
+from hylo.pipeline.teacher.config import EXACT_FORMS, TOP_K
+
+
+class _RegisteredSources:
+    """The choices of `teacher.source`: the names in the registry (pipeline/teacher/sources), read when a value is
+    checked, so that a source registered later is one of them."""
+
+    @staticmethod
+    def _names() -> tuple[str, ...]:
+        from hylo.pipeline.teacher.sources import source_names
+
+        return source_names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+@dataclass
+@rules(source=Rule(choices=_RegisteredSources()), k=TOP_K, exact_form=one_of(*EXACT_FORMS))  # type: ignore[arg-type]
+class SourceSection:
+    """The keys of stage 2's `teacher` section that every source reads; a source's `section` adds its own."""
+
+    # Where the targets come from: a source of pipeline/teacher/sources. inprocess: a (small) teacher on every
+    # worker; serve: the Ray Serve pool; offline: a top-k cache.
+    source: str = "inprocess"
+    # Width of the teacher's targets: k > 0 = its top-k log-probabilities plus the tail mass; 0 = exact, the
+    # full vocabulary (inprocess or serve; offline needs the cache's k).
+    k: int = 0
+    # How the exact teacher (k: 0) reaches the fused KL: hidden (its hidden states + lm_head; inprocess),
+    # logits (full-vocabulary logits streamed chunk by chunk), auto (hidden inprocess, logits from the pool).
+    exact_form: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -54,8 +101,15 @@ class TeacherSourceKind:
     """One value of `teacher.source`: see the module docstring for what each method is for."""
 
     name: ClassVar[str]
+    # The keys it reads: SourceSection's and its own (a subclass of SourceSection).
+    section: ClassVar[type[SourceSection]] = SourceSection
     # The exact teacher (k: 0) forms it can give, the one `exact_form: auto` picks first; () = top-k only.
     exact_forms: ClassVar[tuple[str, ...]] = ()
+    # Where its teacher model (`t.model`) runs: "step" inside each training step, on every worker; "replicas" on
+    # GPUs of its own beside the workers (the step receives the targets); None: nowhere (stored targets).
+    model_runs: ClassVar[str | None] = None
+    # Where its targets come from, in words (`hylo estimate`'s header).
+    where: ClassVar[str] = ""
 
     def check_config(self, t: Any) -> None:
         """What this source needs of the section beyond the form; raise FieldError(key, value, why)."""
