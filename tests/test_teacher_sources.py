@@ -198,7 +198,7 @@ def test_stage2_opens_the_new_source_and_checks_its_vocabulary(table_source, tmp
 
 
 def test_stage2s_teacher_section_is_composed_of_the_sources_typed_sections():
-    """Each source declares the keys it reads; stage 2's flat section is all of them, in the order printed."""
+    """Each source names the keys it reads; stage 2's flat section is all of them, in the order printed."""
     from dataclasses import dataclass, fields
 
     def keys(cls):
@@ -213,7 +213,7 @@ def test_stage2s_teacher_section_is_composed_of_the_sources_typed_sections():
     # the offline section's rule travels with it: cache_path is a path (resolved, checked)
     assert field_rules(TeacherSection)["cache_path"].path
 
-    # a source registered once the section is composed can only read the keys it has
+    # a source whose section stage 2's does not hold is refused when it is named
     @dataclass
     class WithTable(sources.SourceSection):
         table: str = ""
@@ -222,9 +222,13 @@ def test_stage2s_teacher_section_is_composed_of_the_sources_typed_sections():
         name = "late"
         section = WithTable
 
-    with pytest.raises(ValueError, match="teacher source 'late': stage 2's teacher section.* has no key table"):
-        sources.register(Late())
-    assert "late" not in sources.SOURCES
+    sources.register(Late())
+    try:
+        with pytest.raises(ConfigError, match="teacher.source='late' reads teacher.table as .*WithTable declares it, "
+                                              "which TeacherSection does not"):
+            load_stage_config(2, None, ["teacher.source=late", "teacher.k=4"])
+    finally:
+        sources.SOURCES.pop("late", None)
 
 
 def test_the_estimate_asks_the_source_where_its_teacher_model_runs(tiny):

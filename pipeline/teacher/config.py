@@ -1,9 +1,10 @@
-"""Teacher configuration: the model, the Serve pool, the client, and the offline top-k cache job.
+"""Teacher configuration: the model, the Serve pool, the client, each source's keys, and the offline top-k cache job.
 
 All sections are plain dataclasses loaded through `hylo.pipeline.config` (YAML + `--set a.b=c`, unknown
-keys rejected); each field's range or choices is declared once in its class's `@rules`. Stage 2's
-`teacher` section itself (`TeacherSection`, pipeline/train/config.py) is checked by the source it names
-(pipeline/teacher/sources).
+keys rejected); each field's range or choices is declared once in its class's `@rules`. Each teacher source
+(pipeline/teacher/sources) reads a typed section of its own, here: the keys every source reads (`SourceSection`)
+and its own (`InProcessSection`, `ServeSection`, `OfflineSection`). Stage 2's `teacher` section
+(`TeacherSection`, pipeline/train/config.py) is all of them in one flat mapping, checked by the source it names.
 Defaults are sized for this 2-core CPU machine; on a cluster set `pool.num_gpus: 1` and
 `model.device: cuda`.
 """
@@ -129,6 +130,56 @@ class TeacherClientConfig:
     window_chunks: int = 4
 
 
+# ------------------------------------------------------------------ the keys each teacher source reads
+@dataclass
+@rules(k=TOP_K, exact_form=one_of(*EXACT_FORMS))
+class SourceSection:
+    """The keys of stage 2's `teacher` section that every source reads (`source`'s choices: stage 2's section)."""
+
+    # Where the targets come from: a source of pipeline/teacher/sources. inprocess: a (small) teacher on every
+    # worker; serve: the Ray Serve pool; offline: a top-k cache.
+    source: str = "inprocess"
+    # Width of the teacher's targets: k > 0 = its top-k log-probabilities plus the tail mass; 0 = exact, the
+    # full vocabulary (inprocess or serve; offline needs the cache's k).
+    k: int = 0
+    # How the exact teacher (k: 0) reaches the fused KL: hidden (its hidden states + lm_head; inprocess),
+    # logits (full-vocabulary logits streamed chunk by chunk), auto (hidden inprocess, logits from the pool).
+    exact_form: str = "auto"
+
+
+@dataclass
+class InProcessSection(SourceSection):
+    """`teacher.source: inprocess` (sources/inprocess.py)."""
+
+    # The teacher model, loaded on every training worker.
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+
+
+@dataclass
+class ServeSection(SourceSection):
+    """`teacher.source: serve` (sources/serve.py)."""
+
+    # The teacher model the driver deploys when start_pool is true; its logits_chunk_tokens is the size of the
+    # logits chunks the client asks for (k: 0).
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    # The pool (app name, replicas, resources) and the client (retries, in-flight rows).
+    pool: TeacherPoolConfig = field(default_factory=TeacherPoolConfig)
+    client: TeacherClientConfig = field(default_factory=TeacherClientConfig)
+    # The driver deploys the pool before training (and shuts it down after); false = attach
+    # to a pool someone else runs under pool.app_name.
+    start_pool: bool = True
+
+
+@dataclass
+@rules(cache_path=PATH)
+class OfflineSection(SourceSection):
+    """`teacher.source: offline` (sources/offline.py)."""
+
+    # Directory of the top-k cache written by the teacher's cache job.
+    cache_path: str | None = None
+
+
+# ------------------------------------------------------------------ the cache job
 @dataclass
 @rules(k=TOP_K)
 class CacheTeacherSection:

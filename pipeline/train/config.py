@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from hylo.pipeline.config import (
     ConfigError,
     FieldError,
     RayInitSection,
+    Rule,
     above,
     at_least,
     between,
@@ -46,8 +48,7 @@ from hylo.pipeline.config import (
     to_dict,
 )
 from hylo.pipeline.data.config import SPLITS
-from hylo.pipeline.teacher.config import TeacherFaultConfig
-from hylo.pipeline.teacher.sources import check_section, section_bases, target_form
+from hylo.pipeline.teacher.config import InProcessSection, OfflineSection, ServeSection, TeacherFaultConfig
 from hylo.upcycle.config import ConvertConfig
 
 STAGE_KEYS = ("stage1", "stage2")
@@ -321,20 +322,45 @@ class ILDSection:
             raise FieldError("mixer_weight", self.mixer_weight, "output_weight and mixer_weight are both 0: no loss to train on")
 
 
+class _RegisteredSources:
+    """The choices of `teacher.source`: the names in the teacher source registry (pipeline/teacher/sources), read
+    when a value is checked, so that importing this module imports no source."""
+
+    @staticmethod
+    def _names() -> tuple[str, ...]:
+        from hylo.pipeline.teacher.sources import source_names
+
+        return source_names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
 @dataclass
-@rules()  # the sections' rules (inherited) run first, then the source's check
-class TeacherSection(*section_bases()):  # type: ignore[misc]
-    """Stage 2's `teacher`: the keys every source reads (source, k, exact_form), then each registered source's own
-    (pipeline/teacher/sources: inprocess model; serve model, pool, client, start_pool; offline cache_path), one
-    flat mapping composed of the sources' typed sections and an instance of each. The source `source` names
-    checks it and reads it as its own section; the keys of the other sources keep their values, unread."""
+@rules(source=Rule(choices=_RegisteredSources()))  # type: ignore[arg-type]
+class TeacherSection(OfflineSection, ServeSection, InProcessSection):
+    """Stage 2's `teacher`: the typed sections of the sources (pipeline/teacher/config.py, each named by its source
+    as `section`) in one flat mapping, and an instance of each: the keys every source reads (source, k,
+    exact_form), then inprocess's (model), serve's (pool, client, start_pool) and offline's (cache_path); the bases
+    are listed last first. The source that `source` names checks it and reads it as its own section; the other
+    sources' keys keep their values, unread."""
 
     def __post_init__(self) -> None:
+        from hylo.pipeline.teacher.sources import check_section
+
         check_section(self)
 
     @property
     def form(self) -> str:
         """topk, hidden or logits (`target_form` of pipeline/teacher/sources)."""
+        from hylo.pipeline.teacher.sources import target_form
+
         return target_form(self)
 
 

@@ -6,7 +6,7 @@
 
 A source is one file here holding one `TeacherSourceKind` (sources/base.py), listed in `SOURCES` below, or
 `register`ed by a module of its own. It owns everything that differs between sources: the keys it reads (its
-typed `section`; stage 2's `teacher` section is composed of them, `section_bases`), its config check
+typed `section`, pipeline/teacher/config.py; stage 2's `teacher` section is those sections in one), its config check
 (`check_section`, run when `TeacherSection` is built; `teacher.source`'s choices are `source_names()`), its checks
 before Ray starts (train/inputs.py), the Ray resources and the service it starts (train/driver.py), where its
 model runs (what `hylo estimate` sizes: train/estimate.py) and its opening (`open_teacher`, in each stage-2
@@ -18,47 +18,24 @@ Importing this package loads config modules only (the sources import their imple
 
 from __future__ import annotations
 
-from dataclasses import Field, fields
+from dataclasses import fields
 from typing import Any
 
 from hylo.pipeline.config import ConfigError, FieldError
-from hylo.pipeline.teacher.sources.base import SourceSection, TeacherSourceKind
+from hylo.pipeline.teacher.config import SourceSection
+from hylo.pipeline.teacher.sources.base import TeacherSourceKind
 from hylo.pipeline.teacher.sources.inprocess import InProcessSource
 from hylo.pipeline.teacher.sources.offline import OfflineSource
 from hylo.pipeline.teacher.sources.serve import ServeSource
 
 SOURCES: dict[str, TeacherSourceKind] = {}
-# The keys of stage 2's `teacher` section once `section_bases` composed it (a source registered after reads these).
-_COMPOSED: dict[str, Field] = {}
-
-
-def _alike(a: Field, b: Field) -> bool:
-    return (a.type, a.default, a.default_factory) == (b.type, b.default, b.default_factory)
-
-
-def _own_keys(sections: list[type[SourceSection]]) -> dict[str, Field]:
-    """The keys of `sections` in order, each once: a key two sections declare must be declared alike."""
-    keys: dict[str, Field] = {}
-    for section in sections:
-        for f in fields(section):
-            if f.name in keys and not _alike(keys[f.name], f):
-                raise TypeError(f"teacher.{f.name}: {section.__qualname__} declares it otherwise than another source")
-            keys.setdefault(f.name, f)
-    return keys
 
 
 def register(kind: TeacherSourceKind) -> TeacherSourceKind:
-    """Make `kind` a value of `teacher.source` (a name already taken by another kind is refused). Once stage 2's
-    section is composed (pipeline/train/config.py imported), a source registered after reads its keys only."""
+    """Make `kind` a value of `teacher.source` (a name already taken by another kind is refused)."""
     held = SOURCES.get(kind.name)
     if held is not None and type(held) is not type(kind):
         raise ValueError(f"teacher source {kind.name!r} is registered already ({type(held).__qualname__})")
-    if _COMPOSED:
-        new = [f.name for f in fields(kind.section) if f.name not in _COMPOSED or not _alike(_COMPOSED[f.name], f)]
-        if new:
-            raise ValueError(f"teacher source {kind.name!r}: stage 2's teacher section, composed of the sources "
-                             f"registered before, has no key {', '.join(new)} declared as {kind.section.__qualname__} "
-                             f"declares it: list the source in pipeline/teacher/sources, or read the keys it has")
     SOURCES[kind.name] = kind
     return kind
 
@@ -69,15 +46,6 @@ for _kind in (InProcessSource(), ServeSource(), OfflineSource()):
 
 def source_names() -> tuple[str, ...]:
     return tuple(SOURCES)
-
-
-def section_bases() -> tuple[type[SourceSection], ...]:
-    """The bases of stage 2's `teacher` section (`TeacherSection`): the registered sources' sections, the last
-    registered first, so that the composed section lists SourceSection's keys, then each source's own in the order
-    the sources registered (inprocess model; serve pool, client, start_pool; offline cache_path), each key once."""
-    sections = list(dict.fromkeys(k.section for k in SOURCES.values() if k.section is not SourceSection))
-    _COMPOSED.update(_own_keys([SourceSection, *sections]))
-    return tuple(reversed(sections)) or (SourceSection,)
 
 
 def source_kind(name: str) -> TeacherSourceKind:
@@ -111,8 +79,16 @@ def target_form(t: SourceSection) -> str:
 
 
 def check_section(t: SourceSection) -> None:
-    """The source's own check of section `t`, then its width and form (`TeacherSection.__post_init__`)."""
-    source_kind(t.source).check_config(t)
+    """That section `t` has the keys its source reads (its `section`'s, declared alike), the source's own check of
+    it, then its width and form (`TeacherSection.__post_init__`)."""
+    kind = source_kind(t.source)
+    have = {f.name: f for f in fields(t)}
+    for f in fields(kind.section):
+        got = have.get(f.name)
+        if got is None or (got.type, got.default, got.default_factory) != (f.type, f.default, f.default_factory):
+            raise TypeError(f"teacher.source={kind.name!r} reads teacher.{f.name} as {kind.section.__qualname__} "
+                            f"declares it, which {type(t).__qualname__} does not: add its section to that class")
+    kind.check_config(t)
     target_form(t)
 
 

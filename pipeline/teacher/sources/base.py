@@ -1,10 +1,10 @@
 """What a teacher source is to stage 2, from its config to its targets: one `TeacherSourceKind` per source.
 
-A kind declares the keys it reads as a typed section of its own, `section`: the keys every source reads
+A kind names the keys it reads, its typed `section` (pipeline/teacher/config.py): the keys every source reads
 (`SourceSection`: source, k, exact_form) and its own (inprocess: model; serve: model, pool, client, start_pool;
-offline: cache_path). Stage 2's `teacher` section (`TeacherSection`, pipeline/train/config.py) is composed of the
-registered sources' sections, one flat mapping that is each of them, so every method of a kind, given that
-section as `t`, reads it as its own. A kind is stateless. How it runs, as data:
+offline: cache_path). Stage 2's `teacher` section (`TeacherSection`, pipeline/train/config.py) is those sections
+in one flat mapping and an instance of each, so every method of a kind, given it as `t`, reads it as its own
+section (`check_section` checks that it has the kind's keys). A kind is stateless. How it runs, as data:
 * `exact_forms`  the exact teacher's (k: 0) forms it can give (the width and the form are resolved for every
                  source alike, `target_form` in the registry);
 * `model_runs`   where its teacher model runs: in each training step, on replicas of its own, or nowhere (stored
@@ -28,49 +28,12 @@ needs one imports it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from hylo.pipeline.config import Rule, one_of, rules
-from hylo.pipeline.teacher.config import EXACT_FORMS, TOP_K
-
-
-class _RegisteredSources:
-    """The choices of `teacher.source`: the names in the registry (pipeline/teacher/sources), read when a value is
-    checked, so that a source registered later is one of them."""
-
-    @staticmethod
-    def _names() -> tuple[str, ...]:
-        from hylo.pipeline.teacher.sources import source_names
-
-        return source_names()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names()
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-
-@dataclass
-@rules(source=Rule(choices=_RegisteredSources()), k=TOP_K, exact_form=one_of(*EXACT_FORMS))  # type: ignore[arg-type]
-class SourceSection:
-    """The keys of stage 2's `teacher` section that every source reads; a source's `section` adds its own."""
-
-    # Where the targets come from: a source of pipeline/teacher/sources. inprocess: a (small) teacher on every
-    # worker; serve: the Ray Serve pool; offline: a top-k cache.
-    source: str = "inprocess"
-    # Width of the teacher's targets: k > 0 = its top-k log-probabilities plus the tail mass; 0 = exact, the
-    # full vocabulary (inprocess or serve; offline needs the cache's k).
-    k: int = 0
-    # How the exact teacher (k: 0) reaches the fused KL: hidden (its hidden states + lm_head; inprocess),
-    # logits (full-vocabulary logits streamed chunk by chunk), auto (hidden inprocess, logits from the pool).
-    exact_form: str = "auto"
+from hylo.pipeline.teacher.config import SourceSection
 
 
 @dataclass(frozen=True)
@@ -101,7 +64,7 @@ class TeacherSourceKind:
     """One value of `teacher.source`: see the module docstring for what each method is for."""
 
     name: ClassVar[str]
-    # The keys it reads: SourceSection's and its own (a subclass of SourceSection).
+    # The keys it reads: SourceSection's and its own (a subclass of SourceSection, in pipeline/teacher/config.py).
     section: ClassVar[type[SourceSection]] = SourceSection
     # The exact teacher (k: 0) forms it can give, the one `exact_form: auto` picks first; () = top-k only.
     exact_forms: ClassVar[tuple[str, ...]] = ()

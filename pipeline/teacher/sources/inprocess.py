@@ -9,23 +9,15 @@ sequence-parallel attention in the teacher too).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
-from hylo.pipeline.teacher.config import TeacherModelConfig
+from hylo.pipeline.teacher.config import InProcessSection
 from hylo.pipeline.teacher.sources.base import (
-    SourceSection,
     TeacherFiles,
     TeacherSourceKind,
     check_model_weights,
     model_files,
 )
-
-
-@dataclass
-class InProcessSection(SourceSection):
-    # The teacher model, loaded on every training worker.
-    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
 
 
 class InProcessSource(TeacherSourceKind):

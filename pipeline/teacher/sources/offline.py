@@ -7,19 +7,11 @@ rank's token range gets the range's records (the reader decompresses the row's v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from hylo.pipeline.config import PATH, FieldError, rules
-from hylo.pipeline.teacher.config import check_cache_k
-from hylo.pipeline.teacher.sources.base import SourceSection, TeacherFiles, TeacherSourceKind
-
-
-@dataclass
-@rules(cache_path=PATH)
-class OfflineSection(SourceSection):
-    # Directory of the top-k cache written by the teacher's cache job.
-    cache_path: str | None = None
+from hylo.pipeline.config import FieldError
+from hylo.pipeline.teacher.config import OfflineSection, check_cache_k
+from hylo.pipeline.teacher.sources.base import TeacherFiles, TeacherSourceKind
 
 
 class OfflineSource(TeacherSourceKind):

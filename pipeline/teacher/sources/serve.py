@@ -10,31 +10,16 @@ rank's token range travels in its requests: the replicas run the whole row and a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from hylo.pipeline.teacher.config import TeacherClientConfig, TeacherModelConfig, TeacherPoolConfig
+from hylo.pipeline.teacher.config import ServeSection
 from hylo.pipeline.teacher.sources.base import (
     ResourceDemand,
-    SourceSection,
     TeacherFiles,
     TeacherSourceKind,
     check_model_weights,
     model_files,
 )
-
-
-@dataclass
-class ServeSection(SourceSection):
-    # The teacher model the driver deploys when start_pool is true; its logits_chunk_tokens is the size of the
-    # logits chunks the client asks for (k: 0).
-    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
-    # The pool (app name, replicas, resources) and the client (retries, in-flight rows).
-    pool: TeacherPoolConfig = field(default_factory=TeacherPoolConfig)
-    client: TeacherClientConfig = field(default_factory=TeacherClientConfig)
-    # The driver deploys the pool before training (and shuts it down after); false = attach
-    # to a pool someone else runs under pool.app_name.
-    start_pool: bool = True
 
 
 class ServeSource(TeacherSourceKind):
