@@ -6,8 +6,8 @@
 
 A source is one file here holding one `TeacherSourceKind` (sources/base.py), listed in `SOURCES` below, or
 `register`ed by a module of its own. It owns everything that differs between sources: the keys it reads (its
-typed `section`, pipeline/teacher/config.py; stage 2's `teacher` section is those sections in one), its config check
-(`check_section`, run when `TeacherSection` is built; `teacher.source`'s choices are `source_names()`), its checks
+typed `section`, in pipeline/teacher/config.py; stage 2's `teacher` section is those sections in one), its config
+check (`check_section`, run when `TeacherSection` is built; `teacher.source`'s choices are `source_names()`), its checks
 before Ray starts (train/inputs.py), the Ray resources and the service it starts (train/driver.py), where its
 model runs (what `hylo estimate` sizes: train/estimate.py) and its opening (`open_teacher`, in each stage-2
 worker). What is the same for all, the width `teacher.k` and the exact form, is resolved here (`target_form`)
