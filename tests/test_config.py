@@ -382,4 +382,4 @@ def test_a_section_given_in_part_keeps_the_defaults_its_config_sets(tmp_path):
     q = tmp_path / "prep.yaml"
     q.write_text("ray: {address: null}\n")
     assert load_config(PrepareDataConfig, q).ray.num_cpus == 2
-    assert load_config(PrepareDataConfig, q, ["num_cpus=3"]).ray.num_cpus == 3  # the old spelling, moved
+    assert load_config(PrepareDataConfig, q, ["ray.num_cpus=3"]).ray.num_cpus == 3

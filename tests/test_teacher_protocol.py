@@ -1,4 +1,4 @@
-"""The teacher as one object: one `teacher.k` and one exact form, the old spellings, the cache's k.
+"""The teacher as one object: one `teacher.k` and one exact form, old spellings refused, the cache's k.
 
 The three sources giving identical targets for the same rows (in-process model, Serve pool, cache) is
 `test_teacher_serve.py::test_protocol_targets_are_identical_from_model_pool_and_cache` (it needs the pool).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hylo.pipeline.config import ConfigError, from_dict, load_config
+from hylo.pipeline.config import ConfigError, load_config
 from hylo.pipeline.data.rows import check_row
 from hylo.pipeline.teacher.cache import CacheMismatchError, compute_shard, finalize_cache, prepare_cache
 from hylo.pipeline.teacher.config import (
@@ -17,100 +17,37 @@ from hylo.pipeline.teacher.config import (
     TeacherCacheConfig,
     TeacherFaultConfig,
     TeacherModelConfig,
-    TeacherPoolConfig,
 )
 from hylo.pipeline.teacher.protocol import TargetSpec
 from hylo.pipeline.teacher.sources import open_teacher
-from hylo.pipeline.train.config import TeacherSection, config_from_dict, config_to_dict, load_stage_config
+from hylo.pipeline.train.config import TeacherSection, config_to_dict, load_stage_config
 
 from fixtures_teacher import make_packed_row, save_tiny_llama, write_packed_parquet
 
 VOCAB = 96
 
 
-def _teacher(capsys, *overrides: str) -> tuple[TeacherSection, str]:
-    t = load_stage_config(2, None, list(overrides)).teacher
-    return t, capsys.readouterr().err
+@pytest.mark.parametrize("overrides,error", [
+    (["teacher.top_k=8"], "unknown key(s) teacher.top_k in TeacherSection; did you mean 'teacher.k'? valid keys: "
+                             "cache_path, client, exact_form, k, model, pool, source, start_pool"),
+    (["teacher.source=serve", "teacher.client.k=32"], "unknown key(s) teacher.client.k in TeacherClientConfig"),
+    (["teacher.client.chunk_tokens=512"], "unknown key(s) teacher.client.chunk_tokens in TeacherClientConfig"),
+    (["teacher.pool.fail_marker=/tmp/armed"], "unknown key(s) teacher.pool.fail_marker in TeacherPoolConfig"),
+], ids=["top_k", "client.k", "client.chunk_tokens", "pool.fail_marker"])
+def test_an_old_spelling_is_an_unknown_key(overrides, error):
+    """The spellings of before teacher.k and fault.teacher are unknown keys like any other."""
+    with pytest.raises(ConfigError) as e:
+        load_stage_config(2, None, overrides)
+    assert str(e.value).startswith(f"command line: {error}"), e.value
 
 
-@pytest.mark.parametrize(
-    "overrides,k,form,warned",
-    [
-        (["teacher.top_k=8"], 8, "topk", 'teacher.top_k is deprecated; use teacher.k (top_k: 8 is k: 8)'),
-        (["teacher.top_k=0"], 0, "hidden", 'teacher.top_k is deprecated; use teacher.k (top_k: 0 is k: 0)'),
-        (["teacher.source=serve", "teacher.client.k=32"], 32, "topk",
-         "teacher.client.k is deprecated; use teacher.k (client.k: 32 is k: 32)"),
-        (["teacher.source=serve", "teacher.mode=topk"], 64, "topk",
-         'teacher.mode is deprecated; use teacher.k (mode: "topk" is k: 64)'),
-        (["teacher.source=serve", "teacher.mode=topk", "teacher.client.k=16"], 16, "topk",
-         'teacher.mode is deprecated; use teacher.k (mode: "topk" adds nothing to k'),
-        (["teacher.source=serve", "teacher.mode=stream", "teacher.client.k=16"], 0, "logits",
-         'teacher.mode is deprecated; use teacher.k (mode: "stream" is k: 0)'),
-        # an old key that had no effect with its source is dropped, with the warning
-        (["teacher.source=serve", "teacher.top_k=8", "teacher.client.k=4"], 4, "topk",
-         "teacher.top_k is deprecated; use teacher.k (top_k: 8 adds nothing to k"),
-    ],
-    ids=["top_k", "top_k-exact", "client.k", "mode-topk-default", "mode-topk-client.k", "mode-stream",
-         "top_k-unused-with-serve"],
-)
-def test_old_width_keys_load_as_teacher_k_with_a_warning(capsys, overrides, k, form, warned):
-    t, err = _teacher(capsys, *overrides)
-    assert (t.k, t.form) == (k, form)
-    assert f"warning: config key {warned}" in err
-
-
-def test_old_keys_in_a_recipe_file_and_conflicts(capsys, tmp_path):
-    p = tmp_path / "r.yaml"
-    p.write_text("stage2:\n  teacher: {source: serve, mode: topk, client: {k: 64, max_inflight_rows: 2}}\n")
-    t = load_stage_config(2, p).teacher
-    assert (t.k, t.form, t.client.max_inflight_rows) == (64, "topk", 2)
-    err = capsys.readouterr().err
-    assert "teacher.client.k is deprecated; use teacher.k" in err and "teacher.mode is deprecated" in err
-    with pytest.raises(ConfigError, match="teacher.top_k and teacher.k are both set"):
-        load_stage_config(2, None, ["teacher.top_k=8", "teacher.k=8"])
-    with pytest.raises(ConfigError, match='teacher.mode.*expected "topk" or "stream", got \'full\''):
-        load_stage_config(2, None, ["teacher.source=serve", "teacher.mode=full"])
-
-
-def test_a_config_saved_before_teacher_k_reads_the_same(capsys):
-    """A checkpoint's stored config spells top_k, mode and client.k: it reads as the same teacher."""
-    for overrides, old in ((["teacher.k=8"], {"top_k": 8}),
-                           (["teacher.source=serve", "teacher.k=64"], {"top_k": 0, "mode": "topk"}),
-                           (["teacher.source=serve"], {"top_k": 0, "mode": "stream"})):
-        cfg = load_stage_config(2, None, overrides)
-        d = config_to_dict(cfg)
-        t = d["teacher"]
-        k = t.pop("k")
-        t.pop("exact_form")
-        t.update(old)
-        t["client"]["k"] = k if t["source"] == "serve" and k else 64
-        t["client"]["chunk_tokens"] = t["model"]["logits_chunk_tokens"]
-        assert config_from_dict(d) == cfg
-
-
-def test_the_pools_test_only_keys_load_from_teacher_pool_into_fault_teacher_with_a_warning(capsys, tmp_path):
-    p = tmp_path / "old.yaml"
-    p.write_text("stage2:\n  teacher:\n    source: serve\n    pool: {num_replicas: 2, fail_marker: /tmp/armed, "
-                 "fail_on_row: 5, fail_target: node}\n")
-    cfg = load_stage_config(2, p)
+def test_the_pools_test_only_keys_are_stage2s_fault_teacher():
+    cfg = load_stage_config(2, None, ["teacher.source=serve", "fault.teacher.kill_marker=/tmp/armed",
+                                      "fault.teacher.kill_at_row=5", "fault.teacher.kill_target=node"])
     assert cfg.fault.teacher == TeacherFaultConfig(kill_marker="/tmp/armed", kill_at_row=5, kill_target="node")
-    assert cfg.teacher.pool.num_replicas == 2
-    err = capsys.readouterr().err
-    for old, new in (("fail_marker", "kill_marker"), ("fail_on_row", "kill_at_row"), ("fail_target", "kill_target")):
-        assert f"warning: config key teacher.pool.{old} is deprecated; use fault.teacher.{new}\n" in err
-    # the config a run stored before (every key, defaults too) reads as the same config
-    now = load_stage_config(2, None, ["teacher.source=serve"])
-    stored = config_to_dict(now)
-    del stored["fault"]["teacher"]
-    stored["teacher"]["pool"].update(fail_marker="", fail_on_row=1, fail_target="process")
-    assert config_from_dict(stored) == now
-    with pytest.raises(ConfigError, match="teacher.pool.fail_on_row and fault.teacher.kill_at_row are both set"):
-        load_stage_config(2, None, ["teacher.pool.fail_on_row=2", "fault.teacher.kill_at_row=2"])
     with pytest.raises(ConfigError, match="fault.teacher.kill_target='disk': must be one of process, node"):
         load_stage_config(2, None, ["fault.teacher.kill_target=disk"])
-    # the user-facing pool section no longer has them, and stage 1 has no teacher to kill
-    with pytest.raises(ConfigError, match="unknown key.s. fail_marker in TeacherPoolConfig"):
-        from_dict(TeacherPoolConfig, {"fail_marker": "/tmp/armed"})
+    # stage 1 has no teacher to kill
     assert "teacher" not in config_to_dict(load_stage_config(1, None, []))["fault"]
 
 
@@ -126,15 +63,14 @@ def test_the_form_is_checked_in_one_place():
         TargetSpec(8, "hidden")
 
 
-def test_cache_job_k_and_model_load_as_teacher_k_and_teacher_model(capsys, tmp_path):
-    cfg = load_config(TeacherCacheConfig, None, ["k=8", "model.path=/m", "dtype=bfloat16"])
+def test_the_cache_jobs_teacher_is_spelled_as_stage2s():
+    cfg = load_config(TeacherCacheConfig, None, ["teacher.k=8", "teacher.model.path=/m", "dtype=bfloat16"])
     assert (cfg.teacher.k, cfg.teacher.model.path, cfg.dtype) == (8, "/m", "bfloat16")
-    err = capsys.readouterr().err
-    assert "warning: config key k is deprecated; use teacher.k" in err
-    assert "warning: config key model is deprecated; use teacher.model" in err
     assert load_config(TeacherCacheConfig, None, []).teacher.k == 64
     with pytest.raises(ConfigError, match="teacher.k=0: the offline cache holds top-k records"):
         load_config(TeacherCacheConfig, None, ["teacher.k=0"])
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) k in TeacherCacheConfig"):
+        load_config(TeacherCacheConfig, None, ["k=8"])
 
 
 @pytest.fixture(scope="module")
@@ -182,15 +118,3 @@ def test_model_targets_of_each_form(cache):
         full = lg["teacher_logits_fn"](0, r.num_tokens)
         torch.testing.assert_close(h["teacher_hidden"] @ h["teacher_weight"].T, full, rtol=1e-5, atol=1e-5)
         assert torch.equal(a["teacher_topk"].indices, torch.topk(full.float(), 8).indices.to(torch.int32))
-
-
-def test_client_chunk_tokens_is_the_models_logits_chunk_tokens(capsys):
-    t, err = _teacher(capsys, "teacher.client.chunk_tokens=512")
-    assert t.model.logits_chunk_tokens == 512
-    assert ("warning: config key teacher.client.chunk_tokens is deprecated; use teacher.model.logits_chunk_tokens "
-            "(client.chunk_tokens: 512 is model.logits_chunk_tokens: 512)") in err
-    # the same value twice (every config saved before) is one setting: dropped with the warning
-    t, err = _teacher(capsys, "teacher.client.chunk_tokens=256", "teacher.model.logits_chunk_tokens=256")
-    assert t.model.logits_chunk_tokens == 256 and "client.chunk_tokens: 256 adds nothing" in err
-    with pytest.raises(ConfigError, match="teacher.client.chunk_tokens and teacher.model.logits_chunk_tokens are both"):
-        load_stage_config(2, None, ["teacher.client.chunk_tokens=256", "teacher.model.logits_chunk_tokens=512"])

@@ -1,7 +1,7 @@
 """A teacher source is one file: a new one, registered from a module of its own, is taken up by the config
 (the choices of `teacher.source`, its own check), by the input checks before Ray starts, by the driver (its
-Ray resources, the service it starts) and by stage 2's opening; and the sources' files load no implementation
-when a config is built.
+Ray resources, the service it starts), by the estimate and by stage 2's opening; stage 2's `teacher` section is
+composed of the sources' typed sections; and the sources' files load no implementation when a config is built.
 """
 
 from __future__ import annotations
@@ -195,6 +195,67 @@ def test_stage2_opens_the_new_source_and_checks_its_vocabulary(table_source, tmp
     torch.testing.assert_close(got[0]["teacher_topk"].logprobs, torch.full((8, 4), -math.log(50)))
     with pytest.raises(ConfigError, match="teacher vocabulary 50 != student vocabulary 64"):
         sources.open_teacher(t, 64)
+
+
+def test_stage2s_teacher_section_is_composed_of_the_sources_typed_sections():
+    """Each source names the keys it reads; stage 2's flat section is all of them, in the order printed."""
+    from dataclasses import dataclass, fields
+
+    def keys(cls):
+        return [f.name for f in fields(cls)]
+
+    assert keys(TeacherSection) == ["source", "k", "exact_form", "model", "pool", "client", "start_pool", "cache_path"]
+    for name, own in (("inprocess", ["model"]), ("serve", ["model", "pool", "client", "start_pool"]),
+                      ("offline", ["cache_path"])):
+        section = sources.source_kind(name).section
+        assert keys(section) == ["source", "k", "exact_form", *own]
+        assert isinstance(TeacherSection(), section)
+    # the offline section's rule travels with it: cache_path is a path (resolved, checked)
+    assert field_rules(TeacherSection)["cache_path"].path
+
+    # a source whose section stage 2's does not hold is refused when it is named
+    @dataclass
+    class WithTable(sources.SourceSection):
+        table: str = ""
+
+    class Late(sources.TeacherSourceKind):
+        name = "late"
+        section = WithTable
+
+    sources.register(Late())
+    try:
+        with pytest.raises(ConfigError, match="teacher.source='late' reads teacher.table as .*WithTable declares it, "
+                                              "which TeacherSection does not"):
+            load_stage_config(2, None, ["teacher.source=late", "teacher.k=4"])
+    finally:
+        sources.SOURCES.pop("late", None)
+
+
+def test_the_estimate_asks_the_source_where_its_teacher_model_runs(tiny):
+    """`hylo estimate` sizes the teacher model where the source says it runs: a second pool, registered in a
+    file of its own, gets the pool's treatment (the teacher's shape, a replica of its own) under its own words."""
+    import torch
+
+    from hylo.pipeline.teacher.sources.serve import ServeSource
+    from hylo.pipeline.train.estimate import shapes_of
+    from hylo.pipeline.train.estimate_cli import describe
+
+    class OtherPool(ServeSource):
+        name = "otherpool"
+        where = "in the other pool"
+
+    sources.register(OtherPool())
+    try:
+        for source, where, shaped in (("inprocess", "on every training GPU", True), ("serve", "in the Serve pool", True),
+                                      ("offline", "from the top-k cache", False),
+                                      ("otherpool", "in the other pool", True)):
+            cfg = load_stage_config(2, None, [f"model.student={tiny['student']}", f"teacher.model.path={tiny['base']}",
+                                              f"teacher.source={source}", "teacher.k=8", "teacher.cache_path=/c"])
+            shapes = shapes_of(cfg)
+            assert (shapes.teacher is not None) == shaped, source
+            assert f"{where}, fused KL over top-8 + tail" in describe(cfg, shapes, 2, torch.bfloat16, None), source
+    finally:
+        sources.SOURCES.pop("otherpool", None)
 
 
 def test_a_taken_name_is_refused():

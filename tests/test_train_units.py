@@ -615,23 +615,6 @@ def test_ild_trainable_decides_which_parameters_get_gradients_and_change(tiny_pa
     assert changed == want
 
 
-def test_resume_of_a_run_checkpointed_under_ild_train_mlp(tmp_path):
-    """A stage-1 checkpoint written before ild.trainable: its config spells train_mlp, its hash covers that."""
-    from hylo.pipeline.config import config_hash
-    from hylo.pipeline.train.config import _breaking, _flatten
-
-    cfg = load_stage_config(1, None, ["ray.num_workers=2", "ild.trainable=mixers"])
-    _fake_checkpoint(tmp_path, cfg)
-    state = json.loads((tmp_path / STATE_FILE).read_text())
-    ild = state["config"]["ild"]
-    del ild["trainable"]
-    ild["train_mlp"] = False
-    state["breaking_hash"] = config_hash({k: v for k, v in _flatten(state["config"]).items() if _breaking(k)})
-    write_json_atomic(tmp_path / STATE_FILE, state)
-    check_compatible(tmp_path, cfg, 2, "fp1")  # same meaning: resumes
-    with pytest.raises(ConfigError, match="ild.trainable: 'mixers' -> 'all'"):
-        check_compatible(tmp_path, load_stage_config(1, None, ["ray.num_workers=2"]), 2, "fp1")
-
 def test_a_run_checkpointed_with_data_seq_len_resumes_without_it(tmp_path):
     # data.seq_len was required before the manifest became the rows' length: an old checkpoint holds it
     keys = ["ray.num_workers=2", "data.split=stage2"]
@@ -642,21 +625,10 @@ def test_a_run_checkpointed_with_data_seq_len_resumes_without_it(tmp_path):
         check_compatible(tmp_path, load_stage_config(2, None, keys), 2, "fp2")
 
 
-def test_ild_train_mlp_still_loads_as_trainable_with_a_deprecation_warning(capsys, tmp_path):
+def test_ild_trainable_and_its_old_key_train_mlp_an_unknown_key():
     assert load_stage_config(1, None).ild.trainable == "all"  # Enhanced-ILD as published
-    for old, new in (("true", "mixers+mlp"), ("false", "mixers")):
-        assert load_stage_config(1, None, [f"ild.train_mlp={old}"]).ild.trainable == new
-        err = capsys.readouterr().err
-        assert f"config key ild.train_mlp is deprecated; use ild.trainable (train_mlp: {old} is " \
-               f'trainable: "{new}")' in err
-    # inside a stage section of a recipe file too
-    p = tmp_path / "r.yaml"
-    p.write_text("stage1:\n  ild: {squared: false, train_mlp: true}\n")
-    assert load_stage_config(1, p).ild.trainable == "mixers+mlp"
-    assert "ild.train_mlp is deprecated" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="ild.train_mlp and ild.trainable are both set"):
-        load_stage_config(1, None, ["ild.train_mlp=true", "ild.trainable=all"])
-    with pytest.raises(ConfigError, match="ild.train_mlp: expected one of false, true, got 1"):
-        load_stage_config(1, None, ["ild.train_mlp=1"])
+    with pytest.raises(ConfigError, match=r"command line: unknown key\(s\) ild.train_mlp in ILDSection; did you mean "
+                                          r"'ild.trainable'\?"):
+        load_stage_config(1, None, ["ild.train_mlp=true"])
     with pytest.raises(ConfigError, match="ild.trainable.*must be one of mixers, mixers\\+mlp, all"):
         load_stage_config(1, None, ["ild.trainable=everything"])

@@ -211,10 +211,12 @@ def student_config(cfg: StageConfig, stage1: Stage1Config | None):
 
 
 def shapes_of(cfg: StageConfig, stage1: Stage1Config | None = None) -> Shapes:
+    from hylo.pipeline.teacher.sources import source_kind
+
     shapes = Shapes(student_config(cfg, stage1))
     if isinstance(cfg, Stage1Config):
         shapes.base = model_config(cfg.model.base, "model.base")
-    elif cfg.teacher.source == "inprocess" or cfg.teacher.source == "serve":
+    elif source_kind(cfg.teacher.source).model_runs:
         shapes.teacher = model_config(cfg.teacher.model.path, "teacher.model.path")
     return shapes
 
@@ -753,6 +755,7 @@ def build_stage2(cfg: Stage2Config, shapes: Shapes, dtype: torch.dtype, gpu: boo
     configured teacher, KDStudent, and a (Tracked)PlainEngine."""
     from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
     from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
+    from hylo.pipeline.teacher.sources import source_kind
     from hylo.pipeline.train.stage2 import KDStudent, Stage2Task
 
     student = _build_model(shapes.student, dtype)
@@ -766,7 +769,7 @@ def build_stage2(cfg: Stage2Config, shapes: Shapes, dtype: torch.dtype, gpu: boo
     spec = TargetSpec(t.k, t.form)
     vocab = shapes.student.vocab_size
     teacher_model = None
-    if t.source == "inprocess":
+    if source_kind(t.source).model_runs == "step":
         teacher_model = _build_model(shapes.teacher, torch_dtype(t.model.dtype))
         m = t.model
         source: Any = TeacherModel(teacher_model, dtype=m.dtype, device="cpu", isolation=m.isolation,

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from hylo.pipeline.teacher.sources import source_kind
 from hylo.pipeline.train.config import Stage1Config, Stage2Config, StageConfig
 from hylo.pipeline.train.estimate import (
     DOC_TOKENS,
@@ -34,13 +35,12 @@ def describe(cfg: StageConfig, shapes: Shapes, W: int, dtype: torch.dtype, confi
            f"{W} GPU{'s' if W > 1 else ''}, activation checkpointing {'on' if cfg.model.activation_checkpointing else 'off'}"
     if isinstance(cfg, Stage2Config):
         t = cfg.teacher
-        where = {"inprocess": "on every training GPU", "serve": "in the Serve pool", "offline": "from the top-k cache"}
         form = f"top-{t.k} + tail" if t.k else t.form
         tshape = ""
         if shapes.teacher is not None:
             tshape = f" {Path(t.model.path).name} shape ({shapes.teacher.num_hidden_layers} layers, hidden " \
                      f"{shapes.teacher.hidden_size})"
-        head += f"\nteacher{tshape} {where[t.source]}, fused KL over {form}"
+        head += f"\nteacher{tshape} {source_kind(t.source).where}, fused KL over {form}"
     return head
 
 
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                             "--tokens" if args.tokens else "data.seq_len")
     # the step that runs is one rank's: T / N tokens
     check_estimate_tokens([t // N for t in tokens], "--tokens" if args.tokens else "data.seq_len")
-    if isinstance(cfg, Stage2Config) and cfg.teacher.source == "serve":
+    replicas = isinstance(cfg, Stage2Config) and source_kind(cfg.teacher.source).model_runs == "replicas"
+    if replicas:
         # the replica's estimate runs one batch of up to teacher.pool.max_batch_tokens
         check_estimate_tokens([cfg.teacher.pool.max_batch_tokens], "teacher.pool.max_batch_tokens")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype] if args.dtype else \
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         out["sequence_parallel_estimates"] = [e.to_dict() for e in sp]
     else:
         print(format_table("training GPU:", ests))
-    if isinstance(cfg, Stage2Config) and cfg.teacher.source == "serve":
+    if replicas:
         # the pool answers each rank's shard: rows of T / N tokens
         teach = [estimate_teacher_replica(cfg, T // N, shapes) for T in tokens]
         print()
