@@ -137,7 +137,7 @@ def table(rows: dict[str, list[dict[str, float]]]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2], choices=[1, 2])
     ap.add_argument("--launchers", nargs="+", default=["ray"], choices=["ray", "torchrun"])
     ap.add_argument("--repeats", type=int, default=1)
