@@ -25,9 +25,14 @@ assets: install
 demo: assets
 	$(PYTHON) jobs/demo.py
 
+# The tests run in TEST_WORKERS processes (pytest-xdist), a test file per process at a time, so that a file's
+# shared fixtures (its reference run, its Ray, its models) are made once; the files that take longest start
+# first (tests/conftest.py). Most of a slow test's time is waiting for processes to start (Ray, its workers,
+# DeepSpeed: bench/stage_startup.py), so three processes keep two cores busy. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 3
 test: assets docs
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The documentation site (docs/, mkdocs.yml) into site/ (git-ignored). --strict: a broken link or anchor, a page
 # missing from the nav or a nav entry without its page is an error. The configuration reference is generated
@@ -36,10 +41,11 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
 
 # The edit-run loop (after one `make test` has installed everything): lint and every test not marked
-# `slow`, i.e. none that starts Ray, DeepSpeed, torchrun or a job subprocess or loads the real SmolLM2.
+# `slow`, i.e. none that starts Ray, DeepSpeed, torchrun or any other process or loads the real SmolLM2
+# (tests/conftest.py fails a test without the marker that starts a process), in two processes.
 test-fast:
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest -q -m "not slow" tests
+	$(PYTHON) -m pytest -q -n 2 -m "not slow" tests
 
 lint:
 	$(PYTHON) -m ruff check .
