@@ -26,7 +26,7 @@ from hylo.pipeline.data.normalize import _NON_WORD, fold_many, normalize_words, 
 from hylo.pipeline.data.readers import SourceSpec, read_source
 from hylo.pipeline.ray_init import ray_running
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 LONG = {
     "q1": "A farmer has seventeen sheep and all but nine run away into the hills; how many sheep does the farmer have left now",

@@ -1,5 +1,5 @@
 """The shipped data recipe (configs/data_{llama3,qwen3}_stage{1,2}.yaml) on small local files laid out
-like the public SFT sets and evaluation suites (tests/fixtures_data.py), with tiny tokenizers that
+like the public SFT sets and evaluation suites (tests/helpers/data.py), with tiny tokenizers that
 carry Llama-3-like and Qwen3-like chat templates."""
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from hylo.pipeline.data.readers import SourceSpec, read_source
 from hylo.pipeline.data.render import ChatRenderer, RenderError
 from hylo.pipeline.ray_init import ray_running
 
-from fixtures_data import (
+from tests.helpers.data import (
     EVAL_SUITES,
     save_tiny_chat_tokenizer,
     write_eval_suites,
     write_public_sft_samples,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ("llama3", "qwen3")
 
 

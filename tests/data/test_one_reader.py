@@ -17,7 +17,7 @@ from hylo.pipeline.teacher.cache import SHARD_DIR, compute_shard, data_fingerpri
 from hylo.pipeline.train.config import DataSection
 from hylo.pipeline.train.row_sources import open_rows
 
-from fixtures_teacher import make_packed_row
+from tests.helpers.teacher import make_packed_row
 
 V = 96
 N = 7

@@ -1,4 +1,4 @@
-"""Faults of a real cluster, on a multi-node Ray cluster simulated on this machine (fixtures_cluster.py):
+"""Faults of a real cluster, on a multi-node Ray cluster simulated on this machine (tests/helpers/cluster.py):
 
 * node loss: stage 1 and stage 2 with their two workers on two nodes; the node of one worker is killed
   (its raylet, object store and processes: `fault.kill_target=node`) mid-step or right after a
@@ -40,9 +40,17 @@ from hylo.pipeline.train.checkpoint.layout import (
 )
 from hylo.pipeline.train.metrics import read_metrics
 
-from fixtures_cluster import local_cluster
-from fixtures_train import S3_ENV, make_tiny_models, s3_server, tiny_config, write_config
-from test_train_e2e import assert_ok, assert_same_steps, torchrun
+from tests.helpers.cluster import local_cluster
+from tests.helpers.train import (
+    S3_ENV,
+    assert_ok,
+    assert_same_steps,
+    make_tiny_models,
+    s3_server,
+    tiny_config,
+    torchrun,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 RAY_TRAIN = {"launcher": "ray", "max_failures": 1, "resources_per_worker": {"trainer": 1}}

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import source_copy
+from tests.helpers.common import source_copy
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALLEST = {
     "prepare-data": ["--set", "packing.max_len=128", "--set", "packing.window=64",
                      "--set", 'mixture.sources=[{name: sharegpt, path: "asset:sharegpt", limit: 40}]'],

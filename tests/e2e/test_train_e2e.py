@@ -20,7 +20,6 @@ process start-up: torchrun ~20 s, Ray Train ~60-90 s on 2 cores).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,37 +37,18 @@ from hylo.pipeline.train.checkpoint.layout import (
 )
 from hylo.pipeline.train.metrics import read_metrics
 
-from fixtures_train import make_tiny_models, tiny_config, write_config
+from tests.helpers.train import (
+    assert_ok,
+    assert_same_steps,
+    job_env,
+    make_tiny_models,
+    tiny_config,
+    torchrun,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
-TOL = 1e-6
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "hylo" / "torch_extensions"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
-
-
-def torchrun(stage: int, config: Path, *extra: str, timeout: int = 1200) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "jobs" / f"stage{stage}.py"), "--config", str(config), *extra]
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def assert_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def assert_same_steps(a: dict[int, dict], b: dict[int, dict], steps) -> None:
-    for s in steps:
-        assert abs(a[s]["loss"] - b[s]["loss"]) <= TOL, (s, a[s]["loss"], b[s]["loss"])
-        assert a[s]["rows"] == b[s]["rows"], s
-        assert a[s]["data_position"] == b[s]["data_position"], s
-
-
+REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
@@ -202,7 +182,7 @@ def test_resume_with_a_student_of_another_width_is_refused_before_ray_starts(tin
     cfg_path = write_config(tiny_config(models, root / "runs-wide", "reference", ray={"launcher": "ray"}),
                             root / "wide.yaml")
     proc = subprocess.run([sys.executable, str(REPO / "jobs" / "stage2.py"), "--config", str(cfg_path), "--resume",
-                           "--set", f"model.student={wide['student']}"], cwd=REPO, env=_env(), capture_output=True,
+                           "--set", f"model.student={wide['student']}"], cwd=REPO, env=job_env(), capture_output=True,
                           text=True, timeout=600)
     err = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -221,7 +201,7 @@ def test_two_runs_with_the_same_storage_and_name_cannot_overwrite_each_other(tin
     cfg_path = write_config(tiny_config(models, root / "runs", "shared"), root / "shared.yaml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "jobs" / "stage2.py"), "--config", str(cfg_path)]
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=900) for p in procs]
     codes = [p.returncode for p in procs]
@@ -285,7 +265,7 @@ def test_an_input_error_inside_a_worker_is_not_retried(tiny, capfd, monkeypatch)
     import hylo.pipeline.train.driver as driver
     from hylo.pipeline.train.driver import TrainingError, run
 
-    from fixtures_teacher import save_tiny_llama
+    from tests.helpers.teacher import save_tiny_llama
 
     root, models = tiny
     teacher = save_tiny_llama(root / "teacher-v128", vocab_size=128)
@@ -315,7 +295,7 @@ def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, ref
     from hylo.pipeline.train.driver import run
     from hylo.pipeline.train.storage import Loc, local_mirror
 
-    from fixtures_train import fake_s3
+    from tests.helpers.train import fake_s3
 
     root, models = tiny
     with fake_s3() as s3:

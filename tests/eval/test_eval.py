@@ -32,9 +32,9 @@ from hylo.pipeline.eval.kl import evaluate_kl, iter_eval_rows
 from hylo.pipeline.eval.lm_eval_adapter import Scorer
 from hylo.upcycle import kv_summary, upcycle
 
-from helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
+from tests.helpers.common import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

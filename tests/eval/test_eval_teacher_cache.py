@@ -10,7 +10,7 @@ import torch
 from hylo.pipeline.eval.decode import load_model
 from hylo.pipeline.eval.kl import TeacherStateCache, evaluate_kl
 
-from fixtures_train import make_tiny_models
+from tests.helpers.train import make_tiny_models
 
 pytestmark = pytest.mark.slow
 

@@ -1,9 +1,9 @@
-"""Helpers shared by the linear-recurrence tests: the GDN and SSD kernels (test_gdn_kernel.py,
-test_mamba2.py) and the GDN and Mamba-2 mixers (test_gdn_layer.py, test_mamba2.py); and the check of a
-teacher's top-k records against reference log-probabilities (the teacher tests).
+"""Helpers shared by the linear-recurrence tests: the GDN and SSD kernels (kernels/test_gdn_kernel.py,
+model/test_mamba2.py) and the GDN and Mamba-2 mixers (model/test_gdn_layer.py, model/test_mamba2.py); the
+check of a teacher's top-k records against reference log-probabilities (the teacher tests); a clean source copy.
 
-pytest puts tests/ on sys.path (rootdir-less `prepend` import mode, no __init__.py), so test modules
-import this as `from helpers import ...`. Importing `one_thread` makes it autouse in that module.
+Test modules import it as `from tests.helpers.common import ...`; importing `one_thread` makes it autouse in
+that module.
 """
 
 from __future__ import annotations

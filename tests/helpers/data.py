@@ -1,7 +1,7 @@
 """Small offline stand-ins for the data recipe's inputs: tokenizers with Llama-3-like and Qwen3-like
 chat templates, and files laid out like the public SFT sets and the evaluation suites.
 
-Test modules import it as `from fixtures_data import ...` (pytest puts tests/ on sys.path). The
+Test modules import it as `from tests.helpers.data import ...`. The
 templates are written here to reproduce the behaviour that matters to the data pipeline (Llama 3: a
 system header with a date read from the clock unless `date_string` is given; Qwen3: history turns
 rendered without the `<think>` block that the final reply gets), not copied from the models.

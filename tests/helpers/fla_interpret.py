@@ -13,8 +13,8 @@ never in fla:
   interpreter tensor, as compiled (`tl.static_range` loops stay Python ints, as compiled).
 
 fla decorates its kernels when it is imported, so TRITON_INTERPRET=1 must be set before that: the checks
-run in a fresh process (`python tests/fla_interpret.py --out results.json`, what
-`tests/test_gpu_branch_cpu.py` starts) with `hylo.kernels.backend.forced_mode("gpu")` (every GPU branch on
+run in a fresh process (`python -m tests.helpers.fla_interpret --out results.json` from the repository's
+root, what `tests/kernels/test_gpu_branch_cpu.py` starts) with `hylo.kernels.backend.forced_mode("gpu")` (every GPU branch on
 CPU tensors) against `forced_mode("torch")`. In the GPU branch the torch ops are replaced by ones that
 raise, so a case cannot pass by falling back to the torch path.
 
@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-4  # relative error (norm of the difference / norm of the reference), fp32 vs fp64
 # AdamW's first step divides each gradient by its own magnitude, so rounding-level differences in
 # near-zero gradients reach the update itself (measured 4e-5 here); the parameters after it are at 1e-8

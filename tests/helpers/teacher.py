@@ -1,6 +1,6 @@
 """Small fixtures shared by the teacher and training tests: a tiny random Llama and packed rows.
 
-Test modules import it as `from fixtures_teacher import ...` (pytest puts tests/ on sys.path).
+Test modules import it as `from tests.helpers.teacher import ...`.
 """
 
 from __future__ import annotations

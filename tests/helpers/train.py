@@ -1,6 +1,7 @@
-"""Tiny fixtures for the training tests: a random Llama base, its HyLo conversion, a config, a fake S3.
+"""Tiny fixtures for the training tests: a random Llama base, its HyLo conversion, a config, a fake S3, and
+the stage jobs under torchrun.
 
-Test modules import it as `from fixtures_train import ...` (pytest puts tests/ on sys.path).
+Test modules import it as `from tests.helpers.train import ...`.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -17,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def make_tiny_models(root: str | Path, vocab_size: int = 96, hidden_size: int = 32, layers: int = 2,
                      mla_layers: str = "even", seed: int = 0) -> dict[str, Path]:
@@ -24,7 +28,7 @@ def make_tiny_models(root: str | Path, vocab_size: int = 96, hidden_size: int = 
     from hylo.io import save_hylo
     from hylo.upcycle import load_base_model, upcycle
 
-    from fixtures_teacher import save_tiny_llama
+    from tests.helpers.teacher import save_tiny_llama
 
     root = Path(root)
     base = save_tiny_llama(root / "base", vocab_size=vocab_size, hidden_size=hidden_size, layers=layers, seed=seed)
@@ -210,3 +214,34 @@ def forget_deepspeed_world() -> None:
     once that group is destroyed, the next engine in this process (another test module's) must not find it."""
     if "deepspeed.utils.groups" in sys.modules:
         sys.modules["deepspeed.utils.groups"]._WORLD_GROUP = None
+
+
+# ------------------------------------------------------------------ jobs under torchrun
+# the per-step losses of a run and its resumed run (the same steps on the same rows)
+STEP_LOSS_TOL = 1e-6
+
+
+def job_env() -> dict[str, str]:
+    """The environment of a job subprocess: this checkout first on PYTHONPATH, DeepSpeed's compiled ops cached."""
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "hylo" / "torch_extensions"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def torchrun(stage: int, config: Path, *extra: str, timeout: int = 1200) -> subprocess.CompletedProcess:
+    """jobs/stage{1,2}.py under torchrun, 2 processes on this machine."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "jobs" / f"stage{stage}.py"), "--config", str(config), *extra]
+    return subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def assert_same_steps(a: dict[int, dict], b: dict[int, dict], steps) -> None:
+    for s in steps:
+        assert abs(a[s]["loss"] - b[s]["loss"]) <= STEP_LOSS_TOL, (s, a[s]["loss"], b[s]["loss"])
+        assert a[s]["rows"] == b[s]["rows"], s
+        assert a[s]["data_position"] == b[s]["data_position"], s

@@ -28,7 +28,7 @@ from hylo.assets import (
     resolve_path_or_asset,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _fake_wheel(dest: Path, member: str, payload: bytes) -> Path:

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_examples import run_hylo, run_hylo_split
 
 from hylo.pipeline.cli import COMMANDS, NOT_JOBS, job_main
 from hylo.pipeline.config import ConfigError, field_rules, load_config, shipped_configs
 from hylo.pipeline.paths import resolve_path, resolve_paths
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.cli import job_config_roots, run_hylo, run_hylo_split, walk_fields
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------ shipped configs
@@ -217,11 +218,10 @@ def test_resolve_path_rules(tmp_path):
 
 
 def _job_configs() -> dict[str, type]:
-    from test_config import _job_config_roots
 
     from hylo.jobs.fetch_assets import FetchAssetsConfig
 
-    return {**_job_config_roots(), "fetch_assets": FetchAssetsConfig}
+    return {**job_config_roots(), "fetch_assets": FetchAssetsConfig}
 
 
 # Field names that hold a file or directory; every one carries the PATH rule.
@@ -234,11 +234,10 @@ NOT_PATHS = {
 
 
 def test_every_path_field_of_every_job_config_is_declared_a_path():
-    from test_config import _walk_fields
 
     missing = []
     for root in _job_configs().values():
-        for _, cls, name, tp, _ in _walk_fields(root):
+        for _, cls, name, tp, _ in walk_fields(root):
             key = f"{cls.__name__}.{name}"
             rule = field_rules(cls).get(name)
             if (_PATHISH.match(name) and tp in (str,)) and not (rule is not None and rule.path) and key not in NOT_PATHS:
@@ -413,7 +412,7 @@ def test_training_workers_print_each_line_once_on_a_local_ray_and_on_a_joined_cl
     (ray/train/v2/_internal/logging/patch_print.py `redirected_print`): every line twice, measured under
     `ray job submit` and on a local Ray. The switch RAY_TRAIN_ENABLE_PRINT_PATCH=0 reaches every worker:
     a local Ray inherits it (project_env); for a cluster the job joined, the workers' runtime env has it.
-    (tests/test_quickstart.py counts the printed step lines of real runs.)"""
+    (tests/e2e/test_quickstart.py counts the printed step lines of real runs.)"""
     from hylo.pipeline.ray_init import project_env
     from hylo.pipeline.train.config import load_stage_config
     from hylo.pipeline.train.driver import PRINT_PATCH, run_config

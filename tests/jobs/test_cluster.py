@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLUSTER_YAMLS = sorted((REPO / "cluster").glob("*.yaml"))
 DOC_FILES = sorted([*REPO.glob("README.md"), *(REPO / "docs").glob("*.md")])
 

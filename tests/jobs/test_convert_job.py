@@ -16,7 +16,9 @@ import torch
 
 from hylo.jobs import convert
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.models import LLAMA_1B, LLAMA_3B
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(argv: list[str], capsys) -> tuple[int, dict | None, str]:
@@ -25,18 +27,6 @@ def _run(argv: list[str], capsys) -> tuple[int, dict | None, str]:
     # libraries may log to stdout before the summary (DeepSpeed's accelerator notice): take the JSON block
     text = cap.out if cap.out.startswith("{") else cap.out[cap.out.find("\n{") + 1:]
     return rc, (json.loads(text) if rc == 0 else None), cap.err
-
-
-LLAMA_3B = {
-    "model_type": "llama", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
-    "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
-    "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": True,
-}
-LLAMA_1B = {
-    "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-    "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": True,
-}
 
 
 @pytest.mark.parametrize("cfg,rope,ratio", [(LLAMA_3B, 64, 0.047), (LLAMA_1B, 32, 0.078)], ids=["3B", "1B"])

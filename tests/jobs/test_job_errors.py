@@ -19,7 +19,7 @@ import pytest
 from hylo.pipeline.cli import BadArgument, check_finite_args, input_error_message, job_main
 from hylo.pipeline.config import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------- pipeline/cli
@@ -57,7 +57,7 @@ def test_path_errors_name_the_path(capsys, tmp_path):
 
     rc, err = _call(full, capsys)
     assert rc == 2 and err.startswith("error: No space left on device (while writing or reading in "
-                                      "tests/test_job_errors.py:")
+                                      "tests/jobs/test_job_errors.py:")
 
     def exists(argv):
         raise FileExistsError("out/manifest.json exists; set output.overwrite=true to replace it")
@@ -180,7 +180,7 @@ def in_small_fs(mount: Path, options: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from fixtures_train import make_tiny_models
+    from tests.helpers.train import make_tiny_models
 
     return make_tiny_models(tmp_path_factory.mktemp("tiny"))
 
@@ -197,7 +197,7 @@ def _copy_model(src: Path, dst: Path) -> Path:
 def _packed_dir(d: Path, split: str, seq_len: int = 64, shards: int = 3) -> Path:
     from hylo.pipeline.data.shards import ShardWriter, write_manifest
 
-    from fixtures_teacher import make_packed_row
+    from tests.helpers.teacher import make_packed_row
 
     w = ShardWriter(d, 4, 2)
     for i in range(4 * shards):
@@ -292,7 +292,7 @@ def test_teacher_cache_job(tmp_path, tiny):
 
 
 def _stage_config(tiny, tmp_path, stage: int, **sections) -> Path:
-    from fixtures_train import tiny_config, write_config
+    from tests.helpers.train import tiny_config, write_config
 
     cfg = tiny_config(tiny, tmp_path / "runs", f"s{stage}", stage=stage, ray={"launcher": "ray"}, **sections)
     return write_config(cfg, tmp_path / f"stage{stage}.yaml")
@@ -326,7 +326,7 @@ def test_stage2_job(tmp_path, tiny):
 def _foreign_data(d: Path, vocab_size: int, **manifest) -> Path:
     from hylo.pipeline.data.shards import ShardWriter, write_manifest
 
-    from fixtures_teacher import make_packed_row
+    from tests.helpers.teacher import make_packed_row
 
     w = ShardWriter(d, 4, 2)
     for i in range(8):
@@ -343,7 +343,7 @@ def test_rows_of_another_tokenizer_are_refused_before_ray_starts(tmp_path, tiny)
     tokenizer named by the manifest that disagrees with the student's, or its recorded token table."""
     from hylo.pipeline.data.render import token_table, token_table_hash
 
-    from fixtures_teacher import save_tiny_llama
+    from tests.helpers.teacher import save_tiny_llama
 
     def stage2(data: Path):
         cfg = _stage_config(tiny, tmp_path, 2, data={"source": "parquet", "path": str(data)})
@@ -522,7 +522,7 @@ def test_a_dataset_written_without_page_checksums_still_reads_and_the_driver_say
     from hylo.pipeline.train.config import load_stage_config
     from hylo.pipeline.train.inputs import check_stage_inputs
 
-    from fixtures_teacher import make_packed_row
+    from tests.helpers.teacher import make_packed_row
 
     d = tmp_path / "old"
     d.mkdir()

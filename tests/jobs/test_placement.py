@@ -32,7 +32,7 @@ from hylo.pipeline.placement import (
     teacher_hidden,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N_LAYERS = 4
 
 
@@ -60,7 +60,7 @@ def models(tmp_path_factory):
     from hylo.io import save_hylo
     from hylo.upcycle import load_base_model, upcycle
 
-    from fixtures_teacher import save_tiny_llama
+    from tests.helpers.teacher import save_tiny_llama
 
     root = tmp_path_factory.mktemp("place")
     base_dir = save_tiny_llama(root / "base", vocab_size=96, hidden_size=32, layers=N_LAYERS, seed=1)

@@ -12,19 +12,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_examples import run_hylo
 
 from hylo.pipeline.config import ConfigError, parse_yaml, read_config_file
+
+from tests.helpers.cli import run_hylo
+from tests.helpers.models import LLAMA_1B, tiny_student, tiny_teacher
 
 # numpy's legacy np.random.seed (the training loop, lm-eval) takes 32 bits
 SEED_MAX = 2**32 - 1
 
-REPO = Path(__file__).resolve().parents[1]
-LLAMA_1B = {
-    "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-    "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": True,
-}
+REPO = Path(__file__).resolve().parents[2]
 
 
 def one_error_line(rc: int, text: str) -> str:
@@ -247,7 +244,6 @@ def test_estimate_refuses_tokens_it_cannot_finish(monkeypatch):
 def test_a_long_estimate_shows_its_progress(tmp_path, capsys):
     """Each phase of the measured step is announced on stderr, and the layer it is in (here at every layer)."""
     import torch
-    from test_estimate import tiny_student, tiny_teacher
 
     from hylo.pipeline.train.config import load_stage_config
     from hylo.pipeline.train.estimate import Progress, estimate_step
@@ -280,7 +276,7 @@ def test_load_config_of_every_shipped_config_is_unchanged_by_the_bounds():
 def test_an_lr_beyond_float32_is_refused_before_any_step():
     """optim.lr=1e39 crashed inside torch's Adam with a traceback (exit 1): it cannot be a float32. The config
     check names the setting instead; 1e30 (finite in float32) stays a valid, if absurd, setting that the
-    non-finite guard stops at its first NaN step (tests/test_train_nonfinite.py)."""
+    non-finite guard stops at its first NaN step (tests/train/test_train_nonfinite.py)."""
     from hylo.pipeline.config import ConfigError, build_config
     from hylo.pipeline.train.config import OptimSection
 

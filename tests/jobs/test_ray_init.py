@@ -12,7 +12,7 @@ import pytest
 from hylo.pipeline import ray_init
 from hylo.pipeline.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeRay:

@@ -21,7 +21,7 @@ from hylo.pipeline.config import ConfigError
 from hylo.pipeline.rehearse import cluster_file_of, declared_node, plan_placement
 from hylo.pipeline.teacher.sources.base import ResourceDemand
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "configs").glob("*-64k.yaml"))
 ACCEL = "accelerator_type:AMD-Instinct-MI300X-OAM"
 

@@ -16,7 +16,7 @@ from hylo.kernels.gdn import (
     naive_recurrent_gated_delta_rule,
 )
 
-from helpers import (
+from tests.helpers.common import (
     assert_close,
     bad_cu_seqlens_cases,
     compare_runs,

@@ -1,6 +1,6 @@
 """The GPU branch on CPU tensors: fla's kernels and the fused KL's Triton kernels through Triton's interpreter,
-equal to the torch branch (the harness and the cases: tests/fla_interpret.py), and the switch that takes it
-(`hylo.kernels.backend`, mode `gpu`).
+equal to the torch branch (the harness and the cases: tests/helpers/fla_interpret.py), and the switch that
+takes it (`hylo.kernels.backend`, mode `gpu`).
 
 The interpreted cases run once, in one fresh process (fla must be imported after TRITON_INTERPRET=1), and
 each case is reported here as its own test.
@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from fla_interpret import MODEL_CASES, OP_CASES, tolerance
 
 import hylo.kernels.backend as backend
 
-from helpers import fake_fla_gdn
+from tests.helpers.common import fake_fla_gdn
+from tests.helpers.fla_interpret import MODEL_CASES, OP_CASES, tolerance
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_interpreted(out: Path, cases: str) -> tuple[dict, str]:
@@ -30,7 +30,7 @@ def run_interpreted(out: Path, cases: str) -> tuple[dict, str]:
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop("HYLO_KERNELS", None)
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "fla_interpret.py"), "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.fla_interpret", "--out", str(out),
                            "--cases", cases], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     log = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert out.is_file(), log

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CASES = ("fused_kl", "gdn_mamba2", "mla_packed", "stage2_step", "decode", "deepspeed_zero3")
 # The GPU machine has no Ray (nor boto3): the check must not import them. Blocked in the child.
 RUN = ("import sys, runpy; sys.modules.update(dict.fromkeys(('ray', 'boto3'), None)); "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # A step's pattern: each cycle writes three 48 MiB activation-sized buffers (an MLP's [8192, 1536] fp32) and
 # frees them all; the minor page faults of 10 cycles after 4 warm-up ones, with and without the setting.

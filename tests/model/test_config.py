@@ -13,6 +13,8 @@ from hylo.config import HybridConfig, HybridConfigError
 from hylo.pipeline.config import ConfigError, config_hash, load_config
 from hylo.upcycle import UpcycleError, hybrid_config_from_base, kv_summary, parse_placement
 
+from tests.helpers.cli import job_config_roots, walk_fields
+
 
 def llama_3b() -> LlamaConfig:
     return LlamaConfig(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
@@ -175,39 +177,6 @@ def test_print_config_shows_every_key_and_round_trips(capsys):
 
 # ----------------------------------------------------------------------------- values checked at load
 # Every config class of every job: a new numeric field must state its range (hylo.pipeline.config.rules).
-def _job_config_roots() -> dict[str, type]:
-    from hylo.pipeline.convert import ConvertJobConfig
-    from hylo.pipeline.data.config import PrepareDataConfig
-    from hylo.pipeline.data.decontam import DecontamJobConfig
-    from hylo.pipeline.demo import DemoConfig
-    from hylo.pipeline.eval.config import EvalConfig
-    from hylo.pipeline.placement import PlacementConfig
-    from hylo.pipeline.teacher.config import TeacherCacheConfig
-    from hylo.pipeline.train.config import Stage1Config, Stage2Config
-
-    # the teacher pool's sections (model, pool, client) are reached through stage 2's `teacher`
-    return {"stage1": Stage1Config, "stage2": Stage2Config, "prepare_data": PrepareDataConfig,
-            "decontaminate": DecontamJobConfig, "teacher_cache": TeacherCacheConfig,
-            "eval": EvalConfig, "demo": DemoConfig,
-            "place_layers": PlacementConfig, "convert": ConvertJobConfig}
-
-
-def _walk_fields(cls: type, prefix: str = "", seen: set | None = None):
-    """(dotted path, owning class, field name, type hint, reached through a list) of every field under `cls`."""
-    import typing
-
-    from hylo.pipeline.config import _field_types, _strip_optional
-
-    for name, tp in _field_types(cls).items():
-        inner = _strip_optional(tp)
-        listed = typing.get_origin(inner) is list
-        elem = typing.get_args(inner)[0] if listed and typing.get_args(inner) else inner
-        if dataclasses.is_dataclass(elem):
-            yield from _walk_fields(elem, f"{prefix}{name}{'[0]' if listed else ''}.")
-        else:
-            yield f"{prefix}{name}", cls, name, inner, listed
-
-
 def _is_numeric(tp) -> bool:
     import typing
 
@@ -219,8 +188,8 @@ def _is_numeric(tp) -> bool:
 def test_every_numeric_field_of_every_job_config_states_its_range():
     from hylo.pipeline.config import field_rules
 
-    missing = sorted({f"{cls.__name__}.{name}" for root in _job_config_roots().values()
-                      for _, cls, name, tp, _ in _walk_fields(root)
+    missing = sorted({f"{cls.__name__}.{name}" for root in job_config_roots().values()
+                      for _, cls, name, tp, _ in walk_fields(root)
                       if _is_numeric(tp) and name not in field_rules(cls)})
     assert not missing, f"numeric config fields without a declared range: {missing}"
 
@@ -235,8 +204,8 @@ def test_every_declared_rule_rejects_its_counterexample_at_load_naming_the_field
     from hylo.pipeline.config import field_rules, from_dict
 
     checked = 0
-    for root in _job_config_roots().values():
-        for path, cls, name, tp, _ in _walk_fields(root):
+    for root in job_config_roots().values():
+        for path, cls, name, tp, _ in walk_fields(root):
             rule = field_rules(cls).get(name)
             if rule is None:
                 continue

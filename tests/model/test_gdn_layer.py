@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from hylo.config import HybridConfig
 from hylo.layers.gdn import GatedDeltaNet, causal_conv_silu
 
-from helpers import (
+from tests.helpers.common import (
     assert_bad_layer_input_raises,
     assert_bf16_close_to_fp32,
     assert_cached_decode_equals_full,
@@ -30,7 +30,7 @@ from helpers import (
     packed_vs_separate,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 D, H, K, EXPAND_V, CONV = 32, 2, 8, 2.0, 4
 
 

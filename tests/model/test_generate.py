@@ -26,7 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 from hylo.cache import HyLoCache
 from hylo.upcycle import upcycle
 
-from helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
+from tests.helpers.common import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 PAD, BOS, EOS = 0, 1, 2
 

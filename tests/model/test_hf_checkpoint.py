@@ -21,7 +21,7 @@ from hylo.io import load_hylo, save_hylo
 from hylo.modeling import HyLoForCausalLM
 from hylo.upcycle import upcycle
 
-from helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
+from tests.helpers.common import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 
 def word_tokenizer():

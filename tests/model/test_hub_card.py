@@ -21,7 +21,7 @@ from hylo.config import HybridConfig
 from hylo.io import save_hylo
 from hylo.upcycle import upcycle
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def word_tokenizer():

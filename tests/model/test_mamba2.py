@@ -20,7 +20,7 @@ from hylo.kernels.ssd import SSDInputError, chunk_ssd, naive_ssd
 from hylo.layers.mamba2 import Mamba2Mixer, causal_conv1d_silu
 from hylo.upcycle import mamba2_weights_from_attention
 
-from helpers import (
+from tests.helpers.common import (
     assert_bad_layer_input_raises,
     assert_bf16_close_to_fp32,
     assert_cached_decode_equals_full,
@@ -587,9 +587,9 @@ def test_smollm2_14mla_16m2_trains_through_both_stages(tmp_path):
     from hylo.pipeline.train.metrics import read_metrics
     from hylo.upcycle import load_base_model, upcycle
 
-    from fixtures_train import write_config
+    from tests.helpers.train import write_config
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     base_dir = fetch_asset("smollm2-135m-instruct")
     model = upcycle(load_base_model(base_dir), mla_layers="uniform:14", linear_type="mamba2", kv_lora_rank=128,
                     qk_rope_head_dim=32)

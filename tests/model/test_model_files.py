@@ -21,11 +21,10 @@ from hylo.config import HybridConfig, HybridConfigError
 from hylo.jobs import convert, stage2
 from hylo.model_files import MAX_LAYERS, ModelFileError, check_model_config
 
-import test_released as rel
-import test_released_xecomla as xe
-from fixtures_teacher import save_tiny_llama
-from fixtures_train import make_tiny_models, tiny_config, write_config
-from test_convert_job import LLAMA_1B
+from tests.helpers import released, xecomla
+from tests.helpers.models import LLAMA_1B
+from tests.helpers.teacher import save_tiny_llama
+from tests.helpers.train import make_tiny_models, tiny_config, write_config
 
 
 def _one_error_line(err: str) -> str:
@@ -98,7 +97,7 @@ def _poison(d: Path, key: str, value: float) -> None:
 @pytest.mark.parametrize("value", [float("nan"), float("-inf")], ids=["nan", "-inf"])
 def test_a_released_import_with_a_non_finite_weight_is_refused_naming_file_and_tensor(tmp_path, capsys, value):
     d = tmp_path / "rel"
-    rel.write_released(d, rel.VARIANTS["qlora-perkv"])
+    released.write_released(d, released.VARIANTS["qlora-perkv"])
     key = "model.layers.0.mla.kv_b_proj.weight"
     _poison(d, key, value)
     rc, line = _import(d, tmp_path / "out", capsys)
@@ -108,7 +107,7 @@ def test_a_released_import_with_a_non_finite_weight_is_refused_naming_file_and_t
 
 def test_a_released_rank_that_disagrees_with_its_tensors_is_named_not_an_index_error(tmp_path, capsys):
     d = tmp_path / "rel"
-    rel.write_released(d, rel.VARIANTS["qlora-perkv"])
+    released.write_released(d, released.VARIANTS["qlora-perkv"])
     hyb = json.loads((d / "hybrid_config.json").read_text())
     (d / "hybrid_config.json").write_text(json.dumps({**hyb, "kv_lora_rank": hyb["kv_lora_rank"] + 8}))
     rc, line = _import(d, tmp_path / "out", capsys)
@@ -117,8 +116,8 @@ def test_a_released_rank_that_disagrees_with_its_tensors_is_named_not_an_index_e
 
 def test_released_rank_entries_for_layers_without_mla_are_refused(tmp_path, capsys):
     d = tmp_path / "rel"
-    v = rel.variant(linear="mamba2", legacy=True)
-    rel.write_released(d, v)
+    v = released.variant(linear="mamba2", legacy=True)
+    released.write_released(d, v)
     hyb = json.loads((d / "hybrid_config.json").read_text())
     linear = next(i for i in range(hyb["n_layer"]) if i not in hyb["mla_layers"])
     ranks = {**hyb["layer_rank_list"], str(linear): {"q_rank": v["q_lora_rank"], "kv_rank": hyb["kv_lora_rank"]}}
@@ -130,7 +129,7 @@ def test_released_rank_entries_for_layers_without_mla_are_refused(tmp_path, caps
 # ------------------------------------------------------------------------------------ X-EcoMLA
 def _xecomla(tmp_path: Path, **kw) -> Path:
     d = tmp_path / "xe"
-    xe.write_xecomla(d, xe.variant(**kw))
+    xecomla.write_xecomla(d, xecomla.variant(**kw))
     return d
 
 
@@ -145,7 +144,7 @@ def test_x_ecomla_rank_4096_is_one_line_not_an_index_error(tmp_path, capsys):
     _edit_layer_config(d, layer_rank_list={**ranks, "1": {"q_rank": 16, "kv_rank": 4096}})
     rc, line = _import(d, tmp_path / "out", capsys)
     assert rc == 2 and line == (f"error: {d / 'mla_layer_config.json'}: layer_rank_list['1'].kv_rank = 4096: must be "
-                                f"<= hidden_size = {xe.D} (a latent of the hidden states is at most as wide as they are)")
+                                f"<= hidden_size = {xecomla.D} (a latent of the hidden states is at most as wide as they are)")
     # a rank within the hidden size that is not its tensors' is named too (was the same IndexError)
     _edit_layer_config(d, layer_rank_list={**ranks, "1": {"q_rank": 16, "kv_rank": 24}})
     rc, line = _import(d, tmp_path / "out", capsys)

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-from sp_group import run_ranks
 
 from hylo.kernels.varlen import DocBounds
 from hylo.seq_parallel import passes_through, shard_range, shard_row
+
+from tests.helpers.sp_group import run_ranks
 
 # rows of 48 tokens whose documents cross the splits at 2 and 4 ranks (12 tokens a rank at 4): a rank inside one
 # document (12..24 in [5, 30)), a rank starting on a boundary (12 in the second row), one long document
@@ -30,7 +31,8 @@ def _rank_errors(rank: int, world: int) -> dict[str, Any]:
     the group-summed gradients (worst parameter) against the unsplit row's in fp64 (computed here too, with the
     same weights: an fp32 run is held to the exact result, as the unsplit fp32 row is, `unsplit`)."""
     import torch.distributed as dist
-    from fla_interpret import tiny_student
+
+    from tests.helpers.fla_interpret import tiny_student
 
     groups = {n: [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)] for n in (2, 4)}
     errors: dict[str, Any] = {}
@@ -141,8 +143,9 @@ def _rank_gpu_branch(rank: int, world: int) -> dict[str, Any]:
     initial state included) through Triton's interpreter, fp32, against the unsplit row in fp64 (torch path)."""
     import copy
 
-    import fla_interpret
     import torch.distributed as dist
+
+    from tests.helpers import fla_interpret
 
     fla_interpret.install()
     from hylo.kernels.backend import forced_mode

@@ -499,7 +499,7 @@ def test_converter_modules_import_alone_without_cycles():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
 
     def name(f: Path) -> str:
         return ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")

@@ -8,14 +8,13 @@ exits before any work, or as it is when it is `--help`; `hylo configs` (no confi
 directory. Parsed only: `decontaminate --export-benchmarks` (downloads, no config) and an example with a
 `<placeholder>`. Optional parts written `[--flag ...]` are left out; `$PWD` is the repository.
 What every example prints with `--print-config` loads back (`--config` of that file prints the same).
-tests/test_quickstart.py runs the README's quick start and "Running the stages" for real.
+tests/e2e/test_quickstart.py runs the README's quick start and "Running the stages" for real.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import re
 import shlex
 from dataclasses import dataclass
@@ -24,9 +23,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hylo.pipeline.cli import COMMANDS, NOT_JOBS, hylo_main
+from hylo.pipeline.cli import COMMANDS, NOT_JOBS
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.cli import run_hylo, run_hylo_split
+
+REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "pipeline" / "train" / "README.md"]
 JOB_FILES = {module.split(".")[-1]: name for name, (module, _) in COMMANDS.items()}
 _FENCE = re.compile(r"^\s*```")
@@ -107,23 +108,6 @@ def doc_examples() -> list[Example]:
             elif block is not None:
                 block.append(line)
     return found
-
-
-def run_hylo_split(argv: list[str]) -> tuple[int, str, str]:
-    """`hylo ARGV` in this process: (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = hylo_main(argv)
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return rc, out.getvalue(), err.getvalue()
-
-
-def run_hylo(argv: list[str]) -> tuple[int, str]:
-    """`hylo ARGV` in this process: (exit status, stdout + stderr)."""
-    rc, out, err = run_hylo_split(argv)
-    return rc, out + err
 
 
 def help_text(name: str) -> str:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import source_copy
+from tests.helpers.common import source_copy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # the folders beside hylo/ and the names they have: the symlink hylo/NAME -> ../NAME maps folder NAME
 MAPPED = ("kernels", "pipeline", "jobs", "configs")
 

@@ -33,8 +33,8 @@ from hylo.pipeline.teacher.cache import (
 from hylo.pipeline.teacher.config import CacheTeacherSection, TeacherCacheConfig, TeacherModelConfig
 from hylo.pipeline.teacher.model import TeacherModel
 
-from fixtures_teacher import make_packed_row, save_tiny_llama, write_packed_parquet
-from helpers import assert_topk_matches
+from tests.helpers.common import assert_topk_matches
+from tests.helpers.teacher import make_packed_row, save_tiny_llama, write_packed_parquet
 
 VOCAB = 96
 

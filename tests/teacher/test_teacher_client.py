@@ -12,7 +12,7 @@ from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.teacher.client import TeacherClient, TeacherUnavailableError
 
-from fixtures_teacher import make_packed_row
+from tests.helpers.teacher import make_packed_row
 
 VOCAB = 50
 

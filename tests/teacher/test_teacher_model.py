@@ -11,8 +11,8 @@ import torch
 from hylo.pipeline.data.rows import PackedRowError, check_row
 from hylo.pipeline.teacher.model import TeacherModel, tokenizer_fingerprint
 
-from fixtures_teacher import make_packed_row, save_tiny_llama
-from helpers import assert_topk_matches
+from tests.helpers.common import assert_topk_matches
+from tests.helpers.teacher import make_packed_row, save_tiny_llama
 
 VOCAB = 96
 

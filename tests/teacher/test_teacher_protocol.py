@@ -23,7 +23,7 @@ from hylo.pipeline.teacher.protocol import TargetSpec
 from hylo.pipeline.teacher.sources import open_teacher
 from hylo.pipeline.train.config import TeacherSection, config_from_dict, config_to_dict, load_stage_config
 
-from fixtures_teacher import make_packed_row, save_tiny_llama, write_packed_parquet
+from tests.helpers.teacher import make_packed_row, save_tiny_llama, write_packed_parquet
 
 VOCAB = 96
 

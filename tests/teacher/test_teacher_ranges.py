@@ -17,8 +17,8 @@ from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.pipeline.data.rows import check_row
 from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
 
-import fixtures_teacher
-from fixtures_teacher import make_packed_row, save_tiny_llama, write_packed_parquet
+from tests.helpers import teacher as teacher_helpers
+from tests.helpers.teacher import make_packed_row, save_tiny_llama, write_packed_parquet
 
 VOCAB = 96
 K = 8
@@ -233,13 +233,13 @@ def test_stored_bytes_of_a_range_are_those_rows_of_the_tensor(dtype):
 # ------------------------------------------------------------------------------ Serve pool (no Ray)
 @pytest.fixture(scope="module")
 def replica(env):
-    return fixtures_teacher.local_replica(env["model_dir"], CHUNK)
+    return teacher_helpers.local_replica(env["model_dir"], CHUNK)
 
 
 def _client(replica):
     from hylo.pipeline.teacher.client import TeacherClient
 
-    handle = fixtures_teacher.LocalHandle(replica)
+    handle = teacher_helpers.LocalHandle(replica)
     return TeacherClient(handle, chunk_tokens=CHUNK, window_chunks=2, dtype="float32", retry_backoff_s=0), handle
 
 

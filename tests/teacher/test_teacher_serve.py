@@ -22,8 +22,8 @@ from hylo.pipeline.teacher.client import TeacherClient  # noqa: E402
 from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig  # noqa: E402
 from hylo.pipeline.teacher.serve import start_teacher_pool  # noqa: E402
 
-from fixtures_teacher import make_packed_row, save_tiny_llama  # noqa: E402
-from helpers import assert_topk_matches  # noqa: E402
+from tests.helpers.common import assert_topk_matches  # noqa: E402
+from tests.helpers.teacher import make_packed_row, save_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 VOCAB = 96
@@ -205,7 +205,7 @@ def test_protocol_targets_are_identical_from_model_pool_and_cache(pool, tmp_path
     from hylo.pipeline.teacher.sources import open_teacher
     from hylo.pipeline.train.config import TeacherSection
 
-    from fixtures_teacher import write_packed_parquet
+    from tests.helpers.teacher import write_packed_parquet
 
     model_dir = pool["model_dir"]
     raw = [make_packed_row(docs, VOCAB, seed=500 + i) for i, docs in enumerate([[3, 11], [5, 9, 2], [13], [7, 4]])]

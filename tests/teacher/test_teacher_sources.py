@@ -21,10 +21,10 @@ from hylo.pipeline.data.rows import check_row
 from hylo.pipeline.teacher import sources
 from hylo.pipeline.train.config import TeacherSection, load_stage_config
 
-from fixtures_teacher import make_packed_row
-from fixtures_train import make_tiny_models
+from tests.helpers.teacher import make_packed_row
+from tests.helpers.train import make_tiny_models
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # The whole of a new source: a teacher given as a JSON table (a stand-in for, say, a vLLM-backed pool). It
 # reuses teacher.cache_path (the table file), teacher.k and teacher.pool.num_cpus (its server's share).

@@ -17,27 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from transformers import LlamaConfig
 
-from hylo.config import HybridConfig
 from hylo.modeling import HyLoForCausalLM
 from hylo.pipeline.train.config import load_stage_config
 from hylo.pipeline.train.estimate import EstimateError, estimate_step, fake_tensors
 
-REPO = Path(__file__).resolve().parents[1]
-V = 512
+from tests.helpers.models import TINY_VOCAB, tiny_student, tiny_teacher
 
-
-def tiny_student() -> HybridConfig:
-    return HybridConfig(vocab_size=V, hidden_size=64, intermediate_size=128, n_layer=4, mla_layers=[0, 2],
-                        num_attention_heads=4, num_key_value_heads=2, kv_lora_rank=32, qk_rope_head_dim=8,
-                        qk_nope_head_dim=8, v_head_dim=16, gdn_num_heads=2, gdn_head_dim=16, gdn_chunk_size=16,
-                        tie_word_embeddings=False)
-
-
-def tiny_teacher() -> LlamaConfig:
-    return LlamaConfig(vocab_size=V, hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=24, tie_word_embeddings=False)
+REPO = Path(__file__).resolve().parents[2]
+V = TINY_VOCAB
 
 
 @pytest.fixture

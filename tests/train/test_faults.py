@@ -26,7 +26,7 @@ from hylo.pipeline.train.checkpoint.resume import set_aside_other_lines
 from hylo.pipeline.train.config import load_stage_config
 from hylo.pipeline.train.storage import CheckpointUploadError, Loc, upload_with_retries
 
-from fixtures_train import s3_server
+from tests.helpers.train import s3_server
 
 
 # moto keeps its buckets per process, across servers: each test (here and in test_faults_cluster.py)

@@ -21,7 +21,7 @@ from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.config import config_to_dict, load_stage_config
 from hylo.pipeline.train.metrics import MetricsWriter, read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo-smollm2.yaml"
 
 
@@ -244,7 +244,7 @@ def end_run():
 def test_torchrun_stage2_logs_every_step_to_mlflow(tmp_path):
     """The real job: config from YAML + --set, the driver writes the run config, rank 0's MetricsWriter
     feeds the tracker; one process logs, every step once, then ends the run."""
-    from fixtures_train import make_tiny_models, tiny_config, write_config
+    from tests.helpers.train import make_tiny_models, tiny_config, write_config
 
     fake = tmp_path / "fakes" / "mlflow"
     fake.mkdir(parents=True)

@@ -694,7 +694,7 @@ def test_uri_storage_is_not_a_local_directory(tmp_path, monkeypatch):
 def test_checkpoints_on_s3_save_walk_back_and_resume(tmp_path):
     """An s3:// run directory (a local S3 server, pyarrow's S3 client): Ray-style checkpoints, their
     manifest, the walk-back past a broken one, and the download a worker resumes from."""
-    from fixtures_train import fake_s3
+    from tests.helpers.train import fake_s3
 
     with fake_s3() as s3:
         run = Loc.of(s3("runs/exp"))

@@ -12,8 +12,8 @@ from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.config import load_stage_config
 from hylo.pipeline.train.inputs import check_stage_inputs
 
-from fixtures_teacher import save_tiny_llama
-from fixtures_train import make_tiny_models
+from tests.helpers.teacher import save_tiny_llama
+from tests.helpers.train import make_tiny_models
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """A run whose loss or gradient norm goes NaN / inf stops at that step and saves nothing from it.
 
 The real loop (`loop.train_worker`, torchrun session, one gloo rank, DeepSpeed ZeRO 3 on CPU) trains the tiny
-HyLo of fixtures_train at `optim.lr=1e30`: step 1 is finite and overflows the weights to ~1e30, step 2's loss
+HyLo of tests/helpers/train.py at `optim.lr=1e30`: step 1 is finite and overflows the weights to ~1e30, step 2's loss
 is NaN. Checked: the stop names the step and what was not finite (one `error:` line through the jobs' error
 contract, exit status 2), the checkpoint of step 1 stays (with `checkpoint.keep=1`), none is written for a
 non-finite step, no consolidated model is written, and metrics.jsonl says why the run stopped. Stage 1 is
@@ -23,11 +23,11 @@ import torch.distributed as dist
 
 from hylo.pipeline.train.nonfinite import NonFiniteError, NonFiniteGuard, local_weights_finite, nonfinite_keys
 
-import fixtures_train
-from helpers import one_thread  # noqa: F401  (one_thread: autouse)
+from tests.helpers import train as train_helpers
+from tests.helpers.common import one_thread  # noqa: F401  (one_thread: autouse)
 
 # the one-rank gloo group of the in-process loop runs (shared with the other module that runs it)
-gloo = fixtures_train.gloo
+gloo = train_helpers.gloo
 
 
 # ------------------------------------------------------------------------------------ the guard alone
@@ -191,7 +191,7 @@ def test_the_check_adds_no_host_read_to_a_step(tmp_path):
 # ------------------------------------------------------------------------------------ the real loop
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from fixtures_train import make_tiny_models
+    from tests.helpers.train import make_tiny_models
 
     return make_tiny_models(tmp_path_factory.mktemp("nonfinite"))
 
@@ -201,7 +201,7 @@ def _job(stage: int, models, storage: Path, capsys, *extra: str) -> tuple[int, l
     status and its stderr lines."""
     from hylo.jobs import stage1, stage2
 
-    from fixtures_train import tiny_config, write_config
+    from tests.helpers.train import tiny_config, write_config
 
     path = write_config(tiny_config(models, storage, f"s{stage}", stage=stage,
                                     train={"global_batch_sequences": 2, "max_steps": 4, "total_steps": 10},
@@ -215,7 +215,7 @@ def _job(stage: int, models, storage: Path, capsys, *extra: str) -> tuple[int, l
         if dist.is_initialized():
             dist.destroy_process_group()
         # the next run in this process (another test) starts a new group
-        fixtures_train.forget_deepspeed_world()
+        train_helpers.forget_deepspeed_world()
     return rc, capsys.readouterr().err.strip().splitlines()
 
 

@@ -21,7 +21,7 @@ from hylo.pipeline.train.config import breaking_diff, breaking_hash, config_to_d
 from hylo.pipeline.train.deepspeed_cfg import build_deepspeed_config
 from hylo.pipeline.train.row_sources import open_rows, resume_position
 
-from helpers import one_thread  # noqa: F401  (autouse: the parent computes the unsplit row on one thread, as each rank)
+from tests.helpers.common import one_thread  # noqa: F401  (autouse: the parent computes the unsplit row on one thread, as each rank)
 
 
 # ------------------------------------------------------------------------------------ config
@@ -54,7 +54,7 @@ def test_a_prepared_split_whose_rows_do_not_split_evenly_is_refused_before_ray(t
     from hylo.pipeline.data.shards import write_manifest
     from hylo.pipeline.train import inputs
 
-    from fixtures_teacher import make_packed_row, write_packed_parquet
+    from tests.helpers.teacher import make_packed_row, write_packed_parquet
 
     write_packed_parquet(tmp_path / "shard-00000.parquet", [make_packed_row([10, 20], vocab_size=50, seed=0)] * 4)
     write_manifest(tmp_path, {"split": "stage2", "max_len": 30, "config_hash": "x",
@@ -186,7 +186,7 @@ def split_setup(tmp_path_factory):
     from hylo.pipeline.train.config import DataSection
     from hylo.upcycle import load_base_model, upcycle
 
-    from fixtures_teacher import make_packed_row, save_tiny_llama, write_packed_parquet
+    from tests.helpers.teacher import make_packed_row, save_tiny_llama, write_packed_parquet
 
     root = tmp_path_factory.mktemp("sp")
     base = save_tiny_llama(root / "base", vocab_size=VOCAB, hidden_size=32, layers=2, seed=0)
@@ -234,7 +234,7 @@ def _teacher_targets(setup, source: str, dtype, ctx) -> dict[str, Any]:
         from hylo.pipeline.teacher.client import TeacherClient
         from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
 
-        from fixtures_teacher import LocalHandle, local_replica
+        from tests.helpers.teacher import LocalHandle, local_replica
 
         client = TeacherClient(LocalHandle(local_replica(setup.base, 16)), chunk_tokens=16, window_chunks=2,
                                dtype="float32", retry_backoff_s=0)
@@ -352,7 +352,7 @@ def test_a_split_row_gives_the_unsplit_rows_loss_and_gradients(split_setup, line
     the Serve pool's replica and client;
     KL + CE) and stage 1 on one packed row at N = 2 and 4: the ranks' losses and gradients summed over the
     group equal the unsplit row's, every parameter."""
-    from helpers import assert_close
+    from tests.helpers.common import assert_close
 
     want = _cases(split_setup, linear, dtype, _context(_cfg(2), dtype))
     for world in (2, 4):
@@ -367,7 +367,7 @@ def test_a_split_row_gives_the_unsplit_rows_loss_and_gradients(split_setup, line
 
 # ------------------------------------------------------------------------------------ the real loop (torchrun)
 def _torchrun(config, *extra: str):
-    from test_train_e2e import torchrun
+    from tests.helpers.train import torchrun
 
     return torchrun(2, config, *extra)
 
@@ -388,8 +388,7 @@ def test_a_run_that_changes_sequence_parallel_on_resume_continues_exactly(tmp_pa
     """Stage 2 on 2 workers, B = 4, 6 steps: uninterrupted at N = 1, against 3 steps at N = 2 (one group holding
     each row split in two) resumed at N = 1 from step 3's checkpoint. Every step trains on the same rows and
     its loss equals the uninterrupted run's (fp32: within 1e-5), before and after the change."""
-    from fixtures_train import make_tiny_models, tiny_config, write_config
-    from test_train_e2e import assert_ok
+    from tests.helpers.train import assert_ok, make_tiny_models, tiny_config, write_config
 
     models = make_tiny_models(tmp_path / "models")
     steps = {"train": {"global_batch_sequences": 4, "total_steps": 6}, "checkpoint": {"every_steps": 3, "keep": None,
@@ -416,8 +415,7 @@ def test_a_run_that_changes_sequence_parallel_on_resume_continues_exactly(tmp_pa
 def test_stage1_at_sequence_parallel_2_trains_as_at_1(tmp_path):
     """Stage 1 (Enhanced-ILD) in the real loop: 3 steps with each row split over the 2 workers give the losses of
     3 steps on whole rows (fp32: within 1e-5), on the same rows, each row's tokens counted once."""
-    from fixtures_train import make_tiny_models, tiny_config, write_config
-    from test_train_e2e import assert_ok, torchrun
+    from tests.helpers.train import assert_ok, make_tiny_models, tiny_config, torchrun, write_config
 
     models = make_tiny_models(tmp_path / "models")
     runs = {}
@@ -450,9 +448,9 @@ def test_stage2_at_sequence_parallel_2_runs_under_ray_job_submit(tmp_path):
     import urllib.request
     from pathlib import Path
 
-    from fixtures_train import make_tiny_models, tiny_config, write_config
+    from tests.helpers.train import make_tiny_models, tiny_config, write_config
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     # this interpreter's Ray (and `python` in the job's entry point: this interpreter's)
     bin_dir = Path(sys.executable).parent
     ray_bin = str(bin_dir / "ray") if (bin_dir / "ray").exists() else shutil.which("ray")

@@ -31,8 +31,8 @@ from hylo.pipeline.train.loop import cosine_with_warmup, reduce_record, setup_di
 from hylo.pipeline.train.row_sources import SyntheticRows, open_rows
 from hylo.pipeline.train.worker import StepResult, WorkerContext
 
-import fixtures_train
-from helpers import assert_close, one_thread  # noqa: F401  (one_thread: autouse)
+from tests.helpers import train as train_helpers
+from tests.helpers.common import assert_close, one_thread  # noqa: F401  (one_thread: autouse)
 
 pytestmark = pytest.mark.slow  # starts DeepSpeed
 
@@ -42,12 +42,12 @@ G = 3
 LR, WARMUP = 1e-3, 0.5
 
 # the one-rank gloo group of the in-process loop runs (shared with the other module that runs it)
-gloo = fixtures_train.gloo
+gloo = train_helpers.gloo
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from fixtures_train import make_tiny_models
+    from tests.helpers.train import make_tiny_models
 
     return make_tiny_models(tmp_path_factory.mktemp("step"))
 

@@ -48,7 +48,7 @@ from hylo.pipeline.train.metrics import MetricsWriter, read_metrics
 from hylo.pipeline.train.row_sources import SyntheticRows, open_rows
 from hylo.pipeline.train.worker import row_to_device
 
-from helpers import assert_topk_matches
+from tests.helpers.common import assert_topk_matches
 
 
 # ------------------------------------------------------------------------------------ config
@@ -151,7 +151,7 @@ def test_seek_reproduces_exactly_the_same_rows():
 def _write_split(tmp_path, n_rows=6, split="stage2", max_len=32):
     from hylo.pipeline.data.shards import write_manifest
 
-    from fixtures_teacher import make_packed_row, write_packed_parquet
+    from tests.helpers.teacher import make_packed_row, write_packed_parquet
 
     rows = [make_packed_row([10, 12], vocab_size=50, seed=i, pad=10) for i in range(n_rows)]
     for r in rows:
@@ -457,7 +457,7 @@ def test_published_recipes_as_configured(path, base, n_mla, ratio):
 
     from hylo.upcycle import hybrid_config_from_base, kv_summary
 
-    p = Path(__file__).resolve().parents[1] / path
+    p = Path(__file__).resolve().parents[2] / path
     s1, s2 = load_stage_config(1, p), load_stage_config(2, p)
     hcfg = hybrid_config_from_base(_base(base), s1.model.convert)
     assert len(hcfg.mla_layers) == n_mla and hcfg.gdn_head_dim == 256 and hcfg.gdn_expand_v == 2.0
@@ -476,7 +476,7 @@ def test_published_recipes_as_configured(path, base, n_mla, ratio):
 def test_demo_config_loads_for_both_stages():
     from pathlib import Path
 
-    p = Path(__file__).resolve().parents[1] / "configs" / "demo-smollm2.yaml"
+    p = Path(__file__).resolve().parents[2] / "configs" / "demo-smollm2.yaml"
     s1, s2 = load_stage_config(1, p), load_stage_config(2, p)
     assert s1.model.convert and s1.model.student is None and s2.model.student == "runs/demo/stage1/model"
     assert s1.ray.num_workers == s2.ray.num_workers == 2 and s2.teacher.source == "inprocess"
@@ -496,7 +496,7 @@ def test_teacher_sources_give_the_same_targets(tmp_path):
     from hylo.pipeline.teacher.sources import open_teacher
     from hylo.pipeline.train.config import TeacherSection
 
-    from fixtures_teacher import save_tiny_llama
+    from tests.helpers.teacher import save_tiny_llama
 
     model_dir = save_tiny_llama(tmp_path / "teacher", vocab_size=50)
     data_dir = tmp_path / "data"
