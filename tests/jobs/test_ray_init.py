@@ -137,7 +137,6 @@ print(*ray.get(where.remote()))
 """
 
 
-@pytest.mark.slow
 def _listening_addresses() -> set[str]:
     """The addresses the TCP ports of this process and its descendants (a local Ray's) listen on."""
     import psutil
@@ -146,6 +145,7 @@ def _listening_addresses() -> set[str]:
     return {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in pids}
 
 
+@pytest.mark.slow
 def test_another_job_joins_a_local_ray_through_ray_address(tmp_path):
     """The demo's pattern: one local Ray, every step job joins it; their workers import this checkout.
     The local Ray's ports (GCS, raylet, workers, agents) listen on the loopback only, not on every
