@@ -1,6 +1,7 @@
 """Helpers shared by the linear-recurrence tests: the GDN and SSD kernels (kernels/test_gdn_kernel.py,
 model/test_mamba2.py) and the GDN and Mamba-2 mixers (model/test_gdn_layer.py, model/test_mamba2.py); the
-check of a teacher's top-k records against reference log-probabilities (the teacher tests); a clean source copy.
+check of a teacher's top-k records against reference log-probabilities (the teacher tests); a clean source
+copy of the checkout.
 
 Test modules import it as `from tests.helpers.common import ...`; importing `one_thread` makes it autouse in
 that module.

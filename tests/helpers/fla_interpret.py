@@ -14,8 +14,8 @@ never in fla:
 
 fla decorates its kernels when it is imported, so TRITON_INTERPRET=1 must be set before that: the checks
 run in a fresh process (`python -m tests.helpers.fla_interpret --out results.json` from the repository's
-root, what `tests/kernels/test_gpu_branch_cpu.py` starts) with `hylo.kernels.backend.forced_mode("gpu")` (every GPU branch on
-CPU tensors) against `forced_mode("torch")`. In the GPU branch the torch ops are replaced by ones that
+root, what `tests/kernels/test_gpu_branch_cpu.py` starts) with `hylo.kernels.backend.forced_mode("gpu")`
+(every GPU branch on CPU tensors) against `forced_mode("torch")`. In the GPU branch the torch ops are replaced by ones that
 raise, so a case cannot pass by falling back to the torch path.
 
 Cases: every fla call site (GDN `chunk_gated_delta_rule`, SSD `chunk_simple_gla`) forward and backward

@@ -23,10 +23,10 @@ TINY_VOCAB = 512
 
 
 def tiny_student() -> HybridConfig:
-    return HybridConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, n_layer=4, mla_layers=[0, 2],
-                        num_attention_heads=4, num_key_value_heads=2, kv_lora_rank=32, qk_rope_head_dim=8,
-                        qk_nope_head_dim=8, v_head_dim=16, gdn_num_heads=2, gdn_head_dim=16, gdn_chunk_size=16,
-                        tie_word_embeddings=False)
+    return HybridConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, n_layer=4,
+                        mla_layers=[0, 2], num_attention_heads=4, num_key_value_heads=2, kv_lora_rank=32,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, gdn_num_heads=2,
+                        gdn_head_dim=16, gdn_chunk_size=16, tie_word_embeddings=False)
 
 
 def tiny_teacher() -> LlamaConfig:

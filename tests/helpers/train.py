@@ -222,7 +222,7 @@ STEP_LOSS_TOL = 1e-6
 
 
 def job_env() -> dict[str, str]:
-    """The environment of a job subprocess: this checkout first on PYTHONPATH, DeepSpeed's compiled ops cached."""
+    """A job subprocess's environment: this checkout first on PYTHONPATH, DeepSpeed's compiled ops cached."""
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "hylo" / "torch_extensions"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)

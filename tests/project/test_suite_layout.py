@@ -3,18 +3,26 @@
 * every test file is in a folder of its part, and every folder is a package (so two files may share a name);
 * a pytest marker decorates tests only: on a helper or a fixture it does nothing (a `@pytest.mark.slow` helper
   leaves the test that calls it in `make test-fast`), so one there is an error here;
-* no test module imports another: what tests share is in tests/helpers/.
+* no test module imports another: what tests share is in tests/helpers/;
+* every path of a test file the repository's text names (docs, comments, help texts) exists.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
+# where the repository's text is (hylo/'s symlinks lead to these folders again)
+TEXT_FOLDERS = ("hylo", "kernels", "pipeline", "jobs", "configs", "bench", "cluster", "docs", "tests", ".ci")
+TEXT_FILES = ("README.md", "pyproject.toml", "Makefile", "constraints.txt")
+TEXT_SUFFIXES = (".py", ".md", ".yaml", ".txt", ".toml", "")
+TEST_PATH = re.compile(r"(?<![\w/.])tests/[\w/]+\.py")
 
 
 def _sources(root: Path) -> Iterator[tuple[Path, ast.Module]]:
@@ -59,7 +67,8 @@ def _collected(node: ast.AST, parents: list[ast.AST]) -> bool:
     """What pytest collects: `test*` functions at module level or in a `Test*` class, `Test*` classes."""
     if isinstance(node, ast.ClassDef):
         return node.name.startswith("Test") and not parents
-    in_class = len(parents) == 1 and isinstance(parents[0], ast.ClassDef) and parents[0].name.startswith("Test")
+    in_class = (len(parents) == 1 and isinstance(parents[0], ast.ClassDef)
+                and parents[0].name.startswith("Test"))
     return node.name.startswith("test") and (not parents or in_class)
 
 
@@ -105,7 +114,8 @@ def imports_of_test_modules(root: Path) -> list[str]:
                                                                    if _is_test_module(a.name)]
             else:
                 continue
-            found += [f"{path.relative_to(root)}:{node.lineno} {name}" for name in names if _is_test_module(name)]
+            found += [f"{path.relative_to(root)}:{node.lineno} {name}" for name in names
+                      if _is_test_module(name)]
     return found
 
 
@@ -113,10 +123,21 @@ def imports_of_test_modules(root: Path) -> list[str]:
 def test_every_test_file_is_in_the_package_of_its_part():
     files = sorted(TESTS.rglob("test_*.py"))
     assert files
-    misplaced = [str(p.relative_to(TESTS)) for p in files if p.parent.parent != TESTS or p.parent.name == "helpers"]
-    assert not misplaced, f"test files outside tests/<part>/ (put each in the folder of its part): {misplaced}"
+    misplaced = [str(p.relative_to(TESTS)) for p in files
+                 if p.parent.parent != TESTS or p.parent.name == "helpers"]
+    assert not misplaced, f"test files outside tests/<part>/ (put each in its part's folder): {misplaced}"
     no_init = sorted({str(p.parent) for p in TESTS.rglob("*.py") if not (p.parent / "__init__.py").is_file()})
     assert not no_init, f"folders of tests/ that are not packages: {no_init}"
+
+
+def test_every_test_path_the_repository_names_exists():
+    files = {p.resolve() for p in (REPO / f for f in TEXT_FILES) if p.is_file()}
+    for folder in TEXT_FOLDERS:
+        files |= {p.resolve() for p in (REPO / folder).rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts and p.suffix in TEXT_SUFFIXES}
+    stale = sorted({f"{f.relative_to(REPO)}: {m}" for f in files
+                    for m in TEST_PATH.findall(f.read_text(errors="replace")) if not (REPO / m).is_file()})
+    assert not stale, "paths of test files that do not exist:\n" + "\n".join(stale)
 
 
 def test_markers_decorate_only_tests():
@@ -134,9 +155,11 @@ def test_no_test_module_imports_another():
     ("@pytest.mark.slow\ndef helper():\n    pass\n", ["helper (not a test)"]),
     ("@pytest.mark.slow\ndef test_ok():\n    pass\n", []),
     ("slow = pytest.mark.slow\n@slow\ndef _start_ray():\n    pass\n", ["_start_ray (not a test)"]),
-    ("from pytest import mark\n@mark.parametrize('x', [1])\ndef check(x):\n    pass\n", ["check (not a test)"]),
+    ("from pytest import mark\n@mark.parametrize('x', [1])\ndef check(x):\n    pass\n",
+     ["check (not a test)"]),
     ("@pytest.fixture\n@pytest.mark.slow\ndef ray():\n    yield\n", ["ray (fixture)"]),
-    ("def test_outer():\n    @pytest.mark.slow\n    def test_inner():\n        pass\n", ["test_inner (not a test)"]),
+    ("def test_outer():\n    @pytest.mark.slow\n    def test_inner():\n        pass\n",
+     ["test_inner (not a test)"]),
     ("@pytest.mark.slow\nclass TestRay:\n    @pytest.mark.slow\n    def test_a(self):\n        pass\n"
      "    @pytest.mark.slow\n    def start(self):\n        pass\n", ["start (not a test)"]),
     ("@pytest.mark.slow\nclass Cluster:\n    pass\n", ["Cluster (not a test)"]),
