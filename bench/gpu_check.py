@@ -29,7 +29,7 @@ region. Memory: torch.cuda.max_memory_allocated after reset_peak_memory_stats, m
 allocated before (so "extra" is what the measured call itself added); None on CPU. Models have random
 weights (no weights travel); figures that depend on the weights' values (losses) are only sanity checks.
 `--tiny` uses small shapes, the Triton interpreter for the fused KL and the torch path elsewhere, so
-that `tests/test_gpu_check.py` keeps this script running between loans.
+that `tests/kernels/test_gpu_check.py` keeps this script running between loans.
 Beside every memory figure measured, the step estimate's figure for the same call (`estimated_*`:
 pipeline/train/estimate.py, the call on fake tensors; `hylo estimate`), so the first GPU run also checks
 the estimator; an estimate that fails is listed in `estimate_errors` and fails no case.

@@ -440,7 +440,7 @@ def config_hash(obj: Any, exclude: tuple[str, ...] = ()) -> str:
 
 def add_config_args(parser: argparse.ArgumentParser, example: str | None = None) -> None:
     """--config, --set and --print-config; `example` is a valid KEY=VALUE of the job's config for the help
-    (tests/test_examples.py runs every example of every help)."""
+    (tests/project/test_examples.py runs every example of every help)."""
     parser.add_argument("--config", type=str, default=None, help="YAML config file")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

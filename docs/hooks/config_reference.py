@@ -17,7 +17,7 @@ Design choices:
 * Comments: the `#` lines directly above a field (and a trailing `# ...` on its line) in the class that
   declares it (inherited fields from their base class), read with `ast` / `inspect`; the class docstring
   heads its section.
-* Which config a job reads is the one table below (`JOBS`); tests/test_docs.py fails when a job of COMMANDS
+* Which config a job reads is the one table below (`JOBS`); tests/project/test_docs.py fails when a job of COMMANDS
   is missing from it or a key of a config is missing from the page.
 """
 

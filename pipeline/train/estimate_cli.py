@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         print("Sequence parallelism (pipeline/train/estimate_sp.py): the split step itself, measured as the last rank "
               "of a row that is one document, its collectives on torch's fake process group, SDPA counted as a "
               "fused kernel; the communication is ANALYTIC, from the layers' shapes (checked against the "
-              "collectives of one split layer of each kind in tests/test_estimate_sp.py).")
+              "collectives of one split layer of each kind in tests/train/test_estimate_sp.py).")
     if args.json:
         from hylo.files import atomic_write
 
