@@ -453,6 +453,7 @@ def test_out_of_the_user_is_refused_and_own_output_replaced(tmp_path, capsys):
     assert not list(tmp_path.glob(".out.*"))
 
 
+@pytest.mark.slow
 def test_output_of_a_killed_run_is_swept_and_an_old_one_replaced(tmp_path):
     import os
     import socket

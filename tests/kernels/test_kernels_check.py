@@ -41,6 +41,7 @@ def test_a_kernel_with_no_configuration_that_fits_is_named_with_the_way_out():
     assert "1 of 2 specialisations: none fits**" in kc.table(res)
 
 
+@pytest.mark.slow
 def test_every_target_is_one_that_tritons_backends_accept():
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas

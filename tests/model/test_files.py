@@ -298,6 +298,7 @@ def test_an_unwritable_output_is_named_as_given_not_by_its_temporary_name(tmp_pa
     assert ".tmp-" not in message and list(parent.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_only_provable_leftovers_of_finished_jobs_are_swept(tmp_path):
     """`sweep_stale` removes a staging directory that carries our staging record of a process that is gone,
     and keeps one whose process runs (ours, here), one without our record and a file of the same name pattern."""

@@ -491,6 +491,7 @@ def test_gdn_spare_value_dims_add_nothing_but_can_train():
         assert torch.equal(mixer(x), ref)
 
 
+@pytest.mark.slow
 def test_converter_modules_import_alone_without_cycles():
     """The converter is one package; the model code never imports it (no converter in a layer file that
     imports the converter back), its modules form no cycle, and its options load without torch."""

@@ -43,6 +43,7 @@ def _find(root: Path) -> set[str]:
     return set(finder(str(root), include=find["include"], exclude=find.get("exclude", ())))
 
 
+@pytest.mark.slow
 def test_the_symlinks_in_hylo_are_the_mapping():
     for name in MAPPED:
         link = REPO / "hylo" / name
@@ -110,6 +111,7 @@ def _python_in_the_checkout(code: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("name", ["pipeline", "jobs", "configs", "pipeline.cli", "jobs.convert"])
+@pytest.mark.slow
 def test_a_folder_refuses_its_top_level_name(name):
     """The checkout's root on sys.path finds pipeline/ also as `pipeline`: it refuses, naming the one name,
     so that no file loads as two modules (two copies of its globals and classes)."""
@@ -122,6 +124,7 @@ def test_a_folder_refuses_its_top_level_name(name):
     assert _python_in_the_checkout(f"import hylo.{name}").returncode == 0
 
 
+@pytest.mark.slow
 def test_no_module_loads_under_two_names():
     """hylo.hylo (what the former `__path__` append allowed) and kernels.<module> (our kernels/ found as the
     top-level `kernels` when Hugging Face's package is absent) do not import."""
@@ -169,6 +172,7 @@ def _isort_findings(source: str) -> list[str]:
     return [line for line in proc.stdout.splitlines() if "I001" in line]
 
 
+@pytest.mark.slow
 def test_import_sorting_sees_every_project_name_as_first_party():
     """hylo, hylo.pipeline.x, hylo.kernels.x and hylo.jobs.x are one first-party section for ruff (it looks
     for each module path below the project root: hylo/pipeline is the symlink), after the third-party one."""
@@ -297,6 +301,7 @@ def test_wheel_and_editable_install_beside_a_package_named_kernels(tmp_path):
         assert Path(got["varlen"]) == src / "hylo" / "kernels" / "varlen.py", (cwd, got)
 
 
+@pytest.mark.slow
 def test_two_checkouts_on_sys_path_import_kernels_without_recursion(tmp_path: Path):
     """PYTHONPATH=checkout plus Ray's copy of the working directory first on sys.path (ray job submit
     --working-dir): `import kernels` (transformers' probe) must not hand the name back and forth."""

@@ -310,6 +310,7 @@ def test_out_holding_files_of_the_user_is_refused(env, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_rerun_resumes_its_own_cache_and_sweeps_only_dead_leftovers(env, tmp_path):
 
     from hylo.files import OUTPUT_RECORD, recorded_entries
@@ -355,6 +356,7 @@ def test_job_refuses_out_inside_the_data_in_one_line(env, tmp_path, capsys):
     assert not (data / "cache").exists()
 
 
+@pytest.mark.slow
 def test_hylo_clean_sweeps_a_killed_writers_shard(env, tmp_path, capsys):
 
     from hylo.jobs import clean

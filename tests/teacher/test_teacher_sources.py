@@ -270,6 +270,7 @@ def test_a_taken_name_is_refused():
 @pytest.mark.parametrize("sets", [[], ["teacher.source=serve"], ["teacher.source=offline", "teacher.k=8",
                                                                  "teacher.cache_path=/c"]],
                          ids=["inprocess", "serve", "offline"])
+@pytest.mark.slow
 def test_building_a_config_loads_the_sources_but_no_implementation(sets):
     """`teacher.source` is checked by its source when the config is built: the sources' files import their
     implementations (model, client, cache, Serve) only inside the methods that use them."""

@@ -48,6 +48,7 @@ def blocks(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@pytest.mark.slow
 def test_hylo_estimate_runs_and_its_sharded_states_are_the_exact_sizes(tiny_config: Path, tmp_path: Path):
     out = tmp_path / "est.json"
     elsewhere = tmp_path / "cwd"

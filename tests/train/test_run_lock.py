@@ -38,6 +38,7 @@ def test_a_second_run_is_refused_while_the_first_holds_the_directory(tmp_path):
         pass
 
 
+@pytest.mark.slow
 def test_a_stale_lock_is_reported_and_taken_only_with_break_lock(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
@@ -64,6 +65,7 @@ def test_a_lock_from_another_host_cannot_be_checked_and_needs_break_lock(tmp_pat
         pass
 
 
+@pytest.mark.slow
 def test_a_torchrun_relaunch_takes_its_own_lock_back(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -115,6 +117,7 @@ def test_the_driver_refuses_a_second_run_before_starting_anything(tmp_path, monk
             run(2, args)
 
 
+@pytest.mark.slow
 def test_a_driver_stopped_with_sigterm_releases_its_lock(tmp_path):
     """A scheduler (or torchrun, stopping the other ranks) sends SIGTERM: the driver exits through Python
     and removes run.lock, so the next `--resume` is not refused for a stale lock."""

@@ -280,6 +280,7 @@ class Budget:
 
 
 @pytest.mark.parametrize("where", ["upload", "write"])
+@pytest.mark.slow
 def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk, where, capsys):
     """`upload`: Ray copies the ranks' directories into storage that fills up (ZeRO shards cut short
     after trainer_state.json and the rank JSONs are in); `write`: torchrun ranks write into a full disk."""
@@ -331,6 +332,7 @@ def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk
                          "was not written by this project's training)"]
 
 
+@pytest.mark.slow
 def test_a_full_storage_during_rays_upload_names_checkpoint_file_and_free_space(tmp_path, small_disk, monkeypatch):
     """Ray's copy of a checkpoint into a full storage: the error names the checkpoint, the file that did not
     arrive whole and the space left (Ray's own says only `worker 0: No space left on device`)."""

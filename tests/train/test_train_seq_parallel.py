@@ -347,6 +347,7 @@ def _split_run(setup, linear: str, dtype, world: int, tmp_path) -> dict[str, tup
     # ~10 s each (forked ranks): the fast suite keeps one
     pytest.param("mamba2", torch.float64, 1e-10, id="mla+mamba2-fp64", marks=pytest.mark.slow),
     pytest.param("gdn", torch.float32, 1e-5, id="mla+gdn-fp32", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_a_split_row_gives_the_unsplit_rows_loss_and_gradients(split_setup, linear, dtype, tol, tmp_path):
     """Stage 2 (each teacher source: in-process exact hidden, in-process streamed logits, offline top-k cache,
     the Serve pool's replica and client;
