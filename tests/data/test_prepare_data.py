@@ -489,7 +489,7 @@ def test_the_rows_hash_of_existing_datasets_is_unchanged():
     cfg = load_config(PrepareDataConfig, overrides=[
         'mixture.sources=[{name: a, path: x.jsonl, weight: 2}]', "packing.max_len=4096",
         "tokenize.mask_method=prefix", "tokenize.chat_template_kwargs={date_string: 1 Jan 2024}",
-        "num_cpus=7", "tokenize.num_actors=5", "output.dir=elsewhere"])
+        "ray.num_cpus=7", "tokenize.num_actors=5", "output.dir=elsewhere"])
     d = to_dict(cfg)
     tok = d["tokenize"]
     assert rows_config_hash(cfg) == config_hash({
