@@ -61,8 +61,8 @@ def _rank(rank: int, world: int, config: str, tokens: int) -> dict[str, Any]:
 
     from hylo.kernels.varlen import DocBounds
     from hylo.modeling import build_mixer
+    from hylo.pipeline.estimate import student_config
     from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.estimate import student_config
     from hylo.seq_parallel import shard_row
 
     deepspeed.init_distributed(dist_backend="gloo")

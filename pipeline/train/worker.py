@@ -79,6 +79,17 @@ class WorkerContext:
             h(point, self)
 
 
+class SoloContext(WorkerContext):
+    """A context whose all-reduces are the identity: one process standing for every rank of its group (no
+    process group needed), for the step run outside the trainer (the estimator, the GPU check, the benches)."""
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        return list(values)
+
+    def all_max(self, values: list[float]) -> list[float]:
+        return list(values)
+
+
 @dataclass
 class StepResult:
     """One optimiser step on one rank: `sums` holds `loss_sum`, the stage's other `*_sum` terms,

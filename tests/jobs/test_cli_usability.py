@@ -303,7 +303,7 @@ JOB_RUNS = {
                  ("hylo.pipeline.rehearse", "rehearse")),
     "estimate": (["--tokens", "64", "--set", "model.student=rel/s", "--set", "data.path=rel/d",
                   "--set", "teacher.model.path=rel/t"],
-                 ("hylo.pipeline.train.estimate_cli", "shapes_of")),
+                 ("hylo.pipeline.estimate.cli", "shapes_of")),
 }
 
 

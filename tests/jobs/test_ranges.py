@@ -225,7 +225,7 @@ def test_a_placement_list_in_a_config_is_checked_the_same_way(tmp_path):
 def test_estimate_refuses_tokens_it_cannot_finish(monkeypatch):
     """Before: `hylo estimate --tokens 10^12` ran the step on a 10^12-token row and never printed anything. The
     step is replaced here by one that fails the test if it is reached."""
-    from hylo.pipeline.train import estimate
+    from hylo.pipeline.estimate import step as estimate
 
     def never(*args, **kwargs):
         raise AssertionError("the estimate ran")
@@ -245,8 +245,8 @@ def test_a_long_estimate_shows_its_progress(tmp_path, capsys):
     """Each phase of the measured step is announced on stderr, and the layer it is in (here at every layer)."""
     import torch
 
+    from hylo.pipeline.estimate import Progress, estimate_step
     from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.estimate import Progress, estimate_step
 
     tiny_student().save_pretrained(tmp_path / "student")
     tiny_teacher().save_pretrained(tmp_path / "teacher")

@@ -154,6 +154,44 @@ def test_a_config_imports_no_implementation(module):
     assert implementations == [], f"importing {module} loads implementation modules {implementations}"
 
 
+def private_imports(root: Path = REPO) -> list[str]:
+    """`from M import _name` in bench/*.py and jobs/*.py where M is a project module (hylo.*, a relative import, or
+    a sibling script of bench/ or jobs/): 'file:line: from M import _name' for each."""
+    found = []
+    for folder in ("bench", "jobs"):
+        siblings = {p.stem for p in (root / folder).glob("*.py")}
+        for path in sorted((root / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                module = node.module or ""
+                top = module.partition(".")[0]
+                if node.level == 0 and top != "hylo" and top not in siblings:
+                    continue
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{folder}/{path.name}:{node.lineno}: from {'.' * node.level}{module} "
+                                     f"import {alias.name}")
+    return found
+
+
+def test_the_private_import_finder_finds_planted_ones(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "bench" / "a.py").write_text("from hylo.pipeline.x import _y, z\nfrom os import _exit\n"
+                                             "def f():\n    from b import _helper\n")
+    (tmp_path / "bench" / "b.py").write_text("from __future__ import annotations\nfrom torch import _C\n")
+    (tmp_path / "jobs" / "c.py").write_text("from . import _d\nfrom hylo import __version__\n")
+    assert private_imports(tmp_path) == ["bench/a.py:1: from hylo.pipeline.x import _y",
+                                         "bench/a.py:4: from b import _helper", "jobs/c.py:1: from . import _d"]
+
+
+def test_no_bench_or_job_imports_a_private_name():
+    """A bench or a job uses what a module offers (a private name can change under it unseen): one way to build a
+    stage's step (`stage1.build` / `stage2.build`), the estimator's public names."""
+    assert private_imports() == []
+
+
 def test_the_leaf_helpers_import_nothing_of_the_project():
     graph = import_graph(project_modules())
     assert {m: graph[m] for m in LEAF_HELPERS} == {m: set() for m in LEAF_HELPERS}

@@ -236,9 +236,9 @@ def test_the_estimate_asks_the_source_where_its_teacher_model_runs(tiny):
     file of its own, gets the pool's treatment (the teacher's shape, a replica of its own) under its own words."""
     import torch
 
+    from hylo.pipeline.estimate.cli import describe
+    from hylo.pipeline.estimate.shapes import shapes_of
     from hylo.pipeline.teacher.sources.serve import ServeSource
-    from hylo.pipeline.train.estimate import shapes_of
-    from hylo.pipeline.train.estimate_cli import describe
 
     class OtherPool(ServeSource):
         name = "otherpool"

@@ -1,4 +1,4 @@
-"""`hylo estimate` (pipeline/train/estimate.py): the training step on fake tensors, at tiny shapes.
+"""`hylo estimate` (pipeline/estimate/): the training step on fake tensors, at tiny shapes.
 
 The estimate's sharded states are checked against exact byte counts of a real model of the same config,
 its activation peak against the same step measured by the CPU allocator (torch.profiler's memory events,
@@ -19,8 +19,8 @@ import torch
 import yaml
 
 from hylo.modeling import HyLoForCausalLM
+from hylo.pipeline.estimate import EstimateError, estimate_step, fake_tensors
 from hylo.pipeline.train.config import load_stage_config
-from hylo.pipeline.train.estimate import EstimateError, estimate_step, fake_tensors
 
 from tests.helpers.models import TINY_VOCAB, tiny_student, tiny_teacher
 
@@ -111,17 +111,19 @@ def test_the_estimate_is_the_cpu_allocators_peak_of_the_same_step(tiny_config: P
     part within 10 %."""
     from torch.profiler import record_function
 
+    from hylo.pipeline.estimate import DOC_TOKENS, ShapeTeacher, build_model, shapes_of, synthetic_row
     from hylo.pipeline.train import stage2
-    from hylo.pipeline.train.estimate import DOC_TOKENS, _Solo, build_stage2, shapes_of, synthetic_row
-    from hylo.pipeline.train.plain_engine import PlainEngine
+    from hylo.pipeline.train.plain_engine import plain_engine
+    from hylo.pipeline.train.worker import SoloContext
 
     cfg = _stage2(tiny_config)
     est = estimate_step(cfg, tokens, 1, torch.float32, gpu=False)
     shapes = shapes_of(cfg)
     torch.manual_seed(0)
-    task, _ = build_stage2(cfg, shapes, torch.float32, gpu=False, engine_cls=PlainEngine)
-    ctx = _Solo(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32, run_dir=Path("."),
-                grad_accum=1)
+    ctx = SoloContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
+                      run_dir=Path("."), grad_accum=1)
+    task = stage2.build(ctx, student=lambda: build_model(shapes.student, torch.float32),
+                        engine=plain_engine(cfg.optim), teacher=ShapeTeacher(cfg, shapes))
     stage2.train_step(task, [synthetic_row(min(256, tokens), V, (64, 128), seed=1)], ctx)
     row = synthetic_row(tokens, V, DOC_TOKENS)
     engine_step = task.engine.step
@@ -158,7 +160,7 @@ def test_a_device_read_the_estimate_has_no_value_for_names_its_line():
 
 def test_a_recipe_without_its_model_directories_uses_the_published_shapes():
     """The 1B recipe's base and teacher are not mounted here: their published config.json shapes are used."""
-    from hylo.pipeline.train.estimate import parameter_count, shapes_of
+    from hylo.pipeline.estimate import parameter_count, shapes_of
 
     cfg = load_stage_config(2, REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml")
     shapes = shapes_of(cfg, load_stage_config(1, REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml"))

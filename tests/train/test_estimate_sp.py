@@ -1,4 +1,4 @@
-"""`hylo estimate --sequence-parallel N` (pipeline/train/estimate_sp.py): the flag's rules, the analytic
+"""`hylo estimate --sequence-parallel N` (pipeline/estimate/sp.py): the flag's rules, the analytic
 communication and extras against torch's own counts, and the rank's step at T / N tokens. Tiny shapes, seconds."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import yaml
 
 from hylo.config import HybridConfig
 from hylo.pipeline.cli import BadArgument
-from hylo.pipeline.train import estimate_sp as sp
+from hylo.pipeline.estimate import sp
 
 
 def tiny(linear_type: str = "gdn", heads: int = 4) -> HybridConfig:
@@ -63,7 +63,7 @@ def test_latent_gathering_and_ulysses_bytes_as_ring_collectives_move_them():
 
 
 def test_the_extra_attention_flops_are_the_estimates_count_of_the_last_ranks_block():
-    from hylo.pipeline.train.estimate import fake_tensors, flop_registry
+    from hylo.pipeline.estimate import fake_tensors, flop_registry
 
     hc = tiny()
     T, N = 256, 4
@@ -154,9 +154,9 @@ def test_hylo_estimate_sequence_parallel_runs_the_split_step_as_the_last_rank(ti
                                                                                capsys):
     import torch.distributed as dist
 
+    from hylo.pipeline.estimate import estimate_step
+    from hylo.pipeline.estimate.cli import main
     from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.estimate import estimate_step
-    from hylo.pipeline.train.estimate_cli import main
 
     out = tmp_path / "est.json"
     assert main(["--config", str(tiny_config), "--tokens", "128", "--sequence-parallel", "2", "--json", str(out)]) == 0

@@ -8,7 +8,7 @@ section (`check_section` checks that it has the kind's keys). A kind is stateles
 * `exact_forms`  the exact teacher's (k: 0) forms it can give (the width and the form are resolved for every
                  source alike, `target_form` in the registry);
 * `model_runs`   where its teacher model runs: in each training step, on replicas of its own, or nowhere (stored
-                 targets); what `hylo estimate` builds into the step and sizes apart (pipeline/train/estimate.py);
+                 targets); what `hylo estimate` builds into the step and sizes apart (pipeline/estimate/);
 * `where`        the same in words.
 Its methods, in the order a run uses them:
 * `check_config(t)`          when the config is built: what the source needs of the section (FieldError naming

@@ -8,14 +8,14 @@ MLA query heads / kv_b_proj heads, Nn / Pr / Vd the nope / rope / value head dim
 shared roped key (R + P values per token: what MLA's latent gather sends), Hl / K / V the GDN heads and key /
 value dims, (Hm, Pm, Nm, Gm) Mamba-2's heads, head dim, state size, groups, C conv channels, w conv_size - 1.
 
-`hylo estimate --sequence-parallel N` runs the SPLIT STEP itself: `estimate.estimate_step(...,
+`hylo estimate --sequence-parallel N` runs the SPLIT STEP itself: `step.estimate_step(...,
 sequence_parallel=N)`, the stage's own `train_step` at `train.sequence_parallel = N` as the last rank of a row
 that is one document, in `split_rank` (torch's fake process group, SDPA as a fused kernel holds memory); then
 `estimate_sp(..., split=True)` adds nothing but the communication count. What follows is the cheaper model the
 length sweeps use (bench/sp_tables.py) and the fallback where this process already has a process group.
 
 Per GPU at N, as `estimate_sp` computes it without `split`:
-* the rank's own step: `estimate.estimate_step` at Tq tokens (the recipe's packed documents), measured on fake
+* the rank's own step: `step.estimate_step` at Tq tokens (the recipe's packed documents), measured on fake
   tensors as for N = 1: parameters, gradients and optimizer states under ZeRO-3 over W, the activations of
   Tq tokens, the loss, the teacher's targets for Tq tokens (Serve pool / cache: each shard's range).
 * plus what splitting adds:
@@ -65,8 +65,10 @@ from typing import Any
 
 import torch
 
-from hylo.pipeline.train.estimate import FIT_MARGIN, GPUS, Estimate, _gib, _k, per_key_lines
-from hylo.pipeline.train.fake_group import _fused_attention, split_rank  # noqa: F401 (split_rank: estimate_step)
+from hylo.pipeline.estimate.fake_group import fused_attention
+from hylo.pipeline.estimate.gpus import FIT_MARGIN, GPUS
+from hylo.pipeline.estimate.report import format_gib, format_tokens, per_key_lines
+from hylo.pipeline.estimate.step import Estimate
 
 # the row length the scans' FLOPs are counted at (linear in T: the chunked forms loop over chunks of 64)
 SCAN_TOKENS = 2048
@@ -216,7 +218,7 @@ def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype, kind: str = "
     """Bytes one split MLA decoder layer (hylo/seq_parallel.py's `_attend_shard`) holds beyond the same layer
     on the rank's T / N tokens unsplit, forward and backward, as the LAST rank of a row that is one document:
     both run on fake tensors, the collectives on torch's fake process group (`FakeStore`, backend "fake"), the
-    attention's SDPA as a fused kernel (`_fused_attention`). None where this process already has a process
+    attention's SDPA as a fused kernel (`fused_attention`). None where this process already has a process
     group (the fake one cannot be made): the caller uses the analytic bound. `kind="linear"`: a GDN / Mamba-2
     layer instead (its zero-start pass, the transition pass and the second pass from the passed state)."""
     import torch.distributed as dist
@@ -224,7 +226,8 @@ def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype, kind: str = "
 
     from hylo.kernels.varlen import DocBounds
     from hylo.modeling import HyLoDecoderLayer
-    from hylo.pipeline.train.estimate import cast_parameters, estimate_call
+    from hylo.pipeline.estimate.fake import cast_parameters
+    from hylo.pipeline.estimate.step import estimate_call
     from hylo.seq_parallel import shard_row
 
     layers = hc.mla_layers if kind == "mla" else hc.linear_layers
@@ -245,7 +248,7 @@ def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype, kind: str = "
             out, _ = layer(x, bounds.positions[None], shard if split else bounds, None)
             out.sum().backward()
 
-        with _fused_attention():
+        with fused_attention():
             split = estimate_call(setup, lambda st: run(st, True))
             alone = estimate_call(setup, lambda st: run(st, False))
         return max(split - alone, 0.0)
@@ -258,7 +261,7 @@ def _scan_flops(hc: Any, tokens: int, dtype: torch.dtype, transition: bool = Fal
     final state out: our torch scan on fake tensors, counted with the estimate's formulas. `transition`: GDN's
     transition pass (values of width K, a [K, K] state)."""
     from hylo.kernels.backend import forced_mode
-    from hylo.pipeline.train.estimate import fake_tensors, flop_registry
+    from hylo.pipeline.estimate.fake import fake_tensors, flop_registry
 
     d = Dims.of(hc)
     with fake_tensors() as host, forced_mode("torch"):
@@ -381,11 +384,11 @@ def _mb(x: float) -> str:
 def format_sp(ests: list[SPEstimate]) -> str:
     """The per-GPU table at N (columns: the row lengths) and the communication per layer."""
     N = ests[0].sequence_parallel
-    cols = [_k(e.tokens) for e in ests]
+    cols = [format_tokens(e.tokens) for e in ests]
     w = max(9, *(len(c) + 2 for c in cols))
     # label width: the longest row name
     L = 2 + max(len(k) + 11 for e in ests for k in (*e.extra_memory, *e.extra_flops, *e.local.memory, "x" * 50))
-    lines = [f"training GPU, sequence parallel over N = {N} (each rank {', '.join(_k(e.tokens // N) for e in ests)} "
+    lines = [f"training GPU, sequence parallel over N = {N} (each rank {', '.join(format_tokens(e.tokens // N) for e in ests)} "
              f"tokens of the row; the last rank" + (" of a row that is one document, its split step measured):"
                                                     if ests[0].split else "):"),
              f"{'per GPU (GiB)':<{L}}" + "".join(f"{c:>{w}}" for c in cols)]
@@ -395,17 +398,17 @@ def format_sp(ests: list[SPEstimate]) -> str:
     for k in keys:
         vals = [e.local.memory.get(k, 0.0) for e in ests]
         if any(vals):
-            lines.append(f"  {k:<{L - 2}}" + "".join(f"{_gib(v):>{w}}" for v in vals))
+            lines.append(f"  {k:<{L - 2}}" + "".join(f"{format_gib(v):>{w}}" for v in vals))
     what = "the split step (measured)" if ests[0].split else "the step of one rank (measured, T/N tokens)"
     lines.append(f"{'  peak of ' + what:<{L}}"
-                 + "".join(f"{_gib(e.local.peak_bytes):>{w}}" for e in ests))
+                 + "".join(f"{format_gib(e.local.peak_bytes):>{w}}" for e in ests))
     ekeys: list[str] = []
     for e in ests:
         ekeys += [k for k in e.extra_memory if k not in ekeys]
     for k in ekeys:
-        lines.append(f"  {k:<{L - 2}}" + "".join(f"{_gib(e.extra_memory.get(k, 0.0)):>{w}}" for e in ests))
+        lines.append(f"  {k:<{L - 2}}" + "".join(f"{format_gib(e.extra_memory.get(k, 0.0)):>{w}}" for e in ests))
     total = "peak" if ests[0].split else "peak (the step + the SP extras: an upper bound)"
-    lines.append(f"{total:<{L}}" + "".join(f"{_gib(e.peak_bytes):>{w}}" for e in ests))
+    lines.append(f"{total:<{L}}" + "".join(f"{format_gib(e.peak_bytes):>{w}}" for e in ests))
     lines.append(f"fits (peak <= {1 - FIT_MARGIN:.0%} of the memory):")
     for g in GPUS:
         lines.append(f"  {g.name + f' {g.memory_gib:.0f} GiB':<{L - 2}}"

@@ -1,6 +1,6 @@
 """This process as one rank of a sequence-parallel group on torch's fake process group, for the estimator
-(`hylo estimate --sequence-parallel N`: pipeline/train/estimate.py runs the split step in it,
-pipeline/train/estimate_sp.py measures split layers in it). Imports nothing of the estimator, so both can use it.
+(`hylo estimate --sequence-parallel N`: step.py runs the split step in it, sp.py measures split layers in it).
+Imports nothing of the estimator, so both can use it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ class FakeGroupError(RuntimeError):
 
 
 @contextlib.contextmanager
-def _fused_attention() -> Iterator[None]:
+def fused_attention() -> Iterator[None]:
     """SDPA as a GPU's fused kernel holds memory: the split MLA attention's `causal_lower_right` bias (which
     cannot be built on fake tensors, and sends CPU tensors to the math kernel's materialised scores) is dropped;
     the mask changes values, not buffers."""
@@ -37,7 +37,7 @@ def _fused_attention() -> Iterator[None]:
 @contextlib.contextmanager
 def split_rank(N: int) -> Iterator[None]:
     """This process as the last rank of a sequence-parallel group of N on torch's fake process group (its
-    collectives move nothing; shapes are real), with SDPA as a fused kernel (`_fused_attention`)."""
+    collectives move nothing; shapes are real), with SDPA as a fused kernel (`fused_attention`)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -45,7 +45,7 @@ def split_rank(N: int) -> Iterator[None]:
         raise FakeGroupError("the split step runs on a fake process group, and this process has a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=N - 1, world_size=N)
     try:
-        with _fused_attention():
+        with fused_attention():
             yield
     finally:
         dist.destroy_process_group()

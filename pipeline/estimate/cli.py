@@ -1,6 +1,6 @@
-"""`hylo estimate`'s command line: the step estimate (pipeline/train/estimate.py) and, at
-`--sequence-parallel N`, what splitting a row adds (pipeline/train/estimate_sp.py). Its own module so that the
-estimator and its sequence-parallel part import each other in one direction only (estimate_sp -> estimate)."""
+"""`hylo estimate`'s command line: the step estimate (step.py) and, at `--sequence-parallel N`, what splitting a
+row adds (sp.py). Its own module so that the estimator and its sequence-parallel part import each other in one
+direction only (sp -> step)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,19 @@ from typing import Any
 
 import torch
 
-from hylo.pipeline.teacher.sources import source_kind
-from hylo.pipeline.train.config import Stage1Config, Stage2Config, StageConfig
-from hylo.pipeline.train.estimate import (
+from hylo.pipeline.estimate import __doc__ as estimate_doc
+from hylo.pipeline.estimate.report import format_table
+from hylo.pipeline.estimate.shapes import Shapes, shapes_of
+from hylo.pipeline.estimate.step import (
     DOC_TOKENS,
     MAX_WORLD_SIZE,
-    Progress,
-    Shapes,
     check_estimate_tokens,
     estimate_step,
     estimate_teacher_replica,
-    format_table,
-    shapes_of,
 )
-from hylo.pipeline.train.estimate import __doc__ as estimate_doc
+from hylo.pipeline.estimate.tracking import Progress
+from hylo.pipeline.teacher.sources import source_kind
+from hylo.pipeline.train.config import Stage1Config, Stage2Config, StageConfig
 
 
 def describe(cfg: StageConfig, shapes: Shapes, W: int, dtype: torch.dtype, config_path: str | None) -> str:
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     ap.add_argument("--sequence-parallel", type=int_at_least(1, MAX_WORLD_SIZE), default=None, metavar="N",
                     help="one row split by tokens over N GPUs (default: the config's train.sequence_parallel, else 1): "
                          "per GPU the rank's step at T/N tokens plus what splitting adds, and the bytes each layer "
-                         "sends (pipeline/train/estimate_sp.py)")
+                         "sends (pipeline/estimate/sp.py)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help="the step's dtype (default: model.dtype as on a GPU: auto = bfloat16)")
     ap.add_argument("--cpu", action="store_true",
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         raise BadArgument("--tokens: give the row lengths (the config sets no data.seq_len)" if None in tokens
                           else f"--tokens={args.tokens}: every length must be at least 2")
     W = args.world_size or cfg.ray.num_workers
-    from hylo.pipeline.train.estimate_sp import check_sequence_parallel, estimate_sp, format_sp
+    from hylo.pipeline.estimate.sp import check_sequence_parallel, estimate_sp, format_sp
 
     N = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
     check_sequence_parallel(N, W, tokens, "--sequence-parallel" if args.sequence_parallel else "train.sequence_parallel",
@@ -139,10 +138,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         print(format_table(f"teacher replica GPU (teacher.pool: {cfg.teacher.pool.num_replicas} replicas, "
                            f"{teach[0].notes[0]}):", teach))
         out["teacher_replica"] = [e.to_dict() for e in teach]
-    print("\nThe step runs on fake tensors (pipeline/train/estimate.py): ZeRO-3 sharding is arithmetic on the "
+    print("\nThe step runs on fake tensors (pipeline/estimate/): ZeRO-3 sharding is arithmetic on the "
           "real sizes; times are FLOPs at the dense bf16 peak, a lower bound.")
     if N > 1:
-        print("Sequence parallelism (pipeline/train/estimate_sp.py): the split step itself, measured as the last rank "
+        print("Sequence parallelism (pipeline/estimate/sp.py): the split step itself, measured as the last rank "
               "of a row that is one document, its collectives on torch's fake process group, SDPA counted as a "
               "fused kernel; the communication is ANALYTIC, from the layers' shapes (checked against the "
               "collectives of one split layer of each kind in tests/train/test_estimate_sp.py).")
