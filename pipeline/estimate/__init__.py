@@ -28,7 +28,7 @@ How it is measured:
   after accumulation) and, because autograd sums a tensor's gradients out of place whenever a Python
   dispatch mode is active, the copy each such sum makes that the step does not (`HostOps._engine_sum`).
   Checked against the CPU allocator's own peak of the same step (bench/estimate_check.py; 1.000 at 512
-  tokens) and at a tiny shape in tests/test_estimate.py.
+  tokens) and at a tiny shape in tests/train/test_estimate.py.
 * FLOPs: `torch.utils.flop_counter.FlopCounterMode`'s formulas (`flop_registry`), counted per op in the
   same pass (under FlopCounterMode itself, whose module tracker keeps module outputs alive, the step's
   activation memory measured beside it more than doubled), split by phase: teacher forward,

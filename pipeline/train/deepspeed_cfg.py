@@ -16,6 +16,7 @@ Design choices:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -95,7 +96,16 @@ def deepspeed_engine(ctx: Any, lr_lambda: Callable[[int], float] | None) -> Engi
     (`ctx`: the stage's WorkerContext)."""
     if lr_lambda is None:
         raise ValueError("DeepSpeed's engine needs the learning-rate schedule (lr_lambda)")
-    return lambda module, params: init_engine(module, params, ctx.cfg, ctx.world_size, ctx.dtype, lr_lambda)
+
+    def make(module: torch.nn.Module, params: list[torch.nn.Parameter]):
+        t0 = time.time()
+        engine = init_engine(module, params, ctx.cfg, ctx.world_size, ctx.dtype, lr_lambda)
+        clock = getattr(ctx, "startup", None)  # the trainer's start-up clock (train/startup.py)
+        if clock is not None:
+            clock.add("deepspeed init", time.time() - t0)
+        return engine
+
+    return make
 
 
 def current_lr(engine) -> float:

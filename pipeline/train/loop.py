@@ -239,7 +239,7 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
                         run_dir=local_mirror(run), run_loc=run,
                         grad_accum=cfg.grad_accum,
                         hooks=[FaultInjection(cfg.fault)],
-                        sp_group=sp_group, sp_rank=sp_rank, sp_size=sp_size)
+                        sp_group=sp_group, sp_rank=sp_rank, sp_size=sp_size, startup=clock)
     if sp_size > 1 and rank == 0:
         print(f"[train] sequence parallelism: each row split over {sp_size} workers (ranks [g*{sp_size}, "
               f"(g+1)*{sp_size}) form group g), {ctx.dp_size} group(s), {ctx.grad_accum} row(s) per worker per step",

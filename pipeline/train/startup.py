@@ -44,18 +44,24 @@ class StartupClock:
     def __init__(self, phases: dict[str, float] | None = None, since: float | None = None) -> None:
         self.phases: dict[str, float] = dict(phases or {})
         self.since = time.time() if since is None else since
+        self.inner = 0.0  # seconds `add` counted since the previous lap
 
     def lap(self, phase: str) -> float:
         """End `phase` now (it began at the previous lap); returns its seconds."""
         now = time.time()
-        self.phases[phase] = self.phases.get(phase, 0.0) + max(0.0, now - self.since)
-        self.since = now
+        self.phases[phase] = self.phases.get(phase, 0.0) + max(0.0, now - self.since - self.inner)
+        self.since, self.inner = now, 0.0
         return self.phases[phase]
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Count `seconds` as `phase` (a part measured inside another phase, which `lap` then leaves out)."""
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+        self.inner += seconds
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
         """Time a block as `phase` (what ran since the previous lap is not counted in it)."""
-        self.since = time.time()
+        self.since, self.inner = time.time(), 0.0
         try:
             yield
         finally:

@@ -56,6 +56,8 @@ class WorkerContext:
     sp_size: int = 1
     dp_rank: int = -1
     dp_size: int = -1
+    # the trainer's start-up clock (train/startup.py): the engine factory counts DeepSpeed's set-up in it
+    startup: Any = None
 
     def __post_init__(self) -> None:
         if self.dp_rank < 0:

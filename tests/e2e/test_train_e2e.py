@@ -391,3 +391,17 @@ def test_stage1_bf16_keeps_master_weights_and_frozen_originals(tiny, trainable):
     # trained: the optimiser's fp32 masters, which bf16 cannot represent (bf16 working weights could)
     off_grid = sum(int((p1 != p1.bfloat16().float()).sum()) for _, _, p1 in trained)
     assert off_grid > 0.5 * sum(p1.numel() for _, _, p1 in trained), off_grid
+
+
+def test_the_run_says_where_its_start_up_went(reference):
+    """Rank 0 writes its start-up clock (pipeline/train/startup.py) after the first step: every phase, DeepSpeed's
+    set-up apart from the model load, and no Ray start under torchrun."""
+    import json
+
+    from hylo.pipeline.train.startup import PHASES, STARTUP_FILE
+
+    got = json.loads((reference / STARTUP_FILE).read_text())
+    phases = got["phases"]
+    assert set(phases) == set(PHASES) and got["world_size"] == 2 and got["stage"] == 2
+    assert phases["ray start"] == 0.0
+    assert all(phases[p] > 0 for p in ("import", "process group", "model load", "deepspeed init", "first step"))
