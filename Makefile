@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED := 1
 # Compiled DeepSpeed ops are cached here between runs.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/hylo/torch_extensions
 
-.PHONY: install demo test test-fast lint assets bench constraints gpu-check
+.PHONY: install demo test test-fast lint assets docs bench constraints gpu-check
 
 # torch is not in the lock: an installed torch is kept, otherwise the CPU build 2.13.0 is installed.
 install:
@@ -25,22 +25,34 @@ assets: install
 demo: assets
 	$(PYTHON) jobs/demo.py
 
-test: assets
+# The tests run in TEST_WORKERS processes (pytest-xdist), a test file per process at a time, so that a file's
+# shared fixtures (its reference run, its Ray, its models) are made once; the files that take longest start
+# first (tests/conftest.py). Most of a slow test's time is waiting for processes to start (Ray, its workers,
+# DeepSpeed: bench/stage_startup.py), so three processes keep two cores busy. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 3
+test: assets docs
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+
+# The documentation site (docs/, mkdocs.yml) into site/ (git-ignored). --strict: a broken link or anchor, a page
+# missing from the nav or a nav entry without its page is an error. The configuration reference is generated
+# from the config dataclasses while it builds (docs/hooks/config_reference.py).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
 
 # The edit-run loop (after one `make test` has installed everything): lint and every test not marked
-# `slow`, i.e. none that starts Ray, DeepSpeed, torchrun or a job subprocess or loads the real SmolLM2.
+# `slow`, i.e. none that starts Ray, DeepSpeed, torchrun or any other process or loads the real SmolLM2
+# (tests/conftest.py fails a test without the marker that starts a process), in two processes.
 test-fast:
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest -q -m "not slow" tests
+	$(PYTHON) -m pytest -q -n 2 -m "not slow" tests
 
 lint:
 	$(PYTHON) -m ruff check .
 
-# One prepared check of every GPU path at the released shapes (README "GPU"): on a GPU machine,
+# One prepared check of every GPU path at the released shapes (docs/gpu-check.md): on a GPU machine,
 # `make gpu-check OUT=folder` writes folder/gpu_check.json and folder/gpu_check.md. Installs nothing:
-# the machine's own torch/triton/transformers plus the carried wheels (README).
+# the machine's own torch/triton/transformers plus the carried wheels (docs/gpu-check.md).
 OUT ?= gpu-check
 gpu-check:
 	$(PYTHON) bench/gpu_check.py --out $(OUT)

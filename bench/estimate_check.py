@@ -1,4 +1,4 @@
-"""The step estimate (`hylo estimate`, pipeline/train/estimate.py) beside the same step measured on this CPU.
+"""The step estimate (`hylo estimate`, pipeline/estimate/) beside the same step measured on this CPU.
 
     python bench/estimate_check.py                            # 2K, 4K, 8K tokens (about 10 minutes)
     python bench/estimate_check.py --tokens 2048 --repeat 2   # quicker
@@ -55,6 +55,23 @@ def configs():
     from hylo.pipeline.train.config import load_stage_config
 
     return load_stage_config(2, CONFIG, OVERRIDES), load_stage_config(1, CONFIG)
+
+
+def demo_step(cfg, shapes):
+    """The measured step's task and context: `stage2.build` with random weights at the estimate's shapes (the
+    student, the in-process teacher), fp32 on this CPU, `PlainEngine`, one rank."""
+    import torch
+
+    from hylo.pipeline.estimate import ShapeTeacher, build_model
+    from hylo.pipeline.train import stage2
+    from hylo.pipeline.train.plain_engine import plain_engine
+    from hylo.pipeline.train.worker import SoloContext
+
+    ctx = SoloContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
+                      run_dir=Path("."), grad_accum=1)
+    task = stage2.build(ctx, student=lambda: build_model(shapes.student, torch.float32),
+                        engine=plain_engine(cfg.optim), teacher=ShapeTeacher(cfg, shapes))
+    return task, ctx
 
 
 # ------------------------------------------------------------------------------------ the child
@@ -124,16 +141,13 @@ def run_child(tokens: int, threads: int, gemms: list, memory: bool = True) -> di
             host_malloc = "system (this checkout has no keep_freed_host_memory)"
         else:
             host_malloc = "keep" if keep_freed_host_memory() else "system"
+    from hylo.pipeline.estimate import DOC_TOKENS, shapes_of, synthetic_row
     from hylo.pipeline.train import stage2
-    from hylo.pipeline.train.estimate import DOC_TOKENS, _Solo, build_stage2, shapes_of, synthetic_row
-    from hylo.pipeline.train.plain_engine import PlainEngine
 
     cfg, s1 = configs()
     shapes = shapes_of(cfg, s1)
     torch.manual_seed(0)
-    task, _ = build_stage2(cfg, shapes, torch.float32, gpu=False, engine_cls=PlainEngine)
-    ctx = _Solo(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32, run_dir=Path("."),
-                grad_accum=1)
+    task, ctx = demo_step(cfg, shapes)
     vocab = shapes.student.vocab_size
     stage2.train_step(task, [synthetic_row(min(256, tokens), vocab, (64, 128), seed=1)], ctx)
     row = synthetic_row(tokens, vocab, DOC_TOKENS)
@@ -260,7 +274,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from hylo.pipeline.train.estimate import DOC_TOKENS, estimate_step, shapes_of, synthetic_row
+    from hylo.pipeline.estimate import DOC_TOKENS, estimate_step, shapes_of, synthetic_row
 
     torch.set_num_threads(args.threads)
     cfg, s1 = configs()

@@ -1,4 +1,4 @@
-"""The paper's memory table and our recipes' steps by GPU, from the step estimate (pipeline/train/estimate.py).
+"""The paper's memory table and our recipes' steps by GPU, from the step estimate (pipeline/estimate/).
 
     python bench/estimate_tables.py                     # both tables (the step on fake tensors, CPU only)
     python bench/estimate_tables.py --paper             # the paper's table only
@@ -54,8 +54,8 @@ PAPER_ROWS = [
 
 
 def paper_student():
+    from hylo.pipeline.estimate import model_config
     from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.estimate import model_config
     from hylo.upcycle.options import hybrid_config_from_base
 
     convert = dataclasses.replace(load_stage_config(1, RECIPE_1B).model.convert, linear_type="mamba2",
@@ -130,8 +130,8 @@ def comparison_variant(loss: str, teacher: bool):
 def paper_table(tokens: int = 65536, worlds: tuple[int, int] = (8, 1)) -> list[dict]:
     import torch
 
+    from hylo.pipeline.estimate import GPUS, Shapes, estimate_step, model_config
     from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.estimate import GPUS, Shapes, estimate_step, model_config
 
     shapes = Shapes(paper_student(), teacher=model_config("Llama-3.1-8B-Instruct", "teacher.model.path"))
     W, other = worlds
@@ -159,8 +159,8 @@ def paper_table(tokens: int = 65536, worlds: tuple[int, int] = (8, 1)) -> list[d
 def recipes_table(tokens: list[int]) -> list[dict]:
     import torch
 
+    from hylo.pipeline.estimate import GPUS, estimate_step, estimate_teacher_replica, shapes_of
     from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.estimate import GPUS, estimate_step, estimate_teacher_replica, shapes_of
 
     out = []
     for path in RECIPES:

@@ -8,7 +8,7 @@ Writes OUT_DIR/gpu_check.json (every figure, the versions, each case's error if 
 OUT_DIR/gpu_check.md (a short table). Each case runs in its own try block: a failure is recorded (type,
 message, the traceback's last lines) and the next case runs.
 
-Cases (README "GPU" gives the shapes, the expected times and what the figures are compared with):
+Cases (docs/gpu-check.md gives the shapes, the expected times and what the figures are compared with):
 1. fused KL: our kernel (Triton on GPU) against the torch reference that materialises the logits
    (`naive_kl_div`: full logits + F.kl_div), teacher as hidden states + LM head and as top-64 + tail;
    loss / gradient relative errors, peak extra memory and forward+backward time, and Liger-Kernel's
@@ -29,9 +29,9 @@ region. Memory: torch.cuda.max_memory_allocated after reset_peak_memory_stats, m
 allocated before (so "extra" is what the measured call itself added); None on CPU. Models have random
 weights (no weights travel); figures that depend on the weights' values (losses) are only sanity checks.
 `--tiny` uses small shapes, the Triton interpreter for the fused KL and the torch path elsewhere, so
-that `tests/test_gpu_check.py` keeps this script running between loans.
+that `tests/kernels/test_gpu_check.py` keeps this script running between loans.
 Beside every memory figure measured, the step estimate's figure for the same call (`estimated_*`:
-pipeline/train/estimate.py, the call on fake tensors; `hylo estimate`), so the first GPU run also checks
+pipeline/estimate/, the call on fake tensors; `hylo estimate`), so the first GPU run also checks
 the estimator; an estimate that fails is listed in `estimate_errors` and fails no case.
 """
 
@@ -162,11 +162,11 @@ def kernels_mode(mode: str):
 
 
 def estimated_gib(setup: Callable[[], Any], run: Callable[[Any], Any]) -> float | None:
-    """The step estimate's figure for a measured call (pipeline/train/estimate.estimate_call: the same call
+    """The step estimate's figure for a measured call (pipeline/estimate/step.estimate_call: the same call
     on fake CPU tensors, torch kernel paths, the accelerator's rules): its peak beyond its inputs, in GiB,
     recorded beside the measured `peak_extra_gib` so that a GPU run also checks the estimator. None (with the
     error in `estimate_errors`) when the estimate fails: the measured case still counts."""
-    from hylo.pipeline.train.estimate import estimate_call
+    from hylo.pipeline.estimate import estimate_call
 
     try:
         return gib(estimate_call(setup, run))
@@ -182,7 +182,7 @@ def fake_build(factory: Callable[[], Any], dtype: Any):
     """`build(factory, cpu, dtype)` on the estimate's fake tensors (a module cannot be cast there in place)."""
     import torch
 
-    from hylo.pipeline.train.estimate import cast_parameters
+    from hylo.pipeline.estimate import cast_parameters
 
     with torch.device("cpu"):
         return cast_parameters(factory(), dtype)
@@ -289,7 +289,7 @@ def case_fused_kl(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
         return lambda: fwd_bwd_on(fn, h, w, kw)
 
     def estimate(fn, teacher):
-        from hylo.pipeline.train.estimate import fake_like
+        from hylo.pipeline.estimate import fake_like
 
         return estimated_gib(lambda: fake_like((h, w, teacher)), lambda s: fwd_bwd_on(fn, *s))
 
@@ -394,7 +394,7 @@ def case_linear_layers(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
         (y, dx, grads), t_fast, m_fast = meter.run(run(layer, fast_dtype, "auto"))
 
         def fake_layer_and_input(variant=variant, idx=idx, cfg=cfg, x=x):
-            from hylo.pipeline.train.estimate import fake_like
+            from hylo.pipeline.estimate import fake_like
 
             return fake_build(functools.partial(build_mixer, cfg, idx), fast_dtype), fake_like(x)
 
@@ -507,7 +507,7 @@ def case_mla(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
                     mod(xi, cu_seqlens=bounds).float().square().mean().backward()
 
             def fake_mla():
-                from hylo.pipeline.train.estimate import fake_like
+                from hylo.pipeline.estimate import fake_like
 
                 return fake_build(lambda: MLAttention(cfg, 0), dtype), fake_like(x)
 
@@ -525,13 +525,14 @@ def case_mla(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------ case 4 / 6
 def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model: Any, engine: str):
-    """The stage-2 task of pipeline/train/stage2.py around a random student; engine 'plain' or 'deepspeed'."""
+    """The stage-2 task from pipeline/train/stage2.build around a random student; engine 'plain' or 'deepspeed'."""
     import torch
 
     from hylo.modeling import HyLoForCausalLM
     from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
+    from hylo.pipeline.train import stage2
     from hylo.pipeline.train.config import Stage2Config
-    from hylo.pipeline.train.stage2 import KDStudent, Stage2Task
+    from hylo.pipeline.train.plain_engine import plain_engine
 
     cfg = Stage2Config()
     cfg.deepspeed.zero_stage = 3 if engine == "deepspeed" else 0
@@ -542,24 +543,13 @@ def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model
     cfg.kd.chunk_size = None
     hcfg = hylo_config(variant, sh.tiny)
     torch.manual_seed(0)
-    student = build(lambda: HyLoForCausalLM(hcfg), device, dtype)
-    student.gradient_checkpointing_enable()
-    student.train()
-    module = KDStudent(student, cfg)
-    params = [p for p in module.parameters() if p.requires_grad]
-    if engine == "deepspeed":
-        from hylo.pipeline.train.deepspeed_cfg import init_engine
-
-        eng = init_engine(module, params, cfg, 1, dtype, lambda step: 1.0)
-    else:
-        from hylo.pipeline.train.plain_engine import PlainEngine
-
-        o = cfg.optim
-        eng = PlainEngine(module, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                          grad_clip=o.grad_clip)
-    teacher = BoundTeacher(teacher_model, TargetSpec(cfg.teacher.k, cfg.teacher.form), hcfg.vocab_size)
+    task = stage2.build(solo_context(cfg, device, dtype), lambda step: 1.0,
+                        student=lambda: build(lambda: HyLoForCausalLM(hcfg), device, dtype),
+                        engine=plain_engine(cfg.optim) if engine == "plain" else None,
+                        teacher=lambda vocab: BoundTeacher(teacher_model, TargetSpec(cfg.teacher.k, cfg.teacher.form),
+                                                           vocab))
     # ZeRO-3 partitions the parameters: ds_numel is each one's full size
-    return Stage2Task(eng, student, teacher, cfg), sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    return task, sum(getattr(p, "ds_numel", p.numel()) for p in task.student.parameters() if p.requires_grad)
 
 
 def teacher_8b(sh: Shapes, device: Any, dtype: Any):
@@ -576,16 +566,9 @@ def teacher_8b(sh: Shapes, device: Any, dtype: Any):
 
 def solo_context(cfg: Any, device: Any, dtype: Any):
     """A WorkerContext of one rank whose all-reduce is the identity (no process group needed)."""
-    from hylo.pipeline.train.worker import WorkerContext
+    from hylo.pipeline.train.worker import SoloContext
 
-    class Solo(WorkerContext):
-        def all_sum(self, values):
-            return list(values)
-
-        def all_max(self, values):
-            return list(values)
-
-    return Solo(cfg=cfg, rank=0, world_size=1, device=device, dtype=dtype, run_dir=Path("."), grad_accum=1)
+    return SoloContext(cfg=cfg, rank=0, world_size=1, device=device, dtype=dtype, run_dir=Path("."), grad_accum=1)
 
 
 def count_syncs(fn: Callable[[], Any], device: Any) -> dict[str, Any]:
@@ -653,11 +636,11 @@ def case_step(sh: Shapes, device: Any, meter: Meter, engine: str = "plain") -> d
 
 
 def step_estimate(cfg: Any, variant: str, sh: Shapes, T: int, dtype: Any) -> dict[str, Any]:
-    """`hylo estimate`'s figures for the measured step (pipeline/train/estimate.estimate_step: the same
+    """`hylo estimate`'s figures for the measured step (pipeline/estimate/step.estimate_step: the same
     step on fake tensors, world size 1, the accelerator's rules, the same row layout): its peak (to compare
     with `peak_gib`) and its peak over its start (with `extra_over_steady_state_gib`)."""
-    from hylo.pipeline.train.estimate import Shapes as StepShapes
-    from hylo.pipeline.train.estimate import estimate_step
+    from hylo.pipeline.estimate import Shapes as StepShapes
+    from hylo.pipeline.estimate import estimate_step
 
     try:
         m = cfg.teacher.model
@@ -774,7 +757,7 @@ def case_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
                                     logits_to_keep=1).logits[:, -1]
 
             def fake_model(make=make, ids=ids):
-                from hylo.pipeline.train.estimate import fake_like
+                from hylo.pipeline.estimate import fake_like
 
                 return fake_build(make, dtype).eval(), fake_like(ids)
 
@@ -917,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu_check] case {number} {name}: ok={res.get('ok')} in {res['case_seconds']:.1f} s", flush=True)
         write(out_dir, report)
     report["total_seconds"] = time.perf_counter() - t_all
-    # the estimates beside the measured memory figures that could not be made (pipeline/train/estimate.py)
+    # the estimates beside the measured memory figures that could not be made (pipeline/estimate/)
     report["estimate_errors"] = ESTIMATE_ERRORS
     write(out_dir, report)
     print(markdown(report))

@@ -1,4 +1,4 @@
-"""The README's kernels-check table: the three shipped recipes x four targets, in one run (recipes with the same
+"""The kernels-check table of docs/results.md: the three shipped recipes x four targets, in one run (recipes with the same
 head shapes share their compiles), at most --jobs target children at a time.
 
     nice python bench/kernels_check_matrix.py --out bench-out/kernels-check --jobs 2

@@ -61,8 +61,8 @@ def _rank(rank: int, world: int, config: str, tokens: int) -> dict[str, Any]:
 
     from hylo.kernels.varlen import DocBounds
     from hylo.modeling import build_mixer
+    from hylo.pipeline.estimate import student_config
     from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.estimate import student_config
     from hylo.seq_parallel import shard_row
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -99,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO))  # the spawned ranks import tests.helpers.sp_group by name
     from functools import partial
 
-    from sp_group import run_ranks
+    from tests.helpers.sp_group import run_ranks
 
     print(f"{Path(args.config).name}: one layer, forward + backward, {args.tokens} tokens a row "
           "(bytes a rank sends, ring algorithms; CPU seconds, gloo, 1 thread a rank)")

@@ -1,6 +1,6 @@
 """Sequence parallelism (issue 36) for the shipped recipes: the longest context per GPU at N = 1, 2, 4, 8, the 3B
 recipe at 128K on H100s, each recipe on one 8-GPU MI300X node, and the communication per layer (Ulysses against
-gathering MLA's latent), from the step estimate (pipeline/train/estimate.py, estimate_sp.py).
+gathering MLA's latent), from the step estimate (pipeline/estimate/: step.py, sp.py).
 
     python bench/sp_tables.py --json sp.json        # measure (minutes of CPU per recipe) and print
     python bench/sp_tables.py --from-json sp.json   # print again from the kept measurements
@@ -9,7 +9,7 @@ Per GPU at N, stage 2 as each recipe configures it (bf16, activation checkpointi
 pool or the offline cache: the same records on the training GPU), ZeRO-3 over W training GPUs:
 * one rank's own step is measured at L = 8K, 16K and 32K tokens (`estimate_step`, fake tensors; the recipe's
   packed documents), at W = 4 (the recipes' stage 2) and W = 8 (a node of training GPUs); its peak is affine in L
-  (the README's 8K-128K rows are: the activations grow by the same GiB per token at every length), so the peak
+  (the 8K-128K rows of docs/results.md are: the activations grow by the same GiB per token at every length), so the peak
   at L = T / N is the least-squares line through the three (its largest residual printed);
 * plus the extras of the split (`estimate_sp.measure_mla_extra`): one split layer measured on fake tensors
   with torch's fake process group at T = 64K, N = 2, minus the same layer unsplit: the MLA layer's (the last
@@ -47,8 +47,8 @@ GIB = 1 << 30
 
 
 def _configs(path: Path):
+    from hylo.pipeline.estimate import shapes_of
     from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.estimate import shapes_of
 
     cfg = load_stage_config(2, path)
     with warnings.catch_warnings():
@@ -61,7 +61,7 @@ def measure(locals_: tuple[int, ...] = LOCAL) -> dict:
     """Per recipe: the rank's step peak (bytes) at each L and W, and its FLOPs."""
     import torch
 
-    from hylo.pipeline.train.estimate import estimate_step
+    from hylo.pipeline.estimate import estimate_step
 
     out: dict = {}
     for path in RECIPES:
@@ -99,7 +99,7 @@ class Recipe:
         self.ckpt = bool(self.cfg.model.activation_checkpointing)
         self.fits = {W: fit(rows, W) for W in WORLDS}
         self.dtype_bytes = torch.empty((), dtype=torch.bfloat16).element_size()
-        from hylo.pipeline.train.estimate_sp import measure_mla_extra
+        from hylo.pipeline.estimate.sp import measure_mla_extra
 
         # one split MLA layer's extra per earlier key and one split linear layer's per token of the rank
         # (T = 64K, N = 2: 32K earlier keys, 32K tokens a rank)
@@ -107,7 +107,7 @@ class Recipe:
         self.linear_per_token = measure_mla_extra(self.hc, 65536, 2, torch.bfloat16, kind="linear") / 32768
 
     def peak(self, T: int, N: int, W: int) -> float:
-        from hylo.pipeline.train.estimate_sp import STATES, extra_memory
+        from hylo.pipeline.estimate.sp import STATES, extra_memory
 
         a, b, _ = self.fits[W]
         if N == 1:
@@ -135,8 +135,8 @@ def _k(T: int) -> str:
 
 
 def tables(data: dict) -> str:
-    from hylo.pipeline.train.estimate import GPUS
-    from hylo.pipeline.train.estimate_sp import Dims, communication
+    from hylo.pipeline.estimate import GPUS
+    from hylo.pipeline.estimate.sp import Dims, communication
 
     recipes = [Recipe(name, rows) for name, rows in data.items()]
     out = ["Fit of one rank's step peak, a + b L (GiB, GiB per 1K tokens), largest residual over L = "

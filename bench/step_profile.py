@@ -56,20 +56,17 @@ def build(tokens: int, threads: int):
     import torch
 
     torch.set_num_threads(threads)
-    from estimate_check import configs
+    from estimate_check import configs, demo_step
 
     from hylo.kernels.backend import keep_freed_host_memory
+    from hylo.pipeline.estimate import DOC_TOKENS, shapes_of, synthetic_row
     from hylo.pipeline.train import stage2
-    from hylo.pipeline.train.estimate import DOC_TOKENS, _Solo, build_stage2, shapes_of, synthetic_row
-    from hylo.pipeline.train.plain_engine import PlainEngine
 
     keep_freed_host_memory()  # as a CPU training worker runs (HYLO_HOST_MALLOC=system: malloc as it was)
     cfg, s1 = configs()
     shapes = shapes_of(cfg, s1)
     torch.manual_seed(0)
-    task, _ = build_stage2(cfg, shapes, torch.float32, gpu=False, engine_cls=PlainEngine)
-    ctx = _Solo(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
-                run_dir=Path("."), grad_accum=1)
+    task, ctx = demo_step(cfg, shapes)
     row = synthetic_row(tokens, shapes.student.vocab_size, DOC_TOKENS)
     return (lambda: stage2.train_step(task, [row], ctx)), len(row.host) - 1
 

@@ -34,7 +34,7 @@ Used by `hylo/` and `pipeline/` alike (this module imports neither torch nor Ray
   checks that the tensors it lists cover the file exactly (what safetensors itself requires, but its
   error names no file). `check_weights_dir(dir)` does it for every .safetensors file of a model directory.
 * `copy_tokenizer_files(src, dst)`: the files of a Hugging Face tokenizer directory, copied as files (both
-  checkpoint layouts, hylo/io.py and hylo/released.py, write them).
+  checkpoint layouts, hylo/io.py and hylo/released/export.py, write them).
 """
 
 from __future__ import annotations

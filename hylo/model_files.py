@@ -1,7 +1,7 @@
 """Model files read from disk, checked field by field before anything is built from them.
 
 Every reader of a model's own files uses this module: a base model's and a teacher's config.json, a released
-layout's config.json + hybrid_config.json (hylo/released.py), an X-EcoMLA directory's config.json +
+layout's config.json + hybrid_config.json (hylo/released/reading.py), an X-EcoMLA directory's config.json +
 MLA_config.json + mla_layer_config.json (hylo/released_xecomla.py) and our own HybridConfig. What they hold
 reaches transformers' config classes, the shape arithmetic of the converter and torch's allocators; a
 hostile value there gave a ZeroDivisionError (0 heads), a RecursionError, an IndexError (a rank larger than

@@ -10,7 +10,7 @@ An X-EcoMLA directory holds:
   ranks (from the SVD of its attention, possibly chosen per layer by an energy ratio);
 * safetensors: Llama's keys with each MLA layer's mixer under `mla.` (the names of the Zebra-Llama layout).
 
-How it maps onto ours (hylo/released.py has the shared parts: names, RoPE rows, YaRN):
+How it maps onto ours (hylo/released/ has the shared parts: names, RoPE rows, YaRN):
 * `kv_b_proj` has one block per query head (their `num_kv_heads = num_heads`): ours per query head too.
 * Per-layer ranks: their layer i takes `layer_rank_list[str(i)]` when listed, else the ranks the previous
   MLA layer left in the shared config (they mutate it). Ours has one rank per model: smaller latents are
@@ -36,20 +36,11 @@ import torch
 
 from hylo.config import HybridConfig, HybridConfigError
 from hylo.model_files import check_layer_indices, check_model_config, check_rank
-from hylo.released import (
-    BASE_TYPES,
-    ReleasedLayoutError,
-    _collapse_identity_q,
-    _read_json,
-    _their_rope_scaling,
-    _their_rope_scaling_out,
-    load_checked_tensors,
-    read_released_tensors,
-    released_files,
-    released_to_state_dict,
-    their_mla_shapes,
-    write_checked_layout,
-)
+from hylo.released.export import released_files, their_rope_scaling_out, write_checked_layout
+from hylo.released.importing import load_checked_tensors, released_to_state_dict
+from hylo.released.layout import BASE_TYPES, ReleasedLayoutError, read_layout_json, released_name
+from hylo.released.readback import their_mla_shapes
+from hylo.released.reading import collapse_identity_q, read_released_tensors, their_rope_scaling
 from hylo.released_facts import (
     AMD_AT,
     DEEPSEEK_V3_DEFAULTS,
@@ -70,14 +61,14 @@ def is_xecomla_layout(path: str | Path) -> bool:
 def xecomla_loader_refusal(path: str | Path) -> str | None:
     """What X-EcoMLA's loader (AMD_AT) raises on this directory's two config files, or None if it builds it."""
     p = Path(path)
-    return mla_config_refusal(_read_json(p / MLA_CONFIG_NAME), _read_json(p / MLA_LAYER_CONFIG_NAME))
+    return mla_config_refusal(read_layout_json(p / MLA_CONFIG_NAME), read_layout_json(p / MLA_LAYER_CONFIG_NAME))
 
 
 def _configs(p: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(config.json, MLA_config.json, the layer config with DeepseekV3Config's defaults filled in)."""
-    base = _read_json(p / "config.json")
-    mla_cfg = _read_json(p / MLA_CONFIG_NAME)
-    layer = _read_json(p / MLA_LAYER_CONFIG_NAME)
+    base = read_layout_json(p / "config.json")
+    mla_cfg = read_layout_json(p / MLA_CONFIG_NAME)
+    layer = read_layout_json(p / MLA_LAYER_CONFIG_NAME)
     # every field within what a model can be built from, before their loader's checks do arithmetic on them
     check_model_config(base, p / "config.json", ReleasedLayoutError)
     check_model_config(mla_cfg, p / MLA_CONFIG_NAME, ReleasedLayoutError, derives_head_dim=False)
@@ -216,8 +207,8 @@ def xecomla_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor]) ->
                       f"token in every MLA layer)", UserWarning, stacklevel=3)
     P = layer["qk_rope_head_dim"]
     _pad_ranks(tensors, ranks, R, Rq, P)
-    if Rq is not None and _collapse_identity_q(tensors, {"hidden_size": D, "use_lora_layer_norm": norms,
-                                                          "attention_bias": layer["attention_bias"]}, mla, Rq):
+    if Rq is not None and collapse_identity_q(tensors, {"hidden_size": D, "use_lora_layer_norm": norms,
+                                                         "attention_bias": layer["attention_bias"]}, mla, Rq):
         Rq = None
     tie = bool(base.get("tie_word_embeddings", False))
     head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
@@ -236,7 +227,7 @@ def xecomla_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor]) ->
             qk_nope_head_dim=layer["qk_nope_head_dim"], rope_key_groups=1, mla_latent_norm=norms,
             mla_latent_norm_eps=LATENT_NORM_EPS, kv_b_per_kv_head=False, mla_qk_norm=False,
             v_head_dim=layer["v_head_dim"], max_position_embeddings=layer["max_position_embeddings"],
-            rope_theta=layer["rope_theta"], rope_scaling=_their_rope_scaling(layer["rope_scaling"], where),
+            rope_theta=layer["rope_theta"], rope_scaling=their_rope_scaling(layer["rope_scaling"], where),
             attention_bias=bool(layer["attention_bias"]), mlp_bias=False,
             initializer_range=base.get("initializer_range", 0.02), tie_word_embeddings=tie, base_model_type=mt,
             base_tie_word_embeddings=tie, base_config_json=base, pad_token_id=base.get("pad_token_id"),
@@ -249,7 +240,6 @@ def xecomla_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor]) ->
 def load_xecomla(path: str | Path, dtype: torch.dtype | None = None) -> Any:
     """An X-EcoMLA directory as a `HyLoForCausalLM` (strict: every tensor used, none missing)."""
     from hylo.modeling import HyLoForCausalLM
-    from hylo.released import released_name
 
     p = Path(path)
     tensors = read_released_tensors(p)
@@ -301,7 +291,7 @@ def xecomla_files(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str,
                 "d_inner": H * dh, "d_xb": hcfg.num_key_value_heads * dh,
                 "intermediate_size": hcfg.intermediate_size, "hidden_act": hcfg.hidden_act, "n_layer": hcfg.n_layer,
                 "attn_layers": []}
-    rs = _their_rope_scaling_out(hcfg.rope_scaling, hcfg.max_position_embeddings)
+    rs = their_rope_scaling_out(hcfg.rope_scaling, hcfg.max_position_embeddings)
     if rs is not None:
         # X-EcoMLA's MLA reads rope_scaling["type"]
         rs = {"type": rs.pop("rope_type"), **rs}
@@ -369,8 +359,8 @@ def check_xecomla_dir(path: str | Path, tensors: dict[str, torch.Tensor] | None 
     """Read an X-EcoMLA directory back as their loader would; raise naming every tensor it would drop, leave at
     its random init or refuse for its shape."""
     p = Path(path)
-    expected = xecomla_expected_tensors(_read_json(p / "config.json"), _read_json(p / MLA_CONFIG_NAME),
-                                        _read_json(p / MLA_LAYER_CONFIG_NAME), str(p))
+    expected = xecomla_expected_tensors(read_layout_json(p / "config.json"), read_layout_json(p / MLA_CONFIG_NAME),
+                                        read_layout_json(p / MLA_LAYER_CONFIG_NAME), str(p))
     tensors = tensors if tensors is not None else read_released_tensors(p)
     dropped = sorted(set(tensors) - set(expected))
     random = sorted(set(expected) - set(tensors))

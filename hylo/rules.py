@@ -307,7 +307,7 @@ def _initials(word: str) -> str:
 
 def suggest(word: str, choices: Any, prefix: str = "") -> str:
     """"; did you mean 'x'?" when `word` is close to one of `choices` (a typo, a longer spelling such as
-    learning_rate for lr, the start of a name), else ""."""
+    learning_rate for lr, the start of a name, a name qualified in front: top_k for k), else ""."""
     word, names = str(word), [str(c) for c in choices]
     close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
     if not close:
@@ -315,6 +315,9 @@ def suggest(word: str, choices: Any, prefix: str = "") -> str:
     if not close and len(word) >= 3:
         starts = [n for n in names if n.startswith(word)]
         close = starts if len(starts) == 1 else []
+    if not close and len(parts := re.split(r"[_\-]+", word)) > 1:
+        # a qualified spelling of the name (top_k for k)
+        close = [n for n in names if n == parts[-1]][:1]
     return f"; did you mean {prefix + close[0]!r}?" if close else ""
 
 

@@ -6,7 +6,7 @@ r"""The shipped config files: list them, print one, copy one out to edit (as tor
 
 Any job reads a shipped config by its name (`--config demo-smollm2.yaml`, with or without `.yaml`) when no
 file of that name is in the current directory; a path reads that file. Paths inside a config are relative
-to the directory the command runs in (README "Configuration reference").
+to the directory the command runs in (docs/config-guide.md).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ untied head; or X-EcoMLA's MLA_config.json + mla_layer_config.json) and writes o
 one of ours in that layout (exactly the fields of AMD's public HybridConfig with values it accepts, the head
 always stored, the base's config.json; `--released-layout x-ecomla` for X-EcoMLA's) and reads its output back
 the way AMD's loader does, failing on any tensor it would drop, leave at random init or refuse for its shape
-(see hylo/released.py, hylo/released_facts.py).
+(see hylo/released/, hylo/released_facts.py).
 Every flag below is a shorthand for a key of the job's config (pipeline/convert/config.py; `--print-config`
 lists them all): the file (`--config`) first, then the flags, then `--set KEY=VALUE`.
 """

@@ -14,7 +14,7 @@ peak (a lower bound). With the Serve pool's teacher, one teacher replica GPU too
 is split by tokens over N GPUs: per GPU the rank's step at T/N tokens, what splitting adds (the last rank's
 MLA keys from the row's start, the gathered GDN / Mamba-2 states), the extra FLOPs, and the bytes each layer
 sends per step (MLA's latent gather against Ulysses, state passing). How it is measured and
-what it leaves out: pipeline/train/estimate.py.
+what it leaves out: pipeline/estimate/ (its package docstring).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from hylo.pipeline.cli import job_main
 
 @job_main
 def main(argv: list[str] | None = None) -> int:
-    from hylo.pipeline.train.estimate_cli import main as estimate_main
+    from hylo.pipeline.estimate.cli import main as estimate_main
 
     return estimate_main(sys.argv[1:] if argv is None else argv, description=__doc__)
 

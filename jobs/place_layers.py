@@ -7,7 +7,7 @@
 Data: packed-row directories from jobs/prepare_data.py: `--data-from RUN` takes RUN/data/{stage1,stage2,
 heldout} (what `make demo` writes), or give `--stage1-data`, `--stage2-data`, `--heldout-data`. Options:
 `PlacementConfig` (the flags are shorthands for its keys; `--train-config` is the training config of the
-short stages); the method, its design choices and the workflow: pipeline/placement.py.
+short stages); the method, its design choices and the workflow: pipeline/placement/.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ testing devices itself. Set `HYLO_KERNELS=torch` to force the pure-torch path ev
 numerics checks on a GPU) or `HYLO_KERNELS=triton` to force Triton even on CPU tensors (only
 meaningful with `TRITON_INTERPRET=1`, which is how the Triton kernels are tested on CPU).
 `HYLO_KERNELS=gpu` takes every GPU branch, fla's included, on CPU tensors under `TRITON_INTERPRET=1`
-(tests only: fla's kernels then need the interpreter patches of `tests/fla_interpret.py`).
+(tests only: fla's kernels then need the interpreter patches of `tests/helpers/fla_interpret.py`).
 `forced_mode("torch")` does the same for a block of code (the eval's exact-KL option).
 On the CPU path the training workers and CPU teacher replicas also call `keep_freed_host_memory()`
 (`HYLO_HOST_MALLOC=system` turns it off).

@@ -74,14 +74,14 @@ INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("hylo.pipeline.teacher.cache", "CacheMismatchError"),
     ("hylo.pipeline.teacher.cache", "CacheFormatError"),
     ("hylo.pipeline.eval.decode", "EvalError"),
-    ("hylo.pipeline.placement", "PlacementError"),
+    ("hylo.pipeline.placement.rows", "PlacementError"),
     ("hylo.config", "HybridConfigError"),
     ("hylo.upcycle", "UpcycleError"),
     ("hylo.assets", "AssetError"),
     ("hylo.files", "WeightsFileError"),
     ("hylo.files", "OutputConflictError"),
     ("hylo.io", "CheckpointMismatchError"),
-    ("hylo.released", "ReleasedLayoutError"),
+    ("hylo.released.layout", "ReleasedLayoutError"),
     ("hylo.model_files", "ModelFileError"),
 )
 # OSError subclasses the project raises with its own message (errno unset) for a path problem.

@@ -79,89 +79,6 @@ class ConfigError(ValueError):
         self.key = key
 
 
-def renamed(**old_to_new: str | tuple[str, dict[Any, Any]]) -> Callable[[type[T]], type[T]]:
-    """Keep loading a config whose keys were renamed: `@renamed(ray_address="ray.address")` moves an old
-    top-level key's value to its new dotted key and warns on stderr; setting both is an error. A key whose
-    values changed too gives the new key and how each old value reads now:
-    `@renamed(train_mlp=("trainable", {False: "mixers", True: "mixers+mlp"}))`. An old key may sit in a
-    sub-section (`**{"client.k": "k"}`), and when its new value depends on its neighbours a function
-    `(old value, the section as given) -> new value` takes the map's place; it returns `UNUSED` for an
-    old key that had no effect there (dropped, with the warning)."""
-
-    def deco(cls: type[T]) -> type[T]:
-        cls.__renamed_keys__ = dict(old_to_new)  # type: ignore[attr-defined]
-        return cls
-
-    return deco
-
-
-# What a `renamed` function returns for an old key that had no effect with its neighbours' values.
-UNUSED = object()
-
-
-def _old_value(values: dict[Any, Any], value: Any, key: str) -> Any:
-    """The new spelling of an old key's value (types compared too: 1 is not true)."""
-    for old, new in values.items():
-        if type(old) is type(value) and old == value:
-            return new
-    raise ConfigError(f"{key}: expected one of {', '.join(_scalar(v) for v in values)}, got {_scalar(value)}", key)
-
-
-def _scalar(value: Any) -> str:
-    """A value as YAML would spell it (true, 3, "x"), others as their short repr."""
-    return json.dumps(value) if isinstance(value, bool | int | float | str) else _short_repr(value)
-
-
-def _pop_dotted(data: dict[str, Any], key: str) -> tuple[bool, Any]:
-    """(found, value) of a dotted key, removed from `data` (the sub-sections on its way are copies)."""
-    *sections, last = key.split(".")
-    node = data
-    for s in sections:
-        node = node.get(s)
-        if not isinstance(node, dict):
-            return False, None
-    if last not in node:
-        return False, None
-    node = data
-    for s in sections:
-        node[s] = node = dict(node[s])
-    return True, node.pop(last)
-
-
-def _move_renamed(cls: type, data: dict[str, Any], prefix: str) -> dict[str, Any]:
-    given, data = data, dict(data)
-    for old, target in getattr(cls, "__renamed_keys__", {}).items():
-        found, value = _pop_dotted(data, old)
-        if not found:
-            continue
-        new, values = target if isinstance(target, tuple) else (target, None)
-        note = ""
-        if callable(values):
-            shown, value = _scalar(value), values(value, given)
-            if value is UNUSED:
-                print(f"warning: config key {prefix}{old} is deprecated; use {prefix}{new} ({old}: {shown} adds "
-                      f"nothing to {new} with these settings and is dropped)", file=sys.stderr, flush=True)
-                continue
-            note = f" ({old}: {shown} is {new}: {_scalar(value)})"
-        elif values is not None:
-            shown = _scalar(value)
-            value = _old_value(values, value, prefix + old)
-            note = f" ({old}: {shown} is {new}: {_scalar(value)})"
-        *sections, last = new.split(".")
-        node = data
-        for s in sections:
-            inner = node.get(s)
-            if not isinstance(inner, dict | None):
-                raise ConfigError(f"{prefix}{old} (now {prefix}{new}): {prefix}{s} is not a section", prefix + s)
-            node[s] = node = dict(inner or {})
-        if last in node:
-            raise ConfigError(f"{prefix}{old} and {prefix}{new} are both set: {old} is the old name of {new}; "
-                              f"keep {new}", prefix + old)
-        node[last] = value
-        print(f"warning: config key {prefix}{old} is deprecated; use {prefix}{new}{note}", file=sys.stderr, flush=True)
-    return data
-
-
 # ------------------------------------------------------------------------------- dataclasses <- dicts
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
@@ -278,7 +195,6 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     ConfigError naming the dotted key (and, for unknown keys, listing the valid ones)."""
     types_ = _field_types(cls)
     prefix = f"{where}." if where else ""
-    data = _move_renamed(cls, data, prefix)
     unknown = sorted(set(data) - set(types_), key=str)
     if unknown:
         raise ConfigError(
@@ -524,7 +440,7 @@ def config_hash(obj: Any, exclude: tuple[str, ...] = ()) -> str:
 
 def add_config_args(parser: argparse.ArgumentParser, example: str | None = None) -> None:
     """--config, --set and --print-config; `example` is a valid KEY=VALUE of the job's config for the help
-    (tests/test_examples.py runs every example of every help)."""
+    (tests/project/test_examples.py runs every example of every help)."""
     parser.add_argument("--config", type=str, default=None, help="YAML config file")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

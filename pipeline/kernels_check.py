@@ -441,7 +441,7 @@ def check(recipes: dict[str, list[Site]], targets: list[str], out_dir: Path, tok
 
 
 def recipe_sites(cfg: Any, stage1: Any, tokens: int, sequence_parallel: int = 1) -> list[Site]:
-    from hylo.pipeline.train.estimate import student_config
+    from hylo.pipeline.estimate.shapes import student_config
 
     hc = student_config(cfg, stage1)
     return sites_of(hc, hc.vocab_size, tokens, sequence_parallel)

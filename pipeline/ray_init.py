@@ -28,7 +28,6 @@ Design choices:
 * `num_cpus` is for a Ray this job starts; a job that joins a cluster takes what the cluster has.
 * Only a Ray the job started is shut down (`ray_running`); joining a cluster never stops it.
 * The config section is `hylo.pipeline.config.RayInitSection` (training's `ray` section extends it).
-  The old flat keys of the data jobs, `ray_address` and `num_cpus`, still load, with a warning (`hylo.pipeline.config.renamed`).
 
 This module imports Ray only inside its functions.
 """

@@ -1,4 +1,4 @@
-"""Resumable multi-step runs of the project's jobs (used by pipeline/demo.py and pipeline/placement.py).
+"""Resumable multi-step runs of the project's jobs (used by pipeline/demo.py and pipeline/placement/).
 
 Each step runs one of the project's own jobs as a subprocess, the same command a user would type
 (`python -m hylo.jobs.NAME ...`, which is `hylo NAME ...`: it runs the same from a checkout and from an

@@ -22,7 +22,6 @@ from hylo.pipeline.config import (
     at_least,
     between,
     one_of,
-    renamed,
     rules,
 )
 
@@ -147,7 +146,6 @@ class MatchConfig:
 
 @dataclass
 @rules(output_format=one_of(*OUTPUT_FORMATS), scanner=one_of(*SCANNERS), batch_size=at_least(1), out=PATH)
-@renamed(ray_address="ray.address", num_cpus="ray.num_cpus")
 class DecontamJobConfig:
     inputs: list[SourceSpec] = field(default_factory=list)
     benchmarks: list[BenchmarkSpec] = field(default_factory=lambda: [BenchmarkSpec("humaneval")])
@@ -277,7 +275,6 @@ class OutputConfig:
 
 @dataclass
 @rules(split=one_of(*SPLITS))
-@renamed(ray_address="ray.address", num_cpus="ray.num_cpus")
 class PrepareDataConfig:
     split: str = "stage2"
     mixture: MixtureConfig = field(default_factory=MixtureConfig)

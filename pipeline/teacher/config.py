@@ -1,11 +1,10 @@
-"""Teacher configuration: the model, the Serve pool, the client, and the offline top-k cache job.
+"""Teacher configuration: the model, the Serve pool, the client, each source's keys, and the offline top-k cache job.
 
 All sections are plain dataclasses loaded through `hylo.pipeline.config` (YAML + `--set a.b=c`, unknown
-keys rejected); each field's range or choices is declared once in its class's `@rules`. Stage 2's
-`teacher` section itself (`TeacherSection`, pipeline/train/config.py) is checked by the source it names
-(pipeline/teacher/sources); the old spellings of the width (`teacher.top_k`, `teacher.client.k` +
-`teacher.mode`, the cache job's `k`) load through `TEACHER_RENAMES` / `@renamed` with a warning naming
-`teacher.k`.
+keys rejected); each field's range or choices is declared once in its class's `@rules`. Each teacher source
+(pipeline/teacher/sources) reads a typed section of its own, here: the keys every source reads (`SourceSection`)
+and its own (`InProcessSection`, `ServeSection`, `OfflineSection`). Stage 2's `teacher` section
+(`TeacherSection`, pipeline/train/config.py) is all of them in one flat mapping, checked by the source it names.
 Defaults are sized for this 2-core CPU machine; on a cluster set `pool.num_gpus: 1` and
 `model.device: cuda`.
 """
@@ -13,15 +12,12 @@ Defaults are sized for this 2-core CPU machine; on a cluster set `pool.num_gpus:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from hylo.pipeline.config import (
     NONEMPTY,
     NONEMPTY_PATH,
     PATH,
     PORT,
-    UNUSED,
-    ConfigError,
     FieldError,
     RayInitSection,
     above,
@@ -29,7 +25,6 @@ from hylo.pipeline.config import (
     between,
     each,
     one_of,
-    renamed,
     rules,
 )
 
@@ -55,43 +50,6 @@ def check_cache_k(k: int) -> None:
     if k == 0:
         raise FieldError("k", k, "the offline cache holds top-k records: set k to the cache's k (0 is the exact "
                                  "teacher, which a top-k cache cannot give)")
-
-
-def _k_of_top_k(top_k: Any, t: dict[str, Any]) -> Any:
-    # teacher.top_k was the in-process teacher's width only
-    return top_k if t.get("source", "inprocess") == "inprocess" else UNUSED
-
-
-def _k_of_client_k(k: Any, t: dict[str, Any]) -> Any:
-    # teacher.client.k was the pool's width in mode topk only
-    return k if t.get("source") == "serve" and t.get("mode", "topk") == "topk" else UNUSED
-
-
-def _k_of_mode(mode: Any, t: dict[str, Any]) -> Any:
-    if mode not in ("topk", "stream"):
-        raise ConfigError(f"teacher.mode (now teacher.k): expected \"topk\" or \"stream\", got {mode!r}", "teacher.mode")
-    if t.get("source") != "serve":
-        return UNUSED
-    if mode == "stream":
-        return 0
-    # topk: the width is client.k's (moved before), else the client's old default
-    return UNUSED if "k" in (t.get("client") or {}) else 64
-
-
-def _chunk_of_client(c: Any, t: dict[str, Any]) -> Any:
-    # one setting: the tokens of a [C, V] teacher logits chunk, computed or streamed
-    model = t.get("model") or {}
-    return UNUSED if c == model.get("logits_chunk_tokens", TeacherModelConfig.logits_chunk_tokens) else c
-
-
-# Old spellings in stage 2's `teacher` section (in this order: the mode defers to client.k).
-TEACHER_RENAMES: dict[str, Any] = {"top_k": ("k", _k_of_top_k), "client.k": ("k", _k_of_client_k),
-                                   "mode": ("k", _k_of_mode),
-                                   "client.chunk_tokens": ("model.logits_chunk_tokens", _chunk_of_client)}
-# Old spellings of the pool's test-only fault keys, in stage 2's config (they sat in teacher.pool).
-TEACHER_FAULT_RENAMES: dict[str, str] = {"teacher.pool.fail_marker": "fault.teacher.kill_marker",
-                                         "teacher.pool.fail_on_row": "fault.teacher.kill_at_row",
-                                         "teacher.pool.fail_target": "fault.teacher.kill_target"}
 
 
 @dataclass
@@ -172,6 +130,56 @@ class TeacherClientConfig:
     window_chunks: int = 4
 
 
+# ------------------------------------------------------------------ the keys each teacher source reads
+@dataclass
+@rules(k=TOP_K, exact_form=one_of(*EXACT_FORMS))
+class SourceSection:
+    """The keys of stage 2's `teacher` section that every source reads (`source`'s choices: stage 2's section)."""
+
+    # Where the targets come from: a source of pipeline/teacher/sources. inprocess: a (small) teacher on every
+    # worker; serve: the Ray Serve pool; offline: a top-k cache.
+    source: str = "inprocess"
+    # Width of the teacher's targets: k > 0 = its top-k log-probabilities plus the tail mass; 0 = exact, the
+    # full vocabulary (inprocess or serve; offline needs the cache's k).
+    k: int = 0
+    # How the exact teacher (k: 0) reaches the fused KL: hidden (its hidden states + lm_head; inprocess),
+    # logits (full-vocabulary logits streamed chunk by chunk), auto (hidden inprocess, logits from the pool).
+    exact_form: str = "auto"
+
+
+@dataclass
+class InProcessSection(SourceSection):
+    """`teacher.source: inprocess` (sources/inprocess.py)."""
+
+    # The teacher model, loaded on every training worker.
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+
+
+@dataclass
+class ServeSection(SourceSection):
+    """`teacher.source: serve` (sources/serve.py)."""
+
+    # The teacher model the driver deploys when start_pool is true; its logits_chunk_tokens is the size of the
+    # logits chunks the client asks for (k: 0).
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    # The pool (app name, replicas, resources) and the client (retries, in-flight rows).
+    pool: TeacherPoolConfig = field(default_factory=TeacherPoolConfig)
+    client: TeacherClientConfig = field(default_factory=TeacherClientConfig)
+    # The driver deploys the pool before training (and shuts it down after); false = attach
+    # to a pool someone else runs under pool.app_name.
+    start_pool: bool = True
+
+
+@dataclass
+@rules(cache_path=PATH)
+class OfflineSection(SourceSection):
+    """`teacher.source: offline` (sources/offline.py)."""
+
+    # Directory of the top-k cache written by the teacher's cache job.
+    cache_path: str | None = None
+
+
+# ------------------------------------------------------------------ the cache job
 @dataclass
 @rules(k=TOP_K)
 class CacheTeacherSection:
@@ -188,7 +196,6 @@ class CacheTeacherSection:
 @dataclass
 @rules(dtype=one_of(*TOPK_DTYPES), rows_per_shard=at_least(1), num_actors=at_least(1), cpus_per_actor=at_least(0),
        gpus_per_actor=at_least(0), max_new_shards=at_least(0), data=PATH, out=PATH)
-@renamed(ray_address="ray.address", k="teacher.k", model="teacher.model")
 class TeacherCacheConfig:
     # Directory of Parquet shards of packed rows (input_ids, position_ids, cu_seqlens, ...).
     data: str = ""

@@ -44,21 +44,11 @@ from hylo.pipeline.config import (
     from_dict,
     load_config,
     one_of,
-    renamed,
     rules,
     to_dict,
 )
 from hylo.pipeline.data.config import SPLITS
-from hylo.pipeline.teacher.config import (
-    EXACT_FORMS,
-    TEACHER_FAULT_RENAMES,
-    TEACHER_RENAMES,
-    TOP_K,
-    TeacherClientConfig,
-    TeacherFaultConfig,
-    TeacherModelConfig,
-    TeacherPoolConfig,
-)
+from hylo.pipeline.teacher.config import InProcessSection, OfflineSection, ServeSection, TeacherFaultConfig
 from hylo.upcycle.config import ConvertConfig
 
 STAGE_KEYS = ("stage1", "stage2")
@@ -312,7 +302,6 @@ ILD_TRAINABLE = ("mixers", "mixers+mlp", "all")
 
 
 @dataclass
-@renamed(train_mlp=("trainable", {False: "mixers", True: "mixers+mlp"}))
 @rules(output_weight=at_least(0), mixer_weight=at_least(0), trainable=one_of(*ILD_TRAINABLE))
 class ILDSection:
     """Stage 1 loss: sum over layers of per-token L2 distances (layer output + mixer output)."""
@@ -326,7 +315,6 @@ class ILDSection:
     # mixers only (MLA / GDN / Mamba-2), the rest stays the base model's. Embeddings, final norm and
     # LM head are outside the ILD loss (each layer is fed the base model's layer input and compared at
     # its own output), so no setting trains them: they stay the base's until stage 2.
-    # (Old key `train_mlp`: false is `mixers`, true is `mixers+mlp`.)
     trainable: str = "all"
 
     def __post_init__(self) -> None:
@@ -355,28 +343,13 @@ class _RegisteredSources:
 
 
 @dataclass
-@renamed(**TEACHER_RENAMES)
-@rules(source=Rule(choices=_RegisteredSources()), k=TOP_K, exact_form=one_of(*EXACT_FORMS), cache_path=PATH)  # type: ignore[arg-type]
-class TeacherSection:
-    # Where the targets come from: a source of pipeline/teacher/sources. inprocess: a (small) teacher on every
-    # worker; serve: the Ray Serve pool; offline: a top-k cache.
-    source: str = "inprocess"
-    # Width of the teacher's targets: k > 0 = its top-k log-probabilities plus the tail mass; 0 = exact, the
-    # full vocabulary (inprocess or serve; offline needs the cache's k). (Old keys: top_k, client.k + mode.)
-    k: int = 0
-    # How the exact teacher (k: 0) reaches the fused KL: hidden (its hidden states + lm_head; inprocess),
-    # logits (full-vocabulary logits streamed chunk by chunk), auto (hidden inprocess, logits from the pool).
-    exact_form: str = "auto"
-    # The teacher model (inprocess), or what the driver deploys when start_pool is true.
-    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
-    # serve: the pool (app name, replicas, resources) and the client (retries, in-flight rows).
-    pool: TeacherPoolConfig = field(default_factory=TeacherPoolConfig)
-    client: TeacherClientConfig = field(default_factory=TeacherClientConfig)
-    # serve: the driver deploys the pool before training (and shuts it down after); false = attach
-    # to a pool someone else runs under pool.app_name.
-    start_pool: bool = True
-    # offline: directory of the top-k cache written by the teacher's cache job.
-    cache_path: str | None = None
+@rules(source=Rule(choices=_RegisteredSources()))  # type: ignore[arg-type]
+class TeacherSection(OfflineSection, ServeSection, InProcessSection):
+    """Stage 2's `teacher`: the typed sections of the sources (pipeline/teacher/config.py, each named by its source
+    as `section`) in one flat mapping, and an instance of each: the keys every source reads (source, k,
+    exact_form), then inprocess's (model), serve's (pool, client, start_pool) and offline's (cache_path); the bases
+    are listed last first. The source that `source` names checks it and reads it as its own section; the other
+    sources' keys keep their values, unread."""
 
     def __post_init__(self) -> None:
         from hylo.pipeline.teacher.sources import check_section
@@ -473,7 +446,6 @@ class Stage1Config(_SharedSections):
 
 
 @dataclass
-@renamed(**TEACHER_FAULT_RENAMES)
 class Stage2Config(_SharedSections):
     data: DataSection = field(default_factory=lambda: DataSection(split="stage2"))
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=4e-5))

@@ -16,6 +16,8 @@ Design choices:
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,6 +84,28 @@ def init_engine(module: torch.nn.Module, params: list[torch.nn.Parameter], cfg: 
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=build_deepspeed_config(cfg, world_size, dtype))
     return engine
+
+
+# (module, its trainable parameters) -> the engine a stage's step calls: DeepSpeed's (`deepspeed_engine`) in the
+# trainer, `plain_engine.plain_engine`'s elsewhere (stage1.build / stage2.build take one)
+EngineFactory = Callable[[torch.nn.Module, list[torch.nn.Parameter]], Any]
+
+
+def deepspeed_engine(ctx: Any, lr_lambda: Callable[[int], float] | None) -> EngineFactory:
+    """The trainer's engine factory: `init_engine` over ctx.world_size in ctx.dtype with the schedule `lr_lambda`
+    (`ctx`: the stage's WorkerContext)."""
+    if lr_lambda is None:
+        raise ValueError("DeepSpeed's engine needs the learning-rate schedule (lr_lambda)")
+
+    def make(module: torch.nn.Module, params: list[torch.nn.Parameter]):
+        t0 = time.time()
+        engine = init_engine(module, params, ctx.cfg, ctx.world_size, ctx.dtype, lr_lambda)
+        clock = getattr(ctx, "startup", None)  # the trainer's start-up clock (train/startup.py)
+        if clock is not None:
+            clock.add("deepspeed init", time.time() - t0)
+        return engine
+
+    return make
 
 
 def current_lr(engine) -> float:

@@ -76,6 +76,7 @@ from hylo.pipeline.train.config import StageConfig, config_to_dict, load_stage_c
 from hylo.pipeline.train.inputs import check_stage_inputs
 from hylo.pipeline.train.metrics import make_ray_callback, read_metrics
 from hylo.pipeline.train.runlock import run_lock
+from hylo.pipeline.train.startup import StartupClock, process_start_time
 from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path, run_dir, run_loc
 from hylo.pipeline.train.worker import Stage
 
@@ -434,13 +435,15 @@ def auto_torch_config() -> Any:
     return AutoTorchConfig()
 
 
-def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
+def fit_with_ray(cfg: StageConfig, resume: str | None, clock: StartupClock | None = None) -> dict[str, Any]:
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from hylo.pipeline.train.loop import train_worker
 
-    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    clock = clock or StartupClock()
+    with clock.timed("ray start"):
+        init_ray(cfg.ray.address, cfg.ray.num_cpus)
     check_cluster_resources(cfg)
     run = run_loc(cfg)
     note = reset_ray_snapshot(run)
@@ -449,7 +452,8 @@ def fit_with_ray(cfg: StageConfig, resume: str | None) -> dict[str, Any]:
     stop_teacher = start_teacher(cfg)
     trainer = TorchTrainer(
         functools.partial(train_worker, stage_for(cfg.stage)),
-        train_loop_config=loop_config(cfg, resume, "ray"),
+        # the worker group's start-up is timed from here to the first line a worker runs
+        train_loop_config={**loop_config(cfg, resume, "ray"), "startup": StartupClock(clock.phases).to_dict()},
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu,
                                      resources_per_worker=worker_resources(cfg)),
         run_config=run_config(cfg, run),
@@ -517,6 +521,8 @@ def failure_message(e: BaseException) -> str:
 
 
 def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
+    clock = StartupClock(since=process_start_time())
+    clock.lap("import")
     args = build_parser(stage).parse_args(argv)
     cfg = load_stage_config(stage, args.config, args.overrides)
     maybe_print_config(cfg, args)
@@ -540,7 +546,7 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
     owner = launch_id(launcher) if launcher == "torchrun" else None
     lock = run_lock(run_loc(cfg), break_lock=args.break_lock, owner=owner) if is_rank0 else contextlib.nullcontext()
     with exit_on_sigterm(), lock:
-        return _run_locked(stage, args, cfg, launcher, is_rank0)
+        return _run_locked(stage, args, cfg, launcher, is_rank0, clock)
 
 
 @contextlib.contextmanager
@@ -563,7 +569,7 @@ def exit_on_sigterm():
 
 
 def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher: str,
-                is_rank0: bool) -> dict[str, Any]:
+                is_rank0: bool, clock: StartupClock | None = None) -> dict[str, Any]:
     resume = args.resume
     if launcher == "torchrun" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         pass  # torchrun --max-restarts relaunched the ranks: they resume from the newest intact checkpoint
@@ -586,10 +592,13 @@ def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
     if launcher == "torchrun":
         from hylo.pipeline.train.loop import train_worker
 
-        train_worker(stage_for(cfg.stage), loop_config(cfg, resume, "torchrun"))
+        clock = clock or StartupClock()
+        clock.phases["ray start"] = 0.0
+        train_worker(stage_for(cfg.stage), {**loop_config(cfg, resume, "torchrun"),
+                                            "startup": StartupClock(clock.phases).to_dict()})
         info: dict[str, Any] = {}
     else:
-        info = fit_with_ray(cfg, resume)
+        info = fit_with_ray(cfg, resume, clock)
     model = run / "model"
     if is_rank0 and cfg.checkpoint.delete_after_consolidate:
         if (model / "hybrid_config.json").is_file():

@@ -72,6 +72,7 @@ from hylo.pipeline.train.nonfinite import (
 )
 from hylo.pipeline.train.row_sources import open_rows, resume_position
 from hylo.pipeline.train.session import PARTITION_FILE, RaySession, Session, TorchrunSession
+from hylo.pipeline.train.startup import STARTUP_FILE, StartupClock
 from hylo.pipeline.train.storage import (
     Loc,
     fresh_local_dir,
@@ -210,6 +211,8 @@ def watch_stale_build_locks(stop: threading.Event, max_age_s: float = 300.0, pol
 # ------------------------------------------------------------------------------------ the loop
 def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     """Train `stage` on this worker; all workers run this in lockstep."""
+    clock = StartupClock.from_dict(loop_config.get("startup"))
+    clock.lap("worker group")
     if loop_config.get("torch_extensions_dir"):
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", loop_config["torch_extensions_dir"])
     cfg = config_from_dict(loop_config["config"])
@@ -222,7 +225,8 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     # DeepSpeed loads its compiled ops during setup; guard against a lock left by a killed process.
     stop_watch = threading.Event()
     threading.Thread(target=watch_stale_build_locks, args=(stop_watch,), daemon=True).start()
-    rank, world, device = setup_distributed(cfg)
+    with clock.timed("process group"):
+        rank, world, device = setup_distributed(cfg)
     if device.type == "cpu":
         keep_freed_host_memory()  # CPU steps reuse freed host memory, as CUDA's caching allocator does
     torch.manual_seed(cfg.train.seed)
@@ -235,7 +239,7 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
                         run_dir=local_mirror(run), run_loc=run,
                         grad_accum=cfg.grad_accum,
                         hooks=[FaultInjection(cfg.fault)],
-                        sp_group=sp_group, sp_rank=sp_rank, sp_size=sp_size)
+                        sp_group=sp_group, sp_rank=sp_rank, sp_size=sp_size, startup=clock)
     if sp_size > 1 and rank == 0:
         print(f"[train] sequence parallelism: each row split over {sp_size} workers (ranks [g*{sp_size}, "
               f"(g+1)*{sp_size}) form group g), {ctx.dp_size} group(s), {ctx.grad_accum} row(s) per worker per step",
@@ -247,7 +251,8 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     session: Session = (RaySession(ctx, loop_config, total) if loop_config["launcher"] == "ray"
                         else TorchrunSession(ctx, loop_config, total))
 
-    task = stage.build(ctx, cosine_with_warmup(total, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio))
+    with clock.timed("model load"):
+        task = stage.build(ctx, cosine_with_warmup(total, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio))
     stop_watch.set()
     zero_partition_report(task.engine, ctx)
 
@@ -313,6 +318,9 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         batch = [rows.next_row() for _ in range(ctx.grad_accum)]
         result = stage.train_step(task, batch, ctx)
         record = reduce_record(ctx, result, batch, rows, time.perf_counter() - t0, total)
+        if step == start + 1:
+            clock.lap("first step")
+            report_startup(clock, ctx)
         record["resumed_from"] = start
         verdict = guard.observe(record, last=step == last)
         if verdict == "stop":
@@ -350,6 +358,14 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     if cfg.checkpoint.consolidate:
         consolidate(task, ctx, session.run_loc, cfg.model.student)
     session.close()
+
+
+def report_startup(clock: StartupClock, ctx: WorkerContext) -> None:
+    """Rank 0: where this run's start-up went (startup.py), one line and the run directory's startup.json."""
+    if ctx.rank == 0:
+        print(clock.line(), flush=True)
+        write_json_atomic(ctx.run_dir / STARTUP_FILE, {"phases": clock.phases, "stage": ctx.cfg.stage,
+                                                       "world_size": ctx.world_size})
 
 
 def checkpoint_records(state: dict[str, Any]) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ learning rate is the optimiser's, `current_lr` reads it the same way).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,3 +67,21 @@ class PlainEngine:
 
     def get_global_grad_norm(self) -> float | None:
         return None if self._norm is None else float(self._norm)
+
+
+def plain_engine(optim: Any, cls: type[PlainEngine] = PlainEngine, foreach: bool = False
+                 ) -> Callable[[nn.Module, list[nn.Parameter]], PlainEngine]:
+    """An engine factory for stage1.build / stage2.build: `cls` (PlainEngine or a subclass) with the `optim`
+    section's AdamW and clipping. `foreach`: AdamW's multi-tensor form, torch's default for GPU tensors (on CPU
+    ones it loops per tensor), whose temporaries span every tensor at once (the estimator's GPU rule)."""
+
+    def make(module: nn.Module, params: list[nn.Parameter]) -> PlainEngine:
+        # the engine trains what requires a gradient: the parameters the stage's build switched on
+        engine = cls(module, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay,
+                     grad_clip=optim.grad_clip)
+        if foreach:
+            engine.optimizer = torch.optim.AdamW(engine.masters, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                                 weight_decay=optim.weight_decay, foreach=True)
+        return engine
+
+    return make

@@ -30,6 +30,7 @@ with d the per-token L2 distance `||u - v||_2` (`ild.squared: false`, the defaul
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.train.config import ILD_TRAINABLE, Stage1Config
-from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
+from hylo.pipeline.train.deepspeed_cfg import EngineFactory, current_lr, deepspeed_engine
 from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_slice, row_to_device, token_range
 
 EPS = 1e-6
@@ -155,26 +156,54 @@ class Stage1Task:
     cfg: Stage1Config
 
 
-def build(ctx: WorkerContext, lr_lambda) -> Stage1Task:
-    from hylo.assets import resolve_path_or_asset
-    from hylo.io import load_hylo
-    from hylo.upcycle import load_base_model
-
+def build(ctx: WorkerContext, lr_lambda: Callable[[int], float] | None = None, *,
+          student: Callable[[], nn.Module] | None = None, base: Callable[[], nn.Module] | None = None,
+          engine: EngineFactory | None = None) -> Stage1Task:
+    """Stage 1's task, however it is run: the trainer (`STAGE`, every part by default), the estimator (models of
+    the config's shapes on fake tensors, `PlainEngine`), the benches. The parts that differ are factories:
+    * `student()`, `base()`: the student and the HF base model on the step's device in its dtype (default: the
+      checkpoints `model.student` and `model.base`);
+    * `engine(module, trainable parameters)`: the engine the step calls (default: DeepSpeed's, `init_engine` over
+      ctx.world_size with the schedule `lr_lambda`).
+    What the step needs of them is made here, once: the base frozen, the layers `ild.trainable` names trained, the
+    student in training mode inside `ILDStudent`."""
     cfg: Stage1Config = ctx.cfg
+    if student is None or base is None:
+        check_checkpoints(cfg)
+    student = student or (lambda: checkpoint_student(ctx))
+    base = base or (lambda: base_model(ctx))
+    engine = engine or deepspeed_engine(ctx, lr_lambda)
+    model = student()
+    frozen = base().eval()
+    frozen.requires_grad_(False)
+    if len(frozen.model.layers) != len(model.model.layers):
+        raise ConfigError(f"model.base has {len(frozen.model.layers)} layers, model.student "
+                          f"{len(model.model.layers)}: the student must be converted from this base")
+    params = trainable_parameters(model, cfg.ild.trainable)
+    model.train()
+    module = ILDStudent(model, cfg)
+    return Stage1Task(engine(module, params), model, BaseLayerTargets(frozen), cfg)
+
+
+def check_checkpoints(cfg: Stage1Config) -> None:
     if not cfg.model.student or not cfg.model.base:
         raise ConfigError("stage 1 needs model.base (the HF base model) and model.student (its HyLo conversion)")
-    student = load_hylo(cfg.model.student, dtype=ctx.dtype).to(ctx.device)
-    base_dir = resolve_path_or_asset(cfg.model.base, "model.base", directory=True)
-    base = load_base_model(base_dir, dtype=ctx.dtype).to(ctx.device).eval()
-    base.requires_grad_(False)
-    if len(base.model.layers) != len(student.model.layers):
-        raise ConfigError(f"model.base has {len(base.model.layers)} layers, model.student "
-                          f"{len(student.model.layers)}: the student must be converted from this base")
-    params = trainable_parameters(student, cfg.ild.trainable)
-    student.train()
-    module = ILDStudent(student, cfg)
-    engine = init_engine(module, params, cfg, ctx.world_size, ctx.dtype, lr_lambda)
-    return Stage1Task(engine, student, BaseLayerTargets(base), cfg)
+
+
+def checkpoint_student(ctx: WorkerContext) -> nn.Module:
+    """The trainer's student: the HyLo conversion `model.student` on ctx.device in ctx.dtype."""
+    from hylo.io import load_hylo
+
+    return load_hylo(ctx.cfg.model.student, dtype=ctx.dtype).to(ctx.device)
+
+
+def base_model(ctx: WorkerContext) -> nn.Module:
+    """The trainer's base: the HF model `model.base` (a directory or an asset) on ctx.device in ctx.dtype."""
+    from hylo.assets import resolve_path_or_asset
+    from hylo.upcycle import load_base_model
+
+    base_dir = resolve_path_or_asset(ctx.cfg.model.base, "model.base", directory=True)
+    return load_base_model(base_dir, dtype=ctx.dtype).to(ctx.device)
 
 
 def step_inputs(base: BaseLayerTargets, row: PackedRow, ctx: WorkerContext) -> tuple[Any, ...]:

@@ -27,7 +27,7 @@ Design choices:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.protocol import BoundTeacher
 from hylo.pipeline.teacher.sources import open_teacher
 from hylo.pipeline.train.config import Stage2Config
-from hylo.pipeline.train.deepspeed_cfg import current_lr, init_engine
+from hylo.pipeline.train.deepspeed_cfg import EngineFactory, current_lr, deepspeed_engine
 from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_slice, row_to_device, token_range
 
 
@@ -50,11 +50,15 @@ from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_sli
 class KDStudent(nn.Module):
     """The student plus its loss, so ZeRO-3 gathers the LM head for the fused KL."""
 
-    def __init__(self, student: nn.Module, cfg: Stage2Config) -> None:
+    def __init__(self, student: nn.Module, cfg: Stage2Config, zero3: bool | None = None) -> None:
+        """`zero3`: register the LM head for ZeRO-3's gathering (default: `deepspeed.zero_stage` is 3; False for
+        an engine that does not partition, `PlainEngine`)."""
         super().__init__()
         self.student = student
         self.kd = cfg.kd
-        if cfg.deepspeed.zero_stage == 3:
+        if zero3 is None:
+            zero3 = cfg.deepspeed.zero_stage == 3
+        if zero3:
             import deepspeed
 
             deepspeed.zero.register_external_parameter(self, student.lm_head.weight)
@@ -124,21 +128,48 @@ class Stage2Task:
     cfg: Stage2Config
 
 
-def build(ctx: WorkerContext, lr_lambda) -> Stage2Task:
+def build(ctx: WorkerContext, lr_lambda: Callable[[int], float] | None = None, *,
+          student: Callable[[], nn.Module] | None = None, engine: EngineFactory | None = None,
+          teacher: Callable[[int], BoundTeacher] | None = None) -> Stage2Task:
+    """Stage 2's task, however it is run: the trainer (`STAGE`, every part by default), the estimator (a model of
+    the config's shapes on fake tensors, `PlainEngine`, the teacher at its shape), the GPU check and the benches
+    (random weights, `PlainEngine` or DeepSpeed). The parts that differ are factories:
+    * `student()`: the student on the step's device in its dtype (default: stage 1's checkpoint `model.student`);
+    * `engine(module, trainable parameters)`: the engine the step calls (default: DeepSpeed's, `init_engine`
+      over ctx.world_size with the schedule `lr_lambda`; only it gets ZeRO-3's registration of the LM head);
+    * `teacher(student vocabulary)`: the bound teacher (default: `open_teacher` of the `teacher` section).
+    What the step needs of them is made here, once: activation checkpointing as configured, training mode, the
+    loss inside `KDStudent`."""
+    cfg: Stage2Config = ctx.cfg
+    # ZeRO-3's registration of the LM head is DeepSpeed's: the default engine's only
+    zero3 = None if engine is None else False
+    student = student or (lambda: checkpoint_student(ctx))
+    engine = engine or deepspeed_engine(ctx, lr_lambda)
+    teacher = teacher or configured_teacher(cfg)
+    model = student()
+    if cfg.model.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    module = KDStudent(model, cfg, zero3)
+    eng = engine(module, [p for p in module.parameters() if p.requires_grad])
+    return Stage2Task(eng, model, teacher(model.config.vocab_size), cfg)
+
+
+def checkpoint_student(ctx: WorkerContext) -> nn.Module:
+    """The trainer's student: stage 1's HyLo checkpoint (`model.student`) on ctx.device in ctx.dtype."""
     from hylo.io import load_hylo
 
     cfg: Stage2Config = ctx.cfg
     if not cfg.model.student:
         raise ConfigError("model.student is not set: stage 2 starts from stage 1's HyLo checkpoint (<run>/model)")
-    student = load_hylo(cfg.model.student, dtype=ctx.dtype).to(ctx.device)
-    if cfg.model.activation_checkpointing:
-        student.gradient_checkpointing_enable()
-    student.train()
-    module = KDStudent(student, cfg)
-    engine = init_engine(module, [p for p in module.parameters() if p.requires_grad], cfg, ctx.world_size,
-                         ctx.dtype, lr_lambda)
+    return load_hylo(cfg.model.student, dtype=ctx.dtype).to(ctx.device)
+
+
+def configured_teacher(cfg: Stage2Config) -> Callable[[int], BoundTeacher]:
+    """The trainer's teacher factory: `open_teacher` of the `teacher` section (an offline cache checked against
+    the prepared data it was made from)."""
     data = cfg.data.path if cfg.data.source == "parquet" else None
-    return Stage2Task(engine, student, open_teacher(cfg.teacher, student.config.vocab_size, data), cfg)
+    return lambda vocab: open_teacher(cfg.teacher, vocab, data)
 
 
 def train_step(task: Stage2Task, rows: list[PackedRow], ctx: WorkerContext) -> StepResult:

@@ -56,6 +56,8 @@ class WorkerContext:
     sp_size: int = 1
     dp_rank: int = -1
     dp_size: int = -1
+    # the trainer's start-up clock (train/startup.py): the engine factory counts DeepSpeed's set-up in it
+    startup: Any = None
 
     def __post_init__(self) -> None:
         if self.dp_rank < 0:
@@ -77,6 +79,17 @@ class WorkerContext:
         """Run the registered hooks at the named point of the loop or the step."""
         for h in self.hooks:
             h(point, self)
+
+
+class SoloContext(WorkerContext):
+    """A context whose all-reduces are the identity: one process standing for every rank of its group (no
+    process group needed), for the step run outside the trainer (the estimator, the GPU check, the benches)."""
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        return list(values)
+
+    def all_max(self, values: list[float]) -> list[float]:
+        return list(values)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The fast scanner: a batch of documents against a BenchmarkIndex in numpy, hit for hit the reference's.
 
-Its reference is `reference.ReferenceScanner` beside it (tests/test_decontam.py compares the two).
+Its reference is `reference.ReferenceScanner` beside it (tests/data/test_decontam.py compares the two).
 """
 
 from __future__ import annotations

@@ -5,20 +5,24 @@
     offline    sources/offline.py    the top-k records of a cache written by the cache job
 
 A source is one file here holding one `TeacherSourceKind` (sources/base.py), listed in `SOURCES` below, or
-`register`ed by a module of its own. It owns everything that differs between sources: its config check
-(`check_section`, run when `TeacherSection` is built; `teacher.source`'s choices are `source_names()`), its checks
-before Ray starts (train/inputs.py), the Ray resources and the service it starts (train/driver.py), and its
-opening (`open_teacher`, in each stage-2 worker). What is the same for all, the width `teacher.k` and the exact
-form, is resolved here (`target_form`) from what each source says it can give.
+`register`ed by a module of its own. It owns everything that differs between sources: the keys it reads (its
+typed `section`, in pipeline/teacher/config.py; stage 2's `teacher` section is those sections in one), its config
+check (`check_section`, run when `TeacherSection` is built; `teacher.source`'s choices are `source_names()`), its checks
+before Ray starts (train/inputs.py), the Ray resources and the service it starts (train/driver.py), where its
+model runs (what `hylo estimate` sizes: train/estimate.py) and its opening (`open_teacher`, in each stage-2
+worker). What is the same for all, the width `teacher.k` and the exact form, is resolved here (`target_form`)
+from what each source says it can give. Nothing outside this package branches on a source's name.
 
 Importing this package loads config modules only (the sources import their implementations when used).
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from hylo.pipeline.config import ConfigError, FieldError
+from hylo.pipeline.teacher.config import SourceSection
 from hylo.pipeline.teacher.sources.base import TeacherSourceKind
 from hylo.pipeline.teacher.sources.inprocess import InProcessSource
 from hylo.pipeline.teacher.sources.offline import OfflineSource
@@ -55,7 +59,7 @@ _FORM_NEEDS = {"hidden": "the teacher's lm_head on the trainer", "logits": "the 
 _FORM_GIVEN = {"hidden": "gives its hidden states", "logits": "streams logits"}
 
 
-def target_form(t: Any) -> str:
+def target_form(t: SourceSection) -> str:
     """What the teacher of section `t` gives the fused KL: "topk" (k > 0), or for the exact teacher (k: 0)
     "hidden" or "logits", as `exact_form` asks (auto: the source's first); FieldError naming the key."""
     kind = source_kind(t.source)
@@ -74,13 +78,21 @@ def target_form(t: Any) -> str:
     return t.exact_form
 
 
-def check_section(t: Any) -> None:
-    """The source's own check of section `t`, then its width and form (`TeacherSection.__post_init__`)."""
-    source_kind(t.source).check_config(t)
+def check_section(t: SourceSection) -> None:
+    """That section `t` has the keys its source reads (its `section`'s, declared alike), the source's own check of
+    it, then its width and form (`TeacherSection.__post_init__`)."""
+    kind = source_kind(t.source)
+    have = {f.name: f for f in fields(t)}
+    for f in fields(kind.section):
+        got = have.get(f.name)
+        if got is None or (got.type, got.default, got.default_factory) != (f.type, f.default, f.default_factory):
+            raise TypeError(f"teacher.source={kind.name!r} reads teacher.{f.name} as {kind.section.__qualname__} "
+                            f"declares it, which {type(t).__qualname__} does not: add its section to that class")
+    kind.check_config(t)
     target_form(t)
 
 
-def open_teacher(t: Any, student_vocab: int, data_path: str | None = None) -> Any:
+def open_teacher(t: SourceSection, student_vocab: int, data_path: str | None = None) -> Any:
     """The teacher stage 2's `teacher` section names, bound to its targets (`protocol.BoundTeacher`);
     `data_path`: the prepared data an offline cache must have been made from (None: not checked)."""
     from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec, check_k_fits

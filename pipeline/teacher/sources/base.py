@@ -1,10 +1,18 @@
 """What a teacher source is to stage 2, from its config to its targets: one `TeacherSourceKind` per source.
 
-A kind is stateless; every method takes stage 2's `teacher` section (`TeacherSection`, pipeline/train/config.py)
-as `t`. In the order a run uses them:
+A kind names the keys it reads, its typed `section` (pipeline/teacher/config.py): the keys every source reads
+(`SourceSection`: source, k, exact_form) and its own (inprocess: model; serve: model, pool, client, start_pool;
+offline: cache_path). Stage 2's `teacher` section (`TeacherSection`, pipeline/train/config.py) is those sections
+in one flat mapping and an instance of each, so every method of a kind, given it as `t`, reads it as its own
+section (`check_section` checks that it has the kind's keys). A kind is stateless. How it runs, as data:
+* `exact_forms`  the exact teacher's (k: 0) forms it can give (the width and the form are resolved for every
+                 source alike, `target_form` in the registry);
+* `model_runs`   where its teacher model runs: in each training step, on replicas of its own, or nowhere (stored
+                 targets); what `hylo estimate` builds into the step and sizes apart (pipeline/estimate/);
+* `where`        the same in words.
+Its methods, in the order a run uses them:
 * `check_config(t)`          when the config is built: what the source needs of the section (FieldError naming
-                             the key). Which target form it can give is data, `exact_forms`; the width and the
-                             form are resolved for every source alike (`target_form` in the registry).
+                             the key);
 * `check_inputs(t)`          before Ray starts: the files the source reads (weights whole, a manifest of k);
 * `compared_with_student(t)` before Ray starts: what it knows of the teacher (`TeacherFiles`), compared with the
                              student's vocabulary and tokenizer by the stage's input checks (train/inputs.py);
@@ -24,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
+
+from hylo.pipeline.teacher.config import SourceSection
 
 
 @dataclass(frozen=True)
@@ -54,8 +64,15 @@ class TeacherSourceKind:
     """One value of `teacher.source`: see the module docstring for what each method is for."""
 
     name: ClassVar[str]
+    # The keys it reads: SourceSection's and its own (a subclass of SourceSection, in pipeline/teacher/config.py).
+    section: ClassVar[type[SourceSection]] = SourceSection
     # The exact teacher (k: 0) forms it can give, the one `exact_form: auto` picks first; () = top-k only.
     exact_forms: ClassVar[tuple[str, ...]] = ()
+    # Where its teacher model (`t.model`) runs: "step" inside each training step, on every worker; "replicas" on
+    # GPUs of its own beside the workers (the step receives the targets); None: nowhere (stored targets).
+    model_runs: ClassVar[str | None] = None
+    # Where its targets come from, in words (`hylo estimate`'s header).
+    where: ClassVar[str] = ""
 
     def check_config(self, t: Any) -> None:
         """What this source needs of the section beyond the form; raise FieldError(key, value, why)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hylo.pipeline.teacher.config import InProcessSection
 from hylo.pipeline.teacher.sources.base import (
     TeacherFiles,
     TeacherSourceKind,
@@ -21,15 +22,18 @@ from hylo.pipeline.teacher.sources.base import (
 
 class InProcessSource(TeacherSourceKind):
     name = "inprocess"
+    section = InProcessSection
     exact_forms = ("hidden", "logits")
+    model_runs = "step"
+    where = "on every training GPU"
 
-    def check_inputs(self, t: Any) -> None:
+    def check_inputs(self, t: InProcessSection) -> None:
         check_model_weights(t.model)
 
-    def compared_with_student(self, t: Any) -> TeacherFiles:
+    def compared_with_student(self, t: InProcessSection) -> TeacherFiles:
         return model_files(t.model)
 
-    def open(self, t: Any, data_path: str | None) -> tuple[Any, int | None]:
+    def open(self, t: InProcessSection, data_path: str | None) -> tuple[Any, int | None]:
         from hylo.pipeline.teacher.model import TeacherModel
 
         model = TeacherModel.from_config(t.model)

@@ -10,30 +10,32 @@ from __future__ import annotations
 from typing import Any
 
 from hylo.pipeline.config import FieldError
-from hylo.pipeline.teacher.config import check_cache_k
+from hylo.pipeline.teacher.config import OfflineSection, check_cache_k
 from hylo.pipeline.teacher.sources.base import TeacherFiles, TeacherSourceKind
 
 
 class OfflineSource(TeacherSourceKind):
     name = "offline"
+    section = OfflineSection
+    where = "from the top-k cache"
 
-    def check_config(self, t: Any) -> None:
+    def check_config(self, t: OfflineSection) -> None:
         if not t.cache_path:
             raise FieldError("cache_path", t.cache_path, "teacher.source=offline needs teacher.cache_path")
         check_cache_k(t.k)
 
-    def check_inputs(self, t: Any) -> None:
+    def check_inputs(self, t: OfflineSection) -> None:
         from hylo.pipeline.teacher.cache import load_manifest
 
         load_manifest(t.cache_path, t.k)
 
-    def compared_with_student(self, t: Any) -> TeacherFiles:
+    def compared_with_student(self, t: OfflineSection) -> TeacherFiles:
         from hylo.pipeline.teacher.cache import load_manifest
 
         return TeacherFiles("teacher.cache_path", vocab_size=load_manifest(t.cache_path).get("vocab_size"),
                             value=t.cache_path)
 
-    def open(self, t: Any, data_path: str | None) -> tuple[Any, int | None]:
+    def open(self, t: OfflineSection, data_path: str | None) -> tuple[Any, int | None]:
         from hylo.pipeline.teacher.cache import TopKCacheReader
 
         reader = TopKCacheReader(t.cache_path, expect_k=t.k, expect_data=data_path)

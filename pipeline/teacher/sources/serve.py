@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hylo.pipeline.teacher.config import ServeSection
 from hylo.pipeline.teacher.sources.base import (
     ResourceDemand,
     TeacherFiles,
@@ -23,16 +24,19 @@ from hylo.pipeline.teacher.sources.base import (
 
 class ServeSource(TeacherSourceKind):
     name = "serve"
+    section = ServeSection
     exact_forms = ("logits",)
+    model_runs = "replicas"
+    where = "in the Serve pool"
 
-    def check_inputs(self, t: Any) -> None:
+    def check_inputs(self, t: ServeSection) -> None:
         if t.start_pool:
             check_model_weights(t.model)
 
-    def compared_with_student(self, t: Any) -> TeacherFiles | None:
+    def compared_with_student(self, t: ServeSection) -> TeacherFiles | None:
         return model_files(t.model) if t.start_pool else None
 
-    def resources(self, t: Any) -> list[ResourceDemand]:
+    def resources(self, t: ServeSection) -> list[ResourceDemand]:
         if not t.start_pool:
             return []
         pool = t.pool
@@ -40,7 +44,7 @@ class ServeSource(TeacherSourceKind):
                                {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **(pool.resources or {})},
                                "teacher.pool.num_replicas / teacher.pool.num_cpus / num_gpus")]
 
-    def start(self, t: Any, fault: Any) -> Callable[[], None] | None:
+    def start(self, t: ServeSection, fault: Any) -> Callable[[], None] | None:
         if not t.start_pool:
             return None
         from hylo.pipeline.teacher.serve import start_teacher_pool
@@ -55,7 +59,7 @@ class ServeSource(TeacherSourceKind):
 
         return stop
 
-    def open(self, t: Any, data_path: str | None) -> tuple[Any, int | None]:
+    def open(self, t: ServeSection, data_path: str | None) -> tuple[Any, int | None]:
         from hylo.pipeline.teacher.client import TeacherClient
 
         # the vocabulary is the replicas': each checks the ids of every row it receives

@@ -78,8 +78,8 @@ def launch_checkpoints(run_dir: Path | Loc, launch_id: str) -> list[Loc]:
 
 # ------------------------------------------------------------------------------------ compatibility
 def _stored_config(state: dict[str, Any]) -> StageConfig | None:
-    """A checkpoint's config as this version reads it (renamed keys under their new names, e.g. ild.train_mlp
-    -> ild.trainable), so a resume compares meanings, not spellings; None when it no longer loads."""
+    """A checkpoint's config as this version reads it (a key added since takes its default), so a resume compares
+    meanings, not spellings; None when it no longer loads (a key this version does not know)."""
     try:
         return config_from_dict({**state["config"], "stage": state["stage"]})
     except (ConfigError, KeyError, TypeError):

@@ -1,0 +1,152 @@
+"""`hylo estimate`'s command line: the step estimate (step.py) and, at `--sequence-parallel N`, what splitting a
+row adds (sp.py). Its own module so that the estimator and its sequence-parallel part import each other in one
+direction only (sp -> step)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hylo.pipeline.estimate import __doc__ as estimate_doc
+from hylo.pipeline.estimate.report import format_table
+from hylo.pipeline.estimate.shapes import Shapes, shapes_of
+from hylo.pipeline.estimate.step import (
+    DOC_TOKENS,
+    MAX_WORLD_SIZE,
+    check_estimate_tokens,
+    estimate_step,
+    estimate_teacher_replica,
+)
+from hylo.pipeline.estimate.tracking import Progress
+from hylo.pipeline.teacher.sources import source_kind
+from hylo.pipeline.train.config import Stage1Config, Stage2Config, StageConfig
+
+
+def describe(cfg: StageConfig, shapes: Shapes, W: int, dtype: torch.dtype, config_path: str | None) -> str:
+    s = shapes.student
+    n_mla = len(s.mla_layers)
+    kind = s.linear_type.upper() if s.linear_type != "gdn" else "GDN"
+    head = f"stage {cfg.stage} of {config_path or '<defaults>'}: student {n_mla}MLA{s.n_layer - n_mla}{kind} " \
+           f"(hidden {s.hidden_size}, vocab {s.vocab_size}), {str(dtype).removeprefix('torch.')}, ZeRO-3 over " \
+           f"{W} GPU{'s' if W > 1 else ''}, activation checkpointing {'on' if cfg.model.activation_checkpointing else 'off'}"
+    if isinstance(cfg, Stage2Config):
+        t = cfg.teacher
+        form = f"top-{t.k} + tail" if t.k else t.form
+        tshape = ""
+        if shapes.teacher is not None:
+            tshape = f" {Path(t.model.path).name} shape ({shapes.teacher.num_hidden_layers} layers, hidden " \
+                     f"{shapes.teacher.hidden_size})"
+        head += f"\nteacher{tshape} {source_kind(t.source).where}, fused KL over {form}"
+    return head
+
+
+def main(argv: list[str] | None = None, description: str | None = None) -> int:
+    """`hylo estimate`: print the per-GPU memory and the FLOPs of one training step of a config
+    (`description`: the help's text, jobs/estimate.py's docstring)."""
+    import argparse
+    import json
+
+    from hylo.pipeline.cli import BadArgument, int_at_least
+    from hylo.pipeline.config import add_config_args, maybe_print_config
+    from hylo.pipeline.paths import resolve_paths
+    from hylo.pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
+
+    ap = argparse.ArgumentParser(description=description or estimate_doc, allow_abbrev=False,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(ap, example="data.seq_len=32768")
+    ap.add_argument("--stage", type=int, choices=(1, 2), default=None,
+                    help="which stage's step (default: the `stage:` a printed config names, else 2)")
+    ap.add_argument("--tokens", default=None,
+                    help="comma-separated row lengths, e.g. 8192,65536 (default: the config's data.seq_len)")
+    ap.add_argument("--world-size", type=int_at_least(1, MAX_WORLD_SIZE), default=None,
+                    help="ZeRO-3 world size (default: the config's ray.num_workers)")
+    ap.add_argument("--sequence-parallel", type=int_at_least(1, MAX_WORLD_SIZE), default=None, metavar="N",
+                    help="one row split by tokens over N GPUs (default: the config's train.sequence_parallel, else 1): "
+                         "per GPU the rank's step at T/N tokens plus what splitting adds, and the bytes each layer "
+                         "sends (pipeline/estimate/sp.py)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                    help="the step's dtype (default: model.dtype as on a GPU: auto = bfloat16)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="the step as a CPU runs it (fused KL's host checks and chunk size; fp32 unless --dtype)")
+    ap.add_argument("--json", default=None, help="also write every figure to this file")
+    args = ap.parse_args(argv)
+    if args.stage is None:  # a stage's --print-config (and this job's) heads its file with `stage: N`
+        from hylo.pipeline.config import read_config_file
+
+        named = read_config_file(args.config)[0].get("stage") if args.config else None
+        args.stage = named if named in (1, 2) else 2
+    cfg = load_stage_config(args.stage, args.config, args.overrides)
+    maybe_print_config(cfg, args)
+    cfg = resolve_paths(cfg)  # every path relative to this directory, as the stage jobs read them
+    # stage 2's student shape comes from its checkpoint, or else from the file's stage-1 conversion
+    student = Path(cfg.model.student).expanduser() if cfg.model.student else None
+    stage1 = None
+    if args.stage == 2 and not (student is not None and (student / "config.json").is_file()):
+        # the overrides of stage 2's own sections (teacher, kd) do not apply to its stage-1 conversion
+        shared = {f.name for f in dataclasses.fields(Stage1Config)}
+        stage1 = resolve_paths(load_stage_config(1, args.config, [o for o in args.overrides
+                                                                  if o.split(".", 1)[0].split("=", 1)[0] in shared]))
+    try:
+        tokens = [int(x) for x in args.tokens.split(",")] if args.tokens else [cfg.data.seq_len]
+    except ValueError:
+        raise BadArgument(f"--tokens={args.tokens}: expected comma-separated integers such as 8192,65536") from None
+    if any(t is None or t < 2 for t in tokens):
+        raise BadArgument("--tokens: give the row lengths (the config sets no data.seq_len)" if None in tokens
+                          else f"--tokens={args.tokens}: every length must be at least 2")
+    W = args.world_size or cfg.ray.num_workers
+    from hylo.pipeline.estimate.sp import check_sequence_parallel, estimate_sp, format_sp
+
+    N = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
+    check_sequence_parallel(N, W, tokens, "--sequence-parallel" if args.sequence_parallel else "train.sequence_parallel",
+                            "--world-size" if args.world_size else "ray.num_workers",
+                            "--tokens" if args.tokens else "data.seq_len")
+    # the step that runs is one rank's: T / N tokens
+    check_estimate_tokens([t // N for t in tokens], "--tokens" if args.tokens else "data.seq_len")
+    replicas = isinstance(cfg, Stage2Config) and source_kind(cfg.teacher.source).model_runs == "replicas"
+    if replicas:
+        # the replica's estimate runs one batch of up to teacher.pool.max_batch_tokens
+        check_estimate_tokens([cfg.teacher.pool.max_batch_tokens], "teacher.pool.max_batch_tokens")
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype] if args.dtype else \
+        resolve_dtype(cfg.model.dtype, not args.cpu)
+    shapes = shapes_of(cfg, stage1)
+    # with sequence parallelism each rank's own step is the step at T / N tokens
+    # with sequence parallelism: the split step itself, as the last rank of a row that is one document (its MLA
+    # layers attend to every earlier key of the row: the worst rank of the worst row)
+    ests = [estimate_step(cfg, T, W, dtype, gpu=not args.cpu, shapes=shapes, stage1=stage1, sequence_parallel=N,
+                          doc_tokens=(T, T) if N > 1 else DOC_TOKENS,
+                          progress=Progress(f"[estimate] {T:,} tokens{f' over {N} GPUs' if N > 1 else ''} "
+                                            f"({i}/{len(tokens)})"))
+            for i, T in enumerate(tokens, 1)]
+    print(describe(cfg, shapes, W, dtype, args.config)
+          + (f"\nsequence parallel: each row split by tokens over N = {N} GPUs ({W // N} group{'s' if W // N > 1 else ''})" if N > 1 else ""))
+    out: dict[str, Any] = {"config": args.config, "stage": args.stage, "world_size": W, "sequence_parallel": N,
+                           "estimates": [e.to_dict() for e in ests]}
+    if N > 1:
+        sp = [estimate_sp(cfg, T, N, W, dtype, e, shapes.student, split=True) for T, e in zip(tokens, ests)]
+        print(format_sp(sp))
+        out["sequence_parallel_estimates"] = [e.to_dict() for e in sp]
+    else:
+        print(format_table("training GPU:", ests))
+    if replicas:
+        # the pool answers each rank's shard: rows of T / N tokens
+        teach = [estimate_teacher_replica(cfg, T // N, shapes) for T in tokens]
+        print()
+        print(format_table(f"teacher replica GPU (teacher.pool: {cfg.teacher.pool.num_replicas} replicas, "
+                           f"{teach[0].notes[0]}):", teach))
+        out["teacher_replica"] = [e.to_dict() for e in teach]
+    print("\nThe step runs on fake tensors (pipeline/estimate/): ZeRO-3 sharding is arithmetic on the "
+          "real sizes; times are FLOPs at the dense bf16 peak, a lower bound.")
+    if N > 1:
+        print("Sequence parallelism (pipeline/estimate/sp.py): the split step itself, measured as the last rank "
+              "of a row that is one document, its collectives on torch's fake process group, SDPA counted as a "
+              "fused kernel; the communication is ANALYTIC, from the layers' shapes (checked against the "
+              "collectives of one split layer of each kind in tests/train/test_estimate_sp.py).")
+    if args.json:
+        from hylo.files import atomic_write
+
+        atomic_write(Path(args.json), json.dumps(out, indent=1, default=str) + "\n")
+    return 0

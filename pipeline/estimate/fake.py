@@ -1,0 +1,260 @@
+"""The fake tensors the estimated step runs on (FakeTensorMode: shapes and dtypes, no data), the step's host
+tensors run for real (`HostOps`), the values its reads of device tensors get (`HOST_VALUES`), the models built on
+them, and the FLOP formulas counted per op (see the package docstring, "Device reads" and "FLOPs")."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class EstimateError(RuntimeError):
+    """The step cannot run on fake tensors as it is (it reads a device value the estimate has none for)."""
+
+
+# (file suffix, function) of every read of a device value in a step -> the value it gets, and why
+HOST_VALUES: dict[tuple[str, str], tuple[Any, str]] = {
+    ("pipeline/train/stage2.py", "train_step"): (0.0, "the step's loss sums, read once at its end"),
+    ("pipeline/train/stage1.py", "train_step"): (0.0, "the step's loss terms (reporting)"),
+    ("kernels/fused_kl/inputs.py", "check_deferred"): (False, "the fused KL's deferred input checks: none failed"),
+    # the CPU rule (gpu=False): the same checks of the inputs' values, made at once (bool reads only)
+    ("kernels/fused_kl/inputs.py", "*"): (False, "the fused KL's input value checks (NaN, ranges): they pass"),
+    ("kernels/fused_kl/chunked.py", "backward"): (False, "grad_output == 1? No: the step scales its loss by W / n_global"),
+    ("pipeline/train/plain_engine.py", "get_global_grad_norm"): (0.0, "the clipped gradient norm (reporting)"),
+}
+# the estimator's own frames, skipped when looking for the line that reads a device value
+_HERE = "/pipeline/estimate/"
+GEMM_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm"})
+
+
+def _call_site() -> traceback.FrameSummary | None:
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" in path or _HERE in path:
+            continue
+        return frame
+    return None
+
+
+class HostOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Under FakeTensorMode: an op whose tensors are all real (host data: the row as read, its boundaries)
+    runs for real; a read of a fake (device) value gets its site's `HOST_VALUES` entry or raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        # FlopCounterMode's formulas (op -> FLOPs from shapes) while counting, else None
+        self.flop_registry: dict | None = None
+        self.flops = 0
+        # (op, operand shapes) -> [calls, FLOPs] of the matrix products counted (the bench replays them)
+        self.gemms: dict[tuple[str, tuple], list[int]] = {}
+        # bytes of the sum the engine makes in place while the tracker sees it out of place (`_engine_sum`)
+        self.credit = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import (
+            DataDependentOutputException,
+            DynamicOutputShapeException,
+            FakeTensor,
+            unset_fake_temporarily,
+        )
+        from torch.utils._pytree import tree_leaves
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            return self._host_value(args[0])
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        # the credit of the previous op's in-place sum ends here: the tracker (above this mode) has seen it
+        self.credit = self._engine_sum(func, args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            raise EstimateError(f"{func} at {_where()}: its output's size depends on device values, which the "
+                                f"estimate does not have ({type(e).__name__})") from None
+        if self.flop_registry is not None:
+            formula = self.flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                n = formula(*args, **kwargs, out_val=out)
+                self.flops += n
+                name = func._overloadpacket.__name__
+                if name in GEMM_OPS:
+                    key = (name, tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+                    entry = self.gemms.setdefault(key, [0, 0])
+                    entry[0] += 1
+                    entry[1] += n
+        return out
+
+    @staticmethod
+    def _engine_sum(func, args, kwargs) -> int:
+        """Bytes of a sum autograd's engine makes in place but the tracker sees out of place, else 0.
+
+        The engine sums the gradients a tensor receives from several uses (a residual stream, a tied
+        weight) into its input buffer IN PLACE, unless a tensor is "subclass-like", which every tensor is
+        while a Python dispatch mode is active (torch/csrc/autograd/input_buffer.cpp): under the tracker
+        each such sum allocates a copy the step does not make. Such a sum is an `add` of two same-shaped
+        tensors called from the engine itself (no Python frame between `_engine_run_backward` and the op);
+        while it runs, its output's bytes are credited."""
+        import sys
+
+        if func is not torch.ops.aten.add.Tensor or kwargs or len(args) != 2:
+            return 0
+        a, b = args
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+            return 0
+        # the innermost frame outside torch's dispatch plumbing (and the tracker), or the engine's own
+        frame = sys._getframe(2)
+        while frame is not None and "/torch/" in frame.f_code.co_filename.replace("\\", "/") \
+                and frame.f_code.co_name != "_engine_run_backward":
+            frame = frame.f_back
+        if frame is None or frame.f_code.co_name != "_engine_run_backward":
+            return 0
+        return a.numel() * a.element_size()
+
+    def _host_value(self, t: torch.Tensor) -> Any:
+        site = _call_site()
+        path = site.filename.replace("\\", "/") if site else "?"
+        for (suffix, function), (value, _why) in HOST_VALUES.items():
+            if site is None or not path.endswith(suffix) or function not in (site.name, "*"):
+                continue
+            if function == "*" and t.dtype != torch.bool:
+                continue
+            if True:
+                self.reads.append(f"{suffix}:{site.lineno} ({function})")
+                if t.dtype == torch.bool:
+                    return bool(value)
+                return float(value) if t.dtype.is_floating_point else int(value)
+        raise EstimateError(f"the step reads a device value ({t.dtype}) at {_where()}: the estimate has no "
+                            "value for it; give the code the host value it needs, or list the site in "
+                            "pipeline/estimate/fake.HOST_VALUES with the value it reads")
+
+
+def _where() -> str:
+    site = _call_site()
+    return "?" if site is None else f"{site.filename}:{site.lineno} ({site.name})"
+
+
+@contextlib.contextmanager
+def _noop_conversions() -> Iterator[None]:
+    """`module.to(device, dtype)` that changes nothing returns the module: under FakeTensorMode torch swaps
+    every parameter even then, and fails on the fake mode's own weak references."""
+    original = nn.Module._apply
+
+    def _apply(self, fn, recurse=True):
+        with torch.no_grad():
+            if all(fn(t) is t for t in itertools.chain(self.parameters(), self.buffers())):
+                return self
+        return original(self, fn, recurse)
+
+    nn.Module._apply = _apply  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module._apply = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def fake_tensors() -> Iterator[HostOps]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hylo.kernels import packed_sdpa
+    from hylo.kernels.fused_kl import inputs
+
+    host = HostOps()
+    # process-wide caches must not hand fake tensors to a real step later (nor real ones in): the grouped
+    # attention's index tensors, the fused KL's deferred check flags (read here, as the step's end does)
+    packed_sdpa._indices.cache_clear()
+    with FakeTensorMode(allow_non_fake_inputs=True), _noop_conversions(), host:
+        try:
+            yield host
+        finally:
+            inputs.check_deferred()
+            packed_sdpa._indices.cache_clear()
+
+
+def build_model(config: Any, dtype: torch.dtype) -> nn.Module:
+    """A model of `config` in `dtype` (HyLo or any transformers causal LM), built on the current mode."""
+    from hylo.config import HybridConfig
+
+    if isinstance(config, HybridConfig):
+        from hylo.modeling import HyLoForCausalLM
+
+        model = HyLoForCausalLM._from_config(config, dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        config._attn_implementation = "sdpa"
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return cast_parameters(model, dtype)
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Every floating parameter in `dtype`, as a checkpoint loaded in it (`load_hylo(path, dtype)`) has them,
+    also those a layer creates in fp32 (GDN's A_log, dt_bias); rebound, not converted (fake parameters
+    cannot be swapped in place, which `module.to(dtype)` does)."""
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                mod._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+    return model
+
+
+def fake_like(tree: Any) -> Any:
+    """Fake CPU tensors of the shapes, dtypes and requires_grad of the real tensors in `tree` (under
+    `fake_tensors()`): a measured call's inputs for its estimate."""
+    from torch.utils._pytree import tree_map
+
+    def like(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        return torch.empty(x.shape, dtype=x.dtype).requires_grad_(x.requires_grad)
+
+    return tree_map(like, tree)
+
+
+
+def flop_registry() -> dict:
+    """torch.utils.flop_counter.FlopCounterMode's formulas (op -> FLOPs from its shapes), with those of the
+    ops our CPU step runs that it lacks: SDPA's CPU flash kernel (as its CUDA flash kernel: dense), the
+    fused loss's in-place `addmm_`, GDN's triangular solve.
+
+    Counted in `HostOps` rather than under FlopCounterMode itself: its module tracker keeps every module's
+    outputs alive, which more than doubled the step's activation memory measured beside it."""
+    from torch.utils.flop_counter import (
+        FlopCounterMode,
+        addmm_flop,
+        sdpa_backward_flop_count,
+        sdpa_flop_count,
+    )
+
+    aten = torch.ops.aten
+
+    def cpu_flash(query, key, value, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(query, key, value)
+
+    def cpu_flash_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return sdpa_backward_flop_count(grad_out, query, key, value)
+
+    def addmm_inplace(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
+        return addmm_flop(self_shape, a_shape, b_shape)
+
+    def solve_triangular(a_shape, b_shape, *args, out_shape=None, **kwargs):
+        # forward substitution: n^2 multiply-adds per right-hand side
+        *batch, n, _ = a_shape
+        return math.prod(batch) * n * n * b_shape[-1]
+
+    return FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: cpu_flash_backward,
+        aten.addmm_: addmm_inplace,
+        aten.linalg_solve_triangular: solve_triangular,
+    }).flop_registry

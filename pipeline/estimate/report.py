@@ -1,0 +1,60 @@
+"""The table `hylo estimate` prints: one column per row length, the memory per GPU, the peak and which GPUs it
+fits, the FLOPs by phase and their time at each GPU's dense bf16 peak."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hylo.pipeline.estimate.gpus import FIT_MARGIN, GIB, GPUS
+from hylo.pipeline.estimate.step import Estimate
+
+
+def format_gib(x: float) -> str:
+    return f"{x / GIB:.1f}" if x >= 0.05 * GIB or x == 0 else f"{x / GIB:.2f}"
+
+
+def format_tokens(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+
+
+def per_key_lines(keys: list[str], ests: list[Any], value: Callable[[Any, str], float], label_width: int,
+                  w: int) -> list[str]:
+    """One table line per key: the key, then `value(estimate, key)` of each estimate (one decimal)."""
+    return [f"  {k:<{label_width}}" + "".join(f"{value(e, k):>{w}.1f}" for e in ests) for k in keys]
+
+
+def format_table(title: str, ests: list[Estimate]) -> str:
+    """One column per length: the memory rows per GPU, the peak, which GPUs it fits, FLOPs and times."""
+    cols = [format_tokens(e.tokens) for e in ests]
+    w = max(9, *(len(c) + 2 for c in cols))
+    keys: list[str] = []
+    for e in ests:
+        keys += [k for k in e.memory if k not in keys]
+    lines = [title, f"{'per GPU (GiB)':<44}" + "".join(f"{c:>{w}}" for c in cols)]
+    for k in keys:
+        vals = [e.memory.get(k, 0.0) for e in ests]
+        if not any(vals):
+            continue
+        lines.append(f"  {k:<42}" + "".join(f"{format_gib(v):>{w}}" for v in vals))
+    if any(e.loss_chunk_bytes for e in ests):
+        lines.append(f"  {'  of which the fused loss (its own peak)':<42}"
+                     + "".join(f"{format_gib(e.loss_chunk_bytes):>{w}}" for e in ests))
+    lines.append(f"{'peak':<44}" + "".join(f"{format_gib(e.peak_bytes):>{w}}" for e in ests))
+    short = {"forward/backward": "fwd/bwd", "optimizer": "optimizer", "teacher forward": "forward"}
+    lines.append(f"{'  reached in':<44}" + "".join(f"{short.get(e.peak_phase, e.peak_phase):>{w}}" for e in ests))
+    lines.append(f"fits (peak <= {1 - FIT_MARGIN:.0%} of the memory):")
+    for g in GPUS:
+        lines.append(f"  {g.name + f' {g.memory_gib:.0f} GiB':<42}"
+                     + "".join(f"{('yes' if g.fits(e.peak_bytes) else 'no'):>{w}}" for e in ests))
+    phases: list[str] = []
+    for e in ests:
+        phases += [k for k in e.flops if k not in phases]
+    lines.append(f"{'FLOPs per row (TFLOP; a step is grad_accum rows)':<44}")
+    lines += per_key_lines(phases, ests, lambda e, k: e.flops.get(k, 0) / 1e12, 42, w)
+    lines.append(f"  {'total':<42}" + "".join(f"{e.total_flops / 1e12:>{w}.1f}" for e in ests))
+    lines.append("time at the dense bf16 peak (s, a lower bound):")
+    for g in GPUS:
+        lines.append(f"  {g.name + f' {g.bf16_tflops:.0f} TFLOP/s':<42}"
+                     + "".join(f"{g.seconds(e.total_flops):>{w}.2f}" for e in ests))
+    return "\n".join(lines)

@@ -1,0 +1,165 @@
+"""The one Ray start-up helper (pipeline/ray_init.py) and the one `ray` config section of every job."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hylo.pipeline import ray_init
+from hylo.pipeline.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeRay:
+    """Stands in for the `ray` module: records init/shutdown calls."""
+
+    def __init__(self, initialized: bool = False) -> None:
+        self.initialized, self.calls = initialized, []
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def init(self, **kwargs) -> None:
+        self.calls.append(("init", kwargs))
+        self.initialized = True
+
+    def shutdown(self) -> None:
+        self.calls.append(("shutdown", {}))
+        self.initialized = False
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    fake = FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for key in ("PYTHONPATH", "TORCH_EXTENSIONS_DIR", "RAY_worker_niceness"):
+        # recorded, so that what init_ray puts there is undone after the test
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+        if not os.environ[key]:
+            monkeypatch.delenv(key)
+    return fake
+
+
+def test_address_rule(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_init.resolve_address(None) is None
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert ray_init.resolve_address(None) == "10.0.0.1:6379"
+    assert ray_init.resolve_address("auto") == "auto"
+
+
+def test_local_start_is_a_new_ray_without_dashboard_whose_workers_find_this_checkout(fake_ray, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    with ray_init.ray_running(None, 3, log_to_driver=False) as started:
+        assert started
+    (name, kwargs), last = fake_ray.calls
+    # "local": never the cluster /tmp/ray/ray_current_cluster names (another user's on a shared machine)
+    assert name == "init" and kwargs == {"address": "local", "num_cpus": 3, "include_dashboard": False,
+                                         "log_to_driver": False}
+    assert last[0] == "shutdown"
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/elsewhere"]
+    assert os.environ["RAY_worker_niceness"] == "0" and os.environ["TORCH_EXTENSIONS_DIR"]
+    # the checkout is put first once
+    assert ray_init.project_env()["PYTHONPATH"] == os.environ["PYTHONPATH"]
+
+
+def test_joining_a_cluster_never_stops_it(fake_ray, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    with ray_init.ray_running(None, 3) as started:
+        assert not started
+    # no num_cpus (Ray refuses it when joining), no shutdown
+    assert fake_ray.calls == [("init", {"address": "10.0.0.1:6379", "log_to_driver": True})]
+    fake_ray.calls.clear()
+    fake_ray.initialized = False  # the next job, in a process of its own
+    with ray_init.ray_running("auto"):
+        pass
+    assert fake_ray.calls == [("init", {"address": "auto", "log_to_driver": True})]
+
+
+def test_a_running_ray_is_used_as_is(fake_ray):
+    fake_ray.initialized = True
+    assert ray_init.init_ray("auto", 2) is False
+    with ray_init.ray_running():
+        pass
+    assert fake_ray.calls == []
+
+
+def test_every_job_config_spells_it_ray_address_and_the_old_flat_keys_are_unknown():
+    from hylo.pipeline.data.config import PrepareDataConfig
+    from hylo.pipeline.data.decontam import DecontamJobConfig
+    from hylo.pipeline.demo import DemoConfig
+    from hylo.pipeline.placement import PlacementConfig
+    from hylo.pipeline.teacher.config import TeacherCacheConfig
+    from hylo.pipeline.train.config import Stage1Config, Stage2Config
+
+    for cls in (PrepareDataConfig, DecontamJobConfig, TeacherCacheConfig, Stage1Config, Stage2Config, DemoConfig,
+                PlacementConfig):
+        cfg = load_config(cls, None, ["ray.address=auto", "ray.num_cpus=3"])
+        assert (cfg.ray.address, cfg.ray.num_cpus) == ("auto", 3), cls
+    assert load_config(PrepareDataConfig).ray.num_cpus == 2
+    for cls in (PrepareDataConfig, DecontamJobConfig, TeacherCacheConfig):
+        for key in ("ray_address=auto", "num_cpus=4"):
+            with pytest.raises(ConfigError, match=rf"unknown key\(s\) {key.split('=')[0]} in {cls.__name__}"):
+                load_config(cls, None, [key])
+    with pytest.raises(ConfigError, match="ray.num_cpus=0: must be >= 1"):
+        load_config(DecontamJobConfig, None, ["ray.num_cpus=0"])
+
+
+def test_the_data_recipes_load_without_a_deprecation_warning(capsys):
+    from hylo.pipeline.data.config import PrepareDataConfig
+
+    for name in ("llama3", "qwen3"):
+        cfg = load_config(PrepareDataConfig, ROOT / "configs" / f"data_{name}_stage1.yaml")
+        assert cfg.ray.address == "auto"
+    assert "deprecated" not in capsys.readouterr().err
+
+
+JOINER = """
+import os, ray
+from hylo.pipeline.ray_init import init_ray
+assert init_ray(None, 1) is False  # joins the Ray named by RAY_ADDRESS, starts none
+@ray.remote(num_cpus=1)
+def where():
+    import hylo.pipeline
+    return hylo.pipeline.__file__, os.nice(0)
+print(*ray.get(where.remote()))
+"""
+
+
+def _listening_addresses() -> set[str]:
+    """The addresses the TCP ports of this process and its descendants (a local Ray's) listen on."""
+    import psutil
+
+    pids = {psutil.Process().pid} | {c.pid for c in psutil.Process().children(recursive=True)}
+    return {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in pids}
+
+
+@pytest.mark.slow
+def test_another_job_joins_a_local_ray_through_ray_address(tmp_path):
+    """The demo's pattern: one local Ray, every step job joins it; their workers import this checkout.
+    The local Ray's ports (GCS, raylet, workers, agents) listen on the loopback only, not on every
+    interface, and a job of this machine still joins it."""
+    import ray
+
+    assert not ray.is_initialized()
+    with ray_init.ray_running(None, 2, log_to_driver=False) as started:
+        assert started
+        ray.get(ray.remote(lambda: 1).remote())  # a worker process, with its own gRPC port
+        listening = _listening_addresses()
+        assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
+        assert ray_init.gcs_address().startswith("127.0.0.1:")
+        env = {**os.environ, "RAY_ADDRESS": ray_init.gcs_address(), "PYTHONPATH": str(tmp_path)}
+        code = f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{JOINER}"
+        proc = subprocess.run([sys.executable, "-c", code],
+                              env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        module, nice = proc.stdout.split()[-2:]
+        assert Path(module).resolve().parent == (ROOT / "pipeline").resolve()
+        assert nice == "0"
+    assert not ray.is_initialized()

@@ -1,0 +1,30 @@
+"""The trainer's start-up clock (pipeline/train/startup.py): laps, parts counted inside a phase, the line."""
+
+from __future__ import annotations
+
+import time
+
+from hylo.pipeline.train.startup import StartupClock
+
+
+def test_a_part_counted_inside_a_phase_is_left_out_of_it():
+    clock = StartupClock(since=time.time() - 2.0)
+    clock.lap("import")
+    with clock.timed("model load"):
+        t0 = time.time()
+        time.sleep(0.2)
+        clock.add("deepspeed init", time.time() - t0)  # measured inside the block by the engine factory
+        time.sleep(0.1)
+    assert 1.9 < clock.phases["import"] < 3.0
+    assert 0.19 < clock.phases["deepspeed init"] < 0.5
+    assert 0.09 < clock.phases["model load"] < 0.19  # the block's 0.3 s less DeepSpeed's 0.2 s
+    line = clock.line()
+    assert line.startswith("[train] start-up: import ") and "model load" in line and "deepspeed init 0.2 s" in line
+
+
+def test_the_clock_travels_as_a_dict_and_keeps_measuring_from_its_mark():
+    sent = StartupClock({"import": 1.5, "ray start": 0.0}, since=time.time() - 1.0).to_dict()
+    clock = StartupClock.from_dict(sent)
+    clock.lap("worker group")
+    assert clock.phases["import"] == 1.5 and 0.9 < clock.phases["worker group"] < 2.0
+    assert StartupClock.from_dict(None).phases == {}
