@@ -27,12 +27,13 @@ demo: assets
 
 # The tests run in TEST_WORKERS processes (pytest-xdist), a test file per process at a time, so that a file's
 # shared fixtures (its reference run, its Ray, its models) are made once; the files that take longest start
-# first (tests/conftest.py). Most of a slow test's time is waiting for processes to start (Ray, its workers,
+# first (tests/conftest.py; --no-loadscope-reorder: xdist would otherwise start the files with the most
+# tests first). Most of a slow test's time is waiting for processes to start (Ray, its workers,
 # DeepSpeed: bench/stage_startup.py), so three processes keep two cores busy. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
 test: assets docs
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # The documentation site (docs/, mkdocs.yml) into site/ (git-ignored). --strict: a broken link or anchor, a page
 # missing from the nav or a nav entry without its page is an error. The configuration reference is generated

@@ -59,9 +59,10 @@ def _fast_tier_starts_nothing(request, monkeypatch):
 # order is a scheduling hint only; every test runs, in its file's own order. Measured (make test, this 2-core
 # machine): each of these takes several minutes, mostly process start-up (a wheel install, Ray Serve pools,
 # Ray Train runs, clusters of Ray nodes, job subprocesses).
-LONGEST_FIRST = ("test_quickstart.py", "test_teacher_serve.py", "test_train_e2e.py", "test_faults_cluster.py",
+LONGEST_FIRST = ("test_quickstart.py", "test_train_e2e.py", "test_train_e2e_ray.py", "test_teacher_serve.py",
+                 "test_faults_cluster.py",
                  "test_job_errors.py", "test_train_seq_parallel.py", "test_packaging.py", "test_faults.py",
-                 "test_train_nonfinite.py", "test_eval.py")
+                 "test_train_nonfinite.py", "test_eval.py", "test_checkout_block.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

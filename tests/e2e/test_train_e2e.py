@@ -4,17 +4,13 @@
   --resume: identical per-step losses and rows, after walking back past a truncated shard of the
   newest checkpoint and repairing a torn last line of metrics.jsonl; a planted pickle payload whose
   manifest was forged to match is refused by DeepSpeed's (weights-only) load and never runs;
-* a worker SIGKILLed mid-step under Ray Train recovers by itself (FailureConfig) from the last
-  checkpoint, and its losses equal the uninterrupted run's;
-* a Ray Train run on s3:// storage (a local S3 server): checkpoints, manifests, metrics and the model
-  in the bucket; after the newest checkpoint is deleted (Ray's own record still points at it),
-  `--resume` continues from the newest intact one, downloaded from the bucket;
 * ZeRO-3 partitions (~1/2 of the parameters per rank), the consolidated HF checkpoint (equal to
   DeepSpeed's own zero_to_fp32 reconstruction, loadable by `HyLoForCausalLM.from_pretrained`);
-* stage 1 (Enhanced-ILD) in bf16 trains only the mixers; the consolidated model holds the fp32 master
-  weights of the mixers and the starting checkpoint's exact values of everything else.
+* the run's start-up clock (startup.json).
+Ray Train's runs and stage 1 in bf16 are in tests/e2e/test_train_e2e_ray.py (a file of its own, so that
+`make test` runs it beside this one).
 
-One reference run is shared by the module; every run is a few seconds of compute (most of the time is
+One reference run is shared by the module (tests/e2e/conftest.py); every run is a few seconds of compute (most of the time is
 process start-up: torchrun ~20 s, Ray Train ~60-90 s on 2 cores).
 """
 
@@ -27,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from hylo.pipeline.ray_init import ray_running
 from hylo.pipeline.train.checkpoint.layout import (
     CHECKPOINT_MANIFEST,
     checkpoint_problem,
@@ -49,21 +44,6 @@ from tests.helpers.train import (
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    return root, make_tiny_models(root / "models")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny):
-    """Stage 2, 12 steps, uninterrupted (checkpoint every 3 steps)."""
-    root, models = tiny
-    cfg = write_config(tiny_config(models, root / "runs", "reference"), root / "reference.yaml")
-    assert_ok(torchrun(2, cfg))
-    return root / "runs" / "reference"
-
-
 def _plant_payload(ckpt: Path, marker: Path) -> None:
     """Replace both ranks' model-state shards with a pickle that creates `marker` when unpickled, and
     forge the manifest to match (sizes and checksums)."""
@@ -216,114 +196,6 @@ def test_two_runs_with_the_same_storage_and_name_cannot_overwrite_each_other(tin
     assert len((rd / "metrics.jsonl").read_text().splitlines()) == 12
 
 
-def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference):
-    from hylo.pipeline.train.driver import run
-
-    root, models = tiny
-    # a nested run name (as jobs/place_layers.py uses): Ray's checkpoints must land in the run directory
-    cfg = tiny_config(models, root / "runs", "ray/recover", ray={"launcher": "ray", "max_failures": 1},
-                      train={"max_steps": 8}, fault={"kill_at_step": 5, "kill_rank": 1, "kill_when": "mid_step"})
-    cfg_path = write_config(cfg, root / "ray.yaml")
-    with ray_running(None, 2):
-        summary = run(2, ["--config", str(cfg_path)])
-    rd = root / "runs" / "ray" / "recover"
-    got = read_metrics(rd)
-    assert (rd / ".fault-step5-mid_step-rank1").exists()
-    assert list(got) == list(range(1, 9)) and summary["last_step"] == 8
-    # Steps after the kill were recomputed from the step-3 checkpoint, and match the clean run exactly.
-    assert all(got[s]["resumed_from"] == 3 for s in range(4, 9))
-    assert_same_steps(read_metrics(reference), got, range(1, 9))
-    assert (rd / "step_00000006").is_dir() and (rd / "model" / "hybrid_config.json").is_file()
-    assert checkpoint_problem(rd / "step_00000006", deep=True) is None
-    assert list((rd / "tensorboard").glob("events.out.tfevents.*"))
-
-
-def test_ray_worker_killed_right_after_a_checkpoint_resumes_from_it(tiny, reference):
-    """A worker SIGKILLed just after step 6's manifest, before Ray Train has registered that checkpoint:
-    the relaunched group resumes from step 6 (found in storage), not from Ray's record (step 3, or none
-    at all: it restarted from step 0)."""
-    from hylo.pipeline.train.driver import run
-
-    root, models = tiny
-    cfg = tiny_config(models, root / "runs", "ray-after-ckpt", ray={"launcher": "ray", "max_failures": 1},
-                      train={"max_steps": 8}, fault={"kill_at_step": 6, "kill_rank": 1,
-                                                     "kill_when": "after_checkpoint"})
-    with ray_running(None, 2):
-        summary = run(2, ["--config", str(write_config(cfg, root / "ray-after-ckpt.yaml"))])
-    rd = root / "runs" / "ray-after-ckpt"
-    got = read_metrics(rd)
-    assert (rd / ".fault-step6-after_checkpoint-rank1").exists() and summary["last_step"] == 8
-    assert list(got) == list(range(1, 9))
-    assert [got[s]["resumed_from"] for s in (7, 8)] == [6, 6], [got[s]["resumed_from"] for s in got]
-    assert_same_steps(read_metrics(reference), got, range(1, 9))
-
-
-def test_an_input_error_inside_a_worker_is_not_retried(tiny, capfd, monkeypatch):
-    """A teacher of another vocabulary that got past the driver's checks (here: switched off) fails
-    inside the workers with a ConfigError: the run stops after the first attempt, not after
-    ray.max_failures more attempts that load both models again."""
-    import hylo.pipeline.train.driver as driver
-    from hylo.pipeline.train.driver import TrainingError, run
-
-    from tests.helpers.teacher import save_tiny_llama
-
-    root, models = tiny
-    teacher = save_tiny_llama(root / "teacher-v128", vocab_size=128)
-    cfg = tiny_config(models, root / "runs", "ray-input-error", ray={"launcher": "ray", "max_failures": 2},
-                      teacher={"model": {"path": str(teacher)}})
-    monkeypatch.setattr(driver, "check_stage_inputs", lambda cfg: None)
-    monkeypatch.setenv("RAY_DEDUP_LOGS", "0")  # every worker's failure printed, to count the attempts
-    capfd.readouterr()
-    with ray_running(None, 2):
-        with pytest.raises(TrainingError, match="ConfigError: teacher vocabulary 128 != student vocabulary 96"):
-            run(2, ["--config", str(write_config(cfg, root / "ray-input-error.yaml"))])
-    out = capfd.readouterr()
-    text = out.out + out.err
-    assert "not retrying: the input is wrong" in text, text[-3000:]
-    # one attempt: each of the 2 workers failed once at most (Ray logs every failed training function);
-    # with Ray's own policy 3 attempts (max_failures=2) print it 3 times or more
-    assert 1 <= text.count("Error in training function") <= 2, text.count("Error in training function")
-
-
-def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, reference, capfd):
-    """s3:// storage through a local S3 server: Ray Train uploads the checkpoints, rank 0 the manifest,
-    metrics, TensorBoard files and the model; after the user deletes the newest checkpoint (Ray's
-    record of the run still points at it), --resume continues from the newest intact one, downloaded
-    from the bucket."""
-    import shutil
-
-    from hylo.pipeline.train.driver import run
-    from hylo.pipeline.train.storage import Loc, local_mirror
-
-    from tests.helpers.train import fake_s3
-
-    root, models = tiny
-    with fake_s3() as s3:
-        cfg = tiny_config(models, s3("runs"), "ray/s3", ray={"launcher": "ray"}, train={"max_steps": 6})
-        cfg_path = write_config(cfg, root / "s3.yaml")
-        with ray_running(None, 2):
-            try:
-                first = run(2, ["--config", str(cfg_path)])
-                rd = Loc.of(s3("runs/ray/s3"))
-                assert first["run_dir"] == str(rd) and [s for s, _ in list_checkpoints(rd)] == [3, 6]
-                assert (rd / "model" / "hybrid_config.json").is_file() and (rd / "config_stage2.json").is_file()
-                assert (rd / "checkpoint_manager_snapshot.json").is_file() and (rd / "tensorboard").files()
-                assert list(read_metrics(rd)) == list(range(1, 7))
-                (rd / "step_00000006").rmtree()
-                capfd.readouterr()
-                second = run(2, ["--config", str(cfg_path), "--resume", "--set", "train.max_steps=8"])
-                out = capfd.readouterr().out
-            finally:
-                shutil.rmtree(local_mirror(Loc.of(s3("runs/ray/s3"))), ignore_errors=True)
-        assert "points at step_00000006, which is missing" in out, out[-3000:]
-        got = read_metrics(rd)
-        assert second["last_step"] == 8 and list(got) == list(range(1, 9))
-        assert all(got[s]["resumed_from"] == 3 for s in range(4, 9))
-        assert_same_steps(read_metrics(reference), got, range(1, 9))
-        assert [s for s, _ in list_checkpoints(rd)] == [3, 6, 8]
-    assert not list(REPO.glob("s3:*")) and not list(Path.cwd().glob("s3:*"))
-
-
 def test_zero3_partitions_each_rank_holds_half(reference):
     import json
 
@@ -351,46 +223,6 @@ def test_consolidated_checkpoint_equals_zero_to_fp32(reference):
     assert (reference / "model" / "tokenizer.json").read_bytes() == \
         (reference.parent.parent / "models" / "student" / "tokenizer.json").read_bytes()
     assert not torch.equal(initial.model.layers[0].mixer.o_proj.weight, model.model.layers[0].mixer.o_proj.weight)
-
-
-# ild.trainable: what stage 1 trains (all: every parameter of every decoder layer; mixers: the new mixers)
-STAGE1_TRAINED = {"all": lambda n: n.startswith("model.layers."), "mixers": lambda n: ".mixer." in n}
-
-
-@pytest.mark.parametrize("trainable", ["mixers", "all"])
-def test_stage1_bf16_keeps_master_weights_and_frozen_originals(tiny, trainable):
-    from hylo.modeling import HyLoForCausalLM
-
-    root, models = tiny
-    cfg = write_config(tiny_config(models, root / "runs", f"stage1-{trainable}", stage=1, train={"max_steps": 4},
-                                   optim={"lr": 3e-3, "warmup_ratio": 0.0}, model={"dtype": "bfloat16"},
-                                   ild={"trainable": trainable}),
-                       root / f"stage1-{trainable}.yaml")
-    proc = torchrun(1, cfg, "--set", "checkpoint.delete_after_consolidate=true")
-    assert_ok(proc)
-    run = root / "runs" / f"stage1-{trainable}"
-    # the run checkpointed (every 3 steps and at the end), then removed its checkpoints after consolidating
-    assert "removed 2 checkpoint(s)" in proc.stdout, proc.stdout[-2000:]
-    assert not [p.name for p in run.iterdir() if "step_" in p.name]
-    assert (run / "model" / "hybrid_config.json").is_file()
-    got = read_metrics(run)
-    assert list(got) == [1, 2, 3, 4] and got[4]["loss"] < got[1]["loss"]
-    assert got[1]["loss"] == pytest.approx(got[1]["ild_output"] + got[1]["ild_mixer"], rel=1e-3)
-    before = HyLoForCausalLM.from_pretrained(models["student"])
-    after = HyLoForCausalLM.from_pretrained(run / "model")
-    assert next(after.parameters()).dtype == torch.float32
-    is_trained = STAGE1_TRAINED[trainable]
-    pairs = list(zip(before.named_parameters(), after.named_parameters()))
-    for (name, p0), (_, p1) in pairs:
-        if not is_trained(name):
-            # frozen: the starting checkpoint's exact fp32 values, not their bf16 working copies
-            assert torch.equal(p0, p1), f"{name} changed but ild.trainable={trainable} does not train it"
-    trained = [(n, p0, p1) for (n, p0), (_, p1) in pairs if is_trained(n)]
-    for part in (".mixer.",) + ((".mlp.", "layernorm.") if trainable == "all" else ()):
-        assert any(not torch.equal(p0, p1) for n, p0, p1 in trained if part in n), f"no {part} parameter was trained"
-    # trained: the optimiser's fp32 masters, which bf16 cannot represent (bf16 working weights could)
-    off_grid = sum(int((p1 != p1.bfloat16().float()).sum()) for _, _, p1 in trained)
-    assert off_grid > 0.5 * sum(p1.numel() for _, _, p1 in trained), off_grid
 
 
 def test_the_run_says_where_its_start_up_went(reference):
