@@ -32,25 +32,12 @@ PHASES = ("import", "ray start", "worker group", "process group", "model load", 
 
 
 def tiny_models(root: Path) -> dict[str, Path]:
-    """A random 2-layer Llama (base and teacher) and its HyLo conversion, as the training tests use."""
-    import torch
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random 2-layer Llama (base and teacher) and its HyLo conversion, as the rehearsal and the training tests
+    use (pipeline/rehearse.make_tiny_models)."""
+    from hylo.pipeline.rehearse import make_tiny_models
 
-    from hylo.io import save_hylo
-    from hylo.upcycle import load_base_model, upcycle
-
-    base = root / "base"
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(base, safe_serialization=True)
-    Tokenizer(WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0")).save(str(base / "tokenizer.json"))
-    student = upcycle(load_base_model(base), mla_layers="even", kv_lora_rank=16, gdn_head_dim=8, gdn_num_heads=4)
-    save_hylo(student, root / "student", tokenizer_from=base)
-    return {"base": base, "student": root / "student"}
+    models = make_tiny_models(root)
+    return {"base": models["teacher"], "student": models["student"]}
 
 
 def config(models: dict[str, Path], storage: Path, name: str, stage: int, launcher: str) -> dict:

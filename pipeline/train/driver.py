@@ -76,7 +76,7 @@ from hylo.pipeline.train.config import StageConfig, config_to_dict, load_stage_c
 from hylo.pipeline.train.inputs import check_stage_inputs
 from hylo.pipeline.train.metrics import make_ray_callback, read_metrics
 from hylo.pipeline.train.runlock import run_lock
-from hylo.pipeline.train.startup import StartupClock, process_start_time
+from hylo.pipeline.train.startup import StartupClock, is_job_process, process_start_time
 from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path, run_dir, run_loc
 from hylo.pipeline.train.worker import Stage
 
@@ -522,7 +522,10 @@ def failure_message(e: BaseException) -> str:
 
 def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
     clock = StartupClock(since=process_start_time())
-    clock.lap("import")
+    if is_job_process(stage):
+        clock.lap("import")
+    else:  # called inside a longer-lived process (a test, a notebook): its start is not this run's
+        clock = StartupClock()
     args = build_parser(stage).parse_args(argv)
     cfg = load_stage_config(stage, args.config, args.overrides)
     maybe_print_config(cfg, args)

@@ -3,7 +3,9 @@ and `startup.json` in the run directory (read by bench/stage_startup.py).
 
 Phases, each measured where it happens (wall-clock seconds):
 
-* import: from the driver process's start to the stage's `run` (Python, torch, Ray, the project);
+* import: from the driver process's start to the stage's `run` (Python, torch, Ray, the project), when the
+  process is the job's own (`python jobs/stageN.py`, `hylo stageN`, a torchrun rank); left out when a longer-lived
+  process (a test, a notebook) calls the stage;
 * ray start: joining or starting Ray (0 when the job runs inside a process that already holds one);
 * worker group: from handing the trainer to Ray Train until a training worker runs (Ray Train's controller, the
   worker processes and their imports; torchrun: 0, its ranks are the processes);
@@ -20,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 PHASES = ("import", "ray start", "worker group", "process group", "model load", "deepspeed init", "first step")
@@ -36,6 +40,13 @@ def process_start_time() -> float:
         return float(psutil.Process(os.getpid()).create_time())
     except Exception:  # noqa: BLE001 - a clock is not worth failing a run over
         return time.time()
+
+
+def is_job_process(stage: int) -> bool:
+    """Whether this process was started to run stage `stage`: its __main__ is jobs/stageN.py or the `hylo`
+    command (whose start-up is then the job's)."""
+    main = Path(getattr(sys.modules.get("__main__"), "__file__", None) or "").name
+    return main in (f"stage{stage}.py", "hylo", "hylo.exe")
 
 
 class StartupClock:

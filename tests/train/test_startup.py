@@ -28,3 +28,15 @@ def test_the_clock_travels_as_a_dict_and_keeps_measuring_from_its_mark():
     clock.lap("worker group")
     assert clock.phases["import"] == 1.5 and 0.9 < clock.phases["worker group"] < 2.0
     assert StartupClock.from_dict(None).phases == {}
+
+
+def test_only_a_jobs_own_process_counts_its_start_as_the_runs_import(monkeypatch):
+    import sys
+    import types
+
+    from hylo.pipeline.train.startup import is_job_process
+
+    for main, stage, own in (("/x/jobs/stage2.py", 2, True), ("/venv/bin/hylo", 1, True),
+                             ("/x/jobs/stage1.py", 2, False), ("/venv/bin/pytest", 2, False), (None, 2, False)):
+        monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__file__=main))
+        assert is_job_process(stage) is own, (main, stage)
