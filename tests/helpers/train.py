@@ -77,6 +77,9 @@ class FakeS3:
     are refused) and answers requests on connections still open with 503; `start()` brings it back.
     `outage_on(fragment, after=n)`: the server stops itself when the (n+1)-th upload request whose
     path holds `fragment` arrives, i.e. in the middle of uploading the files below it.
+    `outage_on(fragment, whole=n)`: it stops at the first upload request below `fragment` that arrives once
+    n objects below it are whole (a single PUT of a file, or the request completing a multipart upload):
+    exactly n files of a cut upload are there, however the client interleaves its concurrent uploads.
 
     moto 5.2 answers CompleteMultipartUpload with the wrong root element, which pyarrow's S3 client
     rejects (getmoto/moto#10055); the WSGI wrapper renames it.
@@ -95,20 +98,29 @@ class FakeS3:
         self.stopped = threading.Event()
         self.lock = threading.Lock()
 
-    def outage_on(self, fragment: str, after: int = 0) -> None:
-        self.outage = (fragment, after)
+    def outage_on(self, fragment: str, after: int = 0, *, whole: int | None = None) -> None:
+        self.outage = (fragment, after, whole)
 
     def _trip(self, environ) -> bool:
+        method, path, query = environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("QUERY_STRING", "")
         with self.lock:
-            if self.outage is None or environ["REQUEST_METHOD"] not in ("PUT", "POST"):
+            if self.outage is None or method not in ("PUT", "POST"):
                 return False
-            fragment, after = self.outage
-            if fragment not in environ.get("PATH_INFO", ""):
+            fragment, after, whole = self.outage
+            if fragment not in path:
                 return False
-            if after > 0:
-                self.outage = (fragment, after - 1)
+            if whole is not None:
+                # a request that makes an object whole: a file's single PUT, or a multipart upload's completion
+                completes = ((method == "PUT" and "uploadId=" not in query and not path.endswith("/"))
+                             or (method == "POST" and "uploadId=" in query))
+                if whole > 0:
+                    self.outage = (fragment, after, whole - completes)
+                    return False
+            elif after > 0:
+                self.outage = (fragment, after - 1, whole)
                 return False
             self.outage = None
+            self.down = True  # from this request on, every request is refused, whichever thread it comes on
         threading.Thread(target=self.stop, daemon=True).start()
         return True
 

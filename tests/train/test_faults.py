@@ -53,8 +53,8 @@ def test_outage_mid_upload_fails_with_one_line_and_keeps_the_previous_checkpoint
     with s3_server() as s3:
         run = Loc.of(s3.uri("unit/outage"))
         previous = upload_checkpoint(tmp_path, run, 3, retries=0, backoff_s=0)
-        # the directory markers and a few files (3 requests each: a multipart upload) go up, then it stops
-        s3.outage_on("step_00000006/", after=14)
+        # two of its files go up whole (however pyarrow interleaves its concurrent uploads), then it stops
+        s3.outage_on("step_00000006/", whole=2)
         with pytest.raises(CheckpointUploadError) as e:
             upload_checkpoint(tmp_path, run, 6, retries=0, backoff_s=0)
         assert s3.stopped.is_set()
@@ -66,7 +66,8 @@ def test_outage_mid_upload_fails_with_one_line_and_keeps_the_previous_checkpoint
         # the storage is back: the previous checkpoint is whole, the cut one is never taken for whole
         assert checkpoint_problem(previous, deep=True) is None
         partial = run / "step_00000006"
-        assert 0 < len(partial.files()) < 7 and "no manifest.json" in checkpoint_problem(partial)
+        # (an output stream pyarrow abandoned may still complete its file once the server is back: at least two)
+        assert 2 <= len(partial.files()) < 7 and "no manifest.json" in checkpoint_problem(partial)
         assert latest_checkpoint(run) == previous
 
 
