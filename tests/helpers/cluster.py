@@ -17,6 +17,28 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+# the addresses a port bound to the loopback shows (an IPv4 one, seen through a dual-stack socket, or IPv6's)
+LOOPBACK = frozenset({"127.0.0.1", "::ffff:127.0.0.1", "::1"})
+
+
+def listening_ports(itself: bool = True) -> set[tuple[str, int, str]]:
+    """(address, port, "pid N: command") of every TCP port this process (unless `itself` is false) and its
+    descendants (a local Ray's processes) listen on."""
+    import psutil
+
+    me = psutil.Process()
+    procs = {p.pid: p for p in [*([me] if itself else []), *me.children(recursive=True)]}
+    found = set()
+    for c in psutil.net_connections("tcp"):
+        if c.status == "LISTEN" and c.pid in procs:
+            try:
+                name = " ".join(procs[c.pid].cmdline()[:3])[:120]
+            except psutil.Error:
+                name = "?"
+            found.add((c.laddr.ip, c.laddr.port, f"pid {c.pid}: {name}"))
+    return found
+
+
 FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 300,
                       "health_check_failure_threshold": 3, "health_check_timeout_ms": 1000}
 

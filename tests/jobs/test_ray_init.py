@@ -12,6 +12,8 @@ import pytest
 from hylo.pipeline import ray_init
 from hylo.pipeline.config import ConfigError, load_config
 
+from tests.helpers.cluster import LOOPBACK, listening_ports
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -132,22 +134,6 @@ print(*ray.get(where.remote()))
 """
 
 
-def _listening() -> set[tuple[str, int, str]]:
-    """(address, port, process) of every TCP port this process and its descendants listen on."""
-    import psutil
-
-    procs = {p.pid: p for p in [psutil.Process(), *psutil.Process().children(recursive=True)]}
-    found = set()
-    for c in psutil.net_connections("tcp"):
-        if c.status == "LISTEN" and c.pid in procs:
-            try:
-                name = " ".join(procs[c.pid].cmdline()[:3])[:120]
-            except psutil.Error:
-                name = "?"
-            found.add((c.laddr.ip, c.laddr.port, f"pid {c.pid}: {name}"))
-    return found
-
-
 @pytest.mark.slow
 def test_another_job_joins_a_local_ray_through_ray_address(tmp_path):
     """The demo's pattern: one local Ray, every step job joins it; their workers import this checkout.
@@ -156,13 +142,15 @@ def test_another_job_joins_a_local_ray_through_ray_address(tmp_path):
     import ray
 
     assert not ray.is_initialized()
-    # what this process listened on before (an earlier test's leftover in the same pytest process) is not Ray's
-    before = {(ip, port) for ip, port, _ in _listening()}
+    # what this process listened on before is not Ray's: in one long pytest process, an earlier test's leftover
+    # (test_train_nonfinite's in-process runs stopped on a NaN leave their DeepSpeed engine alive, and with it its
+    # gloo group's torch.distributed store, listening on "::")
+    before = {(ip, port) for ip, port, _ in listening_ports()}
     with ray_init.ray_running(None, 2, log_to_driver=False) as started:
         assert started
         ray.get(ray.remote(lambda: 1).remote())  # a worker process, with its own gRPC port
-        rays = {x for x in _listening() if x[:2] not in before}
-        assert rays and {ip for ip, _, _ in rays} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, sorted(rays)
+        rays = {x for x in listening_ports() if x[:2] not in before}
+        assert rays and {ip for ip, _, _ in rays} <= LOOPBACK, sorted(rays)
         assert ray_init.gcs_address().startswith("127.0.0.1:")
         env = {**os.environ, "RAY_ADDRESS": ray_init.gcs_address(), "PYTHONPATH": str(tmp_path)}
         code = f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{JOINER}"

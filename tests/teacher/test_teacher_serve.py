@@ -22,6 +22,7 @@ from hylo.pipeline.teacher.client import TeacherClient  # noqa: E402
 from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig  # noqa: E402
 from hylo.pipeline.teacher.serve import start_teacher_pool  # noqa: E402
 
+from tests.helpers.cluster import LOOPBACK, listening_ports  # noqa: E402
 from tests.helpers.common import assert_topk_matches  # noqa: E402
 from tests.helpers.teacher import make_packed_row, save_tiny_llama  # noqa: E402
 
@@ -85,6 +86,20 @@ def test_pool_topk_equals_direct_forward_per_document(pool):
     rows = _rows(6, seed=1)
     client = TeacherClient(pool["handle"], max_inflight_rows=4, timeout_s=60)
     _check(pool["ref"], rows, client.topk_all(_checked(rows), 8), 8)
+
+
+def test_the_pools_ports_are_on_the_loopback_but_ray_serves_own_replica_port(pool):
+    """A local Ray's pool: its HTTP proxy (`teacher.pool.port`) and every Ray process listen on 127.0.0.1, except
+    the one port Ray Serve 2.60 opens in each replica for calls between deployments, which it binds to "[::]:0"
+    itself (ray/serve/_private/replica.py, no setting). docs/cluster.md says so; when Ray changes it, this
+    fails and the docs change with it. (The Ray processes only: this long pytest process may hold an earlier
+    test's leftover.)"""
+    ports = listening_ports(itself=False)
+    assert any(port == pool["cfg"].port and ip in LOOPBACK for ip, port, _ in ports), sorted(ports)
+    outside = {(ip, who) for ip, _, who in ports if ip not in LOOPBACK}
+    assert all("ServeReplica:teacher_test" in who for _, who in outside), sorted(outside)
+    replicas = {who for ip, who in outside if ip == "::"}
+    assert len(replicas) == pool["cfg"].num_replicas, sorted(ports)
 
 
 def test_one_request_with_several_rows(pool):
