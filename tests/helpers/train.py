@@ -78,8 +78,9 @@ class FakeS3:
     `outage_on(fragment, after=n)`: the server stops itself when the (n+1)-th upload request whose
     path holds `fragment` arrives, i.e. in the middle of uploading the files below it.
     `outage_on(fragment, whole=n)`: it stops at the first upload request below `fragment` that arrives once
-    n objects below it are whole (a single PUT of a file, or the request completing a multipart upload):
-    exactly n files of a cut upload are there, however the client interleaves its concurrent uploads.
+    n objects below it are whole (a single PUT of a file, or the request completing a multipart upload): at
+    least n files of a cut upload are there, however the client interleaves its concurrent uploads (an output
+    stream the client abandoned may still complete its file once the server is back).
 
     moto 5.2 answers CompleteMultipartUpload with the wrong root element, which pyarrow's S3 client
     rejects (getmoto/moto#10055); the WSGI wrapper renames it.
