@@ -23,7 +23,8 @@
   resume ends with the uninterrupted run's losses.
 
 One cluster for the module (head without CPUs + 1-CPU nodes of kind `trainer` / `teacher`); each test
-refills the nodes the previous one killed. The tiny models and rows of the other training tests.
+refills the nodes the previous one killed. The tiny models, rows and reference runs of the other training tests
+(tests/e2e/conftest.py).
 """
 
 from __future__ import annotations
@@ -43,23 +44,14 @@ from hylo.pipeline.train.metrics import read_metrics
 from tests.helpers.cluster import local_cluster
 from tests.helpers.train import (
     S3_ENV,
-    assert_ok,
     assert_same_steps,
-    make_tiny_models,
     s3_server,
     tiny_config,
-    torchrun,
     write_config,
 )
 
 pytestmark = pytest.mark.slow
 RAY_TRAIN = {"launcher": "ray", "max_failures": 1, "resources_per_worker": {"trainer": 1}}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults")
-    return root, make_tiny_models(root / "models")
 
 
 @pytest.fixture(scope="module")
@@ -75,25 +67,15 @@ def nodes(cluster):
     yield cluster
 
 
-def reference(tiny, stage: int, steps: int) -> Path:
-    """An uninterrupted run of `steps` steps (torchrun, the same computation as Ray Train's workers)."""
-    root, models = tiny
-    name = f"reference{stage}-{steps}"
-    if not (root / "runs" / name / f"step_{steps:08d}").is_dir():
-        cfg = write_config(tiny_config(models, root / "runs", name, stage=stage, train={"max_steps": steps}),
-                           root / f"{name}.yaml")
-        assert_ok(torchrun(stage, cfg))
-    return root / "runs" / name
-
-
 @pytest.mark.parametrize("stage,when,step,resumed", [(1, "mid_step", 5, 3), (2, "after_checkpoint", 6, 6)],
                          ids=["stage1-mid_step", "stage2-after_checkpoint"])
-def test_node_loss_resumes_from_the_newest_intact_checkpoint(tiny, nodes, stage, when, step, resumed):
+def test_node_loss_resumes_from_the_newest_intact_checkpoint(tiny, references, nodes, stage, when, step,
+                                                             resumed):
     from hylo.pipeline.train.driver import run
 
     root, models = tiny
     steps = 8
-    ref = reference(tiny, stage, steps)
+    ref = references(stage)  # 12 steps: the first `steps` are what an uninterrupted run of `steps` computes
     name = f"node-loss-{stage}"
     cfg = tiny_config(models, root / "runs", name, stage=stage, ray=RAY_TRAIN, train={"max_steps": steps},
                       fault={"kill_at_step": step, "kill_rank": 1, "kill_when": when, "kill_target": "node"})
@@ -111,14 +93,13 @@ def test_node_loss_resumes_from_the_newest_intact_checkpoint(tiny, nodes, stage,
     assert (rd / "model" / "hybrid_config.json").is_file()
 
 
-def test_storage_outage_mid_upload_fails_in_one_line_and_resume_finishes(tiny, nodes):
+def test_storage_outage_mid_upload_fails_in_one_line_and_resume_finishes(tiny, reference, nodes):
     import shutil
 
     from hylo.pipeline.train.driver import TrainingError, run
     from hylo.pipeline.train.storage import Loc, local_mirror
 
     root, models = tiny
-    ref = reference(tiny, 2, 8)
     with s3_server() as s3:
         cfg = tiny_config(models, s3.uri("runs"), "outage", ray={**RAY_TRAIN, "max_failures": 0},
                           train={"max_steps": 8}, checkpoint={"upload_retries": 1, "upload_backoff_s": 0.5})
@@ -144,7 +125,7 @@ def test_storage_outage_mid_upload_fails_in_one_line_and_resume_finishes(tiny, n
         got = read_metrics(rd)
     assert resumed["last_step"] == 8 and list(got) == list(range(1, 9))
     assert all(got[s]["resumed_from"] == 3 for s in range(4, 9))
-    assert_same_steps(read_metrics(ref), got, range(1, 9))
+    assert_same_steps(read_metrics(reference), got, range(1, 9))
 
 
 def wait_for_step(rd: Path, step: int, timeout_s: float = 600.0) -> None:
@@ -159,7 +140,7 @@ def wait_for_step(rd: Path, step: int, timeout_s: float = 600.0) -> None:
 # grace 0 (no time for a final checkpoint: the previous one is resumed) passes the same way and is left
 # out to keep `make test` short; test_faults.py checks that decision on its own
 @pytest.mark.parametrize("grace,final", [(60.0, True)], ids=["final-checkpoint"])
-def test_sigterm_to_the_driver_checkpoints_within_the_grace_period_and_resume_is_exact(tiny, nodes, grace,
+def test_sigterm_to_the_driver_checkpoints_within_the_grace_period_and_resume_is_exact(tiny, reference, nodes, grace,
                                                                                         final, capfd):
     import os
     import signal
@@ -170,7 +151,6 @@ def test_sigterm_to_the_driver_checkpoints_within_the_grace_period_and_resume_is
 
     root, models = tiny
     steps = 12
-    ref = reference(tiny, 2, steps)
     name = f"preempt-{int(grace)}"
     cfg = tiny_config(models, root / "runs", name, ray=RAY_TRAIN, train={"max_steps": steps},
                       checkpoint={"preempt_grace_s": grace})
@@ -212,11 +192,11 @@ def test_sigterm_to_the_driver_checkpoints_within_the_grace_period_and_resume_is
     assert resumed["last_step"] == steps and list(got) == list(range(1, steps + 1))
     start = step_of(newest)
     assert all(got[s]["resumed_from"] == start for s in range(start + 1, steps + 1))
-    assert_same_steps(read_metrics(ref), got, range(1, steps + 1))
+    assert_same_steps(read_metrics(reference), got, range(1, steps + 1))
 
 
-def test_node_preemption_notice_then_sigterm_resumes_from_the_just_in_time_checkpoint(tiny, nodes, monkeypatch,
-                                                                                       capfd):
+def test_node_preemption_notice_then_sigterm_resumes_from_the_just_in_time_checkpoint(tiny, reference, nodes,
+                                                                                       monkeypatch, capfd):
     import os
     import signal
     import threading
@@ -229,7 +209,6 @@ def test_node_preemption_notice_then_sigterm_resumes_from_the_just_in_time_check
 
     root, models = tiny
     steps = 12
-    ref = reference(tiny, 2, steps)
     # Ray Train's preemption watcher polls the drain state every 5 s by default
     monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.2")
     cfg = tiny_config(models, root / "runs", "drain", ray=RAY_TRAIN, train={"max_steps": steps})
@@ -274,7 +253,7 @@ def test_node_preemption_notice_then_sigterm_resumes_from_the_just_in_time_check
     # the node went): nothing trained before the notice was lost
     restarts = {r["resumed_from"] for r in got.values()} - {0}
     assert len(restarts) == 1 and restarts.pop() >= jit[0], {s: r["resumed_from"] for s, r in got.items()}
-    assert_same_steps(read_metrics(ref), got, range(1, steps + 1))
+    assert_same_steps(read_metrics(reference), got, range(1, steps + 1))
 
 
 def test_teacher_node_lost_mid_step_rows_answered_once_each_in_order(tiny, nodes, capfd):
