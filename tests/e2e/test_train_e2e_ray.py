@@ -10,8 +10,9 @@ ZeRO-3 over gloo (the torchrun runs: tests/e2e/test_train_e2e.py):
 * stage 1 (Enhanced-ILD) in bf16 trains only the mixers; the consolidated model holds the fp32 master
   weights of the mixers and the starting checkpoint's exact values of everything else.
 
-The reference run and the tiny models are this module's (tests/e2e/conftest.py); most of the time is process
-start-up: Ray Train ~60-90 s a run on 2 cores.
+The reference run and the tiny models are the session's (tests/e2e/conftest.py), the local Ray is this module's
+(`module_ray`: started once, not once a test); most of the time is process start-up: Ray Train ~30-60 s a run on
+2 cores.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hylo.pipeline.train.checkpoint.layout import (
 from hylo.pipeline.train.metrics import read_metrics
 
 from tests.helpers.train import (
+    S3_ENV,
     assert_ok,
     assert_same_steps,
     tiny_config,
@@ -40,7 +42,20 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference):
+@pytest.fixture(scope="module")
+def module_ray():
+    """One local Ray (2 CPUs) for the module's Ray Train runs. What a test needs of the processes Ray starts is
+    in their environment from the start: every worker's lines printed (RAY_DEDUP_LOGS=0: the input-error test
+    counts the attempts) and the local S3 server's dummy credentials (the S3 test)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"RAY_DEDUP_LOGS": "0", **S3_ENV}.items():
+            mp.setenv(key, value)
+        with ray_running(None, 2) as started:
+            assert started, "a Ray was already running in this process"
+            yield
+
+
+def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference, module_ray):
     from hylo.pipeline.train.driver import run
 
     root, models = tiny
@@ -48,8 +63,7 @@ def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference):
     cfg = tiny_config(models, root / "runs", "ray/recover", ray={"launcher": "ray", "max_failures": 1},
                       train={"max_steps": 8}, fault={"kill_at_step": 5, "kill_rank": 1, "kill_when": "mid_step"})
     cfg_path = write_config(cfg, root / "ray.yaml")
-    with ray_running(None, 2):
-        summary = run(2, ["--config", str(cfg_path)])
+    summary = run(2, ["--config", str(cfg_path)])
     rd = root / "runs" / "ray" / "recover"
     got = read_metrics(rd)
     assert (rd / ".fault-step5-mid_step-rank1").exists()
@@ -62,7 +76,7 @@ def test_ray_worker_killed_mid_step_recovers_by_itself(tiny, reference):
     assert list((rd / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_ray_worker_killed_right_after_a_checkpoint_resumes_from_it(tiny, reference):
+def test_ray_worker_killed_right_after_a_checkpoint_resumes_from_it(tiny, reference, module_ray):
     """A worker SIGKILLed just after step 6's manifest, before Ray Train has registered that checkpoint:
     the relaunched group resumes from step 6 (found in storage), not from Ray's record (step 3, or none
     at all: it restarted from step 0)."""
@@ -72,8 +86,7 @@ def test_ray_worker_killed_right_after_a_checkpoint_resumes_from_it(tiny, refere
     cfg = tiny_config(models, root / "runs", "ray-after-ckpt", ray={"launcher": "ray", "max_failures": 1},
                       train={"max_steps": 8}, fault={"kill_at_step": 6, "kill_rank": 1,
                                                      "kill_when": "after_checkpoint"})
-    with ray_running(None, 2):
-        summary = run(2, ["--config", str(write_config(cfg, root / "ray-after-ckpt.yaml"))])
+    summary = run(2, ["--config", str(write_config(cfg, root / "ray-after-ckpt.yaml"))])
     rd = root / "runs" / "ray-after-ckpt"
     got = read_metrics(rd)
     assert (rd / ".fault-step6-after_checkpoint-rank1").exists() and summary["last_step"] == 8
@@ -82,7 +95,7 @@ def test_ray_worker_killed_right_after_a_checkpoint_resumes_from_it(tiny, refere
     assert_same_steps(read_metrics(reference), got, range(1, 9))
 
 
-def test_an_input_error_inside_a_worker_is_not_retried(tiny, capfd, monkeypatch):
+def test_an_input_error_inside_a_worker_is_not_retried(tiny, capfd, monkeypatch, module_ray):
     """A teacher of another vocabulary that got past the driver's checks (here: switched off) fails
     inside the workers with a ConfigError: the run stops after the first attempt, not after
     ray.max_failures more attempts that load both models again."""
@@ -96,11 +109,9 @@ def test_an_input_error_inside_a_worker_is_not_retried(tiny, capfd, monkeypatch)
     cfg = tiny_config(models, root / "runs", "ray-input-error", ray={"launcher": "ray", "max_failures": 2},
                       teacher={"model": {"path": str(teacher)}})
     monkeypatch.setattr(driver, "check_stage_inputs", lambda cfg: None)
-    monkeypatch.setenv("RAY_DEDUP_LOGS", "0")  # every worker's failure printed, to count the attempts
-    capfd.readouterr()
-    with ray_running(None, 2):
-        with pytest.raises(TrainingError, match="ConfigError: teacher vocabulary 128 != student vocabulary 96"):
-            run(2, ["--config", str(write_config(cfg, root / "ray-input-error.yaml"))])
+    capfd.readouterr()  # module_ray prints every worker's failure (RAY_DEDUP_LOGS=0), to count the attempts
+    with pytest.raises(TrainingError, match="ConfigError: teacher vocabulary 128 != student vocabulary 96"):
+        run(2, ["--config", str(write_config(cfg, root / "ray-input-error.yaml"))])
     out = capfd.readouterr()
     text = out.out + out.err
     assert "not retrying: the input is wrong" in text, text[-3000:]
@@ -109,7 +120,7 @@ def test_an_input_error_inside_a_worker_is_not_retried(tiny, capfd, monkeypatch)
     assert 1 <= text.count("Error in training function") <= 2, text.count("Error in training function")
 
 
-def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, reference, capfd):
+def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, reference, capfd, module_ray):
     """s3:// storage through a local S3 server: Ray Train uploads the checkpoints, rank 0 the manifest,
     metrics, TensorBoard files and the model; after the user deletes the newest checkpoint (Ray's
     record of the run still points at it), --resume continues from the newest intact one, downloaded
@@ -125,20 +136,19 @@ def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, ref
     with fake_s3() as s3:
         cfg = tiny_config(models, s3("runs"), "ray/s3", ray={"launcher": "ray"}, train={"max_steps": 6})
         cfg_path = write_config(cfg, root / "s3.yaml")
-        with ray_running(None, 2):
-            try:
-                first = run(2, ["--config", str(cfg_path)])
-                rd = Loc.of(s3("runs/ray/s3"))
-                assert first["run_dir"] == str(rd) and [s for s, _ in list_checkpoints(rd)] == [3, 6]
-                assert (rd / "model" / "hybrid_config.json").is_file() and (rd / "config_stage2.json").is_file()
-                assert (rd / "checkpoint_manager_snapshot.json").is_file() and (rd / "tensorboard").files()
-                assert list(read_metrics(rd)) == list(range(1, 7))
-                (rd / "step_00000006").rmtree()
-                capfd.readouterr()
-                second = run(2, ["--config", str(cfg_path), "--resume", "--set", "train.max_steps=8"])
-                out = capfd.readouterr().out
-            finally:
-                shutil.rmtree(local_mirror(Loc.of(s3("runs/ray/s3"))), ignore_errors=True)
+        try:
+            first = run(2, ["--config", str(cfg_path)])
+            rd = Loc.of(s3("runs/ray/s3"))
+            assert first["run_dir"] == str(rd) and [s for s, _ in list_checkpoints(rd)] == [3, 6]
+            assert (rd / "model" / "hybrid_config.json").is_file() and (rd / "config_stage2.json").is_file()
+            assert (rd / "checkpoint_manager_snapshot.json").is_file() and (rd / "tensorboard").files()
+            assert list(read_metrics(rd)) == list(range(1, 7))
+            (rd / "step_00000006").rmtree()
+            capfd.readouterr()
+            second = run(2, ["--config", str(cfg_path), "--resume", "--set", "train.max_steps=8"])
+            out = capfd.readouterr().out
+        finally:
+            shutil.rmtree(local_mirror(Loc.of(s3("runs/ray/s3"))), ignore_errors=True)
         assert "points at step_00000006, which is missing" in out, out[-3000:]
         got = read_metrics(rd)
         assert second["last_step"] == 8 and list(got) == list(range(1, 9))
