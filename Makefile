@@ -25,14 +25,13 @@ assets: install
 demo: assets
 	$(PYTHON) jobs/demo.py
 
-# TEST_WORKERS=3 runs the tests in three processes (pytest-xdist), a test file per process at a time, so that a
-# file's shared fixtures (its reference run, its Ray, its models) are made once; the wheel quick start (the
-# longest single test) starts first, then the files with the most tests (tests/conftest.py;
-# --no-loadscope-reorder lets the conftest's order stand). Measured from a fresh clone: 31 min against 42 in one
-# process, every test passing (docs/results.md). Not yet the default: a run with a heavier start had two failures
-# not yet explained, and a demo run beside the tests once stopped on non-finite weights (docs/testing.md).
-# TEST_WORKERS=0 (the default): one process.
-TEST_WORKERS ?= 0
+# The tests run in three processes (pytest-xdist) on the machine's two cores: much of a slow test is waiting on
+# processes it started. A test file goes to one process at a time (--dist loadfile), so that a file's shared
+# fixtures (its reference runs, its Ray, its models) are made once; the wheel quick start (the longest single
+# test) starts first, then the files with the most tests (tests/conftest.py; --no-loadscope-reorder lets that
+# order stand). Each process gets a Ray temp root of its own (tests/conftest.py: Ray's helper actors otherwise
+# find each other's clusters). TEST_WORKERS=0: one process, as before (docs/testing.md).
+TEST_WORKERS ?= 3
 test: assets docs
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,27 @@ def pytest_configure(config) -> None:
     # Python's default KeyboardInterrupt again for this process, and children start with the default action.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    isolate_ray_discovery(os.environ.get("PYTEST_XDIST_WORKER"))
+    # Three test processes on two cores start a Ray Train worker group in 15-65 s (docs/testing.md), against Ray
+    # Train's default limit of 60 s; a test about faults must not fail on the load of its neighbours.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")
+
+
+def isolate_ray_discovery(worker: str | None) -> None:
+    """Give each test process (pytest-xdist worker `worker`; None: the only one) a Ray temp root of its own.
+
+    Ray's own helper actors look their cluster up by address discovery: Ray Train's placement-group cleaner asks
+    the state API whether its controller still lives, without an address, and Ray then takes the cluster that
+    `<temp root>/ray/ray_current_cluster` names, i.e. the newest one started on the machine. With test processes
+    side by side that can be another process's cluster, one that never had the controller ("Found multiple active
+    Ray instances ... Connecting to latest cluster"): if that cluster has a dashboard, the cleaner is told the
+    controller is gone and removes the placement group of a live run. A temp root per process (RAY_TMPDIR, which
+    the processes Ray starts inherit) keeps each process's lookups to its own clusters. Short: Ray's socket paths
+    live below it."""
+    if worker:
+        root = Path(tempfile.gettempdir()) / f"hylo-ray-{worker}"
+        root.mkdir(exist_ok=True)
+        os.environ["RAY_TMPDIR"] = str(root)
 
 
 # ---------------------------------------------------------------------------------------------- the fast tier
