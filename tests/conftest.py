@@ -80,11 +80,12 @@ def _fast_tier_starts_nothing(request, monkeypatch):
 # ---------------------------------------------------------------------------------------------- scheduling
 # `make test` hands whole test files to its worker processes in the order of this list (pytest-xdist, --dist
 # loadfile --no-loadscope-reorder): first the files of FIRST, the longest single chains of work (the wheel quick
-# start: a wheel, a virtualenv, the demo and the stages, ~10 min alone), so that none starts last and runs alone;
-# then xdist's own order, the files with the most tests first, which mixes the slow files with many quick ones
-# (measured on 2026-12-03: starting every slow file first overloads the two cores and is slower). A scheduling
-# hint only: every test runs, in its file's own order.
-FIRST = ("test_quickstart.py",)
+# start: a wheel, a virtualenv, the demo and the stages, 6 min alone on a quiet machine; the cluster faults: six
+# Ray Train runs with faults on a simulated multi-node cluster, 8 min alone), so that neither starts last and
+# runs alone while the third process takes the quick files; then xdist's own order, the files with the most tests
+# first, which mixes the other slow files with many quick ones (measured on 2026-12-03: starting every slow file
+# first overloads the two cores and is slower). A scheduling hint only: every test runs, in its file's own order.
+FIRST = ("test_quickstart.py", "test_faults_cluster.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
