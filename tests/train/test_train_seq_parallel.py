@@ -466,7 +466,11 @@ def test_stage2_at_sequence_parallel_2_runs_under_ray_job_submit(tmp_path):
     # Ray's session sockets must fit AF_UNIX's 107 bytes: a short temp dir of our own
     ray_tmp = Path(tempfile.mkdtemp(prefix="hylo-sp-ray-", dir="/tmp"))
     dash = free_port()
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus", "2", "--port", str(free_port()),
+    # every port of its own: the dashboard agent's default (52365) is taken by any other Ray on the machine (a test
+    # process beside this one), and the head then has no agent to submit a job to
+    ports = {flag: str(free_port()) for flag in ("--port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                                                 "--metrics-export-port", "--runtime-env-agent-port")}
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus", "2", *(a for kv in ports.items() for a in kv),
                              "--dashboard-port", str(dash), "--include-dashboard", "true",
                              "--temp-dir", str(ray_tmp)], env=env, cwd=repo,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -479,10 +483,17 @@ def test_stage2_at_sequence_parallel_2_runs_under_ray_job_submit(tmp_path):
             except OSError:
                 assert head.poll() is None, head.stdout.read() if head.stdout else ""
                 time.sleep(1)
-        job = subprocess.run([ray_bin, "job", "submit", "--address", address, "--working-dir", str(repo), "--",
-                              "python", "jobs/stage2.py", "--config", str(config),
-                              "--set", "train.sequence_parallel=2"],
-                             env=env, cwd=repo, capture_output=True, text=True, timeout=1500)
+        # the agent registers after the dashboard answers (tens of seconds on a loaded machine): until then a
+        # submission is refused with "No available agent", and `ray job submit` says to try again later
+        for _ in range(60):
+            job = subprocess.run([ray_bin, "job", "submit", "--address", address, "--working-dir", str(repo), "--",
+                                  "python", "jobs/stage2.py", "--config", str(config),
+                                  "--set", "train.sequence_parallel=2"],
+                                 env=env, cwd=repo, capture_output=True, text=True, timeout=1500)
+            if job.returncode == 0 or "No available agent" not in job.stdout + job.stderr:
+                break
+            assert head.poll() is None, head.stdout.read() if head.stdout else ""
+            time.sleep(2)
     finally:
         head.terminate()
         try:
