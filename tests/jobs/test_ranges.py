@@ -224,13 +224,15 @@ def test_a_placement_list_in_a_config_is_checked_the_same_way(tmp_path):
 # --------------------------------------------------------------------------------------------- estimate
 def test_estimate_refuses_tokens_it_cannot_finish(monkeypatch):
     """Before: `hylo estimate --tokens 10^12` ran the step on a 10^12-token row and never printed anything. The
-    step is replaced here by one that fails the test if it is reached."""
-    from hylo.pipeline.estimate import step as estimate
+    step is replaced here by one that fails the test if it is reached: in the module that calls it, imported first
+    (patching only `step.estimate_step` while `cli` is first imported would bind the stand-in into `cli` for
+    good, and a later test of the process would run it)."""
+    from hylo.pipeline.estimate import cli
 
     def never(*args, **kwargs):
         raise AssertionError("the estimate ran")
 
-    monkeypatch.setattr(estimate, "estimate_step", never)
+    monkeypatch.setattr(cli, "estimate_step", never)
     line = one_error_line(*run_hylo(["estimate", "--config", "demo-smollm2", "--tokens", "1000000000000"]))
     assert line.startswith("error: --tokens=1000000000000: 1,000,000,000,000 tokens is more than the estimate can "
                            "run, at most 1,048,576 (2^20) a row: the step runs on fake tensors at about 3-4 ms of CPU "
