@@ -12,9 +12,6 @@ import pytest
 
 from tests.helpers.train import assert_ok, make_tiny_models, tiny_config, torchrun, write_config
 
-REFERENCE_STEPS = 12  # tiny_config's 48 synthetic rows, 4 a step
-
-
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
