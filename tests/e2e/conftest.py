@@ -12,6 +12,7 @@ import pytest
 
 from tests.helpers.train import assert_ok, make_tiny_models, tiny_config, torchrun, write_config
 
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
