@@ -29,9 +29,9 @@ demo: assets
 # processes it started. A test file goes to one process at a time (--dist loadfile), so that a file's shared
 # fixtures (its reference runs, its Ray, its models) are made once; the wheel quick start and the cluster faults
 # (the longest chains of work) start first, then the files with the most tests (tests/conftest.py;
-# --no-loadscope-reorder lets that order stand). Each process gets a Ray temp root of its own (tests/conftest.py: Ray's helper actors otherwise
-# find each other's clusters). The suite is CPU-bound either way: three processes ~31 min, TEST_WORKERS=0 (one
-# process) ~42 (docs/results.md#timings-now).
+# --no-loadscope-reorder lets that order stand). Each process gets a Ray temp root of its own (tests/conftest.py:
+# Ray's helper actors otherwise find each other's clusters) and one torch thread (OMP_NUM_THREADS=1). The suite is
+# CPU-bound either way: three processes ~33-36 min, TEST_WORKERS=0 (one process) ~42 (docs/results.md#one-thread).
 TEST_WORKERS ?= 3
 test: assets docs
 	$(PYTHON) -m ruff check .

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,6 +18,7 @@ def pytest_configure(config) -> None:
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     isolate_ray_discovery(os.environ.get("PYTEST_XDIST_WORKER"))
+    one_thread_per_process(os.environ.get("PYTEST_XDIST_WORKER"))
     # Three test processes on two cores start a Ray Train worker group in 15-65 s (docs/testing.md), against Ray
     # Train's default limit of 60 s; a test about faults must not fail on the load of its neighbours.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")
@@ -37,6 +39,24 @@ def isolate_ray_discovery(worker: str | None) -> None:
         root = Path(tempfile.gettempdir()) / f"hylo-ray-{worker}"
         root.mkdir(exist_ok=True)
         os.environ["RAY_TMPDIR"] = str(root)
+
+
+def one_thread_per_process(worker: str | None) -> None:
+    """Under pytest-xdist (`worker` set), one intra-op thread for torch in each test process and in every process
+    it starts (OMP_NUM_THREADS / MKL_NUM_THREADS, inherited; torch reads them when it loads), unless already set.
+
+    Several test processes share the machine's cores, each with processes of its own (jobs, torchrun ranks, Ray
+    workers): the cores are already busy with processes, and a torch that also spreads each op over every core
+    only adds threads that wait on each other (OpenMP's workers spin while they wait). Measured on the 2-core
+    build machine, the tests of tests/model and tests/kernels not marked slow in three processes: 230 CPU-seconds
+    and 1 min 58 s with torch's default threads, 162 and 1 min 22 s with one (docs/results.md#one-thread). Ray
+    workers (one thread per CPU they hold) and torchrun ranks (OMP_NUM_THREADS=1 unless set) had one already.
+    One process (`TEST_WORKERS=0`) keeps torch's default: there the cores are often idle."""
+    if worker:
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, "1")
+        if "torch" in sys.modules:  # loaded before this hook (a plugin): it read the environment already
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 # ---------------------------------------------------------------------------------------------- the fast tier

@@ -185,7 +185,9 @@ def test_two_runs_with_the_same_storage_and_name_cannot_overwrite_each_other(tin
              for _ in range(2)]
     outs = [p.communicate(timeout=900) for p in procs]
     codes = [p.returncode for p in procs]
-    assert sorted(c == 0 for c in codes) == [False, True], [(c, e[-2000:]) for c, (_, e) in zip(codes, outs)]
+    # each run's exit status and the end of its output, in full (a list in the message would be cut by pytest)
+    assert sorted(c == 0 for c in codes) == [False, True], "\n\n".join(
+        f"run {i}: exit {c}\n{o[-3000:]}\n{e[-6000:]}" for i, (c, (o, e)) in enumerate(zip(codes, outs)))
     rd = root / "runs" / "shared"
     _, loser_err = outs[codes.index(next(c for c in codes if c != 0))]
     assert f"run directory {rd} is in use by another run (pid " in loser_err, loser_err[-3000:]

@@ -69,6 +69,32 @@ def write_config(cfg: dict[str, Any], path: str | Path) -> Path:
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+def quiet_port() -> int:
+    """A free loopback port below the kernel's ephemeral range and above Ray's worker ports (10002-19999), or 0.
+
+    The fake S3 server goes away and must come back on its port. A port the kernel handed out (bind to 0) sits in
+    the ephemeral range, where, while the server is down, any process of the machine may get it for a connection
+    or a listener of its own: a fresh-clone `make test` in three processes had "Port 45055 is in use by another
+    program" there (2026-12-03). Below that range a port is taken only by a process that asks for it by number."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    candidates = list(range(20000, low))
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return 0
+
+
 class FakeS3:
     """A local S3 server (moto) that can go away and come back on the same port with the same objects.
 
@@ -147,7 +173,7 @@ class FakeS3:
         from werkzeug.serving import make_server
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-        self.server = make_server("127.0.0.1", self.port, self, threaded=True)
+        self.server = make_server("127.0.0.1", self.port or quiet_port(), self, threaded=True)
         self.port = self.server.server_address[1]
         self.down = False
         self.stopped.clear()

@@ -109,14 +109,17 @@ def _rank_errors(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_a_split_row_gives_the_unsplit_rows_outputs_and_gradients(tmp_path: Path):
-    """fp64 within 1e-10 of the exact result; fp32 within 1e-5 of it, or within 1.5x of the unsplit fp32 row's
-    own distance from it where that is larger (Mamba-2's D gradient: the unsplit fp32 row is ~1e-5 off)."""
+    """fp64 within 1e-10 of the exact result; fp32 within 1e-5 of it, or within 4x of the unsplit fp32 row's own
+    distance from it where that is larger. Mamba-2's D gradient is a sum over the row's tokens with much
+    cancellation: the unsplit fp32 row is ~7e-6 off, and the split row, which sums in another order, has been
+    1.65x that (1.14e-5, a fresh-clone `make test`, 2026-12-03); which order lands closer is chance, not a
+    bound. A split that loses a state or a document boundary is off by 1e-2 or more."""
     results = run_ranks(_rank_errors, 4, tmp_path)
     worst: dict[str, float] = {}
     for rank, errs in enumerate(results):
         assert len(errs) == len(VARIANTS) * (2 * len(ROWS) * 2 + 1) + 2, errs.keys()
         for key, e in errs.items():
-            tol = 1e-10 if "float64" in key else max(1e-5, 1.5 * e["unsplit"])
+            tol = 1e-10 if "float64" in key else max(1e-5, 4 * e["unsplit"])
             assert e["logits"] <= tol and e["grads"] <= tol, f"rank {rank} {key}: {e} (tolerance {tol})"
             k = key.split(" row")[0].split(" N=")[0]
             worst[k] = max(worst.get(k, 0.0), e["logits"], e["grads"])
