@@ -55,7 +55,10 @@ lint:
 
 # One prepared check of every GPU path at the released shapes (docs/gpu-check.md): on a GPU machine,
 # `make gpu-check OUT=folder` writes folder/gpu_check.json and folder/gpu_check.md. Installs nothing:
-# the machine's own torch/triton/transformers plus the carried wheels (docs/gpu-check.md).
+# the machine's own torch/triton/transformers plus the carried wheels (docs/gpu-check.md). Each case runs in a
+# process of its own, stopped after GPU_CASE_SECONDS; none starts after GPU_DEADLINE seconds.
 OUT ?= gpu-check
+GPU_CASE_SECONDS ?= 240
+GPU_DEADLINE ?= 540
 gpu-check:
-	$(PYTHON) bench/gpu_check.py --out $(OUT)
+	$(PYTHON) bench/gpu_check.py --out $(OUT) --case-seconds $(GPU_CASE_SECONDS) --deadline $(GPU_DEADLINE) $(GPU_CHECK_FLAGS)

@@ -118,8 +118,12 @@ class Meter:
 
         The warm-up (kernel compilation, autotuning, library handles) runs on CUDA only."""
         torch = self.torch
+        t_call = time.perf_counter()
         if warmup and self.cuda:
             fn()
+            self.sync()
+            print(f"[gpu_check]   warm-up of {getattr(fn, '__qualname__', 'a call')}: "
+                  f"{time.perf_counter() - t_call:.1f} s", flush=True)
         self.sync()
         if self.cuda:
             torch.cuda.empty_cache()
@@ -740,8 +744,11 @@ def case_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
                 meter.sync()
                 return cache, time.perf_counter() - t0
 
+            t_ctx = time.perf_counter()
             try:  # one context out of memory still leaves the others' figures
                 (cache, decode_s), total_s, extra = meter.run(prefill_and_decode)
+                print(f"[gpu_check] decode {name} ctx {ctx_len}: measured in {time.perf_counter() - t_ctx:.1f} s",
+                      flush=True)
             except Exception as exc:
                 res[f"ctx{ctx_len}"] = {"error": error_record(exc), "cache_bytes": 0, "decode_tokens_per_s": math.nan}
                 free_memory()
@@ -764,6 +771,8 @@ def case_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
             res[f"ctx{ctx_len}"] = {"decode_tokens_per_s": new / decode_s, "prefill_plus_decode_seconds": total_s,
                                     "cache_bytes": cache_bytes(cache), "peak_extra_gib": gib(extra),
                                     "estimated_peak_extra_gib": estimated_gib(fake_model, fake_decode)}
+            print(f"[gpu_check] decode {name} ctx {ctx_len}: with the estimate {time.perf_counter() - t_ctx:.1f} s",
+                  flush=True)
             del cache
             free_memory()
         out[name] = res
@@ -809,7 +818,11 @@ def versions() -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# gpu_check ({'tiny, CPU' if report['tiny'] else report['versions'].get('gpu', 'CPU')}), "
-             f"{report['date']}", "", "| case | ok | seconds | figures |", "| --- | --- | --- | --- |"]
+             f"{report['date']}", ""]
+    if report.get("fla_hopper_guard_bypassed"):
+        lines += ["**fla's Hopper guard bypassed** (Triton 3.4-3.7.0, fla #640): gradients through fla's gated "
+                  "backward are from a Triton known to be wrong there; case 2 measures by how much.", ""]
+    lines += ["| case | ok | seconds | figures |", "| --- | --- | --- | --- |"]
     for name, res in report["cases"].items():
         figs = summary(name, res)
         lines.append(f"| {name} | {res.get('ok')} | {res.get('case_seconds', 0):.1f} | {figs} |")
@@ -865,7 +878,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md")
     ap.add_argument("--tiny", action="store_true", help="small shapes on CPU (the test of this script)")
     ap.add_argument("--cases", default="1,2,3,4,5,6", help="comma-separated case numbers")
+    ap.add_argument("--bypass-fla-hopper-guard", action="store_true",
+                    help="measure only: let fla 0.6 run its gated backward (chunk_bwd_dqkwg) on Hopper with "
+                         "Triton 3.4-3.7.0, which fla refuses since it is known to give wrong results there "
+                         "(fla issue #640); the report says so and case 2 shows how wrong")
+    ap.add_argument("--case-seconds", type=float, default=None,
+                    help="run each case in a process of its own, stopped after this many seconds (a hang or a "
+                         "slow first compilation costs that case, not the loan); the figures are merged as they come")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="with --case-seconds: no case runs past this many seconds from the start")
     args = ap.parse_args(argv)
+    if args.case_seconds is not None:
+        return run_isolated(args, [a for a in (argv if argv is not None else sys.argv[1:])])
     if args.tiny:
         # case 1 runs the fused KL's Triton kernel through Triton's interpreter (slow: small shapes);
         # fla has no CPU path, so everything else takes the torch path
@@ -883,6 +907,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                               "tiny": args.tiny, "device": str(device), "versions": versions(), "cases": {}}
+    if args.bypass_fla_hopper_guard:
+        report["fla_hopper_guard_bypassed"] = bypass_fla_hopper_guard()
     t_all = time.perf_counter()
     for number in (int(c) for c in args.cases.split(",") if c.strip()):
         name, fn = CASES[number]
@@ -905,6 +931,82 @@ def main(argv: list[str] | None = None) -> int:
     write(out_dir, report)
     print(markdown(report))
     return 0 if all(r.get("ok") for r in report["cases"].values()) else 1
+
+
+def run_isolated(args: argparse.Namespace, argv: list[str]) -> int:
+    """Each case in a child process (`--cases N --out OUT/case_N`) under a time limit, merged into OUT after each.
+
+    The parent imports no torch, so the children have the GPU to themselves. A child stopped at its limit is
+    recorded as a case that failed with a TimeoutExpired error, with the end of its output."""
+    import subprocess
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keep = []  # the child's own arguments: everything but --out, --cases, --case-seconds, --deadline
+    skip = {"--out", "--cases", "--case-seconds", "--deadline"}
+    it = iter(argv)
+    for a in it:
+        if a.split("=", 1)[0] in skip:
+            if "=" not in a:
+                next(it, None)
+            continue
+        keep.append(a)
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                              "tiny": args.tiny, "device": None, "versions": {}, "cases": {},
+                              "isolated": {"case_seconds": args.case_seconds, "deadline": args.deadline}}
+    for number in (int(c) for c in args.cases.split(",") if c.strip()):
+        name = CASES[number][0]
+        limit = args.case_seconds
+        if args.deadline is not None and args.deadline - (time.perf_counter() - t0) < min(limit, 10.0):
+            report["cases"][name] = {"ok": False, "skipped": "the deadline passed before this case could start"}
+            continue
+        if args.deadline is not None:
+            limit = min(limit, args.deadline - (time.perf_counter() - t0))
+        if limit <= 0:
+            report["cases"][name] = {"ok": False, "skipped": "the deadline passed before this case could start"}
+            continue
+        child_out = out_dir / f"case_{number}"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *keep, "--cases", str(number), "--out", str(child_out)]
+        print(f"[gpu_check] case {number} {name}: own process, at most {limit:.0f} s", flush=True)
+        t_case = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=limit)
+            log = proc.stdout
+        except subprocess.TimeoutExpired as exc:
+            log = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            proc = None
+        child_out.mkdir(parents=True, exist_ok=True)
+        (child_out / "log.txt").write_text(log)
+        print("\n".join(f"    {line}" for line in log.splitlines() if line.startswith("[gpu_check]")), flush=True)
+        child = child_out / "gpu_check.json"
+        if proc is not None and child.is_file():
+            data = json.loads(child.read_text())
+            report["cases"].update(data["cases"])
+            report["device"], report["versions"] = data["device"], data["versions"]
+            for key in ("fla_hopper_guard_bypassed",):
+                if key in data:
+                    report[key] = data[key]
+        else:
+            why = (f"stopped after {limit:.0f} s" if proc is None else f"exit status {proc.returncode}, no report")
+            report["cases"][name] = {"ok": False, "case_seconds": time.perf_counter() - t_case,
+                                     "error": {"type": "TimeoutExpired" if proc is None else "ChildFailed",
+                                               "message": why, "traceback": log.splitlines()[-12:]}}
+        write(out_dir, report)
+    report["total_seconds"] = time.perf_counter() - t0
+    write(out_dir, report)
+    print(markdown(report))
+    return 0 if all(r.get("ok") for r in report["cases"].values()) else 1
+
+
+def bypass_fla_hopper_guard() -> bool:
+    """Turn off fla's refusal of its gated backward on Hopper with Triton < 3.7.1 (fla #640), for this
+    process only; True if the guard would have applied (the figures then come from a known-bad Triton)."""
+    import fla.ops.common.chunk_o as chunk_o
+
+    applies = bool(chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1)
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return applies
 
 
 def write(out_dir: Path, report: dict[str, Any]) -> None:

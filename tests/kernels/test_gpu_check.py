@@ -96,3 +96,28 @@ def test_the_step_and_decode_figures_are_there(report):
     assert dec["llama_3.2_1b"][f"ctx{ctx[-1]}"]["cache_bytes"] > dec["llama_3.2_1b"][f"ctx{ctx[0]}"]["cache_bytes"]
     ds = report["cases"]["deepspeed_zero3"]
     assert "skipped" in ds or (ds["8mla8gdn"]["parameters"] > 0 and ds["8mla8gdn"]["T64"]["tokens_per_s"] > 0)
+
+
+@pytest.mark.slow
+def test_each_case_in_a_process_of_its_own_under_a_time_limit(tmp_path):
+    """--case-seconds: a case runs in a child process and its figures are merged into OUT; a child past its limit
+    is stopped and recorded as that case's failure; the child gets the other flags (here the fla guard's)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env.pop("HYLO_KERNELS", None)
+
+    def check(out, *flags):
+        proc = subprocess.run([sys.executable, "-c", RUN, "--tiny", "--out", str(out), *flags], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+        return proc, json.loads((out / "gpu_check.json").read_text())
+
+    proc, data = check(tmp_path / "a", "--cases", "3", "--case-seconds", "300", "--bypass-fla-hopper-guard")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert data["cases"]["mla_packed"]["ok"] is True and data["isolated"]["case_seconds"] == 300
+    assert data["fla_hopper_guard_bypassed"] is False  # the flag reached the child; no Hopper here
+    assert "[gpu_check] case 3 mla_packed ..." in (tmp_path / "a" / "case_3" / "log.txt").read_text()
+
+    # a limit shorter than the child's start-up: stopped, recorded, the exit status says so
+    proc, data = check(tmp_path / "b", "--cases", "5", "--case-seconds", "0.5")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert data["cases"]["decode"]["error"]["type"] == "TimeoutExpired", data
+    assert "| decode | False |" in (tmp_path / "b" / "gpu_check.md").read_text()
