@@ -82,6 +82,16 @@ def build_mixer(config: HybridConfig, layer_idx: int) -> nn.Module:
     raise ValueError(f"unknown layer type {kind!r} for layer {layer_idx}")
 
 
+def linear_layer_kinds(module: nn.Module) -> set[str]:
+    """The kinds of linear mixer ("gdn", "mamba2") anywhere inside `module` (a model, or a stage's wrapper of
+    one): what `kernels.backend.check_fla_backward` asks about before training."""
+    from hylo.layers.gdn import GatedDeltaNet
+    from hylo.layers.mamba2 import Mamba2Mixer
+
+    kinds = {GatedDeltaNet: "gdn", Mamba2Mixer: "mamba2"}
+    return {kind for m in module.modules() for cls, kind in kinds.items() if isinstance(m, cls)}
+
+
 def linear_mixer_on_real_tokens(mixer: nn.Module, x_BTD: torch.Tensor, real_BT: torch.Tensor,
                                 cache: LinearLayerCache | None) -> torch.Tensor:
     """Run a linear mixer (GDN / Mamba-2) on each row's real tokens only; zeros at pad positions.

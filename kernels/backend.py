@@ -110,6 +110,66 @@ def fla_varlen_kwargs(fn: Callable[..., Any], bounds: DocBounds | None) -> dict[
     return kw
 
 
+# ------------------------------------------------------------------------------------ known-bad GPU stacks
+# fla's gated chunk backward (`chunk_bwd_dqkwg`: every GDN and Mamba-2 layer's backward) is compiled wrongly
+# by Triton 3.4.0 up to, not including, 3.7.1 on NVIDIA Hopper GPUs (compute capability 9.x: H100, H200); fla
+# issue #640. fla 0.6 refuses to run it there at the first backward; older fla runs it and returns wrong
+# gradients. Seen on an H200 with torch 2.11.0 (Triton 3.6.0), fla 0.6.0: docs/gpu-check.md. torch 2.8
+# brings Triton 3.4.0, 2.11 brings 3.6.0, 2.12.0 brings 3.7.0, 2.12.1 and 2.13.0 bring 3.7.1.
+BAD_TRITON_ON_HOPPER = ("3.4.0", "3.7.1")  # [from, to)
+
+
+class GpuStackError(RuntimeError):
+    """The GPU software stack is one known to compute this model's training step wrongly."""
+
+
+def fla_backward_problem(vendor: str, capability: tuple[int, int], triton_version: str,
+                         linear_kinds: set[str], tilelang: bool) -> str | None:
+    """Why fla cannot train layers of `linear_kinds` ("gdn", "mamba2") on this GPU stack, or None.
+
+    `vendor` is "nvidia" or "amd" (an MI300X also reports capability 9.x, and is not affected); `tilelang`: fla
+    then runs GDN's gated backward through TileLang instead of Triton (its TileLang backend refuses Mamba-2's,
+    whose states stay fp32)."""
+    from packaging.version import InvalidVersion, Version
+
+    kinds = linear_kinds & {"gdn", "mamba2"}
+    if vendor != "nvidia" or capability[0] != 9 or not kinds:
+        return None
+    try:
+        v = Version(triton_version).release
+    except InvalidVersion:
+        return None
+    low, high = (Version(x).release for x in BAD_TRITON_ON_HOPPER)
+    if not (low <= v < high):
+        return None
+    if tilelang and kinds == {"gdn"}:
+        return None
+    names = {"gdn": "GDN", "mamba2": "Mamba-2"}
+    layers = " and ".join(names[k] for k in sorted(kinds))
+    low_s, high_s = BAD_TRITON_ON_HOPPER
+    return (f"fla's gated backward, which every {layers} layer of this model trains through, is compiled wrongly "
+            f"by Triton {low_s} up to (not including) {high_s} on Hopper GPUs (fla issue #640), and this worker has "
+            f"Triton {triton_version} on a compute capability {capability[0]}.{capability[1]} GPU. Install Triton "
+            f">= {high_s} (torch >= 2.12.1 brings it; cluster/Dockerfile.cuda's base image does), or, for a model "
+            "whose linear layers are all GDN, tilelang; HYLO_KERNELS=torch trains on the torch path instead "
+            "(correct, much slower)")
+
+
+def check_fla_backward(device: torch.device, linear_kinds: set[str]) -> None:
+    """Raise GpuStackError when training layers of `linear_kinds` on `device` through fla is known to be wrong
+    (`fla_backward_problem`); nothing on CPU, with HYLO_KERNELS=torch, or without fla. Training calls it once,
+    after building the model, before the first step."""
+    if device.type != "cuda" or kernel_mode() == "torch" or not fla_available():
+        return  # the GPU path's fla calls are what `use_fla` picks for a CUDA tensor
+    import triton
+
+    vendor = "amd" if torch.version.hip else "nvidia"
+    problem = fla_backward_problem(vendor, torch.cuda.get_device_capability(device), triton.__version__,
+                                   linear_kinds, importable("tilelang"))
+    if problem:
+        raise GpuStackError(problem)
+
+
 # ------------------------------------------------------------------------------------ host memory
 _HOST_MALLOC = ("keep", "system")
 _host_malloc_done: list[str] = []

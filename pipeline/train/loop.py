@@ -51,7 +51,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hylo.kernels.backend import keep_freed_host_memory
+from hylo.kernels.backend import check_fla_backward, keep_freed_host_memory
+from hylo.modeling import linear_layer_kinds
 from hylo.pipeline.data.reader import RowReader
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.ray_init import kill_this_node
@@ -254,6 +255,7 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     with clock.timed("model load"):
         task = stage.build(ctx, cosine_with_warmup(total, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio))
     stop_watch.set()
+    check_fla_backward(device, linear_layer_kinds(task.engine.module))
     zero_partition_report(task.engine, ctx)
 
     start = 0

@@ -320,6 +320,24 @@ def test_dockerfiles_build_from_the_repo(name: str, base: str):
     assert load_yaml(REPO / "cluster" / yaml_name)["docker"]["image"] == tag
 
 
+@pytest.mark.parametrize("triton,refused", [("3.4.0", True), ("3.6.0", True), ("3.7.1", False), ("3.9.0", False)])
+def test_the_cuda_image_stops_on_a_triton_known_bad_on_hopper(triton: str, refused: bool, monkeypatch):
+    """Dockerfile.cuda's last check, run as written with a stand-in `triton` of the version given: an image whose
+    torch brings Triton 3.4.0-3.7.0 (torch 2.8-2.12.0) fails to build, since fla's GDN / Mamba-2 backward is
+    wrong with it on H100/H200 (fla #640); the default base image's torch (2.13.0: Triton 3.7.1) passes."""
+    import types
+
+    text = (REPO / "cluster" / "Dockerfile.cuda").read_text().replace("\\\n", " ")
+    code = next(m for m in re.findall(r'python -c "([^"]*)"', text) if "fla_backward_problem" in m)
+    assert re.search(r"^ARG BASE_IMAGE=pytorch/pytorch:2\.13\.0-", text, re.M), "the base image's torch is not 2.13.0"
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=triton))
+    if refused:
+        with pytest.raises(AssertionError, match=rf"Triton {re.escape(triton)} on .*#640|#640.*Triton {re.escape(triton)}"):
+            exec(code, {})
+    else:
+        exec(code, {})
+
+
 # ------------------------------------------------------------------------------------ doc commands
 @dataclass(frozen=True)
 class DocCommand:
