@@ -813,6 +813,15 @@ def versions() -> dict[str, Any]:
     if torch.cuda.is_available():
         v["gpu"] = torch.cuda.get_device_name(0)
         v["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / GIB, 1)
+        v["capability"] = list(torch.cuda.get_device_capability(0))
+        # what training would say of this stack before its first step (kernels/backend.check_fla_backward)
+        try:
+            from hylo.kernels.backend import GpuStackError, check_fla_backward
+
+            check_fla_backward(torch.device("cuda", 0), {"gdn", "mamba2"})
+            v["training_stack_problem"] = None
+        except GpuStackError as exc:
+            v["training_stack_problem"] = str(exc)
     return v
 
 
