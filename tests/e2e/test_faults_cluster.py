@@ -63,6 +63,12 @@ def cluster():
 
 @pytest.fixture
 def nodes(cluster):
+    import ray
+
+    # a test that failed while disconnected (the SIGTERM test's job disconnects before its last line) must not
+    # leave the next one to start a Ray of its own: join the module's cluster again
+    if not ray.is_initialized():
+        ray.init(address=cluster.cluster.address)
     cluster.replace_dead()
     yield cluster
 
