@@ -31,7 +31,8 @@ demo: assets
 # (the longest chains of work) start first, then the files with the most tests (tests/conftest.py;
 # --no-loadscope-reorder lets that order stand). Each process gets a Ray temp root of its own (tests/conftest.py:
 # Ray's helper actors otherwise find each other's clusters) and one torch thread (OMP_NUM_THREADS=1). The suite is
-# CPU-bound either way: three processes ~33-36 min, TEST_WORKERS=0 (one process) ~42 (docs/results.md#one-thread).
+# CPU-bound either way: three processes ~26 min (2026-12-04; 33-36 the day before), TEST_WORKERS=0 (one process) ~42
+# (docs/results.md#timings-dec4).
 TEST_WORKERS ?= 3
 test: assets docs
 	$(PYTHON) -m ruff check .
