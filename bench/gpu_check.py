@@ -121,10 +121,10 @@ class Meter:
         t_call = time.perf_counter()
         if warmup and self.cuda:
             fn()
-            self.sync()
+        self.sync()
+        if warmup and self.cuda:
             print(f"[gpu_check]   warm-up of {getattr(fn, '__qualname__', 'a call')}: "
                   f"{time.perf_counter() - t_call:.1f} s", flush=True)
-        self.sync()
         if self.cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -898,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --case-seconds: no case runs past this many seconds from the start")
     args = ap.parse_args(argv)
     if args.case_seconds is not None:
-        return run_isolated(args, [a for a in (argv if argv is not None else sys.argv[1:])])
+        return run_isolated(args)
     if args.tiny:
         # case 1 runs the fused KL's Triton kernel through Triton's interpreter (slow: small shapes);
         # fla has no CPU path, so everything else takes the torch path
@@ -942,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.get("ok") for r in report["cases"].values()) else 1
 
 
-def run_isolated(args: argparse.Namespace, argv: list[str]) -> int:
+def run_isolated(args: argparse.Namespace) -> int:
     """Each case in a child process (`--cases N --out OUT/case_N`) under a time limit, merged into OUT after each.
 
     The parent imports no torch, so the children have the GPU to themselves. A child stopped at its limit is
@@ -951,15 +951,7 @@ def run_isolated(args: argparse.Namespace, argv: list[str]) -> int:
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    keep = []  # the child's own arguments: everything but --out, --cases, --case-seconds, --deadline
-    skip = {"--out", "--cases", "--case-seconds", "--deadline"}
-    it = iter(argv)
-    for a in it:
-        if a.split("=", 1)[0] in skip:
-            if "=" not in a:
-                next(it, None)
-            continue
-        keep.append(a)
+    flags = [f for f, on in (("--tiny", args.tiny), ("--bypass-fla-hopper-guard", args.bypass_fla_hopper_guard)) if on]
     t0 = time.perf_counter()
     report: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                               "tiny": args.tiny, "device": None, "versions": {}, "cases": {},
@@ -967,16 +959,14 @@ def run_isolated(args: argparse.Namespace, argv: list[str]) -> int:
     for number in (int(c) for c in args.cases.split(",") if c.strip()):
         name = CASES[number][0]
         limit = args.case_seconds
-        if args.deadline is not None and args.deadline - (time.perf_counter() - t0) < min(limit, 10.0):
-            report["cases"][name] = {"ok": False, "skipped": "the deadline passed before this case could start"}
-            continue
         if args.deadline is not None:
-            limit = min(limit, args.deadline - (time.perf_counter() - t0))
-        if limit <= 0:
-            report["cases"][name] = {"ok": False, "skipped": "the deadline passed before this case could start"}
-            continue
+            left = args.deadline - (time.perf_counter() - t0)
+            if left < min(limit, 10.0):
+                report["cases"][name] = {"ok": False, "skipped": "the deadline passed before this case could start"}
+                continue
+            limit = min(limit, left)
         child_out = out_dir / f"case_{number}"
-        cmd = [sys.executable, str(Path(__file__).resolve()), *keep, "--cases", str(number), "--out", str(child_out)]
+        cmd = [sys.executable, str(Path(__file__).resolve()), *flags, "--cases", str(number), "--out", str(child_out)]
         print(f"[gpu_check] case {number} {name}: own process, at most {limit:.0f} s", flush=True)
         t_case = time.perf_counter()
         try:
@@ -993,9 +983,8 @@ def run_isolated(args: argparse.Namespace, argv: list[str]) -> int:
             data = json.loads(child.read_text())
             report["cases"].update(data["cases"])
             report["device"], report["versions"] = data["device"], data["versions"]
-            for key in ("fla_hopper_guard_bypassed",):
-                if key in data:
-                    report[key] = data[key]
+            if "fla_hopper_guard_bypassed" in data:
+                report["fla_hopper_guard_bypassed"] = data["fla_hopper_guard_bypassed"]
         else:
             why = (f"stopped after {limit:.0f} s" if proc is None else f"exit status {proc.returncode}, no report")
             report["cases"][name] = {"ok": False, "case_seconds": time.perf_counter() - t_case,
