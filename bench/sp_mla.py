@@ -56,16 +56,16 @@ def _counting() -> dict[str, float]:
 
 
 def _rank(rank: int, world: int, config: str, tokens: int) -> dict[str, Any]:
-    import deepspeed
     import torch
 
     from hylo.kernels.varlen import DocBounds
     from hylo.modeling import build_mixer
     from hylo.pipeline.estimate import student_config
     from hylo.pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.deepspeed_cfg import import_deepspeed
     from hylo.seq_parallel import shard_row
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    import_deepspeed().init_distributed(dist_backend="gloo")
     sent = _counting()
     hc = student_config(load_stage_config(1, config), None)
     mla_idx = next(i for i in range(hc.n_layer) if hc.layer_type(i) == "mla")

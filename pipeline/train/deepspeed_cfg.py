@@ -12,6 +12,7 @@ Design choices:
   DeepSpeed config would compile DeepSpeed's CPU Adam (~1 min on the build machine) for nothing.
 * bf16 with fp32 master weights on GPU, plain fp32 on CPU (`dtype` resolved by `resolve_dtype`).
 * Clipping is DeepSpeed's (`gradient_clipping`), so the norm it reports is the one it clipped with.
+* DeepSpeed is imported through `import_deepspeed`, which keeps it from compiling an op training never uses.
 """
 
 from __future__ import annotations
@@ -24,6 +25,31 @@ import torch
 
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.config import DeepSpeedSection, StageConfig
+
+# DeepSpeed's name for its CPU shared-memory all-reduce op (ShareMemCommBuilder.NAME, deepspeed/ops/op_builder/cpu)
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def import_deepspeed():
+    """`deepspeed`, with its CPU shared-memory all-reduce op (`SHM_COMM_OP`) marked unavailable, so that it is
+    never built.
+
+    On its CPU accelerator, DeepSpeed's torch backend compiles that C++ op with ninja whenever it starts
+    (`deepspeed.init_distributed`, or `deepspeed.initialize` inside a process group Ray Train made): 54 CPU-seconds
+    on the 2-core build machine, again for every Python environment (the build records the environment's paths,
+    so a second virtualenv sharing TORCH_EXTENSIONS_DIR builds it anew), behind a lock that a process killed
+    mid-build leaves to block the next (`loop.watch_stale_build_locks`). Only `inference_all_reduce` uses the op;
+    training's collectives go through the process group (gloo on CPU) either way. DeepSpeed asks its table of
+    compatible ops first (`deepspeed.ops.__compatible_ops__`, probed once a process and kept, edits included):
+    the op is marked unavailable there, and a DeepSpeed without that table is left as it is. On a GPU the op is
+    never built, so nothing changes there."""
+    import deepspeed
+    import deepspeed.ops
+
+    ops = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(ops, dict):
+        ops[SHM_COMM_OP] = False
+    return deepspeed
 
 
 def resolve_dtype(name: str, use_gpu: bool) -> torch.dtype:
@@ -74,8 +100,7 @@ def build_deepspeed_config(cfg: StageConfig, world_size: int, dtype: torch.dtype
 def init_engine(module: torch.nn.Module, params: list[torch.nn.Parameter], cfg: StageConfig, world_size: int,
                 dtype: torch.dtype, lr_lambda):
     """`deepspeed.initialize` with a client AdamW over `params` and a LambdaLR schedule."""
-    import deepspeed
-
+    deepspeed = import_deepspeed()
     if not params:
         raise ConfigError("no trainable parameters: check which modules this stage trains")
     o = cfg.optim

@@ -61,7 +61,7 @@ from hylo.pipeline.train.checkpoint.deepspeed_io import load_checkpoint, save_ch
 from hylo.pipeline.train.checkpoint.layout import step_dir_name, write_json_atomic
 from hylo.pipeline.train.checkpoint.resume import check_compatible
 from hylo.pipeline.train.config import FaultSection, StageConfig, config_from_dict
-from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
+from hylo.pipeline.train.deepspeed_cfg import import_deepspeed, resolve_dtype
 from hylo.pipeline.train.metrics import METRICS_FILE, peak_memory_mib
 from hylo.pipeline.train.nonfinite import (
     CHECKED,
@@ -169,8 +169,7 @@ def collective_backend(use_gpu: bool) -> tuple[str, str | None]:
 
 
 def setup_distributed(cfg: StageConfig) -> tuple[int, int, torch.device]:
-    import deepspeed
-
+    deepspeed = import_deepspeed()
     backend, note = collective_backend(cfg.ray.use_gpu)
     use_gpu = backend == "nccl"
     if not dist.is_initialized():
@@ -191,9 +190,10 @@ def setup_distributed(cfg: StageConfig) -> tuple[int, int, torch.device]:
 def watch_stale_build_locks(stop: threading.Event, max_age_s: float = 300.0, poll_s: float = 10.0) -> None:
     """Remove torch JIT-extension build locks older than `max_age_s` until `stop` is set.
 
-    Every load of DeepSpeed's shm_comm op takes `<TORCH_EXTENSIONS_DIR>/<op>/lock` while ninja checks the
-    build; a process killed in that window (OOM killer, SIGKILL) leaves the lock behind and every later
-    load waits on it forever. A build takes ~45 s here, so a lock minutes old has no live owner.
+    Every load of a DeepSpeed op compiled on first use takes `<TORCH_EXTENSIONS_DIR>/<op>/lock` while ninja
+    checks the build; a process killed in that window (OOM killer, SIGKILL) leaves the lock behind and every later
+    load waits on it forever. A build takes ~45 s here, so a lock minutes old has no live owner. (Training builds
+    none of DeepSpeed's ops on CPU since `deepspeed_cfg.import_deepspeed`; the guard stays for any that loads.)
     """
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if not root:

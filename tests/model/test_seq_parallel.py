@@ -88,9 +88,9 @@ def _rank_errors(rank: int, world: int) -> dict[str, Any]:
             "grads": max(_rel(ref_grads[n], g) for n, g in grads.items()), "unsplit": 0.0}
         # MLA through DeepSpeed's Ulysses (all-to-all by heads) instead of the latent gather: the same result
         if variant == VARIANTS[0]:
-            import deepspeed
+            from hylo.pipeline.train.deepspeed_cfg import import_deepspeed
 
-            deepspeed.init_distributed(dist_backend="gloo")
+            import_deepspeed().init_distributed(dist_backend="gloo")
             bounds = DocBounds.from_host(ROWS[0], ROWS[0][-1], "cpu")
             ref_logits, ref_grads = run(model, ids, proj, position_ids=bounds.positions[None], cu_seqlens=bounds)
             for n in (2, 4):

@@ -1,8 +1,14 @@
-"""The trainer's start-up clock (pipeline/train/startup.py): laps, parts counted inside a phase, the line."""
+"""The trainer's start-up clock (pipeline/train/startup.py): laps, parts counted inside a phase, the line; and
+what start-up builds: no DeepSpeed op on CPU."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+
+import pytest
 
 from hylo.pipeline.train.startup import StartupClock
 
@@ -40,3 +46,24 @@ def test_only_a_jobs_own_process_counts_its_start_as_the_runs_import(monkeypatch
                              ("/x/jobs/stage1.py", 2, False), ("/venv/bin/pytest", 2, False), (None, 2, False)):
         monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__file__=main))
         assert is_job_process(stage) is own, (main, stage)
+
+
+@pytest.mark.slow
+def test_the_trainers_distributed_setup_on_cpu_compiles_no_deepspeed_op(tmp_path):
+    """`loop.setup_distributed` on gloo, in a process of its own with an empty TORCH_EXTENSIONS_DIR: DeepSpeed's
+    backend holds no shared-memory op and nothing was built (without `import_deepspeed` it compiles
+    deepspeed_shm_comm there, 54 CPU-seconds, and holds the op)."""
+    from hylo.pipeline.rehearse import free_port
+
+    code = ("from types import SimpleNamespace as N\n"
+            "from hylo.pipeline.train.loop import setup_distributed\n"
+            "print('device', setup_distributed(N(ray=N(use_gpu=False)))[2])\n"
+            "from deepspeed.comm import comm\n"
+            "print('shm op', comm.cdb.shm_comm_op)\n")
+    ext = tmp_path / "torch_extensions"
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "device cpu" in proc.stdout and "shm op None" in proc.stdout, proc.stdout
+    assert not ext.exists() or not any(ext.rglob("*")), sorted(map(str, ext.rglob("*")))
