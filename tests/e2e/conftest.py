@@ -1,11 +1,22 @@
 """Fixtures of the end-to-end training tests (test_train_e2e.py, test_train_e2e_ray.py, test_faults_cluster.py):
-for the session (one per test process), the tiny models and the uninterrupted reference runs the faulted runs
-are compared against. A run of `max_steps` n < 12 computes exactly the first n steps of the 12-step run (the
-schedule follows the data's 12 steps, not max_steps), so one 12-step run per stage serves every length."""
+for the whole `make test` (its test processes share them), the tiny models and the uninterrupted reference runs
+the faulted runs are compared against. A run of `max_steps` n < 12 computes exactly the first n steps of the
+12-step run (the schedule follows the data's 12 steps, not max_steps), so one 12-step run per stage serves every
+length.
+
+The three files run in different test processes (pytest-xdist, a file to a process): the first process to ask
+for the models or a stage's reference makes them, in a directory of the run's shared temp root, while holding a
+lock on it; the others wait on the lock and take what it made. Tests only read them (a test that resumes a
+reference copies it first); each process keeps its own directory for the runs it makes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,26 +24,64 @@ import pytest
 from tests.helpers.train import assert_ok, make_tiny_models, tiny_config, torchrun, write_config
 
 
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    return root, make_tiny_models(root / "models")
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
-def references(tiny) -> Callable[[int], Path]:
+def shared_root(tmp_path_factory) -> Path:
+    """A directory every test process of this pytest run sees: the parent of the per-process temp roots under
+    pytest-xdist, the temp root itself in one process."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "e2e-shared"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def _once(root: Path, name: str, make: Callable[[Path], object]) -> Path:
+    """root/name, made by `make(root/name)` by the first process to ask while it holds root/name.lock; the
+    others wait for the lock and find it made (root/name.made, written once `make` returned). What a failed
+    attempt left is removed before the next one."""
+    root.mkdir(parents=True, exist_ok=True)
+    out, made = root / name, root / f"{name}.made"
+    with _locked(root / f"{name}.lock"):
+        if not made.is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            make(out)
+            made.write_text(json.dumps({"by": os.environ.get("PYTEST_XDIST_WORKER", "master")}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory, shared_root) -> tuple[Path, dict[str, Path]]:
+    """(this process's directory for the runs its tests make, the shared tiny models: a random Llama `base`
+    and its HyLo conversion `student`)."""
+    models = _once(shared_root, "models", make_tiny_models)
+    return tmp_path_factory.mktemp("train"), {"base": models / "base", "student": models / "student"}
+
+
+@pytest.fixture(scope="session")
+def references(tiny, shared_root) -> Callable[[int], Path]:
     """stage -> the run directory of an uninterrupted 12-step run of that stage (torchrun, 2 ranks, a checkpoint
-    every 3 steps; the same computation as Ray Train's workers), made the first time a test asks for it."""
-    root, models = tiny
-    made: dict[int, Path] = {}
+    every 3 steps; the same computation as Ray Train's workers), made the first time any test process asks for
+    it: <shared>/runs/<name>, beside <shared>/models."""
+    _, models = tiny
+    runs = shared_root / "runs"
 
     def reference(stage: int) -> Path:
-        if stage not in made:
-            name = "reference" if stage == 2 else f"reference{stage}"
-            cfg = write_config(tiny_config(models, root / "runs", name, stage=stage), root / f"{name}.yaml")
+        name = "reference" if stage == 2 else f"reference{stage}"
+
+        def make(run: Path) -> None:
+            cfg = write_config(tiny_config(models, runs, name, stage=stage), shared_root / f"{name}.yaml")
             assert_ok(torchrun(stage, cfg))
-            made[stage] = root / "runs" / name
-        return made[stage]
+
+        return _once(runs, name, make)
 
     return reference
 
