@@ -27,11 +27,11 @@ demo: assets
 
 # The tests run in three processes (pytest-xdist) on the machine's two cores: much of a slow test is waiting on
 # processes it started. A test file goes to one process at a time (--dist loadfile), so that a file's shared
-# fixtures (its Ray, its models) are made once; the longest files (the wheel quick start, the cluster faults, the
-# end-to-end runs) start first, then the files with the most tests (tests/conftest.py; --no-loadscope-reorder lets
-# that order stand). Each process gets a Ray temp root of its own (tests/conftest.py:
+# fixtures (its Ray, its models) are made once; the wheel quick start and the cluster faults (the longest chains
+# of work) start first, then the files with the most tests (tests/conftest.py; --no-loadscope-reorder lets that
+# order stand). Each process gets a Ray temp root of its own (tests/conftest.py:
 # Ray's helper actors otherwise find each other's clusters) and one torch thread (OMP_NUM_THREADS=1). The suite is
-# CPU-bound either way: three processes ~24-26 min (2026-12-04), TEST_WORKERS=0 (one process) ~42
+# CPU-bound either way: three processes ~26 min (2026-12-04), TEST_WORKERS=0 (one process) ~42
 # (docs/results.md#cpu-by-file).
 TEST_WORKERS ?= 3
 test: assets docs

@@ -107,16 +107,11 @@ def _fast_tier_starts_nothing(request, monkeypatch):
 # `make test` hands whole test files to its worker processes in the order of this list (pytest-xdist, --dist
 # loadfile --no-loadscope-reorder): first the files of FIRST, the longest single chains of work (the wheel quick
 # start: a wheel, a virtualenv, the demo and the stages, 6 min alone on a quiet machine; the cluster faults: six
-# Ray Train runs with faults on a simulated multi-node cluster, 8 min alone; SmolLM2 with Mamba-2 through both
-# stages; the Ray Train and torchrun end-to-end runs; sequence parallelism), so that none starts last and runs
-# alone while the other processes have finished; then xdist's own order, the files with the most tests first.
-# xdist hands each process one file, then another as soon as the one it runs has two tests or fewer left: the
-# quick start's process takes the Ray Train end-to-end file next, the others the rest of FIRST when their first
-# file nears its end. Measured on 2026-12-04 with the first two only: the Ray Train end-to-end file (6 min) started
-# at minute 18 and its process finished 2 min after the others (docs/results.md#cpu-by-file). A scheduling hint
-# only: every test runs, in its file's own order.
-FIRST = ("test_quickstart.py", "test_faults_cluster.py", "test_mamba2.py", "test_train_e2e_ray.py",
-         "test_train_e2e.py", "test_train_seq_parallel.py")
+# Ray Train runs with faults on a simulated multi-node cluster, 8 min alone), so that neither starts last and
+# runs alone while the third process takes the quick files; then xdist's own order, the files with the most tests
+# first, which mixes the other slow files with many quick ones (measured on 2026-12-03: starting every slow file
+# first overloads the two cores and is slower). A scheduling hint only: every test runs, in its file's own order.
+FIRST = ("test_quickstart.py", "test_faults_cluster.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
