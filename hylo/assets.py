@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -48,10 +47,9 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
-from hylo.files import atomic_write, honour_umask, remove_path, replace_dir
+from hylo.files import atomic_write, file_lock, honour_umask, remove_path, replace_dir
 
 MARKER = ".complete.json"
 
@@ -406,17 +404,6 @@ def _extract_member(wheel: Path, member: str, dest: Path, progress: bool, what: 
     return out
 
 
-@contextmanager
-def _lock(root: Path, name: str):
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{name}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _sweep_stale_tmp(root: Path, name: str) -> None:
     # Only called under the asset's lock, so no live fetch of this asset owns these directories (nor
     # the invalid asset a crashed fetch had moved aside).
@@ -440,7 +427,7 @@ def fetch_asset(
         # an asset built before files honoured the umask has a model.safetensors of mode 0600
         honour_umask(target)
         return asset_path(name, root)
-    with _lock(root, name):
+    with file_lock(root, name):
         # Another process may have finished (or repaired) the asset while we waited for the lock.
         problem = asset_problem(name, root, full=verify)
         if problem is None:

@@ -25,6 +25,7 @@ Used by `hylo/` and `pipeline/` alike (this module imports neither torch nor Ray
   `.<name>.old-<pid>-<hex>` (a crash between the two renames of a swap) goes back in place when the output is
   missing, else is removed if its record lists all it holds. Nothing else beside the output is touched.
 * Errors name the path the user gave, not the internal temporary name (an unwritable parent, a full disk).
+* `file_lock(root, name)`: processes that make the same thing take turns (an `fcntl` lock on root/.<name>.lock).
 * Files get the mode the umask gives (`honour_umask`): safetensors >= 0.8 writes through a temporary
   file of mode 0600 and renames it (safetensors#782), so model.safetensors (also through transformers'
   save_pretrained) was unreadable to the other users of a shared machine. Every atomic write and
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import glob
 import json
 import os
@@ -124,6 +126,20 @@ def atomic_write(path: str | Path, data: str | bytes, fsync: bool = False) -> No
     """Write `data` (text is UTF-8) to `path` atomically (see `atomic_path`)."""
     with atomic_path(path, fsync=fsync) as tmp:
         tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def file_lock(root: str | Path, name: str) -> Iterator[None]:
+    """Hold an exclusive `fcntl` lock on root/.<name>.lock (made, with root, if missing) for the block: processes
+    that ask for the same name take turns. The lock goes with the process, so a killed holder blocks no one."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def remove_path(p: Path) -> None:

@@ -11,27 +11,17 @@ reference copies it first); each process keeps its own directory for the runs it
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from hylo.files import file_lock
+
 from tests.helpers.train import assert_ok, make_tiny_models, tiny_config, torchrun, write_config
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
@@ -45,12 +35,11 @@ def shared_root(tmp_path_factory) -> Path:
 
 
 def _once(root: Path, name: str, make: Callable[[Path], object]) -> Path:
-    """root/name, made by `make(root/name)` by the first process to ask while it holds root/name.lock; the
+    """root/name, made by `make(root/name)` by the first process to ask while it holds root/.name.lock; the
     others wait for the lock and find it made (root/name.made, written once `make` returned). What a failed
     attempt left is removed before the next one."""
-    root.mkdir(parents=True, exist_ok=True)
     out, made = root / name, root / f"{name}.made"
-    with _locked(root / f"{name}.lock"):
+    with file_lock(root, name):
         if not made.is_file():
             shutil.rmtree(out, ignore_errors=True)
             make(out)

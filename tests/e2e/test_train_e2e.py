@@ -10,7 +10,7 @@
 Ray Train's runs and stage 1 in bf16 are in tests/e2e/test_train_e2e_ray.py (a file of its own, so that
 `make test` runs it beside this one).
 
-One reference run is shared by the module (tests/e2e/conftest.py); every run is a few seconds of compute (most of the time is
+One reference run is shared by the whole `make test` (tests/e2e/conftest.py); every run is a few seconds of compute (most of the time is
 process start-up: torchrun ~20 s, Ray Train ~60-90 s on 2 cores).
 """
 
