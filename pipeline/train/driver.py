@@ -7,7 +7,9 @@ Design choices:
 * Thin, like Ray's own training benchmarks: parse config, `init_ray` (pipeline/ray_init.py: `ray.address`,
   else `RAY_ADDRESS` as under `ray job submit`, else a local Ray), build
   `TorchTrainer(train_worker, ScalingConfig, RunConfig(storage_path, name, FailureConfig,
-  CheckpointConfig, callbacks=[metrics]))`, `fit()`. Everything per worker lives in loop.py (and session.py).
+  CheckpointConfig, callbacks=[metrics]))`, `fit()`. Everything per worker lives in loop.py (and session.py);
+  what Ray Train's controller holds (the worker entry, the backend's choice) in entry.py and collective.py,
+  which import nothing of the training stack.
 * A run is `<ray.storage_path>/<ray.name>`: a local (or shared-filesystem) directory, or a URI that
   Ray Train supports (`s3://bucket/runs`, `gs://...`; pyarrow filesystems, see storage.py). A relative
   storage path is refused inside a `ray job submit` job (it would land in Ray's temporary copy of the
@@ -45,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import re
@@ -406,7 +407,7 @@ def resume_hint(run: Loc) -> str:
 
 
 def auto_torch_config() -> Any:
-    """Ray Train's TorchConfig whose backend the first worker chooses (loop.collective_backend): NCCL where
+    """Ray Train's TorchConfig whose backend the first worker chooses (collective.collective_backend): NCCL where
     torch sees the GPUs Ray gave it, gloo with one line saying why where it sees none. Ray's own choice is
     NCCL whenever GPUs are requested, whose process group a torch without CUDA cannot create."""
     from dataclasses import dataclass, replace
@@ -414,7 +415,7 @@ def auto_torch_config() -> Any:
     from ray.train.torch import TorchConfig
     from ray.train.torch.config import _TorchBackend
 
-    from hylo.pipeline.train.loop import collective_backend
+    from hylo.pipeline.train.collective import collective_backend
 
     class AutoBackend(_TorchBackend):
         def on_start(self, worker_group: Any, backend_config: Any) -> None:
@@ -439,7 +440,7 @@ def fit_with_ray(cfg: StageConfig, resume: str | None, clock: StartupClock | Non
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from hylo.pipeline.train.loop import train_worker
+    from hylo.pipeline.train.entry import WorkerEntry
 
     clock = clock or StartupClock()
     with clock.timed("ray start"):
@@ -451,7 +452,7 @@ def fit_with_ray(cfg: StageConfig, resume: str | None, clock: StartupClock | Non
         print(note, flush=True)
     stop_teacher = start_teacher(cfg)
     trainer = TorchTrainer(
-        functools.partial(train_worker, stage_for(cfg.stage)),
+        WorkerEntry.of(stage_for(cfg.stage)),
         # the worker group's start-up is timed from here to the first line a worker runs
         train_loop_config={**loop_config(cfg, resume, "ray"), "startup": StartupClock(clock.phases).to_dict()},
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu,

@@ -2,8 +2,8 @@
 
 Legend: W workers (ranks), G gradient-accumulation micro-steps per optimiser step (one packed row each).
 
-    train_worker(stage, loop_config)   # each torchrun rank; under Ray Train, partial(train_worker, stage)
-                                       # is the train_loop_per_worker
+    train_worker(stage, loop_config)   # each torchrun rank; under Ray Train, entry.WorkerEntry.of(stage)
+                                       # (which calls it) is the train_loop_per_worker
 
 Design choices:
 * The stage (`stage1.STAGE`, `stage2.STAGE`, a `worker.Stage`: build + THE step) is handed in by the
@@ -60,6 +60,7 @@ from hylo.pipeline.train.checkpoint.consolidate import consolidate_hylo
 from hylo.pipeline.train.checkpoint.deepspeed_io import load_checkpoint, save_checkpoint
 from hylo.pipeline.train.checkpoint.layout import step_dir_name, write_json_atomic
 from hylo.pipeline.train.checkpoint.resume import check_compatible
+from hylo.pipeline.train.collective import collective_backend
 from hylo.pipeline.train.config import FaultSection, StageConfig, config_from_dict
 from hylo.pipeline.train.deepspeed_cfg import import_deepspeed, resolve_dtype
 from hylo.pipeline.train.metrics import METRICS_FILE, peak_memory_mib
@@ -153,19 +154,6 @@ def zero_partition_report(engine, ctx: WorkerContext) -> dict[str, Any]:
     if ctx.rank == 0:
         write_json_atomic(ctx.run_dir / PARTITION_FILE, report)
     return report
-
-
-def collective_backend(use_gpu: bool) -> tuple[str, str | None]:
-    """The one place the GPU branch is chosen: NCCL (RCCL on ROCm) and a CUDA device when the config asks for
-    GPUs (`ray.use_gpu`) and torch sees one, else gloo on CPU; with, when GPUs were asked for but torch sees
-    none (a CPU-only torch, a driver that does not load, GPUs that Ray only declares), the line that says so.
-    Ray Train's backend (driver.AutoTorchConfig) and `setup_distributed` both follow it."""
-    if not use_gpu or torch.cuda.is_available():
-        return ("nccl" if use_gpu else "gloo"), None
-    visible = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES") if k in os.environ}
-    given = ", ".join(f"{k}={v}" for k, v in visible.items()) or "no *_VISIBLE_DEVICES"
-    return "gloo", (f"ray.use_gpu is true and the worker was given GPUs ({given}), but torch {torch.__version__} "
-                    "sees no CUDA/ROCm device: training on CPU with gloo instead of NCCL")
 
 
 def setup_distributed(cfg: StageConfig) -> tuple[int, int, torch.device]:

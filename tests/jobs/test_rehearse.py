@@ -114,7 +114,7 @@ def test_hylo_rehearse_refuses_before_ray_starts(capsys, monkeypatch):
 def test_declared_gpus_without_cuda_choose_gloo_and_say_why(monkeypatch):
     import torch
 
-    from hylo.pipeline.train.loop import collective_backend
+    from hylo.pipeline.train.collective import collective_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
