@@ -33,9 +33,14 @@ demo: assets
 # Ray's helper actors otherwise find each other's clusters) and one torch thread (OMP_NUM_THREADS=1). The suite is
 # CPU-bound either way: three processes ~26 min (2026-12-04), TEST_WORKERS=0 (one process) ~42
 # (docs/results.md#cpu-by-file).
+# compileall first: where PYTHONDONTWRITEBYTECODE is set (this machine's and CI's environment) Python caches no
+# bytecode, and each of the hundreds of processes the suite starts (jobs, torchrun ranks, Ray Train workers) compiled
+# the checkout's modules again (~0.6 CPU-s a process that imports the trainer). Symlinked folders are not followed:
+# hylo/pipeline, hylo/jobs, hylo/kernels are compiled as pipeline, jobs, kernels.
 TEST_WORKERS ?= 3
 test: assets docs
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -m compileall -q -j 0 hylo pipeline jobs kernels tests bench
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # The documentation site (docs/, mkdocs.yml) into site/ (git-ignored). --strict: a broken link or anchor, a page
