@@ -69,6 +69,7 @@ from hylo.pipeline.train.nonfinite import (
     NonFiniteError,
     NonFiniteGuard,
     nonfinite_keys,
+    own_elements,
     saved_hint,
     weights_finite,
 )
@@ -141,7 +142,7 @@ def zero_partition_report(engine, ctx: WorkerContext) -> dict[str, Any]:
         seen.add(id(p))
         if hasattr(p, "ds_tensor"):
             total += p.ds_numel
-            held += p.ds_tensor.numel()
+            held += own_elements(p).numel()
         else:
             total += p.numel()
             held += p.numel()

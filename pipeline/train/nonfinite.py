@@ -18,8 +18,8 @@ Design choices:
   gradients overflow (fp32 too: "OVERFLOW! Skipping step"), other setups apply it; either way weights
   that made one NaN loss make the next, so a run whose learning rate overflowed them does not recover:
   patience is for an isolated bad batch or a loss scaler settling.
-* Before a checkpoint is written the weights themselves are checked (every rank its ZeRO partition,
-  one read per checkpoint, not per step): a weight can overflow while the step's loss and gradient norm
+* Before a checkpoint is written the weights themselves are checked (every rank its ZeRO partition, without
+  the uninitialised padding DeepSpeed gives the last ranks' partitions; one read per checkpoint, not per step): a weight can overflow while the step's loss and gradient norm
   stay finite (a row of the embedding no token of the batch used). Such a state stops the run too.
 * The stop is an input error (`NonFiniteError`): one `error:` line naming the step and what was not
   finite, exit status 2, never retried by Ray (the same settings diverge again). The step's record in
@@ -89,13 +89,30 @@ def saved_hint(newest: str | None) -> str:
     return f"{kept}. Lower optim.lr or check the data"
 
 
+def own_elements(p: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+    """This rank's elements of parameter `p`, flat: under ZeRO-3 its partition `ds_tensor` without the padding
+    that makes every rank's partition the same size. DeepSpeed pads the partitions of the last ranks of a
+    parameter whose size the ranks do not divide and leaves the padding uninitialised (`torch.empty`): whatever
+    the allocator hands back, NaN bit patterns included. `rank`: this rank in the parameter's partition group
+    (default: asked of torch.distributed). Without ZeRO-3, the whole parameter."""
+    if not hasattr(p, "ds_tensor"):
+        return p.data.view(-1)
+    part = p.ds_tensor
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank(group=getattr(p, "ds_process_group", None)) if dist.is_initialized() else 0
+    valid = max(0, min(part.numel(), int(p.ds_numel) - part.numel() * rank))
+    return part.view(-1).narrow(0, 0, valid)
+
+
 @torch.no_grad()
 def local_weights_finite(module: torch.nn.Module) -> bool:
-    """Whether this rank's part of every parameter is finite (ZeRO-3: its partition `ds_tensor`); one host
-    read per device the parameters live on."""
+    """Whether this rank's part of every parameter is finite (ZeRO-3: its partition, padding left out:
+    `own_elements`); one host read per device the parameters live on."""
     flags: dict[torch.device, list[torch.Tensor]] = {}
     for p in module.parameters():
-        t = p.ds_tensor if hasattr(p, "ds_tensor") else p.data
+        t = own_elements(p)
         if t.numel():
             flags.setdefault(t.device, []).append(torch.isfinite(t).all())
     return all(bool(torch.stack(f).all()) for f in flags.values())

@@ -74,6 +74,28 @@ def test_nonfinite_keys_and_weights():
     assert not local_weights_finite(layer)
 
 
+def test_the_padding_of_a_zero3_partition_is_not_a_weight(monkeypatch):
+    """ZeRO-3 pads the partitions of a parameter the ranks do not divide to one size and leaves the padding
+    uninitialised (DeepSpeed's `_partition_param`: `torch.empty`). A NaN bit pattern there is not a weight: it
+    stopped a fresh-clone demo's stage 1 at step 1 ("the weights after it are not finite", 2026-12-04). A
+    non-finite element of the parameter still is."""
+    from hylo.pipeline.train.nonfinite import own_elements
+
+    # 5 elements over 2 ranks: partitions of 3; rank 1 holds elements 3 and 4, then one element of padding
+    p = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    p.ds_numel = 5
+    p.ds_tensor = torch.tensor([3.0, 4.0, float("nan")])
+    assert own_elements(p, rank=1).tolist() == [3.0, 4.0]
+    assert own_elements(p, rank=0).numel() == 3
+    module = torch.nn.Module()
+    module.register_parameter("w", p)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    assert local_weights_finite(module)
+    p.ds_tensor[1] = float("inf")
+    assert not local_weights_finite(module)
+
+
 def test_the_patience_setting_is_checked_and_a_resume_may_change_it():
     from hylo.pipeline.config import ConfigError
     from hylo.pipeline.train.config import breaking_diff, config_to_dict, load_stage_config
