@@ -8,7 +8,8 @@
 
 * teacher replica loss: stage 2's Serve pool on a node of its own, which dies with a step's rows in
   flight: the client sends them again until Serve runs a replica on the spare teacher node, every row
-  is answered once and in order, and the losses equal a run without the fault.
+  is answered once and in order, and the losses equal a run without the fault (the in-process teacher at the
+  same k, under torchrun).
 * storage outage: a run on s3:// storage (a local S3 server) whose server stops in the middle of
   uploading step 6's checkpoint: the upload is retried `checkpoint.upload_retries` times, then the run
   fails with one line naming the checkpoint; step 3 stays intact, and `--resume` once the server is
@@ -24,7 +25,7 @@
 
 One cluster for the module (head without CPUs + 1-CPU nodes of kind `trainer` / `teacher`); each test
 refills the nodes the previous one killed. The tiny models, rows and reference runs of the other training tests
-(tests/e2e/conftest.py).
+(tests/helpers/runs.py).
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ from hylo.pipeline.train.metrics import read_metrics
 from tests.helpers.cluster import local_cluster
 from tests.helpers.train import (
     S3_ENV,
+    assert_ok,
     assert_same_steps,
     s3_server,
     tiny_config,
+    torchrun,
     write_config,
 )
 
@@ -266,7 +269,9 @@ def test_teacher_node_lost_mid_step_rows_answered_once_each_in_order(tiny, nodes
     """Stage 2 with the Serve pool (one replica) on a `teacher` node of its own: the replica kills its
     node while it holds rows of step 4. The client sends them again until Serve has a replica on the
     spare teacher node; training never restarts (ray.max_failures=0) and the losses equal a run without
-    the fault (same pool, batching may differ: a tolerance)."""
+    the fault: the same rows and a teacher of the same k, in process under torchrun (its top-k records have the
+    client's default wire dtype, float16; Serve batches rows differently: a tolerance). That reference costs a
+    third of what a second Ray Train run with a pool of its own did."""
     import socket
 
     from hylo.pipeline.train.driver import run
@@ -282,14 +287,16 @@ def test_teacher_node_lost_mid_step_rows_answered_once_each_in_order(tiny, nodes
         teacher = {"source": "serve", "k": 16,
                    "pool": {"app_name": name.replace("-", "_"), "num_replicas": 1, "num_cpus": 1,
                             "resources": {"teacher": 1}, "port": port},
-                   "client": {"dtype": "float32", "max_retries": 8, "retry_backoff_s": 0.5,
-                              "timeout_s": 60}}
+                   "client": {"max_retries": 8, "retry_backoff_s": 0.5, "timeout_s": 60}}
         cfg = tiny_config(models, root / "runs", name, ray={**RAY_TRAIN, "max_failures": 0},
                           train={"max_steps": steps}, teacher=teacher, fault={"teacher": kill})
         run(2, ["--config", str(write_config(cfg, root / f"{name}.yaml"))])
         return root / "runs" / name
 
-    ref = read_metrics(teacher_run("teacher-ref"))
+    ref_cfg = tiny_config(models, root / "runs", "teacher-ref", train={"max_steps": steps},
+                          teacher={"source": "inprocess", "k": 16})
+    assert_ok(torchrun(2, write_config(ref_cfg, root / "teacher-ref.yaml")))
+    ref = read_metrics(root / "runs" / "teacher-ref")
     capfd.readouterr()
     marker.write_text("armed")
     # 4 rows a step (2 workers x 2): row 15 is in step 4, with the step's other rows queued beside it

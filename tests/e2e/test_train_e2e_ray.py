@@ -10,7 +10,7 @@ ZeRO-3 over gloo (the torchrun runs: tests/e2e/test_train_e2e.py):
 * stage 1 (Enhanced-ILD) in bf16 trains only the mixers; the consolidated model holds the fp32 master
   weights of the mixers and the starting checkpoint's exact values of everything else.
 
-The reference run and the tiny models are the whole `make test`'s (tests/e2e/conftest.py), the local Ray is this module's
+The reference run and the tiny models are the whole `make test`'s (tests/helpers/runs.py), the local Ray is this module's
 (`module_ray`: started once, not once a test); most of the time is process start-up: Ray Train ~30-60 s a run on
 2 cores.
 """

@@ -1,11 +1,11 @@
-"""Fixtures of the end-to-end training tests (test_train_e2e.py, test_train_e2e_ray.py, test_faults_cluster.py):
-for the whole `make test` (its test processes share them), the tiny models and the uninterrupted reference runs
-the faulted runs are compared against. A run of `max_steps` n < 12 computes exactly the first n steps of the
-12-step run (the schedule follows the data's 12 steps, not max_steps), so one 12-step run per stage serves every
-length.
+"""The shared training fixtures, for the whole `make test` (its test processes share them): the tiny models and the
+uninterrupted reference runs the faulted and resumed runs are compared against. A run of `max_steps` n < 12
+computes exactly the first n steps of the 12-step run (the schedule follows the data's 12 steps, not max_steps), so
+one 12-step run per stage serves every length. The conftest.py of tests/e2e/ (the end-to-end training files) and
+of tests/train/ (the sequence-parallel runs) take them from here.
 
-The three files run in different test processes (pytest-xdist, a file to a process): the first process to ask
-for the models or a stage's reference makes them, in a directory of the run's shared temp root, while holding a
+The files that use them run in different test processes (pytest-xdist, a file to a process): the first process to
+ask for the models or a stage's reference makes them, in a directory of the run's shared temp root, while holding a
 lock on it; the others wait on the lock and take what it made. Tests only read them (a test that resumes a
 reference copies it first); each process keeps its own directory for the runs it makes."""
 
