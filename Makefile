@@ -31,9 +31,9 @@ demo: assets
 # of work) start first, then the files with the most tests (tests/conftest.py; --no-loadscope-reorder lets that
 # order stand). Each process gets a Ray temp root of its own (tests/conftest.py:
 # Ray's helper actors otherwise find each other's clusters) and one torch thread (OMP_NUM_THREADS=1). The suite is
-# CPU-bound either way: three processes ~26 min (2026-12-04), TEST_WORKERS=0 (one process) ~42
-# (docs/results.md#cpu-by-file).
-# compileall first: where PYTHONDONTWRITEBYTECODE is set (this machine's and CI's environment) Python caches no
+# CPU-bound either way: three processes ~24 min (2026-12-04), TEST_WORKERS=0 (one process) ~42
+# (docs/results.md#cuts-dec4-evening).
+# compileall first: where PYTHONDONTWRITEBYTECODE is set (this build machine's environment) Python caches no
 # bytecode, and each of the hundreds of processes the suite starts (jobs, torchrun ranks, Ray Train workers) compiled
 # the checkout's modules again (~0.6 CPU-s a process that imports the trainer). Symlinked folders are not followed:
 # hylo/pipeline, hylo/jobs, hylo/kernels are compiled as pipeline, jobs, kernels.
