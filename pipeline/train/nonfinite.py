@@ -19,8 +19,8 @@ Design choices:
   that made one NaN loss make the next, so a run whose learning rate overflowed them does not recover:
   patience is for an isolated bad batch or a loss scaler settling.
 * Before a checkpoint is written the weights themselves are checked (every rank its ZeRO partition, without
-  the uninitialised padding DeepSpeed gives the last ranks' partitions; one read per checkpoint, not per step): a weight can overflow while the step's loss and gradient norm
-  stay finite (a row of the embedding no token of the batch used). Such a state stops the run too.
+  the uninitialised padding DeepSpeed gives the last ranks' partitions; one read per checkpoint, not per
+  step): a weight can overflow while the step's loss and gradient norm stay finite (a row of the embedding no token of the batch used). Such a state stops the run too.
 * The stop is an input error (`NonFiniteError`): one `error:` line naming the step and what was not
   finite, exit status 2, never retried by Ray (the same settings diverge again). The step's record in
   metrics.jsonl says why (`stopped`: `nonfinite_loss`, `nonfinite_grad_norm` or `nonfinite_weights`,
