@@ -16,7 +16,7 @@ export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/hylo/torch_extensions
 # 98 -> 84 s here (2026-12-04), ~8 s more when everything is installed already (compileall reads every file's
 # cache header). A cache only: a file it cannot compile (a template of another Python version in some package)
 # is compiled on import, or not, as before.
-SITE_PACKAGES = $(PYTHON) -c "import sysconfig; print(*sorted({sysconfig.get_path('purelib'), sysconfig.get_path('platlib')}))"
+SITE_PACKAGES = $(PYTHON) -c "import sysconfig as s; print(*sorted({s.get_path('purelib'), s.get_path('platlib')}))"
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install --no-compile -c $(CONSTRAINTS) torch==2.13.0
 	$(PIP) install -q --no-compile -c $(CONSTRAINTS) -e '.[dev]'
@@ -38,8 +38,8 @@ demo: assets
 # of work) start first, then the files with the most tests (tests/conftest.py; --no-loadscope-reorder lets that
 # order stand). Each process gets a Ray temp root of its own (tests/conftest.py:
 # Ray's helper actors otherwise find each other's clusters) and one torch thread (OMP_NUM_THREADS=1). The suite is
-# CPU-bound either way: three processes ~24 min (2026-12-04), TEST_WORKERS=0 (one process) ~42
-# (docs/results.md#cuts-dec4-evening).
+# CPU-bound either way: three processes 19-20 min (2026-12-04), TEST_WORKERS=0 (one process) ~42
+# (docs/results.md#cuts-dec4-night).
 # compileall first: where PYTHONDONTWRITEBYTECODE is set (this build machine's environment) Python caches no
 # bytecode, and each of the hundreds of processes the suite starts (jobs, torchrun ranks, Ray Train workers) compiled
 # the checkout's modules again (~0.6 CPU-s a process that imports the trainer). Symlinked folders are not followed:
