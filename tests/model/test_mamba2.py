@@ -605,18 +605,13 @@ def test_mamba2_student_trains_through_both_stages_jobs(tmp_path):
         python jobs/stage2.py --config configs/demo-smollm2.yaml --set model.student=/tmp/m2run/m2-stage1/model \\
           --set data.source=synthetic ... (same data/train overrides) --set ray.name=m2-stage2
     """
-    import os
-    import subprocess
-    from pathlib import Path
-
     from hylo.io import load_hylo, save_hylo
     from hylo.pipeline.train.metrics import read_metrics
     from hylo.upcycle import load_base_model, upcycle
 
     from tests.helpers.teacher import save_tiny_llama
-    from tests.helpers.train import tiny_config, write_config
+    from tests.helpers.train import assert_ok, tiny_config, torchrun, write_config
 
-    repo = Path(__file__).resolve().parents[2]
     base_dir = save_tiny_llama(tmp_path / "base", layers=4)
     model = upcycle(load_base_model(base_dir), mla_layers="uniform:2", linear_type="mamba2", kv_lora_rank=16,
                     qk_rope_head_dim=4)
@@ -624,8 +619,6 @@ def test_mamba2_student_trains_through_both_stages_jobs(tmp_path):
     save_hylo(model, tmp_path / "converted", tokenizer_from=base_dir)
     del model
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p))
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "hylo" / "torch_extensions"))
     models = {"base": base_dir, "student": tmp_path / "converted"}
     before = load_hylo(tmp_path / "converted")
     for stage in (1, 2):
@@ -635,11 +628,7 @@ def test_mamba2_student_trains_through_both_stages_jobs(tmp_path):
                           data={"synthetic": {"rows": 12, "vocab_size": 96, "min_doc_len": 8, "max_doc_len": 48}},
                           optim={"warmup_ratio": 0.0}, train={"global_batch_sequences": 2, "total_steps": 3},
                           metrics={"tensorboard": False})
-        path = write_config(cfg, tmp_path / f"stage{stage}.yaml")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(repo / "jobs" / f"stage{stage}.py"), "--config", str(path)]
-        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=1500)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert_ok(torchrun(stage, write_config(cfg, tmp_path / f"stage{stage}.yaml")))
         got = read_metrics(tmp_path / "runs" / f"stage{stage}")
         assert list(got) == [1, 2, 3] and got[3]["loss"] < got[1]["loss"], {s: m["loss"] for s, m in got.items()}
         after = load_hylo(tmp_path / "runs" / f"stage{stage}" / "model")
