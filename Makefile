@@ -1,26 +1,51 @@
 # The README's two set-up commands: `make demo` and `make test`.
-# Each installs what it needs into the current Python environment first, at the versions of the lock
-# constraints.txt (also used by both cluster images; `make constraints` regenerates it).
-PYTHON ?= python3
+# Each installs what it needs first, at the versions of the lock constraints.txt (also used by both cluster
+# images; `make constraints` regenerates it), into the active virtualenv, or else into ./.venv, made from
+# BASE_PYTHON on first use. PYTHON=... names another interpreter (e.g. PYTHON=python3 for the current one).
+BASE_PYTHON ?= python3
+VENV := .venv
+ifdef VIRTUAL_ENV
+PYTHON ?= python
+else
+PYTHON ?= $(VENV)/bin/python
+endif
 PIP ?= $(PYTHON) -m pip
 CONSTRAINTS := constraints.txt
 export PYTHONUNBUFFERED := 1
 # Compiled DeepSpeed ops are cached here between runs.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/hylo/torch_extensions
 
-.PHONY: install demo test test-fast lint assets docs bench constraints gpu-check
+.PHONY: install demo test test-fast lint assets docs bench constraints gpu-check lock-check
 
-# torch is not in the lock: an installed torch is kept, otherwise the CPU build 2.13.0 is installed.
+# torch is not in the lock: an installed torch is kept, otherwise torch 2.13.0 is installed from PyPI (a CUDA build
+# on Linux, several GB) or from TORCH_INDEX: `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu` takes the
+# CPU build (about 200 MB). The lock's triton is the one PyPI's torch 2.13.0 pins (3.7.1): `make lock-check`.
 # pip compiles what it installs one file after another on one core (43 of its 102 CPU-s in a fresh virtualenv);
 # --no-compile, then compileall on every core does the same work in parallel: `make install` into a new virtualenv
 # 98 -> 84 s here (2026-12-04), ~8 s more when everything is installed already (compileall reads every file's
 # cache header). A cache only: a file it cannot compile (a template of another Python version in some package)
 # is compiled on import, or not, as before.
 SITE_PACKAGES = $(PYTHON) -c "import sysconfig as s; print(*sorted({s.get_path('purelib'), s.get_path('platlib')}))"
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 install:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install --no-compile -c $(CONSTRAINTS) torch==2.13.0
+	@if [ "$(PYTHON)" = "$(VENV)/bin/python" ] && [ ! -x $(VENV)/bin/python ]; then \
+	  echo "==> make install: no virtualenv active; creating $(VENV) ($(BASE_PYTHON) -m venv $(VENV))"; \
+	  $(BASE_PYTHON) -m venv $(VENV); fi
+	@$(PYTHON) -c "import sys; sys.exit(sys.version_info < (3, 11))" || \
+	  { echo "error: $(PYTHON) is Python < 3.11; make ... BASE_PYTHON=python3.11 (or PYTHON=...)" >&2; exit 1; }
+	@$(PYTHON) -c "import torch" 2>/dev/null || { \
+	  echo "==> make install: $(TORCH) into $$($(PYTHON) -c 'import sys; print(sys.prefix)') $(if $(TORCH_INDEX),from $(TORCH_INDEX),from PyPI)"; \
+	  $(PIP) install --no-compile -c $(CONSTRAINTS) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH); }
+	@echo "==> make install: hylo-pipeline[dev] and its dependencies at the versions of $(CONSTRAINTS) (1-3 min)"
 	$(PIP) install -q --no-compile -c $(CONSTRAINTS) -e '.[dev]'
+	@echo "==> make install: byte-compiling the environment on every core"
 	@$(PYTHON) -m compileall -q -j 0 $$($(SITE_PACKAGES)) >/dev/null 2>&1 || true
+	@echo "==> make install: done ($$($(PYTHON) -c 'import torch; print("torch", torch.__version__)'))"
+
+# The lock resolves beside $(TORCH) on PyPI alone (no local index or wheel; pip --dry-run --isolated). Needs PyPI.
+lock-check:
+	$(PYTHON) cluster/constraints.py --check-index
 
 # Rewrite the lock from this environment (after upgrading a dependency and passing `make test`).
 constraints:

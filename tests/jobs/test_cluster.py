@@ -266,6 +266,29 @@ def test_makefile_installs_with_the_lock():
     assert re.search(r"^test: assets", text, re.M) and re.search(r"^assets: install", text, re.M)
 
 
+@pytest.mark.slow
+def test_lock_resolves_beside_pypis_torch_on_the_default_index_alone():
+    """The lock installs from PyPI alone beside the torch the README names: no local wheel or index (this
+    machine's CPU torch pins no triton; PyPI's pins one), checked by pip's resolver, not by a copy of its rules."""
+    lock = _lock()
+    text = (REPO / "Makefile").read_text()
+    assert re.search(rf"^TORCH \?= {re.escape(lock.TORCH)}$", text, re.M), "Makefile and the check name other torches"
+    ok, account = lock.check_index()
+    assert ok, account
+    assert f"torch {lock.TORCH.split('==')[1]}" in account and "triton" in account, account
+
+
+@pytest.mark.slow
+def test_lock_index_check_fails_on_a_triton_torch_cannot_have(tmp_path: Path):
+    """The check above can fail: a lock whose triton disagrees with torch 2.13.0's own pin does not resolve (the
+    lock's triton before 2026-12-06 was 3.9.0, taken from this machine's CPU build, which pins none)."""
+    lock = _lock()
+    bad = tmp_path / "constraints.txt"
+    bad.write_text(re.sub(r"^triton==.*$", "triton==3.9.0", (REPO / "constraints.txt").read_text(), flags=re.M))
+    ok, account = lock.check_index(bad, requirements=[])
+    assert not ok and "triton" in account, account
+
+
 @pytest.mark.parametrize("name", ["Dockerfile.rocm", "Dockerfile.cuda"])
 @pytest.mark.slow
 def test_dockerfiles_install_with_the_lock(name: str, tmp_path: Path):
