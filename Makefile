@@ -77,8 +77,11 @@ test: assets docs
 
 # The documentation site (docs/, mkdocs.yml) into site/ (git-ignored). --strict: a broken link or anchor, a page
 # missing from the nav or a nav entry without its page is an error. The configuration reference is generated
-# from the config dataclasses while it builds (docs/hooks/config_reference.py).
+# from the config dataclasses while it builds (docs/hooks/config_reference.py). First the Markdown check of docs/
+# and README.md (pymarkdown, configured in pyproject.toml [tool.pymarkdown]): what --strict cannot see, e.g. a list
+# with no blank line above it, which the site shows as one run-on paragraph with literal `*`.
 docs: install
+	$(PYTHON) -m pymarkdown scan -r docs README.md
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
 
 # The edit-run loop (after one `make test` has installed everything): lint and every test not marked

@@ -27,6 +27,7 @@ import argparse
 import ast
 import dataclasses
 import functools
+import html
 import importlib
 import inspect
 import json
@@ -285,6 +286,13 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def key_cell(key: str) -> str:
+    """A dotted key as inline code that may wrap only after a dot (`<wbr>`; docs/css/extra.css keeps the browser
+    from breaking it anywhere else): `convert.<wbr>kv_lora_rank`, never `convert.kv_l` / `ora_rank`. HTML, not a
+    Markdown code span, which would show the `<wbr>` as text; a copied key has no trace of it."""
+    return "<code>" + ".<wbr>".join(html.escape(part) for part in key.split(".")) + "</code>"
+
+
 def job_keys(job: str) -> list[Key]:
     spec = JOBS[job]
     if isinstance(spec, tuple):
@@ -296,7 +304,8 @@ def job_keys(job: str) -> list[Key]:
 def render() -> str:
     from hylo.pipeline.cli import COMMANDS
 
-    md = ["# Configuration reference", "",
+    # no table of contents beside the page (the job table below is one): its five-column tables get the width
+    md = ["---", "hide:", "  - toc", "---", "", "# Configuration reference", "",
           "Generated from the config dataclasses (`docs/hooks/config_reference.py`, run by `make docs`): every key "
           "of every job's config, dotted as `--set` takes it, with its type, its default, what it accepts (the "
           "field's `@rules`) and the comment above the field in the code. How configs are read, overridden and "
@@ -326,7 +335,7 @@ def render() -> str:
         md += ["| key | type | default | accepts | what it is |", "|---|---|---|---|---|"]
         for k in job_keys(job):
             what = (f"*({k.variant})* " if k.variant else "") + k.comment
-            md.append(f"| `{k.key}` | {_cell(k.type)} | `{_cell(k.default)}` | {_cell(k.accepts)} | {_cell(what)} |")
+            md.append(f"| {key_cell(k.key)} | {_cell(k.type)} | `{_cell(k.default)}` | {_cell(k.accepts)} | {_cell(what)} |")
     return "\n".join(md) + "\n"
 
 
