@@ -52,9 +52,10 @@ test: assets docs
 
 # The documentation site (docs/, mkdocs.yml) into site/ (git-ignored). --strict: a broken link or anchor, a page
 # missing from the nav or a nav entry without its page is an error. The configuration reference is generated
-# from the config dataclasses while it builds (docs/hooks/config_reference.py).
+# from the config dataclasses while it builds (docs/hooks/config_reference.py). Built beside site/ and swapped in
+# (docs/hooks/build_site.py): a site/ holding anything but our own earlier build is refused, never emptied.
 docs: install
-	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
+	$(PYTHON) docs/hooks/build_site.py site
 
 # The edit-run loop (after one `make test` has installed everything): lint and every test not marked
 # `slow`, i.e. none that starts Ray, DeepSpeed, torchrun or any other process or loads the real SmolLM2
