@@ -25,6 +25,11 @@ Used by `hylo/` and `pipeline/` alike (this module imports neither torch nor Ray
   `.<name>.old-<pid>-<hex>` (a crash between the two renames of a swap) goes back in place when the output is
   missing, else is removed if its record lists all it holds. Nothing else beside the output is touched.
 * Errors name the path the user gave, not the internal temporary name (an unwritable parent, a full disk).
+* A file written at a path the user named (`hylo estimate --json`, kernels-check's reports in `--out`) follows the
+  same rule, checked before the work (`check_output_file`): never one of the command's inputs, never a directory,
+  never over a file this project did not write (`is_own_file`: its directory's record lists it, or it is a JSON
+  object with `"written_by": "hylo-pipeline"`) unless the command's `--force`; an unwritable location fails then,
+  named as given. Leftovers beside an output are matched by its name literally (`o[1]` is no glob pattern).
 * `file_lock(root, name)`: processes that make the same thing take turns (an `fcntl` lock on root/.<name>.lock).
 * Files get the mode the umask gives (`honour_umask`): safetensors >= 0.8 writes through a temporary
   file of mode 0600 and renames it (safetensors#782), so model.safetensors (also through transformers'
