@@ -114,7 +114,7 @@ def honour_umask(path: str | Path) -> None:
 def atomic_path(path: str | Path, fsync: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside `path` for the caller (or a library) to write; when the block ends
     normally it is renamed onto `path` (flushed to disk first with `fsync`), when it raises it is removed
-    and `path` is untouched."""
+    and `path` is untouched; an OSError naming the temporary file names `path` instead."""
     path = Path(path)
     tmp = temp_name(path)
     try:
