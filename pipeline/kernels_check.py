@@ -404,8 +404,12 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# what the job writes into --out
+REPORT_FILES = ("kernels_check.json", "kernels_check.md")
+
+
 def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[str]], meta: dict[str, Any]) -> list[str]:
-    from hylo.files import atomic_write
+    from hylo.files import atomic_write, record_files
 
     bad = verdicts(results)
     records = [r for res in results.values() for r in res.get("records", [])]
@@ -428,6 +432,8 @@ def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[s
     md += (["Problems:", ""] + [f"* {b}" for b in bad]) if bad else ["Every launch site has a configuration that "
                                                                      "compiles and fits on every target."]
     atomic_write(out_dir / "kernels_check.md", "\n".join(md) + "\n")
+    # recorded as ours: a later run may replace them (hylo.files.check_output_file)
+    record_files(out_dir, REPORT_FILES)
     return bad
 
 
@@ -482,7 +488,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                     help="also the state-passing launch sites of a row split over N ranks (default: the "
                          "config's train.sequence_parallel, 1 = none)")
     ap.add_argument("--out", required="--print-config" not in (argv if argv is not None else sys.argv),
-                    help="folder for kernels_check.json and kernels_check.md")
+                    help="folder for kernels_check.json and kernels_check.md (never over files of those names "
+                         "this project did not write)")
+    ap.add_argument("--force", action="store_true",
+                    help="let the reports replace files of their names in --out that this project did not write")
     args = ap.parse_args(argv)
     targets = parse_targets(args.targets)
     cfg = load_stage_config(2, args.config, args.overrides)
@@ -498,6 +507,13 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     sp = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
     check_sequence_parallel(sp, args.tokens, "--sequence-parallel" if args.sequence_parallel
                             else "train.sequence_parallel")
+    # before the work: neither report is the config it reads nor a file of the user's, and --out can be written
+    from hylo.files import check_output_file
+    from hylo.pipeline.config import config_file
+
+    for name in REPORT_FILES:
+        check_output_file(Path(args.out) / name, "--out", [("--config", config_file(args.config) if args.config
+                                                             else None)], force=args.force)
     sites = recipe_sites(cfg, stage1, args.tokens, sp)
     bad = check({name: sites}, targets, Path(args.out), args.tokens, log_to=sys.stdout)
     print(f"wrote {Path(args.out) / 'kernels_check.json'} and kernels_check.md")

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from hylo.files import WRITTEN_BY
 from hylo.pipeline.estimate import __doc__ as estimate_doc
 from hylo.pipeline.estimate.report import format_table
 from hylo.pipeline.estimate.shapes import Shapes, shapes_of
@@ -72,8 +73,18 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                     help="the step's dtype (default: model.dtype as on a GPU: auto = bfloat16)")
     ap.add_argument("--cpu", action="store_true",
                     help="the step as a CPU runs it (fused KL's host checks and chunk size; fp32 unless --dtype)")
-    ap.add_argument("--json", default=None, help="also write every figure to this file")
+    ap.add_argument("--json", default=None,
+                    help="also write every figure to this file (never over a file this project did not write)")
+    ap.add_argument("--force", action="store_true",
+                    help="let --json replace an existing file this project did not write")
     args = ap.parse_args(argv)
+    if args.json and not getattr(args, "print_config", False):
+        # before the work: --json is not the config it reads, nor a file of the user's, and can be written
+        from hylo.files import check_output_file
+        from hylo.pipeline.config import config_file
+
+        check_output_file(args.json, "--json", [("--config", config_file(args.config) if args.config else None)],
+                          force=args.force)
     if args.stage is None:  # a stage's --print-config (and this job's) heads its file with `stage: N`
         from hylo.pipeline.config import read_config_file
 
@@ -123,8 +134,9 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
             for i, T in enumerate(tokens, 1)]
     print(describe(cfg, shapes, W, dtype, args.config)
           + (f"\nsequence parallel: each row split by tokens over N = {N} GPUs ({W // N} group{'s' if W // N > 1 else ''})" if N > 1 else ""))
-    out: dict[str, Any] = {"config": args.config, "stage": args.stage, "world_size": W, "sequence_parallel": N,
-                           "estimates": [e.to_dict() for e in ests]}
+    # "written_by": the file says it is ours, so a later run may replace it (hylo.files.is_own_file)
+    out: dict[str, Any] = {"written_by": WRITTEN_BY, "config": args.config, "stage": args.stage, "world_size": W,
+                           "sequence_parallel": N, "estimates": [e.to_dict() for e in ests]}
     if N > 1:
         sp = [estimate_sp(cfg, T, N, W, dtype, e, shapes.student, split=True) for T, e in zip(tokens, ests)]
         print(format_sp(sp))

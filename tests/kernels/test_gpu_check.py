@@ -121,3 +121,29 @@ def test_each_case_in_a_process_of_its_own_under_a_time_limit(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert data["cases"]["decode"]["error"]["type"] == "TimeoutExpired", data
     assert "| decode | False |" in (tmp_path / "b" / "gpu_check.md").read_text()
+
+
+def test_the_reports_never_overwrite_a_users_files_in_out_and_are_refused_before_any_case(tmp_path, monkeypatch):
+    """`make gpu-check OUT=folder` wrote gpu_check.json / .md (and case_N/log.txt) over files of those names
+    with no ownership check; now such a file of the user's is refused, untouched, before any case runs."""
+    import importlib.util
+
+    from hylo.files import ForeignOutputError
+
+    spec = importlib.util.spec_from_file_location("hylo_bench_gpu_check", REPO / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, gpu_check)  # its dataclasses look their module up
+    monkeypatch.setattr(sys, "path", list(sys.path))  # it puts the checkout first on the path
+    spec.loader.exec_module(gpu_check)
+    out = tmp_path / "gc"
+    out.mkdir()
+    (out / "gpu_check.md").write_text("my notes")
+    with pytest.raises(ForeignOutputError, match=f"--out {out / 'gpu_check.md'} exists and this project did not"):
+        gpu_check.main(["--tiny", "--out", str(out), "--cases", "3"])
+    (out / "gpu_check.md").unlink()
+    (out / "case_3").mkdir()
+    (out / "case_3" / "log.txt").write_text("my log")
+    with pytest.raises(ForeignOutputError, match="case_3/log.txt exists"):
+        gpu_check.main(["--tiny", "--out", str(out), "--cases", "3", "--case-seconds", "1"])
+    assert (out / "case_3" / "log.txt").read_text() == "my log"
+    assert sorted(p.name for p in out.iterdir()) == ["case_3"]

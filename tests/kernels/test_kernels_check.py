@@ -188,3 +188,33 @@ def test_a_sequence_parallel_group_that_does_not_split_the_row_is_one_error_line
     with pytest.raises(BadArgument, match=r"--sequence-parallel=3: .*--tokens=2048"):
         kc.check_sequence_parallel(3, 2048, "--sequence-parallel")
     kc.check_sequence_parallel(4, 2048, "--sequence-parallel")
+
+
+def test_the_reports_never_overwrite_a_users_files_in_out_and_are_refused_before_the_work(tmp_path, monkeypatch):
+    """--out's kernels_check.md of the user's is refused (named, untouched) before anything compiles; the job's
+    own reports (listed in --out's .hylo-output.json by `write_report`) are replaced; --force lets it through."""
+    from hylo.files import ForeignOutputError, record_files
+
+    def started(*a, **kw):
+        raise AssertionError("the check started")
+
+    monkeypatch.setattr(kc, "recipe_sites", started)
+    out = tmp_path / "kcheck"
+    out.mkdir()
+    (out / "kernels_check.md").write_text("my notes")
+    argv = ["--config", "demo-smollm2.yaml", "--targets", "sm_90", "--out", str(out)]
+    with pytest.raises(ForeignOutputError, match=f"--out {out / 'kernels_check.md'} exists and this project did not"):
+        kc.main(argv)
+    assert (out / "kernels_check.md").read_text() == "my notes"
+    with pytest.raises(AssertionError, match="the check started"):
+        kc.main([*argv, "--force"])
+    record_files(out, kc.REPORT_FILES)
+    with pytest.raises(AssertionError, match="the check started"):
+        kc.main(argv)
+
+
+def test_write_report_records_its_files_as_ours(tmp_path):
+    from hylo.files import is_own_file
+
+    kc.write_report(tmp_path, {}, {}, {"recipes": ["tiny"], "targets": [], "tokens": 16})
+    assert all(is_own_file(tmp_path / name) for name in kc.REPORT_FILES)

@@ -355,3 +355,71 @@ def test_a_write_error_naming_no_file_names_the_outputs_file_not_the_staging_nam
         with atomic_dir(out, "out"):
             raise OSError(errno.ENOSPC, "No space left on device")
     assert info.value.filename == str(out)  # the output itself, never the staging name
+
+
+def test_leftovers_beside_an_output_whose_name_holds_glob_characters_are_swept(tmp_path, monkeypatch):
+    """The leftovers of a killed job are matched by the output's name literally: `o[1]` is no glob pattern
+    (it matched `.o1.tmp-*`, so a killed `--out o[1]` left its staging directory for ever)."""
+    import json
+    import socket
+
+    gone = 4_000_000_001
+    monkeypatch.setattr(files, "_pid_alive", lambda pid: pid != gone)
+    out = tmp_path / "o[1]"
+    dead = tmp_path / f".o[1].tmp-{gone}-1234abcd"
+    dead.mkdir()
+    (dead / files.OUTPUT_RECORD).write_text(json.dumps({"written_by": files.WRITTEN_BY, "staging": True, "pid": gone,
+                                                        "host": socket.gethostname(), "entries": []}))
+    (dead / "model.safetensors").write_bytes(b"partial")
+    assert files.stale_leftovers(out) == ([dead], [])
+    assert files.sweep_stale(out) == [(dead, "removed")] and not dead.exists()
+
+
+def test_a_failed_atomic_write_names_the_file_as_given_not_its_temporary_name(tmp_path):
+    target = tmp_path / "missing" / "est.json"
+    with pytest.raises(FileNotFoundError) as info:
+        atomic_write(target, "{}")
+    assert info.value.filename == str(target)
+
+
+def test_an_output_file_is_refused_when_it_is_the_users_an_input_or_a_directory(tmp_path):
+    """`check_output_file`, the rule for every file a command writes at a path the user named: a file of the
+    user's is refused unless forced, ours (a JSON that says so, or listed by its directory's record) is not,
+    an input or a directory never is; nothing is touched."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(files.ForeignOutputError, match=rf"--json {notes} exists and this project did not write it"
+                                                        r".*or pass --force to replace it"):
+        files.check_output_file(notes, "--json")
+    assert notes.read_text() == "mine"
+    files.check_output_file(notes, "--json", force=True)
+    ours = tmp_path / "est.json"
+    ours.write_text('{"written_by": "hylo-pipeline", "estimates": []}')
+    files.check_output_file(ours, "--json")
+    files.record_files(tmp_path, ["notes.txt"])
+    files.check_output_file(notes, "--json")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("stage: 2\n")
+    with pytest.raises(files.OutputConflictError, match="is the input --config"):
+        files.check_output_file(cfg, "--json", [("--config", cfg)], force=True)
+    with pytest.raises(files.ForeignOutputError, match="is a directory"):
+        files.check_output_file(tmp_path, "--json", force=True)
+    link = tmp_path / "link.json"
+    link.symlink_to(ours)
+    with pytest.raises(files.ForeignOutputError, match="a symbolic link"):
+        files.check_output_file(link, "--json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [files.OUTPUT_RECORD, "c.yaml", "est.json", "link.json",
+                                                          "notes.txt"]
+
+
+def test_an_output_file_that_cannot_be_written_is_refused_up_front_under_its_own_name(tmp_path):
+    """/proc takes no new file (even for root): the error names --json as given, never `.NAME.tmp-PID-HEX`."""
+    from hylo.pipeline.cli import input_error_message
+
+    with pytest.raises(OSError) as info:
+        files.check_output_file("/proc/hylo-est.json", "--json")
+    assert input_error_message(info.value) == "--json /proc/hylo-est.json: cannot write it (No such file or directory)"
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(OSError, match=f"--json {a_file}/est.json"):
+        files.check_output_file(a_file / "est.json", "--json")

@@ -12,6 +12,7 @@ import dataclasses
 import html
 import importlib.util
 import re
+import shutil
 import sys
 import types
 import typing
@@ -269,3 +270,75 @@ def test_the_reference_shows_the_defaults_a_job_prints(job):
             assert row.default == gen.value_text(value[parts[-1]]), key
     if job == "stage2":
         assert rows["data.split"].default == '"stage2"'
+
+
+def _build_site():
+    """docs/hooks/build_site.py (`make docs`), loaded as its Makefile rule runs it: a script."""
+    name = "hylo_docs_build_site"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "docs" / "hooks" / "build_site.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _fake_mkdocs(staging: Path) -> None:
+    """What mkdocs does with its --site-dir: empty it (hidden entries kept), then write the site."""
+    for p in staging.iterdir():
+        if not p.name.startswith("."):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    (staging / "index.html").write_text("<html>new</html>")
+    (staging / "search").mkdir()
+    (staging / "search" / "search_index.json").write_text("{}")
+    (staging / "configuration").mkdir()
+    (staging / "configuration" / "index.html").write_text("<html>reference</html>")
+
+
+def test_make_docs_never_empties_a_site_that_is_not_its_own_build(tmp_path):
+    """`make docs` built with mkdocs straight into site/, which mkdocs empties first: a `site` linked to a folder
+    of the user's lost every file in it, a file of the user's in site/ was deleted. Now the site is built beside
+    site/ and swapped in only over our own earlier build."""
+    from hylo.files import ForeignOutputError
+
+    bs = _build_site()
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    site = tmp_path / "site"
+    site.symlink_to(user)
+    with pytest.raises(ForeignOutputError, match=r"site directory .*site \(a link to .*user\) holds 1 entry .*notes.txt"):
+        bs.build(site, _fake_mkdocs)
+    assert [p.name for p in user.iterdir()] == ["notes.txt"] and site.is_symlink()
+    site.unlink()
+    # a first build, then a second over it: our own build is replaced
+    bs.build(site, _fake_mkdocs)
+    bs.build(site, _fake_mkdocs)
+    assert (site / "index.html").read_text() == "<html>new</html>"
+    (site / "mine.txt").write_text("mine")
+    with pytest.raises(ForeignOutputError, match="mine.txt"):
+        bs.build(site, _fake_mkdocs)
+    assert (site / "mine.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site", "user"]  # no staging directory left
+
+
+def test_make_docs_builds_through_the_script_never_with_mkdocs_straight_into_site():
+    rule = (REPO / "Makefile").read_text().split("\ndocs:", 1)[1].split("\n\n", 1)[0]
+    assert "docs/hooks/build_site.py site" in rule and "mkdocs" not in rule, rule
+
+
+def test_make_docs_replaces_a_site_built_before_the_record_but_not_a_users_file_in_it(tmp_path):
+    from hylo.files import OUTPUT_RECORD, ForeignOutputError
+
+    bs = _build_site()
+    site = tmp_path / "site"
+    bs.build(site, _fake_mkdocs)
+    (site / OUTPUT_RECORD).unlink()
+    (site / "stages").mkdir()  # a page of docs/ (stages.md)
+    bs.build(site, _fake_mkdocs)
+    assert not (site / "stages").exists() and (site / OUTPUT_RECORD).is_file()
+    (site / OUTPUT_RECORD).unlink()
+    (site / "notes.txt").write_text("mine")
+    with pytest.raises(ForeignOutputError, match="notes.txt"):
+        bs.build(site, _fake_mkdocs)
+    assert (site / "notes.txt").read_text() == "mine"

@@ -67,6 +67,10 @@ def test_hylo_estimate_runs_and_its_sharded_states_are_the_exact_sizes(tiny_conf
         assert words in text, text
     data = json.loads(out.read_text())
     assert [e["tokens"] for e in data["estimates"]] == [64, 128]
+    # the file says it is ours: a later run may replace it (hylo.files.check_output_file)
+    from hylo.files import is_own_file
+
+    assert data["written_by"] == "hylo-pipeline" and is_own_file(out)
     from transformers import LlamaForCausalLM
 
     model = HyLoForCausalLM(tiny_student())
@@ -167,3 +171,46 @@ def test_a_recipe_without_its_model_directories_uses_the_published_shapes():
     # the card's 1.61B parameters (configs/llama-3.2-1b-8mla8gdn-64k.yaml) and Llama-3.1-8B's 8.03B
     assert parameter_count(shapes.student) == pytest.approx(1.61e9, rel=0.005)
     assert parameter_count(shapes.teacher) == pytest.approx(8.03e9, rel=0.005)
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """`hylo estimate` stops where its work would start: a check made later than this is not up front."""
+    from hylo.pipeline.estimate import cli
+
+    def started(*a, **kw):
+        raise AssertionError("the estimate started")
+
+    monkeypatch.setattr(cli, "estimate_step", started)
+    return cli
+
+
+def test_estimate_never_writes_json_over_a_users_file_and_refuses_before_the_work(tiny_config: Path, tmp_path: Path,
+                                                                                  no_work):
+    from hylo.files import ForeignOutputError
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    with pytest.raises(ForeignOutputError, match=f"--json {notes} exists and this project did not write it"):
+        no_work.main(["--config", str(tiny_config), "--json", str(notes)])
+    assert notes.read_text() == "my notes"
+    # --force lets it through to the work
+    with pytest.raises(AssertionError, match="the estimate started"):
+        no_work.main(["--config", str(tiny_config), "--json", str(notes), "--force"])
+
+
+def test_estimate_json_is_never_its_own_config(tiny_config: Path, no_work):
+    from hylo.files import OutputConflictError
+
+    before = tiny_config.read_text()
+    with pytest.raises(OutputConflictError, match=f"--json {tiny_config} is the input --config"):
+        no_work.main(["--config", str(tiny_config), "--json", str(tiny_config), "--force"])
+    assert tiny_config.read_text() == before
+
+
+def test_an_unwritable_estimate_json_is_named_as_given_before_the_work(tiny_config: Path, no_work):
+    from hylo.pipeline.cli import input_error_message
+
+    with pytest.raises(OSError) as info:
+        no_work.main(["--config", str(tiny_config), "--json", "/proc/hylo-est.json"])
+    assert input_error_message(info.value) == "--json /proc/hylo-est.json: cannot write it (No such file or directory)"
