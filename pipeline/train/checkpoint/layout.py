@@ -198,8 +198,8 @@ def manifest_or_reason(loc: Loc) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def state_step_problem(loc: Loc, m: dict[str, Any]) -> str | None:
-    """Why the step its trainer state records is not its manifest's (None: they agree, or it has no trainer
-    state: the manifest comparison reports that)."""
+    """Why the step its trainer state records is not its manifest's (None: they agree, or its manifest lists no
+    trainer state: nothing to compare; a listed one that is missing is `_compare`'s to report)."""
     if STATE_FILE not in m["files"]:
         return None
     try:
