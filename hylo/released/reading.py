@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfig, HybridConfigError
+from hylo.files import confined_paths
 from hylo.model_files import check_finite_tensors, check_layer_indices, check_model_config
 from hylo.released.layout import (
     AMD_DEFAULTS,
@@ -44,6 +45,14 @@ def read_released_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     index = p / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_layout_json(index).get("weight_map") or {}
+        if not isinstance(weight_map, dict):
+            raise ReleasedLayoutError(f"{index}: 'weight_map' must be an object (tensor name -> file)")
+        # the shards it names are files of this directory (many tensors share one file: each named once here)
+        shards: list[Any] = []
+        for f in weight_map.values():
+            if f not in shards:
+                shards.append(f)
+        confined_paths(p, shards, index, "weight_map", ReleasedLayoutError)
         missing = sorted({f for f in weight_map.values() if not (p / f).is_file()})
         if missing:
             raise ReleasedLayoutError(f"{index}: shard(s) {', '.join(missing)} listed but not present")

@@ -8,6 +8,9 @@ Design choices:
 * The manifest is the source of what the rows are: their split, their length bound `max_len` (the data
   job's `packing.max_len`; training takes it from here), the hash of the config that made them, and the
   shards with their row counts (checked against each shard's footer when it is opened).
+* A shard is a file of the dataset's own directory, listed once (`hylo.files.confined_paths`, checked when
+  the manifest is read, before any row): a manifest naming `../other/shard-00000.parquet`, an absolute path,
+  a link that leads out of the directory, or one shard twice is refused, naming the entry and why.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from hylo.files import atomic_path, atomic_write, read_json
+from hylo.files import atomic_path, atomic_write, confined_paths, read_json
 from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, DataFormatError, rows_to_table
 
 MANIFEST = "manifest.json"
@@ -82,6 +85,8 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     shards = m.get("shards")
     if not isinstance(shards, list) or not all(isinstance(s, dict) and "file" in s and "rows" in s for s in shards):
         raise DataFormatError(f"{path}: field 'shards' must be a list of {{file, rows}}")
+    # every shard a file of this dataset, each once: never another dataset's rows read as this one's
+    confined_paths(directory, [s["file"] for s in shards], path, "shards", DataFormatError)
     max_len = m.get("max_len")
     if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1):
         raise DataFormatError(f"{path}: field 'max_len' must be a positive integer (the rows' length bound), "

@@ -30,6 +30,8 @@ Design choices:
 * A token range of a row (a sequence-parallel rank's tokens) reads the row's row group and decompresses its
   values whole (each tensor is one binary value: the file holds no slice of it), then converts only the
   range's bytes into tensors (`TopKCacheReader._read`).
+* The manifest names only files of the cache's own `shards/`, each once (`hylo.files.confined_paths`, when it
+  is read): a shard name with `..`, or a shard that is a link out of the cache, is refused before any read.
 * Row ids are the data's `row_id` column when present, else a content hash of the row
   (`hylo.pipeline.data.rows.PackedRow.row_id`), so `get_for_row(row)` also proves the row is the same data.
 """
@@ -54,6 +56,7 @@ from hylo.files import (
     atomic_write,
     check_not_an_input,
     check_replaceable,
+    confined_paths,
     output_target,
     read_json,
     record_files,
@@ -423,6 +426,12 @@ def load_manifest(cache_dir: str | Path, expect_k: int | None = None) -> dict[st
     if m.get("schema_version") != SCHEMA_VERSION:
         raise CacheFormatError(f"{path}: schema_version {m.get('schema_version')!r}; this reader knows "
                                f"{SCHEMA_VERSION}")
+    shards = m.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in shards):
+        raise CacheFormatError(f"{path}: field 'shards' must be a list of {{name, ...}}")
+    # every shard a file of this cache's shards/, each once: never another cache's records read as this one's
+    confined_paths(cache_dir, [f"{SHARD_DIR}/{s['name']}.parquet" for s in shards], path, "shards",
+                   CacheFormatError)
     if expect_k is not None and m.get("k") != expect_k:
         raise CacheMismatchError(
             f"teacher cache {cache_dir}: it holds top-{m.get('k')} records, k={expect_k} is expected (stage 2's "

@@ -132,6 +132,43 @@ def _hybrid_config(d: Path) -> None:
     HybridConfig.from_hybrid_json(d)
 
 
+# ------------------------------------------------------------------------------------ files a manifest names
+@pytest.mark.parametrize("entry,why", [
+    ("", "is not a relative file name"),
+    (7, "is not a relative file name"),
+    (".", "names the directory itself"),
+    ("a/../../x", "climbs out of its directory"),
+    ("./a", "is the same file as entry 'a'"),
+])
+def test_confined_paths_names_the_manifest_the_entry_and_why(tmp_path, entry, why):
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/m\.json: files\[1\] .* {why}"):
+        files.confined_paths(tmp_path, ["a", entry], tmp_path / "m.json", "files")
+    assert files.confined_paths(tmp_path, ["a", "b/c"], tmp_path / "m.json", "files") == [tmp_path / "a", tmp_path / "b/c"]
+
+
+def test_a_released_index_naming_a_shard_outside_its_directory_is_refused(tmp_path):
+    """model.safetensors.index.json names only files of its own directory (each tensor's file)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from hylo.released.layout import ReleasedLayoutError
+    from hylo.released.reading import read_released_tensors
+
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    for d in (mine, other):
+        d.mkdir()
+        save_file({"w": torch.zeros(2)}, str(d / "model-00001-of-00001.safetensors"))
+    index = mine / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors",
+                                                "v": "../other/model-00001-of-00001.safetensors"}}))
+    with pytest.raises(ReleasedLayoutError, match=rf"^{index}: weight_map\[1\] '\.\./other/.*' climbs out"):
+        read_released_tensors(mine)
+    index.write_text(json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    assert set(read_released_tensors(mine)) == {"w"}
+
+
 def _released(d: Path) -> None:
     from hylo.released import released_hybrid_config
 

@@ -231,6 +231,30 @@ def test_corrupt_or_foreign_files_are_named(built, tmp_path):
         read_shard_meta(bad / "x.parquet")
 
 
+@pytest.mark.parametrize("how", ["dotdot", "twice", "link"])
+def test_a_shard_outside_the_cache_or_listed_twice_is_refused_before_any_read(built, tmp_path, how):
+    """The manifest names only files of the cache's own shards/, each once: a shard of another cache (reached by
+    `..` or by a link) or one shard listed twice is refused, naming the manifest, the entry and why."""
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    shutil.copytree(built, mine)
+    shutil.copytree(built, other)
+    m = json.loads((mine / "manifest.json").read_text())
+    if how == "dotdot":
+        m["shards"][1]["name"] = "../../other/shards/shard-00000"
+        why = "climbs out of its directory"
+    elif how == "twice":
+        m["shards"][1]["name"] = m["shards"][0]["name"]
+        why = "is the same file as entry 'shards/shard-00000.parquet' \\(listed twice\\)"
+    else:
+        (mine / "shards" / "shard-00001.parquet").unlink()
+        (mine / "shards" / "shard-00001.parquet").symlink_to(other / "shards" / "shard-00001.parquet")
+        why = f"is a symbolic link to {other}/shards/shard-00001.parquet, outside {mine}"
+    (mine / "manifest.json").write_text(json.dumps(m))
+    entry = f"shards/{m['shards'][1]['name']}.parquet"
+    with pytest.raises(CacheFormatError, match=rf"^{mine}/manifest.json: shards\[1\] '{entry}' {why}"):
+        TopKCacheReader(mine)
+
+
 def test_incomplete_cache_is_refused(env, tmp_path):
     cfg = _cfg(env, tmp_path / "c")
     header, plan, todo = prepare_cache(cfg)

@@ -211,6 +211,52 @@ def test_resume_walks_back_past_a_damaged_checkpoint(tmp_path, damage, needle):
     assert re.search(needle, lines[0]), lines
 
 
+@pytest.mark.parametrize("forge", ["copy", "manifest-step"])
+def test_an_older_checkpoint_under_a_higher_steps_name_is_skipped_and_moves_nothing(tmp_path, forge):
+    """step_00000009 holding step 3's files (manifest and hashes intact): `--resume` skips it with a line naming
+    it, resumes from the real newest (step 6), and the new line it starts sets nothing aside (step 6 stays).
+    `manifest-step`: its manifest rewritten to say step 9, its trainer state still says 3."""
+    from hylo.pipeline.train.checkpoint.resume import ABANDONED_DIR, set_aside_other_lines
+    from hylo.pipeline.train.driver import check_run_dir
+
+    run = tmp_path / "run"
+    torchrun_checkpoint(run, 3)
+    newest = torchrun_checkpoint(run, 6)
+    fake = run / step_dir_name(9)
+    shutil.copytree(run / step_dir_name(3), fake)
+    if forge == "manifest-step":
+        m = json.loads((fake / CHECKPOINT_MANIFEST).read_text())
+        (fake / CHECKPOINT_MANIFEST).write_text(json.dumps({**m, "step": 9}, indent=1, sort_keys=True))
+        why = r"trainer_state\.json says step 3, its manifest\.json step 9"
+    else:
+        why = r"its name says step 9, its manifest\.json says step 3"
+    assert re.search(why, checkpoint_problem(fake) or ""), checkpoint_problem(fake)
+    assert latest_checkpoint(run) == newest and [s for s, _ in list_checkpoints(run)] == [3, 6]
+    check_run_dir(load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=run"]), "latest")
+    chosen, lines = _walk(run)
+    assert chosen == newest
+    assert len(lines) == 1 and lines[0].startswith("[resume] skipping step_00000009: ") and re.search(why, lines[0])
+    # what the worker does next (Session.start_new_line): the run's checkpoints after the resumed step go aside
+    step = json.loads((Loc.of(chosen) / "trainer_state.json").read_text())["step"]
+    assert set_aside_other_lines(run, chosen, step) is None
+    assert newest.is_dir() and fake.is_dir() and not (run / ABANDONED_DIR).exists()
+
+
+def test_a_checkpoint_file_that_links_out_of_its_directory_is_refused(tmp_path):
+    """A file of step 6 replaced by a link to the same bytes in another run: not the checkpoint's own file."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    torchrun_checkpoint(run, 3)
+    newest = torchrun_checkpoint(run, 6)
+    shutil.copytree(newest, other / step_dir_name(6))
+    rel = "zero/state/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    (newest / rel).unlink()
+    (newest / rel).symlink_to(other / step_dir_name(6) / rel)
+    problem = checkpoint_problem(newest) or ""
+    assert problem.startswith(f"{newest / CHECKPOINT_MANIFEST}: files[") and f"'{rel}' is a symbolic link to " \
+        f"{other / step_dir_name(6) / rel}, outside {newest}" in problem, problem
+    assert latest_checkpoint(run) == run / step_dir_name(3)
+
+
 def test_same_size_corruption_is_caught_by_the_checksum(tmp_path):
     run = tmp_path / "run"
     torchrun_checkpoint(run, 3)

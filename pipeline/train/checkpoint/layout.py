@@ -10,6 +10,10 @@ Design choices:
   scratch directory (Ray merges them into storage on `report`); under torchrun the ranks share
   `.tmp-step_N` and each hashes every W-th file; rank 0 merges the lists, checks sizes in storage and
   writes the manifest (torchrun: then renames the directory into place).
+* A checkpoint is one step's: the step in its directory's name (`step_00000009`), its manifest's and its
+  trainer state's must agree, and every file its manifest lists is inside its directory (no `..`, no absolute
+  path, no link out of it: `hylo.files.confined_paths`). One that fails is skipped with the reason, never
+  resumed from, and never makes the real newest one look like another line of checkpoints.
 * Our own state is JSON + safetensors, written atomically (temp + rename).
 """
 
@@ -177,7 +181,38 @@ def manifest_or_reason(loc: Loc) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"{CHECKPOINT_MANIFEST} is not valid JSON ({e})"
     if not isinstance(m, dict) or m.get("format_version") != FORMAT_VERSION or not isinstance(m.get("files"), dict):
         return None, f"{CHECKPOINT_MANIFEST} is not a format-{FORMAT_VERSION} manifest of this project"
+    step = m.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None, f"{CHECKPOINT_MANIFEST} has no integer 'step' (got {step!r})"
+    named = step_of(loc)
+    if named is not None and named != step:
+        return None, (f"its name says step {named}, its {CHECKPOINT_MANIFEST} says step {step}: a copy of another "
+                      f"checkpoint under this name? It is never resumed from (rename or remove it)")
+    # every file it lists is one of its own directory's (no '..', no absolute path, no link out of it)
+    try:
+        files.confined_paths(loc.local() if loc.is_local else loc.path, list(m["files"]),
+                             loc / CHECKPOINT_MANIFEST, "files", CheckpointError, links=loc.is_local)
+    except CheckpointError as e:
+        return None, str(e)
     return m, None
+
+
+def state_step_problem(loc: Loc, m: dict[str, Any]) -> str | None:
+    """Why the step its trainer state records is not its manifest's (None: they agree, or its manifest lists no
+    trainer state: nothing to compare; a listed one that is missing is `_compare`'s to report)."""
+    if STATE_FILE not in m["files"]:
+        return None
+    try:
+        state = json.loads((loc / STATE_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        return f"{STATE_FILE} cannot be read ({e})"
+    step = state.get("step") if isinstance(state, dict) else None
+    if step != m["step"]:
+        return (f"{STATE_FILE} says step {step!r}, its {CHECKPOINT_MANIFEST} step {m['step']}: its files are not of "
+                f"one checkpoint; it is never resumed from")
+    return None
 
 
 def read_manifest(ckpt: Path | Loc) -> dict[str, Any]:
@@ -199,7 +234,7 @@ def checkpoint_problem(ckpt: Path | Loc, deep: bool = False, only: Callable[[int
     if m is None:
         return reason
     files = m["files"]
-    problem = _compare(files, loc.files())
+    problem = _compare(files, loc.files()) or state_step_problem(loc, m)
     if problem or not deep:
         return problem
     for i, rel in enumerate(sorted(files)):
