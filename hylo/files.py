@@ -24,6 +24,8 @@ Used by `hylo/` and `pipeline/` alike (this module imports neither torch nor Ray
   pid and host), and only one with that record, made on this host by a process that is gone, is removed; a
   `.<name>.old-<pid>-<hex>` (a crash between the two renames of a swap) goes back in place when the output is
   missing, else is removed if its record lists all it holds. Nothing else beside the output is touched.
+  A job stopped by SIGTERM or Ctrl-C removes its staging directory itself (`atomic_dir` registers it with
+  the signal rule of hylo/stopping.py).
 * Errors name the path the user gave, not the internal temporary name (an unwritable parent, a full disk).
 * `file_lock(root, name)`: processes that make the same thing take turns (an `fcntl` lock on root/.<name>.lock).
 * Files get the mode the umask gives (`honour_umask`): safetensors >= 0.8 writes through a temporary
@@ -53,6 +55,8 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from hylo.stopping import forget, track_temp
 
 # ------------------------------------------------------------------------------------ atomic writes
 
@@ -471,6 +475,8 @@ def atomic_dir(path: str | Path, what: str = "output directory",
     _writable_parent(path, shown, what)
     sweep_stale(path)
     tmp = temp_name(path)
+    # removed should a signal stop the job (hylo/stopping.py; the `finally` below does it on the way out)
+    track_temp(tmp)
     try:
         tmp.mkdir()
         # the staging record: says whose this directory is should the process be killed (`stale_leftovers`)
@@ -507,6 +513,7 @@ def atomic_dir(path: str | Path, what: str = "output directory",
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        forget(tmp)
 
 
 # ------------------------------------------------------------------------------------ JSON files
