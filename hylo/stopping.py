@@ -104,6 +104,7 @@ class Stopping:
         self.present: list[Path] = []
         self.ended = 0
         self._deferred = False
+        self._timer: threading.Timer | None = None
         self._previous: dict[int, Any] = {}
         self._installed = False
 
@@ -147,7 +148,9 @@ class Stopping:
         if self._deferred:
             # Python ignores an exception raised in a finalizer (a `__del__` the garbage collector ran when the
             # signal came): the signal is sent again once it returned
-            threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+            self._timer = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+            self._timer.daemon = True
+            self._timer.start()
             return
         raise Stopped(signum)
 
@@ -229,22 +232,29 @@ def stopping(name: str, grace_s: float = GRACE_S) -> Iterator[Stopping]:
     rule.install()
     try:
         yield rule
-    except KeyboardInterrupt as e:
-        if rule.signum is None:
+    except BaseException as e:
+        if rule.signum is None and isinstance(e, KeyboardInterrupt):
             # a KeyboardInterrupt raised without the handler (a test, a library): Ctrl-C all the same
             rule.signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
             rule.end_children(rule.signum)
+        if rule.signum is None:
+            raise
+        # after a signal, whatever ended the block (the Stopped, or an error it became on the way) ends as the
+        # signal's one line
     finally:
         _active = None
-        rule.uninstall()
+        if rule.signum is None:
+            rule.uninstall()
     if rule.signum is None:
         return
-    # (also when the block caught the Stopped and ended normally)
+    # (also when code in the block caught the Stopped and the block ended normally)
     _finish(rule)
 
 
 def _finish(rule: Stopping) -> None:
     assert rule.signum is not None
+    if rule._timer is not None:
+        rule._timer.cancel()
     # a signal while cleaning up changes nothing more
     for s in SIGNALS:
         with contextlib.suppress(ValueError):

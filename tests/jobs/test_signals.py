@@ -59,6 +59,30 @@ def test_a_signal_ends_the_block_with_one_line_and_128_plus_the_signal(tmp_path,
     assert isinstance(Stopped(signal.SIGINT), KeyboardInterrupt)
 
 
+def test_a_signal_that_comes_while_a_finalizer_runs_still_stops_the_block(capsys):
+    """Python drops an exception raised in a `__del__` (the garbage collector runs them anywhere): a signal
+    handled there is sent again once it returned. Seen: SIGTERM to kernels-check while a regex finalizer ran
+    was lost, and the command went on to start its child."""
+    import time
+
+    from hylo.stopping import stopping
+
+    class Finalized:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e, stopping("hylo test"):
+        obj = Finalized()
+        del obj
+        time.sleep(10)
+    # stopped in the sleep, not after it
+    assert time.monotonic() - t0 < 5
+    assert e.value.code == 143
+    assert capsys.readouterr().err == "hylo test: stopped by SIGTERM\n"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", SIGNALS)
 def test_a_signal_to_kernels_check_ends_its_compile_child_and_removes_what_it_made(tmp_path, sig):
