@@ -51,12 +51,11 @@ import os
 import re
 import shutil
 import socket
+import sys
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
-
-from hylo.stopping import forget, track_temp
 
 # ------------------------------------------------------------------------------------ atomic writes
 
@@ -475,8 +474,11 @@ def atomic_dir(path: str | Path, what: str = "output directory",
     _writable_parent(path, shown, what)
     sweep_stale(path)
     tmp = temp_name(path)
-    # removed should a signal stop the job (hylo/stopping.py; the `finally` below does it on the way out)
-    track_temp(tmp)
+    # removed should a signal stop the job (the `finally` below does it on the way out): the signal rule,
+    # hylo/stopping.py, is loaded when a job runs under it (looked up, not imported: this module stays a leaf)
+    rule = sys.modules.get("hylo.stopping")
+    if rule is not None:
+        rule.track_temp(tmp)
     try:
         tmp.mkdir()
         # the staging record: says whose this directory is should the process be killed (`stale_leftovers`)
@@ -513,7 +515,8 @@ def atomic_dir(path: str | Path, what: str = "output directory",
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-        forget(tmp)
+        if rule is not None:
+            rule.forget(tmp)
 
 
 # ------------------------------------------------------------------------------------ JSON files
