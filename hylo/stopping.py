@@ -26,12 +26,13 @@ Design choices:
   whenever): a signal that comes there is sent again once the finalizer returned. No child starts once a
   signal came.
 * No handler is installed outside the main thread or outside the block; a handler the block replaced is
-  put back at its end. `ray.init` installs its own SIGTERM handler: `reclaim()` (called by
-  `pipeline/ray_init.py` after it) puts the rule's back.
+  put back at its end. `ray.init` installs its own SIGTERM handler: `reclaim()` (called after it by
+  `pipeline/ray_init.py` and the rehearsal's simulated cluster) puts the rule's back.
 * The training jobs keep their own SIGTERM handling (a final checkpoint, pipeline/train/driver.py): they
   are not run under this rule, but as a child of a command that is, they get its signal first.
-* Only what the command made is removed: temporary paths it registered, and directories `make_dir`
-  created, only while empty. This module imports neither torch nor Ray.
+* Only what the command made is removed: temporary paths it registered (`hylo.files.atomic_dir` registers
+  its staging directory), and directories `make_dir` created, only while empty. This module imports
+  nothing of the project, nor torch or Ray.
 """
 
 from __future__ import annotations
@@ -273,10 +274,6 @@ def _finish(rule: Stopping) -> None:
 
 
 # ---------------------------------------------------------------------- for code that may run under the rule
-def active() -> Stopping | None:
-    return _active
-
-
 def popen(cmd: list[str], **kwargs: Any) -> subprocess.Popen:
     """`subprocess.Popen(cmd, **kwargs)`; under the rule the child gets its own process group and is ended
     with the command."""
