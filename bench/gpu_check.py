@@ -920,7 +920,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     check_outputs(args)
     if args.case_seconds is not None:
-        return run_isolated(args)
+        from hylo.stopping import stopping
+
+        # SIGTERM / Ctrl-C end the running case's process group too (hylo/stopping.py)
+        with stopping("gpu-check"):
+            return run_isolated(args)
     if args.tiny:
         # case 1 runs the fused KL's Triton kernel through Triton's interpreter (slow: small shapes);
         # fla has no CPU path, so everything else takes the torch path
@@ -972,9 +976,9 @@ def run_isolated(args: argparse.Namespace) -> int:
     import subprocess
 
     from hylo.files import atomic_write, record_files
+    from hylo.stopping import end_process, make_dir, popen
 
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = make_dir(args.out)
     flags = [f for f, on in (("--tiny", args.tiny), ("--bypass-fla-hopper-guard", args.bypass_fla_hopper_guard),
                              ("--force", args.force)) if on]
     t0 = time.perf_counter()
@@ -994,27 +998,30 @@ def run_isolated(args: argparse.Namespace) -> int:
         cmd = [sys.executable, str(Path(__file__).resolve()), *flags, "--cases", str(number), "--out", str(child_out)]
         print(f"[gpu_check] case {number} {name}: own process, at most {limit:.0f} s", flush=True)
         t_case = time.perf_counter()
+        proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=limit)
-            log = proc.stdout
-        except subprocess.TimeoutExpired as exc:
-            log = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            proc = None
+            log, _ = proc.communicate(timeout=limit)
+            rc: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            # the case's whole process group (a compile's workers too)
+            end_process(proc)
+            log, _ = proc.communicate()
+            rc = None
         child_out.mkdir(parents=True, exist_ok=True)
         atomic_write(child_out / "log.txt", log)
         record_files(child_out, ["log.txt"])
         print("\n".join(f"    {line}" for line in log.splitlines() if line.startswith("[gpu_check]")), flush=True)
         child = child_out / "gpu_check.json"
-        if proc is not None and child.is_file():
+        if rc is not None and child.is_file():
             data = json.loads(child.read_text())
             report["cases"].update(data["cases"])
             report["device"], report["versions"] = data["device"], data["versions"]
             if "fla_hopper_guard_bypassed" in data:
                 report["fla_hopper_guard_bypassed"] = data["fla_hopper_guard_bypassed"]
         else:
-            why = (f"stopped after {limit:.0f} s" if proc is None else f"exit status {proc.returncode}, no report")
+            why = f"stopped after {limit:.0f} s" if rc is None else f"exit status {rc}, no report"
             report["cases"][name] = {"ok": False, "case_seconds": time.perf_counter() - t_case,
-                                     "error": {"type": "TimeoutExpired" if proc is None else "ChildFailed",
+                                     "error": {"type": "TimeoutExpired" if rc is None else "ChildFailed",
                                                "message": why, "traceback": log.splitlines()[-12:]}}
         write(out_dir, report)
     report["total_seconds"] = time.perf_counter() - t0

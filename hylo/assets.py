@@ -51,6 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hylo.files import atomic_write, file_lock, honour_umask, remove_path, replace_dir
+from hylo.stopping import popen, track_temp
 
 MARKER = ".complete.json"
 
@@ -355,7 +356,8 @@ def _pip_download(package: str, version: str, dest: Path, progress: bool) -> Pat
         cmd.insert(4, "--quiet")
     tail: collections.deque[str] = collections.deque(maxlen=12)
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # under the signal rule (hylo/stopping.py): its own process group, ended with the command
+        proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     except OSError as e:
         raise AssetError(f"could not run pip to download {req}: {e}") from e
     assert proc.stdout is not None
@@ -451,7 +453,7 @@ def _build(spec: AssetSpec, root: Path, target: Path, progress: bool) -> None:
     from tqdm import tqdm
 
     name = spec.name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    tmp = track_temp(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
         steps = tqdm(total=3, desc=f"asset {name}", disable=not progress, unit="step")
         with steps:

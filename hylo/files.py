@@ -24,6 +24,8 @@ Used by `hylo/` and `pipeline/` alike (this module imports neither torch nor Ray
   pid and host), and only one with that record, made on this host by a process that is gone, is removed; a
   `.<name>.old-<pid>-<hex>` (a crash between the two renames of a swap) goes back in place when the output is
   missing, else is removed if its record lists all it holds. Nothing else beside the output is touched.
+  A job stopped by SIGTERM or Ctrl-C removes its staging directory itself (`atomic_dir` registers it with
+  the signal rule of hylo/stopping.py).
 * Errors name the path the user gave, not the internal temporary name (an unwritable parent, a full disk).
 * A file written at a path the user named (`hylo estimate --json`, kernels-check's reports in `--out`) follows the
   same rule, checked before the work (`check_output_file`): never one of the command's inputs, never a directory,
@@ -58,6 +60,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -536,6 +539,11 @@ def atomic_dir(path: str | Path, what: str = "output directory",
     _writable_parent(path, shown, what)
     sweep_stale(path)
     tmp = temp_name(path)
+    # removed should a signal stop the job (the `finally` below does it on the way out): the signal rule,
+    # hylo/stopping.py, is loaded when a job runs under it (looked up, not imported: this module stays a leaf)
+    rule = sys.modules.get("hylo.stopping")
+    if rule is not None:
+        rule.track_temp(tmp)
     try:
         tmp.mkdir()
         # the staging record: says whose this directory is should the process be killed (`stale_leftovers`)
@@ -572,6 +580,8 @@ def atomic_dir(path: str | Path, what: str = "output directory",
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        if rule is not None:
+            rule.forget(tmp)
 
 
 # ------------------------------------------------------------------------------------ JSON files

@@ -149,7 +149,7 @@ def load_job_config(args: argparse.Namespace) -> ConvertJobConfig:
         raise ConfigError(f"{origin}: {e}", e.key) from None
 
 
-@job_main
+@job_main(stops=True)
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_finite_args(args)

@@ -23,7 +23,7 @@ from hylo.pipeline.demo import demo_config, run_demo
 from hylo.pipeline.paths import resolve_paths
 
 
-@job_main
+@job_main(stops=True)
 def main(argv: list[str] | None = None) -> int:
     return run_demo(resolve_paths(demo_config(argv)))
 

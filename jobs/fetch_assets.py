@@ -52,7 +52,7 @@ class FetchAssetsConfig:
 FLAG_KEYS = {"names": "names", "cache_dir": "cache_dir", "verify": "verify", "quiet": "quiet", "json": "json"}
 
 
-@job_main
+@job_main(stops=True)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)

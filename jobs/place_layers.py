@@ -23,7 +23,7 @@ from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.placement import placement_config, run_placement
 
 
-@job_main
+@job_main(stops=True)
 def main(argv: list[str] | None = None) -> int:
     return run_placement(resolve_paths(placement_config(argv)))
 

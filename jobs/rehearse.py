@@ -19,7 +19,7 @@ if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use 
 from hylo.pipeline.cli import job_main
 
 
-@job_main
+@job_main(stops=True)
 def main(argv: list[str] | None = None) -> int:
     from hylo.pipeline.rehearse import main as rehearse_main
 

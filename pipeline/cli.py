@@ -34,6 +34,9 @@ Design choices:
   flag, so a typo never silently means something.
 * Ctrl-C (KeyboardInterrupt) prints one line, `interrupted (Ctrl-C)`, and exits with status 130 (128 +
   SIGINT, what a shell reports for it), after the job's own cleanup (run lock, Ray) ran.
+* A job that starts child processes or writes temporary files (`@job_main(stops=True)`) runs under the
+  signal rule of hylo/stopping.py: SIGTERM or SIGINT ends its children and removes its temporary files,
+  then one line, `hylo NAME: stopped by SIGTERM; ended 1 child, removed ...`, and exit status 143 / 130.
 * A message is printed on one line (a multi-line message is joined), after everything else the job
   printed (Ray is disconnected first, so its streamed worker logs end before it): `tail -1` of a log
   shows it.
@@ -250,15 +253,32 @@ def report_interrupt() -> int:
     return INTERRUPTED_EXIT
 
 
-def job_main(fn: Callable[..., int | None]) -> Callable[..., int]:
+def command_name(fn: Callable[..., Any]) -> str:
+    """`hylo NAME` of the job whose main is `fn` (hylo.jobs.kernels_check -> hylo kernels-check)."""
+    module = fn.__module__
+    name = Path(sys.argv[0]).stem if module == "__main__" else module.rsplit(".", 1)[-1]
+    return f"hylo {name.replace('_', '-')}"
+
+
+def job_main(fn: Callable[..., int | None] | None = None, *, stops: bool = False) -> Any:
     """Wrap a job's `main(argv)`: bad input -> `error: ...` on stderr and 2; Ctrl-C -> one line and 130; a bug
-    keeps its traceback."""
+    keeps its traceback. `@job_main(stops=True)`: a job that starts child processes or writes temporary
+    files runs under the signal rule of hylo/stopping.py (SIGTERM / SIGINT end its children and remove its
+    temporary files; one line `hylo NAME: stopped by SIGTERM; ...`, exit status 143 / 130)."""
+    if fn is None:
+        return functools.partial(job_main, stops=stops)
 
     @functools.wraps(fn)
     def main(*args: Any, **kwargs: Any) -> int:
+        from hylo.stopping import stopping
+
         try:
             with _one_line_argparse_errors():
-                rc = fn(*args, **kwargs)
+                if stops:
+                    with stopping(command_name(fn)):
+                        rc = fn(*args, **kwargs)
+                else:
+                    rc = fn(*args, **kwargs)
         except KeyboardInterrupt:
             return report_interrupt()
         except SystemExit:

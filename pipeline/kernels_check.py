@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from hylo.pipeline.cli import BadArgument
+from hylo.stopping import make_dir, popen, track_temp
 
 TARGET_NAMES = ("sm_90", "sm_100", "gfx942", "gfx950")
 DEFAULT_TOKENS = 2048
@@ -293,8 +294,9 @@ def run_targets(plan: list[dict[str, Any]], targets: list[str], work: Path, log_
         env.pop("HYLO_KERNELS", None)
         out = work / f"{target}.json"
         t0 = time.time()
-        with subprocess.Popen([sys.executable, "-m", "hylo.pipeline.kernels_check", "--child", target, str(plan_path),
-                               str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        # (under the signal rule, hylo/stopping.py: its own process group, ended with the command)
+        with popen([sys.executable, "-m", "hylo.pipeline.kernels_check", "--child", target, str(plan_path), str(out)],
+                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
             lines = []
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -439,9 +441,11 @@ def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[s
 
 def check(recipes: dict[str, list[Site]], targets: list[str], out_dir: Path, tokens: int, log_to: Any = None) -> list[str]:
     """Compile every launch site of `recipes` for `targets`, write the report, return the problems."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # made now, so that an unwritable --out fails before the compiles; a signal removes it while empty
+    make_dir(out_dir)
     plan, users = plan_for(recipes)
     with tempfile.TemporaryDirectory(prefix="kernels-check-") as work:
+        track_temp(work)
         results = run_targets(plan, targets, Path(work), log_to)
     return write_report(out_dir, results, users, {"recipes": list(recipes), "targets": targets, "tokens": tokens})
 

@@ -27,6 +27,8 @@ Design choices:
   exposes).
 * `num_cpus` is for a Ray this job starts; a job that joins a cluster takes what the cluster has.
 * Only a Ray the job started is shut down (`ray_running`); joining a cluster never stops it.
+* `ray.init` installs a SIGTERM handler of its own (exit status 15, nothing cleaned up): under the signal
+  rule of hylo/stopping.py (the demo, place-layers) the rule's handler is put back right after.
 * The config section is `hylo.pipeline.config.RayInitSection` (training's `ray` section extends it).
 
 This module imports Ray only inside its functions.
@@ -43,6 +45,7 @@ import hylo
 
 # RayInitSection lives with the config system (configs import no implementation); imported here for callers.
 from hylo.pipeline.config import RayInitSection  # noqa: F401
+from hylo.stopping import reclaim
 
 # The directory that holds the `hylo` package: a checkout's root (used without installing), or site-packages.
 # (Not this file's parents[1]: installed, that is site-packages/hylo, whose folders would shadow top-level
@@ -85,10 +88,12 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_
         # node address must be the loopback too, or it would look for its raylet at the reachable one
         with _loopback_node() if _is_loopback(target) else contextlib.nullcontext():
             ray.init(address=target, log_to_driver=log_to_driver)
+        reclaim()
         return False
     os.environ.update(project_env())
     with _loopback_node():
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+    reclaim()
     return True
 
 

@@ -50,6 +50,7 @@ from hylo.pipeline.cli import BadArgument, int_at_least
 from hylo.pipeline.config import ConfigError, add_config_args, config_file, maybe_print_config
 from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.teacher.sources.base import ResourceDemand
+from hylo.stopping import popen, reclaim, track_temp
 
 if TYPE_CHECKING:
     from hylo.pipeline.train.config import StageConfig
@@ -355,6 +356,8 @@ def simulated_cluster(nodes: list[dict[str, float]]) -> Iterator[Any]:
     os.environ.update(project_env())
     cluster = Cluster(initialize_head=True, connect=True,
                       head_node_args={**args(nodes[0]), "include_dashboard": False, "_system_config": SYSTEM_CONFIG})
+    # ray.init (connect=True) replaced the signal rule's SIGTERM handler
+    reclaim()
     try:
         for n in nodes[1:]:
             cluster.add_node(**args(n))
@@ -387,7 +390,7 @@ def rehearse(recipe: StageConfig, nodes: list[dict[str, float]], timeout_s: floa
     from hylo.pipeline.train.storage import run_dir
 
     t0 = time.time()
-    work = Path(tempfile.mkdtemp(prefix="hylo-rehearse-"))
+    work = track_temp(tempfile.mkdtemp(prefix="hylo-rehearse-"))
     try:
         print("[rehearse] tiny teacher (random Llama, 2 layers) and its HyLo student", flush=True)
         models = make_tiny_models(work / "models")
@@ -445,8 +448,9 @@ def run_stage_job(stage: int, config: Path, address: str, timeout_s: float) -> t
     import sys
 
     env = {**os.environ, "RAY_ADDRESS": address}
-    proc = subprocess.Popen([sys.executable, "-m", f"hylo.jobs.stage{stage}", "--config", str(config)],
-                            env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    # under the signal rule (hylo/stopping.py): its own process group, ended with the rehearsal
+    proc = popen([sys.executable, "-m", f"hylo.jobs.stage{stage}", "--config", str(config)],
+                 env=env, stderr=subprocess.PIPE, text=True, errors="replace")
     lines: list[str] = []
 
     def echo() -> None:

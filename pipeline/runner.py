@@ -10,6 +10,10 @@ The steps that use Ray join one Ray for the whole run (`sh(..., ray=True)` passe
 the first such step starts it (or joins the cluster `ray.address` / `RAY_ADDRESS` names), and it stops
 with the run (`with runner: ...`). A local Ray takes ~10 s to start on 2 cores; the jobs then do not
 start one each.
+
+Under the signal rule (`hylo/stopping.py`; the demo and place-layers run under it), SIGTERM or Ctrl-C
+reaches the step that runs (its own process group) and ends it; the run directory stays, for the next run
+to continue from.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import hylo
 from hylo.files import atomic_write, check_not_an_input, check_own_directory, record_files
 from hylo.pipeline.config import PATH, add_config_args, rules
 from hylo.pipeline.ray_init import RayInitSection, gcs_address, init_ray
+from hylo.stopping import popen
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -160,8 +165,8 @@ class StepRunner:
                     **(env or {})}
         out_lines: list[str] = []
         with open(log, "w") as fh:
-            proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, bufsize=1)
+            # under the signal rule (hylo/stopping.py) its own process group, ended with the run
+            proc = popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
             assert proc.stdout is not None
             for line in proc.stdout:
                 fh.write(line)
