@@ -55,6 +55,8 @@ from hylo.pipeline.cli import BadArgument
 
 TARGET_NAMES = ("sm_90", "sm_100", "gfx942", "gfx950")
 DEFAULT_TOKENS = 2048
+# The longest --tokens: the recipes train 64K-128K rows, and a kernel specialises on T only by divisibility.
+MAX_TOKENS = 1 << 24
 KL_ROWS = 16
 
 
@@ -465,7 +467,7 @@ def parse_targets(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None, description: str | None = None) -> int:
     """`hylo kernels-check` (`description`: the help's text, jobs/kernels_check.py's docstring)."""
-    from hylo.pipeline.cli import int_at_least
+    from hylo.pipeline.cli import MAX_WORLD_SIZE, bounded_int
     from hylo.pipeline.config import add_config_args, maybe_print_config
     from hylo.pipeline.paths import resolve_paths
     from hylo.pipeline.train.config import Stage1Config, load_stage_config
@@ -475,10 +477,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     add_config_args(ap, example="kd.temperature=2.0")
     ap.add_argument("--targets", default=",".join(TARGET_NAMES),
                     help=f"comma-separated targets (default: all of {','.join(TARGET_NAMES)})")
-    ap.add_argument("--tokens", type=int_at_least(2), default=DEFAULT_TOKENS,
+    ap.add_argument("--tokens", type=bounded_int(2, MAX_TOKENS), default=DEFAULT_TOKENS,
                     help=f"tokens of the packed row the training sites get (default {DEFAULT_TOKENS}: kernels "
                          "specialise on T only by divisibility, so this gives a 64K row's binaries)")
-    ap.add_argument("--sequence-parallel", type=int_at_least(1), default=None, metavar="N",
+    ap.add_argument("--sequence-parallel", type=bounded_int(1, MAX_WORLD_SIZE), default=None, metavar="N",
                     help="also the state-passing launch sites of a row split over N ranks (default: the "
                          "config's train.sequence_parallel, 1 = none)")
     ap.add_argument("--out", required="--print-config" not in (argv if argv is not None else sys.argv),

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     import argparse
     import json
 
-    from hylo.pipeline.cli import BadArgument, int_at_least
+    from hylo.pipeline.cli import BadArgument, bounded_int
     from hylo.pipeline.config import add_config_args, maybe_print_config
     from hylo.pipeline.paths import resolve_paths
     from hylo.pipeline.train.config import load_stage_config
@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     ap = argparse.ArgumentParser(description=description or estimate_doc, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap, example="data.seq_len=32768")
-    ap.add_argument("--stage", type=int, choices=(1, 2), default=None,
+    ap.add_argument("--stage", type=bounded_int(1, 2), default=None,
                     help="which stage's step (default: the `stage:` a printed config names, else 2)")
     ap.add_argument("--tokens", default=None,
                     help="comma-separated row lengths, e.g. 8192,65536 (default: the config's data.seq_len)")
-    ap.add_argument("--world-size", type=int_at_least(1, MAX_WORLD_SIZE), default=None,
+    ap.add_argument("--world-size", type=bounded_int(1, MAX_WORLD_SIZE), default=None,
                     help="ZeRO-3 world size (default: the config's ray.num_workers)")
-    ap.add_argument("--sequence-parallel", type=int_at_least(1, MAX_WORLD_SIZE), default=None, metavar="N",
+    ap.add_argument("--sequence-parallel", type=bounded_int(1, MAX_WORLD_SIZE), default=None, metavar="N",
                     help="one row split by tokens over N GPUs (default: the config's train.sequence_parallel, else 1): "
                          "per GPU the rank's step at T/N tokens plus what splitting adds, and the bytes each layer "
                          "sends (pipeline/estimate/sp.py)")
