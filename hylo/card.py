@@ -48,9 +48,11 @@ def _now() -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    from hylo.yaml_limits import loads_json
+
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        data = loads_json(path.read_bytes(), str(path))
+    except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 

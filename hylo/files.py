@@ -517,11 +517,14 @@ def read_json(path: str | os.PathLike | Any, error: type[Exception] = ValueError
     location). A file that is not valid JSON or not UTF-8 raises `error("<path>: not valid JSON (...)")`,
     and with `mapping` one whose top level is not an object raises `error` too. A missing file raises
     FileNotFoundError: what its absence means is the caller's to say."""
+    from hylo.yaml_limits import loads_json
+
     src = path if hasattr(path, "read_text") else Path(path)
     try:
-        data = json.loads(src.read_text(encoding="utf-8") if isinstance(src, Path) else src.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = src.read_bytes() if isinstance(src, Path) else src.read_text()
+    except UnicodeDecodeError as e:
         raise error(f"{src}: not valid JSON ({e})") from None
+    data = loads_json(text, str(src), error)
     if mapping and not isinstance(data, dict):
         raise error(f"{src}: the top level must be an object")
     return data

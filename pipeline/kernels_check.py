@@ -500,6 +500,13 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     sp = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
     check_sequence_parallel(sp, args.tokens, "--sequence-parallel" if args.sequence_parallel
                             else "train.sequence_parallel")
+    from hylo.pipeline.estimate.shapes import student_config
+    from hylo.pipeline.train.config import sp_shard_problem
+
+    hc = student_config(cfg, stage1)
+    if why := sp_shard_problem(args.tokens, sp, hc.gdn_conv_size if hc.linear_layers else 1):
+        raise BadArgument(f"{'--sequence-parallel' if args.sequence_parallel else 'train.sequence_parallel'}={sp}: "
+                          f"{why}")
     sites = recipe_sites(cfg, stage1, args.tokens, sp)
     bad = check({name: sites}, targets, Path(args.out), args.tokens, log_to=sys.stdout)
     print(f"wrote {Path(args.out) / 'kernels_check.json'} and kernels_check.md")

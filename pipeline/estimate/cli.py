@@ -22,7 +22,7 @@ from hylo.pipeline.estimate.step import (
 )
 from hylo.pipeline.estimate.tracking import Progress
 from hylo.pipeline.teacher.sources import source_kind
-from hylo.pipeline.train.config import Stage1Config, Stage2Config, StageConfig
+from hylo.pipeline.train.config import Stage1Config, Stage2Config, StageConfig, sp_shard_problem
 
 
 def describe(cfg: StageConfig, shapes: Shapes, W: int, dtype: torch.dtype, config_path: str | None) -> str:
@@ -113,6 +113,11 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype] if args.dtype else \
         resolve_dtype(cfg.model.dtype, not args.cpu)
     shapes = shapes_of(cfg, stage1)
+    conv = shapes.student.gdn_conv_size if shapes.student.linear_layers else 1
+    for T in tokens:
+        if why := sp_shard_problem(T, N, conv):
+            raise BadArgument(f"{'--sequence-parallel' if args.sequence_parallel else 'train.sequence_parallel'}={N}: "
+                              f"{why}")
     # with sequence parallelism each rank's own step is the step at T / N tokens
     # with sequence parallelism: the split step itself, as the last rank of a row that is one document (its MLA
     # layers attend to every earlier key of the row: the worst rank of the worst row)
