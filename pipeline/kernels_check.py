@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     from hylo.pipeline.cli import MAX_WORLD_SIZE, bounded_int
     from hylo.pipeline.config import add_config_args, maybe_print_config
     from hylo.pipeline.paths import resolve_paths
-    from hylo.pipeline.train.config import Stage1Config, load_stage_config
+    from hylo.pipeline.train.config import load_conversion_config, load_stage_config
 
     ap = argparse.ArgumentParser(description=description or __doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -493,9 +493,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     student = Path(cfg.model.student).expanduser() if cfg.model.student else None
     stage1 = None
     if not (student is not None and (student / "config.json").is_file()):
-        shared = {f.name for f in dataclasses.fields(Stage1Config)}
-        stage1 = resolve_paths(load_stage_config(1, args.config, [o for o in args.overrides
-                                                                  if o.split(".", 1)[0].split("=", 1)[0] in shared]))
+        # the student's shape from the stage-1 conversion the config describes (its model section alone)
+        stage1 = resolve_paths(load_conversion_config(args.config, args.overrides))
     name = Path(args.config).stem if args.config else "defaults"
     sp = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
     check_sequence_parallel(sp, args.tokens, "--sequence-parallel" if args.sequence_parallel

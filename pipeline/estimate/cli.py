@@ -4,7 +4,6 @@ direction only (sp -> step)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from hylo.pipeline.estimate.step import (
 )
 from hylo.pipeline.estimate.tracking import Progress
 from hylo.pipeline.teacher.sources import source_kind
-from hylo.pipeline.train.config import Stage1Config, Stage2Config, StageConfig, sp_shard_problem
+from hylo.pipeline.train.config import Stage2Config, StageConfig, sp_shard_problem
 
 
 def describe(cfg: StageConfig, shapes: Shapes, W: int, dtype: torch.dtype, config_path: str | None) -> str:
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     from hylo.pipeline.cli import BadArgument, bounded_int
     from hylo.pipeline.config import add_config_args, maybe_print_config
     from hylo.pipeline.paths import resolve_paths
-    from hylo.pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.config import load_conversion_config, load_stage_config
     from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
 
     ap = argparse.ArgumentParser(description=description or estimate_doc, allow_abbrev=False,
@@ -86,10 +85,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     student = Path(cfg.model.student).expanduser() if cfg.model.student else None
     stage1 = None
     if args.stage == 2 and not (student is not None and (student / "config.json").is_file()):
-        # the overrides of stage 2's own sections (teacher, kd) do not apply to its stage-1 conversion
-        shared = {f.name for f in dataclasses.fields(Stage1Config)}
-        stage1 = resolve_paths(load_stage_config(1, args.config, [o for o in args.overrides
-                                                                  if o.split(".", 1)[0].split("=", 1)[0] in shared]))
+        # the student's shape from the stage-1 conversion the config describes (its model section alone)
+        stage1 = resolve_paths(load_conversion_config(args.config, args.overrides))
     try:
         tokens = [int(x) for x in args.tokens.split(",")] if args.tokens else [cfg.data.seq_len]
     except ValueError:

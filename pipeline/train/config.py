@@ -505,6 +505,23 @@ def load_stage_config(stage: int, path: str | Path | None = None, overrides: lis
                        label=f"{path or '<defaults>'} (stage {stage})", line_prefixes=(f"stage{stage}.", ""))
 
 
+def load_conversion_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Stage1Config:
+    """The stage-1 conversion a config describes (its `model` section: model.base, model.convert, the shared one
+    merged with stage1's), for a tool that needs the student's shape when model.student has no checkpoint. The
+    other sections, and a stage-2 file's own keys (stage, teacher, kd), are not read: the stage's own load checks them."""
+
+    def model_only(loaded: dict[str, Any], p: Path) -> dict[str, Any]:
+        own = loaded.get("stage1") or {}
+        model = loaded.get("model") or {}
+        if isinstance(own, dict) and isinstance(model, dict) and isinstance(own.get("model"), dict):
+            model = deep_merge(model, own["model"])
+        return {"model": model}
+
+    mine = [o for o in overrides or [] if o.split("=", 1)[0].strip().split(".", 1)[0] == "model"]
+    return load_config(Stage1Config, path, mine, select=model_only, label=f"{path or '<defaults>'} (model)",
+                       line_prefixes=("stage1.", ""))
+
+
 def config_to_dict(cfg: StageConfig) -> dict[str, Any]:
     return {"stage": cfg.stage, **to_dict(cfg)}
 
