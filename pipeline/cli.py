@@ -342,7 +342,7 @@ def hylo_main(argv: list[str] | None = None) -> int:
 
 
 def check_finite_args(args: argparse.Namespace) -> None:
-    """Every float flag must be a finite number (argparse's `type=float` accepts nan and inf)."""
+    """Every float flag must be a finite number (a bare argparse float accepts nan and inf)."""
     for name, value in vars(args).items():
         values = value if isinstance(value, list | tuple) else [value]
         for v in values:
@@ -397,7 +397,7 @@ def bounded_int(low: int, high: int) -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be an integer in [{low:,}, {high:,}], got {value:,}")
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
         return value
 
     parse.__name__ = f"integer in [{low}, {high}]"

@@ -442,10 +442,16 @@ def check(recipes: dict[str, list[Site]], targets: list[str], out_dir: Path, tok
     return write_report(out_dir, results, users, {"recipes": list(recipes), "targets": targets, "tokens": tokens})
 
 
-def recipe_sites(cfg: Any, stage1: Any, tokens: int, sequence_parallel: int = 1) -> list[Site]:
+def recipe_sites(cfg: Any, stage1: Any, tokens: int, sequence_parallel: int = 1,
+                 sp_flag: str = "train.sequence_parallel") -> list[Site]:
+    """The launch sites of the recipe's student; BadArgument (naming `sp_flag`) when a rank's share of the row is
+    shorter than its linear blocks' conv window (`sp_shard_problem`)."""
     from hylo.pipeline.estimate.shapes import student_config
+    from hylo.pipeline.train.config import sp_shard_problem
 
     hc = student_config(cfg, stage1)
+    if why := sp_shard_problem(tokens, sequence_parallel, hc.gdn_conv_size if hc.linear_layers else 1):
+        raise BadArgument(f"{sp_flag}={sequence_parallel}: {why}")
     return sites_of(hc, hc.vocab_size, tokens, sequence_parallel)
 
 
@@ -499,14 +505,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     sp = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
     check_sequence_parallel(sp, args.tokens, "--sequence-parallel" if args.sequence_parallel
                             else "train.sequence_parallel")
-    from hylo.pipeline.estimate.shapes import student_config
-    from hylo.pipeline.train.config import sp_shard_problem
-
-    hc = student_config(cfg, stage1)
-    if why := sp_shard_problem(args.tokens, sp, hc.gdn_conv_size if hc.linear_layers else 1):
-        raise BadArgument(f"{'--sequence-parallel' if args.sequence_parallel else 'train.sequence_parallel'}={sp}: "
-                          f"{why}")
-    sites = recipe_sites(cfg, stage1, args.tokens, sp)
+    sites = recipe_sites(cfg, stage1, args.tokens, sp, "--sequence-parallel" if args.sequence_parallel
+                         else "train.sequence_parallel")
     bad = check({name: sites}, targets, Path(args.out), args.tokens, log_to=sys.stdout)
     print(f"wrote {Path(args.out) / 'kernels_check.json'} and kernels_check.md")
     for b in bad:
