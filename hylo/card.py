@@ -37,7 +37,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hylo.files import atomic_write
+from hylo.files import atomic_write, loads_json
 
 CARD_JSON = "hylo_card.json"
 CARD_MD = "README.md"
@@ -48,8 +48,6 @@ def _now() -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    from hylo.yaml_limits import loads_json
-
     try:
         data = loads_json(path.read_bytes(), str(path))
     except (OSError, ValueError):

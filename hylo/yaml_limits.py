@@ -1,10 +1,5 @@
-"""Bounds on the shape of a YAML or JSON document, checked before anything is built from it.
-
-JSON (`loads_json`, which `hylo.files.read_json` and every reader of a user's JSON file use): nesting deeper
-than `MAX_DEPTH` levels is refused with the line, found by one scan of the brackets outside strings (no
-recursion), before `json.loads` (whose recursion a file 200,000 levels deep ends in a RecursionError).
-
-YAML (checked on its parse events):
+"""Bounds on the shape of a YAML document, checked on its parse events before anything is built from it
+(a JSON file's depth is bounded the same, `hylo.files.loads_json`).
 
 YAML aliases let a few hundred bytes stand for billions of nodes (nine anchors of nine aliases each: the
 "billion laughs"), an alias inside its own anchor makes a cycle, and a deeply nested document overflows
@@ -19,12 +14,9 @@ A document without aliases is never limited by its size, only by its depth.
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any
 
-# Nesting levels (mappings and lists inside each other), YAML and JSON; the shipped configs use at most 5, a
-# model's config.json or tokenizer.json at most 6, a chat record 4.
+# Nesting levels (mappings and lists inside each other); the shipped configs use at most 5.
 MAX_DEPTH = 64
 # Nodes the aliases of one document may stand for in all, once expanded.
 MAX_ALIAS_NODES = 10_000
@@ -81,35 +73,3 @@ def check_yaml_shape(text: str, loader: type | None = None) -> None:
         if stack:
             stack[-1][0] += size
 
-
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
-_JSON_BRACKET = re.compile(r"[\[\]{}]")
-
-
-def check_json_depth(text: str) -> None:
-    """Raise YamlShapeError (with the line) when JSON `text` nests deeper than `MAX_DEPTH` levels."""
-    if text.count("[") + text.count("{") <= MAX_DEPTH:
-        return
-    bare = _JSON_STRING.sub('""', text)  # brackets inside strings do not nest (a string holds no newline)
-    depth = 0
-    for m in _JSON_BRACKET.finditer(bare):
-        if m.group() in "[{":
-            depth += 1
-            if depth > MAX_DEPTH:
-                raise YamlShapeError(f"nested more than {MAX_DEPTH} levels deep", bare.count("\n", 0, m.start()) + 1)
-        else:
-            depth -= 1
-
-
-def loads_json(text: str | bytes, where: str, error: type[Exception] = ValueError) -> Any:
-    """`json.loads(text)` of the file (or record) `where`, its depth bounded first: invalid JSON, text that is not
-    UTF-8 or nesting past `MAX_DEPTH` raise `error("<where>: ...")`."""
-    try:
-        if isinstance(text, bytes | bytearray):
-            text = text.decode("utf-8")
-        check_json_depth(text)
-        return json.loads(text)
-    except YamlShapeError as e:
-        raise error(f"{where} line {e.line}: {e.reason}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{where}: not valid JSON ({e})") from None

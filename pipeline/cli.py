@@ -32,6 +32,9 @@ Design choices:
   instead of argparse's usage block; an unknown one names the closest valid flag ("did you mean").
   Parsers are built with `allow_abbrev=False`: a prefix of a flag (`--mla-layer`) is an error, not that
   flag, so a typo never silently means something.
+* Every numeric flag has a range, checked as it is parsed (`bounded_int` / `bounded_float`, their bounds named
+  below: `MAX_COUNT`, `MAX_TIMEOUT_S`, ...): a huge count or a nan timeout is the flag's one line, never work
+  that grows without bound.
 * Ctrl-C (KeyboardInterrupt) prints one line, `interrupted (Ctrl-C)`, and exits with status 130 (128 +
   SIGINT, what a shell reports for it), after the job's own cleanup (run lock, Ray) ran.
 * A message is printed on one line (a multi-line message is joined), after everything else the job

@@ -172,18 +172,17 @@ def test_estimate_refuses_a_shard_shorter_than_the_conv_window(monkeypatch):
 # --------------------------------------------------------------------------------------- nested input
 def test_deeply_nested_json_is_refused_with_the_line(tmp_path):
     """Before: a config.json 200,000 levels deep was a RecursionError traceback (convert, the teacher)."""
-    from hylo.files import read_json
-    from hylo.yaml_limits import MAX_DEPTH
+    from hylo.files import MAX_JSON_DEPTH, read_json
 
     deep = tmp_path / "config.json"
     deep.write_text('{"a":\n' + "[" * 200_000 + "]" * 200_000 + "}")
-    with pytest.raises(ValueError, match=rf"config.json line 2: nested more than {MAX_DEPTH} levels deep"):
+    with pytest.raises(ValueError, match=rf"config.json line 2: nested more than {MAX_JSON_DEPTH} levels deep"):
         read_json(deep)
     line = one_error_line(*run_hylo(["convert", "--dry-run", "--base-config", str(deep)]))
-    assert line == f"error: {deep} line 2: nested more than {MAX_DEPTH} levels deep", line
-    # brackets inside strings do not nest; MAX_DEPTH levels are fine
+    assert line == f"error: {deep} line 2: nested more than {MAX_JSON_DEPTH} levels deep", line
+    # brackets inside strings do not nest; MAX_JSON_DEPTH levels are fine
     ok = tmp_path / "ok.json"
-    ok.write_text("[" * MAX_DEPTH + '"' + "[{" * 500 + '"' + "]" * MAX_DEPTH)
+    ok.write_text("[" * MAX_JSON_DEPTH + '"' + "[{" * 500 + '"' + "]" * MAX_JSON_DEPTH)
     assert read_json(ok) is not None
 
 
