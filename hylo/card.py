@@ -37,7 +37,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hylo.files import atomic_write
+from hylo.files import atomic_write, loads_json
 
 CARD_JSON = "hylo_card.json"
 CARD_MD = "README.md"
@@ -49,8 +49,8 @@ def _now() -> str:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        data = loads_json(path.read_bytes(), str(path))
+    except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 

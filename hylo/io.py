@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfigError
-from hylo.files import atomic_dir, atomic_write, copy_tokenizer_files
+from hylo.files import atomic_dir, atomic_write, copy_tokenizer_files, read_json
 
 
 class CheckpointMismatchError(ValueError):
@@ -32,7 +32,7 @@ def stock_tokenizer_config(directory: str | Path) -> None:
     path = d / "tokenizer_config.json"
     if not path.is_file():
         return
-    data = json.loads(path.read_text())
+    data = read_json(path, ValueError, mapping=True)
     changed = False
     auto_map = data.get("auto_map")
     if auto_map is not None:

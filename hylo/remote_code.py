@@ -24,7 +24,7 @@ import json
 import re
 from pathlib import Path
 
-from hylo.files import atomic_write
+from hylo.files import atomic_write, read_json
 
 ROOTS = ("hylo.config", "hylo.modeling")
 PROJECT_PACKAGES = ("hylo", "hylo.kernels")
@@ -99,7 +99,7 @@ def write_remote_code(directory: str | Path) -> list[str]:
         atomic_write(directory / name, text)
     cfg_path = directory / "config.json"
     if cfg_path.is_file():
-        data = json.loads(cfg_path.read_text())
+        data = read_json(cfg_path, ValueError, mapping=True)
         data["auto_map"] = dict(AUTO_MAP)
         atomic_write(cfg_path, json.dumps(data, indent=2, sort_keys=True) + "\n")
     return list(files)

@@ -12,13 +12,13 @@ to the directory the command runs in (docs/config-guide.md).
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hylo.files import atomic_write
 from hylo.pipeline.cli import BadArgument, job_main
 from hylo.pipeline.config import shipped_config, shipped_configs
 from hylo.rules import suggest
@@ -74,11 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     dest = Path(args.dest).expanduser()
     if dest.is_dir():
         dest = dest / src.name
+    if dest.exists() and not dest.is_file():
+        raise BadArgument(f"{dest} is not a regular file (a pipe, a device or a socket): the copy is a file; name "
+                          f"a new file or a directory")
     if dest.exists() and not args.force:
         raise BadArgument(f"{dest} exists; pass --force to replace it")
     if not dest.parent.is_dir():
         raise BadArgument(f"{dest.parent} is not a directory")
-    shutil.copyfile(src, dest)
+    atomic_write(dest, src.read_bytes())
     print(f"copied {src.name} to {dest}")
     return 0
 

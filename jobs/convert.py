@@ -32,7 +32,9 @@ from typing import Any
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.pipeline.cli import check_finite_args, job_main
+from hylo.model_files import MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_POSITIONS
+from hylo.pipeline.cli import bounded_float, check_finite_args, job_main, positive_finite_float
+from hylo.pipeline.cli import bounded_int as _INT
 from hylo.pipeline.config import (
     ConfigError,
     add_config_args,
@@ -42,10 +44,17 @@ from hylo.pipeline.config import (
     from_dict,
     maybe_print_config,
     read_config_file,
+    source_texts,
 )
 from hylo.pipeline.convert import ConvertJobConfig
 from hylo.pipeline.paths import resolve_paths
-from hylo.upcycle.config import ConvertConfig
+from hylo.rules import SEED_MAX
+from hylo.upcycle.config import MAX_YARN_FACTOR, ConvertConfig
+
+# The bounds of the numeric flags (checked as they are parsed; a config file's values by ConvertConfig's rules and
+# the model caps of hylo/model_files.py): an epsilon in (0, 1], value dims at most 64 x the head dim.
+_EPS = positive_finite_float(1.0)
+MAX_EXPAND_V = 64.0
 
 _CHOICES = {name: list(r.choices) for name, r in field_rules(ConvertConfig).items() if r.choices is not None}
 _ON, _OFF = {"action": "store_const", "const": True}, {"action": "store_const", "const": False}
@@ -55,38 +64,38 @@ SHORTHANDS: dict[str, tuple[str, dict[str, Any]]] = {
     "--out": ("out", {"help": "output directory for the HyLo checkpoint"}),
     "--mla-layers": ("convert.mla_layers", {"help": "0,5,10 | even | odd | uniform:N | all | none"}),
     "--linear-type": ("convert.linear_type", {"help": "gdn | mamba2"}),
-    "--kv-lora-rank": ("convert.kv_lora_rank", {"type": int}),
-    "--q-lora-rank": ("convert.q_lora_rank", {"type": int, "help": "omit for uncompressed queries"}),
-    "--qk-rope-head-dim": ("convert.qk_rope_head_dim", {"type": int}),
-    "--qk-nope-head-dim": ("convert.qk_nope_head_dim", {"type": int}),
+    "--kv-lora-rank": ("convert.kv_lora_rank", {"type": _INT(1, MAX_HIDDEN)}),
+    "--q-lora-rank": ("convert.q_lora_rank", {"type": _INT(1, MAX_HIDDEN), "help": "omit for uncompressed queries"}),
+    "--qk-rope-head-dim": ("convert.qk_rope_head_dim", {"type": _INT(1, MAX_HEAD_DIM)}),
+    "--qk-nope-head-dim": ("convert.qk_nope_head_dim", {"type": _INT(0, MAX_HEAD_DIM)}),
     "--rope-key-groups": ("convert.rope_key_groups", {
-        "type": int, "help": "blocks of the shared roped key: the number of KV heads (default, exact init) or 1"}),
+        "type": _INT(1, MAX_HEADS), "help": "blocks of the shared roped key: the number of KV heads (default, exact init) or 1"}),
     "--mla-latent-norm": ("convert.mla_latent_norm", {
         **_ON, "help": "keep DeepSeek's RMSNorm on the MLA latents (off by default for upcycling)"}),
     "--mla-latent-norm-eps": ("convert.mla_latent_norm_eps", {
-        "type": float, "help": "epsilon of the MLA latent norms (default: the base's; AMD's released layout: 1e-6)"}),
-    "--v-head-dim": ("convert.v_head_dim", {"type": int}),
-    "--gdn-num-heads": ("convert.gdn_num_heads", {"type": int}),
-    "--gdn-head-dim": ("convert.gdn_head_dim", {"type": int}),
-    "--gdn-expand-v": ("convert.gdn_expand_v", {"type": float}),
+        "type": _EPS, "help": "epsilon of the MLA latent norms (default: the base's; AMD's released layout: 1e-6)"}),
+    "--v-head-dim": ("convert.v_head_dim", {"type": _INT(1, MAX_HEAD_DIM)}),
+    "--gdn-num-heads": ("convert.gdn_num_heads", {"type": _INT(1, MAX_HEADS)}),
+    "--gdn-head-dim": ("convert.gdn_head_dim", {"type": _INT(1, MAX_HEAD_DIM)}),
+    "--gdn-expand-v": ("convert.gdn_expand_v", {"type": positive_finite_float(MAX_EXPAND_V)}),
     "--mamba2-xb-groups": ("convert.mamba2_xb_groups", {
-        "type": int, "help": "Mamba-2 x/B groups read by consecutive heads (the KV head count: AMD's released "
+        "type": _INT(1, MAX_HEADS), "help": "Mamba-2 x/B groups read by consecutive heads (the KV head count: AMD's released "
                              "Mamba-2 layout, d_xb = KV heads x head_dim); omit for x per head"}),
     "--mamba2-norm-eps": ("convert.mamba2_norm_eps", {
-        "type": float, "help": "epsilon of the Mamba-2 gated output norm (default: the base's; AMD's released "
+        "type": _EPS, "help": "epsilon of the Mamba-2 gated output norm (default: the base's; AMD's released "
                                "layout fixes it at 1e-5)"}),
-    "--max-position-embeddings": ("convert.max_position_embeddings", {"type": int}),
+    "--max-position-embeddings": ("convert.max_position_embeddings", {"type": _INT(1, MAX_POSITIONS)}),
     "--yarn-factor": ("convert.yarn_factor", {
-        "type": float, "help": "YaRN on the MLA RoPE with this factor (the released 64K models: 32)"}),
+        "type": bounded_float(1.0, MAX_YARN_FACTOR), "help": "YaRN on the MLA RoPE with this factor (the released 64K models: 32)"}),
     "--yarn-original-max-position-embeddings": ("convert.yarn_original_max_position_embeddings", {
-        "type": int, "help": "YaRN's original window (the released 64K models: 2048); default: max positions / factor"}),
+        "type": _INT(1, MAX_POSITIONS), "help": "YaRN's original window (the released 64K models: 2048); default: max positions / factor"}),
     "--untie-lm-head": ("convert.tie_word_embeddings", {
         **_OFF, "help": "give the hybrid its own LM head (a copy of the base's), as the released models have"}),
     "--kv-b-per-kv-head": ("convert.kv_b_per_kv_head", {
         **_ON, "help": "kv_b_proj rows per KV head, read by the query heads of each group (the released layout)"}),
     "--init": ("convert.init", {"choices": _CHOICES["init"]}),
     "--seed": ("convert.seed", {
-        "type": int, "help": "seed of what conversion does not set (linear blocks' decay/step/beta rows), per layer"}),
+        "type": _INT(0, SEED_MAX), "help": "seed of what conversion does not set (linear blocks' decay/step/beta rows), per layer"}),
     "--no-calibrate": ("convert.calibrate", {
         **_OFF, "help": "skip the calibration pass (MLA latent norms, linear blocks' gates and output norms)"}),
     "--dtype": ("convert.dtype", {"choices": _CHOICES["dtype"]}),
@@ -125,7 +134,9 @@ def _dest(flag: str) -> str:
 
 def load_job_config(args: argparse.Namespace) -> ConvertJobConfig:
     """The job's config: the file, then the flags, then the --set overrides; errors name where a value came from."""
-    tree, lines = read_config_file(args.config) if args.config else ({}, {})
+    texts: dict[str, str] = {}
+    set_texts: dict[str, str] = {}
+    tree, lines = read_config_file(args.config, texts) if args.config else ({}, {})
     by_flag: dict[str, str] = {}
     for flag, (key, _) in SHORTHANDS.items():
         if hasattr(args, _dest(flag)):
@@ -139,9 +150,10 @@ def load_job_config(args: argparse.Namespace) -> ConvertJobConfig:
                 node = node[part]
             node[leaf] = getattr(args, _dest(flag))
             by_flag[key] = flag
-    set_keys = apply_overrides(tree, args.overrides)
+    set_keys = apply_overrides(tree, args.overrides, set_texts)
     try:
-        return from_dict(ConvertJobConfig, tree)
+        with source_texts(texts, set_texts, [*by_flag, *set_keys]):
+            return from_dict(ConvertJobConfig, tree)
     except ConfigError as e:
         origin = error_origin(e.key, str(args.config or "<defaults>"), lines, [*by_flag, *set_keys])
         if e.key in by_flag and e.key not in set_keys:

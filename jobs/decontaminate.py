@@ -23,7 +23,7 @@ if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hylo.assets import asset_name
-from hylo.pipeline.cli import job_main, report_error
+from hylo.pipeline.cli import MAX_NGRAM, bounded_int, job_main, report_error
 from hylo.pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config
 from hylo.pipeline.data.decontam import (
     SUITES,
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--benchmark", action="append", default=[], metavar="SUITE|NAME=PATH:FIELDS[@ID]",
                     help=f"known suites: {', '.join(SUITES)}")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--ngram", type=int, default=None)
+    ap.add_argument("--ngram", type=bounded_int(2, MAX_NGRAM), default=None)
     ap.add_argument("--mode", choices=("drop", "cut"), default=None)
     ap.add_argument("--format", dest="output_format", choices=("jsonl", "parquet"), default=None)
     ap.add_argument("--scanner", choices=("ray", "local", "reference"), default=None)

@@ -25,7 +25,16 @@ from pathlib import Path
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.pipeline.cli import job_main, report_error, writable_dir
+from hylo.pipeline.cli import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_FEWSHOT,
+    bounded_int,
+    job_main,
+    positive_finite_float,
+    report_error,
+    writable_dir,
+)
 from hylo.pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config
 from hylo.pipeline.paths import resolve_paths
 
@@ -43,10 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (models.device)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="models.dtype")
     p.add_argument("--lm-eval-tasks", help="comma list of lm-eval task names (lm_eval.tasks)")
-    p.add_argument("--num-fewshot", type=int, help="few-shot examples for every lm-eval task (lm_eval.num_fewshot; "
+    p.add_argument("--num-fewshot", type=bounded_int(0, MAX_FEWSHOT), help="few-shot examples for every lm-eval task (lm_eval.num_fewshot; "
                    "default: each task's own)")
-    p.add_argument("--batch-size", type=int, help="lm-eval prompts per generate() call (lm_eval.batch_size)")
-    p.add_argument("--limit", type=float, help="lm-eval examples per task, or a fraction < 1 (lm_eval.limit)")
+    p.add_argument("--batch-size", type=bounded_int(1, MAX_BATCH), help="lm-eval prompts per generate() call (lm_eval.batch_size)")
+    p.add_argument("--limit", type=positive_finite_float(MAX_COUNT), help="lm-eval examples per task, or a fraction < 1 (lm_eval.limit)")
     p.add_argument("--log-samples", action="store_true", default=None,
                    help="write every lm-eval sample beside the results (lm_eval.log_samples)")
     p.add_argument("--apply-chat-template", action="store_true", default=None,

@@ -32,6 +32,9 @@ Design choices:
   instead of argparse's usage block; an unknown one names the closest valid flag ("did you mean").
   Parsers are built with `allow_abbrev=False`: a prefix of a flag (`--mla-layer`) is an error, not that
   flag, so a typo never silently means something.
+* Every numeric flag has a range, checked as it is parsed (`bounded_int` / `bounded_float`, their bounds named
+  below: `MAX_COUNT`, `MAX_TIMEOUT_S`, ...): a huge count or a nan timeout is the flag's one line, never work
+  that grows without bound.
 * Ctrl-C (KeyboardInterrupt) prints one line, `interrupted (Ctrl-C)`, and exits with status 130 (128 +
   SIGINT, what a shell reports for it), after the job's own cleanup (run lock, Ray) ran.
 * A job that starts child processes or writes temporary files (`@job_main(stops=True)`) runs under the
@@ -362,7 +365,7 @@ def hylo_main(argv: list[str] | None = None) -> int:
 
 
 def check_finite_args(args: argparse.Namespace) -> None:
-    """Every float flag must be a finite number (argparse's `type=float` accepts nan and inf)."""
+    """Every float flag must be a finite number (a bare argparse float accepts nan and inf)."""
     for name, value in vars(args).items():
         values = value if isinstance(value, list | tuple) else [value]
         for v in values:
@@ -385,25 +388,69 @@ def writable_dir(path: str | os.PathLike, what: str) -> Path:
     return p
 
 
-def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
-    """argparse `type=` for an integer flag with a lower bound (and an upper one when given)."""
+# The upper bounds of numeric flags that no config rule bounds (every numeric flag of every job has one, checked
+# as the flag is parsed: `bounded_int` / `bounded_float`; docs/troubleshooting.md lists them).
+# A timeout: a week, in seconds.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# Counts of records, rows, steps, examples, tokens: beyond any run this project makes, and an int32.
+MAX_COUNT = 2**31 - 1
+# Nodes of a (simulated) cluster, and the GPUs and CPUs one node declares.
+MAX_NODES = 1024
+MAX_GPUS_PER_NODE = 64
+MAX_CPUS_PER_NODE = 4096
+# The world size a per-GPU figure divides by (65,536 GPUs is beyond any training cluster); also the largest
+# sequence-parallel group.
+MAX_WORLD_SIZE = 1 << 16
+# Words of a decontamination n-gram; few-shot examples and prompts per batch of an lm-eval task.
+MAX_NGRAM = 256
+MAX_FEWSHOT = 1024
+MAX_BATCH = 1 << 16
+
+
+def _bound_text(low: float, high: float, low_open: bool = False) -> str:
+    return f"{'(' if low_open else '['}{low:g}, {high:g}]"
+
+
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """argparse `type=` for an integer flag in [low, high]: a value outside is the flag's one-line error."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {f'in [{low}, {high}]' if high is not None else f'>= {low}'}, "
-                                             f"got {value}")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
         return value
 
-    parse.__name__ = f"integer >= {low}" if high is None else f"integer in [{low}, {high}]"
+    parse.__name__ = f"integer in [{low}, {high}]"
     return parse
 
 
+def bounded_float(low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
+    """argparse `type=` for a finite number flag in [low, high] (`low_open`: (low, high]); nan and inf are refused."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (low_open and value == low) or value > high:
+            raise argparse.ArgumentTypeError(f"must be a finite number in {_bound_text(low, high, low_open)}, "
+                                             f"got {text}")
+        return value
+
+    parse.__name__ = f"number in {_bound_text(low, high, low_open)}"
+    return parse
+
+
+def positive_finite_float(high: float) -> Callable[[str], float]:
+    """argparse `type=` for a size or a timeout: a finite number in (0, high]."""
+    return bounded_float(0.0, high, low_open=True)
+
+
 def int_list(text: str) -> list[int]:
-    """argparse `type=` for a YAML list of integers, e.g. [256,512]."""
+    """argparse `type=` for a YAML list of integers in [1, MAX_COUNT], e.g. [256,512]."""
     import yaml
 
     from hylo.yaml_limits import YamlShapeError, check_yaml_shape
@@ -415,4 +462,6 @@ def int_list(text: str) -> list[int]:
         value = None
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise argparse.ArgumentTypeError(f"expected a list of integers such as [256,512], got {text!r}")
+    if not value or not all(1 <= v <= MAX_COUNT for v in value):
+        raise argparse.ArgumentTypeError(f"expected a non-empty list of integers in [1, {MAX_COUNT:,}], got {text!r}")
     return value

@@ -23,6 +23,8 @@ This module imports neither Ray nor torch, so any job (and `hylo/` tooling) can 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import hashlib
@@ -31,7 +33,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -143,8 +145,43 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is str and not isinstance(value, str):
         if isinstance(value, dict | list | tuple):
             raise ConfigError(f"{where}: expected a string, got {_short_repr(value)}", where)
-        return str(value)
+        text = _SOURCE_TEXT.get()(where)
+        if text is not None:
+            # YAML 1.1 read the unquoted text as a number, a boolean or a date: the field wants what was written
+            return text
+        leaf = re.split(r"[.\[]", where)[-1] or where
+        raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {_short_repr(value)}; quote it: "
+                          f"{leaf}: '{value}'", where)
     return value
+
+
+# The text as written of an unquoted YAML scalar that YAML 1.1 resolved to something else than a string (012 -> 10,
+# yes -> True, 12:30 -> 750, 0x1F -> 31), by the dotted key `_coerce` names it with; None when unknown.
+_SOURCE_TEXT: contextvars.ContextVar[Callable[[str], str | None]] = contextvars.ContextVar(
+    "_SOURCE_TEXT", default=lambda where: None)
+
+
+@contextlib.contextmanager
+def source_texts(file_texts: dict[str, str] | None, override_texts: dict[str, str] | None = None,
+                 override_keys: list[str] | None = None, line_prefixes: tuple[str, ...] = ("",)) -> Iterator[None]:
+    """While building a config, a string-typed field given an unquoted scalar takes its text as written:
+    `override_texts` (what `apply_overrides` recorded) for a key a --set or flag set, else `file_texts` (what
+    `read_config_file` recorded) under each of `line_prefixes`."""
+    file_texts, override_texts, keys = file_texts or {}, override_texts or {}, override_keys or []
+
+    def lookup(where: str) -> str | None:
+        if any(where == k or where.startswith((k + ".", k + "[")) for k in keys):
+            return override_texts.get(where)
+        for prefix in line_prefixes:
+            if prefix + where in file_texts:
+                return file_texts[prefix + where]
+        return None
+
+    token = _SOURCE_TEXT.set(lookup)
+    try:
+        yield
+    finally:
+        _SOURCE_TEXT.reset(token)
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -259,12 +296,32 @@ def _key_lines(node: Any, prefix: str, out: dict[str, int]) -> None:
             _key_lines(v, f"{prefix}[{i}]", out)
 
 
+_STR_OR_NULL = ("tag:yaml.org,2002:str", "tag:yaml.org,2002:null")
+
+
+def _scalar_texts(node: Any, prefix: str, out: dict[str, str]) -> None:
+    """Dotted key -> text as written of every unquoted scalar that does not resolve to a string or null."""
+    if isinstance(node, yaml.ScalarNode):
+        if node.style is None and node.tag not in _STR_OR_NULL:
+            out.setdefault(prefix, node.value)
+    elif isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode):
+                _scalar_texts(v, f"{prefix}.{k.value}" if prefix else str(k.value), out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _scalar_texts(v, f"{prefix}[{i}]", out)
+
+
 def _one_line(text: str) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
-def parse_yaml(text: str, where: str, lines: dict[str, int] | None = None) -> Any:
-    """YAML text -> Python objects with StrictLoader; `lines` (if given) receives dotted key -> line.
+def parse_yaml(text: str, where: str, lines: dict[str, int] | None = None,
+               texts: dict[str, str] | None = None) -> Any:
+    """YAML text -> Python objects with StrictLoader; `lines` (if given) receives dotted key -> line, and
+    `texts` dotted key -> the text as written of each unquoted scalar YAML 1.1 reads as a number, boolean or date
+    ("" for a bare scalar), which a string-typed field takes (`source_texts`).
     Its nesting depth and what its aliases expand to are bounded first (hylo/yaml_limits.py)."""
     from hylo.yaml_limits import YamlShapeError, check_yaml_shape
 
@@ -281,6 +338,8 @@ def parse_yaml(text: str, where: str, lines: dict[str, int] | None = None) -> An
             return None
         if lines is not None:
             _key_lines(node, "", lines)
+        if texts is not None:
+            _scalar_texts(node, "", texts)
         return loader.construct_document(node)
     except _DuplicateKey as e:
         raise ConfigError(f"{where}: {e}") from None
@@ -328,8 +387,9 @@ def _missing_config(p: Path) -> ConfigError:
     return ConfigError(f"config file {p} does not exist{hint} (`hylo configs` lists the shipped configs)")
 
 
-def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """A YAML config file (or a shipped config's name, `config_file`) -> (mapping, dotted key -> line).
+def read_config_file(path: str | Path, texts: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, int]]:
+    """A YAML config file (or a shipped config's name, `config_file`) -> (mapping, dotted key -> line); `texts`
+    (if given) receives the unquoted scalars' texts (`parse_yaml`).
     Missing, unreadable, non-UTF-8 or duplicate-key files raise ConfigError naming the file."""
     p = config_file(path)
     try:
@@ -346,7 +406,7 @@ def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
         line = raw[: e.start].count(b"\n") + 1
         raise ConfigError(f"{p}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at line {line}, offset {e.start})") from None
     lines: dict[str, int] = {}
-    loaded = parse_yaml(text, str(p), lines)
+    loaded = parse_yaml(text, str(p), lines, texts)
     if loaded is None:
         loaded = {}
     if not isinstance(loaded, dict):
@@ -367,21 +427,29 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def parse_override(text: str) -> tuple[str, Any]:
+def parse_override(text: str, texts: dict[str, str] | None = None) -> tuple[str, Any]:
+    """`key.sub=value` -> (key, value parsed as YAML); `texts` receives its unquoted scalars' texts by full key."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like key.sub=value")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key:
         raise ConfigError(f"override {text!r} has an empty key")
-    return key, parse_yaml(raw, f"override {text!r}") if raw.strip() else ""
+    if not raw.strip():
+        return key, ""
+    mine: dict[str, str] = {}
+    value = parse_yaml(raw, f"override {text!r}", texts=mine)
+    if texts is not None:
+        texts.update({key + (sub if sub.startswith("[") or not sub else "." + sub): t for sub, t in mine.items()})
+    return key, value
 
 
-def apply_overrides(tree: dict[str, Any], overrides: list[str] | None) -> list[str]:
-    """Apply `--set key=value` overrides to `tree` in order; returns the dotted keys they set."""
+def apply_overrides(tree: dict[str, Any], overrides: list[str] | None, texts: dict[str, str] | None = None) -> list[str]:
+    """Apply `--set key=value` overrides to `tree` in order; returns the dotted keys they set. `texts` receives
+    the texts as written of their unquoted scalars (`source_texts`)."""
     keys = []
     for ov in overrides or []:
-        key, value = parse_override(ov)
+        key, value = parse_override(ov, texts)
         _set_dotted(tree, key, value)
         keys.append(key)
     return keys
@@ -404,10 +472,13 @@ def error_origin(key: str | None, label: str, lines: dict[str, int], override_ke
 
 
 def build_config(cls: type[T], tree: dict[str, Any], label: str, lines: dict[str, int] | None = None,
-                 override_keys: list[str] | None = None, line_prefixes: tuple[str, ...] = ("",)) -> T:
-    """`from_dict(cls, tree)` with errors prefixed by where the bad value came from."""
+                 override_keys: list[str] | None = None, line_prefixes: tuple[str, ...] = ("",),
+                 texts: dict[str, str] | None = None, override_texts: dict[str, str] | None = None) -> T:
+    """`from_dict(cls, tree)` with errors prefixed by where the bad value came from; a string-typed field keeps
+    the text as written of an unquoted scalar (`texts` of the file, `override_texts` of the overrides)."""
     try:
-        return from_dict(cls, tree)
+        with source_texts(texts, override_texts, override_keys, line_prefixes):
+            return from_dict(cls, tree)
     except ConfigError as e:
         origin = error_origin(e.key, label, lines or {}, override_keys or [], line_prefixes)
         raise ConfigError(f"{origin}: {e}", e.key) from None
@@ -421,12 +492,14 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     `select(tree, path)` picks what `cls` reads from a file's tree (a training stage merges its own
     section over the shared ones); errors then name the file as `label` and find a key's line under
     each of `line_prefixes` in turn."""
-    tree, lines = read_config_file(path) if path is not None else ({}, {})
+    texts: dict[str, str] = {}
+    set_texts: dict[str, str] = {}
+    tree, lines = read_config_file(path, texts) if path is not None else ({}, {})
     if select is not None and path is not None:
         tree = select(tree, Path(path))
-    keys = apply_overrides(tree, overrides)
+    keys = apply_overrides(tree, overrides, set_texts)
     label = label or (str(path) if path is not None else "<defaults>")
-    return build_config(cls, tree, label, lines, keys, line_prefixes)
+    return build_config(cls, tree, label, lines, keys, line_prefixes, texts, set_texts)
 
 
 def config_hash(obj: Any, exclude: tuple[str, ...] = ()) -> str:
@@ -438,10 +511,24 @@ def config_hash(obj: Any, exclude: tuple[str, ...] = ()) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+class GivenOnce(argparse.Action):
+    """argparse `action=` for a flag that names one thing (a config file): given twice, it is an error (argparse
+    would keep the last one and ignore the first silently)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                  option_string: str | None = None) -> None:
+        before = getattr(namespace, self.dest, None)
+        if before is not None and before is not self.default:
+            parser.error(f"argument {option_string}: given twice ({before} and {values}); it takes one file: "
+                         f"merge them into one, or put the changes in --set KEY=VALUE")
+        setattr(namespace, self.dest, values)
+
+
 def add_config_args(parser: argparse.ArgumentParser, example: str | None = None) -> None:
-    """--config, --set and --print-config; `example` is a valid KEY=VALUE of the job's config for the help
+    """--config (once), --set and --print-config; `example` is a valid KEY=VALUE of the job's config for the help
     (tests/project/test_examples.py runs every example of every help)."""
-    parser.add_argument("--config", type=str, default=None, help="YAML config file")
+    parser.add_argument("--config", type=str, default=None, action=GivenOnce,
+                        help="YAML config file (or a shipped config's name; given once)")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="dotted override of a config key (repeatable)" + (f", e.g. --set {example}" if example else "")

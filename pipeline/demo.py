@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hylo.files import atomic_write
-from hylo.pipeline.cli import int_at_least, int_list
+from hylo.pipeline.cli import MAX_COUNT, bounded_int, int_list
 from hylo.pipeline.config import at_least, config_from_args, each, rules, shipped_config
 from hylo.pipeline.runner import (
     ROOT,
@@ -42,6 +42,7 @@ from hylo.pipeline.runner import (
     runner_parser,
     train_cmd,
 )
+from hylo.rules import ROW_TOKENS_MAX, SEED_MAX
 
 # The KV cache grows linearly: three short contexts show the measured ratio as well as long ones.
 DEFAULT_KV_LENGTHS = [512, 1024, 2048]
@@ -426,11 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
         "    hylo demo --full-eval --set heldout_rows=16\n\n"
         "run_dir default runs/demo (relative to the current directory). Every option is a key of DemoConfig\n"
         "(pipeline/demo.py); the flags are shorthands for them.")
-    ap.add_argument("--steps", type=int_at_least(1), help="optimiser steps per training stage (steps; default 8)")
-    ap.add_argument("--records", type=int_at_least(1), help="clean ShareGPT records read for training data (records)")
-    ap.add_argument("--heldout", type=int_at_least(1), help="held-out conversations for the KL evaluation (heldout)")
-    ap.add_argument("--heldout-rows", type=int_at_least(1), help="packed held-out rows the KL is measured on")
-    ap.add_argument("--seq-len", type=int_at_least(2), help="tokens per packed row (seq_len; default 512)")
+    ap.add_argument("--steps", type=bounded_int(1, MAX_COUNT), help="optimiser steps per training stage (steps; default 8)")
+    ap.add_argument("--records", type=bounded_int(1, MAX_COUNT), help="clean ShareGPT records read for training data (records)")
+    ap.add_argument("--heldout", type=bounded_int(1, MAX_COUNT), help="held-out conversations for the KL evaluation (heldout)")
+    ap.add_argument("--heldout-rows", type=bounded_int(1, MAX_COUNT), help="packed held-out rows the KL is measured on")
+    ap.add_argument("--seq-len", type=bounded_int(2, ROW_TOKENS_MAX), help="tokens per packed row (seq_len; default 512)")
     ap.add_argument("--full-eval", action="store_true", default=None,
                     help="after stage 2 also run the needle-in-a-haystack retrieval suite (base and hybrid) and "
                          f"the KV cache at {lengths_arg(FULL_KV_LENGTHS)} tokens: the real-run suites at CPU sizes "
@@ -442,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--placement-study", action="store_true", default=None,
                     help="also run jobs/place_layers.py: the searched 15-MLA placement vs even vs uniform:15, "
                          "each with the same stage 1 + stage 2 budget (adds about three demo runs)")
-    ap.add_argument("--placement-seeds", nargs="+", type=int_at_least(0), metavar="SEED",
+    ap.add_argument("--placement-seeds", nargs="+", type=bounded_int(0, SEED_MAX), metavar="SEED",
                     help="with --placement-study: repeat each compared placement per seed (mean, spread, paired gaps)")
     ap.add_argument("--update-readme", action="store_true", default=None,
                     help="write the results table and KL plot into README.md (maintainers)")

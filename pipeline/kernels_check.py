@@ -56,6 +56,8 @@ from hylo.stopping import make_dir, popen, track_temp
 
 TARGET_NAMES = ("sm_90", "sm_100", "gfx942", "gfx950")
 DEFAULT_TOKENS = 2048
+# The longest --tokens: the recipes train 64K-128K rows, and a kernel specialises on T only by divisibility.
+MAX_TOKENS = 1 << 24
 KL_ROWS = 16
 
 
@@ -450,10 +452,16 @@ def check(recipes: dict[str, list[Site]], targets: list[str], out_dir: Path, tok
     return write_report(out_dir, results, users, {"recipes": list(recipes), "targets": targets, "tokens": tokens})
 
 
-def recipe_sites(cfg: Any, stage1: Any, tokens: int, sequence_parallel: int = 1) -> list[Site]:
+def recipe_sites(cfg: Any, stage1: Any, tokens: int, sequence_parallel: int = 1,
+                 sp_flag: str = "train.sequence_parallel") -> list[Site]:
+    """The launch sites of the recipe's student; BadArgument (naming `sp_flag`) when a rank's share of the row is
+    shorter than its linear blocks' conv window (`sp_shard_problem`)."""
     from hylo.pipeline.estimate.shapes import student_config
+    from hylo.pipeline.train.config import sp_shard_problem
 
     hc = student_config(cfg, stage1)
+    if why := sp_shard_problem(tokens, sequence_parallel, hc.gdn_conv_size if hc.linear_layers else 1):
+        raise BadArgument(f"{sp_flag}={sequence_parallel}: {why}")
     return sites_of(hc, hc.vocab_size, tokens, sequence_parallel)
 
 
@@ -475,20 +483,20 @@ def parse_targets(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None, description: str | None = None) -> int:
     """`hylo kernels-check` (`description`: the help's text, jobs/kernels_check.py's docstring)."""
-    from hylo.pipeline.cli import int_at_least
+    from hylo.pipeline.cli import MAX_WORLD_SIZE, bounded_int
     from hylo.pipeline.config import add_config_args, maybe_print_config
     from hylo.pipeline.paths import resolve_paths
-    from hylo.pipeline.train.config import Stage1Config, load_stage_config
+    from hylo.pipeline.train.config import load_conversion_config, load_stage_config
 
     ap = argparse.ArgumentParser(description=description or __doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap, example="kd.temperature=2.0")
     ap.add_argument("--targets", default=",".join(TARGET_NAMES),
                     help=f"comma-separated targets (default: all of {','.join(TARGET_NAMES)})")
-    ap.add_argument("--tokens", type=int_at_least(2), default=DEFAULT_TOKENS,
+    ap.add_argument("--tokens", type=bounded_int(2, MAX_TOKENS), default=DEFAULT_TOKENS,
                     help=f"tokens of the packed row the training sites get (default {DEFAULT_TOKENS}: kernels "
                          "specialise on T only by divisibility, so this gives a 64K row's binaries)")
-    ap.add_argument("--sequence-parallel", type=int_at_least(1), default=None, metavar="N",
+    ap.add_argument("--sequence-parallel", type=bounded_int(1, MAX_WORLD_SIZE), default=None, metavar="N",
                     help="also the state-passing launch sites of a row split over N ranks (default: the "
                          "config's train.sequence_parallel, 1 = none)")
     ap.add_argument("--out", required="--print-config" not in (argv if argv is not None else sys.argv),
@@ -504,9 +512,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     student = Path(cfg.model.student).expanduser() if cfg.model.student else None
     stage1 = None
     if not (student is not None and (student / "config.json").is_file()):
-        shared = {f.name for f in dataclasses.fields(Stage1Config)}
-        stage1 = resolve_paths(load_stage_config(1, args.config, [o for o in args.overrides
-                                                                  if o.split(".", 1)[0].split("=", 1)[0] in shared]))
+        # the student's shape from the stage-1 conversion the config describes (its model section alone)
+        stage1 = resolve_paths(load_conversion_config(args.config, args.overrides))
     name = Path(args.config).stem if args.config else "defaults"
     sp = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
     check_sequence_parallel(sp, args.tokens, "--sequence-parallel" if args.sequence_parallel
@@ -518,7 +525,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     for name in REPORT_FILES:
         check_output_file(Path(args.out) / name, "--out", [("--config", config_file(args.config) if args.config
                                                              else None)], force=args.force)
-    sites = recipe_sites(cfg, stage1, args.tokens, sp)
+    sites = recipe_sites(cfg, stage1, args.tokens, sp, "--sequence-parallel" if args.sequence_parallel
+                         else "train.sequence_parallel")
     bad = check({name: sites}, targets, Path(args.out), args.tokens, log_to=sys.stdout)
     print(f"wrote {Path(args.out) / 'kernels_check.json'} and kernels_check.md")
     for b in bad:

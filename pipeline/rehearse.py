@@ -46,8 +46,16 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from hylo.pipeline.cli import BadArgument, int_at_least
-from hylo.pipeline.config import ConfigError, add_config_args, config_file, maybe_print_config
+from hylo.pipeline.cli import (
+    MAX_CPUS_PER_NODE,
+    MAX_GPUS_PER_NODE,
+    MAX_NODES,
+    MAX_TIMEOUT_S,
+    BadArgument,
+    bounded_int,
+    positive_finite_float,
+)
+from hylo.pipeline.config import ConfigError, GivenOnce, add_config_args, config_file, maybe_print_config
 from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.teacher.sources.base import ResourceDemand
 from hylo.stopping import popen, reclaim, track_temp
@@ -142,11 +150,12 @@ def declared_node(cluster_file: Path | None, gpus: int, cpus: int) -> dict[str, 
     node: dict[str, float] = {"CPU": float(cpus), "GPU": float(gpus)}
     if cluster_file is None:
         return node
-    try:
-        data = yaml.safe_load(cluster_file.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"cluster file {cluster_file}: cannot read it: {e}") from None
-    commands = " ".join(str(c) for c in (data or {}).get("worker_start_ray_commands") or [])
+    data = read_cluster_file(cluster_file)
+    commands = data.get("worker_start_ray_commands") or []
+    if not isinstance(commands, list):
+        raise ConfigError(f"cluster file {cluster_file}: worker_start_ray_commands must be a list of commands, "
+                          f"got {type(commands).__name__}")
+    commands = " ".join(str(c) for c in commands)
     found = re.search(r"--resources='([^']*)'", commands)
     if found:
         try:
@@ -155,6 +164,28 @@ def declared_node(cluster_file: Path | None, gpus: int, cpus: int) -> dict[str, 
             raise ConfigError(f"cluster file {cluster_file}: worker_start_ray_commands: --resources is not a "
                               f"JSON mapping of numbers: {e}") from None
     return node
+
+
+def read_cluster_file(path: Path, flag: str = "cluster file") -> dict[str, Any]:
+    """The mapping of a Ray cluster file; a directory, a device or pipe, a missing file or one whose top level is
+    not a YAML mapping is a ConfigError naming it (its depth and aliases bounded as a config's)."""
+    from hylo.pipeline.config import parse_yaml
+
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory, not a cluster file (cluster/*.yaml)")
+    if not path.exists():
+        raise ConfigError(f"{flag} {path}: does not exist")
+    if not path.is_file():
+        raise ConfigError(f"{flag} {path}: is not a regular file (a device, a pipe or a socket)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{flag} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    data = parse_yaml(text, f"{flag} {path}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{flag} {path}: not a YAML mapping (a Ray cluster file such as cluster/*.yaml), its top "
+                          f"level is {'empty' if data is None else type(data).__name__}")
+    return data
 
 
 def cluster_file_of(recipe: Path) -> Path | None:
@@ -277,17 +308,20 @@ def build_parser() -> argparse.ArgumentParser:
         "a simulated cluster with tiny models. pipeline/rehearse.py says what it changes and checks.",
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     add_config_args(p, example="ray.num_workers=4")
-    p.add_argument("--stage", type=int, choices=(1, 2), default=2, help="the stage to rehearse (default 2)")
-    p.add_argument("--nodes", type=int_at_least(1), default=2, help="simulated nodes (default 2)")
-    p.add_argument("--gpus-per-node", type=int_at_least(0), default=8, help="GPUs each node declares (default 8)")
-    p.add_argument("--cpus-per-node", type=int_at_least(1), default=64,
-                   help="CPUs each node declares (default 64; a real node's core count)")
-    p.add_argument("--cluster", type=str, default=None,
+    p.add_argument("--stage", type=bounded_int(1, 2), default=2, help="the stage to rehearse (default 2)")
+    p.add_argument("--nodes", type=bounded_int(1, MAX_NODES), default=2,
+                   help=f"simulated nodes (default 2, at most {MAX_NODES:,})")
+    p.add_argument("--gpus-per-node", type=bounded_int(0, MAX_GPUS_PER_NODE), default=8,
+                   help=f"GPUs each node declares (default 8, at most {MAX_GPUS_PER_NODE})")
+    p.add_argument("--cpus-per-node", type=bounded_int(1, MAX_CPUS_PER_NODE), default=64,
+                   help=f"CPUs each node declares (default 64; a real node's core count; at most {MAX_CPUS_PER_NODE:,})")
+    p.add_argument("--cluster", type=str, default=None, action=GivenOnce,
                    help="cluster file whose custom resources every node declares (default: the cluster/*.yaml "
                         "the recipe names, if any)")
     p.add_argument("--check-only", action="store_true", help="only the fit arithmetic; Ray is not started")
-    p.add_argument("--timeout", type=float, default=900.0,
-                   help="seconds the step may take before whatever is still pending is reported (default 900)")
+    p.add_argument("--timeout", type=positive_finite_float(MAX_TIMEOUT_S), default=900.0,
+                   help="seconds the step may take before whatever is still pending is reported (default 900; "
+                        f"at most {MAX_TIMEOUT_S:g}, a week)")
     return p
 
 
@@ -301,9 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     maybe_print_config(cfg, args)
     cfg = resolve_paths(cfg)
     cluster_path = Path(args.cluster) if args.cluster else cluster_file_of(recipe) if recipe else None
-    if args.cluster and not cluster_path.is_file():
-        raise BadArgument(f"--cluster: {cluster_path} does not exist")
-    node = declared_node(cluster_path, args.gpus_per_node, args.cpus_per_node)
+    try:
+        node = declared_node(cluster_path, args.gpus_per_node, args.cpus_per_node)
+    except ConfigError as e:
+        if not args.cluster:
+            raise
+        raise BadArgument(f"--cluster: {str(e).removeprefix('cluster file ')}") from None
     nodes = [dict(node) for _ in range(args.nodes)]
     demand = resource_demand(cfg)
     label = f"{recipe or 'the default config'} (stage {args.stage}) on {args.nodes} node(s) of {{{_res(node)}}}"

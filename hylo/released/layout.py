@@ -3,7 +3,6 @@ RoPE rows map onto it (shared by the import, the export and hylo/released_xecoml
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -61,8 +60,8 @@ def is_released_layout(path: str | Path) -> bool:
     checkpoints (MLA_config.json + mla_layer_config.json) are `hylo.released_xecomla.is_xecomla_layout`."""
     p = Path(path) / HYBRID_CONFIG_NAME
     try:
-        data = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
+        data = read_json(p, ValueError)
+    except (OSError, ValueError):
         return False
     return isinstance(data, dict) and data.get("model_type") != "hylo" and any(k in data for k in AMD_ONLY_KEYS)
 

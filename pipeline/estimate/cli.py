@@ -4,7 +4,6 @@ direction only (sp -> step)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from hylo.pipeline.estimate.step import (
 )
 from hylo.pipeline.estimate.tracking import Progress
 from hylo.pipeline.teacher.sources import source_kind
-from hylo.pipeline.train.config import Stage1Config, Stage2Config, StageConfig
+from hylo.pipeline.train.config import Stage2Config, StageConfig, sp_shard_problem
 
 
 def describe(cfg: StageConfig, shapes: Shapes, W: int, dtype: torch.dtype, config_path: str | None) -> str:
@@ -50,22 +49,22 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     import argparse
     import json
 
-    from hylo.pipeline.cli import BadArgument, int_at_least
+    from hylo.pipeline.cli import BadArgument, bounded_int
     from hylo.pipeline.config import add_config_args, maybe_print_config
     from hylo.pipeline.paths import resolve_paths
-    from hylo.pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.config import load_conversion_config, load_stage_config
     from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
 
     ap = argparse.ArgumentParser(description=description or estimate_doc, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap, example="data.seq_len=32768")
-    ap.add_argument("--stage", type=int, choices=(1, 2), default=None,
+    ap.add_argument("--stage", type=bounded_int(1, 2), default=None,
                     help="which stage's step (default: the `stage:` a printed config names, else 2)")
     ap.add_argument("--tokens", default=None,
                     help="comma-separated row lengths, e.g. 8192,65536 (default: the config's data.seq_len)")
-    ap.add_argument("--world-size", type=int_at_least(1, MAX_WORLD_SIZE), default=None,
+    ap.add_argument("--world-size", type=bounded_int(1, MAX_WORLD_SIZE), default=None,
                     help="ZeRO-3 world size (default: the config's ray.num_workers)")
-    ap.add_argument("--sequence-parallel", type=int_at_least(1, MAX_WORLD_SIZE), default=None, metavar="N",
+    ap.add_argument("--sequence-parallel", type=bounded_int(1, MAX_WORLD_SIZE), default=None, metavar="N",
                     help="one row split by tokens over N GPUs (default: the config's train.sequence_parallel, else 1): "
                          "per GPU the rank's step at T/N tokens plus what splitting adds, and the bytes each layer "
                          "sends (pipeline/estimate/sp.py)")
@@ -97,10 +96,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     student = Path(cfg.model.student).expanduser() if cfg.model.student else None
     stage1 = None
     if args.stage == 2 and not (student is not None and (student / "config.json").is_file()):
-        # the overrides of stage 2's own sections (teacher, kd) do not apply to its stage-1 conversion
-        shared = {f.name for f in dataclasses.fields(Stage1Config)}
-        stage1 = resolve_paths(load_stage_config(1, args.config, [o for o in args.overrides
-                                                                  if o.split(".", 1)[0].split("=", 1)[0] in shared]))
+        # the student's shape from the stage-1 conversion the config describes (its model section alone)
+        stage1 = resolve_paths(load_conversion_config(args.config, args.overrides))
     try:
         tokens = [int(x) for x in args.tokens.split(",")] if args.tokens else [cfg.data.seq_len]
     except ValueError:
@@ -124,6 +121,11 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype] if args.dtype else \
         resolve_dtype(cfg.model.dtype, not args.cpu)
     shapes = shapes_of(cfg, stage1)
+    conv = shapes.student.gdn_conv_size if shapes.student.linear_layers else 1
+    for T in tokens:
+        if why := sp_shard_problem(T, N, conv):
+            raise BadArgument(f"{'--sequence-parallel' if args.sequence_parallel else 'train.sequence_parallel'}={N}: "
+                              f"{why}")
     # with sequence parallelism each rank's own step is the step at T / N tokens
     # with sequence parallelism: the split step itself, as the last rank of a row that is one document (its MLA
     # layers attend to every earlier key of the row: the worst rank of the worst row)

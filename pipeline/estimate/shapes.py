@@ -83,8 +83,11 @@ def student_config(cfg: StageConfig, stage1: Stage1Config | None):
         return HybridConfig.from_pretrained(Path(cfg.model.student).expanduser())
     s1 = cfg if isinstance(cfg, Stage1Config) else stage1
     if s1 is None or not s1.model.base:
-        raise ConfigError("model.student has no config.json and the config has no stage-1 model.base to convert: "
-                          "the estimate cannot know the student's shape", "model.student")
+        student = (f"model.student={cfg.model.student} has no config.json" if cfg.model.student
+                   else "model.student is not set")
+        raise ConfigError(f"{student}, and the config has no model.base to convert (stage 1's): the student's shape "
+                          f"is unknown; set model.student to a HyLo checkpoint, or model.base (and model.convert) "
+                          f"to the model stage 1 converts", "model.student")
     import warnings
 
     with warnings.catch_warnings():

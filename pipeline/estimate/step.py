@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+# --world-size: the ZeRO-3 world the per-GPU figures divide by (bounded with every flag in pipeline/cli.py)
+from hylo.pipeline.cli import MAX_WORLD_SIZE  # noqa: F401
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.estimate.fake import EstimateError, build_model, fake_tensors, flop_registry
 from hylo.pipeline.estimate.gpus import GPUS
@@ -41,8 +43,6 @@ DOC_TOKENS = (256, 2048)
 # positions, labels: 2^40 tokens would be terabytes). `MAX_ESTIMATE_TOTAL` bounds the sum of --tokens.
 MAX_ESTIMATE_TOKENS = 1 << 20
 MAX_ESTIMATE_TOTAL = 2 * MAX_ESTIMATE_TOKENS
-# --world-size: the ZeRO-3 world the per-GPU figures divide by (65,536 GPUs is beyond any training cluster).
-MAX_WORLD_SIZE = 1 << 16
 
 
 @dataclass

@@ -93,10 +93,10 @@ def load_model(spec: str | Path, dtype: str = "float32", device: str = "auto") -
 
 
 def _model_type(config_json: Path) -> str | None:
-    import json
+    from hylo.files import read_json
 
     try:
-        return json.loads(config_json.read_text()).get("model_type")
+        return read_json(config_json, ValueError).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
 

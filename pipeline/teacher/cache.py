@@ -262,7 +262,7 @@ def _teacher_identity(model_cfg: Any) -> tuple[str, str, int]:
     from hylo.pipeline.teacher.model import model_fingerprint, resolve_model_path, tokenizer_fingerprint
 
     path = resolve_model_path(model_cfg.path)
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_json(path / "config.json", CacheFormatError, mapping=True)
     vocab = cfg.get("vocab_size")
     if not isinstance(vocab, int):
         raise CacheFormatError(f"{path}/config.json has no integer vocab_size")

@@ -122,6 +122,24 @@ class OptimSection:
 # batch is 8 rows; 4,096 rows of 64K tokens per worker are 268M tokens per worker per step, hours of compute on
 # one GPU before the first update: a larger batch is a typo (or 2^70), refused before Ray starts.
 MAX_GRAD_ACCUM = 4096
+# The conv width of the linear blocks a conversion gives (HybridConfig's gdn_conv_size; a student checkpoint
+# states its own, checked against the rows before Ray starts: pipeline/train/inputs.py).
+CONVERTED_CONV_SIZE = 4
+
+
+def sp_shard_problem(tokens: int, sp: int, conv_size: int) -> str | None:
+    """Why a `tokens`-long row cannot be split over a sequence-parallel group of `sp` ranks, else None: the parts
+    must be equal, and each as long as the conv window its next rank takes from it (conv_size - 1 tokens of a
+    linear block; hylo/seq_parallel.py `conv_prefix`), which every rank would otherwise raise on its first step."""
+    if sp <= 1:
+        return None
+    if tokens % sp:
+        return f"the {tokens:,}-token rows do not split into {sp} equal parts"
+    if tokens // sp < max(conv_size - 1, 1):
+        return (f"a {tokens:,}-token row split over {sp} ranks gives shards of {tokens // sp} token(s), shorter than "
+                f"the linear blocks' conv window ({conv_size - 1} tokens, gdn_conv_size {conv_size} - 1) the next "
+                f"rank takes from each: use fewer ranks per row or longer rows")
+    return None
 # The global batch whatever the number of workers: 4,096 rows per worker x 256 workers.
 MAX_GLOBAL_BATCH = MAX_GRAD_ACCUM * 256
 
@@ -410,6 +428,11 @@ class _SharedSections:
             raise FieldError("train.sequence_parallel", sp,
                              f"must divide data.seq_len ({self.data.seq_len}): each of the {sp} workers of a "
                              f"group takes an equal slice of a row")
+        # a student converted by this run has the conversion's conv width; a checkpoint's is checked with its rows
+        all_mla = self.model.convert is not None and self.model.convert.mla_layers == "all"
+        conv = CONVERTED_CONV_SIZE if not self.model.student and not all_mla else 1
+        if self.data.seq_len is not None and (why := sp_shard_problem(self.data.seq_len, sp, conv)):
+            raise FieldError("train.sequence_parallel", sp, f"data.seq_len={self.data.seq_len}: {why}")
         # the data-parallel ranks (one per sequence-parallel group) each read whole rows
         dp = workers // sp
         per = "worker" if sp == 1 else f"sequence-parallel group of {sp} workers"
@@ -480,6 +503,23 @@ def load_stage_config(stage: int, path: str | Path | None = None, overrides: lis
 
     return load_config(STAGE_CLASSES[stage], path, overrides, select=own_over_shared,
                        label=f"{path or '<defaults>'} (stage {stage})", line_prefixes=(f"stage{stage}.", ""))
+
+
+def load_conversion_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Stage1Config:
+    """The stage-1 conversion a config describes (its `model` section: model.base, model.convert, the shared one
+    merged with stage1's), for a tool that needs the student's shape when model.student has no checkpoint. The
+    other sections, and a stage-2 file's own keys (stage, teacher, kd), are not read: the stage's own load checks them."""
+
+    def model_only(loaded: dict[str, Any], p: Path) -> dict[str, Any]:
+        own = loaded.get("stage1") or {}
+        model = loaded.get("model") or {}
+        if isinstance(own, dict) and isinstance(model, dict) and isinstance(own.get("model"), dict):
+            model = deep_merge(model, own["model"])
+        return {"model": model}
+
+    mine = [o for o in overrides or [] if o.split("=", 1)[0].strip().split(".", 1)[0] == "model"]
+    return load_config(Stage1Config, path, mine, select=model_only, label=f"{path or '<defaults>'} (model)",
+                       line_prefixes=("stage1.", ""))
 
 
 def config_to_dict(cfg: StageConfig) -> dict[str, Any]:

@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -64,6 +63,27 @@ def _convert_options_fit_the_base(cfg: StageConfig, base_dir: str | Path) -> Non
         raise ConfigError(f"model.convert={options.non_defaults()}: {e} (base {base_dir})", "model.convert") from None
 
 
+def _shards_fit_the_student(cfg: StageConfig, tokens: int | None, where: str) -> None:
+    """At train.sequence_parallel > 1, each rank's shard of a `tokens`-long row holds the conv window of the
+    student's linear blocks (`sp_shard_problem`); every rank would raise it on its first step otherwise."""
+    from hylo.config import HYBRID_CONFIG_NAME, HybridConfig
+    from hylo.pipeline.train.config import CONVERTED_CONV_SIZE, sp_shard_problem
+
+    sp = cfg.train.sequence_parallel
+    if sp <= 1 or not isinstance(tokens, int):
+        return
+    conv, student = CONVERTED_CONV_SIZE, "the converted student"
+    if cfg.model.student:
+        p = Path(cfg.model.student).expanduser()
+        if not (p / HYBRID_CONFIG_NAME).is_file():
+            return
+        hc = HybridConfig.from_hybrid_json(p)
+        conv, student = (hc.gdn_conv_size if hc.linear_layers else 1), f"model.student={cfg.model.student}"
+    why = sp_shard_problem(tokens, sp, conv)
+    if why:
+        raise ConfigError(f"train.sequence_parallel={sp}: {where}: {why} ({student})", "train.sequence_parallel")
+
+
 def _data(cfg: StageConfig) -> None:
     from hylo.pipeline.train.row_sources import open_rows
 
@@ -75,6 +95,7 @@ def _data(cfg: StageConfig) -> None:
         raise ConfigError(f"train.sequence_parallel={sp}: must divide the rows' length, but data.path={cfg.data.path} "
                           f"was packed to max_len={max_len} tokens (each of the {sp} workers of a group takes an "
                           f"equal slice of a row)", "train.sequence_parallel")
+    _shards_fit_the_student(cfg, max_len, f"data.path={cfg.data.path} was packed to max_len={max_len}")
     unverified = [s["file"] for s in source.manifest["shards"] if not s.get("page_checksums")]
     if unverified:
         print(f"[train] warning: data.path={cfg.data.path}: {len(unverified)} shard(s) ({', '.join(unverified[:3])}"
@@ -170,8 +191,10 @@ def _tokens(directory: Path) -> dict[int, str] | None:
     tj = directory / "tokenizer.json"
     if not tj.is_file():
         return None
+    from hylo.files import read_json
+
     try:
-        data = json.loads(tj.read_text(encoding="utf-8"))
+        data = read_json(tj, ValueError)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{tj}: not a readable tokenizer.json ({e})") from None
     return token_table(data)
@@ -182,8 +205,10 @@ def _has_chat_template(directory: Path) -> bool:
         return True
     tc = directory / "tokenizer_config.json"
     try:
-        return bool(json.loads(tc.read_text(encoding="utf-8")).get("chat_template")) if tc.is_file() else False
-    except (OSError, ValueError):
+        from hylo.files import read_json
+
+        return bool(read_json(tc, ValueError).get("chat_template")) if tc.is_file() else False
+    except (OSError, ValueError, AttributeError):
         return False
 
 
@@ -290,3 +315,5 @@ def check_stage_inputs(cfg: StageConfig) -> None:
         _k_fits_the_vocabulary(cfg, source)
     if cfg.data.source == "parquet":
         _data(cfg)
+    else:
+        _shards_fit_the_student(cfg, cfg.data.seq_len, f"data.seq_len={cfg.data.seq_len}")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hylo.files import read_json
 from hylo.pipeline.data.config import SourceError, SourceSpec
 from hylo.pipeline.data.readers.raw import RawItem
 
@@ -62,7 +62,7 @@ def _arrow_batches(path: Path) -> Iterator[Any]:
 
 def _hf_disk_files(root: Path, split: str, source: str) -> list[Path]:
     if (root / "dataset_dict.json").is_file():
-        splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+        splits = read_json(root / "dataset_dict.json", SourceError, mapping=True).get("splits", [])
         if split not in splits:
             raise SourceError(f"source {source!r}: split {split!r} not in {root} (splits: {splits})")
         root = root / split
@@ -70,7 +70,7 @@ def _hf_disk_files(root: Path, split: str, source: str) -> list[Path]:
     if not state.is_file():
         raise SourceError(f"source {source!r}: {root} is not a datasets save_to_disk directory "
                           f"(no state.json or dataset_dict.json)")
-    files = [root / d["filename"] for d in json.loads(state.read_text()).get("_data_files", [])]
+    files = [root / d["filename"] for d in read_json(state, SourceError, mapping=True).get("_data_files", [])]
     missing = [str(p) for p in files if not p.is_file()]
     if missing:
         raise SourceError(f"source {source!r}: {root}/state.json lists missing files {missing}")
