@@ -41,8 +41,6 @@ DOC_TOKENS = (256, 2048)
 # positions, labels: 2^40 tokens would be terabytes). `MAX_ESTIMATE_TOTAL` bounds the sum of --tokens.
 MAX_ESTIMATE_TOKENS = 1 << 20
 MAX_ESTIMATE_TOTAL = 2 * MAX_ESTIMATE_TOKENS
-# --world-size: the ZeRO-3 world the per-GPU figures divide by (65,536 GPUs is beyond any training cluster).
-MAX_WORLD_SIZE = 1 << 16
 
 
 @dataclass
