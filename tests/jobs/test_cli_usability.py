@@ -51,6 +51,24 @@ def test_hylo_configs_lists_shows_and_copies_without_overwriting(tmp_path, monke
     assert rc == 2 and "did you mean 'demo-smollm2.yaml'" in text and not (tmp_path / "x.yaml").exists()
 
 
+def test_hylo_configs_shows_each_description_whole_and_wrapped(monkeypatch):
+    """Before, the listing showed the first comment line only: the Qwen3 recipe's ended mid-sentence
+    ("... MLA on layers 2, 6, ..., 26 (the centre"). Each description now ends a sentence, wrapped to the
+    terminal's width under its name."""
+    monkeypatch.setenv("COLUMNS", "100")
+    rc, text = run_hylo(["configs"])
+    assert rc == 0
+    assert max(map(len, text.splitlines())) <= 100
+    width = max(map(len, shipped_configs())) + 2
+    entries = re.split(r"\n(?=\S)", text.strip())
+    assert [e.split()[0] for e in entries] == list(shipped_configs())
+    for entry in entries:
+        description = " ".join(line[width:].strip() for line in entry.splitlines())
+        assert description.endswith((".", ".)")), entry
+    qwen = next(e for e in entries if e.startswith("qwen3-1.7b"))
+    assert "(the centre of each 4-layer bin;" in " ".join(qwen.split()) and "Teacher: Qwen3-8B" in qwen
+
+
 def test_config_by_name_from_another_directory_a_local_file_wins(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc, out, err = run_hylo_split(["stage2", "--config", "demo-smollm2.yaml", "--print-config"])
