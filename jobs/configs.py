@@ -1,6 +1,6 @@
 r"""The shipped config files: list them, print one, copy one out to edit (as torchtune's `tune ls` / `tune cp`).
 
-    hylo configs                                     # every shipped config with its first comment line
+    hylo configs                                     # every shipped config with what it is
     hylo configs show demo-smollm2.yaml              # print one
     hylo configs cp demo-smollm2.yaml my-demo.yaml   # copy one out; then: hylo stage1 --config my-demo.yaml
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
@@ -25,13 +26,17 @@ from hylo.rules import suggest
 
 
 def summary(path: Path) -> str:
-    """The first comment line of a config file (what it is)."""
+    """What a config file is: its leading comment lines up to the first that ends a sentence (a blank comment
+    line, or the end of the comment, ends it before)."""
+    words: list[str] = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-        if line.strip():
+        text = line.lstrip("#").strip()
+        if not line.startswith("#") or not text:
             break
-    return ""
+        words.append(text)
+        if text.endswith((".", ".)")):
+            break
+    return " ".join(words)
 
 
 def find(name: str) -> Path:
@@ -64,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.action in (None, "ls"):
         found = shipped_configs()
         width = max(map(len, found))
+        # each description whole, wrapped to the terminal beside the names (at least 40 columns of text)
+        columns = max(shutil.get_terminal_size().columns, width + 2 + 40)
         for name, path in found.items():
-            print(f"{name:<{width}}  {summary(path)}")
+            lines = textwrap.wrap(summary(path), columns - width - 2) or [""]
+            print("\n".join([f"{name:<{width}}  {lines[0]}", *(f"{'':<{width}}  {ln}" for ln in lines[1:])]))
         return 0
     src = find(args.name)
     if args.action == "show":

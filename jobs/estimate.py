@@ -26,13 +26,17 @@ if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hylo.pipeline.cli import job_main
+from hylo.pipeline.estimate.args import estimate_args
 
 
 @job_main
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # --help, a bad flag or config and --print-config answer before the estimator (torch) is imported
+    estimate_args(argv, description=__doc__)
     from hylo.pipeline.estimate.cli import main as estimate_main
 
-    return estimate_main(sys.argv[1:] if argv is None else argv, description=__doc__)
+    return estimate_main(argv, description=__doc__)
 
 
 if __name__ == "__main__":

@@ -25,17 +25,8 @@ from pathlib import Path
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.pipeline.cli import (
-    MAX_BATCH,
-    MAX_COUNT,
-    MAX_FEWSHOT,
-    bounded_int,
-    job_main,
-    positive_finite_float,
-    report_error,
-    writable_dir,
-)
-from hylo.pipeline.config import ConfigError, add_config_args, load_config, maybe_print_config
+from hylo.pipeline.cli import MAX_BATCH, MAX_COUNT, MAX_FEWSHOT, bounded_int, job_main, positive_finite_float, writable_dir
+from hylo.pipeline.config import add_config_args, load_config, maybe_print_config
 from hylo.pipeline.paths import resolve_paths
 
 
@@ -97,23 +88,20 @@ def check_model_files(cfg) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from hylo.pipeline.eval.config import EvalConfig
-    from hylo.pipeline.eval.decode import EvalError
 
-    try:
-        cfg = load_config(EvalConfig, args.config, [*args.overrides, *overrides_from_flags(args)])
-        maybe_print_config(cfg, args)
-        cfg = resolve_paths(cfg)
-        cfg.check_inputs()
-        from hylo.pipeline.eval.run import check_out, render_markdown, run_eval
+    # a bad config (ConfigError) or input (EvalError) is one `error:` line and exit status 2 (job_main)
+    cfg = load_config(EvalConfig, args.config, [*args.overrides, *overrides_from_flags(args)])
+    maybe_print_config(cfg, args)
+    cfg = resolve_paths(cfg)
+    cfg.check_inputs()
+    # the evaluation stack (torch, transformers) after --help and --print-config answered
+    from hylo.pipeline.eval.run import check_out, render_markdown, run_eval
 
-        check_out(cfg)
-        check_model_files(cfg)
-        writable_dir(cfg.out, "out")
+    check_out(cfg)
+    check_model_files(cfg)
+    writable_dir(cfg.out, "out")
 
-        res = run_eval(cfg)
-    except (ConfigError, EvalError) as e:
-        report_error(str(e))
-        return 2
+    res = run_eval(cfg)
     if not args.quiet:
         print(render_markdown(res))
     print(f"[eval] wrote {Path(cfg.out) / 'results.json'} and results.md", file=sys.stderr)

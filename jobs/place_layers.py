@@ -20,7 +20,7 @@ if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use 
 
 from hylo.pipeline.cli import job_main
 from hylo.pipeline.paths import resolve_paths
-from hylo.pipeline.placement import placement_config, run_placement
+from hylo.pipeline.placement.cli import placement_config, run_placement
 
 
 @job_main(stops=True)

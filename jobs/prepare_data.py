@@ -22,7 +22,6 @@ if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use 
 from hylo.pipeline.cli import job_main
 from hylo.pipeline.config import ConfigError, add_config_args, config_from_args
 from hylo.pipeline.data.config import PrepareDataConfig
-from hylo.pipeline.data.prepare import prepare
 from hylo.pipeline.paths import resolve_paths
 
 
@@ -34,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve_paths(config_from_args(PrepareDataConfig, args))
     if not cfg.mixture.sources:
         raise ConfigError(f"{args.config or '<defaults>'}: mixture.sources is empty; list at least one source")
+    # the data stack (Ray Data, pyarrow, torch) after --help and --print-config answered
+    from hylo.pipeline.data.prepare import prepare
+
     report = prepare(cfg)
     c = report["counts"]
     print(json.dumps({k: c[k] for k in ("documents", "document_tokens", "rows", "read_rejects",

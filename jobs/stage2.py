@@ -16,11 +16,16 @@ if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hylo.pipeline.cli import job_main
-from hylo.pipeline.train import driver
+from hylo.pipeline.train.args import stage_args
 
 
 @job_main
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # --help, a bad flag or config and --print-config answer before the training stack is imported
+    stage_args(2, argv)
+    from hylo.pipeline.train import driver
+
     # the driver's own main: a preemption exits 143 with the resume line, a failed run is one line
     return driver.main(2, argv)
 

@@ -20,7 +20,6 @@ from hylo.pipeline.cli import job_main
 from hylo.pipeline.config import add_config_args, config_from_args
 from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.ray_init import ray_running
-from hylo.pipeline.teacher.cache import check_cache_output, prepare_cache, run_cache_job
 from hylo.pipeline.teacher.config import TeacherCacheConfig
 
 
@@ -29,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     add_config_args(parser, example="teacher.k=64")
     cfg = resolve_paths(config_from_args(TeacherCacheConfig, parser.parse_args(argv)))
-    # Every input check (data shards, teacher files, an existing cache's header) before Ray starts.
+    # Every input check (data shards, teacher files, an existing cache's header) before Ray starts; the cache's
+    # stack (torch, pyarrow) after --help and --print-config answered.
+    from hylo.pipeline.teacher.cache import check_cache_output, prepare_cache, run_cache_job
     from hylo.pipeline.teacher.sources.base import check_model_weights
 
     if cfg.data and cfg.out:

@@ -327,12 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.driver import resource_demand
 
     args = build_parser().parse_args(argv)
     recipe = config_file(args.config) if args.config else None
     cfg = load_stage_config(args.stage, recipe, args.overrides)
     maybe_print_config(cfg, args)
+    # the driver imports the training stack (torch, Ray): after --help and --print-config answered
+    from hylo.pipeline.train.driver import resource_demand
+
     cfg = resolve_paths(cfg)
     cluster_path = Path(args.cluster) if args.cluster else cluster_file_of(recipe) if recipe else None
     try:

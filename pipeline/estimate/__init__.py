@@ -66,40 +66,38 @@ The package, along the estimate's parts (each module's docstring says more):
 * `step.py`: the estimate of one step (`estimate_step`), of a teacher replica, of one measured call;
 * `report.py`: the table `hylo estimate` prints;
 * `sp.py`: what sequence parallelism adds; `fake_group.py`: this process as a rank of torch's fake process
-  group; `cli.py`: `hylo estimate`'s command line.
+  group; `cli.py`: `hylo estimate`'s command line; `args.py`: its flags and config, without torch (the job
+  parses with it first, so `--help` and `--print-config` answer at once).
 The step itself is the stage's own: `stage1.build` / `stage2.build` with factories of models of the config's
 shapes, `PlainEngine` (marked, `TrackedEngine`) and the teacher at its shape, then `train_step`.
 """
 
-from hylo.pipeline.estimate.fake import (
-    EstimateError,
-    build_model,
-    cast_parameters,
-    fake_like,
-    fake_tensors,
-    flop_registry,
-)
-from hylo.pipeline.estimate.gpus import GPU, GPUS
-from hylo.pipeline.estimate.report import format_table
-from hylo.pipeline.estimate.shapes import (
-    Shapes,
-    ShapeTeacher,
-    model_config,
-    parameter_count,
-    shapes_of,
-    student_config,
-)
-from hylo.pipeline.estimate.step import (
-    DOC_TOKENS,
-    Estimate,
-    estimate_call,
-    estimate_step,
-    estimate_teacher_replica,
-    synthetic_row,
-)
-from hylo.pipeline.estimate.tracking import Progress
+from __future__ import annotations
 
-__all__ = ["DOC_TOKENS", "GPU", "GPUS", "Estimate", "EstimateError", "Progress", "ShapeTeacher", "Shapes",
-           "build_model", "cast_parameters",
-           "estimate_call", "estimate_step", "estimate_teacher_replica", "fake_like", "fake_tensors", "flop_registry",
-           "format_table", "model_config", "parameter_count", "shapes_of", "student_config", "synthetic_row"]
+import importlib
+from typing import Any
+
+# The names below are loaded on first use: `hylo estimate --help` (args.py) imports no torch.
+_EXPORTS = {
+    "fake": ("EstimateError", "build_model", "cast_parameters", "fake_like", "fake_tensors", "flop_registry"),
+    "gpus": ("GPU", "GPUS"),
+    "report": ("format_table",),
+    "shapes": ("Shapes", "ShapeTeacher", "model_config", "parameter_count", "shapes_of", "student_config"),
+    "step": ("DOC_TOKENS", "Estimate", "estimate_call", "estimate_step", "estimate_teacher_replica", "synthetic_row"),
+    "tracking": ("Progress",),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

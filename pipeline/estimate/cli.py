@@ -10,12 +10,11 @@ from typing import Any
 import torch
 
 from hylo.files import WRITTEN_BY
-from hylo.pipeline.estimate import __doc__ as estimate_doc
+from hylo.pipeline.estimate.args import estimate_args
 from hylo.pipeline.estimate.report import format_table
 from hylo.pipeline.estimate.shapes import Shapes, shapes_of
 from hylo.pipeline.estimate.step import (
     DOC_TOKENS,
-    MAX_WORLD_SIZE,
     check_estimate_tokens,
     estimate_step,
     estimate_teacher_replica,
@@ -46,51 +45,14 @@ def describe(cfg: StageConfig, shapes: Shapes, W: int, dtype: torch.dtype, confi
 def main(argv: list[str] | None = None, description: str | None = None) -> int:
     """`hylo estimate`: print the per-GPU memory and the FLOPs of one training step of a config
     (`description`: the help's text, jobs/estimate.py's docstring)."""
-    import argparse
     import json
 
-    from hylo.pipeline.cli import BadArgument, bounded_int
-    from hylo.pipeline.config import add_config_args, maybe_print_config
+    from hylo.pipeline.cli import BadArgument
     from hylo.pipeline.paths import resolve_paths
     from hylo.pipeline.train.config import load_conversion_config, load_stage_config
     from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
 
-    ap = argparse.ArgumentParser(description=description or estimate_doc, allow_abbrev=False,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_args(ap, example="data.seq_len=32768")
-    ap.add_argument("--stage", type=bounded_int(1, 2), default=None,
-                    help="which stage's step (default: the `stage:` a printed config names, else 2)")
-    ap.add_argument("--tokens", default=None,
-                    help="comma-separated row lengths, e.g. 8192,65536 (default: the config's data.seq_len)")
-    ap.add_argument("--world-size", type=bounded_int(1, MAX_WORLD_SIZE), default=None,
-                    help="ZeRO-3 world size (default: the config's ray.num_workers)")
-    ap.add_argument("--sequence-parallel", type=bounded_int(1, MAX_WORLD_SIZE), default=None, metavar="N",
-                    help="one row split by tokens over N GPUs (default: the config's train.sequence_parallel, else 1): "
-                         "per GPU the rank's step at T/N tokens plus what splitting adds, and the bytes each layer "
-                         "sends (pipeline/estimate/sp.py)")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                    help="the step's dtype (default: model.dtype as on a GPU: auto = bfloat16)")
-    ap.add_argument("--cpu", action="store_true",
-                    help="the step as a CPU runs it (fused KL's host checks and chunk size; fp32 unless --dtype)")
-    ap.add_argument("--json", default=None,
-                    help="also write every figure to this file (never over a file this project did not write)")
-    ap.add_argument("--force", action="store_true",
-                    help="let --json replace an existing file this project did not write")
-    args = ap.parse_args(argv)
-    if args.json and not getattr(args, "print_config", False):
-        # before the work: --json is not the config it reads, nor a file of the user's, and can be written
-        from hylo.files import check_output_file
-        from hylo.pipeline.config import config_file
-
-        check_output_file(args.json, "--json", [("--config", config_file(args.config) if args.config else None)],
-                          force=args.force)
-    if args.stage is None:  # a stage's --print-config (and this job's) heads its file with `stage: N`
-        from hylo.pipeline.config import read_config_file
-
-        named = read_config_file(args.config)[0].get("stage") if args.config else None
-        args.stage = named if named in (1, 2) else 2
-    cfg = load_stage_config(args.stage, args.config, args.overrides)
-    maybe_print_config(cfg, args)
+    args, cfg = estimate_args(argv, description)
     cfg = resolve_paths(cfg)  # every path relative to this directory, as the stage jobs read them
     # stage 2's student shape comes from its checkpoint, or else from the file's stage-1 conversion
     student = Path(cfg.model.student).expanduser() if cfg.model.student else None

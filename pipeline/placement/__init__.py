@@ -45,29 +45,33 @@ chosen layers, the compared runs' summary, the plot), `workflow.py` (`PlacementC
 (the command line). Outside callers import from here.
 """
 
-from hylo.pipeline.placement.cli import placement_config, run_placement
-from hylo.pipeline.placement.proxy import proxy_scores
-from hylo.pipeline.placement.ranking import choose, compare_summary, ranks, spearman
-from hylo.pipeline.placement.rows import PlacementError, load_rows
-from hylo.pipeline.placement.score import score_layers
-from hylo.pipeline.placement.swap import layer_inputs, swapped_kl, teacher_hidden
-from hylo.pipeline.placement.workflow import PlaceLayers, PlacementConfig, compare_markdown
+from __future__ import annotations
 
-__all__ = [
-    "PlaceLayers",
-    "PlacementConfig",
-    "PlacementError",
-    "choose",
-    "compare_markdown",
-    "compare_summary",
-    "layer_inputs",
-    "load_rows",
-    "placement_config",
-    "proxy_scores",
-    "ranks",
-    "run_placement",
-    "score_layers",
-    "spearman",
-    "swapped_kl",
-    "teacher_hidden",
-]
+import importlib
+from typing import Any
+
+# The names below are loaded on first use: `hylo place-layers --help` (cli.py) imports no torch.
+_EXPORTS = {
+    "cli": ("placement_config", "run_placement"),
+    "proxy": ("proxy_scores",),
+    "ranking": ("choose", "compare_summary", "ranks", "spearman"),
+    "rows": ("PlacementError", "load_rows"),
+    "score": ("score_layers",),
+    "swap": ("layer_inputs", "swapped_kl", "teacher_hidden"),
+    "workflow": ("PlaceLayers", "PlacementConfig", "compare_markdown"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -3,18 +3,29 @@ base attention output it replaces, in the three forms the search reports (`PROXI
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
-from hylo.pipeline.data.rows import PackedRow
+if TYPE_CHECKING:
+    from torch import nn
 
+    from hylo.pipeline.data.rows import PackedRow
+
+# The proxy's names (`hylo place-layers --proxy`): this module imports torch only when it scores, so the
+# command line's help does not.
 PROXIES = ("linear_error", "linear_error_rel", "error_gap")
 
 
-@torch.no_grad()
 def proxy_scores(base: nn.Module, linear: nn.Module, mla: nn.Module, rows: list[PackedRow]) -> dict[str, list[float]]:
     """Per-layer errors of the converted (untrained) mixers against the base attention outputs."""
+    import torch
+
+    with torch.no_grad():
+        return _proxy_scores(base, linear, mla, rows)
+
+
+def _proxy_scores(base: nn.Module, linear: nn.Module, mla: nn.Module, rows: list[PackedRow]) -> dict[str, list[float]]:
+    import numpy as np
+
     from hylo.pipeline.train.stage1 import BaseLayerTargets
 
     targets = BaseLayerTargets(base)

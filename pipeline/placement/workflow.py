@@ -7,16 +7,18 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from hylo.files import atomic_write
 from hylo.pipeline import runner
 from hylo.pipeline.config import PATH, ROW_TOKENS, at_least, config_file, each, one_of, rules
 from hylo.pipeline.placement.proxy import PROXIES, proxy_scores
-from hylo.pipeline.placement.ranking import choose, compare_summary, plot_scores, spearman
-from hylo.pipeline.placement.rows import PlacementError, load_rows
-from hylo.pipeline.placement.score import score_layers
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# The steps import what runs them (torch, the rows, the scoring): `PlacementConfig` and
+# `hylo place-layers --print-config` need none of it.
 
 
 def _slug(spec: str) -> str:
@@ -67,6 +69,8 @@ class PlacementConfig(runner.RunnerConfig):
 
 class PlaceLayers(runner.StepRunner):
     def __init__(self, cfg: PlacementConfig) -> None:
+        from hylo.pipeline.placement.rows import PlacementError
+
         if cfg.n_mla is None:
             raise PlacementError("n_mla is not set: pass --n-mla N (how many layers get MLA)")
         self.cfg = cfg
@@ -110,6 +114,7 @@ class PlaceLayers(runner.StepRunner):
 
     def proxy(self) -> dict:
         from hylo.io import load_hylo
+        from hylo.pipeline.placement.rows import load_rows
 
         rows = load_rows(self.data["heldout"], self.cfg.heldout_rows)
         lin = load_hylo(self.run / "converted_linear").eval()
@@ -119,6 +124,9 @@ class PlaceLayers(runner.StepRunner):
         return {}
 
     def score(self) -> dict:
+        from hylo.pipeline.placement.rows import load_rows
+        from hylo.pipeline.placement.score import score_layers
+
         rows = load_rows(self.data["heldout"], self.cfg.heldout_rows)
         self.ray_address()  # the run's Ray, which the training steps use too
         res = score_layers(self.run / "stage1_linear" / "model", self.run / "stage1_mla" / "model", self._base(),
@@ -127,6 +135,8 @@ class PlaceLayers(runner.StepRunner):
         return {}
 
     def write_placement(self, proxy_only: bool) -> dict:
+        from hylo.pipeline.placement.ranking import choose, plot_scores, spearman
+
         c = self.cfg
         proxy = json.loads((self.run / "proxy.json").read_text())
         result: dict = {"base": c.base, "n_mla": c.n_mla, "linear_type": c.linear_type,
@@ -194,6 +204,8 @@ class PlaceLayers(runner.StepRunner):
         return 0
 
     def write_compare(self, rows: list[dict]) -> None:
+        from hylo.pipeline.placement.ranking import compare_summary
+
         steps = self.cfg.compare_steps
         summary = compare_summary(rows)
         md = compare_markdown(rows, summary, steps)

@@ -59,11 +59,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hylo.pipeline.config import ConfigError, add_config_args, maybe_print_config
+from hylo.pipeline.config import ConfigError
 from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.ray_init import init_ray, torch_extensions_dir
 from hylo.pipeline.teacher.sources import source_kind
 from hylo.pipeline.teacher.sources.base import ResourceDemand
+from hylo.pipeline.train.args import stage_args
 from hylo.pipeline.train.checkpoint.layout import (
     STEP_DIR,
     checkpoint_problem,
@@ -73,7 +74,7 @@ from hylo.pipeline.train.checkpoint.layout import (
     latest_checkpoint,
 )
 from hylo.pipeline.train.checkpoint.resume import check_student_fits
-from hylo.pipeline.train.config import StageConfig, config_to_dict, load_stage_config
+from hylo.pipeline.train.config import StageConfig, config_to_dict
 from hylo.pipeline.train.inputs import check_stage_inputs
 from hylo.pipeline.train.metrics import make_ray_callback, read_metrics
 from hylo.pipeline.train.runlock import run_lock
@@ -86,24 +87,6 @@ RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 PRINT_PATCH = "RAY_TRAIN_ENABLE_PRINT_PATCH"
 # the exit status of a process ended by SIGTERM (128 + 15): schedulers take it for a preemption, not a bug
 PREEMPTED_EXIT = 143
-
-
-def build_parser(stage: int) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=f"HyLo stage {stage} training (Ray Train + DeepSpeed ZeRO-3)\n\n"
-        f"    hylo stage{stage} --config demo-smollm2.yaml [--set optim.lr=1e-4 ...] [--resume [PATH]]\n"
-        f"    hylo stage{stage} --config demo-smollm2.yaml --set train.total_steps=4 --print-config\n\n"
-        "--config takes a file or the name of a shipped config (`hylo configs` lists them); a relative\n"
-        "path in a config is relative to the current directory. All options: pipeline/train/config.py\n"
-        "(--print-config prints every key with its value).",
-        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    add_config_args(p, example="optim.lr=1e-4")
-    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                   help="continue the run from its newest checkpoint, or from checkpoint directory PATH")
-    p.add_argument("--break-lock", action="store_true",
-                   help="take over the run directory's lock (run.lock) left by a run that is no longer "
-                        "running; a lock held by a live process of this host is never broken")
-    return p
 
 
 def check_run_dir(cfg: StageConfig, resume: str | None) -> None:
@@ -527,9 +510,7 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
         clock.lap("import")
     else:  # called inside a longer-lived process (a test, a notebook): its start is not this run's
         clock = StartupClock()
-    args = build_parser(stage).parse_args(argv)
-    cfg = load_stage_config(stage, args.config, args.overrides)
-    maybe_print_config(cfg, args)
+    args, cfg = stage_args(stage, argv)
     launcher = cfg.ray.launcher
     is_rank0 = int(os.environ.get("RANK", "0")) == 0
     if launcher == "torchrun" and "RANK" not in os.environ:

@@ -81,7 +81,7 @@ def test_the_quick_start_then_the_stages_from_an_installed_wheel(tmp_path):
     assert f"{site_dir}/hylo/configs/demo-smollm2.yaml" in out["demo"]
     assert not re.search(rf"{re.escape(str(REPO))}/(hylo|pipeline|jobs|kernels|configs)/", out["demo"])
     demo = work / "runs" / "demo"
-    assert "KL(teacher || student), after stage 2" in (demo / "report.md").read_text()
+    assert r"KL(teacher \|\| student), after stage 2" in (demo / "report.md").read_text()
     assert "demo-smollm2.yaml" in out["configs"]
     printed_once((demo / "logs" / "stage1.log").read_text(), r"\[stage1\] step \d+/")
     cards = {name: (demo / name / "README.md").read_text() for name in ("converted", "stage2/model")}

@@ -111,3 +111,51 @@ def test_the_report_shows_every_models_answers_as_they_came_out(tmp_path):
                                  "stage 2": "The capital of the capital"}),
                    (prompts[1], {"base": "4", "converted": "", "stage 1": "2 | 2", "stage 2": "four\nfour"})]
     assert demo._md_cell("2 | 2") == "2 \\| 2" and demo._md_cell("") == "(empty)"
+
+
+def _kv_final() -> dict:
+    """An evaluation's kvcache results as `pipeline/eval/kvcache.py` writes them: the hybrid's growing part is
+    0.396 of the base per token, its fixed GDN state raises the ratio of the cache in all at short contexts."""
+    base = [{"context": n, "total_bytes": 46080 * n} for n in (512, 1024)]
+    model = [{"context": n, "total_bytes": 0.396 * 46080 * n + 2_400_000} for n in (512, 1024)]
+    per_length = [{"context": b["context"], "measured_ratio": 0.396,
+                   "measured_ratio_total": m["total_bytes"] / b["total_bytes"]} for b, m in zip(base, model)]
+    return {"kvcache": {"base": base, "model": model, "comparison": {"per_length": per_length}}}
+
+
+def test_the_kv_rows_say_what_they_measure_and_the_plotted_ratio_is_in_the_table():
+    """Before, one row per length read "measured KV bytes/token ratio 0.396" (the growing part only) while the
+    plot drew the cache in all (ratio 0.50 at 512 tokens). Now each row names its measure, and the rows of the
+    cache in all carry the ratio of the plotted lines."""
+    final = _kv_final()
+    rows = dict(demo.kv_rows(final))
+    (xs, base), (_, model) = demo.kv_series(final).values()
+    assert xs == [512, 1024] and len(rows) == 4
+    for n, b, m in zip(xs, base, model):
+        (growing,) = [v for k, v in rows.items() if f"at {n} tokens" in k and "per token" in k]
+        (in_all,) = [v for k, v in rows.items() if f"at {n} tokens" in k and "as plotted" in k]
+        assert growing == "0.396" and in_all == f"{m / b:.3f}" != growing
+    note = demo.kv_ratio_note({"n_mla": 15, "n_linear": 15, "kv_cache_ratio": 15 * 304 / (30 * 384),
+                               "mla_values_per_token": 304, "kv_lora_rank": 256, "qk_rope_head_dim": 48})
+    assert "15 x 304 / (30 x 384) = 0.396" in note and "3.9-7.8 %" in note
+
+
+@pytest.mark.slow  # matplotlib's first import in a fresh home runs fc-list to find the fonts
+def test_every_axis_of_every_demo_plot_is_labelled():
+    """Before, the loss curves' y axes (and the KL bars' x axis) had no label. The KV plot draws `kv_series`,
+    whose ratios the table's rows of the cache in all carry."""
+    import matplotlib.pyplot as plt
+
+    figs = demo.demo_figures({"converted": 4.0, "stage1": 3.0, "stage2": 2.0}, _kv_final(),
+                             {1: {"loss": 1.0}, 2: {"loss": 0.5}}, {1: {"loss": 2.0}})
+    assert sorted(figs) == ["kl_per_stage.png", "kv_cache_vs_context.png", "loss_curves.png"]
+    try:
+        for name, fig in figs.items():
+            for ax in fig.axes:
+                assert ax.get_xlabel() and ax.get_ylabel(), (name, ax.get_title())
+        kv = figs["kv_cache_vs_context.png"].axes[0]
+        assert "in all" in kv.get_ylabel()
+        assert [list(line.get_ydata()) for line in kv.get_lines()] == [
+            [y / 2**20 for y in ys] for _, ys in demo.kv_series(_kv_final()).values()]
+    finally:
+        plt.close("all")

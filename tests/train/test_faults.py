@@ -206,7 +206,7 @@ def test_run_lock_left_in_storage_by_an_outage_is_reported_and_taken_back_by_its
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_the_stage_jobs_exit_143_with_one_line_when_preempted_and_one_line_when_training_fails(stage, monkeypatch,
-                                                                                              capsys):
+                                                                                              capsys, tmp_path):
     """What `python jobs/stage<N>.py` (and `hylo stage<N>`) does with what the driver raises: a preemption
     is exit status 143 and its one resume line, the last of the output (before, jobs/stage*.py wrapped the
     driver's run() in the generic handler: a traceback and exit status 1); a run Ray Train gave up on is
@@ -217,6 +217,9 @@ def test_the_stage_jobs_exit_143_with_one_line_when_preempted_and_one_line_when_
     from hylo.pipeline.train import driver
 
     job = importlib.import_module(f"hylo.jobs.stage{stage}")
+    # the job reads its config before it imports the driver: an empty file is the defaults
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text("")
     resume = "preempted (SIGTERM): run the same command with --resume to continue from step_00000006, its " \
              "newest intact checkpoint"
     raised: list[BaseException] = []
