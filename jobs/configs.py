@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import shutil
 import textwrap
 from pathlib import Path
 

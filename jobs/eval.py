@@ -25,7 +25,15 @@ from pathlib import Path
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.pipeline.cli import MAX_BATCH, MAX_COUNT, MAX_FEWSHOT, bounded_int, job_main, positive_finite_float, writable_dir
+from hylo.pipeline.cli import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_FEWSHOT,
+    bounded_int,
+    job_main,
+    positive_finite_float,
+    writable_dir,
+)
 from hylo.pipeline.config import add_config_args, load_config, maybe_print_config
 from hylo.pipeline.paths import resolve_paths
 

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
 
     from hylo.pipeline.cli import BadArgument
     from hylo.pipeline.paths import resolve_paths
-    from hylo.pipeline.train.config import load_conversion_config, load_stage_config
+    from hylo.pipeline.train.config import load_conversion_config
     from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
 
     args, cfg = estimate_args(argv, description)
