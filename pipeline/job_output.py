@@ -31,8 +31,9 @@ RAY_LOG = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\s+"
 
 # (why it is harmless, the line's text after any RAY_PREFIX)
 KNOWN_NOISE: tuple[tuple[str, re.Pattern[str]], ...] = tuple((why, re.compile(pattern)) for why, pattern in (
+    # (a job's progress bar may come first on the line: tqdm's first state, ending without a newline)
     ("Ray's INFO log lines: joining the cluster, Ray Data's plan and progress",
-     rf"^{RAY_LOG}INFO \S+\.py:\d+ -- "),
+     rf"^(?:.*\|.*\] ?)?{RAY_LOG}INFO \S+\.py:\d+ -- "),
     ("Ray Data's note that its progress bars are off in a pipe (the job prints its own progress)",
      rf"^{RAY_LOG}WARNING \S+\.py:\d+ -- Progress bars disabled\."),
     ("Ray Data starts its tokenizer actors with their arguments in the object store; Ray logs it at error "

@@ -18,6 +18,8 @@ def ray(who: str, text: str) -> str:
 NOISE = [
     "2026-12-06 02:57:34,591\tINFO worker.py:1841 -- Connecting to existing Ray cluster at address: 127.0.0.1:38217...\n",
     "2026-12-06 02:57:40,360\tINFO logging_progress.py:225 -- Total Progress: 0/?\n",
+    "prepare stage2 (starting 2 tokenizer actor(s)):   0%|          | 0/40 [00:00<?, ?rec/s]2026-12-06 03:13:26,432"
+    "\tINFO streaming_executor.py:215 -- Starting execution of Dataset dataset_0359lHRp3AAEU\n",
     "2026-12-06 02:57:59,636\tWARNING __init__.py:28 -- Progress bars disabled. To enable, set "
     "`ray.data.DataContext.get_current().enable_progress_bars = True`.\n",
     "[2026-12-06 02:57:59,623 E 11707 11707] core_worker.cc:2465: Actor with class name: 'MapWorker(MapBatches("
