@@ -177,7 +177,8 @@ class StepRunner:
                     sys.stdout.flush()
             rc = proc.wait()
         if echo.held and not self.quiet:
-            print(f"[{self.tag}] {name}: {echo.held} lines of known Ray/torch notices are in {log} only", flush=True)
+            lines = "1 line" if echo.held == 1 else f"{echo.held} lines"
+            print(f"[{self.tag}] {name}: {lines} of known Ray/torch notices are in {log} only", flush=True)
         if rc != 0:
             # the job's last lines less the known noise (a Ray worker's repeated notice would hide the error)
             tail = "".join([line for line in out_lines if not known_noise(line.rstrip("\n"))][-30:])
