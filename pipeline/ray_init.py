@@ -25,6 +25,14 @@ Design choices:
   demo's steps) joins in the same mode, so that its driver looks for the node at that address. A cluster
   started with `ray start` is the way to be reachable from other machines (docs/cluster.md says what it
   exposes).
+* A local Ray's processes know its address: its GCS port is chosen before it starts (a free loopback port,
+  `RAY_GCS_SERVER_PORT`) and `RAY_ADDRESS` names it in the environment its raylet and workers inherit (set
+  while it starts, restored after). Ray's own helper actors look their cluster up without an address (Ray
+  Train's placement-group cleaner asks the state API whether its controller lives); without `RAY_ADDRESS`
+  Ray searches the machine's processes, and next to another Ray (another user's, a `ray start`) it fails
+  ("Found multiple active Ray instances", a traceback and a warning every second) or takes the newest one
+  `ray start` recorded, which never had the controller (the cleaner then removes a live run's placement
+  group).
 * `num_cpus` is for a Ray this job starts; a job that joins a cluster takes what the cluster has.
 * Only a Ray the job started is shut down (`ray_running`); joining a cluster never stops it.
 * `ray.init` installs a SIGTERM handler of its own (exit status 15, nothing cleaned up): under the signal
@@ -91,10 +99,35 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_
         reclaim()
         return False
     os.environ.update(project_env())
-    with _loopback_node():
+    port = _free_loopback_port()
+    with _loopback_node(), _environ(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"):
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
     reclaim()
     return True
+
+
+def _free_loopback_port() -> int:
+    """A TCP port of the loopback that nothing listens on now (the OS's pick)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """These environment variables for a block; each one's earlier value (or absence) restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _is_loopback(address: str) -> bool:

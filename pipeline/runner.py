@@ -19,6 +19,7 @@ to continue from.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
@@ -31,6 +32,7 @@ from pathlib import Path
 import hylo
 from hylo.files import atomic_write, check_not_an_input, check_own_directory, record_files
 from hylo.pipeline.config import PATH, add_config_args, rules
+from hylo.pipeline.job_output import JobEcho, known_noise
 from hylo.pipeline.ray_init import RayInitSection, gcs_address, init_ray
 from hylo.stopping import popen
 
@@ -154,7 +156,8 @@ class StepRunner:
         return info
 
     def sh(self, name: str, cmd: list[str], env: dict | None = None, ray: bool = False) -> str:
-        """Run one job, streaming its output to the console and to logs/<name>.log; return its output.
+        """Run one job, its output to logs/<name>.log (all of it, without ANSI codes) and to the console (less
+        the known noise of Ray and torch: pipeline/job_output.py); return its output.
         `ray`: the job joins the run's Ray (`RAY_ADDRESS`)."""
         log = self.run / "logs" / f"{name.replace('/', '_')}.log"
         if ray:
@@ -164,18 +167,28 @@ class StepRunner:
         full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONUNBUFFERED": "1",
                     **(env or {})}
         out_lines: list[str] = []
+        echo = JobEcho(tty=sys.stdout.isatty())
         with open(log, "w") as fh:
-            # under the signal rule (hylo/stopping.py) its own process group, ended with the run
-            proc = popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            # under the signal rule (hylo/stopping.py) its own process group, ended with the run; bytes: the
+            # job's output is split into lines and filtered by pipeline/job_output.py
+            proc = popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             assert proc.stdout is not None
-            for line in proc.stdout:
-                fh.write(line)
-                out_lines.append(line)
-                if not self.quiet:
-                    sys.stdout.write(f"  | {line}")
+            # newline="": a progress bar's redraw ("\r") is a piece of its own, not a line
+            for piece in io.TextIOWrapper(proc.stdout, encoding="utf-8", errors="replace", newline=""):
+                text = echo.log_text(piece)
+                fh.write(text)
+                out_lines.append(text)
+                shown = None if self.quiet else echo.terminal_text(piece)
+                if shown is not None:
+                    sys.stdout.write(f"  | {shown}")
+                    sys.stdout.flush()
             rc = proc.wait()
+        if echo.held and not self.quiet:
+            lines = "1 line" if echo.held == 1 else f"{echo.held} lines"
+            print(f"[{self.tag}] {name}: {lines} of known Ray/torch notices are in {log} only", flush=True)
         if rc != 0:
-            tail = "".join(out_lines[-30:])
+            # the job's last lines less the known noise (a Ray worker's repeated notice would hide the error)
+            tail = "".join([line for line in out_lines if not known_noise(line.rstrip("\n"))][-30:])
             raise SystemExit(f"[{self.tag}] {name} failed (exit {rc}); full log: {log}\n{tail}")
         return "".join(out_lines)
 

@@ -82,6 +82,7 @@ def test_the_quick_start_then_the_stages_from_an_installed_wheel(tmp_path):
     assert not re.search(rf"{re.escape(str(REPO))}/(hylo|pipeline|jobs|kernels|configs)/", out["demo"])
     demo = work / "runs" / "demo"
     assert r"KL(teacher \|\| student), after stage 2" in (demo / "report.md").read_text()
+    readable(out["demo"], demo / "logs")
     assert "demo-smollm2.yaml" in out["configs"]
     printed_once((demo / "logs" / "stage1.log").read_text(), r"\[stage1\] step \d+/")
     cards = {name: (demo / name / "README.md").read_text() for name in ("converted", "stage2/model")}
@@ -117,6 +118,24 @@ def test_the_quick_start_then_the_stages_from_an_installed_wheel(tmp_path):
     assert "model_id = 'stage2'" in cards["stage2/model"]
     # the stages' eval recorded its results in the model it evaluated
     assert ModelCard.load(demo / "stage2" / "model" / "README.md").data.eval_results
+
+
+# What a successful demo run printed before it showed only its own progress: Ray's and torch's known notices
+# (pipeline/job_output.py), Ray's helper actor failing to find its cluster next to another Ray.
+DEMO_NOISE = re.compile(r"PlacementGroupCleaner|Found multiple active Ray instances|Failed to kill actor|"
+                        r"FutureWarning|Setting accelerator to CPU|INFO worker\.py:\d+ -- Connect")
+
+
+def readable(out: str, logs: Path) -> None:
+    """The demo's terminal output `out` holds no traceback and none of the known noise; its logs no ANSI codes."""
+    assert "Traceback" not in out, out[-4000:]
+    noise = [line for line in out.splitlines() if DEMO_NOISE.search(line)]
+    assert not noise, f"{len(noise)} lines of known noise on the terminal, e.g.\n" + "\n".join(noise[:5])
+    assert "\x1b" not in out
+    coloured = [log.name for log in sorted(logs.glob("*.log")) if "\x1b" in log.read_text()]
+    assert not coloured, f"ANSI codes in {coloured}"
+    # what it left out is in the logs, and it says so
+    assert "known Ray/torch notices are in" in out
 
 
 class shared_ray:

@@ -28,6 +28,8 @@ class FakeRay:
 
     def init(self, **kwargs) -> None:
         self.calls.append(("init", kwargs))
+        # what the processes a local Ray starts inherit
+        self.environ = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "RAY_GCS_SERVER_PORT")}
         self.initialized = True
 
     def shutdown(self) -> None:
@@ -40,6 +42,7 @@ def fake_ray(monkeypatch):
     fake = FakeRay()
     monkeypatch.setitem(sys.modules, "ray", fake)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_GCS_SERVER_PORT", raising=False)
     for key in ("PYTHONPATH", "TORCH_EXTENSIONS_DIR", "RAY_worker_niceness"):
         # recorded, so that what init_ray puts there is undone after the test
         monkeypatch.setenv(key, os.environ.get(key, ""))
@@ -65,6 +68,11 @@ def test_local_start_is_a_new_ray_without_dashboard_whose_workers_find_this_chec
     assert name == "init" and kwargs == {"address": "local", "num_cpus": 3, "include_dashboard": False,
                                          "log_to_driver": False}
     assert last[0] == "shutdown"
+    # its processes (Ray Train's placement-group cleaner) find it by its address, never by searching the machine,
+    # where another Ray may run; this process's environment is as it was
+    port = fake_ray.environ["RAY_GCS_SERVER_PORT"]
+    assert int(port) > 0 and fake_ray.environ["RAY_ADDRESS"] == f"127.0.0.1:{port}"
+    assert "RAY_ADDRESS" not in os.environ and "RAY_GCS_SERVER_PORT" not in os.environ
     assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/elsewhere"]
     assert os.environ["RAY_worker_niceness"] == "0" and os.environ["TORCH_EXTENSIONS_DIR"]
     # the checkout is put first once

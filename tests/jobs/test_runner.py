@@ -61,6 +61,19 @@ def test_failed_job_names_its_log(tmp_path):
     assert (tmp_path / "run" / "logs" / "cmp_even_converted.log").read_text() == "x\n"
 
 
+@pytest.mark.slow
+def test_a_jobs_known_noise_goes_to_its_log_only_and_the_log_has_no_ansi_codes(tmp_path, capsys):
+    noise = ("\x1b[36m(PlacementGroupCleaner pid=7)\x1b[0m Failed to query Ray Train Controller actor state. "
+             "State API may be temporarily unavailable. Continuing to monitor.")
+    code = f"import sys; print({noise!r}); print('[stage1] step 1/1'); sys.stdout.write('bar 0%\\rbar 100%\\n')"
+    assert StepRunner(tmp_path / "run").sh("job", [PY, "-c", code]).endswith("[stage1] step 1/1\nbar 0%\nbar 100%\n")
+    out = capsys.readouterr().out.split("\n", 2)[2]  # after the step's command line
+    assert "  | [stage1] step 1/1\n  | bar 100%\n" in out and "1 line of known Ray/torch notices are in" in out
+    assert "PlacementGroupCleaner" not in out and "bar 0%" not in out and "\x1b" not in out
+    log = (tmp_path / "run" / "logs" / "job.log").read_text()
+    assert log == f"{noise[5:34]}{noise[38:]}\n[stage1] step 1/1\nbar 0%\nbar 100%\n"
+
+
 def test_last_json_object_skips_log_lines():
     assert last_json_object('{"a": 1}\n') == {"a": 1}
     assert last_json_object('[notice] accelerator cpu\n{\n "a": 2\n}\n') == {"a": 2}
