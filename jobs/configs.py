@@ -12,8 +12,8 @@ to the directory the command runs in (docs/config-guide.md).
 from __future__ import annotations
 
 import argparse
-import sys
 import shutil
+import sys
 import textwrap
 from pathlib import Path
 
