@@ -68,7 +68,7 @@ def installed_wheel(tmp_path: Path) -> Path:
 def ray_root():
     """A Ray temp root of the test's own (`RAY_TMPDIR` of the jobs that start a Ray: what their workers printed is
     read in its sessions; short: Ray's socket paths live below it), removed afterwards."""
-    root = Path(tempfile.mkdtemp(prefix="hylo-qs-ray-", dir="/tmp"))
+    root = Path(tempfile.mkdtemp(prefix="hylo-qs-", dir="/tmp"))
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
