@@ -25,12 +25,14 @@ import shutil
 import site
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.common import source_copy
+from tests.helpers.ray_logs import RayLogs
 from tests.helpers.readme import REPO, clean_env, job_of, printed_once, readme_blocks, run
 
 pytestmark = pytest.mark.slow
@@ -62,7 +64,16 @@ def installed_wheel(tmp_path: Path) -> Path:
     return venv / "bin"
 
 
-def test_the_quick_start_then_the_stages_from_an_installed_wheel(tmp_path):
+@pytest.fixture
+def ray_root():
+    """A Ray temp root of the test's own (`RAY_TMPDIR` of the jobs that start a Ray: what their workers printed is
+    read in its sessions; short: Ray's socket paths live below it), removed afterwards."""
+    root = Path(tempfile.mkdtemp(prefix="hylo-qs-", dir="/tmp"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_quick_start_then_the_stages_from_an_installed_wheel(tmp_path, ray_root):
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs the git checkout to copy the tracked files")
     (quick,) = readme_blocks("Quick start")
@@ -75,7 +86,8 @@ def test_the_quick_start_then_the_stages_from_an_installed_wheel(tmp_path):
     env = clean_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=str(venv))
     work = tmp_path / "elsewhere"
     work.mkdir()
-    out = {cmd.split()[1]: run(cmd, work, env) for cmd in quick[1:]}
+    demo_logs = RayLogs.of_temp_root(ray_root / "demo")
+    out = {cmd.split()[1]: run(cmd, work, {**env, "RAY_TMPDIR": str(ray_root / "demo")}) for cmd in quick[1:]}
     # the demo ran the installed package's jobs, with its shipped configs, in this directory
     site_dir = next((venv / "lib").glob("python3*/site-packages"))
     assert f"{site_dir}/hylo/configs/demo-smollm2.yaml" in out["demo"]
@@ -84,18 +96,25 @@ def test_the_quick_start_then_the_stages_from_an_installed_wheel(tmp_path):
     assert r"KL(teacher \|\| student), after stage 2" in (demo / "report.md").read_text()
     readable(out["demo"], demo / "logs")
     assert "demo-smollm2.yaml" in out["configs"]
-    printed_once((demo / "logs" / "stage1.log").read_text(), r"\[stage1\] step \d+/")
+    # the training worker printed each step once, and the job's log shows none twice
+    printed_once(demo_logs.wait_for("[stage1] step 1/"), r"\[stage1\] step \d+/")
+    printed_once((demo / "logs" / "stage1.log").read_text(), r"\[stage1\] step \d+/", at_least_once=False)
     cards = {name: (demo / name / "README.md").read_text() for name in ("converted", "stage2/model")}
 
     # "Running the stages" where the demo ran, relative paths, its jobs on one Ray
-    with shared_ray(bin_dir / "python", tmp_path / "ray-home", env) as join:
-        outs = [run(cmd, work, {**env, **join}) for cmd in stages]
+    stages_env = {**env, "RAY_TMPDIR": str(ray_root / "stages")}
+    with shared_ray(bin_dir / "python", tmp_path / "ray-home", stages_env) as join:
+        outs, printed = [], []
+        for cmd in stages:
+            logs = RayLogs.of_temp_root(ray_root / "stages")
+            outs.append(run(cmd, work, {**stages_env, **join}))
+            printed.append(logs)
     for split in ("stage1", "stage2"):
         assert json.loads((demo / "data" / split / "manifest.json").read_text())["max_len"] == 128
-    for stage, text in (("stage1", outs[2]), ("stage2", outs[3])):
+    for stage, i in (("stage1", 2), ("stage2", 3)):
         assert (demo / stage / "model" / "hybrid_config.json").is_file()
-        assert f"[{stage}] step 1/1" in text
-        printed_once(text, rf"\[{stage}\] step \d+/")
+        printed_once(printed[i].wait_for(f"[{stage}] step 1/1"), rf"\[{stage}\] step \d+/")
+        printed_once(outs[i], rf"\[{stage}\] step \d+/", at_least_once=False)
     results = json.loads((work / "runs" / "eval" / "results.json").read_text())
     assert results["kl"]["kl"] > 0 and results["kvcache"]["comparison"]
     assert results["config"]["models"]["path"] == str(demo / "stage2" / "model")

@@ -29,6 +29,7 @@ from hylo.pipeline.train.checkpoint.layout import (
 )
 from hylo.pipeline.train.metrics import read_metrics
 
+from tests.helpers.ray_logs import RayLogs
 from tests.helpers.train import (
     S3_ENV,
     assert_ok,
@@ -45,10 +46,9 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def module_ray():
     """One local Ray (2 CPUs) for the module's Ray Train runs. What a test needs of the processes Ray starts is
-    in their environment from the start: every worker's lines printed (RAY_DEDUP_LOGS=0: the input-error test
-    counts the attempts) and the local S3 server's dummy credentials (the S3 test)."""
+    in their environment from the start: the local S3 server's dummy credentials (the S3 test)."""
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in {"RAY_DEDUP_LOGS": "0", **S3_ENV}.items():
+        for key, value in S3_ENV.items():
             mp.setenv(key, value)
         with ray_running(None, 2) as started:
             assert started, "a Ray was already running in this process"
@@ -95,7 +95,7 @@ def test_ray_worker_killed_right_after_a_checkpoint_resumes_from_it(tiny, refere
     assert_same_steps(read_metrics(reference), got, range(1, 9))
 
 
-def test_an_input_error_inside_a_worker_is_not_retried(tiny, capfd, monkeypatch, module_ray):
+def test_an_input_error_inside_a_worker_is_not_retried(tiny, monkeypatch, module_ray):
     """A teacher of another vocabulary that got past the driver's checks (here: switched off) fails
     inside the workers with a ConfigError: the run stops after the first attempt, not after
     ray.max_failures more attempts that load both models again."""
@@ -109,12 +109,11 @@ def test_an_input_error_inside_a_worker_is_not_retried(tiny, capfd, monkeypatch,
     cfg = tiny_config(models, root / "runs", "ray-input-error", ray={"launcher": "ray", "max_failures": 2},
                       teacher={"model": {"path": str(teacher)}})
     monkeypatch.setattr(driver, "check_stage_inputs", lambda cfg: None)
-    capfd.readouterr()  # module_ray prints every worker's failure (RAY_DEDUP_LOGS=0), to count the attempts
+    logs = RayLogs.of_connected()
     with pytest.raises(TrainingError, match="ConfigError: teacher vocabulary 128 != student vocabulary 96"):
         run(2, ["--config", str(write_config(cfg, root / "ray-input-error.yaml"))])
-    out = capfd.readouterr()
-    text = out.out + out.err
-    assert "not retrying: the input is wrong" in text, text[-3000:]
+    # Ray Train's controller said why, and the workers' own output counts the attempts
+    text = logs.wait_for("not retrying: the input is wrong")
     # one attempt: each of the 2 workers failed once at most (Ray logs every failed training function);
     # with Ray's own policy 3 attempts (max_failures=2) print it 3 times or more
     assert 1 <= text.count("Error in training function") <= 2, text.count("Error in training function")
