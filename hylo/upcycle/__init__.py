@@ -21,8 +21,7 @@ does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hylo.lazy import lazy_exports
 
 _EXPORTS = {
     "config": ("ConvertConfig", "UpcycleError"),
@@ -36,19 +35,4 @@ _EXPORTS = {
     "calibrate": ("CALIBRATION_TEXT", "calibration_ids_for", "default_calibration_ids"),
     "model": ("Conversion", "convert", "upcycle"),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

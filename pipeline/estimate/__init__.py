@@ -74,8 +74,7 @@ shapes, `PlainEngine` (marked, `TrackedEngine`) and the teacher at its shape, th
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hylo.lazy import lazy_exports
 
 # The names below are loaded on first use: `hylo estimate --help` (args.py) imports no torch.
 _EXPORTS = {
@@ -86,18 +85,4 @@ _EXPORTS = {
     "step": ("DOC_TOKENS", "Estimate", "estimate_call", "estimate_step", "estimate_teacher_replica", "synthetic_row"),
     "tracking": ("Progress",),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -47,8 +47,7 @@ chosen layers, the compared runs' summary, the plot), `workflow.py` (`PlacementC
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hylo.lazy import lazy_exports
 
 # The names below are loaded on first use: `hylo place-layers --help` (cli.py) imports no torch.
 _EXPORTS = {
@@ -60,18 +59,4 @@ _EXPORTS = {
     "swap": ("layer_inputs", "swapped_kl", "teacher_hidden"),
     "workflow": ("PlaceLayers", "PlacementConfig", "compare_markdown"),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
