@@ -468,9 +468,15 @@ def sweep_temp_files(directory: str | Path, names: Iterable[str]) -> list[Path]:
 
 
 def _writable_parent(path: Path, shown: str, what: str) -> None:
-    """Create the parent of output `path`; an error names the output as given, not a temporary name."""
+    """Create the parent of output `path`; an error names the output as given, not a temporary name. Under the
+    signal rule (hylo/stopping.py, looked up: this module stays a leaf) the folders made are removed on a signal
+    while still empty."""
+    rule = sys.modules.get("hylo.stopping")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if rule is not None:
+            rule.make_dir(path.parent)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OSError(e.errno, f"cannot create its directory {path.parent} ({e.strerror or e})",
                       f"{what} {shown}") from None

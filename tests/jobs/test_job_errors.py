@@ -215,7 +215,7 @@ def test_convert_job(tmp_path, tiny):
     assert_input_error(proc, "kv_lora_rank", "multiple of 8")
     # OverflowError from an infinite float flag (was a traceback)
     proc = run_job(["jobs/convert.py", "--dry-run", "--base-config", str(cfg), "--gdn-expand-v", "inf"])
-    assert_input_error(proc, "--gdn-expand-v=inf")
+    assert_input_error(proc, "--gdn-expand-v", "got inf")
     # AssetError (was a traceback)
     proc = run_job(["jobs/convert.py", "--base", "asset:no-such-model", "--out", str(tmp_path / "o")])
     assert_input_error(proc, "no-such-model")
