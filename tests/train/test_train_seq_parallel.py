@@ -324,12 +324,23 @@ def _rank_main(rank: int, world: int, init: str, setup, linear: str, dtype, out_
 
 
 def _split_run(setup, linear: str, dtype, world: int, tmp_path) -> dict[str, tuple[torch.Tensor, dict]]:
-    """Every case over `world` gloo ranks (forked processes), each rank's loss and gradients summed over the
-    group (what DeepSpeed's averaging over the ranks does with the step's W / n_global scale)."""
+    """Every case over `world` gloo ranks, each rank's loss and gradients summed over the group (what DeepSpeed's
+    averaging over the ranks does with the step's W / n_global scale).
+
+    The ranks fork from a fork server (a fresh process that has imported this module and nothing else has run
+    in), never from the pytest worker: a fork of the worker copies it after earlier tests started threads
+    (OpenMP, Ray, gloo), and a child that inherits a lock held by one of them can crash (CI, 2026-12-06: a rank
+    died of SIGSEGV in its first backward all-reduce). Spawning each rank is as safe and 10x slower here."""
     import multiprocessing as mp
 
     tmp_path.mkdir(parents=True, exist_ok=True)
-    mp_ctx = mp.get_context("fork")
+    mp_ctx = mp.get_context("forkserver")
+    # what a rank imports, imported once in the server (imports start no threads)
+    mp_ctx.set_forkserver_preload([__name__, "hylo.io", "hylo.upcycle", "hylo.pipeline.train.worker",
+                                   "hylo.pipeline.train.stage1", "hylo.pipeline.train.stage2",
+                                   "hylo.pipeline.teacher.sources", "hylo.pipeline.teacher.client",
+                                   "tests.helpers.teacher", "tests.helpers.common",
+                                   "transformers.models.llama.modeling_llama"])
     procs = [mp_ctx.Process(target=_rank_main, args=(r, world, f"file://{tmp_path}/pg-{linear}-{world}", setup,
                                                      linear, dtype, tmp_path)) for r in range(world)]
     for p in procs:
