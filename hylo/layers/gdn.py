@@ -11,7 +11,8 @@ Design choices:
 * Math, per head: q, k, v = SiLU(causal depthwise conv(proj(x))); q, k L2-normalised;
   g = -exp(A_log) * softplus(a_proj(x) + dt_bias) (fp32), beta = sigmoid(b_proj(x));
   o = gated_delta_rule(q, k, v, g, beta); y = o_proj(RMSNorm(o) * w * SiLU(g_proj(x))).
-  The recurrence goes through `hylo.kernels.gdn.chunk_gated_delta_rule` (fla on GPU, torch on CPU).
+  The recurrence goes through `hylo.kernels.gdn.chunk_gated_delta_rule` (fla on GPU, torch on CPU);
+  a single-token step with a cache (decoding) through `recurrent_gated_delta_rule` (fla's recurrent kernel).
 * Packed rows (B == 1, `cu_seqlens`: the model's `hylo.kernels.varlen.DocBounds`, or a tensor checked here
   when the layer is called alone): the short conv is a sum of W+1 shifted copies masked by the
   token's position inside its document, so windows never reach into the previous document; the
@@ -36,7 +37,7 @@ from torch import nn
 
 from hylo.cache import LinearLayerCache
 from hylo.config import HybridConfig
-from hylo.kernels.gdn import chunk_gated_delta_rule
+from hylo.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from hylo.kernels.varlen import DocBounds
 from hylo.layers.linear_common import causal_conv_silu, check_mixer_input, default_dt_bias
 from hylo.seq_parallel import RowShard, conv_prefix, gated_delta_rule_shard
@@ -141,18 +142,22 @@ class GatedDeltaNet(nn.Module):
             o_BTHV = gated_delta_rule_shard(q_BTC.view(B, T, H, K), k_BTC.view(B, T, H, K), v_BTC.view(B, T, H, V),
                                             g_BTH, beta_BTH, shard, self.chunk_size)
             return self.o_proj(self.o_norm(o_BTHV, self.g_proj(x_BTD).view(B, T, H, V)).reshape(B, T, H * V))
-        o_BTHV, state_BHKV = chunk_gated_delta_rule(
-            q_BTC.view(B, T, H, K),
-            k_BTC.view(B, T, H, K),
-            v_BTC.view(B, T, H, V),
-            g_BTH,
-            beta_BTH,
-            initial_state=cache.state if cache is not None else None,
-            output_final_state=cache is not None,
-            cu_seqlens=bounds,
-            use_qk_l2norm_in_kernel=True,
-            chunk_size=self.chunk_size,
-        )
+        qkv = q_BTC.view(B, T, H, K), k_BTC.view(B, T, H, K), v_BTC.view(B, T, H, V)
+        if cache is not None and T == 1:
+            # a decode step: the recurrent kernel, not a chunk kernel over one token
+            o_BTHV, state_BHKV = recurrent_gated_delta_rule(*qkv, g_BTH, beta_BTH, initial_state=cache.state,
+                                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        else:
+            o_BTHV, state_BHKV = chunk_gated_delta_rule(
+                *qkv,
+                g_BTH,
+                beta_BTH,
+                initial_state=cache.state if cache is not None else None,
+                output_final_state=cache is not None,
+                cu_seqlens=bounds,
+                use_qk_l2norm_in_kernel=True,
+                chunk_size=self.chunk_size,
+            )
         if cache is not None:
             cache.update(state_BHKV, {"q": cq, "k": ck, "v": cv}, T)
 

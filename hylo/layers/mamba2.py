@@ -14,7 +14,8 @@ Design choices:
 * Math, per head: xBC = SiLU(causal depthwise conv(in_proj(u)[x|B|C]) + bias); dt = softplus(dt_raw +
   dt_bias) (fp32); A = -exp(A_log); y = SSD(x, dt, A, B, C) + D x; out = out_proj(RMSNorm_G(y * SiLU(z)) * w),
   the RMS taken per group of E / G channels (mamba_ssm's `norm_before_gate=False`). The scan goes through
-  `hylo.kernels.ssd.chunk_ssd` (fla on GPU, chunked torch on CPU).
+  `hylo.kernels.ssd.chunk_ssd` (fla on GPU, chunked torch on CPU); a single-token step with a cache (decoding)
+  through `recurrent_ssd` (fla's recurrent simple-GLA kernel).
 * Shapes derive from the attention when the config leaves them null (`HybridConfig.mamba2_dims`): H = query
   heads, P = N = head_dim, G = H. Then x copies W_v (KV heads expanded to their query heads), B copies W_k,
   C copies W_q and out_proj copies W_o with no truncation, and each head keeps its own query as C. Conv width
@@ -43,7 +44,7 @@ from torch import nn
 
 from hylo.cache import LinearLayerCache
 from hylo.config import HybridConfig
-from hylo.kernels.ssd import chunk_ssd
+from hylo.kernels.ssd import chunk_ssd, recurrent_ssd
 from hylo.kernels.varlen import DocBounds
 from hylo.layers.linear_common import causal_conv_silu, check_mixer_input, default_dt_bias
 from hylo.seq_parallel import RowShard, conv_prefix, ssd_shard
@@ -152,18 +153,19 @@ class Mamba2Mixer(nn.Module):
             y_BTHP = ssd_shard(x_BTE.view(B, T, H, P), dt_BTH, A_H, B_BTGN.view(B, T, G, N), C_BTGN.view(B, T, G, N),
                                self.D, shard, self.chunk_size)
             return self.out_proj(self.norm(y_BTHP.reshape(B, T, E), z_BTE))
-        y_BTHP, state = chunk_ssd(
-            x_BTE.view(B, T, H, P),
-            dt_BTH,
-            A_H,
-            B_BTGN.view(B, T, G, N),
-            C_BTGN.view(B, T, G, N),
-            D=self.D,
-            initial_state=cache.state if cache is not None else None,
-            output_final_state=cache is not None,
-            cu_seqlens=bounds,
-            chunk_size=self.chunk_size,
-        )
+        xBC = x_BTE.view(B, T, H, P), dt_BTH, A_H, B_BTGN.view(B, T, G, N), C_BTGN.view(B, T, G, N)
+        if cache is not None and T == 1:
+            # a decode step: the recurrent kernel, not a chunk kernel over one token
+            y_BTHP, state = recurrent_ssd(*xBC, D=self.D, initial_state=cache.state, output_final_state=True)
+        else:
+            y_BTHP, state = chunk_ssd(
+                *xBC,
+                D=self.D,
+                initial_state=cache.state if cache is not None else None,
+                output_final_state=cache is not None,
+                cu_seqlens=bounds,
+                chunk_size=self.chunk_size,
+            )
         if cache is not None:
             cache.update(state, {"xBC": conv_tail}, T)
 

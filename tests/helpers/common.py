@@ -120,18 +120,40 @@ def packed_vs_separate(layer: nn.Module, bounds: list[int]) -> tuple[torch.Tenso
     return x, y_packed, y_sep
 
 
+LINEAR_OPS = ("chunk_gated_delta_rule", "chunk_ssd", "recurrent_gated_delta_rule", "recurrent_ssd")
+
+
 def assert_cached_decode_equals_full(layer: nn.Module, prefill: int) -> None:
-    """A prefill of `prefill` tokens, then single-token steps with a cache, equals the full forward."""
+    """A prefill of `prefill` tokens, then single-token steps with a cache, equals the full forward; every
+    single-token step goes through the layer's recurrent op (`recurrent_*`), never a chunk op at T = 1."""
+    import sys
+
     B, T = 2, 20
     x = torch.randn(B, T, layer.hidden_size, dtype=torch.float64)
-    with torch.no_grad():
-        y_full = layer(x)
-        cache = LinearLayerCache()
-        outs = [layer(x[:, :prefill], cache=cache)]
-        for t in range(prefill, T):
-            outs.append(layer(x[:, t : t + 1], cache=cache))
+    mod = sys.modules[type(layer).__module__]
+    calls: list[tuple[str, int]] = []
+    saved = {name: getattr(mod, name) for name in LINEAR_OPS if hasattr(mod, name)}
+    for name, fn in saved.items():
+        def recorded(first: torch.Tensor, *args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+            calls.append((_name, first.shape[1]))
+            return _fn(first, *args, **kwargs)
+
+        setattr(mod, name, recorded)
+    try:
+        with torch.no_grad():
+            y_full = layer(x)
+            cache = LinearLayerCache()
+            outs = [layer(x[:, :prefill], cache=cache)]
+            for t in range(prefill, T):
+                outs.append(layer(x[:, t : t + 1], cache=cache))
+    finally:
+        for name, fn in saved.items():
+            setattr(mod, name, fn)
     assert cache.seen == T
     assert_close("decode vs full", y_full, torch.cat(outs, 1))
+    single = [name for name, n in calls[1:] if n == 1]
+    assert len(single) == T - prefill + (prefill == 1), calls
+    assert all(name.startswith("recurrent_") for name in single), f"single-token steps took {calls}"
 
 
 def cache_after_prefill_and_step(layer: nn.Module, B: int, T: int) -> LinearLayerCache:

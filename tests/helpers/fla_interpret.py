@@ -21,8 +21,10 @@ raise, so a case cannot pass by falling back to the torch path.
 
 Cases: every fla call site (GDN `chunk_gated_delta_rule`, SSD `chunk_simple_gla`) forward and backward
 (every input's gradient, the initial state's included) on batches and on packed rows whose documents
-cross chunk boundaries, with and without initial/final states, and decoding (T = 1 with a state); then a
-tiny HyLo model (MLA + GDN, MLA + Mamba-2): forward and every gradient on a packed row, cached decoding,
+cross chunk boundaries, with and without initial/final states, and decoding (T = 1 with a state through the
+chunk op; a prefill then single-token steps through the recurrent op, fla's `fused_recurrent_*`); then a
+tiny HyLo model (MLA + GDN, MLA + Mamba-2): forward and every gradient on a packed row, cached decoding
+(a prefill, then single-token steps through fla's recurrent kernels: a chunk kernel at T = 1 fails the case),
 and one stage-2 step (`pipeline/train/stage2.train_step` with `PlainEngine`, the fused KL's Triton
 kernels interpreted).
 """
@@ -101,7 +103,11 @@ def gpu_branch() -> Iterator[None]:
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a torch op ran on the GPU branch")
 
+    import hylo.kernels.gdn.recurrent as gdn_recurrent
+    import hylo.kernels.ssd.recurrent as ssd_recurrent
+
     targets = [(gdn_chunk, "torch_chunk_gated_delta_rule"), (ssd_chunk, "torch_chunk_ssd"),
+               (gdn_recurrent, "torch_recurrent_gated_delta_rule"), (ssd_recurrent, "torch_recurrent_ssd"),
                (chunked, "dense_kl_step_torch"), (chunked, "topk_kl_step_torch")]
     saved = [getattr(m, n) for m, n in targets]
     for m, n in targets:
@@ -112,6 +118,43 @@ def gpu_branch() -> Iterator[None]:
     finally:
         for (m, n), v in zip(targets, saved):
             setattr(m, n, v)
+
+
+FLA_ENTRIES = (("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+               ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+               ("fla.ops.simple_gla", "chunk_simple_gla"), ("fla.ops.simple_gla", "fused_recurrent_simple_gla"))
+
+
+@contextlib.contextmanager
+def fla_calls() -> Iterator[list[tuple[str, int]]]:
+    """Records (fla function, T) of every call our code makes into fla's GDN / simple-GLA entry points (our call
+    sites import them from these modules at call time)."""
+    calls: list[tuple[str, int]] = []
+    saved = []
+    for mod_name, fn_name in FLA_ENTRIES:
+        mod = importlib.import_module(mod_name)
+        fn = getattr(mod, fn_name)
+        saved.append((mod, fn_name, fn))
+
+        def recorded(q: Any, *args: Any, _fn: Any = fn, _name: str = fn_name, **kwargs: Any) -> Any:
+            calls.append((_name, int(q.shape[1])))
+            return _fn(q, *args, **kwargs)
+
+        setattr(mod, fn_name, recorded)
+    try:
+        yield calls
+    finally:
+        for mod, fn_name, fn in saved:
+            setattr(mod, fn_name, fn)
+
+
+def check_decode_kernels(calls: list[tuple[str, int]]) -> dict[str, Any]:
+    """Single-token steps went to fla's recurrent kernels, never to a chunk kernel at T = 1."""
+    chunk_t1 = [c for c in calls if c[1] == 1 and not c[0].startswith("fused_recurrent")]
+    recurrent = [c for c in calls if c[0].startswith("fused_recurrent")]
+    if chunk_t1 or not recurrent:
+        raise AssertionError(f"single-token steps must use fla's recurrent kernels; fla calls (name, T): {calls}")
+    return {"fla calls (name, T)": sorted(set(calls))}
 
 
 def rel_err(ref: Any, out: Any) -> float:
@@ -203,9 +246,58 @@ for _op, _site in (("gdn", "kernels/gdn/chunk.py chunk_gated_delta_rule -> fla c
     op_case(f"{_op}/packed/no-states", _op, 1, 100, [0, 5, 70, 100], False, site=_site)
     # decoding: one token per sequence, from a state (what the layer does with a cache)
     op_case(f"{_op}/decode/states", _op, 3, 1, None, True, site=_site)
+# decoding as a layer with a cache does it: a prefill, then single-token steps through the recurrent op
+for _op, _site in (("gdn", "kernels/gdn/recurrent.py recurrent_gated_delta_rule -> fla fused_recurrent_gated_delta_rule"),
+                   ("ssd", "kernels/ssd/recurrent.py fla_recurrent_ssd -> fla fused_recurrent_simple_gla")):
+    op_case(f"{_op}/decode/prefill+4-steps", _op, 2, 24, None, True, site=_site)
+    OP_CASES[f"{_op}/decode/prefill+4-steps"]["prefill"] = 20
 # a chunk size fla's GDN kernel does not take (16, 32, 64 only): the call site passes fla one it takes
 op_case("gdn/batch/chunk_size=128", "gdn", 2, 63, None, True, 128,
         site="kernels/gdn/chunk.py chunk_gated_delta_rule -> fla chunk_gated_delta_rule")
+
+
+def run_decode_op(op: str, inputs: dict[str, Any], prefill: int, dtype: Any) -> dict[str, Any]:
+    """A prefill through the chunk op, then one token at a time through the recurrent op (what a layer with a
+    cache does), each step from the previous state: every output and the state after the last step."""
+    import torch
+
+    from hylo.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+    from hylo.kernels.ssd import chunk_ssd, recurrent_ssd
+
+    x = {k: v.to(dtype) for k, v in inputs.items()}
+    per_token = ("q", "k", "v", "g", "beta") if op == "gdn" else ("x", "dt", "B", "C")
+    T = x[per_token[0]].shape[1]
+    state, outs = x["h0"], []
+    for s, e in [(0, prefill)] + [(t, t + 1) for t in range(prefill, T)]:
+        p = {k: (v[:, s:e] if k in per_token else v) for k, v in x.items()}
+        if op == "gdn":
+            fn = chunk_gated_delta_rule if e - s > 1 else recurrent_gated_delta_rule
+            o, state = fn(p["q"], p["k"], p["v"], p["g"], p["beta"], initial_state=state, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+        else:
+            fn = chunk_ssd if e - s > 1 else recurrent_ssd
+            o, state = fn(p["x"], p["dt"], p["A"], p["B"], p["C"], p["D"], initial_state=state,
+                          output_final_state=True)
+        outs.append(o)
+    return {"prefill out": outs[0], "decoded out": torch.cat(outs[1:], 1), "final_state": state}
+
+
+def check_decode_op(name: str) -> dict[str, Any]:
+    import torch
+
+    from hylo.kernels.backend import forced_mode
+
+    c = OP_CASES[name]
+    inputs = (gdn_inputs if c["op"] == "gdn" else ssd_inputs)(c["B"], c["T"], c["B"], seed=len(name))
+    with forced_mode("torch"):
+        ref = run_decode_op(c["op"], inputs, c["prefill"], torch.float64)
+    with gpu_branch(), fla_calls() as calls:
+        out = run_decode_op(c["op"], inputs, c["prefill"], torch.float32)
+    return {"site": c["site"], "packed": False, "states": True, "T": c["T"], "cu_seqlens": None,
+            "chunk_size": c["chunk_size"], "directions": ["forward"], "checked": "interpreter",
+            "rel_err": compare(ref, out), **check_decode_kernels(calls),
+            "note": f"prefill {c['prefill']} tokens (chunk op), then {c['T'] - c['prefill']} single-token steps "
+                    "(recurrent op), each from the previous step's state"}
 
 
 def check_op(name: str) -> dict[str, Any]:
@@ -214,6 +306,8 @@ def check_op(name: str) -> dict[str, Any]:
     from hylo.kernels.backend import forced_mode
 
     c = OP_CASES[name]
+    if c.get("prefill"):
+        return check_decode_op(name)
     n = c["B"] if c["cu"] is None else len(c["cu"]) - 1
     inputs = (gdn_inputs if c["op"] == "gdn" else ssd_inputs)(c["B"], c["T"], n, seed=len(name))
     with forced_mode("torch"):
@@ -318,10 +412,12 @@ def check_decode(variant: str) -> dict[str, Any]:
     with torch.no_grad():
         with forced_mode("torch"):
             ref = model_decode(ref_model)
-        with gpu_branch():
+        with gpu_branch(), fla_calls() as calls:
             out = model_decode(model)
     return {"checked": "interpreter", "packed": False, "directions": ["forward"], "rel_err": compare(ref, out),
-            "note": "prefill 6 tokens, then 3 single-token steps from the cache (fla's chunk kernel at T = 1)"}
+            **check_decode_kernels(calls),
+            "note": "prefill 6 tokens (fla's chunk kernel), then 3 single-token steps from the cache (fla's recurrent "
+                    "kernel)"}
 
 
 def check_step(variant: str) -> dict[str, Any]:

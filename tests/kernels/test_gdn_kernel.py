@@ -6,14 +6,18 @@ algebraically equal, so any difference beyond round-off is a bug.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import hylo.kernels.gdn.recurrent as gdn_recurrent
 from hylo.kernels.gdn import (
     GatedDeltaRuleInputError,
     chunk_gated_delta_rule,
     naive_recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule,
 )
 
 from tests.helpers.common import (
@@ -153,6 +157,59 @@ def test_single_token_and_no_final_state():
     assert ht is None
     o_ref, _ = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0)
     assert_close("o T=1", o_ref, o)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("l2", [False, True], ids=["raw-qk", "l2norm-qk"])
+def test_recurrent_op_matches_naive_forward_and_backward(T, l2):
+    """The decode step's torch path: outputs, final state and every gradient equal the reference."""
+    q, k, v, g, beta, h0 = make_inputs(3, T, 2, 8, 16)
+    compare(run(naive_recurrent_gated_delta_rule, q, k, v, g, beta, h0, use_qk_l2norm_in_kernel=l2),
+            run(recurrent_gated_delta_rule, q, k, v, g, beta, h0, use_qk_l2norm_in_kernel=l2))
+    o, ht = recurrent_gated_delta_rule(*(x.detach() for x in (q, k, v, g, beta)))
+    assert ht is None and o.shape == v.shape
+
+
+def test_prefill_then_recurrent_steps_equal_one_chunked_pass():
+    q, k, v, g, beta, h0 = (x.detach() for x in make_inputs(2, 30, 2, 8, 16))
+    o_ref, ht_ref = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)
+    outs, state = [], h0
+    for s, e in [(0, 25)] + [(t, t + 1) for t in range(25, 30)]:
+        fn = chunk_gated_delta_rule if e - s > 1 else recurrent_gated_delta_rule
+        o, state = fn(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], initial_state=state,
+                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+        outs.append(o)
+    assert_close("o prefill + steps", o_ref, torch.cat(outs, 1))
+    assert_close("final state prefill + steps", ht_ref, state)
+
+
+def test_recurrent_gpu_dispatch_goes_to_fla_recurrent_kernel(monkeypatch):
+    """On the GPU path a decode step goes to fla's `fused_recurrent_gated_delta_rule` (beta by keyword: its
+    fifth positional argument is `gk`); when autograd needs the graph, to fla's chunk op (the recurrent one
+    has no backward)."""
+    chunk_calls = fake_fla_gdn(monkeypatch)
+    fake = sys.modules["fla.ops.gated_delta_rule"]
+    calls = []
+
+    def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, **kw):
+        calls.append(dict(gk=gk, gv=gv, **kw))
+        return naive_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+
+    fake.fused_recurrent_gated_delta_rule = fused_recurrent_gated_delta_rule
+    monkeypatch.setattr(gdn_recurrent, "use_fla", lambda x: True)
+    q, k, v, g, beta, h0 = make_inputs(2, 1, 2, 8, 8)
+    with torch.no_grad():
+        o, ht = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)
+    assert len(calls) == 1 and not chunk_calls
+    assert calls[0]["gk"] is None and calls[0]["gv"] is None and calls[0]["use_qk_l2norm_in_kernel"] is True
+    o_ref, ht_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                     use_qk_l2norm_in_kernel=True)
+    assert_close("o (fla recurrent path)", o_ref, o)
+    assert_close("final state (fla recurrent path)", ht_ref, ht)
+    recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert len(calls) == 1 and len(chunk_calls) == 1
 
 
 def test_gpu_dispatch_goes_to_fla(monkeypatch):

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import hylo.kernels.ssd.chunk as ssd_chunk
+import hylo.kernels.ssd.recurrent as ssd_recurrent
 from hylo.config import HybridConfig, HybridConfigError
-from hylo.kernels.ssd import SSDInputError, chunk_ssd, naive_ssd
+from hylo.kernels.ssd import SSDInputError, chunk_ssd, naive_ssd, recurrent_ssd
 from hylo.layers.mamba2 import Mamba2Mixer, causal_conv1d_silu
 from hylo.upcycle import mamba2_weights_from_attention
 
@@ -170,7 +171,48 @@ def _fake_fla_simple_gla(calls):
 
     fake = types.ModuleType("fla.ops.simple_gla")
     fake.chunk_simple_gla = chunk_simple_gla
+    fake.fused_recurrent_simple_gla = chunk_simple_gla  # the same math: the call site's arguments are checked
     return fake
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_recurrent_op_matches_naive_forward_and_backward(T, groups):
+    """The decode step's torch path: outputs, final state and every gradient equal the reference."""
+    inputs = make_inputs(3, T, 4, groups, 8, 16)
+    compare(run(naive_ssd, *inputs), run(recurrent_ssd, *inputs))
+    y, ht = recurrent_ssd(*(t.detach() for t in inputs[:6]))
+    assert ht is None and y.shape == inputs[0].shape
+
+
+def test_prefill_then_recurrent_steps_equal_one_chunked_pass():
+    x, dt, A, Bm, Cm, D, h0 = (t.detach() for t in make_inputs(2, 30, 4, 2, 8, 16))
+    y_ref, ht_ref = chunk_ssd(x, dt, A, Bm, Cm, D, initial_state=h0, output_final_state=True)
+    outs, state = [], h0
+    for s, e in [(0, 25)] + [(t, t + 1) for t in range(25, 30)]:
+        fn = chunk_ssd if e - s > 1 else recurrent_ssd
+        y, state = fn(x[:, s:e], dt[:, s:e], A, Bm[:, s:e], Cm[:, s:e], D, initial_state=state,
+                      output_final_state=True)
+        outs.append(y)
+    assert_close("y prefill + steps", y_ref, torch.cat(outs, 1))
+    assert_close("final state prefill + steps", ht_ref, state)
+
+
+def test_recurrent_gpu_dispatch_to_fla_fused_recurrent_simple_gla(monkeypatch):
+    """On the GPU path a decode step goes to fla's `fused_recurrent_simple_gla` (q = C, k = B, v = dt x,
+    g = dt A, scale 1, value-first state, + D x) and equals ours."""
+    calls = []
+    fake = _fake_fla_simple_gla(calls)
+    fake.chunk_simple_gla = None  # a decode step must not reach the chunk op
+    monkeypatch.setitem(sys.modules, "fla.ops.simple_gla", fake)
+    monkeypatch.setattr(ssd_recurrent, "use_fla", lambda x: True)
+    x, dt, A, Bm, Cm, D, h0 = (t.detach().float() for t in make_inputs(2, 1, 4, 2, 8, 16))
+    y, ht = recurrent_ssd(x, dt, A, Bm, Cm, D, initial_state=h0, output_final_state=True)
+    assert len(calls) == 1
+    assert calls[0]["scale"] == 1.0 and calls[0]["state_v_first"] is True and calls[0]["g_dtype"] == torch.float32
+    y_ref, ht_ref = ssd_recurrent.torch_recurrent_ssd(x, dt, A, Bm, Cm, D, initial_state=h0, output_final_state=True)
+    assert_close("y (fla recurrent path)", y_ref, y, 1e-5)
+    assert_close("final_state (fla recurrent path)", ht_ref, ht, 1e-5)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
