@@ -17,7 +17,9 @@ Design choices:
   - generation (cache): only the normalised latent `c_kv` and the roped shared `k_pe` are cached. The
     key part of `kv_b_proj` is absorbed into the query (`q_nope W_uk -> q_lat`, [R] per head) and the
     value part is applied after attention, so attention runs in latent space against [c_kv | k_pe]
-    shared by all heads (one K/V head, `enable_gqa`) and full K/V are never rebuilt.
+    shared by all heads (one K/V head, `enable_gqa`) and full K/V are never rebuilt. A decode step (one new
+    token) attends its H heads as H queries of that one head, so the cache is read as stored, never repeated
+    per head (what `enable_gqa` does on paths without native GQA).
 * SDPA's fused CPU (flash) kernel needs equal q/k/v head dims. The decompressed path zero-pads the
   shorter of (d_nope + d_rope) and d_v (zeros add nothing to q.k and the padded output columns are
   dropped); the latent path uses [c_kv | k_pe] as both key and value and keeps the first R output
@@ -349,6 +351,21 @@ class MLAttention(nn.Module):
             w_HXR = w_HXR.repeat_interleave(H // self.kv_b_heads, dim=0)
         return w_HXR[:, :N], w_HXR[:, N:]
 
+    def _absorb_query(self, q_nope_BTHN: torch.Tensor, w_uk_GNR: torch.Tensor) -> torch.Tensor:
+        """q_nope W_uk per head, [B, H, T, R]; each query head reads its kv_b head (h // (H / G)) without
+        repeating the weights."""
+        B, T, H, N = q_nope_BTHN.shape
+        G = w_uk_GNR.shape[0]
+        q_lat = torch.einsum("btgin,gnr->bgitr", q_nope_BTHN.view(B, T, G, H // G, N), w_uk_GNR)
+        return q_lat.reshape(B, H, T, -1)
+
+    def _absorb_output(self, o_lat_BHTR: torch.Tensor, w_uv_GVR: torch.Tensor) -> torch.Tensor:
+        """The latent attention output through W_uv per head, [B, T, H, V]."""
+        B, H, T, R = o_lat_BHTR.shape
+        G = w_uv_GVR.shape[0]
+        o = torch.einsum("bgitr,gvr->btgiv", o_lat_BHTR.reshape(B, G, H // G, T, R), w_uv_GVR)
+        return o.reshape(B, T, H, -1)
+
     def _attend_latent(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
                        k_pe_BTP: torch.Tensor, cache: MLALayerCache,
                        keep_BS: torch.Tensor | None = None) -> torch.Tensor:
@@ -357,14 +374,22 @@ class MLAttention(nn.Module):
         past = cache.seq_len
         kv_BSX = cache.update(c_kv_BTR, k_pe_BTP)  # [c_kv | k_pe] of every cached token
         S = kv_BSX.shape[1]
-        w_uk_HNR, w_uv_HVR = self._absorbed_weights()
+        w_uk_GNR, w_uv_GVR = self._absorbed_weights(per_query_head=False)
 
         # q_nope . (W_uk c) == (q_nope W_uk) . c: the query moves into latent space instead of K out of it
-        q_lat_BHTR = torch.einsum("bthn,hnr->bhtr", q_nope_BTHN, w_uk_HNR)
+        q_lat_BHTR = self._absorb_query(q_nope_BTHN, w_uk_GNR)
         q_BHTX = torch.cat([q_lat_BHTR, q_pe_BTHP.transpose(1, 2)], dim=-1)
         # one key/value head shared by all query heads; [c_kv | k_pe] serves as both key and value
         kv_B1SX = kv_BSX.unsqueeze(1)
 
+        if T == 1:
+            # a decode step: the H heads of the one new token are H queries of a single head against the shared
+            # key/value head. SDPA's `enable_gqa` would repeat the whole cache H times on paths without native
+            # GQA (CPU: 10x slower at 8K context; CUDA's memory-efficient kernel), this reads it once.
+            mask = None if keep_BS is None else self._padded_causal_mask(keep_BS, 1, past)
+            o_B1HX = F.scaled_dot_product_attention(q_BHTX.transpose(1, 2), kv_B1SX, kv_B1SX, attn_mask=mask,
+                                                    scale=self.softmax_scale)
+            return self._absorb_output(o_B1HX.transpose(1, 2)[..., :R], w_uv_GVR)
         if keep_BS is not None:
             attn_kw: dict = {"attn_mask": self._padded_causal_mask(keep_BS, T, past)}
         elif T == 1:
@@ -377,8 +402,7 @@ class MLAttention(nn.Module):
             attn_kw = {"attn_mask": mask_TS}
         o_BHTX = F.scaled_dot_product_attention(q_BHTX, kv_B1SX, kv_B1SX, scale=self.softmax_scale,
                                                 enable_gqa=True, **attn_kw)
-        o_lat_BHTR = o_BHTX[..., :R]
-        return torch.einsum("bhtr,hvr->bthv", o_lat_BHTR, w_uv_HVR)
+        return self._absorb_output(o_BHTX[..., :R], w_uv_GVR)
 
     # scores materialised at once by the q/k-norm latent path: query chunks keep B * H * chunk * S below this
     SCORE_CHUNK_ELEMENTS = 1 << 24
@@ -394,8 +418,7 @@ class MLAttention(nn.Module):
         R, P, G = self.kv_lora_rank, self.qk_rope_head_dim, self.kv_b_heads
         cos_BTP, sin_BTP = rope
         past = cache.seq_len
-        w_uk_GNR, _ = self._absorbed_weights(per_query_head=False)
-        w_uk_HNR, w_uv_HVR = self._absorbed_weights()
+        w_uk_GNR, w_uv_GVR = self._absorbed_weights(per_query_head=False)
         w = self.k_norm.weight
         # the new tokens' key 1/RMS per kv_b head needs their nope keys once; cached, never rebuilt
         k_nope_BTGN = torch.einsum("btr,gnr->btgn", c_kv_BTR, w_uk_GNR)
@@ -407,7 +430,7 @@ class MLAttention(nn.Module):
         key_BSX = kv_BSX[..., : R + P]
         inv_BHS = kv_BSX[..., R + P:].transpose(1, 2).repeat_interleave(H // G, dim=1)
 
-        q_lat_BHTR = torch.einsum("bthn,hnr->bhtr", w[:N] * q_nope_BTHN, w_uk_HNR)
+        q_lat_BHTR = self._absorb_query(w[:N] * q_nope_BTHN, w_uk_GNR)
         q_BHTX = torch.cat([q_lat_BHTR, q_pe_BTHP.transpose(1, 2)], dim=-1)
         if keep_BS is not None:
             mask_XTS = self._padded_causal_mask(keep_BS, T, past)[:, 0]
@@ -422,5 +445,4 @@ class MLAttention(nn.Module):
             prob_BHtS = torch.softmax(score_BHtS, dim=-1, dtype=torch.promote_types(score_BHtS.dtype, torch.float32))
             prob_BHtS = prob_BHtS.to(q_BHTX.dtype)
             outs.append(torch.einsum("bhts,bsr->bhtr", prob_BHtS, key_BSX[..., :R]))
-        o_lat_BHTR = torch.cat(outs, dim=2)
-        return torch.einsum("bhtr,hvr->bthv", o_lat_BHTR, w_uv_HVR)
+        return self._absorb_output(torch.cat(outs, dim=2), w_uv_GVR)

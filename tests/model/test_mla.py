@@ -313,6 +313,36 @@ def test_qk_norm_padded_batch_and_bf16() -> None:
         assert_close(layer16(x32.bfloat16(), cache=MLALayerCache()).float(), ref, tol=3e-2)
 
 
+@pytest.mark.parametrize("variant", ["qlora-8", "kv-b-per-kv"])
+def test_decode_step_attends_over_the_latent_cache_as_stored(variant: str, monkeypatch) -> None:
+    """A decode step's H heads are H queries of one head over [c_kv | k_pe] as cached: no copy of the cache per
+    query head (SDPA's enable_gqa repeats it H times on CPU), and still the decompressed path's result, with
+    pads in the batch too."""
+    import hylo.layers.mla as mla
+
+    layer = make_layer(**VARIANTS[variant])
+    H, X = layer.num_heads, layer.kv_lora_rank + layer.qk_rope_head_dim
+    torch.manual_seed(11)
+    x_BTD = torch.randn(2, 8, 32, dtype=torch.float64)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, :3] = False
+    calls = []
+    sdpa = mla.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append((tuple(q.shape), tuple(k.shape), kw.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kw)
+
+    with torch.no_grad():
+        full = layer(x_BTD, attention_mask=mask)
+        cache = MLALayerCache()
+        steps = [layer(x_BTD[:, :5], cache=cache, attention_mask=mask[:, :5])]
+        monkeypatch.setattr(mla.F, "scaled_dot_product_attention", spy)
+        steps += [layer(x_BTD[:, t:t + 1], cache=cache, attention_mask=mask[:, :t + 1]) for t in range(5, 8)]
+    assert calls == [((2, 1, H, X), (2, 1, t + 1, X), False) for t in range(5, 8)]
+    assert_close(torch.cat(steps, dim=1)[:, 3:], full[:, 3:])
+
+
 def test_qk_norm_config_checks_the_grouped_layout() -> None:
     from hylo.config import HybridConfigError
 
