@@ -12,8 +12,10 @@ is called on CPU tensors at the config's shapes and dtypes:
 * `gdn.train`: `hylo.kernels.gdn.chunk_gated_delta_rule` -> fla's `chunk_gated_delta_rule`, forward and
   backward, bf16 q/k/v [1, T, H, K] / [1, T, H, V], fp32 gate, a packed row of two documents (`cu_seqlens`),
   q/k L2-norm in the kernel, as `hylo/layers/gdn.py` calls it in training;
-* `gdn.decode`: the same op at T = 1 with the fp32 state [1, H, K, V] in and out, as decoding calls it;
-* `ssd.train` / `ssd.decode` (Mamba-2 configs): `hylo.kernels.ssd.fla_chunk_ssd` -> fla's `chunk_simple_gla`;
+* `gdn.decode`: `hylo.kernels.gdn.recurrent_gated_delta_rule` -> fla's `fused_recurrent_gated_delta_rule` at
+  T = 1 with the fp32 state [1, H, K, V] in and out, as a decode step calls it;
+* `ssd.train` (Mamba-2 configs): `hylo.kernels.ssd.fla_chunk_ssd` -> fla's `chunk_simple_gla`; `ssd.decode`:
+  `hylo.kernels.ssd.fla_recurrent_ssd` -> fla's `fused_recurrent_simple_gla`;
 * with sequence parallelism (`train.sequence_parallel` or `--sequence-parallel` N > 1: one packed row split
   by tokens over N ranks, each rank holding T / N of them), the state-passing launches of
   `hylo/seq_parallel.py` at the rank's T / N tokens: `gdn.sp_local` / `ssd.sp_local`, the op from a zero
@@ -161,10 +163,11 @@ def _run_site(site: Site, dtype: Any = None) -> dict[str, Any]:
             res["final_state"] = M
             res["grads"] = torch.autograd.grad(M, (k, g, beta), torch.randn_like(M), allow_unused=True)
         else:
+            from hylo.kernels.gdn import recurrent as gdn_recurrent
+
             with torch.no_grad():
-                gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=torch.randn(1, H, K, V),
-                                                 output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                                 chunk_size=site.get("chunk"))
+                gdn_recurrent.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=torch.randn(1, H, K, V),
+                                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
     elif site.site.startswith("ssd."):
         from hylo.kernels.ssd import chunk as ssd_chunk
         from hylo.kernels.ssd.chunk import fla_chunk_ssd
@@ -195,8 +198,10 @@ def _run_site(site: Site, dtype: Any = None) -> dict[str, Any]:
                                                (torch.randn_like(y0), torch.randn_like(ht), torch.randn_like(y)),
                                                allow_unused=True)
         else:
+            from hylo.kernels.ssd.recurrent import fla_recurrent_ssd
+
             with torch.no_grad():
-                fla_chunk_ssd(x, dt, A, B, C, D, initial_state=torch.randn(1, H, P, N), output_final_state=True)
+                fla_recurrent_ssd(x, dt, A, B, C, D, initial_state=torch.randn(1, H, P, N), output_final_state=True)
     elif site.site.startswith("kl."):
         from hylo.kernels.fused_kl import triton_kernel
         from hylo.kernels.fused_kl.steps import StepParams
@@ -226,10 +231,11 @@ def child_main(argv: list[str]) -> int:
     import torch
 
     from hylo.kernels.gdn import chunk as gdn_chunk
+    from hylo.kernels.gdn import recurrent as gdn_recurrent
     from hylo.kernels.ssd import chunk as ssd_chunk
 
-    # the GPU branch of both ops on CPU tensors: their fla calls compile for the target and launch nothing
-    for mod in (gdn_chunk, ssd_chunk):
+    # the GPU branch of the ops on CPU tensors: their fla calls compile for the target and launch nothing
+    for mod in (gdn_chunk, gdn_recurrent, ssd_chunk):
         if not hasattr(mod, "use_fla"):
             raise RuntimeError(f"{mod.__name__} no longer chooses fla through use_fla: update kernels-check")
         mod.use_fla = lambda x: True
