@@ -118,7 +118,7 @@ class Meter:
     report) runs after each one, so a case stopped at its budget leaves what it had measured on disk.
     `publish` names the dict a case fills as it goes: the partial report holds it as the case's figures."""
 
-    def __init__(self, device: Any, on_measure: Callable[[], None] | None = None) -> None:
+    def __init__(self, device: Any, on_measure: Callable[[bool], None] | None = None) -> None:
         import torch
 
         self.torch = torch
@@ -143,6 +143,8 @@ class Meter:
         on every device)."""
         torch = self.torch
         name = label or call_name(fn)
+        # the figures the case recorded since the last measurement, on disk before this one starts
+        self.checkpoint(starting=True)
         first = None
         if warmup:
             t_call = time.perf_counter()
@@ -173,10 +175,11 @@ class Meter:
                          "peak_extra_gib": gib(extra)})
         self.checkpoint()
 
-    def checkpoint(self) -> None:
-        """Write the partial report now (figures added outside a measurement)."""
+    def checkpoint(self, starting: bool = False) -> None:
+        """Write the partial report now (after a measurement, after figures a case adds, before a measurement
+        `starting`)."""
         if self.on_measure is not None:
-            self.on_measure()
+            self.on_measure(starting)
 
     def totals(self) -> dict[str, Any]:
         """The case's first-call seconds (every measured call's warm-up) apart from its steady-state seconds."""
@@ -749,6 +752,7 @@ def case_step(sh: Shapes, device: Any, meter: Meter, engine: str = "plain") -> d
                             "peak_without_teacher_weights_gib": gib(None if peak is None else peak - teacher_bytes),
                             "kl_sum": result.sums["kl_sum"], "grad_norm": result.grad_norm,
                             "finite": math.isfinite(result.sums["kl_sum"])}
+            meter.checkpoint()
             if i == 0 and n == 0 and engine == "plain":
                 out["profile"] = {"student": variant, "tokens": T, **profile_summary(step, device)}
                 meter.checkpoint()
@@ -992,6 +996,7 @@ def case_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
                                     "first_call_seconds": meter.log[-1]["first_call_seconds"],
                                     "cache_bytes": cache_bytes(cache), "peak_extra_gib": gib(extra),
                                     "estimated_peak_extra_gib": estimated_gib(fake_model, fake_decode)}
+            meter.checkpoint()
             print(f"[gpu_check] decode {name} ctx {ctx_len}: {time.perf_counter() - t_ctx:.1f} s", flush=True)
             del cache
             free_memory()
@@ -1203,8 +1208,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--estimate-worker", default=None, help=argparse.SUPPRESS)  # "I/N": the driver's own use
     ap.add_argument("--step-estimates-elsewhere", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stop-after-measurements", type=int, default=None,
-                    help="testing: the process kills itself (SIGKILL) after this many measurements, as a budget "
-                         "stops a case, to check what a stopped case leaves")
+                    help="testing: the process kills itself (SIGKILL) as the measurement after this many starts, "
+                         "as a budget stops a case, to check what a stopped case leaves")
     args = ap.parse_args(argv)
     case_numbers(args)
     if args.estimate_worker is None:
@@ -1245,12 +1250,13 @@ def main(argv: list[str] | None = None) -> int:
 
         meter = Meter(device)
 
-        def partial(name=name, t0=t0, meter=meter) -> None:
-            """After every measurement: the case's figures so far, on disk."""
+        def partial(starting: bool = False, name=name, t0=t0, meter=meter) -> None:
+            """After every measurement (and before the next): the case's figures so far, on disk."""
             report["cases"][name] = {**meter.partial, "ok": None, "partial": True,
                                      "case_seconds": time.perf_counter() - t0, **meter.totals()}
             write(out_dir, report)
-            if args.stop_after_measurements is not None and len(meter.log) >= args.stop_after_measurements:
+            if starting and args.stop_after_measurements is not None and \
+                    len(meter.log) >= args.stop_after_measurements:
                 print(f"[gpu_check] stopping after {len(meter.log)} measurements (--stop-after-measurements)",
                       flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
