@@ -143,6 +143,8 @@ class Meter:
         on every device)."""
         torch = self.torch
         name = label or call_name(fn)
+        if label is None and any(m["call"].split(" #")[0] == name for m in self.log):
+            name += f" #{1 + sum(m['call'].split(' #')[0] == name for m in self.log)}"
         # the figures the case recorded since the last measurement, on disk before this one starts
         self.checkpoint(starting=True)
         first = None
@@ -585,7 +587,7 @@ def case_mla(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
                     y = layer(xi, cu_seqlens=bounds)
                     y.float().square().mean().backward()
                 return y.detach(), xi.grad
-            (y, dx), t, m = meter.run(go)
+            (y, dx), t, m = meter.run(go, label=f"mla {impl} docs{docs}")
             results[impl] = (y, dx)
 
             def mla_fwd_bwd(state, impl=impl, bounds=DocBounds.from_host(packed_row(T, docs, 8)["cu_seqlens"], T, "cpu")):
@@ -1428,6 +1430,7 @@ def run_isolated(args: argparse.Namespace) -> int:
             res = {**(res or {}), "ok": False, "stopped": why, "case_seconds": time.perf_counter() - t_case,
                    "error": {"type": "TimeoutExpired" if rc is None else "ChildFailed", "message": why,
                              "traceback": log.splitlines()[-12:]}}
+        res["limit_s"] = limit  # its budget with what earlier cases left, as run
         report["cases"][name] = res
         merge_step_estimates(report, est_dir)
         write(out_dir, report)
