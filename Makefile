@@ -99,9 +99,11 @@ lint:
 # One prepared check of every GPU path at the released shapes (docs/gpu-check.md): on a GPU machine,
 # `make gpu-check OUT=folder` writes folder/gpu_check.json and folder/gpu_check.md. Installs nothing:
 # the machine's own torch/triton/transformers plus the carried wheels (docs/gpu-check.md). Each case runs in a
-# process of its own, stopped after GPU_CASE_SECONDS; none starts after GPU_DEADLINE seconds.
+# process of its own under the time plan it prints first (its budget per case, the most informative cases first);
+# none runs past GPU_DEADLINE seconds (480: 8 minutes). GPU_CASE_SECONDS=N gives every case N seconds instead.
 OUT ?= gpu-check
-GPU_CASE_SECONDS ?= 240
-GPU_DEADLINE ?= 540
+GPU_DEADLINE ?= 480
+GPU_CASE_SECONDS ?=
 gpu-check:
-	$(PYTHON) bench/gpu_check.py --out $(OUT) --case-seconds $(GPU_CASE_SECONDS) --deadline $(GPU_DEADLINE) $(GPU_CHECK_FLAGS)
+	$(PYTHON) bench/gpu_check.py --out $(OUT) --isolated --deadline $(GPU_DEADLINE) \
+		$(if $(GPU_CASE_SECONDS),--case-seconds $(GPU_CASE_SECONDS)) $(GPU_CHECK_FLAGS)

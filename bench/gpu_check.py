@@ -1,8 +1,9 @@
 """One prepared check of every GPU path of the project, at the released models' shapes.
 
-    python bench/gpu_check.py --out OUT_DIR              # on one GPU (about 4-6 minutes on an H200)
-    python bench/gpu_check.py --out OUT_DIR --tiny       # the same code at small shapes on CPU (~1 min)
-    python bench/gpu_check.py --out OUT_DIR --cases 1,3  # a subset
+    python bench/gpu_check.py --out OUT_DIR --isolated   # on one GPU, under the time plan: at most 8 minutes
+    python bench/gpu_check.py --out OUT_DIR              # the same in this process, no budgets
+    python bench/gpu_check.py --out OUT_DIR --tiny       # the same code at small shapes on CPU (minutes)
+    python bench/gpu_check.py --out OUT_DIR --cases 4,5  # a subset, in this order
 
 Writes OUT_DIR/gpu_check.json (every figure, the versions, each case's error if it failed) and
 OUT_DIR/gpu_check.md (a short table). Each case runs in its own try block: a failure is recorded (type,
@@ -19,26 +20,34 @@ Cases (docs/gpu-check.md gives the shapes, the expected times and what the figur
 3. MLA on a packed row with few and many documents, forward + backward: time and memory of the
    attention path the layer takes (grouped batched SDPA) beside the per-document SDPA loop;
 4. the stage-2 step (`pipeline/train/stage2.train_step` with `PlainEngine` in place of DeepSpeed) at
-   the 1B recipe's shape, 8MLA8GDN and 4MLA12M2 students, an 8B-shaped in-process teacher, fused KL
-   over hidden states, activation checkpointing, AdamW: peak memory, step time, tokens/s, and the host
-   synchronisations of one step;
+   the 1B recipe's shape, 8MLA8GDN and 4MLA12M2 students (an all-MLA student of the same shape in place of
+   one whose linear layers have no correct backward on this stack), an 8B-shaped in-process teacher, fused KL
+   over hidden states, activation checkpointing, AdamW: peak memory beside the estimate, step time, tokens/s,
+   MFU, the host synchronisations of one step, and a torch.profiler summary of one step;
 5. decode: generated tokens/s and cache bytes of the 1B HyLo shape against the Llama-3.2-1B shape;
 6. the same step through the project's DeepSpeed engine (ZeRO-3, world size 1), if DeepSpeed imports.
 
-Timing: one untimed warm-up, then device events (CUDA) or perf_counter (CPU) around a synchronised
-region. Memory: torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus what was
+Order and time: the cases run in the plan's order (`PLAN`: the most informative first), and so do the sizes
+within a case (the 64K step, decode at 64K, first); with --isolated each case runs in a process of its own under
+its budget, and every measurement is written to disk as it is made, so that a case stopped at its budget, or a
+loan cut short, keeps what it measured (docs/gpu-check.md#plan).
+Timing: a first call, timed on its own (compilation, autotuning: `first_call_seconds`), then the steady-state
+call with device events (CUDA) or perf_counter (CPU) around a synchronised region. Memory: torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus what was
 allocated before (so "extra" is what the measured call itself added); None on CPU. Models have random
 weights (no weights travel); figures that depend on the weights' values (losses) are only sanity checks.
 `--tiny` uses small shapes, the Triton interpreter for the fused KL and the torch path elsewhere, so
 that `tests/kernels/test_gpu_check.py` keeps this script running between loans.
 Beside every memory figure measured, the step estimate's figure for the same call (`estimated_*`:
 pipeline/estimate/, the call on fake tensors; `hylo estimate`), so the first GPU run also checks
-the estimator; an estimate that fails is listed in `estimate_errors` and fails no case.
+the estimator; an estimate that fails is listed in `estimate_errors` and fails no case. The estimates are made
+after the measured figures are written (the step's in CPU processes beside the cases when isolated), and the
+step's FLOPs give its MFU on this GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -47,6 +56,7 @@ import json
 import math
 import os
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -83,8 +93,9 @@ FULL = Shapes(
     kl={"N": 16384, "H": 2048, "V": 128256, "HT": 4096, "k": 64},
     linear={"T": 16384, "docs": 8},
     mla={"T": 65536, "docs": (8, 64)},
-    step={"tokens": (8192, 16384, 32768, 65536), "doc_tokens": 8192},
-    decode={"context": (8192, 32768, 65536), "new_tokens": 32},
+    # in the order measured: the key figures first (the 64K step of the 1B recipe, decode at 64K)
+    step={"tokens": (65536, 8192, 16384, 32768), "doc_tokens": 8192},
+    decode={"context": (65536, 32768, 8192), "new_tokens": 32},
     deepspeed_tokens=16384,
     tiny=False,
 )
@@ -93,7 +104,7 @@ TINY = Shapes(
     linear={"T": 96, "docs": 3},
     mla={"T": 256, "docs": (2, 16)},
     step={"tokens": (64,), "doc_tokens": 32},
-    decode={"context": (32, 64), "new_tokens": 4},
+    decode={"context": (64, 32), "new_tokens": 4},
     deepspeed_tokens=64,
     tiny=True,
 )
@@ -101,31 +112,48 @@ TINY = Shapes(
 
 # ------------------------------------------------------------------------------------ measuring
 class Meter:
-    """Time and peak extra memory of a callable on one device (see the module docstring)."""
+    """Time and peak extra memory of a callable on one device (see the module docstring), and the record of
+    every measurement: `log` holds each call's first-call seconds (its warm-up: compilation, autotuning,
+    allocations) apart from its steady-state seconds, and `on_measure` (the driver's write of the partial
+    report) runs after each one, so a case stopped at its budget leaves what it had measured on disk.
+    `publish` names the dict a case fills as it goes: the partial report holds it as the case's figures."""
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, on_measure: Callable[[bool], None] | None = None) -> None:
         import torch
 
         self.torch = torch
         self.device = device
         self.cuda = device.type == "cuda"
+        self.on_measure = on_measure
+        self.log: list[dict[str, Any]] = []
+        self.partial: dict[str, Any] = {}
 
     def sync(self) -> None:
         if self.cuda:
             self.torch.cuda.synchronize(self.device)
 
-    def run(self, fn: Callable[[], Any], warmup: bool = True) -> tuple[Any, float, int | None]:
+    def publish(self, out: dict[str, Any]) -> dict[str, Any]:
+        self.partial = out
+        return out
+
+    def run(self, fn: Callable[[], Any], warmup: bool = True, label: str | None = None) -> tuple[Any, float, int | None]:
         """(result of the timed call, seconds, peak bytes allocated beyond those live before it).
 
-        The warm-up (kernel compilation, autotuning, library handles) runs on CUDA only."""
+        With `warmup`, a first call runs before, timed on its own (on CPU too: the first-call figure exists
+        on every device)."""
         torch = self.torch
-        t_call = time.perf_counter()
-        if warmup and self.cuda:
+        name = label or call_name(fn)
+        if label is None and any(m["call"].split(" #")[0] == name for m in self.log):
+            name += f" #{1 + sum(m['call'].split(' #')[0] == name for m in self.log)}"
+        # the figures the case recorded since the last measurement, on disk before this one starts
+        self.checkpoint(starting=True)
+        first = None
+        if warmup:
+            t_call = time.perf_counter()
             fn()
-        self.sync()
-        if warmup and self.cuda:
-            print(f"[gpu_check]   warm-up of {getattr(fn, '__qualname__', 'a call')}: "
-                  f"{time.perf_counter() - t_call:.1f} s", flush=True)
+            self.sync()
+            first = time.perf_counter() - t_call
+            print(f"[gpu_check]   first call of {name}: {first:.1f} s", flush=True)
         if self.cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -135,10 +163,36 @@ class Meter:
             out = fn()
             end.record()
             self.sync()
-            return out, start.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated(self.device) - base
-        t0 = time.perf_counter()
-        out = fn()
-        return out, time.perf_counter() - t0, None
+            seconds, extra = start.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated(self.device) - base
+        else:
+            t0 = time.perf_counter()
+            out = fn()
+            seconds, extra = time.perf_counter() - t0, None
+        self.measured(name, first, seconds, extra)
+        return out, seconds, extra
+
+    def measured(self, name: str, first: float | None, seconds: float, extra: int | None) -> None:
+        """Record one measurement and write the partial report."""
+        self.log.append({"call": name, "first_call_seconds": first, "steady_seconds": seconds,
+                         "peak_extra_gib": gib(extra)})
+        self.checkpoint()
+
+    def checkpoint(self, starting: bool = False) -> None:
+        """Write the partial report now (after a measurement, after figures a case adds, before a measurement
+        `starting`)."""
+        if self.on_measure is not None:
+            self.on_measure(starting)
+
+    def totals(self) -> dict[str, Any]:
+        """The case's first-call seconds (every measured call's warm-up) apart from its steady-state seconds."""
+        return {"first_call_seconds": sum(m["first_call_seconds"] or 0.0 for m in self.log),
+                "steady_seconds": sum(m["steady_seconds"] for m in self.log), "measurements": list(self.log)}
+
+
+def call_name(fn: Callable[..., Any]) -> str:
+    """A measured call's name for the log: its qualified name without the `<locals>` steps."""
+    fn = getattr(fn, "func", fn)  # functools.partial
+    return getattr(fn, "__qualname__", "a call").replace("<locals>.", "")
 
 
 def rel_err(ref: Any, got: Any) -> float:
@@ -166,18 +220,46 @@ def kernels_mode(mode: str):
     return forced_mode(mode.lower())
 
 
-def estimated_gib(setup: Callable[[], Any], run: Callable[[Any], Any]) -> float | None:
+class Later:
+    """An estimate made after the case's measurements: `estimated_gib` returns one, the driver writes the
+    measured figures first and then `resolve_estimates()` makes every pending one (in the report, its value;
+    null until then). The estimate runs the call on the CPU, on fake tensors, and takes seconds to minutes
+    at the released shapes: made inline, it held up the figures a time limit could then lose."""
+
+    pending: list[Later] = []
+
+    def __init__(self, setup: Callable[[], Any], run: Callable[[Any], Any]) -> None:
+        self.setup, self.run = setup, run
+        self.value: float | None = None
+        Later.pending.append(self)
+
+    def resolve(self) -> None:
+        from hylo.pipeline.estimate import estimate_call
+
+        try:
+            self.value = gib(estimate_call(self.setup, self.run))
+        except Exception as exc:  # recorded, never fatal for the case
+            ESTIMATE_ERRORS.append(f"{type(exc).__name__}: {exc}"[:500])
+        self.setup = self.run = None  # type: ignore[assignment]  # the case's tensors go
+
+
+def resolve_estimates() -> None:
+    while Later.pending:
+        Later.pending.pop(0).resolve()
+
+
+def estimated_gib(setup: Callable[[], Any], run: Callable[[Any], Any]) -> Later:
     """The step estimate's figure for a measured call (pipeline/estimate/step.estimate_call: the same call
     on fake CPU tensors, torch kernel paths, the accelerator's rules): its peak beyond its inputs, in GiB,
-    recorded beside the measured `peak_extra_gib` so that a GPU run also checks the estimator. None (with the
-    error in `estimate_errors`) when the estimate fails: the measured case still counts."""
-    from hylo.pipeline.estimate import estimate_call
+    recorded beside the measured `peak_extra_gib` so that a GPU run also checks the estimator. Made once the
+    case's measurements are written (`Later`); None (with the error in `estimate_errors`) when it fails: the
+    measured case still counts."""
+    return Later(setup, run)
 
-    try:
-        return gib(estimate_call(setup, run))
-    except Exception as exc:  # recorded, never fatal for the case
-        ESTIMATE_ERRORS.append(f"{type(exc).__name__}: {exc}"[:500])
-        return None
+
+def json_value(x: Any) -> Any:
+    """json.dumps' fallback: an estimate's value (None while pending), str for anything else."""
+    return x.value if isinstance(x, Later) else str(x)
 
 
 ESTIMATE_ERRORS: list[str] = []
@@ -223,7 +305,8 @@ def llama_config(kind: str, tiny: bool):
 
 def hylo_config(variant: str, tiny: bool):
     """The 1B recipe's student (configs/llama-3.2-1b-8mla8gdn-64k.yaml's conversion options): `8mla8gdn`
-    as released, or `4mla12m2` (4 MLA layers, 12 Mamba-2, the paper's memory comparison)."""
+    as released, `4mla12m2` (4 MLA layers, 12 Mamba-2, the paper's memory comparison), or `all_mla` (every
+    layer MLA: the step's stand-in where the stack has no correct GDN / Mamba-2 backward)."""
     import warnings
 
     from hylo.pipeline.train.config import load_stage_config
@@ -234,9 +317,11 @@ def hylo_config(variant: str, tiny: bool):
         convert = dataclasses.replace(convert, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
                                       qk_nope_head_dim=8, v_head_dim=16, gdn_num_heads=2, gdn_head_dim=16,
                                       max_position_embeddings=4096, yarn_original_max_position_embeddings=128)
+    n = 4 if tiny else 16
     if variant == "4mla12m2":
-        n = 4 if tiny else 16
         convert = dataclasses.replace(convert, linear_type="mamba2", mla_layers=[0, n - 1] if tiny else [0, 5, 10, 15])
+    elif variant == "all_mla":
+        convert = dataclasses.replace(convert, mla_layers=list(range(n)))
     with warnings.catch_warnings():
         # the base's RoPE scaling is replaced by YaRN in the MLA layers (the recipe's choice)
         warnings.simplefilter("ignore")
@@ -502,7 +587,7 @@ def case_mla(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
                     y = layer(xi, cu_seqlens=bounds)
                     y.float().square().mean().backward()
                 return y.detach(), xi.grad
-            (y, dx), t, m = meter.run(go)
+            (y, dx), t, m = meter.run(go, label=f"mla {impl} docs{docs}")
             results[impl] = (y, dx)
 
             def mla_fwd_bwd(state, impl=impl, bounds=DocBounds.from_host(packed_row(T, docs, 8)["cu_seqlens"], T, "cpu")):
@@ -536,16 +621,9 @@ def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model
     from hylo.modeling import HyLoForCausalLM
     from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
     from hylo.pipeline.train import stage2
-    from hylo.pipeline.train.config import Stage2Config
     from hylo.pipeline.train.plain_engine import plain_engine
 
-    cfg = Stage2Config()
-    cfg.deepspeed.zero_stage = 3 if engine == "deepspeed" else 0
-    cfg.train.global_batch_sequences = 1
-    cfg.ray.num_workers = 1  # one process: the micro-batches per step are global_batch_sequences / num_workers
-    cfg.model.activation_checkpointing = True
-    cfg.teacher.k = 0
-    cfg.kd.chunk_size = None
+    cfg = stage2_cfg(engine)
     hcfg = hylo_config(variant, sh.tiny)
     torch.manual_seed(0)
     task = stage2.build(solo_context(cfg, device, dtype), lambda step: 1.0,
@@ -555,6 +633,20 @@ def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model
                                                            vocab))
     # ZeRO-3 partitions the parameters: ds_numel is each one's full size
     return task, sum(getattr(p, "ds_numel", p.numel()) for p in task.student.parameters() if p.requires_grad)
+
+
+def stage2_cfg(engine: str):
+    """The measured step's config: one row of one process, checkpointing, fused KL over hidden states."""
+    from hylo.pipeline.train.config import Stage2Config
+
+    cfg = Stage2Config()
+    cfg.deepspeed.zero_stage = 3 if engine == "deepspeed" else 0
+    cfg.train.global_batch_sequences = 1
+    cfg.ray.num_workers = 1  # one process: the micro-batches per step are global_batch_sequences / num_workers
+    cfg.model.activation_checkpointing = True
+    cfg.teacher.k = 0
+    cfg.kd.chunk_size = None
+    return cfg
 
 
 def teacher_8b(sh: Shapes, device: Any, dtype: Any):
@@ -592,75 +684,202 @@ def count_syncs(fn: Callable[[], Any], device: Any) -> dict[str, Any]:
             "reads": [f"{name} at {where}" for name, where in log.reads][:40]}
 
 
+# the students the step case measures, in order; a student whose linear layers have no correct fla backward on
+# this stack (kernels/backend.check_fla_backward) is replaced by an all-MLA student of the same shape
+STEP_VARIANTS = {"8mla8gdn": "gdn", "4mla12m2": "mamba2"}
+
+
+def step_variants(device: Any, engine: str, bypass: bool) -> tuple[list[str], dict[str, str]]:
+    """(the students to time, {student: why it was replaced}). With --bypass-fla-hopper-guard the GDN and
+    Mamba-2 students run anyway (measure only)."""
+    wanted = list(STEP_VARIANTS) if engine == "plain" else ["8mla8gdn"]
+    problems = {} if bypass else {v: p for v in wanted if (p := fla_route_problem(device, {STEP_VARIANTS[v]}))}
+    variants = [v for v in wanted if v not in problems]
+    if problems:
+        variants.insert(0, "all_mla")  # the teacher, loss, optimizer (and ZeRO-3) parts are measured either way
+    return variants, problems
+
+
+def fla_route_problem(device: Any, kinds: set[str]) -> str | None:
+    """kernels/backend.check_fla_backward's refusal for layers of `kinds` on `device` (None: a correct route)."""
+    from hylo.kernels.backend import GpuStackError, check_fla_backward
+
+    try:
+        check_fla_backward(device, kinds)
+    except GpuStackError as exc:
+        return str(exc)
+    return None
+
+
 def case_step(sh: Shapes, device: Any, meter: Meter, engine: str = "plain") -> dict[str, Any]:
+    """The stage-2 step, the key figures first: the first student at the key size (the first of
+    `sh.step["tokens"]`, 64K), its profile (plain engine), then the other sizes, its host synchronisations (at
+    the smallest size), then the next student. Each size: its first call (a new length may compile or tune again) apart from its steady step."""
     import torch
 
     from hylo.pipeline.data.rows import check_row
     from hylo.pipeline.train.stage2 import train_step
 
     dtype = torch.float32 if sh.tiny else torch.bfloat16
+    variants, replaced = step_variants(device, engine, BYPASS_GUARD[0])
+    sizes = sh.step["tokens"] if engine == "plain" else (sh.deepspeed_tokens,)
+    out = meter.publish({"teacher": "Llama-3.1-8B shape" if not sh.tiny else "tiny Llama", "dtype": str(dtype)[6:],
+                         "activation_checkpointing": True, "kl": "fused over hidden states",
+                         "sizes_in_order": list(sizes), "students": variants,
+                         "paper_1b_4mla12m2_64k_gib": PAPER_64K_GIB})
+    if replaced:
+        out["no_correct_linear_route"] = replaced
     teacher = teacher_8b(sh, device, dtype)
     teacher_bytes = sum(p.numel() * p.element_size() for p in teacher.model.parameters())
-    out: dict[str, Any] = {"teacher": "Llama-3.1-8B shape" if not sh.tiny else "tiny Llama",
-                           "teacher_weights_gib": gib(teacher_bytes), "dtype": str(dtype)[6:],
-                           "activation_checkpointing": True, "kl": "fused over hidden states",
-                           "paper_1b_4mla12m2_64k_gib": PAPER_64K_GIB}
-    variants = ("8mla8gdn", "4mla12m2") if engine == "plain" else ("8mla8gdn",)
-    sizes = sh.step["tokens"] if engine == "plain" else (sh.deepspeed_tokens,)
-    for variant in variants:
+    out["teacher_weights_gib"] = gib(teacher_bytes)
+    for n, variant in enumerate(variants):
         task, n_params = stage2_task(variant, sh, device, dtype, teacher, engine)
         ctx = solo_context(task.cfg, device, dtype)
         vocab = task.student.config.vocab_size
-        res: dict[str, Any] = {"parameters": n_params}
-        # warm-up at the smallest size: compiles kernels and allocates the optimiser state
-        # the step takes the reader's checked rows (PackedRow with host boundaries), checked here once
-        warm = check_row(packed_row(sizes[0], max(1, sizes[0] // sh.step["doc_tokens"]), vocab, seed=1))
-        train_step(task, [warm], ctx)
-        res["host_syncs_per_step"] = count_syncs(functools.partial(train_step, task, [warm], ctx), device)
-        for T in sizes:
-            row = check_row(packed_row(T, max(1, T // sh.step["doc_tokens"]), vocab, seed=2))
+        res: dict[str, Any] = out.setdefault(variant, {"parameters": n_params})
+        rows = {T: check_row(packed_row(T, max(1, T // sh.step["doc_tokens"]), vocab, seed=2)) for T in sizes}
+        for i, T in enumerate(sizes):
             free_memory()
+            step = functools.partial(train_step, task, [rows[T]], ctx)
             try:  # one size out of memory still leaves the others' figures
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                result, seconds, extra = meter.run(functools.partial(train_step, task, [row], ctx), warmup=False)
+                result, seconds, _ = meter.run(step, label=f"{engine} step {variant} T{T}")
             except Exception as exc:
                 res[f"T{T}"] = {"finite": False, "error": error_record(exc)}
+                meter.checkpoint()
                 continue
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-            res[f"T{T}"] = {"seconds": seconds, "tokens_per_s": T / seconds, "peak_gib": gib(peak),
+            m = meter.log[-1]
+            res[f"T{T}"] = {"first_call_seconds": m["first_call_seconds"], "seconds": seconds,
+                            "tokens_per_s": T / seconds, "peak_gib": gib(peak),
                             "peak_without_teacher_weights_gib": gib(None if peak is None else peak - teacher_bytes),
-                            "extra_over_steady_state_gib": gib(extra), "kl_sum": result.sums["kl_sum"],
-                            "grad_norm": result.grad_norm, "finite": math.isfinite(result.sums["kl_sum"]),
-                            **step_estimate(task.cfg, variant, sh, T, dtype)}
-        out[variant] = res
+                            "kl_sum": result.sums["kl_sum"], "grad_norm": result.grad_norm,
+                            "finite": math.isfinite(result.sums["kl_sum"])}
+            meter.checkpoint()
+            if i == 0 and n == 0 and engine == "plain":
+                out["profile"] = {"student": variant, "tokens": T, **profile_summary(step, device)}
+                meter.checkpoint()
+        res["host_syncs_per_step"] = count_syncs(functools.partial(train_step, task, [rows[min(sizes)]], ctx), device)
+        res["host_syncs_per_step"]["tokens"] = min(sizes)
+        meter.checkpoint()
         del task
         free_memory()
-    out["ok"] = all(out[v][f"T{T}"]["finite"] for v in variants for T in sizes)
+    if STEP_ESTIMATES_INLINE[0]:
+        gpu = gpu_name(device)
+        for variant in variants:
+            for T in sizes:
+                if "seconds" in out[variant].get(f"T{T}", {}):
+                    add_step_estimate(out[variant][f"T{T}"], step_estimate(variant, sh, T, dtype), gpu)
+    out["ok"] = all(out[v].get(f"T{T}", {}).get("finite", False) for v in variants for T in sizes)
     return out
 
 
-def step_estimate(cfg: Any, variant: str, sh: Shapes, T: int, dtype: Any) -> dict[str, Any]:
+# set by the driver: --bypass-fla-hopper-guard; the step estimates made by the case itself (False when the
+# isolated driver makes them in processes beside the cases)
+BYPASS_GUARD = [False]
+STEP_ESTIMATES_INLINE = [True]
+
+
+def profile_summary(fn: Callable[[], Any], device: Any, rows: int = 15) -> dict[str, Any]:
+    """`torch.profiler` over one call: the top kernels by device time on a GPU (the top ops by their own CPU
+    time on CPU), with their calls and share, and the profiler's own table. A failure is recorded."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            fn()
+            if cuda:
+                torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+        avgs = prof.key_averages()
+        if cuda:
+            from torch.autograd import DeviceType
+
+            def own(e):  # microseconds on the device (torch < 2.4 called it cuda time)
+                return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
+
+            events = [e for e in avgs if getattr(e, "device_type", None) == DeviceType.CUDA]
+            sort_by, what = "self_device_time_total", "kernels by device time"
+        else:
+            def own(e):
+                return e.self_cpu_time_total
+
+            events = list(avgs)
+            sort_by, what = "self_cpu_time_total", "ops by their own CPU time"
+        total = sum(own(e) for e in events) or 1.0
+        top = sorted(events, key=own, reverse=True)[:rows]
+        try:
+            table = avgs.table(sort_by=sort_by, row_limit=rows, max_name_column_width=70)
+        except Exception as exc:  # the figures above stand without the table
+            table = f"(no table: {type(exc).__name__}: {exc})"
+        summary = {"what": what, "wall_seconds": seconds, "total_ms": total / 1e3,
+                   "top": [{"name": e.key[:160], "calls": e.count, "ms": own(e) / 1e3, "share": own(e) / total}
+                           for e in top],
+                   "table": table}
+    except Exception as exc:  # the step's figures count without the profile
+        return {"error": error_record(exc)}
+    print(f"[gpu_check]   profile of one step ({what}):", flush=True)
+    for e in summary["top"][:10]:
+        print(f"[gpu_check]     {e['share']:6.1%} {e['ms']:10.2f} ms {e['calls']:6d}x  {e['name'][:90]}", flush=True)
+    return summary
+
+
+def gpu_name(device: Any) -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def step_estimate(variant: str, sh: Shapes, T: int, dtype: Any) -> dict[str, Any]:
     """`hylo estimate`'s figures for the measured step (pipeline/estimate/step.estimate_step: the same
     step on fake tensors, world size 1, the accelerator's rules, the same row layout): its peak (to compare
-    with `peak_gib`) and its peak over its start (with `extra_over_steady_state_gib`)."""
+    with `peak_gib`), its peak over its start, its FLOPs and the step's seconds at each GPU's peak rate. The
+    DeepSpeed case's step is estimated as this one (ZeRO-3 at world size 1 partitions nothing)."""
     from hylo.pipeline.estimate import Shapes as StepShapes
     from hylo.pipeline.estimate import estimate_step
 
+    t0 = time.perf_counter()
     try:
+        cfg = stage2_cfg("plain")
         m = cfg.teacher.model
         teacher = dataclasses.replace(m, dtype=str(dtype).removeprefix("torch."), isolation="per_doc",
                                       max_forward_tokens=max(sh.step["tokens"]))
-        cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, model=teacher),
-                                  deepspeed=dataclasses.replace(cfg.deepspeed, zero_stage=0))
+        cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, model=teacher))
         doc = T // max(1, T // sh.step["doc_tokens"])
         est = estimate_step(cfg, T, 1, dtype, gpu=True, doc_tokens=(doc, doc),
                             shapes=StepShapes(hylo_config(variant, sh.tiny), teacher=llama_config("8b", sh.tiny)))
+        at_peak, pricing = peak_seconds(est)
     except Exception as exc:  # recorded, never fatal for the case
         return {"estimate_error": f"{type(exc).__name__}: {exc}"[:500]}
     return {"estimated_peak_gib": gib(int(est.peak_bytes)),
             "estimated_extra_over_start_gib": gib(int(est.peak_bytes - est.start_bytes)),
-            "estimated_flops": est.total_flops}
+            "estimated_flops": est.total_flops, "estimated_seconds_at_peak": at_peak, "peak_pricing": pricing,
+            "estimate_seconds": time.perf_counter() - t0}
+
+
+def peak_seconds(est: Any) -> tuple[dict[str, float], str]:
+    """The estimated step's seconds at each listed GPU's peak rate, and how they were priced: the one call
+    into the estimator's rates (pipeline/estimate/gpus.py). Where the estimator prices each dtype's FLOPs at
+    that dtype's rate (`Estimate.seconds_at_peak(gpu)`), that; otherwise every FLOP at the dense bf16 peak."""
+    from hylo.pipeline.estimate import GPUS
+
+    priced = getattr(est, "seconds_at_peak", None)
+    if callable(priced):
+        return {g.name: float(priced(g)) for g in GPUS}, "each dtype's FLOPs at its rate (the estimator's)"
+    return {g.name: g.seconds(est.total_flops) for g in GPUS}, "every FLOP at the dense bf16 peak"
+
+
+def add_step_estimate(entry: dict[str, Any], est: dict[str, Any], gpu: str | None) -> None:
+    """The estimate's figures beside one measured step, and its MFU: the estimated step's seconds at this
+    GPU's peak over the measured steady-state seconds (None on a GPU the estimator does not list, or on CPU)."""
+    entry.update(est)
+    at_peak = est.get("estimated_seconds_at_peak") or {}
+    name = next((g for g in at_peak if gpu and g in gpu), None)
+    entry["mfu"] = at_peak[name] / entry["seconds"] if name and entry.get("seconds") else None
+    entry["mfu_gpu"] = name
 
 
 def case_deepspeed(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
@@ -712,6 +931,9 @@ def cache_bytes(obj: Any, seen: set[int] | None = None) -> int:
 
 
 def case_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
+    """Greedy decoding after a prefill, HyLo against the Llama-3.2-1B shape at each context, the key context
+    first (the first of `sh.decode["context"]`, 64K) and both models at a context before the next one; each
+    measurement's first call (the prefill's and the single-token steps' compilation) apart from its steady run."""
     import torch
     from transformers import DynamicCache, LlamaForCausalLM
 
@@ -720,18 +942,22 @@ def case_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
 
     dtype = torch.float32 if sh.tiny else torch.bfloat16
     new = sh.decode["new_tokens"]
-    out: dict[str, Any] = {"new_tokens": new, "batch": 1, "dtype": str(dtype)[6:]}
+    out = meter.publish({"new_tokens": new, "batch": 1, "dtype": str(dtype)[6:],
+                         "contexts_in_order": list(sh.decode["context"])})
     hcfg = hylo_config("8mla8gdn", sh.tiny)
     lcfg = llama_config("1b", sh.tiny)
     lcfg._attn_implementation = "sdpa"
-    models = {"hylo_8mla8gdn": (lambda: HyLoForCausalLM(hcfg), lambda n: HyLoCache(hcfg, max_length=n)),
-              "llama_3.2_1b": (lambda: LlamaForCausalLM(lcfg), lambda n: DynamicCache())}
-    for name, (make, make_cache) in models.items():
+    specs = {"hylo_8mla8gdn": (lambda: HyLoForCausalLM(hcfg), lambda n: HyLoCache(hcfg, max_length=n)),
+             "llama_3.2_1b": (lambda: LlamaForCausalLM(lcfg), lambda n: DynamicCache())}
+    models = {}
+    for name, (make, _) in specs.items():
         torch.manual_seed(0)
-        model = build(make, device, dtype).eval()
-        res: dict[str, Any] = {}
-        for ctx_len in sh.decode["context"]:
-            ids = torch.randint(0, lcfg.vocab_size, (1, ctx_len), device=device)
+        models[name] = build(make, device, dtype).eval()
+        out[name] = {}
+    for ctx_len in sh.decode["context"]:
+        ids = torch.randint(0, lcfg.vocab_size, (1, ctx_len), device=device)
+        for name, (make, make_cache) in specs.items():
+            model, res = models[name], out[name]
 
             @torch.no_grad()
             def prefill_and_decode(model=model, ids=ids, make_cache=make_cache, ctx_len=ctx_len):
@@ -747,12 +973,11 @@ def case_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
 
             t_ctx = time.perf_counter()
             try:  # one context out of memory still leaves the others' figures
-                (cache, decode_s), total_s, extra = meter.run(prefill_and_decode)
-                print(f"[gpu_check] decode {name} ctx {ctx_len}: measured in {time.perf_counter() - t_ctx:.1f} s",
-                      flush=True)
+                (cache, decode_s), total_s, extra = meter.run(prefill_and_decode, label=f"decode {name} ctx{ctx_len}")
             except Exception as exc:
                 res[f"ctx{ctx_len}"] = {"error": error_record(exc), "cache_bytes": 0, "decode_tokens_per_s": math.nan}
                 free_memory()
+                meter.checkpoint()
                 continue
 
             @torch.no_grad()
@@ -770,21 +995,22 @@ def case_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
                 return fake_build(make, dtype).eval(), fake_like(ids)
 
             res[f"ctx{ctx_len}"] = {"decode_tokens_per_s": new / decode_s, "prefill_plus_decode_seconds": total_s,
+                                    "first_call_seconds": meter.log[-1]["first_call_seconds"],
                                     "cache_bytes": cache_bytes(cache), "peak_extra_gib": gib(extra),
                                     "estimated_peak_extra_gib": estimated_gib(fake_model, fake_decode)}
-            print(f"[gpu_check] decode {name} ctx {ctx_len}: with the estimate {time.perf_counter() - t_ctx:.1f} s",
-                  flush=True)
+            meter.checkpoint()
+            print(f"[gpu_check] decode {name} ctx {ctx_len}: {time.perf_counter() - t_ctx:.1f} s", flush=True)
             del cache
             free_memory()
-        out[name] = res
-        del model
-        free_memory()
-    for ctx_len in sh.decode["context"]:
         a, b = out["hylo_8mla8gdn"][f"ctx{ctx_len}"], out["llama_3.2_1b"][f"ctx{ctx_len}"]
         if a["cache_bytes"] and b["cache_bytes"]:
             out[f"cache_ratio_ctx{ctx_len}"] = a["cache_bytes"] / b["cache_bytes"]
+            out[f"speedup_ctx{ctx_len}"] = a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+        meter.checkpoint()
+    del models
+    free_memory()
     out["ok"] = all(out[m][f"ctx{c}"]["cache_bytes"] > 0 and math.isfinite(out[m][f"ctx{c}"]["decode_tokens_per_s"])
-                    for m in models for c in sh.decode["context"])
+                    for m in specs for c in sh.decode["context"])
     return out
 
 
@@ -832,16 +1058,26 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("fla_hopper_guard_bypassed"):
         lines += ["**fla's Hopper guard bypassed** (Triton 3.4-3.7.0, fla #640): gradients through fla's gated "
                   "backward are from a Triton known to be wrong there; case 2 measures by how much.", ""]
-    lines += ["| case | ok | seconds | figures |", "| --- | --- | --- | --- |"]
+    lines += ["| case | ok | seconds | first calls s | steady s | figures |", "| --- | --- | --- | --- | --- | --- |"]
     for name, res in report["cases"].items():
-        figs = summary(name, res)
-        lines.append(f"| {name} | {res.get('ok')} | {res.get('case_seconds', 0):.1f} | {figs} |")
+        try:
+            figs = summary(name, res)
+        except (KeyError, TypeError, ValueError) as exc:  # a case stopped part-way: its figures are in the JSON
+            figs = f"partial ({type(exc).__name__} {exc} in the table's figures)"
+        if res.get("stopped"):
+            figs = f"{res['stopped']}; {len(res.get('measurements', []))} measurements kept; " + figs
+        cells = [f"{res[k]:.1f}" if isinstance(res.get(k), int | float) else "-"
+                 for k in ("case_seconds", "first_call_seconds", "steady_seconds")]
+        lines.append(f"| {name} | {res.get('ok')} | {' | '.join(cells)} | {figs} |")
+    if report.get("plan"):
+        lines += ["", "Plan: " + ", ".join(f"case {c['case']} {c['name']} {c['budget_s']:.0f} s" for c in report["plan"])
+                  + (f"; deadline {report['deadline_s']:.0f} s" if report.get("deadline_s") else "")]
     return "\n".join(lines) + "\n"
 
 
 def summary(name: str, res: dict[str, Any]) -> str:
     """A few headline figures of one case for the table (all figures are in the JSON)."""
-    if "error" in res:
+    if "error" in res and not res.get("stopped"):
         return f"{res['error']['type']}: {res['error']['message'][:120]}"
     if "skipped" in res:
         return res["skipped"][:120]
@@ -862,29 +1098,77 @@ def summary(name: str, res: dict[str, Any]) -> str:
         return "; ".join(f"{k}: grouped {f(v['grouped']['seconds'])} s vs loop {f(v['loop']['seconds'])} s"
                          for k, v in res.items() if k.startswith("docs"))
     if name in ("stage2_step", "deepspeed_zero3"):
-        parts = []
-        for v in ("8mla8gdn", "4mla12m2"):
-            if v in res:
-                top = max((k for k in res[v] if k.startswith("T")), key=lambda k: int(k[1:]))
-                r = res[v][top]
-                if "error" in r:
-                    parts.append(f"{v} {top}: {r['error']['type']}")
-                    continue
-                parts.append(f"{v} {top}: {f(r['seconds'])} s, {f(r['tokens_per_s'], 4)} tok/s, "
-                             f"peak {f(r['peak_gib'])} GiB, syncs {res[v]['host_syncs_per_step']['count']}")
+        parts = [f"no correct route for {', '.join(res['no_correct_linear_route'])}: all-MLA student"] \
+            if res.get("no_correct_linear_route") else []
+        for v in res.get("students", ()):
+            if v not in res:
+                continue
+            sizes = [k for k in (f"T{t}" for t in res.get("sizes_in_order", ())) if k in res[v]]
+            if not sizes:
+                continue
+            r = res[v][sizes[0]]
+            if "error" in r:
+                parts.append(f"{v} {sizes[0]}: {r['error']['type']}")
+                continue
+            syncs = res[v].get("host_syncs_per_step", {}).get("count", "-")
+            parts.append(f"{v} {sizes[0]}: {f(r['seconds'])} s (first {f(r.get('first_call_seconds'))} s), "
+                         f"{f(r['tokens_per_s'], 4)} tok/s, MFU {f(r.get('mfu'), 2)}, peak {f(r['peak_gib'])} GiB "
+                         f"(est. {f(r.get('estimated_peak_gib'))}), syncs {syncs}")
         return "; ".join(parts)
     if name == "decode":
-        if not any(k.startswith("cache_ratio") for k in res):
+        done = [c for c in res.get("contexts_in_order", ()) if f"cache_ratio_ctx{c}" in res]
+        if not done:
             return "no context ran on both models"
-        top = max((k for k in res if k.startswith("cache_ratio")), key=lambda k: int(k.split("ctx")[1]))
-        c = top.split("ctx")[1]
-        return (f"ctx {c}: hylo {f(res['hylo_8mla8gdn'][f'ctx{c}']['decode_tokens_per_s'])} tok/s, llama "
-                f"{f(res['llama_3.2_1b'][f'ctx{c}']['decode_tokens_per_s'])} tok/s, cache ratio {f(res[top])}")
+        return "; ".join(f"ctx {c}: hylo {f(res['hylo_8mla8gdn'][f'ctx{c}']['decode_tokens_per_s'])} tok/s, llama "
+                         f"{f(res['llama_3.2_1b'][f'ctx{c}']['decode_tokens_per_s'])} tok/s, cache ratio "
+                         f"{f(res[f'cache_ratio_ctx{c}'])}" for c in done)
     return ""
 
 
-# what a run writes into --out (and, with --case-seconds, into each --out/case_N with the child's log.txt)
+# The time plan of `make gpu-check`: the cases in the order they run, the most informative first, so that a loan
+# cut short still has the key figures, each with its budget in seconds (its process's start-up and imports, about
+# 15 s, included). Case 2 first: the gradients the step's figures rest on (and the GDN route the stack has); then
+# the stage-2 step, decode, the step through DeepSpeed; the fused KL and MLA last (measured on the first loan).
+# A case past its budget is stopped and recorded as such, keeping what it had measured; time a case leaves goes to
+# the next ones, the later cases' budgets held back, and none runs past the deadline.
+PLAN: tuple[tuple[int, float], ...] = ((2, 60.0), (4, 160.0), (5, 90.0), (6, 50.0), (1, 45.0), (3, 25.0))
+PLAN_DEADLINE = 480.0  # 8 minutes on one H100 or H200
+TINY_BUDGET = 600.0  # --tiny on a CPU: each case's budget (a busy CI machine)
+# the stage-2 step's estimates (`hylo estimate`'s figures and FLOPs, minutes of CPU at 64K) run beside the cases
+# in this many CPU processes, the key sizes first, and are merged into the step's figures as they come
+ESTIMATE_WORKERS = 4
+
+# what a run writes into --out (and, isolated, into each --out/case_N with the child's log.txt, and the step
+# estimates' processes into --out/estimates/)
 REPORT_FILES = ("gpu_check.json", "gpu_check.md")
+
+
+def case_numbers(args: argparse.Namespace) -> list[int]:
+    numbers = [int(c) for c in args.cases.split(",") if c.strip()]
+    bad = [n for n in numbers if n not in CASES]
+    if bad:
+        raise SystemExit(f"--cases {args.cases}: no case {bad[0]}; the cases are {', '.join(map(str, CASES))}")
+    return numbers
+
+
+def isolated(args: argparse.Namespace) -> bool:
+    return args.isolated or args.case_seconds is not None
+
+
+def estimate_jobs(args: argparse.Namespace, sh: Shapes, variants: dict[str, list[str]]) -> list[str]:
+    """The step estimates the run needs, the key sizes first: "variant:T" for each student of case 4 at each
+    size and of case 6 at its size (the same step at world size 1)."""
+    numbers = case_numbers(args)
+    pairs = []
+    if 4 in numbers:
+        pairs += [(i, j, v, t) for j, v in enumerate(variants["plain"]) for i, t in enumerate(sh.step["tokens"])]
+    if 6 in numbers:
+        pairs += [(1, j, v, sh.deepspeed_tokens) for j, v in enumerate(variants["deepspeed"])]
+    jobs = []
+    for *_, v, t in sorted(pairs, key=lambda p: (p[0], p[1])):
+        if f"{v}:{t}" not in jobs:
+            jobs.append(f"{v}:{t}")
+    return jobs
 
 
 def check_outputs(args: argparse.Namespace) -> None:
@@ -894,9 +1178,9 @@ def check_outputs(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     paths = [out / name for name in REPORT_FILES]
-    if args.case_seconds is not None:
-        paths += [out / f"case_{int(c)}" / name for c in args.cases.split(",") if c.strip()
-                  for name in (*REPORT_FILES, "log.txt")]
+    if isolated(args):
+        paths += [out / f"case_{n}" / name for n in case_numbers(args) for name in (*REPORT_FILES, "log.txt")]
+        paths += [out / "estimates" / f"part_{i}.json" for i in range(ESTIMATE_WORKERS)]
     for p in paths:
         check_output_file(p, "--out", force=args.force)
 
@@ -907,19 +1191,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true",
                     help="replace files of the report's names in --out that this project did not write")
     ap.add_argument("--tiny", action="store_true", help="small shapes on CPU (the test of this script)")
-    ap.add_argument("--cases", default="1,2,3,4,5,6", help="comma-separated case numbers")
+    ap.add_argument("--cases", default=",".join(str(n) for n, _ in PLAN),
+                    help="comma-separated case numbers, in the order to run (default: the plan's, most "
+                         "informative first)")
     ap.add_argument("--bypass-fla-hopper-guard", action="store_true",
                     help="measure only: let fla 0.6 run its gated backward (chunk_bwd_dqkwg) on Hopper with "
                          "Triton 3.4-3.7.0, which fla refuses since it is known to give wrong results there "
                          "(fla issue #640); the report says so and case 2 shows how wrong")
+    ap.add_argument("--isolated", action="store_true",
+                    help="each case in a process of its own under the time plan (its budget; printed first): a "
+                         "case past its budget is stopped and recorded with what it had measured, and the run "
+                         "moves on; the step's estimates run beside the cases (what `make gpu-check` does)")
     ap.add_argument("--case-seconds", type=float, default=None,
-                    help="run each case in a process of its own, stopped after this many seconds (a hang or a "
-                         "slow first compilation costs that case, not the loan); the figures are merged as they come")
+                    help="--isolated with this budget for every case instead of the plan's")
     ap.add_argument("--deadline", type=float, default=None,
-                    help="with --case-seconds: no case runs past this many seconds from the start")
+                    help="isolated: no case runs past this many seconds from the start (default: the plan's "
+                         f"{PLAN_DEADLINE:.0f} s; none with --tiny)")
+    ap.add_argument("--estimate-worker", default=None, help=argparse.SUPPRESS)  # "I/N": the driver's own use
+    ap.add_argument("--step-estimates-elsewhere", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--stop-after-measurements", type=int, default=None,
+                    help="testing: the process kills itself (SIGKILL) as the measurement after this many starts, "
+                         "as a budget stops a case, to check what a stopped case leaves")
     args = ap.parse_args(argv)
-    check_outputs(args)
-    if args.case_seconds is not None:
+    case_numbers(args)
+    if args.estimate_worker is None:
+        check_outputs(args)
+    if isolated(args):
         from hylo.stopping import stopping
 
         # SIGTERM / Ctrl-C end the running case's process group too (hylo/stopping.py)
@@ -937,28 +1234,57 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(min(2, torch.get_num_threads()))
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     shapes = TINY if args.tiny else FULL
-    meter = Meter(device)
+    BYPASS_GUARD[0] = args.bypass_fla_hopper_guard
+    STEP_ESTIMATES_INLINE[0] = not args.step_estimates_elsewhere
+    if args.estimate_worker is not None:
+        return estimate_worker(args, shapes, device)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                               "tiny": args.tiny, "device": str(device), "versions": versions(), "cases": {}}
     if args.bypass_fla_hopper_guard:
         report["fla_hopper_guard_bypassed"] = bypass_fla_hopper_guard()
+    print(f"[gpu_check] plan (in this process, no budgets): cases {args.cases}", flush=True)
     t_all = time.perf_counter()
-    for number in (int(c) for c in args.cases.split(",") if c.strip()):
+    for number in case_numbers(args):
         name, fn = CASES[number]
         t0 = time.perf_counter()
+
+        meter = Meter(device)
+
+        def partial(starting: bool = False, name=name, t0=t0, meter=meter) -> None:
+            """After every measurement (and before the next): the case's figures so far, on disk."""
+            report["cases"][name] = {**meter.partial, "ok": None, "partial": True,
+                                     "case_seconds": time.perf_counter() - t0, **meter.totals()}
+            write(out_dir, report)
+            if starting and args.stop_after_measurements is not None and \
+                    len(meter.log) >= args.stop_after_measurements:
+                print(f"[gpu_check] stopping after {len(meter.log)} measurements (--stop-after-measurements)",
+                      flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        meter.on_measure = partial
         print(f"[gpu_check] case {number} {name} ...", flush=True)
+        partial()
         try:
             with kernels_mode("triton" if args.tiny and number == 1 else os.environ.get("HYLO_KERNELS", "auto")):
                 res = fn(shapes, device, meter)
-        except Exception as exc:  # recorded; the next case runs
-            res = {"ok": False, "error": error_record(exc)}
-        res["case_seconds"] = time.perf_counter() - t0
+                res.update(meter.totals(), case_seconds=time.perf_counter() - t0)
+                report["cases"][name] = res
+                write(out_dir, report)
+                # the memory estimates beside the measured figures, once those are on disk
+                t_est = time.perf_counter()
+                resolve_estimates()
+                res["estimate_seconds"] = time.perf_counter() - t_est
+        except Exception as exc:  # recorded with what was measured; the next case runs
+            res = {**meter.partial, "ok": False, "error": error_record(exc), **meter.totals(),
+                   "case_seconds": time.perf_counter() - t0}
+        Later.pending.clear()
         report["cases"][name] = res
         gc.collect()
         free_memory()
-        print(f"[gpu_check] case {number} {name}: ok={res.get('ok')} in {res['case_seconds']:.1f} s", flush=True)
+        print(f"[gpu_check] case {number} {name}: ok={res.get('ok')} in {res['case_seconds']:.1f} s "
+              f"(first calls {res['first_call_seconds']:.1f} s, steady {res['steady_seconds']:.1f} s)", flush=True)
         write(out_dir, report)
     report["total_seconds"] = time.perf_counter() - t_all
     # the estimates beside the measured memory figures that could not be made (pipeline/estimate/)
@@ -968,11 +1294,72 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.get("ok") for r in report["cases"].values()) else 1
 
 
-def run_isolated(args: argparse.Namespace) -> int:
-    """Each case in a child process (`--cases N --out OUT/case_N`) under a time limit, merged into OUT after each.
+def estimate_worker(args: argparse.Namespace, sh: Shapes, device: Any) -> int:
+    """One of the CPU processes beside the cases: the step estimates `--estimate-worker I/N` names (every N-th
+    job from the I-th, the key sizes first), each written to OUT/part_I.json as soon as it is made."""
+    import torch
 
-    The parent imports no torch, so the children have the GPU to themselves. A child stopped at its limit is
-    recorded as a case that failed with a TimeoutExpired error, with the end of its output."""
+    from hylo.files import atomic_write, record_files
+
+    torch.set_num_threads(1)
+    i, n = (int(x) for x in args.estimate_worker.split("/"))
+    variants = {e: step_variants(device, e, args.bypass_fla_hopper_guard)[0] for e in ("plain", "deepspeed")}
+    jobs = estimate_jobs(args, sh, variants)[i::n]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done: dict[str, Any] = {}
+    dtype = torch.float32 if sh.tiny else torch.bfloat16
+    for job in jobs:
+        variant, tokens = job.split(":")
+        done[job] = step_estimate(variant, sh, int(tokens), dtype)
+        print(f"[gpu_check] step estimate {job}: {done[job].get('estimate_seconds', 0):.1f} s", flush=True)
+        atomic_write(out_dir / f"part_{i}.json", json.dumps(done, indent=1, allow_nan=True) + "\n")
+        record_files(out_dir, [f"part_{i}.json"])
+    return 0
+
+
+def merge_step_estimates(report: dict[str, Any], est_dir: Path) -> None:
+    """The estimate processes' figures into the measured steps (and their MFU on this GPU)."""
+    est: dict[str, Any] = {}
+    for part in sorted(est_dir.glob("part_*.json")):
+        with contextlib.suppress(ValueError, OSError):
+            est.update(json.loads(part.read_text()))
+    gpu = report.get("versions", {}).get("gpu")
+    for name in ("stage2_step", "deepspeed_zero3"):
+        case = report["cases"].get(name, {})
+        for variant in case.get("students", ()):
+            for key, entry in case.get(variant, {}).items():
+                if key.startswith("T") and "seconds" in entry and f"{variant}:{key[1:]}" in est:
+                    add_step_estimate(entry, est[f"{variant}:{key[1:]}"], gpu)
+
+
+def time_plan(args: argparse.Namespace) -> list[dict[str, Any]]:
+    budgets = dict(PLAN)
+    return [{"case": n, "name": CASES[n][0],
+             "budget_s": args.case_seconds if args.case_seconds is not None
+             else TINY_BUDGET if args.tiny else budgets.get(n, 60.0)} for n in case_numbers(args)]
+
+
+def case_limit(plan: list[dict[str, Any]], k: int, left: float | None) -> float | None:
+    """The seconds the plan's k-th case may run with `left` seconds to the deadline: its budget, or more where
+    earlier cases left time (the later cases' budgets held back), never past the deadline; None: too little
+    is left to start it (under 10 s, or under its whole budget if that is smaller)."""
+    budget = plan[k]["budget_s"]
+    if left is None:
+        return budget
+    if left < min(budget, 10.0):
+        return None
+    later = sum(c["budget_s"] for c in plan[k + 1:])
+    return min(max(budget, left - later), left)
+
+
+def run_isolated(args: argparse.Namespace) -> int:
+    """Each case in a child process (`--cases N --out OUT/case_N`) under the time plan, merged into OUT after each;
+    the step's estimates in CPU processes beside them.
+
+    The parent imports no torch, so the children have the GPU to themselves. A child stopped at its budget (or
+    dead) is recorded as a case that failed (TimeoutExpired / ChildFailed, the end of its output) with the
+    figures its partial report had on disk."""
     import subprocess
 
     from hylo.files import atomic_write, record_files
@@ -981,21 +1368,38 @@ def run_isolated(args: argparse.Namespace) -> int:
     out_dir = make_dir(args.out)
     flags = [f for f, on in (("--tiny", args.tiny), ("--bypass-fla-hopper-guard", args.bypass_fla_hopper_guard),
                              ("--force", args.force)) if on]
+    if args.stop_after_measurements is not None:
+        flags += ["--stop-after-measurements", str(args.stop_after_measurements)]
+    deadline = args.deadline if args.deadline is not None else None if args.tiny else PLAN_DEADLINE
+    plan = time_plan(args)
     t0 = time.perf_counter()
     report: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                              "tiny": args.tiny, "device": None, "versions": {}, "cases": {},
-                              "isolated": {"case_seconds": args.case_seconds, "deadline": args.deadline}}
-    for number in (int(c) for c in args.cases.split(",") if c.strip()):
-        name = CASES[number][0]
-        limit = args.case_seconds
-        if args.deadline is not None:
-            left = args.deadline - (time.perf_counter() - t0)
-            if left < min(limit, 10.0):
-                report["cases"][name] = {"ok": False, "skipped": "the deadline passed before this case could start"}
-                continue
-            limit = min(limit, left)
+                              "tiny": args.tiny, "device": None, "versions": {}, "cases": {}, "plan": plan,
+                              "deadline_s": deadline,
+                              "isolated": {"case_seconds": args.case_seconds, "deadline": deadline}}
+    steps = [n for n in case_numbers(args) if n in (4, 6)]
+    print("[gpu_check] plan: " + ", ".join(f"case {c['case']} {c['name']} {c['budget_s']:.0f} s" for c in plan)
+          + (f"; deadline {deadline:.0f} s" if deadline else "; no deadline")
+          + (f"; the step estimates in {ESTIMATE_WORKERS} CPU processes beside them" if steps else ""), flush=True)
+    workers = []
+    est_dir = out_dir / "estimates"
+    if steps:
+        # they see the GPU only to ask which students the stack can train (kernels/backend.check_fla_backward)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for i in range(ESTIMATE_WORKERS):
+            cmd = [sys.executable, str(Path(__file__).resolve()), *flags, "--cases", args.cases, "--out",
+                   str(est_dir), "--estimate-worker", f"{i}/{ESTIMATE_WORKERS}"]
+            workers.append(popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
+    for k, item in enumerate(plan):
+        number, name = item["case"], item["name"]
+        limit = case_limit(plan, k, None if deadline is None else deadline - (time.perf_counter() - t0))
+        if limit is None:
+            report["cases"][name] = {"ok": False, "skipped": "the deadline passed before this case could start"}
+            continue
         child_out = out_dir / f"case_{number}"
         cmd = [sys.executable, str(Path(__file__).resolve()), *flags, "--cases", str(number), "--out", str(child_out)]
+        if steps:
+            cmd.append("--step-estimates-elsewhere")
         print(f"[gpu_check] case {number} {name}: own process, at most {limit:.0f} s", flush=True)
         t_case = time.perf_counter()
         proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -1012,18 +1416,33 @@ def run_isolated(args: argparse.Namespace) -> int:
         record_files(child_out, ["log.txt"])
         print("\n".join(f"    {line}" for line in log.splitlines() if line.startswith("[gpu_check]")), flush=True)
         child = child_out / "gpu_check.json"
-        if rc is not None and child.is_file():
-            data = json.loads(child.read_text())
-            report["cases"].update(data["cases"])
+        data = None
+        with contextlib.suppress(ValueError, OSError):
+            data = json.loads(child.read_text()) if child.is_file() else None
+        if data is not None:
             report["device"], report["versions"] = data["device"], data["versions"]
             if "fla_hopper_guard_bypassed" in data:
                 report["fla_hopper_guard_bypassed"] = data["fla_hopper_guard_bypassed"]
-        else:
-            why = f"stopped after {limit:.0f} s" if rc is None else f"exit status {rc}, no report"
-            report["cases"][name] = {"ok": False, "case_seconds": time.perf_counter() - t_case,
-                                     "error": {"type": "TimeoutExpired" if rc is None else "ChildFailed",
-                                               "message": why, "traceback": log.splitlines()[-12:]}}
+        res = (data or {}).get("cases", {}).get(name)
+        if rc != 0 or res is None or res.get("partial"):
+            # stopped at its budget or dead: what it had measured, marked as such
+            why = f"stopped after {limit:.0f} s (its budget)" if rc is None else f"exit status {rc}"
+            res = {**(res or {}), "ok": False, "stopped": why, "case_seconds": time.perf_counter() - t_case,
+                   "error": {"type": "TimeoutExpired" if rc is None else "ChildFailed", "message": why,
+                             "traceback": log.splitlines()[-12:]}}
+        res["limit_s"] = limit  # its budget with what earlier cases left, as run
+        report["cases"][name] = res
+        merge_step_estimates(report, est_dir)
         write(out_dir, report)
+    # the step estimates still running, until the deadline
+    for w in workers:
+        left = None if deadline is None else max(1.0, deadline - (time.perf_counter() - t0))
+        try:
+            w.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            end_process(w)
+            w.wait()
+    merge_step_estimates(report, est_dir)
     report["total_seconds"] = time.perf_counter() - t0
     write(out_dir, report)
     print(markdown(report))
@@ -1043,7 +1462,7 @@ def bypass_fla_hopper_guard() -> bool:
 def write(out_dir: Path, report: dict[str, Any]) -> None:
     from hylo.files import atomic_write, record_files
 
-    atomic_write(out_dir / "gpu_check.json", json.dumps(report, indent=1, default=str, allow_nan=True) + "\n")
+    atomic_write(out_dir / "gpu_check.json", json.dumps(report, indent=1, default=json_value, allow_nan=True) + "\n")
     atomic_write(out_dir / "gpu_check.md", markdown(report))
     # recorded as ours: a later run may replace them (check_outputs)
     record_files(out_dir, REPORT_FILES)

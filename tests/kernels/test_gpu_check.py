@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CASES = ("fused_kl", "gdn_mamba2", "mla_packed", "stage2_step", "decode", "deepspeed_zero3")
+# in the time plan's order: the most informative first
+CASES = ("gdn_mamba2", "stage2_step", "decode", "deepspeed_zero3", "fused_kl", "mla_packed")
 # The GPU machine has no Ray (nor boto3): the check must not import them. Blocked in the child.
 RUN = ("import sys, runpy; sys.modules.update(dict.fromkeys(('ray', 'boto3'), None)); "
        "sys.argv = ['bench/gpu_check.py', *sys.argv[1:]]; runpy.run_path('bench/gpu_check.py', run_name='__main__')")
@@ -56,6 +57,45 @@ def test_every_case_runs_and_reports_finite_figures(report):
     assert report["_returncode"] == 0, report["_log"][-2000:]
     # the table has a row per case
     assert all(f"| {name} | True |" in report["_md"] for name in CASES), report["_md"]
+
+
+@pytest.mark.slow
+def test_every_case_has_its_first_call_apart_from_its_steady_state(report):
+    for name, case in report["cases"].items():
+        if "skipped" in case:
+            continue
+        assert case["measurements"], name
+        for m in case["measurements"]:
+            # None: a call measured without a first call of its own (a reference run after the same call)
+            assert m["steady_seconds"] > 0 and (m["first_call_seconds"] is None or m["first_call_seconds"] > 0), m
+        assert sum(m["first_call_seconds"] is not None for m in case["measurements"]) >= 1, name
+        assert case["first_call_seconds"] == pytest.approx(sum(m["first_call_seconds"] or 0
+                                                               for m in case["measurements"]))
+        assert case["steady_seconds"] == pytest.approx(sum(m["steady_seconds"] for m in case["measurements"]))
+        assert "estimate_seconds" in case, name  # the estimates made after the measured figures were written
+    # the sizes and contexts in the plan's order, the key one first
+    assert report["cases"]["decode"]["contexts_in_order"] == [64, 32]
+    assert [m["call"] for m in report["cases"]["decode"]["measurements"]] == [
+        "decode hylo_8mla8gdn ctx64", "decode llama_3.2_1b ctx64", "decode hylo_8mla8gdn ctx32",
+        "decode llama_3.2_1b ctx32"]
+    assert "| first calls s | steady s |" in report["_md"]
+
+
+@pytest.mark.slow
+def test_the_step_has_its_profile_estimate_and_mfu(report):
+    step = report["cases"]["stage2_step"]
+    prof = step["profile"]
+    # one step under torch.profiler: the top ops (kernels on a GPU) by their own time
+    assert prof["student"] == "8mla8gdn" and prof["tokens"] == 64 and "error" not in prof, prof
+    assert len(prof["top"]) == 15 and prof["top"][0]["ms"] >= prof["top"][-1]["ms"] > 0
+    assert 0 < sum(e["share"] for e in prof["top"]) <= 1 + 1e-9 and "Self CPU" in prof["table"]
+    assert "[gpu_check]   profile of one step" in report["_log"]
+    for variant in ("8mla8gdn", "4mla12m2"):
+        r = step[variant]["T64"]
+        assert r["first_call_seconds"] > 0 and r["seconds"] > 0
+        assert r["estimated_flops"] > 0 and r["estimated_peak_gib"] is not None, r
+        assert set(r["estimated_seconds_at_peak"]) >= {"H100", "H200"}
+        assert r["mfu"] is None and "mfu" in r  # no GPU: no peak rate to divide by
 
 
 @pytest.mark.slow
@@ -110,9 +150,12 @@ def test_each_case_in_a_process_of_its_own_under_a_time_limit(tmp_path):
                               capture_output=True, text=True, timeout=600)
         return proc, json.loads((out / "gpu_check.json").read_text())
 
-    proc, data = check(tmp_path / "a", "--cases", "3", "--case-seconds", "300", "--bypass-fla-hopper-guard")
+    proc, data = check(tmp_path / "a", "--cases", "3", "--isolated", "--bypass-fla-hopper-guard")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert data["cases"]["mla_packed"]["ok"] is True and data["isolated"]["case_seconds"] == 300
+    # the plan, printed before the case starts
+    assert "[gpu_check] plan: case 3 mla_packed 600 s; no deadline" in proc.stdout.splitlines()[0]
+    assert data["plan"] == [{"case": 3, "name": "mla_packed", "budget_s": 600.0}]
+    assert data["cases"]["mla_packed"]["ok"] is True and data["cases"]["mla_packed"]["measurements"]
     assert data["fla_hopper_guard_bypassed"] is False  # the flag reached the child; no Hopper here
     assert "[gpu_check] case 3 mla_packed ..." in (tmp_path / "a" / "case_3" / "log.txt").read_text()
 
@@ -121,6 +164,16 @@ def test_each_case_in_a_process_of_its_own_under_a_time_limit(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert data["cases"]["decode"]["error"]["type"] == "TimeoutExpired", data
     assert "| decode | False |" in (tmp_path / "b" / "gpu_check.md").read_text()
+
+    # a case killed after its first measurement (as its budget would) leaves that figure: the child wrote its
+    # partial report after every measurement, the parent keeps it and marks the case stopped
+    proc, data = check(tmp_path / "c", "--cases", "5", "--isolated", "--stop-after-measurements", "1")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    dec = data["cases"]["decode"]
+    assert dec["ok"] is False and dec["stopped"] == "exit status -9" and dec["error"]["type"] == "ChildFailed"
+    assert [m["call"] for m in dec["measurements"]] == ["decode hylo_8mla8gdn ctx64"]
+    assert dec["hylo_8mla8gdn"]["ctx64"]["decode_tokens_per_s"] > 0 and dec["llama_3.2_1b"] == {}
+    assert "1 measurements kept" in (tmp_path / "c" / "gpu_check.md").read_text()
 
 
 def test_the_reports_never_overwrite_a_users_files_in_out_and_are_refused_before_any_case(tmp_path, monkeypatch):
@@ -147,3 +200,56 @@ def test_the_reports_never_overwrite_a_users_files_in_out_and_are_refused_before
         gpu_check.main(["--tiny", "--out", str(out), "--cases", "3", "--case-seconds", "1"])
     assert (out / "case_3" / "log.txt").read_text() == "my log"
     assert sorted(p.name for p in out.iterdir()) == ["case_3"]
+
+
+def load_gpu_check(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hylo_bench_gpu_check", REPO / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, gpu_check)  # its dataclasses look their module up
+    monkeypatch.setattr(sys, "path", list(sys.path))  # it puts the checkout first on the path
+    spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
+def test_the_time_plan_fits_eight_minutes_and_passes_on_what_a_case_leaves(monkeypatch):
+    gc = load_gpu_check(monkeypatch)
+    assert sorted(n for n, _ in gc.PLAN) == [1, 2, 3, 4, 5, 6] and sum(b for _, b in gc.PLAN) <= gc.PLAN_DEADLINE <= 480
+    plan = [{"case": n, "budget_s": b} for n, b in ((2, 60.0), (4, 160.0), (5, 90.0))]
+    # a full 480 s: the first case may use what the later ones' budgets leave
+    assert gc.case_limit(plan, 0, 480.0) == 230.0
+    # the first case took 20 s: the step gets its budget and the 40 s left over
+    assert gc.case_limit(plan, 1, 300.0) == 210.0
+    # behind: its budget, never past the deadline; too little left: not started
+    assert gc.case_limit(plan, 2, 70.0) == 70.0 and gc.case_limit(plan, 2, 9.0) is None
+    assert gc.case_limit(plan, 2, None) == 90.0
+
+
+def test_the_step_falls_back_to_an_all_mla_student_where_no_linear_route_is_correct(monkeypatch):
+    gc = load_gpu_check(monkeypatch)
+    monkeypatch.setattr(gc, "fla_route_problem", lambda device, kinds: "Triton 3.6 on Hopper" if "gdn" in kinds else None)
+    assert gc.step_variants("cuda", "plain", False) == (["all_mla", "4mla12m2"], {"8mla8gdn": "Triton 3.6 on Hopper"})
+    assert gc.step_variants("cuda", "deepspeed", False) == (["all_mla"], {"8mla8gdn": "Triton 3.6 on Hopper"})
+    assert gc.step_variants("cuda", "plain", True) == (["8mla8gdn", "4mla12m2"], {})  # measure only
+    cfg, ref = gc.hylo_config("all_mla", True), gc.hylo_config("8mla8gdn", True)
+    assert list(cfg.mla_layers) == list(range(cfg.num_hidden_layers)) and len(ref.mla_layers) < ref.num_hidden_layers
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (ref.hidden_size, ref.num_hidden_layers,
+                                                                        ref.vocab_size)
+
+
+def test_mfu_is_the_estimated_step_at_the_gpus_peak_over_the_measured_step(monkeypatch):
+    gc = load_gpu_check(monkeypatch)
+
+    class Est:
+        total_flops = 989.4e12  # one second at an H100's dense bf16 peak
+
+    at_peak, pricing = gc.peak_seconds(Est())
+    assert at_peak["H100"] == pytest.approx(1.0) and "bf16" in pricing
+    Est.seconds_at_peak = lambda self, gpu: 2.0  # an estimator that prices each dtype at its rate
+    assert gc.peak_seconds(Est())[0]["H200"] == 2.0
+    entry = {"seconds": 4.0}
+    gc.add_step_estimate(entry, {"estimated_seconds_at_peak": at_peak}, "NVIDIA H100 80GB HBM3")
+    assert entry["mfu"] == pytest.approx(0.25) and entry["mfu_gpu"] == "H100"
+    gc.add_step_estimate(entry, {"estimated_seconds_at_peak": at_peak}, "NVIDIA A100-SXM4-80GB")
+    assert entry["mfu"] is None
