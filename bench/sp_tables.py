@@ -4,6 +4,7 @@ gathering MLA's latent), from the step estimate (pipeline/estimate/: step.py, sp
 
     python bench/sp_tables.py --json sp.json        # measure (minutes of CPU per recipe) and print
     python bench/sp_tables.py --from-json sp.json   # print again from the kept measurements
+    python bench/sp_tables.py --recipe llama-3.2-3b-14mla14gdn-64k --json 3b.json   # one recipe (one per process)
 
 Per GPU at N, stage 2 as each recipe configures it (bf16, activation checkpointing, top-64 targets from the Serve
 pool or the offline cache: the same records on the training GPU), ZeRO-3 over W training GPUs:
@@ -15,8 +16,9 @@ pool or the offline cache: the same records on the training GPU), ZeRO-3 over W 
   with torch's fake process group at T = 64K, N = 2, minus the same layer unsplit: the MLA layer's (the last
   rank's keys from the row's start when one document fills the row) scaled by the earlier keys E = T - T / N
   (12.72-12.88 KiB per earlier key from 64K to 256K and N = 2 to 8 for the 3B recipe), the GDN layer's (its
-  zero-start, transition and second passes on our torch scans) by the rank's T / N tokens; with checkpointing
-  one layer's backward at a time, so the larger of the two; and the gathered GDN states (analytic, a few MiB).
+  zero-start, transition and second passes, priced as fla's kernels hold them) by the rank's T / N tokens;
+  with checkpointing one layer's backward at a time, so the larger of the two; and the gathered GDN states
+  (analytic, a few MiB).
   `hylo estimate --sequence-parallel N` runs the whole split step instead (minutes per point: too slow for a
   search over lengths); at the 3B recipe's 128K over 8 GPUs it gives 31.1 GiB, this model 32.5;
 * "longest context": the largest T, a multiple of 1K, whose peak is within 90 % of the GPU's memory (`GPU.fits`),
@@ -57,14 +59,14 @@ def _configs(path: Path):
     return cfg, shapes
 
 
-def measure(locals_: tuple[int, ...] = LOCAL) -> dict:
+def measure(locals_: tuple[int, ...] = LOCAL, recipes: list[Path] = RECIPES) -> dict:
     """Per recipe: the rank's step peak (bytes) at each L and W, and its FLOPs."""
     import torch
 
     from hylo.pipeline.estimate import estimate_step
 
     out: dict = {}
-    for path in RECIPES:
+    for path in recipes:
         cfg, shapes = _configs(path)
         rows = []
         for L in locals_:
@@ -202,12 +204,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=Path, default=None, help="keep the measurements here")
-    p.add_argument("--from-json", type=Path, default=None, help="print from kept measurements (no estimate runs)")
+    p.add_argument("--from-json", type=Path, default=None, nargs="+",
+                   help="print from kept measurements (no estimate runs; several files: their recipes together)")
+    p.add_argument("--recipe", action="append", default=None, choices=[r.stem for r in RECIPES],
+                   help="measure only this recipe (repeatable; default all three)")
     args = p.parse_args()
     if args.from_json:
-        data = json.loads(args.from_json.read_text())
+        data = {}
+        for f in args.from_json:
+            data.update(json.loads(f.read_text()))
     else:
-        data = measure()
+        data = measure(recipes=[r for r in RECIPES if args.recipe is None or r.stem in args.recipe])
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
