@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-    """fla's functions and the stand-in on the cases of tests/helpers/fla_saved.py (about 40 s of one core)."""
+    """fla's functions and the stand-in on the cases of tests/helpers/fla_saved.py (about 16 CPU-s in one process)."""
     pytest.importorskip("triton")
     pytest.importorskip("fla.ops.gated_delta_rule")
     out = tmp_path_factory.mktemp("fla_saved") / "saved.json"
