@@ -4,19 +4,21 @@ gathering MLA's latent), from the step estimate (pipeline/estimate/: step.py, sp
 
     python bench/sp_tables.py --json sp.json        # measure (minutes of CPU per recipe) and print
     python bench/sp_tables.py --from-json sp.json   # print again from the kept measurements
+    python bench/sp_tables.py --recipe llama-3.2-3b-14mla14gdn-64k --json 3b.json   # one recipe (one per process)
 
 Per GPU at N, stage 2 as each recipe configures it (bf16, activation checkpointing, top-64 targets from the Serve
 pool or the offline cache: the same records on the training GPU), ZeRO-3 over W training GPUs:
 * one rank's own step is measured at L = 8K, 16K and 32K tokens (`estimate_step`, fake tensors; the recipe's
-  packed documents), at W = 4 (the recipes' stage 2) and W = 8 (a node of training GPUs); its peak is affine in L
-  (the 8K-128K rows of docs/results.md are: the activations grow by the same GiB per token at every length), so the peak
-  at L = T / N is the least-squares line through the three (its largest residual printed);
+  packed documents), at W = 4 (the recipes' stage 2) and W = 8 (a node of training GPUs); from 16K on its peak
+  is affine in L (the activations grow by the same GiB per token; at 8K the peak can sit in a fixed term), so
+  the peak at L = T / N is the line through the points from `FIT_FROM` on (its largest residual printed);
 * plus the extras of the split (`estimate_sp.measure_mla_extra`): one split layer measured on fake tensors
   with torch's fake process group at T = 64K, N = 2, minus the same layer unsplit: the MLA layer's (the last
   rank's keys from the row's start when one document fills the row) scaled by the earlier keys E = T - T / N
   (12.72-12.88 KiB per earlier key from 64K to 256K and N = 2 to 8 for the 3B recipe), the GDN layer's (its
-  zero-start, transition and second passes on our torch scans) by the rank's T / N tokens; with checkpointing
-  one layer's backward at a time, so the larger of the two; and the gathered GDN states (analytic, a few MiB).
+  zero-start, transition and second passes, priced as fla's kernels hold them) by the rank's T / N tokens;
+  with checkpointing one layer's backward at a time, so the larger of the two; and the gathered GDN states
+  (analytic, a few MiB).
   `hylo estimate --sequence-parallel N` runs the whole split step instead (minutes per point: too slow for a
   search over lengths); at the 3B recipe's 128K over 8 GPUs it gives 31.1 GiB, this model 32.5;
 * "longest context": the largest T, a multiple of 1K, whose peak is within 90 % of the GPU's memory (`GPU.fits`),
@@ -40,6 +42,10 @@ sys.path.insert(0, str(REPO))
 RECIPES = [REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml", REPO / "configs" / "llama-3.2-3b-14mla14gdn-64k.yaml",
            REPO / "configs" / "qwen3-1.7b-7mla21gdn-64k.yaml"]
 LOCAL = (8192, 16384, 32768)
+# the line is fitted from this many tokens per rank on: with the linear layers priced as fla holds them, the
+# 3B recipe's peak at 8K sits in a fixed term (W = 4: 21.8 GiB at 8K, 22.0 at 16K, 29.4 at 32K), and the line
+# through 16K and 32K gives the split step measured at 128K over 2 GPUs (39.4 GiB at W = 8) within 0.1 GiB
+FIT_FROM = 16384
 NS = (1, 2, 4, 8)
 WORLDS = (4, 8)
 MAX_K = 4096
@@ -57,14 +63,14 @@ def _configs(path: Path):
     return cfg, shapes
 
 
-def measure(locals_: tuple[int, ...] = LOCAL) -> dict:
+def measure(locals_: tuple[int, ...] = LOCAL, recipes: list[Path] = RECIPES) -> dict:
     """Per recipe: the rank's step peak (bytes) at each L and W, and its FLOPs."""
     import torch
 
     from hylo.pipeline.estimate import estimate_step
 
     out: dict = {}
-    for path in RECIPES:
+    for path in recipes:
         cfg, shapes = _configs(path)
         rows = []
         for L in locals_:
@@ -79,7 +85,8 @@ def measure(locals_: tuple[int, ...] = LOCAL) -> dict:
 
 
 def fit(rows: list[dict], W: int) -> tuple[float, float, float]:
-    """Least-squares peak = a + b L over the measured L; (a, b, largest residual in bytes)."""
+    """Least-squares peak = a + b L over the measured L from FIT_FROM on; (a, b, largest residual in bytes)."""
+    rows = [r for r in rows if r["tokens"] >= FIT_FROM] or rows
     xs = [r["tokens"] for r in rows]
     ys = [r["peak_bytes"][str(W)] for r in rows]
     n = len(xs)
@@ -140,7 +147,7 @@ def tables(data: dict) -> str:
 
     recipes = [Recipe(name, rows) for name, rows in data.items()]
     out = ["Fit of one rank's step peak, a + b L (GiB, GiB per 1K tokens), largest residual over L = "
-           + ", ".join(f"{x // 1024}K" for x in LOCAL) + "; the split layers' extras (KiB per earlier key, per "
+           + ", ".join(f"{x // 1024}K" for x in LOCAL if x >= FIT_FROM) + "; the split layers' extras (KiB per earlier key, per "
            "token of the rank):", ""]
     out += ["| recipe | W | a | b | residual | MLA extra per earlier key | GDN extra per token |",
             "|---|---|---|---|---|---|---|"]
@@ -202,12 +209,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=Path, default=None, help="keep the measurements here")
-    p.add_argument("--from-json", type=Path, default=None, help="print from kept measurements (no estimate runs)")
+    p.add_argument("--from-json", type=Path, default=None, nargs="+",
+                   help="print from kept measurements (no estimate runs; several files: their recipes together)")
+    p.add_argument("--recipe", action="append", default=None, choices=[r.stem for r in RECIPES],
+                   help="measure only this recipe (repeatable; default all three)")
     args = p.parse_args()
     if args.from_json:
-        data = json.loads(args.from_json.read_text())
+        data = {}
+        for f in args.from_json:
+            data.update(json.loads(f.read_text()))
     else:
-        data = measure()
+        data = measure(recipes=[r for r in RECIPES if args.recipe is None or r.stem in args.recipe])
         if args.json:
             args.json.write_text(json.dumps(data, indent=1))
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -91,6 +91,37 @@ def use_fla(x: torch.Tensor) -> bool:
     return x.is_cuda and mode != "torch" and fla_available()
 
 
+_FLA_STAND_IN: list[Any] = []
+
+
+@contextlib.contextmanager
+def fla_stand_in(stand_in: Any) -> Iterator[None]:
+    """Inside the block, the GPU path's fla calls on FAKE tensors go to `stand_in`'s methods of the same names
+    (`hylo.kernels.fla_shapes.FlaShapes`: fla's allocations and saved tensors without its kernels). Only the
+    estimator enters it (pipeline/estimate/fake.py, `fake_tensors(gpu=True)`); a real tensor never takes it."""
+    _FLA_STAND_IN.append(stand_in)
+    try:
+        yield
+    finally:
+        _FLA_STAND_IN.pop()
+
+
+def _is_fake(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+def fla_stand_in_for(x: Any, name: str) -> Callable[..., Any] | None:
+    """Inside `fla_stand_in`, for a fake tensor `x`: the stand-in for fla's function `name`
+    ("chunk_gated_delta_rule", "chunk_simple_gla"), which the GPU path then calls in fla's place, whatever
+    HYLO_KERNELS says (the estimator chose it); else None (the GPU path calls fla where `use_fla(x)`, the torch
+    path runs otherwise)."""
+    if not _FLA_STAND_IN or not isinstance(x, torch.Tensor) or not _is_fake(x):
+        return None
+    return getattr(_FLA_STAND_IN[-1], name)
+
+
 @functools.cache
 def _takes_cu_seqlens_cpu(fn: Callable[..., Any]) -> bool:
     try:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hylo.kernels.backend import fla_varlen_kwargs, use_fla
+from hylo.kernels.backend import fla_stand_in_for, fla_varlen_kwargs, use_fla
 from hylo.kernels.checks import compute_dtype
 from hylo.kernels.gdn.checks import check_inputs, l2norm
 from hylo.kernels.varlen import DocBounds, chunk_layout, from_chunks, to_chunks
@@ -185,12 +185,15 @@ def chunk_gated_delta_rule(
     Returns:
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] or None.
 
-    GPU tensors go to fla's Triton kernel (`hylo.kernels.backend.use_fla`), everything else to the
-    pure-torch chunked path above.
+    GPU tensors go to fla's Triton kernel (`hylo.kernels.backend.use_fla`; the estimator's fake tensors
+    to its stand-in, `hylo.kernels.fla_shapes`), everything else to the pure-torch chunked path above.
     """
-    if isinstance(q, torch.Tensor) and use_fla(q):
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
-
+    stand_in = fla_stand_in_for(q, "chunk_gated_delta_rule")
+    if stand_in is not None or (isinstance(q, torch.Tensor) and use_fla(q)):
+        if stand_in is None:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+        else:
+            fla_chunk_gated_delta_rule = stand_in
         bounds = check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, cu_seqlens)[-1]
         if not isinstance(chunk_size, int) or chunk_size <= 0:
             raise ValueError(f"chunk_gated_delta_rule: chunk_size must be a positive int, got {chunk_size!r}")

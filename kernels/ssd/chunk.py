@@ -26,16 +26,20 @@ Design choices:
 * Gradients come from autograd through these few large ops; no hand-written backward to maintain.
 * fp16/bf16 inputs are computed in fp32, float64 stays float64 (tests). y has x's dtype, the final
   state is fp32 (float64 for float64 inputs), as mamba_ssm returns it.
-* GPU tensors go to fla's `chunk_simple_gla` (`hylo.kernels.backend.use_fla`): SSD is simple GLA with
+* GPU tensors go to fla's `chunk_simple_gla` (`hylo.kernels.backend.use_fla`; the estimator's fake
+  tensors to its stand-in, `hylo.kernels.fla_shapes`): SSD is simple GLA with
   q = C, k = B, v = dt * x, g = dt * A, scale 1, and fla's `state_v_first` layout is mamba_ssm's
   [P, N]. mamba_ssm is not a dependency: fla covers varlen with per-sequence initial/final states.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from hylo.kernels.backend import fla_varlen_kwargs, use_fla
+from hylo.kernels.backend import fla_stand_in_for, fla_varlen_kwargs, use_fla
 from hylo.kernels.checks import compute_dtype
 from hylo.kernels.ssd.checks import check_inputs, heads_from_groups
 from hylo.kernels.varlen import DocBounds, chunk_layout, from_chunks, to_chunks
@@ -119,9 +123,12 @@ def fla_chunk_ssd(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | DocBounds | None = None,
+    chunk_simple_gla: Callable[..., Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """SSD through fla's `chunk_simple_gla` (Triton, GPU): q = C, k = B, v = dt x, g = dt A, scale 1."""
-    from fla.ops.simple_gla import chunk_simple_gla
+    """SSD through fla's `chunk_simple_gla` (Triton, GPU): q = C, k = B, v = dt x, g = dt A, scale 1.
+    `chunk_simple_gla`: fla's (default) or the estimator's stand-in (`hylo.kernels.backend.fla_stand_in_for`)."""
+    if chunk_simple_gla is None:
+        from fla.ops.simple_gla import chunk_simple_gla
 
     _, _, H, *_, bounds = check_inputs("chunk_ssd", x, dt, A, B, C, D, initial_state, cu_seqlens)
     dt32 = dt.float()
@@ -172,6 +179,7 @@ def chunk_ssd(
     Returns:
         y: [B, T, H, P] in x's dtype; final_state: [S, H, P, N] or None.
     """
-    if isinstance(x, torch.Tensor) and use_fla(x):
-        return fla_chunk_ssd(x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens)
+    simple_gla = fla_stand_in_for(x, "chunk_simple_gla")
+    if simple_gla is not None or (isinstance(x, torch.Tensor) and use_fla(x)):
+        return fla_chunk_ssd(x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens, simple_gla)
     return torch_chunk_ssd(x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens, chunk_size)

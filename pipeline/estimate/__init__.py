@@ -51,12 +51,14 @@ How it is measured:
   no value to give: each site that reads one is listed in `HOST_VALUES` with the value it gets (the step's
   loss sums and gradient norm, read once at its end for reporting; the fused KL's deferred input checks,
   "none failed"); a read anywhere else raises `EstimateError` naming the line.
-* Kernels: fake tensors are CPU tensors, so the torch paths run (the chunked GDN / SSD scans, the fused
-  KL's torch chunk step; SDPA takes its flash path, O(T) memory). On a GPU fla's and the Triton kernels
-  hold fewer intermediates inside one layer's backward: with activation checkpointing that is a
-  one-layer transient, so the estimate errs high there. `gpu=True` (the default) gives the step the
-  accelerator's rules where they change memory: the fused KL's deferred checks (every row through the
-  chunks, masked ones zeroed) and its chunk size as a GPU picks it (`auto_chunk_size` for a GPU).
+* Kernels: fake tensors are CPU tensors, so the torch paths run (the fused KL's torch chunk step; SDPA takes
+  its flash path, O(T) memory). `gpu=True` (the default) gives the step the accelerator's rules where they
+  change memory: the fused KL's deferred checks (every row through the chunks, masked ones zeroed), its chunk
+  size as a GPU picks it (`auto_chunk_size` for a GPU), and the GDN / Mamba-2 scans as fla runs them
+  (`fake_tensors(gpu=True)`: fla's two chunk functions are priced by `hylo.kernels.fla_shapes`, which
+  allocates and saves what fla's autograd functions allocate and save, checked against fla under Triton's
+  interpreter, and counts their products' FLOPs). `gpu=False` (`--cpu`) runs our torch scans, which keep
+  every chunk's intermediates for autograd, as a CPU step does.
 
 The package, along the estimate's parts (each module's docstring says more):
 * `gpus.py`: the GPUs the figures are compared with (memory, dense bf16 peak);

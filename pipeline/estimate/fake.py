@@ -94,6 +94,12 @@ class HostOps(torch.utils._python_dispatch.TorchDispatchMode):
                     entry[1] += n
         return out
 
+    def count_kernel(self, flops: int, dtype: torch.dtype) -> None:
+        """FLOPs of a kernel the estimate prices without running its arithmetic (fla's chunk scans:
+        `hylo.kernels.fla_shapes`), whose operands are of `dtype`."""
+        if self.flop_registry is not None:
+            self.flops += flops
+
     @staticmethod
     def _engine_sum(func, args, kwargs) -> int:
         """Bytes of a sum autograd's engine makes in place but the tracker sees out of place, else 0.
@@ -163,17 +169,23 @@ def _noop_conversions() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_tensors() -> Iterator[HostOps]:
+def fake_tensors(gpu: bool = False) -> Iterator[HostOps]:
+    """The fake mode the estimate runs in. `gpu`: the GDN / Mamba-2 scans as a GPU runs them, through fla's
+    kernels, priced by their allocations and saved tensors (`hylo.kernels.fla_shapes`); else our torch scans,
+    as a CPU step runs them. The one place the estimator chooses between the two."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hylo.kernels import packed_sdpa
+    from hylo.kernels.backend import fla_stand_in
+    from hylo.kernels.fla_shapes import FlaShapes
     from hylo.kernels.fused_kl import inputs
 
     host = HostOps()
+    scans = fla_stand_in(FlaShapes(host.count_kernel)) if gpu else contextlib.nullcontext()
     # process-wide caches must not hand fake tensors to a real step later (nor real ones in): the grouped
     # attention's index tensors, the fused KL's deferred check flags (read here, as the step's end does)
     packed_sdpa._indices.cache_clear()
-    with FakeTensorMode(allow_non_fake_inputs=True), _noop_conversions(), host:
+    with FakeTensorMode(allow_non_fake_inputs=True), _noop_conversions(), host, scans:
         try:
             yield host
         finally:

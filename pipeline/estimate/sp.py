@@ -39,8 +39,8 @@ Per GPU at N, as `estimate_sp` computes it without `split`:
   the E earlier keys (a fully visible Tq x E block: torch's dense SDPA count is exact for it) and kv_b_proj's
   decompression of those keys, forward (again in the recompute with checkpointing) and backward, per MLA layer;
   GDN / Mamba-2 run their local scan a second time (once from a zero state for the final state the later ranks
-  need, once from the passed state) and GDN a transition pass (values of width K): these are our torch scans
-  run on fake tensors at the rank's shape, their FLOPs counted with the estimate's formulas.
+  need, once from the passed state) and GDN a transition pass (values of width K): fla's kernels' products
+  at the rank's shape, as the step counts them (`hylo.kernels.fla_shapes`).
 * Communication, bytes SENT by one GPU per step (forward, its repeat in the checkpoint recompute, backward) per
   layer, as ring collectives move them (an all-gather of a p-byte piece per rank sends (N - 1) p per rank; its
   backward, the sum of the gathered gradients, is a reduce-scatter of the same volume; an all-to-all sends
@@ -258,13 +258,13 @@ def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype, kind: str = "
 
 def _scan_flops(hc: Any, tokens: int, dtype: torch.dtype, transition: bool = False) -> tuple[int, int]:
     """(forward, backward) FLOPs of one linear layer's scan at `tokens` tokens, from a passed state, with the
-    final state out: our torch scan on fake tensors, counted with the estimate's formulas. `transition`: GDN's
-    transition pass (values of width K, a [K, K] state)."""
+    final state out: fla's kernels on fake tensors as the step prices them (`hylo.kernels.fla_shapes`).
+    `transition`: GDN's transition pass (values of width K, a [K, K] state)."""
     from hylo.kernels.backend import forced_mode
     from hylo.pipeline.estimate.fake import fake_tensors, flop_registry
 
     d = Dims.of(hc)
-    with fake_tensors() as host, forced_mode("torch"):
+    with fake_tensors(gpu=True) as host, forced_mode("torch"):
         host.flop_registry = flop_registry()
         if d.linear_type == "gdn":
             from hylo.kernels.gdn import chunk_gated_delta_rule

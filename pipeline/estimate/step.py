@@ -194,7 +194,7 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
             raise EstimateError("the split step runs on a fake process group, and this process has a process group")
 
         split = split_rank(N)
-    with split, fake_tensors() as host, rules:
+    with split, fake_tensors(gpu) as host, rules:
         memory = StepMemory(W, host)
         memory.other_worlds = tuple(other_worlds)
         if progress is not None:
@@ -332,14 +332,14 @@ def estimate_teacher_replica(cfg: Stage2Config, tokens: int, shapes: Shapes | No
 def estimate_call(setup: Callable[[], Any], run: Callable[[Any], Any], gpu: bool = True) -> float:
     """Peak bytes `run(setup())` allocates beyond what `setup()` made (inputs, modules, their states): the
     estimate of one measured call, for bench/gpu_check.py. Both run on fake CPU tensors, on the torch kernel
-    paths (`HYLO_KERNELS=torch`'s), under the accelerator's rules of the fused KL when `gpu`."""
+    paths (`HYLO_KERNELS=torch`'s), under the accelerator's rules of the fused KL and fla's scans when `gpu`."""
     from torch.utils._pytree import tree_leaves
 
     from hylo.kernels.backend import forced_mode
     from hylo.kernels.fused_kl.inputs import deferred_checks
 
     rules = deferred_checks() if gpu else contextlib.nullcontext()
-    with fake_tensors() as host, forced_mode("torch"), rules:
+    with fake_tensors(gpu) as host, forced_mode("torch"), rules:
         state = setup()
         memory = StepMemory(1, host)
         tracked = [x for x in tree_leaves(state, is_leaf=lambda x: isinstance(x, nn.Module))
