@@ -45,6 +45,7 @@ This module imports Ray only inside its functions.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,10 +56,17 @@ import hylo
 from hylo.pipeline.config import RayInitSection  # noqa: F401
 from hylo.stopping import reclaim
 
+log = logging.getLogger(__name__)
+
 # The directory that holds the `hylo` package: a checkout's root (used without installing), or site-packages.
 # (Not this file's parents[1]: installed, that is site-packages/hylo, whose folders would shadow top-level
 # packages such as Hugging Face's `kernels` in every worker.)
 ROOT = Path(hylo.__file__).resolve().parents[1]
+
+
+# Ray's message when its raylet did not register with the GCS within its fixed 30 s (ray/_private/node.py)
+STARTUP_TIMEOUT = "timed out during startup"
+START_ATTEMPTS = 3
 
 
 def resolve_address(address: str | None) -> str | None:
@@ -99,9 +107,20 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_
         reclaim()
         return False
     os.environ.update(project_env())
-    port = _free_loopback_port()
-    with _loopback_node(), _environ(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"):
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+    for attempt in range(1, START_ATTEMPTS + 1):
+        port = _free_loopback_port()
+        try:
+            with _loopback_node(), _environ(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"):
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+            break
+        except Exception as e:  # Ray raises a bare Exception for this
+            if STARTUP_TIMEOUT not in str(e) or attempt == START_ATTEMPTS:
+                raise
+            # Ray waits a fixed 30 s for its raylet to register; a busy machine can take longer. The half-started
+            # processes are Ray's reaper's to end when this driver exits.
+            log.warning("local Ray did not start within Ray's 30 s on this machine (load average %.1f); "
+                        "starting it again (attempt %d of %d)", os.getloadavg()[0], attempt + 1, START_ATTEMPTS)
+            ray.shutdown()
     reclaim()
     return True
 

@@ -169,3 +169,35 @@ def test_another_job_joins_a_local_ray_through_ray_address(tmp_path):
         assert Path(module).resolve().parent == (ROOT / "pipeline").resolve()
         assert nice == "0"
     assert not ray.is_initialized()
+
+
+def test_a_local_ray_that_times_out_starting_is_started_again_then_the_error_is_raised(fake_ray, monkeypatch,
+                                                                                       caplog):
+    """Ray waits a fixed 30 s for its raylet; on a busy machine the start is tried again (a new port each time),
+    and after the last try Ray's own error reaches the user. Any other error is raised at once."""
+    failures = [Exception("The current node timed out during startup. ...")] * 2
+    real_init = fake_ray.init
+
+    def flaky_init(**kwargs):
+        if failures:
+            fake_ray.calls.append(("init", kwargs))
+            raise failures.pop()
+        real_init(**kwargs)
+
+    monkeypatch.setattr(fake_ray, "init", flaky_init)
+    with caplog.at_level("WARNING"):
+        assert ray_init.init_ray(None, 1) is True
+    names = [c[0] for c in fake_ray.calls]
+    assert names == ["init", "shutdown", "init", "shutdown", "init"]
+    assert caplog.text.count("starting it again") == 2
+    fake_ray.initialized = False
+    fake_ray.calls.clear()
+    failures[:] = [Exception("The current node timed out during startup.")] * 3
+    with pytest.raises(Exception, match="timed out during startup"):
+        ray_init.init_ray(None, 1)
+    assert [c[0] for c in fake_ray.calls] == ["init", "shutdown", "init", "shutdown", "init"]
+    fake_ray.calls.clear()
+    failures[:] = [ValueError("some other problem")]
+    with pytest.raises(ValueError, match="some other problem"):
+        ray_init.init_ray(None, 1)
+    assert [c[0] for c in fake_ray.calls] == ["init"]
