@@ -12,7 +12,8 @@ Design choices:
   DeepSpeed config would compile DeepSpeed's CPU Adam (~1 min on the build machine) for nothing.
 * bf16 with fp32 master weights on GPU, plain fp32 on CPU (`dtype` resolved by `resolve_dtype`).
 * Clipping is DeepSpeed's (`gradient_clipping`), so the norm it reports is the one it clipped with.
-* DeepSpeed is imported through `import_deepspeed`, which keeps it from compiling an op training never uses.
+* DeepSpeed is imported through `import_deepspeed`, which keeps it from compiling an op training never uses
+  and from `torch.compile`-decorating its Muon optimiser's functions in every engine.
 """
 
 from __future__ import annotations
