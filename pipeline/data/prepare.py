@@ -23,7 +23,7 @@ from hylo.pipeline.data.packing import BestFitPacker, Document
 from hylo.pipeline.data.render import ChatRenderer
 from hylo.pipeline.data.report import report_markdown
 from hylo.pipeline.data.shards import MANIFEST, ShardWriter, write_manifest
-from hylo.pipeline.data.streaming import PackedRun, make_packer, stream_packed_rows
+from hylo.pipeline.data.streaming import PackedRun, actor_count, make_packer, stream_packed_rows
 from hylo.pipeline.ray_init import init_ray
 
 
@@ -239,7 +239,8 @@ def _pack_into_shards(cfg: Any, records: list[dict[str, Any]], renderer: ChatRen
     # Nothing arrives until the tokenizer actors have started (each loads the tokenizer; seconds to tens
     # of seconds), which the bar says instead of sitting at 0.
     desc = f"prepare {cfg.split}"
-    with tqdm(total=len(records), desc=f"{desc} (starting {cfg.tokenize.num_actors} tokenizer actor(s))",
+    actors = actor_count(len(records), cfg.tokenize.num_actors, cfg.tokenize.batch_size)
+    with tqdm(total=len(records), desc=f"{desc} (starting {actors} tokenizer actor(s))",
               unit="rec", disable=not cfg.progress, dynamic_ncols=True) as bar:
         seen = 0
 

@@ -72,10 +72,17 @@ def records_to_blocks(records: list[dict[str, Any]], block_records: int) -> list
     return [table.slice(i, block_records) for i in range(0, max(len(records), 1), block_records)]
 
 
+def actor_count(records: int, num_actors: int, batch_size: int) -> int:
+    """The tokenizer actors worth starting: `num_actors`, but no more than there are blocks of `batch_size`
+    records (an actor beyond that gets no block, yet starts a process and loads the tokenizer)."""
+    return max(1, min(num_actors, -(-records // batch_size)))
+
+
 def tokenize_dataset(
     records: list[dict[str, Any]], renderer_spec: dict[str, Any], num_actors: int = 2, batch_size: int = 64,
 ) -> Any:
-    """A streaming `ray.data.Dataset` of tokenised documents in mixture order (Ray must be up)."""
+    """A streaming `ray.data.Dataset` of tokenised documents in mixture order (Ray must be up); at most
+    `num_actors` tokenizer actors (`actor_count`)."""
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
@@ -89,7 +96,7 @@ def tokenize_dataset(
         fn_constructor_kwargs={"renderer_spec": renderer_spec},
         batch_size=batch_size,
         batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=num_actors),
+        compute=ray.data.ActorPoolStrategy(size=actor_count(len(records), num_actors, batch_size)),
         num_cpus=1,
     )
 

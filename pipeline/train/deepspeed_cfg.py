@@ -12,7 +12,8 @@ Design choices:
   DeepSpeed config would compile DeepSpeed's CPU Adam (~1 min on the build machine) for nothing.
 * bf16 with fp32 master weights on GPU, plain fp32 on CPU (`dtype` resolved by `resolve_dtype`).
 * Clipping is DeepSpeed's (`gradient_clipping`), so the norm it reports is the one it clipped with.
-* DeepSpeed is imported through `import_deepspeed`, which keeps it from compiling an op training never uses.
+* DeepSpeed is imported through `import_deepspeed`, which keeps it from compiling an op training never uses
+  and from `torch.compile`-decorating its Muon optimiser's functions in every engine.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from hylo.pipeline.train.config import DeepSpeedSection, StageConfig
 
 # DeepSpeed's name for its CPU shared-memory all-reduce op (ShareMemCommBuilder.NAME, deepspeed/ops/op_builder/cpu)
 SHM_COMM_OP = "deepspeed_shm_comm"
+# DeepSpeed's Muon optimiser, which its ZeRO code imports in every engine (import_deepspeed)
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
 def import_deepspeed():
@@ -42,14 +45,63 @@ def import_deepspeed():
     training's collectives go through the process group (gloo on CPU) either way. DeepSpeed asks its table of
     compatible ops first (`deepspeed.ops.__compatible_ops__`, probed once a process and kept, edits included):
     the op is marked unavailable there, and a DeepSpeed without that table is left as it is. On a GPU the op is
-    never built, so nothing changes there."""
+    never built, so nothing changes there.
+
+    Also, DeepSpeed's Muon optimiser (`MUON_MODULE`) is imported with its `torch.compile` deferred to its first
+    call. DeepSpeed's ZeRO code imports that module in every engine (to ask whether the optimiser is a Muon), and
+    the module `torch.compile`-decorates three functions when it loads, which imports TorchDynamo and Inductor:
+    2.7 CPU-seconds (13 s of wall time on the loaded build machine) in every training process, for an optimiser
+    training never uses (ours is a client AdamW). The module and its class are DeepSpeed's own; a function of
+    it is compiled when first called, as `torch.compile` would compile it then. A Muon already loaded is left
+    as it is."""
     import deepspeed
     import deepspeed.ops
 
     ops = getattr(deepspeed.ops, "__compatible_ops__", None)
     if isinstance(ops, dict):
         ops[SHM_COMM_OP] = False
+    _import_muon_with_lazy_compile()
     return deepspeed
+
+
+def _import_muon_with_lazy_compile() -> None:
+    """Import `MUON_MODULE` while DeepSpeed's `compiler.compile()` decorator defers `torch.compile` to the first
+    call of the function it decorates (import_deepspeed)."""
+    import functools
+    import importlib
+    import sys
+
+    if MUON_MODULE in sys.modules:
+        return
+    try:
+        from deepspeed.runtime import compiler
+    except ImportError:
+        return
+    real = getattr(compiler, "compile", None)
+    if real is None:
+        return
+
+    def lazy_compile(*args: Any, **kwargs: Any) -> Callable[[Callable], Callable]:
+        def decorate(fn: Callable) -> Callable:
+            compiled: list[Callable] = []
+
+            @functools.wraps(fn)
+            def call(*a: Any, **k: Any) -> Any:
+                if not compiled:
+                    compiled.append(real(*args, **kwargs)(fn))
+                return compiled[0](*a, **k)
+
+            return call
+
+        return decorate
+
+    compiler.compile = lazy_compile
+    try:
+        importlib.import_module(MUON_MODULE)
+    except ImportError:  # a DeepSpeed without Muon
+        pass
+    finally:
+        compiler.compile = real
 
 
 def resolve_dtype(name: str, use_gpu: bool) -> torch.dtype:

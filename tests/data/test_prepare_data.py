@@ -496,3 +496,12 @@ def test_the_rows_hash_of_existing_datasets_is_unchanged():
         "split": d["split"], "mixture": d["mixture"], "packing": d["packing"], "tokenizer": tok["tokenizer"],
         "mask_method": tok["mask_method"], "chat_template_kwargs": tok["chat_template_kwargs"],
         "decontam": d["decontam"]})
+
+
+def test_no_more_tokenizer_actors_than_blocks():
+    """An actor beyond the number of blocks gets no record yet starts a Ray worker and loads the tokenizer (the
+    demo's 8 held-out records started two): at most one actor per `batch_size` records, at least one."""
+    from hylo.pipeline.data.streaming import actor_count
+
+    assert [actor_count(n, 2, 64) for n in (0, 8, 64, 65, 1000)] == [1, 1, 1, 2, 2]
+    assert actor_count(1000, 5, 100) == 5 and actor_count(250, 5, 100) == 3

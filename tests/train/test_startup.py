@@ -52,18 +52,32 @@ def test_only_a_jobs_own_process_counts_its_start_as_the_runs_import(monkeypatch
 def test_the_trainers_distributed_setup_on_cpu_compiles_no_deepspeed_op(tmp_path):
     """`loop.setup_distributed` on gloo, in a process of its own with an empty TORCH_EXTENSIONS_DIR: DeepSpeed's
     backend holds no shared-memory op and nothing was built (without `import_deepspeed` it compiles
-    deepspeed_shm_comm there, 54 CPU-seconds, and holds the op)."""
+    deepspeed_shm_comm there, 54 CPU-seconds, and holds the op); then a ZeRO-3 engine starts without a torch.compile."""
     from hylo.pipeline.rehearse import free_port
 
     code = ("from types import SimpleNamespace as N\n"
             "from hylo.pipeline.train.loop import setup_distributed\n"
             "print('device', setup_distributed(N(ray=N(use_gpu=False)))[2])\n"
             "from deepspeed.comm import comm\n"
-            "print('shm op', comm.cdb.shm_comm_op)\n")
+            "print('shm op', comm.cdb.shm_comm_op)\n"
+            # ZeRO-3's engine over a client AdamW, as deepspeed_cfg.init_engine makes it, counting torch.compile
+            "import torch\n"
+            "compiled = []\n"
+            "real = torch.compile\n"
+            "torch.compile = lambda *a, **k: compiled.append(a) or real(*a, **k)\n"
+            "from hylo.pipeline.train.deepspeed_cfg import import_deepspeed\n"
+            "m = torch.nn.Linear(4, 4)\n"
+            "e, *_ = import_deepspeed().initialize(model=m, optimizer=torch.optim.AdamW(m.parameters()), config={\n"
+            "    'train_micro_batch_size_per_gpu': 1, 'zero_optimization': {'stage': 3},\n"
+            "    'zero_allow_untested_optimizer': True})\n"
+            "print('engine', type(e).__name__, 'torch.compile calls', len(compiled))\n")
     ext = tmp_path / "torch_extensions"
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "device cpu" in proc.stdout and "shm op None" in proc.stdout, proc.stdout
+    # the engine's start compiled nothing: DeepSpeed's Muon, which ZeRO imports, no longer torch.compile-decorates
+    # its functions when it loads (1.2-2.7 CPU-s in every training process; deepspeed_cfg.import_deepspeed)
+    assert "engine DeepSpeedEngine torch.compile calls 0" in proc.stdout, proc.stdout
     assert not ext.exists() or not any(ext.rglob("*")), sorted(map(str, ext.rglob("*")))
