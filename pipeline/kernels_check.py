@@ -27,13 +27,14 @@ is called on CPU tensors at the config's shapes and dtypes:
 The sites are driven directly with the shapes the config's step gives them, not through the whole step
 (model, loss, optimizer): the compile-only launches leave their outputs uninitialised, and only these calls
 reach Triton (attention is torch's SDPA, the rest torch ops). Every autotune configuration of every kernel
-is compiled, in a fresh Triton cache per run, so neither compiled binaries nor autotuning choices kept on
-disk decide what is checked. Kernels are specialised on T only through divisibility (and T = 1): the
+is compiled, in a fresh Triton cache per run (or into --warm-cache DIR, kept: a job's TRITON_CACHE_DIR then
+finds the binaries), so neither compiled binaries nor autotuning choices kept on disk decide what is checked. Kernels are specialised on T only through divisibility (and T = 1): the
 default --tokens 2048 gives the same binaries as 64K.
 
 Each compile is one record of DIR/kernels_check.json (kernel, target, num_warps, num_stages, compiled,
-shared_bytes, shared_limit, fits, error, registers, spills, the site and constexprs); DIR/kernels_check.md is
-the table by kernel and target. Exit status 1 when some launch site has a kernel with no configuration
+shared_bytes, shared_limit, fits, error, registers, spills, the site and constexprs, the compile's wall and CPU
+seconds and whether Triton found it in its cache), with totals per target; DIR/kernels_check.md is the table by
+kernel and target. Exit status 1 when some launch site has a kernel with no configuration
 that compiles and fits on a target (named, with the way out).
 """
 
