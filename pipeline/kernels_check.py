@@ -358,13 +358,15 @@ def verdicts(results: dict[str, Any]) -> list[str]:
 
 
 def compile_totals(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per target: the compile records, how many Triton compiled and how many it found in its cache, and the
-    seconds of all of them (`Record.seconds`: Triton's compile call, cache lookups included)."""
+    """Per target: the compile records, how many binaries Triton compiled, found in its cache on disk, or had in
+    memory already (a kernel an earlier site of the same child compiled: no listener call), and the seconds of
+    all of them (`Record.seconds`: Triton's compile call, cache lookups included)."""
     out = {}
     for target, res in results.items():
         recs = res.get("records", [])
         out[target] = {"records": len(recs), "compiled": sum(r.get("cache_hit") is False for r in recs),
                        "cache_hits": sum(r.get("cache_hit") is True for r in recs),
+                       "reused": sum(r.get("compiled", True) and r.get("cache_hit") is None for r in recs),
                        "compile_seconds": round(sum(r.get("seconds") or 0.0 for r in recs), 1),
                        "compile_cpu_seconds": round(sum(r.get("cpu_seconds") or 0.0 for r in recs), 1)}
     return out
@@ -373,7 +375,8 @@ def compile_totals(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def totals_line(totals: dict[str, dict[str, Any]]) -> str:
     return "Compile seconds per target (wall, CPU): " + "; ".join(
         f"{t} {v['compile_seconds']} s, {v['compile_cpu_seconds']} CPU-s ({v['records']} binaries: {v['compiled']} "
-        f"compiled, {v['cache_hits']} from the Triton cache)" for t, v in totals.items())
+        f"compiled, {v['cache_hits']} from the Triton cache, {v.get('reused', 0)} compiled by an earlier site)"
+        for t, v in totals.items())
 
 
 def _versions() -> dict[str, str]:
