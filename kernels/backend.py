@@ -123,6 +123,7 @@ class GpuStackError(RuntimeError):
     """The GPU software stack is one known to compute this model's training step wrongly."""
 
 
+@functools.cache
 def triton_in_bad_range(triton_version: str) -> bool:
     """True for a Triton of `BAD_TRITON_ON_HOPPER` (local builds such as 3.7.0+git... included)."""
     from packaging.version import InvalidVersion, Version
