@@ -137,12 +137,14 @@ def triton_in_bad_range(triton_version: str) -> bool:
 
 
 def fla_backward_problem(vendor: str, capability: tuple[int, int], triton_version: str,
-                         linear_kinds: set[str], tilelang: bool, route: bool = False) -> str | None:
+                         linear_kinds: set[str], tilelang: bool, route: bool = False,
+                         route_problem: str | None = None) -> str | None:
     """Why fla cannot train layers of `linear_kinds` ("gdn", "mamba2") on this GPU stack, or None.
 
     `vendor` is "nvidia" or "amd" (an MI300X also reports capability 9.x, and is not affected); `tilelang`: fla
     then runs GDN's gated backward through TileLang instead of Triton (its TileLang backend refuses Mamba-2's,
-    whose states stay fp32); `route`: the block-width route below is installed in fla (`install_fla_route`)."""
+    whose states stay fp32); `route`: the block-width route below is installed in fla (`install_fla_route`), or
+    else `route_problem` says why not (`fla_route_problem`)."""
     kinds = linear_kinds & {"gdn", "mamba2"}
     if vendor != "nvidia" or capability[0] != 9 or not kinds or not triton_in_bad_range(triton_version):
         return None
@@ -153,8 +155,9 @@ def fla_backward_problem(vendor: str, capability: tuple[int, int], triton_versio
     low_s, high_s = BAD_TRITON_ON_HOPPER
     return (f"fla's gated backward, which every {layers} layer of this model trains through, is compiled wrongly "
             f"by Triton {low_s} up to (not including) {high_s} on Hopper GPUs (fla issue #640), and this worker has "
-            f"Triton {triton_version} on a compute capability {capability[0]}.{capability[1]} GPU; this fla gives "
-            f"no way to keep the wrong block width out ({fla_route_problem()}). Install Triton "
+            f"Triton {triton_version} on a compute capability {capability[0]}.{capability[1]} GPU, and the route "
+            f"that keeps the miscompiled block width out is not installed ({route_problem or 'not asked for'}). "
+            f"Install Triton "
             f">= {high_s} (torch >= 2.12.1 brings it; cluster/Dockerfile.cuda's base image does), or, for a model "
             "whose linear layers are all GDN, tilelang; HYLO_KERNELS=torch trains on the torch path instead "
             "(correct, much slower)")
@@ -170,8 +173,10 @@ def check_fla_backward(device: torch.device, linear_kinds: set[str]) -> None:
     import triton
 
     vendor = "amd" if torch.version.hip else "nvidia"
+    route = install_fla_route()
     problem = fla_backward_problem(vendor, torch.cuda.get_device_capability(device), triton.__version__,
-                                   linear_kinds, importable("tilelang"), install_fla_route())
+                                   linear_kinds, importable("tilelang"), route,
+                                   None if route else fla_route_problem())
     if problem:
         raise GpuStackError(problem)
 

@@ -79,7 +79,9 @@ def hopper(monkeypatch):
 
 def test_training_on_a_bad_stack_without_the_route_stops_before_the_first_step(hopper, monkeypatch):
     monkeypatch.setattr(backend, "install_fla_route", lambda: False)
-    with pytest.raises(GpuStackError, match=r"Triton 3\.6\.0 on a compute capability 9\.0 GPU"):
+    monkeypatch.setattr(backend, "fla_route_problem", lambda: "FLA_DISABLE_BACKEND_DISPATCH=1 turns it off")
+    with pytest.raises(GpuStackError, match=r"Triton 3\.6\.0 on a compute capability 9\.0 GPU, and the route .* "
+                                            r"not installed \(FLA_DISABLE_BACKEND_DISPATCH=1 turns it off\)"):
         check_fla_backward(torch.device("cuda", 0), {"gdn"})
 
 
