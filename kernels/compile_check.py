@@ -15,12 +15,14 @@ How:
   Blackwell from `torch.cuda.get_device_name` / `get_device_capability`, shared memory from
   `torch.cuda.get_device_properties` through `check_shared_mem`, the multiprocessor count from the
   driver): `install` replaces those `torch.cuda` functions with the target's answers, so fla chooses its
-  block sizes and configuration lists as on that GPU. Install before fla is imported.
+  block sizes and configuration lists as on that GPU. Install before fla is imported. fla's launch wrappers
+  ask for the shared memory at the tensor's device index (None on CPU): `fla_view` answers that as device 0.
 * `compile_only` holds `JITFunction.run` at `warmup=True` (compile, return, never launch) and replaces
   `Autotuner.run`: every configuration the autotuner would benchmark (after its own pruning) is compiled,
   whatever a disk cache of earlier choices says; none is timed. A compile error is recorded, not raised,
   so the caller goes on to the next launch site. Outputs of kernels that never ran are uninitialised
-  memory: callers must not read them.
+  memory: callers must not read them. Each record has the compile's wall and CPU seconds and whether
+  Triton found the binary in its cache (`knobs.compilation.listener`).
 * What a target accepts is checked as its driver does before a launch (`CompiledKernel._init_handles`):
   the kernel's shared memory against the target's per-block limit, and on Blackwell its tensor memory.
   Registers and spills come from the binary: `cuobjdump --dump-resource-usage` (shipped with Triton) for a
