@@ -114,7 +114,7 @@ def fla_varlen_kwargs(fn: Callable[..., Any], bounds: DocBounds | None) -> dict[
 # fla's gated chunk backward (`chunk_bwd_dqkwg`: every GDN and Mamba-2 layer's backward) is compiled wrongly
 # by Triton 3.4.0 up to, not including, 3.7.1 on NVIDIA Hopper GPUs (compute capability 9.x: H100, H200); fla
 # issue #640. fla 0.6 refuses to run it there at the first backward; older fla runs it and returns wrong
-# gradients. Seen on an H200 with torch 2.11.0 (Triton 3.6.0), fla 0.6.0: docs/gpu-check.md. torch 2.8
+# gradients. The route below keeps the miscompiled block width out; without it such a stack is refused. Seen on an H200 with torch 2.11.0 (Triton 3.6.0), fla 0.6.0: docs/gpu-check.md. torch 2.8
 # brings Triton 3.4.0, 2.11 brings 3.6.0, 2.12.0 brings 3.7.0, 2.12.1 and 2.13.0 bring 3.7.1.
 BAD_TRITON_ON_HOPPER = ("3.4.0", "3.7.1")  # [from, to)
 
@@ -154,11 +154,11 @@ def fla_backward_problem(vendor: str, capability: tuple[int, int], triton_versio
     layers = " and ".join(names[k] for k in sorted(kinds))
     low_s, high_s = BAD_TRITON_ON_HOPPER
     return (f"fla's gated backward, which every {layers} layer of this model trains through, is compiled wrongly "
-            f"by Triton {low_s} up to (not including) {high_s} on Hopper GPUs (fla issue #640), and this worker has "
+            f"by Triton {low_s} up to (not including) {high_s} on Hopper GPUs (fla issue #640); this worker has "
             f"Triton {triton_version} on a compute capability {capability[0]}.{capability[1]} GPU, and the route "
             f"that keeps the miscompiled block width out is not installed ({route_problem or 'not asked for'}). "
-            f"Install Triton "
-            f">= {high_s} (torch >= 2.12.1 brings it; cluster/Dockerfile.cuda's base image does), or, for a model "
+            f"Install Triton >= {high_s} (torch >= 2.12.1 brings it; cluster/Dockerfile.cuda's base image does), "
+            "or, for a model "
             "whose linear layers are all GDN, tilelang; HYLO_KERNELS=torch trains on the torch path instead "
             "(correct, much slower)")
 
