@@ -569,8 +569,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     from hylo.files import check_output_file
     from hylo.pipeline.config import config_file
 
-    for name in REPORT_FILES:
-        check_output_file(Path(args.out) / name, "--out", [("--config", config_file(args.config) if args.config
+    for report in REPORT_FILES:
+        check_output_file(Path(args.out) / report, "--out", [("--config", config_file(args.config) if args.config
                                                              else None)], force=args.force)
     sites = recipe_sites(cfg, stage1, args.tokens, sp, "--sequence-parallel" if args.sequence_parallel
                          else "train.sequence_parallel")

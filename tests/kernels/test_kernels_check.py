@@ -132,11 +132,13 @@ def test_compile_seconds_are_totalled_per_target_and_shown_per_kernel():
 def test_warm_cache_is_the_triton_cache_the_check_compiles_into(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(kc, "recipe_sites", lambda *a, **kw: [])
-    monkeypatch.setattr(kc, "check", lambda *a, **kw: seen.update(kw) or [])
+    monkeypatch.setattr(kc, "check", lambda *a, **kw: seen.update(kw, recipes=list(a[0])) or [])
     out, cache = tmp_path / "kcheck", tmp_path / "node" / "triton"
     argv = ["--config", "demo-smollm2.yaml", "--targets", "sm_90", "--out", str(out)]
     assert kc.main([*argv, "--warm-cache", str(cache)]) == 0
     assert seen["cache_dir"] == cache.resolve() and cache.is_dir()
+    # the report names the config's recipe (before: the last report file's name, "kernels_check.md")
+    assert seen["recipes"] == ["demo-smollm2"]
     assert kc.main(argv) == 0 and seen["cache_dir"] is None
 
 
