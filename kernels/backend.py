@@ -192,7 +192,8 @@ def check_fla_backward(device: torch.device, linear_kinds: set[str]) -> None:
 # `tl.dot(tl.trans(b_ds), b_q)` is in all three) and launches fla's own kernel as fla's wrapper does, with
 # BK = 32 where fla would pick 64 (fla's choice on GPUs with less shared memory: the K loop is split in two,
 # dg summed over the halves by the wrapper). Elsewhere it declines and fla's wrapper runs. fla's files are not
-# edited. It goes before fla's TileLang backend, so that what runs is what `hylo kernels-check` compiles.
+# edited (fla's autotune and pre-tuned configurations, FLA_CONFIG_DIR, carry only warps and stages: BK is the
+# wrapper's). It goes before fla's TileLang backend, so that what runs is what `hylo kernels-check` compiles.
 # The similar report for `prepare_wy_repr_bwd` at BT = 64 (fla #984) is the ungated delta rule's kernel, which
 # no layer here uses; fla 0.6 already keeps it at 2 warps on Hopper (fla #988).
 ROUTE_BLOCK_K = {64: 32}  # fla's block width on Hopper -> the route's
