@@ -3,14 +3,16 @@
     hylo kernels-check --config configs/llama-3.2-1b-8mla8gdn-64k.yaml --out kcheck/
     hylo kernels-check --config configs/demo-smollm2.yaml --targets gfx942,sm_90 --out kcheck/
     python jobs/kernels_check.py --config configs/qwen3-1.7b-7mla21gdn-64k.yaml --targets gfx950 --out kcheck/
+    hylo kernels-check --config configs/llama-3.2-1b-8mla8gdn-64k.yaml --targets sm_90 --out kcheck/ \
+        --warm-cache /shared/run/triton     # a job's TRITON_CACHE_DIR: compiled here (no autotuning without a GPU)
 
 One child process per target (sm_90, sm_100, gfx942, gfx950) imports fla under that GPU's device properties
 and compiles, without launching, every kernel of the config's launch sites (GDN chunk forward and backward
 over a packed row, the decode step, Mamba-2's simple-GLA where the config has it, the fused KL's steps) at
 the config's head sizes and dtypes, every autotune configuration. Writes OUT/kernels_check.json (one record
 per kernel x configuration x target: warps, stages, shared memory against the target's, registers, spills,
-the compiler's error) and OUT/kernels_check.md (the table); exit status 1 when a launch site has a kernel
-with no configuration that compiles and fits. How: pipeline/kernels_check.py.
+the compiler's error, the compile's seconds and Triton cache hit; totals per target) and OUT/kernels_check.md
+(the table); exit status 1 when a launch site has a kernel with no configuration that compiles and fits. How: pipeline/kernels_check.py.
 """
 
 from __future__ import annotations

@@ -15,12 +15,14 @@ How:
   Blackwell from `torch.cuda.get_device_name` / `get_device_capability`, shared memory from
   `torch.cuda.get_device_properties` through `check_shared_mem`, the multiprocessor count from the
   driver): `install` replaces those `torch.cuda` functions with the target's answers, so fla chooses its
-  block sizes and configuration lists as on that GPU. Install before fla is imported.
+  block sizes and configuration lists as on that GPU. Install before fla is imported. fla's launch wrappers
+  ask for the shared memory at the tensor's device index (None on CPU): `fla_view` answers that as device 0.
 * `compile_only` holds `JITFunction.run` at `warmup=True` (compile, return, never launch) and replaces
   `Autotuner.run`: every configuration the autotuner would benchmark (after its own pruning) is compiled,
   whatever a disk cache of earlier choices says; none is timed. A compile error is recorded, not raised,
   so the caller goes on to the next launch site. Outputs of kernels that never ran are uninitialised
-  memory: callers must not read them.
+  memory: callers must not read them. Each record has the compile's wall and CPU seconds and whether
+  Triton found the binary in its cache (`knobs.compilation.listener`).
 * What a target accepts is checked as its driver does before a launch (`CompiledKernel._init_handles`):
   the kernel's shared memory against the target's per-block limit, and on Blackwell its tensor memory.
   Registers and spills come from the binary: `cuobjdump --dump-resource-usage` (shipped with Triton) for a
@@ -39,6 +41,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -164,15 +167,43 @@ def install(t: Target) -> None:
     os.environ["FLA_USE_TMA"] = "0"
 
 
+class _AnyDeviceIndex(list):
+    """fla's per-device shared-memory list, read at a CPU tensor's device index (None) as device 0's."""
+
+    def __getitem__(self, i: Any) -> Any:
+        return super().__getitem__(0 if i is None else i)
+
+
+def fla_stand_ins() -> None:
+    """fla's launch wrappers ask `check_shared_mem(tier, x.device.index)`; a CPU tensor's index is None, which
+    fla answers False for every tier (its lowest block sizes, not the target's). Here the index None is the
+    target's device 0 (after `install`; once per process)."""
+    from fla.utils import hardware
+
+    orig = hardware.get_all_max_shared_mem
+    if getattr(orig, "_kernels_check", False):
+        return
+
+    def all_max_shared_mem() -> list[int]:
+        return _AnyDeviceIndex(orig())
+
+    all_max_shared_mem._kernels_check = True  # type: ignore[attr-defined]
+    hardware.get_all_max_shared_mem = all_max_shared_mem
+
+
 def fla_view() -> dict[str, Any]:
     """What fla concluded about the device at import (after `install`): its platform flags, which of its
-    shared-memory tiers the device reaches, its multiprocessor count."""
+    shared-memory tiers the device reaches (at device 0 and at a CPU tensor's index), its multiprocessor count."""
     from fla import utils
+
+    fla_stand_ins()
 
     return {"device_platform": utils.device_platform, "is_amd": utils.IS_AMD, "is_nvidia": utils.IS_NVIDIA,
             "is_nvidia_hopper": utils.IS_NVIDIA_HOPPER, "is_nvidia_blackwell": utils.IS_NVIDIA_BLACKWELL,
             "is_tma_supported": utils.IS_TMA_SUPPORTED,
             "shared_mem_tiers": {tier: utils.check_shared_mem(tier) for tier in ("hopper", "ampere", "ada")},
+            "shared_mem_tiers_cpu_tensor": {tier: utils.check_shared_mem(tier, None)
+                                            for tier in ("hopper", "ampere", "ada")},
             "multiprocessor_count": utils.get_multiprocessor_count(0)}
 
 
@@ -196,6 +227,12 @@ class Record:
     registers: int | None = None
     spills: int | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # wall seconds of Triton's compile call (its cache lookup included; the resource read-out not), and the CPU
+    # seconds of this process and its finished children (ptxas) in it: on a shared machine the wall time waits
+    seconds: float | None = None
+    cpu_seconds: float | None = None
+    # Triton found the binary in TRITON_CACHE_DIR and compiled nothing (its compilation listener's cache_hit)
+    cache_hit: bool | None = None
 
 
 def _resource_usage(kernel: Any, t: Target) -> tuple[int | None, int | None, dict[str, Any]]:
@@ -263,13 +300,21 @@ class CompileLog:
             self.on_add(self.records)
 
 
+def _cpu_now() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 @contextlib.contextmanager
 def compile_only(t: Target) -> Iterator[CompileLog]:
     """Inside the block every Triton launch compiles for `t` and returns without running (see module doc)."""
+    from triton import knobs
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
     log = CompileLog(t)
+    # what Triton's compilation listener heard during the current launch: cache hits, compiles
+    heard: list[bool] = []
     # the configuration keys of the autotuner whose configurations are being compiled (innermost last)
     autotuning: list[set[str]] = []
     orig_run, orig_tune = JITFunction.run, Autotuner.run
@@ -286,13 +331,19 @@ def compile_only(t: Target) -> Iterator[CompileLog]:
         key = (log.site, name, tuple(sorted(consts.items())), nw, ns)
         tuned = autotuning[-1] if autotuning else set()
         spec = json.dumps({k: v for k, v in sorted(consts.items()) if k not in tuned})
+        heard.clear()
+        t0, c0 = time.perf_counter(), _cpu_now()
         try:
             kernel = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
         except Exception as e:  # the compiler's message is the record
             msg = " ".join(str(e).split())[:2000] or type(e).__name__
             log.add(Record(name, t.name, log.site, nw, ns, consts, bool(autotuning), False, None,
-                           t.shared_limit, False, f"{type(e).__name__}: {msg}", extra={"specialisation": spec}), key)
+                           t.shared_limit, False, f"{type(e).__name__}: {msg}", extra={"specialisation": spec},
+                           seconds=round(time.perf_counter() - t0, 3), cpu_seconds=round(_cpu_now() - c0, 3)), key)
             return None
+        seconds, cpu_seconds = round(time.perf_counter() - t0, 3), round(_cpu_now() - c0, 3)
+        # no listener call: the binary was in this process's in-memory cache (an earlier launch compiled it)
+        cache_hit = all(heard) if heard else None
         md = kernel.metadata
         shared = int(md.shared)
         fits = shared <= t.shared_limit
@@ -304,7 +355,8 @@ def compile_only(t: Target) -> Iterator[CompileLog]:
         regs, spills, more = _resource_usage(kernel, t)
         extra.update(more)
         log.add(Record(name, t.name, log.site, int(md.num_warps), int(md.num_stages), consts, bool(autotuning),
-                       True, shared, t.shared_limit, fits, None, regs, spills, extra), key)
+                       True, shared, t.shared_limit, fits, None, regs, spills, extra, seconds, cpu_seconds,
+                       cache_hit), key)
         return kernel
 
     def tune(self, *args, **kwargs):
@@ -320,8 +372,14 @@ def compile_only(t: Target) -> Iterator[CompileLog]:
         self.best_config = configs[0]
         return None
 
+    def listener(*, cache_hit: bool, **_: Any) -> None:
+        heard.append(bool(cache_hit))
+
+    orig_listener = knobs.compilation.listener
     JITFunction.run, Autotuner.run = run, tune
+    knobs.compilation.listener = listener
     try:
         yield log
     finally:
         JITFunction.run, Autotuner.run = orig_run, orig_tune
+        knobs.compilation.listener = orig_listener

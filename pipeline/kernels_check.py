@@ -29,13 +29,14 @@ is called on CPU tensors at the config's shapes and dtypes:
 The sites are driven directly with the shapes the config's step gives them, not through the whole step
 (model, loss, optimizer): the compile-only launches leave their outputs uninitialised, and only these calls
 reach Triton (attention is torch's SDPA, the rest torch ops). Every autotune configuration of every kernel
-is compiled, in a fresh Triton cache per run, so neither compiled binaries nor autotuning choices kept on
-disk decide what is checked. Kernels are specialised on T only through divisibility (and T = 1): the
+is compiled, in a fresh Triton cache per run (or into --warm-cache DIR, kept: a job's TRITON_CACHE_DIR then
+finds the binaries), so neither compiled binaries nor autotuning choices kept on disk decide what is checked. Kernels are specialised on T only through divisibility (and T = 1): the
 default --tokens 2048 gives the same binaries as 64K.
 
 Each compile is one record of DIR/kernels_check.json (kernel, target, num_warps, num_stages, compiled,
-shared_bytes, shared_limit, fits, error, registers, spills, the site and constexprs); DIR/kernels_check.md is
-the table by kernel and target. Exit status 1 when some launch site has a kernel with no configuration
+shared_bytes, shared_limit, fits, error, registers, spills, the site and constexprs, the compile's wall and CPU
+seconds and whether Triton found it in its cache), with totals per target; DIR/kernels_check.md is the table by
+kernel and target. Exit status 1 when some launch site has a kernel with no configuration
 that compiles and fits on a target (named, with the way out).
 """
 
@@ -240,6 +241,11 @@ def child_main(argv: list[str]) -> int:
             raise RuntimeError(f"{mod.__name__} no longer chooses fla through use_fla: update kernels-check")
         mod.use_fla = lambda x: True
     fla = cc.fla_view()
+    # what every training worker installs (kernels/backend.check_fla_backward): the route around fla #640, which
+    # takes fla's chunk_bwd_dqkwg on Hopper with a Triton known to miscompile it, and declines elsewhere
+    from hylo.kernels.backend import fla_route_problem, install_fla_route
+
+    fla["hylo_route"] = {"installed": install_fla_route(), "problem": fla_route_problem()}
     torch.manual_seed(0)
     plan = json.loads(Path(plan_path).read_text())
     sites_done: list[dict[str, Any]] = []
@@ -290,14 +296,16 @@ def plan_for(recipes: dict[str, list[Site]]) -> tuple[list[dict[str, Any]], dict
     return list(plan.values()), users
 
 
-def run_targets(plan: list[dict[str, Any]], targets: list[str], work: Path, log_to: Any = None) -> dict[str, Any]:
+def run_targets(plan: list[dict[str, Any]], targets: list[str], work: Path, log_to: Any = None,
+                cache_dir: Path | None = None) -> dict[str, Any]:
     """One child per target (sequential: each compiles on every core it gets); their outputs by target. A child
-    that fails or is stopped part way still gives the sites it finished."""
+    that fails or is stopped part way still gives the sites it finished. Each child compiles into a fresh
+    Triton cache, or into `cache_dir` (--warm-cache: kept, shared by the targets, as TRITON_CACHE_DIR is)."""
     results: dict[str, Any] = {}
     plan_path = work / "plan.json"
     plan_path.write_text(json.dumps(plan))
     for target in targets:
-        cache = Path(tempfile.mkdtemp(prefix=f"triton-{target}-", dir=work))
+        cache = cache_dir or Path(tempfile.mkdtemp(prefix=f"triton-{target}-", dir=work))
         env = dict(os.environ, TRITON_CACHE_DIR=str(cache), TRITON_INTERPRET="0")
         env.pop("HYLO_KERNELS", None)
         out = work / f"{target}.json"
@@ -355,6 +363,28 @@ def verdicts(results: dict[str, Any]) -> list[str]:
     return bad
 
 
+def compile_totals(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per target: the compile records, how many binaries Triton compiled, found in its cache on disk, or had in
+    memory already (a kernel an earlier site of the same child compiled: no listener call), and the seconds of
+    all of them (`Record.seconds`: Triton's compile call, cache lookups included)."""
+    out = {}
+    for target, res in results.items():
+        recs = res.get("records", [])
+        out[target] = {"records": len(recs), "compiled": sum(r.get("cache_hit") is False for r in recs),
+                       "cache_hits": sum(r.get("cache_hit") is True for r in recs),
+                       "reused": sum(r.get("compiled", True) and r.get("cache_hit") is None for r in recs),
+                       "compile_seconds": round(sum(r.get("seconds") or 0.0 for r in recs), 1),
+                       "compile_cpu_seconds": round(sum(r.get("cpu_seconds") or 0.0 for r in recs), 1)}
+    return out
+
+
+def totals_line(totals: dict[str, dict[str, Any]]) -> str:
+    return "Compile seconds per target (wall, CPU): " + "; ".join(
+        f"{t} {v['compile_seconds']} s, {v['compile_cpu_seconds']} CPU-s ({v['records']} binaries: {v['compiled']} "
+        f"compiled, {v['cache_hits']} from the Triton cache, {v.get('reused', 0)} compiled by an earlier site)"
+        for t, v in totals.items())
+
+
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -396,6 +426,9 @@ def table(results: dict[str, Any]) -> str:
             regs = [r["registers"] for r in comp if r["registers"] is not None]
             spills = [r["spills"] for r in ok if r["spills"] is not None]
             cell = f"{len(ok)}/{len(comp)}/{len(rs)}"
+            secs = [r["seconds"] for r in rs if r.get("seconds") is not None]
+            if secs:
+                cell += f"; {sum(secs):.1f} s"
             if sh:
                 cell += f"; {_size(min(sh))}-{_size(max(sh))}"
             if regs:
@@ -423,10 +456,11 @@ def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[s
 
     bad = verdicts(results)
     records = [r for res in results.values() for r in res.get("records", [])]
+    totals = compile_totals(results)
     doc = {**meta, "versions": _versions(), "date": datetime.date.today().isoformat(),
            "sites": {sid: {"recipes": names} for sid, names in users.items()},
            "children": {t: {"seconds": res.get("seconds"), "error": res.get("error"), "fla": res.get("fla"),
-                            "sites": res.get("sites")}
+                            "sites": res.get("sites"), **totals[t]}
                         for t, res in results.items()},
            "records": records, "problems": bad}
     atomic_write(out_dir / "kernels_check.json", json.dumps(doc, indent=1, default=str) + "\n")
@@ -435,10 +469,11 @@ def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[s
           f"triton {v['triton']}, fla {v['flash-linear-attention']}, torch {v['torch']}; recipes: "
           f"{', '.join(meta['recipes'])}; T = {meta['tokens']}.", "",
           "Cell: configurations that fit / compile / were tried, counted over every site and specialisation "
-          "(constexprs) the kernel has; shared memory of the compiled ones; most registers (AMD: `.vgpr_count`); spills of the fitting ones (NVIDIA: local-memory bytes; AMD: spilled registers). "
+          "(constexprs) the kernel has; seconds of their compiles; shared memory of the compiled ones; most registers (AMD: `.vgpr_count`); spills of the fitting ones (NVIDIA: local-memory bytes; AMD: spilled registers). "
           "Bold: some specialisation (site, constexprs) of the kernel has no configuration that fits.", "",
           table(results), ""]
-    md += ["Child time per target: " + ", ".join(f"{t} {res.get('seconds')} s" for t, res in results.items()), ""]
+    md += ["Child time per target: " + ", ".join(f"{t} {res.get('seconds')} s" for t, res in results.items()), "",
+           totals_line(totals), ""]
     md += (["Problems:", ""] + [f"* {b}" for b in bad]) if bad else ["Every launch site has a configuration that "
                                                                      "compiles and fits on every target."]
     atomic_write(out_dir / "kernels_check.md", "\n".join(md) + "\n")
@@ -447,15 +482,22 @@ def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[s
     return bad
 
 
-def check(recipes: dict[str, list[Site]], targets: list[str], out_dir: Path, tokens: int, log_to: Any = None) -> list[str]:
-    """Compile every launch site of `recipes` for `targets`, write the report, return the problems."""
+def check(recipes: dict[str, list[Site]], targets: list[str], out_dir: Path, tokens: int, log_to: Any = None,
+          cache_dir: Path | None = None) -> list[str]:
+    """Compile every launch site of `recipes` for `targets` (into `cache_dir` as the Triton cache, or a fresh one),
+    write the report, return the problems."""
     # made now, so that an unwritable --out fails before the compiles; a signal removes it while empty
     make_dir(out_dir)
     plan, users = plan_for(recipes)
     with tempfile.TemporaryDirectory(prefix="kernels-check-") as work:
         track_temp(work)
-        results = run_targets(plan, targets, Path(work), log_to)
-    return write_report(out_dir, results, users, {"recipes": list(recipes), "targets": targets, "tokens": tokens})
+        results = run_targets(plan, targets, Path(work), log_to, cache_dir)
+    meta = {"recipes": list(recipes), "targets": targets, "tokens": tokens,
+            "triton_cache": str(cache_dir) if cache_dir else None}
+    bad = write_report(out_dir, results, users, meta)
+    if log_to is not None:
+        log_to.write(totals_line(compile_totals(results)) + "\n")
+    return bad
 
 
 def recipe_sites(cfg: Any, stage1: Any, tokens: int, sequence_parallel: int = 1,
@@ -510,6 +552,11 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                          "this project did not write)")
     ap.add_argument("--force", action="store_true",
                     help="let the reports replace files of their names in --out that this project did not write")
+    ap.add_argument("--warm-cache", metavar="DIR", default=None,
+                    help="compile into DIR, kept, as the Triton cache (made if missing; the directory a job's workers "
+                         "then get as TRITON_CACHE_DIR), instead of a fresh one per run: a rerun finds every binary "
+                         "there and compiles nothing. Compiles only, for the --targets, on this machine's CPU: "
+                         "autotuning (timing each configuration) needs the GPU and happens at the job's first step")
     args = ap.parse_args(argv)
     targets = parse_targets(args.targets)
     cfg = load_stage_config(2, args.config, args.overrides)
@@ -528,12 +575,16 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     from hylo.files import check_output_file
     from hylo.pipeline.config import config_file
 
-    for name in REPORT_FILES:
-        check_output_file(Path(args.out) / name, "--out", [("--config", config_file(args.config) if args.config
+    for report in REPORT_FILES:
+        check_output_file(Path(args.out) / report, "--out", [("--config", config_file(args.config) if args.config
                                                              else None)], force=args.force)
     sites = recipe_sites(cfg, stage1, args.tokens, sp, "--sequence-parallel" if args.sequence_parallel
                          else "train.sequence_parallel")
-    bad = check({name: sites}, targets, Path(args.out), args.tokens, log_to=sys.stdout)
+    cache_dir = None
+    if args.warm_cache:
+        cache_dir = Path(args.warm_cache).expanduser().resolve()
+        make_dir(cache_dir)
+    bad = check({name: sites}, targets, Path(args.out), args.tokens, log_to=sys.stdout, cache_dir=cache_dir)
     print(f"wrote {Path(args.out) / 'kernels_check.json'} and kernels_check.md")
     for b in bad:
         print(f"problem: {b}")

@@ -67,9 +67,13 @@ def test_bad_targets_are_one_error_line():
 
 @pytest.mark.slow
 def test_the_fused_kl_compiles_for_one_amd_and_one_nvidia_target(tmp_path):
+    """... and `--warm-cache DIR` (`cache_dir`): the binaries go into DIR (Triton's cache layout, what a job gets as
+    TRITON_CACHE_DIR); a second run finds every one there (Triton's cache hits) and compiles none."""
     sites = {"tiny": [kc.Site("kl.dense", (("rows", 4), ("vocab", 1000))),
                       kc.Site("kl.topk", (("rows", 4), ("vocab", 1000)))]}
-    bad = kc.check(sites, ["gfx942", "sm_90"], tmp_path, 16)
+    cache = tmp_path / "triton-cache"
+    cache.mkdir()
+    bad = kc.check(sites, ["gfx942", "sm_90"], tmp_path, 16, cache_dir=cache)
     assert bad == []
     doc = json.loads((tmp_path / "kernels_check.json").read_text())
     recs = doc["records"]
@@ -88,8 +92,54 @@ def test_the_fused_kl_compiles_for_one_amd_and_one_nvidia_target(tmp_path):
     assert fla["gfx942"]["is_amd"] and fla["gfx942"]["multiprocessor_count"] == 304
     assert not fla["gfx942"]["shared_mem_tiers"]["ampere"]
     assert fla["sm_90"]["is_nvidia_hopper"] and fla["sm_90"]["shared_mem_tiers"]["hopper"]
+    # and so does fla's block-size choice on the CPU tensors of the launch sites (their device index is None)
+    assert fla["sm_90"]["shared_mem_tiers_cpu_tensor"]["hopper"]
+    assert not fla["gfx942"]["shared_mem_tiers_cpu_tensor"]["ampere"]
+    # the route around fla #640 is installed as in a training worker (it declines off Hopper with a bad Triton)
+    assert fla["sm_90"]["hylo_route"] == {"installed": True, "problem": None}
     md = (tmp_path / "kernels_check.md").read_text()
     assert "_dense_kl_kernel" in md and "gfx942" in md and "sm_90" in md
+    assert "Compile seconds per target" in md
+    for target in ("gfx942", "sm_90"):
+        child = doc["children"][target]
+        # _row_lse_kernel: compiled by the kl.dense site, in memory for the kl.topk site
+        assert child["records"] == len([r for r in recs if r["target"] == target])
+        assert (child["compiled"], child["reused"], child["cache_hits"]) == (child["records"] - 1, 1, 0)
+        assert child["compile_seconds"] > 0 and child["compile_cpu_seconds"] > 0
+    assert doc["triton_cache"] == str(cache) and any(p.suffix == ".cubin" for p in cache.rglob("*"))
+    # the warmed cache: the same sites again for sm_90 compile nothing
+    assert kc.check(sites, ["sm_90"], tmp_path / "again", 16, cache_dir=cache) == []
+    first = doc["children"]["sm_90"]
+    again = json.loads((tmp_path / "again" / "kernels_check.json").read_text())["children"]["sm_90"]
+    assert again["records"] == first["records"]
+    assert (again["compiled"], again["cache_hits"], again["reused"]) == (0, first["compiled"], first["reused"])
+    assert again["compile_cpu_seconds"] < first["compile_cpu_seconds"]
+
+
+def test_compile_seconds_are_totalled_per_target_and_shown_per_kernel():
+    recs = [dict(_record("k1", 1024), seconds=2.0, cpu_seconds=1.5, cache_hit=False),
+            dict(_record("k1", 2048), seconds=0.5, cpu_seconds=0.25, cache_hit=True)]
+    res = {"gfx942": {"records": recs, "sites": [{"id": "gdn.train[H6]", "error": None}]}}
+    recs.append(dict(_record("k1", 4096), seconds=0.0, cpu_seconds=0.0, cache_hit=None))
+    totals = kc.compile_totals(res)
+    assert totals == {"gfx942": {"records": 3, "compiled": 1, "cache_hits": 1, "reused": 1, "compile_seconds": 2.5,
+                                 "compile_cpu_seconds": 1.8}}
+    assert ("gfx942 2.5 s, 1.8 CPU-s (3 binaries: 1 compiled, 1 from the Triton cache, 1 compiled by an earlier "
+            "site)") in kc.totals_line(totals)
+    assert "| k1 | gdn.train | 3/3/3; 2.5 s;" in kc.table(res)
+
+
+def test_warm_cache_is_the_triton_cache_the_check_compiles_into(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(kc, "recipe_sites", lambda *a, **kw: [])
+    monkeypatch.setattr(kc, "check", lambda *a, **kw: seen.update(kw, recipes=list(a[0])) or [])
+    out, cache = tmp_path / "kcheck", tmp_path / "node" / "triton"
+    argv = ["--config", "demo-smollm2.yaml", "--targets", "sm_90", "--out", str(out)]
+    assert kc.main([*argv, "--warm-cache", str(cache)]) == 0
+    assert seen["cache_dir"] == cache.resolve() and cache.is_dir()
+    # the report names the config's recipe (before: the last report file's name, "kernels_check.md")
+    assert seen["recipes"] == ["demo-smollm2"]
+    assert kc.main(argv) == 0 and seen["cache_dir"] is None
 
 
 TOY = textwrap.dedent("""
