@@ -61,7 +61,7 @@ def measure(model: torch.nn.Module, context: int, new_tokens: int, vocab: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--layers", type=int, default=2, help="layers of both models (MLA on the even ones)")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
