@@ -20,6 +20,7 @@ Design choices:
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ from hylo.pipeline.config import (
 from hylo.pipeline.data.config import SPLITS
 from hylo.pipeline.teacher.config import InProcessSection, OfflineSection, ServeSection, TeacherFaultConfig
 from hylo.upcycle.config import ConvertConfig
+
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 STAGE_KEYS = ("stage1", "stage2")
 
@@ -194,7 +197,8 @@ class CheckpointSection:
 
 @dataclass
 @rules(launcher=one_of("ray", "torchrun"), num_workers=at_least(1), cpus_per_worker=at_least(0),
-       resources_per_worker=each(at_least(0)), name=RELATIVE_NAME, max_failures=at_least(-1), storage_path=PATH)
+       resources_per_worker=each(at_least(0)), name=RELATIVE_NAME, max_failures=at_least(-1), storage_path=PATH,
+       kernel_cache=PATH)
 class RaySection(RayInitSection):
     # address, num_cpus: where the job's Ray is (pipeline/ray_init.py).
     # ray = Ray Train TorchTrainer; torchrun = launched by torchrun (tests, debugging).
@@ -209,6 +213,15 @@ class RaySection(RayInitSection):
     name: str = "run"
     # Worker-group restarts after a failure; -1 = without limit (Ray's FailureConfig).
     max_failures: int = 0
+    # Compiled Triton kernels and fla's autotune choices, shared by every worker (pipeline/train/kernel_cache.py):
+    # a filesystem path every node sees; "" = <run dir>/kernel_cache, or ~/.cache/hylo/kernel_cache on each node
+    # for a run stored at a URI.
+    kernel_cache: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kernel_cache and _URI.match(self.kernel_cache):
+            raise FieldError("kernel_cache", self.kernel_cache, "must be a filesystem path every node sees (Triton "
+                             "reads and writes its cache as files), not a URI")
 
 
 @dataclass

@@ -76,6 +76,7 @@ from hylo.pipeline.train.checkpoint.layout import (
 from hylo.pipeline.train.checkpoint.resume import check_student_fits
 from hylo.pipeline.train.config import StageConfig, config_to_dict
 from hylo.pipeline.train.inputs import check_stage_inputs
+from hylo.pipeline.train.kernel_cache import worker_cache_env
 from hylo.pipeline.train.metrics import make_ray_callback, read_metrics
 from hylo.pipeline.train.runlock import run_lock
 from hylo.pipeline.train.startup import StartupClock, is_job_process, process_start_time
@@ -246,7 +247,7 @@ def loop_config(cfg: StageConfig, resume: str | None, launcher: str) -> dict[str
         resume_from = resume_path(cfg, resume).uri()
     return {"config": config_to_dict(cfg), "resume_from": resume_from, "resume_latest": resume == "latest",
             "run_loc": run_loc(cfg), "launcher": launcher, "launch_id": launch_id(launcher),
-            "torch_extensions_dir": torch_extensions_dir()}
+            "torch_extensions_dir": torch_extensions_dir(), "kernel_cache_env": worker_cache_env(cfg)}
 
 
 def stage_for(number: int) -> Stage:
@@ -342,9 +343,16 @@ def run_config(cfg: StageConfig, run: Loc):
         # whenever sys.stdout is not sys.__stdout__, which it never is in a Ray worker (Ray wraps it):
         # every line the workers print reached the driver (and `ray job submit`'s log) twice. A local Ray
         # this job started has the switch in every worker's environment already (ray_init.project_env);
-        # the workers of a cluster it joined get it here
-        worker_runtime_env=({} if os.environ.get(PRINT_PATCH) == "0" else {"env_vars": {PRINT_PATCH: "0"}}),
+        # the workers of a cluster it joined get it here. Every worker also gets the run's kernel cache
+        # (pipeline/train/kernel_cache.py), set before it starts, so fla reads it at its import
+        worker_runtime_env={"env_vars": worker_env(cfg)},
     )
+
+
+def worker_env(cfg: StageConfig) -> dict[str, str]:
+    """The environment variables every training worker of `cfg`'s run gets from the driver."""
+    env = {} if os.environ.get(PRINT_PATCH) == "0" else {PRINT_PATCH: "0"}
+    return {**env, **worker_cache_env(cfg)}
 
 
 class Preempted(RuntimeError):

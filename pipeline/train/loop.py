@@ -205,6 +205,9 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     clock.lap("worker group")
     if loop_config.get("torch_extensions_dir"):
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", loop_config["torch_extensions_dir"])
+    # the kernel cache (Ray workers have it from their runtime env already; torchrun ranks get it here)
+    for k, v in (loop_config.get("kernel_cache_env") or {}).items():
+        os.environ.setdefault(k, v)
     cfg = config_from_dict(loop_config["config"])
     if stage.number != cfg.stage:
         raise ValueError(f"train_worker got stage {stage.number} with a stage-{cfg.stage} config")

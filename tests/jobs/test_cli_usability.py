@@ -480,6 +480,6 @@ def test_training_workers_print_each_line_once_on_a_local_ray_and_on_a_joined_cl
     assert project_env()[PRINT_PATCH] == "0"
     cfg = load_stage_config(1, None, [f"ray.storage_path={tmp_path}"])
     monkeypatch.delenv(PRINT_PATCH, raising=False)  # a driver that joined a cluster (ray job submit)
-    assert run_config(cfg, run_loc(cfg)).worker_runtime_env == {"env_vars": {PRINT_PATCH: "0"}}
+    assert run_config(cfg, run_loc(cfg)).worker_runtime_env["env_vars"][PRINT_PATCH] == "0"
     monkeypatch.setenv(PRINT_PATCH, "0")  # a driver that started its local Ray (init_ray set project_env)
-    assert run_config(cfg, run_loc(cfg)).worker_runtime_env == {}
+    assert PRINT_PATCH not in run_config(cfg, run_loc(cfg)).worker_runtime_env["env_vars"]
