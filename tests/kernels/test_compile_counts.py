@@ -69,7 +69,8 @@ def test_no_recompile_over_decode_steps_and_packed_rows(tmp_path: Path) -> None:
     out = tmp_path / "counts.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop("HYLO_KERNELS", None)
-    proc = subprocess.run([sys.executable, "bench/compile_counts.py", "--decode-tokens", "32", "--rows", "10",
+    # fewer steps and rows than the documented run (32 and 10): a new key shows at the second step or row already
+    proc = subprocess.run([sys.executable, "bench/compile_counts.py", "--decode-tokens", "6", "--rows", "4",
                            "--row-tokens", "64", "--json", str(out)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1800)
     log = proc.stdout[-4000:] + proc.stderr[-3000:]
@@ -82,7 +83,7 @@ def test_no_recompile_over_decode_steps_and_packed_rows(tmp_path: Path) -> None:
         assert any(k.endswith("chunk_o.chunk_fwd_kernel_o") for k in kernels), (case, kernels)
         if case.endswith("rows"):
             assert any("bwd" in k for k in kernels), (case, kernels)
-            assert len({tuple(cu) for cu in rec["cu_seqlens"]}) == 10
+            assert len({tuple(cu) for cu in rec["cu_seqlens"]}) == 4
         for r in rec["table"]:
             assert r["compiles_later"] == 0 and r["tunes_later"] == 0, (case, r, rec["keys"])
             assert max(r["compiles"], r["tunes"]) <= report["bounds"][case.split("/")[1]], (case, r)
