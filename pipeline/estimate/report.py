@@ -80,5 +80,5 @@ def dtype_lines(by_dtype: list[dict[str, int]], label_width: int, w: int) -> lis
         label = f"{g.name} ({g.bf16_tflops:.0f} / {tf32} / {g.fp32_tflops:.0f})"
         times = [g.time(d) for d in by_dtype]
         lines.append(f"  {label:<{label_width - 2}}" + "".join("n/a".rjust(w) if t is None else f"{t:>{w}.2f}" for t in times))
-    lines.append(f"  {'(TFLOP/s: bf16 / tf32 / fp32, gpus.py)':<{label_width - 2}}")
+    lines.append("  (TFLOP/s: bf16 / tf32 / fp32, gpus.py)")
     return lines
