@@ -8,8 +8,8 @@
 Per GPU: the student's parameters, gradients and optimizer states (ZeRO-3 over --world-size, default the
 config's ray.num_workers, as arithmetic on their real sizes), the activations and temporaries at the peak,
 the fused loss's own peak, the teacher's weights where it runs in the trainer, the peak and which GPUs
-(H100, H200, MI300X, MI355X) it fits; the step's FLOPs by phase and their time at each GPU's dense bf16
-peak (a lower bound). With the Serve pool's teacher, one teacher replica GPU too. With --sequence-parallel N
+(H100, H200, B200, MI300X, MI355X) it fits; the step's FLOPs by phase and by the dtype each product runs at
+(bf16, tf32, fp32) and their time at each GPU's dense peak of that dtype (a lower bound). With the Serve pool's teacher, one teacher replica GPU too. With --sequence-parallel N
 (default: the config's train.sequence_parallel; N divides the training workers and every row length), each row
 is split by tokens over N GPUs: per GPU the rank's step at T/N tokens, what splitting adds (the last rank's
 MLA keys from the row's start, the gathered GDN / Mamba-2 states), the extra FLOPs, and the bytes each layer

@@ -34,9 +34,13 @@ How it is measured:
   activation memory measured beside it more than doubled), split by phase: teacher forward,
   student forward, the fused loss (its logits, KL and both gradients are computed in its forward),
   backward (with the recomputed forward of checkpointed layers), optimizer. Attention is counted as torch
-  counts it: dense within each SDPA call (causal kernels do about half of it). Time at a GPU's dense bf16
-  peak is FLOPs / peak: a LOWER BOUND on the step time (no kernel reaches its peak, memory-bound ops and
-  communication are not counted).
+  counts it: dense within each SDPA call (causal kernels do about half of it). Each op's FLOPs also
+  carry the dtype class it runs at on a GPU (`flops.py`: bf16 / fp16 tensor cores, tf32, fp32 vector units;
+  the narrowest floating dtype of its inputs, so a bf16 x bf16 -> fp32 `out_dtype` product is bf16; the
+  torch GDN / SSD scans, which compute in fp32, count at their inputs' dtype as fla's kernels multiply).
+  Time at a GPU is each class's FLOPs over that class's dense peak (`gpus.py`, from the data sheets): a
+  LOWER BOUND on the step time (no kernel reaches its peak, memory-bound ops and communication are not
+  counted).
 * ZeRO-3 is arithmetic on the real sizes, not simulated: the step runs at world size 1, then per GPU the
   student's parameters, gradients, fp32 master weights and AdamW moments (exact byte counts of the step's
   own tensors) are divided by W, moment by moment, as ZeRO-3 partitions them; the optimizer step's
@@ -61,7 +65,8 @@ How it is measured:
   every chunk's intermediates for autograd, as a CPU step does.
 
 The package, along the estimate's parts (each module's docstring says more):
-* `gpus.py`: the GPUs the figures are compared with (memory, dense bf16 peak);
+* `gpus.py`: the GPUs the figures are compared with (memory, dense bf16 / tf32 / fp32 peaks, cited);
+* `flops.py`: the dtype class each counted FLOP runs at;
 * `shapes.py`: the models' shapes (the student, the base, the teacher) and the teacher at its shape;
 * `fake.py`: the fake tensors the step runs on, the host values it reads, the FLOP formulas;
 * `tracking.py`: memory and FLOPs over the step (MemTracker, the phases, the engine that marks them), progress;
@@ -81,6 +86,7 @@ from hylo.lazy import lazy_exports
 # The names below are loaded on first use: `hylo estimate --help` (args.py) imports no torch.
 _EXPORTS = {
     "fake": ("EstimateError", "build_model", "cast_parameters", "fake_like", "fake_tensors", "flop_registry"),
+    "flops": ("dtype_class",),
     "gpus": ("GPU", "GPUS"),
     "report": ("format_table",),
     "shapes": ("Shapes", "ShapeTeacher", "model_config", "parameter_count", "shapes_of", "student_config"),

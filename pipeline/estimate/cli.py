@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                            f"{teach[0].notes[0]}):", teach))
         out["teacher_replica"] = [e.to_dict() for e in teach]
     print("\nThe step runs on fake tensors (pipeline/estimate/): ZeRO-3 sharding is arithmetic on the "
-          "real sizes; times are FLOPs at the dense bf16 peak, a lower bound.")
+          "real sizes; times are the FLOPs of each dtype at its dense peak, a lower bound.")
     if N > 1:
         print("Sequence parallelism (pipeline/estimate/sp.py): the split step itself, measured as the last rank "
               "of a row that is one document, its collectives on torch's fake process group, SDPA counted as a "

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hylo.pipeline.estimate.flops import OpClasses, dtype_class, kernel_standins, op_flops
+
 
 class EstimateError(RuntimeError):
     """The step cannot run on fake tensors as it is (it reads a device value the estimate has none for)."""
@@ -53,6 +55,9 @@ class HostOps(torch.utils._python_dispatch.TorchDispatchMode):
         # FlopCounterMode's formulas (op -> FLOPs from shapes) while counting, else None
         self.flop_registry: dict | None = None
         self.flops = 0
+        # the same FLOPs by the dtype class they run at on a GPU (flops.py), and how each op's class is found
+        self.flops_by_dtype: dict[str, int] = {}
+        self.classes = OpClasses()
         # (op, operand shapes) -> [calls, FLOPs] of the matrix products counted (the bench replays them)
         self.gemms: dict[tuple[str, tuple], list[int]] = {}
         # bytes of the sum the engine makes in place while the tracker sees it out of place (`_engine_sum`)
@@ -82,10 +87,11 @@ class HostOps(torch.utils._python_dispatch.TorchDispatchMode):
             raise EstimateError(f"{func} at {_where()}: its output's size depends on device values, which the "
                                 f"estimate does not have ({type(e).__name__})") from None
         if self.flop_registry is not None:
-            formula = self.flop_registry.get(func._overloadpacket)
-            if formula is not None:
-                n = formula(*args, **kwargs, out_val=out)
+            n = op_flops(self.flop_registry, func, args, kwargs, out)
+            if n is not None:
                 self.flops += n
+                cls = self.classes.of(func, args, kwargs)
+                self.flops_by_dtype[cls] = self.flops_by_dtype.get(cls, 0) + n
                 name = func._overloadpacket.__name__
                 if name in GEMM_OPS:
                     key = (name, tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
@@ -99,6 +105,8 @@ class HostOps(torch.utils._python_dispatch.TorchDispatchMode):
         `hylo.kernels.fla_shapes`), whose operands are of `dtype`."""
         if self.flop_registry is not None:
             self.flops += flops
+            cls = dtype_class(dtype)
+            self.flops_by_dtype[cls] = self.flops_by_dtype.get(cls, 0) + flops
 
     @staticmethod
     def _engine_sum(func, args, kwargs) -> int:
@@ -185,7 +193,8 @@ def fake_tensors(gpu: bool = False) -> Iterator[HostOps]:
     # process-wide caches must not hand fake tensors to a real step later (nor real ones in): the grouped
     # attention's index tensors, the fused KL's deferred check flags (read here, as the step's end does)
     packed_sdpa._indices.cache_clear()
-    with FakeTensorMode(allow_non_fake_inputs=True), _noop_conversions(), host, scans:
+    standins = kernel_standins(host.classes)
+    with FakeTensorMode(allow_non_fake_inputs=True), _noop_conversions(), standins, host, scans:
         try:
             yield host
         finally:

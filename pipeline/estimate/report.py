@@ -1,5 +1,5 @@
 """The table `hylo estimate` prints: one column per row length, the memory per GPU, the peak and which GPUs it
-fits, the FLOPs by phase and their time at each GPU's dense bf16 peak."""
+fits, the FLOPs by phase and by the dtype they run at, and their time at each GPU's dense peak of each dtype."""
 
 from __future__ import annotations
 
@@ -53,8 +53,32 @@ def format_table(title: str, ests: list[Estimate]) -> str:
     lines.append(f"{'FLOPs per row (TFLOP; a step is grad_accum rows)':<44}")
     lines += per_key_lines(phases, ests, lambda e, k: e.flops.get(k, 0) / 1e12, 42, w)
     lines.append(f"  {'total':<42}" + "".join(f"{e.total_flops / 1e12:>{w}.1f}" for e in ests))
-    lines.append("time at the dense bf16 peak (s, a lower bound):")
-    for g in GPUS:
-        lines.append(f"  {g.name + f' {g.bf16_tflops:.0f} TFLOP/s':<42}"
-                     + "".join(f"{g.seconds(e.total_flops):>{w}.2f}" for e in ests))
+    lines += dtype_lines([e.gemm_flops_by_dtype for e in ests], 44, w)
     return "\n".join(lines)
+
+
+CLASS_NAMES = {"bf16": "bf16 (tensor cores)", "fp16": "fp16 (tensor cores)", "tf32": "tf32 (tensor cores)",
+               "fp32": "fp32 (vector units)"}
+
+
+def dtype_lines(by_dtype: list[dict[str, int]], label_width: int, w: int) -> list[str]:
+    """The FLOPs of each column by the dtype class they run at (flops.py), the fp32 share where there is
+    fp32, and the time at each GPU's dense peak of each class (gpus.py)."""
+    L = label_width - 4
+    classes: list[str] = []
+    for d in by_dtype:
+        classes += [k for k in d if k not in classes]
+    lines = ["  by the dtype they run at (TFLOP):"]
+    lines += [f"    {CLASS_NAMES.get(k, k + ' (no GPU rate: not timed)'):<{L}}"
+              + "".join(f"{d.get(k, 0) / 1e12:>{w}.1f}" for d in by_dtype) for k in classes]
+    if any(d.get("fp32") for d in by_dtype):
+        lines.append(f"    {'fp32 share of the FLOPs':<{L}}"
+                     + "".join(f"{d.get('fp32', 0) / max(sum(d.values()), 1):>{w}.1%}" for d in by_dtype))
+    lines.append("time at each dtype's dense peak (s, a lower bound):")
+    for g in GPUS:
+        tf32 = f"{g.tf32_tflops:.0f}" if g.tf32_tflops else "-"
+        label = f"{g.name} ({g.bf16_tflops:.0f} / {tf32} / {g.fp32_tflops:.0f})"
+        times = [g.time(d) for d in by_dtype]
+        lines.append(f"  {label:<{label_width - 2}}" + "".join("n/a".rjust(w) if t is None else f"{t:>{w}.2f}" for t in times))
+    lines.append("  (TFLOP/s: bf16 / tf32 / fp32, gpus.py)")
+    return lines

@@ -67,8 +67,8 @@ import torch
 
 from hylo.pipeline.estimate.fake_group import fused_attention
 from hylo.pipeline.estimate.gpus import FIT_MARGIN, GPUS
-from hylo.pipeline.estimate.report import format_gib, format_tokens, per_key_lines
-from hylo.pipeline.estimate.step import Estimate
+from hylo.pipeline.estimate.report import dtype_lines, format_gib, format_tokens, per_key_lines
+from hylo.pipeline.estimate.step import Estimate, gpu_figures
 
 # the row length the scans' FLOPs are counted at (linear in T: the chunked forms loop over chunks of 64)
 SCAN_TOKENS = 2048
@@ -345,6 +345,19 @@ class SPEstimate:
     def total_flops(self) -> int:
         return self.local.total_flops + sum(self.extra_flops.values())
 
+    @property
+    def gemm_flops_by_dtype(self) -> dict[str, int]:
+        """The rank's FLOPs by dtype class: its step's, and the extras at the step dtype's class (the extra
+        attention and the scans' stand-ins run in it)."""
+        from hylo.pipeline.estimate.flops import dtype_class
+
+        out = dict(self.local.gemm_flops_by_dtype)
+        cls = dtype_class(getattr(torch, self.local.dtype))
+        extra = sum(self.extra_flops.values())
+        if extra:
+            out[cls] = out.get(cls, 0) + extra
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "sequence_parallel": self.sequence_parallel,
                 "local_tokens": self.tokens // self.sequence_parallel, "split_step": self.split,
@@ -352,7 +365,8 @@ class SPEstimate:
                 "extra_memory": self.extra_memory, "extra_flops": self.extra_flops,
                 "peak_bytes": self.peak_bytes, "total_flops": self.total_flops,
                 "communication": [dataclasses.asdict(c) | {"total": c.total} for c in self.comm],
-                "gpus": {g.name: {"fits": g.fits(self.peak_bytes), "seconds_at_bf16_peak": g.seconds(self.total_flops)}
+                "gemm_flops_by_dtype": {k: v / 1e12 for k, v in self.gemm_flops_by_dtype.items()},
+                "gpus": {g.name: gpu_figures(g, self.peak_bytes, self.total_flops, self.gemm_flops_by_dtype)
                          for g in GPUS}, "notes": self.notes}
 
 
@@ -420,10 +434,7 @@ def format_sp(ests: list[SPEstimate]) -> str:
         fkeys += [k for k in e.extra_flops if k not in fkeys]
     lines += per_key_lines(fkeys, ests, lambda e, k: e.extra_flops.get(k, 0) / 1e12, L - 2, w)
     lines.append(f"  {'total':<{L - 2}}" + "".join(f"{e.total_flops / 1e12:>{w}.1f}" for e in ests))
-    lines.append("time at the dense bf16 peak (s, a lower bound):")
-    for g in GPUS:
-        lines.append(f"  {g.name + f' {g.bf16_tflops:.0f} TFLOP/s':<{L - 2}}"
-                     + "".join(f"{g.seconds(e.total_flops):>{w}.2f}" for e in ests))
+    lines += dtype_lines([e.gemm_flops_by_dtype for e in ests], L, w)
     lines.append("")
     lines.append("communication per layer, MiB sent per GPU per step (forward x2 with checkpointing's recompute, "
                  "+ backward); per row token: bytes")

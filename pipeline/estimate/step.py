@@ -17,7 +17,7 @@ from torch import nn
 from hylo.pipeline.cli import MAX_WORLD_SIZE  # noqa: F401
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.estimate.fake import EstimateError, build_model, fake_tensors, flop_registry
-from hylo.pipeline.estimate.gpus import GPUS
+from hylo.pipeline.estimate.gpus import GPU, GPUS
 from hylo.pipeline.estimate.shapes import Shapes, ShapeTeacher, shapes_of
 from hylo.pipeline.estimate.tracking import (
     MarkedSource,
@@ -69,17 +69,42 @@ class Estimate:
     teacher_parameters: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # phase -> the dtype class its matrix products run at on a GPU (flops.py) -> FLOPs
+    flops_by_dtype: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def total_flops(self) -> int:
         return sum(self.flops.values())
 
+    @property
+    def gemm_flops_by_dtype(self) -> dict[str, int]:
+        """The row's matrix-product FLOPs by dtype class, over every phase."""
+        return dtype_totals(self.flops_by_dtype)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["total_flops"] = self.total_flops
-        d["gpus"] = {g.name: {"fits": g.fits(self.peak_bytes), "seconds_at_bf16_peak": g.seconds(self.total_flops)}
-                     for g in GPUS}
+        by_dtype = self.gemm_flops_by_dtype
+        d["gemm_flops_by_dtype"] = {k: v / 1e12 for k, v in by_dtype.items()}
+        d["gpus"] = {g.name: gpu_figures(g, self.peak_bytes, self.total_flops, by_dtype) for g in GPUS}
         return d
+
+
+def dtype_totals(by_phase: dict[str, dict[str, int]]) -> dict[str, int]:
+    """dtype class -> FLOPs summed over the phases, largest first."""
+    out: dict[str, int] = {}
+    for classes in by_phase.values():
+        for k, v in classes.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def gpu_figures(g: GPU, peak_bytes: float, total_flops: float, by_dtype: dict[str, int]) -> dict[str, Any]:
+    """A GPU's entry of `--json`: fits, the time at each dtype's dense peak (`seconds`, None when a class has
+    no rate: `unpriced`), each class's share, and the time had every FLOP run at the bf16 peak."""
+    return {"fits": g.fits(peak_bytes), "seconds": g.time(by_dtype), "seconds_by_dtype": g.seconds_by_dtype(by_dtype),
+            "unpriced": [k for k, n in by_dtype.items() if n and g.rate(k) is None],
+            "seconds_at_bf16_peak": g.seconds(total_flops)}
 
 
 def synthetic_row(tokens: int, vocab: int, doc_tokens: tuple[int, int] = DOC_TOKENS, seed: int = 0) -> PackedRow:
@@ -276,7 +301,8 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
                     flops=flops, host_reads=sorted(set(host.reads)), start_bytes=start + zero, peaks_by_world=by_world,
                     phase_peaks={k: v + zero for k, v in memory.phase_peaks.items()},
                     gemms=sorted(((op, shp, c, f) for (op, shp), (c, f) in host.gemms.items()), key=lambda g: -g[3]),
-                    teacher_parameters=sum(p.numel() for p in frozen_params), seconds=time.perf_counter() - t0)
+                    teacher_parameters=sum(p.numel() for p in frozen_params), seconds=time.perf_counter() - t0,
+                    flops_by_dtype={k: v for k, v in phases.by_dtype.items() if any(v.values())})
 
 
 def estimate_teacher_replica(cfg: Stage2Config, tokens: int, shapes: Shapes | None = None,
@@ -325,7 +351,9 @@ def estimate_teacher_replica(cfg: Stage2Config, tokens: int, shapes: Shapes | No
                     start_bytes=float(base), teacher_parameters=sum(p.numel() for p in params),
                     seconds=time.perf_counter() - t0,
                     notes=[f"a batch of {n_rows} row(s) of {tokens} tokens (teacher.pool.max_batch_tokens "
-                           f"{t.pool.max_batch_tokens})"])
+                           f"{t.pool.max_batch_tokens})"],
+                    flops_by_dtype={p: {k: v // n_rows for k, v in c.items()} for p, c in phases.by_dtype.items()
+                                    if any(c.values())})
 
 
 

@@ -136,19 +136,27 @@ class StepMemory:
 
 
 class Phases:
-    """FLOPs per phase of the step (deltas of the count) and the memory phase markers."""
+    """FLOPs per phase of the step (deltas of the count), also by dtype class, and the memory phase markers."""
 
     def __init__(self, counter: HostOps, memory: StepMemory, progress: Progress | None = None) -> None:
         self.counter, self.memory, self.progress = counter, memory, progress
         self.flops: dict[str, int] = {}
+        # phase -> dtype class (flops.py) -> FLOPs
+        self.by_dtype: dict[str, dict[str, int]] = {}
         self.stack: list[str] = ["other"]
         self.last = 0
+        self.last_by_dtype: dict[str, int] = {}
         self.loss_peaks: list[float] = []
 
     def _account(self) -> None:
         now = self.counter.flops
         self.flops[self.stack[-1]] = self.flops.get(self.stack[-1], 0) + now - self.last
         self.last = now
+        phase = self.by_dtype.setdefault(self.stack[-1], {})
+        for cls, n in self.counter.flops_by_dtype.items():
+            if n != self.last_by_dtype.get(cls, 0):
+                phase[cls] = phase.get(cls, 0) + n - self.last_by_dtype.get(cls, 0)
+        self.last_by_dtype = dict(self.counter.flops_by_dtype)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

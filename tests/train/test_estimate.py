@@ -63,7 +63,7 @@ def test_hylo_estimate_runs_and_its_sharded_states_are_the_exact_sizes(tiny_conf
                           cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     text = proc.stdout
-    for words in ("ZeRO-3 over 2 GPUs", "peak", "fits", "MI300X", "time at the dense bf16 peak", "lower bound"):
+    for words in ("ZeRO-3 over 2 GPUs", "peak", "fits", "MI300X", "time at each dtype's dense peak", "lower bound"):
         assert words in text, text
     data = json.loads(out.read_text())
     assert [e["tokens"] for e in data["estimates"]] == [64, 128]
@@ -89,7 +89,10 @@ def test_hylo_estimate_runs_and_its_sharded_states_are_the_exact_sizes(tiny_conf
         assert e["peak_bytes"] == pytest.approx(sum(mem.values()), rel=1e-9)
         assert mem["activations, temporaries, loss buffers"] >= 0
         assert e["host_reads"], "the step's end-of-step reads are served by HOST_VALUES"
-        assert set(e["gpus"]) == {"H100", "H200", "MI300X", "MI355X"}
+        assert set(e["gpus"]) == {"H100", "H200", "B200", "MI300X", "MI355X"}
+        # every FLOP has its dtype class, and each GPU's time is theirs at their rates
+        assert sum(e["gemm_flops_by_dtype"].values()) == pytest.approx(e["total_flops"] / 1e12, rel=1e-9)
+        assert e["gpus"]["H100"]["seconds"] == pytest.approx(sum(e["gpus"]["H100"]["seconds_by_dtype"].values()))
     small, big = data["estimates"]
     assert big["peak_bytes"] > small["peak_bytes"] and big["total_flops"] > 1.8 * small["total_flops"]
 
@@ -150,6 +153,8 @@ def test_the_fused_loss_flops_are_its_four_products(tiny_config: Path):
     est = estimate_step(cfg, T, 1, torch.bfloat16, gpu=True)
     D, Dt = tiny_student().hidden_size, tiny_teacher().hidden_size
     assert est.flops["fused loss"] == 2 * T * V * (D + Dt + D + D)
+    # each phase's FLOPs, split by the dtype they run at
+    assert {p: sum(c.values()) for p, c in est.flops_by_dtype.items()} == est.flops
     # the student's layers: at least forward, recompute and backward of every linear weight over T tokens
     linear = sum(m.weight.numel() for m in HyLoForCausalLM(tiny_student()).model.layers.modules()
                  if isinstance(m, torch.nn.Linear))

@@ -170,6 +170,9 @@ def test_hylo_estimate_sequence_parallel_runs_the_split_step_as_the_last_rank(ti
     e = data["sequence_parallel_estimates"][0]
     assert e["tokens"] == 128 and e["local_tokens"] == 64 and e["split_step"]
     assert e["peak_bytes"] == e["local"]["peak_bytes"] and not e["extra_memory"]
+    # every FLOP of the split step has its dtype class; the student's are bf16, its scans' stand-ins included
+    assert sum(e["gemm_flops_by_dtype"].values()) == pytest.approx(e["total_flops"] / 1e12, rel=1e-9)
+    assert set(e["local"]["flops_by_dtype"]["student forward"]) == {"bf16"}
     # the last rank of one 128-token document against the same step on its 64 tokens alone: its MLA layers
     # attend to the 64 earlier keys too (more memory, more FLOPs), its GDN layers run twice
     cfg = load_stage_config(2, tiny_config)
