@@ -351,10 +351,21 @@ def packed_row(T: int, docs: int, vocab: int, seed: int = 0) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------ case 1
 def case_fused_kl(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
+    """Our fused KL in each precision mode (`fused`: accurate, the default; `fused_fast`) against the full-logits
+    reference and Liger's fused JSD, for the hidden-state and the top-k teachers, and our fused CE against the
+    full-logits CE and cut-cross-entropy's where it imports: time, TFLOP performed and rate, extra memory,
+    loss and gradient errors against the fp32 reference (returned in bf16)."""
     import torch
 
     from hylo.kernels.backend import use_gpu_kernels
-    from hylo.kernels.fused_kl import fused_linear_kl_div, naive_kl_div, topk_from_logits
+    from hylo.kernels.fused_kl import (
+        fused_linear_cross_entropy,
+        fused_linear_kl_div,
+        naive_cross_entropy,
+        naive_kl_div,
+        topk_from_logits,
+    )
+    from hylo.kernels.fused_kl.gemm import PRECISIONS
 
     N, H, V, HT, k = (sh.kl[x] for x in ("N", "H", "V", "HT", "k"))
     g = torch.Generator(device=device).manual_seed(0)
@@ -363,11 +374,14 @@ def case_fused_kl(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
     w = (torch.randn(V, H, device=device, generator=g) * H ** -0.5).to(bf16).requires_grad_()
     th = torch.randn(N, HT, device=device, generator=g).to(bf16)
     tw = (torch.randn(V, HT, device=device, generator=g) * 2 * HT ** -0.5).to(bf16)
+    labels = torch.randint(0, V, (N,), device=device, generator=g)
     with torch.no_grad():
         rec = topk_from_logits_chunked(th, tw, k, topk_from_logits)
     teachers = {"hidden": {"teacher_hidden": th, "teacher_weight": tw}, "topk64_tail": {"teacher_topk": rec}}
     out: dict[str, Any] = {"shape": {"N": N, "H": H, "V": V, "H_teacher": HT, "k": k, "dtype": "bfloat16"},
                            "kernel": "triton" if use_gpu_kernels(h) else "torch"}
+    # fast mode rounds the logit gradient to bf16 once, as Liger: its gradients are held to Liger's level
+    grad_tol = {"accurate": TOL["kl_grad"], "fast": 1e-2}
 
     def fwd_bwd_on(fn, h, w, kw):
         h.grad = w.grad = None
@@ -383,28 +397,61 @@ def case_fused_kl(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
 
         return estimated_gib(lambda: fake_like((h, w, teacher)), lambda s: fwd_bwd_on(fn, *s))
 
+    def tflop(teacher_h: int, products: int) -> float:
+        # student logits, teacher logits (hidden-state teacher), and each gradient product (2 per split half)
+        return 2 * N * V * (H + teacher_h + 2 * products * H) / 1e12
+
+    def measured(fn, teacher, ref, work: float) -> dict[str, Any]:
+        (loss, dh, dw), t, m = meter.run(fwd_bwd(fn, **teacher))
+        return {"seconds": t, "peak_extra_gib": gib(m), "loss": float(loss), "tflop": work, "tflop_per_s": work / t,
+                "loss_rel_err": rel_err(ref[0], loss), "grad_hidden_rel_err": rel_err(ref[1], dh),
+                "grad_weight_rel_err": rel_err(ref[2], dw)}
+
+    def modes(res, fn, teacher, ref, teacher_h, estimated=True):
+        for mode in PRECISIONS:
+            key = "fused" if mode == "accurate" else f"fused_{mode}"
+            run = functools.partial(fn, precision=mode)
+            r = res[key] = {"precision": mode, **measured(run, teacher, ref, tflop(teacher_h, 1 + (mode == "accurate")))}
+            if estimated:
+                r["estimated_peak_extra_gib"] = estimate(run, teacher)
+            r["within_tolerance"] = (r["loss_rel_err"] <= TOL["kl_loss"] and r["grad_hidden_rel_err"] <= grad_tol[mode]
+                                     and r["grad_weight_rel_err"] <= grad_tol[mode])
+            free_memory()
+
     for name, teacher in teachers.items():
         res: dict[str, Any] = {}
-        (ref_loss, ref_dh, ref_dw), t_ref, m_ref = meter.run(fwd_bwd(naive_kl_div, **teacher))
-        ref_dh, ref_dw = ref_dh.clone(), ref_dw.clone()
-        res["reference_full_logits"] = {"seconds": t_ref, "peak_extra_gib": gib(m_ref), "loss": float(ref_loss),
+        ref, t_ref, m_ref = meter.run(fwd_bwd(naive_kl_div, **teacher))
+        ref = (ref[0], ref[1].clone(), ref[2].clone())
+        res["reference_full_logits"] = {"seconds": t_ref, "peak_extra_gib": gib(m_ref), "loss": float(ref[0]),
                                         "estimated_peak_extra_gib": estimate(naive_kl_div, teacher)}
         free_memory()
-        (loss, dh, dw), t_f, m_f = meter.run(fwd_bwd(fused_linear_kl_div, **teacher))
-        res["fused"] = {"seconds": t_f, "peak_extra_gib": gib(m_f), "loss": float(loss),
-                        "estimated_peak_extra_gib": estimate(fused_linear_kl_div, teacher),
-                        "loss_rel_err": rel_err(ref_loss, loss), "grad_hidden_rel_err": rel_err(ref_dh, dh),
-                        "grad_weight_rel_err": rel_err(ref_dw, dw)}
-        res["fused"]["within_tolerance"] = (res["fused"]["loss_rel_err"] <= TOL["kl_loss"]
-                                            and res["fused"]["grad_hidden_rel_err"] <= TOL["kl_grad"]
-                                            and res["fused"]["grad_weight_rel_err"] <= TOL["kl_grad"])
-        free_memory()
+        modes(res, fused_linear_kl_div, teacher, ref, HT if name == "hidden" else 0)
         if name == "hidden":
-            res["liger"] = liger_jsd(h, w, th, tw, meter, ref_loss, ref_dh, ref_dw)
-        del ref_dh, ref_dw
+            res["liger"] = liger_jsd(h, w, th, tw, meter, *ref)
+            if res["liger"].get("available"):
+                res["liger"]["tflop"] = tflop(HT, 1)
+                res["liger"]["tflop_per_s"] = res["liger"]["tflop"] / res["liger"]["seconds"]
+        del ref
         free_memory()
         out[name] = res
-    out["ok"] = all(out[n]["fused"]["within_tolerance"] for n in teachers)
+
+    # the CE path: the same op against a one-hot teacher (no teacher product)
+    ce_args = {"labels": labels}
+    ce: dict[str, Any] = {}
+    ref, t_ref, m_ref = meter.run(fwd_bwd(lambda h, w, labels: naive_cross_entropy(h, w, labels), **ce_args))
+    ref = (ref[0], ref[1].clone(), ref[2].clone())
+    ce["reference_full_logits"] = {"seconds": t_ref, "peak_extra_gib": gib(m_ref), "loss": float(ref[0])}
+    free_memory()
+    modes(ce, lambda h, w, labels, precision: fused_linear_cross_entropy(h, w, labels, precision=precision),
+          ce_args, ref, 0, estimated=False)
+    ce["cut_cross_entropy"] = cut_cross_entropy_ce(h, w, labels, meter, *ref)
+    if ce["cut_cross_entropy"].get("available"):
+        ce["cut_cross_entropy"]["tflop"] = tflop(0, 1)
+        ce["cut_cross_entropy"]["tflop_per_s"] = ce["cut_cross_entropy"]["tflop"] / ce["cut_cross_entropy"]["seconds"]
+    del ref
+    free_memory()
+    out["ce"] = ce
+    out["ok"] = all(out[n][key]["within_tolerance"] for n in (*teachers, "ce") for key in ("fused", "fused_fast"))
     return out
 
 
@@ -441,6 +488,28 @@ def liger_jsd(h, w, th, tw, meter: Meter, ref_loss, ref_dh, ref_dw) -> dict[str,
     return {"available": True, "seconds": t, "peak_extra_gib": gib(m), "loss": float(loss),
             "loss_rel_err": rel_err(ref_loss, loss), "grad_hidden_rel_err": rel_err(ref_dh, dh),
             "grad_weight_rel_err": rel_err(ref_dw, dw), "compiled": h.is_cuda}
+
+
+def cut_cross_entropy_ce(h, w, labels, meter: Meter, ref_loss, ref_dh, ref_dw) -> dict[str, Any]:
+    """Apple's cut-cross-entropy (`linear_cross_entropy`, its default CCE kernel), mean over tokens."""
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except Exception as exc:  # not installed here: recorded, not a failure of the case
+        return {"available": False, "reason": f"{type(exc).__name__}: {exc}"[:300]}
+
+    def run():
+        h.grad = w.grad = None
+        loss = linear_cross_entropy(h, w, labels, reduction="mean")
+        loss.backward()
+        return loss.detach(), h.grad, w.grad
+
+    try:
+        (loss, dh, dw), t, m = meter.run(run)
+    except Exception as exc:  # e.g. no CPU kernel: recorded, not a failure of the case
+        return {"available": False, "reason": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"available": True, "seconds": t, "peak_extra_gib": gib(m), "loss": float(loss),
+            "loss_rel_err": rel_err(ref_loss, loss), "grad_hidden_rel_err": rel_err(ref_dh, dh),
+            "grad_weight_rel_err": rel_err(ref_dw, dw)}
 
 
 # ------------------------------------------------------------------------------------ case 2

@@ -25,12 +25,13 @@ def fused_linear_cross_entropy(
     mask: torch.Tensor | None = None,
     reduction: str = "mean",
     chunk_size: int | None = None,
+    precision: str = "accurate",
 ) -> torch.Tensor:
     """-log softmax(hidden @ weight.T)[label] per unmasked token, summed ("sum") or averaged ("mean").
 
     hidden: [N, H], weight: [V, H], labels: [N] integer ids in 0..V-1 (their value at a masked token is
     ignored), mask: [N] bool or 0/1. No [N, V] tensor; gradients flow to hidden and weight, computed in
-    this call (as `fused_linear_kl_div`, whose argument checks and errors apply). Returns fp32 (fp64
+    this call (as `fused_linear_kl_div`, whose argument checks, errors and `precision` apply). Returns fp32 (fp64
     for fp64 inputs); 0 when no token is unmasked.
     """
     if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.dtype.is_floating_point:
@@ -43,7 +44,7 @@ def fused_linear_cross_entropy(
     onehot = TeacherTopK(torch.zeros(ids_N1.shape, device=device), ids_N1)
     try:
         return fused_linear_kl_div(hidden, weight, teacher_topk=onehot, mask=mask, reduction=reduction,
-                                   chunk_size=chunk_size)
+                                   chunk_size=chunk_size, precision=precision)
     except ValueError as e:
         # the checks speak of the one-hot teacher: say labels (a deferred device check keeps its words)
         msg = str(e).replace("fused_linear_kl_div", "fused_linear_cross_entropy")

@@ -4,9 +4,13 @@ Design choices:
 * One autograd.Function whose forward computes the loss AND the gradients w.r.t. student_hidden and
   student_weight, one chunk of C tokens at a time; backward only scales them by grad_output. No [N, V]
   tensor exists at any time: the largest tensors are a few [C, V] chunk buffers.
-* Logits are produced by the matmul in fp32 (fp64 for fp64 inputs): bf16/fp16 hidden states are upcast
-  per chunk and the weight once, so nothing is rounded to bf16 before the softmax.
-* dW is accumulated across chunks in an fp32 [V, H] buffer (`addmm_`, no per-chunk temporary); dH is
+* Every product goes through `gemm.mm_f32`: bf16/fp16 operands are multiplied in their dtype (tensor
+  cores) with fp32 accumulation and an fp32 result, so logits are fp32 (fp64 for fp64 inputs) and never
+  rounded to bf16 before the softmax. fp32 inputs keep the fp32 product.
+* The fp32 logit gradient enters the two gradient products as a hi + lo pair of the input dtype
+  (`precision="accurate"`, the default: error ~1e-6 before the final rounding) or rounded once
+  (`"fast"`, one product each, Liger's arithmetic); `gemm.split_operands`. fp32 inputs ignore it.
+* dW is accumulated across chunks in an fp32 [V, H] buffer (`addmm`, no per-chunk temporary); dH is
   written once per row. Both are cast to the input dtype at the end of the forward.
 * Masked tokens are dropped before any logits are computed (their loss and gradient are zero), so a
   mostly masked input costs little; "mean" divides by the number of unmasked tokens.
@@ -35,6 +39,7 @@ import torch
 
 from hylo.kernels.backend import use_gpu_kernels
 from hylo.kernels.checks import compute_dtype
+from hylo.kernels.fused_kl.gemm import LOW_PRECISION, PRECISIONS, SPLIT_SHIFT, mm_f32, split_operands
 from hylo.kernels.fused_kl.inputs import (
     CheckedTeacher,
     LogitsFn,
@@ -80,6 +85,7 @@ def fused_linear_kl_div(
     temperature: float = 1.0,
     reduction: str = "mean",
     chunk_size: int | None = None,
+    precision: str = "accurate",
 ) -> torch.Tensor:
     """Forward KL(teacher || student) per token, summed ("sum") or averaged over unmasked tokens ("mean").
 
@@ -95,6 +101,9 @@ def fused_linear_kl_div(
     temperature T: both distributions are softmax(logits / T) (the convention: README.md, "The loss").
       For top-k, the k+1 bucket log-probs are divided by T and renormalised.
     chunk_size: rows per chunk; None picks one that bounds the chunk buffers (`auto_chunk_size`).
+    precision: for bf16/fp16 inputs, how the fp32 logit gradient enters the two gradient products:
+      "accurate" (hi + lo halves, two tensor-core products each) or "fast" (rounded once to the input
+      dtype, one product); fp32/fp64 inputs take fp32/fp64 products either way (README.md, "Precision").
     Returns a scalar in fp32 (fp64 for fp64 inputs); 0 when no token is unmasked. Gradients flow to
     student_hidden and student_weight only; they are computed during this call (double backward is
     not supported).
@@ -103,6 +112,8 @@ def fused_linear_kl_div(
         "fused_linear_kl_div", student_hidden, student_weight, teacher_hidden, teacher_weight,
         teacher_topk, teacher_logits_fn, mask, temperature, reduction, chunk_size,
     )
+    if precision not in PRECISIONS:
+        raise ValueError(f"fused_linear_kl_div: precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     if chunk_size is None:
         chunk_size = auto_chunk_size(
             student_hidden.shape[0], student_weight.shape[0], student_hidden.device,
@@ -115,6 +126,7 @@ def fused_linear_kl_div(
         reduction=reduction,
         chunk_size=chunk_size,
         use_triton=use_gpu_kernels(student_hidden),
+        precision=precision,
     )
     needs_grad = torch.is_grad_enabled() and (student_hidden.requires_grad or student_weight.requires_grad)
     if not needs_grad:
@@ -133,6 +145,7 @@ class _Options:
     reduction: str
     chunk_size: int
     use_triton: bool
+    precision: str = "accurate"
 
 
 class _FusedLinearKL(torch.autograd.Function):
@@ -183,10 +196,8 @@ def _forward_backward(
     device = student_hidden.device
     cdtype = compute_dtype(student_hidden)
     teacher = options.teacher
-    weight_VH = student_weight.detach().to(cdtype)
-    teacher_weight_VH = None
-    if teacher.kind == "hidden":
-        teacher_weight_VH = teacher.weight_VH.to(compute_dtype(teacher.hidden_NH))
+    # operands stay in their dtype: `mm_f32` multiplies bf16/fp16 with fp32 accumulation
+    weight_VH = student_weight.detach()
 
     grad_hidden_NH = torch.zeros(n_tokens, hidden, dtype=cdtype, device=device) if want_grad_hidden else None
     grad_weight_VH = torch.zeros(vocab, hidden, dtype=cdtype, device=device) if want_grad_weight else None
@@ -207,15 +218,20 @@ def _forward_backward(
         return loss, _cast(grad_hidden_NH, student_hidden), _cast(grad_weight_VH, student_weight)
     # with a device count the "mean" division comes at the end
     scale = 1.0 / n_valid if options.reduction == "mean" and n_valid_dev is None else 1.0
-    # d(loss)/d(student logits) = scale / T * (q - p): the 1/T comes from logits / T.
-    step = StepParams(options.inv_temp, grad_scale=scale * options.inv_temp, need_grad=need_grad)
+    # d(loss)/d(student logits) = scale / T * (q - p): the 1/T comes from logits / T. For bf16/fp16 operands
+    # the step writes (q - p) * shift and the products' alpha applies scale / T / shift (`gemm.SPLIT_SHIFT`).
+    factor = scale * options.inv_temp
+    low = student_weight.dtype if student_weight.dtype in LOW_PRECISION else None
+    shift = SPLIT_SHIFT[low] if low is not None else factor
+    alpha = factor / shift if low is not None else 1.0
+    step = StepParams(options.inv_temp, grad_scale=shift, need_grad=need_grad)
     dense_step, topk_step = _chunk_steps(options.use_triton)
     workspace = Workspace(min(options.chunk_size, n_tokens), vocab, cdtype, device)
 
     for rows, teacher_CV in _chunks(student_hidden, options, n_tokens, vocab, select_rows):
-        hidden_CH = _rows(student_hidden, rows).detach().to(cdtype)
+        hidden_CH = _rows(student_hidden, rows).detach()
         n_chunk = hidden_CH.shape[0]
-        logits_CV = torch.mm(hidden_CH, weight_VH.t(), out=workspace.get("student", n_chunk))
+        logits_CV = mm_f32(hidden_CH, weight_VH.t(), workspace.get("student", n_chunk))
         if teacher.kind == "topk":
             logprobs_Ck, indices_Ck, tail_C = (None if t is None else _rows(t, rows) for t in teacher.topk)
             indices_Ck = indices_Ck.long()
@@ -224,13 +240,14 @@ def _forward_backward(
         else:
             owned = teacher.kind == "hidden"
             if owned:
-                teacher_hidden_CH = _rows(teacher.hidden_NH, rows).to(teacher_weight_VH.dtype)
-                if teacher_weight_VH.dtype == cdtype:
-                    teacher_CV = torch.mm(
-                        teacher_hidden_CH, teacher_weight_VH.t(), out=workspace.get("teacher", n_chunk)
-                    )
+                teacher_hidden_CH = _rows(teacher.hidden_NH, rows)
+                teacher_CV = workspace.get("teacher", n_chunk)
+                if compute_dtype(teacher_hidden_CH) == cdtype:
+                    mm_f32(teacher_hidden_CH, teacher.weight_VH.t(), teacher_CV)
                 else:
-                    teacher_CV = workspace.get("teacher", n_chunk).copy_(teacher_hidden_CH @ teacher_weight_VH.t())
+                    # a teacher of another precision than the student's: its own product, then one copy
+                    logits = torch.empty(n_chunk, vocab, dtype=compute_dtype(teacher_hidden_CH), device=device)
+                    teacher_CV.copy_(mm_f32(teacher_hidden_CH, teacher.weight_VH.t(), logits))
             elif teacher_CV.dtype != cdtype:
                 teacher_CV = workspace.get("teacher", n_chunk).copy_(teacher_CV)
                 owned = True
@@ -240,14 +257,10 @@ def _forward_backward(
         if need_grad:
             if keep_C is not None:
                 logits_CV.mul_(keep_C.unsqueeze(1))
-            # logits_CV now holds d(loss)/d(logits) for these rows.
-            if grad_hidden_NH is not None:
-                if isinstance(rows, slice):
-                    torch.mm(logits_CV, weight_VH, out=grad_hidden_NH[rows])
-                else:
-                    grad_hidden_NH.index_copy_(0, rows, logits_CV @ weight_VH)
-            if grad_weight_VH is not None:
-                grad_weight_VH.addmm_(logits_CV.t(), hidden_CH)
+            # logits_CV now holds d(loss)/d(logits) / alpha for these rows: the products' operands
+            parts = [logits_CV] if low is None else split_operands(
+                logits_CV, low, options.precision, workspace.get("split", n_chunk))
+            _gradient_products(parts, rows, weight_VH, hidden_CH, grad_hidden_NH, grad_weight_VH, alpha)
         del logits_CV, teacher_CV
     if n_valid_dev is not None and options.reduction == "mean":
         loss /= n_valid_dev
@@ -255,6 +268,23 @@ def _forward_backward(
             if g is not None:
                 g.div_(n_valid_dev)
     return loss, _cast(grad_hidden_NH, student_hidden), _cast(grad_weight_VH, student_weight)
+
+
+def _gradient_products(parts: list[torch.Tensor], rows: slice | torch.Tensor, weight_VH: torch.Tensor,
+                       hidden_CH: torch.Tensor, grad_hidden_NH: torch.Tensor | None,
+                       grad_weight_VH: torch.Tensor | None, alpha: float) -> None:
+    """grad_h[rows] = alpha * sum(parts) @ W and grad_W += alpha * sum(parts)^T h, one product per part (the
+    gradient [C, V], or its hi and lo halves), summed in the fp32 accumulators."""
+    if grad_hidden_NH is not None:
+        direct = isinstance(rows, slice)
+        out_CH = grad_hidden_NH[rows] if direct else grad_hidden_NH.new_empty(parts[0].shape[0], weight_VH.shape[1])
+        for i, part_CV in enumerate(parts):
+            mm_f32(part_CV, weight_VH, out_CH, accumulate=i > 0, alpha=alpha)
+        if not direct:
+            grad_hidden_NH.index_copy_(0, rows, out_CH)
+    if grad_weight_VH is not None:
+        for part_CV in parts:
+            mm_f32(part_CV.t(), hidden_CH, grad_weight_VH, accumulate=True, alpha=alpha)
 
 
 def _cast(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
 """Triton per-chunk steps of the fused KL: row logsumexp, KL and logit gradient over vocabulary tiles.
 
-The matmuls stay in torch (cuBLAS); what Triton fuses is the [C, V] work between them, which in torch
+The matmuls stay in torch (`gemm.mm_f32`: bf16 tensor-core products with fp32 results, through cuBLAS /
+hipBLASLt); the buffers here are fp32 whatever the inputs' dtype. What Triton fuses is the [C, V] work between them, which in torch
 is a dozen passes. One program per row, streaming the row in BLOCK_V tiles:
 * `_row_lse_kernel` (pass 1): per-lane running max / sum-exp of the tempered logits, folded into the
   row's logsumexp at the end; run on the student and on the teacher logits (dense), or on the student

@@ -395,8 +395,14 @@ class TeacherSection(OfflineSection, ServeSection, InProcessSection):
         return target_form(self)
 
 
+# The fused loss's gradient products for bf16/fp16 students (hylo.kernels.fused_kl.gemm.PRECISIONS; a test checks
+# that the two lists agree).
+KL_PRECISIONS = ("accurate", "fast")
+
+
 @dataclass
-@rules(kl_weight=at_least(0), ce_weight=at_least(0), temperature=above(0), chunk_size=at_least(1))
+@rules(kl_weight=at_least(0), ce_weight=at_least(0), temperature=above(0), chunk_size=at_least(1),
+       kl_precision=one_of(*KL_PRECISIONS))
 class KDSection:
     """Stage 2's loss per loss token, kl_weight * KL_T(teacher || student) + ce_weight * CE(next token):
     both terms go through hylo.kernels.fused_kl (fused_linear_kl_div, fused_linear_cross_entropy)."""
@@ -410,6 +416,11 @@ class KDSection:
     temperature: float = 1.0
     # Tokens per chunk of the fused loss (bounds the [chunk, V] logits it materialises); None = auto.
     chunk_size: int | None = None
+    # How the fused KL and CE of a bf16/fp16 student multiply the fp32 logit gradient on tensor cores:
+    # accurate = as a hi + lo pair of bf16 halves, two products each (gradient error ~2e-6 before the
+    # final rounding); fast = rounded once to bf16, one product (~2e-3, as Liger). Logits, softmax and
+    # the weight gradient's accumulation are fp32 in both; an fp32 student ignores it (kernels/fused_kl/README.md).
+    kl_precision: str = "accurate"
 
     def __post_init__(self) -> None:
         if self.kl_weight == 0 and self.ce_weight == 0:

@@ -7,7 +7,8 @@ Design choices:
 * The student never materialises its logits: its final hidden states [T, D] and `lm_head.weight`
   [V, D] go into `fused_linear_kl_div`, which computes loss and gradients chunk by chunk. The CE term
   (when `ce_weight > 0`) is the same op against a one-hot teacher (`fused_linear_cross_entropy`).
-* `kd.temperature` goes to the fused KL unchanged (what it means: `KDSection`, pipeline/train/config.py).
+* `kd.temperature` goes to the fused KL unchanged (what it means: `KDSection`, pipeline/train/config.py);
+  `kd.kl_precision` to both fused terms (how a bf16 student's gradient products round).
 * The loss runs inside `KDStudent.forward` so that ZeRO-3 gathers `lm_head.weight` around it: the weight
   is registered as an external parameter of the wrapper (it is used outside `lm_head.forward`).
 * The teacher is one object (`hylo.pipeline.teacher.protocol.BoundTeacher`, from `teacher.source`: inprocess,
@@ -76,13 +77,14 @@ class KDStudent(nn.Module):
         h_TD = self.student.model(input_ids=input_ids_T[None], position_ids=positions_T[None],
                                   cu_seqlens=bounds).last_hidden_state[0]
         w_VD = self.student.lm_head.weight
-        kl = fused_linear_kl_div(h_TD, w_VD, **teacher, mask=loss_mask_T, temperature=self.kd.temperature,
-                                 reduction="sum", chunk_size=self.kd.chunk_size)
+        # the kd settings both fused terms share
+        fused = {"mask": loss_mask_T, "reduction": "sum", "chunk_size": self.kd.chunk_size,
+                 "precision": self.kd.kl_precision}
+        kl = fused_linear_kl_div(h_TD, w_VD, **teacher, temperature=self.kd.temperature, **fused)
         ce = h_TD.new_zeros((), dtype=torch.float32)
         if self.kd.ce_weight:
             labels_T = torch.roll(input_ids_T, -1) if labels_T is None else labels_T
-            ce = fused_linear_cross_entropy(h_TD, w_VD, labels_T, mask=loss_mask_T,
-                                            reduction="sum", chunk_size=self.kd.chunk_size)
+            ce = fused_linear_cross_entropy(h_TD, w_VD, labels_T, **fused)
         return kl, ce
 
 

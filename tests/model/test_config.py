@@ -235,6 +235,7 @@ def test_every_declared_rule_rejects_its_counterexample_at_load_naming_the_field
     ("kd.temperature=0", "kd.temperature"),
     ("kd.temperature=-1", "kd.temperature"),
     ("kd.chunk_size=0", "kd.chunk_size"),
+    ("kd.kl_precision=exact", "kd.kl_precision"),
     ("teacher.model.logits_chunk_tokens=.nan", "teacher.model.logits_chunk_tokens"),
     ("teacher.pool.port=70000", "teacher.pool.port"),
     ("train.global_batch_sequences=null", "train.global_batch_sequences"),

@@ -353,6 +353,22 @@ def _kd_case(*overrides: str, seed: int = 0, scale: float = 1.0):
     return student, cfg.kd, kl, ce, (h_t @ w_t.t(), {"loss_mask": mask, "labels": torch.roll(ids, -1)})
 
 
+def test_kd_kl_precision_reaches_both_fused_terms(monkeypatch):
+    from hylo.pipeline.train import stage2
+
+    seen = []
+    for name in ("fused_linear_kl_div", "fused_linear_cross_entropy"):
+        original = getattr(stage2, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            seen.append((_name, kwargs["precision"]))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(stage2, name, spy)
+    _kd_case("kd.kl_precision=fast", "kd.ce_weight=0.5")
+    assert seen == [("fused_linear_kl_div", "fast"), ("fused_linear_cross_entropy", "fast")]
+
+
 def test_stage2_loss_terms_are_the_formulas_kl_at_t_and_ce():
     # the KL and CE terms of KDStudent (one home: hylo.kernels.fused_kl) against the maths written out:
     # KL_T = sum over loss tokens of sum_v p_v (log p_v - log q_v), p = softmax(t / T), q = softmax(s / T),
