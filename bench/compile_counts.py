@@ -164,7 +164,7 @@ def print_table(title: str, table: list[dict[str, Any]], scenario: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--variants", default="8mla8gdn,4mla12m2")
     ap.add_argument("--prefill", type=int, default=37)
     ap.add_argument("--decode-tokens", type=int, default=32)

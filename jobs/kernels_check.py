@@ -3,8 +3,8 @@
     hylo kernels-check --config configs/llama-3.2-1b-8mla8gdn-64k.yaml --out kcheck/
     hylo kernels-check --config configs/demo-smollm2.yaml --targets gfx942,sm_90 --out kcheck/
     python jobs/kernels_check.py --config configs/qwen3-1.7b-7mla21gdn-64k.yaml --targets gfx950 --out kcheck/
-    hylo kernels-check --config configs/llama-3.2-1b-8mla8gdn-64k.yaml --targets sm_90 --out kcheck/ \
-        --warm-cache /shared/run/triton     # a job's TRITON_CACHE_DIR: compiled here (no autotuning without a GPU)
+    hylo kernels-check --config configs/demo-smollm2.yaml --targets sm_90 --out kcheck/ --warm-cache /shared/kc
+        (/shared/kc: the job's ray.kernel_cache; its Triton binaries, compiled here, in /shared/kc/triton)
 
 One child process per target (sm_90, sm_100, gfx942, gfx950) imports fla under that GPU's device properties
 and compiles, without launching, every kernel of the config's launch sites (GDN chunk forward and backward

@@ -553,8 +553,9 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     ap.add_argument("--force", action="store_true",
                     help="let the reports replace files of their names in --out that this project did not write")
     ap.add_argument("--warm-cache", metavar="DIR", default=None,
-                    help="compile into DIR, kept, as the Triton cache (made if missing; the directory a job's workers "
-                         "then get as TRITON_CACHE_DIR), instead of a fresh one per run: a rerun finds every binary "
+                    help="compile into the kernel cache directory DIR, kept (made if missing; a run's "
+                         "ray.kernel_cache, else its <run dir>/kernel_cache: its workers get DIR/triton as "
+                         "TRITON_CACHE_DIR), instead of a fresh Triton cache per run: a rerun finds every binary "
                          "there and compiles nothing. Compiles only, for the --targets, on this machine's CPU: "
                          "autotuning (timing each configuration) needs the GPU and happens at the job's first step")
     args = ap.parse_args(argv)
@@ -582,7 +583,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                          else "train.sequence_parallel")
     cache_dir = None
     if args.warm_cache:
-        cache_dir = Path(args.warm_cache).expanduser().resolve()
+        # the layout a job's workers read (one function: pipeline/train/kernel_cache.py)
+        from hylo.pipeline.train.kernel_cache import kernel_cache_env
+
+        cache_dir = Path(kernel_cache_env(Path(args.warm_cache).expanduser().resolve())["TRITON_CACHE_DIR"])
         make_dir(cache_dir)
     bad = check({name: sites}, targets, Path(args.out), args.tokens, log_to=sys.stdout, cache_dir=cache_dir)
     print(f"wrote {Path(args.out) / 'kernels_check.json'} and kernels_check.md")

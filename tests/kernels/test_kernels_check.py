@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -133,10 +134,14 @@ def test_warm_cache_is_the_triton_cache_the_check_compiles_into(tmp_path, monkey
     seen = {}
     monkeypatch.setattr(kc, "recipe_sites", lambda *a, **kw: [])
     monkeypatch.setattr(kc, "check", lambda *a, **kw: seen.update(kw, recipes=list(a[0])) or [])
-    out, cache = tmp_path / "kcheck", tmp_path / "node" / "triton"
+    out, kernel_cache = tmp_path / "kcheck", tmp_path / "node" / "kernel_cache"
     argv = ["--config", "demo-smollm2.yaml", "--targets", "sm_90", "--out", str(out)]
-    assert kc.main([*argv, "--warm-cache", str(cache)]) == 0
-    assert seen["cache_dir"] == cache.resolve() and cache.is_dir()
+    assert kc.main([*argv, "--warm-cache", str(kernel_cache)]) == 0
+    # DIR is a run's kernel cache (ray.kernel_cache): the Triton cache is where the run's workers look
+    from hylo.pipeline.train.kernel_cache import kernel_cache_env
+
+    cache = Path(kernel_cache_env(kernel_cache.resolve())["TRITON_CACHE_DIR"])
+    assert seen["cache_dir"] == cache and cache.is_dir() and cache.parent == kernel_cache.resolve()
     # the report names the config's recipe (before: the last report file's name, "kernels_check.md")
     assert seen["recipes"] == ["demo-smollm2"]
     assert kc.main(argv) == 0 and seen["cache_dir"] is None
