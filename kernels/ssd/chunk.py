@@ -131,23 +131,28 @@ def fla_chunk_ssd(
         from fla.ops.simple_gla import chunk_simple_gla
 
     _, _, H, *_, bounds = check_inputs("chunk_ssd", x, dt, A, B, C, D, initial_state, cu_seqlens)
+    q, k, v, g = simple_gla_operands(x, dt, A, B, C, H)
+    o, final = chunk_simple_gla(q, k, v, g=g, scale=1.0, initial_state=initial_state,
+                                output_final_state=output_final_state,
+                                # fla's value-first state [V, K] is mamba_ssm's [P, N]
+                                state_v_first=True, **fla_varlen_kwargs(chunk_simple_gla, bounds))
+    return with_skip(o, D, x), final
+
+
+def simple_gla_operands(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                        H: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SSD as fla's simple GLA (chunk and recurrent alike): q = C, k = B (groups to heads), v = dt x in x's
+    dtype, g = dt A in fp32."""
     dt32 = dt.float()
     v = (x.float() * dt32[..., None]).to(x.dtype)
-    o, final = chunk_simple_gla(
-        heads_from_groups(C, H).to(x.dtype),
-        heads_from_groups(B, H).to(x.dtype),
-        v,
-        g=dt32 * A.float(),
-        scale=1.0,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        # fla's value-first state [V, K] is mamba_ssm's [P, N]
-        state_v_first=True,
-        **fla_varlen_kwargs(chunk_simple_gla, bounds),
-    )
+    return heads_from_groups(C, H).to(x.dtype), heads_from_groups(B, H).to(x.dtype), v, dt32 * A.float()
+
+
+def with_skip(o: torch.Tensor, D: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """fla's output plus the D x skip (in fp32), in x's dtype."""
     if D is not None:
-        o = (o.float() + D.float()[:, None] * x.float()).to(x.dtype)
-    return o.to(x.dtype), final
+        o = o.float() + D.float()[:, None] * x.float()
+    return o.to(x.dtype)
 
 
 def chunk_ssd(

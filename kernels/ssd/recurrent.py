@@ -20,6 +20,7 @@ import torch
 from hylo.kernels.backend import use_fla
 from hylo.kernels.checks import compute_dtype
 from hylo.kernels.ssd.checks import check_inputs, heads_from_groups
+from hylo.kernels.ssd.chunk import simple_gla_operands, with_skip
 
 
 def torch_recurrent_ssd(
@@ -64,21 +65,10 @@ def fla_recurrent_ssd(
     from fla.ops.simple_gla import fused_recurrent_simple_gla
 
     H = check_inputs("recurrent_ssd", x, dt, A, B, C, D, initial_state, None)[2]
-    dt32 = dt.float()
-    v = (x.float() * dt32[..., None]).to(x.dtype)
-    o, final = fused_recurrent_simple_gla(
-        heads_from_groups(C, H).to(x.dtype),
-        heads_from_groups(B, H).to(x.dtype),
-        v,
-        g=dt32 * A.float(),
-        scale=1.0,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        state_v_first=True,
-    )
-    if D is not None:
-        o = (o.float() + D.float()[:, None] * x.float()).to(x.dtype)
-    return o.to(x.dtype), final
+    q, k, v, g = simple_gla_operands(x, dt, A, B, C, H)
+    o, final = fused_recurrent_simple_gla(q, k, v, g=g, scale=1.0, initial_state=initial_state,
+                                          output_final_state=output_final_state, state_v_first=True)
+    return with_skip(o, D, x), final
 
 
 def recurrent_ssd(
