@@ -44,6 +44,7 @@ from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.train.config import ILD_TRAINABLE, Stage1Config
 from hylo.pipeline.train.deepspeed_cfg import EngineFactory, current_lr, deepspeed_engine
 from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_slice, row_to_device, token_range
+from hylo.seq_parallel import RowShard
 
 EPS = 1e-6
 
@@ -119,14 +120,16 @@ class ILDStudent(nn.Module):
                 y_out: list[torch.Tensor], y_mix: list[torch.Tensor],
                 tokens_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out_sum = mix_sum = torch.zeros((), device=tokens_T.device)
+        shard = bounds if isinstance(bounds, RowShard) else None  # to go: the step hands the shard apart
+        bounds = shard.local if shard is not None else bounds
         # the row's boundaries as the reader checked them on the host (`row_to_device`'s `bounds`): no layer
         # checks them again or reads them back from the device
         for i, layer in enumerate(self.student.model.layers):
             x = x_in[i].to(layer.input_layernorm.weight.dtype)
             if self.checkpointing and self.training:
-                out, mix = checkpoint(layer, x, position_ids_1T, bounds, None, use_reentrant=False)
+                out, mix = checkpoint(layer, x, position_ids_1T, bounds, None, None, shard, use_reentrant=False)
             else:
-                out, mix = layer(x, position_ids_1T, bounds, None)
+                out, mix = layer(x, position_ids_1T, bounds, None, None, shard)
             out_sum = out_sum + (token_distance(out, y_out[i], self.ild.squared) * tokens_T).sum()
             mix_sum = mix_sum + (token_distance(mix, y_mix[i], self.ild.squared) * tokens_T).sum()
         return out_sum, mix_sum

@@ -45,6 +45,7 @@ from hylo.pipeline.teacher.sources import open_teacher
 from hylo.pipeline.train.config import Stage2Config
 from hylo.pipeline.train.deepspeed_cfg import EngineFactory, current_lr, deepspeed_engine
 from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_slice, row_to_device, token_range
+from hylo.seq_parallel import RowShard
 
 
 # ------------------------------------------------------------------------------------ student side
@@ -72,10 +73,12 @@ class KDStudent(nn.Module):
         inside its document). At sequence parallelism: this rank's slice of the row, `bounds` the `RowShard`
         of the unsplit row's boundaries, `positions_T` the slice's in-document positions and `labels_T` the
         unsplit row's labels of the slice, with the teacher's targets of these tokens."""
+        shard = bounds if isinstance(bounds, RowShard) else None  # to go: the step hands the shard apart
+        bounds = shard.local if shard is not None else bounds
         if positions_T is None:
             positions_T = bounds.positions
         h_TD = self.student.model(input_ids=input_ids_T[None], position_ids=positions_T[None],
-                                  cu_seqlens=bounds).last_hidden_state[0]
+                                  cu_seqlens=bounds, shard=shard).last_hidden_state[0]
         w_VD = self.student.lm_head.weight
         # the kd settings both fused terms share
         fused = {"mask": loss_mask_T, "reduction": "sum", "chunk_size": self.kd.chunk_size,
