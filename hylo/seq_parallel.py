@@ -40,7 +40,9 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from hylo.kernels.packed_sdpa import packed_causal_sdpa
 from hylo.kernels.varlen import DocBounds, positions_from_cu_seqlens
 
 
@@ -157,6 +159,80 @@ class _GatherFromGroup(torch.autograd.Function):
         out = grad.new_empty(grad[0].numel())
         dist.reduce_scatter_tensor(out, grad.reshape(-1), group=ctx.group)
         return out.view(grad.shape[1:]), None
+
+
+def attend_shard(mla: Any, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
+                 k_pe_BTP: torch.Tensor, shard: RowShard) -> torch.Tensor:
+    """An MLA layer's attention over a split row (`mla`: the `MLAttention`, for its projections and RoPE).
+
+    The group's latents + raw k_pe are gathered (R + P per token) and the keys of [start of this shard's first
+    document, shard end) decompressed here. This rank's queries attend to them: its first document with a
+    bottom-right-aligned causal mask (its keys may start on an earlier rank), the others as in the unsplit row.
+    `shard.mla == "ulysses"` takes DeepSpeed's all-to-all by heads instead (`_attend_ulysses`)."""
+    # lazy: torch.nn.attention.bias imports torch._dynamo and triton (this module stays light for spawned ranks)
+    from torch.nn.attention.bias import causal_lower_right
+
+    T, V, R = q_nope_BTHN.shape[1], mla.v_head_dim, mla.kv_lora_rank
+    if shard.mla == "ulysses":
+        return _attend_ulysses(mla, q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, shard)
+    ks = shard.doc_start(shard.start)
+    kv_1SX = gather_tokens(torch.cat([c_kv_BTR, k_pe_BTP], -1), shard, end=shard.end)[:, ks:]
+    c_kv_1SR, k_pe_1SP = kv_1SX.split([R, mla.qk_rope_head_dim], dim=-1)
+    pos_1S = key_positions(shard, ks, shard.end, q_pe_BTHP.device)[None]
+    k_BHSE, v_BHSV = mla.decompressed_kv(c_kv_1SR, k_pe_1SP, mla.rotary_emb(pos_1S, q_pe_BTHP.dtype))
+    q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
+    q_BHTE, k_BHSE, v_BHSV = mla.equal_head_dims(q_BHTE, k_BHSE, v_BHSV)
+    off, cu = shard.start - ks, shard.local.host
+    first = cu[1]
+    outs = []
+    if off:
+        mask = causal_lower_right(first, off + first)
+        outs.append(F.scaled_dot_product_attention(q_BHTE[:, :, :first], k_BHSE[:, :, :off + first],
+                                                   v_BHSV[:, :, :off + first], attn_mask=mask,
+                                                   scale=mla.softmax_scale))
+        rest = [c - first for c in cu[1:]]
+        q_BHTE, k_BHSE, v_BHSV = q_BHTE[:, :, first:], k_BHSE[:, :, off + first:], v_BHSV[:, :, off + first:]
+    else:
+        rest = list(cu)
+    if len(rest) > 1:
+        if len(rest) == 2:
+            outs.append(F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, is_causal=True,
+                                                       scale=mla.softmax_scale))
+        else:
+            outs.append(packed_causal_sdpa(q_BHTE, k_BHSE, v_BHSV, tuple(rest), scale=mla.softmax_scale))
+    o_BHTX = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    assert o_BHTX.shape[2] == T
+    return o_BHTX[..., :V].transpose(1, 2)
+
+
+def _attend_ulysses(mla: Any, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
+                   k_pe_BTP: torch.Tensor, shard: RowShard) -> torch.Tensor:
+    """A split row through DeepSpeed's Ulysses (`deepspeed.sequence.layer.DistributedAttention`): this rank's
+    q, k, v (decompressed here) go all-to-all from tokens to heads, each rank attends H / N heads over the
+    whole row, and the output goes back. Sends H * (2E + V) values per token each way against the latent
+    gather's R + P (kept for comparison: `bench/sp_mla.py`)."""
+    from deepspeed.sequence.layer import DistributedAttention  # lazy: deepspeed
+
+    H, V = mla.num_heads, mla.v_head_dim
+    if H % shard.size:
+        raise mla._err(f"Ulysses splits the {H} heads over {shard.size} ranks: they must divide")
+    pos_1T = shard.local.positions[None]
+    k_BHTE, v_BHTV = mla.decompressed_kv(c_kv_BTR, k_pe_BTP, mla.rotary_emb(pos_1T, q_pe_BTHP.dtype))
+    q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
+    q_BHTE, k_BHTE, v_BHTV = mla.equal_head_dims(q_BHTE, k_BHTE, v_BHTV)
+    full = shard.full
+
+    def local(q_BThE: torch.Tensor, k_BThE: torch.Tensor, v_BThE: torch.Tensor, *_: object) -> torch.Tensor:
+        q, k, v = (x.transpose(1, 2) for x in (q_BThE, k_BThE, v_BThE))
+        if len(full) == 2:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=mla.softmax_scale)
+        else:
+            o = packed_causal_sdpa(q, k, v, full, scale=mla.softmax_scale)
+        return o.transpose(1, 2)
+
+    attn = DistributedAttention(local, shard.group, scatter_idx=2, gather_idx=1)
+    o_BTHX = attn(*(x.transpose(1, 2) for x in (q_BHTE, k_BHTE, v_BHTV)), batch_dim_idx=0)
+    return o_BTHX[..., :V]
 
 
 def gather(x: torch.Tensor, shard: RowShard) -> torch.Tensor:

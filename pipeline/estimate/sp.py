@@ -200,7 +200,7 @@ def extra_memory(hc: Any, T: int, N: int, b: int, checkpointing: bool,
     if d.n_mla and mla_layer_bytes is not None:
         out[MLA_MEASURED] = mla_layer_bytes * (1 if checkpointing else d.n_mla)
     elif d.n_mla:
-        # per earlier key (`MLAttention._decompressed_kv`): the gathered latent + k_pe, the roped k_pe, kv_b_proj's
+        # per earlier key (`MLAttention.decompressed_kv`): the gathered latent + k_pe, the roped k_pe, kv_b_proj's
         # output, its nope keys and values repeated to every query head when kv_b_proj has fewer heads, the keys
         # [H, Nn + P]; the backward holds a gradient of each
         repeat = d.H * (d.nope + d.v) if d.G != d.H else 0

@@ -11,12 +11,8 @@ import pytest
 import torch
 
 from hylo.kernels.varlen import DocBounds
-from hylo.layers.gdn import GatedDeltaNet
-from hylo.layers.mla import MLAInputError
-from hylo.modeling import HyLoForCausalLM
 from hylo.seq_parallel import passes_through, shard_range, shard_row
 
-from tests.helpers.models import tiny_student
 from tests.helpers.sp_group import run_ranks
 
 # rows of 48 tokens whose documents cross the splits at 2 and 4 ranks (12 tokens a rank at 4): a rank inside one
@@ -150,6 +146,13 @@ def test_a_shard_is_its_own_argument_and_what_it_is_given_must_fit_it():
     """The shard rides beside cu_seqlens (never inside it): a forward given a shard checks that its tokens, its
     batch and the boundaries it was given are the shard's, in every layer kind and at the model, before any
     collective runs (no process group here: a mismatch is refused first)."""
+    # lazy: the spawned ranks import this module before they set TRITON_INTERPRET (fla reads it at import)
+    from hylo.layers.gdn import GatedDeltaNet
+    from hylo.layers.mla import MLAInputError
+    from hylo.modeling import HyLoForCausalLM
+
+    from tests.helpers.models import tiny_student
+
 
     b = DocBounds.from_host([0, 5, 30, 31, 48], 48, "cpu")
     s = shard_row(b, 2, 4)
