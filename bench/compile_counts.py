@@ -31,6 +31,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hylo.atomic import atomic_write  # noqa: E402
+
 # per kernel: at most this many compilations (autotune runs) over the scenario, none first needed in phase LATER
 # or after (decode: the prefill and the first single-token step may compile; the other steps must not; rows: a
 # kernel's forward and backward variants compile for the first row, no later row compiles or tunes again)
@@ -174,8 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     report = measure(args)
     if args.json:
-        from hylo.files import atomic_write
-
         atomic_write(Path(args.json), json.dumps(report, indent=1, default=str))
     return 1 if any(c["over_bound"] for c in report["cases"].values()) else 0
 

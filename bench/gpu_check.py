@@ -67,6 +67,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hylo.atomic import atomic_write  # noqa: E402
+from hylo.outputs import check_output_file  # noqa: E402
+from hylo.ownership import record_files  # noqa: E402
+
 CONFIG_1B = REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml"
 GIB = 1 << 30
 # The paper's figures for its 1B student (4MLA12M2) with an 8B teacher at 64K tokens (per GPU).
@@ -1242,9 +1246,7 @@ def estimate_jobs(args: argparse.Namespace, sh: Shapes, variants: dict[str, list
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Before any case runs: every file the check will write is one this project wrote or a new one
-    (`hylo.files.check_output_file`; `--force` replaces files of the user's), and --out can be written."""
-    from hylo.files import check_output_file
-
+    (`hylo.outputs.check_output_file`; `--force` replaces files of the user's), and --out can be written."""
     out = Path(args.out)
     paths = [out / name for name in REPORT_FILES]
     if isolated(args):
@@ -1368,8 +1370,6 @@ def estimate_worker(args: argparse.Namespace, sh: Shapes, device: Any) -> int:
     job from the I-th, the key sizes first), each written to OUT/part_I.json as soon as it is made."""
     import torch
 
-    from hylo.files import atomic_write, record_files
-
     torch.set_num_threads(1)
     i, n = (int(x) for x in args.estimate_worker.split("/"))
     variants = {e: step_variants(device, e, args.bypass_fla_hopper_guard)[0] for e in ("plain", "deepspeed")}
@@ -1431,7 +1431,6 @@ def run_isolated(args: argparse.Namespace) -> int:
     figures its partial report had on disk."""
     import subprocess
 
-    from hylo.files import atomic_write, record_files
     from hylo.stopping import end_process, make_dir, popen
 
     out_dir = make_dir(args.out)
@@ -1529,8 +1528,6 @@ def bypass_fla_hopper_guard() -> bool:
 
 
 def write(out_dir: Path, report: dict[str, Any]) -> None:
-    from hylo.files import atomic_write, record_files
-
     atomic_write(out_dir / "gpu_check.json", json.dumps(report, indent=1, default=json_value, allow_nan=True) + "\n")
     atomic_write(out_dir / "gpu_check.md", markdown(report))
     # recorded as ours: a later run may replace them (check_outputs)

@@ -50,7 +50,8 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from hylo.files import atomic_write, file_lock, honour_umask, remove_path, replace_dir
+from hylo.atomic import atomic_write, honour_umask, remove_path, replace_dir
+from hylo.locks import file_lock
 from hylo.stopping import popen, track_temp
 
 MARKER = ".complete.json"
@@ -204,7 +205,7 @@ def asset_name(spec: str | os.PathLike) -> str | None:
 def local_path(spec: str | os.PathLike) -> Path | None:
     """The local path `spec` names by `asset_name`'s rule, without fetching anything (an asset's directory in the
     cache); None for a URI or prefix (`hub:NAME`, `s3://...`). For checks on paths, e.g. that an output is not
-    an input (`hylo.files.check_not_an_input`)."""
+    an input (`hylo.outputs.check_not_an_input`)."""
     name = asset_name(spec)
     if name is not None:
         return asset_dir(name)

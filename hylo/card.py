@@ -37,7 +37,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hylo.files import atomic_write, loads_json
+from hylo.atomic import atomic_write
+from hylo.json_files import loads_json
 
 CARD_JSON = "hylo_card.json"
 CARD_MD = "README.md"

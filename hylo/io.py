@@ -15,8 +15,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hylo.atomic import atomic_write
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfigError
-from hylo.files import atomic_dir, atomic_write, copy_tokenizer_files, read_json
+from hylo.json_files import read_json
+from hylo.outputs import atomic_dir
+from hylo.tokenizer_files import copy_tokenizer_files
+from hylo.weight_files import WeightsFileError, check_weights_dir
 
 
 class CheckpointMismatchError(ValueError):
@@ -114,7 +118,6 @@ def load_hylo(path: str | Path, dtype=None, device: str | None = None):
     from safetensors import SafetensorError
 
     from hylo.config import HybridConfig
-    from hylo.files import WeightsFileError, check_weights_dir
     from hylo.modeling import HyLoForCausalLM
 
     p = Path(path)

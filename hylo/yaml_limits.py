@@ -1,5 +1,5 @@
 """Bounds on the shape of a YAML document, checked on its parse events before anything is built from it
-(a JSON file's depth is bounded the same, `hylo.files.loads_json`).
+(a JSON file's depth is bounded the same, `hylo.json_files.loads_json`).
 
 YAML aliases let a few hundred bytes stand for billions of nodes (nine anchors of nine aliases each: the
 "billion laughs"), an alias inside its own anchor makes a cycle, and a deeply nested document overflows

@@ -23,7 +23,8 @@ from pathlib import Path
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.files import output_target, recorded_entries, stale_leftovers, sweep_stale
+from hylo.leftovers import stale_leftovers, sweep_stale
+from hylo.ownership import output_target, recorded_entries
 from hylo.pipeline.cli import job_main
 
 

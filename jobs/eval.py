@@ -36,6 +36,7 @@ from hylo.pipeline.cli import (
 )
 from hylo.pipeline.config import add_config_args, load_config, maybe_print_config
 from hylo.pipeline.paths import resolve_paths
+from hylo.weight_files import check_weights_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +85,6 @@ def overrides_from_flags(args: argparse.Namespace) -> list[str]:
 
 def check_model_files(cfg) -> None:
     """Name a truncated weights file of any model the run loads before loading anything."""
-    from hylo.files import check_weights_dir
     from hylo.pipeline.eval.decode import resolve_path
 
     for spec in (cfg.models.path, cfg.models.teacher, cfg.models.base):

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hylo.files import atomic_write
+from hylo.atomic import atomic_write
 from hylo.pipeline.cli import MAX_COUNT, bounded_int, int_list
 from hylo.pipeline.config import at_least, config_from_args, each, rules, shipped_config
 from hylo.pipeline.runner import (

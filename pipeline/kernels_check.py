@@ -54,6 +54,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hylo.atomic import atomic_write
+from hylo.outputs import check_output_file
+from hylo.ownership import record_files
 from hylo.pipeline.cli import BadArgument
 from hylo.stopping import make_dir, popen, track_temp
 
@@ -452,8 +455,6 @@ REPORT_FILES = ("kernels_check.json", "kernels_check.md")
 
 
 def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[str]], meta: dict[str, Any]) -> list[str]:
-    from hylo.files import atomic_write, record_files
-
     bad = verdicts(results)
     records = [r for res in results.values() for r in res.get("records", [])]
     totals = compile_totals(results)
@@ -477,7 +478,7 @@ def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[s
     md += (["Problems:", ""] + [f"* {b}" for b in bad]) if bad else ["Every launch site has a configuration that "
                                                                      "compiles and fits on every target."]
     atomic_write(out_dir / "kernels_check.md", "\n".join(md) + "\n")
-    # recorded as ours: a later run may replace them (hylo.files.check_output_file)
+    # recorded as ours: a later run may replace them (hylo.outputs.check_output_file)
     record_files(out_dir, REPORT_FILES)
     return bad
 
@@ -573,7 +574,6 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     check_sequence_parallel(sp, args.tokens, "--sequence-parallel" if args.sequence_parallel
                             else "train.sequence_parallel")
     # before the work: neither report is the config it reads nor a file of the user's, and --out can be written
-    from hylo.files import check_output_file
     from hylo.pipeline.config import config_file
 
     for report in REPORT_FILES:

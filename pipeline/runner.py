@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import hylo
-from hylo.files import atomic_write, check_not_an_input, check_own_directory, record_files
+from hylo.atomic import atomic_write
+from hylo.outputs import check_not_an_input
+from hylo.ownership import check_own_directory, record_files
 from hylo.pipeline.config import PATH, add_config_args, rules
 from hylo.pipeline.job_output import JobEcho, known_noise
 from hylo.pipeline.ray_init import RayInitSection, gcs_address, init_ray

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfig
-from hylo.files import atomic_dir, copy_tokenizer_files
+from hylo.outputs import atomic_dir
 from hylo.released.layout import (
     BASE_TYPES,
     FLA_GDN_DEFAULTS,
@@ -37,6 +37,7 @@ from hylo.released_facts import (
     MAMBA2_ARGS,
     MAMBA_GATED_NORM_EPS,
 )
+from hylo.tokenizer_files import copy_tokenizer_files
 
 
 def _kv_b_for_export(w: torch.Tensor, hcfg: HybridConfig) -> tuple[torch.Tensor, bool]:

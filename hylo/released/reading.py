@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfig, HybridConfigError
-from hylo.files import confined_paths
+from hylo.manifest_paths import confined_paths
 from hylo.model_files import check_finite_tensors, check_layer_indices, check_model_config
 from hylo.released.layout import (
     AMD_DEFAULTS,

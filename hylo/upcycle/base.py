@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hylo.files import read_json
+from hylo.json_files import read_json
 from hylo.model_files import check_model_config
 from hylo.upcycle.options import SUPPORTED_BASE_TYPES, UpcycleError
 

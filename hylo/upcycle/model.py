@@ -40,6 +40,7 @@ from hylo.upcycle.options import (
     hybrid_config_from_base,
     make_options,
 )
+from hylo.weight_files import check_weights_dir
 
 
 def _mixer_weights(attn: nn.Module, dst: nn.Module, hcfg: Any) -> dict[str, torch.Tensor]:
@@ -181,7 +182,6 @@ def convert(base: str | Path, options: ConvertConfig | None = None, *, calibrati
     tokenised with the base's tokenizer (a base without one is an UpcycleError saying how to skip it).
     """
     from hylo.assets import resolve_path_or_asset
-    from hylo.files import check_weights_dir
 
     opts = make_options(options, **overrides)
     if calibration_ids is not None and not opts.calibrate:

@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hylo.files import check_not_an_input, check_replaceable
+from hylo.outputs import check_not_an_input
+from hylo.ownership import check_replaceable
 from hylo.pipeline.convert.config import ConvertJobConfig
 from hylo.upcycle.config import UpcycleError
 

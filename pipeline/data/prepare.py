@@ -3,7 +3,7 @@ shards, manifest, rejects and report, built beside the output directory and swap
 
 Design choices:
 * Everything that can be checked before Ray starts is (output directory, sources, tokenizer,
-  benchmarks); a failure at any point leaves the previous dataset untouched (`hylo.files.atomic_dir`).
+  benchmarks); a failure at any point leaves the previous dataset untouched (`hylo.outputs.atomic_dir`).
 * Nothing is lost silently: every record read but not packed is in rejects.jsonl (read and render
   stages, with reasons) or removed.jsonl (decontamination), and counted in the report.
 * The manifest's `max_len` is `packing.max_len`: the one length of the rows, which training takes from it.
@@ -18,7 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hylo.files import atomic_dir, atomic_write, check_not_an_input, foreign_entries, sweep_stale
+from hylo.atomic import atomic_write
+from hylo.leftovers import sweep_stale
+from hylo.outputs import atomic_dir, check_not_an_input
+from hylo.ownership import foreign_entries
 from hylo.pipeline.data.packing import BestFitPacker, Document
 from hylo.pipeline.data.render import ChatRenderer
 from hylo.pipeline.data.report import report_markdown
@@ -82,7 +85,7 @@ def _check_output(out: Path, overwrite: bool) -> None:
     """Refuse to clobber: an existing dataset needs overwrite, a foreign directory is never replaced.
 
     Also removes what a killed run left beside `out` and puts back a dataset a crash between the two renames
-    of a swap left aside (`hylo.files.sweep_stale`: only what provably is ours).
+    of a swap left aside (`hylo.leftovers.sweep_stale`: only what provably is ours).
     """
     sweep_stale(out)
     if not out.exists():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from hylo.outputs import check_output_file
 from hylo.pipeline.cli import MAX_WORLD_SIZE, bounded_int
 from hylo.pipeline.config import add_config_args, maybe_print_config, read_config_file
 
@@ -50,7 +51,6 @@ def estimate_args(argv: list[str] | None, description: str | None = None) -> tup
     args = build_parser(description).parse_args(argv)
     if args.json and not getattr(args, "print_config", False):
         # before the work: --json is not the config it reads, nor a file of the user's, and can be written
-        from hylo.files import check_output_file
         from hylo.pipeline.config import config_file
 
         check_output_file(args.json, "--json", [("--config", config_file(args.config) if args.config else None)],

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from hylo.files import WRITTEN_BY
+from hylo.atomic import atomic_write
+from hylo.ownership import WRITTEN_BY
 from hylo.pipeline.estimate.args import estimate_args
 from hylo.pipeline.estimate.report import format_table
 from hylo.pipeline.estimate.shapes import Shapes, shapes_of
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
             for i, T in enumerate(tokens, 1)]
     print(describe(cfg, shapes, W, dtype, args.config)
           + (f"\nsequence parallel: each row split by tokens over N = {N} GPUs ({W // N} group{'s' if W // N > 1 else ''})" if N > 1 else ""))
-    # "written_by": the file says it is ours, so a later run may replace it (hylo.files.is_own_file)
+    # "written_by": the file says it is ours, so a later run may replace it (hylo.ownership.is_own_file)
     out: dict[str, Any] = {"written_by": WRITTEN_BY, "config": args.config, "stage": args.stage, "world_size": W,
                            "sequence_parallel": N, "estimates": [e.to_dict() for e in ests]}
     if N > 1:
@@ -122,7 +123,5 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
               "fused kernel; the communication is ANALYTIC, from the layers' shapes (checked against the "
               "collectives of one split layer of each kind in tests/train/test_estimate_sp.py).")
     if args.json:
-        from hylo.files import atomic_write
-
         atomic_write(Path(args.json), json.dumps(out, indent=1, default=str) + "\n")
     return 0

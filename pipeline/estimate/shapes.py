@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hylo.json_files import read_json
 from hylo.pipeline.estimate.fake import build_model, fake_tensors
 from hylo.pipeline.train.config import Stage1Config, Stage2Config, StageConfig
 
@@ -49,7 +50,6 @@ def model_config(path: str, what: str):
 
     p = Path(str(path)).expanduser()
     if asset_name(path) is not None or (p / "config.json").is_file():
-        from hylo.files import read_json
         from hylo.model_files import ModelFileError, check_model_config
 
         d = resolve_path_or_asset(path, what, directory=True)

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hylo.json_files import read_json
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -93,8 +95,6 @@ def load_model(spec: str | Path, dtype: str = "float32", device: str = "auto") -
 
 
 def _model_type(config_json: Path) -> str | None:
-    from hylo.files import read_json
-
     try:
         return read_json(config_json, ValueError).get("model_type")
     except (OSError, ValueError, AttributeError):

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hylo.files import atomic_path
+from hylo.atomic import atomic_path
 from hylo.kernels.backend import forced_mode
 from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div
 from hylo.pipeline.data.reader import ParquetRows, RowReader

@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from hylo.files import atomic_write, check_not_an_input, check_own_files, record_files
+from hylo.atomic import atomic_write
+from hylo.outputs import check_not_an_input
+from hylo.ownership import check_own_files, record_files
 from hylo.pipeline.config import config_hash, to_dict
 from hylo.pipeline.eval.config import EvalConfig
 from hylo.pipeline.eval.decode import EvalError, is_hylo, load_model, load_tokenizer

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hylo.files import atomic_write
+from hylo.atomic import atomic_write
 from hylo.pipeline import runner
 from hylo.pipeline.config import PATH, ROW_TOKENS, at_least, config_file, each, one_of, rules
 from hylo.pipeline.placement.proxy import PROXIES, proxy_scores

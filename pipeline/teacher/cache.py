@@ -30,7 +30,7 @@ Design choices:
 * A token range of a row (a sequence-parallel rank's tokens) reads the row's row group and decompresses its
   values whole (each tensor is one binary value: the file holds no slice of it), then converts only the
   range's bytes into tensors (`TopKCacheReader._read`).
-* The manifest names only files of the cache's own `shards/`, each once (`hylo.files.confined_paths`, when it
+* The manifest names only files of the cache's own `shards/`, each once (`hylo.manifest_paths.confined_paths`, when it
   is read): a shard name with `..`, or a shard that is a link out of the cache, is refused before any read.
 * Row ids are the data's `row_id` column when present, else a content hash of the row
   (`hylo.pipeline.data.rows.PackedRow.row_id`), so `get_for_row(row)` also proves the row is the same data.
@@ -50,19 +50,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from hylo.files import (
-    OUTPUT_RECORD,
-    atomic_path,
-    atomic_write,
-    check_not_an_input,
-    check_replaceable,
-    confined_paths,
-    output_target,
-    read_json,
-    record_files,
-    sweep_temp_files,
-)
+from hylo.atomic import atomic_path, atomic_write
+from hylo.json_files import read_json
 from hylo.kernels.fused_kl.topk import TeacherTopK
+from hylo.leftovers import sweep_temp_files
+from hylo.manifest_paths import confined_paths
+from hylo.outputs import check_not_an_input
+from hylo.ownership import OUTPUT_RECORD, check_replaceable, output_target, record_files
 from hylo.pipeline.data.reader import ParquetRows, RowReader
 from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, damage, open_parquet
 from hylo.pipeline.data.rows import PackedRow
@@ -297,7 +291,7 @@ def _legacy_cache_entries(out: Path) -> set[str]:
 
 def sweep_cache_leftovers(out: str | Path, plan: Sequence[ShardPlan] | None = None) -> list[Path]:
     """Remove what killed writers left in cache `out` (a shard, the manifest or the record half written under
-    its temporary name, `hylo.files.sweep_temp_files`: only those, of a process that is gone); `plan`: the
+    its temporary name, `hylo.leftovers.sweep_temp_files`: only those, of a process that is gone); `plan`: the
     shards, default the manifest's. Run by every run of the cache, and by `hylo clean OUT`."""
     out = Path(out)
     if plan is None:
@@ -313,7 +307,7 @@ def sweep_cache_leftovers(out: str | Path, plan: Sequence[ShardPlan] | None = No
 
 def check_cache_output(cfg: Any) -> None:
     """Before any work: `out` is not the data, the teacher or its tokenizer, nor inside or around one of them
-    (`hylo.files.check_not_an_input`), and, when it exists, holds only what a cache run wrote there (its
+    (`hylo.outputs.check_not_an_input`), and, when it exists, holds only what a cache run wrote there (its
     `.hylo-output.json`, or the manifest of a cache written before it): a rerun resumes its own cache, it never
     writes into a directory of the user's."""
     model = cfg.teacher.model

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hylo.files import read_json
+from hylo.json_files import read_json
 from hylo.kernels.fused_kl.topk import TeacherTopK, topk_from_logits
 from hylo.model_files import ModelFileError, check_finite_tensors, check_model_config
 from hylo.pipeline.data.rows import PackedRow

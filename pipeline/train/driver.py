@@ -59,6 +59,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hylo.outputs import check_not_an_input
+from hylo.ownership import check_own_directory, check_replaceable, record_files
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.ray_init import init_ray, torch_extensions_dir
@@ -136,10 +138,9 @@ def reset_ray_snapshot(run: Loc) -> str | None:
 
 def check_outputs(cfg: StageConfig) -> None:
     """Before Ray starts: the directories the run will replace (`<run>/model` at the end, with
-    checkpoint.consolidate) hold nothing this project did not write (hylo.files.check_replaceable), so a
+    checkpoint.consolidate) hold nothing this project did not write (hylo.ownership.check_replaceable), so a
     user's file there stops the run now, not after the training."""
     from hylo.assets import local_path
-    from hylo.files import check_not_an_input, check_replaceable
     from hylo.pipeline.train.storage import is_uri
 
     run = run_loc(cfg)
@@ -159,12 +160,11 @@ RUN_MARKERS = ("run.lock", "config_stage1.json", "config_stage2.json")
 
 def check_run_output(cfg: StageConfig) -> None:
     """Before the run directory is made or locked: it is no input of the run (model.student, model.base,
-    data.path, teacher.cache_path, teacher.model.path; nor inside or around one: hylo.files.check_not_an_input),
+    data.path, teacher.cache_path, teacher.model.path; nor inside or around one: hylo.outputs.check_not_an_input),
     and, when it exists, it is a run directory of this project (its .hylo-output.json, or a lock, config or checkpoint
     of a run from before the record) or empty: checkpoints are never written into a directory of the user's. The
     run's own conversion (<run>/converted, stage 1 without model.student) is its output, not a conflict."""
     from hylo.assets import local_path
-    from hylo.files import check_not_an_input, check_own_directory
     from hylo.pipeline.train.storage import is_uri
 
     run = run_loc(cfg)
@@ -186,8 +186,6 @@ def check_run_output(cfg: StageConfig) -> None:
 def claim_run_dir(cfg: StageConfig) -> None:
     """Record the (local) run directory as this project's (.hylo-output.json), so that a later run or resume
     of it passes `check_run_output`."""
-    from hylo.files import record_files
-
     run = run_loc(cfg)
     if run.is_local:
         record_files(run.local(), [RUN_MARKERS[0], f"config_stage{cfg.stage}.json"])

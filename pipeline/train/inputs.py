@@ -24,14 +24,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hylo.json_files import read_json
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.teacher.sources import TeacherSourceKind, source_kind
 from hylo.pipeline.train.config import StageConfig
+from hylo.weight_files import check_weights_dir
 
 
 def _weights(directory: str | Path) -> None:
-    from hylo.files import check_weights_dir
-
     check_weights_dir(directory)
 
 
@@ -175,8 +175,6 @@ def _data_fits_the_student(cfg: StageConfig, source: Any) -> None:
 
 
 def _model_config(key: str, directory: Path) -> dict[str, Any]:
-    from hylo.files import read_json
-
     try:
         return read_json(directory / "config.json", ConfigError, mapping=True)
     except FileNotFoundError:
@@ -191,8 +189,6 @@ def _tokens(directory: Path) -> dict[int, str] | None:
     tj = directory / "tokenizer.json"
     if not tj.is_file():
         return None
-    from hylo.files import read_json
-
     try:
         data = read_json(tj, ValueError)
     except (OSError, ValueError) as e:
@@ -205,8 +201,6 @@ def _has_chat_template(directory: Path) -> bool:
         return True
     tc = directory / "tokenizer_config.json"
     try:
-        from hylo.files import read_json
-
         return bool(read_json(tc, ValueError).get("chat_template")) if tc.is_file() else False
     except (OSError, ValueError, AttributeError):
         return False

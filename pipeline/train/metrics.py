@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hylo.files import atomic_write
+from hylo.atomic import atomic_write
 from hylo.pipeline.train.storage import Loc
 from hylo.pipeline.train.trackers import RunTrackers
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from hylo.files import atomic_write
+from hylo.atomic import atomic_write
 
 URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # Set by Ray's job supervisor for the entry point of `ray job submit` (runtime env + job metadata).

@@ -389,7 +389,7 @@ def test_every_job_hands_its_work_absolute_paths(name, tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.import_module(module), fn, stand_in)
     if name == "teacher-cache":  # it checks the teacher's weight files before its work
         monkeypatch.setattr("hylo.pipeline.teacher.model.resolve_model_path", lambda path: path)
-        monkeypatch.setattr("hylo.files.check_weights_dir", lambda path: None)
+        monkeypatch.setattr("hylo.pipeline.teacher.sources.base.check_weights_dir", lambda path: None)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(_Stop):
         from hylo.pipeline.cli import hylo_main

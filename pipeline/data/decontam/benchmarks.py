@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hylo.files import atomic_path, check_own_files, record_files
+from hylo.atomic import atomic_path
+from hylo.ownership import check_own_files, record_files
 from hylo.pipeline.data.config import BenchmarkSpec, SourceSpec
 from hylo.pipeline.data.normalize import normalize_words
 from hylo.pipeline.data.readers import iter_raw

@@ -10,14 +10,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hylo.files import (
-    atomic_dir,
-    atomic_path,
-    atomic_write,
-    check_not_an_input,
-    check_replaceable,
-    output_target,
-)
+from hylo.atomic import atomic_path, atomic_write
+from hylo.outputs import atomic_dir, check_not_an_input
+from hylo.ownership import check_replaceable, output_target
 from hylo.pipeline.data.config import DecontamJobConfig
 from hylo.pipeline.data.decontam.cut import cut_record
 from hylo.pipeline.data.decontam.decide import decide
@@ -74,7 +69,7 @@ def _legacy_entries(out: str | Path) -> set[str]:
 
 def check_output(cfg: DecontamJobConfig) -> None:
     """Before any work: `out` is no input (an --input or --benchmark file, nor inside or around one:
-    `hylo.files.check_not_an_input`) and, when it exists, holds only what this job wrote there (its record
+    `hylo.outputs.check_not_an_input`) and, when it exists, holds only what this job wrote there (its record
     `.hylo-output.json`): the job replaces its own previous output, never a directory of the user's."""
     inputs = [(f"--input {s.name}", s.path) for s in cfg.inputs]
     inputs += [(f"--benchmark {b.name}", b.path) for b in cfg.benchmarks if b.path and not b.path.startswith("hub:")]
@@ -84,7 +79,7 @@ def check_output(cfg: DecontamJobConfig) -> None:
 
 def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = None) -> dict[str, Any]:
     """Run the whole job; returns the summary (also written to `<out>/summary.json`). The output directory is
-    built beside `out` and swapped in when complete (`hylo.files.atomic_dir`): a failed or killed run leaves
+    built beside `out` and swapped in when complete (`hylo.outputs.atomic_dir`): a failed or killed run leaves
     the previous output as it was (a killed run's staging directory is removed by the next run, or by
     `hylo clean OUT`)."""
     if not cfg.inputs:

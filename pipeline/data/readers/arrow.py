@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hylo.files import read_json
+from hylo.json_files import read_json
 from hylo.pipeline.data.config import SourceError, SourceSpec
 from hylo.pipeline.data.readers.raw import RawItem
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from hylo.pipeline.teacher.config import SourceSection
+from hylo.weight_files import check_weights_dir
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,6 @@ def check_model_weights(model_cfg: Any) -> None:
     every replica or worker after Ray started. It reads the teacher once (an 8B teacher in bf16: 16 GB, at
     the disk's speed: 512 MiB of bf16, page-cached, took 0.11-0.17 s on one loaded core), small against a
     stage-2 run."""
-    from hylo.files import check_weights_dir
     from hylo.model_files import check_finite_weights
     from hylo.pipeline.teacher.model import resolve_model_path
 
