@@ -47,7 +47,8 @@ from hylo.kernels.varlen import DocBounds, positions_from_cu_seqlens
 
 
 class RowShard(NamedTuple):
-    """One rank's tokens [start, end) of a packed row of `total` tokens split over a group of `size` ranks.
+    """One rank's tokens [start, end) of a packed row of `total` tokens split over a group of
+    `sequence_parallel` ranks (the setting `train.sequence_parallel`).
 
     `local` holds the shard's boundaries (the row's clipped to the shard, 0-based) and, as its
     `positions`, the in-document positions of the UNSPLIT row for these tokens (RoPE and the conv masks
@@ -59,7 +60,7 @@ class RowShard(NamedTuple):
     end: int
     total: int
     rank: int
-    size: int
+    sequence_parallel: int
     group: Any
     full: tuple[int, ...]
     # how MLA layers see the rest of the row: "latent" (gather R + P per token) or "ulysses" (DeepSpeed's
@@ -81,31 +82,31 @@ def continues(full: tuple[int, ...], i: int) -> bool:
     return i > 0 and i not in full
 
 
-def shard_range(T: int, rank: int, size: int) -> tuple[int, int]:
-    """[start, end) of rank `rank` of `size` in an equal contiguous split of T tokens."""
-    if size < 1 or not 0 <= rank < size:
-        raise ValueError(f"sequence parallelism: rank {rank} of a group of {size}")
-    if T % size:
-        raise ValueError(f"sequence parallelism: a row of {T} tokens does not split into {size} equal parts "
+def shard_range(T: int, rank: int, sequence_parallel: int) -> tuple[int, int]:
+    """[start, end) of rank `rank` of `sequence_parallel` in an equal contiguous split of T tokens."""
+    if sequence_parallel < 1 or not 0 <= rank < sequence_parallel:
+        raise ValueError(f"sequence parallelism: rank {rank} of a group of {sequence_parallel}")
+    if T % sequence_parallel:
+        raise ValueError(f"sequence parallelism: a row of {T} tokens does not split into {sequence_parallel} equal parts "
                          f"(data.seq_len must be a multiple of train.sequence_parallel)")
-    t = T // size
+    t = T // sequence_parallel
     return rank * t, (rank + 1) * t
 
 
 MLA_MODES = ("latent", "ulysses")
 
 
-def shard_row(bounds: DocBounds, rank: int, size: int, group: Any = None, mla: str = "latent") -> RowShard:
-    """The shard of rank `rank` (of `size`) of the unsplit row with boundaries `bounds`."""
+def shard_row(bounds: DocBounds, rank: int, sequence_parallel: int, group: Any = None, mla: str = "latent") -> RowShard:
+    """The shard of rank `rank` (of `sequence_parallel`) of the unsplit row with boundaries `bounds`."""
     if mla not in MLA_MODES:
         raise ValueError(f"sequence parallelism: MLA mode {mla!r} is not one of {', '.join(MLA_MODES)}")
     full = tuple(int(b) for b in bounds.host)
     T = full[-1]
-    start, end = shard_range(T, rank, size)
+    start, end = shard_range(T, rank, sequence_parallel)
     cut = sorted({0, end - start, *(b - start for b in full if start < b < end)})
     device = bounds.positions.device
     local = DocBounds(torch.tensor(cut, dtype=torch.int32, device=device), tuple(cut), bounds.positions[start:end])
-    return RowShard(local, start, end, T, rank, size, group, full, mla)
+    return RowShard(local, start, end, T, rank, sequence_parallel, group, full, mla)
 
 
 def shard_bounds(shard: RowShard, B: int, T: int, cu_seqlens: Any, cache: Any,
@@ -214,8 +215,8 @@ def _attend_ulysses(mla: Any, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor
     from deepspeed.sequence.layer import DistributedAttention  # lazy: deepspeed
 
     H, V = mla.num_heads, mla.v_head_dim
-    if H % shard.size:
-        raise mla._err(f"Ulysses splits the {H} heads over {shard.size} ranks: they must divide")
+    if H % shard.sequence_parallel:
+        raise mla._err(f"Ulysses splits the {H} heads over {shard.sequence_parallel} ranks: they must divide")
     pos_1T = shard.local.positions[None]
     k_BHTE, v_BHTV = mla.decompressed_kv(c_kv_BTR, k_pe_BTP, mla.rotary_emb(pos_1T, q_pe_BTHP.dtype))
     q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
@@ -283,7 +284,7 @@ def pass_states(shard: RowShard, final_S: torch.Tensor, transition: torch.Tensor
     `passes_through` holds for this rank (else None); `apply(transition, state)` applies it. One
     all-gather of [final state | transition] (flattened; zeros where a rank has no transition) per layer,
     none when no document crosses a split."""
-    N, t = shard.size, shard.end - shard.start
+    N, t = shard.sequence_parallel, shard.end - shard.start
     through = [passes_through(shard.full, r * t, (r + 1) * t) for r in range(N)]
     if not any(continues(shard.full, r * t) for r in range(N)):
         return None, None

@@ -18,20 +18,20 @@ def fused_attention() -> Iterator[None]:
     """SDPA as a GPU's fused kernel holds memory: the split MLA attention's `causal_lower_right` bias (which
     cannot be built on fake tensors, and sends CPU tensors to the math kernel's materialised scores) is dropped;
     the mask changes values, not buffers."""
+    import torch.nn.attention.bias as masks
     import torch.nn.functional as F
 
-    import hylo.layers.mla as mla
-
-    sdpa, bias = F.scaled_dot_product_attention, mla.causal_lower_right
+    sdpa, bias = F.scaled_dot_product_attention, masks.causal_lower_right
 
     def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
         return sdpa(q, k, v, scale=scale)
 
-    F.scaled_dot_product_attention, mla.causal_lower_right = fused, lambda *a: None
+    # hylo.seq_parallel.attend_shard imports the bias where it runs: patched in torch's module
+    F.scaled_dot_product_attention, masks.causal_lower_right = fused, lambda *a: None
     try:
         yield
     finally:
-        F.scaled_dot_product_attention, mla.causal_lower_right = sdpa, bias
+        F.scaled_dot_product_attention, masks.causal_lower_right = sdpa, bias
 
 
 @contextlib.contextmanager
