@@ -10,7 +10,8 @@ import argparse
 from typing import TYPE_CHECKING
 
 from hylo.pipeline.cli import MAX_WORLD_SIZE, bounded_int
-from hylo.pipeline.config import add_config_args, maybe_print_config, read_config_file
+from hylo.pipeline.config import add_config_args, config_file, maybe_print_config, read_config_file
+from hylo.pipeline.train.config import load_stage_config
 
 if TYPE_CHECKING:
     from hylo.pipeline.train.config import StageConfig
@@ -51,11 +52,9 @@ def estimate_args(argv: list[str] | None, description: str | None = None) -> tup
     if args.json and not getattr(args, "print_config", False):
         # before the work: --json is not the config it reads, nor a file of the user's, and can be written
         from hylo.files import check_output_file
-        from hylo.pipeline.config import config_file
 
         check_output_file(args.json, "--json", [("--config", config_file(args.config) if args.config else None)],
                           force=args.force)
-    from hylo.pipeline.train.config import load_stage_config
 
     if args.stage is None:  # a stage's --print-config (and this job's) heads its file with `stage: N`
         named = read_config_file(args.config)[0].get("stage") if args.config else None
