@@ -12,6 +12,7 @@ from hylo.pipeline import runner
 from hylo.pipeline.cli import MAX_COUNT, MAX_CPUS_PER_NODE, bounded_int
 from hylo.pipeline.config import GivenOnce, config_from_args
 from hylo.pipeline.placement.proxy import PROXIES
+from hylo.pipeline.placement.workflow import PlaceLayers
 from hylo.rules import ROW_TOKENS_MAX, SEED_MAX
 
 if TYPE_CHECKING:
@@ -69,8 +70,6 @@ def placement_config(argv: list[str] | None = None) -> PlacementConfig:
 
 
 def run_placement(cfg: PlacementConfig) -> int:
-    from hylo.pipeline.placement.workflow import PlaceLayers
-
     t0 = time.time()
     with PlaceLayers(cfg) as job:
         rc = job.main()
