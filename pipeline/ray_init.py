@@ -38,8 +38,6 @@ Design choices:
 * `ray.init` installs a SIGTERM handler of its own (exit status 15, nothing cleaned up): under the signal
   rule of hylo/stopping.py (the demo, place-layers) the rule's handler is put back right after.
 * The config section is `hylo.pipeline.config.RayInitSection` (training's `ray` section extends it).
-
-This module imports Ray only inside its functions.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from hylo.pipeline import estimate
 from hylo.pipeline.cli import MAX_WORLD_SIZE, bounded_int
 from hylo.pipeline.config import add_config_args, config_file, maybe_print_config, read_config_file
 from hylo.pipeline.train.config import load_stage_config
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     """`description`: the help's text (jobs/estimate.py's docstring; default the package's)."""
     if description is None:
-        from hylo.pipeline.estimate import __doc__ as description
+        description = estimate.__doc__
     ap = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap, example="data.seq_len=32768")
