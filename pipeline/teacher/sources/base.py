@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from hylo.assets import resolve_path_or_asset
-from hylo.model_files import check_finite_weights
 from hylo.pipeline.teacher.config import SourceSection
 
 
@@ -111,6 +109,7 @@ def check_model_weights(model_cfg: Any) -> None:
     the disk's speed: 512 MiB of bf16, page-cached, took 0.11-0.17 s on one loaded core), small against a
     stage-2 run."""
     from hylo.files import check_weights_dir
+    from hylo.model_files import check_finite_weights  # lazy: layering
     from hylo.pipeline.teacher.model import resolve_model_path  # lazy: torch
 
     path = resolve_model_path(model_cfg.path)
@@ -121,6 +120,7 @@ def check_model_weights(model_cfg: Any) -> None:
 def model_files(model_cfg: Any) -> TeacherFiles:
     """What the student is compared with for a source that loads the teacher model: its directory, and its own
     tokenizer when `model.tokenizer` names one."""
+    from hylo.assets import resolve_path_or_asset  # lazy: layering
     from hylo.pipeline.teacher.model import resolve_model_path  # lazy: torch
 
     tok = resolve_path_or_asset(model_cfg.tokenizer, "teacher.model.tokenizer", directory=True) \
