@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{done} {d}" + (f" as {output_target(out)}" if done == "put back" else ""))
         if (output_target(out) / "manifest.json").is_file() and recorded_entries(output_target(out)) is not None:
             # a teacher cache is resumed in place: what a killed writer left is inside it
-            from hylo.pipeline.teacher.cache import sweep_cache_leftovers
+            from hylo.pipeline.teacher.cache import sweep_cache_leftovers  # lazy: torch
 
             for f in sweep_cache_leftovers(output_target(out)):
                 print(f"removed {f}")

@@ -113,7 +113,7 @@ class StepRunner:
     def close(self) -> None:
         """Stop the run's Ray if this runner started it."""
         if self._ray_started:
-            import ray
+            import ray  # lazy: ray
 
             ray.shutdown()
             self._ray_started, self._ray_address = False, None
@@ -216,7 +216,7 @@ def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student:
     A run directory that already holds a complete checkpoint is from an interrupted attempt of this step
     (a finished step is never re-run): the command continues it with `--resume`.
     """
-    from hylo.pipeline.train.checkpoint.layout import latest_checkpoint
+    from hylo.pipeline.train.checkpoint.layout import latest_checkpoint  # lazy: torch
 
     resume = ["--resume"] if latest_checkpoint(Path(storage) / name) is not None else []
     cmd = [*job(f"stage{stage}"), "--config", str(config),

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from hylo.atomic import atomic_path, atomic_write
 from hylo.outputs import atomic_dir, check_not_an_input
 from hylo.ownership import check_replaceable, output_target
@@ -32,8 +34,8 @@ def _write_jsonl(path: Path, rows: Iterable[dict], ensure_ascii: bool = False) -
 
 
 def _write_parquet(path: Path, rows: Iterable[dict], chunk: int = 4096) -> int:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # lazy: pyarrow
+    import pyarrow.parquet as pq  # lazy: pyarrow
 
     schema = pa.schema([("id", pa.string()), ("source", pa.string()), (
         "messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))])
@@ -95,8 +97,6 @@ def _run(cfg: DecontamJobConfig, index: BenchmarkIndex | None, out: Path, stagin
     if index is None:
         index, bench_skipped = build_index(cfg.benchmarks, cfg.match)
     t_index = time.perf_counter()
-
-    from tqdm import tqdm
 
     records: list[Record] = []
     rejects: list[dict] = []
