@@ -36,6 +36,7 @@ import torch
 
 from hylo.config import HybridConfig, HybridConfigError
 from hylo.model_files import check_layer_indices, check_model_config, check_rank
+from hylo.modeling import HyLoForCausalLM
 from hylo.released.export import released_files, their_rope_scaling_out, write_checked_layout
 from hylo.released.importing import load_checked_tensors, released_to_state_dict
 from hylo.released.layout import BASE_TYPES, ReleasedLayoutError, read_layout_json, released_name
@@ -239,8 +240,6 @@ def xecomla_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor]) ->
 
 def load_xecomla(path: str | Path, dtype: torch.dtype | None = None) -> Any:
     """An X-EcoMLA directory as a `HyLoForCausalLM` (strict: every tensor used, none missing)."""
-    from hylo.modeling import HyLoForCausalLM
-
     p = Path(path)
     tensors = read_released_tensors(p)
     hcfg = xecomla_hybrid_config(p, tensors)
