@@ -14,15 +14,15 @@ segment-sum matrix (quadratic in the number of chunks); ours is a loop of one mu
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from timing import time_fwd_bwd  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 from hylo.kernels.ssd import naive_ssd  # noqa: E402
 from hylo.kernels.ssd.chunk import torch_chunk_ssd  # noqa: E402
@@ -39,23 +39,6 @@ def make_inputs(T: int) -> list[torch.Tensor]:
     C = torch.randn(1, T, G, N, generator=gen) / N**0.5
     D = torch.ones(H)
     return [t.requires_grad_() for t in (x, dt, A, B, C, D)]
-
-
-def time_fwd_bwd(fn, inputs, repeats: int, warmup: bool) -> tuple[float, float]:
-    def once() -> tuple[float, float]:
-        for t in inputs:
-            t.grad = None
-        t0 = time.perf_counter()
-        y = fn(*inputs)
-        t1 = time.perf_counter()
-        y.backward(torch.ones_like(y))
-        t2 = time.perf_counter()
-        return t1 - t0, t2 - t1
-
-    if warmup:
-        once()
-    runs = [once() for _ in range(repeats)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
 def implementations(T: int):
