@@ -48,7 +48,7 @@ def implementations(T: int):
         "naive recurrent": lambda q, k, v, g, b: naive_recurrent_gated_delta_rule(q, k, v, g, b)[0],
     }
     try:
-        from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule
+        from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule  # optional: fla
     except Exception as e:  # optional comparison
         print(f"(fla's naive_chunk_gated_delta_rule not importable: {e})")
     else:

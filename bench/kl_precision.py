@@ -25,6 +25,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hylo.kernels.fused_kl import (  # noqa: E402
+    chunked,
+    fused_linear_cross_entropy,
+    fused_linear_kl_div,
+    naive_cross_entropy,
+    naive_kl_div,
+    topk_from_logits,
+)
+
 PATHS = ("dense", "topk", "ce")
 MODES = ("accurate", "fast", "fp32-in")
 
@@ -38,8 +47,6 @@ def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
 def unrounded_gradients() -> Iterator[list[torch.Tensor]]:
     """The fused op's gradients before their final cast to the input dtype (its fp32 accumulators), in the
     order it casts them (hidden, weight): autograd would cast a gradient to its input's dtype anyway."""
-    from hylo.kernels.fused_kl import chunked
-
     original, seen = chunked._cast, []
 
     def keep(grad, like):
@@ -56,8 +63,6 @@ def unrounded_gradients() -> Iterator[list[torch.Tensor]]:
 
 def make_inputs(n: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int = 0) -> dict:
     """Inputs of `dtype` (student logits of std ~2, a teacher of its own), the top-k record and the labels."""
-    from hylo.kernels.fused_kl import topk_from_logits
-
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(n, hidden, generator=g).to(dtype)
     w = (torch.randn(vocab, hidden, generator=g) * 2 * hidden ** -0.5).to(dtype)
@@ -71,13 +76,6 @@ def make_inputs(n: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int =
 
 def _loss(path: str, x: dict, h: torch.Tensor, w: torch.Tensor, precision: str | None) -> torch.Tensor:
     """The fused op (precision given) or its fp64 reference (precision None) of `path` on (h, w)."""
-    from hylo.kernels.fused_kl import (
-        fused_linear_cross_entropy,
-        fused_linear_kl_div,
-        naive_cross_entropy,
-        naive_kl_div,
-    )
-
     if path == "ce":
         if precision is None:
             return naive_cross_entropy(h, w, x["labels"], mask=x["mask"])

@@ -47,7 +47,7 @@ def implementations(T: int):
     out.append(("ours, packed row of 4 docs", lambda *a: torch_chunk_ssd(*a, cu_seqlens=bounds, chunk_size=CHUNK)[0],
                 True))
     try:
-        from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+        from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan  # optional: mamba2
 
         out.append(("transformers mamba2_chunk_scan",
                     lambda x, dt, A, B, C, D: mamba2_chunk_scan(x, dt, A, B, C, chunk_size=CHUNK, D=D), True))
