@@ -1,4 +1,4 @@
-"""Sequence parallelism (issue 36) for the shipped recipes: the longest context per GPU at N = 1, 2, 4, 8, the 3B
+"""Sequence parallelism (one row split over N GPUs) for the shipped recipes: the longest context per GPU at N = 1, 2, 4, 8, the 3B
 recipe at 128K on H100s, each recipe on one 8-GPU MI300X node, and the communication per layer (Ulysses against
 gathering MLA's latent), from the step estimate (pipeline/estimate/: step.py, sp.py).
 
