@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import yaml
+
 # Nesting levels (mappings and lists inside each other); the shipped configs use at most 5.
 MAX_DEPTH = 64
 # Nodes the aliases of one document may stand for in all, once expanded.
@@ -33,8 +35,6 @@ class YamlShapeError(ValueError):
 def check_yaml_shape(text: str, loader: type | None = None) -> None:
     """Raise YamlShapeError when `text` nests too deep or its aliases recurse or expand too far; a YAML
     syntax error is left to the caller's loader (it raises yaml.YAMLError here too, from the parser)."""
-    import yaml
-
     # per open collection: [expanded nodes so far, its anchor]
     stack: list[list[Any]] = []
     sizes: dict[str, int] = {}
