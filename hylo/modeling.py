@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
@@ -47,6 +47,9 @@ from hylo.kernels.varlen import (
     # imported from here by hylo.pipeline.placement
     positions_from_cu_seqlens,  # noqa: F401
 )
+from hylo.layers.gdn import GatedDeltaNet
+from hylo.layers.mamba2 import Mamba2Mixer
+from hylo.layers.mla import MLAttention
 from hylo.layers.norm import RMSNorm
 from hylo.seq_parallel import RowShard, shard_bounds
 
@@ -69,16 +72,10 @@ class HyLoMLP(nn.Module):
 def build_mixer(config: HybridConfig, layer_idx: int) -> nn.Module:
     kind = config.layer_type(layer_idx)
     if kind == "mla":
-        from hylo.layers.mla import MLAttention
-
         return MLAttention(config, layer_idx)
     if kind == "gdn":
-        from hylo.layers.gdn import GatedDeltaNet
-
         return GatedDeltaNet(config, layer_idx)
     if kind == "mamba2":
-        from hylo.layers.mamba2 import Mamba2Mixer
-
         return Mamba2Mixer(config, layer_idx)
     raise ValueError(f"unknown layer type {kind!r} for layer {layer_idx}")
 
@@ -86,9 +83,6 @@ def build_mixer(config: HybridConfig, layer_idx: int) -> nn.Module:
 def linear_layer_kinds(module: nn.Module) -> set[str]:
     """The kinds of linear mixer ("gdn", "mamba2") anywhere inside `module` (a model, or a stage's wrapper of
     one): what `kernels.backend.check_fla_backward` asks about before training."""
-    from hylo.layers.gdn import GatedDeltaNet
-    from hylo.layers.mamba2 import Mamba2Mixer
-
     kinds = {GatedDeltaNet: "gdn", Mamba2Mixer: "mamba2"}
     return {kind for m in module.modules() for cls, kind in kinds.items() if isinstance(m, cls)}
 
@@ -466,7 +460,7 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
         result = super().save_pretrained(save_directory, *args, **kwargs)
         self.config.save_hybrid_config(save_directory)
         try:
-            from hylo.remote_code import write_remote_code
+            from hylo.remote_code import write_remote_code  # optional: not in a trust_remote_code copy
         except ImportError:
             # a copy loaded through trust_remote_code: transformers already copied its own files
             return result
@@ -476,8 +470,6 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
 
 def register_auto_classes() -> None:
     """Make `AutoConfig` / `AutoModelForCausalLM` understand model_type 'hylo'."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     try:
         AutoConfig.register("hylo", HybridConfig)
         AutoModelForCausalLM.register(HybridConfig, HyLoForCausalLM)

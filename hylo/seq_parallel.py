@@ -42,7 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hylo.kernels.gdn import chunk_gated_delta_rule
 from hylo.kernels.packed_sdpa import packed_causal_sdpa
+from hylo.kernels.ssd import chunk_ssd
 from hylo.kernels.varlen import DocBounds, positions_from_cu_seqlens
 
 
@@ -331,8 +333,6 @@ def gated_delta_rule_shard(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            shard: RowShard, chunk_size: int) -> torch.Tensor:
     """The GDN layer's recurrence on this rank's chunk of a split row ([1, t, H, *] in, [1, t, H, V] out): the
     same output as the unsplit row's for these tokens (see the module docstring)."""
-    from hylo.kernels.gdn import chunk_gated_delta_rule
-
     kw = {"cu_seqlens": shard.local, "use_qk_l2norm_in_kernel": True, "chunk_size": chunk_size,
           "output_final_state": True}
     H, K = q.shape[2], q.shape[3]
@@ -352,8 +352,6 @@ def ssd_shard(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     """The Mamba-2 scan on this rank's chunk of a split row: the unsplit row's output for these tokens. A
     chunk inside one document carries an incoming state through with one decay per head,
     exp(A * sum of dt)."""
-    from hylo.kernels.ssd import chunk_ssd
-
     return scan_shard(lambda h0: chunk_ssd(x, dt, A, B, C, D=D, initial_state=h0, output_final_state=True,
                                            cu_seqlens=shard.local, chunk_size=chunk_size),
                       shard, lambda: torch.exp(A.to(dt.dtype) * dt[0].sum(0)), (x.shape[2],),
