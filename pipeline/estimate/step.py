@@ -192,8 +192,7 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
     import time
 
     from hylo.kernels.fused_kl.inputs import deferred_checks
-    from hylo.pipeline.train import stage1 as stage1_mod
-    from hylo.pipeline.train import stage2 as stage2_mod
+    from hylo.pipeline.train.loop import train_step as step
 
     t0 = time.perf_counter()
     W = world_size or cfg.ray.num_workers
@@ -206,7 +205,6 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
     warm_row = synthetic_row(warm, vocab, (min(64, warm), min(128, warm)), seed=1)
     row = synthetic_row(tokens, vocab, doc_tokens)
     stage = 1 if isinstance(cfg, Stage1Config) else 2
-    step = stage1_mod.train_step if stage == 1 else stage2_mod.train_step
     rules = deferred_checks() if gpu else contextlib.nullcontext()
     # sequence parallelism: the LAST rank of a group of N on torch's fake process group (fake_group.split_rank)
     split = contextlib.nullcontext()
@@ -225,8 +223,7 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
         if progress is not None:
             progress.say("building the models")
         ctx = SoloContext(cfg=cfg, rank=N - 1, world_size=N, device=torch.device("cpu"), dtype=dtype,
-                          run_dir=Path("."), grad_accum=1, sp_group=None, sp_rank=N - 1, sp_size=N, dp_rank=0,
-                          dp_size=1)
+                          run_dir=Path("."), grad_accum=1, sp_group=None, sp_rank=N - 1, sequence_parallel=N)
         task, frozen = build_task(ctx, shapes, gpu)
         if variant is not None:
             task, frozen = variant(task, frozen)
