@@ -28,6 +28,7 @@ from hylo.pipeline.estimate.tracking import (
     loss_marked,
 )
 from hylo.pipeline.train.config import DataSection, Stage1Config, Stage2Config, StageConfig, SyntheticData
+from hylo.pipeline.train.loop import train_step
 from hylo.pipeline.train.plain_engine import plain_engine
 from hylo.pipeline.train.worker import SoloContext
 
@@ -192,7 +193,6 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
     import time
 
     from hylo.kernels.fused_kl.inputs import deferred_checks
-    from hylo.pipeline.train.loop import train_step as step
 
     t0 = time.perf_counter()
     W = world_size or cfg.ray.num_workers
@@ -230,7 +230,7 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
         engine: TrackedEngine = task.engine
         if progress is not None:
             progress.say(f"warm-up step ({warm_row.num_tokens} tokens)")
-        step(task, [warm_row], ctx)
+        train_step(task, [warm_row], ctx)
         student_params = [p for p in engine.params]
         masters = [m for p, m in zip(engine.params, engine.masters) if m is not p]
         p_bytes, m_bytes = _state_bytes(student_params), _state_bytes(masters)
@@ -257,7 +257,7 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
             base_total = memory.total()
             start = base_total - memory.sharded_static + memory.sharded_static / W
             phases._account()
-            step(task, [row], ctx)
+            train_step(task, [row], ctx)
             phases._account()
             memory.active = False
         for h in hooks:

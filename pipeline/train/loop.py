@@ -232,7 +232,7 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
                         hooks=[FaultInjection(cfg.fault)],
                         sp_group=sp_group, sp_rank=sp_rank, sequence_parallel=sequence_parallel, startup=clock)
     N = sequence_parallel
-    if N > 1 and rank == 0:
+    if sequence_parallel > 1 and rank == 0:
         print(f"[train] sequence parallelism: each row split over {N} workers (ranks [g*{N}, (g+1)*{N}) form "
               f"group g), {cfg.data_parallel} group(s), {ctx.grad_accum} row(s) per worker per step", flush=True)
     # the workers of a sequence-parallel group read the same rows: the reader strides over the groups

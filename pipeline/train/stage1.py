@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hylo.assets import resolve_path_or_asset
+from hylo.io import load_hylo
 from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.rows import PackedRow
@@ -39,6 +41,7 @@ from hylo.pipeline.train.deepspeed_cfg import EngineFactory, deepspeed_engine
 from hylo.pipeline.train.loop import train_step
 from hylo.pipeline.train.worker import RowPart, Stage, WorkerContext, model_bounds
 from hylo.seq_parallel import RowShard
+from hylo.upcycle import load_base_model
 
 EPS = 1e-6
 
@@ -198,16 +201,11 @@ def check_checkpoints(cfg: Stage1Config) -> None:
 
 def checkpoint_student(ctx: WorkerContext) -> nn.Module:
     """The trainer's student: the HyLo conversion `model.student` on ctx.device in ctx.dtype."""
-    from hylo.io import load_hylo
-
     return load_hylo(ctx.cfg.model.student, dtype=ctx.dtype).to(ctx.device)
 
 
 def base_model(ctx: WorkerContext) -> nn.Module:
     """The trainer's base: the HF model `model.base` (a directory or an asset) on ctx.device in ctx.dtype."""
-    from hylo.assets import resolve_path_or_asset
-    from hylo.upcycle import load_base_model
-
     base_dir = resolve_path_or_asset(ctx.cfg.model.base, "model.base", directory=True)
     return load_base_model(base_dir, dtype=ctx.dtype).to(ctx.device)
 

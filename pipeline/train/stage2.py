@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hylo.io import load_hylo
 from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div
 from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.config import ConfigError
@@ -50,7 +51,7 @@ class KDStudent(nn.Module):
         if zero3 is None:
             zero3 = cfg.deepspeed.zero_stage == 3
         if zero3:
-            import deepspeed
+            import deepspeed  # lazy: deepspeed
 
             deepspeed.zero.register_external_parameter(self, student.lm_head.weight)
 
@@ -143,8 +144,6 @@ def build(ctx: WorkerContext, lr_lambda: Callable[[int], float] | None = None, *
 
 def checkpoint_student(ctx: WorkerContext) -> nn.Module:
     """The trainer's student: stage 1's HyLo checkpoint (`model.student`) on ctx.device in ctx.dtype."""
-    from hylo.io import load_hylo
-
     cfg: Stage2Config = ctx.cfg
     if not cfg.model.student:
         raise ConfigError("model.student is not set: stage 2 starts from stage 1's HyLo checkpoint (<run>/model)")

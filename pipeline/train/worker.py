@@ -162,12 +162,9 @@ def sequence_parallel_group(rank: int, world_size: int, sequence_parallel: int) 
     group is made (None: a step at N = 1 runs no collective of its own). N divides the workers (config.py)."""
     if sequence_parallel == 1:
         return None, 0
-    mine = None
-    for g in range(world_size // sequence_parallel):
-        group = dist.new_group(list(range(g * sequence_parallel, (g + 1) * sequence_parallel)))
-        if g == rank // sequence_parallel:
-            mine = group
-    return mine, rank % sequence_parallel
+    N = sequence_parallel
+    groups = [dist.new_group(list(range(g * N, (g + 1) * N))) for g in range(world_size // N)]
+    return groups[rank // N], rank % N
 
 
 def model_bounds(bounds: DocBounds, shard: RowShard | None) -> DocBounds | RowShard:
