@@ -85,7 +85,7 @@ def _rank(rank: int, world: int, config: str, tokens: int) -> dict[str, Any]:
         for _ in range(2):
             before = dict(sent)
             t0 = time.perf_counter()
-            y = layer(x, cu_seqlens=shard, **kw)
+            y = layer(x, cu_seqlens=shard.local, shard=shard, **kw)
             y.square().sum().backward()
             wall = time.perf_counter() - t0
         out[label] = {"bytes": sent["bytes"] - before["bytes"], "calls": int(sent["calls"] - before["calls"]),

@@ -4,9 +4,10 @@ Legend: T tokens of the unsplit row, t = T / N tokens of this rank ([start, end)
 D hidden, R + P the MLA latent + roped key width, H heads, K / V key / value head dims (GDN),
 P / Ns head dim / state size (Mamba-2), W conv_size - 1.
 
-The row's shard goes where `cu_seqlens` goes (`RowShard`, built by `shard_row` from the unsplit row's
-`DocBounds`): embeddings, norms, MLPs and the LM head are per token and need nothing; the mixers
-exchange what crosses the split:
+A rank's forward takes its tokens, their boundaries as `cu_seqlens` (`shard.local`) and the shard as its own
+argument (`shard=`, a `RowShard` built by `shard_row` from the unsplit row's `DocBounds`; None for a whole
+row). Embeddings, norms, MLPs and the LM head are per token and need nothing. The mixers exchange what
+crosses the split:
 * MLA: every rank all-gathers the normalised latent and the pre-RoPE shared key, R + P values per token
   (192 for the 3B recipe), and attends its queries to the keys from the start of each of its documents
   (the first one may start on an earlier rank: its keys are decompressed from the gathered latent, and
@@ -34,7 +35,8 @@ exchange what crosses the split:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -102,6 +104,23 @@ def shard_row(bounds: DocBounds, rank: int, size: int, group: Any = None, mla: s
     device = bounds.positions.device
     local = DocBounds(torch.tensor(cut, dtype=torch.int32, device=device), tuple(cut), bounds.positions[start:end])
     return RowShard(local, start, end, T, rank, size, group, full, mla)
+
+
+def shard_bounds(shard: RowShard, B: int, T: int, cu_seqlens: Any, cache: Any,
+                 bad: Callable[[str], NoReturn]) -> DocBounds:
+    """The boundaries of a split row's tokens on this rank (`shard.local`), once a forward's inputs fit the
+    shard: one row (B == 1) of the shard's tokens, no generation cache, and `cu_seqlens` None or the shard's
+    own boundaries. `bad(message)` raises the layer's error."""
+    t = shard.end - shard.start
+    if cache is not None or B != 1 or T != t:
+        bad(f"a split row (RowShard) needs B == 1, no cache and the shard's {t} tokens; got B={B}, T={T}"
+            + (", a cache" if cache is not None else ""))
+    if cu_seqlens is not None and cu_seqlens is not shard.local:
+        given = cu_seqlens.host if isinstance(cu_seqlens, DocBounds) else tuple(int(b) for b in cu_seqlens)
+        if tuple(given) != shard.local.host:
+            bad(f"with a shard, cu_seqlens must be the shard's own boundaries {shard.local.host} "
+                f"(shard.local) or None; got {tuple(given)}")
+    return shard.local
 
 
 def key_positions(shard: RowShard, lo: int, hi: int, device: torch.device) -> torch.Tensor:

@@ -58,7 +58,7 @@ from hylo.kernels.packed_sdpa import packed_causal_sdpa
 from hylo.kernels.varlen import DocBounds, doc_bounds
 from hylo.layers.norm import HeadRMSNorm, RMSNorm
 from hylo.layers.rope import RotaryEmbedding, apply_rotary, mla_softmax_scale
-from hylo.seq_parallel import RowShard, gather_tokens, key_positions
+from hylo.seq_parallel import RowShard, gather_tokens, key_positions, shard_bounds
 
 
 class MLAInputError(ValueError):
@@ -146,22 +146,20 @@ class MLAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | DocBounds | RowShard | None = None,
+        cu_seqlens: torch.Tensor | DocBounds | None = None,
         cache: MLALayerCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        shard: RowShard | None = None,
     ) -> torch.Tensor:
+        """`shard`: this rank's part of a split row (hylo/seq_parallel.py), None for a whole row."""
         x_BTD = hidden_states
         if x_BTD.dim() != 3 or x_BTD.shape[-1] != self.hidden_size:
             raise self._err(f"hidden_states must be [B, T, {self.hidden_size}], got shape {tuple(x_BTD.shape)}")
         B, T, _ = x_BTD.shape
         N, P, R = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         bounds: DocBounds | None = None
-        shard = cu_seqlens if isinstance(cu_seqlens, RowShard) else None
         if shard is not None:
-            if cache is not None or B != 1 or T != shard.end - shard.start:
-                raise self._err(f"a split row (RowShard) needs B == 1, no cache and the shard's "
-                                f"{shard.end - shard.start} tokens; got B={B}, T={T}")
-            bounds, cu_seqlens = shard.local, None
+            bounds, cu_seqlens = shard_bounds(shard, B, T, cu_seqlens, cache, self._bad), None
         if cu_seqlens is not None:
             if cache is not None:
                 raise self._err("cu_seqlens (packed rows) cannot be combined with a cache; "

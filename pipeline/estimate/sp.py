@@ -245,7 +245,7 @@ def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype, kind: str = "
         def run(state, split: bool) -> None:
             layer, x = state
             bounds = shard.local if split else DocBounds.from_host([0, Tq], Tq)
-            out, _ = layer(x, bounds.positions[None], shard if split else bounds, None)
+            out, _ = layer(x, bounds.positions[None], bounds, None, None, shard if split else None)
             out.sum().backward()
 
         with fused_attention():

@@ -39,7 +39,7 @@ from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.train.config import ILD_TRAINABLE, Stage1Config
 from hylo.pipeline.train.deepspeed_cfg import EngineFactory, deepspeed_engine
 from hylo.pipeline.train.loop import train_step
-from hylo.pipeline.train.worker import RowPart, Stage, WorkerContext, model_bounds
+from hylo.pipeline.train.worker import RowPart, Stage, WorkerContext
 from hylo.seq_parallel import RowShard
 from hylo.upcycle import load_base_model
 
@@ -119,13 +119,12 @@ class ILDStudent(nn.Module):
         """The summed per-token distances of every layer over the given tokens: the boundaries as the reader
         checked them on the host (no layer reads them back from the device); `shard`: a split row's."""
         out_sum = mix_sum = torch.zeros((), device=tokens_T.device)
-        cu_seqlens = model_bounds(bounds, shard)
         for i, layer in enumerate(self.student.model.layers):
             x = x_in[i].to(layer.input_layernorm.weight.dtype)
             if self.checkpointing and self.training:
-                out, mix = checkpoint(layer, x, position_ids_1T, cu_seqlens, None, use_reentrant=False)
+                out, mix = checkpoint(layer, x, position_ids_1T, bounds, None, None, shard, use_reentrant=False)
             else:
-                out, mix = layer(x, position_ids_1T, cu_seqlens, None)
+                out, mix = layer(x, position_ids_1T, bounds, None, None, shard)
             out_sum = out_sum + (token_distance(out, y_out[i], self.ild.squared) * tokens_T).sum()
             mix_sum = mix_sum + (token_distance(mix, y_mix[i], self.ild.squared) * tokens_T).sum()
         return out_sum, mix_sum

@@ -34,7 +34,7 @@ from hylo.pipeline.teacher.sources import open_teacher
 from hylo.pipeline.train.config import Stage2Config
 from hylo.pipeline.train.deepspeed_cfg import EngineFactory, deepspeed_engine
 from hylo.pipeline.train.loop import train_step
-from hylo.pipeline.train.worker import RowPart, Stage, WorkerContext, model_bounds
+from hylo.pipeline.train.worker import RowPart, Stage, WorkerContext
 from hylo.seq_parallel import RowShard
 
 
@@ -65,7 +65,7 @@ class KDStudent(nn.Module):
         if positions_T is None:
             positions_T = bounds.positions
         h_TD = self.student.model(input_ids=input_ids_T[None], position_ids=positions_T[None],
-                                  cu_seqlens=model_bounds(bounds, shard)).last_hidden_state[0]
+                                  cu_seqlens=bounds, shard=shard).last_hidden_state[0]
         w_VD = self.student.lm_head.weight
         # the kd settings both fused terms share
         fused = {"mask": loss_mask_T, "reduction": "sum", "chunk_size": self.kd.chunk_size,

@@ -167,14 +167,6 @@ def sequence_parallel_group(rank: int, world_size: int, sequence_parallel: int) 
     return groups[rank // N], rank % N
 
 
-def model_bounds(bounds: DocBounds, shard: RowShard | None) -> DocBounds | RowShard:
-    """What the model takes as `cu_seqlens` while the shard still rides in it.
-
-    LEAD: flip the two callers (stage1.ILDStudent, stage2.KDStudent) to `cu_seqlens=bounds, shard=shard`
-    once the model takes the shard as its own argument, then delete this."""
-    return bounds if shard is None else shard
-
-
 def row_to_device(row: PackedRow, device: torch.device) -> PackedRow:
     """A checked packed row (as the reader yields it) on `device`, for a step's forward (`PackedRow.to`).
 
