@@ -1,4 +1,4 @@
-"""What the per-worker loop (loop.py) and the stages (stage1.py, stage2.py) share, so neither imports the other.
+"""What the per-worker loop (loop.py) and the stages (stage1.py, stage2.py) share. The loop imports no stage.
 
 Legend: T tokens of a packed row, N ranks of a sequence-parallel group.
 
