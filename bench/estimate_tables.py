@@ -80,13 +80,14 @@ def paper_student():
 def comparison_variant(loss: str, teacher: bool):
     """The `variant` of `estimate_step` that gives the built stage-2 task the row's loss and teacher."""
     class ComparisonStudent(nn.Module):
-        """KDStudent's interface, forward(ids, bounds, loss mask, teacher) -> (loss, 0), with the row's loss form."""
+        """KDStudent's interface, forward(ids, bounds, loss mask, teacher, ...) -> (loss, 0), with the row's loss
+        form (a whole row: the positions, labels and shard the step also gives are the row's own or None)."""
 
         def __init__(self, student: nn.Module, kd) -> None:
             super().__init__()
             self.student, self.kd = student, kd
 
-        def forward(self, input_ids_T, bounds, loss_mask_T, targets):
+        def forward(self, input_ids_T, bounds, loss_mask_T, targets, *_):
             zero = torch.zeros((), dtype=torch.float32)
             ids, pos = input_ids_T[None], bounds.positions[None]
             if loss == "plain CE":

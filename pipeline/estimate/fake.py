@@ -37,8 +37,7 @@ class EstimateError(RuntimeError):
 
 # (file suffix, function) of every read of a device value in a step -> the value it gets, and why
 HOST_VALUES: dict[tuple[str, str], tuple[Any, str]] = {
-    ("pipeline/train/stage2.py", "train_step"): (0.0, "the step's loss sums, read once at its end"),
-    ("pipeline/train/stage1.py", "train_step"): (0.0, "the step's loss terms (reporting)"),
+    ("pipeline/train/loop.py", "train_step"): (0.0, "the step's loss sums, read once at its end"),
     ("kernels/fused_kl/inputs.py", "check_deferred"): (False, "the fused KL's deferred input checks: none failed"),
     # the CPU rule (gpu=False): the same checks of the inputs' values, made at once (bool reads only)
     ("kernels/fused_kl/inputs.py", "*"): (False, "the fused KL's input value checks (NaN, ranges): they pass"),

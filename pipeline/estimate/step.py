@@ -28,6 +28,7 @@ from hylo.pipeline.estimate.tracking import (
     loss_marked,
 )
 from hylo.pipeline.train.config import DataSection, Stage1Config, Stage2Config, StageConfig, SyntheticData
+from hylo.pipeline.train.loop import train_step
 from hylo.pipeline.train.plain_engine import plain_engine
 from hylo.pipeline.train.worker import SoloContext
 
@@ -192,8 +193,6 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
     import time
 
     from hylo.kernels.fused_kl.inputs import deferred_checks
-    from hylo.pipeline.train import stage1 as stage1_mod
-    from hylo.pipeline.train import stage2 as stage2_mod
 
     t0 = time.perf_counter()
     W = world_size or cfg.ray.num_workers
@@ -206,7 +205,6 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
     warm_row = synthetic_row(warm, vocab, (min(64, warm), min(128, warm)), seed=1)
     row = synthetic_row(tokens, vocab, doc_tokens)
     stage = 1 if isinstance(cfg, Stage1Config) else 2
-    step = stage1_mod.train_step if stage == 1 else stage2_mod.train_step
     rules = deferred_checks() if gpu else contextlib.nullcontext()
     # sequence parallelism: the LAST rank of a group of N on torch's fake process group (fake_group.split_rank)
     split = contextlib.nullcontext()
@@ -225,15 +223,14 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
         if progress is not None:
             progress.say("building the models")
         ctx = SoloContext(cfg=cfg, rank=N - 1, world_size=N, device=torch.device("cpu"), dtype=dtype,
-                          run_dir=Path("."), grad_accum=1, sp_group=None, sp_rank=N - 1, sp_size=N, dp_rank=0,
-                          dp_size=1)
+                          run_dir=Path("."), grad_accum=1, sp_group=None, sp_rank=N - 1, sequence_parallel=N)
         task, frozen = build_task(ctx, shapes, gpu)
         if variant is not None:
             task, frozen = variant(task, frozen)
         engine: TrackedEngine = task.engine
         if progress is not None:
             progress.say(f"warm-up step ({warm_row.num_tokens} tokens)")
-        step(task, [warm_row], ctx)
+        train_step(task, [warm_row], ctx)
         student_params = [p for p in engine.params]
         masters = [m for p, m in zip(engine.params, engine.masters) if m is not p]
         p_bytes, m_bytes = _state_bytes(student_params), _state_bytes(masters)
@@ -260,7 +257,7 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
             base_total = memory.total()
             start = base_total - memory.sharded_static + memory.sharded_static / W
             phases._account()
-            step(task, [row], ctx)
+            train_step(task, [row], ctx)
             phases._account()
             memory.active = False
         for h in hooks:
