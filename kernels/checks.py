@@ -27,7 +27,9 @@ R = TypeVar("R")
 
 def takes(args: Callable[P, A]) -> Callable[[Callable[[A], R]], Callable[P, R]]:
     """`@takes(SSDArgs) def op(a: SSDArgs)` makes `op(x, dt, ...)`: called with `SSDArgs`'s fields (in order,
-    with their defaults, positionally or by name), its body gets them as one `SSDArgs`."""
+    with their defaults, positionally or by name), its body gets them as one `SSDArgs` (which it never changes).
+    A plain, not frozen, dataclass: a frozen one's construction doubles the wrapper's cost, about 1.5 us a
+    call of a decode step's op."""
 
     def wrap(body: Callable[[A], R]) -> Callable[P, R]:
         def op(*a: P.args, **kw: P.kwargs) -> R:

@@ -62,7 +62,7 @@ def check_inputs(
     return B, T, H, K, V, N, bounds
 
 
-@dataclass(frozen=True)
+@dataclass
 class GDNArgs:
     """The arguments every gated-delta-rule op starts with (fla 0.6's order and layouts; each op takes its form
     of them as its signature, `hylo.kernels.checks.takes`). B batch, T tokens, H heads, K key dim, V value dim.
@@ -100,7 +100,7 @@ class GDNArgs:
         return self.v.dtype, dt, scale, q, k, v, g, beta
 
 
-@dataclass(frozen=True)
+@dataclass
 class GDNStepArgs(GDNArgs):
     """`GDNArgs` of the decode step. use_qk_l2norm_in_kernel: L2-normalise q and k over K first (eps 1e-6,
     as fla)."""
@@ -108,7 +108,7 @@ class GDNStepArgs(GDNArgs):
     use_qk_l2norm_in_kernel: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class GDNRowArgs(GDNArgs):
     """`GDNArgs` over a batch or a packed row. cu_seqlens: [N + 1] int (starts at 0, ends at T, strictly
     increasing: the packed-row rule of `hylo.kernels.varlen`), or the model's `DocBounds`; B must be 1. State
@@ -118,7 +118,7 @@ class GDNRowArgs(GDNArgs):
     use_qk_l2norm_in_kernel: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class GDNChunkArgs(GDNRowArgs):
     """`GDNRowArgs` with chunk_size: the chunk length of the torch path; fla's kernel gets it where it takes
     it (16, 32, 64), else 64 (the result does not depend on it; `gdn_chunk_size` is any positive int)."""

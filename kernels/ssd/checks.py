@@ -67,7 +67,7 @@ def check_inputs(
     return batch, T, H, P, G, N, S, bounds
 
 
-@dataclass(frozen=True)
+@dataclass
 class SSDArgs:
     """The arguments of every SSD op (mamba_ssm's names and layouts; each op takes them as its signature,
     `hylo.kernels.checks.takes`). B batch, T tokens, H heads, P head dim, G groups of B/C, N state size.
@@ -100,7 +100,7 @@ class SSDArgs:
         return (self.x.dtype, cd, *(t.to(cd) for t in (self.x, self.dt, self.A, self.B, self.C)))
 
 
-@dataclass(frozen=True)
+@dataclass
 class SSDRowArgs(SSDArgs):
     """`SSDArgs` over a batch or a packed row. cu_seqlens: [S + 1] int (starts at 0, ends at T, strictly
     increasing: the packed-row rule of `hylo.kernels.varlen`), or the model's `DocBounds`; B must be 1. State
@@ -109,7 +109,7 @@ class SSDRowArgs(SSDArgs):
     cu_seqlens: torch.Tensor | DocBounds | None = None
 
 
-@dataclass(frozen=True)
+@dataclass
 class SSDChunkArgs(SSDRowArgs):
     """`SSDRowArgs` with the chunk length of the torch path, chunk_size (fla picks its own)."""
 
