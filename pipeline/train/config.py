@@ -130,19 +130,25 @@ MAX_GRAD_ACCUM = 4096
 CONVERTED_CONV_SIZE = 4
 
 
-def sp_shard_problem(tokens: int, sp: int, conv_size: int) -> str | None:
-    """Why a `tokens`-long row cannot be split over a sequence-parallel group of `sp` ranks, else None: the parts
-    must be equal, and each as long as the conv window its next rank takes from it (conv_size - 1 tokens of a
-    linear block; hylo/seq_parallel.py `conv_prefix`), which every rank would otherwise raise on its first step."""
+def sp_shard_problem(tokens: int, sp: int, conv_size: int, length: str = "", at: str = "") -> str | None:
+    """Why `tokens`-long rows cannot be split over a sequence-parallel group of `sp` ranks, else None.
+
+    The rules, written once: the parts are equal, and each holds the conv window the next rank takes from it
+    (conv_size - 1 tokens of a linear block; hylo/seq_parallel.py `conv_prefix`). `length` names the row
+    length in the first message (`data.seq_len (64)`), `at` heads the second (`data.seq_len=64`)."""
     if sp <= 1:
         return None
     if tokens % sp:
-        return f"the {tokens:,}-token rows do not split into {sp} equal parts"
+        if not length:
+            return f"the {tokens:,}-token rows do not split into {sp} equal parts"
+        return f"must divide {length}: each of the {sp} workers of a group takes an equal slice of a row"
     if tokens // sp < max(conv_size - 1, 1):
-        return (f"a {tokens:,}-token row split over {sp} ranks gives shards of {tokens // sp} token(s), shorter than "
-                f"the linear blocks' conv window ({conv_size - 1} tokens, gdn_conv_size {conv_size} - 1) the next "
-                f"rank takes from each: use fewer ranks per row or longer rows")
+        return (f"{at + ': ' if at else ''}a {tokens:,}-token row split over {sp} ranks gives shards of "
+                f"{tokens // sp} token(s), shorter than the linear blocks' conv window ({conv_size - 1} tokens, "
+                f"gdn_conv_size {conv_size} - 1) the next rank takes from each: use fewer ranks per row or longer rows")
     return None
+
+
 # The global batch whatever the number of workers: 4,096 rows per worker x 256 workers.
 MAX_GLOBAL_BATCH = MAX_GRAD_ACCUM * 256
 
@@ -448,17 +454,14 @@ class _SharedSections:
         if workers % sp:
             raise FieldError("train.sequence_parallel", sp,
                              f"must divide ray.num_workers ({workers}): the workers form groups of {sp}")
-        if self.data.seq_len is not None and self.data.seq_len % sp:
-            raise FieldError("train.sequence_parallel", sp,
-                             f"must divide data.seq_len ({self.data.seq_len}): each of the {sp} workers of a "
-                             f"group takes an equal slice of a row")
         # a student converted by this run has the conversion's conv width; a checkpoint's is checked with its rows
         all_mla = self.model.convert is not None and self.model.convert.mla_layers == "all"
         conv = CONVERTED_CONV_SIZE if not self.model.student and not all_mla else 1
-        if self.data.seq_len is not None and (why := sp_shard_problem(self.data.seq_len, sp, conv)):
-            raise FieldError("train.sequence_parallel", sp, f"data.seq_len={self.data.seq_len}: {why}")
+        n = self.data.seq_len
+        if n is not None and (why := sp_shard_problem(n, sp, conv, f"data.seq_len ({n})", f"data.seq_len={n}")):
+            raise FieldError("train.sequence_parallel", sp, why)
         # the data-parallel ranks (one per sequence-parallel group) each read whole rows
-        dp = workers // sp
+        dp = self.data_parallel
         per = "worker" if sp == 1 else f"sequence-parallel group of {sp} workers"
         groups = f"ray.num_workers ({workers})" if sp == 1 else f"ray.num_workers / train.sequence_parallel ({dp})"
         gbs = self.train.global_batch_sequences
