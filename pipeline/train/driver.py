@@ -191,7 +191,7 @@ def convert_if_needed(cfg: StageConfig) -> StageConfig:
     out = run_dir(cfg) / "converted"
     target = run / "converted"
     if not (target / "hybrid_config.json").is_file():
-        from hylo.upcycle import convert  # lazy: transformers (only a run that converts needs it)
+        from hylo.upcycle import convert  # lazy: transformers
 
         print(f"[convert] {cfg.model.base} -> {target} with {cfg.model.convert.non_defaults()}", flush=True)
         convert(cfg.model.base, cfg.model.convert).save(out)
@@ -307,7 +307,7 @@ def check_resources(cfg: StageConfig, cluster: dict[str, float], nodes: list[dic
 
 
 def check_cluster_resources(cfg: StageConfig) -> None:
-    import ray  # lazy: ray (a torchrun run never imports it)
+    import ray  # lazy: ray
 
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     check_resources(cfg, ray.cluster_resources(), nodes, ray.available_resources())
@@ -535,7 +535,7 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
         cfg = prepare_run(stage, args, cfg, launcher, is_rank0)
         t0 = time.time()
         if launcher == "torchrun":
-            from hylo.pipeline.train.loop import train_worker  # lazy: deepspeed (a Ray driver never trains)
+            from hylo.pipeline.train.loop import train_worker  # lazy: deepspeed
 
             clock.phases["ray start"] = 0.0
             train_worker(stage_for(cfg.stage), cfg, {**loop_config(cfg, args.resume, launcher),
