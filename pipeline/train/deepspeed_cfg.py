@@ -18,6 +18,9 @@ Design choices:
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,7 +57,7 @@ def import_deepspeed():
     training never uses (ours is a client AdamW). The module and its class are DeepSpeed's own; a function of
     it is compiled when first called, as `torch.compile` would compile it then. A Muon already loaded is left
     as it is."""
-    import deepspeed
+    import deepspeed  # lazy: deepspeed
     import deepspeed.ops
 
     ops = getattr(deepspeed.ops, "__compatible_ops__", None)
@@ -67,14 +70,10 @@ def import_deepspeed():
 def _import_muon_with_lazy_compile() -> None:
     """Import `MUON_MODULE` while DeepSpeed's `compiler.compile()` decorator defers `torch.compile` to the first
     call of the function it decorates (import_deepspeed)."""
-    import functools
-    import importlib
-    import sys
-
     if MUON_MODULE in sys.modules:
         return
     try:
-        from deepspeed.runtime import compiler
+        from deepspeed.runtime import compiler  # lazy: deepspeed
     except ImportError:
         return
     real = getattr(compiler, "compile", None)

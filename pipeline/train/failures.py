@@ -21,16 +21,16 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from ray.exceptions import RayActorError
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+
+from hylo.pipeline.cli import input_error_message
+from hylo.pipeline.train.storage import CheckpointUploadError
 
 
 def worker_input_error(error: BaseException) -> str | None:
     """`worker N: <message>` when a worker of this Ray Train failure raised an input error and none
     died; None for a fault (or anything else) that Ray may retry."""
-    from ray.exceptions import RayActorError
-
-    from hylo.pipeline.cli import input_error_message
-
     failures = getattr(error, "worker_failures", None)
     if not isinstance(failures, dict) or not failures:
         return None
@@ -50,8 +50,6 @@ def final_reason(error: BaseException) -> str:
     """Why a failure `worker_input_error` found is not retried, in the log's words: a checkpoint upload that
     ran out of its own retries is the storage, not the input (a restart of the workers would meet the same
     storage, and the run resumes from its last checkpoint once it is back)."""
-    from hylo.pipeline.train.storage import CheckpointUploadError
-
     for failure in (getattr(error, "worker_failures", None) or {}).values():
         if isinstance(getattr(failure, "_base_exc", failure), CheckpointUploadError):
             return "the checkpoint storage failed after checkpoint.upload_retries attempts"

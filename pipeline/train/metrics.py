@@ -71,7 +71,7 @@ class MetricsWriter:
 
     def _tb_writer(self):
         if self._tb is None and self.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard
 
             # purge_step: TensorBoard drops the events a resumed run recomputes
             self._tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=self._purge_step)
@@ -209,7 +209,7 @@ def read_metrics(run_dir: str | Path | Loc, warn=None) -> dict[int, dict[str, An
 def make_ray_callback():
     """A Ray Train `UserCallback` on the controller that says what happens after a worker failure
     (rank 0 writes the metrics itself)."""
-    from ray.train import UserCallback
+    from ray.train import UserCallback  # lazy: ray
 
     class _FailureCallback(UserCallback):
         def after_exception(self, run_context, worker_exceptions) -> None:

@@ -33,6 +33,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 # the step quantities checked, in the order a message names them
 CHECKED = ("loss", "grad_norm")
@@ -99,8 +100,6 @@ def own_elements(p: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         return p.data.view(-1)
     part = p.ds_tensor
     if rank is None:
-        import torch.distributed as dist
-
         rank = dist.get_rank(group=getattr(p, "ds_process_group", None)) if dist.is_initialized() else 0
     valid = max(0, min(part.numel(), int(p.ds_numel) - part.numel() * rank))
     return part.view(-1).narrow(0, 0, valid)

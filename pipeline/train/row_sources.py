@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from hylo.kernels.varlen import positions_from_cu_seqlens
-from hylo.pipeline.config import ConfigError
+from hylo.pipeline.config import ConfigError, config_hash
 from hylo.pipeline.data.reader import RowReader, ShardRows
 from hylo.pipeline.data.rowfile import DataFormatError
 from hylo.pipeline.data.shards import MANIFEST
@@ -48,8 +48,6 @@ class SyntheticRows:
 
     @property
     def fingerprint(self) -> str:
-        from hylo.pipeline.config import config_hash
-
         return "synthetic-" + config_hash({"seed": self.seed, "seq_len": self.cfg.seq_len, **vars(self.cfg.synthetic)})
 
     def where(self, g: int) -> str:

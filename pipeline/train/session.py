@@ -237,7 +237,7 @@ class RaySession(Session):
     def upload_files(self, checkpoint, dir_name: str):
         """Ray Train's `checkpoint_upload_fn`: this worker's files into `<run>/<dir_name>`, where Ray's
         own copy would put them, retried as `checkpoint.upload_*` say (storage.upload_with_retries)."""
-        import ray.train
+        import ray.train  # lazy: ray
 
         storage = ray.train.get_context().get_storage()
         dest = storage.build_checkpoint_path_from_name(dir_name)
@@ -247,7 +247,7 @@ class RaySession(Session):
         return ray.train.Checkpoint(path=dest, filesystem=storage.storage_filesystem)
 
     def drain_notice(self) -> dict[str, Any] | None:
-        import ray.train
+        import ray.train  # lazy: ray
 
         info = ray.train.get_preemption_info()
         if info is None:
@@ -261,7 +261,7 @@ class RaySession(Session):
         return fresh_local_dir(f"hylo-ckpt-{step}-r{self.ctx.rank}-")
 
     def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None, metrics: bool = True) -> None:
-        import ray.train
+        import ray.train  # lazy: ray
 
         if metrics:
             self.write_metrics(record)
@@ -292,7 +292,7 @@ class RaySession(Session):
         """Ray Train reports the checkpoint and copies this rank's scratch directory into `target` with
         `upload_files`; a full storage is reported with the checkpoint, the file and the space left
         (Ray's own error says only "No space left on device")."""
-        import ray.train
+        import ray.train  # lazy: ray
 
         try:
             ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),

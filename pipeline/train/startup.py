@@ -35,7 +35,7 @@ STARTUP_FILE = "startup.json"
 def process_start_time() -> float:
     """The Unix time this process started (psutil, a Ray dependency; now, where it cannot tell)."""
     try:
-        import psutil
+        import psutil  # lazy: psutil
 
         return float(psutil.Process(os.getpid()).create_time())
     except Exception:  # noqa: BLE001 - a clock is not worth failing a run over

@@ -88,7 +88,7 @@ def _from_uri(uri: str) -> tuple[pafs.FileSystem, str]:
         return pafs.FileSystem.from_uri(uri)
     except (ValueError, OSError) as first:  # pyarrow.ArrowInvalid is a ValueError
         try:
-            import fsspec.core
+            import fsspec.core  # lazy: fsspec
         except ImportError:
             raise StorageError(f"{uri}: pyarrow cannot open this URI ({first})") from None
         try:
