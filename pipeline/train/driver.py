@@ -57,6 +57,7 @@ from hylo.pipeline.train.checkpoint.layout import (
     latest_checkpoint,
 )
 from hylo.pipeline.train.checkpoint.resume import check_student_fits
+from hylo.pipeline.train.collective import collective_backend
 from hylo.pipeline.train.config import StageConfig, config_to_dict
 from hylo.pipeline.train.inputs import check_stage_inputs
 from hylo.pipeline.train.kernel_cache import worker_cache_env
@@ -390,12 +391,8 @@ def auto_torch_config() -> Any:
     NCCL whenever GPUs are requested, whose process group a torch without CUDA cannot create."""
     # lazy: ray. The classes are local so that cloudpickle sends them by value: Ray's controller unpickles
     # them, and a class of this module would make it import the training stack
-    from dataclasses import dataclass, replace
-
     from ray.train.torch import TorchConfig
     from ray.train.torch.config import _TorchBackend
-
-    from hylo.pipeline.train.collective import collective_backend
 
     class AutoBackend(_TorchBackend):
         def on_start(self, worker_group: Any, backend_config: Any) -> None:
@@ -403,9 +400,9 @@ def auto_torch_config() -> Any:
             backend, note = worker_group.execute_single(0, collective_backend, use_gpu)
             if note:
                 print(f"[train] {note}", flush=True)
-            super().on_start(worker_group, replace(backend_config, backend=backend))
+            super().on_start(worker_group, dataclasses.replace(backend_config, backend=backend))
 
-    @dataclass
+    @dataclasses.dataclass
     class AutoTorchConfig(TorchConfig):
         backend: str | None = "auto"
 

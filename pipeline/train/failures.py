@@ -72,7 +72,7 @@ def final_input_errors() -> Iterator[bool]:
     """While fitting: Ray Train builds `InputErrorsAreFinal` as its failure policy. Yields whether it
     could be installed."""
     try:
-        from ray.train.v2.api import data_parallel_trainer as dpt
+        from ray.train.v2.api import data_parallel_trainer as dpt  # lazy: version (older Ray lacks it)
     except ImportError:
         dpt = None
     if dpt is None or not hasattr(dpt, "create_failure_policy"):
