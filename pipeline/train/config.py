@@ -1,20 +1,16 @@
 """Run configuration of the two training stages, as dataclasses loaded by `hylo.pipeline.config`.
 
-    cfg = load_config(Stage2Config, "configs/demo-smollm2.yaml", ["optim.lr=1e-4"])
+    cfg = load_stage_config(2, "configs/demo-smollm2.yaml", ["optim.lr=1e-4"])
 
 Design choices:
-* One tree per stage (`Stage1Config`, `Stage2Config`) sharing every section except the loss:
-  `ild` for stage 1 (Enhanced-ILD), `teacher` + `kd` for stage 2. Defaults follow the HyLo recipe
-  (stage 1: context 2,048, lr 2e-4, the 20 % split; stage 2: context 65,536, lr 4e-5, global batch 8
-  sequences, 1 epoch, warm-up ratio 0.01, kl_weight 1, ce_weight 0).
-* A YAML file may hold both stages under `stage1:` / `stage2:` keys plus shared top-level sections;
-  `load_stage_config` merges them (stage section wins) so one recipe file describes a whole run.
-* Each section states the range or choices of its fields once (`@rules`, pipeline/config.py); values that
-  must agree across sections (global batch vs workers) are checked by the stage classes. Everything is
-  checked at load, before Ray or torchrun starts; the files a stage reads are checked by inputs.py.
-* `breaking_diff(old, new)` lists the keys whose change breaks a resumed run (model, data, optimiser,
-  batch, world size, seed ...); run-time knobs (Ray address, checkpoint cadence, metrics, fault
-  injection, offload) may change between a stop and a resume.
+* One tree per stage (`Stage1Config`, `Stage2Config`). They share every section except the loss: `ild` for
+  stage 1, `teacher` and `kd` for stage 2. Defaults follow the HyLo recipe.
+* A YAML file may hold both stages under `stage1:` and `stage2:` over shared sections. The stage's own
+  section wins.
+* Each section states its fields' ranges once (`@rules`). Rules between sections live in the stage classes,
+  the sequence-parallel ones included. All are checked at load, before Ray or torchrun starts.
+* The config stays this typed object all the way to the workers.
+* `breaking_diff(old, new)` lists the keys whose change breaks a resumed run. Run-time knobs may change.
 """
 
 from __future__ import annotations

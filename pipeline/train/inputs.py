@@ -1,21 +1,14 @@
-"""What a training stage reads, checked before Ray or torchrun starts; every error names the key and file.
+"""What a training stage reads, checked before Ray or torchrun starts. Every error names the key and the file.
 
-`check_stage_inputs(cfg)` is cheap (config files, safetensors headers, Parquet footers; no weights):
-* model.student: a HyLo checkpoint (a valid hybrid_config.json, whole .safetensors files). Stage 1
-  without one: model.base's config.json with the model.convert options must give a valid HybridConfig;
-* model.base (stage 1): a model directory or asset with whole .safetensors files;
-* stage 2's teacher: what its source reads (`check_inputs` of pipeline/teacher/sources: the teacher's weights
-  for inprocess, or serve when the driver starts the pool; offline: a teacher cache manifest of teacher.k's k);
-* what the config files say about teacher and student (`check_compatible_models`): the same vocabulary
-  size (teacher / cache manifest / stage 1's base vs the student), the same tokens for the same ids in
-  their tokenizer.json files, stage 1's base of the student's hidden size and layer count (its layer
-  outputs are the targets); a teacher tokenizer without the chat template the student's has is a
-  warning; teacher.k at most that vocabulary. So a teacher of another vocabulary stops the run here, from config files, not after Ray
-  started and both models loaded, where its error would be retried as if it were a fault;
-* data (parquet): the manifest, its split and max_len (against data.seq_len when set, divided by
-  train.sequence_parallel), and every shard's
-  Parquet footer and row count (a truncated or half-copied shard is named here; a shard corrupt inside is
-  named by the reader, which verifies page checksums; shards written without them are a warning).
+`check_stage_inputs(cfg)` is cheap: config files, safetensors headers and Parquet footers, no weights.
+* model.student is a HyLo checkpoint. Stage 1 without one checks model.base with the model.convert options.
+* model.base (stage 1) has whole .safetensors files.
+* Stage 2's teacher source checks what it reads (pipeline/teacher/sources).
+* Teacher, base and student agree from their config files: vocabulary, tokenizer, and for stage 1 shape.
+* The data's manifest, split and shards are readable, and their rows were made by the student's tokenizer.
+* The rows split over a sequence-parallel group (`config.sp_shard_problem`, with the data's own length).
+
+A mismatch stops here, not in the workers, where Ray would retry it as a fault.
 """
 
 from __future__ import annotations
