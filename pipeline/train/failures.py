@@ -1,18 +1,12 @@
 """Which worker failures Ray Train retries: faults yes, errors in the user's input no.
 
-Ray Train 2.x decides in its failure policy (`ray.train.v2._internal.execution.failure_handling.
-DefaultFailurePolicy`): every `WorkerGroupError` is retryable and counts against
-`FailureConfig(max_failures)`, whatever the workers raised. A teacher of another vocabulary, a bad
-config value found inside a worker, a full disk, were thus retried `ray.max_failures` times (each
-retry starting the workers and loading the models again) before the run failed.
+Ray Train's default failure policy retries every worker-group error, up to `FailureConfig(max_failures)`.
+`InputErrorsAreFinal` keeps that policy and adds one rule. A failure in which some worker raised an input
+error (what `hylo.pipeline.cli.input_error_message` knows) and no worker died is raised at once. A dead
+worker or a lost node (`RayActorError`) keeps its retries.
 
-`InputErrorsAreFinal` keeps Ray's policy and adds one rule: a worker-group failure in which some
-worker raised an input error (the classes and path errors `hylo.pipeline.cli.input_error_message` knows:
-ConfigError, CheckpointError, a missing file, ENOSPC, ...) and no worker died (a killed process, a
-lost node: `RayActorError`, which keeps its retries) is raised at once. The driver installs it for
-its `fit()` (`final_input_errors`); Ray has no public switch for this, so the hook is Ray's factory
-(`create_failure_policy`, imported by `ray.train.v2.api.data_parallel_trainer`). When a Ray version
-lacks it the run goes on with Ray's own policy and says so.
+Ray has no public switch for this. The hook is Ray's factory `create_failure_policy`, replaced while the
+driver fits (`final_input_errors`). A Ray version without it keeps its own policy, and the run says so.
 """
 
 from __future__ import annotations
