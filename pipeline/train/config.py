@@ -46,7 +46,6 @@ from hylo.pipeline.config import (
 )
 from hylo.pipeline.data.config import SPLITS
 from hylo.pipeline.teacher.config import InProcessSection, OfflineSection, ServeSection, TeacherFaultConfig
-from hylo.pipeline.teacher.sources import check_section, source_names, target_form
 from hylo.upcycle.config import ConvertConfig
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -358,10 +357,12 @@ class ILDSection:
 
 class _RegisteredSources:
     """The choices of `teacher.source`: the names in the teacher source registry (pipeline/teacher/sources), read
-    when a value is checked."""
+    when a value is checked, so that importing this module imports no source."""
 
     @staticmethod
     def _names() -> tuple[str, ...]:
+        from hylo.pipeline.teacher.sources import source_names  # lazy: layering (a config loads no source)
+
         return source_names()
 
     def __iter__(self) -> Iterator[str]:
@@ -384,11 +385,15 @@ class TeacherSection(OfflineSection, ServeSection, InProcessSection):
     sources' keys keep their values, unread."""
 
     def __post_init__(self) -> None:
+        from hylo.pipeline.teacher.sources import check_section  # lazy: layering
+
         check_section(self)
 
     @property
     def form(self) -> str:
         """topk, hidden or logits (`target_form` of pipeline/teacher/sources)."""
+        from hylo.pipeline.teacher.sources import target_form  # lazy: layering
+
         return target_form(self)
 
 
