@@ -3,8 +3,8 @@
 Legend: W workers (ranks), G micro-batches (one packed row each) per optimiser step on a rank, N ranks of a
 sequence-parallel group.
 
-    train_worker(stage, loop_config)   # each torchrun rank; under Ray Train, entry.WorkerEntry.of(stage)
-      stage.train_step(task, rows)     # = train_step below: the stage's task supplies its inputs and losses
+    train_worker(stage, cfg, loop_config)   # each torchrun rank; under Ray Train, driver.WORKER
+      stage.train_step(task, rows)          # = train_step below: the stage's task supplies its inputs and losses
 
 Design choices:
 * The driver hands in the stage (`stage1.STAGE`, `stage2.STAGE`). It builds the model and supplies what its
@@ -50,7 +50,7 @@ from hylo.pipeline.train.checkpoint.deepspeed_io import load_checkpoint, save_ch
 from hylo.pipeline.train.checkpoint.layout import step_dir_name, write_json_atomic
 from hylo.pipeline.train.checkpoint.resume import check_compatible
 from hylo.pipeline.train.collective import collective_backend
-from hylo.pipeline.train.config import FaultSection, StageConfig, config_from_dict
+from hylo.pipeline.train.config import FaultSection, StageConfig
 from hylo.pipeline.train.deepspeed_cfg import current_lr, import_deepspeed, resolve_dtype
 from hylo.pipeline.train.metrics import METRICS_FILE, peak_memory_mib
 from hylo.pipeline.train.nonfinite import (
@@ -197,8 +197,9 @@ def watch_stale_build_locks(stop: threading.Event, max_age_s: float = 300.0, pol
 
 
 # ------------------------------------------------------------------------------------ the loop
-def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
-    """Train `stage` on this worker; all workers run this in lockstep."""
+def train_worker(stage: Stage, cfg: StageConfig, loop_config: dict[str, Any]) -> None:
+    """Train `stage` with `cfg` on this worker; all workers run this in lockstep. `loop_config` is the launch:
+    where the run lives and resumes from (driver.loop_config)."""
     clock = StartupClock.from_dict(loop_config.get("startup"))
     clock.lap("worker group")
     if loop_config.get("torch_extensions_dir"):
@@ -206,7 +207,6 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     # the kernel cache (Ray workers have it from their runtime env already; torchrun ranks get it here)
     for k, v in (loop_config.get("kernel_cache_env") or {}).items():
         os.environ.setdefault(k, v)
-    cfg = config_from_dict(loop_config["config"])
     if stage.number != cfg.stage:
         raise ValueError(f"train_worker got stage {stage.number} with a stage-{cfg.stage} config")
     if cfg.model.student and is_uri(cfg.model.student):

@@ -374,7 +374,7 @@ def test_stage_job_refuses_a_run_directory_inside_its_data_in_one_line(tmp_path,
     from hylo.pipeline.train import driver
 
     started = []
-    monkeypatch.setattr(driver, "_run_locked", lambda *a, **k: started.append(a) or {})
+    monkeypatch.setattr(driver, "prepare_run", lambda *a, **k: started.append(a) or {})
     data = tmp_path / "data"
     data.mkdir()
     (data / "manifest.json").write_text("{}")
