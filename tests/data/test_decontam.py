@@ -414,7 +414,7 @@ def test_humaneval_builtin_and_registry():
     assert items[0].segments[0][:4] == ["from", "typing", "import", "list"]
 
 
-# ---------------------------------------------------------------------- the output directory (issue 38)
+# ---------------------------------------------------------------------- the output directory (ours, or refused)
 @pytest.mark.parametrize("where", ["input", "holds_input", "inside_benchmark_dir"])
 def test_out_over_an_input_is_refused_before_any_work(tmp_path, where):
     (tmp_path / "d").mkdir()

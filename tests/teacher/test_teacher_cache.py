@@ -306,7 +306,7 @@ def test_ray_job_resumes_after_partial_shards(env, tmp_path):
     assert manifest["complete"] and manifest["rows"] == 10 and manifest["index_dtype"] == "uint16"
 
 
-# ---------------------------------------------------------------------- the output directory (issue 38)
+# ---------------------------------------------------------------------- the output directory (ours, or refused)
 @pytest.mark.parametrize("where", ["data", "inside_data", "model", "holds_data"])
 def test_out_over_an_input_is_refused_before_any_write(env, tmp_path, where):
     """`out` that is, lies inside or holds the data or the teacher is refused before anything is written."""

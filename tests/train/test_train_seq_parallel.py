@@ -1,4 +1,4 @@
-"""Sequence parallelism in training (`train.sequence_parallel: N`, issue 36): the config rules, the rows each
+"""Sequence parallelism in training (`train.sequence_parallel: N`): the config rules, the rows each
 group reads and the data position that makes a checkpoint independent of N, and (gloo, one process per rank)
 each stage's loss and every parameter's gradient over a split row against the unsplit row's.
 
