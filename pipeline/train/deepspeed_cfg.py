@@ -54,7 +54,7 @@ def import_deepspeed():
     it is compiled when first called, as `torch.compile` would compile it then. A Muon already loaded is left
     as it is."""
     import deepspeed  # lazy: deepspeed
-    import deepspeed.ops
+    import deepspeed.ops  # lazy: deepspeed
 
     ops = getattr(deepspeed.ops, "__compatible_ops__", None)
     if isinstance(ops, dict):

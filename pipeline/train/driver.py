@@ -392,8 +392,8 @@ def auto_torch_config() -> Any:
     NCCL whenever GPUs are requested, whose process group a torch without CUDA cannot create."""
     # lazy: ray. The classes are local so that cloudpickle sends them by value: Ray's controller unpickles
     # them, and a class of this module would make it import the training stack
-    from ray.train.torch import TorchConfig
-    from ray.train.torch.config import _TorchBackend
+    from ray.train.torch import TorchConfig  # lazy: ray
+    from ray.train.torch.config import _TorchBackend  # lazy: ray
 
     class AutoBackend(_TorchBackend):
         def on_start(self, worker_group: Any, backend_config: Any) -> None:
@@ -421,7 +421,7 @@ def ray_training(cfg: StageConfig, resume: str | None, clock: StartupClock) -> I
     It yields the `TorchTrainer`. A preemption raises `Preempted`; any other failure of the fit is a
     `TrainingError`, and a worker's input error is not retried (failures.py)."""
     from ray.train import ScalingConfig  # lazy: ray
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchTrainer  # lazy: ray
 
     from hylo.pipeline.train.failures import final_input_errors  # lazy: ray
 

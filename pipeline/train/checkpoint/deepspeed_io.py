@@ -139,7 +139,7 @@ def deepspeed_safe_globals() -> list[Any]:
     (`enum_member_by_name`); anything else in a pickle is refused."""
     global DEEPSPEED_ENUMS
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # lazy: deepspeed
-    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # lazy: deepspeed
 
     DEEPSPEED_ENUMS = (ZeroStageEnum,)
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, (enum_member_by_name, "builtins.getattr")]
