@@ -43,7 +43,7 @@ install:
 	@$(PYTHON) -m compileall -q -j 0 $$($(SITE_PACKAGES)) >/dev/null 2>&1 || true
 	@echo "==> make install: done ($$($(PYTHON) -c 'import torch; print("torch", torch.__version__)'))"
 
-# The lock resolves beside $(TORCH) on PyPI alone (no local index or wheel; pip --dry-run --isolated). Needs PyPI.
+# The lock resolves beside $(TORCH) on PyPI alone (no local index or wheel; uv pip compile --no-config). Needs PyPI.
 lock-check:
 	$(PYTHON) cluster/constraints.py --check-index
 

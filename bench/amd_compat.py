@@ -26,15 +26,20 @@ The layouts their public code cannot build (GDN, Qwen q/k norms) must be refused
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file (python bench/amd_compat.py) of a checkout
@@ -44,6 +49,7 @@ from hylo.io import load_hylo, save_hylo  # noqa: E402
 from hylo.jobs import convert  # noqa: E402
 from hylo.released import their_expected_tensors  # noqa: E402
 from hylo.released_xecomla import xecomla_expected_tensors  # noqa: E402
+from hylo.upcycle import upcycle  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "amd_compat_worker.py"
 D, FF, H, G, DH, VOCAB, LAYERS = 64, 128, 4, 2, 16, 128, 4
@@ -103,8 +109,6 @@ THEIRS = [
 
 
 def _base(kind: str, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
     torch.manual_seed(seed)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**LLAMA)).double().eval()
@@ -142,10 +146,6 @@ def _worker(args, side: str, tasks: list[dict], out: Path) -> dict:
 
 def _quiet(fn, argv: list[str]) -> int:
     """Run a CLI main with its summary (stdout) and warnings kept out of the table; errors still go to stderr."""
-    import contextlib
-    import io
-    import warnings
-
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         return fn(argv)
@@ -192,8 +192,6 @@ def check_facts(zebra: dict, xeco: dict) -> list[str]:
 # ------------------------------------------------------------------------------------ run
 def prepare_ours(work: Path) -> list[dict]:
     """Convert, perturb, save, export with the CLI; our logits in fp32 / fp64 and teacher-forced decode logits."""
-    from hylo.upcycle import upcycle
-
     rows = []
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(7))
     save_file({"ids": ids}, str(work / "ids.safetensors"))
@@ -342,8 +340,6 @@ def _one_line(text: str) -> str:
 
 def _decode_cell(infer: dict, path: Path, r: dict, ids: torch.Tensor) -> str:
     if not infer["ok"]:
-        import re
-
         m = re.search(r"size mismatch for (\S+):", infer["error"])
         why = f"size mismatch for {m.group(1)}" if m else _one_line(infer["error"])[:150]
         return f"their hybrid_inference refused it: {why}"

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import os
 import re
 import sys
 import traceback
@@ -42,7 +43,7 @@ def _setup(repo: Path, side: str) -> None:
 
 
 def _read_ids(path: str) -> torch.Tensor:
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: stand-ins
 
     return load_file(path)["ids"]
 
@@ -69,9 +70,12 @@ def _asserts(fn) -> list[list[str]]:
 # ------------------------------------------------------------------------------------ facts
 def facts(side: str) -> dict:
     if side == "zebra":
-        from hybrid.hybrid_config import HybridConfig
-        from hybrid.mamba2.hybrid_mamba2_layer import Mamba2
-        from hybrid.mla.hybrid_mla_layer import DeepseekV3RMSNorm, DeepseekV3YarnRotaryEmbedding
+        from hybrid.hybrid_config import HybridConfig  # optional: amd
+        from hybrid.mamba2.hybrid_mamba2_layer import Mamba2  # optional: amd
+        from hybrid.mla.hybrid_mla_layer import (  # optional: amd
+            DeepseekV3RMSNorm,
+            DeepseekV3YarnRotaryEmbedding,
+        )
 
         fields = {}
         for f in dataclasses.fields(HybridConfig):
@@ -82,7 +86,7 @@ def facts(side: str) -> dict:
                 "latent_norm_eps": DeepseekV3RMSNorm(4).variance_epsilon, "mamba_gated_norm_eps": m2.norm.eps,
                 "mamba2_args": {k: _jsonable(p.default) for k, p in sig.items() if k not in ("self",)},
                 "yarn_default_original": sig_default(DeepseekV3YarnRotaryEmbedding, "original_max_position_embeddings")}
-    from mla.hybrid_mla_config import DeepseekV3Config, MLAConfig
+    from mla.hybrid_mla_config import DeepseekV3Config, MLAConfig  # optional: amd
 
     fields = {}
     for f in dataclasses.fields(MLAConfig):
@@ -101,10 +105,10 @@ def sig_default(cls, name):
 # ------------------------------------------------------------------------------------ their models
 def _wrapper(side: str, d: str, dtype: torch.dtype):
     if side == "zebra":
-        from hybrid.hybrid_wrapper import HybridModelWrapper
+        from hybrid.hybrid_wrapper import HybridModelWrapper  # optional: amd
 
         return HybridModelWrapper.from_pretrained(d, torch_dtype=dtype)
-    from mla.hybrid_wrapper import MLATransformerHybridModelWrapper
+    from mla.hybrid_wrapper import MLATransformerHybridModelWrapper  # optional: amd
 
     return MLATransformerHybridModelWrapper.from_pretrained(d, torch_dtype=dtype)
 
@@ -120,7 +124,7 @@ def _logits(side: str, w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 def _accounting(w, d: str) -> dict:
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: stand-ins
 
     files = {}
     for f in sorted(Path(d).glob("*.safetensors")):
@@ -141,7 +145,7 @@ class _NormsInInputDtype:
     an fp64 run shows what is left once that rounding is gone."""
 
     def __enter__(self):
-        import transformers.models.llama.modeling_llama as llama
+        import transformers.models.llama.modeling_llama as llama  # lazy: stand-ins
 
         mla = sys.modules.get("hybrid.mla.hybrid_mla_layer") or sys.modules.get("mla.hybrid_mla_layer")
         self.saved = [(cls, cls.forward) for cls in (mla.DeepseekV3RMSNorm, llama.LlamaRMSNorm)]
@@ -159,7 +163,7 @@ class _NormsInInputDtype:
 
 
 def load(side: str, task: dict, out: Path) -> dict:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: stand-ins
 
     ids = _read_ids(task["ids"])
     res, tensors = {}, {}
@@ -178,8 +182,8 @@ def load(side: str, task: dict, out: Path) -> dict:
 
 def infer(side: str, task: dict, out: Path) -> dict:
     """Their hybrid_inference wrapper: prefill, then greedy decode of `new_tokens` with the scores it samples."""
-    from hybrid_inference.hybrid_model_wrapper import HybridModelWrapper as InferenceWrapper
-    from safetensors.torch import save_file
+    from hybrid_inference.hybrid_model_wrapper import HybridModelWrapper as InferenceWrapper  # optional: amd
+    from safetensors.torch import save_file  # lazy: stand-ins
 
     ids = _read_ids(task["ids"])
     res, tensors = {}, {}
@@ -197,8 +201,6 @@ def infer(side: str, task: dict, out: Path) -> dict:
 
 def tree(side: str, task: dict, out: Path) -> dict:
     """The module tree their loader builds from the directory's configs, with no weights read."""
-    import os
-
     d = task["dir"]
     weights = [f for f in os.listdir(d) if f.endswith(".safetensors")]
     if weights:
@@ -215,21 +217,21 @@ def _perturb(model, seed: int) -> None:
 
 
 def build(side: str, task: dict, out: Path) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: stand-ins
 
     torch.manual_seed(task["seed"])
     base_dir = Path(task["out"]).with_name(Path(task["out"]).name + "-base")
     LlamaForCausalLM(LlamaConfig(**task["base"])).save_pretrained(base_dir)
     if side == "zebra":
-        from hybrid.hybrid_config import HybridConfig
-        from hybrid.hybrid_wrapper import HybridModelWrapper
+        from hybrid.hybrid_config import HybridConfig  # optional: amd
+        from hybrid.hybrid_wrapper import HybridModelWrapper  # optional: amd
 
         hc = HybridConfig(**task["hybrid_config"])
         w = HybridModelWrapper.init_distillation(None, str(base_dir), hc, hc.mla_layers, dtype=torch.float32,
                                                  init_with_svd=True, init_with_kqvo=True)
     else:
-        from mla.hybrid_mla_config import DeepseekV3Config, MLAConfig
-        from mla.hybrid_wrapper import MLATransformerHybridModelWrapper
+        from mla.hybrid_mla_config import DeepseekV3Config, MLAConfig  # optional: amd
+        from mla.hybrid_wrapper import MLATransformerHybridModelWrapper  # optional: amd
 
         layer = DeepseekV3Config(**task["layer_config"])
         mc = MLAConfig(deepseek_cfg=layer, **task["mla_config"])

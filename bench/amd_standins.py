@@ -256,9 +256,9 @@ def install_cpu_runtime() -> None:
     allocates on the CPU, `torch.cuda.Event` (their decode loop's timer) records nothing, and transformers is
     told flash-attn >= 2.1 is installed (it is: the stand-in above; its check also wants a GPU). Call before
     importing their modules (they read the flash-attn check at import)."""
-    import transformers.modeling_utils as mu
-    import transformers.utils as tu
-    import transformers.utils.import_utils as iu
+    import transformers.modeling_utils as mu  # lazy: stand-ins
+    import transformers.utils as tu  # lazy: stand-ins
+    import transformers.utils.import_utils as iu  # lazy: stand-ins
 
     torch.nn.Module.cuda = lambda self, device=None: self
     torch.Tensor.cuda = lambda self, *args, **kwargs: self

@@ -21,6 +21,7 @@ likewise. Exit status 1 when one is broken.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -28,8 +29,17 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from hylo.atomic import atomic_write  # noqa: E402
+from hylo.kernels.compile_count import count_compilations  # noqa: E402
+from hylo.kernels.fused_kl import fused_linear_kl_div  # noqa: E402
+from hylo.kernels.varlen import DocBounds  # noqa: E402
+from hylo.modeling import HyLoForCausalLM  # noqa: E402
 
 # per kernel: at most this many compilations (autotune runs) over the scenario, none first needed in phase LATER
 # or after (decode: the prefill and the first single-token step may compile; the other steps must not; rows: a
@@ -41,8 +51,6 @@ LATER = {"decode": 2, "rows": 1}
 
 def row_bounds(T: int, seed: int) -> list[int]:
     """A packed row's document boundaries: 1 to 6 documents of random lengths, different for each seed."""
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     docs = int(rng.integers(1, 7))
     cuts = sorted(rng.choice(np.arange(1, T), size=docs - 1, replace=False).tolist())
@@ -50,8 +58,6 @@ def row_bounds(T: int, seed: int) -> list[int]:
 
 
 def decode(model: Any, prefill: int, tokens: int, device: Any, log: Any) -> None:
-    import torch
-
     ids = torch.randint(0, model.config.vocab_size, (1, prefill + tokens), generator=torch.Generator().manual_seed(6))
     ids = ids.to(device)
     with torch.no_grad():
@@ -63,11 +69,6 @@ def decode(model: Any, prefill: int, tokens: int, device: Any, log: Any) -> None
 
 
 def rows(model: Any, n_rows: int, T: int, device: Any, log: Any) -> list[list[int]]:
-    import torch
-
-    from hylo.kernels.fused_kl import fused_linear_kl_div
-    from hylo.kernels.varlen import DocBounds
-
     seen = []
     for r in range(n_rows):
         if r == 1:
@@ -93,11 +94,7 @@ def rows(model: Any, n_rows: int, T: int, device: Any, log: Any) -> list[list[in
 
 
 def student(variant: str, device: Any, dtype: Any) -> Any:
-    import torch
-
-    from hylo.modeling import HyLoForCausalLM
-
-    from tests.helpers.fla_interpret import gpu_check_module
+    from tests.helpers.fla_interpret import gpu_check_module  # lazy: tests
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -106,13 +103,9 @@ def student(variant: str, device: Any, dtype: Any) -> Any:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    import contextlib
-
-    import torch
-
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if interpret:
-        from tests.helpers import fla_interpret
+        from tests.helpers import fla_interpret  # lazy: tests
 
         fla_interpret.install()
         branch: Any = fla_interpret.gpu_branch
@@ -123,7 +116,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     else:
         raise SystemExit("compile_counts: no GPU; set TRITON_INTERPRET=1 to count the keys on CPU")
     warnings.filterwarnings("ignore")  # fla: "Triton is not supported on current platform, roll back to CPU"
-    from hylo.kernels.compile_count import count_compilations
 
     report: dict[str, Any] = {"interpreted": interpret, "decode_tokens": args.decode_tokens, "prefill": args.prefill,
                               "rows": args.rows, "row_tokens": args.row_tokens, "bounds": BOUNDS, "cases": {}}
@@ -174,8 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     report = measure(args)
     if args.json:
-        from hylo.files import atomic_write
-
         atomic_write(Path(args.json), json.dumps(report, indent=1, default=str))
     return 1 if any(c["over_bound"] for c in report["cases"].values()) else 0
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -30,6 +31,8 @@ sys.path.insert(0, str(REPO))
 from hylo.kernels.backend import forced_mode  # noqa: E402
 from hylo.modeling import HyLoForCausalLM  # noqa: E402
 from hylo.pipeline.eval.decode import cache_nbytes, greedy_decode  # noqa: E402
+from hylo.pipeline.train.config import load_stage_config  # noqa: E402
+from hylo.upcycle.options import hybrid_config_from_base  # noqa: E402
 
 CONFIG_1B = REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml"
 
@@ -37,11 +40,6 @@ CONFIG_1B = REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml"
 def configs(layers: int, vocab: int) -> tuple[Any, Any]:
     """The Llama-3.2-1B shape cut to `layers` layers and `vocab` tokens, and its HyLo student (the recipe's
     conversion options)."""
-    from transformers import LlamaConfig
-
-    from hylo.pipeline.train.config import load_stage_config
-    from hylo.upcycle.options import hybrid_config_from_base
-
     base = LlamaConfig(vocab_size=vocab, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
                        max_position_embeddings=131072, tie_word_embeddings=True)
@@ -70,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads (default 1: on a shared machine more threads made the figures noise)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from transformers import LlamaForCausalLM
 
     base, hybrid = configs(args.layers, args.vocab)
     kinds = [hybrid.layer_type(i) for i in range(hybrid.n_layer)]

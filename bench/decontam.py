@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--skip-b", action="store_true", help="scenario A only")
     args = ap.parse_args()
 
-    import ray
+    import ray  # lazy: ray
 
     src = SourceSpec("sharegpt", str(fetch_asset("sharegpt", progress=False)), allow_assistant_first=True,
                      limit=args.limit)

@@ -45,6 +45,8 @@ from pathlib import Path
 
 from proc_status import PeakSampler  # noqa: E402  (bench/ is on sys.path when run as a script)
 
+from hylo.pipeline.train.config import load_stage_config
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "demo-smollm2.yaml"
 OVERRIDES = ["train.global_batch_sequences=1", "ray.num_workers=1"]
@@ -52,20 +54,18 @@ MIB = 1 << 20
 
 
 def configs():
-    from hylo.pipeline.train.config import load_stage_config
-
     return load_stage_config(2, CONFIG, OVERRIDES), load_stage_config(1, CONFIG)
 
 
 def demo_step(cfg, shapes):
     """The measured step's task and context: `stage2.build` with random weights at the estimate's shapes (the
     student, the in-process teacher), fp32 on this CPU, `PlainEngine`, one rank."""
-    import torch
+    import torch  # lazy: torch
 
-    from hylo.pipeline.estimate import ShapeTeacher, build_model
-    from hylo.pipeline.train import stage2
-    from hylo.pipeline.train.plain_engine import plain_engine
-    from hylo.pipeline.train.worker import SoloContext
+    from hylo.pipeline.estimate import ShapeTeacher, build_model  # lazy: torch
+    from hylo.pipeline.train import stage2  # lazy: torch
+    from hylo.pipeline.train.plain_engine import plain_engine  # lazy: torch
+    from hylo.pipeline.train.worker import SoloContext  # lazy: torch
 
     ctx = SoloContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
                       run_dir=Path("."), grad_accum=1)
@@ -78,7 +78,7 @@ def demo_step(cfg, shapes):
 def replay_gemms(gemms: list, repeats: int = 3) -> dict:
     """fp32 time of each distinct matrix product of the step (its shapes, median of `repeats` calls),
     weighted by the step's FLOPs of that shape -> this machine's GEMM rate at the step's shapes."""
-    import torch
+    import torch  # lazy: torch
 
     flops = seconds = cpu_seconds = 0.0
     for op, shapes, calls, n in gemms:
@@ -111,7 +111,7 @@ def allocator_peaks(fn, mark: str = "hylo::optimizer") -> tuple[float, float]:
     """Peak bytes the CPU allocator held beyond what was live at the start of `fn`, over all of it and up to
     the first `mark` range: torch.profiler's memory events (every allocation and free, in order), the CPU
     analogue of torch.cuda.max_memory_allocated; exact whatever else runs on the machine."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile  # lazy: torch
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
@@ -130,19 +130,19 @@ def run_child(tokens: int, threads: int, gemms: list, memory: bool = True) -> di
     """One step measured in this process: its memory (`memory`: malloc returning freed memory, so that RssAnon
     tracks live tensors) or its time (the process set up as the checkout's training worker sets up a CPU
     worker: `keep_freed_host_memory` where that checkout has it), then the GEMM reference."""
-    import torch
+    import torch  # lazy: torch
 
     torch.set_num_threads(threads)
     host_malloc = None
     if not memory:
         try:
-            from hylo.kernels.backend import keep_freed_host_memory
+            from hylo.kernels.backend import keep_freed_host_memory  # lazy: torch
         except ImportError:  # a checkout from before the setting
             host_malloc = "system (this checkout has no keep_freed_host_memory)"
         else:
             host_malloc = "keep" if keep_freed_host_memory() else "system"
-    from hylo.pipeline.estimate import DOC_TOKENS, shapes_of, synthetic_row
-    from hylo.pipeline.train import stage2
+    from hylo.pipeline.estimate import DOC_TOKENS, shapes_of, synthetic_row  # lazy: torch
+    from hylo.pipeline.train import stage2  # lazy: torch
 
     cfg, s1 = configs()
     shapes = shapes_of(cfg, s1)
@@ -166,7 +166,7 @@ def run_child(tokens: int, threads: int, gemms: list, memory: bool = True) -> di
            "host_malloc": host_malloc}
     if memory:
         # the same step again under the profiler's memory events (its time is not the step's)
-        from torch.profiler import record_function
+        from torch.profiler import record_function  # lazy: torch
 
         gc.collect()
         engine_step = task.engine.step
@@ -186,8 +186,6 @@ def run_child(tokens: int, threads: int, gemms: list, memory: bool = True) -> di
 # ------------------------------------------------------------------------------------ analytic count
 def analytic_flops(tokens: int, row, shapes, checkpointing: bool, valid_rows: int) -> dict[str, float]:
     """The step's FLOPs by hand (see the module docstring); attention dense within each document."""
-    from hylo.config import HybridConfig  # noqa: F401  (the student's config type)
-
     s, t = shapes.student, shapes.teacher
     lens = [e - b for b, e in zip(row.host[:-1], row.host[1:])]
     sq = sum(n * n for n in lens)
@@ -272,9 +270,9 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO))
-    import torch
+    import torch  # lazy: torch
 
-    from hylo.pipeline.estimate import DOC_TOKENS, estimate_step, shapes_of, synthetic_row
+    from hylo.pipeline.estimate import DOC_TOKENS, estimate_step, shapes_of, synthetic_row  # lazy: torch
 
     torch.set_num_threads(args.threads)
     cfg, s1 = configs()

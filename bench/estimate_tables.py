@@ -32,8 +32,24 @@ import time
 import warnings
 from pathlib import Path
 
+import torch
+from torch import nn
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div, naive_kl_div  # noqa: E402
+from hylo.pipeline.estimate import (  # noqa: E402
+    GPUS,
+    Shapes,
+    estimate_step,
+    estimate_teacher_replica,
+    model_config,
+    shapes_of,
+)
+from hylo.pipeline.teacher.protocol import StreamedLogits  # noqa: E402
+from hylo.pipeline.train.config import load_stage_config  # noqa: E402
+from hylo.upcycle.options import hybrid_config_from_base  # noqa: E402
 
 RECIPE_1B = REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml"
 RECIPES = [RECIPE_1B, REPO / "configs" / "llama-3.2-3b-14mla14gdn-64k.yaml",
@@ -54,10 +70,6 @@ PAPER_ROWS = [
 
 
 def paper_student():
-    from hylo.pipeline.estimate import model_config
-    from hylo.pipeline.train.config import load_stage_config
-    from hylo.upcycle.options import hybrid_config_from_base
-
     convert = dataclasses.replace(load_stage_config(1, RECIPE_1B).model.convert, linear_type="mamba2",
                                   mla_layers=[0, 5, 10, 15])
     with warnings.catch_warnings():
@@ -67,19 +79,15 @@ def paper_student():
 
 def comparison_variant(loss: str, teacher: bool):
     """The `variant` of `estimate_step` that gives the built stage-2 task the row's loss and teacher."""
-    import torch
-    from torch import nn
-
-    from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div, naive_kl_div
-
     class ComparisonStudent(nn.Module):
-        """KDStudent's interface, forward(ids, bounds, loss mask, teacher) -> (loss, 0), with the row's loss form."""
+        """KDStudent's interface, forward(ids, bounds, loss mask, teacher, ...) -> (loss, 0), with the row's loss
+        form (a whole row: the positions, labels and shard the step also gives are the row's own or None)."""
 
         def __init__(self, student: nn.Module, kd) -> None:
             super().__init__()
             self.student, self.kd = student, kd
 
-        def forward(self, input_ids_T, bounds, loss_mask_T, targets):
+        def forward(self, input_ids_T, bounds, loss_mask_T, targets, *_):
             zero = torch.zeros((), dtype=torch.float32)
             ids, pos = input_ids_T[None], bounds.positions[None]
             if loss == "plain CE":
@@ -108,8 +116,6 @@ def comparison_variant(loss: str, teacher: bool):
             self.model = model
 
         def targets(self, rows, spec):
-            from hylo.pipeline.teacher.protocol import StreamedLogits
-
             for r in rows:
                 full = torch.cat(list(self.model.logits_chunks(self.model.hidden(r))))
                 # one "chunk" holding the whole row: the fused KL reads its slices
@@ -128,11 +134,6 @@ def comparison_variant(loss: str, teacher: bool):
 
 
 def paper_table(tokens: int = 65536, worlds: tuple[int, int] = (8, 1)) -> list[dict]:
-    import torch
-
-    from hylo.pipeline.estimate import GPUS, Shapes, estimate_step, model_config
-    from hylo.pipeline.train.config import load_stage_config
-
     shapes = Shapes(paper_student(), teacher=model_config("Llama-3.1-8B-Instruct", "teacher.model.path"))
     W, other = worlds
     out = []
@@ -157,11 +158,6 @@ def paper_table(tokens: int = 65536, worlds: tuple[int, int] = (8, 1)) -> list[d
 
 
 def recipes_table(tokens: list[int]) -> list[dict]:
-    import torch
-
-    from hylo.pipeline.estimate import GPUS, estimate_step, estimate_teacher_replica, shapes_of
-    from hylo.pipeline.train.config import load_stage_config
-
     out = []
     for path in RECIPES:
         cfg = load_stage_config(2, path)

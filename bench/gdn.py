@@ -14,15 +14,15 @@ fla's naive chunk.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from timing import time_fwd_bwd  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 from hylo.kernels.gdn import naive_recurrent_gated_delta_rule  # noqa: E402
 from hylo.kernels.gdn.chunk import torch_chunk_gated_delta_rule  # noqa: E402
@@ -40,23 +40,6 @@ def make_inputs(T: int, H: int, K: int, V: int) -> list[torch.Tensor]:
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
-def time_fwd_bwd(fn, inputs, repeats: int, warmup: bool) -> tuple[float, float]:
-    def once() -> tuple[float, float]:
-        for x in inputs:
-            x.grad = None
-        t0 = time.perf_counter()
-        o = fn(*inputs)
-        t1 = time.perf_counter()
-        o.backward(torch.ones_like(o))
-        t2 = time.perf_counter()
-        return t1 - t0, t2 - t1
-
-    if warmup:
-        once()
-    runs = [once() for _ in range(repeats)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-
-
 def implementations(T: int):
     docs = torch.tensor([0, T // 8, T // 2, (3 * T) // 4, T], dtype=torch.int32)
     impls = {
@@ -65,7 +48,7 @@ def implementations(T: int):
         "naive recurrent": lambda q, k, v, g, b: naive_recurrent_gated_delta_rule(q, k, v, g, b)[0],
     }
     try:
-        from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule
+        from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule  # optional: fla
     except Exception as e:  # optional comparison
         print(f"(fla's naive_chunk_gated_delta_rule not importable: {e})")
     else:

@@ -52,20 +52,37 @@ import dataclasses
 import datetime
 import functools
 import gc
+import importlib.metadata as md
 import json
 import math
 import os
 import platform
 import signal
+import socket
+import subprocess
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+# torch, and whatever imports it, is imported inside functions ("# lazy: torch"): `main` sets TRITON_INTERPRET and
+# TORCH_EXTENSIONS_DIR first, and the --isolated parent imports no torch (its children have the GPU to themselves).
+
+from hylo.atomic import atomic_write  # noqa: E402
+from hylo.outputs import check_output_file  # noqa: E402
+from hylo.ownership import record_files  # noqa: E402
+from hylo.pipeline.estimate import GPUS  # noqa: E402  (the package's names load on use: no torch here)
+from hylo.pipeline.train.config import Stage2Config, load_stage_config  # noqa: E402
+from hylo.stopping import end_process, make_dir, popen, stopping  # noqa: E402
+from hylo.upcycle.options import hybrid_config_from_base  # noqa: E402
 
 CONFIG_1B = REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml"
 GIB = 1 << 30
@@ -119,7 +136,7 @@ class Meter:
     `publish` names the dict a case fills as it goes: the partial report holds it as the case's figures."""
 
     def __init__(self, device: Any, on_measure: Callable[[bool], None] | None = None) -> None:
-        import torch
+        import torch  # lazy: torch
 
         self.torch = torch
         self.device = device
@@ -215,7 +232,7 @@ def error_record(exc: BaseException) -> dict[str, Any]:
 
 def kernels_mode(mode: str):
     """The kernel path for a block: kernels/backend.py's own switch (what HYLO_KERNELS sets process-wide)."""
-    from hylo.kernels.backend import forced_mode
+    from hylo.kernels.backend import forced_mode  # lazy: torch
 
     return forced_mode(mode.lower())
 
@@ -234,7 +251,7 @@ class Later:
         Later.pending.append(self)
 
     def resolve(self) -> None:
-        from hylo.pipeline.estimate import estimate_call
+        from hylo.pipeline.estimate import estimate_call  # lazy: torch
 
         try:
             self.value = gib(estimate_call(self.setup, self.run))
@@ -267,9 +284,9 @@ ESTIMATE_ERRORS: list[str] = []
 
 def fake_build(factory: Callable[[], Any], dtype: Any):
     """`build(factory, cpu, dtype)` on the estimate's fake tensors (a module cannot be cast there in place)."""
-    import torch
+    import torch  # lazy: torch
 
-    from hylo.pipeline.estimate import cast_parameters
+    from hylo.pipeline.estimate import cast_parameters  # lazy: torch
 
     with torch.device("cpu"):
         return cast_parameters(factory(), dtype)
@@ -277,7 +294,7 @@ def fake_build(factory: Callable[[], Any], dtype: Any):
 
 def free_memory() -> None:
     # no gc.collect here (about a second per call with transformers loaded): tensors die by refcount
-    import torch
+    import torch  # lazy: torch
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -286,7 +303,7 @@ def free_memory() -> None:
 # ------------------------------------------------------------------------------------ shapes
 def llama_config(kind: str, tiny: bool):
     """Llama-3.2-1B / Llama-3.1-8B shapes (random weights), or small stand-ins for --tiny."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # lazy: torch
 
     if tiny:
         big = kind == "8b"
@@ -307,11 +324,6 @@ def hylo_config(variant: str, tiny: bool):
     """The 1B recipe's student (configs/llama-3.2-1b-8mla8gdn-64k.yaml's conversion options): `8mla8gdn`
     as released, `4mla12m2` (4 MLA layers, 12 Mamba-2, the paper's memory comparison), or `all_mla` (every
     layer MLA: the step's stand-in where the stack has no correct GDN / Mamba-2 backward)."""
-    import warnings
-
-    from hylo.pipeline.train.config import load_stage_config
-    from hylo.upcycle.options import hybrid_config_from_base
-
     convert = load_stage_config(1, CONFIG_1B).model.convert
     if tiny:
         convert = dataclasses.replace(convert, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
@@ -330,7 +342,7 @@ def hylo_config(variant: str, tiny: bool):
 
 def build(cls_or_fn: Callable[[], Any], device: Any, dtype: Any):
     """A model with random weights, initialised on the device (an 8B model is slow to initialise on CPU)."""
-    import torch
+    import torch  # lazy: torch
 
     with torch.device(device):
         model = cls_or_fn()
@@ -339,8 +351,6 @@ def build(cls_or_fn: Callable[[], Any], device: Any, dtype: Any):
 
 def packed_row(T: int, docs: int, vocab: int, seed: int = 0) -> dict[str, Any]:
     """A packed row of `docs` documents of (nearly) equal length, every label scored but each document's last."""
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     cu = np.linspace(0, T, docs + 1).round().astype(np.int32)
     pos = np.concatenate([np.arange(e - s) for s, e in zip(cu[:-1], cu[1:])])
@@ -355,17 +365,17 @@ def case_fused_kl(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
     reference and Liger's fused JSD, for the hidden-state and the top-k teachers, and our fused CE against the
     full-logits CE and cut-cross-entropy's where it imports: time, TFLOP performed and rate, extra memory,
     loss and gradient errors against the fp32 reference (returned in bf16)."""
-    import torch
+    import torch  # lazy: torch
 
-    from hylo.kernels.backend import use_gpu_kernels
-    from hylo.kernels.fused_kl import (
+    from hylo.kernels.backend import use_gpu_kernels  # lazy: torch
+    from hylo.kernels.fused_kl import (  # lazy: torch
         fused_linear_cross_entropy,
         fused_linear_kl_div,
         naive_cross_entropy,
         naive_kl_div,
         topk_from_logits,
     )
-    from hylo.kernels.fused_kl.gemm import PRECISIONS
+    from hylo.kernels.fused_kl.gemm import PRECISIONS  # lazy: torch
 
     N, H, V, HT, k = (sh.kl[x] for x in ("N", "H", "V", "HT", "k"))
     g = torch.Generator(device=device).manual_seed(0)
@@ -393,7 +403,7 @@ def case_fused_kl(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
         return lambda: fwd_bwd_on(fn, h, w, kw)
 
     def estimate(fn, teacher):
-        from hylo.pipeline.estimate import fake_like
+        from hylo.pipeline.estimate import fake_like  # lazy: torch
 
         return estimated_gib(lambda: fake_like((h, w, teacher)), lambda s: fwd_bwd_on(fn, *s))
 
@@ -457,9 +467,9 @@ def case_fused_kl(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
 
 def topk_from_logits_chunked(th, tw, k: int, topk_from_logits, chunk: int = 2048):
     """The teacher's top-k record without a [N, V] logits tensor (fp32 logits chunk by chunk)."""
-    import torch
+    import torch  # lazy: torch
 
-    from hylo.kernels.fused_kl import TeacherTopK
+    from hylo.kernels.fused_kl import TeacherTopK  # lazy: torch
 
     parts = [topk_from_logits(th[s:s + chunk].float() @ tw.float().t(), k, dtype=torch.float32)
              for s in range(0, th.shape[0], chunk)]
@@ -468,10 +478,10 @@ def topk_from_logits_chunked(th, tw, k: int, topk_from_logits, chunk: int = 2048
 
 def liger_jsd(h, w, th, tw, meter: Meter, ref_loss, ref_dh, ref_dw) -> dict[str, Any]:
     """Liger-Kernel's chunked fused linear JSD at beta = 0 (forward KL(teacher || student)), mean over tokens."""
-    import torch
+    import torch  # lazy: torch
 
     try:
-        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss  # optional: liger
     except Exception as exc:  # not installed here: recorded, not a failure of the case
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"[:300]}
     loss_fn = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, temperature=1.0,
@@ -493,7 +503,7 @@ def liger_jsd(h, w, th, tw, meter: Meter, ref_loss, ref_dh, ref_dw) -> dict[str,
 def cut_cross_entropy_ce(h, w, labels, meter: Meter, ref_loss, ref_dh, ref_dw) -> dict[str, Any]:
     """Apple's cut-cross-entropy (`linear_cross_entropy`, its default CCE kernel), mean over tokens."""
     try:
-        from cut_cross_entropy import linear_cross_entropy
+        from cut_cross_entropy import linear_cross_entropy  # optional: cce
     except Exception as exc:  # not installed here: recorded, not a failure of the case
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"[:300]}
 
@@ -514,13 +524,13 @@ def cut_cross_entropy_ce(h, w, labels, meter: Meter, ref_loss, ref_dh, ref_dw) -
 
 # ------------------------------------------------------------------------------------ case 2
 def case_linear_layers(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
-    import torch
+    import torch  # lazy: torch
 
-    from hylo.kernels.backend import use_fla
-    from hylo.kernels.gdn import chunk_gated_delta_rule
-    from hylo.kernels.ssd import chunk_ssd
-    from hylo.kernels.varlen import DocBounds
-    from hylo.modeling import build_mixer
+    from hylo.kernels.backend import use_fla  # lazy: torch
+    from hylo.kernels.gdn import chunk_gated_delta_rule  # lazy: torch
+    from hylo.kernels.ssd import chunk_ssd  # lazy: torch
+    from hylo.kernels.varlen import DocBounds  # lazy: torch
+    from hylo.modeling import build_mixer  # lazy: torch
 
     T, docs = sh.linear["T"], sh.linear["docs"]
     row = packed_row(T, docs, 8)
@@ -553,7 +563,7 @@ def case_linear_layers(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
         (y, dx, grads), t_fast, m_fast = meter.run(run(layer, fast_dtype, "auto"))
 
         def fake_layer_and_input(variant=variant, idx=idx, cfg=cfg, x=x):
-            from hylo.pipeline.estimate import fake_like
+            from hylo.pipeline.estimate import fake_like  # lazy: torch
 
             return fake_build(functools.partial(build_mixer, cfg, idx), fast_dtype), fake_like(x)
 
@@ -584,8 +594,8 @@ def case_linear_layers(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
 
 def op_final_states(variant, T, bounds, device, fast_dtype, ref_dtype, cfg, meter, gdn_op, ssd_op):
     """Outputs, input gradients and final states of the op alone (GDN rule / SSD scan), both paths."""
-    import torch
-    import torch.nn.functional as F
+    import torch  # lazy: torch
+    import torch.nn.functional as F  # lazy: torch
 
     g = torch.Generator(device=device).manual_seed(1)
     if variant == "gdn":
@@ -631,11 +641,11 @@ def op_final_states(variant, T, bounds, device, fast_dtype, ref_dtype, cfg, mete
 
 # ------------------------------------------------------------------------------------ case 3
 def case_mla(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
-    import torch
+    import torch  # lazy: torch
 
-    from hylo.kernels import packed_sdpa
-    from hylo.kernels.varlen import DocBounds
-    from hylo.layers.mla import MLAttention
+    from hylo.kernels import packed_sdpa  # lazy: torch
+    from hylo.kernels.varlen import DocBounds  # lazy: torch
+    from hylo.layers.mla import MLAttention  # lazy: torch
 
     cfg = hylo_config("8mla8gdn", sh.tiny)
     dtype = torch.float32 if sh.tiny else torch.bfloat16
@@ -666,7 +676,7 @@ def case_mla(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
                     mod(xi, cu_seqlens=bounds).float().square().mean().backward()
 
             def fake_mla():
-                from hylo.pipeline.estimate import fake_like
+                from hylo.pipeline.estimate import fake_like  # lazy: torch
 
                 return fake_build(lambda: MLAttention(cfg, 0), dtype), fake_like(x)
 
@@ -685,12 +695,12 @@ def case_mla(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ case 4 / 6
 def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model: Any, engine: str):
     """The stage-2 task from pipeline/train/stage2.build around a random student; engine 'plain' or 'deepspeed'."""
-    import torch
+    import torch  # lazy: torch
 
-    from hylo.modeling import HyLoForCausalLM
-    from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
-    from hylo.pipeline.train import stage2
-    from hylo.pipeline.train.plain_engine import plain_engine
+    from hylo.modeling import HyLoForCausalLM  # lazy: torch
+    from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec  # lazy: torch
+    from hylo.pipeline.train import stage2  # lazy: torch
+    from hylo.pipeline.train.plain_engine import plain_engine  # lazy: torch
 
     cfg = stage2_cfg(engine)
     hcfg = hylo_config(variant, sh.tiny)
@@ -706,8 +716,6 @@ def stage2_task(variant: str, sh: Shapes, device: Any, dtype: Any, teacher_model
 
 def stage2_cfg(engine: str):
     """The measured step's config: one row of one process, checkpointing, fused KL over hidden states."""
-    from hylo.pipeline.train.config import Stage2Config
-
     cfg = Stage2Config()
     cfg.deepspeed.zero_stage = 3 if engine == "deepspeed" else 0
     cfg.train.global_batch_sequences = 1
@@ -719,9 +727,9 @@ def stage2_cfg(engine: str):
 
 
 def teacher_8b(sh: Shapes, device: Any, dtype: Any):
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM  # lazy: torch
 
-    from hylo.pipeline.teacher.model import TeacherModel
+    from hylo.pipeline.teacher.model import TeacherModel  # lazy: torch
 
     cfg = llama_config("8b", sh.tiny)
     cfg._attn_implementation = "sdpa"
@@ -732,15 +740,15 @@ def teacher_8b(sh: Shapes, device: Any, dtype: Any):
 
 def solo_context(cfg: Any, device: Any, dtype: Any):
     """A WorkerContext of one rank whose all-reduce is the identity (no process group needed)."""
-    from hylo.pipeline.train.worker import SoloContext
+    from hylo.pipeline.train.worker import SoloContext  # lazy: torch
 
     return SoloContext(cfg=cfg, rank=0, world_size=1, device=device, dtype=dtype, run_dir=Path("."), grad_accum=1)
 
 
 def count_syncs(fn: Callable[[], Any], device: Any) -> dict[str, Any]:
     """Host synchronisations of one call: CUDA's sync debug mode on a GPU, the host-read log on CPU."""
-    from hylo.kernels.fused_kl.inputs import deferred_checks
-    from hylo.kernels.host_reads import HostReadLog, cuda_sync_log
+    from hylo.kernels.fused_kl.inputs import deferred_checks  # lazy: torch
+    from hylo.kernels.host_reads import HostReadLog, cuda_sync_log  # lazy: torch
 
     if device.type == "cuda":
         with cuda_sync_log() as messages:
@@ -771,7 +779,7 @@ def step_variants(device: Any, engine: str, bypass: bool) -> tuple[list[str], di
 
 def fla_route_problem(device: Any, kinds: set[str]) -> str | None:
     """kernels/backend.check_fla_backward's refusal for layers of `kinds` on `device` (None: a correct route)."""
-    from hylo.kernels.backend import GpuStackError, check_fla_backward
+    from hylo.kernels.backend import GpuStackError, check_fla_backward  # lazy: torch
 
     try:
         check_fla_backward(device, kinds)
@@ -784,10 +792,10 @@ def case_step(sh: Shapes, device: Any, meter: Meter, engine: str = "plain") -> d
     """The stage-2 step, the key figures first: the first student at the key size (the first of
     `sh.step["tokens"]`, 64K), its profile (plain engine), then the other sizes, its host synchronisations (at
     the smallest size), then the next student. Each size: its first call (a new length may compile or tune again) apart from its steady step."""
-    import torch
+    import torch  # lazy: torch
 
-    from hylo.pipeline.data.rows import check_row
-    from hylo.pipeline.train.stage2 import train_step
+    from hylo.pipeline.data.rows import check_row  # lazy: torch
+    from hylo.pipeline.train.stage2 import train_step  # lazy: torch
 
     dtype = torch.float32 if sh.tiny else torch.bfloat16
     variants, replaced = step_variants(device, engine, BYPASS_GUARD[0])
@@ -851,8 +859,8 @@ STEP_ESTIMATES_INLINE = [True]
 def profile_summary(fn: Callable[[], Any], device: Any, rows: int = 15) -> dict[str, Any]:
     """`torch.profiler` over one call: the top kernels by device time on a GPU (the top ops by their own CPU
     time on CPU), with their calls and share, and the profiler's own table. A failure is recorded."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    import torch  # lazy: torch
+    from torch.profiler import ProfilerActivity, profile  # lazy: torch
 
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -865,7 +873,7 @@ def profile_summary(fn: Callable[[], Any], device: Any, rows: int = 15) -> dict[
         seconds = time.perf_counter() - t0
         avgs = prof.key_averages()
         if cuda:
-            from torch.autograd import DeviceType
+            from torch.autograd import DeviceType  # lazy: torch
 
             def own(e):  # microseconds on the device (torch < 2.4 called it cuda time)
                 return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
@@ -897,7 +905,7 @@ def profile_summary(fn: Callable[[], Any], device: Any, rows: int = 15) -> dict[
 
 
 def gpu_name(device: Any) -> str | None:
-    import torch
+    import torch  # lazy: torch
 
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
@@ -907,8 +915,8 @@ def step_estimate(variant: str, sh: Shapes, T: int, dtype: Any) -> dict[str, Any
     step on fake tensors, world size 1, the accelerator's rules, the same row layout): its peak (to compare
     with `peak_gib`), its peak over its start, its FLOPs and the step's seconds at each GPU's peak rate. The
     DeepSpeed case's step is estimated as this one (ZeRO-3 at world size 1 partitions nothing)."""
-    from hylo.pipeline.estimate import Shapes as StepShapes
-    from hylo.pipeline.estimate import estimate_step
+    from hylo.pipeline.estimate import Shapes as StepShapes  # lazy: torch
+    from hylo.pipeline.estimate import estimate_step  # lazy: torch
 
     t0 = time.perf_counter()
     try:
@@ -933,8 +941,6 @@ def peak_seconds(est: Any) -> tuple[dict[str, float], str]:
     """The estimated step's seconds at each listed GPU's peak rate, and how they were priced: the one call
     into the estimator's rates (pipeline/estimate/gpus.py). Where the estimator prices each dtype's FLOPs at
     that dtype's rate (`Estimate.seconds_at_peak(gpu)`), that; otherwise every FLOP at the dense bf16 peak."""
-    from hylo.pipeline.estimate import GPUS
-
     priced = getattr(est, "seconds_at_peak", None)
     if callable(priced):
         return {g.name: float(priced(g)) for g in GPUS}, "each dtype's FLOPs at its rate (the estimator's)"
@@ -956,9 +962,8 @@ def case_deepspeed(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
         import deepspeed  # noqa: F401
     except Exception as exc:
         return {"ok": True, "skipped": f"deepspeed does not import: {type(exc).__name__}: {exc}"[:300]}
-    import socket
 
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: torch
 
     if not dist.is_initialized():
         with socket.socket() as s:
@@ -978,7 +983,7 @@ def case_deepspeed(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ case 5
 def cache_bytes(obj: Any, seen: set[int] | None = None) -> int:
     """Bytes of every distinct tensor storage reachable from a cache object (attributes, lists, dicts)."""
-    import torch
+    import torch  # lazy: torch
 
     seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
@@ -1003,11 +1008,11 @@ def case_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
     """Greedy decoding after a prefill, HyLo against the Llama-3.2-1B shape at each context, the key context
     first (the first of `sh.decode["context"]`, 64K) and both models at a context before the next one; each
     measurement's first call (the prefill's and the single-token steps' compilation) apart from its steady run."""
-    import torch
-    from transformers import DynamicCache, LlamaForCausalLM
+    import torch  # lazy: torch
+    from transformers import DynamicCache, LlamaForCausalLM  # lazy: torch
 
-    from hylo.cache import HyLoCache
-    from hylo.modeling import HyLoForCausalLM
+    from hylo.cache import HyLoCache  # lazy: torch
+    from hylo.modeling import HyLoForCausalLM  # lazy: torch
 
     dtype = torch.float32 if sh.tiny else torch.bfloat16
     new = sh.decode["new_tokens"]
@@ -1059,7 +1064,7 @@ def case_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
                                     logits_to_keep=1).logits[:, -1]
 
             def fake_model(make=make, ids=ids):
-                from hylo.pipeline.estimate import fake_like
+                from hylo.pipeline.estimate import fake_like  # lazy: torch
 
                 return fake_build(make, dtype).eval(), fake_like(ids)
 
@@ -1095,9 +1100,7 @@ CASES: dict[int, tuple[str, Callable[..., dict[str, Any]]]] = {
 
 
 def versions() -> dict[str, Any]:
-    import importlib.metadata as md
-
-    import torch
+    import torch  # lazy: torch
 
     v: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                          "cuda": torch.version.cuda, "platform": platform.platform()}
@@ -1112,7 +1115,7 @@ def versions() -> dict[str, Any]:
         v["capability"] = list(torch.cuda.get_device_capability(0))
         # what training would say of this stack before its first step (kernels/backend.check_fla_backward)
         try:
-            from hylo.kernels.backend import GpuStackError, check_fla_backward
+            from hylo.kernels.backend import GpuStackError, check_fla_backward  # lazy: torch
 
             check_fla_backward(torch.device("cuda", 0), {"gdn", "mamba2"})
             v["training_stack_problem"] = None
@@ -1242,9 +1245,7 @@ def estimate_jobs(args: argparse.Namespace, sh: Shapes, variants: dict[str, list
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Before any case runs: every file the check will write is one this project wrote or a new one
-    (`hylo.files.check_output_file`; `--force` replaces files of the user's), and --out can be written."""
-    from hylo.files import check_output_file
-
+    (`hylo.outputs.check_output_file`; `--force` replaces files of the user's), and --out can be written."""
     out = Path(args.out)
     paths = [out / name for name in REPORT_FILES]
     if isolated(args):
@@ -1286,8 +1287,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.estimate_worker is None:
         check_outputs(args)
     if isolated(args):
-        from hylo.stopping import stopping
-
         # SIGTERM / Ctrl-C end the running case's process group too (hylo/stopping.py)
         with stopping("gpu-check"):
             return run_isolated(args)
@@ -1297,7 +1296,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     # DeepSpeed's CPU ops are built once into the Makefile's cache (make test sets the same folder)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "hylo" / "torch_extensions"))
-    import torch
+    import torch  # lazy: torch
 
     if args.tiny:
         torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -1366,9 +1365,7 @@ def main(argv: list[str] | None = None) -> int:
 def estimate_worker(args: argparse.Namespace, sh: Shapes, device: Any) -> int:
     """One of the CPU processes beside the cases: the step estimates `--estimate-worker I/N` names (every N-th
     job from the I-th, the key sizes first), each written to OUT/part_I.json as soon as it is made."""
-    import torch
-
-    from hylo.files import atomic_write, record_files
+    import torch  # lazy: torch
 
     torch.set_num_threads(1)
     i, n = (int(x) for x in args.estimate_worker.split("/"))
@@ -1429,11 +1426,6 @@ def run_isolated(args: argparse.Namespace) -> int:
     The parent imports no torch, so the children have the GPU to themselves. A child stopped at its budget (or
     dead) is recorded as a case that failed (TimeoutExpired / ChildFailed, the end of its output) with the
     figures its partial report had on disk."""
-    import subprocess
-
-    from hylo.files import atomic_write, record_files
-    from hylo.stopping import end_process, make_dir, popen
-
     out_dir = make_dir(args.out)
     flags = [f for f, on in (("--tiny", args.tiny), ("--bypass-fla-hopper-guard", args.bypass_fla_hopper_guard),
                              ("--force", args.force)) if on]
@@ -1521,7 +1513,7 @@ def run_isolated(args: argparse.Namespace) -> int:
 def bypass_fla_hopper_guard() -> bool:
     """Turn off fla's refusal of its gated backward on Hopper with Triton < 3.7.1 (fla #640), for this
     process only; True if the guard would have applied (the figures then come from a known-bad Triton)."""
-    import fla.ops.common.chunk_o as chunk_o
+    import fla.ops.common.chunk_o as chunk_o  # optional: fla
 
     applies = bool(chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1)
     chunk_o.TRITON_ABOVE_3_7_1 = True
@@ -1529,8 +1521,6 @@ def bypass_fla_hopper_guard() -> bool:
 
 
 def write(out_dir: Path, report: dict[str, Any]) -> None:
-    from hylo.files import atomic_write, record_files
-
     atomic_write(out_dir / "gpu_check.json", json.dumps(report, indent=1, default=json_value, allow_nan=True) + "\n")
     atomic_write(out_dir / "gpu_check.md", markdown(report))
     # recorded as ours: a later run may replace them (check_outputs)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.files import atomic_write  # noqa: E402
+from hylo.atomic import atomic_write  # noqa: E402
 from hylo.pipeline.demo import Demo, DemoConfig  # noqa: E402
 from hylo.pipeline.runner import convert_cmd, last_json_object, train_cmd  # noqa: E402
 from hylo.pipeline.train.config import ILD_TRAINABLE  # noqa: E402

@@ -40,7 +40,7 @@ def ours(path: Path) -> tuple[int, list[str]]:
 
 
 def theirs(path: Path) -> tuple[int, list[str]]:
-    import ijson
+    import ijson  # optional: ijson
 
     n = 0
     try:

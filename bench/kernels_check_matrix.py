@@ -18,14 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hylo.pipeline import kernels_check as kc  # noqa: E402
+from hylo.pipeline.paths import resolve_paths  # noqa: E402
+from hylo.pipeline.train.config import load_stage_config  # noqa: E402
+
 RECIPES = ("llama-3.2-1b-8mla8gdn-64k", "llama-3.2-3b-14mla14gdn-64k", "qwen3-1.7b-7mla21gdn-64k")
 
 
 def main() -> int:
-    from hylo.pipeline import kernels_check as kc
-    from hylo.pipeline.paths import resolve_paths
-    from hylo.pipeline.train.config import load_stage_config
-
     ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)

@@ -20,6 +20,7 @@ Setup (the top-k record, computed chunk by chunk from the teacher logits) is out
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -32,15 +33,12 @@ from proc_status import status_kib  # noqa: E402  (bench/ is on sys.path when ru
 CASES = ["naive", "ours-hidden", "ours-topk64", "ours-logits-fn", "liger-chunked"]
 
 
-
 def run_child(case: str, n: int, hidden: int, vocab: int, seed: int) -> dict:
-    import gc
+    import torch  # lazy: torch
+    import torch.nn.functional as F  # lazy: torch
 
-    import torch
-    import torch.nn.functional as F
-
-    from hylo.kernels.fused_kl import fused_linear_kl_div, topk_from_logits
-    from hylo.kernels.fused_kl.topk import TeacherTopK
+    from hylo.kernels.fused_kl import fused_linear_kl_div, topk_from_logits  # lazy: torch
+    from hylo.kernels.fused_kl.topk import TeacherTopK  # lazy: torch
 
     torch.manual_seed(seed)
     student_hidden = (torch.randn(n, hidden) * 0.5).requires_grad_()
@@ -83,7 +81,7 @@ def run_child(case: str, n: int, hidden: int, vocab: int, seed: int) -> dict:
             return fused_linear_kl_div(student_hidden, student_weight, teacher_logits_fn=teacher_logits_fn)
 
     elif case == "liger-chunked":
-        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss  # optional: liger
 
         liger = LigerFusedLinearJSDLoss(
             weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, compiled=False, chunk_size=1024
@@ -131,12 +129,12 @@ def main() -> None:
         print(json.dumps(run_child(args.child, args.n[0], args.hidden, args.vocab, args.seed)))
         return
 
-    from hylo.kernels.backend import importable
+    from hylo.kernels.backend import importable  # lazy: torch
 
     cases = [c for c in args.cases if c != "liger-chunked" or importable("liger_kernel.chunked_loss")]
     if "liger-chunked" in args.cases and "liger-chunked" not in cases:
         print("liger-kernel not installed: its case is skipped (pip install liger-kernel --no-deps)")
-    import torch
+    import torch  # lazy: torch
 
     print(
         f"fused KL bench: fp32, H={args.hidden}, V={args.vocab}, torch {torch.__version__}, "

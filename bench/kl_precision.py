@@ -25,6 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hylo.kernels import fused_kl  # noqa: E402
+from hylo.kernels.fused_kl import chunked  # noqa: E402
+
 PATHS = ("dense", "topk", "ce")
 MODES = ("accurate", "fast", "fp32-in")
 
@@ -38,8 +41,6 @@ def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
 def unrounded_gradients() -> Iterator[list[torch.Tensor]]:
     """The fused op's gradients before their final cast to the input dtype (its fp32 accumulators), in the
     order it casts them (hidden, weight): autograd would cast a gradient to its input's dtype anyway."""
-    from hylo.kernels.fused_kl import chunked
-
     original, seen = chunked._cast, []
 
     def keep(grad, like):
@@ -56,37 +57,28 @@ def unrounded_gradients() -> Iterator[list[torch.Tensor]]:
 
 def make_inputs(n: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int = 0) -> dict:
     """Inputs of `dtype` (student logits of std ~2, a teacher of its own), the top-k record and the labels."""
-    from hylo.kernels.fused_kl import topk_from_logits
-
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(n, hidden, generator=g).to(dtype)
     w = (torch.randn(vocab, hidden, generator=g) * 2 * hidden ** -0.5).to(dtype)
     th = torch.randn(n, hidden, generator=g).to(dtype)
     tw = (torch.randn(vocab, hidden, generator=g) * 2 * hidden ** -0.5).to(dtype)
     mask = torch.rand(n, generator=g) > 0.25
-    rec = topk_from_logits(th.double() @ tw.double().t(), 16, dtype=torch.float32)
+    rec = fused_kl.topk_from_logits(th.double() @ tw.double().t(), 16, dtype=torch.float32)
     labels = torch.randint(0, vocab, (n,), generator=g)
     return {"h": h, "w": w, "th": th, "tw": tw, "mask": mask, "topk": rec, "labels": labels}
 
 
 def _loss(path: str, x: dict, h: torch.Tensor, w: torch.Tensor, precision: str | None) -> torch.Tensor:
     """The fused op (precision given) or its fp64 reference (precision None) of `path` on (h, w)."""
-    from hylo.kernels.fused_kl import (
-        fused_linear_cross_entropy,
-        fused_linear_kl_div,
-        naive_cross_entropy,
-        naive_kl_div,
-    )
-
     if path == "ce":
         if precision is None:
-            return naive_cross_entropy(h, w, x["labels"], mask=x["mask"])
-        return fused_linear_cross_entropy(h, w, x["labels"], mask=x["mask"], precision=precision)
+            return fused_kl.naive_cross_entropy(h, w, x["labels"], mask=x["mask"])
+        return fused_kl.fused_linear_cross_entropy(h, w, x["labels"], mask=x["mask"], precision=precision)
     teacher = ({"teacher_topk": x["topk"]} if path == "topk"
                else {"teacher_hidden": x["th"].to(h.dtype), "teacher_weight": x["tw"].to(h.dtype)})
     if precision is None:
-        return naive_kl_div(h, w, mask=x["mask"], **teacher)
-    return fused_linear_kl_div(h, w, mask=x["mask"], chunk_size=64, precision=precision, **teacher)
+        return fused_kl.naive_kl_div(h, w, mask=x["mask"], **teacher)
+    return fused_kl.fused_linear_kl_div(h, w, mask=x["mask"], chunk_size=64, precision=precision, **teacher)
 
 
 def reference(path: str, x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

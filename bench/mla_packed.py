@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hylo.cache import MLALayerCache  # noqa: E402
 from hylo.config import HybridConfig  # noqa: E402
 from hylo.layers.mla import MLAttention  # noqa: E402
+from hylo.layers.rope import apply_rotary  # noqa: E402
 
 
 def make_layer() -> MLAttention:
@@ -54,7 +55,6 @@ def dense_mask_forward(layer: MLAttention, x_BTD: torch.Tensor, cu: list[int]) -
     pos = torch.cat([torch.arange(e - s) for s, e in zip(cu[:-1], cu[1:])])[None]
     doc = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu[1:]) - torch.tensor(cu[:-1]))
     mask_TT = (doc[:, None] == doc[None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
-    from hylo.layers.rope import apply_rotary
 
     q_nope, q_pe = layer._query(x_BTD).split([N, P], dim=-1)
     c_kv, k_pe = layer.kv_a_proj_with_mqa(x_BTD).split([R, P], dim=-1)
@@ -90,7 +90,6 @@ def rebuild_kv_step(layer: MLAttention, x_B1D: torch.Tensor, cache: MLALayerCach
     """Decode one token by decompressing the whole cached latent into K/V (what absorption avoids)."""
     N, P, R, H, V = (layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.kv_lora_rank, layer.num_heads,
                      layer.v_head_dim)
-    from hylo.layers.rope import apply_rotary
 
     pos = torch.tensor([[cache.seq_len]])
     q_nope, q_pe = layer._query(x_B1D).split([N, P], dim=-1)

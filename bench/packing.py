@@ -18,6 +18,17 @@ import argparse
 import time
 
 import numpy as np
+import ray
+import ray.data
+from tokenizers import Tokenizer
+
+from hylo.assets import fetch_asset
+from hylo.pipeline.data.config import PackingConfig, TokenizeConfig
+from hylo.pipeline.data.mixture import mix
+from hylo.pipeline.data.readers import SourceSpec, iter_records
+from hylo.pipeline.data.render import ChatRenderer
+from hylo.pipeline.data.streaming import PackedRun, make_packer, stream_packed_rows
+from hylo.pipeline.ray_init import init_ray
 
 
 def main() -> None:
@@ -26,17 +37,6 @@ def main() -> None:
     ap.add_argument("--num-actors", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
     args = ap.parse_args()
-
-    import ray
-    from tokenizers import Tokenizer
-
-    from hylo.assets import fetch_asset
-    from hylo.pipeline.data.config import PackingConfig, TokenizeConfig
-    from hylo.pipeline.data.mixture import mix
-    from hylo.pipeline.data.readers import SourceSpec, iter_records
-    from hylo.pipeline.data.render import ChatRenderer
-    from hylo.pipeline.data.streaming import PackedRun, make_packer, stream_packed_rows
-    from hylo.pipeline.ray_init import init_ray
 
     tok_dir = fetch_asset("smollm2-135m-instruct", progress=False)
     share = fetch_asset("sharegpt", progress=False)
@@ -47,7 +47,6 @@ def main() -> None:
     print(f"ShareGPT: {args.limit} items read -> {len(records)} conversations, {len(rejects)} reader rejects")
 
     init_ray(None, 2, log_to_driver=False)
-    import ray.data
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     tcfg = TokenizeConfig(num_actors=args.num_actors, batch_size=args.batch_size)

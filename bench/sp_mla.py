@@ -19,17 +19,28 @@ import argparse
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the checkout's hylo; the spawned ranks import tests.helpers.sp_group by name
+
+from hylo.kernels.varlen import DocBounds  # noqa: E402
+from hylo.modeling import build_mixer  # noqa: E402
+from hylo.pipeline.estimate import student_config  # noqa: E402
+from hylo.pipeline.train.config import load_stage_config  # noqa: E402
+from hylo.pipeline.train.deepspeed_cfg import import_deepspeed  # noqa: E402
+from hylo.seq_parallel import shard_row  # noqa: E402
+
 DEFAULT_CONFIG = REPO / "configs" / "llama-3.2-3b-14mla14gdn-64k.yaml"
 
 
 def _counting() -> dict[str, float]:
     """Wrap torch.distributed's collectives to add up what this rank sends (ring algorithms)."""
-    import torch.distributed as dist
-
     sent = {"bytes": 0.0, "calls": 0.0}
 
     def wrap(name: str, factor, size_of):
@@ -56,15 +67,6 @@ def _counting() -> dict[str, float]:
 
 
 def _rank(rank: int, world: int, config: str, tokens: int) -> dict[str, Any]:
-    import torch
-
-    from hylo.kernels.varlen import DocBounds
-    from hylo.modeling import build_mixer
-    from hylo.pipeline.estimate import student_config
-    from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.deepspeed_cfg import import_deepspeed
-    from hylo.seq_parallel import shard_row
-
     import_deepspeed().init_distributed(dist_backend="gloo")
     sent = _counting()
     hc = student_config(load_stage_config(1, config), None)
@@ -85,7 +87,7 @@ def _rank(rank: int, world: int, config: str, tokens: int) -> dict[str, Any]:
         for _ in range(2):
             before = dict(sent)
             t0 = time.perf_counter()
-            y = layer(x, cu_seqlens=shard, **kw)
+            y = layer(x, cu_seqlens=shard.local, shard=shard, **kw)
             y.square().sum().backward()
             wall = time.perf_counter() - t0
         out[label] = {"bytes": sent["bytes"] - before["bytes"], "calls": int(sent["calls"] - before["calls"]),
@@ -99,10 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(REPO))  # the spawned ranks import tests.helpers.sp_group by name
-    from functools import partial
 
-    from tests.helpers.sp_group import run_ranks
+    from tests.helpers.sp_group import run_ranks  # lazy: tests
 
     print(f"{Path(args.config).name}: one layer, forward + backward, {args.tokens} tokens a row "
           "(bytes a rank sends, ring algorithms; CPU seconds, gloo, 1 thread a rank)")

@@ -1,4 +1,4 @@
-"""Sequence parallelism (issue 36) for the shipped recipes: the longest context per GPU at N = 1, 2, 4, 8, the 3B
+"""Sequence parallelism (one row split over N GPUs) for the shipped recipes: the longest context per GPU at N = 1, 2, 4, 8, the 3B
 recipe at 128K on H100s, each recipe on one 8-GPU MI300X node, and the communication per layer (Ulysses against
 gathering MLA's latent), from the step estimate (pipeline/estimate/: step.py, sp.py).
 
@@ -36,8 +36,14 @@ import time
 import warnings
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from hylo.pipeline.estimate import GPUS, estimate_step, shapes_of  # noqa: E402
+from hylo.pipeline.estimate.sp import STATES, Dims, communication, extra_memory, measure_mla_extra  # noqa: E402
+from hylo.pipeline.train.config import load_stage_config  # noqa: E402
 
 RECIPES = [REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml", REPO / "configs" / "llama-3.2-3b-14mla14gdn-64k.yaml",
            REPO / "configs" / "qwen3-1.7b-7mla21gdn-64k.yaml"]
@@ -53,9 +59,6 @@ GIB = 1 << 30
 
 
 def _configs(path: Path):
-    from hylo.pipeline.estimate import shapes_of
-    from hylo.pipeline.train.config import load_stage_config
-
     cfg = load_stage_config(2, path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -65,10 +68,6 @@ def _configs(path: Path):
 
 def measure(locals_: tuple[int, ...] = LOCAL, recipes: list[Path] = RECIPES) -> dict:
     """Per recipe: the rank's step peak (bytes) at each L and W, and its FLOPs."""
-    import torch
-
-    from hylo.pipeline.estimate import estimate_step
-
     out: dict = {}
     for path in recipes:
         cfg, shapes = _configs(path)
@@ -98,15 +97,12 @@ def fit(rows: list[dict], W: int) -> tuple[float, float, float]:
 
 class Recipe:
     def __init__(self, name: str, rows: list[dict]) -> None:
-        import torch
-
         self.name = name
         self.cfg, shapes = _configs(REPO / "configs" / f"{name}.yaml")
         self.hc = shapes.student
         self.ckpt = bool(self.cfg.model.activation_checkpointing)
         self.fits = {W: fit(rows, W) for W in WORLDS}
         self.dtype_bytes = torch.empty((), dtype=torch.bfloat16).element_size()
-        from hylo.pipeline.estimate.sp import measure_mla_extra
 
         # one split MLA layer's extra per earlier key and one split linear layer's per token of the rank
         # (T = 64K, N = 2: 32K earlier keys, 32K tokens a rank)
@@ -114,8 +110,6 @@ class Recipe:
         self.linear_per_token = measure_mla_extra(self.hc, 65536, 2, torch.bfloat16, kind="linear") / 32768
 
     def peak(self, T: int, N: int, W: int) -> float:
-        from hylo.pipeline.estimate.sp import STATES, extra_memory
-
         a, b, _ = self.fits[W]
         if N == 1:
             return a + b * T
@@ -142,9 +136,6 @@ def _k(T: int) -> str:
 
 
 def tables(data: dict) -> str:
-    from hylo.pipeline.estimate import GPUS
-    from hylo.pipeline.estimate.sp import Dims, communication
-
     recipes = [Recipe(name, rows) for name, rows in data.items()]
     out = ["Fit of one rank's step peak, a + b L (GiB, GiB per 1K tokens), largest residual over L = "
            + ", ".join(f"{x // 1024}K" for x in LOCAL if x >= FIT_FROM) + "; the split layers' extras (KiB per earlier key, per "

@@ -14,15 +14,15 @@ segment-sum matrix (quadratic in the number of chunks); ours is a loop of one mu
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from timing import time_fwd_bwd  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 from hylo.kernels.ssd import naive_ssd  # noqa: E402
 from hylo.kernels.ssd.chunk import torch_chunk_ssd  # noqa: E402
@@ -41,30 +41,13 @@ def make_inputs(T: int) -> list[torch.Tensor]:
     return [t.requires_grad_() for t in (x, dt, A, B, C, D)]
 
 
-def time_fwd_bwd(fn, inputs, repeats: int, warmup: bool) -> tuple[float, float]:
-    def once() -> tuple[float, float]:
-        for t in inputs:
-            t.grad = None
-        t0 = time.perf_counter()
-        y = fn(*inputs)
-        t1 = time.perf_counter()
-        y.backward(torch.ones_like(y))
-        t2 = time.perf_counter()
-        return t1 - t0, t2 - t1
-
-    if warmup:
-        once()
-    runs = [once() for _ in range(repeats)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-
-
 def implementations(T: int):
     out = [("ours (chunked torch)", lambda *a: torch_chunk_ssd(*a, chunk_size=CHUNK)[0], True)]
     bounds = torch.tensor([0, T // 8, T // 2, T // 2 + T // 16, T], dtype=torch.int32)
     out.append(("ours, packed row of 4 docs", lambda *a: torch_chunk_ssd(*a, cu_seqlens=bounds, chunk_size=CHUNK)[0],
                 True))
     try:
-        from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+        from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan  # optional: mamba2
 
         out.append(("transformers mamba2_chunk_scan",
                     lambda x, dt, A, B, C, D: mamba2_chunk_scan(x, dt, A, B, C, chunk_size=CHUNK, D=D), True))

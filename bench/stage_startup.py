@@ -25,8 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from hylo.pipeline.rehearse import make_tiny_models  # noqa: E402
 
 PHASES = ("import", "ray start", "worker group", "process group", "model load", "deepspeed init", "first step")
 
@@ -34,8 +38,6 @@ PHASES = ("import", "ray start", "worker group", "process group", "model load", 
 def tiny_models(root: Path) -> dict[str, Path]:
     """A random 2-layer Llama (base and teacher) and its HyLo conversion, as the rehearsal and the training tests
     use (pipeline/rehearse.make_tiny_models)."""
-    from hylo.pipeline.rehearse import make_tiny_models
-
     models = make_tiny_models(root)
     return {"base": models["teacher"], "student": models["student"]}
 
@@ -55,8 +57,6 @@ def config(models: dict[str, Path], storage: Path, name: str, stage: int, launch
 
 
 def one_run(models: dict[str, Path], root: Path, stage: int, launcher: str, i: int) -> dict[str, float]:
-    import yaml
-
     name = f"s{stage}-{launcher}-{i}"
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config(models, root / "runs", name, stage, launcher)))
@@ -90,7 +90,6 @@ for i in range({repeats}):
     out.append(time.time() - t0)
 print("WALLS", json.dumps(out))
 """
-    import yaml
 
     paths = []
     for i in range(repeats):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import socket
@@ -38,12 +39,13 @@ from proc_status import PeakSampler  # noqa: E402  (bench/ is on sys.path when r
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hylo.assets import cache_root  # noqa: E402
+from hylo.pipeline.train.config import load_stage_config  # noqa: E402
 
 
 def demo_student(cache: Path) -> Path:
     """The demo's converted student (the conversion of configs/demo-smollm2.yaml's stage 1), cached."""
-    from hylo.pipeline.train.config import load_stage_config
-    from hylo.upcycle import convert
+    from hylo.upcycle import convert  # lazy: torch
 
     out = cache / "hylo-smollm2-demo"
     if not (out / "hybrid_config.json").is_file():
@@ -59,17 +61,16 @@ def _free_port() -> int:
 
 
 def run_child(tokens: int, student: str, threads: int, extra: list[str] | None = None) -> dict:
-    import torch
+    import torch  # lazy: torch
 
     torch.set_num_threads(threads)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(_free_port()))
-    from hylo.pipeline.train import stage2
-    from hylo.pipeline.train.config import load_stage_config
-    from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
-    from hylo.pipeline.train.loop import cosine_with_warmup, setup_distributed
-    from hylo.pipeline.train.row_sources import open_rows
-    from hylo.pipeline.train.worker import WorkerContext
+    from hylo.pipeline.train import stage2  # lazy: torch
+    from hylo.pipeline.train.deepspeed_cfg import resolve_dtype  # lazy: torch
+    from hylo.pipeline.train.loop import cosine_with_warmup, setup_distributed  # lazy: torch
+    from hylo.pipeline.train.row_sources import open_rows  # lazy: torch
+    from hylo.pipeline.train.worker import WorkerContext  # lazy: torch
 
     overrides = [f"model.student={student}", "data.source=synthetic", f"data.seq_len={tokens}",
                  "data.synthetic.vocab_size=49152", "data.synthetic.min_doc_len=256",
@@ -84,7 +85,6 @@ def run_child(tokens: int, student: str, threads: int, extra: list[str] | None =
     warm = open_rows(dataclasses.replace(cfg.data, seq_len=256), 1, 0, 1)
     stage2.train_step(task, [warm.next_row()], ctx)
     row = open_rows(cfg.data, 0, 0, 1).next_row()
-    import gc
 
     gc.collect()
     # The activation part of the step ends when the optimiser step starts: record the peak so far there.
@@ -119,8 +119,6 @@ def main() -> None:
     if args.child is not None:
         print("RESULT " + json.dumps(run_child(args.child, args.student, args.threads, args.overrides)), flush=True)
         return
-
-    from hylo.assets import cache_root
 
     student = demo_student(cache_root() / "bench")
     env = dict(os.environ)

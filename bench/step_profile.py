@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from estimate_check import configs, demo_step  # noqa: E402  (torch-free: its torch imports are lazy)
+
 FAMILIES = {
     "matrix products": ("mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_scaled_dot_product",
                         "scaled_dot_product", "triangular_solve", "linalg_solve_triangular", "conv"),
@@ -53,14 +55,13 @@ def family(name: str) -> str:
 
 
 def build(tokens: int, threads: int):
-    import torch
+    import torch  # lazy: torch
 
     torch.set_num_threads(threads)
-    from estimate_check import configs, demo_step
 
-    from hylo.kernels.backend import keep_freed_host_memory
-    from hylo.pipeline.estimate import DOC_TOKENS, shapes_of, synthetic_row
-    from hylo.pipeline.train import stage2
+    from hylo.kernels.backend import keep_freed_host_memory  # lazy: torch
+    from hylo.pipeline.estimate import DOC_TOKENS, shapes_of, synthetic_row  # lazy: torch
+    from hylo.pipeline.train import stage2  # lazy: torch
 
     keep_freed_host_memory()  # as a CPU training worker runs (HYLO_HOST_MALLOC=system: malloc as it was)
     cfg, s1 = configs()
@@ -113,7 +114,7 @@ def main() -> None:
                    help="matrix-product shapes listed by self time, with the rate each reached")
     args = p.parse_args()
 
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile  # lazy: torch
 
     step, docs = build(args.tokens, args.threads)
     t0 = time.perf_counter()

@@ -26,8 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from hylo.pipeline.data.rows import check_row  # noqa: E402
+from hylo.pipeline.teacher.cache import ShardPlan, make_header, write_shard  # noqa: E402
+from hylo.pipeline.teacher.client import TeacherClient  # noqa: E402
 from hylo.pipeline.teacher.config import DEFAULT_TEACHER, TeacherModelConfig, TeacherPoolConfig  # noqa: E402
 from hylo.pipeline.teacher.model import TeacherModel  # noqa: E402
+from hylo.pipeline.teacher.serve import start_teacher_pool  # noqa: E402
 
 
 def make_rows(n: int, tokens: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -51,7 +55,6 @@ def main() -> None:
     args = ap.parse_args()
 
     teacher = TeacherModel(args.model, dtype="float32", device="cpu")
-    from hylo.pipeline.data.rows import check_row
 
     rows = [check_row(r) for r in make_rows(args.rows, args.tokens, teacher.vocab_size)]
     total = args.rows * args.tokens
@@ -65,12 +68,10 @@ def main() -> None:
     t_direct = time.perf_counter() - t0
     print(f"direct in-process : {total / t_direct:8.0f} tokens/s ({t_direct:.2f} s)")
 
-    import ray
-    from ray import serve
+    import ray  # lazy: ray
+    from ray import serve  # lazy: ray
 
-    from hylo.pipeline.ray_init import init_ray
-    from hylo.pipeline.teacher.client import TeacherClient
-    from hylo.pipeline.teacher.serve import start_teacher_pool
+    from hylo.pipeline.ray_init import init_ray  # lazy: ray
 
     init_ray(None, max(2, args.replicas), log_to_driver=False)
     try:
@@ -109,9 +110,6 @@ def main() -> None:
     wire_bf16 = len(pickle.dumps(chunks[0].to(torch.bfloat16))) / chunks[0].shape[0]
     print(f"wire bytes/token  : top-k (k={args.k}, fp16 + int32 + fp32 tail) {wire_topk:.0f}; "
           f"full logits fp32 {wire_fp32:.0f}, bf16 {wire_bf16:.0f}; fp32/top-k = {wire_fp32 / wire_topk:.0f}x")
-
-    from hylo.pipeline.data.rows import check_row
-    from hylo.pipeline.teacher.cache import ShardPlan, make_header, write_shard
 
     with tempfile.TemporaryDirectory() as d:
         header = make_header(teacher.teacher_id, teacher.tokenizer_hash, args.k, "float16", teacher.vocab_size,

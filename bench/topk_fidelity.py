@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hylo.assets import fetch_asset
 from hylo.kernels.fused_kl import TeacherTopK, fused_linear_kl_div, topk_from_logits
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
@@ -126,10 +128,6 @@ def main() -> None:
     parser.add_argument("--noise", type=float, nargs="*", default=[0.5, 0.2])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hylo.assets import fetch_asset
 
     torch.manual_seed(args.seed)
     model_dir = fetch_asset("smollm2-135m-instruct")

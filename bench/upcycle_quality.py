@@ -17,17 +17,17 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hylo.assets import fetch_asset  # noqa: E402
+from hylo.pipeline.data.readers import SourceSpec, iter_records  # noqa: E402
 from hylo.upcycle import calibration_ids_for, kv_summary, load_base_model, upcycle  # noqa: E402
 
 
 def sharegpt_samples(tokenizer, n: int, max_tokens: int) -> list[torch.Tensor]:
     """First `n` well-formed ShareGPT conversations, rendered with the chat template and truncated."""
-    from hylo.pipeline.data.readers import SourceSpec, iter_records
-
     out = []
     spec = SourceSpec(name="sharegpt", path=str(fetch_asset("sharegpt")))
     for item in iter_records(spec, on_reject=lambda r: None):
@@ -61,7 +61,6 @@ def main() -> None:
     torch.manual_seed(0)
     path = fetch_asset("smollm2-135m-instruct")
     base = load_base_model(path).eval()
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     samples = sharegpt_samples(tok, args.n_conv, args.max_tokens)

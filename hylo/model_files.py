@@ -205,7 +205,7 @@ def check_layer_indices(values: Iterable[Any], n_layer: int, key: str, where: st
 # ------------------------------------------------------------------------------------ weights
 def nonfinite_count(t: Any) -> int:
     """NaN / inf values of one tensor (0 for integer tensors), counted in chunks."""
-    import torch
+    import torch  # lazy: torch
 
     if not t.is_floating_point() or t.numel() == 0:
         return 0
@@ -241,7 +241,7 @@ def check_finite_tensors(tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
 def check_finite_weights(directory: str | Path, what: str, error: type[Exception] = ModelFileError) -> None:
     """Stream every .safetensors file of `directory`, one tensor at a time, and refuse NaN / inf values,
     naming `what` (e.g. "teacher model"), the file and its tensors."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: torch
 
     for f in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
@@ -46,8 +47,11 @@ from hylo.kernels.varlen import (
     # imported from here by hylo.pipeline.placement
     positions_from_cu_seqlens,  # noqa: F401
 )
+from hylo.layers.gdn import GatedDeltaNet
+from hylo.layers.mamba2 import Mamba2Mixer
+from hylo.layers.mla import MLAttention
 from hylo.layers.norm import RMSNorm
-from hylo.seq_parallel import RowShard
+from hylo.seq_parallel import RowShard, shard_bounds
 
 
 class HyLoMLP(nn.Module):
@@ -68,16 +72,10 @@ class HyLoMLP(nn.Module):
 def build_mixer(config: HybridConfig, layer_idx: int) -> nn.Module:
     kind = config.layer_type(layer_idx)
     if kind == "mla":
-        from hylo.layers.mla import MLAttention
-
         return MLAttention(config, layer_idx)
     if kind == "gdn":
-        from hylo.layers.gdn import GatedDeltaNet
-
         return GatedDeltaNet(config, layer_idx)
     if kind == "mamba2":
-        from hylo.layers.mamba2 import Mamba2Mixer
-
         return Mamba2Mixer(config, layer_idx)
     raise ValueError(f"unknown layer type {kind!r} for layer {layer_idx}")
 
@@ -85,9 +83,6 @@ def build_mixer(config: HybridConfig, layer_idx: int) -> nn.Module:
 def linear_layer_kinds(module: nn.Module) -> set[str]:
     """The kinds of linear mixer ("gdn", "mamba2") anywhere inside `module` (a model, or a stage's wrapper of
     one): what `kernels.backend.check_fla_backward` asks about before training."""
-    from hylo.layers.gdn import GatedDeltaNet
-    from hylo.layers.mamba2 import Mamba2Mixer
-
     kinds = {GatedDeltaNet: "gdn", Mamba2Mixer: "mamba2"}
     return {kind for m in module.modules() for cls, kind in kinds.items() if isinstance(m, cls)}
 
@@ -156,14 +151,16 @@ class HyLoDecoderLayer(nn.Module):
         cu_seqlens: torch.Tensor | DocBounds | None = None,
         cache=None,
         keep_BS: torch.Tensor | None = None,
+        shard: RowShard | None = None,
     ) -> torch.Tensor:
-        """`keep_BS`: [B, cached + new] bool, True at real tokens; None when nothing is padded."""
+        """`keep_BS`: [B, cached + new] bool, True at real tokens; None when nothing is padded. `shard`: this
+        rank's part of a split row (hylo/seq_parallel.py), None for a whole row."""
         if self.layer_type == "mla":
             if keep_BS is None:
-                return self.mixer(x_BTD, position_ids=position_ids, cu_seqlens=cu_seqlens, cache=cache)
+                return self.mixer(x_BTD, position_ids=position_ids, cu_seqlens=cu_seqlens, cache=cache, shard=shard)
             return self.mixer(x_BTD, position_ids=position_ids, cache=cache, attention_mask=keep_BS)
         if keep_BS is None or bool(keep_BS[:, -x_BTD.shape[1]:].all()):
-            return self.mixer(x_BTD, cu_seqlens=cu_seqlens, cache=cache)
+            return self.mixer(x_BTD, cu_seqlens=cu_seqlens, cache=cache, shard=shard)
         return linear_mixer_on_real_tokens(self.mixer, x_BTD, keep_BS[:, -x_BTD.shape[1]:], cache)
 
     def forward(
@@ -173,8 +170,9 @@ class HyLoDecoderLayer(nn.Module):
         cu_seqlens: torch.Tensor | DocBounds | None = None,
         cache=None,
         keep_BS: torch.Tensor | None = None,
+        shard: RowShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        mixer_out = self.run_mixer(self.input_layernorm(hidden_BTD), position_ids, cu_seqlens, cache, keep_BS)
+        mixer_out = self.run_mixer(self.input_layernorm(hidden_BTD), position_ids, cu_seqlens, cache, keep_BS, shard)
         h = hidden_BTD + mixer_out
         out = h + self.mlp(self.post_attention_layernorm(h))
         return out, mixer_out
@@ -256,19 +254,24 @@ class HyLoModel(HyLoPreTrainedModel):
         output_mixer_outputs: bool = False,
         attention_mask: torch.Tensor | None = None,
         cache: HyLoCache | None = None,
+        shard: RowShard | None = None,
         **kwargs,
     ) -> HyLoModelOutput:
         """`attention_mask`: [B, cached + new tokens], 1 at real tokens, 0 at pads (HF convention).
-        `cu_seqlens`: a packed row's boundaries [N + 1] (B == 1): a tensor, host ints or `DocBounds`."""
+        `cu_seqlens`: a packed row's boundaries [N + 1] (B == 1): a tensor, host ints or `DocBounds`.
+        `shard`: this rank's part of a split row (hylo/seq_parallel.py; None for a whole row): the tokens given
+        are the shard's, `cu_seqlens` is None or their boundaries `shard.local`, and the layers exchange what
+        crosses the split."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids or inputs_embeds")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, t = h.shape[:2]
-        if isinstance(cu_seqlens, RowShard):
-            # one rank's part of a split row (hylo/seq_parallel.py): its layers exchange what crosses the split
-            if b != 1 or t != cu_seqlens.end - cu_seqlens.start:
-                raise ValueError(f"a split row (RowShard) holds {cu_seqlens.end - cu_seqlens.start} tokens of one "
-                                 f"row; got batch {b} of {t} tokens")
+        if shard is not None:
+
+            def wrong(message: str) -> NoReturn:
+                raise ValueError(f"HyLoModel: {message}")
+
+            cu_seqlens = shard_bounds(shard, b, t, cu_seqlens, past_key_values or cache, wrong)
         elif cu_seqlens is not None:
             if b != 1:
                 raise ValueError(f"packed rows need batch size 1 with cu_seqlens, got batch {b}")
@@ -286,9 +289,7 @@ class HyLoModel(HyLoPreTrainedModel):
         past = cache.get_seq_length() if cache is not None else 0
         keep_BS = padding_mask(attention_mask, b, past + t, cu_seqlens)
         if position_ids is None:
-            if isinstance(cu_seqlens, RowShard):
-                position_ids = cu_seqlens.local.positions.unsqueeze(0)
-            elif cu_seqlens is not None:
+            if cu_seqlens is not None:
                 position_ids = cu_seqlens.positions.unsqueeze(0)
             elif keep_BS is not None:
                 # positions count real tokens only: a left-padded prompt starts at 0 like the prompt alone
@@ -302,9 +303,10 @@ class HyLoModel(HyLoPreTrainedModel):
                 hidden_states.append(h)
             layer_cache = cache[i] if cache is not None else None
             if self.gradient_checkpointing and self.training and layer_cache is None:
-                h, mixer_out = checkpoint(layer, h, position_ids, cu_seqlens, None, keep_BS, use_reentrant=False)
+                h, mixer_out = checkpoint(layer, h, position_ids, cu_seqlens, None, keep_BS, shard,
+                                           use_reentrant=False)
             else:
-                h, mixer_out = layer(h, position_ids, cu_seqlens, layer_cache, keep_BS)
+                h, mixer_out = layer(h, position_ids, cu_seqlens, layer_cache, keep_BS, shard)
             if output_mixer_outputs:
                 mixer_outputs.append(mixer_out)
         h = self.norm(h)
@@ -377,12 +379,14 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
         return_logits: bool = True,
         cache: HyLoCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        shard: RowShard | None = None,
         **kwargs,
     ) -> HyLoCausalLMOutput:
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             cu_seqlens=cu_seqlens,
+            shard=shard,
             past_key_values=past_key_values if past_key_values is not None else cache,
             use_cache=use_cache,
             inputs_embeds=inputs_embeds,
@@ -456,7 +460,7 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
         result = super().save_pretrained(save_directory, *args, **kwargs)
         self.config.save_hybrid_config(save_directory)
         try:
-            from hylo.remote_code import write_remote_code
+            from hylo.remote_code import write_remote_code  # optional: not in a trust_remote_code copy
         except ImportError:
             # a copy loaded through trust_remote_code: transformers already copied its own files
             return result
@@ -466,8 +470,6 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
 
 def register_auto_classes() -> None:
     """Make `AutoConfig` / `AutoModelForCausalLM` understand model_type 'hylo'."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     try:
         AutoConfig.register("hylo", HybridConfig)
         AutoModelForCausalLM.register(HybridConfig, HyLoForCausalLM)

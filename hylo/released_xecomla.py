@@ -36,10 +36,11 @@ import torch
 
 from hylo.config import HybridConfig, HybridConfigError
 from hylo.model_files import check_layer_indices, check_model_config, check_rank
+from hylo.modeling import HyLoForCausalLM
 from hylo.released.export import released_files, their_rope_scaling_out, write_checked_layout
 from hylo.released.importing import load_checked_tensors, released_to_state_dict
 from hylo.released.layout import BASE_TYPES, ReleasedLayoutError, read_layout_json, released_name
-from hylo.released.readback import their_mla_shapes
+from hylo.released.readback import loader_mismatches, their_mla_shapes
 from hylo.released.reading import collapse_identity_q, read_released_tensors, their_rope_scaling
 from hylo.released_facts import (
     AMD_AT,
@@ -239,8 +240,6 @@ def xecomla_hybrid_config(path: str | Path, tensors: dict[str, torch.Tensor]) ->
 
 def load_xecomla(path: str | Path, dtype: torch.dtype | None = None) -> Any:
     """An X-EcoMLA directory as a `HyLoForCausalLM` (strict: every tensor used, none missing)."""
-    from hylo.modeling import HyLoForCausalLM
-
     p = Path(path)
     tensors = read_released_tensors(p)
     hcfg = xecomla_hybrid_config(p, tensors)
@@ -362,13 +361,7 @@ def check_xecomla_dir(path: str | Path, tensors: dict[str, torch.Tensor] | None 
     expected = xecomla_expected_tensors(read_layout_json(p / "config.json"), read_layout_json(p / MLA_CONFIG_NAME),
                                         read_layout_json(p / MLA_LAYER_CONFIG_NAME), str(p))
     tensors = tensors if tensors is not None else read_released_tensors(p)
-    dropped = sorted(set(tensors) - set(expected))
-    random = sorted(set(expected) - set(tensors))
-    shapes = sorted(f"{k}: file {tuple(t.shape)}, their module {expected[k]}" for k, t in tensors.items()
-                    if k in expected and tuple(t.shape) != expected[k])
-    lines = ([f"dropped by their loader (no such module): {k}" for k in dropped[:8]]
-             + [f"left at their random init (not in the file): {k}" for k in random[:8]]
-             + [f"shape mismatch: {k}" for k in shapes[:8]])
+    lines = loader_mismatches(tensors, expected)
     if lines:
         raise ReleasedLayoutError(f"{p}: X-EcoMLA's loader would not read this checkpoint as written:\n  "
                                   + "\n  ".join(lines))

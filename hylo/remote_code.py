@@ -24,7 +24,8 @@ import json
 import re
 from pathlib import Path
 
-from hylo.files import atomic_write, read_json
+from hylo.atomic import atomic_write
+from hylo.json_files import read_json
 
 ROOTS = ("hylo.config", "hylo.modeling")
 PROJECT_PACKAGES = ("hylo", "hylo.kernels")

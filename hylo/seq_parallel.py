@@ -4,9 +4,10 @@ Legend: T tokens of the unsplit row, t = T / N tokens of this rank ([start, end)
 D hidden, R + P the MLA latent + roped key width, H heads, K / V key / value head dims (GDN),
 P / Ns head dim / state size (Mamba-2), W conv_size - 1.
 
-The row's shard goes where `cu_seqlens` goes (`RowShard`, built by `shard_row` from the unsplit row's
-`DocBounds`): embeddings, norms, MLPs and the LM head are per token and need nothing; the mixers
-exchange what crosses the split:
+A rank's forward takes its tokens, their boundaries as `cu_seqlens` (`shard.local`) and the shard as its own
+argument (`shard=`, a `RowShard` built by `shard_row` from the unsplit row's `DocBounds`; None for a whole
+row). Embeddings, norms, MLPs and the LM head are per token and need nothing. The mixers exchange what
+crosses the split:
 * MLA: every rank all-gathers the normalised latent and the pre-RoPE shared key, R + P values per token
   (192 for the 3B recipe), and attends its queries to the keys from the start of each of its documents
   (the first one may start on an earlier rank: its keys are decompressed from the gathered latent, and
@@ -34,16 +35,22 @@ exchange what crosses the split:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from hylo.kernels.gdn import chunk_gated_delta_rule
+from hylo.kernels.packed_sdpa import packed_causal_sdpa
+from hylo.kernels.ssd import chunk_ssd
 from hylo.kernels.varlen import DocBounds, positions_from_cu_seqlens
 
 
 class RowShard(NamedTuple):
-    """One rank's tokens [start, end) of a packed row of `total` tokens split over a group of `size` ranks.
+    """One rank's tokens [start, end) of a packed row of `total` tokens split over a group of
+    `sequence_parallel` ranks (the setting `train.sequence_parallel`).
 
     `local` holds the shard's boundaries (the row's clipped to the shard, 0-based) and, as its
     `positions`, the in-document positions of the UNSPLIT row for these tokens (RoPE and the conv masks
@@ -55,7 +62,7 @@ class RowShard(NamedTuple):
     end: int
     total: int
     rank: int
-    size: int
+    sequence_parallel: int
     group: Any
     full: tuple[int, ...]
     # how MLA layers see the rest of the row: "latent" (gather R + P per token) or "ulysses" (DeepSpeed's
@@ -77,31 +84,48 @@ def continues(full: tuple[int, ...], i: int) -> bool:
     return i > 0 and i not in full
 
 
-def shard_range(T: int, rank: int, size: int) -> tuple[int, int]:
-    """[start, end) of rank `rank` of `size` in an equal contiguous split of T tokens."""
-    if size < 1 or not 0 <= rank < size:
-        raise ValueError(f"sequence parallelism: rank {rank} of a group of {size}")
-    if T % size:
-        raise ValueError(f"sequence parallelism: a row of {T} tokens does not split into {size} equal parts "
+def shard_range(T: int, rank: int, sequence_parallel: int) -> tuple[int, int]:
+    """[start, end) of rank `rank` of `sequence_parallel` in an equal contiguous split of T tokens."""
+    if sequence_parallel < 1 or not 0 <= rank < sequence_parallel:
+        raise ValueError(f"sequence parallelism: rank {rank} of a group of {sequence_parallel}")
+    if T % sequence_parallel:
+        raise ValueError(f"sequence parallelism: a row of {T} tokens does not split into {sequence_parallel} equal parts "
                          f"(data.seq_len must be a multiple of train.sequence_parallel)")
-    t = T // size
+    t = T // sequence_parallel
     return rank * t, (rank + 1) * t
 
 
 MLA_MODES = ("latent", "ulysses")
 
 
-def shard_row(bounds: DocBounds, rank: int, size: int, group: Any = None, mla: str = "latent") -> RowShard:
-    """The shard of rank `rank` (of `size`) of the unsplit row with boundaries `bounds`."""
+def shard_row(bounds: DocBounds, rank: int, sequence_parallel: int, group: Any = None, mla: str = "latent") -> RowShard:
+    """The shard of rank `rank` (of `sequence_parallel`) of the unsplit row with boundaries `bounds`."""
     if mla not in MLA_MODES:
         raise ValueError(f"sequence parallelism: MLA mode {mla!r} is not one of {', '.join(MLA_MODES)}")
     full = tuple(int(b) for b in bounds.host)
     T = full[-1]
-    start, end = shard_range(T, rank, size)
+    start, end = shard_range(T, rank, sequence_parallel)
     cut = sorted({0, end - start, *(b - start for b in full if start < b < end)})
     device = bounds.positions.device
     local = DocBounds(torch.tensor(cut, dtype=torch.int32, device=device), tuple(cut), bounds.positions[start:end])
-    return RowShard(local, start, end, T, rank, size, group, full, mla)
+    return RowShard(local, start, end, T, rank, sequence_parallel, group, full, mla)
+
+
+def shard_bounds(shard: RowShard, B: int, T: int, cu_seqlens: Any, cache: Any,
+                 bad: Callable[[str], NoReturn]) -> DocBounds:
+    """The boundaries of a split row's tokens on this rank (`shard.local`), once a forward's inputs fit the
+    shard: one row (B == 1) of the shard's tokens, no generation cache, and `cu_seqlens` None or the shard's
+    own boundaries. `bad(message)` raises the layer's error."""
+    t = shard.end - shard.start
+    if cache is not None or B != 1 or T != t:
+        bad(f"a split row (RowShard) needs B == 1, no cache and the shard's {t} tokens; got B={B}, T={T}"
+            + (", a cache" if cache is not None else ""))
+    if cu_seqlens is not None and cu_seqlens is not shard.local:
+        given = cu_seqlens.host if isinstance(cu_seqlens, DocBounds) else tuple(int(b) for b in cu_seqlens)
+        if tuple(given) != shard.local.host:
+            bad(f"with a shard, cu_seqlens must be the shard's own boundaries {shard.local.host} "
+                f"(shard.local) or None; got {tuple(given)}")
+    return shard.local
 
 
 def key_positions(shard: RowShard, lo: int, hi: int, device: torch.device) -> torch.Tensor:
@@ -138,6 +162,80 @@ class _GatherFromGroup(torch.autograd.Function):
         out = grad.new_empty(grad[0].numel())
         dist.reduce_scatter_tensor(out, grad.reshape(-1), group=ctx.group)
         return out.view(grad.shape[1:]), None
+
+
+def attend_shard(mla: Any, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
+                 k_pe_BTP: torch.Tensor, shard: RowShard) -> torch.Tensor:
+    """An MLA layer's attention over a split row (`mla`: the `MLAttention`, for its projections and RoPE).
+
+    The group's latents + raw k_pe are gathered (R + P per token) and the keys of [start of this shard's first
+    document, shard end) decompressed here. This rank's queries attend to them: its first document with a
+    bottom-right-aligned causal mask (its keys may start on an earlier rank), the others as in the unsplit row.
+    `shard.mla == "ulysses"` takes DeepSpeed's all-to-all by heads instead (`_attend_ulysses`)."""
+    # lazy: torch.nn.attention.bias imports torch._dynamo and triton (this module stays light for spawned ranks)
+    from torch.nn.attention.bias import causal_lower_right
+
+    T, V, R = q_nope_BTHN.shape[1], mla.v_head_dim, mla.kv_lora_rank
+    if shard.mla == "ulysses":
+        return _attend_ulysses(mla, q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, shard)
+    ks = shard.doc_start(shard.start)
+    kv_1SX = gather_tokens(torch.cat([c_kv_BTR, k_pe_BTP], -1), shard, end=shard.end)[:, ks:]
+    c_kv_1SR, k_pe_1SP = kv_1SX.split([R, mla.qk_rope_head_dim], dim=-1)
+    pos_1S = key_positions(shard, ks, shard.end, q_pe_BTHP.device)[None]
+    k_BHSE, v_BHSV = mla.decompressed_kv(c_kv_1SR, k_pe_1SP, mla.rotary_emb(pos_1S, q_pe_BTHP.dtype))
+    q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
+    q_BHTE, k_BHSE, v_BHSV = mla.equal_head_dims(q_BHTE, k_BHSE, v_BHSV)
+    off, cu = shard.start - ks, shard.local.host
+    first = cu[1]
+    outs = []
+    if off:
+        mask = causal_lower_right(first, off + first)
+        outs.append(F.scaled_dot_product_attention(q_BHTE[:, :, :first], k_BHSE[:, :, :off + first],
+                                                   v_BHSV[:, :, :off + first], attn_mask=mask,
+                                                   scale=mla.softmax_scale))
+        rest = [c - first for c in cu[1:]]
+        q_BHTE, k_BHSE, v_BHSV = q_BHTE[:, :, first:], k_BHSE[:, :, off + first:], v_BHSV[:, :, off + first:]
+    else:
+        rest = list(cu)
+    if len(rest) > 1:
+        if len(rest) == 2:
+            outs.append(F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, is_causal=True,
+                                                       scale=mla.softmax_scale))
+        else:
+            outs.append(packed_causal_sdpa(q_BHTE, k_BHSE, v_BHSV, tuple(rest), scale=mla.softmax_scale))
+    o_BHTX = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    assert o_BHTX.shape[2] == T
+    return o_BHTX[..., :V].transpose(1, 2)
+
+
+def _attend_ulysses(mla: Any, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
+                   k_pe_BTP: torch.Tensor, shard: RowShard) -> torch.Tensor:
+    """A split row through DeepSpeed's Ulysses (`deepspeed.sequence.layer.DistributedAttention`): this rank's
+    q, k, v (decompressed here) go all-to-all from tokens to heads, each rank attends H / N heads over the
+    whole row, and the output goes back. Sends H * (2E + V) values per token each way against the latent
+    gather's R + P (kept for comparison: `bench/sp_mla.py`)."""
+    from deepspeed.sequence.layer import DistributedAttention  # lazy: deepspeed
+
+    H, V = mla.num_heads, mla.v_head_dim
+    if H % shard.sequence_parallel:
+        raise mla._err(f"Ulysses splits the {H} heads over {shard.sequence_parallel} ranks: they must divide")
+    pos_1T = shard.local.positions[None]
+    k_BHTE, v_BHTV = mla.decompressed_kv(c_kv_BTR, k_pe_BTP, mla.rotary_emb(pos_1T, q_pe_BTHP.dtype))
+    q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
+    q_BHTE, k_BHTE, v_BHTV = mla.equal_head_dims(q_BHTE, k_BHTE, v_BHTV)
+    full = shard.full
+
+    def local(q_BThE: torch.Tensor, k_BThE: torch.Tensor, v_BThE: torch.Tensor, *_: object) -> torch.Tensor:
+        q, k, v = (x.transpose(1, 2) for x in (q_BThE, k_BThE, v_BThE))
+        if len(full) == 2:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=mla.softmax_scale)
+        else:
+            o = packed_causal_sdpa(q, k, v, full, scale=mla.softmax_scale)
+        return o.transpose(1, 2)
+
+    attn = DistributedAttention(local, shard.group, scatter_idx=2, gather_idx=1)
+    o_BTHX = attn(*(x.transpose(1, 2) for x in (q_BHTE, k_BHTE, v_BHTV)), batch_dim_idx=0)
+    return o_BTHX[..., :V]
 
 
 def gather(x: torch.Tensor, shard: RowShard) -> torch.Tensor:
@@ -188,7 +286,7 @@ def pass_states(shard: RowShard, final_S: torch.Tensor, transition: torch.Tensor
     `passes_through` holds for this rank (else None); `apply(transition, state)` applies it. One
     all-gather of [final state | transition] (flattened; zeros where a rank has no transition) per layer,
     none when no document crosses a split."""
-    N, t = shard.size, shard.end - shard.start
+    N, t = shard.sequence_parallel, shard.end - shard.start
     through = [passes_through(shard.full, r * t, (r + 1) * t) for r in range(N)]
     if not any(continues(shard.full, r * t) for r in range(N)):
         return None, None
@@ -235,8 +333,6 @@ def gated_delta_rule_shard(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            shard: RowShard, chunk_size: int) -> torch.Tensor:
     """The GDN layer's recurrence on this rank's chunk of a split row ([1, t, H, *] in, [1, t, H, V] out): the
     same output as the unsplit row's for these tokens (see the module docstring)."""
-    from hylo.kernels.gdn import chunk_gated_delta_rule
-
     kw = {"cu_seqlens": shard.local, "use_qk_l2norm_in_kernel": True, "chunk_size": chunk_size,
           "output_final_state": True}
     H, K = q.shape[2], q.shape[3]
@@ -256,8 +352,6 @@ def ssd_shard(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     """The Mamba-2 scan on this rank's chunk of a split row: the unsplit row's output for these tokens. A
     chunk inside one document carries an incoming state through with one decay per head,
     exp(A * sum of dt)."""
-    from hylo.kernels.ssd import chunk_ssd
-
     return scan_shard(lambda h0: chunk_ssd(x, dt, A, B, C, D=D, initial_state=h0, output_final_state=True,
                                            cu_seqlens=shard.local, chunk_size=chunk_size),
                       shard, lambda: torch.exp(A.to(dt.dtype) * dt[0].sum(0)), (x.shape[2],),

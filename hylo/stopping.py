@@ -30,7 +30,7 @@ Design choices:
   `pipeline/ray_init.py` and the rehearsal's simulated cluster) puts the rule's back.
 * The training jobs keep their own SIGTERM handling (a final checkpoint, pipeline/train/driver.py): they
   are not run under this rule, but as a child of a command that is, they get its signal first.
-* Only what the command made is removed: temporary paths it registered (`hylo.files.atomic_dir` registers
+* Only what the command made is removed: temporary paths it registered (`hylo.outputs.atomic_dir` registers
   its staging directory), and directories `make_dir` created, only while empty. This module imports
   nothing of the project, nor torch or Ray.
 """

@@ -1,5 +1,5 @@
 """Bounds on the shape of a YAML document, checked on its parse events before anything is built from it
-(a JSON file's depth is bounded the same, `hylo.files.loads_json`).
+(a JSON file's depth is bounded the same, `hylo.json_files.loads_json`).
 
 YAML aliases let a few hundred bytes stand for billions of nodes (nine anchors of nine aliases each: the
 "billion laughs"), an alias inside its own anchor makes a cycle, and a deeply nested document overflows
@@ -15,6 +15,8 @@ A document without aliases is never limited by its size, only by its depth.
 from __future__ import annotations
 
 from typing import Any
+
+import yaml
 
 # Nesting levels (mappings and lists inside each other); the shipped configs use at most 5.
 MAX_DEPTH = 64
@@ -33,8 +35,6 @@ class YamlShapeError(ValueError):
 def check_yaml_shape(text: str, loader: type | None = None) -> None:
     """Raise YamlShapeError when `text` nests too deep or its aliases recurse or expand too far; a YAML
     syntax error is left to the caller's loader (it raises yaml.YAMLError here too, from the parser)."""
-    import yaml
-
     # per open collection: [expanded nodes so far, its anchor]
     stack: list[list[Any]] = []
     sizes: dict[str, int] = {}

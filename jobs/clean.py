@@ -23,7 +23,8 @@ from pathlib import Path
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.files import output_target, recorded_entries, stale_leftovers, sweep_stale
+from hylo.leftovers import stale_leftovers, sweep_stale
+from hylo.ownership import output_target, recorded_entries
 from hylo.pipeline.cli import job_main
 
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{done} {d}" + (f" as {output_target(out)}" if done == "put back" else ""))
         if (output_target(out) / "manifest.json").is_file() and recorded_entries(output_target(out)) is not None:
             # a teacher cache is resumed in place: what a killed writer left is inside it
-            from hylo.pipeline.teacher.cache import sweep_cache_leftovers
+            from hylo.pipeline.teacher.cache import sweep_cache_leftovers  # lazy: torch
 
             for f in sweep_cache_leftovers(output_target(out)):
                 print(f"removed {f}")

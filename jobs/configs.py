@@ -20,7 +20,7 @@ from pathlib import Path
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.files import atomic_write
+from hylo.atomic import atomic_write
 from hylo.pipeline.cli import BadArgument, job_main
 from hylo.pipeline.config import shipped_config, shipped_configs
 from hylo.rules import suggest

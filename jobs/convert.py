@@ -46,7 +46,7 @@ from hylo.pipeline.config import (
     read_config_file,
     source_texts,
 )
-from hylo.pipeline.convert import ConvertJobConfig
+from hylo.pipeline.convert import ConvertJobConfig, job
 from hylo.pipeline.paths import resolve_paths
 from hylo.rules import SEED_MAX
 from hylo.upcycle.config import MAX_YARN_FACTOR, ConvertConfig
@@ -168,9 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_job_config(args)
     maybe_print_config(cfg, args)
     cfg = resolve_paths(cfg)
-    from hylo.pipeline.convert.job import run
 
-    print(json.dumps(run(cfg), indent=2))
+    print(json.dumps(job.run(cfg), indent=2))
     return 0
 
 

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # --help, a bad flag or config and --print-config answer before the estimator (torch) is imported
     estimate_args(argv, description=__doc__)
-    from hylo.pipeline.estimate.cli import main as estimate_main
+    from hylo.pipeline.estimate.cli import main as estimate_main  # lazy: torch
 
     return estimate_main(argv, description=__doc__)
 

@@ -35,7 +35,9 @@ from hylo.pipeline.cli import (
     writable_dir,
 )
 from hylo.pipeline.config import add_config_args, load_config, maybe_print_config
+from hylo.pipeline.eval.config import EvalConfig
 from hylo.pipeline.paths import resolve_paths
+from hylo.weight_files import check_weights_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,8 +86,7 @@ def overrides_from_flags(args: argparse.Namespace) -> list[str]:
 
 def check_model_files(cfg) -> None:
     """Name a truncated weights file of any model the run loads before loading anything."""
-    from hylo.files import check_weights_dir
-    from hylo.pipeline.eval.decode import resolve_path
+    from hylo.pipeline.eval.decode import resolve_path  # lazy: torch
 
     for spec in (cfg.models.path, cfg.models.teacher, cfg.models.base):
         if spec is not None:
@@ -95,7 +96,6 @@ def check_model_files(cfg) -> None:
 @job_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from hylo.pipeline.eval.config import EvalConfig
 
     # a bad config (ConfigError) or input (EvalError) is one `error:` line and exit status 2 (job_main)
     cfg = load_config(EvalConfig, args.config, [*args.overrides, *overrides_from_flags(args)])
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve_paths(cfg)
     cfg.check_inputs()
     # the evaluation stack (torch, transformers) after --help and --print-config answered
-    from hylo.pipeline.eval.run import check_out, render_markdown, run_eval
+    from hylo.pipeline.eval.run import check_out, render_markdown, run_eval  # lazy: torch
 
     check_out(cfg)
     check_model_files(cfg)

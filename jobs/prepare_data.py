@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.mixture.sources:
         raise ConfigError(f"{args.config or '<defaults>'}: mixture.sources is empty; list at least one source")
     # the data stack (Ray Data, pyarrow, torch) after --help and --print-config answered
-    from hylo.pipeline.data.prepare import prepare
+    from hylo.pipeline.data.prepare import prepare  # lazy: torch
 
     report = prepare(cfg)
     c = report["counts"]

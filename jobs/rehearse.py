@@ -17,12 +17,11 @@ if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hylo.pipeline.cli import job_main
+from hylo.pipeline.rehearse import main as rehearse_main
 
 
 @job_main(stops=True)
 def main(argv: list[str] | None = None) -> int:
-    from hylo.pipeline.rehearse import main as rehearse_main
-
     return rehearse_main(sys.argv[1:] if argv is None else argv)
 
 

@@ -1,10 +1,10 @@
-"""Stage 1 of the HyLo recipe (Enhanced-ILD: layer-wise distillation from the base model).
+"""Stage 1 of the HyLo recipe: Enhanced-ILD, layer-wise distillation from the base model.
 
     python jobs/stage1.py --config configs/demo-smollm2.yaml [--set optim.lr=1e-4 ...] [--resume [PATH]]
     RAY_AUTH_MODE=disabled ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python jobs/stage1.py --config configs/demo-smollm2.yaml --set ray.storage_path=$PWD/runs
 
-All options: pipeline/train/config.py; the step: pipeline/train/stage1.py; the loop: pipeline/train/loop.py.
+All options: pipeline/train/config.py. The step: pipeline/train/stage1.py. The loop: pipeline/train/loop.py.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # --help, a bad flag or config and --print-config answer before the training stack is imported
     stage_args(1, argv)
-    from hylo.pipeline.train import driver
+    from hylo.pipeline.train import driver  # lazy: torch
 
-    # the driver's own main: a preemption exits 143 with the resume line, a failed run is one line
-    return driver.main(1, argv)
+    with driver.exit_status() as status:
+        driver.run(1, argv)
+    return status.code
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from hylo.pipeline.config import add_config_args, config_from_args
 from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.ray_init import ray_running
 from hylo.pipeline.teacher.config import TeacherCacheConfig
+from hylo.pipeline.teacher.sources.base import check_model_weights
 
 
 @job_main
@@ -30,8 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve_paths(config_from_args(TeacherCacheConfig, parser.parse_args(argv)))
     # Every input check (data shards, teacher files, an existing cache's header) before Ray starts; the cache's
     # stack (torch, pyarrow) after --help and --print-config answered.
-    from hylo.pipeline.teacher.cache import check_cache_output, prepare_cache, run_cache_job
-    from hylo.pipeline.teacher.sources.base import check_model_weights
+    from hylo.pipeline.teacher.cache import check_cache_output, prepare_cache, run_cache_job  # lazy: torch
 
     if cfg.data and cfg.out:
         check_cache_output(cfg)  # out is no input and no directory of the user's: before the teacher is fetched

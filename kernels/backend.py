@@ -14,6 +14,8 @@ On the CPU path the training workers and CPU teacher replicas also call `keep_fr
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import functools
 import importlib
 import inspect
@@ -22,6 +24,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from packaging.version import InvalidVersion, Version
+from torch._subclasses.fake_tensor import FakeTensor
 
 from hylo.kernels.varlen import DocBounds
 
@@ -107,8 +111,6 @@ def fla_stand_in(stand_in: Any) -> Iterator[None]:
 
 
 def _is_fake(x: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(x, FakeTensor)
 
 
@@ -157,8 +159,6 @@ class GpuStackError(RuntimeError):
 @functools.cache
 def triton_in_bad_range(triton_version: str) -> bool:
     """True for a Triton of `BAD_TRITON_ON_HOPPER` (local builds such as 3.7.0+git... included)."""
-    from packaging.version import InvalidVersion, Version
-
     try:
         v = Version(triton_version).release
     except InvalidVersion:
@@ -201,7 +201,7 @@ def check_fla_backward(device: torch.device, linear_kinds: set[str]) -> None:
     before the first step (the route is a registration inside the worker's own fla: no environment variable)."""
     if device.type != "cuda" or kernel_mode() == "torch" or not fla_available():
         return  # the GPU path's fla calls are what `use_fla` picks for a CUDA tensor
-    import triton
+    import triton  # optional: triton
 
     vendor = "amd" if torch.version.hip else "nvidia"
     route = install_fla_route()
@@ -246,8 +246,8 @@ def dqkwg_block_width(K: int, const_tiling: int) -> tuple[int, int]:
 def fla_route_problem() -> str | None:
     """Why the route cannot be installed in the fla imported here, or None."""
     try:
-        import fla.backends as fb
-        from fla.ops.common import chunk_o
+        import fla.backends as fb  # optional: fla
+        from fla.ops.common import chunk_o  # optional: fla
     except Exception as e:
         return f"fla does not import: {type(e).__name__}: {e}"
     if not hasattr(fb, "register") or not hasattr(fb, "BaseBackend"):
@@ -265,8 +265,8 @@ def fla_route_problem() -> str | None:
 
 def _route_applies() -> bool:
     """The stack the route is for: fla's own view of the GPU (Hopper, as its guard asks) and the Triton."""
-    import triton
-    from fla.utils import IS_NVIDIA_HOPPER
+    import triton  # optional: triton
+    from fla.utils import IS_NVIDIA_HOPPER  # optional: fla
 
     return bool(IS_NVIDIA_HOPPER) and triton_in_bad_range(triton.__version__)
 
@@ -278,10 +278,10 @@ def _route_chunk_bwd_dqkwg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
                            cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64,
                            chunk_indices: torch.Tensor | None = None) -> tuple[Any, Any, Any, Any]:
     """fla 0.6.0's `chunk_bwd_dqkwg` step for step, with the route's block width (`dqkwg_block_width`)."""
-    import triton
-    from fla.ops.common.chunk_o import chunk_bwd_kernel_dqkwg
-    from fla.ops.utils import prepare_chunk_indices
-    from fla.utils import check_shared_mem
+    import triton  # optional: triton
+    from fla.ops.common.chunk_o import chunk_bwd_kernel_dqkwg  # optional: fla
+    from fla.ops.utils import prepare_chunk_indices  # optional: fla
+    from fla.utils import check_shared_mem  # optional: fla
 
     B, T, H, K, V, HV = *k.shape, v.shape[-1], v.shape[2]
     BT = chunk_size
@@ -323,7 +323,7 @@ def install_fla_route() -> bool:
         return True
     if fla_route_problem() is not None:
         return False
-    from fla.backends import BaseBackend, register
+    from fla.backends import BaseBackend, register  # optional: fla
 
     class HopperBlockWidthRoute(BaseBackend):
         """hylo's route around fla #640 (kernels/backend.py)."""
@@ -376,9 +376,6 @@ def keep_freed_host_memory() -> bool:
         return False
     if _host_malloc_done:
         return True
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt

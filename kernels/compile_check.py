@@ -40,6 +40,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -82,8 +83,8 @@ def device_properties(t: Target) -> dict[str, Any]:
 
 
 def _stand_in_driver(t: Target):
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.driver import DriverBase
+    from triton.backends.compiler import GPUTarget  # optional: triton
+    from triton.backends.driver import DriverBase  # optional: triton
 
     def refuse(*_: Any, **__: Any) -> Any:
         raise RuntimeError(f"kernels-check: nothing is launched on the stand-in {t.name} driver")
@@ -106,7 +107,7 @@ def _stand_in_driver(t: Target):
             return GPUTarget(t.backend, t.arch, t.warp_size)
 
         def get_active_torch_device(self):
-            import torch
+            import torch  # lazy: torch
 
             return torch.device("cpu")
 
@@ -137,7 +138,7 @@ def _stand_in_driver(t: Target):
 
 def _torch_cuda_stand_ins(t: Target) -> None:
     """`torch.cuda`'s answers about device 0 as the target gives them (what fla asks at import)."""
-    import torch
+    import torch  # lazy: torch
 
     props = SimpleNamespace(name=t.gpu, major=t.capability[0], minor=t.capability[1],
                             multi_processor_count=t.multiprocessors, shared_memory_per_block=min(t.shared_limit, 49152),
@@ -154,11 +155,9 @@ def _torch_cuda_stand_ins(t: Target) -> None:
 
 def install(t: Target) -> None:
     """The target's stand-in driver and `torch.cuda` answers, for the rest of this process."""
-    import sys
-
     if "fla" in sys.modules:
         raise RuntimeError("kernels-check: install the target before fla is imported (fla reads the device then)")
-    from triton.runtime import driver
+    from triton.runtime import driver  # optional: triton
 
     _torch_cuda_stand_ins(t)
     d = _stand_in_driver(t)
@@ -178,7 +177,7 @@ def fla_stand_ins() -> None:
     """fla's launch wrappers ask `check_shared_mem(tier, x.device.index)`; a CPU tensor's index is None, which
     fla answers False for every tier (its lowest block sizes, not the target's). Here the index None is the
     target's device 0 (after `install`; once per process)."""
-    from fla.utils import hardware
+    from fla.utils import hardware  # optional: fla
 
     orig = hardware.get_all_max_shared_mem
     if getattr(orig, "_kernels_check", False):
@@ -194,7 +193,7 @@ def fla_stand_ins() -> None:
 def fla_view() -> dict[str, Any]:
     """What fla concluded about the device at import (after `install`): its platform flags, which of its
     shared-memory tiers the device reaches (at device 0 and at a CPU tensor's index), its multiprocessor count."""
-    from fla import utils
+    from fla import utils  # optional: fla
 
     fla_stand_ins()
 
@@ -257,7 +256,7 @@ def _resource_usage(kernel: Any, t: Target) -> tuple[int | None, int | None, dic
     cubin = asm.get("cubin")
     if not cubin:
         return None, None, extra
-    from triton import knobs
+    from triton import knobs  # optional: triton
 
     tool = knobs.nvidia.cuobjdump.path
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -308,9 +307,9 @@ def _cpu_now() -> float:
 @contextlib.contextmanager
 def compile_only(t: Target) -> Iterator[CompileLog]:
     """Inside the block every Triton launch compiles for `t` and returns without running (see module doc)."""
-    from triton import knobs
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import JITFunction
+    from triton import knobs  # optional: triton
+    from triton.runtime.autotuner import Autotuner  # optional: triton
+    from triton.runtime.jit import JITFunction  # optional: triton
 
     log = CompileLog(t)
     # what Triton's compilation listener heard during the current launch: cache hits, compiles

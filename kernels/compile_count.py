@@ -112,8 +112,8 @@ class _Binders:
         self._cache: dict[Any, Any] = {}
 
     def key(self, interpreted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        from triton.backends.compiler import BaseBackend
-        from triton.runtime.jit import KernelParam, create_function_from_signature
+        from triton.backends.compiler import BaseBackend  # optional: triton
+        from triton.runtime.jit import KernelParam, create_function_from_signature  # optional: triton
 
         fn = interpreted.fn
         binder = self._cache.get(fn)
@@ -132,9 +132,9 @@ class _Binders:
 @contextlib.contextmanager
 def count_compilations() -> Iterator[CompileLog]:
     """Record every kernel launch's JIT key and every autotune run inside the block (see the module doc)."""
-    from triton import knobs
-    from triton.runtime import autotuner
-    from triton.runtime.jit import JITFunction
+    from triton import knobs  # optional: triton
+    from triton.runtime import autotuner  # optional: triton
+    from triton.runtime.jit import JITFunction  # optional: triton
 
     log = CompileLog()
     saved: list[tuple[Any, str, Any]] = []
@@ -152,7 +152,7 @@ def count_compilations() -> Iterator[CompileLog]:
 
     patch(autotuner.Autotuner, "run", counting_tune)
     if knobs.runtime.interpret:
-        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.interpreter import InterpretedFunction  # optional: triton
 
         binders = _Binders()
         interp_run = InterpretedFunction.run
@@ -163,8 +163,8 @@ def count_compilations() -> Iterator[CompileLog]:
 
         patch(InterpretedFunction, "run", counting_interp)
     else:
-        from triton.runtime import driver
-        from triton.runtime.jit import compute_cache_key
+        from triton.runtime import driver  # optional: triton
+        from triton.runtime.jit import compute_cache_key  # optional: triton
 
         jit_run = JITFunction.run
 

@@ -51,6 +51,7 @@ import argparse
 import contextlib
 import errno
 import functools
+import importlib
 import math
 import os
 import re
@@ -59,6 +60,13 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import yaml
+
+from hylo import __version__
+from hylo.rules import suggest
+from hylo.stopping import stopping
+from hylo.yaml_limits import YamlShapeError, check_yaml_shape
 
 
 class BadArgument(ValueError):
@@ -84,8 +92,8 @@ INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("hylo.config", "HybridConfigError"),
     ("hylo.upcycle", "UpcycleError"),
     ("hylo.assets", "AssetError"),
-    ("hylo.files", "WeightsFileError"),
-    ("hylo.files", "OutputConflictError"),
+    ("hylo.weight_files", "WeightsFileError"),
+    ("hylo.outputs", "OutputConflictError"),
     ("hylo.io", "CheckpointMismatchError"),
     ("hylo.released.layout", "ReleasedLayoutError"),
     ("hylo.model_files", "ModelFileError"),
@@ -221,7 +229,6 @@ def _option_hint(parser: argparse.ArgumentParser, message: str) -> str:
     """"; did you mean --x?" for the first unknown flag of an `unrecognized arguments:` message."""
     if not message.startswith("unrecognized arguments:"):
         return ""
-    from hylo.rules import suggest
 
     flags = [t.split("=", 1)[0] for t in message.split(":", 1)[1].split() if t.startswith("--")]
     options = [o for o in parser._option_string_actions if o.startswith("--")]
@@ -273,8 +280,6 @@ def job_main(fn: Callable[..., int | None] | None = None, *, stops: bool = False
 
     @functools.wraps(fn)
     def main(*args: Any, **kwargs: Any) -> int:
-        from hylo.stopping import stopping
-
         try:
             with _one_line_argparse_errors():
                 if stops:
@@ -334,21 +339,15 @@ def hylo_help() -> str:
 
 def hylo_main(argv: list[str] | None = None) -> int:
     """The `hylo` console script: `hylo COMMAND ARGS` runs that job's `main(ARGS)`."""
-    import importlib
-
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(hylo_help())
         return 0
     if argv[0] == "--version":
-        from hylo import __version__
-
         print(f"hylo {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        from hylo.rules import suggest
-
         report_error(f"unknown command {name!r}{suggest(name, COMMANDS) or ';'} the commands are "
                      f"{', '.join(COMMANDS)} (see hylo --help)")
         return 2
@@ -451,10 +450,6 @@ def positive_finite_float(high: float) -> Callable[[str], float]:
 
 def int_list(text: str) -> list[int]:
     """argparse `type=` for a YAML list of integers in [1, MAX_COUNT], e.g. [256,512]."""
-    import yaml
-
-    from hylo.yaml_limits import YamlShapeError, check_yaml_shape
-
     try:
         check_yaml_shape(text)
         value = yaml.safe_load(text)

@@ -28,6 +28,7 @@ import contextvars
 import copy
 import dataclasses
 import hashlib
+import importlib.resources
 import json
 import re
 import sys
@@ -323,7 +324,7 @@ def parse_yaml(text: str, where: str, lines: dict[str, int] | None = None,
     `texts` dotted key -> the text as written of each unquoted scalar YAML 1.1 reads as a number, boolean or date
     ("" for a bare scalar), which a string-typed field takes (`source_texts`).
     Its nesting depth and what its aliases expand to are bounded first (hylo/yaml_limits.py)."""
-    from hylo.yaml_limits import YamlShapeError, check_yaml_shape
+    from hylo.yaml_limits import YamlShapeError, check_yaml_shape  # lazy: layering
 
     try:
         check_yaml_shape(text, StrictLoader)
@@ -351,8 +352,6 @@ def parse_yaml(text: str, where: str, lines: dict[str, int] | None = None,
 
 def configs_dir() -> Path:
     """The folder of the shipped config files (found by import, the same way installed or in a checkout)."""
-    import importlib.resources
-
     return Path(str(importlib.resources.files(CONFIGS_PACKAGE)))
 
 

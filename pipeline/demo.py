@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hylo.files import atomic_write
+from hylo.assets import fetch_asset
+from hylo.atomic import atomic_write
 from hylo.pipeline.cli import MAX_COUNT, bounded_int, int_list
 from hylo.pipeline.config import at_least, config_from_args, each, rules, shipped_config
 from hylo.pipeline.runner import (
@@ -99,8 +100,6 @@ class Demo(StepRunner):
 
     # ------------------------------------------------------------------ steps
     def assets(self) -> dict:
-        from hylo.assets import fetch_asset
-
         self.base = fetch_asset("smollm2-135m-instruct")
         self.sharegpt = fetch_asset("sharegpt")
         fetch_asset("humaneval")
@@ -216,7 +215,7 @@ class Demo(StepRunner):
 
     # ------------------------------------------------------------------ report
     def report(self, info: dict) -> str:
-        from hylo.pipeline.train.metrics import read_metrics
+        from hylo.pipeline.train.metrics import read_metrics  # lazy: torch
 
         kl = {k: info[f"eval_{k}"]["kl"]["kl"] for k in ("converted", "stage1", "stage2")}
         conv = info["convert"]["summary"]
@@ -387,10 +386,10 @@ def kv_ratio_note(conv: dict) -> str:
 def demo_figures(kl: dict, final: dict, m1: dict, m2: dict) -> dict[str, object]:
     """The report's figures by file name: loss_curves.png, kl_per_stage.png and (when measured)
     kv_cache_vs_context.png; every axis labelled."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib
 
     figs: dict[str, object] = {}
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
@@ -428,7 +427,7 @@ def demo_figures(kl: dict, final: dict, m1: dict, m2: dict) -> dict[str, object]
 
 def demo_plots(run: Path, kl: dict, final: dict, m1: dict, m2: dict) -> list[Path]:
     """The report's figures (`demo_figures`) written to `run`."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib
 
     out = []
     for name, fig in demo_figures(kl, final, m1, m2).items():

@@ -51,10 +51,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import PackageNotFoundError, version
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from hylo.pipeline.cli import BadArgument
+from hylo.atomic import atomic_write
+from hylo.kernels import compile_check as cc
+from hylo.outputs import check_output_file
+from hylo.ownership import record_files
+from hylo.pipeline.cli import MAX_WORLD_SIZE, BadArgument, bounded_int
+from hylo.pipeline.config import add_config_args, config_file, maybe_print_config
+from hylo.pipeline.paths import resolve_paths
+from hylo.pipeline.train.config import load_conversion_config, load_stage_config, sp_shard_problem
 from hylo.stopping import make_dir, popen, track_temp
 
 TARGET_NAMES = ("sm_90", "sm_100", "gfx942", "gfx950")
@@ -105,9 +114,7 @@ def sites_of(hc: Any, vocab: int, tokens: int, sequence_parallel: int = 1) -> li
 
 # ------------------------------------------------------------------------------------------- child
 def _bounds(docs: tuple[int, ...], T: int) -> Any:
-    from itertools import accumulate
-
-    from hylo.kernels.varlen import DocBounds
+    from hylo.kernels.varlen import DocBounds  # lazy: torch
 
     return DocBounds.from_host([0, *accumulate(docs)], T)
 
@@ -115,12 +122,12 @@ def _bounds(docs: tuple[int, ...], T: int) -> Any:
 def _run_site(site: Site, dtype: Any = None) -> dict[str, Any]:
     """Call one launch site (bf16 inputs unless `dtype`); returns its outputs and gradients by name (in the
     compile-only child they are uninitialised: nothing reads them there; the tests read them on the torch path)."""
-    import torch
+    import torch  # lazy: torch
 
     bf16 = dtype or torch.bfloat16
     res: dict[str, Any] = {}
     if site.site.startswith("gdn."):
-        from hylo.kernels.gdn import chunk as gdn_chunk
+        from hylo.kernels.gdn import chunk as gdn_chunk  # lazy: torch
 
         H, K, V, T = site.get("H"), site.get("K"), site.get("V"), site.get("T")
         if site.site == "gdn.sp_transition":
@@ -164,14 +171,14 @@ def _run_site(site: Site, dtype: Any = None) -> dict[str, Any]:
             res["final_state"] = M
             res["grads"] = torch.autograd.grad(M, (k, g, beta), torch.randn_like(M), allow_unused=True)
         else:
-            from hylo.kernels.gdn import recurrent as gdn_recurrent
+            from hylo.kernels.gdn import recurrent as gdn_recurrent  # lazy: torch
 
             with torch.no_grad():
                 gdn_recurrent.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=torch.randn(1, H, K, V),
                                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
     elif site.site.startswith("ssd."):
-        from hylo.kernels.ssd import chunk as ssd_chunk
-        from hylo.kernels.ssd.chunk import fla_chunk_ssd
+        from hylo.kernels.ssd import chunk as ssd_chunk  # lazy: torch
+        from hylo.kernels.ssd.chunk import fla_chunk_ssd  # lazy: torch
 
         H, P, N, G, T = (site.get(x) for x in ("H", "P", "N", "G", "T"))
         x = torch.randn(1, T, H, P, dtype=bf16)
@@ -199,13 +206,13 @@ def _run_site(site: Site, dtype: Any = None) -> dict[str, Any]:
                                                (torch.randn_like(y0), torch.randn_like(ht), torch.randn_like(y)),
                                                allow_unused=True)
         else:
-            from hylo.kernels.ssd.recurrent import fla_recurrent_ssd
+            from hylo.kernels.ssd.recurrent import fla_recurrent_ssd  # lazy: torch
 
             with torch.no_grad():
                 fla_recurrent_ssd(x, dt, A, B, C, D, initial_state=torch.randn(1, H, P, N), output_final_state=True)
     elif site.site.startswith("kl."):
-        from hylo.kernels.fused_kl import triton_kernel
-        from hylo.kernels.fused_kl.steps import StepParams
+        from hylo.kernels.fused_kl import triton_kernel  # lazy: torch
+        from hylo.kernels.fused_kl.steps import StepParams  # lazy: torch
 
         rows, vocab = site.get("rows"), site.get("vocab")
         for need_grad in (False, True):
@@ -225,15 +232,14 @@ def _run_site(site: Site, dtype: Any = None) -> dict[str, Any]:
 def child_main(argv: list[str]) -> int:
     """One target: `--child TARGET PLAN.json OUT.json` (the parent sets TRITON_CACHE_DIR to a fresh folder)."""
     target_name, plan_path, out_path = argv
-    from hylo.kernels import compile_check as cc
 
     t = cc.TARGETS[target_name]
     cc.install(t)
-    import torch
+    import torch  # lazy: torch
 
-    from hylo.kernels.gdn import chunk as gdn_chunk
-    from hylo.kernels.gdn import recurrent as gdn_recurrent
-    from hylo.kernels.ssd import chunk as ssd_chunk
+    from hylo.kernels.gdn import chunk as gdn_chunk  # lazy: torch
+    from hylo.kernels.gdn import recurrent as gdn_recurrent  # lazy: torch
+    from hylo.kernels.ssd import chunk as ssd_chunk  # lazy: torch
 
     # the GPU branch of the ops on CPU tensors: their fla calls compile for the target and launch nothing
     for mod in (gdn_chunk, gdn_recurrent, ssd_chunk):
@@ -241,9 +247,9 @@ def child_main(argv: list[str]) -> int:
             raise RuntimeError(f"{mod.__name__} no longer chooses fla through use_fla: update kernels-check")
         mod.use_fla = lambda x: True
     fla = cc.fla_view()
-    # what every training worker installs (kernels/backend.check_fla_backward): the route around fla #640, which
-    # takes fla's chunk_bwd_dqkwg on Hopper with a Triton known to miscompile it, and declines elsewhere
-    from hylo.kernels.backend import fla_route_problem, install_fla_route
+    # what every training worker installs (kernels/backend.check_fla_backward): the route around fla's
+    # chunk_bwd_dqkwg on Hopper, which some Tritons miscompile; it declines elsewhere
+    from hylo.kernels.backend import fla_route_problem, install_fla_route  # lazy: torch
 
     fla["hylo_route"] = {"installed": install_fla_route(), "problem": fla_route_problem()}
     torch.manual_seed(0)
@@ -386,8 +392,6 @@ def totals_line(totals: dict[str, dict[str, Any]]) -> str:
 
 
 def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for pkg in ("triton", "flash-linear-attention", "torch"):
         try:
@@ -452,8 +456,6 @@ REPORT_FILES = ("kernels_check.json", "kernels_check.md")
 
 
 def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[str]], meta: dict[str, Any]) -> list[str]:
-    from hylo.files import atomic_write, record_files
-
     bad = verdicts(results)
     records = [r for res in results.values() for r in res.get("records", [])]
     totals = compile_totals(results)
@@ -477,7 +479,7 @@ def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[s
     md += (["Problems:", ""] + [f"* {b}" for b in bad]) if bad else ["Every launch site has a configuration that "
                                                                      "compiles and fits on every target."]
     atomic_write(out_dir / "kernels_check.md", "\n".join(md) + "\n")
-    # recorded as ours: a later run may replace them (hylo.files.check_output_file)
+    # recorded as ours: a later run may replace them (hylo.outputs.check_output_file)
     record_files(out_dir, REPORT_FILES)
     return bad
 
@@ -504,8 +506,7 @@ def recipe_sites(cfg: Any, stage1: Any, tokens: int, sequence_parallel: int = 1,
                  sp_flag: str = "train.sequence_parallel") -> list[Site]:
     """The launch sites of the recipe's student; BadArgument (naming `sp_flag`) when a rank's share of the row is
     shorter than its linear blocks' conv window (`sp_shard_problem`)."""
-    from hylo.pipeline.estimate.shapes import student_config
-    from hylo.pipeline.train.config import sp_shard_problem
+    from hylo.pipeline.estimate.shapes import student_config  # lazy: torch
 
     hc = student_config(cfg, stage1)
     if why := sp_shard_problem(tokens, sequence_parallel, hc.gdn_conv_size if hc.linear_layers else 1):
@@ -531,11 +532,6 @@ def parse_targets(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None, description: str | None = None) -> int:
     """`hylo kernels-check` (`description`: the help's text, jobs/kernels_check.py's docstring)."""
-    from hylo.pipeline.cli import MAX_WORLD_SIZE, bounded_int
-    from hylo.pipeline.config import add_config_args, maybe_print_config
-    from hylo.pipeline.paths import resolve_paths
-    from hylo.pipeline.train.config import load_conversion_config, load_stage_config
-
     ap = argparse.ArgumentParser(description=description or __doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap, example="kd.temperature=2.0")
@@ -573,8 +569,6 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     check_sequence_parallel(sp, args.tokens, "--sequence-parallel" if args.sequence_parallel
                             else "train.sequence_parallel")
     # before the work: neither report is the config it reads nor a file of the user's, and --out can be written
-    from hylo.files import check_output_file
-    from hylo.pipeline.config import config_file
 
     for report in REPORT_FILES:
         check_output_file(Path(args.out) / report, "--out", [("--config", config_file(args.config) if args.config
@@ -584,7 +578,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     cache_dir = None
     if args.warm_cache:
         # the layout a job's workers read (one function: pipeline/train/kernel_cache.py)
-        from hylo.pipeline.train.kernel_cache import kernel_cache_env
+        from hylo.pipeline.train.kernel_cache import kernel_cache_env  # lazy: pyarrow
 
         cache_dir = Path(kernel_cache_env(Path(args.warm_cache).expanduser().resolve())["TRITON_CACHE_DIR"])
         make_dir(cache_dir)

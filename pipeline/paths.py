@@ -28,6 +28,7 @@ import re
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hylo.assets import ASSETS
 from hylo.pipeline.config import field_rules
 
 T = TypeVar("T")
@@ -45,8 +46,6 @@ def resolve_path(text: str, base: str | os.PathLike | None = None) -> str:
         return str(p)
     root = Path.cwd() if base is None else Path(base)
     if not (root / p).exists():
-        from hylo.assets import ASSETS
-
         if text in ASSETS:
             return text
     return os.path.normpath(root / p)

@@ -38,8 +38,6 @@ Design choices:
 * `ray.init` installs a SIGTERM handler of its own (exit status 15, nothing cleaned up): under the signal
   rule of hylo/stopping.py (the demo, place-layers) the rule's handler is put back right after.
 * The config section is `hylo.pipeline.config.RayInitSection` (training's `ray` section extends it).
-
-This module imports Ray only inside its functions.
 """
 
 from __future__ import annotations
@@ -47,6 +45,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,7 +94,7 @@ def project_env() -> dict[str, str]:
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_driver: bool = True) -> bool:
     """Join or start this job's Ray (see the module docstring); True when this call started a local one."""
-    import ray
+    import ray  # lazy: ray
 
     if ray.is_initialized():
         return False
@@ -127,8 +127,6 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_
 
 def _free_loopback_port() -> int:
     """A TCP port of the loopback that nothing listens on now (the OS's pick)."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -161,7 +159,7 @@ def _loopback_node() -> Iterator[None]:
     server it starts listens on the loopback only (see the module docstring). Restored after: a later join
     of a real cluster from this process must find the machine's reachable address."""
     try:
-        from ray._private import ray_constants
+        from ray._private import ray_constants  # lazy: ray
     except ImportError:  # another Ray layout: it starts as it does by itself
         yield
         return
@@ -178,7 +176,7 @@ def _loopback_node() -> Iterator[None]:
 
 def gcs_address() -> str:
     """The address other processes join this process's Ray with (`RAY_ADDRESS=...`)."""
-    import ray
+    import ray  # lazy: ray
 
     return ray.get_runtime_context().gcs_address
 
@@ -187,7 +185,7 @@ def gcs_address() -> str:
 def ray_running(address: str | None = None, num_cpus: int | None = None, *,
                 log_to_driver: bool = True) -> Iterator[bool]:
     """`init_ray` for a block; a Ray it started is shut down at the end (yields whether it started one)."""
-    import ray
+    import ray  # lazy: ray
 
     started = init_ray(address, num_cpus, log_to_driver=log_to_driver)
     try:
@@ -205,8 +203,6 @@ def kill_this_node() -> None:
     health checks (`health_check_period_ms` x `health_check_failure_threshold`), as when a machine
     vanishes. Outside a Ray worker (torchrun) only this process is killed.
     """
-    import signal
-
     ppid = os.getppid()
     try:
         is_raylet = Path(f"/proc/{ppid}/comm").read_text().strip() == "raylet"

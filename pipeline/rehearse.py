@@ -36,6 +36,9 @@ import json
 import os
 import re
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -54,10 +57,20 @@ from hylo.pipeline.cli import (
     BadArgument,
     bounded_int,
     positive_finite_float,
+    report_error,
 )
-from hylo.pipeline.config import ConfigError, GivenOnce, add_config_args, config_file, maybe_print_config
+from hylo.pipeline.config import (
+    ConfigError,
+    GivenOnce,
+    add_config_args,
+    config_file,
+    maybe_print_config,
+    parse_yaml,
+)
 from hylo.pipeline.paths import resolve_paths
+from hylo.pipeline.ray_init import project_env
 from hylo.pipeline.teacher.sources.base import ResourceDemand
+from hylo.pipeline.train.config import config_to_dict, load_stage_config
 from hylo.stopping import popen, reclaim, track_temp
 
 if TYPE_CHECKING:
@@ -169,8 +182,6 @@ def declared_node(cluster_file: Path | None, gpus: int, cpus: int) -> dict[str, 
 def read_cluster_file(path: Path, flag: str = "cluster file") -> dict[str, Any]:
     """The mapping of a Ray cluster file; a directory, a device or pipe, a missing file or one whose top level is
     not a YAML mapping is a ConfigError naming it (its depth and aliases bounded as a config's)."""
-    from hylo.pipeline.config import parse_yaml
-
     if path.is_dir():
         raise ConfigError(f"{flag} {path}: is a directory, not a cluster file (cluster/*.yaml)")
     if not path.exists():
@@ -203,13 +214,13 @@ def cluster_file_of(recipe: Path) -> Path | None:
 def make_tiny_models(root: Path, seed: int = 0) -> dict[str, Path]:
     """A random 2-layer Llama (the teacher; vocabulary 96, hidden 32) with a word-level tokenizer, and its
     HyLo conversion (MLA on even layers, GDN on odd ones): the student."""
-    import torch
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch  # lazy: torch
+    from tokenizers import Tokenizer  # lazy: tokenizers
+    from tokenizers.models import WordLevel  # lazy: tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: transformers
 
-    from hylo.io import save_hylo
-    from hylo.upcycle import load_base_model, upcycle
+    from hylo.io import save_hylo  # lazy: transformers
+    from hylo.upcycle import load_base_model, upcycle  # lazy: torch
 
     base = root / "teacher"
     base.mkdir(parents=True, exist_ok=True)
@@ -250,8 +261,8 @@ class Seen:
     pending_pgs: dict[str, str] = field(default_factory=dict)
 
     def poll(self) -> None:
-        from ray._private import state
-        from ray.util import placement_group_table
+        from ray._private import state  # lazy: ray
+        from ray.util import placement_group_table  # lazy: ray
 
         for actor_id, a in state.actors().items():
             node = (a.get("Address") or {}).get("NodeID") or ""
@@ -326,14 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hylo.pipeline.train.config import load_stage_config
-
     args = build_parser().parse_args(argv)
     recipe = config_file(args.config) if args.config else None
     cfg = load_stage_config(args.stage, recipe, args.overrides)
     maybe_print_config(cfg, args)
     # the driver imports the training stack (torch, Ray): after --help and --print-config answered
-    from hylo.pipeline.train.driver import resource_demand
+    from hylo.pipeline.train.driver import resource_demand  # lazy: torch
 
     cfg = resolve_paths(cfg)
     cluster_path = Path(args.cluster) if args.cluster else cluster_file_of(recipe) if recipe else None
@@ -359,7 +368,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{_fmt(node['CPU'] * args.nodes)} CPU", flush=True)
     if args.check_only:
         return 0
-    from hylo.pipeline.cli import report_error
 
     try:
         report = rehearse(cfg, nodes, args.timeout)
@@ -371,8 +379,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -381,10 +387,8 @@ def free_port() -> int:
 @contextlib.contextmanager
 def simulated_cluster(nodes: list[dict[str, float]]) -> Iterator[Any]:
     """`ray.cluster_utils.Cluster` of `nodes` (the first is the head), connected; torn down after."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from hylo.pipeline.ray_init import project_env
+    import ray  # lazy: ray
+    from ray.cluster_utils import Cluster  # lazy: ray
 
     def args(n: dict[str, float]) -> dict[str, Any]:
         custom = {k: v for k, v in n.items() if k not in ("CPU", "GPU")}
@@ -404,7 +408,7 @@ def simulated_cluster(nodes: list[dict[str, float]]) -> Iterator[Any]:
         yield cluster
     finally:
         with contextlib.suppress(Exception):
-            from ray import serve
+            from ray import serve  # lazy: ray
 
             if ray.is_initialized():
                 serve.shutdown()
@@ -421,12 +425,11 @@ def rehearse(recipe: StageConfig, nodes: list[dict[str, float]], timeout_s: floa
     """One step of the stage of `recipe` (a loaded config) on a simulated cluster of `nodes`, its models and
     rows swapped for tiny ones (`tiny_overrides`); what was placed where (see the module docstring). Raises
     RehearsalError when something was not placed, stayed pending or the step did not happen."""
-    import ray
+    import ray  # lazy: ray
 
-    from hylo.pipeline.train import driver
-    from hylo.pipeline.train.config import config_to_dict, load_stage_config
-    from hylo.pipeline.train.metrics import read_metrics
-    from hylo.pipeline.train.storage import run_dir
+    from hylo.pipeline.train import driver  # lazy: torch
+    from hylo.pipeline.train.metrics import read_metrics  # lazy: torch
+    from hylo.pipeline.train.storage import run_dir  # lazy: pyarrow
 
     t0 = time.time()
     work = track_temp(tempfile.mkdtemp(prefix="hylo-rehearse-"))
@@ -483,9 +486,6 @@ def run_stage_job(stage: int, config: Path, address: str, timeout_s: float) -> t
     """`python -m hylo.jobs.stageN --config CONFIG` joined to the simulated cluster, its output passed through;
     (exit status or None after `timeout_s`, its last line on stderr). A child process, not a thread: a run that
     does not finish is stopped (SIGTERM, then SIGKILL) before the cluster goes, as a job on a real cluster."""
-    import subprocess
-    import sys
-
     env = {**os.environ, "RAY_ADDRESS": address}
     # under the signal rule (hylo/stopping.py): its own process group, ended with the rehearsal
     proc = popen([sys.executable, "-m", f"hylo.jobs.stage{stage}", "--config", str(config)],

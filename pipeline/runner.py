@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import hylo
-from hylo.files import atomic_write, check_not_an_input, check_own_directory, record_files
+from hylo.atomic import atomic_write
+from hylo.outputs import check_not_an_input
+from hylo.ownership import check_own_directory, record_files
 from hylo.pipeline.config import PATH, add_config_args, rules
 from hylo.pipeline.job_output import JobEcho, known_noise
 from hylo.pipeline.ray_init import RayInitSection, gcs_address, init_ray
@@ -111,7 +113,7 @@ class StepRunner:
     def close(self) -> None:
         """Stop the run's Ray if this runner started it."""
         if self._ray_started:
-            import ray
+            import ray  # lazy: ray
 
             ray.shutdown()
             self._ray_started, self._ray_address = False, None
@@ -214,7 +216,7 @@ def train_cmd(stage: int, config: str | Path, storage: Path, name: str, student:
     A run directory that already holds a complete checkpoint is from an interrupted attempt of this step
     (a finished step is never re-run): the command continues it with `--resume`.
     """
-    from hylo.pipeline.train.checkpoint.layout import latest_checkpoint
+    from hylo.pipeline.train.checkpoint.layout import latest_checkpoint  # lazy: torch
 
     resume = ["--resume"] if latest_checkpoint(Path(storage) / name) is not None else []
     cmd = [*job(f"stage{stage}"), "--config", str(config),

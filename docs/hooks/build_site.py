@@ -2,7 +2,7 @@
 
 mkdocs empties its `--site-dir` before it builds, links followed: a `site` linked to a folder of the user's, or a
 file of the user's in site/, would be deleted. Here mkdocs only ever cleans a fresh staging directory, and
-`hylo.files.atomic_dir` (the rule every job's output follows) replaces site/ only when it is missing or our own
+`hylo.outputs.atomic_dir` (the rule every job's output follows) replaces site/ only when it is missing or our own
 earlier build: its record `.hylo-output.json` lists every entry. Anything else is refused, named, and left alone.
 
     python docs/hooks/build_site.py [SITE]    # default: site/ beside mkdocs.yml
@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script of the checkout: its hylo/, installed or not
     sys.path.insert(0, str(REPO))
 
-from hylo.files import ForeignOutputError, atomic_dir, recorded_entries  # noqa: E402
+from hylo.outputs import atomic_dir  # noqa: E402
+from hylo.ownership import ForeignOutputError, recorded_entries  # noqa: E402
 
 # what every mkdocs-material build writes besides a folder per page
 BUILD_ENTRIES = {"404.html", "index.html", "assets", "search", "sitemap.xml", "sitemap.xml.gz", "configuration"}

@@ -116,14 +116,14 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias.copy_(default_dt_bias(H))
         self.o_norm.weight.fill_(1.0)
 
-    def forward(self, hidden_states_BTD: torch.Tensor, cu_seqlens: torch.Tensor | DocBounds | RowShard | None = None,
-                cache: LinearLayerCache | None = None) -> torch.Tensor:
+    def forward(self, hidden_states_BTD: torch.Tensor, cu_seqlens: torch.Tensor | DocBounds | None = None,
+                cache: LinearLayerCache | None = None, shard: RowShard | None = None) -> torch.Tensor:
+        """`shard`: this rank's part of a split row (hylo/seq_parallel.py), None for a whole row."""
         x_BTD = hidden_states_BTD
-        bounds, pos_T = check_mixer_input(self, x_BTD, cu_seqlens, cache)
+        bounds, pos_T = check_mixer_input(self, x_BTD, cu_seqlens, cache, shard)
         B, T, _ = x_BTD.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
 
-        shard = cu_seqlens if isinstance(cu_seqlens, RowShard) else None
         conv_in = cache.conv if cache is not None else {}
         q_pre, k_pre, v_pre = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
         if shard is not None:

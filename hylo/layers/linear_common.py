@@ -24,29 +24,33 @@ from torch import nn
 
 from hylo.cache import LinearLayerCache
 from hylo.kernels.varlen import BoundaryError, DocBounds, doc_bounds
-from hylo.seq_parallel import RowShard
+from hylo.seq_parallel import RowShard, shard_bounds
 
 
 def check_mixer_input(
     mixer: nn.Module,
     x_BTD: torch.Tensor,
-    cu_seqlens: torch.Tensor | DocBounds | RowShard | None,
+    cu_seqlens: torch.Tensor | DocBounds | None,
     cache: LinearLayerCache | None,
+    shard: RowShard | None = None,
 ) -> tuple[DocBounds | None, torch.Tensor | None]:
     """Validate a linear mixer's forward arguments (errors start with e.g. "GatedDeltaNet(layer 3)");
-    return the packed row's checked boundaries and its positions [T], or (None, None) unpacked."""
+    return the packed row's checked boundaries and its positions [T] (a split row's: `shard.local`), or
+    (None, None) unpacked."""
     owner = f"{type(mixer).__name__}(layer {mixer.layer_idx})"
     hidden_size = mixer.hidden_size
     if x_BTD.dim() != 3 or x_BTD.shape[-1] != hidden_size:
         raise ValueError(f"{owner}: hidden_states must be [B, T, {hidden_size}], got {list(x_BTD.shape)}")
+    B, T, _ = x_BTD.shape
+    if shard is not None:
+
+        def wrong(message: str) -> NoReturn:
+            raise ValueError(f"{owner}: {message}")
+
+        local = shard_bounds(shard, B, T, cu_seqlens, cache, wrong)
+        return local, local.positions
     if cu_seqlens is None:
         return None, None
-    B, T, _ = x_BTD.shape
-    if isinstance(cu_seqlens, RowShard):
-        if cache is not None or B != 1 or T != cu_seqlens.end - cu_seqlens.start:
-            raise ValueError(f"{owner}: a split row (RowShard) needs B == 1, no cache and the shard's "
-                             f"{cu_seqlens.end - cu_seqlens.start} tokens; got B={B}, T={T}")
-        return cu_seqlens.local, cu_seqlens.local.positions
     if cache is not None:
         raise ValueError(f"{owner}: a cache works on unpacked batches; got both cache and cu_seqlens")
     if B != 1:

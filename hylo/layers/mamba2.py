@@ -122,16 +122,16 @@ class Mamba2Mixer(nn.Module):
         self.D.fill_(1.0)
         self.norm.weight.fill_(1.0)
 
-    def forward(self, hidden_states_BTD: torch.Tensor, cu_seqlens: torch.Tensor | DocBounds | RowShard | None = None,
-                cache: LinearLayerCache | None = None) -> torch.Tensor:
+    def forward(self, hidden_states_BTD: torch.Tensor, cu_seqlens: torch.Tensor | DocBounds | None = None,
+                cache: LinearLayerCache | None = None, shard: RowShard | None = None) -> torch.Tensor:
+        """`shard`: this rank's part of a split row (hylo/seq_parallel.py), None for a whole row."""
         u_BTD = hidden_states_BTD
-        bounds, pos_T = check_mixer_input(self, u_BTD, cu_seqlens, cache)
+        bounds, pos_T = check_mixer_input(self, u_BTD, cu_seqlens, cache, shard)
         B, T, _ = u_BTD.shape
         H, P, N, G, E = self.num_heads, self.head_dim, self.state_size, self.n_groups, self.intermediate_size
 
         z_BTE, xBC_BTC, dt_BTH = self.in_proj(u_BTD).split([E, self.conv_dim, H], dim=-1)
         prefix = cache.conv.get("xBC") if cache is not None else None
-        shard = cu_seqlens if isinstance(cu_seqlens, RowShard) else None
         if shard is not None:
             # a split row: the conv window starts with the previous rank's last W inputs
             prefix = conv_prefix(xBC_BTC, self.conv_size - 1, shard)

@@ -51,14 +51,13 @@ from typing import NoReturn
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from hylo.cache import MLALayerCache
 from hylo.kernels.packed_sdpa import packed_causal_sdpa
 from hylo.kernels.varlen import DocBounds, doc_bounds
 from hylo.layers.norm import HeadRMSNorm, RMSNorm
 from hylo.layers.rope import RotaryEmbedding, apply_rotary, mla_softmax_scale
-from hylo.seq_parallel import RowShard, gather_tokens, key_positions
+from hylo.seq_parallel import RowShard, attend_shard, shard_bounds
 
 
 class MLAInputError(ValueError):
@@ -146,22 +145,20 @@ class MLAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | DocBounds | RowShard | None = None,
+        cu_seqlens: torch.Tensor | DocBounds | None = None,
         cache: MLALayerCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        shard: RowShard | None = None,
     ) -> torch.Tensor:
+        """`shard`: this rank's part of a split row (hylo/seq_parallel.py), None for a whole row."""
         x_BTD = hidden_states
         if x_BTD.dim() != 3 or x_BTD.shape[-1] != self.hidden_size:
             raise self._err(f"hidden_states must be [B, T, {self.hidden_size}], got shape {tuple(x_BTD.shape)}")
         B, T, _ = x_BTD.shape
         N, P, R = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         bounds: DocBounds | None = None
-        shard = cu_seqlens if isinstance(cu_seqlens, RowShard) else None
         if shard is not None:
-            if cache is not None or B != 1 or T != shard.end - shard.start:
-                raise self._err(f"a split row (RowShard) needs B == 1, no cache and the shard's "
-                                f"{shard.end - shard.start} tokens; got B={B}, T={T}")
-            bounds, cu_seqlens = shard.local, None
+            bounds, cu_seqlens = shard_bounds(shard, B, T, cu_seqlens, cache, self._bad), None
         if cu_seqlens is not None:
             if cache is not None:
                 raise self._err("cu_seqlens (packed rows) cannot be combined with a cache; "
@@ -186,7 +183,7 @@ class MLAttention(nn.Module):
         rope = (cos_BTP, sin_BTP)
 
         if shard is not None:
-            o_BTHV = self._attend_shard(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, shard)
+            o_BTHV = attend_shard(self, q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, shard)
         elif cache is None:
             o_BTHV = self._attend_decompressed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, rope, cu, keep_BS)
         elif self.qk_norm:
@@ -218,7 +215,7 @@ class MLAttention(nn.Module):
         self_TS[torch.arange(T), past + torch.arange(T)] = True
         return ((causal_TS[None] & keep_BS[:, None, :]) | self_TS[None]).unsqueeze(1)
 
-    def _decompressed_kv(self, c_kv_BSR: torch.Tensor, k_pe_BSP: torch.Tensor,
+    def decompressed_kv(self, c_kv_BSR: torch.Tensor, k_pe_BSP: torch.Tensor,
                          rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [B, H, S, E] and values [B, H, S, V] of S tokens from their latent and raw `k_pe` (RoPE and the
         key norm are applied here; `rope` is the keys' cos / sin)."""
@@ -246,7 +243,7 @@ class MLAttention(nn.Module):
         k_BHSE = torch.cat([k_nope_BSGN, k_pe_BSXP.expand(B, S, H, P)], dim=-1).transpose(1, 2)
         return k_BHSE, v_BSGV.transpose(1, 2)
 
-    def _equal_head_dims(self, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor,
+    def equal_head_dims(self, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor,
                          v_BHSV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Equal q/k/v head dims keep SDPA on its fused (flash) kernels; zero columns change nothing."""
         E, V = self.qk_head_dim, self.v_head_dim
@@ -261,9 +258,9 @@ class MLAttention(nn.Module):
                              cu: tuple[int, ...] | None, keep_BS: torch.Tensor | None = None) -> torch.Tensor:
         """`k_pe_BTP` before RoPE (and before k_norm): both are applied here."""
         T, V = q_nope_BTHN.shape[1], self.v_head_dim
-        k_BHTE, v_BHTV = self._decompressed_kv(c_kv_BTR, k_pe_BTP, rope)
+        k_BHTE, v_BHTV = self.decompressed_kv(c_kv_BTR, k_pe_BTP, rope)
         q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
-        q_BHTE, k_BHTE, v_BHTV = self._equal_head_dims(q_BHTE, k_BHTE, v_BHTV)
+        q_BHTE, k_BHTE, v_BHTV = self.equal_head_dims(q_BHTE, k_BHTE, v_BHTV)
         if keep_BS is not None:
             o_BHTX = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTV, scale=self.softmax_scale,
                                                     attn_mask=self._padded_causal_mask(keep_BS, T, 0))
@@ -274,73 +271,6 @@ class MLAttention(nn.Module):
             # block-diagonal causal attention without a [T, T] mask (kernels/packed_sdpa.py)
             o_BHTX = packed_causal_sdpa(q_BHTE, k_BHTE, v_BHTV, cu, scale=self.softmax_scale)
         return o_BHTX[..., :V].transpose(1, 2)
-
-    def _attend_shard(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
-                      k_pe_BTP: torch.Tensor, shard: RowShard) -> torch.Tensor:
-        """A split row (`hylo.seq_parallel`): the group's latents + raw k_pe gathered (R + P per token), the
-        keys of [start of this shard's first document, shard end) decompressed here, this rank's queries
-        attending to them: its first document with a bottom-right-aligned causal mask (its keys may start on
-        an earlier rank), the others as in the unsplit row."""
-        T, V, R = q_nope_BTHN.shape[1], self.v_head_dim, self.kv_lora_rank
-        if shard.mla == "ulysses":
-            return self._attend_ulysses(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, shard)
-        ks = shard.doc_start(shard.start)
-        kv_1SX = gather_tokens(torch.cat([c_kv_BTR, k_pe_BTP], -1), shard, end=shard.end)[:, ks:]
-        c_kv_1SR, k_pe_1SP = kv_1SX.split([R, self.qk_rope_head_dim], dim=-1)
-        pos_1S = key_positions(shard, ks, shard.end, q_pe_BTHP.device)[None]
-        k_BHSE, v_BHSV = self._decompressed_kv(c_kv_1SR, k_pe_1SP, self.rotary_emb(pos_1S, q_pe_BTHP.dtype))
-        q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
-        q_BHTE, k_BHSE, v_BHSV = self._equal_head_dims(q_BHTE, k_BHSE, v_BHSV)
-        off, cu = shard.start - ks, shard.local.host
-        first = cu[1]
-        outs = []
-        if off:
-            mask = causal_lower_right(first, off + first)
-            outs.append(F.scaled_dot_product_attention(q_BHTE[:, :, :first], k_BHSE[:, :, :off + first],
-                                                       v_BHSV[:, :, :off + first], attn_mask=mask,
-                                                       scale=self.softmax_scale))
-            rest = [c - first for c in cu[1:]]
-            q_BHTE, k_BHSE, v_BHSV = q_BHTE[:, :, first:], k_BHSE[:, :, off + first:], v_BHSV[:, :, off + first:]
-        else:
-            rest = list(cu)
-        if len(rest) > 1:
-            if len(rest) == 2:
-                outs.append(F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, is_causal=True,
-                                                           scale=self.softmax_scale))
-            else:
-                outs.append(packed_causal_sdpa(q_BHTE, k_BHSE, v_BHSV, tuple(rest), scale=self.softmax_scale))
-        o_BHTX = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-        assert o_BHTX.shape[2] == T
-        return o_BHTX[..., :V].transpose(1, 2)
-
-    def _attend_ulysses(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
-                        k_pe_BTP: torch.Tensor, shard: RowShard) -> torch.Tensor:
-        """A split row through DeepSpeed's Ulysses (`deepspeed.sequence.layer.DistributedAttention`): this rank's
-        q, k, v (decompressed here) go all-to-all from tokens to heads, each rank attends H / N heads over the
-        whole row, and the output goes back. Sends H * (2E + V) values per token each way against the latent
-        gather's R + P (kept for comparison: `bench/sp_mla.py`)."""
-        from deepspeed.sequence.layer import DistributedAttention
-
-        H, V = self.num_heads, self.v_head_dim
-        if H % shard.size:
-            raise self._err(f"Ulysses splits the {H} heads over {shard.size} ranks: they must divide")
-        pos_1T = shard.local.positions[None]
-        k_BHTE, v_BHTV = self._decompressed_kv(c_kv_BTR, k_pe_BTP, self.rotary_emb(pos_1T, q_pe_BTHP.dtype))
-        q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
-        q_BHTE, k_BHTE, v_BHTV = self._equal_head_dims(q_BHTE, k_BHTE, v_BHTV)
-        full = shard.full
-
-        def local(q_BThE: torch.Tensor, k_BThE: torch.Tensor, v_BThE: torch.Tensor, *_: object) -> torch.Tensor:
-            q, k, v = (x.transpose(1, 2) for x in (q_BThE, k_BThE, v_BThE))
-            if len(full) == 2:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-            else:
-                o = packed_causal_sdpa(q, k, v, full, scale=self.softmax_scale)
-            return o.transpose(1, 2)
-
-        attn = DistributedAttention(local, shard.group, scatter_idx=2, gather_idx=1)
-        o_BTHX = attn(*(x.transpose(1, 2) for x in (q_BHTE, k_BHTE, v_BHTV)), batch_dim_idx=0)
-        return o_BTHX[..., :V]
 
     def _absorbed_weights(self, per_query_head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: key part W_uk [H, N, R] and value part W_uv [H, V, R] (per kv_b head,

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfig
-from hylo.files import atomic_dir, copy_tokenizer_files
+from hylo.layers.rope import rope_parameters
+from hylo.outputs import atomic_dir
 from hylo.released.layout import (
     BASE_TYPES,
     FLA_GDN_DEFAULTS,
@@ -37,6 +39,7 @@ from hylo.released_facts import (
     MAMBA2_ARGS,
     MAMBA_GATED_NORM_EPS,
 )
+from hylo.tokenizer_files import copy_tokenizer_files
 
 
 def _kv_b_for_export(w: torch.Tensor, hcfg: HybridConfig) -> tuple[torch.Tensor, bool]:
@@ -73,8 +76,6 @@ def their_rope_scaling_out(rs: dict[str, Any] | None, max_pos: int) -> dict[str,
             out[key] = float(rs[key])
     # what their code will compute for the cos/sin magnitude must be what ours uses
     ours = their_rope_scaling(out, "export")["attention_factor"]
-    from hylo.layers.rope import rope_parameters
-
     _, mine = rope_parameters(2, 10000.0, rs, max_pos)
     if not math.isclose(ours, mine, rel_tol=1e-12):
         raise ReleasedLayoutError(f"rope_scaling {rs}: its attention factor {mine} cannot be expressed in the "
@@ -303,8 +304,6 @@ def write_checked_layout(out_dir: str | Path, model: Any, tensors: dict[str, tor
     """One released layout's files, atomically: `model.safetensors`, each JSON file (name -> (content,
     indent)), read back by `check` as the other project's loader would before anything is in place (its
     error names `out_dir`), then the model's generation config and the tokenizer files."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

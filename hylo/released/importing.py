@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfig
+from hylo.modeling import HyLoForCausalLM
 from hylo.released.layout import (
     LAYER_KEY,
     LINEAR_PREFIXES,
@@ -100,8 +102,6 @@ def released_to_state_dict(tensors: dict[str, torch.Tensor], hcfg: HybridConfig,
 
 def load_released(path: str | Path, dtype: torch.dtype | None = None) -> Any:
     """A released-layout directory as a `HyLoForCausalLM` (strict: every tensor used, none missing)."""
-    from hylo.modeling import HyLoForCausalLM
-
     p = Path(path)
     tensors = read_released_tensors(p)
     hcfg = released_hybrid_config(p, tensors)
@@ -140,7 +140,5 @@ def load_checked_tensors(model: Any, sd: dict[str, torch.Tensor], hcfg: HybridCo
         model.tie_weights()
     gen = p / "generation_config.json"
     if gen.is_file():
-        from transformers import GenerationConfig
-
         model.generation_config = GenerationConfig.from_pretrained(p)
     return model.eval()

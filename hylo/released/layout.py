@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from hylo.config import HYBRID_CONFIG_NAME
-from hylo.files import read_json
+from hylo.json_files import read_json
 from hylo.released_facts import HYBRID_CONFIG_FIELDS, HYBRID_CONFIG_REMOVED
 
 # hybrid_config.json keys that only AMD's Hybrid-Models code writes (ours never does)

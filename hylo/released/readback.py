@@ -126,6 +126,19 @@ def public_loader_refusal(path: str | Path) -> str | None:
     return hybrid_config_refusal(read_layout_json(Path(path) / HYBRID_CONFIG_NAME))
 
 
+def loader_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """What another project's loader would do wrong with `tensors` against the shapes its modules expect
+    (`expected`): the tensors it drops, those it leaves at their random init, those of the wrong shape (8 of
+    each at most), one line each; [] when it reads them all."""
+    dropped = sorted(set(tensors) - set(expected))
+    random = sorted(set(expected) - set(tensors))
+    shapes = sorted(f"{k}: file {tuple(t.shape)}, their module {expected[k]}" for k, t in tensors.items()
+                    if k in expected and tuple(t.shape) != expected[k])
+    return ([f"dropped by their loader (no such module): {k}" for k in dropped[:8]]
+            + [f"left at their random init (not in the file): {k}" for k in random[:8]]
+            + [f"shape mismatch: {k}" for k in shapes[:8]])
+
+
 def check_released_dir(path: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> str | None:
     """Read a released directory back as AMD's loader would (`load_state_dict(strict=False)` into the module
     tree of `their_expected_tensors`); raise naming every tensor it would drop, leave random or refuse.
@@ -143,13 +156,7 @@ def check_released_dir(path: str | Path, tensors: dict[str, torch.Tensor] | None
                                   f"AMD's public HybridConfig: it would build this layout with its own layers")
     expected = their_expected_tensors(read_layout_json(p / "config.json"), hyb, where, hylo=hylo)
     tensors = tensors if tensors is not None else read_released_tensors(p)
-    dropped = sorted(set(tensors) - set(expected))
-    random = sorted(set(expected) - set(tensors))
-    shapes = sorted(f"{k}: file {tuple(t.shape)}, their module {expected[k]}" for k, t in tensors.items()
-                    if k in expected and tuple(t.shape) != expected[k])
-    lines = ([f"dropped by their loader (no such module): {k}" for k in dropped[:8]]
-             + [f"left at their random init (not in the file): {k}" for k in random[:8]]
-             + [f"shape mismatch: {k}" for k in shapes[:8]])
+    lines = loader_mismatches(tensors, expected)
     if lines:
         raise ReleasedLayoutError(f"{p}: AMD's loader would not read this checkpoint as written:\n  " + "\n  ".join(lines))
     return refusal

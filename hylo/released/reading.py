@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from hylo.config import HYBRID_CONFIG_NAME, HybridConfig, HybridConfigError
-from hylo.files import confined_paths
+from hylo.manifest_paths import confined_paths
 from hylo.model_files import check_finite_tensors, check_layer_indices, check_model_config
 from hylo.released.layout import (
     AMD_DEFAULTS,
@@ -39,8 +40,6 @@ from hylo.released_facts import (
 
 def read_released_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's safetensors files (a sharded index is checked for missing shards)."""
-    from safetensors import safe_open
-
     p = Path(path)
     index = p / "model.safetensors.index.json"
     if index.is_file():

@@ -7,9 +7,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from hylo.files import read_json
-from hylo.model_files import check_model_config
+from hylo.io import CheckpointMismatchError, from_pretrained_checked
+from hylo.json_files import read_json
+from hylo.model_files import check_model_config, nonfinite_tensors
 from hylo.upcycle.options import SUPPORTED_BASE_TYPES, UpcycleError
 
 
@@ -32,8 +34,6 @@ def read_base_config(cfg_file: str | Path) -> dict[str, Any]:
 
 def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32):
     """Load a base HF causal LM directory with clear errors for missing/corrupt/unsupported input."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     p = Path(path)
     if not p.exists():
         raise UpcycleError(f"base model directory {p} does not exist")
@@ -46,8 +46,6 @@ def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32):
     weights = list(p.glob("*.safetensors")) + list(p.glob("*.bin"))
     if not weights:
         raise UpcycleError(f"{p}: no weight files (*.safetensors) found")
-    from hylo.io import CheckpointMismatchError, from_pretrained_checked
-
     try:
         AutoConfig.from_pretrained(p)
         # a missing, unexpected or mis-shaped tensor is refused, naming it (never a random layer)
@@ -62,8 +60,6 @@ def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32):
 @torch.no_grad()
 def check_base_weights(base_model: nn.Module, shown: int = 5) -> None:
     """Refuse a base model with NaN or infinite weights: conversion would copy them without a word."""
-    from hylo.model_files import nonfinite_tensors
-
     bad = [f"{name} ({n} value{'s' if n > 1 else ''})" for name, n in nonfinite_tensors(base_model.named_parameters())]
     if bad:
         more = f" and {len(bad) - shown} more" if len(bad) > shown else ""

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from hylo.upcycle.attention import fit_rows
 from hylo.upcycle.gdn import gdn_head_groups
@@ -53,8 +54,6 @@ def check_calibration_ids(ids: torch.Tensor, where: str) -> None:
 
 def default_calibration_ids(base_dir: str | Path) -> torch.Tensor:
     """`CALIBRATION_TEXT` tokenised with the tokenizer of base model directory `base_dir`."""
-    from transformers import AutoTokenizer
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(base_dir)
     except Exception as e:  # transformers raises many kinds for a missing or broken tokenizer

@@ -23,7 +23,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
+from hylo.assets import resolve_path_or_asset
+from hylo.io import save_hylo
+from hylo.modeling import HyLoForCausalLM
 from hylo.upcycle.base import check_base_weights, load_base_model
 from hylo.upcycle.calibrate import (
     calibrate_linear,
@@ -40,6 +44,7 @@ from hylo.upcycle.options import (
     hybrid_config_from_base,
     make_options,
 )
+from hylo.weight_files import check_weights_dir
 
 
 def _mixer_weights(attn: nn.Module, dst: nn.Module, hcfg: Any) -> dict[str, torch.Tensor]:
@@ -74,8 +79,6 @@ def upcycle(
     `step(what)` (`convert`'s progress bar) is called as each part starts: building, each layer,
     calibrating; without it, `progress` shows a bar of the layers.
     """
-    from hylo.modeling import HyLoForCausalLM
-
     inits = INITS
     if init not in inits:
         raise UpcycleError(f"init={init!r}; allowed: {', '.join(inits)}")
@@ -91,8 +94,6 @@ def upcycle(
     dtype = next(base_model.parameters()).dtype
     layers = range(hcfg.n_layer)
     if progress and step is None:
-        from tqdm import tqdm
-
         layers = tqdm(layers, desc="upcycling layers", unit="layer")
     step = step or (lambda what: None)
     step("building the hybrid")
@@ -167,8 +168,6 @@ class Conversion:
 
     def save(self, out_dir: str | Path) -> Path:
         """Write the HyLo checkpoint atomically, with the base's tokenizer files."""
-        from hylo.io import save_hylo
-
         return save_hylo(self.model, out_dir, tokenizer_from=self.base_dir)
 
 
@@ -180,16 +179,11 @@ def convert(base: str | Path, options: ConvertConfig | None = None, *, calibrati
     Calibration runs unless `calibrate` is false: on `calibration_ids` when given, else on the built-in text
     tokenised with the base's tokenizer (a base without one is an UpcycleError saying how to skip it).
     """
-    from hylo.assets import resolve_path_or_asset
-    from hylo.files import check_weights_dir
-
     opts = make_options(options, **overrides)
     if calibration_ids is not None and not opts.calibrate:
         raise UpcycleError("calibration_ids were given with calibrate=False; give one or the other")
     base_dir = resolve_path_or_asset(base, "base model", directory=True)
     check_weights_dir(base_dir)
-    from tqdm import tqdm
-
     # one bar for the whole conversion: load, build, each layer, calibrate (the total is known once the
     # base's config is read)
     with tqdm(total=None, desc=f"converting {base_dir.name}", unit="step", disable=not progress) as bar:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 from hylo.upcycle.config import ConvertConfig, UpcycleError, _flag
@@ -162,8 +163,6 @@ def _default_rope_key_groups(g: int, dh: int, d_rope: int | None, d_nope: int | 
 
 def _rope_scaling_for(base_cfg: Any, rope_scaling: dict | None) -> dict | None:
     """The MLA RoPE scaling, warning when the base's own scaling is replaced or cannot be carried."""
-    import warnings
-
     base = _base_rope_params(base_cfg)
     carried = _base_rope_scaling(base_cfg)
     if rope_scaling is not None:
@@ -193,11 +192,11 @@ def hybrid_config_from_base(base_cfg: Any, options: ConvertConfig | None = None,
     (the released HyLo models untie the LM head: `tie_word_embeddings: false` copies the base embedding
     into it).
     """
-    from hylo.config import HybridConfig, HybridConfigError
+    from hylo.config import HybridConfig, HybridConfigError  # lazy: torch
 
     o = make_options(options, **overrides)
     if isinstance(base_cfg, dict):
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # lazy: torch
 
         check_base_type(base_cfg.get("model_type"))
         base_cfg = AutoConfig.for_model(**base_cfg)
@@ -301,7 +300,7 @@ def hybrid_config_from_base(base_cfg: Any, options: ConvertConfig | None = None,
 
 def kv_summary(base_cfg: Any, hcfg: Any, bytes_per_value: int = 2) -> dict[str, Any]:
     """KV-cache accounting (values per token; bytes at `bytes_per_value`, bf16 by default)."""
-    from hylo.config import base_kv_values_per_token
+    from hylo.config import base_kv_values_per_token  # lazy: torch
 
     base_vals = base_kv_values_per_token(base_cfg)
     hyb_vals = hcfg.kv_cache_values_per_token()

@@ -331,7 +331,7 @@ def _chunks(
 
 def _chunk_steps(use_triton: bool) -> tuple[DenseStep, TopkStep]:
     if use_triton:
-        from hylo.kernels.fused_kl.triton_kernel import dense_kl_step, topk_kl_step
+        from hylo.kernels.fused_kl.triton_kernel import dense_kl_step, topk_kl_step  # optional: triton
 
         return dense_kl_step, topk_kl_step
     return dense_kl_step_torch, topk_kl_step_torch

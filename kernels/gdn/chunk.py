@@ -35,11 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from hylo.kernels.backend import fla_stand_in_for, fla_varlen_kwargs, use_fla
-from hylo.kernels.checks import compute_dtype
-from hylo.kernels.gdn.checks import check_inputs, l2norm
-from hylo.kernels.varlen import DocBounds, chunk_layout, from_chunks, to_chunks
+from hylo.kernels.checks import takes
+from hylo.kernels.gdn.checks import DEFAULT_CHUNK_SIZE, GDNChunkArgs
+from hylo.kernels.varlen import chunk_layout, from_chunks, to_chunks
 
-DEFAULT_CHUNK_SIZE = 64
 # the chunk sizes fla's GDN kernel takes (it raises on any other); the result does not depend on it
 FLA_CHUNK_SIZES = (16, 32, 64)
 
@@ -70,29 +69,13 @@ def unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
     return inv[..., 0, :C, :C]
 
 
-def torch_chunk_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | DocBounds | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+@takes(GDNChunkArgs)
+def torch_chunk_gated_delta_rule(a: GDNChunkArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-torch chunked gated delta rule; arguments and returns as `chunk_gated_delta_rule`."""
-    B, T, H, K, V, N, bounds = check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state,
-                                            cu_seqlens)
-    if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_gated_delta_rule: chunk_size must be a positive int, got {chunk_size!r}")
-    out_dtype, dt = v.dtype, compute_dtype(q, v)
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+    B, T, H, K, V, N, bounds = a.check("chunk_gated_delta_rule")
+    a.check_chunk_size()
+    out_dtype, dt, scale, q, k, v, g, beta = a.computed()
+    chunk_size, initial_state = a.chunk_size, a.initial_state
 
     lay = chunk_layout(T, chunk_size, bounds, q.device)
     C = lay.chunk_len
@@ -146,41 +129,22 @@ def torch_chunk_gated_delta_rule(
     o_NcMCV = (q_NcMCK * gam_NcMC.exp()[..., None]) @ s_NcMKV + qk_NcMCC @ vnew_NcMCV
     o = from_chunks(o_NcMCV, lay, B, T, H).to(out_dtype)
 
-    if not output_final_state:
+    if not a.output_final_state:
         return o, None
     if bounds is None:
         return o, finals[0].reshape(B, H, K, V)
     return o, torch.stack(finals, 0)
 
 
-def chunk_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | DocBounds | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+@takes(GDNChunkArgs)
+def chunk_gated_delta_rule(a: GDNChunkArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over a batch or a packed row; fla 0.6 argument order and layouts.
 
     S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t k_t v_t^T (state [K, V] per head),
     o_t = S_t^T (scale * q_t).
 
-    Args:
-        q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] log decay (<= 0); beta: [B, T, H].
-        scale: query scale, default K ** -0.5.
-        initial_state: [N, H, K, V], N = B, or the number of sequences with `cu_seqlens`.
-        output_final_state: also return the state after each sequence's last token.
-        cu_seqlens: [N + 1] int (starts at 0, ends at T, strictly increasing: the packed-row rule of
-            `hylo.kernels.varlen`), or the model's `DocBounds`; B must be 1. State never crosses a boundary.
-        use_qk_l2norm_in_kernel: L2-normalise q and k over K first (eps 1e-6).
-        chunk_size: chunk length of the torch path; fla's kernel gets it where it takes it (16, 32, 64),
-            else 64 (the result does not depend on it; `gdn_chunk_size` is any positive int).
+    Args: `GDNChunkArgs` (q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    cu_seqlens=None, use_qk_l2norm_in_kernel=False, chunk_size=64).
 
     Returns:
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] or None.
@@ -188,30 +152,23 @@ def chunk_gated_delta_rule(
     GPU tensors go to fla's Triton kernel (`hylo.kernels.backend.use_fla`; the estimator's fake tensors
     to its stand-in, `hylo.kernels.fla_shapes`), everything else to the pure-torch chunked path above.
     """
-    stand_in = fla_stand_in_for(q, "chunk_gated_delta_rule")
-    if stand_in is not None or (isinstance(q, torch.Tensor) and use_fla(q)):
+    stand_in = fla_stand_in_for(a.q, "chunk_gated_delta_rule")
+    if stand_in is not None or (isinstance(a.q, torch.Tensor) and use_fla(a.q)):
         if stand_in is None:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+            from fla.ops.gated_delta_rule import (  # optional: fla
+                chunk_gated_delta_rule as fla_chunk_gated_delta_rule,
+            )
         else:
             fla_chunk_gated_delta_rule = stand_in
-        bounds = check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, cu_seqlens)[-1]
-        if not isinstance(chunk_size, int) or chunk_size <= 0:
-            raise ValueError(f"chunk_gated_delta_rule: chunk_size must be a positive int, got {chunk_size!r}")
+        bounds = a.check("chunk_gated_delta_rule")[-1]
+        a.check_chunk_size()
         return fla_chunk_gated_delta_rule(
-            q, k, v, g, beta,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else DEFAULT_CHUNK_SIZE,
+            a.q, a.k, a.v, a.g, a.beta,
+            scale=a.scale,
+            initial_state=a.initial_state,
+            output_final_state=a.output_final_state,
+            use_qk_l2norm_in_kernel=a.use_qk_l2norm_in_kernel,
+            chunk_size=a.chunk_size if a.chunk_size in FLA_CHUNK_SIZES else DEFAULT_CHUNK_SIZE,
             **fla_varlen_kwargs(fla_chunk_gated_delta_rule, bounds),
         )
-    return torch_chunk_gated_delta_rule(
-        q, k, v, g, beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        chunk_size=chunk_size,
-    )
+    return torch_chunk_gated_delta_rule(**vars(a))

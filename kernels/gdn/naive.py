@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from hylo.kernels.checks import compute_dtype
-from hylo.kernels.gdn.checks import check_inputs, l2norm
-from hylo.kernels.varlen import DocBounds
+from hylo.kernels.checks import takes
+from hylo.kernels.gdn.checks import GDNRowArgs
 
 
 def _recurrent_one(
@@ -42,40 +41,18 @@ def _recurrent_one(
     return torch.stack(outs, 0), state_HKV
 
 
-def naive_recurrent_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | DocBounds | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Reference gated delta rule, one token at a time.
-
-    Args:
-        q, k: [B, T, H, K]; v: [B, T, H, V]; g (log decay, <= 0), beta: [B, T, H].
-        scale: query scale, default K ** -0.5.
-        initial_state: [N, H, K, V] (N = B, or the number of sequences with `cu_seqlens`).
-        output_final_state: also return the state after the last token of each sequence.
-        cu_seqlens: [N + 1] int (or `hylo.kernels.varlen.DocBounds`), B must be 1; sequences never
-            exchange state.
-        use_qk_l2norm_in_kernel: L2-normalise q and k over K first (eps 1e-6, as fla).
+@takes(GDNRowArgs)
+def naive_recurrent_gated_delta_rule(a: GDNRowArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference gated delta rule, one token at a time; arguments `GDNRowArgs` (as `chunk_gated_delta_rule`
+    without `chunk_size`).
 
     Returns:
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] (fp32, or float64 for float64
         inputs) or None.
     """
-    B, T, H, K, V, N, bounds = check_inputs("naive_recurrent_gated_delta_rule", q, k, v, g, beta, scale,
-                                    initial_state, cu_seqlens)
-    out_dtype, dt = v.dtype, compute_dtype(q, v)
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+    B, T, H, K, V, N, bounds = a.check("naive_recurrent_gated_delta_rule")
+    out_dtype, dt, scale, q, k, v, g, beta = a.computed()
+    initial_state = a.initial_state
 
     spans = [(b, 0, T) for b in range(B)] if bounds is None else [(0, s, e) for s, e in bounds.spans()]
 
@@ -90,5 +67,5 @@ def naive_recurrent_gated_delta_rule(
         finals.append(hT_HKV)
 
     o = torch.stack(outs, 0) if bounds is None else torch.cat(outs, 0)[None]
-    final_state = torch.stack(finals, 0) if output_final_state else None
+    final_state = torch.stack(finals, 0) if a.output_final_state else None
     return o.to(out_dtype), final_state

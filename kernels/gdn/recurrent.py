@@ -20,29 +20,17 @@ from __future__ import annotations
 import torch
 
 from hylo.kernels.backend import use_fla
-from hylo.kernels.checks import compute_dtype
-from hylo.kernels.gdn.checks import check_inputs, l2norm
+from hylo.kernels.checks import takes
+from hylo.kernels.gdn.checks import GDNStepArgs
+from hylo.kernels.gdn.chunk import chunk_gated_delta_rule
 
 
-def torch_recurrent_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+@takes(GDNStepArgs)
+def torch_recurrent_gated_delta_rule(a: GDNStepArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-torch recurrent gated delta rule, batched over B and H, a Python loop over T."""
-    B, T, H, K, V, _, _ = check_inputs("recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state, None)
-    out_dtype, dt = v.dtype, compute_dtype(q, v)
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    h_BHKV = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
+    B, T, H, K, V, _, _ = a.check("recurrent_gated_delta_rule")
+    out_dtype, dt, scale, q, k, v, g, beta = a.computed()
+    h_BHKV = q.new_zeros(B, H, K, V) if a.initial_state is None else a.initial_state.to(dt)
     outs = []
     for t in range(T):
         k_BH1K = k[:, t, :, None, :]
@@ -52,43 +40,29 @@ def torch_recurrent_gated_delta_rule(
         h_BHKV = h_BHKV + k_BH1K.transpose(-1, -2) @ delta_BH1V
         outs.append((q[:, t, :, None, :] * scale) @ h_BHKV)
     o = torch.cat(outs, dim=2).transpose(1, 2).to(out_dtype)
-    return o, (h_BHKV if output_final_state else None)
+    return o, (h_BHKV if a.output_final_state else None)
 
 
-def recurrent_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated delta rule token by token over an unpacked batch (the decode step); arguments and returns as
-    `chunk_gated_delta_rule` without `cu_seqlens` / `chunk_size`. GPU tensors go to fla's recurrent kernel
-    (`hylo.kernels.backend.use_fla`), everything else to the torch loop above."""
-    if isinstance(q, torch.Tensor) and use_fla(q):
-        check_inputs("recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state, None)
-        leaves = (q, k, v, g, beta, initial_state)
+@takes(GDNStepArgs)
+def recurrent_gated_delta_rule(a: GDNStepArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule token by token over an unpacked batch (the decode step); arguments (`GDNStepArgs`) and
+    returns as `chunk_gated_delta_rule` without `cu_seqlens` / `chunk_size`. GPU tensors go to fla's recurrent
+    kernel (`hylo.kernels.backend.use_fla`), everything else to the torch loop above."""
+    if isinstance(a.q, torch.Tensor) and use_fla(a.q):
+        a.check("recurrent_gated_delta_rule")
+        leaves = (a.q, a.k, a.v, a.g, a.beta, a.initial_state)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves):
-            from hylo.kernels.gdn.chunk import chunk_gated_delta_rule
-
-            return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                          output_final_state=output_final_state,
-                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+            return chunk_gated_delta_rule(**vars(a))
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule  # optional: fla
 
         # keywords: fla 0.6's recurrent op takes `q, k, v, g, gk, gv, beta`
         return fused_recurrent_gated_delta_rule(
-            q, k, v,
-            g=g,
-            beta=beta,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            a.q, a.k, a.v,
+            g=a.g,
+            beta=a.beta,
+            scale=a.scale,
+            initial_state=a.initial_state,
+            output_final_state=a.output_final_state,
+            use_qk_l2norm_in_kernel=a.use_qk_l2norm_in_kernel,
         )
-    return torch_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                            use_qk_l2norm_in_kernel)
+    return torch_recurrent_gated_delta_rule(**vars(a))

@@ -1,4 +1,4 @@
-"""Argument checks shared by the chunked SSD scan and its step-by-step reference.
+"""The SSD ops' arguments, written once (`SSDArgs` and its packed-row and chunked forms), and their checks.
 
 Every error names the function, the argument and the expected shape, so a caller with a wrong layout
 (head-first tensors, B/C per head with the wrong group count, a state in the [N, P] orientation) sees
@@ -7,12 +7,15 @@ what to change.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
 
-from hylo.kernels.checks import check_float_tensors, check_sequences, shape_str
+from hylo.kernels.checks import check_float_tensors, check_sequences, compute_dtype, shape_str
 from hylo.kernels.varlen import DocBounds
+
+DEFAULT_CHUNK_SIZE = 64
 
 
 class SSDInputError(ValueError):
@@ -62,6 +65,55 @@ def check_inputs(
     bounds, S = check_sequences(bad, cu_seqlens, batch, T, initial_state, ("S", "H", "P", "N"), (H, P, N),
                                 "x", x.device)
     return batch, T, H, P, G, N, S, bounds
+
+
+@dataclass
+class SSDArgs:
+    """The arguments of every SSD op (mamba_ssm's names and layouts; each op takes them as its signature,
+    `hylo.kernels.checks.takes`). B batch, T tokens, H heads, P head dim, G groups of B/C, N state size.
+
+    x: [B, T, H, P]; dt: [B, T, H] positive step (softplus and bias already applied);
+    A: [H] negative decay rate; B, C: [B, T, G, N]; D: [H] skip weight or None.
+    initial_state: [S, H, P, N], S = B, or the number of sequences with `cu_seqlens`.
+    output_final_state: also return the state after each sequence's last token.
+    """
+
+    x: torch.Tensor
+    dt: torch.Tensor
+    A: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    D: torch.Tensor | None = None
+    initial_state: torch.Tensor | None = None
+    output_final_state: bool = False
+
+    def check(self, fn: str) -> tuple[int, int, int, int, int, int, int, DocBounds | None]:
+        """`check_inputs` of these arguments, errors named after op `fn`."""
+        return check_inputs(fn, self.x, self.dt, self.A, self.B, self.C, self.D, self.initial_state,
+                            getattr(self, "cu_seqlens", None))
+
+    def computed(self) -> tuple[torch.dtype, torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor]:
+        """(x's dtype, the compute dtype, x, dt, A, B, C in the compute dtype): fp16/bf16 inputs are computed
+        in fp32, float64 stays float64."""
+        cd = compute_dtype(self.x, self.dt, self.B, self.C)
+        return (self.x.dtype, cd, *(t.to(cd) for t in (self.x, self.dt, self.A, self.B, self.C)))
+
+
+@dataclass
+class SSDRowArgs(SSDArgs):
+    """`SSDArgs` over a batch or a packed row. cu_seqlens: [S + 1] int (starts at 0, ends at T, strictly
+    increasing: the packed-row rule of `hylo.kernels.varlen`), or the model's `DocBounds`; B must be 1. State
+    never crosses a boundary."""
+
+    cu_seqlens: torch.Tensor | DocBounds | None = None
+
+
+@dataclass
+class SSDChunkArgs(SSDRowArgs):
+    """`SSDRowArgs` with the chunk length of the torch path, chunk_size (fla picks its own)."""
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 
 
 def heads_from_groups(t_BTGN: torch.Tensor, H: int) -> torch.Tensor:

@@ -34,37 +34,22 @@ Design choices:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from hylo.kernels.backend import fla_stand_in_for, fla_varlen_kwargs, use_fla
-from hylo.kernels.checks import compute_dtype
-from hylo.kernels.ssd.checks import check_inputs, heads_from_groups
-from hylo.kernels.varlen import DocBounds, chunk_layout, from_chunks, to_chunks
-
-DEFAULT_CHUNK_SIZE = 64
+from hylo.kernels.checks import takes
+from hylo.kernels.ssd.checks import SSDChunkArgs, heads_from_groups
+from hylo.kernels.varlen import chunk_layout, from_chunks, to_chunks
 
 
-def torch_chunk_ssd(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | DocBounds | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+@takes(SSDChunkArgs)
+def torch_chunk_ssd(a: SSDChunkArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-torch chunked SSD scan; arguments and returns as `chunk_ssd`."""
-    batch, T, H, P, G, N, S, bounds = check_inputs("chunk_ssd", x, dt, A, B, C, D, initial_state, cu_seqlens)
+    batch, T, H, P, G, N, S, bounds = a.check("chunk_ssd")
+    chunk_size, D, initial_state = a.chunk_size, a.D, a.initial_state
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise ValueError(f"chunk_ssd: chunk_size must be a positive int, got {chunk_size!r}")
-    out_dtype, cd = x.dtype, compute_dtype(x, dt, B, C)
-    x, dt, A, B, C = (t.to(cd) for t in (x, dt, A, B, C))
+    out_dtype, cd, x, dt, A, B, C = a.computed()
 
     lay = chunk_layout(T, chunk_size, bounds, x.device)
     L = lay.chunk_len
@@ -106,37 +91,29 @@ def torch_chunk_ssd(
         y = y + D.to(cd)[:, None] * x
     y = y.to(out_dtype)
 
-    if not output_final_state:
+    if not a.output_final_state:
         return y, None
     if bounds is None:
         return y, finals[0].reshape(batch, H, N, P).transpose(-1, -2)
     return y, torch.stack(finals, 0).transpose(-1, -2)
 
 
-def fla_chunk_ssd(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | DocBounds | None = None,
-    chunk_simple_gla: Callable[..., Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """SSD through fla's `chunk_simple_gla` (Triton, GPU): q = C, k = B, v = dt x, g = dt A, scale 1.
-    `chunk_simple_gla`: fla's (default) or the estimator's stand-in (`hylo.kernels.backend.fla_stand_in_for`)."""
+@takes(SSDChunkArgs)
+def fla_chunk_ssd(a: SSDChunkArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """SSD through fla's `chunk_simple_gla` (Triton, GPU): q = C, k = B, v = dt x, g = dt A, scale 1; the
+    estimator's stand-in for it where one is set (`hylo.kernels.backend.fla_stand_in_for`). `chunk_size` is
+    not read: fla picks its own."""
+    chunk_simple_gla = fla_stand_in_for(a.x, "chunk_simple_gla")
     if chunk_simple_gla is None:
-        from fla.ops.simple_gla import chunk_simple_gla
+        from fla.ops.simple_gla import chunk_simple_gla  # optional: fla
 
-    _, _, H, *_, bounds = check_inputs("chunk_ssd", x, dt, A, B, C, D, initial_state, cu_seqlens)
-    q, k, v, g = simple_gla_operands(x, dt, A, B, C, H)
-    o, final = chunk_simple_gla(q, k, v, g=g, scale=1.0, initial_state=initial_state,
-                                output_final_state=output_final_state,
+    _, _, H, *_, bounds = a.check("chunk_ssd")
+    q, k, v, g = simple_gla_operands(a.x, a.dt, a.A, a.B, a.C, H)
+    o, final = chunk_simple_gla(q, k, v, g=g, scale=1.0, initial_state=a.initial_state,
+                                output_final_state=a.output_final_state,
                                 # fla's value-first state [V, K] is mamba_ssm's [P, N]
                                 state_v_first=True, **fla_varlen_kwargs(chunk_simple_gla, bounds))
-    return with_skip(o, D, x), final
+    return with_skip(o, a.D, a.x), final
 
 
 def simple_gla_operands(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -155,36 +132,20 @@ def with_skip(o: torch.Tensor, D: torch.Tensor | None, x: torch.Tensor) -> torch
     return o.to(x.dtype)
 
 
-def chunk_ssd(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | DocBounds | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+@takes(SSDChunkArgs)
+def chunk_ssd(a: SSDChunkArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba-2 SSD scan over a batch or a packed row (mamba_ssm's argument names and layouts).
 
     Per head h (group g = h // (H / G)), state [P, N]:
         h_t = exp(dt_t A_h) h_{t-1} + (dt_t x_t) B_t^T,    y_t = h_t C_t + D_h x_t.
 
-    Args:
-        x: [B, T, H, P]; dt: [B, T, H] positive step (softplus and bias already applied);
-        A: [H] negative decay rate; B, C: [B, T, G, N]; D: [H] skip weight or None.
-        initial_state: [S, H, P, N], S = B, or the number of sequences with `cu_seqlens`.
-        output_final_state: also return the state after each sequence's last token.
-        cu_seqlens: [S + 1] int (starts at 0, ends at T, strictly increasing: the packed-row rule of
-            `hylo.kernels.varlen`), or the model's `DocBounds`; B must be 1. State never crosses a boundary.
-        chunk_size: chunk length of the torch path (fla picks its own).
+    Args: `SSDChunkArgs` (x, dt, A, B, C, D=None, initial_state=None, output_final_state=False,
+    cu_seqlens=None, chunk_size=64).
 
     Returns:
         y: [B, T, H, P] in x's dtype; final_state: [S, H, P, N] or None.
     """
-    simple_gla = fla_stand_in_for(x, "chunk_simple_gla")
-    if simple_gla is not None or (isinstance(x, torch.Tensor) and use_fla(x)):
-        return fla_chunk_ssd(x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens, simple_gla)
-    return torch_chunk_ssd(x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens, chunk_size)
+    x = a.x
+    if fla_stand_in_for(x, "chunk_simple_gla") is not None or (isinstance(x, torch.Tensor) and use_fla(x)):
+        return fla_chunk_ssd(**vars(a))
+    return torch_chunk_ssd(**vars(a))

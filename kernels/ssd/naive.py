@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from hylo.kernels.checks import compute_dtype
-from hylo.kernels.ssd.checks import check_inputs, heads_from_groups
-from hylo.kernels.varlen import DocBounds
+from hylo.kernels.checks import takes
+from hylo.kernels.ssd.checks import SSDRowArgs, heads_from_groups
 
 
 def _recurrent_one(
@@ -40,35 +39,18 @@ def _recurrent_one(
     return torch.stack(outs, 0), state_HPN
 
 
-def naive_ssd(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | DocBounds | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Reference SSD scan, one token at a time.
-
-    Args:
-        x: [B, T, H, P]; dt: [B, T, H] (positive step, softplus already applied); A: [H] (negative);
-        B, C: [B, T, G, N]; D: [H] or None (skip term D * x).
-        initial_state: [S, H, P, N] (S = B, or the number of sequences with `cu_seqlens`).
-        output_final_state: also return the state after the last token of each sequence.
-        cu_seqlens: [S + 1] int (or `hylo.kernels.varlen.DocBounds`), B must be 1; sequences never
-            exchange state.
+@takes(SSDRowArgs)
+def naive_ssd(a: SSDRowArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference SSD scan, one token at a time; arguments `SSDRowArgs` (as `chunk_ssd` without `chunk_size`).
 
     Returns:
         y: [B, T, H, P] in x's dtype; final_state: [S, H, P, N] (fp32, or float64 for float64 inputs)
         or None.
     """
-    batch, T, H, P, G, N, S, bounds = check_inputs("naive_ssd", x, dt, A, B, C, D, initial_state, cu_seqlens)
-    out_dtype, cd = x.dtype, compute_dtype(x, dt, B, C)
-    x, dt, A, B, C = (t.to(cd) for t in (x, dt, A, B, C))
+    batch, T, H, P, G, N, S, bounds = a.check("naive_ssd")
+    out_dtype, cd, x, dt, A, B, C = a.computed()
     B, C = heads_from_groups(B, H), heads_from_groups(C, H)
+    initial_state = a.initial_state
 
     spans = [(b, 0, T) for b in range(batch)] if bounds is None else [(0, s, e) for s, e in bounds.spans()]
 
@@ -80,7 +62,7 @@ def naive_ssd(
         finals.append(hT_HPN)
 
     y = torch.stack(outs, 0) if bounds is None else torch.cat(outs, 0)[None]
-    if D is not None:
-        y = y + D.to(cd)[:, None] * x
-    final_state = torch.stack(finals, 0) if output_final_state else None
+    if a.D is not None:
+        y = y + a.D.to(cd)[:, None] * x
+    final_state = torch.stack(finals, 0) if a.output_final_state else None
     return y.to(out_dtype), final_state

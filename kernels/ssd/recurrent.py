@@ -18,27 +18,18 @@ from __future__ import annotations
 import torch
 
 from hylo.kernels.backend import use_fla
-from hylo.kernels.checks import compute_dtype
-from hylo.kernels.ssd.checks import check_inputs, heads_from_groups
+from hylo.kernels.checks import takes
+from hylo.kernels.ssd.checks import SSDArgs, heads_from_groups
 from hylo.kernels.ssd.chunk import simple_gla_operands, with_skip
 
 
-def torch_recurrent_ssd(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+@takes(SSDArgs)
+def torch_recurrent_ssd(a: SSDArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pure-torch recurrent SSD scan, batched over B and H, a Python loop over T."""
-    batch, T, H, P, G, N, _, _ = check_inputs("recurrent_ssd", x, dt, A, B, C, D, initial_state, None)
-    out_dtype, cd = x.dtype, compute_dtype(x, dt, B, C)
-    x, dt, A = x.to(cd), dt.to(cd), A.to(cd)
-    B_BTHN, C_BTHN = (heads_from_groups(t, H).to(cd) for t in (B, C))
-    h_BHPN = x.new_zeros(batch, H, P, N) if initial_state is None else initial_state.to(cd)
+    batch, T, H, P, G, N, _, _ = a.check("recurrent_ssd")
+    out_dtype, cd, x, dt, A, B, C = a.computed()
+    B_BTHN, C_BTHN = heads_from_groups(B, H), heads_from_groups(C, H)
+    h_BHPN = x.new_zeros(batch, H, P, N) if a.initial_state is None else a.initial_state.to(cd)
     outs = []
     for t in range(T):
         dt_BH = dt[:, t]
@@ -46,44 +37,28 @@ def torch_recurrent_ssd(
         h_BHPN = torch.addcmul(xdt_BHP1 * B_BTHN[:, t, :, None, :], h_BHPN, (dt_BH * A).exp()[..., None, None])
         outs.append(h_BHPN @ C_BTHN[:, t, :, :, None])
     y = torch.cat(outs, dim=-1).permute(0, 3, 1, 2)
-    if D is not None:
-        y = y + D.to(cd)[:, None] * x
-    return y.to(out_dtype), (h_BHPN if output_final_state else None)
+    if a.D is not None:
+        y = y + a.D.to(cd)[:, None] * x
+    return y.to(out_dtype), (h_BHPN if a.output_final_state else None)
 
 
-def fla_recurrent_ssd(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+@takes(SSDArgs)
+def fla_recurrent_ssd(a: SSDArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SSD through fla's `fused_recurrent_simple_gla` (Triton, GPU): q = C, k = B, v = dt x, g = dt A, scale 1."""
-    from fla.ops.simple_gla import fused_recurrent_simple_gla
+    from fla.ops.simple_gla import fused_recurrent_simple_gla  # optional: fla
 
-    H = check_inputs("recurrent_ssd", x, dt, A, B, C, D, initial_state, None)[2]
-    q, k, v, g = simple_gla_operands(x, dt, A, B, C, H)
-    o, final = fused_recurrent_simple_gla(q, k, v, g=g, scale=1.0, initial_state=initial_state,
-                                          output_final_state=output_final_state, state_v_first=True)
-    return with_skip(o, D, x), final
+    H = a.check("recurrent_ssd")[2]
+    q, k, v, g = simple_gla_operands(a.x, a.dt, a.A, a.B, a.C, H)
+    o, final = fused_recurrent_simple_gla(q, k, v, g=g, scale=1.0, initial_state=a.initial_state,
+                                          output_final_state=a.output_final_state, state_v_first=True)
+    return with_skip(o, a.D, a.x), final
 
 
-def recurrent_ssd(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """SSD token by token over an unpacked batch (the decode step); arguments and returns as `chunk_ssd`
-    without `cu_seqlens` / `chunk_size`. GPU tensors go to fla's recurrent kernel (`use_fla`), everything
-    else to the torch loop above."""
-    if isinstance(x, torch.Tensor) and use_fla(x):
-        return fla_recurrent_ssd(x, dt, A, B, C, D, initial_state, output_final_state)
-    return torch_recurrent_ssd(x, dt, A, B, C, D, initial_state, output_final_state)
+@takes(SSDArgs)
+def recurrent_ssd(a: SSDArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """SSD token by token over an unpacked batch (the decode step); arguments (`SSDArgs`) and returns as
+    `chunk_ssd` without `cu_seqlens` / `chunk_size`. GPU tensors go to fla's recurrent kernel (`use_fla`),
+    everything else to the torch loop above."""
+    if isinstance(a.x, torch.Tensor) and use_fla(a.x):
+        return fla_recurrent_ssd(**vars(a))
+    return torch_recurrent_ssd(**vars(a))

@@ -7,8 +7,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hylo.files import check_not_an_input, check_replaceable
+from hylo.assets import asset_dir, asset_name
+from hylo.outputs import check_not_an_input
+from hylo.ownership import check_replaceable
+from hylo.pipeline.cli import writable_dir
 from hylo.pipeline.convert.config import ConvertJobConfig
+from hylo.released_facts import AMD_AT
 from hylo.upcycle.config import UpcycleError
 
 
@@ -21,15 +25,15 @@ def rope_summary(hcfg: Any) -> dict[str, Any]:
 
 def count_params(hcfg: Any, base_cfg: Any) -> dict[str, Any]:
     """Parameter counts from shapes alone (meta device), so a dry run needs no weights."""
-    import torch
+    import torch  # lazy: torch
 
-    from hylo.modeling import HyLoForCausalLM
+    from hylo.modeling import HyLoForCausalLM  # lazy: torch
 
     with torch.device("meta"):
         model = HyLoForCausalLM(hcfg)
     hybrid = sum(p.numel() for p in model.parameters())
     try:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # lazy: transformers
 
         with torch.device("meta"):
             base = AutoModelForCausalLM.from_config(base_cfg)
@@ -42,10 +46,15 @@ def count_params(hcfg: Any, base_cfg: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ the three modes
 def released_io(cfg: ConvertJobConfig) -> dict[str, Any]:
     """from_released / to_released: one layout in, the other out (errors as UpcycleError)."""
-    from hylo.config import HybridConfigError
-    from hylo.io import CheckpointMismatchError, load_hylo, save_hylo
-    from hylo.released import ReleasedLayoutError, export_released, is_released_layout, public_loader_refusal
-    from hylo.released_xecomla import export_xecomla, is_xecomla_layout, xecomla_loader_refusal
+    from hylo.config import HybridConfigError  # lazy: transformers
+    from hylo.io import CheckpointMismatchError, load_hylo, save_hylo  # lazy: transformers
+    from hylo.released import (  # lazy: torch
+        ReleasedLayoutError,
+        export_released,
+        is_released_layout,
+        public_loader_refusal,
+    )
+    from hylo.released_xecomla import export_xecomla, is_xecomla_layout, xecomla_loader_refusal  # lazy: torch
 
     src = Path(cfg.from_released or cfg.to_released or "")
     if not cfg.out:
@@ -77,8 +86,6 @@ def released_io(cfg: ConvertJobConfig) -> dict[str, Any]:
                "parameters": sum(p.numel() for p in model.parameters())}
     if cfg.to_released:
         # what AMD's public loader (at the commit hylo/released_facts.py was read at) does with the export
-        from hylo.released_facts import AMD_AT
-
         refusal = (xecomla_loader_refusal if cfg.released_layout == "x-ecomla" else public_loader_refusal)(cfg.out)
         summary["amd_public_loader"] = f"refuses it ({AMD_AT}): {refusal}" if refusal else f"loads it ({AMD_AT})"
     return summary
@@ -86,9 +93,9 @@ def released_io(cfg: ConvertJobConfig) -> dict[str, Any]:
 
 def dry_run(cfg: ConvertJobConfig) -> dict[str, Any]:
     """The summary of a conversion from the base's config.json alone."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: transformers
 
-    from hylo.upcycle import hybrid_config_from_base, kv_summary, read_base_config
+    from hylo.upcycle import hybrid_config_from_base, kv_summary, read_base_config  # lazy: torch
 
     if not cfg.base_config:
         raise UpcycleError("--dry-run needs --base-config CONFIG_JSON")
@@ -108,9 +115,7 @@ def dry_run(cfg: ConvertJobConfig) -> dict[str, Any]:
 
 def convert_base(cfg: ConvertJobConfig, progress: bool = True) -> dict[str, Any]:
     """Convert `base` into `out` with the `convert` options; returns the summary."""
-    from hylo.assets import asset_dir, asset_name
-    from hylo.pipeline.cli import writable_dir
-    from hylo.upcycle import convert, kv_summary
+    from hylo.upcycle import convert, kv_summary  # lazy: torch
 
     if not cfg.base or not cfg.out:
         raise UpcycleError("--base and --out are required (or --dry-run --base-config)")

@@ -31,7 +31,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hylo.assets import expand_asset
 from hylo.pipeline.data.config import SPLITS, STAGE2_MODES
+from hylo.pipeline.data.readers import iter_records
 
 
 def _unit(*parts: str) -> float:
@@ -179,8 +181,6 @@ def restrict(
 def resolve_asset_path(spec: Any) -> Any:
     """`path: asset:NAME` (or NAME where no such path exists) -> the local file of that `hylo.assets` asset
     (fetched on first use); any other path as it is."""
-    from hylo.assets import expand_asset
-
     return dataclasses.replace(spec, path=expand_asset(spec.path, progress=False))
 
 
@@ -190,8 +190,6 @@ def build_mixture(
     """Read every source of a `MixtureConfig` with the readers and mix them; rejects go to `on_reject`
     and are counted per source. A source without any usable record raises EmptySourceError (from the
     reader) unless the source sets `allow_empty`."""
-    from hylo.pipeline.data.readers import iter_records
-
     tallies: dict[str, SourceCounts] = {s.name: SourceCounts() for s in cfg.sources}
 
     def counted(name: str) -> Callable[[dict[str, Any]], None]:

@@ -3,7 +3,7 @@ shards, manifest, rejects and report, built beside the output directory and swap
 
 Design choices:
 * Everything that can be checked before Ray starts is (output directory, sources, tokenizer,
-  benchmarks); a failure at any point leaves the previous dataset untouched (`hylo.files.atomic_dir`).
+  benchmarks); a failure at any point leaves the previous dataset untouched (`hylo.outputs.atomic_dir`).
 * Nothing is lost silently: every record read but not packed is in rejects.jsonl (read and render
   stages, with reasons) or removed.jsonl (decontamination), and counted in the report.
 * The manifest's `max_len` is `packing.max_len`: the one length of the rows, which training takes from it.
@@ -15,12 +15,24 @@ import json
 import re
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from hylo.files import atomic_dir, atomic_write, check_not_an_input, foreign_entries, sweep_stale
+from tqdm import tqdm
+
+from hylo.assets import resolve_path_or_asset
+from hylo.atomic import atomic_write
+from hylo.leftovers import sweep_stale
+from hylo.outputs import atomic_dir, check_not_an_input
+from hylo.ownership import foreign_entries
+from hylo.pipeline.config import config_hash, to_dict
+from hylo.pipeline.data.config import UNHASHED_KEYS
+from hylo.pipeline.data.decontam import build_index, cut_record, scan_and_decide
+from hylo.pipeline.data.mixture import build_mixture, resolve_asset_path, restrict
 from hylo.pipeline.data.packing import BestFitPacker, Document
-from hylo.pipeline.data.render import ChatRenderer
+from hylo.pipeline.data.readers import resolve_files
+from hylo.pipeline.data.render import ChatRenderer, token_table, token_table_hash, tokenizer_hash
 from hylo.pipeline.data.report import report_markdown
 from hylo.pipeline.data.shards import MANIFEST, ShardWriter, write_manifest
 from hylo.pipeline.data.streaming import PackedRun, actor_count, make_packer, stream_packed_rows
@@ -29,8 +41,6 @@ from hylo.pipeline.ray_init import init_ray
 
 def resolve_tokenizer(name_or_dir: str) -> Path:
     """A tokenizer directory, or an asset (`asset:NAME` or NAME, fetched on first use; hylo.assets' rule)."""
-    from hylo.assets import resolve_path_or_asset
-
     return resolve_path_or_asset(name_or_dir, "tokenize.tokenizer", directory=True, progress=False)
 
 
@@ -43,9 +53,6 @@ def rows_config_hash(cfg: Any) -> str:
     """Hash of what decides the rows: every key of the config but `UNHASHED_KEYS` (output paths, Ray
     pools, progress). The `tokenize` keys it keeps sit at the top level of the hashed mapping, as they
     always have (datasets prepared before keep their fingerprint)."""
-    from hylo.pipeline.config import config_hash, to_dict
-    from hylo.pipeline.data.config import UNHASHED_KEYS
-
     d = to_dict(cfg)
     for key in UNHASHED_KEYS:
         *parents, last = key.split(".")
@@ -82,7 +89,7 @@ def _check_output(out: Path, overwrite: bool) -> None:
     """Refuse to clobber: an existing dataset needs overwrite, a foreign directory is never replaced.
 
     Also removes what a killed run left beside `out` and puts back a dataset a crash between the two renames
-    of a swap left aside (`hylo.files.sweep_stale`: only what provably is ours).
+    of a swap left aside (`hylo.leftovers.sweep_stale`: only what provably is ours).
     """
     sweep_stale(out)
     if not out.exists():
@@ -123,10 +130,7 @@ def prepare(cfg: Any) -> dict[str, Any]:
     the old dataset only once complete: a failure at any point leaves the old one untouched.
     Uses the running Ray if there is one, else starts a local one.
     """
-    from transformers import AutoTokenizer
-
-    from hylo.pipeline.data.mixture import resolve_asset_path
-    from hylo.pipeline.data.readers import resolve_files
+    from transformers import AutoTokenizer  # lazy: transformers
 
     out = Path(cfg.output.dir)
     _check_output(out, cfg.output.overwrite)
@@ -150,8 +154,6 @@ def prepare(cfg: Any) -> dict[str, Any]:
         raise PrepareError(f"tokenizer {tok_dir} has neither a pad nor an EOS token; set packing.pad_id")
     index = None
     if cfg.decontam.benchmarks:
-        from hylo.pipeline.data.decontam import build_index
-
         try:
             index, _ = build_index(cfg.decontam.benchmarks, cfg.decontam.match)
         except ValueError as e:
@@ -197,8 +199,6 @@ class _Rejects:
 def _mixture(cfg: Any, index: Any, staging: Path, rejects: _Rejects,
              warnings: list[str]) -> tuple[list[dict[str, Any]], Any, dict[str, Any] | None]:
     """The split's records (decontaminated when `index` is given), with the warnings they call for."""
-    from hylo.pipeline.data.mixture import build_mixture
-
     m = cfg.mixture
     decontam = None
     if index is None:
@@ -226,10 +226,8 @@ def _pack_into_shards(cfg: Any, records: list[dict[str, Any]], renderer: ChatRen
                       run: PackedRun, staging: Path) -> tuple[list[dict[str, Any]], float]:
     """Tokenise on Ray, pack and write the shards, with a bar of records, tokens and rows as they flow;
     returns the shards and the seconds tokenising and packing took (Ray's start-up left out)."""
-    from tqdm import tqdm
-
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
-    import ray.data
+    import ray.data  # lazy: ray
 
     # Our own bar counts documents; Ray's per-operator bars would interleave with it.
     ray.data.DataContext.get_current().enable_progress_bars = False
@@ -282,8 +280,6 @@ def _counts(records: list[dict[str, Any]], mix_stats: Any, rejects: _Rejects, ru
 
 def _prepare_into(cfg: Any, staging: Path, out: Path, renderer: ChatRenderer, pad_id: int,
                   index: Any) -> dict[str, Any]:
-    from hylo.pipeline.data.render import token_table, token_table_hash, tokenizer_hash
-
     run = PackedRun()
     warnings: list[str] = []
     packer = make_packer(cfg.packing, pad_id)
@@ -343,11 +339,6 @@ def pst_dropped(packer: BestFitPacker) -> int:
 def _decontaminate(cfg: Any, index: Any, full: list[dict[str, Any]], full_stats: Any,
                    staging: Path) -> tuple[list[dict[str, Any]], Any, dict[str, Any]]:
     """Remove (or cut) contaminated documents of the whole mixture, then narrow it to the split."""
-    from dataclasses import asdict
-
-    from hylo.pipeline.data.decontam import cut_record, scan_and_decide
-    from hylo.pipeline.data.mixture import restrict
-
     dc, m = cfg.decontam, cfg.mixture
     uniq = [r for r in full if r["doc_id"] == r["doc_base"]]
     dec = scan_and_decide(index, [[t["content"] for t in r["messages"]] for r in uniq], dc.scanner,

@@ -173,7 +173,7 @@ class ChatRenderer:
         # template directly skips its per-call message copying (messages here are already plain
         # role/content strings, so the text is the same: tests compare with apply_chat_template).
         try:
-            from transformers.utils.chat_template_utils import _compile_jinja_template
+            from transformers.utils.chat_template_utils import _compile_jinja_template  # lazy: transformers
 
             self._compiled = _compile_jinja_template(chat_template)
         except ImportError:
@@ -196,7 +196,7 @@ class ChatRenderer:
     @classmethod
     def from_pretrained(cls, path: str, mask_method: str = "auto",
                         template_kwargs: dict[str, Any] | None = None) -> ChatRenderer:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: transformers
 
         return cls.from_hf(AutoTokenizer.from_pretrained(path), mask_method, template_kwargs)
 
@@ -207,14 +207,14 @@ class ChatRenderer:
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> ChatRenderer:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: tokenizers
 
         return cls(Tokenizer.from_str(spec["tokenizer_json"]), spec["chat_template"],
                    spec["template_kwargs"], spec["mask_method"])
 
     # -- text and spans ----------------------------------------------------------------------
     def _render_raw(self, messages: list[dict[str, str]], gen: bool, masks: bool) -> tuple[str, Any]:
-        from transformers.utils.chat_template_utils import render_jinja_template
+        from transformers.utils.chat_template_utils import render_jinja_template  # lazy: transformers
 
         try:
             texts, indices = render_jinja_template(

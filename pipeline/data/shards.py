@@ -8,7 +8,7 @@ Design choices:
 * The manifest is the source of what the rows are: their split, their length bound `max_len` (the data
   job's `packing.max_len`; training takes it from here), the hash of the config that made them, and the
   shards with their row counts (checked against each shard's footer when it is opened).
-* A shard is a file of the dataset's own directory, listed once (`hylo.files.confined_paths`, checked when
+* A shard is a file of the dataset's own directory, listed once (`hylo.manifest_paths.confined_paths`, checked when
   the manifest is read, before any row): a manifest naming `../other/shard-00000.parquet`, an absolute path,
   a link that leads out of the directory, or one shard twice is refused, naming the entry and why.
 """
@@ -21,7 +21,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from hylo.files import atomic_path, atomic_write, confined_paths, read_json
+from hylo.atomic import atomic_path, atomic_write
+from hylo.json_files import read_json
+from hylo.manifest_paths import confined_paths
 from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, DataFormatError, rows_to_table
 
 MANIFEST = "manifest.json"

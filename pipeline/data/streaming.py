@@ -83,7 +83,7 @@ def tokenize_dataset(
 ) -> Any:
     """A streaming `ray.data.Dataset` of tokenised documents in mixture order (Ray must be up); at most
     `num_actors` tokenizer actors (`actor_count`)."""
-    import ray.data
+    import ray.data  # lazy: ray
 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True

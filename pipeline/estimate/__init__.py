@@ -10,7 +10,7 @@ rank's share, and `sp.py` adds what splitting adds and the bytes each layer send
 
 Legend: T tokens of a packed row, W training workers (GPUs, the ZeRO-3 world size), P student parameters.
 
-What runs: the stage's own step, `pipeline/train/stage1.train_step` / `stage2.train_step`, on the
+What runs: the trainer's own step, `pipeline/train/loop.train_step` with the stage's task, on the
 config's student (`hylo/modeling.py`'s `HyLoForCausalLM` built from its config: the stage-1 checkpoint's
 config.json where it exists, else the recipe's conversion options over the base's config), the teacher at
 its shape (stage 2 in-process: the teacher's own `TeacherModel` over a model of its config; from the pool

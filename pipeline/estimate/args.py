@@ -9,8 +9,11 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from hylo.outputs import check_output_file
+from hylo.pipeline import estimate
 from hylo.pipeline.cli import MAX_WORLD_SIZE, bounded_int
-from hylo.pipeline.config import add_config_args, maybe_print_config, read_config_file
+from hylo.pipeline.config import add_config_args, config_file, maybe_print_config, read_config_file
+from hylo.pipeline.train.config import load_stage_config
 
 if TYPE_CHECKING:
     from hylo.pipeline.train.config import StageConfig
@@ -19,7 +22,7 @@ if TYPE_CHECKING:
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     """`description`: the help's text (jobs/estimate.py's docstring; default the package's)."""
     if description is None:
-        from hylo.pipeline.estimate import __doc__ as description
+        description = estimate.__doc__
     ap = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap, example="data.seq_len=32768")
@@ -50,12 +53,8 @@ def estimate_args(argv: list[str] | None, description: str | None = None) -> tup
     args = build_parser(description).parse_args(argv)
     if args.json and not getattr(args, "print_config", False):
         # before the work: --json is not the config it reads, nor a file of the user's, and can be written
-        from hylo.files import check_output_file
-        from hylo.pipeline.config import config_file
-
         check_output_file(args.json, "--json", [("--config", config_file(args.config) if args.config else None)],
                           force=args.force)
-    from hylo.pipeline.train.config import load_stage_config
 
     if args.stage is None:  # a stage's --print-config (and this job's) heads its file with `stage: N`
         named = read_config_file(args.config)[0].get("stage") if args.config else None

@@ -4,15 +4,19 @@ direction only (sp -> step)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hylo.files import WRITTEN_BY
+from hylo.atomic import atomic_write
+from hylo.ownership import WRITTEN_BY
+from hylo.pipeline.cli import BadArgument
 from hylo.pipeline.estimate.args import estimate_args
 from hylo.pipeline.estimate.report import format_table
 from hylo.pipeline.estimate.shapes import Shapes, shapes_of
+from hylo.pipeline.estimate.sp import check_sequence_parallel, estimate_sp, format_sp
 from hylo.pipeline.estimate.step import (
     DOC_TOKENS,
     check_estimate_tokens,
@@ -20,8 +24,10 @@ from hylo.pipeline.estimate.step import (
     estimate_teacher_replica,
 )
 from hylo.pipeline.estimate.tracking import Progress
+from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.teacher.sources import source_kind
-from hylo.pipeline.train.config import Stage2Config, StageConfig, sp_shard_problem
+from hylo.pipeline.train.config import Stage2Config, StageConfig, load_conversion_config, sp_shard_problem
+from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
 
 
 def describe(cfg: StageConfig, shapes: Shapes, W: int, dtype: torch.dtype, config_path: str | None) -> str:
@@ -45,13 +51,6 @@ def describe(cfg: StageConfig, shapes: Shapes, W: int, dtype: torch.dtype, confi
 def main(argv: list[str] | None = None, description: str | None = None) -> int:
     """`hylo estimate`: print the per-GPU memory and the FLOPs of one training step of a config
     (`description`: the help's text, jobs/estimate.py's docstring)."""
-    import json
-
-    from hylo.pipeline.cli import BadArgument
-    from hylo.pipeline.paths import resolve_paths
-    from hylo.pipeline.train.config import load_conversion_config
-    from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
-
     args, cfg = estimate_args(argv, description)
     cfg = resolve_paths(cfg)  # every path relative to this directory, as the stage jobs read them
     # stage 2's student shape comes from its checkpoint, or else from the file's stage-1 conversion
@@ -68,7 +67,6 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         raise BadArgument("--tokens: give the row lengths (the config sets no data.seq_len)" if None in tokens
                           else f"--tokens={args.tokens}: every length must be at least 2")
     W = args.world_size or cfg.ray.num_workers
-    from hylo.pipeline.estimate.sp import check_sequence_parallel, estimate_sp, format_sp
 
     N = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
     check_sequence_parallel(N, W, tokens, "--sequence-parallel" if args.sequence_parallel else "train.sequence_parallel",
@@ -98,7 +96,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
             for i, T in enumerate(tokens, 1)]
     print(describe(cfg, shapes, W, dtype, args.config)
           + (f"\nsequence parallel: each row split by tokens over N = {N} GPUs ({W // N} group{'s' if W // N > 1 else ''})" if N > 1 else ""))
-    # "written_by": the file says it is ours, so a later run may replace it (hylo.files.is_own_file)
+    # "written_by": the file says it is ours, so a later run may replace it (hylo.ownership.is_own_file)
     out: dict[str, Any] = {"written_by": WRITTEN_BY, "config": args.config, "stage": args.stage, "world_size": W,
                            "sequence_parallel": N, "estimates": [e.to_dict() for e in ests]}
     if N > 1:
@@ -122,7 +120,5 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
               "fused kernel; the communication is ANALYTIC, from the layers' shapes (checked against the "
               "collectives of one split layer of each kind in tests/train/test_estimate_sp.py).")
     if args.json:
-        from hylo.files import atomic_write
-
         atomic_write(Path(args.json), json.dumps(out, indent=1, default=str) + "\n")
     return 0

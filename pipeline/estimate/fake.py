@@ -7,13 +7,27 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import sys
 import traceback
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import FlopCounterMode, addmm_flop, sdpa_backward_flop_count, sdpa_flop_count
 
+from hylo.kernels import packed_sdpa
+from hylo.kernels.backend import fla_stand_in
+from hylo.kernels.fla_shapes import FlaShapes
+from hylo.kernels.fused_kl import inputs
 from hylo.pipeline.estimate.flops import OpClasses, dtype_class, kernel_standins, op_flops
 
 
@@ -23,8 +37,7 @@ class EstimateError(RuntimeError):
 
 # (file suffix, function) of every read of a device value in a step -> the value it gets, and why
 HOST_VALUES: dict[tuple[str, str], tuple[Any, str]] = {
-    ("pipeline/train/stage2.py", "train_step"): (0.0, "the step's loss sums, read once at its end"),
-    ("pipeline/train/stage1.py", "train_step"): (0.0, "the step's loss terms (reporting)"),
+    ("pipeline/train/loop.py", "train_step"): (0.0, "the step's loss sums, read once at its end"),
     ("kernels/fused_kl/inputs.py", "check_deferred"): (False, "the fused KL's deferred input checks: none failed"),
     # the CPU rule (gpu=False): the same checks of the inputs' values, made at once (bool reads only)
     ("kernels/fused_kl/inputs.py", "*"): (False, "the fused KL's input value checks (NaN, ranges): they pass"),
@@ -64,14 +77,6 @@ class HostOps(torch.utils._python_dispatch.TorchDispatchMode):
         self.credit = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import (
-            DataDependentOutputException,
-            DynamicOutputShapeException,
-            FakeTensor,
-            unset_fake_temporarily,
-        )
-        from torch.utils._pytree import tree_leaves
-
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
@@ -118,8 +123,6 @@ class HostOps(torch.utils._python_dispatch.TorchDispatchMode):
         each such sum allocates a copy the step does not make. Such a sum is an `add` of two same-shaped
         tensors called from the engine itself (no Python frame between `_engine_run_backward` and the op);
         while it runs, its output's bytes are credited."""
-        import sys
-
         if func is not torch.ops.aten.add.Tensor or kwargs or len(args) != 2:
             return 0
         a, b = args
@@ -181,13 +184,6 @@ def fake_tensors(gpu: bool = False) -> Iterator[HostOps]:
     """The fake mode the estimate runs in. `gpu`: the GDN / Mamba-2 scans as a GPU runs them, through fla's
     kernels, priced by their allocations and saved tensors (`hylo.kernels.fla_shapes`); else our torch scans,
     as a CPU step runs them. The one place the estimator chooses between the two."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from hylo.kernels import packed_sdpa
-    from hylo.kernels.backend import fla_stand_in
-    from hylo.kernels.fla_shapes import FlaShapes
-    from hylo.kernels.fused_kl import inputs
-
     host = HostOps()
     scans = fla_stand_in(FlaShapes(host.count_kernel)) if gpu else contextlib.nullcontext()
     # process-wide caches must not hand fake tensors to a real step later (nor real ones in): the grouped
@@ -204,14 +200,14 @@ def fake_tensors(gpu: bool = False) -> Iterator[HostOps]:
 
 def build_model(config: Any, dtype: torch.dtype) -> nn.Module:
     """A model of `config` in `dtype` (HyLo or any transformers causal LM), built on the current mode."""
-    from hylo.config import HybridConfig
+    from hylo.config import HybridConfig  # lazy: transformers
 
     if isinstance(config, HybridConfig):
-        from hylo.modeling import HyLoForCausalLM
+        from hylo.modeling import HyLoForCausalLM  # lazy: transformers
 
         model = HyLoForCausalLM._from_config(config, dtype=dtype)
     else:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # lazy: transformers
 
         config._attn_implementation = "sdpa"
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -232,8 +228,6 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 def fake_like(tree: Any) -> Any:
     """Fake CPU tensors of the shapes, dtypes and requires_grad of the real tensors in `tree` (under
     `fake_tensors()`): a measured call's inputs for its estimate."""
-    from torch.utils._pytree import tree_map
-
     def like(x):
         if not isinstance(x, torch.Tensor):
             return x
@@ -250,13 +244,6 @@ def flop_registry() -> dict:
 
     Counted in `HostOps` rather than under FlopCounterMode itself: its module tracker keeps every module's
     outputs alive, which more than doubled the step's activation memory measured beside it."""
-    from torch.utils.flop_counter import (
-        FlopCounterMode,
-        addmm_flop,
-        sdpa_backward_flop_count,
-        sdpa_flop_count,
-    )
-
     aten = torch.ops.aten
 
     def cpu_flash(query, key, value, *args, out_shape=None, **kwargs):

@@ -8,6 +8,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch.distributed as dist
+import torch.nn.functional as F
+
 
 class FakeGroupError(RuntimeError):
     """The fake process group cannot be made (this process already has a process group)."""
@@ -18,28 +21,26 @@ def fused_attention() -> Iterator[None]:
     """SDPA as a GPU's fused kernel holds memory: the split MLA attention's `causal_lower_right` bias (which
     cannot be built on fake tensors, and sends CPU tensors to the math kernel's materialised scores) is dropped;
     the mask changes values, not buffers."""
-    import torch.nn.functional as F
+    import torch.nn.attention.bias as masks  # lazy: imports torch._dynamo
 
-    import hylo.layers.mla as mla
-
-    sdpa, bias = F.scaled_dot_product_attention, mla.causal_lower_right
+    sdpa, bias = F.scaled_dot_product_attention, masks.causal_lower_right
 
     def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
         return sdpa(q, k, v, scale=scale)
 
-    F.scaled_dot_product_attention, mla.causal_lower_right = fused, lambda *a: None
+    # hylo.seq_parallel.attend_shard imports the bias where it runs: patched in torch's module
+    F.scaled_dot_product_attention, masks.causal_lower_right = fused, lambda *a: None
     try:
         yield
     finally:
-        F.scaled_dot_product_attention, mla.causal_lower_right = sdpa, bias
+        F.scaled_dot_product_attention, masks.causal_lower_right = sdpa, bias
 
 
 @contextlib.contextmanager
 def split_rank(N: int) -> Iterator[None]:
     """This process as the last rank of a sequence-parallel group of N on torch's fake process group (its
     collectives move nothing; shapes are real), with SDPA as a fused kernel (`fused_attention`)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # lazy: distributed
 
     if dist.is_available() and dist.is_initialized():
         raise FakeGroupError("the split step runs on a fake process group, and this process has a process group")

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 # the named classes; any other dtype is named by `str(dtype)` without "torch."
 CLASSES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -46,8 +48,6 @@ def dtype_class(dtype: torch.dtype, convolution: bool = False) -> str:
 
 def operand_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
     """The narrowest floating dtype among the op's tensor inputs (None: none is floating)."""
-    from torch.utils._pytree import tree_leaves
-
     dtypes = {t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()}
     return min(dtypes, key=lambda d: (d.itemsize, str(d)), default=None)
 
@@ -119,8 +119,6 @@ class OpClasses:
 @contextlib.contextmanager
 def kernel_standins(classes: OpClasses) -> Iterator[None]:
     """Every function of `STANDINS` counted at its kernel's class while the block runs."""
-    import importlib
-
     saved = []
     for module_name, name in STANDINS:
         module = importlib.import_module(module_name)

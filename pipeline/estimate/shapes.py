@@ -4,6 +4,7 @@ the Serve pool or the cache delivers)."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from hylo.assets import asset_name, resolve_path_or_asset
+from hylo.json_files import read_json
+from hylo.kernels.fused_kl.topk import TeacherTopK
+from hylo.model_files import ModelFileError, check_model_config
+from hylo.pipeline.config import ConfigError
 from hylo.pipeline.estimate.fake import build_model, fake_tensors
+from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
+from hylo.pipeline.teacher.protocol import BoundTeacher, StreamedLogits, TargetSpec
+from hylo.pipeline.teacher.sources import source_kind
 from hylo.pipeline.train.config import Stage1Config, Stage2Config, StageConfig
+from hylo.upcycle.options import hybrid_config_from_base
 
 # config.json of the published bases and teachers the recipes name, for a machine where their directories
 # are not mounted (the estimate needs the shapes only; a directory that exists is read instead)
@@ -42,16 +52,10 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
 
 def model_config(path: str, what: str):
     """The transformers config of a model directory, an asset, or a published model named by its directory."""
-    from transformers import AutoConfig
-
-    from hylo.assets import asset_name, resolve_path_or_asset
-    from hylo.pipeline.config import ConfigError
+    from transformers import AutoConfig  # lazy: transformers
 
     p = Path(str(path)).expanduser()
     if asset_name(path) is not None or (p / "config.json").is_file():
-        from hylo.files import read_json
-        from hylo.model_files import ModelFileError, check_model_config
-
         d = resolve_path_or_asset(path, what, directory=True)
         # its fields within what a model can be built from (one line naming the file and the field)
         check_model_config(read_json(d / "config.json", ModelFileError, mapping=True), d / "config.json")
@@ -75,9 +79,7 @@ class Shapes:
 
 def student_config(cfg: StageConfig, stage1: Stage1Config | None):
     """The student's HybridConfig: its checkpoint's config where it exists, else the conversion of the base."""
-    from hylo.config import HybridConfig
-    from hylo.pipeline.config import ConfigError
-    from hylo.upcycle.options import hybrid_config_from_base
+    from hylo.config import HybridConfig  # lazy: transformers
 
     if cfg.model.student and (Path(cfg.model.student).expanduser() / "config.json").is_file():
         return HybridConfig.from_pretrained(Path(cfg.model.student).expanduser())
@@ -88,7 +90,6 @@ def student_config(cfg: StageConfig, stage1: Stage1Config | None):
         raise ConfigError(f"{student}, and the config has no model.base to convert (stage 1's): the student's shape "
                           f"is unknown; set model.student to a HyLo checkpoint, or model.base (and model.convert) "
                           f"to the model stage 1 converts", "model.student")
-    import warnings
 
     with warnings.catch_warnings():
         # the base's RoPE scaling is replaced by YaRN in the MLA layers (the converter warns)
@@ -97,8 +98,6 @@ def student_config(cfg: StageConfig, stage1: Stage1Config | None):
 
 
 def shapes_of(cfg: StageConfig, stage1: Stage1Config | None = None) -> Shapes:
-    from hylo.pipeline.teacher.sources import source_kind
-
     shapes = Shapes(student_config(cfg, stage1))
     if isinstance(cfg, Stage1Config):
         shapes.base = model_config(cfg.model.base, "model.base")
@@ -122,8 +121,6 @@ class _WireTopK:
         self.k, self.dtype = k, dtype
 
     def targets(self, rows, spec):
-        from hylo.kernels.fused_kl.topk import TeacherTopK
-
         for r in rows:
             T = r.num_tokens
             yield {"teacher_topk": TeacherTopK(torch.zeros(T, self.k, dtype=self.dtype),
@@ -138,8 +135,6 @@ class _WireLogits:
         self.vocab, self.chunk, self.dtype = vocab, chunk, dtype
 
     def targets(self, rows, spec):
-        from hylo.pipeline.teacher.protocol import StreamedLogits
-
         for r in rows:
             T = r.num_tokens
             chunks = (torch.zeros(min(self.chunk, T - s), self.vocab, dtype=self.dtype) for s in range(0, T, self.chunk))
@@ -158,10 +153,6 @@ class ShapeTeacher:
         self.model: nn.Module | None = None
 
     def __call__(self, vocab: int):
-        from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
-        from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
-        from hylo.pipeline.teacher.sources import source_kind
-
         t = self.cfg.teacher
         spec = TargetSpec(t.k, t.form)
         teacher_model = None

@@ -1,5 +1,5 @@
 """Sequence parallelism in the step estimate (`hylo estimate --sequence-parallel N`): one packed row of T tokens
-split by tokens over the N ranks of a group, each rank holding T / N of them (issue 36).
+split by tokens over the N ranks of a group, each rank holding T / N of them.
 
 Legend: T tokens of the row, N ranks of the sequence-parallel group, Tq = T / N the rank's tokens, E = T - Tq the
 earlier keys the LAST rank attends to when one document fills the row (the worst rank and the worst row), W
@@ -64,11 +64,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+from hylo.kernels.backend import forced_mode
+from hylo.kernels.gdn import chunk_gated_delta_rule
+from hylo.kernels.ssd import chunk_ssd
+from hylo.kernels.varlen import DocBounds
+from hylo.pipeline.cli import BadArgument
+from hylo.pipeline.estimate.fake import cast_parameters, fake_tensors, flop_registry
 from hylo.pipeline.estimate.fake_group import fused_attention
+from hylo.pipeline.estimate.flops import dtype_class
 from hylo.pipeline.estimate.gpus import FIT_MARGIN, GPUS
 from hylo.pipeline.estimate.report import dtype_lines, format_gib, format_tokens, per_key_lines
-from hylo.pipeline.estimate.step import Estimate, gpu_figures
+from hylo.pipeline.estimate.step import Estimate, estimate_call, gpu_figures
+from hylo.seq_parallel import shard_row
 
 # the row length the scans' FLOPs are counted at (linear in T: the chunked forms loop over chunks of 64)
 SCAN_TOKENS = 2048
@@ -78,8 +88,6 @@ def check_sequence_parallel(n: int, world: int, tokens: list[int], n_flag: str, 
                             tokens_flag: str) -> None:
     """N >= 1, dividing the training workers and every row length into parts of at least 2 tokens
     (BadArgument naming the flags or settings)."""
-    from hylo.pipeline.cli import BadArgument
-
     if n < 1:
         raise BadArgument(f"{n_flag}={n}: the sequence-parallel group size must be at least 1")
     if world % n:
@@ -200,7 +208,7 @@ def extra_memory(hc: Any, T: int, N: int, b: int, checkpointing: bool,
     if d.n_mla and mla_layer_bytes is not None:
         out[MLA_MEASURED] = mla_layer_bytes * (1 if checkpointing else d.n_mla)
     elif d.n_mla:
-        # per earlier key (`MLAttention._decompressed_kv`): the gathered latent + k_pe, the roped k_pe, kv_b_proj's
+        # per earlier key (`MLAttention.decompressed_kv`): the gathered latent + k_pe, the roped k_pe, kv_b_proj's
         # output, its nope keys and values repeated to every query head when kv_b_proj has fewer heads, the keys
         # [H, Nn + P]; the backward holds a gradient of each
         repeat = d.H * (d.nope + d.v) if d.G != d.H else 0
@@ -221,14 +229,9 @@ def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype, kind: str = "
     attention's SDPA as a fused kernel (`fused_attention`). None where this process already has a process
     group (the fake one cannot be made): the caller uses the analytic bound. `kind="linear"`: a GDN / Mamba-2
     layer instead (its zero-start pass, the transition pass and the second pass from the passed state)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # lazy: distributed
 
-    from hylo.kernels.varlen import DocBounds
-    from hylo.modeling import HyLoDecoderLayer
-    from hylo.pipeline.estimate.fake import cast_parameters
-    from hylo.pipeline.estimate.step import estimate_call
-    from hylo.seq_parallel import shard_row
+    from hylo.modeling import HyLoDecoderLayer  # lazy: transformers
 
     layers = hc.mla_layers if kind == "mla" else hc.linear_layers
     if not layers or N == 1 or (dist.is_available() and dist.is_initialized()):
@@ -245,7 +248,7 @@ def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype, kind: str = "
         def run(state, split: bool) -> None:
             layer, x = state
             bounds = shard.local if split else DocBounds.from_host([0, Tq], Tq)
-            out, _ = layer(x, bounds.positions[None], shard if split else bounds, None)
+            out, _ = layer(x, bounds.positions[None], bounds, None, None, shard if split else None)
             out.sum().backward()
 
         with fused_attention():
@@ -260,15 +263,10 @@ def _scan_flops(hc: Any, tokens: int, dtype: torch.dtype, transition: bool = Fal
     """(forward, backward) FLOPs of one linear layer's scan at `tokens` tokens, from a passed state, with the
     final state out: fla's kernels on fake tensors as the step prices them (`hylo.kernels.fla_shapes`).
     `transition`: GDN's transition pass (values of width K, a [K, K] state)."""
-    from hylo.kernels.backend import forced_mode
-    from hylo.pipeline.estimate.fake import fake_tensors, flop_registry
-
     d = Dims.of(hc)
     with fake_tensors(gpu=True) as host, forced_mode("torch"):
         host.flop_registry = flop_registry()
         if d.linear_type == "gdn":
-            from hylo.kernels.gdn import chunk_gated_delta_rule
-
             V = d.lin_k if transition else d.lin_v
             q, k = (torch.empty(1, tokens, d.lin_heads, d.lin_k, dtype=dtype, requires_grad=True) for _ in range(2))
             v = torch.empty(1, tokens, d.lin_heads, V, dtype=dtype, requires_grad=True)
@@ -279,8 +277,6 @@ def _scan_flops(hc: Any, tokens: int, dtype: torch.dtype, transition: bool = Fal
             o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                            use_qk_l2norm_in_kernel=True, chunk_size=hc.gdn_chunk_size)
         else:
-            from hylo.kernels.ssd import chunk_ssd
-
             Hm, Pm, Nm, Gm = hc.mamba2_dims
             x = torch.empty(1, tokens, Hm, Pm, dtype=dtype, requires_grad=True)
             dt = torch.empty(1, tokens, Hm, requires_grad=True)
@@ -296,8 +292,6 @@ def _scan_flops(hc: Any, tokens: int, dtype: torch.dtype, transition: bool = Fal
 
 def extra_flops(hc: Any, T: int, N: int, dtype: torch.dtype, checkpointing: bool) -> dict[str, int]:
     """FLOPs per GPU that splitting adds to the rank's own step (the last rank; module docstring)."""
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
     d = Dims.of(hc)
     Tq, E = T // N, T - T // N
     f = 2 if checkpointing else 1
@@ -349,8 +343,6 @@ class SPEstimate:
     def gemm_flops_by_dtype(self) -> dict[str, int]:
         """The rank's FLOPs by dtype class: its step's, and the extras at the step dtype's class (the extra
         attention and the scans' stand-ins run in it)."""
-        from hylo.pipeline.estimate.flops import dtype_class
-
         out = dict(self.local.gemm_flops_by_dtype)
         cls = dtype_class(getattr(torch, self.local.dtype))
         extra = sum(self.extra_flops.values())

@@ -5,18 +5,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from hylo.kernels.backend import forced_mode
+from hylo.kernels.fused_kl.chunked import auto_chunk_size
+from hylo.kernels.fused_kl.inputs import deferred_checks
 
 # --world-size: the ZeRO-3 world the per-GPU figures divide by (bounded with every flag in pipeline/cli.py)
-from hylo.pipeline.cli import MAX_WORLD_SIZE  # noqa: F401
+from hylo.pipeline.cli import (
+    MAX_WORLD_SIZE,  # noqa: F401
+    BadArgument,
+)
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.estimate.fake import EstimateError, build_model, fake_tensors, flop_registry
+from hylo.pipeline.estimate.fake_group import split_rank
 from hylo.pipeline.estimate.gpus import GPU, GPUS
 from hylo.pipeline.estimate.shapes import Shapes, ShapeTeacher, shapes_of
 from hylo.pipeline.estimate.tracking import (
@@ -27,8 +38,12 @@ from hylo.pipeline.estimate.tracking import (
     TrackedEngine,
     loss_marked,
 )
+from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
+from hylo.pipeline.train import stage1, stage2
 from hylo.pipeline.train.config import DataSection, Stage1Config, Stage2Config, StageConfig, SyntheticData
+from hylo.pipeline.train.loop import train_step
 from hylo.pipeline.train.plain_engine import plain_engine
+from hylo.pipeline.train.row_sources import SyntheticRows
 from hylo.pipeline.train.worker import SoloContext
 
 # DeepSpeed's default limit of gathered parameter elements (stage3_max_live_parameters)
@@ -110,8 +125,6 @@ def gpu_figures(g: GPU, peak_bytes: float, total_flops: float, by_dtype: dict[st
 def synthetic_row(tokens: int, vocab: int, doc_tokens: tuple[int, int] = DOC_TOKENS, seed: int = 0) -> PackedRow:
     """A packed row of `tokens` tokens (documents of random length in `doc_tokens`, the second half of each
     scored), as the training reader yields it: `pipeline/train/rows.SyntheticRows`, checked."""
-    from hylo.pipeline.train.row_sources import SyntheticRows
-
     lo, hi = min(doc_tokens[0], tokens), min(doc_tokens[1], tokens)
     data = DataSection(source="synthetic", seq_len=tokens, synthetic=SyntheticData(vocab_size=vocab, min_doc_len=lo,
                                                                                    max_doc_len=hi))
@@ -137,16 +150,12 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def gpu_chunk_size(tokens: int, vocab: int) -> int:
     """The fused KL's chunk rows as a GPU picks them (fp32 compute, the accelerator's byte budget)."""
-    from hylo.kernels.fused_kl.chunked import auto_chunk_size
-
     return auto_chunk_size(tokens, vocab, torch.device("cuda"), torch.float32)
 
 
 
 def check_estimate_tokens(tokens: list[int], flag: str = "--tokens") -> None:
     """Refuse rows the estimate cannot finish (BadArgument naming the flag): see MAX_ESTIMATE_TOKENS."""
-    from hylo.pipeline.cli import BadArgument
-
     given = ",".join(map(str, tokens))
     for t in tokens:
         if t > MAX_ESTIMATE_TOKENS:
@@ -164,8 +173,6 @@ def build_task(ctx: SoloContext, shapes: Shapes, gpu: bool) -> tuple[Any, nn.Mod
     """The stage's task from its own build (`stage1.build` / `stage2.build`) on the current (fake) mode: models of
     `shapes` in ctx.dtype, `TrackedEngine` (AdamW's multi-tensor form on the accelerator's rule `gpu`), the
     teacher at its shape; and the frozen model the step runs (the base, the in-process teacher, else None)."""
-    from hylo.pipeline.train import stage1, stage2
-
     def student() -> nn.Module:
         return build_model(shapes.student, ctx.dtype)
 
@@ -189,12 +196,6 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
     `variant(task, frozen_model) -> (task, frozen_model)`: changes the built task (the paper's comparison
     forms, bench only). `other_worlds`: also the per-GPU peak at these world sizes (`Estimate.peaks_by_world`).
     `progress`: where its progress lines go (None: none)."""
-    import time
-
-    from hylo.kernels.fused_kl.inputs import deferred_checks
-    from hylo.pipeline.train import stage1 as stage1_mod
-    from hylo.pipeline.train import stage2 as stage2_mod
-
     t0 = time.perf_counter()
     W = world_size or cfg.ray.num_workers
     shapes = shapes or shapes_of(cfg, stage1)
@@ -206,15 +207,10 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
     warm_row = synthetic_row(warm, vocab, (min(64, warm), min(128, warm)), seed=1)
     row = synthetic_row(tokens, vocab, doc_tokens)
     stage = 1 if isinstance(cfg, Stage1Config) else 2
-    step = stage1_mod.train_step if stage == 1 else stage2_mod.train_step
     rules = deferred_checks() if gpu else contextlib.nullcontext()
     # sequence parallelism: the LAST rank of a group of N on torch's fake process group (fake_group.split_rank)
     split = contextlib.nullcontext()
     if N > 1:
-        import torch.distributed as dist
-
-        from hylo.pipeline.estimate.fake_group import split_rank
-
         if dist.is_available() and dist.is_initialized():
             raise EstimateError("the split step runs on a fake process group, and this process has a process group")
 
@@ -225,15 +221,14 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
         if progress is not None:
             progress.say("building the models")
         ctx = SoloContext(cfg=cfg, rank=N - 1, world_size=N, device=torch.device("cpu"), dtype=dtype,
-                          run_dir=Path("."), grad_accum=1, sp_group=None, sp_rank=N - 1, sp_size=N, dp_rank=0,
-                          dp_size=1)
+                          run_dir=Path("."), grad_accum=1, sp_group=None, sp_rank=N - 1, sequence_parallel=N)
         task, frozen = build_task(ctx, shapes, gpu)
         if variant is not None:
             task, frozen = variant(task, frozen)
         engine: TrackedEngine = task.engine
         if progress is not None:
             progress.say(f"warm-up step ({warm_row.num_tokens} tokens)")
-        step(task, [warm_row], ctx)
+        train_step(task, [warm_row], ctx)
         student_params = [p for p in engine.params]
         masters = [m for p, m in zip(engine.params, engine.masters) if m is not p]
         p_bytes, m_bytes = _state_bytes(student_params), _state_bytes(masters)
@@ -260,7 +255,7 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
             base_total = memory.total()
             start = base_total - memory.sharded_static + memory.sharded_static / W
             phases._account()
-            step(task, [row], ctx)
+            train_step(task, [row], ctx)
             phases._account()
             memory.active = False
         for h in hooks:
@@ -310,10 +305,6 @@ def estimate_teacher_replica(cfg: Stage2Config, tokens: int, shapes: Shapes | No
     """One GPU of the teacher pool (`teacher.source: serve`): its `TeacherModel` over one batch of rows
     (as many rows of `tokens` as `teacher.pool.max_batch_tokens` holds, at least one), giving top-k records
     (`teacher.k` > 0) or the logit chunks of one row's stream. Weights and the forward's peak."""
-    import time
-
-    from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
-
     t0 = time.perf_counter()
     shapes = shapes or shapes_of(cfg)
     t = cfg.teacher
@@ -361,11 +352,6 @@ def estimate_call(setup: Callable[[], Any], run: Callable[[Any], Any], gpu: bool
     """Peak bytes `run(setup())` allocates beyond what `setup()` made (inputs, modules, their states): the
     estimate of one measured call, for bench/gpu_check.py. Both run on fake CPU tensors, on the torch kernel
     paths (`HYLO_KERNELS=torch`'s), under the accelerator's rules of the fused KL and fla's scans when `gpu`."""
-    from torch.utils._pytree import tree_leaves
-
-    from hylo.kernels.backend import forced_mode
-    from hylo.kernels.fused_kl.inputs import deferred_checks
-
     rules = deferred_checks() if gpu else contextlib.nullcontext()
     with fake_tensors(gpu) as host, forced_mode("torch"), rules:
         state = setup()

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
+from hylo.kernels.fused_kl import chunked
 from hylo.pipeline.estimate.fake import HostOps
 from hylo.pipeline.train.plain_engine import PlainEngine
 
@@ -28,16 +32,12 @@ _NO_HOOK = _NoHook()
 
 
 def _grad_reftype():
-    from torch.distributed._tools.mem_tracker import _MemRefType
-
     return _MemRefType.GRAD
 
 class StepMemory:
     """MemTracker over the measured step, with the per-GPU figure of ZeRO-3 over W workers at every op."""
 
     def __init__(self, world_size: int, host: HostOps | None = None) -> None:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
         outer = self
         self.host = host
 
@@ -204,8 +204,6 @@ class TrackedEngine(PlainEngine):
 def loss_marked(phases: Phases) -> Iterator[None]:
     """The fused loss's chunk loop (`_forward_backward`, which fused_linear_kl_div and the fused CE call)
     counted as its own phase, with its memory window."""
-    from hylo.kernels.fused_kl import chunked
-
     original = chunked._forward_backward
 
     @functools.wraps(original)
@@ -246,15 +244,11 @@ class Progress:
     `say(text)` prints `prefix: text`; `watch(model, what)` hooks the model's decoder layers."""
 
     def __init__(self, prefix: str, every_s: float = PROGRESS_EVERY_S) -> None:
-        import time
-
         self.prefix, self.every_s, self._clock = prefix, every_s, time.monotonic
         self._last = self._clock()
         self.phases: Phases | None = None
 
     def say(self, text: str) -> None:
-        import sys
-
         print(f"{self.prefix}: {text}", file=sys.stderr, flush=True)
         self._last = self._clock()
 

@@ -6,6 +6,7 @@ or `--set` overrides shrink them for a CPU.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,8 +148,6 @@ class EvalConfig:
         if not self.models.path:
             raise ConfigError("no model to evaluate: pass --model DIR (models.path)", "models.path")
         if "lm_eval" in self.suites:
-            import importlib.util
-
             if importlib.util.find_spec("lm_eval") is None:
                 raise ConfigError("suite 'lm_eval' needs lm-evaluation-harness, which is not installed: pip install "
                                   "'hylo-pipeline[eval]' (or pip install lm-eval)", "suites")

@@ -29,6 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hylo.assets import AssetError, resolve_path_or_asset
+from hylo.json_files import read_json
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,8 +46,6 @@ def is_hylo(model: nn.Module) -> bool:
 
 def resolve_path(spec: str | Path) -> Path:
     """A directory as is, or an asset (`asset:NAME` or NAME, e.g. smollm2-135m-instruct) fetched into the cache."""
-    from hylo.assets import AssetError, resolve_path_or_asset
-
     try:
         return resolve_path_or_asset(spec, "model", directory=True)
     except AssetError as e:
@@ -61,23 +62,23 @@ def load_model(spec: str | Path, dtype: str = "float32", device: str = "auto") -
     """Load a HyLo checkpoint or an HF causal LM for evaluation (eval mode, no grad)."""
     if dtype not in DTYPES:
         raise EvalError(f"dtype {dtype!r} is not valid; allowed: {', '.join(DTYPES)}")
-    from hylo.io import CheckpointMismatchError, from_pretrained_checked
+    from hylo.io import CheckpointMismatchError, from_pretrained_checked  # lazy: transformers
 
     path = resolve_path(spec)
     if (path / "hybrid_config.json").is_file():
-        from hylo.io import load_hylo
+        from hylo.io import load_hylo  # lazy: transformers
 
         model = load_hylo(path, dtype=DTYPES[dtype])
     elif _model_type(path / "config.json") == "hylo":
-        from hylo.config import HybridConfigError
-        from hylo.modeling import HyLoForCausalLM
+        from hylo.config import HybridConfigError  # lazy: transformers
+        from hylo.modeling import HyLoForCausalLM  # lazy: transformers
 
         try:
             model = from_pretrained_checked(HyLoForCausalLM, path, dtype=DTYPES[dtype])
         except (OSError, HybridConfigError, CheckpointMismatchError) as e:
             raise EvalError(f"{path}: could not load the HyLo model: {e}") from e
     elif (path / "config.json").is_file():
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # lazy: transformers
 
         try:
             model = from_pretrained_checked(AutoModelForCausalLM, path, dtype=DTYPES[dtype])
@@ -93,8 +94,6 @@ def load_model(spec: str | Path, dtype: str = "float32", device: str = "auto") -
 
 
 def _model_type(config_json: Path) -> str | None:
-    from hylo.files import read_json
-
     try:
         return read_json(config_json, ValueError).get("model_type")
     except (OSError, ValueError, AttributeError):
@@ -105,7 +104,7 @@ def load_tokenizer(spec: str | Path | None):
     """The tokenizer saved beside a model (None when there is none)."""
     if spec is None:
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers
 
     try:
         return AutoTokenizer.from_pretrained(resolve_path(spec))
@@ -128,7 +127,7 @@ def new_cache(model: nn.Module, max_length: int | None = None):
     """An empty generation cache; `max_length` (prompt + new tokens) lets HyLo allocate its MLA cache once."""
     if is_hylo(model):
         return model.new_cache(max_length=max_length)
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # lazy: transformers
 
     return DynamicCache(config=model.config)
 

@@ -38,12 +38,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from hylo.files import atomic_path
+from hylo.atomic import atomic_path
 from hylo.kernels.backend import forced_mode
 from hylo.kernels.fused_kl import fused_linear_cross_entropy, fused_linear_kl_div
+from hylo.pipeline.data.packing import label_aligned_mask
 from hylo.pipeline.data.reader import ParquetRows, RowReader
+from hylo.pipeline.data.readers import SourceSpec, is_reject, iter_source
+from hylo.pipeline.data.render import ChatRenderer
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.data.shards import MANIFEST
 from hylo.pipeline.eval.decode import EvalError, final_hidden, is_hylo
@@ -73,10 +78,6 @@ def scored_tokens(row: PackedRow) -> torch.Tensor:
 
 def _chat_rows(path: Path, tokenizer_dir: str | Path, limit: int | None,
                rejects: list[dict[str, Any]] | None) -> Iterator[dict[str, Any]]:
-    from hylo.pipeline.data.packing import label_aligned_mask
-    from hylo.pipeline.data.readers import SourceSpec, is_reject, iter_source
-    from hylo.pipeline.data.render import ChatRenderer
-
     try:
         renderer = ChatRenderer.from_pretrained(str(tokenizer_dir))
     except Exception as e:  # transformers raises many kinds for a missing or broken tokenizer
@@ -177,8 +178,6 @@ class TeacherStateCache:
     loss mask; a file written for another teacher (`key`) is ignored and rewritten."""
 
     def __init__(self, path: str | Path, key: str) -> None:
-        from safetensors import safe_open
-
         self.path, self.key = Path(path), key
         self.states: dict[str, tuple[torch.Tensor, float]] = {}
         self.hits = self.misses = 0
@@ -209,7 +208,6 @@ class TeacherStateCache:
     def save(self) -> None:
         if not self.dirty:
             return
-        from safetensors.torch import save_file
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(self.path) as tmp:

@@ -24,6 +24,7 @@ from torch import nn
 
 from hylo.pipeline.eval.decode import EvalError, cache_nbytes, greedy_decode, is_hylo
 from hylo.pipeline.eval.progress import progress
+from hylo.upcycle import kv_summary
 
 TOLERANCE = 0.05
 
@@ -67,7 +68,6 @@ def expected_ratio(base: nn.Module | None, hybrid: nn.Module) -> float | None:
     """The converter's kv_cache_ratio for this pair (None without a base model)."""
     if base is None or not is_hylo(hybrid):
         return None
-    from hylo.upcycle import kv_summary
 
     return float(kv_summary(base.config, hybrid.config)["kv_cache_ratio"])
 

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hylo.pipeline.cli import report_error, report_interrupt
 from hylo.pipeline.eval.decode import EvalError, eos_ids, is_hylo, load_model, load_tokenizer, pick_device
 from hylo.pipeline.eval.progress import progress
 
@@ -237,7 +238,7 @@ class Scorer:
         return kw
 
     def _generate_batch(self, batch: list) -> list[str]:
-        from transformers import StoppingCriteriaList
+        from transformers import StoppingCriteriaList  # lazy: transformers
 
         _, _, until, max_gen, gen_kw = batch[0]
         width = max(len(it[1]) for it in batch)
@@ -272,9 +273,9 @@ def register(name: str = MODEL_NAME) -> type:
         return _REGISTERED[name]
     try:
         # lm-eval registers its own models (hf, vllm, ...) lazily when the registry is empty: do it first
-        import lm_eval.models  # noqa: F401
-        from lm_eval.api.model import LM
-        from lm_eval.api.registry import register_model
+        import lm_eval.models  # noqa: F401  # lazy: lm_eval
+        from lm_eval.api.model import LM  # lazy: lm_eval
+        from lm_eval.api.registry import register_model  # lazy: lm_eval
     except ImportError as e:
         raise EvalError(f"lm-evaluation-harness is not installed ({e}): {LM_EVAL_HINT}") from e
 
@@ -335,14 +336,12 @@ def register(name: str = MODEL_NAME) -> type:
 def cli(argv: list[str] | None = None) -> int:
     """`hylo-lm-eval`: lm-eval's own command line with the `hylo` model registered. Without lm-eval installed:
     one `error:` line naming the extra to install, exit status 2."""
-    from hylo.pipeline.cli import report_error, report_interrupt
-
     try:
         register()
     except EvalError as e:
         report_error(str(e))
         return 2
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.__main__ import cli_evaluate  # lazy: lm_eval
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
@@ -401,7 +400,7 @@ def prepare_lm_eval(model_dir: str, cfg: Any) -> tuple[Any, list[Any]]:
     """Load the tasks of `cfg` (an `LMEvalSection`) with their few-shot counts: (task manager, task objects).
     Fails with one EvalError naming every task that cannot run."""
     register()
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # lazy: lm_eval
 
     metadata = {"pretrained": str(model_dir), **dict(cfg.metadata or {})}
     if not cfg.include_defaults and not cfg.include_path:
@@ -426,11 +425,11 @@ def run_lm_eval(model_dir: str, cfg: Any, dtype: str = "float32", device: str = 
     """Run the lm-eval tasks of `cfg` (an `LMEvalSection`) on a checkpoint; returns the harness's per-task
     metrics. `model` / `tokenizer`: already loaded objects to reuse (the `hylo` backend); `prepared`: what
     `prepare_lm_eval` returned, when the tasks were loaded ahead."""
-    import lm_eval
+    import lm_eval  # lazy: lm_eval
 
     tm, objs = prepared if prepared is not None else prepare_lm_eval(model_dir, cfg)
     if cfg.model == "hf":
-        from lm_eval.api.registry import get_model
+        from lm_eval.api.registry import get_model  # lazy: lm_eval
 
         lm = get_model("hf")(pretrained=str(model_dir), trust_remote_code=True, dtype=dtype,
                              device=str(pick_device(device)), batch_size=cfg.batch_size, max_length=cfg.max_length)
@@ -439,7 +438,7 @@ def run_lm_eval(model_dir: str, cfg: Any, dtype: str = "float32", device: str = 
                         max_length=cfg.max_length, batch_size=cfg.batch_size)
     tracker = None
     if output_path is not None:
-        from lm_eval.loggers import EvaluationTracker
+        from lm_eval.loggers import EvaluationTracker  # lazy: lm_eval
 
         tracker = EvaluationTracker(output_path=str(output_path))
     res = lm_eval.simple_evaluate(

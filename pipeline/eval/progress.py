@@ -9,11 +9,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from tqdm import tqdm
+
 
 def progress(iterable: Any = None, desc: str = "", total: int | None = None, unit: str = "it",
              disable: bool = False, **kw: Any):
-    from tqdm import tqdm
-
     interval = 0.5 if sys.stderr.isatty() else 10.0
     return tqdm(iterable, desc=desc, total=total, unit=unit, disable=disable, file=sys.stderr,
                 mininterval=interval, dynamic_ncols=True, **kw)

@@ -25,10 +25,26 @@ from typing import Any
 
 import torch
 
-from hylo.files import atomic_write, check_not_an_input, check_own_files, record_files
+from hylo.assets import local_path
+from hylo.atomic import atomic_write
+from hylo.card import add_eval_results
+from hylo.outputs import check_not_an_input
+from hylo.ownership import check_own_files, record_files
 from hylo.pipeline.config import config_hash, to_dict
+from hylo.pipeline.eval import kvcache
 from hylo.pipeline.eval.config import EvalConfig
-from hylo.pipeline.eval.decode import EvalError, is_hylo, load_model, load_tokenizer
+from hylo.pipeline.eval.decode import (
+    EvalError,
+    is_hylo,
+    load_model,
+    load_tokenizer,
+    pick_device,
+    resolve_path,
+)
+from hylo.pipeline.eval.kl import TeacherStateCache, evaluate_kl, iter_eval_rows
+from hylo.pipeline.eval.lm_eval_adapter import prepare_lm_eval, run_lm_eval
+from hylo.pipeline.eval.retrieval import make_samples, run_retrieval
+from hylo.pipeline.eval.samples import greedy_answers
 
 
 def _need(value: Any, option: str, suite: str) -> Any:
@@ -73,8 +89,6 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     }
     lm_prepared = None
     if "lm_eval" in cfg.suites:
-        from hylo.pipeline.eval.lm_eval_adapter import prepare_lm_eval
-
         _log(f"lm_eval: loading tasks {', '.join(cfg.lm_eval.tasks)}")
         lm_prepared = prepare_lm_eval(str(model_path), cfg.lm_eval)
     for suite in cfg.suites:
@@ -89,8 +103,6 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         elif suite == "samples":
             results["samples"] = _suite_samples(cfg, model, base, tokenizer)
         elif suite == "lm_eval":
-            from hylo.pipeline.eval.lm_eval_adapter import run_lm_eval
-
             le = cfg.lm_eval
             results["lm_eval"] = run_lm_eval(str(model_path), le, m.dtype, m.device, model=model, tokenizer=tokenizer,
                                              output_path=le.output_path or Path(cfg.out) / "lm_eval", seed=cfg.seed,
@@ -131,8 +143,7 @@ def lm_eval_samples(res: dict[str, Any]) -> dict[str, int]:
 
 
 def update_model_card(res: dict[str, Any], results_path: Path) -> None:
-    from hylo.card import add_eval_results
-    from hylo.config import HybridConfig
+    from hylo.config import HybridConfig  # lazy: transformers
 
     path = Path(res["model"]["path"])
     if res["model"].get("kind") != "hylo" or not (path / "config.json").is_file():
@@ -149,8 +160,6 @@ def _has_tokenizer(path: str) -> bool:
 
 
 def _suite_kl(cfg: EvalConfig, model, tokenizer, loaded: dict[str, Any]) -> dict[str, Any]:
-    from hylo.pipeline.eval.kl import evaluate_kl, iter_eval_rows
-
     data = _need(cfg.kl.data, "--data (kl.data)", "kl")
     t = cfg.models.teacher
     teacher = (loaded[t] if t in loaded else load_model(t, cfg.models.dtype, cfg.models.device)) if t else None
@@ -173,9 +182,6 @@ def _suite_kl(cfg: EvalConfig, model, tokenizer, loaded: dict[str, Any]) -> dict
 
 def _teacher_cache(cfg: EvalConfig, teacher: str):
     """kl.teacher_cache for this teacher: keyed by its weights (path, size, mtime), dtype and device."""
-    from hylo.pipeline.eval.decode import pick_device, resolve_path
-    from hylo.pipeline.eval.kl import TeacherStateCache
-
     path = resolve_path(teacher)
     weights = sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in path.glob("*.safetensors"))
     key = config_hash({"teacher": str(path), "weights": weights, "dtype": cfg.models.dtype,
@@ -184,8 +190,6 @@ def _teacher_cache(cfg: EvalConfig, teacher: str):
 
 
 def _suite_retrieval(cfg: EvalConfig, model, base, tokenizer) -> dict[str, Any]:
-    from hylo.pipeline.eval.retrieval import make_samples, run_retrieval
-
     tok = _need(tokenizer, "a tokenizer beside the model (or models.tokenizer)", "retrieval")
     r = cfg.retrieval
     samples = make_samples(tok, r.lengths, r.samples_per_length, r.tasks, cfg.seed, r.prompt_format,
@@ -197,8 +201,6 @@ def _suite_retrieval(cfg: EvalConfig, model, base, tokenizer) -> dict[str, Any]:
 
 
 def _suite_kvcache(cfg: EvalConfig, model, base) -> dict[str, Any]:
-    from hylo.pipeline.eval import kvcache
-
     k = cfg.kvcache
     model_rows = kvcache.measure(model, k.lengths, k.decode_tokens, cfg.seed, desc="kvcache model")
     base_rows = kvcache.measure(base, k.lengths, k.decode_tokens, cfg.seed, desc="kvcache base") if base is not None else None
@@ -235,8 +237,6 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
 
 
 def _suite_samples(cfg: EvalConfig, model, base, tokenizer) -> dict[str, Any]:
-    from hylo.pipeline.eval.samples import greedy_answers
-
     tok = _need(tokenizer, "a tokenizer (models.tokenizer, or one saved beside the model)", "samples")
     s = cfg.samples
     out: dict[str, Any] = {"model": greedy_answers(model, tok, s.prompts, s.max_new_tokens, s.chat_template)}
@@ -325,8 +325,6 @@ def results_files(cfg: EvalConfig) -> list[str]:
 def check_out(cfg: EvalConfig) -> None:
     """Before any model is loaded: `out` is none of the inputs (nor inside or around one), and holds no file of
     the names the job writes that it did not write itself (a user's results.md is never overwritten)."""
-    from hylo.assets import local_path
-
     m = cfg.models
     inputs = [("--model", m.path), ("--teacher", m.teacher), ("--base", m.base), ("--tokenizer", m.tokenizer),
               ("--data", cfg.kl.data if "kl" in cfg.suites else None)]

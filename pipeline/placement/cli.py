@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import TYPE_CHECKING
 
 from hylo.model_files import MAX_HIDDEN, MAX_LAYERS
 from hylo.pipeline import runner
 from hylo.pipeline.cli import MAX_COUNT, MAX_CPUS_PER_NODE, bounded_int
 from hylo.pipeline.config import GivenOnce, config_from_args
 from hylo.pipeline.placement.proxy import PROXIES
+from hylo.pipeline.placement.workflow import PlaceLayers, PlacementConfig
 from hylo.rules import ROW_TOKENS_MAX, SEED_MAX
-
-if TYPE_CHECKING:
-    from hylo.pipeline.placement.workflow import PlacementConfig
 
 # Each shorthand flag's config key (the flags win over --config and --set).
 FLAG_KEYS = {**runner.RUNNER_FLAGS, "num_cpus": "ray.num_cpus", **{name: name for name in (
@@ -62,15 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
 def placement_config(argv: list[str] | None = None) -> PlacementConfig:
     """The search's config from its command line (`--print-config` prints it and exits)."""
     args = build_parser().parse_args(argv)
-    # the workflow imports torch: after --help and a bad flag answered
-    from hylo.pipeline.placement.workflow import PlacementConfig
-
     return config_from_args(PlacementConfig, args, FLAG_KEYS)
 
 
 def run_placement(cfg: PlacementConfig) -> int:
-    from hylo.pipeline.placement.workflow import PlaceLayers
-
     t0 = time.time()
     with PlaceLayers(cfg) as job:
         rc = job.main()

@@ -17,16 +17,16 @@ PROXIES = ("linear_error", "linear_error_rel", "error_gap")
 
 def proxy_scores(base: nn.Module, linear: nn.Module, mla: nn.Module, rows: list[PackedRow]) -> dict[str, list[float]]:
     """Per-layer errors of the converted (untrained) mixers against the base attention outputs."""
-    import torch
+    import torch  # lazy: torch
 
     with torch.no_grad():
         return _proxy_scores(base, linear, mla, rows)
 
 
 def _proxy_scores(base: nn.Module, linear: nn.Module, mla: nn.Module, rows: list[PackedRow]) -> dict[str, list[float]]:
-    import numpy as np
+    import numpy as np  # lazy: numpy
 
-    from hylo.pipeline.train.stage1 import BaseLayerTargets
+    from hylo.pipeline.train.stage1 import BaseLayerTargets  # lazy: torch
 
     targets = BaseLayerTargets(base)
     n = len(linear.model.layers)

@@ -85,10 +85,10 @@ def compare_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot_scores(result: dict[str, Any], path: Path) -> Path:
     """Bar plot of the measured drop per layer (chosen layers highlighted) next to the best proxy."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib
 
     drop = result["measured"]["drop"]
     chosen = set(result["mla_layers"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+from hylo.pipeline.data.reader import RowReader
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.eval.kl import check_eval_row, scored_tokens
 
@@ -17,8 +18,6 @@ def load_rows(data: str | Path, max_rows: int) -> list[PackedRow]:
     """The first `max_rows` held-out packed rows of a jobs/prepare_data.py directory, through the one reader
     of packed rows and checked as evaluation checks them (`check_eval_row`: their `loss_mask` says which
     tokens are scored)."""
-    from hylo.pipeline.data.reader import RowReader
-
     p = Path(data)
     if not (p / "manifest.json").is_file():
         raise PlacementError(f"held-out data {p}: not a packed-data directory (no manifest.json); make one with "

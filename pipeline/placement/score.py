@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.eval.kl import scored_tokens
@@ -19,7 +20,7 @@ _MODELS: dict[str, nn.Module] = {}
 def _model(path: str) -> nn.Module:
     """Each worker process loads a student once and keeps it for the layers it scores."""
     if path not in _MODELS:
-        from hylo.io import load_hylo
+        from hylo.io import load_hylo  # lazy: transformers
 
         _MODELS[path] = load_hylo(path, dtype=torch.float32).eval()
     return _MODELS[path]
@@ -35,7 +36,7 @@ def _score_layer(i: int, linear_dir: str, mla_dir: str, inputs: list[torch.Tenso
 def score_layers(linear_dir: str | Path, mla_dir: str | Path, base: nn.Module, rows: list[PackedRow],
                  threads_per_task: int = 1, progress: bool = True) -> dict[str, Any]:
     """Measured KL drop of every layer, scored in parallel with Ray tasks (ray must be initialised)."""
-    import ray
+    import ray  # lazy: ray
 
     linear = _model(str(linear_dir))
     mla = _model(str(mla_dir))
@@ -59,8 +60,6 @@ def score_layers(linear_dir: str | Path, mla_dir: str | Path, base: nn.Module, r
     kl_swap: dict[int, float] = {}
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=n, desc="scoring layers", unit="layer")
     while pending:
         done, pending = ray.wait(pending, num_returns=1)

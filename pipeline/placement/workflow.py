@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hylo.files import atomic_write
+from hylo.assets import local_path, resolve_path_or_asset
+from hylo.atomic import atomic_write
 from hylo.pipeline import runner
 from hylo.pipeline.config import PATH, ROW_TOKENS, at_least, config_file, each, one_of, rules
 from hylo.pipeline.placement.proxy import PROXIES, proxy_scores
@@ -69,7 +70,7 @@ class PlacementConfig(runner.RunnerConfig):
 
 class PlaceLayers(runner.StepRunner):
     def __init__(self, cfg: PlacementConfig) -> None:
-        from hylo.pipeline.placement.rows import PlacementError
+        from hylo.pipeline.placement.rows import PlacementError  # lazy: torch
 
         if cfg.n_mla is None:
             raise PlacementError("n_mla is not set: pass --n-mla N (how many layers get MLA)")
@@ -84,7 +85,6 @@ class PlaceLayers(runner.StepRunner):
                 raise PlacementError(f"{split} rows: {path or 'not given'} is not a packed-data directory "
                                      f"(manifest.json); pass --data-from RUN (after `make demo`) or --{split}-data DIR")
             self.data[split] = path
-        from hylo.assets import local_path
 
         # the run directory is none of the inputs (the base, the rows), nor inside or around one
         inputs = [("base", local_path(cfg.base) if cfg.base else None),
@@ -108,13 +108,13 @@ class PlaceLayers(runner.StepRunner):
         return {"model": str(self.run / name / "model")}
 
     def _base(self) -> nn.Module:
-        from hylo.upcycle import load_base_model
+        from hylo.upcycle import load_base_model  # lazy: torch
 
         return load_base_model(self.base_dir).eval()
 
     def proxy(self) -> dict:
-        from hylo.io import load_hylo
-        from hylo.pipeline.placement.rows import load_rows
+        from hylo.io import load_hylo  # lazy: transformers
+        from hylo.pipeline.placement.rows import load_rows  # lazy: torch
 
         rows = load_rows(self.data["heldout"], self.cfg.heldout_rows)
         lin = load_hylo(self.run / "converted_linear").eval()
@@ -124,8 +124,8 @@ class PlaceLayers(runner.StepRunner):
         return {}
 
     def score(self) -> dict:
-        from hylo.pipeline.placement.rows import load_rows
-        from hylo.pipeline.placement.score import score_layers
+        from hylo.pipeline.placement.rows import load_rows  # lazy: torch
+        from hylo.pipeline.placement.score import score_layers  # lazy: torch
 
         rows = load_rows(self.data["heldout"], self.cfg.heldout_rows)
         self.ray_address()  # the run's Ray, which the training steps use too
@@ -135,7 +135,7 @@ class PlaceLayers(runner.StepRunner):
         return {}
 
     def write_placement(self, proxy_only: bool) -> dict:
-        from hylo.pipeline.placement.ranking import choose, plot_scores, spearman
+        from hylo.pipeline.placement.ranking import choose, plot_scores, spearman  # lazy: torch
 
         c = self.cfg
         proxy = json.loads((self.run / "proxy.json").read_text())
@@ -178,8 +178,6 @@ class PlaceLayers(runner.StepRunner):
 
     # ------------------------------------------------------------------ main
     def main(self) -> int:
-        from hylo.assets import resolve_path_or_asset
-
         c, r = self.cfg, self.run
         self.base_dir = resolve_path_or_asset(c.base, "base", directory=True)
         self.step("converted_linear", [r / "converted_linear" / "hybrid_config.json"],
@@ -204,7 +202,7 @@ class PlaceLayers(runner.StepRunner):
         return 0
 
     def write_compare(self, rows: list[dict]) -> None:
-        from hylo.pipeline.placement.ranking import compare_summary
+        from hylo.pipeline.placement.ranking import compare_summary  # lazy: torch
 
         steps = self.cfg.compare_steps
         summary = compare_summary(rows)

@@ -30,7 +30,7 @@ Design choices:
 * A token range of a row (a sequence-parallel rank's tokens) reads the row's row group and decompresses its
   values whole (each tensor is one binary value: the file holds no slice of it), then converts only the
   range's bytes into tensors (`TopKCacheReader._read`).
-* The manifest names only files of the cache's own `shards/`, each once (`hylo.files.confined_paths`, when it
+* The manifest names only files of the cache's own `shards/`, each once (`hylo.manifest_paths.confined_paths`, when it
   is read): a shard name with `..`, or a shard that is a link out of the cache, is refused before any read.
 * Row ids are the data's `row_id` column when present, else a content hash of the row
   (`hylo.pipeline.data.rows.PackedRow.row_id`), so `get_for_row(row)` also proves the row is the same data.
@@ -48,24 +48,30 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
-from hylo.files import (
-    OUTPUT_RECORD,
-    atomic_path,
-    atomic_write,
-    check_not_an_input,
-    check_replaceable,
-    confined_paths,
-    output_target,
-    read_json,
-    record_files,
-    sweep_temp_files,
-)
+from hylo.atomic import atomic_path, atomic_write
+from hylo.json_files import read_json
 from hylo.kernels.fused_kl.topk import TeacherTopK
+from hylo.leftovers import sweep_temp_files
+from hylo.manifest_paths import confined_paths
+from hylo.outputs import check_not_an_input
+from hylo.ownership import OUTPUT_RECORD, check_replaceable, output_target, record_files
+from hylo.pipeline.config import from_dict, to_dict
+from hylo.pipeline.data.prepare import resolve_tokenizer
 from hylo.pipeline.data.reader import ParquetRows, RowReader
 from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, damage, open_parquet
 from hylo.pipeline.data.rows import PackedRow
+from hylo.pipeline.data.shards import read_manifest
+from hylo.pipeline.teacher.config import TeacherModelConfig
+from hylo.pipeline.teacher.model import (
+    TeacherModel,
+    model_fingerprint,
+    resolve_model_path,
+    tokenizer_fingerprint,
+)
 from hylo.pipeline.teacher.protocol import TargetSpec, check_token_range, unsupported
 
 SCHEMA = "hylo-teacher-topk"
@@ -112,13 +118,9 @@ def data_fingerprint(data_dir: str | Path) -> tuple[str, list[dict[str, Any]], d
     its tokenizer (name, hash) and config hash; otherwise every *.parquet under the directory,
     sorted. The hash covers relative paths, sizes, row counts and the manifest's hashes.
     """
-    import pyarrow.parquet as pq
-
     d = Path(data_dir)
     info: dict[str, Any] = {}
     if (d / "manifest.json").is_file():
-        from hylo.pipeline.data.shards import read_manifest
-
         m = read_manifest(d)
         paths = [d / s["file"] for s in m["shards"]]
         info = {k: m.get(k) for k in ("format", "tokenizer", "tokenizer_hash", "config_hash")}
@@ -185,9 +187,6 @@ def _from_bytes(b: Any, dtype: str, shape: tuple[int, ...], rows: tuple[int, int
 def write_shard(path: Path, header: Mapping[str, Any], plan: ShardPlan, row_ids: list[str],
                 records: list[TeacherTopK]) -> int:
     """Write one shard atomically; returns its size in bytes."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     k, dt, idt = header["k"], header["dtype"], header["index_dtype"]
     for rid, rec in zip(row_ids, records):
         if rec.logprobs.shape[1] != k:
@@ -208,8 +207,6 @@ def write_shard(path: Path, header: Mapping[str, Any], plan: ShardPlan, row_ids:
 
 
 def read_shard_meta(path: Path) -> dict[str, Any]:
-    import pyarrow.parquet as pq
-
     try:
         md = pq.ParquetFile(path).schema_arrow.metadata or {}
     except Exception as e:
@@ -238,10 +235,6 @@ class _ShardWorker:
     """Ray Data actor: one teacher per actor, one shard per call."""
 
     def __init__(self, model_cfg: dict[str, Any], data_dir: str, out_dir: str, header: dict[str, Any]) -> None:
-        from hylo.pipeline.config import from_dict
-        from hylo.pipeline.teacher.config import TeacherModelConfig
-        from hylo.pipeline.teacher.model import TeacherModel
-
         self.teacher = TeacherModel.from_config(from_dict(TeacherModelConfig, model_cfg))
         check_header({"teacher_id": self.teacher.teacher_id, "tokenizer_hash": self.teacher.tokenizer_hash,
                       "vocab_size": self.teacher.vocab_size}, header, f"teacher actor for {out_dir}",
@@ -259,8 +252,6 @@ class _ShardWorker:
 
 def _teacher_identity(model_cfg: Any) -> tuple[str, str, int]:
     """teacher id, tokenizer hash and vocabulary size, without loading the weights."""
-    from hylo.pipeline.teacher.model import model_fingerprint, resolve_model_path, tokenizer_fingerprint
-
     path = resolve_model_path(model_cfg.path)
     cfg = read_json(path / "config.json", CacheFormatError, mapping=True)
     vocab = cfg.get("vocab_size")
@@ -274,8 +265,6 @@ def _check_data_tokenizer(data_info: Mapping[str, Any], teacher_tok_hash: str, c
     name = data_info.get("tokenizer")
     if not name:
         return
-    from hylo.pipeline.data.prepare import resolve_tokenizer
-    from hylo.pipeline.teacher.model import tokenizer_fingerprint
 
     try:
         data_tok = tokenizer_fingerprint(resolve_tokenizer(name))
@@ -297,7 +286,7 @@ def _legacy_cache_entries(out: Path) -> set[str]:
 
 def sweep_cache_leftovers(out: str | Path, plan: Sequence[ShardPlan] | None = None) -> list[Path]:
     """Remove what killed writers left in cache `out` (a shard, the manifest or the record half written under
-    its temporary name, `hylo.files.sweep_temp_files`: only those, of a process that is gone); `plan`: the
+    its temporary name, `hylo.leftovers.sweep_temp_files`: only those, of a process that is gone); `plan`: the
     shards, default the manifest's. Run by every run of the cache, and by `hylo clean OUT`."""
     out = Path(out)
     if plan is None:
@@ -313,7 +302,7 @@ def sweep_cache_leftovers(out: str | Path, plan: Sequence[ShardPlan] | None = No
 
 def check_cache_output(cfg: Any) -> None:
     """Before any work: `out` is not the data, the teacher or its tokenizer, nor inside or around one of them
-    (`hylo.files.check_not_an_input`), and, when it exists, holds only what a cache run wrote there (its
+    (`hylo.outputs.check_not_an_input`), and, when it exists, holds only what a cache run wrote there (its
     `.hylo-output.json`, or the manifest of a cache written before it): a rerun resumes its own cache, it never
     writes into a directory of the user's."""
     model = cfg.teacher.model
@@ -365,8 +354,6 @@ def prepare_cache(cfg: Any) -> tuple[dict[str, Any], list[ShardPlan], list[Shard
 
 def finalize_cache(out_dir: str | Path, plan: list[ShardPlan]) -> bool:
     """Mark the manifest complete (with totals) when every planned shard exists."""
-    import pyarrow.parquet as pq
-
     out = Path(out_dir)
     paths = [out / SHARD_DIR / f"{p.name}.parquet" for p in plan]
     if not all(p.is_file() for p in paths):
@@ -386,7 +373,7 @@ def finalize_cache(out_dir: str | Path, plan: list[ShardPlan]) -> bool:
 
 def run_cache_job(cfg: Any, log: Any = print) -> dict[str, Any]:
     """Compute the missing shards with a Ray Data actor pool; resumable. Needs `ray.init()` done."""
-    import ray
+    import ray  # lazy: ray
 
     header, plan, todo = prepare_cache(cfg)
     already = len(plan) - len(todo)
@@ -395,8 +382,6 @@ def run_cache_job(cfg: Any, log: Any = print) -> dict[str, Any]:
     log(f"teacher cache {cfg.out}: {len(plan)} shards planned, {already} already done, {len(todo)} to compute")
     done = []
     if todo:
-        from hylo.pipeline.config import to_dict
-
         ds = ray.data.from_items([p.__dict__ for p in todo], override_num_blocks=len(todo))
         ds = ds.map_batches(
             _ShardWorker,
@@ -454,9 +439,6 @@ class TopKCacheReader:
         expect_data: str | Path | None = None,
         allow_incomplete: bool = False,
     ) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         self.dir = Path(cache_dir)
         self.manifest = load_manifest(self.dir, expect_k)
         where = str(self.dir / MANIFEST)
@@ -512,8 +494,6 @@ class TopKCacheReader:
         binary value each, decompressed whole: the format stores a row's tensor as one value, so no slice of it
         can be read from the file. Only the range's bytes are then converted into tensors (zero-copy views of
         the decompressed values, `_from_bytes`), so what is returned and kept is the range's records alone."""
-        import pyarrow as pa
-
         try:
             if self._open is None or self._open[0] != fi:
                 self._open = (fi, open_parquet(self._files[fi]))
@@ -569,8 +549,6 @@ class TopKCacheReader:
 
     def __iter__(self) -> Iterator[tuple[str, TeacherTopK]]:
         """(row_id, record) in data order."""
-        import pyarrow.parquet as pq
-
         for fi, path in enumerate(self._files):
             for j in range(pq.ParquetFile(path).metadata.num_row_groups):
                 rid, _, rec = self._read(fi, j)

@@ -48,8 +48,8 @@ class TeacherUnavailableError(RuntimeError):
 
 
 def _retryable_errors() -> tuple[type[BaseException], ...]:
-    import ray.exceptions as rx
-    import ray.serve.exceptions as sx
+    import ray.exceptions as rx  # lazy: ray
+    import ray.serve.exceptions as sx  # lazy: ray
 
     return (TimeoutError, rx.RayActorError, rx.ObjectLostError, rx.RaySystemError,
             sx.BackPressureError, sx.DeploymentUnavailableError, sx.ReplicaUnavailableError)
@@ -85,7 +85,7 @@ class TeacherClient:
         `settings`: TeacherClientConfig's fields (in-flight rows, timeout, retries, wire dtype, windows), checked
         by its rules. The top-k width is the caller's, per request (`topk(rows, k)`; stage 2: teacher.k)."""
         if isinstance(handle_or_app_name, str):
-            from ray import serve
+            from ray import serve  # lazy: ray
 
             handle_or_app_name = serve.get_app_handle(handle_or_app_name)
         if chunk_tokens < 1:

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hylo.files import read_json
+from hylo.assets import resolve_path_or_asset
+from hylo.json_files import read_json
 from hylo.kernels.fused_kl.topk import TeacherTopK, topk_from_logits
 from hylo.model_files import ModelFileError, check_finite_tensors, check_model_config
 from hylo.pipeline.data.rows import PackedRow
@@ -54,8 +55,6 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def resolve_model_path(path: str | os.PathLike) -> Path:
     """A directory as is, or an asset (`asset:NAME` or NAME) fetched through hylo.assets."""
-    from hylo.assets import resolve_path_or_asset
-
     p = resolve_path_or_asset(path, "teacher model", directory=True)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"teacher model {p} has no config.json; not a Hugging Face model directory")
@@ -95,12 +94,12 @@ def model_fingerprint(path: str | os.PathLike) -> str:
 
 def _load_model(path: Path, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
     if (path / "hybrid_config.json").is_file():
-        from hylo.io import load_hylo
+        from hylo.io import load_hylo  # lazy: transformers
 
         return load_hylo(path, dtype=dtype)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers
 
-    from hylo.io import from_pretrained_checked
+    from hylo.io import from_pretrained_checked  # lazy: transformers
 
     kwargs: dict[str, Any] = {"dtype": dtype}
     if attn_implementation:

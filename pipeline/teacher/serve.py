@@ -42,6 +42,7 @@ from ray import serve
 from hylo.kernels.backend import keep_freed_host_memory
 from hylo.pipeline.config import from_dict, to_dict
 from hylo.pipeline.data.rows import PackedRow, check_row
+from hylo.pipeline.ray_init import kill_this_node
 from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig
 from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
 from hylo.pipeline.teacher.protocol import check_token_range
@@ -113,8 +114,6 @@ class TeacherDeployment:
         except FileNotFoundError:
             return
         if self.fault_cfg.kill_target == "node":
-            from hylo.pipeline.ray_init import kill_this_node
-
             # the replica's whole node goes, with the requests queued on it
             kill_this_node()
         # Hard exit: in-flight requests on this replica see a dead actor, as with a real crash.

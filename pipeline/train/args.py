@@ -7,12 +7,9 @@ it before they import the driver, so `--help`, a bad flag, a bad config and `--p
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
 from hylo.pipeline.config import add_config_args, maybe_print_config
-
-if TYPE_CHECKING:
-    from hylo.pipeline.train.config import StageConfig
+from hylo.pipeline.train.config import StageConfig, load_stage_config
 
 
 def build_parser(stage: int) -> argparse.ArgumentParser:
@@ -36,8 +33,6 @@ def build_parser(stage: int) -> argparse.ArgumentParser:
 def stage_args(stage: int, argv: list[str] | None) -> tuple[argparse.Namespace, StageConfig]:
     """The flags and the loaded config of stage `stage`'s command line; `--print-config` prints it and exits."""
     args = build_parser(stage).parse_args(argv)
-    from hylo.pipeline.train.config import load_stage_config
-
     cfg = load_stage_config(stage, args.config, args.overrides)
     maybe_print_config(cfg, args)
     return args, cfg

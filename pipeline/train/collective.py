@@ -1,7 +1,7 @@
 """The collective backend a training worker uses (NCCL/RCCL or gloo), chosen in one place.
 
-Imports torch only: Ray Train's controller calls it through driver.AutoTorchConfig and must not import the
-training stack to do so (entry.py says why).
+It imports torch only. Ray Train's controller calls it through driver.auto_torch_config, and the controller
+must not import the training stack.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """Run configuration of the two training stages, as dataclasses loaded by `hylo.pipeline.config`.
 
-    cfg = load_config(Stage2Config, "configs/demo-smollm2.yaml", ["optim.lr=1e-4"])
+    cfg = load_stage_config(2, "configs/demo-smollm2.yaml", ["optim.lr=1e-4"])
 
 Design choices:
-* One tree per stage (`Stage1Config`, `Stage2Config`) sharing every section except the loss:
-  `ild` for stage 1 (Enhanced-ILD), `teacher` + `kd` for stage 2. Defaults follow the HyLo recipe
-  (stage 1: context 2,048, lr 2e-4, the 20 % split; stage 2: context 65,536, lr 4e-5, global batch 8
-  sequences, 1 epoch, warm-up ratio 0.01, kl_weight 1, ce_weight 0).
-* A YAML file may hold both stages under `stage1:` / `stage2:` keys plus shared top-level sections;
-  `load_stage_config` merges them (stage section wins) so one recipe file describes a whole run.
-* Each section states the range or choices of its fields once (`@rules`, pipeline/config.py); values that
-  must agree across sections (global batch vs workers) are checked by the stage classes. Everything is
-  checked at load, before Ray or torchrun starts; the files a stage reads are checked by inputs.py.
-* `breaking_diff(old, new)` lists the keys whose change breaks a resumed run (model, data, optimiser,
-  batch, world size, seed ...); run-time knobs (Ray address, checkpoint cadence, metrics, fault
-  injection, offload) may change between a stop and a resume.
+* One tree per stage (`Stage1Config`, `Stage2Config`). They share every section except the loss: `ild` for
+  stage 1, `teacher` and `kd` for stage 2. Defaults follow the HyLo recipe.
+* A YAML file may hold both stages under `stage1:` and `stage2:` over shared sections. The stage's own
+  section wins.
+* Each section states its fields' ranges once (`@rules`). Rules between sections live in the stage classes,
+  the sequence-parallel ones included. All are checked at load, before Ray or torchrun starts.
+* The config stays this typed object all the way to the workers.
+* `breaking_diff(old, new)` lists the keys whose change breaks a resumed run. Run-time knobs may change.
 """
 
 from __future__ import annotations
@@ -130,19 +126,25 @@ MAX_GRAD_ACCUM = 4096
 CONVERTED_CONV_SIZE = 4
 
 
-def sp_shard_problem(tokens: int, sp: int, conv_size: int) -> str | None:
-    """Why a `tokens`-long row cannot be split over a sequence-parallel group of `sp` ranks, else None: the parts
-    must be equal, and each as long as the conv window its next rank takes from it (conv_size - 1 tokens of a
-    linear block; hylo/seq_parallel.py `conv_prefix`), which every rank would otherwise raise on its first step."""
+def sp_shard_problem(tokens: int, sp: int, conv_size: int, length: str = "", at: str = "") -> str | None:
+    """Why `tokens`-long rows cannot be split over a sequence-parallel group of `sp` ranks, else None.
+
+    The rules, written once: the parts are equal, and each holds the conv window the next rank takes from it
+    (conv_size - 1 tokens of a linear block; hylo/seq_parallel.py `conv_prefix`). `length` names the row
+    length in the first message (`data.seq_len (64)`), `at` heads the second (`data.seq_len=64`)."""
     if sp <= 1:
         return None
     if tokens % sp:
-        return f"the {tokens:,}-token rows do not split into {sp} equal parts"
+        if not length:
+            return f"the {tokens:,}-token rows do not split into {sp} equal parts"
+        return f"must divide {length}: each of the {sp} workers of a group takes an equal slice of a row"
     if tokens // sp < max(conv_size - 1, 1):
-        return (f"a {tokens:,}-token row split over {sp} ranks gives shards of {tokens // sp} token(s), shorter than "
-                f"the linear blocks' conv window ({conv_size - 1} tokens, gdn_conv_size {conv_size} - 1) the next "
-                f"rank takes from each: use fewer ranks per row or longer rows")
+        return (f"{at + ': ' if at else ''}a {tokens:,}-token row split over {sp} ranks gives shards of "
+                f"{tokens // sp} token(s), shorter than the linear blocks' conv window ({conv_size - 1} tokens, "
+                f"gdn_conv_size {conv_size} - 1) the next rank takes from each: use fewer ranks per row or longer rows")
     return None
+
+
 # The global batch whatever the number of workers: 4,096 rows per worker x 256 workers.
 MAX_GLOBAL_BATCH = MAX_GRAD_ACCUM * 256
 
@@ -359,7 +361,7 @@ class _RegisteredSources:
 
     @staticmethod
     def _names() -> tuple[str, ...]:
-        from hylo.pipeline.teacher.sources import source_names
+        from hylo.pipeline.teacher.sources import source_names  # lazy: layering (a config loads no source)
 
         return source_names()
 
@@ -383,14 +385,14 @@ class TeacherSection(OfflineSection, ServeSection, InProcessSection):
     sources' keys keep their values, unread."""
 
     def __post_init__(self) -> None:
-        from hylo.pipeline.teacher.sources import check_section
+        from hylo.pipeline.teacher.sources import check_section  # lazy: layering
 
         check_section(self)
 
     @property
     def form(self) -> str:
         """topk, hidden or logits (`target_form` of pipeline/teacher/sources)."""
-        from hylo.pipeline.teacher.sources import target_form
+        from hylo.pipeline.teacher.sources import target_form  # lazy: layering
 
         return target_form(self)
 
@@ -448,17 +450,14 @@ class _SharedSections:
         if workers % sp:
             raise FieldError("train.sequence_parallel", sp,
                              f"must divide ray.num_workers ({workers}): the workers form groups of {sp}")
-        if self.data.seq_len is not None and self.data.seq_len % sp:
-            raise FieldError("train.sequence_parallel", sp,
-                             f"must divide data.seq_len ({self.data.seq_len}): each of the {sp} workers of a "
-                             f"group takes an equal slice of a row")
         # a student converted by this run has the conversion's conv width; a checkpoint's is checked with its rows
         all_mla = self.model.convert is not None and self.model.convert.mla_layers == "all"
         conv = CONVERTED_CONV_SIZE if not self.model.student and not all_mla else 1
-        if self.data.seq_len is not None and (why := sp_shard_problem(self.data.seq_len, sp, conv)):
-            raise FieldError("train.sequence_parallel", sp, f"data.seq_len={self.data.seq_len}: {why}")
+        n = self.data.seq_len
+        if n is not None and (why := sp_shard_problem(n, sp, conv, f"data.seq_len ({n})", f"data.seq_len={n}")):
+            raise FieldError("train.sequence_parallel", sp, why)
         # the data-parallel ranks (one per sequence-parallel group) each read whole rows
-        dp = workers // sp
+        dp = self.data_parallel
         per = "worker" if sp == 1 else f"sequence-parallel group of {sp} workers"
         groups = f"ray.num_workers ({workers})" if sp == 1 else f"ray.num_workers / train.sequence_parallel ({dp})"
         gbs = self.train.global_batch_sequences

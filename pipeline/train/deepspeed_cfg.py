@@ -1,23 +1,22 @@
-"""The DeepSpeed config, generated from ours (never hand-written), and the batch arithmetic.
+"""The DeepSpeed config, generated from ours (never hand-written), and the engine.
 
 Design choices:
-* One packed row per micro-batch (`B == 1` with `cu_seqlens`): packing already fills the context, so
-  the global batch in sequences is reached by gradient accumulation alone:
-  `grad_accum = global_batch_sequences / (ray.num_workers / train.sequence_parallel)` (`StageConfig.grad_accum`;
-  the config refuses a global batch that does not divide at load): the workers of a sequence-parallel group
-  share their rows. DeepSpeed knows nothing of the groups: it sees W ranks of G micro-batches each (its
-  `train_batch_size` G x W counts a split row once per worker holding a slice of it), averages gradients
-  over all W and shards ZeRO-3 over all W, whatever N (so checkpoints do not depend on N).
-* The optimiser is a client `torch.optim.AdamW` handed to `deepspeed.initialize`: an optimiser in the
-  DeepSpeed config would compile DeepSpeed's CPU Adam (~1 min on the build machine) for nothing.
-* bf16 with fp32 master weights on GPU, plain fp32 on CPU (`dtype` resolved by `resolve_dtype`).
-* Clipping is DeepSpeed's (`gradient_clipping`), so the norm it reports is the one it clipped with.
-* DeepSpeed is imported through `import_deepspeed`, which keeps it from compiling an op training never uses
-  and from `torch.compile`-decorating its Muon optimiser's functions in every engine.
+* One packed row per micro-batch: packing already fills the context. Gradient accumulation alone reaches
+  the global batch (`StageConfig.grad_accum`).
+* DeepSpeed knows nothing of sequence-parallel groups. It sees W ranks of G micro-batches, averages
+  gradients over all W and shards ZeRO-3 over all W. So checkpoints do not depend on N.
+* The optimiser is a client `torch.optim.AdamW`. One in the DeepSpeed config would compile DeepSpeed's CPU
+  Adam for nothing.
+* bf16 with fp32 master weights on GPU, plain fp32 on CPU (`resolve_dtype`).
+* Clipping is DeepSpeed's, so the norm it reports is the one it clipped with.
+* `import_deepspeed` keeps DeepSpeed from compiling an op and a Muon optimiser that training never uses.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,8 +53,8 @@ def import_deepspeed():
     training never uses (ours is a client AdamW). The module and its class are DeepSpeed's own; a function of
     it is compiled when first called, as `torch.compile` would compile it then. A Muon already loaded is left
     as it is."""
-    import deepspeed
-    import deepspeed.ops
+    import deepspeed  # lazy: deepspeed
+    import deepspeed.ops  # lazy: deepspeed
 
     ops = getattr(deepspeed.ops, "__compatible_ops__", None)
     if isinstance(ops, dict):
@@ -67,14 +66,10 @@ def import_deepspeed():
 def _import_muon_with_lazy_compile() -> None:
     """Import `MUON_MODULE` while DeepSpeed's `compiler.compile()` decorator defers `torch.compile` to the first
     call of the function it decorates (import_deepspeed)."""
-    import functools
-    import importlib
-    import sys
-
     if MUON_MODULE in sys.modules:
         return
     try:
-        from deepspeed.runtime import compiler
+        from deepspeed.runtime import compiler  # lazy: deepspeed
     except ImportError:
         return
     real = getattr(compiler, "compile", None)

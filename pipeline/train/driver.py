@@ -1,45 +1,22 @@
-"""The one driver of both training stages: config -> Ray -> TorchTrainer -> fit.
+"""The one driver of both training stages: config, checks, lock, then Ray Train or torchrun.
 
     python jobs/stage2.py --config configs/demo-smollm2.yaml [--set optim.lr=1e-4 ...] [--resume [PATH]]
     torchrun --nproc_per_node 2 jobs/stage2.py --config ... --set ray.launcher=torchrun
 
+It is thin, like Ray's own training benchmarks: `run` reads the config, checks it, takes the run's lock
+and hands the typed config to `loop.train_worker`. Under Ray Train that is a `TorchTrainer`; under torchrun
+each rank calls the loop itself.
+
 Design choices:
-* Thin, like Ray's own training benchmarks: parse config, `init_ray` (pipeline/ray_init.py: `ray.address`,
-  else `RAY_ADDRESS` as under `ray job submit`, else a local Ray), build
-  `TorchTrainer(train_worker, ScalingConfig, RunConfig(storage_path, name, FailureConfig,
-  CheckpointConfig, callbacks=[metrics]))`, `fit()`. Everything per worker lives in loop.py (and session.py);
-  what Ray Train's controller holds (the worker entry, the backend's choice) in entry.py and collective.py,
-  which import nothing of the training stack.
-* A run is `<ray.storage_path>/<ray.name>`: a local (or shared-filesystem) directory, or a URI that
-  Ray Train supports (`s3://bucket/runs`, `gs://...`; pyarrow filesystems, see storage.py). A relative
-  storage path is refused inside a `ray job submit` job (it would land in Ray's temporary copy of the
-  working directory), a URI under torchrun.
-* A run directory is owned by one run at a time: the driver takes `<run>/run.lock` (holder's host,
-  pid, start time) before Ray starts and releases it at the end; a second run with the same storage
-  and name stops at once naming the holder, and a stale lock of a dead driver is reported, never taken
-  over without `--break-lock` (runlock.py; for URI storage a local lock plus a checked lock object).
-* Starting a run whose directory already holds checkpoints needs `--resume` (continue it) or another
-  name: nothing is silently continued or overwritten. `--resume` alone continues from the newest
-  intact checkpoint, walking back past broken ones (and saying why); `--resume PATH` from that one.
-  (`TorchTrainer(resume_from_checkpoint=...)` raises in Ray 2.60, so the choice travels in the loop
-  config.) Ray Train's own checkpoint bookkeeping (its snapshot in the run directory) is reset at
-  every start: it may point at checkpoints that were pruned, deleted or never completed, and the
-  checkpoints' manifests are the record of what can be resumed.
-* An input error raised inside a worker (a config value, a teacher that does not fit, a full disk) is not
-  retried (failures.py: Ray's failure policy retries every worker error otherwise).
-* Worker failures restart the worker group from the newest intact checkpoint in storage (the newest
-  one this launch wrote whose manifest and checksums verify; never Ray's own record, which lags behind),
-  `ray.max_failures` times; the same limit bounds Ray's retries of starting the worker group (under torchrun,
-  `--max-restarts N` relaunches ranks, which then resume the same way).
-* The Ray resources the run needs (train workers, plus what stage 2's teacher source deploys: the Serve
-  pool) are checked against the cluster before anything starts: a run that can never be scheduled fails
-  at once.
-* Stage 1 converts the base model first when `model.student` is unset and `model.convert` is given.
-* Stage 2 starts what its teacher source needs first (pipeline/teacher/sources: the Serve pool of
-  `teacher.source: serve` with `teacher.start_pool: true`), and stops it at the end.
-* SIGTERM to the driver (a preemption) asks the workers for a final checkpoint within
-  `checkpoint.preempt_grace_s` (session.py), then the job exits with status 143 and one line naming the
-  checkpoint `--resume` continues from; a second SIGTERM stops at once.
+* A run is `<ray.storage_path>/<ray.name>`: a local directory or a URI that Ray Train supports (storage.py).
+* One run owns its directory at a time (runlock.py). A second run with the same name stops at once.
+* A directory that holds checkpoints needs `--resume` or another name: nothing is continued silently.
+* Ray Train's own checkpoint record is reset at every start. The checkpoints' manifests are the record.
+* Everything that can be checked before Ray starts is checked here: inputs, outputs, resources, a resume.
+* Ray Train is handed `loop.train_worker` by name (`WORKER`): neither the driver nor Ray's controller
+  imports the training stack for it. The controller sees only the small launch dict.
+* A worker's input error is not retried (failures.py); faults restart from the newest intact checkpoint.
+* SIGTERM asks the workers for a final checkpoint (session.py); the job then exits 143 with a resume line.
 """
 
 from __future__ import annotations
@@ -47,8 +24,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
+import pkgutil
 import re
 import signal
 import sys
@@ -59,11 +38,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hylo.assets import local_path
+from hylo.outputs import check_not_an_input
+from hylo.ownership import check_own_directory, check_replaceable, record_files
+from hylo.pipeline.cli import _stop_ray_logs, input_error_message, report_error
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.ray_init import init_ray, torch_extensions_dir
 from hylo.pipeline.teacher.sources import source_kind
 from hylo.pipeline.teacher.sources.base import ResourceDemand
+from hylo.pipeline.train import stage1, stage2
 from hylo.pipeline.train.args import stage_args
 from hylo.pipeline.train.checkpoint.layout import (
     STEP_DIR,
@@ -74,13 +58,15 @@ from hylo.pipeline.train.checkpoint.layout import (
     latest_checkpoint,
 )
 from hylo.pipeline.train.checkpoint.resume import check_student_fits
+from hylo.pipeline.train.collective import collective_backend
 from hylo.pipeline.train.config import StageConfig, config_to_dict
 from hylo.pipeline.train.inputs import check_stage_inputs
 from hylo.pipeline.train.kernel_cache import worker_cache_env
 from hylo.pipeline.train.metrics import make_ray_callback, read_metrics
 from hylo.pipeline.train.runlock import run_lock
+from hylo.pipeline.train.session import PREEMPT_FILE, read_preempt_request
 from hylo.pipeline.train.startup import StartupClock, is_job_process, process_start_time
-from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path, run_dir, run_loc
+from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path, is_uri, run_dir, run_loc
 from hylo.pipeline.train.worker import Stage
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
@@ -136,12 +122,8 @@ def reset_ray_snapshot(run: Loc) -> str | None:
 
 def check_outputs(cfg: StageConfig) -> None:
     """Before Ray starts: the directories the run will replace (`<run>/model` at the end, with
-    checkpoint.consolidate) hold nothing this project did not write (hylo.files.check_replaceable), so a
+    checkpoint.consolidate) hold nothing this project did not write (hylo.ownership.check_replaceable), so a
     user's file there stops the run now, not after the training."""
-    from hylo.assets import local_path
-    from hylo.files import check_not_an_input, check_replaceable
-    from hylo.pipeline.train.storage import is_uri
-
     run = run_loc(cfg)
     if cfg.checkpoint.consolidate and run.is_local:
         what = "the run's model directory (checkpoint.consolidate)"
@@ -159,14 +141,10 @@ RUN_MARKERS = ("run.lock", "config_stage1.json", "config_stage2.json")
 
 def check_run_output(cfg: StageConfig) -> None:
     """Before the run directory is made or locked: it is no input of the run (model.student, model.base,
-    data.path, teacher.cache_path, teacher.model.path; nor inside or around one: hylo.files.check_not_an_input),
+    data.path, teacher.cache_path, teacher.model.path; nor inside or around one: hylo.outputs.check_not_an_input),
     and, when it exists, it is a run directory of this project (its .hylo-output.json, or a lock, config or checkpoint
     of a run from before the record) or empty: checkpoints are never written into a directory of the user's. The
     run's own conversion (<run>/converted, stage 1 without model.student) is its output, not a conflict."""
-    from hylo.assets import local_path
-    from hylo.files import check_not_an_input, check_own_directory
-    from hylo.pipeline.train.storage import is_uri
-
     run = run_loc(cfg)
     if not run.is_local:
         return
@@ -186,8 +164,6 @@ def check_run_output(cfg: StageConfig) -> None:
 def claim_run_dir(cfg: StageConfig) -> None:
     """Record the (local) run directory as this project's (.hylo-output.json), so that a later run or resume
     of it passes `check_run_output`."""
-    from hylo.files import record_files
-
     run = run_loc(cfg)
     if run.is_local:
         record_files(run.local(), [RUN_MARKERS[0], f"config_stage{cfg.stage}.json"])
@@ -198,8 +174,6 @@ def check_resume_fits(cfg: StageConfig, resume: str | None) -> None:
     the parameter shapes of the checkpoint it continues (`--resume`: the newest intact one; `--resume PATH`:
     that one), so that a student of another width stops here, not inside DeepSpeed's load in every worker
     (where it would be retried as a fault)."""
-    from hylo.pipeline.train.storage import is_uri
-
     if resume is None or not cfg.model.student or is_uri(cfg.model.student):
         return
     ckpt = latest_checkpoint(run_loc(cfg)) if resume == "latest" else resume_path(cfg, resume)
@@ -219,7 +193,7 @@ def convert_if_needed(cfg: StageConfig) -> StageConfig:
     out = run_dir(cfg) / "converted"
     target = run / "converted"
     if not (target / "hybrid_config.json").is_file():
-        from hylo.upcycle import convert
+        from hylo.upcycle import convert  # lazy: transformers
 
         print(f"[convert] {cfg.model.base} -> {target} with {cfg.model.convert.non_defaults()}", flush=True)
         convert(cfg.model.base, cfg.model.convert).save(out)
@@ -239,24 +213,41 @@ def launch_id(launcher: str) -> str:
 
 
 def loop_config(cfg: StageConfig, resume: str | None, launcher: str) -> dict[str, Any]:
-    """What every worker gets: the config, where the run lives, and where to resume from
-    (`resume_latest`: the newest intact checkpoint; `resume_from`: exactly that one; after a relaunch,
-    the newest intact checkpoint `launch_id` wrote comes first)."""
+    """What every worker gets beside the config: where the run lives and where to resume from.
+
+    `resume_latest` means the newest intact checkpoint, `resume_from` exactly that one. After a relaunch,
+    the newest intact checkpoint that `launch_id` wrote comes first."""
     resume_from = None
     if resume not in (None, "latest"):
         resume_from = resume_path(cfg, resume).uri()
-    return {"config": config_to_dict(cfg), "resume_from": resume_from, "resume_latest": resume == "latest",
+    return {"resume_from": resume_from, "resume_latest": resume == "latest",
             "run_loc": run_loc(cfg), "launcher": launcher, "launch_id": launch_id(launcher),
             "torch_extensions_dir": torch_extensions_dir(), "kernel_cache_env": worker_cache_env(cfg)}
 
 
+@dataclasses.dataclass(frozen=True)
+class ByName:
+    """A function named by its import path (`module:name`), handed to Ray Train without importing its module.
+
+    The loop imports DeepSpeed and the models: seconds a Ray driver does not need. A worker unpickles this
+    as the function itself, so no frame of ours stands between Ray and the loop."""
+
+    path: str
+
+    def __call__(self, stage: Stage, cfg: StageConfig, loop_config: dict[str, Any]) -> None:
+        # the signature Ray Train reads; a worker calls the function itself
+        pkgutil.resolve_name(self.path)(stage, cfg, loop_config)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return pkgutil.resolve_name, (self.path,)
+
+
+WORKER = ByName("hylo.pipeline.train.loop:train_worker")
+
+
 def stage_for(number: int) -> Stage:
     """The stage (build + step) the workers train: stage1.STAGE or stage2.STAGE."""
-    if number == 1:
-        from hylo.pipeline.train.stage1 import STAGE
-    else:
-        from hylo.pipeline.train.stage2 import STAGE
-    return STAGE
+    return (stage1 if number == 1 else stage2).STAGE
 
 
 def start_teacher(cfg: StageConfig) -> Callable[[], None] | None:
@@ -318,14 +309,14 @@ def check_resources(cfg: StageConfig, cluster: dict[str, float], nodes: list[dic
 
 
 def check_cluster_resources(cfg: StageConfig) -> None:
-    import ray
+    import ray  # lazy: ray
 
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     check_resources(cfg, ray.cluster_resources(), nodes, ray.available_resources())
 
 
 def run_config(cfg: StageConfig, run: Loc):
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig  # lazy: ray
 
     failures = cfg.ray.max_failures
     return RunConfig(
@@ -363,8 +354,6 @@ class Preempted(RuntimeError):
 def preemption_handler(cfg: StageConfig, run: Loc) -> Iterator[None]:
     """While training: SIGTERM asks the workers for a final checkpoint within `checkpoint.preempt_grace_s`
     (session.Session.preemption) and, once they stopped, raises `Preempted`; a second SIGTERM stops at once."""
-    from hylo.pipeline.train.session import PREEMPT_FILE, read_preempt_request
-
     grace = cfg.checkpoint.preempt_grace_s
     flag = run / PREEMPT_FILE
     flag.rmtree()  # a request left by an earlier, preempted start of this run
@@ -401,12 +390,10 @@ def auto_torch_config() -> Any:
     """Ray Train's TorchConfig whose backend the first worker chooses (collective.collective_backend): NCCL where
     torch sees the GPUs Ray gave it, gloo with one line saying why where it sees none. Ray's own choice is
     NCCL whenever GPUs are requested, whose process group a torch without CUDA cannot create."""
-    from dataclasses import dataclass, replace
-
-    from ray.train.torch import TorchConfig
-    from ray.train.torch.config import _TorchBackend
-
-    from hylo.pipeline.train.collective import collective_backend
+    # lazy: ray. The classes are local so that cloudpickle sends them by value: Ray's controller unpickles
+    # them, and a class of this module would make it import the training stack
+    from ray.train.torch import TorchConfig  # lazy: ray
+    from ray.train.torch.config import _TorchBackend  # lazy: ray
 
     class AutoBackend(_TorchBackend):
         def on_start(self, worker_group: Any, backend_config: Any) -> None:
@@ -414,9 +401,9 @@ def auto_torch_config() -> Any:
             backend, note = worker_group.execute_single(0, collective_backend, use_gpu)
             if note:
                 print(f"[train] {note}", flush=True)
-            super().on_start(worker_group, replace(backend_config, backend=backend))
+            super().on_start(worker_group, dataclasses.replace(backend_config, backend=backend))
 
-    @dataclass
+    @dataclasses.dataclass
     class AutoTorchConfig(TorchConfig):
         backend: str | None = "auto"
 
@@ -427,13 +414,17 @@ def auto_torch_config() -> Any:
     return AutoTorchConfig()
 
 
-def fit_with_ray(cfg: StageConfig, resume: str | None, clock: StartupClock | None = None) -> dict[str, Any]:
-    from ray.train import ScalingConfig
-    from ray.train.torch import TorchTrainer
+@contextlib.contextmanager
+def ray_training(cfg: StageConfig, resume: str | None, clock: StartupClock) -> Iterator[Any]:
+    """The Ray side of a run around its `fit()`: Ray started and checked, the teacher deployed and stopped.
 
-    from hylo.pipeline.train.entry import WorkerEntry
+    It yields the `TorchTrainer`. A preemption raises `Preempted`; any other failure of the fit is a
+    `TrainingError`, and a worker's input error is not retried (failures.py)."""
+    from ray.train import ScalingConfig  # lazy: ray
+    from ray.train.torch import TorchTrainer  # lazy: ray
 
-    clock = clock or StartupClock()
+    from hylo.pipeline.train.failures import final_input_errors  # lazy: ray
+
     with clock.timed("ray start"):
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
     check_cluster_resources(cfg)
@@ -443,7 +434,8 @@ def fit_with_ray(cfg: StageConfig, resume: str | None, clock: StartupClock | Non
         print(note, flush=True)
     stop_teacher = start_teacher(cfg)
     trainer = TorchTrainer(
-        WorkerEntry.of(stage_for(cfg.stage)),
+        # the typed config travels with the function, which only the workers unpickle
+        functools.partial(WORKER, stage_for(cfg.stage), cfg),
         # the worker group's start-up is timed from here to the first line a worker runs
         train_loop_config={**loop_config(cfg, resume, "ray"), "startup": StartupClock(clock.phases).to_dict()},
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu,
@@ -451,15 +443,12 @@ def fit_with_ray(cfg: StageConfig, resume: str | None, clock: StartupClock | Non
         run_config=run_config(cfg, run),
         torch_config=auto_torch_config(),
     )
-    from hylo.pipeline.train.failures import final_input_errors
-
     try:
         with preemption_handler(cfg, run):
             try:
-                # an input error inside a worker (a bad value, a full disk) fails the run at once: Ray's
-                # retries (ray.max_failures) are for faults
+                # Ray's retries (ray.max_failures) are for faults, not for a bad value or a full disk
                 with final_input_errors():
-                    result = fit_interruptibly(trainer)
+                    yield trainer
             except Preempted:
                 raise
             except Exception as e:
@@ -467,7 +456,6 @@ def fit_with_ray(cfg: StageConfig, resume: str | None, clock: StartupClock | Non
     finally:
         if stop_teacher is not None:
             stop_teacher()
-    return {"checkpoint": result.checkpoint.path if result.checkpoint else None}
 
 
 def fit_interruptibly(trainer: Any) -> Any:
@@ -513,6 +501,10 @@ def failure_message(e: BaseException) -> str:
 
 
 def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
+    """One run of `stage`: the config, the checks, the lock, then the training; returns the run's summary.
+
+    Under torchrun this rank trains here. Raises `Preempted` after a SIGTERM and `TrainingError` when Ray
+    Train gave up."""
     clock = StartupClock(since=process_start_time())
     if is_job_process(stage):
         clock.lap("import")
@@ -530,16 +522,28 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
         check_storage_path(cfg.ray.storage_path, launcher)
     except StorageError as e:
         raise ConfigError(str(e)) from None
-    # every path of the config, relative to this directory, made absolute once: the workers run elsewhere
+    # every path of the config made absolute once, against this directory: the workers run elsewhere
     cfg = resolve_paths(cfg)
-    # the run directory is this run's until it ends: a second run with the same storage and name stops
-    # here (runlock.py); under torchrun rank 0 holds it for the rendezvous
+    # the run directory is this run's until it ends (runlock.py); under torchrun rank 0 holds it
     if is_rank0:
         check_run_output(cfg)
     owner = launch_id(launcher) if launcher == "torchrun" else None
     lock = run_lock(run_loc(cfg), break_lock=args.break_lock, owner=owner) if is_rank0 else contextlib.nullcontext()
     with exit_on_sigterm(), lock:
-        return _run_locked(stage, args, cfg, launcher, is_rank0, clock)
+        cfg = prepare_run(stage, args, cfg, launcher, is_rank0)
+        t0 = time.time()
+        if launcher == "torchrun":
+            from hylo.pipeline.train.loop import train_worker  # lazy: deepspeed
+
+            clock.phases["ray start"] = 0.0
+            train_worker(stage_for(cfg.stage), cfg, {**loop_config(cfg, args.resume, launcher),
+                                                     "startup": StartupClock(clock.phases).to_dict()})
+            info: dict[str, Any] = {}
+        else:
+            with ray_training(cfg, args.resume, clock) as trainer:
+                result = fit_interruptibly(trainer)
+            info = {"checkpoint": result.checkpoint.path if result.checkpoint else None}
+        return finish_run(stage, cfg, is_rank0, time.time() - t0, info)
 
 
 @contextlib.contextmanager
@@ -561,12 +565,13 @@ def exit_on_sigterm():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher: str,
-                is_rank0: bool, clock: StartupClock | None = None) -> dict[str, Any]:
+def prepare_run(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher: str,
+                is_rank0: bool) -> StageConfig:
+    """Under the run's lock, before any training: the run directory, the inputs and outputs, the conversion
+    stage 1 may need, and the config written beside the checkpoints. Returns the config to train."""
     resume = args.resume
-    if launcher == "torchrun" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        pass  # torchrun --max-restarts relaunched the ranks: they resume from the newest intact checkpoint
-    else:
+    # a torchrun --max-restarts relaunch resumes from the newest intact checkpoint without --resume
+    if launcher != "torchrun" or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         check_run_dir(cfg, resume)
     if launcher == "torchrun" and cfg.stage == 1 and not cfg.model.student:
         raise ConfigError("ray.launcher=torchrun needs model.student: convert first (jobs/convert.py)")
@@ -576,22 +581,17 @@ def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
     cfg = convert_if_needed(cfg)
     if is_rank0:
         check_resume_fits(cfg, resume)
-    rd, run = run_dir(cfg), run_loc(cfg)
-    rd.mkdir(parents=True, exist_ok=True)
+    run_dir(cfg).mkdir(parents=True, exist_ok=True)
     if is_rank0:
         claim_run_dir(cfg)
-        (run / f"config_stage{stage}.json").write_text(json.dumps(config_to_dict(cfg), indent=1, sort_keys=True))
-    t0 = time.time()
-    if launcher == "torchrun":
-        from hylo.pipeline.train.loop import train_worker
+        (run_loc(cfg) / f"config_stage{stage}.json").write_text(json.dumps(config_to_dict(cfg), indent=1,
+                                                                           sort_keys=True))
+    return cfg
 
-        clock = clock or StartupClock()
-        clock.phases["ray start"] = 0.0
-        train_worker(stage_for(cfg.stage), {**loop_config(cfg, resume, "torchrun"),
-                                            "startup": StartupClock(clock.phases).to_dict()})
-        info: dict[str, Any] = {}
-    else:
-        info = fit_with_ray(cfg, resume, clock)
+
+def finish_run(stage: int, cfg: StageConfig, is_rank0: bool, seconds: float, info: dict[str, Any]) -> dict[str, Any]:
+    """After the training: checkpoint.delete_after_consolidate, then the run's summary (and its line)."""
+    run = run_loc(cfg)
     model = run / "model"
     if is_rank0 and cfg.checkpoint.delete_after_consolidate:
         if (model / "hybrid_config.json").is_file():
@@ -602,7 +602,7 @@ def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
             print(f"[train] checkpoint.delete_after_consolidate: kept the checkpoints, {model} "
                   "was not written (checkpoint.consolidate=false?)", flush=True)
     metrics = read_metrics(run)
-    summary = {"stage": stage, "run_dir": str(run), "model_dir": str(model), "seconds": time.time() - t0,
+    summary = {"stage": stage, "run_dir": str(run), "model_dir": str(model), "seconds": seconds,
                "last_step": max(metrics) if metrics else 0, **info}
     if metrics and is_rank0:
         last = metrics[max(metrics)]
@@ -611,30 +611,35 @@ def _run_locked(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
     return summary
 
 
-def main(stage: int, argv: list[str] | None = None) -> int:
-    """The stage jobs' main (jobs/stage1.py, jobs/stage2.py, under `cli.job_main`), and its exit status:
+@dataclasses.dataclass
+class ExitStatus:
+    code: int = 0
+
+
+@contextlib.contextmanager
+def exit_status() -> Iterator[ExitStatus]:
+    """How the stage jobs end (jobs/stage1.py, jobs/stage2.py, under `cli.job_main`):
+
+        with driver.exit_status() as status:
+            driver.run(2, argv)
+        return status.code
 
     * 0: the run finished;
-    * 143 (`PREEMPTED_EXIT`): SIGTERM stopped it (a preemption): one line naming the checkpoint that
-      `--resume` continues from, the last line of the output;
-    * 2: bad input, also when a worker raised it (`job_main`: one `error: ...` line);
-    * 1: Ray Train gave up for another reason (a fault past `ray.max_failures`, a bug in a worker):
-      one `error: training failed: <the first worker's error>` line (the worker's traceback is in its
-      log above it).
+    * 143 (`PREEMPTED_EXIT`): SIGTERM stopped it; the last line names the checkpoint `--resume` continues from;
+    * 2: bad input, also when a worker raised it (`job_main` prints one `error: ...` line);
+    * 1: Ray Train gave up for another reason: one `error: training failed: <the first worker's error>` line.
     A bug in the driver itself keeps its traceback."""
-    from hylo.pipeline.cli import _stop_ray_logs, input_error_message, report_error
-
+    status = ExitStatus()
     try:
-        run(stage, sys.argv[1:] if argv is None else argv)
+        yield status
     except Preempted as e:
         _stop_ray_logs()
         sys.stdout.flush()
         print(f"[train] {e}", file=sys.stderr, flush=True)
-        return PREEMPTED_EXIT
+        status.code = PREEMPTED_EXIT
     except TrainingError as e:
         if input_error_message(e) is not None:
             raise  # job_main reports it: one line, exit status 2
         _stop_ray_logs()
         report_error(str(e))
-        return 1
-    return 0
+        status.code = 1

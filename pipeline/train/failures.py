@@ -1,18 +1,12 @@
 """Which worker failures Ray Train retries: faults yes, errors in the user's input no.
 
-Ray Train 2.x decides in its failure policy (`ray.train.v2._internal.execution.failure_handling.
-DefaultFailurePolicy`): every `WorkerGroupError` is retryable and counts against
-`FailureConfig(max_failures)`, whatever the workers raised. A teacher of another vocabulary, a bad
-config value found inside a worker, a full disk, were thus retried `ray.max_failures` times (each
-retry starting the workers and loading the models again) before the run failed.
+Ray Train's default failure policy retries every worker-group error, up to `FailureConfig(max_failures)`.
+`InputErrorsAreFinal` keeps that policy and adds one rule. A failure in which some worker raised an input
+error (what `hylo.pipeline.cli.input_error_message` knows) and no worker died is raised at once. A dead
+worker or a lost node (`RayActorError`) keeps its retries.
 
-`InputErrorsAreFinal` keeps Ray's policy and adds one rule: a worker-group failure in which some
-worker raised an input error (the classes and path errors `hylo.pipeline.cli.input_error_message` knows:
-ConfigError, CheckpointError, a missing file, ENOSPC, ...) and no worker died (a killed process, a
-lost node: `RayActorError`, which keeps its retries) is raised at once. The driver installs it for
-its `fit()` (`final_input_errors`); Ray has no public switch for this, so the hook is Ray's factory
-(`create_failure_policy`, imported by `ray.train.v2.api.data_parallel_trainer`). When a Ray version
-lacks it the run goes on with Ray's own policy and says so.
+Ray has no public switch for this. The hook is Ray's factory `create_failure_policy`, replaced while the
+driver fits (`final_input_errors`). A Ray version without it keeps its own policy, and the run says so.
 """
 
 from __future__ import annotations
@@ -21,16 +15,16 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from ray.exceptions import RayActorError
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+
+from hylo.pipeline.cli import input_error_message
+from hylo.pipeline.train.storage import CheckpointUploadError
 
 
 def worker_input_error(error: BaseException) -> str | None:
     """`worker N: <message>` when a worker of this Ray Train failure raised an input error and none
     died; None for a fault (or anything else) that Ray may retry."""
-    from ray.exceptions import RayActorError
-
-    from hylo.pipeline.cli import input_error_message
-
     failures = getattr(error, "worker_failures", None)
     if not isinstance(failures, dict) or not failures:
         return None
@@ -50,8 +44,6 @@ def final_reason(error: BaseException) -> str:
     """Why a failure `worker_input_error` found is not retried, in the log's words: a checkpoint upload that
     ran out of its own retries is the storage, not the input (a restart of the workers would meet the same
     storage, and the run resumes from its last checkpoint once it is back)."""
-    from hylo.pipeline.train.storage import CheckpointUploadError
-
     for failure in (getattr(error, "worker_failures", None) or {}).values():
         if isinstance(getattr(failure, "_base_exc", failure), CheckpointUploadError):
             return "the checkpoint storage failed after checkpoint.upload_retries attempts"
@@ -74,7 +66,7 @@ def final_input_errors() -> Iterator[bool]:
     """While fitting: Ray Train builds `InputErrorsAreFinal` as its failure policy. Yields whether it
     could be installed."""
     try:
-        from ray.train.v2.api import data_parallel_trainer as dpt
+        from ray.train.v2.api import data_parallel_trainer as dpt  # lazy: version (older Ray lacks it)
     except ImportError:
         dpt = None
     if dpt is None or not hasattr(dpt, "create_failure_policy"):

@@ -1,21 +1,14 @@
-"""What a training stage reads, checked before Ray or torchrun starts; every error names the key and file.
+"""What a training stage reads, checked before Ray or torchrun starts. Every error names the key and the file.
 
-`check_stage_inputs(cfg)` is cheap (config files, safetensors headers, Parquet footers; no weights):
-* model.student: a HyLo checkpoint (a valid hybrid_config.json, whole .safetensors files). Stage 1
-  without one: model.base's config.json with the model.convert options must give a valid HybridConfig;
-* model.base (stage 1): a model directory or asset with whole .safetensors files;
-* stage 2's teacher: what its source reads (`check_inputs` of pipeline/teacher/sources: the teacher's weights
-  for inprocess, or serve when the driver starts the pool; offline: a teacher cache manifest of teacher.k's k);
-* what the config files say about teacher and student (`check_compatible_models`): the same vocabulary
-  size (teacher / cache manifest / stage 1's base vs the student), the same tokens for the same ids in
-  their tokenizer.json files, stage 1's base of the student's hidden size and layer count (its layer
-  outputs are the targets); a teacher tokenizer without the chat template the student's has is a
-  warning; teacher.k at most that vocabulary. So a teacher of another vocabulary stops the run here, from config files, not after Ray
-  started and both models loaded, where its error would be retried as if it were a fault;
-* data (parquet): the manifest, its split and max_len (against data.seq_len when set, divided by
-  train.sequence_parallel), and every shard's
-  Parquet footer and row count (a truncated or half-copied shard is named here; a shard corrupt inside is
-  named by the reader, which verifies page checksums; shards written without them are a warning).
+`check_stage_inputs(cfg)` is cheap: config files, safetensors headers and Parquet footers, no weights.
+* model.student is a HyLo checkpoint. Stage 1 without one checks model.base with the model.convert options.
+* model.base (stage 1) has whole .safetensors files.
+* Stage 2's teacher source checks what it reads (pipeline/teacher/sources).
+* Teacher, base and student agree from their config files: vocabulary, tokenizer, and for stage 1 shape.
+* The data's manifest, split and shards are readable, and their rows were made by the student's tokenizer.
+* The rows split over a sequence-parallel group (`config.sp_shard_problem`, with the data's own length).
+
+A mismatch stops here, not in the workers, where Ray would retry it as a fault.
 """
 
 from __future__ import annotations
@@ -24,19 +17,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hylo.assets import asset_name, asset_path, resolve_path_or_asset
+from hylo.json_files import read_json
 from hylo.pipeline.config import ConfigError
+from hylo.pipeline.data.render import token_table, token_table_hash
 from hylo.pipeline.teacher.sources import TeacherSourceKind, source_kind
-from hylo.pipeline.train.config import StageConfig
-
-
-def _weights(directory: str | Path) -> None:
-    from hylo.files import check_weights_dir
-
-    check_weights_dir(directory)
+from hylo.pipeline.train.config import CONVERTED_CONV_SIZE, StageConfig, sp_shard_problem
+from hylo.pipeline.train.row_sources import open_rows
+from hylo.pipeline.train.storage import is_uri, run_dir
+from hylo.weight_files import check_weights_dir
 
 
 def _hylo_checkpoint(key: str, path: str) -> None:
-    from hylo.config import HYBRID_CONFIG_NAME, HybridConfig
+    from hylo.config import HYBRID_CONFIG_NAME, HybridConfig  # lazy: transformers
 
     p = Path(path).expanduser()
     if not (p / HYBRID_CONFIG_NAME).is_file():
@@ -44,15 +37,15 @@ def _hylo_checkpoint(key: str, path: str) -> None:
         raise ConfigError(f"{key}={path!r}: {what}; it must be a HyLo checkpoint directory (jobs/convert.py "
                           "writes one)", key)
     HybridConfig.from_hybrid_json(p)
-    _weights(p)
+    check_weights_dir(p)
 
 
 def _convert_options_fit_the_base(cfg: StageConfig, base_dir: str | Path) -> None:
     """model.convert against the base's config.json, without loading weights (HybridConfigError names the key)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: transformers
 
-    from hylo.config import HybridConfigError
-    from hylo.upcycle import UpcycleError, hybrid_config_from_base, read_base_config
+    from hylo.config import HybridConfigError  # lazy: transformers
+    from hylo.upcycle import UpcycleError, hybrid_config_from_base, read_base_config  # lazy: transformers
 
     options = cfg.model.convert
     # the base's own fields first (its file and field named), then the options against them
@@ -63,11 +56,10 @@ def _convert_options_fit_the_base(cfg: StageConfig, base_dir: str | Path) -> Non
         raise ConfigError(f"model.convert={options.non_defaults()}: {e} (base {base_dir})", "model.convert") from None
 
 
-def _shards_fit_the_student(cfg: StageConfig, tokens: int | None, where: str) -> None:
-    """At train.sequence_parallel > 1, each rank's shard of a `tokens`-long row holds the conv window of the
-    student's linear blocks (`sp_shard_problem`); every rank would raise it on its first step otherwise."""
-    from hylo.config import HYBRID_CONFIG_NAME, HybridConfig
-    from hylo.pipeline.train.config import CONVERTED_CONV_SIZE, sp_shard_problem
+def _shards_fit_the_student(cfg: StageConfig, tokens: int | None, at: str, length: str = "") -> None:
+    """At train.sequence_parallel > 1: the rows split into equal shards that hold the student's conv window
+    (`sp_shard_problem`, the one home of the rules). `at` and `length` name where `tokens` comes from."""
+    from hylo.config import HYBRID_CONFIG_NAME, HybridConfig  # lazy: transformers
 
     sp = cfg.train.sequence_parallel
     if sp <= 1 or not isinstance(tokens, int):
@@ -75,27 +67,23 @@ def _shards_fit_the_student(cfg: StageConfig, tokens: int | None, where: str) ->
     conv, student = CONVERTED_CONV_SIZE, "the converted student"
     if cfg.model.student:
         p = Path(cfg.model.student).expanduser()
-        if not (p / HYBRID_CONFIG_NAME).is_file():
-            return
-        hc = HybridConfig.from_hybrid_json(p)
-        conv, student = (hc.gdn_conv_size if hc.linear_layers else 1), f"model.student={cfg.model.student}"
-    why = sp_shard_problem(tokens, sp, conv)
+        conv, student = 1, f"model.student={cfg.model.student}"
+        if (p / HYBRID_CONFIG_NAME).is_file():
+            hc = HybridConfig.from_hybrid_json(p)
+            conv = hc.gdn_conv_size if hc.linear_layers else 1
+    why = sp_shard_problem(tokens, sp, conv, length, f"{at} ({student})")
     if why:
-        raise ConfigError(f"train.sequence_parallel={sp}: {where}: {why} ({student})", "train.sequence_parallel")
+        raise ConfigError(f"train.sequence_parallel={sp}: {why}", "train.sequence_parallel")
 
 
 def _data(cfg: StageConfig) -> None:
-    from hylo.pipeline.train.row_sources import open_rows
-
     source = open_rows(cfg.data, cfg.train.seed, 0, cfg.ray.num_workers).source
     source.check_shards()
     _data_fits_the_student(cfg, source)
-    sp, max_len = cfg.train.sequence_parallel, source.manifest.get("max_len")
-    if sp > 1 and isinstance(max_len, int) and max_len % sp:
-        raise ConfigError(f"train.sequence_parallel={sp}: must divide the rows' length, but data.path={cfg.data.path} "
-                          f"was packed to max_len={max_len} tokens (each of the {sp} workers of a group takes an "
-                          f"equal slice of a row)", "train.sequence_parallel")
-    _shards_fit_the_student(cfg, max_len, f"data.path={cfg.data.path} was packed to max_len={max_len}")
+    # the rows' length of a prepared split is its manifest's max_len
+    max_len = source.manifest.get("max_len")
+    _shards_fit_the_student(cfg, max_len, f"data.path={cfg.data.path} was packed to max_len={max_len}",
+                            f"the rows' length, but data.path={cfg.data.path} was packed to max_len={max_len} tokens")
     unverified = [s["file"] for s in source.manifest["shards"] if not s.get("page_checksums")]
     if unverified:
         print(f"[train] warning: data.path={cfg.data.path}: {len(unverified)} shard(s) ({', '.join(unverified[:3])}"
@@ -107,15 +95,11 @@ def _data(cfg: StageConfig) -> None:
 def _student_tokenizer(cfg: StageConfig) -> tuple[str, Path] | None:
     """(key, directory) of the tokenizer the student reads: model.student's, or for stage 1 without one
     model.base's (the conversion copies it); None when it is not a local directory."""
-    from hylo.pipeline.train.storage import is_uri
-
     if cfg.model.student:
         if is_uri(cfg.model.student) or not Path(cfg.model.student).expanduser().is_dir():
             return None
         return "model.student", Path(cfg.model.student).expanduser()
     if cfg.stage == 1 and cfg.model.base:
-        from hylo.assets import resolve_path_or_asset
-
         return "model.base", resolve_path_or_asset(cfg.model.base, "model.base", directory=True)
     return None
 
@@ -123,8 +107,6 @@ def _student_tokenizer(cfg: StageConfig) -> tuple[str, Path] | None:
 def _local_tokenizer(name: str) -> Path | None:
     """The directory a data manifest's `tokenizer` names when it is on this machine (an asset only when it
     is in the cache already: nothing is fetched for a check)."""
-    from hylo.assets import asset_name, asset_path
-
     try:
         asset = asset_name(name)
         p = asset_path(asset) if asset is not None else Path(name).expanduser()
@@ -138,8 +120,6 @@ def _data_fits_the_student(cfg: StageConfig, source: Any) -> None:
     manifest's `token_table` fingerprint, or the tokenizer it names when that is on this machine) and no
     token id past the student's vocabulary (the shards' footer statistics). Rows of another tokenizer stop
     here, not in the workers, where their error would be retried as if it were a fault."""
-    from hylo.pipeline.data.render import token_table_hash
-
     found = _student_tokenizer(cfg)
     if found is None:
         return
@@ -175,8 +155,6 @@ def _data_fits_the_student(cfg: StageConfig, source: Any) -> None:
 
 
 def _model_config(key: str, directory: Path) -> dict[str, Any]:
-    from hylo.files import read_json
-
     try:
         return read_json(directory / "config.json", ConfigError, mapping=True)
     except FileNotFoundError:
@@ -186,13 +164,9 @@ def _model_config(key: str, directory: Path) -> dict[str, Any]:
 def _tokens(directory: Path) -> dict[int, str] | None:
     """id -> token of a tokenizer directory's tokenizer.json (vocabulary and added tokens); None when
     it has none (nothing to compare)."""
-    from hylo.pipeline.data.render import token_table
-
     tj = directory / "tokenizer.json"
     if not tj.is_file():
         return None
-    from hylo.files import read_json
-
     try:
         data = read_json(tj, ValueError)
     except (OSError, ValueError) as e:
@@ -205,8 +179,6 @@ def _has_chat_template(directory: Path) -> bool:
         return True
     tc = directory / "tokenizer_config.json"
     try:
-        from hylo.files import read_json
-
         return bool(read_json(tc, ValueError).get("chat_template")) if tc.is_file() else False
     except (OSError, ValueError, AttributeError):
         return False
@@ -254,8 +226,6 @@ def check_compatible_models(student: Path, other: Path | None, other_key: str, *
 
 def _teacher_fits(cfg: StageConfig, source: TeacherSourceKind) -> None:
     """What the teacher source knows of its teacher (`compared_with_student`) against the student's files."""
-    from hylo.pipeline.train.storage import is_uri
-
     if not cfg.model.student or cfg.stage != 2 or is_uri(cfg.model.student):
         return
     student = Path(cfg.model.student).expanduser()
@@ -268,8 +238,6 @@ def _teacher_fits(cfg: StageConfig, source: TeacherSourceKind) -> None:
 def _k_fits_the_vocabulary(cfg: StageConfig, source: TeacherSourceKind) -> None:
     """teacher.k (top-k targets) at most the teacher's vocabulary: from its config.json (or what the source knows
     of it), else the student's, which must be the same."""
-    from hylo.pipeline.train.storage import is_uri
-
     k = cfg.teacher.k
     if k <= 0:
         return
@@ -290,16 +258,13 @@ def _k_fits_the_vocabulary(cfg: StageConfig, source: TeacherSourceKind) -> None:
 
 
 def check_stage_inputs(cfg: StageConfig) -> None:
-    from hylo.assets import resolve_path_or_asset
-    from hylo.pipeline.train.storage import run_dir
-
     if cfg.model.student:
         _hylo_checkpoint("model.student", cfg.model.student)
     if cfg.stage == 1:
         if not cfg.model.base:
             raise ConfigError("stage 1 needs model.base (the model whose layers the student imitates)", "model.base")
         base_dir = resolve_path_or_asset(cfg.model.base, "model.base", directory=True)
-        _weights(base_dir)
+        check_weights_dir(base_dir)
         converted = run_dir(cfg) / "converted" / "hybrid_config.json"
         if not cfg.model.student and cfg.model.convert is not None and not converted.is_file():
             _convert_options_fit_the_base(cfg, base_dir)
@@ -316,4 +281,5 @@ def check_stage_inputs(cfg: StageConfig) -> None:
     if cfg.data.source == "parquet":
         _data(cfg)
     else:
-        _shards_fit_the_student(cfg, cfg.data.seq_len, f"data.seq_len={cfg.data.seq_len}")
+        n = cfg.data.seq_len
+        _shards_fit_the_student(cfg, n, f"data.seq_len={n}", f"data.seq_len ({n})")

@@ -5,24 +5,16 @@ points every worker there.
     kernel_cache_env(directory)      # {"TRITON_CACHE_DIR": <directory>/triton, "FLA_CACHE_RESULTS": "1"}
     worker_cache_env(cfg)            # both together: what every training worker's environment gets
 
-Triton compiles each kernel on its first launch in a process and keeps the binary under `TRITON_CACHE_DIR`
-(default `~/.triton/cache`, on each node). fla's autotuned kernels benchmark every configuration on their first
-launch; with `FLA_CACHE_RESULTS=1` (fla >= 0.4, fla's own default since 0.6) Triton's autotuner writes the
-choice under the same directory and the next process loads it instead of benchmarking. Pointing every rank at
-one directory on shared storage means a resumed run, a relaunched worker group, and a later run with the same
-`ray.kernel_cache` load kernels and choices instead of compiling and tuning them again.
+Triton compiles each kernel on its first launch and keeps the binary under `TRITON_CACHE_DIR`. With
+`FLA_CACHE_RESULTS=1` fla's autotuner keeps its choices there too. One shared directory lets a resumed run, a
+relaunched worker group and a later run load kernels instead of compiling and tuning them again.
 
 Which directory (`kernel_cache_dir`):
-* `ray.kernel_cache` when set: a filesystem path every node sees (NFS, Lustre, a cluster's shared home), for
-  example the directory `hylo kernels-check --warm-cache DIR` filled before the job;
-* else `<run dir>/kernel_cache` when the run lives in a directory (local, or a shared filesystem: Ray Train
-  needs one for a multi-node run's checkpoints anyway);
-* else (the run lives at a URI: s3://, gs://...) `~/.cache/hylo/kernel_cache` on each node: Triton reads and
-  writes its cache through the filesystem, not through an object store. Each node then compiles and tunes once
-  and reuses its copy in later runs on that node.
+* `ray.kernel_cache` when set: a path every node sees, e.g. one `hylo kernels-check --warm-cache DIR` filled;
+* else `<run dir>/kernel_cache` when the run lives in a directory;
+* else, for a run at a URI, `~/.cache/hylo/kernel_cache` on each node: Triton needs a filesystem.
 
-The layout below the directory (`kernel_cache_env`) is the one contract with `hylo kernels-check --warm-cache`:
-a warmed directory works here only through the same function.
+The layout below the directory (`kernel_cache_env`) is the one contract with `hylo kernels-check --warm-cache`.
 """
 
 from __future__ import annotations

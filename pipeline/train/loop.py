@@ -1,39 +1,27 @@
-"""The per-worker training loop shared by both stages, under Ray Train or torchrun.
+"""The per-worker training loop and THE step, shared by both stages, under Ray Train or torchrun.
 
-Legend: W workers (ranks), G gradient-accumulation micro-steps per optimiser step (one packed row each).
+Legend: W workers (ranks), G micro-batches (one packed row each) per optimiser step on a rank, N ranks of a
+sequence-parallel group.
 
-    train_worker(stage, loop_config)   # each torchrun rank; under Ray Train, entry.WorkerEntry.of(stage)
-                                       # (which calls it) is the train_loop_per_worker
+    train_worker(stage, cfg, loop_config)   # each torchrun rank; under Ray Train, driver.WORKER
+      stage.train_step(task, rows)          # = train_step below: the stage's task supplies its inputs and losses
 
 Design choices:
-* The stage (`stage1.STAGE`, `stage2.STAGE`, a `worker.Stage`: build + THE step) is handed in by the
-  driver; it owns model building and the step, and does not import this file. This file owns what
-  both stages share: process group, seeding, data position, resume, metrics reduction, checkpoint
-  cadence, fault injection (a hook) and the final consolidation.
-* The launcher (Ray Train or torchrun) is hidden behind a `session.Session`: where checkpoints go,
-  the collective resume check (the newest intact checkpoint wins, every skipped one is printed with its
-  reason), metrics reporting and preemption notices. Once resumed, the metrics file is cut back to
-  the resumed step.
-* Rank 0 writes each step's metrics record itself, before reporting it; a checkpoint also holds the
-  records of its steps since the previous one, and a resume puts back any of them the file lost (a
-  torn last line, a stale local copy), so each finished step is in metrics.jsonl exactly once.
-* Preemption, checked at every step boundary (`Session.preemption`, collective): a final checkpoint
-  when it fits before the driver's deadline, then stop (SIGTERM to the driver); one checkpoint, then go
-  on (a Ray drain notice of one of the run's nodes).
-* A non-finite loss or gradient norm stops every rank at the same step (after
-  `train.nonfinite_patience` of them in a row), with one line naming the step; no checkpoint and no
-  model is written from a non-finite state, and the weights are checked before every checkpoint
-  (nonfinite.py).
-* Loss normalisation: every step's loss is a mean over all loss tokens of the global batch. Each
-  micro-batch contributes `sum / n_global * W` (DeepSpeed averages gradients over W ranks and we skip
-  its 1/G scaling), so packed rows with different numbers of loss tokens weigh by their tokens.
-* Sequence parallelism (`train.sequence_parallel` = N): every rank makes the groups of N consecutive ranks
-  (`worker.sequence_parallel_group`); the reader strides over the groups, so a group's ranks read the same
-  rows; a checkpoint's data position is read back in global rows (`row_sources.resume_position`), so N may
+* The driver hands in the stage (`stage1.STAGE`, `stage2.STAGE`). It builds the model and supplies what its
+  step differs in: module inputs, loss terms, counted tokens (`worker.Task`). The rest is here.
+* The launcher (Ray Train or torchrun) is hidden behind a `session.Session`: checkpoint places, the
+  collective resume check, metrics reporting and preemption notices.
+* Rank 0 writes each step's metrics record before reporting it. A checkpoint also holds the records since
+  the previous one, so a resume restores what the file lost: each finished step is in metrics.jsonl once.
+* Preemption is checked at every step boundary (collective). A driver's SIGTERM gives a final checkpoint
+  when it fits, then a stop; a Ray drain notice gives one checkpoint, then the run goes on.
+* A non-finite loss or gradient norm stops every rank at the same step (after `train.nonfinite_patience`
+  of them in a row). Nothing is saved from a non-finite state (nonfinite.py).
+* Sequence parallelism (`train.sequence_parallel` = N): groups of N consecutive ranks read the same rows,
+  and each row is split once, here (`row_part`). The data position is kept in global rows, so N may
   change on resume.
-* Fault injection (`fault.*`) is a hook on the worker context, called at named points ("mid_step" by
-  the step, "after_checkpoint" here): it SIGKILLs one worker once (a marker file in the run directory
-  makes it one-shot), for the recovery tests.
+* Fault injection (`fault.*`) is a hook on the worker context, called at "mid_step" and
+  "after_checkpoint": it SIGKILLs one worker once, for the recovery tests.
 """
 
 from __future__ import annotations
@@ -52,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hylo.kernels.backend import check_fla_backward, keep_freed_host_memory
+from hylo.kernels.fused_kl.inputs import check_deferred
 from hylo.modeling import linear_layer_kinds
 from hylo.pipeline.data.reader import RowReader
 from hylo.pipeline.data.rows import PackedRow
@@ -61,8 +50,8 @@ from hylo.pipeline.train.checkpoint.deepspeed_io import load_checkpoint, save_ch
 from hylo.pipeline.train.checkpoint.layout import step_dir_name, write_json_atomic
 from hylo.pipeline.train.checkpoint.resume import check_compatible
 from hylo.pipeline.train.collective import collective_backend
-from hylo.pipeline.train.config import FaultSection, StageConfig, config_from_dict
-from hylo.pipeline.train.deepspeed_cfg import import_deepspeed, resolve_dtype
+from hylo.pipeline.train.config import FaultSection, StageConfig
+from hylo.pipeline.train.deepspeed_cfg import current_lr, import_deepspeed, resolve_dtype
 from hylo.pipeline.train.metrics import METRICS_FILE, peak_memory_mib
 from hylo.pipeline.train.nonfinite import (
     CHECKED,
@@ -85,7 +74,16 @@ from hylo.pipeline.train.storage import (
     remove_local,
     run_loc,
 )
-from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, sequence_parallel_group
+from hylo.pipeline.train.worker import (
+    RowPart,
+    Stage,
+    StepResult,
+    Task,
+    WorkerContext,
+    row_to_device,
+    sequence_parallel_group,
+)
+from hylo.seq_parallel import shard_row
 
 
 # ------------------------------------------------------------------------------------ fault injection
@@ -199,8 +197,9 @@ def watch_stale_build_locks(stop: threading.Event, max_age_s: float = 300.0, pol
 
 
 # ------------------------------------------------------------------------------------ the loop
-def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
-    """Train `stage` on this worker; all workers run this in lockstep."""
+def train_worker(stage: Stage, cfg: StageConfig, loop_config: dict[str, Any]) -> None:
+    """Train `stage` with `cfg` on this worker; all workers run this in lockstep. `loop_config` is the launch:
+    where the run lives and resumes from (driver.loop_config)."""
     clock = StartupClock.from_dict(loop_config.get("startup"))
     clock.lap("worker group")
     if loop_config.get("torch_extensions_dir"):
@@ -208,7 +207,6 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     # the kernel cache (Ray workers have it from their runtime env already; torchrun ranks get it here)
     for k, v in (loop_config.get("kernel_cache_env") or {}).items():
         os.environ.setdefault(k, v)
-    cfg = config_from_dict(loop_config["config"])
     if stage.number != cfg.stage:
         raise ValueError(f"train_worker got stage {stage.number} with a stage-{cfg.stage} config")
     if cfg.model.student and is_uri(cfg.model.student):
@@ -225,20 +223,20 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     torch.manual_seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     run: Loc = loop_config.get("run_loc") or run_loc(cfg)
-    sp_size = cfg.train.sequence_parallel
-    sp_group, sp_rank = sequence_parallel_group(rank, world, sp_size)
+    sequence_parallel = cfg.train.sequence_parallel
+    sp_group, sp_rank = sequence_parallel_group(rank, world, sequence_parallel)
     ctx = WorkerContext(cfg=cfg, rank=rank, world_size=world, device=device,
                         dtype=resolve_dtype(cfg.model.dtype, device.type == "cuda"),
                         run_dir=local_mirror(run), run_loc=run,
                         grad_accum=cfg.grad_accum,
                         hooks=[FaultInjection(cfg.fault)],
-                        sp_group=sp_group, sp_rank=sp_rank, sp_size=sp_size, startup=clock)
-    if sp_size > 1 and rank == 0:
-        print(f"[train] sequence parallelism: each row split over {sp_size} workers (ranks [g*{sp_size}, "
-              f"(g+1)*{sp_size}) form group g), {ctx.dp_size} group(s), {ctx.grad_accum} row(s) per worker per step",
-              flush=True)
+                        sp_group=sp_group, sp_rank=sp_rank, sequence_parallel=sequence_parallel, startup=clock)
+    N = sequence_parallel
+    if sequence_parallel > 1 and rank == 0:
+        print(f"[train] sequence parallelism: each row split over {N} workers (ranks [g*{N}, (g+1)*{N}) form "
+              f"group g), {cfg.data_parallel} group(s), {ctx.grad_accum} row(s) per worker per step", flush=True)
     # the workers of a sequence-parallel group read the same rows: the reader strides over the groups
-    rows: RowReader = open_rows(cfg.data, cfg.train.seed, ctx.dp_rank, ctx.dp_size, workers=world)
+    rows: RowReader = open_rows(cfg.data, cfg.train.seed, rank // N, cfg.data_parallel, workers=world)
     total = total_steps_for(cfg, rows.global_rows)
     last = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
     session: Session = (RaySession(ctx, loop_config, total) if loop_config["launcher"] == "ray"
@@ -259,7 +257,7 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
         saved_records = checkpoint_records(state)
         rank_state = load_checkpoint(task.engine, local, rank)
         # the position in global rows, so a run saved at another train.sequence_parallel continues exactly
-        rows.seek(resume_position(rank_state["data"], ctx.dp_size))
+        rows.seek(resume_position(rank_state["data"], cfg.data_parallel))
         start = int(rank_state["step"])
         if rank == 0:
             print(f"[train] resumed from {ckpt} at step {start}", flush=True)
@@ -352,6 +350,53 @@ def train_worker(stage: Stage, loop_config: dict[str, Any]) -> None:
     if cfg.checkpoint.consolidate:
         consolidate(task, ctx, session.run_loc, cfg.model.student)
     session.close()
+
+
+# ------------------------------------------------------------------------------------ the step
+def train_step(task: Task, rows: list[PackedRow], ctx: WorkerContext) -> StepResult:
+    """One optimiser step over this rank's rows, one micro-batch each: the task's module -> its weighted loss
+    terms -> backward; the returned sums are this rank's (`reduce_record` reduces them)."""
+    engine = task.engine
+    parts = [row_part(row, ctx) for row in rows]
+    counted = [task.counted(part) for part in parts]
+    # Normalisation: the step's loss is the mean over the counted tokens of the GLOBAL batch (every rank's
+    # rows; at sequence parallelism each rank counts its own part, so every row counts once). Each
+    # micro-batch backpropagates its loss sum times W / n_global with DeepSpeed's 1/G scaling off, and
+    # DeepSpeed averages the gradients over the W ranks. So a row weighs by its tokens, whatever G, W and
+    # the rows' lengths.
+    n_global = ctx.all_sum([float(sum(counted))])[0]
+    scale = ctx.world_size / max(n_global, 1.0)
+    lr = current_lr(engine)
+    names, weights = zip(*task.terms().items())
+    # the loss terms stay on the device until the step's end: one host read per step, not one per row
+    sums = []
+    for i, inputs in enumerate(task.inputs(parts, ctx)):
+        terms = engine(*inputs)
+        loss = weights[0] * terms[0]
+        for w, t in zip(weights[1:], terms[1:]):
+            loss = loss + w * t
+        engine.backward(loss * scale, scale_wrt_gas=False)
+        if i == 0:
+            ctx.hook("mid_step")
+        engine.step()
+        sums.append(torch.stack([loss.detach(), *(t.detach() for t in terms)]).double())
+    # input checks of the fused KL left device flags (kernels/fused_kl/inputs.py): read them with the sums
+    check_deferred()
+    out = dict(zip(("loss_sum", *(f"{n}_sum" for n in names)), torch.stack(sums).sum(0).tolist()))
+    out["loss_tokens"] = float(sum(counted))
+    out["tokens"] = float(sum(p.end - p.start for p in parts))
+    return StepResult(out, lr, float(engine.get_global_grad_norm() or 0.0))
+
+
+def row_part(row: PackedRow, ctx: WorkerContext) -> RowPart:
+    """This rank's part of a packed row on the step's device: the whole row, or at sequence parallelism the
+    sp_rank-th of N equal slices, keeping the unsplit row's boundaries and positions (`shard_row`)."""
+    d = row_to_device(row, ctx.device)
+    bounds = d.bounds()
+    if ctx.sequence_parallel == 1:
+        return RowPart(row, d, 0, row.num_tokens, bounds)
+    shard = shard_row(bounds, ctx.sp_rank, ctx.sequence_parallel, ctx.sp_group)
+    return RowPart(row, d, shard.start, shard.end, shard.local, shard, (shard.start, shard.end))
 
 
 def report_startup(clock: StartupClock, ctx: WorkerContext) -> None:

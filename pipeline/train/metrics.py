@@ -1,19 +1,13 @@
-"""Per-step metrics: one record per optimiser step -> progress log (with ETA), JSONL, TensorBoard.
+"""Per-step metrics: one record per optimiser step, to a progress line with ETA, JSONL and TensorBoard.
 
 Design choices:
-* Workers reduce their numbers into one record per step (sums for tokens and losses, max for memory)
-  before reporting, so every sink sees the same record and rank 0's report is the whole step.
-* Rank 0 writes the sinks itself, under Ray Train and torchrun alike, right after each step: a record
-  never waits in Ray's report queue, so an interrupted driver (Ctrl-C) loses no step that was trained.
-  (Under Ray the progress lines reach the driver through Ray's log forwarding.)
-* JSONL lines are appended with one `write` each on an O_APPEND descriptor and fsynced, so a line is
-  whole or (after a kill mid-write) a torn tail. A (re)started run first rewrites the file
-  (atomically) to the records of the steps up to the checkpoint it resumed from: a torn line and the
-  records of steps it will recompute go, with a warning, and a record of a step up to the checkpoint
-  that the file lost comes back from the checkpoint (which holds the records of its steps since the
-  previous checkpoint): every finished step is in the file exactly once. Readers skip a torn line with a warning and
-  keep the last record of each step (`read_metrics`).
-* Memory: peak RSS of the worker process on CPU (`ru_maxrss`), `max_memory_allocated` on GPU.
+* The workers reduce their numbers into one record per step before reporting. Every sink sees that record.
+* Rank 0 writes the sinks right after each step, under Ray and torchrun alike. An interrupted driver loses
+  no trained step.
+* A JSONL line is one fsynced `write` on an O_APPEND descriptor: whole, or a torn tail after a kill.
+* A restarted run rewrites the file to the steps up to its checkpoint. Lost records come back from the
+  checkpoint, so each finished step is in the file once. Readers skip a torn line with a warning.
+* Memory is the worker's peak RSS on CPU and `max_memory_allocated` on GPU.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hylo.files import atomic_write
+from hylo.atomic import atomic_write
 from hylo.pipeline.train.storage import Loc
 from hylo.pipeline.train.trackers import RunTrackers
 
@@ -71,7 +65,7 @@ class MetricsWriter:
 
     def _tb_writer(self):
         if self._tb is None and self.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard
 
             # purge_step: TensorBoard drops the events a resumed run recomputes
             self._tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=self._purge_step)
@@ -209,7 +203,7 @@ def read_metrics(run_dir: str | Path | Loc, warn=None) -> dict[int, dict[str, An
 def make_ray_callback():
     """A Ray Train `UserCallback` on the controller that says what happens after a worker failure
     (rank 0 writes the metrics itself)."""
-    from ray.train import UserCallback
+    from ray.train import UserCallback  # lazy: ray
 
     class _FailureCallback(UserCallback):
         def after_exception(self, run_context, worker_exceptions) -> None:

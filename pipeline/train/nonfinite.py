@@ -1,30 +1,17 @@
-"""A step whose loss or gradient norm is not finite (NaN, inf) stops the run before anything is saved from it.
+"""A step whose loss or gradient norm is NaN or inf stops the run before anything is saved from it.
 
     guard = NonFiniteGuard(cfg.train.nonfinite_patience, stage=cfg.stage)
     verdict = guard.observe(record)      # after loop.reduce_record: "ok" | "tolerate" | "stop"
     weights_finite(engine, ctx)          # collective, before a checkpoint is written
 
 Design choices:
-* What is checked is what every step already brings to the host: the reduced loss sums and the gradient
-  norm DeepSpeed clipped with (`reduce_record` adds each rank's verdict on its own numbers to the
-  all-reduce it already makes, so every rank sees the same verdict and stops at the same step). No
-  device read is added to a step and the numbers are not touched, so a finite run trains exactly as
-  before. (At ZeRO 0 in fp32 DeepSpeed computes no gradient norm: there the loss alone is checked.)
-* `train.nonfinite_patience` (default 0) non-finite steps in a row are tolerated; the next one stops
-  the run. A non-finite step also stops the run when it is the last one. No checkpoint is written
-  after a non-finite step (its state holds what the optimiser made of NaN / inf gradients), so the
-  newest checkpoint is always one written after a finite step and `checkpoint.keep` never prunes it
-  away: pruning runs only after a checkpoint was written. DeepSpeed's ZeRO 3 skips a step whose
-  gradients overflow (fp32 too: "OVERFLOW! Skipping step"), other setups apply it; either way weights
-  that made one NaN loss make the next, so a run whose learning rate overflowed them does not recover:
-  patience is for an isolated bad batch or a loss scaler settling.
-* Before a checkpoint is written the weights themselves are checked (every rank its ZeRO partition, without
-  the uninitialised padding DeepSpeed gives the last ranks' partitions; one read per checkpoint, not per
-  step): a weight can overflow while the step's loss and gradient norm stay finite (a row of the embedding no token of the batch used). Such a state stops the run too.
-* The stop is an input error (`NonFiniteError`): one `error:` line naming the step and what was not
-  finite, exit status 2, never retried by Ray (the same settings diverge again). The step's record in
-  metrics.jsonl says why (`stopped`: `nonfinite_loss`, `nonfinite_grad_norm` or `nonfinite_weights`,
-  with `stopped_value`).
+* It checks only what each step already brings to the host: the reduced loss and the gradient norm. So a
+  finite run trains exactly as before. Every rank sees the same verdict and stops at the same step.
+* `train.nonfinite_patience` such steps in a row are tolerated. A non-finite last step always stops.
+* No checkpoint is written after a non-finite step, so the newest checkpoint comes from a finite state.
+* The weights are checked before each checkpoint: one can overflow while the loss stays finite.
+* The stop is an input error (`NonFiniteError`): one line, exit status 2, never retried by Ray. The step's
+  record says why (`stopped`, `stopped_value`).
 """
 
 from __future__ import annotations
@@ -33,6 +20,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 # the step quantities checked, in the order a message names them
 CHECKED = ("loss", "grad_norm")
@@ -99,8 +87,6 @@ def own_elements(p: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         return p.data.view(-1)
     part = p.ds_tensor
     if rank is None:
-        import torch.distributed as dist
-
         rank = dist.get_rank(group=getattr(p, "ds_process_group", None)) if dist.is_initialized() else 0
     valid = max(0, min(part.numel(), int(p.ds_numel) - part.numel() * rank))
     return part.view(-1).narrow(0, 0, valid)

@@ -1,20 +1,14 @@
-"""The row sources of training: the data section of a stage's config -> the one
-`hylo.pipeline.data.reader.RowReader` (strided over workers, exact saveable position, checked rows) over
-a prepared split or synthetic rows.
+"""The data section of a stage's config, turned into the one row reader (`hylo.pipeline.data.reader.RowReader`).
 
 Legend: T tokens of a row, W workers, N rows in the split.
 
 Design choices:
-* `data.source: parquet` reads a split prepared by jobs/prepare_data.py (`ShardRows`); the reader leaves
-  out the tail that does not divide by W, so every worker takes the same number of steps. Its manifest
-  must be the split the config reads (`data.split`), and it is the source of the rows' length: its
-  `max_len` (the data job's `packing.max_len`) bounds every row. `data.seq_len` is an optional check:
-  unset takes the manifest's, set and different is refused naming both.
-* `data.source: synthetic`: deterministic random rows (tests, benches, smoke runs) of exactly
-  `data.seq_len` tokens (which it then needs), every row of `data.synthetic.rows` in each pass.
-* Rows carry a `key` (synthetic: `syn-<g>`; Parquet: the global row index) so runs can be compared
-  row by row ("identical rows consumed"). It is not `row_id`: the teacher cache keys rows by content
-  hash when the data has no `row_id` column.
+* `data.source: parquet` reads a split prepared by jobs/prepare_data.py. The reader leaves out the tail that
+  does not divide by W, so every worker takes the same number of steps. The manifest's `max_len` is the
+  rows' length; `data.seq_len`, when set, must agree with it.
+* `data.source: synthetic` gives deterministic random rows of exactly `data.seq_len` tokens, for tests,
+  benches and smoke runs.
+* Rows carry a `key` (synthetic: `syn-<g>`; Parquet: the global row index), so runs compare row by row.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ import numpy as np
 import torch
 
 from hylo.kernels.varlen import positions_from_cu_seqlens
-from hylo.pipeline.config import ConfigError
+from hylo.pipeline.config import ConfigError, config_hash
 from hylo.pipeline.data.reader import RowReader, ShardRows
 from hylo.pipeline.data.rowfile import DataFormatError
 from hylo.pipeline.data.shards import MANIFEST
@@ -48,8 +42,6 @@ class SyntheticRows:
 
     @property
     def fingerprint(self) -> str:
-        from hylo.pipeline.config import config_hash
-
         return "synthetic-" + config_hash({"seed": self.seed, "seq_len": self.cfg.seq_len, **vars(self.cfg.synthetic)})
 
     def where(self, g: int) -> str:

@@ -4,25 +4,16 @@
         ...   # check the directory, convert, start Ray, fit
 
 Design choices:
-* The lock is a small JSON file naming its holder: host, pid, the process's start time (so a reused pid
-  is not mistaken for the holder), when it was taken, the command line, and an `owner` (a torchrun
-  rendezvous: its relaunched ranks take their own lock back). Two runs started together on the same
-  storage and name used to both pass the "already holds checkpoints" check and overwrite each other's
-  checkpoints, metrics and model; the second now stops at once with the holder's details.
-* Local (or shared-filesystem) storage: the file is created with O_CREAT | O_EXCL, atomic on a local
-  disk and on NFSv3+. It is removed when the driver ends (normally, by an exception, Ctrl-C or
-  SIGTERM: the driver turns SIGTERM into an exit).
-* A lock whose holder is gone (a driver killed with SIGKILL, a machine that rebooted) is recognised
-  (same host: the pid is dead or belongs to a later process) and reported, never taken over silently:
-  the user confirms that no run uses the directory with `--break-lock` (or deletes the file). A lock
-  held from another host cannot be checked from here; it is reported with its host, and `--break-lock`
-  takes it over. A lock held by a live process of this host is never broken.
-* URI storage (`s3://`, `gs://`): object stores behind pyarrow have no create-if-absent (S3's
-  conditional PUT is not exposed by pyarrow's filesystem), so the lock is two parts: an atomic local
-  lock beside the run's local mirror (`$TMPDIR/hylo-runs/...`: exact for drivers on the same machine),
-  and `run.lock` in the bucket, written after checking that none exists and read back. Two drivers on
-  different machines that start within the same second can both get past the bucket check; every
-  other overlap is refused.
+* The lock is a small JSON file naming its holder: host, pid, process start time, command and owner. The
+  start time tells a reused pid apart. A torchrun rendezvous is an owner: its relaunched ranks take the lock
+  back.
+* On local storage the file is created with O_CREAT | O_EXCL. It is removed when the driver ends, also on
+  an exception, Ctrl-C or SIGTERM.
+* A lock of a dead holder is reported, never taken silently. `--break-lock` takes it over. A lock held by a
+  live process of this host is never broken.
+* Object stores have no create-if-absent through pyarrow. At a URI the lock is two parts: an atomic local
+  lock beside the local mirror, and `run.lock` in the bucket, checked and read back. Two drivers on two
+  machines that start within the same second can both pass; every other overlap is refused.
 """
 
 from __future__ import annotations

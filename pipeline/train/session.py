@@ -1,23 +1,15 @@
 """Where a training worker's checkpoints go and how it reports, under Ray Train or torchrun: the `Session`.
 
 Design choices:
-* A `Session` hides the launcher: under Ray, checkpoints go through `ray.train.report(checkpoint=...)`
-  (each worker hands its scratch directory; our upload function copies it into `<run>/step_N`, local
-  or a URI, retrying a storage outage as `checkpoint.upload_retries` / `upload_backoff_s` say);
-  under torchrun, ranks write `<run dir>/.tmp-step_N` and rank 0 renames it. Either way every rank
-  lists size + sha256 of its files, and after a barrier rank 0 checks them and writes the manifest
-  last (checkpoint/layout.py). Both produce the same layout, so either resumes the other.
-* Resume is collective: the candidates (the checkpoints this launch already wrote, newest first, so a
-  group relaunched after a failure scans storage instead of trusting Ray's record, which lags behind
-  the manifests; then the `--resume` choice) are checked by every rank (sizes; checksums shared out,
-  or of each rank's own download for remote storage) and the newest intact one wins; every skipped
-  one is printed with its reason.
-* Rank 0 writes each step's metrics record itself (`MetricsWriter`), before reporting it.
-* Preemption, checked at every step boundary (`Session.preemption`, collective): SIGTERM to the driver
-  (its handler writes `<run>/.preempt.json` with a deadline `checkpoint.preempt_grace_s` ahead) makes
-  the workers write a final checkpoint when the last checkpoint took less than the time left, then
-  stop; a Ray drain notice of one of the run's nodes (`ray.train.get_preemption_info`) makes them write
-  one checkpoint and go on until the node is gone, when Ray Train restarts them from it.
+* A `Session` hides the launcher. Under Ray a checkpoint goes through `ray.train.report` with our upload
+  function, which retries a storage outage. Under torchrun the ranks write `.tmp-step_N` and rank 0 renames
+  it. Both give the same layout, so either resumes the other.
+* Every rank lists its files' sizes and sha256. After a barrier rank 0 writes the manifest last.
+* Resume is collective. The candidates are this launch's own checkpoints, newest first, then the
+  `--resume` choice. Every rank checks them, the newest intact one wins, and each skipped one is printed.
+* Rank 0 writes each step's metrics record itself, before reporting it.
+* Preemption is checked at every step boundary. A driver's SIGTERM gives a final checkpoint when it fits
+  in `checkpoint.preempt_grace_s`, then a stop. A Ray drain notice gives one checkpoint; training goes on.
 """
 
 from __future__ import annotations
@@ -237,7 +229,7 @@ class RaySession(Session):
     def upload_files(self, checkpoint, dir_name: str):
         """Ray Train's `checkpoint_upload_fn`: this worker's files into `<run>/<dir_name>`, where Ray's
         own copy would put them, retried as `checkpoint.upload_*` say (storage.upload_with_retries)."""
-        import ray.train
+        import ray.train  # lazy: ray
 
         storage = ray.train.get_context().get_storage()
         dest = storage.build_checkpoint_path_from_name(dir_name)
@@ -247,7 +239,7 @@ class RaySession(Session):
         return ray.train.Checkpoint(path=dest, filesystem=storage.storage_filesystem)
 
     def drain_notice(self) -> dict[str, Any] | None:
-        import ray.train
+        import ray.train  # lazy: ray
 
         info = ray.train.get_preemption_info()
         if info is None:
@@ -261,7 +253,7 @@ class RaySession(Session):
         return fresh_local_dir(f"hylo-ckpt-{step}-r{self.ctx.rank}-")
 
     def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None, metrics: bool = True) -> None:
-        import ray.train
+        import ray.train  # lazy: ray
 
         if metrics:
             self.write_metrics(record)
@@ -292,7 +284,7 @@ class RaySession(Session):
         """Ray Train reports the checkpoint and copies this rank's scratch directory into `target` with
         `upload_files`; a full storage is reported with the checkpoint, the file and the space left
         (Ray's own error says only "No space left on device")."""
-        import ray.train
+        import ray.train  # lazy: ray
 
         try:
             ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),

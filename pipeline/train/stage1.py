@@ -1,36 +1,29 @@
 """Stage 1, Enhanced-ILD: every student layer learns to reproduce its base-model layer, in isolation.
 
-Legend: T tokens of a packed row, D hidden size, L layers, G micro-batches (rows) per optimiser step.
+Legend: T tokens of a packed row, D hidden size, L layers.
 
 For each row the frozen base model runs once and gives, per layer l, its input x_l, its output y_l and
-its attention (mixer) output a_l. Student layer l is fed the base's x_l (not its own previous layer's
-output), so layers train independently and errors never compound:
+its attention (mixer) output a_l. Student layer l is fed the base's x_l, not its own previous layer's
+output, so layers train independently and errors never compound:
 
     loss = sum_l  output_weight * mean_t d(layer_l(x_l)_t, y_l,t) + mixer_weight * mean_t d(mixer_l_t, a_l,t)
 
 with d the per-token L2 distance `||u - v||_2` (`ild.squared: false`, the default) or its square
 (`ild.squared: true`). Design choices:
-* Unsquared by default: the residual stream's scale grows with depth, and a squared loss would let the
-  last layers' errors dominate the sum; the Euclidean norm's gradient has unit size per token, so every
-  layer gets comparable signal. `sqrt(. + eps)` keeps the gradient finite at zero distance.
-* Tokens: every token of every real document (the trailing padding segment, doc id "", is excluded);
-  not only the loss-mask tokens, since user turns shape the layer inputs as much as replies do.
-* Trained (`ild.trainable`): `all` (the default, Enhanced-ILD as published) = every parameter of every
-  decoder layer: mixer, MLP, input and post-attention RMSNorms; `mixers+mlp`; `mixers` = the new
-  mixers (MLA / GDN) only. Embeddings, final norm and LM head never reach the loss (layers are fed the
-  base's layer inputs and compared at their own outputs): they stay the base model's in stage 1.
+* Unsquared by default: the residual stream grows with depth, and a squared loss would let the last
+  layers dominate. The Euclidean norm's gradient has unit size per token. `sqrt(. + eps)` keeps it finite.
+* Tokens: every token of every real document, not only the loss-mask ones (the trailing padding is out).
+* Trained (`ild.trainable`): `all` (the default, as published) = every parameter of every decoder layer;
+  `mixers+mlp`; `mixers` = the new mixers only. Embeddings, final norm and LM head never reach the loss.
 * The base model runs outside DeepSpeed (frozen, inference only); the loss runs inside
   `ILDStudent.forward` with per-layer activation checkpointing.
-* Sequence parallelism (`train.sequence_parallel` > 1): the base runs on the whole row on every rank (a plain
-  transformers model), `BaseLayerTargets` keeps the rank's tokens [s, e) of each captured tensor (T/N per
-  layer), and the student's layers run on that slice with the unsplit row's boundaries (`step_inputs`).
-* The means are over the real tokens of the GLOBAL batch (every rank's rows), weighted as in stage 2:
-  each micro-batch backpropagates its sum times `W / n_global`, DeepSpeed's 1/G scaling off.
+* Sequence parallelism: the base runs on the whole row on every rank and keeps this rank's tokens of each
+  captured tensor (T/N per layer); the student's layers run on those tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +31,17 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hylo.assets import resolve_path_or_asset
+from hylo.io import load_hylo
 from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.train.config import ILD_TRAINABLE, Stage1Config
-from hylo.pipeline.train.deepspeed_cfg import EngineFactory, current_lr, deepspeed_engine
-from hylo.pipeline.train.worker import Stage, StepResult, WorkerContext, row_slice, row_to_device, token_range
+from hylo.pipeline.train.deepspeed_cfg import EngineFactory, deepspeed_engine
+from hylo.pipeline.train.loop import train_step
+from hylo.pipeline.train.worker import RowPart, Stage, WorkerContext
+from hylo.seq_parallel import RowShard
+from hylo.upcycle import load_base_model
 
 EPS = 1e-6
 
@@ -116,17 +114,17 @@ class ILDStudent(nn.Module):
         self.checkpointing = cfg.model.activation_checkpointing
 
     def forward(self, position_ids_1T: torch.Tensor, bounds: DocBounds, x_in: list[torch.Tensor],
-                y_out: list[torch.Tensor], y_mix: list[torch.Tensor],
-                tokens_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                y_out: list[torch.Tensor], y_mix: list[torch.Tensor], tokens_T: torch.Tensor,
+                shard: RowShard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed per-token distances of every layer over the given tokens: the boundaries as the reader
+        checked them on the host (no layer reads them back from the device); `shard`: a split row's."""
         out_sum = mix_sum = torch.zeros((), device=tokens_T.device)
-        # the row's boundaries as the reader checked them on the host (`row_to_device`'s `bounds`): no layer
-        # checks them again or reads them back from the device
         for i, layer in enumerate(self.student.model.layers):
             x = x_in[i].to(layer.input_layernorm.weight.dtype)
             if self.checkpointing and self.training:
-                out, mix = checkpoint(layer, x, position_ids_1T, bounds, None, use_reentrant=False)
+                out, mix = checkpoint(layer, x, position_ids_1T, bounds, None, None, shard, use_reentrant=False)
             else:
-                out, mix = layer(x, position_ids_1T, bounds, None)
+                out, mix = layer(x, position_ids_1T, bounds, None, None, shard)
             out_sum = out_sum + (token_distance(out, y_out[i], self.ild.squared) * tokens_T).sum()
             mix_sum = mix_sum + (token_distance(mix, y_mix[i], self.ild.squared) * tokens_T).sum()
         return out_sum, mix_sum
@@ -154,6 +152,16 @@ class Stage1Task:
     student: nn.Module
     base: BaseLayerTargets
     cfg: Stage1Config
+
+    def terms(self) -> dict[str, float]:
+        return {"ild_output": self.cfg.ild.output_weight, "ild_mixer": self.cfg.ild.mixer_weight}
+
+    def counted(self, part: RowPart) -> int:
+        return part.real_tokens
+
+    def inputs(self, parts: list[RowPart], ctx: WorkerContext) -> Iterator[tuple[Any, ...]]:
+        for part in parts:
+            yield module_inputs(self.base, part, ctx.device)
 
 
 def build(ctx: WorkerContext, lr_lambda: Callable[[int], float] | None = None, *,
@@ -192,64 +200,21 @@ def check_checkpoints(cfg: Stage1Config) -> None:
 
 def checkpoint_student(ctx: WorkerContext) -> nn.Module:
     """The trainer's student: the HyLo conversion `model.student` on ctx.device in ctx.dtype."""
-    from hylo.io import load_hylo
-
     return load_hylo(ctx.cfg.model.student, dtype=ctx.dtype).to(ctx.device)
 
 
 def base_model(ctx: WorkerContext) -> nn.Module:
     """The trainer's base: the HF model `model.base` (a directory or an asset) on ctx.device in ctx.dtype."""
-    from hylo.assets import resolve_path_or_asset
-    from hylo.upcycle import load_base_model
-
     base_dir = resolve_path_or_asset(ctx.cfg.model.base, "model.base", directory=True)
     return load_base_model(base_dir, dtype=ctx.dtype).to(ctx.device)
 
 
-def step_inputs(base: BaseLayerTargets, row: PackedRow, ctx: WorkerContext) -> tuple[Any, ...]:
-    """ILDStudent's inputs for this rank's tokens of `row`: the base's layer targets, positions, boundaries and
-    real-token mask of the whole row, or at train.sequence_parallel > 1 of this rank's slice [s, e) (the base
-    runs on the whole row; the unsplit row's boundaries and positions, `row_slice`)."""
-    d = row_to_device(row, ctx.device)
-    sl = row_slice(d, ctx)
-    x_in, y_out, y_mix = base(d, None if sl.whole else (sl.start, sl.end))
-    tokens_T = _mine(row.real_tokens(), row, ctx).to(ctx.device)
-    return sl.positions[None], sl.cu, x_in, y_out, y_mix, tokens_T
-
-
-def train_step(task: Stage1Task, rows: list[PackedRow], ctx: WorkerContext) -> StepResult:
-    """One optimiser step: base layer targets -> student layers on base inputs -> L2 losses -> backward."""
-    ild, engine = task.cfg.ild, task.engine
-    # each rank's real tokens of its own slice of each row (the whole row at sp_size 1): over all ranks, every
-    # row counts once
-    mine = [r.real_token_count() if ctx.sp_size == 1 else int(_mine(r.real_tokens(), r, ctx).sum()) for r in rows]
-    n_global = ctx.all_sum([float(sum(mine))])[0]
-    scale = ctx.world_size / max(n_global, 1.0)
-    lr = current_lr(engine)
-    out = {"loss_sum": 0.0, "ild_output_sum": 0.0, "ild_mixer_sum": 0.0, "loss_tokens": 0.0, "tokens": 0.0}
-    # the loss terms stay on the device until the step's end: one host read per step, not three per row
-    sums = []
-    for i, row in enumerate(rows):
-        inputs = step_inputs(task.base, row, ctx)
-        d_out, d_mix = engine(*inputs)
-        loss = ild.output_weight * d_out + ild.mixer_weight * d_mix
-        engine.backward(loss * scale, scale_wrt_gas=False)
-        if i == 0:
-            ctx.hook("mid_step")
-        engine.step()
-        sums.append(torch.stack([loss.detach(), d_out.detach(), d_mix.detach()]).double())
-        out["loss_tokens"] += float(mine[i])
-        out["tokens"] += float(inputs[-1].shape[0])
-    out["loss_sum"], out["ild_output_sum"], out["ild_mixer_sum"] = torch.stack(sums).sum(0).tolist()
-    return StepResult(out, lr, float(engine.get_global_grad_norm() or 0.0))
-
-
-def _mine(x_T: torch.Tensor, row: PackedRow, ctx: WorkerContext) -> torch.Tensor:
-    """This rank's tokens of a per-token host tensor of `row`."""
-    if ctx.sp_size == 1:
-        return x_T
-    s, e = token_range(row, ctx)
-    return x_T[s:e]
+def module_inputs(base: BaseLayerTargets, part: RowPart, device: torch.device) -> tuple[Any, ...]:
+    """ILDStudent's inputs for this rank's part of a row: positions, boundaries, the base's layer targets of
+    these tokens (the base runs on the whole row), the real-token mask, the shard."""
+    x_in, y_out, y_mix = base(part.device_row, part.token_range)
+    tokens_T = part.of(part.row.real_tokens()).to(device)
+    return part.positions[None], part.bounds, x_in, y_out, y_mix, tokens_T, part.shard
 
 
 STAGE = Stage(1, build, train_step)

@@ -3,19 +3,15 @@ and `startup.json` in the run directory (read by bench/stage_startup.py).
 
 Phases, each measured where it happens (wall-clock seconds):
 
-* import: from the driver process's start to the stage's `run` (Python, torch, Ray, the project), when the
-  process is the job's own (`python jobs/stageN.py`, `hylo stageN`, a torchrun rank); left out when a longer-lived
-  process (a test, a notebook) calls the stage;
-* ray start: joining or starting Ray (0 when the job runs inside a process that already holds one);
-* worker group: from handing the trainer to Ray Train until a training worker runs (Ray Train's controller, the
-  worker processes and their imports; torchrun: 0, its ranks are the processes);
-* process group: the collective backend's set-up (gloo / NCCL / RCCL);
-* model load: building and loading the student (and what the stage loads beside it: the frozen base of stage 1,
-  the in-process teacher of stage 2);
-* deepspeed init: `deepspeed.initialize` (ZeRO-3 partitioning, optimizer, its compiled ops);
-* first step: the first training step (its data, the teacher's targets, forward, backward, optimizer).
+* import: from the process's start to the stage's `run`, when the process is the job's own;
+* ray start: joining or starting Ray;
+* worker group: from handing the trainer to Ray Train until a worker runs (torchrun: 0);
+* process group: the collective backend's set-up;
+* model load: the student, and what the stage loads beside it (stage 1's base, stage 2's in-process teacher);
+* deepspeed init: `deepspeed.initialize`;
+* first step: the first training step.
 
-The clock is a plain dict that travels: the driver's phases ride in the loop config to the workers.
+The clock is a plain dict: the driver's phases ride in the launch dict to the workers.
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ STARTUP_FILE = "startup.json"
 def process_start_time() -> float:
     """The Unix time this process started (psutil, a Ray dependency; now, where it cannot tell)."""
     try:
-        import psutil
+        import psutil  # lazy: psutil
 
         return float(psutil.Process(os.getpid()).create_time())
     except Exception:  # noqa: BLE001 - a clock is not worth failing a run over

@@ -4,19 +4,13 @@
     loc / "step_00000008" / "manifest.json"              # Loc: a path on a pyarrow filesystem
 
 Design choices:
-* The same code path serves both: a local run is a `Loc` on `pyarrow.fs.LocalFileSystem`, a URI one
-  on the filesystem pyarrow resolves (`s3://`, `gs://`, `abfs://`, `hdfs://`; any other scheme fsspec
-  knows, wrapped by `pyarrow.fs.PyFileSystem`). That is also what Ray Train's `RunConfig` takes
-  (`storage_filesystem` + a path on it), so Ray and this code agree on where checkpoints are.
+* One code path serves both. A local run is a `Loc` on pyarrow's local filesystem, a URI one on the
+  filesystem pyarrow resolves. Ray Train's `RunConfig` takes the same, so both agree on where checkpoints are.
 * Local writes are atomic (temp file + rename); an object store's single PUT is atomic already.
-* Things written as local files first (the consolidated model, TensorBoard events, metrics) are
-  uploaded with `upload_dir` / `Loc.write_bytes`. Checkpoints go through Ray Train's report with our
-  upload function (`upload_with_retries`): a storage outage is retried `checkpoint.upload_retries`
-  times with exponential back-off from `checkpoint.upload_backoff_s`, then fails with one line (Ray's
-  own copy retries only S3 errors, a fixed 3 times); the manifest is written after the upload, so a
-  checkpoint cut short by an outage is never resumed from.
-* A relative `ray.storage_path` is refused inside a `ray job submit` job: its working directory is a
-  temporary copy that Ray deletes, so the run would vanish while the job reports success.
+* Checkpoints go through Ray Train's report with our upload function (`upload_with_retries`). It retries a
+  storage outage `checkpoint.upload_retries` times with back-off, then fails with one line. The manifest is
+  written after the upload, so a checkpoint cut short is never resumed from.
+* A relative `ray.storage_path` is refused inside `ray job submit`: Ray deletes that working directory.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from hylo.files import atomic_write
+from hylo.atomic import atomic_write
 
 URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # Set by Ray's job supervisor for the entry point of `ray job submit` (runtime env + job metadata).
@@ -88,7 +82,7 @@ def _from_uri(uri: str) -> tuple[pafs.FileSystem, str]:
         return pafs.FileSystem.from_uri(uri)
     except (ValueError, OSError) as first:  # pyarrow.ArrowInvalid is a ValueError
         try:
-            import fsspec.core
+            import fsspec.core  # lazy: fsspec
         except ImportError:
             raise StorageError(f"{uri}: pyarrow cannot open this URI ({first})") from None
         try:

@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
-from hylo.files import atomic_write
+from hylo.atomic import atomic_write
 
 TRACKERS_FILE = "trackers.json"
 class Tracker(Protocol):

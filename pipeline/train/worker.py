@@ -1,35 +1,31 @@
-"""What the per-worker loop (loop.py) and the stages (stage1.py, stage2.py) share, so neither imports the other.
+"""What the per-worker loop (loop.py) and the stages (stage1.py, stage2.py) share. The loop imports no stage.
 
-Legend: T tokens of a packed row, G micro-batches (rows) per optimiser step on this rank.
+Legend: T tokens of a packed row, N ranks of a sequence-parallel group.
 
-    stage = Stage(number, build, train_step)      # each stage module defines one: STAGE
-    task = stage.build(ctx, lr_lambda)            # the DeepSpeed engine and the student it trains
-    result = stage.train_step(task, rows, ctx)    # THE step over this rank's G rows -> StepResult
+    stage = Stage(number, build, loop.train_step)   # each stage module defines one: STAGE
+    task = stage.build(ctx, lr_lambda)              # the engine, the student, and what the step asks of a stage
+    result = stage.train_step(task, rows, ctx)      # the step over this rank's rows -> StepResult
 
-Design choices:
-* The driver picks the stage and hands it to `loop.train_worker`; a stage knows nothing of the loop
-  (sessions, resume, checkpoints, metrics files) and the loop nothing of a stage's loss.
-* A step returns this rank's sums (the loop reduces them over ranks and divides by the global number
-  of loss tokens) plus the learning rate it trained with and the gradient norm DeepSpeed computed.
-* Hooks: the loop registers callables on the context (fault injection, for the recovery tests); the
-  loop and the step call `ctx.hook(point)` at named points: "mid_step" (after the backward of a step's
-  first micro-batch, before its `engine.step()`) and "after_checkpoint" (once a step's checkpoint is
-  reported).
+Hooks: the loop registers callables on the context (fault injection, for the recovery tests). They run at
+named points: "mid_step" (after the backward of a step's first micro-batch, before its `engine.step()`) and
+"after_checkpoint" (once a step's checkpoint is reported).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from hylo.pipeline.data.rows import PackedRow
+from hylo.kernels.varlen import DocBounds
+from hylo.pipeline.data.rows import PAD_DOC_ID, PackedRow
 from hylo.pipeline.train.config import StageConfig
 from hylo.pipeline.train.storage import Loc
+from hylo.seq_parallel import RowShard
 
 Hook = Callable[[str, "WorkerContext"], None]
 
@@ -47,23 +43,13 @@ class WorkerContext:
     # where the run lives (local directory or URI); run_dir is its local directory or local mirror
     run_loc: Loc | None = None
     hooks: list[Hook] = field(default_factory=list)
-    # sequence parallelism (train.sequence_parallel = sp_size): ranks [g*sp_size, (g+1)*sp_size) hold the same
-    # rows, split by tokens; sp_group is their process group (None at sp_size 1: no group, no collective),
-    # sp_rank this rank's place in it; dp_rank / dp_size: the group's index / the number of groups (the
-    # data-parallel ranks the reader strides over). Defaults: no sequence parallelism.
+    # sequence parallelism: ranks [g*N, (g+1)*N) hold the same rows, split by tokens (N = sequence_parallel);
+    # sp_group is their process group (None at N = 1: no group, no collective), sp_rank this rank's place in it
     sp_group: Any = None
     sp_rank: int = 0
-    sp_size: int = 1
-    dp_rank: int = -1
-    dp_size: int = -1
+    sequence_parallel: int = 1
     # the trainer's start-up clock (train/startup.py): the engine factory counts DeepSpeed's set-up in it
     startup: Any = None
-
-    def __post_init__(self) -> None:
-        if self.dp_rank < 0:
-            self.dp_rank = self.rank // self.sp_size
-        if self.dp_size < 0:
-            self.dp_size = self.world_size // self.sp_size
 
     def all_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -103,11 +89,63 @@ class StepResult:
     grad_norm: float
 
 
+@dataclass(frozen=True)
+class RowPart:
+    """This rank's tokens [start, end) of one packed row: the whole row, or its shard of a split row.
+
+    The loop's step makes it once per row (`loop.row_part`); a stage reads its inputs from it."""
+
+    # the row as the reader checked it (host tensors), and the same row on the step's device
+    row: PackedRow
+    device_row: PackedRow
+    start: int
+    end: int
+    # the boundaries of these tokens: the row's own, or the shard's (`RowShard.local`)
+    bounds: DocBounds
+    # the split row's shard (hylo/seq_parallel.py); None for the whole row
+    shard: RowShard | None = None
+    # (start, end) of a split row, None for the whole row: what the teacher and the base model take
+    token_range: tuple[int, int] | None = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[end - start] in-document positions of these tokens in the unsplit row."""
+        return self.bounds.positions
+
+    def of(self, x_T: torch.Tensor) -> torch.Tensor:
+        """This part's tokens of a per-token tensor [T] of the row."""
+        return x_T[self.start:self.end]
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens of real documents in this part (not the packer's padding document): host ints only."""
+        pad = sum(max(0, min(e, self.end) - max(s, self.start))
+                  for doc, (s, e) in zip(self.row.doc_ids or (), self.row.documents()) if doc == PAD_DOC_ID)
+        return self.end - self.start - pad
+
+    @property
+    def loss_tokens(self) -> int:
+        """Tokens of this part whose label is scored (a host count: the row's own for the whole row)."""
+        if self.token_range is None:
+            return self.row.loss_tokens
+        return int(self.row.loss_mask[self.start:self.end].sum())
+
+
 class Task(Protocol):
-    """What a stage's `build` gives the loop: the engine it checkpoints, the student it consolidates."""
+    """What a stage's `build` gives the loop: the engine it steps and checkpoints, the student it consolidates,
+    and the parts of the step that differ by stage (`loop.train_step` runs the rest)."""
 
     engine: Any
     student: torch.nn.Module
+
+    def terms(self) -> dict[str, float]:
+        """The module's loss terms in the order it returns them, by name, with their weights in the loss."""
+
+    def counted(self, part: RowPart) -> int:
+        """The tokens of `part` the step's loss is a mean over (a host count)."""
+
+    def inputs(self, parts: list[RowPart], ctx: WorkerContext) -> Iterator[tuple[Any, ...]]:
+        """The module's inputs for each part in turn (made as the step reaches it)."""
 
 
 @dataclass(frozen=True)
@@ -117,73 +155,23 @@ class Stage:
     train_step: Callable[[Any, list[PackedRow], WorkerContext], StepResult]
 
 
-def sequence_parallel_group(rank: int, world_size: int, size: int) -> tuple[Any, int]:
-    """(this rank's sequence-parallel process group, its rank in it): ranks [g*size, (g+1)*size) form group g.
+def sequence_parallel_group(rank: int, world_size: int, sequence_parallel: int) -> tuple[Any, int]:
+    """(this rank's sequence-parallel process group, its rank in it): ranks [g*N, (g+1)*N) form group g.
 
-    Collective: every rank creates every group, in the same order (`dist.new_group`'s rule). At size 1 no
-    group is made (None: a step at size 1 runs no collective of its own)."""
-    if world_size % size:
-        raise ValueError(f"train.sequence_parallel={size} does not divide the {world_size} workers")
-    if size == 1:
+    Collective: every rank creates every group, in the same order (`dist.new_group`'s rule). At N = 1 no
+    group is made (None: a step at N = 1 runs no collective of its own). N divides the workers (config.py)."""
+    if sequence_parallel == 1:
         return None, 0
-    mine = None
-    for g in range(world_size // size):
-        group = dist.new_group(list(range(g * size, (g + 1) * size)))
-        if g == rank // size:
-            mine = group
-    return mine, rank % size
-
-
-class RowSlice(NamedTuple):
-    """This rank's tokens [start, end) of a packed row of `total` tokens, and what its forward takes: `cu`
-    goes where `cu_seqlens` goes (the row's `DocBounds`, or at sequence parallelism a `RowShard` of the
-    unsplit row's boundaries), `positions` [end - start] the in-document positions of these tokens."""
-
-    start: int
-    end: int
-    total: int
-    cu: Any
-    positions: torch.Tensor
-
-    @property
-    def whole(self) -> bool:
-        return self.start == 0 and self.end == self.total
-
-
-def row_slice(row: PackedRow, ctx: WorkerContext) -> RowSlice:
-    """This rank's part of a packed row on the device (`row_to_device`): the whole row at sp_size 1, else the
-    sp_rank-th of sp_size equal contiguous slices, documents crossing the split keeping the unsplit row's
-    bounds and positions (`hylo.seq_parallel.shard_row`)."""
-    bounds, T = row.bounds(), row.num_tokens
-    if ctx.sp_size == 1:
-        return RowSlice(0, T, T, bounds, bounds.positions)
-    from hylo.seq_parallel import shard_row
-
-    s, e = token_range(row, ctx)
-    shard = shard_row(bounds, ctx.sp_rank, ctx.sp_size, ctx.sp_group)
-    return RowSlice(s, e, T, shard, shard.local.positions)
-
-
-def token_range(row: PackedRow, ctx: WorkerContext) -> tuple[int, int]:
-    """[start, end) of this rank's tokens of `row` (host ints; the whole row at sp_size 1)."""
-    T = row.num_tokens
-    if ctx.sp_size == 1:
-        return 0, T
-    from hylo.seq_parallel import shard_range
-
-    if T % ctx.sp_size:
-        raise ValueError(f"row {row.key or row.row_id}: its {T} tokens do not split into "
-                         f"train.sequence_parallel={ctx.sp_size} equal slices")
-    return shard_range(T, ctx.sp_rank, ctx.sp_size)
+    N = sequence_parallel
+    groups = [dist.new_group(list(range(g * N, (g + 1) * N))) for g in range(world_size // N)]
+    return groups[rank // N], rank % N
 
 
 def row_to_device(row: PackedRow, device: torch.device) -> PackedRow:
     """A checked packed row (as the reader yields it) on `device`, for a step's forward (`PackedRow.to`).
 
     Its host boundaries come along: `row.bounds()` gives the model the `DocBounds` the reader checked, so
-    the forward neither checks them again nor reads them back from the device. A stage's module takes the
-    row's tensors and its `DocBounds` (a NamedTuple), which ZeRO-3's hooks on a module's inputs can walk;
-    nothing here checks or converts the row's fields again."""
+    the forward neither checks them again nor reads them back from the device."""
     if row.loss_mask is None:
         raise ValueError(f"row {row.key or row.row_id}: a training row needs a loss_mask")
     return row.to(device)

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hylo.outputs import OutputConflictError
+from hylo.ownership import OUTPUT_RECORD, ForeignOutputError, recorded_entries
 from hylo.pipeline.data.decontam import (
     BenchmarkIndex,
     BenchmarkSpec,
@@ -412,11 +414,9 @@ def test_humaneval_builtin_and_registry():
     assert items[0].segments[0][:4] == ["from", "typing", "import", "list"]
 
 
-# ---------------------------------------------------------------------- the output directory (issue 38)
+# ---------------------------------------------------------------------- the output directory (ours, or refused)
 @pytest.mark.parametrize("where", ["input", "holds_input", "inside_benchmark_dir"])
 def test_out_over_an_input_is_refused_before_any_work(tmp_path, where):
-    from hylo.files import OutputConflictError
-
     (tmp_path / "d").mkdir()
     cfg = job_cfg(tmp_path / "d", [conv("a", FILLER, "ok")])
     bench_dir = tmp_path / "d" / "benches"
@@ -431,14 +431,10 @@ def test_out_over_an_input_is_refused_before_any_work(tmp_path, where):
 
 
 def test_out_of_the_user_is_refused_and_own_output_replaced(tmp_path, capsys):
-    from hylo.files import OUTPUT_RECORD, recorded_entries
-
     cfg = job_cfg(tmp_path, [conv("a", FILLER, "ok"), conv("b", "Quick: " + LONG["q1"], "Nine.")])
     out = Path(cfg.out)
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    from hylo.files import ForeignOutputError
-
     with pytest.raises(ForeignOutputError, match=r"out .*/out holds 1 entry .*notes.txt"):
         run_decontamination(cfg)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
@@ -458,8 +454,6 @@ def test_output_of_a_killed_run_is_swept_and_an_old_one_replaced(tmp_path):
     import os
     import socket
     import subprocess
-
-    from hylo.files import OUTPUT_RECORD
 
     cfg = job_cfg(tmp_path, [conv("a", FILLER, "ok")])
     out = Path(cfg.out)

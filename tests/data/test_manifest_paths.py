@@ -1,7 +1,7 @@
 """A prepared dataset's manifest names only files of its own directory, each once: a shard entry that points
 outside it (`..`, an absolute path, a link to another dataset's shard) or lists one shard twice is refused by
 every reader (training, evaluation, placement, the teacher cache's fingerprint) before any row is read, with an
-error naming the manifest, the entry and why (`hylo.files.confined_paths`)."""
+error naming the manifest, the entry and why (`hylo.manifest_paths.confined_paths`)."""
 
 from __future__ import annotations
 

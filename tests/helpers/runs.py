@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hylo.files import file_lock
+from hylo.locks import file_lock
 
 from tests.helpers.train import assert_ok, make_tiny_models, tiny_config, torchrun, write_config
 

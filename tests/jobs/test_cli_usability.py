@@ -351,10 +351,10 @@ JOB_RUNS = {
     "demo": (["--run-dir", "rel/run"], ("hylo.jobs.demo", "run_demo")),
     "fetch-assets": (["humaneval", "--cache-dir", "rel/cache"], ("hylo.jobs.fetch_assets", "fetch_asset")),
     "stage1": (["--set", "model.base=rel/b", "--set", "model.student=rel/s", "--set", "data.path=rel/d",
-                "--set", "ray.storage_path=rel/runs"], ("hylo.pipeline.train.driver", "_run_locked")),
+                "--set", "ray.storage_path=rel/runs"], ("hylo.pipeline.train.driver", "prepare_run")),
     "stage2": (["--set", "model.student=rel/s", "--set", "data.path=rel/d", "--set", "ray.storage_path=rel/runs",
                 "--set", "teacher.model.path=rel/t", "--set", "teacher.cache_path=rel/c"],
-               ("hylo.pipeline.train.driver", "_run_locked")),
+               ("hylo.pipeline.train.driver", "prepare_run")),
     "kernels-check": (["--out", "rel/o", "--set", "model.student=rel/s", "--set", "data.path=rel/d",
                        "--set", "teacher.model.path=rel/t"], ("hylo.pipeline.kernels_check", "recipe_sites")),
     "rehearse": (["--set", "model.student=rel/s", "--set", "data.path=rel/d",
@@ -389,7 +389,7 @@ def test_every_job_hands_its_work_absolute_paths(name, tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.import_module(module), fn, stand_in)
     if name == "teacher-cache":  # it checks the teacher's weight files before its work
         monkeypatch.setattr("hylo.pipeline.teacher.model.resolve_model_path", lambda path: path)
-        monkeypatch.setattr("hylo.files.check_weights_dir", lambda path: None)
+        monkeypatch.setattr("hylo.pipeline.teacher.sources.base.check_weights_dir", lambda path: None)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(_Stop):
         from hylo.pipeline.cli import hylo_main

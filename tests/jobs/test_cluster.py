@@ -269,7 +269,7 @@ def test_makefile_installs_with_the_lock():
 @pytest.mark.slow
 def test_lock_resolves_beside_pypis_torch_on_the_default_index_alone():
     """The lock installs from PyPI alone beside the torch the README names: no local wheel or index (this
-    machine's CPU torch pins no triton; PyPI's pins one), checked by pip's resolver, not by a copy of its rules."""
+    machine's CPU torch pins no triton; PyPI's pins one), checked by uv's resolver (cluster/constraints.py), not by a copy of its rules."""
     lock = _lock()
     text = (REPO / "Makefile").read_text()
     assert re.search(rf"^TORCH \?= {re.escape(lock.TORCH)}$", text, re.M), "Makefile and the check name other torches"

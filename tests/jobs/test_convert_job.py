@@ -355,7 +355,7 @@ def _killed_staging(out: Path, payload: int = 1 << 20) -> Path:
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from hylo.files import atomic_dir
+        from hylo.outputs import atomic_dir
         with atomic_dir({str(out)!r}, "--out") as tmp:
             (tmp / "model.safetensors").write_bytes(bytes({payload}))
             print(tmp, flush=True)

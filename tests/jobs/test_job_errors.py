@@ -18,6 +18,7 @@ import pytest
 
 from hylo.pipeline.cli import BadArgument, check_finite_args, input_error_message, job_main
 from hylo.pipeline.config import ConfigError
+from hylo.weight_files import WeightsFileError, check_safetensors, check_weights_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,8 +125,6 @@ def test_non_finite_float_flags_are_bad_arguments():
 def test_truncated_safetensors_is_named(tmp_path):
     import torch
     from safetensors.torch import save_file
-
-    from hylo.files import WeightsFileError, check_safetensors, check_weights_dir
 
     f = tmp_path / "model.safetensors"
     save_file({"w": torch.zeros(64)}, str(f))

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from hylo.outputs import OutputConflictError
+from hylo.ownership import ForeignOutputError, recorded_entries
 from hylo.pipeline.ray_init import RayInitSection
 from hylo.pipeline.runner import StepRunner, last_json_object, train_cmd
 from hylo.pipeline.train.checkpoint.layout import STATE_FILE, finalize_checkpoint, write_rank_files
@@ -138,8 +140,6 @@ def test_train_cmd_leaves_the_length_to_the_data_unless_asked_to_check_it(tmp_pa
 def test_a_run_directory_of_the_user_or_over_an_input_is_refused_before_anything_is_made(tmp_path):
     """A multi-step run writes logs/ and done/ into its run_dir: a directory of the user's (files, no record, no
     logs/ or done/ of an older run) or one that is, lies inside or holds an input is refused, and left as it was."""
-    from hylo.files import ForeignOutputError, OutputConflictError, recorded_entries
-
     home = tmp_path / "home"
     home.mkdir()
     (home / "thesis.tex").write_text("mine")
@@ -162,7 +162,6 @@ def test_a_run_directory_of_the_user_or_over_an_input_is_refused_before_anything
 
 
 def test_placement_run_dir_holding_its_rows_is_refused(tmp_path):
-    from hylo.files import OutputConflictError
     from hylo.pipeline.placement import PlaceLayers, placement_config
 
     for split in ("stage1", "heldout"):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hylo.json_files import MAX_JSON_DEPTH, read_json
 from hylo.pipeline.config import ConfigError
 
 from tests.helpers.cli import run_hylo, run_hylo_split
@@ -172,8 +173,6 @@ def test_estimate_refuses_a_shard_shorter_than_the_conv_window(monkeypatch):
 # --------------------------------------------------------------------------------------- nested input
 def test_deeply_nested_json_is_refused_with_the_line(tmp_path):
     """Before: a config.json 200,000 levels deep was a RecursionError traceback (convert, the teacher)."""
-    from hylo.files import MAX_JSON_DEPTH, read_json
-
     deep = tmp_path / "config.json"
     deep.write_text('{"a":\n' + "[" * 200_000 + "]" * 200_000 + "}")
     with pytest.raises(ValueError, match=rf"config.json line 2: nested more than {MAX_JSON_DEPTH} levels deep"):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from hylo.ownership import ForeignOutputError
+
 REPO = Path(__file__).resolve().parents[2]
 # in the time plan's order: the most informative first
 CASES = ("gdn_mamba2", "stage2_step", "decode", "deepspeed_zero3", "fused_kl", "mla_packed")
@@ -187,8 +189,6 @@ def test_the_reports_never_overwrite_a_users_files_in_out_and_are_refused_before
     """`make gpu-check OUT=folder` wrote gpu_check.json / .md (and case_N/log.txt) over files of those names
     with no ownership check; now such a file of the user's is refused, untouched, before any case runs."""
     import importlib.util
-
-    from hylo.files import ForeignOutputError
 
     spec = importlib.util.spec_from_file_location("hylo_bench_gpu_check", REPO / "bench" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)

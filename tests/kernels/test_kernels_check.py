@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hylo.kernels.compile_check import TARGETS
+from hylo.ownership import ForeignOutputError, is_own_file, record_files
 from hylo.pipeline import kernels_check as kc
 
 
@@ -248,8 +249,6 @@ def test_a_sequence_parallel_group_that_does_not_split_the_row_is_one_error_line
 def test_the_reports_never_overwrite_a_users_files_in_out_and_are_refused_before_the_work(tmp_path, monkeypatch):
     """--out's kernels_check.md of the user's is refused (named, untouched) before anything compiles; the job's
     own reports (listed in --out's .hylo-output.json by `write_report`) are replaced; --force lets it through."""
-    from hylo.files import ForeignOutputError, record_files
-
     def started(*a, **kw):
         raise AssertionError("the check started")
 
@@ -269,7 +268,5 @@ def test_the_reports_never_overwrite_a_users_files_in_out_and_are_refused_before
 
 
 def test_write_report_records_its_files_as_ours(tmp_path):
-    from hylo.files import is_own_file
-
     kc.write_report(tmp_path, {}, {}, {"recipes": ["tiny"], "targets": [], "tokens": 16})
     assert all(is_own_file(tmp_path / name) for name in kc.REPORT_FILES)

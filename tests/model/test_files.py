@@ -1,5 +1,7 @@
-"""hylo/files.py: the one atomic-write helper (files and directories) and the one JSON-or-error reader,
-and the readers of the project's JSON files that go through it."""
+"""The file helpers of hylo/: atomic writes (hylo/atomic.py), an output's ownership, checks and leftovers
+(hylo/ownership.py, hylo/outputs.py, hylo/leftovers.py), the one JSON-or-error reader (hylo/json_files.py),
+the files a manifest names (hylo/manifest_paths.py), and the readers of the project's JSON files that go
+through them."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from hylo import files
-from hylo.files import atomic_dir, atomic_path, atomic_write, read_json, replace_dir
+from hylo import atomic, leftovers, manifest_paths, outputs, ownership
+from hylo.atomic import atomic_path, atomic_write, replace_dir
+from hylo.json_files import read_json
+from hylo.outputs import atomic_dir
 
 
 def _leftovers(d: Path) -> list[str]:
@@ -142,8 +146,8 @@ def _hybrid_config(d: Path) -> None:
 ])
 def test_confined_paths_names_the_manifest_the_entry_and_why(tmp_path, entry, why):
     with pytest.raises(ValueError, match=rf"^{tmp_path}/m\.json: files\[1\] .* {why}"):
-        files.confined_paths(tmp_path, ["a", entry], tmp_path / "m.json", "files")
-    assert files.confined_paths(tmp_path, ["a", "b/c"], tmp_path / "m.json", "files") == [tmp_path / "a", tmp_path / "b/c"]
+        manifest_paths.confined_paths(tmp_path, ["a", entry], tmp_path / "m.json", "files")
+    assert manifest_paths.confined_paths(tmp_path, ["a", "b/c"], tmp_path / "m.json", "files") == [tmp_path / "a", tmp_path / "b/c"]
 
 
 def test_a_released_index_naming_a_shard_outside_its_directory_is_refused(tmp_path):
@@ -244,7 +248,7 @@ def test_convert_dry_run_names_a_base_config_that_is_not_utf8(tmp_path, capsys):
 
 
 def test_temp_names_are_hidden_unique_and_carry_the_pid(tmp_path):
-    a, b = files.temp_name(tmp_path / "x"), files.temp_name(tmp_path / "x")
+    a, b = atomic.temp_name(tmp_path / "x"), atomic.temp_name(tmp_path / "x")
     assert a != b and a.parent == tmp_path and a.name.startswith(f".x.tmp-{os.getpid()}-")
 
 
@@ -277,7 +281,7 @@ def test_saved_weights_get_the_mode_of_the_umask_not_the_temporary_files(tmp_pat
         # a file someone made private on purpose (not the temporary files' 0600) keeps its mode
         (tmp_path / "mine").write_text("x")
         os.chmod(tmp_path / "mine", 0o640)
-        files.honour_umask(tmp_path / "mine")
+        atomic.honour_umask(tmp_path / "mine")
         assert stat.S_IMODE((tmp_path / "mine").stat().st_mode) == 0o640
     finally:
         os.umask(saved)
@@ -296,15 +300,15 @@ def test_a_linked_output_is_followed_and_checked_where_it_points(tmp_path):
     assert link.is_symlink() and (target / "w").read_text() == "2" and _leftovers(target.parent) == []
     # a link to a directory of the user's is refused for that reason, naming the link and where it points
     (target / "notes.txt").write_text("mine")
-    with pytest.raises(files.ForeignOutputError, match=rf"--out {link} \(a link to {target}\) holds 1 entry this "
-                                                      r"project did not write \(notes.txt; its record"):
+    with pytest.raises(ownership.ForeignOutputError, match=rf"--out {link} \(a link to {target}\) holds 1 entry this "
+                                                           r"project did not write \(notes.txt; its record"):
         with atomic_dir(link, "--out"):
             pass
     assert (target / "notes.txt").read_text() == "mine" and link.is_symlink()
     # the link itself is never an input's way around the overlap check
-    with pytest.raises(files.OutputConflictError, match=rf"--out {link} is the input --model {target} "
-                                                        rf"\({target} and {target}, links followed\)"):
-        files.check_not_an_input(link, [("--model", target), ("--data", None)])
+    with pytest.raises(outputs.OutputConflictError, match=rf"--out {link} is the input --model {target} "
+                                                          rf"\({target} and {target}, links followed\)"):
+        outputs.check_not_an_input(link, [("--model", target), ("--data", None)])
 
 
 def test_an_unwritable_output_is_named_as_given_not_by_its_temporary_name(tmp_path, monkeypatch):
@@ -344,19 +348,19 @@ def test_only_provable_leftovers_of_finished_jobs_are_swept(tmp_path):
     out = tmp_path / "model"
     gone = subprocess_pid_that_exited()
     with atomic_dir(out) as tmp:
-        record = json.loads((tmp / files.OUTPUT_RECORD).read_text())
+        record = json.loads((tmp / ownership.OUTPUT_RECORD).read_text())
         assert record["staging"] is True and record["pid"] == os.getpid()
-        assert files.stale_leftovers(out) == ([], [tmp])  # the running job's own staging directory
+        assert leftovers.stale_leftovers(out) == ([], [tmp])  # the running job's own staging directory
         dead = tmp_path / f".model.tmp-{gone}-1234abcd"
         dead.mkdir()
-        (dead / files.OUTPUT_RECORD).write_text(json.dumps({**record, "pid": gone}))
+        (dead / ownership.OUTPUT_RECORD).write_text(json.dumps({**record, "pid": gone}))
         (dead / "model.safetensors").write_bytes(b"partial")
         unmarked = tmp_path / f".model.tmp-{gone}-5678abcd"
         unmarked.mkdir()
         (unmarked / "model.safetensors").write_bytes(b"partial")
         a_file = tmp_path / f".model.tmp-{gone}-9999abcd"
         a_file.write_text("a user's file")
-        assert files.sweep_stale(out) == [(dead, "removed")]
+        assert leftovers.sweep_stale(out) == [(dead, "removed")]
         (tmp / "w").write_text("1")
     assert not dead.exists() and unmarked.is_dir() and a_file.read_text() == "a user's file"
     assert (out / "w").read_text() == "1"
@@ -375,8 +379,6 @@ def test_a_write_error_naming_no_file_names_the_outputs_file_not_the_staging_nam
     """A full disk while writing an open file raises an OSError without a file name; the one-line error would
     find the file in the traceback: the staging directory's. atomic_dir names it by the output's name."""
     import errno
-
-    from hylo.files import atomic_dir, atomic_path
 
     def write(path):
         with atomic_path(path) as tmp, open(tmp, "w") as f:
@@ -401,15 +403,15 @@ def test_leftovers_beside_an_output_whose_name_holds_glob_characters_are_swept(t
     import socket
 
     gone = 4_000_000_001
-    monkeypatch.setattr(files, "_pid_alive", lambda pid: pid != gone)
+    monkeypatch.setattr(leftovers, "_pid_alive", lambda pid: pid != gone)
     out = tmp_path / "o[1]"
     dead = tmp_path / f".o[1].tmp-{gone}-1234abcd"
     dead.mkdir()
-    (dead / files.OUTPUT_RECORD).write_text(json.dumps({"written_by": files.WRITTEN_BY, "staging": True, "pid": gone,
-                                                        "host": socket.gethostname(), "entries": []}))
+    (dead / ownership.OUTPUT_RECORD).write_text(json.dumps({"written_by": ownership.WRITTEN_BY, "staging": True, "pid": gone,
+                                                            "host": socket.gethostname(), "entries": []}))
     (dead / "model.safetensors").write_bytes(b"partial")
-    assert files.stale_leftovers(out) == ([dead], [])
-    assert files.sweep_stale(out) == [(dead, "removed")] and not dead.exists()
+    assert leftovers.stale_leftovers(out) == ([dead], [])
+    assert leftovers.sweep_stale(out) == [(dead, "removed")] and not dead.exists()
 
 
 def test_a_failed_atomic_write_names_the_file_as_given_not_its_temporary_name(tmp_path):
@@ -425,27 +427,27 @@ def test_an_output_file_is_refused_when_it_is_the_users_an_input_or_a_directory(
     an input or a directory never is; nothing is touched."""
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
-    with pytest.raises(files.ForeignOutputError, match=rf"--json {notes} exists and this project did not write it"
-                                                        r".*or pass --force to replace it"):
-        files.check_output_file(notes, "--json")
+    with pytest.raises(ownership.ForeignOutputError, match=rf"--json {notes} exists and this project did not write it"
+                                                           r".*or pass --force to replace it"):
+        outputs.check_output_file(notes, "--json")
     assert notes.read_text() == "mine"
-    files.check_output_file(notes, "--json", force=True)
+    outputs.check_output_file(notes, "--json", force=True)
     ours = tmp_path / "est.json"
     ours.write_text('{"written_by": "hylo-pipeline", "estimates": []}')
-    files.check_output_file(ours, "--json")
-    files.record_files(tmp_path, ["notes.txt"])
-    files.check_output_file(notes, "--json")
+    outputs.check_output_file(ours, "--json")
+    ownership.record_files(tmp_path, ["notes.txt"])
+    outputs.check_output_file(notes, "--json")
     cfg = tmp_path / "c.yaml"
     cfg.write_text("stage: 2\n")
-    with pytest.raises(files.OutputConflictError, match="is the input --config"):
-        files.check_output_file(cfg, "--json", [("--config", cfg)], force=True)
-    with pytest.raises(files.ForeignOutputError, match="is a directory"):
-        files.check_output_file(tmp_path, "--json", force=True)
+    with pytest.raises(outputs.OutputConflictError, match="is the input --config"):
+        outputs.check_output_file(cfg, "--json", [("--config", cfg)], force=True)
+    with pytest.raises(ownership.ForeignOutputError, match="is a directory"):
+        outputs.check_output_file(tmp_path, "--json", force=True)
     link = tmp_path / "link.json"
     link.symlink_to(ours)
-    with pytest.raises(files.ForeignOutputError, match="a symbolic link"):
-        files.check_output_file(link, "--json")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [files.OUTPUT_RECORD, "c.yaml", "est.json", "link.json",
+    with pytest.raises(ownership.ForeignOutputError, match="a symbolic link"):
+        outputs.check_output_file(link, "--json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ownership.OUTPUT_RECORD, "c.yaml", "est.json", "link.json",
                                                           "notes.txt"]
 
 
@@ -454,9 +456,9 @@ def test_an_output_file_that_cannot_be_written_is_refused_up_front_under_its_own
     from hylo.pipeline.cli import input_error_message
 
     with pytest.raises(OSError) as info:
-        files.check_output_file("/proc/hylo-est.json", "--json")
+        outputs.check_output_file("/proc/hylo-est.json", "--json")
     assert input_error_message(info.value) == "--json /proc/hylo-est.json: cannot write it (No such file or directory)"
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     with pytest.raises(OSError, match=f"--json {a_file}/est.json"):
-        files.check_output_file(a_file / "est.json", "--json")
+        outputs.check_output_file(a_file / "est.json", "--json")

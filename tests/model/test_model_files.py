@@ -200,7 +200,7 @@ def test_a_nan_teacher_stops_stage2_before_ray_naming_the_teacher_and_tensor(tmp
     def no_ray(*a, **k):
         raise AssertionError("Ray started with a NaN teacher")
 
-    monkeypatch.setattr(driver, "fit_with_ray", no_ray)
+    monkeypatch.setattr(driver, "ray_training", no_ray)
     teacher, key = _nan_teacher(tmp_path)
     cfg = tiny_config(tiny, tmp_path / "runs", "nan-teacher", stage=2, ray={"launcher": "ray"},
                       teacher={"model": {"path": str(teacher)}})

@@ -64,7 +64,7 @@ def _rank_errors(rank: int, world: int) -> dict[str, Any]:
                     shard = shard_row(bounds, rank % n, n, group)
                     s, e = shard.start, shard.end
                     part, grads = run(model, ids[:, s:e], proj[:, s:e], position_ids=shard.local.positions[None],
-                                      cu_seqlens=shard)
+                                      cu_seqlens=shard.local, shard=shard)
                     grad_err, worst = 0.0, ""
                     for p_name, g in grads.items():
                         dist.all_reduce(g, group=group)
@@ -79,7 +79,7 @@ def _rank_errors(rank: int, world: int) -> dict[str, Any]:
         model.gradient_checkpointing_enable()
         shard = shard_row(bounds, rank % 4, 4, groups[4][0])
         part, grads = run(model, ids[:, shard.start:shard.end], proj[:, shard.start:shard.end],
-                          position_ids=shard.local.positions[None], cu_seqlens=shard)
+                          position_ids=shard.local.positions[None], cu_seqlens=shard.local, shard=shard)
         model.gradient_checkpointing_disable()
         for g in grads.values():
             dist.all_reduce(g, group=groups[4][0])
@@ -98,7 +98,7 @@ def _rank_errors(rank: int, world: int) -> dict[str, Any]:
                 shard = shard_row(bounds, rank % n, n, group, mla="ulysses")
                 s, e = shard.start, shard.end
                 part, grads = run(model, ids[:, s:e], proj[:, s:e], position_ids=shard.local.positions[None],
-                                  cu_seqlens=shard)
+                                  cu_seqlens=shard.local, shard=shard)
                 for g in grads.values():
                     dist.all_reduce(g, group=group)
                 errors[f"{variant} float64 ulysses N={n}"] = {
@@ -141,6 +141,35 @@ def test_shard_ranges_and_bounds():
     assert not passes_through((0, 12, 20, 48), 12, 24) and not shard_row(b, 0, 4).continues_in
 
 
+
+def test_a_shard_is_its_own_argument_and_what_it_is_given_must_fit_it():
+    """The shard rides beside cu_seqlens (never inside it): a forward given a shard checks that its tokens, its
+    batch and the boundaries it was given are the shard's, in every layer kind and at the model, before any
+    collective runs (no process group here: a mismatch is refused first)."""
+    # lazy: the spawned ranks import this module before they set TRITON_INTERPRET (fla reads it at import)
+    from hylo.layers.gdn import GatedDeltaNet
+    from hylo.layers.mla import MLAInputError
+    from hylo.modeling import HyLoForCausalLM
+
+    from tests.helpers.models import tiny_student
+
+
+    b = DocBounds.from_host([0, 5, 30, 31, 48], 48, "cpu")
+    s = shard_row(b, 2, 4)
+    model = HyLoForCausalLM(tiny_student()).double().eval()
+    ids = torch.zeros(1, 12, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be the shard's own boundaries \(0, 6, 7, 12\)"):
+        model(input_ids=ids, cu_seqlens=[0, 12], shard=s)
+    with pytest.raises(ValueError, match="needs B == 1, no cache and the shard's 12 tokens; got B=1, T=11"):
+        model(input_ids=ids[:, :11], shard=s)
+    mla = next(layer.mixer for layer in model.model.layers if layer.layer_type == "mla")
+    with pytest.raises(MLAInputError, match=r"MLAttention\(layer \d+\): a split row \(RowShard\) needs B == 1"):
+        mla(torch.zeros(2, 12, mla.hidden_size, dtype=torch.float64), shard=s)
+    gdn = next(layer.mixer for layer in model.model.layers if isinstance(layer.mixer, GatedDeltaNet))
+    with pytest.raises(ValueError, match=r"GatedDeltaNet\(layer \d+\): with a shard, cu_seqlens must be"):
+        gdn(torch.zeros(1, 12, gdn.hidden_size, dtype=torch.float64), cu_seqlens=[0, 6, 12], shard=s)
+
+
 def _rank_gpu_branch(rank: int, world: int) -> dict[str, Any]:
     """The GPU branch of a split row on CPU: fla's kernels (the identity-state transition pass and the passed
     initial state included) through Triton's interpreter, fp32, against the unsplit row in fp64 (torch path)."""
@@ -170,7 +199,7 @@ def _rank_gpu_branch(rank: int, world: int) -> dict[str, Any]:
         shard = shard_row(bounds, rank, world)
         s, e = shard.start, shard.end
         with fla_interpret.gpu_branch():
-            part = model(input_ids=ids[:, s:e], position_ids=shard.local.positions[None], cu_seqlens=shard).logits
+            part = model(input_ids=ids[:, s:e], position_ids=shard.local.positions[None], cu_seqlens=shard.local, shard=shard).logits
             (part * proj[:, s:e].float()).sum().backward()
         worst = 0.0
         for p, p_ref in zip(model.parameters(), ref_model.parameters()):

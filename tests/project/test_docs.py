@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hylo.ownership import OUTPUT_RECORD, ForeignOutputError
 from hylo.pipeline.cli import COMMANDS, NOT_JOBS
 from hylo.pipeline.config import at_least, between, each, one_of, rules
 
@@ -299,8 +300,6 @@ def test_make_docs_never_empties_a_site_that_is_not_its_own_build(tmp_path):
     """`make docs` built with mkdocs straight into site/, which mkdocs empties first: a `site` linked to a folder
     of the user's lost every file in it, a file of the user's in site/ was deleted. Now the site is built beside
     site/ and swapped in only over our own earlier build."""
-    from hylo.files import ForeignOutputError
-
     bs = _build_site()
     user = tmp_path / "user"
     user.mkdir()
@@ -328,8 +327,6 @@ def test_make_docs_builds_through_the_script_never_with_mkdocs_straight_into_sit
 
 
 def test_make_docs_replaces_a_site_built_before_the_record_but_not_a_users_file_in_it(tmp_path):
-    from hylo.files import OUTPUT_RECORD, ForeignOutputError
-
     bs = _build_site()
     site = tmp_path / "site"
     bs.build(site, _fake_mkdocs)

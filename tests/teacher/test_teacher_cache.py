@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hylo.outputs import OutputConflictError
+from hylo.ownership import OUTPUT_RECORD, ForeignOutputError, recorded_entries
 from hylo.pipeline.data.rowfile import PackedRowFile
 from hylo.pipeline.data.rows import check_row
 from hylo.pipeline.ray_init import ray_running
@@ -304,12 +306,10 @@ def test_ray_job_resumes_after_partial_shards(env, tmp_path):
     assert manifest["complete"] and manifest["rows"] == 10 and manifest["index_dtype"] == "uint16"
 
 
-# ---------------------------------------------------------------------- the output directory (issue 38)
+# ---------------------------------------------------------------------- the output directory (ours, or refused)
 @pytest.mark.parametrize("where", ["data", "inside_data", "model", "holds_data"])
 def test_out_over_an_input_is_refused_before_any_write(env, tmp_path, where):
     """`out` that is, lies inside or holds the data or the teacher is refused before anything is written."""
-    from hylo.files import OutputConflictError
-
     data = tmp_path / "d" / "data"
     shutil.copytree(env["data"], data)
     cfg = _cfg(env, data)
@@ -324,8 +324,6 @@ def test_out_over_an_input_is_refused_before_any_write(env, tmp_path, where):
 
 
 def test_out_holding_files_of_the_user_is_refused(env, tmp_path):
-    from hylo.files import ForeignOutputError
-
     out = tmp_path / "c"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
@@ -336,8 +334,6 @@ def test_out_holding_files_of_the_user_is_refused(env, tmp_path):
 
 @pytest.mark.slow
 def test_rerun_resumes_its_own_cache_and_sweeps_only_dead_leftovers(env, tmp_path):
-
-    from hylo.files import OUTPUT_RECORD, recorded_entries
 
     cfg = _cfg(env, tmp_path / "c")
     header, plan, todo = prepare_cache(cfg)
@@ -359,8 +355,6 @@ def test_rerun_resumes_its_own_cache_and_sweeps_only_dead_leftovers(env, tmp_pat
 
 
 def test_cache_written_before_the_record_is_resumed(env, tmp_path):
-    from hylo.files import OUTPUT_RECORD
-
     cfg = _cfg(env, tmp_path / "c")
     header, plan, todo = prepare_cache(cfg)
     (Path(cfg.out) / OUTPUT_RECORD).unlink()

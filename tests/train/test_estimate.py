@@ -19,6 +19,8 @@ import torch
 import yaml
 
 from hylo.modeling import HyLoForCausalLM
+from hylo.outputs import OutputConflictError
+from hylo.ownership import ForeignOutputError, is_own_file
 from hylo.pipeline.estimate import EstimateError, estimate_step, fake_tensors
 from hylo.pipeline.train.config import load_stage_config
 
@@ -67,9 +69,7 @@ def test_hylo_estimate_runs_and_its_sharded_states_are_the_exact_sizes(tiny_conf
         assert words in text, text
     data = json.loads(out.read_text())
     assert [e["tokens"] for e in data["estimates"]] == [64, 128]
-    # the file says it is ours: a later run may replace it (hylo.files.check_output_file)
-    from hylo.files import is_own_file
-
+    # the file says it is ours: a later run may replace it (hylo.outputs.check_output_file)
     assert data["written_by"] == "hylo-pipeline" and is_own_file(out)
     from transformers import LlamaForCausalLM
 
@@ -195,8 +195,6 @@ def no_work(monkeypatch):
 
 def test_estimate_never_writes_json_over_a_users_file_and_refuses_before_the_work(tiny_config: Path, tmp_path: Path,
                                                                                   no_work):
-    from hylo.files import ForeignOutputError
-
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes")
     with pytest.raises(ForeignOutputError, match=f"--json {notes} exists and this project did not write it"):
@@ -208,8 +206,6 @@ def test_estimate_never_writes_json_over_a_users_file_and_refuses_before_the_wor
 
 
 def test_estimate_json_is_never_its_own_config(tiny_config: Path, no_work):
-    from hylo.files import OutputConflictError
-
     before = tiny_config.read_text()
     with pytest.raises(OutputConflictError, match=f"--json {tiny_config} is the input --config"):
         no_work.main(["--config", str(tiny_config), "--json", str(tiny_config), "--force"])

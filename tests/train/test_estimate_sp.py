@@ -237,7 +237,7 @@ def test_the_counted_bytes_are_what_the_split_layers_collectives_send(monkeypatc
             layer = HyLoDecoderLayer(hc, idx).float()
             x = torch.randn(1, shard.end - shard.start, hc.hidden_size, requires_grad=True)
             sent = _Bytes(monkeypatch, N)
-            out, _ = layer(x, shard.local.positions[None], shard, None)
+            out, _ = layer(x, shard.local.positions[None], shard.local, None, None, shard)
             out.float().sum().backward()
             assert sent.sent > 0 and sent.sent == pytest.approx(counted[kind]), kind
             monkeypatch.undo()

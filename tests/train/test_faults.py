@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from hylo.outputs import OutputConflictError, atomic_dir
+from hylo.ownership import ForeignOutputError
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.checkpoint.layout import (
     checkpoint_problem,
@@ -290,7 +292,6 @@ def test_a_resume_from_an_older_step_sets_the_other_line_aside_once(tmp_path, wh
 def test_a_users_file_in_the_runs_model_directory_stops_the_run_before_training(tmp_path):
     """The consolidated model replaces `<run>/model` at the end of training: a directory there holding anything
     this project did not write is refused before Ray starts (not after the training, and never deleted)."""
-    from hylo.files import ForeignOutputError
     from hylo.pipeline.train.driver import check_outputs
 
     cfg = load_stage_config(2, None, [f"ray.storage_path={tmp_path}", "ray.name=r"])
@@ -309,7 +310,6 @@ def test_a_users_file_in_the_runs_model_directory_stops_the_run_before_training(
 def test_a_run_whose_model_directory_is_its_student_stops_before_training(tmp_path):
     """Stage 2 starting from `<run>/model` (model.student) would replace its own student with the consolidated
     model: refused before Ray starts, naming both."""
-    from hylo.files import OutputConflictError, atomic_dir
     from hylo.pipeline.train.driver import check_outputs
 
     with atomic_dir(tmp_path / "r" / "model") as tmp:
@@ -327,7 +327,6 @@ def test_a_run_whose_model_directory_is_its_student_stops_before_training(tmp_pa
 def test_a_run_directory_over_an_input_stops_before_the_run_directory_is_made(tmp_path, where):
     """The run directory (checkpoints, metrics) is no input of the run, nor inside or around one: refused
     before it is made or locked, naming both."""
-    from hylo.files import OutputConflictError
     from hylo.pipeline.train.driver import check_run_output
 
     data = tmp_path / "data"
@@ -349,7 +348,6 @@ def test_a_run_directory_over_an_input_stops_before_the_run_directory_is_made(tm
 def test_a_run_directory_of_the_user_is_refused_and_our_own_resumed(tmp_path):
     """An existing directory holding files but no record of ours (nor a lock or config of an older run) is not
     a run directory: refused before anything is written. One the run claimed (and an empty one) passes."""
-    from hylo.files import ForeignOutputError
     from hylo.pipeline.train.driver import check_run_output, claim_run_dir
 
     cfg = load_stage_config(1, None, [f"ray.storage_path={tmp_path}", "ray.name=home"])
@@ -376,7 +374,7 @@ def test_stage_job_refuses_a_run_directory_inside_its_data_in_one_line(tmp_path,
     from hylo.pipeline.train import driver
 
     started = []
-    monkeypatch.setattr(driver, "_run_locked", lambda *a, **k: started.append(a) or {})
+    monkeypatch.setattr(driver, "prepare_run", lambda *a, **k: started.append(a) or {})
     data = tmp_path / "data"
     data.mkdir()
     (data / "manifest.json").write_text("{}")

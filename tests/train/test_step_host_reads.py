@@ -1,6 +1,6 @@
 """Host reads (GPU synchronisations) in one stage-2 step and one stage-1 step, counted on CPU under the GPU rule.
 
-`pipeline/train/stage2.train_step` at world size 1 with `PlainEngine` (DeepSpeed's part of the step in
+the trainer's step (`pipeline/train/loop.train_step`) of stage 2 at world size 1 with `PlainEngine` (DeepSpeed's part of the step in
 plain torch), a tiny HyLo student and an in-process tiny HyLo teacher, fused KL over hidden states,
 activation checkpointing. `hylo.kernels.host_reads.HostReadLog` logs every host read made from Python and
 `deferred_checks()` gives the fused KL's inputs the accelerator's rule. On CPU every tensor is a host
@@ -41,7 +41,7 @@ ALLOWED = {
 # reads that must happen exactly this many times per step: the step's one read of its loss sums, the
 # fused KL's deferred input checks read with it, and the clipped gradient norm
 ONCE_PER_STEP = {
-    ("pipeline/train/stage2.py", "train_step", "tolist"): 1,
+    ("pipeline/train/loop.py", "train_step", "tolist"): 1,
     ("kernels/fused_kl/inputs.py", "check_deferred", "tolist"): 1,
     ("pipeline/train/plain_engine.py", "get_global_grad_norm", "__float__"): 1,
 }
@@ -161,7 +161,7 @@ STAGE1_ALLOWED = {
     ("transformers/masking_utils.py", "find_packed_sequence_indices"): "the base model's mask",
 }
 STAGE1_ONCE_PER_STEP = {
-    ("pipeline/train/stage1.py", "train_step", "tolist"): 1,
+    ("pipeline/train/loop.py", "train_step", "tolist"): 1,
     ("pipeline/train/plain_engine.py", "get_global_grad_norm", "__float__"): 1,
 }
 

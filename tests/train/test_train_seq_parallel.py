@@ -1,4 +1,4 @@
-"""Sequence parallelism in training (`train.sequence_parallel: N`, issue 36): the config rules, the rows each
+"""Sequence parallelism in training (`train.sequence_parallel: N`): the config rules, the rows each
 group reads and the data position that makes a checkpoint independent of N, and (gloo, one process per rank)
 each stage's loss and every parameter's gradient over a split row against the unsplit row's.
 
@@ -218,15 +218,16 @@ def _context(cfg, dtype, rank: int = 0, world: int = 1, group=None):
     from hylo.pipeline.train.worker import WorkerContext
 
     return WorkerContext(cfg=cfg, rank=rank, world_size=world, device=torch.device("cpu"), dtype=dtype,
-                         run_dir=Path("."), grad_accum=1, sp_group=group, sp_rank=rank, sp_size=world)
+                         run_dir=Path("."), grad_accum=1, sp_group=group, sp_rank=rank, sequence_parallel=world)
 
 
 def _teacher_targets(setup, source: str, dtype, ctx) -> dict[str, Any]:
-    """The targets of this rank's tokens of the row as stage 2 gets them (`stage2.teacher_targets`: the source's
-    `targets(..., token_range=)` at N > 1), from `source`."""
+    """The targets of this rank's tokens of the row as stage 2 gets them (`stage2.teacher_targets` of the row's
+    part, `loop.row_part`: the source's `targets(..., token_range=)` at N > 1), from `source`."""
     from hylo.pipeline.teacher.config import TeacherModelConfig
     from hylo.pipeline.teacher.sources import open_teacher
     from hylo.pipeline.train.config import TeacherSection
+    from hylo.pipeline.train.loop import row_part
     from hylo.pipeline.train.stage2 import teacher_targets
 
     if source == "serve":
@@ -238,12 +239,14 @@ def _teacher_targets(setup, source: str, dtype, ctx) -> dict[str, Any]:
 
         client = TeacherClient(LocalHandle(local_replica(setup.base, 16)), chunk_tokens=16, window_chunks=2,
                                dtype="float32", retry_backoff_s=0)
-        return next(teacher_targets(BoundTeacher(client, TargetSpec(8, "topk"), VOCAB), [setup.row], ctx))
+        return next(teacher_targets(BoundTeacher(client, TargetSpec(8, "topk"), VOCAB), [row_part(setup.row, ctx)],
+                                    ctx.device))
     model = TeacherModelConfig(path=str(setup.base))
     section = {"inprocess": TeacherSection(model=model),
                "inprocess-logits": TeacherSection(model=model, exact_form="logits"),
                "offline": TeacherSection(source="offline", k=8, cache_path=setup.cache)}[source]
-    targets = next(teacher_targets(open_teacher(section, VOCAB, str(setup.data)), [setup.row], ctx))
+    targets = next(teacher_targets(open_teacher(section, VOCAB, str(setup.data)), [row_part(setup.row, ctx)],
+                                   ctx.device))
     # the exact teacher's hidden states in the student's precision (the fp64 comparison)
     return {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in targets.items()}
 
@@ -254,25 +257,28 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _stage2_loss_grads(setup, linear: str, source: str, dtype, ctx) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Stage 2's loss of this rank's tokens of the row (`stage2.step_inputs` -> `KDStudent`) and its gradients."""
+    """Stage 2's loss of this rank's tokens of the row (`stage2.module_inputs` -> `KDStudent`) and its gradients."""
     from hylo.io import load_hylo
-    from hylo.pipeline.train.stage2 import KDStudent, step_inputs
+    from hylo.pipeline.train.loop import row_part
+    from hylo.pipeline.train.stage2 import KDStudent, module_inputs
 
     cfg = ctx.cfg
     # every parameter in `dtype` (load_hylo keeps GDN's A_log / dt_bias in fp32, as training does)
     student = load_hylo(setup.students[linear], dtype=dtype).to(dtype)
     student.gradient_checkpointing_enable()
     student.train()
-    kl, ce = KDStudent(student, cfg)(*step_inputs(setup.row, _teacher_targets(setup, source, dtype, ctx), ctx, True))
+    kl, ce = KDStudent(student, cfg)(*module_inputs(row_part(setup.row, ctx), _teacher_targets(setup, source, dtype, ctx),
+                                                    True))
     loss = cfg.kd.kl_weight * kl + cfg.kd.ce_weight * ce
     loss.backward()
     return loss.detach().double(), _grads(student)
 
 
 def _stage1_loss_grads(setup, linear: str, dtype, ctx) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Stage 1's loss of this rank's tokens of the row (`stage1.step_inputs` -> `ILDStudent`) and its gradients."""
+    """Stage 1's loss of this rank's tokens of the row (`stage1.module_inputs` -> `ILDStudent`) and its gradients."""
     from hylo.io import load_hylo
-    from hylo.pipeline.train.stage1 import BaseLayerTargets, ILDStudent, step_inputs, trainable_parameters
+    from hylo.pipeline.train.loop import row_part
+    from hylo.pipeline.train.stage1 import BaseLayerTargets, ILDStudent, module_inputs, trainable_parameters
     from hylo.upcycle import load_base_model
 
     cfg = ctx.cfg
@@ -280,7 +286,7 @@ def _stage1_loss_grads(setup, linear: str, dtype, ctx) -> tuple[torch.Tensor, di
     trainable_parameters(student, cfg.ild.trainable)
     student.train()
     base = load_base_model(setup.base, dtype=dtype).eval().requires_grad_(False)
-    d_out, d_mix = ILDStudent(student, cfg)(*step_inputs(BaseLayerTargets(base), setup.row, ctx))
+    d_out, d_mix = ILDStudent(student, cfg)(*module_inputs(BaseLayerTargets(base), row_part(setup.row, ctx), ctx.device))
     loss = cfg.ild.output_weight * d_out + cfg.ild.mixer_weight * d_mix
     loss.backward()
     return loss.detach().double(), _grads(student)

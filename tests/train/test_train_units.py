@@ -325,7 +325,7 @@ class _Hidden(torch.nn.Module):
         self.h = torch.nn.Parameter(h_TD.clone())
         self.lm_head = torch.nn.Linear(h_TD.shape[1], vocab, bias=False, dtype=h_TD.dtype)
 
-    def model(self, input_ids, position_ids, cu_seqlens):
+    def model(self, input_ids, position_ids, cu_seqlens, shard=None):
         from types import SimpleNamespace
 
         return SimpleNamespace(last_hidden_state=self.h[None])

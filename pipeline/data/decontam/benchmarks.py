@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hylo.files import atomic_path, check_own_files, record_files
+from hylo.assets import expand_asset
+from hylo.atomic import atomic_path
+from hylo.ownership import check_own_files, record_files
 from hylo.pipeline.data.config import BenchmarkSpec, SourceSpec
 from hylo.pipeline.data.normalize import normalize_words
 from hylo.pipeline.data.readers import iter_raw
@@ -47,7 +49,7 @@ def export_benchmarks(out_dir: str | Path, names: Sequence[str] | None = None,
     """Write each hub suite of SUITES as `<out_dir>/<name>.jsonl` (its evaluation split), for configs
     that read the suites from local files. Needs the `datasets` package and the hub, once."""
     try:
-        import datasets
+        import datasets  # lazy: datasets
     except ImportError:
         raise ValueError("exporting benchmarks needs the `datasets` package (pip install datasets) and "
                          "access to the Hugging Face hub") from None
@@ -123,7 +125,6 @@ def _texts(value: Any) -> list[str]:
 def load_benchmark(spec: BenchmarkSpec) -> tuple[list[Item], dict[str, int]]:
     """Items of one suite plus counts of rows skipped (unparseable or without any indexed field)."""
     spec = resolve_benchmark(spec)
-    from hylo.assets import expand_asset
 
     path = expand_asset(spec.path, progress=False)
     src = SourceSpec(name=spec.name, path=path, split=spec.split, subset=spec.subset)

@@ -10,14 +10,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hylo.files import (
-    atomic_dir,
-    atomic_path,
-    atomic_write,
-    check_not_an_input,
-    check_replaceable,
-    output_target,
-)
+from tqdm import tqdm
+
+from hylo.atomic import atomic_path, atomic_write
+from hylo.outputs import atomic_dir, check_not_an_input
+from hylo.ownership import check_replaceable, output_target
 from hylo.pipeline.data.config import DecontamJobConfig
 from hylo.pipeline.data.decontam.cut import cut_record
 from hylo.pipeline.data.decontam.decide import decide
@@ -37,8 +34,8 @@ def _write_jsonl(path: Path, rows: Iterable[dict], ensure_ascii: bool = False) -
 
 
 def _write_parquet(path: Path, rows: Iterable[dict], chunk: int = 4096) -> int:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # lazy: pyarrow
+    import pyarrow.parquet as pq  # lazy: pyarrow
 
     schema = pa.schema([("id", pa.string()), ("source", pa.string()), (
         "messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))])
@@ -74,7 +71,7 @@ def _legacy_entries(out: str | Path) -> set[str]:
 
 def check_output(cfg: DecontamJobConfig) -> None:
     """Before any work: `out` is no input (an --input or --benchmark file, nor inside or around one:
-    `hylo.files.check_not_an_input`) and, when it exists, holds only what this job wrote there (its record
+    `hylo.outputs.check_not_an_input`) and, when it exists, holds only what this job wrote there (its record
     `.hylo-output.json`): the job replaces its own previous output, never a directory of the user's."""
     inputs = [(f"--input {s.name}", s.path) for s in cfg.inputs]
     inputs += [(f"--benchmark {b.name}", b.path) for b in cfg.benchmarks if b.path and not b.path.startswith("hub:")]
@@ -84,7 +81,7 @@ def check_output(cfg: DecontamJobConfig) -> None:
 
 def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = None) -> dict[str, Any]:
     """Run the whole job; returns the summary (also written to `<out>/summary.json`). The output directory is
-    built beside `out` and swapped in when complete (`hylo.files.atomic_dir`): a failed or killed run leaves
+    built beside `out` and swapped in when complete (`hylo.outputs.atomic_dir`): a failed or killed run leaves
     the previous output as it was (a killed run's staging directory is removed by the next run, or by
     `hylo clean OUT`)."""
     if not cfg.inputs:
@@ -100,8 +97,6 @@ def _run(cfg: DecontamJobConfig, index: BenchmarkIndex | None, out: Path, stagin
     if index is None:
         index, bench_skipped = build_index(cfg.benchmarks, cfg.match)
     t_index = time.perf_counter()
-
-    from tqdm import tqdm
 
     records: list[Record] = []
     rejects: list[dict] = []

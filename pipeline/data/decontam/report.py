@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from hylo.files import atomic_write
+from hylo.atomic import atomic_write
 from hylo.pipeline.data.config import DecontamJobConfig
 from hylo.pipeline.data.decontam.decide import Decision
 from hylo.pipeline.data.decontam.index import BenchmarkIndex

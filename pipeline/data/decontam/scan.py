@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from hylo.pipeline.config import RayInitSection
 from hylo.pipeline.data.decontam.decide import Decision, decide
@@ -22,7 +23,7 @@ _WORKER_SCANNERS: dict[str, FastScanner] = {}
 
 
 def _scan_batch_task(batch: Any, index_refs: list) -> dict[str, np.ndarray]:
-    import ray
+    import ray  # lazy: ray
 
     key = index_refs[0].hex()
     scanner = _WORKER_SCANNERS.get(key)
@@ -38,14 +39,14 @@ def _scan_batch_task(batch: Any, index_refs: list) -> dict[str, np.ndarray]:
 
 def _scan_ray(index: BenchmarkIndex, texts: list[list[str]], batch_size: int, progress: bool,
               ray_cfg: RayInitSection) -> Hits:
-    import ray
+    import ray  # lazy: ray
 
     init_ray(ray_cfg.address, ray_cfg.num_cpus, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = progress
     # The index goes to the object store once; tasks receive its reference (inside a list, so Ray
     # does not resolve it per task) and fetch it once per worker.
     index_ref = ray.put(index)
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: pyarrow
 
     n = len(texts)
     if n == 0:
@@ -71,8 +72,6 @@ def _scan_ray(index: BenchmarkIndex, texts: list[list[str]], batch_size: int, pr
 
 def _scan_local(texts: list[list[str]], batch_size: int, fn: Callable[[Sequence[Sequence[str]]], Hits],
                 progress: bool) -> Hits:
-    from tqdm import tqdm
-
     parts = []
     for lo in tqdm(range(0, len(texts), batch_size), desc="scan", unit="batch", disable=not progress):
         d, e, t, s = fn(texts[lo:lo + batch_size])

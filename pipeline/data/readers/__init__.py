@@ -70,6 +70,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hylo.assets import AssetError, expand_asset
 from hylo.pipeline.data.config import CONTAINERS, SCHEMAS, SourceError, SourceSpec
 from hylo.pipeline.data.readers.arrow import _hf_disk_files, _iter_hf_arrow, _iter_hub, _iter_parquet
 from hylo.pipeline.data.readers.json_stream import CHUNK_CHARS, MAX_RECORD_CHARS, _iter_json, _iter_jsonl
@@ -139,8 +140,6 @@ def _is_hub(spec: SourceSpec) -> bool:
 def _iter_items(spec: SourceSpec) -> Iterator[tuple[str, int, Any, str | None, int | None]]:
     """(file, index, row, parse_error or None, lost) for every raw row of a source, in order."""
     # An offline asset (hylo.assets: `asset:NAME`, or NAME where no such path exists), fetched on first use.
-    from hylo.assets import AssetError, expand_asset
-
     try:
         spec = dataclasses.replace(spec, path=expand_asset(spec.path, progress=False))
     except AssetError as e:

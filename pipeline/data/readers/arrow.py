@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hylo.files import read_json
+from hylo.json_files import read_json
 from hylo.pipeline.data.config import SourceError, SourceSpec
 from hylo.pipeline.data.readers.raw import RawItem
 
@@ -21,8 +21,8 @@ def _iter_arrow_tables(batches: Iterable[Any], start: int = 0) -> Iterator[RawIt
 
 def _iter_parquet(path: Path) -> Iterator[RawItem]:
     """Row group by row group: a corrupt group is one reject standing for its rows, the rest is read."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # lazy: pyarrow
+    import pyarrow.parquet as pq  # lazy: pyarrow
 
     try:
         pf = pq.ParquetFile(path)
@@ -46,7 +46,7 @@ def _iter_parquet(path: Path) -> Iterator[RawItem]:
 
 
 def _arrow_batches(path: Path) -> Iterator[Any]:
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: pyarrow
 
     with pa.memory_map(str(path)) as src:
         try:
@@ -78,7 +78,7 @@ def _hf_disk_files(root: Path, split: str, source: str) -> list[Path]:
 
 
 def _iter_hf_arrow(path: Path) -> Iterator[RawItem]:
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: pyarrow
 
     # An Arrow IPC stream cannot be resynchronised after a corrupt batch: the rest of the file is lost
     # (count unknown), what came before it is kept.
@@ -93,7 +93,7 @@ def _iter_hf_arrow(path: Path) -> Iterator[RawItem]:
 
 def _iter_hub(spec: SourceSpec) -> Iterator[RawItem]:
     try:
-        import datasets
+        import datasets  # lazy: datasets
     except ImportError:
         raise SourceError(
             f"source {spec.name!r}: reading hub dataset {spec.path!r} needs the `datasets` package "

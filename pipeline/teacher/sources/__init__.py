@@ -95,7 +95,7 @@ def check_section(t: SourceSection) -> None:
 def open_teacher(t: SourceSection, student_vocab: int, data_path: str | None = None) -> Any:
     """The teacher stage 2's `teacher` section names, bound to its targets (`protocol.BoundTeacher`);
     `data_path`: the prepared data an offline cache must have been made from (None: not checked)."""
-    from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec, check_k_fits
+    from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec, check_k_fits  # lazy: torch
 
     spec = TargetSpec(t.k, t.form)
     source, vocab = source_kind(t.source).open(t, data_path)

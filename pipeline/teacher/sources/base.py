@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from hylo.pipeline.teacher.config import SourceSection
+from hylo.weight_files import check_weights_dir
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,8 @@ def check_model_weights(model_cfg: Any) -> None:
     every replica or worker after Ray started. It reads the teacher once (an 8B teacher in bf16: 16 GB, at
     the disk's speed: 512 MiB of bf16, page-cached, took 0.11-0.17 s on one loaded core), small against a
     stage-2 run."""
-    from hylo.files import check_weights_dir
-    from hylo.model_files import check_finite_weights
-    from hylo.pipeline.teacher.model import resolve_model_path
+    from hylo.model_files import check_finite_weights  # lazy: layering
+    from hylo.pipeline.teacher.model import resolve_model_path  # lazy: torch
 
     path = resolve_model_path(model_cfg.path)
     check_weights_dir(path)
@@ -120,8 +120,8 @@ def check_model_weights(model_cfg: Any) -> None:
 def model_files(model_cfg: Any) -> TeacherFiles:
     """What the student is compared with for a source that loads the teacher model: its directory, and its own
     tokenizer when `model.tokenizer` names one."""
-    from hylo.assets import resolve_path_or_asset
-    from hylo.pipeline.teacher.model import resolve_model_path
+    from hylo.assets import resolve_path_or_asset  # lazy: layering
+    from hylo.pipeline.teacher.model import resolve_model_path  # lazy: torch
 
     tok = resolve_path_or_asset(model_cfg.tokenizer, "teacher.model.tokenizer", directory=True) \
         if model_cfg.tokenizer else None

@@ -34,7 +34,7 @@ class InProcessSource(TeacherSourceKind):
         return model_files(t.model)
 
     def open(self, t: InProcessSection, data_path: str | None) -> tuple[Any, int | None]:
-        from hylo.pipeline.teacher.model import TeacherModel
+        from hylo.pipeline.teacher.model import TeacherModel  # lazy: torch
 
         model = TeacherModel.from_config(t.model)
         return model, model.vocab_size

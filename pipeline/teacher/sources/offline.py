@@ -25,18 +25,18 @@ class OfflineSource(TeacherSourceKind):
         check_cache_k(t.k)
 
     def check_inputs(self, t: OfflineSection) -> None:
-        from hylo.pipeline.teacher.cache import load_manifest
+        from hylo.pipeline.teacher.cache import load_manifest  # lazy: torch
 
         load_manifest(t.cache_path, t.k)
 
     def compared_with_student(self, t: OfflineSection) -> TeacherFiles:
-        from hylo.pipeline.teacher.cache import load_manifest
+        from hylo.pipeline.teacher.cache import load_manifest  # lazy: torch
 
         return TeacherFiles("teacher.cache_path", vocab_size=load_manifest(t.cache_path).get("vocab_size"),
                             value=t.cache_path)
 
     def open(self, t: OfflineSection, data_path: str | None) -> tuple[Any, int | None]:
-        from hylo.pipeline.teacher.cache import TopKCacheReader
+        from hylo.pipeline.teacher.cache import TopKCacheReader  # lazy: torch
 
         reader = TopKCacheReader(t.cache_path, expect_k=t.k, expect_data=data_path)
         return reader, int(reader.manifest["vocab_size"])

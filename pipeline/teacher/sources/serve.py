@@ -47,20 +47,20 @@ class ServeSource(TeacherSourceKind):
     def start(self, t: ServeSection, fault: Any) -> Callable[[], None] | None:
         if not t.start_pool:
             return None
-        from hylo.pipeline.teacher.serve import start_teacher_pool
+        from hylo.pipeline.teacher.serve import start_teacher_pool  # lazy: torch
 
         print(f"[teacher] deploying pool {t.pool.app_name!r} ({t.pool.num_replicas} replicas)", flush=True)
         start_teacher_pool(t.model, t.pool, fault)
 
         def stop() -> None:
-            from ray import serve
+            from ray import serve  # lazy: ray
 
             serve.delete(t.pool.app_name)
 
         return stop
 
     def open(self, t: ServeSection, data_path: str | None) -> tuple[Any, int | None]:
-        from hylo.pipeline.teacher.client import TeacherClient
+        from hylo.pipeline.teacher.client import TeacherClient  # lazy: torch
 
         # the vocabulary is the replicas': each checks the ids of every row it receives
         return TeacherClient.from_config(t.pool.app_name, t.client, t.model.logits_chunk_tokens), None

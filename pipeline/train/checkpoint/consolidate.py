@@ -14,7 +14,10 @@ from pathlib import Path
 
 import torch
 
+from hylo.io import load_hylo, save_hylo
+from hylo.modeling import HyLoForCausalLM
 from hylo.pipeline.train.checkpoint.layout import CheckpointError
+from hylo.pipeline.train.nonfinite import NonFiniteError
 
 
 def _is_zero3(p: torch.nn.Parameter) -> bool:
@@ -29,7 +32,7 @@ def master_weight(p: torch.nn.Parameter) -> torch.Tensor | None:
         return None
     if not _is_zero3(p) and not hasattr(p, "_hp_mapping"):
         return None
-    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils import safe_get_full_fp32_param  # lazy: deepspeed
 
     return safe_get_full_fp32_param(p)
 
@@ -41,7 +44,7 @@ def gather_state_dict(module: torch.nn.Module, rank: int) -> tuple[dict[str, tor
     Trained parameters come from the optimiser's fp32 master weights (`master_weight`), the others
     from the module (gathered when partitioned). Also returns the names taken from working weights
     that are not fp32 (their values were rounded when the model was loaded in that dtype)."""
-    import deepspeed
+    import deepspeed  # lazy: deepspeed
 
     out: dict[str, torch.Tensor] = {}
     rounded: set[str] = set()
@@ -79,9 +82,6 @@ def consolidate_hylo(module: torch.nn.Module, out_dir: Path, rank: int, dtype: t
 
     Trained weights are the fp32 masters; frozen weights that training held in a lower precision are
     taken from `tokenizer_from`'s checkpoint itself (they never changed), so nothing is rounded."""
-    from hylo.io import load_hylo, save_hylo
-    from hylo.modeling import HyLoForCausalLM
-
     sd, rounded = gather_state_dict(module, rank)
     if rank != 0:
         return None
@@ -89,8 +89,6 @@ def consolidate_hylo(module: torch.nn.Module, out_dir: Path, rank: int, dtype: t
     # last guard: no model is written from weights that are not finite
     bad = [n for n, t in sd.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
-        from hylo.pipeline.train.nonfinite import NonFiniteError
-
         raise NonFiniteError(f"consolidation into {out_dir}: {len(bad)} tensor(s) hold NaN or inf (first: "
                              f"{bad[0]}); no model written")
     cfg = module.config

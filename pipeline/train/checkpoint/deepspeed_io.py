@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import pickle
 import random
@@ -137,8 +138,8 @@ def deepspeed_safe_globals() -> list[Any]:
     allowed for `torch.load(weights_only=True)`, and `builtins.getattr` limited to their enums' members
     (`enum_member_by_name`); anything else in a pickle is refused."""
     global DEEPSPEED_ENUMS
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # lazy: deepspeed
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # lazy: deepspeed
 
     DEEPSPEED_ENUMS = (ZeroStageEnum,)
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, (enum_member_by_name, "builtins.getattr")]
@@ -175,8 +176,6 @@ def stored_param_shapes(ckpt: Path | Loc) -> dict[str, tuple[int, ...]] | None:
     """The parameter shapes DeepSpeed recorded in a checkpoint (rank 0's model-states file: `param_shapes`
     and `frozen_param_shapes`, by the engine module's names), or None when it has no such file. The file is
     checked against the manifest's sha256 first and loaded weights-only with DeepSpeed's allow-list."""
-    import io
-
     loc = Loc.of(ckpt)
     manifest = read_manifest(loc)
     names = sorted(n for n in manifest["files"] if n.startswith(f"{ZERO_DIR}/{ZERO_TAG}/")

@@ -12,7 +12,7 @@ Design choices:
   writes the manifest (torchrun: then renames the directory into place).
 * A checkpoint is one step's: the step in its directory's name (`step_00000009`), its manifest's and its
   trainer state's must agree, and every file its manifest lists is inside its directory (no `..`, no absolute
-  path, no link out of it: `hylo.files.confined_paths`). One that fails is skipped with the reason, never
+  path, no link out of it: `hylo.manifest_paths.confined_paths`). One that fails is skipped with the reason, never
   resumed from, and never makes the real newest one look like another line of checkpoints.
 * Our own state is JSON + safetensors, written atomically (temp + rename).
 """
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from hylo import files
+from hylo import atomic, json_files, manifest_paths
 from hylo.pipeline.train.storage import Loc
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -49,20 +49,20 @@ class CheckpointError(RuntimeError):
 def write_json_atomic(path: Path, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    files.atomic_write(path, json.dumps(obj, indent=1, sort_keys=True, default=str))
+    atomic.atomic_write(path, json.dumps(obj, indent=1, sort_keys=True, default=str))
 
 
 def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with files.atomic_path(path) as tmp:
+    with atomic.atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
 
 
 def read_json(path: Path | Loc) -> Any:
     loc = Loc.of(path)
     try:
-        return files.read_json(loc, CheckpointError)
+        return json_files.read_json(loc, CheckpointError)
     except FileNotFoundError as e:
         raise CheckpointError(f"{loc}: missing") from e
 
@@ -155,7 +155,7 @@ def finalize_checkpoint(ckpt: Path | Loc, step: int, world_size: int, launch_id:
 def finalize_local(tmp: Path, final: Path, step: int, world_size: int, launch_id: str | None = None) -> None:
     """torchrun mode, rank 0 after a barrier: write the manifest of a finished `.tmp-step_N`, move it into place."""
     finalize_checkpoint(tmp, step, world_size, launch_id)
-    files.replace_dir(tmp, final)
+    atomic.replace_dir(tmp, final)
 
 
 def _compare(files: dict[str, dict[str, Any]], present: dict[str, int]) -> str | None:
@@ -190,7 +190,7 @@ def manifest_or_reason(loc: Loc) -> tuple[dict[str, Any] | None, str | None]:
                       f"checkpoint under this name? It is never resumed from (rename or remove it)")
     # every file it lists is one of its own directory's (no '..', no absolute path, no link out of it)
     try:
-        files.confined_paths(loc.local() if loc.is_local else loc.path, list(m["files"]),
+        manifest_paths.confined_paths(loc.local() if loc.is_local else loc.path, list(m["files"]),
                              loc / CHECKPOINT_MANIFEST, "files", CheckpointError, links=loc.is_local)
     except CheckpointError as e:
         return None, str(e)

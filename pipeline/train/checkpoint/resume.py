@@ -120,8 +120,8 @@ def check_student_fits(ckpt: Path | Loc, student: Path, prefix: str = "student."
     stored = stored_param_shapes(ckpt)
     if not stored:
         return
-    from hylo.config import HybridConfig
-    from hylo.modeling import HyLoForCausalLM
+    from hylo.config import HybridConfig  # lazy: transformers
+    from hylo.modeling import HyLoForCausalLM  # lazy: transformers
 
     with torch.device("meta"):
         model = HyLoForCausalLM(HybridConfig.from_hybrid_json(student))
