@@ -396,7 +396,7 @@ def row_part(row: PackedRow, ctx: WorkerContext) -> RowPart:
     if ctx.sequence_parallel == 1:
         return RowPart(row, d, 0, row.num_tokens, bounds)
     shard = shard_row(bounds, ctx.sp_rank, ctx.sequence_parallel, ctx.sp_group)
-    return RowPart(row, d, shard.start, shard.end, shard.local, shard, (shard.start, shard.end))
+    return RowPart(row, d, shard.start, shard.end, shard.local, shard)
 
 
 def report_startup(clock: StartupClock, ctx: WorkerContext) -> None:

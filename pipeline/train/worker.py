@@ -104,8 +104,11 @@ class RowPart:
     bounds: DocBounds
     # the split row's shard (hylo/seq_parallel.py); None for the whole row
     shard: RowShard | None = None
-    # (start, end) of a split row, None for the whole row: what the teacher and the base model take
-    token_range: tuple[int, int] | None = None
+
+    @property
+    def token_range(self) -> tuple[int, int] | None:
+        """(start, end) of a split row, None for the whole row: what the teacher and the base model take."""
+        return None if self.shard is None else (self.start, self.end)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -126,7 +129,7 @@ class RowPart:
     @property
     def loss_tokens(self) -> int:
         """Tokens of this part whose label is scored (a host count: the row's own for the whole row)."""
-        if self.token_range is None:
+        if self.shard is None:
             return self.row.loss_tokens
         return int(self.row.loss_mask[self.start:self.end].sum())
 
