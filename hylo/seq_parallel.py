@@ -68,6 +68,9 @@ class RowShard(NamedTuple):
     # how MLA layers see the rest of the row: "latent" (gather R + P per token) or "ulysses" (DeepSpeed's
     # all-to-all of q, k, v by heads and of the output back; heads must divide by the group size)
     mla: str = "latent"
+    # how the teacher and stage 1's base run on a split row (`train.sequence_parallel_teacher`): "allgather"
+    # or "ulysses" (this rank's tokens only, `split_attention`), "whole" (the whole row, cut to this rank's tokens)
+    teacher: str = "allgather"
 
     @property
     def continues_in(self) -> bool:
@@ -96,19 +99,23 @@ def shard_range(T: int, rank: int, sequence_parallel: int) -> tuple[int, int]:
 
 
 MLA_MODES = ("latent", "ulysses")
+TEACHER_SPLITS = ("allgather", "ulysses", "whole")
 
 
-def shard_row(bounds: DocBounds, rank: int, sequence_parallel: int, group: Any = None, mla: str = "latent") -> RowShard:
+def shard_row(bounds: DocBounds, rank: int, sequence_parallel: int, group: Any = None, mla: str = "latent",
+              teacher: str = "allgather") -> RowShard:
     """The shard of rank `rank` (of `sequence_parallel`) of the unsplit row with boundaries `bounds`."""
     if mla not in MLA_MODES:
         raise ValueError(f"sequence parallelism: MLA mode {mla!r} is not one of {', '.join(MLA_MODES)}")
+    if teacher not in TEACHER_SPLITS:
+        raise ValueError(f"sequence parallelism: teacher split {teacher!r} is not one of {', '.join(TEACHER_SPLITS)}")
     full = tuple(int(b) for b in bounds.host)
     T = full[-1]
     start, end = shard_range(T, rank, sequence_parallel)
     cut = sorted({0, end - start, *(b - start for b in full if start < b < end)})
     device = bounds.positions.device
     local = DocBounds(torch.tensor(cut, dtype=torch.int32, device=device), tuple(cut), bounds.positions[start:end])
-    return RowShard(local, start, end, T, rank, sequence_parallel, group, full, mla)
+    return RowShard(local, start, end, T, rank, sequence_parallel, group, full, mla, teacher)
 
 
 def shard_bounds(shard: RowShard, B: int, T: int, cu_seqlens: Any, cache: Any,

@@ -15,6 +15,11 @@ Design choices:
   (a token's targets depend on its whole prefix). One rule, `check_token_range`: 0 <= start < end <= T of
   every row, else ValueError naming the row and the range. A source whose `targets` takes no `token_range`
   (one registered from outside) still works: `BoundTeacher` cuts its whole-row targets (`restrict`).
+* `shards` (a list of `RowShard`, one per row, all of one range): the rank's rows as its sequence-parallel group
+  splits them. A source whose `targets` takes `shards` splits its teacher with the group: the in-process teacher
+  runs this rank's tokens only (its attention sees the row through `seq_parallel.split_attention`), the Serve pool
+  runs each row once per group. Others get the shards' range as `token_range`. A shard's `teacher` of "whole"
+  (`train.sequence_parallel_teacher`) takes the range path for every source.
 * What is asked for is a `TargetSpec` (k, form) resolved once from the config (`target_form` in
   teacher/sources, from what each source says it gives); a source refuses a form it cannot give (the
   config check makes that unreachable).
@@ -31,12 +36,15 @@ import inspect
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.pipeline.data.rows import PackedRow
+
+if TYPE_CHECKING:
+    from hylo.seq_parallel import RowShard
 
 
 @dataclass(frozen=True)
@@ -157,17 +165,33 @@ class BoundTeacher:
     vocab_size: int | None = None
 
     def targets(self, rows: Sequence[PackedRow], device: torch.device | str,
-                token_range: tuple[int, int] | None = None) -> Iterator[dict[str, Any]]:
-        """`token_range=(start, end)`: only those tokens' targets of every row (see the module docstring)."""
+                token_range: tuple[int, int] | None = None,
+                shards: Sequence[RowShard] | None = None) -> Iterator[dict[str, Any]]:
+        """`token_range=(start, end)`: only those tokens' targets of every row (see the module docstring).
+        `shards`: the rows' shards of a sequence-parallel group, one per row (their range is the token range);
+        a source whose `targets` takes them splits its teacher with the group (see the module docstring)."""
+        if shards is not None:
+            token_range = shards_range(shards, rows)
         rng = check_token_range(token_range, rows)
         if rng is None:
             yield from (place(t, device) for t in self.source.targets(rows, self.spec))
-        elif _takes_token_range(self.source):
+        elif shards is not None and shards[0].teacher != "whole" and _takes(self.source, "shards"):
+            yield from (place(t, device) for t in self.source.targets(rows, self.spec, shards=shards))
+        elif _takes(self.source, "token_range"):
             yield from (place(t, device) for t in self.source.targets(rows, self.spec, token_range=rng))
         else:
             yield from (place(restrict(t, *rng), device) for t in self.source.targets(rows, self.spec))
 
 
-def _takes_token_range(source: Any) -> bool:
+def shards_range(shards: Sequence[RowShard], rows: Sequence[PackedRow]) -> tuple[int, int]:
+    """The one token range of a step's shards (one per row, every one of the same group and range), else
+    ValueError."""
+    if len(shards) != len(rows) or len({(s.start, s.end, s.rank, s.sequence_parallel) for s in shards}) != 1:
+        raise ValueError(f"teacher targets: {len(shards)} shard(s) for {len(rows)} row(s), of ranges "
+                         f"{sorted({(s.start, s.end) for s in shards})}: one shard per row, all of one range")
+    return shards[0].start, shards[0].end
+
+
+def _takes(source: Any, name: str) -> bool:
     params = inspect.signature(source.targets).parameters
-    return "token_range" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())

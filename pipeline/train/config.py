@@ -145,6 +145,10 @@ def sp_shard_problem(tokens: int, sp: int, conv_size: int, length: str = "", at:
     return None
 
 
+# How the teacher and stage 1's base split with the row (`train.sequence_parallel_teacher`; hylo/seq_parallel.py
+# holds the same tuple, a test checks that they agree).
+TEACHER_SPLITS = ("allgather", "ulysses", "whole")
+
 # The global batch whatever the number of workers: 4,096 rows per worker x 256 workers.
 MAX_GLOBAL_BATCH = MAX_GRAD_ACCUM * 256
 
@@ -152,7 +156,8 @@ MAX_GLOBAL_BATCH = MAX_GRAD_ACCUM * 256
 @dataclass
 @rules(global_batch_sequences=between(1, MAX_GLOBAL_BATCH, note=f"{MAX_GLOBAL_BATCH:,} = {MAX_GRAD_ACCUM:,} packed rows "
                                      f"per worker per optimiser step x 256 workers"), epochs=above(0), max_steps=at_least(1), total_steps=at_least(1),
-       seed=SEED, nonfinite_patience=at_least(0), sequence_parallel=at_least(1))
+       seed=SEED, nonfinite_patience=at_least(0), sequence_parallel=at_least(1),
+       sequence_parallel_teacher=one_of(*TEACHER_SPLITS))
 class TrainSection:
     # Optimiser step = this many packed rows over all workers (grad accumulation fills the rest).
     global_batch_sequences: int = 8
@@ -171,6 +176,11 @@ class TrainSection:
     # parallelism runs across the groups (ray.num_workers / N of them); ZeRO-3 still shards over every
     # worker. 1 = off. May change on resume (same ray.num_workers). (pipeline/train/README.md)
     sequence_parallel: int = 1
+    # How the teacher (stage 2's in-process teacher or Serve pool) and stage 1's base split with the row:
+    # "allgather" (each rank runs its own tokens, attention all-gathers the keys and values: any head count),
+    # "ulysses" (DeepSpeed's all-to-all by heads: the heads must divide by N), "whole" (every rank runs the
+    # whole row and keeps its tokens: N times the FLOPs). docs/sequence-parallel.md compares them.
+    sequence_parallel_teacher: str = "allgather"
 
 
 @dataclass
@@ -564,7 +574,7 @@ NON_BREAKING = (
     "train.nonfinite_patience",
     # the same rows in the same steps at any N (the data position is kept in global rows; ZeRO-3 shards over
     # every worker whatever N): a run saved at N = 4 resumes at N = 2 or 1
-    "train.sequence_parallel",
+    "train.sequence_parallel", "train.sequence_parallel_teacher",
     # data.seq_len is a check of the rows' length, which the data decides (its fingerprint is checked on resume)
     "data.path", "data.seq_len", "model.student", "model.base", "teacher.model.path", "teacher.model.device",
     "teacher.model.torch_threads", "teacher.model.max_forward_tokens", "teacher.pool.", "teacher.client.max_inflight_rows",

@@ -395,7 +395,8 @@ def row_part(row: PackedRow, ctx: WorkerContext) -> RowPart:
     bounds = d.bounds()
     if ctx.sequence_parallel == 1:
         return RowPart(row, d, 0, row.num_tokens, bounds)
-    shard = shard_row(bounds, ctx.sp_rank, ctx.sequence_parallel, ctx.sp_group)
+    shard = shard_row(bounds, ctx.sp_rank, ctx.sequence_parallel, ctx.sp_group,
+                      teacher=ctx.cfg.train.sequence_parallel_teacher)
     return RowPart(row, d, shard.start, shard.end, shard.local, shard)
 
 

@@ -79,12 +79,18 @@ class KDStudent(nn.Module):
 
 
 def teacher_targets(teacher: BoundTeacher, parts: list[RowPart], device: torch.device) -> Iterator[dict[str, Any]]:
-    """The teacher's targets of each part's tokens (every source takes a token range); the rows of a step in one
-    request when their parts agree (rows of one length, as packing pads them), else row by row."""
+    """The teacher's targets of each part's tokens (every source takes the parts' shards: their token range, or a
+    teacher split with the group); the rows of a step in one request when their parts agree (rows of one length,
+    as packing pads them), else row by row."""
     ranges = {p.token_range for p in parts}
     if len(ranges) == 1:
-        return teacher.targets([p.row for p in parts], device, token_range=ranges.pop())
-    return (t for p in parts for t in teacher.targets([p.row], device, token_range=p.token_range))
+        return teacher.targets([p.row for p in parts], device, shards=_shards(parts))
+    return (t for p in parts for t in teacher.targets([p.row], device, shards=_shards([p])))
+
+
+def _shards(parts: list[RowPart]) -> list[RowShard] | None:
+    """The parts' shards (the teacher splits with the group), None for whole rows."""
+    return None if parts[0].shard is None else [p.shard for p in parts]
 
 
 def module_inputs(part: RowPart, teacher: dict[str, Any], ce: bool) -> tuple[Any, ...]:
