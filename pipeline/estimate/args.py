@@ -12,11 +12,21 @@ from typing import TYPE_CHECKING
 from hylo.outputs import check_output_file
 from hylo.pipeline import estimate
 from hylo.pipeline.cli import MAX_WORLD_SIZE, bounded_int
-from hylo.pipeline.config import add_config_args, config_file, maybe_print_config, read_config_file
-from hylo.pipeline.train.config import load_stage_config
+from hylo.pipeline.config import (
+    add_config_args,
+    config_file,
+    flag_overrides,
+    maybe_print_config,
+    read_config_file,
+)
+from hylo.pipeline.train.config import TEACHER_SPLITS, load_stage_config
 
 if TYPE_CHECKING:
     from hylo.pipeline.train.config import StageConfig
+
+
+# the shorthand flags that set config keys (pipeline/config.flag_overrides)
+FLAG_KEYS = {"teacher_split": "train.sequence_parallel_teacher"}
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
@@ -36,6 +46,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                     help="one row split by tokens over N GPUs (default: the config's train.sequence_parallel, else 1): "
                          "per GPU the rank's step at T/N tokens plus what splitting adds, and the bytes each layer "
                          "sends (pipeline/estimate/sp.py)")
+    ap.add_argument("--teacher-split", choices=TEACHER_SPLITS, default=None,
+                    help="how the teacher (stage 1: the base) splits with the row, train.sequence_parallel_teacher: "
+                         "its figures per GPU are printed whole (before) and split this way (after) "
+                         "(pipeline/estimate/sp_teacher.py)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help="the step's dtype (default: model.dtype as on a GPU: auto = bfloat16)")
     ap.add_argument("--cpu", action="store_true",
@@ -59,6 +73,8 @@ def estimate_args(argv: list[str] | None, description: str | None = None) -> tup
     if args.stage is None:  # a stage's --print-config (and this job's) heads its file with `stage: N`
         named = read_config_file(args.config)[0].get("stage") if args.config else None
         args.stage = named if named in (1, 2) else 2
-    cfg = load_stage_config(args.stage, args.config, args.overrides)
+    # --teacher-split is train.sequence_parallel_teacher (checked by the config's rules)
+    overrides = [*args.overrides, *flag_overrides(args, FLAG_KEYS)]
+    cfg = load_stage_config(args.stage, args.config, overrides)
     maybe_print_config(cfg, args)
     return args, cfg

@@ -4,6 +4,7 @@ direction only (sp -> step)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,15 @@ from hylo.pipeline.estimate.args import estimate_args
 from hylo.pipeline.estimate.report import format_table
 from hylo.pipeline.estimate.shapes import Shapes, shapes_of
 from hylo.pipeline.estimate.sp import check_sequence_parallel, estimate_sp, format_sp
+from hylo.pipeline.estimate.sp_teacher import (
+    TeacherDims,
+    check_teacher_split,
+    format_pool,
+    format_teacher,
+    teacher_comm,
+    teacher_peak,
+    teacher_split,
+)
 from hylo.pipeline.estimate.step import (
     DOC_TOKENS,
     check_estimate_tokens,
@@ -25,6 +35,8 @@ from hylo.pipeline.estimate.step import (
 )
 from hylo.pipeline.estimate.tracking import Progress
 from hylo.pipeline.paths import resolve_paths
+from hylo.pipeline.teacher.model import torch_dtype
+from hylo.pipeline.teacher.protocol import TargetSpec
 from hylo.pipeline.teacher.sources import source_kind
 from hylo.pipeline.train.config import Stage2Config, StageConfig, load_conversion_config, sp_shard_problem
 from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
@@ -46,6 +58,48 @@ def describe(cfg: StageConfig, shapes: Shapes, W: int, dtype: torch.dtype, confi
                      f"{shapes.teacher.hidden_size})"
         head += f"\nteacher{tshape} {source_kind(t.source).where}, fused KL over {form}"
     return head
+
+
+def frozen_model(cfg: StageConfig, shapes: Shapes, dtype: torch.dtype) -> tuple[Any, str, torch.dtype, bool]:
+    """The frozen model a split row splits (stage 1's base, stage 2's teacher in-process or in the pool): its config,
+    what it is, its dtype, whether it computes logits (top-k records, streamed logits); (None, ...) if none."""
+    if not isinstance(cfg, Stage2Config):
+        return shapes.base, "stage 1's base", dtype, False
+    t = cfg.teacher
+    runs = source_kind(t.source).model_runs
+    if runs is None or shapes.teacher is None:
+        return None, "", dtype, False
+    what = "teacher" if runs == "step" else "teacher replica"
+    return shapes.teacher, what, torch_dtype(t.model.dtype), TargetSpec(t.k, t.form).form != "hidden"
+
+
+def print_teacher(config: Any, what: str, dtype: torch.dtype, lm_head: bool, tokens: list[int], N: int, mode: str,
+                  steps: list[Any] | None, replicas: int = 0) -> dict[str, Any]:
+    """Print the frozen model per GPU whole (before) and split (after), and the bytes of each scheme; the Serve
+    pool's work per row (sp_teacher.py). Returns the figures for --json."""
+    after_mode = mode if mode != "whole" else "allgather"
+    measured: dict = {}
+    kept = what != "stage 1's base"
+    before = [teacher_split(config, T, N, "whole", dtype, lm_head, measured, kept) for T in tokens]
+    after = [teacher_split(config, T, N, after_mode, dtype, lm_head, measured, kept) for T in tokens]
+    b = torch.empty((), dtype=dtype).element_size()
+    comm = [teacher_comm(TeacherDims.of(config), T, N, b) for T in tokens]
+    name = f"{what} ({config.num_hidden_layers} layers, {config.num_attention_heads} heads, " \
+           f"{getattr(config, 'num_key_value_heads', None) or config.num_attention_heads} kv heads)"
+    if what == "teacher replica":
+        print(format_pool([measured[T] for T in tokens], N, replicas))
+        print()
+        print(format_teacher(before, after, comm, f"{name} if it ran on the training GPUs"))
+    else:
+        print(format_teacher(before, after, comm, name, steps))
+    if mode == "whole":
+        print("(train.sequence_parallel_teacher is whole: the split shown is allgather, the default)")
+    out: dict[str, Any] = {"mode": mode, "before": [e.to_dict() for e in before], "after": [e.to_dict() for e in after],
+                           "communication": [[dataclasses.asdict(c) | {"total": c.total} for c in x] for x in comm]}
+    if steps is not None:
+        out["training_gpu_peak"] = {"before": [teacher_peak(s, e) for s, e in zip(steps, before)],
+                                    "after": [teacher_peak(s, e) for s, e in zip(steps, after)]}
+    return out
 
 
 def main(argv: list[str] | None = None, description: str | None = None) -> int:
@@ -86,7 +140,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         if why := sp_shard_problem(T, N, conv):
             raise BadArgument(f"{'--sequence-parallel' if args.sequence_parallel else 'train.sequence_parallel'}={N}: "
                               f"{why}")
-    # with sequence parallelism each rank's own step is the step at T / N tokens
+    frozen, frozen_what, frozen_dtype, lm_head = frozen_model(cfg, shapes, dtype)
+    split_key = "--teacher-split" if args.teacher_split else "train.sequence_parallel_teacher"
+    if frozen is not None:
+        check_teacher_split(TeacherDims.of(frozen), N, cfg.train.sequence_parallel_teacher, split_key)
     # with sequence parallelism: the split step itself, as the last rank of a row that is one document (its MLA
     # layers attend to every earlier key of the row: the worst rank of the worst row)
     ests = [estimate_step(cfg, T, W, dtype, gpu=not args.cpu, shapes=shapes, stage1=stage1, sequence_parallel=N,
@@ -103,11 +160,18 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         sp = [estimate_sp(cfg, T, N, W, dtype, e, shapes.student, split=True) for T, e in zip(tokens, ests)]
         print(format_sp(sp))
         out["sequence_parallel_estimates"] = [e.to_dict() for e in sp]
+        if frozen is not None:
+            print()
+            out["teacher_split"] = print_teacher(frozen, frozen_what, frozen_dtype, lm_head, tokens, N,
+                                                 cfg.train.sequence_parallel_teacher,
+                                                 ests if frozen_what != "teacher replica" else None,
+                                                 cfg.teacher.pool.num_replicas if replicas else 0)
     else:
         print(format_table("training GPU:", ests))
     if replicas:
-        # the pool answers each rank's shard: rows of T / N tokens
-        teach = [estimate_teacher_replica(cfg, T // N, shapes) for T in tokens]
+        # a replica runs whole rows: before, once per rank of a group (each answered with its range); after, once
+        # per row of a group
+        teach = [estimate_teacher_replica(cfg, T, shapes) for T in tokens]
         print()
         print(format_table(f"teacher replica GPU (teacher.pool: {cfg.teacher.pool.num_replicas} replicas, "
                            f"{teach[0].notes[0]}):", teach))

@@ -43,6 +43,9 @@ HOST_VALUES: dict[tuple[str, str], tuple[Any, str]] = {
     ("kernels/fused_kl/inputs.py", "*"): (False, "the fused KL's input value checks (NaN, ranges): they pass"),
     ("kernels/fused_kl/chunked.py", "backward"): (False, "grad_output == 1? No: the step scales its loss by W / n_global"),
     ("pipeline/train/plain_engine.py", "get_global_grad_norm"): (0.0, "the clipped gradient norm (reporting)"),
+    # transformers' check whether a row packs several documents (`_untraced_masks`): where its positions are made on
+    # the device (TeacherModel._forward_docs: 0..L-1 for each document), one document, so no mask is built
+    ("transformers/masking_utils.py", "find_packed_sequence_indices"): (True, "one document per sequence (0..L-1)"),
 }
 # the estimator's own frames, skipped when looking for the line that reads a device value
 _HERE = "/pipeline/estimate/"
@@ -180,6 +183,22 @@ def _noop_conversions() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _untraced_masks() -> Iterator[None]:
+    """transformers' attention masks as a GPU run builds them. Its `is_tracing(tensor)` takes a fake tensor for a
+    graph being traced, and then builds a [T, T] mask where a real run checks the positions and builds none (a
+    causal SDPA): 16 GiB at 128K tokens. Here a fake tensor is a device tensor like any other; what the checks
+    read of it is a `HOST_VALUES` entry."""
+    import transformers.masking_utils as masking  # lazy: transformers
+
+    original = masking.is_tracing
+    masking.is_tracing = lambda tensor=None: original(None)
+    try:
+        yield
+    finally:
+        masking.is_tracing = original
+
+
+@contextlib.contextmanager
 def fake_tensors(gpu: bool = False) -> Iterator[HostOps]:
     """The fake mode the estimate runs in. `gpu`: the GDN / Mamba-2 scans as a GPU runs them, through fla's
     kernels, priced by their allocations and saved tensors (`hylo.kernels.fla_shapes`); else our torch scans,
@@ -190,7 +209,7 @@ def fake_tensors(gpu: bool = False) -> Iterator[HostOps]:
     # attention's index tensors, the fused KL's deferred check flags (read here, as the step's end does)
     packed_sdpa._indices.cache_clear()
     standins = kernel_standins(host.classes)
-    with FakeTensorMode(allow_non_fake_inputs=True), _noop_conversions(), standins, host, scans:
+    with FakeTensorMode(allow_non_fake_inputs=True), _noop_conversions(), _untraced_masks(), standins, host, scans:
         try:
             yield host
         finally:

@@ -25,8 +25,9 @@ def fused_attention() -> Iterator[None]:
 
     sdpa, bias = F.scaled_dot_product_attention, masks.causal_lower_right
 
-    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
-        return sdpa(q, k, v, scale=scale)
+    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **kw):
+        # a grouped-query model's (transformers' Llama / Qwen3) fewer key-value heads stay grouped
+        return sdpa(q, k, v, scale=scale, enable_gqa=enable_gqa)
 
     # hylo.seq_parallel.attend_shard imports the bias where it runs: patched in torch's module
     F.scaled_dot_product_attention, masks.causal_lower_right = fused, lambda *a: None

@@ -31,6 +31,7 @@ from hylo.pipeline.estimate.fake_group import split_rank
 from hylo.pipeline.estimate.gpus import GPU, GPUS
 from hylo.pipeline.estimate.shapes import Shapes, ShapeTeacher, shapes_of
 from hylo.pipeline.estimate.tracking import (
+    MarkedCall,
     MarkedSource,
     Phases,
     Progress,
@@ -79,6 +80,8 @@ class Estimate:
     start_bytes: float = 0.0
     phase_peaks: dict[str, float] = field(default_factory=dict)
     peaks_by_world: dict[int, float] = field(default_factory=dict)
+    # per GPU, the peak inside the teacher's forward ("teacher forward") and outside it ("unmarked")
+    mark_peaks: dict[str, float] = field(default_factory=dict)
     # (op, operand shapes, calls, FLOPs) of the step's matrix products, largest first
     gemms: list[tuple[str, tuple, int, int]] = field(default_factory=list)
     teacher_parameters: int = 0
@@ -245,6 +248,8 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
             hooks = progress.watch(task.student, "student") + progress.watch(frozen, "base" if stage == 1 else "teacher")
         if stage == 2:
             task.teacher.source = MarkedSource(task.teacher.source, phases)
+        else:
+            task.base = MarkedCall(task.base, phases)
         host.reads.clear()
         host.gemms.clear()
         tracker = memory.tracker
@@ -295,6 +300,7 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
                     peak_bytes=peak, peak_phase=str(at.get("phase")), loss_chunk_bytes=max(phases.loss_peaks, default=0.0),
                     flops=flops, host_reads=sorted(set(host.reads)), start_bytes=start + zero, peaks_by_world=by_world,
                     phase_peaks={k: v + zero for k, v in memory.phase_peaks.items()},
+                    mark_peaks={k: v + zero for k, v in memory.mark_peaks.items()},
                     gemms=sorted(((op, shp, c, f) for (op, shp), (c, f) in host.gemms.items()), key=lambda g: -g[3]),
                     teacher_parameters=sum(p.numel() for p in frozen_params), seconds=time.perf_counter() - t0,
                     flops_by_dtype={k: v for k, v in phases.by_dtype.items() if any(v.values())})

@@ -85,6 +85,10 @@ class StepMemory:
         self.other_worlds: tuple[int, ...] = ()
         self.other_peaks: dict[int, float] = {}
         self.phase_peaks: dict[str, float] = {}
+        # a part of a phase marked apart (`mark`: the teacher's forward, `MarkedSource`) -> its peak; "unmarked": the
+        # peak of the rest of the step
+        self.mark: str | None = None
+        self.mark_peaks: dict[str, float] = {}
         self.at_peak: dict[str, Any] = {}
         self.windows: list[list[float]] = []
         self.active = False
@@ -120,6 +124,9 @@ class StepMemory:
             self.other_peaks[other] = max(self.other_peaks.get(other, 0.0), x)
         if per_gpu > self.phase_peaks.get(self.phase, 0.0):
             self.phase_peaks[self.phase] = per_gpu
+        mark = self.mark or "unmarked"
+        if per_gpu > self.mark_peaks.get(mark, 0.0):
+            self.mark_peaks[mark] = per_gpu
         if per_gpu > self.peak:
             self.peak = per_gpu
             self.at_peak = {"phase": self.phase, "total": total, "gradients": grads, **s}
@@ -221,21 +228,50 @@ def loss_marked(phases: Phases) -> Iterator[None]:
 
 
 class MarkedSource:
-    """A teacher source whose computation counts as the 'teacher forward' phase."""
+    """A teacher source whose computation counts as the 'teacher forward' phase of the FLOPs, and is marked apart
+    in the memory (`StepMemory.mark`: the step's peak outside it, for sp_teacher.py). Its `targets` takes what the source's
+    takes (a token range, a group's shards), so that `BoundTeacher` calls it as it calls the source."""
 
     def __init__(self, source: Any, phases: Phases) -> None:
         self.source, self.phases = source, phases
 
-    def targets(self, rows, spec):
-        it = iter(self.source.targets(rows, spec))
-        while True:
-            with self.phases.phase("teacher forward"):
+        @functools.wraps(source.targets)
+        def targets(rows, spec, **kwargs):
+            it = iter(self.source.targets(rows, spec, **kwargs))
+            memory = self.phases.memory
+            while True:
+                memory.mark = "teacher forward"
                 try:
-                    item = next(it)
+                    with self.phases.phase("teacher forward"):
+                        item = next(it)
                 except StopIteration:
                     return
-            yield item
+                finally:
+                    memory.mark = None
+                yield item
 
+        # `inspect.signature` follows `__wrapped__`: the source's own parameters
+        self.targets = targets
+
+
+class MarkedCall:
+    """A callable (stage 1's `BaseLayerTargets`) whose calls count as the 'base forward' phase of the FLOPs, marked
+    apart in the memory as `MarkedSource` marks the teacher's; every other attribute is the callable's own."""
+
+    def __init__(self, target: Any, phases: Phases, name: str = "base forward") -> None:
+        self._target, self._phases, self._name = target, phases, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        memory = self._phases.memory
+        memory.mark = self._name
+        try:
+            with self._phases.phase(self._name):
+                return self._target(*args, **kwargs)
+        finally:
+            memory.mark = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
 
 
 class Progress:

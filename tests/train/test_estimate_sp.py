@@ -243,3 +243,107 @@ def test_the_counted_bytes_are_what_the_split_layers_collectives_send(monkeypatc
             monkeypatch.undo()
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ the teacher split with the row (sp_teacher.py)
+def tiny_teacher(heads: int = 4, kv_heads: int = 2, hidden: int = 64):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16)
+
+
+@pytest.mark.parametrize("mode", ["allgather", "ulysses"])
+def test_the_split_teachers_flops_per_gpu_fall_to_one_nth_and_whole_stays_whole(mode: str):
+    from hylo.pipeline.estimate import sp_teacher as st
+
+    cfg, T = tiny_teacher(), 512
+    measured: dict = {}
+    one = st.teacher_split(cfg, T, 1, mode, torch.float32, lm_head=False, measured=measured)
+    for N in (2, 4):
+        split = st.teacher_split(cfg, T, N, mode, torch.float32, lm_head=False, measured=measured)
+        whole = st.teacher_split(cfg, T, N, "whole", torch.float32, lm_head=False, measured=measured)
+        # the forward of T / N tokens (linear parts: 1/N exactly) and the last rank's queries against the earlier
+        # keys (Tq x T of the whole row's T x T, counted dense as torch counts SDPA): 1/N of the row's forward
+        assert split.tokens_run == T // N and split.total_flops == one.total_flops // N, (N, split.flops)
+        assert whole.tokens_run == T and whole.total_flops == one.total_flops
+        # the rank's activations are measured at its tokens: fewer than the whole row's
+        assert 0 < split.activations < whole.activations and not whole.buffers and split.buffers
+    # the lm_head runs on the rank's T / N tokens in every mode (top-k records, streamed logits)
+    a = st.teacher_split(cfg, T, 4, "whole", torch.float32, lm_head=True, measured=measured)
+    b = st.teacher_split(cfg, T, 4, mode, torch.float32, lm_head=True, measured=measured)
+    assert a.flops[st.LM_HEAD] == b.flops[st.LM_HEAD] == 2 * (T // 4) * 64 * 256
+
+
+def test_the_teacher_bytes_per_layer_by_hand():
+    from hylo.pipeline.estimate import sp_teacher as st
+
+    # the 8B teacher's attention: 32 query heads, 8 key-value heads of 128; a 128K row over 4 GPUs in bf16
+    td = st.TeacherDims(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, vocab=128256)
+    T, N, b = 131072, 4, 2
+    rows = {c.scheme: c for c in st.teacher_comm(td, T, N, b)}
+    # all-gather: the other 3 ranks' 32,768 tokens of keys and values, 8 heads x 128 each: 384 MiB
+    assert rows["all-gather K, V"].total == 3 * 32768 * 2 * 8 * 128 * 2 == 384 * 2 ** 20
+    # Ulysses: 3/4 of the rank's q (32 heads), k, v (8 each) and the output (32) leave it: 480 MiB
+    assert rows["Ulysses q, k, v, o"].total == 3 / 4 * 32768 * (32 + 8 + 8 + 32) * 128 * 2 == 480 * 2 ** 20
+    assert rows["whole row (today)"].total == 0 and all(c.backward == 0 for c in rows.values())
+    # at N = 8 the all-gather sends more (7 x 16K tokens), Ulysses less (7/8 of 16K tokens' q, k, v, o)
+    at8 = {c.scheme: c for c in st.teacher_comm(td, T, 8, b)}
+    assert at8["all-gather K, V"].total == 448 * 2 ** 20 and at8["Ulysses q, k, v, o"].total == 280 * 2 ** 20
+    # key-value heads that N does not divide are replicated to the query heads: 8 kv heads over 16 ranks
+    at16 = {c.scheme: c for c in st.teacher_comm(td, T, 16, b)}
+    assert at16["Ulysses q, k, v, o"].total == 15 / 16 * 8192 * (4 * 32) * 128 * 2
+    # one layer's transient buffers: the gathered keys and values of the row; the all-to-all's both sides
+    assert st.transient_buffers(td, T, N, b, "allgather") == {st.GATHERED: T * 2 * 8 * 128 * 2}
+    assert st.transient_buffers(td, T, N, b, "ulysses") == {st.ALL_TO_ALL: 2 * 32768 * (64 + 16) * 128 * 2}
+
+
+def test_ulysses_is_flagged_and_refused_where_the_heads_do_not_split():
+    from hylo.pipeline.estimate import sp_teacher as st
+
+    # Llama-3.2-3B's 24 heads: over 16 ranks no, the largest group that works is 12
+    td = st.TeacherDims(layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, vocab=128256)
+    row = next(c for c in st.teacher_comm(td, 65536, 16, 2) if c.scheme.startswith("Ulysses"))
+    assert math.isnan(row.total) and "24 heads" in row.note
+    with pytest.raises(BadArgument, match=r"^train.sequence_parallel_teacher=ulysses at N = 16: .*24 query heads"
+                                          r".*the largest N that works is 12"):
+        st.check_teacher_split(td, 16, "ulysses", "train.sequence_parallel_teacher")
+    # the all-gather takes any head count; Ulysses where N divides the heads
+    st.check_teacher_split(td, 16, "allgather", "train.sequence_parallel_teacher")
+    st.check_teacher_split(td, 8, "ulysses", "--teacher-split")
+
+
+def test_hylo_estimate_prints_the_teacher_before_and_after_and_refuses_ulysses_it_cannot_split(tmp_path: Path,
+                                                                                                capsys):
+    from hylo.pipeline.estimate.cli import main
+
+    tiny().save_pretrained(tmp_path / "student")
+    tiny_teacher(heads=6, kv_heads=2, hidden=96).save_pretrained(tmp_path / "teacher")
+    cfg = {"model": {"student": str(tmp_path / "student"), "activation_checkpointing": True},
+           "train": {"global_batch_sequences": 4}, "ray": {"num_workers": 4},
+           "data": {"source": "synthetic", "seq_len": 128},
+           "teacher": {"source": "inprocess", "k": 8, "model": {"path": str(tmp_path / "teacher")}}}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "est.json"
+    assert main(["--config", str(path), "--sequence-parallel", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for words in ("before, whole: tokens run", "after, allgather: tokens run", "training GPU peak, after",
+                  "teacher, all-gather K, V", "teacher, Ulysses q, k, v, o", "teacher, whole row (today)"):
+        assert words in text, text
+    t = json.loads(out.read_text())["teacher_split"]
+    assert t["mode"] == "allgather" and t["before"][0]["tokens_run"] == 128 and t["after"][0]["tokens_run"] == 64
+    peak = t["training_gpu_peak"]
+    assert peak["after"][0] <= peak["before"][0]
+    # 6 heads over 4 ranks: Ulysses is refused before the step runs, with the largest N that works
+    with pytest.raises(BadArgument, match=r"^--teacher-split=ulysses at N = 4: .*largest N that works is 3"):
+        main(["--config", str(path), "--sequence-parallel", "4", "--teacher-split", "ulysses"])
+
+
+def test_the_teacher_forward_builds_no_row_by_row_mask_on_fake_tensors():
+    """transformers takes a fake tensor for a traced graph and builds a [T, T] mask a GPU run does not build
+    (`fake._untraced_masks`): the teacher's forward is linear in its tokens, as SDPA's causal kernel holds it."""
+    from hylo.pipeline.estimate import sp_teacher as st
+
+    a, b = (st.measure_forward(tiny_teacher(), T, torch.float32).activations for T in (2048, 4096))
+    assert 1.9 * a < b < 2.1 * a, (a, b)
