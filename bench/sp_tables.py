@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from hylo.pipeline.estimate import GPUS, estimate_step, shapes_of  # noqa: E402
 from hylo.pipeline.estimate.sp import STATES, Dims, communication, extra_memory, measure_mla_extra  # noqa: E402
+from hylo.pipeline.estimate.sp_teacher import TeacherDims, measure_forward, transient_buffers  # noqa: E402
 from hylo.pipeline.train.config import load_stage_config  # noqa: E402
 
 RECIPES = [REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml", REPO / "configs" / "llama-3.2-3b-14mla14gdn-64k.yaml",
@@ -55,6 +56,8 @@ FIT_FROM = 16384
 NS = (1, 2, 4, 8)
 WORLDS = (4, 8)
 MAX_K = 4096
+# the tokens the in-process teacher's forward is measured at (its activations are linear in them)
+TEACHER_TOKENS = (16384, 32768)
 GIB = 1 << 30
 
 
@@ -76,11 +79,25 @@ def measure(locals_: tuple[int, ...] = LOCAL, recipes: list[Path] = RECIPES) -> 
             t0 = time.perf_counter()
             e = estimate_step(cfg, L, WORLDS[0], torch.bfloat16, gpu=True, shapes=shapes, other_worlds=WORLDS[1:])
             peaks = {WORLDS[0]: e.peak_bytes, **{w: e.peaks_by_world[w] for w in WORLDS[1:]}}
-            rows.append({"tokens": L, "peak_bytes": {str(w): p for w, p in peaks.items()}, "flops": e.total_flops})
+            rows.append({"tokens": L, "peak_bytes": {str(w): p for w, p in peaks.items()}, "flops": e.total_flops,
+                         # the states at the step's start per GPU (the in-process teacher's forward sits on them)
+                         "start_bytes": {str(w): start_at(e, cfg, w) for w in WORLDS}})
             print(f"[measured] {path.stem} L={L}: " + ", ".join(f"W={w} {p / GIB:.1f} GiB" for w, p in peaks.items())
                   + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         out[path.stem] = rows
     return out
+
+
+def start_at(e, cfg, W: int) -> float:
+    """The step's start per GPU at ZeRO-3 world W from its estimate at e.world_size: the sharded states (parameters,
+    fp32 masters, AdamW moments) over W, the gathered parameters and reduce bucket at W (step.estimate_step)."""
+    W0 = e.world_size
+    states = e.memory["parameters"] + e.memory["optimizer states (fp32 master + AdamW)"]
+    zero = e.memory.get("ZeRO-3 gathered parameters + reduce bucket", 0.0)
+    el = 2 if e.dtype == "bfloat16" else 4
+    bucket = cfg.deepspeed.reduce_bucket_size * el
+    gathered = (zero - bucket) / (1 - 1 / W0) * (1 - 1 / W) if W0 > 1 else 0.0
+    return e.start_bytes - states - zero + states * W0 / W + (gathered + bucket if W > 1 else 0.0)
 
 
 def fit(rows: list[dict], W: int) -> tuple[float, float, float]:
@@ -99,6 +116,7 @@ class Recipe:
     def __init__(self, name: str, rows: list[dict]) -> None:
         self.name = name
         self.cfg, shapes = _configs(REPO / "configs" / f"{name}.yaml")
+        self.shapes, self.rows = shapes, rows
         self.hc = shapes.student
         self.ckpt = bool(self.cfg.model.activation_checkpointing)
         self.fits = {W: fit(rows, W) for W in WORLDS}
@@ -117,14 +135,35 @@ class Recipe:
         layer = max(self.mla_per_key * (T - T // N), self.linear_per_token * T / N)
         return a + b * T / N + layer + extra_memory(self.hc, T, N, self.dtype_bytes, self.ckpt)[STATES]
 
-    def longest(self, N: int, W: int, gpu) -> int:
-        """Largest T (a multiple of 1K, T / N whole) that fits `gpu`, 0 if none; MAX_K K if all do."""
+    def longest(self, N: int, W: int, gpu, peak=None) -> int:
+        """Largest T (a multiple of 1K, T / N whole) that fits `gpu`, 0 if none; MAX_K K if all do. `peak(T, N,
+        W)`: the peak to fit (default `self.peak`)."""
+        peak = peak or self.peak
         best = 0
         for k in range(1, MAX_K + 1):
             T = k * 1024
-            if T % N == 0 and gpu.fits(self.peak(T, N, W)):
+            if T % N == 0 and gpu.fits(peak(T, N, W)):
                 best = T
         return best
+
+    def teacher(self) -> None:
+        """The recipe's teacher in-process (on every training GPU): its forward measured at TEACHER_TOKENS (linear
+        in the tokens it runs: SDPA's causal kernel), its weights, the step's start per GPU."""
+        t_cfg = self.shapes.teacher
+        self.td = TeacherDims.of(t_cfg)
+        f = [measure_forward(t_cfg, L, torch.bfloat16) for L in TEACHER_TOKENS]
+        self.t_weights = f[0].weights
+        self.t_slope = (f[1].activations - f[0].activations) / (f[1].tokens - f[0].tokens)
+        self.t_base = f[0].activations - self.t_slope * f[0].tokens
+        self.starts = {W: self.rows[0]["start_bytes"][str(W)] for W in WORLDS}
+
+    def peak_teacher(self, T: int, N: int, W: int, mode: str) -> float:
+        """With the teacher in-process: the larger of the student's step (plus the teacher's weights) and the
+        teacher's forward on the step's start (sp_teacher.py), the teacher run `mode`."""
+        run = T if mode == "whole" or N == 1 else T // N
+        buffers = sum(transient_buffers(self.td, T, N, 2, mode).values()) + run * self.td.hidden * 2
+        forward = self.starts[W] + self.t_weights + self.t_base + self.t_slope * run + buffers
+        return max(self.peak(T, N, W) + self.t_weights, forward)
 
 
 def _k(T: int) -> str:
@@ -176,6 +215,27 @@ def tables(data: dict) -> str:
     for r in recipes:
         out.append(f"| {r.name} | " + " | ".join(_k(r.longest(n, 4, mi)) for n in (1, 2, 4))
                    + f" | {_k(r.longest(8, 8, mi))} |")
+
+    with_teacher = [r for r in recipes if "start_bytes" in r.rows[0]]
+    if with_teacher:
+        W = 8
+        out += ["", f"Longest context per training GPU with the recipe's teacher in-process (ZeRO-3 over W = {W}): "
+                "the teacher run whole on every GPU (today) / split with the row (all-gather; Ulysses within 0.1 "
+                "GiB):", ""]
+        out += ["| recipe (teacher) | GPU | " + " | ".join(f"N = {n}" for n in NS) + " |", "|---|---|" + "---|" * len(NS)]
+        for r in with_teacher:
+            r.teacher()
+            tname = Path(r.cfg.teacher.model.path).name
+            for i, g in enumerate(GPUS):
+                cells = []
+                for n in NS:
+                    whole = r.longest(n, W, g, lambda T, N, Wn, r=r: r.peak_teacher(T, N, Wn, "whole"))
+                    if n == 1:
+                        cells.append(_k(whole))
+                        continue
+                    split = r.longest(n, W, g, lambda T, N, Wn, r=r: r.peak_teacher(T, N, Wn, "allgather"))
+                    cells.append(f"{_k(whole)} / {_k(split)}")
+                out.append(f"| {f'{r.name} ({tname})' if i == 0 else ''} | {g.name} | " + " | ".join(cells) + " |")
 
     out += ["", "Communication per layer and GPU per step (forward, again in the checkpoint's recompute, backward), "
             "MiB, and the group's bytes per token of the row (B/tok, at 64K: the same at any length for MLA's two "
