@@ -23,6 +23,11 @@ pool or the offline cache: the same records on the training GPU), ZeRO-3 over W 
   search over lengths); at the 3B recipe's 128K over 8 GPUs it gives 31.1 GiB, this model 32.5;
 * "longest context": the largest T, a multiple of 1K, whose peak is within 90 % of the GPU's memory (`GPU.fits`),
   searched up to 4M tokens. Above 32K tokens per rank it extrapolates the line.
+* with the recipe's teacher in-process (on every training GPU; pipeline/estimate/sp_teacher.py): the larger of
+  the rank's step plus the teacher's weights and the teacher's forward on the step's start (kept per W in the
+  measurements: `start_bytes`). The forward is measured at 16K and 32K tokens (linear in them) and run whole
+  (T tokens, today) or split (T / N tokens, plus one layer's all-gather or all-to-all buffers). Measurements
+  kept without `start_bytes` print no such table.
 """
 
 from __future__ import annotations
@@ -43,7 +48,12 @@ sys.path.insert(0, str(REPO))
 
 from hylo.pipeline.estimate import GPUS, estimate_step, shapes_of  # noqa: E402
 from hylo.pipeline.estimate.sp import STATES, Dims, communication, extra_memory, measure_mla_extra  # noqa: E402
-from hylo.pipeline.estimate.sp_teacher import TeacherDims, measure_forward, transient_buffers  # noqa: E402
+from hylo.pipeline.estimate.sp_teacher import (  # noqa: E402
+    TeacherDims,
+    measure_forward,
+    transient_buffers,
+    ulysses_problem,
+)
 from hylo.pipeline.train.config import load_stage_config  # noqa: E402
 
 RECIPES = [REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml", REPO / "configs" / "llama-3.2-3b-14mla14gdn-64k.yaml",
@@ -195,7 +205,7 @@ def tables(data: dict) -> str:
             out.append(f"| {r.name if i == 0 else ''} | {g.name} | "
                        + " | ".join(_k(r.longest(n, W, g)) for n in NS) + " |")
 
-    r3 = next(r for r in recipes if "3b" in r.name)
+    r3 = next((r for r in recipes if "3b" in r.name), recipes[0])
     h100 = next(g for g in GPUS if g.name == "H100")
     T = 131072
     out += ["", f"{r3.name} at 128K per H100 ({h100.memory_gib:.1f} GiB, fits within {0.9 * h100.memory_gib:.1f}):", ""]
@@ -220,8 +230,7 @@ def tables(data: dict) -> str:
     if with_teacher:
         W = 8
         out += ["", f"Longest context per training GPU with the recipe's teacher in-process (ZeRO-3 over W = {W}): "
-                "the teacher run whole on every GPU (today) / split with the row (all-gather; Ulysses within 0.1 "
-                "GiB):", ""]
+                "the teacher run whole on every GPU (today) / split with the row by the all-gather / by Ulysses:", ""]
         out += ["| recipe (teacher) | GPU | " + " | ".join(f"N = {n}" for n in NS) + " |", "|---|---|" + "---|" * len(NS)]
         for r in with_teacher:
             r.teacher()
@@ -233,8 +242,10 @@ def tables(data: dict) -> str:
                     if n == 1:
                         cells.append(_k(whole))
                         continue
-                    split = r.longest(n, W, g, lambda T, N, Wn, r=r: r.peak_teacher(T, N, Wn, "allgather"))
-                    cells.append(f"{_k(whole)} / {_k(split)}")
+                    split = [r.longest(n, W, g, lambda T, N, Wn, r=r, m=m: r.peak_teacher(T, N, Wn, m))
+                             if m == "allgather" or not ulysses_problem(r.td, n) else None
+                             for m in ("allgather", "ulysses")]
+                    cells.append(" / ".join(_k(x) if x is not None else "n/a" for x in (whole, *split)))
                 out.append(f"| {f'{r.name} ({tname})' if i == 0 else ''} | {g.name} | " + " | ".join(cells) + " |")
 
     out += ["", "Communication per layer and GPU per step (forward, again in the checkpoint's recompute, backward), "

@@ -38,8 +38,8 @@ Per GPU, as `teacher_split` computes it:
   the output back); whole 0. The all-gather's grow with N towards T 2 Hkv d b; Ulysses's fall as 1 / N.
 
 The training GPU's peak (in-process teacher): the larger of the step's peak outside the teacher's forward
-(measured, the forward marked apart: `tracking.MarkedSource`) and the teacher's forward on top of the step's start (the states, the
-weights): `start + activations + buffers`.
+(measured, the forward marked apart: `tracking.MarkedSource`) and the teacher's forward on top of the step's
+start (the states, the weights): `start + activations + buffers`.
 
 The Serve pool computes each row once per group (after) instead of once per rank (before): N forwards of the
 whole row per row before, one after. A replica runs whole rows either way, so its memory does not change.
