@@ -13,8 +13,10 @@ the fused loss's own peak, the teacher's weights where it runs in the trainer, t
 (default: the config's train.sequence_parallel; N divides the training workers and every row length), each row
 is split by tokens over N GPUs: per GPU the rank's step at T/N tokens, what splitting adds (the last rank's
 MLA keys from the row's start, the gathered GDN / Mamba-2 states), the extra FLOPs, and the bytes each layer
-sends per step (MLA's latent gather against Ulysses, state passing). How it is measured and
-what it leaves out: pipeline/estimate/ (its package docstring).
+sends per step (MLA's latent gather against Ulysses, state passing). The teacher (stage 1: the base) per GPU
+too, run whole on every GPU (today) against split with the row (train.sequence_parallel_teacher, or
+--teacher-split allgather|ulysses), and the bytes each teacher layer sends by either scheme. How it is measured
+and what it leaves out: pipeline/estimate/ (its package docstring).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
     hylo estimate --config configs/llama-3.2-3b-14mla14gdn-64k.yaml --tokens 131072 --sequence-parallel 4
 
 With `--sequence-parallel N` (one row split by tokens over N GPUs) the step below runs at T / N tokens, the
-rank's share, and `sp.py` adds what splitting adds and the bytes each layer sends.
+rank's share, and `sp.py` adds what splitting adds and the bytes each layer sends; `sp_teacher.py` prices the
+teacher per GPU run whole (today) and split (`train.sequence_parallel_teacher`, `--teacher-split`).
 
 Legend: T tokens of a packed row, W training workers (GPUs, the ZeRO-3 world size), P student parameters.
 
@@ -72,7 +73,8 @@ The package, along the estimate's parts (each module's docstring says more):
 * `tracking.py`: memory and FLOPs over the step (MemTracker, the phases, the engine that marks them), progress;
 * `step.py`: the estimate of one step (`estimate_step`), of a teacher replica, of one measured call;
 * `report.py`: the table `hylo estimate` prints;
-* `sp.py`: what sequence parallelism adds; `fake_group.py`: this process as a rank of torch's fake process
+* `sp.py`: what sequence parallelism adds; `sp_teacher.py`: the teacher (stage 1: the base) per GPU, run whole
+  against split with the row, and the bytes of each scheme; `fake_group.py`: this process as a rank of torch's fake process
   group; `cli.py`: `hylo estimate`'s command line; `args.py`: its flags and config, without torch (the job
   parses with it first, so `--help` and `--print-config` answer at once).
 The step itself is the stage's own: `stage1.build` / `stage2.build` with factories of models of the config's

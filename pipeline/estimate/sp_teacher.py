@@ -60,7 +60,7 @@ from hylo.pipeline.estimate.fake_group import fused_attention
 from hylo.pipeline.estimate.gpus import GPUS
 from hylo.pipeline.estimate.report import format_gib, format_tokens
 from hylo.pipeline.estimate.sp import Comm
-from hylo.pipeline.estimate.tracking import StepMemory
+from hylo.pipeline.estimate.tracking import FROZEN_FORWARD, StepMemory
 from hylo.pipeline.train.config import TEACHER_SPLITS
 
 # the split modes (each rank runs its own tokens); "whole" is today's
@@ -284,6 +284,9 @@ def format_teacher(before: list[TeacherSplit], after: list[TeacherSplit], comm: 
     lines.append(line("  FLOPs per GPU, after / before", [f"{a.total_flops / b.total_flops:.3f}"
                                                          for a, b in zip(after, before)]))
     if steps is not None:
+        # the teacher's forward as the measured step ran it (the code's own split, or whole), for comparison
+        lines.append(line("  the measured step's teacher forward beyond its start (GiB)",
+                          [format_gib(s.mark_peaks.get(FROZEN_FORWARD, s.start_bytes) - s.start_bytes) for s in steps]))
         pb = [teacher_peak(s, e) for s, e in zip(steps, before)]
         pa = [teacher_peak(s, e) for s, e in zip(steps, after)]
         lines.append(line("training GPU peak, before (GiB)", [format_gib(p) for p in pb]))

@@ -80,7 +80,7 @@ class Estimate:
     start_bytes: float = 0.0
     phase_peaks: dict[str, float] = field(default_factory=dict)
     peaks_by_world: dict[int, float] = field(default_factory=dict)
-    # per GPU, the peak inside the teacher's forward ("teacher forward") and outside it ("unmarked")
+    # per GPU, the peak inside the frozen model's forward (tracking.FROZEN_FORWARD) and outside it ("unmarked")
     mark_peaks: dict[str, float] = field(default_factory=dict)
     # (op, operand shapes, calls, FLOPs) of the step's matrix products, largest first
     gemms: list[tuple[str, tuple, int, int]] = field(default_factory=list)

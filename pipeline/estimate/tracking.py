@@ -227,6 +227,10 @@ def loss_marked(phases: Phases) -> Iterator[None]:
         chunked._forward_backward = original
 
 
+# the memory mark of the frozen model's forward (stage 2's teacher, stage 1's base): `StepMemory.mark_peaks`
+FROZEN_FORWARD = "frozen model forward"
+
+
 class MarkedSource:
     """A teacher source whose computation counts as the 'teacher forward' phase of the FLOPs, and is marked apart
     in the memory (`StepMemory.mark`: the step's peak outside it, for sp_teacher.py). Its `targets` takes what the source's
@@ -240,7 +244,7 @@ class MarkedSource:
             it = iter(self.source.targets(rows, spec, **kwargs))
             memory = self.phases.memory
             while True:
-                memory.mark = "teacher forward"
+                memory.mark = FROZEN_FORWARD
                 try:
                     with self.phases.phase("teacher forward"):
                         item = next(it)
@@ -263,7 +267,7 @@ class MarkedCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         memory = self._phases.memory
-        memory.mark = self._name
+        memory.mark = FROZEN_FORWARD
         try:
             with self._phases.phase(self._name):
                 return self._target(*args, **kwargs)
