@@ -35,7 +35,10 @@ crosses the split:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn
 
 import torch
@@ -179,9 +182,6 @@ def attend_shard(mla: Any, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c
     document, shard end) decompressed here. This rank's queries attend to them: its first document with a
     bottom-right-aligned causal mask (its keys may start on an earlier rank), the others as in the unsplit row.
     `shard.mla == "ulysses"` takes DeepSpeed's all-to-all by heads instead (`_attend_ulysses`)."""
-    # lazy: torch.nn.attention.bias imports torch._dynamo and triton (this module stays light for spawned ranks)
-    from torch.nn.attention.bias import causal_lower_right
-
     T, V, R = q_nope_BTHN.shape[1], mla.v_head_dim, mla.kv_lora_rank
     if shard.mla == "ulysses":
         return _attend_ulysses(mla, q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, shard)
@@ -192,57 +192,94 @@ def attend_shard(mla: Any, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c
     k_BHSE, v_BHSV = mla.decompressed_kv(c_kv_1SR, k_pe_1SP, mla.rotary_emb(pos_1S, q_pe_BTHP.dtype))
     q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
     q_BHTE, k_BHSE, v_BHSV = mla.equal_head_dims(q_BHTE, k_BHSE, v_BHSV)
-    off, cu = shard.start - ks, shard.local.host
+    o_BHTX = attend_keys(q_BHTE, k_BHSE, v_BHSV, shard, mla.softmax_scale)
+    assert o_BHTX.shape[2] == T
+    return o_BHTX[..., :V].transpose(1, 2)
+
+
+def attend_keys(q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSV: torch.Tensor, shard: RowShard,
+                scale: float | None) -> torch.Tensor:
+    """This rank's queries [B, H, t, E] attending to the row's keys and values of tokens [start of this shard's
+    first document, shard end) (S of them), documents isolated: the first document with a bottom-right-aligned
+    causal mask (its keys may start on an earlier rank), the others as in the unsplit row. -> [B, H, t, V]."""
+    # lazy: torch.nn.attention.bias imports torch._dynamo and triton (this module stays light for spawned ranks)
+    from torch.nn.attention.bias import causal_lower_right
+
+    off, cu = shard.start - shard.doc_start(shard.start), shard.local.host
     first = cu[1]
     outs = []
     if off:
         mask = causal_lower_right(first, off + first)
         outs.append(F.scaled_dot_product_attention(q_BHTE[:, :, :first], k_BHSE[:, :, :off + first],
-                                                   v_BHSV[:, :, :off + first], attn_mask=mask,
-                                                   scale=mla.softmax_scale))
+                                                   v_BHSV[:, :, :off + first], attn_mask=mask, scale=scale))
         rest = [c - first for c in cu[1:]]
         q_BHTE, k_BHSE, v_BHSV = q_BHTE[:, :, first:], k_BHSE[:, :, off + first:], v_BHSV[:, :, off + first:]
     else:
         rest = list(cu)
     if len(rest) > 1:
         if len(rest) == 2:
-            outs.append(F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, is_causal=True,
-                                                       scale=mla.softmax_scale))
+            outs.append(F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, is_causal=True, scale=scale))
         else:
-            outs.append(packed_causal_sdpa(q_BHTE, k_BHSE, v_BHSV, tuple(rest), scale=mla.softmax_scale))
-    o_BHTX = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-    assert o_BHTX.shape[2] == T
-    return o_BHTX[..., :V].transpose(1, 2)
+            outs.append(packed_causal_sdpa(q_BHTE, k_BHSE, v_BHSV, tuple(rest), scale=scale))
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
 def _attend_ulysses(mla: Any, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
                    k_pe_BTP: torch.Tensor, shard: RowShard) -> torch.Tensor:
-    """A split row through DeepSpeed's Ulysses (`deepspeed.sequence.layer.DistributedAttention`): this rank's
-    q, k, v (decompressed here) go all-to-all from tokens to heads, each rank attends H / N heads over the
-    whole row, and the output goes back. Sends H * (2E + V) values per token each way against the latent
-    gather's R + P (kept for comparison: `bench/sp_mla.py`)."""
-    from deepspeed.sequence.layer import DistributedAttention  # lazy: deepspeed
-
+    """A split row through DeepSpeed's Ulysses (`ulysses_attend`): this rank's q, k, v (decompressed here) go
+    all-to-all from tokens to heads, each rank attends H / N heads over the whole row, and the output goes
+    back. Sends H * (2E + V) values per token each way against the latent gather's R + P (kept for
+    comparison: `bench/sp_mla.py`)."""
     H, V = mla.num_heads, mla.v_head_dim
     if H % shard.sequence_parallel:
-        raise mla._err(f"Ulysses splits the {H} heads over {shard.sequence_parallel} ranks: they must divide")
+        raise mla._err(ulysses_problem(H, shard.sequence_parallel))
     pos_1T = shard.local.positions[None]
     k_BHTE, v_BHTV = mla.decompressed_kv(c_kv_BTR, k_pe_BTP, mla.rotary_emb(pos_1T, q_pe_BTHP.dtype))
     q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
     q_BHTE, k_BHTE, v_BHTV = mla.equal_head_dims(q_BHTE, k_BHTE, v_BHTV)
+    return ulysses_attend(q_BHTE, k_BHTE, v_BHTV, shard, mla.softmax_scale)[..., :V].transpose(1, 2)
+
+
+def ulysses_problem(heads: int, sequence_parallel: int, workers: int | None = None) -> str:
+    """Why Ulysses cannot split `heads` heads over `sequence_parallel` ranks, with the largest group size that
+    can (one that also divides `workers`, when given)."""
+    best = max(n for n in range(1, sequence_parallel + 1) if heads % n == 0 and (workers or n) % n == 0)
+    return (f"Ulysses splits the {heads} attention heads over the {sequence_parallel} ranks of a group: they must "
+            f"divide (the largest group size that works is {best})")
+
+
+def ulysses_attend(q_BHtE: torch.Tensor, k_BGtE: torch.Tensor, v_BGtV: torch.Tensor, shard: RowShard,
+                   scale: float | None) -> torch.Tensor:
+    """Ulysses (DeepSpeed's `deepspeed.sequence.layer.DistributedAttention`) over a split row: this rank's
+    queries [B, H, t, E] and keys / values of G heads go all-to-all from tokens to heads, each rank attends H / N
+    query heads over the whole row (documents isolated by the unsplit row's boundaries), the output goes back:
+    [B, H, t, V]. H must divide by N; keys and values are repeated to H heads first where G does not."""
+    import deepspeed.comm  # lazy: deepspeed
+    from deepspeed.sequence.layer import DistributedAttention  # lazy: deepspeed
+
+    if not deepspeed.comm.is_initialized():
+        raise RuntimeError("sequence parallelism: Ulysses runs DeepSpeed's collectives: call "
+                           "deepspeed.init_distributed() first (the trainer does, train/loop.py)")
+    H, G, N = q_BHtE.shape[1], k_BGtE.shape[1], shard.sequence_parallel
+    if H % N:
+        raise ValueError(f"sequence parallelism: {ulysses_problem(H, N)}")
+    if G % N:
+        k_BGtE, v_BGtV = (x.repeat_interleave(H // G, dim=1) for x in (k_BGtE, v_BGtV))
     full = shard.full
 
-    def local(q_BThE: torch.Tensor, k_BThE: torch.Tensor, v_BThE: torch.Tensor, *_: object) -> torch.Tensor:
-        q, k, v = (x.transpose(1, 2) for x in (q_BThE, k_BThE, v_BThE))
+    def local(q_BThE: torch.Tensor, k_BTgE: torch.Tensor, v_BTgV: torch.Tensor, *_: object) -> torch.Tensor:
+        q, k, v = (x.transpose(1, 2) for x in (q_BThE, k_BTgE, v_BTgV))
+        if k.shape[1] != q.shape[1]:
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
         if len(full) == 2:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=mla.softmax_scale)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
-            o = packed_causal_sdpa(q, k, v, full, scale=mla.softmax_scale)
+            o = packed_causal_sdpa(q, k, v, full, scale=scale)
         return o.transpose(1, 2)
 
     attn = DistributedAttention(local, shard.group, scatter_idx=2, gather_idx=1)
-    o_BTHX = attn(*(x.transpose(1, 2) for x in (q_BHTE, k_BHTE, v_BHTV)), batch_dim_idx=0)
-    return o_BTHX[..., :V]
+    o_BtHV = attn(*(x.transpose(1, 2) for x in (q_BHtE, k_BGtE, v_BGtV)), batch_dim_idx=0)
+    return o_BtHV.transpose(1, 2)
 
 
 def gather(x: torch.Tensor, shard: RowShard) -> torch.Tensor:
@@ -363,3 +400,111 @@ def ssd_shard(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
                                            cu_seqlens=shard.local, chunk_size=chunk_size),
                       shard, lambda: torch.exp(A.to(dt.dtype) * dt[0].sum(0)), (x.shape[2],),
                       lambda d, S: d[:, None, None] * S)
+
+
+# ------------------------------------------------------------------------------------------ HF teachers
+_HF_SPLIT = "hylo_split"
+_SPLIT_NOW: contextvars.ContextVar[RowShard | None] = contextvars.ContextVar("hylo_split_shard", default=None)
+
+
+@contextlib.contextmanager
+def split_attention(model: Any, shard: RowShard) -> Iterator[None]:
+    """Inside the block, the transformers model `model` runs on this rank's tokens of a split row: call it with
+    the shard's input ids and `shard.local.positions` as position ids (RoPE / YaRN at the unsplit row's
+    positions). Every attention layer then sees the whole row's earlier keys of each document, as
+    `shard.teacher` says:
+    * "allgather": the roped keys and values (G kv heads) are all-gathered, the rank's queries attend to them
+      (`attend_keys`); any head count; sends (N - 1) t * 2 G E values per rank and layer;
+    * "ulysses": all-to-all by heads (`ulysses_attend`); H must divide by N; sends (N - 1) / N t (2H + 2G) E.
+    For frozen models (a teacher, stage 1's base): under autograd the gathers are differentiable all the same.
+    Any model whose attention goes through transformers' attention interface (Llama, Qwen2 / 3, Mistral);
+    sliding-window or soft-capped attention is refused (`train.sequence_parallel_teacher: whole` runs them)."""
+    if shard.teacher not in ("allgather", "ulysses"):
+        raise ValueError(f"sequence parallelism: split_attention needs the teacher split allgather or ulysses, "
+                         f"not {shard.teacher!r}")
+    _register_hf_split()
+    cfg = model.config
+    before = cfg._attn_implementation
+    token = _SPLIT_NOW.set(shard)
+    cfg._attn_implementation = _HF_SPLIT
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = before
+        _SPLIT_NOW.reset(token)
+
+
+@functools.cache
+def _register_hf_split() -> None:
+    """Our attention function and an empty mask under one name in transformers' interfaces (once a process)."""
+    from transformers import AttentionInterface  # lazy: transformers
+    from transformers.masking_utils import AttentionMaskInterface  # lazy: transformers
+
+    AttentionInterface.register(_HF_SPLIT, _hf_split_attention)
+    # the documents are isolated by the shard's boundaries: no [t, T] mask is built
+    AttentionMaskInterface.register(_HF_SPLIT, lambda *args, **kwargs: None)
+
+
+def _hf_split_attention(module: Any, q_BHtE: torch.Tensor, k_BGtE: torch.Tensor, v_BGtV: torch.Tensor,
+                        attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                        sliding_window: int | None = None, softcap: float | None = None,
+                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: [B, H, t, E] queries (roped), [B, G, t, E] keys and values
+    -> ([B, t, H, V], no weights)."""
+    shard = _SPLIT_NOW.get()
+    layer = getattr(module, "layer_idx", "?")
+    if shard is None:
+        raise RuntimeError(f"attention {_HF_SPLIT!r} runs inside seq_parallel.split_attention only")
+    if sliding_window is not None or softcap is not None:
+        what = f"sliding-window attention ({sliding_window} tokens)" if sliding_window else f"softcap {softcap}"
+        raise ValueError(f"sequence parallelism: layer {layer} of the teacher uses {what}, which the split "
+                         f"teacher does not run: set train.sequence_parallel_teacher: whole")
+    t = shard.end - shard.start
+    if q_BHtE.shape[0] != 1 or q_BHtE.shape[2] != t:
+        raise ValueError(f"sequence parallelism: a split teacher's layer {layer} got queries of shape "
+                         f"{tuple(q_BHtE.shape)}; it runs one row of the shard's {t} tokens")
+    if shard.teacher == "ulysses":
+        o_BHtV = ulysses_attend(q_BHtE, k_BGtE, v_BGtV, shard, scaling)
+    else:
+        o_BHtV = _allgather_attend(q_BHtE, k_BGtE, v_BGtV, shard, scaling)
+    return o_BHtV.transpose(1, 2).contiguous(), None
+
+
+def _allgather_attend(q_BHtE: torch.Tensor, k_BGtE: torch.Tensor, v_BGtV: torch.Tensor, shard: RowShard,
+                      scale: float | None) -> torch.Tensor:
+    """The group's keys and values all-gathered (one collective of G (E + V) values per token), this rank's
+    queries attending to those from the start of its first document: [B, H, t, V]."""
+    H, G, t = q_BHtE.shape[1], k_BGtE.shape[1], q_BHtE.shape[2]
+    E, V = k_BGtE.shape[-1], v_BGtV.shape[-1]
+    kv_1tC = torch.cat([k_BGtE, v_BGtV], dim=-1).transpose(1, 2).reshape(1, t, G * (E + V))
+    kv_1SC = gather_tokens(kv_1tC, shard, end=shard.end)[:, shard.doc_start(shard.start):]
+    k_1GSE, v_1GSV = kv_1SC.view(1, -1, G, E + V).transpose(1, 2).split([E, V], dim=-1)
+    if G != H:
+        k_1GSE, v_1GSV = (x.repeat_interleave(H // G, dim=1) for x in (k_1GSE, v_1GSV))
+    return attend_keys(q_BHtE, k_1GSE, v_1GSV, shard, scale)
+
+
+def count_flops(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """(fn(), the FLOPs torch's counter (`torch.utils.flop_counter`) sees it run), attention included: every
+    SDPA call's full [q, k] block (a causal one too, as the counter counts a fused kernel). The lower-right causal
+    bias of a split row's first document cannot be built under the counter's dispatch mode: it is an explicit
+    boolean mask there (the same attention, the same block counted)."""
+    import torch.nn.attention.bias as masks
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    def cpu_sdpa(q_shape: Any, k_shape: Any, v_shape: Any, *args: Any, **kwargs: Any) -> int:
+        # CPU's SDPA kernel is not in the counter's table: its [q, k] products, as a fused kernel runs them
+        return sdpa_flop_count(q_shape, k_shape, v_shape)
+
+    def explicit(q_len: int, k_len: int) -> torch.Tensor:
+        return torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+
+    bias = masks.causal_lower_right
+    masks.causal_lower_right = explicit
+    try:
+        with FlopCounterMode(display=False, custom_mapping={
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa}) as counter:
+            out = fn()
+    finally:
+        masks.causal_lower_right = bias
+    return out, int(counter.get_total_flops())

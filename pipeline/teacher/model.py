@@ -40,6 +40,7 @@ from hylo.model_files import ModelFileError, check_finite_tensors, check_model_c
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.config import TeacherModelConfig
 from hylo.pipeline.teacher.protocol import StreamedLogits, TargetSpec, check_token_range
+from hylo.seq_parallel import RowShard, split_attention
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAMPLE_BYTES = 1 << 20
@@ -232,6 +233,24 @@ class TeacherModel:
     def hidden(self, row: PackedRow) -> torch.Tensor:
         return self.hidden_batch([row])[0]
 
+    @torch.no_grad()
+    def hidden_split(self, row: PackedRow, shard: RowShard) -> torch.Tensor:
+        """Final normed hidden states [t, H] of this rank's tokens of a split row: the forward runs on those
+        tokens only, with the rest of the group (`shard.group`) running theirs at the same time. A HyLo teacher
+        takes the shard as the student does; a transformers one runs under `seq_parallel.split_attention`."""
+        self._check_vocab(row)
+        if shard.local.positions.device != self.device:
+            raise ValueError(f"teacher {self.teacher_id}: a split row's teacher runs on the trainer's device "
+                             f"({shard.local.positions.device}), not {self.device} (teacher.model.device)")
+        ids_1t = row.input_ids[shard.start:shard.end].to(self.device).unsqueeze(0)
+        pos_1t = shard.local.positions.unsqueeze(0)
+        if self.is_hylo:
+            out = self.base(input_ids=ids_1t, position_ids=pos_1t, cu_seqlens=shard.local, shard=shard)
+        else:
+            with split_attention(self.model, shard):
+                out = self.base(input_ids=ids_1t, position_ids=pos_1t, use_cache=False)
+        return out.last_hidden_state[0]
+
     # ---------------------------------------------------------------- logits and top-k
     @torch.no_grad()
     def logits_chunks(
@@ -270,20 +289,22 @@ class TeacherModel:
         for lg in self.logits_chunks(self.hidden(row), chunk_tokens, start, end):
             yield lg.to("cpu", dt) if dt is not None else lg.cpu()
 
-    def targets(self, rows: Sequence[PackedRow], spec: TargetSpec,
-                token_range: tuple[int, int] | None = None) -> Iterator[dict[str, Any]]:
+    def targets(self, rows: Sequence[PackedRow], spec: TargetSpec, token_range: tuple[int, int] | None = None,
+                shards: Sequence[RowShard] | None = None) -> Iterator[dict[str, Any]]:
         """The fused KL's teacher arguments of each row (protocol.TeacherSource), one row's forward at a time;
         `token_range=(start, end)`: of those tokens only (protocol.check_token_range).
 
-        With a range it runs unsplit: every rank of a group runs the whole row's teacher forward and keeps its
-        range. The teacher is a plain transformers (or HyLo) model without our sequence parallelism: a token's
-        hidden state needs its whole prefix, and splitting the teacher's forward over the group would need
-        sequence-parallel attention in the teacher too. Only what follows the forward (the lm_head, top-k,
-        logits chunks) is computed for the range alone."""
+        `shards` (one per row, a sequence-parallel group's): the forward is split with the group, each rank
+        running its own tokens (`hidden_split`): 1 / N of the row's FLOPs and activations per rank. With a range
+        alone it runs unsplit: the whole row's forward, the range kept (`train.sequence_parallel_teacher:
+        whole`). Whatever follows the forward (the lm_head, top-k, logits chunks) runs for the rank's tokens."""
         rng = check_token_range(token_range, rows)
-        for row in rows:
-            h_TH = self.hidden(row)
-            if rng is not None:
+        for i, row in enumerate(rows):
+            if shards is not None:
+                h_TH = self.hidden_split(row, shards[i])
+            else:
+                h_TH = self.hidden(row)
+            if rng is not None and shards is None:
                 # a copy of the range's states: the whole row's [T, H] is freed with this row
                 h_TH = h_TH[rng[0]:rng[1]].clone()
             if spec.form == "topk":

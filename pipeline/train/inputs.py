@@ -257,6 +257,23 @@ def _k_fits_the_vocabulary(cfg: StageConfig, source: TeacherSourceKind) -> None:
                               f"keep at most every token (teacher.k: 0 gives the exact teacher)", "teacher.k")
 
 
+def _heads_split(cfg: StageConfig, model_dir: Path | None, key: str) -> None:
+    """`train.sequence_parallel_teacher: ulysses` splits the heads of the model that runs in each step (stage 1's
+    base, stage 2's in-process teacher) over the group: its config.json's heads must divide by N."""
+    sp = cfg.train.sequence_parallel
+    if sp <= 1 or cfg.train.sequence_parallel_teacher != "ulysses" or model_dir is None:
+        return
+    if (model_dir / "hybrid_config.json").is_file() or not (model_dir / "config.json").is_file():
+        return  # a HyLo teacher splits as the student does (its MLA gathers the latent)
+    heads = _model_config(key, model_dir).get("num_attention_heads")
+    if isinstance(heads, int) and heads % sp:
+        from hylo.seq_parallel import ulysses_problem  # lazy: torch
+
+        raise ConfigError(f"train.sequence_parallel_teacher=ulysses: {ulysses_problem(heads, sp, cfg.ray.num_workers)} "
+                          f"({key}: {model_dir / 'config.json'}); train.sequence_parallel_teacher: allgather splits "
+                          f"any head count", "train.sequence_parallel_teacher")
+
+
 def check_stage_inputs(cfg: StageConfig) -> None:
     if cfg.model.student:
         _hylo_checkpoint("model.student", cfg.model.student)
@@ -271,6 +288,7 @@ def check_stage_inputs(cfg: StageConfig) -> None:
         if cfg.model.student and Path(cfg.model.student).expanduser().is_dir():
             check_compatible_models(Path(cfg.model.student).expanduser(), Path(base_dir), "model.base",
                                     same_shape=True)
+        _heads_split(cfg, Path(base_dir), "model.base")
     else:
         # the source's own files (the teacher's weights, the cache's manifest of teacher.k), then its teacher
         # against the student
@@ -278,6 +296,9 @@ def check_stage_inputs(cfg: StageConfig) -> None:
         source.check_inputs(cfg.teacher)
         _teacher_fits(cfg, source)
         _k_fits_the_vocabulary(cfg, source)
+        if source.model_runs == "step":
+            found = source.compared_with_student(cfg.teacher)
+            _heads_split(cfg, found.model_dir if found else None, found.key if found else "teacher")
     if cfg.data.source == "parquet":
         _data(cfg)
     else:

@@ -17,8 +17,9 @@ with d the per-token L2 distance `||u - v||_2` (`ild.squared: false`, the defaul
   `mixers+mlp`; `mixers` = the new mixers only. Embeddings, final norm and LM head never reach the loss.
 * The base model runs outside DeepSpeed (frozen, inference only); the loss runs inside
   `ILDStudent.forward` with per-layer activation checkpointing.
-* Sequence parallelism: the base runs on the whole row on every rank and keeps this rank's tokens of each
-  captured tensor (T/N per layer); the student's layers run on those tokens.
+* Sequence parallelism: the base runs on this rank's tokens only, its attention seeing the row through the
+  group (`seq_parallel.split_attention`; `train.sequence_parallel_teacher: whole`: on the whole row, this rank's
+  tokens of each captured tensor kept); the student's layers run on those tokens.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from hylo.pipeline.train.config import ILD_TRAINABLE, Stage1Config
 from hylo.pipeline.train.deepspeed_cfg import EngineFactory, deepspeed_engine
 from hylo.pipeline.train.loop import train_step
 from hylo.pipeline.train.worker import RowPart, Stage, WorkerContext
-from hylo.seq_parallel import RowShard
+from hylo.seq_parallel import RowShard, split_attention
 from hylo.upcycle import load_base_model
 
 EPS = 1e-6
@@ -81,14 +82,20 @@ class BaseLayerTargets:
         return hook
 
     @torch.no_grad()
-    def __call__(self, row: PackedRow, token_range: tuple[int, int] | None = None
+    def __call__(self, row: PackedRow, shard: RowShard | None = None
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """(inputs, outputs, attention outputs) [1, T, D] of every layer on one packed row (on the base's
-        device); with `token_range` (s, e) only those tokens of each, [1, e - s, D]. The base (a plain
-        transformers model) always runs on the whole row."""
+        device); with a split row's `shard`, of its tokens [start, end) only, [1, end - start, D]: the base
+        runs on those tokens with its group (`seq_parallel.split_attention`), or with `shard.teacher` "whole"
+        on the whole row, the shard's tokens kept."""
+        if shard is not None and shard.teacher != "whole":
+            with split_attention(self.base, shard):
+                self.base.model(input_ids=row.input_ids[None, shard.start:shard.end],
+                                position_ids=shard.local.positions[None], use_cache=False)
+            return list(self._inputs), list(self._outputs), list(self._mixers)
         # No attention mask and no cache: transformers builds the block-diagonal (per-document) mask
         # from the restarting position ids.
-        self.token_range = token_range
+        self.token_range = None if shard is None else (shard.start, shard.end)
         try:
             self.base.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False)
         finally:
@@ -211,8 +218,8 @@ def base_model(ctx: WorkerContext) -> nn.Module:
 
 def module_inputs(base: BaseLayerTargets, part: RowPart, device: torch.device) -> tuple[Any, ...]:
     """ILDStudent's inputs for this rank's part of a row: positions, boundaries, the base's layer targets of
-    these tokens (the base runs on the whole row), the real-token mask, the shard."""
-    x_in, y_out, y_mix = base(part.device_row, part.token_range)
+    these tokens (the base split with the row's group), the real-token mask, the shard."""
+    x_in, y_out, y_mix = base(part.device_row, part.shard)
     tokens_T = part.of(part.row.real_tokens()).to(device)
     return part.positions[None], part.bounds, x_in, y_out, y_mix, tokens_T, part.shard
 
