@@ -172,7 +172,7 @@ class Recipe:
         teacher's forward on the step's start (sp_teacher.py), the teacher run `mode`."""
         run = T if mode == "whole" or N == 1 else T // N
         buffers = sum(transient_buffers(self.td, T, N, 2, mode).values()) + run * self.td.hidden * 2
-        forward = self.starts[W] + self.t_weights + self.t_base + self.t_slope * run + buffers
+        forward = self.starts[W] + self.t_weights + self.t_base + self.t_slope * run + buffers  # buffers: the bound
         return max(self.peak(T, N, W) + self.t_weights, forward)
 
 

@@ -38,15 +38,22 @@ def fused_attention() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def split_rank(N: int) -> Iterator[None]:
+def split_rank(N: int, deepspeed_comm: bool = False) -> Iterator[None]:
     """This process as the last rank of a sequence-parallel group of N on torch's fake process group (its
-    collectives move nothing; shapes are real), with SDPA as a fused kernel (`fused_attention`)."""
+    collectives move nothing; shapes are real), with SDPA as a fused kernel (`fused_attention`). `deepspeed_comm`:
+    DeepSpeed's communication over that group too (Ulysses runs DeepSpeed's all-to-all: the teacher split
+    `ulysses`)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # lazy: distributed
 
     if dist.is_available() and dist.is_initialized():
         raise FakeGroupError("the split step runs on a fake process group, and this process has a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=N - 1, world_size=N)
     try:
+        if deepspeed_comm:
+            from hylo.pipeline.train.deepspeed_cfg import import_deepspeed  # lazy: deepspeed
+
+            # over the process group that exists (DeepSpeed's torch backend makes none when one exists)
+            import_deepspeed().init_distributed(dist_backend="fake", auto_mpi_discovery=False)
         with fused_attention():
             yield
     finally:

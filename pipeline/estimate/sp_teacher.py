@@ -20,14 +20,20 @@ Per GPU, as `teacher_split` computes it:
   the decoder stack over one document of that length, without gradients, SDPA as a fused kernel (flash: O(T)
   memory); its peak beyond the weights and its FLOPs (attention dense within each SDPA call, as torch counts
   it, as the step counts the student's);
-* plus, split, ANALYTIC:
-  - FLOPs: the last rank's Tq queries against the E earlier keys, per layer (a fully visible block: torch's
-    dense SDPA count is exact for it). Ulysses's attention of H / N heads over T x T counts the same
+* plus, split:
+  - FLOPs, ANALYTIC: the last rank's Tq queries against the E earlier keys, per layer (a fully visible block:
+    torch's dense SDPA count is exact for it). Ulysses's attention of H / N heads over T x T counts the same
     (4 T T (H / N) d = 4 Tq T H d); a causal kernel does half of it, while the all-gather's last rank does
-    (2N - 1) / 2N of its block: the all-gather's ranks are uneven, Ulysses's are not;
-  - memory, one layer's transient (the forward frees each layer's before the next): all-gather, the gathered
-    keys and values [T, 2, Hkv, d]; Ulysses, the all-to-all's send buffers and the received q, k, v, o of
-    H / N heads over T tokens, 2 Tq (2H + 2Hkv') d b;
+    (2N - 1) / 2N of its block: the all-gather's ranks are uneven, Ulysses's are not. The split forward
+    measured below counts exactly this (a test checks it);
+  - memory, MEASURED (`measure_split_forward`): the last rank's forward of a row that is one document under
+    hylo/seq_parallel.py's `split_attention`, its collectives on torch's fake process group (`split_rank`), SDPA
+    as a fused kernel; what it holds beyond the unsplit forward of its Tq tokens. Where this process already has
+    a process group, or `measure=False` (bench/sp_tables.py), an ANALYTIC BOUND of one layer's transient (the
+    forward frees each layer's before the next; added to the forward's peak, which need not fall inside the
+    attention): all-gather, the gathered keys and values [T, 2, Hkv, d] and, where Hkv < H, their copies
+    repeated to the H query heads; Ulysses, the all-to-all's send and receive sides of q, k, v, o,
+    2 Tq (2H + 2Hkv') d b, and the keys and values repeated to the rank's H / N heads over T tokens;
 * stage 2's teacher copies the final hidden states of the tokens it runs out of the forward ([T, D] whole,
   [Tq, D] split: `TeacherModel.hidden_batch`);
 * the lm_head on the rank's Tq tokens (top-k records, streamed logits: every mode computes it for the
@@ -52,16 +58,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.flop_counter import sdpa_flop_count
 
+from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.cli import BadArgument
 from hylo.pipeline.estimate.fake import build_model, fake_tensors, flop_registry
-from hylo.pipeline.estimate.fake_group import fused_attention
+from hylo.pipeline.estimate.fake_group import fused_attention, split_rank
 from hylo.pipeline.estimate.gpus import GPUS
 from hylo.pipeline.estimate.report import format_gib, format_tokens
 from hylo.pipeline.estimate.sp import Comm
 from hylo.pipeline.estimate.tracking import FROZEN_FORWARD, StepMemory
 from hylo.pipeline.train.config import TEACHER_SPLITS
+from hylo.seq_parallel import shard_row, split_attention
 
 # the split modes (each rank runs its own tokens); "whole" is today's
 SPLIT_MODES = tuple(m for m in TEACHER_SPLITS if m != "whole")
@@ -128,18 +137,26 @@ def teacher_comm(td: TeacherDims, T: int, N: int, b: int) -> list[Comm]:
     return out
 
 
-GATHERED = "gathered K, V of one layer [T, 2, Hkv, d]"
-ALL_TO_ALL = "all-to-all buffers + q, k, v, o of H/N heads, one layer"
+GATHERED = "gathered K, V of one layer, repeated to H heads (bound)"
+ALL_TO_ALL = "all-to-all buffers + q, k, v, o of H/N heads, one layer (bound)"
+SPLIT_MEASURED = "the split forward's own (measured, fake group)"
 
 
 def transient_buffers(td: TeacherDims, T: int, N: int, b: int, mode: str) -> dict[str, float]:
-    """The scheme's transient bytes of one layer beyond the forward of the rank's tokens (module docstring)."""
+    """The scheme's transient bytes of one layer beyond the forward of the rank's tokens, an upper bound (they
+    are added to the forward's peak, which need not fall inside the attention): all-gather, the gathered keys
+    and values [T, 2, Hkv, d] and, where Hkv < H, their copies repeated to the H query heads; Ulysses, the
+    all-to-all's send and receive sides of q, k, v, o and the keys and values repeated to the H / N query heads
+    over T tokens (hylo/seq_parallel.py's `_allgather_attend`, `ulysses_attend`)."""
     if mode == "whole" or N == 1:
         return {}
+    Tq, d = T // N, td.head_dim
     if mode == "allgather":
-        return {GATHERED: T * 2 * td.kv_heads * td.head_dim * b}
+        repeated = T * 2 * td.heads * d * b if td.kv_heads != td.heads else 0
+        return {GATHERED: T * 2 * td.kv_heads * d * b + repeated}
     kv = td.ulysses_kv_heads(N)
-    return {ALL_TO_ALL: 2 * (T // N) * (2 * td.heads + 2 * kv) * td.head_dim * b}
+    repeated = 2 * Tq * td.heads * d * b if kv != td.heads else 0
+    return {ALL_TO_ALL: 2 * Tq * (2 * td.heads + 2 * kv) * d * b + repeated}
 
 
 @dataclass
@@ -171,6 +188,34 @@ def measure_forward(config: Any, tokens: int, dtype: torch.dtype) -> FrozenForwa
             model.model(input_ids=ids, position_ids=torch.arange(tokens)[None], use_cache=False)
             memory.active = False
     return FrozenForward(tokens, float(weights), memory.peak - base, host.flops)
+
+
+def measure_split_forward(config: Any, T: int, N: int, mode: str, dtype: torch.dtype) -> FrozenForward | None:
+    """The decoder stack as the LAST rank of a group of N runs its T / N tokens of a row that is one document,
+    split with the group (hylo/seq_parallel.py's `split_attention`, `mode` "allgather" or "ulysses"): its
+    collectives on torch's fake process group (`split_rank`), as `measure_forward` measures the whole. None where
+    this process already has a process group (the fake one cannot be made): the caller prices it analytically."""
+    if dist.is_available() and dist.is_initialized():
+        return None
+    Tq = T // N
+    with split_rank(N, deepspeed_comm=mode == "ulysses"):
+        # the shard's boundaries and positions are host values, made before the fake mode
+        shard = shard_row(DocBounds.from_host([0, T], T), N - 1, N, teacher=mode)
+        with fake_tensors() as host, torch.no_grad():
+            model = build_model(config, dtype).eval().requires_grad_(False)
+            params = list(model.parameters())
+            weights = sum(p.numel() * p.element_size() for p in params)
+            host.flop_registry = flop_registry()
+            memory = StepMemory(1, host)
+            memory.tracker.track_external(*params)
+            with memory.tracker, split_attention(model, shard):
+                memory.phase, memory.active = TEACHER_PHASE, True
+                base = memory.total()
+                memory.peak = float(base)
+                ids = torch.zeros(1, Tq, dtype=torch.long)
+                model.model(input_ids=ids, position_ids=shard.local.positions[None], use_cache=False)
+                memory.active = False
+    return FrozenForward(Tq, float(weights), memory.peak - base, host.flops)
 
 
 @dataclass
@@ -210,11 +255,13 @@ LM_HEAD = "lm_head on the rank's T/N tokens"
 
 
 def teacher_split(config: Any, T: int, N: int, mode: str, dtype: torch.dtype, lm_head: bool = True,
-                  measured: dict[int, FrozenForward] | None = None, kept_hidden: bool = False) -> TeacherSplit:
+                  measured: dict[int, FrozenForward] | None = None, kept_hidden: bool = False,
+                  measure: bool = True) -> TeacherSplit:
     """The frozen model of `config` per GPU at a T-token row over N ranks in `mode` ("whole", "allgather",
     "ulysses"; module docstring). `lm_head`: the teacher computes logits (top-k records, streamed logits).
     `measured`: forwards already measured, by tokens (filled in). `kept_hidden`: the final hidden states of the
-    tokens run are copied out beside the forward's own (stage 2's `TeacherModel.hidden_batch`)."""
+    tokens run are copied out beside the forward's own (stage 2's `TeacherModel.hidden_batch`). `measure`: the
+    split forward measured on the fake group (`measure_split_forward`), else its buffers' analytic bound."""
     if mode not in TEACHER_SPLITS:
         raise ValueError(f"teacher split {mode!r} is not one of {', '.join(TEACHER_SPLITS)}")
     td = TeacherDims.of(config)
@@ -228,17 +275,21 @@ def teacher_split(config: Any, T: int, N: int, mode: str, dtype: torch.dtype, lm
     b = torch.empty((), dtype=dtype).element_size()
     flops = {FORWARD: fwd.flops}
     notes = []
+    buffers = transient_buffers(td, T, N, b, mode)
+    activations = fwd.activations
     if split:
         q, k = (1, td.heads, Tq, td.head_dim), (1, td.heads, E, td.head_dim)
         flops[EARLIER] = td.layers * sdpa_flop_count(q, k, k)
-        if mode == "ulysses" and (why := ulysses_problem(td, N)):
+        if why := (ulysses_problem(td, N) if mode == "ulysses" else None):
             notes.append(why)
+        elif measure and (got := measure_split_forward(config, T, N, mode, dtype)) is not None:
+            # the split forward itself: its own buffers measured, in place of the bound
+            buffers = {SPLIT_MEASURED: max(got.activations - fwd.activations, 0.0)}
     if lm_head:
         flops[LM_HEAD] = 2 * Tq * td.hidden * td.vocab
-    buffers = transient_buffers(td, T, N, b, mode)
     if kept_hidden:
         buffers[KEPT] = run * td.hidden * b
-    return TeacherSplit(mode, T, N, fwd.weights, fwd.activations, buffers, flops, run, notes)
+    return TeacherSplit(mode, T, N, fwd.weights, activations, buffers, flops, run, notes)
 
 
 def teacher_peak(step: Any, priced: TeacherSplit) -> float:

@@ -217,7 +217,7 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
         if dist.is_available() and dist.is_initialized():
             raise EstimateError("the split step runs on a fake process group, and this process has a process group")
 
-        split = split_rank(N)
+        split = split_rank(N, deepspeed_comm=getattr(cfg.train, "sequence_parallel_teacher", "") == "ulysses")
     with split, fake_tensors(gpu) as host, rules:
         memory = StepMemory(W, host)
         memory.other_worlds = tuple(other_worlds)

@@ -293,9 +293,10 @@ def test_the_teacher_bytes_per_layer_by_hand():
     # key-value heads that N does not divide are replicated to the query heads: 8 kv heads over 16 ranks
     at16 = {c.scheme: c for c in st.teacher_comm(td, T, 16, b)}
     assert at16["Ulysses q, k, v, o"].total == 15 / 16 * 8192 * (4 * 32) * 128 * 2
-    # one layer's transient buffers: the gathered keys and values of the row; the all-to-all's both sides
-    assert st.transient_buffers(td, T, N, b, "allgather") == {st.GATHERED: T * 2 * 8 * 128 * 2}
-    assert st.transient_buffers(td, T, N, b, "ulysses") == {st.ALL_TO_ALL: 2 * 32768 * (64 + 16) * 128 * 2}
+    # one layer's transient buffers, a bound: the gathered keys and values of the row and their copies repeated
+    # to the 32 query heads; the all-to-all's both sides and the keys and values repeated to the rank's 8 heads
+    assert st.transient_buffers(td, T, N, b, "allgather") == {st.GATHERED: T * 2 * (8 + 32) * 128 * 2}
+    assert st.transient_buffers(td, T, N, b, "ulysses") == {st.ALL_TO_ALL: 2 * 32768 * (64 + 16 + 32) * 128 * 2}
 
 
 def test_ulysses_is_flagged_and_refused_where_the_heads_do_not_split():
@@ -329,6 +330,7 @@ def test_hylo_estimate_prints_the_teacher_before_and_after_and_refuses_ulysses_i
     assert main(["--config", str(path), "--sequence-parallel", "2", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     for words in ("before, whole: tokens run", "after, allgather: tokens run", "training GPU peak, after",
+                  "the measured step's teacher forward",
                   "teacher, all-gather K, V", "teacher, Ulysses q, k, v, o", "teacher, whole row (today)"):
         assert words in text, text
     t = json.loads(out.read_text())["teacher_split"]
@@ -338,6 +340,26 @@ def test_hylo_estimate_prints_the_teacher_before_and_after_and_refuses_ulysses_i
     # 6 heads over 4 ranks: Ulysses is refused before the step runs, with the largest N that works
     with pytest.raises(BadArgument, match=r"^--teacher-split=ulysses at N = 4: .*largest N that works is 3"):
         main(["--config", str(path), "--sequence-parallel", "4", "--teacher-split", "ulysses"])
+
+
+@pytest.mark.parametrize("mode", ["allgather", "ulysses"])
+def test_the_split_teacher_is_measured_on_the_fake_group_within_the_analytic_bound(mode: str):
+    """The last rank's forward under `seq_parallel.split_attention`, its collectives on torch's fake process group:
+    what it holds beyond the same forward of its tokens unsplit is at most the scheme's analytic bound."""
+    import torch.distributed as dist
+
+    from hylo.pipeline.estimate import sp_teacher as st
+
+    cfg, T, N = tiny_teacher(), 1024, 4
+    got = st.measure_split_forward(cfg, T, N, mode, torch.float32)
+    assert not dist.is_initialized()
+    alone = st.measure_forward(cfg, T // N, torch.float32)
+    assert got.tokens == alone.tokens == T // N and got.weights == alone.weights
+    bound = sum(st.transient_buffers(st.TeacherDims.of(cfg), T, N, 4, mode).values())
+    assert 0 <= got.activations - alone.activations <= bound, (got.activations, alone.activations, bound)
+    # the queries of T / N tokens against the row's T keys, counted as the analytic split counts them
+    split = st.teacher_split(cfg, T, N, mode, torch.float32, lm_head=False)
+    assert got.flops == split.total_flops and st.SPLIT_MEASURED in split.buffers
 
 
 def test_the_teacher_forward_builds_no_row_by_row_mask_on_fake_tensors():
