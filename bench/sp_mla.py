@@ -39,7 +39,7 @@ from hylo.seq_parallel import shard_row  # noqa: E402
 DEFAULT_CONFIG = REPO / "configs" / "llama-3.2-3b-14mla14gdn-64k.yaml"
 
 
-def _counting() -> dict[str, float]:
+def counting_collectives() -> dict[str, float]:
     """Wrap torch.distributed's collectives to add up what this rank sends (ring algorithms)."""
     sent = {"bytes": 0.0, "calls": 0.0}
 
@@ -68,7 +68,7 @@ def _counting() -> dict[str, float]:
 
 def _rank(rank: int, world: int, config: str, tokens: int) -> dict[str, Any]:
     import_deepspeed().init_distributed(dist_backend="gloo")
-    sent = _counting()
+    sent = counting_collectives()
     hc = student_config(load_stage_config(1, config), None)
     mla_idx = next(i for i in range(hc.n_layer) if hc.layer_type(i) == "mla")
     lin_idx = next(i for i in range(hc.n_layer) if hc.layer_type(i) != "mla")

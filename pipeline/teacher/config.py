@@ -28,7 +28,8 @@ from hylo.pipeline.config import (
     rules,
 )
 
-DTYPES = ("float32", "bfloat16", "float16")
+# float64: for exactness checks on CPU (a split teacher sums in another order than the whole row's)
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 ISOLATIONS = ("auto", "per_doc", "packed")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_TEACHER = "asset:smollm2-135m-instruct"

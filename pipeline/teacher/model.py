@@ -42,7 +42,7 @@ from hylo.pipeline.teacher.config import TeacherModelConfig
 from hylo.pipeline.teacher.protocol import StreamedLogits, TargetSpec, check_token_range
 from hylo.seq_parallel import RowShard, split_attention
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _SAMPLE_BYTES = 1 << 20
 
 

@@ -241,7 +241,9 @@ def _teacher_targets(setup, source: str, dtype, ctx) -> dict[str, Any]:
                                dtype="float32", retry_backoff_s=0)
         return next(teacher_targets(BoundTeacher(client, TargetSpec(8, "topk"), VOCAB), [row_part(setup.row, ctx)],
                                     ctx.device))
-    model = TeacherModelConfig(path=str(setup.base))
+    # the in-process teacher in the student's precision: split, it sums in another order than the whole row, so
+    # fp64's 1e-10 needs an fp64 teacher (an fp32 one is ~1e-7 from its unsplit self)
+    model = TeacherModelConfig(path=str(setup.base), dtype=str(dtype).removeprefix("torch."))
     section = {"inprocess": TeacherSection(model=model),
                "inprocess-logits": TeacherSection(model=model, exact_form="logits"),
                "offline": TeacherSection(source="offline", k=8, cache_path=setup.cache)}[source]
