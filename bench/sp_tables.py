@@ -171,8 +171,9 @@ class Recipe:
         """With the teacher in-process: the larger of the student's step (plus the teacher's weights) and the
         teacher's forward on the step's start (sp_teacher.py), the teacher run `mode`."""
         run = T if mode == "whole" or N == 1 else T // N
-        buffers = sum(transient_buffers(self.td, T, N, 2, mode).values()) + run * self.td.hidden * 2
-        forward = self.starts[W] + self.t_weights + self.t_base + self.t_slope * run + buffers  # buffers: the bound
+        # the scheme's buffers (their analytic bound); run whole, the row's hidden states copied out
+        buffers = sum(transient_buffers(self.td, T, N, 2, mode).values()) + (T * self.td.hidden * 2 if run == T else 0)
+        forward = self.starts[W] + self.t_weights + self.t_base + self.t_slope * run + buffers
         return max(self.peak(T, N, W) + self.t_weights, forward)
 
 

@@ -34,8 +34,8 @@ Per GPU, as `teacher_split` computes it:
     attention): all-gather, the gathered keys and values [T, 2, Hkv, d] and, where Hkv < H, their copies
     repeated to the H query heads; Ulysses, the all-to-all's send and receive sides of q, k, v, o,
     2 Tq (2H + 2Hkv') d b, and the keys and values repeated to the rank's H / N heads over T tokens;
-* stage 2's teacher copies the final hidden states of the tokens it runs out of the forward ([T, D] whole,
-  [Tq, D] split: `TeacherModel.hidden_batch`);
+* stage 2's teacher, run whole, copies the row's final hidden states out of the forward ([T, D]:
+  `TeacherModel.hidden_batch`); split, it keeps the forward's own (`TeacherModel.hidden_split`);
 * the lm_head on the rank's Tq tokens (top-k records, streamed logits: every mode computes it for the
   range alone); the hidden form leaves it to the fused KL, counted in the step;
 * the weights, on every GPU in every mode (frozen, not sharded by ZeRO-3).
@@ -259,8 +259,8 @@ def teacher_split(config: Any, T: int, N: int, mode: str, dtype: torch.dtype, lm
                   measure: bool = True) -> TeacherSplit:
     """The frozen model of `config` per GPU at a T-token row over N ranks in `mode` ("whole", "allgather",
     "ulysses"; module docstring). `lm_head`: the teacher computes logits (top-k records, streamed logits).
-    `measured`: forwards already measured, by tokens (filled in). `kept_hidden`: the final hidden states of the
-    tokens run are copied out beside the forward's own (stage 2's `TeacherModel.hidden_batch`). `measure`: the
+    `measured`: forwards already measured, by tokens (filled in). `kept_hidden`: run whole, the row's final hidden
+    states are copied out beside the forward's own (stage 2's `TeacherModel.hidden_batch`). `measure`: the
     split forward measured on the fake group (`measure_split_forward`), else its buffers' analytic bound."""
     if mode not in TEACHER_SPLITS:
         raise ValueError(f"teacher split {mode!r} is not one of {', '.join(TEACHER_SPLITS)}")
@@ -287,7 +287,7 @@ def teacher_split(config: Any, T: int, N: int, mode: str, dtype: torch.dtype, lm
             buffers = {SPLIT_MEASURED: max(got.activations - fwd.activations, 0.0)}
     if lm_head:
         flops[LM_HEAD] = 2 * Tq * td.hidden * td.vocab
-    if kept_hidden:
+    if kept_hidden and not split:
         buffers[KEPT] = run * td.hidden * b
     return TeacherSplit(mode, T, N, fwd.weights, activations, buffers, flops, run, notes)
 
