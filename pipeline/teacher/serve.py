@@ -14,10 +14,17 @@ Design choices:
   `token_range=(start, end)` (a sequence-parallel rank's tokens) the replica runs the whole row (a token's
   targets need its whole prefix) and answers tokens [start, end) only, so only the range crosses the wire.
   A request without it (the protocol before ranges) gets whole rows, as before.
+* `ranges=[(s0, e0), ..., (sN-1, eN-1)]` (every rank's range of a sequence-parallel group): ONE forward of the
+  row answers every range. `topk` gives one record per range per row; `stream` gives chunk j of every range,
+  in range order, then chunk j + 1 (its start and end are then offsets into each range, all of one length).
+  One rank of the group asks and relays the others their parts (client.py), so a group costs one forward a row.
 * `stream(row, C, start, end)`: a generator of full-logit chunks [C, V] for tokens [start, end) (a window
   of the whole row, or of a rank's range).
-* Both check the range they receive against every row (`protocol.check_token_range`): one ValueError naming
+* Both check the range(s) they receive against every row (`protocol.check_token_range`): one ValueError naming
   the request row and the range, which the client does not retry.
+* `rows_seen` counts the row forwards a replica ran. In a Ray cluster each replica also keeps it in Ray's
+  key-value store (`pool_forwards`): the driver prints the pool's total when it deletes the pool, and
+  `hylo rehearse` checks it (one forward per row per sequence-parallel group).
   Serve streams have no flow control of their own, so the client asks for a bounded window of
   chunks at a time; the replica keeps the row's hidden states [T, H] in a small LRU of sessions
   (a `serve.multiplexed` loader keyed by the session id, which also steers the next window to the
@@ -63,6 +70,62 @@ def topk_to_wire(rec: Any) -> dict[str, torch.Tensor]:
     return {"logprobs": rec.logprobs, "indices": rec.indices, "tail_logmass": rec.tail_logmass}
 
 
+def check_ranges(ranges: Any, rows: list[PackedRow], who: str, same_length: bool = False) -> list[tuple[int, int]]:
+    """A group's ranges of a request: a non-empty list of token ranges, each fitting every row
+    (`check_token_range`); `same_length`: all of one length (a stream's offsets index each). Else ValueError."""
+    if isinstance(ranges, str | bytes) or not isinstance(ranges, list | tuple) or not ranges:
+        raise ValueError(f"{who}: ranges={ranges!r} must be a non-empty list of (start, end) token ranges")
+    out = [check_token_range(r, rows, who) for r in ranges]
+    if same_length and len({e - s for s, e in out}) != 1:
+        raise ValueError(f"{who}: ranges {out} must all be of one length (a stream's offsets index each)")
+    return out
+
+
+FORWARDS_NAMESPACE = "hylo_teacher_forwards"
+
+
+def _kv() -> Any:
+    """Ray's key-value store (internal_kv), None outside a Ray cluster (a replica built in a test)."""
+    import ray  # lazy: ray
+
+    if not ray.is_initialized():
+        return None
+    from ray.experimental import internal_kv  # lazy: ray
+
+    return internal_kv if internal_kv._internal_kv_initialized() else None
+
+
+def _forwards_key() -> str | None:
+    """This replica's key in Ray's key-value store, None outside a Serve replica."""
+    if _kv() is None:
+        return None
+    try:
+        ctx = serve.get_replica_context()
+    except Exception:  # not in a replica (Serve raises its own exception type here)
+        return None
+    return f"{ctx.app_name}/{ctx.replica_tag}"
+
+
+def pool_forwards(app_name: str) -> dict[str, int]:
+    """The row forwards each replica of pool `app_name` ran since the pool was deployed (by replica), read from
+    Ray's key-value store (a driver connected to the pool's cluster); {} when none is recorded."""
+    kv = _kv()
+    if kv is None:
+        return {}
+    out = {}
+    for key in kv._internal_kv_list(f"{app_name}/", namespace=FORWARDS_NAMESPACE):
+        value = kv._internal_kv_get(key, namespace=FORWARDS_NAMESPACE)
+        if value is not None:
+            out[key.decode().split("/", 1)[1]] = int(value)
+    return out
+
+
+def clear_pool_forwards(app_name: str) -> None:
+    kv = _kv()
+    if kv is not None:
+        kv._internal_kv_del(f"{app_name}/", del_by_prefix=True, namespace=FORWARDS_NAMESPACE)
+
+
 class _Session:
     """Hidden states of one streamed row, computed once per replica."""
 
@@ -86,6 +149,7 @@ class TeacherDeployment:
         self._hidden_batched.set_batch_wait_timeout_s(self.pool_cfg.batch_wait_timeout_s)
         self.rows_seen = 0
         self.armed_rows = 0
+        self._kv_key = _forwards_key()
         # (rows, tokens) of recent batched forwards: lets tests and operators see the token budget at work.
         self.batch_log: deque[tuple[int, int]] = deque(maxlen=256)
 
@@ -132,6 +196,8 @@ class TeacherDeployment:
 
     async def _hidden(self, row: PackedRow) -> torch.Tensor:
         self.rows_seen += 1
+        if self._kv_key is not None:
+            _kv()._internal_kv_put(self._kv_key, str(self.rows_seen), namespace=FORWARDS_NAMESPACE)
         self._maybe_fail()
         if row.num_tokens > self.pool_cfg.max_batch_tokens:
             return (await asyncio.to_thread(self.teacher.hidden_batch, [row]))[0]
@@ -140,8 +206,10 @@ class TeacherDeployment:
     async def topk(
         self, rows: Mapping[str, Any] | PackedRow | list[Mapping[str, Any] | PackedRow], k: int,
         dtype: str = "float16", token_range: tuple[int, int] | None = None,
-    ) -> list[dict[str, torch.Tensor]]:
-        """Top-k records, one per row, in request order; of tokens [start, end) only with `token_range`."""
+        ranges: list[tuple[int, int]] | None = None,
+    ) -> list[dict[str, torch.Tensor]] | list[list[dict[str, torch.Tensor]]]:
+        """Top-k records, one per row, in request order; of tokens [start, end) only with `token_range`; with
+        `ranges`, one list per row of one record per range (one forward of the row answers them all)."""
         if isinstance(rows, Mapping | PackedRow):
             rows = [rows]
         if not 0 < k <= self.teacher.vocab_size:
@@ -150,10 +218,17 @@ class TeacherDeployment:
         # rows come over the network: each is checked here, whatever its type (the client sends PackedRows)
         prows = [self._check(r, f"request row {i}") for i, r in enumerate(rows)]
         rng = check_token_range(token_range, prows, "teacher replica: request")
-        # the whole rows' forward (the range's targets need their prefix); top-k of the range only
+        if ranges is not None and rng is not None:
+            raise ValueError(f"teacher replica: request: token_range={rng} and ranges={ranges!r}: give one")
+        rngs = None if ranges is None else check_ranges(ranges, prows, "teacher replica: request")
+        # the whole rows' forward (the range's targets need their prefix); top-k of the range(s) only
         hiddens = await asyncio.gather(*(self._hidden(r) for r in prows))
-        out = []
+        out: list[Any] = []
         for h in hiddens:
+            if rngs is not None:
+                out.append([topk_to_wire(await asyncio.to_thread(self.teacher.topk_from_hidden, h[s:e], k, dtype))
+                            for s, e in rngs])
+                continue
             if rng is not None:
                 h = h[rng[0]:rng[1]]
             rec = await asyncio.to_thread(self.teacher.topk_from_hidden, h, k, dtype)
@@ -162,15 +237,26 @@ class TeacherDeployment:
 
     async def stream(
         self, row: Mapping[str, Any], chunk_tokens: int, start: int = 0, end: int | None = None,
-        dtype: str | None = None,
+        dtype: str | None = None, ranges: list[tuple[int, int]] | None = None,
     ) -> AsyncIterator[torch.Tensor]:
         """Full logits [C, V] for tokens [start, end) of one row (end None: its last), chunk by chunk (CPU
-        tensors); the hidden states are the whole row's."""
+        tensors); the hidden states are the whole row's. With `ranges` (all of one length L), [start, end) are
+        offsets into each range (end None: L), and chunk j of every range comes in range order before chunk
+        j + 1."""
         prow = self._check(row, "stream row")
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens={chunk_tokens} must be > 0")
-        start, end = check_token_range((start, prow.num_tokens if end is None else end), [prow],
-                                       "teacher replica: stream")
+        bases = [0]
+        if ranges is not None:
+            rngs = check_ranges(ranges, [prow], "teacher replica: stream", same_length=True)
+            length, bases = rngs[0][1] - rngs[0][0], [s for s, _ in rngs]
+            end = length if end is None else end
+            if not 0 <= start < end <= length:
+                raise ValueError(f"teacher replica: stream: offsets ({start}, {end}) do not fit ranges {rngs} of "
+                                 f"{length} tokens: it needs 0 <= start < end <= {length}")
+        else:
+            start, end = check_token_range((start, prow.num_tokens if end is None else end), [prow],
+                                           "teacher replica: stream")
         dt = torch_dtype(dtype) if dtype else None
         session_id = serve.get_multiplexed_model_id()
         if session_id:
@@ -182,8 +268,8 @@ class TeacherDeployment:
         else:
             hidden_TH = await self._hidden(prow)
         for s in range(start, end, chunk_tokens):
-            chunk = await asyncio.to_thread(self._chunk, hidden_TH, s, min(s + chunk_tokens, end), dt)
-            yield chunk
+            for base in bases:
+                yield await asyncio.to_thread(self._chunk, hidden_TH, base + s, base + min(s + chunk_tokens, end), dt)
 
     def _chunk(self, hidden_TH: torch.Tensor, s: int, e: int, dt: torch.dtype | None) -> torch.Tensor:
         with torch.no_grad():
@@ -213,5 +299,7 @@ def start_teacher_pool(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfi
     # One HTTP proxy, on the head: it only answers `GET /<app>` (rows go through handles), and proxies on
     # every node would each bind pool.port (twice on one machine, when a cluster is simulated there).
     serve.start(proxy_location="HeadOnly", http_options={"host": pool_cfg.host, "port": pool_cfg.port})
+    # the replicas' forward counts start from zero with the pool
+    clear_pool_forwards(pool_cfg.app_name)
     return serve.run(build_teacher_app(model_cfg, pool_cfg, fault_cfg), name=pool_cfg.app_name,
                      route_prefix=f"/{pool_cfg.app_name}")
