@@ -17,7 +17,10 @@ use_gpu; teacher.pool.num_replicas, num_gpus, num_cpus, resources) and:
    the student and the teacher swapped for a tiny random Llama and its HyLo conversion, rows for short
    synthetic ones (a run past --timeout is stopped, and what is still pending is named);
 4. checks, from the GCS's own tables, that every worker and replica was placed (and on which node), that
-   the step finished, and that no actor or placement group is left pending; prints a table.
+   the step finished, and that no actor or placement group is left pending; prints a table;
+5. stage 2 with a pool it deployed (`teacher.source: serve`, `start_pool: true`): reads the row forwards its
+   replicas ran (Ray's key-value store, teacher/serve.py `pool_forwards`) and checks them against the rows the
+   step trained: one forward per row, whatever `train.sequence_parallel` (a group asks for each row once).
 
 Design choices:
 * Declared, not detected, GPUs: the workers see CUDA_VISIBLE_DEVICES from Ray and no CUDA device, so the
@@ -460,6 +463,11 @@ def rehearse(recipe: StageConfig, nodes: list[dict[str, float]], timeout_s: floa
             if rc != 0:
                 raise RehearsalError(f"the stage-{stage} job exited with status {rc}: {last}")
             metrics = read_metrics(run_dir(cfg))
+            forwards = None
+            if stage == 2 and cfg.teacher.source == "serve" and cfg.teacher.start_pool:
+                from hylo.pipeline.teacher.serve import pool_forwards  # lazy: torch
+
+                forwards = sum(pool_forwards(cfg.teacher.pool.app_name).values())
         seconds = time.time() - t0
         app = cfg.teacher.pool.app_name if stage == 2 else None
         placed = [(kind_of(a, app), names.get(a["node"], 0), a) for a in seen.actors.values()
@@ -473,13 +481,32 @@ def rehearse(recipe: StageConfig, nodes: list[dict[str, float]], timeout_s: floa
             problems.append("no optimiser step recorded in metrics.jsonl")
         if seen.pending_actors() or seen.pending_pgs:
             problems.append(describe_pending(seen, names))
+        teacher = None
+        if forwards is not None and metrics:
+            teacher = teacher_forwards(forwards, list(metrics.values()), cfg.train.sequence_parallel)
+            if teacher["forwards"] != teacher["rows"]:
+                problems.append(forwards_problem(teacher))
         if problems:
             raise RehearsalError("; ".join(problems))
         each = {d.what: d.resources for d in driver.resource_demand(cfg)}
-        return {"stage": stage, "each": each, "nodes": nodes, "placed": placed,
+        return {"stage": stage, "each": each, "nodes": nodes, "placed": placed, "teacher": teacher,
                 "step": metrics[max(metrics)], "seconds": seconds, "ray_seconds": time.time() - t_ray}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def teacher_forwards(forwards: int, records: list[dict[str, Any]], sp: int) -> dict[str, int]:
+    """The pool's row forwards against the rows the steps trained (`records`: metrics.jsonl's; the workers of a
+    group list the same rows, so a row is counted once per step) and the requests of workers asking for their
+    own ranges alone (N per row)."""
+    rows = sum(len({k for worker in r["rows"] for k in worker}) for r in records)
+    asked = sum(len(worker) for r in records for worker in r["rows"])
+    return {"forwards": forwards, "rows": rows, "asked": asked, "sp": sp}
+
+
+def forwards_problem(t: dict[str, int]) -> str:
+    return (f"the teacher pool ran {t['forwards']} row forwards for {t['rows']} rows at train.sequence_parallel="
+            f"{t['sp']}: expected one per row per group")
 
 
 def run_stage_job(stage: int, config: Path, address: str, timeout_s: float) -> tuple[int | None, str]:
@@ -535,5 +562,9 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"[rehearse]   {node:>4} | {kinds.count('train worker'):>13} | {kinds.count('teacher replica'):>16} | "
               f"{_fmt(used['GPU']):>3} of {_fmt(declared['GPU']):<2} | {_fmt(used['CPU']):>3} of {_fmt(declared['CPU'])}",
               flush=True)
+    t = r.get("teacher")
+    if t is not None:
+        print(f"[rehearse] teacher forwards: {t['forwards']} for {t['rows']} rows x {t['sp']} ranks "
+              f"(one per row per group; a forward per rank would be {t['asked']})", flush=True)
     print(f"[rehearse] ok: every actor placed, step 1 done (loss {r['step']['loss']:.4f}), nothing pending; "
           f"{r['seconds']:.0f} s ({r['ray_seconds']:.0f} s with Ray)", flush=True)
