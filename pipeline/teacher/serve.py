@@ -22,9 +22,9 @@ Design choices:
   of the whole row, or of a rank's range).
 * Both check the range(s) they receive against every row (`protocol.check_token_range`): one ValueError naming
   the request row and the range, which the client does not retry.
-* `rows_seen` counts the row forwards a replica ran. In a Ray cluster each replica also keeps it in Ray's
-  key-value store (`pool_forwards`): the driver prints the pool's total when it deletes the pool, and
-  `hylo rehearse` checks it (one forward per row per sequence-parallel group).
+* `rows_seen` counts the row forwards a replica ran (`info()`). The driver prints every replica's count when it
+  deletes the pool (`pool_forwards`, `forwards_line`); `hylo rehearse` checks the total: one forward per row
+  per sequence-parallel group.
   Serve streams have no flow control of their own, so the client asks for a bounded window of
   chunks at a time; the replica keeps the row's hidden states [T, H] in a small LRU of sessions
   (a `serve.multiplexed` loader keyed by the session id, which also steers the next window to the
@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -81,49 +82,23 @@ def check_ranges(ranges: Any, rows: list[PackedRow], who: str, same_length: bool
     return out
 
 
-FORWARDS_NAMESPACE = "hylo_teacher_forwards"
+def pool_forwards(app_name: str, timeout_s: float = 30.0) -> list[int]:
+    """The row forwards each running replica of pool `app_name` ran (its `rows_seen`), largest first: one
+    `info` call on every replica (Serve's `broadcast`)."""
+    infos = serve.get_app_handle(app_name).broadcast("info").results(timeout_s=timeout_s)
+    return sorted((int(i["rows_seen"]) for i in infos), reverse=True)
 
 
-def _kv() -> Any:
-    """Ray's key-value store (internal_kv), None outside a Ray cluster (a replica built in a test)."""
-    import ray  # lazy: ray
-
-    if not ray.is_initialized():
-        return None
-    from ray.experimental import internal_kv  # lazy: ray
-
-    return internal_kv if internal_kv._internal_kv_initialized() else None
+def forwards_line(app_name: str, forwards: list[int]) -> str:
+    """The line the driver prints when it deletes the pool (`forwards_in` reads it back)."""
+    return (f"[teacher] pool {app_name!r}: its replicas ran {sum(forwards)} row forwards "
+            f"({', '.join(map(str, forwards)) or 'no replica answered'})")
 
 
-def _forwards_key() -> str | None:
-    """This replica's key in Ray's key-value store, None outside a Serve replica."""
-    if _kv() is None:
-        return None
-    try:
-        ctx = serve.get_replica_context()
-    except Exception:  # not in a replica (Serve raises its own exception type here)
-        return None
-    return f"{ctx.app_name}/{ctx.replica_tag}"
-
-
-def pool_forwards(app_name: str) -> dict[str, int]:
-    """The row forwards each replica of pool `app_name` ran since the pool was deployed (by replica), read from
-    Ray's key-value store (a driver connected to the pool's cluster); {} when none is recorded."""
-    kv = _kv()
-    if kv is None:
-        return {}
-    out = {}
-    for key in kv._internal_kv_list(f"{app_name}/", namespace=FORWARDS_NAMESPACE):
-        value = kv._internal_kv_get(key, namespace=FORWARDS_NAMESPACE)
-        if value is not None:
-            out[key.decode().split("/", 1)[1]] = int(value)
-    return out
-
-
-def clear_pool_forwards(app_name: str) -> None:
-    kv = _kv()
-    if kv is not None:
-        kv._internal_kv_del(f"{app_name}/", del_by_prefix=True, namespace=FORWARDS_NAMESPACE)
+def forwards_in(line: str, app_name: str) -> int | None:
+    """The total of a `forwards_line` of pool `app_name`, None for any other line."""
+    found = re.match(rf"\[teacher\] pool {re.escape(repr(app_name))}: its replicas ran (\d+) row forwards", line)
+    return int(found.group(1)) if found else None
 
 
 class _Session:
@@ -149,7 +124,6 @@ class TeacherDeployment:
         self._hidden_batched.set_batch_wait_timeout_s(self.pool_cfg.batch_wait_timeout_s)
         self.rows_seen = 0
         self.armed_rows = 0
-        self._kv_key = _forwards_key()
         # (rows, tokens) of recent batched forwards: lets tests and operators see the token budget at work.
         self.batch_log: deque[tuple[int, int]] = deque(maxlen=256)
 
@@ -196,8 +170,6 @@ class TeacherDeployment:
 
     async def _hidden(self, row: PackedRow) -> torch.Tensor:
         self.rows_seen += 1
-        if self._kv_key is not None:
-            _kv()._internal_kv_put(self._kv_key, str(self.rows_seen), namespace=FORWARDS_NAMESPACE)
         self._maybe_fail()
         if row.num_tokens > self.pool_cfg.max_batch_tokens:
             return (await asyncio.to_thread(self.teacher.hidden_batch, [row]))[0]
@@ -299,7 +271,5 @@ def start_teacher_pool(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfi
     # One HTTP proxy, on the head: it only answers `GET /<app>` (rows go through handles), and proxies on
     # every node would each bind pool.port (twice on one machine, when a cluster is simulated there).
     serve.start(proxy_location="HeadOnly", http_options={"host": pool_cfg.host, "port": pool_cfg.port})
-    # the replicas' forward counts start from zero with the pool
-    clear_pool_forwards(pool_cfg.app_name)
     return serve.run(build_teacher_app(model_cfg, pool_cfg, fault_cfg), name=pool_cfg.app_name,
                      route_prefix=f"/{pool_cfg.app_name}")

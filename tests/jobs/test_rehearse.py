@@ -154,6 +154,13 @@ def test_ray_trains_backend_follows_the_worker(monkeypatch, capsys):
 def test_the_pools_forwards_are_counted_against_the_rows_trained(capsys):
     """One forward per row per group passes; a forward per rank (the pool before groups asked once) is named."""
     from hylo.pipeline.rehearse import forwards_problem, print_report, teacher_forwards
+    from hylo.pipeline.teacher.serve import forwards_in, forwards_line
+
+    # the line the driver prints when it deletes the pool, read back by the rehearsal (of its pool only)
+    line = forwards_line("teacher", [5, 2, 1, 0])
+    assert line == "[teacher] pool 'teacher': its replicas ran 8 row forwards (5, 2, 1, 0)"
+    assert forwards_in(line + "\n", "teacher") == 8 and forwards_in(line, "other") is None
+    assert forwards_in("[teacher] deploying pool 'teacher' (4 replicas)", "teacher") is None
 
     # one step, 2 groups of 2 workers, 2 rows a group: each group's workers list the same rows
     records = [{"rows": [["a", "b"], ["a", "b"], ["c", "d"], ["c", "d"]]}]

@@ -59,12 +59,13 @@ class ServeSource(TeacherSourceKind):
         def stop() -> None:
             from ray import serve  # lazy: ray
 
-            from hylo.pipeline.teacher.serve import pool_forwards  # lazy: torch
+            from hylo.pipeline.teacher.serve import forwards_line, pool_forwards  # lazy: torch
 
-            forwards = pool_forwards(t.pool.app_name)
-            print(f"[teacher] pool {t.pool.app_name!r}: its replicas ran {sum(forwards.values())} row forwards "
-                  f"({', '.join(str(n) for n in sorted(forwards.values(), reverse=True)) or 'none recorded'})",
-                  flush=True)
+            try:
+                line = forwards_line(t.pool.app_name, pool_forwards(t.pool.app_name))
+            except Exception as e:  # a count for the log: the pool is deleted all the same
+                line = f"[teacher] pool {t.pool.app_name!r}: its replicas' forwards could not be read ({e!r})"
+            print(line, flush=True)
             serve.delete(t.pool.app_name)
 
         return stop
