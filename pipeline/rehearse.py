@@ -533,6 +533,7 @@ def run_stage_job(stage: int, config: Path, address: str, timeout_s: float,
     def echo_out() -> None:
         for line in proc.stdout:
             sys.stdout.write(line)
+            sys.stdout.flush()
             found = forwards_in(line, pool) if pool is not None else None
             if found is not None:
                 forwards.append(found)
