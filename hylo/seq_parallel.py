@@ -23,6 +23,9 @@ crosses the split:
   runs its chunk again from that state. Through the same kernels as the unsplit row
   (`chunk_gated_delta_rule` / `chunk_ssd`: fla on GPU, torch on CPU), so NVIDIA and AMD take the same
   path (fla's own `fla.ops.cp` affine chain requires NVIDIA Ampere or newer).
+* Teachers (stage 2's in-process teacher, stage 1's frozen base: transformers models) split with the row too:
+  `split_attention` runs their attention over the group, all-gathering the roped keys and values
+  (`shard.teacher` "allgather", any head count) or by DeepSpeed's all-to-all of heads ("ulysses").
 * Every collective is differentiable: the forward all-gathers, the backward sums the gathered gradients
   over the group (`all_reduce`, or `reduce_scatter` where the backend has it) and keeps the rank's part.
   Each rank backpropagates the loss of its own tokens; the sum over the group of the ranks' parameter

@@ -17,7 +17,11 @@ use_gpu; teacher.pool.num_replicas, num_gpus, num_cpus, resources) and:
    the student and the teacher swapped for a tiny random Llama and its HyLo conversion, rows for short
    synthetic ones (a run past --timeout is stopped, and what is still pending is named);
 4. checks, from the GCS's own tables, that every worker and replica was placed (and on which node), that
-   the step finished, and that no actor or placement group is left pending; prints a table.
+   the step finished, and that no actor or placement group is left pending; prints a table;
+5. stage 2 with a pool it deployed (`teacher.source: serve`, `start_pool: true`): reads the row forwards its
+   replicas ran (the line the driver prints when it deletes the pool, teacher/serve.py `forwards_line`) and
+   checks them against the rows the step trained: one forward per row, whatever `train.sequence_parallel`
+   (a group asks for each row once).
 
 Design choices:
 * Declared, not detected, GPUs: the workers see CUDA_VISIBLE_DEVICES from Ray and no CUDA device, so the
@@ -450,8 +454,10 @@ def rehearse(recipe: StageConfig, nodes: list[dict[str, float]], timeout_s: floa
             others = [n["NodeID"] for n in ray.nodes() if n["NodeID"] != head]
             names = {nid: i + 1 for i, nid in enumerate([head, *others])}
             t_ray = time.time()
+            pool = cfg.teacher.pool.app_name if stage == 2 and cfg.teacher.source == "serve" \
+                and cfg.teacher.start_pool else None
             with watching(seen):
-                rc, last = run_stage_job(stage, path, cluster.address, timeout_s)
+                rc, last, forwards = run_stage_job(stage, path, cluster.address, timeout_s, pool)
                 seen.poll()
             if rc is None:
                 raise RehearsalError(f"no step within --timeout {timeout_s:g} s; " + describe_pending(seen, names))
@@ -473,24 +479,50 @@ def rehearse(recipe: StageConfig, nodes: list[dict[str, float]], timeout_s: floa
             problems.append("no optimiser step recorded in metrics.jsonl")
         if seen.pending_actors() or seen.pending_pgs:
             problems.append(describe_pending(seen, names))
+        teacher = None
+        if pool is not None and forwards is None:
+            problems.append(f"the stage-2 job printed no row forwards of its teacher pool {pool!r}")
+        elif forwards is not None and metrics:
+            teacher = teacher_forwards(forwards, list(metrics.values()), cfg.train.sequence_parallel)
+            if teacher["forwards"] != teacher["rows"]:
+                problems.append(forwards_problem(teacher))
         if problems:
             raise RehearsalError("; ".join(problems))
         each = {d.what: d.resources for d in driver.resource_demand(cfg)}
-        return {"stage": stage, "each": each, "nodes": nodes, "placed": placed,
+        return {"stage": stage, "each": each, "nodes": nodes, "placed": placed, "teacher": teacher,
                 "step": metrics[max(metrics)], "seconds": seconds, "ray_seconds": time.time() - t_ray}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run_stage_job(stage: int, config: Path, address: str, timeout_s: float) -> tuple[int | None, str]:
+def teacher_forwards(forwards: int, records: list[dict[str, Any]], sp: int) -> dict[str, int]:
+    """The pool's row forwards against the rows the steps trained (`records`: metrics.jsonl's; the workers of a
+    group list the same rows, so a row is counted once per step) and the requests of workers asking for their
+    own ranges alone (N per row)."""
+    rows = sum(len({k for worker in r["rows"] for k in worker}) for r in records)
+    asked = sum(len(worker) for r in records for worker in r["rows"])
+    return {"forwards": forwards, "rows": rows, "asked": asked, "sp": sp}
+
+
+def forwards_problem(t: dict[str, int]) -> str:
+    return (f"the teacher pool ran {t['forwards']} row forwards for {t['rows']} rows at train.sequence_parallel="
+            f"{t['sp']}: expected one per row per group")
+
+
+def run_stage_job(stage: int, config: Path, address: str, timeout_s: float,
+                  pool: str | None = None) -> tuple[int | None, str, int | None]:
     """`python -m hylo.jobs.stageN --config CONFIG` joined to the simulated cluster, its output passed through;
-    (exit status or None after `timeout_s`, its last line on stderr). A child process, not a thread: a run that
-    does not finish is stopped (SIGTERM, then SIGKILL) before the cluster goes, as a job on a real cluster."""
+    (exit status or None after `timeout_s`, its last line on stderr, the row forwards of teacher pool `pool` it
+    printed or None). A child process, not a thread: a run that does not finish is stopped (SIGTERM, then
+    SIGKILL) before the cluster goes, as a job on a real cluster."""
+    from hylo.pipeline.teacher.serve import forwards_in  # lazy: torch
+
     env = {**os.environ, "RAY_ADDRESS": address}
     # under the signal rule (hylo/stopping.py): its own process group, ended with the rehearsal
     proc = popen([sys.executable, "-m", f"hylo.jobs.stage{stage}", "--config", str(config)],
-                 env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
     lines: list[str] = []
+    forwards: list[int] = []
 
     def echo() -> None:
         for line in proc.stderr:
@@ -498,8 +530,18 @@ def run_stage_job(stage: int, config: Path, address: str, timeout_s: float) -> t
             if line.strip():
                 lines.append(line.rstrip())
 
+    def echo_out() -> None:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            found = forwards_in(line, pool) if pool is not None else None
+            if found is not None:
+                forwards.append(found)
+
     reader = threading.Thread(target=echo, name="rehearse-stderr", daemon=True)
     reader.start()
+    out_reader = threading.Thread(target=echo_out, name="rehearse-stdout", daemon=True)
+    out_reader.start()
     try:
         rc: int | None = proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
@@ -510,7 +552,8 @@ def run_stage_job(stage: int, config: Path, address: str, timeout_s: float) -> t
                 proc.wait(15)
                 break
     reader.join(5)
-    return rc, (lines[-1] if lines else "")
+    out_reader.join(5)
+    return rc, (lines[-1] if lines else ""), (forwards[-1] if forwards else None)
 
 
 class RehearsalError(RuntimeError):
@@ -535,5 +578,9 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"[rehearse]   {node:>4} | {kinds.count('train worker'):>13} | {kinds.count('teacher replica'):>16} | "
               f"{_fmt(used['GPU']):>3} of {_fmt(declared['GPU']):<2} | {_fmt(used['CPU']):>3} of {_fmt(declared['CPU'])}",
               flush=True)
+    t = r.get("teacher")
+    if t is not None:
+        print(f"[rehearse] teacher forwards: {t['forwards']} for {t['rows']} rows x {t['sp']} ranks "
+              f"(one per row per group; a forward per rank would be {t['asked']})", flush=True)
     print(f"[rehearse] ok: every actor placed, step 1 done (loss {r['step']['loss']:.4f}), nothing pending; "
           f"{r['seconds']:.0f} s ({r['ray_seconds']:.0f} s with Ray)", flush=True)

@@ -239,9 +239,10 @@ class TeacherModel:
         tokens only, with the rest of the group (`shard.group`) running theirs at the same time. A HyLo teacher
         takes the shard as the student does; a transformers one runs under `seq_parallel.split_attention`."""
         self._check_vocab(row)
-        if shard.local.positions.device != self.device:
+        dev = shard.local.positions.device
+        if dev.type != self.device.type or self.device.index not in (None, dev.index):
             raise ValueError(f"teacher {self.teacher_id}: a split row's teacher runs on the trainer's device "
-                             f"({shard.local.positions.device}), not {self.device} (teacher.model.device)")
+                             f"({dev}), not {self.device} (teacher.model.device)")
         ids_1t = row.input_ids[shard.start:shard.end].to(self.device).unsqueeze(0)
         pos_1t = shard.local.positions.unsqueeze(0)
         if self.is_hylo:

@@ -14,10 +14,17 @@ Design choices:
   `token_range=(start, end)` (a sequence-parallel rank's tokens) the replica runs the whole row (a token's
   targets need its whole prefix) and answers tokens [start, end) only, so only the range crosses the wire.
   A request without it (the protocol before ranges) gets whole rows, as before.
+* `ranges=[(s0, e0), ..., (sN-1, eN-1)]` (every rank's range of a sequence-parallel group): ONE forward of the
+  row answers every range. `topk` gives one record per range per row; `stream` gives chunk j of every range,
+  in range order, then chunk j + 1 (its start and end are then offsets into each range, all of one length).
+  One rank of the group asks and relays the others their parts (client.py), so a group costs one forward a row.
 * `stream(row, C, start, end)`: a generator of full-logit chunks [C, V] for tokens [start, end) (a window
   of the whole row, or of a rank's range).
-* Both check the range they receive against every row (`protocol.check_token_range`): one ValueError naming
+* Both check the range(s) they receive against every row (`protocol.check_token_range`): one ValueError naming
   the request row and the range, which the client does not retry.
+* `rows_seen` counts the row forwards a replica ran (`info()`). The driver prints every replica's count when it
+  deletes the pool (`pool_forwards`, `forwards_line`); `hylo rehearse` checks the total: one forward per row
+  per sequence-parallel group.
   Serve streams have no flow control of their own, so the client asks for a bounded window of
   chunks at a time; the replica keeps the row's hidden states [T, H] in a small LRU of sessions
   (a `serve.multiplexed` loader keyed by the session id, which also steers the next window to the
@@ -32,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -61,6 +69,36 @@ def _batch_tokens(rows: list[PackedRow]) -> int:
 
 def topk_to_wire(rec: Any) -> dict[str, torch.Tensor]:
     return {"logprobs": rec.logprobs, "indices": rec.indices, "tail_logmass": rec.tail_logmass}
+
+
+def check_ranges(ranges: Any, rows: list[PackedRow], who: str, same_length: bool = False) -> list[tuple[int, int]]:
+    """A group's ranges of a request: a non-empty list of token ranges, each fitting every row
+    (`check_token_range`); `same_length`: all of one length (a stream's offsets index each). Else ValueError."""
+    if isinstance(ranges, str | bytes) or not isinstance(ranges, list | tuple) or not ranges:
+        raise ValueError(f"{who}: ranges={ranges!r} must be a non-empty list of (start, end) token ranges")
+    out = [check_token_range(r, rows, who) for r in ranges]
+    if same_length and len({e - s for s, e in out}) != 1:
+        raise ValueError(f"{who}: ranges {out} must all be of one length (a stream's offsets index each)")
+    return out
+
+
+def pool_forwards(app_name: str, timeout_s: float = 30.0) -> list[int]:
+    """The row forwards each running replica of pool `app_name` ran (its `rows_seen`), largest first: one
+    `info` call on every replica (Serve's `broadcast`)."""
+    infos = serve.get_app_handle(app_name).broadcast("info").results(timeout_s=timeout_s)
+    return sorted((int(i["rows_seen"]) for i in infos), reverse=True)
+
+
+def forwards_line(app_name: str, forwards: list[int]) -> str:
+    """The line the driver prints when it deletes the pool (`forwards_in` reads it back)."""
+    return (f"[teacher] pool {app_name!r}: its replicas ran {sum(forwards)} row forwards "
+            f"({', '.join(map(str, forwards)) or 'no replica answered'})")
+
+
+def forwards_in(line: str, app_name: str) -> int | None:
+    """The total of a `forwards_line` of pool `app_name`, None for any other line."""
+    found = re.match(rf"\[teacher\] pool {re.escape(repr(app_name))}: its replicas ran (\d+) row forwards", line)
+    return int(found.group(1)) if found else None
 
 
 class _Session:
@@ -140,8 +178,10 @@ class TeacherDeployment:
     async def topk(
         self, rows: Mapping[str, Any] | PackedRow | list[Mapping[str, Any] | PackedRow], k: int,
         dtype: str = "float16", token_range: tuple[int, int] | None = None,
-    ) -> list[dict[str, torch.Tensor]]:
-        """Top-k records, one per row, in request order; of tokens [start, end) only with `token_range`."""
+        ranges: list[tuple[int, int]] | None = None,
+    ) -> list[dict[str, torch.Tensor]] | list[list[dict[str, torch.Tensor]]]:
+        """Top-k records, one per row, in request order; of tokens [start, end) only with `token_range`; with
+        `ranges`, one list per row of one record per range (one forward of the row answers them all)."""
         if isinstance(rows, Mapping | PackedRow):
             rows = [rows]
         if not 0 < k <= self.teacher.vocab_size:
@@ -150,10 +190,17 @@ class TeacherDeployment:
         # rows come over the network: each is checked here, whatever its type (the client sends PackedRows)
         prows = [self._check(r, f"request row {i}") for i, r in enumerate(rows)]
         rng = check_token_range(token_range, prows, "teacher replica: request")
-        # the whole rows' forward (the range's targets need their prefix); top-k of the range only
+        if ranges is not None and rng is not None:
+            raise ValueError(f"teacher replica: request: token_range={rng} and ranges={ranges!r}: give one")
+        rngs = None if ranges is None else check_ranges(ranges, prows, "teacher replica: request")
+        # the whole rows' forward (the range's targets need their prefix); top-k of the range(s) only
         hiddens = await asyncio.gather(*(self._hidden(r) for r in prows))
-        out = []
+        out: list[Any] = []
         for h in hiddens:
+            if rngs is not None:
+                out.append([topk_to_wire(await asyncio.to_thread(self.teacher.topk_from_hidden, h[s:e], k, dtype))
+                            for s, e in rngs])
+                continue
             if rng is not None:
                 h = h[rng[0]:rng[1]]
             rec = await asyncio.to_thread(self.teacher.topk_from_hidden, h, k, dtype)
@@ -162,15 +209,26 @@ class TeacherDeployment:
 
     async def stream(
         self, row: Mapping[str, Any], chunk_tokens: int, start: int = 0, end: int | None = None,
-        dtype: str | None = None,
+        dtype: str | None = None, ranges: list[tuple[int, int]] | None = None,
     ) -> AsyncIterator[torch.Tensor]:
         """Full logits [C, V] for tokens [start, end) of one row (end None: its last), chunk by chunk (CPU
-        tensors); the hidden states are the whole row's."""
+        tensors); the hidden states are the whole row's. With `ranges` (all of one length L), [start, end) are
+        offsets into each range (end None: L), and chunk j of every range comes in range order before chunk
+        j + 1."""
         prow = self._check(row, "stream row")
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens={chunk_tokens} must be > 0")
-        start, end = check_token_range((start, prow.num_tokens if end is None else end), [prow],
-                                       "teacher replica: stream")
+        bases = [0]
+        if ranges is not None:
+            rngs = check_ranges(ranges, [prow], "teacher replica: stream", same_length=True)
+            length, bases = rngs[0][1] - rngs[0][0], [s for s, _ in rngs]
+            end = length if end is None else end
+            if not 0 <= start < end <= length:
+                raise ValueError(f"teacher replica: stream: offsets ({start}, {end}) do not fit ranges {rngs} of "
+                                 f"{length} tokens: it needs 0 <= start < end <= {length}")
+        else:
+            start, end = check_token_range((start, prow.num_tokens if end is None else end), [prow],
+                                           "teacher replica: stream")
         dt = torch_dtype(dtype) if dtype else None
         session_id = serve.get_multiplexed_model_id()
         if session_id:
@@ -182,8 +240,8 @@ class TeacherDeployment:
         else:
             hidden_TH = await self._hidden(prow)
         for s in range(start, end, chunk_tokens):
-            chunk = await asyncio.to_thread(self._chunk, hidden_TH, s, min(s + chunk_tokens, end), dt)
-            yield chunk
+            for base in bases:
+                yield await asyncio.to_thread(self._chunk, hidden_TH, base + s, base + min(s + chunk_tokens, end), dt)
 
     def _chunk(self, hidden_TH: torch.Tensor, s: int, e: int, dt: torch.dtype | None) -> torch.Tensor:
         with torch.no_grad():

@@ -87,7 +87,8 @@ class _Response:
 
     def result(self, timeout_s=None):
         out = asyncio.run(self.coro)
-        self.log.extend(o["logprobs"].shape[0] for o in out)
+        # a request for a group's ranges answers a list of records per row
+        self.log.extend(rec["logprobs"].shape[0] for o in out for rec in (o if isinstance(o, list) else [o]))
         return out
 
     def cancel(self) -> None:

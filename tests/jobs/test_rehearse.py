@@ -151,15 +151,42 @@ def test_ray_trains_backend_follows_the_worker(monkeypatch, capsys):
     assert len(lines) == 1 and lines[0].startswith("[train] ray.use_gpu is true"), lines
 
 
+def test_the_pools_forwards_are_counted_against_the_rows_trained(capsys):
+    """One forward per row per group passes; a forward per rank (the pool before groups asked once) is named."""
+    from hylo.pipeline.rehearse import forwards_problem, print_report, teacher_forwards
+    from hylo.pipeline.teacher.serve import forwards_in, forwards_line
+
+    # the line the driver prints when it deletes the pool, read back by the rehearsal (of its pool only)
+    line = forwards_line("teacher", [5, 2, 1, 0])
+    assert line == "[teacher] pool 'teacher': its replicas ran 8 row forwards (5, 2, 1, 0)"
+    assert forwards_in(line + "\n", "teacher") == 8 and forwards_in(line, "other") is None
+    assert forwards_in("[teacher] deploying pool 'teacher' (4 replicas)", "teacher") is None
+
+    # one step, 2 groups of 2 workers, 2 rows a group: each group's workers list the same rows
+    records = [{"rows": [["a", "b"], ["a", "b"], ["c", "d"], ["c", "d"]]}]
+    t = teacher_forwards(4, records, 2)
+    assert t == {"forwards": 4, "rows": 4, "asked": 8, "sp": 2}
+    assert forwards_problem(teacher_forwards(8, records, 2)) == (
+        "the teacher pool ran 8 row forwards for 4 rows at train.sequence_parallel=2: expected one per row per group")
+    print_report({"placed": [], "nodes": [], "each": {}, "teacher": t, "step": {"loss": 1.0}, "seconds": 1,
+                  "ray_seconds": 1})
+    assert "[rehearse] teacher forwards: 4 for 4 rows x 2 ranks (one per row per group; a forward per rank would " \
+           "be 8)" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_rehearsal_of_the_smallest_recipe_on_two_8_gpu_nodes():
+    """At train.sequence_parallel=2 (2 groups of its 4 workers): the pool's replicas ran one teacher forward per
+    row of the step, not one per worker."""
     from hylo.pipeline.rehearse import rehearse
     from hylo.pipeline.train.config import load_stage_config
 
     recipe = REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml"
     node = declared_node(cluster_file_of(recipe), gpus=8, cpus=64)
-    report = rehearse(load_stage_config(2, recipe), [node, node], timeout_s=900)
+    report = rehearse(load_stage_config(2, recipe, ["train.sequence_parallel=2"]), [node, node], timeout_s=900)
     kinds = sorted(what for what, _, _ in report["placed"])
     assert kinds == ["teacher replica"] * 4 + ["train worker"] * 4, kinds
     assert {at for _, at, _ in report["placed"]} <= {1, 2}
     assert report["step"]["step"] == 1 and math.isfinite(report["step"]["loss"])
+    t = report["teacher"]
+    assert t["sp"] == 2 and t["rows"] > 0 and t["forwards"] == t["rows"] and t["asked"] == 2 * t["rows"], t

@@ -131,6 +131,33 @@ def test_stream_chunks_concatenate_to_full_logits(pool, chunk, window):
     torch.testing.assert_close(torch.cat(chunks), _ref_logits(pool["ref"], row), rtol=1e-5, atol=1e-5)
 
 
+def test_a_groups_ranges_cost_one_forward_of_the_row(pool):
+    """What a sequence-parallel group's asking rank sends (client.py): one request for every rank's range of a
+    row. The pool runs one forward (its count as the driver prints it) and answers each range; a stream of the
+    ranges comes chunk j of every range in turn, window by window, the unsplit row's logits cut to each range."""
+    from hylo.pipeline.teacher.serve import pool_forwards
+
+    app = pool["cfg"].app_name
+    raw = make_packed_row([17, 9], VOCAB, seed=22, pad=2)
+    row = check_row(raw)
+    ranges = [(0, 14), (14, 28)]
+    before = sum(pool_forwards(app))
+    (recs,) = pool["handle"].topk.remote(row, 5, "float32", ranges=ranges).result(timeout_s=60)
+    assert [tuple(r["logprobs"].shape) for r in recs] == [(14, 5)] * 2
+    assert sum(pool_forwards(app)) - before == 1
+    ref = _ref_logits(pool["ref"], raw)
+    from hylo.kernels.fused_kl.topk import TeacherTopK
+
+    for r, (s, e) in zip(recs, ranges):
+        assert_topk_matches(torch.log_softmax(ref[s:e].float(), dim=-1),
+                            TeacherTopK(r["logprobs"], r["indices"], r["tail_logmass"]), 5, "float32")
+    client = TeacherClient(pool["handle"], timeout_s=60)
+    parts = list(client._stream_parts(row, 4, 0, 14, window_chunks=2, ranges=ranges))
+    assert [len(p) for p in parts] == [2] * 4 and [p[0].shape[0] for p in parts] == [4, 4, 4, 2]
+    for r, (s, e) in enumerate(ranges):
+        torch.testing.assert_close(torch.cat([p[r] for p in parts]), ref[s:e], rtol=1e-5, atol=1e-5)
+
+
 def test_replica_killed_midflight_every_row_once_in_order(pool):
     rows = _rows(12, seed=3)
     pool["marker"].write_text("armed")

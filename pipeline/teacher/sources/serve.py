@@ -3,8 +3,12 @@
 With `start_pool: true` the driver deploys the pool from `teacher.model` and `teacher.pool` before training and
 deletes it after (its replicas count in the run's Ray resources); with false the client attaches to a pool
 someone else runs under `pool.app_name`, and nothing of it is checked before Ray starts. Gives top-k records
-or the exact teacher as streamed logits (its lm_head is on the replicas, not on the trainer). A sequence-parallel
-rank's token range travels in its requests: the replicas run the whole row and answer the range only.
+or the exact teacher as streamed logits (its lm_head is on the replicas, not on the trainer).
+
+Under sequence parallelism the pool runs each row once per group. One rank of the group asks for every rank's
+range of the row; a replica runs one forward and answers them all; that rank sends each other rank its own
+tokens' targets over the group (pipeline/teacher/client.py). When the driver deletes the pool it prints the
+row forwards its replicas ran (`hylo rehearse` checks them: one per row per group).
 """
 
 from __future__ import annotations
@@ -55,6 +59,13 @@ class ServeSource(TeacherSourceKind):
         def stop() -> None:
             from ray import serve  # lazy: ray
 
+            from hylo.pipeline.teacher.serve import forwards_line, pool_forwards  # lazy: torch
+
+            try:
+                line = forwards_line(t.pool.app_name, pool_forwards(t.pool.app_name))
+            except Exception as e:  # a count for the log: the pool is deleted all the same
+                line = f"[teacher] pool {t.pool.app_name!r}: its replicas' forwards could not be read ({e!r})"
+            print(line, flush=True)
             serve.delete(t.pool.app_name)
 
         return stop
