@@ -369,3 +369,43 @@ def test_the_teacher_forward_builds_no_row_by_row_mask_on_fake_tensors():
 
     a, b = (st.measure_forward(tiny_teacher(), T, torch.float32).activations for T in (2048, 4096))
     assert 1.9 * a < b < 2.1 * a, (a, b)
+
+
+@pytest.mark.parametrize("mode", ["allgather", "ulysses"])
+@pytest.mark.parametrize("N", [2, 4])
+def test_the_teacher_bytes_are_what_split_attentions_collectives_send(monkeypatch, N: int, mode: str):
+    """A tiny Llama teacher's forward as the LAST rank under `seq_parallel.split_attention`, its collectives on
+    torch's fake process group (real shapes, nothing moved): the bytes they send per layer equal `teacher_comm`'s
+    (all-gather: (N - 1) x the rank's piece; all-to-all: (N - 1) / N of the rank's tensor)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hylo.kernels.varlen import DocBounds
+    from hylo.pipeline.estimate import sp_teacher as st
+    from hylo.pipeline.estimate.fake_group import split_rank
+    from hylo.seq_parallel import shard_row, split_attention
+
+    cfg, T = tiny_teacher(), 64
+    counted = {c.scheme: c.total for c in st.teacher_comm(st.TeacherDims.of(cfg), T, N, 4)}
+    sent = [0.0]
+    real_gather, real_a2a = dist.all_gather, dist.all_to_all_single
+
+    def all_gather(outs, x, group=None, **kw):
+        sent[0] += (N - 1) * x.numel() * x.element_size()
+        return real_gather(outs, x, group=group, **kw)
+
+    def all_to_all_single(output, input, *args, **kw):
+        sent[0] += (N - 1) / N * input.numel() * input.element_size()
+        return real_a2a(output, input, *args, **kw)
+
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
+    with split_rank(N, deepspeed_comm=mode == "ulysses"):
+        shard = shard_row(DocBounds.from_host([0, T], T), N - 1, N, teacher=mode)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).float().eval()
+        ids = torch.randint(0, 256, (1, T // N))
+        with torch.no_grad(), split_attention(model, shard):
+            model.model(input_ids=ids, position_ids=shard.local.positions[None], use_cache=False)
+    scheme = "all-gather K, V" if mode == "allgather" else "Ulysses q, k, v, o"
+    assert sent[0] > 0 and sent[0] / cfg.num_hidden_layers == pytest.approx(counted[scheme])
