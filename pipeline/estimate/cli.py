@@ -183,6 +183,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
               "of a row that is one document, its collectives on torch's fake process group, SDPA counted as a "
               "fused kernel; the communication is ANALYTIC, from the layers' shapes (checked against the "
               "collectives of one split layer of each kind in tests/train/test_estimate_sp.py).")
+        if frozen is not None:
+            print("The teacher split (pipeline/estimate/sp_teacher.py): its forward measured whole and, split, as the "
+                  "last rank under seq_parallel.split_attention on the fake group; its bytes ANALYTIC, checked "
+                  "against split_attention's collectives in the same test file.")
     if args.json:
         atomic_write(Path(args.json), json.dumps(out, indent=1, default=str) + "\n")
     return 0
