@@ -200,30 +200,37 @@ def attend_shard(mla: Any, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c
     return o_BHTX[..., :V].transpose(1, 2)
 
 
-def attend_keys(q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSV: torch.Tensor, shard: RowShard,
+def attend_keys(q_BHTE: torch.Tensor, k_BGSE: torch.Tensor, v_BGSV: torch.Tensor, shard: RowShard,
                 scale: float | None) -> torch.Tensor:
     """This rank's queries [B, H, t, E] attending to the row's keys and values of tokens [start of this shard's
-    first document, shard end) (S of them), documents isolated: the first document with a bottom-right-aligned
-    causal mask (its keys may start on an earlier rank), the others as in the unsplit row. -> [B, H, t, V]."""
+    first document, shard end) (S of them, G heads: H, or fewer that divide H), documents isolated: the first
+    document with a bottom-right-aligned causal mask (its keys may start on an earlier rank), the others as in
+    the unsplit row. -> [B, H, t, V]. Grouped keys stay grouped where they reach back to earlier ranks (SDPA's
+    `enable_gqa`); only this rank's own keys are repeated to H heads, for its packed documents."""
     # lazy: torch.nn.attention.bias imports torch._dynamo and triton (this module stays light for spawned ranks)
     from torch.nn.attention.bias import causal_lower_right
 
+    gqa = k_BGSE.shape[1] != q_BHTE.shape[1]
     off, cu = shard.start - shard.doc_start(shard.start), shard.local.host
     first = cu[1]
     outs = []
     if off:
         mask = causal_lower_right(first, off + first)
-        outs.append(F.scaled_dot_product_attention(q_BHTE[:, :, :first], k_BHSE[:, :, :off + first],
-                                                   v_BHSV[:, :, :off + first], attn_mask=mask, scale=scale))
+        outs.append(F.scaled_dot_product_attention(q_BHTE[:, :, :first], k_BGSE[:, :, :off + first],
+                                                   v_BGSV[:, :, :off + first], attn_mask=mask, scale=scale,
+                                                   **({"enable_gqa": True} if gqa else {})))
         rest = [c - first for c in cu[1:]]
-        q_BHTE, k_BHSE, v_BHSV = q_BHTE[:, :, first:], k_BHSE[:, :, off + first:], v_BHSV[:, :, off + first:]
+        q_BHTE, k_BGSE, v_BGSV = q_BHTE[:, :, first:], k_BGSE[:, :, off + first:], v_BGSV[:, :, off + first:]
     else:
         rest = list(cu)
     if len(rest) > 1:
+        if gqa:
+            rep = q_BHTE.shape[1] // k_BGSE.shape[1]
+            k_BGSE, v_BGSV = k_BGSE.repeat_interleave(rep, dim=1), v_BGSV.repeat_interleave(rep, dim=1)
         if len(rest) == 2:
-            outs.append(F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, is_causal=True, scale=scale))
+            outs.append(F.scaled_dot_product_attention(q_BHTE, k_BGSE, v_BGSV, is_causal=True, scale=scale))
         else:
-            outs.append(packed_causal_sdpa(q_BHTE, k_BHSE, v_BHSV, tuple(rest), scale=scale))
+            outs.append(packed_causal_sdpa(q_BHTE, k_BGSE, v_BGSV, tuple(rest), scale=scale))
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
@@ -482,8 +489,8 @@ def _allgather_attend(q_BHtE: torch.Tensor, k_BGtE: torch.Tensor, v_BGtV: torch.
     kv_1tC = torch.cat([k_BGtE, v_BGtV], dim=-1).transpose(1, 2).reshape(1, t, G * (E + V))
     kv_1SC = gather_tokens(kv_1tC, shard, end=shard.end)[:, shard.doc_start(shard.start):]
     k_1GSE, v_1GSV = kv_1SC.view(1, -1, G, E + V).transpose(1, 2).split([E, V], dim=-1)
-    if G != H:
-        k_1GSE, v_1GSV = (x.repeat_interleave(H // G, dim=1) for x in (k_1GSE, v_1GSV))
+    if H % G:
+        raise ValueError(f"sequence parallelism: {H} query heads do not group over {G} key-value heads")
     return attend_keys(q_BHtE, k_1GSE, v_1GSV, shard, scale)
 
 

@@ -31,8 +31,8 @@ Per GPU, as `teacher_split` computes it:
     as a fused kernel; what it holds beyond the unsplit forward of its Tq tokens. Where this process already has
     a process group, or `measure=False` (bench/sp_tables.py), an ANALYTIC BOUND of one layer's transient (the
     forward frees each layer's before the next; added to the forward's peak, which need not fall inside the
-    attention): all-gather, the gathered keys and values [T, 2, Hkv, d] and, where Hkv < H, their copies
-    repeated to the H query heads; Ulysses, the all-to-all's send and receive sides of q, k, v, o,
+    attention): all-gather, the gathered keys and values [T, 2, Hkv, d] (grouped: SDPA's `enable_gqa`) and,
+    where Hkv < H, the rank's own Tq repeated to the H query heads (its packed documents); Ulysses, the all-to-all's send and receive sides of q, k, v, o,
     2 Tq (2H + 2Hkv') d b, and the keys and values repeated to the rank's H / N heads over T tokens;
 * stage 2's teacher, run whole, copies the row's final hidden states out of the forward ([T, D]:
   `TeacherModel.hidden_batch`); split, it keeps the forward's own (`TeacherModel.hidden_split`);
@@ -137,7 +137,7 @@ def teacher_comm(td: TeacherDims, T: int, N: int, b: int) -> list[Comm]:
     return out
 
 
-GATHERED = "gathered K, V of one layer, repeated to H heads (bound)"
+GATHERED = "gathered K, V of one layer, the rank's own repeated to H heads (bound)"
 ALL_TO_ALL = "all-to-all buffers + q, k, v, o of H/N heads, one layer (bound)"
 SPLIT_MEASURED = "the split forward's own (measured, fake group)"
 
@@ -145,14 +145,15 @@ SPLIT_MEASURED = "the split forward's own (measured, fake group)"
 def transient_buffers(td: TeacherDims, T: int, N: int, b: int, mode: str) -> dict[str, float]:
     """The scheme's transient bytes of one layer beyond the forward of the rank's tokens, an upper bound (they
     are added to the forward's peak, which need not fall inside the attention): all-gather, the gathered keys
-    and values [T, 2, Hkv, d] and, where Hkv < H, their copies repeated to the H query heads; Ulysses, the
+    and values [T, 2, Hkv, d] and, where Hkv < H, the rank's own Tq repeated to the H query heads; Ulysses, the
     all-to-all's send and receive sides of q, k, v, o and the keys and values repeated to the H / N query heads
     over T tokens (hylo/seq_parallel.py's `_allgather_attend`, `ulysses_attend`)."""
     if mode == "whole" or N == 1:
         return {}
     Tq, d = T // N, td.head_dim
     if mode == "allgather":
-        repeated = T * 2 * td.heads * d * b if td.kv_heads != td.heads else 0
+        # the gathered keys stay grouped (SDPA's enable_gqa); only the rank's own Tq are repeated to H heads
+        repeated = Tq * 2 * td.heads * d * b if td.kv_heads != td.heads else 0
         return {GATHERED: T * 2 * td.kv_heads * d * b + repeated}
     kv = td.ulysses_kv_heads(N)
     repeated = 2 * Tq * td.heads * d * b if kv != td.heads else 0

@@ -293,9 +293,10 @@ def test_the_teacher_bytes_per_layer_by_hand():
     # key-value heads that N does not divide are replicated to the query heads: 8 kv heads over 16 ranks
     at16 = {c.scheme: c for c in st.teacher_comm(td, T, 16, b)}
     assert at16["Ulysses q, k, v, o"].total == 15 / 16 * 8192 * (4 * 32) * 128 * 2
-    # one layer's transient buffers, a bound: the gathered keys and values of the row and their copies repeated
-    # to the 32 query heads; the all-to-all's both sides and the keys and values repeated to the rank's 8 heads
-    assert st.transient_buffers(td, T, N, b, "allgather") == {st.GATHERED: T * 2 * (8 + 32) * 128 * 2}
+    # one layer's transient buffers, a bound: the gathered keys and values of the row (8 heads: grouped) and the
+    # rank's own repeated to the 32 query heads; the all-to-all's both sides and the keys and values repeated to
+    # the rank's 8 heads
+    assert st.transient_buffers(td, T, N, b, "allgather") == {st.GATHERED: (T * 8 + T // N * 32) * 2 * 128 * 2}
     assert st.transient_buffers(td, T, N, b, "ulysses") == {st.ALL_TO_ALL: 2 * 32768 * (64 + 16 + 32) * 128 * 2}
 
 
