@@ -59,7 +59,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -268,6 +268,21 @@ def command_name(fn: Callable[..., Any]) -> str:
     module = fn.__module__
     name = Path(sys.argv[0]).stem if module == "__main__" else module.rsplit(".", 1)[-1]
     return f"hylo {name.replace('_', '-')}"
+
+
+def leave(rc: int | None) -> NoReturn:
+    """`sys.exit(rc)`, except in a rank that torchrun started (`TORCHELASTIC_RUN_ID` set): that process ends
+    without the interpreter's teardown (`os._exit`, after flushing its output).
+
+    By then the rank's run is over: the session closed (a barrier, the process group destroyed), every file
+    written atomically and closed. What teardown would still do is destroy the C++ threads of process groups
+    that Python objects (DeepSpeed's engine) still hold, and that aborted finished ranks now and then:
+    `terminate called without an active exception`, SIGABRT, and torchrun fails the whole job (docs/testing.md)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if rc is None else int(rc))
+    sys.exit(rc)
 
 
 def job_main(fn: Callable[..., int | None] | None = None, *, stops: bool = False) -> Any:

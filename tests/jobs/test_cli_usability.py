@@ -483,3 +483,28 @@ def test_training_workers_print_each_line_once_on_a_local_ray_and_on_a_joined_cl
     assert run_config(cfg, run_loc(cfg)).worker_runtime_env["env_vars"][PRINT_PATCH] == "0"
     monkeypatch.setenv(PRINT_PATCH, "0")  # a driver that started its local Ray (init_ray set project_env)
     assert PRINT_PATCH not in run_config(cfg, run_loc(cfg)).worker_runtime_env["env_vars"]
+
+
+def test_a_torchrun_rank_leaves_without_the_interpreters_teardown(monkeypatch):
+    """`cli.leave` (the stage jobs' exit): a rank torchrun started ends by os._exit with the job's status, so
+    C++ threads of process groups still held are never destroyed by the interpreter's teardown (docs/testing.md);
+    any other process exits as usual."""
+    from hylo.pipeline import cli
+
+    exits: list[int] = []
+
+    def fake_exit(rc: int) -> None:
+        exits.append(rc)
+        raise SystemExit(rc)
+
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-1")
+    with pytest.raises(SystemExit):
+        cli.leave(3)
+    with pytest.raises(SystemExit):
+        cli.leave(None)
+    assert exits == [3, 0]
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    with pytest.raises(SystemExit) as stopped:
+        cli.leave(2)
+    assert stopped.value.code == 2 and exits == [3, 0]
