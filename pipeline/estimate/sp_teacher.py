@@ -53,7 +53,9 @@ whole row per row before, one after. A replica runs whole rows either way, so it
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,25 +172,35 @@ class FrozenForward:
     flops: int
 
 
-def measure_forward(config: Any, tokens: int, dtype: torch.dtype) -> FrozenForward:
-    """The decoder stack (no lm_head) of a model of `config` in `dtype` over one document of `tokens` tokens,
-    without gradients, on fake tensors: the weights' bytes, the forward's peak beyond them and its FLOPs
-    (SDPA as a fused kernel holds memory, counted dense)."""
-    with fake_tensors() as host, fused_attention(), torch.no_grad():
+def _frozen_forward(config: Any, dtype: torch.dtype, tokens: int, positions: torch.Tensor | None = None,
+                    around: Callable[[Any], Any] = lambda model: contextlib.nullcontext()) -> FrozenForward:
+    """The decoder stack (no lm_head) of a model of `config` in `dtype` over `tokens` tokens at `positions` (None:
+    one document, made on fake tensors), without gradients, on fake tensors, inside `around(model)`: the weights'
+    bytes, the forward's peak beyond them and its FLOPs."""
+    with fake_tensors() as host, torch.no_grad():
         model = build_model(config, dtype).eval().requires_grad_(False)
         params = list(model.parameters())
         weights = sum(p.numel() * p.element_size() for p in params)
         host.flop_registry = flop_registry()
         memory = StepMemory(1, host)
         memory.tracker.track_external(*params)
-        with memory.tracker:
+        with memory.tracker, around(model):
             memory.phase, memory.active = TEACHER_PHASE, True
             base = memory.total()
             memory.peak = float(base)
             ids = torch.zeros(1, tokens, dtype=torch.long)
-            model.model(input_ids=ids, position_ids=torch.arange(tokens)[None], use_cache=False)
+            pos = torch.arange(tokens) if positions is None else positions
+            model.model(input_ids=ids, position_ids=pos[None], use_cache=False)
             memory.active = False
     return FrozenForward(tokens, float(weights), memory.peak - base, host.flops)
+
+
+def measure_forward(config: Any, tokens: int, dtype: torch.dtype) -> FrozenForward:
+    """The decoder stack (no lm_head) of a model of `config` in `dtype` over one document of `tokens` tokens,
+    without gradients, on fake tensors: the weights' bytes, the forward's peak beyond them and its FLOPs
+    (SDPA as a fused kernel holds memory, counted dense)."""
+    with fused_attention():
+        return _frozen_forward(config, dtype, tokens)
 
 
 def measure_split_forward(config: Any, T: int, N: int, mode: str, dtype: torch.dtype) -> FrozenForward | None:
@@ -198,25 +210,11 @@ def measure_split_forward(config: Any, T: int, N: int, mode: str, dtype: torch.d
     this process already has a process group (the fake one cannot be made): the caller prices it analytically."""
     if dist.is_available() and dist.is_initialized():
         return None
-    Tq = T // N
     with split_rank(N, deepspeed_comm=mode == "ulysses"):
         # the shard's boundaries and positions are host values, made before the fake mode
         shard = shard_row(DocBounds.from_host([0, T], T), N - 1, N, teacher=mode)
-        with fake_tensors() as host, torch.no_grad():
-            model = build_model(config, dtype).eval().requires_grad_(False)
-            params = list(model.parameters())
-            weights = sum(p.numel() * p.element_size() for p in params)
-            host.flop_registry = flop_registry()
-            memory = StepMemory(1, host)
-            memory.tracker.track_external(*params)
-            with memory.tracker, split_attention(model, shard):
-                memory.phase, memory.active = TEACHER_PHASE, True
-                base = memory.total()
-                memory.peak = float(base)
-                ids = torch.zeros(1, Tq, dtype=torch.long)
-                model.model(input_ids=ids, position_ids=shard.local.positions[None], use_cache=False)
-                memory.active = False
-    return FrozenForward(Tq, float(weights), memory.peak - base, host.flops)
+        return _frozen_forward(config, dtype, T // N, shard.local.positions,
+                               lambda model: split_attention(model, shard))
 
 
 @dataclass
