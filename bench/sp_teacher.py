@@ -8,7 +8,7 @@ Part 1 runs the teacher's forward (`TeacherModel.hidden_split`, fp32) on one pac
 the splits, on N spawned gloo ranks (one CPU thread each), by each split: "allgather" (the keys and values
 gathered), "ulysses" (all-to-all by heads; refused where the heads do not divide by N) and "whole" (every rank
 runs the whole row: today's cost). It prints each rank's FLOPs (torch's counter, attention included:
-`seq_parallel.count_flops`), the bytes it sends and its wall time (CPU seconds: ratios, not GPU figures).
+`estimate.fake.count_flops`), the bytes it sends and its wall time (CPU seconds: ratios, not GPU figures).
 Part 2 builds one decoder layer at a named teacher's shapes (`hylo estimate`'s table: hidden size, heads, kv
 heads, head dim; the MLP shrunk, which sends nothing) and prints the bytes a rank sends per layer and per row
 token by each split. Bytes are what a rank puts on the wire under ring algorithms (bench/sp_mla.py's counter).
@@ -31,9 +31,10 @@ sys.path.insert(0, str(REPO))  # the checkout's hylo; the spawned ranks import t
 
 from bench.sp_mla import counting_collectives  # noqa: E402
 from hylo.kernels.varlen import DocBounds  # noqa: E402
+from hylo.pipeline.estimate.fake import count_flops  # noqa: E402
 from hylo.pipeline.train.config import TEACHER_SPLITS  # noqa: E402
 from hylo.pipeline.train.deepspeed_cfg import import_deepspeed  # noqa: E402
-from hylo.seq_parallel import count_flops, shard_row, ulysses_problem  # noqa: E402
+from hylo.seq_parallel import shard_row, ulysses_problem  # noqa: E402
 
 
 def _row_bounds(tokens: int) -> list[int]:

@@ -427,7 +427,7 @@ def split_attention(model: Any, shard: RowShard) -> Iterator[None]:
       (`attend_keys`); any head count; sends (N - 1) t * 2 G E values per rank and layer;
     * "ulysses": all-to-all by heads (`ulysses_attend`); H must divide by N; sends (N - 1) / N t (2H + 2G) E.
     For frozen models (a teacher, stage 1's base): under autograd the gathers are differentiable all the same.
-    Any model whose attention goes through transformers' attention interface (Llama, Qwen2 / 3, Mistral);
+    Any model whose attention goes through transformers' attention interface (checked: Llama, Qwen3);
     sliding-window or soft-capped attention is refused (`train.sequence_parallel_teacher: whole` runs them)."""
     if shard.teacher not in ("allgather", "ulysses"):
         raise ValueError(f"sequence parallelism: split_attention needs the teacher split allgather or ulysses, "
@@ -493,28 +493,3 @@ def _allgather_attend(q_BHtE: torch.Tensor, k_BGtE: torch.Tensor, v_BGtV: torch.
         raise ValueError(f"sequence parallelism: {H} query heads do not group over {G} key-value heads")
     return attend_keys(q_BHtE, k_1GSE, v_1GSV, shard, scale)
 
-
-def count_flops(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """(fn(), the FLOPs torch's counter (`torch.utils.flop_counter`) sees it run), attention included: every
-    SDPA call's full [q, k] block (a causal one too, as the counter counts a fused kernel). The lower-right causal
-    bias of a split row's first document cannot be built under the counter's dispatch mode: it is an explicit
-    boolean mask there (the same attention, the same block counted)."""
-    import torch.nn.attention.bias as masks
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
-
-    def cpu_sdpa(q_shape: Any, k_shape: Any, v_shape: Any, *args: Any, **kwargs: Any) -> int:
-        # CPU's SDPA kernel is not in the counter's table: its [q, k] products, as a fused kernel runs them
-        return sdpa_flop_count(q_shape, k_shape, v_shape)
-
-    def explicit(q_len: int, k_len: int) -> torch.Tensor:
-        return torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
-
-    bias = masks.causal_lower_right
-    masks.causal_lower_right = explicit
-    try:
-        with FlopCounterMode(display=False, custom_mapping={
-                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa}) as counter:
-            out = fn()
-    finally:
-        masks.causal_lower_right = bias
-    return out, int(counter.get_total_flops())

@@ -9,7 +9,7 @@ import itertools
 import math
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -285,3 +285,25 @@ def flop_registry() -> dict:
         aten.addmm_: addmm_inplace,
         aten.linalg_solve_triangular: solve_triangular,
     }).flop_registry
+
+
+def count_flops(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """(fn(), the FLOPs it runs on real tensors), by torch's counter with `flop_registry`'s formulas (SDPA's CPU
+    kernel included: every call's full [q, k] block, as a fused kernel counts). The lower-right causal bias of a
+    split row's first document (hylo/seq_parallel.py) cannot be built under the counter's dispatch mode: it is
+    an explicit boolean mask there (the same attention, the same block counted)."""
+    import torch.nn.attention.bias as masks  # lazy: imports torch._dynamo
+
+    def explicit(q_len: int, k_len: int) -> torch.Tensor:
+        return torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+
+    counter = FlopCounterMode(display=False)
+    counter.flop_registry = flop_registry()
+    bias = masks.causal_lower_right
+    masks.causal_lower_right = explicit
+    try:
+        with counter:
+            out = fn()
+    finally:
+        masks.causal_lower_right = bias
+    return out, int(counter.get_total_flops())

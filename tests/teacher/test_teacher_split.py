@@ -71,11 +71,12 @@ def _rank_cases(rank: int, world: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from hylo.pipeline.data.rows import check_row
+    from hylo.pipeline.estimate.fake import count_flops
     from hylo.pipeline.teacher.model import TeacherModel
     from hylo.pipeline.teacher.protocol import TargetSpec
     from hylo.pipeline.train.deepspeed_cfg import import_deepspeed
     from hylo.pipeline.train.stage1 import BaseLayerTargets
-    from hylo.seq_parallel import count_flops, shard_row
+    from hylo.seq_parallel import shard_row
 
     from tests.helpers.teacher import make_packed_row
 
