@@ -353,9 +353,15 @@ def hylo_help() -> str:
 
 
 def hylo_main(argv: list[str] | None = None) -> int:
-    """The `hylo` console script: `hylo COMMAND ARGS` runs that job's `main(ARGS)`."""
+    """The `hylo` console script: `hylo COMMAND ARGS` runs that job's `main(ARGS)`. `hylo` alone prints the usage
+    on stderr and returns 2; `hylo --help` prints it on stdout and returns 0."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:
+        # no command: the usage on stderr and exit status 2, as argparse does for a missing argument
+        print(hylo_help(), file=sys.stderr)
+        print("\nhylo: error: a command is required", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(hylo_help())
         return 0
     if argv[0] == "--version":

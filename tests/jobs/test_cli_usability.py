@@ -84,6 +84,23 @@ def test_config_by_name_from_another_directory_a_local_file_wins(tmp_path, monke
     assert rc == 0 and yaml.safe_load(out)["optim"]["lr"] == 0.5, err
 
 
+def test_hylo_alone_prints_its_usage_and_exits_2(monkeypatch, capsys):
+    """`hylo` with no command exited 0 after printing the help, as if it had done something; now it is a usage
+    error, as argparse's for a missing argument: the usage on stderr, exit status 2. `hylo --help` still prints it
+    on stdout with status 0. The console script calls `hylo_main()`, which reads sys.argv."""
+    from hylo.pipeline.cli import hylo_main
+
+    monkeypatch.setattr(sys, "argv", ["hylo"])
+    assert hylo_main() == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: hylo COMMAND") and "commands:" in err
+    assert err.rstrip().endswith("hylo: error: a command is required"), err
+    monkeypatch.setattr(sys, "argv", ["hylo", "--help"])
+    assert hylo_main() == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: hylo COMMAND") and err == ""
+
+
 # ------------------------------------------------------------------------------------ did you mean
 @pytest.mark.parametrize("argv,hint", [
     (["stage1", "--set", "optim.learning_rate=1e-4", "--print-config"], "did you mean 'optim.lr'?"),

@@ -187,6 +187,22 @@ def test_import_sorting_sees_every_project_name_as_first_party():
     assert own_section != PROBE and len(_isort_findings(own_section)) == 1
 
 
+def test_the_license_is_an_spdx_expression_for_a_setuptools_that_reads_one():
+    """`project.license` as a TOML table (`{ text = ... }`) made every build print setuptools' deprecation
+    warning (an error from 2027-02-18): it is an SPDX string, and the build needs a setuptools that reads one
+    (77, PEP 639). The wheel test below checks the built METADATA."""
+    from packaging.licenses import canonicalize_license_expression
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    license = pyproject["project"]["license"]
+    assert isinstance(license, str) and canonicalize_license_expression(license) == license
+    (setuptools,) = [r for r in map(Requirement, pyproject["build-system"]["requires"]) if r.name == "setuptools"]
+    floor = [Version(s.version) for s in setuptools.specifier if s.operator == ">="]
+    assert floor and min(floor) >= Version("77"), setuptools
+
+
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
@@ -232,6 +248,8 @@ def test_wheel_and_editable_install_beside_a_package_named_kernels(tmp_path):
           str(tmp_path / "dist"), str(src)], tmp_path, env)
     (wheel,) = (tmp_path / "dist").glob("hylo_pipeline-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "\nLicense-Expression: Apache-2.0\n" in metadata
     tops = {n.split("/")[0] for n in names}
     assert tops == {"hylo", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}, tops
     # every module of the mapped folders under hylo/ (real files, not links), the configs' YAML as package data
@@ -267,6 +285,8 @@ def test_wheel_and_editable_install_beside_a_package_named_kernels(tmp_path):
         if mode == "wheel":
             out = _run([str(venv / "bin" / "hylo"), "--help"], work, env).stdout
             assert "convert" in out and "place-layers" in out and "fetch-assets" in out
+            alone = subprocess.run([str(venv / "bin" / "hylo")], cwd=work, env=env, capture_output=True, text=True)
+            assert alone.returncode == 2 and alone.stdout == "" and alone.stderr.startswith("usage: hylo"), alone
             dry = _run([str(venv / "bin" / "hylo"), "convert", "--dry-run", "--base-config", str(base_cfg),
                         "--mla-layers", "even"], work, env).stdout
             assert json.loads(dry[dry.index("{"):])["mla_layers"] == [0, 2], dry
