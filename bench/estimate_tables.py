@@ -4,9 +4,9 @@
     python bench/estimate_tables.py --paper             # the paper's table only
     python bench/estimate_tables.py --recipes --tokens 8192 65536
 
-1. The paper's table (HyLo, arXiv 2604.24715; design.md section 8): its 1B 4MLA12M2 student (Llama-3.2-1B
-   converted as configs/llama-3.2-1b-8mla8gdn-64k.yaml converts it, with Mamba-2 in 12 layers and MLA in
-   layers 0, 5, 10, 15), a Llama-3.1-8B-shaped teacher in the trainer's process, 64K tokens, bf16, AdamW,
+1. The paper's table (HyLo, arXiv 2604.24715; docs/recipes.md#published-figures): its 1B 4MLA12M2 student
+   (Llama-3.2-1B converted as configs/llama-3.2-1b-8mla8gdn-64k.yaml converts it, with Mamba-2 in 12 layers
+   and MLA in layers 0, 5, 10, 15), a Llama-3.1-8B-shaped teacher in the trainer's process, 64K tokens, bf16, AdamW,
    per GPU. Each row is stage 2's own step (`pipeline/train/stage2.train_step`) with the loss the row names:
    * plain CE: the model's own forward with labels (`HyLoForCausalLM.forward`: full logits, fp32 CE);
    * fused linear CE: `fused_linear_cross_entropy` (kernels/fused_kl);

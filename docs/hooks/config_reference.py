@@ -287,7 +287,7 @@ def _cell(text: str) -> str:
 
 
 def key_cell(key: str) -> str:
-    """A dotted key as inline code that may wrap only after a dot (`<wbr>`; docs/css/extra.css keeps the browser
+    """A dotted key as inline code that may wrap only after a dot (`<wbr>`; docs/stylesheets/extra.css keeps the browser
     from breaking it anywhere else): `convert.<wbr>kv_lora_rank`, never `convert.kv_l` / `ora_rank`. HTML, not a
     Markdown code span, which would show the `<wbr>` as text; a copied key has no trace of it."""
     return "<code>" + ".<wbr>".join(html.escape(part) for part in key.split(".")) + "</code>"

@@ -49,7 +49,8 @@ from hylo.pipeline.train.worker import SoloContext
 
 # DeepSpeed's default limit of gathered parameter elements (stage3_max_live_parameters)
 ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
-# rows of the documents of the synthetic row: ShareGPT-like conversations (design.md section 9)
+# tokens of each document of the synthetic row, drawn uniformly: chat-length documents, an assumption (not
+# measured from a data set)
 DOC_TOKENS = (256, 2048)
 
 

@@ -302,7 +302,7 @@ def test_real_sharegpt_recovers_every_complete_conversation():
             rejected_json += 1
         else:
             parsed += 1
-    # assets.md: 17,671 complete conversations, then one cut mid-record.
+    # docs/data.md: 17,671 complete conversations, then one cut mid-record.
     assert parsed == 17_671 and rejected_json == 1
     assert is_reject(last) and last["record"] == 17_671 and last["reason"].startswith("truncated")
 
