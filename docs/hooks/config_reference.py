@@ -31,15 +31,20 @@ import html
 import importlib
 import inspect
 import json
+import logging
+import re
 import sys
 import textwrap
 import types
 import typing
 from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 PAGE = "configuration.md"
+# under "mkdocs.": `--strict` counts this logger's warnings as errors
+log = logging.getLogger("mkdocs.hooks.config_reference")
 # job (a COMMANDS name) -> "module:Class" of the config it reads, or the name of another job whose config it
 # reads (the estimate, the kernels check and the rehearsal read a training recipe, stage 1 or 2).
 JOBS: dict[str, str | tuple[str, ...]] = {
@@ -282,8 +287,59 @@ def walk(cls: type, prefix: str = "", instance: Any = None, variant: str = "",
 
 
 # ------------------------------------------------------------------------------------------- page
+# a code span: `x` or ``x`` (its content is shown as written)
+_CODE_SPAN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)")
+# what Markdown reads as markup outside a code span: emphasis, links, escapes, code
+_MARKUP = re.compile(r"([\\`*_\[\]])")
+
+
+def _escape(text: str) -> str:
+    return _MARKUP.sub(r"\\\1", html.escape(text, quote=False))
+
+
+def md_text(text: str) -> str:
+    """`text` (a comment, a type, a rule) as Markdown that shows it as written. Its code spans are kept. Outside
+    them a backslash, a backtick, `*`, `_`, `[` and `]` are escaped, and `<`, `>`, `&` written as entities.
+    Unescaped, `mla.*/gdn.*/mamba.*` showed as "mla./gdn./mamba.*" with "/gdn." in italics, and the `<run dir>`
+    of `<run dir>/model` was an HTML tag the browser hid."""
+    out, pos = [], 0
+    for m in _CODE_SPAN.finditer(text):
+        out += [_escape(text[pos:m.start()]), m.group(0)]
+        pos = m.end()
+    out.append(_escape(text[pos:]))
+    return "".join(out)
+
+
+def shown_text(text: str) -> str:
+    """What the site shows of `text` written with `md_text`: the code spans' backticks gone, spaces collapsed."""
+    return " ".join(_CODE_SPAN.sub(lambda m: m.group(2), text).split())
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _code(text: str) -> str:
+    """`text` as one code span (a longer fence when it holds a backtick)."""
+    fence = "``" if "`" in text else "`"
+    pad = " " if fence == "``" else ""
+    return f"{fence}{pad}{_cell(text)}{pad}{fence}"
+
+
+def _what(k: Key) -> str:
+    return f"({k.variant}) " if k.variant else ""
+
+
+def key_row(k: Key) -> str:
+    """The Markdown table row of one key (the variant, the class of a union the key belongs to, in italics)."""
+    what = (f"*{_what(k).strip()}* " if k.variant else "") + md_text(k.comment)
+    return f"| {key_cell(k.key)} | {_cell(md_text(k.type))} | {_code(k.default)} | {_cell(md_text(k.accepts))} | {_cell(what)} |"
+
+
+def key_row_text(k: Key) -> list[str]:
+    """What the site shows in the cells of `key_row(k)`."""
+    return [k.key, shown_text(k.type), " ".join(k.default.split()), shown_text(k.accepts),
+            shown_text(_what(k) + k.comment)]
 
 
 def key_cell(key: str) -> str:
@@ -333,10 +389,70 @@ def render() -> str:
                    "`stage2:` sections that override them for their stage; `--print-config` heads the config "
                    "with `stage: N`.", ""]
         md += ["| key | type | default | accepts | what it is |", "|---|---|---|---|---|"]
-        for k in job_keys(job):
-            what = (f"*({k.variant})* " if k.variant else "") + k.comment
-            md.append(f"| {key_cell(k.key)} | {_cell(k.type)} | `{_cell(k.default)}` | {_cell(k.accepts)} | {_cell(what)} |")
+        md += [key_row(k) for k in job_keys(job)]
     return "\n".join(md) + "\n"
+
+
+def page_keys() -> list[Key]:
+    """The keys of the page's tables, in the page's order."""
+    from hylo.pipeline.cli import COMMANDS
+
+    return [k for job in COMMANDS if isinstance(JOBS.get(job), str) for k in job_keys(job)]
+
+
+# --------------------------------------------------------------------------- the page as the site shows it
+class _TableCells(HTMLParser):
+    """The text of each table row made of <td> cells, tags dropped (a browser hides an unknown tag such as
+    `<run dir>`, and shows `*` swallowed by <em> nowhere)."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.rows: list[list[str]] = []
+        self._row: list[str] | None = None
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        if tag == "tr":
+            self._row = []
+        elif tag == "td" and self._row is not None:
+            self._cell = []
+        elif tag == "th":
+            self._row = None
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "td" and self._cell is not None and self._row is not None:
+            self._row.append(" ".join("".join(self._cell).split()))
+            self._cell = None
+        elif tag == "tr" and self._row:
+            self.rows.append(self._row)
+            self._row = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def shown_rows(page_html: str) -> list[list[str]]:
+    """The key rows (five cells) of the rendered page, as the browser shows their text."""
+    parser = _TableCells()
+    parser.feed(page_html)
+    return [row for row in parser.rows if len(row) == 5]
+
+
+def misrendered(page_html: str, keys: list[Key] | None = None) -> list[str]:
+    """Each key whose row the rendered page shows otherwise than the code writes it (a `*` read as emphasis, a
+    `<name>` read as a tag, ...): `key: shows '...', written '...'`."""
+    keys = page_keys() if keys is None else keys
+    shown = shown_rows(page_html)
+    if len(shown) != len(keys):
+        return [f"the page shows {len(shown)} key rows, the code has {len(keys)} keys"]
+    problems = []
+    for k, got in zip(keys, shown):
+        want = key_row_text(k)
+        for column, g, w in zip(("key", "type", "default", "accepts", "what it is"), got, want):
+            if g != w:
+                problems.append(f"{k.key} ({column}): shows {g!r}, written {w!r}")
+    return problems
 
 
 # ------------------------------------------------------------------------------------- mkdocs hook
@@ -349,6 +465,15 @@ def on_files(files: Any, config: Any) -> Any:
         sys.path.insert(0, root)
     files.append(File.generated(config, PAGE, content=render()))
     return files
+
+
+def on_page_content(page_html: str, page: Any, **kwargs: Any) -> str:
+    """mkdocs hook: the generated page is checked as the site shows it; a row that reads otherwise than the code
+    is a warning, an error of `mkdocs build --strict`."""
+    if page.file.src_uri == PAGE:
+        for problem in misrendered(page_html):
+            log.warning("%s: %s", PAGE, problem)
+    return page_html
 
 
 def main(argv: list[str] | None = None) -> int:

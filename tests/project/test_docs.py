@@ -248,6 +248,30 @@ def test_a_key_may_wrap_only_after_a_dot():
     assert re.search(r"\.md-typeset table:not\(\[class\]\) code \{\s*word-break: normal;", css)
 
 
+# Descriptions as the code writes them, each of which the site once showed otherwise.
+_GARBLED = {
+    "from_released": "Import (config.json + mla.*/gdn.*/mamba.* safetensors) to `out`.",
+    "sequence_parallel": "ranks [g*N, (g+1)*N) form group g",
+    "storage_path": "a run lives in <storage_path>/<name>; `<name>` in code stays",
+    "log_samples": "samples_<task>_*.jsonl beside [the results] \\ a __dunder__ and a ` stray backtick",
+}
+
+
+def test_a_description_shows_as_the_code_writes_it():
+    """`*` in `mla.*/gdn.*/mamba.*` and `[g*N, (g+1)*N)` became italics, `<run dir>` an HTML tag the browser hid
+    (21 cells of the page). Rows written as before (no escaping) are caught by the check `make docs` runs on the
+    generated page as the site renders it (the hook's on_page_content: `misrendered`, a warning, so an error of
+    the strict build); rows written by `key_row` show every character as written."""
+    gen = _generator()
+    keys = [gen.Key(name, "str", '""', "", text, "_Cfg") for name, text in _GARBLED.items()]
+    table = "| key | type | default | accepts | what it is |\n|---|---|---|---|---|\n"
+    unescaped = table + "\n".join(f"| {gen.key_cell(k.key)} | str | `\"\"` |  | {k.comment} |" for k in keys) + "\n"
+    assert [p.split(" (")[0] for p in gen.misrendered(_render(unescaped), keys)] == list(_GARBLED)
+    escaped = table + "\n".join(gen.key_row(k) for k in keys) + "\n"
+    assert gen.misrendered(_render(escaped), keys) == []
+    assert gen.shown_rows(_render(escaped))[2][4] == "a run lives in <storage_path>/<name>; <name> in code stays"
+
+
 @pytest.mark.parametrize("job", ["stage2", "prepare-data"])
 def test_the_reference_shows_the_defaults_a_job_prints(job):
     """The default column is what `--print-config` prints for an empty config (Stage2Config's data.split is
