@@ -48,6 +48,16 @@ def _layer_indices(value: Any) -> list[int]:
 
 
 class HybridConfig(PretrainedConfig):
+    """The architecture of a HyLo model: which layers are MLA, the shapes of the MLA and linear mixers, RoPE.
+
+    A transformers `PretrainedConfig` (`model_type` "hylo"), saved as config.json. The keys follow AMD's
+    released checkpoints (`n_layer`, `mla_layers`, `kv_lora_rank`, `q_lora_rank`, `qk_rope_head_dim`, ...) plus
+    the linear blocks' (`linear_type` "gdn" or "mamba2", `gdn_*`, `mamba2_*`). Every value is checked when the
+    config is built and when it is loaded: a `HybridConfigError` names the key and what it accepts.
+    `hylo convert` derives one from a base model's config and the conversion's options
+    (`hylo.upcycle.ConvertConfig`).
+    """
+
     model_type = "hylo"
     keys_to_ignore_at_inference = ["past_key_values"]
 

@@ -339,6 +339,23 @@ def padding_mask(attention_mask: torch.Tensor | None, b: int, s: int,
 
 
 class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
+    """A HyLo hybrid causal LM: Llama-style decoder layers whose mixer is MLA or a linear block (GDN, Mamba-2).
+
+    `config` (a `HybridConfig`) says which layers are MLA (`mla_layers`) and the shapes of both mixers. The MLPs,
+    norms, embeddings and LM head are a Llama's. It is a transformers `PreTrainedModel`: `from_pretrained`,
+    `save_pretrained`, `generate` and `AutoModelForCausalLM` work as for any causal LM. A checkpoint saved by
+    this project carries this code, so it also loads where the project is not installed
+    (`trust_remote_code=True`). `hylo.io.load_hylo` loads one with the project's checks, and imports AMD's
+    released layout too.
+
+    ```python
+    from hylo.io import load_hylo
+
+    model = load_hylo("runs/demo/stage2/model")
+    out = model.generate(input_ids, max_new_tokens=32)
+    ```
+    """
+
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: HybridConfig) -> None:
@@ -382,6 +399,23 @@ class HyLoForCausalLM(HyLoPreTrainedModel, GenerationMixin):
         shard: RowShard | None = None,
         **kwargs,
     ) -> HyLoCausalLMOutput:
+        """Logits (and the loss, given `labels`) of a batch, a packed row or one decoding step.
+
+        * A batch: `input_ids` `[B, T]`, with `attention_mask` `[B, cached + new tokens]` (1 at real tokens, 0 at
+          pads) when padded.
+        * A packed row: `input_ids` `[1, T]` with `cu_seqlens`, the `N + 1` document boundaries (a tensor, host
+          ints or `DocBounds`). Attention stays within each document; linear layers reset their state at each
+          boundary; positions restart at 0.
+        * One rank's part of a row split by sequence parallelism: `shard` (hylo/seq_parallel.py), with the
+          shard's tokens.
+        * Decoding: `past_key_values` (or `cache`), a `HyLoCache` (`new_cache`). `generate` makes one itself.
+
+        `labels` are aligned with `input_ids` (shifted inside; -100 is ignored): the loss is their mean
+        cross-entropy in fp32. `logits_to_keep` = k > 0 computes the last k positions' logits only;
+        `return_logits=False` none (the fused losses take the hidden states instead). `output_hidden_states`
+        returns each layer's input and the final normed state; `output_mixer_outputs` each layer's mixer
+        output (stage 1's layer-wise distillation).
+        """
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,

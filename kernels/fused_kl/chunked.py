@@ -87,25 +87,31 @@ def fused_linear_kl_div(
     chunk_size: int | None = None,
     precision: str = "accurate",
 ) -> torch.Tensor:
-    """Forward KL(teacher || student) per token, summed ("sum") or averaged over unmasked tokens ("mean").
+    """Forward KL(teacher || student) per token, summed (`"sum"`) or averaged over unmasked tokens (`"mean"`).
 
-    student_hidden: [N, H], student_weight: [V, H] (student logits = student_hidden @ student_weight.T).
+    `student_hidden`: `[N, H]`, `student_weight`: `[V, H]` (student logits = `student_hidden @ student_weight.T`).
     Exactly one teacher form:
-      * teacher_hidden [N, H'] + teacher_weight [V, H']: teacher logits computed chunk by chunk;
-      * teacher_topk: TeacherTopK or (logprobs [N, k], indices [N, k][, tail_logmass [N]]), log-probs at
-        temperature 1. With a tail, the student's probability outside the k ids is one bucket matched
-        against the teacher's tail mass; without one, the teacher's top-k are renormalised (zero tail).
-        With k = V this is exactly the full-vocabulary loss;
-      * teacher_logits_fn(i, j) -> [j - i, V] teacher logits for rows i:j (streamed; any float dtype).
-    mask: [N] bool (or 0/1 ints); False rows contribute nothing.
-    temperature T: both distributions are softmax(logits / T) (the convention: README.md, "The loss").
-      For top-k, the k+1 bucket log-probs are divided by T and renormalised.
-    chunk_size: rows per chunk; None picks one that bounds the chunk buffers (`auto_chunk_size`).
-    precision: for bf16/fp16 inputs, how the fp32 logit gradient enters the two gradient products:
-      "accurate" (hi + lo halves, two tensor-core products each) or "fast" (rounded once to the input
-      dtype, one product); fp32/fp64 inputs take fp32/fp64 products either way (README.md, "Precision").
+
+    * `teacher_hidden` `[N, H']` + `teacher_weight` `[V, H']`: teacher logits computed chunk by chunk;
+    * `teacher_topk`: `TeacherTopK` or `(logprobs [N, k], indices [N, k][, tail_logmass [N]])`, log-probs at
+      temperature 1. With a tail, the student's probability outside the k ids is one bucket matched
+      against the teacher's tail mass; without one, the teacher's top-k are renormalised (zero tail).
+      With k = V this is exactly the full-vocabulary loss;
+    * `teacher_logits_fn(i, j) -> [j - i, V]`: teacher logits for rows `i:j` (streamed; any float dtype).
+
+    Options:
+
+    * `mask`: `[N]` bool (or 0/1 ints); False rows contribute nothing.
+    * `temperature` T: both distributions are `softmax(logits / T)` (the convention: kernels/fused_kl/README.md,
+      "The loss"). For top-k, the k+1 bucket log-probs are divided by T and renormalised.
+    * `chunk_size`: rows per chunk; None picks one that bounds the chunk buffers (`auto_chunk_size`).
+    * `precision`: for bf16/fp16 inputs, how the fp32 logit gradient enters the two gradient products:
+      `"accurate"` (hi + lo halves, two tensor-core products each) or `"fast"` (rounded once to the input
+      dtype, one product); fp32/fp64 inputs take fp32/fp64 products either way (kernels/fused_kl/README.md,
+      "Precision").
+
     Returns a scalar in fp32 (fp64 for fp64 inputs); 0 when no token is unmasked. Gradients flow to
-    student_hidden and student_weight only; they are computed during this call (double backward is
+    `student_hidden` and `student_weight` only; they are computed during this call (double backward is
     not supported).
     """
     teacher, mask = check_inputs(

@@ -14,11 +14,19 @@ import torch
 
 
 class TeacherTopK(NamedTuple):
+    """A teacher's top-k record of N tokens, what `fused_linear_kl_div(teacher_topk=...)` takes.
+
+    `logprobs` `[N, k]`: the k largest log-probabilities at temperature 1; `indices` `[N, k]`: their token ids;
+    `tail_logmass` `[N]` (optional): the log of the probability mass outside the k ids, so that the target
+    stays a distribution (`tail_logmass_from_topk`).
+    """
+
     logprobs: torch.Tensor
     indices: torch.Tensor
     tail_logmass: torch.Tensor | None = None
 
     def bytes_per_token(self) -> float:
+        """The record's bytes per token, as stored or sent."""
         n = self.logprobs.shape[0]
         total = self.logprobs.numel() * self.logprobs.element_size() + self.indices.numel() * self.indices.element_size()
         if self.tail_logmass is not None:

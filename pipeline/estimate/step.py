@@ -64,6 +64,10 @@ MAX_ESTIMATE_TOTAL = 2 * MAX_ESTIMATE_TOKENS
 
 @dataclass
 class Estimate:
+    """One step's estimate: memory per GPU (bytes, by part and by phase, and the peak) and FLOPs (by phase and by
+    dtype class), at `tokens` tokens a row over `world_size` GPUs. `to_dict()` is what `hylo estimate --json`
+    writes of it."""
+
     stage: int
     tokens: int
     world_size: int

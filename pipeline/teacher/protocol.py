@@ -61,6 +61,21 @@ class TargetSpec:
 
 
 class TeacherSource(Protocol):
+    """The teacher protocol: a step's rows in, the fused KL's teacher arguments out, one row at a time.
+
+    Three sources implement it, one per `teacher.source` of stage 2: `TeacherModel` (the teacher in the
+    trainer's process), `TeacherClient` (the Ray Serve pool) and `TopKCacheReader` (the offline top-k cache).
+    `targets` yields one dict of keyword arguments of `fused_linear_kl_div` per row, in row order:
+
+    * top-k: `{"teacher_topk": TeacherTopK}`;
+    * hidden: `{"teacher_hidden": [T, H'], "teacher_weight": [V, H']}` (the exact teacher, in-process);
+    * logits: `{"teacher_logits_fn": StreamedLogits}`, full-vocabulary chunks `[C, V]` pulled in order.
+
+    With `token_range=(start, end)` a rank of a sequence-parallel group gets the targets of tokens
+    `[start, end)` of every row only; the teacher still sees the whole row. `BoundTeacher` binds a source to
+    the `TargetSpec` stage 2 asks for and places the targets on the trainer's device.
+    """
+
     def targets(self, rows: Sequence[PackedRow], spec: TargetSpec,
                 token_range: tuple[int, int] | None = None) -> Iterator[dict[str, Any]]:
         """The fused KL's teacher keyword arguments of each row, in order (of tokens [start, end) only, when a
@@ -167,9 +182,10 @@ class BoundTeacher:
     def targets(self, rows: Sequence[PackedRow], device: torch.device | str,
                 token_range: tuple[int, int] | None = None,
                 shards: Sequence[RowShard] | None = None) -> Iterator[dict[str, Any]]:
-        """`token_range=(start, end)`: only those tokens' targets of every row (see the module docstring).
+        """`token_range=(start, end)`: only those tokens' targets of every row (see `TeacherSource`).
         `shards`: the rows' shards of a sequence-parallel group, one per row (their range is the token range);
-        a source whose `targets` takes them splits its teacher with the group (see the module docstring)."""
+        a source whose `targets` takes them splits its teacher with the group (the in-process teacher runs this
+        rank's tokens only; the Serve pool runs each row once per group)."""
         if shards is not None:
             token_range = shards_range(shards, rows)
         rng = check_token_range(token_range, rows)

@@ -144,6 +144,47 @@ def test_the_build_fails_on_a_list_rendered_as_paragraph_text():
     assert hook.list_markers(_render("# Page\n\nWhat it shows:\n* one\n")) == ["* one"]
 
 
+def _html_check():
+    """docs/hooks/html_check.py."""
+    return _hook("html_check")
+
+
+def test_the_build_fails_on_a_tag_that_is_no_html_or_emphasis_in_a_docstring():
+    """A `<name>` outside a code span is a tag the browser hides, name and all (18 cells of the configuration
+    reference lost theirs); in the API reference a `*` or `_` read as emphasis loses its characters. The hook
+    warns (an error of the strict build) on what Python-Markdown made of each."""
+    check = _html_check().stray_markup
+    page = _render("# Page\n\nA run lives in <run_dir>/model, `<run_dir>` in code, and &lt;name&gt; written out.\n")
+    assert [p.split(" is not HTML")[0] for p in check(page)] == ["<run_dir>"]
+    docstring = _render("Ranks [g*N, (g+1)*N) form group g; `a*b*c` in code.\n")
+    assert check(docstring) == [] and len(check(docstring, docstrings=True)) == 1
+    assert check(_render("Ranks [g\\*N, (g+1)\\*N) form group g.\n"), docstrings=True) == []
+    assert "docs/hooks/html_check.py" in yaml.load((REPO / "mkdocs.yml").read_text(), Loader=yaml.SafeLoader)["hooks"]
+
+
+def test_the_api_reference_covers_what_a_user_imports_each_with_a_docstring():
+    """docs/api.md: mkdocstrings fills each `::: name` from the docstrings (`make docs` fails on a name that does
+    not resolve, but shows an object without a docstring as a bare heading): the model, the conversion, the
+    teacher protocol, the fused loss and the estimator, each documented in its own source."""
+    import ast
+
+    names = re.findall(r"^::: (\S+)$", (REPO / "docs" / "api.md").read_text(), re.M)
+    assert {"HyLoForCausalLM", "HybridConfig", "convert", "TeacherSource", "fused_linear_kl_div",
+            "fused_linear_cross_entropy", "estimate_step"} <= {n.rsplit(".", 1)[1] for n in names}
+    site = yaml.load((REPO / "mkdocs.yml").read_text(), Loader=yaml.SafeLoader)
+    assert any(isinstance(p, dict) and "mkdocstrings" in p for p in site["plugins"])
+    assert site["repo_url"].startswith("https://github.com/")
+    undocumented = []
+    for name in names:
+        module, attr = name.rsplit(".", 1)
+        source = REPO.joinpath(*module.split(".")).with_suffix(".py")
+        tree = ast.parse(source.read_text())
+        (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef | ast.FunctionDef) and n.name == attr]
+        if not ast.get_docstring(node):
+            undocumented.append(name)
+    assert undocumented == []
+
+
 # ------------------------------------------------------------------------------ configuration reference
 def _keys(cls: type, prefix: str = "") -> list[str]:
     """Every dotted key under dataclass `cls` (the test's own walk: union members, a default of another
