@@ -77,7 +77,9 @@ test: assets docs
 
 # The documentation site (docs/, mkdocs.yml) into site/ (git-ignored). --strict: a broken link or anchor, a page
 # missing from the nav or a nav entry without its page is an error. The configuration reference is generated
-# from the config dataclasses while it builds (docs/hooks/config_reference.py). First the Markdown check of docs/
+# from the config dataclasses while it builds (docs/hooks/config_reference.py), the API reference from the
+# docstrings (mkdocstrings, docs/api.md); the hooks check both as the site renders them (a cell shown otherwise
+# than the code writes it, a tag that is no HTML, emphasis in a docstring: errors). First the Markdown check of docs/
 # and README.md (pymarkdown, configured in pyproject.toml [tool.pymarkdown]): what --strict cannot see, e.g. a list
 # with no blank line above it, which the site shows as one run-on paragraph with literal `*`. Then the site is built
 # beside site/ and swapped in (docs/hooks/build_site.py): a site/ holding anything but our own earlier build is
