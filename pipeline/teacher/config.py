@@ -96,8 +96,11 @@ class TeacherPoolConfig:
     max_ongoing_requests: int = 16
     # Hidden states kept per replica for windowed `stream` requests of the same row.
     stream_sessions: int = 2
+    # The HTTP proxy's address (it only answers `GET /<app_name>` with the teacher's identity). port: null =
+    # a free port chosen when the pool starts (printed); a port you set must be free, or the run stops at once
+    # naming teacher.pool.port.
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int | None = None
 
 
 @dataclass

@@ -40,6 +40,14 @@ class ServeSource(TeacherSourceKind):
     def compared_with_student(self, t: ServeSection) -> TeacherFiles | None:
         return model_files(t.model) if t.start_pool else None
 
+    def check_ports(self, t: ServeSection, local: bool) -> None:
+        from hylo.pipeline.ray_init import RayStartupError, port_is_free, port_is_listening  # lazy: layering
+
+        port, host = t.pool.port, t.pool.host
+        if t.start_pool and port is not None and local and not port_is_free(host, port):
+            raise RayStartupError(pool_port_taken(host, port, "another process listens there"
+                                                  if port_is_listening(host, port) else "it cannot be bound"))
+
     def resources(self, t: ServeSection) -> list[ResourceDemand]:
         if not t.start_pool:
             return []
@@ -75,3 +83,10 @@ class ServeSource(TeacherSourceKind):
 
         # the vocabulary is the replicas': each checks the ids of every row it receives
         return TeacherClient.from_config(t.pool.app_name, t.client, t.model.logits_chunk_tokens), None
+
+
+def pool_port_taken(host: str, port: int, why: str) -> str:
+    """The one line of a `teacher.pool.port` the pool's HTTP proxy cannot listen on (the check before Ray starts,
+    and serve.start_teacher_pool's after)."""
+    return (f"teacher.pool.port={port}: the teacher pool's HTTP proxy cannot listen on {host}:{port} ({why}); "
+            f"choose a free port, or leave teacher.pool.port unset (null) to have one chosen")
