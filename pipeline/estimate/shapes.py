@@ -4,6 +4,7 @@ the Serve pool or the cache delivers)."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,48 @@ class Shapes:
     student: Any
     base: Any | None = None
     teacher: Any | None = None
+
+
+def conversion_for_student(cfg: StageConfig, config_path: str | None, overrides: list[str], tool: str
+                           ) -> Stage1Config | None:
+    """Where the shape of the student a tool prices (`hylo estimate`, `hylo kernels-check`) comes from: None when
+    model.student is a HyLo checkpoint (checked as the stages check it: train/inputs.py `check_hylo_checkpoint`),
+    else the stage-1 conversion the config describes, with the paths resolved.
+
+    A named student that does not exist is refused, as the stages refuse it, unless it is the model this config's
+    stage 1 writes (`<stage 1's ray.storage_path>/<ray.name>/model`): a recipe is priced before its stage 1 ran,
+    from that conversion, and a line on stderr says so. Stage 1's own student is its input: never converted
+    in its place. Without model.student, stage 2 is priced from the conversion (as stage 1 would make it)."""
+    from hylo.pipeline.paths import resolve_paths  # lazy: layering
+    from hylo.pipeline.train.config import load_conversion_config
+    from hylo.pipeline.train.inputs import check_hylo_checkpoint
+    from hylo.pipeline.train.storage import is_uri, run_location
+
+    student = cfg.model.student
+    stage1 = resolve_paths(load_conversion_config(config_path, overrides)) if cfg.stage == 2 else None
+    if not student:
+        return stage1
+    here = not is_uri(student) and Path(student).expanduser().exists()
+    if stage1 is not None and not here:
+        made = run_location(stage1.ray.storage_path, stage1.ray.name) / "model"
+        if made.uri().rstrip("/") == (student.rstrip("/") if is_uri(student) else
+                                      str(Path(student).expanduser().resolve())):
+            convert = stage1.model.convert.non_defaults() if stage1.model.convert is not None else {}
+            print(f"[{tool}] model.student={student} does not exist yet: it is the model stage 1 of this config "
+                  f"writes, priced as stage 1's conversion (model.base={stage1.model.base}, model.convert={convert})",
+                  file=sys.stderr, flush=True)
+            return stage1
+    try:
+        check_hylo_checkpoint("model.student", student)
+    except ConfigError as e:
+        if here:
+            raise
+        made = (run_location(stage1.ray.storage_path, stage1.ray.name) / "model"
+                if stage1 is not None and stage1.model.base else None)
+        where = (f"; before stage 1 ran, set it to the model stage 1 writes ({made.uri()}) to price that conversion"
+                 if made is not None else "")
+        raise ConfigError(f"{e}{where}", "model.student") from None
+    return None
 
 
 def student_config(cfg: StageConfig, stage1: Stage1Config | None):
