@@ -561,9 +561,9 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     cfg = resolve_paths(cfg)
     # the student's shape: its checkpoint, or the stage-1 conversion the config describes; a named student that does
     # not exist is refused as the stages refuse it, unless stage 1 of this config writes it (estimate/shapes.py)
-    from hylo.pipeline.estimate.shapes import conversion_for_student  # lazy: torch
+    from hylo.pipeline.estimate.shapes import conversion_for_student, conversion_note  # lazy: torch
 
-    stage1 = conversion_for_student(cfg, args.config, args.overrides, "kernels-check")
+    stage1 = conversion_for_student(cfg, args.config, args.overrides)
     name = Path(args.config).stem if args.config else "defaults"
     sp = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
     check_sequence_parallel(sp, args.tokens, "--sequence-parallel" if args.sequence_parallel
@@ -582,6 +582,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
 
         cache_dir = Path(kernel_cache_env(Path(args.warm_cache).expanduser().resolve())["TRITON_CACHE_DIR"])
         make_dir(cache_dir)
+    if note := conversion_note(cfg, stage1):
+        print(note, flush=True)
     bad = check({name: sites}, targets, Path(args.out), args.tokens, log_to=sys.stdout, cache_dir=cache_dir)
     print(f"wrote {Path(args.out) / 'kernels_check.json'} and kernels_check.md")
     for b in bad:

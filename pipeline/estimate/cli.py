@@ -16,7 +16,7 @@ from hylo.ownership import WRITTEN_BY
 from hylo.pipeline.cli import BadArgument
 from hylo.pipeline.estimate.args import estimate_args
 from hylo.pipeline.estimate.report import format_table
-from hylo.pipeline.estimate.shapes import Shapes, conversion_for_student, shapes_of
+from hylo.pipeline.estimate.shapes import Shapes, conversion_for_student, conversion_note, shapes_of
 from hylo.pipeline.estimate.sp import check_sequence_parallel, estimate_sp, format_sp
 from hylo.pipeline.estimate.sp_teacher import (
     TeacherDims,
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     cfg = resolve_paths(cfg)  # every path relative to this directory, as the stage jobs read them
     # the student's shape comes from its checkpoint, or else (stage 2) from the file's stage-1 conversion; a named
     # student that does not exist is refused as the stages refuse it, unless stage 1 of this config writes it
-    stage1 = conversion_for_student(cfg, args.config, args.overrides, "estimate")
+    stage1 = conversion_for_student(cfg, args.config, args.overrides)
     try:
         tokens = [int(x) for x in args.tokens.split(",")] if args.tokens else [cfg.data.seq_len]
     except ValueError:
@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                           progress=Progress(f"[estimate] {T:,} tokens{f' over {N} GPUs' if N > 1 else ''} "
                                             f"({i}/{len(tokens)})"))
             for i, T in enumerate(tokens, 1)]
-    print(describe(cfg, shapes, W, dtype, args.config)
+    note = conversion_note(cfg, stage1)
+    print(describe(cfg, shapes, W, dtype, args.config) + (f"\n{note}" if note else "")
           + (f"\nsequence parallel: each row split by tokens over N = {N} GPUs ({W // N} group{'s' if W // N > 1 else ''})" if N > 1 else ""))
     # "written_by": the file says it is ours, so a later run may replace it (hylo.ownership.is_own_file)
     out: dict[str, Any] = {"written_by": WRITTEN_BY, "config": args.config, "stage": args.stage, "world_size": W,

@@ -7,7 +7,6 @@ it before they import the driver, so `--help`, a bad flag, a bad config and `--p
 from __future__ import annotations
 
 import argparse
-import sys
 
 from hylo.pipeline.config import add_config_args, maybe_print_config
 from hylo.pipeline.train.config import StageConfig, load_stage_config
@@ -40,8 +39,6 @@ def stage_args(stage: int, argv: list[str] | None) -> tuple[argparse.Namespace, 
     if getattr(args, "print_config", False):
         from hylo.pipeline.train.inputs import check_inputs_for_print  # lazy: pyarrow
 
-        note = check_inputs_for_print(cfg)
-        if note:
-            print(note, file=sys.stderr, flush=True)
+        check_inputs_for_print(cfg)
     maybe_print_config(cfg, args)
     return args, cfg

@@ -63,7 +63,7 @@ from hylo.pipeline.train.config import StageConfig, config_to_dict
 from hylo.pipeline.train.inputs import check_stage_inputs
 from hylo.pipeline.train.kernel_cache import worker_cache_env
 from hylo.pipeline.train.metrics import make_ray_callback, read_metrics
-from hylo.pipeline.train.runlock import LOCK_FILE, run_lock
+from hylo.pipeline.train.runlock import LOCK_FILE, check_unlocked, run_lock
 from hylo.pipeline.train.session import PREEMPT_FILE, read_preempt_request
 from hylo.pipeline.train.startup import StartupClock, is_job_process, process_start_time
 from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path, is_uri, run_dir, run_loc
@@ -525,9 +525,9 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
     # every path of the config made absolute once, against this directory: the workers run elsewhere
     cfg = resolve_paths(cfg)
     # every check that can refuse the run, before its directory is made (the lock makes it) or Ray starts
-    check_run(cfg, args.resume, launcher, is_rank0)
-    # the run directory is this run's until it ends (runlock.py); under torchrun rank 0 holds it
     owner = launch_id(launcher) if launcher == "torchrun" else None
+    check_run(cfg, args.resume, launcher, is_rank0, args.break_lock, owner)
+    # the run directory is this run's until it ends (runlock.py); under torchrun rank 0 holds it
     made = is_rank0 and run_loc(cfg).is_local and not run_loc(cfg).local().exists()
     lock = run_lock(run_loc(cfg), break_lock=args.break_lock, owner=owner) if is_rank0 else contextlib.nullcontext()
     training = False
@@ -575,12 +575,15 @@ def exit_on_sigterm():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def check_run(cfg: StageConfig, resume: str | None, launcher: str, is_rank0: bool) -> None:
+def check_run(cfg: StageConfig, resume: str | None, launcher: str, is_rank0: bool, break_lock: bool = False,
+              owner: str | None = None) -> None:
     """Every check that can refuse a run, before its directory is made or locked, Ray starts or anything is
-    converted or compiled (a refused run leaves nothing behind): the run directory is no input and holds no
-    checkpoint without --resume, the inputs (train/inputs.py), the outputs the run replaces, and the student a
-    resume loads. `--print-config` runs the same checks on the inputs (`check_inputs_for_print`). First the cluster
+    converted or compiled (a refused run leaves nothing behind): no other run holds the directory (its lock), it
+    is no input and holds no checkpoint without --resume, the inputs (train/inputs.py), the outputs the run
+    replaces, and the student a resume loads. `--print-config` runs the same checks on the inputs (`check_inputs_for_print`). First the cluster
     the run joins, if any: a stale RAY_ADDRESS or ray.address is named in seconds (ray_init.check_ray_address)."""
+    if is_rank0:
+        check_unlocked(run_loc(cfg), break_lock, owner)
     if launcher == "ray":
         check_ray_address(cfg.ray.address)
         if cfg.stage == 2:

@@ -320,11 +320,13 @@ def check_stage_inputs(cfg: StageConfig) -> None:
 
 
 def absent_inputs(cfg: StageConfig) -> list[str]:
-    """`key=value` of each input the run reads that is not on this machine (yet): a path that does not exist, an
-    asset not in the cache, a URI. The run refuses them; `--print-config` checks a config against its inputs only
-    when there are none (a recipe is printed before its models are made)."""
-    keys: list[tuple[str, str | None]] = [("model.student", cfg.model.student)]
-    if cfg.stage == 1 and not cfg.model.student:
+    """Each input the run reads that is not on this machine (yet), as `key=value (not here)` (a path that does not
+    exist, an asset not in the cache, a URI) or `key (not set)`. The run refuses them; `--print-config` checks a
+    config against its inputs only when there are none (a recipe is printed before its models are made)."""
+    keys: list[tuple[str, str | None]] = []
+    if cfg.model.student or cfg.stage == 2:
+        keys.append(("model.student", cfg.model.student))
+    if cfg.stage == 1:
         keys.append(("model.base", cfg.model.base))
     teacher = getattr(cfg, "teacher", None)
     if teacher is not None:
@@ -337,6 +339,7 @@ def absent_inputs(cfg: StageConfig) -> list[str]:
     absent = []
     for key, value in keys:
         if not value:
+            absent.append(f"{key} (not set)")
             continue
         try:
             asset = asset_name(value)
@@ -344,18 +347,17 @@ def absent_inputs(cfg: StageConfig) -> list[str]:
         except Exception:  # noqa: BLE001 - an unknown asset or a URI: not checkable here
             here = False
         if is_uri(value) or not here:
-            absent.append(f"{key}={value}")
+            absent.append(f"{key}={value} (not here)")
     return absent
 
 
-def check_inputs_for_print(cfg: StageConfig) -> str | None:
+def check_inputs_for_print(cfg: StageConfig) -> list[str]:
     """What `--print-config` checks before it prints: the run's own checks of its inputs (`check_stage_inputs`,
-    ConfigError as the run refuses), when every input is here; else a note naming what is not."""
+    ConfigError as the run refuses), when every input is on this machine. Returns the inputs that are not (then
+    nothing was checked; the output stays the config alone, which scripts parse)."""
     from hylo.pipeline.paths import resolve_paths  # lazy: layering
 
     absent = absent_inputs(cfg)
-    if absent:
-        return (f"[print-config] not checked against its inputs: {', '.join(absent)} "
-                f"{'is' if len(absent) == 1 else 'are'} not on this machine (the run checks them before it starts)")
-    check_stage_inputs(resolve_paths(cfg))
-    return None
+    if not absent:
+        check_stage_inputs(resolve_paths(cfg))
+    return absent

@@ -160,12 +160,17 @@ def test_print_config_runs_the_runs_checks_of_its_inputs(stage2, tmp_path):
     rc, out, err = run_hylo_split(["stage2", "--config", str(stage2), *[x for s in ULYSSES_3 for x in ("--set", s)],
                                    "--print-config"])
     assert "the largest group size that works is 1" in error_line(rc, out, err)
-    # inputs not on this machine (a recipe printed before its models exist): printed, with a note of what was not
-    # checked
-    rc, out, err = run_hylo_split(["stage2", "--config", str(stage2), *sets, "--set",
-                                   f"model.student={tmp_path / 'later'}", "--print-config"])
-    assert rc == 0 and "train:" in out, err
-    assert f"not checked against its inputs: model.student={tmp_path / 'later'} is not on this machine" in err
+    # inputs not on this machine (a recipe printed before its models exist): printed unchecked, as before
+    later = tmp_path / "later"
+    rc, out, err = run_hylo_split(["stage2", "--config", str(stage2), *sets, "--set", f"model.student={later}",
+                                   "--print-config"])
+    assert rc == 0 and "train:" in out and err == "", err
+    from hylo.pipeline.train.config import load_stage_config
+    from hylo.pipeline.train.inputs import check_inputs_for_print
+
+    cfg = load_stage_config(2, str(stage2), [*SHORT_SHARDS, f"model.student={later}", "data.source=parquet",
+                                             "data.path=null"])
+    assert check_inputs_for_print(cfg) == [f"model.student={later} (not here)", "data.path (not set)"]
     # a config that passes prints as before
     rc, out, err = run_hylo_split(["stage2", "--config", str(stage2), "--print-config"])
     assert rc == 0 and "sequence_parallel: 1" in out and err == "", err
@@ -212,13 +217,14 @@ def test_estimate_and_kernels_check_refuse_a_missing_student_as_the_stages_do(st
     (tmp_path / "plain").mkdir()
     line = error_line(*run_hylo_split(["estimate", "--config", str(stage2), "--cpu", "--set",
                                        f"model.student={tmp_path / 'plain'}"]))
-    assert "has no hybrid_config.json" in line, line
+    assert line.startswith(f"error: model.student='{tmp_path / 'plain'}': has no config.json; it must be a HyLo "
+                           "checkpoint directory"), line
 
 
-def test_the_model_stage_1_writes_is_priced_from_its_conversion_with_a_line_saying_so(tiny, tmp_path, capsys):
+def test_the_model_stage_1_writes_is_priced_from_its_conversion_with_a_line_saying_so(tiny, tmp_path):
     """A recipe is estimated before its stage 1 ran: its stage-2 student is stage 1's output, which does not exist
-    yet. That one (and only that one) is priced from stage 1's conversion, and stderr says so."""
-    from hylo.pipeline.estimate.shapes import conversion_for_student
+    yet. That one (and only that one) is priced from stage 1's conversion, and the report says so."""
+    from hylo.pipeline.estimate.shapes import conversion_for_student, conversion_note
     from hylo.pipeline.paths import resolve_paths
     from hylo.pipeline.train.config import load_stage_config
 
@@ -229,22 +235,22 @@ def test_the_model_stage_1_writes_is_priced_from_its_conversion_with_a_line_sayi
                   "stage2": {"model": {"student": str(tmp_path / "runs" / "one" / "model")}, "ray": {"name": "two"},
                              "teacher": {"model": {"path": str(models["base"])}}}}, path)
     cfg = resolve_paths(load_stage_config(2, str(path), []))
-    stage1 = conversion_for_student(cfg, str(path), [], "estimate")
+    stage1 = conversion_for_student(cfg, str(path), [])
     assert stage1 is not None and stage1.model.convert.kv_lora_rank == 16
-    err = capsys.readouterr().err
-    assert f"model.student={tmp_path / 'runs' / 'one' / 'model'} does not exist yet: it is the model stage 1 of " \
-           "this config writes, priced as stage 1's conversion" in err, err
+    assert conversion_note(cfg, stage1).startswith(f"model.student={tmp_path / 'runs' / 'one' / 'model'} does not "
+                                                   "exist yet: it is the model stage 1 of this config writes, priced "
+                                                   "as stage 1's conversion")
     # another missing path is refused, with the way to price stage 1's conversion
     with pytest.raises(ConfigError, match=r"does not exist; it must be a HyLo checkpoint directory .*set it to the "
                                           r"model stage 1 writes \(.*/runs/one/model\)"):
         conversion_for_student(resolve_paths(load_stage_config(2, str(path), [f"model.student={tmp_path}/x"])),
-                               str(path), [], "estimate")
+                               str(path), [])
     # --set ray.storage_path moves both stages' runs: stage 1's output moves with it
     with pytest.raises(ConfigError, match="does not exist"):
-        conversion_for_student(cfg, str(path), [f"ray.storage_path={tmp_path}/elsewhere"], "estimate")
+        conversion_for_student(cfg, str(path), [f"ray.storage_path={tmp_path}/elsewhere"])
     # a student that exists is its own shape
     ok = resolve_paths(load_stage_config(2, str(path), [f"model.student={models['student']}"]))
-    assert conversion_for_student(ok, str(path), [], "estimate") is None
+    assert conversion_for_student(ok, str(path), []) is None and conversion_note(ok, None) is None
 
 
 # ------------------------------------------------------------------------------ the real pool, the real Ray
