@@ -103,6 +103,13 @@ class TeacherPoolConfig:
     port: int | None = None
 
 
+def pool_port_taken(host: str, port: int, why: str) -> str:
+    """The one line of a `teacher.pool.port` the pool's HTTP proxy cannot listen on (sources/serve.py's check
+    before Ray starts, and serve.start_teacher_pool's after)."""
+    return (f"teacher.pool.port={port}: the teacher pool's HTTP proxy cannot listen on {host}:{port} ({why}); "
+            f"choose a free port, or leave teacher.pool.port unset (null) to have one chosen")
+
+
 @dataclass
 @rules(kill_at_row=at_least(1), kill_target=one_of("process", "node"))
 class TeacherFaultConfig:

@@ -52,7 +52,12 @@ from hylo.kernels.backend import keep_freed_host_memory
 from hylo.pipeline.config import from_dict, to_dict
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.ray_init import kill_this_node
-from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig
+from hylo.pipeline.teacher.config import (
+    TeacherFaultConfig,
+    TeacherModelConfig,
+    TeacherPoolConfig,
+    pool_port_taken,
+)
 from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
 from hylo.pipeline.teacher.protocol import check_token_range
 
@@ -279,7 +284,6 @@ def start_teacher_pool(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfi
     takes it first. Needs a running Ray (`ray.init(...)`); the caller owns `serve.shutdown()`.
     """
     from hylo.pipeline.ray_init import RayStartupError, port_is_free, port_is_listening  # lazy: ray
-    from hylo.pipeline.teacher.sources.serve import pool_port_taken  # lazy: layering
 
     here = _head_is_here()
     if pool_cfg.port is not None and here and not port_is_free(pool_cfg.host, pool_cfg.port):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hylo.pipeline.teacher.config import ServeSection
+from hylo.pipeline.teacher.config import ServeSection, pool_port_taken
 from hylo.pipeline.teacher.sources.base import (
     ResourceDemand,
     TeacherFiles,
@@ -84,9 +84,3 @@ class ServeSource(TeacherSourceKind):
         # the vocabulary is the replicas': each checks the ids of every row it receives
         return TeacherClient.from_config(t.pool.app_name, t.client, t.model.logits_chunk_tokens), None
 
-
-def pool_port_taken(host: str, port: int, why: str) -> str:
-    """The one line of a `teacher.pool.port` the pool's HTTP proxy cannot listen on (the check before Ray starts,
-    and serve.start_teacher_pool's after)."""
-    return (f"teacher.pool.port={port}: the teacher pool's HTTP proxy cannot listen on {host}:{port} ({why}); "
-            f"choose a free port, or leave teacher.pool.port unset (null) to have one chosen")
