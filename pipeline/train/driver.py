@@ -12,7 +12,9 @@ Design choices:
 * One run owns its directory at a time (runlock.py). A second run with the same name stops at once.
 * A directory that holds checkpoints needs `--resume` or another name: nothing is continued silently.
 * Ray Train's own checkpoint record is reset at every start. The checkpoints' manifests are the record.
-* Everything that can be checked before Ray starts is checked here: inputs, outputs, resources, a resume.
+* Everything that can refuse a run is checked before its directory is made or Ray starts (`check_run`): the
+  lock, the cluster's address, the teacher pool's port, inputs, outputs, a resume. A run that stops after it
+  made its directory but before its training began removes it again (`remove_unstarted_run_dir`).
 * Ray Train is handed `loop.train_worker` by name (`WORKER`): neither the driver nor Ray's controller
   imports the training stack for it. The controller sees only the small launch dict.
 * A worker's input error is not retried (failures.py); faults restart from the newest intact checkpoint.
