@@ -580,10 +580,11 @@ def exit_on_sigterm():
 def check_run(cfg: StageConfig, resume: str | None, launcher: str, is_rank0: bool, break_lock: bool = False,
               owner: str | None = None) -> None:
     """Every check that can refuse a run, before its directory is made or locked, Ray starts or anything is
-    converted or compiled (a refused run leaves nothing behind): no other run holds the directory (its lock), it
-    is no input and holds no checkpoint without --resume, the inputs (train/inputs.py), the outputs the run
-    replaces, and the student a resume loads. `--print-config` runs the same checks on the inputs (`check_inputs_for_print`). First the cluster
-    the run joins, if any: a stale RAY_ADDRESS or ray.address is named in seconds (ray_init.check_ray_address)."""
+    converted or compiled (a refused run leaves nothing behind), in this order: no other run holds the directory
+    (its lock); the cluster the run joins answers (a stale RAY_ADDRESS or ray.address is named in seconds:
+    ray_init.check_ray_address) and, with a local Ray, the teacher pool's port is free; the directory is no
+    input and holds no checkpoint without --resume; the inputs (train/inputs.py); the outputs the run replaces;
+    the student a resume loads. `--print-config` runs the same checks of the inputs (`check_inputs_for_print`)."""
     if is_rank0:
         check_unlocked(run_loc(cfg), break_lock, owner)
     if launcher == "ray":
