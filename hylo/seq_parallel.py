@@ -250,10 +250,12 @@ def _attend_ulysses(mla: Any, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor
     return ulysses_attend(q_BHTE, k_BHTE, v_BHTV, shard, mla.softmax_scale)[..., :V].transpose(1, 2)
 
 
-def ulysses_problem(heads: int, sequence_parallel: int, workers: int | None = None) -> str:
+def ulysses_problem(heads: int, sequence_parallel: int, best: int | None = None) -> str:
     """Why Ulysses cannot split `heads` heads over `sequence_parallel` ranks, with the largest group size that
-    can (one that also divides `workers`, when given)."""
-    best = max(n for n in range(1, sequence_parallel + 1) if heads % n == 0 and (workers or n) % n == 0)
+    can: `best` when the caller knows more rules (the pipeline's `largest_group`: it also divides the workers and
+    splits the rows), else the largest that divides the heads."""
+    if best is None:
+        best = max(n for n in range(1, sequence_parallel + 1) if heads % n == 0)
     return (f"Ulysses splits the {heads} attention heads over the {sequence_parallel} ranks of a group: they must "
             f"divide (the largest group size that works is {best})")
 

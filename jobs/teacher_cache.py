@@ -19,7 +19,7 @@ if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use 
 from hylo.pipeline.cli import job_main
 from hylo.pipeline.config import add_config_args, config_from_args
 from hylo.pipeline.paths import resolve_paths
-from hylo.pipeline.ray_init import ray_running
+from hylo.pipeline.ray_init import check_ray_address, ray_running
 from hylo.pipeline.teacher.config import TeacherCacheConfig
 from hylo.pipeline.teacher.sources.base import check_model_weights
 
@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     # stack (torch, pyarrow) after --help and --print-config answered.
     from hylo.pipeline.teacher.cache import check_cache_output, prepare_cache, run_cache_job  # lazy: torch
 
+    # the cluster it joins answers (a stale RAY_ADDRESS is named now, before the cache directory is made)
+    check_ray_address(cfg.ray.address)
     if cfg.data and cfg.out:
         check_cache_output(cfg)  # out is no input and no directory of the user's: before the teacher is fetched
         check_model_weights(cfg.teacher.model)

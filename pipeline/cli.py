@@ -97,6 +97,7 @@ INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("hylo.io", "CheckpointMismatchError"),
     ("hylo.released.layout", "ReleasedLayoutError"),
     ("hylo.model_files", "ModelFileError"),
+    ("hylo.pipeline.ray_init", "RayStartupError"),
 )
 # OSError subclasses the project raises with its own message (errno unset) for a path problem.
 PATH_ERROR_TYPES = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)

@@ -63,7 +63,7 @@ from hylo.ownership import record_files
 from hylo.pipeline.cli import MAX_WORLD_SIZE, BadArgument, bounded_int
 from hylo.pipeline.config import add_config_args, config_file, maybe_print_config
 from hylo.pipeline.paths import resolve_paths
-from hylo.pipeline.train.config import load_conversion_config, load_stage_config, sp_shard_problem
+from hylo.pipeline.train.config import load_stage_config, sp_shard_problem
 from hylo.stopping import make_dir, popen, track_temp
 
 TARGET_NAMES = ("sm_90", "sm_100", "gfx942", "gfx950")
@@ -559,11 +559,11 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     cfg = load_stage_config(2, args.config, args.overrides)
     maybe_print_config(cfg, args)
     cfg = resolve_paths(cfg)
-    student = Path(cfg.model.student).expanduser() if cfg.model.student else None
-    stage1 = None
-    if not (student is not None and (student / "config.json").is_file()):
-        # the student's shape from the stage-1 conversion the config describes (its model section alone)
-        stage1 = resolve_paths(load_conversion_config(args.config, args.overrides))
+    # the student's shape: its checkpoint, or the stage-1 conversion the config describes; a named student that does
+    # not exist is refused as the stages refuse it, unless stage 1 of this config writes it (estimate/shapes.py)
+    from hylo.pipeline.estimate.shapes import conversion_for_student, conversion_note  # lazy: torch
+
+    stage1 = conversion_for_student(cfg, args.config, args.overrides)
     name = Path(args.config).stem if args.config else "defaults"
     sp = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
     check_sequence_parallel(sp, args.tokens, "--sequence-parallel" if args.sequence_parallel
@@ -582,6 +582,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
 
         cache_dir = Path(kernel_cache_env(Path(args.warm_cache).expanduser().resolve())["TRITON_CACHE_DIR"])
         make_dir(cache_dir)
+    if note := conversion_note(cfg, stage1):
+        print(note, flush=True)
     bad = check({name: sites}, targets, Path(args.out), args.tokens, log_to=sys.stdout, cache_dir=cache_dir)
     print(f"wrote {Path(args.out) / 'kernels_check.json'} and kernels_check.md")
     for b in bad:

@@ -37,6 +37,13 @@ Design choices:
 * Only a Ray the job started is shut down (`ray_running`); joining a cluster never stops it.
 * `ray.init` installs a SIGTERM handler of its own (exit status 15, nothing cleaned up): under the signal
   rule of hylo/stopping.py (the demo, place-layers) the rule's handler is put back right after.
+* A start-up fault ends within seconds in one line naming what to change (`RayStartupError`, the `error:` line
+  of every job, exit status 2). Before joining, the address is probed (`probe_address`: a TCP connection within
+  `PROBE_TIMEOUT_S`, then the HTTP/2 greeting a GCS answers): a stale `RAY_ADDRESS` or `ray.address` (nothing
+  listens, no answer, not a Ray GCS) is named at once, where Ray itself retried for minutes (its GCS
+  client waits 30 s a try, 20 tries). A local Ray's GCS port is checked free just before it starts
+  (`_usable_gcs_port`: nothing may listen on it, and it must bind); one taken meanwhile (Ray's "Failed to start
+  GCS") is retried on another port, as is Ray's 30 s raylet registration on a busy machine.
 * The config section is `hylo.pipeline.config.RayInitSection` (training's `ray` section extends it).
 """
 
@@ -66,12 +73,101 @@ ROOT = Path(hylo.__file__).resolve().parents[1]
 
 # Ray's message when its raylet did not register with the GCS within its fixed 30 s (ray/_private/node.py)
 STARTUP_TIMEOUT = "timed out during startup"
+# Ray's message when the GCS it started exited (its port taken between our check and its bind, ray/_private/node.py)
+GCS_FAILED = "Failed to start GCS"
 START_ATTEMPTS = 3
+# ports tried for a local Ray's GCS before its start (each checked free: nothing listens, it binds)
+PORT_TRIES = 20
+# A probe of a cluster's address: the TCP connection, then the GCS's first HTTP/2 frame, each within this.
+PROBE_TIMEOUT_S = 5.0
+# The HTTP/2 connection preface and an empty SETTINGS frame: a gRPC server (a GCS, Ray Client's server)
+# answers with a SETTINGS frame of its own (frame type 4) before anything else.
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+H2_SETTINGS = 4
+
+
+class RayStartupError(RuntimeError):
+    """Ray could not start, or the cluster a job names could not be reached; the message names the setting or
+    environment variable to change (an input error of the job: one `error:` line, exit status 2)."""
 
 
 def resolve_address(address: str | None) -> str | None:
     """The cluster a job joins (`address`, else $RAY_ADDRESS), or None: start a local Ray."""
     return address or os.environ.get("RAY_ADDRESS") or None
+
+
+def address_source(address: str | None) -> str:
+    """What names the cluster a job joins, as the user wrote it: `ray.address=...` or `RAY_ADDRESS=...`
+    (Ray reads `RAY_ADDRESS` first also for `ray.address=auto`)."""
+    env = os.environ.get("RAY_ADDRESS")
+    if address and not (address == "auto" and env):
+        return f"ray.address={address}"
+    return f"RAY_ADDRESS={env}" + (" (read for ray.address=auto)" if address == "auto" else "")
+
+
+def _fix_for(source: str) -> str:
+    if source.startswith("RAY_ADDRESS"):
+        return ("unset RAY_ADDRESS to start a local Ray for this job, or set it to the GCS address of a running "
+                "cluster (host:6379 of `ray start --head`)")
+    return ("leave ray.address unset (null) to start a local Ray for this job, or set it to the GCS address of a "
+            "running cluster (host:6379 of `ray start --head`)")
+
+
+def host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a Ray address ("host:port", "ray://host:port", "[::1]:port"); None when it names none
+    ("auto", "local")."""
+    rest = address.split("://", 1)[-1].split("/", 1)[0]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def probe_address(address: str, source: str, timeout: float | None = None) -> None:
+    """Refuse, within about `timeout` seconds, an address no Ray cluster answers at: nothing listens there, no
+    answer, or a server that is not a GCS (no HTTP/2 greeting). `source` names the setting in the message.
+    TLS clusters (RAY_USE_TLS) and dashboard addresses (http://) get the TCP check only."""
+    timeout = PROBE_TIMEOUT_S if timeout is None else timeout
+    where = host_port(address)
+    if where is None:
+        if address not in ("auto", "local"):
+            raise RayStartupError(f"{source}: not a Ray address (host:port, ray://host:port or auto); "
+                                  f"{_fix_for(source)}")
+        return
+    host, port = where
+    try:
+        conn = socket.create_connection((host, port), timeout=timeout)
+    except socket.gaierror as e:
+        raise RayStartupError(f"{source}: cannot resolve the host {host!r} ({e.strerror or e}); "
+                              f"{_fix_for(source)}") from None
+    except TimeoutError:
+        raise RayStartupError(f"{source}: no answer from {host}:{port} within {timeout:g} s (a firewall, or a "
+                              f"machine that is down); {_fix_for(source)}") from None
+    except OSError as e:
+        raise RayStartupError(f"{source}: nothing accepts connections at {host}:{port} ({e.strerror or e}): no Ray "
+                              f"cluster runs there; {_fix_for(source)}") from None
+    with conn:
+        if address.startswith(("http://", "https://")) or os.environ.get("RAY_USE_TLS", "0") not in ("0", ""):
+            return
+        try:
+            conn.settimeout(timeout)
+            conn.sendall(H2_PREFACE)
+            head = _read_exactly(conn, 9)
+        except OSError:
+            head = b""
+        if len(head) < 9 or head[3] != H2_SETTINGS:
+            raise RayStartupError(f"{source}: the server at {host}:{port} is not a Ray GCS (no gRPC answer within "
+                                  f"{timeout:g} s); {_fix_for(source)}")
+
+
+def _read_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def torch_extensions_dir() -> str:
@@ -100,28 +196,118 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_
         return False
     target = resolve_address(address)
     if target:
+        source = address_source(address)
+        probe_address(_cluster_address(target, source), source)
         # a local Ray of another job of this machine (the demo's steps) is on the loopback: this driver's
         # node address must be the loopback too, or it would look for its raylet at the reachable one
-        with _loopback_node() if _is_loopback(target) else contextlib.nullcontext():
-            ray.init(address=target, log_to_driver=log_to_driver)
+        try:
+            with _loopback_node() if _is_loopback(target) else contextlib.nullcontext():
+                ray.init(address=target, log_to_driver=log_to_driver)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise RayStartupError(f"{source}: Ray could not join the cluster there: {_first_line(e)}; "
+                                  f"{_fix_for(source)}") from e
         reclaim()
         return False
     os.environ.update(project_env())
+    tried: list[int] = []
     for attempt in range(1, START_ATTEMPTS + 1):
-        port = _free_loopback_port()
+        port = _usable_gcs_port(tried)
         try:
             with _loopback_node(), _environ(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"):
                 ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
             break
-        except Exception as e:  # Ray raises a bare Exception for this
-            if STARTUP_TIMEOUT not in str(e) or attempt == START_ATTEMPTS:
-                raise
-            # Ray waits a fixed 30 s for its raylet to register; a busy machine can take longer. The half-started
-            # processes are Ray's reaper's to end when this driver exits.
-            log.warning("local Ray did not start within Ray's 30 s on this machine (load average %.1f); "
-                        "starting it again (attempt %d of %d)", os.getloadavg()[0], attempt + 1, START_ATTEMPTS)
+        except Exception as e:  # Ray raises a bare Exception for these
+            why = (f"its GCS could not listen on 127.0.0.1:{port} (taken by another process since it was checked)"
+                   if GCS_FAILED in str(e) else
+                   "it did not start within Ray's 30 s on this machine" if STARTUP_TIMEOUT in str(e) else None)
+            if why is None:
+                raise RayStartupError(f"a local Ray could not start: {_first_line(e)} (its logs: "
+                                      f"{_session_logs()}); set ray.address (or RAY_ADDRESS) to a running "
+                                      f"cluster instead") from e
+            # the half-started processes are Ray's reaper's to end when this driver exits
             ray.shutdown()
+            if attempt == START_ATTEMPTS:
+                raise RayStartupError(f"a local Ray could not start in {START_ATTEMPTS} tries: {why} (load average "
+                                      f"{os.getloadavg()[0]:.1f}; its logs: {_session_logs()}); run it on a "
+                                      f"quieter machine, or set ray.address (or RAY_ADDRESS) to a running "
+                                      f"cluster") from e
+            # Ray waits a fixed 30 s for its raylet to register, which a busy machine can exceed; a port taken
+            # between the check and the GCS's bind is chosen again
+            log.warning("local Ray: %s; starting it again on another port (attempt %d of %d)", why, attempt + 1,
+                        START_ATTEMPTS)
     reclaim()
+    return True
+
+
+def check_ray_address(address: str | None) -> None:
+    """Before a job makes anything: the cluster it joins (`address`, else $RAY_ADDRESS) answers as a Ray GCS
+    (`probe_address`); nothing to check for a local Ray. RayStartupError names the setting to change."""
+    target = resolve_address(address)
+    if target:
+        source = address_source(address)
+        probe_address(_cluster_address(target, source), source)
+
+
+def _cluster_address(target: str, source: str) -> str:
+    """The address `ray.init(address=target)` connects to: "auto" is what Ray finds on this machine ($RAY_ADDRESS,
+    the cluster /tmp/ray/ray_current_cluster names, a running GCS), found as Ray finds it."""
+    if target != "auto":
+        return target
+    try:
+        from ray._private.services import get_ray_address_from_environment  # lazy: ray
+    except ImportError:  # another Ray layout: Ray looks it up itself
+        return target
+    try:
+        return get_ray_address_from_environment("auto", None) or target
+    except ConnectionError as e:
+        raise RayStartupError(f"{source}: no running Ray cluster on this machine ({_first_line(e)}); "
+                              f"{_fix_for(source)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def _session_logs() -> str:
+    return os.path.join(os.environ.get("RAY_TMPDIR") or "/tmp/ray", "session_latest", "logs")
+
+
+def _usable_gcs_port(tried: list[int]) -> int:
+    """A loopback port for a local Ray's GCS, checked just before Ray starts: nothing listens on it and it binds
+    (the OS picked it free, but another process may have taken it since). Appends it to `tried`."""
+    for _ in range(PORT_TRIES):
+        port = _free_loopback_port()
+        if port in tried:
+            continue
+        tried.append(port)
+        if port_is_free("127.0.0.1", port):
+            return port
+        log.warning("local Ray: port %d is taken; choosing another for its GCS", port)
+    raise RayStartupError(f"a local Ray could not start: no free loopback port for its GCS in {PORT_TRIES} tries "
+                          f"(last {tried[-1] if tried else '-'}); free some ports, or set ray.address (or "
+                          f"RAY_ADDRESS) to a running cluster")
+
+
+def port_is_listening(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at host:port now."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Nothing listens at host:port and a new socket can bind it (as a server about to listen there would)."""
+    if port_is_listening(host, port):
+        return False
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError:
+        return False
     return True
 
 

@@ -35,7 +35,7 @@ from hylo.outputs import check_not_an_input
 from hylo.ownership import check_own_directory, record_files
 from hylo.pipeline.config import PATH, add_config_args, rules
 from hylo.pipeline.job_output import JobEcho, known_noise
-from hylo.pipeline.ray_init import RayInitSection, gcs_address, init_ray
+from hylo.pipeline.ray_init import RayInitSection, check_ray_address, gcs_address, init_ray
 from hylo.stopping import popen
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +93,8 @@ class StepRunner:
         # inside or around one, and no directory of the user's (our record, or logs/ and done/ of an older run)
         check_not_an_input(run_dir, inputs, "run_dir")
         check_own_directory(run_dir, "run_dir", RUN_MARKERS)
+        # the cluster the steps join answers (a stale RAY_ADDRESS is named now, before any step runs)
+        check_ray_address((ray or RayInitSection()).address)
         self.run = Path(run_dir).resolve()
         self.force, self.quiet, self.tag = force, quiet, tag
         (self.run / "logs").mkdir(parents=True, exist_ok=True)

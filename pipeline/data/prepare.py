@@ -36,7 +36,7 @@ from hylo.pipeline.data.render import ChatRenderer, token_table, token_table_has
 from hylo.pipeline.data.report import report_markdown
 from hylo.pipeline.data.shards import MANIFEST, ShardWriter, write_manifest
 from hylo.pipeline.data.streaming import PackedRun, actor_count, make_packer, stream_packed_rows
-from hylo.pipeline.ray_init import init_ray
+from hylo.pipeline.ray_init import check_ray_address, init_ray
 
 
 def resolve_tokenizer(name_or_dir: str) -> Path:
@@ -134,6 +134,8 @@ def prepare(cfg: Any) -> dict[str, Any]:
 
     out = Path(cfg.output.dir)
     _check_output(out, cfg.output.overwrite)
+    # the cluster it packs on answers (a stale RAY_ADDRESS is named now, not after the mixture is read)
+    check_ray_address(cfg.ray.address)
     # Fail fast on a wrong path or tokenizer before anything slow starts (and before touching out).
     if not cfg.mixture.sources:
         raise PrepareError("mixture.sources is empty")

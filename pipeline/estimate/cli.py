@@ -16,7 +16,7 @@ from hylo.ownership import WRITTEN_BY
 from hylo.pipeline.cli import BadArgument
 from hylo.pipeline.estimate.args import estimate_args
 from hylo.pipeline.estimate.report import format_table
-from hylo.pipeline.estimate.shapes import Shapes, shapes_of
+from hylo.pipeline.estimate.shapes import Shapes, conversion_for_student, conversion_note, shapes_of
 from hylo.pipeline.estimate.sp import check_sequence_parallel, estimate_sp, format_sp
 from hylo.pipeline.estimate.sp_teacher import (
     TeacherDims,
@@ -38,7 +38,7 @@ from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.teacher.model import torch_dtype
 from hylo.pipeline.teacher.protocol import TargetSpec
 from hylo.pipeline.teacher.sources import source_kind
-from hylo.pipeline.train.config import Stage2Config, StageConfig, load_conversion_config, sp_shard_problem
+from hylo.pipeline.train.config import Stage2Config, StageConfig, sp_shard_problem
 from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
 
 
@@ -107,12 +107,9 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     (`description`: the help's text, jobs/estimate.py's docstring)."""
     args, cfg = estimate_args(argv, description)
     cfg = resolve_paths(cfg)  # every path relative to this directory, as the stage jobs read them
-    # stage 2's student shape comes from its checkpoint, or else from the file's stage-1 conversion
-    student = Path(cfg.model.student).expanduser() if cfg.model.student else None
-    stage1 = None
-    if args.stage == 2 and not (student is not None and (student / "config.json").is_file()):
-        # the student's shape from the stage-1 conversion the config describes (its model section alone)
-        stage1 = resolve_paths(load_conversion_config(args.config, args.overrides))
+    # the student's shape comes from its checkpoint, or else (stage 2) from the file's stage-1 conversion; a named
+    # student that does not exist is refused as the stages refuse it, unless stage 1 of this config writes it
+    stage1 = conversion_for_student(cfg, args.config, args.overrides)
     try:
         tokens = [int(x) for x in args.tokens.split(",")] if args.tokens else [cfg.data.seq_len]
     except ValueError:
@@ -143,7 +140,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     frozen, frozen_what, frozen_dtype, lm_head = frozen_model(cfg, shapes, dtype)
     split_key = "--teacher-split" if args.teacher_split else "train.sequence_parallel_teacher"
     if frozen is not None:
-        check_teacher_split(TeacherDims.of(frozen), N, cfg.train.sequence_parallel_teacher, split_key)
+        check_teacher_split(TeacherDims.of(frozen), N, cfg.train.sequence_parallel_teacher, split_key, workers=W,
+                            tokens=tokens, conv_size=conv)
     # with sequence parallelism: the split step itself, as the last rank of a row that is one document (its MLA
     # layers attend to every earlier key of the row: the worst rank of the worst row)
     ests = [estimate_step(cfg, T, W, dtype, gpu=not args.cpu, shapes=shapes, stage1=stage1, sequence_parallel=N,
@@ -151,7 +149,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                           progress=Progress(f"[estimate] {T:,} tokens{f' over {N} GPUs' if N > 1 else ''} "
                                             f"({i}/{len(tokens)})"))
             for i, T in enumerate(tokens, 1)]
-    print(describe(cfg, shapes, W, dtype, args.config)
+    note = conversion_note(cfg, stage1)
+    print(describe(cfg, shapes, W, dtype, args.config) + (f"\n{note}" if note else "")
           + (f"\nsequence parallel: each row split by tokens over N = {N} GPUs ({W // N} group{'s' if W // N > 1 else ''})" if N > 1 else ""))
     # "written_by": the file says it is ours, so a later run may replace it (hylo.ownership.is_own_file)
     out: dict[str, Any] = {"written_by": WRITTEN_BY, "config": args.config, "stage": args.stage, "world_size": W,

@@ -77,6 +77,49 @@ class Shapes:
     teacher: Any | None = None
 
 
+def conversion_for_student(cfg: StageConfig, config_path: str | None, overrides: list[str]) -> Stage1Config | None:
+    """Where the shape of the student a tool prices (`hylo estimate`, `hylo kernels-check`) comes from: None when
+    model.student is a checkpoint here (its config.json), else the stage-1 conversion the config describes, with
+    the paths resolved.
+
+    A named student that does not exist, or a folder without a config.json, is refused with the stages' words
+    (train/inputs.py `check_hylo_checkpoint`), unless it is the model this config's stage 1 writes (`<stage 1's
+    ray.storage_path>/<ray.name>/model`): a recipe is priced before its stage 1 ran, from that conversion, and the
+    report says so (`conversion_note`). Stage 1's own student is its input: never converted in its place. Without
+    model.student, stage 2 is priced from the conversion (as stage 1 makes it)."""
+    from hylo.pipeline.paths import resolve_paths  # lazy: layering
+    from hylo.pipeline.train.config import load_conversion_config
+    from hylo.pipeline.train.storage import is_uri, run_location
+
+    student = cfg.model.student
+    stage1 = resolve_paths(load_conversion_config(config_path, overrides)) if cfg.stage == 2 else None
+    if not student:
+        return stage1
+    here = not is_uri(student) and Path(student).expanduser().exists()
+    if here and (Path(student).expanduser() / "config.json").is_file():
+        return None
+    made = (run_location(stage1.ray.storage_path, stage1.ray.name) / "model"
+            if stage1 is not None and stage1.model.base else None)
+    if made is not None and not here and made.uri().rstrip("/") == (
+            student.rstrip("/") if is_uri(student) else str(Path(student).expanduser().resolve())):
+        return stage1
+    what = "has no config.json" if here else "does not exist"
+    hint = (f"; before stage 1 ran, set it to the model stage 1 writes ({made.uri()}) to price that conversion"
+            if made is not None and not here else "")
+    raise ConfigError(f"model.student={student!r}: {what}; it must be a HyLo checkpoint directory (jobs/convert.py "
+                      f"writes one){hint}", "model.student")
+
+
+def conversion_note(cfg: StageConfig, stage1: Stage1Config | None) -> str | None:
+    """The line a report carries when a named model.student is priced as stage 1's conversion (it does not exist
+    yet: `conversion_for_student`); None otherwise."""
+    if stage1 is None or not cfg.model.student:
+        return None
+    convert = stage1.model.convert.non_defaults() if stage1.model.convert is not None else {}
+    return (f"model.student={cfg.model.student} does not exist yet: it is the model stage 1 of this config writes, "
+            f"priced as stage 1's conversion (model.base={stage1.model.base}, model.convert={convert})")
+
+
 def student_config(cfg: StageConfig, stage1: Stage1Config | None):
     """The student's HybridConfig: its checkpoint's config where it exists, else the conversion of the base."""
     from hylo.config import HybridConfig  # lazy: transformers

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +71,7 @@ from hylo.pipeline.estimate.gpus import GPUS
 from hylo.pipeline.estimate.report import format_gib, format_tokens
 from hylo.pipeline.estimate.sp import Comm
 from hylo.pipeline.estimate.tracking import FROZEN_FORWARD, StepMemory
-from hylo.pipeline.train.config import TEACHER_SPLITS
+from hylo.pipeline.train.config import TEACHER_SPLITS, largest_group
 from hylo.seq_parallel import shard_row, split_attention
 
 # the split modes (each rank runs its own tokens); "whole" is today's
@@ -102,22 +102,23 @@ class TeacherDims:
         return self.kv_heads if self.kv_heads % N == 0 else self.heads
 
 
-def largest_ulysses_group(heads: int, N: int) -> int:
-    """The largest group size up to N that Ulysses can split `heads` query heads over."""
-    return max(n for n in range(1, N + 1) if heads % n == 0)
-
-
-def ulysses_problem(td: TeacherDims, N: int) -> str | None:
-    """Why Ulysses cannot split this teacher over N ranks (None: it can)."""
+def ulysses_problem(td: TeacherDims, N: int, workers: int | None = None, tokens: Iterable[int] = (),
+                    conv_size: int = 1) -> str | None:
+    """Why Ulysses cannot split this teacher over N ranks (None: it can), with the largest N that works: it
+    divides the heads and, when given, the `workers` and every row length in `tokens` (train/config.py
+    `largest_group`, the rule the run checks too)."""
     if td.heads % N == 0:
         return None
+    best = largest_group(N, workers=workers, heads=td.heads, tokens=tokens, conv_size=conv_size)
     return (f"the teacher's {td.heads} query heads do not split over N = {N} (Ulysses gives each rank H / N heads); "
-            f"the largest N that works is {largest_ulysses_group(td.heads, N)}, or use allgather (any head count)")
+            f"the largest N that works is {best}, or use allgather (any head count)")
 
 
-def check_teacher_split(td: TeacherDims, N: int, mode: str, what: str) -> None:
-    """Refuse Ulysses where N does not divide the heads (BadArgument naming `what`, the key or flag)."""
-    if mode == "ulysses" and N > 1 and (why := ulysses_problem(td, N)):
+def check_teacher_split(td: TeacherDims, N: int, mode: str, what: str, workers: int | None = None,
+                        tokens: Iterable[int] = (), conv_size: int = 1) -> None:
+    """Refuse Ulysses where N does not divide the heads (BadArgument naming `what`, the key or flag); the N it
+    advises divides the `workers` and splits the rows of `tokens` too."""
+    if mode == "ulysses" and N > 1 and (why := ulysses_problem(td, N, workers, tokens, conv_size)):
         raise BadArgument(f"{what}=ulysses at N = {N}: {why}")
 
 

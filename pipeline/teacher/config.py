@@ -96,8 +96,18 @@ class TeacherPoolConfig:
     max_ongoing_requests: int = 16
     # Hidden states kept per replica for windowed `stream` requests of the same row.
     stream_sessions: int = 2
+    # The HTTP proxy's address (it only answers `GET /<app_name>` with the teacher's identity). port: null =
+    # a free port chosen when the pool starts (printed); a port you set must be free, or the run stops at once
+    # naming teacher.pool.port.
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int | None = None
+
+
+def pool_port_taken(host: str, port: int, why: str) -> str:
+    """The one line of a `teacher.pool.port` the pool's HTTP proxy cannot listen on (sources/serve.py's check
+    before Ray starts, and serve.start_teacher_pool's after)."""
+    return (f"teacher.pool.port={port}: the teacher pool's HTTP proxy cannot listen on {host}:{port} ({why}); "
+            f"choose a free port, or leave teacher.pool.port unset (null) to have one chosen")
 
 
 @dataclass

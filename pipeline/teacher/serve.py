@@ -40,6 +40,7 @@ import asyncio
 import logging
 import os
 import re
+import socket
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -51,7 +52,12 @@ from hylo.kernels.backend import keep_freed_host_memory
 from hylo.pipeline.config import from_dict, to_dict
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.ray_init import kill_this_node
-from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig
+from hylo.pipeline.teacher.config import (
+    TeacherFaultConfig,
+    TeacherModelConfig,
+    TeacherPoolConfig,
+    pool_port_taken,
+)
 from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
 from hylo.pipeline.teacher.protocol import check_token_range
 
@@ -261,15 +267,75 @@ def build_teacher_app(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfig
     return dep.bind(to_dict(model_cfg), to_dict(pool_cfg), to_dict(fault_cfg or TeacherFaultConfig()))
 
 
+# Serve's message when its HTTP proxy cannot listen on the pool's port (the proxy actor's error)
+BIND_FAILED = "Failed to bind to address"
+# ports tried for an unset teacher.pool.port (each one checked free first, on the head when it is this machine)
+POOL_PORT_TRIES = 3
+
+
 def start_teacher_pool(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfig,
                        fault_cfg: TeacherFaultConfig | None = None) -> serve.handle.DeploymentHandle:
     """Start Serve (HTTP on pool.host, 127.0.0.1 by default) and deploy the pool; returns its handle.
     `fault_cfg`: the test hook (None: off).
 
-    Needs a running Ray (`ray.init(...)`); the caller owns `serve.shutdown()`.
+    The HTTP proxy's port is `pool.port`: one the user set must be free (checked before Serve starts, where the
+    head is this machine; a RayStartupError names `teacher.pool.port` either way); an unset one (None) is a free
+    port chosen here (on a head elsewhere: Serve's 8000, then 8001, 8002), and chosen again if another process
+    takes it first. Needs a running Ray (`ray.init(...)`); the caller owns `serve.shutdown()`.
     """
-    # One HTTP proxy, on the head: it only answers `GET /<app>` (rows go through handles), and proxies on
-    # every node would each bind pool.port (twice on one machine, when a cluster is simulated there).
-    serve.start(proxy_location="HeadOnly", http_options={"host": pool_cfg.host, "port": pool_cfg.port})
-    return serve.run(build_teacher_app(model_cfg, pool_cfg, fault_cfg), name=pool_cfg.app_name,
-                     route_prefix=f"/{pool_cfg.app_name}")
+    from hylo.pipeline.ray_init import RayStartupError, port_is_free, port_is_listening  # lazy: ray
+
+    here = _head_is_here()
+    if pool_cfg.port is not None and here and not port_is_free(pool_cfg.host, pool_cfg.port):
+        raise RayStartupError(pool_port_taken(pool_cfg.host, pool_cfg.port, "another process listens there" if
+                                              port_is_listening(pool_cfg.host, pool_cfg.port) else "it cannot be bound"))
+    tries = 1 if pool_cfg.port is not None else POOL_PORT_TRIES
+    for attempt in range(1, tries + 1):
+        port = pool_cfg.port if pool_cfg.port is not None else _free_port(pool_cfg.host) if here else 8000 + attempt - 1
+        if pool_cfg.port is None:
+            print(f"[teacher] the pool's HTTP proxy listens on {pool_cfg.host}:{port} (teacher.pool.port unset: "
+                  f"{'a free port' if here else 'the first try on the Ray head'})", flush=True)
+        try:
+            # One HTTP proxy, on the head: it only answers `GET /<app>` (rows go through handles), and proxies on
+            # every node would each bind pool.port (twice on one machine, when a cluster is simulated there).
+            serve.start(proxy_location="HeadOnly", http_options={"host": pool_cfg.host, "port": port})
+            return serve.run(build_teacher_app(model_cfg, pool_cfg, fault_cfg), name=pool_cfg.app_name,
+                             route_prefix=f"/{pool_cfg.app_name}")
+        except Exception as e:  # Serve raises a bare RuntimeError (the proxy actor's death) for this
+            if BIND_FAILED not in str(e):
+                raise
+            serve.shutdown()
+            if attempt == tries:
+                if pool_cfg.port is not None:
+                    raise RayStartupError(pool_port_taken(pool_cfg.host, port, "taken on the Ray head")) from None
+                raise RayStartupError(f"teacher.pool.port=null: the teacher pool's HTTP proxy could not listen on "
+                                      f"{pool_cfg.host}:{port} in {tries} tries (taken on the Ray head); set "
+                                      f"teacher.pool.port to a port free there") from None
+            print(f"[teacher] port {port} was taken before the pool's HTTP proxy bound it; choosing another",
+                  flush=True)
+    raise AssertionError("unreachable")
+
+
+def _head_is_here() -> bool:
+    """Whether the Ray head (where Serve's HTTP proxy runs) is this machine: its GCS address is one of ours."""
+    import ray  # lazy: ray
+
+    host = ray.get_runtime_context().gcs_address.rpartition(":")[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1") or _is_local_address(host)
+
+
+def _is_local_address(host: str) -> bool:
+    """Whether `host` is an address of this machine (a socket can bind it)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+    except OSError:
+        return False
+    return True
+
+
+def _free_port(host: str) -> int:
+    """A port of `host` that nothing listens on now (the OS's pick)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

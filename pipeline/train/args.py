@@ -31,8 +31,14 @@ def build_parser(stage: int) -> argparse.ArgumentParser:
 
 
 def stage_args(stage: int, argv: list[str] | None) -> tuple[argparse.Namespace, StageConfig]:
-    """The flags and the loaded config of stage `stage`'s command line; `--print-config` prints it and exits."""
+    """The flags and the loaded config of stage `stage`'s command line; `--print-config` checks it as the run
+    would (its inputs, when they are on this machine: train/inputs.py `check_inputs_for_print`), prints it and
+    exits."""
     args = build_parser(stage).parse_args(argv)
     cfg = load_stage_config(stage, args.config, args.overrides)
+    if getattr(args, "print_config", False):
+        from hylo.pipeline.train.inputs import check_inputs_for_print  # lazy: pyarrow
+
+        check_inputs_for_print(cfg)
     maybe_print_config(cfg, args)
     return args, cfg

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,6 +143,22 @@ def sp_shard_problem(tokens: int, sp: int, conv_size: int, length: str = "", at:
                 f"{tokens // sp} token(s), shorter than the linear blocks' conv window ({conv_size - 1} tokens, "
                 f"gdn_conv_size {conv_size} - 1) the next rank takes from each: use fewer ranks per row or longer rows")
     return None
+
+
+def largest_group(limit: int, *, workers: int | None = None, heads: int | None = None,
+                  tokens: Iterable[int] = (), conv_size: int = 1) -> int:
+    """The largest sequence-parallel group size up to `limit` that every rule given allows, the advice an error
+    gives: it divides `workers` (ray.num_workers: whole groups), divides `heads` (Ulysses gives each rank
+    heads / N), and splits every row length in `tokens` (`sp_shard_problem` with the student's `conv_size`).
+    1 always does."""
+    rows = list(tokens)
+    for n in range(max(limit, 1), 1, -1):
+        if (workers and workers % n) or (heads and heads % n):
+            continue
+        if any(sp_shard_problem(t, n, conv_size) for t in rows):
+            continue
+        return n
+    return 1
 
 
 # How the teacher and stage 1's base split with the row (`train.sequence_parallel_teacher`; hylo/seq_parallel.py
@@ -538,19 +554,34 @@ def load_stage_config(stage: int, path: str | Path | None = None, overrides: lis
                        label=f"{path or '<defaults>'} (stage {stage})", line_prefixes=(f"stage{stage}.", ""))
 
 
+# The keys of stage 1's `ray` section that say where its run, and so the model it writes, lives.
+RUN_KEYS = ("ray.storage_path", "ray.name")
+
+
 def load_conversion_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Stage1Config:
     """The stage-1 conversion a config describes (its `model` section: model.base, model.convert, the shared one
-    merged with stage1's), for a tool that needs the student's shape when model.student has no checkpoint. The
-    other sections, and a stage-2 file's own keys (stage, teacher, kd), are not read: the stage's own load checks them."""
+    merged with stage1's; and where stage 1's run lives, `RUN_KEYS`), for a tool that needs the student's shape
+    when model.student has no checkpoint. The other sections, and a stage-2 file's own keys (stage, teacher, kd),
+    are not read: the stage's own load checks them."""
 
     def model_only(loaded: dict[str, Any], p: Path) -> dict[str, Any]:
         own = loaded.get("stage1") or {}
-        model = loaded.get("model") or {}
-        if isinstance(own, dict) and isinstance(model, dict) and isinstance(own.get("model"), dict):
-            model = deep_merge(model, own["model"])
-        return {"model": model}
+        out: dict[str, Any] = {}
+        for section, keys in (("model", None), ("ray", [k.split(".", 1)[1] for k in RUN_KEYS])):
+            value = loaded.get(section) or {}
+            if isinstance(own, dict) and isinstance(value, dict) and isinstance(own.get(section), dict):
+                value = deep_merge(value, own[section])
+            if isinstance(value, dict) and keys is not None:
+                value = {k: v for k, v in value.items() if k in keys}
+            if value:
+                out[section] = value
+        return {"model": {}, **out}
 
-    mine = [o for o in overrides or [] if o.split("=", 1)[0].strip().split(".", 1)[0] == "model"]
+    def wanted(o: str) -> bool:
+        key = o.split("=", 1)[0].strip()
+        return key.split(".", 1)[0] == "model" or key in RUN_KEYS
+
+    mine = [o for o in overrides or [] if wanted(o)]
     return load_config(Stage1Config, path, mine, select=model_only, label=f"{path or '<defaults>'} (model)",
                        line_prefixes=("stage1.", ""))
 

@@ -12,7 +12,9 @@ Design choices:
 * One run owns its directory at a time (runlock.py). A second run with the same name stops at once.
 * A directory that holds checkpoints needs `--resume` or another name: nothing is continued silently.
 * Ray Train's own checkpoint record is reset at every start. The checkpoints' manifests are the record.
-* Everything that can be checked before Ray starts is checked here: inputs, outputs, resources, a resume.
+* Everything that can refuse a run is checked before its directory is made or Ray starts (`check_run`): the
+  lock, the cluster's address, the teacher pool's port, inputs, outputs, a resume. A run that stops after it
+  made its directory but before its training began removes it again (`remove_unstarted_run_dir`).
 * Ray Train is handed `loop.train_worker` by name (`WORKER`): neither the driver nor Ray's controller
   imports the training stack for it. The controller sees only the small launch dict.
 * A worker's input error is not retried (failures.py); faults restart from the newest intact checkpoint.
@@ -40,11 +42,11 @@ from typing import Any
 
 from hylo.assets import local_path
 from hylo.outputs import check_not_an_input
-from hylo.ownership import check_own_directory, check_replaceable, record_files
+from hylo.ownership import OUTPUT_RECORD, check_own_directory, check_replaceable, record_files
 from hylo.pipeline.cli import _stop_ray_logs, input_error_message, report_error
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.paths import resolve_paths
-from hylo.pipeline.ray_init import init_ray, torch_extensions_dir
+from hylo.pipeline.ray_init import check_ray_address, init_ray, resolve_address, torch_extensions_dir
 from hylo.pipeline.teacher.sources import source_kind
 from hylo.pipeline.teacher.sources.base import ResourceDemand
 from hylo.pipeline.train import stage1, stage2
@@ -63,7 +65,7 @@ from hylo.pipeline.train.config import StageConfig, config_to_dict
 from hylo.pipeline.train.inputs import check_stage_inputs
 from hylo.pipeline.train.kernel_cache import worker_cache_env
 from hylo.pipeline.train.metrics import make_ray_callback, read_metrics
-from hylo.pipeline.train.runlock import run_lock
+from hylo.pipeline.train.runlock import LOCK_FILE, check_unlocked, run_lock
 from hylo.pipeline.train.session import PREEMPT_FILE, read_preempt_request
 from hylo.pipeline.train.startup import StartupClock, is_job_process, process_start_time
 from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path, is_uri, run_dir, run_loc
@@ -524,26 +526,36 @@ def run(stage: int, argv: list[str] | None = None) -> dict[str, Any]:
         raise ConfigError(str(e)) from None
     # every path of the config made absolute once, against this directory: the workers run elsewhere
     cfg = resolve_paths(cfg)
-    # the run directory is this run's until it ends (runlock.py); under torchrun rank 0 holds it
-    if is_rank0:
-        check_run_output(cfg)
+    # every check that can refuse the run, before its directory is made (the lock makes it) or Ray starts
     owner = launch_id(launcher) if launcher == "torchrun" else None
+    check_run(cfg, args.resume, launcher, is_rank0, args.break_lock, owner)
+    # the run directory is this run's until it ends (runlock.py); under torchrun rank 0 holds it
+    made = is_rank0 and run_loc(cfg).is_local and not run_loc(cfg).local().exists()
     lock = run_lock(run_loc(cfg), break_lock=args.break_lock, owner=owner) if is_rank0 else contextlib.nullcontext()
-    with exit_on_sigterm(), lock:
-        cfg = prepare_run(stage, args, cfg, launcher, is_rank0)
-        t0 = time.time()
-        if launcher == "torchrun":
-            from hylo.pipeline.train.loop import train_worker  # lazy: deepspeed
+    training = False
+    try:
+        with exit_on_sigterm(), lock:
+            cfg = prepare_run(stage, args, cfg, launcher, is_rank0)
+            t0 = time.time()
+            if launcher == "torchrun":
+                from hylo.pipeline.train.loop import train_worker  # lazy: deepspeed
 
-            clock.phases["ray start"] = 0.0
-            train_worker(stage_for(cfg.stage), cfg, {**loop_config(cfg, args.resume, launcher),
-                                                     "startup": StartupClock(clock.phases).to_dict()})
-            info: dict[str, Any] = {}
-        else:
-            with ray_training(cfg, args.resume, clock) as trainer:
-                result = fit_interruptibly(trainer)
-            info = {"checkpoint": result.checkpoint.path if result.checkpoint else None}
-        return finish_run(stage, cfg, is_rank0, time.time() - t0, info)
+                clock.phases["ray start"] = 0.0
+                training = True
+                train_worker(stage_for(cfg.stage), cfg, {**loop_config(cfg, args.resume, launcher),
+                                                         "startup": StartupClock(clock.phases).to_dict()})
+                info: dict[str, Any] = {}
+            else:
+                with ray_training(cfg, args.resume, clock) as trainer:
+                    training = True
+                    result = fit_interruptibly(trainer)
+                info = {"checkpoint": result.checkpoint.path if result.checkpoint else None}
+            return finish_run(stage, cfg, is_rank0, time.time() - t0, info)
+    finally:
+        if made and not training:
+            # stopped before its training began (Ray did not start, the cluster is too small, the teacher pool's
+            # port is taken, Ctrl-C): the directory it made goes with it
+            remove_unstarted_run_dir(run_loc(cfg).local(), stage)
 
 
 @contextlib.contextmanager
@@ -565,11 +577,23 @@ def exit_on_sigterm():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def prepare_run(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher: str,
-                is_rank0: bool) -> StageConfig:
-    """Under the run's lock, before any training: the run directory, the inputs and outputs, the conversion
-    stage 1 may need, and the config written beside the checkpoints. Returns the config to train."""
-    resume = args.resume
+def check_run(cfg: StageConfig, resume: str | None, launcher: str, is_rank0: bool, break_lock: bool = False,
+              owner: str | None = None) -> None:
+    """Every check that can refuse a run, before its directory is made or locked, Ray starts or anything is
+    converted or compiled (a refused run leaves nothing behind), in this order: no other run holds the directory
+    (its lock); the cluster the run joins answers (a stale RAY_ADDRESS or ray.address is named in seconds:
+    ray_init.check_ray_address) and, with a local Ray, the teacher pool's port is free; the directory is no
+    input and holds no checkpoint without --resume; the inputs (train/inputs.py); the outputs the run replaces;
+    the student a resume loads. `--print-config` runs the same checks of the inputs (`check_inputs_for_print`)."""
+    if is_rank0:
+        check_unlocked(run_loc(cfg), break_lock, owner)
+    if launcher == "ray":
+        check_ray_address(cfg.ray.address)
+        if cfg.stage == 2:
+            # what the teacher source deploys listens on this machine when the run starts a local Ray
+            source_kind(cfg.teacher.source).check_ports(cfg.teacher, local=resolve_address(cfg.ray.address) is None)
+    if is_rank0:
+        check_run_output(cfg)
     # a torchrun --max-restarts relaunch resumes from the newest intact checkpoint without --resume
     if launcher != "torchrun" or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         check_run_dir(cfg, resume)
@@ -578,6 +602,35 @@ def prepare_run(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
     check_stage_inputs(cfg)
     if is_rank0:
         check_outputs(cfg)
+        check_resume_fits(cfg, resume)
+
+
+def remove_unstarted_run_dir(d: Path, stage: int) -> None:
+    """Remove run directory `d`, made by a run that stopped before its training began, when it holds nothing but
+    what that run wrote: its config, its ownership record, its lock, and empty folders. Anything else (stage 1's
+    conversion, a file someone put there meanwhile) keeps the whole directory as it is."""
+    ours = {f"config_stage{stage}.json", OUTPUT_RECORD, LOCK_FILE}
+    try:
+        files = [(root, name) for root, _, names in os.walk(d) for name in names]
+        if any(root != str(d) or name not in ours or os.path.islink(os.path.join(root, name))
+               for root, name in files):
+            return
+        for _, name in files:
+            os.unlink(d / name)
+        for root, _, _ in sorted(os.walk(d), key=lambda w: -len(w[0])):
+            os.rmdir(root)
+    except OSError:
+        pass  # what is left stays: the next run's checks say what it is
+
+
+def prepare_run(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher: str,
+                is_rank0: bool) -> StageConfig:
+    """Under the run's lock, after `check_run`: the run directory checked again (another run may have written
+    checkpoints before this one took the lock), the conversion stage 1 may need, and the config written beside
+    the checkpoints. Returns the config to train."""
+    resume = args.resume
+    if launcher != "torchrun" or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        check_run_dir(cfg, resume)
     cfg = convert_if_needed(cfg)
     if is_rank0:
         check_resume_fits(cfg, resume)

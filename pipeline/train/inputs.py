@@ -8,7 +8,9 @@
 * The data's manifest, split and shards are readable, and their rows were made by the student's tokenizer.
 * The rows split over a sequence-parallel group (`config.sp_shard_problem`, with the data's own length).
 
-A mismatch stops here, not in the workers, where Ray would retry it as a fault.
+A mismatch stops here, not in the workers, where Ray would retry it as a fault. The driver runs these checks
+before the run directory is made or Ray starts (driver.check_run); `--print-config` runs them too
+(`check_inputs_for_print`), when every input the config names is on this machine.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from hylo.json_files import read_json
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.render import token_table, token_table_hash
 from hylo.pipeline.teacher.sources import TeacherSourceKind, source_kind
-from hylo.pipeline.train.config import CONVERTED_CONV_SIZE, StageConfig, sp_shard_problem
-from hylo.pipeline.train.row_sources import open_rows
+from hylo.pipeline.train.config import CONVERTED_CONV_SIZE, StageConfig, largest_group, sp_shard_problem
 from hylo.pipeline.train.storage import is_uri, run_dir
 from hylo.weight_files import check_weights_dir
 
 
-def _hylo_checkpoint(key: str, path: str) -> None:
+def check_hylo_checkpoint(key: str, path: str) -> None:
+    """`key` names a HyLo checkpoint directory here: its hybrid_config.json and whole weights (ConfigError naming
+    the key). The stages' check of model.student, also the estimator's and kernels-check's."""
     from hylo.config import HYBRID_CONFIG_NAME, HybridConfig  # lazy: transformers
 
     p = Path(path).expanduser()
@@ -56,27 +59,34 @@ def _convert_options_fit_the_base(cfg: StageConfig, base_dir: str | Path) -> Non
         raise ConfigError(f"model.convert={options.non_defaults()}: {e} (base {base_dir})", "model.convert") from None
 
 
+def _student_conv(cfg: StageConfig) -> int:
+    """The conv window (gdn_conv_size) of the student a run trains: model.student's, else the conversion's."""
+    from hylo.config import HYBRID_CONFIG_NAME, HybridConfig  # lazy: transformers
+
+    if not cfg.model.student:
+        return CONVERTED_CONV_SIZE
+    p = Path(cfg.model.student).expanduser()
+    if (p / HYBRID_CONFIG_NAME).is_file():
+        hc = HybridConfig.from_hybrid_json(p)
+        return hc.gdn_conv_size if hc.linear_layers else 1
+    return 1
+
+
 def _shards_fit_the_student(cfg: StageConfig, tokens: int | None, at: str, length: str = "") -> None:
     """At train.sequence_parallel > 1: the rows split into equal shards that hold the student's conv window
     (`sp_shard_problem`, the one home of the rules). `at` and `length` name where `tokens` comes from."""
-    from hylo.config import HYBRID_CONFIG_NAME, HybridConfig  # lazy: transformers
-
     sp = cfg.train.sequence_parallel
     if sp <= 1 or not isinstance(tokens, int):
         return
-    conv, student = CONVERTED_CONV_SIZE, "the converted student"
-    if cfg.model.student:
-        p = Path(cfg.model.student).expanduser()
-        conv, student = 1, f"model.student={cfg.model.student}"
-        if (p / HYBRID_CONFIG_NAME).is_file():
-            hc = HybridConfig.from_hybrid_json(p)
-            conv = hc.gdn_conv_size if hc.linear_layers else 1
-    why = sp_shard_problem(tokens, sp, conv, length, f"{at} ({student})")
+    student = f"model.student={cfg.model.student}" if cfg.model.student else "the converted student"
+    why = sp_shard_problem(tokens, sp, _student_conv(cfg), length, f"{at} ({student})")
     if why:
         raise ConfigError(f"train.sequence_parallel={sp}: {why}", "train.sequence_parallel")
 
 
 def _data(cfg: StageConfig) -> None:
+    from hylo.pipeline.train.row_sources import open_rows  # lazy: torch
+
     source = open_rows(cfg.data, cfg.train.seed, 0, cfg.ray.num_workers).source
     source.check_shards()
     _data_fits_the_student(cfg, source)
@@ -269,14 +279,17 @@ def _heads_split(cfg: StageConfig, model_dir: Path | None, key: str) -> None:
     if isinstance(heads, int) and heads % sp:
         from hylo.seq_parallel import ulysses_problem  # lazy: torch
 
-        raise ConfigError(f"train.sequence_parallel_teacher=ulysses: {ulysses_problem(heads, sp, cfg.ray.num_workers)} "
+        # the advice is a group size the run takes: it divides the heads and the workers and splits the rows
+        best = largest_group(sp, workers=cfg.ray.num_workers, heads=heads,
+                             tokens=[cfg.data.seq_len] if cfg.data.seq_len else [], conv_size=_student_conv(cfg))
+        raise ConfigError(f"train.sequence_parallel_teacher=ulysses: {ulysses_problem(heads, sp, best)} "
                           f"({key}: {model_dir / 'config.json'}); train.sequence_parallel_teacher: allgather splits "
                           f"any head count", "train.sequence_parallel_teacher")
 
 
 def check_stage_inputs(cfg: StageConfig) -> None:
     if cfg.model.student:
-        _hylo_checkpoint("model.student", cfg.model.student)
+        check_hylo_checkpoint("model.student", cfg.model.student)
     if cfg.stage == 1:
         if not cfg.model.base:
             raise ConfigError("stage 1 needs model.base (the model whose layers the student imitates)", "model.base")
@@ -304,3 +317,47 @@ def check_stage_inputs(cfg: StageConfig) -> None:
     else:
         n = cfg.data.seq_len
         _shards_fit_the_student(cfg, n, f"data.seq_len={n}", f"data.seq_len ({n})")
+
+
+def absent_inputs(cfg: StageConfig) -> list[str]:
+    """Each input the run reads that is not on this machine (yet), as `key=value (not here)` (a path that does not
+    exist, an asset not in the cache, a URI) or `key (not set)`. The run refuses them; `--print-config` checks a
+    config against its inputs only when there are none (a recipe is printed before its models are made)."""
+    keys: list[tuple[str, str | None]] = []
+    if cfg.model.student or cfg.stage == 2:
+        keys.append(("model.student", cfg.model.student))
+    if cfg.stage == 1:
+        keys.append(("model.base", cfg.model.base))
+    teacher = getattr(cfg, "teacher", None)
+    if teacher is not None:
+        if teacher.source == "offline":
+            keys.append(("teacher.cache_path", teacher.cache_path))
+        elif teacher.source != "serve" or teacher.start_pool:
+            keys.append(("teacher.model.path", teacher.model.path))
+    if cfg.data.source == "parquet":
+        keys.append(("data.path", cfg.data.path))
+    absent = []
+    for key, value in keys:
+        if not value:
+            absent.append(f"{key} (not set)")
+            continue
+        try:
+            asset = asset_name(value)
+            here = (asset_path(asset) if asset is not None else Path(value).expanduser()).exists()
+        except Exception:  # noqa: BLE001 - an unknown asset or a URI: not checkable here
+            here = False
+        if is_uri(value) or not here:
+            absent.append(f"{key}={value} (not here)")
+    return absent
+
+
+def check_inputs_for_print(cfg: StageConfig) -> list[str]:
+    """What `--print-config` checks before it prints: the run's own checks of its inputs (`check_stage_inputs`,
+    ConfigError as the run refuses), when every input is on this machine. Returns the inputs that are not (then
+    nothing was checked; the output stays the config alone, which scripts parse)."""
+    from hylo.pipeline.paths import resolve_paths  # lazy: layering
+
+    absent = absent_inputs(cfg)
+    if not absent:
+        check_stage_inputs(resolve_paths(cfg))
+    return absent

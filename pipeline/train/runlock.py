@@ -97,14 +97,16 @@ def _left_by_this_process(h: dict[str, Any]) -> bool:
             and not any(h == held for held in _HELD))
 
 
-def _refuse_or_break(lock: Loc, h: dict[str, Any], run: Loc, break_lock: bool, owner: str | None) -> None:
+def _refuse_or_break(lock: Loc, h: dict[str, Any], run: Loc, break_lock: bool, owner: str | None,
+                     say: bool = True) -> None:
     """An existing lock `h`: return when it may be replaced (this launch's own, this process's leftover,
-    or --break-lock of a dead or unverifiable holder), else raise."""
+    or --break-lock of a dead or unverifiable holder), else raise. `say`: print what is taken over."""
     if owner is not None and h.get("owner") == owner:
         return  # a torchrun relaunch of the same rendezvous: its own lock
     if _left_by_this_process(h):
-        print(f"[train] {lock} was left by an earlier run of this process (its release failed); taking it back",
-              flush=True)
+        if say:
+            print(f"[train] {lock} was left by an earlier run of this process (its release failed); taking it back",
+                  flush=True)
         return
     alive = holder_alive(h)
     if alive:
@@ -113,7 +115,8 @@ def _refuse_or_break(lock: Loc, h: dict[str, Any], run: Loc, break_lock: bool, o
             f"ray.storage_path and ray.name would overwrite each other's checkpoints, metrics and model; "
             f"wait for it to finish, or choose another ray.name")
     if break_lock:
-        print(f"[train] --break-lock: taking over {lock} from {describe(h)}", flush=True)
+        if say:
+            print(f"[train] --break-lock: taking over {lock} from {describe(h)}", flush=True)
         return
     if alive is False:
         raise RunLockError(
@@ -123,6 +126,17 @@ def _refuse_or_break(lock: Loc, h: dict[str, Any], run: Loc, break_lock: bool, o
     raise RunLockError(
         f"run directory {run} is locked by a run on another host ({describe(h)}); this machine cannot tell "
         f"whether it still runs. If it does not, pass --break-lock (or delete {lock})")
+
+
+def check_unlocked(run: Loc, break_lock: bool = False, owner: str | None = None) -> None:
+    """Before a run makes anything: a lock that `run_lock` would refuse (another live run's, a stale one without
+    --break-lock) refuses the run now, with the same RunLockError, without taking or making anything. The lock
+    itself is taken once every check passed (and judged again then)."""
+    locks = [run / LOCK_FILE] if run.is_local else [Loc.of(local_mirror(run) / LOCK_FILE), run / LOCK_FILE]
+    for lock in locks:
+        h = _read(lock)
+        if h is not None:
+            _refuse_or_break(lock, h, run, break_lock, owner, say=False)
 
 
 def _acquire_local(lock: Loc, run: Loc, record: dict[str, Any], break_lock: bool, owner: str | None) -> None:

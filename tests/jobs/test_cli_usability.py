@@ -368,18 +368,19 @@ JOB_RUNS = {
     "demo": (["--run-dir", "rel/run"], ("hylo.jobs.demo", "run_demo")),
     "fetch-assets": (["humaneval", "--cache-dir", "rel/cache"], ("hylo.jobs.fetch_assets", "fetch_asset")),
     "stage1": (["--set", "model.base=rel/b", "--set", "model.student=rel/s", "--set", "data.path=rel/d",
-                "--set", "ray.storage_path=rel/runs"], ("hylo.pipeline.train.driver", "prepare_run")),
+                "--set", "ray.storage_path=rel/runs"], ("hylo.pipeline.train.driver", "check_run")),
     "stage2": (["--set", "model.student=rel/s", "--set", "data.path=rel/d", "--set", "ray.storage_path=rel/runs",
                 "--set", "teacher.model.path=rel/t", "--set", "teacher.cache_path=rel/c"],
-               ("hylo.pipeline.train.driver", "prepare_run")),
+               ("hylo.pipeline.train.driver", "check_run")),
     "kernels-check": (["--out", "rel/o", "--set", "model.student=rel/s", "--set", "data.path=rel/d",
-                       "--set", "teacher.model.path=rel/t"], ("hylo.pipeline.kernels_check", "recipe_sites")),
+                       "--set", "teacher.model.path=rel/t"],
+                      ("hylo.pipeline.estimate.shapes", "conversion_for_student")),
     "rehearse": (["--set", "model.student=rel/s", "--set", "data.path=rel/d",
                   "--set", "ray.storage_path=rel/runs", "--set", "teacher.model.path=rel/t"],
                  ("hylo.pipeline.rehearse", "rehearse")),
     "estimate": (["--tokens", "64", "--set", "model.student=rel/s", "--set", "data.path=rel/d",
                   "--set", "teacher.model.path=rel/t"],
-                 ("hylo.pipeline.estimate.cli", "shapes_of")),
+                 ("hylo.pipeline.estimate.cli", "conversion_for_student")),
 }
 
 

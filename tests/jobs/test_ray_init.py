@@ -143,13 +143,23 @@ print(*ray.get(where.remote()))
 
 
 @pytest.mark.slow
-def test_another_job_joins_a_local_ray_through_ray_address(tmp_path):
+def test_another_job_joins_a_local_ray_through_ray_address(tmp_path, monkeypatch):
     """The demo's pattern: one local Ray, every step job joins it; their workers import this checkout.
     The local Ray's ports (GCS, raylet, workers, agents) listen on the loopback only, not on every
-    interface, and a job of this machine still joins it."""
+    interface, and a job of this machine still joins it (its address probed first: a real GCS answers the
+    probe). The first port chosen for its GCS is taken by another process: the real Ray starts on another."""
+    import socket
+
     import ray
 
     assert not ray.is_initialized()
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    picks = iter([taken])
+    real_pick = ray_init._free_loopback_port
+    monkeypatch.setattr(ray_init, "_free_loopback_port", lambda: next(picks, None) or real_pick())
     # what this process listened on before is not Ray's: in one long pytest process, an earlier test's leftover
     # (test_train_nonfinite's in-process runs stopped on a NaN leave their DeepSpeed engine alive, and with it its
     # gloo group's torch.distributed store, listening on "::")
@@ -160,6 +170,8 @@ def test_another_job_joins_a_local_ray_through_ray_address(tmp_path):
         rays = {x for x in listening_ports() if x[:2] not in before}
         assert rays and {ip for ip, _, _ in rays} <= LOOPBACK, sorted(rays)
         assert ray_init.gcs_address().startswith("127.0.0.1:")
+        assert ray_init.gcs_address() != f"127.0.0.1:{taken}"
+        held.close()
         env = {**os.environ, "RAY_ADDRESS": ray_init.gcs_address(), "PYTHONPATH": str(tmp_path)}
         code = f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{JOINER}"
         proc = subprocess.run([sys.executable, "-c", code],
@@ -171,10 +183,11 @@ def test_another_job_joins_a_local_ray_through_ray_address(tmp_path):
     assert not ray.is_initialized()
 
 
-def test_a_local_ray_that_times_out_starting_is_started_again_then_the_error_is_raised(fake_ray, monkeypatch,
-                                                                                       caplog):
+def test_a_local_ray_that_times_out_starting_is_started_again_then_one_line_is_raised(fake_ray, monkeypatch,
+                                                                                     caplog):
     """Ray waits a fixed 30 s for its raylet; on a busy machine the start is tried again (a new port each time),
-    and after the last try Ray's own error reaches the user. Any other error is raised at once."""
+    and after the last try one RayStartupError line names what to change. Any other failure of Ray's start is
+    one line at once (Ray's own first line, its logs, the setting), not retried."""
     failures = [Exception("The current node timed out during startup. ...")] * 2
     real_init = fake_ray.init
 
@@ -189,15 +202,163 @@ def test_a_local_ray_that_times_out_starting_is_started_again_then_the_error_is_
         assert ray_init.init_ray(None, 1) is True
     names = [c[0] for c in fake_ray.calls]
     assert names == ["init", "shutdown", "init", "shutdown", "init"]
-    assert caplog.text.count("starting it again") == 2
+    assert caplog.text.count("starting it again on another port") == 2
     fake_ray.initialized = False
     fake_ray.calls.clear()
     failures[:] = [Exception("The current node timed out during startup.")] * 3
-    with pytest.raises(Exception, match="timed out during startup"):
+    with pytest.raises(ray_init.RayStartupError, match=r"^a local Ray could not start in 3 tries: it did not start "
+                                                       r"within Ray's 30 s .*set ray.address \(or RAY_ADDRESS\)"):
         ray_init.init_ray(None, 1)
-    assert [c[0] for c in fake_ray.calls] == ["init", "shutdown", "init", "shutdown", "init"]
+    assert [c[0] for c in fake_ray.calls] == ["init", "shutdown", "init", "shutdown", "init", "shutdown"]
     fake_ray.calls.clear()
     failures[:] = [ValueError("some other problem")]
-    with pytest.raises(ValueError, match="some other problem"):
+    with pytest.raises(ray_init.RayStartupError, match=r"^a local Ray could not start: ValueError: some other "
+                                                       r"problem \(its logs: .*\); set ray.address"):
         ray_init.init_ray(None, 1)
     assert [c[0] for c in fake_ray.calls] == ["init"]
+
+
+# ------------------------------------------------------------------------------ start-up faults, named in seconds
+def test_a_gcs_port_taken_is_skipped_before_ray_starts_and_one_taken_meanwhile_is_retried(fake_ray, monkeypatch,
+                                                                                          caplog):
+    """Before: a local Ray whose GCS port was taken exited 1 after 44 s with Ray's raw `RuntimeError: Failed to
+    start GCS ... Check failed: server_`, never on another port. Now the port is checked just before Ray starts
+    (something listens there: another is chosen, Ray never sees it), and a port taken between that check and the
+    GCS's bind (Ray's "Failed to start GCS") is retried on another port; after the last try, one line."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    picks = iter([taken])
+    real_pick = ray_init._free_loopback_port
+    monkeypatch.setattr(ray_init, "_free_loopback_port", lambda: next(picks, None) or real_pick())
+    with held, caplog.at_level("WARNING"):
+        assert ray_init.init_ray(None, 1) is True
+    assert [c[0] for c in fake_ray.calls] == ["init"]
+    assert int(fake_ray.environ["RAY_GCS_SERVER_PORT"]) != taken
+    assert f"port {taken} is taken" in caplog.text
+    # taken after the check: Ray's GCS fails, the start is tried again on another port
+    ports = []
+    real_init = fake_ray.init
+
+    def gcs_fails_once(**kwargs):
+        ports.append(os.environ["RAY_GCS_SERVER_PORT"])
+        if len(ports) == 1:
+            fake_ray.calls.append(("init", kwargs))
+            raise RuntimeError("Failed to start GCS.  Last 1 lines of error files: ... Check failed: server_ Failed "
+                               "to start the grpc server.")
+        real_init(**kwargs)
+
+    fake_ray.initialized = False
+    fake_ray.calls.clear()
+    monkeypatch.setattr(fake_ray, "init", gcs_fails_once)
+    assert ray_init.init_ray(None, 1) is True
+    assert [c[0] for c in fake_ray.calls] == ["init", "shutdown", "init"] and ports[0] != ports[1]
+    # every try fails: one line, no Ray traceback
+    fake_ray.initialized = False
+    monkeypatch.setattr(fake_ray, "init", lambda **kw: (_ for _ in ()).throw(RuntimeError("Failed to start GCS.")))
+    with pytest.raises(ray_init.RayStartupError, match=r"^a local Ray could not start in 3 tries: its GCS could not "
+                                                       r"listen on 127\.0\.0\.1:\d+ \(taken by another process"):
+        ray_init.init_ray(None, 1)
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_stale_ray_address_is_one_line_naming_it_before_ray_is_asked(fake_ray, monkeypatch):
+    """Before: `RAY_ADDRESS` naming a closed port kept the job running (Ray's `Failed to connect to GCS` every
+    ~41 s, still running at 300 s). Now the address is probed first: nothing listens, one line naming the
+    variable (or `ray.address`, when the config sets it), and Ray's init is never called."""
+    port = _closed_port()
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    with pytest.raises(ray_init.RayStartupError, match=rf"^RAY_ADDRESS=127\.0\.0\.1:{port}: nothing accepts connections "
+                                                       rf"at 127\.0\.0\.1:{port} .*; unset RAY_ADDRESS to start a local Ray"):
+        ray_init.init_ray(None, 1)
+    with pytest.raises(ray_init.RayStartupError, match=rf"^ray.address=ray://127\.0\.0\.1:{port}: nothing accepts "
+                                                       r".*; leave ray.address unset \(null\)"):
+        ray_init.check_ray_address(f"ray://127.0.0.1:{port}")
+    with pytest.raises(ray_init.RayStartupError, match=r"^ray.address=nohost\.invalid:6379: cannot resolve the host"):
+        ray_init.check_ray_address("nohost.invalid:6379")
+    with pytest.raises(ray_init.RayStartupError, match=r"^ray.address=6379: not a Ray address"):
+        ray_init.check_ray_address("6379")
+    assert fake_ray.calls == []
+    monkeypatch.delenv("RAY_ADDRESS")
+    ray_init.check_ray_address(None)  # a local Ray: nothing to probe
+
+
+def test_a_server_that_is_not_a_ray_gcs_is_named_and_a_grpc_server_passes(monkeypatch):
+    """A port that accepts connections but is no GCS (another service took it): Ray's join would wait 30 s a
+    try. The probe sends HTTP/2's preface, which a gRPC server (a GCS) answers at once with its SETTINGS frame;
+    a server that says nothing, or something else, is refused within the probe's timeout. A real gRPC server
+    (grpcio, the library Ray's GCS is built on) passes."""
+    import socket
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    port = silent.getsockname()[1]
+    with silent:
+        with pytest.raises(ray_init.RayStartupError, match=rf"^ray.address=127\.0\.0\.1:{port}: the server at "
+                                                           rf"127\.0\.0\.1:{port} is not a Ray GCS"):
+            ray_init.probe_address(f"127.0.0.1:{port}", f"ray.address=127.0.0.1:{port}", timeout=0.5)
+
+    web = socket.socket()
+    web.bind(("127.0.0.1", 0))
+    web.listen()
+
+    def answer() -> None:
+        conn, _ = web.accept()
+        with conn:
+            conn.recv(64)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    with web, pytest.raises(ray_init.RayStartupError, match="is not a Ray GCS"):
+        ray_init.probe_address(f"127.0.0.1:{web.getsockname()[1]}", "RAY_ADDRESS=x", timeout=2)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    gport = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        ray_init.probe_address(f"127.0.0.1:{gport}", "RAY_ADDRESS=x", timeout=5)
+        ray_init.probe_address(f"ray://127.0.0.1:{gport}", "RAY_ADDRESS=x", timeout=5)
+    finally:
+        server.stop(0)
+
+
+def test_the_address_source_is_what_the_user_wrote(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_init.address_source("10.0.0.1:6379") == "ray.address=10.0.0.1:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert ray_init.address_source(None) == "RAY_ADDRESS=10.0.0.2:6379"
+    # Ray reads RAY_ADDRESS first for "auto"
+    assert ray_init.address_source("auto") == "RAY_ADDRESS=10.0.0.2:6379 (read for ray.address=auto)"
+    assert ray_init.address_source("10.0.0.1:6379") == "ray.address=10.0.0.1:6379"
+    assert ray_init.host_port("ray://[::1]:10001") == ("::1", 10001) and ray_init.host_port("auto") is None
+
+
+def test_a_joined_cluster_that_refuses_the_driver_is_one_line(fake_ray, monkeypatch):
+    """The address answers but Ray's join fails (another Ray version, a cluster that goes away): Ray's first line,
+    under the setting that named the cluster."""
+    monkeypatch.setattr(ray_init, "probe_address", lambda *a, **k: None)
+
+    def refuse(**kwargs):
+        raise RuntimeError("Version mismatch: The cluster was started with:\n    Ray: 2.9.0\n...")
+
+    monkeypatch.setattr(fake_ray, "init", refuse)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    with pytest.raises(ray_init.RayStartupError, match=r"^RAY_ADDRESS=10\.0\.0\.1:6379: Ray could not join the "
+                                                       r"cluster there: RuntimeError: Version mismatch: The cluster was "
+                                                       r"started with:; unset RAY_ADDRESS"):
+        ray_init.init_ray(None, 1)

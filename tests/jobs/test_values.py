@@ -165,8 +165,9 @@ def test_estimate_refuses_a_shard_shorter_than_the_conv_window(monkeypatch):
         raise _Stop
 
     monkeypatch.setattr("hylo.pipeline.estimate.cli.estimate_step", stand_in)
-    line = one_error_line(*run_hylo(["estimate", "--config", "demo-smollm2", "--tokens", "8",
-                                     "--sequence-parallel", "4", "--world-size", "4"]))
+    # (model.student unset: the demo's stage-2 student is stage 1's output, which a line would say is priced)
+    line = one_error_line(*run_hylo(["estimate", "--config", "demo-smollm2", "--tokens", "8", "--set",
+                                     "model.student=null", "--sequence-parallel", "4", "--world-size", "4"]))
     assert "--sequence-parallel=4: a 8-token row split over 4 ranks gives shards of 2 token(s)" in line, line
 
 

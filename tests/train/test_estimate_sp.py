@@ -338,8 +338,9 @@ def test_hylo_estimate_prints_the_teacher_before_and_after_and_refuses_ulysses_i
     assert t["mode"] == "allgather" and t["before"][0]["tokens_run"] == 128 and t["after"][0]["tokens_run"] == 64
     peak = t["training_gpu_peak"]
     assert peak["after"][0] <= peak["before"][0]
-    # 6 heads over 4 ranks: Ulysses is refused before the step runs, with the largest N that works
-    with pytest.raises(BadArgument, match=r"^--teacher-split=ulysses at N = 4: .*largest N that works is 3"):
+    # 6 heads over 4 ranks: Ulysses is refused before the step runs, with the largest N that works: 2, which
+    # divides the config's 4 workers too (3 divides the heads, not the workers: the run would refuse it)
+    with pytest.raises(BadArgument, match=r"^--teacher-split=ulysses at N = 4: .*largest N that works is 2,"):
         main(["--config", str(path), "--sequence-parallel", "4", "--teacher-split", "ulysses"])
 
 

@@ -85,6 +85,10 @@ class TeacherSourceKind:
         """What is compared with the student before Ray starts; None: nothing known here."""
         return None
 
+    def check_ports(self, t: Any, local: bool) -> None:
+        """Before Ray starts: the ports a port key of this source names are free, where `local` (the run starts a
+        local Ray: what `start` deploys listens on this machine). RayStartupError naming the key."""
+
     def resources(self, t: Any) -> list[ResourceDemand]:
         """The Ray resources of what `start` deploys."""
         return []

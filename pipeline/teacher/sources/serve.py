@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hylo.pipeline.teacher.config import ServeSection
+from hylo.pipeline.teacher.config import ServeSection, pool_port_taken
 from hylo.pipeline.teacher.sources.base import (
     ResourceDemand,
     TeacherFiles,
@@ -39,6 +39,14 @@ class ServeSource(TeacherSourceKind):
 
     def compared_with_student(self, t: ServeSection) -> TeacherFiles | None:
         return model_files(t.model) if t.start_pool else None
+
+    def check_ports(self, t: ServeSection, local: bool) -> None:
+        from hylo.pipeline.ray_init import RayStartupError, port_is_free, port_is_listening  # lazy: layering
+
+        port, host = t.pool.port, t.pool.host
+        if t.start_pool and port is not None and local and not port_is_free(host, port):
+            raise RayStartupError(pool_port_taken(host, port, "another process listens there"
+                                                  if port_is_listening(host, port) else "it cannot be bound"))
 
     def resources(self, t: ServeSection) -> list[ResourceDemand]:
         if not t.start_pool:
@@ -75,3 +83,4 @@ class ServeSource(TeacherSourceKind):
 
         # the vocabulary is the replicas': each checks the ids of every row it receives
         return TeacherClient.from_config(t.pool.app_name, t.client, t.model.logits_chunk_tokens), None
+
