@@ -37,13 +37,14 @@ Design choices:
 * Only a Ray the job started is shut down (`ray_running`); joining a cluster never stops it.
 * `ray.init` installs a SIGTERM handler of its own (exit status 15, nothing cleaned up): under the signal
   rule of hylo/stopping.py (the demo, place-layers) the rule's handler is put back right after.
+* Ray's logger follows the job's level (hylo/logs.py: `ray.init(logging_level=...)`); a local Ray's workers
+  inherit HYLO_LOG_LEVEL with the rest of this process's environment.
 * The config section is `hylo.pipeline.config.RayInitSection` (training's `ray` section extends it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import socket
@@ -51,12 +52,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import hylo
+from hylo import logs
 
 # RayInitSection lives with the config system (configs import no implementation); imported here for callers.
 from hylo.pipeline.config import RayInitSection  # noqa: F401
 from hylo.stopping import reclaim
 
-log = logging.getLogger(__name__)
+log = logs.get_logger(__name__)
 
 # The directory that holds the `hylo` package: a checkout's root (used without installing), or site-packages.
 # (Not this file's parents[1]: installed, that is site-packages/hylo, whose folders would shadow top-level
@@ -103,7 +105,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_
         # a local Ray of another job of this machine (the demo's steps) is on the loopback: this driver's
         # node address must be the loopback too, or it would look for its raylet at the reachable one
         with _loopback_node() if _is_loopback(target) else contextlib.nullcontext():
-            ray.init(address=target, log_to_driver=log_to_driver)
+            ray.init(address=target, log_to_driver=log_to_driver, logging_level=logs.library_level("ray"))
+        logs.set_library_levels()
         reclaim()
         return False
     os.environ.update(project_env())
@@ -111,7 +114,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_
         port = _free_loopback_port()
         try:
             with _loopback_node(), _environ(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"):
-                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                         log_to_driver=log_to_driver, logging_level=logs.library_level("ray"))
             break
         except Exception as e:  # Ray raises a bare Exception for this
             if STARTUP_TIMEOUT not in str(e) or attempt == START_ATTEMPTS:
@@ -121,6 +125,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_
             log.warning("local Ray did not start within Ray's 30 s on this machine (load average %.1f); "
                         "starting it again (attempt %d of %d)", os.getloadavg()[0], attempt + 1, START_ATTEMPTS)
             ray.shutdown()
+    logs.set_library_levels()
     reclaim()
     return True
 

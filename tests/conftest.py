@@ -28,6 +28,8 @@ def pytest_configure(config) -> None:
     # on a fault it was not about. Tests run with the monitor off (the kernel's OOM killer remains); it is Ray's
     # own behaviour, which no test of ours checks.
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+    # Tests read the lines jobs log at info (hylo/logs.py): a level set in the shell that runs them is not theirs.
+    os.environ.pop("HYLO_LOG_LEVEL", None)
 
 
 def isolate_ray_discovery(worker: str | None) -> None:

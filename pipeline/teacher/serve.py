@@ -47,7 +47,9 @@ from typing import Any
 import torch
 from ray import serve
 
+from hylo import logs
 from hylo.kernels.backend import keep_freed_host_memory
+from hylo.logs import message_of
 from hylo.pipeline.config import from_dict, to_dict
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.ray_init import kill_this_node
@@ -90,14 +92,16 @@ def pool_forwards(app_name: str, timeout_s: float = 30.0) -> list[int]:
 
 
 def forwards_line(app_name: str, forwards: list[int]) -> str:
-    """The line the driver prints when it deletes the pool (`forwards_in` reads it back)."""
+    """The line the driver logs when it deletes the pool (`forwards_in` reads it back)."""
     return (f"[teacher] pool {app_name!r}: its replicas ran {sum(forwards)} row forwards "
             f"({', '.join(map(str, forwards)) or 'no replica answered'})")
 
 
 def forwards_in(line: str, app_name: str) -> int | None:
-    """The total of a `forwards_line` of pool `app_name`, None for any other line."""
-    found = re.match(rf"\[teacher\] pool {re.escape(repr(app_name))}: its replicas ran (\d+) row forwards", line)
+    """The total of a `forwards_line` of pool `app_name` (as logged: after the line's time, level and rank),
+    None for any other line."""
+    found = re.match(rf"\[teacher\] pool {re.escape(repr(app_name))}: its replicas ran (\d+) row forwards",
+                     message_of(line))
     return int(found.group(1)) if found else None
 
 
@@ -116,6 +120,7 @@ class TeacherDeployment:
         self.model_cfg = from_dict(TeacherModelConfig, model_cfg)
         self.pool_cfg = from_dict(TeacherPoolConfig, pool_cfg)
         self.fault_cfg = from_dict(TeacherFaultConfig, fault_cfg)
+        logs.setup()  # a Serve replica: the job's level (HYLO_LOG_LEVEL)
         self.teacher = TeacherModel.from_config(self.model_cfg)
         if self.teacher.device.type == "cpu":
             keep_freed_host_memory()
@@ -251,12 +256,21 @@ class TeacherDeployment:
 
 def build_teacher_app(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfig,
                       fault_cfg: TeacherFaultConfig | None = None) -> serve.Application:
+    actor = {"num_cpus": pool_cfg.num_cpus, "num_gpus": pool_cfg.num_gpus,
+             "resources": dict(pool_cfg.resources or {})}
+    level: dict[str, Any] = {}
+    env = logs.child_env()
+    if env:
+        # a level other than the default: the replicas' own lines (also on a cluster this job joined) and
+        # Serve's log lines in them follow it (hylo/logs.py)
+        actor["runtime_env"] = {"env_vars": env}
+        level["logging_config"] = {"log_level": logging.getLevelName(logs.library_level("ray"))}
     dep = TeacherDeployment.options(
         name=f"{pool_cfg.app_name}_teacher",
         num_replicas=pool_cfg.num_replicas,
         max_ongoing_requests=pool_cfg.max_ongoing_requests,
-        ray_actor_options={"num_cpus": pool_cfg.num_cpus, "num_gpus": pool_cfg.num_gpus,
-                           "resources": dict(pool_cfg.resources or {})},
+        ray_actor_options=actor,
+        **level,
     )
     return dep.bind(to_dict(model_cfg), to_dict(pool_cfg), to_dict(fault_cfg or TeacherFaultConfig()))
 

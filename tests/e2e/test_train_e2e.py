@@ -72,7 +72,7 @@ def test_exact_resume_after_sigkill(tiny, reference):
     cfg_path = write_config(tiny_config(models, root / "runs", "killed"), root / "killed.yaml")
     killed = torchrun(2, cfg_path, "--set", "fault.kill_at_step=6", "--set", "fault.kill_when=after_checkpoint",
                       "--set", "fault.kill_rank=1")
-    assert killed.returncode != 0 and "SIGKILL at step 6" in killed.stdout
+    assert killed.returncode != 0 and "SIGKILL at step 6" in killed.stderr
     run = root / "runs" / "killed"
     assert max(read_metrics(run)) == 6 and is_complete(run / "step_00000006")
     assert checkpoint_problem(run / "step_00000003", deep=True) is None
@@ -100,7 +100,7 @@ def test_exact_resume_after_sigkill(tiny, reference):
         f.write('{"loss": 1.23, "step": 7, "ro')
     resumed = torchrun(2, cfg_path, "--resume")
     assert_ok(resumed)
-    out = resumed.stdout
+    out = resumed.stderr  # what the ranks logged
     assert "[resume] skipping step_00000006" in out and "zero_pp_rank_1_mp_rank_00_optim_states.pt: " in out
     assert "resuming from step_00000003, the newest intact checkpoint" in out
     assert "dropped a torn or unreadable line" in out
@@ -127,8 +127,8 @@ def test_resume_from_an_older_checkpoint_starts_a_new_line_of_checkpoints(tiny, 
                                         checkpoint={"every_steps": 3, "keep": 2}), root / "older.yaml")
     killed = torchrun(2, cfg_path, "--resume", "step_00000003", "--set", "fault.kill_at_step=8",
                       "--set", "fault.kill_when=mid_step", "--set", "fault.kill_rank=1")
-    out = killed.stdout
-    assert killed.returncode != 0 and "SIGKILL at step 8" in out, out[-3000:] + killed.stderr[-3000:]
+    out = killed.stderr
+    assert killed.returncode != 0 and "SIGKILL at step 8" in out, killed.stdout[-3000:] + out[-3000:]
     assert out.count("starts a new line of checkpoints") == 1, out[-3000:]
     assert "checkpoint.keep=2: removed" not in out  # 3 and 6 are the new line's two checkpoints
     (aside,) = (run / "abandoned").iterdir()
@@ -140,8 +140,8 @@ def test_resume_from_an_older_checkpoint_starts_a_new_line_of_checkpoints(tiny, 
 
     resumed = torchrun(2, cfg_path, "--resume")
     assert_ok(resumed)
-    assert f"resumed from {run / 'step_00000006'} at step 6" in resumed.stdout
-    assert "starts a new line" not in resumed.stdout
+    assert f"resumed from {run / 'step_00000006'} at step 6" in resumed.stderr
+    assert "starts a new line" not in resumed.stderr
     assert [s for s, _ in list_checkpoints(run)] == [9, 12]
     got = read_metrics(run)
     assert list(got) == list(range(1, 13)) and len((run / "metrics.jsonl").read_text().splitlines()) == 12
