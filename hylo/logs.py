@@ -30,8 +30,9 @@ Design choices:
   pipeline/ray_init.py), DeepSpeed (`DeepSpeed`, its `deepspeed.utils.logger`, and its handler) and
   transformers. At info each keeps its own default (Ray info, DeepSpeed and transformers warning): the
   terminal of a run is as it was. At warning or error they are set there too; at debug, to debug. A library
-  imported after the setup is set where the project imports it (`import_deepspeed`, `init_ray`), and
-  transformers reads TRANSFORMERS_VERBOSITY, which is set for it (unless the user set it).
+  imported after the setup is set where the project imports it (`import_deepspeed`, `init_ray`); a filter on
+  DeepSpeed's logger holds what it logs while it is imported; transformers reads TRANSFORMERS_VERBOSITY, which
+  is set for it (unless the user set it).
 * The handler writes to `sys.stderr` as it is at each line, so a redirected or captured stderr gets the lines.
   The "hylo" logger does not propagate: a root handler that Ray or a test installs does not print a line twice.
 * This module imports nothing of the project (a leaf: configs import it) and never imports Ray, DeepSpeed or
@@ -206,6 +207,15 @@ def library_level(library: str, level: str | None = None) -> int:
     return LIBRARIES[library] if number == logging.INFO else number
 
 
+class _AtLeast(logging.Filter):
+    """On DeepSpeed's logger: drops what is below the job's level for it, also what DeepSpeed logs while it is
+    imported (its accelerator warning), before the import's own `setLevel` can be changed. (The filter is
+    set by name, before the import, which keeps a logger's filters.)"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= library_level("DeepSpeed")
+
+
 def set_library_levels(level: str | None = None) -> None:
     """Ray's, DeepSpeed's and transformers' loggers at `level` (default: the job's), those of them that are
     loaded; call it again after importing one of them (their import sets their own)."""
@@ -217,6 +227,8 @@ def set_library_levels(level: str | None = None) -> None:
         if name == "DeepSpeed":
             for h in lib.handlers:  # DeepSpeed's own handler filters at its import-time level too
                 h.setLevel(number)
+            if not any(isinstance(f, _AtLeast) for f in lib.filters):
+                lib.addFilter(_AtLeast())
     if level != DEFAULT and not os.environ.get(TRANSFORMERS_ENV):
         os.environ[TRANSFORMERS_ENV] = logging.getLevelName(library_level("transformers", level)).lower()
     tf_logging = sys.modules.get("transformers.utils.logging")

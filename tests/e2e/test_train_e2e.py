@@ -16,6 +16,7 @@ process start-up: torchrun ~20 s, Ray Train ~60-90 s on 2 cores).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,8 @@ from hylo.pipeline.train.checkpoint.layout import (
 )
 from hylo.pipeline.train.metrics import read_metrics
 
+from tests.helpers.logs import logged
+from tests.helpers.runs import logged_by
 from tests.helpers.train import (
     assert_ok,
     assert_same_steps,
@@ -226,6 +229,24 @@ def test_consolidated_checkpoint_equals_zero_to_fp32(reference):
     assert (reference / "model" / "tokenizer.json").read_bytes() == \
         (reference.parent.parent / "models" / "student" / "tokenizer.json").read_bytes()
     assert not torch.equal(initial.model.layers[0].mixer.o_proj.weight, model.model.layers[0].mixer.o_proj.weight)
+
+
+def test_each_ranks_log_lines_carry_its_rank(reference):
+    """The reference run (torchrun, 2 ranks, stage 2): every line the ranks logged has its time, level and rank
+    (hylo/logs.py), and the rank it names is the rank that wrote it: each rank's `[zero] rank R: holds ...`
+    line is labelled `rank R/2`. One node: no node on the line. Rank 0's progress lines are labelled so too."""
+    lines = logged(logged_by(reference))
+    zero = {line.rank: line.message for line in lines if line.message.startswith("[zero] rank ")}
+    assert set(zero) == {"rank 0/2", "rank 1/2"}, zero
+    for label, message in zero.items():
+        assert message.startswith(f"[zero] {label.split('/')[0]}: holds "), (label, message)
+    steps = [line for line in lines if line.message.startswith("[stage2] step ")]
+    assert [line.message.split()[2] for line in steps] == [f"{s}/12" for s in range(1, 13)]
+    assert {line.rank for line in steps} == {"rank 0/2"} and {line.level for line in steps} == {"INFO"}
+    assert all(a.time <= b.time for a, b in zip(steps, steps[1:]))
+    # no line of the ranks' own went around the logger: each [train], [zero], [stage2] line is a logged one
+    ours = [ln for ln in logged_by(reference).splitlines() if re.match(r"\[(train|zero|stage2|resume)\] ", ln)]
+    assert not ours, ours[:5]
 
 
 def test_the_run_says_where_its_start_up_went(reference):

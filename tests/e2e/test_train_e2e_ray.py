@@ -145,7 +145,7 @@ def test_ray_run_on_s3_saves_resumes_and_survives_a_deleted_checkpoint(tiny, ref
             (rd / "step_00000006").rmtree()
             capfd.readouterr()
             second = run(2, ["--config", str(cfg_path), "--resume", "--set", "train.max_steps=8"])
-            out = capfd.readouterr().out
+            out = capfd.readouterr().err  # the driver's log lines
         finally:
             shutil.rmtree(local_mirror(Loc.of(s3("runs/ray/s3"))), ignore_errors=True)
         assert "points at step_00000006, which is missing" in out, out[-3000:]

@@ -1,7 +1,7 @@
 """The shared training fixtures, for the whole `make test` (its test processes share them): the tiny models and the
-uninterrupted reference runs the faulted and resumed runs are compared against. A run of `max_steps` n < 12
-computes exactly the first n steps of the 12-step run (the schedule follows the data's 12 steps, not max_steps), so
-one 12-step run per stage serves every length. The conftest.py of tests/e2e/ (the end-to-end training files) and
+uninterrupted reference runs the faulted and resumed runs are compared against (and what their ranks logged). A run
+of `max_steps` n < 12 computes exactly the first n steps of the 12-step run (the schedule follows the data's 12
+steps, not max_steps), so one 12-step run per stage serves every length. The conftest.py of tests/e2e/ (the end-to-end training files) and
 of tests/train/ (the sequence-parallel runs) take them from here.
 
 The files that use them run in different test processes (pytest-xdist, a file to a process): the first process to
@@ -68,11 +68,19 @@ def references(tiny, shared_root) -> Callable[[int], Path]:
 
         def make(run: Path) -> None:
             cfg = write_config(tiny_config(models, runs, name, stage=stage), shared_root / f"{name}.yaml")
-            assert_ok(torchrun(stage, cfg))
+            proc = torchrun(stage, cfg)
+            assert_ok(proc)
+            # what its ranks logged, for the tests of its log lines (`logged_by`)
+            (runs / f"{name}.stderr").write_text(proc.stderr)
 
         return _once(runs, name, make)
 
     return reference
+
+
+def logged_by(run: Path) -> str:
+    """What the ranks of reference run `run` logged (their stderr, as torchrun passed it on)."""
+    return (run.parent / f"{run.name}.stderr").read_text()
 
 
 @pytest.fixture(scope="session")

@@ -146,3 +146,21 @@ def test_ray_deepspeed_and_transformers_follow_the_level(level, expected):
     assert all(h.level == expected["DeepSpeed"] for h in ds.utils.logger.handlers)
     # transformers imported later (a worker, a step) reads it from its variable
     assert os.environ.get(logs.TRANSFORMERS_ENV) == (None if level == "info" else level)
+
+
+def test_what_deepspeed_logs_while_it_is_imported_follows_the_level_too(capsys):
+    """DeepSpeed's import makes its logger (warning, a handler on stdout) and at once warns which accelerator it
+    chose: before the project can set its level. What its import does is done again here, with DeepSpeed's own
+    factory: at error its warning is dropped, at info it shows as it always did."""
+    from deepspeed.utils.logging import LoggerFactory
+
+    for level, shown in (("error", False), ("info", True)):
+        logs.set_level(level)
+        capsys.readouterr()
+        logger = LoggerFactory.create_logger(name="DeepSpeed", level=logging.WARNING)
+        handler = logger.handlers[-1]
+        try:
+            logger.warning("Setting accelerator to CPU.")
+        finally:
+            logger.removeHandler(handler)
+        assert ("Setting accelerator to CPU." in capsys.readouterr().out) == shown, level
