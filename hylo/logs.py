@@ -3,15 +3,16 @@ when the job spans nodes) on each line.
 
     from hylo.logs import get_logger
 
-    log = get_logger(__name__)              # a module's logger, under "hylo"
-    log.info("[train] resumed from %s at step %d", ckpt, step)
-    log.warning("[train] warning: ...")
+    logger = get_logger(__name__)           # a module's logger, under "hylo"
+    logger.info(f"[train] resumed from {ckpt} at step {step}")
+    logger.warning("[train] warning: ...")
 
-What a line looks like (docs/troubleshooting.md, "Logs"):
+What lines look like (a 2-rank stage-2 run under torchrun; docs/troubleshooting.md, "Logs"):
 
-    2026-12-07 16:21:03.123 INFO [train] stage 2 done: step 12, loss 10.3738, model runs/x/model
-    2026-12-07 16:21:01.042 INFO [rank 1/2] [zero] rank 1: holds 52,416 of 104,832 parameters (50.0%, ...)
-    2026-12-07 16:21:01.042 WARNING [rank 9/16 node 1 gpu-b] [train] warning: ...
+    2026-12-07 16:51:47.258 INFO [rank 1/2] [zero] rank 1: holds 14,232 of 28,464 parameters (50.0%, ...)
+    2026-12-07 16:52:02.167 INFO [rank 0/2] [train] stage 2 done: step 12, loss 0.1277, model runs/ref/model
+    2026-12-07 16:52:02.167 WARNING [rank 9/16 node 1 gpu-b] [train] warning: ...   (ranks on 2 nodes)
+    2026-12-07 16:40:12.501 INFO [demo] === convert: ...                            (a process of no rank)
 
 Design choices:
 * A command's OUTPUT (reports, tables, JSON, `--print-config`, the one-line `error: ...` refusals) is printed
@@ -19,9 +20,9 @@ Design choices:
   through this logger to stderr. `hylo convert ... | jq` then reads the JSON alone.
 * The level comes from `--log-level` (every command has it: `add_log_level_flag`), else the environment
   variable HYLO_LOG_LEVEL, else info. `set_level` puts it into the environment, so the processes a job
-  starts inherit it: the demo's steps, a local Ray's workers (Ray Train's workers, Serve's replicas, Ray Data's
-  tasks). A job that joins a cluster hands it to its training workers and teacher replicas itself (their
-  runtime env), and torchrun's ranks parse the same `--log-level` (or inherit the variable).
+  starts inherit it: the demo's steps, a local Ray's workers (Ray Train's workers, Serve's replicas, Ray
+  Data's tasks). A job that joins a cluster hands it to its training workers and teacher replicas itself
+  (their runtime env), and torchrun's ranks parse the same `--log-level` (or inherit the variable).
 * The rank is read for every line, from the environment torchrun and Ray Train set in a rank (RANK,
   WORLD_SIZE; LOCAL_WORLD_SIZE, and GROUP_RANK / NODE_RANK for the node), else from Ray Train's context of the
   worker. A process of no rank (a driver, a Serve replica) shows none. The node (its rank, the host's name)
@@ -34,7 +35,7 @@ Design choices:
   DeepSpeed's logger holds what it logs while it is imported; transformers reads TRANSFORMERS_VERBOSITY, which
   is set for it (unless the user set it).
 * The handler writes to `sys.stderr` as it is at each line, so a redirected or captured stderr gets the lines.
-  The "hylo" logger does not propagate: a root handler that Ray or a test installs does not print a line twice.
+  The "hylo" logger does not propagate: a root handler that Ray or a test installs prints no line twice.
 * This module imports nothing of the project (a leaf: configs import it) and never imports Ray, DeepSpeed or
   transformers (`hylo --help` imports none of them): it touches their loggers by name, and their modules only
   once something else imported them.
@@ -57,7 +58,8 @@ LEVELS: dict[str, int] = {"debug": logging.DEBUG, "info": logging.INFO, "warning
                           "error": logging.ERROR}
 ROOT = "hylo"
 # The libraries' loggers and the level each has by itself (what they keep at info).
-LIBRARIES: dict[str, int] = {"ray": logging.INFO, "DeepSpeed": logging.WARNING, "transformers": logging.WARNING}
+LIBRARIES: dict[str, int] = {"ray": logging.INFO, "DeepSpeed": logging.WARNING,
+                             "transformers": logging.WARNING}
 TRANSFORMERS_ENV = "TRANSFORMERS_VERBOSITY"
 
 
@@ -144,7 +146,8 @@ def rank_label() -> str:
 
 
 # A line this logger wrote: time, level, the rank where there is one, the message.
-LINE = re.compile(r"(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) (?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+LINE = re.compile(r"(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) "
+                  r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) "
                   r"(?:\[(?P<rank>rank \d+/\d+(?: node \S+ \S+)?)\] )?(?P<message>.*)")
 
 
@@ -160,7 +163,8 @@ class Formatter(logging.Formatter):
     there is one (`rank_label`)."""
 
     def __init__(self) -> None:
-        super().__init__("%(asctime)s.%(msecs)03d %(levelname)s %(rank)s%(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+        super().__init__("%(asctime)s.%(msecs)03d %(levelname)s %(rank)s%(message)s",
+                         datefmt="%Y-%m-%d %H:%M:%S")
 
     def format(self, record: logging.LogRecord) -> str:
         label = rank_label()
@@ -169,7 +173,7 @@ class Formatter(logging.Formatter):
 
 
 class StderrHandler(logging.StreamHandler):
-    """A handler that writes to `sys.stderr` as it is when a line is written (a test's capture, a redirect)."""
+    """A handler that writes to `sys.stderr` as it is when a line is written (a capture, a redirect)."""
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
@@ -259,14 +263,14 @@ def setup() -> str:
 
 def child_env() -> dict[str, str]:
     """What a process this job starts elsewhere (a worker of a cluster it joined) needs to log at its level:
-    HYLO_LOG_LEVEL when the job's level is not the default, else nothing."""
+    HYLO_LOG_LEVEL when the level was given or is not the default, else nothing (a worker's default)."""
     level = current_level()
     return {} if level == DEFAULT and ENV not in os.environ else {ENV: level}
 
 
 # ------------------------------------------------------------------------------------ the flag
 class _LevelAction(argparse.Action):
-    """`--log-level LEVEL`: set as it is parsed, so that what the job logs while it reads its config has it."""
+    """`--log-level LEVEL`: set as it is parsed, so what the job logs while it reads its config has it."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                   option_string: str | None = None) -> None:
@@ -287,5 +291,5 @@ def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
     """--log-level debug|info|warning|error (every command)."""
     parser.add_argument("--log-level", type=_level_type, action=_LevelAction, default=None,
                         metavar="{" + ",".join(LEVELS) + "}",
-                        help=f"what the job logs on stderr (default: ${ENV}, else {DEFAULT}); Ray's, DeepSpeed's "
-                             "and transformers' logs follow it")
+                        help=f"what the job logs on stderr (default: ${ENV}, else {DEFAULT}); Ray's, "
+                             "DeepSpeed's and transformers' logs follow it")

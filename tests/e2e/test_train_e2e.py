@@ -232,9 +232,9 @@ def test_consolidated_checkpoint_equals_zero_to_fp32(reference):
 
 
 def test_each_ranks_log_lines_carry_its_rank(reference):
-    """The reference run (torchrun, 2 ranks, stage 2): every line the ranks logged has its time, level and rank
-    (hylo/logs.py), and the rank it names is the rank that wrote it: each rank's `[zero] rank R: holds ...`
-    line is labelled `rank R/2`. One node: no node on the line. Rank 0's progress lines are labelled so too."""
+    """The reference run (torchrun, 2 ranks, stage 2): every line the ranks logged has its time, level and
+    rank (hylo/logs.py), and the rank it names is the rank that wrote it: each rank's `[zero] rank R: holds
+    ...` line is labelled `rank R/2`. One node: no node on the line. Rank 0's progress lines are so too."""
     lines = logged(logged_by(reference))
     zero = {line.rank: line.message for line in lines if line.message.startswith("[zero] rank ")}
     assert set(zero) == {"rank 0/2", "rank 1/2"}, zero
@@ -245,8 +245,9 @@ def test_each_ranks_log_lines_carry_its_rank(reference):
     assert {line.rank for line in steps} == {"rank 0/2"} and {line.level for line in steps} == {"INFO"}
     assert all(a.time <= b.time for a, b in zip(steps, steps[1:]))
     # no line of the ranks' own went around the logger: each [train], [zero], [stage2] line is a logged one
-    ours = [ln for ln in logged_by(reference).splitlines() if re.match(r"\[(train|zero|stage2|resume)\] ", ln)]
-    assert not ours, ours[:5]
+    tagged = re.compile(r"\[(train|zero|stage2|resume)\] ")
+    printed = [ln for ln in logged_by(reference).splitlines() if tagged.match(ln)]
+    assert not printed, printed[:5]
 
 
 def test_the_run_says_where_its_start_up_went(reference):

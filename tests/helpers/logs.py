@@ -46,8 +46,8 @@ def messages(text: str, level: str | None = None) -> list[str]:
 
 @contextlib.contextmanager
 def level_kept(*more: str) -> Iterator[None]:
-    """A block that may set the log level (`logs.set_level`, `--log-level`): HYLO_LOG_LEVEL and the variables the
-    setup writes (and `more`) are unset in it and put back after it, then the logger is set up again."""
+    """A block that may set the log level (`logs.set_level`, `--log-level`): HYLO_LOG_LEVEL and the variables
+    the setup writes (and `more`) are unset in it and put back after it, then the logger is set up again."""
     names = (logs.ENV, logs.TRANSFORMERS_ENV, *more)
     saved = {k: os.environ.pop(k, None) for k in names}
     try:

@@ -80,7 +80,7 @@ def printed_once(out: str, pattern: str, at_least_once: bool = True) -> None:
     worker printed), and, with `at_least_once`, one is. A job's output gets its workers' lines through Ray's log
     forwarding, on Ray's own time: check it with `at_least_once=False`, and what the workers printed
     (tests/helpers/ray_logs.py) for the lines being there."""
-    # each line as its process wrote it: without Ray's "(Worker pid=N)" and the log line's time, level and rank
+    # each line as its process wrote it: without Ray's "(Worker pid=N)", nor the log line's time, level, rank
     lines = [message_of(RAY_PREFIX.sub("", strip_ansi(ln), count=1)) for ln in out.splitlines()
              if re.search(pattern, ln)]
     assert (lines or not at_least_once) and len(lines) == len(set(lines)), f"{pattern}: {lines}"

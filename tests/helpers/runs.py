@@ -1,7 +1,7 @@
 """The shared training fixtures, for the whole `make test` (its test processes share them): the tiny models and the
-uninterrupted reference runs the faulted and resumed runs are compared against (and what their ranks logged). A run
-of `max_steps` n < 12 computes exactly the first n steps of the 12-step run (the schedule follows the data's 12
-steps, not max_steps), so one 12-step run per stage serves every length. The conftest.py of tests/e2e/ (the end-to-end training files) and
+uninterrupted reference runs the faulted and resumed runs are compared against. A run of `max_steps` n < 12
+computes exactly the first n steps of the 12-step run (the schedule follows the data's 12 steps, not max_steps), so
+one 12-step run per stage serves every length. The conftest.py of tests/e2e/ (the end-to-end training files) and
 of tests/train/ (the sequence-parallel runs) take them from here.
 
 The files that use them run in different test processes (pytest-xdist, a file to a process): the first process to

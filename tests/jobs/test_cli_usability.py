@@ -124,8 +124,8 @@ LEVEL_RUNS |= {"configs": ["configs", "ls"], "clean": ["clean", "{tmp}"]}
 
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_every_command_takes_log_level(name, tmp_path):
-    """`hylo NAME --log-level LEVEL` (hylo/logs.py): listed in its help, set for the job and for the processes it
-    starts (HYLO_LOG_LEVEL), and a level that is none is the flag's one error line."""
+    """`hylo NAME --log-level LEVEL` (hylo/logs.py): listed in its help, set for the job and for the processes
+    it starts (HYLO_LOG_LEVEL), and a level that is none is the flag's one error line."""
     assert set(LEVEL_RUNS) == set(COMMANDS)
     rc, help_text = run_hylo([name, "--help"])
     assert rc == 0 and "--log-level {debug,info,warning,error}" in help_text, help_text
@@ -138,8 +138,8 @@ def test_every_command_takes_log_level(name, tmp_path):
         rc, out, err = run_hylo_split([*argv, "--log-level", "error"])
         assert rc == 0 and logs.current_level() == "error", err
     rc, text = run_hylo([name, "--log-level", "loud"])
-    assert rc == 2 and text == (f"error: argument --log-level: 'loud' is not a log level; choose one of debug, info, "
-                                f"warning, error (see hylo {name} --help)\n"), text
+    assert rc == 2 and text == ("error: argument --log-level: 'loud' is not a log level; choose one of "
+                                f"debug, info, warning, error (see hylo {name} --help)\n"), text
 
 
 @pytest.mark.parametrize("name", [n for n in COMMANDS if n not in NOT_JOBS])

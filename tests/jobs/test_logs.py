@@ -1,6 +1,7 @@
-"""One logger for every job (hylo/logs.py): each line's time, level and, in a rank, its rank (and node); the level
-from HYLO_LOG_LEVEL or `--log-level`; Ray's, DeepSpeed's and transformers' loggers set from it. (`--log-level` on
-each command: tests/jobs/test_cli_usability.py; a real 2-rank run's lines: tests/e2e/test_train_e2e.py.)"""
+"""One logger for every job (hylo/logs.py): each line's time, level and, in a rank, its rank (and node); the
+level from HYLO_LOG_LEVEL or `--log-level`; Ray's, DeepSpeed's and transformers' loggers set from it.
+(`--log-level` on each command: tests/jobs/test_cli_usability.py; a real 2-rank run's lines:
+tests/e2e/test_train_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def test_a_module_outside_the_package_logs_under_it():
     # torchrun on one node (--nproc_per_node 2): RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}, "rank 1/2"),
     # torchrun on 2 nodes of 8: its node's rank (GROUP_RANK) and the host
-    ({"RANK": "9", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "1"}, "rank 9/16 node 1 {host}"),
+    ({"RANK": "9", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "1"},
+     "rank 9/16 node 1 {host}"),
     # Ray Train's torch backend: NODE_RANK instead of GROUP_RANK
     ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "1"}, "rank 3/4 node 1 {host}"),
     # a launcher that says nothing of nodes
@@ -65,19 +67,20 @@ def test_a_rank_shows_its_rank_and_its_node_when_the_ranks_span_nodes(monkeypatc
         monkeypatch.setenv(k, v)
     logs.get_logger("t").info("[zero] holds 1 of 2 parameters")
     (line,) = logged(capsys.readouterr().err)
-    assert line.rank == label.format(host=socket.gethostname()) and line.message == "[zero] holds 1 of 2 parameters"
+    assert line.rank == label.format(host=socket.gethostname())
+    assert line.message == "[zero] holds 1 of 2 parameters"
 
 
 def test_a_ray_train_worker_shows_the_rank_of_ray_trains_context():
-    """Before Ray Train's backend has set RANK (or where it does not), the worker's rank is read from Ray Train's
-    own context, set as Ray sets it in a worker (its `set_train_context`)."""
+    """Before Ray Train's backend has set RANK (or where it does not), the worker's rank is read from Ray
+    Train's own context, set as Ray sets it in a worker (its `set_train_context`)."""
     from ray.train.v2._internal.execution import context as ray_context
 
     distributed = ray_context.DistributedContext(world_rank=5, world_size=8, local_rank=1, local_world_size=4,
                                                  node_rank=1)
-    ctx = ray_context.TrainContext(train_run_context=None, distributed_context=distributed, execution_context=None,
-                                   storage_context=None, preemption_context=None, controller_actor=None,
-                                   dataset_shard_provider=None)
+    ctx = ray_context.TrainContext(train_run_context=None, distributed_context=distributed,
+                                   execution_context=None, storage_context=None, preemption_context=None,
+                                   controller_actor=None, dataset_shard_provider=None)
     assert logs.rank_label() == ""
     ray_context.set_train_context(ctx)
     try:
@@ -101,7 +104,7 @@ def test_the_level_filters_lines_and_travels_in_the_environment(capsys):
     assert logs.setup() == "error" and logs.current_level() == "error"
     log.warning("[demo] hidden at error")
     assert capsys.readouterr().err == ""
-    with pytest.raises(logs.LogLevelError, match="'loud' is not a log level; choose one of debug, info, warning"):
+    with pytest.raises(logs.LogLevelError, match="'loud' is not a log level; choose one of debug, info, "):
         logs.set_level("loud")
 
 
@@ -112,8 +115,8 @@ def test_a_bad_hylo_log_level_is_the_jobs_one_error_line(capsys):
 
     os.environ[logs.ENV] = "verbose"
     assert main([]) == 2
-    assert capsys.readouterr().err == ("error: HYLO_LOG_LEVEL=verbose: not a log level; choose one of debug, info, "
-                                       "warning, error\n")
+    assert capsys.readouterr().err == ("error: HYLO_LOG_LEVEL=verbose: not a log level; choose one of debug, "
+                                       "info, warning, error\n")
 
 
 def test_the_default_leaves_no_variable_behind():
@@ -130,8 +133,8 @@ def test_the_default_leaves_no_variable_behind():
     ("debug", {"ray": logging.DEBUG, "DeepSpeed": logging.DEBUG, "transformers": logging.DEBUG}),
 ])
 def test_ray_deepspeed_and_transformers_follow_the_level(level, expected):
-    """Their real loggers: DeepSpeed's `deepspeed.utils.logger` (and the handler it filters with), set again when
-    the project imports DeepSpeed (its import sets its own level); transformers' verbosity."""
+    """Their real loggers: DeepSpeed's `deepspeed.utils.logger` (and the handler it filters with), set again
+    when the project imports DeepSpeed (its import sets its own level); transformers' verbosity."""
     import transformers.utils.logging as tf_logging
 
     from hylo.pipeline.train.deepspeed_cfg import import_deepspeed
@@ -149,9 +152,9 @@ def test_ray_deepspeed_and_transformers_follow_the_level(level, expected):
 
 
 def test_what_deepspeed_logs_while_it_is_imported_follows_the_level_too(capsys):
-    """DeepSpeed's import makes its logger (warning, a handler on stdout) and at once warns which accelerator it
-    chose: before the project can set its level. What its import does is done again here, with DeepSpeed's own
-    factory: at error its warning is dropped, at info it shows as it always did."""
+    """DeepSpeed's import makes its logger (warning, a handler on stdout) and at once warns which accelerator
+    it chose: before the project can set its level. What its import does is done again here, with DeepSpeed's
+    own factory: at error its warning is dropped, at info it shows as it always did."""
     from deepspeed.utils.logging import LoggerFactory
 
     for level, shown in (("error", False), ("info", True)):

@@ -93,7 +93,8 @@ def test_joining_a_cluster_never_stops_it(fake_ray, monkeypatch):
     fake_ray.initialized = False  # the next job, in a process of its own
     with ray_init.ray_running("auto"):
         pass
-    assert fake_ray.calls == [("init", {"address": "auto", "log_to_driver": True, "logging_level": logging.INFO})]
+    assert fake_ray.calls == [("init", {"address": "auto", "log_to_driver": True,
+                                        "logging_level": logging.INFO})]
 
 
 @pytest.mark.parametrize("level,ray_level", [("warning", logging.WARNING), ("error", logging.ERROR),
@@ -108,7 +109,7 @@ def test_rays_logger_follows_the_jobs_log_level(fake_ray, level, ray_level):
         fake_ray.initialized = False
         with ray_init.ray_running("auto"):
             pass
-        assert [kw["logging_level"] for name, kw in fake_ray.calls if name == "init"] == [ray_level, ray_level]
+        assert [kw["logging_level"] for name, kw in fake_ray.calls if name == "init"] == [ray_level] * 2
         assert logging.getLogger("ray").level == ray_level
 
 
