@@ -54,7 +54,10 @@ from tqdm import tqdm
 
 from hylo.atomic import atomic_write, honour_umask, remove_path, replace_dir
 from hylo.locks import file_lock
+from hylo.logs import get_logger
 from hylo.stopping import popen, track_temp
+
+logger = get_logger(__name__)
 
 MARKER = ".complete.json"
 
@@ -438,7 +441,7 @@ def fetch_asset(
         if problem is None:
             return asset_path(name, root)
         if problem:
-            print(f"warning: asset {name}: {problem}; fetching it again", file=sys.stderr, flush=True)
+            logger.warning(f"warning: asset {name}: {problem}; fetching it again")
         _sweep_stale_tmp(root, name)
         try:
             _build(spec, root, target, progress)

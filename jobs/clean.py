@@ -24,6 +24,7 @@ if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hylo.leftovers import stale_leftovers, sweep_stale
+from hylo.logs import add_log_level_flag
 from hylo.ownership import output_target, recorded_entries
 from hylo.pipeline.cli import job_main
 
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("outputs", nargs="+", metavar="OUT", help="an output directory a job was writing (--out)")
+    add_log_level_flag(p)
     return p
 
 

@@ -21,6 +21,7 @@ if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hylo.atomic import atomic_write
+from hylo.logs import add_log_level_flag
 from hylo.pipeline.cli import BadArgument, job_main
 from hylo.pipeline.config import shipped_config, shipped_configs
 from hylo.rules import suggest
@@ -52,15 +53,19 @@ def find(name: str) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
+    add_log_level_flag(p)
     sub = p.add_subparsers(dest="action", metavar="{ls,show,cp}")
-    sub.add_parser("ls", help="list the shipped configs (the default)", allow_abbrev=False)
+    ls = sub.add_parser("ls", help="list the shipped configs (the default)", allow_abbrev=False)
+    add_log_level_flag(ls)
     show = sub.add_parser("show", help="print one", allow_abbrev=False)
+    add_log_level_flag(show)
     show.add_argument("name")
     cp = sub.add_parser("cp", help="copy one to DEST (a file or a directory; default: the current directory)",
                         allow_abbrev=False)
     cp.add_argument("name")
     cp.add_argument("dest", nargs="?", default=".")
     cp.add_argument("--force", action="store_true", help="replace an existing DEST file")
+    add_log_level_flag(cp)
     return p
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hylo.logs import get_logger
 from hylo.pipeline.cli import (
     MAX_BATCH,
     MAX_COUNT,
@@ -38,6 +39,8 @@ from hylo.pipeline.config import add_config_args, load_config, maybe_print_confi
 from hylo.pipeline.eval.config import EvalConfig
 from hylo.pipeline.paths import resolve_paths
 from hylo.weight_files import check_weights_dir
+
+logger = get_logger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run_eval(cfg)
     if not args.quiet:
         print(render_markdown(res))
-    print(f"[eval] wrote {Path(cfg.out) / 'results.json'} and results.md", file=sys.stderr)
+    logger.info(f"[eval] wrote {Path(cfg.out) / 'results.json'} and results.md")
     return 0
 
 

@@ -40,6 +40,10 @@ Design choices:
 * A job that starts child processes or writes temporary files (`@job_main(stops=True)`) runs under the
   signal rule of hylo/stopping.py: SIGTERM or SIGINT ends its children and removes its temporary files,
   then one line, `hylo NAME: stopped by SIGTERM; ended 1 child, removed ...`, and exit status 143 / 130.
+* What a job logs (progress, status) goes through hylo/logs.py: a level, a timestamp and the rank on each
+  line, on stderr; `--log-level` (every command) or HYLO_LOG_LEVEL sets the level. `job_main` sets the
+  logger up before the job's main runs. The `error: ...` line, `interrupted (Ctrl-C)` and a job's report are
+  no log lines: they are printed as they are.
 * A message is printed on one line (a multi-line message is joined), after everything else the job
   printed (Ray is disconnected first, so its streamed worker logs end before it): `tail -1` of a log
   shows it.
@@ -63,7 +67,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from hylo import __version__
+from hylo import __version__, logs
 from hylo.rules import suggest
 from hylo.stopping import stopping
 from hylo.yaml_limits import YamlShapeError, check_yaml_shape
@@ -98,6 +102,7 @@ INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("hylo.released.layout", "ReleasedLayoutError"),
     ("hylo.model_files", "ModelFileError"),
     ("hylo.pipeline.ray_init", "RayStartupError"),
+    ("hylo.logs", "LogLevelError"),
 )
 # OSError subclasses the project raises with its own message (errno unset) for a path problem.
 PATH_ERROR_TYPES = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -297,6 +302,8 @@ def job_main(fn: Callable[..., int | None] | None = None, *, stops: bool = False
     @functools.wraps(fn)
     def main(*args: Any, **kwargs: Any) -> int:
         try:
+            # the log's format and level (HYLO_LOG_LEVEL; --log-level sets it again as it is parsed)
+            logs.setup()
             with _one_line_argparse_errors():
                 if stops:
                     with stopping(command_name(fn)):
@@ -346,7 +353,8 @@ def hylo_help() -> str:
     lines = ["usage: hylo COMMAND [ARGS ...]   (hylo COMMAND --help for its options)", "",
              "Upcycle a pretrained Transformer into a HyLo hybrid (MLA + Gated DeltaNet / Mamba-2) and distil it.",
              f"Every command but {' and '.join(NOT_JOBS)} takes --config FILE (or the name of a shipped config:",
-             "`hylo configs` lists them), --set KEY=VALUE and --print-config. A relative path, in a config",
+             "`hylo configs` lists them), --set KEY=VALUE and --print-config. Every command takes",
+             f"--log-level {{{','.join(logs.LEVELS)}}} (or ${logs.ENV}). A relative path, in a config",
              "or a flag, is relative to the current directory. In a checkout, `python jobs/NAME.py` is",
              "`hylo NAME` (dashes as underscores).", "", "commands:"]
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]

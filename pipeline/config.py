@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from hylo.logs import add_log_level_flag
 from hylo.rules import (  # noqa: F401  (the rule mechanism, re-exported: configs import it from here)
     FILE_NAME,
     NONEMPTY,
@@ -524,8 +525,8 @@ class GivenOnce(argparse.Action):
 
 
 def add_config_args(parser: argparse.ArgumentParser, example: str | None = None) -> None:
-    """--config (once), --set and --print-config; `example` is a valid KEY=VALUE of the job's config for the help
-    (tests/project/test_examples.py runs every example of every help)."""
+    """--config (once), --set, --print-config and --log-level (hylo/logs.py); `example` is a valid KEY=VALUE
+    of the job's config for the help (tests/project/test_examples.py runs every example of every help)."""
     parser.add_argument("--config", type=str, default=None, action=GivenOnce,
                         help="YAML config file (or a shipped config's name; given once)")
     parser.add_argument(
@@ -535,6 +536,7 @@ def add_config_args(parser: argparse.ArgumentParser, example: str | None = None)
     )
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (every key, defaults filled in) as YAML and exit")
+    add_log_level_flag(parser)
 
 
 def maybe_print_config(cfg: Any, args: argparse.Namespace) -> None:

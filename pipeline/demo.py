@@ -28,6 +28,7 @@ from pathlib import Path
 
 from hylo.assets import fetch_asset
 from hylo.atomic import atomic_write
+from hylo.logs import get_logger
 from hylo.pipeline.cli import MAX_COUNT, bounded_int, int_list
 from hylo.pipeline.config import at_least, config_from_args, each, rules, shipped_config
 from hylo.pipeline.runner import (
@@ -44,6 +45,8 @@ from hylo.pipeline.runner import (
     train_cmd,
 )
 from hylo.rules import ROW_TOKENS_MAX, SEED_MAX
+
+logger = get_logger(__name__)
 
 # The KV cache grows linearly: three short contexts show the measured ratio as well as long ones.
 DEFAULT_KV_LENGTHS = [512, 1024, 2048]
@@ -441,7 +444,7 @@ def update_readme(run: Path, readme: Path) -> None:
     """Replace the README's results block with `run`'s report table and copy its KL plot to docs/."""
     text = readme.read_text()
     if README_START not in text or README_END not in text:
-        print("[demo] README has no demo-results markers; not updated", flush=True)
+        logger.warning("[demo] README has no demo-results markers; not updated")
         return
     docs = readme.parent / "docs"
     docs.mkdir(exist_ok=True)
@@ -455,7 +458,7 @@ def update_readme(run: Path, readme: Path) -> None:
     block = "\n".join([README_START, "", *body, "", "![KL per stage](docs/demo_kl_per_stage.png)", "", README_END])
     head, rest = text.split(README_START, 1)
     readme.write_text(head + block + rest.split(README_END, 1)[1])
-    print(f"[demo] README results updated from {run / 'report.md'}", flush=True)
+    logger.info(f"[demo] README results updated from {run / 'report.md'}")
 
 
 # ---------------------------------------------------------------------------------- command line

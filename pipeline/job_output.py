@@ -1,6 +1,6 @@
 """What of a job's output a multi-step run (the demo, the placement search) shows on its terminal.
 
-    echo = JobEcho(tty=sys.stdout.isatty())
+    echo = JobEcho(tty=sys.stderr.isatty())
     for piece in stream:                    # opened with newline="": lines, and redraws ending in "\\r"
         log.write(echo.log_text(piece))     # the log gets everything, without ANSI codes
         shown = echo.terminal_text(piece)   # None: the log only

@@ -58,6 +58,7 @@ from typing import Any
 
 from hylo.atomic import atomic_write
 from hylo.kernels import compile_check as cc
+from hylo.logs import get_logger
 from hylo.outputs import check_output_file
 from hylo.ownership import record_files
 from hylo.pipeline.cli import MAX_WORLD_SIZE, BadArgument, bounded_int
@@ -65,6 +66,8 @@ from hylo.pipeline.config import add_config_args, config_file, maybe_print_confi
 from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.train.config import load_stage_config, sp_shard_problem
 from hylo.stopping import make_dir, popen, track_temp
+
+logger = get_logger(__name__)
 
 TARGET_NAMES = ("sm_90", "sm_100", "gfx942", "gfx950")
 DEFAULT_TOKENS = 2048
@@ -277,8 +280,9 @@ def child_main(argv: list[str]) -> int:
             except Exception as e:  # a failure around the launches (not a compile error) ends this site
                 error = f"{type(e).__name__}: {' '.join(str(e).split())[:1000]}"
             sites_done.append({"id": s["id"], "seconds": round(time.time() - t0, 1), "error": error})
-            print(f"{target_name} {s['id']}: {len([r for r in log.records if r.site == s['id']])} compiles "
-                  f"in {time.time() - t0:.0f} s" + (f" ({error})" if error else ""), flush=True)
+            compiles = len([r for r in log.records if r.site == s["id"]])
+            logger.info(f"{target_name} {s['id']}: {compiles} compiles in {time.time() - t0:.0f} s"
+                        + (f" ({error})" if error else ""))
             save(log.records)
     return 0
 

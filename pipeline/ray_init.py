@@ -44,13 +44,14 @@ Design choices:
   client waits 30 s a try, 20 tries). A local Ray's GCS port is checked free just before it starts
   (`_usable_gcs_port`: nothing may listen on it, and it must bind); one taken meanwhile (Ray's "Failed to start
   GCS") is retried on another port, as is Ray's 30 s raylet registration on a busy machine.
+* Ray's logger follows the job's level (hylo/logs.py: `ray.init(logging_level=...)`); a local Ray's workers
+  inherit HYLO_LOG_LEVEL with the rest of this process's environment.
 * The config section is `hylo.pipeline.config.RayInitSection` (training's `ray` section extends it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import socket
@@ -58,12 +59,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import hylo
+from hylo import logs
 
 # RayInitSection lives with the config system (configs import no implementation); imported here for callers.
 from hylo.pipeline.config import RayInitSection  # noqa: F401
 from hylo.stopping import reclaim
 
-log = logging.getLogger(__name__)
+log = logs.get_logger(__name__)
 
 # The directory that holds the `hylo` package: a checkout's root (used without installing), or site-packages.
 # (Not this file's parents[1]: installed, that is site-packages/hylo, whose folders would shadow top-level
@@ -202,10 +204,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_
         # node address must be the loopback too, or it would look for its raylet at the reachable one
         try:
             with _loopback_node() if _is_loopback(target) else contextlib.nullcontext():
-                ray.init(address=target, log_to_driver=log_to_driver)
+                ray.init(address=target, log_to_driver=log_to_driver, logging_level=logs.library_level("ray"))
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise RayStartupError(f"{source}: Ray could not join the cluster there: {_first_line(e)}; "
                                   f"{_fix_for(source)}") from e
+        logs.set_library_levels()
         reclaim()
         return False
     os.environ.update(project_env())
@@ -214,7 +217,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_
         port = _usable_gcs_port(tried)
         try:
             with _loopback_node(), _environ(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"):
-                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                         log_to_driver=log_to_driver, logging_level=logs.library_level("ray"))
             break
         except Exception as e:  # Ray raises a bare Exception for these
             why = (f"its GCS could not listen on 127.0.0.1:{port} (taken by another process since it was checked)"
@@ -235,6 +239,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *, log_to_
             # between the check and the GCS's bind is chosen again
             log.warning("local Ray: %s; starting it again on another port (attempt %d of %d)", why, attempt + 1,
                         START_ATTEMPTS)
+    logs.set_library_levels()
     reclaim()
     return True
 

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from hylo.logs import get_logger
 from hylo.pipeline.cli import (
     MAX_CPUS_PER_NODE,
     MAX_GPUS_PER_NODE,
@@ -76,6 +77,8 @@ from hylo.pipeline.ray_init import project_env
 from hylo.pipeline.teacher.sources.base import ResourceDemand
 from hylo.pipeline.train.config import config_to_dict, load_stage_config
 from hylo.stopping import popen, reclaim, track_temp
+
+logger = get_logger(__name__)
 
 if TYPE_CHECKING:
     from hylo.pipeline.train.config import StageConfig
@@ -438,7 +441,7 @@ def rehearse(recipe: StageConfig, nodes: list[dict[str, float]], timeout_s: floa
     t0 = time.time()
     work = track_temp(tempfile.mkdtemp(prefix="hylo-rehearse-"))
     try:
-        print("[rehearse] tiny teacher (random Llama, 2 layers) and its HyLo student", flush=True)
+        logger.info("[rehearse] tiny teacher (random Llama, 2 layers) and its HyLo student")
         models = make_tiny_models(work / "models")
         stage = recipe.stage
         given = work / "recipe.yaml"
@@ -529,14 +532,15 @@ def run_stage_job(stage: int, config: Path, address: str, timeout_s: float,
             sys.stderr.write(line)
             if line.strip():
                 lines.append(line.rstrip())
+            # the driver logs the pool's forwards (a log line, on stderr) when it deletes the pool
+            found = forwards_in(line, pool) if pool is not None else None
+            if found is not None:
+                forwards.append(found)
 
     def echo_out() -> None:
         for line in proc.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
-            found = forwards_in(line, pool) if pool is not None else None
-            if found is not None:
-                forwards.append(found)
 
     reader = threading.Thread(target=echo, name="rehearse-stderr", daemon=True)
     reader.start()

@@ -31,12 +31,15 @@ from pathlib import Path
 
 import hylo
 from hylo.atomic import atomic_write
+from hylo.logs import get_logger
 from hylo.outputs import check_not_an_input
 from hylo.ownership import check_own_directory, record_files
 from hylo.pipeline.config import PATH, add_config_args, rules
 from hylo.pipeline.job_output import JobEcho, known_noise
 from hylo.pipeline.ray_init import RayInitSection, check_ray_address, gcs_address, init_ray
 from hylo.stopping import popen
+
+logger = get_logger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -139,9 +142,10 @@ class StepRunner:
         info = json.loads(f.read_text())
         missing = [str(p) for p in outputs if not Path(p).exists()]
         if missing:
-            print(f"[{self.tag}] {name}: marked done but {missing[0]} is missing; running it again", flush=True)
+            logger.info(f"[{self.tag}] {name}: marked done but {missing[0]} is missing; running it again")
             return None
-        print(f"[{self.tag}] {name}: already done ({info.get('seconds', 0):.0f} s), reusing its outputs", flush=True)
+        logger.info(f"[{self.tag}] {name}: already done ({info.get('seconds', 0):.0f} s), "
+                    "reusing its outputs")
         self.times[name] = info.get("seconds", 0.0)
         return info
 
@@ -160,18 +164,19 @@ class StepRunner:
         return info
 
     def sh(self, name: str, cmd: list[str], env: dict | None = None, ray: bool = False) -> str:
-        """Run one job, its output to logs/<name>.log (all of it, without ANSI codes) and to the console (less
-        the known noise of Ray and torch: pipeline/job_output.py); return its output.
+        """Run one job, its output to logs/<name>.log (all of it, without ANSI codes) and to the console's
+        stderr (less the known noise of Ray and torch: pipeline/job_output.py); return its output.
         `ray`: the job joins the run's Ray (`RAY_ADDRESS`)."""
         log = self.run / "logs" / f"{name.replace('/', '_')}.log"
         if ray:
             env = {"RAY_ADDRESS": self.ray_address(), **(env or {})}
-        print(f"\n[{self.tag}] === {name}: {' '.join(cmd)}", flush=True)
+        sys.stderr.write("\n")  # a blank line before each step
+        logger.info(f"[{self.tag}] === {name}: {' '.join(cmd)}")
         paths = [str(PACKAGE_ROOT), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
         full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONUNBUFFERED": "1",
                     **(env or {})}
         out_lines: list[str] = []
-        echo = JobEcho(tty=sys.stdout.isatty())
+        echo = JobEcho(tty=sys.stderr.isatty())
         with open(log, "w") as fh:
             # under the signal rule (hylo/stopping.py) its own process group, ended with the run; bytes: the
             # job's output is split into lines and filtered by pipeline/job_output.py
@@ -183,13 +188,13 @@ class StepRunner:
                 fh.write(text)
                 out_lines.append(text)
                 shown = None if self.quiet else echo.terminal_text(piece)
-                if shown is not None:
-                    sys.stdout.write(f"  | {shown}")
-                    sys.stdout.flush()
+                if shown is not None:  # the job's log lines: on stderr, as this job's own
+                    sys.stderr.write(f"  | {shown}")
+                    sys.stderr.flush()
             rc = proc.wait()
         if echo.held and not self.quiet:
             lines = "1 line" if echo.held == 1 else f"{echo.held} lines"
-            print(f"[{self.tag}] {name}: {lines} of known Ray/torch notices are in {log} only", flush=True)
+            logger.info(f"[{self.tag}] {name}: {lines} of known Ray/torch notices are in {log} only")
         if rc != 0:
             # the job's last lines less the known noise (a Ray worker's repeated notice would hide the error)
             tail = "".join([line for line in out_lines if not known_noise(line.rstrip("\n"))][-30:])

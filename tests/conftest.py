@@ -28,6 +28,9 @@ def pytest_configure(config) -> None:
     # on a fault it was not about. Tests run with the monitor off (the kernel's OOM killer remains); it is Ray's
     # own behaviour, which no test of ours checks.
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+    # Tests read the lines jobs log at info (hylo/logs.py): a level set in the shell that runs them is not
+    # theirs.
+    os.environ.pop("HYLO_LOG_LEVEL", None)
 
 
 def isolate_ray_discovery(worker: str | None) -> None:
@@ -63,6 +66,26 @@ def one_thread_per_process(worker: str | None) -> None:
             os.environ.setdefault(var, "1")
         if "torch" in sys.modules:  # loaded before this hook (a plugin): it read the environment already
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture(autouse=True)
+def _log_level_of_its_own():
+    """A test that runs a command with `--log-level` in this process (tests/project/test_examples.py runs the docs'
+    examples) leaves HYLO_LOG_LEVEL and the logger's level as it found them (hylo/logs.py): the next test's jobs log
+    at info again."""
+    from hylo import logs
+
+    names = (logs.ENV, logs.TRANSFORMERS_ENV)
+    saved = {k: os.environ.get(k) for k in names}
+    level = logs.current_level()
+    yield
+    if {k: os.environ.get(k) for k in names} != saved or logs.current_level() != level:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        logs.setup()
 
 
 # ---------------------------------------------------------------------------------------------- the fast tier

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -24,6 +23,7 @@ from tqdm import tqdm
 from hylo.assets import resolve_path_or_asset
 from hylo.atomic import atomic_write
 from hylo.leftovers import sweep_stale
+from hylo.logs import get_logger
 from hylo.outputs import atomic_dir, check_not_an_input
 from hylo.ownership import foreign_entries
 from hylo.pipeline.config import config_hash, to_dict
@@ -37,6 +37,8 @@ from hylo.pipeline.data.report import report_markdown
 from hylo.pipeline.data.shards import MANIFEST, ShardWriter, write_manifest
 from hylo.pipeline.data.streaming import PackedRun, actor_count, make_packer, stream_packed_rows
 from hylo.pipeline.ray_init import check_ray_address, init_ray
+
+logger = get_logger(__name__)
 
 
 def resolve_tokenizer(name_or_dir: str) -> Path:
@@ -118,7 +120,7 @@ def _check_output(out: Path, overwrite: bool) -> None:
 
 def _warn(report_warnings: list[str], text: str) -> None:
     report_warnings.append(text)
-    print(f"warning: {text}", file=sys.stderr, flush=True)
+    logger.warning(f"warning: {text}")
 
 
 def prepare(cfg: Any) -> dict[str, Any]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,8 +15,11 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from hylo.kernels.fused_kl import chunked
+from hylo.logs import get_logger
 from hylo.pipeline.estimate.fake import HostOps
 from hylo.pipeline.train.plain_engine import PlainEngine
+
+logger = get_logger(__name__)
 
 # Seconds between two progress lines inside one phase of the measured step (per layer); phase changes always print.
 PROGRESS_EVERY_S = 10.0
@@ -289,7 +291,7 @@ class Progress:
         self.phases: Phases | None = None
 
     def say(self, text: str) -> None:
-        print(f"{self.prefix}: {text}", file=sys.stderr, flush=True)
+        logger.info(f"{self.prefix}: {text}")
         self._last = self._clock()
 
     def phase(self, name: str) -> None:

@@ -46,9 +46,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from hylo.logs import get_logger
 from hylo.pipeline.cli import report_error, report_interrupt
 from hylo.pipeline.eval.decode import EvalError, eos_ids, is_hylo, load_model, load_tokenizer, pick_device
 from hylo.pipeline.eval.progress import progress
+
+logger = get_logger(__name__)
 
 MODEL_NAME = "hylo"
 DEFAULT_BATCH_SIZE = 8
@@ -292,7 +295,7 @@ def register(name: str = MODEL_NAME) -> type:
                     raise EvalError("model_args needs pretrained=<checkpoint dir>")
                 if device and str(device).startswith("cuda") and not torch.cuda.is_available():
                     # lm-eval's CLI asks for cuda unless told otherwise
-                    print(f"[hylo-lm-eval] device {device} is not available; running on cpu", file=sys.stderr)
+                    logger.warning(f"[hylo-lm-eval] device {device} is not available; running on cpu")
                     device = "cpu"
                 model = load_model(pretrained, dtype=dtype, device=device or "auto")
             if tokenizer_obj is None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 from hylo.assets import local_path
 from hylo.atomic import atomic_write
 from hylo.card import add_eval_results
+from hylo.logs import get_logger
 from hylo.outputs import check_not_an_input
 from hylo.ownership import check_own_files, record_files
 from hylo.pipeline.config import config_hash, to_dict
@@ -45,6 +45,8 @@ from hylo.pipeline.eval.kl import TeacherStateCache, evaluate_kl, iter_eval_rows
 from hylo.pipeline.eval.lm_eval_adapter import prepare_lm_eval, run_lm_eval
 from hylo.pipeline.eval.retrieval import make_samples, run_retrieval
 from hylo.pipeline.eval.samples import greedy_answers
+
+logger = get_logger(__name__)
 
 
 def _need(value: Any, option: str, suite: str) -> Any:
@@ -64,7 +66,7 @@ def _model_info(model) -> dict[str, Any]:
 
 
 def _log(msg: str) -> None:
-    print(f"[eval] {msg}", file=sys.stderr, flush=True)
+    logger.info(f"[eval] {msg}")
 
 
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from hylo.logs import get_logger
 from hylo.model_files import MAX_HIDDEN, MAX_LAYERS
 from hylo.pipeline import runner
 from hylo.pipeline.cli import MAX_COUNT, MAX_CPUS_PER_NODE, bounded_int
@@ -13,6 +14,8 @@ from hylo.pipeline.config import GivenOnce, config_from_args
 from hylo.pipeline.placement.proxy import PROXIES
 from hylo.pipeline.placement.workflow import PlaceLayers, PlacementConfig
 from hylo.rules import ROW_TOKENS_MAX, SEED_MAX
+
+logger = get_logger(__name__)
 
 # Each shorthand flag's config key (the flags win over --config and --set).
 FLAG_KEYS = {**runner.RUNNER_FLAGS, "num_cpus": "ray.num_cpus", **{name: name for name in (
@@ -66,5 +69,5 @@ def run_placement(cfg: PlacementConfig) -> int:
     t0 = time.time()
     with PlaceLayers(cfg) as job:
         rc = job.main()
-    print(f"[place] total {time.time() - t0:.0f} s")
+    logger.info(f"[place] total {time.time() - t0:.0f} s")
     return rc

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from hylo.kernels.fused_kl.topk import TeacherTopK
+from hylo.logs import get_logger
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.teacher.config import TeacherClientConfig
 from hylo.pipeline.teacher.protocol import (
@@ -61,6 +62,8 @@ from hylo.pipeline.teacher.protocol import (
     shards_range,
     unsupported,
 )
+
+logger = get_logger(__name__)
 
 
 class TeacherUnavailableError(RuntimeError):
@@ -362,8 +365,8 @@ class TeacherClient:
             ) from err
         self.stats.retries += 1
         wait = self.cfg.retry_backoff_s * 2 ** (attempts - 1)
-        print(f"[teacher] {what}: {type(err).__name__}; sending it again ({attempts} of max_retries="
-              f"{self.cfg.max_retries}) in {wait:g} s", flush=True)
+        logger.warning(f"[teacher] {what}: {type(err).__name__}; sending it again ({attempts} of max_retries="
+                       f"{self.cfg.max_retries}) in {wait:g} s")
         time.sleep(wait)
 
     def _wait(self, p: _Pending) -> Any:

@@ -48,7 +48,9 @@ from typing import Any
 import torch
 from ray import serve
 
+from hylo import logs
 from hylo.kernels.backend import keep_freed_host_memory
+from hylo.logs import message_of
 from hylo.pipeline.config import from_dict, to_dict
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.ray_init import kill_this_node
@@ -67,6 +69,9 @@ class _TokenBudgetWarningFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "max_ongoing_requests" not in record.getMessage()
+
+
+_pool_log = logs.get_logger(__name__)
 
 
 def _batch_tokens(rows: list[PackedRow]) -> int:
@@ -96,14 +101,16 @@ def pool_forwards(app_name: str, timeout_s: float = 30.0) -> list[int]:
 
 
 def forwards_line(app_name: str, forwards: list[int]) -> str:
-    """The line the driver prints when it deletes the pool (`forwards_in` reads it back)."""
+    """The line the driver logs when it deletes the pool (`forwards_in` reads it back)."""
     return (f"[teacher] pool {app_name!r}: its replicas ran {sum(forwards)} row forwards "
             f"({', '.join(map(str, forwards)) or 'no replica answered'})")
 
 
 def forwards_in(line: str, app_name: str) -> int | None:
-    """The total of a `forwards_line` of pool `app_name`, None for any other line."""
-    found = re.match(rf"\[teacher\] pool {re.escape(repr(app_name))}: its replicas ran (\d+) row forwards", line)
+    """The total of a `forwards_line` of pool `app_name` (as logged: after the line's time, level and rank),
+    None for any other line."""
+    found = re.match(rf"\[teacher\] pool {re.escape(repr(app_name))}: its replicas ran (\d+) row forwards",
+                     message_of(line))
     return int(found.group(1)) if found else None
 
 
@@ -122,6 +129,7 @@ class TeacherDeployment:
         self.model_cfg = from_dict(TeacherModelConfig, model_cfg)
         self.pool_cfg = from_dict(TeacherPoolConfig, pool_cfg)
         self.fault_cfg = from_dict(TeacherFaultConfig, fault_cfg)
+        logs.setup()  # a Serve replica: the job's level (HYLO_LOG_LEVEL)
         self.teacher = TeacherModel.from_config(self.model_cfg)
         if self.teacher.device.type == "cpu":
             keep_freed_host_memory()
@@ -257,12 +265,21 @@ class TeacherDeployment:
 
 def build_teacher_app(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfig,
                       fault_cfg: TeacherFaultConfig | None = None) -> serve.Application:
+    actor = {"num_cpus": pool_cfg.num_cpus, "num_gpus": pool_cfg.num_gpus,
+             "resources": dict(pool_cfg.resources or {})}
+    level: dict[str, Any] = {}
+    env = logs.child_env()
+    if env:
+        # a level other than the default: the replicas' own lines (also on a cluster this job joined) and
+        # Serve's log lines in them follow it (hylo/logs.py)
+        actor["runtime_env"] = {"env_vars": env}
+        level["logging_config"] = {"log_level": logging.getLevelName(logs.library_level("ray"))}
     dep = TeacherDeployment.options(
         name=f"{pool_cfg.app_name}_teacher",
         num_replicas=pool_cfg.num_replicas,
         max_ongoing_requests=pool_cfg.max_ongoing_requests,
-        ray_actor_options={"num_cpus": pool_cfg.num_cpus, "num_gpus": pool_cfg.num_gpus,
-                           "resources": dict(pool_cfg.resources or {})},
+        ray_actor_options=actor,
+        **level,
     )
     return dep.bind(to_dict(model_cfg), to_dict(pool_cfg), to_dict(fault_cfg or TeacherFaultConfig()))
 
@@ -293,8 +310,8 @@ def start_teacher_pool(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfi
     for attempt in range(1, tries + 1):
         port = pool_cfg.port if pool_cfg.port is not None else _free_port(pool_cfg.host) if here else 8000 + attempt - 1
         if pool_cfg.port is None:
-            print(f"[teacher] the pool's HTTP proxy listens on {pool_cfg.host}:{port} (teacher.pool.port unset: "
-                  f"{'a free port' if here else 'the first try on the Ray head'})", flush=True)
+            _pool_log.info(f"[teacher] the pool's HTTP proxy listens on {pool_cfg.host}:{port} (teacher.pool.port "
+                           f"unset: {'a free port' if here else 'the first try on the Ray head'})")
         try:
             # One HTTP proxy, on the head: it only answers `GET /<app>` (rows go through handles), and proxies on
             # every node would each bind pool.port (twice on one machine, when a cluster is simulated there).
@@ -311,8 +328,8 @@ def start_teacher_pool(model_cfg: TeacherModelConfig, pool_cfg: TeacherPoolConfi
                 raise RayStartupError(f"teacher.pool.port=null: the teacher pool's HTTP proxy could not listen on "
                                       f"{pool_cfg.host}:{port} in {tries} tries (taken on the Ray head); set "
                                       f"teacher.pool.port to a port free there") from None
-            print(f"[teacher] port {port} was taken before the pool's HTTP proxy bound it; choosing another",
-                  flush=True)
+            _pool_log.warning(f"[teacher] port {port} was taken before the pool's HTTP proxy bound it; choosing "
+                              f"another")
     raise AssertionError("unreachable")
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from hylo import logs
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.config import DeepSpeedSection, StageConfig
 
@@ -60,6 +61,7 @@ def import_deepspeed():
     if isinstance(ops, dict):
         ops[SHM_COMM_OP] = False
     _import_muon_with_lazy_compile()
+    logs.set_library_levels()  # DeepSpeed's logger (`deepspeed.utils.logger`) at the job's level
     return deepspeed
 
 

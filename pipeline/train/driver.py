@@ -40,7 +40,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hylo import logs
 from hylo.assets import local_path
+from hylo.logs import get_logger
 from hylo.outputs import check_not_an_input
 from hylo.ownership import OUTPUT_RECORD, check_own_directory, check_replaceable, record_files
 from hylo.pipeline.cli import _stop_ray_logs, input_error_message, report_error
@@ -70,6 +72,8 @@ from hylo.pipeline.train.session import PREEMPT_FILE, read_preempt_request
 from hylo.pipeline.train.startup import StartupClock, is_job_process, process_start_time
 from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path, is_uri, run_dir, run_loc
 from hylo.pipeline.train.worker import Stage
+
+logger = get_logger(__name__)
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 # Ray Train's switch for its print() patch in the workers (see run_config)
@@ -197,7 +201,7 @@ def convert_if_needed(cfg: StageConfig) -> StageConfig:
     if not (target / "hybrid_config.json").is_file():
         from hylo.upcycle import convert  # lazy: transformers
 
-        print(f"[convert] {cfg.model.base} -> {target} with {cfg.model.convert.non_defaults()}", flush=True)
+        logger.info(f"[convert] {cfg.model.base} -> {target} with {cfg.model.convert.non_defaults()}")
         convert(cfg.model.base, cfg.model.convert).save(out)
         if not run.is_local:
             target.upload_dir(out)
@@ -305,9 +309,9 @@ def check_resources(cfg: StageConfig, cluster: dict[str, float], nodes: list[dic
         busy = [k for k, v in sorted(need.items()) if v > available.get(k, 0.0) + 1e-9]
         if busy:
             k = busy[0]
-            print(f"[train] warning: this run needs {need[k]:g} {k} ({parts(k)}) and only "
-                  f"{available.get(k, 0.0):g} are free now; it waits until other Ray work releases them",
-                  flush=True)
+            logger.warning(f"[train] warning: this run needs {need[k]:g} {k} ({parts(k)}) and only "
+                           f"{available.get(k, 0.0):g} are free now; it waits until other Ray work "
+                           "releases them")
 
 
 def check_cluster_resources(cfg: StageConfig) -> None:
@@ -345,7 +349,8 @@ def run_config(cfg: StageConfig, run: Loc):
 def worker_env(cfg: StageConfig) -> dict[str, str]:
     """The environment variables every training worker of `cfg`'s run gets from the driver."""
     env = {} if os.environ.get(PRINT_PATCH) == "0" else {PRINT_PATCH: "0"}
-    return {**env, **worker_cache_env(cfg)}
+    # the job's log level (hylo/logs.py), for the workers of a cluster this job joined
+    return {**env, **worker_cache_env(cfg), **logs.child_env()}
 
 
 class Preempted(RuntimeError):
@@ -365,8 +370,8 @@ def preemption_handler(cfg: StageConfig, run: Loc) -> Iterator[None]:
             raise Preempted(f"a second {signal.Signals(signum).name}: stopping now; {resume_hint(run)}")
         flag.write_text(json.dumps({"signal": signal.Signals(signum).name, "deadline": time.time() + grace,
                                     "pid": os.getpid()}))
-        print(f"[train] {signal.Signals(signum).name}: the workers finish their step and write a final "
-              f"checkpoint if it fits in checkpoint.preempt_grace_s={grace:g} s, then stop", flush=True)
+        logger.info(f"[train] {signal.Signals(signum).name}: the workers finish their step and write a final "
+                    f"checkpoint if it fits in checkpoint.preempt_grace_s={grace:g} s, then stop")
 
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -402,7 +407,7 @@ def auto_torch_config() -> Any:
             use_gpu = worker_group.get_resources_per_worker().get("GPU", 0) > 0
             backend, note = worker_group.execute_single(0, collective_backend, use_gpu)
             if note:
-                print(f"[train] {note}", flush=True)
+                logger.info(f"[train] {note}")
             super().on_start(worker_group, dataclasses.replace(backend_config, backend=backend))
 
     @dataclasses.dataclass
@@ -433,7 +438,7 @@ def ray_training(cfg: StageConfig, resume: str | None, clock: StartupClock) -> I
     run = run_loc(cfg)
     note = reset_ray_snapshot(run)
     if note:
-        print(note, flush=True)
+        logger.warning(note)
     stop_teacher = start_teacher(cfg)
     trainer = TorchTrainer(
         # the typed config travels with the function, which only the workers unpickle
@@ -649,18 +654,18 @@ def finish_run(stage: int, cfg: StageConfig, is_rank0: bool, seconds: float, inf
     if is_rank0 and cfg.checkpoint.delete_after_consolidate:
         if (model / "hybrid_config.json").is_file():
             n, freed = delete_checkpoints(run)
-            print(f"[train] checkpoint.delete_after_consolidate: removed {n} checkpoint(s), "
-                  f"{freed / 2**30:.2f} GiB; the run's output is {model}", flush=True)
+            logger.info(f"[train] checkpoint.delete_after_consolidate: removed {n} checkpoint(s), "
+                        f"{freed / 2**30:.2f} GiB; the run's output is {model}")
         else:
-            print(f"[train] checkpoint.delete_after_consolidate: kept the checkpoints, {model} "
-                  "was not written (checkpoint.consolidate=false?)", flush=True)
+            logger.info(f"[train] checkpoint.delete_after_consolidate: kept the checkpoints, {model} "
+                        "was not written (checkpoint.consolidate=false?)")
     metrics = read_metrics(run)
     summary = {"stage": stage, "run_dir": str(run), "model_dir": str(model), "seconds": seconds,
                "last_step": max(metrics) if metrics else 0, **info}
     if metrics and is_rank0:
         last = metrics[max(metrics)]
-        print(f"[train] stage {stage} done: step {summary['last_step']}, loss {last['loss']:.4f}, "
-              f"model {summary['model_dir']}", flush=True)
+        logger.info(f"[train] stage {stage} done: step {summary['last_step']}, loss {last['loss']:.4f}, "
+                    f"model {summary['model_dir']}")
     return summary
 
 

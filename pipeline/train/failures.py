@@ -18,8 +18,11 @@ from typing import Any
 from ray.exceptions import RayActorError
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 
+from hylo.logs import get_logger
 from hylo.pipeline.cli import input_error_message
 from hylo.pipeline.train.storage import CheckpointUploadError
+
+logger = get_logger(__name__)
 
 
 def worker_input_error(error: BaseException) -> str | None:
@@ -56,7 +59,7 @@ class InputErrorsAreFinal(DefaultFailurePolicy):
     def make_decision(self, training_failed_error: Any) -> FailureDecision:
         message = worker_input_error(training_failed_error)
         if message is not None:
-            print(f"[train] not retrying: {final_reason(training_failed_error)} ({message})", flush=True)
+            logger.info(f"[train] not retrying: {final_reason(training_failed_error)} ({message})")
             return FailureDecision.RAISE
         return super().make_decision(training_failed_error)
 
@@ -70,8 +73,8 @@ def final_input_errors() -> Iterator[bool]:
     except ImportError:
         dpt = None
     if dpt is None or not hasattr(dpt, "create_failure_policy"):
-        print("[train] warning: this Ray version has no failure-policy factory: input errors inside workers "
-              "are retried like faults (ray.max_failures)", flush=True)
+        logger.warning("[train] warning: this Ray version has no failure-policy factory: input errors inside "
+                       "workers are retried like faults (ray.max_failures)")
         yield False
         return
     saved = dpt.create_failure_policy

@@ -15,18 +15,20 @@ before the run directory is made or Ray starts (driver.check_run); `--print-conf
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 from hylo.assets import asset_name, asset_path, resolve_path_or_asset
 from hylo.json_files import read_json
+from hylo.logs import get_logger
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.data.render import token_table, token_table_hash
 from hylo.pipeline.teacher.sources import TeacherSourceKind, source_kind
 from hylo.pipeline.train.config import CONVERTED_CONV_SIZE, StageConfig, largest_group, sp_shard_problem
 from hylo.pipeline.train.storage import is_uri, run_dir
 from hylo.weight_files import check_weights_dir
+
+logger = get_logger(__name__)
 
 
 def check_hylo_checkpoint(key: str, path: str) -> None:
@@ -96,10 +98,11 @@ def _data(cfg: StageConfig) -> None:
                             f"the rows' length, but data.path={cfg.data.path} was packed to max_len={max_len} tokens")
     unverified = [s["file"] for s in source.manifest["shards"] if not s.get("page_checksums")]
     if unverified:
-        print(f"[train] warning: data.path={cfg.data.path}: {len(unverified)} shard(s) ({', '.join(unverified[:3])}"
-              f"{' ...' if len(unverified) > 3 else ''}) were written without page checksums (prepared before they "
-              f"were written): they are read unverified, so a byte changed on disk would not be noticed; prepare "
-              f"the data again to have them checked", file=sys.stderr, flush=True)
+        more = " ..." if len(unverified) > 3 else ""
+        logger.warning(f"[train] warning: data.path={cfg.data.path}: {len(unverified)} shard(s) "
+                       f"({', '.join(unverified[:3])}{more}) were written without page checksums (prepared "
+                       "before they were written): they are read unverified, so a byte changed on disk would "
+                       "not be noticed; prepare the data again to have them checked")
 
 
 def _student_tokenizer(cfg: StageConfig) -> tuple[str, Path] | None:
@@ -229,9 +232,9 @@ def check_compatible_models(student: Path, other: Path | None, other_key: str, *
                 f"token id(s), first id {i}: {theirs[i]!r} vs {mine[i]!r}; teacher and student must share a "
                 f"tokenizer", other_key)
     if _has_chat_template(student) and not _has_chat_template(tok_dir):
-        print(f"[train] warning: {other_key}: {tok_dir} has no chat template but the student's tokenizer has one: "
-              f"the rows are chat-formatted for the student, a format this teacher may not know", file=sys.stderr,
-              flush=True)
+        logger.warning(f"[train] warning: {other_key}: {tok_dir} has no chat template but the student's "
+                       "tokenizer has one: the rows are chat-formatted for the student, a format this "
+                       "teacher may not know")
 
 
 def _teacher_fits(cfg: StageConfig, source: TeacherSourceKind) -> None:

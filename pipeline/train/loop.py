@@ -39,8 +39,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hylo import logs
 from hylo.kernels.backend import check_fla_backward, keep_freed_host_memory
 from hylo.kernels.fused_kl.inputs import check_deferred
+from hylo.logs import get_logger
 from hylo.modeling import linear_layer_kinds
 from hylo.pipeline.data.reader import RowReader
 from hylo.pipeline.data.rows import PackedRow
@@ -85,6 +87,8 @@ from hylo.pipeline.train.worker import (
 )
 from hylo.seq_parallel import shard_row
 
+logger = get_logger(__name__)
+
 
 # ------------------------------------------------------------------------------------ fault injection
 class FaultInjection:
@@ -104,9 +108,9 @@ class FaultInjection:
             return
         marker.write_text("killed\n")
         if f.kill_target == "node":
-            print(f"[fault] rank {ctx.rank}: SIGKILL of its node at step {ctx.step} ({point})", flush=True)
+            logger.warning(f"[fault] rank {ctx.rank}: SIGKILL of its node at step {ctx.step} ({point})")
             kill_this_node()
-        print(f"[fault] rank {ctx.rank}: SIGKILL at step {ctx.step} ({point})", flush=True)
+        logger.warning(f"[fault] rank {ctx.rank}: SIGKILL at step {ctx.step} ({point})")
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -148,8 +152,8 @@ def zero_partition_report(engine, ctx: WorkerContext) -> dict[str, Any]:
     dist.all_gather_object(per_rank, {"rank": ctx.rank, "held": held, "total": total})
     report = {"world_size": ctx.world_size, "zero_stage": ctx.cfg.deepspeed.zero_stage, "ranks": per_rank,
               "fractions": [r["held"] / max(1, r["total"]) for r in per_rank]}
-    print(f"[zero] rank {ctx.rank}: holds {held:,} of {total:,} parameters "
-          f"({100.0 * held / max(1, total):.1f}%, 1/W = {100.0 / ctx.world_size:.1f}%)", flush=True)
+    logger.info(f"[zero] rank {ctx.rank}: holds {held:,} of {total:,} parameters "
+                f"({100.0 * held / max(1, total):.1f}%, 1/W = {100.0 / ctx.world_size:.1f}%)")
     if ctx.rank == 0:
         write_json_atomic(ctx.run_dir / PARTITION_FILE, report)
     return report
@@ -162,7 +166,7 @@ def setup_distributed(cfg: StageConfig) -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         if note and int(os.environ.get("RANK", "0")) == 0:
             # under torchrun (under Ray Train the driver's backend said it already)
-            print(f"[train] {note}", flush=True)
+            logger.info(f"[train] {note}")
         deepspeed.init_distributed(dist_backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if use_gpu:
@@ -192,7 +196,7 @@ def watch_stale_build_locks(stop: threading.Event, max_age_s: float = 300.0, pol
             except FileNotFoundError:
                 continue
             if age > max_age_s:
-                print(f"[train] removing stale build lock {lock} ({age:.0f} s old; its owner died)", flush=True)
+                logger.warning(f"[train] removing stale build lock {lock} ({age:.0f} s old; its owner died)")
                 lock.unlink(missing_ok=True)
 
 
@@ -202,6 +206,7 @@ def train_worker(stage: Stage, cfg: StageConfig, loop_config: dict[str, Any]) ->
     where the run lives and resumes from (driver.loop_config)."""
     clock = StartupClock.from_dict(loop_config.get("startup"))
     clock.lap("worker group")
+    logs.setup()  # a Ray Train worker: the job's level (HYLO_LOG_LEVEL), its rank on every line
     if loop_config.get("torch_extensions_dir"):
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", loop_config["torch_extensions_dir"])
     # the kernel cache (Ray workers have it from their runtime env already; torchrun ranks get it here)
@@ -233,8 +238,9 @@ def train_worker(stage: Stage, cfg: StageConfig, loop_config: dict[str, Any]) ->
                         sp_group=sp_group, sp_rank=sp_rank, sequence_parallel=sequence_parallel, startup=clock)
     N = sequence_parallel
     if sequence_parallel > 1 and rank == 0:
-        print(f"[train] sequence parallelism: each row split over {N} workers (ranks [g*{N}, (g+1)*{N}) form "
-              f"group g), {cfg.data_parallel} group(s), {ctx.grad_accum} row(s) per worker per step", flush=True)
+        logger.info(f"[train] sequence parallelism: each row split over {N} workers (ranks "
+                    f"[g*{N}, (g+1)*{N}) form group g), {cfg.data_parallel} group(s), {ctx.grad_accum} "
+                    "row(s) per worker per step")
     # the workers of a sequence-parallel group read the same rows: the reader strides over the groups
     rows: RowReader = open_rows(cfg.data, cfg.train.seed, rank // N, cfg.data_parallel, workers=world)
     total = total_steps_for(cfg, rows.global_rows)
@@ -260,7 +266,7 @@ def train_worker(stage: Stage, cfg: StageConfig, loop_config: dict[str, Any]) ->
         rows.seek(resume_position(rank_state["data"], cfg.data_parallel))
         start = int(rank_state["step"])
         if rank == 0:
-            print(f"[train] resumed from {ckpt} at step {start}", flush=True)
+            logger.info(f"[train] resumed from {ckpt} at step {start}")
             session.start_new_line(ckpt, start)
     if session.writer is not None:
         # metrics.jsonl continues from the resumed step (0: a fresh run): records of later steps and torn
@@ -319,9 +325,9 @@ def train_worker(stage: Stage, cfg: StageConfig, loop_config: dict[str, Any]) ->
             stop(record, guard.stop_message(record, newest[0]))
         due = step % cfg.checkpoint.every_steps == 0 or step == last
         if verdict == "tolerate" and rank == 0:
-            print(f"[train] warning: {guard.describe(record)}; tolerated ({guard.streak} in a row, "
-                  f"train.nonfinite_patience={guard.patience})"
-                  + (f"; {step_dir_name(step)} is not written" if due else ""), flush=True)
+            logger.warning(f"[train] warning: {guard.describe(record)}; tolerated ({guard.streak} in a row, "
+                           f"train.nonfinite_patience={guard.patience})"
+                           + (f"; {step_dir_name(step)} is not written" if due else ""))
         since_checkpoint.append(record)
         save = due and verdict == "ok"
         if save:
@@ -341,8 +347,8 @@ def train_worker(stage: Stage, cfg: StageConfig, loop_config: dict[str, Any]) ->
         if rank == 0:
             why = notice["why"] if not notice["final"] else (
                 f"no final checkpoint: step {step} was not finite; the newest intact checkpoint is resumed from")
-            print(f"[train] {notice['source']}: " + (f"final checkpoint {step_dir_name(step)} written"
-                  if final else why), flush=True)
+            logger.info(f"[train] {notice['source']}: " + (f"final checkpoint {step_dir_name(step)} written"
+                        if final else why))
         if notice["stop"]:
             session.close()
             return
@@ -403,7 +409,7 @@ def row_part(row: PackedRow, ctx: WorkerContext) -> RowPart:
 def report_startup(clock: StartupClock, ctx: WorkerContext) -> None:
     """Rank 0: where this run's start-up went (startup.py), one line and the run directory's startup.json."""
     if ctx.rank == 0:
-        print(clock.line(), flush=True)
+        logger.info(clock.line())
         write_json_atomic(ctx.run_dir / STARTUP_FILE, {"phases": clock.phases, "stage": ctx.cfg.stage,
                                                        "world_size": ctx.world_size})
 
@@ -435,7 +441,7 @@ def consolidate(task, ctx: WorkerContext, run: Loc, source: str | None) -> None:
         (target / marker.name).write_bytes(data)
         remove_local(written.parent)
         written = target
-    print(f"[train] consolidated HF checkpoint: {written}", flush=True)
+    logger.info(f"[train] consolidated HF checkpoint: {written}")
 
 
 def reduce_record(ctx: WorkerContext, result: StepResult, batch: list[PackedRow], rows: RowReader,

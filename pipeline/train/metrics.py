@@ -13,9 +13,9 @@ Design choices:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,8 +23,11 @@ from typing import Any
 import torch
 
 from hylo.atomic import atomic_write
+from hylo.logs import get_logger
 from hylo.pipeline.train.storage import Loc
 from hylo.pipeline.train.trackers import RunTrackers
+
+logger = get_logger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tensorboard"
@@ -46,7 +49,8 @@ def _fmt_time(s: float) -> str:
 
 
 class MetricsWriter:
-    """Writes step records to `<run dir>/metrics.jsonl`, TensorBoard and a progress line."""
+    """Writes step records to `<run dir>/metrics.jsonl`, TensorBoard and a progress line (logged; to `stream`
+    instead when one is given)."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, log_every: int = 1, tensorboard: bool = True,
                  stream=None) -> None:
@@ -113,7 +117,7 @@ class MetricsWriter:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write(path, "".join(kept[s] + "\n" for s in sorted(kept)))
         for w in warnings:
-            print(f"[metrics] warning: {w}", file=self.stream or sys.stdout, flush=True)
+            self._say(f"[metrics] warning: {w}", logging.WARNING)
         self._purge_step = step + 1
         # a record the file had lost never reached TensorBoard / W&B / MLflow either (each step goes to the
         # file first): they get it now, in step order, before the steps this run computes
@@ -133,7 +137,13 @@ class MetricsWriter:
         append_line(self.run_dir / METRICS_FILE, json.dumps(record, sort_keys=True))
         self._send(record, final=step >= self.total_steps)
         if step % self.log_every == 0 or step == self.total_steps:
-            print(self.progress_line(record), file=self.stream or sys.stdout, flush=True)
+            self._say(self.progress_line(record), logging.INFO)
+
+    def _say(self, line: str, level: int) -> None:
+        if self.stream is not None:
+            print(line, file=self.stream, flush=True)
+        else:
+            logger.log(level, line)
 
     def _send(self, record: dict[str, Any], final: bool) -> None:
         """A step's record to TensorBoard and the trackers (W&B, MLflow)."""
@@ -195,8 +205,11 @@ def read_metrics(run_dir: str | Path | Loc, warn=None) -> dict[int, dict[str, An
             r = json.loads(line)
             out[int(r["step"])] = r
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            print(f"[metrics] warning: {loc}:{i}: skipped a torn or unreadable line ({line[:60]!r}...)",
-                  file=warn or sys.stderr, flush=True)
+            text = f"[metrics] warning: {loc}:{i}: skipped a torn or unreadable line ({line[:60]!r}...)"
+            if warn is not None:
+                print(text, file=warn, flush=True)
+            else:
+                logger.warning(text)
     return dict(sorted(out.items()))
 
 
@@ -208,7 +221,7 @@ def make_ray_callback():
     class _FailureCallback(UserCallback):
         def after_exception(self, run_context, worker_exceptions) -> None:
             ranks = ", ".join(f"rank {r}: {type(e).__name__}" for r, e in worker_exceptions.items())
-            print(f"[train] worker failure ({ranks}); Ray restarts from the newest intact checkpoint if "
-                  f"ray.max_failures allows", flush=True)
+            logger.warning(f"[train] worker failure ({ranks}); Ray restarts from the newest intact "
+                           "checkpoint if ray.max_failures allows")
 
     return _FailureCallback()

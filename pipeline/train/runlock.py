@@ -27,7 +27,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from hylo.logs import get_logger
 from hylo.pipeline.train.storage import Loc, StorageError, local_mirror
+
+logger = get_logger(__name__)
 
 LOCK_FILE = "run.lock"
 
@@ -105,8 +108,8 @@ def _refuse_or_break(lock: Loc, h: dict[str, Any], run: Loc, break_lock: bool, o
         return  # a torchrun relaunch of the same rendezvous: its own lock
     if _left_by_this_process(h):
         if say:
-            print(f"[train] {lock} was left by an earlier run of this process (its release failed); taking it back",
-                  flush=True)
+            logger.info(f"[train] {lock} was left by an earlier run of this process (its release failed); "
+                        "taking it back")
         return
     alive = holder_alive(h)
     if alive:
@@ -116,7 +119,7 @@ def _refuse_or_break(lock: Loc, h: dict[str, Any], run: Loc, break_lock: bool, o
             f"wait for it to finish, or choose another ray.name")
     if break_lock:
         if say:
-            print(f"[train] --break-lock: taking over {lock} from {describe(h)}", flush=True)
+            logger.warning(f"[train] --break-lock: taking over {lock} from {describe(h)}")
         return
     if alive is False:
         raise RunLockError(
@@ -187,8 +190,8 @@ def _release(lock: Loc, record: dict[str, Any]) -> None:
         # e.g. the storage went away (the outage that stopped the run): the lock stays behind, and the
         # next start of this run reports it as stale
         first = (str(e).strip().splitlines() or [""])[0]
-        print(f"[train] warning: could not remove {lock} ({type(e).__name__}: {first}); once no run uses the "
-              f"directory, the next start needs --break-lock", flush=True)
+        logger.warning(f"[train] warning: could not remove {lock} ({type(e).__name__}: {first}); once no run "
+                       "uses the directory, the next start needs --break-lock")
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hylo.logs import get_logger
 from hylo.pipeline.train.checkpoint.layout import (
     CHECKPOINT_MANIFEST,
     CheckpointError,
@@ -37,6 +38,8 @@ from hylo.pipeline.train.checkpoint.write_errors import is_disk_full, upload_err
 from hylo.pipeline.train.metrics import METRICS_FILE, TB_DIR, MetricsWriter
 from hylo.pipeline.train.storage import Loc, fresh_local_dir, remove_local, run_loc, upload_with_retries
 from hylo.pipeline.train.worker import WorkerContext
+
+logger = get_logger(__name__)
 
 # rank 0's report of how much of the model each rank holds (loop.zero_partition_report), uploaded with the metrics
 PARTITION_FILE = "zero_partition.json"
@@ -56,7 +59,8 @@ def read_preempt_request(run: Loc) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        print(f"[train] warning: {run / PREEMPT_FILE} is unreadable ({e}); taken as a preemption request", flush=True)
+        logger.warning(f"[train] warning: {run / PREEMPT_FILE} is unreadable ({e}); "
+                       "taken as a preemption request")
         return {}
     return request if isinstance(request, dict) else {}
 
@@ -126,11 +130,11 @@ class Session:
             local, problem = self.check(c)
             if problem is None:
                 if skipped and self.ctx.rank == 0:
-                    print(f"[resume] resuming from {c.name}, the newest intact checkpoint", flush=True)
+                    logger.info(f"[resume] resuming from {c.name}, the newest intact checkpoint")
                 return c, local
             skipped.append(f"{c.name}: {problem}")
             if self.ctx.rank == 0:
-                print(f"[resume] skipping {c.name}: {problem}", flush=True)
+                logger.warning(f"[resume] skipping {c.name}: {problem}")
             if not walk:
                 raise CheckpointError(f"--resume {c}: cannot resume from it: {problem}")
         if cands:
@@ -145,10 +149,10 @@ class Session:
         moved = set_aside_other_lines(self.run_loc, ckpt, step, copies=(METRICS_FILE,))
         if moved is not None:
             folder, names = moved
-            print(f"[resume] resuming from {ckpt.name} starts a new line of checkpoints: the run's other "
-                  f"checkpoints ({', '.join(names)}) and a copy of {METRICS_FILE} as it was are set aside in "
-                  f"{folder}; they are kept, never pruned or resumed from (delete that folder once you do not "
-                  f"need it)", flush=True)
+            logger.info(f"[resume] resuming from {ckpt.name} starts a new line of checkpoints: the run's "
+                        f"other checkpoints ({', '.join(names)}) and a copy of {METRICS_FILE} as it was are "
+                        f"set aside in {folder}; they are kept, never pruned or resumed from (delete that "
+                        "folder once you do not need it)")
 
     # ---------------------------------------------------------------- preemption
     def drain_notice(self) -> dict[str, Any] | None:
@@ -201,7 +205,8 @@ class Session:
         """Rank 0, once a checkpoint is final: prune old ones; for remote storage upload the metrics."""
         removed = prune(self.run_loc, self.ctx.cfg.checkpoint.keep)
         if removed:
-            print(f"[train] checkpoint.keep={self.ctx.cfg.checkpoint.keep}: removed {', '.join(removed)}", flush=True)
+            logger.info(f"[train] checkpoint.keep={self.ctx.cfg.checkpoint.keep}: "
+                        f"removed {', '.join(removed)}")
         self.sync_outputs()
 
     def sync_outputs(self) -> None:

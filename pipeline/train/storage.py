@@ -30,6 +30,9 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from hylo.atomic import atomic_write
+from hylo.logs import get_logger
+
+logger = get_logger(__name__)
 
 URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # Set by Ray's job supervisor for the entry point of `ray job submit` (runtime env + job metadata).
@@ -274,8 +277,8 @@ def upload_with_retries(src: Path, target: Loc, retries: int, backoff_s: float, 
                     f"(checkpoint.upload_retries={retries}): {cause}. The earlier checkpoints are intact; "
                     f"once the storage is back, --resume continues from the newest of them") from None
             wait = backoff_s * 2 ** attempt
-            print(f"[checkpoint] {who}uploading {target.name} failed ({cause}); retry {attempt + 1} of "
-                  f"{retries} in {wait:g} s", flush=True)
+            logger.warning(f"[checkpoint] {who}uploading {target.name} failed ({cause}); "
+                           f"retry {attempt + 1} of {retries} in {wait:g} s")
             time.sleep(wait)
 
 

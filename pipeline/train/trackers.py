@@ -28,11 +28,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any, Protocol
 
 from hylo.atomic import atomic_write
+from hylo.logs import get_logger
+
+logger = get_logger(__name__)
 
 TRACKERS_FILE = "trackers.json"
 class Tracker(Protocol):
@@ -140,9 +142,12 @@ class RunTrackers:
         return json.loads(path.read_text())
 
     def _warn(self, tracker: Tracker, what: str, e: Exception) -> None:
-        print(f"[metrics] {tracker.name}: {what} failed ({type(e).__name__}: {e}); "
-              f"{tracker.name} logging is off for this run, metrics.jsonl is unaffected",
-              file=self.stream or sys.stderr, flush=True)
+        text = (f"[metrics] {tracker.name}: {what} failed ({type(e).__name__}: {e}); "
+                f"{tracker.name} logging is off for this run, metrics.jsonl is unaffected")
+        if self.stream is not None:
+            print(text, file=self.stream, flush=True)
+        else:
+            logger.warning(text)
 
     def _open(self, stage: Any) -> None:
         self.active = []

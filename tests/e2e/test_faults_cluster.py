@@ -253,7 +253,7 @@ def test_node_preemption_notice_then_sigterm_resumes_from_the_just_in_time_check
     sender.start()
     summary = run(2, ["--config", str(cfg_path)])
     sender.join()
-    out = capfd.readouterr().out
+    out = capfd.readouterr().err  # the driver's log lines, for the message of a failure
     assert seen["accepted"][0], seen
     jit = [s for s, _ in list_checkpoints(rd) if s % 3]
     # (the line "[train] Ray drains node(s) ... (preemption): final checkpoint step_N written" is not

@@ -16,6 +16,7 @@ process start-up: torchrun ~20 s, Ray Train ~60-90 s on 2 cores).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,8 @@ from hylo.pipeline.train.checkpoint.layout import (
 )
 from hylo.pipeline.train.metrics import read_metrics
 
+from tests.helpers.logs import logged
+from tests.helpers.runs import logged_by
 from tests.helpers.train import (
     assert_ok,
     assert_same_steps,
@@ -72,7 +75,7 @@ def test_exact_resume_after_sigkill(tiny, reference):
     cfg_path = write_config(tiny_config(models, root / "runs", "killed"), root / "killed.yaml")
     killed = torchrun(2, cfg_path, "--set", "fault.kill_at_step=6", "--set", "fault.kill_when=after_checkpoint",
                       "--set", "fault.kill_rank=1")
-    assert killed.returncode != 0 and "SIGKILL at step 6" in killed.stdout
+    assert killed.returncode != 0 and "SIGKILL at step 6" in killed.stderr
     run = root / "runs" / "killed"
     assert max(read_metrics(run)) == 6 and is_complete(run / "step_00000006")
     assert checkpoint_problem(run / "step_00000003", deep=True) is None
@@ -100,7 +103,7 @@ def test_exact_resume_after_sigkill(tiny, reference):
         f.write('{"loss": 1.23, "step": 7, "ro')
     resumed = torchrun(2, cfg_path, "--resume")
     assert_ok(resumed)
-    out = resumed.stdout
+    out = resumed.stderr  # what the ranks logged
     assert "[resume] skipping step_00000006" in out and "zero_pp_rank_1_mp_rank_00_optim_states.pt: " in out
     assert "resuming from step_00000003, the newest intact checkpoint" in out
     assert "dropped a torn or unreadable line" in out
@@ -127,8 +130,8 @@ def test_resume_from_an_older_checkpoint_starts_a_new_line_of_checkpoints(tiny, 
                                         checkpoint={"every_steps": 3, "keep": 2}), root / "older.yaml")
     killed = torchrun(2, cfg_path, "--resume", "step_00000003", "--set", "fault.kill_at_step=8",
                       "--set", "fault.kill_when=mid_step", "--set", "fault.kill_rank=1")
-    out = killed.stdout
-    assert killed.returncode != 0 and "SIGKILL at step 8" in out, out[-3000:] + killed.stderr[-3000:]
+    out = killed.stderr
+    assert killed.returncode != 0 and "SIGKILL at step 8" in out, killed.stdout[-3000:] + out[-3000:]
     assert out.count("starts a new line of checkpoints") == 1, out[-3000:]
     assert "checkpoint.keep=2: removed" not in out  # 3 and 6 are the new line's two checkpoints
     (aside,) = (run / "abandoned").iterdir()
@@ -140,8 +143,8 @@ def test_resume_from_an_older_checkpoint_starts_a_new_line_of_checkpoints(tiny, 
 
     resumed = torchrun(2, cfg_path, "--resume")
     assert_ok(resumed)
-    assert f"resumed from {run / 'step_00000006'} at step 6" in resumed.stdout
-    assert "starts a new line" not in resumed.stdout
+    assert f"resumed from {run / 'step_00000006'} at step 6" in resumed.stderr
+    assert "starts a new line" not in resumed.stderr
     assert [s for s, _ in list_checkpoints(run)] == [9, 12]
     got = read_metrics(run)
     assert list(got) == list(range(1, 13)) and len((run / "metrics.jsonl").read_text().splitlines()) == 12
@@ -226,6 +229,25 @@ def test_consolidated_checkpoint_equals_zero_to_fp32(reference):
     assert (reference / "model" / "tokenizer.json").read_bytes() == \
         (reference.parent.parent / "models" / "student" / "tokenizer.json").read_bytes()
     assert not torch.equal(initial.model.layers[0].mixer.o_proj.weight, model.model.layers[0].mixer.o_proj.weight)
+
+
+def test_each_ranks_log_lines_carry_its_rank(reference):
+    """The reference run (torchrun, 2 ranks, stage 2): every line the ranks logged has its time, level and
+    rank (hylo/logs.py), and the rank it names is the rank that wrote it: each rank's `[zero] rank R: holds
+    ...` line is labelled `rank R/2`. One node: no node on the line. Rank 0's progress lines are so too."""
+    lines = logged(logged_by(reference))
+    zero = {line.rank: line.message for line in lines if line.message.startswith("[zero] rank ")}
+    assert set(zero) == {"rank 0/2", "rank 1/2"}, zero
+    for label, message in zero.items():
+        assert message.startswith(f"[zero] {label.split('/')[0]}: holds "), (label, message)
+    steps = [line for line in lines if line.message.startswith("[stage2] step ")]
+    assert [line.message.split()[2] for line in steps] == [f"{s}/12" for s in range(1, 13)]
+    assert {line.rank for line in steps} == {"rank 0/2"} and {line.level for line in steps} == {"INFO"}
+    assert all(a.time <= b.time for a, b in zip(steps, steps[1:]))
+    # no line of the ranks' own went around the logger: each [train], [zero], [stage2] line is a logged one
+    tagged = re.compile(r"\[(train|zero|stage2|resume)\] ")
+    printed = [ln for ln in logged_by(reference).splitlines() if tagged.match(ln)]
+    assert not printed, printed[:5]
 
 
 def test_the_run_says_where_its_start_up_went(reference):

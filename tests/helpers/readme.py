@@ -10,6 +10,9 @@ import shlex
 import subprocess
 from pathlib import Path
 
+from hylo.logs import message_of
+from hylo.pipeline.job_output import RAY_PREFIX, strip_ansi
+
 REPO = Path(__file__).resolve().parents[2]
 SMALLEST = {
     "prepare-data": ["--set", "packing.max_len=128", "--set", "packing.window=64",
@@ -77,5 +80,7 @@ def printed_once(out: str, pattern: str, at_least_once: bool = True) -> None:
     worker printed), and, with `at_least_once`, one is. A job's output gets its workers' lines through Ray's log
     forwarding, on Ray's own time: check it with `at_least_once=False`, and what the workers printed
     (tests/helpers/ray_logs.py) for the lines being there."""
-    lines = [ln.split(") ", 1)[-1] for ln in out.splitlines() if re.search(pattern, ln)]
+    # each line as its process wrote it: without Ray's "(Worker pid=N)", nor the log line's time, level, rank
+    lines = [message_of(RAY_PREFIX.sub("", strip_ansi(ln), count=1)) for ln in out.splitlines()
+             if re.search(pattern, ln)]
     assert (lines or not at_least_once) and len(lines) == len(set(lines)), f"{pattern}: {lines}"

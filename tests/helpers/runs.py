@@ -68,11 +68,19 @@ def references(tiny, shared_root) -> Callable[[int], Path]:
 
         def make(run: Path) -> None:
             cfg = write_config(tiny_config(models, runs, name, stage=stage), shared_root / f"{name}.yaml")
-            assert_ok(torchrun(stage, cfg))
+            proc = torchrun(stage, cfg)
+            assert_ok(proc)
+            # what its ranks logged, for the tests of its log lines (`logged_by`)
+            (runs / f"{name}.stderr").write_text(proc.stderr)
 
         return _once(runs, name, make)
 
     return reference
+
+
+def logged_by(run: Path) -> str:
+    """What the ranks of reference run `run` logged (their stderr, as torchrun passed it on)."""
+    return (run.parent / f"{run.name}.stderr").read_text()
 
 
 @pytest.fixture(scope="session")

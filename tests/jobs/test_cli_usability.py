@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hylo import logs
 from hylo.pipeline.cli import COMMANDS, NOT_JOBS, job_main
 from hylo.pipeline.config import ConfigError, field_rules, load_config, shipped_configs
 from hylo.pipeline.paths import resolve_path, resolve_paths
 
 from tests.helpers.cli import job_config_roots, run_hylo, run_hylo_split, walk_fields
+from tests.helpers.logs import level_kept
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -129,6 +131,32 @@ def _long_options(name: str) -> list[str]:
     rc, text = run_hylo([name, "--help"])
     assert rc == 0
     return sorted(set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]{4,})", text)) - {"--help"})
+
+
+# ------------------------------------------------------------------------------------ --log-level
+# A run of each command that parses its flags and does no work: a job's --print-config; the others' listing.
+LEVEL_RUNS = {name: [name, "--print-config"] for name in COMMANDS if name not in NOT_JOBS}
+LEVEL_RUNS |= {"configs": ["configs", "ls"], "clean": ["clean", "{tmp}"]}
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_command_takes_log_level(name, tmp_path):
+    """`hylo NAME --log-level LEVEL` (hylo/logs.py): listed in its help, set for the job and for the processes
+    it starts (HYLO_LOG_LEVEL), and a level that is none is the flag's one error line."""
+    assert set(LEVEL_RUNS) == set(COMMANDS)
+    rc, help_text = run_hylo([name, "--help"])
+    assert rc == 0 and "--log-level {debug,info,warning,error}" in help_text, help_text
+    argv = [a.format(tmp=tmp_path) for a in LEVEL_RUNS[name]]
+    with level_kept():
+        rc, out, err = run_hylo_split([*argv[:1], "--log-level", "warning", *argv[1:]])
+        assert rc == 0, err
+        assert logs.current_level() == "warning" and os.environ[logs.ENV] == "warning"
+        # after the sub-command's own arguments too (configs' sub-commands take it as well)
+        rc, out, err = run_hylo_split([*argv, "--log-level", "error"])
+        assert rc == 0 and logs.current_level() == "error", err
+    rc, text = run_hylo([name, "--log-level", "loud"])
+    assert rc == 2 and text == ("error: argument --log-level: 'loud' is not a log level; choose one of "
+                                f"debug, info, warning, error (see hylo {name} --help)\n"), text
 
 
 @pytest.mark.parametrize("name", [n for n in COMMANDS if n not in NOT_JOBS])

@@ -202,7 +202,7 @@ def test_place_layers_job_proxy_only(models, tmp_path):
     assert res["mla_layers"] == choose(res["proxy"]["error_gap"], 2)
     # a second run reuses every finished step
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and "already done" in again.stdout
+    assert again.returncode == 0 and "already done" in again.stderr
     bad_cmd = [str(tmp_path) if c == str(data) else c for c in cmd]
     bad = subprocess.run(bad_cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "heldout rows" in bad.stderr and "not a packed-data directory" in bad.stderr

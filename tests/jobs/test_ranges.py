@@ -16,6 +16,7 @@ import yaml
 from hylo.pipeline.config import ConfigError, parse_yaml, read_config_file
 
 from tests.helpers.cli import run_hylo
+from tests.helpers.logs import messages
 from tests.helpers.models import LLAMA_1B, tiny_student, tiny_teacher
 
 # numpy's legacy np.random.seed (the training loop, lm-eval) takes 32 bits
@@ -259,7 +260,7 @@ def test_a_long_estimate_shows_its_progress(tmp_path, capsys):
                                       f"teacher.model.path={tmp_path / 'teacher'}", "teacher.model.dtype=float32"])
     capsys.readouterr()
     estimate_step(cfg, 64, 1, torch.float32, gpu=False, progress=Progress("[estimate] 64 tokens (1/1)", every_s=0.0))
-    err = capsys.readouterr().err.splitlines()
+    err = messages(capsys.readouterr().err, "INFO")  # the progress lines are log lines
     for text in ("building the models", "warm-up step (64 tokens)", "measured step, teacher forward",
                  "measured step, student forward", "measured step, fused loss", "measured step, optimizer"):
         assert f"[estimate] 64 tokens (1/1): {text}" in err, err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -9,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from hylo import logs
 from hylo.pipeline import ray_init
 from hylo.pipeline.config import ConfigError, load_config
 
 from tests.helpers.cluster import LOOPBACK, listening_ports
+from tests.helpers.logs import level_kept, messages
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +69,7 @@ def test_local_start_is_a_new_ray_without_dashboard_whose_workers_find_this_chec
     (name, kwargs), last = fake_ray.calls
     # "local": never the cluster /tmp/ray/ray_current_cluster names (another user's on a shared machine)
     assert name == "init" and kwargs == {"address": "local", "num_cpus": 3, "include_dashboard": False,
-                                         "log_to_driver": False}
+                                         "log_to_driver": False, "logging_level": logging.INFO}
     assert last[0] == "shutdown"
     # its processes (Ray Train's placement-group cleaner) find it by its address, never by searching the machine,
     # where another Ray may run; this process's environment is as it was
@@ -84,12 +87,30 @@ def test_joining_a_cluster_never_stops_it(fake_ray, monkeypatch):
     with ray_init.ray_running(None, 3) as started:
         assert not started
     # no num_cpus (Ray refuses it when joining), no shutdown
-    assert fake_ray.calls == [("init", {"address": "10.0.0.1:6379", "log_to_driver": True})]
+    assert fake_ray.calls == [("init", {"address": "10.0.0.1:6379", "log_to_driver": True,
+                                        "logging_level": logging.INFO})]
     fake_ray.calls.clear()
     fake_ray.initialized = False  # the next job, in a process of its own
     with ray_init.ray_running("auto"):
         pass
-    assert fake_ray.calls == [("init", {"address": "auto", "log_to_driver": True})]
+    assert fake_ray.calls == [("init", {"address": "auto", "log_to_driver": True,
+                                        "logging_level": logging.INFO})]
+
+
+@pytest.mark.parametrize("level,ray_level", [("warning", logging.WARNING), ("error", logging.ERROR),
+                                             ("debug", logging.DEBUG), ("info", logging.INFO)])
+def test_rays_logger_follows_the_jobs_log_level(fake_ray, level, ray_level):
+    """`--log-level` (hylo/logs.py) reaches Ray's own logger through `ray.init(logging_level=...)`, on a local
+    Ray and on a joined one; at info Ray keeps its own default (info)."""
+    with level_kept():
+        logs.set_level(level)
+        with ray_init.ray_running(None, 1):
+            pass
+        fake_ray.initialized = False
+        with ray_init.ray_running("auto"):
+            pass
+        assert [kw["logging_level"] for name, kw in fake_ray.calls if name == "init"] == [ray_level] * 2
+        assert logging.getLogger("ray").level == ray_level
 
 
 def test_a_running_ray_is_used_as_is(fake_ray):
@@ -184,7 +205,7 @@ def test_another_job_joins_a_local_ray_through_ray_address(tmp_path, monkeypatch
 
 
 def test_a_local_ray_that_times_out_starting_is_started_again_then_one_line_is_raised(fake_ray, monkeypatch,
-                                                                                     caplog):
+                                                                                     capsys):
     """Ray waits a fixed 30 s for its raylet; on a busy machine the start is tried again (a new port each time),
     and after the last try one RayStartupError line names what to change. Any other failure of Ray's start is
     one line at once (Ray's own first line, its logs, the setting), not retried."""
@@ -198,11 +219,10 @@ def test_a_local_ray_that_times_out_starting_is_started_again_then_one_line_is_r
         real_init(**kwargs)
 
     monkeypatch.setattr(fake_ray, "init", flaky_init)
-    with caplog.at_level("WARNING"):
-        assert ray_init.init_ray(None, 1) is True
+    assert ray_init.init_ray(None, 1) is True
     names = [c[0] for c in fake_ray.calls]
     assert names == ["init", "shutdown", "init", "shutdown", "init"]
-    assert caplog.text.count("starting it again on another port") == 2
+    assert sum("starting it again" in m for m in messages(capsys.readouterr().err, "WARNING")) == 2
     fake_ray.initialized = False
     fake_ray.calls.clear()
     failures[:] = [Exception("The current node timed out during startup.")] * 3
@@ -220,7 +240,7 @@ def test_a_local_ray_that_times_out_starting_is_started_again_then_one_line_is_r
 
 # ------------------------------------------------------------------------------ start-up faults, named in seconds
 def test_a_gcs_port_taken_is_skipped_before_ray_starts_and_one_taken_meanwhile_is_retried(fake_ray, monkeypatch,
-                                                                                          caplog):
+                                                                                          capsys):
     """Before: a local Ray whose GCS port was taken exited 1 after 44 s with Ray's raw `RuntimeError: Failed to
     start GCS ... Check failed: server_`, never on another port. Now the port is checked just before Ray starts
     (something listens there: another is chosen, Ray never sees it), and a port taken between that check and the
@@ -234,11 +254,11 @@ def test_a_gcs_port_taken_is_skipped_before_ray_starts_and_one_taken_meanwhile_i
     picks = iter([taken])
     real_pick = ray_init._free_loopback_port
     monkeypatch.setattr(ray_init, "_free_loopback_port", lambda: next(picks, None) or real_pick())
-    with held, caplog.at_level("WARNING"):
+    with held:
         assert ray_init.init_ray(None, 1) is True
     assert [c[0] for c in fake_ray.calls] == ["init"]
     assert int(fake_ray.environ["RAY_GCS_SERVER_PORT"]) != taken
-    assert f"port {taken} is taken" in caplog.text
+    assert any(f"port {taken} is taken" in m for m in messages(capsys.readouterr().err, "WARNING"))
     # taken after the check: Ray's GCS fails, the start is tried again on another port
     ports = []
     real_init = fake_ray.init

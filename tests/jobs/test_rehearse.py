@@ -21,6 +21,8 @@ from hylo.pipeline.config import ConfigError
 from hylo.pipeline.rehearse import cluster_file_of, declared_node, plan_placement
 from hylo.pipeline.teacher.sources.base import ResourceDemand
 
+from tests.helpers.logs import messages
+
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "configs").glob("*-64k.yaml"))
 ACCEL = "accelerator_type:AMD-Instinct-MI300X-OAM"
@@ -147,7 +149,7 @@ def test_ray_trains_backend_follows_the_worker(monkeypatch, capsys):
     config = auto_torch_config()
     config.backend_cls().on_start(Group(), config)
     assert chosen == ["gloo"]
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if "gloo instead of NCCL" in ln]
+    lines = [m for m in messages(capsys.readouterr().err, "INFO") if "gloo instead of NCCL" in m]
     assert len(lines) == 1 and lines[0].startswith("[train] ray.use_gpu is true"), lines
 
 

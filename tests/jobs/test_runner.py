@@ -69,7 +69,9 @@ def test_a_jobs_known_noise_goes_to_its_log_only_and_the_log_has_no_ansi_codes(t
              "State API may be temporarily unavailable. Continuing to monitor.")
     code = f"import sys; print({noise!r}); print('[stage1] step 1/1'); sys.stdout.write('bar 0%\\rbar 100%\\n')"
     assert StepRunner(tmp_path / "run").sh("job", [PY, "-c", code]).endswith("[stage1] step 1/1\nbar 0%\nbar 100%\n")
-    out = capsys.readouterr().out.split("\n", 2)[2]  # after the step's command line
+    cap = capsys.readouterr()
+    assert cap.out == ""  # the job's lines and the runner's are log lines: on stderr
+    out = cap.err.split("\n", 2)[2]  # after the step's command line
     assert "  | [stage1] step 1/1\n  | bar 100%\n" in out and "1 line of known Ray/torch notices are in" in out
     assert "PlacementGroupCleaner" not in out and "bar 0%" not in out and "\x1b" not in out
     log = (tmp_path / "run" / "logs" / "job.log").read_text()

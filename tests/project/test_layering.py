@@ -4,8 +4,8 @@ The import graph is read from the source with `ast` (every `import` and `from ..
 or inside a function: a lazy import that closes a cycle still ties two modules to each other), over the
 folders of the namespace (hylo/, kernels/, pipeline/, jobs/ as hylo, hylo.kernels, hylo.pipeline,
 hylo.jobs). A config module (`*/config.py`) is what implementations import, never the reverse: importing
-one loads only other config modules, the packages around them, hylo.rules (the `@rules` mechanism) and
-hylo.atomic / hylo.json_files (atomic writes, JSON reading), all leaves.
+one loads only other config modules, the packages around them, hylo.rules (the `@rules` mechanism),
+hylo.atomic / hylo.json_files (atomic writes, JSON reading) and hylo.logs (the --log-level flag), all leaves.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 FOLDERS = {"hylo": "hylo", "kernels": "hylo.kernels", "pipeline": "hylo.pipeline", "jobs": "hylo.jobs"}
 # Modules a config may import besides configs and packages: leaves that import nothing of the project.
-LEAF_HELPERS = {"hylo.atomic", "hylo.json_files", "hylo.rules", "hylo.model_files", "hylo.lazy"}
+LEAF_HELPERS = {"hylo.atomic", "hylo.json_files", "hylo.rules", "hylo.model_files", "hylo.lazy", "hylo.logs"}
 
 
 def project_modules(root: Path = REPO) -> dict[str, Path]:

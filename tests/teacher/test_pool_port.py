@@ -78,7 +78,7 @@ def test_an_unset_port_is_a_free_one_and_chosen_again_when_taken_first(fake_serv
     assert pool.start_teacher_pool(TeacherModelConfig(), TeacherPoolConfig()) == "handle"
     assert [c[0] for c in fake_serve.calls] == ["start", "run", "shutdown", "start", "run"]
     assert fake_serve.calls[0][1] == picks[0] != fake_serve.calls[3][1] == picks[1]
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert f"port {picks[0]} was taken before the pool's HTTP proxy bound it; choosing another" in out
     assert f"listens on 127.0.0.1:{picks[1]} (teacher.pool.port unset: a free port)" in out
 

@@ -28,6 +28,7 @@ from hylo.pipeline.train.checkpoint.resume import set_aside_other_lines
 from hylo.pipeline.train.config import load_stage_config
 from hylo.pipeline.train.storage import CheckpointUploadError, Loc, upload_with_retries
 
+from tests.helpers.logs import messages
 from tests.helpers.train import s3_server
 
 
@@ -91,8 +92,9 @@ def test_outage_shorter_than_the_retries_is_ridden_out(tmp_path, capsys):
             ckpt = upload_checkpoint(tmp_path, run, 6, retries=4, backoff_s=0.5, who="rank 0: ")
         finally:
             back.join()
-        out = capsys.readouterr().out
-        assert "[checkpoint] rank 0: uploading step_00000006 failed" in out and "retry 1 of 4 in 0.5 s" in out
+        (retry, *_) = messages(capsys.readouterr().err, "WARNING")
+        assert retry.startswith("[checkpoint] rank 0: uploading step_00000006 failed"), retry
+        assert "retry 1 of 4 in 0.5 s" in retry
         assert checkpoint_problem(ckpt, deep=True) is None
 
 
@@ -176,7 +178,7 @@ def test_driver_sigterm_handler_records_the_request_and_names_the_checkpoint_to_
             assert request["signal"] == "SIGTERM" and 39 < request["deadline"] - __import__("time").time() <= 40
     assert str(e.value) == ("preempted (SIGTERM): run the same command with --resume to continue from "
                             "step_00000003, its newest intact checkpoint")
-    assert "checkpoint.preempt_grace_s=40 s" in capsys.readouterr().out
+    assert "checkpoint.preempt_grace_s=40 s" in capsys.readouterr().err
     assert read_preempt_request(run) is None and signal.getsignal(signal.SIGTERM) is not None
     # a second SIGTERM does not wait for the workers
     with pytest.raises(Preempted, match="a second SIGTERM: stopping now"):
@@ -194,11 +196,11 @@ def test_run_lock_left_in_storage_by_an_outage_is_reported_and_taken_back_by_its
         with run_lock(run):
             # the storage goes away before the run ends: its lock cannot be removed
             s3.stop()
-        assert "could not remove s3://bucket/unit/locked/run.lock" in capsys.readouterr().out
+        assert "could not remove s3://bucket/unit/locked/run.lock" in capsys.readouterr().err
         s3.start()
         assert (run / LOCK_FILE).is_file()
         with run_lock(run):
-            assert "left by an earlier run of this process" in capsys.readouterr().out
+            assert "left by an earlier run of this process" in capsys.readouterr().err
             # while this process holds it, the lock is not a leftover: a second run is refused
             with pytest.raises(RunLockError, match="in use by another run"):
                 with run_lock(run):

@@ -51,7 +51,7 @@ def test_a_stale_lock_is_reported_and_taken_only_with_break_lock(tmp_path, capsy
     assert json.loads((run / LOCK_FILE).read_text()) == stale  # untouched
     with run_lock(Loc.of(run), break_lock=True) as mine:
         assert json.loads((run / LOCK_FILE).read_text()) == mine
-    assert f"--break-lock: taking over {run / LOCK_FILE} from pid {stale['pid']}" in capsys.readouterr().out
+    assert f"--break-lock: taking over {run / LOCK_FILE} from pid {stale['pid']}" in capsys.readouterr().err
 
 
 def test_a_lock_from_another_host_cannot_be_checked_and_needs_break_lock(tmp_path):

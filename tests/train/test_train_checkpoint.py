@@ -43,6 +43,8 @@ from hylo.pipeline.train.config import Stage2Config, load_stage_config
 from hylo.pipeline.train.metrics import METRICS_FILE, MetricsWriter, read_metrics
 from hylo.pipeline.train.storage import Loc, StorageError, check_storage_path
 
+from tests.helpers.logs import messages
+
 WORLD = 2
 SHARD_FLOATS = 16_384  # 64 KiB per shard
 
@@ -136,7 +138,7 @@ def ray_checkpoint(run: Loc, step: int, scratch: Path, cfg=None, upload=None) ->
 def _walk(run) -> tuple[Loc | None, list[str]]:
     """What `--resume` of run `run` resumes from, by the workers' own walk (`Session.resume_checkpoint`:
     the run's checkpoints newest first, each checked by every rank, sizes then sha256) in a 1-rank gloo
-    group: (the checkpoint chosen, the `[resume] skipping ...` lines it printed on the way)."""
+    group: (the checkpoint chosen, the `[resume] skipping ...` warnings it logged on the way)."""
     import contextlib
     import io
     import tempfile
@@ -148,19 +150,19 @@ def _walk(run) -> tuple[Loc | None, list[str]]:
 
     with tempfile.TemporaryDirectory() as scratch:
         dist.init_process_group("gloo", init_method=f"file://{scratch}/pg", rank=0, world_size=1)
-        out = io.StringIO()
+        err = io.StringIO()
         try:
             cfg = load_stage_config(2, None, ["metrics.tensorboard=false", "ray.launcher=torchrun"])
             ctx = WorkerContext(cfg=cfg, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
                                 run_dir=Path(scratch), grad_accum=1, run_loc=Loc.of(run))
             session = TorchrunSession(ctx, {"run_loc": Loc.of(run), "resume_latest": True}, total_steps=1)
-            with contextlib.redirect_stdout(out):
+            with contextlib.redirect_stderr(err):
                 chosen, _ = session.resume_checkpoint()
             session.close()  # removes its downloads (remote storage) and the process group
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-    return chosen, [line for line in out.getvalue().splitlines() if line.startswith("[resume] skipping ")]
+    return chosen, [m for m in messages(err.getvalue(), "WARNING") if m.startswith("[resume] skipping ")]
 
 
 # ------------------------------------------------------------------------------------ manifest

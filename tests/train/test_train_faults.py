@@ -117,11 +117,11 @@ def test_the_log_says_why_a_failure_is_not_retried(capsys):
     policy = InputErrorsAreFinal(FailureConfig(max_failures=3))
     upload = CheckpointUploadError("uploading checkpoint s3://b/r/step_00000006 failed 2 time(s): connection refused")
     assert policy.make_decision(_worker_group_error(upload)) == FailureDecision.RAISE
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "not retrying: the checkpoint storage failed after checkpoint.upload_retries attempts" in out, out
     assert "the input is wrong" not in out
     assert policy.make_decision(_worker_group_error(ConfigError("bad"))) == FailureDecision.RAISE
-    assert "not retrying: the input is wrong, not the machine (worker 0: " in capsys.readouterr().out
+    assert "not retrying: the input is wrong, not the machine (worker 0: " in capsys.readouterr().err
 
 
 def test_the_driver_fits_with_the_input_error_policy():

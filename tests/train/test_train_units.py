@@ -49,6 +49,7 @@ from hylo.pipeline.train.row_sources import SyntheticRows, open_rows
 from hylo.pipeline.train.worker import row_to_device
 
 from tests.helpers.common import assert_topk_matches
+from tests.helpers.logs import messages
 
 
 # ------------------------------------------------------------------------------------ config
@@ -312,7 +313,7 @@ def test_metrics_writer_jsonl_tensorboard_and_progress(tmp_path, capsys):
     got = read_metrics(tmp_path)
     assert list(got) == [1, 2, 3] and got[2]["loss"] == 1.0
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    out = capsys.readouterr().out.splitlines()
+    out = messages(capsys.readouterr().err, "INFO")  # progress lines are log lines
     assert out[0].startswith("[stage2] step 1/4 (25%) | loss 3.0000") and "ETA" in out[-1]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hylo.logs import get_logger
 from hylo.pipeline.teacher.config import ServeSection, pool_port_taken
 from hylo.pipeline.teacher.sources.base import (
     ResourceDemand,
@@ -24,6 +25,8 @@ from hylo.pipeline.teacher.sources.base import (
     check_model_weights,
     model_files,
 )
+
+logger = get_logger(__name__)
 
 
 class ServeSource(TeacherSourceKind):
@@ -61,7 +64,7 @@ class ServeSource(TeacherSourceKind):
             return None
         from hylo.pipeline.teacher.serve import start_teacher_pool  # lazy: torch
 
-        print(f"[teacher] deploying pool {t.pool.app_name!r} ({t.pool.num_replicas} replicas)", flush=True)
+        logger.info(f"[teacher] deploying pool {t.pool.app_name!r} ({t.pool.num_replicas} replicas)")
         start_teacher_pool(t.model, t.pool, fault)
 
         def stop() -> None:
@@ -73,7 +76,7 @@ class ServeSource(TeacherSourceKind):
                 line = forwards_line(t.pool.app_name, pool_forwards(t.pool.app_name))
             except Exception as e:  # a count for the log: the pool is deleted all the same
                 line = f"[teacher] pool {t.pool.app_name!r}: its replicas' forwards could not be read ({e!r})"
-            print(line, flush=True)
+            logger.info(line)
             serve.delete(t.pool.app_name)
 
         return stop

@@ -15,9 +15,12 @@ from pathlib import Path
 import torch
 
 from hylo.io import load_hylo, save_hylo
+from hylo.logs import get_logger
 from hylo.modeling import HyLoForCausalLM
 from hylo.pipeline.train.checkpoint.layout import CheckpointError
 from hylo.pipeline.train.nonfinite import NonFiniteError
+
+logger = get_logger(__name__)
 
 
 def _is_zero3(p: torch.nn.Parameter) -> bool:
@@ -96,8 +99,8 @@ def consolidate_hylo(module: torch.nn.Module, out_dir: Path, rank: int, dtype: t
         model = load_hylo(tokenizer_from, dtype=torch.float32)
         for name in rounded:
             sd.pop(name, None)
-        print(f"[train] consolidation: {len(rounded)} frozen tensors taken from {tokenizer_from} "
-              f"(training held them in lower precision)", flush=True)
+        logger.info(f"[train] consolidation: {len(rounded)} frozen tensors taken from {tokenizer_from} "
+                    f"(training held them in lower precision)")
     else:
         model = HyLoForCausalLM(cfg)
     missing, unexpected = model.load_state_dict(sd, strict=False)
