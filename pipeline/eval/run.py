@@ -45,6 +45,7 @@ from hylo.pipeline.eval.kl import TeacherStateCache, evaluate_kl, iter_eval_rows
 from hylo.pipeline.eval.lm_eval_adapter import prepare_lm_eval, run_lm_eval
 from hylo.pipeline.eval.retrieval import make_samples, run_retrieval
 from hylo.pipeline.eval.samples import greedy_answers
+from hylo.pipeline.paths import job_inputs
 
 
 def _need(value: Any, option: str, suite: str) -> Any:
@@ -323,12 +324,17 @@ def results_files(cfg: EvalConfig) -> list[str]:
 
 
 def check_out(cfg: EvalConfig) -> None:
-    """Before any model is loaded: `out` is none of the inputs (nor inside or around one), and holds no file of
-    the names the job writes that it did not write itself (a user's results.md is never overwritten)."""
+    """Before any model is loaded: `out` (and lm_eval.output_path) is none of what the job reads (its config file,
+    the models, the data, the teacher cache: `job_inputs`; nor inside or around one), and holds no file of the
+    names the job writes that it did not write itself, as it wrote it (a user's results.md is never
+    overwritten)."""
     m = cfg.models
-    inputs = [("--model", m.path), ("--teacher", m.teacher), ("--base", m.base), ("--tokenizer", m.tokenizer),
-              ("--data", cfg.kl.data if "kl" in cfg.suites else None)]
-    check_not_an_input(cfg.out, [(o, local_path(v) if v else None) for o, v in inputs], "out")
+    flags = [("--model", m.path), ("--teacher", m.teacher), ("--base", m.base), ("--tokenizer", m.tokenizer),
+             ("--data", cfg.kl.data if "kl" in cfg.suites else None)]
+    inputs = job_inputs(cfg, extra=[(o, local_path(v) if v else None) for o, v in flags])
+    check_not_an_input(cfg.out, inputs, "out")
+    if "lm_eval" in cfg.suites and cfg.lm_eval.output_path:
+        check_not_an_input(cfg.lm_eval.output_path, inputs, "lm_eval.output_path")
     check_own_files(cfg.out, results_files(cfg), "out")
 
 

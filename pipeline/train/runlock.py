@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from hylo.json_files import read_json
 from hylo.pipeline.train.storage import Loc, StorageError, local_mirror
 
 LOCK_FILE = "run.lock"
@@ -77,7 +78,7 @@ def describe(h: dict[str, Any]) -> str:
 
 def _read(loc: Loc) -> dict[str, Any] | None:
     try:
-        h = json.loads(loc.read_text())
+        h = read_json(loc)
     except FileNotFoundError:
         return None
     except (ValueError, OSError):
@@ -162,7 +163,7 @@ def _acquire_remote(lock: Loc, run: Loc, record: dict[str, Any], break_lock: boo
 def _release(lock: Loc, record: dict[str, Any]) -> None:
     try:
         try:
-            current = json.loads(lock.read_text())
+            current = read_json(lock)
         except FileNotFoundError:
             return
         except ValueError:

@@ -14,7 +14,7 @@ Design choices:
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hylo.json_files import read_json
 from hylo.pipeline.train.checkpoint.layout import (
     CHECKPOINT_MANIFEST,
     CheckpointError,
@@ -35,9 +36,18 @@ from hylo.pipeline.train.checkpoint.layout import (
 from hylo.pipeline.train.checkpoint.resume import launch_checkpoints, resume_candidates, set_aside_other_lines
 from hylo.pipeline.train.checkpoint.write_errors import is_disk_full, upload_error
 from hylo.pipeline.train.metrics import METRICS_FILE, TB_DIR, MetricsWriter
-from hylo.pipeline.train.storage import Loc, fresh_local_dir, remove_local, run_loc, upload_with_retries
+from hylo.pipeline.train.storage import (
+    Loc,
+    fresh_local_dir,
+    remove_local,
+    run_loc,
+    sweep_local_scratch,
+    upload_with_retries,
+)
 from hylo.pipeline.train.worker import WorkerContext
 
+# the prefix of a Ray worker's checkpoint scratch directory in the temporary directory (`hylo-ckpt-<step>-r<rank>-p<pid>-`)
+CKPT_SCRATCH = "hylo-ckpt-"
 # rank 0's report of how much of the model each rank holds (loop.zero_partition_report), uploaded with the metrics
 PARTITION_FILE = "zero_partition.json"
 
@@ -52,7 +62,7 @@ def read_preempt_request(run: Loc) -> dict[str, Any] | None:
     try:
         if not loc.is_file():
             return None
-        request = json.loads(loc.read_text())
+        request = read_json(loc)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -188,6 +198,19 @@ class Session:
     def scratch_dir(self, step: int) -> Path:
         raise NotImplementedError
 
+    def discard(self, step: int, ckpt_dir: Path | None) -> None:
+        """A checkpoint's write failed (a full disk, a failed upload, a stop): remove what it left, the local
+        scratch directory and (under Ray) a partial `<run>/step_N` without its manifest. The previous
+        checkpoints stay; nothing half-written is left to fill the disk."""
+        if ckpt_dir is not None:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+        target = self.run_loc / step_dir_name(step)
+        try:
+            if target.exists() and checkpoint_problem(target) is not None:
+                target.rmtree()
+        except OSError:
+            pass
+
     def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None, metrics: bool = True) -> None:
         """Report step's record (written to the metrics file unless `metrics` is false: a second
         report of the same step) and, with `ckpt_dir`, its checkpoint."""
@@ -250,7 +273,9 @@ class RaySession(Session):
                 "deadline": info.deadline_ms / 1000 if info.deadline_ms else None}
 
     def scratch_dir(self, step: int) -> Path:
-        return fresh_local_dir(f"hylo-ckpt-{step}-r{self.ctx.rank}-")
+        # what a killed worker of this host left in the temporary directory goes first (its pid is gone)
+        sweep_local_scratch(CKPT_SCRATCH)
+        return fresh_local_dir(f"{CKPT_SCRATCH}{step}-r{self.ctx.rank}-p{os.getpid()}-")
 
     def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None, metrics: bool = True) -> None:
         import ray.train  # lazy: ray

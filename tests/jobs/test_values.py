@@ -124,11 +124,13 @@ def test_rehearse_cluster_names_what_the_path_is(tmp_path):
     passwd.write_text("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n")
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    want = {str(passwd): "not a YAML mapping", str(tmp_path): "is a directory", "/dev/null": "is not a regular file",
-            str(fifo): "is not a regular file", str(tmp_path / "none.yaml"): "does not exist"}
+    want = {str(passwd): ": not a YAML mapping", str(tmp_path): ": is a directory",
+            "/dev/null": " is a character device, not a regular file: nothing was read from it",
+            str(fifo): " is a FIFO (named pipe), not a regular file: nothing was read from it",
+            str(tmp_path / "none.yaml"): ": does not exist"}
     for path, reason in want.items():
         line = one_error_line(*run_hylo(["rehearse", "--check-only", "--cluster", path]))
-        assert line.startswith(f"error: --cluster: {path}: {reason}"), line
+        assert line.startswith(f"error: --cluster: {path}{reason}"), line
 
 
 # ----------------------------------------------------------------------- rules that failed in workers
@@ -205,5 +207,5 @@ def test_configs_cp_onto_a_pipe_is_refused(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     line = one_error_line(*run_hylo(["configs", "cp", "demo-smollm2", str(fifo), "--force"]))
-    assert line.startswith(f"error: {fifo} is not a regular file (a pipe, a device or a socket)"), line
+    assert line == f"error: DEST {fifo} is a FIFO (named pipe): give the name of a file to write", line
     assert fifo.is_fifo()

@@ -196,7 +196,7 @@ def _truncate(p: Path) -> None:
      r"zero/state/zero_pp_rank_1_mp_rank_00_optim_states\.pt: 33,\d{3} bytes, the manifest records 67,\d{3} "),
     (lambda c: _truncate(c / "ranks/rank_0.rng.safetensors"), r"ranks/rank_0\.rng\.safetensors: [\d,]+ bytes"),
     (lambda c: (c / "ranks/rank_1.json").write_text("{}"), r"ranks/rank_1\.json: 2 bytes"),
-    (lambda c: (c / CHECKPOINT_MANIFEST).write_text('{"files": '), r"manifest\.json is not valid JSON"),
+    (lambda c: (c / CHECKPOINT_MANIFEST).write_text('{"files": '), r"manifest\.json: not valid JSON"),
 ], ids=["truncated-zero-shard", "missing-model-states", "truncated-optim-shard", "truncated-rng",
         "rewritten-rank-state", "torn-manifest"])
 def test_resume_walks_back_past_a_damaged_checkpoint(tmp_path, damage, needle):
