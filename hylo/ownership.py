@@ -236,14 +236,16 @@ def check_replaceable(path: str | Path, what: str = "output directory") -> None:
     if read_record(p) is None:
         n = len(found)
         raise ForeignOutputError(
-            f"{what} {shown} holds {n} entr{'y' if n == 1 else 'ies'} and no {OUTPUT_RECORD} "
-            f"({', '.join(r for r, _ in found[:5])}{f' and {n - 5} more' if n > 5 else ''}): nothing proves this "
-            f"project wrote it, and it never replaces what it cannot prove its own (not by the names it holds): move "
-            f"them away (an output of a version before the record: delete it yourself), or choose another {what}")
+            f"{what} {shown} holds {n} entr{'y' if n == 1 else 'ies'} this project did not write "
+            f"({', '.join(r for r, _ in found[:5])}{f' and {n - 5} more' if n > 5 else ''}; it has no {OUTPUT_RECORD}, "
+            f"and a directory is never taken for an earlier output by the names it holds); it only ever replaces its "
+            f"own outputs: move them away (an output of a version before the record: delete it yourself), or choose "
+            f"another {what}")
     raise ForeignOutputError(
         f"{what} {shown} holds {len(found)} entr{'y' if len(found) == 1 else 'ies'} this project did not write "
-        f"as {'it is' if len(found) == 1 else 'they are'} ({_describe(found)}; its record {OUTPUT_RECORD} says what "
-        f"it wrote); it only ever replaces its own unchanged outputs: move them away, or choose another {what}")
+        f"as {'it is' if len(found) == 1 else 'they are'}: {_describe(found)}; it only ever replaces its own "
+        f"outputs, unchanged (its record {OUTPUT_RECORD} lists every file it wrote, with its size): move them away, "
+        f"or choose another {what}")
 
 
 def check_own_files(directory: str | Path, names: Iterable[str], what: str = "output directory") -> None:
@@ -260,10 +262,14 @@ def check_own_files(directory: str | Path, names: Iterable[str], what: str = "ou
     if not found:
         return
     one = len(found) == 1
+    if read_record(d) is None:
+        raise ForeignOutputError(f"{what} {shown} holds {', '.join(r for r, _ in found)}, which this project did not "
+                                 f"write (it has no {OUTPUT_RECORD}); it never overwrites a file it did not write: move "
+                                 f"{'it' if one else 'them'} away, or choose another {what}")
     raise ForeignOutputError(f"{what} {shown} holds {_describe(found)}, which this project did not write as "
-                             f"{'it is' if one else 'they are'} (its record {OUTPUT_RECORD} says what it wrote); it "
-                             f"never overwrites a file it did not write: move {'it' if one else 'them'} away, or "
-                             f"choose another {what}")
+                             f"{'it is' if one else 'they are'} (its record {OUTPUT_RECORD} lists every file it wrote, "
+                             f"with its size); it never overwrites a file it did not write: move {'it' if one else 'them'}"
+                             f" away, or choose another {what}")
 
 
 # a JSON file larger than this is never one of our small reports (`is_own_file` does not read it)

@@ -303,8 +303,8 @@ def test_a_linked_output_is_followed_and_checked_where_it_points(tmp_path):
     # a link to a directory of the user's is refused for that reason, naming the link and where it points
     (target / "notes.txt").write_text("mine")
     with pytest.raises(ownership.ForeignOutputError, match=rf"--out {link} \(a link to {target}\) holds 1 entry this "
-                                                           r"project did not write as it is \(notes.txt \(not in its "
-                                                           r"record\); its record"):
+                                                           r"project did not write as it is: notes.txt \(not in its "
+                                                           r"record\); it only ever replaces"):
         with atomic_dir(link, "--out"):
             pass
     assert (target / "notes.txt").read_text() == "mine" and link.is_symlink()

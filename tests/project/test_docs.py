@@ -344,8 +344,9 @@ def test_make_docs_never_takes_a_site_for_its_build_by_the_names_it_holds(tmp_pa
     before = _files(site)
     assert bs.main([str(site)]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"make docs: site directory {site} holds 4 entries and no "
-                                                   f"{OUTPUT_RECORD} (assets, configuration, data, search): "), err
+    assert err.count("\n") == 1 and err.startswith(f"make docs: site directory {site} holds 4 entries this project "
+                                                   f"did not write (assets, configuration, data, search; it has no "
+                                                   f"{OUTPUT_RECORD}, "), err
     assert "delete it yourself" in err, err
     assert _files(site) == before and sorted(p.name for p in tmp_path.iterdir()) == ["site"]
 
