@@ -571,10 +571,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     # before the work: neither report is in (or is) anything the check reads (its config, the student's or the
     # base's folder: --force or not), nor a file of the user's, and --out can be written
     inputs = [*job_inputs(cfg), *(job_inputs(stage1) if stage1 is not None else [])]
-    for report in REPORT_FILES:
-        check_output_file(Path(args.out) / report, "--out", inputs, force=args.force)
     if args.warm_cache:
         check_not_an_input(args.warm_cache, inputs, "--warm-cache")
+    for report in REPORT_FILES:
+        check_output_file(Path(args.out) / report, "--out", inputs, force=args.force)
     sites = recipe_sites(cfg, stage1, args.tokens, sp, "--sequence-parallel" if args.sequence_parallel
                          else "train.sequence_parallel")
     cache_dir = None

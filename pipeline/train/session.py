@@ -285,24 +285,30 @@ class RaySession(Session):
         if ckpt_dir is None:
             ray.train.report(record)
             return
-        write_rank_files(ckpt_dir, self.ctx.rank, self.ctx.world_size, shared=False)
         target = self.run_loc / step_dir_name(step)
-        if self.ctx.rank == 0 and target.exists():
-            # left by an abandoned attempt (a crash, or a resume from an older checkpoint): Ray would
-            # merge the new files into it
-            target.rmtree()
-        dist.barrier()
-        self.upload(record, ckpt_dir, target, step)
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-        # every worker has uploaded its files: rank 0 checks them and writes the manifest
-        dist.barrier()
+        try:
+            write_rank_files(ckpt_dir, self.ctx.rank, self.ctx.world_size, shared=False)
+            if self.ctx.rank == 0 and target.exists():
+                # left by an abandoned attempt (a crash, or a resume from an older checkpoint): Ray would
+                # merge the new files into it
+                target.rmtree()
+            dist.barrier()
+            self.upload(record, ckpt_dir, target, step)
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+            # every worker has uploaded its files: rank 0 checks them and writes the manifest
+            dist.barrier()
+            if self.ctx.rank == 0:
+                try:
+                    finalize_checkpoint(target, step, self.ctx.world_size, self.launch_id)
+                except OSError as e:
+                    if not is_disk_full(e):
+                        raise
+                    raise upload_error(target, None, e, step, 0, file=CHECKPOINT_MANIFEST) from e
+        except BaseException:
+            # the error names the file that did not arrive whole (made above); then nothing half-written stays
+            self.discard(step, ckpt_dir)
+            raise
         if self.ctx.rank == 0:
-            try:
-                finalize_checkpoint(target, step, self.ctx.world_size, self.launch_id)
-            except OSError as e:
-                if not is_disk_full(e):
-                    raise
-                raise upload_error(target, None, e, step, 0, file=CHECKPOINT_MANIFEST) from e
             self.after_checkpoint()
 
     def upload(self, record: dict[str, Any], ckpt_dir: Path, target: Loc, step: int) -> None:
@@ -334,11 +340,16 @@ class TorchrunSession(Session):
         if ckpt_dir is None:
             return
         dist.barrier()
-        write_rank_files(ckpt_dir, self.ctx.rank, self.ctx.world_size, shared=True)
-        dist.barrier()
+        try:
+            write_rank_files(ckpt_dir, self.ctx.rank, self.ctx.world_size, shared=True)
+            dist.barrier()
+            if self.ctx.rank == 0:
+                finalize_local(ckpt_dir, self.run_loc.local() / step_dir_name(step), step,
+                               self.ctx.world_size, self.launch_id)
+        except BaseException:
+            self.discard(step, ckpt_dir)  # the shared .tmp-step_N: nothing half-written stays
+            raise
         if self.ctx.rank == 0:
-            finalize_local(ckpt_dir, self.run_loc.local() / step_dir_name(step), step,
-                           self.ctx.world_size, self.launch_id)
             self.after_checkpoint()
         dist.barrier()
 
