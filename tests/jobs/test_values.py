@@ -216,18 +216,25 @@ def test_configs_cp_onto_a_pipe_is_refused(tmp_path):
 
 # ---------------------------------------------------------------------------------------- bounded reads
 @contextlib.contextmanager
-def _within(seconds: float):
-    """Fail (not hang) when the block takes longer: a read of a pipe or of /dev/zero used to block or grow for
-    minutes."""
+def _within(seconds: float, more_bytes: int = 1 << 30):
+    """Fail (not hang, not fill the machine's memory) when the block takes longer or allocates more: a read of a
+    pipe blocked forever, one of /dev/zero grew to gigabytes (a MemoryError here instead)."""
+    import resource
 
     def stop(signum, frame):
         raise TimeoutError(f"still reading after {seconds} s")
 
+    vm = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+              if line.startswith("VmSize:"))
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    cap = vm + more_bytes if limits[1] == resource.RLIM_INFINITY else min(vm + more_bytes, limits[1])
     old = signal.signal(signal.SIGALRM, stop)
     signal.setitimer(signal.ITIMER_REAL, seconds)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, limits[1]))
     try:
         yield
     finally:
+        resource.setrlimit(resource.RLIMIT_AS, limits)
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
 
