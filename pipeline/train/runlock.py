@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hylo.json_files import read_json
+from hylo.ownership import read_record, record_files
 from hylo.pipeline.train.storage import Loc, StorageError, local_mirror
 
 LOCK_FILE = "run.lock"
@@ -178,6 +179,14 @@ def _release(lock: Loc, record: dict[str, Any]) -> None:
               f"directory, the next start needs --break-lock", flush=True)
 
 
+def _claim_new(d: Any) -> None:
+    """A run directory the lock just made (it holds the lock alone, and no record): recorded as this project's at
+    once (`hylo.ownership.record_files`), so that another run started now is told the directory is in use, not
+    that it is someone else's, and a lock left by a killed run is reported as a stale lock."""
+    if read_record(d) is None and {p.name for p in d.iterdir()} == {LOCK_FILE}:
+        record_files(d, [LOCK_FILE])
+
+
 @contextlib.contextmanager
 def run_lock(run: Loc, break_lock: bool = False, owner: str | None = None) -> Iterator[dict[str, Any]]:
     """Hold `<run>/run.lock` for the block (see the module docstring); yields the holder record."""
@@ -185,6 +194,7 @@ def run_lock(run: Loc, break_lock: bool = False, owner: str | None = None) -> It
     if run.is_local:
         locks = [run / LOCK_FILE]
         _acquire_local(locks[0], run, record, break_lock, owner)
+        _claim_new(run.local())
     else:
         local = Loc.of(local_mirror(run) / LOCK_FILE)
         _acquire_local(local, run, record, break_lock, owner)

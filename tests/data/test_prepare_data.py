@@ -13,7 +13,7 @@ from hylo.pipeline.config import load_config
 from hylo.pipeline.data.config import PrepareDataConfig
 from hylo.pipeline.data.mixture import split_of
 from hylo.pipeline.data.packing import PAD_DOC_ID, BestFitPacker, Document, label_aligned_mask
-from hylo.pipeline.data.prepare import PrepareError, prepare
+from hylo.pipeline.data.prepare import prepare
 from hylo.pipeline.data.reader import RowReader
 from hylo.pipeline.data.render import ChatRenderer
 from hylo.pipeline.data.rowfile import DataFormatError
