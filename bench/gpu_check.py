@@ -76,8 +76,7 @@ sys.path.insert(0, str(REPO))
 # torch, and whatever imports it, is imported inside functions ("# lazy: torch"): `main` sets TRITON_INTERPRET and
 # TORCH_EXTENSIONS_DIR first, and the --isolated parent imports no torch (its children have the GPU to themselves).
 
-from hylo.atomic import atomic_write  # noqa: E402
-from hylo.outputs import check_output_file  # noqa: E402
+from hylo.outputs import check_output_file, write_output_file  # noqa: E402
 from hylo.ownership import record_files  # noqa: E402
 from hylo.pipeline.estimate import GPUS  # noqa: E402  (the package's names load on use: no torch here)
 from hylo.pipeline.train.config import Stage2Config, load_stage_config  # noqa: E402
@@ -1379,7 +1378,7 @@ def estimate_worker(args: argparse.Namespace, sh: Shapes, device: Any) -> int:
         variant, tokens = job.split(":")
         done[job] = step_estimate(variant, sh, int(tokens), dtype)
         print(f"[gpu_check] step estimate {job}: {done[job].get('estimate_seconds', 0):.1f} s", flush=True)
-        atomic_write(out_dir / f"part_{i}.json", json.dumps(done, indent=1, allow_nan=True) + "\n")
+        write_output_file(out_dir / f"part_{i}.json", json.dumps(done, indent=1, allow_nan=True) + "\n")
         record_files(out_dir, [f"part_{i}.json"])
     return 0
 
@@ -1473,7 +1472,7 @@ def run_isolated(args: argparse.Namespace) -> int:
             log, _ = proc.communicate()
             rc = None
         child_out.mkdir(parents=True, exist_ok=True)
-        atomic_write(child_out / "log.txt", log)
+        write_output_file(child_out / "log.txt", log)
         record_files(child_out, ["log.txt"])
         print("\n".join(f"    {line}" for line in log.splitlines() if line.startswith("[gpu_check]")), flush=True)
         child = child_out / "gpu_check.json"
@@ -1521,8 +1520,8 @@ def bypass_fla_hopper_guard() -> bool:
 
 
 def write(out_dir: Path, report: dict[str, Any]) -> None:
-    atomic_write(out_dir / "gpu_check.json", json.dumps(report, indent=1, default=json_value, allow_nan=True) + "\n")
-    atomic_write(out_dir / "gpu_check.md", markdown(report))
+    write_output_file(out_dir / "gpu_check.json", json.dumps(report, indent=1, default=json_value, allow_nan=True) + "\n")
+    write_output_file(out_dir / "gpu_check.md", markdown(report))
     # recorded as ours: a later run may replace them (check_outputs)
     record_files(out_dir, REPORT_FILES)
 

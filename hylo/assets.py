@@ -53,6 +53,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hylo.atomic import atomic_write, honour_umask, remove_path, replace_dir
+from hylo.json_files import read_json
 from hylo.locks import file_lock
 from hylo.logs import get_logger
 from hylo.stopping import popen, track_temp
@@ -304,11 +305,11 @@ def asset_problem(name: str, cache_dir: str | Path | None = None, full: bool = F
     last hash (size, mtime, inode; `STAMPS`) still matches and is not racy; `full` hashes every file."""
     d = asset_dir(name, cache_dir)
     try:
-        files = json.loads((d / MARKER).read_text())["files"]
+        files = read_json(d / MARKER)["files"]
         if not files or not isinstance(files, dict):
             return ""
         try:
-            stamps = json.loads((d / STAMPS).read_text()).get("files", {})
+            stamps = read_json(d / STAMPS).get("files", {})
         except (OSError, ValueError, AttributeError):
             stamps = {}
         stamps = stamps if isinstance(stamps, dict) else {}

@@ -41,7 +41,8 @@ import yaml
 
 from hylo.assets import ASSETS, AssetError, asset_name
 from hylo.atomic import atomic_write
-from hylo.json_files import loads_json
+from hylo.bounded_read import read_bounded
+from hylo.json_files import MAX_JSON_BYTES, read_json
 from hylo.yaml_limits import YamlShapeError, check_yaml_shape
 
 CARD_JSON = "hylo_card.json"
@@ -54,7 +55,7 @@ def _now() -> str:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = loads_json(path.read_bytes(), str(path))
+        data = read_json(path)  # bounded, a regular file only
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -85,8 +86,8 @@ def _front_matter(readme: Path) -> dict[str, Any]:
     """The YAML front matter of a model card (README.md), {} when it has none (or one too deep, or of aliases
     that expand too far: hylo/yaml_limits.py)."""
     try:
-        text = readme.read_text(encoding="utf-8")
-    except OSError:
+        text = read_bounded(readme, MAX_JSON_BYTES, ValueError, "model card").decode("utf-8")
+    except (OSError, ValueError):
         return {}
     m = re.match(r"---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
     if not m:

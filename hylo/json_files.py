@@ -1,7 +1,9 @@
 """JSON read with errors that name the file: `read_json(path, error)`, `loads_json(text, where, error)`.
 
 Invalid JSON, bytes that are not UTF-8 and nesting past `MAX_JSON_DEPTH` raise the caller's error class naming
-the file. A leaf: it imports nothing of the project (configs use it).
+the file. A file is read through `hylo.bounded_read.read_bounded`: what is not a regular file (a directory, a
+FIFO, a device, a socket) is refused saying what it is, and at most `MAX_JSON_BYTES` (or the caller's bound) is
+read before parsing; the limit is in the error. A leaf: it imports only the leaf hylo/bounded_read.py.
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hylo.bounded_read import read_bounded, size_text
+
 # Nesting levels of a JSON file a job reads (a model's config.json or tokenizer.json nests at most 6, a chat
 # record 4); a YAML config's bound is the same (hylo/yaml_limits.py).
 MAX_JSON_DEPTH = 64
+# Bytes of a JSON file read at most (a model's tokenizer.json is 2-35 MB, a manifest or a record far less).
+MAX_JSON_BYTES = 64 << 20
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 _JSON_BRACKET = re.compile(r"[\[\]{}]")
 
@@ -51,14 +57,30 @@ def loads_json(text: str | bytes, where: str, error: type[Exception] = ValueErro
         raise error(f"{where}: not valid JSON ({e})") from None
 
 
-def read_json(path: str | os.PathLike | Any, error: type[Exception] = ValueError, mapping: bool = False) -> Any:
+def read_json(path: str | os.PathLike | Any, error: type[Exception] = ValueError, mapping: bool = False,
+              max_bytes: int = MAX_JSON_BYTES) -> Any:
     """The JSON value of file `path` (a path, or any object with `read_text()` such as a storage
     location). A file that is not valid JSON or not UTF-8 raises `error("<path>: not valid JSON (...)")`,
     and with `mapping` one whose top level is not an object raises `error` too. A missing file raises
-    FileNotFoundError: what its absence means is the caller's to say. Its depth is bounded (`loads_json`)."""
-    src = path if hasattr(path, "read_text") else Path(path)
+    FileNotFoundError: what its absence means is the caller's to say. What is not a regular file, or holds more
+    than `max_bytes`, raises `error` saying so (`read_bounded`); its depth is bounded (`loads_json`)."""
+    src = path if hasattr(path, "read_text") and not isinstance(path, Path) else Path(path)
+    if getattr(src, "is_local", False) and hasattr(src, "local"):
+        src = src.local()  # a storage location on this machine: its file, read bounded
     try:
-        text = src.read_bytes() if isinstance(src, Path) else src.read_text()
+        if isinstance(src, Path):
+            text: str | bytes = read_bounded(src, max_bytes, error, "JSON file")
+        elif hasattr(src, "iter_chunks"):  # an object store: read in chunks, at most max_bytes
+            chunks, got = [], 0
+            for chunk in src.iter_chunks():
+                chunks.append(chunk)
+                got += len(chunk)
+                if got > max_bytes:
+                    raise error(f"JSON file {src} holds more than {size_text(max_bytes)}; a JSON file is read only "
+                                f"up to {size_text(max_bytes)}: nothing was parsed")
+            text = b"".join(chunks)
+        else:
+            text = src.read_text()
     except UnicodeDecodeError as e:
         raise error(f"{src}: not valid JSON ({e})") from None
     data = loads_json(text, str(src), error)

@@ -4,7 +4,7 @@
   from its creation (`"staging": true`, pid and host). Only one with that record, made on this host by a
   process that is gone, is removed.
 * A `.<name>.old-<pid>-<hex>` (a crash between the two renames of a swap) goes back in place when the
-  output is missing, else is removed if its record lists all it holds.
+  output is missing, else is removed if its record proves all it holds ours, as written (`unproven`).
 * `sweep_temp_files` does the same for the temporary files of `atomic_path`.
 * Nothing else beside the output is touched. Leftovers are matched by the output's name literally (`o[1]`
   is no glob pattern).
@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import shutil
@@ -22,7 +21,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hylo.ownership import OUTPUT_RECORD, WRITTEN_BY, foreign_entries, output_target
+from hylo.json_files import read_json
+from hylo.ownership import OUTPUT_RECORD, RECORD_MAX_BYTES, WRITTEN_BY, output_target, unproven
 
 
 def _pid_alive(pid: int) -> bool:
@@ -37,7 +37,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _staging_record(d: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads((d / OUTPUT_RECORD).read_text(encoding="utf-8"))
+        data = read_json(d / OUTPUT_RECORD, ValueError, max_bytes=RECORD_MAX_BYTES)
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and data.get("written_by") == WRITTEN_BY else None
@@ -47,7 +47,7 @@ def stale_leftovers(path: str | Path) -> tuple[list[Path], list[Path]]:
     """What killed jobs left beside output `path`: (ours to remove, others of the same name pattern that are
     not provably ours and are left alone). A staging directory is ours when it carries our staging record,
     made on this host by a process that is gone; an `.old-` one when its process is gone and its record
-    lists all it holds."""
+    proves all it holds ours."""
     p = output_target(path)
     ours: list[Path] = []
     others: list[Path] = []
@@ -66,7 +66,7 @@ def stale_leftovers(path: str | Path) -> tuple[list[Path], list[Path]]:
                         and rec.get("host") == host and not _pid_alive(int(pid_text)))
             else:
                 mine = not _pid_alive(int(pid_text)) and (not any(d.iterdir()) or (
-                    rec is not None and not foreign_entries(d)))
+                    rec is not None and not unproven(d)))
             (ours if mine else others).append(d)
     return ours, others
 

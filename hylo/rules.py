@@ -55,6 +55,9 @@ class Rule:
     # A local path, a URI (s3://...) or an asset (asset:NAME, NAME): a relative local path is relative to the
     # directory the command runs in, and the job makes it absolute once, at start (`resolve_paths`).
     path: bool = False
+    # With `path`: a path the job writes (an output, or a store it adds to: a run directory, a cache); every other
+    # path field is one of the job's inputs (`hylo.pipeline.paths.job_inputs`), never to be written over.
+    output: bool = False
     nonempty: bool = False
     # Regular expression the whole string must match, and how to say it in an error.
     pattern: str | None = None
@@ -199,6 +202,8 @@ NONEMPTY = Rule(nonempty=True)
 # A file or directory: see Rule.path (hylo.pipeline.config.resolve_paths makes a relative one absolute).
 PATH = Rule(path=True)
 NONEMPTY_PATH = Rule(path=True, nonempty=True)
+# A path the job writes (see Rule.output).
+OUTPUT_PATH = Rule(path=True, output=True)
 RELATIVE_NAME = Rule(relative_name=True)
 FILE_NAME = Rule(file_name=True)
 # A port to bind or connect to.

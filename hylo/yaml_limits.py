@@ -9,7 +9,9 @@ refuses, with the line:
 * an alias inside the node it refers to (a recursive alias);
 * aliases that together stand for more than `MAX_ALIAS_NODES` nodes, counted as they would expand (every
   reader of a config walks the expanded tree: the key -> line map, the dataclasses, the config hash).
-A document without aliases is never limited by its size, only by its depth.
+A document without aliases is never limited by its size, only by its depth. The file it comes from is: a YAML
+file is read only up to `MAX_YAML_BYTES`, and only when it is a regular file (`hylo.bounded_read`, through
+`hylo.pipeline.config.read_yaml_file`, the one reader of a YAML file).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import yaml
 
+# Bytes of a YAML file (a config, a cluster file) read at most; the shipped configs are under 16 KiB.
+MAX_YAML_BYTES = 16 << 20
 # Nesting levels (mappings and lists inside each other); the shipped configs use at most 5.
 MAX_DEPTH = 64
 # Nodes the aliases of one document may stand for in all, once expanded.

@@ -20,8 +20,9 @@ from pathlib import Path
 if not __package__:  # python jobs/NAME.py of a checkout, installed or not: use the hylo/ beside jobs/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hylo.atomic import atomic_write
 from hylo.logs import add_log_level_flag
+from hylo.outputs import check_output_file, write_output_file
+from hylo.ownership import output_target
 from hylo.pipeline.cli import BadArgument, job_main
 from hylo.pipeline.config import shipped_config, shipped_configs
 from hylo.rules import suggest
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         allow_abbrev=False)
     cp.add_argument("name")
     cp.add_argument("dest", nargs="?", default=".")
-    cp.add_argument("--force", action="store_true", help="replace an existing DEST file")
+    cp.add_argument("--force", action="store_true", help="replace an existing DEST file this project did not write")
     add_log_level_flag(cp)
     return p
 
@@ -88,15 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     dest = Path(args.dest).expanduser()
     if dest.is_dir():
         dest = dest / src.name
-    if dest.exists() and not dest.is_file():
-        raise BadArgument(f"{dest} is not a regular file (a pipe, a device or a socket): the copy is a file; name "
-                          f"a new file or a directory")
-    if dest.exists() and not args.force:
-        raise BadArgument(f"{dest} exists; pass --force to replace it")
-    if not dest.parent.is_dir():
-        raise BadArgument(f"{dest.parent} is not a directory")
-    atomic_write(dest, src.read_bytes())
-    print(f"copied {src.name} to {dest}")
+    if not output_target(dest).parent.is_dir():
+        raise BadArgument(f"{output_target(dest).parent} is not a directory")
+    # the rule of every file a command writes at a path the user named (hylo.outputs.check_output_file): never
+    # the shipped config itself, never a non-regular file, a file not ours only with --force, a link followed
+    check_output_file(dest, "DEST", [("the shipped config", src)], force=args.force)
+    written = write_output_file(dest, src.read_bytes())
+    print(f"copied {src.name} to {dest}" + (f" (a link to {written})" if written != dest else ""))
     return 0
 
 

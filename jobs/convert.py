@@ -44,6 +44,7 @@ from hylo.pipeline.config import (
     from_dict,
     maybe_print_config,
     read_config_file,
+    remember_config_file,
     source_texts,
 )
 from hylo.pipeline.convert import ConvertJobConfig, job
@@ -153,7 +154,7 @@ def load_job_config(args: argparse.Namespace) -> ConvertJobConfig:
     set_keys = apply_overrides(tree, args.overrides, set_texts)
     try:
         with source_texts(texts, set_texts, [*by_flag, *set_keys]):
-            return from_dict(ConvertJobConfig, tree)
+            return remember_config_file(from_dict(ConvertJobConfig, tree), args.config)
     except ConfigError as e:
         origin = error_origin(e.key, str(args.config or "<defaults>"), lines, [*by_flag, *set_keys])
         if e.key in by_flag and e.key not in set_keys:

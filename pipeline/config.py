@@ -40,11 +40,13 @@ from typing import Any, TypeVar
 
 import yaml
 
+from hylo.bounded_read import read_bounded
 from hylo.logs import add_log_level_flag
 from hylo.rules import (  # noqa: F401  (the rule mechanism, re-exported: configs import it from here)
     FILE_NAME,
     NONEMPTY,
     NONEMPTY_PATH,
+    OUTPUT_PATH,
     PATH,
     PORT,
     RELATIVE_NAME,
@@ -387,24 +389,36 @@ def _missing_config(p: Path) -> ConfigError:
     return ConfigError(f"config file {p} does not exist{hint} (`hylo configs` lists the shipped configs)")
 
 
-def read_config_file(path: str | Path, texts: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, int]]:
-    """A YAML config file (or a shipped config's name, `config_file`) -> (mapping, dotted key -> line); `texts`
-    (if given) receives the unquoted scalars' texts (`parse_yaml`).
-    Missing, unreadable, non-UTF-8 or duplicate-key files raise ConfigError naming the file."""
-    p = config_file(path)
+def read_yaml_file(p: Path, what: str = "config file") -> str:
+    """The text of YAML file `p` (`what` names it in errors), read the one way a YAML file is: a regular file only,
+    at most `MAX_YAML_BYTES` (`hylo.bounded_read.read_bounded`: a directory, a pipe, a device or a socket is
+    refused saying what it is, a larger file with the limit), UTF-8. Errors are ConfigErrors naming the file; a
+    missing file raises FileNotFoundError (what that means is the caller's to say)."""
+    from hylo.yaml_limits import MAX_YAML_BYTES  # lazy: layering
+
     try:
-        raw = p.read_bytes()
+        raw = read_bounded(p, MAX_YAML_BYTES, ConfigError, what)
     except FileNotFoundError:
-        raise _missing_config(p) from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {p} is a directory") from None
+        raise
     except OSError as e:
-        raise ConfigError(f"config file {p}: cannot read it ({e.strerror or e})") from None
+        raise ConfigError(f"{what} {p}: cannot read it ({e.strerror or e})") from None
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
         raise ConfigError(f"{p}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at line {line}, offset {e.start})") from None
+
+
+def read_config_file(path: str | Path, texts: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, int]]:
+    """A YAML config file (or a shipped config's name, `config_file`) -> (mapping, dotted key -> line); `texts`
+    (if given) receives the unquoted scalars' texts (`parse_yaml`).
+    Missing, unreadable, non-UTF-8 or duplicate-key files raise ConfigError naming the file; so does what is not a
+    regular file or is over `MAX_YAML_BYTES` (`read_yaml_file`)."""
+    p = config_file(path)
+    try:
+        text = read_yaml_file(p)
+    except FileNotFoundError:
+        raise _missing_config(p) from None
     lines: dict[str, int] = {}
     loaded = parse_yaml(text, str(p), lines, texts)
     if loaded is None:
@@ -499,7 +513,23 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         tree = select(tree, Path(path))
     keys = apply_overrides(tree, overrides, set_texts)
     label = label or (str(path) if path is not None else "<defaults>")
-    return build_config(cls, tree, label, lines, keys, line_prefixes, texts, set_texts)
+    return remember_config_file(build_config(cls, tree, label, lines, keys, line_prefixes, texts, set_texts), path)
+
+
+# where a loaded config remembers the file it was read from (`config_file_of`): one of the files its job reads
+_CONFIG_FILE = "_hylo_config_file"
+
+
+def remember_config_file(cfg: T, path: str | Path | None) -> T:
+    """`cfg`, remembering that it was read from config file `path` (None: from defaults and flags alone)."""
+    if path is not None:
+        object.__setattr__(cfg, _CONFIG_FILE, config_file(path))
+    return cfg
+
+
+def config_file_of(cfg: Any) -> Path | None:
+    """The config file `cfg` was loaded from (`load_config`), else None; it survives `copy.deepcopy`."""
+    return getattr(cfg, _CONFIG_FILE, None)
 
 
 def config_hash(obj: Any, exclude: tuple[str, ...] = ()) -> str:

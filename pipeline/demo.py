@@ -28,9 +28,11 @@ from pathlib import Path
 
 from hylo.assets import fetch_asset
 from hylo.atomic import atomic_write
+from hylo.json_files import read_json
 from hylo.logs import get_logger
 from hylo.pipeline.cli import MAX_COUNT, bounded_int, int_list
 from hylo.pipeline.config import at_least, config_from_args, each, rules, shipped_config
+from hylo.pipeline.paths import job_inputs
 from hylo.pipeline.runner import (
     ROOT,
     RUNNER_FLAGS,
@@ -98,7 +100,8 @@ def config(name: str) -> str:
 
 class Demo(StepRunner):
     def __init__(self, cfg: DemoConfig) -> None:
-        super().__init__(cfg.run_dir, force=cfg.force, quiet=cfg.quiet, tag="demo", ray=cfg.ray)
+        super().__init__(cfg.run_dir, force=cfg.force, quiet=cfg.quiet, tag="demo", ray=cfg.ray,
+                         inputs=job_inputs(cfg))
         self.cfg = cfg
 
     # ------------------------------------------------------------------ steps
@@ -113,7 +116,7 @@ class Demo(StepRunner):
         self.sh("decontaminate", [*job("decontaminate"), "--input", f"sharegpt={self.sharegpt}",
                                   "--benchmark", "humaneval", "--out", str(out),
                                   "--set", "output_format=jsonl"], ray=True)
-        summary = json.loads((out / "summary.json").read_text())
+        summary = read_json(out / "summary.json")
         return {"summary": summary}
 
     def heldout(self) -> dict:
@@ -153,7 +156,7 @@ class Demo(StepRunner):
             "--set", f"packing.max_len={self.cfg.seq_len}",
             "--set", f"output.dir={out}", "--set", "output.overwrite=true",
         ], ray=True)
-        manifest = json.loads((out / "manifest.json").read_text())
+        manifest = read_json(out / "manifest.json")
         return {"manifest_counts": manifest.get("counts", {})}
 
     def convert(self) -> dict:
@@ -195,12 +198,12 @@ class Demo(StepRunner):
         cmd = eval_cmd(model, self.base, self.run / "data" / "heldout", out, ",".join(suites),
                        self.cfg.heldout_rows, extra)
         self.sh(f"eval_{name}", cmd)
-        return json.loads((out / "results.json").read_text())
+        return read_json(out / "results.json")
 
     def eval_outputs(self, name: str, suites: list[str]) -> list[Path]:
         """The step's output; an earlier run that lacks one of `suites` (no full_eval then) is redone."""
         results = self.run / "eval" / name / "results.json"
-        if results.is_file() and not set(suites) <= set(json.loads(results.read_text())):
+        if results.is_file() and not set(suites) <= set(read_json(results)):
             self.done_file(f"eval_{name}").unlink(missing_ok=True)
         return [results]
 
@@ -214,7 +217,7 @@ class Demo(StepRunner):
                               "--compare-seeds", *map(str, c.placement_seeds),
                               "--train-set", "model.activation_checkpointing=false"]
                 + (["--quiet"] if c.quiet else []), ray=True)
-        return json.loads((self.run / "placement" / "compare.json").read_text())
+        return read_json(self.run / "placement" / "compare.json")
 
     # ------------------------------------------------------------------ report
     def report(self, info: dict) -> str:
@@ -288,8 +291,8 @@ class Demo(StepRunner):
             # other seeds are another step (place_layers itself reuses every run that finished)
             name = "placement" if seeds == [0] else "placement_seeds_" + "-".join(map(str, seeds))
             self.step(name, [r / "placement" / "compare.json"], self.placement)
-        info["convert"] = json.loads(self.done_file("convert").read_text())
-        info["decontaminate"] = json.loads(self.done_file("decontaminate").read_text())
+        info["convert"] = read_json(self.done_file("convert"))
+        info["decontaminate"] = read_json(self.done_file("decontaminate"))
         table = self.report(info)
         if self.cfg.update_readme:
             update_readme(self.run, ROOT / "README.md")

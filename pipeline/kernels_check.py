@@ -56,14 +56,14 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from hylo.atomic import atomic_write
+from hylo.json_files import read_json
 from hylo.kernels import compile_check as cc
 from hylo.logs import get_logger
-from hylo.outputs import check_output_file
+from hylo.outputs import check_not_an_input, check_output_file, write_output_file
 from hylo.ownership import record_files
 from hylo.pipeline.cli import MAX_WORLD_SIZE, BadArgument, bounded_int
-from hylo.pipeline.config import add_config_args, config_file, maybe_print_config
-from hylo.pipeline.paths import resolve_paths
+from hylo.pipeline.config import add_config_args, maybe_print_config
+from hylo.pipeline.paths import job_inputs, resolve_paths
 from hylo.pipeline.train.config import load_stage_config, sp_shard_problem
 from hylo.stopping import make_dir, popen, track_temp
 
@@ -256,7 +256,7 @@ def child_main(argv: list[str]) -> int:
 
     fla["hylo_route"] = {"installed": install_fla_route(), "problem": fla_route_problem()}
     torch.manual_seed(0)
-    plan = json.loads(Path(plan_path).read_text())
+    plan = read_json(Path(plan_path))
     sites_done: list[dict[str, Any]] = []
 
     def save(records: list[cc.Record]) -> None:
@@ -330,7 +330,7 @@ def run_targets(plan: list[dict[str, Any]], targets: list[str], work: Path, log_
                 if log_to is not None and "Warning" not in line and "warn_once" not in line:
                     log_to.write(line)
                     log_to.flush()
-        res: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {"records": [], "sites": []}
+        res: dict[str, Any] = read_json(out) if out.is_file() else {"records": [], "sites": []}
         if proc.returncode != 0:
             tail = " ".join(" ".join(lines).split()[-60:])
             res["error"] = f"the {target} child failed (exit {proc.returncode}): {tail}"
@@ -469,7 +469,7 @@ def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[s
                             "sites": res.get("sites"), **totals[t]}
                         for t, res in results.items()},
            "records": records, "problems": bad}
-    atomic_write(out_dir / "kernels_check.json", json.dumps(doc, indent=1, default=str) + "\n")
+    write_output_file(out_dir / "kernels_check.json", json.dumps(doc, indent=1, default=str) + "\n")
     v = doc["versions"]
     md = [f"# kernels-check {doc['date']}", "",
           f"triton {v['triton']}, fla {v['flash-linear-attention']}, torch {v['torch']}; recipes: "
@@ -482,7 +482,7 @@ def write_report(out_dir: Path, results: dict[str, Any], users: dict[str, list[s
            totals_line(totals), ""]
     md += (["Problems:", ""] + [f"* {b}" for b in bad]) if bad else ["Every launch site has a configuration that "
                                                                      "compiles and fits on every target."]
-    atomic_write(out_dir / "kernels_check.md", "\n".join(md) + "\n")
+    write_output_file(out_dir / "kernels_check.md", "\n".join(md) + "\n")
     # recorded as ours: a later run may replace them (hylo.outputs.check_output_file)
     record_files(out_dir, REPORT_FILES)
     return bad
@@ -572,11 +572,13 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     sp = args.sequence_parallel or int(getattr(cfg.train, "sequence_parallel", 1) or 1)
     check_sequence_parallel(sp, args.tokens, "--sequence-parallel" if args.sequence_parallel
                             else "train.sequence_parallel")
-    # before the work: neither report is the config it reads nor a file of the user's, and --out can be written
-
+    # before the work: neither report is in (or is) anything the check reads (its config, the student's or the
+    # base's folder: --force or not), nor a file of the user's, and --out can be written
+    inputs = [*job_inputs(cfg), *(job_inputs(stage1) if stage1 is not None else [])]
+    if args.warm_cache:
+        check_not_an_input(args.warm_cache, inputs, "--warm-cache")
     for report in REPORT_FILES:
-        check_output_file(Path(args.out) / report, "--out", [("--config", config_file(args.config) if args.config
-                                                             else None)], force=args.force)
+        check_output_file(Path(args.out) / report, "--out", inputs, force=args.force)
     sites = recipe_sites(cfg, stage1, args.tokens, sp, "--sequence-parallel" if args.sequence_parallel
                          else "train.sequence_parallel")
     cache_dir = None

@@ -17,6 +17,12 @@ Design choices:
   and fields a config says hold no local path in its instance (`__not_paths__`, e.g. a Hub dataset source).
 * `--print-config` prints the config as given (before this step): a printed config loads back in the same
   directory with the same meaning.
+
+What a job reads, from the same declarations: `job_inputs(cfg, config)` lists every path field that is not an
+output (`OUTPUT_PATH`, hylo/rules.py: an output directory, a run directory, a cache the job adds to), with its
+dotted key, plus the config file itself: model folders, data, caches, the teacher, tokenizers. Every job that
+writes a path the user named checks it against them (`hylo.outputs.check_not_an_input`): an output is never
+one of them, inside one, or around one.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ import re
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hylo.assets import ASSETS
-from hylo.pipeline.config import field_rules
+from hylo.assets import ASSETS, AssetError, local_path
+from hylo.pipeline.config import config_file, config_file_of, field_rules
 
 T = TypeVar("T")
 # `scheme:` at the start of a value: a URI (s3://, gs://, file://) or one of the project's prefixes
@@ -88,3 +94,49 @@ def resolve_paths(cfg: T, base: str | os.PathLike | None = None) -> T:
     out = copy.deepcopy(cfg)
     _walk(out, Path.cwd() if base is None else Path(base))
     return out
+
+
+def _input_values(obj: Any, prefix: str) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        rules = field_rules(type(obj))
+        skip = set(obj.__not_paths__() if hasattr(obj, "__not_paths__") else ()) | set(getattr(obj, "__not_inputs__", ()))
+        for f in dataclasses.fields(obj):
+            value, key, rule = getattr(obj, f.name), f"{prefix}{f.name}", rules.get(f.name)
+            if rule is not None and rule.path:
+                if rule.output or f.name in skip:
+                    continue
+                items = value if isinstance(value, list) else [value]
+                keys = [f"{key}[{i}]" for i in range(len(items))] if isinstance(value, list) else [key]
+                out += [(k, v) for k, v in zip(keys, items) if isinstance(v, str) and v]
+            else:
+                out += _input_values(value, key + ".")
+    elif isinstance(obj, list | tuple):
+        for i, item in enumerate(obj):
+            out += _input_values(item, f"{prefix.removesuffix('.')}[{i}].")
+    elif isinstance(obj, dict):
+        for k, item in obj.items():
+            out += _input_values(item, f"{prefix}{k}.")
+    return out
+
+
+def job_inputs(cfg: Any, config: str | os.PathLike | None = None,
+               extra: list[tuple[str, str | os.PathLike | None]] | None = None) -> list[tuple[str, Path]]:
+    """(dotted key, local path) of every file or folder config `cfg` reads: each path field that is not an output
+    (`Rule.output`) nor named by its class's `__not_inputs__` (a folder whose parts the job reads, found by the job
+    itself: placement's data_from), nested sections and lists included, an asset name as its folder in the asset cache; a URI
+    or a Hub name is no local path and left out. `config`: the `--config` file, first (default: the file `cfg`
+    was loaded from, `config_file_of`; a shipped config's name as its file). `extra`: more (option, path) pairs
+    the job reads, named as the user gave them (a flag: `--model`), before the config's fields."""
+    found: list[tuple[str, Path]] = []
+    config = config or config_file_of(cfg)
+    if config:
+        found.append(("--config", config_file(config)))
+    for key, value in [*[(k, os.fspath(v)) for k, v in extra or [] if v], *_input_values(cfg, "")]:
+        try:
+            p = local_path(value)
+        except AssetError:  # an unknown asset:NAME is the reader's error to report, with its own message
+            p = None
+        if p is not None:
+            found.append((key, p))
+    return found

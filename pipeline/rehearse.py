@@ -71,6 +71,7 @@ from hylo.pipeline.config import (
     config_file,
     maybe_print_config,
     parse_yaml,
+    read_yaml_file,
 )
 from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.ray_init import project_env
@@ -191,14 +192,10 @@ def read_cluster_file(path: Path, flag: str = "cluster file") -> dict[str, Any]:
     not a YAML mapping is a ConfigError naming it (its depth and aliases bounded as a config's)."""
     if path.is_dir():
         raise ConfigError(f"{flag} {path}: is a directory, not a cluster file (cluster/*.yaml)")
-    if not path.exists():
-        raise ConfigError(f"{flag} {path}: does not exist")
-    if not path.is_file():
-        raise ConfigError(f"{flag} {path}: is not a regular file (a device, a pipe or a socket)")
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{flag} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        text = read_yaml_file(path, flag)
+    except FileNotFoundError:
+        raise ConfigError(f"{flag} {path}: does not exist") from None
     data = parse_yaml(text, f"{flag} {path}")
     if not isinstance(data, dict):
         raise ConfigError(f"{flag} {path}: not a YAML mapping (a Ray cluster file such as cluster/*.yaml), its top "

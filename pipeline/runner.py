@@ -31,10 +31,11 @@ from pathlib import Path
 
 import hylo
 from hylo.atomic import atomic_write
+from hylo.json_files import read_json
 from hylo.logs import get_logger
 from hylo.outputs import check_not_an_input
 from hylo.ownership import check_own_directory, record_files
-from hylo.pipeline.config import PATH, add_config_args, rules
+from hylo.pipeline.config import OUTPUT_PATH, add_config_args, rules
 from hylo.pipeline.job_output import JobEcho, known_noise
 from hylo.pipeline.ray_init import RayInitSection, check_ray_address, gcs_address, init_ray
 from hylo.stopping import popen
@@ -54,7 +55,7 @@ def job(name: str) -> list[str]:
 
 
 @dataclass
-@rules(run_dir=PATH)
+@rules(run_dir=OUTPUT_PATH)
 class RunnerConfig:
     """The options every multi-step job has (`DemoConfig`, `PlacementConfig` extend it)."""
 
@@ -84,8 +85,8 @@ def runner_parser(description: str) -> argparse.ArgumentParser:
     return ap
 
 
-# what every multi-step run directory holds (its steps' logs and records)
-RUN_MARKERS = ("logs", "done")
+# what every multi-step run directory holds (its steps' logs and records), recorded as ours when made
+RUN_ENTRIES = ("logs", "done")
 
 
 class StepRunner:
@@ -93,16 +94,16 @@ class StepRunner:
                  ray: RayInitSection | None = None,
                  inputs: Iterable[tuple[str, str | Path | None]] = ()) -> None:
         # before anything is made: the run directory is none of the run's `inputs` ((option, path) pairs), nor
-        # inside or around one, and no directory of the user's (our record, or logs/ and done/ of an older run)
+        # inside or around one, and no directory of the user's (our record proves a run directory ours)
         check_not_an_input(run_dir, inputs, "run_dir")
-        check_own_directory(run_dir, "run_dir", RUN_MARKERS)
+        check_own_directory(run_dir, "run_dir")
         # the cluster the steps join answers (a stale RAY_ADDRESS is named now, before any step runs)
         check_ray_address((ray or RayInitSection()).address)
         self.run = Path(run_dir).resolve()
         self.force, self.quiet, self.tag = force, quiet, tag
         (self.run / "logs").mkdir(parents=True, exist_ok=True)
         (self.run / "done").mkdir(parents=True, exist_ok=True)
-        record_files(self.run, RUN_MARKERS)
+        record_files(self.run, RUN_ENTRIES)
         self.times: dict[str, float] = {}
         self.t_start = time.time()
         self.ray_cfg = ray or RayInitSection()
@@ -139,7 +140,7 @@ class StepRunner:
         f = self.done_file(name)
         if self.force or not f.is_file():
             return None
-        info = json.loads(f.read_text())
+        info = read_json(f)
         missing = [str(p) for p in outputs if not Path(p).exists()]
         if missing:
             logger.info(f"[{self.tag}] {name}: marked done but {missing[0]} is missing; running it again")

@@ -2,8 +2,10 @@
 
 mkdocs empties its `--site-dir` before it builds, links followed: a `site` linked to a folder of the user's, or a
 file of the user's in site/, would be deleted. Here mkdocs only ever cleans a fresh staging directory, and
-`hylo.outputs.atomic_dir` (the rule every job's output follows) replaces site/ only when it is missing or our own
-earlier build: its record `.hylo-output.json` lists every entry. Anything else is refused, named, and left alone.
+`hylo.outputs.atomic_dir` (the rule every job's output follows) replaces site/ only when it is missing, empty or
+our own earlier build as we wrote it: its record `.hylo-output.json` lists every file with its size and hash.
+Anything else is refused, named, and left alone; a site/ is never taken for a build by the names it holds (a
+build from before the record is removed by hand once). site/ is never docs/ or mkdocs.yml, nor around them.
 
     python docs/hooks/build_site.py [SITE]    # default: site/ beside mkdocs.yml
 """
@@ -20,26 +22,14 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script of the checkout: its hylo/, installed or not
     sys.path.insert(0, str(REPO))
 
-from hylo.outputs import atomic_dir  # noqa: E402
-from hylo.ownership import ForeignOutputError, recorded_entries  # noqa: E402
-
-# what every mkdocs-material build writes besides a folder per page
-BUILD_ENTRIES = {"404.html", "index.html", "assets", "search", "sitemap.xml", "sitemap.xml.gz", "configuration"}
-
-
-def legacy_entries(site: Path, docs: Path = REPO / "docs") -> set[str]:
-    """The entries of a site/ built before the record (a mkdocs build of these docs: its search index and the
-    generated configuration page): what such a build writes, owned as ours. Empty for anything else."""
-    if recorded_entries(site) is not None or not ((site / "search" / "search_index.json").is_file()
-                                                 and (site / "configuration" / "index.html").is_file()):
-        return set()
-    pages = {p.stem if p.suffix == ".md" else p.name for p in docs.iterdir() if p.name not in ("hooks", "index.md")}
-    return BUILD_ENTRIES | pages
+from hylo.outputs import OutputConflictError, atomic_dir  # noqa: E402
+from hylo.ownership import ForeignOutputError  # noqa: E402
 
 
 def build(site: Path, run: Callable[[Path], None]) -> None:
     """`run(staging)` builds the site into `staging`, which then replaces `site` (see the module docstring)."""
-    with atomic_dir(site, "site directory", owned=legacy_entries(site)) as staging:
+    with atomic_dir(site, "site directory", inputs=[("docs", REPO / "docs"), ("mkdocs.yml", REPO / "mkdocs.yml")]) \
+            as staging:
         run(staging)
 
 
@@ -53,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     site = Path(args[0]) if args else REPO / "site"
     try:
         build(site, mkdocs)
-    except ForeignOutputError as e:
+    except (ForeignOutputError, OutputConflictError) as e:
         print(f"make docs: {e}", file=sys.stderr)
         return 1
     except subprocess.CalledProcessError as e:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hylo.pipeline.config import PATH, one_of, rules
+from hylo.pipeline.config import OUTPUT_PATH, PATH, one_of, rules
 from hylo.upcycle.config import ConvertConfig
 
 
 @dataclass
-@rules(released_layout=one_of("zebra-llama", "x-ecomla"), base=PATH, out=PATH, base_config=PATH, from_released=PATH,
+@rules(released_layout=one_of("zebra-llama", "x-ecomla"), base=PATH, out=OUTPUT_PATH, base_config=PATH, from_released=PATH,
        to_released=PATH)
 class ConvertJobConfig:
     # The base model: an HF directory, asset:NAME or an asset name (hylo.assets).

@@ -12,6 +12,7 @@ from hylo.outputs import check_not_an_input
 from hylo.ownership import check_replaceable
 from hylo.pipeline.cli import writable_dir
 from hylo.pipeline.convert.config import ConvertJobConfig
+from hylo.pipeline.paths import job_inputs
 from hylo.released_facts import AMD_AT
 from hylo.upcycle.config import UpcycleError
 
@@ -61,7 +62,8 @@ def released_io(cfg: ConvertJobConfig) -> dict[str, Any]:
         raise UpcycleError("--out is required with --from-released / --to-released")
     if not src.is_dir():
         raise UpcycleError(f"{src} does not exist or is not a directory")
-    check_not_an_input(cfg.out, [("--from-released", cfg.from_released), ("--to-released", cfg.to_released)])
+    check_not_an_input(cfg.out, job_inputs(cfg, extra=[("--from-released", cfg.from_released),
+                                                       ("--to-released", cfg.to_released)]))
     check_replaceable(cfg.out, "--out")
     try:
         released = is_released_layout(src) or is_xecomla_layout(src)
@@ -120,7 +122,7 @@ def convert_base(cfg: ConvertJobConfig, progress: bool = True) -> dict[str, Any]
     if not cfg.base or not cfg.out:
         raise UpcycleError("--base and --out are required (or --dry-run --base-config)")
     base = asset_dir(name) if (name := asset_name(cfg.base)) is not None else cfg.base
-    check_not_an_input(cfg.out, [("--base", base)])
+    check_not_an_input(cfg.out, job_inputs(cfg, extra=[("--base", base)]))
     writable_dir(Path(cfg.out).expanduser().resolve().parent, "--out (its parent)")
     # a directory holding anything we did not write (a user's notes) is refused now, not after the work
     check_replaceable(cfg.out, "--out")

@@ -14,6 +14,7 @@ from hylo.pipeline.config import (
     FILE_NAME,
     NONEMPTY,
     NONEMPTY_PATH,
+    OUTPUT_PATH,
     PATH,
     ROW_TOKENS,
     SEED,
@@ -145,7 +146,7 @@ class MatchConfig:
 
 
 @dataclass
-@rules(output_format=one_of(*OUTPUT_FORMATS), scanner=one_of(*SCANNERS), batch_size=at_least(1), out=PATH)
+@rules(output_format=one_of(*OUTPUT_FORMATS), scanner=one_of(*SCANNERS), batch_size=at_least(1), out=OUTPUT_PATH)
 class DecontamJobConfig:
     inputs: list[SourceSpec] = field(default_factory=list)
     benchmarks: list[BenchmarkSpec] = field(default_factory=lambda: [BenchmarkSpec("humaneval")])
@@ -262,7 +263,7 @@ class DecontamSection:
 
 
 @dataclass
-@rules(rows_per_shard=at_least(1), row_group_rows=at_least(0), dir=PATH)
+@rules(rows_per_shard=at_least(1), row_group_rows=at_least(0), dir=OUTPUT_PATH)
 class OutputConfig:
     dir: str = "runs/data/stage2"
     rows_per_shard: int = 64

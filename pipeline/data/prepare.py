@@ -25,7 +25,7 @@ from hylo.atomic import atomic_write
 from hylo.leftovers import sweep_stale
 from hylo.logs import get_logger
 from hylo.outputs import atomic_dir, check_not_an_input
-from hylo.ownership import foreign_entries
+from hylo.ownership import check_replaceable
 from hylo.pipeline.config import config_hash, to_dict
 from hylo.pipeline.data.config import UNHASHED_KEYS
 from hylo.pipeline.data.decontam import build_index, cut_record, scan_and_decide
@@ -36,6 +36,7 @@ from hylo.pipeline.data.render import ChatRenderer, token_table, token_table_has
 from hylo.pipeline.data.report import report_markdown
 from hylo.pipeline.data.shards import MANIFEST, ShardWriter, write_manifest
 from hylo.pipeline.data.streaming import PackedRun, actor_count, make_packer, stream_packed_rows
+from hylo.pipeline.paths import job_inputs
 from hylo.pipeline.ray_init import check_ray_address, init_ray
 
 logger = get_logger(__name__)
@@ -70,25 +71,10 @@ class PrepareError(ValueError):
     """prepare_data cannot produce a dataset (nothing to write, an output dir it must not replace)."""
 
 
-# What a prepare run writes into its output directory besides the shards its manifest lists
-# (a dataset written before the record .hylo-output.json existed is ours by its manifest).
-_ALWAYS_WRITTEN = frozenset({MANIFEST, "rejects.jsonl", "removed.jsonl", "report.json", "report.md"})
-
-
-def _owned_by_manifest(out: Path) -> frozenset[str]:
-    """The entries the dataset manifest of `out` says a prepare run wrote (empty: no manifest of ours)."""
-    try:
-        m = json.loads((out / MANIFEST).read_text())
-        shards = [s["file"] for s in m["shards"]] if m.get("format", "").startswith("hylo-packed-rows/") else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        shards = None
-    if shards is None or not all(isinstance(f, str) and "/" not in f for f in shards):
-        return frozenset()
-    return _ALWAYS_WRITTEN | frozenset(shards)
-
-
 def _check_output(out: Path, overwrite: bool) -> None:
-    """Refuse to clobber: an existing dataset needs overwrite, a foreign directory is never replaced.
+    """Refuse to clobber: an existing dataset needs overwrite, a directory is replaced only when its record proves
+    all it holds ours, as written (`hylo.ownership.check_replaceable`; never by the names it holds, a manifest's
+    included).
 
     Also removes what a killed run left beside `out` and puts back a dataset a crash between the two renames
     of a swap left aside (`hylo.leftovers.sweep_stale`: only what provably is ours).
@@ -100,22 +86,9 @@ def _check_output(out: Path, overwrite: bool) -> None:
         raise PrepareError(f"output.dir {out} exists and is not a directory")
     if not any(out.iterdir()):
         return
-    owned = _owned_by_manifest(out)
-    if not owned:
-        names = sorted(p.name for p in out.iterdir())
-        raise PrepareError(f"output.dir {out} exists and is not a prepared dataset (no {MANIFEST} of ours; it holds "
-                           f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}): it is never replaced; "
-                           f"choose another output.dir or empty it")
+    check_replaceable(out, "output.dir")
     if not overwrite:
         raise FileExistsError(f"{out / MANIFEST} exists; set output.overwrite=true to replace it")
-    foreign = foreign_entries(out, owned)
-    if foreign:
-        raise PrepareError(f"output.dir {out} is a prepared dataset but also holds {', '.join(foreign[:5])}"
-                           f"{' ...' if len(foreign) > 5 else ''}, which prepare_data did not write (neither its "
-                           f"{MANIFEST} nor .hylo-output.json lists it): even with output.overwrite=true it is "
-                           f"never deleted; move it away or choose another output.dir")
-
-
 
 
 def _warn(report_warnings: list[str], text: str) -> None:
@@ -147,8 +120,8 @@ def prepare(cfg: Any) -> dict[str, Any]:
         if not (spec.container == "hub" or spec.path.startswith("hub:")):
             inputs += [(f"mixture.sources[{i}] ({spec.name})", f) for f, _ in resolve_files(spec)]
     tok_dir = resolve_tokenizer(cfg.tokenize.tokenizer)
-    # the rows are never written over (or around) what they are made from
-    check_not_an_input(out, [*inputs, ("tokenize.tokenizer", tok_dir)], "output.dir")
+    # the rows are never written over (or around) what they are made from, nor the config that says how
+    check_not_an_input(out, job_inputs(cfg, extra=[*inputs, ("tokenize.tokenizer", tok_dir)]), "output.dir")
     tok = AutoTokenizer.from_pretrained(tok_dir)
     renderer = ChatRenderer.from_hf(tok, cfg.tokenize.mask_method, cfg.tokenize.chat_template_kwargs)
     pad_id = cfg.packing.pad_id
@@ -164,7 +137,7 @@ def prepare(cfg: Any) -> dict[str, Any]:
             raise PrepareError(f"decontam: {e}") from None
 
     # Built beside `out` and swapped in when complete; the previous dataset is deleted only after.
-    with atomic_dir(out, "output.dir", owned=_owned_by_manifest(out)) as staging:
+    with atomic_dir(out, "output.dir") as staging:
         report = _prepare_into(cfg, staging, out, renderer, pad_id, index)
     return report
 

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from hylo.bounded_read import not_regular
 from hylo.pipeline.data.rowfile import DataFormatError, PackedRowFile
 from hylo.pipeline.data.rows import PackedRow, check_row
 from hylo.pipeline.data.shards import MANIFEST, read_manifest
@@ -130,8 +131,11 @@ class ShardRows(ParquetRows):
 
     def _open(self, k: int) -> PackedRowFile:
         meta, path = self.manifest["shards"][k], self.paths[k]
-        if not path.is_file():
+        if not path.exists():
             raise DataFormatError(f"{path}: listed in {self.dir / MANIFEST} but missing")
+        if (kind := not_regular(path)) is not None:
+            raise DataFormatError(f"{path}: listed in {self.dir / MANIFEST} as a shard, but it is {kind}, not a file "
+                                  f"(restore the shard or rerun jobs/prepare_data.py)")
         f = super()._open(k)
         if f.num_rows != int(meta["rows"]):
             raise DataFormatError(f"{path}: has {f.num_rows} rows, manifest says {meta['rows']}")

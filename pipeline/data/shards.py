@@ -10,7 +10,9 @@ Design choices:
   shards with their row counts (checked against each shard's footer when it is opened).
 * A shard is a file of the dataset's own directory, listed once (`hylo.manifest_paths.confined_paths`, checked when
   the manifest is read, before any row): a manifest naming `../other/shard-00000.parquet`, an absolute path,
-  a link that leads out of the directory, or one shard twice is refused, naming the entry and why.
+  `shard-00000.parquet/.`, a link that leads out of the directory, one shard twice, or a directory or FIFO
+  where a shard should be is refused, naming the entry and why. The manifest itself is the dataset's own
+  file: one that is a link to another dataset's is refused as such (`hylo.manifest_paths.own_file`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pyarrow.parquet as pq
 
 from hylo.atomic import atomic_path, atomic_write
 from hylo.json_files import read_json
-from hylo.manifest_paths import confined_paths
+from hylo.manifest_paths import confined_paths, own_file
 from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, DataFormatError, rows_to_table
 
 MANIFEST = "manifest.json"
@@ -78,7 +80,8 @@ def write_manifest(directory: str | Path, manifest: dict[str, Any]) -> Path:
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
-    path = Path(directory) / MANIFEST
+    # the dataset's own manifest: never another dataset's through a link, never a pipe or a directory
+    path = own_file(directory, MANIFEST, DataFormatError)
     if not path.is_file():
         raise DataFormatError(f"{path} not found: not a packed-data directory, or its job did not finish")
     m = read_json(path, DataFormatError)

@@ -14,11 +14,11 @@ from hylo.pipeline import estimate
 from hylo.pipeline.cli import MAX_WORLD_SIZE, bounded_int
 from hylo.pipeline.config import (
     add_config_args,
-    config_file,
     flag_overrides,
     maybe_print_config,
     read_config_file,
 )
+from hylo.pipeline.paths import job_inputs, resolve_paths
 from hylo.pipeline.train.config import TEACHER_SPLITS, load_stage_config
 
 if TYPE_CHECKING:
@@ -65,11 +65,6 @@ def estimate_args(argv: list[str] | None, description: str | None = None) -> tup
     """The flags and the loaded config (`--stage`, else the `stage:` the file names, else 2); `--print-config`
     prints it and exits."""
     args = build_parser(description).parse_args(argv)
-    if args.json and not getattr(args, "print_config", False):
-        # before the work: --json is not the config it reads, nor a file of the user's, and can be written
-        check_output_file(args.json, "--json", [("--config", config_file(args.config) if args.config else None)],
-                          force=args.force)
-
     if args.stage is None:  # a stage's --print-config (and this job's) heads its file with `stage: N`
         named = read_config_file(args.config)[0].get("stage") if args.config else None
         args.stage = named if named in (1, 2) else 2
@@ -77,4 +72,8 @@ def estimate_args(argv: list[str] | None, description: str | None = None) -> tup
     overrides = [*args.overrides, *flag_overrides(args, FLAG_KEYS)]
     cfg = load_stage_config(args.stage, args.config, overrides)
     maybe_print_config(cfg, args)
+    if args.json:
+        # before the work: --json is none of the files the estimate reads (its config, the student's and the
+        # base's folders, the teacher's: never one of their files, --force or not), nor a file of the user's
+        check_output_file(args.json, "--json", job_inputs(resolve_paths(cfg)), force=args.force)
     return args, cfg

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hylo.atomic import atomic_write
+from hylo.outputs import write_output_file
 from hylo.ownership import WRITTEN_BY
 from hylo.pipeline.cli import BadArgument
 from hylo.pipeline.estimate.args import estimate_args
@@ -187,5 +187,5 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                   "last rank under seq_parallel.split_attention on the fake group; its bytes ANALYTIC, checked "
                   "against split_attention's collectives in the same test file.")
     if args.json:
-        atomic_write(Path(args.json), json.dumps(out, indent=1, default=str) + "\n")
+        write_output_file(args.json, json.dumps(out, indent=1, default=str) + "\n")
     return 0

@@ -10,7 +10,19 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from hylo.pipeline.config import NONEMPTY, PATH, SEED, ConfigError, Rule, above, at_least, each, one_of, rules
+from hylo.pipeline.config import (
+    NONEMPTY,
+    OUTPUT_PATH,
+    PATH,
+    SEED,
+    ConfigError,
+    Rule,
+    above,
+    at_least,
+    each,
+    one_of,
+    rules,
+)
 
 SUITES = ("kl", "retrieval", "kvcache", "lm_eval", "samples")
 # hylo.pipeline.eval.retrieval.TASKS (not imported: that module needs torch; a test keeps the two equal).
@@ -77,7 +89,7 @@ class KVCacheSection:
 @dataclass
 @rules(model=one_of("hylo", "hf"), tasks=each(NONEMPTY, nonempty=True), num_fewshot=at_least(0),
        fewshot_per_task=each(at_least(0)), batch_size=at_least(1), limit=above(0), max_length=at_least(1),
-       bootstrap_iters=at_least(0), include_path=PATH, output_path=PATH)
+       bootstrap_iters=at_least(0), include_path=PATH, output_path=OUTPUT_PATH)
 class LMEvalSection:
     # hylo: this project's lm-eval model (packed scoring, the already loaded model); hf: lm-eval's own
     # HF backend, loading the checkpoint with trust_remote_code (its model code is saved beside it).
@@ -127,7 +139,7 @@ class SamplesSection:
 
 
 @dataclass
-@rules(suites=each(one_of(*SUITES), nonempty=True), seed=SEED, threads=at_least(0), out=PATH)
+@rules(suites=each(one_of(*SUITES), nonempty=True), seed=SEED, threads=at_least(0), out=OUTPUT_PATH)
 class EvalConfig:
     models: ModelsSection = field(default_factory=ModelsSection)
     suites: list[str] = field(default_factory=lambda: ["kl", "retrieval", "kvcache"])

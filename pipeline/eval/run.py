@@ -26,10 +26,10 @@ import torch
 
 from hylo.assets import local_path
 from hylo.atomic import atomic_write
-from hylo.card import add_eval_results
+from hylo.card import CARD_JSON, CARD_MD, add_eval_results
 from hylo.logs import get_logger
 from hylo.outputs import check_not_an_input
-from hylo.ownership import check_own_files, record_files
+from hylo.ownership import check_own_files, record_files, recorded_entries
 from hylo.pipeline.config import config_hash, to_dict
 from hylo.pipeline.eval import kvcache
 from hylo.pipeline.eval.config import EvalConfig
@@ -45,6 +45,7 @@ from hylo.pipeline.eval.kl import TeacherStateCache, evaluate_kl, iter_eval_rows
 from hylo.pipeline.eval.lm_eval_adapter import prepare_lm_eval, run_lm_eval
 from hylo.pipeline.eval.retrieval import make_samples, run_retrieval
 from hylo.pipeline.eval.samples import greedy_answers
+from hylo.pipeline.paths import job_inputs
 
 logger = get_logger(__name__)
 
@@ -144,6 +145,10 @@ def lm_eval_samples(res: dict[str, Any]) -> dict[str, int]:
             if isinstance(m.get("sample_len"), int | float) and not isinstance(m.get("sample_len"), bool)}
 
 
+# what `update_card` rewrites in the evaluated checkpoint
+CARD_FILES = (CARD_JSON, CARD_MD)
+
+
 def update_model_card(res: dict[str, Any], results_path: Path) -> None:
     from hylo.config import HybridConfig  # lazy: transformers
 
@@ -151,8 +156,12 @@ def update_model_card(res: dict[str, Any], results_path: Path) -> None:
     if res["model"].get("kind") != "hylo" or not (path / "config.json").is_file():
         raise EvalError(f"update_card: {path} is not a HyLo checkpoint directory")
     limit = ((res.get("config") or {}).get("lm_eval") or {}).get("limit") if "lm_eval" in res else None
+    check_own_files(path, CARD_FILES, "update_card: the model card of --model")
     card = add_eval_results(path, HybridConfig.from_pretrained(path), card_metrics(res), str(results_path),
                             limit=limit, samples=lm_eval_samples(res))
+    if recorded_entries(path) is not None:
+        # the checkpoint's record follows its card (a later convert --out over it replaces the model whole)
+        record_files(path, CARD_FILES)
     _log(f"model card updated: {card}")
 
 
@@ -325,13 +334,21 @@ def results_files(cfg: EvalConfig) -> list[str]:
 
 
 def check_out(cfg: EvalConfig) -> None:
-    """Before any model is loaded: `out` is none of the inputs (nor inside or around one), and holds no file of
-    the names the job writes that it did not write itself (a user's results.md is never overwritten)."""
+    """Before any model is loaded: `out` (and lm_eval.output_path) is none of what the job reads (its config file,
+    the models, the data, the teacher cache: `job_inputs`; nor inside or around one), and holds no file of the
+    names the job writes that it did not write itself, as it wrote it (a user's results.md is never
+    overwritten)."""
     m = cfg.models
-    inputs = [("--model", m.path), ("--teacher", m.teacher), ("--base", m.base), ("--tokenizer", m.tokenizer),
-              ("--data", cfg.kl.data if "kl" in cfg.suites else None)]
-    check_not_an_input(cfg.out, [(o, local_path(v) if v else None) for o, v in inputs], "out")
+    flags = [("--model", m.path), ("--teacher", m.teacher), ("--base", m.base), ("--tokenizer", m.tokenizer),
+             ("--data", cfg.kl.data if "kl" in cfg.suites else None)]
+    inputs = job_inputs(cfg, extra=[(o, local_path(v) if v else None) for o, v in flags])
+    check_not_an_input(cfg.out, inputs, "out")
+    if "lm_eval" in cfg.suites and cfg.lm_eval.output_path:
+        check_not_an_input(cfg.lm_eval.output_path, inputs, "lm_eval.output_path")
     check_own_files(cfg.out, results_files(cfg), "out")
+    if cfg.update_card and cfg.models.path and Path(cfg.models.path).is_dir():
+        # the card is written into the model the job reads, asked for: only over card files of ours, as written
+        check_own_files(cfg.models.path, CARD_FILES, "update_card: the model card of --model")
 
 
 def write_results(res: dict[str, Any], out: Path, names: list[str] | None = None) -> None:

@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 
 from hylo.assets import local_path, resolve_path_or_asset
 from hylo.atomic import atomic_write
+from hylo.json_files import read_json
 from hylo.pipeline import runner
 from hylo.pipeline.config import PATH, ROW_TOKENS, at_least, config_file, each, one_of, rules
+from hylo.pipeline.paths import job_inputs
 from hylo.pipeline.placement.proxy import PROXIES, proxy_scores
 
 if TYPE_CHECKING:
@@ -41,6 +43,8 @@ class PlacementConfig(runner.RunnerConfig):
     n_mla: int | None = None
     # A demo run directory: use its data/{stage1,stage2,heldout}; or give each split's directory.
     data_from: str | None = None
+    # no input itself (`hylo.pipeline.paths.job_inputs`): the split directories found under it are
+    __not_inputs__ = frozenset({"data_from"})
     stage1_data: str | None = None
     stage2_data: str | None = None
     heldout_data: str | None = None
@@ -86,9 +90,10 @@ class PlaceLayers(runner.StepRunner):
                                      f"(manifest.json); pass --data-from RUN (after `make demo`) or --{split}-data DIR")
             self.data[split] = path
 
-        # the run directory is none of the inputs (the base, the rows), nor inside or around one
-        inputs = [("base", local_path(cfg.base) if cfg.base else None),
-                  *((f"{split}_data", p) for split, p in self.data.items())]
+        # the run directory is none of the inputs (the config, the base, the rows), nor inside or around one; the
+        # demo's own placement study runs inside the demo run it takes its rows from (data_from)
+        inputs = job_inputs(cfg, extra=[("base", local_path(cfg.base) if cfg.base else None),
+                                        *((f"{split}_data", p) for split, p in self.data.items())])
         super().__init__(cfg.run_dir, force=cfg.force, quiet=cfg.quiet, tag="place", ray=cfg.ray, inputs=inputs)
 
     # ------------------------------------------------------------------ steps
@@ -138,14 +143,14 @@ class PlaceLayers(runner.StepRunner):
         from hylo.pipeline.placement.ranking import choose, plot_scores, spearman  # lazy: torch
 
         c = self.cfg
-        proxy = json.loads((self.run / "proxy.json").read_text())
+        proxy = read_json(self.run / "proxy.json")
         result: dict = {"base": c.base, "n_mla": c.n_mla, "linear_type": c.linear_type,
                         "kv_lora_rank": c.kv_lora_rank, "heldout": str(self.data["heldout"]),
                         "heldout_rows": c.heldout_rows, "proxy": proxy}
         if proxy_only:
             result.update(method=f"proxy ({c.proxy})", mla_layers=choose(proxy[c.proxy], c.n_mla))
         else:
-            measured = json.loads((self.run / "scores.json").read_text())
+            measured = read_json(self.run / "scores.json")
             result.update(method="measured (KL drop after a short stage 1)", stage1_steps=c.steps,
                           measured=measured, mla_layers=choose(measured["drop"], c.n_mla),
                           spearman={k: spearman(proxy[k], measured["drop"]) for k in PROXIES},
@@ -171,7 +176,7 @@ class PlaceLayers(runner.StepRunner):
                   lambda: self.train(2, f"{tag}/stage2", r / "stage1" / "model", steps, seed))
         ev = r / "eval"
         self.step(f"{tag}_eval", [ev / "results.json"], lambda: self.evaluate(f"{tag}_eval", r / "stage2" / "model", ev))
-        res = json.loads((ev / "results.json").read_text())
+        res = read_json(ev / "results.json")
         summary = conv["summary"]
         return {"placement": name, "spec": spec, "seed": seed, "mla_layers": summary["mla_layers"],
                 "kv_cache_ratio": summary["kv_cache_ratio"], "kl": res["kl"]["kl"], "tokens": res["kl"]["tokens"]}

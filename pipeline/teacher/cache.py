@@ -56,15 +56,16 @@ from hylo.atomic import atomic_path, atomic_write
 from hylo.json_files import read_json
 from hylo.kernels.fused_kl.topk import TeacherTopK
 from hylo.leftovers import sweep_temp_files
-from hylo.manifest_paths import confined_paths
+from hylo.manifest_paths import confined_paths, own_file
 from hylo.outputs import check_not_an_input
-from hylo.ownership import OUTPUT_RECORD, check_replaceable, output_target, record_files
+from hylo.ownership import OUTPUT_RECORD, check_own_directory, output_target, record_files
 from hylo.pipeline.config import from_dict, to_dict
 from hylo.pipeline.data.prepare import resolve_tokenizer
 from hylo.pipeline.data.reader import ParquetRows, RowReader
 from hylo.pipeline.data.rowfile import PAGE_CHECKSUMS, damage, open_parquet
 from hylo.pipeline.data.rows import PackedRow
 from hylo.pipeline.data.shards import read_manifest
+from hylo.pipeline.paths import job_inputs
 from hylo.pipeline.teacher.config import TeacherModelConfig
 from hylo.pipeline.teacher.model import (
     TeacherModel,
@@ -275,15 +276,6 @@ def _check_data_tokenizer(data_info: Mapping[str, Any], teacher_tok_hash: str, c
                                  f"{cfg.teacher.model.path!r} uses another tokenizer ({teacher_tok_hash})")
 
 
-def _legacy_cache_entries(out: Path) -> set[str]:
-    """The entries of a cache written before `.hylo-output.json`: its manifest names it a teacher cache."""
-    try:
-        found = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return set()
-    return {MANIFEST, SHARD_DIR} if isinstance(found, dict) and found.get("schema") == SCHEMA else set()
-
-
 def sweep_cache_leftovers(out: str | Path, plan: Sequence[ShardPlan] | None = None) -> list[Path]:
     """Remove what killed writers left in cache `out` (a shard, the manifest or the record half written under
     its temporary name, `hylo.leftovers.sweep_temp_files`: only those, of a process that is gone); `plan`: the
@@ -301,16 +293,12 @@ def sweep_cache_leftovers(out: str | Path, plan: Sequence[ShardPlan] | None = No
 
 
 def check_cache_output(cfg: Any) -> None:
-    """Before any work: `out` is not the data, the teacher or its tokenizer, nor inside or around one of them
-    (`hylo.outputs.check_not_an_input`), and, when it exists, holds only what a cache run wrote there (its
-    `.hylo-output.json`, or the manifest of a cache written before it): a rerun resumes its own cache, it never
-    writes into a directory of the user's."""
-    model = cfg.teacher.model
-    # a local directory as given (an asset name is no path here: its cached copy is the asset store's)
-    check_not_an_input(cfg.out, [("data", cfg.data), ("teacher.model.path", model.path or None),
-                                 ("teacher.model.tokenizer", model.tokenizer or None)], "out")
-    target = output_target(cfg.out)
-    check_replaceable(cfg.out, "out", owned=_legacy_cache_entries(target) if target.is_dir() else set())
+    """Before any work: `out` is none of what the job reads (its config file, the data, the teacher or its
+    tokenizer, nor inside or around one of them: `hylo.outputs.check_not_an_input`), and, when it exists, it is a
+    cache a run of this project made (its `.hylo-output.json` lists every entry; a directory is never taken for a
+    cache by its manifest's name): a rerun resumes its own cache, it never writes into a directory of the user's."""
+    check_not_an_input(cfg.out, job_inputs(cfg), "out")
+    check_own_directory(cfg.out, "out", listed_only=True)
 
 
 def prepare_cache(cfg: Any) -> tuple[dict[str, Any], list[ShardPlan], list[ShardPlan]]:
@@ -402,7 +390,8 @@ def run_cache_job(cfg: Any, log: Any = print) -> dict[str, Any]:
 
 def load_manifest(cache_dir: str | Path, expect_k: int | None = None) -> dict[str, Any]:
     """A cache's manifest; `expect_k` (stage 2's teacher.k): a cache of another k is refused."""
-    path = Path(cache_dir) / MANIFEST
+    # the cache's own manifest: never another cache's through a link, never a pipe or a directory
+    path = own_file(cache_dir, MANIFEST, CacheFormatError)
     if not path.is_file():
         raise CacheFormatError(f"{cache_dir}: no {MANIFEST}; not a teacher cache")
     m = read_json(path, CacheFormatError, mapping=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from hylo.pipeline.config import (
     NONEMPTY,
     NONEMPTY_PATH,
+    OUTPUT_PATH,
     PATH,
     PORT,
     FieldError,
@@ -206,7 +207,7 @@ class CacheTeacherSection:
 
 @dataclass
 @rules(dtype=one_of(*TOPK_DTYPES), rows_per_shard=at_least(1), num_actors=at_least(1), cpus_per_actor=at_least(0),
-       gpus_per_actor=at_least(0), max_new_shards=at_least(0), data=PATH, out=PATH)
+       gpus_per_actor=at_least(0), max_new_shards=at_least(0), data=PATH, out=OUTPUT_PATH)
 class TeacherCacheConfig:
     # Directory of Parquet shards of packed rows (input_ids, position_ids, cu_seqlens, ...).
     data: str = ""

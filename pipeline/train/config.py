@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hylo.pipeline.config import (
+    OUTPUT_PATH,
     PATH,
     RELATIVE_NAME,
     ROW_TOKENS,
@@ -225,8 +226,8 @@ class CheckpointSection:
 
 @dataclass
 @rules(launcher=one_of("ray", "torchrun"), num_workers=at_least(1), cpus_per_worker=at_least(0),
-       resources_per_worker=each(at_least(0)), name=RELATIVE_NAME, max_failures=at_least(-1), storage_path=PATH,
-       kernel_cache=PATH)
+       resources_per_worker=each(at_least(0)), name=RELATIVE_NAME, max_failures=at_least(-1), storage_path=OUTPUT_PATH,
+       kernel_cache=OUTPUT_PATH)
 class RaySection(RayInitSection):
     # address, num_cpus: where the job's Ray is (pipeline/ray_init.py).
     # ray = Ray Train TorchTrainer; torchrun = launched by torchrun (tests, debugging).

@@ -41,13 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from hylo import logs
-from hylo.assets import local_path
+from hylo.json_files import read_json
 from hylo.logs import get_logger
 from hylo.outputs import check_not_an_input
-from hylo.ownership import OUTPUT_RECORD, check_own_directory, check_replaceable, record_files
+from hylo.ownership import OUTPUT_RECORD, check_own_directory, check_replaceable, real_path, record_files
 from hylo.pipeline.cli import _stop_ray_logs, input_error_message, report_error
-from hylo.pipeline.config import ConfigError
-from hylo.pipeline.paths import resolve_paths
+from hylo.pipeline.config import ConfigError, config_file_of
+from hylo.pipeline.paths import job_inputs, resolve_paths
 from hylo.pipeline.ray_init import check_ray_address, init_ray, resolve_address, torch_extensions_dir
 from hylo.pipeline.teacher.sources import source_kind
 from hylo.pipeline.teacher.sources.base import ResourceDemand
@@ -60,6 +60,7 @@ from hylo.pipeline.train.checkpoint.layout import (
     describe_skips,
     is_complete,
     latest_checkpoint,
+    sweep_scratch,
 )
 from hylo.pipeline.train.checkpoint.resume import check_student_fits
 from hylo.pipeline.train.collective import collective_backend
@@ -114,7 +115,7 @@ def reset_ray_snapshot(run: Loc) -> str | None:
         return None
     note = None
     try:
-        latest = (json.loads(snap.read_text()).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+        latest = (read_json(snap).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
     except (ValueError, OSError, AttributeError):
         latest = None
     if latest:
@@ -134,37 +135,31 @@ def check_outputs(cfg: StageConfig) -> None:
     if cfg.checkpoint.consolidate and run.is_local:
         what = "the run's model directory (checkpoint.consolidate)"
         check_replaceable(run.local() / "model", what)
-        # the model the run starts from is never the one it replaces at the end (nor inside or around it)
-        inputs = [("model.student", cfg.model.student), ("model.base", cfg.model.base)]
-        check_not_an_input(run.local() / "model", [(o, local_path(v) if v and not is_uri(v) else None)
-                                                   for o, v in inputs], what)
+        # nothing the run reads is the model it replaces at the end (nor inside or around it)
+        check_not_an_input(run.local() / "model", job_inputs(cfg), what)
 
 
 RUN_WHAT = "the run directory (ray.storage_path/ray.name)"
-# the entries of a run directory written before its .hylo-output.json (the lock, the configs every run writes)
-RUN_MARKERS = ("run.lock", "config_stage1.json", "config_stage2.json")
+# what a run records in its directory's .hylo-output.json when it claims it (the lock, the config it wrote)
+RUN_ENTRIES = ("run.lock",)
 
 
 def check_run_output(cfg: StageConfig) -> None:
-    """Before the run directory is made or locked: it is no input of the run (model.student, model.base,
-    data.path, teacher.cache_path, teacher.model.path; nor inside or around one: hylo.outputs.check_not_an_input),
-    and, when it exists, it is a run directory of this project (its .hylo-output.json, or a lock, config or checkpoint
-    of a run from before the record) or empty: checkpoints are never written into a directory of the user's. The
-    run's own conversion (<run>/converted, stage 1 without model.student) is its output, not a conflict."""
+    """Before the run directory is made or locked: it is none of what the run reads (its config file,
+    model.student, model.base, data.path, teacher.cache_path, teacher.model.path: `job_inputs`; nor inside or
+    around one: hylo.outputs.check_not_an_input), and, when it exists, it is a run directory of this project (its
+    .hylo-output.json; never guessed from the names it holds) or empty: checkpoints are never written into a
+    directory of the user's. The run's own conversion (<run>/converted, stage 1 without model.student) is its
+    output, not a conflict."""
     run = run_loc(cfg)
     if not run.is_local:
         return
     d = run.local()
-    teacher = getattr(cfg, "teacher", None)
-    inputs = [("model.student", cfg.model.student), ("model.base", cfg.model.base), ("data.path", cfg.data.path),
-              ("teacher.cache_path", getattr(teacher, "cache_path", None)),
-              ("teacher.model.path", getattr(getattr(teacher, "model", None), "path", None))]
-    own = os.path.realpath(d / "converted")
-    paths = [(o, local_path(v) if v and not is_uri(v) else None) for o, v in inputs]
-    check_not_an_input(d, [(o, p) for o, p in paths if p is not None and os.path.realpath(p) != own], RUN_WHAT)
-    steps = [p.name for p in d.iterdir() if STEP_DIR.match(p.name) and p.is_dir()] if d.is_dir() else []
-    # checkpoints of a run from before the record count as its own (check_run_dir asks for --resume)
-    check_own_directory(d, RUN_WHAT, [*RUN_MARKERS, *steps[:1]], "ray.name / ray.storage_path")
+    # the config may be one a run wrote there (its config_stage2.json given back as --config)
+    config = config_file_of(cfg)
+    own = [d / "converted", *([config] if config is not None and real_path(config).is_relative_to(real_path(d)) else [])]
+    check_not_an_input(d, job_inputs(cfg), RUN_WHAT, own=own)
+    check_own_directory(d, RUN_WHAT, "ray.name / ray.storage_path")
 
 
 def claim_run_dir(cfg: StageConfig) -> None:
@@ -172,7 +167,7 @@ def claim_run_dir(cfg: StageConfig) -> None:
     of it passes `check_run_output`."""
     run = run_loc(cfg)
     if run.is_local:
-        record_files(run.local(), [RUN_MARKERS[0], f"config_stage{cfg.stage}.json"])
+        record_files(run.local(), [*RUN_ENTRIES, f"config_stage{cfg.stage}.json"])
 
 
 def check_resume_fits(cfg: StageConfig, resume: str | None) -> None:
@@ -642,6 +637,9 @@ def prepare_run(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
     run_dir(cfg).mkdir(parents=True, exist_ok=True)
     if is_rank0:
         claim_run_dir(cfg)
+        # what a checkpoint write killed half-way left (torchrun's .tmp-step_N): removed before any rank writes
+        for name in sweep_scratch(run_loc(cfg)):
+            print(f"[train] removed {name}: a checkpoint write that never finished (a killed run)", flush=True)
         (run_loc(cfg) / f"config_stage{stage}.json").write_text(json.dumps(config_to_dict(cfg), indent=1,
                                                                            sort_keys=True))
     return cfg

@@ -298,14 +298,19 @@ def train_worker(stage: Stage, cfg: StageConfig, loop_config: dict[str, Any]) ->
                  f"gradient norm were: training stopped before writing {step_dir_name(step)}; "
                  + saved_hint(newest[0]), metrics)
         ckpt_dir = session.scratch_dir(step)
-        # the checkpoint holds the records of its steps since the previous one: a resume rebuilds
-        # any of them metrics.jsonl lost, so every finished step is in the file exactly once
-        save_checkpoint(task.engine, ckpt_dir, rank, world, step, cfg,
-                        {"data": rows.state()}, {"metrics": record, "metrics_since_previous":
-                         list(since_checkpoint), "total_steps": total,
-                         "data_fingerprint": rows.fingerprint})
+        try:
+            # the checkpoint holds the records of its steps since the previous one: a resume rebuilds
+            # any of them metrics.jsonl lost, so every finished step is in the file exactly once
+            save_checkpoint(task.engine, ckpt_dir, rank, world, step, cfg,
+                            {"data": rows.state()}, {"metrics": record, "metrics_since_previous":
+                             list(since_checkpoint), "total_steps": total,
+                             "data_fingerprint": rows.fingerprint})
+            session.report(record, step, ckpt_dir, metrics=metrics)
+        except BaseException:
+            # a failed write (a full disk, a failed upload, a stop) leaves nothing of this checkpoint behind
+            session.discard(step, ckpt_dir)
+            raise
         since_checkpoint.clear()
-        session.report(record, step, ckpt_dir, metrics=metrics)
         newest[0] = step_dir_name(step)
         return ctx.all_max([time.perf_counter() - t_ckpt])[0]
 

@@ -27,7 +27,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from hylo.json_files import read_json
 from hylo.logs import get_logger
+from hylo.ownership import read_record, record_files
 from hylo.pipeline.train.storage import Loc, StorageError, local_mirror
 
 logger = get_logger(__name__)
@@ -80,7 +82,7 @@ def describe(h: dict[str, Any]) -> str:
 
 def _read(loc: Loc) -> dict[str, Any] | None:
     try:
-        h = json.loads(loc.read_text())
+        h = read_json(loc)
     except FileNotFoundError:
         return None
     except (ValueError, OSError):
@@ -179,7 +181,7 @@ def _acquire_remote(lock: Loc, run: Loc, record: dict[str, Any], break_lock: boo
 def _release(lock: Loc, record: dict[str, Any]) -> None:
     try:
         try:
-            current = json.loads(lock.read_text())
+            current = read_json(lock)
         except FileNotFoundError:
             return
         except ValueError:
@@ -194,6 +196,14 @@ def _release(lock: Loc, record: dict[str, Any]) -> None:
                        "uses the directory, the next start needs --break-lock")
 
 
+def _claim_new(d: Any) -> None:
+    """A run directory the lock just made (it holds the lock alone, and no record): recorded as this project's at
+    once (`hylo.ownership.record_files`), so that another run started now is told the directory is in use, not
+    that it is someone else's, and a lock left by a killed run is reported as a stale lock."""
+    if read_record(d) is None and {p.name for p in d.iterdir()} == {LOCK_FILE}:
+        record_files(d, [LOCK_FILE])
+
+
 @contextlib.contextmanager
 def run_lock(run: Loc, break_lock: bool = False, owner: str | None = None) -> Iterator[dict[str, Any]]:
     """Hold `<run>/run.lock` for the block (see the module docstring); yields the holder record."""
@@ -201,6 +211,7 @@ def run_lock(run: Loc, break_lock: bool = False, owner: str | None = None) -> It
     if run.is_local:
         locks = [run / LOCK_FILE]
         _acquire_local(locks[0], run, record, break_lock, owner)
+        _claim_new(run.local())
     else:
         local = Loc.of(local_mirror(run) / LOCK_FILE)
         _acquire_local(local, run, record, break_lock, owner)

@@ -14,7 +14,7 @@ Design choices:
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hylo.json_files import read_json
 from hylo.logs import get_logger
 from hylo.pipeline.train.checkpoint.layout import (
     CHECKPOINT_MANIFEST,
@@ -36,11 +37,20 @@ from hylo.pipeline.train.checkpoint.layout import (
 from hylo.pipeline.train.checkpoint.resume import launch_checkpoints, resume_candidates, set_aside_other_lines
 from hylo.pipeline.train.checkpoint.write_errors import is_disk_full, upload_error
 from hylo.pipeline.train.metrics import METRICS_FILE, TB_DIR, MetricsWriter
-from hylo.pipeline.train.storage import Loc, fresh_local_dir, remove_local, run_loc, upload_with_retries
+from hylo.pipeline.train.storage import (
+    Loc,
+    fresh_local_dir,
+    remove_local,
+    run_loc,
+    sweep_local_scratch,
+    upload_with_retries,
+)
 from hylo.pipeline.train.worker import WorkerContext
 
 logger = get_logger(__name__)
 
+# the prefix of a Ray worker's checkpoint scratch directory in the temporary directory (`hylo-ckpt-<step>-r<rank>-p<pid>-`)
+CKPT_SCRATCH = "hylo-ckpt-"
 # rank 0's report of how much of the model each rank holds (loop.zero_partition_report), uploaded with the metrics
 PARTITION_FILE = "zero_partition.json"
 
@@ -55,7 +65,7 @@ def read_preempt_request(run: Loc) -> dict[str, Any] | None:
     try:
         if not loc.is_file():
             return None
-        request = json.loads(loc.read_text())
+        request = read_json(loc)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -192,6 +202,19 @@ class Session:
     def scratch_dir(self, step: int) -> Path:
         raise NotImplementedError
 
+    def discard(self, step: int, ckpt_dir: Path | None) -> None:
+        """A checkpoint's write failed (a full disk, a failed upload, a stop): remove what it left, the local
+        scratch directory and (under Ray) a partial `<run>/step_N` without its manifest. The previous
+        checkpoints stay; nothing half-written is left to fill the disk."""
+        if ckpt_dir is not None:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+        target = self.run_loc / step_dir_name(step)
+        try:
+            if target.exists() and checkpoint_problem(target) is not None:
+                target.rmtree()
+        except OSError:
+            pass
+
     def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None, metrics: bool = True) -> None:
         """Report step's record (written to the metrics file unless `metrics` is false: a second
         report of the same step) and, with `ckpt_dir`, its checkpoint."""
@@ -255,7 +278,9 @@ class RaySession(Session):
                 "deadline": info.deadline_ms / 1000 if info.deadline_ms else None}
 
     def scratch_dir(self, step: int) -> Path:
-        return fresh_local_dir(f"hylo-ckpt-{step}-r{self.ctx.rank}-")
+        # what a killed worker of this host left in the temporary directory goes first (its pid is gone)
+        sweep_local_scratch(CKPT_SCRATCH)
+        return fresh_local_dir(f"{CKPT_SCRATCH}{step}-r{self.ctx.rank}-p{os.getpid()}-")
 
     def report(self, record: dict[str, Any], step: int, ckpt_dir: Path | None, metrics: bool = True) -> None:
         import ray.train  # lazy: ray
@@ -265,24 +290,30 @@ class RaySession(Session):
         if ckpt_dir is None:
             ray.train.report(record)
             return
-        write_rank_files(ckpt_dir, self.ctx.rank, self.ctx.world_size, shared=False)
         target = self.run_loc / step_dir_name(step)
-        if self.ctx.rank == 0 and target.exists():
-            # left by an abandoned attempt (a crash, or a resume from an older checkpoint): Ray would
-            # merge the new files into it
-            target.rmtree()
-        dist.barrier()
-        self.upload(record, ckpt_dir, target, step)
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-        # every worker has uploaded its files: rank 0 checks them and writes the manifest
-        dist.barrier()
+        try:
+            write_rank_files(ckpt_dir, self.ctx.rank, self.ctx.world_size, shared=False)
+            if self.ctx.rank == 0 and target.exists():
+                # left by an abandoned attempt (a crash, or a resume from an older checkpoint): Ray would
+                # merge the new files into it
+                target.rmtree()
+            dist.barrier()
+            self.upload(record, ckpt_dir, target, step)
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+            # every worker has uploaded its files: rank 0 checks them and writes the manifest
+            dist.barrier()
+            if self.ctx.rank == 0:
+                try:
+                    finalize_checkpoint(target, step, self.ctx.world_size, self.launch_id)
+                except OSError as e:
+                    if not is_disk_full(e):
+                        raise
+                    raise upload_error(target, None, e, step, 0, file=CHECKPOINT_MANIFEST) from e
+        except BaseException:
+            # the error names the file that did not arrive whole (made above); then nothing half-written stays
+            self.discard(step, ckpt_dir)
+            raise
         if self.ctx.rank == 0:
-            try:
-                finalize_checkpoint(target, step, self.ctx.world_size, self.launch_id)
-            except OSError as e:
-                if not is_disk_full(e):
-                    raise
-                raise upload_error(target, None, e, step, 0, file=CHECKPOINT_MANIFEST) from e
             self.after_checkpoint()
 
     def upload(self, record: dict[str, Any], ckpt_dir: Path, target: Loc, step: int) -> None:
@@ -314,11 +345,16 @@ class TorchrunSession(Session):
         if ckpt_dir is None:
             return
         dist.barrier()
-        write_rank_files(ckpt_dir, self.ctx.rank, self.ctx.world_size, shared=True)
-        dist.barrier()
+        try:
+            write_rank_files(ckpt_dir, self.ctx.rank, self.ctx.world_size, shared=True)
+            dist.barrier()
+            if self.ctx.rank == 0:
+                finalize_local(ckpt_dir, self.run_loc.local() / step_dir_name(step), step,
+                               self.ctx.world_size, self.launch_id)
+        except BaseException:
+            self.discard(step, ckpt_dir)  # the shared .tmp-step_N: nothing half-written stays
+            raise
         if self.ctx.rank == 0:
-            finalize_local(ckpt_dir, self.run_loc.local() / step_dir_name(step), step,
-                           self.ctx.world_size, self.launch_id)
             self.after_checkpoint()
         dist.barrier()
 

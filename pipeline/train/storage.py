@@ -16,6 +16,7 @@ Design choices:
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -308,6 +309,27 @@ def local_mirror(loc: Loc) -> Path:
 
 def fresh_local_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def sweep_local_scratch(prefix: str) -> list[Path]:
+    """Remove the directories `<prefix>...-p<pid>-<random>` of the temporary directory whose process is gone
+    (`fresh_local_dir(f"{prefix}...-p{os.getpid()}-")`): scratch a killed process of this host left. A directory
+    of a live process, or of another pattern, is left alone. Returns what was removed."""
+    removed = []
+    for d in Path(tempfile.gettempdir()).glob(f"{glob.escape(prefix)}*"):
+        m = re.search(r"-p(\d+)-[^-/]+$", d.name)
+        if m is None or not d.is_dir() or d.is_symlink():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive (or another user's: left alone)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 def local_copy(where: str | os.PathLike) -> Path:

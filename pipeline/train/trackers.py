@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hylo.atomic import atomic_write
+from hylo.json_files import read_json
 from hylo.logs import get_logger
 
 logger = get_logger(__name__)
@@ -139,7 +140,7 @@ class RunTrackers:
             if len(found) != 1:
                 return None
             path = found[0]
-        return json.loads(path.read_text())
+        return read_json(path)
 
     def _warn(self, tracker: Tracker, what: str, e: Exception) -> None:
         text = (f"[metrics] {tracker.name}: {what} failed ({type(e).__name__}: {e}); "
@@ -156,7 +157,7 @@ class RunTrackers:
         if not wanted:
             return
         ids_path = self.run_dir / TRACKERS_FILE
-        ids = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
+        ids = read_json(ids_path) if ids_path.is_file() else {}
         for name, section in wanted.items():
             tracker = TRACKERS[name](section)
             try:

@@ -458,7 +458,6 @@ def test_output_of_a_killed_run_is_swept_and_an_old_one_replaced(tmp_path):
     cfg = job_cfg(tmp_path, [conv("a", FILLER, "ok")])
     out = Path(cfg.out)
     run_decontamination(cfg)
-    (out / OUTPUT_RECORD).unlink(missing_ok=True)  # an output written before the record: its summary.json says it is ours
     proc = subprocess.Popen(["true"])
     proc.wait()
     killed = tmp_path / f".out.tmp-{proc.pid}-0123abcd"
@@ -471,6 +470,13 @@ def test_output_of_a_killed_run_is_swept_and_an_old_one_replaced(tmp_path):
     run_decontamination(cfg)
     assert not killed.exists() and live.is_dir()
     assert (out / OUTPUT_RECORD).is_file()
+    # without its record an output is no longer ours, whatever its summary.json says (issue 61: no name-based rule)
+    (out / OUTPUT_RECORD).unlink()
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ForeignOutputError, match=r"out .*/out holds \d+ entries this project did not write \(.*"
+                                                 r"summary.json.*; it has no .hylo-output.json"):
+        run_decontamination(cfg)
+    assert sorted(p.name for p in out.iterdir()) == before
 
 
 def test_export_benchmarks_never_overwrites_a_file_of_the_user(tmp_path, monkeypatch, capsys):

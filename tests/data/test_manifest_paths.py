@@ -46,18 +46,25 @@ def _hostile(root: Path, how: str) -> tuple[Path, str, str]:
         entry, why = str(other / "shard-00000.parquet"), "is an absolute path"
     elif how == "twice":
         entry, why = "shard-00000.parquet", "is the same file as entry 'shard-00000.parquet' (listed twice)"
+    elif how == "dot":  # issue 61: 'shard/.' was accepted as the shard
+        entry, why = "shard-00001.parquet/.", "has a '.' or an empty part"
+    elif how in ("fifo", "dir"):  # issue 61: reported as "listed in manifest.json but missing"
+        (mine / "shard-00001.parquet").unlink()
+        os.mkfifo(mine / "shard-00001.parquet") if how == "fifo" else (mine / "shard-00001.parquet").mkdir()
+        entry, why = "shard-00001.parquet", "is a FIFO (named pipe), not a file" if how == "fifo" else \
+            "is a directory, not a file"
     else:  # a shard of this dataset replaced by a link to the other dataset's
         (mine / "shard-00001.parquet").unlink()
         (mine / "shard-00001.parquet").symlink_to(other / "shard-00000.parquet")
         entry, why = "shard-00001.parquet", f"is a symbolic link to {other / 'shard-00000.parquet'}, outside"
-    if how != "link":
+    if how not in ("link", "fifo", "dir"):
         shards[1] = {**shards[1], "file": entry}
     m = json.loads((mine / MANIFEST).read_text())
     (mine / MANIFEST).write_text(json.dumps({**m, "shards": shards}))
     return mine, entry, why
 
 
-@pytest.mark.parametrize("how", ["dotdot", "absolute", "twice", "link"])
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "twice", "link", "dot", "fifo", "dir"])
 def test_every_reader_refuses_a_shard_outside_the_dataset_before_reading_a_row(tmp_path, how):
     mine, entry, why = _hostile(tmp_path, how)
     readers = {
@@ -86,3 +93,27 @@ def test_a_dataset_reached_through_a_link_and_links_inside_it_are_read(tmp_path)
     (tmp_path / "alias").symlink_to(mine)
     rows = list(open_rows(DataSection(source="parquet", path=str(tmp_path / "alias"), split="stage2"), 0, 0, 1))
     assert len(rows) == 2
+
+
+def test_a_manifest_that_is_a_link_to_another_datasets_is_refused_as_such(tmp_path):
+    """Issue 61: a manifest.json linked to another dataset's was followed (refused only because a shard was
+    absent). Now every reader refuses it as what it is, naming where it leads, before reading a row."""
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    _dataset(mine, 0)
+    _dataset(other, 100)
+    for p in mine.glob("shard-*"):
+        p.unlink()
+    (mine / MANIFEST).unlink()
+    (mine / MANIFEST).symlink_to(other / MANIFEST)
+    readers = {
+        "manifest": lambda: read_manifest(mine),
+        "training": lambda: list(open_rows(DataSection(source="parquet", path=str(mine), split="stage2"), 0, 0, 1)),
+        "eval": lambda: list(iter_eval_rows(mine)),
+        "placement": lambda: load_rows(mine, max_rows=4),
+        "teacher cache": lambda: data_fingerprint(mine),
+    }
+    for name, read in readers.items():
+        with pytest.raises(DataFormatError) as e:
+            read()
+        assert str(e.value).startswith(f"{mine / MANIFEST}: the manifest is a symbolic link to {other / MANIFEST}, "
+                                       f"outside {mine}"), (name, str(e.value))

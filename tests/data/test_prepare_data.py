@@ -8,11 +8,12 @@ import shutil
 import numpy as np
 import pytest
 
+from hylo.ownership import ForeignOutputError, write_record
 from hylo.pipeline.config import load_config
 from hylo.pipeline.data.config import PrepareDataConfig
 from hylo.pipeline.data.mixture import split_of
 from hylo.pipeline.data.packing import PAD_DOC_ID, BestFitPacker, Document, label_aligned_mask
-from hylo.pipeline.data.prepare import PrepareError, prepare
+from hylo.pipeline.data.prepare import prepare
 from hylo.pipeline.data.reader import RowReader
 from hylo.pipeline.data.render import ChatRenderer
 from hylo.pipeline.data.rowfile import DataFormatError
@@ -294,9 +295,11 @@ def _snapshot(d) -> dict:
 
 @pytest.fixture
 def old_dataset(tmp_path):
+    """A dataset an earlier prepare run wrote: its shards, manifest and report, and its record."""
     out = tmp_path / "stage2"
     _write_shards(out)
     (out / "report.md").write_text("old report\n")
+    write_record(out, [p.name for p in out.iterdir()])
     return out
 
 
@@ -339,39 +342,49 @@ def test_a_directory_that_is_not_a_dataset_is_never_replaced(source, tmp_path, n
     home = tmp_path / "home"
     home.mkdir()
     (home / "thesis.tex").write_text("years of work")
-    with pytest.raises(PrepareError, match="is not a prepared dataset"):
+    with pytest.raises(ForeignOutputError, match=r"holds 1 entry this project did not write \(thesis.tex; it has "
+                                                 r"no .hylo-output.json"):
         prepare(_cfg(source, home, "output.overwrite=true"))
     assert (home / "thesis.tex").read_text() == "years of work"
 
 
 @pytest.mark.parametrize("overwrite", [False, True], ids=["no-overwrite", "overwrite"])
-def test_dataset_like_names_without_a_manifest_are_never_replaced(source, tmp_path, no_ray, monkeypatch, overwrite):
-    """output.dir holding only dataset-like names (report.md, report.json, shard-*.parquet) and no manifest is
-    a user's directory, overwrite or not: it is refused untouched. Only what a manifest of ours lists goes."""
+def test_dataset_like_names_without_a_record_are_never_replaced(source, tmp_path, no_ray, monkeypatch, overwrite):
+    """output.dir holding only dataset-like names (report.md, report.json, shard-*.parquet, even a manifest.json of
+    the dataset format) and no record is a user's directory, overwrite or not: it is refused untouched. Only what
+    a record of ours proves ours goes."""
     monkeypatch.setattr(no_ray, "stream_packed_rows", _fake_stream())
     out = tmp_path / "mine"
     out.mkdir()
     for name in ("report.md", "report.json", "shard-00000.parquet"):
         (out / name).write_text(f"the user's {name}")
+    (out / "manifest.json").write_text(json.dumps({"format": "hylo-packed-rows/1", "shards": [
+        {"file": "shard-00000.parquet", "rows": 1}]}))
     before = _snapshot(out)
     extra = ["output.overwrite=true"] if overwrite else []
-    with pytest.raises(PrepareError, match=r"is not a prepared dataset \(no manifest.json of ours; it holds "
-                                           r"report.json, report.md, shard-00000.parquet\)"):
+    with pytest.raises(ForeignOutputError, match=r"holds 4 entries this project did not write \(manifest.json, "
+                                                 r"report.json, report.md, shard-00000.parquet; it has no "
+                                                 r".hylo-output.json, and a directory is never taken for an earlier "
+                                                 r"output by the names it holds\)"):
         prepare(_cfg(source, out, *extra))
     assert _snapshot(out) == before
 
 
 def test_overwrite_replaces_what_the_manifest_lists_and_refuses_anything_else(old_dataset, source, tmp_path, no_ray,
                                                                              monkeypatch):
-    """A dataset prepared before the record .hylo-output.json existed (old_dataset: a manifest, no record) is
-    replaced with output.overwrite=true; a file the user put into it is named and the dataset is left whole."""
+    """A dataset of ours is replaced with output.overwrite=true; a file the user put into it, or a report of ours
+    the user edited, is named and the dataset is left whole."""
     monkeypatch.setattr(no_ray, "stream_packed_rows", _fake_stream())
     (old_dataset / "notes.txt").write_text("my notes")
     before = _snapshot(old_dataset)
-    with pytest.raises(PrepareError, match="also holds notes.txt, which prepare_data did not write"):
+    with pytest.raises(ForeignOutputError, match=r"notes.txt \(not in its record\)"):
         prepare(_cfg(source, old_dataset, "output.overwrite=true"))
     assert _snapshot(old_dataset) == before
     (old_dataset / "notes.txt").unlink()
+    (old_dataset / "report.md").write_text("my edits to the report\n")
+    with pytest.raises(ForeignOutputError, match=r"report.md \(changed since this project wrote it"):
+        prepare(_cfg(source, old_dataset, "output.overwrite=true"))
+    (old_dataset / "report.md").write_text("old report\n")
     prepare(_cfg(source, old_dataset, "output.overwrite=true"))
     assert (old_dataset / ".hylo-output.json").is_file() and not (old_dataset / "notes.txt").exists()
     # the new dataset is ours by its record as well: replaced again

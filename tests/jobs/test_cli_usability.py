@@ -46,7 +46,8 @@ def test_hylo_configs_lists_shows_and_copies_without_overwriting(tmp_path, monke
     assert rc == 0 and (tmp_path / "demo-smollm2.yaml").read_text() == out
     (tmp_path / "demo-smollm2.yaml").write_text("# mine\n")
     rc, text = run_hylo(["configs", "cp", "demo-smollm2.yaml", "."])
-    assert rc == 2 and "exists; pass --force" in text and (tmp_path / "demo-smollm2.yaml").read_text() == "# mine\n"
+    assert rc == 2 and "exists and this project did not write it" in text and "pass --force to replace it" in text
+    assert (tmp_path / "demo-smollm2.yaml").read_text() == "# mine\n"
     rc, _ = run_hylo(["configs", "cp", "demo-smollm2.yaml", "mine.yaml"])
     assert rc == 0 and (tmp_path / "mine.yaml").read_text() == out
     rc, text = run_hylo(["configs", "cp", "demo-smollm", "x.yaml"])

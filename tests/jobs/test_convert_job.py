@@ -279,7 +279,7 @@ def test_out_holding_a_users_file_is_refused_naming_it_and_nothing_is_deleted(tm
     # a file dropped into our output later is named too; the released export goes by the same rule
     (out / "eval-notes.md").write_text("keep me")
     rc, _, err = _run(["--base", str(base), "--out", str(out)], capsys)
-    assert rc == 2 and "(eval-notes.md; its record .hylo-output.json does not list them)" in err, err
+    assert rc == 2 and "did not write as it is: eval-notes.md (not in its record); " in err, err
     released = tmp_path / "released"
     released.mkdir()
     (released / "notes.txt").write_text("x")

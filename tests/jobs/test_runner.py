@@ -140,8 +140,8 @@ def test_train_cmd_leaves_the_length_to_the_data_unless_asked_to_check_it(tmp_pa
 
 
 def test_a_run_directory_of_the_user_or_over_an_input_is_refused_before_anything_is_made(tmp_path):
-    """A multi-step run writes logs/ and done/ into its run_dir: a directory of the user's (files, no record, no
-    logs/ or done/ of an older run) or one that is, lies inside or holds an input is refused, and left as it was."""
+    """A multi-step run writes logs/ and done/ into its run_dir: a directory of the user's (files and no record,
+    whatever their names) or one that is, lies inside or holds an input is refused, and left as it was."""
     home = tmp_path / "home"
     home.mkdir()
     (home / "thesis.tex").write_text("mine")
@@ -159,8 +159,10 @@ def test_a_run_directory_of_the_user_or_over_an_input_is_refused_before_anything
     (tmp_path / "run" / "notes.txt").write_text("mine")
     StepRunner(tmp_path / "run", quiet=True)  # ours: resumed
     old = tmp_path / "old"
-    (old / "done").mkdir(parents=True)  # a run directory from before the record
-    StepRunner(old, quiet=True)
+    (old / "done").mkdir(parents=True)  # what a run writes, but no record: never a run directory by its names
+    with pytest.raises(ForeignOutputError, match=r"run_dir .*/old holds 1 entry and no .hylo-output.json \(done\)"):
+        StepRunner(old, quiet=True)
+    assert sorted(p.name for p in old.iterdir()) == ["done"]
 
 
 def test_placement_run_dir_holding_its_rows_is_refused(tmp_path):

@@ -3,8 +3,11 @@ line before any work, never reinterpreted, ignored, or left to fail inside a wor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -124,11 +127,13 @@ def test_rehearse_cluster_names_what_the_path_is(tmp_path):
     passwd.write_text("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n")
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    want = {str(passwd): "not a YAML mapping", str(tmp_path): "is a directory", "/dev/null": "is not a regular file",
-            str(fifo): "is not a regular file", str(tmp_path / "none.yaml"): "does not exist"}
+    want = {str(passwd): ": not a YAML mapping", str(tmp_path): ": is a directory",
+            "/dev/null": " is a character device, not a regular file: nothing was read from it",
+            str(fifo): " is a FIFO (named pipe), not a regular file: nothing was read from it",
+            str(tmp_path / "none.yaml"): ": does not exist"}
     for path, reason in want.items():
         line = one_error_line(*run_hylo(["rehearse", "--check-only", "--cluster", path]))
-        assert line.startswith(f"error: --cluster: {path}: {reason}"), line
+        assert line.startswith(f"error: --cluster: {path}{reason}"), line
 
 
 # ----------------------------------------------------------------------- rules that failed in workers
@@ -206,5 +211,107 @@ def test_configs_cp_onto_a_pipe_is_refused(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     line = one_error_line(*run_hylo(["configs", "cp", "demo-smollm2", str(fifo), "--force"]))
-    assert line.startswith(f"error: {fifo} is not a regular file (a pipe, a device or a socket)"), line
+    assert line == f"error: DEST {fifo} is a FIFO (named pipe): give the name of a file to write", line
     assert fifo.is_fifo()
+
+
+# ---------------------------------------------------------------------------------------- bounded reads
+@contextlib.contextmanager
+def _within(seconds: float, more_bytes: int = 1 << 30):
+    """Fail (not hang, not fill the machine's memory) when the block takes longer or allocates more: a read of a
+    pipe blocked forever, one of /dev/zero grew to gigabytes (a MemoryError here instead)."""
+    import resource
+
+    def stop(signum, frame):
+        raise TimeoutError(f"still reading after {seconds} s")
+
+    vm = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+              if line.startswith("VmSize:"))
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    cap = vm + more_bytes if limits[1] == resource.RLIM_INFINITY else min(vm + more_bytes, limits[1])
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, limits[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limits)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _socket_file(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    return s
+
+
+def test_a_config_that_is_no_regular_file_is_refused_saying_what_it_is(tmp_path):
+    """Issue 61: `--config /dev/zero` grew to 2 GB in 13-18 s (read_config_file read the whole file before any YAML
+    limit), a FIFO blocked forever. Now every config is read only when it is a regular file, at most
+    MAX_YAML_BYTES, and the error says what it is, in one line, at once."""
+    fifo, sock = tmp_path / "fifo.yaml", tmp_path / "sock.yaml"
+    os.mkfifo(fifo)
+    server = _socket_file(sock)
+    try:
+        want = {"/dev/zero": "a character device", "/dev/urandom": "a character device", str(fifo): "a FIFO (named pipe)",
+                str(tmp_path): "a directory", str(sock): "a socket"}
+        for path, kind in want.items():
+            with _within(20):
+                line = one_error_line(*run_hylo(["stage1", "--config", path, "--print-config"]))
+            assert line == f"error: config file {path} is {kind}, not a regular file: nothing was read from it", line
+    finally:
+        server.close()
+
+
+def test_a_config_over_the_limit_is_refused_before_it_is_read(tmp_path):
+    """A sparse 20 MB file (nothing on disk) and a 300 MB one are refused by their size, the limit named;
+    /proc/self/environ (a regular file whose size the kernel says is 0) is read up to the limit and parsed."""
+    from hylo.yaml_limits import MAX_YAML_BYTES
+
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(20_000_000)
+    with _within(20):
+        line = one_error_line(*run_hylo(["stage1", "--config", str(big), "--print-config"]))
+    assert line == (f"error: config file {big} is 20,000,000 bytes; a config file is read only up to "
+                    f"{MAX_YAML_BYTES >> 20} MiB: nothing was parsed"), line
+    with _within(20):
+        line = one_error_line(*run_hylo(["stage1", "--config", "/proc/self/environ", "--print-config"]))
+    assert line.startswith("error: /proc/self/environ is not valid YAML"), line
+
+
+def test_read_bounded_cuts_a_file_whose_size_is_not_reported_at_the_limit(tmp_path):
+    from hylo.bounded_read import read_bounded
+
+    with _within(20):
+        with pytest.raises(ConfigError, match=r"^config file /proc/self/environ holds more than 16 bytes; a config "
+                                              r"file is read only up to 16 bytes: nothing was parsed$"):
+            read_bounded("/proc/self/environ", 16, ConfigError, "config file")
+    (tmp_path / "ok").write_bytes(b"x" * 16)
+    assert read_bounded(tmp_path / "ok", 16) == b"x" * 16
+    with pytest.raises(FileNotFoundError):
+        read_bounded(tmp_path / "missing", 16)
+
+
+def test_every_json_reader_refuses_a_pipe_a_device_and_a_file_over_its_bound(tmp_path):
+    """read_json, the one reader of a JSON file (manifests, records, model configs): the same refusals, the
+    caller's error class, a missing file still FileNotFoundError; the bound of a record is smaller."""
+    from hylo.ownership import OUTPUT_RECORD, read_record
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with _within(20):
+        with pytest.raises(ConfigError, match=rf"^JSON file {fifo} is a FIFO \(named pipe\), not a regular file"):
+            read_json(fifo, ConfigError)
+        with pytest.raises(ConfigError, match=r"^JSON file /dev/zero is a character device"):
+            read_json("/dev/zero", ConfigError)
+        big = tmp_path / "big.json"
+        big.write_text("[" + "0," * 600 + "0]")
+        with pytest.raises(ConfigError, match=rf"^JSON file {big} is 1,203 bytes; a JSON file is read only up to "
+                                              r"1 KiB: nothing was parsed"):
+            read_json(big, ConfigError, max_bytes=1024)
+        # a record that is a pipe is no record (and never blocks the check that reads it)
+        (tmp_path / "out").mkdir()
+        os.mkfifo(tmp_path / "out" / OUTPUT_RECORD)
+        assert read_record(tmp_path / "out") is None

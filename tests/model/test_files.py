@@ -142,7 +142,9 @@ def _hybrid_config(d: Path) -> None:
     (7, "is not a relative file name"),
     (".", "names the directory itself"),
     ("a/../../x", "climbs out of its directory"),
-    ("./a", "is the same file as entry 'a'"),
+    ("./a", "has a '.' or an empty part"),
+    ("a/.", "has a '.' or an empty part"),
+    ("b//c", "has a '.' or an empty part"),
 ])
 def test_confined_paths_names_the_manifest_the_entry_and_why(tmp_path, entry, why):
     with pytest.raises(ValueError, match=rf"^{tmp_path}/m\.json: files\[1\] .* {why}"):
@@ -301,7 +303,8 @@ def test_a_linked_output_is_followed_and_checked_where_it_points(tmp_path):
     # a link to a directory of the user's is refused for that reason, naming the link and where it points
     (target / "notes.txt").write_text("mine")
     with pytest.raises(ownership.ForeignOutputError, match=rf"--out {link} \(a link to {target}\) holds 1 entry this "
-                                                           r"project did not write \(notes.txt; its record"):
+                                                           r"project did not write as it is: notes.txt \(not in its "
+                                                           r"record\); it only ever replaces"):
         with atomic_dir(link, "--out"):
             pass
     assert (target / "notes.txt").read_text() == "mine" and link.is_symlink()
@@ -443,12 +446,41 @@ def test_an_output_file_is_refused_when_it_is_the_users_an_input_or_a_directory(
         outputs.check_output_file(cfg, "--json", [("--config", cfg)], force=True)
     with pytest.raises(ownership.ForeignOutputError, match="is a directory"):
         outputs.check_output_file(tmp_path, "--json", force=True)
-    link = tmp_path / "link.json"
-    link.symlink_to(ours)
-    with pytest.raises(ownership.ForeignOutputError, match="a symbolic link"):
-        outputs.check_output_file(link, "--json")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [ownership.OUTPUT_RECORD, "c.yaml", "est.json", "link.json",
-                                                          "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ownership.OUTPUT_RECORD, "c.yaml", "est.json", "notes.txt"]
+
+
+def _link_tree(d: Path) -> dict[str, str]:
+    return {p.name: (f"-> {os.readlink(p)}" if p.is_symlink() else p.read_text() if p.is_file() else "dir")
+            for p in sorted(d.iterdir())}
+
+
+def test_one_rule_for_links_every_output_file_follows_a_link_dangling_or_not(tmp_path):
+    """Issue 61: `hylo configs cp` replaced a user's dangling link without --force while `estimate --json` refused
+    any link even to its own report. Now one rule (`output_target`): a link at the output path is followed,
+    dangling or not; what it points to is checked as if named (ours, the user's with --force, never an input)
+    and written; the link itself is never replaced."""
+    ours, mine = tmp_path / "est.json", tmp_path / "mine.json"
+    ours.write_text('{"written_by": "hylo-pipeline"}')
+    mine.write_text("{}")
+    (tmp_path / "to-ours").symlink_to(ours)
+    (tmp_path / "to-mine").symlink_to(mine)
+    (tmp_path / "dangling").symlink_to(tmp_path / "new.json")
+    (tmp_path / "to-input").symlink_to(tmp_path / "c.yaml")
+    (tmp_path / "c.yaml").write_text("stage: 2\n")
+    assert outputs.check_output_file(tmp_path / "to-ours", "--json") == ours
+    assert outputs.check_output_file(tmp_path / "dangling", "--json") == tmp_path / "new.json"
+    with pytest.raises(ownership.ForeignOutputError, match=rf"--json {tmp_path / 'to-mine'} \(a link to {mine}\) "
+                                                           r"exists and this project did not write it"):
+        outputs.check_output_file(tmp_path / "to-mine", "--json")
+    with pytest.raises(outputs.OutputConflictError, match=rf"is the input --config {tmp_path / 'c.yaml'}"):
+        outputs.check_output_file(tmp_path / "to-input", "--json", [("--config", tmp_path / "c.yaml")], force=True)
+    before = _link_tree(tmp_path)
+    outputs.write_output_file(tmp_path / "dangling", '{"written_by": "hylo-pipeline", "n": 1}')
+    outputs.write_output_file(tmp_path / "to-ours", '{"written_by": "hylo-pipeline", "n": 2}')
+    after = _link_tree(tmp_path)
+    assert after.pop("new.json") == '{"written_by": "hylo-pipeline", "n": 1}'
+    assert after.pop("est.json") == '{"written_by": "hylo-pipeline", "n": 2}'
+    assert {k: v for k, v in before.items() if k != "est.json"} == after  # every link and file else as it was
 
 
 def test_an_output_file_that_cannot_be_written_is_refused_up_front_under_its_own_name(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import importlib.util
+import json
 import re
 import shutil
 import sys
@@ -391,16 +392,59 @@ def test_make_docs_builds_through_the_script_never_with_mkdocs_straight_into_sit
     assert "docs/hooks/build_site.py site" in rule and "mkdocs" not in rule, rule
 
 
-def test_make_docs_replaces_a_site_built_before_the_record_but_not_a_users_file_in_it(tmp_path):
+def _files(d: Path) -> dict[str, str]:
+    return {p.relative_to(d).as_posix(): p.read_text() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_make_docs_never_takes_a_site_for_its_build_by_the_names_it_holds(tmp_path, capsys):
+    """Issue 61: a site/ holding search/search_index.json and configuration/index.html was taken for a build from
+    before the record; `make docs` exited 0 and deleted the user's assets/my-logo.svg and data/results.csv. Now
+    only the record proves a build ours: without one, one line says what to do and nothing is touched."""
+    bs = _build_site()
+    site = tmp_path / "site"
+    for rel, text in {"search/search_index.json": "{}", "configuration/index.html": "<html>",
+                      "assets/my-logo.svg": "<svg/>", "data/results.csv": "a,b"}.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text(text)
+    before = _files(site)
+    assert bs.main([str(site)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"make docs: site directory {site} holds 4 entries this project "
+                                                   f"did not write (assets, configuration, data, search; it has no "
+                                                   f"{OUTPUT_RECORD}, "), err
+    assert "delete it yourself" in err, err
+    assert _files(site) == before and sorted(p.name for p in tmp_path.iterdir()) == ["site"]
+
+
+def test_make_docs_replaces_its_own_build_only_as_it_wrote_it(tmp_path):
+    """The record lists every file of a build with its size and hash: a file dropped into one of its folders, or
+    one of its files edited, is the user's; the build is refused, naming it."""
     bs = _build_site()
     site = tmp_path / "site"
     bs.build(site, _fake_mkdocs)
-    (site / OUTPUT_RECORD).unlink()
-    (site / "stages").mkdir()  # a page of docs/ (stages.md)
-    bs.build(site, _fake_mkdocs)
-    assert not (site / "stages").exists() and (site / OUTPUT_RECORD).is_file()
-    (site / OUTPUT_RECORD).unlink()
-    (site / "notes.txt").write_text("mine")
-    with pytest.raises(ForeignOutputError, match="notes.txt"):
+    bs.build(site, _fake_mkdocs)  # our own build, unchanged: replaced
+    (site / "search" / "my-notes.txt").write_text("mine")
+    with pytest.raises(ForeignOutputError, match=r"search/my-notes.txt \(not in its record\)"):
         bs.build(site, _fake_mkdocs)
-    assert (site / "notes.txt").read_text() == "mine"
+    (site / "search" / "my-notes.txt").unlink()
+    (site / "index.html").write_text("<html>edited</html>")  # same name, another size
+    with pytest.raises(ForeignOutputError, match=r"index.html \(changed since this project wrote it: 19 bytes, its "
+                                                 r"record says 16\)"):
+        bs.build(site, _fake_mkdocs)
+    (site / "index.html").write_text("<html>NEW</html>")  # same size, another hash
+    with pytest.raises(ForeignOutputError, match=r"index.html \(changed since this project wrote it: its sha256"):
+        bs.build(site, _fake_mkdocs)
+    assert (site / "index.html").read_text() == "<html>NEW</html>"
+    (site / OUTPUT_RECORD).write_text(json.dumps({"written_by": "hylo-pipeline", "entries": sorted(
+        p.name for p in site.iterdir() if p.name != OUTPUT_RECORD)}))  # an older record: names without sizes
+    with pytest.raises(ForeignOutputError, match=r"recorded by an older version, without sizes"):
+        bs.build(site, _fake_mkdocs)
+    assert (site / "index.html").read_text() == "<html>NEW</html>"
+
+
+def test_make_docs_never_builds_over_the_docs_it_reads(tmp_path, capsys):
+    bs = _build_site()
+    assert bs.main([str(REPO / "docs" / "site")]) == 1
+    err = capsys.readouterr().err
+    assert f"site directory {REPO / 'docs' / 'site'} lies inside the input docs {REPO / 'docs'}" in err, err
+    assert not (REPO / "docs" / "site").exists()

@@ -354,11 +354,18 @@ def test_rerun_resumes_its_own_cache_and_sweeps_only_dead_leftovers(env, tmp_pat
     assert (Path(cfg.out) / OUTPUT_RECORD).is_file()
 
 
-def test_cache_written_before_the_record_is_resumed(env, tmp_path):
+def test_a_cache_is_ours_by_its_record_never_by_its_manifest(env, tmp_path):
+    """A directory holding a teacher cache's manifest.json and shards/ but no record is not taken for a cache (a
+    name-based guess): it is refused, naming what it holds; with its record it is resumed."""
     cfg = _cfg(env, tmp_path / "c")
     header, plan, todo = prepare_cache(cfg)
+    assert len(prepare_cache(cfg)[2]) == len(plan)  # ours: resumed
     (Path(cfg.out) / OUTPUT_RECORD).unlink()
-    assert len(prepare_cache(cfg)[2]) == len(plan)
+    before = sorted(p.name for p in Path(cfg.out).iterdir())
+    with pytest.raises(ForeignOutputError, match=r"out .*/c holds 2 entries and no .hylo-output.json \(manifest.json, "
+                                                 r"shards\): this project did not make it"):
+        prepare_cache(cfg)
+    assert sorted(p.name for p in Path(cfg.out).iterdir()) == before
 
 
 def test_job_refuses_out_inside_the_data_in_one_line(env, tmp_path, capsys):

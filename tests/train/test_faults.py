@@ -348,8 +348,9 @@ def test_a_run_directory_over_an_input_stops_before_the_run_directory_is_made(tm
 
 
 def test_a_run_directory_of_the_user_is_refused_and_our_own_resumed(tmp_path):
-    """An existing directory holding files but no record of ours (nor a lock or config of an older run) is not
-    a run directory: refused before anything is written. One the run claimed (and an empty one) passes."""
+    """An existing directory holding files but no record of ours is not a run directory: refused before anything
+    is written, also when it holds what a run writes (a config_stage1.json, a run.lock, a step_* folder: never a
+    run directory by its names). One the run claimed (and an empty one) passes."""
     from hylo.pipeline.train.driver import check_run_output, claim_run_dir
 
     cfg = load_stage_config(1, None, [f"ray.storage_path={tmp_path}", "ray.name=home"])
@@ -365,9 +366,13 @@ def test_a_run_directory_of_the_user_is_refused_and_our_own_resumed(tmp_path):
     (tmp_path / "home" / "step_00000001").mkdir()
     check_run_output(cfg)  # ours: a resume continues it
     old = tmp_path / "old"
-    old.mkdir()
-    (old / "config_stage1.json").write_text("{}")  # a run directory from before the record
-    check_run_output(load_stage_config(1, None, [f"ray.storage_path={tmp_path}", "ray.name=old"]))
+    (old / "step_00000002").mkdir(parents=True)
+    (old / "config_stage1.json").write_text("{}")  # looks like a run directory: no record, refused
+    (old / "run.lock").write_text("{}")
+    with pytest.raises(ForeignOutputError, match=r"/old holds 3 entries and no .hylo-output.json \(config_stage1.json, "
+                                                 r"run.lock, step_00000002\): this project did not make it"):
+        check_run_output(load_stage_config(1, None, [f"ray.storage_path={tmp_path}", "ray.name=old"]))
+    assert sorted(p.name for p in old.iterdir()) == ["config_stage1.json", "run.lock", "step_00000002"]
 
 
 def test_stage_job_refuses_a_run_directory_inside_its_data_in_one_line(tmp_path, capsys, monkeypatch):

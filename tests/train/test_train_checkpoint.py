@@ -198,7 +198,7 @@ def _truncate(p: Path) -> None:
      r"zero/state/zero_pp_rank_1_mp_rank_00_optim_states\.pt: 33,\d{3} bytes, the manifest records 67,\d{3} "),
     (lambda c: _truncate(c / "ranks/rank_0.rng.safetensors"), r"ranks/rank_0\.rng\.safetensors: [\d,]+ bytes"),
     (lambda c: (c / "ranks/rank_1.json").write_text("{}"), r"ranks/rank_1\.json: 2 bytes"),
-    (lambda c: (c / CHECKPOINT_MANIFEST).write_text('{"files": '), r"manifest\.json is not valid JSON"),
+    (lambda c: (c / CHECKPOINT_MANIFEST).write_text('{"files": '), r"manifest\.json: not valid JSON"),
 ], ids=["truncated-zero-shard", "missing-model-states", "truncated-optim-shard", "truncated-rng",
         "rewritten-rank-state", "torn-manifest"])
 def test_resume_walks_back_past_a_damaged_checkpoint(tmp_path, damage, needle):
@@ -331,7 +331,9 @@ class Budget:
 @pytest.mark.slow
 def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk, where, capsys):
     """`upload`: Ray copies the ranks' directories into storage that fills up (ZeRO shards cut short
-    after trainer_state.json and the rank JSONs are in); `write`: torchrun ranks write into a full disk."""
+    after trainer_state.json and the rank JSONs are in: what a killed upload leaves, never resumed from);
+    `write`: torchrun ranks write into a full disk, and the failed write removes its `.tmp-step_N` (issue 61:
+    it stayed, filling the disk)."""
     import io
 
     disk, real = small_disk
@@ -370,8 +372,10 @@ def test_disk_full_half_way_leaves_an_incomplete_checkpoint(tmp_path, small_disk
                                                    r"mp_rank_00_\w+_states\.pt: the disk is full \(ENOSPC\); "
                                                    r"[\d.]+ GiB free of [\d.]+ GiB on "):
             torchrun_checkpoint(run, 6, write=write)
-        partial = run / ".tmp-step_00000006"
-    assert partial.is_dir() and any(f.stat().st_size for f in partial.rglob("*.pt"))
+        assert not (run / ".tmp-step_00000006").exists()  # the failed write left nothing
+        partial = None
+    if partial is not None:
+        assert partial.is_dir() and any(f.stat().st_size for f in partial.rglob("*.pt"))
     print("real tmpfs" if real else "simulated ENOSPC")
     chosen, lines = _walk(run)
     assert chosen == run / "step_00000003"
@@ -426,7 +430,81 @@ def test_a_full_storage_during_rays_upload_names_checkpoint_file_and_free_space(
             session.report({**REC, "step": 6}, 6, scratch)
     finally:
         dist.destroy_process_group()
-    assert not is_complete(disk / "run" / "step_00000006")
+    # the failed write leaves nothing: neither the rank's scratch directory nor the partial copy in storage
+    assert not scratch.exists() and not (disk / "run" / "step_00000006").exists()
+
+
+def test_a_checkpoint_write_that_fills_the_disk_leaves_nothing_and_the_resume_takes_the_previous(tmp_path):
+    """Issue 61: a disk full at a checkpoint kept the previous checkpoint but left `.tmp-step_00000002` filling
+    the disk. The torchrun ranks write real partial files until the (simulated) disk is full: the error names
+    the checkpoint, the file and the space left; the scratch directory is removed; the resume takes step 1."""
+    import io
+
+    run = tmp_path / "run"
+    torchrun_checkpoint(run, 1)
+    budget = Budget(100 * 1024)  # room for the first ZeRO shard, not the second
+    on_disk: list[int] = []  # bytes of each file as written, the last one cut short by the full disk
+
+    def write(path, obj):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        try:
+            budget.put(Path(path), buf.getvalue())
+        finally:
+            on_disk.append(Path(path).stat().st_size)
+
+    with pytest.raises(CheckpointError, match=r"writing checkpoint step_00000002 \(.*\.tmp-step_00000002, rank 0's "
+                                              r"files\) failed at zero/state/zero_pp_rank_0_mp_rank_00_\w+_states\.pt: "
+                                              r"the disk is full \(ENOSPC\)"):
+        torchrun_checkpoint(run, 2, write=write)
+    assert len(on_disk) == 2 and all(on_disk)  # a whole shard, then a partial one, were on disk
+    assert sorted(p.name for p in run.iterdir()) == ["step_00000001"]
+    chosen, lines = _walk(run)
+    assert chosen == run / "step_00000001" and lines == []
+
+
+def _a_dead_pid() -> int:
+    """A pid no process has now (the highest free one below the kernel's pid_max)."""
+    top = int(Path("/proc/sys/kernel/pid_max").read_text())
+    for pid in range(top - 1, 1, -1):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except PermissionError:
+            continue
+    raise AssertionError("no free pid")
+
+
+def test_what_a_killed_checkpoint_write_left_is_swept_by_the_next_run_and_nothing_else(tmp_path):
+    """A worker killed while writing leaves its scratch: torchrun's `<run>/.tmp-step_N`, Ray's
+    `hylo-ckpt-<step>-r<rank>-p<pid>-*` in the temporary directory. The next run removes them before any rank
+    writes (the driver under the run lock; each Ray worker before its first checkpoint): only scratch of a
+    finished step name, only of a process that is gone; complete and incomplete step_N, and anything else, stay."""
+    import tempfile
+
+    from hylo.pipeline.train.checkpoint.layout import sweep_scratch
+    from hylo.pipeline.train.storage import sweep_local_scratch
+
+    run = tmp_path / "run"
+    torchrun_checkpoint(run, 1)
+    (run / ".tmp-step_00000002" / "zero" / "state").mkdir(parents=True)
+    (run / ".tmp-step_00000002" / "zero" / "state" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(
+        b"\0" * 4096)  # a half-written shard of a killed write
+    (run / "step_00000003").mkdir()  # an incomplete checkpoint: the resume skips it, naming why
+    (run / ".tmp-notes").mkdir()  # not a checkpoint's scratch name
+    assert sweep_scratch(run) == [".tmp-step_00000002"]
+    assert sorted(p.name for p in run.iterdir()) == [".tmp-notes", "step_00000001", "step_00000003"]
+    prefix = f"hylo-ckpt-test-{os.getpid()}-"
+    gone = Path(tempfile.mkdtemp(prefix=f"{prefix}2-r0-p{_a_dead_pid()}-"))
+    alive = Path(tempfile.mkdtemp(prefix=f"{prefix}2-r1-p{os.getpid()}-"))
+    (gone / "rank_0.json").write_text("{}")
+    try:
+        assert sweep_local_scratch(prefix) == [gone]
+        assert not gone.exists() and alive.is_dir()
+    finally:
+        shutil.rmtree(alive, ignore_errors=True)
+        shutil.rmtree(gone, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------ never unpickle

@@ -62,8 +62,6 @@ def export_benchmarks(out_dir: str | Path, names: Sequence[str] | None = None,
     files = [f"{name}.jsonl" for name in names or hub]
     check_own_files(out_dir, files, "--export-benchmarks")
     out.mkdir(parents=True, exist_ok=True)
-    # recorded first: a run killed after a file is renamed into place leaves no unrecorded file of ours
-    record_files(out, files)
     counts = {}
     for name in names or hub:
         b = SUITES[name]
@@ -73,6 +71,8 @@ def export_benchmarks(out_dir: str | Path, names: Sequence[str] | None = None,
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
                 n += 1
+        # recorded as written (size, hash): a later export may replace it, a user's edit of it is theirs
+        record_files(out, [f"{name}.jsonl"])
         counts[name] = n
         log(f"{name}: {n} items ({b.path.removeprefix('hub:')} {b.subset or ''} {b.split}) -> {out / name}.jsonl")
     return counts

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from hylo.atomic import atomic_path, atomic_write
 from hylo.outputs import atomic_dir, check_not_an_input
-from hylo.ownership import check_replaceable, output_target
+from hylo.ownership import check_replaceable
 from hylo.pipeline.data.config import DecontamJobConfig
 from hylo.pipeline.data.decontam.cut import cut_record
 from hylo.pipeline.data.decontam.decide import decide
@@ -22,6 +22,7 @@ from hylo.pipeline.data.decontam.index import BenchmarkIndex, build_index
 from hylo.pipeline.data.decontam.report import write_reports
 from hylo.pipeline.data.decontam.scan import scan_mixture
 from hylo.pipeline.data.readers import Record, is_reject, iter_source
+from hylo.pipeline.paths import job_inputs
 
 
 def _write_jsonl(path: Path, rows: Iterable[dict], ensure_ascii: bool = False) -> int:
@@ -53,30 +54,20 @@ def _write_parquet(path: Path, rows: Iterable[dict], chunk: int = 4096) -> int:
     return n
 
 
-# what the job writes into `out` (the names a directory written before `.hylo-output.json` may hold)
-OUTPUT_NAMES = frozenset({"clean.jsonl", "clean.parquet", "removed.jsonl", "rejects.jsonl", "reports", "summary.json"})
-
-
-def _legacy_entries(out: str | Path) -> set[str]:
-    """The entries of an output written before `.hylo-output.json`: its summary.json is this job's."""
-    target = output_target(out)
-    try:
-        summary = json.loads((target / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return set()
-    if not (isinstance(summary, dict) and {"files", "docs_per_s", "seconds"} <= summary.keys()):
-        return set()
-    return {p.name for p in target.iterdir() if p.name in OUTPUT_NAMES}
-
-
 def check_output(cfg: DecontamJobConfig) -> None:
-    """Before any work: `out` is no input (an --input or --benchmark file, nor inside or around one:
-    `hylo.outputs.check_not_an_input`) and, when it exists, holds only what this job wrote there (its record
-    `.hylo-output.json`): the job replaces its own previous output, never a directory of the user's."""
+    """Before any work: `out` is none of what the job reads (its config file, an --input or --benchmark file, nor
+    inside or around one: `hylo.outputs.check_not_an_input`) and, when it exists, holds only what this job wrote
+    there, as it wrote it (its record `.hylo-output.json`): the job replaces its own previous output, never a
+    directory of the user's."""
+    check_not_an_input(cfg.out, output_inputs(cfg), "out")
+    check_replaceable(cfg.out, "out")
+
+
+def output_inputs(cfg: DecontamJobConfig) -> list[tuple[str, Path]]:
+    """What the job reads (`hylo.pipeline.paths.job_inputs`), the files named as their flags name them."""
     inputs = [(f"--input {s.name}", s.path) for s in cfg.inputs]
     inputs += [(f"--benchmark {b.name}", b.path) for b in cfg.benchmarks if b.path and not b.path.startswith("hub:")]
-    check_not_an_input(cfg.out, inputs, "out")
-    check_replaceable(cfg.out, "out", owned=_legacy_entries(cfg.out))
+    return job_inputs(cfg, extra=inputs)
 
 
 def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = None) -> dict[str, Any]:
@@ -87,7 +78,7 @@ def run_decontamination(cfg: DecontamJobConfig, index: BenchmarkIndex | None = N
     if not cfg.inputs:
         raise ValueError("decontaminate: no inputs given")
     check_output(cfg)
-    with atomic_dir(cfg.out, "out", owned=_legacy_entries(cfg.out)) as staging:
+    with atomic_dir(cfg.out, "out", output_inputs(cfg)) as staging:
         return _run(cfg, index, Path(cfg.out), staging)
 
 

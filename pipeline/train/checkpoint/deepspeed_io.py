@@ -18,6 +18,7 @@ import io
 import os
 import pickle
 import random
+import shutil
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,8 +73,9 @@ def restore_rng(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
 def save_checkpoint(engine, ckpt: Path, rank: int, world_size: int, step: int, cfg: StageConfig,
                     rank_state: dict[str, Any], global_state: dict[str, Any]) -> None:
     """Collective: every rank writes its ZeRO partition and its own state into local directory `ckpt`.
-    A full disk is reported as a `CheckpointError` naming the directory (the partial files stay, and
-    count as incomplete)."""
+    A full disk (any failed write) is reported as a `CheckpointError` naming the directory, the file and the
+    space left; the partial directory is removed first (a failed write leaves nothing: under torchrun the ranks
+    share it, and the checkpoint is lost for all of them). The previous checkpoint is untouched."""
     ckpt = Path(ckpt)
     try:
         (ckpt / ZERO_DIR).mkdir(parents=True, exist_ok=True)
@@ -92,7 +94,9 @@ def save_checkpoint(engine, ckpt: Path, rank: int, world_size: int, step: int, c
             })
     except (OSError, RuntimeError) as e:
         # torch.save reports a failed write (ENOSPC included) as a RuntimeError without errno
-        raise write_error(ckpt, e, step=step, rank=rank) from e
+        error = write_error(ckpt, e, step=step, rank=rank)  # names the file and the free space, before removing
+        shutil.rmtree(ckpt, ignore_errors=True)
+        raise error from e
 
 
 def load_checkpoint(engine, ckpt: Path, rank: int) -> dict[str, Any]:

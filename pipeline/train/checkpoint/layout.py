@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,26 @@ def step_dirs(run_dir: Path | Loc) -> list[tuple[int, Loc]]:
         if m and child.is_dir():
             out.append((int(m.group(1)), child))
     return sorted(out, key=lambda t: t[0])
+
+
+SCRATCH_PREFIX = ".tmp-"
+
+
+def sweep_scratch(run_dir: Path | Loc) -> list[str]:
+    """Remove the scratch directories `.tmp-step_N` of a local run directory (torchrun ranks write a checkpoint
+    there and rank 0 renames it into place): what a write killed half-way left, never resumed from. Called by the
+    driver under the run's lock, before any rank writes (`driver.prepare_run`); a failed write removes its own
+    (`deepspeed_io.save_checkpoint`, `Session.discard`). Returns the names removed."""
+    loc = Loc.of(run_dir)
+    if not loc.is_local or not loc.local().is_dir():
+        return []
+    removed = []
+    for p in sorted(loc.local().iterdir()):
+        if p.name.startswith(SCRATCH_PREFIX) and STEP_DIR.match(p.name.removeprefix(SCRATCH_PREFIX)) \
+                and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    return removed
 
 
 # ------------------------------------------------------------------------------------ manifest
@@ -173,12 +194,14 @@ def _compare(files: dict[str, dict[str, Any]], present: dict[str, int]) -> str |
 
 def manifest_or_reason(loc: Loc) -> tuple[dict[str, Any] | None, str | None]:
     try:
-        m = json.loads((loc / CHECKPOINT_MANIFEST).read_text())
+        if loc.is_local:  # its own manifest, not another checkpoint's through a link, nor a pipe
+            manifest_paths.own_file(loc.local(), CHECKPOINT_MANIFEST, CheckpointError)
+        m = json_files.read_json(loc / CHECKPOINT_MANIFEST, CheckpointError)
     except FileNotFoundError:
         return None, (f"no {CHECKPOINT_MANIFEST}: its write never finished (or it was not written by this "
                       f"project's training)")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return None, f"{CHECKPOINT_MANIFEST} is not valid JSON ({e})"
+    except CheckpointError as e:  # not valid JSON, not a regular file, too large, a link out of it
+        return None, str(e)
     if not isinstance(m, dict) or m.get("format_version") != FORMAT_VERSION or not isinstance(m.get("files"), dict):
         return None, f"{CHECKPOINT_MANIFEST} is not a format-{FORMAT_VERSION} manifest of this project"
     step = m.get("step")
