@@ -639,7 +639,7 @@ def prepare_run(stage: int, args: argparse.Namespace, cfg: StageConfig, launcher
         claim_run_dir(cfg)
         # what a checkpoint write killed half-way left (torchrun's .tmp-step_N): removed before any rank writes
         for name in sweep_scratch(run_loc(cfg)):
-            print(f"[train] removed {name}: a checkpoint write that never finished (a killed run)", flush=True)
+            logger.info(f"[train] removed {name}: a checkpoint write that never finished (a killed run)")
         (run_loc(cfg) / f"config_stage{stage}.json").write_text(json.dumps(config_to_dict(cfg), indent=1,
                                                                            sort_keys=True))
     return cfg

@@ -285,4 +285,5 @@ def test_building_a_config_loads_the_sources_but_no_implementation(sets):
     assert [m for m in loaded if not (m.rpartition(".")[2] == "config" or m.startswith("hylo.pipeline.teacher.sources")
                                       or m in ("hylo.json_files", "hylo.weight_files", "hylo.rules", "hylo.pipeline",
                                                "hylo.pipeline.teacher", "hylo.pipeline.train", "hylo.pipeline.data",
-                                               "hylo.upcycle", "hylo.kernels", "hylo.yaml_limits", "hylo.lazy"))] == []
+                                               "hylo.upcycle", "hylo.kernels", "hylo.yaml_limits", "hylo.lazy",
+                                               "hylo.logs", "hylo.bounded_read"))] == []
