@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         # a replica runs whole rows: before, once per rank of a group (each answered with its range); after, once
         # per row of a group
         teach = [estimate_teacher_replica(cfg, T, shapes, progress=Progress(
-                    f"[estimate] teacher replica, {T:,} tokens ({i}/{len(tokens)})", what="teacher replica"))
+                    f"[estimate] teacher replica, {T:,} tokens ({i}/{len(tokens)})", what=""))
                  for i, T in enumerate(tokens, 1)]
         print()
         print(format_table(f"teacher replica GPU (teacher.pool: {cfg.teacher.pool.num_replicas} replicas, "

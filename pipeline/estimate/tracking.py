@@ -326,7 +326,7 @@ class Progress:
         self._last = self._clock()
 
     def phase(self, name: str) -> None:
-        self.say(f"{self.what}, {name}")
+        self.say(f"{self.what}, {name}" if self.what else name)
 
     def watch(self, model: nn.Module | None, what: str) -> list[Any]:
         """Forward pre-hooks on every decoder layer of `model` (its `layers` lists); returns their handles."""
@@ -342,4 +342,5 @@ class Progress:
 
     def _layer(self, what: str, i: int, n: int, *_: Any) -> None:
         if self.phases is not None and self._clock() - self._last >= self.every_s:
-            self.say(f"{self.what}, {self.phases.stack[-1]}: {what} layer {i + 1}/{n}")
+            where = f"{self.what}, {self.phases.stack[-1]}" if self.what else self.phases.stack[-1]
+            self.say(f"{where}: {what} layer {i + 1}/{n}")
