@@ -158,6 +158,7 @@ def advise(T: int, peak: float, W: int, N: int, peaks_by_world: dict[int, float]
     # the row split over more GPUs, measured, while a GPU has no split that fits it and splitting further still
     # lowers the peak (`MIN_GAIN`: what the rank's tokens hold no longer sets it)
     left, last = list(unfit), peak
+    tried: list[Fix] = []
     for n, w in group_layouts(T, W, N):
         if not left:
             break
@@ -166,6 +167,7 @@ def advise(T: int, peak: float, W: int, N: int, peaks_by_world: dict[int, float]
             refused.append(f"--sequence-parallel {n}: {lay.problem}")
             continue
         p = measure(n, w)
+        tried.append(Fix(lay, p, "its split step measured"))
         for g in [g for g in left if g.fits(p)]:
             fixes[g.name].append(Fix(lay, p, "its split step measured"))
             left.remove(g)
@@ -179,11 +181,16 @@ def advise(T: int, peak: float, W: int, N: int, peaks_by_world: dict[int, float]
                 fixes[g.name].append(Fix(Layout(T, W, N, ["--teacher-split", mode]), p, "the teacher table's figure"))
     lines, records = [], []
     for g in unfit:
-        records.append({"tokens": T, "gpu": g.name, "peak_bytes": peak, "fixes": [f.to_dict() for f in fixes[g.name]]})
+        records.append({"tokens": T, "gpu": g.name, "peak_bytes": peak, "fixes": [f.to_dict() for f in fixes[g.name]],
+                        "groups_measured": [f.to_dict() for f in tried]})
         what = f"  {g.name} {g.memory_gib:.0f} GiB at {format_tokens(T)} ({format_gib(peak)} GiB): "
         got = fixes[g.name]
-        lines.append(what + (" or ".join(f.text() for f in got) if got else
-                             f"no larger world size (to {MAX_WORLD}) or sequence-parallel group fits it"))
+        if got:
+            lines.append(what + " or ".join(f.text() for f in got))
+            continue
+        low = min(tried, key=lambda f: f.peak, default=None)
+        lines.append(what + f"no larger world size (to {MAX_WORLD}) or sequence-parallel group fits it"
+                     + (f"; the lowest measured: {low.text()}" if low else ""))
     # the first layouts the rules refused, so that a missing one is not a mystery
     for r in list(dict.fromkeys(refused))[:MAX_REFUSED]:
         lines.append(f"    (not offered: {r})")

@@ -166,12 +166,12 @@ def test_the_advised_group_fits_when_the_estimate_runs_at_it(tmp_path: Path, mon
     tiny_teacher().save_pretrained(tmp_path / "teacher")
     cfg = {"model": {"student": str(tmp_path / "student"), "activation_checkpointing": True},
            "train": {"global_batch_sequences": 2}, "ray": {"num_workers": 2},
-           "data": {"source": "synthetic", "seq_len": 1024}, "deepspeed": {"reduce_bucket_size": 1000},
+           "data": {"source": "synthetic", "seq_len": 256}, "deepspeed": {"reduce_bucket_size": 1000},
            "teacher": {"source": "inprocess", "k": 0, "model": {"path": str(tmp_path / "teacher"),
                                                                 "dtype": "float32"}}}
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    small = GPU("small", 0.009, 1.0, 1.0, 1.0)  # 8.3 MiB usable: the 1K row takes 12 MiB, split over 2 about 7
+    small = GPU("small", 0.0054, 1.0, 1.0, 1.0)  # 5.0 MiB usable: the 256-token row takes 5.6 MiB, split over 2 4.4
     for module in (gpus, report, advice):
         monkeypatch.setattr(module, "GPUS", (small,))
     out = tmp_path / "est.json"
@@ -180,7 +180,8 @@ def test_the_advised_group_fits_when_the_estimate_runs_at_it(tmp_path: Path, mon
     assert not small.fits(data["estimates"][0]["peak_bytes"])
     (rec,) = data["advice"]
     fix = next(f for f in rec["fixes"] if "--sequence-parallel" in f["flags"])
-    assert small.fits(fix["peak_bytes"]) and "small 0 GiB at 1K" in capsys.readouterr().out
+    assert small.fits(fix["peak_bytes"]) and "small 0 GiB at 256" in capsys.readouterr().out
+    assert fix["flags"] == ["--sequence-parallel", "2"] and rec["groups_measured"][0]["sequence_parallel"] == 2
     again = tmp_path / "again.json"
     assert cli.main(["--config", str(path), *fix["flags"], "--json", str(again)]) == 0
     split = json.loads(again.read_text())
