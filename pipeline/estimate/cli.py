@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +113,12 @@ def print_teacher(config: Any, what: str, dtype: torch.dtype, lm_head: bool, tok
 
     def priced(T: int, m: str) -> Any:
         run = T if m == "whole" else T // N
-        progress.say(f"its forward {'whole' if m == 'whole' else 'split (' + m + ')'}, {run:,} of the row's {T:,} "
-                     f"tokens on each GPU")
-        return teacher_split(config, T, N, m, dtype, lm_head, measured, kept)
+        what = f"its forward {'whole' if m == 'whole' else 'split (' + m + ')'}"
+        progress.say(f"{what}, {run:,} of the row's {T:,} tokens on each GPU")
+        t0 = time.perf_counter()
+        out = teacher_split(config, T, N, m, dtype, lm_head, measured, kept)
+        progress.say(f"{what}: done in {time.perf_counter() - t0:.0f} s")
+        return out
 
     before = [priced(T, "whole") for T in tokens]
     after = [priced(T, after_mode) for T in tokens]
