@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,7 +74,7 @@ from hylo.kernels.ssd import chunk_ssd
 from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.cli import BadArgument
 from hylo.pipeline.estimate.fake import cast_parameters, fake_tensors, flop_registry
-from hylo.pipeline.estimate.fake_group import fused_attention
+from hylo.pipeline.estimate.fake_group import COLLECTIVE_DEPRECATION, fused_attention
 from hylo.pipeline.estimate.flops import dtype_class
 from hylo.pipeline.estimate.gpus import GPUS
 from hylo.pipeline.estimate.report import (
@@ -259,7 +260,8 @@ def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype, kind: str = "
             out, _ = layer(x, bounds.positions[None], bounds, None, None, shard if split else None)
             out.sum().backward()
 
-        with fused_attention():
+        with fused_attention(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=COLLECTIVE_DEPRECATION, category=FutureWarning)
             split = estimate_call(setup, lambda st: run(st, True))
             alone = estimate_call(setup, lambda st: run(st, False))
         return max(split - alone, 0.0)
