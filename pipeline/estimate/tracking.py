@@ -320,6 +320,8 @@ class Progress:
         self.prefix, self.every_s, self._clock, self.what = prefix, every_s, time.monotonic, what
         self._last = self._clock()
         self.phases: Phases | None = None
+        # passes through each watched model's layers so far (a teacher runs one forward per document)
+        self.passes: dict[str, int] = {}
 
     def say(self, text: str) -> None:
         print(f"{self.prefix}: {text}", file=sys.stderr, flush=True)
@@ -341,6 +343,8 @@ class Progress:
         return handles
 
     def _layer(self, what: str, i: int, n: int, *_: Any) -> None:
+        if i == 0:
+            self.passes[what] = self.passes.get(what, 0) + 1
         if self.phases is not None and self._clock() - self._last >= self.every_s:
             where = f"{self.what}, {self.phases.stack[-1]}" if self.what else self.phases.stack[-1]
-            self.say(f"{where}: {what} layer {i + 1}/{n}")
+            self.say(f"{where}: {what} layer {i + 1}/{n} (pass {self.passes.get(what, 1)})")
