@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -244,7 +245,9 @@ class Demo(StepRunner):
         table = "\n".join(f"{a:<{width}}  {b}" for a, b in rows)
         md = ["# HyLo demo: SmolLM2-135M-Instruct -> 15 MLA + 15 GDN", "",
               "| measure | value |", "|---|---|"] + [f"| {_md_cell(a)} | {_md_cell(b)} |" for a, b in rows]
-        md += ["", kv_ratio_note(conv)]
+        note = steps_note(self.cfg.steps, demo_batch(), self.cfg.seq_len, kl)
+        md += ["", kv_ratio_note(conv), "", note]
+        table += "\n\n" + textwrap.fill(note, 110)
         plots = demo_plots(self.run, kl, final, read_metrics(self.run / "stage1"), read_metrics(self.run / "stage2"))
         md += [""] + [f"![{p.stem}]({p.name})" for p in plots]
         study = self.run / "placement" / "compare.md"
@@ -299,6 +302,31 @@ class Demo(StepRunner):
         print("\n" + table)
         print(f"\n[demo] report: {r / 'report.md'}")
         return 0
+
+
+def demo_batch() -> int:
+    """Packed rows per optimiser step of the demo's stages (configs/demo-smollm2.yaml)."""
+    from hylo.pipeline.train.config import load_stage_config  # lazy: the training config
+
+    return load_stage_config(1, config("demo-smollm2.yaml")).train.global_batch_sequences
+
+
+# One optimiser step of the 64K recipes' stage 2: global_batch_sequences x data.seq_len
+# (configs/llama-3.2-1b-8mla8gdn-64k.yaml, configs/llama-3.2-3b-14mla14gdn-64k.yaml)
+RECIPE_STEP_TOKENS = 8 * 65536
+
+
+def steps_note(steps: int, batch: int, seq_len: int, kl: dict[str, float]) -> str:
+    """What the demo's few CPU steps can and cannot show, with its own figures."""
+    rows = steps * batch
+    tokens = rows * seq_len
+    return (f"What {steps} + {steps} steps can show: each stage trains on {rows} packed rows of {seq_len} tokens "
+            f"({tokens:,} tokens; one step of a 64K recipe's stage 2 reads {RECIPE_STEP_TOKENS:,}). The KL falls at "
+            f"each stage ({kl['converted']:.2f} -> {kl['stage1']:.2f} -> {kl['stage2']:.2f}): the conversion, both "
+            f"losses, their gradients and checkpoints work end to end and move the student toward its teacher. What "
+            f"they cannot show: quality. The converted model's answers are broken, and {tokens:,} tokens do not mend "
+            f"them; the stage-2 model may loop on a phrase ('The capital of the capital of ...'). Quality needs a "
+            f"recipe's run on GPUs (not measured here).")
 
 
 def sample_answers(info: dict) -> list[tuple[str, dict[str, str]]]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,9 @@ import torch
 from hylo.outputs import write_output_file
 from hylo.ownership import WRITTEN_BY
 from hylo.pipeline.cli import BadArgument
-from hylo.pipeline.estimate.args import estimate_args
+from hylo.pipeline.config import flag_overrides
+from hylo.pipeline.estimate.advice import advise, check_layout, world_sizes
+from hylo.pipeline.estimate.args import FLAG_KEYS, estimate_args
 from hylo.pipeline.estimate.report import format_table
 from hylo.pipeline.estimate.shapes import Shapes, conversion_for_student, conversion_note, shapes_of
 from hylo.pipeline.estimate.sp import check_sequence_parallel, estimate_sp, format_sp
@@ -38,7 +42,12 @@ from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.teacher.model import torch_dtype
 from hylo.pipeline.teacher.protocol import TargetSpec
 from hylo.pipeline.teacher.sources import source_kind
-from hylo.pipeline.train.config import Stage2Config, StageConfig, sp_shard_problem
+from hylo.pipeline.train.config import (
+    Stage2Config,
+    StageConfig,
+    load_stage_config,
+    sp_shard_problem,
+)
 from hylo.pipeline.train.deepspeed_cfg import resolve_dtype
 
 
@@ -57,7 +66,26 @@ def describe(cfg: StageConfig, shapes: Shapes, W: int, dtype: torch.dtype, confi
             tshape = f" {Path(t.model.path).name} shape ({shapes.teacher.num_hidden_layers} layers, hidden " \
                      f"{shapes.teacher.hidden_size})"
         head += f"\nteacher{tshape} {source_kind(t.source).where}, fused KL over {form}"
-    return head
+    return head + "\n" + gpu_count(cfg, W)
+
+
+def gpu_count(cfg: StageConfig, W: int) -> str:
+    """The run's GPUs in all: the W training workers, plus the Serve pool's teacher replicas (each
+    `teacher.pool.num_gpus`) where the teacher runs there."""
+    line = f"GPUs in all: {W} training"
+    if not (isinstance(cfg, Stage2Config) and source_kind(cfg.teacher.source).model_runs == "replicas"):
+        where = {True: "the teacher runs on them", False: "the teacher's records are read from the cache"}
+        if isinstance(cfg, Stage2Config):
+            line += f" ({where[source_kind(cfg.teacher.source).model_runs == 'step']})"
+        return line
+    pool = cfg.teacher.pool
+    gpus = pool.num_replicas * pool.num_gpus
+    if not gpus:
+        return line + f" (+ {pool.num_replicas} teacher replica(s) on CPU: teacher.pool.num_gpus is 0)"
+    each = f"{pool.num_gpus:g} GPU" + ("s" if pool.num_gpus != 1 else "")
+    total = W + math.ceil(gpus)
+    return (f"GPUs in all: {total} = {W} training + {pool.num_replicas} teacher replica"
+            f"{'s' if pool.num_replicas > 1 else ''} x {each} (teacher.pool)")
 
 
 def frozen_model(cfg: StageConfig, shapes: Shapes, dtype: torch.dtype) -> tuple[Any, str, torch.dtype, bool]:
@@ -80,8 +108,19 @@ def print_teacher(config: Any, what: str, dtype: torch.dtype, lm_head: bool, tok
     after_mode = mode if mode != "whole" else "allgather"
     measured: dict = {}
     kept = what != "stage 1's base"
-    before = [teacher_split(config, T, N, "whole", dtype, lm_head, measured, kept) for T in tokens]
-    after = [teacher_split(config, T, N, after_mode, dtype, lm_head, measured, kept) for T in tokens]
+    progress = Progress(f"[estimate] {what}")
+
+    def priced(T: int, m: str) -> Any:
+        run = T if m == "whole" else T // N
+        what = f"its forward {'whole' if m == 'whole' else 'split (' + m + ')'}"
+        progress.say(f"{what}, {run:,} of the row's {T:,} tokens on each GPU")
+        t0 = time.perf_counter()
+        out = teacher_split(config, T, N, m, dtype, lm_head, measured, kept)
+        progress.say(f"{what}: done in {time.perf_counter() - t0:.0f} s")
+        return out
+
+    before = [priced(T, "whole") for T in tokens]
+    after = [priced(T, after_mode) for T in tokens]
     b = torch.empty((), dtype=dtype).element_size()
     comm = [teacher_comm(TeacherDims.of(config), T, N, b) for T in tokens]
     name = f"{what} ({config.num_hidden_layers} layers, {config.num_attention_heads} heads, " \
@@ -144,33 +183,58 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
                             tokens=tokens, conv_size=conv)
     # with sequence parallelism: the split step itself, as the last rank of a row that is one document (its MLA
     # layers attend to every earlier key of the row: the worst rank of the worst row)
-    ests = [estimate_step(cfg, T, W, dtype, gpu=not args.cpu, shapes=shapes, stage1=stage1, sequence_parallel=N,
-                          doc_tokens=(T, T) if N > 1 else DOC_TOKENS,
-                          progress=Progress(f"[estimate] {T:,} tokens{f' over {N} GPUs' if N > 1 else ''} "
-                                            f"({i}/{len(tokens)})"))
-            for i, T in enumerate(tokens, 1)]
+    def measure(T: int, n: int, w: int, other_worlds: tuple[int, ...] = (), what: str = "", count: str = "") -> Any:
+        over = f" over {n} GPUs" if n > 1 else ""
+        return estimate_step(cfg, T, w, dtype, gpu=not args.cpu, shapes=shapes, stage1=stage1, sequence_parallel=n,
+                             doc_tokens=(T, T) if n > 1 else DOC_TOKENS, other_worlds=other_worlds,
+                             progress=Progress(f"[estimate] {what}{T:,} tokens{over}{count}"))
+
+    # the per-GPU peak at larger world sizes too, tracked in the same pass (the advice's ZeRO-3 figures)
+    ests = [measure(T, N, W, tuple(world_sizes(W)), count=f" ({i}/{len(tokens)})") for i, T in enumerate(tokens, 1)]
     note = conversion_note(cfg, stage1)
     print(describe(cfg, shapes, W, dtype, args.config) + (f"\n{note}" if note else "")
           + (f"\nsequence parallel: each row split by tokens over N = {N} GPUs ({W // N} group{'s' if W // N > 1 else ''})" if N > 1 else ""))
     # "written_by": the file says it is ours, so a later run may replace it (hylo.ownership.is_own_file)
     out: dict[str, Any] = {"written_by": WRITTEN_BY, "config": args.config, "stage": args.stage, "world_size": W,
                            "sequence_parallel": N, "estimates": [e.to_dict() for e in ests]}
+    mode = cfg.train.sequence_parallel_teacher
+    teacher_fix: list[tuple[str, float] | None] = [None] * len(tokens)
     if N > 1:
         sp = [estimate_sp(cfg, T, N, W, dtype, e, shapes.student, split=True) for T, e in zip(tokens, ests)]
         print(format_sp(sp))
         out["sequence_parallel_estimates"] = [e.to_dict() for e in sp]
         if frozen is not None:
             print()
-            out["teacher_split"] = print_teacher(frozen, frozen_what, frozen_dtype, lm_head, tokens, N,
-                                                 cfg.train.sequence_parallel_teacher,
-                                                 ests if frozen_what != "teacher replica" else None,
+            in_step = frozen_what != "teacher replica"
+            out["teacher_split"] = print_teacher(frozen, frozen_what, frozen_dtype, lm_head, tokens, N, mode,
+                                                 ests if in_step else None,
                                                  cfg.teacher.pool.num_replicas if replicas else 0)
+            if in_step and mode == "whole":
+                teacher_fix = [("allgather", p) for p in out["teacher_split"]["training_gpu_peak"]["after"]]
     else:
         print(format_table("training GPU:", ests))
+    teacher_dims = TeacherDims.of(frozen) if frozen is not None else None
+
+    def load(keys: list[str]) -> StageConfig:
+        return load_stage_config(args.stage, args.config, [*args.overrides, *flag_overrides(args, FLAG_KEYS), *keys])
+
+    advice: list[str] = []
+    out["advice"] = []
+    for i, (T, e) in enumerate(zip(tokens, ests)):
+        lines, records = advise(T, e.peak_bytes, W, N, e.peaks_by_world,
+                                lambda w, n, T=T: check_layout(load, T, w, n, (W, N), conv, teacher_dims, mode),
+                                lambda n, w, T=T: measure(T, n, w, what="advice: ").peak_bytes, teacher_fix[i])
+        advice += lines
+        out["advice"] += records
+    if advice:
+        print("\nwhere a GPU does not fit, the smallest change that fits it (each checked by the config's rules first):")
+        print("\n".join(advice))
     if replicas:
         # a replica runs whole rows: before, once per rank of a group (each answered with its range); after, once
         # per row of a group
-        teach = [estimate_teacher_replica(cfg, T, shapes) for T in tokens]
+        teach = [estimate_teacher_replica(cfg, T, shapes, progress=Progress(
+                    f"[estimate] teacher replica, {T:,} tokens ({i}/{len(tokens)})", what=""))
+                 for i, T in enumerate(tokens, 1)]
         print()
         print(format_table(f"teacher replica GPU (teacher.pool: {cfg.teacher.pool.num_replicas} replicas, "
                            f"{teach[0].notes[0]}):", teach))

@@ -256,20 +256,51 @@ def fake_like(tree: Any) -> Any:
 
 
 
+def causal_pairs(q_len: int, k_len: int) -> int:
+    """(query, key) pairs a causal mask leaves visible, aligned at the lower right (query i sees keys up to
+    i + k_len - q_len: a square's triangle, a split row's last queries over every earlier key)."""
+    if q_len <= k_len:
+        return q_len * (k_len - q_len) + q_len * (q_len + 1) // 2
+    return k_len * (k_len + 1) // 2
+
+
+def visible_share(query: Any, key: Any, is_causal: bool = False, attn_mask: Any = None) -> float:
+    """The share of an SDPA call's [q_len, k_len] block a kernel that skips what is masked computes: the causal
+    pairs (`causal_pairs`), or the entries of a real mask that let a key through (a boolean True, a float above
+    -inf); 1 for no mask, and for a fake mask (no values to read: counted whole)."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    if is_causal:
+        return causal_pairs(q_len, k_len) / (q_len * k_len)
+    if attn_mask is None or isinstance(attn_mask, FakeTensor) or attn_mask.numel() == 0:
+        return 1.0
+    with unset_fake_temporarily():
+        open_ = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+        return float(open_.sum()) / open_.numel()
+
+
 def flop_registry() -> dict:
     """torch.utils.flop_counter.FlopCounterMode's formulas (op -> FLOPs from its shapes), with those of the
-    ops our CPU step runs that it lacks: SDPA's CPU flash kernel (as its CUDA flash kernel: dense), the
+    ops our CPU step runs that it lacks or counts otherwise: SDPA's CPU flash kernel, forward and backward (the
+    [q, k] block of each call as torch counts a fused kernel, times `visible_share`: a causal call counts its
+    causal pairs, as a kernel that skips the masked blocks runs it, where torch counts the whole block), the
     fused loss's in-place `addmm_`, GDN's triangular solve.
 
     Counted in `HostOps` rather than under FlopCounterMode itself: its module tracker keeps every module's
     outputs alive, which more than doubled the step's activation memory measured beside it."""
     aten = torch.ops.aten
 
-    def cpu_flash(query, key, value, *args, out_shape=None, **kwargs):
-        return sdpa_flop_count(query, key, value)
+    def cpu_flash(query, key, value, dropout_p=0.0, is_causal=False, *args, attn_mask=None, out_val=None,
+                  **kwargs):
+        dense = sdpa_flop_count(query.shape, key.shape, value.shape)
+        return round(dense * visible_share(query, key, is_causal, attn_mask))
 
-    def cpu_flash_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
-        return sdpa_backward_flop_count(grad_out, query, key, value)
+    def cpu_flash_backward(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *args,
+                           attn_mask=None, out_val=None, **kwargs):
+        dense = sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+        return round(dense * visible_share(query, key, is_causal, attn_mask))
+
+    # the raw tensors, not their shapes: a real mask's open entries are counted (`visible_share`)
+    cpu_flash._get_raw = cpu_flash_backward._get_raw = True  # type: ignore[attr-defined]
 
     def addmm_inplace(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
         return addmm_flop(self_shape, a_shape, b_shape)
@@ -289,9 +320,9 @@ def flop_registry() -> dict:
 
 def count_flops(fn: Callable[[], Any]) -> tuple[Any, int]:
     """(fn(), the FLOPs it runs on real tensors), by torch's counter with `flop_registry`'s formulas (SDPA's CPU
-    kernel included: every call's full [q, k] block, as a fused kernel counts). The lower-right causal bias of a
-    split row's first document (hylo/seq_parallel.py) cannot be built under the counter's dispatch mode: it is
-    an explicit boolean mask there (the same attention, the same block counted)."""
+    kernel included: each call's visible pairs, causal or let through by its mask). The lower-right causal bias of
+    a split row's first document (hylo/seq_parallel.py) cannot be built under the counter's dispatch mode: it is
+    an explicit boolean mask there (the same attention, its open entries counted)."""
     import torch.nn.attention.bias as masks  # lazy: imports torch._dynamo
 
     def explicit(q_len: int, k_len: int) -> torch.Tensor:

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,10 +74,18 @@ from hylo.kernels.ssd import chunk_ssd
 from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.cli import BadArgument
 from hylo.pipeline.estimate.fake import cast_parameters, fake_tensors, flop_registry
-from hylo.pipeline.estimate.fake_group import fused_attention
+from hylo.pipeline.estimate.fake_group import COLLECTIVE_DEPRECATION, fused_attention
 from hylo.pipeline.estimate.flops import dtype_class
-from hylo.pipeline.estimate.gpus import FIT_MARGIN, GPUS
-from hylo.pipeline.estimate.report import dtype_lines, format_gib, format_tokens, per_key_lines
+from hylo.pipeline.estimate.gpus import GPUS
+from hylo.pipeline.estimate.report import (
+    dtype_lines,
+    fits_lines,
+    format_gib,
+    format_tokens,
+    loss_line,
+    memory_lines,
+    per_key_lines,
+)
 from hylo.pipeline.estimate.step import Estimate, estimate_call, gpu_figures
 from hylo.seq_parallel import shard_row
 
@@ -251,7 +260,8 @@ def measure_mla_extra(hc: Any, T: int, N: int, dtype: torch.dtype, kind: str = "
             out, _ = layer(x, bounds.positions[None], bounds, None, None, shard if split else None)
             out.sum().backward()
 
-        with fused_attention():
+        with fused_attention(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=COLLECTIVE_DEPRECATION, category=FutureWarning)
             split = estimate_call(setup, lambda st: run(st, True))
             alone = estimate_call(setup, lambda st: run(st, False))
         return max(split - alone, 0.0)
@@ -397,28 +407,29 @@ def format_sp(ests: list[SPEstimate]) -> str:
     lines = [f"training GPU, sequence parallel over N = {N} (each rank {', '.join(format_tokens(e.tokens // N) for e in ests)} "
              f"tokens of the row; the last rank" + (" of a row that is one document, its split step measured):"
                                                     if ests[0].split else "):"),
-             f"{'per GPU (GiB)':<{L}}" + "".join(f"{c:>{w}}" for c in cols)]
-    keys: list[str] = []
-    for e in ests:
-        keys += [k for k in e.local.memory if k not in keys]
-    for k in keys:
-        vals = [e.local.memory.get(k, 0.0) for e in ests]
-        if any(vals):
-            lines.append(f"  {k:<{L - 2}}" + "".join(f"{format_gib(v):>{w}}" for v in vals))
+             f"{'per GPU at the peak (GiB)':<{L}}" + "".join(f"{c:>{w}}" for c in cols)]
+    locals_ = [e.local for e in ests]
     what = "the split step (measured)" if ests[0].split else "the step of one rank (measured, T/N tokens)"
-    lines.append(f"{'  peak of ' + what:<{L}}"
-                 + "".join(f"{format_gib(e.local.peak_bytes):>{w}}" for e in ests))
-    ekeys: list[str] = []
-    for e in ests:
-        ekeys += [k for k in e.extra_memory if k not in ekeys]
-    for k in ekeys:
-        lines.append(f"  {k:<{L - 2}}" + "".join(f"{format_gib(e.extra_memory.get(k, 0.0)):>{w}}" for e in ests))
-    total = "peak" if ests[0].split else "peak (the step + the SP extras: an upper bound)"
-    lines.append(f"{total:<{L}}" + "".join(f"{format_gib(e.peak_bytes):>{w}}" for e in ests))
-    lines.append(f"fits (peak <= {1 - FIT_MARGIN:.0%} of the memory):")
-    for g in GPUS:
-        lines.append(f"  {g.name + f' {g.memory_gib:.0f} GiB':<{L - 2}}"
-                     + "".join(f"{('yes' if g.fits(e.peak_bytes) else 'no'):>{w}}" for e in ests))
+    short = {"forward/backward": "fwd/bwd", "optimizer": "optimizer"}
+    if ests[0].split:
+        # the split step's own peak: its parts sum to it
+        lines += memory_lines(locals_, L, w)
+        lines.append(f"{'peak (the sum of the lines above)':<{L}}" + "".join(f"{format_gib(e.peak_bytes):>{w}}" for e in ests))
+        lines.append(f"{'  reached in':<{L}}" + "".join(f"{short.get(e.local.peak_phase, e.local.peak_phase):>{w}}"
+                                                         for e in ests))
+    else:
+        # the rank's step (its parts under it) and the extras of the split beside it: the peak is their sum
+        lines.append(f"{'  ' + what:<{L}}" + "".join(f"{format_gib(e.local.peak_bytes):>{w}}" for e in ests))
+        lines += memory_lines(locals_, L, w, indent="    ")
+        ekeys: list[str] = []
+        for e in ests:
+            ekeys += [k for k in e.extra_memory if k not in ekeys]
+        for k in ekeys:
+            lines.append(f"  {k:<{L - 2}}" + "".join(f"{format_gib(e.extra_memory.get(k, 0.0)):>{w}}" for e in ests))
+        lines.append(f"{'peak (the step + the SP extras: an upper bound)':<{L}}"
+                     + "".join(f"{format_gib(e.peak_bytes):>{w}}" for e in ests))
+    lines += loss_line(locals_, L, w)
+    lines += fits_lines([e.peak_bytes for e in ests], L, w)
     lines.append(f"{'FLOPs per GPU per row (TFLOP)':<{L}}")
     lines.append(f"  {what:<{L - 2}}" + "".join(f"{e.local.total_flops / 1e12:>{w}.1f}" for e in ests))
     fkeys: list[str] = []

@@ -18,14 +18,15 @@ The three modes (hylo/seq_parallel.py's `split_attention`):
 Per GPU, as `teacher_split` computes it:
 * the forward of the tokens the rank runs (T whole, Tq split), MEASURED on fake tensors (`measure_forward`):
   the decoder stack over one document of that length, without gradients, SDPA as a fused kernel (flash: O(T)
-  memory); its peak beyond the weights and its FLOPs (attention dense within each SDPA call, as torch counts
-  it, as the step counts the student's);
+  memory); its peak beyond the weights and its FLOPs (causal attention as its kernel runs it, the visible
+  (query, key) pairs: `fake.flop_registry`, as the step counts the student's);
 * plus, split:
-  - FLOPs, ANALYTIC: the last rank's Tq queries against the E earlier keys, per layer (a fully visible block:
-    torch's dense SDPA count is exact for it). Ulysses's attention of H / N heads over T x T counts the same
-    (4 T T (H / N) d = 4 Tq T H d); a causal kernel does half of it, while the all-gather's last rank does
-    (2N - 1) / 2N of its block: the all-gather's ranks are uneven, Ulysses's are not. The split forward
-    measured below counts exactly this (a test checks it);
+  - FLOPs, ANALYTIC, beyond the measured forward of the rank's Tq tokens (their own causal triangle): all-gather,
+    the last rank's Tq queries against the E earlier keys, per layer (a fully visible block, Tq E pairs a head);
+    Ulysses, each rank's H / N heads over the whole row's causal triangle, T (T + 1) / 2 pairs a head, less the
+    triangle of its own tokens over H heads the forward counted. So the all-gather's last rank does Tq E + Tq (Tq
+    + 1) / 2 pairs a head, (2N - 1) / N of an even share: its ranks are uneven, Ulysses's are not. The split
+    forward measured below counts exactly this (a test checks it);
   - memory, MEASURED (`measure_split_forward`): the last rank's forward of a row that is one document under
     hylo/seq_parallel.py's `split_attention`, its collectives on torch's fake process group (`split_rank`), SDPA
     as a fused kernel; what it holds beyond the unsplit forward of its Tq tokens. Where this process already has
@@ -65,7 +66,7 @@ from torch.utils.flop_counter import sdpa_flop_count
 
 from hylo.kernels.varlen import DocBounds
 from hylo.pipeline.cli import BadArgument
-from hylo.pipeline.estimate.fake import build_model, fake_tensors, flop_registry
+from hylo.pipeline.estimate.fake import build_model, causal_pairs, fake_tensors, flop_registry
 from hylo.pipeline.estimate.fake_group import fused_attention, split_rank
 from hylo.pipeline.estimate.gpus import GPUS
 from hylo.pipeline.estimate.report import format_gib, format_tokens
@@ -251,6 +252,7 @@ class TeacherSplit:
 FORWARD = "forward of the tokens it runs (measured)"
 KEPT = "hidden states copied out [tokens run, D]"
 EARLIER = "attention to the E earlier keys (last rank)"
+ULYSSES_ATTENTION = "attention of H/N heads over the row, beyond its own tokens'"
 LM_HEAD = "lm_head on the rank's T/N tokens"
 
 
@@ -278,8 +280,12 @@ def teacher_split(config: Any, T: int, N: int, mode: str, dtype: torch.dtype, lm
     buffers = transient_buffers(td, T, N, b, mode)
     activations = fwd.activations
     if split:
-        q, k = (1, td.heads, Tq, td.head_dim), (1, td.heads, E, td.head_dim)
-        flops[EARLIER] = td.layers * sdpa_flop_count(q, k, k)
+        # per (query, key) pair and head of every layer: the forward's two products (sdpa_flop_count)
+        pair = td.layers * sdpa_flop_count((1, 1, 1, td.head_dim), (1, 1, 1, td.head_dim), (1, 1, 1, td.head_dim))
+        if mode == "ulysses":
+            flops[ULYSSES_ATTENTION] = pair * (td.heads // N * causal_pairs(T, T) - td.heads * causal_pairs(Tq, Tq))
+        else:
+            flops[EARLIER] = pair * td.heads * Tq * E
         if why := (ulysses_problem(td, N) if mode == "ulysses" else None):
             notes.append(why)
         elif measure and (got := measure_split_forward(config, T, N, mode, dtype)) is not None:
@@ -318,20 +324,21 @@ def format_teacher(before: list[TeacherSplit], after: list[TeacherSplit], comm: 
              line("per GPU", cols),
              line("  weights, every GPU (GiB)", [format_gib(e.weights) for e in before])]
     for label, ests in (("before, whole", before), (f"after, {mode}", after)):
+        # each total first, its parts indented under it
         lines.append(line(f"  {label}: tokens run", [format_tokens(e.tokens_run) for e in ests]))
-        lines.append(line("    forward activations (measured, GiB)", [format_gib(e.activations) for e in ests]))
+        lines.append(line("    transient beyond the weights (GiB)", [format_gib(e.memory) for e in ests]))
+        lines.append(line("      forward activations (measured)", [format_gib(e.activations) for e in ests]))
         keys: list[str] = []
         for e in ests:
             keys += [k for k in e.buffers if k not in keys]
         for k in keys:
-            lines.append(line(f"    {k}", [format_gib(e.buffers.get(k, 0.0)) for e in ests]))
-        lines.append(line("    transient beyond the weights (GiB)", [format_gib(e.memory) for e in ests]))
+            lines.append(line(f"      {k}", [format_gib(e.buffers.get(k, 0.0)) for e in ests]))
+        lines.append(line("    TFLOP per GPU per row", [f"{e.total_flops / 1e12:.1f}" for e in ests]))
         fkeys: list[str] = []
         for e in ests:
             fkeys += [k for k in e.flops if k not in fkeys]
         for k in fkeys:
-            lines.append(line(f"    TFLOP, {k}", [f"{e.flops.get(k, 0) / 1e12:.1f}" for e in ests]))
-        lines.append(line("    TFLOP per GPU per row", [f"{e.total_flops / 1e12:.1f}" for e in ests]))
+            lines.append(line(f"      {k}", [f"{e.flops.get(k, 0) / 1e12:.1f}" for e in ests]))
     lines.append(line("  FLOPs per GPU, after / before", [f"{a.total_flops / b.total_flops:.3f}"
                                                          for a, b in zip(after, before)]))
     if steps is not None:

@@ -94,6 +94,8 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     # phase -> the dtype class its matrix products run at on a GPU (flops.py) -> FLOPs
     flops_by_dtype: dict[str, dict[str, int]] = field(default_factory=dict)
+    # per GPU, the fused loss's bytes at the peak when the peak falls inside the loss (a part of the activations)
+    loss_at_peak: float | None = None
 
     @property
     def total_flops(self) -> int:
@@ -308,14 +310,16 @@ def estimate_step(cfg: StageConfig, tokens: int, world_size: int | None = None, 
                     mark_peaks={k: v + zero for k, v in memory.mark_peaks.items()},
                     gemms=sorted(((op, shp, c, f) for (op, shp), (c, f) in host.gemms.items()), key=lambda g: -g[3]),
                     teacher_parameters=sum(p.numel() for p in frozen_params), seconds=time.perf_counter() - t0,
-                    flops_by_dtype={k: v for k, v in phases.by_dtype.items() if any(v.values())})
+                    flops_by_dtype={k: v for k, v in phases.by_dtype.items() if any(v.values())},
+                    loss_at_peak=at.get("loss_share"))
 
 
 def estimate_teacher_replica(cfg: Stage2Config, tokens: int, shapes: Shapes | None = None,
-                             doc_tokens: tuple[int, int] = DOC_TOKENS) -> Estimate:
+                             doc_tokens: tuple[int, int] = DOC_TOKENS, progress: Progress | None = None) -> Estimate:
     """One GPU of the teacher pool (`teacher.source: serve`): its `TeacherModel` over one batch of rows
     (as many rows of `tokens` as `teacher.pool.max_batch_tokens` holds, at least one), giving top-k records
-    (`teacher.k` > 0) or the logit chunks of one row's stream. Weights and the forward's peak."""
+    (`teacher.k` > 0) or the logit chunks of one row's stream. Weights and the forward's peak. `progress`: where
+    its progress lines go (None: none)."""
     t0 = time.perf_counter()
     shapes = shapes or shapes_of(cfg)
     t = cfg.teacher
@@ -325,6 +329,8 @@ def estimate_teacher_replica(cfg: Stage2Config, tokens: int, shapes: Shapes | No
     memory = StepMemory(1)
     with fake_tensors() as host:
         memory.host = host
+        if progress is not None:
+            progress.say(f"building the teacher; then its forward over {n_rows} row(s) of {tokens:,} tokens")
         model = build_model(shapes.teacher, torch_dtype(t.model.dtype))
         m = t.model
         teacher = TeacherModel(model, dtype=m.dtype, device="cpu", isolation=m.isolation,
@@ -332,7 +338,11 @@ def estimate_teacher_replica(cfg: Stage2Config, tokens: int, shapes: Shapes | No
         params = list(model.parameters())
         w_bytes = _state_bytes(params)
         host.flop_registry = flop_registry()
-        phases = Phases(host, memory)
+        phases = Phases(host, memory, progress)
+        hooks = []
+        if progress is not None:
+            progress.phases = phases
+            hooks = progress.watch(model, "teacher")
         memory.tracker.track_external(*params)
         with memory.tracker:
             memory.phase, memory.active = "teacher forward", True
@@ -345,6 +355,10 @@ def estimate_teacher_replica(cfg: Stage2Config, tokens: int, shapes: Shapes | No
                     for _ in teacher.logits_chunks(hidden):
                         pass
             memory.active = False
+        for h in hooks:
+            h.remove()
+    if progress is not None:
+        progress.say(f"done in {time.perf_counter() - t0:.0f} s")
     return Estimate(stage=2, tokens=tokens, world_size=1, dtype=t.model.dtype, parameters=sum(p.numel() for p in params),
                     trainable_parameters=0,
                     memory={"teacher weights": w_bytes, "activations, temporaries, loss buffers": memory.peak - w_bytes},

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +38,24 @@ _NO_HOOK = _NoHook()
 def _grad_reftype():
     return _MemRefType.GRAD
 
+# torch's ModTracker (under MemTracker) warns, and swaps the process's `warnings.formatwarning` for its own, when a
+# module is entered again before it has left (a module that calls itself, a forward cut short by an exception): a
+# note to torch's developers about its per-module statistics, which the estimate does not use
+TRACKER_WARNING = "The module hierarchy tracking maybe be messed up"
+
+
+@contextlib.contextmanager
+def quiet_tracker() -> Iterator[None]:
+    """Keep `TRACKER_WARNING` out of the user's terminal, and the process's warning format as it was."""
+    fmt = warnings.formatwarning
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(TRACKER_WARNING), category=UserWarning)
+        try:
+            yield
+        finally:
+            warnings.formatwarning = fmt
+
+
 class StepMemory:
     """MemTracker over the measured step, with the per-GPU figure of ZeRO-3 over W workers at every op."""
 
@@ -44,6 +64,17 @@ class StepMemory:
         self.host = host
 
         class Tracker(MemTracker):
+            def __enter__(self):  # noqa: N805
+                self._quiet = quiet_tracker()
+                self._quiet.__enter__()
+                return super().__enter__()
+
+            def __exit__(self, *args):  # noqa: N805
+                try:
+                    return super().__exit__(*args)
+                finally:
+                    self._quiet.__exit__(None, None, None)
+
             def _update_peak_stats(self, peak_state):  # noqa: N805 - MemTracker's hook, after every op
                 # in place of MemTracker's per-module peaks (a walk over every module at every op, which
                 # the estimate does not use): the per-GPU figure
@@ -131,7 +162,9 @@ class StepMemory:
             self.mark_peaks[mark] = per_gpu
         if per_gpu > self.peak:
             self.peak = per_gpu
-            self.at_peak = {"phase": self.phase, "total": total, "gradients": grads, **s}
+            # inside the fused loss (`window`): the bytes it holds at the peak, above what was live as it began
+            in_loss = max(total - self.windows[0][0], 0.0) if self.windows else None
+            self.at_peak = {"phase": self.phase, "total": total, "gradients": grads, "loss_share": in_loss, **s}
 
     @contextlib.contextmanager
     def window(self) -> Iterator[list[float]]:
@@ -285,17 +318,19 @@ class Progress:
     layer it is in at most every `PROGRESS_EVERY_S` seconds (a 128K row of a 3B model takes minutes).
     `say(text)` prints `prefix: text`; `watch(model, what)` hooks the model's decoder layers."""
 
-    def __init__(self, prefix: str, every_s: float = PROGRESS_EVERY_S) -> None:
-        self.prefix, self.every_s, self._clock = prefix, every_s, time.monotonic
+    def __init__(self, prefix: str, every_s: float = PROGRESS_EVERY_S, what: str = "measured step") -> None:
+        self.prefix, self.every_s, self._clock, self.what = prefix, every_s, time.monotonic, what
         self._last = self._clock()
         self.phases: Phases | None = None
+        # passes through each watched model's layers so far (a teacher runs one forward per document)
+        self.passes: dict[str, int] = {}
 
     def say(self, text: str) -> None:
         logger.info(f"{self.prefix}: {text}")
         self._last = self._clock()
 
     def phase(self, name: str) -> None:
-        self.say(f"measured step, {name}")
+        self.say(f"{self.what}, {name}" if self.what else name)
 
     def watch(self, model: nn.Module | None, what: str) -> list[Any]:
         """Forward pre-hooks on every decoder layer of `model` (its `layers` lists); returns their handles."""
@@ -310,5 +345,8 @@ class Progress:
         return handles
 
     def _layer(self, what: str, i: int, n: int, *_: Any) -> None:
+        if i == 0:
+            self.passes[what] = self.passes.get(what, 0) + 1
         if self.phases is not None and self._clock() - self._last >= self.every_s:
-            self.say(f"measured step, {self.phases.stack[-1]}: {what} layer {i + 1}/{n}")
+            where = f"{self.what}, {self.phases.stack[-1]}" if self.what else self.phases.stack[-1]
+            self.say(f"{where}: {what} layer {i + 1}/{n} (pass {self.passes.get(what, 1)})")

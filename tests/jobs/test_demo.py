@@ -113,6 +113,15 @@ def test_the_report_shows_every_models_answers_as_they_came_out(tmp_path):
     assert demo._md_cell("2 | 2") == "2 \\| 2" and demo._md_cell("") == "(empty)"
 
 
+def test_the_report_says_what_its_few_steps_can_and_cannot_show():
+    """The demo's 8 + 8 CPU steps move the KL but leave the answers broken ("The capital of the capital of ..."):
+    the report says so with the run's own figures, the tokens each stage trained on among them."""
+    assert demo.demo_batch() == 2  # configs/demo-smollm2.yaml's train.global_batch_sequences
+    note = demo.steps_note(8, 2, 512, {"converted": 3.9969, "stage1": 3.1688, "stage2": 2.1147})
+    assert note.startswith("What 8 + 8 steps can show: each stage trains on 16 packed rows of 512 tokens (8,192 tokens")
+    assert "(4.00 -> 3.17 -> 2.11)" in note and "cannot show: quality" in note and "524,288" in note
+
+
 def _kv_final() -> dict:
     """An evaluation's kvcache results as `pipeline/eval/kvcache.py` writes them: the hybrid's growing part is
     0.396 of the base per token, its fixed GDN state raises the ratio of the cache in all at short contexts."""

@@ -264,9 +264,24 @@ def test_a_long_estimate_shows_its_progress(tmp_path, capsys):
     for text in ("building the models", "warm-up step (64 tokens)", "measured step, teacher forward",
                  "measured step, student forward", "measured step, fused loss", "measured step, optimizer"):
         assert f"[estimate] 64 tokens (1/1): {text}" in err, err
-    assert "[estimate] 64 tokens (1/1): measured step, student forward: student layer 4/4" in err, err
-    assert "[estimate] 64 tokens (1/1): measured step, teacher forward: teacher layer 3/3" in err, err
+    assert "[estimate] 64 tokens (1/1): measured step, student forward: student layer 4/4 (pass 1)" in err, err
+    assert "[estimate] 64 tokens (1/1): measured step, teacher forward: teacher layer 3/3 (pass 1)" in err, err
     assert any(line.startswith("[estimate] 64 tokens (1/1): done in ") for line in err), err
+    # the Serve pool's replica, priced after the step (minutes of a 64K run): its phase, its layers, its time
+    from hylo.pipeline.estimate import estimate_teacher_replica
+
+    serve = load_stage_config(2, None, [f"model.student={tmp_path / 'student'}", "train.global_batch_sequences=2",
+                                        "data.source=synthetic", "data.seq_len=64", "teacher.source=serve",
+                                        "teacher.k=8", f"teacher.model.path={tmp_path / 'teacher'}",
+                                        "teacher.pool.max_batch_tokens=128"])
+    estimate_teacher_replica(serve, 64, progress=Progress("[estimate] teacher replica, 64 tokens (1/1)", every_s=0.0,
+                                                          what=""))
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "[estimate] teacher replica, 64 tokens (1/1): building the teacher; then its forward over 2 row(s) " \
+                     "of 64 tokens", err
+    assert "[estimate] teacher replica, 64 tokens (1/1): teacher forward" in err, err
+    assert "[estimate] teacher replica, 64 tokens (1/1): teacher forward: teacher layer 3/3 (pass 1)" in err, err
+    assert err[-1].startswith("[estimate] teacher replica, 64 tokens (1/1): done in "), err
 
 
 def test_load_config_of_every_shipped_config_is_unchanged_by_the_bounds():

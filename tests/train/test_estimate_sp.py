@@ -255,17 +255,27 @@ def tiny_teacher(heads: int = 4, kv_heads: int = 2, hidden: int = 64):
 
 @pytest.mark.parametrize("mode", ["allgather", "ulysses"])
 def test_the_split_teachers_flops_per_gpu_fall_to_one_nth_and_whole_stays_whole(mode: str):
+    from torch.utils.flop_counter import sdpa_flop_count
+
     from hylo.pipeline.estimate import sp_teacher as st
+    from hylo.pipeline.estimate.fake import causal_pairs
 
     cfg, T = tiny_teacher(), 512
     measured: dict = {}
     one = st.teacher_split(cfg, T, 1, mode, torch.float32, lm_head=False, measured=measured)
+    # a (query, key) pair of one head in every layer; the row's causal attention, the rest is linear in the tokens
+    pair = cfg.num_hidden_layers * sdpa_flop_count((1, 1, 1, 16), (1, 1, 1, 16), (1, 1, 1, 16))
+    H = cfg.num_attention_heads
+    linear = one.total_flops - pair * H * causal_pairs(T, T)
     for N in (2, 4):
         split = st.teacher_split(cfg, T, N, mode, torch.float32, lm_head=False, measured=measured)
         whole = st.teacher_split(cfg, T, N, "whole", torch.float32, lm_head=False, measured=measured)
-        # the forward of T / N tokens (linear parts: 1/N exactly) and the last rank's queries against the earlier
-        # keys (Tq x T of the whole row's T x T, counted dense as torch counts SDPA): 1/N of the row's forward
-        assert split.tokens_run == T // N and split.total_flops == one.total_flops // N, (N, split.flops)
+        Tq = T // N
+        # the forward of T / N tokens (linear parts: 1/N exactly) and the attention as the kernels run it: the
+        # all-gather's last rank its Tq queries over the T keys up to its own (lower-right causal: more than 1/N),
+        # Ulysses H / N heads over the row's causal triangle (1/N exactly)
+        attention = H * causal_pairs(Tq, T) if mode == "allgather" else H // N * causal_pairs(T, T)
+        assert split.tokens_run == Tq and split.total_flops == linear // N + pair * attention, (N, split.flops)
         assert whole.tokens_run == T and whole.total_flops == one.total_flops
         # the rank's activations are measured at its tokens: fewer than the whole row's
         assert 0 < split.activations < whole.activations and not whole.buffers and split.buffers
