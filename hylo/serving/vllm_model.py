@@ -54,10 +54,11 @@ from vllm.model_executor.models.utils import make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
 from hylo.config import HybridConfig
-from hylo.layers.rope import RotaryEmbedding, apply_rotary, mla_softmax_scale
+from hylo.layers.rope import RotaryEmbedding, mla_softmax_scale
 from hylo.serving.widen import (
     ServedMLA,
     ServingShapeError,
+    rotate_native_dims,
     widen_kv_a,
     widen_kv_b,
     widen_latent_norm,
@@ -78,13 +79,10 @@ class HyLoRotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, q_pe: torch.Tensor,
                 k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        P = self.rope
         cos_TP, sin_TP = self.emb(positions.reshape(1, -1), q_pe.dtype)
         cos_T1P, sin_T1P = cos_TP[0].unsqueeze(1), sin_TP[0].unsqueeze(1)
-        q_out, k_out = q_pe.clone(), k_pe.clone()
-        q_out[..., :P] = apply_rotary(q_pe[..., :P], cos_T1P, sin_T1P)
-        k_out[..., :P] = apply_rotary(k_pe[..., :P], cos_T1P, sin_T1P)
-        return q_out, k_out
+        return (rotate_native_dims(q_pe, cos_T1P, sin_T1P, self.rope),
+                rotate_native_dims(k_pe, cos_T1P, sin_T1P, self.rope))
 
 
 class HyLoMLA(nn.Module):

@@ -127,6 +127,16 @@ def widen_kv_b(w: torch.Tensor, cfg: HybridConfig, s: ServedMLA) -> torch.Tensor
     return w
 
 
+def rotate_native_dims(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: int) -> torch.Tensor:
+    """RoPE (`hylo.layers.rope.apply_rotary`, rotate-half) on the first `rope` dims of a served rope part
+    [..., P']; the zero dims after them stay as they are."""
+    from hylo.layers.rope import apply_rotary
+
+    out = x.clone()
+    out[..., :rope] = apply_rotary(x[..., :rope], cos, sin)
+    return out
+
+
 def served_bytes_per_token(cfg: HybridConfig, s: ServedMLA, dtype_bytes: int = 2) -> tuple[int, int]:
     """KV bytes per token over the model, native and served (MLA layers only; linear layers cache nothing
     that grows)."""

@@ -18,6 +18,9 @@ BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, n_layer=4, m
             v_head_dim=32, gdn_num_heads=2, gdn_head_dim=GDN_HEAD, gdn_expand_v=1.0, tie_word_embeddings=False,
             max_position_embeddings=2048, bos_token_id=1, eos_token_id=None)
 
+# the checkout this file belongs to (its .venv-serve)
+REPO = Path(__file__).resolve().parents[2]
+
 # name -> (config keys over BASE, written in AMD's released layout)
 EXPORTS: dict[str, tuple[dict, bool]] = {
     # MLA (whole queries, latent norm) + GDN, untied head
@@ -59,3 +62,15 @@ def write_serving_export(name: str, out: Path) -> Path:
     model = tiny_serving_model(name)
     _, released = EXPORTS[name]
     return export_released(model, out) if released else save_hylo(model, out)
+
+
+def serve_python() -> str:
+    """The interpreter with vLLM (`make serve-install` makes .venv-serve; HYLO_SERVE_PYTHON names another); a
+    missing one fails the test with the command that makes it."""
+    import os
+
+    found = os.environ.get("HYLO_SERVE_PYTHON") or str(REPO / ".venv-serve" / "bin" / "python")
+    if not Path(found).is_file():
+        raise AssertionError(f"no serving interpreter at {found}: run `make serve-install` (vLLM's environment), "
+                             f"or set HYLO_SERVE_PYTHON")
+    return found
