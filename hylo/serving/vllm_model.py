@@ -74,8 +74,9 @@ class HyLoRotary(nn.Module):
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
         self.rope = cfg.qk_rope_head_dim
+        # `rope_key_groups` blocks of the rope dims share one frequency ladder (the converter's layout)
         self.emb = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                   cfg.max_position_embeddings)
+                                   cfg.max_position_embeddings, groups=cfg.rope_key_groups)
 
     def forward(self, positions: torch.Tensor, q_pe: torch.Tensor,
                 k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

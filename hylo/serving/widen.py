@@ -83,10 +83,6 @@ def check_servable(cfg: HybridConfig) -> None:
             "mla_qk_norm: the per-head key norm (Qwen3's k_norm) scales each head's scores by a per-token "
             "factor that vLLM's MLA kernels do not take; models converted with it are served by "
             "HyLoForCausalLM.generate only")
-    if cfg.rope_key_groups != 1:
-        raise ServingShapeError(
-            f"rope_key_groups={cfg.rope_key_groups}: vLLM's MLA caches one shared roped key per token; "
-            f"a key per group is served by HyLoForCausalLM.generate only")
     if cfg.qk_rope_head_dim > SERVED_ROPE_DIM and cfg.qk_rope_head_dim % 2:
         raise ServingShapeError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even")
 

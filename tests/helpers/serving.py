@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 # name -> (config keys over BASE, written in AMD's released layout)
 EXPORTS: dict[str, tuple[dict, bool]] = {
-    # MLA (whole queries, latent norm) + GDN, untied head
-    "mla-gdn": ({}, False),
+    # MLA (whole queries, latent norm, the rope dims in two blocks as the converter writes them for GQA) + GDN,
+    # untied head
+    "mla-gdn": (dict(rope_key_groups=2), False),
     # q_lora, YaRN with mscale_all_dim (the softmax scale moves), a tied head
     "qlora-yarn-tied": (dict(q_lora_rank=32, rope_parameters=YARN, tie_word_embeddings=True),
                         False),

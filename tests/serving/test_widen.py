@@ -44,8 +44,8 @@ def run(mla: MLAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("kw", [{}, {"q_lora_rank": 16, "rope_parameters": YARN}, {"kv_b_per_kv_head": True},
-                                {"mla_latent_norm": False, "attention_bias": True}],
-                         ids=["plain", "qlora-yarn", "kv_b-per-kv-head", "no-norm-bias"])
+                                {"mla_latent_norm": False, "attention_bias": True}, {"rope_key_groups": 2}],
+                         ids=["plain", "qlora-yarn", "kv_b-per-kv-head", "no-norm-bias", "rope-key-groups"])
 def test_a_widened_latent_gives_the_native_outputs(kw):
     torch.manual_seed(0)
     cfg = tiny(**kw)
@@ -75,11 +75,12 @@ def test_a_widened_latent_gives_the_native_outputs(kw):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
 
 
-def test_a_widened_rope_part_gives_the_native_scores():
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_widened_rope_part_gives_the_native_scores(groups):
     torch.manual_seed(0)
     P, H, T = 8, 3, 20
     q_pe, k_pe = torch.randn(T, H, P, dtype=torch.float64), torch.randn(T, 1, P, dtype=torch.float64)
-    rope = RotaryEmbedding(P, 10000.0, YARN, 256)
+    rope = RotaryEmbedding(P, 10000.0, YARN, 256, groups=groups)
     cos, sin = (t[0].unsqueeze(1) for t in rope(torch.arange(T).unsqueeze(0), torch.float64))
     native = torch.einsum("thp,shp->hts", apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin).expand(T, H, P))
     pad = torch.nn.functional.pad
@@ -114,8 +115,6 @@ def test_the_narrowest_accepted_width_is_served(rank, rope, widths, served):
 def test_what_cannot_be_served_exactly_is_refused_by_name():
     with pytest.raises(ServingShapeError, match="mla_qk_norm"):
         check_servable(tiny(mla_qk_norm=True))
-    with pytest.raises(ServingShapeError, match="rope_key_groups=2"):
-        check_servable(tiny(rope_key_groups=2))
     with pytest.raises(ServingShapeError, match="takes widths \\[576\\] only"):
         served_mla(tiny(kv_lora_rank=1024, qk_rope_head_dim=8), CPU_WIDTHS)
 
