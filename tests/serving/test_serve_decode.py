@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.models import LLAMA_1B, LLAMA_3B
+from tests.helpers.serving import serve_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,14 +27,6 @@ def load_bench():
 
 
 sd = load_bench()
-
-
-def serve_python() -> str:
-    """The serving environment's interpreter (vLLM): HYLO_SERVE_PYTHON, else the repository's .venv-serve."""
-    path = os.environ.get("HYLO_SERVE_PYTHON") or str(REPO / ".venv-serve" / "bin" / "python")
-    if not Path(path).is_file():
-        pytest.fail(f"no serving interpreter at {path}: `make serve-install` makes it (or set HYLO_SERVE_PYTHON)")
-    return path
 
 
 # ------------------------------------------------------------------------------------ the arithmetic
