@@ -211,8 +211,11 @@ class Demo(StepRunner):
         from hylo.pipeline.serve import ServeConfig, served_answers
 
         print(f"\n[{self.tag}] === serve: the stage-2 model in vLLM ({python}), asked the samples' prompts", flush=True)
-        cfg = ServeConfig(model=str(self.run / "stage2" / "model"), python=python, cpu_kv_cache_gib=1)
+        # eager: on a CPU, vLLM's torch.compile warm-up of this model takes minutes, longer than the answers
+        cfg = ServeConfig(model=str(self.run / "stage2" / "model"), python=python, cpu_kv_cache_gib=1,
+                          vllm_args=["--enforce-eager"])
         answers = served_answers(cfg, SamplesSection().prompts, SAMPLE_TOKENS, self.run / "logs" / "serve.log")
+        (self.run / "serve").mkdir(exist_ok=True)
         atomic_write(self.run / "serve" / "answers.json", json.dumps(answers, indent=1))
         return {"answers": answers}
 

@@ -147,7 +147,7 @@ def plan(cfg: ServeConfig) -> tuple[list[str], dict[str, str], list[str]]:
         raise ServeError(f"port={cfg.port}: {cfg.host}:{cfg.port} is taken by another process; choose a free port")
     python = serving_python(cfg)
     name = cfg.served_model_name or (model.parent.name if model.name == "model" else model.name)
-    cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host", cfg.host, "--port",
+    cmd = [python, "-m", "hylo.serving.cli", "serve", str(model), "--host", cfg.host, "--port",
            str(cfg.port), "--max-model-len", str(length), "--dtype", cfg.dtype, "--config-format", CONFIG_FORMAT,
            "--served-model-name", name, *cfg.vllm_args]
     env = {} if "VLLM_CPU_KVCACHE_SPACE" in os.environ else {"VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib)}

