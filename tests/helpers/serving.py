@@ -1,13 +1,39 @@
 """Tiny HyLo checkpoints for the serving tests (tests/serving/): random weights at shapes vLLM's CPU kernels take
-(GDN key and value heads of 64 or 128, bf16), each with one of the features a served model must carry."""
+(GDN key and value heads of 64 or 128, bf16), each with one of the features a served model must carry; and the
+interpreter of the serving environment the tests run vLLM in (`serve_python`)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
 from hylo.config import HybridConfig
+
+REPO = Path(__file__).resolve().parents[2]
+# `make serve-install` makes it; `make test SERVE_PYTHON=...` passes another one on as HYLO_SERVE_PYTHON
+SERVE_VENV_PYTHON = REPO / ".venv-serve" / "bin" / "python"
+
+
+def serve_python() -> Path:
+    """The Python of the serving environment (vLLM and this package's plugin): $HYLO_SERVE_PYTHON (a path or a
+    command on PATH) when set, else the checkout's .venv-serve. Raises FileNotFoundError naming `make
+    serve-install` when there is none: vLLM cannot share the test environment (cluster/serve_lock.py), and a
+    serving test without it fails, never skips."""
+    named = os.environ.get("HYLO_SERVE_PYTHON")
+    if named:
+        found = shutil.which(named)
+        if found is None:
+            raise FileNotFoundError(f"HYLO_SERVE_PYTHON={named} is not an executable; unset it to use "
+                                    f"{SERVE_VENV_PYTHON} (`make serve-install`), or name vLLM's Python")
+        return Path(found)
+    if not os.access(SERVE_VENV_PYTHON, os.X_OK):
+        raise FileNotFoundError(f"no serving environment: {SERVE_VENV_PYTHON} is missing; run `make serve-install` "
+                                f"(vLLM and the hylo plugin), or set HYLO_SERVE_PYTHON to a Python that has them")
+    return SERVE_VENV_PYTHON
+
 
 # the CPU GDN kernels of vLLM take bf16 and head dims of 64 or 128 (vllm/model_executor/layers/mamba/ops/cpu)
 GDN_HEAD = 64
