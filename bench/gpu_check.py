@@ -25,7 +25,11 @@ Cases (docs/gpu-check.md gives the shapes, the expected times and what the figur
    over hidden states, activation checkpointing, AdamW: peak memory beside the estimate, step time, tokens/s,
    MFU, the host synchronisations of one step, and a torch.profiler summary of one step;
 5. decode: generated tokens/s and cache bytes of the 1B HyLo shape against the Llama-3.2-1B shape;
-6. the same step through the project's DeepSpeed engine (ZeRO-3, world size 1), if DeepSpeed imports.
+6. the same step through the project's DeepSpeed engine (ZeRO-3, world size 1), if DeepSpeed imports;
+7. served decoding in vLLM (bench/serve_decode.py): the HyLo 1B and 3B recipe shapes against the Llama-3.2-1B and
+   3B shapes at 8K-64K, output tokens/s at batch 1 and at the largest batch that fits, KV bytes per token and the
+   most concurrent 64K sequences in the same memory; where vLLM does not import (the GPU machines this project is
+   lent), one line saying so, and the computed figures.
 
 Order and time: the cases run in the plan's order (`PLAN`: the most informative first), and so do the sizes
 within a case (the 64K step, decode at 64K, first); with --isolated each case runs in a process of its own under
@@ -852,6 +856,10 @@ def case_step(sh: Shapes, device: Any, meter: Meter, engine: str = "plain") -> d
 # set by the driver: --bypass-fla-hopper-guard; the step estimates made by the case itself (False when the
 # isolated driver makes them in processes beside the cases)
 BYPASS_GUARD = [False]
+# the least time case 7 is given to start vLLM's engines (the plan's 40 s is for the machines without vLLM)
+SERVE_MIN_SECONDS = 120.0
+# the running case's limit in seconds (--isolated: its budget with what earlier cases left), None without one
+CASE_LIMIT: list[float | None] = [None]
 STEP_ESTIMATES_INLINE = [True]
 
 
@@ -1087,6 +1095,35 @@ def case_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------------------------------------ case 7
+def case_serve_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
+    """bench/serve_decode.py's run (each model's vLLM engine in a process of its own, HyLo and Llama alternating)
+    within this case's limit; its report, as it grows, is this case's figures. Skipped, with the computed
+    figures, where vLLM does not import."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_decode", REPO / "bench" / "serve_decode.py")
+    serve = sys.modules["serve_decode"] = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(serve)  # type: ignore[union-attr]  # (its dataclasses look their module up)
+    out = meter.publish({})
+
+    def update(report: dict[str, Any]) -> None:
+        out.clear()
+        out.update(report)
+        meter.checkpoint()
+
+    # the case's own limit, less the time to start and to write (its process is stopped at the limit)
+    seconds = CASE_LIMIT[0] - 30.0 if CASE_LIMIT[0] else None
+    if seconds is not None and seconds < SERVE_MIN_SECONDS and not serve.vllm_missing():
+        return {"ok": True, "skipped": f"vLLM imports here, but this case's limit ({CASE_LIMIT[0]:.0f} s) starts "
+                f"no engine: run it alone, make gpu-check GPU_CHECK_FLAGS=\"--cases 7\" GPU_CASE_SECONDS=1800 "
+                f"GPU_DEADLINE=1900"}
+    report = serve.run(serve.TINY if sh.tiny else serve.FULL, seconds=seconds, on_update=update)
+    meter.log.extend(report.get("measurements", []))
+    out.update(report)
+    return out
+
+
 # ------------------------------------------------------------------------------------ driver
 CASES: dict[int, tuple[str, Callable[..., dict[str, Any]]]] = {
     1: ("fused_kl", case_fused_kl),
@@ -1095,6 +1132,7 @@ CASES: dict[int, tuple[str, Callable[..., dict[str, Any]]]] = {
     4: ("stage2_step", case_step),
     5: ("decode", case_decode),
     6: ("deepspeed_zero3", case_deepspeed),
+    7: ("serve_decode", case_serve_decode),
 }
 
 
@@ -1151,7 +1189,7 @@ def summary(name: str, res: dict[str, Any]) -> str:
     if "error" in res and not res.get("stopped"):
         return f"{res['error']['type']}: {res['error']['message'][:120]}"
     if "skipped" in res:
-        return res["skipped"][:120]
+        return res["skipped"][:200]
 
     def f(x, nd=3):
         return "-" if x is None else f"{x:.{nd}g}"
@@ -1186,6 +1224,16 @@ def summary(name: str, res: dict[str, Any]) -> str:
                          f"{f(r['tokens_per_s'], 4)} tok/s, MFU {f(r.get('mfu'), 2)}, peak {f(r['peak_gib'])} GiB "
                          f"(est. {f(r.get('estimated_peak_gib'))}), syncs {syncs}")
         return "; ".join(parts)
+    if name == "serve_decode":
+        parts = []
+        for pair, m in res.get("measured", {}).items():
+            ratios = [f"{what} {f(m[key]['ratio'])}x" for key, what in (
+                ("sequences", "sequences"), ("batch1_decode_tokens_per_s", "batch-1 decode"),
+                ("max_batch_output_tokens_per_s", "largest-batch output")) if key in m]
+            parts.append(f"HyLo/Llama {pair} at {m['context']}: " + ", ".join(ratios))
+        c = res.get("computed", {}).get("1b")
+        parts.append(f"1B at 64K, computed, not measured: {f(c['ratio_served'])}x the sequences" if c else "")
+        return "; ".join(p for p in parts if p)
     if name == "decode":
         done = [c for c in res.get("contexts_in_order", ()) if f"cache_ratio_ctx{c}" in res]
         if not done:
@@ -1202,7 +1250,9 @@ def summary(name: str, res: dict[str, Any]) -> str:
 # the stage-2 step, decode, the step through DeepSpeed; the fused KL and MLA last (measured on the first loan).
 # A case past its budget is stopped and recorded as such, keeping what it had measured; time a case leaves goes to
 # the next ones, the later cases' budgets held back, and none runs past the deadline.
-PLAN: tuple[tuple[int, float], ...] = ((2, 60.0), (4, 160.0), (5, 90.0), (6, 50.0), (1, 45.0), (3, 25.0))
+# Case 7 (vLLM) last: the machines lent have no vLLM, so there it only says so; on a node with vLLM it is run on its
+# own with a budget of its own (docs/gpu-check.md).
+PLAN: tuple[tuple[int, float], ...] = ((2, 60.0), (4, 160.0), (5, 90.0), (6, 50.0), (1, 45.0), (3, 25.0), (7, 40.0))
 PLAN_DEADLINE = 480.0  # 8 minutes on one H100 or H200
 TINY_BUDGET = 600.0  # --tiny on a CPU: each case's budget (a busy CI machine)
 # the stage-2 step's estimates (`hylo estimate`'s figures and FLOPs, minutes of CPU at 64K) run beside the cases
@@ -1277,6 +1327,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="isolated: no case runs past this many seconds from the start (default: the plan's "
                          f"{PLAN_DEADLINE:.0f} s; none with --tiny)")
     ap.add_argument("--estimate-worker", default=None, help=argparse.SUPPRESS)  # "I/N": the driver's own use
+    ap.add_argument("--case-limit", type=float, default=None, help=argparse.SUPPRESS)  # isolated: the case's limit
     ap.add_argument("--step-estimates-elsewhere", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stop-after-measurements", type=int, default=None,
                     help="testing: the process kills itself (SIGKILL) as the measurement after this many starts, "
@@ -1302,6 +1353,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     shapes = TINY if args.tiny else FULL
     BYPASS_GUARD[0] = args.bypass_fla_hopper_guard
+    CASE_LIMIT[0] = args.case_limit
     STEP_ESTIMATES_INLINE[0] = not args.step_estimates_elsewhere
     if args.estimate_worker is not None:
         return estimate_worker(args, shapes, device)
@@ -1460,6 +1512,7 @@ def run_isolated(args: argparse.Namespace) -> int:
         cmd = [sys.executable, str(Path(__file__).resolve()), *flags, "--cases", str(number), "--out", str(child_out)]
         if steps:
             cmd.append("--step-estimates-elsewhere")
+        cmd += ["--case-limit", f"{limit:.0f}"]
         print(f"[gpu_check] case {number} {name}: own process, at most {limit:.0f} s", flush=True)
         t_case = time.perf_counter()
         proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -18,7 +18,8 @@ at the version installed here: the environment `make test` passed in. Two except
   `--write` carries it over and refuses to drop one.
 
 tests/jobs/test_cluster.py checks that the lock covers the dependencies, matches what is installed, and is
-what the Makefile and both Dockerfiles install with.
+what the Makefile and both Dockerfiles install with. The serving environment (vLLM) has locks of its own,
+resolved with `uv_compile` below: cluster/serve_lock.py.
 """
 
 from __future__ import annotations
@@ -158,38 +159,34 @@ def build_lock(path: Path = LOCK) -> str:
     return render_lock(pins, {k: v for k, v in hand.items() if k in keep})
 
 
-def check_index(lock: Path = LOCK, torch: str = TORCH, requirements: list[str] | None = None) -> tuple[bool, str]:
-    """Resolve `torch` and the project's dependencies (runtime, dev, gpu) under the lock on PyPI alone.
+def uv_compile(requirements: list[str], options: list[str]) -> tuple[int, str, dict[str, tuple[str, str]]]:
+    """`uv pip compile` of `requirements` (lines of a requirements file) on PyPI alone, with `options` added.
 
-    uv's resolver (`uv pip compile`, a dev dependency) for this interpreter: no configuration file
-    (`--no-config`), no `UV_*` variable, so no local index or wheel folder; the requirements are
-    pyproject.toml's (no build of the project; `requirements` replaces them). uv reads each wheel's metadata
-    alone, where pip 23's `install --dry-run` downloaded every wheel, torch's CUDA libraries among them (60
-    CPU-seconds and minutes of transfer, against 3). Returns (ok, a short account): the versions of torch and
-    triton the resolver chose, or its reason it could not resolve.
+    uv's resolver (a dev dependency) with no configuration file (`--no-config`) and no `UV_*` variable, so no
+    local index or wheel folder (uv reads no pip configuration). uv reads each wheel's metadata alone, where
+    pip 23's `install --dry-run` downloaded every wheel, torch's CUDA libraries among them (60 CPU-seconds and
+    minutes of transfer, against 3). Returns (exit status, the resolver's reason when it failed, else "",
+    {package: (version, the index it came from)}).
     """
     import importlib.util
     import os
     import subprocess
     import tempfile
 
-    reqs = requirements if requirements is not None else [
-        str(r) for r in project_requirements() if canonicalize_name(r.name) not in ENVIRONMENT_OWNED]
     if importlib.util.find_spec("uv") is None:
-        return False, "uv is not installed (the dev extra: pip install -c constraints.txt -e '.[dev]')"
+        return 1, "uv is not installed (the dev extra: pip install -c constraints.txt -e '.[dev]')", {}
     env = {k: v for k, v in os.environ.items() if not k.startswith("UV_")}
     with tempfile.TemporaryDirectory() as tmp:
         req_file = Path(tmp) / "requirements.in"
-        req_file.write_text("\n".join([torch, *reqs]) + "\n")
+        req_file.write_text("\n".join(requirements) + "\n")
         # --system-certs: the machine's certificate store (a proxy's own CA), as pip uses
         cmd = [sys.executable, "-m", "uv", "pip", "compile", "--no-config", "--system-certs", "--quiet",
-               "--python", sys.executable, "--no-header", "--no-annotate", "--emit-index-annotation",
-               "-c", str(lock), str(req_file)]
+               "--no-header", "--no-annotate", "--emit-index-annotation", *options, str(req_file)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         why = [line.strip() for line in (proc.stderr + proc.stdout).splitlines()
                if "requirements are unsatisfiable" in line or "depends on" in line or "error" in line]
-        return False, "\n".join(why[-12:]) or proc.stderr[-2000:]
+        return proc.returncode, "\n".join(why[-12:]) or proc.stderr[-2000:], {}
     chosen: dict[str, tuple[str, str]] = {}
     name = ""
     for line in proc.stdout.splitlines():
@@ -199,7 +196,27 @@ def check_index(lock: Path = LOCK, torch: str = TORCH, requirements: list[str] |
             chosen[name] = (pin.group(2), "")
         elif line.strip().startswith("# from ") and name:
             chosen[name] = (chosen[name][0], line.strip().removeprefix("# from "))
-    local = sorted(k for k, (_, index) in chosen.items() if not index.startswith("https://"))
+    return 0, "", chosen
+
+
+def outside_pypi(chosen: dict[str, tuple[str, str]]) -> list[str]:
+    """The packages of a `uv_compile` result that came from anywhere but an https index (a local one)."""
+    return sorted(k for k, (_, index) in chosen.items() if not index.startswith("https://"))
+
+
+def check_index(lock: Path = LOCK, torch: str = TORCH, requirements: list[str] | None = None) -> tuple[bool, str]:
+    """Resolve `torch` and the project's dependencies (runtime, dev, gpu) under the lock on PyPI alone.
+
+    `uv_compile` for this interpreter; the requirements are pyproject.toml's (no build of the project;
+    `requirements` replaces them). Returns (ok, a short account): the versions of torch and triton the
+    resolver chose, or its reason it could not resolve.
+    """
+    reqs = requirements if requirements is not None else [
+        str(r) for r in project_requirements() if canonicalize_name(r.name) not in ENVIRONMENT_OWNED]
+    status, why, chosen = uv_compile([torch, *reqs], ["--python", sys.executable, "-c", str(lock)])
+    if status != 0:
+        return False, why
+    local = outside_pypi(chosen)
     if local:
         return False, f"resolved from outside the default index: {', '.join(local)}"
     versions = ", ".join(f"{k} {chosen[k][0]}" for k in ("torch", "triton") if k in chosen)

@@ -103,6 +103,8 @@ INPUT_ERRORS: tuple[tuple[str, str], ...] = (
     ("hylo.model_files", "ModelFileError"),
     ("hylo.pipeline.ray_init", "RayStartupError"),
     ("hylo.logs", "LogLevelError"),
+    ("hylo.pipeline.serve", "ServeError"),
+    ("hylo.serving.widen", "ServingShapeError"),
 )
 # OSError subclasses the project raises with its own message (errno unset) for a path problem.
 PATH_ERROR_TYPES = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -339,6 +341,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("hylo.jobs.estimate", "memory per GPU and FLOPs of one training step of a config, on fake tensors"),
     "kernels-check": ("hylo.jobs.kernels_check", "compile every Triton kernel of a config's step for each target GPU (no GPU needed)"),
     "rehearse": ("hylo.jobs.rehearse", "rehearse a recipe's Ray topology on simulated GPU nodes (CPU, tiny models)"),
+    "serve": ("hylo.jobs.serve", "serve a HyLo checkpoint with vLLM's OpenAI-compatible server (its own environment)"),
     "demo": ("hylo.jobs.demo", "the whole recipe on SmolLM2-135M-Instruct and ShareGPT, on local Ray, on CPU"),
     "fetch-assets": ("hylo.jobs.fetch_assets", "fetch the offline assets (model, ShareGPT, HumanEval) into the cache"),
     "configs": ("hylo.jobs.configs", "list the shipped config files, print one or copy one out to edit"),

@@ -201,6 +201,31 @@ class Demo(StepRunner):
         self.sh(f"eval_{name}", cmd)
         return read_json(out / "results.json")
 
+    def serving_python(self) -> str | None:
+        """vLLM's interpreter (`make serve-install`), or None with a line saying the served answers are skipped."""
+        from hylo.pipeline.serve import ServeConfig, ServeError, serving_python
+
+        try:
+            return serving_python(ServeConfig())
+        except ServeError as e:
+            logger.warning(f"[{self.tag}] served answers (vLLM): not run: {e}")
+            return None
+
+    def serve(self, python: str) -> dict:
+        """The stage-2 model served by vLLM (`hylo serve`), asked the samples' prompts through its OpenAI chat
+        endpoint, greedily, as many tokens as the samples suite's answers."""
+        from hylo.pipeline.eval.config import SamplesSection
+        from hylo.pipeline.serve import ServeConfig, served_answers
+
+        logger.info(f"[{self.tag}] === serve: the stage-2 model in vLLM ({python}), asked the samples' prompts")
+        # eager: on a CPU, vLLM's torch.compile warm-up of this model takes minutes, longer than the answers
+        cfg = ServeConfig(model=str(self.run / "stage2" / "model"), python=python, cpu_kv_cache_gib=1,
+                          vllm_args=["--enforce-eager"])
+        answers = served_answers(cfg, SamplesSection().prompts, SAMPLE_TOKENS, self.run / "logs" / "serve.log")
+        (self.run / "serve").mkdir(exist_ok=True)
+        atomic_write(self.run / "serve" / "answers.json", json.dumps(answers, indent=1))
+        return {"answers": answers}
+
     def eval_outputs(self, name: str, suites: list[str]) -> list[Path]:
         """The step's output; an earlier run that lacks one of `suites` (no full_eval then) is redone."""
         results = self.run / "eval" / name / "results.json"
@@ -237,6 +262,7 @@ class Demo(StepRunner):
         for who, acc in retrieval_summary(final).items():
             rows.append((f"retrieval accuracy, {who}", acc))
         rows += kv_rows(final)
+        rows.append(served_row(info))
         for name, secs in self.times.items():
             rows.append((f"wall time: {name}", f"{secs:.0f} s"))
         rows.append(("wall time: all steps", f"{sum(self.times.values()):.0f} s"))
@@ -286,9 +312,14 @@ class Demo(StepRunner):
         final = self.final_suites()
         info["eval_stage2"] = self.step("eval_stage2", self.eval_outputs("stage2", final),
                                         lambda: self.evaluate("stage2", r / "stage2" / "model", final))
+        python = self.serving_python()
+        if python is not None:
+            self.step("serve", [r / "serve" / "answers.json"], lambda: self.serve(python))
         for k in ("eval_converted", "eval_stage1", "eval_stage2"):
             # a skipped step returns its done-marker; the results live in results.json
-            info[k] = json.loads((r / "eval" / k.removeprefix("eval_") / "results.json").read_text())
+            info[k] = read_json(r / "eval" / k.removeprefix("eval_") / "results.json")
+        served = r / "serve" / "answers.json"
+        info["serve"] = read_json(served) if served.is_file() and python is not None else None
         if self.cfg.placement_study:
             seeds = self.cfg.placement_seeds
             # other seeds are another step (place_layers itself reuses every run that finished)
@@ -329,8 +360,23 @@ def steps_note(steps: int, batch: int, seq_len: int, kl: dict[str, float]) -> st
             f"recipe's run on GPUs (not measured here).")
 
 
+SERVED = "stage 2, vLLM"
+
+
+def served_row(info: dict) -> tuple[str, str]:
+    """How many of the stage-2 model's answers vLLM gave word for word, or why it did not run."""
+    label = "stage-2 answers served by vLLM (bf16) equal to generate's (fp32)"
+    served = info.get("serve")
+    if not served:
+        return label, "not run (no vLLM environment: make serve-install)"
+    ours = (info["eval_stage2"].get("samples") or {}).get("model") or []
+    same = sum(a["answer"] == b["answer"] for a, b in zip(served, ours))
+    return label, f"{same} of {len(served)}"
+
+
 def sample_answers(info: dict) -> list[tuple[str, dict[str, str]]]:
-    """(prompt, {base, converted, stage 1, stage 2: answer}) from the evaluations' `samples` suites."""
+    """(prompt, {base, converted, stage 1, stage 2, stage 2 served by vLLM: answer}) from the evaluations' `samples`
+    suites and the served model's answers."""
     runs = [("converted", info["eval_converted"]), ("stage 1", info["eval_stage1"]), ("stage 2", info["eval_stage2"])]
     first = runs[0][1].get("samples")
     if not first:
@@ -342,6 +388,9 @@ def sample_answers(info: dict) -> list[tuple[str, dict[str, str]]]:
             samples = (res.get("samples") or {}).get("model") or []
             if i < len(samples):
                 by[who] = samples[i]["answer"]
+        served = info.get("serve") or []
+        if i < len(served) and served[i]["prompt"] == item["prompt"]:
+            by[SERVED] = served[i]["answer"]
         out.append((item["prompt"], by))
     return out
 

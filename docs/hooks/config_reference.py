@@ -57,6 +57,7 @@ JOBS: dict[str, str | tuple[str, ...]] = {
     "eval": "hylo.pipeline.eval.config:EvalConfig",
     "place-layers": "hylo.pipeline.placement:PlacementConfig",
     "demo": "hylo.pipeline.demo:DemoConfig",
+    "serve": "hylo.pipeline.serve:ServeConfig",
     "fetch-assets": "hylo.jobs.fetch_assets:FetchAssetsConfig",
     "estimate": ("stage1", "stage2"),
     "kernels-check": ("stage1", "stage2"),

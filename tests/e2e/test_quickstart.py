@@ -8,7 +8,8 @@ smallest size.
   would, the first block of "Running the stages" with `--set` overrides appended that make each job small
   (`SMALLEST`; later --set wins). Its jobs join one local Ray started for them (by the installed package, in
   yet another directory). Then the cards of the demo's models as a Hub user reads them (huggingface_hub's
-  ModelCard).
+  ModelCard). The demo finds vLLM's environment (`make serve-install`, through HYLO_SERVE_PYTHON) and serves its
+  stage-2 model: the answers come through the OpenAI endpoint and stand beside `generate`'s in its report.
 The checkout block of "Running the stages" runs in tests/e2e/test_checkout_block.py (a file of its own, so
 that `make test` runs it beside this one).
 
@@ -34,6 +35,7 @@ import pytest
 from tests.helpers.common import source_copy
 from tests.helpers.ray_logs import RayLogs
 from tests.helpers.readme import REPO, clean_env, job_of, printed_once, readme_blocks, run
+from tests.helpers.serving import serve_python
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +85,8 @@ def test_the_quick_start_then_the_stages_from_an_installed_wheel(tmp_path, ray_r
     assert [job_of(shlex.split(c)) for c in stages] == ["prepare-data", "prepare-data", "stage1", "stage2", "eval"]
     bin_dir = installed_wheel(tmp_path)  # `pip install .`
     venv = bin_dir.parent
-    env = clean_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=str(venv))
+    env = clean_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=str(venv),
+                    HYLO_SERVE_PYTHON=str(serve_python()))
     work = tmp_path / "elsewhere"
     work.mkdir()
     demo_logs = RayLogs.of_temp_root(ray_root / "demo")
@@ -95,6 +98,13 @@ def test_the_quick_start_then_the_stages_from_an_installed_wheel(tmp_path, ray_r
     demo = work / "runs" / "demo"
     assert r"KL(teacher \|\| student), after stage 2" in (demo / "report.md").read_text()
     readable(out["demo"], demo / "logs")
+    # the stage-2 model served by vLLM answered every sample prompt through the OpenAI endpoint
+    served = json.loads((demo / "serve" / "answers.json").read_text())
+    generated = json.loads((demo / "eval" / "stage2" / "results.json").read_text())["samples"]["model"]
+    assert [a["prompt"] for a in served] == [a["prompt"] for a in generated]
+    assert all(a["answer"] and a["new_tokens"] > 0 for a in served), served
+    report = (demo / "report.md").read_text()
+    assert "stage 2, vLLM" in report and "stage-2 answers served by vLLM" in report
     assert "demo-smollm2.yaml" in out["configs"]
     # the training worker printed each step once, and the job's log shows none twice
     printed_once(demo_logs.wait_for("[stage1] step 1/"), r"\[stage1\] step \d+/")

