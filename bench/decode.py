@@ -134,11 +134,11 @@ def filled_decode(model: torch.nn.Module, context: int, new_tokens: int, vocab: 
     the linear layers' fixed state as the prefill left it; then `new_tokens` decode steps timed as `greedy_decode`
     times them. A decode step's work depends on the cache's size, not on its values."""
     from hylo.cache import MLALayerCache
-    from hylo.pipeline.eval.decode import _cache_kwarg, is_hylo, new_cache
+    from hylo.pipeline.eval.decode import cache_kwarg, is_hylo, new_cache
 
     ids = torch.randint(0, vocab, (1, prefix), generator=torch.Generator().manual_seed(context))
     cache = new_cache(model, max_length=context + max(new_tokens - 1, 0))
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache})
     n = context - prefix
     gen = torch.Generator().manual_seed(1)

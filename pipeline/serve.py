@@ -45,7 +45,7 @@ class ServeError(ValueError):
 
 
 @dataclass
-@rules(model=PATH, python=PATH, max_model_len=at_least(1), port=between(1, 65535),
+@rules(model=PATH, python=NONEMPTY, max_model_len=at_least(1), port=between(1, 65535),
        host=NONEMPTY, dtype=one_of("bfloat16", "float16", "float32", "auto"), cpu_kv_cache_gib=at_least(1))
 class ServeConfig:
     # The checkpoint to serve: a HyLo export (a stage's `model/`, `hylo convert --out`) or AMD's released layout.
@@ -57,8 +57,8 @@ class ServeConfig:
     port: int = 8000
     # bf16: vLLM's CPU Gated DeltaNet kernels take bf16 only; "auto" = the checkpoint's dtype.
     dtype: str = "bfloat16"
-    # The interpreter whose environment has vLLM; None = $HYLO_SERVE_PYTHON, else this one when vLLM imports
-    # here, else .venv-serve beside the checkout (`make serve-install`).
+    # The interpreter whose environment has vLLM (a path, or a command on PATH); None = $HYLO_SERVE_PYTHON,
+    # else this one when vLLM imports here, else the checkout's .venv-serve (`make serve-install`).
     python: str | None = None
     # The name clients put in a request's `model` field; None = the checkpoint's directory name.
     served_model_name: str | None = None
@@ -91,11 +91,12 @@ def trained_length(model: Path, card: dict[str, Any] | None, released: bool) -> 
 
 def serving_python(cfg: ServeConfig) -> str:
     """The interpreter that runs vLLM, or a ServeError saying how to get one."""
-    if cfg.python:
-        found = shutil.which(cfg.python) or cfg.python
-        if not Path(found).is_file():
-            raise ServeError(f"python={cfg.python}: no such interpreter")
-        return found
+    if cfg.python:  # a command on PATH (python3.11) or a path, as a shell takes it
+        found = shutil.which(cfg.python)
+        if found is None:
+            raise ServeError(f"python={cfg.python}: no such interpreter (neither an executable file nor a command "
+                             f"on PATH)")
+        return str(Path(found).absolute())
     if os.environ.get(SERVE_PYTHON_ENV):
         return os.environ[SERVE_PYTHON_ENV]
     import importlib.util

@@ -132,7 +132,7 @@ def new_cache(model: nn.Module, max_length: int | None = None):
     return DynamicCache(config=model.config)
 
 
-def _cache_kwarg(model: nn.Module) -> str:
+def cache_kwarg(model: nn.Module) -> str:
     # transformers 5 renamed `past_key_values` to `cache`; HyLo accepts both
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -242,7 +242,7 @@ def greedy_decode(
         raise EvalError("greedy_decode: empty prompt")
     # the last new token is never fed back: the cache ends at prompt + max_new_tokens - 1 tokens
     cache = new_cache(model, max_length=ids_BT.shape[1] + max(max_new_tokens - 1, 0))
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     eos_set = set() if ignore_eos else set(eos or [])
     _sync(device)
     t0 = time.perf_counter()

@@ -407,6 +407,7 @@ JOB_RUNS = {
     "rehearse": (["--set", "model.student=rel/s", "--set", "data.path=rel/d",
                   "--set", "ray.storage_path=rel/runs", "--set", "teacher.model.path=rel/t"],
                  ("hylo.pipeline.rehearse", "rehearse")),
+    "serve": (["rel/m"], ("hylo.jobs.serve", "serve")),
     "estimate": (["--tokens", "64", "--set", "model.student=rel/s", "--set", "data.path=rel/d",
                   "--set", "teacher.model.path=rel/t"],
                  ("hylo.pipeline.estimate.cli", "conversion_for_student")),

@@ -99,9 +99,12 @@ def test_joining_a_cluster_never_stops_it(fake_ray, monkeypatch):
 
 @pytest.mark.parametrize("level,ray_level", [("warning", logging.WARNING), ("error", logging.ERROR),
                                              ("debug", logging.DEBUG), ("info", logging.INFO)])
-def test_rays_logger_follows_the_jobs_log_level(fake_ray, level, ray_level):
+def test_rays_logger_follows_the_jobs_log_level(fake_ray, level, ray_level, monkeypatch):
     """`--log-level` (hylo/logs.py) reaches Ray's own logger through `ray.init(logging_level=...)`, on a local
-    Ray and on a joined one; at info Ray keeps its own default (info)."""
+    Ray and on a joined one; at info Ray keeps its own default (info). The joined cluster is the fake one: its
+    address is not looked up or probed (what a real "auto" finds depends on the machine)."""
+    monkeypatch.setattr(ray_init, "_cluster_address", lambda target, source: target)
+    monkeypatch.setattr(ray_init, "probe_address", lambda address, source, timeout=None: None)
     with level_kept():
         logs.set_level(level)
         with ray_init.ray_running(None, 1):

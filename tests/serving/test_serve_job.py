@@ -5,6 +5,7 @@ start's demo (tests/e2e/test_quickstart.py)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -82,3 +83,18 @@ def test_a_refusal_is_one_line_naming_what_to_change(case, export, tmp_path):
     assert rc == 2 and out == "", (out, err)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and want in lines[0], err
+
+
+def test_python_is_a_path_or_a_command_on_path(export, tmp_path, monkeypatch):
+    """`--python python3.11` is looked up on PATH as a shell would; a relative path is taken from the directory
+    the command runs in."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "vllm-python").symlink_to(sys.executable)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    for given in ("vllm-python", "bin/vllm-python"):
+        rc, out, err = run_hylo_split(["serve", str(export), "--max-model-len", "64", "--python", given,
+                                       "--print-command"])
+        assert rc == 0, err
+        assert f" {bindir / 'vllm-python'} -m hylo.serving.cli serve " in f" {out}", out
