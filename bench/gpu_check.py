@@ -364,7 +364,7 @@ def packed_row(T: int, docs: int, vocab: int, seed: int = 0) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------ case 1
 def case_fused_kl(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
-    """Our fused KL in each precision mode (`fused`: accurate, the default; `fused_fast`) against the full-logits
+    """Our fused KL in each precision mode (`fused`: accurate, the op's default; `fused_fast`, stage 2's) against the full-logits
     reference and Liger's fused JSD, for the hidden-state and the top-k teachers, and our fused CE against the
     full-logits CE and cut-cross-entropy's where it imports: time, TFLOP performed and rate, extra memory,
     loss and gradient errors against the fp32 reference (returned in bf16)."""

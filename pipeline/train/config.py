@@ -446,10 +446,13 @@ class KDSection:
     # Tokens per chunk of the fused loss (bounds the [chunk, V] logits it materialises); None = auto.
     chunk_size: int | None = None
     # How the fused KL and CE of a bf16/fp16 student multiply the fp32 logit gradient on tensor cores:
-    # accurate = as a hi + lo pair of bf16 halves, two products each (gradient error ~2e-6 before the
-    # final rounding); fast = rounded once to bf16, one product (~2e-3, as Liger). Logits, softmax and
-    # the weight gradient's accumulation are fp32 in both; an fp32 student ignores it (kernels/fused_kl/README.md).
-    kl_precision: str = "accurate"
+    # fast = rounded once to bf16, one product each (the loss's 3 products: 6 N V H FLOPs); accurate = as a
+    # hi + lo pair of bf16 halves, two products each (5 products: +9.3 / +5.4 / +7.5 % of the 1B / 3B / Qwen
+    # 64K step). As returned (bf16), fast's gradients are 1.4x as far from fp64 as the final cast alone puts
+    # them, accurate's 1.0x; before the cast 2e-3 against 2e-6. The default is the rule's choice (the cheapest
+    # mode within 2x of the cast's error: kernels/fused_kl/README.md, "Which mode"; bench/kl_precision.py).
+    # Logits, softmax and the weight gradient's accumulation are fp32 in both; an fp32 student ignores it.
+    kl_precision: str = "fast"
 
     def __post_init__(self) -> None:
         if self.kl_weight == 0 and self.ce_weight == 0:

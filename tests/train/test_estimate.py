@@ -8,6 +8,7 @@ sites it knows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -146,18 +147,24 @@ def test_the_estimate_is_the_cpu_allocators_peak_of_the_same_step(tiny_config: P
     assert got_fb == pytest.approx(fwd_bwd, rel=0.10), (got_fb, fwd_bwd)
 
 
-def test_the_fused_loss_flops_are_its_products(tiny_config: Path):
-    """GPU rules: every row through the chunks; student and teacher logits, d(hidden) and d(weight)."""
+@pytest.mark.parametrize("mode, gradient_products", [(None, 1), ("fast", 1), ("accurate", 2)])
+def test_the_fused_loss_flops_are_its_products(tiny_config: Path, mode: str | None, gradient_products: int):
+    """GPU rules: every row through the chunks; student and teacher logits, d(hidden) and d(weight). None:
+    the config's default, kd.kl_precision = fast."""
     cfg = _stage2(tiny_config)
+    if mode is not None:
+        cfg = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, kl_precision=mode))
     T = 128
     est = estimate_step(cfg, T, 1, torch.bfloat16, gpu=True)
     D, Dt = tiny_student().hidden_size, tiny_teacher().hidden_size
-    # kd.kl_precision = accurate (bf16 student): the logit gradient's hi and lo halves each go through both products
-    assert est.flops["fused loss"] == 2 * T * V * (D + Dt + 2 * (D + D))
+    # bf16 student: fast rounds the logit gradient once (one product each for d(hidden) and d(weight));
+    # accurate sends its hi and lo halves each through both
+    g = gradient_products
+    assert est.flops["fused loss"] == 2 * T * V * (D + Dt + g * (D + D))
     # each phase's FLOPs, split by the dtype they run at: the student's products are bf16 (fp32 accumulation);
     # this config's teacher is fp32 (teacher.model.dtype's default), so its logits are an fp32 product
     assert {p: sum(c.values()) for p, c in est.flops_by_dtype.items()} == est.flops
-    assert est.flops_by_dtype["fused loss"] == {"bf16": 2 * T * V * (D + 2 * (D + D)), "fp32": 2 * T * V * Dt}
+    assert est.flops_by_dtype["fused loss"] == {"bf16": 2 * T * V * (D + g * (D + D)), "fp32": 2 * T * V * Dt}
     # the student's layers: at least forward, recompute and backward of every linear weight over T tokens
     linear = sum(m.weight.numel() for m in HyLoForCausalLM(tiny_student()).model.layers.modules()
                  if isinstance(m, torch.nn.Linear))
