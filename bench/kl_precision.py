@@ -1,7 +1,7 @@
 """Each precision mode of the fused losses: its error against fp64 on CPU, and what it costs in the step.
 
     python bench/kl_precision.py                  # errors (bf16, N=512, H=256, V=4,096, ~10 s), then each
-                                                  # mode's cost in the three 64K recipes' step (~10 min idle)
+                                                  # mode's cost in the three 64K recipes' step (~7 min)
     python bench/kl_precision.py --tokens 4096    # the step's cost at 4,096-token rows (~2 min)
     python bench/kl_precision.py --no-step        # errors and the rule's choice only
     python bench/kl_precision.py --dtype float16  # fp16 inputs
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--tokens", type=int, default=65536, help="row length of the recipes' step (default 65,536)")
-    ap.add_argument("--no-step", action="store_true", help="skip the recipes' step (its ~10 min)")
+    ap.add_argument("--no-step", action="store_true", help="skip the recipes' step (its ~7 min)")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     x = make_inputs(args.n, args.hidden, args.vocab, dtype)
