@@ -90,7 +90,9 @@ def test_the_quick_start_then_the_stages_from_an_installed_wheel(tmp_path, ray_r
     work = tmp_path / "elsewhere"
     work.mkdir()
     demo_logs = RayLogs.of_temp_root(ray_root / "demo")
-    out = {cmd.split()[1]: run(cmd, work, {**env, "RAY_TMPDIR": str(ray_root / "demo")}) for cmd in quick[1:]}
+    # the demo includes vLLM serving its stage-2 model: minutes of start-up on a loaded 2-core machine
+    out = {cmd.split()[1]: run(cmd, work, {**env, "RAY_TMPDIR": str(ray_root / "demo")}, timeout=1800)
+           for cmd in quick[1:]}
     # the demo ran the installed package's jobs, with its shipped configs, in this directory
     site_dir = next((venv / "lib").glob("python3*/site-packages"))
     assert f"{site_dir}/hylo/configs/demo-smollm2.yaml" in out["demo"]
