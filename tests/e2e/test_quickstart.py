@@ -104,9 +104,12 @@ def test_the_quick_start_then_the_stages_from_an_installed_wheel(tmp_path, ray_r
     served = json.loads((demo / "serve" / "answers.json").read_text())
     generated = json.loads((demo / "eval" / "stage2" / "results.json").read_text())["samples"]["model"]
     assert [a["prompt"] for a in served] == [a["prompt"] for a in generated]
-    assert all(a["answer"] and a["new_tokens"] > 0 for a in served), served
+    # an answer may be empty: a model trained one step can put its end-of-turn token first (generate's too)
+    assert all(isinstance(a["answer"], str) and a["new_tokens"] > 0 for a in served), served
+    same = sum(a["answer"] == b["answer"] for a, b in zip(served, generated))
     report = (demo / "report.md").read_text()
-    assert "stage 2, vLLM" in report and "stage-2 answers served by vLLM" in report
+    assert "stage 2, vLLM" in report
+    assert f"| stage-2 answers served by vLLM (bf16) equal to generate's (fp32) | {same} of {len(served)} |" in report
     assert "demo-smollm2.yaml" in out["configs"]
     # the training worker printed each step once, and the job's log shows none twice
     printed_once(demo_logs.wait_for("[stage1] step 1/"), r"\[stage1\] step \d+/")
