@@ -80,11 +80,9 @@ def _log_level_of_its_own():
     level = logs.current_level()
     yield
     if {k: os.environ.get(k) for k in names} != saved or logs.current_level() != level:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        from tests.helpers.logs import restore_environ
+
+        restore_environ(saved)
         logs.setup()
 
 

@@ -54,9 +54,14 @@ def level_kept(*more: str) -> Iterator[None]:
         logs.setup()
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_environ(saved)
         logs.setup()
+
+
+def restore_environ(saved: dict[str, str | None]) -> None:
+    """Each variable of `saved` back to its value, or unset where it was None (absent)."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -1,13 +1,13 @@
 """The repository stands alone: no file cites a document the tree does not hold.
 
-Nine files cited `design.md` ("design.md section 6", "design.md §5"), a file that never shipped, and a test cited
-`assets.md`: a user could not read what the configs rest on. What they rest on is now a page of the docs
+Nine files cited a design document by section ("section 6", "§5") that never shipped, and a test cited another
+such note: a user could not read what the configs rest on. What they rest on is now a page of the docs
 (docs/recipes.md). This test reads every file of the tree as a reader would and fails on a citation of a missing
 document:
 
 * a path under one of the tree's folders (`docs/x.md`, `pipeline/train/README.md`, `cluster/mi300x.yaml`, with an
   anchor `docs/x.md#section` checked against the page's headings as the site renders them);
-* a bare Markdown name (`design.md`) that is neither a file of the tree nor a file the code writes (`report.md`);
+* a bare Markdown name (`plan.md`) that is neither a file of the tree nor a file the code writes (`report.md`);
 * the folder the project was written beside (`../shared`).
 
 In Python files only comments and docstrings cite (a string literal in code is data: a file name a test makes up,
@@ -188,12 +188,12 @@ def test_the_check_finds_each_kind_of_missing_citation(tmp_path):
         "docs/index.md": "# Home\n\nSee [the page](page.md#no-such-anchor) (the site's build checks this one).\n",
         "README.md": "Read [the page](docs/page.md#teacher), [the suites](docs/page.md#evaluation-suites), "
                      "[gone](docs/gone.md) and [a section](docs/page.md#no-such-section).\n",
-        "configs/run.yaml": "# The suites of design.md section 6 (docs/page.md#evaluation-suites)\nkey: 1\n",
-        "pipeline/job.py": '"""Writes report.md; see notes/design.md and ../shared/style.md."""\n\n'
+        "configs/run.yaml": "# The suites of plan.md section 6 (docs/page.md#evaluation-suites)\nkey: 1\n",
+        "pipeline/job.py": '"""Writes report.md; see notes/plan.md and ../shared/conventions.md."""\n\n'
                            'OUT = "report.md"  # the report (docs/page.md)\n'
                            'FIXTURE = "docs/made-up.md"  # data, not a citation\n'
                            "# python jobs/NAME.py runs a job; pipeline/job.py is this file\n",
-        "runs/ignored.md": "design.md\n",
+        "runs/ignored.md": "plan.md\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -202,8 +202,8 @@ def test_the_check_finds_each_kind_of_missing_citation(tmp_path):
     assert got == sorted([
         "README.md:1: docs/gone.md (no such file)",
         "README.md:1: docs/page.md#no-such-section (no such section)",
-        "configs/run.yaml:1: design.md (no such file)",
+        "configs/run.yaml:1: plan.md (no such file)",
         "pipeline/job.py:1: ../shared (outside the repository)",
-        "pipeline/job.py:1: design.md (no such file)",
-        "pipeline/job.py:1: style.md (no such file)",
+        "pipeline/job.py:1: plan.md (no such file)",
+        "pipeline/job.py:1: conventions.md (no such file)",
     ]), got
