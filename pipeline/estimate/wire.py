@@ -57,6 +57,20 @@ class TeacherWire:
                 "head_bytes": self.head_bytes, "head_flops": self.head_flops}
 
 
+def teacher_wire(t: Any, teacher_config: Any, tokens: int) -> TeacherWire:
+    """The wire of stage 2's `teacher` section `t` (a Serve pool) at the teacher's transformers config, for rows of
+    `tokens`."""
+    import torch  # lazy: torch
+
+    text = teacher_config.get_text_config() if hasattr(teacher_config, "get_text_config") else teacher_config
+
+    def size(name: str) -> int:
+        return torch.empty((), dtype=getattr(torch, name)).element_size()
+
+    return TeacherWire(tokens, int(text.hidden_size), int(text.vocab_size), t.k, size(t.model.dtype),
+                       size(t.client.dtype))
+
+
 def _size(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
@@ -65,7 +79,8 @@ def _size(n: float) -> str:
 
 
 def format_wire(w: TeacherWire, form: str, dtype: str, topk_dtype: str) -> str:
-    """The per-row table `hylo estimate` and `hylo rehearse` print for a Serve pool teacher (`form`: the run's)."""
+    """The per-row table `hylo estimate` and `hylo rehearse` print for a Serve pool teacher (`form`: the run's;
+    the top-k line at the run's k, else 64)."""
     k = w.k or 64
     topk = TeacherWire(w.tokens, w.hidden_size, w.vocab_size, k, w.value_bytes, w.topk_bytes)
     rows = [("logits", f"{w.tokens:,} x {w.vocab_size:,} {dtype}", w.bytes("logits")),
