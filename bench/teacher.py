@@ -6,8 +6,11 @@ Same model (the SmolLM2-135M asset, fp32), same rows, one run:
 * direct: `TeacherModel.topk` in this process (torch's default threads);
 * pool: `TeacherClient.topk` through a Serve pool of N replicas (1 CPU and 1 torch thread each);
 * stream: full logits of one row through the pool in 512-token chunks;
-* bytes per token of the pickled response payloads (what Ray ships) for top-k and full logits,
-  and of the offline cache shard on disk.
+* hidden: the final hidden states of one row through the pool (`exact_form: hidden`), the LM head read from the
+  checkpoint here and checked against the replica's;
+* bytes per token of the pickled response payloads (what Ray ships) for top-k, full logits and hidden states,
+  and of the offline cache shard on disk; then per 64K row at this teacher's shapes and at Llama-3.1-8B's
+  (hidden 4,096, vocab 128,256, bf16: computed, pipeline/estimate/wire.py).
 Each row packs two documents, so document isolation is part of the measured work.
 """
 
@@ -99,6 +102,18 @@ def main() -> None:
         chunks = list(client.stream(rows[0], chunk_tokens=min(512, args.tokens), window_chunks=2))
         t_stream = time.perf_counter() - t0
         print(f"stream 1 row      : {args.tokens / t_stream:8.0f} tokens/s ({len(chunks)} chunks)")
+
+        from hylo.pipeline.teacher.head import load_head  # lazy: torch
+        from hylo.pipeline.teacher.model import resolve_model_path  # lazy: torch
+
+        client.head = load_head(resolve_model_path(args.model), torch.float32)
+        client.check_head(args.model)
+        t0 = time.perf_counter()
+        (hidden,) = list(client.hidden(rows[:1]))
+        t_hidden = time.perf_counter() - t0
+        print(f"hidden 1 row      : {args.tokens / t_hidden:8.0f} tokens/s ([{hidden.shape[0]}, {hidden.shape[1]}] "
+              f"{str(hidden.dtype).removeprefix('torch.')}); vs direct logits of the head: max |diff| "
+              f"{(hidden @ client.head.T - torch.cat(chunks)).abs().max().item():.2e}")
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -108,8 +123,22 @@ def main() -> None:
                                   "tail_logmass": rec.tail_logmass})) / args.tokens
     wire_fp32 = len(pickle.dumps(chunks[0])) / chunks[0].shape[0]
     wire_bf16 = len(pickle.dumps(chunks[0].to(torch.bfloat16))) / chunks[0].shape[0]
+    wire_hidden = len(pickle.dumps(hidden)) / hidden.shape[0]
     print(f"wire bytes/token  : top-k (k={args.k}, fp16 + int32 + fp32 tail) {wire_topk:.0f}; "
-          f"full logits fp32 {wire_fp32:.0f}, bf16 {wire_bf16:.0f}; fp32/top-k = {wire_fp32 / wire_topk:.0f}x")
+          f"full logits fp32 {wire_fp32:.0f}, bf16 {wire_bf16:.0f}; hidden states fp32 {wire_hidden:.0f}; "
+          f"fp32 logits/top-k = {wire_fp32 / wire_topk:.0f}x, logits/hidden = {wire_fp32 / wire_hidden:.0f}x")
+    from hylo.pipeline.estimate.wire import TeacherWire  # lazy: torch
+
+    row = 65536
+    for name, w, per_token in (
+            (f"this teacher (H {teacher.hidden_size}, V {teacher.vocab_size}, fp32), measured", None,
+             {"logits": wire_fp32, "hidden": wire_hidden, "topk": wire_topk}),
+            ("this teacher, computed", TeacherWire(row, teacher.hidden_size, teacher.vocab_size, args.k, 4, 2), None),
+            ("Llama-3.1-8B (H 4,096, V 128,256, bf16), computed", TeacherWire(row, 4096, 128256, args.k, 2, 2), None)):
+        got = {f: per_token[f] * row for f in per_token} if per_token else {f: w.bytes(f) for f in ("logits", "hidden",
+                                                                                                     "topk")}
+        print(f"per 64K row       : {name}: logits {got['logits'] / 1e9:.2f} GB, hidden {got['hidden'] / 1e6:.1f} MB, "
+              f"top-{args.k} {got['topk'] / 1e6:.1f} MB")
 
     with tempfile.TemporaryDirectory() as d:
         header = make_header(teacher.teacher_id, teacher.tokenizer_hash, args.k, "float16", teacher.vocab_size,

@@ -490,9 +490,23 @@ def rehearse(recipe: StageConfig, nodes: list[dict[str, float]], timeout_s: floa
             raise RehearsalError("; ".join(problems))
         each = {d.what: d.resources for d in driver.resource_demand(cfg)}
         return {"stage": stage, "each": each, "nodes": nodes, "placed": placed, "teacher": teacher,
-                "step": metrics[max(metrics)], "seconds": seconds, "ray_seconds": time.time() - t_ray}
+                "step": metrics[max(metrics)], "seconds": seconds, "ray_seconds": time.time() - t_ray,
+                "wire": recipe_wire(recipe)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def recipe_wire(recipe: StageConfig) -> str | None:
+    """The recipe's Serve pool teacher on the wire per row of data.seq_len, in each form, at the recipe's own teacher
+    (pipeline/estimate/wire.py); None without a pool or a row length."""
+    if recipe.stage != 2 or recipe.teacher.source != "serve" or not recipe.data.seq_len:
+        return None
+    from hylo.pipeline.estimate.shapes import model_config  # lazy: torch
+    from hylo.pipeline.estimate.wire import format_wire, teacher_wire  # lazy: torch
+
+    t = recipe.teacher
+    wire = teacher_wire(t, model_config(t.model.path, "teacher.model.path"), recipe.data.seq_len)
+    return format_wire(wire, t.form, t.model.dtype, t.client.dtype)
 
 
 def teacher_forwards(forwards: int, records: list[dict[str, Any]], sp: int) -> dict[str, int]:
@@ -583,5 +597,8 @@ def print_report(r: dict[str, Any]) -> None:
     if t is not None:
         print(f"[rehearse] teacher forwards: {t['forwards']} for {t['rows']} rows x {t['sp']} ranks "
               f"(one per row per group; a forward per rank would be {t['asked']})", flush=True)
+    if r.get("wire"):
+        for line in r["wire"].splitlines():
+            print(f"[rehearse] {line}", flush=True)
     print(f"[rehearse] ok: every actor placed, step 1 done (loss {r['step']['loss']:.4f}), nothing pending; "
           f"{r['seconds']:.0f} s ({r['ray_seconds']:.0f} s with Ray)", flush=True)

@@ -38,6 +38,7 @@ from hylo.pipeline.estimate.step import (
     estimate_teacher_replica,
 )
 from hylo.pipeline.estimate.tracking import Progress
+from hylo.pipeline.estimate.wire import format_wire, teacher_wire
 from hylo.pipeline.paths import resolve_paths
 from hylo.pipeline.teacher.model import torch_dtype
 from hylo.pipeline.teacher.protocol import TargetSpec
@@ -239,6 +240,12 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         print(format_table(f"teacher replica GPU (teacher.pool: {cfg.teacher.pool.num_replicas} replicas, "
                            f"{teach[0].notes[0]}):", teach))
         out["teacher_replica"] = [e.to_dict() for e in teach]
+        t = cfg.teacher
+        wires = [teacher_wire(t, shapes.teacher, T) for T in tokens]
+        for w in wires:
+            print()
+            print(format_wire(w, t.form, t.model.dtype, t.client.dtype))
+        out["teacher_wire"] = [w.to_dict() | {"form": t.form} for w in wires]
     print("\nThe step runs on fake tensors (pipeline/estimate/): ZeRO-3 sharding is arithmetic on the "
           "real sizes; times are the FLOPs of each dtype at its dense peak, a lower bound.")
     if N > 1:

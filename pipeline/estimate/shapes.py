@@ -185,10 +185,25 @@ class _WireLogits:
 
 
 
+class _WireHidden:
+    """The Serve pool's hidden states [T, H'] (the teacher's dtype) and the trainer's copy of its LM head [V, H']
+    (one tensor, held for the run as the client holds it)."""
+
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype) -> None:
+        self.head = torch.zeros(vocab, hidden, dtype=dtype)
+        self.dtype = dtype
+
+    def targets(self, rows, spec):
+        for r in rows:
+            yield {"teacher_hidden": torch.zeros(r.num_tokens, self.head.shape[1], dtype=self.dtype),
+                   "teacher_weight": self.head}
+
+
 class ShapeTeacher:
     """stage2.build's teacher factory at the teacher's shape, on the current mode (fake tensors in the estimate):
-    the in-process teacher (its own `TeacherModel` over a model of `shapes.teacher`), or the top-k records or
-    logit chunks the Serve pool or the cache delivers. `model`: the in-process teacher's model once built (None
+    the in-process teacher (its own `TeacherModel` over a model of `shapes.teacher`), or the top-k records,
+    hidden states (with the LM head the trainer holds: its memory and its product in the fused KL are the step's)
+    or logit chunks the Serve pool or the cache delivers. `model`: the in-process teacher's model once built (None
     from the pool or the cache)."""
 
     def __init__(self, cfg: Stage2Config, shapes: Shapes) -> None:
@@ -206,6 +221,9 @@ class ShapeTeacher:
                                        logits_chunk_tokens=m.logits_chunk_tokens, max_forward_tokens=m.max_forward_tokens)
         elif spec.form == "topk":
             source = _WireTopK(t.k, torch_dtype(t.client.dtype))
+        elif spec.form == "hidden":
+            text = self.shapes.teacher.get_text_config()
+            source = _WireHidden(vocab, int(text.hidden_size), torch_dtype(t.model.dtype))
         else:
             source = _WireLogits(vocab, t.model.logits_chunk_tokens, torch_dtype(t.client.dtype))
         self.model = teacher_model

@@ -29,6 +29,11 @@ Design choices:
   j + 1; each rank keeps its range's chunks on the host, and the loss moves them to the device one at a
   time. The relay runs when the row is yielded, not as the loss reads chunks: the loss skips chunks whose
   tokens are all masked, so the ranks of a group read different numbers of chunks.
+* The exact teacher as hidden states (`exact_form: hidden`): `hidden(rows)` runs as `topk` does (bounded, ordered,
+  retried; a group's rows relayed as bytes), one [T, H'] tensor per row in the teacher's dtype; the client holds
+  the teacher's LM head (`head`, read from the checkpoint by teacher/head.py), checks it against the pool's
+  (`check_head`, once, before the first row) and gives it with each row, on the trainer's device (one copy per
+  device), so the fused KL computes the logits chunk by chunk as for the in-process teacher.
 * `stream(row)` asks for windows of `window_chunks` chunks (one Serve streaming call each), and
   prefetches at most one window ahead, so at most two windows of [C, V] chunks are ever in flight.
   A window that fails is re-requested from its first chunk not yet yielded.
@@ -177,6 +182,20 @@ def _as_bytes(*xs: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.contiguous().reshape(-1).view(torch.uint8) for x in xs])
 
 
+def _hidden_from_wire(out: Any) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+        raise RuntimeError(f"teacher replica answered {type(out).__name__} for hidden states, expected a [T, H] "
+                           f"tensor")
+    return out
+
+
+def _hidden_of_bytes(b: torch.Tensor, t: int, width: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+    if b.numel() != t * width * dtype.itemsize:
+        raise RuntimeError(f"{what}: got {b.numel()} bytes from the group, expected {t * width * dtype.itemsize} "
+                           f"({t} tokens x {width} hidden, {dtype})")
+    return b.view(dtype).view(t, width)
+
+
 def _topk_bytes(rec: TeacherTopK) -> torch.Tensor:
     """A record as bytes: tail fp32 [t], indices int32 [t, K], logprobs [t, K] (4-byte aligned offsets)."""
     return _as_bytes(rec.tail_logmass.to(torch.float32), rec.indices.to(torch.int32), rec.logprobs)
@@ -194,7 +213,7 @@ def _topk_of_bytes(b: torch.Tensor, t: int, k: int, dtype: torch.dtype, what: st
 
 class _Failed:
     """A request that could not be sent: its error comes out where its result is waited for (so a group's owner
-    tells the others, see `_topk_group`)."""
+    tells the others, see `_records_group`)."""
 
     def __init__(self, error: Exception) -> None:
         self.error = error
@@ -214,10 +233,12 @@ def _drain(held: deque[torch.Tensor]) -> Iterator[torch.Tensor]:
 
 class TeacherClient:
     def __init__(self, handle_or_app_name: Any, cfg: TeacherClientConfig | None = None, chunk_tokens: int = 1024,
-                 **settings: Any) -> None:
-        """`chunk_tokens`: tokens per streamed logits chunk (teacher.model.logits_chunk_tokens); `cfg` and/or
-        `settings`: TeacherClientConfig's fields (in-flight rows, timeout, retries, wire dtype, windows), checked
-        by its rules. The top-k width is the caller's, per request (`topk(rows, k)`; stage 2: teacher.k)."""
+                 head: torch.Tensor | None = None, **settings: Any) -> None:
+        """`chunk_tokens`: tokens per streamed logits chunk (teacher.model.logits_chunk_tokens); `head`: the
+        teacher's LM head [V, H'] for the hidden-state form (teacher/head.py `load_head`; None: that form is not
+        given); `cfg` and/or `settings`: TeacherClientConfig's fields (in-flight rows, timeout, retries, wire dtype,
+        windows), checked by its rules. The top-k width is the caller's, per request (`topk(rows, k)`; stage 2:
+        teacher.k)."""
         if isinstance(handle_or_app_name, str):
             from ray import serve  # lazy: ray
 
@@ -231,29 +252,65 @@ class TeacherClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         # rows asked with shards so far: row n of a group is asked by its rank n % N (the same count on every rank)
         self._group_rows = 0
+        self.head = head
+        # the head on each device it was asked on (the trainer's: one copy, made once)
+        self._heads: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def from_config(cls, handle_or_app_name: Any, cfg: TeacherClientConfig, chunk_tokens: int) -> TeacherClient:
-        """`cfg`: stage 2's teacher.client; `chunk_tokens`: its teacher.model.logits_chunk_tokens."""
-        return cls(handle_or_app_name, cfg, chunk_tokens)
+    def from_config(cls, handle_or_app_name: Any, cfg: TeacherClientConfig, chunk_tokens: int,
+                    head: torch.Tensor | None = None) -> TeacherClient:
+        """`cfg`: stage 2's teacher.client; `chunk_tokens`: its teacher.model.logits_chunk_tokens; `head`: the
+        teacher's LM head (exact_form: hidden)."""
+        return cls(handle_or_app_name, cfg, chunk_tokens, head)
+
+    def check_head(self, where: str) -> None:
+        """That the pool's replica holds the LM head this client holds (read from `where`): shape, dtype and
+        digest (teacher/head.py); HeadError naming what differs."""
+        from hylo.pipeline.teacher.head import check_same_head, head_info  # lazy: hashlib only
+
+        if self.head is None:
+            raise ValueError("teacher client: no LM head to check (exact_form: hidden needs one)")
+        theirs = self.handle.head_info.remote().result(timeout_s=self.cfg.timeout_s)
+        check_same_head(head_info(self.head), theirs, where)
+
+    def _head_at(self, device: torch.device | str | None) -> torch.Tensor:
+        if self.head is None:
+            raise ValueError("teacher client: hidden-state targets need the teacher's LM head (exact_form: hidden)")
+        key = str(torch.device(device)) if device is not None else str(self.head.device)
+        if key not in self._heads:
+            self._heads[key] = self.head if device is None else self.head.to(device)
+        return self._heads[key]
+
+    def _hidden_targets(self, hs: Iterable[torch.Tensor], device: torch.device | str | None) \
+            -> Iterator[dict[str, Any]]:
+        for h in hs:
+            yield {"teacher_hidden": h, "teacher_weight": self._head_at(device)}
 
     def targets(self, rows: Sequence[PackedRow], spec: TargetSpec, token_range: tuple[int, int] | None = None,
-                shards: Sequence[Any] | None = None) -> Iterator[dict[str, Any]]:
+                shards: Sequence[Any] | None = None,
+                device: torch.device | str | None = None) -> Iterator[dict[str, Any]]:
         """The fused KL's teacher arguments of each row (protocol.TeacherSource): a step's top-k requests
         are in flight together; an exact row is streamed window by window as the loss reads it. With
         `token_range=(start, end)` every request asks for those tokens only (the replica runs the whole row).
         With `shards` (one `RowShard` per row, all of one range: protocol.BoundTeacher's) the group asks the
-        pool once per row and each rank gets its own tokens' targets (see the module docstring)."""
-        if spec.form not in ("topk", "logits"):
+        pool once per row and each rank gets its own tokens' targets (see the module docstring). `device`: where
+        the LM head of hidden-state targets is given (the trainer's; None: where it was loaded)."""
+        if spec.form not in ("topk", "logits", "hidden") or spec.form == "hidden" and self.head is None:
             raise unsupported("pool", spec)
         if shards is not None:
             token_range = shards_range(shards, rows)
             if shards[0].sequence_parallel > 1:
                 check_token_range(token_range, rows)
-                yield from self._group_targets(rows, spec, _Group.of(shards[0]))
+                g = _Group.of(shards[0])
+                if spec.form == "hidden":
+                    yield from self._hidden_targets(self._records_group(rows, 0, g), device)
+                else:
+                    yield from self._group_targets(rows, spec, g)
                 return
         rng = check_token_range(token_range, rows)
-        if spec.form == "topk":
+        if spec.form == "hidden":
+            yield from self._hidden_targets(self.hidden(rows, rng), device)
+        elif spec.form == "topk":
             for rec in self.topk(rows, spec.k, rng):
                 yield {"teacher_topk": rec}
         else:
@@ -268,15 +325,16 @@ class TeacherClient:
 
     def _group_targets(self, rows: Sequence[PackedRow], spec: TargetSpec, g: _Group) -> Iterator[dict[str, Any]]:
         if spec.form == "topk":
-            for rec in self._topk_group(rows, spec.k, g):
+            for rec in self._records_group(rows, spec.k, g):
                 yield {"teacher_topk": rec}
         else:
             for i, row in enumerate(rows):
                 yield {"teacher_logits_fn": self._logits_group(row, i, g)}
 
-    def _topk_group(self, rows: Iterable[PackedRow], k: int, g: _Group) -> Iterator[TeacherTopK]:
-        """This rank's top-k records of `rows`, in order: the rows it owns asked for every range of the group
-        (at most `max_inflight_rows` of them outstanding), each row relayed from its owner as it is yielded."""
+    def _records_group(self, rows: Iterable[PackedRow], k: int, g: _Group) -> Iterator[Any]:
+        """This rank's top-k records (k > 0) or hidden states (k = 0) of `rows`, in order: the rows it owns asked
+        for every range of the group (at most `max_inflight_rows` of them outstanding), each row relayed from its
+        owner as it is yielded."""
         inflight: deque[tuple[int, PackedRow, int, _Pending | None]] = deque()
         source = iter(enumerate(rows))
         exhausted, mine = False, 0
@@ -303,15 +361,21 @@ class TeacherClient:
                 i, row, owner, p = inflight[0]
                 what = f"teacher row {i} (row_id {row.row_id})"
                 if p is None:
-                    piece, _ = g.receive(owner, what)
-                    rec = _topk_of_bytes(piece, g.tokens, k, dtype, what)
+                    piece, (width, code) = g.receive(owner, what)
+                    if k:
+                        rec = _topk_of_bytes(piece, g.tokens, k, dtype, what)
+                    else:
+                        rec = _hidden_of_bytes(piece, g.tokens, width, _DTYPES[code], what)
                 else:
                     try:
                         recs = self._wait(p)
                     except BaseException:
                         g.send_failure()
                         raise
-                    g.send([_topk_bytes(r) for r in recs], (k, _DTYPES.index(dtype)))
+                    if k:
+                        g.send([_topk_bytes(r) for r in recs], (k, _DTYPES.index(dtype)))
+                    else:
+                        g.send([_as_bytes(r) for r in recs], (recs[0].shape[1], _DTYPES.index(recs[0].dtype)))
                     rec, mine = recs[g.rank], mine - 1
                 inflight.popleft()
                 self.stats.rows += 1
@@ -348,9 +412,12 @@ class TeacherClient:
             raise RuntimeError(f"{what}: {sent} chunks of every range came back, expected {n}")
         return StreamedLogits(_drain(held))
 
-    # ---------------------------------------------------------------- top-k
+    # ---------------------------------------------------------------- top-k and hidden states
     def _submit(self, row: PackedRow, k: int, token_range: tuple[int, int] | None = None,
                 ranges: list[tuple[int, int]] | None = None) -> Any:
+        """A request for the row's top-k records of width k, or (k = 0) its hidden states."""
+        if not k:
+            return self.handle.hidden.remote(row, token_range=token_range, ranges=ranges)
         if ranges is not None:
             return self.handle.topk.remote(row, k, self.cfg.dtype, ranges=ranges)
         if token_range is None:
@@ -383,18 +450,20 @@ class TeacherClient:
                 p.response, p.started = self._submit(p.row, p.k, p.token_range, p.ranges), time.monotonic()
                 p.attempts += 1
                 continue
+            wire = _topk_from_wire if p.k else _hidden_from_wire
             if p.ranges is None:
-                return self._checked(p, _topk_from_wire(out[0]), p.token_range or (0, p.row.num_tokens))
+                return self._checked(p, wire(out[0]), p.token_range or (0, p.row.num_tokens))
             if len(out[0]) != len(p.ranges):
                 raise RuntimeError(f"teacher row {p.index}: got {len(out[0])} records back, asked for "
                                    f"{len(p.ranges)} ranges")
-            return [self._checked(p, _topk_from_wire(o), r) for o, r in zip(out[0], p.ranges)]
+            return [self._checked(p, wire(o), r) for o, r in zip(out[0], p.ranges)]
 
     @staticmethod
-    def _checked(p: _Pending, rec: TeacherTopK, rng: tuple[int, int]) -> TeacherTopK:
+    def _checked(p: _Pending, rec: Any, rng: tuple[int, int]) -> Any:
         start, end = rng
-        if rec.logprobs.shape[0] != end - start:
-            raise RuntimeError(f"teacher row {p.index}: got {rec.logprobs.shape[0]} tokens back, "
+        got = (rec.logprobs if isinstance(rec, TeacherTopK) else rec).shape[0]
+        if got != end - start:
+            raise RuntimeError(f"teacher row {p.index}: got {got} tokens back, "
                                f"asked for {end - start} (tokens {start}..{end} of {p.row.num_tokens})")
         return rec
 
@@ -402,6 +471,16 @@ class TeacherClient:
              token_range: tuple[int, int] | None = None) -> Iterator[TeacherTopK]:
         """Top-k records of width `k` of (checked) `rows`, in order, with at most `max_inflight_rows` outstanding;
         `token_range`: of tokens [start, end) of each row only (checked by the caller and by the replica)."""
+        if k < 1:
+            raise ValueError(f"teacher client: top-k width k={k} must be >= 1")
+        return self._records(rows, k, token_range)
+
+    def hidden(self, rows: Iterable[PackedRow], token_range: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
+        """Final hidden states [T, H'] of (checked) `rows` in the teacher's dtype, in order, as `topk` gives
+        records (bounded, ordered, retried)."""
+        return self._records(rows, 0, token_range)
+
+    def _records(self, rows: Iterable[PackedRow], k: int, token_range: tuple[int, int] | None) -> Iterator[Any]:
         inflight: deque[_Pending] = deque()
         source = iter(enumerate(rows))
         exhausted = False

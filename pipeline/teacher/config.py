@@ -35,9 +35,10 @@ ISOLATIONS = ("auto", "per_doc", "packed")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_TEACHER = "asset:smollm2-135m-instruct"
 TOPK_DTYPES = ("float16", "bfloat16", "float32")
-# The exact teacher (k = 0): hidden = its hidden states + lm_head go into the fused KL (in-process only);
-# logits = its full-vocabulary logits streamed chunk by chunk; auto = the source's own choice (hidden in-process,
-# logits from the pool). Which source gives which: pipeline/teacher/sources.
+# The exact teacher (k = 0): hidden = its hidden states + lm_head go into the fused KL (in-process; or from the
+# pool, the trainer holding the lm_head read from the teacher's checkpoint); logits = its full-vocabulary logits
+# streamed chunk by chunk; auto = the source's own choice (hidden in-process; from the pool, hidden where it runs a
+# transformers teacher whose lm_head can be read, else logits). Which source gives which: pipeline/teacher/sources.
 EXACT_FORMS = ("auto", "hidden", "logits")
 
 
@@ -154,8 +155,9 @@ class SourceSection:
     # Width of the teacher's targets: k > 0 = its top-k log-probabilities plus the tail mass; 0 = exact, the
     # full vocabulary (inprocess or serve; offline needs the cache's k).
     k: int = 0
-    # How the exact teacher (k: 0) reaches the fused KL: hidden (its hidden states + lm_head; inprocess),
-    # logits (full-vocabulary logits streamed chunk by chunk), auto (hidden inprocess, logits from the pool).
+    # How the exact teacher (k: 0) reaches the fused KL: hidden (its hidden states + lm_head; from the pool, the
+    # trainer reads the lm_head from teacher.model.path), logits (full-vocabulary logits streamed chunk by chunk),
+    # auto (hidden inprocess; from the pool, hidden where its transformers teacher's lm_head can be read).
     exact_form: str = "auto"
 
 

@@ -7,7 +7,8 @@ Design choices:
   (in-process), `TeacherClient` (the Serve pool) and `TopKCacheReader` (the offline cache). It yields, in row
   order and one row at a time (a slow teacher holds the step, not memory), one dict of keyword arguments per row:
     topk   {"teacher_topk": TeacherTopK}           logprobs [T, k], indices [T, k] int32, tail_logmass [T]
-    hidden {"teacher_hidden": [T, H'], "teacher_weight": [V, H']}     (the exact teacher, in-process)
+    hidden {"teacher_hidden": [T, H'], "teacher_weight": [V, H']}     (the exact teacher: in-process, or the
+           pool's hidden states with the LM head the trainer read from the teacher's checkpoint)
     logits {"teacher_logits_fn": StreamedLogits}   full-vocabulary chunks [C, V], pulled in order
 * `token_range=(start, end)`: a rank of a sequence-parallel group holds tokens [start, end) of every row
   (hylo/seq_parallel.py), and gets only those tokens' targets: the unsplit row's targets restricted to them
@@ -27,7 +28,8 @@ Design choices:
   server checks rows again, since it receives them over the network: every row of every request, whatever
   its type (the client sends `PackedRow`s; `check_row(received=True)`), ids against its vocabulary.
 * `BoundTeacher` (built by `sources.open_teacher` from stage 2's `teacher` section) binds a source to its spec
-  and places each row's targets on the trainer's device; the step zips rows and targets.
+  and places each row's targets on the trainer's device; the step zips rows and targets. A source whose `targets`
+  takes `device` is told it (the pool's client gives its LM head there, one copy, not one a row).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class TeacherSource(Protocol):
     `targets` yields one dict of keyword arguments of `fused_linear_kl_div` per row, in row order:
 
     * top-k: `{"teacher_topk": TeacherTopK}`;
-    * hidden: `{"teacher_hidden": [T, H'], "teacher_weight": [V, H']}` (the exact teacher, in-process);
+    * hidden: `{"teacher_hidden": [T, H'], "teacher_weight": [V, H']}` (the exact teacher, in-process or the
+      pool's hidden states with the trainer's copy of the LM head);
     * logits: `{"teacher_logits_fn": StreamedLogits}`, full-vocabulary chunks `[C, V]` pulled in order.
 
     With `token_range=(start, end)` a rank of a sequence-parallel group gets the targets of tokens
@@ -189,14 +192,15 @@ class BoundTeacher:
         if shards is not None:
             token_range = shards_range(shards, rows)
         rng = check_token_range(token_range, rows)
+        at = {"device": device} if _takes(self.source, "device") else {}
         if rng is None:
-            yield from (place(t, device) for t in self.source.targets(rows, self.spec))
+            yield from (place(t, device) for t in self.source.targets(rows, self.spec, **at))
         elif shards is not None and shards[0].teacher != "whole" and _takes(self.source, "shards"):
-            yield from (place(t, device) for t in self.source.targets(rows, self.spec, shards=shards))
+            yield from (place(t, device) for t in self.source.targets(rows, self.spec, shards=shards, **at))
         elif _takes(self.source, "token_range"):
-            yield from (place(t, device) for t in self.source.targets(rows, self.spec, token_range=rng))
+            yield from (place(t, device) for t in self.source.targets(rows, self.spec, token_range=rng, **at))
         else:
-            yield from (place(restrict(t, *rng), device) for t in self.source.targets(rows, self.spec))
+            yield from (place(restrict(t, *rng), device) for t in self.source.targets(rows, self.spec, **at))
 
 
 def shards_range(shards: Sequence[RowShard], rows: Sequence[PackedRow]) -> tuple[int, int]:

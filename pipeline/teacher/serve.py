@@ -20,6 +20,10 @@ Design choices:
   One rank of the group asks and relays the others their parts (client.py), so a group costs one forward a row.
 * `stream(row, C, start, end)`: a generator of full-logit chunks [C, V] for tokens [start, end) (a window
   of the whole row, or of a rank's range).
+* `hidden(rows, token_range=None, ranges=None)`: the exact teacher as its final hidden states [T, H'] (after the
+  final norm) in the teacher's dtype, one CPU tensor per row (per range with `ranges`): H' / V of the logits'
+  bytes (4,096 / 128,256 for Llama-3.1-8B). The trainer holds the LM head (teacher/head.py) and checks it against
+  `head_info()`: the replica's head's shape, dtype and digest.
 * Both check the range(s) they receive against every row (`protocol.check_token_range`): one ValueError naming
   the request row and the range, which the client does not retry.
 * `rows_seen` counts the row forwards a replica ran (`info()`). The driver prints every replica's count when it
@@ -60,6 +64,7 @@ from hylo.pipeline.teacher.config import (
     TeacherPoolConfig,
     pool_port_taken,
 )
+from hylo.pipeline.teacher.head import head_info
 from hylo.pipeline.teacher.model import TeacherModel, torch_dtype
 from hylo.pipeline.teacher.protocol import check_token_range
 
@@ -138,6 +143,7 @@ class TeacherDeployment:
         self._hidden_batched.set_batch_wait_timeout_s(self.pool_cfg.batch_wait_timeout_s)
         self.rows_seen = 0
         self.armed_rows = 0
+        self._head_info: dict[str, Any] | None = None
         # (rows, tokens) of recent batched forwards: lets tests and operators see the token budget at work.
         self.batch_log: deque[tuple[int, int]] = deque(maxlen=256)
 
@@ -153,6 +159,12 @@ class TeacherDeployment:
     def info(self) -> dict[str, Any]:
         return {**self.teacher.info(), "pid": os.getpid(), "rows_seen": self.rows_seen,
                 "max_batch_tokens": self.pool_cfg.max_batch_tokens, "batches": list(self.batch_log)}
+
+    def head_info(self) -> dict[str, Any]:
+        """The LM head's vocabulary, hidden size, dtype and digest (teacher/head.py), computed once."""
+        if self._head_info is None:
+            self._head_info = head_info(self.teacher.lm_head_weight)
+        return self._head_info
 
     def _maybe_fail(self) -> None:
         marker = self.fault_cfg.kill_marker
@@ -219,6 +231,30 @@ class TeacherDeployment:
                 h = h[rng[0]:rng[1]]
             rec = await asyncio.to_thread(self.teacher.topk_from_hidden, h, k, dtype)
             out.append(topk_to_wire(rec))
+        return out
+
+    async def hidden(
+        self, rows: Mapping[str, Any] | PackedRow | list[Mapping[str, Any] | PackedRow],
+        token_range: tuple[int, int] | None = None, ranges: list[tuple[int, int]] | None = None,
+    ) -> list[torch.Tensor] | list[list[torch.Tensor]]:
+        """Final hidden states [T, H'] (the teacher's dtype, on the host), one per row, in request order; of tokens
+        [start, end) only with `token_range`; with `ranges`, one list per row of one tensor per range (one forward of
+        the row answers them all)."""
+        if isinstance(rows, Mapping | PackedRow):
+            rows = [rows]
+        prows = [self._check(r, f"request row {i}") for i, r in enumerate(rows)]
+        rng = check_token_range(token_range, prows, "teacher replica: request")
+        if ranges is not None and rng is not None:
+            raise ValueError(f"teacher replica: request: token_range={rng} and ranges={ranges!r}: give one")
+        rngs = None if ranges is None else check_ranges(ranges, prows, "teacher replica: request")
+        hiddens = await asyncio.gather(*(self._hidden(r) for r in prows))
+        out: list[Any] = []
+        for h in hiddens:
+            if rngs is not None:
+                out.append([h[s:e].to("cpu", copy=True) for s, e in rngs])
+            else:
+                # a copy of the range alone: what crosses the wire is the range's bytes, not the row's
+                out.append((h if rng is None else h[rng[0]:rng[1]]).to("cpu", copy=True))
         return out
 
     async def stream(

@@ -67,14 +67,14 @@ def write_packed_parquet(path: str | Path, rows: list[dict[str, Any]]) -> Path:
 
 
 # ------------------------------------------------------------------------------ Serve pool without Ray
-def local_replica(model_dir: str | Path, chunk_tokens: int) -> Any:
+def local_replica(model_dir: str | Path, chunk_tokens: int, dtype: str = "float32") -> Any:
     """The pool's real replica class (`TeacherDeployment`) built in this process, a token budget of 1 (every
-    row runs alone, not through serve.batch, which needs a running replica)."""
+    row runs alone, not through serve.batch, which needs a running replica); `dtype`: teacher.model.dtype."""
     from hylo.pipeline.config import to_dict
     from hylo.pipeline.teacher.config import TeacherFaultConfig, TeacherModelConfig, TeacherPoolConfig
     from hylo.pipeline.teacher.serve import TeacherDeployment
 
-    model = TeacherModelConfig(path=str(model_dir), logits_chunk_tokens=chunk_tokens)
+    model = TeacherModelConfig(path=str(model_dir), logits_chunk_tokens=chunk_tokens, dtype=dtype)
     return TeacherDeployment.func_or_class(to_dict(model), to_dict(TeacherPoolConfig(max_batch_tokens=1)),
                                            to_dict(TeacherFaultConfig()))
 
@@ -87,12 +87,23 @@ class _Response:
 
     def result(self, timeout_s=None):
         out = asyncio.run(self.coro)
-        # a request for a group's ranges answers a list of records per row
-        self.log.extend(rec["logprobs"].shape[0] for o in out for rec in (o if isinstance(o, list) else [o]))
+        # a request for a group's ranges answers a list of records (top-k) or tensors (hidden states) per row
+        self.log.extend(rec.shape[0] if isinstance(rec, torch.Tensor) else rec["logprobs"].shape[0]
+                        for o in out for rec in (o if isinstance(o, list) else [o]))
         return out
 
     def cancel(self) -> None:
         self.coro.close()
+
+
+class _Done:
+    """A Serve response whose value is already there."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def result(self, timeout_s=None):
+        return self.value
 
 
 class _Stream:
@@ -121,7 +132,8 @@ class LocalHandle:
         self.replica = replica
         self.requests: list = []
         self.tokens_back: list[int] = []
-        self.topk, self.stream = _Method(self._topk), _Method(self._stream)
+        self.topk, self.stream, self.hidden = _Method(self._topk), _Method(self._stream), _Method(self._hidden)
+        self.head_info = _Method(lambda: _Done(replica.head_info()))
 
     def options(self, **kw):
         return self
@@ -129,6 +141,10 @@ class LocalHandle:
     def _topk(self, *args, **kw):
         self.requests.append(("topk", args[1:], kw))
         return _Response(self.replica.topk(*args, **kw), self.tokens_back)
+
+    def _hidden(self, *args, **kw):
+        self.requests.append(("hidden", args[1:], kw))
+        return _Response(self.replica.hidden(*args, **kw), self.tokens_back)
 
     def _stream(self, *args, **kw):
         self.requests.append(("stream", args[1:], kw))

@@ -176,6 +176,28 @@ def test_the_pools_forwards_are_counted_against_the_rows_trained(capsys):
            "be 8)" in capsys.readouterr().out
 
 
+
+@pytest.mark.parametrize("k,form", [(64, "top-64"), (0, "hidden")])
+def test_the_rehearsal_shows_the_recipes_teacher_on_the_wire_per_row(capsys, k, form):
+    """At the recipe's own teacher (Llama-3.1-8B: hidden 4,096, vocab 128,256, bf16) and row (64K tokens): each
+    form's bytes a row, the run's marked; the served exact teacher (k: 0) is hidden states by default."""
+    from hylo.pipeline.rehearse import print_report, recipe_wire
+    from hylo.pipeline.train.config import load_stage_config
+
+    recipe = load_stage_config(2, REPO / "configs" / "llama-3.2-1b-8mla8gdn-64k.yaml", [f"teacher.k={k}"])
+    print_report({"placed": [], "nodes": [], "each": {}, "teacher": None, "step": {"loss": 1.0}, "seconds": 1,
+                  "ray_seconds": 1, "wire": recipe_wire(recipe)})
+    out = capsys.readouterr().out
+    assert "[rehearse] teacher pool on the wire per row of 65,536 tokens" in out
+    # 65,536 x 128,256 x 2 B; 65,536 x 4,096 x 2 B; 65,536 x (64 x (2 + 4) + 4) B
+    assert "[rehearse]   logits     16.8 GB  65,536 x 128,256 bfloat16" in out
+    assert "[rehearse]   hidden    536.9 MB  65,536 x 4,096 bfloat16" in out
+    assert "[rehearse]   top-64     25.4 MB  65,536 x (64 x (float16 + int32) + fp32)" in out
+    assert f"{form} " in next(line for line in out.splitlines() if "<- this run" in line)
+    assert "LM head (128,256 x 4,096 bfloat16, 1.1 GB per worker) and runs its product in the fused KL: 68.9 " \
+           "TFLOP a row" in out
+
+
 @pytest.mark.slow
 def test_rehearsal_of_the_smallest_recipe_on_two_8_gpu_nodes():
     """At train.sequence_parallel=2 (2 groups of its 4 workers): the pool's replicas ran one teacher forward per

@@ -54,8 +54,8 @@ def test_the_pools_test_only_keys_are_stage2s_fault_teacher():
 def test_the_form_is_checked_in_one_place():
     with pytest.raises(ConfigError, match="teacher.k=0: the offline cache holds top-k records"):
         load_stage_config(2, None, ["teacher.source=offline", "teacher.cache_path=/c"])
-    with pytest.raises(ConfigError, match="teacher.exact_form='hidden': needs source inprocess"):
-        load_stage_config(2, None, ["teacher.source=serve", "teacher.exact_form=hidden"])
+    # both exact sources give both forms (the pool's auto: tests/teacher/test_teacher_head.py)
+    assert load_stage_config(2, None, ["teacher.source=serve", "teacher.exact_form=hidden"]).teacher.form == "hidden"
     with pytest.raises(ConfigError, match="teacher.exact_form='logits': applies to the exact teacher"):
         load_stage_config(2, None, ["teacher.k=8", "teacher.exact_form=logits"])
     assert load_stage_config(2, None, ["teacher.exact_form=logits"]).teacher.form == "logits"

@@ -243,9 +243,13 @@ def _client(replica):
     return TeacherClient(handle, chunk_tokens=CHUNK, window_chunks=2, dtype="float32", retry_backoff_s=0), handle
 
 
-@pytest.mark.parametrize("spec", [TargetSpec(K, "topk"), TargetSpec(0, "logits")], ids=lambda s: s.form)
+@pytest.mark.parametrize("spec", FORMS, ids=lambda s: s.form)
 def test_pool_range_targets_concatenate_to_the_rows(env, replica, spec):
     client, handle = _client(replica)
+    if spec.form == "hidden":
+        from hylo.pipeline.teacher.head import load_head
+
+        client.head = load_head(env["model_dir"], torch.float32)
     teacher = BoundTeacher(client, spec)
     _check_split(teacher, env["rows"], exact=False)
     _bad_range_refused(_TargetsOf(teacher, env["rows"]))

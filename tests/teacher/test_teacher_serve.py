@@ -275,13 +275,17 @@ def test_protocol_targets_are_identical_from_model_pool_and_cache(pool, tmp_path
         assert torch.equal(m.logprobs, c.logprobs) and torch.equal(m.tail_logmass, c.tail_logmass)
         torch.testing.assert_close(s.logprobs.float(), m.logprobs.float(), rtol=2.0 ** -9, atol=0.0)
         torch.testing.assert_close(s.tail_logmass, m.tail_logmass, rtol=1e-5, atol=1e-5)
-    # the exact teacher (k = 0): streamed logits from the model and from the pool, hidden states in-process
+    # the exact teacher (k = 0): streamed logits from the model and from the pool, hidden states in-process and
+    # from the pool (auto: a transformers teacher whose head the trainer reads)
     exact_model = targets(0, "inprocess", exact_form="logits")
-    exact_pool, hidden = targets(0, "serve"), targets(0, "inprocess")
-    for r, m, s, h in zip(rows, exact_model, exact_pool, hidden):
+    exact_pool, hidden = targets(0, "serve", exact_form="logits"), targets(0, "inprocess")
+    hidden_pool = targets(0, "serve")
+    for r, m, s, h, hp in zip(rows, exact_model, exact_pool, hidden, hidden_pool):
         full = m["teacher_logits_fn"](0, r.num_tokens)
         torch.testing.assert_close(s["teacher_logits_fn"](0, r.num_tokens), full, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(h["teacher_hidden"] @ h["teacher_weight"].T, full, rtol=1e-5, atol=1e-5)
+        assert torch.equal(hp["teacher_weight"], h["teacher_weight"])
+        torch.testing.assert_close(hp["teacher_hidden"], h["teacher_hidden"], rtol=1e-5, atol=1e-5)
     # a sequence-parallel rank's tokens [4, 11) of every row: the range travels through Serve in each request
     t = TeacherSection(source="serve", k=8, model=model_cfg, pool=pool["cfg"], client=TeacherClientConfig(timeout_s=60))
     ranged = list(open_teacher(t, VOCAB).targets(rows, "cpu", token_range=(4, 11)))
@@ -289,8 +293,55 @@ def test_protocol_targets_are_identical_from_model_pool_and_cache(pool, tmp_path
         m, s = m["teacher_topk"], s["teacher_topk"]
         assert s.logprobs.shape == (7, 8) and torch.equal(s.indices, m.indices[4:11])
         torch.testing.assert_close(s.logprobs.float(), m.logprobs[4:11].float(), rtol=2.0 ** -9, atol=0.0)
-    (stream,) = open_teacher(TeacherSection(source="serve", k=0, model=model_cfg, pool=pool["cfg"],
-                                            client=TeacherClientConfig(timeout_s=60)), VOCAB).targets(
+    (stream,) = open_teacher(TeacherSection(source="serve", k=0, exact_form="logits", model=model_cfg,
+                                            pool=pool["cfg"], client=TeacherClientConfig(timeout_s=60)), VOCAB).targets(
         rows[:1], "cpu", token_range=(4, 11))
     torch.testing.assert_close(stream["teacher_logits_fn"](0, 7), exact_model[0]["teacher_logits_fn"](0, 14)[4:11],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_the_pools_hidden_states_give_the_inprocess_loss_in_a_fraction_of_the_bytes(pool):
+    """The exact teacher through the real pool in each form: the bytes that arrive per row (what the estimator
+    prices, pipeline/estimate/wire.py), and the fused KL's loss and student gradients with the pool's hidden
+    states and the trainer's head against the in-process teacher's (fp32, within 1e-5)."""
+    from hylo.kernels.fused_kl import fused_linear_kl_div
+    from hylo.pipeline.estimate.wire import TeacherWire
+    from hylo.pipeline.teacher.config import TeacherClientConfig
+    from hylo.pipeline.teacher.model import TeacherModel
+    from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
+    from hylo.pipeline.teacher.sources import open_teacher
+    from hylo.pipeline.train.config import TeacherSection
+
+    model_cfg = TeacherModelConfig(path=str(pool["model_dir"]))
+    rows = _checked([make_packed_row([40, 23], VOCAB, seed=77, pad=1)])
+    T = rows[0].num_tokens
+    # the pool the fixture started: attach to it (auto would pick logits for a pool this run does not deploy)
+    section = TeacherSection(source="serve", k=0, exact_form="hidden", start_pool=False, model=model_cfg,
+                             pool=pool["cfg"], client=TeacherClientConfig(timeout_s=60))
+    bound = open_teacher(section, VOCAB)  # reads the head, checks it against a replica's
+    client = bound.source
+    k, fp16 = 8, TeacherClientConfig().dtype
+    got = {"hidden": sum(h.nbytes for h in client.hidden(rows)),
+           "logits": sum(c.nbytes for c in client.stream(rows[0])),
+           "topk": sum(x.nbytes for rec in client.topk(rows, k) for x in rec)}
+    wire = TeacherWire(T, client.head.shape[1], VOCAB, k, 4, torch.empty((), dtype=getattr(torch, fp16)).element_size())
+    print(f"bytes on the wire for a row of {T} tokens (hidden {client.head.shape[1]}, vocab {VOCAB}, fp32, "
+          f"top-{k} in {fp16}): {got}")
+    assert got == {f: wire.bytes(f) for f in got}
+    assert got["hidden"] * VOCAB == got["logits"] * client.head.shape[1]
+
+    torch.manual_seed(0)
+    h_TD = torch.randn(T, 24, requires_grad=True)
+    w_VD = torch.randn(VOCAB, 24, requires_grad=True)
+    mask = rows[0].loss_mask
+
+    def loss_and_grads(targets):
+        h_TD.grad = w_VD.grad = None
+        loss = fused_linear_kl_div(h_TD, w_VD, **targets, mask=mask, reduction="sum", temperature=2.0)
+        loss.backward()
+        return loss.detach(), h_TD.grad.clone(), w_VD.grad.clone()
+
+    (pool_t,) = bound.targets(rows, "cpu")
+    (inproc_t,) = BoundTeacher(TeacherModel.from_config(model_cfg), TargetSpec(0, "hidden")).targets(rows, "cpu")
+    for a, b in zip(loss_and_grads(pool_t), loss_and_grads(inproc_t)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

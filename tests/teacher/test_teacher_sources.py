@@ -286,4 +286,8 @@ def test_building_a_config_loads_the_sources_but_no_implementation(sets):
                                       or m in ("hylo.json_files", "hylo.weight_files", "hylo.rules", "hylo.pipeline",
                                                "hylo.pipeline.teacher", "hylo.pipeline.train", "hylo.pipeline.data",
                                                "hylo.upcycle", "hylo.kernels", "hylo.yaml_limits", "hylo.lazy",
-                                               "hylo.logs", "hylo.bounded_read"))] == []
+                                               "hylo.logs", "hylo.bounded_read",
+                                               # the serve source's `exact_form: auto` reads where the teacher's
+                                               # checkpoint is (no fetch) and its safetensors headers
+                                               "hylo.assets", "hylo.atomic", "hylo.locks", "hylo.stopping",
+                                               "hylo.pipeline.teacher.head"))] == []

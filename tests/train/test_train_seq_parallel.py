@@ -241,6 +241,21 @@ def _teacher_targets(setup, source: str, dtype, ctx) -> dict[str, Any]:
                                dtype="float32", retry_backoff_s=0)
         return next(teacher_targets(BoundTeacher(client, TargetSpec(8, "topk"), VOCAB), [row_part(setup.row, ctx)],
                                     ctx.device))
+    if source == "serve-hidden":
+        # the pool's hidden states (a replica in the student's precision, one forward of the whole row per group,
+        # relayed to each rank) with the LM head the trainer reads from the teacher's checkpoint
+        from hylo.pipeline.teacher.client import TeacherClient
+        from hylo.pipeline.teacher.head import load_head
+        from hylo.pipeline.teacher.protocol import BoundTeacher, TargetSpec
+
+        from tests.helpers.teacher import LocalHandle, local_replica
+
+        replica = local_replica(setup.base, 16, dtype=str(dtype).removeprefix("torch."))
+        client = TeacherClient(LocalHandle(replica), chunk_tokens=16, head=load_head(setup.base, dtype),
+                               retry_backoff_s=0)
+        client.check_head(str(setup.base))
+        return next(teacher_targets(BoundTeacher(client, TargetSpec(0, "hidden"), VOCAB),
+                                    [row_part(setup.row, ctx)], ctx.device))
     # the in-process teacher in the student's precision: split, it sums in another order than the whole row, so
     # fp64's 1e-10 needs an fp64 teacher (an fp32 one is ~1e-7 from its unsplit self)
     model = TeacherModelConfig(path=str(setup.base), dtype=str(dtype).removeprefix("torch."))
@@ -294,7 +309,7 @@ def _stage1_loss_grads(setup, linear: str, dtype, ctx) -> tuple[torch.Tensor, di
     return loss.detach().double(), _grads(student)
 
 
-SOURCES = ("inprocess", "inprocess-logits", "offline", "serve")
+SOURCES = ("inprocess", "inprocess-logits", "offline", "serve", "serve-hidden")
 
 
 def _cases(setup, linear: str, dtype, ctx) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
@@ -369,12 +384,14 @@ def _split_run(setup, linear: str, dtype, world: int, tmp_path) -> dict[str, tup
 @pytest.mark.slow
 def test_a_split_row_gives_the_unsplit_rows_loss_and_gradients(split_setup, linear, dtype, tol, tmp_path):
     """Stage 2 (each teacher source: in-process exact hidden, in-process streamed logits, offline top-k cache,
-    the Serve pool's replica and client;
+    the Serve pool's replica and client, top-k and hidden states;
     KL + CE) and stage 1 on one packed row at N = 2 and 4: the ranks' losses and gradients summed over the
-    group equal the unsplit row's, every parameter."""
+    group equal the unsplit row's, every parameter. The pool's hidden states give the in-process teacher's loss
+    and gradients, at N = 1 and split."""
     from tests.helpers.common import assert_close
 
     want = _cases(split_setup, linear, dtype, _context(_cfg(2), dtype))
+    _same_as_inprocess(want, "N=1", tol)
     for world in (2, 4):
         got = _split_run(split_setup, linear, dtype, world, tmp_path / f"n{world}")
         assert sorted(got) == sorted(want)
@@ -383,6 +400,17 @@ def test_a_split_row_gives_the_unsplit_rows_loss_and_gradients(split_setup, line
             assert sorted(got[case][1]) == sorted(grads)
             for name, g in grads.items():
                 assert_close(f"N={world} {case} {name}", g, got[case][1][name], tol)
+        _same_as_inprocess(got, f"N={world}", tol)
+
+
+def _same_as_inprocess(cases: dict, where: str, tol: float) -> None:
+    """The Serve pool's hidden-state teacher gives the in-process teacher's stage-2 loss and gradients."""
+    from tests.helpers.common import assert_close
+
+    (loss, grads), (pool_loss, pool_grads) = cases["stage2-inprocess"], cases["stage2-serve-hidden"]
+    assert float(pool_loss) == pytest.approx(float(loss), rel=tol, abs=tol), where
+    for name, g in grads.items():
+        assert_close(f"{where} pool hidden vs in-process {name}", g, pool_grads[name], tol)
 
 
 # ------------------------------------------------------------------------------------ the real loop (torchrun)

@@ -55,13 +55,14 @@ def source_kind(name: str) -> TeacherSourceKind:
 
 
 # Why an exact form needs particular sources, and how a source gives each (the error that refuses one).
-_FORM_NEEDS = {"hidden": "the teacher's lm_head on the trainer", "logits": "the teacher's full-vocabulary logits"}
+_FORM_NEEDS = {"hidden": "the teacher's hidden states and its lm_head on the trainer",
+               "logits": "the teacher's full-vocabulary logits"}
 _FORM_GIVEN = {"hidden": "gives its hidden states", "logits": "streams logits"}
 
 
 def target_form(t: SourceSection) -> str:
     """What the teacher of section `t` gives the fused KL: "topk" (k > 0), or for the exact teacher (k: 0)
-    "hidden" or "logits", as `exact_form` asks (auto: the source's first); FieldError naming the key."""
+    "hidden" or "logits", as `exact_form` asks (auto: the source's `auto_form`); FieldError naming the key."""
     kind = source_kind(t.source)
     if t.k > 0:
         if t.exact_form != "auto":
@@ -70,7 +71,7 @@ def target_form(t: SourceSection) -> str:
     if not kind.exact_forms:
         raise FieldError("k", t.k, f"the {kind.name} teacher gives top-k records only: set k > 0")
     if t.exact_form == "auto":
-        return kind.exact_forms[0]
+        return kind.auto_form(t)
     if t.exact_form not in kind.exact_forms:
         givers = " or ".join(n for n, s in SOURCES.items() if t.exact_form in s.exact_forms)
         raise FieldError("exact_form", t.exact_form, f"needs source {givers} ({_FORM_NEEDS[t.exact_form]}); the "

@@ -13,6 +13,7 @@ section (`check_section` checks that it has the kind's keys). A kind is stateles
 Its methods, in the order a run uses them:
 * `check_config(t)`          when the config is built: what the source needs of the section (FieldError naming
                              the key);
+* `auto_form(t)`             when the config is built: the exact form `exact_form: auto` picks;
 * `check_inputs(t)`          before Ray starts: the files the source reads (weights whole, a manifest of k);
 * `compared_with_student(t)` before Ray starts: what it knows of the teacher (`TeacherFiles`), compared with the
                              student's vocabulary and tokenizer by the stage's input checks (train/inputs.py);
@@ -77,6 +78,11 @@ class TeacherSourceKind:
 
     def check_config(self, t: Any) -> None:
         """What this source needs of the section beyond the form; raise FieldError(key, value, why)."""
+
+    def auto_form(self, t: Any) -> str:
+        """The exact form `exact_form: auto` picks for section `t` (the first of `exact_forms` unless the source
+        says otherwise; config files only, no torch)."""
+        return self.exact_forms[0]
 
     def check_inputs(self, t: Any) -> None:
         """Before Ray starts: the files this source reads are there and whole (ConfigError naming the key)."""

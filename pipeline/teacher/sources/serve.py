@@ -3,7 +3,15 @@
 With `start_pool: true` the driver deploys the pool from `teacher.model` and `teacher.pool` before training and
 deletes it after (its replicas count in the run's Ray resources); with false the client attaches to a pool
 someone else runs under `pool.app_name`, and nothing of it is checked before Ray starts. Gives top-k records
-or the exact teacher as streamed logits (its lm_head is on the replicas, not on the trainer).
+or the exact teacher (k: 0) in one of two forms:
+* `hidden`: each row's final hidden states [T, H'] in the teacher's dtype; each training worker reads the teacher's
+  LM head [V, H'] from `teacher.model.path` (teacher/head.py) and checks it against the pool's (shape, dtype,
+  digest) before the first row. The fused KL computes the logits chunk by chunk, as for the in-process teacher.
+  On the wire: H' / V of the logits (Llama-3.1-8B: 4,096 / 128,256, 31x less).
+* `logits`: full-vocabulary logits streamed chunk by chunk (the LM head stays on the replicas).
+`auto` picks hidden where the driver deploys the pool (`start_pool: true`) from a transformers checkpoint whose
+head safetensors can read (`lm_head.weight`, or the tied `model.embed_tokens.weight`), logits otherwise (a HyLo
+teacher, a .bin checkpoint, a pool someone else runs).
 
 Under sequence parallelism the pool runs each row once per group. One rank of the group asks for every rank's
 range of the row; a replica runs one forward and answers them all; that rank sends each other rank its own
@@ -32,13 +40,39 @@ logger = get_logger(__name__)
 class ServeSource(TeacherSourceKind):
     name = "serve"
     section = ServeSection
-    exact_forms = ("logits",)
+    exact_forms = ("hidden", "logits")
     model_runs = "replicas"
     where = "in the Serve pool"
+
+    def auto_form(self, t: ServeSection) -> str:
+        from hylo.assets import local_path  # lazy: layering (no fetch: the path as it is now)
+        from hylo.pipeline.teacher.head import find_head  # lazy: safetensors
+
+        if not t.start_pool:
+            return "logits"
+        d = local_path(t.model.path)
+        if d is None:
+            return "logits"
+        if not d.exists():
+            # a published model named by its directory, not mounted here (`hylo estimate`): a transformers
+            # teacher; the run reads its head before Ray starts (check_inputs)
+            return "hidden"
+        if (d / "hybrid_config.json").is_file():
+            return "logits"
+        return "hidden" if not isinstance(find_head(d), str) else "logits"
 
     def check_inputs(self, t: ServeSection) -> None:
         if t.start_pool:
             check_model_weights(t.model)
+        if t.form == "hidden":
+            from hylo.pipeline.config import ConfigError  # lazy: layering
+            from hylo.pipeline.teacher.head import find_head  # lazy: safetensors
+            from hylo.pipeline.teacher.model import resolve_model_path  # lazy: torch
+
+            where = find_head(resolve_model_path(t.model.path))
+            if isinstance(where, str):
+                raise ConfigError(f"teacher.model.path={t.model.path}: exact_form hidden reads the teacher's LM head "
+                                  f"there, and cannot: {where}; set teacher.exact_form: logits", "teacher.model.path")
 
     def compared_with_student(self, t: ServeSection) -> TeacherFiles | None:
         return model_files(t.model) if t.start_pool else None
@@ -84,6 +118,17 @@ class ServeSource(TeacherSourceKind):
     def open(self, t: ServeSection, data_path: str | None) -> tuple[Any, int | None]:
         from hylo.pipeline.teacher.client import TeacherClient  # lazy: torch
 
-        # the vocabulary is the replicas': each checks the ids of every row it receives
-        return TeacherClient.from_config(t.pool.app_name, t.client, t.model.logits_chunk_tokens), None
+        if t.form != "hidden":
+            # the vocabulary is the replicas': each checks the ids of every row it receives
+            return TeacherClient.from_config(t.pool.app_name, t.client, t.model.logits_chunk_tokens), None
+        from hylo.pipeline.teacher.head import load_head  # lazy: torch
+        from hylo.pipeline.teacher.model import resolve_model_path, torch_dtype  # lazy: torch
+
+        path = resolve_model_path(t.model.path)
+        head = load_head(path, torch_dtype(t.model.dtype))
+        client = TeacherClient.from_config(t.pool.app_name, t.client, t.model.logits_chunk_tokens, head)
+        client.check_head(str(path))
+        logger.info(f"[teacher] the pool's LM head checked against {path} ({head.shape[0]:,} x {head.shape[1]:,}, "
+                    f"{str(head.dtype).removeprefix('torch.')}): the pool sends hidden states")
+        return client, int(head.shape[0])
 
