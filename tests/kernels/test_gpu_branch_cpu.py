@@ -38,13 +38,15 @@ def run_interpreted(out: Path, cases: str) -> tuple[dict, str]:
 
 
 @pytest.fixture(scope="module")
-def interpreted(request, tmp_path_factory):
-    """The cases of every test this run selected from this module, in one interpreter process: the op cases
-    (~20 s of one CPU core, most of it importing) and, where the `slow` tests are selected too (`make test`),
-    the tiny models (~1 minute) with them, which then pay no second start-up (torch, fla, Triton's interpreter)."""
-    specs = [getattr(item, "callspec", None) for item in request.session.items if item.module is request.module]
-    prefixes = sorted({c.params["case"].split("/")[0] + "/" for c in specs if c is not None and "case" in c.params})
-    return run_interpreted(tmp_path_factory.mktemp("gpu_branch") / "cases.json", ",".join(prefixes))
+def interpreted_ops(tmp_path_factory):
+    """The op cases: ~20 s of one CPU core, most of it importing."""
+    return run_interpreted(tmp_path_factory.mktemp("gpu_branch") / "ops.json", "gdn/,ssd/")
+
+
+@pytest.fixture(scope="module")
+def interpreted_models(tmp_path_factory):
+    """The tiny models: ~1 minute of one CPU core."""
+    return run_interpreted(tmp_path_factory.mktemp("gpu_branch") / "models.json", "model/")
 
 
 def check_case(interpreted: tuple[dict, str], case: str) -> None:
@@ -59,14 +61,14 @@ def check_case(interpreted: tuple[dict, str], case: str) -> None:
 
 
 @pytest.mark.parametrize("case", list(OP_CASES))
-def test_fla_call_site_equals_torch_path(interpreted, case):
-    check_case(interpreted, case)
+def test_fla_call_site_equals_torch_path(interpreted_ops, case):
+    check_case(interpreted_ops, case)
 
 
 @pytest.mark.slow  # the tiny models through the interpreter: about a minute
 @pytest.mark.parametrize("case", list(MODEL_CASES))
-def test_model_gpu_branch_equals_torch_branch(interpreted, case):
-    check_case(interpreted, case)
+def test_model_gpu_branch_equals_torch_branch(interpreted_models, case):
+    check_case(interpreted_models, case)
 
 
 def test_op_cases_cover_every_fla_call_site_both_directions():
