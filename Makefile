@@ -106,8 +106,9 @@ demo: assets
 # of work) start first, then the files with the most tests (tests/conftest.py; --no-loadscope-reorder lets that
 # order stand). Each process gets a Ray temp root of its own (tests/conftest.py:
 # Ray's helper actors otherwise find each other's clusters) and one torch thread (OMP_NUM_THREADS=1). The suite is
-# CPU-bound either way: three processes 22 min (2026-12-06, afternoon, 1,805 tests; 19-20 on 2026-12-04 at 1,576),
-# TEST_WORKERS=0 (one process) ~42 (docs/results.md#teacher-split, #cuts-dec4-night).
+# CPU-bound either way: three processes 36 min 25 s from a fresh clone (2026-12-07, 1,967 tests, vLLM's serving
+# tests among them; 22 min on 2026-12-06 at 1,805), TEST_WORKERS=0 (one process) ~42 on 2026-12-04
+# (docs/results.md#test-time-dec7, #teacher-split, #cuts-dec4-night).
 # compileall first: where PYTHONDONTWRITEBYTECODE is set (this build machine's environment) Python caches no
 # bytecode, and each of the hundreds of processes the suite starts (jobs, torchrun ranks, Ray Train workers) compiled
 # the checkout's modules again (~0.6 CPU-s a process that imports the trainer). Symlinked folders are not followed:

@@ -77,6 +77,9 @@ def nodes(cluster):
     yield cluster
 
 
+# stage2-after_checkpoint: the relaunched group resumes from step 6, which storage holds and Ray Train had not
+# registered yet; it also stands for a worker SIGKILLed alone at that point (tests/e2e/test_train_e2e_ray.py), whose
+# own run checked the same steps and losses
 @pytest.mark.parametrize("stage,when,step,resumed", [(1, "mid_step", 5, 3), (2, "after_checkpoint", 6, 6)],
                          ids=["stage1-mid_step", "stage2-after_checkpoint"])
 def test_node_loss_resumes_from_the_newest_intact_checkpoint(tiny, references, nodes, stage, when, step,
