@@ -27,7 +27,7 @@ import torch
 from packaging.version import InvalidVersion, Version
 from torch._subclasses.fake_tensor import FakeTensor
 
-from hylo.kernels.varlen import DocBounds
+from hylo.kernels.varlen import DocBounds, row_varlen_tensors
 
 _CHOICES = ("auto", "torch", "triton", "gpu")
 _FORCED: list[str] = []
@@ -125,21 +125,26 @@ def fla_stand_in_for(x: Any, name: str) -> Callable[..., Any] | None:
 
 
 @functools.cache
-def _takes_cu_seqlens_cpu(fn: Callable[..., Any]) -> bool:
+def _takes(fn: Callable[..., Any], name: str) -> bool:
     try:
-        return "cu_seqlens_cpu" in inspect.signature(fn).parameters
+        return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
 
 
-def fla_varlen_kwargs(fn: Callable[..., Any], bounds: DocBounds | None) -> dict[str, Any]:
-    """The packed-row arguments of fla op `fn`: `cu_seqlens` as int64 on the device and, where `fn`
-    takes it (fla >= 0.5), the same boundaries on the host, so that fla does not copy them back."""
+def fla_varlen_kwargs(fn: Callable[..., Any], bounds: DocBounds | None, chunk_size: int = 64) -> dict[str, Any]:
+    """The packed-row arguments of fla op `fn`: `cu_seqlens` as int64 on the device and, where `fn` takes them
+    (fla >= 0.5), the same boundaries on the host and the chunk indices of chunks of `chunk_size` (fla's own
+    form, `prepare_chunk_indices`), so that fla reads nothing back. Made once per row
+    (`kernels/varlen.row_varlen_tensors`): every layer of the row gets the same tensors."""
     if bounds is None:
         return {"cu_seqlens": None}
-    kw: dict[str, Any] = {"cu_seqlens": bounds.cu_seqlens.to(torch.long)}
-    if _takes_cu_seqlens_cpu(fn):
-        kw["cu_seqlens_cpu"] = torch.tensor(bounds.host, dtype=torch.long)
+    cu, cu_cpu, chunk_indices = row_varlen_tensors(bounds.host, chunk_size, bounds.cu_seqlens.device)
+    kw: dict[str, Any] = {"cu_seqlens": cu}
+    if _takes(fn, "cu_seqlens_cpu"):
+        kw["cu_seqlens_cpu"] = cu_cpu
+    if _takes(fn, "chunk_indices"):
+        kw["chunk_indices"] = chunk_indices
     return kw
 
 

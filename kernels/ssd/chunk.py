@@ -132,6 +132,7 @@ def with_skip(o: torch.Tensor, D: torch.Tensor | None, x: torch.Tensor) -> torch
     return o.to(x.dtype)
 
 
+@torch.compiler.disable
 @takes(SSDChunkArgs)
 def chunk_ssd(a: SSDChunkArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba-2 SSD scan over a batch or a packed row (mamba_ssm's argument names and layouts).
