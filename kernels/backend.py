@@ -95,6 +95,33 @@ def use_fla(x: torch.Tensor) -> bool:
     return x.is_cuda and mode != "torch" and fla_available()
 
 
+# ------------------------------------------------------------------------------------ compiled blocks
+# The kernel calls a compiled decoder block leaves out of its graphs (`pipeline/train/compile.py`), by name; and
+# their `torch.compiler.disable`d forms once a block is compiled. Made then, not at import: torch.compiler.disable
+# imports torch._dynamo, which imports Triton before a process may have set TRITON_INTERPRET.
+_KERNEL_CALLS: dict[str, Callable[..., Any]] = {}
+_LEFT_OUT: dict[str, Callable[..., Any]] = {}
+
+
+def kernel_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark `fn` (a GDN / SSD scan, MLA's packed attention) as a kernel call that compiled blocks leave out of
+    their graphs, as fla's own entry points are (`torch.compiler.disable`), once `leave_kernels_out()` ran."""
+    _KERNEL_CALLS[fn.__name__] = fn
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return _LEFT_OUT.get(fn.__name__, fn)(*args, **kwargs)
+
+    return call
+
+
+def leave_kernels_out() -> tuple[str, ...]:
+    """Every `kernel_call` through torch.compiler.disable from now on (what `compile_blocks` calls); their names."""
+    for name, fn in _KERNEL_CALLS.items():
+        _LEFT_OUT.setdefault(name, torch.compiler.disable(fn))
+    return tuple(_KERNEL_CALLS)
+
+
 _FLA_STAND_IN: list[Any] = []
 
 

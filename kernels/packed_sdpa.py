@@ -29,6 +29,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from hylo.kernels.backend import kernel_call
 from hylo.kernels.varlen import DocBounds
 
 SLACK = 0.25
@@ -122,7 +123,7 @@ def packed_causal_sdpa(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch
     return torch.cat(outs, dim=2).index_select(2, inverse)
 
 
-@torch.compiler.disable
+@kernel_call
 def packed_attention(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor, bounds: DocBounds,
                      scale: float | None = None) -> torch.Tensor:
     """Causal attention of a packed row [1, H, T, E] within its documents (`DocBounds`): one causal SDPA call

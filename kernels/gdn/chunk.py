@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hylo.kernels.backend import fla_stand_in_for, fla_varlen_kwargs, use_fla
+from hylo.kernels.backend import fla_stand_in_for, fla_varlen_kwargs, kernel_call, use_fla
 from hylo.kernels.checks import takes
 from hylo.kernels.gdn.checks import DEFAULT_CHUNK_SIZE, GDNChunkArgs
 from hylo.kernels.varlen import chunk_layout, from_chunks, to_chunks
@@ -136,7 +136,7 @@ def torch_chunk_gated_delta_rule(a: GDNChunkArgs) -> tuple[torch.Tensor, torch.T
     return o, torch.stack(finals, 0)
 
 
-@torch.compiler.disable
+@kernel_call
 @takes(GDNChunkArgs)
 def chunk_gated_delta_rule(a: GDNChunkArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over a batch or a packed row; fla 0.6 argument order and layouts.
@@ -151,7 +151,8 @@ def chunk_gated_delta_rule(a: GDNChunkArgs) -> tuple[torch.Tensor, torch.Tensor 
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] or None.
 
     A compiled decoder block (`train.compile: blocks`) leaves this call out of its graph, as fla leaves its own
-    (`torch.compiler.disable`): it runs eagerly between the block's compiled parts, on the row's chunk layout
+    (`kernel_call`: torch.compiler.disable once a block is compiled): it runs eagerly between the
+    block's compiled parts, on the row's chunk layout
     made once per row from its host ints (`hylo.kernels.varlen.row_chunk_layout`, `row_varlen_tensors`).
 
     GPU tensors go to fla's Triton kernel (`hylo.kernels.backend.use_fla`; the estimator's fake tensors

@@ -10,7 +10,8 @@ Design choices (docs/cold-start.md, "Compiled blocks"):
   compiled function replaces the layer's `forward`; no `_orig_mod.` prefix in checkpoint keys).
 * The kernel calls stay out of the graphs: the GDN / Mamba-2 scans (`chunk_gated_delta_rule`, `chunk_ssd`:
   fla's Triton kernels on a GPU, the chunked torch scans on CPU) and MLA's packed attention
-  (`packed_attention`) are `torch.compiler.disable`d, as fla's own entry points are. Each is one graph
+  (`packed_attention`) go through `torch.compiler.disable` (`kernels/backend.kernel_call`), as fla's own
+  entry points do. Each is one graph
   break per block; no other break is inside a block (tests/train/test_compile_step.py counts them).
 * The boundaries of a packed row are data, not code. Inside a block only tensors are read: the
   positions, and `DocBounds` passed on to the kernels whole. Its host ints sit in a `HostInts` object,
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hylo.kernels.backend import leave_kernels_out
 from hylo.kernels.varlen import DocBounds
 from hylo.layers.rope import RotaryEmbedding
 from hylo.logs import get_logger
@@ -79,6 +81,8 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
         raise ValueError(f"train.compile: blocks: {type(model).__name__} holds no HyLo decoder layer to compile")
     # a recompile-limit fallback to eager is an error, never a silent slowdown
     torch._dynamo.config.fail_on_recompile_limit_hit = True
+    # the kernel calls through torch.compiler.disable from now on (kernels/backend.kernel_call)
+    leave_kernels_out()
     # per-device caches the blocks read, filled now: a graph that filled one would be guarded on it
     device = next(model.parameters()).device
     for m in model.modules():
