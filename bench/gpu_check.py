@@ -29,7 +29,10 @@ Cases (docs/gpu-check.md gives the shapes, the expected times and what the figur
 7. served decoding in vLLM (bench/serve_decode.py): the HyLo 1B and 3B recipe shapes against the Llama-3.2-1B and
    3B shapes at 8K-64K, output tokens/s at batch 1 and at the largest batch that fits, KV bytes per token and the
    most concurrent 64K sequences in the same memory; where vLLM does not import (the GPU machines this project is
-   lent), one line saying so, and the computed figures.
+   lent), one line saying so, and the computed figures;
+8. `train.compile: blocks` against the eager step (bench/compile_step.py) on 4 layers of the 1B student, rows of
+   1-6 documents: time of each, recompiles after the first row, graph breaks, host synchronisations per step.
+   Not in the 8-minute plan (its budgets take 470 of the 480 s): `--cases 8` runs it, budget `EXTRA_BUDGETS`.
 
 Order and time: the cases run in the plan's order (`PLAN`: the most informative first), and so do the sizes
 within a case (the 64K step, decode at 64K, first); with --isolated each case runs in a process of its own under
@@ -107,6 +110,7 @@ class Shapes:
     decode: dict[str, Any]
     deepspeed_tokens: int
     tiny: bool
+    compile: dict[str, int] = dataclasses.field(default_factory=lambda: {"T": 8192, "rows": 6})
 
 
 FULL = Shapes(
@@ -127,6 +131,7 @@ TINY = Shapes(
     decode={"context": (64, 32), "new_tokens": 4},
     deepspeed_tokens=64,
     tiny=True,
+    compile={"T": 64, "rows": 4},
 )
 
 
@@ -1124,6 +1129,39 @@ def case_serve_decode(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------------------------------------ case 8
+def case_compile(sh: Shapes, device: Any, meter: Meter) -> dict[str, Any]:
+    """`train.compile: blocks` against the eager step (bench/compile_step.py's `measure`): 4 layers of the 1B
+    recipe's student (2 MLA, 2 GDN), rows of 1 to 6 documents; per row each step's time and the loss difference,
+    the graphs compiled after the first row (recompiles), the graph breaks by call, the largest gradient
+    difference, and the host synchronisations of each step (CUDA's sync debug mode; the host-read log on CPU).
+    Backend inductor on a GPU; aot_eager with --tiny (the same graphs and guards, no code generation)."""
+    import importlib.util
+
+    import torch  # lazy: torch
+
+    from hylo.config import HybridConfig  # lazy: transformers
+    from hylo.modeling import HyLoForCausalLM  # lazy: torch
+
+    spec = importlib.util.spec_from_file_location("compile_step", REPO / "bench" / "compile_step.py")
+    bench = sys.modules["compile_step"] = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    full = {k: v for k, v in hylo_config("8mla8gdn", sh.tiny).to_dict().items()
+            if k not in ("model_type", "transformers_version", "architectures", "num_hidden_layers")}
+    cfg = HybridConfig(**{**full, "n_layer": 4, "mla_layers": [0, 2]})
+    dtype = torch.float32 if sh.tiny else torch.bfloat16
+    T, n_rows = sh.compile["T"], sh.compile["rows"]
+    res = bench.measure(lambda: HyLoForCausalLM(cfg).to(dtype), bench.random_rows(T, n_rows), device,
+                        "aot_eager" if sh.tiny else "inductor", cfg.vocab_size)
+    for path in ("eager", "compiled"):
+        meter.measured(f"step {path}", res[f"first_row_{path}_s"], res[f"{path}_s_median"], None)
+    res.update(shape={"T": T, "layers": 4, "mixers": [cfg.layer_type(i) for i in range(4)], "dtype": str(dtype)[6:]})
+    tol = TOL["layer_fp32"] if sh.tiny else TOL["layer_bf16"]
+    res["ok"] = (res["graphs_after_first_row"] == 0 and res["max_grad_rel_diff"] <= tol
+                 and set(res["graph_breaks_by_call"]) <= {"chunk_gated_delta_rule", "packed_attention"})
+    return res
+
+
 # ------------------------------------------------------------------------------------ driver
 CASES: dict[int, tuple[str, Callable[..., dict[str, Any]]]] = {
     1: ("fused_kl", case_fused_kl),
@@ -1133,6 +1171,7 @@ CASES: dict[int, tuple[str, Callable[..., dict[str, Any]]]] = {
     5: ("decode", case_decode),
     6: ("deepspeed_zero3", case_deepspeed),
     7: ("serve_decode", case_serve_decode),
+    8: ("compile", case_compile),
 }
 
 
@@ -1234,6 +1273,11 @@ def summary(name: str, res: dict[str, Any]) -> str:
         c = res.get("computed", {}).get("1b")
         parts.append(f"1B at 64K, computed, not measured: {f(c['ratio_served'])}x the sequences" if c else "")
         return "; ".join(p for p in parts if p)
+    if name == "compile":
+        syncs = res.get("host_reads_per_step_eager"), res.get("host_reads_per_step_compiled")
+        return (f"compiled / eager {f(res.get('time_ratio_compiled_over_eager'))}x (first row {f(res.get('first_row_compiled_s'))}"
+                f" s), graphs after the first row {res.get('graphs_after_first_row')}, breaks "
+                f"{res.get('graph_breaks_by_call')}, host syncs per step eager {syncs[0]} compiled {syncs[1]}")
     if name == "decode":
         done = [c for c in res.get("contexts_in_order", ()) if f"cache_ratio_ctx{c}" in res]
         if not done:
@@ -1254,6 +1298,8 @@ def summary(name: str, res: dict[str, Any]) -> str:
 # own with a budget of its own (docs/gpu-check.md).
 PLAN: tuple[tuple[int, float], ...] = ((2, 60.0), (4, 160.0), (5, 90.0), (6, 50.0), (1, 45.0), (3, 25.0), (7, 40.0))
 PLAN_DEADLINE = 480.0  # 8 minutes on one H100 or H200
+# cases outside the plan, run with --cases N (`make gpu-check GPU_CHECK_FLAGS="--cases 8"`): their budgets
+EXTRA_BUDGETS = {8: 120.0}
 TINY_BUDGET = 600.0  # --tiny on a CPU: each case's budget (a busy CI machine)
 # the stage-2 step's estimates (`hylo estimate`'s figures and FLOPs, minutes of CPU at 64K) run beside the cases
 # in this many CPU processes, the key sizes first, and are merged into the step's figures as they come
@@ -1454,7 +1500,7 @@ def time_plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     budgets = dict(PLAN)
     return [{"case": n, "name": CASES[n][0],
              "budget_s": args.case_seconds if args.case_seconds is not None
-             else TINY_BUDGET if args.tiny else budgets.get(n, 60.0)} for n in case_numbers(args)]
+             else TINY_BUDGET if args.tiny else budgets.get(n, EXTRA_BUDGETS.get(n, 60.0))} for n in case_numbers(args)]
 
 
 def case_limit(plan: list[dict[str, Any]], k: int, left: float | None) -> float | None:

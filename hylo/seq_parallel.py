@@ -120,7 +120,7 @@ def shard_row(bounds: DocBounds, rank: int, sequence_parallel: int, group: Any =
     start, end = shard_range(T, rank, sequence_parallel)
     cut = sorted({0, end - start, *(b - start for b in full if start < b < end)})
     device = bounds.positions.device
-    local = DocBounds(torch.tensor(cut, dtype=torch.int32, device=device), tuple(cut), bounds.positions[start:end])
+    local = DocBounds.make(torch.tensor(cut, dtype=torch.int32, device=device), cut, bounds.positions[start:end])
     return RowShard(local, start, end, T, rank, sequence_parallel, group, full, mla, teacher)
 
 

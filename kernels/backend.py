@@ -27,7 +27,7 @@ import torch
 from packaging.version import InvalidVersion, Version
 from torch._subclasses.fake_tensor import FakeTensor
 
-from hylo.kernels.varlen import DocBounds
+from hylo.kernels.varlen import DocBounds, row_varlen_tensors
 
 _CHOICES = ("auto", "torch", "triton", "gpu")
 _FORCED: list[str] = []
@@ -95,6 +95,33 @@ def use_fla(x: torch.Tensor) -> bool:
     return x.is_cuda and mode != "torch" and fla_available()
 
 
+# ------------------------------------------------------------------------------------ compiled blocks
+# The kernel calls a compiled decoder block leaves out of its graphs (`pipeline/train/compile.py`), by name; and
+# their `torch.compiler.disable`d forms once a block is compiled. Made then, not at import: torch.compiler.disable
+# imports torch._dynamo, which imports Triton before a process may have set TRITON_INTERPRET.
+_KERNEL_CALLS: dict[str, Callable[..., Any]] = {}
+_LEFT_OUT: dict[str, Callable[..., Any]] = {}
+
+
+def kernel_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark `fn` (a GDN / SSD scan, MLA's packed attention) as a kernel call that compiled blocks leave out of
+    their graphs, as fla's own entry points are (`torch.compiler.disable`), once `leave_kernels_out()` ran."""
+    _KERNEL_CALLS[fn.__name__] = fn
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return _LEFT_OUT.get(fn.__name__, fn)(*args, **kwargs)
+
+    return call
+
+
+def leave_kernels_out() -> tuple[str, ...]:
+    """Every `kernel_call` through torch.compiler.disable from now on (what `compile_blocks` calls); their names."""
+    for name, fn in _KERNEL_CALLS.items():
+        _LEFT_OUT.setdefault(name, torch.compiler.disable(fn))
+    return tuple(_KERNEL_CALLS)
+
+
 _FLA_STAND_IN: list[Any] = []
 
 
@@ -125,21 +152,26 @@ def fla_stand_in_for(x: Any, name: str) -> Callable[..., Any] | None:
 
 
 @functools.cache
-def _takes_cu_seqlens_cpu(fn: Callable[..., Any]) -> bool:
+def _takes(fn: Callable[..., Any], name: str) -> bool:
     try:
-        return "cu_seqlens_cpu" in inspect.signature(fn).parameters
+        return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
 
 
-def fla_varlen_kwargs(fn: Callable[..., Any], bounds: DocBounds | None) -> dict[str, Any]:
-    """The packed-row arguments of fla op `fn`: `cu_seqlens` as int64 on the device and, where `fn`
-    takes it (fla >= 0.5), the same boundaries on the host, so that fla does not copy them back."""
+def fla_varlen_kwargs(fn: Callable[..., Any], bounds: DocBounds | None, chunk_size: int = 64) -> dict[str, Any]:
+    """The packed-row arguments of fla op `fn`: `cu_seqlens` as int64 on the device and, where `fn` takes them
+    (fla >= 0.5), the same boundaries on the host and the chunk indices of chunks of `chunk_size` (fla's own
+    form, `prepare_chunk_indices`), so that fla reads nothing back. Made once per row
+    (`kernels/varlen.row_varlen_tensors`): every layer of the row gets the same tensors."""
     if bounds is None:
         return {"cu_seqlens": None}
-    kw: dict[str, Any] = {"cu_seqlens": bounds.cu_seqlens.to(torch.long)}
-    if _takes_cu_seqlens_cpu(fn):
-        kw["cu_seqlens_cpu"] = torch.tensor(bounds.host, dtype=torch.long)
+    cu, cu_cpu, chunk_indices = row_varlen_tensors(bounds.host, chunk_size, bounds.cu_seqlens.device)
+    kw: dict[str, Any] = {"cu_seqlens": cu}
+    if _takes(fn, "cu_seqlens_cpu"):
+        kw["cu_seqlens_cpu"] = cu_cpu
+    if _takes(fn, "chunk_indices"):
+        kw["chunk_indices"] = chunk_indices
     return kw
 
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
+import re
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -183,3 +185,85 @@ def count_compilations() -> Iterator[CompileLog]:
     finally:
         for owner, name, old in reversed(saved):
             setattr(owner, name, old)
+
+
+# ------------------------------------------------------------------------------------ torch.compile's graphs
+@dataclasses.dataclass
+class DynamoLog:
+    """What torch.compile (dynamo) did inside `count_dynamo`'s block, per phase (as `CompileLog`).
+
+    `graphs[p]`: graphs compiled in phase p (dynamo's `unique_graphs`: a first compile or a recompile);
+    `breaks[p]`: graph breaks met while compiling in phase p, as {reason: count}; `recompiles`: (phase,
+    message) of each recompile dynamo logged (the guard that failed). A graph first compiled after the first
+    phase of a repeated workload is a recompile."""
+
+    graphs: list[int] = dataclasses.field(default_factory=lambda: [0])
+    breaks: list[dict[str, int]] = dataclasses.field(default_factory=lambda: [{}])
+    recompiles: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    _mark: tuple[int, dict[str, int]] = (0, {})
+
+    @property
+    def phase(self) -> int:
+        return len(self.graphs) - 1
+
+    def _take(self) -> None:
+        from torch._dynamo.utils import counters  # lazy: torch
+
+        graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+        old_graphs, old_breaks = self._mark
+        self.graphs[-1] += graphs - old_graphs
+        for reason, n in breaks.items():
+            if n > old_breaks.get(reason, 0):
+                self.breaks[-1][reason] = self.breaks[-1].get(reason, 0) + n - old_breaks.get(reason, 0)
+        self._mark = (graphs, breaks)
+
+    def next_phase(self) -> int:
+        self._take()
+        self.graphs.append(0)
+        self.breaks.append({})
+        return self.phase
+
+    def graphs_since(self, phase: int = 1) -> int:
+        self._take()
+        return sum(self.graphs[phase:])
+
+    def break_calls(self, since: int = 0) -> dict[str, int]:
+        """Graph breaks by the function they stopped at (`torch.compiler.disable`d calls by name; any other
+        break by its reason's first line)."""
+        self._take()
+        out: dict[str, int] = {}
+        for phase in self.breaks[since:]:
+            for reason, n in phase.items():
+                m = _SKIPPED.search(reason)
+                key = m.group(1) if m else reason.splitlines()[0]
+                out[key] = out.get(key, 0) + n
+        return out
+
+
+_SKIPPED = re.compile(r"Skip calling function `<function (\w+)")
+
+
+@contextlib.contextmanager
+def count_dynamo() -> Iterator[DynamoLog]:
+    """Record the graphs, graph breaks and recompiles torch.compile makes inside the block (see `DynamoLog`).
+    Reads dynamo's own counters (`torch._dynamo.utils.counters`) and its `recompiles` log."""
+    from torch._dynamo.utils import counters  # lazy: torch
+
+    log = DynamoLog()
+    log._mark = (counters["stats"]["unique_graphs"], dict(counters["graph_break"]))
+
+    class _Recompiles(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            log.recompiles.append((log.phase, record.getMessage()))
+
+    logger = logging.getLogger("torch.__recompiles")
+    handler = _Recompiles(logging.DEBUG)
+    before = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield log
+    finally:
+        log._take()
+        logger.removeHandler(handler)
+        logger.setLevel(before)

@@ -15,6 +15,7 @@ Two implementations, the same function:
   attention arithmetic. One gather of q/k/v and one of the output (index tensors built once per row
   on the host, cached, copied without blocking), no [T, T] mask.
 When no two documents share a group (lengths all very different) `grouped` runs the loop.
+`packed_attention` (a row's `DocBounds`) is the layers' entry, left out of a compiled block's graph.
 `implementation("loop")` switches for a block (tests, benchmarks); `HYLO_PACKED_SDPA=loop` for a process.
 """
 
@@ -27,6 +28,9 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+
+from hylo.kernels.backend import kernel_call
+from hylo.kernels.varlen import DocBounds
 
 SLACK = 0.25
 _CHOICES = ("grouped", "loop")
@@ -117,3 +121,17 @@ def packed_causal_sdpa(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         outs.append(o.transpose(0, 1).reshape(1, H, n * L, o.shape[-1]))
     return torch.cat(outs, dim=2).index_select(2, inverse)
+
+
+@kernel_call
+def packed_attention(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor, bounds: DocBounds,
+                     scale: float | None = None) -> torch.Tensor:
+    """Causal attention of a packed row [1, H, T, E] within its documents (`DocBounds`): one causal SDPA call
+    for a row of one document, else `packed_causal_sdpa` on the row's host boundaries. The layers' entry: a
+    compiled decoder block (`train.compile: blocks`) leaves this call out of its graph, as it leaves fla's,
+    since how the documents are grouped is decided on the host ints (a graph would guard on them)."""
+    if bounds.num_docs == 1:
+        # contiguous as the packed paths' output is: the compiled code after the call sees one layout
+        o = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, is_causal=True, scale=scale)
+        return o.contiguous()
+    return packed_causal_sdpa(q_BHTE, k_BHTE, v_BHTE, bounds.host, scale)

@@ -36,6 +36,8 @@ document's final state is the state after its last chunk. One scatter and one ga
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
@@ -106,23 +108,55 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------- boundaries
+class HostInts:
+    """A row's N + 1 boundaries as Python ints (`values`), held in an object of their own: what a compiled
+    decoder block passes on to the kernels it leaves out of its graph without reading it, so torch.compile
+    guards on its type only, never on a document count or an offset (a tuple would be guarded entry by
+    entry, and every new layout would compile again). Compared and hashed by value."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: Sequence[int]) -> None:
+        self.values: tuple[int, ...] = tuple(values)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HostInts) and other.values == self.values
+
+    def __hash__(self) -> int:
+        return hash(self.values)
+
+    def __repr__(self) -> str:
+        return f"HostInts({list(self.values)})"
+
+    def __getstate__(self) -> tuple[int, ...]:
+        return self.values
+
+    def __setstate__(self, values: tuple[int, ...]) -> None:
+        self.values = values
+
+
 class DocBounds(NamedTuple):
     """The checked boundaries of one packed row, for the model, its layers and kernels (see the module
-    docstring). Build it with `from_tensor` / `from_host` (or `doc_bounds`), which apply the rule.
+    docstring). Build it with `from_tensor` / `from_host` / `make` (or `doc_bounds`), which apply the rule.
     A NamedTuple, so that hooks that walk a module's inputs (DeepSpeed ZeRO-3) see its tensors."""
 
     # [N + 1] integer boundaries on the compute device (what the GPU kernels read)
     cu_seqlens: torch.Tensor
-    # the same N + 1 boundaries as Python ints (what the layers slice and lay out with)
-    host: tuple[int, ...]
+    # the same N + 1 boundaries as Python ints (`host`: what the layers slice and lay out with)
+    ints: HostInts
     # [T] int64 index of each token inside its document, on the compute device
     positions: torch.Tensor
+
+    @classmethod
+    def make(cls, cu_seqlens: torch.Tensor, host: Sequence[int], positions: torch.Tensor) -> DocBounds:
+        """From parts already checked (a row as read, a shard's cut of checked bounds)."""
+        return cls(cu_seqlens, HostInts(host), positions)
 
     @classmethod
     def from_tensor(cls, cu_seqlens: torch.Tensor, T: int, bad: Bad = _raise_boundary_error) -> DocBounds:
         """Check a (device) boundaries tensor: its one copy to the host."""
         host = host_cu_seqlens(cu_seqlens, T, bad)
-        return cls(cu_seqlens, host, positions_from_cu_seqlens(cu_seqlens, T))
+        return cls.make(cu_seqlens, host, positions_from_cu_seqlens(cu_seqlens, T))
 
     @classmethod
     def from_host(cls, cu_seqlens: Any, T: int, device: torch.device | str | None = None,
@@ -130,7 +164,12 @@ class DocBounds(NamedTuple):
         """Boundaries held on the host (a row as read): checked there, then copied to `device`."""
         host = host_cu_seqlens(cu_seqlens, T, bad)
         cu = torch.tensor(host, dtype=torch.int32)
-        return cls(cu.to(device), host, positions_from_cu_seqlens(cu, T).to(device))
+        return cls.make(cu.to(device), host, positions_from_cu_seqlens(cu, T).to(device))
+
+    @property
+    def host(self) -> tuple[int, ...]:
+        """The N + 1 boundaries as Python ints (read outside a compiled block's graph only)."""
+        return self.ints.values
 
     @property
     def num_docs(self) -> int:
@@ -152,7 +191,9 @@ def doc_bounds(cu_seqlens: torch.Tensor | DocBounds | Sequence[int], T: int, bad
     another one) are checked on the host and copied to `device` (no device-to-host copy); a tensor on the
     compute device is checked under the rule (its one host read)."""
     if isinstance(cu_seqlens, DocBounds):
-        if cu_seqlens.num_tokens != T:
+        # matched by the positions' length (a shape), not the host ints: a compiled block then guards on no
+        # document count or offset
+        if cu_seqlens.positions.shape[-1] != T:
             bad(f"cu_seqlens must end at T={T} (the row's length), got {_shown(cu_seqlens.host)}")
         return cu_seqlens
     if isinstance(cu_seqlens, (list, tuple)):
@@ -182,24 +223,55 @@ class ChunkLayout:
 
 
 def chunk_layout(T: int, chunk_size: int, bounds: DocBounds | None, device: torch.device) -> ChunkLayout:
-    """The layout of T tokens in chunks of at most `chunk_size` (see the module docstring), computed on
-    the host from the boundaries' host ints."""
+    """The layout of T tokens in chunks of at most `chunk_size` (see the module docstring). A packed row's is
+    made from the boundaries' host ints once per row and device (`row_chunk_layout`, cached): the linear
+    layers after the first, and their backward, reuse it; nothing is read back from a tensor."""
     if bounds is None:
         C = min(chunk_size, T)
         Nc = -(-T // C)
         return ChunkLayout(C, Nc, None, {0: 0}, {Nc - 1: 0}, 1)
-    cu = torch.tensor(bounds.host, dtype=torch.int64)
-    lens = cu[1:] - cu[:-1]
-    C = min(chunk_size, max(lens.tolist()))
-    n_chunks = (lens + C - 1) // C
-    chunk0 = torch.cumsum(n_chunks, 0) - n_chunks
-    seq_T = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-    pos_T = chunk0[seq_T] * C + (torch.arange(T) - cu[:-1][seq_T])
-    first, last = {}, {}
-    for i, (c0, nc) in enumerate(zip(chunk0.tolist(), n_chunks.tolist())):
-        first[c0] = i
-        last[c0 + nc - 1] = i
-    return ChunkLayout(C, int(n_chunks.sum()), pos_T.to(device), first, last, lens.numel())
+    if bounds.num_tokens != T:
+        raise BoundaryError(f"cu_seqlens must end at T={T} (the row's length), got {_shown(bounds.host)}")
+    return row_chunk_layout(bounds.host, chunk_size, torch.device(device))
+
+
+@functools.lru_cache(maxsize=8)
+def row_chunk_layout(host: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkLayout:
+    """`chunk_layout` of a packed row with boundaries `host` (checked ints), computed on the host in Python
+    (no tensor is read back) and copied to `device` once: the row's layout for every layer."""
+    lens = [e - s for s, e in zip(host[:-1], host[1:])]
+    C = min(chunk_size, max(lens))
+    n_chunks = [-(-n // C) for n in lens]
+    chunk0 = list(itertools.accumulate(n_chunks, initial=0))[:-1]
+    # token t of document i (start s_i) goes to row chunk0_i * C + (t - s_i) of the padded layout
+    shift = torch.tensor([c0 * C - s for c0, s in zip(chunk0, host[:-1])], dtype=torch.int64)
+    T = host[-1]
+    pos_T = torch.arange(T) + torch.repeat_interleave(shift, torch.tensor(lens), output_size=T)
+    first = {c0: i for i, c0 in enumerate(chunk0)}
+    last = {c0 + nc - 1: i for i, (c0, nc) in enumerate(zip(chunk0, n_chunks))}
+    return ChunkLayout(C, sum(n_chunks), to_device(pos_T, device), first, last, len(lens))
+
+
+def to_device(host_tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU from pinned memory without blocking (a pageable copy would
+    synchronise the host with the device)."""
+    if device.type == "cuda":
+        return host_tensor.pin_memory().to(device, non_blocking=True)
+    return host_tensor.to(device)
+
+
+@functools.lru_cache(maxsize=8)
+def row_varlen_tensors(host: tuple[int, ...], chunk_size: int, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fla's packed-row arguments of one row, made once per row from its host ints: `cu_seqlens` int64 on
+    `device`, the same on the host (`cu_seqlens_cpu`), and `chunk_indices` [chunks, 2] (document, chunk of
+    the document) for chunks of `chunk_size`: what fla's `prepare_chunk_indices` computes from `cu_seqlens`
+    (`fla.ops.utils.index`), so fla reads nothing back. The same tensor objects for every layer of the row,
+    so fla's own identity cache (`tensor_cache`) hits for whatever else it derives from them."""
+    cu_cpu = torch.tensor(host, dtype=torch.int64)
+    index = [(i, c) for i, (s, e) in enumerate(zip(host[:-1], host[1:])) for c in range(-(-(e - s) // chunk_size))]
+    chunks = torch.tensor(index, dtype=torch.int64).reshape(-1, 2)
+    return to_device(cu_cpu, device), cu_cpu, to_device(chunks, device)
 
 
 def to_chunks(x_BTHd: torch.Tensor, lay: ChunkLayout) -> torch.Tensor:
@@ -222,3 +294,10 @@ def from_chunks(x_NcMCd: torch.Tensor, lay: ChunkLayout, batch: int, T: int, H: 
     if lay.pos_T is None:
         return x[:, :T]
     return x.index_select(1, lay.pos_T)
+
+
+def clear_row_caches() -> None:
+    """Forget every row's layout (`row_chunk_layout`, `row_varlen_tensors`): the estimator's fake tensors
+    must not reach a real step later, nor real ones a fake step."""
+    row_chunk_layout.cache_clear()
+    row_varlen_tensors.cache_clear()

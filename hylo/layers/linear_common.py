@@ -37,27 +37,30 @@ def check_mixer_input(
     """Validate a linear mixer's forward arguments (errors start with e.g. "GatedDeltaNet(layer 3)");
     return the packed row's checked boundaries and its positions [T] (a split row's: `shard.local`), or
     (None, None) unpacked."""
-    owner = f"{type(mixer).__name__}(layer {mixer.layer_idx})"
+    def owner() -> str:
+        # built on an error only: a compiled block reads no layer index (one graph for every layer of a kind)
+        return f"{type(mixer).__name__}(layer {mixer.layer_idx})"
+
     hidden_size = mixer.hidden_size
     if x_BTD.dim() != 3 or x_BTD.shape[-1] != hidden_size:
-        raise ValueError(f"{owner}: hidden_states must be [B, T, {hidden_size}], got {list(x_BTD.shape)}")
+        raise ValueError(f"{owner()}: hidden_states must be [B, T, {hidden_size}], got {list(x_BTD.shape)}")
     B, T, _ = x_BTD.shape
     if shard is not None:
 
         def wrong(message: str) -> NoReturn:
-            raise ValueError(f"{owner}: {message}")
+            raise ValueError(f"{owner()}: {message}")
 
         local = shard_bounds(shard, B, T, cu_seqlens, cache, wrong)
         return local, local.positions
     if cu_seqlens is None:
         return None, None
     if cache is not None:
-        raise ValueError(f"{owner}: a cache works on unpacked batches; got both cache and cu_seqlens")
+        raise ValueError(f"{owner()}: a cache works on unpacked batches; got both cache and cu_seqlens")
     if B != 1:
-        raise ValueError(f"{owner}: packed rows (cu_seqlens) need B == 1, got B={B}")
+        raise ValueError(f"{owner()}: packed rows (cu_seqlens) need B == 1, got B={B}")
 
     def bad(message: str) -> NoReturn:
-        raise BoundaryError(f"{owner}: {message}")
+        raise BoundaryError(f"{owner()}: {message}")
 
     bounds = doc_bounds(cu_seqlens, T, bad)
     return bounds, bounds.positions

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylo.cache import MLALayerCache
-from hylo.kernels.packed_sdpa import packed_causal_sdpa
+from hylo.kernels.packed_sdpa import packed_attention
 from hylo.kernels.varlen import DocBounds, doc_bounds
 from hylo.layers.norm import HeadRMSNorm, RMSNorm
 from hylo.layers.rope import RotaryEmbedding, apply_rotary, mla_softmax_scale
@@ -166,10 +166,9 @@ class MLAttention(nn.Module):
             if B != 1:
                 raise self._err(f"cu_seqlens is given, so hidden_states must hold one packed row (B == 1); got B={B}")
             bounds = doc_bounds(cu_seqlens, T, self._bad)
-        cu = bounds.host if bounds is not None else None
         offset = cache.seq_len if cache is not None else 0
         pos_BT = self._position_ids(position_ids, B, T, x_BTD.device, bounds, offset)
-        keep_BS = self._key_mask(attention_mask, B, offset + T, cu)
+        keep_BS = self._key_mask(attention_mask, B, offset + T, bounds is not None)
 
         q_BTHE = self._query(x_BTD)
         if self.qk_norm:
@@ -185,7 +184,7 @@ class MLAttention(nn.Module):
         if shard is not None:
             o_BTHV = attend_shard(self, q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, shard)
         elif cache is None:
-            o_BTHV = self._attend_decompressed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, rope, cu, keep_BS)
+            o_BTHV = self._attend_decompressed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, rope, bounds, keep_BS)
         elif self.qk_norm:
             o_BTHV = self._attend_latent_normed(q_nope_BTHN, q_pe_BTHP, c_kv_BTR, k_pe_BTP, rope, cache, keep_BS)
         else:
@@ -194,11 +193,11 @@ class MLAttention(nn.Module):
         return self.o_proj(o_BTHV.reshape(B, T, self.num_heads * self.v_head_dim))
 
     def _key_mask(self, attention_mask: torch.Tensor | None, B: int, S: int,
-                  cu: tuple[int, ...] | None) -> torch.Tensor | None:
+                  packed: bool) -> torch.Tensor | None:
         """[B, S] bool (True = real key), or None when nothing is masked."""
         if attention_mask is None:
             return None
-        if cu is not None:
+        if packed:
             raise self._err("attention_mask (padding) cannot be combined with cu_seqlens (packed rows)")
         if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, S):
             raise self._err(f"attention_mask must be [B, cached + new tokens] = [{B}, {S}], "
@@ -255,8 +254,9 @@ class MLAttention(nn.Module):
 
     def _attend_decompressed(self, q_nope_BTHN: torch.Tensor, q_pe_BTHP: torch.Tensor, c_kv_BTR: torch.Tensor,
                              k_pe_BTP: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                             cu: tuple[int, ...] | None, keep_BS: torch.Tensor | None = None) -> torch.Tensor:
-        """`k_pe_BTP` before RoPE (and before k_norm): both are applied here."""
+                             bounds: DocBounds | None, keep_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """`k_pe_BTP` before RoPE (and before k_norm): both are applied here. `bounds`: a packed row's, whose
+        host ints only `packed_attention` reads (left out of a compiled block's graph)."""
         T, V = q_nope_BTHN.shape[1], self.v_head_dim
         k_BHTE, v_BHTV = self.decompressed_kv(c_kv_BTR, k_pe_BTP, rope)
         q_BHTE = torch.cat([q_nope_BTHN, q_pe_BTHP], dim=-1).transpose(1, 2)
@@ -264,12 +264,12 @@ class MLAttention(nn.Module):
         if keep_BS is not None:
             o_BHTX = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTV, scale=self.softmax_scale,
                                                     attn_mask=self._padded_causal_mask(keep_BS, T, 0))
-        elif cu is None or len(cu) == 2:
+        elif bounds is None:
             o_BHTX = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTV, is_causal=True,
                                                     scale=self.softmax_scale)
         else:
             # block-diagonal causal attention without a [T, T] mask (kernels/packed_sdpa.py)
-            o_BHTX = packed_causal_sdpa(q_BHTE, k_BHTE, v_BHTV, cu, scale=self.softmax_scale)
+            o_BHTX = packed_attention(q_BHTE, k_BHTE, v_BHTV, bounds, scale=self.softmax_scale)
         return o_BHTX[..., :V].transpose(1, 2)
 
     def _absorbed_weights(self, per_query_head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hylo.kernels.backend import fla_stand_in_for, fla_varlen_kwargs, use_fla
+from hylo.kernels.backend import fla_stand_in_for, fla_varlen_kwargs, kernel_call, use_fla
 from hylo.kernels.checks import takes
 from hylo.kernels.gdn.checks import DEFAULT_CHUNK_SIZE, GDNChunkArgs
 from hylo.kernels.varlen import chunk_layout, from_chunks, to_chunks
@@ -136,6 +136,7 @@ def torch_chunk_gated_delta_rule(a: GDNChunkArgs) -> tuple[torch.Tensor, torch.T
     return o, torch.stack(finals, 0)
 
 
+@kernel_call
 @takes(GDNChunkArgs)
 def chunk_gated_delta_rule(a: GDNChunkArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over a batch or a packed row; fla 0.6 argument order and layouts.
@@ -148,6 +149,11 @@ def chunk_gated_delta_rule(a: GDNChunkArgs) -> tuple[torch.Tensor, torch.Tensor 
 
     Returns:
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] or None.
+
+    A compiled decoder block (`train.compile: blocks`) leaves this call out of its graph, as fla leaves its own
+    (`kernel_call`: torch.compiler.disable once a block is compiled): it runs eagerly between the
+    block's compiled parts, on the row's chunk layout
+    made once per row from its host ints (`hylo.kernels.varlen.row_chunk_layout`, `row_varlen_tensors`).
 
     GPU tensors go to fla's Triton kernel (`hylo.kernels.backend.use_fla`; the estimator's fake tensors
     to its stand-in, `hylo.kernels.fla_shapes`), everything else to the pure-torch chunked path above.
@@ -162,13 +168,14 @@ def chunk_gated_delta_rule(a: GDNChunkArgs) -> tuple[torch.Tensor, torch.Tensor 
             fla_chunk_gated_delta_rule = stand_in
         bounds = a.check("chunk_gated_delta_rule")[-1]
         a.check_chunk_size()
+        chunk_size = a.chunk_size if a.chunk_size in FLA_CHUNK_SIZES else DEFAULT_CHUNK_SIZE
         return fla_chunk_gated_delta_rule(
             a.q, a.k, a.v, a.g, a.beta,
             scale=a.scale,
             initial_state=a.initial_state,
             output_final_state=a.output_final_state,
             use_qk_l2norm_in_kernel=a.use_qk_l2norm_in_kernel,
-            chunk_size=a.chunk_size if a.chunk_size in FLA_CHUNK_SIZES else DEFAULT_CHUNK_SIZE,
-            **fla_varlen_kwargs(fla_chunk_gated_delta_rule, bounds),
+            chunk_size=chunk_size,
+            **fla_varlen_kwargs(fla_chunk_gated_delta_rule, bounds, chunk_size),
         )
     return torch_chunk_gated_delta_rule(**vars(a))

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from hylo.kernels.backend import fla_stand_in_for, fla_varlen_kwargs, use_fla
+from hylo.kernels.backend import fla_stand_in_for, fla_varlen_kwargs, kernel_call, use_fla
 from hylo.kernels.checks import takes
 from hylo.kernels.ssd.checks import SSDChunkArgs, heads_from_groups
 from hylo.kernels.varlen import chunk_layout, from_chunks, to_chunks
@@ -132,6 +132,7 @@ def with_skip(o: torch.Tensor, D: torch.Tensor | None, x: torch.Tensor) -> torch
     return o.to(x.dtype)
 
 
+@kernel_call
 @takes(SSDChunkArgs)
 def chunk_ssd(a: SSDChunkArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba-2 SSD scan over a batch or a packed row (mamba_ssm's argument names and layouts).

@@ -121,7 +121,7 @@ class PackedRow:
     def bounds(self, device: torch.device | str | None = None) -> DocBounds:
         """The row's boundaries for a forward on `device`: checked already, so no check and no
         device-to-host copy (the positions are the row's own)."""
-        return DocBounds(self.cu_seqlens.to(device), self.host, self.position_ids.to(device))
+        return DocBounds.make(self.cu_seqlens.to(device), self.host, self.position_ids.to(device))
 
     def to(self, device: torch.device | str) -> PackedRow:
         """The same row with its tensors on `device` (host boundaries, ids, key and epoch kept); onto a GPU

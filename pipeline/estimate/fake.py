@@ -28,6 +28,7 @@ from hylo.kernels import packed_sdpa
 from hylo.kernels.backend import fla_stand_in
 from hylo.kernels.fla_shapes import FlaShapes
 from hylo.kernels.fused_kl import inputs
+from hylo.kernels.varlen import clear_row_caches
 from hylo.pipeline.estimate.flops import OpClasses, dtype_class, kernel_standins, op_flops
 
 
@@ -208,6 +209,7 @@ def fake_tensors(gpu: bool = False) -> Iterator[HostOps]:
     # process-wide caches must not hand fake tensors to a real step later (nor real ones in): the grouped
     # attention's index tensors, the fused KL's deferred check flags (read here, as the step's end does)
     packed_sdpa._indices.cache_clear()
+    clear_row_caches()
     standins = kernel_standins(host.classes)
     with FakeTensorMode(allow_non_fake_inputs=True), _noop_conversions(), _untraced_masks(), standins, host, scans:
         try:
@@ -215,6 +217,7 @@ def fake_tensors(gpu: bool = False) -> Iterator[HostOps]:
         finally:
             inputs.check_deferred()
             packed_sdpa._indices.cache_clear()
+            clear_row_caches()
 
 
 def build_model(config: Any, dtype: torch.dtype) -> nn.Module:

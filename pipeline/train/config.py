@@ -165,6 +165,8 @@ def largest_group(limit: int, *, workers: int | None = None, heads: int | None =
 # How the teacher and stage 1's base split with the row (`train.sequence_parallel_teacher`; hylo/seq_parallel.py
 # holds the same tuple, a test checks that they agree).
 TEACHER_SPLITS = ("allgather", "ulysses", "whole")
+# `train.compile` (pipeline/train/compile.py)
+COMPILE_MODES = ("off", "blocks")
 
 # The global batch whatever the number of workers: 4,096 rows per worker x 256 workers.
 MAX_GLOBAL_BATCH = MAX_GRAD_ACCUM * 256
@@ -174,7 +176,7 @@ MAX_GLOBAL_BATCH = MAX_GRAD_ACCUM * 256
 @rules(global_batch_sequences=between(1, MAX_GLOBAL_BATCH, note=f"{MAX_GLOBAL_BATCH:,} = {MAX_GRAD_ACCUM:,} packed rows "
                                      f"per worker per optimiser step x 256 workers"), epochs=above(0), max_steps=at_least(1), total_steps=at_least(1),
        seed=SEED, nonfinite_patience=at_least(0), sequence_parallel=at_least(1),
-       sequence_parallel_teacher=one_of(*TEACHER_SPLITS))
+       sequence_parallel_teacher=one_of(*TEACHER_SPLITS), compile=one_of(*COMPILE_MODES))
 class TrainSection:
     # Optimiser step = this many packed rows over all workers (grad accumulation fills the rest).
     global_batch_sequences: int = 8
@@ -198,6 +200,11 @@ class TrainSection:
     # "ulysses" (DeepSpeed's all-to-all by heads: the heads must divide by N), "whole" (every rank runs the
     # whole row and keeps its tokens: N times the FLOPs). docs/sequence-parallel.md compares them.
     sequence_parallel_teacher: str = "allgather"
+    # The student's step: "off" (eager) or "blocks" (each decoder block through torch.compile, the kernel calls
+    # left between its graphs; rows of any document layout reuse the first row's graphs; a recompile-limit
+    # fallback to eager is an error). Off by default: on CPU the step is GEMM-bound and gains little
+    # (docs/results.md). Needs deepspeed.zero_stage 0-2. pipeline/train/compile.py, docs/cold-start.md.
+    compile: str = "off"
 
 
 @dataclass
@@ -475,6 +482,12 @@ class _SharedSections:
 
     def __post_init__(self) -> None:
         """What no single section can check: values that must agree with the number of workers."""
+        if self.train.compile == "blocks" and self.deepspeed.zero_stage == 3:
+            # ZeRO-3's per-module hooks (gathering each layer's parameters) run inside a compiled block, where
+            # dynamo compiles them again for every module until its recompile limit (pipeline/train/compile.py)
+            raise FieldError("train.compile", "blocks",
+                             "needs deepspeed.zero_stage 0, 1 or 2: ZeRO-3's per-module parameter hooks run inside "
+                             "the compiled blocks and recompile per module (docs/cold-start.md#compiled-blocks)")
         workers = self.ray.num_workers
         sp = self.train.sequence_parallel
         if workers % sp:
@@ -610,6 +623,8 @@ NON_BREAKING = (
     # the same rows in the same steps at any N (the data position is kept in global rows; ZeRO-3 shards over
     # every worker whatever N): a run saved at N = 4 resumes at N = 2 or 1
     "train.sequence_parallel", "train.sequence_parallel_teacher",
+    # the same step, eager or through compiled blocks (the same weights and state dict)
+    "train.compile",
     # data.seq_len is a check of the rows' length, which the data decides (its fingerprint is checked on resume)
     "data.path", "data.seq_len", "model.student", "model.base", "teacher.model.path", "teacher.model.device",
     "teacher.model.torch_threads", "teacher.model.max_forward_tokens", "teacher.pool.", "teacher.client.max_inflight_rows",

@@ -52,6 +52,7 @@ from hylo.pipeline.train.checkpoint.deepspeed_io import load_checkpoint, save_ch
 from hylo.pipeline.train.checkpoint.layout import step_dir_name, write_json_atomic
 from hylo.pipeline.train.checkpoint.resume import check_compatible
 from hylo.pipeline.train.collective import collective_backend
+from hylo.pipeline.train.compile import apply_compile
 from hylo.pipeline.train.config import FaultSection, StageConfig
 from hylo.pipeline.train.deepspeed_cfg import current_lr, import_deepspeed, resolve_dtype
 from hylo.pipeline.train.metrics import METRICS_FILE, peak_memory_mib
@@ -252,6 +253,8 @@ def train_worker(stage: Stage, cfg: StageConfig, loop_config: dict[str, Any]) ->
         task = stage.build(ctx, cosine_with_warmup(total, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio))
     stop_watch.set()
     check_fla_backward(device, linear_layer_kinds(task.engine.module))
+    # train.compile: the student's decoder blocks through torch.compile (compile.py); "off" leaves it eager
+    apply_compile(task.student, cfg.train.compile)
     zero_partition_report(task.engine, ctx)
 
     start = 0

@@ -188,6 +188,21 @@ def test_each_case_in_a_process_of_its_own_under_a_time_limit(tmp_path):
     assert "1 measurements kept" in (tmp_path / "c" / "gpu_check.md").read_text()
 
 
+@pytest.mark.slow
+def test_the_compile_case_runs_outside_the_plan_at_tiny_shapes(tmp_path):
+    """Case 8 (`--cases 8`, outside the 8-minute plan): compiled blocks against the eager step, every figure there."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env.pop("HYLO_KERNELS", None)
+    out = tmp_path / "c8"
+    proc = subprocess.run([sys.executable, "-c", RUN, "--tiny", "--out", str(out), "--cases", "8"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    case = json.loads((out / "gpu_check.json").read_text())["cases"]["compile"]
+    assert case["ok"] is True and case["graphs_after_first_row"] == 0 and case["graphs_first_row"] > 0
+    assert case["host_reads_per_step_eager"] == [0, 0] and case["time_ratio_compiled_over_eager"] > 0
+    assert [m["call"] for m in case["measurements"]] == ["step eager", "step compiled"]
+
+
 def test_the_reports_never_overwrite_a_users_files_in_out_and_are_refused_before_any_case(tmp_path, monkeypatch):
     """`make gpu-check OUT=folder` wrote gpu_check.json / .md (and case_N/log.txt) over files of those names
     with no ownership check; now such a file of the user's is refused, untouched, before any case runs."""
@@ -226,6 +241,8 @@ def load_gpu_check(monkeypatch):
 def test_the_time_plan_fits_eight_minutes_and_passes_on_what_a_case_leaves(monkeypatch):
     gc = load_gpu_check(monkeypatch)
     assert sorted(n for n, _ in gc.PLAN) == [1, 2, 3, 4, 5, 6, 7] and sum(b for _, b in gc.PLAN) <= gc.PLAN_DEADLINE <= 480
+    # case 8 (compiled blocks) runs on its own, with its own budget
+    assert set(gc.EXTRA_BUDGETS) == set(gc.CASES) - {n for n, _ in gc.PLAN} == {8}
     plan = [{"case": n, "budget_s": b} for n, b in ((2, 60.0), (4, 160.0), (5, 90.0))]
     # a full 480 s: the first case may use what the later ones' budgets leave
     assert gc.case_limit(plan, 0, 480.0) == 230.0

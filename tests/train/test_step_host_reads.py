@@ -4,8 +4,9 @@ the trainer's step (`pipeline/train/loop.train_step`) of stage 2 at world size 1
 plain torch), a tiny HyLo student and an in-process tiny HyLo teacher, fused KL over hidden states,
 activation checkpointing. `hylo.kernels.host_reads.HostReadLog` logs every host read made from Python and
 `deferred_checks()` gives the fused KL's inputs the accelerator's rule. On CPU every tensor is a host
-tensor, so the log also holds reads that are free on a GPU (the packed row and the host-int chunk
-layout are CPU tensors there too); each allowed caller below says why it is allowed. A read anywhere
+tensor, so the log also holds reads that are free on a GPU (the packed row is a CPU tensor there too);
+each allowed caller below says why it is allowed. The chunked scans' layout is made from the bounds' host
+ints without reading a tensor (`kernels/varlen.row_chunk_layout`): no read per linear layer. A read anywhere
 else (the model's forward or backward, the fused KL, the step's per-row loop) fails the test.
 """
 
@@ -33,8 +34,6 @@ ALLOWED = {
     # or read again in the step (test_a_stage2_step_never_checks_or_reads_back_boundaries)
     ("pipeline/teacher/model.py", "_check_vocab"): "host row",
     ("pipeline/data/rows.py", "loss_tokens"): "host row",
-    # the chunked torch scan's layout from the bounds' host ints (CPU tensors; fla takes them on GPU)
-    ("kernels/varlen.py", "chunk_layout"): "host ints",
     # AdamW's step counters are CPU tensors (torch keeps them there unless capturable)
     ("pipeline/train/plain_engine.py", "step"): "optimizer step counters",
 }
@@ -155,7 +154,6 @@ def test_a_stage2_step_never_checks_or_reads_back_boundaries(linear_type, monkey
 # stage 1's step: the frozen base (a tiny Llama from transformers) gives each student layer its input and
 # targets; reads allowed besides the ones the stage-2 step makes too
 STAGE1_ALLOWED = {
-    ("kernels/varlen.py", "chunk_layout"): "host ints",
     ("pipeline/train/plain_engine.py", "step"): "optimizer step counters",
     # transformers builds the base's block-diagonal mask from the restarting position ids (its own code)
     ("transformers/masking_utils.py", "find_packed_sequence_indices"): "the base model's mask",
