@@ -26,7 +26,7 @@ from hylo.pipeline.train.deepspeed_cfg import import_deepspeed, init_engine
 
 from tests.helpers import train as train_helpers
 from tests.helpers.common import one_thread  # noqa: F401  (one_thread: autouse)
-from tests.train.test_compile_step import T, rows, tiny
+from tests.helpers.compile import T, rows, tiny
 
 pytestmark = pytest.mark.slow  # starts DeepSpeed
 
