@@ -22,8 +22,10 @@ Design choices (docs/cold-start.md, "Compiled blocks"):
 * One compiled function serves every layer. Dynamo tells the layers apart by the mixer's type (one
   cache entry per kind: MLA, GDN, Mamba-2), not by the layer index, so a model of any depth takes at most
   three of dynamo's `recompile_limit` (8) entries per function.
-* ZeRO-3 is refused with it (config.py): its per-module parameter hooks run inside the blocks and dynamo
-  compiles them again per module until the recompile limit. ZeRO 0-2 run the blocks as they are.
+* Under ZeRO-3 each block is a ZeRO-3 leaf module (`deepspeed_cfg.leaf_blocks`, set before the engine
+  starts): the block's hooks gather its parameters in its `__call__`, around this compiled `forward`, so
+  no DeepSpeed code runs inside a graph. Per-module hooks inside the blocks made dynamo compile DeepSpeed's
+  hook code again per module until the recompile limit. ZeRO 0-2 run the blocks as they are.
 * A block that would fall back to eager at the recompile limit raises instead
   (`torch._dynamo.config.fail_on_recompile_limit_hit`): a run is never silently slower than it says.
 * Eager where the graphs do not fit: a row split by sequence parallelism (a `RowShard`: its exchanges

@@ -203,7 +203,8 @@ class TrainSection:
     # The student's step: "off" (eager) or "blocks" (each decoder block through torch.compile, the kernel calls
     # left between its graphs; rows of any document layout reuse the first row's graphs; a recompile-limit
     # fallback to eager is an error). Off by default: on CPU the step is GEMM-bound and gains little
-    # (docs/results.md). Needs deepspeed.zero_stage 0-2. pipeline/train/compile.py, docs/cold-start.md.
+    # (docs/results.md). Under ZeRO-3 each block is a ZeRO-3 leaf module, gathered whole around its compiled
+    # forward (deepspeed_cfg.leaf_blocks). pipeline/train/compile.py, docs/cold-start.md.
     compile: str = "off"
 
 
@@ -482,12 +483,6 @@ class _SharedSections:
 
     def __post_init__(self) -> None:
         """What no single section can check: values that must agree with the number of workers."""
-        if self.train.compile == "blocks" and self.deepspeed.zero_stage == 3:
-            # ZeRO-3's per-module hooks (gathering each layer's parameters) run inside a compiled block, where
-            # dynamo compiles them again for every module until its recompile limit (pipeline/train/compile.py)
-            raise FieldError("train.compile", "blocks",
-                             "needs deepspeed.zero_stage 0, 1 or 2: ZeRO-3's per-module parameter hooks run inside "
-                             "the compiled blocks and recompile per module (docs/cold-start.md#compiled-blocks)")
         workers = self.ray.num_workers
         sp = self.train.sequence_parallel
         if workers % sp:

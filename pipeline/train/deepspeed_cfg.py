@@ -10,6 +10,7 @@ Design choices:
 * bf16 with fp32 master weights on GPU, plain fp32 on CPU (`resolve_dtype`).
 * Clipping is DeepSpeed's, so the norm it reports is the one it clipped with.
 * `import_deepspeed` keeps DeepSpeed from compiling an op and a Muon optimiser that training never uses.
+* ZeRO-3 with `train.compile: blocks`: each decoder block is a ZeRO-3 leaf module (`leaf_blocks`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch
 from hylo import logs
 from hylo.pipeline.config import ConfigError
 from hylo.pipeline.train.config import DeepSpeedSection, StageConfig
+
+logger = logs.get_logger(__name__)
 
 # DeepSpeed's name for its CPU shared-memory all-reduce op (ShareMemCommBuilder.NAME, deepspeed/ops/op_builder/cpu)
 SHM_COMM_OP = "deepspeed_shm_comm"
@@ -155,9 +158,31 @@ def init_engine(module: torch.nn.Module, params: list[torch.nn.Parameter], cfg: 
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    if cfg.deepspeed.zero_stage == 3 and cfg.train.compile == "blocks":
+        leaf_blocks(deepspeed, module)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=build_deepspeed_config(cfg, world_size, dtype))
     return engine
+
+
+def leaf_blocks(deepspeed: Any, module: torch.nn.Module) -> int:
+    """Make every HyLo decoder block in `module` a ZeRO-3 leaf module (`deepspeed.utils.set_z3_leaf_modules`),
+    before `deepspeed.initialize` registers its hooks; returns how many.
+
+    ZeRO-3 then hooks the block, not the modules inside it. The block's pre-forward hook gathers all its
+    parameters at once and its post-forward hook releases them (the backward hooks likewise). Both run in the
+    block's `__call__`, around its `forward`, which is the compiled function (pipeline/train/compile.py). So no
+    ZeRO-3 hook runs inside a graph: dynamo never traces DeepSpeed's code, and the rows of any layout reuse the
+    first row's graphs as without ZeRO-3. Without it, the hooks of the norms, projections and MLP inside a
+    block run inside its graph, and dynamo compiles DeepSpeed's hook code again for each module until its
+    recompile limit. The cost: one block's parameters are gathered whole (ZeRO-3's prefetch gathers ahead
+    anyway). docs/cold-start.md#compiled-blocks."""
+    from hylo.modeling import HyLoDecoderLayer  # lazy: the model code
+
+    leaves = deepspeed.utils.set_z3_leaf_modules(module, [HyLoDecoderLayer])
+    logger.info(f"[compile] ZeRO-3: {len(leaves)} decoder blocks are leaf modules (each "
+                "gathered whole around its compiled forward)")
+    return len(leaves)
 
 
 # (module, its trainable parameters) -> the engine a stage's step calls: DeepSpeed's (`deepspeed_engine`) in the
