@@ -213,14 +213,8 @@ class TeacherDeployment:
         if not 0 < k <= self.teacher.vocab_size:
             raise ValueError(f"k={k} must be in 1..{self.teacher.vocab_size} (teacher vocabulary)")
         torch_dtype(dtype)
-        # rows come over the network: each is checked here, whatever its type (the client sends PackedRows)
-        prows = [self._check(r, f"request row {i}") for i, r in enumerate(rows)]
-        rng = check_token_range(token_range, prows, "teacher replica: request")
-        if ranges is not None and rng is not None:
-            raise ValueError(f"teacher replica: request: token_range={rng} and ranges={ranges!r}: give one")
-        rngs = None if ranges is None else check_ranges(ranges, prows, "teacher replica: request")
         # the whole rows' forward (the range's targets need their prefix); top-k of the range(s) only
-        hiddens = await asyncio.gather(*(self._hidden(r) for r in prows))
+        hiddens, rng, rngs = await self._forward_request(rows, token_range, ranges)
         out: list[Any] = []
         for h in hiddens:
             if rngs is not None:
@@ -233,6 +227,20 @@ class TeacherDeployment:
             out.append(topk_to_wire(rec))
         return out
 
+    async def _forward_request(
+        self, rows: list[Mapping[str, Any] | PackedRow], token_range: tuple[int, int] | None,
+        ranges: list[tuple[int, int]] | None,
+    ) -> tuple[list[torch.Tensor], tuple[int, int] | None, list[tuple[int, int]] | None]:
+        """A request's rows checked (they come over the network: each is checked here, whatever its type; the
+        client sends PackedRows), its token range or ranges checked against them, and each whole row's final hidden
+        states: (hiddens, token range, ranges)."""
+        prows = [self._check(r, f"request row {i}") for i, r in enumerate(rows)]
+        rng = check_token_range(token_range, prows, "teacher replica: request")
+        if ranges is not None and rng is not None:
+            raise ValueError(f"teacher replica: request: token_range={rng} and ranges={ranges!r}: give one")
+        rngs = None if ranges is None else check_ranges(ranges, prows, "teacher replica: request")
+        return list(await asyncio.gather(*(self._hidden(r) for r in prows))), rng, rngs
+
     async def hidden(
         self, rows: Mapping[str, Any] | PackedRow | list[Mapping[str, Any] | PackedRow],
         token_range: tuple[int, int] | None = None, ranges: list[tuple[int, int]] | None = None,
@@ -242,12 +250,7 @@ class TeacherDeployment:
         the row answers them all)."""
         if isinstance(rows, Mapping | PackedRow):
             rows = [rows]
-        prows = [self._check(r, f"request row {i}") for i, r in enumerate(rows)]
-        rng = check_token_range(token_range, prows, "teacher replica: request")
-        if ranges is not None and rng is not None:
-            raise ValueError(f"teacher replica: request: token_range={rng} and ranges={ranges!r}: give one")
-        rngs = None if ranges is None else check_ranges(ranges, prows, "teacher replica: request")
-        hiddens = await asyncio.gather(*(self._hidden(r) for r in prows))
+        hiddens, rng, rngs = await self._forward_request(rows, token_range, ranges)
         out: list[Any] = []
         for h in hiddens:
             if rngs is not None:
